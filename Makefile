@@ -1,0 +1,27 @@
+# `make test` and `make demo` each create .venv if it is missing, install jphantom into it, then run.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.jphantom-installed
+
+.PHONY: test demo venv bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/jphantom demo
+
+bench: $(STAMP)
+	$(PY) benchmarks/phantom_vs_tp.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
