@@ -1,0 +1,288 @@
+"""Phantom parallelism (seed 000: Seal et al., "A Parallel Alternative for Energy-Efficient Neural
+Network Training and Inferencing").
+
+Each of the p ranks keeps, per layer, a dense local block L^(j) [n/p, n/p], a compressor C^(j)
+[k, n/p], p-1 decompressors D^(i,j) [n/p, k] (sender i, receiver j) and a bias b^(j) [n/p]. A layer
+compresses the rank's n/p activations to k "ghost neurons" (the phantom layer), all-gathers only those
+k values per sample, and decompresses what the other ranks sent (Eq. 11). Inputs and outputs stay
+sharded on features; no n-wide activation ever moves.
+
+Communication per layer and step (Table II): forward one all-gather of k x batch per rank (result
+p x k x batch), backward one reduce-scatter of p x k x batch down to k x batch. Parameters are never
+replicated, so there is no gradient all-reduce and the optimizer update is local.
+
+Functional API (stable; other modules and users rely on these names and layouts):
+
+- :func:`init` -> list (one per layer) of dicts of global arrays with a leading shard axis:
+  ``"local"`` [p, n/p, n/p], ``"compress"`` [p, k, n/p], ``"decompress"`` [p, p, n/p, k] where
+  ``[j, i]`` is D^(i,j) (receiver j, sender i; the own slot ``[j, j]`` is masked out: it has no effect
+  and gets a zero gradient), ``"bias"`` [p, n/p].
+- :func:`forward` runs the FFN under ``jax.shard_map``; its per-rank layer is a ``jax.custom_vjp``
+  implementing the paper's backward operators (Eqs. 15-21).
+- :func:`dense_equivalent` assembles the identical dense layers; :func:`param_count` is L(n^2/p + knp).
+
+Symbols: n = ``width``, p = ``num_shards``, k = ``ghost_width``, L = ``depth``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jphantom.errors import ConfigError, JPhantomWarning
+from jphantom.sharding._common import (
+    check_depth,
+    check_input,
+    check_width,
+    model_axis_size,
+    offdiagonal_mask,
+    relu_between_layers,
+)
+
+Params = list[dict[str, jax.Array]]
+
+
+def max_ghost_width(width: int, num_shards: int) -> float:
+    """Eq. 8 of seed 000: phantom has fewer FLOPs and parameters than dense iff k < (n/p)(1 - 1/p)."""
+    return (width / num_shards) * (1.0 - 1.0 / num_shards)
+
+
+@dataclasses.dataclass(frozen=True)
+class PhantomConfig:
+    """Validated shape of a phantom-parallel FFN.
+
+    Raises :class:`ConfigError` for impossible shapes and warns (:class:`JPhantomWarning`) when
+    ``ghost_width`` breaks Eq. 8, i.e. when phantom would be larger than the dense model.
+    """
+
+    width: int
+    ghost_width: int
+    num_shards: int
+    depth: int
+
+    def __post_init__(self):
+        check_width(self.width, self.num_shards)
+        check_depth(self.depth)
+        if self.ghost_width < 1:
+            raise ConfigError(
+                f"ghost_width={self.ghost_width} must be >= 1: it is k, the number of ghost neurons "
+                "each rank sends per sample (seed 000)"
+            )
+        bound = max_ghost_width(self.width, self.num_shards)
+        if self.ghost_width >= bound:
+            warnings.warn(
+                f"ghost_width={self.ghost_width} is not below (n/p)(1-1/p)={bound:g} for "
+                f"width={self.width}, num_shards={self.num_shards} (seed 000 Eq. 8): the phantom "
+                f"model then has at least as many parameters and FLOPs as the dense one. Pick "
+                f"ghost_width < {bound:g}.",
+                JPhantomWarning,
+                stacklevel=3,
+            )
+
+    @property
+    def block(self) -> int:
+        """n/p, the features each rank owns."""
+        return self.width // self.num_shards
+
+
+def param_count(
+    width: int, ghost_width: int, num_shards: int, depth: int, *, include_bias: bool = False
+) -> int:
+    """Parameters of a phantom FFN: L(n^2/p + k n p) weights (Sec. III; Table I counts weights only).
+
+    Per layer: p local blocks (n/p)^2, p compressors k n/p and p(p-1) decompressors (n/p) k. With
+    ``include_bias=True`` the L n biases are added.
+    """
+    n, k, p = width, ghost_width, num_shards
+    check_width(n, p)
+    weights = depth * (n * n // p + k * n * p)
+    return weights + (depth * n if include_bias else 0)
+
+
+def init(
+    key: jax.Array,
+    *,
+    width: int,
+    ghost_width: int,
+    num_shards: int,
+    depth: int,
+    dtype=jnp.float32,
+) -> Params:
+    """Random phantom parameters, as global arrays with a leading shard axis (layouts in module doc).
+
+    Initialisation (seed 000 leaves it open): chosen so every block of the equivalent dense matrix has
+    the variance of a He-initialised dense layer, 2/n per input feature:
+    L ~ N(0, 2/n); C ~ N(0, 1/(n/p)) so a ghost neuron has the variance of one input feature;
+    D ~ N(0, 2/(p k)) so each off-diagonal block D C contributes (n/p)(2/n) like a dense block.
+    Own decompressor slots D^(j,j) are zero (and masked in :func:`forward` anyway). Biases are zero.
+    """
+    cfg = PhantomConfig(width, ghost_width, num_shards, depth)
+    n, k, p, m = cfg.width, cfg.ghost_width, cfg.num_shards, cfg.block
+    own_slot_zero = (1.0 - jnp.eye(p, dtype=dtype))[:, :, None, None]
+    layers = []
+    for layer_key in jax.random.split(key, depth):
+        k_local, k_comp, k_decomp = jax.random.split(layer_key, 3)
+        layers.append(
+            {
+                "local": jax.random.normal(k_local, (p, m, m), dtype) * math.sqrt(2.0 / n),
+                "compress": jax.random.normal(k_comp, (p, k, m), dtype) * math.sqrt(1.0 / m),
+                "decompress": jax.random.normal(k_decomp, (p, p, m, k), dtype)
+                * math.sqrt(2.0 / (p * k))
+                * own_slot_zero,
+                "bias": jnp.zeros((p, m), dtype),
+            }
+        )
+    return layers
+
+
+def config_of(params: Params) -> PhantomConfig:
+    """Recover (and validate) the :class:`PhantomConfig` from parameter shapes."""
+    if not params:
+        raise ConfigError("phantom params are empty: expected one dict per layer")
+    p, k, m = params[0]["compress"].shape
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", JPhantomWarning)  # already warned at init
+        return PhantomConfig(width=p * m, ghost_width=k, num_shards=p, depth=len(params))
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-rank layer (runs inside shard_map). y: this rank's activations [B, n/p].
+# --------------------------------------------------------------------------------------------------
+
+
+def _decompress(gathered, decompress, me, num_shards, fused):
+    """Sum_{i != j} D^(i,j) g^(i) for all samples: [p, B, k] x [p, n/p, k] -> [B, n/p] (Eq. 11)."""
+    if fused:
+        # One GEMM over all p slots, own slot masked: [B, p*k] x [p*k, n/p].
+        masked = decompress * offdiagonal_mask(num_shards, me, decompress.dtype)[:, None, None]
+        return jnp.einsum("ibk,imk->bm", gathered, masked)
+    # The paper's implementation: p-1 separate small GEMMs, one per remote sender (E11).
+    total = 0.0
+    for offset in range(1, num_shards):
+        sender = (me + offset) % num_shards
+        g_i = lax.dynamic_index_in_dim(gathered, sender, 0, keepdims=False)  # [B, k]
+        d_i = lax.dynamic_index_in_dim(decompress, sender, 0, keepdims=False)  # [n/p, k]
+        total = total + g_i @ d_i.T
+    return total
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def phantom_layer(axis, num_shards, fused, y, local, compress, decompress, bias):
+    """Pre-activation z^(j) = L^(j) y^(j) + sum_{i != j} D^(i,j) C^(i) y^(i) + b^(j)  (Eq. 11).
+
+    Per rank shapes: y [B, n/p], local [n/p, n/p], compress [k, n/p], decompress [p, n/p, k]
+    (slot i is D^(i,j)), bias [n/p]. Returns z [B, n/p].
+    """
+    z, _ = _phantom_layer_fwd(axis, num_shards, fused, y, local, compress, decompress, bias)
+    return z
+
+
+def _phantom_layer_fwd(axis, num_shards, fused, y, local, compress, decompress, bias):
+    me = lax.axis_index(axis)
+    ghosts = y @ compress.T  # [B, k]      phantom layer g^(j) = C^(j) y^(j), Eq. 11
+    gathered = lax.all_gather(ghosts, axis, axis=0)  # [p, B, k]   Table II: all-gather of k*B
+    z = y @ local.T + _decompress(gathered, decompress, me, num_shards, fused) + bias
+    # Keep the gathered ghosts: Eq. 21 needs g^(i) of every sender on the receiver.
+    return z, (y, gathered, local, compress, decompress)
+
+
+def _phantom_layer_bwd(axis, num_shards, fused, residuals, dz):
+    """Backward operators of seed 000, Eqs. 15-21, with one reduce-scatter of k x B.
+
+    dz is Delta^(j) = dL/dz^(j) [B, n/p] (Eqs. 15-16). Rank j sends each other rank i the k-wide
+    h^(j->i) = Delta^(j) D^(i,j); the reduce-scatter delivers Gamma^(i) = sum_{j != i} h^(j->i) (Eq. 17).
+    """
+    y, gathered, local, compress, decompress = residuals
+    me = lax.axis_index(axis)
+    mask = offdiagonal_mask(num_shards, me, dz.dtype)[:, None, None]  # [p, 1, 1]
+    if fused:
+        masked = decompress * mask
+        messages = jnp.einsum("bm,imk->ibk", dz, masked)  # [p, B, k]   h^(j->i), Eq. 17
+        d_decompress = jnp.einsum("bm,ibk->imk", dz, gathered) * mask  # Eq. 21: delta^(j) g^(i)T
+    else:
+        messages = jnp.zeros(gathered.shape, dz.dtype)
+        d_decompress = jnp.zeros(decompress.shape, dz.dtype)
+        for offset in range(1, num_shards):
+            sender = (me + offset) % num_shards
+            d_i = lax.dynamic_index_in_dim(decompress, sender, 0, keepdims=False)
+            g_i = lax.dynamic_index_in_dim(gathered, sender, 0, keepdims=False)
+            messages = lax.dynamic_update_index_in_dim(messages, dz @ d_i, sender, 0)
+            d_decompress = lax.dynamic_update_index_in_dim(d_decompress, dz.T @ g_i, sender, 0)
+    gamma = lax.psum_scatter(messages, axis, scatter_dimension=0)  # [B, k]  Table II: reduce-scatter
+    d_bias = dz.sum(axis=0)  # Eq. 18
+    d_local = dz.T @ y  # Eq. 19
+    d_compress = gamma.T @ y  # Eq. 20: Gamma^(j) y^(j)T
+    d_y = dz @ local + gamma @ compress  # Eq. 17 (before the activation derivative)
+    return d_y, d_local, d_compress, d_decompress, d_bias
+
+
+phantom_layer.defvjp(_phantom_layer_fwd, _phantom_layer_bwd)
+
+
+def forward(
+    params: Params, x: jax.Array, mesh: Mesh, *, axis: str = "model", fused: bool = True
+) -> jax.Array:
+    """Phantom-parallel FFN: x [batch, n] sharded on features over ``axis`` -> [batch, n], same sharding.
+
+    ReLU between layers, none after the last (seed 000's FFN). ``fused=True`` decompresses the p-1
+    received phantom layers with one matrix multiply; ``fused=False`` runs the paper's p-1 separate
+    products (for experiment E11, the p = 256 slowdown).
+    """
+    cfg = config_of(params)
+    num_shards = model_axis_size(mesh, axis)
+    if num_shards != cfg.num_shards:
+        raise ConfigError(
+            f"params were built for num_shards={cfg.num_shards} but mesh axis {axis!r} has size "
+            f"{num_shards}; re-initialise with num_shards={num_shards} or use a matching mesh"
+        )
+    check_input(x, cfg.width)
+
+    def per_rank(layers, y):
+        for index, layer in enumerate(layers):
+            z = phantom_layer(
+                axis,
+                num_shards,
+                fused,
+                y,
+                layer["local"][0],
+                layer["compress"][0],
+                layer["decompress"][0],
+                layer["bias"][0],
+            )
+            y = relu_between_layers(z, index, cfg.depth)
+        return y
+
+    sharded = jax.shard_map(
+        per_rank,
+        mesh=mesh,
+        in_specs=(P(axis), P(None, axis)),
+        out_specs=P(None, axis),
+        check_vma=False,
+    )
+    return sharded(params, x)
+
+
+def dense_equivalent(params: Params) -> list[dict[str, jax.Array]]:
+    """The identical dense FFN: W[j-block rows, i-block cols] = L^(j) if i = j else D^(i,j) C^(i).
+
+    Returns a list of ``{"weight": [n, n], "bias": [n]}`` in ``y = x W^T + b`` convention. It is
+    differentiable in ``params``, so ``jax.grad`` through it is the oracle for the custom backward.
+    """
+    cfg = config_of(params)
+    p, m, n = cfg.num_shards, cfg.block, cfg.width
+    own = jnp.eye(p, dtype=bool)[:, :, None, None]
+    layers = []
+    for layer in params:
+        off = jnp.einsum("jimk,ikc->jimc", layer["decompress"], layer["compress"])  # D^(i,j) C^(i)
+        blocks = jnp.where(own, layer["local"][:, None], off)  # [j, i, n/p, n/p]
+        weight = blocks.transpose(0, 2, 1, 3).reshape(n, n)
+        layers.append({"weight": weight, "bias": layer["bias"].reshape(n)})
+    return layers
