@@ -1,0 +1,1 @@
+"""Reading compiled XLA programs: collectives, FLOPs and memory of a training step."""
