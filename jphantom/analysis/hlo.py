@@ -28,7 +28,8 @@ _LINE = re.compile(
     rf"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.+?)\s+(?P<op>(?:{_OP})(?:-start|-done)?)\("
 )
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
-_GROUPS = re.compile(r"replica_groups=(\{[^=]*?\}\}|\[[^\]]*\]<=\[[^\]]*\](?:T\([^)]*\))?|\{\})")
+# Groups come as {{0,1},{2,3}}, as iota [2,4]<=[8], or as mesh['x'=2,'y'=4] {'y'}.
+_GROUPS = re.compile(r"replica_groups=(.*?)(?:, [a-z_]+=|$)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -286,3 +286,12 @@ def dense_equivalent(params: Params) -> list[dict[str, jax.Array]]:
         weight = blocks.transpose(0, 2, 1, 3).reshape(n, n)
         layers.append({"weight": weight, "bias": layer["bias"].reshape(n)})
     return layers
+
+
+def collective_buffers(*, width: int, ghost_width: int, num_shards: int, depth: int,
+                       batch: int) -> dict[str, list[int]]:
+    """Per-device result elements of each collective in one training step (Table II, per layer):
+    forward, one all-gather of k*B from each of p ranks (result p*k*B); backward, one reduce-scatter
+    down to k*B, at every layer including the first (Gamma_1 feeds dL/dC_1, Eq. 20)."""
+    k, p, b = ghost_width, num_shards, batch
+    return {"all-gather": [p * k * b] * depth, "reduce-scatter": [k * b] * depth}

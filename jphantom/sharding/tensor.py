@@ -278,3 +278,22 @@ def forward(
         check_vma=False,
     )
     return sharded(params, x)
+
+
+def collective_buffers(*, width: int, num_shards: int, depth: int, batch: int,
+                       layout: str = "t1") -> dict[str, list[int]]:
+    """Per-device result elements of each collective in one training step (module docstring).
+
+    The backward collective that would only produce dL/dx of the input layer is absent (XLA removes
+    it), as are size-1 meshes' no-op collectives.
+    """
+    _check_layout(layout)
+    n, p, b = width, num_shards, batch
+    if layout == "t1":
+        return {"all-gather": [b * n] * depth, "reduce-scatter": [b * n // p] * (depth - 1)}
+    pairs, odd = divmod(depth, 2)
+    column_layers = pairs + odd
+    return {
+        "all-gather": [b * n] * (1 + (0 if odd else 1)),
+        "all-reduce": [b * n] * (pairs + column_layers - 1),
+    }
