@@ -1,0 +1,150 @@
+"""Phantom parallelism (seed 000) against the single-device dense oracle, and its validation."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jphantom.errors import ConfigError, JPhantomWarning
+from jphantom.mesh import make_mesh
+from jphantom.sharding import phantom
+
+from helpers import TOLERANCE, assert_tree_close, batch, mse, oracle_loss_and_grads, perturb
+
+WIDTH = 48  # divisible by 1, 2, 4, 8 -> n/p = 48, 24, 12, 6
+
+
+def _init(num_shards, ghost_width, depth, dtype, width=WIDTH):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", JPhantomWarning)  # k=8 > Eq. 8 bound at p=8 is still legal
+        params = phantom.init(jax.random.PRNGKey(0), width=width, ghost_width=ghost_width,
+                              num_shards=num_shards, depth=depth, dtype=dtype)
+    return perturb(params)
+
+
+def _sharded_loss_and_grads(params, x, t, mesh, fused=True):
+    fn = lambda p: mse(phantom.forward(p, x, mesh, fused=fused), t)
+    return jax.jit(jax.value_and_grad(fn))(params)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("depth", [1, 3])
+@pytest.mark.parametrize("ghost_width", [1, 3, 8])
+@pytest.mark.parametrize("num_shards", [1, 2, 4, 8])
+def test_phantom_matches_dense_equivalent(num_shards, ghost_width, depth, dtype, mesh_of):
+    """Loss and every gradient of the custom_vjp backward (Eqs. 15-21) equal jax.grad of the dense
+    equivalent on one device."""
+    mesh = mesh_of(num_shards)
+    params = _init(num_shards, ghost_width, depth, dtype)
+    x, t = batch(WIDTH, dtype=dtype)
+    loss, grads = _sharded_loss_and_grads(params, x, t, mesh)
+    want_loss, want_grads = oracle_loss_and_grads(phantom.dense_equivalent, params, x, t)
+    np.testing.assert_allclose(loss, want_loss, rtol=TOLERANCE[dtype])
+    assert_tree_close(grads, want_grads, TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("num_shards", [2, 8])
+def test_unfused_decompressor_equals_fused(num_shards, mesh_of):
+    """The paper's p-1 separate decompressor GEMMs give the same loss and gradients as one GEMM."""
+    mesh = mesh_of(num_shards)
+    params = _init(num_shards, 3, 2, jnp.float64)
+    x, t = batch(WIDTH)
+    fused = _sharded_loss_and_grads(params, x, t, mesh, fused=True)
+    unfused = _sharded_loss_and_grads(params, x, t, mesh, fused=False)
+    assert_tree_close(unfused, fused, 1e-12)
+
+
+def test_own_decompressor_slot_has_no_effect_and_no_gradient(mesh_of):
+    """D^(j,j) is not part of the model (seed 000 Sec. III): changing it changes nothing, and it
+    gets an exactly zero gradient, so training never turns it on (digest Sec. 2.5)."""
+    p = 4
+    mesh = mesh_of(p)
+    params = _init(p, 3, 2, jnp.float64)
+    x, t = batch(WIDTH)
+    loss, grads = _sharded_loss_and_grads(params, x, t, mesh)
+    own = jnp.arange(p)
+    poisoned = [dict(layer, decompress=layer["decompress"].at[own, own].set(1e3)) for layer in params]
+    loss_poisoned, grads_poisoned = _sharded_loss_and_grads(poisoned, x, t, mesh)
+    assert float(loss_poisoned) == float(loss)
+    for layer_grads, layer_grads_poisoned in zip(grads, grads_poisoned):
+        assert np.all(np.asarray(layer_grads["decompress"][own, own]) == 0.0)
+        assert np.all(np.asarray(layer_grads_poisoned["decompress"][own, own]) == 0.0)
+    assert_tree_close(grads_poisoned, grads, 1e-14)
+
+
+def test_dense_equivalent_block_structure():
+    """Diagonal blocks are L^(j); block (j, i) is D^(i,j) C^(i), of rank <= k (Sec. III)."""
+    p, k = 4, 2
+    params = _init(p, k, 1, jnp.float64)
+    (layer,) = params
+    weight = np.asarray(phantom.dense_equivalent(params)[0]["weight"])
+    m = WIDTH // p
+    block = lambda j, i: weight[j * m:(j + 1) * m, i * m:(i + 1) * m]
+    for j in range(p):
+        np.testing.assert_array_equal(block(j, j), layer["local"][j])
+        for i in range(p):
+            if i != j:
+                np.testing.assert_allclose(block(j, i), layer["decompress"][j, i] @ layer["compress"][i])
+                assert np.linalg.matrix_rank(block(j, i)) <= k
+
+
+@pytest.mark.parametrize(
+    "num_shards, ghost_width, millions",
+    [(8, 16, 71), (16, 6, 37), (32, 4, 21), (64, 2, 13), (128, 2, 13), (256, 4, 36)],
+)
+def test_param_count_reproduces_table_one(num_shards, ghost_width, millions):
+    """Table I model sizes for n = 16384, L = 2 (weights only)."""
+    count = phantom.param_count(16384, ghost_width, num_shards, 2)
+    assert round(count / 1e6) == millions
+    assert count == 2 * (16384**2 // num_shards + ghost_width * 16384 * num_shards)
+
+
+def test_tensor_parallel_model_size_of_table_one():
+    from jphantom.sharding import dense
+
+    assert round(dense.param_count(16384, 2) / 1e6) == 537
+
+
+def test_param_count_matches_initialised_arrays():
+    """L(n^2/p + knp) counts exactly the stored weights minus the unused own decompressor slots."""
+    p, k, depth = 4, 3, 2
+    params = _init(p, k, depth, jnp.float32)
+    stored = sum(layer[name].size for layer in params for name in ("local", "compress", "decompress"))
+    own_slots = depth * p * (WIDTH // p) * k
+    assert stored - own_slots == phantom.param_count(WIDTH, k, p, depth)
+    biases = sum(layer["bias"].size for layer in params)
+    assert phantom.param_count(WIDTH, k, p, depth, include_bias=True) == stored - own_slots + biases
+
+
+def test_ghost_width_above_eq8_bound_warns_with_the_bound():
+    with pytest.warns(JPhantomWarning, match=r"ghost_width=448 .*\(n/p\)\(1-1/p\)=448 .*Eq\. 8"):
+        phantom.PhantomConfig(width=4096, ghost_width=448, num_shards=8, depth=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        phantom.PhantomConfig(width=4096, ghost_width=447, num_shards=8, depth=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(width=100, ghost_width=4, num_shards=8, depth=2), r"width=100 is not divisible by num_shards=8.*96 or 104"),
+        (dict(width=64, ghost_width=0, num_shards=8, depth=2), r"ghost_width=0 must be >= 1"),
+        (dict(width=64, ghost_width=2, num_shards=8, depth=0), r"depth=0"),
+    ],
+)
+def test_bad_shapes_raise_clear_errors(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        phantom.PhantomConfig(**kwargs)
+
+
+def test_mesh_without_axis_and_mismatched_shards_are_errors(mesh_of):
+    params = _init(4, 2, 1, jnp.float32)
+    x, _ = batch(WIDTH, dtype=jnp.float32)
+    with pytest.raises(ConfigError, match=r"no axis 'model'"):
+        phantom.forward(params, x, make_mesh({"tp": 4}))
+    with pytest.raises(ConfigError, match=r"num_shards=4 but mesh axis 'model' has size 2"):
+        phantom.forward(params, x, mesh_of(2))
+    with pytest.raises(ConfigError, match=r"expected \[batch, width=48\]"):
+        phantom.forward(params, x[:, :40], mesh_of(4))
