@@ -1,0 +1,1 @@
+"""Models: computation only. Every parallel layer comes from a strategy in jphantom.strategies."""
