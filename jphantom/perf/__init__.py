@@ -1,0 +1,1 @@
+"""Performance models: the cost of collectives (seed 000 Eq. 26, Table III)."""
