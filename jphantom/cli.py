@@ -19,7 +19,7 @@ def _add_device_flag(parser: argparse.ArgumentParser) -> None:
 
 def _setup_devices(count: int | None) -> None:
     """Must run before anything touches a jax backend."""
-    if count is None:
+    if not count:
         return
     import jax
 
@@ -55,12 +55,48 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values:
+        raise argparse.ArgumentTypeError("empty list")
+    return values
+
+
+def _ghost_widths(text: str):
+    return "auto" if text == "auto" else _int_list(text)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    _setup_devices(args.devices)
+    from jphantom.compare import CompareConfig, format_table, run_compare, write_outputs
+
+    config = CompareConfig(
+        width=args.width, depth=args.depth, shards=args.shards, ghost_widths=args.ghost_width,
+        target_loss=args.target_loss, seeds=args.seeds, batch=args.batch,
+        learning_rate=args.learning_rate, max_steps=args.max_steps, eval_every=args.eval_every,
+    )
+    result = run_compare(config, progress=not args.no_progress)
+    json_path, png_path = write_outputs(result, args.out)
+    print(format_table(result))
+    print(f"\nwrote {json_path} and {png_path}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
-    """Phantom and TP side by side: what one step computes and communicates."""
-    args.strategy = ["phantom", "tensor-t1", "tensor-t2", "gspmd"]
-    args.json = False
-    args.shards = None
-    return _inspect(args)
+    """What one step communicates (inspect), then the Table-I comparison with default settings."""
+    print("== One training step of each strategy, n=1024, L=2, batch 64, p=8, k=16 ==\n")
+    _setup_devices(args.devices)
+    args.devices = None
+    from jphantom.analysis.inspect import StepSpec, format_report, inspect_step
+
+    reports = [inspect_step(StepSpec(name, 1024, 2, 64, 8, 16 if name == "phantom" else None))
+               for name in ("phantom", "tensor-t1", "tensor-t2", "gspmd")]
+    print(format_report(reports).split("\n\nPer collective op")[0])
+    print("\n== Training to the same target loss (Table I of seed 000, small scale) ==\n")
+    return _compare(build_parser().parse_args(["compare", "--out", args.out]))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,13 +129,36 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_flag(inspect)
     inspect.set_defaults(handler=_inspect)
 
-    demo = sub.add_parser("demo", help="phantom vs tensor parallelism side by side (make demo)",
-                          description="Inspect phantom, TP T1, TP T2 and GSPMD on the same FFN.")
-    demo.add_argument("--width", type=int, default=4096)
-    demo.add_argument("--depth", type=int, default=2)
-    demo.add_argument("--ghost-width", type=int, default=16)
-    demo.add_argument("--batch", type=int, default=256)
-    demo.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float64"))
+    compare = sub.add_parser(
+        "compare", help="train TP and phantom to the same target loss (seed 000 Table I)",
+        description="Train the dense model with tensor parallelism (T1) and phantom models with each "
+                    "ghost width on the teacher task, for each shard count, to the same held-out MSE; "
+                    "print a Table-I-shaped comparison and write results.json and comparison.png. "
+                    "Energy is modelled (Eq. 1) unless measured on a GPU; see docs/methodology.md.",
+    )
+    compare.add_argument("--width", type=int, default=256, help="layer width n (default 256)")
+    compare.add_argument("--depth", type=int, default=2, help="layers L (default 2)")
+    compare.add_argument("--shards", type=_int_list, default=(2, 4, 8),
+                         help="comma-separated shard counts p (default 2,4,8)")
+    compare.add_argument("--ghost-width", type=_ghost_widths, default=(2, 4, 16),
+                         help="comma-separated ghost widths k, or 'auto' (1/8 of Eq. 8's bound per p)")
+    compare.add_argument("--target-loss", type=float, default=None,
+                         help="held-out MSE to reach (default: chosen so that every run reaches it)")
+    compare.add_argument("--seeds", type=_int_list, default=(0, 1, 2), help="default 0,1,2")
+    compare.add_argument("--batch", type=int, default=64)
+    compare.add_argument("--learning-rate", type=float, default=2e-3, help="Adam (default 2e-3)")
+    compare.add_argument("--max-steps", type=int, default=300)
+    compare.add_argument("--eval-every", type=int, default=10)
+    compare.add_argument("--out", default="out/compare", help="output folder (default out/compare)")
+    compare.add_argument("--no-progress", action="store_true", help="no progress bar")
+    compare.add_argument("--devices", type=int, default=8,
+                         help="simulated CPU devices (default 8); 0 = the machine's real devices")
+    compare.set_defaults(handler=_compare)
+
+    demo = sub.add_parser("demo", help="what `make demo` runs: inspect, then compare",
+                          description="Inspect one step of each strategy, then run `compare` with "
+                                      "its defaults on 8 simulated CPU devices.")
+    demo.add_argument("--out", default="out/compare")
     demo.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
     demo.set_defaults(handler=_demo)
     return parser

@@ -1,0 +1,325 @@
+"""Seed 000's main experiment: tensor parallelism vs phantom parallelism to the same target loss.
+
+For every shard count p the dense model is trained with TP (T1) and phantom models with each ghost
+width k, on the same teacher data, optimizer, learning rate and batch, for several seeds. The result
+is a table in the shape of Table I: parameters, iterations to the target, time per iteration,
+collective bytes per iteration (from the compiled HLO), energy per iteration and to the target.
+
+What is measured and what is modelled (see docs/methodology.md):
+
+- iterations to target, loss curves and wall time per iteration: **measured** here;
+- collective bytes per iteration: **exact**, parsed from the compiled step's HLO;
+- energy: **modelled** with Eq. 1 unless a GPU meter is used: alpha = per-device FLOPs of the step
+  (XLA's count) / this machine's measured single-device matmul rate; beta = Eq. 26 with Table III's
+  Frontier constants applied to the step's collectives; A and B from :class:`PowerModel`.
+
+Target loss: with ``target_loss=None`` every run trains for ``max_steps`` and keeps its full held-out
+curve; the target is then the largest of the runs' best held-out losses, times ``1 + target_margin``,
+so that every model compared reaches it, and iterations to target are read off the curves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from tqdm.auto import tqdm
+
+from jphantom.analysis.inspect import StepSpec, inspect_step
+from jphantom.data import Teacher, TeacherConfig
+from jphantom.energy import PowerModel, energy_per_iteration
+from jphantom.errors import ConfigError
+from jphantom.perf.comm_model import FRONTIER
+from jphantom.sharding import phantom
+from jphantom.train import TrainConfig, train
+
+TP_STRATEGY = "tensor-t1"
+
+
+def auto_ghost_width(width: int, num_shards: int) -> int:
+    """``--ghost-width auto``: one eighth of seed 000's Eq. 8 bound (n/p)(1 - 1/p), at least 1.
+
+    The paper does not say how it chose k per p; this rule keeps phantom well inside the region
+    where it is smaller than the dense model at every p.
+    """
+    return max(1, int(phantom.max_ghost_width(width, num_shards) / 8))
+
+
+@dataclasses.dataclass(frozen=True)
+class CompareConfig:
+    width: int = 256
+    depth: int = 2
+    shards: tuple[int, ...] = (2, 4, 8)
+    ghost_widths: tuple[int, ...] | str = (2, 4, 16)
+    target_loss: float | None = None
+    target_margin: float = 0.02
+    seeds: tuple[int, ...] = (0, 1, 2)
+    batch: int = 64
+    optimizer: str = "adam"
+    learning_rate: float = 2e-3
+    max_steps: int = 300
+    eval_every: int = 10
+    train_size: int = 1 << 14
+    eval_size: int = 512
+
+    def __post_init__(self):
+        if not self.shards or any(p < 1 for p in self.shards):
+            raise ConfigError(f"shards={self.shards} must be a non-empty list of integers >= 1")
+        if not self.seeds:
+            raise ConfigError("seeds is empty: give at least one seed")
+        if isinstance(self.ghost_widths, str) and self.ghost_widths != "auto":
+            raise ConfigError(f"ghost_widths={self.ghost_widths!r}: give integers or 'auto'")
+        if not isinstance(self.ghost_widths, str) and not self.ghost_widths:
+            raise ConfigError("ghost_widths is empty")
+        if jax.device_count() < max(self.shards):
+            raise ConfigError(
+                f"shards={self.shards} needs {max(self.shards)} devices, have {jax.device_count()}: "
+                f"pass --devices {max(self.shards)} or fewer shards")
+        if not self.target_margin >= 0:
+            raise ConfigError(f"target_margin={self.target_margin} must be >= 0")
+
+    def ghost_widths_for(self, num_shards: int) -> tuple[int, ...]:
+        if self.ghost_widths == "auto":
+            return (auto_ghost_width(self.width, num_shards),)
+        return tuple(self.ghost_widths)
+
+
+def measure_matmul_rate(size: int = 1024, dtype=jnp.float32, repeats: int = 5) -> float:
+    """Single-device matmul FLOP/s of this machine (2 size^3 FLOPs per product, median of repeats)."""
+    device = jax.devices()[0]
+    a = jax.device_put(jnp.ones((size, size), dtype), device)
+    product = jax.jit(lambda u: u @ u)
+    product(a).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        product(a).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times)
+
+
+def _first_reaching(steps, losses, target):
+    for step, loss in zip(steps, losses):
+        if loss <= target:
+            return step
+    return None
+
+
+def _mean_or_none(values):
+    return statistics.fmean(values) if values and all(v is not None for v in values) else None
+
+
+def run_compare(config: CompareConfig, *, power: PowerModel = PowerModel(), progress: bool = True,
+                log=print) -> dict:
+    """Train every (strategy, p, k) for every seed and return ``{"config", "rows", ...}``."""
+    teacher = Teacher(TeacherConfig(width=config.width, train_size=config.train_size,
+                                    eval_size=config.eval_size))
+    jobs = [("tensor", p, None) for p in config.shards]
+    jobs += [("phantom", p, k) for p in config.shards for k in config.ghost_widths_for(p)]
+    matmul_rate = measure_matmul_rate()
+    runs = {}
+    bar = tqdm(total=len(jobs) * len(config.seeds), desc="training", disable=not progress)
+    for family, p, k in jobs:
+        name = TP_STRATEGY if family == "tensor" else "phantom"
+        for seed in config.seeds:
+            result = train(TrainConfig(
+                name, width=config.width, depth=config.depth, num_shards=p, ghost_width=k,
+                batch=config.batch, optimizer=config.optimizer, learning_rate=config.learning_rate,
+                max_steps=config.max_steps, target_loss=config.target_loss,
+                eval_every=config.eval_every, seed=seed), teacher)
+            runs.setdefault((family, p, k), []).append(result)
+            bar.update()
+    bar.close()
+
+    if config.target_loss is None:
+        floor = max(min(r.eval_losses) for results in runs.values() for r in results)
+        target = floor * (1 + config.target_margin)
+    else:
+        target = config.target_loss
+
+    rows = []
+    for (family, p, k), results in runs.items():
+        name = TP_STRATEGY if family == "tensor" else "phantom"
+        report = inspect_step(StepSpec(name, config.width, config.depth, config.batch, p, k))
+        iterations = [_first_reaching(r.eval_steps, r.eval_losses, target) for r in results]
+        reached = [i for i in iterations if i is not None]
+        mean_iterations = _mean_or_none(iterations)
+        alpha = report["flops"] / matmul_rate
+        beta = FRONTIER.step_time_us(report["collectives"], p) * 1e-6
+        per_iteration = energy_per_iteration(alpha, beta, power, devices=p)
+        rows.append({
+            "strategy": family,
+            "shards": p,
+            "ghost_width": k,
+            "params": report["params"],
+            "iterations_to_target": mean_iterations,
+            "iterations_to_target_std": statistics.pstdev(reached) if len(reached) > 1 else 0.0,
+            "iterations_per_seed": iterations,
+            "seconds_per_iteration_measured": statistics.median(
+                s for r in results for s in r.step_seconds),
+            "compute_seconds_per_iteration_modelled": alpha,
+            "comm_seconds_per_iteration_modelled": beta,
+            "collective_bytes_per_iteration": report["collective_bytes"],
+            "collectives": report["collectives"],
+            "flops_per_device": report["flops"],
+            "energy_per_iteration_j": per_iteration,
+            "energy_total_j": None if mean_iterations is None else per_iteration * mean_iterations,
+            "energy_source": "modelled",
+            "proxy_params_x_iterations": None if mean_iterations is None
+            else report["params"] * mean_iterations,
+            "eval_curves": [{"steps": r.eval_steps, "losses": r.eval_losses} for r in results],
+        })
+    out = {
+        "config": dataclasses.asdict(config) | {"tp_strategy": TP_STRATEGY},
+        "target_loss": target,
+        "target_rule": "given" if config.target_loss is not None else
+        f"max over runs of the best held-out loss x (1 + {config.target_margin})",
+        "power_model": dataclasses.asdict(power),
+        "comm_model": FRONTIER.name,
+        "matmul_flops_per_second_measured": matmul_rate,
+        "device": str(jax.devices()[0].device_kind),
+        "rows": rows,
+    }
+    out["ratios"] = _ratios(rows)
+    out["small_p_phantom_vs_large_p_tp"] = _e9(rows)
+    return out
+
+
+def _ratios(rows):
+    tp = {r["shards"]: r for r in rows if r["strategy"] == "tensor"}
+    ratios = []
+    for r in rows:
+        if r["strategy"] != "phantom":
+            continue
+        base = tp[r["shards"]]
+        div = lambda a, b: None if a is None or b in (None, 0) else a / b
+        ratios.append({
+            "shards": r["shards"], "ghost_width": r["ghost_width"],
+            "params": div(r["params"], base["params"]),
+            "iterations_to_target": div(r["iterations_to_target"], base["iterations_to_target"]),
+            "collective_bytes_per_iteration": div(r["collective_bytes_per_iteration"],
+                                                  base["collective_bytes_per_iteration"]),
+            "energy_per_iteration": div(r["energy_per_iteration_j"], base["energy_per_iteration_j"]),
+            "energy_total": div(r["energy_total_j"], base["energy_total_j"]),
+        })
+    return ratios
+
+
+def _e9(rows):
+    """Seed 000's E9: the smallest-p phantom run (best of its k) against the largest-p TP run."""
+    phantoms = [r for r in rows if r["strategy"] == "phantom" and r["energy_total_j"] is not None]
+    tps = [r for r in rows if r["strategy"] == "tensor"]
+    if not phantoms or not tps:
+        return None
+    small_p = min(r["shards"] for r in phantoms)
+    best = min((r for r in phantoms if r["shards"] == small_p), key=lambda r: r["energy_total_j"])
+    big = max(tps, key=lambda r: r["shards"])
+    if big["energy_total_j"] is None:
+        return None
+    time_to_target = lambda r: r["iterations_to_target"] * r["seconds_per_iteration_measured"]
+    modelled_time = lambda r: r["iterations_to_target"] * (
+        r["compute_seconds_per_iteration_modelled"] + r["comm_seconds_per_iteration_modelled"])
+    return {
+        "phantom": {"shards": best["shards"], "ghost_width": best["ghost_width"]},
+        "tensor": {"shards": big["shards"]},
+        "energy_ratio_tp_over_phantom": big["energy_total_j"] / best["energy_total_j"],
+        "time_ratio_tp_over_phantom_modelled": modelled_time(big) / modelled_time(best),
+        "time_ratio_tp_over_phantom_measured_cpu": time_to_target(big) / time_to_target(best),
+    }
+
+
+def format_table(result: dict) -> str:
+    """Table I's shape: one line per (strategy, p, k), then phantom/TP ratios and E9."""
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)
+    lines = [
+        f"Target held-out MSE {result['target_loss']:.4g} ({result['target_rule']}); energy is "
+        f"modelled (Eq. 1, A={result['power_model']['busy_watts']:g} W, "
+        f"B={result['power_model']['idle_watts']:g} W, comm by Eq. 26 {result['comm_model']}).",
+        "",
+        f"{'strategy':<9}{'p':>3}{'k':>4}{'params':>10}{'iters':>8}{'±':>6}{'ms/iter':>9}"
+        f"{'coll. KB/iter':>14}{'J/iter':>10}{'total J':>10}  source",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"{r['strategy']:<9}{r['shards']:>3}{fmt(r['ghost_width'], 'd'):>4}{r['params']:>10,}"
+            f"{fmt(r['iterations_to_target'], '.1f'):>8}{r['iterations_to_target_std']:>6.1f}"
+            f"{r['seconds_per_iteration_measured'] * 1e3:>9.2f}"
+            f"{r['collective_bytes_per_iteration'] / 1e3:>14.2f}"
+            f"{r['energy_per_iteration_j']:>10.4f}{fmt(r['energy_total_j'], '.3f'):>10}"
+            f"  {r['energy_source']}")
+    lines += ["", "phantom / TP at the same p:",
+              f"{'p':>3}{'k':>4}{'params':>9}{'iters':>8}{'bytes':>8}{'J/iter':>8}{'total J':>9}"]
+    for q in result["ratios"]:
+        lines.append(f"{q['shards']:>3}{q['ghost_width']:>4}{fmt(q['params'], '.3f'):>9}"
+                     f"{fmt(q['iterations_to_target'], '.3f'):>8}"
+                     f"{fmt(q['collective_bytes_per_iteration'], '.4f'):>8}"
+                     f"{fmt(q['energy_per_iteration'], '.3f'):>8}{fmt(q['energy_total'], '.3f'):>9}")
+    e9 = result["small_p_phantom_vs_large_p_tp"]
+    if e9:
+        lines += ["", f"E9: phantom p={e9['phantom']['shards']} k={e9['phantom']['ghost_width']} vs "
+                      f"TP p={e9['tensor']['shards']}: TP needs {e9['energy_ratio_tp_over_phantom']:.1f}x "
+                      f"the energy (modelled), {e9['time_ratio_tp_over_phantom_modelled']:.2f}x the "
+                      f"time (modelled), {e9['time_ratio_tp_over_phantom_measured_cpu']:.2f}x "
+                      f"(measured on simulated CPU devices)"]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    """comparison.png: iterations, bytes and energy vs p (Fig. 7a/b shape), and held-out curves."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    series = {}
+    for r in rows:
+        label = "TP (T1)" if r["strategy"] == "tensor" else f"phantom k={r['ghost_width']}"
+        if result["config"]["ghost_widths"] == "auto" and r["strategy"] == "phantom":
+            label = "phantom (auto k)"
+        series.setdefault(label, []).append(r)
+    for label, group in series.items():
+        group = sorted(group, key=lambda r: r["shards"])
+        p = [r["shards"] for r in group]
+        style = "k-o" if label.startswith("TP") else "-s"
+        axes[0].plot(p, [r["iterations_to_target"] or math.nan for r in group], style, label=label)
+        axes[1].plot(p, [r["collective_bytes_per_iteration"] for r in group], style, label=label)
+        axes[2].plot(p, [r["energy_total_j"] or math.nan for r in group], style, label=label)
+    for ax, title in zip(axes[:3], ["iterations to target", "collective bytes / iteration (HLO)",
+                                    "energy to target, J (modelled)"]):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("shards p")
+        ax.set_title(title)
+    axes[1].set_yscale("log")
+    axes[2].set_yscale("log")
+    axes[0].legend(fontsize=8)
+    biggest = max(r["shards"] for r in rows)
+    for r in rows:
+        if r["shards"] == biggest:
+            curve = r["eval_curves"][0]
+            label = "TP" if r["strategy"] == "tensor" else f"phantom k={r['ghost_width']}"
+            axes[3].plot(curve["steps"], curve["losses"], label=label)
+    axes[3].axhline(result["target_loss"], color="grey", ls="--", label="target")
+    axes[3].set_yscale("log")
+    axes[3].set_title(f"held-out MSE, p={biggest}, seed 0")
+    axes[3].set_xlabel("iteration")
+    axes[3].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(result: dict, out_dir: Path) -> tuple[Path, Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out_dir / "results.json", out_dir / "comparison.png"
+    json_path.write_text(json.dumps(result, indent=2))
+    plot(result, png_path)
+    return json_path, png_path
