@@ -158,12 +158,30 @@ def config_of(params: Params) -> PhantomConfig:
 # --------------------------------------------------------------------------------------------------
 
 
+def _received_ghosts(gathered):
+    """[p, B, k] as the all-gather delivers it -> [B, p*k]: every sample's p*k received ghosts in one
+    row (column i*k + c is ghost c of sender i), the layout in which decompression is one GEMM."""
+    num_shards, batch, ghost_width = gathered.shape
+    return gathered.transpose(1, 0, 2).reshape(batch, num_shards * ghost_width)
+
+
+def _decompressor_matrix(decompress, me, num_shards):
+    """[p, n/p, k] (slot i = D^(i,j)) -> [n/p, p*k] = [D^(0,j) | ... | D^(p-1,j)], own slot zeroed.
+
+    The copy moves whole k-rows (no element-wise transpose of the n/p x k blocks), is shared by the
+    forward and the backward, and lets both use it as it is: decompression (Eq. 11) multiplies by
+    its transpose and the messages (Eq. 17) by the matrix itself, neither needing a layout copy.
+    """
+    masked = decompress * offdiagonal_mask(num_shards, me, decompress.dtype)[:, None, None]
+    _, block, ghost_width = decompress.shape
+    return masked.transpose(1, 0, 2).reshape(block, num_shards * ghost_width)
+
+
 def _decompress(gathered, decompress, me, num_shards, fused):
     """Sum_{i != j} D^(i,j) g^(i) for all samples: [p, B, k] x [p, n/p, k] -> [B, n/p] (Eq. 11)."""
     if fused:
         # One GEMM over all p slots, own slot masked: [B, p*k] x [p*k, n/p].
-        masked = decompress * offdiagonal_mask(num_shards, me, decompress.dtype)[:, None, None]
-        return jnp.einsum("ibk,imk->bm", gathered, masked)
+        return _received_ghosts(gathered) @ _decompressor_matrix(decompress, me, num_shards).T
     # The paper's implementation: p-1 separate small GEMMs, one per remote sender (E11).
     total = 0.0
     for offset in range(1, num_shards):
@@ -189,8 +207,13 @@ def _phantom_layer_fwd(axis, num_shards, fused, y, local, compress, decompress, 
     me = lax.axis_index(axis)
     ghosts = y @ compress.T  # [B, k]      phantom layer g^(j) = C^(j) y^(j), Eq. 11
     gathered = lax.all_gather(ghosts, axis, axis=0)  # [p, B, k]   Table II: all-gather of k*B
+    # The local GEMM does not wait for the all-gather: each rank computes it while the collective
+    # is in flight, then adds the decompressed ghosts (one GEMM when fused).
     z = y @ local.T + _decompress(gathered, decompress, me, num_shards, fused) + bias
     # Keep the gathered ghosts: Eq. 21 needs g^(i) of every sender on the receiver.
+    if fused:  # ... side by side with y, [B, n/p + p*k], so that Eqs. 19-21 are one GEMM
+        return z, (jnp.concatenate([y, _received_ghosts(gathered)], axis=1), local, compress,
+                   decompress)
     return z, (y, gathered, local, compress, decompress)
 
 
@@ -200,26 +223,53 @@ def _phantom_layer_bwd(axis, num_shards, fused, residuals, dz):
     dz is Delta^(j) = dL/dz^(j) [B, n/p] (Eqs. 15-16). Rank j sends each other rank i the k-wide
     h^(j->i) = Delta^(j) D^(i,j); the reduce-scatter delivers Gamma^(i) = sum_{j != i} h^(j->i) (Eq. 17).
     """
+    if fused:
+        return _phantom_layer_bwd_fused(axis, num_shards, residuals, dz)
     y, gathered, local, compress, decompress = residuals
     me = lax.axis_index(axis)
-    mask = offdiagonal_mask(num_shards, me, dz.dtype)[:, None, None]  # [p, 1, 1]
-    if fused:
-        masked = decompress * mask
-        messages = jnp.einsum("bm,imk->ibk", dz, masked)  # [p, B, k]   h^(j->i), Eq. 17
-        d_decompress = jnp.einsum("bm,ibk->imk", dz, gathered) * mask  # Eq. 21: delta^(j) g^(i)T
-    else:
-        messages = jnp.zeros(gathered.shape, dz.dtype)
-        d_decompress = jnp.zeros(decompress.shape, dz.dtype)
-        for offset in range(1, num_shards):
-            sender = (me + offset) % num_shards
-            d_i = lax.dynamic_index_in_dim(decompress, sender, 0, keepdims=False)
-            g_i = lax.dynamic_index_in_dim(gathered, sender, 0, keepdims=False)
-            messages = lax.dynamic_update_index_in_dim(messages, dz @ d_i, sender, 0)
-            d_decompress = lax.dynamic_update_index_in_dim(d_decompress, dz.T @ g_i, sender, 0)
+    messages = jnp.zeros(gathered.shape, dz.dtype)
+    d_decompress = jnp.zeros(decompress.shape, dz.dtype)
+    for offset in range(1, num_shards):
+        sender = (me + offset) % num_shards
+        d_i = lax.dynamic_index_in_dim(decompress, sender, 0, keepdims=False)
+        g_i = lax.dynamic_index_in_dim(gathered, sender, 0, keepdims=False)
+        messages = lax.dynamic_update_index_in_dim(messages, dz @ d_i, sender, 0)  # h^(j->i), Eq. 17
+        d_decompress = lax.dynamic_update_index_in_dim(d_decompress, dz.T @ g_i, sender, 0)  # Eq. 21
     gamma = lax.psum_scatter(messages, axis, scatter_dimension=0)  # [B, k]  Table II: reduce-scatter
     d_bias = dz.sum(axis=0)  # Eq. 18
     d_local = dz.T @ y  # Eq. 19
     d_compress = gamma.T @ y  # Eq. 20: Gamma^(j) y^(j)T
+    d_y = dz @ local + gamma @ compress  # Eq. 17 (before the activation derivative)
+    return d_y, d_local, d_compress, d_decompress, d_bias
+
+
+def _phantom_layer_bwd_fused(axis, num_shards, residuals, dz):
+    """Eqs. 15-21 as three GEMMs around the reduce-scatter (the fused decompressor's backward).
+
+    Eqs. 19, 20 and 21 are all outer products over the batch, [Delta | Gamma]^T [y | g]: one GEMM
+    [n/p + k, B] x [B, n/p + p*k] whose blocks are dL/dL, dL/dC and dL/dD (its k x p*k corner,
+    Gamma^T g, is not a gradient and is dropped: 2 k^2 p B extra FLOPs, 1 MFLOP per layer and rank
+    at n=4096, p=8, k=16, B=256, 0.2% of the layer). One large GEMM instead of three thin ones
+    (k or p*k wide) is what makes the step fast at small batch; the decompressor matrix is the
+    forward's (XLA computes it once per step).
+    """
+    y_received, local, compress, decompress = residuals
+    block = local.shape[0]
+    _, _, ghost_width = decompress.shape
+    batch = dz.shape[0]
+    me = lax.axis_index(axis)
+    d_matrix = _decompressor_matrix(decompress, me, num_shards)  # [n/p, p*k], own slot zero
+    messages = dz @ d_matrix  # [B, p*k]   h^(j->i) = Delta^(j) D^(i,j) for every i, Eq. 17
+    messages = messages.reshape(batch, num_shards, ghost_width).transpose(1, 0, 2)  # [p, B, k]
+    gamma = lax.psum_scatter(messages, axis, scatter_dimension=0)  # [B, k]  Table II: reduce-scatter
+    d_bias = dz.sum(axis=0)  # Eq. 18
+    outer = jnp.concatenate([dz, gamma], axis=1).T @ y_received  # [n/p + k, n/p + p*k]
+    d_local = outer[:block, :block]  # Eq. 19: Delta^(j) y^(j)T
+    d_compress = outer[block:, :block]  # Eq. 20: Gamma^(j) y^(j)T
+    d_decompress = (  # Eq. 21: Delta^(j) g^(i)T for every sender i; own slot masked
+        outer[:block, block:].reshape(block, num_shards, ghost_width).transpose(1, 0, 2)
+        * offdiagonal_mask(num_shards, me, dz.dtype)[:, None, None]
+    )
     d_y = dz @ local + gamma @ compress  # Eq. 17 (before the activation derivative)
     return d_y, d_local, d_compress, d_decompress, d_bias
 

@@ -1,0 +1,49 @@
+"""The phantom-vs-TP benchmark script runs end to end (``--quick``) and writes a complete result."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+
+from conftest import require_devices
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "phantom_vs_tp.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("phantom_vs_tp", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_benchmark_writes_every_strategy(tmp_path, capsys):
+    require_devices(8)
+    bench = _load_script()
+    result = bench.main(["--quick", "--out", str(tmp_path), "--no-plot"])
+
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["config"]["quick"] is True
+    assert data["machine"]["devices"] == 8
+    rows = {(r["strategy"], r["batch"]): r for r in data["rows"]}
+    for batch in data["config"]["batches"]:
+        for name in bench.STRATEGIES:
+            row = rows[(name, batch)]
+            for key in ("params", "flops_per_device", "flops_step", "step_seconds", "flops_per_second",
+                        "collective_bytes_per_device", "collectives", "step_seconds_all"):
+                assert key in row, f"{name}: missing {key}"
+            assert row["step_seconds"] > 0 and row["flops_per_device"] > 0 and row["params"] > 0
+            assert row["collective_bytes_per_device"] > 0  # every sharded strategy communicates
+            assert len(row["step_seconds_all"]) == data["config"]["steps"]
+    for name in bench.REFERENCES:
+        assert data["reference"]["flops_per_second"][name] > 0
+    assert data["compile"]["depth"] == 6 and data["compile"]["median_seconds"] > 0
+    # (a) and (b) at every batch size, (c) at the largest, (d) once.
+    kinds = [c["name"][:3] for c in data["targets"]]
+    batches = len(data["config"]["batches"])
+    assert kinds == ["(a)"] * batches + ["(b)"] * batches + ["(c)", "(d)"]
+    for check in data["targets"]:
+        assert {"measured", "target", "pass", "relation", "description"} <= set(check)
+    assert result["rows"] == data["rows"]
+    printed = capsys.readouterr().out
+    assert "Targets:" in printed and "phantom-unfused" in printed
