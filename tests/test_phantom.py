@@ -148,3 +148,34 @@ def test_mesh_without_axis_and_mismatched_shards_are_errors(mesh_of):
         phantom.forward(params, x, mesh_of(2))
     with pytest.raises(ConfigError, match=r"expected \[batch, width=48\]"):
         phantom.forward(params, x[:, :40], mesh_of(4))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_rank_compute_is_the_layer_without_its_collectives(fused):
+    """rank_compute (E11's timing kernel) does a rank's exact arithmetic: fed the all-gather's and the
+    reduce-scatter's results by hand, every rank's z and gradients equal the dense layer's VJP."""
+    p, k, width = 4, 3, 24
+    m = width // p
+    (layer,) = _init(p, k, 1, jnp.float64, width=width)
+    x, dz = batch(width, size=5)
+    z_dense, vjp = jax.vjp(lambda prm, x: x @ phantom.dense_equivalent(prm)[0]["weight"].T
+                           + phantom.dense_equivalent(prm)[0]["bias"], [layer], x)
+    ([want_grads], want_dx) = vjp(dz)
+    ys = [x[:, j * m:(j + 1) * m] for j in range(p)]
+    gathered = jnp.stack([ys[i] @ layer["compress"][i].T for i in range(p)])  # the all-gather
+    args = lambda j, gamma: (ys[j], gathered, gamma, dz[:, j * m:(j + 1) * m], layer["local"][j],
+                             layer["compress"][j], layer["decompress"][j], layer["bias"][j])
+    zeros = jnp.zeros((5, k))
+    messages = [phantom.rank_compute(*args(j, zeros), rank=j, fused=fused)["messages"]
+                for j in range(p)]
+    for j in range(p):
+        gamma = sum(messages[i][j] for i in range(p))  # the reduce-scatter
+        out = phantom.rank_compute(*args(j, gamma), rank=j, fused=fused)
+        np.testing.assert_allclose(out["ghosts"], gathered[j], rtol=1e-12)
+        np.testing.assert_allclose(out["z"], z_dense[:, j * m:(j + 1) * m], rtol=1e-10)
+        d_y, d_local, d_compress, d_decompress, d_bias = out["grads"]
+        np.testing.assert_allclose(d_y, want_dx[:, j * m:(j + 1) * m], rtol=1e-10)
+        for got, name in [(d_local, "local"), (d_compress, "compress"),
+                          (d_decompress, "decompress"), (d_bias, "bias")]:
+            np.testing.assert_allclose(got, want_grads[name][j], rtol=1e-10, atol=1e-12,
+                                       err_msg=name)

@@ -207,6 +207,12 @@ def _phantom_layer_fwd(axis, num_shards, fused, y, local, compress, decompress, 
     me = lax.axis_index(axis)
     ghosts = y @ compress.T  # [B, k]      phantom layer g^(j) = C^(j) y^(j), Eq. 11
     gathered = lax.all_gather(ghosts, axis, axis=0)  # [p, B, k]   Table II: all-gather of k*B
+    return _forward_after_gather(y, gathered, local, compress, decompress, bias, me, num_shards,
+                                 fused)
+
+
+def _forward_after_gather(y, gathered, local, compress, decompress, bias, me, num_shards, fused):
+    """Eq. 11 once the ghosts are gathered: z^(j) and the residuals the backward needs."""
     # The local GEMM does not wait for the all-gather: each rank computes it while the collective
     # is in flight, then adds the decompressed ghosts (one GEMM when fused).
     z = y @ local.T + _decompress(gathered, decompress, me, num_shards, fused) + bias
@@ -223,55 +229,80 @@ def _phantom_layer_bwd(axis, num_shards, fused, residuals, dz):
     dz is Delta^(j) = dL/dz^(j) [B, n/p] (Eqs. 15-16). Rank j sends each other rank i the k-wide
     h^(j->i) = Delta^(j) D^(i,j); the reduce-scatter delivers Gamma^(i) = sum_{j != i} h^(j->i) (Eq. 17).
     """
-    if fused:
-        return _phantom_layer_bwd_fused(axis, num_shards, residuals, dz)
-    y, gathered, local, compress, decompress = residuals
     me = lax.axis_index(axis)
-    messages = jnp.zeros(gathered.shape, dz.dtype)
-    d_decompress = jnp.zeros(decompress.shape, dz.dtype)
-    for offset in range(1, num_shards):
+    messages = _backward_messages(residuals, dz, me, num_shards, fused)  # [p, B, k]
+    gamma = lax.psum_scatter(messages, axis, scatter_dimension=0)  # [B, k]  Table II: reduce-scatter
+    return _backward_gradients(residuals, dz, gamma, me, num_shards, fused)
+
+
+def _backward_messages(residuals, dz, me, num_shards, fused):
+    """h^(j->i) = Delta^(j) D^(i,j) for every receiver i, stacked [p, B, k] (Eq. 17; own slot 0)."""
+    decompress = residuals[-1]
+    _, _, ghost_width = decompress.shape
+    if fused:  # one GEMM with the forward's decompressor matrix (XLA computes it once per step)
+        messages = dz @ _decompressor_matrix(decompress, me, num_shards)  # [B, p*k]
+        return messages.reshape(dz.shape[0], num_shards, ghost_width).transpose(1, 0, 2)
+    messages = jnp.zeros((num_shards, dz.shape[0], ghost_width), dz.dtype)
+    for offset in range(1, num_shards):  # the paper's p-1 separate products
         sender = (me + offset) % num_shards
         d_i = lax.dynamic_index_in_dim(decompress, sender, 0, keepdims=False)
-        g_i = lax.dynamic_index_in_dim(gathered, sender, 0, keepdims=False)
-        messages = lax.dynamic_update_index_in_dim(messages, dz @ d_i, sender, 0)  # h^(j->i), Eq. 17
-        d_decompress = lax.dynamic_update_index_in_dim(d_decompress, dz.T @ g_i, sender, 0)  # Eq. 21
-    gamma = lax.psum_scatter(messages, axis, scatter_dimension=0)  # [B, k]  Table II: reduce-scatter
-    d_bias = dz.sum(axis=0)  # Eq. 18
-    d_local = dz.T @ y  # Eq. 19
-    d_compress = gamma.T @ y  # Eq. 20: Gamma^(j) y^(j)T
-    d_y = dz @ local + gamma @ compress  # Eq. 17 (before the activation derivative)
-    return d_y, d_local, d_compress, d_decompress, d_bias
+        messages = lax.dynamic_update_index_in_dim(messages, dz @ d_i, sender, 0)
+    return messages
 
 
-def _phantom_layer_bwd_fused(axis, num_shards, residuals, dz):
-    """Eqs. 15-21 as three GEMMs around the reduce-scatter (the fused decompressor's backward).
+def _backward_gradients(residuals, dz, gamma, me, num_shards, fused):
+    """Eqs. 17-21 given Gamma^(j) [B, k] from the reduce-scatter: (dL/dy, dL/dL, dL/dC, dL/dD, dL/db).
 
-    Eqs. 19, 20 and 21 are all outer products over the batch, [Delta | Gamma]^T [y | g]: one GEMM
-    [n/p + k, B] x [B, n/p + p*k] whose blocks are dL/dL, dL/dC and dL/dD (its k x p*k corner,
+    Fused: Eqs. 19, 20 and 21 are all outer products over the batch, [Delta | Gamma]^T [y | g]: one
+    GEMM [n/p + k, B] x [B, n/p + p*k] whose blocks are dL/dL, dL/dC and dL/dD (its k x p*k corner,
     Gamma^T g, is not a gradient and is dropped: 2 k^2 p B extra FLOPs, 1 MFLOP per layer and rank
     at n=4096, p=8, k=16, B=256, 0.2% of the layer). One large GEMM instead of three thin ones
-    (k or p*k wide) is what makes the step fast at small batch; the decompressor matrix is the
-    forward's (XLA computes it once per step).
+    (k or p*k wide) is what makes the step fast at small batch. Unfused: the paper's p-1 products
+    for Eq. 21 and one each for Eqs. 19 and 20.
     """
-    y_received, local, compress, decompress = residuals
-    block = local.shape[0]
-    _, _, ghost_width = decompress.shape
-    batch = dz.shape[0]
-    me = lax.axis_index(axis)
-    d_matrix = _decompressor_matrix(decompress, me, num_shards)  # [n/p, p*k], own slot zero
-    messages = dz @ d_matrix  # [B, p*k]   h^(j->i) = Delta^(j) D^(i,j) for every i, Eq. 17
-    messages = messages.reshape(batch, num_shards, ghost_width).transpose(1, 0, 2)  # [p, B, k]
-    gamma = lax.psum_scatter(messages, axis, scatter_dimension=0)  # [B, k]  Table II: reduce-scatter
     d_bias = dz.sum(axis=0)  # Eq. 18
-    outer = jnp.concatenate([dz, gamma], axis=1).T @ y_received  # [n/p + k, n/p + p*k]
-    d_local = outer[:block, :block]  # Eq. 19: Delta^(j) y^(j)T
-    d_compress = outer[block:, :block]  # Eq. 20: Gamma^(j) y^(j)T
-    d_decompress = (  # Eq. 21: Delta^(j) g^(i)T for every sender i; own slot masked
-        outer[:block, block:].reshape(block, num_shards, ghost_width).transpose(1, 0, 2)
-        * offdiagonal_mask(num_shards, me, dz.dtype)[:, None, None]
-    )
+    if fused:
+        y_received, local, compress, decompress = residuals
+        block = local.shape[0]
+        _, _, ghost_width = decompress.shape
+        outer = jnp.concatenate([dz, gamma], axis=1).T @ y_received  # [n/p + k, n/p + p*k]
+        d_local = outer[:block, :block]  # Eq. 19: Delta^(j) y^(j)T
+        d_compress = outer[block:, :block]  # Eq. 20: Gamma^(j) y^(j)T
+        d_decompress = (  # Eq. 21: Delta^(j) g^(i)T for every sender i; own slot masked
+            outer[:block, block:].reshape(block, num_shards, ghost_width).transpose(1, 0, 2)
+            * offdiagonal_mask(num_shards, me, dz.dtype)[:, None, None]
+        )
+    else:
+        y, gathered, local, compress, decompress = residuals
+        d_decompress = jnp.zeros(decompress.shape, dz.dtype)
+        for offset in range(1, num_shards):
+            sender = (me + offset) % num_shards
+            g_i = lax.dynamic_index_in_dim(gathered, sender, 0, keepdims=False)
+            d_decompress = lax.dynamic_update_index_in_dim(d_decompress, dz.T @ g_i, sender, 0)  # Eq. 21
+        d_local = dz.T @ y  # Eq. 19
+        d_compress = gamma.T @ y  # Eq. 20: Gamma^(j) y^(j)T
     d_y = dz @ local + gamma @ compress  # Eq. 17 (before the activation derivative)
     return d_y, d_local, d_compress, d_decompress, d_bias
+
+
+def rank_compute(y, gathered, gamma, dz, local, compress, decompress, bias, *, rank, fused=True):
+    """One rank's arithmetic of a phantom layer, forward and backward, with the collectives cut out.
+
+    For timing the computation alone at shapes too large to run on a mesh (experiment E11, the
+    paper's per-rank shapes at p = 256): ``gathered`` [p, B, k] stands in for the all-gather's
+    result and ``gamma`` [B, k] for the reduce-scatter's, so the FLOPs, GEMM shapes and layout
+    copies are exactly those of :func:`phantom_layer` on rank ``rank``, without communication.
+    Returns a dict: ``ghosts`` (the all-gather's input [B, k]), ``z`` (pre-activation [B, n/p]),
+    ``messages`` (the reduce-scatter's input [p, B, k]) and ``grads`` (dL/dy, dL/dL, dL/dC, dL/dD,
+    dL/db). Not differentiable; not a training path.
+    """
+    num_shards = decompress.shape[0]
+    ghosts = y @ compress.T  # the all-gather's input, computed as on a rank
+    z, residuals = _forward_after_gather(y, gathered, local, compress, decompress, bias, rank,
+                                         num_shards, fused)
+    messages = _backward_messages(residuals, dz, rank, num_shards, fused)
+    grads = _backward_gradients(residuals, dz, gamma, rank, num_shards, fused)
+    return {"ghosts": ghosts, "z": z, "messages": messages, "grads": grads}
 
 
 phantom_layer.defvjp(_phantom_layer_fwd, _phantom_layer_bwd)
