@@ -108,79 +108,12 @@ def parse_args(argv):
 # --------------------------------------------------------------------------------------------------
 
 
-def _flops(compiled) -> float:
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else {}
-    return float((cost or {}).get("flops", 0.0))
-
-
-class Runner:
-    """One compiled computation and its state; ``run()`` executes it once and blocks."""
-
-    def __init__(self, name, compiled, state, *, threads_state, flops_per_device, devices):
-        self.name = name
-        self.compiled = compiled
-        self.state = state
-        self.threads_state = threads_state  # step: outputs (params, opt_state) feed the next call
-        self.flops_per_device = flops_per_device
-        self.devices = devices
-        self.times: list[float] = []
-
-    def run(self) -> float:
-        import jax
-
-        start = time.perf_counter()
-        out = self.compiled(*self.state)
-        jax.block_until_ready(out)
-        elapsed = time.perf_counter() - start
-        if self.threads_state:
-            params, opt_state, _ = out
-            self.state = (params, opt_state, *self.state[2:])
-        return elapsed
-
-
 def build_step(name, mesh, args, batch, key):
-    """Initialise, place and compile one strategy's training step; returns (Runner, report dict)."""
-    import jax
-    import jax.numpy as jnp
-    import optax
+    """Initialise, place and compile one strategy's SGD step (``jphantom.analysis.timing``)."""
+    from jphantom.analysis.timing import build_step as build
 
-    from jphantom import strategies
-    from jphantom.analysis.hlo import collectives, summarize
-    from jphantom.train import make_train_step
-
-    strategy = strategies.get(name)
-    p = mesh.shape["model"]
-    k_params, k_x, k_y = jax.random.split(key, 3)
-    params = strategy.init(k_params, width=args.width, depth=args.depth, num_shards=p,
-                           ghost_width=args.ghost_width, dtype=jnp.float32)
-    params = strategy.place(params, mesh)
-    optimizer = optax.sgd(args.lr)
-    opt_state = optimizer.init(params)
-    sharding = strategy.input_sharding(mesh)
-    x = jax.device_put(jax.random.normal(k_x, (batch, args.width), jnp.float32), sharding)
-    y = jax.device_put(jax.random.normal(k_y, (batch, args.width), jnp.float32), sharding)
-    step = make_train_step(strategy, mesh, optimizer)
-    start = time.perf_counter()
-    compiled = step.lower(params, opt_state, x, y).compile()
-    compile_seconds = time.perf_counter() - start
-    found = collectives(compiled.as_text())
-    flops = _flops(compiled)
-    report = {
-        "strategy": name,
-        "batch": batch,
-        "params": strategies.param_count(name, width=args.width, depth=args.depth, num_shards=p,
-                                         ghost_width=args.ghost_width),
-        "flops_per_device": flops,
-        "flops_step": flops * p,
-        "collective_bytes_per_device": sum(c.bytes for c in found),
-        "collectives": summarize(found),
-        "compile_seconds": compile_seconds,
-    }
-    runner = Runner(name, compiled, (params, opt_state, x, y), threads_state=True,
-                    flops_per_device=flops, devices=p)
-    return runner, report
+    return build(name, mesh, width=args.width, depth=args.depth, ghost_width=args.ghost_width,
+                 batch=batch, learning_rate=args.lr, key=key)
 
 
 def build_matmuls(mesh, size):
@@ -189,6 +122,9 @@ def build_matmuls(mesh, size):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
+
+    from jphantom.analysis.timing import Runner
+    from jphantom.analysis.timing import xla_flops as _flops
 
     p = mesh.shape["model"]
     rows = max(size // p, 1) * p
@@ -212,18 +148,6 @@ def build_matmuls(mesh, size):
                devices=p),
     ], {"size": size, "rows": rows, "flops": flops, "xla_flops_1dev": _flops(single),
         "xla_flops_8way_per_device": _flops(split)}
-
-
-def time_round_robin(runners, steps, warmup):
-    """Warm every runner up, then ``steps`` rounds of one run each, rotating the order every round."""
-    for runner in runners:
-        for _ in range(warmup):
-            runner.run()
-    for round_index in range(steps):
-        shift = round_index % len(runners)
-        for runner in runners[shift:] + runners[:shift]:
-            runner.times.append(runner.run())
-    return {runner.name: statistics.median(runner.times) for runner in runners}
 
 
 def measure_compile(args, batch, num_shards):
@@ -354,6 +278,8 @@ def main(argv=None) -> dict:
 
     simulate_cpu_devices(args.devices)  # before jax initialises its backends
     import jax
+
+    from jphantom.analysis.timing import time_round_robin
 
     mesh = make_mesh({"model": args.devices}, strict=True)
     key = jax.random.PRNGKey(0)

@@ -8,7 +8,12 @@ collective bytes per iteration (from the compiled HLO), energy per iteration and
 What is measured and what is modelled (see docs/methodology.md):
 
 - iterations to target, loss curves and wall time per iteration: **measured** here;
-- collective bytes per iteration: **exact**, parsed from the compiled step's HLO;
+- collective bytes per iteration: **exact**, parsed from the compiled step's HLO. Collective by
+  collective, phantom moves k/(n/p) of T1's bytes (all-gather p*k*B vs n*B, reduce-scatter k*B vs
+  (n/p)*B, seed 000 Table II), and the table shows both that ratio and k/(n/p). Per iteration the
+  total ratio is a little higher: phantom has L reduce-scatters (the first layer's Gamma_1 feeds
+  dL/dC_1, Eq. 20) while T1 has L-1 (XLA drops the one that would only give dL/dx of the input), so
+  total = k/(n/p) * L(p+1) / (L p + L - 1), e.g. 1.059 x k/(n/p) at L = 2, p = 8;
 - energy: **modelled** with Eq. 1 unless a GPU meter is used: alpha = per-device FLOPs of the step
   (XLA's count) / this machine's measured single-device matmul rate; beta = Eq. 26 with Table III's
   Frontier constants applied to the step's collectives; A and B from :class:`PowerModel`.
@@ -186,12 +191,12 @@ def run_compare(config: CompareConfig, *, power: PowerModel = PowerModel(), prog
         "device": str(jax.devices()[0].device_kind),
         "rows": rows,
     }
-    out["ratios"] = _ratios(rows)
+    out["ratios"] = _ratios(rows, config.width)
     out["small_p_phantom_vs_large_p_tp"] = _e9(rows)
     return out
 
 
-def _ratios(rows):
+def _ratios(rows, width):
     tp = {r["shards"]: r for r in rows if r["strategy"] == "tensor"}
     ratios = []
     for r in rows:
@@ -199,12 +204,19 @@ def _ratios(rows):
             continue
         base = tp[r["shards"]]
         div = lambda a, b: None if a is None or b in (None, 0) else a / b
+        per_op = lambda row, kind: next((c["bytes"] / c["count"] for c in row["collectives"]
+                                         if c["kind"] == kind), None)
         ratios.append({
             "shards": r["shards"], "ghost_width": r["ghost_width"],
             "params": div(r["params"], base["params"]),
             "iterations_to_target": div(r["iterations_to_target"], base["iterations_to_target"]),
             "collective_bytes_per_iteration": div(r["collective_bytes_per_iteration"],
                                                   base["collective_bytes_per_iteration"]),
+            # Seed 000's k/(n/p) holds collective by collective (Table II); the per-iteration total
+            # differs because T1 has no reduce-scatter for the input layer (module docstring).
+            "bytes_per_collective": {kind: div(per_op(r, kind), per_op(base, kind))
+                                     for kind in ("all-gather", "reduce-scatter")},
+            "ghost_width_over_block": r["ghost_width"] * r["shards"] / width,
             "energy_per_iteration": div(r["energy_per_iteration_j"], base["energy_per_iteration_j"]),
             "energy_total": div(r["energy_total_j"], base["energy_total_j"]),
         })
@@ -253,11 +265,16 @@ def format_table(result: dict) -> str:
             f"{r['collective_bytes_per_iteration'] / 1e3:>14.2f}"
             f"{r['energy_per_iteration_j']:>10.4f}{fmt(r['energy_total_j'], '.3f'):>10}"
             f"  {r['energy_source']}")
-    lines += ["", "phantom / TP at the same p:",
-              f"{'p':>3}{'k':>4}{'params':>9}{'iters':>8}{'bytes':>8}{'J/iter':>8}{'total J':>9}"]
+    lines += ["", "phantom / TP at the same p (bytes: per all-gather and per reduce-scatter, then the "
+                  "iteration's total; k/(n/p) for reference):",
+              f"{'p':>3}{'k':>4}{'params':>9}{'iters':>8}{'k/(n/p)':>9}{'AG':>8}{'RS':>8}"
+              f"{'bytes':>8}{'J/iter':>8}{'total J':>9}"]
     for q in result["ratios"]:
+        per_op = q["bytes_per_collective"]
         lines.append(f"{q['shards']:>3}{q['ghost_width']:>4}{fmt(q['params'], '.3f'):>9}"
                      f"{fmt(q['iterations_to_target'], '.3f'):>8}"
+                     f"{q['ghost_width_over_block']:>9.4f}"
+                     f"{fmt(per_op['all-gather'], '.4f'):>8}{fmt(per_op['reduce-scatter'], '.4f'):>8}"
                      f"{fmt(q['collective_bytes_per_iteration'], '.4f'):>8}"
                      f"{fmt(q['energy_per_iteration'], '.3f'):>8}{fmt(q['energy_total'], '.3f'):>9}")
     e9 = result["small_p_phantom_vs_large_p_tp"]

@@ -46,6 +46,22 @@ def simulate_cpu_devices(count: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join([*flags, flag])
 
 
+def ensure_devices(count: int) -> None:
+    """Scripts' entry: at least ``count`` devices. Simulates ``count`` CPU devices if jax has not
+    started yet; if it has (a test process, a GPU host) and has enough devices, does nothing;
+    otherwise raises with the fix."""
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        if jax.device_count() >= count:
+            return
+        raise ConfigError(
+            f"{count} devices needed, jax already runs with {jax.device_count()}: start a fresh "
+            f"process, or set XLA_FLAGS=--xla_force_host_platform_device_count={count} before jax "
+            "starts")
+    simulate_cpu_devices(count)
+
+
 def make_mesh(
     axes: Mapping[str, int], devices: Sequence[jax.Device] | None = None, *, strict: bool = False
 ) -> Mesh:

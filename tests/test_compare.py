@@ -35,6 +35,10 @@ def test_compare_table_rows_and_outputs(tmp_path):
                                       if c["kind"] == kind)
         for kind in ("all-gather", "reduce-scatter"):
             assert per_op(row, kind) == pytest.approx(ratio * per_op(tp[row["shards"]], kind))
+    for q in result["ratios"]:  # the same fact, as the table reports it
+        assert q["ghost_width_over_block"] == q["ghost_width"] / (config.width / q["shards"])
+        for kind in ("all-gather", "reduce-scatter"):
+            assert q["bytes_per_collective"][kind] == pytest.approx(q["ghost_width_over_block"])
     json_path, png_path = write_outputs(result, tmp_path)
     assert json.loads(json_path.read_text())["rows"][0]["strategy"] == "tensor"
     assert png_path.stat().st_size > 10_000
