@@ -155,7 +155,8 @@ def plot_fig7(result: dict, path: Path) -> None:
     for r in result["rows"]:
         label = "TP (T1)" if r["strategy"] == "tensor" else f"phantom k={r['ghost_width']}"
         series.setdefault(label, []).append(r)
-    for label, group in sorted(series.items()):
+    order = lambda item: (not item[0].startswith("TP"), item[1][0]["ghost_width"] or 0)
+    for label, group in sorted(series.items(), key=order):
         group = sorted(group, key=lambda r: r["shards"])
         p = [r["shards"] for r in group]
         style = "k-o" if label.startswith("TP") else "-s"
