@@ -60,3 +60,31 @@ def test_fixed_loss_quick(tmp_path):
     assert paper["energy_total_ratio"]["paper"] == pytest.approx([0.1427, 0.8792], abs=1e-4)
     assert paper["iterations_ratio"]["paper"] == pytest.approx([157 / 453, 488 / 453])
     assert all(r["iterations_to_target"] is not None for r in result["rows"])
+
+
+@pytest.mark.slow
+def test_fixed_iteration_quick(tmp_path):
+    """Fig. 5: the measured part's HLO bytes equal the analytic step model's; every paper panel is
+    modelled for TP (T1), the paper's Table II TP and phantom."""
+    from jphantom.perf.step_model import StepShape, estimate_step
+
+    require_devices(4)
+    result = load("fixed_iteration").main(["--quick", "--out", str(tmp_path)])
+    assert (tmp_path / "fixed_iteration.png").stat().st_size > 10_000
+    saved = json.loads((tmp_path / "results.json").read_text())
+    measured = [r for r in saved["rows"] if r["part"] == "measured"]
+    assert {(r["shards"], r["ghost_width"]) for r in measured} == {
+        (p, k) for p in (2, 4) for k in (None, 2, 4)}
+    for r in measured:
+        shape = StepShape(r["strategy"], r["width"], r["depth"], r["shards"], r["batch"],
+                          ghost_width=r["ghost_width"])
+        assert r["collective_bytes_per_device"] == estimate_step(shape).collective_bytes
+        assert r["seconds_per_iteration_measured"] > 0
+    modelled = [r for r in saved["rows"] if r["part"] == "modelled"]
+    for panel in ("5a", "5b", "5c"):
+        strategies = {r["strategy"] for r in modelled if r["panel"] == panel}
+        assert strategies == {"tensor", "tensor-table2", "phantom"}
+        assert set(result["verdicts"][panel]) == {"paper", "metric", "t1", "table2"}
+    for r in modelled:
+        if r["strategy"] == "tensor-table2":  # T1 plus a broadcast and an all-reduce of n B
+            assert r["bytes_ratio_vs_tp"] > 1 and r["comm_ratio_vs_tp"] > 1
