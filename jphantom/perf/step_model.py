@@ -1,0 +1,471 @@
+"""Analytic per-rank model of one training step: FLOPs, collectives, memory and modelled time.
+
+For the seed-000 FFN (L layers of n x n, batch B, features sharded over p ranks) under
+
+- ``"tensor"``: TP layout T1 of :mod:`jphantom.sharding.tensor` (row-sharded W^(j) [n/p, n];
+  all-gather the [B, n/p] activations forward, reduce-scatter [B, n] -> [B, n/p] backward), or
+- ``"phantom"``: :mod:`jphantom.sharding.phantom` (local L [n/p, n/p], compressor C [k, n/p],
+  decompressors D [p, n/p, k]; all-gather of k B forward, reduce-scatter to k B backward), with the
+  fused decompressor (one GEMM, the default) or the paper's p-1 small GEMMs (``fused=False``),
+
+this module gives, per rank (per device) and per step (forward + backward + optimizer update), for
+any n, L, p, k, B, including sizes too large to run here (seed 000 Fig. 6: n = 131072 and 262144,
+p = 32..256):
+
+===========================  ===========  ============================================================
+quantity                     label        source
+===========================  ===========  ============================================================
+GEMM FLOPs, GEMM count       exact        the code's matrix products, counted below (2 FLOPs per
+                                          multiply-add); equal to the ``dot`` ops of the compiled HLO
+collectives (kind/count/     exact        ``phantom.collective_buffers`` / ``tensor.collective_buffers``
+bytes)                                    (verified against HLO in tests/test_hlo.py) + the scalar loss
+                                          all-reduce
+parameter, gradient,         exact        sizes of the arrays the code allocates per rank
+optimizer-state, batch bytes
+saved activations,           modelled     the rule in :func:`step_memory` (which residuals live from
+workspace, peak memory                    the forward to the backward); XLA's actual peak differs
+compute, comm, overhead,     modelled     FLOPs / (peak x efficiency); Eq. 26 with Table III; a per-GEMM
+total seconds                             overhead for the unfused decompressor
+===========================  ===========  ============================================================
+
+FLOPs per rank per step, m = n/p (every GEMM of the code; the first layer's input gradient is dead
+code, its only use would be dL/dx, and XLA removes it, as it removes T1's first reduce-scatter):
+
+    tensor (T1), per layer:   forward  y_full W^T               2 B n m
+                              backward dW = dz^T y_full          2 B n m
+                                       dy_full = dz W            2 B n m      (layers 2..L)
+        total = 2 B n m (3L - 1)           GEMMs: 3L - 1
+
+    phantom, fused, per layer:
+        forward   g = y C^T  2 B m k;  y L^T  2 B m^2;  [B, p k] x [p k, m]  2 B p k m   (3 GEMMs)
+        backward  messages dz D_all      2 B m p k                            (Eq. 17)
+                  [dz | Gamma]^T [y | G] 2 B (m + k)(m + p k)                 (Eqs. 19-21 in one GEMM;
+                                                 the k x p k corner Gamma^T G, 2 B k p k, is waste)
+                  dy = dz L + Gamma C    2 B m^2 + 2 B k m                    (layers 2..L)
+        The fused GEMMs run over all p slots (own slot masked to zero): p, not p - 1, decompressors.
+
+    phantom, unfused (the paper's implementation), per layer:
+        forward   2 B m k + 2 B m^2 + (p-1) 2 B k m              (2 + (p-1) GEMMs)
+        backward  messages (p-1) 2 B m k;  dD (p-1) 2 B m k;  dL 2 B m^2;  dC 2 B k m;
+                  dy 2 B m^2 + 2 B k m (layers 2..L)            (2(p-1) + 2 + 2 GEMMs)
+        = 3 x forward (the paper's Eqs. 22-24: backward = 2 x forward) less the first layer's dy;
+        3 (p-1) L of its GEMMs are the small [B, k] x [k, m]-shaped decompressor products.
+
+Memory per rank (``dtype`` bytes per element; ``optimizer_states`` per-parameter moments, 0 SGD,
+1 momentum, 2 Adam):
+
+    parameters   tensor: L (m n + m)            phantom: L (m^2 + k m + p m k + m)
+                 (phantom stores D as [p, m, k] per rank, *including* the unused own slot D^(j,j):
+                 m k per layer more than the paper's (p-1) decompressors)
+    gradients    = parameters (same shapes)
+    optimizer    = optimizer_states x parameters (scalar step counters, e.g. Adam's, not counted)
+    batch        input x and target y, 2 B m
+    activations  (modelled rule) for every layer, the arrays its weight-gradient GEMMs read, which must
+                 live from the forward to the backward:
+                   tensor          the all-gathered input [B, n]  (layer 1 too: x gathered is new)
+                   phantom fused   [B, m + p k]  (y and the received ghosts side by side, a copy)
+                   phantom unfused y [B, m] (layers 2..L; layer 1 reads the input batch) and the
+                                   gathered ghosts [p, B, k]
+                 plus one [B, m] pre-activation per hidden layer (the ReLU derivative) and the
+                 [B, m] residual of the MSE.
+    workspace    (modelled) phantom fused keeps the masked decompressor matrix [m, p k] of every layer
+                 from the forward to the backward (XLA computes it once per step); others 0. Other
+                 transient buffers (e.g. T1's [B, n] input gradient before its reduce-scatter) and
+                 allocator overheads are not modelled.
+    peak         parameters + gradients + optimizer + batch + activations + workspace: the usual
+                 "model states + activations" accounting of a framework that materialises all
+                 gradients before the update (PyTorch). XLA can fuse each update into its gradient
+                 and need less; frameworks with extra temporaries (e.g. a foreach Adam) need more.
+
+Time per step (modelled; no overlap of computation with communication, as Eq. 1 splits them):
+
+    compute_s  = FLOPs / (device.peak_flops x device.efficiency)
+    comm_s     = Eq. 26 summed over the step's collectives (``CommModel.step_time_us``; default
+                 ``comm_model.FRONTIER``, seed 000 Table III), all among the p ranks
+    overhead_s = 3 (p-1) L x gemm_overhead_s for phantom with ``fused=False`` (the p-1 small
+                 decompressor GEMMs per pass that the paper blames for Fig. 6's p = 256 slowdown;
+                 a kernel launch on a GPU), else 0: the O(L) large GEMMs' launches are not modelled
+                 for any strategy (a few L x 10 us)
+    total_s    = compute_s + comm_s + overhead_s
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any
+
+from jphantom.errors import ConfigError, JPhantomWarning
+from jphantom.perf.comm_model import FRONTIER, CommModel
+from jphantom.sharding import phantom, tensor
+from jphantom.sharding._common import check_depth, check_width
+
+STRATEGIES = ("tensor", "phantom")
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}
+"""Per-parameter state arrays of common optax optimizers (plain SGD, SGD with momentum, Adam)."""
+
+GIB = 2**30
+
+
+def _check_count(name: str, value: Any, minimum: int, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}={value!r} must be a whole number >= {minimum}; {fix}")
+    if value < minimum:
+        raise ConfigError(f"{name}={value} must be >= {minimum}; {fix}")
+    return value
+
+
+def _check_real(name: str, value: Any, *, low: float, high: float | None = None,
+                low_inclusive: bool = False, fix: str = "") -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r} must be a number, not a bool; {fix}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r} is not a number; {fix}") from None
+    too_low = number < low if low_inclusive else number <= low
+    if not math.isfinite(number) or too_low or (high is not None and number > high):
+        bound = f"{'>=' if low_inclusive else '>'} {low:g}" + (f" and <= {high:g}" if high else "")
+        raise ConfigError(f"{name}={value!r} must be finite and {bound}; {fix}")
+    return number
+
+
+# --------------------------------------------------------------------------------------------------
+# Device assumptions
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """What one rank's device is assumed to deliver (all of it is an assumption, not a measurement).
+
+    ``peak_flops`` [FLOP/s] in the step's dtype, ``efficiency`` the fraction of it the step's GEMMs
+    reach (0 < efficiency <= 1), ``memory_bytes`` the device memory, ``source`` where the numbers
+    come from.
+    """
+
+    name: str
+    peak_flops: float
+    efficiency: float
+    memory_bytes: int
+    source: str = ""
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"DeviceSpec.name={self.name!r} must be a non-empty string")
+        object.__setattr__(self, "peak_flops", _check_real(
+            "DeviceSpec.peak_flops", self.peak_flops, low=0.0,
+            fix="give the device's peak FLOP/s in the step's dtype, e.g. 47.9e12"))
+        object.__setattr__(self, "efficiency", _check_real(
+            "DeviceSpec.efficiency", self.efficiency, low=0.0, high=1.0,
+            fix="give the fraction of peak the GEMMs reach, e.g. 0.5"))
+        _check_count("DeviceSpec.memory_bytes", self.memory_bytes, 1,
+                     "give the device memory in bytes, e.g. 64 * 2**30")
+
+    @property
+    def flops_per_second(self) -> float:
+        """The modelled sustained rate, peak x efficiency."""
+        return self.peak_flops * self.efficiency
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"sustained_flops": self.flops_per_second}
+
+
+MI250X_GCD = DeviceSpec(
+    name="AMD Instinct MI250X, one GCD (Frontier)",
+    # 110 CUs per GCD x 256 FP32 FLOP/clock/CU on the matrix cores (MFMA) x 1.7 GHz peak engine
+    # clock = 47.87 TFLOP/s (AMD's MI250X datasheet: 95.7 TFLOP/s FP32 matrix for the 2-GCD package,
+    # 47.9 FP32 vector; FLOP/clock/CU from AMD's GPUOpen lab note "AMD matrix cores").
+    peak_flops=110 * 256 * 1.7e9,
+    efficiency=0.5,
+    memory_bytes=64 * GIB,
+    source=(
+        "peak: FP32 *matrix* (MFMA) peak of one GCD, 110 CU x 256 FLOP/clk/CU x 1.7 GHz = 47.9 "
+        "TFLOP/s (AMD MI250X datasheet, 95.7 TFLOP/s FP32 matrix per 2-GCD package; GPUOpen 'AMD "
+        "matrix cores' lab note); chosen over the 23.9 TFLOP/s vector peak because rocBLAS/"
+        "hipBLASLt FP32 GEMMs (PyTorch's fp32 matmul on ROCm) run on the matrix cores. efficiency "
+        "0.5 is our assumption for the large GEMMs of this step, not a measurement (modelled "
+        "compute time scales as 1/efficiency). memory: 64 GiB HBM2e per GCD (128 GB per MI250X, "
+        "seed 000 Sec. VI); usable memory is somewhat less (runtime, allocator)"
+    ),
+)
+"""Frontier's device in seed 000: one Graphics Compute Die of an AMD MI250X."""
+
+
+# --------------------------------------------------------------------------------------------------
+# The step
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """One training step to model; validated on construction (``ConfigError`` names the fix).
+
+    ``strategy`` "tensor" (T1) or "phantom"; ``width`` n, ``depth`` L, ``num_shards`` p, ``batch``
+    B, ``ghost_width`` k (phantom only), ``fused`` (phantom's decompressor: one GEMM or the paper's
+    p-1), ``dtype`` of parameters, activations and messages, ``optimizer_states`` per-parameter
+    moments (see ``OPTIMIZER_STATES``), ``loss_allreduce``: count the scalar all-reduce of the MSE
+    loss (the only other collective of jphantom's compiled step; ``tests/test_hlo.py``).
+    """
+
+    strategy: str
+    width: int
+    depth: int
+    num_shards: int
+    batch: int
+    ghost_width: int | None = None
+    fused: bool = True
+    dtype: str = "float32"
+    optimizer_states: int = 0
+    loss_allreduce: bool = True
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(
+                f"strategy={self.strategy!r} has no step model; use one of {STRATEGIES} ('tensor' is "
+                "TP layout T1 of jphantom.sharding.tensor)"
+            )
+        _check_count("width", self.width, 1, "it is n, the layer width")
+        _check_count("num_shards", self.num_shards, 1, "it is p, the number of ranks")
+        check_width(self.width, self.num_shards)
+        _check_count("depth", self.depth, 1, "it is L, the number of n x n layers")
+        check_depth(self.depth)
+        _check_count("batch", self.batch, 1, "it is B, the samples per step")
+        if self.dtype not in DTYPE_BYTES:
+            raise ConfigError(f"dtype={self.dtype!r} is not modelled; use one of {sorted(DTYPE_BYTES)}")
+        _check_count("optimizer_states", self.optimizer_states, 0,
+                     f"per-parameter optimizer arrays, e.g. {OPTIMIZER_STATES}")
+        if not isinstance(self.fused, bool) or not isinstance(self.loss_allreduce, bool):
+            raise ConfigError(f"fused={self.fused!r} and loss_allreduce={self.loss_allreduce!r} "
+                              "must be True or False")
+        if self.strategy == "phantom":
+            if self.ghost_width is None:
+                raise ConfigError("strategy='phantom' needs ghost_width (k of seed 000), e.g. 64")
+            _check_count("ghost_width", self.ghost_width, 1, "it is k, the ghost neurons per rank")
+            with warnings.catch_warnings():  # Eq. 8's bound: legal, only warned about
+                warnings.simplefilter("ignore", JPhantomWarning)
+                phantom.PhantomConfig(self.width, self.ghost_width, self.num_shards, self.depth)
+        else:
+            if self.ghost_width is not None:
+                raise ConfigError(f"ghost_width={self.ghost_width} is only for strategy='phantom'; "
+                                  "leave it None for 'tensor'")
+            if not self.fused:
+                raise ConfigError("fused=False is phantom's unfused decompressor; leave fused=True "
+                                  "for strategy='tensor'")
+
+    @property
+    def block(self) -> int:
+        """m = n/p, the features each rank owns."""
+        return self.width // self.num_shards
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def label(self) -> str:
+        if self.strategy == "tensor":
+            return "tensor (T1)"
+        return "phantom (fused)" if self.fused else "phantom (unfused)"
+
+
+def step_flops(shape: StepShape) -> dict:
+    """Exact GEMM FLOPs per rank of one step (module docstring), 2 FLOPs per multiply-add.
+
+    Returns ``forward``, ``backward``, ``total``, ``by_op`` (FLOPs of each family of products),
+    ``gemms`` (matrix products per step: the ``dot`` ops of the compiled step) and
+    ``decompressor_gemms`` (phantom unfused: the 3 (p-1) L small ones; else 0). Element-wise work
+    (bias, ReLU, loss, optimizer update) is not counted.
+    """
+    n, L, p, B, m = shape.width, shape.depth, shape.num_shards, shape.batch, shape.block
+    inner = L - 1  # layers whose input gradient is live (all but the first)
+    if shape.strategy == "tensor":
+        forward = 2 * B * n * m * L
+        backward = 2 * B * n * m * (L + inner)
+        return {"forward": forward, "backward": backward, "total": forward + backward,
+                "by_op": {"weight": forward + backward}, "gemms": 3 * L - 1,
+                "decompressor_gemms": 0}
+    k = shape.ghost_width
+    local = 2 * B * m * m * (L + L + inner)  # forward, dL (Eq. 19), dy through L (Eq. 17)
+    compressor = 2 * B * k * m * (L + L + inner)  # ghosts (Eq. 11), dC (Eq. 20), dy through C
+    if shape.fused:
+        slots = p  # one GEMM over all p slots, the own one masked
+        decompressor = 3 * 2 * B * slots * k * m * L  # Eq. 11, messages (Eq. 17), dD (Eq. 21)
+        corner = 2 * B * k * (p * k) * L  # Gamma^T G block of the fused outer product, unused
+        forward = L * (2 * B * m * k + 2 * B * m * m + 2 * B * p * k * m)
+        gemms = 3 * L + 2 * L + 2 * inner
+        decompressor_gemms = 0
+    else:
+        decompressor = 3 * 2 * B * (p - 1) * k * m * L
+        corner = 0
+        forward = L * (2 * B * m * k + 2 * B * m * m + 2 * B * (p - 1) * k * m)
+        decompressor_gemms = 3 * (p - 1) * L
+        gemms = L * (2 + (p - 1)) + L * (2 * (p - 1) + 2) + 2 * inner
+    total = local + compressor + decompressor + corner
+    by_op = {"local": local, "compressor": compressor, "decompressor": decompressor}
+    if shape.fused:
+        by_op["fused_corner"] = corner
+    return {"forward": forward, "backward": total - forward, "total": total, "by_op": by_op,
+            "gemms": gemms, "decompressor_gemms": decompressor_gemms}
+
+
+def step_collectives(shape: StepShape) -> list[dict]:
+    """Exact collective inventory per rank of one step, ``[{"kind", "count", "bytes"}]`` merged per
+    kind (``hlo.summarize``'s form, what ``CommModel.step_time_us`` takes); bytes are per-device
+    result bytes. From ``phantom.collective_buffers`` / ``tensor.collective_buffers(layout="t1")``,
+    plus (``loss_allreduce``) the scalar all-reduce of the loss. A one-rank mesh has none (XLA
+    removes collectives over a single device)."""
+    if shape.num_shards == 1:
+        return []
+    if shape.strategy == "tensor":
+        buffers = tensor.collective_buffers(width=shape.width, num_shards=shape.num_shards,
+                                            depth=shape.depth, batch=shape.batch, layout="t1")
+    else:
+        buffers = phantom.collective_buffers(width=shape.width, ghost_width=shape.ghost_width,
+                                             num_shards=shape.num_shards, depth=shape.depth,
+                                             batch=shape.batch)
+    buffers = {kind: list(sizes) for kind, sizes in buffers.items()}
+    if shape.loss_allreduce:
+        buffers.setdefault("all-reduce", []).append(1)
+    return [{"kind": kind, "count": len(sizes), "bytes": shape.dtype_bytes * sum(sizes)}
+            for kind, sizes in buffers.items() if sizes]
+
+
+def parameter_elements(shape: StepShape) -> int:
+    """Elements of the parameter arrays one rank stores (biases included; phantom's own D slot too)."""
+    n, L, m = shape.width, shape.depth, shape.block
+    if shape.strategy == "tensor":
+        return L * (m * n + m)
+    k, p = shape.ghost_width, shape.num_shards
+    return L * (m * m + k * m + p * m * k + m)
+
+
+def step_memory(shape: StepShape) -> dict:
+    """Bytes per rank (module docstring): ``parameters``, ``gradients``, ``optimizer_state``,
+    ``batch`` (exact array sizes), ``activations`` and ``workspace`` (modelled rule), ``total``
+    (modelled peak), and ``own_decompressor_slot`` (phantom: the part of ``parameters`` that is the
+    unused D^(j,j) block)."""
+    n, L, p, B, m = shape.width, shape.depth, shape.num_shards, shape.batch, shape.block
+    size = shape.dtype_bytes
+    params = size * parameter_elements(shape)
+    hidden_and_loss = L * B * m  # L-1 ReLU pre-activations + the MSE residual
+    if shape.strategy == "tensor":
+        saved = L * B * n
+        workspace = 0
+        own_slot = 0
+    else:
+        k = shape.ghost_width
+        if shape.fused:
+            saved = L * B * (m + p * k)
+            workspace = L * m * p * k
+        else:
+            saved = (L - 1) * B * m + L * p * B * k
+            workspace = 0
+        own_slot = size * L * m * k
+    memory = {
+        "parameters": params,
+        "gradients": params,
+        "optimizer_state": shape.optimizer_states * params,
+        "batch": size * 2 * B * m,
+        "activations": size * (saved + hidden_and_loss),
+        "workspace": size * workspace,
+    }
+    memory["total"] = sum(memory.values())
+    memory["own_decompressor_slot"] = own_slot
+    return memory
+
+
+EXACT_MEMORY = ("parameters", "gradients", "optimizer_state", "batch", "own_decompressor_slot")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEstimate:
+    """The model of one step per rank. ``flops``, ``collectives``, ``collective_bytes`` and the
+    memory entries in ``EXACT_MEMORY`` are exact formulas; ``seconds``, the other memory entries and
+    ``fits_in_memory`` are modelled (``as_dict`` files them under "exact" and "modelled")."""
+
+    shape: StepShape
+    device: DeviceSpec
+    comm_model_name: str
+    gemm_overhead_s: float
+    flops: dict
+    collectives: list
+    memory: dict
+    seconds: dict
+
+    @property
+    def collective_bytes(self) -> int:
+        return sum(row["bytes"] for row in self.collectives)
+
+    @property
+    def total_seconds(self) -> float:
+        return self.seconds["total"]
+
+    @property
+    def fits_in_memory(self) -> bool:
+        return self.memory["total"] <= self.device.memory_bytes
+
+    def as_dict(self) -> dict:
+        return {
+            "config": dataclasses.asdict(self.shape) | {"label": self.shape.label},
+            "exact": {
+                "flops": self.flops,
+                "collectives": self.collectives,
+                "collective_bytes": self.collective_bytes,
+                "memory_bytes": {key: self.memory[key] for key in EXACT_MEMORY},
+            },
+            "modelled": {
+                "memory_bytes": {key: value for key, value in self.memory.items()
+                                 if key not in EXACT_MEMORY},
+                "fits_in_memory": self.fits_in_memory,
+                "memory_fraction": self.memory["total"] / self.device.memory_bytes,
+                "seconds": self.seconds,
+            },
+            "assumptions": {
+                "device": self.device.as_dict(),
+                "comm_model": self.comm_model_name,
+                "gemm_overhead_s": self.gemm_overhead_s,
+                "overlap": "none: total = compute + comm + overhead",
+            },
+        }
+
+
+def estimate_step(shape: StepShape, *, device: DeviceSpec = MI250X_GCD,
+                  comm_model: CommModel = FRONTIER, gemm_overhead_s: float = 0.0) -> StepEstimate:
+    """FLOPs, collectives, memory and modelled seconds of one step per rank (module docstring).
+
+    ``gemm_overhead_s`` is charged once per small decompressor GEMM of phantom with ``fused=False``
+    (3 (p-1) L per step); it is ignored for the fused layout and for TP.
+    """
+    if not isinstance(shape, StepShape):
+        raise ConfigError(f"shape={shape!r} must be a StepShape")
+    if not isinstance(device, DeviceSpec):
+        raise ConfigError(f"device={device!r} must be a DeviceSpec, e.g. step_model.MI250X_GCD")
+    if not isinstance(comm_model, CommModel):
+        raise ConfigError(f"comm_model={comm_model!r} must be a CommModel, e.g. comm_model.FRONTIER")
+    overhead = _check_real("gemm_overhead_s", gemm_overhead_s, low=0.0, low_inclusive=True,
+                           fix="give seconds per small GEMM, e.g. 10e-6 for a GPU kernel launch")
+    flops = step_flops(shape)
+    collectives = step_collectives(shape)
+    compute = flops["total"] / device.flops_per_second
+    comm = comm_model.step_time_us(collectives, shape.num_shards) * 1e-6 if collectives else 0.0
+    extra = flops["decompressor_gemms"] * overhead
+    seconds = {"compute": compute, "comm": comm, "gemm_overhead": extra,
+               "total": compute + comm + extra}
+    return StepEstimate(shape, device, comm_model.name, overhead, flops, collectives,
+                        step_memory(shape), seconds)
+
+
+def break_even_gemm_overhead(tensor_step: StepEstimate, unfused_step: StepEstimate) -> float:
+    """Seconds per small decompressor GEMM at which unfused phantom's modelled step equals TP's:
+    (t_TP - t_phantom without overhead) / (3 (p-1) L). Negative: phantom is slower even with no
+    overhead; ``math.inf`` if the phantom step has no small GEMMs (p = 1)."""
+    if tensor_step.shape.strategy != "tensor" or unfused_step.shape.strategy != "phantom" \
+            or unfused_step.shape.fused:
+        raise ConfigError("break_even_gemm_overhead needs a 'tensor' estimate and an unfused "
+                          "'phantom' estimate (StepShape(..., fused=False))")
+    gemms = unfused_step.flops["decompressor_gemms"]
+    slack = tensor_step.total_seconds - (unfused_step.seconds["compute"] + unfused_step.seconds["comm"])
+    return slack / gemms if gemms else math.inf
