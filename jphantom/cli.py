@@ -71,14 +71,16 @@ def _ghost_widths(text: str):
 
 def _compare(args: argparse.Namespace) -> int:
     _setup_devices(args.devices)
-    from jphantom.compare import CompareConfig, format_table, run_compare, write_outputs
+    from jphantom.compare import (CompareConfig, format_table, gpu_meter_factory, run_compare,
+                                  write_outputs)
 
     config = CompareConfig(
         width=args.width, depth=args.depth, shards=args.shards, ghost_widths=args.ghost_width,
         target_loss=args.target_loss, seeds=args.seeds, batch=args.batch,
         learning_rate=args.learning_rate, max_steps=args.max_steps, eval_every=args.eval_every,
     )
-    result = run_compare(config, progress=not args.no_progress)
+    meter_factory = gpu_meter_factory() if args.energy == "auto" else None
+    result = run_compare(config, progress=not args.no_progress, meter_factory=meter_factory)
     json_path, png_path = write_outputs(result, args.out)
     print(format_table(result))
     print(f"\nwrote {json_path} and {png_path}")
@@ -151,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--eval-every", type=int, default=10)
     compare.add_argument("--out", default="out/compare", help="output folder (default out/compare)")
     compare.add_argument("--no-progress", action="store_true", help="no progress bar")
+    compare.add_argument("--energy", choices=("auto", "model"), default="auto",
+                         help="auto: measure with NVML on NVIDIA GPUs, else model it (Eq. 1); "
+                              "model: always the Eq. 1 model (default auto)")
     compare.add_argument("--devices", type=int, default=8,
                          help="simulated CPU devices (default 8); 0 = the machine's real devices")
     compare.set_defaults(handler=_compare)

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from jphantom.analysis.inspect import StepSpec, inspect_step
 from jphantom.data import Teacher, TeacherConfig
-from jphantom.energy import PowerModel, energy_per_iteration
+from jphantom.energy import NvmlPowerMeter, PowerModel, energy_per_iteration
 from jphantom.errors import ConfigError
 from jphantom.perf.comm_model import FRONTIER
 from jphantom.sharding import phantom
@@ -120,9 +120,31 @@ def _mean_or_none(values):
     return statistics.fmean(values) if values and all(v is not None for v in values) else None
 
 
+def gpu_meter_factory(log=print):
+    """``meter_factory`` for :func:`run_compare` on NVIDIA GPUs, or None (with the reason logged).
+
+    Returns ``p -> NvmlPowerMeter`` over NVML GPUs 0..p-1 (jax's GPU ids are assumed to match NVML's
+    indices, as they do without a CUDA_VISIBLE_DEVICES reordering) when jax runs on GPUs and NVML
+    can read power; otherwise None, and the energy is modelled.
+    """
+    if jax.default_backend() != "gpu":
+        log(f"energy: modelled (jax backend is {jax.default_backend()!r}, no GPU to meter)")
+        return None
+    ok, why = NvmlPowerMeter.available()
+    if not ok:
+        log(f"energy: modelled ({why})")
+        return None
+    log(f"energy: measured with NVML on {why}, training window only")
+    return lambda num_shards: NvmlPowerMeter(device_indices=list(range(num_shards)))
+
+
 def run_compare(config: CompareConfig, *, power: PowerModel = PowerModel(), progress: bool = True,
-                log=print) -> dict:
-    """Train every (strategy, p, k) for every seed and return ``{"config", "rows", ...}``."""
+                log=print, meter_factory=None) -> dict:
+    """Train every (strategy, p, k) for every seed and return ``{"config", "rows", ...}``.
+
+    ``meter_factory``: ``p -> meter`` (see :func:`gpu_meter_factory`); each run is metered over its
+    training window and the row's energy is then ``"measured"`` (the model's figures stay in the
+    row under ``*_modelled``). Without it the energy is modelled."""
     teacher = Teacher(TeacherConfig(width=config.width, train_size=config.train_size,
                                     eval_size=config.eval_size))
     jobs = [("tensor", p, None) for p in config.shards]
@@ -137,7 +159,8 @@ def run_compare(config: CompareConfig, *, power: PowerModel = PowerModel(), prog
                 name, width=config.width, depth=config.depth, num_shards=p, ghost_width=k,
                 batch=config.batch, optimizer=config.optimizer, learning_rate=config.learning_rate,
                 max_steps=config.max_steps, target_loss=config.target_loss,
-                eval_every=config.eval_every, seed=seed), teacher)
+                eval_every=config.eval_every, seed=seed), teacher,
+                meter=meter_factory(p) if meter_factory else None)
             runs.setdefault((family, p, k), []).append(result)
             bar.update()
     bar.close()
@@ -157,7 +180,12 @@ def run_compare(config: CompareConfig, *, power: PowerModel = PowerModel(), prog
         mean_iterations = _mean_or_none(iterations)
         alpha = report["flops"] / matmul_rate
         beta = FRONTIER.step_time_us(report["collectives"], p) * 1e-6
-        per_iteration = energy_per_iteration(alpha, beta, power, devices=p)
+        modelled_per_iteration = energy_per_iteration(alpha, beta, power, devices=p)
+        metered = [r.joules_per_step for r in results]
+        if all(j is not None for j in metered):
+            per_iteration, source = statistics.fmean(metered), "measured"
+        else:
+            per_iteration, source = modelled_per_iteration, "modelled"
         rows.append({
             "strategy": family,
             "shards": p,
@@ -175,7 +203,12 @@ def run_compare(config: CompareConfig, *, power: PowerModel = PowerModel(), prog
             "flops_per_device": report["flops"],
             "energy_per_iteration_j": per_iteration,
             "energy_total_j": None if mean_iterations is None else per_iteration * mean_iterations,
-            "energy_source": "modelled",
+            "energy_source": source,
+            "energy_per_iteration_j_modelled": modelled_per_iteration,
+            "energy_meter": None if source == "modelled" else {
+                "device_names": list(results[0].energy.device_names),
+                "mean_watts": statistics.fmean(r.energy.mean_watts for r in results),
+                "metered_steps": [r.metered_steps for r in results]},
             "proxy_params_x_iterations": None if mean_iterations is None
             else report["params"] * mean_iterations,
             "eval_curves": [{"steps": r.eval_steps, "losses": r.eval_losses} for r in results],
@@ -251,8 +284,11 @@ def format_table(result: dict) -> str:
     fmt = lambda v, spec: "-" if v is None else format(v, spec)
     lines = [
         f"Target held-out MSE {result['target_loss']:.4g} ({result['target_rule']}); energy is "
-        f"modelled (Eq. 1, A={result['power_model']['busy_watts']:g} W, "
-        f"B={result['power_model']['idle_watts']:g} W, comm by Eq. 26 {result['comm_model']}).",
+        + ("measured (NVML, training window only)" if all(
+            r["energy_source"] == "measured" for r in result["rows"]) else
+           f"modelled (Eq. 1, A={result['power_model']['busy_watts']:g} W, "
+           f"B={result['power_model']['idle_watts']:g} W, comm by Eq. 26 {result['comm_model']})")
+        + ".",
         "",
         f"{'strategy':<9}{'p':>3}{'k':>4}{'params':>10}{'iters':>8}{'±':>6}{'ms/iter':>9}"
         f"{'coll. KB/iter':>14}{'J/iter':>10}{'total J':>10}  source",

@@ -109,6 +109,15 @@ class TrainResult:
     iterations_to_target: int | None
     step_seconds: list[float]  # wall time of each step after the compiled one, start-up excluded
     compile_seconds: float
+    energy: object | None = None  # a PowerMeasurement when train() got a meter
+    metered_steps: int = 0  # steps inside the metered window
+
+    @property
+    def joules_per_step(self) -> float | None:
+        """Metered energy per step (all metered devices), or None without a meter."""
+        if self.energy is None or self.metered_steps == 0:
+            return None
+        return self.energy.joules / self.metered_steps
 
     @property
     def median_step_seconds(self) -> float:
@@ -130,10 +139,15 @@ def evaluate(loss_fn, params, teacher: Teacher, batch: int, sharding) -> float:
 
 
 def train(config: TrainConfig, teacher: Teacher | None = None, *, metrics_path=None,
-          progress: bool = False) -> TrainResult:
+          progress: bool = False, meter=None) -> TrainResult:
     """Train ``config.strategy`` on the teacher until ``target_loss`` (held-out MSE, checked every
     ``eval_every`` steps) or ``max_steps``. Raises :class:`TrainingDiverged` naming the step on a
-    NaN/inf loss. ``metrics_path`` gets one JSON line per step (and per evaluation)."""
+    NaN/inf loss. ``metrics_path`` gets one JSON line per step (and per evaluation).
+
+    ``meter`` (e.g. :class:`jphantom.energy.NvmlPowerMeter`): started after the first step has
+    finished (compilation and runtime start-up excluded, as seed 000 excludes initialisation) and
+    stopped after the last; its window spans the remaining steps and their held-out evaluations.
+    The result's ``energy`` and ``metered_steps`` give joules per step."""
     strategy = strategies.get(config.strategy)
     dtype = jnp.dtype(config.dtype)
     teacher = teacher or Teacher(TeacherConfig(width=config.width, seed=config.seed), dtype)
@@ -156,6 +170,7 @@ def train(config: TrainConfig, teacher: Teacher | None = None, *, metrics_path=N
     compile_seconds = time.perf_counter() - start
 
     result = TrainResult(config, [], [], [], None, [], compile_seconds)
+    meter_running = False
     sink = open(metrics_path, "a") if metrics_path else None
     bar = tqdm(total=config.max_steps, desc=f"{config.strategy} p={config.num_shards}",
                disable=not progress, leave=False)
@@ -168,6 +183,10 @@ def train(config: TrainConfig, teacher: Teacher | None = None, *, metrics_path=N
             loss = float(loss)  # waits for the step
             if index > 0:  # the first call includes one-off runtime start-up
                 result.step_seconds.append(time.perf_counter() - tick)
+                result.metered_steps += meter is not None
+            elif meter is not None and config.max_steps > 1:
+                meter.start()
+                meter_running = True
             if not math.isfinite(loss):
                 raise TrainingDiverged(
                     f"training loss is {loss} at step {index + 1} ({config.strategy}, "
@@ -191,4 +210,7 @@ def train(config: TrainConfig, teacher: Teacher | None = None, *, metrics_path=N
         bar.close()
         if sink:
             sink.close()
+        if meter_running:
+            measurement = meter.stop()
+            result.energy = measurement if result.metered_steps else None
     return result

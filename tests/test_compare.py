@@ -57,3 +57,23 @@ def test_compare_rejects_bad_settings(capsys):
     with pytest.raises(SystemExit):
         cli.main(["compare", "--shards", "two"])
     assert "not a comma-separated list of integers" in capsys.readouterr().err
+
+
+def test_compare_uses_a_power_meter_when_given(tmp_path):
+    """With a meter (here a fake 100 W per device sampler) every row's energy is measured over the
+    training window; the model's figure stays next to it."""
+    from jphantom.energy import NvmlPowerMeter
+
+    config = CompareConfig(width=32, shards=(2,), ghost_widths=(2,), seeds=(0,), batch=16,
+                           max_steps=20, eval_every=10, train_size=512, eval_size=64)
+    factory = lambda p: NvmlPowerMeter(interval_s=0.005, sampler=lambda: [100.0] * p,
+                                       device_names=[f"fake{i}" for i in range(p)])
+    result = run_compare(config, progress=False, log=lambda *a: None, meter_factory=factory)
+    for row in result["rows"]:
+        assert row["energy_source"] == "measured"
+        assert row["energy_meter"]["device_names"] == ["fake0", "fake1"]
+        assert row["energy_meter"]["mean_watts"] == pytest.approx(200.0)
+        assert row["energy_meter"]["metered_steps"] == [19]  # the first (start-up) step excluded
+        assert row["energy_per_iteration_j"] > 0 and row["energy_per_iteration_j_modelled"] > 0
+        assert row["energy_total_j"] == pytest.approx(row["energy_per_iteration_j"]
+                                                      * row["iterations_to_target"])

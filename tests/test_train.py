@@ -48,6 +48,22 @@ def test_nan_loss_is_reported_with_its_step():
         train(config, _teacher())
 
 
+def test_meter_spans_the_training_window_and_is_stopped_on_divergence():
+    from jphantom.energy import NvmlPowerMeter
+
+    meter = NvmlPowerMeter(interval_s=0.005, sampler=lambda: 50.0)
+    result = train(TrainConfig("dense", width=32, batch=16, max_steps=12), _teacher(), meter=meter)
+    assert result.metered_steps == 11  # every step but the first (compilation, start-up)
+    assert result.energy.mean_watts == pytest.approx(50.0)
+    assert result.joules_per_step == pytest.approx(result.energy.joules / 11)
+    diverging = TrainConfig("dense", width=32, depth=2, batch=32, optimizer="sgd",
+                            learning_rate=1e12, max_steps=50)
+    with pytest.raises(TrainingDiverged):
+        train(diverging, _teacher(), meter=meter)
+    meter.start()  # would raise "called twice" had the diverged run left it running
+    meter.stop()
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(strategy="phantom", width=32, num_shards=4), "needs ghost_width"),
     (dict(strategy="dense", width=32, learning_rate=float("nan")), "learning_rate=nan"),
