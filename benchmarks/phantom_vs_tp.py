@@ -124,7 +124,7 @@ def build_matmuls(mesh, size):
     from jax.sharding import PartitionSpec as P
 
     from jphantom.analysis.timing import Runner
-    from jphantom.analysis.timing import xla_flops as _flops
+    from jphantom.analysis.inspect import xla_flops as _flops
 
     p = mesh.shape["model"]
     rows = max(size // p, 1) * p

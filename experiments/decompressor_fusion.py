@@ -15,7 +15,7 @@ runs, which are too large to run as a whole here (n·k·p floats of decompressor
 collectives cut out (their results are inputs), jitted. Fused and unfused run round-robin (the order
 alternating) so that load from other processes hits both alike; the time is the median of
 ``--repeats`` calls, each ended by ``block_until_ready``, after a warm-up call. Also reported, from
-the compiled HLO: the number of dot (GEMM) ops and XLA's FLOP count.
+the compiled HLO: the number of dot (GEMM) ops and their FLOPs, and XLA's FLOP count.
 
 Measured here on a CPU: the *ratio* unfused / fused and how it grows with p is the result. A GPU adds
 a kernel-launch latency per GEMM (several μs) that a CPU does not have, so the unfused penalty on a
@@ -48,6 +48,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
+from jphantom.analysis import hlo  # noqa: E402
+from jphantom.analysis.inspect import xla_flops  # noqa: E402
 from jphantom.analysis.machine import machine_info  # noqa: E402
 from jphantom.sharding import phantom  # noqa: E402
 
@@ -125,13 +127,9 @@ def compile_variant(inputs, fused):
     start = time.perf_counter()
     compiled = fn.lower(*inputs).compile()
     compile_s = time.perf_counter() - start
-    text = compiled.as_text()
-    dots = sum(1 for line in text.splitlines() if " dot(" in line or "= dot(" in line
-               or " custom-call(" in line and "matmul" in line.lower())
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return compiled, {"compile_seconds": compile_s, "dot_ops": dots,
-                      "xla_flops": float((cost or {}).get("flops", 0.0))}
+    dot_flops, dot_ops = hlo.dot_flops(compiled.as_text())
+    return compiled, {"compile_seconds": compile_s, "dot_ops": dot_ops, "dot_flops": dot_flops,
+                      "xla_flops": xla_flops(compiled)}
 
 
 def time_round_robin(compiled, inputs, repeats):

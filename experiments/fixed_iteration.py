@@ -135,7 +135,6 @@ def measured_part(args) -> list[dict]:
                 "comm_seconds_modelled_frontier": FRONTIER.step_time_us(report["collectives"], p)
                 * 1e-6,
             })
-        del runners
     for row in rows:  # ratios against TP at the same p
         tp = next(r for r in rows if r["shards"] == row["shards"] and r["strategy"] == "tensor")
         row["time_ratio_vs_tp_measured"] = (row["seconds_per_iteration_measured"]
@@ -180,19 +179,20 @@ def modelled_part(batch: int) -> list[dict]:
             tp = estimates[0]
             table2_comm = table_two_tp_comm_seconds(n, depth, p, batch)
             table2_total = tp.seconds["compute"] + table2_comm
+            # result buffers per layer: all-gather n B, reduce-scatter (n/p) B, broadcast and
+            # all-reduce n B each (float32)
+            table2_bytes = 4 * depth * batch * (3 * n + n // p)
             rows.append({
                 "part": "modelled", "panel": panel, "width": n, "depth": depth, "shards": p,
                 "strategy": "tensor-table2", "ghost_width": None, "batch": batch,
                 "flops_per_device": tp.flops["total"],
-                # result buffers per layer: all-gather n B, reduce-scatter (n/p) B, broadcast and
-                # all-reduce n B each (float32)
-                "collective_bytes_per_device": 4 * depth * batch * (3 * n + n // p),
+                "collective_bytes_per_device": table2_bytes,
                 "comm_seconds_modelled": table2_comm,
                 "compute_seconds_modelled": tp.seconds["compute"],
                 "total_seconds_modelled": table2_total,
                 "comm_ratio_vs_tp": table2_comm / tp.seconds["comm"],
                 "total_ratio_vs_tp": table2_total / tp.total_seconds,
-                "bytes_ratio_vs_tp": 4 * depth * batch * (3 * n + n // p) / tp.collective_bytes,
+                "bytes_ratio_vs_tp": table2_bytes / tp.collective_bytes,
             })
             for shape, est in zip(shapes, estimates):
                 rows.append({

@@ -103,10 +103,10 @@ def paper_vs_ours(result: dict) -> dict:
     ours = result["ratios"]
     span = lambda values: [min(values), max(values)] if values else None
     valid = lambda key: [q[key] for q in ours if q[key] is not None]
-    rows = {r["shards"]: r for r in result["rows"] if r["strategy"] == "tensor"}
+    tp_rows = {r["shards"]: r for r in result["rows"] if r["strategy"] == "tensor"}
     proxy = [next(r for r in result["rows"] if r["strategy"] == "phantom"
                   and r["shards"] == q["shards"] and r["ghost_width"] == q["ghost_width"])
-             ["proxy_params_x_iterations"] / rows[q["shards"]]["proxy_params_x_iterations"]
+             ["proxy_params_x_iterations"] / tp_rows[q["shards"]]["proxy_params_x_iterations"]
              for q in ours if q["iterations_to_target"] is not None]
     paper = paper_rows()
     e9 = result["small_p_phantom_vs_large_p_tp"]

@@ -183,7 +183,8 @@ def train(config: TrainConfig, teacher: Teacher | None = None, *, metrics_path=N
             loss = float(loss)  # waits for the step
             if index > 0:  # the first call includes one-off runtime start-up
                 result.step_seconds.append(time.perf_counter() - tick)
-                result.metered_steps += meter is not None
+                if meter is not None:
+                    result.metered_steps += 1
             elif meter is not None and config.max_steps > 1:
                 meter.start()
                 meter_running = True

@@ -19,8 +19,8 @@ import optax
 import pytest
 
 from jphantom import strategies
-from jphantom.analysis.hlo import collectives, summarize
-from jphantom.analysis.inspect import StepSpec, compile_step
+from jphantom.analysis.hlo import collectives, dot_flops, summarize
+from jphantom.analysis.inspect import StepSpec, compile_step, xla_flops
 from jphantom.errors import ConfigError
 from jphantom.perf.comm_model import FRONTIER
 from jphantom.perf.step_model import (
@@ -38,39 +38,6 @@ from jphantom.perf.step_model import (
 from conftest import require_devices
 
 WIDTH, BATCH, GHOST = 64, 16, 3
-
-_DEFINES = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*[a-z0-9]+\[([0-9,]*)\]")
-_DOT = re.compile(
-    r"=\s*[a-z0-9]+\[([0-9,]*)\]\S*\s+dot\(\s*(?:[a-z0-9]+\[[0-9,]*\]\S*\s+)?%?([\w.\-]+)"
-)
-_LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
-
-
-def _dims(text: str) -> list[int]:
-    return [int(d) for d in text.split(",") if d]
-
-
-def hlo_dot_flops(hlo_text: str) -> tuple[int, int]:
-    """(FLOPs, count) of every ``dot`` in an optimized HLO module, 2 per multiply-add:
-    2 x (elements of the result) x (product of the lhs contracting dimensions). Fusion bodies
-    included; each instruction name is defined once per module, so operand shapes are looked up by
-    name."""
-    shapes = {}
-    for line in hlo_text.splitlines():
-        match = _DEFINES.match(line)
-        if match:
-            shapes[match[1]] = _dims(match[2])
-    flops = count = 0
-    for line in hlo_text.splitlines():
-        dot = _DOT.search(line)
-        if not dot:
-            continue
-        lhs = shapes[dot[2]]
-        contracted = math.prod(lhs[d] for d in _dims(_LHS_CONTRACTING.search(line)[1]))
-        flops += 2 * math.prod(_dims(dot[1])) * contracted
-        count += 1
-    return flops, count
-
 
 def _shape_of(name: str, num_shards: int, depth: int, optimizer_states: int = 0) -> StepShape:
     if name == "tensor-t1":
@@ -95,16 +62,14 @@ def test_flops_collectives_and_arguments_match_compiled_step(name, num_shards, d
     flops = step_flops(shape)
 
     # GEMM FLOPs and the number of GEMMs equal the compiled step's dot instructions exactly.
-    assert hlo_dot_flops(compiled.as_text()) == (flops["total"], flops["gemms"])
+    assert dot_flops(compiled.as_text()) == (flops["total"], flops["gemms"])
     assert flops["forward"] + flops["backward"] == flops["total"] == sum(flops["by_op"].values())
 
     # XLA's cost_analysis also counts element-wise work (bias, ReLU and its derivative, MSE, the
     # own-slot masks, the SGD update): O(B n/p + parameters) per layer against the GEMMs'
     # O(B x parameters), i.e. a few FLOPs per element against 2B = 32 per parameter here. Measured
     # surplus at these sizes: 3-15 %; it can only add, never remove, FLOPs.
-    cost = compiled.cost_analysis()
-    xla_flops = float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
-    assert flops["total"] <= xla_flops <= 1.2 * flops["total"]
+    assert flops["total"] <= xla_flops(compiled) <= 1.2 * flops["total"]
 
     # Collectives: the same kinds, counts and bytes as the compiled HLO (incl. the loss all-reduce).
     by_kind = sorted(summarize(collectives(compiled.as_text())), key=lambda row: row["kind"])

@@ -1,4 +1,4 @@
-"""Parse the collectives out of compiled HLO text.
+"""Parse the collectives (and the GEMMs) out of compiled HLO text.
 
 ``collectives(hlo_text)`` lists every collective instruction with its kind (the HLO op name:
 "all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all"), result shapes,
@@ -11,6 +11,7 @@ for them.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections import OrderedDict
 
@@ -101,3 +102,36 @@ def summarize(found: list[Collective]) -> list[dict]:
         row["count"] += 1
         row["bytes"] += c.bytes
     return list(table.values())
+
+
+_DEFINES = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*[a-z0-9]+\[([0-9,]*)\]")
+_DOT = re.compile(
+    r"=\s*[a-z0-9]+\[([0-9,]*)\]\S*\s+dot\(\s*(?:[a-z0-9]+\[[0-9,]*\]\S*\s+)?%?([\w.\-]+)"
+)
+_LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+
+
+def _dims(text: str) -> list[int]:
+    return [int(d) for d in text.split(",") if d]
+
+
+def dot_flops(hlo_text: str) -> tuple[int, int]:
+    """(FLOPs, count) of every ``dot`` in an optimized HLO module, 2 per multiply-add:
+    2 x (elements of the result) x (product of the lhs contracting dimensions). Fusion bodies
+    included; each instruction name is defined once per module, so operand shapes are looked up by
+    name. Unlike ``cost_analysis()``, element-wise work is not counted: these are the GEMMs alone."""
+    shapes = {}
+    for line in hlo_text.splitlines():
+        match = _DEFINES.match(line)
+        if match:
+            shapes[match[1]] = _dims(match[2])
+    flops = count = 0
+    for line in hlo_text.splitlines():
+        dot = _DOT.search(line)
+        if not dot:
+            continue
+        lhs = shapes[dot[2]]
+        contracted = math.prod(lhs[d] for d in _dims(_LHS_CONTRACTING.search(line)[1]))
+        flops += 2 * math.prod(_dims(dot[1])) * contracted
+        count += 1
+    return flops, count

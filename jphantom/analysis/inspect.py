@@ -64,7 +64,9 @@ def compile_step(spec: StepSpec, optimizer: optax.GradientTransformation | None 
     return compiled, time.perf_counter() - start
 
 
-def _flops(compiled) -> float:
+def xla_flops(compiled) -> float:
+    """FLOPs of a compiled executable as XLA's ``cost_analysis()`` counts them (per device for an
+    SPMD program; element-wise work included, see ``hlo.dot_flops`` for the GEMMs alone)."""
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else {}
@@ -93,7 +95,7 @@ def inspect_step(spec: StepSpec) -> dict:
              "replica_groups": c.replica_groups}
             for c in found
         ],
-        "flops": _flops(compiled),
+        "flops": xla_flops(compiled),
         "params": strategies.param_count(spec.strategy, width=spec.width, depth=spec.depth,
                                          num_shards=spec.num_shards, ghost_width=spec.ghost_width),
         "memory": _memory(compiled),

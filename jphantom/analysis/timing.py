@@ -17,15 +17,8 @@ from jax.sharding import Mesh
 
 from jphantom import strategies
 from jphantom.analysis.hlo import collectives, summarize
+from jphantom.analysis.inspect import xla_flops
 from jphantom.train import make_train_step
-
-
-def xla_flops(compiled) -> float:
-    """FLOPs of a compiled executable as XLA counts them (per device for an SPMD program)."""
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else {}
-    return float((cost or {}).get("flops", 0.0))
 
 
 class Runner:
