@@ -1,13 +1,32 @@
-"""Device meshes from named axis sizes, and CPU device simulation for scripts.
+"""Device meshes: a frozen, validated description of named axis sizes, built with ``jax.make_mesh``.
 
-jphantom builds every mesh with ``AxisType.Auto`` axes: the parallel layers use ``jax.shard_map`` with
-explicit ``in_specs``/``out_specs`` (so every collective is written by hand), and the GSPMD baseline
-relies on the compiler choosing collectives from ``NamedSharding`` annotations, which is what Auto
-axes are for. ``jax.make_mesh`` defaults to Explicit axes in jax 0.10; we never rely on that.
+Every jphantom program runs on one mesh whose axes come from a fixed vocabulary, outermost first:
+
+=========  ================================================================================
+axis       what it splits
+=========  ================================================================================
+``data``   the batch (data parallelism; ZeRO shards optimizer state, gradients, parameters)
+``stage``  the layers (pipeline parallelism)
+``expert`` the experts of a mixture-of-experts layer
+``z``      AxoNN's 3D matrix multiply, depth axis (seed 004 ch. 5)
+``y``      AxoNN's 3D matrix multiply, column axis
+``x``      AxoNN's 3D matrix multiply, row axis
+``model``  the features of every layer (tensor and phantom parallelism): innermost, so that its
+           devices are contiguous, as Megatron and AxoNN place tensor parallelism inside a node
+=========  ================================================================================
+
+A :class:`MeshConfig` lists only the axes a run uses, always in that order (``"model=4,data=2"`` is
+the same mesh as ``"data=2,model=4"``). Absent axes have size 1 and are not part of the mesh: a
+layer asks :meth:`MeshConfig.size` and skips the collectives of a trivial axis.
+
+All axes are ``AxisType.Auto``: the parallel layers run inside ``jax.shard_map`` with explicit specs
+(every collective written by hand), and the GSPMD baseline lets ``jax.jit`` choose collectives from
+``NamedSharding`` annotations, which is what Auto axes are for.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -18,6 +37,128 @@ from jax.sharding import AxisType, Mesh
 
 from jphantom.errors import ConfigError
 
+AXES = ("data", "stage", "expert", "z", "y", "x", "model")
+MAX_SIMULATED_DEVICES = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Named axis sizes in the canonical order of :data:`AXES`. Validated on construction.
+
+    ``MeshConfig.of({"data": 2, "model": 4})``, ``MeshConfig.parse("data=2,model=4")``.
+    """
+
+    axes: tuple[tuple[str, int], ...]
+
+    def __post_init__(self):
+        if not self.axes:
+            raise ConfigError("the mesh has no axes: give at least one, e.g. 'model=8' or {'model': 8}")
+        seen = set()
+        for name, size in self.axes:
+            if name not in AXES:
+                raise ConfigError(f"unknown mesh axis {name!r}: use names from {AXES} "
+                                  "(e.g. 'data=2,model=4')")
+            if name in seen:
+                raise ConfigError(f"mesh axis {name!r} is given twice: give each axis once")
+            seen.add(name)
+            if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+                raise ConfigError(f"mesh axis {name!r} has size {size!r}; sizes must be integers >= 1")
+        ordered = tuple(sorted(((n, int(s)) for n, s in self.axes), key=lambda a: AXES.index(a[0])))
+        object.__setattr__(self, "axes", ordered)
+
+    @classmethod
+    def of(cls, axes: Mapping[str, int] | MeshConfig) -> MeshConfig:
+        if isinstance(axes, MeshConfig):
+            return axes
+        if not isinstance(axes, Mapping):
+            raise ConfigError(f"mesh axes must be a mapping like {{'model': 8}}, got {axes!r}")
+        return cls(tuple(axes.items()))
+
+    @classmethod
+    def parse(cls, text: str) -> MeshConfig:
+        """``"data=2,model=4"`` -> MeshConfig. The one parser of mesh strings (CLI, TOML)."""
+        axes = []
+        for item in str(text).split(","):
+            item = item.strip()
+            if not item:
+                continue
+            name, sep, value = item.partition("=")
+            if not sep:
+                raise ConfigError(f"mesh entry {item!r} is not NAME=SIZE: write e.g. 'data=2,model=4'")
+            try:
+                size = int(value.strip())
+            except ValueError:
+                raise ConfigError(f"mesh axis {name.strip()!r} has size {value.strip()!r}, not an "
+                                  "integer: write e.g. 'data=2,model=4'") from None
+            axes.append((name.strip(), size))
+        return cls(tuple(axes))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.axes)
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return dict(self.axes)
+
+    @property
+    def device_count(self) -> int:
+        return math.prod(size for _, size in self.axes)
+
+    def size(self, name: str) -> int:
+        """Size of axis ``name``; 1 if the mesh does not have it."""
+        return self.shape.get(name, 1)
+
+    def __str__(self) -> str:
+        return ",".join(f"{name}={size}" for name, size in self.axes)
+
+    def build(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
+        """The ``jax.sharding.Mesh`` over ``devices`` (default: all of ``jax.devices()``), whose
+        count must equal the product of the axis sizes."""
+        pool = list(jax.devices()) if devices is None else list(devices)
+        if self.device_count != len(pool):
+            platform = pool[0].platform if pool else "none"
+            hint = (f"on CPU simulate them with `--devices {self.device_count}`"
+                    if self.device_count > len(pool) else
+                    f"pass devices=jax.devices()[:{self.device_count}] to use a subset")
+            raise ConfigError(
+                f"mesh {self} needs {self.device_count} devices but {len(pool)} are given "
+                f"({platform}). Fix: use a mesh whose sizes multiply to {len(pool)}, or {hint}.")
+        return jax.make_mesh(tuple(size for _, size in self.axes), self.names,
+                             axis_types=(AxisType.Auto,) * len(self.axes), devices=pool)
+
+
+def make_mesh(axes: Mapping[str, int] | MeshConfig | str,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """``make_mesh({"data": 2, "model": 4})`` or ``make_mesh("data=2,model=4")``: the mesh over
+    ``devices`` (default all devices; the sizes must multiply to their count)."""
+    config = MeshConfig.parse(axes) if isinstance(axes, str) else MeshConfig.of(axes)
+    return config.build(devices)
+
+
+def first_devices(count: int) -> list[jax.Device]:
+    """The first ``count`` devices, for meshes smaller than the machine (tests, shard sweeps)."""
+    if count < 1:
+        raise ConfigError(f"device count {count} must be >= 1")
+    if count > jax.device_count():
+        raise ConfigError(
+            f"{count} devices needed but {jax.device_count()} are available "
+            f"({jax.devices()[0].platform}): on CPU simulate more with `--devices {count}`")
+    return jax.devices()[:count]
+
+
+def mesh_config_of(mesh: Mesh) -> MeshConfig:
+    return MeshConfig(tuple((name, int(size)) for name, size in mesh.shape.items()))
+
+
+def axis_size(mesh: Mesh, axis: str) -> int:
+    """Size of ``axis`` in ``mesh``, with a clear error if the mesh has no such axis."""
+    if axis not in mesh.shape:
+        raise ConfigError(
+            f"mesh axes {tuple(mesh.axis_names)} have no axis {axis!r}: build the mesh with it, e.g. "
+            f"make_mesh({{{axis!r}: N}}), or pass axis=<one of {tuple(mesh.axis_names)}>")
+    return int(mesh.shape[axis])
+
 
 def simulate_cpu_devices(count: int) -> None:
     """Make the CPU backend expose ``count`` devices. Call before jax initialises its backends.
@@ -25,11 +166,12 @@ def simulate_cpu_devices(count: int) -> None:
     Scripts and the CLI call this in their entry points (never at import time of the library). If the
     backend is already up with a different device count, this raises instead of silently doing nothing.
     """
-    if count < 1:
-        raise ConfigError(f"device count {count} must be >= 1")
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_SIMULATED_DEVICES:
+        raise ConfigError(f"simulated device count {count!r} must be an integer in "
+                          f"[1, {MAX_SIMULATED_DEVICES}]")
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
         have = jax.local_device_count() if jax.default_backend() == "cpu" else None
         if have == count:
             return
@@ -38,9 +180,8 @@ def simulate_cpu_devices(count: int) -> None:
             f"(backend={jax.default_backend()!r}, local devices={jax.local_device_count()}). Call it "
             "first thing in your script, before any jax computation, or set "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={count} in the environment."
-        )
-    jax.config.update("jax_num_cpu_devices", count)
-    # Also export the flag so that child processes (and older jax versions) see the same count.
+        ) from None
+    # Also export the flag so that child processes see the same count.
     flag = f"--xla_force_host_platform_device_count={count}"
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join([*flags, flag])
@@ -50,50 +191,12 @@ def ensure_devices(count: int) -> None:
     """Scripts' entry: at least ``count`` devices. Simulates ``count`` CPU devices if jax has not
     started yet; if it has (a test process, a GPU host) and has enough devices, does nothing;
     otherwise raises with the fix."""
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
+    try:
+        simulate_cpu_devices(count)
+    except RuntimeError:
         if jax.device_count() >= count:
             return
         raise ConfigError(
             f"{count} devices needed, jax already runs with {jax.device_count()}: start a fresh "
             f"process, or set XLA_FLAGS=--xla_force_host_platform_device_count={count} before jax "
-            "starts")
-    simulate_cpu_devices(count)
-
-
-def make_mesh(
-    axes: Mapping[str, int], devices: Sequence[jax.Device] | None = None, *, strict: bool = False
-) -> Mesh:
-    """Build a mesh from named axis sizes, e.g. ``make_mesh({"data": 2, "model": 4})``.
-
-    The product of the sizes must not exceed the number of devices. With ``strict=False`` (default) a
-    smaller mesh takes the first devices, which is how tests run p=2 on 8 simulated devices; with
-    ``strict=True`` the product must equal the device count exactly.
-    """
-    if not axes:
-        raise ConfigError("mesh axes are empty: pass at least one axis, e.g. {'model': 8}")
-    for name, size in axes.items():
-        if not isinstance(size, (int, np.integer)) or size < 1:
-            raise ConfigError(f"mesh axis {name!r} has size {size!r}; sizes must be integers >= 1")
-    needed = math.prod(axes.values())
-    pool = list(jax.devices()) if devices is None else list(devices)
-    if needed > len(pool) or (strict and needed != len(pool)):
-        raise ConfigError(
-            f"mesh {dict(axes)} needs {needed} devices but {len(pool)} are available "
-            f"({pool[0].platform if pool else 'none'}). Fix: use a mesh whose sizes multiply to at most "
-            f"{len(pool)}, or on CPU simulate more devices with `--devices {needed}` / "
-            f"jphantom.mesh.simulate_cpu_devices({needed}) before jax initialises."
-        )
-    grid = np.asarray(pool[:needed], dtype=object).reshape(tuple(axes.values()))
-    return Mesh(grid, tuple(axes.keys()), axis_types=(AxisType.Auto,) * len(axes))
-
-
-def axis_size(mesh: Mesh, axis: str) -> int:
-    """Size of ``axis`` in ``mesh``, with a clear error if the mesh has no such axis."""
-    if axis not in mesh.shape:
-        raise ConfigError(
-            f"mesh axes {tuple(mesh.axis_names)} have no axis {axis!r}: build the mesh with it, e.g. "
-            f"make_mesh({{{axis!r}: N}}), or pass axis=<one of {tuple(mesh.axis_names)}>"
-        )
-    return int(mesh.shape[axis])
+            "starts") from None

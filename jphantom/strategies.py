@@ -1,140 +1,358 @@
-"""The registry of parallel FFN strategies: the choice of parallel layer is data, not an ``if``.
+"""The registry of parallel strategies: the choice of parallel layer is data, not an ``if``.
 
-A :class:`Strategy` bundles one sharding module's functions behind one interface, so that models,
-the training loop, the inspector and the benchmarks take a strategy *name* and never branch on it.
+One vocabulary of names, shared by the CLI, the Python API, ``results.json``, the cost model and
+the docs:
 
-========================  ==============================================================  ==========
-name                      what runs                                                        module
-========================  ==============================================================  ==========
-``dense``                 unsharded FFN on one device (the oracle)                         dense
-``gspmd``                 the dense FFN with NamedSharding annotations; jit picks          dense
-                          the collectives (what a JAX user writes without jphantom)
-``phantom``               phantom parallelism, fused decompressor                          phantom
-``phantom-unfused``       phantom parallelism, the paper's p-1 decompressor GEMMs          phantom
-``tensor-t1``             TP, row-sharded weights, all-gather / reduce-scatter             tensor
-``tensor-t2``             TP, Megatron column/row pairs with f/g                           tensor
-========================  ==============================================================  ==========
+===================  =====================================================  ===========  ==========
+name                 what runs                                              models       module
+===================  =====================================================  ===========  ==========
+``dense``            the unsharded model on one device (the oracle)         ffn, trans.  dense
+``gspmd``            the dense model with ``NamedSharding`` annotations;    ffn, trans.  dense,
+                     ``jax.jit`` chooses the collectives (what a JAX user                transformer
+                     writes without jphantom)
+``tensor``           Megatron tensor parallelism: column/row pairs with     ffn, trans.  tensor,
+                     f and g (seed 002); ``sequence_parallel=True`` adds                 tensor_tr.
+                     Megatron-SP (seed 003) in the transformer
+``tensor-t1``        seed 000's TP: row-sharded weights, all-gather         ffn          tensor
+                     forward / reduce-scatter backward
+``phantom``          phantom parallelism (seed 000), fused decompressor     ffn, trans.  phantom,
+                                                                                         phantom_tr.
+``phantom-unfused``  phantom with the paper's p-1 decompressor GEMMs        ffn, trans.  phantom
+===================  =====================================================  ===========  ==========
+
+A strategy is an object implementing :class:`Strategy`: given a model configuration and a mesh it
+returns a :class:`jphantom.step.Program` (parameters, their specs, the per-rank loss), and it
+reports the collectives one step performs (:meth:`Strategy.collective_inventory`), which the cost
+model uses instead of branching on names. Adding a strategy touches one module and one
+:func:`register` line.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from functools import partial
+from typing import Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jphantom.errors import ConfigError
+from jphantom.mesh import MeshConfig
+from jphantom.models.ffn import FFNConfig, mse
 from jphantom.sharding import dense, phantom, tensor
+from jphantom.step import Program
+
+MODELS = ("ffn", "transformer")
+FEATURE_AXIS = "model"
+DATA_AXIS = "data"
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """What every parallel strategy provides."""
+
+    name: str
+    description: str
+    family: str  # "dense": dense-shaped weights, any degree; "phantom": p is part of the model
+    models: tuple[str, ...]
+
+    def program(self, model_config, mesh: MeshConfig, **options) -> Program:
+        """The model under this strategy on ``mesh``; raises ConfigError for what cannot run."""
+
+    def collective_inventory(self, model_config, mesh: MeshConfig, batch: int,
+                             **options) -> dict[str, list[int]]:
+        """Per-device result elements of each collective kind in one training step."""
+
+
+def _only_axes(mesh: MeshConfig, allowed: tuple[str, ...], strategy: str) -> None:
+    extra = [name for name, size in mesh.axes if name not in allowed and size > 1]
+    if extra:
+        raise ConfigError(f"strategy {strategy!r} runs on mesh axes {allowed}, not {extra}: "
+                          f"drop them from the mesh ({mesh})")
+
+
+def _data_spec(mesh: MeshConfig):
+    return DATA_AXIS if DATA_AXIS in mesh.shape else None
+
+
+def _check_batch_axes(mesh: MeshConfig, strategy: str, model_axis: bool = True) -> None:
+    _only_axes(mesh, (DATA_AXIS, FEATURE_AXIS) if model_axis else (DATA_AXIS,), strategy)
 
 
 @dataclasses.dataclass(frozen=True)
-class Strategy:
-    """One way of running the FFN. ``sharded`` strategies place params with a leading shard axis."""
-
+class _Base:
     name: str
-    family: str  # "dense", "phantom" or "tensor": which model it is (TP and GSPMD are the dense model)
     description: str
-    _init: Callable
-    _apply: Callable  # (params, x, mesh, axis) -> y
-    _dense_equivalent: Callable
-    _param_specs: Callable  # (params, axis) -> pytree of PartitionSpec
-    uses_ghost_width: bool = False
-    single_device: bool = False
+    family: str
+    models: tuple[str, ...]
 
-    def init(self, key, *, width, depth, num_shards=1, ghost_width=None, dtype=jnp.float32):
-        if self.uses_ghost_width:
-            if ghost_width is None:
-                raise ConfigError(f"strategy {self.name!r} needs ghost_width (k of seed 000)")
-            return self._init(key, width=width, depth=depth, num_shards=num_shards,
-                              ghost_width=ghost_width, dtype=dtype)
-        return self._init(key, width=width, depth=depth, num_shards=num_shards, dtype=dtype)
+    def _check_model(self, model_config):
+        model = getattr(model_config, "model_name", None)
+        if model not in self.models:
+            raise ConfigError(f"strategy {self.name!r} runs the models {self.models}, not "
+                              f"{model!r}: pick one of {strategies_for(model)}")
+        return model
 
-    def apply(self, params, x, mesh: Mesh | None, axis: str = "model"):
-        return self._apply(params, x, mesh, axis)
+    def program(self, model_config, mesh: MeshConfig, *, sequence_parallel: bool = False
+                ) -> Program:
+        model = self._check_model(model_config)
+        mesh = MeshConfig.of(mesh)
+        if sequence_parallel and (model != "transformer" or self.name != "tensor"):
+            raise ConfigError("sequence_parallel applies to the transformer under strategy "
+                              f"'tensor' (Megatron-SP), not to {model} under {self.name!r}")
+        if model == "ffn":
+            return self._ffn_program(model_config, mesh)
+        return _transformer_program(self, model_config, mesh, sequence_parallel)
 
-    def dense_equivalent(self, params):
-        return self._dense_equivalent(params)
-
-    def param_specs(self, params, axis: str = "model"):
-        return self._param_specs(params, axis)
-
-    def place(self, params, mesh: Mesh | None, axis: str = "model"):
-        """Put params on the mesh with this strategy's sharding (single-device: first device)."""
-        if self.single_device or mesh is None:
-            return jax.device_put(params, jax.devices()[0])
-        specs = self.param_specs(params, axis)
-        return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)
-
-    def input_sharding(self, mesh: Mesh | None, axis: str = "model"):
-        """Activations [batch, width]: features sharded over ``axis`` (replicated for ``dense``)."""
-        if self.single_device or mesh is None:
-            return jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        return NamedSharding(mesh, P(None, axis))
+    def collective_inventory(self, model_config, mesh, batch, **options):
+        model = self._check_model(model_config)
+        if model == "ffn":
+            return self._ffn_collectives(model_config, MeshConfig.of(mesh), batch)
+        return _transformer_collectives(self, model_config, MeshConfig.of(mesh), batch, **options)
 
 
-def _leading_axis_specs(params, axis):
-    return jax.tree.map(lambda _: P(axis), params)
+def _feature_program(name, config: FFNConfig, mesh: MeshConfig, *, init, specs, per_rank,
+                     dense_equivalent, param_count) -> Program:
+    """An FFN whose activations are sharded on features over ``model`` and batch over ``data``."""
+    _check_batch_axes(mesh, name)
+    p = mesh.size(FEATURE_AXIS)
+    data = _data_spec(mesh)
+    batch_spec = P(data, FEATURE_AXIS if FEATURE_AXIS in mesh.shape else None)
+    total = mesh.size(DATA_AXIS)
+    axis = FEATURE_AXIS
+
+    def loss(params, x, t):
+        y = per_rank(params, x, axis=axis)
+        return jnp.sum(jnp.square(y - t)) / (x.shape[0] * total * config.width)
+
+    if FEATURE_AXIS not in mesh.shape:
+        raise ConfigError(f"strategy {name!r} shards features over the 'model' axis: add it to the "
+                          f"mesh (e.g. 'model={jax.device_count()}'), got {mesh}")
+    return Program(
+        strategy=name, model="ffn", mesh=mesh, init=init, param_specs=specs,
+        batch_specs=(batch_spec, batch_spec), loss=loss, manual=True,
+        loss_partial_axes=(FEATURE_AXIS,), dense_equivalent=dense_equivalent,
+        forward=lambda params, x: per_rank(params, x, axis=axis), output_spec=batch_spec,
+        param_count=param_count, options={"num_shards": p})
 
 
-def _dense_init(key, *, width, depth, num_shards, dtype):
-    del num_shards
-    return dense.init(key, width=width, depth=depth, dtype=dtype)
+@dataclasses.dataclass(frozen=True)
+class DenseStrategy(_Base):
+    """``dense`` (one device) and ``gspmd`` (NamedSharding annotations, jit's collectives)."""
+
+    annotated: bool = False
+
+    def _ffn_program(self, config: FFNConfig, mesh: MeshConfig, **options) -> Program:
+        dtype = jnp.dtype(config.dtype)
+        init = lambda key: dense.init(key, width=config.width, depth=config.depth, dtype=dtype)
+        count = dense.param_count(config.width, config.depth)
+        if not self.annotated:
+            if mesh.device_count != 1:
+                raise ConfigError(f"strategy 'dense' runs on one device, not on mesh {mesh}: use "
+                                  "'model=1', or 'gspmd' / 'tensor' / 'phantom' for several devices")
+            return Program("dense", "ffn", mesh, init, {"weight": P(), "bias": P()}, (P(), P()),
+                           lambda params, x, t: mse(dense.forward(params, x), t),
+                           manual=False, dense_equivalent=lambda params: params,
+                           forward=dense.forward, output_spec=P(), param_count=count)
+        _check_batch_axes(mesh, self.name)
+        axis = FEATURE_AXIS if FEATURE_AXIS in mesh.shape else None
+        activation = P(_data_spec(mesh), axis)
+        specs = dense.gspmd_specs(axis)
+
+        def loss_on(mesh_obj):  # GSPMD needs the concrete mesh for its sharding constraints
+            return lambda params, x, t: mse(dense.gspmd_forward(params, x, mesh_obj, activation), t)
+
+        return Program("gspmd", "ffn", mesh, init, specs, (activation, activation), loss_on,
+                       manual=False, binds_mesh=True, dense_equivalent=lambda params: params,
+                       output_spec=activation, param_count=count)
+
+    def _ffn_collectives(self, config, mesh, batch):
+        raise ConfigError(f"strategy {self.name!r} has no hand-written collectives to list: "
+                          "inspect its compiled step instead (jphantom inspect)")
 
 
-def _gspmd_apply(params, x, mesh, axis):
-    # Pin the activations' layout at every layer boundary, as one would in a MaxText-style model.
-    spec = NamedSharding(mesh, P(None, axis))
-    x = jax.lax.with_sharding_constraint(x, spec)
-    for index, layer in enumerate(params):
-        x = x @ layer["weight"].T + layer["bias"]
-        x = x if index == len(params) - 1 else jax.nn.relu(x)
-        x = jax.lax.with_sharding_constraint(x, spec)
-    return x
+@dataclasses.dataclass(frozen=True)
+class TensorStrategy(_Base):
+    layout: str = "megatron"  # or "t1"
+
+    def _ffn_program(self, config: FFNConfig, mesh: MeshConfig, **options) -> Program:
+        p = mesh.size(FEATURE_AXIS)
+        from jphantom.sharding._common import check_width
+        check_width(config.width, p)
+        dtype = jnp.dtype(config.dtype)
+        dense_init = lambda key: dense.init(key, width=config.width, depth=config.depth, dtype=dtype)
+        if self.layout == "t1":
+            return _feature_program(
+                self.name, config, mesh, init=dense_init, specs=tensor.t1_specs(FEATURE_AXIS),
+                per_rank=tensor.t1_per_rank, dense_equivalent=lambda params: params,
+                param_count=dense.param_count(config.width, config.depth))
+        return _feature_program(
+            self.name, config, mesh, init=lambda key: tensor.megatron_from_dense(dense_init(key)),
+            specs=tensor.megatron_specs(FEATURE_AXIS), per_rank=tensor.megatron_per_rank,
+            dense_equivalent=tensor.megatron_dense_equivalent,
+            param_count=dense.param_count(config.width, config.depth))
+
+    def _ffn_collectives(self, config, mesh, batch):
+        return tensor.collective_buffers(width=config.width, num_shards=mesh.size(FEATURE_AXIS),
+                                         depth=config.depth, batch=batch, layout=self.layout)
 
 
-def _identity(params):
-    return params
+@dataclasses.dataclass(frozen=True)
+class PhantomStrategy(_Base):
+    fused: bool = True
+
+    def _ffn_program(self, config: FFNConfig, mesh: MeshConfig, **options) -> Program:
+        p = mesh.size(FEATURE_AXIS)
+        if config.ghost_width is None:
+            raise ConfigError(f"strategy {self.name!r} needs ghost_width (k of seed 000), e.g. "
+                              "--ghost-width 16")
+        phantom.PhantomConfig(config.width, config.ghost_width, p, config.depth)
+        dtype = jnp.dtype(config.dtype)
+        init = lambda key: phantom.init(key, width=config.width, ghost_width=config.ghost_width,
+                                        num_shards=p, depth=config.depth, dtype=dtype)
+        return _feature_program(
+            self.name, config, mesh, init=init, specs=phantom.linear_specs(FEATURE_AXIS),
+            per_rank=partial(phantom.ffn_per_rank, fused=self.fused),
+            dense_equivalent=phantom.dense_equivalent,
+            param_count=phantom.param_count(config.width, config.ghost_width, p, config.depth))
+
+    def _ffn_collectives(self, config, mesh, batch):
+        return phantom.collective_buffers(width=config.width, ghost_width=config.ghost_width,
+                                          num_shards=mesh.size(FEATURE_AXIS), depth=config.depth,
+                                          batch=batch)
+
+
+def _divides(what: str, value: int, p: int, fix: str) -> None:
+    if value % p:
+        raise ConfigError(f"{what}={value} is not divisible by the model axis size {p}: {fix}")
+
+
+def _transformer_program(strategy, config, mesh: MeshConfig, sequence_parallel: bool) -> Program:
+    """The GPT transformer (:mod:`jphantom.models.transformer`) under ``strategy`` on ``mesh``:
+    tokens and targets [B, S] split over ``data``; the loss is the mean next-token cross-entropy."""
+    from jphantom.models import transformer as tr
+    from jphantom.sharding import phantom_transformer
+
+    data = _data_spec(mesh)
+    batch_spec = P(data, None)
+    data_size = mesh.size(DATA_AXIS)
+    dense_init = lambda key: tr.init_dense(key, config)
+    count = config.param_count()
+    name = strategy.name
+    if name in ("dense", "gspmd"):
+        if name == "dense" and mesh.device_count != 1:
+            raise ConfigError(f"strategy 'dense' runs on one device, not on mesh {mesh}: use "
+                              "'model=1', or 'gspmd' / 'tensor' / 'phantom' for several devices")
+        _check_batch_axes(mesh, name)
+        axis = FEATURE_AXIS if FEATURE_AXIS in mesh.shape else None
+        specs = (tensor.transformer_specs(axis, untied_head=not config.tied_head) if name == "gspmd"
+                 else jax.tree.map(lambda _: P(), jax.eval_shape(dense_init, jax.random.PRNGKey(0))))
+
+        def bind(mesh_obj, what):
+            from jax.sharding import NamedSharding
+            residual = NamedSharding(mesh_obj, P(data, None, None))
+            constrain = ((lambda h: jax.lax.with_sharding_constraint(h, residual))
+                         if name == "gspmd" else (lambda h: h))
+            layers = dense.TransformerLayers(config.layer_norm_eps, constrain)
+            if what == "loss":
+                return lambda params, tokens, targets: tr.loss_sum(
+                    layers, config, params, tokens, targets) / targets.size
+            return lambda params, tokens: tr.logits_of(layers, config, params, tokens)
+
+        return Program(name, "transformer", mesh, dense_init, specs, (batch_spec, batch_spec),
+                       lambda m: bind(m, "loss"), manual=False, binds_mesh=True,
+                       dense_equivalent=lambda params: params,
+                       forward=lambda m: bind(m, "logits"), output_spec=P(data, None, None),
+                       param_count=count, options={"sequence_parallel": False})
+
+    _check_batch_axes(mesh, name)
+    p = mesh.size(FEATURE_AXIS)
+    _divides("heads", config.heads, p, "every rank must hold whole attention heads; pick heads "
+             "divisible by the model axis or a smaller model axis")
+    _divides("vocab_size", config.vocab_size, p, "the vocabulary is split over the model axis; pad "
+             "it to a multiple (jphantom.models.transformer.logits pads GPT-2's automatically)")
+    if name == "tensor":
+        if sequence_parallel:
+            _divides("seq_len", config.seq_len, p, "sequence parallelism splits the sequence over "
+                     "the model axis; pick a sequence length divisible by it")
+        layers = tensor.TransformerLayers(FEATURE_AXIS, config.layer_norm_eps, sequence_parallel)
+        init, specs = dense_init, tensor.transformer_specs(FEATURE_AXIS,
+                                                           untied_head=not config.tied_head)
+        if not config.tied_head:
+            raise ConfigError("strategy 'tensor' ties the LM head to the token embedding (GPT-2); "
+                              "use tied_head=True")
+        dense_equivalent = lambda params: params
+    else:
+        if config.ghost_width is None:
+            raise ConfigError(f"strategy {name!r} needs ghost_width (k ghost neurons per rank and "
+                              "token, seed 000), e.g. --ghost-width 8")
+        layers = phantom_transformer.TransformerLayers(FEATURE_AXIS, config.layer_norm_eps,
+                                                       config.hidden, fused=strategy.fused)
+        init = lambda key: phantom_transformer.init(key, config, p)
+        specs = phantom_transformer.specs(FEATURE_AXIS)
+        dense_equivalent = phantom_transformer.dense_equivalent
+        count = phantom_transformer.param_count(config, p)
+
+    def loss(params, tokens, targets):  # this rank's share of the global mean
+        return tr.loss_sum(layers, config, params, tokens, targets) / (targets.size * data_size)
+
+    return Program(name, "transformer", mesh, init, specs, (batch_spec, batch_spec), loss,
+                   manual=True, dense_equivalent=dense_equivalent,
+                   forward=lambda params, tokens: tr.logits_of(layers, config, params, tokens),
+                   output_spec=P(data, None, FEATURE_AXIS), param_count=count,
+                   options={"sequence_parallel": sequence_parallel, "num_shards": p})
+
+
+def _transformer_collectives(strategy, config, mesh: MeshConfig, batch: int, *,
+                             sequence_parallel: bool = False) -> dict[str, list[int]]:
+    """Per-device result elements of each collective kind in one step over the model axis
+    (docstrings of :mod:`jphantom.sharding.tensor` and :mod:`.phantom_transformer`); ``batch`` is
+    the per-data-rank batch. The data-parallel gradient all-reduce is not included."""
+    p, L, h, s, v = (mesh.size(FEATURE_AXIS), config.layers, config.hidden, config.seq_len,
+                     config.vocab_size)
+    tokens = batch * s
+    if strategy.name == "tensor":
+        if not sequence_parallel:
+            # embed AR fwd; per block 2 g fwd + 2 f bwd; head f bwd; CE 3 AR of B*S
+            return {"all-reduce": [tokens * h] * (1 + 4 * L + 1) + [tokens] * 3}
+        return {"reduce-scatter": [tokens * h // p] * (1 + 2 * L + 2 * L + 1),
+                "all-gather": [tokens * h] * (2 * L + 2 * L + 1) + [0] * 0,
+                "all-reduce": [tokens] * 3}
+    if strategy.family == "phantom":
+        k = config.ghost_width
+        projections = 4 * L + 1
+        return {"all-gather": [tokens * p * k] * projections,
+                "reduce-scatter": [tokens * k] * projections,
+                "all-reduce": [tokens] * (8 * L + 4 + 3)}
+    raise ConfigError(f"strategy {strategy.name!r} has no hand-written collectives to list: "
+                      "inspect its compiled step instead (jphantom inspect)")
 
 
 REGISTRY: dict[str, Strategy] = {}
 
 
-def _register(strategy: Strategy) -> None:
+def register(strategy: Strategy) -> Strategy:
+    if not isinstance(strategy, Strategy):
+        raise TypeError(f"{strategy!r} does not implement jphantom.strategies.Strategy")
     REGISTRY[strategy.name] = strategy
+    return strategy
 
 
-_register(Strategy(
-    "dense", "dense", "unsharded FFN on one device (the single-device oracle)",
-    _dense_init, lambda params, x, mesh, axis: dense.forward(params, x), _identity,
-    lambda params, axis: jax.tree.map(lambda _: P(), params), single_device=True,
-))
-_register(Strategy(
-    "gspmd", "dense", "dense FFN, weights row-sharded by NamedSharding; jax.jit chooses collectives",
-    _dense_init, _gspmd_apply, _identity, dense.gspmd_specs,
-))
-for _fused in (True, False):
-    _register(Strategy(
-        "phantom" if _fused else "phantom-unfused", "phantom",
-        "phantom parallelism (seed 000), "
-        + ("one fused decompressor GEMM" if _fused else "the paper's p-1 decompressor GEMMs"),
-        phantom.init,
-        partial(lambda params, x, mesh, axis, fused: phantom.forward(
-            params, x, mesh, axis=axis, fused=fused), fused=_fused),
-        phantom.dense_equivalent, _leading_axis_specs, uses_ghost_width=True,
-    ))
-for _layout, _text in (("t1", "TP T1: row-sharded W, all-gather fwd / reduce-scatter bwd"),
-                       ("t2", "TP T2: Megatron column/row pairs with f/g all-reduces")):
-    _register(Strategy(
-        f"tensor-{_layout}", "dense", _text,
-        partial(tensor.init, layout=_layout),
-        partial(lambda params, x, mesh, axis, layout: tensor.forward(
-            params, x, mesh, axis=axis, layout=layout), layout=_layout),
-        partial(tensor.dense_equivalent, layout=_layout), _leading_axis_specs,
-    ))
+register(DenseStrategy("dense", "the unsharded model on one device (the single-device oracle)",
+                       "dense", MODELS))
+register(DenseStrategy("gspmd", "the dense model with NamedSharding annotations; jax.jit chooses "
+                       "the collectives", "dense", MODELS, annotated=True))
+register(TensorStrategy("tensor", "Megatron tensor parallelism: column/row pairs with f and g "
+                        "(seed 002); sequence parallelism as an option (seed 003)", "dense", MODELS))
+register(TensorStrategy("tensor-t1", "seed 000's TP: row-sharded weights, all-gather forward / "
+                        "reduce-scatter backward", "dense", ("ffn",), layout="t1"))
+register(PhantomStrategy("phantom", "phantom parallelism (seed 000), one fused decompressor GEMM",
+                         "phantom", MODELS))
+register(PhantomStrategy("phantom-unfused", "phantom parallelism with the paper's p-1 "
+                         "decompressor GEMMs", "phantom", MODELS, fused=False))
+
+NAMES = tuple(REGISTRY)
 
 
 def get(name: str) -> Strategy:
@@ -142,12 +360,16 @@ def get(name: str) -> Strategy:
     try:
         return REGISTRY[name]
     except KeyError:
-        raise ConfigError(f"unknown strategy {name!r}; choose one of {sorted(REGISTRY)}") from None
+        raise ConfigError(f"unknown strategy {name!r}; choose one of {list(REGISTRY)}") from None
+
+
+def strategies_for(model: str) -> list[str]:
+    return [name for name, s in REGISTRY.items() if model in s.models]
 
 
 def param_count(name: str, *, width: int, depth: int, num_shards: int = 1,
                 ghost_width: int | None = None) -> int:
-    """Weights of the model a strategy trains (biases excluded, as in Table I)."""
+    """Weights of the FFN a strategy trains (biases excluded, as in Table I)."""
     if get(name).family == "phantom":
         return phantom.param_count(width, ghost_width, num_shards, depth)
     return dense.param_count(width, depth)

@@ -2,18 +2,45 @@
 
 ``collectives(hlo_text)`` lists every collective instruction with its kind (the HLO op name:
 "all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all"), result shapes,
-per-device result bytes and replica groups. Asynchronous pairs (``all-gather-start`` /
-``all-gather-done``) count once, with the bytes of the ``-done`` result. A collective inside a loop
-body is listed once, not once per trip: jphantom's strategies unroll their layers, so this is exact
-for them.
+per-device result bytes, replica groups, the computation it sits in and ``count``: how many times it
+executes per step. Asynchronous pairs (``all-gather-start`` / ``all-gather-done``) count once, with
+the bytes of the ``-done`` result.
+
+Loops are counted by their trip count. The module is split into its computations and each
+computation reachable from ENTRY gets a *multiplier*, the number of times it runs per execution of
+the module (``multipliers``):
+
+* ENTRY runs once;
+* a ``while`` body runs (caller's multiplier) x (trip count) times, its condition one time more,
+  since the condition is evaluated once more than the body to exit; nested loops multiply;
+* computations reached through ``calls=`` (fusions, ``call``, async wrappers such as
+  ``async-start``), ``to_apply=`` (reductions, sort comparators, ...) and the like run as often as
+  their caller;
+* conditional branches (``branch_computations={...}``, ``true_computation=``,
+  ``false_computation=``) are each counted as often as their caller, as if every branch ran: the
+  branch taken is only known at run time, so this is an upper bound for the branches;
+* a computation called from several places adds up the counts of all its call sites.
+
+The trip count of a ``while`` comes from XLA's ``backend_config`` (``"known_trip_count":{"n":"N"}``)
+when present, otherwise from its condition computation (the loop variable compared with a constant,
+e.g. ``compare(i, constant(N)), direction=LT``; possibly inside a fusion); when neither works,
+``ValueError`` is raised rather than guessing.
+
+``dot_flops(hlo_text)`` counts the FLOPs of the ``dot`` instructions with the same multipliers.
+``summarize`` tallies collectives per kind and, given the mesh axes, per kind and mesh axes
+(``group_axes`` maps replica groups onto mesh axes).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from collections import OrderedDict
+from collections.abc import Mapping
+
+import numpy as np
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
 
@@ -24,25 +51,346 @@ DTYPE_BYTES = {
     "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
 }
 
-_OP = "|".join(re.escape(k) for k in KINDS)
-_LINE = re.compile(
-    rf"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.+?)\s+(?P<op>(?:{_OP})(?:-start|-done)?)\("
-)
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
-# Groups come as {{0,1},{2,3}}, as iota [2,4]<=[8], or as mesh['x'=2,'y'=4] {'y'}.
+# Groups come as {{0,1},{2,3}}, as iota [2,4]<=[8] (optionally with T(...)), or as
+# mesh['x'=2,'y'=4] {'y'}; this fallback pattern cuts the value at the next attribute.
 _GROUPS = re.compile(r"replica_groups=(.*?)(?:, [a-z_]+=|$)")
+_IOTA = re.compile(r"\[([0-9,]*)\]<=\[([0-9,]*)\](?:T\(([0-9,]*)\))?")
 
+
+# ---------------------------------------------------------------------------------------------
+# Module structure: computations and instructions.
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One HLO instruction line: ``[ROOT] %name = type opcode(operands), attrs``."""
+
+    name: str
+    type_text: str  # the result type, e.g. "f32[4,4]{1,0}" or "(s32[], f32[4,4]{1,0})"
+    opcode: str
+    operands: tuple[str, ...]  # operand names without '%' (for a constant: its literal)
+    attrs: str  # everything after the operand list, e.g. ", channel_id=1, replica_groups=..."
+    root: bool
+
+
+@dataclasses.dataclass
+class Computation:
+    """A named HLO computation (``%name (params) -> type { ... }``); ``entry`` marks ENTRY."""
+
+    name: str
+    entry: bool
+    instructions: list[Instruction] = dataclasses.field(default_factory=list)
+
+    @property
+    def root(self) -> Instruction | None:
+        """The ROOT instruction (the last one when none is marked)."""
+        for instr in self.instructions:
+            if instr.root:
+                return instr
+        return self.instructions[-1] if self.instructions else None
+
+    def find(self, name: str) -> Instruction | None:
+        for instr in self.instructions:
+            if instr.name == name:
+                return instr
+        return None
+
+
+_HEADER = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTR_HEAD = re.compile(r"^\s*(?P<root>ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*")
+_OPCODE = re.compile(r"\s*(?P<opcode>[a-z][\w\-]*)\(")
+_OPEN, _CLOSE = "([{", ")]}"
+
+
+def _balanced_end(text: str, start: int) -> int:
+    """Index just past the bracket that closes the one opening at ``text[start]``."""
+    depth = 0
+    for i in range(start, len(text)):
+        ch = text[i]
+        if ch in _OPEN:
+            depth += 1
+        elif ch in _CLOSE:
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    raise ValueError(f"unbalanced brackets in HLO line: {text!r}")
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split at the commas that are not nested inside brackets."""
+    parts, depth, current = [], 0, []
+    for ch in text:
+        if ch in _OPEN:
+            depth += 1
+        elif ch in _CLOSE:
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+    if "".join(current).strip():
+        parts.append("".join(current))
+    return [p.strip() for p in parts]
+
+
+def parse_instruction(line: str) -> Instruction | None:
+    """Parse one instruction line; None for anything else (headers, braces, metadata tables)."""
+    head = _INSTR_HEAD.match(line)
+    if not head:
+        return None
+    pos = head.end()
+    if pos >= len(line):
+        return None
+    if line[pos] == "(":  # tuple type
+        end = _balanced_end(line, pos)
+    else:
+        end = pos
+        while end < len(line) and not line[end].isspace():
+            end += 1
+    type_text = line[pos:end]
+    opcode = _OPCODE.match(line, end)
+    if not opcode:
+        return None
+    open_paren = opcode.end() - 1
+    close = _balanced_end(line, open_paren)
+    operands_text = line[open_paren + 1:close - 1]
+    if opcode["opcode"] == "constant":
+        operands = (operands_text.strip(),)
+    else:
+        # Operands print as "%name" or, in older dumps, "f32[4]{0} %name": keep the last token.
+        operands = tuple(p.split()[-1].lstrip("%") for p in _split_top_level(operands_text) if p)
+    return Instruction(head["name"], type_text, opcode["opcode"], operands, line[close:],
+                       bool(head["root"]))
+
+
+def parse_module(hlo_text: str) -> OrderedDict[str, Computation]:
+    """The computations of an HLO module's text, in text order, keyed by name.
+
+    Lines outside any computation (the ``HloModule`` line, stack-frame tables) are skipped. Text
+    without computation headers (a bare list of instructions) becomes one ENTRY computation named
+    ``""``, so fragments parse as straight-line code.
+    """
+    comps: OrderedDict[str, Computation] = OrderedDict()
+    current: Computation | None = None
+    loose = Computation("", entry=True)
+    for line in hlo_text.splitlines():
+        if current is None:
+            header = _HEADER.match(line)
+            if header:
+                current = Computation(header["name"], entry=bool(header["entry"]))
+                comps[current.name] = current
+                continue
+            instr = parse_instruction(line)
+            if instr:
+                loose.instructions.append(instr)
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        instr = parse_instruction(line)
+        if instr:
+            current.instructions.append(instr)
+    if not comps and loose.instructions:
+        comps[""] = loose
+    return comps
+
+
+# ---------------------------------------------------------------------------------------------
+# Call graph, trip counts and multipliers.
+# ---------------------------------------------------------------------------------------------
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+# Attributes that name called computations: value is %comp or {%a, %b}.
+_CALL_ATTRS = ("calls", "to_apply", "branch_computations", "true_computation",
+               "false_computation", "called_computations", "select", "scatter", "comparator")
+_CALLEE = re.compile(
+    r"\b(?P<key>body|condition|" + "|".join(_CALL_ATTRS) + r")=(?P<value>\{[^}]*\}|%?[\w.\-]+)"
+)
+_TRIP = re.compile(r'\\?"known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"?(-?\d+)')
+_DIRECTION = re.compile(r"direction=(\w+)")
+
+
+def _callees(instr: Instruction) -> list[tuple[str, str]]:
+    """(attribute, computation name) for every computation ``instr`` calls."""
+    attrs = _STRING.sub('""', instr.attrs)  # no matches inside metadata strings
+    found = []
+    for match in _CALLEE.finditer(attrs):
+        for name in re.findall(r"%?([\w.\-]+)", match["value"]):
+            found.append((match["key"], name))
+    return found
+
+
+def _backend_config(instr: Instruction) -> dict:
+    """The while's ``backend_config`` JSON, or {} when absent or unreadable."""
+    start = instr.attrs.find("backend_config=")
+    if start < 0:
+        return {}
+    start += len("backend_config=")
+    if start >= len(instr.attrs) or instr.attrs[start] != "{":
+        return {}
+    try:
+        return json.loads(instr.attrs[start:_balanced_end(instr.attrs, start)])
+    except (ValueError, json.JSONDecodeError):
+        return {}
+
+
+def _int_value(comp: Computation, name: str, params: Mapping[int, int | None]) -> int | None:
+    """The integer ``name`` holds in ``comp`` if it is a compile-time constant, else None.
+
+    Follows ``copy``/``convert``/``bitcast``/``reshape`` and, inside a fusion, maps
+    ``parameter(i)`` to the value of the fusion's i-th operand (``params``)."""
+    instr = comp.find(name)
+    if instr is None:
+        return None
+    if instr.opcode == "constant":
+        literal = instr.operands[0]
+        return int(literal) if re.fullmatch(r"-?\d+", literal) else None
+    if instr.opcode == "parameter":
+        index = instr.operands[0]
+        return params.get(int(index)) if index.isdigit() else None
+    if instr.opcode in ("copy", "convert", "bitcast", "reshape") and instr.operands:
+        return _int_value(comp, instr.operands[0], params)
+    return None
+
+
+def _trip_count_from_condition(cond: Computation, comps: Mapping[str, Computation],
+                               init: int, step: int) -> int | None:
+    """Trip count of a loop whose condition compares the loop variable with a constant."""
+    root = cond.root
+    if root is None:
+        return None
+    scope, params = cond, {}
+    if root.opcode == "fusion":  # CPU/GPU wrap the compare in a fusion: look inside it
+        callee = [name for key, name in _callees(root) if key == "calls"]
+        if len(callee) != 1 or callee[0] not in comps:
+            return None
+        params = {i: _int_value(cond, op, {}) for i, op in enumerate(root.operands)}
+        scope = comps[callee[0]]
+        root = scope.root
+    if root is None or root.opcode != "compare" or len(root.operands) != 2:
+        return None
+    direction = _DIRECTION.search(root.attrs)
+    lhs, rhs = (_int_value(scope, op, params) for op in root.operands)
+    if direction is None or (lhs is None) == (rhs is None):
+        return None  # need exactly one constant side: the bound
+    direction = direction[1]
+    if lhs is not None:  # "N > i" is "i < N"
+        direction = {"GT": "LT", "GE": "LE", "LT": "GT", "LE": "GE"}.get(direction, direction)
+    bound = rhs if rhs is not None else lhs
+    if step > 0 and direction in ("LT", "LE"):
+        stop = bound if direction == "LT" else bound + 1
+        return max(0, -(-(stop - init) // step))
+    if step < 0 and direction in ("GT", "GE"):
+        stop = bound if direction == "GT" else bound - 1
+        return max(0, -(-(init - stop) // -step))
+    return None
+
+
+def trip_count(loop: Instruction, comps: Mapping[str, Computation]) -> int:
+    """How many times the body of the ``while`` instruction ``loop`` runs.
+
+    XLA's ``"known_trip_count"`` (backend_config) when present; otherwise derived from the condition
+    computation, ``i < N`` (``compare(..., direction=LT)`` of the loop variable against
+    ``constant(N)``, also ``LE``/``GT``/``GE`` and inside a fusion), with the loop variable starting
+    at ``"known_init_step"`` of backend_config if given, else at 0 with step 1 (how ``lax.scan``
+    and ``lax.fori_loop`` lower). Raises ``ValueError`` when neither works.
+    """
+    config = _backend_config(loop)
+    known = config.get("known_trip_count", {}).get("n") if isinstance(config, dict) else None
+    if known is None:
+        match = _TRIP.search(loop.attrs)
+        known = match[1] if match else None
+    if known is not None:
+        return int(known)
+    init_step = config.get("known_init_step", {}) if isinstance(config, dict) else {}
+    init, step = int(init_step.get("init", 0)), int(init_step.get("step", 1))
+    condition = [name for key, name in _callees(loop) if key == "condition"]
+    if condition and condition[0] in comps and step != 0:
+        count = _trip_count_from_condition(comps[condition[0]], comps, init, step)
+        if count is not None:
+            return count
+    raise ValueError(
+        f"cannot determine the trip count of while loop %{loop.name} (condition="
+        f"{'%' + condition[0] if condition else '?'}): no known_trip_count in its backend_config "
+        "and its condition is not a compare of the loop variable against a constant"
+    )
+
+
+def multipliers(comps: Mapping[str, Computation]) -> dict[str, int]:
+    """How many times each computation runs per execution of the module (see the module doc).
+
+    Computations not reachable from ENTRY are absent (their loops are never inspected). Without an
+    ENTRY (a fragment), every computation that nothing calls is a root run once."""
+    edges: dict[str, list[tuple[str, Instruction, str]]] = {name: [] for name in comps}
+    called = set()
+    for comp in comps.values():
+        for instr in comp.instructions:
+            for key, callee in _callees(instr):
+                if callee in comps:
+                    edges[comp.name].append((callee, instr, key))
+                    called.add(callee)
+    roots = [c.name for c in comps.values() if c.entry]
+    if not roots:
+        roots = [name for name in comps if name not in called]
+
+    # Reachable computations in topological order (callers before callees; HLO has no recursion).
+    order, state = [], {}
+    for root in roots:
+        if root in state:
+            continue
+        state[root] = "open"
+        stack = [(root, iter(edges[root]))]
+        while stack:
+            node, children = stack[-1]
+            for child, _, _ in children:
+                if child not in state:
+                    state[child] = "open"
+                    stack.append((child, iter(edges[child])))
+                    break
+                if state[child] == "open":
+                    raise ValueError(f"recursive HLO call graph through %{child}")
+            else:
+                stack.pop()
+                state[node] = "done"
+                order.append(node)
+    order.reverse()
+
+    mult = {name: 0 for name in order}
+    for root in roots:
+        mult[root] = 1
+    trips: dict[int, int] = {}  # id(while instruction) -> trip count
+    for name in order:
+        for callee, instr, key in edges[name]:
+            factor = 1
+            if instr.opcode == "while" and key in ("body", "condition"):
+                if id(instr) not in trips:
+                    trips[id(instr)] = trip_count(instr, comps)
+                # The condition is evaluated once more than the body: the last test exits.
+                factor = trips[id(instr)] + (key == "condition")
+            mult[callee] += mult[name] * factor
+    return mult
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives.
+# ---------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
     name: str
     kind: str
     shapes: tuple[tuple[str, tuple[int, ...]], ...]  # (dtype, dims) of each result buffer
-    bytes: int  # per-device size of the result buffers
+    bytes: int  # per-device size of the result buffers, per execution
     replica_groups: str
+    count: int = 1  # executions per step: the multiplier of its computation (loop trip counts)
+    computation: str = ""  # name of the computation holding it
+    source_target_pairs: str = ""  # collective-permute only, e.g. "{{0,1},{1,2}}"
 
     @property
     def elements(self) -> int:
+        """Elements of the result buffers, per execution."""
         total = 0
         for _, dims in self.shapes:
             count = 1
@@ -50,6 +398,18 @@ class Collective:
                 count *= d
             total += count
         return total
+
+    @property
+    def total_bytes(self) -> int:
+        """Per-device result bytes over the step: ``bytes * count``."""
+        return self.bytes * self.count
+
+    def mesh_axes(self, axes: Mapping[str, int]) -> tuple[str, ...]:
+        """The mesh axes this collective communicates over (``group_axes``; for a
+        collective-permute, the axes on which its sources and targets differ, ``pair_axes``)."""
+        if self.kind == "collective-permute":
+            return pair_axes(self.source_target_pairs, axes)
+        return group_axes(self.replica_groups, axes)
 
 
 def _parse_shapes(type_text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -71,44 +431,168 @@ def _nbytes(shapes) -> int:
     return total
 
 
+def _attr_value(attrs: str, key: str) -> str:
+    """The text of attribute ``key`` (braced, iota or plain), or "" when absent."""
+    match = re.search(rf"\b{re.escape(key)}=", attrs)
+    if not match:
+        return ""
+    start = match.end()
+    if attrs.startswith("{", start):
+        return attrs[start:_balanced_end(attrs, start)]
+    iota = _IOTA.match(attrs, start)
+    if iota:
+        return iota[0]
+    fallback = _GROUPS.search(attrs) if key == "replica_groups" else None
+    if fallback:
+        return fallback[1]
+    return re.match(r"[^,\s]*", attrs[start:])[0]
+
+
+def _kind_of(opcode: str) -> tuple[str, str] | None:
+    """(kind, "" | "-start" | "-done") for a collective opcode, else None."""
+    for suffix in ("-start", "-done", ""):
+        if opcode.endswith(suffix):
+            kind = opcode[: len(opcode) - len(suffix)] if suffix else opcode
+            if kind in KINDS:
+                return kind, suffix
+    return None
+
+
 def collectives(hlo_text: str) -> list[Collective]:
-    """Every collective in an HLO module's text, in program order."""
+    """Every collective in an HLO module's text, in text order, with ``count`` = how many times it
+    runs per step (the multiplier of its computation: loop trip counts multiplied in). Collectives
+    in computations that never run (unreachable from ENTRY, or in a loop of trip count 0) are left
+    out. Raises ``ValueError`` when a loop's trip count cannot be determined."""
+    comps = parse_module(hlo_text)
+    mult = multipliers(comps)
     found = []
-    groups_of_start = {}
-    for line in hlo_text.splitlines():
-        match = _LINE.match(line)
-        if not match:
-            continue
-        op = match["op"]
-        groups = _GROUPS.search(line)
-        groups_text = groups.group(1) if groups else ""
-        if op.endswith("-start"):
-            groups_of_start[match["name"]] = groups_text
-            continue
-        kind = op.removesuffix("-done")
-        if op.endswith("-done"):
-            operand = re.search(r"-done\(\s*(?:\S+\s+)?%?([\w.\-]+)", line)
-            groups_text = groups_of_start.get(operand.group(1), "") if operand else ""
-        shapes = _parse_shapes(match["type"])
-        found.append(Collective(match["name"], kind, shapes, _nbytes(shapes), groups_text))
+    starts: dict[str, Instruction] = {}
+    for comp in comps.values():
+        for instr in comp.instructions:
+            parsed = _kind_of(instr.opcode)
+            if parsed is None:
+                continue
+            kind, suffix = parsed
+            if suffix == "-start":
+                starts[instr.name] = instr
+                continue
+            source = instr
+            if suffix == "-done":  # the groups are on the matching -start
+                source = starts.get(instr.operands[0]) if instr.operands else None
+            attrs = source.attrs if source is not None else ""
+            count = mult.get(comp.name, 0)
+            if count == 0:
+                continue
+            shapes = _parse_shapes(instr.type_text)
+            found.append(Collective(
+                instr.name, kind, shapes, _nbytes(shapes), _attr_value(attrs, "replica_groups"),
+                count=count, computation=comp.name,
+                source_target_pairs=_attr_value(attrs, "source_target_pairs"),
+            ))
     return found
 
 
-def summarize(found: list[Collective]) -> list[dict]:
-    """``[{"kind", "count", "bytes"}]`` per collective kind present, bytes summed over the step."""
-    table: OrderedDict[str, dict] = OrderedDict()
+def summarize(found: list[Collective], axes: Mapping[str, int] | None = None) -> list[dict]:
+    """Totals over the step, one row per collective kind present (in order of appearance):
+    ``{"kind", "count", "bytes"}`` with ``count`` the executions (``Collective.count`` summed) and
+    ``bytes`` the per-device result bytes of all of them (``Collective.total_bytes`` summed).
+
+    With ``axes`` (mesh axis name -> size, in mesh order, e.g. ``{"data": 2, "model": 4}``), one row
+    per (kind, mesh axes) instead, with an ``"axes"`` key: the tuple of axis names the collective
+    spans (``Collective.mesh_axes``), e.g. ``("model",)``."""
+    table: OrderedDict[tuple, dict] = OrderedDict()
     for c in found:
-        row = table.setdefault(c.kind, {"kind": c.kind, "count": 0, "bytes": 0})
-        row["count"] += 1
-        row["bytes"] += c.bytes
+        if axes is None:
+            row = table.setdefault((c.kind,), {"kind": c.kind, "count": 0, "bytes": 0})
+        else:
+            spanned = c.mesh_axes(axes)
+            row = table.setdefault((c.kind, spanned),
+                                   {"kind": c.kind, "axes": spanned, "count": 0, "bytes": 0})
+        row["count"] += c.count
+        row["bytes"] += c.total_bytes
     return list(table.values())
 
 
-_DEFINES = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*[a-z0-9]+\[([0-9,]*)\]")
-_DOT = re.compile(
-    r"=\s*[a-z0-9]+\[([0-9,]*)\]\S*\s+dot\(\s*(?:[a-z0-9]+\[[0-9,]*\]\S*\s+)?%?([\w.\-]+)"
-)
+# ---------------------------------------------------------------------------------------------
+# Replica groups -> mesh axes.
+# ---------------------------------------------------------------------------------------------
+
+def _mesh_shape(axes: Mapping[str, int]) -> tuple[list[str], tuple[int, ...]]:
+    names = list(axes)
+    shape = tuple(int(axes[name]) for name in names)
+    if not names or any(size < 1 for size in shape):
+        raise ValueError(f"mesh axes {dict(axes)!r} must be a non-empty name -> size (>= 1) map")
+    return names, shape
+
+
+def replica_group_lists(replica_groups_text: str, num_devices: int) -> list[list[int]]:
+    """The device-id groups of a ``replica_groups`` attribute: explicit ``{{0,1},{2,3}}``, iota
+    ``[2,4]<=[8]`` / ``[4,2]<=[2,4]T(1,0)`` (iota of the product reshaped to the dims after ``<=``,
+    transposed by ``T(...)``, reshaped to the dims before ``<=``; one group per row), or empty
+    ``{}`` / "" (all ``num_devices`` devices in one group)."""
+    text = replica_groups_text.strip()
+    if text in ("", "{}"):
+        return [list(range(num_devices))]
+    iota = _IOTA.fullmatch(text)
+    if iota:
+        group_shape = [int(d) for d in iota[1].split(",") if d]
+        source_shape = [int(d) for d in iota[2].split(",") if d]
+        ids = np.arange(math.prod(source_shape)).reshape(source_shape)
+        if iota[3] is not None:
+            ids = ids.transpose([int(d) for d in iota[3].split(",") if d])
+        ids = ids.reshape(group_shape[0], -1) if group_shape else ids.reshape(1, -1)
+        return ids.tolist()
+    if re.fullmatch(r"\{\s*(\{[0-9,\s]*\}\s*,?\s*)*\}", text):
+        return [[int(d) for d in group.split(",") if d.strip()]
+                for group in re.findall(r"\{([0-9,\s]*)\}", text[1:-1])]
+    raise ValueError(f"unrecognised replica_groups syntax: {replica_groups_text!r}")
+
+
+def _axes_differing(members: list[int], names: list[str], shape: tuple[int, ...]) -> set[str]:
+    """Names of the axes on which the mesh coordinates of ``members`` are not all equal."""
+    size = math.prod(shape)
+    if any(d < 0 or d >= size for d in members):
+        raise ValueError(f"device ids {members} outside a mesh of {size} devices {shape}")
+    if len(members) < 2:
+        return set()
+    coords = np.array(np.unravel_index(members, shape))  # (rank, members), C order
+    return {names[a] for a in range(len(shape)) if np.unique(coords[a]).size > 1}
+
+
+def group_axes(replica_groups_text: str, axes: Mapping[str, int]) -> tuple[str, ...]:
+    """The mesh axes, in mesh order, that the replica groups span.
+
+    ``axes`` maps axis name -> size in mesh order (``{"data": 2, "model": 4}``); device id ``d`` has
+    coordinates ``numpy.unravel_index(d, sizes)`` (C order, as ``jax.make_mesh`` lays devices out).
+    A group spans axis ``a`` iff its members differ in coordinate ``a``; the result is the union over
+    the groups. Groups as in ``replica_group_lists``: ``"{{0,1},{2,3}}"``, ``"[2,4]<=[8]"``,
+    ``"[4,2]<=[2,4]T(1,0)"``, ``"{}"`` (all devices: every axis of size > 1)."""
+    names, shape = _mesh_shape(axes)
+    spanned: set[str] = set()
+    for group in replica_group_lists(replica_groups_text, math.prod(shape)):
+        spanned |= _axes_differing(group, names, shape)
+    return tuple(name for name in names if name in spanned)
+
+
+def pair_axes(source_target_pairs_text: str, axes: Mapping[str, int]) -> tuple[str, ...]:
+    """The mesh axes, in mesh order, on which the source and target of some pair differ, for a
+    collective-permute's ``source_target_pairs={{0,1},{1,2}}`` (device ids as in ``group_axes``)."""
+    names, shape = _mesh_shape(axes)
+    text = source_target_pairs_text.strip()
+    if not re.fullmatch(r"\{\s*(\{\s*\d+\s*,\s*\d+\s*\}\s*,?\s*)*\}", text):
+        raise ValueError(f"unrecognised source_target_pairs syntax: {source_target_pairs_text!r}")
+    spanned: set[str] = set()
+    for source, target in re.findall(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}", text):
+        spanned |= _axes_differing([int(source), int(target)], names, shape)
+    return tuple(name for name in names if name in spanned)
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMM FLOPs.
+# ---------------------------------------------------------------------------------------------
+
 _LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+_SINGLE_ARRAY = re.compile(r"^[a-z][a-z0-9]*\[([0-9,]*)\]")
 
 
 def _dims(text: str) -> list[int]:
@@ -116,22 +600,30 @@ def _dims(text: str) -> list[int]:
 
 
 def dot_flops(hlo_text: str) -> tuple[int, int]:
-    """(FLOPs, count) of every ``dot`` in an optimized HLO module, 2 per multiply-add:
-    2 x (elements of the result) x (product of the lhs contracting dimensions). Fusion bodies
-    included; each instruction name is defined once per module, so operand shapes are looked up by
-    name. Unlike ``cost_analysis()``, element-wise work is not counted: these are the GEMMs alone."""
+    """(FLOPs, count) of every ``dot`` executed by an optimized HLO module, 2 per multiply-add:
+    2 x (elements of the result) x (product of the lhs contracting dimensions), times the number of
+    times the dot runs per step (its computation's multiplier: loop trip counts multiplied in);
+    ``count`` is likewise the number of dot executions. Fusion bodies included; each instruction
+    name is defined once per module, so operand shapes are looked up by name. Unlike
+    ``cost_analysis()``, element-wise work is not counted: these are the GEMMs alone. Raises
+    ``ValueError`` when a loop's trip count cannot be determined."""
+    comps = parse_module(hlo_text)
+    mult = multipliers(comps)
     shapes = {}
-    for line in hlo_text.splitlines():
-        match = _DEFINES.match(line)
-        if match:
-            shapes[match[1]] = _dims(match[2])
+    for comp in comps.values():
+        for instr in comp.instructions:
+            array = _SINGLE_ARRAY.match(instr.type_text)
+            if array:
+                shapes[instr.name] = _dims(array[1])
     flops = count = 0
-    for line in hlo_text.splitlines():
-        dot = _DOT.search(line)
-        if not dot:
-            continue
-        lhs = shapes[dot[2]]
-        contracted = math.prod(lhs[d] for d in _dims(_LHS_CONTRACTING.search(line)[1]))
-        flops += 2 * math.prod(_dims(dot[1])) * contracted
-        count += 1
+    for comp in comps.values():
+        runs = mult.get(comp.name, 0)
+        for instr in comp.instructions:
+            if instr.opcode != "dot" or runs == 0:
+                continue
+            lhs = shapes[instr.operands[0]]
+            contracted = math.prod(lhs[d] for d in _dims(_LHS_CONTRACTING.search(instr.attrs)[1]))
+            result = _SINGLE_ARRAY.match(instr.type_text)
+            flops += runs * 2 * math.prod(_dims(result[1])) * contracted
+            count += runs
     return flops, count

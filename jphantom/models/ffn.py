@@ -1,75 +1,86 @@
-"""The FFN of seed 000 as a Flax NNX module whose parallel layer is chosen by data.
+"""Seed 000's FFN: L layers of width n, ReLU between them, none after the last, trained on MSE.
 
-Why NNX: it is Flax's recommended API since 0.11 (Linen is in maintenance), its modules are plain
-Python objects holding ``nnx.Param`` state, and ``nnx.split``/``nnx.merge`` give the functional
-``(params, apply)`` view our sharded strategies and the training step need. The module holds no
-collective: ``strategy`` names an entry of :mod:`jphantom.strategies`, which does the communication.
+The model holds no collective: a strategy (:mod:`jphantom.strategies`) turns an :class:`FFNConfig`
+into a :class:`jphantom.step.Program` whose per-rank layers do the communication.
 
-    model = FFN(width=4096, depth=2, strategy="phantom", ghost_width=16,
-                mesh=make_mesh({"model": 8}), rngs=nnx.Rngs(0))
-    y = model(x)                      # x [batch, 4096], features sharded over "model"
+    config = FFNConfig(width=4096, depth=2, ghost_width=16)
+    program = strategies.get("phantom").program(config, MeshConfig.parse("data=2,model=4"))
+
+:class:`FFN` is the same model as a Flax NNX module, for users who hold their weights in NNX.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
 
-from jphantom import strategies
 from jphantom.errors import ConfigError
 
-MODEL_STRATEGIES = ("dense", "tensor", "phantom")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
-def registry_name(strategy: str, *, layout: str = "t1", fused: bool = True) -> str:
-    """Map the model-level choice (dense / tensor / phantom) to a registry strategy name."""
-    if strategy == "dense":
-        return "dense"
-    if strategy == "tensor":
-        return f"tensor-{layout}"
-    if strategy == "phantom":
-        return "phantom" if fused else "phantom-unfused"
-    raise ConfigError(f"strategy={strategy!r} is not one of {MODEL_STRATEGIES}")
+def mse(prediction: jax.Array, target: jax.Array) -> jax.Array:
+    """Mean squared error over batch and features (seed 000's loss)."""
+    return jnp.mean(jnp.square(prediction - target))
+
+
+@dataclasses.dataclass(frozen=True)
+class FFNConfig:
+    """The FFN's shape. ``ghost_width`` (k of seed 000) is used by phantom strategies only."""
+
+    width: int
+    depth: int = 2
+    ghost_width: int | None = None
+    dtype: str = "float32"
+    model_name = "ffn"
+
+    def __post_init__(self):
+        for name in ("width", "depth"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+        k = self.ghost_width
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ConfigError(f"ghost_width={k!r} must be an integer >= 1 (k ghost neurons per "
+                              "rank, seed 000), e.g. 16")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r}; use one of {DTYPES}")
+        if self.dtype == "float64" and not jax.config.jax_enable_x64:
+            raise ConfigError("dtype='float64' needs 64-bit mode: call "
+                              "jax.config.update('jax_enable_x64', True) first, or use float32")
 
 
 class FFN(nnx.Module):
-    """Width-``width`` FFN with ``depth`` weight layers; ReLU between layers, none after the last."""
+    """The FFN as a Flax NNX module whose parallel layer is data (a strategy name).
 
-    def __init__(
-        self,
-        *,
-        width: int,
-        depth: int,
-        strategy: str = "phantom",
-        ghost_width: int | None = None,
-        layout: str = "t1",
-        fused: bool = True,
-        mesh: Mesh | None = None,
-        axis: str = "model",
-        dtype=jnp.float32,
-        rngs: nnx.Rngs,
-    ):
-        self.strategy = strategies.get(registry_name(strategy, layout=layout, fused=fused))
-        if mesh is None and not self.strategy.single_device:
-            raise ConfigError(f"strategy {strategy!r} needs a mesh with axis {axis!r}, e.g. "
-                              f"mesh=jphantom.mesh.make_mesh({{{axis!r}: 8}})")
-        self.mesh, self.axis = mesh, axis
-        num_shards = 1 if self.strategy.single_device else int(mesh.shape[axis])
-        params = self.strategy.init(rngs.params(), width=width, depth=depth, num_shards=num_shards,
-                                    ghost_width=ghost_width, dtype=dtype)
-        params = self.strategy.place(params, mesh, axis)
-        self.layers = nnx.List(
-            [nnx.Dict({name: nnx.Param(value) for name, value in layer.items()}) for layer in params]
-        )
+        model = FFN(FFNConfig(width=64, depth=2, ghost_width=2), strategy="phantom",
+                    mesh=make_mesh({"model": 4}), rngs=nnx.Rngs(0))
+        y = model(x)      # x [batch, 64], features sharded over "model"
+    """
 
-    def params(self) -> list[dict[str, jax.Array]]:
-        """The strategy's functional parameter list (see its module for the layouts)."""
-        return [{name: param[...] for name, param in layer.items()} for layer in self.layers]
+    def __init__(self, config: FFNConfig, *, strategy: str = "phantom", mesh=None,
+                 rngs: nnx.Rngs):
+        from jphantom import strategies
+        from jphantom.mesh import make_mesh, mesh_config_of
+        from jphantom.step import init_params, make_forward_fn
 
-    def dense_equivalent(self) -> list[dict[str, jax.Array]]:
-        return self.strategy.dense_equivalent(self.params())
+        mesh = mesh if mesh is not None else make_mesh({"model": 1}, jax.devices()[:1])
+        self.program = strategies.get(strategy).program(config, mesh_config_of(mesh))
+        self.mesh = mesh
+        self._forward = make_forward_fn(self.program, mesh)
+        self.params = nnx.Dict(jax.tree.map(nnx.Param, init_params(self.program, mesh,
+                                                                   rngs.params())))
+
+    def arrays(self):
+        """The strategy's functional parameters (see its module for the layouts)."""
+        return jax.tree.map(lambda p: p[...], dict(self.params),
+                            is_leaf=lambda p: isinstance(p, nnx.Param))
+
+    def dense_equivalent(self):
+        return self.program.dense_equivalent(self.arrays())
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.strategy.apply(self.params(), x, self.mesh, self.axis)
+        return self._forward(self.arrays(), x)

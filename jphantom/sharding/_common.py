@@ -1,51 +1,32 @@
-"""Small helpers shared by the sharded FFN strategies (no collectives here)."""
+"""Small validation helpers shared by the sharded strategies (no collectives here)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 
 from jphantom.errors import ConfigError
-from jphantom.mesh import axis_size
 
 
-def relu_between_layers(z: jax.Array, layer: int, depth: int) -> jax.Array:
-    """Seed 000's FFN: ReLU after every hidden layer, identity after the last (MSE regression)."""
-    return z if layer == depth - 1 else jax.nn.relu(z)
-
-
-def check_width(width: int, num_shards: int) -> int:
+def check_width(width: int, num_shards: int, what: str = "width") -> int:
     """Return the per-shard block ``width / num_shards``, or raise if it does not divide."""
-    if width < 1:
-        raise ConfigError(f"width={width} must be >= 1")
-    if num_shards < 1:
-        raise ConfigError(f"num_shards={num_shards} must be >= 1")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ConfigError(f"{what}={width!r} must be an integer >= 1")
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+        raise ConfigError(f"num_shards={num_shards!r} must be an integer >= 1")
     if width % num_shards:
         lower = width - width % num_shards
         raise ConfigError(
-            f"width={width} is not divisible by num_shards={num_shards}: every shard must hold "
-            f"width/num_shards features. Pick a width that is a multiple of {num_shards} "
-            f"(e.g. {lower or num_shards} or {lower + num_shards})."
+            f"{what}={width} is not divisible by num_shards={num_shards}: every shard must hold "
+            f"{what}/num_shards features. Pick a {what} that is a multiple of {num_shards} "
+            f"(e.g. {lower or num_shards} or {lower + num_shards}), or another shard count."
         )
     return width // num_shards
 
 
 def check_depth(depth: int) -> None:
-    if depth < 1:
-        raise ConfigError(f"depth={depth} must be >= 1 (number of weight layers)")
-
-
-def model_axis_size(mesh: Mesh, axis: str) -> int:
-    """Size of the model axis; other mesh axes must be trivial until data parallelism is composed in."""
-    size = axis_size(mesh, axis)
-    others = {name: n for name, n in mesh.shape.items() if name != axis and n > 1}
-    if others:
-        raise ConfigError(
-            f"this layer shards only over axis {axis!r}, but the mesh also has {others}; build a mesh "
-            f"with only {{{axis!r}: {size}}} (data parallelism is composed separately)"
-        )
-    return size
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ConfigError(f"depth={depth!r} must be an integer >= 1 (number of weight layers)")
 
 
 def check_input(x: jax.Array, width: int) -> None:

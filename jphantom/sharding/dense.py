@@ -1,43 +1,56 @@
-"""The unsharded dense FFN: the single-device oracle every parallel strategy is tested against.
+"""The unsharded dense FFN: the single-device oracle every parallel FFN strategy is tested against.
 
-Layers are ``{"weight": [n, n], "bias": [n]}`` with ``y = x W^T + b``; ReLU between layers, none after
-the last (seed 000's FFN). :func:`shard_for_gspmd` places the same weights with ``NamedSharding``
-annotations so that ``jax.jit`` (GSPMD) chooses the collectives itself: the baseline a JAX user would
-write without any hand-written parallel layer.
+Parameters are stacked over depth: ``{"weight": [L, n, n], "bias": [L, n]}`` with ``y = x W^T + b``;
+ReLU between layers, none after the last (seed 000's FFN). :func:`stack` applies them: layer 0 on
+its own, layers 1..L-1 under ``lax.scan`` (compile time independent of depth), each taking the ReLU
+of the previous output; the parallel strategies keep this structure, which lets XLA drop the first
+layer's dead dL/dx collective.
+
+:func:`gspmd_forward` runs the same weights with ``NamedSharding`` annotations and lets ``jax.jit``
+(GSPMD) choose the collectives: the baseline a JAX user would write without hand-written layers.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jphantom.sharding._common import check_depth, check_width, relu_between_layers
+from jphantom.sharding._common import check_depth, check_width
 
-Params = list[dict[str, jax.Array]]
+Params = dict[str, jax.Array]
 
 
 def init(key: jax.Array, *, width: int, depth: int, dtype=jnp.float32) -> Params:
-    """He-initialised dense layers, W ~ N(0, 2/n), zero biases."""
+    """He-initialised dense layers, W ~ N(0, 2/n), zero biases: weight [L, n, n], bias [L, n]."""
     check_width(width, 1)
     check_depth(depth)
-    return [
-        {
-            "weight": jax.random.normal(k, (width, width), dtype) * math.sqrt(2.0 / width),
-            "bias": jnp.zeros((width,), dtype),
-        }
-        for k in jax.random.split(key, depth)
-    ]
+    weight = jax.random.normal(key, (depth, width, width), dtype) * math.sqrt(2.0 / width)
+    return {"weight": weight, "bias": jnp.zeros((depth, width), dtype)}
+
+
+def stack(layer: Callable, params, y: jax.Array) -> jax.Array:
+    """``layer(p_0, y)``, then ``layer(p_l, relu(y))`` for l = 1..L-1 under ``lax.scan``.
+
+    ``params`` is any pytree stacked over a leading depth axis; ``layer(p, y)`` maps one layer's
+    slice and its input to the pre-activation. No activation after the last layer.
+    """
+    y = layer(jax.tree.map(lambda a: a[0], params), y)
+    rest = jax.tree.map(lambda a: a[1:], params)
+    if jax.tree.leaves(rest)[0].shape[0] == 0:
+        return y
+    y, _ = lax.scan(lambda h, p: (layer(p, jax.nn.relu(h)), None), y, rest)
+    return y
 
 
 def forward(params: Params, x: jax.Array) -> jax.Array:
-    """Plain MLP on whatever devices ``x`` and ``params`` live on."""
-    for index, layer in enumerate(params):
-        x = relu_between_layers(x @ layer["weight"].T + layer["bias"], index, len(params))
-    return x
+    """Plain MLP on whatever devices ``x`` and ``params`` live on: x [B, n] -> [B, n]."""
+    return stack(lambda p, y: y @ p["weight"].T + p["bias"], params, x)
 
 
 def param_count(width: int, depth: int, *, include_bias: bool = False) -> int:
@@ -45,12 +58,73 @@ def param_count(width: int, depth: int, *, include_bias: bool = False) -> int:
     return depth * width * width + (depth * width if include_bias else 0)
 
 
-def gspmd_specs(params: Params, axis: str = "model") -> list[dict[str, P]]:
+def gspmd_specs(axis: str = "model") -> dict[str, P]:
     """Row-sharded weights (output features over ``axis``), sharded biases: the layout GSPMD is given."""
-    return [{"weight": P(axis, None), "bias": P(axis)} for _ in params]
+    return {"weight": P(None, axis, None), "bias": P(None, axis)}
 
 
-def shard_for_gspmd(params: Params, mesh: Mesh, axis: str = "model") -> Params:
-    """Place dense params with NamedSharding annotations; ``jax.jit`` then inserts the collectives."""
-    specs = gspmd_specs(params, axis)
-    return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)
+def gspmd_forward(params: Params, x: jax.Array, mesh: Mesh, activation_spec: P) -> jax.Array:
+    """The dense FFN with the activations' layout pinned at every layer boundary (as one would in a
+    MaxText-style model); ``jax.jit`` inserts whatever collectives the annotations imply."""
+    sharding = NamedSharding(mesh, activation_spec)
+
+    def layer(p, y):
+        y = lax.with_sharding_constraint(y, sharding)
+        return lax.with_sharding_constraint(y @ p["weight"].T + p["bias"], sharding)
+
+    return stack(layer, params, x)
+
+
+# --------------------------------------------------------------------------------------------------
+# The transformer's layers on one device (``dense``) or under GSPMD annotations (``gspmd``)
+# --------------------------------------------------------------------------------------------------
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm over the last axis (all features present)."""
+    mean = x.mean(axis=-1, keepdims=True)
+    centred = x - mean
+    var = jnp.mean(centred * centred, axis=-1, keepdims=True)
+    return centred * lax.rsqrt(var + eps) * scale + bias
+
+
+def _linear(p, x):
+    weight = p["weight"].reshape(p["weight"].shape[0], -1)
+    return x @ weight + p["bias"].reshape(-1)
+
+
+class TransformerLayers:
+    """:class:`jphantom.models.transformer.Layers` for global arrays: no collective. With
+    ``constrain`` (GSPMD) the residual stream's layout is pinned at every block boundary and jit
+    inserts the collectives the weights' ``NamedSharding`` imply."""
+
+    def __init__(self, eps: float, constrain=lambda h: h):
+        self.eps, self.constrain = eps, constrain
+
+    def prepare(self, params):
+        return params
+
+    def embed(self, params, tokens):
+        seq = tokens.shape[1]
+        return self.constrain(jnp.take(params["wte"], tokens, axis=0) + params["wpe"][:seq])
+
+    def norm(self, p, h):
+        return layer_norm(h, p["scale"], p["bias"], self.eps)
+
+    def column(self, p, x):
+        return _linear(p, x)
+
+    def row(self, p, x):
+        return self.constrain(_linear(p, x))
+
+    def logits(self, params, h):
+        if "head" in params:
+            return h @ params["head"]["weight"] + params["head"]["bias"]
+        return h @ params["wte"].T
+
+    def loss(self, params, h, targets):
+        logits = self.logits(params, h)
+        logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+        log_z = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        return jnp.sum(log_z - picked)

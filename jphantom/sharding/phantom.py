@@ -13,13 +13,18 @@ replicated, so there is no gradient all-reduce and the optimizer update is local
 
 Functional API (stable; other modules and users rely on these names and layouts):
 
-- :func:`init` -> list (one per layer) of dicts of global arrays with a leading shard axis:
-  ``"local"`` [p, n/p, n/p], ``"compress"`` [p, k, n/p], ``"decompress"`` [p, p, n/p, k] where
-  ``[j, i]`` is D^(i,j) (receiver j, sender i; the own slot ``[j, j]`` is masked out: it has no effect
-  and gets a zero gradient), ``"bias"`` [p, n/p].
-- :func:`forward` runs the FFN under ``jax.shard_map``; its per-rank layer is a ``jax.custom_vjp``
-  implementing the paper's backward operators (Eqs. 15-21).
+- :func:`init` -> a dict of global arrays stacked over depth, with a shard axis p after it:
+  ``"local"`` [L, p, n/p, n/p], ``"compress"`` [L, p, k, n/p], ``"decompress"`` [L, p, p, n/p, k]
+  where ``[l, j, i]`` is D^(i,j) (receiver j, sender i; the own slot ``[j, j]`` is masked out: it has
+  no effect and gets a zero gradient), ``"bias"`` [L, p, n/p]. Only phantom has p in its shapes:
+  p is part of the model.
+- :func:`ffn_per_rank` is the FFN on one rank inside the training step's single ``shard_map``
+  (layers under ``lax.scan``); :func:`phantom_layer` is one layer, a ``jax.custom_vjp``
+  implementing the paper's backward operators (Eqs. 15-21); :func:`forward` wraps the FFN in a
+  ``shard_map`` of its own for scripts.
 - :func:`dense_equivalent` assembles the identical dense layers; :func:`param_count` is L(n^2/p + knp).
+- :func:`init_linear`, :func:`linear_dense_equivalent`: the same layer for any in/out width (the
+  phantom transformer, :mod:`jphantom.sharding.phantom_transformer`).
 
 Symbols: n = ``width``, p = ``num_shards``, k = ``ghost_width``, L = ``depth``.
 """
@@ -38,16 +43,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jphantom.errors import ConfigError, JPhantomWarning
-from jphantom.sharding._common import (
-    check_depth,
-    check_input,
-    check_width,
-    model_axis_size,
-    offdiagonal_mask,
-    relu_between_layers,
-)
+from jphantom.mesh import axis_size
+from jphantom.sharding._common import check_depth, check_input, check_width, offdiagonal_mask
 
-Params = list[dict[str, jax.Array]]
+Params = dict[str, jax.Array]
 
 
 def max_ghost_width(width: int, num_shards: int) -> float:
@@ -107,6 +106,49 @@ def param_count(
     return weights + (depth * n if include_bias else 0)
 
 
+def init_linear(key: jax.Array, *, in_features: int, out_features: int, ghost_width: int,
+                num_shards: int, layers: int | None = None, gain: float = 2.0,
+                dtype=jnp.float32) -> dict[str, jax.Array]:
+    """A phantom linear map of ``in_features`` -> ``out_features`` on p ranks, stacked over
+    ``layers`` (a leading axis; ``None`` for a single layer).
+
+    Shapes (without the leading layer axis), n_i = in_features / p, n_o = out_features / p:
+    ``local`` [p, n_o, n_i], ``compress`` [p, k, n_i], ``decompress`` [p, p, n_o, k] (``[j, i]`` is
+    D^(i,j), receiver j, sender i; own slot zero and masked), ``bias`` [p, n_o]. Initialisation:
+    every block of the equivalent dense matrix has the variance ``gain / in_features`` of a dense
+    layer (He for gain 2): L ~ N(0, gain/n_in), C ~ N(0, 1/n_i), D ~ N(0, gain/(p k)).
+    """
+    p, k = num_shards, ghost_width
+    n_i, n_o = in_features // p, out_features // p
+    lead = () if layers is None else (layers,)
+    k_local, k_comp, k_decomp = jax.random.split(key, 3)
+    own_slot_zero = (1.0 - jnp.eye(p, dtype=dtype))[:, :, None, None]
+    return {
+        "local": jax.random.normal(k_local, (*lead, p, n_o, n_i), dtype) * math.sqrt(gain / in_features),
+        "compress": jax.random.normal(k_comp, (*lead, p, k, n_i), dtype) * math.sqrt(1.0 / n_i),
+        "decompress": jax.random.normal(k_decomp, (*lead, p, p, n_o, k), dtype)
+        * math.sqrt(gain / (p * k)) * own_slot_zero,
+        "bias": jnp.zeros((*lead, p, n_o), dtype),
+    }
+
+
+def linear_specs(axis: str = "model", stacked: bool = True) -> dict[str, P]:
+    """PartitionSpecs of :func:`init_linear`'s arrays: the shard axis p over ``axis``."""
+    spec = P(None, axis) if stacked else P(axis)
+    return {name: spec for name in ("local", "compress", "decompress", "bias")}
+
+
+def linear_dense_equivalent(params: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """The identical dense map of one (unstacked) phantom linear: ``(weight [n_out, n_in], bias
+    [n_out])`` with ``y = x W^T + b``; W[j-block rows, i-block cols] = L^(j) if i = j else
+    D^(i,j) C^(i). Differentiable, so ``jax.grad`` through it is the oracle for the custom backward."""
+    p, n_o, n_i = params["local"].shape
+    own = jnp.eye(p, dtype=bool)[:, :, None, None]
+    off = jnp.einsum("jimk,ikc->jimc", params["decompress"], params["compress"])  # D^(i,j) C^(i)
+    blocks = jnp.where(own, params["local"][:, None], off)  # [j, i, n_o, n_i]
+    return blocks.transpose(0, 2, 1, 3).reshape(p * n_o, p * n_i), params["bias"].reshape(p * n_o)
+
+
 def init(
     key: jax.Array,
     *,
@@ -116,41 +158,26 @@ def init(
     depth: int,
     dtype=jnp.float32,
 ) -> Params:
-    """Random phantom parameters, as global arrays with a leading shard axis (layouts in module doc).
+    """Random phantom FFN parameters: :func:`init_linear` of width -> width stacked over ``depth``.
 
-    Initialisation (seed 000 leaves it open): chosen so every block of the equivalent dense matrix has
-    the variance of a He-initialised dense layer, 2/n per input feature:
-    L ~ N(0, 2/n); C ~ N(0, 1/(n/p)) so a ghost neuron has the variance of one input feature;
-    D ~ N(0, 2/(p k)) so each off-diagonal block D C contributes (n/p)(2/n) like a dense block.
-    Own decompressor slots D^(j,j) are zero (and masked in :func:`forward` anyway). Biases are zero.
+    Global arrays ``local`` [L, p, n/p, n/p], ``compress`` [L, p, k, n/p], ``decompress``
+    [L, p, p, n/p, k], ``bias`` [L, p, n/p]; every block of the equivalent dense matrix has the
+    variance of a He-initialised dense layer (seed 000 leaves initialisation open). Biases are zero.
     """
     cfg = PhantomConfig(width, ghost_width, num_shards, depth)
-    n, k, p, m = cfg.width, cfg.ghost_width, cfg.num_shards, cfg.block
-    own_slot_zero = (1.0 - jnp.eye(p, dtype=dtype))[:, :, None, None]
-    layers = []
-    for layer_key in jax.random.split(key, depth):
-        k_local, k_comp, k_decomp = jax.random.split(layer_key, 3)
-        layers.append(
-            {
-                "local": jax.random.normal(k_local, (p, m, m), dtype) * math.sqrt(2.0 / n),
-                "compress": jax.random.normal(k_comp, (p, k, m), dtype) * math.sqrt(1.0 / m),
-                "decompress": jax.random.normal(k_decomp, (p, p, m, k), dtype)
-                * math.sqrt(2.0 / (p * k))
-                * own_slot_zero,
-                "bias": jnp.zeros((p, m), dtype),
-            }
-        )
-    return layers
+    return init_linear(key, in_features=cfg.width, out_features=cfg.width, ghost_width=ghost_width,
+                       num_shards=num_shards, layers=depth, dtype=dtype)
 
 
 def config_of(params: Params) -> PhantomConfig:
     """Recover (and validate) the :class:`PhantomConfig` from parameter shapes."""
-    if not params:
-        raise ConfigError("phantom params are empty: expected one dict per layer")
-    p, k, m = params[0]["compress"].shape
+    if not isinstance(params, dict) or "compress" not in params or params["compress"].ndim != 4:
+        raise ConfigError("phantom FFN params must be the dict phantom.init returns, with "
+                          "'compress' of shape [depth, p, k, n/p]")
+    depth, p, k, m = params["compress"].shape
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", JPhantomWarning)  # already warned at init
-        return PhantomConfig(width=p * m, ghost_width=k, num_shards=p, depth=len(params))
+        return PhantomConfig(width=p * m, ghost_width=k, num_shards=p, depth=depth)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -197,7 +224,8 @@ def phantom_layer(axis, num_shards, fused, y, local, compress, decompress, bias)
     """Pre-activation z^(j) = L^(j) y^(j) + sum_{i != j} D^(i,j) C^(i) y^(i) + b^(j)  (Eq. 11).
 
     Per rank shapes: y [B, n/p], local [n/p, n/p], compress [k, n/p], decompress [p, n/p, k]
-    (slot i is D^(i,j)), bias [n/p]. Returns z [B, n/p].
+    (slot i is D^(i,j)), bias [n/p]. Returns z [B, n/p]. Rectangular layers (a transformer's
+    [h, 4h] MLP) have local [n_out/p, n_in/p], compress [k, n_in/p], decompress [p, n_out/p, k].
     """
     z, _ = _phantom_layer_fwd(axis, num_shards, fused, y, local, compress, decompress, bias)
     return z
@@ -263,13 +291,13 @@ def _backward_gradients(residuals, dz, gamma, me, num_shards, fused):
     d_bias = dz.sum(axis=0)  # Eq. 18
     if fused:
         y_received, local, compress, decompress = residuals
-        block = local.shape[0]
+        out_block, in_block = local.shape  # n/p and n/p in the FFN; rectangular in a transformer
         _, _, ghost_width = decompress.shape
         outer = jnp.concatenate([dz, gamma], axis=1).T @ y_received  # [n/p + k, n/p + p*k]
-        d_local = outer[:block, :block]  # Eq. 19: Delta^(j) y^(j)T
-        d_compress = outer[block:, :block]  # Eq. 20: Gamma^(j) y^(j)T
+        d_local = outer[:out_block, :in_block]  # Eq. 19: Delta^(j) y^(j)T
+        d_compress = outer[out_block:, :in_block]  # Eq. 20: Gamma^(j) y^(j)T
         d_decompress = (  # Eq. 21: Delta^(j) g^(i)T for every sender i; own slot masked
-            outer[:block, block:].reshape(block, num_shards, ghost_width).transpose(1, 0, 2)
+            outer[:out_block, in_block:].reshape(out_block, num_shards, ghost_width).transpose(1, 0, 2)
             * offdiagonal_mask(num_shards, me, dz.dtype)[:, None, None]
         )
     else:
@@ -308,65 +336,54 @@ def rank_compute(y, gathered, gamma, dz, local, compress, decompress, bias, *, r
 phantom_layer.defvjp(_phantom_layer_fwd, _phantom_layer_bwd)
 
 
+def ffn_per_rank(params: Params, y: jax.Array, *, axis: str, fused: bool = True) -> jax.Array:
+    """The phantom FFN on one rank, inside the step's ``shard_map``: y [B, n/p] -> [B, n/p].
+
+    ``params`` are this rank's shards (leading shard axis of size 1). The layers run under
+    ``lax.scan`` over depth, so compile time does not grow with L; ReLU between layers, none after
+    the last (seed 000's FFN). Per layer one all-gather of k x B and one reduce-scatter back to k x B.
+    """
+    num_shards = lax.axis_size(axis)
+    depth = params["bias"].shape[0]
+    layers = jax.tree.map(lambda a: a[:, 0], params)  # [L, ...] this rank's blocks
+
+    def body(y, layer_and_index):
+        layer, index = layer_and_index
+        z = phantom_layer(axis, num_shards, fused, y, layer["local"], layer["compress"],
+                          layer["decompress"], layer["bias"])
+        return jnp.where(index == depth - 1, z, jax.nn.relu(z)), None
+
+    y, _ = lax.scan(body, y, (layers, jnp.arange(depth)))
+    return y
+
+
 def forward(
     params: Params, x: jax.Array, mesh: Mesh, *, axis: str = "model", fused: bool = True
 ) -> jax.Array:
     """Phantom-parallel FFN: x [batch, n] sharded on features over ``axis`` -> [batch, n], same sharding.
 
-    ReLU between layers, none after the last (seed 000's FFN). ``fused=True`` decompresses the p-1
-    received phantom layers with one matrix multiply; ``fused=False`` runs the paper's p-1 separate
-    products (for experiment E11, the p = 256 slowdown).
+    A convenience for scripts: one ``shard_map`` over ``mesh`` around :func:`ffn_per_rank`; training
+    steps call the per-rank function inside the step's own ``shard_map`` (:mod:`jphantom.step`).
+    ``fused=False`` runs the paper's p-1 decompressor products (experiment E11).
     """
     cfg = config_of(params)
-    num_shards = model_axis_size(mesh, axis)
+    num_shards = axis_size(mesh, axis)
     if num_shards != cfg.num_shards:
         raise ConfigError(
             f"params were built for num_shards={cfg.num_shards} but mesh axis {axis!r} has size "
             f"{num_shards}; re-initialise with num_shards={num_shards} or use a matching mesh"
         )
     check_input(x, cfg.width)
-
-    def per_rank(layers, y):
-        for index, layer in enumerate(layers):
-            z = phantom_layer(
-                axis,
-                num_shards,
-                fused,
-                y,
-                layer["local"][0],
-                layer["compress"][0],
-                layer["decompress"][0],
-                layer["bias"][0],
-            )
-            y = relu_between_layers(z, index, cfg.depth)
-        return y
-
-    sharded = jax.shard_map(
-        per_rank,
-        mesh=mesh,
-        in_specs=(P(axis), P(None, axis)),
-        out_specs=P(None, axis),
-        check_vma=False,
-    )
+    sharded = jax.shard_map(partial(ffn_per_rank, axis=axis, fused=fused), mesh=mesh,
+                            in_specs=(linear_specs(axis), P(None, axis)), out_specs=P(None, axis))
     return sharded(params, x)
 
 
-def dense_equivalent(params: Params) -> list[dict[str, jax.Array]]:
-    """The identical dense FFN: W[j-block rows, i-block cols] = L^(j) if i = j else D^(i,j) C^(i).
-
-    Returns a list of ``{"weight": [n, n], "bias": [n]}`` in ``y = x W^T + b`` convention. It is
-    differentiable in ``params``, so ``jax.grad`` through it is the oracle for the custom backward.
-    """
-    cfg = config_of(params)
-    p, m, n = cfg.num_shards, cfg.block, cfg.width
-    own = jnp.eye(p, dtype=bool)[:, :, None, None]
-    layers = []
-    for layer in params:
-        off = jnp.einsum("jimk,ikc->jimc", layer["decompress"], layer["compress"])  # D^(i,j) C^(i)
-        blocks = jnp.where(own, layer["local"][:, None], off)  # [j, i, n/p, n/p]
-        weight = blocks.transpose(0, 2, 1, 3).reshape(n, n)
-        layers.append({"weight": weight, "bias": layer["bias"].reshape(n)})
-    return layers
+def dense_equivalent(params: Params) -> dict[str, jax.Array]:
+    """The identical dense FFN ``{"weight": [L, n, n], "bias": [L, n]}`` (``y = x W^T + b``)."""
+    config_of(params)
+    weight, bias = jax.vmap(linear_dense_equivalent)(params)
+    return {"weight": weight, "bias": bias}
 
 
 def collective_buffers(*, width: int, ghost_width: int, num_shards: int, depth: int,

@@ -10,7 +10,7 @@ L all-gathers of B n and L-1 reduce-scatters to B n/p per step. Same sharded I/O
 comparison is exactly "all-gather + reduce-scatter of n/p B versus of k B" (Eq. 9: phantom wins iff
 k < n/p).
 
-**T2: Megatron pairs** (seed 002/003; Shoeybi et al.). Layers go in (column-parallel, row-parallel)
+**tensor: Megatron pairs** (seed 002/003; Shoeybi et al.; "T2" in earlier releases). Layers go in (column-parallel, row-parallel)
 pairs. Column-parallel holds W[j-block, :] (output features split), row-parallel W[:, j-block] (input
 features split). The conjugate operators f (identity forward / all-reduce backward) before each column
 layer and g (all-reduce forward / identity backward) after each row layer are Megatron's
@@ -30,46 +30,30 @@ Sec. V). T1 is Table II's all-gather/reduce-scatter pair alone, the cheapest TP 
 feature-sharded layout as phantom; T2 replaces it with Megatron's all-reduce per pair of layers. Neither
 needs a broadcast: data arrive already sharded.
 
-Parameters: every array has a leading shard axis of size p (sharded over ``axis``), as in phantom.
-T1 layer: ``weight`` [p, n/p, n], ``bias`` [p, n/p]. T2 column layer: ``weight`` [p, n/p, n], ``bias``
-[p, n/p]; T2 row layer: ``weight`` [p, n, n/p], ``bias`` [p, n/p] (rank j adds its bias block to its
-own output columns before the all-reduce, so the sum carries the full bias with no replicated
-parameter and no extra communication).
+Parameters keep the dense model's global shapes (so a checkpoint restores at any degree p); only
+their ``PartitionSpec`` says how they are split. T1: ``weight`` [L, n, n] sharded on output rows,
+``bias`` [L, n] sharded. Megatron: ``column`` {``weight`` [ceil(L/2), n, n] sharded on output rows,
+``bias`` sharded} and ``row`` {``weight`` [floor(L/2), n, n] sharded on input columns, ``bias``
+replicated, added after the all-reduce}. Under ``check_vma=True`` Megatron's f is ``lax.pcast(...,
+to="varying")`` (its transpose is the all-reduce) and g is ``lax.psum`` (its transpose is free).
+
+The layers run per rank inside the training step's ``shard_map``. Layer 0 (pair 0 for Megatron) is
+applied on its own and the rest under ``lax.scan`` (:func:`jphantom.sharding.dense.stack`), so that
+XLA still removes the first layer's backward collective, whose only output would be dL/dx.
 """
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jphantom.errors import ConfigError
-from jphantom.sharding._common import (
-    check_depth,
-    check_input,
-    check_width,
-    model_axis_size,
-    relu_between_layers,
-)
+from jphantom.sharding import dense
 
-Params = list[dict[str, jax.Array]]
-LAYOUTS = ("t1", "t2")
-
-
-def _check_layout(layout: str) -> str:
-    if layout not in LAYOUTS:
-        raise ConfigError(f"layout={layout!r} is not a TP layout; use one of {LAYOUTS}")
-    return layout
-
-
-def _is_row_layer(layout: str, index: int) -> bool:
-    """T2 alternates column (even index) and row (odd index) layers; T1 has only row-sharded W."""
-    return layout == "t2" and index % 2 == 1
+Params = dict
 
 
 def param_count(width: int, depth: int, *, include_bias: bool = False) -> int:
@@ -77,217 +61,120 @@ def param_count(width: int, depth: int, *, include_bias: bool = False) -> int:
     return depth * width * width + (depth * width if include_bias else 0)
 
 
-def init(
-    key: jax.Array, *, width: int, num_shards: int, depth: int, layout: str = "t1", dtype=jnp.float32
-) -> Params:
-    """He-initialised (N(0, 2/n)) TP parameters, zero biases; layouts in the module docstring."""
-    _check_layout(layout)
-    check_width(width, num_shards)
-    check_depth(depth)
-    layers = []
-    for index, layer_key in enumerate(jax.random.split(key, depth)):
-        weight = jax.random.normal(layer_key, (width, width), dtype) * math.sqrt(2.0 / width)
-        layers.append(_split_dense({"weight": weight, "bias": jnp.zeros(width, dtype)}, num_shards,
-                                   _is_row_layer(layout, index)))
-    return layers
-
-
-def _split_dense(layer, num_shards, row_layer):
-    n = layer["weight"].shape[0]
-    block = n // num_shards
-    if row_layer:  # W[:, j-block] -> [p, n, n/p]
-        weight = layer["weight"].reshape(n, num_shards, block).transpose(1, 0, 2)
-    else:  # W[j-block, :] -> [p, n/p, n]
-        weight = layer["weight"].reshape(num_shards, block, n)
-    return {"weight": weight, "bias": layer["bias"].reshape(num_shards, block)}
-
-
-def from_dense(dense_layers, num_shards: int, layout: str = "t1") -> Params:
-    """Split dense ``{"weight": [n, n], "bias": [n]}`` layers into this layout (inverse of
-    :func:`dense_equivalent`)."""
-    _check_layout(layout)
-    check_width(dense_layers[0]["weight"].shape[0], num_shards)
-    return [_split_dense(layer, num_shards, _is_row_layer(layout, i))
-            for i, layer in enumerate(dense_layers)]
-
-
-def dense_equivalent(params: Params, layout: str = "t1") -> list[dict[str, jax.Array]]:
-    """Reassemble the dense ``{"weight": [n, n], "bias": [n]}`` layers (differentiable)."""
-    _check_layout(layout)
-    layers = []
-    for index, layer in enumerate(params):
-        p, n = layer["bias"].shape[0], layer["bias"].size
-        if _is_row_layer(layout, index):
-            weight = layer["weight"].transpose(1, 0, 2).reshape(n, n)
-        else:
-            weight = layer["weight"].reshape(n, n)
-        layers.append({"weight": weight, "bias": layer["bias"].reshape(n)})
-    return layers
-
-
 # --------------------------------------------------------------------------------------------------
-# Conjugate communication operators (per rank, inside shard_map). Each is a custom_vjp so that the
-# forward and the backward collective are both written here, on the line where they happen.
+# T1: row-sharded weights, all-gather forward / reduce-scatter backward
 # --------------------------------------------------------------------------------------------------
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def gather_features_reduce_scatter_grads(axis, y):
-    """T1: all-gather [B, n/p] -> [B, n] forward; reduce-scatter [B, n] -> [B, n/p] backward."""
-    return lax.all_gather(y, axis, axis=1, tiled=True)
+def t1_specs(axis: str = "model") -> dict[str, P]:
+    """Dense-shaped [L, n, n] weights sharded on output rows; biases [L, n] sharded."""
+    return {"weight": P(None, axis, None), "bias": P(None, axis)}
 
 
-def _t1_gather_fwd(axis, y):
-    return lax.all_gather(y, axis, axis=1, tiled=True), None  # Table II: all-gather of n/p*B
+def t1_per_rank(params: Params, y: jax.Array, *, axis: str) -> jax.Array:
+    """T1 FFN on one rank: y [B, n/p] -> [B, n/p]; params weight [L, n/p, n], bias [L, n/p]."""
+
+    def layer(p, y):
+        y_full = lax.all_gather(y, axis, axis=1, tiled=True)  # [B, n]; backward: reduce-scatter
+        return y_full @ p["weight"].T + p["bias"]  # [B, n/p], own output rows
+
+    return dense.stack(layer, params, y)
 
 
-def _t1_gather_bwd(axis, _, d_full):
-    # Every rank holds a partial dL/dy_full (through its own rows); sum them and keep own block.
-    return (lax.psum_scatter(d_full, axis, scatter_dimension=1, tiled=True),)  # reduce-scatter
+# --------------------------------------------------------------------------------------------------
+# Megatron column/row pairs with f and g
+# --------------------------------------------------------------------------------------------------
 
 
-gather_features_reduce_scatter_grads.defvjp(_t1_gather_fwd, _t1_gather_bwd)
+def megatron_from_dense(params: Params) -> Params:
+    """Dense ``{"weight": [L, n, n], "bias": [L, n]}`` -> ``{"column": ..., "row": ...}`` (even
+    layers are column-parallel, odd layers row-parallel)."""
+    return {"column": jax.tree.map(lambda a: a[0::2], params),
+            "row": jax.tree.map(lambda a: a[1::2], params)}
 
 
-def _own_block(full, axis, num_shards):
-    block = full.shape[-1] // num_shards
-    return lax.dynamic_slice_in_dim(full, lax.axis_index(axis) * block, block, axis=-1)
+def megatron_dense_equivalent(params: Params) -> Params:
+    """Inverse of :func:`megatron_from_dense`: interleave the column and row layers."""
+    column, row = params["column"], params["row"]
+    columns, rows = column["weight"].shape[0], row["weight"].shape[0]
+
+    def interleave(c, r):
+        pairs = jnp.stack([c[:rows], r], axis=1).reshape(2 * rows, *c.shape[1:])
+        return jnp.concatenate([pairs, c[rows:]], axis=0) if columns > rows else pairs
+
+    return jax.tree.map(interleave, column, row)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def gather_from_model_parallel(axis, num_shards, y):
-    """Megatron's gather: all-gather [B, n/p] -> replicated [B, n] forward; own slice backward."""
-    return lax.all_gather(y, axis, axis=1, tiled=True)
+def megatron_specs(axis: str = "model") -> Params:
+    return {"column": {"weight": P(None, axis, None), "bias": P(None, axis)},
+            "row": {"weight": P(None, None, axis), "bias": P()}}
 
 
-def _gather_fwd(axis, num_shards, y):
-    return lax.all_gather(y, axis, axis=1, tiled=True), None  # all-gather of n/p*B
+def column_parallel(p, y_full, axis):
+    """Megatron column-parallel layer: replicated [B, n] in, own output features [B, n/p] out."""
+    y_full = lax.pcast(y_full, axis, to="varying")  # f: identity; backward all-reduce of B*n
+    return y_full @ p["weight"].T + p["bias"]
 
 
-def _gather_bwd(axis, num_shards, _, d_full):
-    return (_own_block(d_full, axis, num_shards),)  # gradient is replicated: no communication
+def row_parallel(p, y_block, axis):
+    """Megatron row-parallel layer: own input features [B, n/p] in, replicated [B, n] out."""
+    return lax.psum(y_block @ p["weight"].T, axis) + p["bias"]  # g: all-reduce of B*n; backward free
 
 
-gather_from_model_parallel.defvjp(_gather_fwd, _gather_bwd)
+def _slice_own(axis, y_full):
+    block = y_full.shape[-1] // lax.axis_size(axis)
+    return lax.dynamic_slice_in_dim(y_full, lax.axis_index(axis) * block, block, axis=-1)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def scatter_to_model_parallel(axis, num_shards, y):
+def scatter_to_model_parallel(axis: str, y_full: jax.Array) -> jax.Array:
     """Megatron's scatter: own slice of replicated [B, n] forward; all-gather of the slices backward."""
-    return _own_block(y, axis, num_shards)
-
-
-def _scatter_fwd(axis, num_shards, y):
-    return _own_block(y, axis, num_shards), None
-
-
-def _scatter_bwd(axis, num_shards, _, d_block):
-    return (lax.all_gather(d_block, axis, axis=1, tiled=True),)  # all-gather of n/p*B
-
-
-scatter_to_model_parallel.defvjp(_scatter_fwd, _scatter_bwd)
+    return _scatter(axis, y_full)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def copy_to_model_parallel(axis, y):
-    """Megatron's f: identity forward, all-reduce of the input gradient backward."""
-    return y
+def _scatter(axis, y_full):
+    return _slice_own(axis, y_full)
 
 
-def _copy_fwd(axis, y):
-    return y, None
+def _scatter_fwd(axis, y_full):
+    return _slice_own(axis, y_full), None
 
 
-def _copy_bwd(axis, _, d_y):
-    return (lax.psum(d_y, axis),)  # all-reduce of n*B
+def _scatter_bwd(axis, _, d_block):
+    return (lax.all_gather(d_block, axis, axis=1, tiled=True, to="invarying"),)  # all-gather B*n/p
 
 
-copy_to_model_parallel.defvjp(_copy_fwd, _copy_bwd)
+_scatter.defvjp(_scatter_fwd, _scatter_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def reduce_from_model_parallel(axis, partial_sum):
-    """Megatron's g: all-reduce forward, identity backward."""
-    return lax.psum(partial_sum, axis)
+def megatron_per_rank(params: Params, y: jax.Array, *, axis: str) -> jax.Array:
+    """Megatron FFN on one rank: y [B, n/p] -> [B, n/p].
 
-
-def _reduce_fwd(axis, partial_sum):
-    return lax.psum(partial_sum, axis), None  # all-reduce of n*B
-
-
-def _reduce_bwd(axis, _, d_y):
-    return (d_y,)
-
-
-reduce_from_model_parallel.defvjp(_reduce_fwd, _reduce_bwd)
-
-
-# --------------------------------------------------------------------------------------------------
-# Per-rank networks
-# --------------------------------------------------------------------------------------------------
-
-
-def _t1_per_rank(axis, layers, y):
-    for index, layer in enumerate(layers):
-        y_full = gather_features_reduce_scatter_grads(axis, y)  # [B, n]
-        z = y_full @ layer["weight"][0].T + layer["bias"][0]  # [B, n/p], own output rows
-        y = relu_between_layers(z, index, len(layers))
-    return y
-
-
-def _t2_per_rank(axis, num_shards, layers, y):
-    depth = len(layers)
-    y = gather_from_model_parallel(axis, num_shards, y)  # [B, n] replicated
-    for index, layer in enumerate(layers):
-        weight, bias = layer["weight"][0], layer["bias"][0]
-        if not _is_row_layer("t2", index):  # column-parallel: replicated in, sharded out
-            y = copy_to_model_parallel(axis, y)
-            y = relu_between_layers(y @ weight.T + bias, index, depth)  # [B, n/p]
-        else:  # row-parallel: sharded in, partial sums out, all-reduced by g
-            partial_sum = y @ weight.T  # [B, n]
-            block = bias.shape[0]
-            offset = lax.axis_index(axis) * block
-            partial_sum = lax.dynamic_update_slice_in_dim(
-                partial_sum, lax.dynamic_slice_in_dim(partial_sum, offset, block, 1) + bias, offset, 1
-            )
-            y = reduce_from_model_parallel(axis, partial_sum)  # [B, n] replicated
-            y = relu_between_layers(y, index, depth)
-    if depth % 2 == 0:
-        y = scatter_to_model_parallel(axis, num_shards, y)  # [B, n/p]
-    return y
-
-
-def forward(
-    params: Params, x: jax.Array, mesh: Mesh, *, axis: str = "model", layout: str = "t1"
-) -> jax.Array:
-    """TP FFN: x [batch, n] sharded on features over ``axis`` -> [batch, n], same sharding."""
-    _check_layout(layout)
-    num_shards = model_axis_size(mesh, axis)
-    if params[0]["bias"].shape[0] != num_shards:
-        raise ConfigError(
-            f"params were built for num_shards={params[0]['bias'].shape[0]} but mesh axis {axis!r} "
-            f"has size {num_shards}; re-initialise with num_shards={num_shards}"
-        )
-    check_input(x, params[0]["bias"].size)
-    if layout == "t1":
-        per_rank = partial(_t1_per_rank, axis)
-    else:
-        per_rank = partial(_t2_per_rank, axis, num_shards)
-    sharded = jax.shard_map(
-        per_rank, mesh=mesh, in_specs=(P(axis), P(None, axis)), out_specs=P(None, axis),
-        check_vma=False,
-    )
-    return sharded(params, x)
+    Entry: Megatron's gather (all-gather forward, own slice backward). Then (column, row) pairs:
+    f, column GEMM, ReLU, row GEMM, g; ReLU before each next pair. An odd last layer is a lone
+    column-parallel layer (sharded output); an even depth ends with Megatron's scatter.
+    """
+    y_full = lax.all_gather(y, axis, axis=1, tiled=True, to="invarying")  # gather: all-gather B*n
+    column, row = params["column"], params["row"]
+    pairs = row["weight"].shape[0]
+    if pairs:
+        pair_params = {"column": jax.tree.map(lambda a: a[:pairs], column), "row": row}
+        pair = lambda p, h: row_parallel(p["row"], jax.nn.relu(column_parallel(p["column"], h, axis)),
+                                         axis)
+        y_full = dense.stack(pair, pair_params, y_full)
+    if column["weight"].shape[0] > pairs:  # odd depth: a last column layer, output already sharded
+        last = jax.tree.map(lambda a: a[-1], column)
+        return column_parallel(last, jax.nn.relu(y_full) if pairs else y_full, axis)
+    return scatter_to_model_parallel(axis, y_full)
 
 
 def collective_buffers(*, width: int, num_shards: int, depth: int, batch: int,
                        layout: str = "t1") -> dict[str, list[int]]:
     """Per-device result elements of each collective in one training step (module docstring).
 
-    The backward collective that would only produce dL/dx of the input layer is absent (XLA removes
-    it), as are size-1 meshes' no-op collectives.
+    ``layout`` is ``"t1"`` or ``"megatron"``. The backward collective that would only produce dL/dx
+    of the input layer is absent (XLA removes it), as are size-1 meshes' no-op collectives.
     """
-    _check_layout(layout)
     n, p, b = width, num_shards, batch
     if layout == "t1":
         return {"all-gather": [b * n] * depth, "reduce-scatter": [b * n // p] * (depth - 1)}
@@ -297,3 +184,105 @@ def collective_buffers(*, width: int, num_shards: int, depth: int, batch: int,
         "all-gather": [b * n] * (1 + (0 if odd else 1)),
         "all-reduce": [b * n] * (pairs + column_layers - 1),
     }
+
+
+# --------------------------------------------------------------------------------------------------
+# Megatron tensor (+ sequence) parallelism for the GPT transformer (seeds 002, 003)
+# --------------------------------------------------------------------------------------------------
+
+from jphantom.sharding import vocab  # noqa: E402
+from jphantom.sharding.dense import layer_norm  # noqa: E402
+
+
+def transformer_specs(axis: str = "model", *, untied_head: bool = False) -> dict:
+    """PartitionSpecs of the dense GPT-2 layout (:mod:`jphantom.models.transformer`) under Megatron:
+    QKV and MLP-up column-parallel (output features, QKV by heads), attention output and MLP-down
+    row-parallel (input features), token embedding vocabulary-parallel (rows), the rest replicated."""
+    column = {"weight": P(None, None, axis), "bias": P(None, axis)}
+    row = {"weight": P(None, axis, None), "bias": P()}
+    norm = {"scale": P(), "bias": P()}
+    specs = {
+        "wte": P(axis, None), "wpe": P(),
+        "blocks": {"ln1": norm, "ln2": norm, "attn_out": row, "mlp_up": column, "mlp_down": row,
+                   "qkv": {"weight": P(None, None, None, axis), "bias": P(None, None, axis)}},
+        "ln_f": {"scale": P(), "bias": P()},
+    }
+    if untied_head:
+        specs["head"] = {"weight": P(None, axis), "bias": P(axis)}
+    return specs
+
+
+class TransformerLayers:
+    """Megatron layers on one rank (``jphantom.models.transformer.Layers``).
+
+    Without sequence parallelism the residual stream is replicated [B, S, h]; per block:
+    forward, g after the attention output and after MLP-down (all-reduce of B S h each); backward,
+    f before QKV and before MLP-up (all-reduce of B S h each). With ``sequence_parallel`` the stream
+    is sequence-sharded [B, S/p, h] (LayerNorm on S/p tokens) and each all-reduce becomes a
+    reduce-scatter to B S h / p plus an all-gather back to B S h, the same network volume
+    (seed 003 Sec. 4.2.2); the LayerNorm parameters and the row-parallel biases, which now see only
+    S/p tokens, get their gradients all-reduced over the model axis once per step.
+
+    Embedding: vocabulary-parallel lookup, summed by an all-reduce (SP: reduce-scatter) of B S h.
+    Head: tied to the token embedding, vocabulary-parallel logits [B, S, V/p] and the
+    vocabulary-parallel cross-entropy (:mod:`jphantom.sharding.vocab`); its input goes through f
+    (SP: an all-gather of the sequence).
+    """
+
+    SP_PARAMS = (("ln1",), ("ln2",), ("attn_out", "bias"), ("mlp_down", "bias"))
+
+    def __init__(self, axis: str, eps: float, sequence_parallel: bool = False):
+        self.axis, self.eps, self.sequence_parallel = axis, eps, sequence_parallel
+
+    def prepare(self, params):
+        if not self.sequence_parallel:
+            return params
+        # Sequence-parallel parameters see S/p tokens per rank: make them varying over the model
+        # axis so that their gradients are all-reduced over it, once per step, after the backward.
+        varying = lambda tree: lax.pcast(tree, self.axis, to="varying")
+        blocks = dict(params["blocks"])
+        for path in self.SP_PARAMS:
+            if len(path) == 1:
+                blocks[path[0]] = varying(blocks[path[0]])
+            else:
+                blocks[path[0]] = {**blocks[path[0]], path[1]: varying(blocks[path[0]][path[1]])}
+        return {**params, "blocks": blocks, "wpe": varying(params["wpe"]),
+                "ln_f": varying(params["ln_f"])}
+
+    def _own_sequence(self, x):
+        chunk = x.shape[0] // lax.axis_size(self.axis)
+        return lax.dynamic_slice_in_dim(x, lax.axis_index(self.axis) * chunk, chunk, axis=0)
+
+    def embed(self, params, tokens):
+        seq = tokens.shape[1]
+        partial_sum = vocab.embed_partial(params["wte"], tokens, self.axis)  # [B, S, h]
+        if self.sequence_parallel:
+            h = lax.psum_scatter(partial_sum, self.axis, scatter_dimension=1, tiled=True)  # RS
+            return h + self._own_sequence(params["wpe"][:seq])  # [B, S/p, h]
+        return lax.psum(partial_sum, self.axis) + params["wpe"][:seq]  # all-reduce of B*S*h
+
+    def norm(self, p, h):
+        return layer_norm(h, p["scale"], p["bias"], self.eps)
+
+    def _to_full(self, x):
+        if self.sequence_parallel:  # all-gather of the sequence, B*S*h; backward reduce-scatter
+            return lax.all_gather(x, self.axis, axis=1, tiled=True)
+        return lax.pcast(x, self.axis, to="varying")  # f: identity; backward all-reduce of B*S*h
+
+    def column(self, p, x):
+        x = self._to_full(x)
+        weight = p["weight"].reshape(p["weight"].shape[0], -1)  # [h, out/p]
+        return x @ weight + p["bias"].reshape(-1)
+
+    def row(self, p, x):
+        partial_sum = x @ p["weight"]  # [B, S, h] partial over the model axis
+        if self.sequence_parallel:  # reduce-scatter to B*S*h/p; backward all-gather
+            return lax.psum_scatter(partial_sum, self.axis, scatter_dimension=1, tiled=True) + p["bias"]
+        return lax.psum(partial_sum, self.axis) + p["bias"]  # g: all-reduce of B*S*h
+
+    def logits(self, params, h):
+        """This rank's vocabulary slice of the logits, [B, S, V/p] (full sequence)."""
+        return self._to_full(h) @ params["wte"].T
+
+    def loss(self, params, h, targets):
+        return vocab.cross_entropy_sum(self.logits(params, h), targets, self.axis)

@@ -1,0 +1,180 @@
+"""The GPT-2 transformer, written against a strategy's layers: it holds no collective.
+
+Architecture (Radford et al. 2019, as Hugging Face's ``GPT2LMHeadModel``): token and learned
+position embeddings; ``layers`` pre-LayerNorm blocks of causal multi-head attention and a GELU-tanh
+MLP of width 4h, each with a residual connection; a final LayerNorm; an LM head tied to the token
+embedding (an untied ``head`` is allowed: the phantom transformer has one). No dropout.
+
+Dense parameter layout (``y = x W + b``, Hugging Face's Conv1D convention), blocks stacked over L:
+
+    wte [V, h]   wpe [S_max, h]   ln_f {scale, bias} [h]   (head {weight [h, V], bias [V]})
+    blocks: ln1, ln2 {scale, bias} [L, h]
+            qkv      {weight [L, h, 3, h], bias [L, 3, h]}    (q | k | v, heads contiguous in h)
+            attn_out {weight [L, h, h],    bias [L, h]}
+            mlp_up   {weight [L, h, 4h],   bias [L, 4h]}
+            mlp_down {weight [L, 4h, h],   bias [L, h]}
+
+A strategy supplies a :class:`Layers` object whose methods run on one rank (inside the step's
+``shard_map``) and own every collective: ``embed``, ``norm``, ``column`` (a linear map whose output
+features may be split: the QKV and MLP-up projections), ``row`` (its partner that returns to the
+residual layout: attention output, MLP down) and the head's ``loss``/``logits``. The model below is
+the same for every strategy; attention runs on whatever heads the rank holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jphantom.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+LAYER_NORM_EPS = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """A GPT-2 shape. ``seq_len`` is the number of positions (``n_positions``). ``ghost_width`` is
+    k of every phantom projection (phantom strategies only)."""
+
+    vocab_size: int = 256
+    seq_len: int = 128
+    hidden: int = 256
+    heads: int = 4
+    layers: int = 4
+    ghost_width: int | None = None
+    dtype: str = "float32"
+    layer_norm_eps: float = LAYER_NORM_EPS
+    tied_head: bool = True
+    model_name = "transformer"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "seq_len", "hidden", "heads", "layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+        if self.hidden % self.heads:
+            raise ConfigError(f"hidden={self.hidden} is not divisible by heads={self.heads}: each "
+                              f"head has hidden/heads features; pick heads dividing {self.hidden}")
+        k = self.ghost_width
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ConfigError(f"ghost_width={k!r} must be an integer >= 1, e.g. 8")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r}; use one of {DTYPES}")
+        if self.dtype == "float64" and not jax.config.jax_enable_x64:
+            raise ConfigError("dtype='float64' needs 64-bit mode: call "
+                              "jax.config.update('jax_enable_x64', True) first, or use float32")
+        if not (self.layer_norm_eps > 0 and math.isfinite(self.layer_norm_eps)):
+            raise ConfigError(f"layer_norm_eps={self.layer_norm_eps} must be a positive number")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def param_count(self) -> int:
+        """Weights and biases of the dense model (tied head counted once)."""
+        h, v, s, L = self.hidden, self.vocab_size, self.seq_len, self.layers
+        block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (4 * h * h + 4 * h) + (4 * h * h + h)
+        return v * h + s * h + L * block + 2 * h + (0 if self.tied_head else h * v + v)
+
+    def flops_per_token(self) -> int:
+        """Forward + backward matmul FLOPs per token (6 x weights in matmuls + attention)."""
+        h, L, s, v = self.hidden, self.layers, self.seq_len, self.vocab_size
+        matmul_weights = L * 12 * h * h + v * h
+        return 6 * matmul_weights + 6 * L * s * h  # causal attention: QK^T and AV, half the square
+
+
+def init_dense(key: jax.Array, config: TransformerConfig) -> dict:
+    """GPT-2 initialisation: N(0, 0.02) weights, N(0, 0.02/sqrt(2L)) residual projections, zero
+    biases, unit LayerNorm scales."""
+    h, L, v, s = config.hidden, config.layers, config.vocab_size, config.seq_len
+    dtype = jnp.dtype(config.dtype)
+    keys = iter(jax.random.split(key, 8))
+    normal = lambda shape, std: jax.random.normal(next(keys), shape, dtype) * std
+    residual = 0.02 / math.sqrt(2 * L)
+    norm = lambda *lead: {"scale": jnp.ones((*lead, h), dtype), "bias": jnp.zeros((*lead, h), dtype)}
+    params = {
+        "wte": normal((v, h), 0.02),
+        "wpe": normal((s, h), 0.01),
+        "blocks": {
+            "ln1": norm(L),
+            "qkv": {"weight": normal((L, h, 3, h), 0.02), "bias": jnp.zeros((L, 3, h), dtype)},
+            "attn_out": {"weight": normal((L, h, h), residual), "bias": jnp.zeros((L, h), dtype)},
+            "ln2": norm(L),
+            "mlp_up": {"weight": normal((L, h, 4 * h), 0.02), "bias": jnp.zeros((L, 4 * h), dtype)},
+            "mlp_down": {"weight": normal((L, 4 * h, h), residual), "bias": jnp.zeros((L, h), dtype)},
+        },
+        "ln_f": norm(),
+    }
+    if not config.tied_head:
+        params["head"] = {"weight": normal((h, v), 0.02), "bias": jnp.zeros((v,), dtype)}
+    return params
+
+
+class Layers(Protocol):
+    """One rank's layers, given by a strategy. ``h`` is the residual stream in the strategy's layout
+    (replicated [B, S, h], sequence-sharded [B, S/p, h] or feature-sharded [B, S, h/p])."""
+
+    def embed(self, params: dict, tokens: jax.Array) -> jax.Array: ...
+
+    def prepare(self, params: dict) -> dict:
+        """Mark parameters whose gradients the strategy reduces once per step (Megatron-SP)."""
+
+    def norm(self, params: dict, h: jax.Array) -> jax.Array: ...
+
+    def column(self, params: dict, x: jax.Array) -> jax.Array:
+        """[..., features in] -> [B, S, this rank's output features] (full sequence)."""
+
+    def row(self, params: dict, x: jax.Array) -> jax.Array:
+        """[B, S, this rank's input features] -> residual layout."""
+
+    def loss(self, params: dict, h: jax.Array, targets: jax.Array) -> jax.Array:
+        """Sum of token cross-entropies of the rank's tokens (final norm applied by the model)."""
+
+    def logits(self, params: dict, h: jax.Array) -> jax.Array: ...
+
+
+def attention(qkv: jax.Array, head_dim: int) -> jax.Array:
+    """Causal multi-head self-attention on the rank's heads: qkv [B, S, 3 * a * d] -> [B, S, a * d].
+
+    The t tokens are t column vectors; every projection around this acts on each token alike."""
+    batch, seq, _ = qkv.shape
+    q, k, v = jnp.moveaxis(qkv.reshape(batch, seq, 3, -1, head_dim), 2, 0)  # [B, S, a, d] each
+    scores = jnp.einsum("bqad,bkad->baqk", q, k) / jnp.sqrt(jnp.asarray(head_dim, qkv.dtype))
+    causal = jnp.tril(jnp.ones((seq, seq), bool))
+    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+    wide = jnp.promote_types(scores.dtype, jnp.float32)  # softmax in at least float32
+    weights = jax.nn.softmax(scores.astype(wide), axis=-1).astype(qkv.dtype)
+    out = jnp.einsum("baqk,bkad->bqad", weights, v)
+    return out.reshape(batch, seq, -1)
+
+
+def block(layers: Layers, config: TransformerConfig, p: dict, h: jax.Array) -> jax.Array:
+    """One pre-LayerNorm GPT-2 block on the residual stream ``h``."""
+    qkv = layers.column(p["qkv"], layers.norm(p["ln1"], h))
+    h = h + layers.row(p["attn_out"], attention(qkv, config.head_dim))
+    up = jax.nn.gelu(layers.column(p["mlp_up"], layers.norm(p["ln2"], h)), approximate=True)
+    return h + layers.row(p["mlp_down"], up)
+
+
+def trunk(layers: Layers, config: TransformerConfig, params: dict, tokens: jax.Array) -> jax.Array:
+    """Embeddings, the blocks under ``lax.scan`` over the stacked layer axis, the final norm."""
+    h = layers.embed(params, tokens)
+    h, _ = lax.scan(lambda h, p: (block(layers, config, p, h), None), h, params["blocks"])
+    return layers.norm(params["ln_f"], h)
+
+
+def loss_sum(layers: Layers, config: TransformerConfig, params: dict, tokens, targets):
+    """Sum of next-token cross-entropies (nats) over the rank's tokens."""
+    params = layers.prepare(params)
+    return layers.loss(params, trunk(layers, config, params, tokens), targets)
+
+
+def logits_of(layers: Layers, config: TransformerConfig, params: dict, tokens) -> jax.Array:
+    params = layers.prepare(params)
+    return layers.logits(params, trunk(layers, config, params, tokens))
