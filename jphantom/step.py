@@ -100,21 +100,46 @@ def optimizer_state_specs(optimizer: optax.GradientTransformation, params_shape,
                                  is_leaf=lambda s: isinstance(s, P))
 
 
-def _per_rank_step(program: Program, optimizer):
-    data = program.batch_axes
-    loss_axes = data + tuple(a for a in program.loss_partial_axes if a in program.mesh.shape)
+def _loss_axes(program: Program) -> tuple[str, ...]:
+    return program.batch_axes + tuple(a for a in program.loss_partial_axes
+                                      if a in program.mesh.shape)
 
-    def step(params, opt_state, *batch):
+
+def _per_rank_value_and_grad(program: Program):
+    """Per rank: (global loss, gradients reduced over the axes each parameter is replicated on)."""
+    data, loss_axes = program.batch_axes, _loss_axes(program)
+
+    def value_and_grad(params, *batch):
         varying = lax.pcast(params, data, to="varying") if data else params
         loss, grads = jax.value_and_grad(program.loss)(varying, *batch)
         if data:
             grads = lax.psum(grads, data)  # data parallelism: one all-reduce per parameter per step
         if loss_axes:
             loss = lax.psum(loss, loss_axes)  # the reported loss: one scalar all-reduce
+        return loss, grads
+
+    return value_and_grad
+
+
+def _per_rank_step(program: Program, optimizer):
+    value_and_grad = _per_rank_value_and_grad(program)
+
+    def step(params, opt_state, *batch):
+        loss, grads = value_and_grad(params, *batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
     return step
+
+
+def make_value_and_grad(program: Program, mesh: Mesh) -> Callable:
+    """``(params, *batch) -> (loss, grads)``: the step without the optimizer (tests, analysis)."""
+    if not program.manual:
+        return jax.jit(jax.value_and_grad(program.global_loss(mesh)))
+    return jax.jit(jax.shard_map(
+        _per_rank_value_and_grad(program), mesh=mesh,
+        in_specs=(program.param_specs, *program.batch_specs),
+        out_specs=(P(), program.param_specs), check_vma=True))
 
 
 def make_train_step(program: Program, mesh: Mesh, optimizer: optax.GradientTransformation, *,
@@ -145,8 +170,7 @@ def make_loss_fn(program: Program, mesh: Mesh) -> Callable:
     """``loss(params, *batch) -> global mean loss`` (evaluation), jitted."""
     if not program.manual:
         return jax.jit(program.global_loss(mesh))
-    loss_axes = program.batch_axes + tuple(
-        a for a in program.loss_partial_axes if a in program.mesh.shape)
+    loss_axes = _loss_axes(program)
 
     def per_rank(params, *batch):
         loss = program.loss(params, *batch)

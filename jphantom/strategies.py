@@ -314,11 +314,15 @@ def _transformer_collectives(strategy, config, mesh: MeshConfig, batch: int, *,
     tokens = batch * s
     if strategy.name == "tensor":
         if not sequence_parallel:
-            # embed AR fwd; per block 2 g fwd + 2 f bwd; head f bwd; CE 3 AR of B*S
-            return {"all-reduce": [tokens * h] * (1 + 4 * L + 1) + [tokens] * 3}
-        return {"reduce-scatter": [tokens * h // p] * (1 + 2 * L + 2 * L + 1),
-                "all-gather": [tokens * h] * (2 * L + 2 * L + 1) + [0] * 0,
-                "all-reduce": [tokens] * 3}
+            # embedding all-reduce (fwd); per block g, g (fwd) and f, f (bwd); head f (bwd);
+            # cross-entropy: max, sum of exponentials, target logit
+            return {"all-reduce": [tokens * h] * (4 * L + 2) + [tokens] * 3}
+        # each all-reduce of B*S*h becomes a reduce-scatter to B*S*h/p and an all-gather back;
+        # plus the gradients of the sequence-parallel parameters (LayerNorms, row biases, wpe)
+        sp_grads = [L * h] * 6 + [h] * 2 + [s * h]
+        return {"reduce-scatter": [tokens * h // p] * (4 * L + 2),
+                "all-gather": [tokens * h] * (4 * L + 2),
+                "all-reduce": [tokens] * 3 + sp_grads}
     if strategy.family == "phantom":
         k = config.ghost_width
         projections = 4 * L + 1

@@ -178,3 +178,41 @@ def loss_sum(layers: Layers, config: TransformerConfig, params: dict, tokens, ta
 def logits_of(layers: Layers, config: TransformerConfig, params: dict, tokens) -> jax.Array:
     params = layers.prepare(params)
     return layers.logits(params, trunk(layers, config, params, tokens))
+
+
+def logits(config: TransformerConfig, params: dict, tokens, *, strategy: str = "dense", mesh=None,
+           sequence_parallel: bool = False) -> jax.Array:
+    """float32 logits [batch, seq, vocab] of the dense parameter layout (what
+    :func:`jphantom.models.gpt2.load` returns) under a dense-family strategy.
+
+    ``params`` are sharded as the strategy needs (``mesh``: a jax Mesh; default all devices on one
+    ``model`` axis, or one device for ``dense``). A vocabulary not divisible by the model axis
+    (GPT-2's 50257) is padded with zero rows for the run and the padding is cut from the result.
+    Phantom models have their own parameters (p is part of the model): use their program's forward.
+    """
+    from jphantom import strategies
+    from jphantom.mesh import first_devices, make_mesh, mesh_config_of
+    from jphantom.step import make_forward_fn
+
+    chosen = strategies.get(strategy)
+    if chosen.family != "dense":
+        raise ConfigError(f"logits() takes dense parameters; strategy {strategy!r} has its own "
+                          "(p is part of a phantom model): use its Program's forward instead")
+    if mesh is None:
+        mesh = (make_mesh({"model": 1}, first_devices(1)) if strategy == "dense"
+                else make_mesh({"model": jax.device_count()}))
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if tokens.ndim != 2 or tokens.shape[1] > config.seq_len:
+        raise ConfigError(f"tokens have shape {tuple(tokens.shape)}; expected [batch, seq] with "
+                          f"seq <= seq_len={config.seq_len}")
+    p = int(mesh.shape.get("model", 1))
+    vocab = config.vocab_size
+    padded = -(-vocab // p) * p
+    run_config = dataclasses.replace(config, vocab_size=padded, seq_len=tokens.shape[1])
+    params = {**params, "wte": jnp.pad(params["wte"], ((0, padded - vocab), (0, 0))),
+              "wpe": params["wpe"][: tokens.shape[1]]}
+    program = chosen.program(run_config, mesh_config_of(mesh), sequence_parallel=sequence_parallel)
+    params = jax.device_put(params, program.shardings(mesh))
+    tokens = jax.device_put(tokens, program.batch_shardings(mesh)[0])
+    out = make_forward_fn(program, mesh)(params, tokens)
+    return out[..., :vocab].astype(jnp.float32)
