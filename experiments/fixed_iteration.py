@@ -102,14 +102,14 @@ def measured_part(args) -> list[dict]:
     from tqdm.auto import tqdm
 
     from jphantom.analysis.timing import build_step, time_round_robin
-    from jphantom.mesh import make_mesh
+    from jphantom.mesh import first_devices, make_mesh
     from jphantom.perf.comm_model import FRONTIER
     from jphantom.sharding import phantom
 
     rows = []
     key = jax.random.PRNGKey(0)
     for p in tqdm(args.shard_list, desc="measured p", unit="p"):
-        mesh = make_mesh({"model": p})
+        mesh = make_mesh({"model": p}, first_devices(p))
         ks = [k for k in args.ghost_list if k < phantom.max_ghost_width(args.width, p)]
         configs = [(TP, None)] + [("phantom", k) for k in ks]
         runners, reports = [], []
@@ -124,7 +124,7 @@ def measured_part(args) -> list[dict]:
         for runner, report in zip(runners, reports):
             rows.append({
                 "part": "measured", "width": args.width, "depth": args.depth, "shards": p,
-                "strategy": "tensor" if report["strategy"] == TP else "phantom",
+                "strategy": report["strategy"],
                 "ghost_width": report["ghost_width"], "batch": args.batch,
                 "params": report["params"],
                 "flops_per_device": report["flops_per_device"],
@@ -136,7 +136,7 @@ def measured_part(args) -> list[dict]:
                 * 1e-6,
             })
     for row in rows:  # ratios against TP at the same p
-        tp = next(r for r in rows if r["shards"] == row["shards"] and r["strategy"] == "tensor")
+        tp = next(r for r in rows if r["shards"] == row["shards"] and r["strategy"] == TP)
         row["time_ratio_vs_tp_measured"] = (row["seconds_per_iteration_measured"]
                                             / tp["seconds_per_iteration_measured"])
         row["bytes_ratio_vs_tp"] = (row["collective_bytes_per_device"]
@@ -172,7 +172,7 @@ def modelled_part(batch: int) -> list[dict]:
         n, depth = spec["width"], spec["depth"]
         for p in spec["shards"]:
             ks = spec["ghost_widths"].get(p, spec["ghost_widths"].get("all", []))
-            shapes = [StepShape("tensor", n, depth, p, batch)]
+            shapes = [StepShape(TP, n, depth, p, batch)]
             shapes += [StepShape("phantom", n, depth, p, batch, ghost_width=k) for k in ks
                        if k < phantom.max_ghost_width(n, p)]
             estimates = [estimate_step(shape) for shape in shapes]
@@ -237,11 +237,11 @@ def format_tables(result: dict) -> str:
         lines += [f"measured: n={r0['width']}, L={r0['depth']}, B={r0['batch']}, one SGD step on "
                   f"simulated CPU devices ({result['machine']['cpu_count']} cores), median; "
                   "comm modelled with Eq. 26 (Frontier)",
-                  f"{'p':>3} {'strategy':<8}{'k':>4}{'ms/iter':>9}{'vs TP':>7}{'FLOPs vs TP':>12}"
+                  f"{'p':>3} {'strategy':<10}{'k':>4}{'ms/iter':>9}{'vs TP':>7}{'FLOPs vs TP':>12}"
                   f"{'KB/iter':>10}{'bytes vs TP':>12}{'Frontier comm ms':>17}{'vs TP':>7}"]
         for r in measured:
             lines.append(
-                f"{r['shards']:>3} {r['strategy']:<8}{r['ghost_width'] or '-':>4}"
+                f"{r['shards']:>3} {r['strategy']:<10}{r['ghost_width'] or '-':>4}"
                 f"{r['seconds_per_iteration_measured'] * 1e3:>9.2f}{r['time_ratio_vs_tp_measured']:>7.3f}"
                 f"{r['flop_ratio_vs_tp']:>12.3f}{r['collective_bytes_per_device'] / 1e3:>10.1f}"
                 f"{r['bytes_ratio_vs_tp']:>12.4f}{r['comm_seconds_modelled_frontier'] * 1e3:>17.3f}"
@@ -254,11 +254,11 @@ def format_tables(result: dict) -> str:
                  f"{'compute ms':>11}{'total ms':>10}{'comm/TP':>8}{'total/TP':>9}")
     for r in modelled:
         lines.append(
-            f"{r['panel']:<6}{r['width']:>7}{r['depth']:>3}{r['shards']:>5} {r['strategy']:<8}"
+            f"{r['panel']:<6}{r['width']:>7}{r['depth']:>3}{r['shards']:>5} {r['strategy']:<14}"
             f"{r['ghost_width'] or '-':>4}{r['comm_seconds_modelled'] * 1e3:>9.3f}"
             f"{r['compute_seconds_modelled'] * 1e3:>11.3f}{r['total_seconds_modelled'] * 1e3:>10.3f}"
             f"{r['comm_ratio_vs_tp']:>8.3f}{r['total_ratio_vs_tp']:>9.3f}")
-    lines.append("tensor = T1 (jphantom's TP); tensor-table2 = the TP of the paper's Table II (T1 + a "
+    lines.append("tensor-t1 = seed 000's TP (T1); tensor-table2 = the TP of the paper's Table II (T1 + a "
                  "broadcast and an all-reduce of n B per layer), comm modelled only")
     for panel, v in result["verdicts"].items():
         lines.append(f"Fig. {panel}: paper: {v['paper']}.")
@@ -291,7 +291,7 @@ def plot(result: dict, path: Path) -> None:
                      f"{'comm' if panel == '5a' else 'total'}/iter")
         series = {}
         for r in rows:
-            label = "TP (T1)" if r["strategy"] == "tensor" else "TP (Table II)" if r[
+            label = "TP (T1)" if r["strategy"] == TP else "TP (Table II)" if r[
                 "strategy"] == "tensor-table2" else (
                 "phantom (Table I k)" if panel == "5c" else f"phantom k={r['ghost_width']}")
             series.setdefault(label, []).append(r)

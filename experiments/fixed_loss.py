@@ -41,6 +41,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 DEFAULT_OUT = REPO / "experiments" / "results" / "fixed_loss"
+TP_STRATEGY = "tensor-t1"  # seed 000's TP, as jphantom.compare.TP_STRATEGY names it in its rows
 
 # Seed 000 Table I (n = 16384, L = 2): p, k, TP J/epoch, TP epochs, phantom J/epoch, phantom epochs.
 TABLE_ONE = [
@@ -103,7 +104,7 @@ def paper_vs_ours(result: dict) -> dict:
     ours = result["ratios"]
     span = lambda values: [min(values), max(values)] if values else None
     valid = lambda key: [q[key] for q in ours if q[key] is not None]
-    tp_rows = {r["shards"]: r for r in result["rows"] if r["strategy"] == "tensor"}
+    tp_rows = {r["shards"]: r for r in result["rows"] if r["strategy"] == TP_STRATEGY}
     proxy = [next(r for r in result["rows"] if r["strategy"] == "phantom"
                   and r["shards"] == q["shards"] and r["ghost_width"] == q["ghost_width"])
              ["proxy_params_x_iterations"] / tp_rows[q["shards"]]["proxy_params_x_iterations"]
@@ -153,7 +154,7 @@ def plot_fig7(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     series = {}
     for r in result["rows"]:
-        label = "TP (T1)" if r["strategy"] == "tensor" else f"phantom k={r['ghost_width']}"
+        label = "TP (T1)" if r["strategy"] == TP_STRATEGY else f"phantom k={r['ghost_width']}"
         series.setdefault(label, []).append(r)
     order = lambda item: (not item[0].startswith("TP"), item[1][0]["ghost_width"] or 0)
     for label, group in sorted(series.items(), key=order):

@@ -66,8 +66,8 @@ from jphantom.perf.step_model import (  # noqa: E402
 )
 
 DEFAULT_OUT = REPO / "experiments" / "results" / "large_width"
-VARIANTS = (("tensor", True), ("phantom", True), ("phantom", False))
-LABELS = {("tensor", True): "tensor (T1)", ("phantom", True): "phantom (fused)",
+VARIANTS = (("tensor-t1", True), ("phantom", True), ("phantom", False))
+LABELS = {("tensor-t1", True): "tensor (T1)", ("phantom", True): "phantom (fused)",
           ("phantom", False): "phantom (unfused)"}
 LAUNCH_RANGE_US = (5.0, 20.0)  # a plausible cost of one small GEMM kernel on a GPU, launch included
 PAPER = {
@@ -159,7 +159,7 @@ def grid(args, device) -> tuple[list[dict], dict]:
     for n in args.widths:
         for p in args.shards:
             ests = {v: estimate(*v, n, p, args, device) for v in VARIANTS}
-            tp = ests[("tensor", True)]
+            tp = ests[("tensor-t1", True)]
             rows += [row_of(ests[v], tp) for v in VARIANTS]
             break_even[(n, p)] = break_even_gemm_overhead(tp, ests[("phantom", False)])
     return rows, break_even
@@ -184,9 +184,9 @@ def oom_sweep(args, device) -> list[dict]:
             def total(strategy, fused, p):
                 return estimate(strategy, fused, n, p, args, device, depth=depth,
                                 optimizer=optimizer).memory["total"]
-            tp_small = total("tensor", True, small_p)
-            tp_larger = [total("tensor", True, p) for p in larger_p]
-            tp_other_widths = [estimate("tensor", True, w, p, args, device, depth=depth,
+            tp_small = total("tensor-t1", True, small_p)
+            tp_larger = [total("tensor-t1", True, p) for p in larger_p]
+            tp_other_widths = [estimate("tensor-t1", True, w, p, args, device, depth=depth,
                                         optimizer=optimizer).memory["total"]
                                for w in args.widths if w != n for p in args.shards]
             phantom_max = max(total("phantom", fused, p) for fused in (True, False)
@@ -280,7 +280,7 @@ def sensitivity(args, device) -> dict:
     n, p = min(args.widths), max(args.shards)
 
     def be(device_=device, **overrides):
-        tp = estimate("tensor", True, n, p, args, device_, **overrides)
+        tp = estimate("tensor-t1", True, n, p, args, device_, **overrides)
         ph = estimate("phantom", False, n, p, args, device_, **overrides)
         return break_even_gemm_overhead(tp, ph) * 1e6
 
@@ -292,7 +292,7 @@ def sensitivity(args, device) -> dict:
             str(e): be(dataclasses.replace(device, efficiency=e)) for e in (0.25, 0.5, 0.75, 1.0)},
     }
     # The paper's own TP (Table II) also broadcasts n B forward and all-reduces n B backward per layer.
-    tp = estimate("tensor", True, n, p, args, device)
+    tp = estimate("tensor-t1", True, n, p, args, device)
     ph = estimate("phantom", False, n, p, args, device)
     L, B = args.depth, args.batch
     extra = [{"kind": "broadcast", "count": L, "bytes": L * 4 * n * B},

@@ -1,56 +1,143 @@
-"""The ``jphantom`` command line. Run ``jphantom --help`` or ``jphantom <command> --help``."""
+"""The ``jphantom`` command line. Run ``jphantom --help`` or ``jphantom <command> --help``.
+
+Devices. Every command runs on the machine's accelerators when it has some, and on simulated CPU
+devices otherwise: ``--devices N`` simulates N CPU devices (and forces the CPU backend); without it
+the choice is made *before* jax starts (jax cannot change its device count afterwards), from
+what is visible without starting it (:func:`accelerator_visible`): ``JAX_PLATFORMS`` if set, else
+an NVIDIA (``nvidia-smi``) or AMD (``rocm-smi``) tool on the PATH together with an installed jax
+plugin for it. No accelerator: :data:`DEFAULT_SIMULATED_DEVICES` (8) CPU devices are simulated.
+
+Errors. A bad value (:class:`jphantom.errors.ConfigError`) or a diverged training run
+(:class:`jphantom.errors.TrainingDiverged`) prints one line, ``jphantom: error: ...``, and exits with
+status 2 (bad value) or 1 (diverged), without a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
+import shutil
 import sys
 
-STRATEGY_NAMES = ("dense", "gspmd", "phantom", "phantom-unfused", "tensor-t1", "tensor-t2")
+DEFAULT_SIMULATED_DEVICES = 8
+_ACCELERATOR_PLATFORMS = ("cuda", "gpu", "rocm", "tpu")
+_PLUGINS = {"nvidia-smi": ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12",
+                           "jax_plugins.xla_cuda13"),
+            "rocm-smi": ("jax_rocm60_plugin", "jax_rocm7_plugin", "jax_plugins.xla_rocm60",
+                         "jax_plugins.xla_rocm7")}
+
+
+def _strategy_names() -> list[str]:
+    from jphantom import strategies
+
+    return strategies.strategies_for("ffn")
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def accelerator_visible(env=None) -> bool:
+    """Whether jax will find an accelerator, decided without starting jax (see module docstring):
+    ``JAX_PLATFORMS`` names one (``cuda``, ``gpu``, ``rocm``, ``tpu``), or it is unset and
+    ``nvidia-smi`` / ``rocm-smi`` is on the PATH with a matching jax plugin installed."""
+    env = os.environ if env is None else env
+    platforms = [p.strip().lower() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms:
+        return any(p in _ACCELERATOR_PLATFORMS for p in platforms)
+    return any(shutil.which(tool) and any(_has_module(m) for m in modules)
+               for tool, modules in _PLUGINS.items())
+
+
+def _device_count(text: str) -> int:
+    from jphantom.mesh import MAX_SIMULATED_DEVICES
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 1 <= value <= MAX_SIMULATED_DEVICES:
+        raise argparse.ArgumentTypeError(
+            f"{value} simulated devices: give 1 to {MAX_SIMULATED_DEVICES}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
 
 
 def _add_device_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--devices", type=int, default=None, metavar="N",
-        help="simulate N CPU devices (forces the CPU backend; use on a laptop or CI). "
-             "Omit to use the real devices of this machine.",
+        "--devices", type=_device_count, default=None, metavar="N",
+        help="simulate N CPU devices (forces the CPU backend). Default: the machine's GPUs if jax "
+             f"can use them, else {DEFAULT_SIMULATED_DEVICES} simulated CPU devices.",
     )
 
 
 def _setup_devices(count: int | None) -> None:
-    """Must run before anything touches a jax backend."""
-    if not count:
+    """Must run before anything touches a jax backend (module docstring)."""
+    if count is None and accelerator_visible():
         return
     import jax
 
+    from jphantom.errors import ConfigError
     from jphantom.mesh import simulate_cpu_devices
 
-    jax.config.update("jax_platforms", "cpu")
-    simulate_cpu_devices(count)
+    explicit = count is not None
+    count = count if explicit else DEFAULT_SIMULATED_DEVICES
+    try:
+        jax.config.update("jax_platforms", "cpu")
+        simulate_cpu_devices(count)
+    except RuntimeError as error:
+        # jax is already running (e.g. called from Python after jax started): keep its devices,
+        # unless a count was asked for explicitly and differs.
+        if explicit:
+            raise ConfigError(str(error).split(". ")[0] + f": cannot simulate {count} devices "
+                              "in this process; start a fresh one") from None
 
 
 def _inspect(args: argparse.Namespace) -> int:
     _setup_devices(args.devices)
-    from jphantom.analysis.inspect import StepSpec, format_report, inspect_step
-
     import jax
 
-    num_shards = args.shards or jax.device_count()
-    names = args.strategy
+    if args.dtype == "float64":
+        jax.config.update("jax_enable_x64", True)
+
+    from jphantom.analysis.inspect import StepSpec, format_report, inspect_step
+    from jphantom.errors import ConfigError
+    from jphantom.mesh import MeshConfig
+
+    if args.mesh is not None:
+        mesh = MeshConfig.parse(args.mesh)
+        if args.shards is not None and args.shards != mesh.size("model"):
+            raise ConfigError(f"--shards {args.shards} disagrees with --mesh {args.mesh} "
+                              f"(model={mesh.size('model')}): give one of them")
+    else:
+        mesh = MeshConfig.of({"model": args.shards or jax.device_count()})
     reports = []
-    for name in names:
-        spec = StepSpec(
-            strategy=name, width=args.width, depth=args.depth, batch=args.batch,
-            num_shards=1 if name == "dense" else num_shards,
-            ghost_width=args.ghost_width if name.startswith("phantom") else None, dtype=args.dtype,
-        )
+    for name in dict.fromkeys(args.strategy):
+        spec = StepSpec(strategy=name, width=args.width, depth=args.depth, batch=args.batch,
+                        ghost_width=args.ghost_width, dtype=args.dtype,
+                        mesh="model=1" if name == "dense" else str(mesh))
         reports.append(inspect_step(spec))
     if args.json:
         json.dump(reports[0] if len(reports) == 1 else reports, sys.stdout, indent=2)
         print()
     else:
         print(f"One training step (forward + backward + SGD), width={args.width}, depth={args.depth}, "
-              f"batch={args.batch}, {num_shards} shards, {args.dtype}; bytes are per device.\n")
+              f"batch={args.batch}, mesh {mesh}, {args.dtype}; bytes are per device, counts per "
+              "step (loops included).\n")
         print(format_report(reports))
     return 0
 
@@ -62,6 +149,9 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
     if not values:
         raise argparse.ArgumentTypeError("empty list")
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"{text!r} repeats {repeated}: give each value once")
     return values
 
 
@@ -71,34 +161,43 @@ def _ghost_widths(text: str):
 
 def _compare(args: argparse.Namespace) -> int:
     _setup_devices(args.devices)
-    from jphantom.compare import (CompareConfig, format_table, gpu_meter_factory, run_compare,
-                                  write_outputs)
+    from jphantom.compare import (CompareConfig, format_table, gpu_meter_factory,
+                                  prepare_output_dir, run_compare, write_outputs)
 
     config = CompareConfig(
         width=args.width, depth=args.depth, shards=args.shards, ghost_widths=args.ghost_width,
         target_loss=args.target_loss, seeds=args.seeds, batch=args.batch,
         learning_rate=args.learning_rate, max_steps=args.max_steps, eval_every=args.eval_every,
     )
+    prepare_output_dir(args.out)  # a bad --out fails before any training
     meter_factory = gpu_meter_factory() if args.energy == "auto" else None
     result = run_compare(config, progress=not args.no_progress, meter_factory=meter_factory)
-    json_path, png_path = write_outputs(result, args.out)
     print(format_table(result))
+    json_path, png_path = write_outputs(result, args.out)
     print(f"\nwrote {json_path} and {png_path}")
     return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
     """What one step communicates (inspect), then the Table-I comparison with default settings."""
-    print("== One training step of each strategy, n=1024, L=2, batch 64, p=8, k=16 ==\n")
     _setup_devices(args.devices)
-    args.devices = None
-    from jphantom.analysis.inspect import StepSpec, format_report, inspect_step
+    import jax
 
-    reports = [inspect_step(StepSpec(name, 1024, 2, 64, 8, 16 if name == "phantom" else None))
-               for name in ("phantom", "tensor-t1", "tensor-t2", "gspmd")]
+    from jphantom.analysis.inspect import StepSpec, format_report, inspect_step
+    from jphantom.compare import prepare_output_dir
+
+    prepare_output_dir(args.out)
+    count = jax.device_count()
+    p = max(q for q in (1, 2, 4, 8) if q <= count)
+    print(f"== One training step of each strategy, n=1024, L=2, batch 64, p={p}, k=16 ==\n")
+    reports = [inspect_step(StepSpec(name, 1024, 2, 64, p, 16))
+               for name in ("phantom", "tensor-t1", "tensor", "gspmd")]
     print(format_report(reports).split("\n\nPer collective op")[0])
     print("\n== Training to the same target loss (Table I of seed 000, small scale) ==\n")
-    return _compare(build_parser().parse_args(["compare", "--out", args.out]))
+    shards = ",".join(str(q) for q in (2, 4, 8) if q <= count) or "1"
+    compare_args = build_parser().parse_args(["compare", "--out", args.out, "--shards", shards])
+    compare_args.devices = None  # already set up
+    return _compare(compare_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,36 +209,47 @@ def build_parser() -> argparse.ArgumentParser:
                "--ghost-width 16 --devices 8 --batch 256",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    names = _strategy_names()
 
     inspect = sub.add_parser(
         "inspect", help="compile one training step and report its collectives, FLOPs, memory",
         description="Compile one training step (forward, backward, SGD update) of an FFN and report, "
-                    "from the compiled HLO, every collective (kind, shape, bytes, groups), FLOPs, "
-                    "parameter count and memory. Nothing is trained.",
+                    "from the compiled HLO, every collective (kind, shape, bytes, groups, mesh "
+                    "axes, executions per step), FLOPs, parameter count and memory. Nothing is "
+                    "trained.",
     )
-    inspect.add_argument("--strategy", nargs="+", default=["phantom"], choices=STRATEGY_NAMES,
+    inspect.add_argument("--strategy", nargs="+", default=["phantom"], choices=names,
                          help="one or more strategies to compare side by side (default: phantom)")
-    inspect.add_argument("--width", type=int, default=4096, help="layer width n (default 4096)")
-    inspect.add_argument("--depth", type=int, default=2, help="number of layers L (default 2)")
-    inspect.add_argument("--ghost-width", type=int, default=16,
+    inspect.add_argument("--width", type=_positive_int, default=4096,
+                         help="layer width n (default 4096)")
+    inspect.add_argument("--depth", type=_positive_int, default=2,
+                         help="number of layers L (default 2)")
+    inspect.add_argument("--ghost-width", type=_positive_int, default=16,
                          help="phantom ghost neurons per rank, k of seed 000 (default 16)")
-    inspect.add_argument("--batch", type=int, default=256, help="batch size (default 256)")
-    inspect.add_argument("--shards", type=int, default=None,
-                         help="model-parallel degree p (default: all devices)")
-    inspect.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float64"))
+    inspect.add_argument("--batch", type=_positive_int, default=256,
+                         help="global batch size (default 256)")
+    inspect.add_argument("--mesh", default=None, metavar="AXES",
+                         help="mesh axes, e.g. data=2,model=4 (batch over data, features over "
+                              "model; default model=<all devices>; dense always runs on model=1)")
+    inspect.add_argument("--shards", type=_positive_int, default=None,
+                         help="shorthand for --mesh model=N")
+    inspect.add_argument("--dtype", default="float32",
+                         choices=("float32", "bfloat16", "float16", "float64"))
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_device_flag(inspect)
     inspect.set_defaults(handler=_inspect)
 
     compare = sub.add_parser(
         "compare", help="train TP and phantom to the same target loss (seed 000 Table I)",
-        description="Train the dense model with tensor parallelism (T1) and phantom models with each "
-                    "ghost width on the teacher task, for each shard count, to the same held-out MSE; "
-                    "print a Table-I-shaped comparison and write results.json and comparison.png. "
-                    "Energy is modelled (Eq. 1) unless measured on a GPU; see docs/methodology.md.",
+        description="Train the dense model with tensor parallelism (tensor-t1) and phantom models "
+                    "with each ghost width on the teacher task, for each shard count, to the same "
+                    "held-out MSE; print a Table-I-shaped comparison and write results.json and "
+                    "comparison.png. Energy is modelled (Eq. 1) unless measured on a GPU; see "
+                    "docs/methodology.md.",
     )
-    compare.add_argument("--width", type=int, default=256, help="layer width n (default 256)")
-    compare.add_argument("--depth", type=int, default=2, help="layers L (default 2)")
+    compare.add_argument("--width", type=_positive_int, default=256,
+                         help="layer width n (default 256)")
+    compare.add_argument("--depth", type=_positive_int, default=2, help="layers L (default 2)")
     compare.add_argument("--shards", type=_int_list, default=(2, 4, 8),
                          help="comma-separated shard counts p (default 2,4,8)")
     compare.add_argument("--ghost-width", type=_ghost_widths, default=(2, 4, 16),
@@ -147,37 +257,39 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--target-loss", type=float, default=None,
                          help="held-out MSE to reach (default: chosen so that every run reaches it)")
     compare.add_argument("--seeds", type=_int_list, default=(0, 1, 2), help="default 0,1,2")
-    compare.add_argument("--batch", type=int, default=64)
+    compare.add_argument("--batch", type=_positive_int, default=64)
     compare.add_argument("--learning-rate", type=float, default=2e-3, help="Adam (default 2e-3)")
-    compare.add_argument("--max-steps", type=int, default=300)
-    compare.add_argument("--eval-every", type=int, default=10)
+    compare.add_argument("--max-steps", type=_positive_int, default=300)
+    compare.add_argument("--eval-every", type=_positive_int, default=10)
     compare.add_argument("--out", default="out/compare", help="output folder (default out/compare)")
     compare.add_argument("--no-progress", action="store_true", help="no progress bar")
     compare.add_argument("--energy", choices=("auto", "model"), default="auto",
                          help="auto: measure with NVML on NVIDIA GPUs, else model it (Eq. 1); "
                               "model: always the Eq. 1 model (default auto)")
-    compare.add_argument("--devices", type=int, default=8,
-                         help="simulated CPU devices (default 8); 0 = the machine's real devices")
+    _add_device_flag(compare)
     compare.set_defaults(handler=_compare)
 
     demo = sub.add_parser("demo", help="what `make demo` runs: inspect, then compare",
                           description="Inspect one step of each strategy, then run `compare` with "
-                                      "its defaults on 8 simulated CPU devices.")
+                                      "its defaults (on the GPUs, or on 8 simulated CPU devices).")
     demo.add_argument("--out", default="out/compare")
-    demo.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
+    _add_device_flag(demo)
     demo.set_defaults(handler=_demo)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from jphantom.errors import ConfigError
+    from jphantom.errors import ConfigError, TrainingDiverged
 
     try:
         return args.handler(args)
     except ConfigError as error:
         print(f"jphantom: error: {error}", file=sys.stderr)
         return 2
+    except TrainingDiverged as error:
+        print(f"jphantom: error: training diverged: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Seed 000's main experiment: tensor parallelism vs phantom parallelism to the same target loss.
 
-For every shard count p the dense model is trained with TP (T1) and phantom models with each ghost
-width k, on the same teacher data, optimizer, learning rate and batch, for several seeds. The result
+For every shard count p the dense model is trained with TP (``tensor-t1``, seed 000's TP) and
+phantom models with each ghost width k, on the same teacher data, optimizer, learning rate and batch, for several seeds. The result
 is a table in the shape of Table I: parameters, iterations to the target, time per iteration,
 collective bytes per iteration (from the compiled HLO), energy per iteration and to the target.
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -42,7 +43,7 @@ from jphantom.energy import NvmlPowerMeter, PowerModel, energy_per_iteration
 from jphantom.errors import ConfigError
 from jphantom.perf.comm_model import FRONTIER
 from jphantom.sharding import phantom
-from jphantom.train import TrainConfig, train
+from jphantom.train import OPTIMIZERS, TrainConfig, check_memory, train
 
 TP_STRATEGY = "tensor-t1"
 
@@ -74,25 +75,71 @@ class CompareConfig:
     eval_size: int = 512
 
     def __post_init__(self):
-        if not self.shards or any(p < 1 for p in self.shards):
-            raise ConfigError(f"shards={self.shards} must be a non-empty list of integers >= 1")
-        if not self.seeds:
-            raise ConfigError("seeds is empty: give at least one seed")
-        if isinstance(self.ghost_widths, str) and self.ghost_widths != "auto":
-            raise ConfigError(f"ghost_widths={self.ghost_widths!r}: give integers or 'auto'")
-        if not isinstance(self.ghost_widths, str) and not self.ghost_widths:
-            raise ConfigError("ghost_widths is empty")
+        for name in ("width", "depth", "batch", "max_steps", "eval_every", "train_size",
+                     "eval_size"):
+            _check_int(name, getattr(self, name), 1)
+        _check_list("shards", self.shards, 1)
+        _check_list("seeds", self.seeds, 0)
+        if isinstance(self.ghost_widths, str):
+            if self.ghost_widths != "auto":
+                raise ConfigError(f"ghost_widths={self.ghost_widths!r}: give integers or 'auto'")
+        else:
+            _check_list("ghost_widths", self.ghost_widths, 1)
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer={self.optimizer!r}; use one of {OPTIMIZERS}")
+        for name in ("learning_rate", "target_margin") + (
+                ("target_loss",) if self.target_loss is not None else ()):
+            value = getattr(self, name)
+            low_ok = name == "target_margin"
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value < 0 or (value == 0 and not low_ok):
+                raise ConfigError(f"{name}={value!r} must be a finite number "
+                                  f"{'>= 0' if low_ok else '> 0'}")
         if jax.device_count() < max(self.shards):
             raise ConfigError(
                 f"shards={self.shards} needs {max(self.shards)} devices, have {jax.device_count()}: "
                 f"pass --devices {max(self.shards)} or fewer shards")
-        if not self.target_margin >= 0:
-            raise ConfigError(f"target_margin={self.target_margin} must be >= 0")
+        self.train_configs()  # every run's shapes are valid (width divisible by every p, ...)
+
+    def jobs(self) -> list[tuple[str, int, int | None]]:
+        """(strategy, p, k) of every run: TP at each p, then phantom at each p and k."""
+        jobs = [(TP_STRATEGY, p, None) for p in self.shards]
+        return jobs + [("phantom", p, k) for p in self.shards for k in self.ghost_widths_for(p)]
+
+    def train_config(self, name: str, num_shards: int, ghost_width: int | None,
+                     seed: int) -> TrainConfig:
+        return TrainConfig(
+            name, width=self.width, depth=self.depth, num_shards=num_shards,
+            ghost_width=ghost_width, batch=self.batch, optimizer=self.optimizer,
+            learning_rate=self.learning_rate, max_steps=self.max_steps,
+            target_loss=self.target_loss, eval_every=self.eval_every, seed=seed)
+
+    def train_configs(self) -> list[TrainConfig]:
+        return [self.train_config(name, p, k, seed) for name, p, k in self.jobs()
+                for seed in self.seeds]
 
     def ghost_widths_for(self, num_shards: int) -> tuple[int, ...]:
         if self.ghost_widths == "auto":
             return (auto_ghost_width(self.width, num_shards),)
         return tuple(self.ghost_widths)
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
+
+
+def _check_list(name, values, minimum):
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise ConfigError(f"{name}={values!r} must be a list of integers >= {minimum}")
+    values = tuple(values)
+    if not values:
+        raise ConfigError(f"{name} is empty: give at least one value")
+    for value in values:
+        _check_int(name, value, minimum)
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise ConfigError(f"{name}={values} repeats {repeated}: give each value once")
 
 
 def measure_matmul_rate(size: int = 1024, dtype=jnp.float32, repeats: int = 5) -> float:
@@ -147,21 +194,17 @@ def run_compare(config: CompareConfig, *, power: PowerModel = PowerModel(), prog
     row under ``*_modelled``). Without it the energy is modelled."""
     teacher = Teacher(TeacherConfig(width=config.width, train_size=config.train_size,
                                     eval_size=config.eval_size))
-    jobs = [("tensor", p, None) for p in config.shards]
-    jobs += [("phantom", p, k) for p in config.shards for k in config.ghost_widths_for(p)]
+    jobs = config.jobs()
+    for name, p, k in jobs:  # refuse what cannot fit before anything is trained
+        check_memory(config.train_config(name, p, k, config.seeds[0]))
     matmul_rate = measure_matmul_rate()
     runs = {}
     bar = tqdm(total=len(jobs) * len(config.seeds), desc="training", disable=not progress)
-    for family, p, k in jobs:
-        name = TP_STRATEGY if family == "tensor" else "phantom"
+    for name, p, k in jobs:
         for seed in config.seeds:
-            result = train(TrainConfig(
-                name, width=config.width, depth=config.depth, num_shards=p, ghost_width=k,
-                batch=config.batch, optimizer=config.optimizer, learning_rate=config.learning_rate,
-                max_steps=config.max_steps, target_loss=config.target_loss,
-                eval_every=config.eval_every, seed=seed), teacher,
-                meter=meter_factory(p) if meter_factory else None)
-            runs.setdefault((family, p, k), []).append(result)
+            result = train(config.train_config(name, p, k, seed), teacher,
+                           meter=meter_factory(p) if meter_factory else None)
+            runs.setdefault((name, p, k), []).append(result)
             bar.update()
     bar.close()
 
@@ -172,8 +215,7 @@ def run_compare(config: CompareConfig, *, power: PowerModel = PowerModel(), prog
         target = config.target_loss
 
     rows = []
-    for (family, p, k), results in runs.items():
-        name = TP_STRATEGY if family == "tensor" else "phantom"
+    for (name, p, k), results in runs.items():
         report = inspect_step(StepSpec(name, config.width, config.depth, config.batch, p, k))
         iterations = [_first_reaching(r.eval_steps, r.eval_losses, target) for r in results]
         reached = [i for i in iterations if i is not None]
@@ -186,16 +228,17 @@ def run_compare(config: CompareConfig, *, power: PowerModel = PowerModel(), prog
             per_iteration, source = statistics.fmean(metered), "measured"
         else:
             per_iteration, source = modelled_per_iteration, "modelled"
+        step_seconds = [s for r in results for s in r.step_seconds]
         rows.append({
-            "strategy": family,
+            "strategy": name,
             "shards": p,
             "ghost_width": k,
             "params": report["params"],
             "iterations_to_target": mean_iterations,
             "iterations_to_target_std": statistics.pstdev(reached) if len(reached) > 1 else 0.0,
             "iterations_per_seed": iterations,
-            "seconds_per_iteration_measured": statistics.median(
-                s for r in results for s in r.step_seconds),
+            "seconds_per_iteration_measured": statistics.median(step_seconds) if step_seconds
+            else math.nan,
             "compute_seconds_per_iteration_modelled": alpha,
             "comm_seconds_per_iteration_modelled": beta,
             "collective_bytes_per_iteration": report["collective_bytes"],
@@ -230,7 +273,7 @@ def run_compare(config: CompareConfig, *, power: PowerModel = PowerModel(), prog
 
 
 def _ratios(rows, width):
-    tp = {r["shards"]: r for r in rows if r["strategy"] == "tensor"}
+    tp = {r["shards"]: r for r in rows if r["strategy"] == TP_STRATEGY}
     ratios = []
     for r in rows:
         if r["strategy"] != "phantom":
@@ -259,7 +302,7 @@ def _ratios(rows, width):
 def _e9(rows):
     """Seed 000's E9: the smallest-p phantom run (best of its k) against the largest-p TP run."""
     phantoms = [r for r in rows if r["strategy"] == "phantom" and r["energy_total_j"] is not None]
-    tps = [r for r in rows if r["strategy"] == "tensor"]
+    tps = [r for r in rows if r["strategy"] == TP_STRATEGY]
     if not phantoms or not tps:
         return None
     small_p = min(r["shards"] for r in phantoms)
@@ -272,7 +315,7 @@ def _e9(rows):
         r["compute_seconds_per_iteration_modelled"] + r["comm_seconds_per_iteration_modelled"])
     return {
         "phantom": {"shards": best["shards"], "ghost_width": best["ghost_width"]},
-        "tensor": {"shards": big["shards"]},
+        "tp": {"strategy": TP_STRATEGY, "shards": big["shards"]},
         "energy_ratio_tp_over_phantom": big["energy_total_j"] / best["energy_total_j"],
         "time_ratio_tp_over_phantom_modelled": modelled_time(big) / modelled_time(best),
         "time_ratio_tp_over_phantom_measured_cpu": time_to_target(big) / time_to_target(best),
@@ -290,12 +333,12 @@ def format_table(result: dict) -> str:
            f"B={result['power_model']['idle_watts']:g} W, comm by Eq. 26 {result['comm_model']})")
         + ".",
         "",
-        f"{'strategy':<9}{'p':>3}{'k':>4}{'params':>10}{'iters':>8}{'±':>6}{'ms/iter':>9}"
+        f"{'strategy':<11}{'p':>3}{'k':>4}{'params':>10}{'iters':>8}{'±':>6}{'ms/iter':>9}"
         f"{'coll. KB/iter':>14}{'J/iter':>10}{'total J':>10}  source",
     ]
     for r in result["rows"]:
         lines.append(
-            f"{r['strategy']:<9}{r['shards']:>3}{fmt(r['ghost_width'], 'd'):>4}{r['params']:>10,}"
+            f"{r['strategy']:<11}{r['shards']:>3}{fmt(r['ghost_width'], 'd'):>4}{r['params']:>10,}"
             f"{fmt(r['iterations_to_target'], '.1f'):>8}{r['iterations_to_target_std']:>6.1f}"
             f"{r['seconds_per_iteration_measured'] * 1e3:>9.2f}"
             f"{r['collective_bytes_per_iteration'] / 1e3:>14.2f}"
@@ -316,7 +359,7 @@ def format_table(result: dict) -> str:
     e9 = result["small_p_phantom_vs_large_p_tp"]
     if e9:
         lines += ["", f"E9: phantom p={e9['phantom']['shards']} k={e9['phantom']['ghost_width']} vs "
-                      f"TP p={e9['tensor']['shards']}: TP needs {e9['energy_ratio_tp_over_phantom']:.1f}x "
+                      f"TP p={e9['tp']['shards']}: TP needs {e9['energy_ratio_tp_over_phantom']:.1f}x "
                       f"the energy (modelled), {e9['time_ratio_tp_over_phantom_modelled']:.2f}x the "
                       f"time (modelled), {e9['time_ratio_tp_over_phantom_measured_cpu']:.2f}x "
                       f"(measured on simulated CPU devices)"]
@@ -332,9 +375,10 @@ def plot(result: dict, path: Path) -> None:
 
     rows = result["rows"]
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    plotted = {0: [], 1: [], 2: [], 3: []}  # the values on each panel, to choose its y scale
     series = {}
     for r in rows:
-        label = "TP (T1)" if r["strategy"] == "tensor" else f"phantom k={r['ghost_width']}"
+        label = "TP (T1)" if r["strategy"] == TP_STRATEGY else f"phantom k={r['ghost_width']}"
         if result["config"]["ghost_widths"] == "auto" and r["strategy"] == "phantom":
             label = "phantom (auto k)"
         series.setdefault(label, []).append(r)
@@ -342,25 +386,33 @@ def plot(result: dict, path: Path) -> None:
         group = sorted(group, key=lambda r: r["shards"])
         p = [r["shards"] for r in group]
         style = "k-o" if label.startswith("TP") else "-s"
-        axes[0].plot(p, [r["iterations_to_target"] or math.nan for r in group], style, label=label)
-        axes[1].plot(p, [r["collective_bytes_per_iteration"] for r in group], style, label=label)
-        axes[2].plot(p, [r["energy_total_j"] or math.nan for r in group], style, label=label)
+        for panel, key in enumerate(("iterations_to_target", "collective_bytes_per_iteration",
+                                     "energy_total_j")):
+            values = [math.nan if r[key] is None else r[key] for r in group]
+            plotted[panel] += values
+            axes[panel].plot(p, values, style, label=label)
     for ax, title in zip(axes[:3], ["iterations to target", "collective bytes / iteration (HLO)",
                                     "energy to target, J (modelled)"]):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("shards p")
         ax.set_title(title)
-    axes[1].set_yscale("log")
-    axes[2].set_yscale("log")
     axes[0].legend(fontsize=8)
     biggest = max(r["shards"] for r in rows)
     for r in rows:
         if r["shards"] == biggest:
             curve = r["eval_curves"][0]
-            label = "TP" if r["strategy"] == "tensor" else f"phantom k={r['ghost_width']}"
+            label = "TP" if r["strategy"] == TP_STRATEGY else f"phantom k={r['ghost_width']}"
             axes[3].plot(curve["steps"], curve["losses"], label=label)
+            plotted[3] += curve["losses"]
     axes[3].axhline(result["target_loss"], color="grey", ls="--", label="target")
-    axes[3].set_yscale("log")
+    plotted[3].append(result["target_loss"])
+    for panel in (1, 2, 3):  # log scale only where there is something positive to show
+        if any(math.isfinite(v) and v > 0 for v in plotted[panel]):
+            axes[panel].set_yscale("log")
+    for panel in (0, 2):
+        if not any(math.isfinite(v) for v in plotted[panel]):
+            axes[panel].text(0.5, 0.5, "no run reached the target", ha="center",
+                             va="center", transform=axes[panel].transAxes)
     axes[3].set_title(f"held-out MSE, p={biggest}, seed 0")
     axes[3].set_xlabel("iteration")
     axes[3].legend(fontsize=8)
@@ -369,9 +421,28 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_outputs(result: dict, out_dir: Path) -> tuple[Path, Path]:
+def prepare_output_dir(out_dir) -> Path:
+    """Create ``out_dir`` (a folder) and check that it can be written, so that a bad ``--out``
+    fails before any training: an existing file, a folder without write permission, or a path
+    whose parent cannot be created raise :class:`ConfigError`."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"--out {str(out_dir)!r} is an existing file; give a folder (it will "
+                          "hold results.json and comparison.png)")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".jphantom-write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(f"--out {str(out_dir)!r} cannot be written: {error.strerror or error}; "
+                          "give a writable folder") from None
+    return out_dir
+
+
+def write_outputs(result: dict, out_dir: Path) -> tuple[Path, Path]:
+    """``results.json`` first (so it exists even if plotting fails), then ``comparison.png``."""
+    out_dir = prepare_output_dir(out_dir)
     json_path, png_path = out_dir / "results.json", out_dir / "comparison.png"
     json_path.write_text(json.dumps(result, indent=2))
     plot(result, png_path)

@@ -160,12 +160,15 @@ class DenseStrategy(_Base):
         activation = P(_data_spec(mesh), axis)
         specs = dense.gspmd_specs(axis)
 
-        def loss_on(mesh_obj):  # GSPMD needs the concrete mesh for its sharding constraints
-            return lambda params, x, t: mse(dense.gspmd_forward(params, x, mesh_obj, activation), t)
+        def forward_on(mesh_obj):  # GSPMD needs the concrete mesh for its sharding constraints
+            return lambda params, x: dense.gspmd_forward(params, x, mesh_obj, activation)
+
+        def loss_on(mesh_obj):
+            return lambda params, x, t: mse(forward_on(mesh_obj)(params, x), t)
 
         return Program("gspmd", "ffn", mesh, init, specs, (activation, activation), loss_on,
                        manual=False, binds_mesh=True, dense_equivalent=lambda params: params,
-                       output_spec=activation, param_count=count)
+                       forward=forward_on, output_spec=activation, param_count=count)
 
     def _ffn_collectives(self, config, mesh, batch):
         raise ConfigError(f"strategy {self.name!r} has no hand-written collectives to list: "
@@ -309,8 +312,7 @@ def _transformer_collectives(strategy, config, mesh: MeshConfig, batch: int, *,
     """Per-device result elements of each collective kind in one step over the model axis
     (docstrings of :mod:`jphantom.sharding.tensor` and :mod:`.phantom_transformer`); ``batch`` is
     the per-data-rank batch. The data-parallel gradient all-reduce is not included."""
-    p, L, h, s, v = (mesh.size(FEATURE_AXIS), config.layers, config.hidden, config.seq_len,
-                     config.vocab_size)
+    p, L, h, s = mesh.size(FEATURE_AXIS), config.layers, config.hidden, config.seq_len
     tokens = batch * s
     if strategy.name == "tensor":
         if not sequence_parallel:
@@ -374,6 +376,9 @@ def strategies_for(model: str) -> list[str]:
 def param_count(name: str, *, width: int, depth: int, num_shards: int = 1,
                 ghost_width: int | None = None) -> int:
     """Weights of the FFN a strategy trains (biases excluded, as in Table I)."""
+    from jphantom.sharding._common import check_depth, check_width
+    check_width(width, num_shards)
+    check_depth(depth)
     if get(name).family == "phantom":
         return phantom.param_count(width, ghost_width, num_shards, depth)
     return dense.param_count(width, depth)

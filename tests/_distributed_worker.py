@@ -57,7 +57,7 @@ def main(argv: list[str]) -> None:
     config, x, target = problem()
     assert jax.process_count() == spec.num_processes, jax.process_count()
     assert jax.device_count() == config["num_shards"], jax.devices()
-    mesh = make_mesh({"model": config["num_shards"]}, strict=True)
+    mesh = make_mesh({"model": config["num_shards"]})
 
     # Every process computes the same parameters locally (same key, deterministic CPU kernels) and
     # contributes the shards its devices own.
@@ -67,21 +67,17 @@ def main(argv: list[str]) -> None:
         sharding = NamedSharding(mesh, spec)
         return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
-    params = jax.tree.map(lambda a: to_global(a, P("model")), host_params)
+    params = jax.tree.map(to_global, host_params, phantom.linear_specs("model"))
     x_global = to_global(x, P(None, "model"))
     target_global = to_global(target, P(None, "model"))
-    assert not params[0]["local"].is_fully_addressable
+    assert not params["local"].is_fully_addressable
 
     step = jax.jit(jax.value_and_grad(loss_fn), static_argnums=3)
     loss, grads = step(params, x_global, target_global, mesh)
     loss_host = multihost_utils.process_allgather(loss, tiled=True)
     grads_host = multihost_utils.process_allgather(grads, tiled=True)
 
-    flat = {
-        f"grad/{layer}/{name}": np.asarray(value)
-        for layer, grad in enumerate(grads_host)
-        for name, value in grad.items()
-    }
+    flat = {f"grad/{name}": np.asarray(value) for name, value in grads_host.items()}
     np.savez(out, loss=np.asarray(loss_host), process_count=jax.process_count(), **flat)
     distributed.shutdown()
 

@@ -19,10 +19,13 @@ def require_devices(count: int) -> None:
 
 @pytest.fixture
 def mesh_of():
-    from jphantom.mesh import make_mesh
+    """``mesh_of(4)`` -> a ``model=4`` mesh on the first 4 devices; ``mesh_of("data=2,model=4")``
+    -> that mesh on the first 8. Skips when the machine has too few devices."""
+    from jphantom.mesh import MeshConfig, first_devices
 
-    def build(num_shards: int, axis: str = "model"):
-        require_devices(num_shards)
-        return make_mesh({axis: num_shards})
+    def build(shape, axis: str = "model"):
+        config = MeshConfig.parse(shape) if isinstance(shape, str) else MeshConfig.of({axis: shape})
+        require_devices(config.device_count)
+        return config.build(first_devices(config.device_count))
 
     return build

@@ -110,6 +110,19 @@ def test_step_time_accepts_summarize_rows_with_counts():
     assert FRONTIER.step_time_us([], p) == 0.0
 
 
+def test_step_time_counts_each_collective_once_per_execution():
+    """A Collective inside a loop runs ``count`` times per step (hlo applies trip counts): it costs
+    ``count`` latencies and the bandwidth of its ``total_bytes``, as ``count`` separate ops do."""
+    import dataclasses
+
+    p = 8
+    once = _tp_ag_rs(256, 16, p)
+    looped = [dataclasses.replace(op, count=3) for op in once]
+    assert looped[0].total_bytes == 3 * once[0].bytes
+    assert FRONTIER.step_time_us(looped, p) == pytest.approx(FRONTIER.step_time_us(once * 3, p))
+    assert FRONTIER.step_time_us(looped, p) > 2.9 * FRONTIER.step_time_us(once, p)
+
+
 def _synthetic(cost, noise=0.0, seed=0):
     """Timings of a known Eq. 26 model on the paper's grid: m = 2^2..2^26 floats, p = 2..256."""
     rng = np.random.default_rng(seed)

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from jphantom import cli
-from jphantom.compare import CompareConfig, auto_ghost_width, run_compare, write_outputs
+from jphantom.compare import (CompareConfig, auto_ghost_width, format_table, run_compare,
+                              write_outputs)
 from jphantom.errors import ConfigError
 
 REQUIRED = {"strategy", "shards", "ghost_width", "params", "iterations_to_target",
@@ -25,7 +26,8 @@ def test_compare_table_rows_and_outputs(tmp_path):
         assert row["energy_source"] == "modelled"
         assert row["energy_total_j"] == pytest.approx(row["energy_per_iteration_j"]
                                                       * row["iterations_to_target"])
-    tp = {r["shards"]: r for r in rows if r["strategy"] == "tensor"}
+    assert {r["strategy"] for r in rows} == {"tensor-t1", "phantom"}
+    tp = {r["shards"]: r for r in rows if r["strategy"] == "tensor-t1"}
     assert tp[2]["iterations_to_target"] == tp[4]["iterations_to_target"]  # same dense model
     for row in rows:
         if row["strategy"] != "phantom":
@@ -40,7 +42,8 @@ def test_compare_table_rows_and_outputs(tmp_path):
         for kind in ("all-gather", "reduce-scatter"):
             assert q["bytes_per_collective"][kind] == pytest.approx(q["ghost_width_over_block"])
     json_path, png_path = write_outputs(result, tmp_path)
-    assert json.loads(json_path.read_text())["rows"][0]["strategy"] == "tensor"
+    assert json.loads(json_path.read_text())["rows"][0]["strategy"] == "tensor-t1"
+    assert "tensor-t1" in format_table(result)
     assert png_path.stat().st_size > 10_000
 
 
@@ -49,14 +52,76 @@ def test_auto_ghost_width_is_inside_eq8():
     assert auto_ghost_width(16, 8) == 1
 
 
-def test_compare_rejects_bad_settings(capsys):
-    with pytest.raises(ConfigError, match="needs 16 devices"):
-        CompareConfig(shards=(16,))
-    with pytest.raises(ConfigError, match="ghost_widths='some'"):
-        CompareConfig(ghost_widths="some")
-    with pytest.raises(SystemExit):
-        cli.main(["compare", "--shards", "two"])
-    assert "not a comma-separated list of integers" in capsys.readouterr().err
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(shards=(16,)), "needs 16 devices"),
+    (dict(ghost_widths="some"), "ghost_widths='some'"),
+    (dict(ghost_widths=(0,)), r"ghost_widths=0 must be an integer >= 1"),
+    (dict(ghost_widths=(2, 2)), r"ghost_widths=\(2, 2\) repeats \[2\]"),
+    (dict(shards=(0,)), r"shards=0 must be an integer >= 1"),
+    (dict(shards=(2, 4, 2)), r"repeats \[2\]"),
+    (dict(seeds=(1, 1)), r"seeds=\(1, 1\) repeats \[1\]"),
+    (dict(seeds=()), "seeds is empty"),
+    (dict(batch=0), r"batch=0 must be an integer >= 1"),
+    (dict(width=2.5), r"width=2.5 must be an integer"),
+    (dict(width=30, shards=(4,)), r"width=30 is not divisible by num_shards=4"),
+    (dict(target_loss=0.0), r"target_loss=0.0 must be a finite number > 0"),
+    (dict(learning_rate=-1.0), r"learning_rate=-1.0"),
+    (dict(target_margin=-0.1), r"target_margin=-0.1"),
+])
+def test_compare_rejects_bad_settings(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        CompareConfig(**kwargs)
+
+
+def test_compare_refuses_what_cannot_fit_before_training():
+    """n = 2**20: 4 TiB of TP weights per device at p = 2; refused with the estimate at once."""
+    config = CompareConfig(width=2**20, shards=(2,), ghost_widths=(1,), seeds=(0,), batch=8)
+    with pytest.raises(ConfigError, match=r"training tensor-t1 at width=1048576.*needs about"):
+        run_compare(config, progress=False, log=lambda *a: None)
+
+
+def test_cli_compare_fails_fast_on_bad_input(tmp_path, capsys):
+    """A bad --out (an existing file, or a folder that cannot be created) and --ghost-width 0 fail
+    before the first run, in one line, with exit status 2."""
+    existing = tmp_path / "results.json"
+    existing.write_text("{}")
+    cases = [(["--out", str(existing), "--ghost-width", "1"], "is an existing file"),
+             (["--out", str(existing / "sub"), "--ghost-width", "1"], "cannot be written"),
+             (["--ghost-width", "0", "--out", str(tmp_path / "x")], "ghost_widths=0")]
+    for extra, message in cases:
+        assert cli.main(["compare", "--width", "16", "--shards", "2", "--seeds", "0",
+                         "--max-steps", "2", "--no-progress", *extra]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert existing.read_text() == "{}"
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_compare_with_an_unreachable_target_still_reports(tmp_path, capsys):
+    """No run reaches --target-loss 1e-9: the table is printed (iterations '-'), results.json and
+    the plot (log scales with nothing positive to show) are written."""
+    out = tmp_path / "out"
+    assert cli.main(["compare", "--width", "16", "--shards", "2", "--ghost-width", "1",
+                     "--seeds", "0", "--batch", "8", "--max-steps", "3", "--eval-every", "3",
+                     "--target-loss", "1e-9", "--energy", "model", "--no-progress",
+                     "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "tensor-t1" in printed and "phantom" in printed and "wrote" in printed
+    result = json.loads((out / "results.json").read_text())
+    assert result["target_loss"] == 1e-9
+    assert all(r["iterations_to_target"] is None and r["energy_total_j"] is None
+               for r in result["rows"])
+    assert (out / "comparison.png").stat().st_size > 10_000
+
+
+def test_cli_reports_a_diverged_run_in_one_line(tmp_path, capsys):
+    assert cli.main(["compare", "--width", "16", "--shards", "2", "--ghost-width", "1",
+                     "--seeds", "0", "--batch", "8", "--max-steps", "50", "--eval-every", "50",
+                     "--learning-rate", "1e30", "--energy", "model", "--no-progress",
+                     "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "training diverged" in err and "at step" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
 
 
 def test_compare_uses_a_power_meter_when_given(tmp_path):

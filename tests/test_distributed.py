@@ -237,11 +237,11 @@ def load_worker_module():
 
 def single_process_reference(worker):
     """Loss and grads on this process's 8 simulated devices: the same code path, one process."""
-    from jphantom.mesh import make_mesh
+    from jphantom.mesh import first_devices, make_mesh
     from jphantom.sharding import dense, phantom
 
     config, x, target = worker.problem()
-    mesh = make_mesh({"model": config["num_shards"]})
+    mesh = make_mesh({"model": config["num_shards"]}, first_devices(config["num_shards"]))
     params = phantom.init(jax.random.PRNGKey(0), **config)
     step = jax.jit(jax.value_and_grad(worker.loss_fn), static_argnums=3)
     loss, grads = step(params, x, target, mesh)
@@ -249,7 +249,7 @@ def single_process_reference(worker):
     dense_out = np.asarray(dense.forward(phantom.dense_equivalent(params), x))
     dense_loss = np.mean((dense_out - target) ** 2)
     np.testing.assert_allclose(float(loss), dense_loss, rtol=1e-5)
-    return np.asarray(loss), [{k: np.asarray(v) for k, v in g.items()} for g in grads]
+    return np.asarray(loss), {k: np.asarray(v) for k, v in grads.items()}
 
 
 def describe(procs, logs) -> str:
@@ -313,24 +313,21 @@ def test_two_processes_match_single_process(tmp_path):
         assert int(got["process_count"]) == num_processes
         context = f"process {index}\n" + describe(procs, logs)
         np.testing.assert_allclose(got["loss"], loss_ref, rtol=1e-5, err_msg=context)
-        expected_names = {
-            f"grad/{layer}/{name}" for layer, grad in enumerate(grads_ref) for name in grad
-        }
+        expected_names = {f"grad/{name}" for name in grads_ref}
         assert set(got.files) - {"loss", "process_count"} == expected_names
-        for layer, grad in enumerate(grads_ref):
-            for name, want in grad.items():
-                have = got[f"grad/{layer}/{name}"]
-                assert have.dtype == np.float32 and have.shape == want.shape, (name, have.shape)
-                # rtol 1e-5 per element; elements that nearly cancel (|g| << max|g|) are compared
-                # at 1e-5 of the tensor's scale, since the cross-process (gloo) reduce-scatter sums
-                # in a different order than the single-process one (float32 rounding ~1e-9 there).
-                np.testing.assert_allclose(
-                    have,
-                    want,
-                    rtol=1e-5,
-                    atol=1e-5 * float(np.abs(want).max()),
-                    err_msg=f"grad layer {layer} {name!r}, {context}",
-                )
+        for name, want in grads_ref.items():  # stacked over depth: [L, p, ...]
+            have = got[f"grad/{name}"]
+            assert have.dtype == np.float32 and have.shape == want.shape, (name, have.shape)
+            # rtol 1e-5 per element; elements that nearly cancel (|g| << max|g|) are compared
+            # at 1e-5 of the tensor's scale, since the cross-process (gloo) reduce-scatter sums
+            # in a different order than the single-process one (float32 rounding ~1e-9 there).
+            np.testing.assert_allclose(
+                have,
+                want,
+                rtol=1e-5,
+                atol=1e-5 * float(np.abs(want).max()),
+                err_msg=f"grad {name!r}, {context}",
+            )
 
 
 @pytest.mark.slow

@@ -70,7 +70,7 @@ def test_fixed_loss_quick(tmp_path):
 @pytest.mark.slow
 def test_fixed_iteration_quick(tmp_path):
     """Fig. 5: the measured part's HLO bytes equal the analytic step model's; every paper panel is
-    modelled for TP (T1), the paper's Table II TP and phantom."""
+    modelled for TP (tensor-t1), the paper's Table II TP and phantom."""
     from jphantom.perf.step_model import StepShape, estimate_step
 
     require_devices(4)
@@ -88,7 +88,7 @@ def test_fixed_iteration_quick(tmp_path):
     modelled = [r for r in saved["rows"] if r["part"] == "modelled"]
     for panel in ("5a", "5b", "5c"):
         strategies = {r["strategy"] for r in modelled if r["panel"] == panel}
-        assert strategies == {"tensor", "tensor-table2", "phantom"}
+        assert strategies == {"tensor-t1", "tensor-table2", "phantom"}
         assert set(result["verdicts"][panel]) == {"paper", "metric", "t1", "table2"}
     for r in modelled:
         if r["strategy"] == "tensor-table2":  # T1 plus a broadcast and an all-reduce of n B

@@ -1,15 +1,20 @@
 """The compiled training step moves exactly the bytes the papers' formulas predict: no more, no less.
 
-Each test compiles forward + backward + SGD update, parses every collective out of the optimized HLO
-and compares the per-device result buffers (kind, element count, bytes) with the hand-written formula
-of the strategy (``collective_buffers``), plus the one scalar all-reduce of the MSE loss.
+Each test compiles forward + backward + SGD update (one ``jax.jit`` of one ``shard_map``, layers
+under ``lax.scan``), parses every collective out of the optimized HLO, counting each as many times as
+its loop runs, and compares the per-device result buffers (kind, element count, bytes) with the
+strategy's own inventory (``strategies.get(name).collective_inventory``, i.e. the hand-written
+``collective_buffers``), plus the one scalar all-reduce of the MSE loss.
 """
 
 from collections import defaultdict
 
 import pytest
 
+from jphantom import strategies
 from jphantom.analysis.inspect import StepSpec, inspect_step
+from jphantom.mesh import MeshConfig
+from jphantom.models.ffn import FFNConfig
 from jphantom.sharding import phantom, tensor
 
 from conftest import require_devices
@@ -19,7 +24,8 @@ F32 = 4
 
 
 def _buffers(report):
-    """kind -> sorted element counts of every result buffer, and kind -> total bytes."""
+    """kind -> sorted element counts of every result buffer (once per execution), and kind ->
+    total bytes over the step."""
     elements, nbytes = defaultdict(list), defaultdict(int)
     for op in report["collective_ops"]:
         for dtype, shape in op["shapes"]:
@@ -27,8 +33,8 @@ def _buffers(report):
             count = 1
             for d in shape:
                 count *= d
-            elements[op["kind"]].append(count)
-        nbytes[op["kind"]] += op["bytes"]
+            elements[op["kind"]] += [count] * op["count"]
+        nbytes[op["kind"]] += op["bytes"] * op["count"]
     return {k: sorted(v) for k, v in elements.items()}, dict(nbytes)
 
 
@@ -45,6 +51,15 @@ def _assert_exact(report, formula):
     assert nbytes == {kind: F32 * sum(sizes) for kind, sizes in want.items()}
     summary = {row["kind"]: row["bytes"] for row in report["collectives"]}
     assert summary == nbytes
+    assert all(row["axes"] == ["model"] for row in report["collectives"])  # model=p mesh
+    assert report["collective_bytes"] == sum(nbytes.values())
+
+
+def _inventory(name, depth, num_shards, ghost_width=None):
+    """What the strategy says its step communicates (the step model asks the same)."""
+    config = FFNConfig(width=WIDTH, depth=depth, ghost_width=ghost_width)
+    return strategies.get(name).collective_inventory(
+        config, MeshConfig.of({"model": num_shards}), BATCH)
 
 
 @pytest.mark.parametrize("strategy", ["phantom", "phantom-unfused"])
@@ -59,6 +74,7 @@ def test_phantom_step_moves_only_k_wide_messages(strategy, num_shards, depth):
                                          depth=depth, batch=BATCH)
     assert formula["all-gather"] == [BATCH * num_shards * GHOST] * depth
     assert formula["reduce-scatter"] == [BATCH * GHOST] * depth
+    assert _inventory(strategy, depth, num_shards, GHOST) == formula
     _assert_exact(report, formula)
 
 
@@ -73,20 +89,23 @@ def test_tensor_t1_step_collectives(num_shards, depth):
                                         batch=BATCH, layout="t1")
     assert formula == {"all-gather": [BATCH * WIDTH] * depth,
                        "reduce-scatter": [BATCH * WIDTH // num_shards] * (depth - 1)}
+    assert _inventory("tensor-t1", depth, num_shards) == formula
     _assert_exact(report, formula)
 
 
 @pytest.mark.parametrize("depth, gathers, all_reduces", [(1, 1, 0), (2, 2, 1), (3, 1, 2), (4, 2, 3)])
 @pytest.mark.parametrize("num_shards", [2, 8])
-def test_tensor_t2_step_collectives(num_shards, depth, gathers, all_reduces):
-    """T2 (Megatron): entry all-gather, one g all-reduce per pair forward, one f all-reduce per column
-    layer but the first backward, and the exit scatter's all-gather backward when the depth is even."""
+def test_tensor_megatron_step_collectives(num_shards, depth, gathers, all_reduces):
+    """tensor (Megatron): entry all-gather, one g all-reduce per pair forward, one f all-reduce per
+    column layer but the first backward, and the exit scatter's all-gather backward when the depth
+    is even."""
     require_devices(num_shards)
-    report = inspect_step(StepSpec("tensor-t2", WIDTH, depth, BATCH, num_shards))
+    report = inspect_step(StepSpec("tensor", WIDTH, depth, BATCH, num_shards))
     formula = tensor.collective_buffers(width=WIDTH, num_shards=num_shards, depth=depth,
-                                        batch=BATCH, layout="t2")
+                                        batch=BATCH, layout="megatron")
     assert formula == {"all-gather": [BATCH * WIDTH] * gathers,
                        "all-reduce": [BATCH * WIDTH] * all_reduces}
+    assert _inventory("tensor", depth, num_shards) == formula
     _assert_exact(report, formula)
 
 
@@ -101,3 +120,20 @@ def test_phantom_bytes_are_k_over_block_of_t1_per_collective():
     t1_bytes = {r["kind"]: r["bytes"] / r["count"] for r in t1["collectives"]}
     for kind in ("all-gather", "reduce-scatter"):
         assert ph_bytes[kind] == pytest.approx(ratio * t1_bytes[kind])
+
+
+@pytest.mark.parametrize("text, groups, axes", [
+    ("mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", [[0, 4], [1, 5], [2, 6], [3, 7]], ("data",)),
+    ("mesh['axis_0'=2,'axis_1'=4] {'axis_1'}", [[0, 1, 2, 3], [4, 5, 6, 7]], ("model",)),
+    ("mesh['axis_0'=2,'axis_1'=4] {'axis_0','axis_1'}", [list(range(8))], ("data", "model")),
+])
+def test_gspmd_mesh_replica_groups_are_read_as_iota_lists(text, groups, axes):
+    """GSPMD prints replica groups as a mesh and the axes the groups run along;
+    inspect.normalise_replica_groups turns that into the iota form hlo reads."""
+    from jphantom.analysis import hlo
+    from jphantom.analysis.inspect import normalise_replica_groups
+
+    iota = normalise_replica_groups(text)
+    assert hlo.replica_group_lists(iota, 8) == groups
+    assert hlo.group_axes(iota, {"data": 2, "model": 4}) == axes
+    assert normalise_replica_groups("{{0,1},{2,3}}") == "{{0,1},{2,3}}"

@@ -5,49 +5,178 @@ import json
 import jax
 import pytest
 
-from jphantom import cli
+from jphantom import cli, strategies
 from jphantom.errors import ConfigError
-from jphantom.mesh import make_mesh, simulate_cpu_devices
+from jphantom.mesh import MAX_SIMULATED_DEVICES, MeshConfig, first_devices, make_mesh, simulate_cpu_devices
 
 
 def test_make_mesh_names_axes_and_uses_auto_axis_types():
     mesh = make_mesh({"data": 2, "model": 4})
     assert dict(mesh.shape) == {"data": 2, "model": 4}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+    assert dict(make_mesh("model=2", first_devices(2)).shape) == {"model": 2}
+    assert MeshConfig.parse("model=4,data=2") == MeshConfig.of({"data": 2, "model": 4})
 
 
-def test_mesh_larger_than_the_devices_is_a_clear_error():
-    with pytest.raises(ConfigError, match=r"needs 16 devices but 8 are available.*--devices 16"):
+def test_mesh_and_devices_must_match_with_a_clear_error():
+    with pytest.raises(ConfigError, match=r"needs 16 devices but 8 are given.*--devices 16"):
         make_mesh({"data": 2, "model": 8})
-    with pytest.raises(ConfigError, match=r"needs 4 devices but 8"):
-        make_mesh({"model": 4}, strict=True)
+    with pytest.raises(ConfigError, match=r"needs 4 devices but 8 are given"):
+        make_mesh({"model": 4})
     with pytest.raises(ConfigError, match=r"axis 'model' has size 0"):
         make_mesh({"model": 0})
+    with pytest.raises(ConfigError, match=r"16 devices needed but 8 are available"):
+        first_devices(16)
 
 
 def test_simulating_devices_after_start_up_says_it_is_too_late():
     simulate_cpu_devices(jax.device_count())  # same count: fine
     with pytest.raises(RuntimeError, match=r"after jax initialised.*XLA_FLAGS"):
         simulate_cpu_devices(3)
+    with pytest.raises(ConfigError, match=rf"\[1, {MAX_SIMULATED_DEVICES}\]"):
+        simulate_cpu_devices(MAX_SIMULATED_DEVICES + 1)
 
 
 def test_cli_inspect_json_reports_collectives_flops_params(capsys):
     assert cli.main(["inspect", "--strategy", "phantom", "--width", "64", "--depth", "2",
                      "--ghost-width", "2", "--batch", "8", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
+    assert report["mesh"] == "model=8"
     kinds = {c["kind"]: c for c in report["collectives"]}
-    assert kinds["all-gather"] == {"kind": "all-gather", "count": 2, "bytes": 2 * 8 * 8 * 2 * 4}
-    assert kinds["reduce-scatter"] == {"kind": "reduce-scatter", "count": 2, "bytes": 2 * 8 * 2 * 4}
+    # Both layers' collectives sit in one lax.scan loop: one op each in the HLO, run twice.
+    assert kinds["all-gather"] == {"kind": "all-gather", "axes": ["model"], "count": 2,
+                                   "bytes": 2 * 8 * 8 * 2 * 4}
+    assert kinds["reduce-scatter"] == {"kind": "reduce-scatter", "axes": ["model"], "count": 2,
+                                       "bytes": 2 * 8 * 2 * 4}
+    ops = [op for op in report["collective_ops"] if op["kind"] == "all-gather"]
+    assert sum(op["count"] for op in ops) == 2  # layer 0, and layer 1 in the scan
+    assert {op["bytes"] for op in ops} == {8 * 8 * 2 * 4}
     assert report["flops"] > 0 and report["params"] == 2 * (64 * 64 // 8 + 2 * 64 * 8)
 
 
+def test_cli_inspect_on_a_data_and_model_mesh(capsys):
+    """--mesh data=2,model=4: rows per collective kind and mesh axes; the gradients' all-reduce is
+    over data, the loss over both axes."""
+    assert cli.main(["inspect", "--strategy", "tensor-t1", "--width", "64", "--batch", "8",
+                     "--mesh", "data=2,model=4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["mesh"] == "data=2,model=4"
+    rows = {(c["kind"], tuple(c["axes"])): c for c in report["collectives"]}
+    assert set(rows) == {("all-gather", ("model",)), ("reduce-scatter", ("model",)),
+                         ("all-reduce", ("data",)), ("all-reduce", ("data", "model"))}
+    assert rows[("all-reduce", ("data", "model"))]["bytes"] == 4  # the loss
+    assert rows[("all-reduce", ("data",))]["bytes"] == 4 * 2 * (64 * 64 + 64) // 4  # grads
+    assert rows[("all-gather", ("model",))]["bytes"] == 2 * 4 * 4 * 64  # 2 layers, [4, 64] f32
+    assert cli.main(["inspect", "--strategy", "phantom", "--shards", "2", "--mesh", "model=4",
+                     "--width", "64", "--batch", "8"]) == 2
+    assert "--shards 2 disagrees with --mesh model=4" in capsys.readouterr().err
+
+
 def test_cli_table_and_errors(capsys):
-    assert cli.main(["inspect", "--strategy", "phantom", "tensor-t1", "--width", "64",
-                     "--ghost-width", "2", "--batch", "8"]) == 0
+    assert cli.main(["inspect", "--strategy", "phantom", "tensor-t1", "tensor", "--width", "64",
+                     "--ghost-width", "2", "--batch", "8", "--shards", "4"]) == 0
     out = capsys.readouterr().out
-    assert "phantom" in out and "tensor-t1" in out and "reduce-scatter" in out
+    assert "phantom" in out and "tensor-t1" in out and "reduce-scatter [model]" in out
+    assert "mesh model=4" in out
     assert cli.main(["inspect", "--width", "60", "--batch", "8"]) == 2
-    assert "width=60 is not divisible by num_shards=8" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "width=60 is not divisible by num_shards=8" in err
+    assert err.count("\n") == 1 and "Traceback" not in err  # one line
+    assert cli.main(["inspect", "--mesh", "data=4,model=4", "--width", "64", "--batch", "8",
+                     "--ghost-width", "2"]) == 2
+    assert "16 devices needed but 8 are available" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     assert "inspect" in capsys.readouterr().out
+
+
+def test_cli_lists_the_registry_strategies(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["inspect", "--strategy", "tensor-t2"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'tensor-t2'" in err
+    for name in strategies.strategies_for("ffn"):
+        assert name in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["inspect", "--devices", "0"], "0 simulated devices: give 1 to"),
+    (["inspect", "--devices", str(MAX_SIMULATED_DEVICES + 1)], "simulated devices: give 1 to"),
+    (["inspect", "--batch", "0"], "0 must be >= 1"),
+    (["inspect", "--width", "-4"], "-4 must be >= 1"),
+    (["compare", "--shards", "0"], "shards=0 must be an integer >= 1"),
+    (["compare", "--batch", "0"], "0 must be >= 1"),
+    (["compare", "--shards", "2,2"], "repeats [2]"),
+    (["compare", "--seeds", "0,1,0"], "repeats [0]"),
+    (["compare", "--shards", "two"], "not a comma-separated list of integers"),
+])
+def test_cli_rejects_bad_numbers_before_running(argv, message, capsys):
+    """Rejected by the argument parser or by the configuration, before anything runs: exit 2."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_info:
+        code = exit_info.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_explicit_device_count_that_cannot_be_had_is_one_line(capsys):
+    """This process already runs jax with 8 CPU devices: --devices 4 cannot be honoured."""
+    assert cli.main(["inspect", "--devices", "4", "--width", "64", "--batch", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot simulate 4 devices" in err and err.count("\n") == 1
+
+
+def test_accelerator_detection_reads_jax_platforms_first(monkeypatch):
+    assert cli.accelerator_visible({"JAX_PLATFORMS": "cpu"}) is False
+    assert cli.accelerator_visible({"JAX_PLATFORMS": "cuda,cpu"}) is True
+    monkeypatch.setattr(cli.shutil, "which", lambda tool: None)
+    assert cli.accelerator_visible({}) is False  # no nvidia-smi / rocm-smi: simulate CPU devices
+    monkeypatch.setattr(cli.shutil, "which", lambda tool: f"/usr/bin/{tool}")
+    monkeypatch.setattr(cli, "_has_module", lambda name: False)
+    assert cli.accelerator_visible({}) is False  # a GPU but no jax plugin for it
+    monkeypatch.setattr(cli, "_has_module", lambda name: name == "jax_cuda12_plugin")
+    assert cli.accelerator_visible({}) is True
+
+
+def test_demo_inspects_then_compares_on_the_devices_it_has(tmp_path, monkeypatch, capsys):
+    """demo: inspect of phantom, tensor-t1, tensor and gspmd at p = 8 (this process's 8 CPU
+    devices), then compare with its defaults on shards 2,4,8 (the training itself is stubbed)."""
+    seen = {}
+    monkeypatch.setattr(cli, "_compare", lambda args: seen.setdefault("args", args) and 0)
+    assert cli.main(["demo", "--out", str(tmp_path / "demo")]) == 0
+    out = capsys.readouterr().out
+    assert "p=8, k=16" in out
+    for name in ("phantom", "tensor-t1", "tensor", "gspmd"):
+        assert f"\n{name} " in out
+    assert seen["args"].shards == (2, 4, 8) and seen["args"].out == str(tmp_path / "demo")
+    assert seen["args"].devices is None
+
+
+def test_param_count_is_never_negative_or_fractional_where_jphantom_computes_it():
+    """The entry points that report parameter counts validate their inputs first."""
+    from jphantom.analysis.inspect import StepSpec
+    from jphantom.compare import CompareConfig
+    from jphantom.train import TrainConfig
+
+    with pytest.raises(ConfigError, match="ghost_width=-100"):
+        TrainConfig("phantom", width=64, num_shards=4, ghost_width=-100)
+    with pytest.raises(ConfigError, match="depth=2.5"):
+        StepSpec("phantom", 64, 2.5, 8, 4, 2)
+    with pytest.raises(ConfigError, match="ghost_width=-1"):
+        StepSpec("phantom", 64, 2, 8, 4, -1)
+    with pytest.raises(ConfigError, match="ghost_widths=-3"):
+        CompareConfig(width=64, shards=(2,), ghost_widths=(-3,))
+    assert strategies.param_count("phantom", width=64, depth=2, num_shards=4, ghost_width=2) == \
+        2 * (64 * 64 // 4 + 2 * 64 * 4)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(name="phantom", width=64, depth=2, num_shards=4, ghost_width=-100),
+    dict(name="phantom", width=64, depth=2.5, num_shards=4, ghost_width=2),
+    dict(name="tensor-t1", width=2.5, depth=2),
+])
+def test_strategies_param_count_rejects_bad_inputs(kwargs):
+    name = kwargs.pop("name")
+    with pytest.raises(ConfigError):
+        strategies.param_count(name, **kwargs)

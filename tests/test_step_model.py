@@ -14,14 +14,15 @@ import math
 import re
 
 import jax
-import jax.numpy as jnp
 import optax
 import pytest
 
 from jphantom import strategies
 from jphantom.analysis.hlo import collectives, dot_flops, summarize
-from jphantom.analysis.inspect import StepSpec, compile_step, xla_flops
+from jphantom.analysis.inspect import StepSpec, compile_step, gemm_flops, xla_flops
 from jphantom.errors import ConfigError
+from jphantom.mesh import mesh_config_of
+from jphantom.models.ffn import FFNConfig
 from jphantom.perf.comm_model import FRONTIER
 from jphantom.perf.step_model import (
     GIB,
@@ -36,12 +37,13 @@ from jphantom.perf.step_model import (
 )
 
 from conftest import require_devices
+from helpers import random_params
 
 WIDTH, BATCH, GHOST = 64, 16, 3
 
 def _shape_of(name: str, num_shards: int, depth: int, optimizer_states: int = 0) -> StepShape:
     if name == "tensor-t1":
-        return StepShape("tensor", WIDTH, depth, num_shards, BATCH,
+        return StepShape("tensor-t1", WIDTH, depth, num_shards, BATCH,
                          optimizer_states=optimizer_states)
     return StepShape("phantom", WIDTH, depth, num_shards, BATCH, GHOST,
                      fused=name == "phantom", optimizer_states=optimizer_states)
@@ -65,11 +67,17 @@ def test_flops_collectives_and_arguments_match_compiled_step(name, num_shards, d
     assert dot_flops(compiled.as_text()) == (flops["total"], flops["gemms"])
     assert flops["forward"] + flops["backward"] == flops["total"] == sum(flops["by_op"].values())
 
+    assert gemm_flops(compiled) == flops["total"]
+
     # XLA's cost_analysis also counts element-wise work (bias, ReLU and its derivative, MSE, the
     # own-slot masks, the SGD update): O(B n/p + parameters) per layer against the GEMMs'
     # O(B x parameters), i.e. a few FLOPs per element against 2B = 32 per parameter here. Measured
-    # surplus at these sizes: 3-15 %; it can only add, never remove, FLOPs.
-    assert flops["total"] <= xla_flops(compiled) <= 1.2 * flops["total"]
+    # surplus at these sizes: 3-15 %. But it counts a while loop's body once: only a one-layer
+    # step (a one-trip loop) can be compared; deeper, it undercounts the scanned layers.
+    if depth == 1:
+        assert flops["total"] <= xla_flops(compiled) <= 1.2 * flops["total"]
+    else:
+        assert xla_flops(compiled) < flops["total"]
 
     # Collectives: the same kinds, counts and bytes as the compiled HLO (incl. the loss all-reduce).
     by_kind = sorted(summarize(collectives(compiled.as_text())), key=lambda row: row["kind"])
@@ -102,11 +110,10 @@ def test_parameter_and_optimizer_bytes_equal_compiled_arguments(name, optimizer,
 def test_parameter_bytes_equal_real_arrays_per_device(name, mesh_of):
     num_shards = 4
     mesh = mesh_of(num_shards)
-    strategy = strategies.get(name)
     ghost = None if name == "tensor-t1" else GHOST
-    params = strategy.place(strategy.init(jax.random.PRNGKey(0), width=WIDTH, depth=3,
-                                          num_shards=num_shards, ghost_width=ghost,
-                                          dtype=jnp.float32), mesh)
+    program = strategies.get(name).program(FFNConfig(width=WIDTH, depth=3, ghost_width=ghost),
+                                           mesh_config_of(mesh))
+    params = jax.device_put(random_params(program), program.shardings(mesh))
     per_device = {}
     for leaf in jax.tree.leaves(params):
         for shard in leaf.addressable_shards:
@@ -123,7 +130,7 @@ def test_parameter_bytes_equal_real_arrays_per_device(name, mesh_of):
 
 def test_hand_computed_flops():
     # T1, n = 1024, p = 4 (m = 256), L = 2, B = 8: 2 B n m per GEMM, 3L - 1 = 5 GEMMs.
-    t1 = step_flops(StepShape("tensor", 1024, 2, 4, 8))
+    t1 = step_flops(StepShape("tensor-t1", 1024, 2, 4, 8))
     assert t1["total"] == 5 * 2 * 8 * 1024 * 256 == 20_971_520
     assert t1["forward"] == 2 * 2 * 8 * 1024 * 256
     # Phantom unfused, n = 1024, p = 4, k = 8, L = 1, B = 8 (m = 256): forward per sample
@@ -147,7 +154,7 @@ def test_hand_computed_comm_time_matches_digest_example():
     assert ph.seconds["comm"] * 1e6 == pytest.approx(2 * per_layer)
     assert per_layer == pytest.approx(959.6, abs=0.1)
     # T1 at L = 2 has 2 all-gathers and 1 reduce-scatter (the first layer's is dead code).
-    tp = estimate_step(StepShape("tensor", 16384, 2, 8, 1024, loss_allreduce=False))
+    tp = estimate_step(StepShape("tensor-t1", 16384, 2, 8, 1024, loss_allreduce=False))
     expected = 2 * (149.94 * 3 + 2.07e-3 * 2048 * 1024) + (145.52 * 3 + 2.40e-3 * 2048 * 1024)
     assert tp.seconds["comm"] * 1e6 == pytest.approx(expected)
     # The loss all-reduce adds one scalar all-reduce: 33.4 log2 p + 2.56e-3 us.
@@ -157,7 +164,7 @@ def test_hand_computed_comm_time_matches_digest_example():
 
 def test_hand_computed_memory_tp_out_of_memory_at_fig6_size():
     # Fig. 6, n = 262144, p = 32: T1 holds W[8192 x 262144] = 2^31 floats = 8 GiB per layer and rank.
-    shape = StepShape("tensor", 262144, 2, 32, 256, optimizer_states=2)  # L = 2, Adam
+    shape = StepShape("tensor-t1", 262144, 2, 32, 256, optimizer_states=2)  # L = 2, Adam
     memory = step_memory(shape)
     assert memory["parameters"] == 2 * (8192 * 262144 + 8192) * 4 == 17_179_934_720
     assert memory["gradients"] == memory["parameters"]
@@ -166,7 +173,7 @@ def test_hand_computed_memory_tp_out_of_memory_at_fig6_size():
     assert memory["activations"] == 4 * (2 * 256 * 262144 + 2 * 256 * 8192)
     est = estimate_step(shape)
     assert memory["total"] > 64 * GIB and not est.fits_in_memory
-    assert estimate_step(StepShape("tensor", 262144, 2, 64, 256, optimizer_states=2)).fits_in_memory
+    assert estimate_step(StepShape("tensor-t1", 262144, 2, 64, 256, optimizer_states=2)).fits_in_memory
     # Phantom at the same size: (n/p)^2 + k n/p + p (n/p) k + n/p per layer; the own D slot is
     # k n/p of it.
     ph = step_memory(StepShape("phantom", 262144, 2, 32, 256, 64, optimizer_states=2))
@@ -188,7 +195,7 @@ def test_modelled_time_and_break_even():
     # Fused phantom and TP never pay the small-GEMM overhead.
     fused = estimate_step(StepShape("phantom", 4096, 2, 16, 64, 8), device=device, gemm_overhead_s=1e-5)
     assert fused.seconds["gemm_overhead"] == 0
-    tp = estimate_step(StepShape("tensor", 4096, 2, 16, 64), device=device)
+    tp = estimate_step(StepShape("tensor-t1", 4096, 2, 16, 64), device=device)
     even = break_even_gemm_overhead(tp, no_overhead)
     at_even = estimate_step(shape, device=device, gemm_overhead_s=max(even, 0.0))
     if even > 0:
@@ -204,7 +211,7 @@ def test_mi250x_preset():
     assert MI250X_GCD.peak_flops == pytest.approx(47.87e12, rel=1e-3)  # FP32 matrix, one GCD
     assert MI250X_GCD.memory_bytes == 64 * 2**30
     assert 0 < MI250X_GCD.efficiency <= 1
-    assert estimate_step(StepShape("tensor", 64, 1, 1, 4)).collectives == []  # one rank: none
+    assert estimate_step(StepShape("tensor-t1", 64, 1, 1, 4)).collectives == []  # one rank: none
     assert FRONTIER.name.startswith("frontier")
 
 
@@ -215,18 +222,19 @@ def test_mi250x_preset():
 
 @pytest.mark.parametrize("kwargs, words", [
     (dict(strategy="gspmd", width=64, depth=1, num_shards=4, batch=8), "strategy='gspmd'"),
-    (dict(strategy="tensor", width=100, depth=1, num_shards=8, batch=8), "not divisible"),
-    (dict(strategy="tensor", width=64, depth=0, num_shards=4, batch=8), "depth=0"),
-    (dict(strategy="tensor", width=64, depth=1, num_shards=4, batch=0), "batch=0"),
-    (dict(strategy="tensor", width=64, depth=1, num_shards=4, batch=2.5), "batch=2.5"),
+    (dict(strategy="tensor", width=64, depth=1, num_shards=4, batch=8), "strategy='tensor'"),
+    (dict(strategy="tensor-t1", width=100, depth=1, num_shards=8, batch=8), "not divisible"),
+    (dict(strategy="tensor-t1", width=64, depth=0, num_shards=4, batch=8), "depth=0"),
+    (dict(strategy="tensor-t1", width=64, depth=1, num_shards=4, batch=0), "batch=0"),
+    (dict(strategy="tensor-t1", width=64, depth=1, num_shards=4, batch=2.5), "batch=2.5"),
     (dict(strategy="phantom", width=64, depth=1, num_shards=4, batch=8), "needs ghost_width"),
     (dict(strategy="phantom", width=64, depth=1, num_shards=4, batch=8, ghost_width=0), "ghost_width=0"),
-    (dict(strategy="tensor", width=64, depth=1, num_shards=4, batch=8, ghost_width=2), "only for"),
-    (dict(strategy="tensor", width=64, depth=1, num_shards=4, batch=8, fused=False), "fused=False"),
-    (dict(strategy="tensor", width=64, depth=1, num_shards=4, batch=8, dtype="int8"), "dtype='int8'"),
-    (dict(strategy="tensor", width=64, depth=1, num_shards=4, batch=8, optimizer_states=-1),
+    (dict(strategy="tensor-t1", width=64, depth=1, num_shards=4, batch=8, ghost_width=2), "only for"),
+    (dict(strategy="tensor-t1", width=64, depth=1, num_shards=4, batch=8, fused=False), "fused=False"),
+    (dict(strategy="tensor-t1", width=64, depth=1, num_shards=4, batch=8, dtype="int8"), "dtype='int8'"),
+    (dict(strategy="tensor-t1", width=64, depth=1, num_shards=4, batch=8, optimizer_states=-1),
      "optimizer_states=-1"),
-    (dict(strategy="tensor", width=64, depth=True, num_shards=4, batch=8), "depth=True"),
+    (dict(strategy="tensor-t1", width=64, depth=True, num_shards=4, batch=8), "depth=True"),
 ])
 def test_bad_step_shapes_name_the_value(kwargs, words):
     with pytest.raises(ConfigError, match=re.escape(words)):
@@ -257,6 +265,6 @@ def test_bad_estimate_arguments():
         estimate_step(shape, comm_model=None)
     with pytest.raises(ConfigError, match="StepShape"):
         estimate_step({"strategy": "phantom"})
-    tp = estimate_step(StepShape("tensor", 64, 1, 4, 8))
+    tp = estimate_step(StepShape("tensor-t1", 64, 1, 4, 8))
     with pytest.raises(ConfigError, match="unfused"):
         break_even_gemm_overhead(tp, estimate_step(StepShape("phantom", 64, 1, 4, 8, 2)))

@@ -62,17 +62,21 @@ def test_stdlib_split_is_by_file_and_disjoint(stdlib):
     assert stdlib.train.size == sum(sizes) + len(sizes) - 1
 
 
-def test_validation_batches_are_consecutive_windows_and_repeatable(stdlib):
+def test_validation_batches_are_spread_non_overlapping_windows_and_repeatable(stdlib):
     first = list(stdlib.validation_batches(4, max_batches=3))
     second = list(stdlib.validation_batches(4, max_batches=3))
     assert len(first) == 3
     for (t1, y1), (t2, y2) in zip(first, second):
         np.testing.assert_array_equal(t1, t2)
         np.testing.assert_array_equal(y1, y2)
-    tokens = np.concatenate([t for t, _ in first]).reshape(-1)
-    targets = np.concatenate([y for _, y in first]).reshape(-1)
-    np.testing.assert_array_equal(tokens, stdlib.validation[: 3 * 4 * 32])
-    np.testing.assert_array_equal(targets, stdlib.validation[1 : 3 * 4 * 32 + 1])
+    tokens = np.concatenate([t for t, _ in first])
+    targets = np.concatenate([y for _, y in first])
+    slots = (stdlib.validation.size - 1) // 32
+    starts = (np.arange(12) * slots // 12) * 32  # evenly spread over the whole split
+    for row, start in enumerate(starts):
+        np.testing.assert_array_equal(tokens[row], stdlib.validation[start:start + 32])
+        np.testing.assert_array_equal(targets[row], stdlib.validation[start + 1:start + 33])
+    assert np.all(np.diff(starts) >= 32) and starts[-1] > stdlib.validation.size // 2
     assert len(list(stdlib.validation_batches(4))) == 8  # the default cap
     full = (stdlib.validation.size - 1) // 32 // 64
     assert stdlib.num_validation_batches(64, None) == full == len(list(stdlib.validation_batches(64, None)))

@@ -525,12 +525,39 @@ def _mesh_shape(axes: Mapping[str, int]) -> tuple[list[str], tuple[int, ...]]:
     return names, shape
 
 
+_MESH_GROUPS = re.compile(r"mesh\[(?P<axes>[^\]]*)\]\s*\{(?P<over>[^}]*)\}")
+
+
+def normalise_replica_groups(text: str) -> str:
+    """GSPMD writes replica groups as ``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`` (devices in iota
+    order over that shape, one group per combination of the axes *not* listed); rewrite that as the
+    equivalent iota list ``[2,4]<=[2,4]`` (here; transposed with ``T(...)`` so that the listed axes
+    come last) that :func:`jphantom.analysis.hlo.replica_group_lists` reads. Other syntaxes are
+    returned unchanged."""
+    match = _MESH_GROUPS.fullmatch(text.strip())
+    if not match:
+        return text
+    axes = re.findall(r"'([^']*)'\s*=\s*(\d+)", match["axes"])
+    over = set(re.findall(r"'([^']*)'", match["over"]))
+    names = [name for name, _ in axes]
+    sizes = [int(size) for _, size in axes]
+    if not axes or not over <= set(names):
+        return text
+    kept = [i for i, name in enumerate(names) if name not in over]
+    grouped = [i for i, name in enumerate(names) if name in over]
+    group_size = math.prod(sizes[i] for i in grouped)
+    perm = ",".join(str(i) for i in kept + grouped)
+    return (f"[{math.prod(sizes) // group_size},{group_size}]<=[{','.join(map(str, sizes))}]"
+            f"T({perm})")
+
+
 def replica_group_lists(replica_groups_text: str, num_devices: int) -> list[list[int]]:
     """The device-id groups of a ``replica_groups`` attribute: explicit ``{{0,1},{2,3}}``, iota
     ``[2,4]<=[8]`` / ``[4,2]<=[2,4]T(1,0)`` (iota of the product reshaped to the dims after ``<=``,
     transposed by ``T(...)``, reshaped to the dims before ``<=``; one group per row), or empty
-    ``{}`` / "" (all ``num_devices`` devices in one group)."""
-    text = replica_groups_text.strip()
+    ``{}`` / "" (all ``num_devices`` devices in one group), or GSPMD's
+    ``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`` (:func:`normalise_replica_groups`)."""
+    text = normalise_replica_groups(replica_groups_text).strip()
     if text in ("", "{}"):
         return [list(range(num_devices))]
     iota = _IOTA.fullmatch(text)

@@ -1,9 +1,13 @@
 """Compile one training step (forward + backward + SGD update) and report what it does.
 
-From the compiled executable: every collective (kind, shape, dtype, bytes, replica groups) parsed
-from the optimized HLO, FLOPs from ``cost_analysis()``, memory from ``memory_analysis()``; plus the
-model's parameter count. Nothing is executed, and parameters are abstract, so large widths inspect
-without allocating them.
+The step is :func:`jphantom.step.make_train_step`'s (one ``jax.jit`` of one ``shard_map`` over the
+mesh, e.g. ``data=2,model=4``). From the compiled executable: every collective (kind, shape, dtype,
+bytes, replica groups, the mesh axes it spans, and how many times it runs per step: layers under
+``lax.scan`` run inside an HLO loop, whose trip count multiplies) parsed from the optimized HLO,
+GEMM FLOPs from the HLO's ``dot`` ops (trip counts applied; ``cost_analysis()`` counts a loop body
+once and is reported next to them), memory from ``memory_analysis()``; plus the model's parameter
+count. Nothing is executed, and parameters are abstract, so large widths inspect without
+allocating them.
 """
 
 from __future__ import annotations
@@ -12,19 +16,24 @@ import dataclasses
 import time
 
 import jax
-import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
 
 from jphantom import strategies
-from jphantom.analysis.hlo import collectives, summarize
-from jphantom.mesh import make_mesh
-from jphantom.train import make_train_step
+from jphantom.analysis.hlo import collectives, dot_flops, normalise_replica_groups, summarize
+from jphantom.errors import ConfigError
+from jphantom.mesh import MeshConfig, first_devices
+from jphantom.models.ffn import FFNConfig
+from jphantom.step import abstract_params, make_train_step, optimizer_state_specs
 
 
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
-    """What to compile: a strategy on a 1-D mesh of ``num_shards`` devices."""
+    """What to compile: a strategy's FFN training step on a mesh.
+
+    ``mesh`` is a mesh string (``"data=2,model=4"``); the default is ``model=<num_shards>``
+    (``dense`` runs on ``model=1``, the default ``num_shards``). With a mesh, ``num_shards`` becomes its ``model`` size (give one
+    or the other, or both consistently). ``ghost_width`` is used by the phantom strategies only.
+    """
 
     strategy: str
     width: int
@@ -33,44 +42,90 @@ class StepSpec:
     num_shards: int = 1
     ghost_width: int | None = None
     dtype: str = "float32"
-    axis: str = "model"
+    mesh: str | None = None
+
+    def __post_init__(self):
+        strategy = strategies.get(self.strategy)
+        for name in ("width", "depth", "batch", "num_shards"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+        mesh = self.mesh_config()
+        if self.mesh is not None and self.num_shards not in (1, mesh.size("model")):
+            raise ConfigError(f"num_shards={self.num_shards} disagrees with mesh {self.mesh!r} "
+                              f"(model={mesh.size('model')}): give one of them")
+        object.__setattr__(self, "num_shards", mesh.size("model"))
+        if strategy.family != "phantom":
+            object.__setattr__(self, "ghost_width", None)
+        if self.batch % mesh.size("data"):
+            raise ConfigError(f"batch={self.batch} is not divisible by the data axis "
+                              f"({mesh.size('data')}) of mesh {mesh}")
+        self.program()  # the strategy validates the shapes
+
+    def mesh_config(self) -> MeshConfig:
+        if self.mesh is not None:
+            return MeshConfig.parse(self.mesh)
+        return MeshConfig.of({"model": self.num_shards})
+
+    def model_config(self) -> FFNConfig:
+        return FFNConfig(width=self.width, depth=self.depth, ghost_width=self.ghost_width,
+                         dtype=self.dtype)
+
+    def program(self):
+        return strategies.get(self.strategy).program(self.model_config(), self.mesh_config())
 
 
-def _abstract(tree, shardings):
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+def normalise_collectives(found):
+    """``found`` with :func:`normalise_replica_groups` applied to every collective's groups, so
+    that ``hlo.summarize(found, axes=...)`` can map GSPMD's collectives onto mesh axes too."""
+    return [dataclasses.replace(c, replica_groups=normalise_replica_groups(c.replica_groups))
+            for c in found]
 
 
 def compile_step(spec: StepSpec, optimizer: optax.GradientTransformation | None = None):
-    """Lower and compile the training step of ``spec``; returns ``(compiled, seconds_to_compile)``."""
-    strategy = strategies.get(spec.strategy)
-    dtype = jnp.dtype(spec.dtype)
-    mesh = None if strategy.single_device else make_mesh({spec.axis: spec.num_shards})
-    shape_params = jax.eval_shape(lambda: strategy.init(
-        jax.random.PRNGKey(0), width=spec.width, depth=spec.depth, num_shards=spec.num_shards,
-        ghost_width=spec.ghost_width, dtype=dtype))
-    if strategy.single_device:
-        param_shardings = jax.tree.map(lambda _: strategy.input_sharding(None), shape_params)
-    else:
-        param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s),
-                                       strategy.param_specs(shape_params, spec.axis))
-    params = _abstract(shape_params, param_shardings)
-    optimizer = optimizer or optax.sgd(0.1)
-    opt_state = jax.eval_shape(optimizer.init, params)
-    data_sharding = strategy.input_sharding(mesh, spec.axis)
-    batch = jax.ShapeDtypeStruct((spec.batch, spec.width), dtype, sharding=data_sharding)
-    step = make_train_step(strategy, mesh, optimizer, axis=spec.axis)
+    """Lower and compile the training step of ``spec`` (``jphantom.step.make_train_step``, default
+    optimizer SGD) on abstract parameters; returns ``(compiled, seconds_to_compile)``."""
+    program, mesh = _program_and_mesh(spec)
+    compiled, seconds = _compile(program, mesh, spec, optimizer or optax.sgd(0.1))
+    return compiled, seconds
+
+
+def _program_and_mesh(spec: StepSpec):
+    mesh_config = spec.mesh_config()
+    program = spec.program()  # validates the shapes before any device is asked for
+    return program, mesh_config.build(first_devices(mesh_config.device_count))
+
+
+def _compile(program, mesh, spec: StepSpec, optimizer):
+    params = abstract_params(program, mesh)
+    shapes = jax.eval_shape(lambda: params)
+    opt_specs = optimizer_state_specs(optimizer, shapes, program.param_specs)
+    opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                             jax.eval_shape(optimizer.init, shapes),
+                             program.shardings(mesh, opt_specs))
+    batch = tuple(jax.ShapeDtypeStruct((spec.batch, spec.width), spec.dtype, sharding=s)
+                  for s in program.batch_shardings(mesh))
+    step = make_train_step(program, mesh, optimizer)
     start = time.perf_counter()
-    compiled = step.lower(params, opt_state, batch, batch).compile()
+    compiled = step.lower(params, opt_state, *batch).compile()
     return compiled, time.perf_counter() - start
 
 
 def xla_flops(compiled) -> float:
     """FLOPs of a compiled executable as XLA's ``cost_analysis()`` counts them (per device for an
-    SPMD program; element-wise work included, see ``hlo.dot_flops`` for the GEMMs alone)."""
+    SPMD program; element-wise work included). XLA counts the body of a ``while`` loop once,
+    whatever its trip count, so for layers under ``lax.scan`` this undercounts: use
+    :func:`gemm_flops` for a step's FLOPs."""
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else {}
     return float((cost or {}).get("flops", 0.0))
+
+
+def gemm_flops(compiled) -> int:
+    """GEMM FLOPs per device of a compiled executable, every ``dot`` counted as many times as its
+    loop runs (``hlo.dot_flops``; 2 per multiply-add, element-wise work left out)."""
+    return dot_flops(compiled.as_text())[0]
 
 
 def _memory(compiled) -> dict[str, int]:
@@ -81,23 +136,30 @@ def _memory(compiled) -> dict[str, int]:
 
 
 def inspect_step(spec: StepSpec) -> dict:
-    """Report for one strategy: ``collectives`` [{kind, count, bytes}], ``collective_ops``,
-    ``flops`` (per device, as XLA counts them), ``params`` (weights), ``memory``, compile time."""
-    compiled, compile_seconds = compile_step(spec)
-    found = collectives(compiled.as_text())
+    """Report for one strategy: ``collectives`` (rows ``{kind, axes, count, bytes}`` per collective
+    kind and mesh axes, loop trip counts applied), ``collective_bytes`` (per device, whole step),
+    ``collective_ops`` (every op with its shapes, groups, axes and executions per step), ``flops``
+    (GEMM FLOPs per device, loops counted by trip count: :func:`gemm_flops`), ``xla_flops`` (XLA's
+    ``cost_analysis()``: element-wise work included, loop bodies counted once), ``params``
+    (weights), ``memory``, compile time."""
+    program, mesh = _program_and_mesh(spec)
+    compiled, compile_seconds = _compile(program, mesh, spec, optax.sgd(0.1))
+    found = normalise_collectives(collectives(compiled.as_text()))
+    axes = dict(mesh.shape)
     return {
         "strategy": spec.strategy,
+        "mesh": str(spec.mesh_config()),
         "config": dataclasses.asdict(spec),
-        "collectives": summarize(found),
-        "collective_bytes": sum(c.bytes for c in found),
+        "collectives": [row | {"axes": list(row["axes"])} for row in summarize(found, axes=axes)],
+        "collective_bytes": sum(c.total_bytes for c in found),
         "collective_ops": [
             {"kind": c.kind, "shapes": [[d, list(s)] for d, s in c.shapes], "bytes": c.bytes,
-             "replica_groups": c.replica_groups}
+             "count": c.count, "axes": list(c.mesh_axes(axes)), "replica_groups": c.replica_groups}
             for c in found
         ],
-        "flops": xla_flops(compiled),
-        "params": strategies.param_count(spec.strategy, width=spec.width, depth=spec.depth,
-                                         num_shards=spec.num_shards, ghost_width=spec.ghost_width),
+        "flops": gemm_flops(compiled),
+        "xla_flops": xla_flops(compiled),
+        "params": program.param_count,
         "memory": _memory(compiled),
         "compile_seconds": compile_seconds,
     }
@@ -106,21 +168,24 @@ def inspect_step(spec: StepSpec) -> dict:
 def format_report(reports: list[dict]) -> str:
     """Side-by-side table of several :func:`inspect_step` reports."""
     lines = []
-    header = f"{'strategy':<16}{'params':>12}{'GFLOP/dev':>11}{'coll. MB/dev':>13}{'temp MB':>9}  collectives"
+    header = (f"{'strategy':<16}{'mesh':<16}{'params':>12}{'GFLOP/dev':>11}{'coll. MB/dev':>13}"
+              f"{'temp MB':>9}  collectives (executions x kind [mesh axes])")
     lines.append(header)
-    lines.append("-" * (len(header) + 30))
+    lines.append("-" * (len(header) + 10))
     for r in reports:
-        colls = ", ".join(f"{c['count']}x {c['kind']} ({c['bytes'] / 1e6:.3f} MB)" for c in r["collectives"])
+        colls = ", ".join(f"{c['count']}x {c['kind']} [{','.join(c['axes'])}] "
+                          f"({c['bytes'] / 1e6:.3f} MB)" for c in r["collectives"])
         lines.append(
-            f"{r['strategy']:<16}{r['params']:>12,}{r['flops'] / 1e9:>11.3f}"
-            f"{r['collective_bytes'] / 1e6:>13.3f}{r['memory'].get('temp_size_in_bytes', 0) / 1e6:>9.1f}"
-            f"  {colls or 'none'}"
+            f"{r['strategy']:<16}{r['mesh']:<16}{r['params']:>12,}{r['flops'] / 1e9:>11.3f}"
+            f"{r['collective_bytes'] / 1e6:>13.3f}"
+            f"{r['memory'].get('temp_size_in_bytes', 0) / 1e6:>9.1f}  {colls or 'none'}"
         )
     lines.append("")
-    lines.append("Per collective op (result shape per device):")
+    lines.append("Per collective op (result shape per device, executions per step):")
     for r in reports:
         for op in r["collective_ops"]:
             shapes = " + ".join(f"{d}{s}" for d, s in op["shapes"])
             lines.append(f"  {r['strategy']:<16}{op['kind']:<16}{shapes:<28}{op['bytes']:>12,} B"
+                         f" x{op['count']:<4} [{','.join(op['axes'])}]"
                          f"  groups={op['replica_groups']}")
     return "\n".join(lines)

@@ -17,8 +17,12 @@ from jax.sharding import Mesh
 
 from jphantom import strategies
 from jphantom.analysis.hlo import collectives, summarize
-from jphantom.analysis.inspect import xla_flops
-from jphantom.train import make_train_step
+from jphantom.analysis.inspect import gemm_flops, normalise_collectives, xla_flops
+from jphantom.analysis.memory import check_fits, estimate_training_memory
+from jphantom.mesh import mesh_config_of
+from jphantom.models.ffn import FFNConfig
+from jphantom.step import init_params, make_train_step
+from jphantom.train import init_optimizer_state
 
 
 class Runner:
@@ -45,43 +49,51 @@ class Runner:
 
 
 def build_step(name: str, mesh: Mesh, *, width: int, depth: int, ghost_width: int | None,
-               batch: int, learning_rate: float, key: jax.Array, label: str | None = None,
-               axis: str = "model"):
-    """Initialise, place and compile one strategy's SGD training step on ``mesh``.
+               batch: int, learning_rate: float, key: jax.Array, label: str | None = None):
+    """Initialise (directly in the shards) and compile one strategy's float32 SGD training step
+    (:func:`jphantom.step.make_train_step`) on ``mesh`` (e.g. ``model=8`` or ``data=2,model=4``).
 
-    Returns ``(Runner, report)``; the report has the parameter count, XLA's per-device FLOPs, the
-    compiled HLO's collectives (exact bytes per device) and the compile time.
+    Returns ``(Runner, report)``; the report has the parameter count, the per-device GEMM FLOPs
+    (``inspect.gemm_flops``: loops counted by trip count; XLA's own count next to it), the
+    compiled HLO's collectives (exact bytes per device, loop trip counts applied, grouped by kind
+    and mesh axes) and the compile time. Refuses (``ConfigError``) a step that cannot fit in the
+    device memory, before allocating it.
     """
     strategy = strategies.get(name)
-    p = mesh.shape[axis]
+    mesh_config = mesh_config_of(mesh)
+    model = FFNConfig(width=width, depth=depth,
+                      ghost_width=ghost_width if strategy.family == "phantom" else None)
+    program = strategy.program(model, mesh_config)
+    check_fits(estimate_training_memory(program, mesh, model, batch=batch, optimizer_states=0),
+               mesh, f"the {name} step at width={width}, depth={depth}, batch={batch}")
     k_params, k_x, k_y = jax.random.split(key, 3)
-    params = strategy.init(k_params, width=width, depth=depth, num_shards=p,
-                           ghost_width=ghost_width, dtype=jnp.float32)
-    params = strategy.place(params, mesh, axis)
+    params = init_params(program, mesh, k_params)
     optimizer = optax.sgd(learning_rate)
-    opt_state = optimizer.init(params)
-    sharding = strategy.input_sharding(mesh, axis)
-    x = jax.device_put(jax.random.normal(k_x, (batch, width), jnp.float32), sharding)
-    y = jax.device_put(jax.random.normal(k_y, (batch, width), jnp.float32), sharding)
-    step = make_train_step(strategy, mesh, optimizer, axis=axis)
+    opt_state = init_optimizer_state(program, mesh, optimizer, params)
+    x_sharding, y_sharding = program.batch_shardings(mesh)
+    x = jax.device_put(jax.random.normal(k_x, (batch, width), jnp.float32), x_sharding)
+    y = jax.device_put(jax.random.normal(k_y, (batch, width), jnp.float32), y_sharding)
+    step = make_train_step(program, mesh, optimizer)
     start = time.perf_counter()
     compiled = step.lower(params, opt_state, x, y).compile()
     compile_seconds = time.perf_counter() - start
-    found = collectives(compiled.as_text())
-    flops = xla_flops(compiled)
+    found = normalise_collectives(collectives(compiled.as_text()))
+    flops = gemm_flops(compiled)
+    devices = mesh_config.device_count
     report = {
         "strategy": name,
+        "mesh": str(mesh_config),
         "batch": batch,
-        "params": strategies.param_count(name, width=width, depth=depth, num_shards=p,
-                                         ghost_width=ghost_width),
+        "params": program.param_count,
         "flops_per_device": flops,
-        "flops_step": flops * p,
-        "collective_bytes_per_device": sum(c.bytes for c in found),
+        "flops_step": flops * devices,
+        "xla_flops_per_device": xla_flops(compiled),
+        "collective_bytes_per_device": sum(c.total_bytes for c in found),
         "collectives": summarize(found),
         "compile_seconds": compile_seconds,
     }
     runner = Runner(label or name, compiled, (params, opt_state, x, y), threads_state=True,
-                    flops_per_device=flops, devices=p)
+                    flops_per_device=flops, devices=devices)
     return runner, report
 
 

@@ -288,16 +288,19 @@ class TextCorpus:
     def validation_batches(
         self, batch: int, max_batches: int | None = DEFAULT_VALIDATION_BATCHES
     ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """(tokens, targets) int32 [batch, seq_len] over consecutive non-overlapping windows of the
-        validation split, from its start; the same batches on every call. At most ``max_batches``
-        batches (default 8, ``None`` for every full batch); a last partial batch is dropped. Raises
-        ConfigError (immediately, not on first ``next``) if the split is shorter than one batch."""
+        """(tokens, targets) int32 [batch, seq_len] over non-overlapping windows of the validation
+        split, spread evenly over all of it (so that a few batches sample every validation file,
+        like the unigram baseline, rather than the first few); the same batches on every call. At
+        most ``max_batches`` batches (default 8, ``None`` for every full batch). Raises ConfigError
+        (immediately, not on first ``next``) if the split is shorter than one batch."""
         count = self.num_validation_batches(batch, max_batches)
         offsets = np.arange(self.seq_len + 1)
+        slots = (len(self.validation) - 1) // self.seq_len  # non-overlapping windows that fit
+        chosen = (np.arange(count * batch) * slots) // max(count * batch, 1)  # evenly spread
 
         def generate():
             for index in range(count):
-                starts = (index * batch + np.arange(batch)) * self.seq_len
+                starts = chosen[index * batch:(index + 1) * batch] * self.seq_len
                 windows = self.validation[starts[:, None] + offsets].astype(np.int32)
                 yield windows[:, :-1], windows[:, 1:]
 

@@ -53,6 +53,18 @@ class FFNConfig:
                               "jax.config.update('jax_enable_x64', True) first, or use float32")
 
 
+def _wrap(tree):
+    if isinstance(tree, dict):
+        return nnx.Dict({name: _wrap(value) for name, value in tree.items()})
+    return nnx.Param(tree)
+
+
+def _unwrap(tree):
+    if isinstance(tree, (dict, nnx.Dict)):
+        return {name: _unwrap(value) for name, value in tree.items()}
+    return tree[...]
+
+
 class FFN(nnx.Module):
     """The FFN as a Flax NNX module whose parallel layer is data (a strategy name).
 
@@ -71,13 +83,11 @@ class FFN(nnx.Module):
         self.program = strategies.get(strategy).program(config, mesh_config_of(mesh))
         self.mesh = mesh
         self._forward = make_forward_fn(self.program, mesh)
-        self.params = nnx.Dict(jax.tree.map(nnx.Param, init_params(self.program, mesh,
-                                                                   rngs.params())))
+        self.params = _wrap(init_params(self.program, mesh, rngs.params()))
 
     def arrays(self):
         """The strategy's functional parameters (see its module for the layouts)."""
-        return jax.tree.map(lambda p: p[...], dict(self.params),
-                            is_leaf=lambda p: isinstance(p, nnx.Param))
+        return _unwrap(self.params)
 
     def dense_equivalent(self):
         return self.program.dense_equivalent(self.arrays())

@@ -95,7 +95,8 @@ def init_dense(key: jax.Array, config: TransformerConfig) -> dict:
     h, L, v, s = config.hidden, config.layers, config.vocab_size, config.seq_len
     dtype = jnp.dtype(config.dtype)
     keys = iter(jax.random.split(key, 8))
-    normal = lambda shape, std: jax.random.normal(next(keys), shape, dtype) * std
+    normal = lambda shape, std: (jax.random.normal(next(keys), (math.prod(shape),), dtype)
+                                 * std).reshape(shape)  # flat draw: fast with sharded outputs
     residual = 0.02 / math.sqrt(2 * L)
     norm = lambda *lead: {"scale": jnp.ones((*lead, h), dtype), "bias": jnp.zeros((*lead, h), dtype)}
     params = {

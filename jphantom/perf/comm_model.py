@@ -166,7 +166,9 @@ class CommModel:
         Each item is a ``jphantom.analysis.hlo.Collective`` or a mapping with "kind" and "bytes"
         (per-device result bytes) and optionally "count": the rows of ``hlo.summarize`` carry the
         bytes of ``count`` collectives, which cost ``count`` latencies and one bandwidth term on
-        the summed bytes (Eq. 26 is linear in m). Bytes become m through ``message_floats``. For
+        the summed bytes (Eq. 26 is linear in m). A ``Collective`` runs ``count`` times per step
+        (loop trip counts; ``bytes`` is one execution's), so it costs ``count`` latencies and the
+        bandwidth term of its ``total_bytes``. Bytes become m through ``message_floats``. For
         collectives over groups of different sizes, call once per group size and add.
         """
         total = 0.0
@@ -180,7 +182,7 @@ class CommModel:
                     ) from None
                 count = item.get("count", 1)
             else:
-                kind, nbytes, count = item.kind, item.bytes, 1
+                kind, nbytes, count = item.kind, item.total_bytes, item.count
             if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
                 raise ConfigError(f"collective count={count!r} of {kind!r} must be a whole number >= 1")
             cost = self.cost(kind)

@@ -2,8 +2,9 @@
 
 For the seed-000 FFN (L layers of n x n, batch B, features sharded over p ranks) under
 
-- ``"tensor"``: TP layout T1 of :mod:`jphantom.sharding.tensor` (row-sharded W^(j) [n/p, n];
-  all-gather the [B, n/p] activations forward, reduce-scatter [B, n] -> [B, n/p] backward), or
+- ``"tensor-t1"``: seed 000's TP, layout T1 of :mod:`jphantom.sharding.tensor` (row-sharded
+  W^(j) [n/p, n]; all-gather the [B, n/p] activations forward, reduce-scatter [B, n] -> [B, n/p]
+  backward), or
 - ``"phantom"``: :mod:`jphantom.sharding.phantom` (local L [n/p, n/p], compressor C [k, n/p],
   decompressors D [p, n/p, k]; all-gather of k B forward, reduce-scatter to k B backward), with the
   fused decompressor (one GEMM, the default) or the paper's p-1 small GEMMs (``fused=False``),
@@ -17,8 +18,9 @@ quantity                     label        source
 ===========================  ===========  ============================================================
 GEMM FLOPs, GEMM count       exact        the code's matrix products, counted below (2 FLOPs per
                                           multiply-add); equal to the ``dot`` ops of the compiled HLO
-collectives (kind/count/     exact        ``phantom.collective_buffers`` / ``tensor.collective_buffers``
-bytes)                                    (verified against HLO in tests/test_hlo.py) + the scalar loss
+collectives (kind/count/     exact        the strategy's own inventory,
+bytes)                                    ``strategies.get(name).collective_inventory`` (verified
+                                          against HLO in tests/test_hlo.py) + the scalar loss
                                           all-reduce
 parameter, gradient,         exact        sizes of the arrays the code allocates per rank
 optimizer-state, batch bytes
@@ -28,10 +30,12 @@ compute, comm, overhead,     modelled     FLOPs / (peak x efficiency); Eq. 26 wi
 total seconds                             overhead for the unfused decompressor
 ===========================  ===========  ============================================================
 
-FLOPs per rank per step, m = n/p (every GEMM of the code; the first layer's input gradient is dead
-code, its only use would be dL/dx, and XLA removes it, as it removes T1's first reduce-scatter):
+FLOPs per rank per step, m = n/p (every GEMM of the code). The first layer's input gradient is dead
+code, its only use would be dL/dx: every strategy applies layer 1 outside the ``lax.scan`` over the
+other layers (:func:`jphantom.sharding.dense.stack`), so XLA removes it (as it removes T1's first
+reduce-scatter):
 
-    tensor (T1), per layer:   forward  y_full W^T               2 B n m
+    tensor-t1, per layer:     forward  y_full W^T               2 B n m
                               backward dW = dz^T y_full          2 B n m
                                        dy_full = dz W            2 B n m      (layers 2..L)
         total = 2 B n m (3L - 1)           GEMMs: 3L - 1
@@ -41,20 +45,21 @@ code, its only use would be dL/dx, and XLA removes it, as it removes T1's first 
         backward  messages dz D_all      2 B m p k                            (Eq. 17)
                   [dz | Gamma]^T [y | G] 2 B (m + k)(m + p k)                 (Eqs. 19-21 in one GEMM;
                                                  the k x p k corner Gamma^T G, 2 B k p k, is waste)
-                  dy = dz L + Gamma C    2 B m^2 + 2 B k m                    (layers 2..L)
+                  dy = dz L + Gamma C    2 B m^2 + 2 B k m          (layers 2..L; all L if L >= 2)
         The fused GEMMs run over all p slots (own slot masked to zero): p, not p - 1, decompressors.
 
     phantom, unfused (the paper's implementation), per layer:
         forward   2 B m k + 2 B m^2 + (p-1) 2 B k m              (2 + (p-1) GEMMs)
         backward  messages (p-1) 2 B m k;  dD (p-1) 2 B m k;  dL 2 B m^2;  dC 2 B k m;
-                  dy 2 B m^2 + 2 B k m (layers 2..L)            (2(p-1) + 2 + 2 GEMMs)
-        = 3 x forward (the paper's Eqs. 22-24: backward = 2 x forward) less the first layer's dy;
+                  dy 2 B m^2 + 2 B k m (as fused)               (2(p-1) + 2 + 2 GEMMs)
+        = 3 x forward (the paper's Eqs. 22-24: backward = 2 x forward), less the first layer's dy
+        at L = 1;
         3 (p-1) L of its GEMMs are the small [B, k] x [k, m]-shaped decompressor products.
 
 Memory per rank (``dtype`` bytes per element; ``optimizer_states`` per-parameter moments, 0 SGD,
 1 momentum, 2 Adam):
 
-    parameters   tensor: L (m n + m)            phantom: L (m^2 + k m + p m k + m)
+    parameters   tensor-t1: L (m n + m)         phantom: L (m^2 + k m + p m k + m)
                  (phantom stores D as [p, m, k] per rank, *including* the unused own slot D^(j,j):
                  m k per layer more than the paper's (p-1) decompressors)
     gradients    = parameters (same shapes)
@@ -62,7 +67,7 @@ Memory per rank (``dtype`` bytes per element; ``optimizer_states`` per-parameter
     batch        input x and target y, 2 B m
     activations  (modelled rule) for every layer, the arrays its weight-gradient GEMMs read, which must
                  live from the forward to the backward:
-                   tensor          the all-gathered input [B, n]  (layer 1 too: x gathered is new)
+                   tensor-t1       the all-gathered input [B, n]  (layer 1 too: x gathered is new)
                    phantom fused   [B, m + p k]  (y and the received ghosts side by side, a copy)
                    phantom unfused y [B, m] (layers 2..L; layer 1 reads the input batch) and the
                                    gathered ghosts [p, B, k]
@@ -98,10 +103,12 @@ from typing import Any
 
 from jphantom.errors import ConfigError, JPhantomWarning
 from jphantom.perf.comm_model import FRONTIER, CommModel
-from jphantom.sharding import phantom, tensor
+from jphantom.sharding import phantom
 from jphantom.sharding._common import check_depth, check_width
 
-STRATEGIES = ("tensor", "phantom")
+STRATEGIES = ("tensor-t1", "phantom")
+"""Strategies with a step model: seed 000's TP (T1) and phantom (``fused`` picks ``phantom`` or
+``phantom-unfused``). Megatron's ``tensor`` and ``gspmd`` have none (their FLOPs are not modelled)."""
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}
 """Per-parameter state arrays of common optax optimizers (plain SGD, SGD with momentum, Adam)."""
@@ -203,7 +210,7 @@ MI250X_GCD = DeviceSpec(
 class StepShape:
     """One training step to model; validated on construction (``ConfigError`` names the fix).
 
-    ``strategy`` "tensor" (T1) or "phantom"; ``width`` n, ``depth`` L, ``num_shards`` p, ``batch``
+    ``strategy`` "tensor-t1" or "phantom"; ``width`` n, ``depth`` L, ``num_shards`` p, ``batch``
     B, ``ghost_width`` k (phantom only), ``fused`` (phantom's decompressor: one GEMM or the paper's
     p-1), ``dtype`` of parameters, activations and messages, ``optimizer_states`` per-parameter
     moments (see ``OPTIMIZER_STATES``), ``loss_allreduce``: count the scalar all-reduce of the MSE
@@ -224,8 +231,9 @@ class StepShape:
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
             raise ConfigError(
-                f"strategy={self.strategy!r} has no step model; use one of {STRATEGIES} ('tensor' is "
-                "TP layout T1 of jphantom.sharding.tensor)"
+                f"strategy={self.strategy!r} has no step model; use one of {STRATEGIES} "
+                "('tensor-t1' is seed 000's TP, layout T1 of jphantom.sharding.tensor; phantom's "
+                "unfused decompressor is strategy='phantom', fused=False)"
             )
         _check_count("width", self.width, 1, "it is n, the layer width")
         _check_count("num_shards", self.num_shards, 1, "it is p, the number of ranks")
@@ -250,10 +258,10 @@ class StepShape:
         else:
             if self.ghost_width is not None:
                 raise ConfigError(f"ghost_width={self.ghost_width} is only for strategy='phantom'; "
-                                  "leave it None for 'tensor'")
+                                  f"leave it None for {self.strategy!r}")
             if not self.fused:
                 raise ConfigError("fused=False is phantom's unfused decompressor; leave fused=True "
-                                  "for strategy='tensor'")
+                                  f"for strategy={self.strategy!r}")
 
     @property
     def block(self) -> int:
@@ -265,8 +273,16 @@ class StepShape:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def strategy_name(self) -> str:
+        """The registry name of the modelled step (:mod:`jphantom.strategies`): ``tensor-t1``,
+        ``phantom`` or ``phantom-unfused``."""
+        if self.strategy == "phantom" and not self.fused:
+            return "phantom-unfused"
+        return self.strategy
+
+    @property
     def label(self) -> str:
-        if self.strategy == "tensor":
+        if self.strategy == "tensor-t1":
             return "tensor (T1)"
         return "phantom (fused)" if self.fused else "phantom (unfused)"
 
@@ -280,8 +296,8 @@ def step_flops(shape: StepShape) -> dict:
     (bias, ReLU, loss, optimizer update) is not counted.
     """
     n, L, p, B, m = shape.width, shape.depth, shape.num_shards, shape.batch, shape.block
-    inner = L - 1  # layers whose input gradient is live (all but the first)
-    if shape.strategy == "tensor":
+    inner = L - 1  # layers whose input gradient is computed (all but the first; module doc)
+    if shape.strategy == "tensor-t1":
         forward = 2 * B * n * m * L
         backward = 2 * B * n * m * (L + inner)
         return {"forward": forward, "backward": backward, "total": forward + backward,
@@ -314,19 +330,21 @@ def step_flops(shape: StepShape) -> dict:
 def step_collectives(shape: StepShape) -> list[dict]:
     """Exact collective inventory per rank of one step, ``[{"kind", "count", "bytes"}]`` merged per
     kind (``hlo.summarize``'s form, what ``CommModel.step_time_us`` takes); bytes are per-device
-    result bytes. From ``phantom.collective_buffers`` / ``tensor.collective_buffers(layout="t1")``,
-    plus (``loss_allreduce``) the scalar all-reduce of the loss. A one-rank mesh has none (XLA
-    removes collectives over a single device)."""
+    result bytes. The strategy lists its own collectives
+    (``strategies.get(shape.strategy_name).collective_inventory`` on a ``model=p`` mesh), plus
+    (``loss_allreduce``) the scalar all-reduce of the loss. A one-rank mesh has none (XLA removes
+    collectives over a single device)."""
     if shape.num_shards == 1:
         return []
-    if shape.strategy == "tensor":
-        buffers = tensor.collective_buffers(width=shape.width, num_shards=shape.num_shards,
-                                            depth=shape.depth, batch=shape.batch, layout="t1")
-    else:
-        buffers = phantom.collective_buffers(width=shape.width, ghost_width=shape.ghost_width,
-                                             num_shards=shape.num_shards, depth=shape.depth,
-                                             batch=shape.batch)
-    buffers = {kind: list(sizes) for kind, sizes in buffers.items()}
+    from jphantom import strategies
+    from jphantom.mesh import MeshConfig
+    from jphantom.models.ffn import FFNConfig
+
+    # float32 here only names the model; the inventory is in elements, bytes use shape.dtype.
+    model = FFNConfig(width=shape.width, depth=shape.depth, ghost_width=shape.ghost_width)
+    inventory = strategies.get(shape.strategy_name).collective_inventory(
+        model, MeshConfig.of({"model": shape.num_shards}), shape.batch)
+    buffers = {kind: list(sizes) for kind, sizes in inventory.items()}
     if shape.loss_allreduce:
         buffers.setdefault("all-reduce", []).append(1)
     return [{"kind": kind, "count": len(sizes), "bytes": shape.dtype_bytes * sum(sizes)}
@@ -336,7 +354,7 @@ def step_collectives(shape: StepShape) -> list[dict]:
 def parameter_elements(shape: StepShape) -> int:
     """Elements of the parameter arrays one rank stores (biases included; phantom's own D slot too)."""
     n, L, m = shape.width, shape.depth, shape.block
-    if shape.strategy == "tensor":
+    if shape.strategy == "tensor-t1":
         return L * (m * n + m)
     k, p = shape.ghost_width, shape.num_shards
     return L * (m * m + k * m + p * m * k + m)
@@ -351,7 +369,7 @@ def step_memory(shape: StepShape) -> dict:
     size = shape.dtype_bytes
     params = size * parameter_elements(shape)
     hidden_and_loss = L * B * m  # L-1 ReLU pre-activations + the MSE residual
-    if shape.strategy == "tensor":
+    if shape.strategy == "tensor-t1":
         saved = L * B * n
         workspace = 0
         own_slot = 0
@@ -462,9 +480,9 @@ def break_even_gemm_overhead(tensor_step: StepEstimate, unfused_step: StepEstima
     """Seconds per small decompressor GEMM at which unfused phantom's modelled step equals TP's:
     (t_TP - t_phantom without overhead) / (3 (p-1) L). Negative: phantom is slower even with no
     overhead; ``math.inf`` if the phantom step has no small GEMMs (p = 1)."""
-    if tensor_step.shape.strategy != "tensor" or unfused_step.shape.strategy != "phantom" \
+    if tensor_step.shape.strategy != "tensor-t1" or unfused_step.shape.strategy != "phantom" \
             or unfused_step.shape.fused:
-        raise ConfigError("break_even_gemm_overhead needs a 'tensor' estimate and an unfused "
+        raise ConfigError("break_even_gemm_overhead needs a 'tensor-t1' estimate and an unfused "
                           "'phantom' estimate (StepShape(..., fused=False))")
     gemms = unfused_step.flops["decompressor_gemms"]
     slack = tensor_step.total_seconds - (unfused_step.seconds["compute"] + unfused_step.seconds["comm"])

@@ -21,7 +21,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jphantom.sharding._common import check_depth, check_width
+from jphantom.sharding._common import check_depth, check_width, normal
 
 Params = dict[str, jax.Array]
 
@@ -30,7 +30,7 @@ def init(key: jax.Array, *, width: int, depth: int, dtype=jnp.float32) -> Params
     """He-initialised dense layers, W ~ N(0, 2/n), zero biases: weight [L, n, n], bias [L, n]."""
     check_width(width, 1)
     check_depth(depth)
-    weight = jax.random.normal(key, (depth, width, width), dtype) * math.sqrt(2.0 / width)
+    weight = normal(key, (depth, width, width), dtype, math.sqrt(2.0 / width))
     return {"weight": weight, "bias": jnp.zeros((depth, width), dtype)}
 
 

@@ -44,7 +44,9 @@ from jax.sharding import PartitionSpec as P
 
 from jphantom.errors import ConfigError, JPhantomWarning
 from jphantom.mesh import axis_size
-from jphantom.sharding._common import check_depth, check_input, check_width, offdiagonal_mask
+from jphantom.sharding import dense
+from jphantom.sharding._common import (check_depth, check_input, check_width, normal,
+                                       offdiagonal_mask)
 
 Params = dict[str, jax.Array]
 
@@ -102,6 +104,9 @@ def param_count(
     """
     n, k, p = width, ghost_width, num_shards
     check_width(n, p)
+    check_depth(depth)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ConfigError(f"ghost_width={k!r} must be an integer >= 1")
     weights = depth * (n * n // p + k * n * p)
     return weights + (depth * n if include_bias else 0)
 
@@ -124,10 +129,10 @@ def init_linear(key: jax.Array, *, in_features: int, out_features: int, ghost_wi
     k_local, k_comp, k_decomp = jax.random.split(key, 3)
     own_slot_zero = (1.0 - jnp.eye(p, dtype=dtype))[:, :, None, None]
     return {
-        "local": jax.random.normal(k_local, (*lead, p, n_o, n_i), dtype) * math.sqrt(gain / in_features),
-        "compress": jax.random.normal(k_comp, (*lead, p, k, n_i), dtype) * math.sqrt(1.0 / n_i),
-        "decompress": jax.random.normal(k_decomp, (*lead, p, p, n_o, k), dtype)
-        * math.sqrt(gain / (p * k)) * own_slot_zero,
+        "local": normal(k_local, (*lead, p, n_o, n_i), dtype, math.sqrt(gain / in_features)),
+        "compress": normal(k_comp, (*lead, p, k, n_i), dtype, math.sqrt(1.0 / n_i)),
+        "decompress": normal(k_decomp, (*lead, p, p, n_o, k), dtype, math.sqrt(gain / (p * k)))
+        * own_slot_zero,
         "bias": jnp.zeros((*lead, p, n_o), dtype),
     }
 
@@ -339,22 +344,19 @@ phantom_layer.defvjp(_phantom_layer_fwd, _phantom_layer_bwd)
 def ffn_per_rank(params: Params, y: jax.Array, *, axis: str, fused: bool = True) -> jax.Array:
     """The phantom FFN on one rank, inside the step's ``shard_map``: y [B, n/p] -> [B, n/p].
 
-    ``params`` are this rank's shards (leading shard axis of size 1). The layers run under
-    ``lax.scan`` over depth, so compile time does not grow with L; ReLU between layers, none after
-    the last (seed 000's FFN). Per layer one all-gather of k x B and one reduce-scatter back to k x B.
+    ``params`` are this rank's shards (leading shard axis of size 1). Layers 1..L-1 run under
+    ``lax.scan`` (compile time does not grow with L), layer 0 before it so that XLA removes its
+    dead input gradient; ReLU between layers, none after the last (seed 000's FFN). Per layer one all-gather of k x B and one reduce-scatter back to k x B.
     """
     num_shards = lax.axis_size(axis)
-    depth = params["bias"].shape[0]
     layers = jax.tree.map(lambda a: a[:, 0], params)  # [L, ...] this rank's blocks
 
-    def body(y, layer_and_index):
-        layer, index = layer_and_index
-        z = phantom_layer(axis, num_shards, fused, y, layer["local"], layer["compress"],
-                          layer["decompress"], layer["bias"])
-        return jnp.where(index == depth - 1, z, jax.nn.relu(z)), None
+    def layer(p, y):
+        return phantom_layer(axis, num_shards, fused, y, p["local"], p["compress"],
+                             p["decompress"], p["bias"])
 
-    y, _ = lax.scan(body, y, (layers, jnp.arange(depth)))
-    return y
+    # Layer 0 outside the scan (jphantom.sharding.dense.stack): its dL/dy is dead and XLA drops it.
+    return dense.stack(layer, layers, y)
 
 
 def forward(

@@ -44,6 +44,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jphantom.sharding import phantom, vocab
+from jphantom.sharding._common import normal
 
 LINEARS = ("qkv", "attn_out", "mlp_up", "mlp_down")
 
@@ -68,8 +69,8 @@ def init(key: jax.Array, config, num_shards: int) -> dict:
     norm = lambda *lead: {"scale": jnp.ones((*lead, h), dtype), "bias": jnp.zeros((*lead, h), dtype)}
     blocks["ln1"], blocks["ln2"] = norm(L), norm(L)
     return {
-        "wte": jax.random.normal(next(keys), (v, h), dtype) * 0.02,
-        "wpe": jax.random.normal(next(keys), (s, h), dtype) * 0.01,
+        "wte": normal(next(keys), (v, h), dtype, 0.02),
+        "wpe": normal(next(keys), (s, h), dtype, 0.01),
         "blocks": blocks,
         "ln_f": norm(),
         "head": phantom.init_linear(next(keys), in_features=h, out_features=v, ghost_width=k,

@@ -1,0 +1,358 @@
+"""``jphantom train``: train the FFN (seed 000's teacher task) or the GPT transformer (a byte-level
+text corpus) under any strategy and mesh, with progress, metrics, curves and results.
+
+A :class:`RunConfig` holds every setting (each CLI flag is a field; ``--config FILE.toml`` supplies
+any of them, flags override) and validates all of them on construction, building the model
+configuration, the mesh and the strategy's program, so that nothing compiles or trains on bad
+input. :func:`run` then writes into ``out``:
+
+- ``metrics.jsonl``: one line per step (``step``, ``train_loss``, ``tokens_per_second``) and per
+  validation (``validation_loss``);
+- ``curves.png``: training and validation loss against steps;
+- ``results.json``: ``config``, ``final_validation_loss``, ``best_validation_loss``, the step
+  time, parameters, and for the text corpus ``unigram_cross_entropy`` and the ratio (nats/token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+import tomllib
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+from jphantom import strategies
+from jphantom.errors import ConfigError, TrainingDiverged
+from jphantom.mesh import MeshConfig, first_devices
+
+MODELS = ("ffn", "transformer")
+OPTIMIZERS = ("adamw", "adam", "sgd")
+SCHEDULES = ("constant", "cosine")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One training run. Every field is a ``jphantom train`` flag (``_`` -> ``-``)."""
+
+    model: str = "transformer"
+    strategy: str = "dense"
+    mesh: str | None = None  # default: model=1 for dense, model=<all devices> otherwise
+    sequence_parallel: bool = False
+    ghost_width: int | None = None
+    # transformer
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 4
+    seq_len: int = 128
+    vocab: int = 256
+    data: str | None = None  # a text file; default: the Python standard library's sources
+    # FFN
+    width: int = 256
+    depth: int = 2
+    # training
+    batch: int = 16
+    steps: int = 200
+    optimizer: str = "adamw"
+    learning_rate: float = 3e-3
+    weight_decay: float = 1e-4
+    warmup_steps: int = 10
+    schedule: str = "constant"  # after the linear warm-up: "constant" or "cosine" (to 0.1x)
+    eval_every: int = 50
+    eval_batches: int = 8
+    seed: int = 0
+    dtype: str = "float32"
+    out: str = "out/train"
+    from_gpt2: str | None = None
+    save_gpt2: str | None = None
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.model not in MODELS:
+            raise ConfigError(f"model={self.model!r}; use one of {MODELS}")
+        for name in ("layers", "hidden", "heads", "seq_len", "vocab", "width", "depth", "batch",
+                     "steps", "eval_every", "eval_batches"):
+            _positive_int(name, getattr(self, name))
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or \
+                self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule={self.schedule!r}; use one of {SCHEDULES}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer={self.optimizer!r}; use one of {OPTIMIZERS}")
+        for name in ("learning_rate",):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name}={value!r} must be a positive number")
+        if not (isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay)
+                and self.weight_decay >= 0):
+            raise ConfigError(f"weight_decay={self.weight_decay!r} must be a number >= 0")
+        if self.dtype == "float16" and self.optimizer != "sgd":
+            raise ConfigError("dtype='float16' with an adaptive optimizer underflows Adam's epsilon "
+                              "(1e-8 is 0 in float16): use bfloat16, or --optimizer sgd")
+        if (self.from_gpt2 or self.save_gpt2) and (
+                self.model != "transformer" or self.strategy not in ("dense", "gspmd", "tensor")):
+            raise ConfigError("--from-gpt2/--save-gpt2 hold a dense GPT-2: use --model transformer "
+                              "with --strategy dense, gspmd or tensor")
+        if self.model == "transformer" and self.data is not None and not Path(self.data).is_file():
+            raise ConfigError(f"data={self.data!r} is not a readable file: give a text file or "
+                              "leave it out for the standard-library corpus")
+        out = Path(self.out)
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"out={self.out!r} is an existing file: give a folder")
+        self.program()  # builds the model config, the mesh and the program: all their checks
+
+    # -- derived objects ------------------------------------------------------------------------
+
+    def mesh_config(self) -> MeshConfig:
+        if self.mesh is not None:
+            return MeshConfig.parse(self.mesh)
+        if self.strategy == "dense":
+            return MeshConfig.parse("model=1")
+        return MeshConfig.of({"model": jax.device_count()})
+
+    def model_config(self):
+        if self.model == "ffn":
+            from jphantom.models.ffn import FFNConfig
+            return FFNConfig(self.width, self.depth, self.ghost_width, self.dtype)
+        from jphantom.models.transformer import TransformerConfig
+        if self.from_gpt2:
+            from jphantom.models import gpt2
+            config = gpt2.config_from_hf(_read_json(Path(self.from_gpt2) / "config.json"))
+            return dataclasses.replace(config, ghost_width=self.ghost_width, dtype=self.dtype,
+                                       seq_len=min(config.seq_len, self.seq_len))
+        return TransformerConfig(vocab_size=self.vocab, seq_len=self.seq_len, hidden=self.hidden,
+                                 heads=self.heads, layers=self.layers, ghost_width=self.ghost_width,
+                                 dtype=self.dtype,
+                                 tied_head=not strategies.get(self.strategy).family == "phantom")
+
+    def program(self):
+        mesh = self.mesh_config()
+        if mesh.device_count > jax.device_count():
+            raise ConfigError(f"mesh {mesh} needs {mesh.device_count} devices but "
+                              f"{jax.device_count()} are available: pass --devices "
+                              f"{mesh.device_count} to simulate them on CPU, or a smaller mesh")
+        if self.batch % mesh.size("data"):
+            raise ConfigError(f"batch={self.batch} is not divisible by the data axis "
+                              f"({mesh.size('data')}): pick a multiple")
+        return strategies.get(self.strategy).program(self.model_config(), mesh,
+                                                     sequence_parallel=self.sequence_parallel)
+
+    def optimizer_transform(self) -> optax.GradientTransformation:
+        warmup = max(self.warmup_steps, 1)
+        if self.schedule == "cosine":
+            schedule = optax.warmup_cosine_decay_schedule(
+                0.0, self.learning_rate, warmup, max(self.steps, warmup + 1),
+                end_value=self.learning_rate * 0.1)
+        else:
+            schedule = optax.join_schedules(
+                [optax.linear_schedule(0.0, self.learning_rate, warmup),
+                 optax.constant_schedule(self.learning_rate)], [warmup])
+        if self.optimizer == "adamw":
+            return optax.adamw(schedule, weight_decay=self.weight_decay)
+        if self.optimizer == "adam":
+            return optax.adam(schedule)
+        return optax.sgd(schedule)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConfigError(f"cannot read {path}: {error}") from None
+
+
+def load_toml(path: str) -> dict:
+    """Settings from a TOML file: keys are ``RunConfig`` fields (``-`` or ``_``)."""
+    try:
+        with open(path, "rb") as handle:
+            raw = tomllib.load(handle)
+    except OSError as error:
+        raise ConfigError(f"cannot read --config {path}: {error.strerror}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"--config {path} is not valid TOML: {error}") from None
+    names = {f.name for f in dataclasses.fields(RunConfig)}
+    settings = {key.replace("-", "_"): value for key, value in raw.items()}
+    unknown = sorted(set(settings) - names)
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown settings {unknown}; known: {sorted(names)}")
+    return settings
+
+
+# --------------------------------------------------------------------------------------------------
+# Data sources: batches as host arrays, placed by the caller
+# --------------------------------------------------------------------------------------------------
+
+
+class _TextSource:
+    def __init__(self, config: RunConfig, seq_len: int):
+        from jphantom.data.text import TextConfig, TextCorpus
+        self.corpus = TextCorpus(TextConfig(path=config.data, seq_len=seq_len, seed=config.seed))
+        self.batch, self.eval_batches = config.batch, config.eval_batches
+        self.tokens_per_batch = config.batch * seq_len
+
+    def train(self, step):
+        return self.corpus.train_batch(step, self.batch)
+
+    def validation(self):
+        return self.corpus.validation_batches(self.batch, self.eval_batches)
+
+    def describe(self):
+        return self.corpus.describe()
+
+
+class _TeacherSource:
+    def __init__(self, config: RunConfig):
+        from jphantom.data import Teacher, TeacherConfig
+        self.teacher = Teacher(TeacherConfig(width=config.width, seed=config.seed),
+                               jax.numpy.dtype(config.dtype))
+        self.batch, self.eval_batches = config.batch, config.eval_batches
+        self.tokens_per_batch = config.batch
+
+    def train(self, step):
+        return self.teacher.train_batch(step, self.batch)
+
+    def validation(self):
+        for index, pair in enumerate(self.teacher.eval_batches(self.batch)):
+            if index >= self.eval_batches:
+                return
+            yield pair
+
+    def describe(self):
+        return {"source": "seed 000 teacher", **dataclasses.asdict(self.teacher.config)}
+
+
+# --------------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------------
+
+
+def run(config: RunConfig) -> dict:
+    """Train as configured; returns (and writes) the results dictionary."""
+    from jphantom.step import init_params, make_loss_fn, make_train_step
+
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    program = config.program()
+    mesh_config = program.mesh
+    mesh = mesh_config.build(first_devices(mesh_config.device_count))
+    model_config = config.model_config()
+    if config.model == "transformer":
+        source = _TextSource(config, model_config.seq_len)
+        if model_config.vocab_size < source.corpus.vocab_size:
+            raise ConfigError(f"vocab={model_config.vocab_size} is smaller than the byte corpus's "
+                              f"{source.corpus.vocab_size}: use --vocab 256")
+    else:
+        source = _TeacherSource(config)
+    if config.from_gpt2:
+        from jphantom.models import gpt2
+        _, dense = gpt2.load(config.from_gpt2)
+        dense = {**dense, "wpe": dense["wpe"][: model_config.seq_len]}
+        params = jax.device_put(dense, program.shardings(mesh))
+    else:
+        params = init_params(program, mesh, jax.random.PRNGKey(config.seed))
+    optimizer = config.optimizer_transform()
+    opt_state = optimizer.init(params)
+    step_fn = make_train_step(program, mesh, optimizer)
+    loss_fn = make_loss_fn(program, mesh)
+    shardings = program.batch_shardings(mesh)
+    place = lambda pair: tuple(jax.device_put(np.asarray(a), s) for a, s in zip(pair, shardings))
+
+    def validate():
+        losses = [float(loss_fn(params, *place(pair))) for pair in source.validation()]
+        return float(np.mean(losses))
+
+    metrics = (out / "metrics.jsonl").open("w")
+    history = {"step": [], "train_loss": [], "validation_step": [], "validation_loss": []}
+    step_seconds = []
+    bar = tqdm(total=config.steps, desc=f"{config.model} {config.strategy} {mesh_config}",
+               disable=not config.progress, unit="step")
+    start = time.perf_counter()
+    try:
+        for index in range(config.steps):
+            batch = place(source.train(index))
+            tick = time.perf_counter()
+            params, opt_state, loss = step_fn(params, opt_state, *batch)
+            loss = float(loss)
+            elapsed = time.perf_counter() - tick
+            if index > 0:  # the first step compiles
+                step_seconds.append(elapsed)
+            if not math.isfinite(loss):
+                raise TrainingDiverged(
+                    f"training loss is {loss} at step {index + 1} ({config.model}, "
+                    f"{config.strategy}, dtype {config.dtype}, learning_rate="
+                    f"{config.learning_rate:g}): lower the learning rate or check the data")
+            rate = source.tokens_per_batch / elapsed
+            record = {"step": index + 1, "train_loss": loss, "tokens_per_second": rate}
+            history["step"].append(index + 1)
+            history["train_loss"].append(loss)
+            if (index + 1) % config.eval_every == 0 or index + 1 == config.steps:
+                record["validation_loss"] = validate()
+                history["validation_step"].append(index + 1)
+                history["validation_loss"].append(record["validation_loss"])
+            metrics.write(json.dumps(record) + "\n")
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}",
+                            val=f"{history['validation_loss'][-1]:.3f}"
+                            if history["validation_loss"] else "-")
+            bar.update()
+    finally:
+        bar.close()
+        metrics.close()
+    results = {
+        "config": config.to_json(),
+        "mesh": str(mesh_config),
+        "devices": [str(d) for d in mesh.devices.flat],
+        "params": program.param_count,
+        "final_validation_loss": history["validation_loss"][-1],
+        "best_validation_loss": min(history["validation_loss"]),
+        "median_step_seconds": float(np.median(step_seconds)) if step_seconds else None,
+        "wall_seconds": time.perf_counter() - start,
+        "data": source.describe(),
+        "history": history,
+        "loss_units": "nats per token" if config.model == "transformer" else "MSE",
+    }
+    if config.model == "transformer":
+        unigram = source.corpus.unigram_cross_entropy()
+        results["unigram_cross_entropy"] = unigram
+        results["validation_over_unigram"] = results["final_validation_loss"] / unigram
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    _plot(history, out / "curves.png", results)
+    if config.save_gpt2:
+        from jphantom.models import gpt2
+        gpt2.save(config.save_gpt2, model_config, jax.device_get(params))
+    return results
+
+
+def _plot(history, path: Path, results) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    axes.plot(history["step"], history["train_loss"], label="train", alpha=0.6)
+    axes.plot(history["validation_step"], history["validation_loss"], "o-", label="validation")
+    if "unigram_cross_entropy" in results:
+        axes.axhline(results["unigram_cross_entropy"], color="grey", ls="--", label="unigram")
+        axes.axhline(0.8 * results["unigram_cross_entropy"], color="grey", ls=":",
+                     label="0.80 x unigram")
+    axes.set_xlabel("step")
+    axes.set_ylabel(results["loss_units"])
+    config = results["config"]
+    axes.set_title(f"{config['model']} / {config['strategy']} on {results['mesh']}")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

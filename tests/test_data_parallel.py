@@ -1,0 +1,104 @@
+"""Data parallelism: every FFN strategy on ``data=2,model=4`` and ``data=4,model=2`` meshes trains
+the same model as on one device, and adds exactly one gradient all-reduce per parameter and step,
+over the ``data`` axis.
+
+The batch is split over ``data`` and the features over ``model``; parameters are replicated over
+``data`` and each data rank differentiates its own share of the global mean loss, so the training
+step (:func:`jphantom.step.make_train_step`) sums the gradients over ``data`` once, after the
+backward pass.
+"""
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jphantom import strategies
+from jphantom.analysis.inspect import StepSpec, compile_step, normalise_collectives
+from jphantom.analysis.hlo import collectives, summarize
+from jphantom.errors import JPhantomWarning
+from jphantom.mesh import MeshConfig, first_devices
+from jphantom.models.ffn import FFNConfig
+from jphantom.step import abstract_params
+
+from conftest import require_devices
+from helpers import (DTYPE_NAME, TOLERANCE, assert_tree_close, batch, oracle_loss_and_grads,
+                     random_params, step_loss_and_grads, to_dense_of)
+
+WIDTH, BATCH, GHOST = 32, 16, 2
+STRATEGIES = ["gspmd", "tensor", "tensor-t1", "phantom", "phantom-unfused"]
+# Both meshes, an even and an odd depth (Megatron ends with its scatter or a lone column layer),
+# float32 once: each case compiles one training step.
+CASES = [("data=2,model=4", 2, jnp.float64), ("data=4,model=2", 3, jnp.float64),
+         ("data=2,model=4", 3, jnp.float32)]
+
+
+def _config(name, depth, dtype=jnp.float64):
+    family = strategies.get(name).family
+    return FFNConfig(width=WIDTH, depth=depth, ghost_width=GHOST if family == "phantom" else None,
+                     dtype=DTYPE_NAME[dtype])
+
+
+@pytest.mark.parametrize("mesh, depth, dtype", CASES,
+                         ids=[f"{m}-L{d}-{DTYPE_NAME[t]}" for m, d, t in CASES])
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_loss_and_gradients_equal_the_dense_model(name, mesh, depth, dtype):
+    """Loss and every gradient of the training step on a data x model mesh equal jax.grad of the
+    dense model on one device, over the whole (global) batch."""
+    require_devices(8)
+    config = _config(name, depth, dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", JPhantomWarning)
+        program = strategies.get(name).program(config, MeshConfig.parse(mesh))
+        params = random_params(program)
+        x, t = batch(WIDTH, size=BATCH, dtype=dtype)
+        loss, grads = step_loss_and_grads(name, config, mesh, params, x, t)
+    want_loss, want_grads = oracle_loss_and_grads(to_dense_of(name), params, x, t)
+    np.testing.assert_allclose(loss, want_loss, rtol=TOLERANCE[dtype])
+    assert_tree_close(grads, want_grads, TOLERANCE[dtype])
+
+
+def _param_bytes_per_device(name, mesh):
+    config = MeshConfig.parse(mesh)
+    program = strategies.get(name).program(_config(name, 2, jnp.float32), config)
+    params = abstract_params(program, config.build(first_devices(config.device_count)))
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+               for a in jax.tree.leaves(params))
+
+
+def _collectives(name, mesh, batch_size):
+    compiled, _ = compile_step(StepSpec(name, WIDTH, 2, batch_size, ghost_width=GHOST, mesh=mesh))
+    return normalise_collectives(collectives(compiled.as_text()))
+
+
+@pytest.mark.parametrize("name", ["tensor", "tensor-t1", "phantom"])
+def test_data_parallelism_adds_one_gradient_all_reduce_per_parameter(name):
+    """data=2,model=4 at batch 16 against model=4 at batch 8 (the same per-rank work): the
+    collectives over ``model`` are identical, the scalar loss all-reduce now spans both axes, and
+    the only addition is all-reduce over ``data`` whose bytes are exactly the parameters one device
+    holds: each parameter's gradient summed once per step (XLA may pack several into one tuple
+    all-reduce, so bytes and axes are asserted, not the number of ops)."""
+    require_devices(8)
+    axes = MeshConfig.parse("data=2,model=4").shape
+    alone = _collectives(name, "model=4", BATCH // 2)
+    data = _collectives(name, "data=2,model=4", BATCH)
+    scalar = lambda c: all(dims == () for _, dims in c.shapes)
+    over = lambda found, mesh_axes, span: sorted(
+        (c.kind, c.shapes, c.count) for c in found
+        if c.mesh_axes(mesh_axes) == span and not scalar(c))
+    assert over(data, axes, ("model",)) == over(alone, {"model": 4}, ("model",))
+    assert [(c.kind, c.mesh_axes(axes), c.bytes) for c in data if scalar(c)] == [
+        ("all-reduce", ("data", "model"), 4)]  # the loss, once
+    rows = summarize(data, axes=axes)
+    assert {r["axes"] for r in rows} == {("model",), ("data",), ("data", "model")}
+    gradients = [r for r in rows if r["axes"] == ("data",)]
+    assert [r["kind"] for r in gradients] == ["all-reduce"]
+    param_bytes = _param_bytes_per_device(name, "data=2,model=4")
+    assert param_bytes == _param_bytes_per_device(name, "model=4")  # replicated over data
+    assert gradients[0]["bytes"] == param_bytes
+    leaves = jax.eval_shape(strategies.get(name).program(
+        _config(name, 2, jnp.float32), MeshConfig.parse("model=4")).init, jax.random.PRNGKey(0))
+    assert 1 <= gradients[0]["count"] <= len(jax.tree.leaves(leaves))
