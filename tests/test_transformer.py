@@ -8,6 +8,7 @@ float64, for the strategy's ``dense_equivalent`` of the same parameters.
 """
 
 import dataclasses
+import functools
 from collections import Counter
 
 import jax
@@ -24,7 +25,7 @@ from jphantom.models.transformer import TransformerConfig
 from jphantom.step import abstract_params, init_params, make_train_step, make_value_and_grad
 
 from conftest import require_devices
-from helpers import assert_tree_close
+from helpers import assert_tree_close, random_params
 
 VOCAB, SEQ, HIDDEN, HEADS, LAYERS, BATCH = 32, 8, 16, 8, 2, 4
 TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
@@ -53,24 +54,35 @@ def _batch(batch=BATCH, seed=1):
 
 
 def _perturbed(program, mesh):
-    params = init_params(program, mesh, jax.random.PRNGKey(0))
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.PRNGKey(7), len(leaves))
-    noisy = [a + 0.1 * jax.random.normal(k, a.shape, a.dtype) for a, k in zip(leaves, keys)]
-    return jax.device_put(jax.tree.unflatten(tree, noisy), program.shardings(mesh))
+    """Random parameters of the program's shapes, made on the host (no init compile; LayerNorm
+    scales around 1), placed in their shards."""
+    params = random_params(program)
+    blocks = params["blocks"]
+    for name in ("ln1", "ln2"):
+        blocks[name]["scale"] = 1.0 + blocks[name]["scale"]
+    params["ln_f"]["scale"] = 1.0 + params["ln_f"]["scale"]
+    return jax.device_put(params, program.shardings(mesh))
+
+
+@functools.lru_cache(maxsize=None)
+def _oracle_fn(strategy, num_shards):
+    """jitted value_and_grad of the float64 dense model through the strategy's dense equivalent
+    (one per parameter layout: every dense-family strategy shares one)."""
+    program, _ = _program(strategy, f"model={num_shards}")
+    dense_config = dataclasses.replace(_config(strategy), dtype="float64", ghost_width=None)
+    dense = strategies.get("dense").program(dense_config, MeshConfig.parse("model=1"))
+    dense_loss = dense.global_loss(dense.mesh.build(first_devices(1)))
+    return jax.jit(jax.value_and_grad(
+        lambda p, tokens, targets: dense_loss(program.dense_equivalent(p), tokens, targets)))
 
 
 def _oracle(program, params, tokens, targets):
     """Loss and gradients w.r.t. the strategy's parameters, through its dense equivalent, f64."""
-    config = program.options.get("config") or _config(program.strategy)
-    dense_config = dataclasses.replace(_config(program.strategy), dtype="float64", ghost_width=None)
-    dense = strategies.get("dense").program(dense_config, MeshConfig.parse("model=1"))
-    dense_loss = dense.global_loss(dense.mesh.build(first_devices(1)))
+    phantom = program.strategy.startswith("phantom")
+    fn = _oracle_fn("phantom" if phantom else "tensor",
+                    program.mesh.size("model") if phantom else 1)
     host = jax.tree.map(lambda a: jnp.asarray(np.asarray(a), jnp.float64), params)
-    host = jax.device_put(host, jax.devices()[0])
-    del config
-    return jax.jit(jax.value_and_grad(
-        lambda p: dense_loss(program.dense_equivalent(p), tokens, targets)))(host)
+    return fn(jax.device_put(host, jax.devices()[0]), tokens, targets)
 
 
 def _check_against_dense(strategy, mesh_text, sequence_parallel=False, dtype="float32", **kw):
