@@ -29,10 +29,10 @@ _PLUGINS = {"nvidia-smi": ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugin
                          "jax_plugins.xla_rocm7")}
 
 
-def _strategy_names() -> list[str]:
+def _strategy_names(model: str | None = "ffn") -> list[str]:
     from jphantom import strategies
 
-    return strategies.strategies_for("ffn")
+    return list(strategies.NAMES) if model is None else strategies.strategies_for(model)
 
 
 def _has_module(name: str) -> bool:
@@ -129,15 +129,21 @@ def _inspect(args: argparse.Namespace) -> int:
     for name in dict.fromkeys(args.strategy):
         spec = StepSpec(strategy=name, width=args.width, depth=args.depth, batch=args.batch,
                         ghost_width=args.ghost_width, dtype=args.dtype,
-                        mesh="model=1" if name == "dense" else str(mesh))
+                        mesh="model=1" if name == "dense" else str(mesh), model=args.model,
+                        layers=args.layers, hidden=args.hidden, heads=args.heads,
+                        seq_len=args.seq_len, vocab=args.vocab,
+                        sequence_parallel=args.sequence_parallel)
         reports.append(inspect_step(spec))
     if args.json:
         json.dump(reports[0] if len(reports) == 1 else reports, sys.stdout, indent=2)
         print()
     else:
-        print(f"One training step (forward + backward + SGD), width={args.width}, depth={args.depth}, "
-              f"batch={args.batch}, mesh {mesh}, {args.dtype}; bytes are per device, counts per "
-              "step (loops included).\n")
+        shape = (f"width={args.width}, depth={args.depth}" if args.model == "ffn" else
+                 f"transformer L={args.layers}, h={args.hidden}, heads={args.heads}, "
+                 f"S={args.seq_len}, V={args.vocab}"
+                 + (", sequence-parallel" if args.sequence_parallel else ""))
+        print(f"One training step (forward + backward + SGD), {shape}, batch={args.batch}, mesh "
+              f"{mesh}, {args.dtype}; bytes are per device, counts per step (loops included).\n")
         print(format_report(reports))
     return 0
 
@@ -200,6 +206,82 @@ def _demo(args: argparse.Namespace) -> int:
     return _compare(compare_args)
 
 
+_TRAIN_HELP = {
+    "model": "ffn (seed 000's teacher task) or transformer (byte-level text)",
+    "strategy": "parallel strategy: " + ", ".join(("dense", "gspmd", "tensor", "tensor-t1",
+                                                   "phantom", "phantom-unfused")),
+    "mesh": "mesh axes, e.g. data=2,model=4 (default model=1 for dense, else model=<all devices>)",
+    "sequence_parallel": "transformer under tensor: Megatron sequence parallelism",
+    "ghost_width": "phantom: k ghost neurons per rank (and token)",
+    "layers": "transformer blocks", "hidden": "transformer width h", "heads": "attention heads",
+    "seq_len": "tokens per sequence", "vocab": "vocabulary size (256 for bytes)",
+    "data": "a text file to train on (default: the Python standard library's sources)",
+    "width": "FFN width n", "depth": "FFN layers L", "batch": "global batch (sequences or rows)",
+    "steps": "optimizer steps", "optimizer": "adamw, adam or sgd",
+    "learning_rate": "peak learning rate", "weight_decay": "AdamW weight decay",
+    "warmup_steps": "linear warm-up steps", "schedule": "after warm-up: constant or cosine",
+    "eval_every": "validate every N steps", "eval_batches": "validation batches per evaluation",
+    "seed": "random seed", "dtype": "float32, bfloat16, float16 or float64", "out": "output folder",
+    "from_gpt2": "start from a Hugging Face GPT-2 directory (config.json + model.safetensors)",
+    "save_gpt2": "save the trained transformer as a GPT-2 directory",
+    "progress": "show a progress bar",
+}
+
+
+def _add_train_parser(sub) -> None:
+    import dataclasses
+
+    from jphantom.run import RunConfig
+
+    train = sub.add_parser(
+        "train", help="train the FFN or the GPT transformer under any strategy and mesh",
+        description="Train and write metrics.jsonl, curves.png and results.json into --out. Every "
+                    "setting can also come from --config FILE.toml (keys as below, with - or _); "
+                    "flags override the file.",
+        epilog="Examples: jphantom train  (a 4-layer width-256 transformer on the standard "
+               "library's sources) | jphantom train --strategy tensor --mesh data=2,model=4 "
+               "--sequence-parallel --devices 8 | jphantom train --model ffn --strategy phantom "
+               "--ghost-width 8 --width 256 --mesh model=4 --devices 4")
+    train.add_argument("--config", metavar="FILE.toml", help="settings from a TOML file")
+    for field in dataclasses.fields(RunConfig):
+        flag = "--" + field.name.replace("_", "-")
+        text = f"{_TRAIN_HELP.get(field.name, '')} (default {field.default})"
+        if isinstance(field.default, bool):
+            train.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+            continue
+        kind = {int: int, float: float}.get(type(field.default), str)
+        if field.name == "ghost_width":
+            kind = int
+        train.add_argument(flag, type=kind, default=None, help=text)
+    _add_device_flag(train)
+    train.set_defaults(handler=_train)
+
+
+def _train(args: argparse.Namespace) -> int:
+    _setup_devices(args.devices)
+    import dataclasses
+
+    import jax
+
+    from jphantom.run import RunConfig, load_toml, run
+
+    settings = load_toml(args.config) if args.config else {}
+    for field in dataclasses.fields(RunConfig):
+        value = getattr(args, field.name)
+        if value is not None:
+            settings[field.name] = value
+    if settings.get("dtype") == "float64":
+        jax.config.update("jax_enable_x64", True)
+    config = RunConfig(**settings)
+    results = run(config)
+    print(f"final validation loss {results['final_validation_loss']:.4f}"
+          + (f" nats/token; unigram cross-entropy {results['unigram_cross_entropy']:.4f}; "
+             f"ratio {results['validation_over_unigram']:.3f}"
+             if "unigram_cross_entropy" in results else " (MSE)"))
+    print(f"wrote {config.out}/results.json, metrics.jsonl and curves.png")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jphantom",
@@ -209,17 +291,24 @@ def build_parser() -> argparse.ArgumentParser:
                "--ghost-width 16 --devices 8 --batch 256",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    names = _strategy_names()
+    names = _strategy_names(None)
 
     inspect = sub.add_parser(
         "inspect", help="compile one training step and report its collectives, FLOPs, memory",
-        description="Compile one training step (forward, backward, SGD update) of an FFN and report, "
+        epilog="Example: jphantom inspect --model transformer --layers 2 --hidden 64 --heads 4 "
+               "--seq-len 32 --batch 8 --strategy tensor --sequence-parallel --mesh data=2,model=4 "
+               "--devices 8",
+        description="Compile one training step (forward, backward, SGD update) of the FFN or the "
+                    "GPT transformer and report, "
                     "from the compiled HLO, every collective (kind, shape, bytes, groups, mesh "
                     "axes, executions per step), FLOPs, parameter count and memory. Nothing is "
                     "trained.",
     )
     inspect.add_argument("--strategy", nargs="+", default=["phantom"], choices=names,
                          help="one or more strategies to compare side by side (default: phantom)")
+    inspect.add_argument("--model", choices=("ffn", "transformer"), default="ffn",
+                         help="seed 000's FFN (--width, --depth) or the GPT transformer (--layers, "
+                              "--hidden, --heads, --seq-len, --vocab); default ffn")
     inspect.add_argument("--width", type=_positive_int, default=4096,
                          help="layer width n (default 4096)")
     inspect.add_argument("--depth", type=_positive_int, default=2,
@@ -228,6 +317,14 @@ def build_parser() -> argparse.ArgumentParser:
                          help="phantom ghost neurons per rank, k of seed 000 (default 16)")
     inspect.add_argument("--batch", type=_positive_int, default=256,
                          help="global batch size (default 256)")
+    for flag, default, text in (("--layers", 4, "transformer blocks"), ("--hidden", 256, "width h"),
+                                ("--heads", 4, "attention heads"),
+                                ("--seq-len", 128, "sequence length"),
+                                ("--vocab", 256, "vocabulary size")):
+        inspect.add_argument(flag, type=_positive_int, default=default,
+                             help=f"transformer: {text} (default {default})")
+    inspect.add_argument("--sequence-parallel", action="store_true",
+                         help="transformer under tensor: Megatron sequence parallelism")
     inspect.add_argument("--mesh", default=None, metavar="AXES",
                          help="mesh axes, e.g. data=2,model=4 (batch over data, features over "
                               "model; default model=<all devices>; dense always runs on model=1)")
@@ -268,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "model: always the Eq. 1 model (default auto)")
     _add_device_flag(compare)
     compare.set_defaults(handler=_compare)
+
+    _add_train_parser(sub)
 
     demo = sub.add_parser("demo", help="what `make demo` runs: inspect, then compare",
                           description="Inspect one step of each strategy, then run `compare` with "

@@ -28,7 +28,10 @@ from jphantom.step import abstract_params, make_train_step, optimizer_state_spec
 
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
-    """What to compile: a strategy's FFN training step on a mesh.
+    """What to compile: a strategy's training step of the FFN (``model="ffn"``: ``width``,
+    ``depth``; ``batch`` rows of ``width`` features) or of the GPT transformer
+    (``model="transformer"``: ``layers``, ``hidden``, ``heads``, ``seq_len``, ``vocab``,
+    ``sequence_parallel``; ``batch`` sequences of ``seq_len`` tokens) on a mesh.
 
     ``mesh`` is a mesh string (``"data=2,model=4"``); the default is ``model=<num_shards>``
     (``dense`` runs on ``model=1``, the default ``num_shards``). With a mesh, ``num_shards`` becomes its ``model`` size (give one
@@ -43,10 +46,20 @@ class StepSpec:
     ghost_width: int | None = None
     dtype: str = "float32"
     mesh: str | None = None
+    model: str = "ffn"
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 4
+    seq_len: int = 128
+    vocab: int = 256
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         strategy = strategies.get(self.strategy)
-        for name in ("width", "depth", "batch", "num_shards"):
+        if self.model not in ("ffn", "transformer"):
+            raise ConfigError(f"model={self.model!r}; use 'ffn' or 'transformer'")
+        for name in ("width", "depth", "batch", "num_shards", "layers", "hidden", "heads",
+                     "seq_len", "vocab"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be an integer >= 1")
@@ -67,12 +80,24 @@ class StepSpec:
             return MeshConfig.parse(self.mesh)
         return MeshConfig.of({"model": self.num_shards})
 
-    def model_config(self) -> FFNConfig:
+    def model_config(self):
+        if self.model == "transformer":
+            from jphantom.models.transformer import TransformerConfig
+            return TransformerConfig(
+                vocab_size=self.vocab, seq_len=self.seq_len, hidden=self.hidden, heads=self.heads,
+                layers=self.layers, ghost_width=self.ghost_width, dtype=self.dtype,
+                tied_head=strategies.get(self.strategy).family != "phantom")
         return FFNConfig(width=self.width, depth=self.depth, ghost_width=self.ghost_width,
                          dtype=self.dtype)
 
+    def batch_shapes(self):
+        if self.model == "transformer":
+            return [((self.batch, self.seq_len), "int32")] * 2
+        return [((self.batch, self.width), self.dtype)] * 2
+
     def program(self):
-        return strategies.get(self.strategy).program(self.model_config(), self.mesh_config())
+        return strategies.get(self.strategy).program(self.model_config(), self.mesh_config(),
+                                                     sequence_parallel=self.sequence_parallel)
 
 
 def normalise_collectives(found):
@@ -103,8 +128,8 @@ def _compile(program, mesh, spec: StepSpec, optimizer):
     opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                              jax.eval_shape(optimizer.init, shapes),
                              program.shardings(mesh, opt_specs))
-    batch = tuple(jax.ShapeDtypeStruct((spec.batch, spec.width), spec.dtype, sharding=s)
-                  for s in program.batch_shardings(mesh))
+    batch = tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=s)
+                  for (shape, dtype), s in zip(spec.batch_shapes(), program.batch_shardings(mesh)))
     step = make_train_step(program, mesh, optimizer)
     start = time.perf_counter()
     compiled = step.lower(params, opt_state, *batch).compile()

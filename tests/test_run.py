@@ -1,0 +1,87 @@
+"""``jphantom train`` (jphantom.run) and ``jphantom inspect --model transformer``, end to end at
+tiny sizes: outputs, TOML settings, and bad input refused before anything compiles."""
+
+import json
+
+import pytest
+
+from jphantom import cli
+from jphantom.errors import ConfigError
+from jphantom.run import RunConfig, load_toml
+
+TINY = ["--layers", "1", "--hidden", "16", "--heads", "4", "--seq-len", "16", "--batch", "4",
+        "--steps", "3", "--eval-every", "2", "--eval-batches", "1", "--no-progress"]
+
+
+def test_train_transformer_writes_results_metrics_and_curves(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli.main(["train", "--strategy", "tensor", "--mesh", "data=2,model=4",
+                     "--sequence-parallel", *TINY, "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["strategy"] == "tensor" and results["mesh"] == "data=2,model=4"
+    assert results["history"]["validation_step"] == [2, 3]
+    assert results["final_validation_loss"] == results["history"]["validation_loss"][-1]
+    assert 2.9 < results["unigram_cross_entropy"] < 3.6  # nats per byte of the stdlib corpus
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert all(line["tokens_per_second"] > 0 for line in lines)
+    assert (out / "curves.png").stat().st_size > 1000
+    printed = capsys.readouterr().out
+    assert "unigram cross-entropy" in printed and "ratio" in printed
+
+
+def test_train_settings_come_from_toml_and_flags_override(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('model = "ffn"\nstrategy = "phantom"\nghost-width = 2\nwidth = 32\n'
+                    'mesh = "model=4"\nsteps = 2\nbatch = 8\neval_every = 1\n'
+                    'eval_batches = 1\nprogress = false\nlearning_rate = 0.5\n')
+    out = tmp_path / "ffn"
+    assert cli.main(["train", "--config", str(toml), "--learning-rate", "0.01",
+                     "--out", str(out)]) == 0
+    config = json.loads((out / "results.json").read_text())["config"]
+    assert config["model"] == "ffn" and config["ghost_width"] == 2
+    assert config["learning_rate"] == 0.01  # the flag wins over the file
+    with pytest.raises(ConfigError, match="unknown settings \\['colour'\\]"):
+        toml.write_text('colour = "blue"\n')
+        load_toml(str(toml))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(strategy="tensor", mesh="model=8", heads=4), "heads=4 is not divisible"),
+    (dict(strategy="phantom", mesh="model=4"), "needs ghost_width"),
+    (dict(batch=0), "batch=0 must be an integer >= 1"),
+    (dict(mesh="data=3,model=1", batch=16), "batch=16 is not divisible by the data axis"),
+    (dict(mesh="pipeline=2"), "unknown mesh axis 'pipeline'"),
+    (dict(dtype="float16"), "float16"),
+    (dict(learning_rate=float("inf")), "learning_rate=inf"),
+    (dict(model="cnn"), "model='cnn'"),
+    (dict(mesh="model=16"), "needs 16 devices"),
+    (dict(from_gpt2="x", strategy="phantom", ghost_width=2), "--from-gpt2"),
+])
+def test_bad_run_settings_are_refused_before_training(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        RunConfig(**kwargs)
+
+
+def test_cli_train_reports_a_bad_setting_in_one_line(tmp_path, capsys):
+    code = cli.main(["train", "--strategy", "tensor", "--mesh", "model=8", "--heads", "3",
+                     "--hidden", "24", "--out", str(tmp_path / "x")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jphantom: error:") and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists()  # nothing ran
+
+
+def test_inspect_transformer_groups_collectives_by_mesh_axis(capsys):
+    assert cli.main(["inspect", "--model", "transformer", "--layers", "2", "--hidden", "16",
+                     "--heads", "4", "--seq-len", "8", "--vocab", "32", "--batch", "4",
+                     "--strategy", "tensor", "--mesh", "data=2,model=4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = {(row["kind"], tuple(row["axes"])): row for row in report["collectives"]}
+    tokens, hidden = 2 * 8, 16  # per data rank: batch 4 / data 2, seq 8
+    model_all_reduce = rows[("all-reduce", ("model",))]
+    # per block 2 forward + 2 backward of B*S*h (x 2 blocks, loop trip counts applied), embedding,
+    # head, and 3 per-token scalars of the vocabulary-parallel cross-entropy
+    assert model_all_reduce["count"] == 4 * 2 + 2 + 3 - 1  # XLA fuses the head's and one scalar's
+    assert model_all_reduce["bytes"] == 4 * (tokens * hidden * (4 * 2 + 2) + 3 * tokens)
+    assert rows[("all-reduce", ("data",))]["count"] == 1  # one gradient reduction per step
