@@ -47,3 +47,21 @@ def test_quick_benchmark_writes_every_strategy(tmp_path, capsys):
     assert result["rows"] == data["rows"]
     printed = capsys.readouterr().out
     assert "Targets:" in printed and "phantom-unfused" in printed
+
+
+def test_quick_transformer_benchmark_reports_every_strategy(tmp_path):
+    """The transformer benchmark runs (tiny sizes) and reports each strategy; its targets are
+    printed, never asserted (speed lives in benchmarks)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "transformer_strategies.py"
+    spec = importlib.util.spec_from_file_location("transformer_strategies", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.main(["--quick", "--out", str(tmp_path)])
+    labels = [row["label"] for row in result["rows"]]
+    assert labels == ["dense", "gspmd", "tensor", "tensor + SP", "phantom"]
+    by = {row["label"]: row for row in result["rows"]}
+    assert by["phantom"]["collective_bytes_per_device"] < by["tensor"]["collective_bytes_per_device"]
+    assert (tmp_path / "results.json").exists()

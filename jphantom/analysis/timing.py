@@ -67,23 +67,31 @@ def build_step(name: str, mesh: Mesh, *, width: int, depth: int, ghost_width: in
     check_fits(estimate_training_memory(program, mesh, model, batch=batch, optimizer_states=0),
                mesh, f"the {name} step at width={width}, depth={depth}, batch={batch}")
     k_params, k_x, k_y = jax.random.split(key, 3)
-    params = init_params(program, mesh, k_params)
-    optimizer = optax.sgd(learning_rate)
-    opt_state = init_optimizer_state(program, mesh, optimizer, params)
     x_sharding, y_sharding = program.batch_shardings(mesh)
     x = jax.device_put(jax.random.normal(k_x, (batch, width), jnp.float32), x_sharding)
     y = jax.device_put(jax.random.normal(k_y, (batch, width), jnp.float32), y_sharding)
+    runner, report = build_program_step(program, mesh, (x, y), optax.sgd(learning_rate), k_params,
+                                        label=label or name)
+    return runner, {"strategy": name, "batch": batch, **report}
+
+
+def build_program_step(program, mesh: Mesh, batch: tuple, optimizer, key: jax.Array, *,
+                       label: str):
+    """Initialise ``program``'s parameters in their shards and compile its training step on
+    ``batch`` (arrays already placed); returns ``(Runner, report)`` with the mesh, parameter count,
+    per-device GEMM FLOPs (loops by trip count), XLA's FLOPs, the HLO's collectives (bytes per
+    device, trip counts applied) and the compile time."""
+    params = init_params(program, mesh, key)
+    opt_state = init_optimizer_state(program, mesh, optimizer, params)
     step = make_train_step(program, mesh, optimizer)
     start = time.perf_counter()
-    compiled = step.lower(params, opt_state, x, y).compile()
+    compiled = step.lower(params, opt_state, *batch).compile()
     compile_seconds = time.perf_counter() - start
     found = normalise_collectives(collectives(compiled.as_text()))
     flops = gemm_flops(compiled)
-    devices = mesh_config.device_count
+    devices = program.mesh.device_count
     report = {
-        "strategy": name,
-        "mesh": str(mesh_config),
-        "batch": batch,
+        "mesh": str(program.mesh),
         "params": program.param_count,
         "flops_per_device": flops,
         "flops_step": flops * devices,
@@ -92,7 +100,7 @@ def build_step(name: str, mesh: Mesh, *, width: int, depth: int, ghost_width: in
         "collectives": summarize(found),
         "compile_seconds": compile_seconds,
     }
-    runner = Runner(label or name, compiled, (params, opt_state, x, y), threads_state=True,
+    runner = Runner(label, compiled, (params, opt_state, *batch), threads_state=True,
                     flops_per_device=flops, devices=devices)
     return runner, report
 

@@ -1,0 +1,166 @@
+"""The GPT transformer's training step under gspmd, tensor, tensor + SP and phantom, side by side.
+
+One process, one run, 8 simulated CPU devices (``--devices``), mesh ``model=<devices>``: for each
+strategy the median wall time of one jitted AdamW step (forward, backward, update) over
+``--steps`` round-robin rounds after ``--warmup`` (``jphantom.analysis.timing``), the GEMM FLOPs per
+device counted from the compiled HLO (loops by trip count), the collective bytes per device and
+step, and the time per GEMM FLOP relative to GSPMD's. ``dense`` on one device is shown for scale.
+
+Targets (issue 7), printed PASS/MISS, never asserted in tests:
+(e) tensor step time per FLOP <= 1.10 x gspmd's;
+(f) a 12-layer transformer step (tensor) lowers and compiles in under 5 s.
+
+Usage::
+
+    python benchmarks/transformer_strategies.py            # L=4, h=512, 8 heads, S=128, B=16
+    python benchmarks/transformer_strategies.py --quick    # tiny, seconds (run by a test)
+
+Results: ``<out>/results.json`` (``--out``, default ``benchmarks/results/transformer_strategies/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "transformer_strategies"
+RUNS = (("dense", False), ("gspmd", False), ("tensor", False), ("tensor", True),
+        ("phantom", False))
+PER_FLOP_SLACK = 1.10  # (e)
+COMPILE_SECONDS = 5.0  # (f)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
+    parser.add_argument("--layers", type=int, default=None, help="blocks (default 4; 1 quick)")
+    parser.add_argument("--hidden", type=int, default=None, help="width h (default 512; 64 quick)")
+    parser.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
+    parser.add_argument("--seq-len", type=int, default=None, help="default 128; 16 quick")
+    parser.add_argument("--batch", type=int, default=None, help="sequences (default 16; 4 quick)")
+    parser.add_argument("--ghost-width", type=int, default=None, help="phantom k (default 8; 2)")
+    parser.add_argument("--steps", type=int, default=None, help="timed rounds (default 10; 2)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed rounds (default 2; 1)")
+    parser.add_argument("--compile-layers", type=int, default=12, help="layers of (f)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run")
+    args = parser.parse_args(argv)
+    quick = {"layers": 1, "hidden": 64, "seq_len": 16, "batch": 4, "ghost_width": 2, "steps": 2,
+             "warmup": 1}
+    full = {"layers": 4, "hidden": 512, "seq_len": 128, "batch": 16, "ghost_width": 8, "steps": 10,
+            "warmup": 2}
+    for name, value in (quick if args.quick else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.quick:
+        args.compile_layers = min(args.compile_layers, 2)
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from jphantom.mesh import ensure_devices
+
+    ensure_devices(args.devices)
+    import jax
+    import numpy as np
+    import optax
+
+    from jphantom import strategies
+    from jphantom.analysis.inspect import StepSpec, compile_step
+    from jphantom.analysis.timing import build_program_step, time_round_robin
+    from jphantom.mesh import MeshConfig, first_devices
+    from jphantom.models.transformer import TransformerConfig
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (args.batch, args.seq_len)).astype(np.int32)
+    targets = rng.integers(0, 256, (args.batch, args.seq_len)).astype(np.int32)
+    runners, rows = [], []
+    for name, sequence_parallel in RUNS:
+        phantom = name == "phantom"
+        config = TransformerConfig(vocab_size=256, seq_len=args.seq_len, hidden=args.hidden,
+                                   heads=args.heads, layers=args.layers,
+                                   ghost_width=args.ghost_width if phantom else None,
+                                   tied_head=not phantom)
+        mesh_config = MeshConfig.parse("model=1" if name == "dense" else f"model={args.devices}")
+        mesh = mesh_config.build(first_devices(mesh_config.device_count))
+        program = strategies.get(name).program(config, mesh_config,
+                                               sequence_parallel=sequence_parallel)
+        batch = tuple(jax.device_put(a, s) for a, s in zip((tokens, targets),
+                                                           program.batch_shardings(mesh)))
+        label = name + (" + SP" if sequence_parallel else "")
+        runner, report = build_program_step(program, mesh, batch, optax.adamw(1e-4),
+                                            jax.random.PRNGKey(0), label=label)
+        runners.append(runner)
+        rows.append({"strategy": name, "sequence_parallel": sequence_parallel, "label": label,
+                     **report})
+    medians = time_round_robin(runners, args.steps, args.warmup)
+    for row, runner in zip(rows, runners):
+        row["step_seconds"] = medians[runner.name]
+        row["step_seconds_all"] = runner.times
+        row["seconds_per_gflop"] = row["step_seconds"] / (row["flops_per_device"] / 1e9)
+    gspmd = next(r for r in rows if r["label"] == "gspmd")
+    for row in rows:
+        row["per_flop_vs_gspmd"] = row["seconds_per_gflop"] / gspmd["seconds_per_gflop"]
+    compile_spec = StepSpec(strategy="tensor", width=1, depth=1, batch=args.batch,
+                            mesh=f"model={args.devices}", model="transformer",
+                            layers=args.compile_layers, hidden=args.hidden, heads=args.heads,
+                            seq_len=args.seq_len, vocab=256)
+    start = time.perf_counter()
+    _, compile_seconds = compile_step(compile_spec)
+    lower_and_compile = time.perf_counter() - start
+    tensor = next(r for r in rows if r["label"] == "tensor")
+    targets_ = [
+        {"name": "(e)", "description": f"tensor time per GEMM FLOP <= {PER_FLOP_SLACK} x gspmd's",
+         "measured": tensor["per_flop_vs_gspmd"], "target": PER_FLOP_SLACK,
+         "pass": tensor["per_flop_vs_gspmd"] <= PER_FLOP_SLACK},
+        {"name": "(f)", "description": f"{args.compile_layers}-layer tensor transformer step "
+         f"lower+compile < {COMPILE_SECONDS:g} s", "measured": lower_and_compile,
+         "target": COMPILE_SECONDS, "pass": lower_and_compile < COMPILE_SECONDS},
+    ]
+    result = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+                    "jax": jax.__version__, "backend": jax.default_backend(),
+                    "devices": jax.device_count()},
+        "rows": rows,
+        "compile": {"layers": args.compile_layers, "compile_seconds": compile_seconds,
+                    "lower_and_compile_seconds": lower_and_compile},
+        "targets": targets_,
+    }
+    print(format_table(result))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(result, indent=2))
+    print(f"\nWrote {args.out / 'results.json'}")
+    return result
+
+
+def format_table(result) -> str:
+    c = result["config"]
+    lines = [f"GPT transformer, L={c['layers']}, h={c['hidden']}, heads={c['heads']}, "
+             f"S={c['seq_len']}, B={c['batch']}, V=256, float32, AdamW step; median of "
+             f"{c['steps']} round-robin rounds; {result['machine']['cpu_count']} CPU cores host "
+             f"{c['devices']} simulated devices.", ""]
+    header = (f"{'strategy':<14}{'mesh':<10}{'params':>11}{'GFLOP/dev':>11}{'step ms':>10}"
+              f"{'ms/GFLOP':>10}{'vs gspmd':>9}{'coll MB/dev':>12}")
+    lines += [header, "-" * len(header)]
+    for r in result["rows"]:
+        lines.append(f"{r['label']:<14}{r['mesh']:<10}{r['params']:>11,}"
+                     f"{r['flops_per_device'] / 1e9:>11.3f}{r['step_seconds'] * 1e3:>10.1f}"
+                     f"{r['seconds_per_gflop'] * 1e3:>10.2f}{r['per_flop_vs_gspmd']:>9.3f}"
+                     f"{r['collective_bytes_per_device'] / 1e6:>12.3f}")
+    lines += ["", "Targets:"]
+    for t in result["targets"]:
+        lines.append(f"  {t['name']} {'PASS' if t['pass'] else 'MISS'}  measured "
+                     f"{t['measured']:.3f}  target {t['target']:g}  -- {t['description']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
