@@ -4,10 +4,15 @@ One process, one run, 8 simulated CPU devices (``--devices``), mesh ``model=<dev
 strategy the median wall time of one jitted AdamW step (forward, backward, update) over
 ``--steps`` round-robin rounds after ``--warmup`` (``jphantom.analysis.timing``), the GEMM FLOPs per
 device counted from the compiled HLO (loops by trip count), the collective bytes per device and
-step, and the time per GEMM FLOP relative to GSPMD's. ``dense`` on one device is shown for scale.
+step, and the time per FLOP relative to GSPMD's. ``dense`` on one device is shown for scale.
+
+Two FLOP counts: *executed* (the GEMMs each compiled step runs, summed over devices) and *model*
+(the dense model's GEMMs, ``dense``'s executed count: the work the step must do). They differ when a
+program computes something redundantly: GSPMD's step executes 2.7x the model's FLOPs here. Time
+per model FLOP is the MFU convention and what target (e) uses; per executed FLOP is shown too.
 
 Targets (issue 7), printed PASS/MISS, never asserted in tests:
-(e) tensor step time per FLOP <= 1.10 x gspmd's;
+(e) tensor step time per model FLOP <= 1.10 x gspmd's (same model: the step-time ratio);
 (f) a 12-layer transformer step (tensor) lowers and compiles in under 5 s.
 
 Usage::
@@ -106,8 +111,14 @@ def main(argv=None) -> dict:
         row["step_seconds_all"] = runner.times
         row["seconds_per_gflop"] = row["step_seconds"] / (row["flops_per_device"] / 1e9)
     gspmd = next(r for r in rows if r["label"] == "gspmd")
+    dense_flops = next(r for r in rows if r["label"] == "dense")["flops_step"]
     for row in rows:
         row["per_flop_vs_gspmd"] = row["seconds_per_gflop"] / gspmd["seconds_per_gflop"]
+        # the dense model's FLOPs (phantom's model is a different, smaller one: its own)
+        row["model_flops_step"] = row["flops_step"] if row["strategy"] == "phantom" else dense_flops
+        row["seconds_per_model_gflop"] = row["step_seconds"] / (row["model_flops_step"] / 1e9)
+        row["per_model_flop_vs_gspmd"] = (row["seconds_per_model_gflop"]
+                                          / (gspmd["step_seconds"] / (dense_flops / 1e9)))
     compile_spec = StepSpec(strategy="tensor", width=1, depth=1, batch=args.batch,
                             mesh=f"model={args.devices}", model="transformer",
                             layers=args.compile_layers, hidden=args.hidden, heads=args.heads,
@@ -117,9 +128,11 @@ def main(argv=None) -> dict:
     lower_and_compile = time.perf_counter() - start
     tensor = next(r for r in rows if r["label"] == "tensor")
     targets_ = [
-        {"name": "(e)", "description": f"tensor time per GEMM FLOP <= {PER_FLOP_SLACK} x gspmd's",
-         "measured": tensor["per_flop_vs_gspmd"], "target": PER_FLOP_SLACK,
-         "pass": tensor["per_flop_vs_gspmd"] <= PER_FLOP_SLACK},
+        {"name": "(e)", "description": f"tensor time per model FLOP <= {PER_FLOP_SLACK} x gspmd's "
+         f"(per executed GEMM FLOP: {tensor['per_flop_vs_gspmd']:.3f}; gspmd executes "
+         f"{gspmd['flops_step'] / dense_flops:.2f}x the model's FLOPs)",
+         "measured": tensor["per_model_flop_vs_gspmd"], "target": PER_FLOP_SLACK,
+         "pass": tensor["per_model_flop_vs_gspmd"] <= PER_FLOP_SLACK},
         {"name": "(f)", "description": f"{args.compile_layers}-layer tensor transformer step "
          f"lower+compile < {COMPILE_SECONDS:g} s", "measured": lower_and_compile,
          "target": COMPILE_SECONDS, "pass": lower_and_compile < COMPILE_SECONDS},
@@ -147,14 +160,18 @@ def format_table(result) -> str:
              f"S={c['seq_len']}, B={c['batch']}, V=256, float32, AdamW step; median of "
              f"{c['steps']} round-robin rounds; {result['machine']['cpu_count']} CPU cores host "
              f"{c['devices']} simulated devices.", ""]
-    header = (f"{'strategy':<14}{'mesh':<10}{'params':>11}{'GFLOP/dev':>11}{'step ms':>10}"
-              f"{'ms/GFLOP':>10}{'vs gspmd':>9}{'coll MB/dev':>12}")
+    header = (f"{'strategy':<14}{'mesh':<10}{'params':>11}{'exec GFLOP':>11}{'step ms':>10}"
+              f"{'model GFLOP/s':>14}{'vs gspmd':>9}{'exec/model':>11}{'coll MB/dev':>12}")
     lines += [header, "-" * len(header)]
     for r in result["rows"]:
         lines.append(f"{r['label']:<14}{r['mesh']:<10}{r['params']:>11,}"
-                     f"{r['flops_per_device'] / 1e9:>11.3f}{r['step_seconds'] * 1e3:>10.1f}"
-                     f"{r['seconds_per_gflop'] * 1e3:>10.2f}{r['per_flop_vs_gspmd']:>9.3f}"
+                     f"{r['flops_step'] / 1e9:>11.2f}{r['step_seconds'] * 1e3:>10.1f}"
+                     f"{1 / r['seconds_per_model_gflop']:>14.1f}"
+                     f"{r['per_model_flop_vs_gspmd']:>9.3f}"
+                     f"{r['flops_step'] / r['model_flops_step']:>11.2f}"
                      f"{r['collective_bytes_per_device'] / 1e6:>12.3f}")
+    lines.append("(exec GFLOP: GEMMs the step executes, all devices; vs gspmd: time per model FLOP; "
+                 "phantom's model is its own, smaller one)")
     lines += ["", "Targets:"]
     for t in result["targets"]:
         lines.append(f"  {t['name']} {'PASS' if t['pass'] else 'MISS'}  measured "
