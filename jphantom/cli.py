@@ -85,8 +85,9 @@ def _add_device_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _setup_devices(count: int | None) -> None:
-    """Must run before anything touches a jax backend (module docstring)."""
+def _setup_devices(count: int | None, *, at_least: bool = False) -> None:
+    """Must run before anything touches a jax backend (module docstring). ``at_least``: ``count``
+    is a minimum (a running jax with more devices is fine), not a request."""
     if count is None and accelerator_visible():
         return
     import jax
@@ -94,8 +95,8 @@ def _setup_devices(count: int | None) -> None:
     from jphantom.errors import ConfigError
     from jphantom.mesh import simulate_cpu_devices
 
-    explicit = count is not None
-    count = count if explicit else DEFAULT_SIMULATED_DEVICES
+    explicit = count is not None and not at_least
+    count = count if count is not None else DEFAULT_SIMULATED_DEVICES
     try:
         jax.config.update("jax_platforms", "cpu")
         simulate_cpu_devices(count)
@@ -219,6 +220,7 @@ _TRAIN_HELP = {
     "width": "FFN width n", "depth": "FFN layers L", "batch": "global batch (sequences or rows)",
     "steps": "optimizer steps", "optimizer": "adamw, adam or sgd",
     "learning_rate": "peak learning rate", "weight_decay": "AdamW weight decay",
+    "adam_b2": "Adam's second-moment decay beta2",
     "warmup_steps": "linear warm-up steps", "schedule": "after warm-up: constant or cosine",
     "eval_every": "validate every N steps", "eval_batches": "validation batches per evaluation",
     "seed": "random seed", "dtype": "float32, bfloat16, float16 or float64", "out": "output folder",
@@ -258,18 +260,30 @@ def _add_train_parser(sub) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    _setup_devices(args.devices)
     import dataclasses
 
-    import jax
-
-    from jphantom.run import RunConfig, load_toml, run
+    from jphantom.run import RunConfig, load_toml
 
     settings = load_toml(args.config) if args.config else {}
     for field in dataclasses.fields(RunConfig):
         value = getattr(args, field.name)
         if value is not None:
             settings[field.name] = value
+    devices, at_least = args.devices, False
+    if devices is None and not accelerator_visible():
+        # On CPU simulate as many devices as the mesh needs (one for dense): fewer simulated devices
+        # leave each one more of the host's threads.
+        from jphantom.mesh import MeshConfig
+        mesh = settings.get("mesh")
+        if mesh is not None:
+            devices = MeshConfig.parse(mesh).device_count
+        elif settings.get("strategy", "dense") == "dense":
+            devices = 1
+        at_least = True
+    _setup_devices(devices, at_least=at_least)
+    import jax
+
+    from jphantom.run import run
     if settings.get("dtype") == "float64":
         jax.config.update("jax_enable_x64", True)
     config = RunConfig(**settings)

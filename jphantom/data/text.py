@@ -3,14 +3,13 @@
 Two sources, both available without a network:
 
 * ``TextConfig(path=None)`` (the default): the Python standard library of the running interpreter,
-  i.e. every ``*.py`` file under ``sysconfig.get_paths()["stdlib"]``, recursively, except anything
-  under ``site-packages`` / ``dist-packages`` (third-party code) and directories named ``test`` or
-  ``tests`` (so the corpus is ordinary library code, not test fixtures). Files are sorted by their
+  i.e. every ``*.py`` file under ``sysconfig.get_paths()["stdlib"]``, recursively, tests included,
+  except anything under ``site-packages`` / ``dist-packages`` (third-party code). Files are sorted by their
   POSIX relative path. The train/validation split is **by file** and deterministic: a file goes to
   validation iff ``zlib.crc32(relative_path) % 1000 < validation_fraction * 1000``; if that rule
   leaves either split empty, the last ``ceil(validation_fraction * N)`` files (in sorted order) form
   the validation split instead. Each split is its files' bytes joined with ``b"\\n"``. On CPython 3.11
-  this is about 800 files / 12.6 MB, loaded in well under a second. The corpus depends on the
+  this is about 1790 files / 31.5 MB (19 MB of them under ``test``), loaded in about a second. The corpus depends on the
   interpreter version, which :meth:`TextCorpus.describe` records.
 * ``TextConfig(path="some.txt")``: any file, read as raw bytes and split **by bytes**: the last
   ``validation_fraction`` of the bytes are the validation split.
@@ -46,7 +45,7 @@ from jphantom.errors import ConfigError
 
 VOCAB_SIZE = 256
 DEFAULT_VALIDATION_BATCHES = 8
-EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests"})
+EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
 FILE_SEPARATOR = b"\n"
 
 
