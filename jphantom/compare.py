@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from jphantom.analysis.inspect import StepSpec, inspect_step
 from jphantom.data import Teacher, TeacherConfig
 from jphantom.energy import NvmlPowerMeter, PowerModel, energy_per_iteration
-from jphantom.errors import ConfigError
+from jphantom.errors import ConfigError, check_int
 from jphantom.perf.comm_model import FRONTIER
 from jphantom.sharding import phantom
 from jphantom.train import OPTIMIZERS, TrainConfig, check_memory, train
@@ -77,7 +77,7 @@ class CompareConfig:
     def __post_init__(self):
         for name in ("width", "depth", "batch", "max_steps", "eval_every", "train_size",
                      "eval_size"):
-            _check_int(name, getattr(self, name), 1)
+            check_int(name, getattr(self, name), 1)
         _check_list("shards", self.shards, 1)
         _check_list("seeds", self.seeds, 0)
         if isinstance(self.ghost_widths, str):
@@ -124,11 +124,6 @@ class CompareConfig:
         return tuple(self.ghost_widths)
 
 
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
-
-
 def _check_list(name, values, minimum):
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise ConfigError(f"{name}={values!r} must be a list of integers >= {minimum}")
@@ -136,7 +131,7 @@ def _check_list(name, values, minimum):
     if not values:
         raise ConfigError(f"{name} is empty: give at least one value")
     for value in values:
-        _check_int(name, value, minimum)
+        check_int(name, value, minimum)
     repeated = sorted({v for v in values if values.count(v) > 1})
     if repeated:
         raise ConfigError(f"{name}={values} repeats {repeated}: give each value once")

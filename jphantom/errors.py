@@ -18,3 +18,10 @@ class JPhantomWarning(UserWarning):
 
 class TrainingDiverged(FloatingPointError):
     """Training produced a NaN or infinite loss; the message names the step."""
+
+
+def check_int(name: str, value, minimum: int = 1) -> int:
+    """``value`` if it is an integer (not a bool) >= ``minimum``, else ConfigError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
+    return value

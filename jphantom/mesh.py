@@ -136,6 +136,18 @@ def make_mesh(axes: Mapping[str, int] | MeshConfig | str,
     return config.build(devices)
 
 
+def model_mesh(mesh: str | None, num_shards: int) -> MeshConfig:
+    """The mesh of a run given as a mesh string and/or a shard count: ``mesh`` if given (then
+    ``num_shards`` must be 1 or its ``model`` size), else ``model=<num_shards>``."""
+    if mesh is None:
+        return MeshConfig.of({"model": num_shards})
+    config = MeshConfig.parse(mesh)
+    if num_shards not in (1, config.size("model")):
+        raise ConfigError(f"num_shards={num_shards} disagrees with mesh {mesh!r} "
+                          f"(model={config.size('model')}): give one of them")
+    return config
+
+
 def first_devices(count: int) -> list[jax.Device]:
     """The first ``count`` devices, for meshes smaller than the machine (tests, shard sweeps)."""
     if count < 1:

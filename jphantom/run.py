@@ -28,7 +28,7 @@ import optax
 from tqdm.auto import tqdm
 
 from jphantom import strategies
-from jphantom.errors import ConfigError, TrainingDiverged
+from jphantom.errors import ConfigError, TrainingDiverged, check_int
 from jphantom.mesh import MeshConfig, first_devices
 
 MODELS = ("ffn", "transformer")
@@ -78,10 +78,8 @@ class RunConfig:
             raise ConfigError(f"model={self.model!r}; use one of {MODELS}")
         for name in ("layers", "hidden", "heads", "seq_len", "vocab", "width", "depth", "batch",
                      "steps", "eval_every", "eval_batches"):
-            _positive_int(name, getattr(self, name))
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or \
-                self.warmup_steps < 0:
-            raise ConfigError(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
+            check_int(name, getattr(self, name))
+        check_int("warmup_steps", self.warmup_steps, 0)
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule={self.schedule!r}; use one of {SCHEDULES}")
         if self.optimizer not in OPTIMIZERS:
@@ -164,11 +162,6 @@ class RunConfig:
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}={value!r} must be an integer >= 1")
 
 
 def _read_json(path: Path) -> dict:

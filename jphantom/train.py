@@ -28,8 +28,8 @@ from tqdm.auto import tqdm
 from jphantom import strategies
 from jphantom.analysis.memory import OPTIMIZER_STATES, check_fits, estimate_training_memory
 from jphantom.data import Teacher, TeacherConfig
-from jphantom.errors import ConfigError, TrainingDiverged
-from jphantom.mesh import MeshConfig, first_devices
+from jphantom.errors import ConfigError, TrainingDiverged, check_int
+from jphantom.mesh import MeshConfig, first_devices, model_mesh
 from jphantom.models.ffn import DTYPES, FFNConfig, mse  # noqa: F401  (re-exported)
 from jphantom.step import (  # noqa: F401  (re-exported: the one train step of jphantom)
     make_loss_fn,
@@ -61,11 +61,6 @@ def init_optimizer_state(program, mesh, optimizer, params):
 # --------------------------------------------------------------------------------------------------
 # Training to a target loss (seed 000's fixed-loss experiments, Table I)
 # --------------------------------------------------------------------------------------------------
-
-
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
 
 
 def _check_positive_real(name, value, fix):
@@ -102,10 +97,10 @@ class TrainConfig:
     def __post_init__(self):
         strategy = strategies.get(self.strategy)
         for name in ("width", "depth", "num_shards", "batch", "max_steps", "eval_every"):
-            _check_int(name, getattr(self, name), 1)
-        _check_int("seed", self.seed, 0)
+            check_int(name, getattr(self, name), 1)
+        check_int("seed", self.seed, 0)
         if self.ghost_width is not None:
-            _check_int("ghost_width", self.ghost_width, 1)
+            check_int("ghost_width", self.ghost_width, 1)
         if strategy.family == "phantom" and self.ghost_width is None:
             raise ConfigError(f"strategy {self.strategy!r} needs ghost_width (k of seed 000), "
                               "e.g. ghost_width=16")
@@ -118,9 +113,6 @@ class TrainConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r}; use one of {DTYPES}")
         mesh = self.mesh_config()
-        if self.mesh is not None and self.num_shards not in (1, mesh.size("model")):
-            raise ConfigError(f"num_shards={self.num_shards} disagrees with mesh {self.mesh!r} "
-                              f"(model={mesh.size('model')}): give one of them")
         object.__setattr__(self, "num_shards", mesh.size("model"))
         data = mesh.size("data")
         if self.batch % data:
@@ -129,9 +121,7 @@ class TrainConfig:
         self.program()  # the strategy validates the shapes (width divisible, dense on one device)
 
     def mesh_config(self) -> MeshConfig:
-        if self.mesh is not None:
-            return MeshConfig.parse(self.mesh)
-        return MeshConfig.of({"model": self.num_shards})
+        return model_mesh(self.mesh, self.num_shards)
 
     def model_config(self) -> FFNConfig:
         phantom = strategies.get(self.strategy).family == "phantom"

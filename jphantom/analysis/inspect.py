@@ -20,8 +20,8 @@ import optax
 
 from jphantom import strategies
 from jphantom.analysis.hlo import collectives, dot_flops, normalise_replica_groups, summarize
-from jphantom.errors import ConfigError
-from jphantom.mesh import MeshConfig, first_devices
+from jphantom.errors import ConfigError, check_int
+from jphantom.mesh import MeshConfig, first_devices, model_mesh
 from jphantom.models.ffn import FFNConfig
 from jphantom.step import abstract_params, make_train_step, optimizer_state_specs
 
@@ -60,13 +60,8 @@ class StepSpec:
             raise ConfigError(f"model={self.model!r}; use 'ffn' or 'transformer'")
         for name in ("width", "depth", "batch", "num_shards", "layers", "hidden", "heads",
                      "seq_len", "vocab"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+            check_int(name, getattr(self, name))
         mesh = self.mesh_config()
-        if self.mesh is not None and self.num_shards not in (1, mesh.size("model")):
-            raise ConfigError(f"num_shards={self.num_shards} disagrees with mesh {self.mesh!r} "
-                              f"(model={mesh.size('model')}): give one of them")
         object.__setattr__(self, "num_shards", mesh.size("model"))
         if strategy.family != "phantom":
             object.__setattr__(self, "ghost_width", None)
@@ -76,9 +71,7 @@ class StepSpec:
         self.program()  # the strategy validates the shapes
 
     def mesh_config(self) -> MeshConfig:
-        if self.mesh is not None:
-            return MeshConfig.parse(self.mesh)
-        return MeshConfig.of({"model": self.num_shards})
+        return model_mesh(self.mesh, self.num_shards)
 
     def model_config(self):
         if self.model == "transformer":

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jphantom.errors import ConfigError
+from jphantom.errors import ConfigError, check_int
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -39,9 +39,7 @@ class FFNConfig:
 
     def __post_init__(self):
         for name in ("width", "depth"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+            check_int(name, getattr(self, name))
         k = self.ghost_width
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ConfigError(f"ghost_width={k!r} must be an integer >= 1 (k ghost neurons per "

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jphantom.errors import ConfigError
+from jphantom.errors import ConfigError, check_int
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 LAYER_NORM_EPS = 1e-5
@@ -55,9 +55,7 @@ class TransformerConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "hidden", "heads", "layers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+            check_int(name, getattr(self, name))
         if self.hidden % self.heads:
             raise ConfigError(f"hidden={self.hidden} is not divisible by heads={self.heads}: each "
                               f"head has hidden/heads features; pick heads dividing {self.hidden}")

@@ -364,21 +364,30 @@ def forward(
 ) -> jax.Array:
     """Phantom-parallel FFN: x [batch, n] sharded on features over ``axis`` -> [batch, n], same sharding.
 
-    A convenience for scripts: one ``shard_map`` over ``mesh`` around :func:`ffn_per_rank`; training
-    steps call the per-rank function inside the step's own ``shard_map`` (:mod:`jphantom.step`).
-    ``fused=False`` runs the paper's p-1 decompressor products (experiment E11).
+    A convenience for scripts: the forward of the ``phantom`` (or ``phantom-unfused``) strategy's
+    :class:`jphantom.step.Program` on ``mesh`` (:func:`jphantom.step.make_forward_fn`), the same
+    per-rank function the training step runs. ``fused=False`` runs the paper's p-1 decompressor
+    products (experiment E11).
     """
+    from jphantom import strategies
+    from jphantom.mesh import mesh_config_of
+    from jphantom.models.ffn import FFNConfig
+    from jphantom.step import make_forward_fn
+
     cfg = config_of(params)
     num_shards = axis_size(mesh, axis)
     if num_shards != cfg.num_shards:
         raise ConfigError(
             f"params were built for num_shards={cfg.num_shards} but mesh axis {axis!r} has size "
-            f"{num_shards}; re-initialise with num_shards={num_shards} or use a matching mesh"
-        )
+            f"{num_shards}; re-initialise with num_shards={num_shards} or use a matching mesh")
+    if axis != "model":
+        raise ConfigError(f"phantom layers shard features over the mesh axis 'model', not {axis!r}: "
+                          "name the mesh axis 'model'")
     check_input(x, cfg.width)
-    sharded = jax.shard_map(partial(ffn_per_rank, axis=axis, fused=fused), mesh=mesh,
-                            in_specs=(linear_specs(axis), P(None, axis)), out_specs=P(None, axis))
-    return sharded(params, x)
+    config = FFNConfig(cfg.width, cfg.depth, cfg.ghost_width, str(params["local"].dtype))
+    program = strategies.get("phantom" if fused else "phantom-unfused").program(
+        config, mesh_config_of(mesh))
+    return make_forward_fn(program, mesh)(params, x)
 
 
 def dense_equivalent(params: Params) -> dict[str, jax.Array]:

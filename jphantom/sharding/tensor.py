@@ -126,25 +126,18 @@ def _slice_own(axis, y_full):
     return lax.dynamic_slice_in_dim(y_full, lax.axis_index(axis) * block, block, axis=-1)
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
 def scatter_to_model_parallel(axis: str, y_full: jax.Array) -> jax.Array:
     """Megatron's scatter: own slice of replicated [B, n] forward; all-gather of the slices backward."""
-    return _scatter(axis, y_full)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _scatter(axis, y_full):
     return _slice_own(axis, y_full)
-
-
-def _scatter_fwd(axis, y_full):
-    return _slice_own(axis, y_full), None
 
 
 def _scatter_bwd(axis, _, d_block):
     return (lax.all_gather(d_block, axis, axis=1, tiled=True, to="invarying"),)  # all-gather B*n/p
 
 
-_scatter.defvjp(_scatter_fwd, _scatter_bwd)
+scatter_to_model_parallel.defvjp(lambda axis, y_full: (_slice_own(axis, y_full), None),
+                                 _scatter_bwd)
 
 
 def megatron_per_rank(params: Params, y: jax.Array, *, axis: str) -> jax.Array:
