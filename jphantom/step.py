@@ -61,6 +61,10 @@ class Program:
     output_spec: P | None = None
     param_count: int | None = None
     options: dict = dataclasses.field(default_factory=dict)
+    stages: Any = None  # jphantom.pipeline.runner.Stages: the model cut for pipelining, if it can be
+    # per rank (params, *batch) -> (loss share, grads before the data reduction); None: autodiff
+    # of ``loss`` (pipelines run their own backward)
+    value_and_grad: Callable[..., Any] | None = None
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -111,7 +115,10 @@ def _per_rank_value_and_grad(program: Program):
 
     def value_and_grad(params, *batch):
         varying = lax.pcast(params, data, to="varying") if data else params
-        loss, grads = jax.value_and_grad(program.loss)(varying, *batch)
+        if program.value_and_grad is not None:
+            loss, grads = program.value_and_grad(varying, *batch)
+        else:
+            loss, grads = jax.value_and_grad(program.loss)(varying, *batch)
         if data:
             grads = lax.psum(grads, data)  # data parallelism: one all-reduce per parameter per step
         if loss_axes:

@@ -41,11 +41,13 @@ from jphantom.errors import ConfigError
 from jphantom.mesh import MeshConfig
 from jphantom.models.ffn import FFNConfig, mse
 from jphantom.sharding import dense, phantom, tensor
+from jphantom.pipeline.runner import PipelineConfig, Stages, pipelined
 from jphantom.step import Program
 
 MODELS = ("ffn", "transformer")
 FEATURE_AXIS = "model"
 DATA_AXIS = "data"
+STAGE_AXIS = "stage"
 
 
 @runtime_checkable
@@ -77,7 +79,8 @@ def _data_spec(mesh: MeshConfig):
 
 
 def _check_batch_axes(mesh: MeshConfig, strategy: str, model_axis: bool = True) -> None:
-    _only_axes(mesh, (DATA_AXIS, FEATURE_AXIS) if model_axis else (DATA_AXIS,), strategy)
+    _only_axes(mesh, (DATA_AXIS, STAGE_AXIS, FEATURE_AXIS) if model_axis else (DATA_AXIS,),
+               strategy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,16 +97,32 @@ class _Base:
                               f"{model!r}: pick one of {strategies_for(model)}")
         return model
 
-    def program(self, model_config, mesh: MeshConfig, *, sequence_parallel: bool = False
-                ) -> Program:
+    def program(self, model_config, mesh: MeshConfig, *, sequence_parallel: bool = False,
+                pipeline: PipelineConfig | None = None) -> Program:
+        """``pipeline``: the schedule when the mesh has a ``stage`` axis (default: 1F1B with one
+        micro-batch per stage)."""
         model = self._check_model(model_config)
         mesh = MeshConfig.of(mesh)
         if sequence_parallel and (model != "transformer" or self.name != "tensor"):
             raise ConfigError("sequence_parallel applies to the transformer under strategy "
                               f"'tensor' (Megatron-SP), not to {model} under {self.name!r}")
+        if pipeline is not None and not isinstance(pipeline, PipelineConfig):
+            raise ConfigError(f"pipeline={pipeline!r} must be a jphantom.pipeline.runner."
+                              "PipelineConfig")
+        staged = STAGE_AXIS in mesh.shape
+        if pipeline is not None and not staged:
+            raise ConfigError(f"a pipeline needs a 'stage' axis in the mesh, got {mesh}: e.g. "
+                              "'stage=4,data=2,model=1'")
+        if staged and self.name in ("dense", "gspmd"):
+            raise ConfigError(f"strategy {self.name!r} does not run inside pipeline stages: use "
+                              "'tensor' or 'phantom' (with model=1 for no tensor parallelism)")
         if model == "ffn":
-            return self._ffn_program(model_config, mesh)
-        return _transformer_program(self, model_config, mesh, sequence_parallel)
+            program = self._ffn_program(model_config, mesh)
+        else:
+            program = _transformer_program(self, model_config, mesh, sequence_parallel)
+        if staged:
+            return pipelined(program, pipeline or PipelineConfig(microbatches=mesh.size(STAGE_AXIS)))
+        return program
 
     def collective_inventory(self, model_config, mesh, batch, **options):
         model = self._check_model(model_config)
@@ -112,8 +131,28 @@ class _Base:
         return _transformer_collectives(self, model_config, MeshConfig.of(mesh), batch, **options)
 
 
+def _relu_between(x, chunk):
+    """The FFN's ReLU between layers, at a pipeline chunk's entry (none before layer 0)."""
+    return jnp.where(chunk > 0, jax.nn.relu(x), x)
+
+
+def _feature_stages(config: FFNConfig, mesh: MeshConfig, stacked_units: int, unit_name: str,
+                    body, first=lambda x: x, last=lambda y: y) -> Stages:
+    """An FFN cut for pipelining: every parameter is stacked; the first chunk takes the input x
+    (through ``first``), the last applies ``last`` and the mean squared error."""
+    data = mesh.size(DATA_AXIS)
+
+    def loss(_, y, t, microbatches):
+        y = last(y)
+        return jnp.sum(jnp.square(y - t)) / (t.shape[0] * microbatches * data * config.width)
+
+    return Stages(units=stacked_units, unit_name=unit_name, split=lambda params: (params, {}),
+                  join=lambda stacked, rest: stacked, first=lambda _, x: first(x),
+                  body=lambda chunk, x, c: body(chunk, _relu_between(x, c)), last=loss)
+
+
 def _feature_program(name, config: FFNConfig, mesh: MeshConfig, *, init, specs, per_rank,
-                     dense_equivalent, param_count) -> Program:
+                     dense_equivalent, param_count, stages: Stages | None = None) -> Program:
     """An FFN whose activations are sharded on features over ``model`` and batch over ``data``."""
     _check_batch_axes(mesh, name)
     p = mesh.size(FEATURE_AXIS)
@@ -134,7 +173,7 @@ def _feature_program(name, config: FFNConfig, mesh: MeshConfig, *, init, specs, 
         batch_specs=(batch_spec, batch_spec), loss=loss, manual=True,
         loss_partial_axes=(FEATURE_AXIS,), dense_equivalent=dense_equivalent,
         forward=lambda params, x: per_rank(params, x, axis=axis), output_spec=batch_spec,
-        param_count=param_count, options={"num_shards": p})
+        param_count=param_count, options={"num_shards": p}, stages=stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,16 +224,29 @@ class TensorStrategy(_Base):
         check_width(config.width, p)
         dtype = jnp.dtype(config.dtype)
         dense_init = lambda key: dense.init(key, width=config.width, depth=config.depth, dtype=dtype)
+        axis = FEATURE_AXIS
         if self.layout == "t1":
             return _feature_program(
                 self.name, config, mesh, init=dense_init, specs=tensor.t1_specs(FEATURE_AXIS),
                 per_rank=tensor.t1_per_rank, dense_equivalent=lambda params: params,
-                param_count=dense.param_count(config.width, config.depth))
+                param_count=dense.param_count(config.width, config.depth),
+                stages=_feature_stages(config, mesh, config.depth, "depth",
+                                       lambda chunk, x: tensor.t1_per_rank(chunk, x, axis=axis)))
+        stages = None
+        if STAGE_AXIS in mesh.shape:
+            if config.depth % 2:
+                raise ConfigError(f"pipelined Megatron FFN stages hold whole (column, row) layer "
+                                  f"pairs: depth={config.depth} must be even")
+            stages = _feature_stages(
+                config, mesh, config.depth // 2, "layer pairs (depth / 2)",
+                lambda chunk, x: tensor.megatron_pairs(chunk, x, axis=axis),
+                first=partial(tensor.gather_from_model_parallel, axis),
+                last=partial(tensor.scatter_to_model_parallel, axis))
         return _feature_program(
             self.name, config, mesh, init=lambda key: tensor.megatron_from_dense(dense_init(key)),
             specs=tensor.megatron_specs(FEATURE_AXIS), per_rank=tensor.megatron_per_rank,
             dense_equivalent=tensor.megatron_dense_equivalent,
-            param_count=dense.param_count(config.width, config.depth))
+            param_count=dense.param_count(config.width, config.depth), stages=stages)
 
     def _ffn_collectives(self, config, mesh, batch):
         return tensor.collective_buffers(width=config.width, num_shards=mesh.size(FEATURE_AXIS),
@@ -218,7 +270,9 @@ class PhantomStrategy(_Base):
             self.name, config, mesh, init=init, specs=phantom.linear_specs(FEATURE_AXIS),
             per_rank=partial(phantom.ffn_per_rank, fused=self.fused),
             dense_equivalent=phantom.dense_equivalent,
-            param_count=phantom.param_count(config.width, config.ghost_width, p, config.depth))
+            param_count=phantom.param_count(config.width, config.ghost_width, p, config.depth),
+            stages=_feature_stages(config, mesh, config.depth, "depth", lambda chunk, x: (
+                phantom.ffn_per_rank(chunk, x, axis=FEATURE_AXIS, fused=self.fused))))
 
     def _ffn_collectives(self, config, mesh, batch):
         return phantom.collective_buffers(width=config.width, ghost_width=config.ghost_width,
@@ -300,11 +354,23 @@ def _transformer_program(strategy, config, mesh: MeshConfig, sequence_parallel: 
     def loss(params, tokens, targets):  # this rank's share of the global mean
         return tr.loss_sum(layers, config, params, tokens, targets) / (targets.size * data_size)
 
+    def last(rest, h, targets, microbatches):
+        return layers.loss(rest, layers.norm(rest["ln_f"], h), targets) / (
+            targets.size * microbatches * data_size)
+
+    stages = Stages(
+        units=config.layers, unit_name="layers",
+        split=lambda params: (params["blocks"], {k: v for k, v in params.items() if k != "blocks"}),
+        join=lambda blocks, rest: {**rest, "blocks": blocks}, first=layers.embed,
+        body=lambda blocks, h, _: tr.blocks(layers, config, blocks, h), last=last,
+        prepare=layers.prepare)
+
     return Program(name, "transformer", mesh, init, specs, (batch_spec, batch_spec), loss,
                    manual=True, dense_equivalent=dense_equivalent,
                    forward=lambda params, tokens: tr.logits_of(layers, config, params, tokens),
                    output_spec=P(data, None, FEATURE_AXIS), param_count=count,
-                   options={"sequence_parallel": sequence_parallel, "num_shards": p})
+                   options={"sequence_parallel": sequence_parallel, "num_shards": p},
+                   stages=stages)
 
 
 def _transformer_collectives(strategy, config, mesh: MeshConfig, batch: int, *,

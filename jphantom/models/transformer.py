@@ -163,9 +163,14 @@ def block(layers: Layers, config: TransformerConfig, p: dict, h: jax.Array) -> j
 
 def trunk(layers: Layers, config: TransformerConfig, params: dict, tokens: jax.Array) -> jax.Array:
     """Embeddings, the blocks under ``lax.scan`` over the stacked layer axis, the final norm."""
-    h = layers.embed(params, tokens)
-    h, _ = lax.scan(lambda h, p: (block(layers, config, p, h), None), h, params["blocks"])
+    h = blocks(layers, config, params["blocks"], layers.embed(params, tokens))
     return layers.norm(params["ln_f"], h)
+
+
+def blocks(layers: Layers, config: TransformerConfig, stacked: dict, h: jax.Array) -> jax.Array:
+    """The blocks stacked [L', ...] in ``stacked``, under ``lax.scan`` (a pipeline stage's body)."""
+    h, _ = lax.scan(lambda h, p: (block(layers, config, p, h), None), h, stacked)
+    return h
 
 
 def loss_sum(layers: Layers, config: TransformerConfig, params: dict, tokens, targets):

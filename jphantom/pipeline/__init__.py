@@ -1,5 +1,8 @@
-"""Pipeline-parallel schedules as data (issue 8): task tables and a discrete-event simulator."""
+"""Pipeline parallelism (issue 8): schedules as data (:mod:`.schedule`) and their SPMD executor
+(:mod:`.runner`)."""
 
-from jphantom.pipeline.schedule import SCHEDULES, Simulation, Task, TimedTask, build, simulate
+from jphantom.pipeline.schedule import (SCHEDULES, Lockstep, Simulation, Task, Tick, TimedTask, build,
+                                        lockstep, simulate)
 
-__all__ = ["SCHEDULES", "Simulation", "Task", "TimedTask", "build", "simulate"]
+__all__ = ["SCHEDULES", "Lockstep", "Simulation", "Task", "Tick", "TimedTask", "build", "lockstep",
+           "simulate"]

@@ -140,6 +140,20 @@ scatter_to_model_parallel.defvjp(lambda axis, y_full: (_slice_own(axis, y_full),
                                  _scatter_bwd)
 
 
+def gather_from_model_parallel(axis: str, y: jax.Array) -> jax.Array:
+    """Megatron's gather: feature-sharded [B, n/p] -> replicated [B, n] (all-gather of B*n; its
+    transpose keeps the own slice)."""
+    return lax.all_gather(y, axis, axis=1, tiled=True, to="invarying")
+
+
+def megatron_pairs(params: Params, y_full: jax.Array, *, axis: str) -> jax.Array:
+    """(column, row) pairs stacked [U, ...] on replicated [B, n]: f, column GEMM, ReLU, row GEMM,
+    g; ReLU before each next pair (a pipeline stage's body)."""
+    pair = lambda p, h: row_parallel(p["row"], jax.nn.relu(column_parallel(p["column"], h, axis)),
+                                     axis)
+    return dense.stack(pair, params, y_full)
+
+
 def megatron_per_rank(params: Params, y: jax.Array, *, axis: str) -> jax.Array:
     """Megatron FFN on one rank: y [B, n/p] -> [B, n/p].
 
@@ -147,14 +161,12 @@ def megatron_per_rank(params: Params, y: jax.Array, *, axis: str) -> jax.Array:
     f, column GEMM, ReLU, row GEMM, g; ReLU before each next pair. An odd last layer is a lone
     column-parallel layer (sharded output); an even depth ends with Megatron's scatter.
     """
-    y_full = lax.all_gather(y, axis, axis=1, tiled=True, to="invarying")  # gather: all-gather B*n
+    y_full = gather_from_model_parallel(axis, y)
     column, row = params["column"], params["row"]
     pairs = row["weight"].shape[0]
     if pairs:
-        pair_params = {"column": jax.tree.map(lambda a: a[:pairs], column), "row": row}
-        pair = lambda p, h: row_parallel(p["row"], jax.nn.relu(column_parallel(p["column"], h, axis)),
-                                         axis)
-        y_full = dense.stack(pair, pair_params, y_full)
+        y_full = megatron_pairs({"column": jax.tree.map(lambda a: a[:pairs], column), "row": row},
+                                y_full, axis=axis)
     if column["weight"].shape[0] > pairs:  # odd depth: a last column layer, output already sharded
         last = jax.tree.map(lambda a: a[-1], column)
         return column_parallel(last, jax.nn.relu(y_full) if pairs else y_full, axis)

@@ -1,0 +1,528 @@
+"""Pipeline parallelism executed inside the one SPMD training step (seed 003 Sec. 2.2, seed 004 ch. 3).
+
+A model that can be pipelined gives its :class:`Stages`: its parameters split into the layers
+stacked ``[U, ...]`` over a leading unit axis (transformer blocks, FFN layers, Megatron FFN
+column/row pairs) and the rest (embeddings, final norm, head), and three per-rank functions that
+hold the inner strategy's collectives (tensor or phantom parallelism over ``model``):
+
+    first(rest, inputs_mb)        -> x     the embedding, on model chunk 0
+    body(chunk, x, c)             -> x     U / (P V) units of model chunk c
+    last(rest, x, targets_mb, M)  -> loss  head + loss on the last chunk: this rank's share of the
+                                           global mean loss (M: micro-batches per step)
+
+:func:`pipelined` turns a :class:`jphantom.step.Program` with stages into one whose stacked layers
+are split over the ``stage`` mesh axis, ``U / P`` contiguous units per device; with ``V`` virtual
+stages, device ``s`` holds the model chunks ``v P + s`` (``v < V``), Megatron's round-robin. The
+global parameter arrays keep the model's shapes; for ``V > 1`` their unit axis is permuted so that
+a contiguous split gives each device its chunks (``dense_equivalent`` undoes it). The rest is
+replicated over ``stage``; its gradient (non-zero on the first and last stage only) is all-reduced
+over ``stage`` once per step, like Megatron's embedding-group all-reduce.
+
+The step walks the schedule's lock-step table (:func:`jphantom.pipeline.schedule.lockstep`) with
+``lax.scan`` over ticks; every device reads its own row of the table (``lax.axis_index("stage")``)
+and runs, under ``lax.cond``, at most::
+
+    forward slot:   x = first(rest, inputs[m]) on chunk 0, else the activation received for (c, m)
+                    out, vjp = jax.vjp(body, chunk_params[v], x); stash vjp's residuals
+                    on the last chunk: loss, d_out = value_and_grad(last)(out), d_out into the inbox
+    ppermute        out -> stage s + 1 (ring with V > 1): one [b, ...] activation per tick
+    backward slot:  d_chunk, dx = vjp(d_out) from the stash; grads[v] += d_chunk (a running sum)
+                    on chunk 0: the embedding's vjp of dx
+    ppermute        dx -> stage s - 1: one [b, ...] cotangent per tick
+
+The residuals of ``jax.vjp`` (its ``Partial``'s leaves, less the chunk's own parameters, which are
+not copied) live in a buffer with one slot per micro-batch in flight; received activations and
+cotangents wait in slot buffers too. All slots are assigned on the host from the table, so a
+1F1B step holds at most ``min(M, 2 (P - s) - 1)`` residual sets whatever ``M`` is, GPipe ``M``.
+Ticks with no forward (backward) anywhere skip that slot and its exchange: the scan is cut into
+segments of ticks with the same slots, so the compiled step holds exactly one collective-permute
+per tick that moves an activation and one per tick that moves a cotangent.
+
+Idle slots send ``bubble_fill`` (tests send NaN: bubbles must never reach the loss or gradients).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jphantom.errors import ConfigError, check_int
+from jphantom.pipeline.schedule import SCHEDULES, Lockstep, lockstep
+
+STAGE_AXIS = "stage"
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """How a step is pipelined: the schedule, micro-batches per step (per data rank) and virtual
+    stages per device (``interleaved-1f1b`` only)."""
+
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    virtual_stages: int = 1
+    bubble_fill: float = 0.0  # what idle slots send; tests use NaN
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown pipeline schedule {self.schedule!r}; use one of "
+                              f"{', '.join(SCHEDULES)}")
+        check_int("microbatches", self.microbatches)
+        check_int("virtual_stages", self.virtual_stages)
+        if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
+            raise ConfigError(f"virtual_stages={self.virtual_stages} applies to 'interleaved-1f1b' "
+                              f"only, not {self.schedule!r}: pass --schedule interleaved-1f1b or "
+                              "--virtual-stages 1")
+
+    def check(self, stages: int, units: int, unit_name: str = "layers") -> None:
+        """Raise ConfigError where this pipeline cannot cut a model of ``units`` on ``stages``."""
+        chunks = stages * self.virtual_stages
+        if units % chunks:
+            raise ConfigError(f"{unit_name}={units} is not divisible by stages x virtual stages = "
+                              f"{stages} x {self.virtual_stages}: every model chunk needs the same "
+                              f"number of {unit_name}; pick a multiple of {chunks}")
+        if self.schedule == "interleaved-1f1b" and self.microbatches % stages:
+            raise ConfigError(f"interleaved-1f1b needs microbatches divisible by the {stages} "
+                              f"stages (as Megatron-LM does), got microbatches={self.microbatches}: "
+                              f"use a multiple of {stages}")
+
+    def check_batch(self, batch: int) -> None:
+        if batch % self.microbatches:
+            raise ConfigError(f"the per-data-rank batch {batch} is not divisible by "
+                              f"microbatches={self.microbatches}: pick a batch that is a multiple of "
+                              f"{self.microbatches}, or fewer micro-batches")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    """A model cut for pipelining (module docstring): ``split(params) -> (stacked, rest)`` and its
+    inverse ``join``; ``units``: the stacked leading axis; ``prepare``: the strategy's per-step
+    parameter transform (Megatron-SP's pcast), applied to the joined parameters."""
+
+    units: int
+    unit_name: str
+    split: Callable[[Any], tuple[Any, Any]]
+    join: Callable[[Any, Any], Any]
+    first: Callable[[Any, jax.Array], jax.Array]
+    body: Callable[[Any, jax.Array, jax.Array], jax.Array]
+    last: Callable[[Any, jax.Array, jax.Array, int], jax.Array]
+    prepare: Callable[[Any], Any] = lambda params: params
+
+
+# --------------------------------------------------------------------------------------------------
+# The table, compiled to per-tick, per-stage integers (host side)
+# --------------------------------------------------------------------------------------------------
+
+FIELDS = ("f_on", "f_chunk", "f_mb", "f_first", "f_last", "f_in", "f_stash", "f_seed", "f_recv",
+          "b_on", "b_chunk", "b_mb", "b_first", "b_in", "b_stash", "b_recv")
+_F = {name: i for i, name in enumerate(FIELDS)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The lock-step table as arrays: ``table[t, s, field]`` (``FIELDS``), slot counts, and the
+    scan segments ``(start, stop, forward, send_forward, backward, send_backward)``."""
+
+    lockstep: Lockstep
+    table: np.ndarray
+    activation_slots: int
+    cotangent_slots: int
+    stash_slots: int
+    segments: tuple[tuple[int, int, bool, bool, bool, bool], ...]
+
+    @property
+    def forward_permutes(self) -> int:
+        return sum(stop - start for start, stop, _, send, _, _ in self.segments if send)
+
+    @property
+    def backward_permutes(self) -> int:
+        return sum(stop - start for start, stop, _, _, _, send in self.segments if send)
+
+
+def _allocate(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
+    """Slots for (write time, read time, key) intervals: a slot is reused once read before the
+    next write. Returns key -> slot and the number of slots."""
+    slot_of, free_after = {}, []
+    for write, read, key in sorted(intervals, key=lambda i: (i[0], i[1])):
+        for slot, busy_until in enumerate(free_after):
+            if busy_until < write:
+                break
+        else:
+            slot = len(free_after)
+            free_after.append(0)
+        free_after[slot] = read
+        slot_of[key] = slot
+    return slot_of, len(free_after)
+
+
+def plan(config: PipelineConfig, stages: int, *, train: bool = True) -> Plan:
+    """Compile the schedule's lock-step table for the executor. ``train=False``: its forward
+    slots only, for evaluation."""
+    steps = lockstep(config.schedule, stages, config.microbatches, config.virtual_stages)
+    P, V = stages, config.virtual_stages
+    ticks = [(t.forward, t.backward) for t in steps.ticks]
+    if not train:  # evaluation: the schedule's forward slots only
+        ticks = [(fwd, (None,) * P) for fwd, _ in ticks if any(f is not None for f in fwd)]
+    last = V * P - 1
+    # When each (chunk, microbatch) runs its forward / backward.
+    f_tick, b_tick = {}, {}
+    for t, (fwd, bwd) in enumerate(ticks):
+        for s in range(P):
+            if fwd[s] is not None:
+                m, v = fwd[s]
+                f_tick[(v * P + s, m)] = t
+            if bwd[s] is not None:
+                m, v = bwd[s]
+                b_tick[(v * P + s, m)] = t
+    # Slot intervals per device, in phases: 4t forward slot, 4t+1 activation exchange,
+    # 4t+2 backward slot, 4t+3 cotangent exchange.
+    acts = [[] for _ in range(P)]
+    cots = [[] for _ in range(P)]
+    stash = [[] for _ in range(P)]
+    for (c, m), t in f_tick.items():
+        s = c % P
+        if c > 0:
+            acts[s].append((4 * f_tick[(c - 1, m)] + 1, 4 * t, (c, m)))
+        if train:
+            stash[s].append((4 * t, 4 * b_tick[(c, m)] + 2, (c, m)))
+            written = 4 * t if c == last else 4 * b_tick[(c + 1, m)] + 3
+            cots[s].append((written, 4 * b_tick[(c, m)] + 2, (c, m)))
+    act_slot, cot_slot, stash_slot = {}, {}, {}
+    counts = [0, 0, 0]
+    for s in range(P):
+        for i, (intervals, into) in enumerate(((acts[s], act_slot), (cots[s], cot_slot),
+                                               (stash[s], stash_slot))):
+            slots, n = _allocate(intervals)
+            into.update(slots)
+            counts[i] = max(counts[i], n)
+    A, C, S = (max(1, n) for n in counts)  # slot index n (A, C, S) is the garbage slot
+    table = np.zeros((len(ticks), P, len(FIELDS)), np.int32)
+    table[:, :, _F["f_in"]] = A
+    table[:, :, _F["f_recv"]] = A
+    table[:, :, _F["f_stash"]] = S
+    table[:, :, _F["b_stash"]] = S
+    table[:, :, _F["f_seed"]] = C
+    table[:, :, _F["b_in"]] = C
+    table[:, :, _F["b_recv"]] = C
+    for t, (fwd, bwd) in enumerate(ticks):
+        for s in range(P):
+            row = table[t, s]
+            if fwd[s] is not None:
+                m, v = fwd[s]
+                c = v * P + s
+                row[[_F["f_on"], _F["f_chunk"], _F["f_mb"]]] = (1, v, m)
+                row[_F["f_first"]], row[_F["f_last"]] = c == 0, c == last
+                if c > 0:
+                    row[_F["f_in"]] = act_slot[(c, m)]
+                if train:
+                    row[_F["f_stash"]] = stash_slot[(c, m)]
+                    if c == last:
+                        row[_F["f_seed"]] = cot_slot[(c, m)]
+                if c < last:  # the receiver stores it at the end of this tick
+                    receiver = table[t, (s + 1) % P]
+                    receiver[_F["f_recv"]] = act_slot[(c + 1, m)]
+            if bwd[s] is not None:
+                m, v = bwd[s]
+                c = v * P + s
+                row[[_F["b_on"], _F["b_chunk"], _F["b_mb"]]] = (1, v, m)
+                row[_F["b_first"]] = c == 0
+                row[_F["b_in"]] = cot_slot[(c, m)]
+                row[_F["b_stash"]] = stash_slot[(c, m)]
+                if c > 0:
+                    table[t, (s - 1) % P][_F["b_recv"]] = cot_slot[(c - 1, m)]
+    # Segments of consecutive ticks with the same slots and exchanges.
+    def signature(t):
+        fwd, bwd = ticks[t]
+        sends_f = any(f is not None and f[1] * P + s < last for s, f in enumerate(fwd))
+        sends_b = any(b is not None and b[1] * P + s > 0 for s, b in enumerate(bwd))
+        return (any(f is not None for f in fwd), sends_f, any(b is not None for b in bwd), sends_b)
+
+    segments, start = [], 0
+    for t in range(1, len(ticks) + 1):
+        if t == len(ticks) or signature(t) != signature(start):
+            segments.append((start, t, *signature(start)))
+            start = t
+    return Plan(steps, table, A, C, S, tuple(segments))
+
+
+# --------------------------------------------------------------------------------------------------
+# The executor (per rank, inside the step's shard_map)
+# --------------------------------------------------------------------------------------------------
+
+
+def _microbatches(x: jax.Array, m: int) -> jax.Array:
+    return x.reshape(m, x.shape[0] // m, *x.shape[1:])
+
+
+def _chunks(stacked, V: int):
+    """Local stacked leaves [V * Lc, ...] -> [V, Lc, ...]."""
+    return jax.tree.map(lambda a: a.reshape(V, a.shape[0] // V, *a.shape[1:]), stacked)
+
+
+def _take(tree, i):
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
+
+
+def _put(buffers, i, values):
+    return jax.tree.map(lambda b, v: lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), i, 0),
+                        buffers, values)
+
+
+def _slots(value, n):
+    """A buffer of ``n + 1`` slots shaped like ``value`` (same varying axes), zero-filled."""
+    return jax.tree.map(lambda a: jnp.broadcast_to(jnp.zeros_like(a)[None], (n + 1, *a.shape)),
+                        value)
+
+
+def _residuals(vjp_fn, chunk_leaves):
+    """``jax.vjp``'s Partial -> (treedef, leaves to stash, positions of leaves that are the chunk's
+    own parameters: those are re-read at the backward instead of copied)."""
+    leaves, treedef = jax.tree.flatten(vjp_fn)
+    is_param = tuple(next((j for j, p in enumerate(chunk_leaves) if leaf is p), -1)
+                     for leaf in leaves)
+    return treedef, [leaf for leaf, j in zip(leaves, is_param) if j < 0], is_param
+
+
+def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inputs, targets, *,
+        train: bool = True):
+    """One step of the pipeline on this rank. ``stacked``: this device's units [V Lc, ...];
+    ``rest``: the replicated parameters (varying over ``stage``); ``inputs``, ``targets``: the data
+    rank's batch. Returns (loss share, d_stacked, d_rest) -- or the loss share alone when not
+    ``train``. The loss is non-zero on the last stage only."""
+    V, M = config.virtual_stages, config.microbatches
+    P_ = plan_.table.shape[1]
+    stage = lax.axis_index(STAGE_AXIS)
+    chunks = _chunks(stacked, V)
+    inputs, targets = _microbatches(inputs, M), _microbatches(targets, M)
+    fill = config.bubble_fill
+    perm_f = [(s, (s + 1) % P_) for s in range(P_) if V > 1 or s + 1 < P_]
+    perm_b = [(d, s) for s, d in perm_f]
+    table = jnp.asarray(plan_.table)
+
+    def field(row, name):
+        return row[_F[name]]
+
+    def chunk_of(v):
+        return _take(chunks, v) if V > 1 else _take(chunks, 0)
+
+    def stage_input(row, act_in):
+        m = field(row, "f_mb")
+        return lax.cond(field(row, "f_first") > 0,
+                        lambda: stages.first(rest, _take(inputs, m)).astype(act_in.dtype),
+                        lambda: _take(act_in, field(row, "f_in")))
+
+    def head(out, m):
+        """Loss share of micro-batch m and (training) d loss / d out, d loss / d rest."""
+        if not train:
+            return stages.last(rest, out, _take(targets, m), M), None, None
+        (loss, (d_rest, d_out)) = jax.value_and_grad(
+            lambda r, o: stages.last(r, o, _take(targets, m), M), argnums=(0, 1))(rest, out)
+        return loss, d_out, d_rest
+
+    # Shapes (and varying axes) of what flows: traced once on micro-batch 0's slot of tick 0.
+    row0 = _take(table, 0)[stage]
+    x0 = stages.first(rest, _take(inputs, 0))
+    x0 = x0 + lax.pcast(jnp.zeros((), x0.dtype), STAGE_AXIS, to="varying")  # as in the ticks
+    chunk0 = chunk_of(field(row0, "f_chunk"))
+    body0 = lambda ch, x: stages.body(ch, x, field(row0, "f_chunk") * P_ + stage)
+    out0, vjp0 = jax.vjp(body0, chunk0, x0)
+    chunk_leaves0 = jax.tree.leaves(chunk0)
+    treedef, stash0, is_param = _residuals(vjp0, chunk_leaves0)
+    stash_shapes = [(a.shape, a.dtype) for a in stash0]
+    traced = {"treedef": treedef}
+    act_in = _slots(out0, plan_.activation_slots)
+    zero = jnp.zeros_like(head(out0, 0)[0])
+    carry = {"act": act_in, "loss": zero}
+    if train:
+        carry.update(cot=_slots(out0, plan_.cotangent_slots),
+                     stash=_slots(stash0, plan_.stash_slots),
+                     d_chunks=jax.tree.map(jnp.zeros_like, chunks),
+                     d_rest=jax.tree.map(jnp.zeros_like, rest))
+
+    def forward_slot(row, carry):
+        m, v = field(row, "f_mb"), field(row, "f_chunk")
+        c = v * P_ + stage
+
+        def active():
+            x = stage_input(row, carry["act"])
+            chunk = chunk_of(v)
+            body = lambda ch, x: stages.body(ch, x, c)
+            if not train:
+                out = body(chunk, x)
+                loss = lax.cond(field(row, "f_last") > 0, lambda: head(out, m)[0],
+                                lambda: jnp.zeros_like(zero))
+                return out, loss
+            out, vjp_fn = jax.vjp(body, chunk, x)
+            td, stash, params = _residuals(vjp_fn, jax.tree.leaves(chunk))
+            if params != is_param or [(a.shape, a.dtype) for a in stash] != stash_shapes:
+                raise RuntimeError("the stage body's vjp residuals changed between traces")
+            traced["treedef"] = td  # the backward slots rebuild the pullback with it
+
+            def with_head():
+                loss, d_out, d_rest = head(out, m)
+                return loss, d_out.astype(out.dtype), d_rest
+
+            def without_head():
+                return (jnp.zeros_like(zero), jnp.full_like(out, fill),
+                        jax.tree.map(jnp.zeros_like, rest))
+
+            loss, d_out, d_rest = lax.cond(field(row, "f_last") > 0, with_head, without_head)
+            return out, loss, stash, d_out, d_rest
+
+        def idle():
+            out = jnp.full_like(out0, fill)
+            if not train:
+                return out, jnp.zeros_like(zero)
+            return (out, jnp.zeros_like(zero), jax.tree.map(lambda a: jnp.full_like(a, fill), stash0),
+                    jnp.full_like(out0, fill), jax.tree.map(jnp.zeros_like, rest))
+
+        result = lax.cond(field(row, "f_on") > 0, active, idle)
+        carry = dict(carry)
+        carry["loss"] = carry["loss"] + result[1]
+        if train:
+            out, _, stash, d_out, d_rest = result
+            carry["stash"] = _put(carry["stash"], field(row, "f_stash"), stash)
+            carry["cot"] = _put(carry["cot"], field(row, "f_seed"), d_out)
+            carry["d_rest"] = jax.tree.map(jnp.add, carry["d_rest"], d_rest)
+        return result[0], carry
+
+    def backward_slot(row, carry):
+        m, v = field(row, "b_mb"), field(row, "b_chunk")
+
+        def active():
+            chunk = chunk_of(v)
+            chunk_leaves = jax.tree.leaves(chunk)
+            stored = iter(_take(carry["stash"], field(row, "b_stash")))
+            leaves = [chunk_leaves[j] if j >= 0 else next(stored) for j in is_param]
+            vjp_fn = jax.tree.unflatten(traced["treedef"], leaves)
+            d_chunk, dx = vjp_fn(_take(carry["cot"], field(row, "b_in")))
+
+            def embedding():
+                _, embed_vjp = jax.vjp(lambda r: stages.first(r, _take(inputs, m)), rest)
+                return embed_vjp(dx.astype(x0.dtype))[0]
+
+            d_rest = lax.cond(field(row, "b_first") > 0, embedding,
+                              lambda: jax.tree.map(jnp.zeros_like, rest))
+            return d_chunk, dx, d_rest
+
+        def idle():
+            return (jax.tree.map(jnp.zeros_like, chunk0), jnp.full_like(out0, fill),
+                    jax.tree.map(jnp.zeros_like, rest))
+
+        d_chunk, dx, d_rest = lax.cond(field(row, "b_on") > 0, active, idle)
+        carry = dict(carry)
+        carry["d_chunks"] = jax.tree.map(
+            lambda acc, d: lax.dynamic_update_index_in_dim(
+                acc, lax.dynamic_index_in_dim(acc, v, 0, keepdims=False) + d, v, 0),
+            carry["d_chunks"], d_chunk)
+        carry["d_rest"] = jax.tree.map(jnp.add, carry["d_rest"], d_rest)
+        return dx, carry
+
+    def segment(has_f, send_f, has_b, send_b):
+        def tick(carry, rows):
+            row = rows[stage]
+            if has_f:
+                out, carry = forward_slot(row, carry)
+                if send_f:  # the activation exchange: one collective-permute of [b, ...]
+                    received = lax.ppermute(out, STAGE_AXIS, perm_f)
+                    carry["act"] = _put(carry["act"], field(row, "f_recv"), received)
+            if has_b:
+                dx, carry = backward_slot(row, carry)
+                if send_b:  # the cotangent exchange: one collective-permute of [b, ...]
+                    received = lax.ppermute(dx.astype(out0.dtype), STAGE_AXIS, perm_b)
+                    carry["cot"] = _put(carry["cot"], field(row, "b_recv"), received)
+            return carry, None
+        return tick
+
+    for start, stop, *flags in plan_.segments:
+        carry, _ = lax.scan(segment(*flags), carry, table[start:stop])
+    if not train:
+        return carry["loss"]
+    d_stacked = jax.tree.map(lambda d: d.reshape(d.shape[0] * d.shape[1], *d.shape[2:]),
+                             carry["d_chunks"])
+    return carry["loss"], d_stacked, carry["d_rest"]
+
+
+# --------------------------------------------------------------------------------------------------
+# A Program, pipelined
+# --------------------------------------------------------------------------------------------------
+
+
+def unit_order(units: int, stages: int, virtual_stages: int) -> np.ndarray:
+    """``order[g]``: the model unit stored at global position ``g`` of the stacked axis, so that a
+    contiguous split over ``stages`` gives device ``s`` the chunks ``v P + s``, ``v < V``."""
+    P_, V = stages, virtual_stages
+    per_chunk = units // (P_ * V)
+    g = np.arange(units)
+    s, within = divmod(g, V * per_chunk)
+    v, j = divmod(within, per_chunk)
+    return (v * P_ + s) * per_chunk + j
+
+
+def pipelined(program, config: PipelineConfig):
+    """``program`` (a manual :class:`jphantom.step.Program` with :class:`Stages`, on a mesh with a
+    ``stage`` axis) run as a pipeline with ``config``'s schedule (module docstring)."""
+    from jphantom.step import Program  # noqa: F401  (type only)
+
+    stages = program.stages
+    if stages is None or not program.manual:
+        raise ConfigError(f"strategy {program.strategy!r} on the {program.model} cannot run inside "
+                          "pipeline stages: use 'tensor' or 'phantom' (model=1 for none)")
+    mesh = program.mesh
+    if STAGE_AXIS not in mesh.shape:
+        raise ConfigError(f"a pipeline needs a 'stage' axis in the mesh, got {mesh}: e.g. "
+                          "--mesh stage=4,data=2")
+    num_stages = mesh.size(STAGE_AXIS)
+    config.check(num_stages, stages.units, stages.unit_name)
+    train_plan, eval_plan = plan(config, num_stages), plan(config, num_stages, train=False)
+    order = unit_order(stages.units, num_stages, config.virtual_stages)
+    inverse = np.argsort(order)
+    is_spec = lambda s: isinstance(s, P)
+
+    stacked_specs, rest_specs = stages.split(program.param_specs)
+
+    def on_stage(spec):
+        if len(spec) and spec[0] is not None:
+            raise ConfigError(f"stacked parameter spec {spec} already splits the unit axis")
+        return P(STAGE_AXIS, *spec[1:])
+
+    specs = stages.join(jax.tree.map(on_stage, stacked_specs, is_leaf=is_spec), rest_specs)
+
+    def permute(params, index):
+        stacked, rest = stages.split(params)
+        return stages.join(jax.tree.map(lambda a: a[index], stacked), rest)
+
+    def init(key):
+        return permute(program.init(key), order)
+
+    def dense_equivalent(params):
+        return program.dense_equivalent(permute(params, inverse))
+
+    def prepare(params):
+        stacked, rest = stages.split(params)
+        return stages.prepare(stages.join(stacked, lax.pcast(rest, STAGE_AXIS, to="varying")))
+
+    def value_and_grad(params, inputs, targets):
+        config.check_batch(inputs.shape[0])
+        prepared, prepare_vjp = jax.vjp(prepare, params)
+        stacked, rest = stages.split(prepared)
+        loss, d_stacked, d_rest = run(stages, config, train_plan, stacked, rest, inputs, targets)
+        (grads,) = prepare_vjp(stages.join(d_stacked, d_rest))  # rest: all-reduce over stage
+        return loss, grads
+
+    def loss(params, inputs, targets):
+        config.check_batch(inputs.shape[0])
+        stacked, rest = stages.split(prepare(params))
+        return run(stages, config, eval_plan, stacked, rest, inputs, targets, train=False)
+
+    options = {**program.options, "pipeline": dataclasses.asdict(config), "stages": num_stages}
+    return dataclasses.replace(
+        program, init=init, param_specs=specs, loss=loss, value_and_grad=value_and_grad,
+        loss_partial_axes=tuple(dict.fromkeys((*program.loss_partial_axes, STAGE_AXIS))),
+        dense_equivalent=dense_equivalent, forward=None, output_spec=None, options=options)
