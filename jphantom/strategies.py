@@ -100,7 +100,8 @@ class _Base:
     def program(self, model_config, mesh: MeshConfig, *, sequence_parallel: bool = False,
                 pipeline: PipelineConfig | None = None) -> Program:
         """``pipeline``: the schedule when the mesh has a ``stage`` axis (default: 1F1B with one
-        micro-batch per stage)."""
+        micro-batch per stage). A staged mesh without a ``model`` axis gets ``model=1``: build the
+        jax mesh from ``program.mesh``."""
         model = self._check_model(model_config)
         mesh = MeshConfig.of(mesh)
         if sequence_parallel and (model != "transformer" or self.name != "tensor"):
@@ -116,6 +117,8 @@ class _Base:
         if staged and self.name in ("dense", "gspmd"):
             raise ConfigError(f"strategy {self.name!r} does not run inside pipeline stages: use "
                               "'tensor' or 'phantom' (with model=1 for no tensor parallelism)")
+        if staged and FEATURE_AXIS not in mesh.shape:  # stages without tensor parallelism
+            mesh = MeshConfig.of({**dict(mesh.axes), FEATURE_AXIS: 1})
         if model == "ffn":
             program = self._ffn_program(model_config, mesh)
         else:

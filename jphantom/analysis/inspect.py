@@ -109,8 +109,8 @@ def compile_step(spec: StepSpec, optimizer: optax.GradientTransformation | None 
 
 
 def _program_and_mesh(spec: StepSpec):
-    mesh_config = spec.mesh_config()
     program = spec.program()  # validates the shapes before any device is asked for
+    mesh_config = program.mesh  # a pipeline adds model=1 where the mesh has no model axis
     return program, mesh_config.build(first_devices(mesh_config.device_count))
 
 
