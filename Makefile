@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.jphantom-installed
 
-.PHONY: test demo venv bench clean
+.PHONY: test test-all demo venv bench clean
 
 venv: $(STAMP)
 
@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)

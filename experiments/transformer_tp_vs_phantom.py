@@ -159,7 +159,7 @@ def run_config(args, job: Job, out: Path):
                      layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
                      vocab=256, batch=args.batch, steps=args.steps, optimizer="adamw",
                      learning_rate=args.learning_rate, warmup_steps=args.warmup_steps,
-                     schedule="constant", eval_every=args.eval_every,
+                     lr_schedule="constant", eval_every=args.eval_every,
                      eval_batches=args.eval_batches, seed=args.seed, dtype="float32",
                      out=str(out / "runs" / job.name), progress=True)
 
@@ -498,7 +498,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                    "eval_every": args.eval_every, "eval_batches": args.eval_batches,
                    "shards": args.shards, "ghost_widths": list(args.ghost_list),
                    "optimizer": "adamw", "learning_rate": args.learning_rate,
-                   "warmup_steps": args.warmup_steps, "schedule": "constant", "seed": args.seed,
+                   "warmup_steps": args.warmup_steps, "lr_schedule": "constant", "seed": args.seed,
                    "dtype": "float32", "quick": args.quick,
                    "runs": [j._asdict() for j in job_list]},
         "machine": machine_info(),

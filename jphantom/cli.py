@@ -126,6 +126,8 @@ def _inspect(args: argparse.Namespace) -> int:
                               f"(model={mesh.size('model')}): give one of them")
     else:
         mesh = MeshConfig.of({"model": args.shards or jax.device_count()})
+    pipeline = dict(schedule=args.schedule, microbatches=args.microbatches,
+                    virtual_stages=args.virtual_stages)
     reports = []
     for name in dict.fromkeys(args.strategy):
         spec = StepSpec(strategy=name, width=args.width, depth=args.depth, batch=args.batch,
@@ -133,7 +135,8 @@ def _inspect(args: argparse.Namespace) -> int:
                         mesh="model=1" if name == "dense" else str(mesh), model=args.model,
                         layers=args.layers, hidden=args.hidden, heads=args.heads,
                         seq_len=args.seq_len, vocab=args.vocab,
-                        sequence_parallel=args.sequence_parallel)
+                        sequence_parallel=args.sequence_parallel,
+                        **({} if name == "dense" else pipeline))  # dense: model=1, no pipeline
         reports.append(inspect_step(spec))
     if args.json:
         json.dump(reports[0] if len(reports) == 1 else reports, sys.stdout, indent=2)
@@ -143,9 +146,75 @@ def _inspect(args: argparse.Namespace) -> int:
                  f"transformer L={args.layers}, h={args.hidden}, heads={args.heads}, "
                  f"S={args.seq_len}, V={args.vocab}"
                  + (", sequence-parallel" if args.sequence_parallel else ""))
+        staged = next((r["pipeline"] for r in reports if "pipeline" in r), None)
+        pipe = "" if staged is None else (
+            f" (pipeline: {staged['schedule']}, {staged['stages']} stages, "
+            f"{staged['microbatches']} micro-batches, {staged['virtual_stages']} virtual "
+            "stage(s) per device)")
         print(f"One training step (forward + backward + SGD), {shape}, batch={args.batch}, mesh "
-              f"{mesh}, {args.dtype}; bytes are per device, counts per step (loops included).\n")
+              f"{mesh}{pipe}, {args.dtype}; bytes are per device, counts per step (loops "
+              "included).\n")
         print(format_report(reports))
+    return 0
+
+
+_FORMULAS = {"gpipe": "(P-1)/(M+P-1)", "1f1b": "(P-1)/(M+P-1)",
+             "interleaved-1f1b": "(P-1)/(P-1+V*M)"}
+
+
+def _schedule(args: argparse.Namespace) -> int:
+    """``jphantom schedule``: the simulator's timeline and bubble of a pipeline schedule, beside
+    seed 003's formula and the lock-step executor's figures. Pure Python: no device is touched."""
+    from jphantom.errors import ConfigError
+    from jphantom.pipeline.schedule import lockstep, simulate
+
+    P, M, V = args.stages, args.microbatches, args.virtual_stages
+    for flag, value in (("--stages", P), ("--microbatches", M), ("--virtual-stages", V)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be at least 1")
+    if args.width is not None and args.width < 1:
+        raise ConfigError(f"--width {args.width} must be at least 1 column")
+    simulation = simulate(args.schedule, P, M, V, backward_cost=args.backward_cost)
+    steps = lockstep(args.schedule, P, M, V)
+    interleaved = args.schedule == "interleaved-1f1b"
+    formula = (P - 1) / (P - 1 + V * M) if interleaved else (P - 1) / (M + P - 1)
+    timeline = simulation.timeline(args.width)
+    result = {
+        "schedule": args.schedule, "stages": P, "microbatches": M, "virtual_stages": V,
+        "backward_cost": args.backward_cost,
+        "simulated": {"bubble_fraction": simulation.bubble_fraction,
+                      "makespan": simulation.makespan,
+                      "peak_in_flight": list(simulation.peak_in_flight)},
+        "formula": {"expression": _FORMULAS[args.schedule], "bubble_fraction": formula},
+        "lockstep": {"ticks": len(steps.ticks), "peak_in_flight": list(steps.peak_in_flight),
+                     "cost": steps.cost(args.backward_cost),
+                     "bubble_fraction": steps.bubble_fraction(args.backward_cost)},
+        "timeline": timeline,
+    }
+    if args.json:
+        json.dump(result, sys.stdout, indent=2)
+        print()
+        return 0
+    chunks = f", {V} virtual stages per device" if V > 1 else ""
+    print(f"{args.schedule}: P={P} stages, M={M} micro-batches{chunks}; a backward costs "
+          f"{args.backward_cost:g}x a forward. Time in units of one device's forward of one "
+          "micro-batch.")
+    print(f"Timeline (simulated; Fm / Bm: forward / backward of micro-batch m, . idle; makespan "
+          f"{simulation.makespan:g})" + (f"; each micro-batch visits every device {V} times, once "
+                                         "per chunk" if V > 1 else "") + ":\n")
+    print(timeline)
+    peaks = lambda values: " ".join(str(v) for v in values)
+    row = lambda label, value: print(f"  {label:<50}{value}")
+    print("\nSimulated (every task starts as soon as its device and inputs are ready):")
+    row("bubble fraction", f"{simulation.bubble_fraction:.2%}")
+    row(f"seed 003's formula {_FORMULAS[args.schedule]}", f"{formula:.2%}")
+    row("peak micro-batches in flight per stage" + (" (chunks)" if V > 1 else ""),
+        peaks(simulation.peak_in_flight))
+    print("Lock-step executor (the compiled step: each tick a forward and a backward slot):")
+    row("ticks", len(steps.ticks))
+    row("bubble fraction", f"{steps.bubble_fraction(args.backward_cost):.2%}")
+    row("peak micro-batches in flight per stage" + (" (chunks)" if V > 1 else ""),
+        peaks(steps.peak_in_flight))
     return 0
 
 
@@ -211,7 +280,14 @@ _TRAIN_HELP = {
     "model": "ffn (seed 000's teacher task) or transformer (byte-level text)",
     "strategy": "parallel strategy: " + ", ".join(("dense", "gspmd", "tensor", "tensor-t1",
                                                    "phantom", "phantom-unfused")),
-    "mesh": "mesh axes, e.g. data=2,model=4 (default model=1 for dense, else model=<all devices>)",
+    "mesh": "mesh axes, e.g. data=2,model=4; add stage=P to pipeline the step over P stages "
+            "(tensor or phantom), e.g. stage=2,data=2,model=2 (default model=1 for dense, else "
+            "model=<all devices>)",
+    "schedule": "with a stage axis: the pipeline schedule, gpipe, 1f1b or "
+                "interleaved-1f1b (see `jphantom schedule`)",
+    "microbatches": "with a stage axis: micro-batches per step on each data rank; batch / data "
+                    "must be a multiple (default: the number of stages)",
+    "virtual_stages": "with a stage axis and interleaved-1f1b: model chunks per device",
     "sequence_parallel": "transformer under tensor: Megatron sequence parallelism",
     "ghost_width": "phantom: k ghost neurons per rank (and token)",
     "layers": "transformer blocks", "hidden": "transformer width h", "heads": "attention heads",
@@ -221,7 +297,8 @@ _TRAIN_HELP = {
     "steps": "optimizer steps", "optimizer": "adamw, adam or sgd",
     "learning_rate": "peak learning rate", "weight_decay": "AdamW weight decay",
     "adam_b2": "Adam's second-moment decay beta2",
-    "warmup_steps": "linear warm-up steps", "schedule": "after warm-up: constant or cosine",
+    "warmup_steps": "linear warm-up steps",
+    "lr_schedule": "learning rate after warm-up: constant or cosine",
     "eval_every": "validate every N steps", "eval_batches": "validation batches per evaluation",
     "seed": "random seed", "dtype": "float32, bfloat16, float16 or float64", "out": "output folder",
     "from_gpt2": "start from a Hugging Face GPT-2 directory (config.json + model.safetensors)",
@@ -230,11 +307,70 @@ _TRAIN_HELP = {
 }
 
 
+def _add_pipeline_flags(parser: argparse.ArgumentParser) -> None:
+    """inspect's --schedule, --microbatches, --virtual-stages (only with a stage axis in --mesh)."""
+    from jphantom.pipeline.schedule import SCHEDULES
+
+    parser.add_argument("--schedule", dest="schedule", default="1f1b",
+                        choices=SCHEDULES,
+                        help="with stage=P in --mesh: the pipeline schedule (default 1f1b; see "
+                             "`jphantom schedule`)")
+    parser.add_argument("--microbatches", type=_positive_int, default=None, metavar="M",
+                        help="with stage=P in --mesh: micro-batches per step; the batch per data "
+                             "rank must be a multiple (default: P)")
+    parser.add_argument("--virtual-stages", type=_positive_int, default=1, metavar="V",
+                        help="with stage=P in --mesh and interleaved-1f1b: model chunks per "
+                             "device (default 1)")
+
+
+def _add_schedule_parser(sub) -> None:
+    from jphantom.pipeline.schedule import SCHEDULES
+
+    schedule = sub.add_parser(
+        "schedule", help="draw a pipeline schedule and its bubble (no devices, nothing compiled)",
+        description="Simulate a pipeline schedule on P stages with M micro-batches and print its "
+                    "timeline (one row per stage: Fm / Bm are the forward / backward of "
+                    "micro-batch m, '.' is idle time), its bubble fraction (idle time / total "
+                    "device time) beside seed 003's formula, (P-1)/(M+P-1) for gpipe and 1f1b "
+                    "and (P-1)/(P-1+V*M) for interleaved-1f1b, and the micro-batches each stage "
+                    "holds in flight (their activations stay in memory until the backward). Then "
+                    "the same for the lock-step executor that `jphantom train --mesh stage=P,...` "
+                    "compiles: its ticks, bubble and peak in flight. Pure arithmetic: no devices, "
+                    "nothing compiled.",
+        epilog="Examples: jphantom schedule --schedule 1f1b --stages 4 --microbatches 8 | jphantom "
+               "schedule --schedule interleaved-1f1b --stages 4 --microbatches 8 --virtual-stages "
+               "2 | jphantom schedule --schedule gpipe --stages 4 --microbatches 16 --json")
+    schedule.add_argument("--schedule", dest="schedule", default="1f1b",
+                          choices=SCHEDULES,
+                          help="gpipe: all forwards, then all backwards; 1f1b: one forward, one "
+                               "backward (fewer micro-batches in flight); interleaved-1f1b: "
+                               "1f1b over V model chunks per device (smaller bubble). Default 1f1b")
+    schedule.add_argument("--stages", type=int, default=4, metavar="P",
+                          help="pipeline stages (devices along the stage axis; default 4)")
+    schedule.add_argument("--microbatches", type=int, default=8, metavar="M",
+                          help="micro-batches per step (default 8); interleaved-1f1b needs a "
+                               "multiple of P")
+    schedule.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                          help="model chunks per device, interleaved-1f1b only (default 1)")
+    schedule.add_argument("--backward-cost", type=float, default=2.0, metavar="R",
+                          help="a backward's cost in forwards (default 2.0): it stretches the "
+                               "timeline and the makespan; the bubble fractions come out the same "
+                               "for any value, as seed 003's formula says")
+    schedule.add_argument("--width", type=int, default=None, metavar="COLUMNS",
+                          help="timeline width in characters (default: wide enough for every "
+                               "label)")
+    schedule.add_argument("--json", action="store_true",
+                          help="print JSON (figures and the timeline) instead of text")
+    schedule.set_defaults(handler=_schedule)
+
+
 def _add_train_parser(sub) -> None:
     import dataclasses
 
+    from jphantom.pipeline.schedule import SCHEDULES
     from jphantom.run import RunConfig
 
+    choices = {"schedule": SCHEDULES}
     train = sub.add_parser(
         "train", help="train the FFN or the GPT transformer under any strategy and mesh",
         description="Train and write metrics.jsonl, curves.png and results.json into --out. Every "
@@ -243,18 +379,23 @@ def _add_train_parser(sub) -> None:
         epilog="Examples: jphantom train  (a 4-layer width-256 transformer on the standard "
                "library's sources) | jphantom train --strategy tensor --mesh data=2,model=4 "
                "--sequence-parallel --devices 8 | jphantom train --model ffn --strategy phantom "
-               "--ghost-width 8 --width 256 --mesh model=4 --devices 4")
+               "--ghost-width 8 --width 256 --mesh model=4 --devices 4 | jphantom train --strategy "
+               "tensor --mesh stage=2,data=2,model=2 --microbatches 4 --schedule gpipe "
+               "(a pipeline of 2 stages)")
     train.add_argument("--config", metavar="FILE.toml", help="settings from a TOML file")
     for field in dataclasses.fields(RunConfig):
         flag = "--" + field.name.replace("_", "-")
-        text = f"{_TRAIN_HELP.get(field.name, '')} (default {field.default})"
+        text = _TRAIN_HELP.get(field.name, "")
+        if "default" not in text:
+            text += f" (default {field.default})"
         if isinstance(field.default, bool):
             train.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
             continue
         kind = {int: int, float: float}.get(type(field.default), str)
-        if field.name == "ghost_width":
+        if field.name in ("ghost_width", "microbatches"):
             kind = int
-        train.add_argument(flag, type=kind, default=None, help=text)
+        train.add_argument(flag, type=kind, default=None, choices=choices.get(field.name),
+                           help=text)
     _add_device_flag(train)
     train.set_defaults(handler=_train)
 
@@ -288,6 +429,10 @@ def _train(args: argparse.Namespace) -> int:
         jax.config.update("jax_enable_x64", True)
     config = RunConfig(**settings)
     results = run(config)
+    if "pipeline" in results:
+        pipe = results["pipeline"]
+        print(f"pipeline: {pipe['schedule']}, {pipe['stages']} stages, {pipe['microbatches']} "
+              f"micro-batches, {pipe['virtual_stages']} virtual stage(s) per device")
     print(f"final validation loss {results['final_validation_loss']:.4f}"
           + (f" nats/token; unigram cross-entropy {results['unigram_cross_entropy']:.4f}; "
              f"ratio {results['validation_over_unigram']:.3f}"
@@ -344,6 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "model; default model=<all devices>; dense always runs on model=1)")
     inspect.add_argument("--shards", type=_positive_int, default=None,
                          help="shorthand for --mesh model=N")
+    _add_pipeline_flags(inspect)
     inspect.add_argument("--dtype", default="float32",
                          choices=("float32", "bfloat16", "float16", "float64"))
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -381,6 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.set_defaults(handler=_compare)
 
     _add_train_parser(sub)
+    _add_schedule_parser(sub)
 
     demo = sub.add_parser("demo", help="what `make demo` runs: inspect, then compare",
                           description="Inspect one step of each strategy, then run `compare` with "

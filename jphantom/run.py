@@ -10,7 +10,13 @@ input. :func:`run` then writes into ``out``:
   validation (``validation_loss``);
 - ``curves.png``: training and validation loss against steps;
 - ``results.json``: ``config``, ``final_validation_loss``, ``best_validation_loss``, the step
-  time, parameters, and for the text corpus ``unigram_cross_entropy`` and the ratio (nats/token).
+  time, parameters, for the text corpus ``unigram_cross_entropy`` and the ratio (nats/token), and
+  on a mesh with a ``stage`` axis ``pipeline`` (schedule, micro-batches, virtual stages, stages).
+
+Pipeline parallelism: a ``stage=P`` axis in ``mesh`` pipelines the step (strategies ``tensor`` and
+``phantom``) with ``schedule`` (``gpipe``, ``1f1b``, ``interleaved-1f1b``),
+``microbatches`` per step and data rank (default: ``P``) and ``virtual_stages`` (interleaved only).
+The learning-rate schedule is ``lr_schedule`` (``--lr-schedule``).
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ from tqdm.auto import tqdm
 from jphantom import strategies
 from jphantom.errors import ConfigError, TrainingDiverged, check_int
 from jphantom.mesh import MeshConfig, first_devices
+from jphantom.pipeline.runner import PipelineConfig
+from jphantom.pipeline.schedule import SCHEDULES as PIPELINE_SCHEDULES
 
 MODELS = ("ffn", "transformer")
 OPTIMIZERS = ("adamw", "adam", "sgd")
-SCHEDULES = ("constant", "cosine")
+LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +53,10 @@ class RunConfig:
     mesh: str | None = None  # default: model=1 for dense, model=<all devices> otherwise
     sequence_parallel: bool = False
     ghost_width: int | None = None
+    # pipeline (only with a stage axis in mesh)
+    schedule: str = "1f1b"
+    microbatches: int | None = None  # per step and data rank; default: the number of stages
+    virtual_stages: int = 1
     # transformer
     layers: int = 4
     hidden: int = 256
@@ -63,7 +75,7 @@ class RunConfig:
     weight_decay: float = 1e-4
     adam_b2: float = 0.95  # GPT-3 / Megatron's beta2: adapts faster than optax's 0.999 in short runs
     warmup_steps: int = 10
-    schedule: str = "constant"  # after the linear warm-up: "constant" or "cosine" (to 0.1x)
+    lr_schedule: str = "constant"  # after the linear warm-up: "constant" or "cosine" (to 0.1x)
     eval_every: int = 50
     eval_batches: int = 8
     seed: int = 0
@@ -80,8 +92,14 @@ class RunConfig:
                      "steps", "eval_every", "eval_batches"):
             check_int(name, getattr(self, name))
         check_int("warmup_steps", self.warmup_steps, 0)
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"schedule={self.schedule!r}; use one of {SCHEDULES}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"lr_schedule={self.lr_schedule!r}; use one of {LR_SCHEDULES}")
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise ConfigError(f"schedule={self.schedule!r}; use one of "
+                              f"{PIPELINE_SCHEDULES}")
+        if self.microbatches is not None:
+            check_int("microbatches", self.microbatches)
+        check_int("virtual_stages", self.virtual_stages)
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"optimizer={self.optimizer!r}; use one of {OPTIMIZERS}")
         for name in ("learning_rate",):
@@ -117,6 +135,34 @@ class RunConfig:
             return MeshConfig.parse("model=1")
         return MeshConfig.of({"model": jax.device_count()})
 
+    def pipeline_config(self) -> PipelineConfig | None:
+        """The pipeline of a mesh with a ``stage`` axis (``None`` without one); validated, with the
+        per-data-rank batch checked against the micro-batches."""
+        mesh = self.mesh_config()
+        if "stage" not in mesh.shape:
+            given = [f"--{flag} {value}" for flag, value, default in (
+                ("schedule", self.schedule, "1f1b"),
+                ("microbatches", self.microbatches, None),
+                ("virtual-stages", self.virtual_stages, 1)) if value != default]
+            if given:
+                raise ConfigError(f"{' '.join(given)} only apply to a pipelined step, but mesh "
+                                  f"{mesh} has no stage axis: add stage=N to --mesh (e.g. --mesh "
+                                  f"stage=2,{mesh}) or leave the pipeline settings out")
+            return None
+        if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
+            raise ConfigError(f"virtual_stages={self.virtual_stages} applies to interleaved-1f1b "
+                              f"only, not {self.schedule!r}: pass --schedule "
+                              "interleaved-1f1b or --virtual-stages 1")
+        stages, data = mesh.size("stage"), mesh.size("data")
+        config = PipelineConfig(schedule=self.schedule,
+                                microbatches=self.microbatches or stages,
+                                virtual_stages=self.virtual_stages)
+        try:
+            config.check_batch(self.batch // data)
+        except ConfigError as error:
+            raise ConfigError(f"batch={self.batch} over data={data}: {error}") from None
+        return config
+
     def model_config(self):
         if self.model == "ffn":
             from jphantom.models.ffn import FFNConfig
@@ -142,11 +188,12 @@ class RunConfig:
             raise ConfigError(f"batch={self.batch} is not divisible by the data axis "
                               f"({mesh.size('data')}): pick a multiple")
         return strategies.get(self.strategy).program(self.model_config(), mesh,
-                                                     sequence_parallel=self.sequence_parallel)
+                                                     sequence_parallel=self.sequence_parallel,
+                                                     pipeline=self.pipeline_config())
 
     def optimizer_transform(self) -> optax.GradientTransformation:
         warmup = max(self.warmup_steps, 1)
-        if self.schedule == "cosine":
+        if self.lr_schedule == "cosine":
             schedule = optax.warmup_cosine_decay_schedule(
                 0.0, self.learning_rate, warmup, max(self.steps, warmup + 1),
                 end_value=self.learning_rate * 0.1)
@@ -320,6 +367,12 @@ def run(config: RunConfig) -> dict:
         "history": history,
         "loss_units": "nats per token" if config.model == "transformer" else "MSE",
     }
+    pipeline = program.options.get("pipeline")
+    if pipeline is not None:
+        results["pipeline"] = {"schedule": pipeline["schedule"],
+                               "microbatches": pipeline["microbatches"],
+                               "virtual_stages": pipeline["virtual_stages"],
+                               "stages": program.options["stages"]}
     if config.model == "transformer":
         unigram = source.corpus.unigram_cross_entropy()
         results["unigram_cross_entropy"] = unigram

@@ -171,3 +171,63 @@ def test_bad_backward_cost_and_width():
         simulate("1f1b", 2, 2, backward_cost=0)
     with pytest.raises(ConfigError, match="width"):
         simulate("1f1b", 2, 2).timeline(width=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Lock-step tables: what the SPMD executor runs
+# --------------------------------------------------------------------------------------------------
+
+from jphantom.pipeline import lockstep  # noqa: E402
+
+
+@pytest.mark.parametrize("schedule, virtual_stages", [("gpipe", 1), ("1f1b", 1),
+                                                      ("interleaved-1f1b", 2),
+                                                      ("interleaved-1f1b", 4)])
+@pytest.mark.parametrize("stages, microbatches", [(2, 2), (2, 8), (4, 4), (4, 16), (8, 8), (8, 64)])
+def test_lockstep_runs_every_task_once_in_dependency_order(schedule, virtual_stages, stages,
+                                                           microbatches):
+    table = lockstep(schedule, stages, microbatches, virtual_stages)
+    P, V = stages, virtual_stages
+    last = P * V - 1
+    forward, backward = {}, {}
+    for t, tick in enumerate(table.ticks):
+        for s in range(P):
+            if tick.forward[s] is not None:
+                m, v = tick.forward[s]
+                assert (v * P + s, m) not in forward
+                forward[(v * P + s, m)] = t
+            if tick.backward[s] is not None:
+                m, v = tick.backward[s]
+                assert (v * P + s, m) not in backward
+                backward[(v * P + s, m)] = t
+    everything = {(c, m) for c in range(P * V) for m in range(microbatches)}
+    assert set(forward) == set(backward) == everything
+    for (c, m), t in forward.items():
+        assert c == 0 or forward[(c - 1, m)] < t  # one hop per tick
+        assert backward[(c, m)] >= t  # same tick allowed: the backward slot follows the forward
+        assert c == last or backward[(c + 1, m)] < backward[(c, m)]
+
+
+@pytest.mark.parametrize("backward_cost", [1.0, 2.0])
+@pytest.mark.parametrize("stages, microbatches", [(2, 2), (2, 16), (4, 4), (4, 32), (8, 8), (8, 64)])
+def test_lockstep_1f1b_costs_gpipe_time_with_bounded_in_flight(stages, microbatches, backward_cost):
+    """Lock-step ticks last as long as their slowest stage. GPipe and the executor's 1F1B both
+    take (M + P - 1)(t_f + t_b); GPipe holds M micro-batches, 1F1B at most min(M, 2(P - s) - 1)."""
+    P, M = stages, microbatches
+    ideal = (M + P - 1) * (1 + backward_cost)
+    gpipe, onefoneb = lockstep("gpipe", P, M), lockstep("1f1b", P, M)
+    assert gpipe.cost(backward_cost) == pytest.approx(ideal)
+    assert onefoneb.cost(backward_cost) == pytest.approx(ideal)
+    assert onefoneb.bubble_fraction(backward_cost) == pytest.approx((P - 1) / (M + P - 1))
+    assert gpipe.peak_in_flight == (M,) * P
+    assert onefoneb.peak_in_flight == tuple(min(M, 2 * (P - s) - 1) for s in range(P))
+
+
+@pytest.mark.parametrize("stages, virtual_stages, microbatches", [(2, 2, 4), (4, 2, 8), (4, 4, 16),
+                                                                  (8, 2, 32)])
+def test_lockstep_interleaved_reaches_its_ideal_bubble(stages, virtual_stages, microbatches):
+    """Megatron's interleaved warm-up already fits lock-step: (M + (P - 1)/V)(t_f + t_b)."""
+    P, V, M = stages, virtual_stages, microbatches
+    table = lockstep("interleaved-1f1b", P, M, V)
+    assert table.cost(2.0) == pytest.approx((M + (P - 1) / V) * 3)
+    assert table.bubble_fraction(2.0) == pytest.approx((P - 1) / (P - 1 + V * M))

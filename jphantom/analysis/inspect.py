@@ -23,6 +23,7 @@ from jphantom.analysis.hlo import collectives, dot_flops, normalise_replica_grou
 from jphantom.errors import ConfigError, check_int
 from jphantom.mesh import MeshConfig, first_devices, model_mesh
 from jphantom.models.ffn import FFNConfig
+from jphantom.pipeline.runner import PipelineConfig
 from jphantom.step import abstract_params, make_train_step, optimizer_state_specs
 
 
@@ -36,6 +37,10 @@ class StepSpec:
     ``mesh`` is a mesh string (``"data=2,model=4"``); the default is ``model=<num_shards>``
     (``dense`` runs on ``model=1``, the default ``num_shards``). With a mesh, ``num_shards`` becomes its ``model`` size (give one
     or the other, or both consistently). ``ghost_width`` is used by the phantom strategies only.
+
+    A ``stage=P`` axis in ``mesh`` pipelines the step: ``schedule`` (``gpipe``, ``1f1b``,
+    ``interleaved-1f1b``), ``microbatches`` per step and data rank (default ``P``),
+    ``virtual_stages`` (interleaved only). Without a stage axis they must keep their defaults.
     """
 
     strategy: str
@@ -53,6 +58,9 @@ class StepSpec:
     seq_len: int = 128
     vocab: int = 256
     sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    virtual_stages: int = 1
 
     def __post_init__(self):
         strategy = strategies.get(self.strategy)
@@ -68,6 +76,7 @@ class StepSpec:
         if self.batch % mesh.size("data"):
             raise ConfigError(f"batch={self.batch} is not divisible by the data axis "
                               f"({mesh.size('data')}) of mesh {mesh}")
+        self.pipeline_config()  # the batch against the micro-batches, before any compile
         self.program()  # the strategy validates the shapes
 
     def mesh_config(self) -> MeshConfig:
@@ -88,9 +97,35 @@ class StepSpec:
             return [((self.batch, self.seq_len), "int32")] * 2
         return [((self.batch, self.width), self.dtype)] * 2
 
+    def pipeline_config(self) -> PipelineConfig | None:
+        """The pipeline on a mesh with a ``stage`` axis, else ``None`` (then the pipeline fields
+        must keep their defaults); checks the per-data-rank batch against the micro-batches."""
+        mesh = self.mesh_config()
+        if "stage" not in mesh.shape:
+            given = [f"{name}={value!r}" for name, value, default in (
+                ("schedule", self.schedule, "1f1b"), ("microbatches", self.microbatches, None),
+                ("virtual_stages", self.virtual_stages, 1)) if value != default]
+            if given:
+                raise ConfigError(f"{', '.join(given)} only apply to a pipelined step, but mesh "
+                                  f"{mesh} has no stage axis: add stage=N to the mesh (e.g. --mesh "
+                                  f"stage=2,{mesh}) or leave the pipeline settings out")
+            return None
+        if self.microbatches is not None:
+            check_int("microbatches", self.microbatches)
+        config = PipelineConfig(schedule=self.schedule,
+                                microbatches=self.microbatches or mesh.size("stage"),
+                                virtual_stages=self.virtual_stages)
+        data = mesh.size("data")
+        try:
+            config.check_batch(self.batch // data)
+        except ConfigError as error:
+            raise ConfigError(f"batch={self.batch} over data={data}: {error}") from None
+        return config
+
     def program(self):
         return strategies.get(self.strategy).program(self.model_config(), self.mesh_config(),
-                                                     sequence_parallel=self.sequence_parallel)
+                                                     sequence_parallel=self.sequence_parallel,
+                                                     pipeline=self.pipeline_config())
 
 
 def normalise_collectives(found):
@@ -146,11 +181,21 @@ def gemm_flops(compiled) -> int:
     return dot_flops(compiled.as_text())[0]
 
 
+_MEMORY_FIELDS = ("argument", "output", "temp", "alias", "generated_code")
+
+
 def _memory(compiled) -> dict[str, int]:
+    """Per-device bytes from ``compiled.memory_analysis()``: ``temp_bytes`` (XLA's scratch: the
+    activations, residuals and buffers live during the step), ``argument_bytes`` (parameters,
+    optimizer state, batch), ``output_bytes``, ``alias_bytes`` (outputs sharing an argument's
+    buffer) and ``generated_code_bytes``; also under XLA's own names (``temp_size_in_bytes``...).
+    Empty where the backend reports nothing."""
     stats = compiled.memory_analysis()
-    names = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
-             "alias_size_in_bytes", "generated_code_size_in_bytes")
-    return {name: int(getattr(stats, name, 0)) for name in names} if stats is not None else {}
+    if stats is None:
+        return {}
+    values = {field: int(getattr(stats, f"{field}_size_in_bytes", 0)) for field in _MEMORY_FIELDS}
+    return ({f"{field}_bytes": value for field, value in values.items()}
+            | {f"{field}_size_in_bytes": value for field, value in values.items()})
 
 
 def inspect_step(spec: StepSpec) -> dict:
@@ -159,12 +204,14 @@ def inspect_step(spec: StepSpec) -> dict:
     ``collective_ops`` (every op with its shapes, groups, axes and executions per step), ``flops``
     (GEMM FLOPs per device, loops counted by trip count: :func:`gemm_flops`), ``xla_flops`` (XLA's
     ``cost_analysis()``: element-wise work included, loop bodies counted once), ``params``
-    (weights), ``memory``, compile time."""
+    (weights), ``memory`` (:func:`_memory`: ``temp_bytes``, ``argument_bytes``, ``output_bytes``,
+    ``alias_bytes``...), compile time, and on a mesh with a ``stage`` axis ``pipeline`` (schedule,
+    micro-batches, virtual stages, stages)."""
     program, mesh = _program_and_mesh(spec)
     compiled, compile_seconds = _compile(program, mesh, spec, optax.sgd(0.1))
     found = normalise_collectives(collectives(compiled.as_text()))
     axes = dict(mesh.shape)
-    return {
+    report = {
         "strategy": spec.strategy,
         "mesh": str(spec.mesh_config()),
         "config": dataclasses.asdict(spec),
@@ -173,6 +220,8 @@ def inspect_step(spec: StepSpec) -> dict:
         "collective_ops": [
             {"kind": c.kind, "shapes": [[d, list(s)] for d, s in c.shapes], "bytes": c.bytes,
              "count": c.count, "axes": list(c.mesh_axes(axes)), "replica_groups": c.replica_groups}
+            | ({"source_target_pairs": c.source_target_pairs}
+               if c.kind == "collective-permute" else {})
             for c in found
         ],
         "flops": gemm_flops(compiled),
@@ -181,29 +230,45 @@ def inspect_step(spec: StepSpec) -> dict:
         "memory": _memory(compiled),
         "compile_seconds": compile_seconds,
     }
+    pipeline = _pipeline(program)
+    if pipeline is not None:
+        report["pipeline"] = pipeline
+    return report
+
+
+def _pipeline(program) -> dict | None:
+    pipeline = program.options.get("pipeline")
+    if pipeline is None:
+        return None
+    return {"schedule": pipeline["schedule"], "microbatches": pipeline["microbatches"],
+            "virtual_stages": pipeline["virtual_stages"], "stages": program.options["stages"]}
 
 
 def format_report(reports: list[dict]) -> str:
     """Side-by-side table of several :func:`inspect_step` reports."""
     lines = []
-    header = (f"{'strategy':<16}{'mesh':<16}{'params':>12}{'GFLOP/dev':>11}{'coll. MB/dev':>13}"
-              f"{'temp MB':>9}  collectives (executions x kind [mesh axes])")
+    mesh_width = max([16, *(len(r["mesh"]) + 2 for r in reports)])
+    kind_width = max([16, *(len(op["kind"]) + 2 for r in reports for op in r["collective_ops"])])
+    header = (f"{'strategy':<16}{'mesh':<{mesh_width}}{'params':>12}{'GFLOP/dev':>11}"
+              f"{'coll. MB/dev':>13}{'temp MB':>9}  collectives (executions x kind [mesh axes])")
     lines.append(header)
     lines.append("-" * (len(header) + 10))
     for r in reports:
         colls = ", ".join(f"{c['count']}x {c['kind']} [{','.join(c['axes'])}] "
                           f"({c['bytes'] / 1e6:.3f} MB)" for c in r["collectives"])
         lines.append(
-            f"{r['strategy']:<16}{r['mesh']:<16}{r['params']:>12,}{r['flops'] / 1e9:>11.3f}"
-            f"{r['collective_bytes'] / 1e6:>13.3f}"
-            f"{r['memory'].get('temp_size_in_bytes', 0) / 1e6:>9.1f}  {colls or 'none'}"
+            f"{r['strategy']:<16}{r['mesh']:<{mesh_width}}{r['params']:>12,}"
+            f"{r['flops'] / 1e9:>11.3f}{r['collective_bytes'] / 1e6:>13.3f}"
+            f"{r['memory'].get('temp_bytes', 0) / 1e6:>9.1f}  {colls or 'none'}"
         )
     lines.append("")
     lines.append("Per collective op (result shape per device, executions per step):")
     for r in reports:
         for op in r["collective_ops"]:
             shapes = " + ".join(f"{d}{s}" for d, s in op["shapes"])
-            lines.append(f"  {r['strategy']:<16}{op['kind']:<16}{shapes:<28}{op['bytes']:>12,} B"
-                         f" x{op['count']:<4} [{','.join(op['axes'])}]"
-                         f"  groups={op['replica_groups']}")
+            peers = (f"pairs={op['source_target_pairs']}" if "source_target_pairs" in op
+                     else f"groups={op['replica_groups']}")
+            lines.append(f"  {r['strategy']:<16}{op['kind']:<{kind_width}}{shapes:<28}"
+                         f"{op['bytes']:>12,} B x{op['count']:<4} [{','.join(op['axes'])}]"
+                         f"  {peers}")
     return "\n".join(lines)

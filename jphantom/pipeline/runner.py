@@ -274,6 +274,13 @@ def _put(buffers, i, values):
                         buffers, values)
 
 
+def _zeros(struct: jax.ShapeDtypeStruct) -> jax.Array:
+    """Zeros of an abstract value's shape, dtype and varying mesh axes."""
+    zeros = jnp.zeros(struct.shape, struct.dtype)
+    varying = tuple(sorted(struct.manual_axis_type.varying))
+    return lax.pcast(zeros, varying, to="varying") if varying else zeros
+
+
 def _slots(value, n):
     """A buffer of ``n + 1`` slots shaped like ``value`` (same varying axes), zero-filled."""
     return jax.tree.map(lambda a: jnp.broadcast_to(jnp.zeros_like(a)[None], (n + 1, *a.shape)),
@@ -325,20 +332,28 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
             lambda r, o: stages.last(r, o, _take(targets, m), M), argnums=(0, 1))(rest, out)
         return loss, d_out, d_rest
 
-    # Shapes (and varying axes) of what flows: traced once on micro-batch 0's slot of tick 0.
+    # Shapes (and varying axes) of what flows, from an abstract trace of tick 0's slot (jax.eval_shape:
+    # nothing of it is emitted): the body's output, its vjp residuals, the head's loss.
     row0 = _take(table, 0)[stage]
     x0 = stages.first(rest, _take(inputs, 0))
     x0 = x0 + lax.pcast(jnp.zeros((), x0.dtype), STAGE_AXIS, to="varying")  # as in the ticks
     chunk0 = chunk_of(field(row0, "f_chunk"))
-    body0 = lambda ch, x: stages.body(ch, x, field(row0, "f_chunk") * P_ + stage)
-    out0, vjp0 = jax.vjp(body0, chunk0, x0)
-    chunk_leaves0 = jax.tree.leaves(chunk0)
-    treedef, stash0, is_param = _residuals(vjp0, chunk_leaves0)
+    probed = {}
+
+    def probe(chunk, x, c):
+        out, vjp_fn = jax.vjp(lambda ch, x: stages.body(ch, x, c), chunk, x)
+        probed["treedef"], stash, probed["is_param"] = _residuals(vjp_fn, jax.tree.leaves(chunk))
+        return out, stash
+
+    out0, stash0 = jax.eval_shape(probe, chunk0, x0, field(row0, "f_chunk") * P_ + stage)
+    treedef, is_param = probed["treedef"], probed["is_param"]
     stash_shapes = [(a.shape, a.dtype) for a in stash0]
     traced = {"treedef": treedef}
-    act_in = _slots(out0, plan_.activation_slots)
-    zero = jnp.zeros_like(head(out0, 0)[0])
-    carry = {"act": act_in, "loss": zero}
+    zero = _zeros(jax.eval_shape(lambda r, o: stages.last(r, o, _take(targets, 0), M), rest,
+                                 _zeros(out0)))
+    out0 = _zeros(out0)
+    stash0 = [_zeros(a) for a in stash0]
+    carry = {"act": _slots(out0, plan_.activation_slots), "loss": zero}
     if train:
         carry.update(cot=_slots(out0, plan_.cotangent_slots),
                      stash=_slots(stash0, plan_.stash_slots),
