@@ -184,7 +184,7 @@ def gemm_flops(compiled) -> int:
 _MEMORY_FIELDS = ("argument", "output", "temp", "alias", "generated_code")
 
 
-def _memory(compiled) -> dict[str, int]:
+def compiled_memory(compiled) -> dict[str, int]:
     """Per-device bytes from ``compiled.memory_analysis()``: ``temp_bytes`` (XLA's scratch: the
     activations, residuals and buffers live during the step), ``argument_bytes`` (parameters,
     optimizer state, batch), ``output_bytes``, ``alias_bytes`` (outputs sharing an argument's
@@ -204,7 +204,7 @@ def inspect_step(spec: StepSpec) -> dict:
     ``collective_ops`` (every op with its shapes, groups, axes and executions per step), ``flops``
     (GEMM FLOPs per device, loops counted by trip count: :func:`gemm_flops`), ``xla_flops`` (XLA's
     ``cost_analysis()``: element-wise work included, loop bodies counted once), ``params``
-    (weights), ``memory`` (:func:`_memory`: ``temp_bytes``, ``argument_bytes``, ``output_bytes``,
+    (weights), ``memory`` (:func:`compiled_memory`: ``temp_bytes``, ``argument_bytes``, ``output_bytes``,
     ``alias_bytes``...), compile time, and on a mesh with a ``stage`` axis ``pipeline`` (schedule,
     micro-batches, virtual stages, stages)."""
     program, mesh = _program_and_mesh(spec)
@@ -227,7 +227,7 @@ def inspect_step(spec: StepSpec) -> dict:
         "flops": gemm_flops(compiled),
         "xla_flops": xla_flops(compiled),
         "params": program.param_count,
-        "memory": _memory(compiled),
+        "memory": compiled_memory(compiled),
         "compile_seconds": compile_seconds,
     }
     pipeline = _pipeline(program)

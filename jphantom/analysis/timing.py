@@ -17,7 +17,8 @@ from jax.sharding import Mesh
 
 from jphantom import strategies
 from jphantom.analysis.hlo import collectives, summarize
-from jphantom.analysis.inspect import gemm_flops, normalise_collectives, xla_flops
+from jphantom.analysis.inspect import (compiled_memory, gemm_flops, normalise_collectives,
+                                       xla_flops)
 from jphantom.analysis.memory import check_fits, estimate_training_memory
 from jphantom.mesh import mesh_config_of
 from jphantom.models.ffn import FFNConfig
@@ -99,6 +100,7 @@ def build_program_step(program, mesh: Mesh, batch: tuple, optimizer, key: jax.Ar
         "collective_bytes_per_device": sum(c.total_bytes for c in found),
         "collectives": summarize(found),
         "compile_seconds": compile_seconds,
+        "memory": compiled_memory(compiled),
     }
     runner = Runner(label, compiled, (params, opt_state, *batch), threads_state=True,
                     flops_per_device=flops, devices=devices)

@@ -316,13 +316,13 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
         return row[_F[name]]
 
     def chunk_of(v):
-        return _take(chunks, v) if V > 1 else _take(chunks, 0)
+        return _take(chunks, v) if V > 1 else stacked
 
-    def stage_input(row, act_in):
+    def stage_input(row, received):
         m = field(row, "f_mb")
         return lax.cond(field(row, "f_first") > 0,
-                        lambda: stages.first(rest, _take(inputs, m)).astype(act_in.dtype),
-                        lambda: _take(act_in, field(row, "f_in")))
+                        lambda: stages.first(rest, _take(inputs, m)).astype(received.dtype),
+                        lambda: received)
 
     def head(out, m):
         """Loss share of micro-batch m and (training) d loss / d out, d loss / d rest."""
@@ -357,15 +357,17 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
     if train:
         carry.update(cot=_slots(out0, plan_.cotangent_slots),
                      stash=_slots(stash0, plan_.stash_slots),
-                     d_chunks=jax.tree.map(jnp.zeros_like, chunks),
+                     d_chunks=jax.tree.map(jnp.zeros_like, chunks if V > 1 else stacked),
                      d_rest=jax.tree.map(jnp.zeros_like, rest))
 
     def forward_slot(row, carry):
         m, v = field(row, "f_mb"), field(row, "f_chunk")
         c = v * P_ + stage
 
+        received = _take(carry["act"], field(row, "f_in"))  # one slot, read outside the cond
+
         def active():
-            x = stage_input(row, carry["act"])
+            x = stage_input(row, received)
             chunk = chunk_of(v)
             body = lambda ch, x: stages.body(ch, x, c)
             if not train:
@@ -410,13 +412,18 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
     def backward_slot(row, carry):
         m, v = field(row, "b_mb"), field(row, "b_chunk")
 
+        # One slot of residuals and one cotangent, read outside the cond (the branches never
+        # take the whole buffers).
+        residuals = _take(carry["stash"], field(row, "b_stash"))
+        d_out = _take(carry["cot"], field(row, "b_in"))
+
         def active():
             chunk = chunk_of(v)
             chunk_leaves = jax.tree.leaves(chunk)
-            stored = iter(_take(carry["stash"], field(row, "b_stash")))
+            stored = iter(residuals)
             leaves = [chunk_leaves[j] if j >= 0 else next(stored) for j in is_param]
             vjp_fn = jax.tree.unflatten(traced["treedef"], leaves)
-            d_chunk, dx = vjp_fn(_take(carry["cot"], field(row, "b_in")))
+            d_chunk, dx = vjp_fn(d_out)
 
             def embedding():
                 _, embed_vjp = jax.vjp(lambda r: stages.first(r, _take(inputs, m)), rest)
@@ -432,10 +439,13 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
 
         d_chunk, dx, d_rest = lax.cond(field(row, "b_on") > 0, active, idle)
         carry = dict(carry)
-        carry["d_chunks"] = jax.tree.map(
-            lambda acc, d: lax.dynamic_update_index_in_dim(
-                acc, lax.dynamic_index_in_dim(acc, v, 0, keepdims=False) + d, v, 0),
-            carry["d_chunks"], d_chunk)
+        if V > 1:
+            carry["d_chunks"] = jax.tree.map(
+                lambda acc, d: lax.dynamic_update_index_in_dim(
+                    acc, lax.dynamic_index_in_dim(acc, v, 0, keepdims=False) + d, v, 0),
+                carry["d_chunks"], d_chunk)
+        else:
+            carry["d_chunks"] = jax.tree.map(jnp.add, carry["d_chunks"], d_chunk)
         carry["d_rest"] = jax.tree.map(jnp.add, carry["d_rest"], d_rest)
         return dx, carry
 
@@ -459,8 +469,8 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
         carry, _ = lax.scan(segment(*flags), carry, table[start:stop])
     if not train:
         return carry["loss"]
-    d_stacked = jax.tree.map(lambda d: d.reshape(d.shape[0] * d.shape[1], *d.shape[2:]),
-                             carry["d_chunks"])
+    d_stacked = carry["d_chunks"] if V == 1 else jax.tree.map(
+        lambda d: d.reshape(d.shape[0] * d.shape[1], *d.shape[2:]), carry["d_chunks"])
     return carry["loss"], d_stacked, carry["d_rest"]
 
 
