@@ -14,8 +14,9 @@ executor (:mod:`jphantom.pipeline.runner`: the whole pipelined step is one ``jax
    step), per device, for M = P, 2P, 4P, 8P.
 3. **Time.** 1F1B costs the same time as GPipe (same bubble); interleaving shortens the bubble.
    Measured: median step time of the three schedules side by side (round robin, one run each per
-   round), and against the ideal time x (1 + bubble), the ideal being the unpipelined step of the
-   same batch on one device divided by the stages that can run at once (this machine's cores).
+   round), and against the ideal time x (1 + bubble), the ideal being M x the unpipelined step of
+   one micro-batch on one device (the same GEMM shapes), divided by the stages that can run at
+   once (P, at most this machine's cores).
 4. **Point-to-point bytes.** At a fixed device count, more stages mean more activation traffic per
    device (seed 004 ch. 3): counted from the compiled HLO's collective-permutes (loop trip counts
    applied) on ``stage=P,data=8/P`` for P = 1, 2, 4, 8, same global batch and M = 8.
@@ -107,14 +108,15 @@ def memory_and_time(stages: list[int], factors: list[int], *, width: int, depth:
                     jax.random.PRNGKey(0), label=schedule)
                 runners.append(runner)
                 reports[schedule] = report
-            # The same batch, unpipelined, on one device: the work of every stage, one after another.
+            # One micro-batch, unpipelined, on one device: the work of every stage on it, one
+            # after another, at the GEMM shapes the pipeline runs.
             program, mesh = _program("model=1", width, depth, None)
-            runner, _ = build_program_step(program, mesh, _batch(batch_rows, width, mesh, program),
+            runner, _ = build_program_step(program, mesh, _batch(microbatch, width, mesh, program),
                                            optax.sgd(1e-3), jax.random.PRNGKey(0),
                                            label="unpipelined")
             runners.append(runner)
             times = time_round_robin(runners, steps, warmup)
-            ideal = times["unpipelined"] / min(P, cores)
+            ideal = M * times["unpipelined"] / min(P, cores)
             for schedule, V in SCHEDULES:
                 report = reports[schedule]
                 permutes = [c for c in report["collectives"] if c["kind"] == "collective-permute"]
@@ -123,7 +125,8 @@ def memory_and_time(stages: list[int], factors: list[int], *, width: int, depth:
                     "stages": P, "microbatches": M, "batch": batch_rows, "schedule": schedule,
                     "virtual_stages": V, "temp_bytes": report["memory"]["temp_bytes"],
                     "argument_bytes": report["memory"]["argument_bytes"],
-                    "step_seconds": times[schedule], "unpipelined_seconds": times["unpipelined"],
+                    "step_seconds": times[schedule],
+                    "unpipelined_microbatch_seconds": times["unpipelined"],
                     "ideal_seconds": ideal,
                     "predicted_seconds": ideal * (1 + bubble_over_ideal),
                     "permute_bytes": sum(c["bytes"] for c in permutes),
@@ -194,6 +197,7 @@ def ratios(rows: list[dict]) -> dict:
 
 def plot(results: dict, path: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -209,15 +213,17 @@ def plot(results: dict, path: Path) -> None:
                          label=f"{schedule} P={P}")
             axes[1].plot(ms, [r["step_seconds"] / r["predicted_seconds"] for r in sel], style,
                          color=color, marker="o", label=f"{schedule} P={P}")
-    axes[0].set(xscale="log", xlabel="micro-batches M", ylabel="compiled temp MB per device",
+    axes[0].set(xlabel="micro-batches M", ylabel="compiled temp MB per device",
                 title="activation memory at a fixed micro-batch")
-    axes[1].set(xscale="log", xlabel="micro-batches M", ylabel="measured / (ideal x (1 + bubble))",
+    axes[1].set(xlabel="micro-batches M", ylabel="measured / (ideal x (1 + bubble))",
                 title="step time against the bubble model")
     p2p = results["point_to_point"]
     axes[2].bar([str(r["stages"]) for r in p2p], [r["permute_bytes_per_device"] / 1e6 for r in p2p])
     axes[2].set(xlabel="stages P (8 devices, data = 8/P)", ylabel="collective-permute MB/device/step",
                 title="point-to-point bytes grow with P")
     for ax in axes[:2]:
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.legend(fontsize=7)
     fig.suptitle("jphantom pipelines, FFN, 2 CPU cores (simulated devices)")
     fig.tight_layout()
@@ -228,7 +234,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=int, default=512, help="FFN width n (default 512)")
-    parser.add_argument("--depth", type=int, default=8, help="FFN layers (multiple of 2P; default 8)")
+    parser.add_argument("--depth", type=int, default=16,
+                        help="FFN layers (Megatron pairs: a multiple of 2 P V; default 16)")
     parser.add_argument("--microbatch", type=int, default=32, help="rows per micro-batch (default 32)")
     parser.add_argument("--steps", type=int, default=7, help="timed rounds (default 7)")
     parser.add_argument("--warmup", type=int, default=2)

@@ -493,8 +493,6 @@ def unit_order(units: int, stages: int, virtual_stages: int) -> np.ndarray:
 def pipelined(program, config: PipelineConfig):
     """``program`` (a manual :class:`jphantom.step.Program` with :class:`Stages`, on a mesh with a
     ``stage`` axis) run as a pipeline with ``config``'s schedule (module docstring)."""
-    from jphantom.step import Program  # noqa: F401  (type only)
-
     stages = program.stages
     if stages is None or not program.manual:
         raise ConfigError(f"strategy {program.strategy!r} on the {program.model} cannot run inside "
