@@ -27,11 +27,13 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jphantom.errors import ConfigError
 from jphantom.mesh import MeshConfig
 
 BATCH_AXES = ("data",)  # mesh axes that split the batch (ZeRO, experts and pipelines add theirs)
@@ -61,10 +63,19 @@ class Program:
     output_spec: P | None = None
     param_count: int | None = None
     options: dict = dataclasses.field(default_factory=dict)
+    zero: int = 0  # ZeRO stage of the data axis (jphantom.sharding.zero.apply)
+    zero_dims: Any = None  # per parameter: the dimension split over data (-1: replicated)
+    state_specs_override: Any = None  # specs of gradients and optimizer moments (ZeRO >= 1)
     stages: Any = None  # jphantom.pipeline.runner.Stages: the model cut for pipelining, if it can be
     # per rank (params, *batch) -> (loss share, grads before the data reduction); None: autodiff
     # of ``loss`` (pipelines run their own backward)
     value_and_grad: Callable[..., Any] | None = None
+
+    @property
+    def state_specs(self):
+        """Specs of the gradients the optimizer sees and of its moments: the parameters' specs,
+        or with ZeRO >= 1 the same split over ``data`` too."""
+        return self.param_specs if self.state_specs_override is None else self.state_specs_override
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -109,18 +120,69 @@ def _loss_axes(program: Program) -> tuple[str, ...]:
                                       if a in program.mesh.shape)
 
 
-def _per_rank_value_and_grad(program: Program):
-    """Per rank: (global loss, gradients reduced over the axes each parameter is replicated on)."""
+def zeros_of(struct) -> jax.Array:
+    """Zeros of an abstract value (``jax.eval_shape`` inside a shard_map) with its shape, dtype and
+    varying mesh axes."""
+    zeros = jnp.zeros(struct.shape, struct.dtype)
+    varying = tuple(sorted(struct.manual_axis_type.varying))
+    return lax.pcast(zeros, varying, to="varying") if varying else zeros
+
+
+def _per_rank_value_and_grad(program: Program, accumulate: int = 1):
+    """Per rank: (global loss, gradients reduced over the axes each parameter is replicated on;
+    with ZeRO >= 2 this rank's slice of them). ``accumulate``: the batch is split into that many
+    micro-batches whose gradients are summed before the one reduction."""
+    from jphantom.sharding import zero
+
     data, loss_axes = program.batch_axes, _loss_axes(program)
+    stage, dims = program.zero, program.zero_dims
+    # ZeRO-3 under autodiff: the all-gather's transpose is the gradient's reduce-scatter.
+    zero3_autodiff = bool(data) and stage == 3 and program.value_and_grad is None
+
+    def local(params, *batch):  # this rank's loss share and gradients, before the data reduction
+        if zero3_autodiff:
+            loss = jax.checkpoint(lambda shards, *b: program.loss(zero.gathered_params(shards, dims),
+                                                                  *b), policy=zero.remat_policy())
+            return jax.value_and_grad(loss)(params, *batch)
+        if data and stage == 3:
+            params = zero.gathered_params(params, dims)  # pipelines: gathered once per step
+        elif data:
+            params = lax.pcast(params, data, to="varying")
+        if program.value_and_grad is not None:
+            return program.value_and_grad(params, *batch)
+        return jax.value_and_grad(program.loss)(params, *batch)
+
+    def reduce(grads):
+        if not data or zero3_autodiff:
+            return grads
+        if stage == 0:
+            return lax.psum(grads, data)  # data parallelism: one all-reduce per parameter per step
+
+        def one(g, d):
+            if d < 0:
+                return lax.psum(g, data)
+            if stage == 1:  # seed 001's ZeRO-1: all-reduce, keep the own slice
+                return zero.own(lax.psum(g, data), d)
+            return zero.reduce_scatter(g, d)
+
+        return jax.tree.map(one, grads, dims)
 
     def value_and_grad(params, *batch):
-        varying = lax.pcast(params, data, to="varying") if data else params
-        if program.value_and_grad is not None:
-            loss, grads = program.value_and_grad(varying, *batch)
+        if accumulate == 1:
+            loss, grads = local(params, *batch)
         else:
-            loss, grads = jax.value_and_grad(program.loss)(varying, *batch)
-        if data:
-            grads = lax.psum(grads, data)  # data parallelism: one all-reduce per parameter per step
+            for b in batch:
+                if b.shape[0] % accumulate:
+                    raise ConfigError(f"the per-data-rank batch {b.shape[0]} is not divisible by "
+                                      f"accumulate={accumulate}: pick a multiple")
+            micro = [b.reshape(accumulate, b.shape[0] // accumulate, *b.shape[1:]) for b in batch]
+            first = jax.eval_shape(local, params, *(m[0] for m in micro))
+            add = lambda a, b: jax.tree.map(jnp.add, a, b)
+            (loss, grads), _ = lax.scan(
+                lambda total, mb: (add(total, local(params, *mb)), None),
+                jax.tree.map(zeros_of, first), micro)
+            loss, grads = jax.tree.map(lambda a: a / accumulate, (loss, grads))
+        grads = reduce(grads)
         if loss_axes:
             loss = lax.psum(loss, loss_axes)  # the reported loss: one scalar all-reduce
         return loss, grads
@@ -128,33 +190,73 @@ def _per_rank_value_and_grad(program: Program):
     return value_and_grad
 
 
-def _per_rank_step(program: Program, optimizer):
-    value_and_grad = _per_rank_value_and_grad(program)
+def clip_by_global_norm(grads, specs, max_norm: float):
+    """``optax.clip_by_global_norm`` on sharded gradients: the norm is summed over the mesh axes
+    each gradient is split on (never over the axes it is replicated on), so it equals the norm of
+    the whole model's gradient on one device."""
+    total = 0.0
+    is_spec = lambda s: isinstance(s, P)
+    for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(specs, is_leaf=is_spec)):
+        axes = tuple(dict.fromkeys(a for entry in spec if entry is not None
+                                   for a in (entry if isinstance(entry, tuple) else (entry,))))
+        square = jnp.sum(jnp.square(g.astype(jnp.float32)))
+        total = total + (lax.psum(square, axes) if axes else square)
+    norm = jnp.sqrt(total)
+    scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+    return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+
+
+def _per_rank_step(program: Program, optimizer, *, accumulate: int = 1,
+                   clip_norm: float | None = None):
+    from jphantom.sharding import zero
+
+    value_and_grad = _per_rank_value_and_grad(program, accumulate)
+    stage, dims = program.zero, program.zero_dims
+    sliced = stage in (1, 2) and bool(program.batch_axes)
 
     def step(params, opt_state, *batch):
         loss, grads = value_and_grad(params, *batch)
+        if clip_norm is not None:
+            grads = clip_by_global_norm(grads, program.state_specs, clip_norm)
+        if sliced:  # ZeRO-1/2: update the own slice, all-gather the updated slices
+            shards = jax.tree.map(zero.own, params, dims)
+            updates, opt_state = optimizer.update(grads, opt_state, shards)
+            shards = optax.apply_updates(shards, updates)
+            return (jax.tree.map(lambda x, d: zero.gather(x, d, invariant=True), shards, dims),
+                    opt_state, loss)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
     return step
 
 
-def make_value_and_grad(program: Program, mesh: Mesh) -> Callable:
-    """``(params, *batch) -> (loss, grads)``: the step without the optimizer (tests, analysis)."""
+def make_value_and_grad(program: Program, mesh: Mesh, *, accumulate: int = 1) -> Callable:
+    """``(params, *batch) -> (loss, grads)``: the step without the optimizer (tests, analysis);
+    the gradients have ``program.state_specs``."""
     if not program.manual:
         return jax.jit(jax.value_and_grad(program.global_loss(mesh)))
     return jax.jit(jax.shard_map(
-        _per_rank_value_and_grad(program), mesh=mesh,
+        _per_rank_value_and_grad(program, accumulate), mesh=mesh,
         in_specs=(program.param_specs, *program.batch_specs),
-        out_specs=(P(), program.param_specs), check_vma=True))
+        out_specs=(P(), program.state_specs), check_vma=True))
 
 
 def make_train_step(program: Program, mesh: Mesh, optimizer: optax.GradientTransformation, *,
-                    donate: bool = True) -> Callable:
+                    donate: bool = True, accumulate: int = 1,
+                    clip_norm: float | None = None) -> Callable:
     """``step(params, opt_state, *batch) -> (params, opt_state, loss)``: one ``jax.jit``; for a
     manual program, of one ``jax.shard_map`` over ``mesh`` holding forward, loss, backward, the
-    gradient reductions and the optax update."""
+    gradient reductions (ZeRO's where ``program.zero``), global-norm clipping (``clip_norm``) and
+    the optax update. ``accumulate``: micro-batches per step, one gradient reduction."""
+    from jphantom.errors import check_int
+
+    check_int("accumulate", accumulate)
+    if clip_norm is not None and not clip_norm > 0:
+        raise ConfigError(f"clip_norm={clip_norm!r} must be a positive number, e.g. 1.0")
     donate_argnums = (0, 1) if donate else ()
+    if not program.manual and (accumulate > 1 or clip_norm is not None):
+        raise ConfigError(f"accumulate and clip_norm run inside the one-shard_map step; strategy "
+                          f"{program.strategy!r} is not per-rank: use tensor or phantom")
     if not program.manual:
         global_loss = program.global_loss(mesh)
 
@@ -165,9 +267,9 @@ def make_train_step(program: Program, mesh: Mesh, optimizer: optax.GradientTrans
 
         return jax.jit(step, donate_argnums=donate_argnums)
     params_shape = jax.eval_shape(program.init, jax.random.PRNGKey(0))
-    opt_specs = optimizer_state_specs(optimizer, params_shape, program.param_specs)
+    opt_specs = optimizer_state_specs(optimizer, params_shape, program.state_specs)
     sharded = jax.shard_map(
-        _per_rank_step(program, optimizer), mesh=mesh,
+        _per_rank_step(program, optimizer, accumulate=accumulate, clip_norm=clip_norm), mesh=mesh,
         in_specs=(program.param_specs, opt_specs, *program.batch_specs),
         out_specs=(program.param_specs, opt_specs, P()), check_vma=True)
     return jax.jit(sharded, donate_argnums=donate_argnums)

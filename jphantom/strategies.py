@@ -98,10 +98,19 @@ class _Base:
         return model
 
     def program(self, model_config, mesh: MeshConfig, *, sequence_parallel: bool = False,
-                pipeline: PipelineConfig | None = None) -> Program:
+                pipeline: PipelineConfig | None = None, zero: int = 0) -> Program:
         """``pipeline``: the schedule when the mesh has a ``stage`` axis (default: 1F1B with one
         micro-batch per stage). A staged mesh without a ``model`` axis gets ``model=1``: build the
-        jax mesh from ``program.mesh``."""
+        jax mesh from ``program.mesh``. ``zero``: the ZeRO stage of the ``data`` axis
+        (:mod:`jphantom.sharding.zero`)."""
+        from jphantom.sharding import zero as zero_module
+
+        if zero not in zero_module.STAGES:
+            zero_module.apply(None, zero)  # raises the ConfigError naming the stages
+        return zero_module.apply(self._program(model_config, mesh, sequence_parallel, pipeline),
+                                 zero)
+
+    def _program(self, model_config, mesh, sequence_parallel, pipeline) -> Program:
         model = self._check_model(model_config)
         mesh = MeshConfig.of(mesh)
         if sequence_parallel and (model != "transformer" or self.name != "tensor"):

@@ -54,7 +54,7 @@ def make_optimizer(name: str, learning_rate: float, dtype: str = "float32"):
 
 def init_optimizer_state(program, mesh, optimizer, params):
     """``optimizer.init(params)`` with every moment in its parameter's shards (jit, out_shardings)."""
-    specs = optimizer_state_specs(optimizer, jax.eval_shape(lambda: params), program.param_specs)
+    specs = optimizer_state_specs(optimizer, jax.eval_shape(lambda: params), program.state_specs)
     return jax.jit(optimizer.init, out_shardings=program.shardings(mesh, specs))(params)
 
 

@@ -152,7 +152,7 @@ def _program_and_mesh(spec: StepSpec):
 def _compile(program, mesh, spec: StepSpec, optimizer):
     params = abstract_params(program, mesh)
     shapes = jax.eval_shape(lambda: params)
-    opt_specs = optimizer_state_specs(optimizer, shapes, program.param_specs)
+    opt_specs = optimizer_state_specs(optimizer, shapes, program.state_specs)
     opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                              jax.eval_shape(optimizer.init, shapes),
                              program.shardings(mesh, opt_specs))

@@ -55,6 +55,7 @@ from jax.sharding import PartitionSpec as P
 
 from jphantom.errors import ConfigError, check_int
 from jphantom.pipeline.schedule import SCHEDULES, Lockstep, lockstep
+from jphantom.step import zeros_of
 
 STAGE_AXIS = "stage"
 
@@ -274,13 +275,6 @@ def _put(buffers, i, values):
                         buffers, values)
 
 
-def _zeros(struct: jax.ShapeDtypeStruct) -> jax.Array:
-    """Zeros of an abstract value's shape, dtype and varying mesh axes."""
-    zeros = jnp.zeros(struct.shape, struct.dtype)
-    varying = tuple(sorted(struct.manual_axis_type.varying))
-    return lax.pcast(zeros, varying, to="varying") if varying else zeros
-
-
 def _slots(value, n):
     """A buffer of ``n + 1`` slots shaped like ``value`` (same varying axes), zero-filled."""
     return jax.tree.map(lambda a: jnp.broadcast_to(jnp.zeros_like(a)[None], (n + 1, *a.shape)),
@@ -349,10 +343,10 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
     treedef, is_param = probed["treedef"], probed["is_param"]
     stash_shapes = [(a.shape, a.dtype) for a in stash0]
     traced = {"treedef": treedef}
-    zero = _zeros(jax.eval_shape(lambda r, o: stages.last(r, o, _take(targets, 0), M), rest,
-                                 _zeros(out0)))
-    out0 = _zeros(out0)
-    stash0 = [_zeros(a) for a in stash0]
+    zero = zeros_of(jax.eval_shape(lambda r, o: stages.last(r, o, _take(targets, 0), M), rest,
+                                 zeros_of(out0)))
+    out0 = zeros_of(out0)
+    stash0 = [zeros_of(a) for a in stash0]
     carry = {"act": _slots(out0, plan_.activation_slots), "loss": zero}
     if train:
         carry.update(cot=_slots(out0, plan_.cotangent_slots),
