@@ -141,9 +141,9 @@ def _per_rank_value_and_grad(program: Program, accumulate: int = 1):
 
     def local(params, *batch):  # this rank's loss share and gradients, before the data reduction
         if zero3_autodiff:
-            loss = jax.checkpoint(lambda shards, *b: program.loss(zero.gathered_params(shards, dims),
-                                                                  *b), policy=zero.remat_policy())
-            return jax.value_and_grad(loss)(params, *batch)
+            return jax.value_and_grad(
+                lambda shards, *b: program.loss(zero.gathered_params(shards, dims), *b))(
+                    params, *batch)
         if data and stage == 3:
             params = zero.gathered_params(params, dims)  # pipelines: gathered once per step
         elif data:

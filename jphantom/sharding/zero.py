@@ -11,11 +11,16 @@ stage  sharded over ``data``       one step, per parameter of P elements (D data
                                    slice, all-gather of the updated slices (P)
 2      optimizer state, gradients  reduce-scatter of the gradient (P/D out), update of    2P
                                    the own slice, all-gather of the updated slices (P)
-3      + parameters                all-gather before the forward (P), again before the    3P
-                                   backward (P: the gathered copy is not kept between
-                                   them, ``jax.checkpoint``), reduce-scatter of the
-                                   gradient (its transpose), local update
+3      + parameters                all-gather of the parameters at the start of the       2P
+                                   step (P), reduce-scatter of the gradient (its
+                                   transpose under autodiff), local update
 =====  ==========================  ===================================================  ===========
+
+ZeRO-3 here shards the parameters *between* steps (P/D per device at rest, the optimizer and the
+gradients likewise) and gathers the whole model once per step; the gathered copy lives through
+the backward. Seed 001's ZeRO-3 gathers each layer again for the backward so that only one layer is
+ever whole; that needs the gather inside the layers' scan under ``jax.checkpoint`` and is not done
+yet (a regather of the whole tree is merged with the first by XLA's CSE).
 
 Each parameter is split over ``data`` along one dimension that no other mesh axis splits: the
 largest whose size is divisible by D (:func:`layout`). A parameter with no such dimension (a bias
@@ -29,14 +34,12 @@ import dataclasses
 
 import jax
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jphantom.errors import ConfigError
 
 DATA_AXIS = "data"
 STAGES = (0, 1, 2, 3)
-GATHERED = "zero3_gathered"  # checkpoint name of ZeRO-3's gathered parameters
 
 
 def _spec_axes(spec: P) -> set[str]:
@@ -126,12 +129,7 @@ def reduce_scatter(g: jax.Array, dim: int) -> jax.Array:
 
 
 def gathered_params(shards, dims):
-    """ZeRO-3: the full parameters, named so that ``jax.checkpoint`` regathers them for the
-    backward instead of keeping them (replicated leaves are marked varying over ``data``)."""
+    """ZeRO-3: the full parameters (replicated leaves marked varying over ``data``)."""
     return jax.tree.map(
-        lambda x, d: checkpoint_name(gather(x, d, invariant=False), GATHERED) if d >= 0
+        lambda x, d: gather(x, d, invariant=False) if d >= 0
         else lax.pcast(x, DATA_AXIS, to="varying"), shards, dims)
-
-
-def remat_policy():
-    return jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
