@@ -26,6 +26,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/phantom_vs_tp.py
 	$(PY) benchmarks/transformer_strategies.py
+	$(PY) benchmarks/zero_stages.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -127,7 +127,8 @@ def _inspect(args: argparse.Namespace) -> int:
     else:
         mesh = MeshConfig.of({"model": args.shards or jax.device_count()})
     pipeline = dict(schedule=args.schedule, microbatches=args.microbatches,
-                    virtual_stages=args.virtual_stages)
+                    virtual_stages=args.virtual_stages, zero=args.zero,
+                    accumulate=args.accumulate)
     reports = []
     for name in dict.fromkeys(args.strategy):
         spec = StepSpec(strategy=name, width=args.width, depth=args.depth, batch=args.batch,
@@ -135,8 +136,9 @@ def _inspect(args: argparse.Namespace) -> int:
                         mesh="model=1" if name == "dense" else str(mesh), model=args.model,
                         layers=args.layers, hidden=args.hidden, heads=args.heads,
                         seq_len=args.seq_len, vocab=args.vocab,
-                        sequence_parallel=args.sequence_parallel,
-                        **({} if name == "dense" else pipeline))  # dense: model=1, no pipeline
+                        sequence_parallel=args.sequence_parallel, optimizer=args.optimizer,
+                        # dense: model=1, no pipeline, no ZeRO, no accumulation
+                        **({} if name == "dense" else pipeline))
         reports.append(inspect_step(spec))
     if args.json:
         json.dump(reports[0] if len(reports) == 1 else reports, sys.stdout, indent=2)
@@ -151,9 +153,13 @@ def _inspect(args: argparse.Namespace) -> int:
             f" (pipeline: {staged['schedule']}, {staged['stages']} stages, "
             f"{staged['microbatches']} micro-batches, {staged['virtual_stages']} virtual "
             "stage(s) per device)")
-        print(f"One training step (forward + backward + SGD), {shape}, batch={args.batch}, mesh "
-              f"{mesh}{pipe}, {args.dtype}; bytes are per device, counts per step (loops "
-              "included).\n")
+        step = "".join((f", ZeRO-{args.zero}" if args.zero else "",
+                        f", {args.accumulate} accumulation micro-batches"
+                        if args.accumulate > 1 else ""))
+        names = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
+        print(f"One training step (forward + backward + {names[args.optimizer]}{step}), {shape}, "
+              f"batch={args.batch}, mesh {mesh}{pipe}, {args.dtype}; bytes are per device, counts "
+              "per step (loops included); state MB: parameters + gradients + optimizer state.\n")
         print(format_report(reports))
     return 0
 
@@ -288,6 +294,14 @@ _TRAIN_HELP = {
     "microbatches": "with a stage axis: micro-batches per step on each data rank; batch / data "
                     "must be a multiple (default: the number of stages)",
     "virtual_stages": "with a stage axis and interleaved-1f1b: model chunks per device",
+    "zero": "ZeRO stage of the data axis (tensor or phantom, a mesh with data=D): 0 plain data "
+            "parallelism, 1 optimizer state, 2 + gradients, 3 + parameters sharded over data "
+            "(default 0)",
+    "accumulate": "gradient accumulation: micro-batches per step, one gradient reduction per "
+                  "step; batch / data must be a multiple (pipelines: use --microbatches; "
+                  "default 1)",
+    "clip_norm": "clip the gradients to this global norm, computed over all shards (default: no "
+                 "clipping)",
     "sequence_parallel": "transformer under tensor: Megatron sequence parallelism",
     "ghost_width": "phantom: k ghost neurons per rank (and token)",
     "layers": "transformer blocks", "hidden": "transformer width h", "heads": "attention heads",
@@ -370,7 +384,9 @@ def _add_train_parser(sub) -> None:
     from jphantom.pipeline.schedule import SCHEDULES
     from jphantom.run import RunConfig
 
-    choices = {"schedule": SCHEDULES}
+    from jphantom.sharding.zero import STAGES
+
+    choices = {"schedule": SCHEDULES, "zero": STAGES}
     train = sub.add_parser(
         "train", help="train the FFN or the GPT transformer under any strategy and mesh",
         description="Train and write metrics.jsonl, curves.png and results.json into --out. Every "
@@ -381,7 +397,8 @@ def _add_train_parser(sub) -> None:
                "--sequence-parallel --devices 8 | jphantom train --model ffn --strategy phantom "
                "--ghost-width 8 --width 256 --mesh model=4 --devices 4 | jphantom train --strategy "
                "tensor --mesh stage=2,data=2,model=2 --microbatches 4 --schedule gpipe "
-               "(a pipeline of 2 stages)")
+               "(a pipeline of 2 stages) | jphantom train --strategy tensor --mesh data=4,model=2 "
+               "--zero 3 --accumulate 2 --clip-norm 1.0 (FSDP, 2 micro-batches, clipping)")
     train.add_argument("--config", metavar="FILE.toml", help="settings from a TOML file")
     for field in dataclasses.fields(RunConfig):
         flag = "--" + field.name.replace("_", "-")
@@ -394,6 +411,8 @@ def _add_train_parser(sub) -> None:
         kind = {int: int, float: float}.get(type(field.default), str)
         if field.name in ("ghost_width", "microbatches"):
             kind = int
+        if field.name == "clip_norm":
+            kind = float
         train.add_argument(flag, type=kind, default=None, choices=choices.get(field.name),
                            help=text)
     _add_device_flag(train)
@@ -433,6 +452,11 @@ def _train(args: argparse.Namespace) -> int:
         pipe = results["pipeline"]
         print(f"pipeline: {pipe['schedule']}, {pipe['stages']} stages, {pipe['microbatches']} "
               f"micro-batches, {pipe['virtual_stages']} virtual stage(s) per device")
+    step = results["step"]
+    if step != {"zero": 0, "accumulate": 1, "clip_norm": None}:
+        print(f"step: ZeRO-{step['zero']}, {step['accumulate']} accumulation micro-batch(es), "
+              + ("no clipping" if step["clip_norm"] is None
+                 else f"gradients clipped to global norm {step['clip_norm']:g}"))
     print(f"final validation loss {results['final_validation_loss']:.4f}"
           + (f" nats/token; unigram cross-entropy {results['unigram_cross_entropy']:.4f}; "
              f"ratio {results['validation_over_unigram']:.3f}"
@@ -457,11 +481,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Example: jphantom inspect --model transformer --layers 2 --hidden 64 --heads 4 "
                "--seq-len 32 --batch 8 --strategy tensor --sequence-parallel --mesh data=2,model=4 "
                "--devices 8",
-        description="Compile one training step (forward, backward, SGD update) of the FFN or the "
+        description="Compile one training step (forward, backward, optimizer update: SGD "
+                    "unless --optimizer) of the FFN or the "
                     "GPT transformer and report, "
                     "from the compiled HLO, every collective (kind, shape, bytes, groups, mesh "
-                    "axes, executions per step), FLOPs, parameter count and memory. Nothing is "
-                    "trained.",
+                    "axes, executions per step), FLOPs, parameter count and memory (XLA's, and "
+                    "the parameters', gradients' and optimizer state's bytes per device). "
+                    "Nothing is trained.",
     )
     inspect.add_argument("--strategy", nargs="+", default=["phantom"], choices=names,
                          help="one or more strategies to compare side by side (default: phantom)")
@@ -490,6 +516,19 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--shards", type=_positive_int, default=None,
                          help="shorthand for --mesh model=N")
     _add_pipeline_flags(inspect)
+    from jphantom.sharding.zero import STAGES
+
+    inspect.add_argument("--zero", type=int, choices=STAGES, default=0,
+                         help="ZeRO stage of the data axis (needs data=D in --mesh; not dense): 0 "
+                              "plain data parallelism, 1 optimizer state, 2 + gradients, 3 + "
+                              "parameters sharded over data; the memory report's params_bytes, "
+                              "gradient_bytes and optimizer_bytes show it (default 0)")
+    inspect.add_argument("--accumulate", type=_positive_int, default=1, metavar="N",
+                         help="gradient-accumulation micro-batches per step (one gradient "
+                              "reduction); batch / data must be a multiple (default 1)")
+    inspect.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="sgd",
+                         help="the step's optimizer: sgd has no state, adam and adamw two moments "
+                              "per parameter (default sgd)")
     inspect.add_argument("--dtype", default="float32",
                          choices=("float32", "bfloat16", "float16", "float64"))
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")

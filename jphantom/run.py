@@ -11,12 +11,20 @@ input. :func:`run` then writes into ``out``:
 - ``curves.png``: training and validation loss against steps;
 - ``results.json``: ``config``, ``final_validation_loss``, ``best_validation_loss``, the step
   time, parameters, for the text corpus ``unigram_cross_entropy`` and the ratio (nats/token), and
-  on a mesh with a ``stage`` axis ``pipeline`` (schedule, micro-batches, virtual stages, stages).
+  on a mesh with a ``stage`` axis ``pipeline`` (schedule, micro-batches, virtual stages, stages);
+  ``step``: the ZeRO stage, the accumulation micro-batches and the clipping norm.
 
 Pipeline parallelism: a ``stage=P`` axis in ``mesh`` pipelines the step (strategies ``tensor`` and
 ``phantom``) with ``schedule`` (``gpipe``, ``1f1b``, ``interleaved-1f1b``),
 ``microbatches`` per step and data rank (default: ``P``) and ``virtual_stages`` (interleaved only).
 The learning-rate schedule is ``lr_schedule`` (``--lr-schedule``).
+
+The step (strategies ``tensor`` and ``phantom``, any mesh with a ``data`` axis): ``zero`` is the
+ZeRO stage of the ``data`` axis (0: plain data parallelism; 1: optimizer state, 2: + gradients,
+3: + parameters sharded over ``data``; :mod:`jphantom.sharding.zero`), ``accumulate`` the gradient
+accumulation micro-batches per step (one gradient reduction per step; pipelines accumulate through
+``microbatches`` instead), ``clip_norm`` the global gradient norm to clip to (over all shards;
+``None``: no clipping).
 """
 
 from __future__ import annotations
@@ -57,6 +65,10 @@ class RunConfig:
     schedule: str = "1f1b"
     microbatches: int | None = None  # per step and data rank; default: the number of stages
     virtual_stages: int = 1
+    # the step: ZeRO stage of the data axis, gradient accumulation, global-norm clipping
+    zero: int = 0
+    accumulate: int = 1
+    clip_norm: float | None = None
     # transformer
     layers: int = 4
     hidden: int = 256
@@ -100,6 +112,13 @@ class RunConfig:
         if self.microbatches is not None:
             check_int("microbatches", self.microbatches)
         check_int("virtual_stages", self.virtual_stages)
+        check_int("zero", self.zero, 0)
+        check_int("accumulate", self.accumulate)
+        if self.clip_norm is not None and (
+                isinstance(self.clip_norm, bool) or not isinstance(self.clip_norm, (int, float))
+                or not math.isfinite(self.clip_norm) or not self.clip_norm > 0):
+            raise ConfigError(f"clip_norm={self.clip_norm!r} must be a positive number (a global "
+                              "gradient norm, e.g. 1.0); leave it out for no clipping")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"optimizer={self.optimizer!r}; use one of {OPTIMIZERS}")
         for name in ("learning_rate",):
@@ -124,7 +143,27 @@ class RunConfig:
         out = Path(self.out)
         if out.exists() and not out.is_dir():
             raise ConfigError(f"out={self.out!r} is an existing file: give a folder")
-        self.program()  # builds the model config, the mesh and the program: all their checks
+        self._check_step(self.program())  # the model config, the mesh, the program: all checks
+
+    def _check_step(self, program) -> None:
+        """``accumulate`` and ``clip_norm`` against the program, as ``make_train_step`` would
+        check them at trace time."""
+        if not program.manual and (self.accumulate > 1 or self.clip_norm is not None):
+            raise ConfigError(f"--accumulate and --clip-norm run inside the one-shard_map step; "
+                              f"strategy {self.strategy!r} is not per-rank: use tensor or phantom")
+        if self.accumulate == 1:
+            return
+        mesh = self.mesh_config()
+        if "stage" in mesh.shape:
+            raise ConfigError(f"accumulate={self.accumulate} with a stage axis ({mesh}): pipelines "
+                              "accumulate through --microbatches; pass --microbatches "
+                              f"{(self.microbatches or mesh.size('stage')) * self.accumulate} "
+                              "and leave --accumulate out")
+        rows = self.batch // mesh.size("data")
+        if rows % self.accumulate:
+            raise ConfigError(f"batch={self.batch} over data={mesh.size('data')}: the per-data-rank "
+                              f"batch {rows} is not divisible by accumulate={self.accumulate}: "
+                              "pick a batch that is a multiple of data x accumulate")
 
     # -- derived objects ------------------------------------------------------------------------
 
@@ -189,7 +228,8 @@ class RunConfig:
                               f"({mesh.size('data')}): pick a multiple")
         return strategies.get(self.strategy).program(self.model_config(), mesh,
                                                      sequence_parallel=self.sequence_parallel,
-                                                     pipeline=self.pipeline_config())
+                                                     pipeline=self.pipeline_config(),
+                                                     zero=self.zero)
 
     def optimizer_transform(self) -> optax.GradientTransformation:
         warmup = max(self.warmup_steps, 1)
@@ -286,6 +326,7 @@ class _TeacherSource:
 def run(config: RunConfig) -> dict:
     """Train as configured; returns (and writes) the results dictionary."""
     from jphantom.step import init_params, make_loss_fn, make_train_step
+    from jphantom.train import init_optimizer_state
 
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -308,8 +349,11 @@ def run(config: RunConfig) -> dict:
     else:
         params = init_params(program, mesh, jax.random.PRNGKey(config.seed))
     optimizer = config.optimizer_transform()
-    opt_state = optimizer.init(params)
-    step_fn = make_train_step(program, mesh, optimizer)
+    # per-rank programs: the moments in their (ZeRO-sharded) shards
+    opt_state = (init_optimizer_state(program, mesh, optimizer, params) if program.manual
+                 else optimizer.init(params))
+    step_fn = make_train_step(program, mesh, optimizer, accumulate=config.accumulate,
+                              clip_norm=config.clip_norm)
     loss_fn = make_loss_fn(program, mesh)
     shardings = program.batch_shardings(mesh)
     place = lambda pair: tuple(jax.device_put(np.asarray(a), s) for a, s in zip(pair, shardings))
@@ -367,6 +411,8 @@ def run(config: RunConfig) -> dict:
         "history": history,
         "loss_units": "nats per token" if config.model == "transformer" else "MSE",
     }
+    results["step"] = {"zero": program.zero, "accumulate": config.accumulate,
+                       "clip_norm": config.clip_norm}
     pipeline = program.options.get("pipeline")
     if pipeline is not None:
         results["pipeline"] = {"schedule": pipeline["schedule"],

@@ -275,6 +275,15 @@ def make_train_step(program: Program, mesh: Mesh, optimizer: optax.GradientTrans
     return jax.jit(sharded, donate_argnums=donate_argnums)
 
 
+def _whole(program: Program, params):
+    """Per rank: the parameters the layers use (ZeRO-3's shards all-gathered over ``data``)."""
+    if program.zero == 3 and program.batch_axes:
+        from jphantom.sharding import zero
+
+        return zero.gathered_params(params, program.zero_dims)
+    return params
+
+
 def make_loss_fn(program: Program, mesh: Mesh) -> Callable:
     """``loss(params, *batch) -> global mean loss`` (evaluation), jitted."""
     if not program.manual:
@@ -282,7 +291,7 @@ def make_loss_fn(program: Program, mesh: Mesh) -> Callable:
     loss_axes = _loss_axes(program)
 
     def per_rank(params, *batch):
-        loss = program.loss(params, *batch)
+        loss = program.loss(_whole(program, params), *batch)
         return lax.psum(loss, loss_axes) if loss_axes else loss
 
     return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(program.param_specs,
@@ -296,6 +305,7 @@ def make_forward_fn(program: Program, mesh: Mesh) -> Callable:
         raise ValueError(f"program {program.strategy}/{program.model} has no forward")
     if not program.manual:
         return jax.jit(program.forward(mesh) if program.binds_mesh else program.forward)
-    return jax.jit(jax.shard_map(program.forward, mesh=mesh,
+    return jax.jit(jax.shard_map(lambda params, x: program.forward(_whole(program, params), x),
+                                 mesh=mesh,
                                  in_specs=(program.param_specs, program.batch_specs[0]),
                                  out_specs=program.output_spec, check_vma=True))

@@ -1,4 +1,5 @@
-"""Compile one training step (forward + backward + SGD update) and report what it does.
+"""Compile one training step (forward + backward + optimizer update, SGD by default) and report
+what it does.
 
 The step is :func:`jphantom.step.make_train_step`'s (one ``jax.jit`` of one ``shard_map`` over the
 mesh, e.g. ``data=2,model=4``). From the compiled executable: every collective (kind, shape, dtype,
@@ -6,16 +7,19 @@ bytes, replica groups, the mesh axes it spans, and how many times it runs per st
 ``lax.scan`` run inside an HLO loop, whose trip count multiplies) parsed from the optimized HLO,
 GEMM FLOPs from the HLO's ``dot`` ops (trip counts applied; ``cost_analysis()`` counts a loop body
 once and is reported next to them), memory from ``memory_analysis()``; plus the model's parameter
-count. Nothing is executed, and parameters are abstract, so large widths inspect without
-allocating them.
+count, and the per-device bytes of the parameters, gradients and optimizer state from their
+shardings (what ZeRO shards over ``data``). Nothing is executed, and parameters are abstract, so
+large widths inspect without allocating them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import jax
+import numpy as np
 import optax
 
 from jphantom import strategies
@@ -41,6 +45,11 @@ class StepSpec:
     A ``stage=P`` axis in ``mesh`` pipelines the step: ``schedule`` (``gpipe``, ``1f1b``,
     ``interleaved-1f1b``), ``microbatches`` per step and data rank (default ``P``),
     ``virtual_stages`` (interleaved only). Without a stage axis they must keep their defaults.
+
+    ``zero``: the ZeRO stage of the ``data`` axis (:mod:`jphantom.sharding.zero`); ``accumulate``:
+    gradient-accumulation micro-batches per step (the per-data-rank batch must be a multiple;
+    pipelines accumulate through ``microbatches``); ``optimizer``: ``sgd`` (no state), ``adam`` or
+    ``adamw`` (two moments per parameter).
     """
 
     strategy: str
@@ -61,6 +70,9 @@ class StepSpec:
     schedule: str = "1f1b"
     microbatches: int | None = None
     virtual_stages: int = 1
+    zero: int = 0
+    accumulate: int = 1
+    optimizer: str = "sgd"
 
     def __post_init__(self):
         strategy = strategies.get(self.strategy)
@@ -76,8 +88,28 @@ class StepSpec:
         if self.batch % mesh.size("data"):
             raise ConfigError(f"batch={self.batch} is not divisible by the data axis "
                               f"({mesh.size('data')}) of mesh {mesh}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer={self.optimizer!r}; use one of {tuple(OPTIMIZERS)}")
+        check_int("zero", self.zero, 0)
+        check_int("accumulate", self.accumulate)
         self.pipeline_config()  # the batch against the micro-batches, before any compile
-        self.program()  # the strategy validates the shapes
+        program = self.program()  # the strategy validates the shapes (and the ZeRO stage)
+        self._check_accumulate(program)
+
+    def _check_accumulate(self, program) -> None:
+        if self.accumulate == 1:
+            return
+        if not program.manual:
+            raise ConfigError(f"accumulate={self.accumulate} runs inside the one-shard_map step; "
+                              f"strategy {self.strategy!r} is not per-rank: use tensor or phantom")
+        mesh = self.mesh_config()
+        if "stage" in mesh.shape:
+            raise ConfigError(f"accumulate={self.accumulate} with a stage axis ({mesh}): pipelines "
+                              "accumulate through the micro-batches (--microbatches)")
+        rows = self.batch // mesh.size("data")
+        if rows % self.accumulate:
+            raise ConfigError(f"batch={self.batch} over data={mesh.size('data')}: the per-data-rank "
+                              f"batch {rows} is not divisible by accumulate={self.accumulate}")
 
     def mesh_config(self) -> MeshConfig:
         return model_mesh(self.mesh, self.num_shards)
@@ -125,7 +157,16 @@ class StepSpec:
     def program(self):
         return strategies.get(self.strategy).program(self.model_config(), self.mesh_config(),
                                                      sequence_parallel=self.sequence_parallel,
-                                                     pipeline=self.pipeline_config())
+                                                     pipeline=self.pipeline_config(),
+                                                     zero=self.zero)
+
+    def optimizer_transform(self) -> optax.GradientTransformation:
+        return OPTIMIZERS[self.optimizer]()
+
+
+# The optimizers inspect compiles (the learning rates do not change what is compiled).
+OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-3),
+              "adamw": lambda: optax.adamw(1e-3)}
 
 
 def normalise_collectives(found):
@@ -137,9 +178,10 @@ def normalise_collectives(found):
 
 def compile_step(spec: StepSpec, optimizer: optax.GradientTransformation | None = None):
     """Lower and compile the training step of ``spec`` (``jphantom.step.make_train_step``, default
-    optimizer SGD) on abstract parameters; returns ``(compiled, seconds_to_compile)``."""
+    optimizer ``spec.optimizer``, SGD unless set) on abstract parameters; returns
+    ``(compiled, seconds_to_compile)``."""
     program, mesh = _program_and_mesh(spec)
-    compiled, seconds = _compile(program, mesh, spec, optimizer or optax.sgd(0.1))
+    compiled, seconds = _compile(program, mesh, spec, optimizer or spec.optimizer_transform())
     return compiled, seconds
 
 
@@ -149,16 +191,23 @@ def _program_and_mesh(spec: StepSpec):
     return program, mesh_config.build(first_devices(mesh_config.device_count))
 
 
-def _compile(program, mesh, spec: StepSpec, optimizer):
+def _abstract_state(program, mesh, optimizer):
+    """Abstract parameters and optimizer state, each leaf with its sharding (the optimizer's
+    moments follow ``program.state_specs``: ZeRO-sharded for zero >= 1)."""
     params = abstract_params(program, mesh)
     shapes = jax.eval_shape(lambda: params)
     opt_specs = optimizer_state_specs(optimizer, shapes, program.state_specs)
     opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                              jax.eval_shape(optimizer.init, shapes),
                              program.shardings(mesh, opt_specs))
+    return params, opt_state
+
+
+def _compile(program, mesh, spec: StepSpec, optimizer):
+    params, opt_state = _abstract_state(program, mesh, optimizer)
     batch = tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=s)
                   for (shape, dtype), s in zip(spec.batch_shapes(), program.batch_shardings(mesh)))
-    step = make_train_step(program, mesh, optimizer)
+    step = make_train_step(program, mesh, optimizer, accumulate=spec.accumulate)
     start = time.perf_counter()
     compiled = step.lower(params, opt_state, *batch).compile()
     return compiled, time.perf_counter() - start
@@ -198,6 +247,26 @@ def compiled_memory(compiled) -> dict[str, int]:
             | {f"{field}_size_in_bytes": value for field, value in values.items()})
 
 
+def per_device_bytes(structs) -> int:
+    """Bytes one device holds of a tree of sharded abstract arrays: per leaf, its shard's size
+    (``sharding.shard_shape``) times its item size."""
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+               for a in jax.tree.leaves(structs))
+
+
+def state_bytes(program, mesh, optimizer) -> dict[str, int]:
+    """Per-device bytes of the training state from its shardings: ``params_bytes``,
+    ``gradient_bytes`` (the gradients the optimizer sees: the parameters' layout for ZeRO 0 and 1,
+    whose all-reduce leaves the whole gradient on every data rank, ``program.state_specs`` for
+    ZeRO 2 and 3), ``optimizer_bytes`` (the optimizer's state: 0 for SGD) and ``zero``."""
+    params, opt_state = _abstract_state(program, mesh, optimizer)
+    grad_specs = program.state_specs if program.zero >= 2 else program.param_specs
+    grads = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         jax.eval_shape(lambda: params), program.shardings(mesh, grad_specs))
+    return {"params_bytes": per_device_bytes(params), "gradient_bytes": per_device_bytes(grads),
+            "optimizer_bytes": per_device_bytes(opt_state), "zero": program.zero}
+
+
 def inspect_step(spec: StepSpec) -> dict:
     """Report for one strategy: ``collectives`` (rows ``{kind, axes, count, bytes}`` per collective
     kind and mesh axes, loop trip counts applied), ``collective_bytes`` (per device, whole step),
@@ -205,10 +274,12 @@ def inspect_step(spec: StepSpec) -> dict:
     (GEMM FLOPs per device, loops counted by trip count: :func:`gemm_flops`), ``xla_flops`` (XLA's
     ``cost_analysis()``: element-wise work included, loop bodies counted once), ``params``
     (weights), ``memory`` (:func:`compiled_memory`: ``temp_bytes``, ``argument_bytes``, ``output_bytes``,
-    ``alias_bytes``...), compile time, and on a mesh with a ``stage`` axis ``pipeline`` (schedule,
-    micro-batches, virtual stages, stages)."""
+    ``alias_bytes``..., and from the shardings :func:`state_bytes`: ``params_bytes``,
+    ``gradient_bytes``, ``optimizer_bytes``, ``zero``), compile time, and on a mesh with a
+    ``stage`` axis ``pipeline`` (schedule, micro-batches, virtual stages, stages)."""
     program, mesh = _program_and_mesh(spec)
-    compiled, compile_seconds = _compile(program, mesh, spec, optax.sgd(0.1))
+    optimizer = spec.optimizer_transform()
+    compiled, compile_seconds = _compile(program, mesh, spec, optimizer)
     found = normalise_collectives(collectives(compiled.as_text()))
     axes = dict(mesh.shape)
     report = {
@@ -227,7 +298,7 @@ def inspect_step(spec: StepSpec) -> dict:
         "flops": gemm_flops(compiled),
         "xla_flops": xla_flops(compiled),
         "params": program.param_count,
-        "memory": compiled_memory(compiled),
+        "memory": compiled_memory(compiled) | state_bytes(program, mesh, optimizer),
         "compile_seconds": compile_seconds,
     }
     pipeline = _pipeline(program)
@@ -244,13 +315,21 @@ def _pipeline(program) -> dict | None:
             "virtual_stages": pipeline["virtual_stages"], "stages": program.options["stages"]}
 
 
+def _state_megabytes(report: dict) -> float:
+    memory = report["memory"]
+    return sum(memory.get(key, 0) for key in ("params_bytes", "gradient_bytes",
+                                              "optimizer_bytes")) / 1e6
+
+
 def format_report(reports: list[dict]) -> str:
-    """Side-by-side table of several :func:`inspect_step` reports."""
+    """Side-by-side table of several :func:`inspect_step` reports (``state MB``: parameters,
+    gradients and optimizer state per device, :func:`state_bytes`)."""
     lines = []
     mesh_width = max([16, *(len(r["mesh"]) + 2 for r in reports)])
     kind_width = max([16, *(len(op["kind"]) + 2 for r in reports for op in r["collective_ops"])])
     header = (f"{'strategy':<16}{'mesh':<{mesh_width}}{'params':>12}{'GFLOP/dev':>11}"
-              f"{'coll. MB/dev':>13}{'temp MB':>9}  collectives (executions x kind [mesh axes])")
+              f"{'coll. MB/dev':>13}{'temp MB':>9}{'state MB':>10}  collectives (executions x "
+              "kind [mesh axes])")
     lines.append(header)
     lines.append("-" * (len(header) + 10))
     for r in reports:
@@ -259,7 +338,8 @@ def format_report(reports: list[dict]) -> str:
         lines.append(
             f"{r['strategy']:<16}{r['mesh']:<{mesh_width}}{r['params']:>12,}"
             f"{r['flops'] / 1e9:>11.3f}{r['collective_bytes'] / 1e6:>13.3f}"
-            f"{r['memory'].get('temp_bytes', 0) / 1e6:>9.1f}  {colls or 'none'}"
+            f"{r['memory'].get('temp_bytes', 0) / 1e6:>9.1f}{_state_megabytes(r):>10.2f}"
+            f"  {colls or 'none'}"
         )
     lines.append("")
     lines.append("Per collective op (result shape per device, executions per step):")
