@@ -302,6 +302,10 @@ _TRAIN_HELP = {
                   "default 1)",
     "clip_norm": "clip the gradients to this global norm, computed over all shards (default: no "
                  "clipping)",
+    "precision": "mixed precision: float32, bf16 or float16 compute with float32 master weights "
+                 "and optimizer state (float16 with loss scaling)",
+    "remat": "activation checkpointing per layer: none, nothing_saveable, dots_saveable or "
+             "collectives_saveable (keeps collective outputs: a recompute repeats no collective)",
     "sequence_parallel": "transformer under tensor: Megatron sequence parallelism",
     "ghost_width": "phantom: k ghost neurons per rank (and token)",
     "layers": "transformer blocks", "hidden": "transformer width h", "heads": "attention heads",
@@ -386,7 +390,11 @@ def _add_train_parser(sub) -> None:
 
     from jphantom.sharding.zero import STAGES
 
-    choices = {"schedule": SCHEDULES, "zero": STAGES}
+    from jphantom.precision import NAMES as PRECISIONS
+    from jphantom.remat import POLICIES
+
+    choices = {"schedule": SCHEDULES, "zero": STAGES, "precision": PRECISIONS,
+               "remat": tuple(POLICIES)}
     train = sub.add_parser(
         "train", help="train the FFN or the GPT transformer under any strategy and mesh",
         description="Train and write metrics.jsonl, curves.png and results.json into --out. Every "
@@ -453,10 +461,12 @@ def _train(args: argparse.Namespace) -> int:
         print(f"pipeline: {pipe['schedule']}, {pipe['stages']} stages, {pipe['microbatches']} "
               f"micro-batches, {pipe['virtual_stages']} virtual stage(s) per device")
     step = results["step"]
-    if step != {"zero": 0, "accumulate": 1, "clip_norm": None}:
+    if step != {"zero": 0, "accumulate": 1, "clip_norm": None, "precision": "float32",
+                "remat": "none"}:
         print(f"step: ZeRO-{step['zero']}, {step['accumulate']} accumulation micro-batch(es), "
               + ("no clipping" if step["clip_norm"] is None
-                 else f"gradients clipped to global norm {step['clip_norm']:g}"))
+                 else f"gradients clipped to global norm {step['clip_norm']:g}")
+              + f", {step['precision']} compute, remat {step['remat']}")
     print(f"final validation loss {results['final_validation_loss']:.4f}"
           + (f" nats/token; unigram cross-entropy {results['unigram_cross_entropy']:.4f}; "
              f"ratio {results['validation_over_unigram']:.3f}"

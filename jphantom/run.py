@@ -69,6 +69,8 @@ class RunConfig:
     zero: int = 0
     accumulate: int = 1
     clip_norm: float | None = None
+    precision: str = "float32"  # the step's policy: float32, bf16 or float16 (float32 master)
+    remat: str = "none"  # activation checkpointing per layer: jphantom.remat.POLICIES
     # transformer
     layers: int = 4
     hidden: int = 256
@@ -114,6 +116,11 @@ class RunConfig:
         check_int("virtual_stages", self.virtual_stages)
         check_int("zero", self.zero, 0)
         check_int("accumulate", self.accumulate)
+        from jphantom import remat as remat_module
+        from jphantom.precision import Precision
+
+        Precision.named(self.precision)
+        remat_module.check(self.remat)
         if self.clip_norm is not None and (
                 isinstance(self.clip_norm, bool) or not isinstance(self.clip_norm, (int, float))
                 or not math.isfinite(self.clip_norm) or not self.clip_norm > 0):
@@ -148,8 +155,10 @@ class RunConfig:
     def _check_step(self, program) -> None:
         """``accumulate`` and ``clip_norm`` against the program, as ``make_train_step`` would
         check them at trace time."""
-        if not program.manual and (self.accumulate > 1 or self.clip_norm is not None):
-            raise ConfigError(f"--accumulate and --clip-norm run inside the one-shard_map step; "
+        if not program.manual and (self.accumulate > 1 or self.clip_norm is not None
+                                   or self.precision != "float32" or self.remat != "none"):
+            raise ConfigError(f"--accumulate, --clip-norm, --precision and --remat run inside "
+                              f"the one-shard_map step; "
                               f"strategy {self.strategy!r} is not per-rank: use tensor or phantom")
         if self.accumulate == 1:
             return
@@ -353,7 +362,8 @@ def run(config: RunConfig) -> dict:
     opt_state = (init_optimizer_state(program, mesh, optimizer, params) if program.manual
                  else optimizer.init(params))
     step_fn = make_train_step(program, mesh, optimizer, accumulate=config.accumulate,
-                              clip_norm=config.clip_norm)
+                              clip_norm=config.clip_norm, precision=config.precision,
+                              remat=config.remat)
     loss_fn = make_loss_fn(program, mesh)
     shardings = program.batch_shardings(mesh)
     place = lambda pair: tuple(jax.device_put(np.asarray(a), s) for a, s in zip(pair, shardings))
@@ -412,7 +422,8 @@ def run(config: RunConfig) -> dict:
         "loss_units": "nats per token" if config.model == "transformer" else "MSE",
     }
     results["step"] = {"zero": program.zero, "accumulate": config.accumulate,
-                       "clip_norm": config.clip_norm}
+                       "clip_norm": config.clip_norm, "precision": config.precision,
+                       "remat": config.remat}
     pipeline = program.options.get("pipeline")
     if pipeline is not None:
         results["pipeline"] = {"schedule": pipeline["schedule"],

@@ -33,8 +33,10 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jphantom import remat as remat_module
 from jphantom.errors import ConfigError
 from jphantom.mesh import MeshConfig
+from jphantom.precision import Precision
 
 BATCH_AXES = ("data",)  # mesh axes that split the batch (ZeRO, experts and pipelines add theirs)
 
@@ -128,7 +130,8 @@ def zeros_of(struct) -> jax.Array:
     return lax.pcast(zeros, varying, to="varying") if varying else zeros
 
 
-def _per_rank_value_and_grad(program: Program, accumulate: int = 1):
+def _per_rank_value_and_grad(program: Program, accumulate: int = 1, remat_policy: str = "none",
+                             precision: Precision = Precision()):
     """Per rank: (global loss, gradients reduced over the axes each parameter is replicated on;
     with ZeRO >= 2 this rank's slice of them). ``accumulate``: the batch is split into that many
     micro-batches whose gradients are summed before the one reduction."""
@@ -140,17 +143,33 @@ def _per_rank_value_and_grad(program: Program, accumulate: int = 1):
     zero3_autodiff = bool(data) and stage == 3 and program.value_and_grad is None
 
     def local(params, *batch):  # this rank's loss share and gradients, before the data reduction
+        with remat_module.policy_scope(remat_policy):  # every layer traced here is checkpointed so
+            return _local(params, *batch)
+
+    cast, scale = precision.cast, precision.loss_scale
+
+    def scaled_loss(params, *batch):  # the policy's compute dtype inside, float32 (or wider) out
+        loss = program.loss(cast(params), *cast(batch))
+        return loss.astype(jnp.promote_types(loss.dtype, jnp.float32)) * scale
+
+    def unscaled(loss, grads, like):  # gradients back in the master weights' dtype
+        return loss / scale, jax.tree.map(lambda g, p: (g / scale).astype(p.dtype), grads, like)
+
+    def _local(params, *batch):
         if zero3_autodiff:
-            return jax.value_and_grad(
-                lambda shards, *b: program.loss(zero.gathered_params(shards, dims), *b))(
-                    params, *batch)
+            return unscaled(*jax.value_and_grad(
+                lambda shards, *b: scaled_loss(zero.gathered_params(shards, dims), *b))(
+                    params, *batch), params)
+        master = params
         if data and stage == 3:
             params = zero.gathered_params(params, dims)  # pipelines: gathered once per step
         elif data:
             params = lax.pcast(params, data, to="varying")
-        if program.value_and_grad is not None:
-            return program.value_and_grad(params, *batch)
-        return jax.value_and_grad(program.loss)(params, *batch)
+        if program.value_and_grad is not None:  # pipelines run their own backward
+            loss, grads = program.value_and_grad(cast(params), *cast(batch))
+            return loss.astype(jnp.promote_types(loss.dtype, jnp.float32)), jax.tree.map(
+                lambda g, p: g.astype(p.dtype), grads, master)
+        return unscaled(*jax.value_and_grad(scaled_loss)(params, *batch), master)
 
     def reduce(grads):
         if not data or zero3_autodiff:
@@ -190,6 +209,13 @@ def _per_rank_value_and_grad(program: Program, accumulate: int = 1):
     return value_and_grad
 
 
+def _checked_precision(program: Program, precision) -> Precision:
+    precision = Precision.named(precision)
+    if precision.loss_scale != 1.0 and program.value_and_grad is not None:
+        raise ConfigError("loss scaling (float16) is not implemented for pipelines: use bf16")
+    return precision
+
+
 def clip_by_global_norm(grads, specs, max_norm: float):
     """``optax.clip_by_global_norm`` on sharded gradients: the norm is summed over the mesh axes
     each gradient is split on (never over the axes it is replicated on), so it equals the norm of
@@ -207,10 +233,11 @@ def clip_by_global_norm(grads, specs, max_norm: float):
 
 
 def _per_rank_step(program: Program, optimizer, *, accumulate: int = 1,
-                   clip_norm: float | None = None):
+                   clip_norm: float | None = None, remat_policy: str = "none",
+                   precision: Precision = Precision()):
     from jphantom.sharding import zero
 
-    value_and_grad = _per_rank_value_and_grad(program, accumulate)
+    value_and_grad = _per_rank_value_and_grad(program, accumulate, remat_policy, precision)
     stage, dims = program.zero, program.zero_dims
     sliced = stage in (1, 2) and bool(program.batch_axes)
 
@@ -230,32 +257,40 @@ def _per_rank_step(program: Program, optimizer, *, accumulate: int = 1,
     return step
 
 
-def make_value_and_grad(program: Program, mesh: Mesh, *, accumulate: int = 1) -> Callable:
+def make_value_and_grad(program: Program, mesh: Mesh, *, accumulate: int = 1,
+                        remat: str = "none", precision: str | Precision = "float32") -> Callable:
     """``(params, *batch) -> (loss, grads)``: the step without the optimizer (tests, analysis);
     the gradients have ``program.state_specs``."""
     if not program.manual:
         return jax.jit(jax.value_and_grad(program.global_loss(mesh)))
     return jax.jit(jax.shard_map(
-        _per_rank_value_and_grad(program, accumulate), mesh=mesh,
+        _per_rank_value_and_grad(program, accumulate, remat_module.check(remat),
+                                 _checked_precision(program, precision)), mesh=mesh,
         in_specs=(program.param_specs, *program.batch_specs),
         out_specs=(P(), program.state_specs), check_vma=True))
 
 
 def make_train_step(program: Program, mesh: Mesh, optimizer: optax.GradientTransformation, *,
                     donate: bool = True, accumulate: int = 1,
-                    clip_norm: float | None = None) -> Callable:
+                    clip_norm: float | None = None, remat: str = "none",
+                    precision: str | Precision = "float32") -> Callable:
     """``step(params, opt_state, *batch) -> (params, opt_state, loss)``: one ``jax.jit``; for a
     manual program, of one ``jax.shard_map`` over ``mesh`` holding forward, loss, backward, the
     gradient reductions (ZeRO's where ``program.zero``), global-norm clipping (``clip_norm``) and
-    the optax update. ``accumulate``: micro-batches per step, one gradient reduction."""
+    the optax update. ``accumulate``: micro-batches per step, one gradient reduction. ``remat``:
+    the activation-checkpointing policy of every layer (:mod:`jphantom.remat`). ``precision``:
+    the mixed-precision policy (:mod:`jphantom.precision`: float32, bf16, float16)."""
     from jphantom.errors import check_int
 
     check_int("accumulate", accumulate)
+    remat_module.check(remat)
+    precision = _checked_precision(program, precision)
     if clip_norm is not None and not clip_norm > 0:
         raise ConfigError(f"clip_norm={clip_norm!r} must be a positive number, e.g. 1.0")
     donate_argnums = (0, 1) if donate else ()
-    if not program.manual and (accumulate > 1 or clip_norm is not None):
-        raise ConfigError(f"accumulate and clip_norm run inside the one-shard_map step; strategy "
+    if not program.manual and (accumulate > 1 or clip_norm is not None or remat != "none"
+                               or not precision.is_default):
+        raise ConfigError(f"accumulate, clip_norm, remat and precision run in the one-shard_map step; strategy "
                           f"{program.strategy!r} is not per-rank: use tensor or phantom")
     if not program.manual:
         global_loss = program.global_loss(mesh)
@@ -269,7 +304,8 @@ def make_train_step(program: Program, mesh: Mesh, optimizer: optax.GradientTrans
     params_shape = jax.eval_shape(program.init, jax.random.PRNGKey(0))
     opt_specs = optimizer_state_specs(optimizer, params_shape, program.state_specs)
     sharded = jax.shard_map(
-        _per_rank_step(program, optimizer, accumulate=accumulate, clip_norm=clip_norm), mesh=mesh,
+        _per_rank_step(program, optimizer, accumulate=accumulate, clip_norm=clip_norm,
+                       remat_policy=remat, precision=precision), mesh=mesh,
         in_specs=(program.param_specs, opt_specs, *program.batch_specs),
         out_specs=(program.param_specs, opt_specs, P()), check_vma=True)
     return jax.jit(sharded, donate_argnums=donate_argnums)

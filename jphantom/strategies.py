@@ -156,7 +156,9 @@ def _feature_stages(config: FFNConfig, mesh: MeshConfig, stacked_units: int, uni
 
     def loss(_, y, t, microbatches):
         y = last(y)
-        return jnp.sum(jnp.square(y - t)) / (t.shape[0] * microbatches * data * config.width)
+        wide = jnp.promote_types(y.dtype, jnp.float32)
+        return jnp.sum(jnp.square(y.astype(wide) - t.astype(wide))) / (
+            t.shape[0] * microbatches * data * config.width)
 
     return Stages(units=stacked_units, unit_name=unit_name, split=lambda params: (params, {}),
                   join=lambda stacked, rest: stacked, first=lambda _, x: first(x),
@@ -175,7 +177,9 @@ def _feature_program(name, config: FFNConfig, mesh: MeshConfig, *, init, specs, 
 
     def loss(params, x, t):
         y = per_rank(params, x, axis=axis)
-        return jnp.sum(jnp.square(y - t)) / (x.shape[0] * total * config.width)
+        wide = jnp.promote_types(y.dtype, jnp.float32)  # reduce in at least float32
+        return jnp.sum(jnp.square(y.astype(wide) - t.astype(wide))) / (
+            x.shape[0] * total * config.width)
 
     if FEATURE_AXIS not in mesh.shape:
         raise ConfigError(f"strategy {name!r} shards features over the 'model' axis: add it to the "

@@ -50,6 +50,7 @@ def test_quick_benchmark_writes_every_strategy(tmp_path, capsys):
     assert "Targets:" in printed and "phantom-unfused" in printed
 
 
+@pytest.mark.slow  # five compiled transformer steps: ~30 s
 def test_quick_transformer_benchmark_reports_every_strategy(tmp_path):
     """The transformer benchmark runs (tiny sizes) and reports each strategy; its targets are
     printed, never asserted (speed lives in benchmarks)."""

@@ -97,6 +97,7 @@ def test_cli_compare_fails_fast_on_bad_input(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow  # a full compare run through the CLI: ~7 s
 def test_cli_compare_with_an_unreachable_target_still_reports(tmp_path, capsys):
     """No run reaches --target-loss 1e-9: the table is printed (iterations '-'), results.json and
     the plot (log scales with nothing positive to show) are written."""

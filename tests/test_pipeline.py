@@ -124,7 +124,7 @@ def _dense_oracle(model_config, dense_equivalent):
 @pytest.mark.parametrize("strategy, mesh, schedule, microbatches, virtual_stages, sp", [
     pytest.param("tensor", "stage=4", "1f1b", 4, 1, False, marks=pytest.mark.slow),
     pytest.param("tensor", "stage=2", "gpipe", 1, 1, False, marks=pytest.mark.slow),
-    ("tensor", "stage=2,data=2,model=2", "1f1b", 4, 1, False),
+    pytest.param("tensor", "stage=2,data=2,model=2", "1f1b", 4, 1, False, marks=pytest.mark.slow),
     ("tensor", "stage=2,data=2,model=2", "interleaved-1f1b", 2, 2, True),
     pytest.param("phantom", "stage=2,data=2,model=2", "gpipe", 2, 1, False,
                  marks=pytest.mark.slow),

@@ -74,7 +74,8 @@ def _check_three_adam_steps(strategy, mesh_text, zero):
 @pytest.mark.parametrize("strategy, mesh, zero", [
     ("tensor", "data=2,model=4", 0), ("tensor", "data=2,model=4", 1),
     ("tensor", "data=2,model=4", 2), ("tensor", "data=4,model=2", 3),
-    ("phantom", "data=4,model=2", 1), ("phantom", "data=2,model=4", 3),
+    pytest.param("phantom", "data=4,model=2", 1, marks=pytest.mark.slow),
+    ("phantom", "data=2,model=4", 3),
     pytest.param("tensor", "data=4,model=2", 1, marks=pytest.mark.slow),
     pytest.param("tensor", "data=4,model=2", 2, marks=pytest.mark.slow),
     pytest.param("tensor", "data=2,model=4", 3, marks=pytest.mark.slow),

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jphantom import remat
 from jphantom.errors import ConfigError, check_int
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -169,7 +170,8 @@ def trunk(layers: Layers, config: TransformerConfig, params: dict, tokens: jax.A
 
 def blocks(layers: Layers, config: TransformerConfig, stacked: dict, h: jax.Array) -> jax.Array:
     """The blocks stacked [L', ...] in ``stacked``, under ``lax.scan`` (a pipeline stage's body)."""
-    h, _ = lax.scan(lambda h, p: (block(layers, config, p, h), None), h, stacked)
+    one = remat.layer(lambda p, h: block(layers, config, p, h))  # the step's checkpoint policy
+    h, _ = lax.scan(lambda h, p: (one(p, h), None), h, stacked)
     return h
 
 

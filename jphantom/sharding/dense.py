@@ -21,6 +21,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jphantom import remat
 from jphantom.sharding._common import check_depth, check_width, normal
 
 Params = dict[str, jax.Array]
@@ -38,13 +39,15 @@ def stack(layer: Callable, params, y: jax.Array) -> jax.Array:
     """``layer(p_0, y)``, then ``layer(p_l, relu(y))`` for l = 1..L-1 under ``lax.scan``.
 
     ``params`` is any pytree stacked over a leading depth axis; ``layer(p, y)`` maps one layer's
-    slice and its input to the pre-activation. No activation after the last layer.
+    slice and its input to the pre-activation. No activation after the last layer. Each layer is
+    checkpointed with the step's activation-checkpointing policy (:mod:`jphantom.remat`).
     """
-    y = layer(jax.tree.map(lambda a: a[0], params), y)
+    y = remat.layer(layer)(jax.tree.map(lambda a: a[0], params), y)
     rest = jax.tree.map(lambda a: a[1:], params)
     if jax.tree.leaves(rest)[0].shape[0] == 0:
         return y
-    y, _ = lax.scan(lambda h, p: (layer(p, jax.nn.relu(h)), None), y, rest)
+    after_relu = remat.layer(lambda p, h: layer(p, jax.nn.relu(h)))
+    y, _ = lax.scan(lambda h, p: (after_relu(p, h), None), y, rest)
     return y
 
 

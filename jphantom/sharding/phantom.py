@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from jphantom.errors import ConfigError, JPhantomWarning
 from jphantom.mesh import axis_size
+from jphantom import remat
 from jphantom.sharding import dense
 from jphantom.sharding._common import (check_depth, check_input, check_width, normal,
                                        offdiagonal_mask)
@@ -351,9 +352,9 @@ def ffn_per_rank(params: Params, y: jax.Array, *, axis: str, fused: bool = True)
     num_shards = lax.axis_size(axis)
     layers = jax.tree.map(lambda a: a[:, 0], params)  # [L, ...] this rank's blocks
 
-    def layer(p, y):
-        return phantom_layer(axis, num_shards, fused, y, p["local"], p["compress"],
-                             p["decompress"], p["bias"])
+    def layer(p, y):  # the output holds the ghosts' all-gather: named for collectives_saveable
+        return remat.name_collective(phantom_layer(axis, num_shards, fused, y, p["local"],
+                                                   p["compress"], p["decompress"], p["bias"]))
 
     # Layer 0 outside the scan (jphantom.sharding.dense.stack): its dL/dy is dead and XLA drops it.
     return dense.stack(layer, layers, y)

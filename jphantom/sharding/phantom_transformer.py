@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jphantom import remat
 from jphantom.sharding import phantom, vocab
 from jphantom.sharding._common import normal
 
@@ -149,7 +150,7 @@ class TransformerLayers:
         z = phantom.phantom_layer(self.axis, lax.axis_size(self.axis), self.fused,
                                   x.reshape(batch * seq, features), p["local"], p["compress"],
                                   p["decompress"], p["bias"])  # all-gather of B*S*p*k
-        return z.reshape(batch, seq, -1)
+        return remat.name_collective(z.reshape(batch, seq, -1))  # holds the ghosts' all-gather
 
     def column(self, p, x):
         return self._phantom(p, x)

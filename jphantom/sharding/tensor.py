@@ -51,6 +51,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jphantom import remat
 from jphantom.sharding import dense
 
 Params = dict
@@ -75,7 +76,7 @@ def t1_per_rank(params: Params, y: jax.Array, *, axis: str) -> jax.Array:
     """T1 FFN on one rank: y [B, n/p] -> [B, n/p]; params weight [L, n/p, n], bias [L, n/p]."""
 
     def layer(p, y):
-        y_full = lax.all_gather(y, axis, axis=1, tiled=True)  # [B, n]; backward: reduce-scatter
+        y_full = remat.name_collective(lax.all_gather(y, axis, axis=1, tiled=True))  # [B, n]
         return y_full @ p["weight"].T + p["bias"]  # [B, n/p], own output rows
 
     return dense.stack(layer, params, y)
@@ -118,7 +119,8 @@ def column_parallel(p, y_full, axis):
 
 def row_parallel(p, y_block, axis):
     """Megatron row-parallel layer: own input features [B, n/p] in, replicated [B, n] out."""
-    return lax.psum(y_block @ p["weight"].T, axis) + p["bias"]  # g: all-reduce of B*n; backward free
+    # g: all-reduce of B*n; backward free
+    return remat.name_collective(lax.psum(y_block @ p["weight"].T, axis)) + p["bias"]
 
 
 def _slice_own(axis, y_full):
@@ -271,7 +273,7 @@ class TransformerLayers:
 
     def _to_full(self, x):
         if self.sequence_parallel:  # all-gather of the sequence, B*S*h; backward reduce-scatter
-            return lax.all_gather(x, self.axis, axis=1, tiled=True)
+            return remat.name_collective(lax.all_gather(x, self.axis, axis=1, tiled=True))
         return lax.pcast(x, self.axis, to="varying")  # f: identity; backward all-reduce of B*S*h
 
     def column(self, p, x):
@@ -282,8 +284,9 @@ class TransformerLayers:
     def row(self, p, x):
         partial_sum = x @ p["weight"]  # [B, S, h] partial over the model axis
         if self.sequence_parallel:  # reduce-scatter to B*S*h/p; backward all-gather
-            return lax.psum_scatter(partial_sum, self.axis, scatter_dimension=1, tiled=True) + p["bias"]
-        return lax.psum(partial_sum, self.axis) + p["bias"]  # g: all-reduce of B*S*h
+            return remat.name_collective(lax.psum_scatter(
+                partial_sum, self.axis, scatter_dimension=1, tiled=True)) + p["bias"]
+        return remat.name_collective(lax.psum(partial_sum, self.axis)) + p["bias"]  # g: all-reduce
 
     def logits(self, params, h):
         """This rank's vocabulary slice of the logits, [B, S, V/p] (full sequence)."""

@@ -1,0 +1,89 @@
+"""Activation checkpointing per layer, with named ``jax.checkpoint`` policies.
+
+Every stack of layers in jphantom (the FFN's :func:`jphantom.sharding.dense.stack`, the
+transformer's :func:`jphantom.models.transformer.blocks`) applies its layers through
+:func:`layer`, which wraps the per-layer function in ``jax.checkpoint`` with the policy active
+while the step is traced (:func:`policy_scope`, set by :mod:`jphantom.step`). Models stay free of
+the choice: the step says how, the layers say what.
+
+Policies (``POLICIES``):
+
+``none``
+    keep every residual autodiff wants (no recompute).
+``nothing_saveable``
+    keep only each layer's input; the backward recomputes the layer's forward (Chen et al.'s
+    sqrt-memory scheme per layer; the recompute repeats the layer's collectives).
+``dots_saveable``
+    keep the matmul outputs (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``),
+    recompute the element-wise work.
+``collectives_saveable``
+    keep the outputs of the layer's collectives -- every tensor-parallel all-gather / all-reduce
+    output is named ``"collective"`` (:func:`name_collective`) -- so a recompute never repeats a
+    collective; everything else is recomputed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+from jphantom.errors import ConfigError
+
+COLLECTIVE = "collective"
+
+POLICIES: dict[str, Callable | None] = {
+    "none": None,
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "collectives_saveable": jax.checkpoint_policies.save_only_these_names(COLLECTIVE),
+}
+
+_ACTIVE: contextvars.ContextVar[str] = contextvars.ContextVar("jphantom_remat", default="none")
+
+
+def check(name: str) -> str:
+    if name not in POLICIES:
+        raise ConfigError(f"remat={name!r}: use one of {', '.join(POLICIES)}")
+    return name
+
+
+@contextlib.contextmanager
+def policy_scope(name: str):
+    """Layers traced inside this block are checkpointed with policy ``name``."""
+    token = _ACTIVE.set(check(name))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def layer(fn: Callable) -> Callable:
+    """``fn(params, x) -> y`` of one layer, checkpointed with the active policy (if any)."""
+    name = _ACTIVE.get()
+    if name == "none":
+        return fn
+    return jax.checkpoint(fn, policy=POLICIES[name])
+
+
+def name_collective(x):
+    """Mark a collective's output, so that ``collectives_saveable`` keeps it."""
+    return checkpoint_name(x, COLLECTIVE)
+
+
+def residual_bytes(fn: Callable, params, x, policy: str) -> int:
+    """Bytes autodiff keeps between the forward and the backward of one call ``fn(params, x)``
+    under ``policy``: the leaves of ``jax.vjp``'s residuals other than the parameters and the
+    input themselves (which live anyway). The prediction of what a policy saves per layer.
+    Abstract: nothing is computed. Inside a ``shard_map`` (collectives) call it per rank."""
+    wrapped = fn if check(policy) == "none" else jax.checkpoint(fn, policy=POLICIES[policy])
+
+    def probe(p, x):
+        _, vjp_fn = jax.vjp(wrapped, p, x)
+        inputs = jax.tree.leaves((p, x))
+        return [leaf for leaf in jax.tree.leaves(vjp_fn) if not any(leaf is q for q in inputs)]
+
+    return sum(a.size * a.dtype.itemsize for a in jax.eval_shape(probe, params, x))
