@@ -42,7 +42,11 @@ POLICIES: dict[str, Callable | None] = {
     "collectives_saveable": jax.checkpoint_policies.save_only_these_names(COLLECTIVE),
 }
 
+FETCHED = "fetched_parameters"  # ZeRO-3's per-layer gathered parameters: never saved
+
 _ACTIVE: contextvars.ContextVar[str] = contextvars.ContextVar("jphantom_remat", default="none")
+_FETCH: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("jphantom_fetch",
+                                                                        default=None)
 
 
 def check(name: str) -> str:
@@ -61,12 +65,38 @@ def policy_scope(name: str):
         _ACTIVE.reset(token)
 
 
+@contextlib.contextmanager
+def fetch_scope(fetch: Callable):
+    """Layers traced inside this block apply ``fetch`` to their parameters first (ZeRO-3's
+    per-layer all-gather); what it returns is named :data:`FETCHED` and never saved for the
+    backward, which fetches again. Under the policy ``none`` such layers keep their matmul outputs
+    (``dots_saveable``): keeping everything would keep values derived from the fetched
+    parameters, such as a transposed weight, and the backward would not fetch again."""
+    token = _FETCH.set(fetch)
+    try:
+        yield
+    finally:
+        _FETCH.reset(token)
+
+
+def _without_fetched(policy):
+    never = jax.checkpoint_policies.save_anything_except_these_names(FETCHED)
+    if policy is None:
+        return never
+    return lambda *args, **kwargs: never(*args, **kwargs) and policy(*args, **kwargs)
+
+
 def layer(fn: Callable) -> Callable:
-    """``fn(params, x) -> y`` of one layer, checkpointed with the active policy (if any)."""
-    name = _ACTIVE.get()
-    if name == "none":
-        return fn
-    return jax.checkpoint(fn, policy=POLICIES[name])
+    """``fn(params, x) -> y`` of one layer, checkpointed with the active policy (if any), its
+    parameters fetched first inside a :func:`fetch_scope`."""
+    name, fetch = _ACTIVE.get(), _FETCH.get()
+    if fetch is None:
+        return fn if name == "none" else jax.checkpoint(fn, policy=POLICIES[name])
+    fetched = lambda p, x: fn(jax.tree.map(lambda a: checkpoint_name(a, FETCHED), fetch(p)), x)
+    # "none" would keep whatever autodiff wants, including values derived from the fetched
+    # parameters (a transposed weight): keep the matmul outputs instead, recompute the rest.
+    policy = POLICIES["dots_saveable" if name == "none" else name]
+    return jax.checkpoint(fetched, policy=_without_fetched(policy))
 
 
 def name_collective(x):

@@ -155,11 +155,21 @@ def _per_rank_value_and_grad(program: Program, accumulate: int = 1, remat_policy
     def unscaled(loss, grads, like):  # gradients back in the master weights' dtype
         return loss / scale, jax.tree.map(lambda g, p: (g / scale).astype(p.dtype), grads, like)
 
+    def zero3_loss(shards, *batch):
+        """ZeRO-3: layers gather their own parameters (a fetch scope), the rest once."""
+        stages = program.stages
+        if stages is None:
+            return scaled_loss(zero.gathered_params(shards, dims), *batch)
+        stacked, rest = stages.split(shards)
+        stacked_dims, rest_dims = stages.split(dims)
+        per_layer = zero.layer_dims(stacked, stacked_dims)
+        with remat_module.fetch_scope(lambda p: zero.gathered_layer(p, per_layer)):
+            return scaled_loss(stages.join(stacked, zero.gathered_params(rest, rest_dims)),
+                               *batch)
+
     def _local(params, *batch):
         if zero3_autodiff:
-            return unscaled(*jax.value_and_grad(
-                lambda shards, *b: scaled_loss(zero.gathered_params(shards, dims), *b))(
-                    params, *batch), params)
+            return unscaled(*jax.value_and_grad(zero3_loss)(params, *batch), params)
         master = params
         if data and stage == 3:
             params = zero.gathered_params(params, dims)  # pipelines: gathered once per step

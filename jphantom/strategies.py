@@ -249,10 +249,10 @@ class TensorStrategy(_Base):
                 stages=_feature_stages(config, mesh, config.depth, "depth",
                                        lambda chunk, x: tensor.t1_per_rank(chunk, x, axis=axis)))
         stages = None
-        if STAGE_AXIS in mesh.shape:
-            if config.depth % 2:
-                raise ConfigError(f"pipelined Megatron FFN stages hold whole (column, row) layer "
-                                  f"pairs: depth={config.depth} must be even")
+        if STAGE_AXIS in mesh.shape and config.depth % 2:
+            raise ConfigError(f"pipelined Megatron FFN stages hold whole (column, row) layer "
+                              f"pairs: depth={config.depth} must be even")
+        if config.depth % 2 == 0:  # whole pairs: pipelines and ZeRO-3's per-layer gather
             stages = _feature_stages(
                 config, mesh, config.depth // 2, "layer pairs (depth / 2)",
                 lambda chunk, x: tensor.megatron_pairs(chunk, x, axis=axis),

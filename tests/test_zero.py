@@ -108,9 +108,9 @@ def test_zero_trains_like_one_device(strategy, mesh, zero):
 
 
 @functools.lru_cache(maxsize=None)
-def _data_collectives(zero, accumulate=1):
+def _data_collectives(zero, accumulate=1, depth=DEPTH):
     """Per kind: result elements per device per step of the collectives over ``data`` alone."""
-    program, mesh = _program("tensor", "data=4,model=2", zero)
+    program, mesh = _program("tensor", "data=4,model=2", zero, depth)
     optimizer = optax.sgd(0.1)
     shapes = jax.eval_shape(program.init, jax.random.PRNGKey(0))
     abstract = lambda tree, specs: jax.tree.map(
@@ -131,27 +131,27 @@ def _data_collectives(zero, accumulate=1):
     sizes = lambda specs: [int(np.prod(s.shard_shape(a.shape))) for a, s in zip(
         jax.tree.leaves(shapes), jax.tree.leaves(program.shardings(mesh, specs)))]
     local = sizes(program.param_specs if zero < 3 else program.state_specs)  # per-rank params
-    full = sizes(strategies.get("tensor").program(FFNConfig(WIDTH, DEPTH), program.mesh)
+    full = sizes(strategies.get("tensor").program(FFNConfig(WIDTH, depth), program.mesh)
                  .param_specs)
     dims = jax.tree.leaves(program.zero_dims) if zero else [-1] * len(full)
-    return found, full, local, dims
+    return found, full, local, dims, [a.ndim for a in jax.tree.leaves(shapes)]
 
 
 def test_plain_data_parallelism_all_reduces_every_gradient_once():
-    found, full, _, _ = _data_collectives(0)
+    found, full, _, _, _ = _data_collectives(0)
     assert found == {"all-reduce": sum(full)}
 
 
 def test_zero1_all_reduces_gradients_and_all_gathers_updated_parameters():
     """Seed 001's ZeRO-1: the gradient all-reduce of DP, then each rank updates its 1/D slice and
     the slices are all-gathered (result elements: the whole parameter)."""
-    found, full, _, dims = _data_collectives(1)
+    found, full, _, dims, _ = _data_collectives(1)
     split = sum(n for n, d in zip(full, dims) if d >= 0)
     assert found == {"all-reduce": sum(full), "all-gather": split}
 
 
 def test_zero2_reduce_scatters_gradients_and_all_gathers_updated_parameters():
-    found, full, _, dims = _data_collectives(2)
+    found, full, _, dims, _ = _data_collectives(2)
     split = sum(n for n, d in zip(full, dims) if d >= 0)
     replicated = sum(full) - split
     expected = {"reduce-scatter": split // 4, "all-gather": split}
@@ -160,13 +160,19 @@ def test_zero2_reduce_scatters_gradients_and_all_gathers_updated_parameters():
     assert found == expected
 
 
-def test_zero3_gathers_parameters_and_reduce_scatters_gradients():
-    """ZeRO-3 (gather once per step, ``jphantom.sharding.zero``): each split parameter
-    all-gathered once and its gradient reduce-scattered; parameters sharded at rest."""
-    found, full, local, dims = _data_collectives(3)
+def test_zero3_gathers_each_layer_for_forward_and_again_for_backward():
+    """ZeRO-3: each layer's split parameters all-gathered in the forward scan and again in the
+    backward scan (the gathered copy is never kept: only one layer is ever whole), and the
+    gradient reduce-scattered layer by layer; parameters sharded at rest (seed 001 Table 2)."""
+    pairs = 4  # depth 8: Megatron's first (column, row) pair, then 3 under lax.scan
+    found, full, local, dims, ndims = _data_collectives(3, depth=2 * pairs)
     split = sum(n for n, d in zip(full, dims) if d >= 0)
     replicated = sum(full) - split
-    expected = {"all-gather": split, "reduce-scatter": split // 4}
+    # The backward needs the weights again (not the biases) in every scanned pair; the first
+    # pair's regather is outside any loop and XLA merges it with its forward gather.
+    weights_again = sum(n for n, d, k in zip(full, dims, ndims) if d >= 0 and k == 3)
+    expected = {"all-gather": split + weights_again * (pairs - 1) // pairs,
+                "reduce-scatter": split // 4}
     if replicated:
         expected["all-reduce"] = replicated
     assert found == expected

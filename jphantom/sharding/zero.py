@@ -16,11 +16,14 @@ stage  sharded over ``data``       one step, per parameter of P elements (D data
                                    transpose under autodiff), local update
 =====  ==========================  ===================================================  ===========
 
-ZeRO-3 here shards the parameters *between* steps (P/D per device at rest, the optimizer and the
-gradients likewise) and gathers the whole model once per step; the gathered copy lives through
-the backward. Seed 001's ZeRO-3 gathers each layer again for the backward so that only one layer is
-ever whole; that needs the gather inside the layers' scan under ``jax.checkpoint`` and is not done
-yet (a regather of the whole tree is merged with the first by XLA's CSE).
+ZeRO-3 gathers layer by layer: the layers stacked over depth (a model's
+:class:`jphantom.pipeline.runner.Stages`) are split along a dimension other than the layer axis,
+and each layer all-gathers its own parameters inside the layers' ``lax.scan``
+(:func:`jphantom.remat.fetch_scope`), under ``jax.checkpoint`` with the gathered copy never saved,
+so the backward scan gathers each layer again and only one layer is ever whole; the gradient's
+reduce-scatter (the gather's transpose) runs per layer too. The parameters outside the stack
+(embeddings, final norm, head) are gathered once per step, as are all parameters of a program
+without stages (the Megatron FFN of odd depth) or with its own backward (pipelines).
 
 Each parameter is split over ``data`` along one dimension that no other mesh axis splits: the
 largest whose size is divisible by D (:func:`layout`). A parameter with no such dimension (a bias
@@ -51,12 +54,15 @@ def _spec_axes(spec: P) -> set[str]:
     return axes
 
 
-def choose_dim(shape: tuple[int, ...], spec: P, data: int) -> int:
+def choose_dim(shape: tuple[int, ...], spec: P, data: int, stacked: bool = False) -> int:
     """The dimension of a parameter to split over ``data``: the largest one no other axis splits
-    whose size is divisible by ``data``; -1 when there is none (the parameter stays replicated)."""
+    whose size is divisible by ``data`` (for ``stacked`` layers never the leading layer axis, so
+    that each layer's slice is split the same way); -1 when there is none (the parameter stays
+    replicated)."""
     entries = tuple(spec) + (None,) * (len(shape) - len(spec))
     candidates = [i for i, (size, entry) in enumerate(zip(shape, entries))
-                  if entry is None and size % data == 0 and size >= data]
+                  if entry is None and size % data == 0 and size >= data
+                  and not (stacked and i == 0)]
     return max(candidates, key=lambda i: (shape[i], -i)) if candidates else -1
 
 
@@ -67,6 +73,16 @@ def sharded_spec(spec: P, dim: int, ndim: int) -> P:
     entries = list(tuple(spec) + (None,) * (ndim - len(spec)))
     entries[dim] = DATA_AXIS
     return P(*entries)
+
+
+def stacked_flags(program, tree):
+    """Per parameter: is it stacked over layers (applied one layer at a time)? From the
+    program's :class:`jphantom.pipeline.runner.Stages`; all False without them."""
+    if program.stages is None:
+        return jax.tree.map(lambda _: False, tree)
+    stacked, rest = program.stages.split(tree)
+    return program.stages.join(jax.tree.map(lambda _: True, stacked),
+                               jax.tree.map(lambda _: False, rest))
 
 
 def apply(program, stage: int):
@@ -87,8 +103,9 @@ def apply(program, stage: int):
                           f"'data=2,{mesh}'")
     shapes = jax.eval_shape(program.init, jax.random.PRNGKey(0))
     is_spec = lambda s: isinstance(s, P)
-    dims = jax.tree.map(lambda a, s: choose_dim(a.shape, s, data), shapes, program.param_specs,
-                        is_leaf=is_spec)
+    stacked = stacked_flags(program, shapes)
+    dims = jax.tree.map(lambda a, s, k: choose_dim(a.shape, s, data, k), shapes,
+                        program.param_specs, stacked, is_leaf=is_spec)
     if any(DATA_AXIS in _spec_axes(s) for s in jax.tree.leaves(program.param_specs, is_leaf=is_spec)):
         raise ConfigError("a parameter is already split over 'data'")
     state_specs = jax.tree.map(lambda a, s, d: sharded_spec(s, d, a.ndim), shapes,
@@ -126,6 +143,21 @@ def gather(x: jax.Array, dim: int, *, invariant: bool) -> jax.Array:
 def reduce_scatter(g: jax.Array, dim: int) -> jax.Array:
     """Sum over ``data`` of per-rank gradients, each rank keeping its slice along ``dim``."""
     return lax.psum_scatter(g, DATA_AXIS, scatter_dimension=dim, tiled=True)
+
+
+def layer_dims(stacked_shards, stacked_dims):
+    """The split dimension of each stacked parameter counted from the end (a layer's slice drops
+    the leading axes, the trailing ones stay), or ``"replicated"``."""
+    return jax.tree.map(lambda a, d: d - a.ndim if d >= 0 else "replicated", stacked_shards,
+                        stacked_dims)
+
+
+def gathered_layer(params, dims):
+    """ZeRO-3 inside a layer: this layer's parameters all-gathered over ``data`` (``dims`` from
+    :func:`layer_dims`); run again by the backward of the checkpointed layer."""
+    return jax.tree.map(
+        lambda x, d: lax.pcast(x, DATA_AXIS, to="varying") if d == "replicated"
+        else gather(x, x.ndim + d, invariant=False), params, dims)
 
 
 def gathered_params(shards, dims):
