@@ -128,7 +128,7 @@ def _inspect(args: argparse.Namespace) -> int:
         mesh = MeshConfig.of({"model": args.shards or jax.device_count()})
     pipeline = dict(schedule=args.schedule, microbatches=args.microbatches,
                     virtual_stages=args.virtual_stages, zero=args.zero,
-                    accumulate=args.accumulate)
+                    accumulate=args.accumulate, precision=args.precision, remat=args.remat)
     reports = []
     for name in dict.fromkeys(args.strategy):
         spec = StepSpec(strategy=name, width=args.width, depth=args.depth, batch=args.batch,
@@ -539,6 +539,14 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="sgd",
                          help="the step's optimizer: sgd has no state, adam and adamw two moments "
                               "per parameter (default sgd)")
+    inspect.add_argument("--precision", choices=("float32", "bf16", "float16"), default="float32",
+                         help="mixed-precision policy of the step: compute dtype, float32 master "
+                              "weights (default float32)")
+    inspect.add_argument("--remat", default="none",
+                         choices=("none", "nothing_saveable", "dots_saveable",
+                                  "collectives_saveable"),
+                         help="activation checkpointing per layer; the memory report's temp_bytes "
+                              "shows what it saves (default none)")
     inspect.add_argument("--dtype", default="float32",
                          choices=("float32", "bfloat16", "float16", "float64"))
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -109,3 +109,15 @@ def test_inspect_zero2_gradients_sgd_state_and_table(capsys):
     assert _exit_code(["inspect", "--strategy", "tensor-t1", "--mesh", "model=8", "--width", "16",
                        "--batch", "16", "--zero", "1"]) == 2
     assert "shards over the 'data' axis" in capsys.readouterr().err
+
+
+def test_inspect_refuses_bad_precision_and_remat_before_compiling():
+    from jphantom.analysis.inspect import StepSpec
+    from jphantom.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="precision='fp8'"):
+        StepSpec(strategy="tensor", width=8, depth=2, batch=8, mesh="model=2", precision="fp8")
+    with pytest.raises(ConfigError, match="remat='all'"):
+        StepSpec(strategy="tensor", width=8, depth=2, batch=8, mesh="model=2", remat="all")
+    with pytest.raises(ConfigError, match="precision and remat run inside"):
+        StepSpec(strategy="gspmd", width=8, depth=2, batch=8, mesh="model=2", remat="dots_saveable")

@@ -73,6 +73,8 @@ class StepSpec:
     zero: int = 0
     accumulate: int = 1
     optimizer: str = "sgd"
+    precision: str = "float32"
+    remat: str = "none"
 
     def __post_init__(self):
         strategy = strategies.get(self.strategy)
@@ -92,11 +94,19 @@ class StepSpec:
             raise ConfigError(f"optimizer={self.optimizer!r}; use one of {tuple(OPTIMIZERS)}")
         check_int("zero", self.zero, 0)
         check_int("accumulate", self.accumulate)
+        from jphantom import remat
+        from jphantom.precision import Precision
+
+        Precision.named(self.precision)
+        remat.check(self.remat)
         self.pipeline_config()  # the batch against the micro-batches, before any compile
         program = self.program()  # the strategy validates the shapes (and the ZeRO stage)
         self._check_accumulate(program)
 
     def _check_accumulate(self, program) -> None:
+        if not program.manual and (self.precision != "float32" or self.remat != "none"):
+            raise ConfigError(f"precision and remat run inside the one-shard_map step; strategy "
+                              f"{self.strategy!r} is not per-rank: use tensor or phantom")
         if self.accumulate == 1:
             return
         if not program.manual:
@@ -207,7 +217,8 @@ def _compile(program, mesh, spec: StepSpec, optimizer):
     params, opt_state = _abstract_state(program, mesh, optimizer)
     batch = tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=s)
                   for (shape, dtype), s in zip(spec.batch_shapes(), program.batch_shardings(mesh)))
-    step = make_train_step(program, mesh, optimizer, accumulate=spec.accumulate)
+    step = make_train_step(program, mesh, optimizer, accumulate=spec.accumulate,
+                           precision=spec.precision, remat=spec.remat)
     start = time.perf_counter()
     compiled = step.lower(params, opt_state, *batch).compile()
     return compiled, time.perf_counter() - start
@@ -263,8 +274,30 @@ def state_bytes(program, mesh, optimizer) -> dict[str, int]:
     grad_specs = program.state_specs if program.zero >= 2 else program.param_specs
     grads = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          jax.eval_shape(lambda: params), program.shardings(mesh, grad_specs))
-    return {"params_bytes": per_device_bytes(params), "gradient_bytes": per_device_bytes(grads),
-            "optimizer_bytes": per_device_bytes(opt_state), "zero": program.zero}
+    out = {"params_bytes": per_device_bytes(params), "gradient_bytes": per_device_bytes(grads),
+           "optimizer_bytes": per_device_bytes(opt_state), "zero": program.zero}
+    out["model_state_bytes"] = sum(out[k] for k in ("params_bytes", "gradient_bytes",
+                                                    "optimizer_bytes"))
+    out.update(zero_formula_bytes(program, mesh, params, opt_state))
+    return out
+
+
+def zero_formula_bytes(program, mesh, params, opt_state) -> dict[str, float]:
+    """ZeRO's model-state bytes per device for Adam (seed 001 Sec. 1.4, Table 1), with P the
+    parameters per model-parallel rank (the ``data`` axis aside) and N the data-parallel degree:
+    seed 001's mixed-precision figures (2-byte parameters and gradients, 12 bytes of float32
+    master weights and moments): 16P, 4P + 12P/N, 2P + 14P/N, 16P/N; and jphantom's, whose float32
+    parameters are the master weights (no separate copy: the compute dtype is a cast inside the
+    step): 4P parameters + 4P gradients + 8P moments = 16P, 8P + 8P/N, 4P + 12P/N, 16P/N. Only
+    meaningful for Adam-like optimizers (two moments)."""
+    n = mesh.shape.get("data", 1)
+    per_rank = sum(math.prod(a.sharding.shard_shape(a.shape)) for a in jax.tree.leaves(params))
+    p = per_rank * (n if program.zero == 3 else 1)  # the parameters a rank holds without ZeRO-3
+    seed001 = {0: 16 * p, 1: 4 * p + 12 * p / n, 2: 2 * p + 14 * p / n, 3: 16 * p / n}
+    ours = {0: 16 * p, 1: 8 * p + 8 * p / n, 2: 4 * p + 12 * p / n, 3: 16 * p / n}
+    return {"model_state_formula_bytes": ours[program.zero],
+            "seed001_formula_bytes": seed001[program.zero], "data_parallel": n,
+            "params_per_model_rank": p}
 
 
 def inspect_step(spec: StepSpec) -> dict:
