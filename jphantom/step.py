@@ -131,7 +131,7 @@ def zeros_of(struct) -> jax.Array:
 
 
 def _per_rank_value_and_grad(program: Program, accumulate: int = 1, remat_policy: str = "none",
-                             precision: Precision = Precision()):
+                             precision: Precision = Precision(), communicate: bool = True):
     """Per rank: (global loss, gradients reduced over the axes each parameter is replicated on;
     with ZeRO >= 2 this rank's slice of them). ``accumulate``: the batch is split into that many
     micro-batches whose gradients are summed before the one reduction."""
@@ -182,7 +182,7 @@ def _per_rank_value_and_grad(program: Program, accumulate: int = 1, remat_policy
         return unscaled(*jax.value_and_grad(scaled_loss)(params, *batch), master)
 
     def reduce(grads):
-        if not data or zero3_autodiff:
+        if not data or zero3_autodiff or not communicate:
             return grads
         if stage == 0:
             return lax.psum(grads, data)  # data parallelism: one all-reduce per parameter per step
@@ -212,7 +212,7 @@ def _per_rank_value_and_grad(program: Program, accumulate: int = 1, remat_policy
                 jax.tree.map(zeros_of, first), micro)
             loss, grads = jax.tree.map(lambda a: a / accumulate, (loss, grads))
         grads = reduce(grads)
-        if loss_axes:
+        if loss_axes and communicate:
             loss = lax.psum(loss, loss_axes)  # the reported loss: one scalar all-reduce
         return loss, grads
 
@@ -244,10 +244,11 @@ def clip_by_global_norm(grads, specs, max_norm: float):
 
 def _per_rank_step(program: Program, optimizer, *, accumulate: int = 1,
                    clip_norm: float | None = None, remat_policy: str = "none",
-                   precision: Precision = Precision()):
+                   precision: Precision = Precision(), communicate: bool = True):
     from jphantom.sharding import zero
 
-    value_and_grad = _per_rank_value_and_grad(program, accumulate, remat_policy, precision)
+    value_and_grad = _per_rank_value_and_grad(program, accumulate, remat_policy, precision,
+                                              communicate)
     stage, dims = program.zero, program.zero_dims
     sliced = stage in (1, 2) and bool(program.batch_axes)
 
@@ -283,13 +284,16 @@ def make_value_and_grad(program: Program, mesh: Mesh, *, accumulate: int = 1,
 def make_train_step(program: Program, mesh: Mesh, optimizer: optax.GradientTransformation, *,
                     donate: bool = True, accumulate: int = 1,
                     clip_norm: float | None = None, remat: str = "none",
-                    precision: str | Precision = "float32") -> Callable:
+                    precision: str | Precision = "float32", communicate: bool = True) -> Callable:
     """``step(params, opt_state, *batch) -> (params, opt_state, loss)``: one ``jax.jit``; for a
     manual program, of one ``jax.shard_map`` over ``mesh`` holding forward, loss, backward, the
     gradient reductions (ZeRO's where ``program.zero``), global-norm clipping (``clip_norm``) and
     the optax update. ``accumulate``: micro-batches per step, one gradient reduction. ``remat``:
     the activation-checkpointing policy of every layer (:mod:`jphantom.remat`). ``precision``:
-    the mixed-precision policy (:mod:`jphantom.precision`: float32, bf16, float16)."""
+    the mixed-precision policy (:mod:`jphantom.precision`: float32, bf16, float16).
+    ``communicate=False`` (measurement only, seed 001's breakdown): the same step without its
+    data-parallel gradient and loss reductions -- each rank updates with its own gradient, so the
+    result is not training; the difference in step time is the reductions' time."""
     from jphantom.errors import check_int
 
     check_int("accumulate", accumulate)
@@ -298,6 +302,9 @@ def make_train_step(program: Program, mesh: Mesh, optimizer: optax.GradientTrans
     if clip_norm is not None and not clip_norm > 0:
         raise ConfigError(f"clip_norm={clip_norm!r} must be a positive number, e.g. 1.0")
     donate_argnums = (0, 1) if donate else ()
+    if not communicate and (program.zero or not program.manual):
+        raise ConfigError("communicate=False measures plain data parallelism of a per-rank "
+                          "strategy (zero=0, tensor or phantom)")
     if not program.manual and (accumulate > 1 or clip_norm is not None or remat != "none"
                                or not precision.is_default):
         raise ConfigError(f"accumulate, clip_norm, remat and precision run in the one-shard_map step; strategy "
@@ -315,9 +322,9 @@ def make_train_step(program: Program, mesh: Mesh, optimizer: optax.GradientTrans
     opt_specs = optimizer_state_specs(optimizer, params_shape, program.state_specs)
     sharded = jax.shard_map(
         _per_rank_step(program, optimizer, accumulate=accumulate, clip_norm=clip_norm,
-                       remat_policy=remat, precision=precision), mesh=mesh,
-        in_specs=(program.param_specs, opt_specs, *program.batch_specs),
-        out_specs=(program.param_specs, opt_specs, P()), check_vma=True)
+                       remat_policy=remat, precision=precision, communicate=communicate),
+        mesh=mesh, in_specs=(program.param_specs, opt_specs, *program.batch_specs),
+        out_specs=(program.param_specs, opt_specs, P()), check_vma=communicate)
     return jax.jit(sharded, donate_argnums=donate_argnums)
 
 

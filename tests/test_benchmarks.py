@@ -18,6 +18,7 @@ def _load_script():
     return module
 
 
+@pytest.mark.slow  # compiles and times every FFN strategy: ~6 s
 def test_quick_benchmark_writes_every_strategy(tmp_path, capsys):
     require_devices(8)
     bench = _load_script()

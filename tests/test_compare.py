@@ -14,6 +14,7 @@ REQUIRED = {"strategy", "shards", "ghost_width", "params", "iterations_to_target
             "energy_source"}
 
 
+@pytest.mark.slow  # trains TP and phantom to a target: ~13 s
 def test_compare_table_rows_and_outputs(tmp_path):
     config = CompareConfig(width=32, shards=(2, 4), ghost_widths=(2,), seeds=(0, 1), batch=16,
                            max_steps=40, eval_every=10, train_size=512, eval_size=64)

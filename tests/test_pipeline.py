@@ -128,7 +128,8 @@ def _dense_oracle(model_config, dense_equivalent):
     ("tensor", "stage=2,data=2,model=2", "interleaved-1f1b", 2, 2, True),
     pytest.param("phantom", "stage=2,data=2,model=2", "gpipe", 2, 1, False,
                  marks=pytest.mark.slow),
-    ("phantom", "stage=2,data=2,model=2", "1f1b", 4, 1, False),
+    pytest.param("phantom", "stage=2,data=2,model=2", "1f1b", 4, 1, False,
+                 marks=pytest.mark.slow),
 ])
 def test_transformer_pipeline_equals_dense(strategy, mesh, schedule, microbatches, virtual_stages,
                                            sp):

@@ -109,14 +109,16 @@ def test_tensor_transformer_equals_dense(mesh, sequence_parallel):
 
 @pytest.mark.parametrize("strategy, mesh, sequence_parallel", [
     ("tensor", "model=4", True), ("tensor", "data=2,model=2", False),
-    ("phantom", "data=2,model=4", False), ("gspmd", "data=2,model=4", False),
+    pytest.param("phantom", "data=2,model=4", False, marks=pytest.mark.slow),
+    ("gspmd", "data=2,model=4", False),
 ])
 def test_transformer_equals_dense_in_float64(strategy, mesh, sequence_parallel):
     _check_against_dense(strategy, mesh, sequence_parallel, dtype="float64")
 
 
 @pytest.mark.parametrize("strategy, mesh", [
-    ("phantom", "model=2"), ("phantom", "model=4"), ("phantom", "model=8"),
+    ("phantom", "model=2"), ("phantom", "model=4"),
+    pytest.param("phantom", "model=8", marks=pytest.mark.slow),
     ("phantom", "data=4,model=2"), ("phantom-unfused", "model=4"),
 ])
 def test_phantom_transformer_equals_its_dense_equivalent(strategy, mesh):

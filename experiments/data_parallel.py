@@ -1,0 +1,152 @@
+"""Seed 001's bottom-up breakdown of a data-parallel step, and its speedup prediction (Eqs. 2-4).
+
+Weak scaling of the GPT transformer (``tensor`` with ``model=1``: plain data parallelism; a fixed
+batch per device) on ``data=n`` for n = 1, 2, 4, 8. For each n, side by side (round robin):
+
+- ``t_iter``: the training step (AdamW) as it trains;
+- ``t_compute``: the same step compiled without its collectives (``make_train_step(...,
+  communicate=False)``: no gradient or loss reduction; measurement only);
+- ``t_comm = t_iter - t_compute`` and the shares r_compute, r_comm (seed 001's breakdown counts
+  communication first; here the difference of two compiled programs);
+- ``t_allreduce``: the gradient's all-reduce alone (a buffer of the step's parameter count, one
+  jitted ``psum`` over ``data``): the "collective benchmark" that gives the network efficiency
+  eff_{g->n} = t_allreduce(g) / t_allreduce(n), g = 2 the baseline;
+- the Eq. 26 cost model of that all-reduce (seed 000 Table III's Frontier constants), for scale.
+
+Prediction (Eq. 4 with the baseline g = 2): speedup_{g->n} = (r_c + r_m) / (r_c + r_m / eff),
+against the measured per-iteration time ratio t_iter(g) / t_iter(n). Seed 001 assumes a device's
+compute is the same at every n (one GPU per rank); here the n simulated devices share 2 CPU
+cores, so compute per step grows with n. The script therefore also predicts with the measured
+compute at n: t_iter(n) ~ t_compute(n) + t_comm(g) / eff_{g->n}, which tests the part of the model
+that carries over (communication scaling like the standalone collective).
+
+Run: ``.venv/bin/python experiments/data_parallel.py`` (about 2 minutes); writes
+``experiments/results/data_parallel/results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jphantom import strategies  # noqa: E402
+from jphantom.analysis.timing import Runner, time_round_robin  # noqa: E402
+from jphantom.mesh import MeshConfig, first_devices  # noqa: E402
+from jphantom.models.transformer import TransformerConfig  # noqa: E402
+from jphantom.perf.comm_model import FRONTIER  # noqa: E402
+from jphantom.step import init_params, make_train_step  # noqa: E402
+from jphantom.train import init_optimizer_state  # noqa: E402
+
+
+def _allreduce_runner(mesh, elements: int) -> Runner:
+    """The gradient all-reduce alone: one psum over data of a float32 buffer per device."""
+    fn = jax.jit(jax.shard_map(lambda x: lax.psum(x, "data"), mesh=mesh, in_specs=P("data"),
+                               out_specs=P(), check_vma=True))
+    n = mesh.shape["data"]
+    x = jax.device_put(jnp.ones((n * elements,), jnp.float32), NamedSharding(mesh, P("data")))
+    compiled = fn.lower(x).compile()
+    return Runner("allreduce", compiled, (x,), threads_state=False, flops_per_device=0,
+                  devices=n)
+
+
+def measure(n: int, config: TransformerConfig, per_device: int, steps: int, warmup: int) -> dict:
+    program = strategies.get("tensor").program(config, MeshConfig.parse(f"data={n},model=1"))
+    mesh = program.mesh.build(first_devices(n))
+    optimizer = optax.adamw(1e-3)
+    rng = np.random.default_rng(0)
+    tokens = [jax.device_put(rng.integers(0, config.vocab_size, (n * per_device, config.seq_len)),
+                             s) for s in program.batch_shardings(mesh)]
+    runners = []
+    for label, communicate in (("step", True), ("compute", False)):
+        params = init_params(program, mesh, jax.random.PRNGKey(0))
+        state = init_optimizer_state(program, mesh, optimizer, params)
+        step = make_train_step(program, mesh, optimizer, communicate=communicate)
+        compiled = step.lower(params, state, *tokens).compile()
+        runners.append(Runner(label, compiled, (params, state, *tokens), threads_state=True,
+                              flops_per_device=0, devices=n))
+    elements = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(
+        jax.eval_shape(program.init, jax.random.PRNGKey(0))))
+    if n > 1:
+        runners.append(_allreduce_runner(mesh, elements))
+    times = time_round_robin(runners, steps, warmup)
+    t_iter, t_compute = times["step"], times["compute"]
+    t_comm = max(t_iter - t_compute, 0.0)
+    modelled = FRONTIER.time_us("all-reduce", elements, n) * 1e-6 if n > 1 else 0.0
+    return {"data": n, "params": elements, "t_iter": t_iter, "t_compute": t_compute,
+            "t_comm": t_comm, "r_compute": t_compute / t_iter, "r_comm": t_comm / t_iter,
+            "t_allreduce": times.get("allreduce", 0.0), "t_allreduce_eq26_frontier": modelled}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--per-device", type=int, default=2, help="sequences per device")
+    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="tiny model, data = 1, 2, 4")
+    parser.add_argument("--out", default="experiments/results/data_parallel")
+    args = parser.parse_args(argv)
+    sizes = (1, 2, 4) if args.quick else (1, 2, 4, 8)
+    if args.quick:
+        args.layers, args.hidden, args.seq_len, args.steps = 1, 32, 16, 3
+    config = TransformerConfig(vocab_size=256, seq_len=args.seq_len, hidden=args.hidden,
+                               heads=4, layers=args.layers)
+    start = time.perf_counter()
+    rows = [measure(n, config, args.per_device, args.steps, args.warmup) for n in sizes]
+    base = next(r for r in rows if r["data"] == 2)
+    print(f"GPT L={args.layers} h={args.hidden} S={args.seq_len}, {args.per_device} sequences per "
+          f"device, AdamW; P = {rows[0]['params']:,}; baseline g = 2")
+    print(f"{'n':>3}{'t_iter ms':>11}{'t_comp ms':>11}{'t_comm ms':>11}{'r_comm':>8}"
+          f"{'allreduce ms':>14}{'eff':>7}{'meas. g->n':>12}{'Eq. 4':>8}{'w/ t_comp(n)':>14}")
+    for r in rows:
+        if r["data"] >= 2:
+            eff = base["t_allreduce"] / r["t_allreduce"]
+            r["eff_from_g"] = eff
+            r["measured_speedup_from_g"] = base["t_iter"] / r["t_iter"]
+            r["eq4_speedup_from_g"] = ((base["r_compute"] + base["r_comm"])
+                                       / (base["r_compute"] + base["r_comm"] / eff))
+            predicted_iter = r["t_compute"] + base["t_comm"] / eff
+            r["predicted_t_iter_with_measured_compute"] = predicted_iter
+            r["speedup_with_measured_compute"] = base["t_iter"] / predicted_iter
+        print(f"{r['data']:>3}{r['t_iter'] * 1e3:>11.2f}{r['t_compute'] * 1e3:>11.2f}"
+              f"{r['t_comm'] * 1e3:>11.2f}{r['r_comm']:>8.3f}{r['t_allreduce'] * 1e3:>14.2f}"
+              + (f"{r['eff_from_g']:>7.3f}{r['measured_speedup_from_g']:>12.3f}"
+                 f"{r['eq4_speedup_from_g']:>8.3f}{r['speedup_with_measured_compute']:>14.3f}"
+                 if r["data"] >= 2 else ""))
+    errors = [(r["speedup_with_measured_compute"] - r["measured_speedup_from_g"]) ** 2
+              for r in rows if r["data"] > 2]
+    errors_eq4 = [(r["eq4_speedup_from_g"] - r["measured_speedup_from_g"]) ** 2
+                  for r in rows if r["data"] > 2]
+    summary = {"mse_with_measured_compute": float(np.mean(errors)) if errors else None,
+               "mse_eq4": float(np.mean(errors_eq4)) if errors_eq4 else None}
+    print(f"MSE of predicted vs measured speedup: Eq. 4 {summary['mse_eq4']:.4f}, with measured "
+          f"compute {summary['mse_with_measured_compute']:.4f} (seed 001: < 0.02)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({
+        "rows": rows, "summary": summary, "settings": vars(args),
+        "machine": {"cpu_count": os.cpu_count(), "platform": jax.devices()[0].platform},
+        "seconds": time.perf_counter() - start}, indent=1))
+    print(f"wrote {out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
