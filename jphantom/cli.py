@@ -139,7 +139,12 @@ def _inspect(args: argparse.Namespace) -> int:
                         sequence_parallel=args.sequence_parallel, optimizer=args.optimizer,
                         # dense: model=1, no pipeline, no ZeRO, no accumulation
                         **({} if name == "dense" else pipeline))
-        reports.append(inspect_step(spec))
+        report = inspect_step(spec)
+        if args.breakdown:
+            from jphantom.analysis.inspect import breakdown
+
+            report["breakdown"] = breakdown(spec)
+        reports.append(report)
     if args.json:
         json.dump(reports[0] if len(reports) == 1 else reports, sys.stdout, indent=2)
         print()
@@ -161,6 +166,13 @@ def _inspect(args: argparse.Namespace) -> int:
               f"batch={args.batch}, mesh {mesh}{pipe}, {args.dtype}; bytes are per device, counts "
               "per step (loops included); state MB: parameters + gradients + optimizer state.\n")
         print(format_report(reports))
+        for report in reports:
+            if "breakdown" in report:
+                b = report["breakdown"]
+                print(f"breakdown {report['strategy']}: t_iter {b['t_iter'] * 1e3:.2f} ms = "
+                      f"compute {b['t_compute'] * 1e3:.2f} ms ({b['r_compute']:.1%}) + data "
+                      f"communication {b['t_comm'] * 1e3:.2f} ms ({b['r_comm']:.1%}); Eq. 26 "
+                      f"(Frontier, modelled): {b['t_comm_eq26_frontier_modelled'] * 1e3:.3f} ms")
     return 0
 
 
@@ -549,6 +561,10 @@ def build_parser() -> argparse.ArgumentParser:
                               "shows what it saves (default none)")
     inspect.add_argument("--dtype", default="float32",
                          choices=("float32", "bfloat16", "float16", "float64"))
+    inspect.add_argument("--breakdown", action="store_true",
+                         help="also run the step with and without its data-parallel reductions and "
+                              "report seed 001's compute/communication breakdown (t_iter, "
+                              "t_compute, t_comm, shares; Eq. 26's modelled communication)")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_device_flag(inspect)
     inspect.set_defaults(handler=_inspect)

@@ -102,3 +102,17 @@ def test_data_parallelism_adds_one_gradient_all_reduce_per_parameter(name):
     leaves = jax.eval_shape(strategies.get(name).program(
         _config(name, 2, jnp.float32), MeshConfig.parse("model=4")).init, jax.random.PRNGKey(0))
     assert 1 <= gradients[0]["count"] <= len(jax.tree.leaves(leaves))
+
+
+def test_inspect_breakdown_times_the_step_with_and_without_its_reductions():
+    """Seed 001's breakdown: both steps run; the shares add up to one; the all-reduce over data is
+    modelled by Eq. 26."""
+    from jphantom.analysis.inspect import StepSpec, breakdown
+
+    require_devices(2)
+    result = breakdown(StepSpec(strategy="tensor", width=16, depth=2, batch=8,
+                                mesh="data=2,model=1"), steps=2, warmup=1)
+    assert result["t_iter"] > 0 and result["t_compute"] > 0
+    assert result["r_compute"] + result["r_comm"] == pytest.approx(
+        1.0, abs=max(0.0, result["t_compute"] - result["t_iter"]) / result["t_iter"] + 1e-9)
+    assert result["t_comm_eq26_frontier_modelled"] > 0

@@ -385,3 +385,50 @@ def format_report(reports: list[dict]) -> str:
                          f"{op['bytes']:>12,} B x{op['count']:<4} [{','.join(op['axes'])}]"
                          f"  {peers}")
     return "\n".join(lines)
+
+
+def breakdown(spec: StepSpec, *, steps: int = 5, warmup: int = 2) -> dict:
+    """Seed 001's bottom-up breakdown of one step (Sec. 3.1, Eqs. 2-4): the median time of the
+    step (``t_iter``) and of the same step compiled without its data-parallel reductions
+    (``t_compute``: :func:`jphantom.step.make_train_step` with ``communicate=False``), measured side
+    by side; ``t_comm = t_iter - t_compute`` and the shares ``r_compute``, ``r_comm``; and the Eq. 26
+    cost (seed 000 Table III, Frontier) of the step's collectives over ``data``, modelled. Only the
+    ``data`` reductions are removed: collectives over ``model`` stay in ``t_compute``. Needs a per-rank
+    strategy without ZeRO; it initialises and runs the step (unlike the rest of ``inspect``)."""
+    from jphantom.analysis.timing import Runner, time_round_robin
+    from jphantom.perf.comm_model import FRONTIER
+    from jphantom.step import init_params
+    from jphantom.train import init_optimizer_state
+
+    program, mesh = _program_and_mesh(spec)
+    if not program.manual or program.zero:
+        raise ConfigError("the breakdown compiles the step without its data reductions: use a "
+                          "per-rank strategy (tensor or phantom) with --zero 0")
+    optimizer = spec.optimizer_transform()
+    rng = np.random.default_rng(0)
+    batch = []
+    for (shape, dtype), sharding in zip(spec.batch_shapes(), program.batch_shardings(mesh)):
+        data = (rng.integers(0, spec.vocab, shape) if np.issubdtype(np.dtype(dtype), np.integer)
+                else rng.standard_normal(shape))
+        batch.append(jax.device_put(np.asarray(data, dtype), sharding))
+    runners = []
+    for label, communicate in (("step", True), ("compute", False)):
+        params = init_params(program, mesh, jax.random.PRNGKey(0))
+        state = init_optimizer_state(program, mesh, optimizer, params)
+        step = make_train_step(program, mesh, optimizer, accumulate=spec.accumulate,
+                               precision=spec.precision, remat=spec.remat,
+                               communicate=communicate)
+        runners.append(Runner(label, step.lower(params, state, *batch).compile(),
+                              (params, state, *batch), threads_state=True, flops_per_device=0,
+                              devices=mesh.size))
+    times = time_round_robin(runners, steps, warmup)
+    t_iter, t_compute = times["step"], times["compute"]
+    t_comm = max(t_iter - t_compute, 0.0)
+    n = mesh.shape.get("data", 1)
+    compiled = runners[0].compiled
+    over_data = [c for c in normalise_collectives(collectives(compiled.as_text()))
+                 if c.mesh_axes(dict(mesh.shape)) == ("data",)]
+    modelled = FRONTIER.step_time_us(over_data, n) * 1e-6 if n > 1 and over_data else 0.0
+    return {"t_iter": t_iter, "t_compute": t_compute, "t_comm": t_comm,
+            "r_compute": t_compute / t_iter, "r_comm": t_comm / t_iter,
+            "t_comm_eq26_frontier_modelled": modelled, "data": n, "steps": steps}
