@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_pipeline_schedules_quick(tmp_path):
     out = tmp_path / "ps"
     subprocess.run([sys.executable, str(ROOT / "experiments/pipeline_schedules.py"), "--quick",
-                    "--width", "64", "--depth", "4", "--microbatch", "8", "--out", str(out)],
+                    "--width", "64", "--depth", "8", "--microbatch", "8", "--out", str(out)],
                    check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
     results = json.loads((out / "results.json").read_text())
     assert (out / "pipeline_schedules.png").stat().st_size > 0

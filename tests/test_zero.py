@@ -200,7 +200,7 @@ def test_clipped_gradients_equal_single_device_clipped_gradients(strategy, mesh,
     x, t = _data()
     grads = jax.grad(_dense_loss(program, *(jnp.asarray(a, jnp.float64) for a in (x, t))))(
         jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), host))
-    norm = float(optax.global_norm(grads))
+    norm = float(optax.tree.norm(grads))
     want, _ = optax.clip_by_global_norm(norm / 3).update(grads, None)
     step = make_train_step(program, mesh_obj, gradient_catcher(), donate=False,
                            clip_norm=norm / 3)
