@@ -2,7 +2,6 @@
 nothing is dropped, exact dropped counts, two all-to-alls each way, named errors."""
 
 import functools
-from collections import Counter
 
 import jax
 import jax.numpy as jnp
