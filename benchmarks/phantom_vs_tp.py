@@ -50,7 +50,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 STRATEGIES = ("phantom", "phantom-unfused", "tensor-t1", "tensor", "gspmd")

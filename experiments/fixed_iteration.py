@@ -164,7 +164,7 @@ def table_two_tp_comm_seconds(width: int, depth: int, num_shards: int, batch: in
 
 def modelled_part(batch: int) -> list[dict]:
     """Fig. 5's panels at the paper's sizes from the analytic step model (module doc)."""
-    from jphantom.perf.step_model import MI250X_GCD, StepShape, estimate_step
+    from jphantom.perf.step_model import StepShape, estimate_step
     from jphantom.sharding import phantom
 
     rows = []

@@ -30,7 +30,6 @@ Results: ``<out>/results.json`` (the compare result plus ``paper`` and ``paper_v
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections.abc import Sequence

@@ -1,7 +1,6 @@
 """Seed 000's teacher data: deterministic, split, sharded on demand."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding

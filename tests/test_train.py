@@ -2,7 +2,6 @@
 
 import json
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -111,7 +110,6 @@ def test_float64_needs_x64_and_mesh_defaults():
 def test_float16_adam_uses_a_safe_epsilon():
     """Adam's default eps = 1e-8 is 0 in float16; float16 runs use FLOAT16_ADAM_EPS instead and
     take finite steps even where a gradient is 0 (second moment 0)."""
-    import jax
     import jax.numpy as jnp
 
     from jphantom.train import FLOAT16_ADAM_EPS, make_optimizer

@@ -22,7 +22,7 @@ from jphantom.analysis.hlo import collectives
 from jphantom.errors import ConfigError
 from jphantom.mesh import MeshConfig, first_devices
 from jphantom.models.transformer import TransformerConfig
-from jphantom.step import abstract_params, init_params, make_train_step, make_value_and_grad
+from jphantom.step import abstract_params, make_train_step, make_value_and_grad
 
 from conftest import require_devices
 from helpers import assert_tree_close, random_params
