@@ -130,3 +130,76 @@ def test_impossible_routing_is_a_config_error(kwargs, message):
 def test_experts_must_divide_over_the_expert_axis():
     with pytest.raises(ConfigError, match="experts=6 is not divisible by the expert axis size 4"):
         expert.MoEConfig(hidden=8, experts=6).check_axis(4)
+
+
+TED_SPECS = {"router": P(), "w_in": P("expert", None, "model"), "b_in": P("expert", "model"),
+             "w_out": P("expert", "model", None), "b_out": P("expert")}
+
+
+@functools.lru_cache(maxsize=None)
+def _ted(mesh_text, dtd, config):
+    mesh_config = MeshConfig.parse(mesh_text)
+    mesh = mesh_config.build(first_devices(mesh_config.device_count))
+
+    def per_rank(params, x):
+        y, _ = expert.moe_per_rank(params, x, config, model_axis="model", dtd=dtd)
+        return lax.psum(jnp.sum(jnp.square(y)), "expert") / TOKENS
+
+    def loss_and_grads(params, x):
+        return jax.value_and_grad(per_rank, argnums=(0, 1))(params, x)
+
+    fn = jax.shard_map(loss_and_grads, mesh=mesh, in_specs=(TED_SPECS, P("expert")),
+                       out_specs=(P(), (TED_SPECS, P("expert"))), check_vma=True)
+    return jax.jit(fn), mesh
+
+
+@pytest.mark.parametrize("mesh", ["expert=2,model=2", "expert=2,model=4"])
+@pytest.mark.parametrize("dtd", [False, True])
+def test_ted_experts_tensor_parallel_equal_the_dense_moe(mesh, dtd):
+    """TED (seed 004 Eq. 7.1): experts tensor-parallel over model inside expert parallelism, with
+    duplicate token dropping on and off: loss and every gradient of the dense MoE."""
+    require_devices(MeshConfig.parse(mesh).device_count)
+    config = _config()
+    params, x = _inputs()
+    fn, _ = _ted(mesh, dtd, config)
+    loss, grads = fn(params, x)
+    want_loss, want_grads = _dense(params, x, config)
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
+    assert_tree_close(grads, want_grads, 1e-5)
+
+
+def test_dtd_divides_the_all_to_all_bytes_by_the_tensor_ranks():
+    require_devices(8)
+    config = _config()
+    params, x = _inputs()
+    sizes = {}
+    for dtd in (False, True):
+        fn, _ = _ted("expert=2,model=4", dtd, config)
+        hlo = fn.lower(params, x).compile().as_text()
+        found = [c for c in collectives(hlo) if c.kind == "all-to-all"]
+        assert sum(c.count for c in found) == 4
+        sizes[dtd] = {c.elements for c in found}
+    (plain,), (dropped,) = sizes[False], sizes[True]
+    assert plain == 4 * dropped
+
+
+@pytest.mark.parametrize("policy, all_to_alls", [("nothing_saveable", 6),
+                                                 ("collectives_saveable", 4)])
+def test_cac_keeps_the_all_to_all_outputs_so_the_recompute_repeats_none(policy, all_to_alls):
+    """Seed 004's CAC: a checkpointed MoE layer recomputes its forward in the backward; saving the
+    collectives' outputs by name (remat's ``collectives_saveable``) keeps the two all-to-alls out
+    of the recompute (6 become 4)."""
+    require_devices(4)
+    from jphantom import remat
+
+    config = _config()
+    params, x = _inputs()
+    mesh = MeshConfig.parse("expert=4").build(first_devices(4))
+    layer = jax.checkpoint(lambda p, x: expert.moe_per_rank(p, x, config)[0],
+                           policy=remat.POLICIES[policy])
+    loss = lambda p, x: lax.psum(jnp.sum(jnp.square(layer(p, x))), "expert")
+    fn = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1)), mesh=mesh,
+                               in_specs=(SPECS, P("expert")), out_specs=(SPECS, P("expert")),
+                               check_vma=True))
+    hlo = fn.lower(params, x).compile().as_text()
+    assert sum(c.count for c in collectives(hlo) if c.kind == "all-to-all") == all_to_alls

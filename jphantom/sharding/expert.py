@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jphantom import remat
 from jphantom.errors import ConfigError, check_int
 
 EXPERT_AXIS = "expert"
@@ -66,9 +67,11 @@ class MoEConfig:
     def width(self) -> int:
         return self.ffn or 4 * self.hidden
 
-    def capacity(self, tokens: int) -> int:
-        """Per expert, the tokens one rank may send: ceil(factor * T * k / E)."""
-        return max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.experts))
+    def capacity(self, tokens: int, multiple: int = 1) -> int:
+        """Per expert, the tokens one rank may send: ceil(factor * T * k / E), rounded up to a
+        ``multiple`` (DTD splits the capacity over the tensor-parallel ranks)."""
+        c = max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.experts))
+        return -(-c // multiple) * multiple
 
     def check_axis(self, expert_ranks: int) -> None:
         if self.experts % expert_ranks:
@@ -122,30 +125,64 @@ def dispatch_plan(experts: jax.Array, gates: jax.Array, config: MoEConfig, capac
     return dispatch, combine, jnp.sum(~kept)
 
 
-def _experts(params, x):
-    """x [E', N, h] through each of the E' experts: gelu(x w_in + b_in) w_out + b_out."""
+def _experts(params, x, reduce=None):
+    """x [E', N, h] through each of the E' experts: gelu(x w_in + b_in) w_out + b_out. With
+    tensor-parallel experts (TED: w_in split on f, column; w_out on f, row) ``reduce`` sums the
+    partial outputs over the tensor ranks before the bias."""
     hidden = jax.nn.gelu(jnp.einsum("enh,ehf->enf", x, params["w_in"])
                          + params["b_in"][:, None, :], approximate=True)
-    return jnp.einsum("enf,efh->enh", hidden, params["w_out"]) + params["b_out"][:, None, :]
+    out = jnp.einsum("enf,efh->enh", hidden, params["w_out"])
+    if reduce is not None:
+        out = reduce(out)
+    return out + params["b_out"][:, None, :]
 
 
-def moe_per_rank(params: dict, x: jax.Array, config: MoEConfig, *, axis: str = EXPERT_AXIS):
+def moe_per_rank(params: dict, x: jax.Array, config: MoEConfig, *, axis: str = EXPERT_AXIS,
+                 model_axis: str | None = None, dtd: bool = False):
     """The expert-parallel MoE on one rank: x [T, h] -> (y [T, h], aux dict with ``dropped``).
 
-    ``params``: the router replicated; the experts' leaves this rank's E/G experts."""
+    ``params``: the router replicated; the experts' leaves this rank's E/G experts. With
+    ``model_axis`` (TED, seed 004 Eq. 7.1) the experts are also tensor-parallel over it and ``x``
+    is replicated over it; ``dtd`` (duplicate token dropping) sends each tensor rank's 1/p slice
+    of the capacity buffer through the all-to-all (its bytes fall by p) and all-gathers the
+    slices over ``model_axis`` on arrival, and on the way back reduce-scatters the experts'
+    partial outputs instead of all-reducing them, all-to-alls the slices, all-gathers them."""
     ranks = lax.axis_size(axis)
     config.check_axis(ranks)
+    tensor = lax.axis_size(model_axis) if model_axis is not None else 1
+    if dtd and model_axis is None:
+        raise ConfigError("dtd (duplicate token dropping) needs a tensor-parallel model_axis")
     tokens, h = x.shape
-    capacity = config.capacity(tokens)
+    capacity = config.capacity(tokens, tensor if dtd else 1)
     logits, probs, experts, gates = route(params["router"], x, config)
     dispatch, combine, dropped = dispatch_plan(experts, gates, config, capacity)
     buffers = jnp.einsum("tec,th->ech", dispatch.astype(x.dtype), x)  # [E, C, h]
     local = config.experts // ranks
+    slots = capacity // tensor if dtd else capacity  # what each tensor rank sends per expert
     buffers = buffers.reshape(ranks, local, capacity, h)
-    received = lax.all_to_all(buffers, axis, 0, 0, tiled=False)  # [G (from), E/G, C, h]
-    out = _experts(params, received.transpose(1, 0, 2, 3).reshape(local, ranks * capacity, h))
-    out = out.reshape(local, ranks, capacity, h).transpose(1, 0, 2, 3)
-    returned = lax.all_to_all(out, axis, 0, 0, tiled=False)  # [G (to), E/G, C, h] back home
+    if dtd:  # this tensor rank's slice of the (identical) buffers: no duplicate crosses the network
+        buffers = lax.dynamic_slice_in_dim(buffers, lax.axis_index(model_axis) * slots, slots, 2)
+    # Collective outputs are named: remat's collectives_saveable keeps them, so a recompute
+    # repeats no all-to-all (seed 004's communication-aware checkpointing, CAC).
+    received = remat.name_collective(lax.all_to_all(buffers, axis, 0, 0, tiled=False))
+    if dtd:
+        received = remat.name_collective(lax.all_gather(received, model_axis, axis=2,
+                                                        tiled=True))  # [G, E/G, C, h]
+    if model_axis is None:
+        reduce = None
+    elif dtd:  # reduce-scatter over the tensor ranks, each keeping its C/p slots of every block
+        reduce = lambda o: lax.psum_scatter(o.reshape(local, ranks, capacity, h), model_axis,
+                                            scatter_dimension=2, tiled=True).reshape(
+                                                local, ranks * slots, h)
+    else:
+        reduce = lambda o: remat.name_collective(lax.psum(o, model_axis))
+    out = _experts(params, received.transpose(1, 0, 2, 3).reshape(local, ranks * capacity, h),
+                   reduce)
+    out = out.reshape(local, ranks, slots, h).transpose(1, 0, 2, 3)
+    returned = remat.name_collective(lax.all_to_all(out, axis, 0, 0, tiled=False))  # back home
+    if dtd:
+        returned = remat.name_collective(
+            lax.all_gather(returned, model_axis, axis=2, tiled=True, to="invarying"))
     y = jnp.einsum("tec,ech->th", combine.astype(x.dtype),
                    returned.reshape(config.experts, capacity, h))
     aux = aux_losses(logits, probs, experts, config)
