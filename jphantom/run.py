@@ -44,7 +44,8 @@ from tqdm.auto import tqdm
 from jphantom import strategies
 from jphantom.errors import ConfigError, TrainingDiverged, check_int
 from jphantom.mesh import MeshConfig, first_devices
-from jphantom.pipeline.runner import PipelineConfig
+from jphantom.pipeline.runner import PipelineConfig, pipeline_for
+from jphantom.step import check_step_options
 from jphantom.pipeline.schedule import SCHEDULES as PIPELINE_SCHEDULES
 
 MODELS = ("ffn", "transformer")
@@ -115,17 +116,6 @@ class RunConfig:
             check_int("microbatches", self.microbatches)
         check_int("virtual_stages", self.virtual_stages)
         check_int("zero", self.zero, 0)
-        check_int("accumulate", self.accumulate)
-        from jphantom import remat as remat_module
-        from jphantom.precision import Precision
-
-        Precision.named(self.precision)
-        remat_module.check(self.remat)
-        if self.clip_norm is not None and (
-                isinstance(self.clip_norm, bool) or not isinstance(self.clip_norm, (int, float))
-                or not math.isfinite(self.clip_norm) or not self.clip_norm > 0):
-            raise ConfigError(f"clip_norm={self.clip_norm!r} must be a positive number (a global "
-                              "gradient norm, e.g. 1.0); leave it out for no clipping")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"optimizer={self.optimizer!r}; use one of {OPTIMIZERS}")
         for name in ("learning_rate",):
@@ -150,29 +140,8 @@ class RunConfig:
         out = Path(self.out)
         if out.exists() and not out.is_dir():
             raise ConfigError(f"out={self.out!r} is an existing file: give a folder")
-        self._check_step(self.program())  # the model config, the mesh, the program: all checks
-
-    def _check_step(self, program) -> None:
-        """``accumulate`` and ``clip_norm`` against the program, as ``make_train_step`` would
-        check them at trace time."""
-        if not program.manual and (self.accumulate > 1 or self.clip_norm is not None
-                                   or self.precision != "float32" or self.remat != "none"):
-            raise ConfigError(f"--accumulate, --clip-norm, --precision and --remat run inside "
-                              f"the one-shard_map step; "
-                              f"strategy {self.strategy!r} is not per-rank: use tensor or phantom")
-        if self.accumulate == 1:
-            return
-        mesh = self.mesh_config()
-        if "stage" in mesh.shape:
-            raise ConfigError(f"accumulate={self.accumulate} with a stage axis ({mesh}): pipelines "
-                              "accumulate through --microbatches; pass --microbatches "
-                              f"{(self.microbatches or mesh.size('stage')) * self.accumulate} "
-                              "and leave --accumulate out")
-        rows = self.batch // mesh.size("data")
-        if rows % self.accumulate:
-            raise ConfigError(f"batch={self.batch} over data={mesh.size('data')}: the per-data-rank "
-                              f"batch {rows} is not divisible by accumulate={self.accumulate}: "
-                              "pick a batch that is a multiple of data x accumulate")
+        check_step_options(self.program(), self.batch, accumulate=self.accumulate,
+                           clip_norm=self.clip_norm, precision=self.precision, remat=self.remat)
 
     # -- derived objects ------------------------------------------------------------------------
 
@@ -186,30 +155,8 @@ class RunConfig:
     def pipeline_config(self) -> PipelineConfig | None:
         """The pipeline of a mesh with a ``stage`` axis (``None`` without one); validated, with the
         per-data-rank batch checked against the micro-batches."""
-        mesh = self.mesh_config()
-        if "stage" not in mesh.shape:
-            given = [f"--{flag} {value}" for flag, value, default in (
-                ("schedule", self.schedule, "1f1b"),
-                ("microbatches", self.microbatches, None),
-                ("virtual-stages", self.virtual_stages, 1)) if value != default]
-            if given:
-                raise ConfigError(f"{' '.join(given)} only apply to a pipelined step, but mesh "
-                                  f"{mesh} has no stage axis: add stage=N to --mesh (e.g. --mesh "
-                                  f"stage=2,{mesh}) or leave the pipeline settings out")
-            return None
-        if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
-            raise ConfigError(f"virtual_stages={self.virtual_stages} applies to interleaved-1f1b "
-                              f"only, not {self.schedule!r}: pass --schedule "
-                              "interleaved-1f1b or --virtual-stages 1")
-        stages, data = mesh.size("stage"), mesh.size("data")
-        config = PipelineConfig(schedule=self.schedule,
-                                microbatches=self.microbatches or stages,
-                                virtual_stages=self.virtual_stages)
-        try:
-            config.check_batch(self.batch // data)
-        except ConfigError as error:
-            raise ConfigError(f"batch={self.batch} over data={data}: {error}") from None
-        return config
+        return pipeline_for(self.mesh_config(), self.batch, schedule=self.schedule,
+                            microbatches=self.microbatches, virtual_stages=self.virtual_stages)
 
     def model_config(self):
         if self.model == "ffn":

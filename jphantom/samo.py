@@ -131,11 +131,12 @@ def expand(master, index, shape, dtype):
 
 def make_step(program, mesh, config: SamoConfig):
     """``step(state, *batch) -> (state, loss)``: one ``jax.jit`` of one ``jax.shard_map`` over the
-    data axis (module docstring)."""
+    data axis (module docstring), opened by :func:`jphantom.step.sharded`."""
     _check_mesh(program)
+    from jphantom.step import loss_axes, sharded
+
     optimizer = config.optimizer()
-    loss_axes = tuple(dict.fromkeys((DATA_AXIS, *[a for a in program.loss_partial_axes
-                                                 if a in program.mesh.shape])))
+    summed = loss_axes(program)
 
     def per_rank(state: SamoState, *batch):
         theta = lax.pcast(state.theta, DATA_AXIS, to="varying")
@@ -148,12 +149,10 @@ def make_step(program, mesh, config: SamoConfig):
         master = optax.apply_updates(state.master, updates)
         theta = jax.tree.map(lambda m, i, t: expand(m, i, t.shape, t.dtype), master, state.index,
                              state.theta)
-        return SamoState(theta, state.index, master, opt_state), lax.psum(loss, loss_axes)
+        return SamoState(theta, state.index, master, opt_state), lax.psum(loss, summed)
 
     state_specs = P()  # everything replicated over data (a prefix spec for the whole state)
-    return jax.jit(jax.shard_map(per_rank, mesh=mesh,
-                                 in_specs=(state_specs, *program.batch_specs),
-                                 out_specs=(state_specs, P()), check_vma=True))
+    return sharded(per_rank, mesh, (state_specs, *program.batch_specs), (state_specs, P()))
 
 
 def state_bytes(state: SamoState) -> dict[str, int]:

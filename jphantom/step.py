@@ -23,6 +23,7 @@ Strategies that are not per-rank (``dense``: one device; ``gspmd``: ``NamedShard
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jphantom import remat as remat_module
-from jphantom.errors import ConfigError
+from jphantom.errors import ConfigError, check_int
 from jphantom.mesh import MeshConfig
 from jphantom.precision import Precision
 
@@ -115,6 +116,20 @@ def optimizer_state_specs(optimizer: optax.GradientTransformation, params_shape,
     return optax.tree_map_params(optimizer, lambda _, spec: spec, state, param_specs,
                                  transform_non_params=lambda _: P(),
                                  is_leaf=lambda s: isinstance(s, P))
+
+
+def sharded(per_rank: Callable, mesh: Mesh, in_specs, out_specs, *, check_vma: bool = True,
+            donate_argnums=()) -> Callable:
+    """One ``jax.jit`` of one ``jax.shard_map`` over ``mesh``: the only place jphantom opens a
+    shard_map (training steps, SAMO's included, evaluation, forward)."""
+    return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                 check_vma=check_vma), donate_argnums=donate_argnums)
+
+
+def loss_axes(program: Program) -> tuple[str, ...]:
+    """The mesh axes the per-rank loss shares are summed over: the batch axes and the program's
+    partial-loss axes."""
+    return _loss_axes(program)
 
 
 def _loss_axes(program: Program) -> tuple[str, ...]:
@@ -272,13 +287,43 @@ def make_value_and_grad(program: Program, mesh: Mesh, *, accumulate: int = 1,
                         remat: str = "none", precision: str | Precision = "float32") -> Callable:
     """``(params, *batch) -> (loss, grads)``: the step without the optimizer (tests, analysis);
     the gradients have ``program.state_specs``."""
+    policy = check_step_options(program, accumulate=accumulate, precision=precision, remat=remat)
     if not program.manual:
         return jax.jit(jax.value_and_grad(program.global_loss(mesh)))
-    return jax.jit(jax.shard_map(
-        _per_rank_value_and_grad(program, accumulate, remat_module.check(remat),
-                                 _checked_precision(program, precision)), mesh=mesh,
-        in_specs=(program.param_specs, *program.batch_specs),
-        out_specs=(P(), program.state_specs), check_vma=True))
+    return sharded(_per_rank_value_and_grad(program, accumulate, remat, policy), mesh,
+                   (program.param_specs, *program.batch_specs), (P(), program.state_specs))
+
+
+def check_step_options(program: Program, batch: int | None = None, *, accumulate: int = 1,
+                       clip_norm: float | None = None, precision: str | Precision = "float32",
+                       remat: str = "none") -> Precision:
+    """Validate the step's options against ``program`` (and the global ``batch`` against
+    ``accumulate`` when given) before anything compiles; returns the precision policy."""
+    check_int("accumulate", accumulate)
+    remat_module.check(remat)
+    policy = _checked_precision(program, precision)
+    if clip_norm is not None and (isinstance(clip_norm, bool)
+                                  or not isinstance(clip_norm, (int, float))
+                                  or not math.isfinite(clip_norm) or not clip_norm > 0):
+        raise ConfigError(f"clip_norm={clip_norm!r} must be a positive number (a global gradient "
+                          "norm, e.g. 1.0); leave it out for no clipping")
+    if not program.manual and (accumulate > 1 or clip_norm is not None or remat != "none"
+                               or not policy.is_default):
+        raise ConfigError(f"accumulate, clip_norm, precision and remat run inside the one-"
+                          f"shard_map step; strategy {program.strategy!r} is not per-rank: use "
+                          "tensor or phantom")
+    if accumulate > 1 and program.value_and_grad is not None:
+        micro = program.options.get("pipeline", {}).get("microbatches", 1)
+        raise ConfigError(f"accumulate={accumulate} on a pipeline: pipelines accumulate through "
+                          f"--microbatches; pass --microbatches {micro * accumulate} and leave "
+                          "--accumulate out")
+    if accumulate > 1 and batch is not None:
+        data = program.mesh.size("data")
+        if (batch // data) % accumulate:
+            raise ConfigError(f"batch={batch} over data={data}: the per-data-rank batch "
+                              f"{batch // data} is not divisible by accumulate={accumulate}: pick "
+                              "a batch that is a multiple of data x accumulate")
+    return policy
 
 
 def make_train_step(program: Program, mesh: Mesh, optimizer: optax.GradientTransformation, *,
@@ -294,21 +339,12 @@ def make_train_step(program: Program, mesh: Mesh, optimizer: optax.GradientTrans
     ``communicate=False`` (measurement only, seed 001's breakdown): the same step without its
     data-parallel gradient and loss reductions -- each rank updates with its own gradient, so the
     result is not training; the difference in step time is the reductions' time."""
-    from jphantom.errors import check_int
-
-    check_int("accumulate", accumulate)
-    remat_module.check(remat)
-    precision = _checked_precision(program, precision)
-    if clip_norm is not None and not clip_norm > 0:
-        raise ConfigError(f"clip_norm={clip_norm!r} must be a positive number, e.g. 1.0")
+    precision = check_step_options(program, accumulate=accumulate, clip_norm=clip_norm,
+                                   precision=precision, remat=remat)
     donate_argnums = (0, 1) if donate else ()
     if not communicate and (program.zero or not program.manual):
         raise ConfigError("communicate=False measures plain data parallelism of a per-rank "
                           "strategy (zero=0, tensor or phantom)")
-    if not program.manual and (accumulate > 1 or clip_norm is not None or remat != "none"
-                               or not precision.is_default):
-        raise ConfigError(f"accumulate, clip_norm, remat and precision run in the one-shard_map step; strategy "
-                          f"{program.strategy!r} is not per-rank: use tensor or phantom")
     if not program.manual:
         global_loss = program.global_loss(mesh)
 
@@ -320,12 +356,12 @@ def make_train_step(program: Program, mesh: Mesh, optimizer: optax.GradientTrans
         return jax.jit(step, donate_argnums=donate_argnums)
     params_shape = jax.eval_shape(program.init, jax.random.PRNGKey(0))
     opt_specs = optimizer_state_specs(optimizer, params_shape, program.state_specs)
-    sharded = jax.shard_map(
+    return sharded(
         _per_rank_step(program, optimizer, accumulate=accumulate, clip_norm=clip_norm,
                        remat_policy=remat, precision=precision, communicate=communicate),
-        mesh=mesh, in_specs=(program.param_specs, opt_specs, *program.batch_specs),
-        out_specs=(program.param_specs, opt_specs, P()), check_vma=communicate)
-    return jax.jit(sharded, donate_argnums=donate_argnums)
+        mesh, (program.param_specs, opt_specs, *program.batch_specs),
+        (program.param_specs, opt_specs, P()), check_vma=communicate,
+        donate_argnums=donate_argnums)
 
 
 def _whole(program: Program, params):
@@ -347,9 +383,7 @@ def make_loss_fn(program: Program, mesh: Mesh) -> Callable:
         loss = program.loss(_whole(program, params), *batch)
         return lax.psum(loss, loss_axes) if loss_axes else loss
 
-    return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(program.param_specs,
-                                                                *program.batch_specs),
-                                 out_specs=P(), check_vma=True))
+    return sharded(per_rank, mesh, (program.param_specs, *program.batch_specs), P())
 
 
 def make_forward_fn(program: Program, mesh: Mesh) -> Callable:
@@ -358,7 +392,5 @@ def make_forward_fn(program: Program, mesh: Mesh) -> Callable:
         raise ValueError(f"program {program.strategy}/{program.model} has no forward")
     if not program.manual:
         return jax.jit(program.forward(mesh) if program.binds_mesh else program.forward)
-    return jax.jit(jax.shard_map(lambda params, x: program.forward(_whole(program, params), x),
-                                 mesh=mesh,
-                                 in_specs=(program.param_specs, program.batch_specs[0]),
-                                 out_specs=program.output_spec, check_vma=True))
+    return sharded(lambda params, x: program.forward(_whole(program, params), x), mesh,
+                   (program.param_specs, program.batch_specs[0]), program.output_spec)

@@ -168,7 +168,7 @@ def test_default_microbatches_are_the_stages():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(mesh="data=2,model=4", microbatches=2), r"--microbatches 2 only apply to a pipelined "
-                                                  r"step.*add stage=N to --mesh"),
+                                                  r"step.*add stage=N to the mesh"),
     (dict(mesh="model=8", schedule="gpipe"), r"--schedule gpipe.*stage=N"),
     (dict(mesh="model=8", virtual_stages=2), r"--virtual-stages 2.*stage=N"),
     (dict(mesh="stage=2,data=2,model=2", batch=6, microbatches=2),
@@ -192,7 +192,7 @@ def test_cli_train_bad_pipeline_flag_is_one_line_and_runs_nothing(tmp_path, caps
     out = tmp_path / "never"
     assert cli.main(["train", "--strategy", "tensor", "--mesh", "data=2,model=4",
                      "--microbatches", "2", "--out", str(out)]) == 2
-    _one_line_error(capsys, "add stage=N to --mesh")
+    _one_line_error(capsys, "add stage=N to the mesh")
     assert cli.main(["train", "--strategy", "tensor", "--mesh", "stage=2,data=2,model=2",
                      "--batch", "6", "--microbatches", "2", "--out", str(out)]) == 2
     _one_line_error(capsys, "not divisible by microbatches=2")

@@ -119,5 +119,5 @@ def test_inspect_refuses_bad_precision_and_remat_before_compiling():
         StepSpec(strategy="tensor", width=8, depth=2, batch=8, mesh="model=2", precision="fp8")
     with pytest.raises(ConfigError, match="remat='all'"):
         StepSpec(strategy="tensor", width=8, depth=2, batch=8, mesh="model=2", remat="all")
-    with pytest.raises(ConfigError, match="precision and remat run inside"):
+    with pytest.raises(ConfigError, match="precision and remat run inside the one-shard_map step"):
         StepSpec(strategy="gspmd", width=8, depth=2, batch=8, mesh="model=2", remat="dots_saveable")

@@ -27,8 +27,9 @@ from jphantom.analysis.hlo import collectives, dot_flops, normalise_replica_grou
 from jphantom.errors import ConfigError, check_int
 from jphantom.mesh import MeshConfig, first_devices, model_mesh
 from jphantom.models.ffn import FFNConfig
-from jphantom.pipeline.runner import PipelineConfig
-from jphantom.step import abstract_params, make_train_step, optimizer_state_specs
+from jphantom.pipeline.runner import PipelineConfig, pipeline_for
+from jphantom.step import (abstract_params, check_step_options, make_train_step,
+                           optimizer_state_specs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,33 +94,10 @@ class StepSpec:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"optimizer={self.optimizer!r}; use one of {tuple(OPTIMIZERS)}")
         check_int("zero", self.zero, 0)
-        check_int("accumulate", self.accumulate)
-        from jphantom import remat
-        from jphantom.precision import Precision
-
-        Precision.named(self.precision)
-        remat.check(self.remat)
         self.pipeline_config()  # the batch against the micro-batches, before any compile
         program = self.program()  # the strategy validates the shapes (and the ZeRO stage)
-        self._check_accumulate(program)
-
-    def _check_accumulate(self, program) -> None:
-        if not program.manual and (self.precision != "float32" or self.remat != "none"):
-            raise ConfigError(f"precision and remat run inside the one-shard_map step; strategy "
-                              f"{self.strategy!r} is not per-rank: use tensor or phantom")
-        if self.accumulate == 1:
-            return
-        if not program.manual:
-            raise ConfigError(f"accumulate={self.accumulate} runs inside the one-shard_map step; "
-                              f"strategy {self.strategy!r} is not per-rank: use tensor or phantom")
-        mesh = self.mesh_config()
-        if "stage" in mesh.shape:
-            raise ConfigError(f"accumulate={self.accumulate} with a stage axis ({mesh}): pipelines "
-                              "accumulate through the micro-batches (--microbatches)")
-        rows = self.batch // mesh.size("data")
-        if rows % self.accumulate:
-            raise ConfigError(f"batch={self.batch} over data={mesh.size('data')}: the per-data-rank "
-                              f"batch {rows} is not divisible by accumulate={self.accumulate}")
+        check_step_options(program, self.batch, accumulate=self.accumulate,
+                           precision=self.precision, remat=self.remat)
 
     def mesh_config(self) -> MeshConfig:
         return model_mesh(self.mesh, self.num_shards)
@@ -142,27 +120,8 @@ class StepSpec:
     def pipeline_config(self) -> PipelineConfig | None:
         """The pipeline on a mesh with a ``stage`` axis, else ``None`` (then the pipeline fields
         must keep their defaults); checks the per-data-rank batch against the micro-batches."""
-        mesh = self.mesh_config()
-        if "stage" not in mesh.shape:
-            given = [f"{name}={value!r}" for name, value, default in (
-                ("schedule", self.schedule, "1f1b"), ("microbatches", self.microbatches, None),
-                ("virtual_stages", self.virtual_stages, 1)) if value != default]
-            if given:
-                raise ConfigError(f"{', '.join(given)} only apply to a pipelined step, but mesh "
-                                  f"{mesh} has no stage axis: add stage=N to the mesh (e.g. --mesh "
-                                  f"stage=2,{mesh}) or leave the pipeline settings out")
-            return None
-        if self.microbatches is not None:
-            check_int("microbatches", self.microbatches)
-        config = PipelineConfig(schedule=self.schedule,
-                                microbatches=self.microbatches or mesh.size("stage"),
-                                virtual_stages=self.virtual_stages)
-        data = mesh.size("data")
-        try:
-            config.check_batch(self.batch // data)
-        except ConfigError as error:
-            raise ConfigError(f"batch={self.batch} over data={data}: {error}") from None
-        return config
+        return pipeline_for(self.mesh_config(), self.batch, schedule=self.schedule,
+                            microbatches=self.microbatches, virtual_stages=self.virtual_stages)
 
     def program(self):
         return strategies.get(self.strategy).program(self.model_config(), self.mesh_config(),

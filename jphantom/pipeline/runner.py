@@ -100,6 +100,32 @@ class PipelineConfig:
                               f"{self.microbatches}, or fewer micro-batches")
 
 
+def pipeline_for(mesh, batch: int, *, schedule: str = "1f1b", microbatches: int | None = None,
+                 virtual_stages: int = 1) -> PipelineConfig | None:
+    """The pipeline a step on ``mesh`` (a MeshConfig) runs: ``None`` without a ``stage`` axis (then
+    the settings must keep their defaults), else the validated :class:`PipelineConfig`
+    (``microbatches`` defaults to the number of stages), the per-data-rank ``batch`` checked
+    against the micro-batches -- before anything compiles."""
+    if STAGE_AXIS not in mesh.shape:
+        given = [f"--{flag} {value}" for flag, value, default in (
+            ("schedule", schedule, "1f1b"), ("microbatches", microbatches, None),
+            ("virtual-stages", virtual_stages, 1)) if value != default]
+        if given:
+            raise ConfigError(f"{' '.join(given)} only apply to a pipelined step, but mesh {mesh} "
+                              f"has no stage axis: add stage=N to the mesh (e.g. --mesh "
+                              f"stage=2,{mesh}) or leave the pipeline settings out")
+        return None
+    if microbatches is not None:
+        check_int("microbatches", microbatches)
+    config = PipelineConfig(schedule, microbatches or mesh.size(STAGE_AXIS), virtual_stages)
+    data = mesh.size("data")
+    try:
+        config.check_batch(batch // data)
+    except ConfigError as error:
+        raise ConfigError(f"batch={batch} over data={data}: {error}") from None
+    return config
+
+
 @dataclasses.dataclass(frozen=True)
 class Stages:
     """A model cut for pipelining (module docstring): ``split(params) -> (stacked, rest)`` and its
