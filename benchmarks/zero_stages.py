@@ -36,16 +36,12 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from jphantom import strategies  # noqa: E402
+from jphantom.analysis.inspect import per_device_bytes  # noqa: E402
 from jphantom.analysis.timing import build_program_step, time_round_robin  # noqa: E402
 from jphantom.mesh import MeshConfig, first_devices  # noqa: E402
 from jphantom.models.ffn import FFNConfig  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "zero_stages"
-
-
-def _bytes_per_device(tree, shardings) -> int:
-    return sum(int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize
-               for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
 
 
 def main(argv=None) -> int:
@@ -77,9 +73,8 @@ def main(argv=None) -> int:
         for c in report["collectives"]:
             over_data[c["kind"]] = over_data.get(c["kind"], 0) + c["bytes"]
         rows[zero] = {
-            "params_bytes": _bytes_per_device(params, jax.tree.map(lambda a: a.sharding, params)),
-            "optimizer_bytes": _bytes_per_device(opt_state,
-                                                 jax.tree.map(lambda a: a.sharding, opt_state)),
+            "params_bytes": per_device_bytes(params),
+            "optimizer_bytes": per_device_bytes(opt_state),
             "temp_bytes": report["memory"]["temp_bytes"],
             "collective_bytes_over_data": over_data,
         }

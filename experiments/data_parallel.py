@@ -5,7 +5,8 @@ batch per device) on ``data=n`` for n = 1, 2, 4, 8. For each n, side by side (ro
 
 - ``t_iter``: the training step (AdamW) as it trains;
 - ``t_compute``: the same step compiled without its collectives (``make_train_step(...,
-  communicate=False)``: no gradient or loss reduction; measurement only);
+  communicate=False)``: no gradient or loss reduction; measurement only) -- both from
+  :func:`jphantom.analysis.inspect.breakdown`, as ``jphantom inspect --breakdown`` reports them;
 - ``t_comm = t_iter - t_compute`` and the shares r_compute, r_comm (seed 001's breakdown counts
   communication first; here the difference of two compiled programs);
 - ``t_allreduce``: the gradient's all-reduce alone (a buffer of the step's parameter count, one
@@ -39,57 +40,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jphantom import strategies  # noqa: E402
+from jphantom.analysis.inspect import StepSpec, breakdown  # noqa: E402
 from jphantom.analysis.timing import Runner, time_round_robin  # noqa: E402
 from jphantom.mesh import MeshConfig, first_devices  # noqa: E402
-from jphantom.models.transformer import TransformerConfig  # noqa: E402
 from jphantom.perf.comm_model import FRONTIER  # noqa: E402
-from jphantom.step import init_params, make_train_step  # noqa: E402
-from jphantom.train import init_optimizer_state  # noqa: E402
+from jphantom.step import sharded  # noqa: E402
 
 
-def _allreduce_runner(mesh, elements: int) -> Runner:
+def _allreduce_seconds(n: int, elements: int, steps: int, warmup: int) -> float:
     """The gradient all-reduce alone: one psum over data of a float32 buffer per device."""
-    fn = jax.jit(jax.shard_map(lambda x: lax.psum(x, "data"), mesh=mesh, in_specs=P("data"),
-                               out_specs=P(), check_vma=True))
-    n = mesh.shape["data"]
+    mesh = MeshConfig.parse(f"data={n}").build(first_devices(n))
+    fn = sharded(lambda x: lax.psum(x, "data"), mesh, P("data"), P())
     x = jax.device_put(jnp.ones((n * elements,), jnp.float32), NamedSharding(mesh, P("data")))
-    compiled = fn.lower(x).compile()
-    return Runner("allreduce", compiled, (x,), threads_state=False, flops_per_device=0,
-                  devices=n)
+    runner = Runner("allreduce", fn.lower(x).compile(), (x,), threads_state=False,
+                    flops_per_device=0, devices=n)
+    return time_round_robin([runner], steps, warmup)["allreduce"]
 
 
-def measure(n: int, config: TransformerConfig, per_device: int, steps: int, warmup: int) -> dict:
-    program = strategies.get("tensor").program(config, MeshConfig.parse(f"data={n},model=1"))
-    mesh = program.mesh.build(first_devices(n))
-    optimizer = optax.adamw(1e-3)
-    rng = np.random.default_rng(0)
-    tokens = [jax.device_put(rng.integers(0, config.vocab_size, (n * per_device, config.seq_len)),
-                             s) for s in program.batch_shardings(mesh)]
-    runners = []
-    for label, communicate in (("step", True), ("compute", False)):
-        params = init_params(program, mesh, jax.random.PRNGKey(0))
-        state = init_optimizer_state(program, mesh, optimizer, params)
-        step = make_train_step(program, mesh, optimizer, communicate=communicate)
-        compiled = step.lower(params, state, *tokens).compile()
-        runners.append(Runner(label, compiled, (params, state, *tokens), threads_state=True,
-                              flops_per_device=0, devices=n))
-    elements = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(
-        jax.eval_shape(program.init, jax.random.PRNGKey(0))))
-    if n > 1:
-        runners.append(_allreduce_runner(mesh, elements))
-    times = time_round_robin(runners, steps, warmup)
-    t_iter, t_compute = times["step"], times["compute"]
-    t_comm = max(t_iter - t_compute, 0.0)
+def measure(n: int, args) -> dict:
+    """``jphantom.analysis.inspect.breakdown`` of the step on ``data=n``, and the all-reduce."""
+    spec = StepSpec(strategy="tensor", width=1, depth=1, model="transformer",
+                    mesh=f"data={n},model=1",
+                    layers=args.layers, hidden=args.hidden, heads=4, seq_len=args.seq_len,
+                    vocab=256, batch=n * args.per_device, optimizer="adamw")
+    result = breakdown(spec, steps=args.steps, warmup=args.warmup)
+    elements = spec.program().param_count
+    allreduce = _allreduce_seconds(n, elements, args.steps, args.warmup) if n > 1 else 0.0
     modelled = FRONTIER.time_us("all-reduce", elements, n) * 1e-6 if n > 1 else 0.0
-    return {"data": n, "params": elements, "t_iter": t_iter, "t_compute": t_compute,
-            "t_comm": t_comm, "r_compute": t_compute / t_iter, "r_comm": t_comm / t_iter,
-            "t_allreduce": times.get("allreduce", 0.0), "t_allreduce_eq26_frontier": modelled}
+    return {"data": n, "params": elements, "t_iter": result["t_iter"],
+            "t_compute": result["t_compute"], "t_comm": result["t_comm"],
+            "r_compute": result["r_compute"], "r_comm": result["r_comm"],
+            "t_allreduce": allreduce, "t_allreduce_eq26_frontier": modelled}
 
 
 def main(argv=None) -> int:
@@ -106,10 +91,8 @@ def main(argv=None) -> int:
     sizes = (1, 2, 4) if args.quick else (1, 2, 4, 8)
     if args.quick:
         args.layers, args.hidden, args.seq_len, args.steps = 1, 32, 16, 3
-    config = TransformerConfig(vocab_size=256, seq_len=args.seq_len, hidden=args.hidden,
-                               heads=4, layers=args.layers)
     start = time.perf_counter()
-    rows = [measure(n, config, args.per_device, args.steps, args.warmup) for n in sizes]
+    rows = [measure(n, args) for n in sizes]
     base = next(r for r in rows if r["data"] == 2)
     print(f"GPT L={args.layers} h={args.hidden} S={args.seq_len}, {args.per_device} sequences per "
           f"device, AdamW; P = {rows[0]['params']:,}; baseline g = 2")

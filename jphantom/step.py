@@ -38,6 +38,7 @@ from jphantom import remat as remat_module
 from jphantom.errors import ConfigError, check_int
 from jphantom.mesh import MeshConfig
 from jphantom.precision import Precision
+from jphantom.sharding import zero
 
 BATCH_AXES = ("data",)  # mesh axes that split the batch (ZeRO, experts and pipelines add theirs)
 
@@ -150,8 +151,6 @@ def _per_rank_value_and_grad(program: Program, accumulate: int = 1, remat_policy
     """Per rank: (global loss, gradients reduced over the axes each parameter is replicated on;
     with ZeRO >= 2 this rank's slice of them). ``accumulate``: the batch is split into that many
     micro-batches whose gradients are summed before the one reduction."""
-    from jphantom.sharding import zero
-
     data, loss_axes = program.batch_axes, _loss_axes(program)
     stage, dims = program.zero, program.zero_dims
     # ZeRO-3 under autodiff: the all-gather's transpose is the gradient's reduce-scatter.
@@ -245,14 +244,13 @@ def clip_by_global_norm(grads, specs, max_norm: float):
     """``optax.clip_by_global_norm`` on sharded gradients: the norm is summed over the mesh axes
     each gradient is split on (never over the axes it is replicated on), so it equals the norm of
     the whole model's gradient on one device."""
-    total = 0.0
+    by_axes: dict[tuple[str, ...], jax.Array] = {}  # one scalar all-reduce per group of axes
     is_spec = lambda s: isinstance(s, P)
     for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(specs, is_leaf=is_spec)):
-        axes = tuple(dict.fromkeys(a for entry in spec if entry is not None
-                                   for a in (entry if isinstance(entry, tuple) else (entry,))))
-        square = jnp.sum(jnp.square(g.astype(jnp.float32)))
-        total = total + (lax.psum(square, axes) if axes else square)
-    norm = jnp.sqrt(total)
+        axes = tuple(sorted(zero.spec_axes(spec)))
+        by_axes[axes] = by_axes.get(axes, 0.0) + jnp.sum(jnp.square(g.astype(jnp.float32)))
+    norm = jnp.sqrt(sum(lax.psum(square, axes) if axes else square
+                        for axes, square in by_axes.items()))
     scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
     return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
 
@@ -260,8 +258,6 @@ def clip_by_global_norm(grads, specs, max_norm: float):
 def _per_rank_step(program: Program, optimizer, *, accumulate: int = 1,
                    clip_norm: float | None = None, remat_policy: str = "none",
                    precision: Precision = Precision(), communicate: bool = True):
-    from jphantom.sharding import zero
-
     value_and_grad = _per_rank_value_and_grad(program, accumulate, remat_policy, precision,
                                               communicate)
     stage, dims = program.zero, program.zero_dims
@@ -367,9 +363,7 @@ def make_train_step(program: Program, mesh: Mesh, optimizer: optax.GradientTrans
 def _whole(program: Program, params):
     """Per rank: the parameters the layers use (ZeRO-3's shards all-gathered over ``data``)."""
     if program.zero == 3 and program.batch_axes:
-        from jphantom.sharding import zero
-
-        return zero.gathered_params(params, program.zero_dims)
+            return zero.gathered_params(params, program.zero_dims)
     return params
 
 

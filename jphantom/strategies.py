@@ -105,8 +105,7 @@ class _Base:
         (:mod:`jphantom.sharding.zero`)."""
         from jphantom.sharding import zero as zero_module
 
-        if zero not in zero_module.STAGES:
-            zero_module.apply(None, zero)  # raises the ConfigError naming the stages
+        zero_module.check(zero)  # before building anything
         return zero_module.apply(self._program(model_config, mesh, sequence_parallel, pipeline),
                                  zero)
 
@@ -143,6 +142,12 @@ class _Base:
         return _transformer_collectives(self, model_config, MeshConfig.of(mesh), batch, **options)
 
 
+def _squared_error(y, t):
+    """This rank's sum of squared errors, reduced in at least float32."""
+    wide = jnp.promote_types(y.dtype, jnp.float32)
+    return jnp.sum(jnp.square(y.astype(wide) - t.astype(wide)))
+
+
 def _relu_between(x, chunk):
     """The FFN's ReLU between layers, at a pipeline chunk's entry (none before layer 0)."""
     return jnp.where(chunk > 0, jax.nn.relu(x), x)
@@ -155,10 +160,7 @@ def _feature_stages(config: FFNConfig, mesh: MeshConfig, stacked_units: int, uni
     data = mesh.size(DATA_AXIS)
 
     def loss(_, y, t, microbatches):
-        y = last(y)
-        wide = jnp.promote_types(y.dtype, jnp.float32)
-        return jnp.sum(jnp.square(y.astype(wide) - t.astype(wide))) / (
-            t.shape[0] * microbatches * data * config.width)
+        return _squared_error(last(y), t) / (t.shape[0] * microbatches * data * config.width)
 
     return Stages(units=stacked_units, unit_name=unit_name, split=lambda params: (params, {}),
                   join=lambda stacked, rest: stacked, first=lambda _, x: first(x),
@@ -176,9 +178,7 @@ def _feature_program(name, config: FFNConfig, mesh: MeshConfig, *, init, specs, 
     axis = FEATURE_AXIS
 
     def loss(params, x, t):
-        y = per_rank(params, x, axis=axis)
-        wide = jnp.promote_types(y.dtype, jnp.float32)  # reduce in at least float32
-        return jnp.sum(jnp.square(y.astype(wide) - t.astype(wide))) / (
+        return _squared_error(per_rank(params, x, axis=axis), t) / (
             x.shape[0] * total * config.width)
 
     if FEATURE_AXIS not in mesh.shape:

@@ -202,4 +202,6 @@ def test_cac_keeps_the_all_to_all_outputs_so_the_recompute_repeats_none(policy, 
                                in_specs=(SPECS, P("expert")), out_specs=(SPECS, P("expert")),
                                check_vma=True))
     hlo = fn.lower(params, x).compile().as_text()
-    assert sum(c.count for c in collectives(hlo) if c.kind == "all-to-all") == all_to_alls
+    found = [c for c in collectives(hlo) if c.kind == "all-to-all"]
+    assert sum(c.count for c in found) == all_to_alls
+    assert {c.elements for c in found} == {EXPERTS * config.capacity(TOKENS // 4) * HIDDEN}

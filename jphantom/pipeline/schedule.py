@@ -183,6 +183,18 @@ def _orders(schedule: str, stages: int, microbatches: int, virtual_stages: int,
     return orders
 
 
+def _peak_in_flight(orders: list[list[_Op]]) -> list[int]:
+    """Per device, the most operations whose forward ran and whose backward has not."""
+    peaks = []
+    for order in orders:
+        live = peak = 0
+        for kind, _, _ in order:
+            live += 1 if kind == "F" else -1
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
+
+
 def _execute(
     orders: list[list[_Op]], stages: int, virtual_stages: int, forward_cost: float, backward_cost: float
 ) -> dict[tuple[int, _Op], tuple[float, float]]:
@@ -259,13 +271,7 @@ def simulate(
     times = _execute(orders, P, V, 1.0 / V, backward_cost / V)
     makespan = max(end for _, end in times.values())
     busy = sum(end - start for start, end in times.values())
-    peaks = []
-    for s in range(P):
-        live = peak = 0
-        for kind, _, _ in orders[s]:
-            live += 1 if kind == "F" else -1
-            peak = max(peak, live)
-        peaks.append(peak)
+    peaks = _peak_in_flight(orders)
     timed = sorted(
         (TimedTask(Task(int(round(start * V)), s, op[1], op[0], op[2]), start, end) for (s, op), (start, end) in times.items()),
         key=lambda t: (t.start, t.stage),
@@ -370,11 +376,5 @@ def lockstep(schedule: str, stages: int, microbatches: int, virtual_stages: int 
         t += 1
         if t > 4 * total + 4:  # pragma: no cover - the orders never deadlock
             raise RuntimeError("lock-step schedule deadlocked")
-    peaks = []
-    for order in orders:
-        live = peak = 0
-        for kind, _, _ in order:
-            live += 1 if kind == "F" else -1
-            peak = max(peak, live)
-        peaks.append(peak)
+    peaks = _peak_in_flight(orders)
     return Lockstep(schedule, P, microbatches, V, tuple(ticks), tuple(peaks))

@@ -1,12 +1,14 @@
 """How computation is split across devices: one module per parallel strategy.
 
-- :mod:`jphantom.sharding.dense`: the unsharded reference FFN (and its GSPMD-sharded variant).
-- :mod:`jphantom.sharding.phantom`: phantom parallelism (seed 000, Seal et al.).
-- :mod:`jphantom.sharding.tensor`: tensor-parallel baselines T1 (row-sharded, all-gather) and T2
-  (Megatron column/row pairs with the f/g conjugate operators).
+- :mod:`jphantom.sharding.dense`: the unsharded reference FFN and transformer layers, and their
+  GSPMD-annotated variants.
+- :mod:`jphantom.sharding.tensor`: tensor parallelism, seed 000's T1 and Megatron's column/row
+  pairs with f and g (FFN and transformer, with sequence parallelism).
+- :mod:`jphantom.sharding.phantom` and :mod:`.phantom_transformer`: phantom parallelism (seed 000).
+- :mod:`jphantom.sharding.vocab`: vocabulary-parallel embedding and cross-entropy.
+- :mod:`jphantom.sharding.zero`: ZeRO-1/2/3 on the data axis.
+- :mod:`jphantom.sharding.expert`: the expert-parallel MoE layer (TED, DTD).
 
-Every strategy exposes the same functional shape: ``init(key, *, width, ..., dtype)`` returning a list
-(one entry per layer) of dicts of global arrays, ``forward(params, x, mesh, *, axis=...)`` taking and
-returning ``[batch, width]`` activations sharded on features, and ``dense_equivalent(params)`` giving
-the mathematically identical dense layers used as the single-device oracle.
+Layers here run per rank inside the step's ``shard_map`` (:func:`jphantom.step.sharded`) and call
+their collectives on the mesh axes they are given; none opens a shard_map of its own.
 """

@@ -45,7 +45,8 @@ DATA_AXIS = "data"
 STAGES = (0, 1, 2, 3)
 
 
-def _spec_axes(spec: P) -> set[str]:
+def spec_axes(spec: P) -> set[str]:
+    """The mesh axes a PartitionSpec splits on."""
     axes = set()
     for entry in spec:
         if entry is None:
@@ -85,12 +86,16 @@ def stacked_flags(program, tree):
                                jax.tree.map(lambda _: False, rest))
 
 
-def apply(program, stage: int):
-    """``program`` with ZeRO ``stage`` on its ``data`` axis (module docstring)."""
-    if stage not in STAGES:
+def check(stage) -> int:
+    if stage not in STAGES or isinstance(stage, bool):
         raise ConfigError(f"zero={stage!r}: use 0 (plain data parallelism), 1 (optimizer state "
                           "sharded), 2 (+ gradients) or 3 (+ parameters, FSDP)")
-    if stage == 0:
+    return stage
+
+
+def apply(program, stage: int):
+    """``program`` with ZeRO ``stage`` on its ``data`` axis (module docstring)."""
+    if check(stage) == 0:
         return program
     if not program.manual:
         raise ConfigError(f"ZeRO shards the data axis of the one-shard_map step; strategy "
@@ -106,7 +111,7 @@ def apply(program, stage: int):
     stacked = stacked_flags(program, shapes)
     dims = jax.tree.map(lambda a, s, k: choose_dim(a.shape, s, data, k), shapes,
                         program.param_specs, stacked, is_leaf=is_spec)
-    if any(DATA_AXIS in _spec_axes(s) for s in jax.tree.leaves(program.param_specs, is_leaf=is_spec)):
+    if any(DATA_AXIS in spec_axes(s) for s in jax.tree.leaves(program.param_specs, is_leaf=is_spec)):
         raise ConfigError("a parameter is already split over 'data'")
     state_specs = jax.tree.map(lambda a, s, d: sharded_spec(s, d, a.ndim), shapes,
                                program.param_specs, dims, is_leaf=is_spec)
