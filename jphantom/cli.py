@@ -128,7 +128,10 @@ def _inspect(args: argparse.Namespace) -> int:
         mesh = MeshConfig.of({"model": args.shards or jax.device_count()})
     pipeline = dict(schedule=args.schedule, microbatches=args.microbatches,
                     virtual_stages=args.virtual_stages, zero=args.zero,
-                    accumulate=args.accumulate, precision=args.precision, remat=args.remat)
+                    accumulate=args.accumulate, precision=args.precision, remat=args.remat,
+                    dtd=args.dtd, cac=args.cac)
+    moe = dict(moe_every=args.moe_every, experts=args.experts, top_k=args.top_k,
+               capacity_factor=args.capacity_factor, dropless=args.dropless)
     reports = []
     for name in dict.fromkeys(args.strategy):
         spec = StepSpec(strategy=name, width=args.width, depth=args.depth, batch=args.batch,
@@ -136,7 +139,7 @@ def _inspect(args: argparse.Namespace) -> int:
                         mesh="model=1" if name == "dense" else str(mesh), model=args.model,
                         layers=args.layers, hidden=args.hidden, heads=args.heads,
                         seq_len=args.seq_len, vocab=args.vocab,
-                        sequence_parallel=args.sequence_parallel, optimizer=args.optimizer,
+                        sequence_parallel=args.sequence_parallel, optimizer=args.optimizer, **moe,
                         # dense: model=1, no pipeline, no ZeRO, no accumulation
                         **({} if name == "dense" else pipeline))
         report = inspect_step(spec)
@@ -320,6 +323,14 @@ _TRAIN_HELP = {
              "collectives_saveable (keeps collective outputs: a recompute repeats no collective)",
     "sequence_parallel": "transformer under tensor: Megatron sequence parallelism",
     "ghost_width": "phantom: k ghost neurons per rank (and token)",
+    "moe_every": "transformer: every n-th block is a mixture of experts (0: none; with an "
+                 "expert=G mesh axis the experts are split over G ranks)",
+    "experts": "MoE: experts E per MoE block", "top_k": "MoE: experts each token visits",
+    "capacity_factor": "MoE: each expert takes capacity_factor x T k / E tokens per rank; "
+                       "the rest are dropped and counted",
+    "dropless": "MoE: no capacity, no dropped tokens (grouped matmuls, ragged all-to-all)",
+    "dtd": "MoE under tensor (TED): duplicate token dropping, all-to-all bytes / model axis",
+    "cac": "communication-aware checkpointing (seed 004): --remat collectives_saveable",
     "layers": "transformer blocks", "hidden": "transformer width h", "heads": "attention heads",
     "seq_len": "tokens per sequence", "vocab": "vocabulary size (256 for bytes)",
     "data": "a text file to train on (default: the Python standard library's sources)",
@@ -479,6 +490,11 @@ def _train(args: argparse.Namespace) -> int:
               + ("no clipping" if step["clip_norm"] is None
                  else f"gradients clipped to global norm {step['clip_norm']:g}")
               + f", {step['precision']} compute, remat {step['remat']}")
+    if "moe" in results:
+        moe = results["moe"]
+        print(f"MoE: every {moe['moe_every']} block(s), {moe['experts']} experts, top-{moe['top_k']}"
+              f", {moe['active_params']:,} active parameters; dropped "
+              f"{100 * moe['final_dropped_fraction']:.2f}% of token-expert assignments")
     print(f"final validation loss {results['final_validation_loss']:.4f}"
           + (f" nats/token; unigram cross-entropy {results['unigram_cross_entropy']:.4f}; "
              f"ratio {results['validation_over_unigram']:.3f}"
@@ -559,6 +575,18 @@ def build_parser() -> argparse.ArgumentParser:
                                   "collectives_saveable"),
                          help="activation checkpointing per layer; the memory report's temp_bytes "
                               "shows what it saves (default none)")
+    inspect.add_argument("--moe-every", type=int, default=0, metavar="N",
+                         help="transformer: every N-th block a mixture of experts (default 0: "
+                              "none); split the experts with an expert=G mesh axis")
+    inspect.add_argument("--experts", type=_positive_int, default=8, help="MoE: experts E (8)")
+    inspect.add_argument("--top-k", type=_positive_int, default=2, help="MoE: top-k (2)")
+    inspect.add_argument("--capacity-factor", type=float, default=1.25,
+                         help="MoE: capacity factor (default 1.25)")
+    inspect.add_argument("--dropless", action="store_true", help="MoE: no capacity, no drops")
+    inspect.add_argument("--dtd", action="store_true",
+                         help="MoE under tensor: duplicate token dropping (seed 004)")
+    inspect.add_argument("--cac", action="store_true",
+                         help="communication-aware checkpointing: --remat collectives_saveable")
     inspect.add_argument("--dtype", default="float32",
                          choices=("float32", "bfloat16", "float16", "float64"))
     inspect.add_argument("--breakdown", action="store_true",

@@ -55,6 +55,18 @@ def check(name: str) -> str:
     return name
 
 
+def with_cac(name: str, cac: bool) -> str:
+    """The policy of ``--remat name --cac``: seed 004's communication-aware checkpointing is
+    checkpointing every layer while keeping the collectives' outputs, ``collectives_saveable``."""
+    check(name)
+    if not cac:
+        return name
+    if name not in ("none", "collectives_saveable"):
+        raise ConfigError(f"cac keeps collective outputs (remat='collectives_saveable'); it "
+                          f"contradicts remat={name!r}: give one of them")
+    return "collectives_saveable"
+
+
 @contextlib.contextmanager
 def policy_scope(name: str):
     """Layers traced inside this block are checkpointed with policy ``name``."""

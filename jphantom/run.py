@@ -73,6 +73,13 @@ class RunConfig:
     precision: str = "float32"  # the step's policy: float32, bf16 or float16 (float32 master)
     remat: str = "none"  # activation checkpointing per layer: jphantom.remat.POLICIES
     # transformer
+    moe_every: int = 0  # every n-th block a mixture of experts (0: none)
+    experts: int = 8
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    dropless: bool = False
+    dtd: bool = False
+    cac: bool = False
     layers: int = 4
     hidden: int = 256
     heads: int = 4
@@ -141,7 +148,14 @@ class RunConfig:
         if out.exists() and not out.is_dir():
             raise ConfigError(f"out={self.out!r} is an existing file: give a folder")
         check_step_options(self.program(), self.batch, accumulate=self.accumulate,
-                           clip_norm=self.clip_norm, precision=self.precision, remat=self.remat)
+                           clip_norm=self.clip_norm, precision=self.precision,
+                           remat=self.step_remat)
+
+    @property
+    def step_remat(self) -> str:
+        """The checkpoint policy of the step (``cac``: collectives_saveable)."""
+        from jphantom.remat import with_cac
+        return with_cac(self.remat, self.cac)
 
     # -- derived objects ------------------------------------------------------------------------
 
@@ -162,7 +176,7 @@ class RunConfig:
         if self.model == "ffn":
             from jphantom.models.ffn import FFNConfig
             return FFNConfig(self.width, self.depth, self.ghost_width, self.dtype)
-        from jphantom.models.transformer import TransformerConfig
+        from jphantom.models.transformer import TransformerConfig, moe_fields
         if self.from_gpt2:
             from jphantom.models import gpt2
             config = gpt2.config_from_hf(_read_json(Path(self.from_gpt2) / "config.json"))
@@ -171,7 +185,9 @@ class RunConfig:
         return TransformerConfig(vocab_size=self.vocab, seq_len=self.seq_len, hidden=self.hidden,
                                  heads=self.heads, layers=self.layers, ghost_width=self.ghost_width,
                                  dtype=self.dtype,
-                                 tied_head=not strategies.get(self.strategy).family == "phantom")
+                                 tied_head=not strategies.get(self.strategy).family == "phantom",
+                                 **moe_fields(self.moe_every, self.experts, self.top_k,
+                                              self.capacity_factor, self.dropless))
 
     def program(self):
         mesh = self.mesh_config()
@@ -179,13 +195,16 @@ class RunConfig:
             raise ConfigError(f"mesh {mesh} needs {mesh.device_count} devices but "
                               f"{jax.device_count()} are available: pass --devices "
                               f"{mesh.device_count} to simulate them on CPU, or a smaller mesh")
-        if self.batch % mesh.size("data"):
-            raise ConfigError(f"batch={self.batch} is not divisible by the data axis "
-                              f"({mesh.size('data')}): pick a multiple")
+        ranks = mesh.size("data") * mesh.size("expert")
+        if self.batch % ranks:
+            raise ConfigError(f"batch={self.batch} is not divisible by the batch ranks (data x "
+                              f"expert = {ranks}): pick a multiple")
+        if self.model != "transformer" and (self.moe_every or self.dtd):
+            raise ConfigError("--moe-every and --dtd apply to --model transformer")
         return strategies.get(self.strategy).program(self.model_config(), mesh,
                                                      sequence_parallel=self.sequence_parallel,
                                                      pipeline=self.pipeline_config(),
-                                                     zero=self.zero)
+                                                     zero=self.zero, dtd=self.dtd)
 
     def optimizer_transform(self) -> optax.GradientTransformation:
         warmup = max(self.warmup_steps, 1)
@@ -281,7 +300,7 @@ class _TeacherSource:
 
 def run(config: RunConfig) -> dict:
     """Train as configured; returns (and writes) the results dictionary."""
-    from jphantom.step import init_params, make_loss_fn, make_train_step
+    from jphantom.step import init_params, make_loss_fn, make_metrics_fn, make_train_step
     from jphantom.train import init_optimizer_state
 
     out = Path(config.out)
@@ -310,17 +329,26 @@ def run(config: RunConfig) -> dict:
                  else optimizer.init(params))
     step_fn = make_train_step(program, mesh, optimizer, accumulate=config.accumulate,
                               clip_norm=config.clip_norm, precision=config.precision,
-                              remat=config.remat)
+                              remat=config.step_remat)
     loss_fn = make_loss_fn(program, mesh)
+    moe = getattr(model_config, "moe", None) is not None
+    metrics_fn = make_metrics_fn(program, mesh) if moe else None
     shardings = program.batch_shardings(mesh)
     place = lambda pair: tuple(jax.device_put(np.asarray(a), s) for a, s in zip(pair, shardings))
 
     def validate():
-        losses = [float(loss_fn(params, *place(pair))) for pair in source.validation()]
-        return float(np.mean(losses))
+        """Mean validation loss (MoE: the cross-entropy, without the auxiliary losses) and the
+        fraction of token-expert assignments dropped."""
+        if metrics_fn is None:
+            return float(np.mean([float(loss_fn(params, *place(pair)))
+                                  for pair in source.validation()])), None
+        found = [jax.device_get(metrics_fn(params, *place(pair))) for pair in source.validation()]
+        dropped = sum(int(m["dropped"]) for m in found) / sum(int(m["assignments"]) for m in found)
+        return float(np.mean([float(m["cross_entropy"]) for m in found])), dropped
 
     metrics = (out / "metrics.jsonl").open("w")
-    history = {"step": [], "train_loss": [], "validation_step": [], "validation_loss": []}
+    history = {"step": [], "train_loss": [], "validation_step": [], "validation_loss": [],
+               "dropped_fraction": []}
     step_seconds = []
     bar = tqdm(total=config.steps, desc=f"{config.model} {config.strategy} {mesh_config}",
                disable=not config.progress, unit="step")
@@ -344,7 +372,10 @@ def run(config: RunConfig) -> dict:
             history["step"].append(index + 1)
             history["train_loss"].append(loss)
             if (index + 1) % config.eval_every == 0 or index + 1 == config.steps:
-                record["validation_loss"] = validate()
+                record["validation_loss"], dropped = validate()
+                if dropped is not None:
+                    record["dropped_fraction"] = dropped
+                    history["dropped_fraction"].append(dropped)
                 history["validation_step"].append(index + 1)
                 history["validation_loss"].append(record["validation_loss"])
             metrics.write(json.dumps(record) + "\n")
@@ -370,7 +401,13 @@ def run(config: RunConfig) -> dict:
     }
     results["step"] = {"zero": program.zero, "accumulate": config.accumulate,
                        "clip_norm": config.clip_norm, "precision": config.precision,
-                       "remat": config.remat}
+                       "remat": config.step_remat}
+    if moe:
+        results["moe"] = {"moe_every": model_config.moe_every, "experts": model_config.experts,
+                          "top_k": model_config.top_k,
+                          "capacity_factor": model_config.capacity_factor, "dtd": config.dtd,
+                          "active_params": model_config.param_count(active=True),
+                          "final_dropped_fraction": history["dropped_fraction"][-1]}
     pipeline = program.options.get("pipeline")
     if pipeline is not None:
         results["pipeline"] = {"schedule": pipeline["schedule"],

@@ -40,7 +40,10 @@ from jphantom.mesh import MeshConfig
 from jphantom.precision import Precision
 from jphantom.sharding import zero
 
-BATCH_AXES = ("data",)  # mesh axes that split the batch (ZeRO, experts and pipelines add theirs)
+# Mesh axes that split the batch: ``expert`` too, since the dense blocks of an MoE model run
+# data-parallel over it (t5x / DeepSpeed-TED); a gradient is reduced over those of them its
+# parameter is replicated on (experts' over ``data`` only, the rest over both).
+BATCH_AXES = ("data", "expert")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +77,9 @@ class Program:
     # per rank (params, *batch) -> (loss share, grads before the data reduction); None: autodiff
     # of ``loss`` (pipelines run their own backward)
     value_and_grad: Callable[..., Any] | None = None
+    # (params, *batch) -> dict of this rank's shares of batch totals (cross_entropy; dropped and
+    # assignments of MoE routing); global for non-manual programs (a factory if binds_mesh)
+    metrics: Callable[..., dict] | None = None
 
     @property
     def state_specs(self):
@@ -138,6 +144,28 @@ def _loss_axes(program: Program) -> tuple[str, ...]:
                                       if a in program.mesh.shape)
 
 
+def replicated_axes(spec: P, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of ``axes`` a parameter of ``spec`` is replicated on: its gradient is summed there."""
+    split = zero.spec_axes(spec)
+    return tuple(a for a in axes if a not in split)
+
+
+def _vary(params, specs, axes):
+    """Each parameter varying over the batch axes it is replicated on (a per-rank copy)."""
+    def one(p, spec):
+        over = replicated_axes(spec, axes)
+        return lax.pcast(p, over, to="varying") if over else p
+    return jax.tree.map(one, params, specs)
+
+
+def _sum_replicated(grads, specs, axes):
+    """Each gradient all-reduced over the batch axes its parameter is replicated on."""
+    def one(g, spec):
+        over = replicated_axes(spec, axes)
+        return lax.psum(g, over) if over else g
+    return jax.tree.map(one, grads, specs)
+
+
 def zeros_of(struct) -> jax.Array:
     """Zeros of an abstract value (``jax.eval_shape`` inside a shard_map) with its shape, dtype and
     varying mesh axes."""
@@ -188,7 +216,7 @@ def _per_rank_value_and_grad(program: Program, accumulate: int = 1, remat_policy
         if data and stage == 3:
             params = zero.gathered_params(params, dims)  # pipelines: gathered once per step
         elif data:
-            params = lax.pcast(params, data, to="varying")
+            params = _vary(params, program.param_specs, data)
         if program.value_and_grad is not None:  # pipelines run their own backward
             loss, grads = program.value_and_grad(cast(params), *cast(batch))
             return loss.astype(jnp.promote_types(loss.dtype, jnp.float32)), jax.tree.map(
@@ -198,8 +226,8 @@ def _per_rank_value_and_grad(program: Program, accumulate: int = 1, remat_policy
     def reduce(grads):
         if not data or zero3_autodiff or not communicate:
             return grads
-        if stage == 0:
-            return lax.psum(grads, data)  # data parallelism: one all-reduce per parameter per step
+        if stage == 0:  # data parallelism: one all-reduce per parameter per step
+            return _sum_replicated(grads, program.param_specs, data)
 
         def one(g, d):
             if d < 0:
@@ -314,11 +342,12 @@ def check_step_options(program: Program, batch: int | None = None, *, accumulate
                           f"--microbatches; pass --microbatches {micro * accumulate} and leave "
                           "--accumulate out")
     if accumulate > 1 and batch is not None:
-        data = program.mesh.size("data")
+        data = math.prod(program.mesh.size(a) for a in program.batch_axes)
         if (batch // data) % accumulate:
-            raise ConfigError(f"batch={batch} over data={data}: the per-data-rank batch "
-                              f"{batch // data} is not divisible by accumulate={accumulate}: pick "
-                              "a batch that is a multiple of data x accumulate")
+            raise ConfigError(f"batch={batch} over {data} batch ranks (data x expert): the "
+                              f"per-data-rank batch {batch // data} is not divisible by "
+                              f"accumulate={accumulate}: pick a batch that is a multiple of "
+                              "data x expert x accumulate")
     return policy
 
 
@@ -376,6 +405,28 @@ def make_loss_fn(program: Program, mesh: Mesh) -> Callable:
     def per_rank(params, *batch):
         loss = program.loss(_whole(program, params), *batch)
         return lax.psum(loss, loss_axes) if loss_axes else loss
+
+    return sharded(per_rank, mesh, (program.param_specs, *program.batch_specs), P())
+
+
+def make_metrics_fn(program: Program, mesh: Mesh) -> Callable:
+    """``metrics(params, *batch) -> dict`` of batch totals (:attr:`Program.metrics`): the mean
+    ``cross_entropy`` without auxiliary losses, and with MoE blocks the ``dropped`` token-expert
+    assignments of all ``assignments``; jitted."""
+    if program.metrics is None:
+        raise ConfigError(f"program {program.strategy}/{program.model} reports no metrics")
+    if not program.manual:
+        return jax.jit(program.metrics(mesh) if program.binds_mesh else program.metrics)
+    axes = program.batch_axes
+
+    def total(x):
+        varying = set(jax.typeof(x).manual_axis_type.varying)
+        missing = tuple(a for a in axes if a not in varying)
+        x = lax.pcast(x, missing, to="varying") if missing else x
+        return lax.psum(x, axes) if axes else x
+
+    def per_rank(params, *batch):
+        return jax.tree.map(total, program.metrics(_whole(program, params), *batch))
 
     return sharded(per_rank, mesh, (program.param_specs, *program.batch_specs), P())
 

@@ -30,6 +30,7 @@ model uses instead of branching on names. Adding a strategy touches one module a
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import partial
 from typing import Protocol, runtime_checkable
 
@@ -48,6 +49,7 @@ MODELS = ("ffn", "transformer")
 FEATURE_AXIS = "model"
 DATA_AXIS = "data"
 STAGE_AXIS = "stage"
+EXPERT_AXIS = "expert"
 
 
 @runtime_checkable
@@ -78,9 +80,16 @@ def _data_spec(mesh: MeshConfig):
     return DATA_AXIS if DATA_AXIS in mesh.shape else None
 
 
-def _check_batch_axes(mesh: MeshConfig, strategy: str, model_axis: bool = True) -> None:
-    _only_axes(mesh, (DATA_AXIS, STAGE_AXIS, FEATURE_AXIS) if model_axis else (DATA_AXIS,),
-               strategy)
+def _check_batch_axes(mesh: MeshConfig, strategy: str, model_axis: bool = True,
+                      expert_axis: bool = False) -> None:
+    allowed = (DATA_AXIS, STAGE_AXIS, FEATURE_AXIS) if model_axis else (DATA_AXIS,)
+    _only_axes(mesh, allowed + ((EXPERT_AXIS,) if expert_axis else ()), strategy)
+
+
+def _batch_axes(mesh: MeshConfig) -> tuple[str, ...]:
+    """The axes splitting the transformer's batch: ``data``, and ``expert`` (MoE models run their
+    dense blocks data-parallel over it)."""
+    return tuple(a for a in (DATA_AXIS, EXPERT_AXIS) if a in mesh.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,20 +107,41 @@ class _Base:
         return model
 
     def program(self, model_config, mesh: MeshConfig, *, sequence_parallel: bool = False,
-                pipeline: PipelineConfig | None = None, zero: int = 0) -> Program:
+                pipeline: PipelineConfig | None = None, zero: int = 0,
+                dtd: bool = False) -> Program:
         """``pipeline``: the schedule when the mesh has a ``stage`` axis (default: 1F1B with one
         micro-batch per stage). A staged mesh without a ``model`` axis gets ``model=1``: build the
         jax mesh from ``program.mesh``. ``zero``: the ZeRO stage of the ``data`` axis
-        (:mod:`jphantom.sharding.zero`)."""
+        (:mod:`jphantom.sharding.zero`). ``dtd``: duplicate token dropping in the MoE blocks of a
+        transformer under ``tensor`` (seed 004 ch. 7)."""
         from jphantom.sharding import zero as zero_module
 
         zero_module.check(zero)  # before building anything
-        return zero_module.apply(self._program(model_config, mesh, sequence_parallel, pipeline),
-                                 zero)
+        if zero and EXPERT_AXIS in MeshConfig.of(mesh).shape:
+            raise ConfigError("ZeRO shards over 'data' only and cannot yet reduce the non-expert "
+                              "gradients over the 'expert' axis too: use zero=0 with an expert "
+                              "axis, or put all ranks on 'data'")
+        return zero_module.apply(
+            self._program(model_config, mesh, sequence_parallel, pipeline, dtd), zero)
 
-    def _program(self, model_config, mesh, sequence_parallel, pipeline) -> Program:
+    def _program(self, model_config, mesh, sequence_parallel, pipeline, dtd=False) -> Program:
         model = self._check_model(model_config)
         mesh = MeshConfig.of(mesh)
+        moe = getattr(model_config, "moe", None)
+        if dtd and (moe is None or self.name != "tensor"):
+            raise ConfigError("dtd (duplicate token dropping) applies to the MoE blocks of a "
+                              "transformer under strategy 'tensor' (TED): set moe_every and use "
+                              "'tensor', or leave dtd out")
+        if EXPERT_AXIS in mesh.shape and moe is None:
+            raise ConfigError(f"an {EXPERT_AXIS!r} mesh axis splits the experts of MoE blocks: "
+                              "give the transformer MoE blocks (--moe-every 2 --experts 8) or drop "
+                              "the axis")
+        if moe is not None and STAGE_AXIS in mesh.shape:
+            raise ConfigError("MoE blocks do not run inside pipeline stages yet: drop the 'stage' "
+                              "axis or set moe_every=0")
+        if moe is not None and sequence_parallel:
+            raise ConfigError("MoE blocks run on the replicated stream: sequence_parallel with "
+                              "moe_every is not implemented; leave one of them out")
         if sequence_parallel and (model != "transformer" or self.name != "tensor"):
             raise ConfigError("sequence_parallel applies to the transformer under strategy "
                               f"'tensor' (Megatron-SP), not to {model} under {self.name!r}")
@@ -130,7 +160,7 @@ class _Base:
         if model == "ffn":
             program = self._ffn_program(model_config, mesh)
         else:
-            program = _transformer_program(self, model_config, mesh, sequence_parallel)
+            program = _transformer_program(self, model_config, mesh, sequence_parallel, dtd)
         if staged:
             return pipelined(program, pipeline or PipelineConfig(microbatches=mesh.size(STAGE_AXIS)))
         return program
@@ -301,15 +331,21 @@ def _divides(what: str, value: int, p: int, fix: str) -> None:
         raise ConfigError(f"{what}={value} is not divisible by the model axis size {p}: {fix}")
 
 
-def _transformer_program(strategy, config, mesh: MeshConfig, sequence_parallel: bool) -> Program:
+def _transformer_program(strategy, config, mesh: MeshConfig, sequence_parallel: bool,
+                         dtd: bool = False) -> Program:
     """The GPT transformer (:mod:`jphantom.models.transformer`) under ``strategy`` on ``mesh``:
-    tokens and targets [B, S] split over ``data``; the loss is the mean next-token cross-entropy."""
+    tokens and targets [B, S] split over ``data`` (and ``expert``: MoE models); the loss is the
+    mean next-token cross-entropy (plus the MoE auxiliary losses)."""
     from jphantom.models import transformer as tr
     from jphantom.sharding import phantom_transformer
 
-    data = _data_spec(mesh)
+    batch_axes = _batch_axes(mesh)
+    data = batch_axes[0] if len(batch_axes) == 1 else (batch_axes or None)
     batch_spec = P(data, None)
-    data_size = mesh.size(DATA_AXIS)
+    data_size = math.prod(mesh.size(a) for a in batch_axes)
+    expert_axis = EXPERT_AXIS if EXPERT_AXIS in mesh.shape else None
+    if config.moe is not None and expert_axis:
+        config.moe.check_axis(mesh.size(EXPERT_AXIS))
     dense_init = lambda key: tr.init_dense(key, config)
     count = config.param_count()
     name = strategy.name
@@ -319,7 +355,8 @@ def _transformer_program(strategy, config, mesh: MeshConfig, sequence_parallel: 
                               "'model=1', or 'gspmd' / 'tensor' / 'phantom' for several devices")
         _check_batch_axes(mesh, name)
         axis = FEATURE_AXIS if FEATURE_AXIS in mesh.shape else None
-        specs = (tensor.transformer_specs(axis, untied_head=not config.tied_head) if name == "gspmd"
+        specs = (tensor.transformer_specs(axis, untied_head=not config.tied_head, config=config)
+                 if name == "gspmd"
                  else jax.tree.map(lambda _: P(), jax.eval_shape(dense_init, jax.random.PRNGKey(0))))
 
         def bind(mesh_obj, what):
@@ -331,15 +368,20 @@ def _transformer_program(strategy, config, mesh: MeshConfig, sequence_parallel: 
             if what == "loss":
                 return lambda params, tokens, targets: tr.loss_sum(
                     layers, config, params, tokens, targets) / targets.size
+            if what == "metrics":
+                return lambda params, tokens, targets: _mean_cross_entropy(
+                    tr.loss_and_metrics(layers, config, params, tokens, targets)[1],
+                    targets.size)
             return lambda params, tokens: tr.logits_of(layers, config, params, tokens)
 
         return Program(name, "transformer", mesh, dense_init, specs, (batch_spec, batch_spec),
                        lambda m: bind(m, "loss"), manual=False, binds_mesh=True,
                        dense_equivalent=lambda params: params,
                        forward=lambda m: bind(m, "logits"), output_spec=P(data, None, None),
-                       param_count=count, options={"sequence_parallel": False})
+                       param_count=count, options={"sequence_parallel": False},
+                       metrics=lambda m: bind(m, "metrics"))
 
-    _check_batch_axes(mesh, name)
+    _check_batch_axes(mesh, name, expert_axis=config.moe is not None)
     p = mesh.size(FEATURE_AXIS)
     _divides("heads", config.heads, p, "every rank must hold whole attention heads; pick heads "
              "divisible by the model axis or a smaller model axis")
@@ -349,9 +391,11 @@ def _transformer_program(strategy, config, mesh: MeshConfig, sequence_parallel: 
         if sequence_parallel:
             _divides("seq_len", config.seq_len, p, "sequence parallelism splits the sequence over "
                      "the model axis; pick a sequence length divisible by it")
-        layers = tensor.TransformerLayers(FEATURE_AXIS, config.layer_norm_eps, sequence_parallel)
-        init, specs = dense_init, tensor.transformer_specs(FEATURE_AXIS,
-                                                           untied_head=not config.tied_head)
+        layers = tensor.TransformerLayers(FEATURE_AXIS, config.layer_norm_eps, sequence_parallel,
+                                          expert_axis=expert_axis, batch_axes=batch_axes,
+                                          dtd=dtd)
+        init, specs = dense_init, tensor.transformer_specs(
+            FEATURE_AXIS, untied_head=not config.tied_head, config=config, expert_axis=expert_axis)
         if not config.tied_head:
             raise ConfigError("strategy 'tensor' ties the LM head to the token embedding (GPT-2); "
                               "use tied_head=True")
@@ -360,10 +404,11 @@ def _transformer_program(strategy, config, mesh: MeshConfig, sequence_parallel: 
         if config.ghost_width is None:
             raise ConfigError(f"strategy {name!r} needs ghost_width (k ghost neurons per rank and "
                               "token, seed 000), e.g. --ghost-width 8")
-        layers = phantom_transformer.TransformerLayers(FEATURE_AXIS, config.layer_norm_eps,
-                                                       config.hidden, fused=strategy.fused)
+        layers = phantom_transformer.TransformerLayers(
+            FEATURE_AXIS, config.layer_norm_eps, config.hidden, fused=strategy.fused,
+            expert_axis=expert_axis, batch_axes=batch_axes)
         init = lambda key: phantom_transformer.init(key, config, p)
-        specs = phantom_transformer.specs(FEATURE_AXIS)
+        specs = phantom_transformer.specs(FEATURE_AXIS, config, expert_axis)
         dense_equivalent = phantom_transformer.dense_equivalent
         count = phantom_transformer.param_count(config, p)
 
@@ -374,7 +419,11 @@ def _transformer_program(strategy, config, mesh: MeshConfig, sequence_parallel: 
         return layers.loss(rest, layers.norm(rest["ln_f"], h), targets) / (
             targets.size * microbatches * data_size)
 
-    stages = Stages(
+    def metrics(params, tokens, targets):  # this rank's shares of the batch totals
+        return _mean_cross_entropy(tr.loss_and_metrics(layers, config, params, tokens, targets)[1],
+                                   targets.size * data_size)
+
+    stages = None if config.moe is not None else Stages(
         units=config.layers, unit_name="layers",
         split=lambda params: (params["blocks"], {k: v for k, v in params.items() if k != "blocks"}),
         join=lambda blocks, rest: {**rest, "blocks": blocks}, first=layers.embed,
@@ -385,8 +434,12 @@ def _transformer_program(strategy, config, mesh: MeshConfig, sequence_parallel: 
                    manual=True, dense_equivalent=dense_equivalent,
                    forward=lambda params, tokens: tr.logits_of(layers, config, params, tokens),
                    output_spec=P(data, None, FEATURE_AXIS), param_count=count,
-                   options={"sequence_parallel": sequence_parallel, "num_shards": p},
-                   stages=stages)
+                   options={"sequence_parallel": sequence_parallel, "num_shards": p, "dtd": dtd},
+                   stages=stages, metrics=metrics)
+
+
+def _mean_cross_entropy(metrics: dict, tokens: int) -> dict:
+    return {**metrics, "cross_entropy": metrics["cross_entropy"] / tokens}
 
 
 def _transformer_collectives(strategy, config, mesh: MeshConfig, batch: int, *,

@@ -76,6 +76,13 @@ class StepSpec:
     optimizer: str = "sgd"
     precision: str = "float32"
     remat: str = "none"
+    moe_every: int = 0  # transformer: every n-th block a mixture of experts
+    experts: int = 8
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    dropless: bool = False
+    dtd: bool = False
+    cac: bool = False
 
     def __post_init__(self):
         strategy = strategies.get(self.strategy)
@@ -88,9 +95,14 @@ class StepSpec:
         object.__setattr__(self, "num_shards", mesh.size("model"))
         if strategy.family != "phantom":
             object.__setattr__(self, "ghost_width", None)
-        if self.batch % mesh.size("data"):
-            raise ConfigError(f"batch={self.batch} is not divisible by the data axis "
-                              f"({mesh.size('data')}) of mesh {mesh}")
+        ranks = mesh.size("data") * mesh.size("expert")
+        if self.batch % ranks:
+            raise ConfigError(f"batch={self.batch} is not divisible by the batch ranks (data x "
+                              f"expert = {ranks}) of mesh {mesh}")
+        if self.model != "transformer" and (self.moe_every or self.dtd):
+            raise ConfigError("--moe-every and --dtd apply to --model transformer")
+        from jphantom.remat import with_cac
+        object.__setattr__(self, "remat", with_cac(self.remat, self.cac))
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"optimizer={self.optimizer!r}; use one of {tuple(OPTIMIZERS)}")
         check_int("zero", self.zero, 0)
@@ -104,11 +116,13 @@ class StepSpec:
 
     def model_config(self):
         if self.model == "transformer":
-            from jphantom.models.transformer import TransformerConfig
+            from jphantom.models.transformer import TransformerConfig, moe_fields
             return TransformerConfig(
                 vocab_size=self.vocab, seq_len=self.seq_len, hidden=self.hidden, heads=self.heads,
                 layers=self.layers, ghost_width=self.ghost_width, dtype=self.dtype,
-                tied_head=strategies.get(self.strategy).family != "phantom")
+                tied_head=strategies.get(self.strategy).family != "phantom",
+                **moe_fields(self.moe_every, self.experts, self.top_k, self.capacity_factor,
+                             self.dropless))
         return FFNConfig(width=self.width, depth=self.depth, ghost_width=self.ghost_width,
                          dtype=self.dtype)
 
@@ -127,7 +141,7 @@ class StepSpec:
         return strategies.get(self.strategy).program(self.model_config(), self.mesh_config(),
                                                      sequence_parallel=self.sequence_parallel,
                                                      pipeline=self.pipeline_config(),
-                                                     zero=self.zero)
+                                                     zero=self.zero, dtd=self.dtd)
 
     def optimizer_transform(self) -> optax.GradientTransformation:
         return OPTIMIZERS[self.optimizer]()

@@ -120,6 +120,13 @@ class TransformerLayers:
     def row(self, p, x):
         return self.constrain(_linear(p, x))
 
+    def moe(self, p, x, config):
+        """Every expert on every token, combined by the router's gates (the oracle)."""
+        from jphantom.sharding import expert
+
+        y, aux = expert.dense_moe(p, x.reshape(-1, x.shape[-1]), config)
+        return self.constrain(y.reshape(x.shape)), {**aux, "dropped": jnp.zeros((), jnp.int32)}
+
     def logits(self, params, h):
         if "head" in params:
             return h @ params["head"]["weight"] + params["head"]["bias"]

@@ -57,64 +57,104 @@ def _shapes(hidden: int) -> dict[str, tuple[int, int]]:
 
 def init(key: jax.Array, config, num_shards: int) -> dict:
     """GPT-2-like initialisation: every block of each projection's dense equivalent has the
-    variance of GPT-2's N(0, 0.02^2) (residual projections 0.02^2 / 2L)."""
+    variance of GPT-2's N(0, 0.02^2) (residual projections 0.02^2 / 2L). MoE blocks
+    (``config.moe_every``): attention as above, a router [h, E] split on features, and each
+    expert's FFN two phantom linears (h -> 4h, 4h -> h) stacked over E."""
     h, L, v, s = config.hidden, config.layers, config.vocab_size, config.seq_len
     k, p = config.ghost_width, num_shards
     dtype = jnp.dtype(config.dtype)
-    keys = iter(jax.random.split(key, 8))
+    # the first 8 keys as before MoE existed, the MoE blocks' after them
+    keys = iter([*jax.random.split(key, 8), *jax.random.split(jax.random.fold_in(key, 1), 8)])
     residual = 0.02 / math.sqrt(2 * L)
     stds = {"qkv": 0.02, "attn_out": residual, "mlp_up": 0.02, "mlp_down": residual}
-    blocks = {name: phantom.init_linear(next(keys), in_features=i, out_features=o, ghost_width=k,
-                                        num_shards=p, layers=L, gain=stds[name] ** 2 * i, dtype=dtype)
-              for name, (i, o) in _shapes(h).items()}
     norm = lambda *lead: {"scale": jnp.ones((*lead, h), dtype), "bias": jnp.zeros((*lead, h), dtype)}
-    blocks["ln1"], blocks["ln2"] = norm(L), norm(L)
-    return {
+    linear = lambda key, i, o, std, lead: phantom.init_linear(
+        key, in_features=i, out_features=o, ghost_width=k, num_shards=p, layers=lead,
+        gain=std ** 2 * i, dtype=dtype)
+
+    def stack(n, names):
+        out = {name: linear(next(keys), i, o, stds[name], n)
+               for name, (i, o) in _shapes(h).items() if name in names}
+        out["ln1"], out["ln2"] = norm(n), norm(n)
+        return out
+
+    n_moe = config.moe_layers
+    params = {}
+    if L - n_moe:
+        params["blocks"] = stack(L - n_moe, LINEARS)
+    params.update({
         "wte": normal(next(keys), (v, h), dtype, 0.02),
         "wpe": normal(next(keys), (s, h), dtype, 0.01),
-        "blocks": blocks,
         "ln_f": norm(),
-        "head": phantom.init_linear(next(keys), in_features=h, out_features=v, ghost_width=k,
-                                    num_shards=p, gain=0.02 ** 2 * h, dtype=dtype),
-    }
+        "head": linear(next(keys), h, v, 0.02, None),
+    })
+    if n_moe:
+        moe = config.moe
+        f, e = moe.width, moe.experts
+        experts = lambda key, i, o, std: jax.vmap(lambda one: linear(one, i, o, std, e))(
+            jax.random.split(key, n_moe))  # [L/n, E, p, ...]
+        params["moe_blocks"] = {**stack(n_moe, ("qkv", "attn_out")), "moe": {
+            "router": normal(next(keys), (n_moe, h, e), dtype, 0.02),
+            "w_in": experts(next(keys), h, f, 0.02),
+            "w_out": experts(next(keys), f, h, residual)}}
+    return params
 
 
-def specs(axis: str = "model") -> dict:
+def specs(axis: str = "model", config=None, expert_axis: str | None = None) -> dict:
+    """PartitionSpecs of :func:`init`'s parameters; MoE experts split over ``expert_axis``."""
     features = P(None, axis)
     norm = {"scale": features, "bias": features}
     blocks = {name: phantom.linear_specs(axis) for name in LINEARS}
     blocks["ln1"], blocks["ln2"] = norm, norm
-    return {"wte": features, "wpe": features, "blocks": blocks,
-            "ln_f": {"scale": P(axis), "bias": P(axis)},
-            "head": phantom.linear_specs(axis, stacked=False)}
+    out = {"wte": features, "wpe": features, "blocks": blocks,
+           "ln_f": {"scale": P(axis), "bias": P(axis)},
+           "head": phantom.linear_specs(axis, stacked=False)}
+    if config is not None and config.moe_every:
+        experts = {name: P(None, expert_axis, axis) for name in phantom.linear_specs(axis)}
+        out["moe_blocks"] = {"qkv": blocks["qkv"], "attn_out": blocks["attn_out"], "ln1": norm,
+                             "ln2": norm, "moe": {"router": P(None, axis, None), "w_in": experts,
+                                                  "w_out": experts}}
+        if config.moe_every == 1:
+            del out["blocks"]
+    return out
 
 
 def dense_equivalent(params: dict) -> dict:
     """The identical dense GPT-2 parameters (layout of :mod:`jphantom.models.transformer`, with an
     untied ``head``). Rank j's QKV outputs (3, h/p) are the q, k, v features of its heads."""
     p = params["head"]["local"].shape[0]
-    blocks = params["blocks"]
+    out = {"wte": params["wte"], "wpe": params["wpe"], "ln_f": params["ln_f"]}
+    if "blocks" in params:
+        out["blocks"] = _dense_stack(params["blocks"], p, LINEARS)
+    if "moe_blocks" in params:
+        stack = params["moe_blocks"]
+        out["moe_blocks"] = _dense_stack(stack, p, ("qkv", "attn_out"))
+        moe = stack["moe"]
+        w_in, b_in = jax.vmap(jax.vmap(phantom.linear_dense_equivalent))(moe["w_in"])
+        w_out, b_out = jax.vmap(jax.vmap(phantom.linear_dense_equivalent))(moe["w_out"])
+        out["moe_blocks"]["moe"] = {"router": moe["router"],
+                                    "w_in": w_in.transpose(0, 1, 3, 2), "b_in": b_in,
+                                    "w_out": w_out.transpose(0, 1, 3, 2), "b_out": b_out}
+    head_w, head_b = phantom.linear_dense_equivalent(params["head"])
+    out["head"] = {"weight": head_w.T, "bias": head_b}
+    return out
 
+
+def _dense_stack(blocks: dict, p: int, names: tuple[str, ...]) -> dict:
     def linear(name):
         weight, bias = jax.vmap(phantom.linear_dense_equivalent)(blocks[name])  # [L, out, in]
         return weight.transpose(0, 2, 1), bias  # x W convention: [L, in, out]
 
-    qkv_w, qkv_b = linear("qkv")
-    layers, h = qkv_w.shape[0], qkv_w.shape[1]
-    # out index (j, t, c) with t in {q, k, v} -> dense (t, j h/p + c)
-    qkv_w = qkv_w.reshape(layers, h, p, 3, h // p).transpose(0, 1, 3, 2, 4).reshape(layers, h, 3, h)
-    qkv_b = qkv_b.reshape(layers, p, 3, h // p).transpose(0, 2, 1, 3).reshape(layers, 3, h)
-    out = {}
-    for name in ("attn_out", "mlp_up", "mlp_down"):
+    out = {"ln1": blocks["ln1"], "ln2": blocks["ln2"]}
+    for name in names:
         weight, bias = linear(name)
+        if name == "qkv":  # out index (j, t, c) with t in {q, k, v} -> dense (t, j h/p + c)
+            layers, h = weight.shape[0], weight.shape[1]
+            weight = weight.reshape(layers, h, p, 3, h // p).transpose(0, 1, 3, 2, 4).reshape(
+                layers, h, 3, h)
+            bias = bias.reshape(layers, p, 3, h // p).transpose(0, 2, 1, 3).reshape(layers, 3, h)
         out[name] = {"weight": weight, "bias": bias}
-    head_w, head_b = phantom.linear_dense_equivalent(params["head"])
-    return {
-        "wte": params["wte"], "wpe": params["wpe"], "ln_f": params["ln_f"],
-        "blocks": {"ln1": blocks["ln1"], "ln2": blocks["ln2"],
-                   "qkv": {"weight": qkv_w, "bias": qkv_b}, **out},
-        "head": {"weight": head_w.T, "bias": head_b},
-    }
+    return out
 
 
 def param_count(config, num_shards: int) -> int:
@@ -127,8 +167,10 @@ def param_count(config, num_shards: int) -> int:
 class TransformerLayers:
     """Phantom layers on one rank (``jphantom.models.transformer.Layers``); residual [B, S, h/p]."""
 
-    def __init__(self, axis: str, eps: float, hidden: int, fused: bool = True):
+    def __init__(self, axis: str, eps: float, hidden: int, fused: bool = True, *,
+                 expert_axis: str | None = None, batch_axes: tuple[str, ...] = ()):
         self.axis, self.eps, self.hidden, self.fused = axis, eps, hidden, fused
+        self.expert_axis, self.batch_axes = expert_axis, batch_axes
 
     def prepare(self, params):
         return params
@@ -157,6 +199,25 @@ class TransformerLayers:
 
     def row(self, p, x):
         return self._phantom(p, x)
+
+    def moe(self, p, x, config):
+        """Phantom-parallel experts: the router's logits all-reduced over the feature axis (T x E),
+        each rank dispatching its h/p features of every token (1/p of the all-to-all bytes), and
+        every expert a phantom FFN (h -> 4h -> h) whose ranks exchange k ghosts per token."""
+        from jphantom.sharding import expert
+
+        y, aux = expert.moe_per_rank(p, x.reshape(-1, x.shape[-1]), config,
+                                     axis=self.expert_axis, batch_axes=self.batch_axes,
+                                     router_axis=self.axis, run_experts=self._experts)
+        return y.reshape(x.shape), aux
+
+    def _experts(self, p, x):
+        """x [E', N, h/p] through this rank's E' phantom expert FFNs."""
+        def one(w_in, w_out, rows):
+            up = jax.nn.gelu(self._phantom(w_in, rows[None]), approximate=True)
+            return self._phantom(w_out, up)[0]
+
+        return jax.vmap(one)(p["w_in"], p["w_out"], x)
 
     def logits(self, params, h):
         """This rank's vocabulary slice of the logits, [B, S, V/p]."""

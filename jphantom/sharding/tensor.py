@@ -201,19 +201,30 @@ from jphantom.sharding import vocab  # noqa: E402
 from jphantom.sharding.dense import layer_norm  # noqa: E402
 
 
-def transformer_specs(axis: str = "model", *, untied_head: bool = False) -> dict:
+def transformer_specs(axis: str | None = "model", *, untied_head: bool = False, config=None,
+                      expert_axis: str | None = None) -> dict:
     """PartitionSpecs of the dense GPT-2 layout (:mod:`jphantom.models.transformer`) under Megatron:
     QKV and MLP-up column-parallel (output features, QKV by heads), attention output and MLP-down
-    row-parallel (input features), token embedding vocabulary-parallel (rows), the rest replicated."""
+    row-parallel (input features), token embedding vocabulary-parallel (rows), the rest replicated.
+    With MoE blocks (``config.moe_every``): the router replicated, the experts split over
+    ``expert_axis`` and, TED (seed 004 Eq. 7.1), each expert column/row-parallel over ``axis``."""
     column = {"weight": P(None, None, axis), "bias": P(None, axis)}
     row = {"weight": P(None, axis, None), "bias": P()}
     norm = {"scale": P(), "bias": P()}
+    attention = {"ln1": norm, "ln2": norm, "attn_out": row,
+                 "qkv": {"weight": P(None, None, None, axis), "bias": P(None, None, axis)}}
     specs = {
         "wte": P(axis, None), "wpe": P(),
-        "blocks": {"ln1": norm, "ln2": norm, "attn_out": row, "mlp_up": column, "mlp_down": row,
-                   "qkv": {"weight": P(None, None, None, axis), "bias": P(None, None, axis)}},
+        "blocks": {**attention, "mlp_up": column, "mlp_down": row},
         "ln_f": {"scale": P(), "bias": P()},
     }
+    if config is not None and config.moe_every:
+        e = expert_axis
+        specs["moe_blocks"] = {**attention, "moe": {
+            "router": P(), "w_in": P(None, e, None, axis), "b_in": P(None, e, axis),
+            "w_out": P(None, e, axis, None), "b_out": P(None, e, None)}}
+        if config.moe_every == 1:
+            del specs["blocks"]
     if untied_head:
         specs["head"] = {"weight": P(None, axis), "bias": P(axis)}
     return specs
@@ -238,8 +249,11 @@ class TransformerLayers:
 
     SP_PARAMS = (("ln1",), ("ln2",), ("attn_out", "bias"), ("mlp_down", "bias"))
 
-    def __init__(self, axis: str, eps: float, sequence_parallel: bool = False):
+    def __init__(self, axis: str, eps: float, sequence_parallel: bool = False, *,
+                 expert_axis: str | None = None, batch_axes: tuple[str, ...] = (),
+                 dtd: bool = False):
         self.axis, self.eps, self.sequence_parallel = axis, eps, sequence_parallel
+        self.expert_axis, self.batch_axes, self.dtd = expert_axis, batch_axes, dtd
 
     def prepare(self, params):
         if not self.sequence_parallel:
@@ -287,6 +301,16 @@ class TransformerLayers:
             return remat.name_collective(lax.psum_scatter(
                 partial_sum, self.axis, scatter_dimension=1, tiled=True)) + p["bias"]
         return remat.name_collective(lax.psum(partial_sum, self.axis)) + p["bias"]  # g: all-reduce
+
+    def moe(self, p, x, config):
+        """TED: experts over ``expert_axis``, each tensor-parallel over the model axis, on the
+        replicated stream; DTD as an option (:func:`jphantom.sharding.expert.moe_per_rank`)."""
+        from jphantom.sharding import expert
+
+        y, aux = expert.moe_per_rank(p, x.reshape(-1, x.shape[-1]), config,
+                                     axis=self.expert_axis, model_axis=self.axis, dtd=self.dtd,
+                                     batch_axes=self.batch_axes)
+        return y.reshape(x.shape), aux
 
     def logits(self, params, h):
         """This rank's vocabulary slice of the logits, [B, S, V/p] (full sequence)."""
