@@ -27,6 +27,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/phantom_vs_tp.py
 	$(PY) benchmarks/transformer_strategies.py
 	$(PY) benchmarks/zero_stages.py
+	$(PY) benchmarks/moe.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

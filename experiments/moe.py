@@ -80,7 +80,8 @@ def all_to_all_bytes(shape) -> dict:
     out = {}
     for name, strategy, dtd in (("ted", "tensor", False), ("ted+dtd", "tensor", True),
                                 ("phantom-experts", "phantom", False)):
-        spec = StepSpec(strategy=strategy, mesh="data=2,expert=2,model=2", dtd=dtd, moe_every=2,
+        spec = StepSpec(strategy=strategy, width=64, depth=2, mesh="data=2,expert=2,model=2",
+                        dtd=dtd, moe_every=2,
                         experts=8, top_k=1, ghost_width=4 if strategy == "phantom" else None,
                         **{k: v for k, v in shape.items() if k != "batch"}, batch=shape["batch"])
         report = inspect_step(spec)
@@ -98,7 +99,8 @@ def all_to_all_bytes(shape) -> dict:
 
 def memory(shape) -> dict:
     """Eq. 7.4 against the measured model-state bytes on data=2,expert=2,model=2 (G = 8)."""
-    spec = StepSpec(strategy="tensor", mesh="data=2,expert=2,model=2", moe_every=2, experts=8,
+    spec = StepSpec(strategy="tensor", width=64, depth=2, mesh="data=2,expert=2,model=2",
+                    moe_every=2, experts=8,
                     top_k=1, optimizer="adam", **shape)
     program = spec.program()
     mesh = program.mesh.build(first_devices(program.mesh.device_count))
