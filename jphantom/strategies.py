@@ -340,9 +340,11 @@ def _transformer_program(strategy, config, mesh: MeshConfig, sequence_parallel: 
     from jphantom.sharding import phantom_transformer
 
     batch_axes = _batch_axes(mesh)
-    data = batch_axes[0] if len(batch_axes) == 1 else (batch_axes or None)
+    pmm3d_grid = strategy.name.startswith("pmm3d")
+    rows = batch_axes + ((PMM3D_DEPTH,) if pmm3d_grid else ())  # z splits the rows too
+    data = rows[0] if len(rows) == 1 else (rows or None)
     batch_spec = P(data, None)
-    data_size = math.prod(mesh.size(a) for a in batch_axes)
+    data_size = math.prod(mesh.size(a) for a in rows)
     expert_axis = EXPERT_AXIS if EXPERT_AXIS in mesh.shape else None
     if config.moe is not None and expert_axis:
         config.moe.check_axis(mesh.size(EXPERT_AXIS))
@@ -381,7 +383,8 @@ def _transformer_program(strategy, config, mesh: MeshConfig, sequence_parallel: 
                        param_count=count, options={"sequence_parallel": False},
                        metrics=lambda m: bind(m, "metrics"))
 
-    _check_batch_axes(mesh, name, expert_axis=config.moe is not None)
+    if not pmm3d_grid:
+        _check_batch_axes(mesh, name, expert_axis=config.moe is not None)
     p = mesh.size(FEATURE_AXIS)
     _divides("heads", config.heads, p, "every rank must hold whole attention heads; pick heads "
              "divisible by the model axis or a smaller model axis")
@@ -400,6 +403,9 @@ def _transformer_program(strategy, config, mesh: MeshConfig, sequence_parallel: 
             raise ConfigError("strategy 'tensor' ties the LM head to the token embedding (GPT-2); "
                               "use tied_head=True")
         dense_equivalent = lambda params: params
+    elif pmm3d_grid:
+        layers, specs = _pmm3d_transformer(strategy, config, mesh)
+        init, dense_equivalent = dense_init, (lambda params: params)
     else:
         if config.ghost_width is None:
             raise ConfigError(f"strategy {name!r} needs ghost_width (k ghost neurons per rank and "
@@ -423,7 +429,7 @@ def _transformer_program(strategy, config, mesh: MeshConfig, sequence_parallel: 
         return _mean_cross_entropy(tr.loss_and_metrics(layers, config, params, tokens, targets)[1],
                                    targets.size * data_size)
 
-    stages = None if config.moe is not None else Stages(
+    stages = None if config.moe is not None or pmm3d_grid else Stages(
         units=config.layers, unit_name="layers",
         split=lambda params: (params["blocks"], {k: v for k, v in params.items() if k != "blocks"}),
         join=lambda blocks, rest: {**rest, "blocks": blocks}, first=layers.embed,
@@ -433,7 +439,8 @@ def _transformer_program(strategy, config, mesh: MeshConfig, sequence_parallel: 
     return Program(name, "transformer", mesh, init, specs, (batch_spec, batch_spec), loss,
                    manual=True, dense_equivalent=dense_equivalent,
                    forward=lambda params, tokens: tr.logits_of(layers, config, params, tokens),
-                   output_spec=P(data, None, FEATURE_AXIS), param_count=count,
+                   output_spec=P(data, None, "x" if pmm3d_grid else FEATURE_AXIS),
+                   param_count=count, loss_partial_axes=(PMM3D_DEPTH,) if pmm3d_grid else (),
                    options={"sequence_parallel": sequence_parallel, "num_shards": p, "dtd": dtd},
                    stages=stages, metrics=metrics)
 
@@ -470,6 +477,93 @@ def _transformer_collectives(strategy, config, mesh: MeshConfig, batch: int, *,
                       "inspect its compiled step instead (jphantom inspect)")
 
 
+PMM3D_DEPTH = "z"
+PMM3D_AXES = (DATA_AXIS, "z", "y", "x")
+
+
+def _pmm3d_mesh(mesh: MeshConfig, name: str) -> MeshConfig:
+    """The mesh with every one of ``x``, ``y``, ``z`` (size 1 where absent): build the jax mesh
+    from ``program.mesh``."""
+    _only_axes(mesh, PMM3D_AXES, name)
+    return MeshConfig.of({**dict(mesh.axes), **{a: mesh.size(a) for a in ("z", "y", "x")}})
+
+
+def _pmm3d_divides(what: str, value: int, axes: tuple[str, ...], mesh: MeshConfig) -> None:
+    size = math.prod(mesh.size(a) for a in axes)
+    if value % size:
+        raise ConfigError(f"{what}={value} is not divisible by {' x '.join(axes)} = {size} of mesh "
+                          f"{mesh}: pmm3d splits it over those axes; pick a multiple or another "
+                          "grid")
+
+
+def _pmm3d_transformer(strategy, config, mesh: MeshConfig):
+    from jphantom.sharding import pmm3d
+
+    if config.moe is not None:
+        raise ConfigError("pmm3d does not run MoE blocks: use 'tensor' (TED) or 'phantom'")
+    if not config.tied_head:
+        raise ConfigError("pmm3d ties the LM head to the token embedding: use tied_head=True")
+    if strategy.deferred:
+        raise ConfigError("deferred reduce-scatters are implemented for the FFN; the transformer "
+                          "runs 'pmm3d' or 'pmm3d-regather'")
+    h = config.hidden
+    _pmm3d_divides("heads", config.heads, ("x",), mesh)
+    for what, value in (("hidden", h), ("4 x hidden", 4 * h)):
+        _pmm3d_divides(what, value, ("x", "z"), mesh)
+        _pmm3d_divides(what, value, ("y", "z"), mesh)
+    _pmm3d_divides("vocab_size", config.vocab_size, ("x", "z"), mesh)
+    return (pmm3d.TransformerLayers(config.layer_norm_eps, h, regather=strategy.regather),
+            pmm3d.transformer_specs(config))
+
+
+@dataclasses.dataclass(frozen=True)
+class PMM3DStrategy(_Base):
+    """AxoNN's 3D parallel matrix multiply on ``x``, ``y``, ``z`` (and ``data``): seed 004 ch. 5,
+    :mod:`jphantom.sharding.pmm3d`."""
+
+    regather: bool = False
+    deferred: bool = False
+
+    def _program(self, model_config, mesh, sequence_parallel, pipeline, dtd=False) -> Program:
+        mesh = MeshConfig.of(mesh)
+        if STAGE_AXIS in mesh.shape or pipeline is not None:
+            raise ConfigError("pmm3d does not run inside pipeline stages: drop the 'stage' axis")
+        if sequence_parallel:
+            raise ConfigError("sequence_parallel is Megatron's (strategy 'tensor'); pmm3d splits "
+                              "the tokens over 'z' instead")
+        return super()._program(model_config, _pmm3d_mesh(mesh, self.name), False, None, dtd)
+
+    def _ffn_program(self, config: FFNConfig, mesh: MeshConfig, **options) -> Program:
+        from jphantom.sharding import pmm3d
+
+        n = config.width
+        for axes in (("x", "z"), ("y", "z")):
+            _pmm3d_divides("width", n, axes, mesh)
+        dtype = jnp.dtype(config.dtype)
+        rows = tuple(a for a in (DATA_AXIS, PMM3D_DEPTH) if a in mesh.shape)
+        out = pmm3d.ffn_output_axis(config.depth)
+        row_spec = rows[0] if len(rows) == 1 else rows
+        total = math.prod(mesh.size(a) for a in rows)
+        run = partial(pmm3d.ffn_per_rank, regather=self.regather, deferred=self.deferred)
+
+        def loss(params, x, t):
+            return _squared_error(run(params, x), t) / (x.shape[0] * total * n)
+
+        return Program(
+            strategy=self.name, model="ffn", mesh=mesh,
+            init=lambda key: pmm3d.ffn_split(dense.init(key, width=n, depth=config.depth,
+                                                        dtype=dtype)),
+            param_specs=pmm3d.ffn_specs(), batch_specs=(P(row_spec, "y"), P(row_spec, out)),
+            loss=loss, manual=True, loss_partial_axes=(PMM3D_DEPTH, out),
+            dense_equivalent=pmm3d.ffn_dense_equivalent, forward=run,
+            output_spec=P(row_spec, out), param_count=dense.param_count(n, config.depth),
+            options={"grid": {a: mesh.size(a) for a in PMM3D_AXES}})
+
+    def _ffn_collectives(self, config, mesh, batch):
+        raise ConfigError("pmm3d's collectives are Eqs. 5.1-5.5 (jphantom.perf.axonn_model); "
+                          "inspect its compiled step with jphantom inspect")
+
+
 REGISTRY: dict[str, Strategy] = {}
 
 
@@ -492,6 +586,16 @@ register(PhantomStrategy("phantom", "phantom parallelism (seed 000), one fused d
                          "phantom", MODELS))
 register(PhantomStrategy("phantom-unfused", "phantom parallelism with the paper's p-1 "
                          "decompressor GEMMs", "phantom", MODELS, fused=False))
+
+register(PMM3DStrategy("pmm3d", "AxoNN's 3D parallel matrix multiply on x, y, z (and data), "
+                       "seed 004 ch. 5: weights all-gathered over z, all-reduces over y forward "
+                       "and x backward, reduce-scatters over z", "dense", MODELS))
+register(PMM3DStrategy("pmm3d-regather", "pmm3d whose backward all-gathers the weights again "
+                       "instead of keeping them (AxoNN's default)", "dense", MODELS,
+                       regather=True))
+register(PMM3DStrategy("pmm3d-deferred", "pmm3d with every weight gathered before the layers and "
+                       "one reduce-scatter after the backward (FFN)", "dense", ("ffn",),
+                       deferred=True))
 
 NAMES = tuple(REGISTRY)
 
