@@ -524,6 +524,12 @@ class PMM3DStrategy(_Base):
     regather: bool = False
     deferred: bool = False
 
+    def program(self, model_config, mesh: MeshConfig, *, zero: int = 0, **options) -> Program:
+        if zero:
+            raise ConfigError(f"zero={zero}: pmm3d already shards every weight over 'z' (its "
+                              "z-only grid is ZeRO-3); leave zero out and give the mesh a z axis")
+        return super().program(model_config, mesh, **options)
+
     def _program(self, model_config, mesh, sequence_parallel, pipeline, dtd=False) -> Program:
         mesh = MeshConfig.of(mesh)
         if STAGE_AXIS in mesh.shape or pipeline is not None:

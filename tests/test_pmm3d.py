@@ -67,6 +67,58 @@ def test_pmm3d_ffn_equals_the_dense_ffn_on_every_grid(grid):
     assert_tree_close(grads, want_grads, 1e-5)
 
 
+def expected_ffn_collectives(grid, n, rows, depth) -> Counter:
+    """Per-device result elements of one FFN training step, by (kind, mesh axes), from Algorithm
+    3 and Eqs. 5.1-5.5 (layer l normal for even l, transposed for odd; m = rows per data group):
+    per layer, all-gather over z of the block n^2/(G_o G_c) (5.1), all-reduce over the
+    contraction axis of m n/(G_z G_o) (5.3), all-reduce over the output axis of the input gradient
+    m n/(G_z G_c) (5.4; not for layer 0, whose input needs no gradient), reduce-scatter over z to
+    n^2/(G_x G_y G_z) (5.2), all-reduce over data of that (5.5); plus each bias (n/G_o) summed over
+    z (tokens) and data, and the loss. Groups of one rank move nothing and are left out."""
+    gx, gy, gz, gd = grid
+    size = {"x": gx, "y": gy, "z": gz, "data": gd}
+    m = rows // gd
+    found = Counter()
+
+    def add(kind, axis, elements):
+        if size[axis] > 1:
+            found[kind, (axis,)] += elements
+
+    for layer in range(depth):
+        contract, out = ("y", "x") if layer % 2 == 0 else ("x", "y")
+        gc, go = size[contract], size[out]
+        add("all-gather", "z", n * n // (gc * go))
+        add("all-reduce", contract, m * n // (gz * go))
+        if layer:
+            add("all-reduce", out, m * n // (gz * gc))
+        add("reduce-scatter", "z", n * n // (gx * gy * gz))
+        add("all-reduce", "data", n * n // (gx * gy * gz) + n // go)
+        add("all-reduce", "z", n // go)
+    loss_axes = tuple(a for a in ("data", "z", "y", "x")
+                      if a in ("data", "z", pmm3d.ffn_output_axis(depth)) and size[a] > 1)
+    if loss_axes:
+        found["all-reduce", loss_axes] += 1
+    return found
+
+
+@pytest.mark.parametrize("grid", grids(8), ids=mesh_text)
+def test_pmm3d_ffn_step_moves_exactly_eqs_5_1_to_5_5(grid):
+    """The compiled training step's collectives (trip counts applied), by kind and mesh axes,
+    equal Algorithm 3's per layer, element for element, on every grid of 8 devices."""
+    require_devices(8)
+    program, mesh, step = gradient_step("pmm3d", FFNConfig(WIDTH, DEPTH), mesh_text(grid))
+    params, x, t = _ffn_inputs()
+    placed = jax.device_put(params, program.shardings(mesh))
+    batch_ = [jax.device_put(a, s) for a, s in zip((x, t), program.batch_shardings(mesh))]
+    text = step.lower(placed, placed, *batch_).compile().as_text()
+    found = Counter()
+    for op in collectives(text):
+        axes = op.mesh_axes(dict(mesh.shape))
+        if axes:  # a group of one rank moves nothing
+            found[op.kind, axes] += op.elements * op.count
+    assert found == expected_ffn_collectives(grid, WIDTH, BATCH, DEPTH)
+
+
 VOCAB, SEQ, HIDDEN, HEADS, LAYERS, TOKENS_BATCH = 32, 8, 16, 8, 2, 8
 
 
@@ -126,3 +178,52 @@ def test_pmm3d_transformer_equals_the_dense_transformer(grid):
 @pytest.mark.parametrize("grid", [g for g in grids(8) if g not in FAST_GRIDS], ids=mesh_text)
 def test_pmm3d_transformer_equals_the_dense_transformer_on_every_grid(grid):
     _check_gpt("pmm3d", grid)
+
+
+def _pattern(strategy, mesh_text, zero=0):
+    """(kind, elements) -> executions of the compiled FFN step's collectives (depth 2)."""
+    from jphantom.mesh import first_devices
+    from jphantom.step import abstract_params, make_train_step
+
+    import optax
+
+    config = MeshConfig.parse(mesh_text)
+    program = strategies.get(strategy).program(FFNConfig(WIDTH, 2), config, zero=zero)
+    mesh = program.mesh.build(first_devices(8))
+    step = make_train_step(program, mesh, optax.sgd(0.1), donate=False)
+    params = abstract_params(program, mesh)
+    xs = [jax.ShapeDtypeStruct((BATCH, WIDTH), np.float32, sharding=s)
+          for s in program.batch_shardings(mesh)]
+    text = step.lower(params, jax.eval_shape(optax.sgd(0.1).init, params), *xs).compile().as_text()
+    found = Counter()
+    for op in collectives(text):
+        if op.mesh_axes(dict(mesh.shape)):
+            found[op.kind, op.elements] += op.count
+    return found
+
+
+def test_degenerate_grids_are_fsdp_and_megatron():
+    """z alone is FSDP / ZeRO-3: per layer an all-gather of the whole weight before use and a
+    reduce-scatter of its gradient, as jphantom's ZeRO-3 on data=8 (which also shards the biases,
+    where pmm3d all-reduces them); x alone is Megatron: one all-reduce of m n per (column, row)
+    pair, as strategy 'tensor' (whose FFN also gathers its feature-sharded input and output)."""
+    require_devices(8)
+    block = WIDTH * WIDTH
+    fsdp, zero3 = _pattern("pmm3d", "z=8"), _pattern("tensor", "data=8,model=1", zero=3)
+    weights = {("all-gather", block): 2, ("reduce-scatter", block // 8): 2}
+    assert {k: v for k, v in fsdp.items() if k in weights} == weights
+    assert {k: v for k, v in zero3.items() if k in weights} == weights
+    megatron, tensor = _pattern("pmm3d", "x=8"), _pattern("tensor", "model=8")
+    assert megatron == {("all-reduce", BATCH * WIDTH): 1}
+    assert tensor[("all-reduce", BATCH * WIDTH)] == 1
+
+
+@pytest.mark.parametrize("strategy, mesh, kw, message", [
+    ("pmm3d", "x=3,y=1", {}, "width=16 is not divisible by x x z = 3"),
+    ("pmm3d", "model=2", {}, "runs on mesh axes"),
+    ("pmm3d", "stage=2,x=2", {}, "pipeline stages"),
+    ("pmm3d", "data=2,x=2", {"zero": 1}, "pmm3d"),
+])
+def test_pmm3d_programs_that_cannot_run_are_config_errors(strategy, mesh, kw, message):
+    with pytest.raises(ConfigError, match=message):
+        strategies.get(strategy).program(FFNConfig(WIDTH, DEPTH), MeshConfig.parse(mesh), **kw)

@@ -95,10 +95,10 @@ class StepSpec:
         object.__setattr__(self, "num_shards", mesh.size("model"))
         if strategy.family != "phantom":
             object.__setattr__(self, "ghost_width", None)
-        ranks = mesh.size("data") * mesh.size("expert")
+        ranks = mesh.size("data") * mesh.size("expert") * mesh.size("z")
         if self.batch % ranks:
-            raise ConfigError(f"batch={self.batch} is not divisible by the batch ranks (data x "
-                              f"expert = {ranks}) of mesh {mesh}")
+            raise ConfigError(f"batch={self.batch} is not divisible by the data axis (times "
+                              f"the expert and z axes): {ranks} ranks of mesh {mesh} split the batch")
         if self.model != "transformer" and (self.moe_every or self.dtd):
             raise ConfigError("--moe-every and --dtd apply to --model transformer")
         from jphantom.remat import with_cac
