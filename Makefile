@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/transformer_strategies.py
 	$(PY) benchmarks/zero_stages.py
 	$(PY) benchmarks/moe.py
+	$(PY) benchmarks/pmm3d.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -629,6 +629,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_train_parser(sub)
     _add_schedule_parser(sub)
+    from jphantom.plan import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
 
     demo = sub.add_parser("demo", help="what `make demo` runs: inspect, then compare",
                           description="Inspect one step of each strategy, then run `compare` with "

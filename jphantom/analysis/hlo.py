@@ -400,6 +400,18 @@ class Collective:
         return total
 
     @property
+    def trivial(self) -> bool:
+        """Every replica group holds one device: nothing moves (a psum over an axis of size 1,
+        which XLA keeps as a copy). Collective-permutes and ungrouped ops are never trivial."""
+        if self.kind == "collective-permute" or not self.replica_groups.strip():
+            return False
+        try:
+            groups = replica_group_lists(self.replica_groups, 1 << 30)
+        except ValueError:
+            return False
+        return all(len(g) <= 1 for g in groups)
+
+    @property
     def total_bytes(self) -> int:
         """Per-device result bytes over the step: ``bytes * count``."""
         return self.bytes * self.count

@@ -293,7 +293,7 @@ def inspect_step(spec: StepSpec) -> dict:
         "mesh": str(spec.mesh_config()),
         "config": dataclasses.asdict(spec),
         "collectives": [row | {"axes": list(row["axes"])} for row in summarize(found, axes=axes)],
-        "collective_bytes": sum(c.total_bytes for c in found),
+        "collective_bytes": sum(c.total_bytes for c in found if not c.trivial),
         "collective_ops": [
             {"kind": c.kind, "shapes": [[d, list(s)] for d, s in c.shapes], "bytes": c.bytes,
              "count": c.count, "axes": list(c.mesh_axes(axes)), "replica_groups": c.replica_groups}

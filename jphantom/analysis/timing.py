@@ -97,7 +97,7 @@ def build_program_step(program, mesh: Mesh, batch: tuple, optimizer, key: jax.Ar
         "flops_per_device": flops,
         "flops_step": flops * devices,
         "xla_flops_per_device": xla_flops(compiled),
-        "collective_bytes_per_device": sum(c.total_bytes for c in found),
+        "collective_bytes_per_device": sum(c.total_bytes for c in found if not c.trivial),
         "collectives": summarize(found),
         "compile_seconds": compile_seconds,
         "memory": compiled_memory(compiled),
