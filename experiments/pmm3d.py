@@ -57,6 +57,7 @@ from jphantom.models.ffn import FFNConfig  # noqa: E402
 from jphantom.models.transformer import TransformerConfig  # noqa: E402
 from jphantom.perf import axonn_model as am  # noqa: E402
 from jphantom.plan import plan  # noqa: E402
+from jphantom.sharding.pmm3d import ffn_output_axis as pmm3d_output_axis  # noqa: E402
 from jphantom.step import abstract_params, make_train_step  # noqa: E402
 
 
@@ -90,6 +91,10 @@ def ffn_check(grid: am.Grid, width: int, depth: int, rows: int) -> dict:
         for c in am.layer_collectives(layer, grid):
             if c.group > 1 and not (index == 0 and c.equation.startswith("Eq. 5.4")):
                 model[c.kind, (c.axis,)] += c.buffer
+    loss_axes = tuple(a for a in ("data", "z", "y", "x") if grid.sizes[am.AXES.index(a)] > 1
+                      and a in ("data", "z", pmm3d_output_axis(depth)))
+    if len(loss_axes) == 1:  # the loss's scalar all-reduce shares its group with one of them
+        found["all-reduce", loss_axes] -= 1
     compared = {}
     for key in sorted(set(model) | {k for k in found if k[1] != ("z",) or k[0] != "all-reduce"}):
         if key[0] == "all-reduce" and key[1] in (("z",), ("data",)) or len(key[1]) > 1:

@@ -18,7 +18,15 @@ name                 what runs                                              mode
 ``phantom``          phantom parallelism (seed 000), fused decompressor     ffn, trans.  phantom,
                                                                                          phantom_tr.
 ``phantom-unfused``  phantom with the paper's p-1 decompressor GEMMs        ffn, trans.  phantom
+``pmm3d``            AxoNN's 3D parallel matrix multiply on ``x``, ``y``,   ffn, trans.  pmm3d
+                     ``z`` and ``data`` (seed 004 ch. 5, Algorithm 3)
+``pmm3d-regather``   pmm3d re-gathering weights in the backward (AxoNN's)   ffn          pmm3d
+``pmm3d-deferred``   pmm3d gathering every weight before the layers, one    ffn          pmm3d
+                     reduce-scatter after the backward
 ===================  =====================================================  ===========  ==========
+
+Transformers with MoE blocks (``moe_every``) add the ``expert`` axis to ``tensor`` (TED) and
+``phantom`` (phantom-parallel experts): :mod:`jphantom.sharding.expert`.
 
 A strategy is an object implementing :class:`Strategy`: given a model configuration and a mesh it
 returns a :class:`jphantom.step.Program` (parameters, their specs, the per-rank loss), and it
@@ -503,17 +511,16 @@ def _pmm3d_transformer(strategy, config, mesh: MeshConfig):
         raise ConfigError("pmm3d does not run MoE blocks: use 'tensor' (TED) or 'phantom'")
     if not config.tied_head:
         raise ConfigError("pmm3d ties the LM head to the token embedding: use tied_head=True")
-    if strategy.deferred:
-        raise ConfigError("deferred reduce-scatters are implemented for the FFN; the transformer "
-                          "runs 'pmm3d' or 'pmm3d-regather'")
+    if strategy.deferred or strategy.regather:
+        raise ConfigError(f"{strategy.name!r} is implemented for the FFN; the transformer runs "
+                          "'pmm3d' (weights gathered once per layer and kept for the backward)")
     h = config.hidden
     _pmm3d_divides("heads", config.heads, ("x",), mesh)
     for what, value in (("hidden", h), ("4 x hidden", 4 * h)):
         _pmm3d_divides(what, value, ("x", "z"), mesh)
         _pmm3d_divides(what, value, ("y", "z"), mesh)
     _pmm3d_divides("vocab_size", config.vocab_size, ("x", "z"), mesh)
-    return (pmm3d.TransformerLayers(config.layer_norm_eps, h, regather=strategy.regather),
-            pmm3d.transformer_specs(config))
+    return pmm3d.TransformerLayers(config.layer_norm_eps, h), pmm3d.transformer_specs(config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -597,7 +604,7 @@ register(PMM3DStrategy("pmm3d", "AxoNN's 3D parallel matrix multiply on x, y, z 
                        "seed 004 ch. 5: weights all-gathered over z, all-reduces over y forward "
                        "and x backward, reduce-scatters over z", "dense", MODELS))
 register(PMM3DStrategy("pmm3d-regather", "pmm3d whose backward all-gathers the weights again "
-                       "instead of keeping them (AxoNN's default)", "dense", MODELS,
+                       "instead of keeping them (AxoNN's default; FFN)", "dense", ("ffn",),
                        regather=True))
 register(PMM3DStrategy("pmm3d-deferred", "pmm3d with every weight gathered before the layers and "
                        "one reduce-scatter after the backward (FFN)", "dense", ("ffn",),

@@ -227,3 +227,39 @@ def test_degenerate_grids_are_fsdp_and_megatron():
 def test_pmm3d_programs_that_cannot_run_are_config_errors(strategy, mesh, kw, message):
     with pytest.raises(ConfigError, match=message):
         strategies.get(strategy).program(FFNConfig(WIDTH, DEPTH), MeshConfig.parse(mesh), **kw)
+
+
+@pytest.mark.parametrize("strategy", ["pmm3d-regather", "pmm3d-deferred"])
+def test_pmm3d_variants_equal_the_dense_ffn_and_move_what_they_say(strategy):
+    """``pmm3d-regather`` all-gathers each weight again in the backward (AxoNN's default: one more
+    all-gather per layer); ``pmm3d-deferred`` gathers every weight before the layers and
+    reduce-scatters once after the backward (the same bytes, one all-gather and one
+    reduce-scatter per stack of layers). Depth 6: the first (normal, transposed) pair runs
+    before the scan, the other two pairs inside it."""
+    require_devices(8)
+    grid, depth = (2, 2, 2, 1), 6
+    program = strategies.get(strategy).program(FFNConfig(WIDTH, depth), MeshConfig.parse("x=1"))
+    params = perturb(random_params(program), 0.1)
+    x, t = (np.asarray(a) for a in batch(WIDTH, BATCH, dtype=np.float32))
+    loss, grads = step_loss_and_grads(strategy, FFNConfig(WIDTH, depth), mesh_text(grid),
+                                      params, x, t)
+    want_loss, want_grads = oracle_loss_and_grads(pmm3d.ffn_dense_equivalent, params, x, t)
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
+    assert_tree_close(grads, want_grads, 1e-5)
+    program, mesh, step = gradient_step(strategy, FFNConfig(WIDTH, depth), mesh_text(grid))
+    placed = jax.device_put(params, program.shardings(mesh))
+    batch_ = [jax.device_put(a, s) for a, s in zip((x, t), program.batch_shardings(mesh))]
+    ops = [op for op in collectives(step.lower(placed, placed, *batch_).compile().as_text())
+           if op.mesh_axes(dict(mesh.shape)) == ("z",) and op.kind != "all-reduce"]
+    gathered = sum(op.elements * op.count for op in ops if op.kind == "all-gather")
+    scattered = sum(op.elements * op.count for op in ops if op.kind == "reduce-scatter")
+    block = WIDTH * WIDTH // 4  # n^2 / (G_x G_y)
+    if strategy == "pmm3d-regather":
+        # forward: 6 layers; backward: the 4 layers inside the scan gathered again (outside the
+        # loop XLA's common-subexpression elimination merges the repeated all-gather with the
+        # forward's, as it does for ZeRO-3)
+        assert gathered == (depth + 4) * block
+    else:
+        assert sum(op.count for op in ops if op.kind == "all-gather") == 2  # one per stack
+        assert gathered == depth * block
+    assert scattered == depth * block // 2

@@ -26,8 +26,9 @@ Storing ``W`` split on its output dimension over ``(x, z)`` (``x`` major) is Axo
 each ``(y, x)`` block up to the order of elements inside the block; it keeps the parameters in
 the dense layout, so every model's oracle is its own dense model.
 
-Options: ``regather=True`` names the gathered weight so that the backward all-gathers it again
-instead of keeping it (AxoNN's default, one more all-gather per layer); ``deferred=True``
+Options (FFN): ``regather=True`` gathers each weight again for the backward instead of keeping
+it (AxoNN's default without ``cache_weights``, one more all-gather per layer; through remat's fetch
+scope, as ZeRO-3); ``deferred=True``
 all-gathers every layer's weights once before the layers' scan, so the reduce-scatters run once
 after the backward (the dissertation's deferred reduce-scatter, at the memory of the whole
 gathered model). Degenerate grids: ``z`` alone is FSDP / ZeRO-3, ``z`` and ``data`` HSDP, ``x``
@@ -43,6 +44,8 @@ all-reduce over ``y``, the cross-entropy vocabulary-parallel over ``x``.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -79,12 +82,6 @@ def linear(inputs: jax.Array, w: jax.Array, bias: jax.Array, role: str) -> jax.A
     ``[..., in/G_c]`` -> ``[..., out/G_o]`` (Eq. 5.3 forward; Eqs. 5.2, 5.4 by autodiff)."""
     contract, _ = ROLES[role]
     return remat.name_collective(lax.psum(inputs @ w, contract)) + bias
-
-
-def regathering(fn):
-    """``fn`` whose backward all-gathers the weights again instead of keeping them."""
-    return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_anything_except_these_names(
-        GATHERED))
 
 
 # -- the FFN ----------------------------------------------------------------------------------------
@@ -127,8 +124,10 @@ def ffn_per_rank(params: dict, x: jax.Array, *, regather: bool = False,
         normal = {**normal, "weight": gather(normal["weight"], 1)}
         transposed = {**transposed, "weight": gather(transposed["weight"], 1)}
 
+    gathered = deferred or regather  # the layers receive gathered weights
+
     def one(role, p, h):
-        w = p["weight"] if deferred else gather(p["weight"], 0)
+        w = p["weight"] if gathered else gather(p["weight"], 0)
         return linear(h, w.T, p["bias"], role)
 
     def pair(p, h):
@@ -136,9 +135,12 @@ def ffn_per_rank(params: dict, x: jax.Array, *, regather: bool = False,
         h = one("normal", first, h)
         return one("transposed", second, jax.nn.relu(h))
 
-    if regather:
-        pair = regathering(pair)
-    pair = remat.layer(pair)
+    def fetch(p):  # regather: remat's fetch scope gathers each pair's weights, forward and backward
+        return jax.tree.map(lambda q: {**q, "weight": gather(q["weight"], 0)}, p,
+                            is_leaf=lambda q: isinstance(q, dict) and "weight" in q)
+
+    with remat.fetch_scope(fetch) if regather else contextlib.nullcontext():
+        pair = remat.layer(pair)
     h = x
     if pairs:
         stacked = (jax.tree.map(lambda a: a[:pairs], normal), transposed)
@@ -148,6 +150,8 @@ def ffn_per_rank(params: dict, x: jax.Array, *, regather: bool = False,
             h, _ = lax.scan(lambda h, p: (pair(p, jax.nn.relu(h)), None), h, rest)
     if normal["weight"].shape[0] > pairs:  # odd depth: the last layer is normal
         last = jax.tree.map(lambda a: a[pairs], normal)
+        if regather:
+            last = fetch(last)
         h = one("normal", last, jax.nn.relu(h) if pairs else h)
     return h
 
@@ -186,8 +190,8 @@ class TransformerLayers:
     """pmm3d layers on one rank (``jphantom.models.transformer.Layers``); residual
     ``[B/(G_d G_z), S, h/G_y]``, replicated over ``x``."""
 
-    def __init__(self, eps: float, hidden: int, regather: bool = False):
-        self.eps, self.hidden, self.regather = eps, hidden, regather
+    def __init__(self, eps: float, hidden: int):
+        self.eps, self.hidden = eps, hidden
 
     def prepare(self, params):
         return params
@@ -208,11 +212,8 @@ class TransformerLayers:
         return centred * lax.rsqrt(var + self.eps) * p["scale"] + p["bias"]
 
     def _linear(self, p, x, role):
-        def run(p, x):
-            w = gather(p["weight"], p["weight"].ndim - 1)  # [in/G_c, ..., out/G_o]
-            w = w.reshape(w.shape[0], -1)
-            return linear(x, w, p["bias"].reshape(-1), role)
-        return regathering(run)(p, x) if self.regather else run(p, x)
+        w = gather(p["weight"], p["weight"].ndim - 1)  # [in/G_c, ..., out/G_o]
+        return linear(x, w.reshape(w.shape[0], -1), p["bias"].reshape(-1), role)
 
     def column(self, p, x):
         return self._linear(p, x, "normal")
