@@ -153,8 +153,10 @@ def _ted(mesh_text, dtd, config):
     return jax.jit(fn), mesh
 
 
-@pytest.mark.parametrize("mesh", ["expert=2,model=2", "expert=2,model=4"])
-@pytest.mark.parametrize("dtd", [False, True])
+@pytest.mark.parametrize("mesh, dtd", [("expert=2,model=2", False), ("expert=2,model=4", True),
+                                       pytest.param("expert=2,model=2", True, marks=pytest.mark.slow),
+                                       pytest.param("expert=2,model=4", False,
+                                                    marks=pytest.mark.slow)])
 def test_ted_experts_tensor_parallel_equal_the_dense_moe(mesh, dtd):
     """TED (seed 004 Eq. 7.1): experts tensor-parallel over model inside expert parallelism, with
     duplicate token dropping on and off: loss and every gradient of the dense MoE."""

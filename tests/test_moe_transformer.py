@@ -94,15 +94,19 @@ def _check(strategy, mesh_text, dtd=False, rtol=1e-5, **kw):
     assert int(metrics["assignments"]) == BATCH * SEQ * 2 * _config(strategy, **kw).moe_layers
 
 
+SLOW = pytest.mark.slow  # the longer half of the grid: make test-all
+
+
 @pytest.mark.parametrize("strategy, mesh, dtd, kw", [
-    ("tensor", "data=8,model=1", False, {}),  # expert axis absent: every expert on every rank
-    ("tensor", "expert=2,model=2", False, {"moe_every": 1}),
-    ("tensor", "expert=4,model=2", False, {}),
+    pytest.param("tensor", "data=8,model=1", False, {}, marks=SLOW),  # every expert everywhere
+    pytest.param("tensor", "expert=2,model=2", False, {"moe_every": 1}, marks=SLOW),
+    pytest.param("tensor", "expert=4,model=2", False, {}, marks=SLOW),
     ("tensor", "expert=8,model=1", False, {}),
-    ("tensor", "data=2,expert=2,model=2", False, {}),
+    pytest.param("tensor", "data=2,expert=2,model=2", False, {}, marks=SLOW),
     ("tensor", "data=2,expert=2,model=2", True, {}),
     ("phantom", "data=2,expert=2,model=2", False, {}),
-    ("tensor", "expert=4,model=2", False, {"capacity_factor": None}),  # dropless
+    pytest.param("tensor", "expert=4,model=2", False, {"capacity_factor": None},
+                 marks=SLOW),  # dropless (its layer test runs in make test)
 ])
 def test_moe_transformer_equals_the_single_device_model(strategy, mesh, dtd, kw):
     """Loss and every gradient equal the dense single-device MoE transformer (float64 oracle,
@@ -135,7 +139,7 @@ def _local_elements(program, mesh, expert):
     return total
 
 
-@pytest.mark.parametrize("dtd", [False, True])
+@pytest.mark.parametrize("dtd", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_moe_step_moves_two_all_to_alls_each_way_per_moe_layer(dtd):
     """The compiled training step on data=2,expert=2,model=2 with two MoE blocks (scan trip counts
     applied): 4 all-to-alls per MoE layer over ``expert``, each of one capacity buffer E C h (with

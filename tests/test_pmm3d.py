@@ -163,18 +163,18 @@ def _check_gpt(strategy, grid):
     assert_tree_close(grads, want_grads, 1e-5)
 
 
-FAST_GRIDS = [(8, 1, 1, 1), (1, 8, 1, 1), (1, 1, 8, 1), (2, 2, 2, 1), (2, 1, 2, 2), (1, 2, 1, 4)]
+FAST_GRIDS = [(2, 2, 2, 1), (2, 1, 2, 2)]
 
 
 @pytest.mark.parametrize("grid", FAST_GRIDS, ids=mesh_text)
 def test_pmm3d_transformer_equals_the_dense_transformer(grid):
     """The GPT (LayerNorm over y-split features, attention on x-split heads, vocabulary-parallel
     embedding and tied head): loss and every gradient equal the single-device model, float32
-    1e-5, on six grids here and on all twenty in the slow test below."""
+    1e-5, on two grids here and on all twenty with the slow test below."""
     _check_gpt("pmm3d", grid)
 
 
-@pytest.mark.slow  # the other 14 grids: ~1 min
+@pytest.mark.slow  # the other 18 grids: ~1.5 min
 @pytest.mark.parametrize("grid", [g for g in grids(8) if g not in FAST_GRIDS], ids=mesh_text)
 def test_pmm3d_transformer_equals_the_dense_transformer_on_every_grid(grid):
     _check_gpt("pmm3d", grid)
