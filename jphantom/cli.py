@@ -347,6 +347,11 @@ _TRAIN_HELP = {
     "from_gpt2": "start from a Hugging Face GPT-2 directory (config.json + model.safetensors)",
     "save_gpt2": "save the trained transformer as a GPT-2 directory",
     "progress": "show a progress bar",
+    "checkpoint_dir": "save Orbax checkpoints (asynchronous, atomic) into this folder",
+    "save_every": "with --checkpoint-dir: save every N steps, and at the end (0: only at the end)",
+    "keep_checkpoints": "with --checkpoint-dir: keep the newest K checkpoints",
+    "resume": "continue from the newest checkpoint in --checkpoint-dir (state, history, data "
+              "position), on this run's mesh (tensor and dense-shaped models may change mesh)",
 }
 
 

@@ -105,6 +105,11 @@ class RunConfig:
     out: str = "out/train"
     from_gpt2: str | None = None
     save_gpt2: str | None = None
+    # checkpoints (Orbax): every save_every steps into checkpoint_dir, the last keep_checkpoints kept
+    checkpoint_dir: str | None = None
+    save_every: int = 0
+    keep_checkpoints: int = 3
+    resume: bool = False
     progress: bool = True
 
     def __post_init__(self):
@@ -114,6 +119,11 @@ class RunConfig:
                      "steps", "eval_every", "eval_batches"):
             check_int(name, getattr(self, name))
         check_int("warmup_steps", self.warmup_steps, 0)
+        check_int("save_every", self.save_every, 0)
+        check_int("keep_checkpoints", self.keep_checkpoints)
+        if (self.save_every or self.resume) and not self.checkpoint_dir:
+            raise ConfigError("--save-every and --resume need --checkpoint-dir DIR (where the "
+                              "checkpoints live)")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ConfigError(f"lr_schedule={self.lr_schedule!r}; use one of {LR_SCHEDULES}")
         if self.schedule not in PIPELINE_SCHEDULES:
@@ -304,7 +314,9 @@ def run(config: RunConfig) -> dict:
     from jphantom.train import init_optimizer_state
 
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
+    writer = jax.process_index() == 0  # process 0 alone writes logs and results
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
     program = config.program()
     mesh_config = program.mesh
     mesh = mesh_config.build(first_devices(mesh_config.device_count))
@@ -331,6 +343,11 @@ def run(config: RunConfig) -> dict:
                               clip_norm=config.clip_norm, precision=config.precision,
                               remat=config.step_remat)
     loss_fn = make_loss_fn(program, mesh)
+    checkpointer = None
+    if config.checkpoint_dir:
+        from jphantom.checkpoint import Checkpointer
+        checkpointer = Checkpointer(config.checkpoint_dir, save_every=config.save_every,
+                                    keep=config.keep_checkpoints)
     moe = getattr(model_config, "moe", None) is not None
     metrics_fn = make_metrics_fn(program, mesh) if moe else None
     shardings = program.batch_shardings(mesh)
@@ -346,15 +363,22 @@ def run(config: RunConfig) -> dict:
         dropped = sum(int(m["dropped"]) for m in found) / sum(int(m["assignments"]) for m in found)
         return float(np.mean([float(m["cross_entropy"]) for m in found])), dropped
 
-    metrics = (out / "metrics.jsonl").open("w")
     history = {"step": [], "train_loss": [], "validation_step": [], "validation_loss": [],
                "dropped_fraction": []}
+    first = 0
+    if config.resume:  # the state, the history and the data stream's position (the step)
+        params, opt_state, meta = checkpointer.restore(params, opt_state)
+        first, history = meta["step"], meta["history"]
+        if first >= config.steps:
+            raise ConfigError(f"the checkpoint is at step {first}, not before steps="
+                              f"{config.steps}: ask for more steps to continue")
+    metrics = (out / "metrics.jsonl").open("a" if config.resume else "w") if writer else None
     step_seconds = []
     bar = tqdm(total=config.steps, desc=f"{config.model} {config.strategy} {mesh_config}",
                disable=not config.progress, unit="step")
     start = time.perf_counter()
     try:
-        for index in range(config.steps):
+        for index in range(first, config.steps):
             batch = place(source.train(index))
             tick = time.perf_counter()
             params, opt_state, loss = step_fn(params, opt_state, *batch)
@@ -378,14 +402,22 @@ def run(config: RunConfig) -> dict:
                     history["dropped_fraction"].append(dropped)
                 history["validation_step"].append(index + 1)
                 history["validation_loss"].append(record["validation_loss"])
-            metrics.write(json.dumps(record) + "\n")
+            if metrics is not None:
+                metrics.write(json.dumps(record) + "\n")
+            if checkpointer is not None and (checkpointer.due(index + 1)
+                                             or index + 1 == config.steps):
+                checkpointer.save(index + 1, params, opt_state,
+                                  {"history": json.loads(json.dumps(history))})
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}",
                             val=f"{history['validation_loss'][-1]:.3f}"
                             if history["validation_loss"] else "-")
             bar.update()
     finally:
         bar.close()
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
+        if checkpointer is not None:
+            checkpointer.close()
     results = {
         "config": config.to_json(),
         "mesh": str(mesh_config),
@@ -418,9 +450,13 @@ def run(config: RunConfig) -> dict:
         unigram = source.corpus.unigram_cross_entropy()
         results["unigram_cross_entropy"] = unigram
         results["validation_over_unigram"] = results["final_validation_loss"] / unigram
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    _plot(history, out / "curves.png", results)
-    if config.save_gpt2:
+    if checkpointer is not None:
+        results["checkpoints"] = {"directory": str(checkpointer.directory),
+                                  "steps": checkpointer.all_steps(), "resumed_from": first}
+    if writer:
+        (out / "results.json").write_text(json.dumps(results, indent=2))
+        _plot(history, out / "curves.png", results)
+    if config.save_gpt2 and writer:
         from jphantom.models import gpt2
         gpt2.save(config.save_gpt2, model_config, jax.device_get(params))
     return results

@@ -1,0 +1,105 @@
+"""Training checkpoints with Orbax (issue 12): asynchronous, atomic, keep-last-k, resumable, and
+restorable onto another mesh.
+
+A checkpoint at step ``n`` holds the parameters and the optimizer state (``state``, Orbax's
+``StandardSave`` of the sharded arrays: every process writes its shards) and a JSON ``meta`` item:
+the step, the run's history so far, the shape of every parameter, and whatever the caller adds (the
+data stream's position is the step itself: jphantom's data sources are pure functions of the step
+index and the seed, and nothing else in a step draws random numbers, so the step is the whole RNG
+state).
+
+- **Asynchronous**: :meth:`Checkpointer.save` returns once the arrays are copied off the devices
+  (the training step may then donate them); the files are written in the background.
+- **Atomic**: Orbax writes a step into a temporary directory and renames it when complete, so a
+  save killed midway never shadows the last complete checkpoint (:meth:`latest_step` skips it).
+- **Keep-last-k**: older steps are deleted once a newer one is complete.
+- **Resharding**: :meth:`restore` takes the target's abstract arrays with their shardings (the
+  program on the new mesh): a tensor-parallel run saved on ``data=2,model=4`` restores on
+  ``model=2``, since the core keeps dense-shaped weights. A model whose shapes depend on the mesh
+  (phantom: p is part of the model) is refused with a :class:`ConfigError` naming the parameter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from jphantom.errors import ConfigError, check_int
+
+
+def _shapes(tree) -> dict[str, list[int]]:
+    return {jax.tree_util.keystr(path): list(leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+class Checkpointer:
+    """Orbax ``CheckpointManager`` for jphantom's training state in ``directory``: save every
+    ``save_every`` steps (0: only when asked), keep the last ``keep``."""
+
+    def __init__(self, directory: str | Path, *, save_every: int = 0, keep: int = 3,
+                 asynchronous: bool = True):
+        check_int("save_every", save_every, 0)
+        check_int("keep", keep)
+        path = Path(directory).absolute()
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"checkpoint_dir={str(directory)!r} is a file: give a folder")
+        self.directory, self.save_every = path, save_every
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep,
+                                               enable_async_checkpointing=asynchronous)
+        self.manager = ocp.CheckpointManager(path, options=options)
+
+    def due(self, step: int) -> bool:
+        """Whether step ``step`` (1-based, after the update) is a save point."""
+        return bool(self.save_every) and step % self.save_every == 0
+
+    def save(self, step: int, params, opt_state, meta: dict | None = None) -> None:
+        """Start saving the state after ``step`` steps (returns once the arrays are off the
+        devices)."""
+        meta = {**(meta or {}), "step": step, "shapes": _shapes(params)}
+        self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+            meta=ocp.args.JsonSave(meta)), force=True)
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step (None if there is none)."""
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def restore(self, params_like, opt_state_like, step: int | None = None
+                ) -> tuple[Any, Any, dict]:
+        """``(params, opt_state, meta)`` of ``step`` (default the latest), placed as the abstract
+        targets say (``jax.ShapeDtypeStruct`` with shardings, or arrays): the mesh may differ
+        from the one that saved."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise ConfigError(f"no complete checkpoint in {self.directory}: train without "
+                              "--resume first, or give the folder that holds one")
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+            "meta"]
+        wanted = _shapes(params_like)
+        for name, shape in meta["shapes"].items():
+            if wanted.get(name) != shape:
+                raise ConfigError(
+                    f"checkpoint step {step} has parameter {name} of shape {tuple(shape)} but the "
+                    f"model on this mesh has {tuple(wanted.get(name) or ())}: the model's shapes "
+                    "depend on the mesh (phantom: p is part of the model); restore on the mesh "
+                    "that saved it")
+        abstract = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+            {"params": params_like, "opt_state": opt_state_like})
+        state = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract)))["state"]
+        return state["params"], state["opt_state"], meta
+
+    def wait(self) -> None:
+        """Block until every started save is on disk."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()

@@ -1,0 +1,119 @@
+"""Orbax checkpoints (issue 12): a resumed run continues its loss curve exactly, a tensor-parallel
+checkpoint restores on another mesh, a phantom one is refused where its shapes differ, old
+checkpoints are pruned, and a run killed during a save resumes from the last complete one."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jphantom import cli
+from jphantom.errors import ConfigError
+from jphantom.run import RunConfig, run
+
+from conftest import require_devices
+
+FFN = dict(model="ffn", strategy="tensor", width=16, depth=2, batch=16, eval_every=2,
+           eval_batches=1, progress=False)
+
+
+def test_a_resumed_run_continues_the_loss_curve_exactly(tmp_path):
+    require_devices(4)
+    settings = dict(FFN, mesh="data=2,model=2")
+    whole = run(RunConfig(**settings, steps=6, out=str(tmp_path / "whole")))
+    ckpt = tmp_path / "ckpt"
+    run(RunConfig(**settings, steps=4, out=str(tmp_path / "part"), checkpoint_dir=str(ckpt),
+                  save_every=2, keep_checkpoints=2))
+    resumed = run(RunConfig(**settings, steps=6, out=str(tmp_path / "part"),
+                            checkpoint_dir=str(ckpt), save_every=2, keep_checkpoints=2,
+                            resume=True))
+    assert resumed["history"]["train_loss"] == whole["history"]["train_loss"]
+    assert resumed["checkpoints"]["resumed_from"] == 4
+    assert resumed["checkpoints"]["steps"] == [4, 6]  # keep the newest two
+    lines = (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, 7))
+
+
+def test_a_tensor_checkpoint_restores_on_other_meshes(tmp_path):
+    """Saved on data=2,model=4 after 2 steps; resumed on model=4 and on model=2, the next steps'
+    losses equal the uninterrupted run's (dense-shaped weights: only their shards move)."""
+    require_devices(8)
+    settings = dict(FFN, eval_every=4)
+    whole = run(RunConfig(**settings, mesh="data=2,model=4", steps=4, out=str(tmp_path / "w")))
+    saved = tmp_path / "saved"
+    run(RunConfig(**settings, mesh="data=2,model=4", steps=2, out=str(tmp_path / "a"),
+                  checkpoint_dir=str(saved)))
+    for mesh in ("model=4", "model=2"):
+        ckpt = tmp_path / f"ckpt-{mesh}"
+        shutil.copytree(saved, ckpt)
+        resumed = run(RunConfig(**settings, mesh=mesh, steps=4, out=str(tmp_path / mesh),
+                                checkpoint_dir=str(ckpt), resume=True))
+        assert resumed["history"]["train_loss"] == pytest.approx(
+            whole["history"]["train_loss"], rel=1e-5)
+
+
+def test_a_phantom_checkpoint_is_refused_where_its_shapes_differ(tmp_path):
+    require_devices(4)
+    settings = dict(FFN, strategy="phantom", ghost_width=2)
+    run(RunConfig(**settings, mesh="model=2", steps=1, out=str(tmp_path / "a"),
+                  checkpoint_dir=str(tmp_path / "ckpt")))
+    with pytest.raises(ConfigError, match="depend on the mesh"):
+        run(RunConfig(**settings, mesh="model=4", steps=2, out=str(tmp_path / "b"),
+                      checkpoint_dir=str(tmp_path / "ckpt"), resume=True))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--resume"], "need --checkpoint-dir"),
+    (["--save-every", "2"], "need --checkpoint-dir"),
+    (["--checkpoint-dir", "{tmp}/ckpt", "--resume"], "no complete checkpoint"),
+])
+def test_bad_checkpoint_settings_are_one_line(argv, message, tmp_path, capsys):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    try:
+        code = cli.main(["train", "--model", "ffn", "--strategy", "tensor", "--width", "8",
+                         "--mesh", "model=2", "--batch", "8", "--steps", "2", "--no-progress",
+                         "--out", str(tmp_path / "out"), *argv])
+    except SystemExit as exit_info:
+        code = exit_info.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jphantom: error:") and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.slow  # two subprocess trainings of 40 steps: ~40 s
+def test_a_run_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path):
+    """SIGKILL while checkpoints are being written every step: the newest complete checkpoint
+    is intact (a half-written one never shadows it) and the resumed run's loss curve equals an
+    uninterrupted run's."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    common = ["train", "--model", "ffn", "--strategy", "tensor", "--width", "64", "--depth", "4",
+              "--mesh", "data=2,model=2", "--batch", "32", "--steps", "40", "--eval-every", "40",
+              "--eval-batches", "1", "--no-progress", "--devices", "4"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    command = [sys.executable, "-m", "jphantom.cli", *common, "--checkpoint-dir", str(ckpt),
+               "--save-every", "1", "--keep-checkpoints", "100", "--out", str(out)]
+    child = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list(ckpt.glob("[0-9]*"))) < 5:
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert child.returncode == -signal.SIGKILL
+    resumed = subprocess.run([*command[:-2], "--resume", "--out", str(out)], env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    whole = subprocess.run([sys.executable, "-m", "jphantom.cli", *common, "--out",
+                            str(tmp_path / "whole")], env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert whole.returncode == 0, whole.stderr
+    got = json.loads((out / "results.json").read_text())
+    want = json.loads((tmp_path / "whole" / "results.json").read_text())
+    assert got["checkpoints"]["resumed_from"] >= 1
+    assert got["history"]["train_loss"] == want["history"]["train_loss"]
