@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 
 from jphantom.analysis.inspect import StepSpec, inspect_step
 from jphantom.data import Teacher, TeacherConfig
-from jphantom.energy import NvmlPowerMeter, PowerModel, energy_per_iteration
+from jphantom.energy import NvmlEnergyMeter, PowerModel, energy_per_iteration, process_devices
 from jphantom.errors import ConfigError, check_int
 from jphantom.perf.comm_model import FRONTIER
 from jphantom.sharding import phantom
@@ -165,19 +165,20 @@ def _mean_or_none(values):
 def gpu_meter_factory(log=print):
     """``meter_factory`` for :func:`run_compare` on NVIDIA GPUs, or None (with the reason logged).
 
-    Returns ``p -> NvmlPowerMeter`` over NVML GPUs 0..p-1 (jax's GPU ids are assumed to match NVML's
-    indices, as they do without a CUDA_VISIBLE_DEVICES reordering) when jax runs on GPUs and NVML
-    can read power; otherwise None, and the energy is modelled.
+    Returns ``p -> NvmlEnergyMeter`` over this process's devices among the first p (those a run on
+    p shards uses), matched to NVML by PCI bus id and read from NVML's energy counter (power
+    sampling where a GPU has none), when jax runs on GPUs and NVML works; otherwise None, and the
+    energy is modelled. With several processes each meters its own GPUs and the totals are summed.
     """
     if jax.default_backend() != "gpu":
         log(f"energy: modelled (jax backend is {jax.default_backend()!r}, no GPU to meter)")
         return None
-    ok, why = NvmlPowerMeter.available()
+    ok, why = NvmlEnergyMeter.available()
     if not ok:
         log(f"energy: modelled ({why})")
         return None
     log(f"energy: measured with NVML on {why}, training window only")
-    return lambda num_shards: NvmlPowerMeter(device_indices=list(range(num_shards)))
+    return lambda num_shards: NvmlEnergyMeter(devices=process_devices(num_shards))
 
 
 def run_compare(config: CompareConfig, *, power: PowerModel = PowerModel(), progress: bool = True,
@@ -246,6 +247,7 @@ def run_compare(config: CompareConfig, *, power: PowerModel = PowerModel(), prog
             "energy_meter": None if source == "modelled" else {
                 "device_names": list(results[0].energy.device_names),
                 "mean_watts": statistics.fmean(r.energy.mean_watts for r in results),
+                "method": results[0].energy.method,  # "counter", "sampling" or "mixed"
                 "metered_steps": [r.metered_steps for r in results]},
             "proxy_params_x_iterations": None if mean_iterations is None
             else report["params"] * mean_iterations,

@@ -217,9 +217,11 @@ def train(config: TrainConfig, teacher: Teacher | None = None, *, metrics_path=N
     the device memory (:mod:`jphantom.analysis.memory`). ``metrics_path`` gets one JSON line per
     step (and per evaluation).
 
-    ``meter`` (e.g. :class:`jphantom.energy.NvmlPowerMeter`): started after the first step has
+    ``meter`` (e.g. :class:`jphantom.energy.NvmlEnergyMeter`): started after the first step has
     finished (compilation and runtime start-up excluded, as seed 000 excludes initialisation) and
-    stopped after the last; its window spans the remaining steps and their held-out evaluations.
+    stopped after the last, both after ``jax.block_until_ready``; its window spans the remaining
+    steps and their held-out evaluations. Every process of a multi-process run must pass one: its
+    ``stop()`` sums the processes' energies.
     The result's ``energy`` and ``metered_steps`` give joules per step."""
     dtype = jnp.dtype(config.dtype)
     teacher = teacher or Teacher(TeacherConfig(width=config.width, seed=config.seed), dtype)
@@ -258,6 +260,7 @@ def train(config: TrainConfig, teacher: Teacher | None = None, *, metrics_path=N
                 if meter is not None:
                     result.metered_steps += 1
             elif meter is not None and config.max_steps > 1:
+                jax.block_until_ready((params, opt_state))  # the window opens on an idle device
                 meter.start()
                 meter_running = True
             if not math.isfinite(loss):
@@ -279,6 +282,8 @@ def train(config: TrainConfig, teacher: Teacher | None = None, *, metrics_path=N
             bar.update()
             if result.iterations_to_target is not None:
                 break
+        if meter_running:
+            jax.block_until_ready((params, opt_state))  # ... and closes once the work is done
     finally:
         bar.close()
         if sink:
