@@ -404,7 +404,8 @@ def _logs(procs, logs) -> str:
 def worker(args) -> None:
     """One gloo rank: join, time everything on the p-process mesh, process 0 writes all ranks' times."""
     coordinator, rank, p, out = args.worker
-    distributed.initialize(coordinator, int(p), int(rank), 1, timeout_s=120, platform="cpu")
+    distributed.initialize(coordinator, int(p), int(rank), local_device_count=1,
+                           initialization_timeout=120, platform="cpu")
     from jax.experimental import multihost_utils
     from tqdm.auto import tqdm
 

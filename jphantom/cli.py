@@ -467,6 +467,8 @@ def _train(args: argparse.Namespace) -> int:
         value = getattr(args, field.name)
         if value is not None:
             settings[field.name] = value
+    from jphantom import distributed
+
     devices, at_least = args.devices, False
     if devices is None and not accelerator_visible():
         # On CPU simulate as many devices as the mesh needs (one for dense): fewer simulated devices
@@ -478,7 +480,8 @@ def _train(args: argparse.Namespace) -> int:
         elif settings.get("strategy", "dense") == "dense":
             devices = 1
         at_least = True
-    _setup_devices(devices, at_least=at_least)
+    if not distributed.is_initialized():  # else the launcher gave every process its devices
+        _setup_devices(devices, at_least=at_least)
     import jax
 
     from jphantom.run import run
@@ -506,7 +509,8 @@ def _train(args: argparse.Namespace) -> int:
           + (f" nats/token; unigram cross-entropy {results['unigram_cross_entropy']:.4f}; "
              f"ratio {results['validation_over_unigram']:.3f}"
              if "unigram_cross_entropy" in results else " (MSE)"))
-    print(f"wrote {config.out}/results.json, metrics.jsonl and curves.png")
+    if jax.process_index() == 0:  # process 0 alone writes
+        print(f"wrote {config.out}/results.json, metrics.jsonl and curves.png")
     return 0
 
 
@@ -639,6 +643,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jphantom.plan import add_parser as add_plan_parser
 
     add_plan_parser(sub)
+    from jphantom.launch import add_parser as add_launch_parser
+
+    add_launch_parser(sub)
 
     demo = sub.add_parser("demo", help="what `make demo` runs: inspect, then compare",
                           description="Inspect one step of each strategy, then run `compare` with "
@@ -654,6 +661,10 @@ def main(argv: list[str] | None = None) -> int:
     from jphantom.errors import ConfigError, TrainingDiverged
 
     try:
+        if args.command != "launch":  # a process started by `jphantom launch`, srun or mpirun
+            from jphantom import distributed
+
+            distributed.initialize_from_env()
         return args.handler(args)
     except ConfigError as error:
         print(f"jphantom: error: {error}", file=sys.stderr)

@@ -36,12 +36,12 @@ def main(argv: list[str]) -> None:
     coordinator, process_id, num_processes, local_devices, out = argv
     from jphantom import distributed
 
-    spec = distributed.initialize(
+    distributed.initialize(
         coordinator,
         int(num_processes),
         int(process_id),
-        int(local_devices),
-        timeout_s=60,
+        local_device_count=int(local_devices),
+        initialization_timeout=60,
         platform="cpu",
     )
 
@@ -55,7 +55,7 @@ def main(argv: list[str]) -> None:
     from jphantom.sharding import phantom
 
     config, x, target = problem()
-    assert jax.process_count() == spec.num_processes, jax.process_count()
+    assert jax.process_count() == int(num_processes), jax.process_count()
     assert jax.device_count() == config["num_shards"], jax.devices()
     mesh = make_mesh({"model": config["num_shards"]})
 

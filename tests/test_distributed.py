@@ -1,231 +1,411 @@
-"""jphantom.distributed: cluster resolution from the environment, and a real 2-process run on CPU.
+"""jphantom.distributed, jphantom.coordinator and jphantom.launch.
 
-The multi-process test starts two worker processes (tests/_distributed_worker.py) with 4 CPU
-devices each, joined through jax.distributed with gloo collectives into one 8-device mesh, and
-checks that the phantom FFN's loss and every gradient equal the single-process result on 8
-simulated devices.
+Fast tests: the validation of every coordinator setting (pure), that jphantom hands jax nothing
+that would override jax's own cluster detection (``jax.distributed.initialize`` monkeypatched to
+record its arguments), the coordinator probe against servers started here, the launcher with
+children that do not start jax, and one subprocess per bad setting that jax 0.10 would turn into a
+segfault or an abort: each must end with a Python error (exit status 1) naming the setting.
+
+Real multi-process jax: ``jphantom launch`` end to end (about 4 s); slow: two processes x 4 CPU
+devices joined over gloo compute the phantom FFN's loss and gradients exactly like one process on 8
+devices (tests/_distributed_worker.py), and a process killed mid-run makes its peer exit within the
+heartbeat timeout instead of hanging.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from jphantom import distributed
-from jphantom.distributed import ClusterSpec, first_host, resolve_cluster
+from jphantom import cli, distributed, launch
+from jphantom.coordinator import check_port_free, probe_coordinator, split_address
 from jphantom.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_distributed_worker.py")
 WORKER_TIMEOUT_S = 120
-
-
-# --------------------------------------------------------------------------------------------------
-# resolve_cluster: pure, reads only the mapping it is given.
-# --------------------------------------------------------------------------------------------------
-
-
-def test_explicit_arguments_need_no_environment():
-    spec = resolve_cluster("10.0.0.1:1234", 4, 3, env={})
-    assert spec == ClusterSpec(
-        "10.0.0.1:1234",
-        4,
-        3,
-        sources=(
-            ("coordinator_address", "argument coordinator_address"),
-            ("num_processes", "argument num_processes"),
-            ("process_id", "argument process_id"),
-        ),
-    )
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        spec.process_id = 0
-
-
-def test_jphantom_variables():
-    env = {
-        "JPHANTOM_COORDINATOR": "head:9999",
-        "JPHANTOM_NUM_PROCESSES": "2",
-        "JPHANTOM_PROCESS_ID": "1",
-    }
-    spec = resolve_cluster(env=env)
-    assert (spec.coordinator_address, spec.num_processes, spec.process_id) == ("head:9999", 2, 1)
-    assert spec.source_of("process_id") == "JPHANTOM_PROCESS_ID"
-
-
-def test_arguments_override_environment():
-    env = {"JPHANTOM_COORDINATOR": "head:9999", "JPHANTOM_NUM_PROCESSES": "2"}
-    env |= {"JPHANTOM_PROCESS_ID": "1", "SLURM_PROCID": "5", "SLURM_NTASKS": "8"}
-    spec = resolve_cluster("other:1", None, 0, env=env)
-    assert (spec.coordinator_address, spec.num_processes, spec.process_id) == ("other:1", 2, 0)
-    assert spec.source_of("num_processes") == "JPHANTOM_NUM_PROCESSES"
-
-
-def slurm_env(**extra):
-    env = {
-        "SLURM_JOB_ID": "4242",
-        "SLURM_PROCID": "3",
-        "SLURM_NTASKS": "4",
-        "SLURM_LOCALID": "1",
-        "SLURM_STEP_NODELIST": "gpu[07-08]",
-        "SLURM_JOB_NODELIST": "gpu[01-08]",
-    }
-    env.update(extra)
-    return {k: v for k, v in env.items() if v is not None}
-
-
-def test_slurm():
-    spec = resolve_cluster(env=slurm_env(JPHANTOM_PORT="23456"))
-    assert spec.coordinator_address == "gpu07:23456"
-    assert (spec.num_processes, spec.process_id, spec.local_process_id) == (4, 3, 1)
-    assert spec.source_of("coordinator_address") == "SLURM_STEP_NODELIST"
-    assert spec.source_of("process_id") == "SLURM_PROCID"
-
-
-def test_slurm_port_defaults_and_job_nodelist_fallback():
-    # No JPHANTOM_PORT: per-job port like jax's own SLURM detection.
-    assert resolve_cluster(env=slurm_env()).coordinator_address == f"gpu07:{4242 % 4096 + 61440}"
-    # No job id either: the fixed default; no step nodelist: the job nodelist.
-    spec = resolve_cluster(env=slurm_env(SLURM_JOB_ID=None, SLURM_STEP_NODELIST=None))
-    assert spec.coordinator_address == f"gpu01:{distributed.DEFAULT_PORT}"
-    assert spec.source_of("coordinator_address") == "SLURM_JOB_NODELIST"
-    # An explicit coordinator wins over the nodelist.
-    spec = resolve_cluster(env=slurm_env(JPHANTOM_COORDINATOR="login:1"))
-    assert spec.coordinator_address == "login:1" and spec.process_id == 3
-
-
-@pytest.mark.parametrize(
-    "nodelist, host",
-    [
-        ("node07", "node07"),
-        ("node07,node09", "node07"),
-        ("node[01-04]", "node01"),
-        ("node[001,007-015],host2", "node001"),
-        ("rack-a[3],rack-b[1-2]", "rack-a3"),
-        (" n1 ", "n1"),
-    ],
-)
-def test_first_host(nodelist, host):
-    assert first_host(nodelist) == host
-
-
-def test_openmpi():
-    env = {
-        "OMPI_COMM_WORLD_RANK": "2",
-        "OMPI_COMM_WORLD_SIZE": "3",
-        "OMPI_COMM_WORLD_LOCAL_RANK": "0",
-        "JPHANTOM_COORDINATOR": "rank0host:7000",
-    }
-    spec = resolve_cluster(env=env)
-    assert (spec.coordinator_address, spec.num_processes, spec.process_id) == (
-        "rank0host:7000",
-        3,
-        2,
-    )
-    assert spec.local_process_id == 0
-    assert spec.source_of("num_processes") == "OMPI_COMM_WORLD_SIZE"
-
-
-def test_openmpi_without_coordinator_says_how_to_fix():
-    with pytest.raises(ConfigError) as info:
-        resolve_cluster(env={"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"})
-    message = str(info.value)
-    assert "coordinator_address" in message and "JPHANTOM_COORDINATOR" in message
-    assert "mpirun -x" in message
-    assert "num_processes (" not in message and "process_id (" not in message
-
-
-def test_nothing_found_lists_every_missing_value():
-    with pytest.raises(ConfigError) as info:
-        resolve_cluster(env={})
-    message = str(info.value)
-    for needed in ("coordinator_address (", "num_processes (", "process_id ("):
-        assert needed in message
-    for variable in ("JPHANTOM_COORDINATOR", "JPHANTOM_NUM_PROCESSES", "JPHANTOM_PROCESS_ID"):
-        assert variable in message
-    assert "SLURM_PROCID" in message and "OMPI_COMM_WORLD_RANK" in message
-
-
-def test_only_the_missing_values_are_listed():
-    with pytest.raises(ConfigError) as info:
-        resolve_cluster(num_processes=2, env={"JPHANTOM_PROCESS_ID": "0"})
-    message = str(info.value)
-    assert "coordinator_address (" in message
-    assert "num_processes (" not in message and "process_id (" not in message
-
-
-@pytest.mark.parametrize(
-    "args, env, fragment",
-    [
-        (("h:1", 2, 2), {}, "process_id=2"),
-        (("h:1", 0, 0), {}, "num_processes=0"),
-        (("h", 2, 0), {}, "no port"),
-        (
-            (None, None, None),
-            {
-                "JPHANTOM_COORDINATOR": "h:1",
-                "JPHANTOM_NUM_PROCESSES": "two",
-                "JPHANTOM_PROCESS_ID": "0",
-            },
-            "JPHANTOM_NUM_PROCESSES='two'",
-        ),
-    ],
-)
-def test_invalid_values(args, env, fragment):
-    with pytest.raises(ConfigError, match=fragment):
-        resolve_cluster(*args, env=env)
-
-
-def test_initialize_reads_os_environ_and_reports_missing(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith(("JPHANTOM_", "SLURM_", "OMPI_")):
-            monkeypatch.delenv(name)
-    with pytest.raises(ConfigError, match="missing: coordinator_address"):
-        distributed.initialize()
-    assert not distributed.is_initialized()
-
-
-def test_initialize_after_jax_started_is_refused():
-    jax.devices()  # the backend is up in the test process
-    with pytest.raises(RuntimeError, match="before any jax computation"):
-        distributed.initialize("127.0.0.1:1", 2, 1, timeout_s=1, platform="cpu")
-    assert not distributed.is_initialized()
-    distributed.shutdown()  # a no-op when not initialised
-
-
-# --------------------------------------------------------------------------------------------------
-# Real processes.
-# --------------------------------------------------------------------------------------------------
+SETTINGS_FRAME = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # an empty HTTP/2 SETTINGS frame
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return launch.free_port()
 
 
-def worker_env(local_devices: int) -> dict[str, str]:
-    """The parent's environment without its device count, cluster variables or jax settings."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("JPHANTOM_", "SLURM_", "OMPI_", "PMI_", "JAX_"))
-    }
+@contextmanager
+def server(reply: bytes | None):
+    """A TCP server on 127.0.0.1 that answers every connection with ``reply`` (``None``: accept
+    and stay silent); yields its port."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    held = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # closed: stop
+                return
+            held.append(conn)
+            if reply is not None:
+                try:
+                    conn.recv(64)
+                    conn.sendall(reply)
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()
+
+
+def clean_env(extra: dict[str, str] | None = None, local_devices: int = 2) -> dict[str, str]:
+    """The parent's environment without device count, cluster variables or jax settings."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("JPHANTOM_", "SLURM_", "OMPI_", "PMI_", "JAX_"))}
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
     env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={local_devices}"])
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
     return env
+
+
+# --------------------------------------------------------------------------------------------------
+# check_settings / split_address: pure.
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("address, expected", [("10.0.0.1:1234", ("10.0.0.1", 1234)),
+                                               ("node07.cluster:65535", ("node07.cluster", 65535)),
+                                               ("[::1]:8476", ("::1", 8476))])
+def test_split_address(address, expected):
+    assert split_address(address) == expected
+
+
+def test_good_settings_pass():
+    distributed.check_settings(env={})  # everything left to jax's detection
+    distributed.check_settings("10.0.0.1:1234", 4, 3, local_device_ids=[0, 1], local_device_count=2,
+                               initialization_timeout=1, heartbeat_timeout_seconds=1, env={})
+
+
+@pytest.mark.parametrize("args, kwargs, fragment", [
+    (("127.0.0.1:abc", 2, 0), {}, "coordinator_address='127.0.0.1:abc': port 'abc'"),
+    (("127.0.0.1:99999", 2, 0), {}, "port '99999' is not an integer in 1..65535"),
+    (("127.0.0.1:0", 2, 0), {}, "port '0'"),
+    (("127.0.0.1", 2, 0), {}, "is not host:port"),
+    ((":1234", 2, 0), {}, "has no usable host"),
+    (("h:1", 2, 2), {}, "process_id=2 is out of range for num_processes=2"),
+    (("h:1", 2, -1), {}, "process_id=-1"),
+    (("h:1", 0, 0), {}, "num_processes=0"),
+    (("h:1", "2", 0), {}, "num_processes='2'"),
+    (("h:1", 2, True), {}, "process_id=True"),
+    ((), {"local_device_count": 0}, "local_device_count=0"),
+    ((), {"local_device_ids": [0, -1]}, "local_device_ids entry=-1"),
+    ((), {"local_device_ids": []}, "local_device_ids=[]"),
+    ((), {"initialization_timeout": 0}, "initialization_timeout (seconds)=0"),
+    ((), {"initialization_timeout": 1.5}, "initialization_timeout (seconds)=1.5"),
+    ((), {"heartbeat_timeout_seconds": -3}, "heartbeat_timeout_seconds=-3"),
+])
+def test_bad_settings_name_the_setting(args, kwargs, fragment):
+    with pytest.raises(ConfigError) as info:
+        distributed.check_settings(*args, **kwargs, env={})
+    assert fragment in str(info.value)
+
+
+def test_jax_variables_are_checked_too():
+    with pytest.raises(ConfigError, match="JAX_COORDINATOR_ADDRESS='h:abc'"):
+        distributed.check_settings(env={"JAX_COORDINATOR_ADDRESS": "h:abc"})
+    with pytest.raises(ConfigError, match="JAX_COORDINATOR_PORT='70000'"):
+        distributed.check_settings(env={"JAX_COORDINATOR_PORT": "70000"})
+    with pytest.raises(ConfigError, match="JAX_COORDINATOR_BIND_ADDRESS"):
+        distributed.check_settings(env={"JAX_COORDINATOR_BIND_ADDRESS": "[::]:x"})
+    # An explicit address replaces JAX_COORDINATOR_ADDRESS (as in jax), so that one is not read.
+    distributed.check_settings("h:1", env={"JAX_COORDINATOR_ADDRESS": "h:abc"})
+
+
+def test_port_in_use_is_reported():
+    with server(None) as port:
+        with pytest.raises(ConfigError, match=f"port {port}"):
+            check_port_free(port)
+    check_port_free(free_port())
+
+
+# --------------------------------------------------------------------------------------------------
+# The coordinator probe, against servers started here.
+# --------------------------------------------------------------------------------------------------
+
+
+def test_probe_accepts_an_http2_server():
+    with server(SETTINGS_FRAME + b"\x00\x00\x00\x04\x01\x00\x00\x00\x00") as port:
+        probe_coordinator(f"127.0.0.1:{port}", 2)
+
+
+def test_probe_waits_for_a_coordinator_that_starts_late():
+    port = free_port()
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+    def start_late():
+        time.sleep(0.5)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(1)
+        conn, _ = listener.accept()
+        conn.recv(64)
+        conn.sendall(SETTINGS_FRAME)
+        conn.close()
+
+    thread = threading.Thread(target=start_late, daemon=True)
+    thread.start()
+    try:
+        probe_coordinator(f"127.0.0.1:{port}", 5)
+    finally:
+        thread.join(5)
+        listener.close()
+
+
+def test_probe_rejects_another_service_at_once():
+    with server(b"HTTP/1.1 400 Bad Request\r\n\r\n") as port:
+        start = time.monotonic()
+        with pytest.raises(ConfigError, match=f"127.0.0.1:{port}: what listens there is not"):
+            probe_coordinator(f"127.0.0.1:{port}", 5)
+        assert time.monotonic() - start < 2
+
+
+@pytest.mark.parametrize("listening", [False, True], ids=["nothing listens", "silent listener"])
+def test_probe_gives_up_within_the_timeout(listening):
+    with server(None) if listening else _nothing() as port:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=f"127.0.0.1:{port}: no jax coordinator answered "
+                                               "within 1 s") as info:
+            probe_coordinator(f"127.0.0.1:{port}", 1)
+        assert time.monotonic() - start < 2
+    assert ("accepted the connection" in str(info.value)) == listening
+
+
+@contextmanager
+def _nothing():
+    yield free_port()
+
+
+# --------------------------------------------------------------------------------------------------
+# What jphantom hands jax: nothing that overrides jax's own detection.
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def jax_calls(monkeypatch):
+    """Record jax.distributed.initialize's arguments instead of starting anything; no cluster,
+    jax or jphantom variables in the environment."""
+    for name in list(os.environ):
+        if name.startswith(("JPHANTOM_", "SLURM_", "OMPI_", "JAX_COORDINATOR", "JAX_LOCAL")):
+            monkeypatch.delenv(name)
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
+    return calls
+
+
+SLURM = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_NTASKS": "4",
+         "SLURM_PROCID": "3", "SLURM_LOCALID": "1"}
+
+
+def test_under_slurm_jax_detects_everything(jax_calls, monkeypatch):
+    for name, value in SLURM.items():
+        monkeypatch.setenv(name, value)
+    distributed.initialize()
+    assert jax_calls == [{"initialization_timeout": 300, "heartbeat_timeout_seconds": 100}]
+    # The same through the CLI's entry (srun ... jphantom train with JPHANTOM_DISTRIBUTED=1).
+    monkeypatch.setenv("JPHANTOM_DISTRIBUTED", "1")
+    assert distributed.initialize_from_env() is True
+    assert jax_calls[1] == jax_calls[0]
+
+
+def test_only_given_values_are_passed_on(jax_calls):
+    port = free_port()
+    distributed.initialize(f"127.0.0.1:{port}", 2, 0, initialization_timeout=7,
+                           heartbeat_timeout_seconds=3)
+    distributed.initialize(num_processes=2, timeout_s=9)  # timeout_s: the old name
+    assert jax_calls == [
+        dict(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=0,
+             initialization_timeout=7, heartbeat_timeout_seconds=3),
+        dict(num_processes=2, initialization_timeout=9, heartbeat_timeout_seconds=100),
+    ]
+
+
+def test_initialize_from_env(jax_calls, monkeypatch):
+    assert distributed.initialize_from_env({}) is False
+    assert jax_calls == []
+    with server(SETTINGS_FRAME) as port:
+        env = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JPHANTOM_NUM_PROCESSES": "2",
+               "JPHANTOM_PROCESS_ID": "1", "JPHANTOM_INIT_TIMEOUT": "30"}
+        assert distributed.initialize_from_env(env) is True
+    (call,) = jax_calls
+    assert call["coordinator_address"] == f"127.0.0.1:{port}"
+    assert (call["num_processes"], call["process_id"]) == (2, 1)
+    assert 29 <= call["initialization_timeout"] <= 30  # less the probe's time
+    assert call["heartbeat_timeout_seconds"] == 100 and "local_device_ids" not in call
+
+
+@pytest.mark.parametrize("env, fragment", [
+    ({"JPHANTOM_NUM_PROCESSES": "two", "JPHANTOM_PROCESS_ID": "0"}, "JPHANTOM_NUM_PROCESSES='two'"),
+    ({"JPHANTOM_NUM_PROCESSES": "2", "JPHANTOM_PROCESS_ID": "2"}, "process_id=2 is out of range"),
+    ({"JPHANTOM_NUM_PROCESSES": "2", "JPHANTOM_PROCESS_ID": "0",
+      "JAX_COORDINATOR_ADDRESS": "127.0.0.1:abc"}, "JAX_COORDINATOR_ADDRESS=127.0.0.1:abc"),
+])
+def test_initialize_from_env_names_the_variable(jax_calls, env, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(")):
+        distributed.initialize_from_env(env)
+    assert jax_calls == []
+
+
+def test_jax_errors_become_python_errors_naming_the_settings(monkeypatch):
+    def no_cluster(**kwargs):
+        raise ValueError("coordinator_address should be defined.")
+
+    def fails(**kwargs):
+        raise RuntimeError("UNKNOWN: Failed to start RPC server")
+
+    monkeypatch.setattr(jax.distributed, "initialize", no_cluster)
+    with pytest.raises(ConfigError, match="jax found no cluster to join.*jphantom launch"):
+        distributed.initialize()
+    monkeypatch.setattr(jax.distributed, "initialize", fails)
+    with pytest.raises(RuntimeError, match="num_processes=2.*Failed to start RPC server"):
+        distributed.initialize(num_processes=2)
+    assert not distributed.is_initialized()
+
+
+def test_initialize_after_jax_started_is_refused():
+    jax.devices()  # the backend is up in the test process
+    with pytest.raises(RuntimeError, match="before any JAX calls"):
+        distributed.initialize(f"127.0.0.1:{free_port()}", 2, 0, initialization_timeout=1)
+    assert not distributed.is_initialized()
+    distributed.shutdown()  # a no-op when not initialised
+
+
+# --------------------------------------------------------------------------------------------------
+# Every bad coordinator setting ends as a Python error in a real process, never a signal.
+# --------------------------------------------------------------------------------------------------
+
+BAD = {  # name: (initialize's arguments, error type, fragment of its message)
+    "process 0, port abc": ('"127.0.0.1:abc", 2, 0', "ConfigError", "port 'abc'"),
+    "port 99999": ('"127.0.0.1:99999", 2, 0', "ConfigError", "port '99999'"),
+    "process id out of range": ('"127.0.0.1:{free}", 2, 2', "ConfigError", "process_id=2"),
+    "num_processes 0": ('"127.0.0.1:{free}", 0, 0', "ConfigError", "num_processes=0"),
+    "process 0, port taken": ('"127.0.0.1:{silent}", 2, 0', "ConfigError", "port {silent}"),
+    "not a coordinator (answers)": ('"127.0.0.1:{garbage}", 2, 1, initialization_timeout=2',
+                                    "ConfigError", "127.0.0.1:{garbage}: what listens there"),
+    "not a coordinator (silent)": ('"127.0.0.1:{silent}", 2, 1, initialization_timeout=1',
+                                   "RuntimeError", "127.0.0.1:{silent}: no jax coordinator"),
+    "no coordinator": ('"127.0.0.1:{free}", 2, 1, initialization_timeout=1', "RuntimeError",
+                       "127.0.0.1:{free}: no jax coordinator answered within 1 s"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_setting_is_a_python_error_in_a_real_process(case):
+    arguments, kind, fragment = BAD[case]
+    with server(b"garbage garbage\n") as garbage, server(None) as silent:
+        ports = dict(free=free_port(), garbage=garbage, silent=silent)
+        code = ("from jphantom import distributed\n"
+                f"distributed.initialize({arguments.format(**ports)}, platform='cpu')")
+        start = time.monotonic()
+        result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(),
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, (result.returncode, result.stderr)  # not -11 / -6: no signal
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"jphantom.errors.{kind}" if kind == "ConfigError" else kind), last
+    assert fragment.format(**ports) in last
+    assert time.monotonic() - start < 10
+
+
+def test_bad_environment_is_a_python_error_in_a_real_process():
+    env = clean_env({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:abc", "JPHANTOM_NUM_PROCESSES": "2",
+                     "JPHANTOM_PROCESS_ID": "0"})
+    code = "from jphantom import distributed; distributed.initialize_from_env()"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert "JAX_COORDINATOR_ADDRESS='127.0.0.1:abc'" in result.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# jphantom launch.
+# --------------------------------------------------------------------------------------------------
+
+
+def test_child_env_and_command():
+    base = {"PATH": "/bin", "SLURM_PROCID": "5", "OMPI_COMM_WORLD_RANK": "1",
+            "JAX_COORDINATOR_PORT": "1", "JPHANTOM_DISTRIBUTED": "1", "JAX_PLATFORMS": "cpu"}
+    env = launch.child_env(1, 2, 5555, devices_per_process=4, timeout=30, accelerator=True,
+                           base=base)
+    assert env == {"PATH": "/bin", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
+                   "JAX_COORDINATOR_ADDRESS": "127.0.0.1:5555", "JPHANTOM_NUM_PROCESSES": "2",
+                   "JPHANTOM_PROCESS_ID": "1", "JPHANTOM_DEVICES_PER_PROCESS": "4",
+                   "JAX_LOCAL_DEVICE_IDS": "4,5,6,7", "JPHANTOM_INIT_TIMEOUT": "30"}
+    assert "JAX_LOCAL_DEVICE_IDS" not in launch.child_env(1, 2, 5555, devices_per_process=4,
+                                                          base=base)
+    assert launch.child_command(["--", "jphantom", "train"]) == [sys.executable, "-m",
+                                                                 "jphantom.cli", "train"]
+    assert launch.child_command(["python", "-c", "1"]) == ["python", "-c", "1"]
+
+
+def test_launch_runs_every_rank_with_its_own_id(capsys, monkeypatch):
+    monkeypatch.setenv("SLURM_PROCID", "7")  # must not reach the children
+    code = ("import os; e = os.environ; print(e['JPHANTOM_PROCESS_ID'], e['JPHANTOM_NUM_PROCESSES'],"
+            " e['JAX_COORDINATOR_ADDRESS'], 'SLURM_PROCID' in e)")
+    port = free_port()
+    launch.launch(["--", sys.executable, "-c", code], 3, port=port)
+    lines = sorted(capsys.readouterr().out.splitlines())
+    assert lines == [f"[{r}] {r} 3 127.0.0.1:{port} False" for r in range(3)]
+
+
+def test_launch_stops_the_others_when_one_fails(capsys):
+    code = ("import os, sys, time\nrank = os.environ['JPHANTOM_PROCESS_ID']\nprint('up', rank, "
+            "flush=True)\nif rank == '1': sys.exit(3)\ntime.sleep(120)")
+    start = time.monotonic()
+    status = cli.main(["launch", "-n", "2", "--", sys.executable, "-c", code])
+    assert status == 1 and time.monotonic() - start < launch.GRACE_S + 10
+    captured = capsys.readouterr()
+    assert sorted(captured.out.splitlines()) == ["[0] up 0", "[1] up 1"]
+    assert captured.err.strip() == ("jphantom: error: launch: process 1 of 2 exited with status 3; "
+                                    "stopped the others; its output is above, prefixed [1]")
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["-n", "2", "--port", "99999", "--", "x"], "--port 99999 is not a port in 1..65535"),
+    (["-n", "0", "--", "x"], "--num-processes=0"),
+    (["-n", "2", "--timeout", "0", "--", "x"], "--timeout=0"),
+    (["-n", "2"], "no command given"),
+    (["-n", "1", "--", "/nonexistent/program"], "cannot start '/nonexistent/program'"),
+])
+def test_launch_rejects_bad_settings_in_one_line(capsys, argv, fragment):
+    assert cli.main(["launch", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and fragment in err, err
+
+
+# --------------------------------------------------------------------------------------------------
+# Real multi-process jax.
+# --------------------------------------------------------------------------------------------------
 
 
 def load_worker_module():
@@ -267,23 +447,12 @@ def test_two_processes_match_single_process(tmp_path):
     num_processes, local_devices = 2, 4
     coordinator = f"127.0.0.1:{free_port()}"
     outputs = [tmp_path / f"process{i}.npz" for i in range(num_processes)]
-    env = worker_env(local_devices)
+    env = clean_env(local_devices=local_devices)
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                str(WORKER),
-                coordinator,
-                str(i),
-                str(num_processes),
-                str(local_devices),
-                str(outputs[i]),
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
+            [sys.executable, str(WORKER), coordinator, str(i), str(num_processes),
+             str(local_devices), str(outputs[i])],
+            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )
         for i in range(num_processes)
     ]
@@ -330,29 +499,67 @@ def test_two_processes_match_single_process(tmp_path):
             )
 
 
-@pytest.mark.slow
-def test_unreachable_coordinator_raises_instead_of_aborting():
-    """jax 0.10 aborts the process when the coordinator never answers; initialize() raises first."""
-    code = textwrap.dedent(
-        f"""
+def test_launch_joins_the_processes_into_one_jax_run():  # about 4 s
+    code = textwrap.dedent("""
+        import numpy as np
         from jphantom import distributed
-        try:
-            distributed.initialize("127.0.0.1:{free_port()}", 2, 1, 2, timeout_s=1, platform="cpu")
-        except RuntimeError as err:
-            print("RAISED", err)
-        print("INITIALIZED", distributed.is_initialized())
-        """
-    )
+        assert distributed.initialize_from_env()
+        import jax
+        from jax.experimental import multihost_utils
+        ranks = multihost_utils.process_allgather(np.array([jax.process_index()]), tiled=True)
+        print("rank", jax.process_index(), "of", jax.process_count(), "devices",
+              jax.device_count(), "local", jax.local_device_count(), "ranks", ranks.tolist())
+        distributed.shutdown()
+    """)
     result = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        env=worker_env(2),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
-    assert "RAISED" in result.stdout, result.stdout + result.stderr
-    assert "process_id=1" in result.stdout and "127.0.0.1:" in result.stdout
-    assert "timeout 1 s" in result.stdout
-    assert "INITIALIZED False" in result.stdout
+        [sys.executable, "-m", "jphantom.cli", "launch", "-n", "2", "--devices-per-process", "2",
+         "--timeout", "60", "--", sys.executable, "-c", code],
+        cwd=REPO, env=clean_env(local_devices=8), capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in range(2):
+        assert f"[{rank}] rank {rank} of 2 devices 4 local 2 ranks [0, 1]" in result.stdout
+
+
+KILLED = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from jphantom import distributed
+    distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), local_device_count=1,
+                           initialization_timeout=60, heartbeat_timeout_seconds={heartbeat},
+                           platform="cpu")
+    from jax.experimental import multihost_utils
+    for step in range(100_000):
+        multihost_utils.process_allgather(np.array([step]))
+        print("step", step, flush=True)
+        time.sleep(0.05)
+""")
+
+
+@pytest.mark.slow
+def test_a_killed_process_stops_its_peer_within_the_heartbeat_timeout():
+    heartbeat = 3
+    coordinator = f"127.0.0.1:{free_port()}"
+    code = KILLED.format(heartbeat=heartbeat)
+    procs = [subprocess.Popen([sys.executable, "-c", code, coordinator, str(rank)], cwd=REPO,
+                              env=clean_env(local_devices=1), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    try:
+        for line in procs[1].stdout:  # both are running collectives together
+            if line.startswith("step 3"):
+                break
+        procs[1].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        try:
+            _, err = procs[0].communicate(timeout=heartbeat + 30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"process 0 still runs {heartbeat + 30} s after its peer was killed")
+        waited = time.monotonic() - killed_at
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+    assert procs[0].returncode != 0
+    assert waited < heartbeat + 15, waited  # jax's default heartbeat timeout is 100 s
+    assert "heartbeat timeout" in err or "another task died" in err, err[-3000:]

@@ -1,0 +1,100 @@
+"""Checks of a jax coordinator address that jax itself turns into crashes, as Python errors.
+
+jax 0.10 segfaults on a non-numeric port and aborts (SIGABRT) on port 99999, on a taken port, and
+when something other than its coordinator listens at the address (ignoring the timeout). These
+checks run before jax sees the address: :func:`split_address` parses it, :func:`check_port_free` is
+process 0's bind test, :func:`probe_coordinator` the other processes' test that a gRPC server (so
+HTTP/2, RFC 9113) answers there. Each raises ConfigError (a bad value) or RuntimeError (nothing
+answered in time) naming the address.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import time
+
+from jphantom.errors import ConfigError
+
+# HTTP/2 client connection preface, then an empty SETTINGS frame (type 0x4; RFC 9113 3.4, 6.5).
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def split_address(address, name: str = "coordinator_address") -> tuple[str, int]:
+    """``"host:port"`` (``"[v6]:port"`` too) -> ``(host, port)``; ConfigError naming ``name``."""
+    fix = f"Fix: write {name} as host:port with a port in 1..65535, e.g. '10.0.0.1:12355'"
+    if not isinstance(address, str) or ":" not in address:
+        raise ConfigError(f"{name}={address!r} is not host:port. {fix}")
+    host, _, port = address.strip().rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or any(c.isspace() for c in host):
+        raise ConfigError(f"{name}={address!r} has no usable host. {fix}")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{name}={address!r}: port {port!r} is not an integer in 1..65535. {fix}")
+    return host, int(port)
+
+
+def check_port_free(port: int) -> None:
+    """Process 0's check that jax's coordinator can bind ``[::]:port``; ConfigError if not."""
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((host, port))
+                return
+        except OSError as err:
+            if err.errno in (errno.EADDRINUSE, errno.EACCES) or family == socket.AF_INET:
+                raise ConfigError(
+                    f"coordinator_address: process 0 cannot start the coordinator on port {port} "
+                    f"({err.strerror}). Fix: pick a free port >= 1024 for every process") from None
+
+
+def probe_coordinator(address: str, timeout: float) -> None:
+    """Process != 0's check that a jax coordinator answers at ``address`` within ``timeout`` s.
+
+    Retries the TCP connect until the deadline (process 0 may start later), then sends the HTTP/2
+    preface and expects the server's SETTINGS frame, as every gRPC server sends. Raises ConfigError
+    when something else answers, RuntimeError when nothing answers in time; both name ``address``.
+    """
+    host, port = split_address(address)
+    deadline = time.monotonic() + timeout
+    last = "no connection attempt finished"
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            sock = socket.create_connection((host, port), timeout=left)
+        except OSError as err:  # refused, unreachable, name not (yet) resolvable
+            last = f"{type(err).__name__}: {err}"
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+            continue
+        with sock:
+            header = _first_frame_header(sock, deadline)
+        if len(header) == 9:
+            length, kind, stream = int.from_bytes(header[:3], "big"), header[3], header[5:]
+            if kind == 0x4 and length % 6 == 0 and not any(stream):
+                return
+            raise ConfigError(
+                f"coordinator_address {address}: what listens there is not a jax coordinator (it "
+                f"answered {header!r}, not an HTTP/2 SETTINGS frame). Fix: give the host:port of "
+                "process 0, on a port that no other service uses")
+        last = "something accepted the connection but gave no HTTP/2 (gRPC) answer"
+        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+    raise RuntimeError(
+        f"coordinator_address {address}: no jax coordinator answered within {timeout:g} s "
+        f"({last}). Check that process 0 runs with the same address, that the host resolves and "
+        "the port is reachable from here, or raise initialization_timeout")
+
+
+def _first_frame_header(sock: socket.socket, deadline: float) -> bytes:
+    """Send the client preface; the server's first 9 bytes (fewer on silence, close or reset)."""
+    header = b""
+    try:
+        sock.sendall(_PREFACE)
+        while len(header) < 9 and (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            chunk = sock.recv(9 - len(header))
+            if not chunk:
+                break
+            header += chunk
+    except OSError:
+        pass
+    return header

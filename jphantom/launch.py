@@ -1,0 +1,208 @@
+"""``jphantom launch``: run one command as N local processes joined by ``jax.distributed``.
+
+For testing multi-process runs on one machine. Child ``r`` gets ``JAX_COORDINATOR_ADDRESS`` =
+``127.0.0.1:PORT`` (jax's own variable), ``JPHANTOM_NUM_PROCESSES=N``, ``JPHANTOM_PROCESS_ID=r``
+and, when asked, ``JPHANTOM_DEVICES_PER_PROCESS`` and ``JPHANTOM_INIT_TIMEOUT``, which
+:func:`jphantom.distributed.initialize_from_env` turns into ``jax.distributed.initialize`` (the
+``jphantom`` command calls it first). With ``--devices-per-process D`` on a machine with
+accelerators, child ``r`` also gets ``JAX_LOCAL_DEVICE_IDS`` = its own D devices ``rD..rD+D-1``.
+Cluster variables (``SLURM_*``, ``OMPI_*``, ``PMI_*``, ``PMIX_*``) are removed from the children's
+environment: they are a job of their own, and jax's detection must not override the launcher.
+
+Every output line of child ``r`` is printed prefixed with ``[r] ``. When a child fails, the others
+are stopped (SIGTERM, then SIGKILL after :data:`GRACE_S`) and launch fails with one line naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+from jphantom import distributed
+from jphantom.coordinator import check_port_free
+from jphantom.errors import ConfigError, check_int
+
+GRACE_S = 5.0
+"""Seconds a stopped child gets between SIGTERM and SIGKILL."""
+
+CLUSTER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def child_env(rank: int, num_processes: int, port: int, *, devices_per_process: int | None = None,
+              timeout: int | None = None, accelerator: bool = False,
+              base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of child ``rank``: ``base`` (default ``os.environ``) without cluster
+    variables or other distributed settings, plus the launcher's (module docstring)."""
+    names = (distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID, distributed.ENV_DEVICES,
+             distributed.ENV_TIMEOUT, distributed.ENV_DISTRIBUTED, "JAX_LOCAL_DEVICE_IDS")
+    env = {k: v for k, v in (os.environ if base is None else base).items()
+           if not k.startswith(CLUSTER_PREFIXES + ("JAX_COORDINATOR_",)) and k not in names}
+    env.update({distributed.ENV_COORDINATOR: f"127.0.0.1:{port}",
+                distributed.ENV_NUM_PROCESSES: str(num_processes),
+                distributed.ENV_PROCESS_ID: str(rank), "PYTHONUNBUFFERED": "1"})
+    if devices_per_process is not None:
+        env[distributed.ENV_DEVICES] = str(devices_per_process)
+        if accelerator:
+            first = rank * devices_per_process
+            env["JAX_LOCAL_DEVICE_IDS"] = ",".join(
+                str(i) for i in range(first, first + devices_per_process))
+    if timeout is not None:
+        env[distributed.ENV_TIMEOUT] = str(timeout)
+    return env
+
+
+def child_command(command: Sequence[str]) -> list[str]:
+    """``command`` without a leading ``--``; ``jphantom ...`` runs with this Python interpreter."""
+    command = list(command[1:] if command and command[0] == "--" else command)
+    if not command:
+        raise ConfigError("jphantom launch: no command given. Fix: put it after --, e.g. "
+                          "jphantom launch -n 2 -- jphantom train --mesh data=2")
+    if command[0] == "jphantom":
+        return [sys.executable, "-m", "jphantom.cli", *command[1:]]
+    return command
+
+
+def launch(command: Sequence[str], num_processes: int, *, port: int | None = None,
+           devices_per_process: int | None = None, timeout: int | None = None) -> None:
+    """Run ``command`` as ``num_processes`` local processes and wait for all of them.
+
+    Raises ConfigError for a bad setting (before anything starts) and RuntimeError, one line naming
+    the process and its exit status, when a child fails (the others are stopped first).
+    """
+    check_int("--num-processes", num_processes, 1)
+    for name, value in (("--devices-per-process", devices_per_process), ("--timeout", timeout)):
+        if value is not None:
+            check_int(name, value, 1)
+    argv = child_command(command)
+    if port is None:
+        port = free_port()
+    elif isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ConfigError(f"--port {port!r} is not a port in 1..65535: pick a free port >= 1024 "
+                          "or leave --port out for a free one")
+    else:
+        check_port_free(port)
+    accelerator = False
+    if devices_per_process is not None:
+        from jphantom.cli import accelerator_visible
+
+        accelerator = accelerator_visible()
+    lock = threading.Lock()
+    procs, relays = [], []
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:  # a terminated launcher stops its children too (the finally block below)
+        previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        for rank in range(num_processes):
+            env = child_env(rank, num_processes, port, devices_per_process=devices_per_process,
+                            timeout=timeout, accelerator=accelerator)
+            try:
+                proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            except OSError as err:
+                raise ConfigError(f"jphantom launch: cannot start {argv[0]!r}: {err}") from None
+            procs.append(proc)
+            for pipe, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+                relay = threading.Thread(target=_relay, args=(pipe, sink, f"[{rank}] ", lock),
+                                         daemon=True)
+                relay.start()
+                relays.append(relay)
+        failed = _wait(procs)
+    finally:
+        _stop(procs)
+        for relay in relays:
+            relay.join(timeout=GRACE_S)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+    if failed is not None:
+        rank, code = failed
+        how = (f"was killed by {signal.Signals(-code).name}" if code < 0
+               else f"exited with status {code}")
+        raise RuntimeError(f"launch: process {rank} of {num_processes} {how}; stopped the "
+                           f"others; its output is above, prefixed [{rank}]")
+
+
+def _relay(pipe, sink, prefix: str, lock: threading.Lock) -> None:
+    """Copy ``pipe`` to ``sink`` line by line, each line prefixed."""
+    for line in iter(pipe.readline, b""):
+        text = line.decode("utf-8", errors="replace").rstrip("\n")
+        with lock:
+            sink.write(f"{prefix}{text}\n")
+            sink.flush()
+    pipe.close()
+
+
+def _wait(procs) -> tuple[int, int] | None:
+    """Wait until every child has exited 0 (-> None) or one has failed (-> (rank, status))."""
+    while True:
+        codes = [proc.poll() for proc in procs]
+        failed = next(((rank, code) for rank, code in enumerate(codes) if code), None)
+        if failed is not None or all(code == 0 for code in codes):
+            return failed
+        time.sleep(0.05)
+
+
+def _stop(procs) -> None:
+    """SIGTERM every child still running, SIGKILL those still there after GRACE_S."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
+        proc.terminate()
+    deadline = time.monotonic() + GRACE_S
+    for proc in running:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def add_parser(subparsers) -> None:
+    """Register ``jphantom launch`` on the CLI's subparsers."""
+    import argparse
+
+    parser = subparsers.add_parser(
+        "launch", help="run a command as N local processes joined by jax.distributed (testing)",
+        description="Start N copies of COMMAND on this machine, joined into one jax.distributed "
+                    "run: a coordinator on 127.0.0.1, process ids 0..N-1 (JAX_COORDINATOR_ADDRESS, "
+                    "JPHANTOM_NUM_PROCESSES, JPHANTOM_PROCESS_ID; a jphantom command joins by "
+                    "itself, a Python script calls jphantom.distributed.initialize_from_env()). "
+                    "Output lines are prefixed [rank]; if a process fails, the others are stopped "
+                    "and launch exits with status 1.",
+        epilog="Examples: jphantom launch -n 2 --devices-per-process 4 -- jphantom train "
+               "--strategy tensor --mesh data=2,model=4 | jphantom launch -n 4 --timeout 60 -- "
+               "python my_script.py")
+    parser.add_argument("-n", "--num-processes", type=int, required=True, metavar="N",
+                        help="number of processes")
+    parser.add_argument("--devices-per-process", type=int, default=None, metavar="D",
+                        help="CPU devices simulated per process; with accelerators, process r "
+                             "gets devices rD..rD+D-1 (default: jax's choice)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="coordinator port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--timeout", type=int, default=None, metavar="S",
+                        help="seconds each process waits for the coordinator and the others at "
+                             "start-up (jax's initialization_timeout; default 300)")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="the command every process runs, after --")
+    parser.set_defaults(handler=_main)
+
+
+def _main(args) -> int:
+    try:
+        launch(args.command, args.num_processes, port=args.port,
+               devices_per_process=args.devices_per_process, timeout=args.timeout)
+    except RuntimeError as error:
+        print(f"jphantom: error: {error}", file=sys.stderr)
+        return 1
+    return 0
