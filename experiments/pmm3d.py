@@ -137,7 +137,7 @@ def main(argv=None) -> int:
           f"{exact} of {len(ffn)} grids", flush=True)
 
     # 2. the GPT: measured step time against the model
-    shape = dict(vocab_size=256, seq_len=32, hidden=64, heads=8, layers=2)
+    shape = dict(vocab_size=256, seq_len=32, hidden=64, heads=max(8, devices), layers=2)
     if args.quick:
         shape.update(hidden=32, seq_len=16)
     batch = 16
