@@ -61,7 +61,8 @@ def _dense(params, x, config):
     return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2, 4,
+                                   pytest.param(8, marks=pytest.mark.slow)])
 def test_expert_parallel_moe_equals_the_dense_moe(ranks):
     """Capacity large enough to drop nothing: loss and every gradient (parameters and input
     tokens) equal the dense single-device MoE (every expert on every token, combined by the

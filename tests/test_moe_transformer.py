@@ -104,7 +104,7 @@ SLOW = pytest.mark.slow  # the longer half of the grid: make test-all
     ("tensor", "expert=8,model=1", False, {}),
     pytest.param("tensor", "data=2,expert=2,model=2", False, {}, marks=SLOW),
     ("tensor", "data=2,expert=2,model=2", True, {}),
-    ("phantom", "data=2,expert=2,model=2", False, {}),
+    pytest.param("phantom", "data=2,expert=2,model=2", False, {}, marks=SLOW),
     pytest.param("tensor", "expert=4,model=2", False, {"capacity_factor": None},
                  marks=SLOW),  # dropless (its layer test runs in make test)
 ])

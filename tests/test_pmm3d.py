@@ -53,7 +53,12 @@ def _ffn_inputs():
     return params, np.asarray(x), np.asarray(t)
 
 
-@pytest.mark.parametrize("grid", grids(8), ids=mesh_text)
+FFN_FAST = {(8, 1, 1, 1), (1, 8, 1, 1), (1, 1, 8, 1), (1, 1, 1, 8), (2, 2, 2, 1), (2, 1, 2, 2),
+            (1, 2, 2, 2), (4, 2, 1, 1)}
+
+
+@pytest.mark.parametrize("grid", [g if g in FFN_FAST else pytest.param(g, marks=pytest.mark.slow)
+                                  for g in grids(8)], ids=mesh_text)
 def test_pmm3d_ffn_equals_the_dense_ffn_on_every_grid(grid):
     """Loss and every gradient of the training step (all reductions included) equal the dense
     FFN's on one device (float64 oracle, float32 1e-5), depth 3: a normal, a transposed and a
