@@ -205,12 +205,8 @@ class RunConfig:
             raise ConfigError(f"mesh {mesh} needs {mesh.device_count} devices but "
                               f"{jax.device_count()} are available: pass --devices "
                               f"{mesh.device_count} to simulate them on CPU, or a smaller mesh")
-        ranks = mesh.size("data") * mesh.size("expert") * mesh.size("z")
-        if self.batch % ranks:
-            raise ConfigError(f"batch={self.batch} is not divisible by the data axis (times "
-                              f"the expert and z axes): {ranks} ranks split the batch; pick a multiple")
-        if self.model != "transformer" and (self.moe_every or self.dtd):
-            raise ConfigError("--moe-every and --dtd apply to --model transformer")
+        strategies.check_batch(mesh, self.batch, self.model,
+                               moe=bool(self.moe_every or self.dtd))
         return strategies.get(self.strategy).program(self.model_config(), mesh,
                                                      sequence_parallel=self.sequence_parallel,
                                                      pipeline=self.pipeline_config(),

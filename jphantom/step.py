@@ -150,20 +150,29 @@ def replicated_axes(spec: P, axes: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(a for a in axes if a not in split)
 
 
+def _by_replicated_axes(op, tree, specs, axes):
+    """``op(leaves, over)`` once per group of leaves replicated on the same batch axes ``over``
+    (one collective per group, not one per parameter); leaves split on all of them stay."""
+    leaves, treedef = jax.tree.flatten(tree)
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for index, spec in enumerate(treedef.flatten_up_to(specs)):
+        groups.setdefault(replicated_axes(spec, axes), []).append(index)
+    for over, indices in groups.items():
+        if over:
+            for index, leaf in zip(indices, op([leaves[i] for i in indices], over)):
+                leaves[index] = leaf
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def _vary(params, specs, axes):
     """Each parameter varying over the batch axes it is replicated on (a per-rank copy)."""
-    def one(p, spec):
-        over = replicated_axes(spec, axes)
-        return lax.pcast(p, over, to="varying") if over else p
-    return jax.tree.map(one, params, specs)
+    return _by_replicated_axes(lambda xs, over: lax.pcast(xs, over, to="varying"), params, specs,
+                               axes)
 
 
 def _sum_replicated(grads, specs, axes):
     """Each gradient all-reduced over the batch axes its parameter is replicated on."""
-    def one(g, spec):
-        over = replicated_axes(spec, axes)
-        return lax.psum(g, over) if over else g
-    return jax.tree.map(one, grads, specs)
+    return _by_replicated_axes(lambda xs, over: lax.psum(xs, over), grads, specs, axes)
 
 
 def zeros_of(struct) -> jax.Array:

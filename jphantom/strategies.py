@@ -94,6 +94,17 @@ def _check_batch_axes(mesh: MeshConfig, strategy: str, model_axis: bool = True,
     _only_axes(mesh, allowed + ((EXPERT_AXIS,) if expert_axis else ()), strategy)
 
 
+def check_batch(mesh: MeshConfig, batch: int, model: str, *, moe: bool = False) -> None:
+    """Before building anything: the global ``batch`` against the ranks that split it (``data``,
+    ``expert``, pmm3d's ``z``), and MoE options only on the transformer."""
+    ranks = mesh.size(DATA_AXIS) * mesh.size(EXPERT_AXIS) * mesh.size("z")
+    if batch % ranks:
+        raise ConfigError(f"batch={batch} is not divisible by the data axis (times the expert and "
+                          f"z axes): {ranks} ranks of mesh {mesh} split the batch; pick a multiple")
+    if moe and model != "transformer":
+        raise ConfigError("--moe-every and --dtd apply to --model transformer")
+
+
 def _batch_axes(mesh: MeshConfig) -> tuple[str, ...]:
     """The axes splitting the transformer's batch: ``data``, and ``expert`` (MoE models run their
     dense blocks data-parallel over it)."""

@@ -126,3 +126,13 @@ def assert_tree_close(actual, expected, rtol):
 
 TOLERANCE = {jnp.float64: 1e-10, jnp.float32: 1e-5}
 DTYPE_NAME = {jnp.float64: "float64", jnp.float32: "float32"}
+
+
+def exit_code(argv):
+    """``jphantom.cli.main(argv)``'s exit status, argparse's SystemExit included."""
+    from jphantom import cli
+
+    try:
+        return cli.main(argv)
+    except SystemExit as exit_info:
+        return exit_info.code

@@ -13,18 +13,13 @@ import pytest
 
 from jphantom import cli
 
+from helpers import exit_code
+
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ["--model", "transformer", "--strategy", "tensor", "--layers", "2", "--hidden", "16",
        "--heads", "2", "--seq-len", "8", "--batch", "8"]
 TRAIN = ["train", *GPT, "--steps", "2", "--eval-every", "1", "--eval-batches", "1",
          "--no-progress"]
-
-
-def _exit_code(argv):
-    try:
-        return cli.main(argv)
-    except SystemExit as exit_info:
-        return exit_info.code
 
 
 def test_train_ted_with_dtd_and_cac_reports_dropped_tokens(tmp_path, capsys):
@@ -50,6 +45,8 @@ def test_inspect_lists_the_all_to_alls_over_expert(capsys):
     rows = [r for r in report["collectives"] if r["kind"] == "all-to-all"]
     assert [tuple(r["axes"]) for r in rows] == [("expert",)]
     assert rows[0]["count"] == 4 * 2  # two MoE blocks, two each way
+    # per rank 16 tokens, C = ceil(1.25 * 16 * 2 / 4) = 10: one [E, C, h] float32 buffer each
+    assert rows[0]["bytes"] == 4 * 2 * 4 * 10 * 16 * 4
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -65,7 +62,7 @@ def test_inspect_lists_the_all_to_alls_over_expert(capsys):
 ])
 def test_bad_moe_settings_are_one_line_and_run_nothing(argv, message, tmp_path, capsys):
     out = tmp_path / "never"
-    assert _exit_code([*TRAIN, *argv, "--out", str(out)]) == 2
+    assert exit_code([*TRAIN, *argv, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("jphantom: error:") and err.count("\n") == 1, err
     assert message in err, err

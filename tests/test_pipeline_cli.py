@@ -16,12 +16,7 @@ from jphantom.errors import ConfigError
 from jphantom.pipeline.schedule import lockstep, simulate
 from jphantom.run import RunConfig
 
-
-def _exit_code(argv):
-    try:
-        return cli.main(argv)
-    except SystemExit as exit_info:
-        return exit_info.code
+from helpers import exit_code
 
 
 def _one_line_error(capsys, *fragments):
@@ -94,12 +89,12 @@ def test_schedule_gpipe_formula_and_width(capsys):
     (["--width", "0"], "--width 0 must be at least 1"),
 ])
 def test_schedule_bad_input_is_one_line_and_exit_2(argv, message, capsys):
-    assert _exit_code(["schedule", *argv]) == 2
+    assert exit_code(["schedule", *argv]) == 2
     _one_line_error(capsys, message)
 
 
 def test_schedule_unknown_name_is_refused_by_the_parser(capsys):
-    assert _exit_code(["schedule", "--schedule", "zero-bubble"]) == 2
+    assert exit_code(["schedule", "--schedule", "zero-bubble"]) == 2
     assert "invalid choice: 'zero-bubble'" in capsys.readouterr().err
 
 
@@ -119,11 +114,11 @@ def test_help_texts_name_the_pipeline_flags(capsys):
                            ("train", ("--schedule", "--microbatches", "--virtual-stages",
                                       "stage=2")),
                            ("inspect", ("--schedule", "--microbatches", "--virtual-stages"))):
-        assert _exit_code([command, "--help"]) == 0
+        assert exit_code([command, "--help"]) == 0
         out = capsys.readouterr().out
         for flag in flags:
             assert flag in out, (command, flag)
-    assert _exit_code(["--help"]) == 0
+    assert exit_code(["--help"]) == 0
     assert "schedule" in capsys.readouterr().out
 
 
@@ -261,7 +256,7 @@ def test_inspect_pipelined_table(capsys):
     (["--mesh", "stage=2,model=4", "--depth", "3"], "depth=3 is not divisible by stages"),
 ])
 def test_inspect_bad_pipeline_flags_are_one_line(argv, message, capsys):
-    assert _exit_code(["inspect", "--strategy", "tensor-t1", "--width", "32", "--batch", "8",
+    assert exit_code(["inspect", "--strategy", "tensor-t1", "--width", "32", "--batch", "8",
                        *argv]) == 2
     _one_line_error(capsys, message)
 

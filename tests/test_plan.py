@@ -14,12 +14,7 @@ from jphantom.perf import axonn_model as ax
 from jphantom.perf.axonn_model import GB, Grid, Layer, Topology
 from jphantom.plan import LAYOUTS, plan
 
-
-def _exit_code(argv):
-    try:
-        return cli.main(argv)
-    except SystemExit as exit_info:
-        return exit_info.code
+from helpers import exit_code
 
 
 def _one_line_error(capsys, *fragments):
@@ -370,12 +365,12 @@ def test_cli_json_parses_and_carries_the_assumptions(capsys):
     (["--heads", "5"], "hidden=7168 is not divisible by heads=5"),
 ])
 def test_cli_bad_value_is_one_line_and_exit_2(capsys, argv, fragment):
-    assert _exit_code(["plan", *argv]) == 2
+    assert exit_code(["plan", *argv]) == 2
     _one_line_error(capsys, fragment)
 
 
 def test_cli_help_has_an_example(capsys):
-    assert _exit_code(["plan", "--help"]) == 0
+    assert exit_code(["plan", "--help"]) == 0
     out = capsys.readouterr().out
     assert "Examples: jphantom plan" in out and "--inter-node-gbps" in out
 

@@ -12,16 +12,11 @@ from jphantom.analysis.inspect import StepSpec, format_report
 from jphantom.errors import ConfigError
 from jphantom.run import RunConfig
 
+from helpers import exit_code
+
 FFN = ["train", "--model", "ffn", "--strategy", "tensor", "--width", "8", "--depth", "2",
        "--batch", "16", "--steps", "2", "--eval-every", "1", "--eval-batches", "1",
        "--no-progress"]
-
-
-def _exit_code(argv):
-    try:
-        return cli.main(argv)
-    except SystemExit as exit_info:
-        return exit_info.code
 
 
 def test_train_zero3_with_accumulation_and_clipping_matches_zero0(tmp_path, capsys):
@@ -53,7 +48,7 @@ def test_train_zero3_with_accumulation_and_clipping_matches_zero0(tmp_path, caps
 ])
 def test_bad_step_settings_are_one_line_and_run_nothing(argv, message, tmp_path, capsys):
     out = tmp_path / "never"
-    assert _exit_code([*FFN, *argv, "--out", str(out)]) == 2
+    assert exit_code([*FFN, *argv, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("jphantom: error:") and err.count("\n") == 1, err
     assert message in err, err
@@ -106,7 +101,7 @@ def test_inspect_zero2_gradients_sgd_state_and_table(capsys):
     assert "state MB" in header
     state = (memory["params_bytes"] + memory["gradient_bytes"]) / 1e6
     assert f"{state:.2f}" in row.split()
-    assert _exit_code(["inspect", "--strategy", "tensor-t1", "--mesh", "model=8", "--width", "16",
+    assert exit_code(["inspect", "--strategy", "tensor-t1", "--mesh", "model=8", "--width", "16",
                        "--batch", "16", "--zero", "1"]) == 2
     assert "shards over the 'data' axis" in capsys.readouterr().err
 

@@ -95,12 +95,8 @@ class StepSpec:
         object.__setattr__(self, "num_shards", mesh.size("model"))
         if strategy.family != "phantom":
             object.__setattr__(self, "ghost_width", None)
-        ranks = mesh.size("data") * mesh.size("expert") * mesh.size("z")
-        if self.batch % ranks:
-            raise ConfigError(f"batch={self.batch} is not divisible by the data axis (times "
-                              f"the expert and z axes): {ranks} ranks of mesh {mesh} split the batch")
-        if self.model != "transformer" and (self.moe_every or self.dtd):
-            raise ConfigError("--moe-every and --dtd apply to --model transformer")
+        strategies.check_batch(mesh, self.batch, self.model,
+                               moe=bool(self.moe_every or self.dtd))
         from jphantom.remat import with_cac
         object.__setattr__(self, "remat", with_cac(self.remat, self.cac))
         if self.optimizer not in OPTIMIZERS:
