@@ -1,0 +1,28 @@
+"""Parallel layers as Flax NNX modules, and the building blocks models are written with.
+
+A parallel layer runs on one rank inside the training step's ``shard_map``, keeps its parameters
+as ``nnx.Param``s whose sharding metadata names the mesh axes they are split on, calls its
+collectives on the axis it was given, and converts from and back to the plain Flax layer it
+replaces (``from_module`` / ``dense_equivalent``). :func:`jphantom.parallelize` swaps them into a
+model by path; a model holds none of them itself.
+
+- :mod:`jphantom.nn.tensor`: Megatron's column- and row-parallel linears with f and g,
+  vocabulary-parallel embedding and head, sequence parallelism, tensor-parallel experts.
+- :mod:`jphantom.nn.phantom`: the phantom linear (seed 000), feature-split embeddings and norms.
+- :mod:`jphantom.nn.experts`: a mixture of SwiGLU experts (Mixtral's router), plain.
+- :mod:`jphantom.nn.stack`: blocks stacked over depth under ``lax.scan``.
+- :mod:`jphantom.nn.loss`: the LM loss through whatever head a model has.
+- :mod:`jphantom.nn.metadata`: the mesh-axis metadata of parameters.
+"""
+
+from jphantom.nn.experts import Experts, top_k_gates
+from jphantom.nn.loss import cross_entropy
+from jphantom.nn.phantom import FeatureParallelEmbed, FeatureParallelNorm, PhantomLinear
+from jphantom.nn.stack import Stacked, set_remat
+from jphantom.nn.tensor import (ColumnParallelLinear, RowParallelLinear, SequenceParallelEmbed,
+                                TensorParallelExperts, VocabParallelEmbed, VocabParallelHead)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbed", "VocabParallelHead",
+           "SequenceParallelEmbed", "TensorParallelExperts", "PhantomLinear",
+           "FeatureParallelEmbed", "FeatureParallelNorm", "Experts", "top_k_gates", "Stacked",
+           "set_remat", "cross_entropy"]

@@ -1,0 +1,227 @@
+"""Phantom parallelism as Flax NNX layers (Seal et al., seed 000).
+
+Every activation is split over the features on ``axis`` (p ranks): rank j holds y^(j) [..., n/p].
+A :class:`PhantomLinear` is seed 000's layer, Eq. 11, generalised to rectangular maps
+(n_in -> n_out; n_i = n_in / p, n_o = n_out / p):
+
+    g^(j) = C^(j) y^(j)                                   [..., k]   k ghost neurons
+    z^(j) = L^(j) y^(j) + sum_{i != j} D^(i,j) g^(i) + b^(j)          [..., n_o]
+
+with one all-gather of k per token forward and, in its ``custom_vjp`` (Eqs. 15-21,
+:func:`jphantom.sharding.phantom.phantom_layer`), one reduce-scatter of k per token backward.
+Parameters (global, the shard dimension p split over ``axis``): ``local`` [p, n_o, n_i],
+``compress`` [p, k, n_i], ``decompress`` [p, p, n_o, k] (``[j, i]`` is D^(i,j); own slot zero),
+``bias`` [p, n_o]; leading stacked dimensions [L, ...] stay unsplit.
+
+:meth:`PhantomLinear.from_module` makes the phantom layer closest to a dense ``nnx.Linear``: the
+diagonal blocks are copied, and each sender's off-diagonal blocks, stacked, get their best rank-k
+factorisation (Eckart-Young, by SVD) D C; exact when k >= n_i. :meth:`dense_equivalent` gives back
+the dense layer the phantom layer *is* (the single-device oracle).
+
+A phantom model keeps the residual stream feature-split, so the other layers follow: the token and
+position embeddings split their features (:class:`FeatureParallelEmbed`, no communication),
+LayerNorm and RMSNorm sum their per-token statistics over ``axis`` (two and one all-reduces of
+B S scalars), and the LM head is a phantom linear to vocabulary-split logits with the
+vocabulary-parallel cross-entropy (never gathering the logits).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from jphantom.errors import ConfigError
+from jphantom.nn import metadata
+from jphantom.nn.tensor import _embed, _gather_vocab, _linear, _promote, _value
+from jphantom.sharding import phantom as phantom_ops
+from jphantom.sharding import vocab
+
+
+def factorise(kernel: np.ndarray, bias, num_shards: int, ghost_width: int):
+    """The phantom parameters closest to a dense ``kernel`` [n_in, n_out] (``y = x W``), as numpy:
+    diagonal blocks copied, each sender's stacked off-diagonal blocks factorised to rank k."""
+    p, k = num_shards, ghost_width
+    w = np.asarray(kernel, np.float64).T  # [n_out, n_in]: block [j, i] acts from sender i to j
+    n_out, n_in = w.shape
+    n_o, n_i = n_out // p, n_in // p
+    blocks = w.reshape(p, n_o, p, n_i).transpose(0, 2, 1, 3)  # [j, i, n_o, n_i]
+    local = np.stack([blocks[j, j] for j in range(p)])
+    compress = np.zeros((p, k, n_i))
+    decompress = np.zeros((p, p, n_o, k))
+    for i in range(p):
+        others = [j for j in range(p) if j != i]
+        if not others:
+            continue
+        stacked = np.concatenate([blocks[j, i] for j in others])  # [(p-1) n_o, n_i]
+        u, s, vt = np.linalg.svd(stacked, full_matrices=False)
+        r = min(k, s.size)
+        compress[i, :r] = vt[:r]
+        left = (u[:, :r] * s[:r]).reshape(len(others), n_o, r)
+        for index, j in enumerate(others):
+            decompress[j, i, :, :r] = left[index]
+    b = np.zeros((p, n_o)) if bias is None else np.asarray(bias, np.float64).reshape(p, n_o)
+    return local, compress, decompress, b
+
+
+class PhantomLinear(nnx.Module):
+    """Seed 000's phantom layer on one rank: y^(j) [..., n_in/p] -> z^(j) [..., n_out/p] (Eq. 11).
+
+    ``vocab_output=True`` makes it an LM head: its outputs are this rank's vocabulary slice;
+    ``__call__`` gathers the full logits (all-gather of B S V) and :meth:`cross_entropy` computes
+    the loss without gathering them."""
+
+    def __init__(self, local, compress, decompress, bias, *, axis: str = "model",
+                 fused: bool = True, vocab_output: bool = False, use_bias: bool = True,
+                 dtype=None):
+        self.axis, self.fused, self.vocab_output, self.dtype = axis, fused, vocab_output, dtype
+        self.use_bias = use_bias
+        self.num_shards = local.shape[-3]
+        self.ghost_width = compress.shape[-2]
+        self.local = metadata.param(local, (axis, None, None))
+        self.compress = metadata.param(compress, (axis, None, None))
+        self.decompress = metadata.param(decompress, (axis, None, None, None))
+        self.bias = metadata.param(bias, (axis, None))
+
+    @classmethod
+    def from_module(cls, linear: nnx.Linear, *, ghost_width: int, num_shards: int,
+                    axis: str = "model", fused: bool = True,
+                    vocab_output: bool = False) -> "PhantomLinear":
+        kernel, bias = linear.kernel[...], _value(linear.bias)
+        n_in, n_out = kernel.shape[-2:]
+        for what, n in (("in_features", n_in), ("out_features", n_out)):
+            if n % num_shards:
+                raise ConfigError(f"{what}={n} is not divisible by the {axis!r} axis "
+                                  f"({num_shards} ranks): phantom splits the features evenly")
+        lead = kernel.shape[:-2]
+        flat_k = np.asarray(kernel).reshape(-1, n_in, n_out)
+        flat_b = None if bias is None else np.asarray(bias).reshape(-1, n_out)
+        parts = [factorise(flat_k[l], None if flat_b is None else flat_b[l], num_shards,
+                           ghost_width) for l in range(flat_k.shape[0])]
+        dtype = kernel.dtype
+        local, compress, decompress, b = (
+            jnp.asarray(np.stack([part[n] for part in parts]).reshape(
+                *lead, *parts[0][n].shape), dtype) for n in range(4))
+        return cls(local, compress, decompress, b, axis=axis, fused=fused,
+                   vocab_output=vocab_output, use_bias=bias is not None, dtype=linear.dtype)
+
+    def dense_equivalent(self) -> nnx.Linear:
+        """The dense ``nnx.Linear`` this phantom layer equals (kernel [..., n_in, n_out])."""
+        arrays = {"local": self.local[...], "compress": self.compress[...],
+                  "decompress": self.decompress[...], "bias": self.bias[...]}
+        lead = arrays["local"].shape[:-3]
+        flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[len(lead):]), arrays)
+        weight, bias = jax.vmap(phantom_ops.linear_dense_equivalent)(flat)  # [N, out, in]
+        kernel = jnp.swapaxes(weight, -1, -2).reshape(*lead, weight.shape[-1], weight.shape[-2])
+        bias = bias.reshape(*lead, -1)
+        return _linear(kernel, bias if self.use_bias else None, self.dtype)
+
+    def local_outputs(self, x: jax.Array) -> jax.Array:
+        """z^(j): this rank's n_out/p output features (Eq. 11; custom backward Eqs. 15-21)."""
+        x, local, compress, decompress, bias = _promote(
+            x, self.local[...], self.compress[...], self.decompress[...], self.bias[...])
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, x.shape[-1])
+        z = phantom_ops.phantom_layer(self.axis, self.num_shards, self.fused, rows, local[0],
+                                      compress[0], decompress[0], bias[0])  # AG k fwd, RS k bwd
+        return z.reshape(*lead, -1)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        z = self.local_outputs(x)
+        return _gather_vocab(z, self.axis) if self.vocab_output else z
+
+    def cross_entropy(self, h: jax.Array, targets: jax.Array) -> jax.Array:
+        """Mean cross-entropy of vocabulary-split logits: three all-reduces of B S scalars."""
+        if not self.vocab_output:
+            raise ConfigError("cross_entropy needs the LM head's phantom layer (vocab_output=True)")
+        return vocab.cross_entropy_sum(self.local_outputs(h), targets, self.axis) / targets.size
+
+
+class FeatureParallelEmbed(nnx.Module):
+    """An embedding [V, h] whose features are split over ``axis``: a lookup gives this rank's
+    [..., h/p] (no communication). :meth:`attend` (a tied head on feature-split activations)
+    all-reduces the full [B, S, V] logits: phantom models use an untied phantom head instead."""
+
+    def __init__(self, embedding, *, axis: str = "model", dtype=None):
+        self.axis, self.dtype = axis, dtype
+        self.embedding = metadata.param(embedding, (None, axis))
+
+    @classmethod
+    def from_module(cls, embed: nnx.Embed, *, axis: str = "model") -> "FeatureParallelEmbed":
+        return cls(embed.embedding[...], axis=axis, dtype=embed.dtype)
+
+    def dense_equivalent(self) -> nnx.Embed:
+        return _embed(self.embedding[...], self.dtype)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        table = self.embedding[...]
+        return jnp.take(table if self.dtype is None else table.astype(self.dtype), tokens, axis=0)
+
+    def attend(self, h: jax.Array) -> jax.Array:
+        h, table = _promote(h, self.embedding[...])
+        return lax.psum(h @ table.T, self.axis)  # all-reduce of B*S*V
+
+
+class FeatureParallelNorm(nnx.Module):
+    """LayerNorm (``kind="layer"``) or RMSNorm (``kind="rms"``) over features split across
+    ``axis``: the per-token sums are all-reduced (B S scalars each: two for LayerNorm, one for
+    RMSNorm); scale and bias [h] are split like the features."""
+
+    def __init__(self, scale, bias, *, kind: str, epsilon: float, features: int,
+                 axis: str = "model", dtype=None):
+        self.kind, self.epsilon, self.features, self.axis, self.dtype = (
+            kind, epsilon, features, axis, dtype)
+        self.scale = None if scale is None else metadata.param(scale, (axis,))
+        self.bias = None if bias is None else metadata.param(bias, (axis,))
+
+    @classmethod
+    def from_module(cls, norm, *, axis: str = "model") -> "FeatureParallelNorm":
+        kind = "rms" if isinstance(norm, nnx.RMSNorm) else "layer"
+        return cls(_value(getattr(norm, "scale", None)), _value(getattr(norm, "bias", None)),
+                   kind=kind, epsilon=norm.epsilon, features=norm.num_features, axis=axis,
+                   dtype=norm.dtype)
+
+    def dense_equivalent(self):
+        n = self.features
+        scale, bias = _value(self.scale), _value(self.bias)
+        if self.kind == "rms":
+            norm = nnx.RMSNorm(n, epsilon=self.epsilon, dtype=self.dtype,
+                               use_scale=scale is not None, rngs=nnx.Rngs(0))
+        else:
+            norm = nnx.LayerNorm(n, epsilon=self.epsilon, dtype=self.dtype,
+                                 use_scale=scale is not None, use_bias=bias is not None,
+                                 rngs=nnx.Rngs(0))
+        if scale is not None:
+            norm.scale = nnx.Param(scale)
+        if bias is not None:
+            norm.bias = nnx.Param(bias)
+        return norm
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        if self.kind == "rms":
+            mean_square = lax.psum(jnp.sum(wide * wide, -1, keepdims=True), self.axis) / self.features
+            y = wide * lax.rsqrt(mean_square + self.epsilon)  # all-reduce of B*S
+        else:
+            mean = lax.psum(wide.sum(-1, keepdims=True), self.axis) / self.features  # AR B*S
+            centred = wide - mean
+            var = lax.psum(jnp.sum(centred * centred, -1, keepdims=True), self.axis) / self.features
+            y = centred * lax.rsqrt(var + self.epsilon)  # all-reduce of B*S
+        if self.scale is not None:
+            y = y * self.scale[...]
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y.astype(self.dtype or x.dtype)
+
+
+def check_ghost_width(ghost_width, path: str) -> int:
+    if isinstance(ghost_width, bool) or not isinstance(ghost_width, int) or ghost_width < 1:
+        raise ConfigError(f"{path}: ghost_width={ghost_width!r} must be an integer >= 1 (k ghost "
+                          "neurons per rank, seed 000), e.g. 8")
+    return ghost_width
+
+
+__all__ = ["PhantomLinear", "FeatureParallelEmbed", "FeatureParallelNorm", "factorise",
+           "check_ghost_width"]

@@ -1,0 +1,298 @@
+"""Megatron tensor (and sequence) parallelism as Flax NNX layers (Shoeybi et al., seed 002;
+Korthikanti et al., seed 003).
+
+Each layer runs on one rank inside the training step's ``shard_map`` and calls its collectives on
+the mesh axis it was given (``axis``, default ``"model"``, of size p). Parameters are ``nnx.Param``s
+whose sharding metadata names that axis; they keep the dense layer's *global* shapes, so a layer
+built :meth:`from_module` a plain ``nnx.Linear`` / ``nnx.Embed`` holds the same numbers and gives
+them back with :meth:`dense_equivalent`. Leading stacked dimensions (blocks created under
+``nnx.vmap``, [L, ...]) are carried along unsplit.
+
+Activations: B tokens' batch, S sequence, h features. Without sequence parallelism the residual
+stream is replicated over ``axis`` [B, S, h]; with it (``sequence_parallel=True``, seed 003
+Sec. 4.2.2) it is split over the sequence [B, S/p, h] and each all-reduce below becomes a
+reduce-scatter plus an all-gather of the same volume.
+
+Per call, per rank (elements):
+
+=======================  ==========================================  ============================
+layer                    forward                                     backward
+=======================  ==========================================  ============================
+ColumnParallelLinear     f: none (SP: all-gather of B S h)            f: all-reduce of B S h (SP:
+                                                                     reduce-scatter to B S h / p)
+RowParallelLinear        g: all-reduce of B S h (SP: reduce-scatter)  none (SP: all-gather B S h)
+VocabParallelEmbed       all-reduce of B S h (SP: reduce-scatter)     none (SP: all-gather)
+VocabParallelHead        f (SP: all-gather); logits stay [B S V/p];   f's all-reduce (SP: RS)
+  .cross_entropy         3 all-reduces of B S scalars                 none
+  .__call__              + all-gather of B S V (the full logits)      none (a slice)
+TensorParallelExperts    f before, g after (as a column/row pair)     f's all-reduce
+=======================  ==========================================  ============================
+
+Megatron's f (``copy_to_tensor_model_parallel_region``) is ``lax.pcast(x, axis, to="varying")``:
+identity forward, its transpose the all-reduce. g (``reduce_from_...``) is ``lax.psum``: its
+transpose is free under ``check_vma=True``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from jphantom.nn import metadata
+from jphantom.nn.experts import Experts
+from jphantom.sharding import vocab
+
+
+def _value(p):
+    return None if p is None else p[...]
+
+
+def _promote(*arrays):
+    dtype = jnp.result_type(*(a for a in arrays if a is not None))
+    return tuple(None if a is None else a.astype(dtype) for a in arrays)
+
+
+def copy_to_model(x: jax.Array, axis: str) -> jax.Array:
+    """Megatron's f: identity forward; the backward all-reduces the gradient over ``axis``."""
+    return lax.pcast(x, axis, to="varying")
+
+
+def gather_sequence(x: jax.Array, axis: str) -> jax.Array:
+    """[B, S/p, h] -> [B, S, h]: all-gather of B S h (backward: reduce-scatter)."""
+    return lax.all_gather(x, axis, axis=x.ndim - 2, tiled=True)
+
+
+def to_full_sequence(x: jax.Array, axis: str, sequence_parallel: bool) -> jax.Array:
+    """The input of a column-parallel layer: the whole sequence, varying over ``axis``."""
+    return gather_sequence(x, axis) if sequence_parallel else copy_to_model(x, axis)
+
+
+def reduce_from_model(partial_sum: jax.Array, axis: str, sequence_parallel: bool) -> jax.Array:
+    """Megatron's g: all-reduce of the partial sums (SP: reduce-scatter over the sequence)."""
+    if sequence_parallel:
+        return lax.psum_scatter(partial_sum, axis, scatter_dimension=partial_sum.ndim - 2,
+                                tiled=True)
+    return lax.psum(partial_sum, axis)
+
+
+def own_sequence(x: jax.Array, axis: str) -> jax.Array:
+    """This rank's S/p slice of the sequence dimension (-2) of ``x``."""
+    chunk = x.shape[-2] // lax.axis_size(axis)
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(axis) * chunk, chunk, axis=x.ndim - 2)
+
+
+class ColumnParallelLinear(nnx.Module):
+    """y = f(x) @ W[:, own] + b[own]: output features split over ``axis``.
+
+    kernel [..., in, out] split on ``out``, bias [..., out] split. Input [B, S, in] replicated
+    (SP: [B, S/p, in], all-gathered over the sequence first); output [B, S, out/p].
+    """
+
+    def __init__(self, kernel, bias=None, *, axis: str = "model",
+                 sequence_parallel: bool = False, dtype=None):
+        self.axis, self.sequence_parallel, self.dtype = axis, sequence_parallel, dtype
+        self.kernel = metadata.param(kernel, (None, axis))
+        self.bias = None if bias is None else metadata.param(bias, (axis,))
+
+    @classmethod
+    def from_module(cls, linear: nnx.Linear, *, axis: str = "model",
+                    sequence_parallel: bool = False) -> "ColumnParallelLinear":
+        return cls(linear.kernel[...], _value(linear.bias), axis=axis,
+                   sequence_parallel=sequence_parallel, dtype=linear.dtype)
+
+    def dense_equivalent(self) -> nnx.Linear:
+        return _linear(self.kernel[...], _value(self.bias), self.dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = to_full_sequence(x, self.axis, self.sequence_parallel)
+        x, kernel, bias = _promote(x, self.kernel[...], _value(self.bias))
+        y = x @ kernel
+        return y if bias is None else y + bias
+
+
+class RowParallelLinear(nnx.Module):
+    """y = g(x_own @ W[own, :]) + b: input features split over ``axis``.
+
+    kernel [..., in, out] split on ``in``, bias [..., out] replicated (added after g; under SP it
+    sees S/p tokens per rank, so its gradient is summed over ``axis`` once per step). Input
+    [B, S, in/p]; output [B, S, out] replicated (SP: [B, S/p, out]).
+    """
+
+    def __init__(self, kernel, bias=None, *, axis: str = "model",
+                 sequence_parallel: bool = False, dtype=None):
+        self.axis, self.sequence_parallel, self.dtype = axis, sequence_parallel, dtype
+        self.kernel = metadata.param(kernel, (axis, None))
+        reduce = (axis,) if sequence_parallel else ()
+        self.bias = None if bias is None else metadata.param(bias, (None,), reduce_axes=reduce)
+
+    from_module = classmethod(ColumnParallelLinear.from_module.__func__)
+
+    def dense_equivalent(self) -> nnx.Linear:
+        return _linear(self.kernel[...], _value(self.bias), self.dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x, kernel, bias = _promote(x, self.kernel[...], _value(self.bias))
+        y = reduce_from_model(x @ kernel, self.axis, self.sequence_parallel)
+        return y if bias is None else y + bias
+
+
+class VocabParallelEmbed(nnx.Module):
+    """Token embedding with the vocabulary split over ``axis``: rank j holds rows
+    [j V/p, (j+1) V/p) of embedding [V, h]; a lookup sums the ranks' shares (all-reduce of B S h;
+    SP: reduce-scatter to [B, S/p, h]). :meth:`attend` is a tied LM head (:class:`VocabParallelHead`
+    with the embedding as its kernel)."""
+
+    def __init__(self, embedding, *, axis: str = "model", sequence_parallel: bool = False,
+                 dtype=None):
+        self.axis, self.sequence_parallel, self.dtype = axis, sequence_parallel, dtype
+        self.embedding = metadata.param(embedding, (axis, None))
+
+    @classmethod
+    def from_module(cls, embed: nnx.Embed, *, axis: str = "model",
+                    sequence_parallel: bool = False) -> "VocabParallelEmbed":
+        return cls(embed.embedding[...], axis=axis, sequence_parallel=sequence_parallel,
+                   dtype=embed.dtype)
+
+    def dense_equivalent(self) -> nnx.Embed:
+        return _embed(self.embedding[...], self.dtype)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        table = self.embedding[...]
+        if self.dtype is not None:
+            table = table.astype(self.dtype)
+        partial_sum = vocab.embed_partial(table, tokens, self.axis)  # [B, S, h], zeros elsewhere
+        return reduce_from_model(partial_sum, self.axis, self.sequence_parallel)
+
+    def local_logits(self, h: jax.Array) -> jax.Array:
+        """This rank's vocabulary slice of the tied head's logits, [B, S, V/p]."""
+        h = to_full_sequence(h, self.axis, self.sequence_parallel)
+        h, table = _promote(h, self.embedding[...])
+        return h @ table.T
+
+    def attend(self, h: jax.Array) -> jax.Array:
+        """Full logits [B, S, V] (all-gather of B S V; use :meth:`cross_entropy` to avoid it)."""
+        return _gather_vocab(self.local_logits(h), self.axis)
+
+    def cross_entropy(self, h: jax.Array, targets: jax.Array) -> jax.Array:
+        """Mean next-token cross-entropy of the tied head without gathering the logits."""
+        return vocab.cross_entropy_sum(self.local_logits(h), targets, self.axis) / targets.size
+
+
+class VocabParallelHead(nnx.Module):
+    """LM head ``h -> logits`` with the vocabulary split over ``axis`` (a column-parallel linear
+    whose outputs are the vocabulary). kernel [h, V] split on V, bias [V] split."""
+
+    def __init__(self, kernel, bias=None, *, axis: str = "model", sequence_parallel: bool = False,
+                 dtype=None):
+        self.axis, self.sequence_parallel, self.dtype = axis, sequence_parallel, dtype
+        self.kernel = metadata.param(kernel, (None, axis))
+        self.bias = None if bias is None else metadata.param(bias, (axis,))
+
+    from_module = classmethod(ColumnParallelLinear.from_module.__func__)
+
+    def dense_equivalent(self) -> nnx.Linear:
+        return _linear(self.kernel[...], _value(self.bias), self.dtype)
+
+    def local_logits(self, h: jax.Array) -> jax.Array:
+        h = to_full_sequence(h, self.axis, self.sequence_parallel)
+        h, kernel, bias = _promote(h, self.kernel[...], _value(self.bias))
+        y = h @ kernel
+        return y if bias is None else y + bias
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        """Full logits [B, S, V]: an all-gather of B S V (a loss through
+        :func:`jphantom.nn.cross_entropy` never does it)."""
+        return _gather_vocab(self.local_logits(h), self.axis)
+
+    def cross_entropy(self, h: jax.Array, targets: jax.Array) -> jax.Array:
+        """Mean cross-entropy over the tokens: three all-reduces of B S scalars."""
+        return vocab.cross_entropy_sum(self.local_logits(h), targets, self.axis) / targets.size
+
+
+class SequenceParallelEmbed(nnx.Module):
+    """Learned position embedding under sequence parallelism: ``positions`` [S] looked up in the
+    replicated table [S_max, h], this rank's S/p rows kept (no communication; the table's gradient
+    is summed over ``axis`` once per step)."""
+
+    def __init__(self, embedding, *, axis: str = "model", dtype=None):
+        self.axis, self.dtype = axis, dtype
+        self.embedding = metadata.param(embedding, (None, None), reduce_axes=(axis,))
+
+    @classmethod
+    def from_module(cls, embed: nnx.Embed, *, axis: str = "model") -> "SequenceParallelEmbed":
+        return cls(embed.embedding[...], axis=axis, dtype=embed.dtype)
+
+    def dense_equivalent(self) -> nnx.Embed:
+        return _embed(self.embedding[...], self.dtype)
+
+    def __call__(self, positions: jax.Array) -> jax.Array:
+        table = self.embedding[...]
+        if self.dtype is not None:
+            table = table.astype(self.dtype)
+        return own_sequence(jnp.take(table, positions, axis=0), self.axis)
+
+
+class TensorParallelExperts(nnx.Module):
+    """A mixture of SwiGLU experts with every expert's FFN width split over ``axis`` (TED's tensor
+    part, seed 004 Eq. 7.1, without an expert axis): w_gate, w_up [E, h, f] split on f,
+    w_down [E, f, h] split on f; f before, g after, as a column/row pair.
+
+    ``feature_split=True`` (phantom models, whose stream is [B, S, h/p]): the input's features are
+    all-gathered (B S h; backward reduce-scatter) and the output reduce-scattered back to h/p
+    (B S h; backward all-gather), the gates being replicated already."""
+
+    def __init__(self, w_gate, w_up, w_down, *, axis: str = "model",
+                 sequence_parallel: bool = False, feature_split: bool = False):
+        self.axis, self.sequence_parallel = axis, sequence_parallel
+        self.feature_split = feature_split
+        self.w_gate = metadata.param(w_gate, (None, None, axis))
+        self.w_up = metadata.param(w_up, (None, None, axis))
+        self.w_down = metadata.param(w_down, (None, axis, None))
+
+    @classmethod
+    def from_module(cls, experts: Experts, *, axis: str = "model",
+                    sequence_parallel: bool = False,
+                    feature_split: bool = False) -> "TensorParallelExperts":
+        return cls(experts.w_gate[...], experts.w_up[...], experts.w_down[...], axis=axis,
+                   sequence_parallel=sequence_parallel, feature_split=feature_split)
+
+    def dense_equivalent(self) -> Experts:
+        return Experts.of(self.w_gate[...], self.w_up[...], self.w_down[...])
+
+    def __call__(self, x: jax.Array, gates: jax.Array) -> jax.Array:
+        if self.feature_split:
+            x = lax.all_gather(x, self.axis, axis=x.ndim - 1, tiled=True)  # [.., h]
+            partial_sum = Experts.apply(x, gates, self.w_gate[...], self.w_up[...],
+                                        self.w_down[...])
+            return lax.psum_scatter(partial_sum, self.axis, scatter_dimension=x.ndim - 1,
+                                    tiled=True)  # [.., h/p]
+        x = to_full_sequence(x, self.axis, self.sequence_parallel)
+        if self.sequence_parallel:  # the gates were computed on this rank's S/p tokens
+            gates = gather_sequence(gates, self.axis)
+        partial_sum = Experts.apply(x, gates, self.w_gate[...], self.w_up[...], self.w_down[...])
+        return reduce_from_model(partial_sum, self.axis, self.sequence_parallel)
+
+
+def _gather_vocab(local_logits: jax.Array, axis: str) -> jax.Array:
+    """[..., V/p] -> [..., V] on every rank; the backward keeps the own slice (no communication)."""
+    return lax.all_gather(local_logits, axis, axis=local_logits.ndim - 1, tiled=True,
+                          to="invarying")
+
+
+def _linear(kernel, bias, dtype) -> nnx.Linear:
+    """A plain ``nnx.Linear`` holding ``kernel`` [..., in, out] and ``bias``."""
+    linear = nnx.Linear(kernel.shape[-2], kernel.shape[-1], use_bias=bias is not None,
+                        dtype=dtype, param_dtype=kernel.dtype, rngs=nnx.Rngs(0))
+    linear.kernel = nnx.Param(kernel)
+    if bias is not None:
+        linear.bias = nnx.Param(bias)
+    return linear
+
+
+def _embed(embedding, dtype) -> nnx.Embed:
+    embed = nnx.Embed(embedding.shape[-2], embedding.shape[-1], dtype=dtype,
+                      param_dtype=embedding.dtype, rngs=nnx.Rngs(0))
+    embed.embedding = nnx.Param(embedding)
+    return embed

@@ -1,0 +1,412 @@
+"""The training step of any Flax NNX model: one ``jax.jit`` holding one ``jax.shard_map``.
+
+    model = jphantom.parallelize(model, mesh, jphantom.plans.megatron(model))
+    step = jphantom.make_train_step(model, mesh, optax.adamw(3e-4), loss_fn, zero=1)
+    state = step.init()                                  # parameters and optimizer state, sharded
+    state, loss = step(state, tokens, targets)           # global batch arrays
+
+``loss_fn(model, *batch)`` is the user's loss as written for one device: it returns the mean loss
+of the batch it is given. Inside the step every rank runs it on its share of the batch (the batch
+is split on its first dimension over the mesh's batch axes, ``data`` and ``expert``), and::
+
+    def per_rank(params, *batch):                                    # inside one jax.shard_map
+        params = pcast(params, replicated batch axes + reduce_axes)  # each rank its own copy
+        loss, grads = value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), *batch))(params)
+        grads = psum(grads, those axes)                 # one all-reduce per group of parameters
+        return psum(loss, batch axes) / ranks, grads    # ZeRO-2: psum_scatter over data
+
+The parallel layers the plan put in the model call their own collectives on ``model`` while
+``loss_fn`` runs. The parameters' ``PartitionSpec``s come from their sharding metadata
+(:mod:`jphantom.nn.metadata`), read once from ``nnx.split(model)``.
+
+The optimizer update runs after the ``shard_map``, inside the same ``jax.jit``, on the global
+gradient arrays with the parameters' shardings kept: every optax transformation sees what it
+would see on one device, so ``optax.clip_by_global_norm``, LAMB or Adafactor are exact (the
+update's cross-shard reductions, a global norm, are the only collectives jit adds; element-wise
+updates add none).
+
+ZeRO over ``data`` (seed 001; Rajbhandari et al. 2020): ``zero=1`` shards the optimizer state
+(the update runs on each rank's slice and the new parameters are all-gathered), ``zero=2`` also
+reduce-scatters the gradients inside the ``shard_map``, ``zero=3`` also stores the parameters
+sharded and all-gathers them at the start of the step (the gradient's reduce-scatter is that
+all-gather's transpose). Each parameter splits along its largest dimension no other axis splits
+that ``data`` divides (:func:`jphantom.sharding.zero.choose_dim`); one with none stays replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jphantom import remat as remat_module
+from jphantom.errors import ConfigError, check_int
+from jphantom.nn import metadata
+from jphantom.nn.stack import Stacked, set_remat
+from jphantom.precision import Precision
+from jphantom.sharding import zero as zero_module
+
+BATCH_AXES = ("data", "expert")
+
+
+class TrainState(NamedTuple):
+    """What the step carries: ``params`` (a nested dict of the model's parameters, global arrays in
+    their shards, keyed by the model's attribute paths) and the optax state."""
+
+    params: Any
+    opt_state: Any
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _key(path) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """The model's parameters as the step sees them: the ``nnx.split`` pieces, and per leaf (in
+    the pure dict's order) its spec, the axes its gradient is summed over, its ZeRO dimension."""
+
+    graphdef: Any
+    state_treedef: Any
+    pure_treedef: Any
+    order: tuple[int, ...]  # pure leaf i is state leaf order[i]
+    shapes: tuple[jax.ShapeDtypeStruct, ...]
+    specs: tuple[P, ...]  # the parameters' own specs (without ZeRO)
+    reduce_axes: tuple[tuple[str, ...], ...]
+    zero_dims: tuple[int, ...]
+
+    @classmethod
+    def of(cls, model: nnx.Module, mesh: Mesh, zero: int) -> "ParamLayout":
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        if jax.tree.leaves(rest):
+            names = sorted({type(v).__name__ for v in jax.tree.leaves(rest, is_leaf=_is_variable)})
+            raise ConfigError(f"the model holds state other than nnx.Param ({', '.join(names)}); "
+                              "the step trains parameters only: remove it (dropout RNGs, batch "
+                              "statistics) or keep it outside the model")
+        variables = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
+        pure = params.to_pure_dict()
+        pure_paths, pure_treedef = jax.tree_util.tree_flatten_with_path(pure)
+        index = {_key(path): i for i, (path, _) in enumerate(variables)}
+        order = tuple(index[_key(path)] for path, _ in pure_paths)
+        axes = tuple(mesh.axis_names)
+        data = dict(mesh.shape).get("data", 1)
+        specs, reduce, dims, shapes = [], [], [], []
+        for i in order:
+            variable = variables[i][1]
+            value = variable.get_value()
+            spec = metadata.spec_of(variable, axes)
+            specs.append(spec)
+            reduce.append(tuple(a for a in metadata.reduce_axes_of(variable) if a in axes))
+            shapes.append(jax.ShapeDtypeStruct(value.shape, value.dtype))
+            dims.append(zero_module.choose_dim(value.shape, spec, data) if zero else -1)
+        return cls(graphdef, jax.tree.structure(params), pure_treedef, order, tuple(shapes),
+                   tuple(specs), tuple(reduce), tuple(dims))
+
+    def state_of(self, leaves):
+        """An ``nnx.State`` of pure-order ``leaves`` (inside a trace: fresh Variables)."""
+        ordered = [None] * len(leaves)
+        for pure_index, state_index in enumerate(self.order):
+            ordered[state_index] = leaves[pure_index]
+        return jax.tree.unflatten(self.state_treedef, ordered)
+
+    def model_of(self, leaves) -> nnx.Module:
+        return nnx.merge(self.graphdef, self.state_of(leaves))
+
+    def zero_specs(self) -> tuple[P, ...]:
+        return tuple(zero_module.sharded_spec(s, d, a.ndim)
+                     for s, d, a in zip(self.specs, self.zero_dims, self.shapes))
+
+
+def _batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+
+
+def _batch_spec(mesh: Mesh) -> P:
+    axes = _batch_axes(mesh)
+    return P(axes[0] if len(axes) == 1 else axes) if axes else P()
+
+
+def _group_by(leaves, axes_of_leaf, op):
+    """``op(list, axes)`` once per group of leaves sharing the same non-empty axes."""
+    leaves = list(leaves)
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, axes in enumerate(axes_of_leaf):
+        if axes:
+            groups.setdefault(axes, []).append(i)
+    for axes, indices in groups.items():
+        for i, leaf in zip(indices, op([leaves[i] for i in indices], axes)):
+            leaves[i] = leaf
+    return leaves
+
+
+def _check_mesh(mesh) -> Mesh:
+    """``mesh`` with every axis ``Auto`` (``jax.make_mesh`` makes ``Explicit`` ones by default):
+    the step's own specs say where everything lives."""
+    if not isinstance(mesh, Mesh):
+        raise ConfigError(f"mesh must be a jax.sharding.Mesh (jax.make_mesh or "
+                          f"jphantom.mesh.make_mesh), not {type(mesh).__name__}")
+    auto = (AxisType.Auto,) * len(mesh.axis_names)
+    if tuple(mesh.axis_types) == auto:
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+
+
+class TrainStep:
+    """``state, loss = step(state, *batch)``; built by :func:`make_train_step`."""
+
+    def __init__(self, model: nnx.Module, mesh: Mesh, optimizer: optax.GradientTransformation,
+                 loss_fn: Callable, *, zero: int = 0, accumulate: int = 1,
+                 precision: str | Precision = "float32", remat: str = "none",
+                 donate: bool = True):
+        if not isinstance(model, nnx.Module):
+            raise ConfigError(f"make_train_step takes an nnx.Module, not {type(model).__name__}")
+        self.mesh = _check_mesh(mesh)
+        if not isinstance(optimizer, optax.GradientTransformation):
+            raise ConfigError("optimizer must be an optax.GradientTransformation, e.g. "
+                              "optax.adamw(3e-4)")
+        if not callable(loss_fn):
+            raise ConfigError("loss_fn must be a function loss_fn(model, *batch) -> mean loss")
+        self.zero = zero_module.check(zero)
+        self.accumulate = check_int("accumulate", accumulate)
+        self.precision = Precision.named(precision)
+        remat_module.check(remat)
+        if remat != "none":
+            if not any(isinstance(m, Stacked) for _, m in nnx.iter_modules(model)):
+                raise ConfigError(f"remat={remat!r} checkpoints the blocks of a "
+                                  "jphantom.nn.Stacked; the model has none: stack its repeated "
+                                  "blocks with Stacked, or leave remat out")
+            set_remat(model, remat)
+        self.batch_axes = _batch_axes(mesh)
+        self.batch_ranks = math.prod(dict(mesh.shape)[a] for a in self.batch_axes)
+        self.data = dict(mesh.shape).get("data", 1)
+        if zero and "data" not in mesh.axis_names:
+            raise ConfigError(f"zero={zero} shards over the 'data' axis: add it to the mesh")
+        if zero and "expert" in mesh.axis_names:
+            raise ConfigError("ZeRO with an 'expert' axis is not supported by the module step: "
+                              "use zero=0 or put the batch ranks on 'data'")
+        self.layout = ParamLayout.of(model, mesh, zero)
+        self.model_template = model
+        self.optimizer, self.loss_fn = optimizer, loss_fn
+        layout = self.layout
+        self.param_specs = layout.zero_specs() if zero == 3 else layout.specs
+        self.grad_specs = layout.zero_specs() if zero >= 2 else layout.specs
+        self.opt_param_specs = layout.zero_specs() if zero >= 1 else layout.specs
+        self.batch_spec = _batch_spec(mesh)
+        self.donate = donate
+        self._step = None
+
+    # -- shardings ---------------------------------------------------------------------------
+
+    def _pure(self, leaves):
+        return jax.tree.unflatten(self.layout.pure_treedef, list(leaves))
+
+    def _shardings(self, specs):
+        return self._pure([NamedSharding(self.mesh, s) for s in specs])
+
+    def param_shardings(self):
+        return self._shardings(self.param_specs)
+
+    def _opt_shardings(self, params_shape):
+        specs = self._pure(self.opt_param_specs)
+        state = jax.eval_shape(self.optimizer.init, params_shape)
+        return optax.tree_map_params(
+            self.optimizer, lambda _, spec: NamedSharding(self.mesh, spec), state, specs,
+            transform_non_params=lambda _: NamedSharding(self.mesh, P()),
+            is_leaf=lambda s: isinstance(s, P))
+
+    # -- init --------------------------------------------------------------------------------
+
+    def init(self, params=None) -> TrainState:
+        """The model's current parameters (or ``params``, a dict like ``TrainState.params``)
+        placed in their shards, and the optimizer state created in its shards."""
+        if params is None:
+            _, state, _ = nnx.split(self.model_template, nnx.Param, ...)
+            params = state.to_pure_dict()
+        # copies in their shards: the step donates its state, never the model's own arrays
+        params = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
+                         out_shardings=self.param_shardings())(params)
+        shape = jax.eval_shape(lambda p: p, params)
+        opt_state = jax.jit(self.optimizer.init,
+                            out_shardings=self._opt_shardings(shape))(params)
+        return TrainState(params, opt_state)
+
+    # -- per rank ----------------------------------------------------------------------------
+
+    def _vary_axes(self) -> list[tuple[str, ...]]:
+        """Per leaf: the axes its (gathered) parameter is replicated over but each rank's
+        gradient is only a part (batch axes it is not split on, and its reduce_axes)."""
+        out = []
+        for spec, reduce in zip(self.layout.specs, self.layout.reduce_axes):
+            split = zero_module.spec_axes(spec)
+            axes = tuple(a for a in self.batch_axes if a not in split)
+            out.append(axes + tuple(a for a in reduce if a not in axes and a not in split))
+        return out
+
+    def _local_value_and_grad(self, leaves, *batch):
+        layout, precision = self.layout, self.precision
+        dims = layout.zero_dims
+        vary = self._vary_axes()
+        zero3 = self.zero == 3
+
+        ranks = self.batch_ranks
+        if zero3:  # data's share of the reduction is the all-gather's transpose
+            vary = [tuple(a for a in axes if not (a == "data" and d >= 0))
+                    for axes, d in zip(vary, dims)]
+
+        def loss_of(leaves, *batch):
+            if zero3:  # all-gather over data; its transpose reduce-scatters the gradient
+                leaves = [zero_module.gather(x, d, invariant=False) for x, d in zip(leaves, dims)]
+            model = layout.model_of(precision.cast(leaves))
+            loss = jnp.asarray(self.loss_fn(model, *precision.cast(batch)))
+            if loss.shape != ():
+                raise ConfigError(f"loss_fn returned shape {loss.shape}; it must return the "
+                                  "scalar mean loss")
+            loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
+            return loss / ranks * precision.loss_scale  # this rank's share of the global mean
+
+        def one(leaves, *batch):
+            # each rank its own copy of what it holds replicated: the gradient w.r.t. the copy
+            # is this rank's part, summed once after the backward (_per_rank)
+            varied = _group_by(leaves, vary, lambda xs, axes: lax.pcast(xs, axes, to="varying"))
+            loss, grads = jax.value_and_grad(loss_of)(varied, *batch)
+            scale = precision.loss_scale
+            return loss / scale, [(g / scale).astype(x.dtype) for g, x in zip(grads, leaves)]
+
+        if self.accumulate == 1:
+            loss, grads = one(leaves, *batch)
+        else:
+            n = self.accumulate
+            micro = [b.reshape(n, b.shape[0] // n, *b.shape[1:]) for b in batch]
+            first = jax.eval_shape(one, leaves, *(m[0] for m in micro))
+            from jphantom.step import zeros_of
+            add = lambda a, b: jax.tree.map(jnp.add, a, b)
+            (loss, grads), _ = lax.scan(lambda total, mb: (add(total, one(leaves, *mb)), None),
+                                        jax.tree.map(zeros_of, first), micro)
+            loss, grads = jax.tree.map(lambda a: a / n, (loss, grads))
+        return loss, grads
+
+    def _per_rank(self, leaves, *batch):
+        loss, grads = self._local_value_and_grad(list(leaves), *batch)
+        dims = self.layout.zero_dims
+        vary = self._vary_axes()
+        if self.zero == 3:  # data's reduction was the all-gather's transpose
+            vary = [tuple(a for a in axes if not (a == "data" and d >= 0))
+                    for axes, d in zip(vary, dims)]
+        elif self.zero == 2:  # reduce-scatter over data, all-reduce over the rest
+            scattered = [zero_module.reduce_scatter(g, d) if d >= 0 else g
+                         for g, d in zip(grads, dims)]
+            grads = scattered
+            vary = [tuple(a for a in axes if not (a == "data" and d >= 0))
+                    for axes, d in zip(vary, dims)]
+        grads = _group_by(grads, vary, lambda xs, axes: lax.psum(xs, axes))
+        if self.batch_axes:
+            loss = lax.psum(loss, self.batch_axes)  # the global mean: one scalar all-reduce
+        return loss, grads
+
+    def value_and_grad(self) -> Callable:
+        """``(params, *batch) -> (loss, grads)``: the ``shard_map`` alone (grads as a dict like
+        ``params``, with ZeRO-2/3 their shards)."""
+        def run(params, *batch):
+            leaves = jax.tree.leaves(params)
+            specs_in = (tuple(self.param_specs), *([self.batch_spec] * len(batch)))
+            fn = jax.shard_map(self._per_rank, mesh=self.mesh, in_specs=specs_in,
+                               out_specs=(P(), list(self.grad_specs)), check_vma=True)
+            loss, grads = fn(tuple(leaves), *batch)
+            return loss, self._pure(grads)
+
+        return run
+
+    def _build(self):
+        run = self.value_and_grad()
+        param_sh = self.param_shardings()
+
+        def step(state: TrainState, *batch):
+            loss, grads = run(state.params, *batch)
+            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            params = jax.lax.with_sharding_constraint(params, param_sh)
+            return TrainState(params, opt_state), loss
+
+        return jax.jit(step, donate_argnums=(0,) if self.donate else ())
+
+    def __call__(self, state: TrainState, *batch):
+        if not batch:
+            raise ConfigError("step(state, *batch) needs the batch arrays loss_fn takes")
+        ranks = math.prod(dict(self.mesh.shape)[a] for a in self.batch_axes)
+        for b in batch:
+            rows = jnp.shape(b)[0] if jnp.ndim(b) else None
+            if rows is None or rows % (ranks * self.accumulate):
+                raise ConfigError(f"a batch array of shape {jnp.shape(b)}: its first dimension "
+                                  f"must be a multiple of {ranks} batch ranks x accumulate="
+                                  f"{self.accumulate}")
+        if self._step is None:
+            self._step = self._build()
+        return self._step(state, *batch)
+
+    def lower(self, state: TrainState, *batch):
+        """The jitted step lowered for ``state`` and ``batch`` (``.compile().as_text()`` for HLO)."""
+        if self._step is None:
+            self._step = self._build()
+        return self._step.lower(state, *batch)
+
+    def model(self, state: TrainState) -> nnx.Module:
+        """The model holding ``state``'s parameters (global arrays), for evaluation or saving."""
+        leaves = jax.tree.leaves(state.params)
+        return self.layout.model_of(leaves)
+
+
+def make_train_step(model: nnx.Module, mesh: Mesh, optimizer: optax.GradientTransformation,
+                    loss_fn: Callable, **options) -> TrainStep:
+    """The training step of ``model`` on ``mesh``: ``step.init()`` then ``state, loss =
+    step(state, *batch)`` (module docstring). Options: ``zero`` (0-3), ``accumulate``
+    (micro-batches per step, one reduction), ``precision`` (float32, bf16, float16),
+    ``remat`` (checkpoint policy of the model's Stacked blocks), ``donate``."""
+    return TrainStep(model, mesh, optimizer, loss_fn, **options)
+
+
+def make_forward_fn(model: nnx.Module, mesh: Mesh, params=None) -> Callable:
+    """``f(*inputs) -> output``: ``model`` applied to global inputs split over the batch axes, in
+    one ``jax.jit`` of one ``shard_map``; the output is the model's (full logits for an LM) with
+    its first dimension split like the inputs. Uses the model's current parameters, or
+    ``params`` (a ``TrainState.params`` dict, which may be ZeRO-3 shards of a step without ZeRO
+    here: pass ``step.model(state)`` instead)."""
+    mesh = _check_mesh(mesh)
+    layout = ParamLayout.of(model, mesh, 0)
+    if params is None:
+        _, state, _ = nnx.split(model, nnx.Param, ...)
+        params = state.to_pure_dict()
+    shardings = [NamedSharding(mesh, s) for s in layout.specs]
+    leaves = tuple(jax.device_put(jax.tree.leaves(params), shardings))
+    batch_spec = _batch_spec(mesh)
+    batch_axes = _batch_axes(mesh)
+    vary = []
+    for spec, reduce in zip(layout.specs, layout.reduce_axes):
+        split = zero_module.spec_axes(spec)
+        vary.append(tuple(a for a in reduce if a not in split))
+
+    def per_rank(leaves, *inputs):
+        leaves = _group_by(list(leaves), vary, lambda xs, axes: lax.pcast(xs, axes, to="varying"))
+        return layout.model_of(leaves)(*inputs)
+
+    @jax.jit
+    def forward(leaves, *inputs):  # parameters as arguments, never captured as constants
+        out_spec = batch_spec if batch_axes else P()
+        fn = jax.shard_map(per_rank, mesh=mesh, in_specs=(tuple(layout.specs),
+                                                          *([batch_spec] * len(inputs))),
+                           out_specs=out_spec, check_vma=True)
+        return fn(leaves, *inputs)
+
+    return lambda *inputs: forward(leaves, *inputs)
