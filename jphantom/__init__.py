@@ -1,9 +1,38 @@
 """jphantom: model-parallel training in JAX, measured on energy and communication.
 
-Importing jphantom has no side effects on jax (no device simulation, no config changes).
+Bring your own Flax NNX model::
+
+    import jphantom
+    model = jphantom.parallelize(model, mesh, jphantom.plans.megatron(model))
+    step = jphantom.make_train_step(model, mesh, optax.adamw(3e-4), loss_fn)
+    state = step.init()
+    state, loss = step(state, tokens, targets)
+
+Importing jphantom has no side effects on jax (no device simulation, no config changes); the
+modules behind these names load on first use.
 """
 
 from jphantom.errors import ConfigError, JPhantomWarning, TrainingDiverged
 
 __version__ = "0.1.0"
-__all__ = ["ConfigError", "JPhantomWarning", "TrainingDiverged", "__version__"]
+__all__ = ["ConfigError", "JPhantomWarning", "TrainingDiverged", "__version__", "parallelize",
+           "dense_equivalent", "Style", "plans", "make_train_step", "make_forward_fn",
+           "TrainState", "nn"]
+
+_LAZY = {"parallelize": ("jphantom.plans", "parallelize"),
+         "dense_equivalent": ("jphantom.plans", "dense_equivalent"),
+         "Style": ("jphantom.plans", "Style"),
+         "make_train_step": ("jphantom.train_step", "make_train_step"),
+         "make_forward_fn": ("jphantom.train_step", "make_forward_fn"),
+         "TrainState": ("jphantom.train_step", "TrainState")}
+
+
+def __getattr__(name):
+    import importlib
+
+    if name in _LAZY:
+        module, attribute = _LAZY[name]
+        return getattr(importlib.import_module(module), attribute)
+    if name in ("plans", "nn"):
+        return importlib.import_module(f"jphantom.{name}")
+    raise AttributeError(f"module 'jphantom' has no attribute {name!r}")

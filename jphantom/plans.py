@@ -1,28 +1,259 @@
-"""Ready-made plans for :func:`jphantom.parallelize`, built by walking a model's modules.
+"""Plans: which parallel layer each of a model's layers becomes, applied by path.
 
-    plan = jphantom.plans.megatron(model, sequence_parallel=True)
-    plan = jphantom.plans.phantom(model, ghost_width=8)
+    plan = jphantom.plans.megatron(model, sequence_parallel=True)   # or plans.phantom(model, 8)
+    model = jphantom.parallelize(model, mesh, plan)                 # = plans.parallelize
+    model = jphantom.parallelize(model, mesh, {"blocks.*.attn.q": "column", ...})  # by hand
 
-The walk recognises layers by type and by the names the common model families use:
+A *plan* maps module paths (dotted, with ``fnmatch`` globs: ``*`` matches any run of characters,
+dots included) to a *style*. The model is changed in place (and returned); its parameters keep
+their values and gain the sharding metadata the training step reads. Styles and what they do to
+each kind of Flax layer (p = the size of ``axis``):
 
-- the token embedding: the ``nnx.Embed`` with the most rows (V); any other ``nnx.Embed`` is a
-  position table;
-- the LM head: an ``nnx.Linear`` whose outputs are V (a tied head is the embedding itself);
-- column-parallel linears (``COLUMN``: q, k, v, up and gate projections) and row-parallel ones
-  (``ROW``: attention output and down projections), by their attribute name;
-- routers (``ROUTERS``) and norms; :class:`~jphantom.nn.experts.Experts`.
+=============  ==========================================================================
+``column``     ``nnx.Linear`` -> :class:`~jphantom.nn.tensor.ColumnParallelLinear` (out / p)
+``row``        ``nnx.Linear`` -> :class:`~jphantom.nn.tensor.RowParallelLinear` (in / p)
+``vocab``      ``nnx.Embed`` -> :class:`~jphantom.nn.tensor.VocabParallelEmbed` (V / p);
+               ``nnx.Linear`` (an LM head) -> :class:`~jphantom.nn.tensor.VocabParallelHead`
+``input``      a norm whose output feeds column-parallel layers (q, k, v; up, gate; the head)
+               -> :class:`~jphantom.nn.tensor.InputNorm`: Megatron's f once, here, instead of
+               once per layer (three backward all-reduces for q, k, v would be two too many)
+``sequence``   Megatron-SP: a norm -> :class:`~jphantom.nn.tensor.InputNorm` on S/p tokens
+               whose output is all-gathered over the sequence once for the layers it feeds;
+               a position ``nnx.Embed`` -> :class:`~jphantom.nn.tensor.SequenceParallelEmbed`.
+               Any ``sequence`` entry turns sequence parallelism on for every column, row, vocab
+               and experts layer of the plan, which then take their input from such a norm.
+``phantom``    seed 000: ``nnx.Linear`` -> :class:`~jphantom.nn.phantom_layers.PhantomLinear`
+               (``Style("phantom", ghost_width=k, vocab_output=True)`` for the LM head);
+               ``nnx.Embed`` -> :class:`~jphantom.nn.phantom_layers.FeatureParallelEmbed`; norms ->
+               :class:`~jphantom.nn.phantom_layers.FeatureParallelNorm`; ``Experts`` ->
+               :class:`~jphantom.nn.tensor.TensorParallelExperts` on feature-split streams
+``experts``    :class:`~jphantom.nn.experts.Experts` ->
+               :class:`~jphantom.nn.tensor.TensorParallelExperts` (FFN width / p)
+``replicate``  unchanged: every rank holds the whole layer
+=============  ==========================================================================
 
-A linear the walk cannot place is a :class:`~jphantom.errors.ConfigError` naming its path: write
-that entry of the plan by hand (plans are plain dicts).
+Everything is checked before anything is changed: a pattern that matches no module, a style that
+does not fit the module it matches (``row`` on an ``nnx.Embed``), two patterns giving one module
+two styles, or a dimension the axis does not divide is a :class:`~jphantom.errors.ConfigError`
+naming the path. A model may define ``check_shards(num_shards)`` to refuse what paths cannot show
+(attention heads that do not divide).
 """
 
+
 from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Mapping
 
 from flax import nnx
 
 from jphantom.errors import ConfigError
+from jphantom.nn import experts as experts_module
 from jphantom.nn.experts import Experts
-from jphantom.parallelize import NORMS, Style, modules_by_path
+from jphantom.nn import tensor
+from jphantom.nn import phantom as phantom_layers
+
+STYLES = ("column", "row", "vocab", "input", "sequence", "phantom", "experts", "replicate")
+NORMS = (nnx.LayerNorm, nnx.RMSNorm)
+
+
+@dataclasses.dataclass(frozen=True)
+class Style:
+    """A plan entry. ``ghost_width``: k of a ``phantom`` layer (default: ``parallelize``'s);
+    ``vocab_output``: a ``phantom`` linear that is the LM head (vocabulary-split outputs)."""
+
+    name: str
+    ghost_width: int | None = None
+    vocab_output: bool = False
+
+    def __post_init__(self):
+        if self.name not in STYLES:
+            raise ConfigError(f"style {self.name!r}: use one of {', '.join(STYLES)}")
+        if self.name != "phantom" and (self.ghost_width is not None or self.vocab_output):
+            raise ConfigError(f"ghost_width and vocab_output belong to the 'phantom' style, not "
+                              f"{self.name!r}")
+        if self.ghost_width is not None:
+            phantom_layers.check_ghost_width(self.ghost_width, "Style")
+
+    @classmethod
+    def of(cls, value) -> "Style":
+        if isinstance(value, Style):
+            return value
+        if isinstance(value, str):
+            return cls(value)
+        raise ConfigError(f"plan value {value!r}: give a style name ({', '.join(STYLES)}) or a "
+                          "jphantom.Style")
+
+
+def _path(path) -> str:
+    return ".".join(str(part) for part in path)
+
+
+def modules_by_path(model: nnx.Module) -> dict[str, tuple]:
+    """Every submodule of ``model``: dotted path -> (path tuple, module)."""
+    return {_path(path): (tuple(path), module) for path, module in nnx.iter_modules(model)
+            if path}
+
+
+def _mesh_axis_size(mesh, axis: str) -> int:
+    shape = dict(mesh.shape) if hasattr(mesh, "shape") else dict(mesh)
+    if axis not in shape:
+        raise ConfigError(f"the mesh {shape} has no {axis!r} axis for the plan's layers: add "
+                          f"{axis}=1 (no tensor parallelism) or {axis}=N to the mesh")
+    return int(shape[axis])
+
+
+def _divides(path: str, what: str, value: int, p: int, axis: str) -> None:
+    if value % p:
+        raise ConfigError(f"{path}: {what}={value} is not divisible by the {axis!r} axis of size "
+                          f"{p}: pick a mesh whose {axis} divides {value}, or style 'replicate'")
+
+
+def _convert(path: str, module, style: Style, *, axis: str, p: int, sequence_parallel: bool,
+             ghost_width: int | None, fused: bool):
+    """The parallel module for ``module`` under ``style`` (``None``: keep the module)."""
+    kind = type(module).__name__
+    name = style.name
+    if name == "replicate":
+        return None
+    linear = isinstance(module, nnx.Linear)
+    embed = isinstance(module, nnx.Embed)
+    norm = isinstance(module, NORMS)
+    experts = isinstance(module, experts_module.Experts)
+    if name in ("column", "vocab") and linear:
+        _divides(path, "out_features", module.out_features, p, axis)
+        cls = tensor.ColumnParallelLinear if name == "column" else tensor.VocabParallelHead
+        return cls.from_module(module, axis=axis, sequence_parallel=sequence_parallel)
+    if name == "row" and linear:
+        _divides(path, "in_features", module.in_features, p, axis)
+        return tensor.RowParallelLinear.from_module(module, axis=axis,
+                                                    sequence_parallel=sequence_parallel)
+    if name == "vocab" and embed:
+        _divides(path, "num_embeddings", module.num_embeddings, p, axis)
+        return tensor.VocabParallelEmbed.from_module(module, axis=axis,
+                                                     sequence_parallel=sequence_parallel)
+    if name in ("input", "sequence") and norm:
+        return tensor.InputNorm.from_module(module, axis=axis,
+                                            sequence_parallel=name == "sequence")
+    if name == "sequence" and embed:
+        return tensor.SequenceParallelEmbed.from_module(module, axis=axis)
+    if name == "experts" and experts:
+        _divides(path, "expert width", module.w_gate.shape[-1], p, axis)
+        return tensor.TensorParallelExperts.from_module(module, axis=axis,
+                                                        sequence_parallel=sequence_parallel)
+    if name == "phantom":
+        if linear:
+            k = style.ghost_width if style.ghost_width is not None else ghost_width
+            if k is None:
+                raise ConfigError(f"{path}: style 'phantom' needs a ghost width: "
+                                  "Style('phantom', ghost_width=8) or parallelize(..., "
+                                  "ghost_width=8)")
+            phantom_layers.check_ghost_width(k, path)
+            _divides(path, "in_features", module.in_features, p, axis)
+            _divides(path, "out_features", module.out_features, p, axis)
+            return phantom_layers.PhantomLinear.from_module(module, ghost_width=k, num_shards=p,
+                                                     axis=axis, fused=fused,
+                                                     vocab_output=style.vocab_output)
+        if embed:
+            _divides(path, "features", module.features, p, axis)
+            return phantom_layers.FeatureParallelEmbed.from_module(module, axis=axis)
+        if norm:
+            _divides(path, "num_features", module.num_features, p, axis)
+            return phantom_layers.FeatureParallelNorm.from_module(module, axis=axis)
+        if experts:
+            _divides(path, "hidden", module.w_gate.shape[-2], p, axis)
+            _divides(path, "expert width", module.w_gate.shape[-1], p, axis)
+            return tensor.TensorParallelExperts.from_module(module, axis=axis, feature_split=True)
+    fits = {"column": "nnx.Linear", "row": "nnx.Linear", "vocab": "nnx.Embed or an nnx.Linear head",
+            "sequence": "nnx.LayerNorm, nnx.RMSNorm or a position nnx.Embed",
+            "input": "nnx.LayerNorm or nnx.RMSNorm",
+            "phantom": "nnx.Linear, nnx.Embed, nnx.LayerNorm, nnx.RMSNorm or Experts",
+            "experts": "jphantom.nn.Experts"}[name]
+    raise ConfigError(f"{path}: style {name!r} does not fit {kind}; it applies to {fits}")
+
+
+def _set(model, path: tuple, new) -> None:
+    parent = model
+    for part in path[:-1]:
+        parent = parent[part] if isinstance(part, int) else getattr(parent, part)
+    last = path[-1]
+    if isinstance(last, int):
+        parent[last] = new
+    else:
+        setattr(parent, last, new)
+
+
+def parallelize(model: nnx.Module, mesh, plan: Mapping[str, str | Style], *,
+                axis: str = "model", ghost_width: int | None = None,
+                fused: bool = True) -> nnx.Module:
+    """Swap ``model``'s layers for the parallel layers ``plan`` names, in place; returns ``model``.
+
+    ``mesh``: a ``jax.sharding.Mesh`` (or a mapping of axis sizes) with an ``axis`` axis (p ranks).
+    ``plan``: dotted module path pattern -> style (module docstring). ``ghost_width``: the default
+    k of ``phantom`` entries. ``fused``: phantom's fused decompressor GEMM (seed 000 uses p-1).
+    Call it outside ``jax.jit``; it needs no mesh context (parameters are placed by the step).
+    """
+    if not isinstance(model, nnx.Module):
+        raise ConfigError(f"parallelize takes an nnx.Module, not {type(model).__name__}")
+    if not isinstance(plan, Mapping) or not plan:
+        raise ConfigError("plan must be a non-empty mapping of module path patterns to styles, "
+                          "e.g. {'blocks.*.attn.q': 'column'} (or jphantom.plans.megatron(model))")
+    p = _mesh_axis_size(mesh, axis)
+    styles = {pattern: Style.of(value) for pattern, value in plan.items()}
+    sequence_parallel = any(s.name == "sequence" for s in styles.values())
+    modules = modules_by_path(model)
+    chosen: dict[str, tuple[str, Style]] = {}
+    for pattern, style in styles.items():
+        matched = [path for path in modules if fnmatch.fnmatchcase(path, pattern)]
+        if not matched:
+            close = ", ".join(list(modules)[:12])
+            raise ConfigError(f"plan pattern {pattern!r} matches no module of "
+                              f"{type(model).__name__}; its modules include: {close}")
+        for path in matched:
+            if path in chosen and chosen[path][1] != style:
+                raise ConfigError(f"{path}: patterns {chosen[path][0]!r} and {pattern!r} give it "
+                                  f"two styles ({chosen[path][1].name}, {style.name}): make them "
+                                  "exclusive")
+            chosen[path] = (pattern, style)
+    check = getattr(model, "check_shards", None)
+    if callable(check) and any(s.name != "replicate" for s in styles.values()):
+        check(p)
+    swaps = []
+    for path, (_, style) in chosen.items():  # validate every entry before changing anything
+        path_tuple, module = modules[path]
+        new = _convert(path, module, style, axis=axis, p=p, sequence_parallel=sequence_parallel,
+                       ghost_width=ghost_width, fused=fused)
+        if new is not None:
+            swaps.append((path_tuple, new))
+    for path_tuple, new in swaps:
+        _set(model, path_tuple, new)
+    return model
+
+
+def dense_equivalent(model: nnx.Module) -> nnx.Module:
+    """A copy of ``model`` with every parallel layer replaced by the plain Flax layer it equals
+    (``dense_equivalent()``): the single-device oracle of a parallelised model. Differentiable in
+    the parallel layers' parameters (phantom's dense matrix is computed with jax operations)."""
+    graphdef, state = nnx.split(model)
+    copy = nnx.merge(graphdef, state)
+    swaps = [(path_tuple, module.dense_equivalent())
+             for path_tuple, module in modules_by_path(copy).values()
+             if callable(getattr(module, "dense_equivalent", None))]
+    for path_tuple, new in sorted(swaps, key=lambda s: len(s[0])):
+        _set(copy, path_tuple, new)
+    return copy
+
+
+
+# -------------------------------------------------------------------------------------------------
+# Ready-made plans, built by walking a model's modules. The walk recognises layers by type and by
+# the names common model families use: the token embedding is the nnx.Embed with the most rows (V),
+# any other nnx.Embed a position table; the LM head an nnx.Linear with V outputs; column-parallel
+# linears (COLUMN: q, k, v, up and gate projections) and row-parallel ones (ROW: attention output,
+# down projections) by attribute name; routers (ROUTERS), norms and Experts by type. A linear the
+# walk cannot place is a ConfigError naming its path: write that entry by hand (plans are dicts).
+# -------------------------------------------------------------------------------------------------
 
 COLUMN = frozenset({"q", "k", "v", "q_proj", "k_proj", "v_proj", "query", "key", "value", "up",
                     "up_proj", "gate_proj", "w1", "w3", "fc1", "c_fc", "wi", "mlp_up", "fc_in",
@@ -46,8 +277,8 @@ def _name(path_tuple) -> str:
 def megatron(model: nnx.Module, *, sequence_parallel: bool = False) -> dict[str, str]:
     """Megatron tensor parallelism (seed 002): q/k/v and up/gate column-parallel, attention output
     and down row-parallel, embedding and head vocabulary-parallel, experts split over their width,
-    routers and norms replicated; ``sequence_parallel`` (seed 003): norms and position tables
-    ``sequence``."""
+    routers replicated, norms ``input`` (f once for the layers they feed: pre-norm blocks);
+    ``sequence_parallel`` (seed 003): norms and position tables ``sequence``."""
     modules, embeds, vocab = _walk(model)
     plan: dict[str, str] = {}
     for path, (path_tuple, module) in modules.items():
@@ -55,8 +286,8 @@ def megatron(model: nnx.Module, *, sequence_parallel: bool = False) -> dict[str,
         if isinstance(module, nnx.Embed):
             plan[path] = ("vocab" if module.num_embeddings == vocab
                           else "sequence" if sequence_parallel else "replicate")
-        elif isinstance(module, NORMS):
-            plan[path] = "sequence" if sequence_parallel else "replicate"
+        elif isinstance(module, NORMS):  # pre-norm blocks: every norm feeds column layers
+            plan[path] = "sequence" if sequence_parallel else "input"
         elif isinstance(module, Experts):
             plan[path] = "experts"
         elif isinstance(module, nnx.Linear):

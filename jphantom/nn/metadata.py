@@ -59,10 +59,3 @@ def spec_of(variable: nnx.Variable, mesh_axes: Sequence[str]) -> P:
         names.pop()
     return P(*names)
 
-
-def mark(module: nnx.Module, *, reduce_axes: Sequence[str]) -> None:
-    """Add ``reduce_axes`` to every parameter of ``module`` (the ``sequence`` style of a norm)."""
-    for _, variable in nnx.iter_graph(module):
-        if isinstance(variable, nnx.Param):
-            old = reduce_axes_of(variable)
-            variable.set_metadata("reduce_axes", tuple(dict.fromkeys(old + tuple(reduce_axes))))

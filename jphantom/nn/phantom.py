@@ -83,7 +83,7 @@ class PhantomLinear(nnx.Module):
         self.local = metadata.param(local, (axis, None, None))
         self.compress = metadata.param(compress, (axis, None, None))
         self.decompress = metadata.param(decompress, (axis, None, None, None))
-        self.bias = metadata.param(bias, (axis, None))
+        self.bias = metadata.param(bias, (axis, None)) if use_bias else None
 
     @classmethod
     def from_module(cls, linear: nnx.Linear, *, ghost_width: int, num_shards: int,
@@ -109,8 +109,11 @@ class PhantomLinear(nnx.Module):
 
     def dense_equivalent(self) -> nnx.Linear:
         """The dense ``nnx.Linear`` this phantom layer equals (kernel [..., n_in, n_out])."""
-        arrays = {"local": self.local[...], "compress": self.compress[...],
-                  "decompress": self.decompress[...], "bias": self.bias[...]}
+        local = self.local[...]
+        bias = (self.bias[...] if self.use_bias
+                else jnp.zeros((*local.shape[:-1],), local.dtype))
+        arrays = {"local": local, "compress": self.compress[...],
+                  "decompress": self.decompress[...], "bias": bias}
         lead = arrays["local"].shape[:-3]
         flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[len(lead):]), arrays)
         weight, bias = jax.vmap(phantom_ops.linear_dense_equivalent)(flat)  # [N, out, in]
@@ -120,8 +123,13 @@ class PhantomLinear(nnx.Module):
 
     def local_outputs(self, x: jax.Array) -> jax.Array:
         """z^(j): this rank's n_out/p output features (Eq. 11; custom backward Eqs. 15-21)."""
+        if self.use_bias:
+            bias = self.bias[...]
+        else:  # no bias: a constant zero (varying, as the custom backward's gradient is)
+            bias = jnp.zeros(self.local.shape[:-1], self.local.dtype)
+            bias = lax.pcast(bias, tuple(sorted(_varying_axes(x) | {self.axis})), to="varying")
         x, local, compress, decompress, bias = _promote(
-            x, self.local[...], self.compress[...], self.decompress[...], self.bias[...])
+            x, self.local[...], self.compress[...], self.decompress[...], bias)
         lead = x.shape[:-1]
         rows = x.reshape(-1, x.shape[-1])
         z = phantom_ops.phantom_layer(self.axis, self.num_shards, self.fused, rows, local[0],
@@ -214,6 +222,13 @@ class FeatureParallelNorm(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...]
         return y.astype(self.dtype or x.dtype)
+
+
+def _varying_axes(x) -> set[str]:
+    """The manual mesh axes ``x`` varies over (inside a shard_map)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    return set(vma if vma is not None else aval.manual_axis_type.varying)
 
 
 def check_ghost_width(ghost_width, path: str) -> int:

@@ -64,9 +64,23 @@ def gather_sequence(x: jax.Array, axis: str) -> jax.Array:
     return lax.all_gather(x, axis, axis=x.ndim - 2, tiled=True)
 
 
+def varies_over(x: jax.Array, axis: str) -> bool:
+    """Does ``x`` (inside a shard_map) vary over the mesh axis ``axis``?"""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    return axis in (vma if vma is not None else aval.manual_axis_type.varying)
+
+
 def to_full_sequence(x: jax.Array, axis: str, sequence_parallel: bool) -> jax.Array:
-    """The input of a column-parallel layer: the whole sequence, varying over ``axis``."""
-    return gather_sequence(x, axis) if sequence_parallel else copy_to_model(x, axis)
+    """The input of a column-parallel layer: the whole sequence, varying over ``axis``.
+
+    Megatron's f where it has not been applied yet: an input already varying over ``axis`` came
+    through an :class:`InputNorm` (one f for all the layers it feeds: q, k and v share one
+    backward all-reduce) or another layer, and autodiff reduces it there. Under sequence
+    parallelism the :class:`InputNorm` before the layer has gathered the sequence already."""
+    if sequence_parallel or varies_over(x, axis):
+        return x
+    return copy_to_model(x, axis)
 
 
 def reduce_from_model(partial_sum: jax.Array, axis: str, sequence_parallel: bool) -> jax.Array:
@@ -234,6 +248,63 @@ class SequenceParallelEmbed(nnx.Module):
         return own_sequence(jnp.take(table, positions, axis=0), self.axis)
 
 
+class InputNorm(nnx.Module):
+    """A LayerNorm or RMSNorm whose output feeds tensor-parallel layers: Megatron's f applied once
+    to its output (identity forward, one all-reduce of B S h backward for every layer it feeds),
+    or under sequence parallelism the all-gather of the sequence (B S h; backward reduce-scatter),
+    the norm running on this rank's S/p tokens with its parameters' gradients summed over
+    ``axis`` once per step. Parameters keep the plain norm's names (``scale``, ``bias``)."""
+
+    def __init__(self, scale, bias, *, kind: str, epsilon: float, axis: str = "model",
+                 sequence_parallel: bool = False, dtype=None):
+        self.kind, self.epsilon, self.axis, self.dtype = kind, epsilon, axis, dtype
+        self.sequence_parallel = sequence_parallel
+        reduce = (axis,) if sequence_parallel else ()
+        self.scale = None if scale is None else metadata.param(scale, (None,), reduce_axes=reduce)
+        self.bias = None if bias is None else metadata.param(bias, (None,), reduce_axes=reduce)
+
+    @classmethod
+    def from_module(cls, norm, *, axis: str = "model",
+                    sequence_parallel: bool = False) -> "InputNorm":
+        kind = "rms" if isinstance(norm, nnx.RMSNorm) else "layer"
+        return cls(_value(getattr(norm, "scale", None)), _value(getattr(norm, "bias", None)),
+                   kind=kind, epsilon=norm.epsilon, axis=axis,
+                   sequence_parallel=sequence_parallel, dtype=norm.dtype)
+
+    def dense_equivalent(self):
+        scale, bias = _value(self.scale), _value(self.bias)
+        n = (scale if scale is not None else bias).shape[-1]
+        if self.kind == "rms":
+            norm = nnx.RMSNorm(n, epsilon=self.epsilon, dtype=self.dtype,
+                               use_scale=scale is not None, rngs=nnx.Rngs(0))
+        else:
+            norm = nnx.LayerNorm(n, epsilon=self.epsilon, dtype=self.dtype,
+                                 use_scale=scale is not None, use_bias=bias is not None,
+                                 rngs=nnx.Rngs(0))
+        if scale is not None:
+            norm.scale = nnx.Param(scale)
+        if bias is not None:
+            norm.bias = nnx.Param(bias)
+        return norm
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        if self.kind == "rms":
+            y = wide * lax.rsqrt(jnp.mean(wide * wide, -1, keepdims=True) + self.epsilon)
+        else:
+            mean = wide.mean(-1, keepdims=True)
+            var = jnp.mean(jnp.square(wide - mean), -1, keepdims=True)
+            y = (wide - mean) * lax.rsqrt(var + self.epsilon)
+        if self.scale is not None:
+            y = y * self.scale[...]
+        if self.bias is not None:
+            y = y + self.bias[...]
+        y = y.astype(self.dtype or x.dtype)
+        if self.sequence_parallel:
+            return gather_sequence(y, self.axis)  # all-gather of B*S*h, once for its layers
+        return copy_to_model(y, self.axis)  # f: backward all-reduce of B*S*h, once
+
+
 class TensorParallelExperts(nnx.Module):
     """A mixture of SwiGLU experts with every expert's FFN width split over ``axis`` (TED's tensor
     part, seed 004 Eq. 7.1, without an expert axis): w_gate, w_up [E, h, f] split on f,
@@ -269,8 +340,6 @@ class TensorParallelExperts(nnx.Module):
             return lax.psum_scatter(partial_sum, self.axis, scatter_dimension=x.ndim - 1,
                                     tiled=True)  # [.., h/p]
         x = to_full_sequence(x, self.axis, self.sequence_parallel)
-        if self.sequence_parallel:  # the gates were computed on this rank's S/p tokens
-            gates = gather_sequence(gates, self.axis)
         partial_sum = Experts.apply(x, gates, self.w_gate[...], self.w_up[...], self.w_down[...])
         return reduce_from_model(partial_sum, self.axis, self.sequence_parallel)
 

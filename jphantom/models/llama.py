@@ -1,0 +1,440 @@
+"""The Llama family as a Flax NNX module (Llama 2/3 shapes; Mixtral with ``experts > 0``), and
+Hugging Face checkpoints in and out.
+
+Architecture (Touvron et al. 2023; Hugging Face's ``LlamaForCausalLM``): token embedding; L
+pre-RMSNorm blocks of causal grouped-query attention with rotary position embeddings (RoPE, the
+"rotate half" convention) and a SwiGLU MLP, ``down(silu(gate(x)) * up(x))``; a final RMSNorm; an
+untied LM head (tied with ``tie_word_embeddings``). No biases. Mixtral (Jiang et al. 2024,
+``MixtralForCausalLM``): the MLP of every block is a mixture of ``experts`` SwiGLU experts with a
+softmax router whose top-k weights are renormalised (:mod:`jphantom.nn.experts`), no capacity.
+
+The model holds no collective; :func:`jphantom.plans.megatron` / :func:`jphantom.plans.phantom` and
+:func:`jphantom.parallelize` make it parallel. Attention reshapes heads with ``-1`` and reads the
+sequence length from its projections, so it runs unchanged on a rank's heads (tensor, phantom) and
+under sequence parallelism. Module paths (blocks stacked [L, ...] under ``lax.scan``):
+
+    embed_tokens [V, h]            layers.block.input_layernorm, post_attention_layernorm [h]
+    layers.block.self_attn.{q_proj [h, H d], k_proj, v_proj [h, K d], o_proj [H d, h]}
+    layers.block.mlp.{gate_proj, up_proj [h, f], down_proj [f, h]}                    (Llama)
+    layers.block.moe.{router [h, E], experts.{w_gate, w_up [E, h, f], w_down [E, f, h]}} (Mixtral)
+    norm [h]                       lm_head [h, V] (absent when tied)
+
+Hugging Face checkpoints: :func:`load_hf` reads ``config.json`` and ``model.safetensors`` (one file)
+into the module, :func:`save_hf` writes them back in the same layout, tensor for tensor
+(``[out, in]`` weights transposed to Flax's ``[in, out]`` kernels and back: bit-exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jphantom.errors import ConfigError, check_int
+from jphantom.nn.experts import Experts, top_k_gates
+from jphantom.nn.loss import cross_entropy
+from jphantom.nn.stack import Stacked
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """A Llama (or, with ``experts``, Mixtral) shape; field names follow the model, the HF names are
+    in :data:`HF_FIELDS`."""
+
+    vocab_size: int = 256
+    hidden: int = 64
+    intermediate: int = 172
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int | None = None  # default hidden / heads
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_positions: int = 2048
+    tie_word_embeddings: bool = False
+    experts: int = 0  # 0: Llama's dense MLP; E > 0: Mixtral's mixture of E experts
+    top_k: int = 2
+    dtype: str = "float32"
+    model_name = "llama"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden", "intermediate", "layers", "heads", "kv_heads",
+                     "max_positions"):
+            check_int(name, getattr(self, name))
+        check_int("experts", self.experts, minimum=0)
+        if self.head_dim is not None:
+            check_int("head_dim", self.head_dim)
+        elif self.hidden % self.heads:
+            raise ConfigError(f"hidden={self.hidden} is not divisible by heads={self.heads}: give "
+                              "head_dim, or heads dividing hidden")
+        if self.heads % self.kv_heads:
+            raise ConfigError(f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}: "
+                              "grouped-query attention shares each key/value head among "
+                              "heads/kv_heads query heads")
+        if self.experts:
+            check_int("top_k", self.top_k)
+            if self.top_k > self.experts:
+                raise ConfigError(f"top_k={self.top_k} exceeds experts={self.experts}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r}; use one of {DTYPES}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{name}={value!r} must be a positive number")
+
+    @property
+    def dim(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def model_type(self) -> str:
+        return "mixtral" if self.experts else "llama"
+
+    def param_count(self) -> int:
+        h, f, L, v = self.hidden, self.intermediate, self.layers, self.vocab_size
+        attention = h * self.heads * self.dim * 2 + h * self.kv_heads * self.dim * 2
+        mlp = (h * self.experts + self.experts * 3 * h * f) if self.experts else 3 * h * f
+        head = 0 if self.tie_word_embeddings else h * v
+        return v * h + L * (attention + mlp + 2 * h) + h + head
+
+
+def rope(x: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding of x [B, S, heads, d] at positions 0..S-1 (HF's rotate-half)."""
+    seq, d = x.shape[1], x.shape[-1]
+    inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    angles = np.arange(seq, dtype=np.float64)[:, None] * inv_freq[None]  # [S, d/2]
+    angles = np.concatenate([angles, angles], axis=-1)  # [S, d]
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    cos = jnp.asarray(np.cos(angles), wide)[None, :, None, :]
+    sin = jnp.asarray(np.sin(angles), wide)[None, :, None, :]
+    half = d // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x.astype(wide) * cos + rotated.astype(wide) * sin).astype(x.dtype)
+
+
+def causal_attention(q, k, v) -> jax.Array:
+    """Causal softmax attention, q [B, S, Hq, d], k and v [B, S, Hk, d] (Hq a multiple of Hk:
+    each key/value head serves Hq/Hk query heads) -> [B, S, Hq, d]; softmax in float32."""
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    seq, d = q.shape[1], q.shape[-1]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.asarray(d, q.dtype))
+    scores = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), scores, jnp.finfo(scores.dtype).min)
+    weights = jax.nn.softmax(scores.astype(jnp.promote_types(scores.dtype, jnp.float32)), -1)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v)
+
+
+def _linear(n_in, n_out, config, rngs):
+    return nnx.Linear(n_in, n_out, use_bias=False, param_dtype=jnp.dtype(config.dtype),
+                      kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        h, d = config.hidden, config.dim
+        self.q_proj = _linear(h, config.heads * d, config, rngs)
+        self.k_proj = _linear(h, config.kv_heads * d, config, rngs)
+        self.v_proj = _linear(h, config.kv_heads * d, config, rngs)
+        self.o_proj = _linear(config.heads * d, h, config, rngs)
+        self.dim, self.theta = d, config.rope_theta
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        batch, seq = q.shape[:2]  # the projections' sequence (whole under SP)
+        q, k, v = (a.reshape(batch, seq, -1, self.dim) for a in (q, k, v))
+        out = causal_attention(rope(q, self.theta), rope(k, self.theta), v)
+        return self.o_proj(out.reshape(batch, seq, -1))
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        h, f = config.hidden, config.intermediate
+        self.gate_proj = _linear(h, f, config, rngs)
+        self.up_proj = _linear(h, f, config, rngs)
+        self.down_proj = _linear(f, h, config, rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nnx.Module):
+    """Mixtral's sparse MoE block: softmax router, top-k renormalised, SwiGLU experts."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        self.router = _linear(config.hidden, config.experts, config, rngs)
+        self.experts = Experts(config.hidden, config.intermediate, config.experts, rngs=rngs,
+                               param_dtype=jnp.dtype(config.dtype))
+        self.top_k = config.top_k
+
+    def __call__(self, x):
+        return self.experts(x, top_k_gates(self.router(x), self.top_k))
+
+
+class Block(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(config.dtype)
+        norm = lambda: nnx.RMSNorm(config.hidden, epsilon=config.rms_norm_eps, param_dtype=dtype,
+                                   rngs=rngs)
+        self.input_layernorm = norm()
+        self.self_attn = Attention(config, rngs=rngs)
+        self.post_attention_layernorm = norm()
+        if config.experts:
+            self.moe = MoE(config, rngs=rngs)
+        else:
+            self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, h):
+        h = h + self.self_attn(self.input_layernorm(h))
+        ffn = self.moe if hasattr(self, "moe") else self.mlp
+        return h + ffn(self.post_attention_layernorm(h))
+
+
+class Llama(nnx.Module):
+    """``Llama(config, rngs=nnx.Rngs(0))``; ``model(tokens)`` -> logits [B, S, V];
+    ``model.loss(tokens, targets)`` -> mean next-token cross-entropy (vocabulary-parallel when the
+    head is)."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        dtype = jnp.dtype(config.dtype)
+        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden, param_dtype=dtype,
+                                      embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+        self.layers = Stacked(lambda r: Block(config, rngs=r), config.layers, rngs=rngs)
+        self.norm = nnx.RMSNorm(config.hidden, epsilon=config.rms_norm_eps, param_dtype=dtype,
+                                rngs=rngs)
+        if not config.tie_word_embeddings:
+            self.lm_head = _linear(config.hidden, config.vocab_size, config, rngs)
+
+    def check_shards(self, num_shards: int) -> None:
+        """Heads split over ``num_shards`` ranks must keep whole key/value groups."""
+        c = self.config
+        if c.kv_heads % num_shards:
+            raise ConfigError(f"kv_heads={c.kv_heads} is not divisible by the {num_shards} ranks "
+                              "of the model axis: each rank needs whole key/value heads (and "
+                              f"their {c.heads // c.kv_heads} query heads); pick a model axis "
+                              f"dividing {c.kv_heads}")
+
+    def hidden_states(self, tokens: jax.Array) -> jax.Array:
+        return self.norm(self.layers(self.embed_tokens(tokens)))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        h = self.hidden_states(tokens)
+        return self.embed_tokens.attend(h) if self.config.tie_word_embeddings else self.lm_head(h)
+
+    def loss(self, tokens: jax.Array, targets: jax.Array) -> jax.Array:
+        h = self.hidden_states(tokens)
+        if self.config.tie_word_embeddings:
+            return cross_entropy(self.embed_tokens, h, targets, tied=True)
+        return cross_entropy(self.lm_head, h, targets)
+
+
+def lm_loss(model, tokens, targets):
+    """``loss_fn`` for :func:`jphantom.make_train_step` of the zoo's language models."""
+    return model.loss(tokens, targets)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face checkpoints
+# ---------------------------------------------------------------------------------------------
+
+# LlamaConfig field -> config.json key
+HF_FIELDS = {"vocab_size": "vocab_size", "hidden": "hidden_size",
+             "intermediate": "intermediate_size", "layers": "num_hidden_layers",
+             "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
+             "head_dim": "head_dim", "rope_theta": "rope_theta", "rms_norm_eps": "rms_norm_eps",
+             "max_positions": "max_position_embeddings",
+             "tie_word_embeddings": "tie_word_embeddings", "experts": "num_local_experts",
+             "top_k": "num_experts_per_tok"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+
+
+def config_from_hf(hf: dict) -> LlamaConfig:
+    """A :class:`LlamaConfig` of a ``config.json`` dict; what this model cannot reproduce is
+    refused by name."""
+    kind = hf.get("model_type")
+    if kind not in ARCHITECTURES:
+        raise ConfigError(f"model_type={kind!r} is not a Llama-family model (llama, mixtral)")
+    if hf.get("rope_scaling"):
+        raise ConfigError(f"rope_scaling={hf['rope_scaling']!r} is not implemented (plain RoPE "
+                          "only): use a checkpoint without it")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise ConfigError(f"{flag}=true is not implemented: Llama here has no biases")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act={hf['hidden_act']!r}: only silu (SwiGLU) is implemented")
+    if kind == "mixtral" and hf.get("sliding_window") not in (None, 0):
+        raise ConfigError(f"sliding_window={hf['sliding_window']} is not implemented: full "
+                          "causal attention only")
+    fields = {name: hf[key] for name, key in HF_FIELDS.items() if key in hf}
+    if kind == "llama":
+        fields.pop("experts", None)
+        fields.pop("top_k", None)
+    elif "experts" not in fields:
+        fields["experts"] = 8
+    fields.setdefault("kv_heads", fields.get("heads", 4))
+    dtype = hf.get("torch_dtype", hf.get("dtype", "float32"))
+    return LlamaConfig(**fields, dtype={"bfloat16": "bfloat16", "float16": "float16",
+                                        "float64": "float64"}.get(dtype, "float32"))
+
+
+def config_to_hf(config: LlamaConfig, extra: dict | None = None) -> dict:
+    """The ``config.json`` dict: ``extra`` (what a loaded file had) updated with the model's
+    fields."""
+    out = dict(extra or {})
+    out.update({"model_type": config.model_type,
+                "architectures": [ARCHITECTURES[config.model_type]], "hidden_act": "silu",
+                "torch_dtype": config.dtype})
+    for name, key in HF_FIELDS.items():
+        if name in ("experts", "top_k") and not config.experts:
+            continue
+        value = getattr(config, name)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def _hf_names(config: LlamaConfig) -> dict[tuple, tuple[str, bool]]:
+    """Parameter path (as in the module's pure state dict) -> (HF tensor name pattern, transpose).
+    ``{i}`` is the layer index (stacked) and ``{e}`` the expert index."""
+    names = {("embed_tokens", "embedding"): ("model.embed_tokens.weight", False),
+             ("norm", "scale"): ("model.norm.weight", False)}
+    if not config.tie_word_embeddings:
+        names[("lm_head", "kernel")] = ("lm_head.weight", True)
+    block = ("layers", "block")
+    layer = "model.layers.{i}."
+    names[(*block, "input_layernorm", "scale")] = (layer + "input_layernorm.weight", False)
+    names[(*block, "post_attention_layernorm", "scale")] = (
+        layer + "post_attention_layernorm.weight", False)
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        names[(*block, "self_attn", proj, "kernel")] = (layer + f"self_attn.{proj}.weight", True)
+    if config.experts:
+        moe = layer + "block_sparse_moe."
+        names[(*block, "moe", "router", "kernel")] = (moe + "gate.weight", True)
+        for ours, theirs in (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2")):
+            names[(*block, "moe", "experts", ours)] = (moe + "experts.{e}." + theirs + ".weight",
+                                                       True)
+    else:
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names[(*block, "mlp", proj, "kernel")] = (layer + f"mlp.{proj}.weight", True)
+    return names
+
+
+def _get(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _put(tree, path, value):
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
+def to_hf_tensors(model: Llama) -> dict[str, np.ndarray]:
+    """The module's parameters as Hugging Face tensors (``[out, in]`` weights), numpy."""
+    config = model.config
+    _, state, _ = nnx.split(model, nnx.Param, ...)
+    pure = state.to_pure_dict()
+    tensors = {}
+    for path, (name, transpose) in _hf_names(config).items():
+        value = np.asarray(jax.device_get(_get(pure, path)))
+        if "{i}" not in name:
+            tensors[name] = np.ascontiguousarray(value.T if transpose else value)
+            continue
+        for i in range(config.layers):
+            layer = value[i]
+            if "{e}" in name:
+                for e in range(config.experts):
+                    tensors[name.format(i=i, e=e)] = np.ascontiguousarray(layer[e].T)
+            else:
+                tensors[name.format(i=i)] = np.ascontiguousarray(layer.T if transpose else layer)
+    return tensors
+
+
+def from_hf_tensors(config: LlamaConfig, tensors: dict[str, np.ndarray]) -> Llama:
+    """A :class:`Llama` holding ``tensors`` (HF names and layout), built without random init."""
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
+    pure = state.to_pure_dict()
+    names = _hf_names(config)
+    missing = []
+
+    def take(name):
+        if name not in tensors:
+            missing.append(name)
+            return None
+        return tensors[name]
+
+    for path, (name, transpose) in names.items():
+        shape = _get(pure, path).shape
+        if "{i}" not in name:
+            value = take(name)
+            value = None if value is None else (value.T if transpose else value)
+        else:
+            layers = []
+            for i in range(config.layers):
+                if "{e}" in name:
+                    experts = [take(name.format(i=i, e=e)) for e in range(config.experts)]
+                    layers.append(None if any(x is None for x in experts)
+                                  else np.stack([x.T for x in experts]))
+                else:
+                    x = take(name.format(i=i))
+                    layers.append(None if x is None else (x.T if transpose else x))
+            value = None if any(x is None for x in layers) else np.stack(layers)
+        if value is not None:
+            if tuple(value.shape) != tuple(shape):
+                raise ConfigError(f"tensor {name} has shape {value.shape}; config.json implies "
+                                  f"{tuple(shape)} for {'.'.join(map(str, path))}")
+            _put(pure, path, jnp.asarray(value))
+    if missing:
+        raise ConfigError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
+    expected = {n.format(i=i, e=e) for n, _ in names.values() for i in range(config.layers)
+                for e in range(max(config.experts, 1))}
+    extra = sorted(set(tensors) - expected - {"lm_head.weight"})
+    if extra:
+        raise ConfigError(f"the checkpoint has {len(extra)} tensors this model does not use, e.g. "
+                          f"{extra[0]}")
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state, rest)
+
+
+def load_hf(path) -> Llama:
+    """A Hugging Face Llama or Mixtral directory (``config.json`` + ``model.safetensors``) as a
+    :class:`Llama`; the file's other config fields are kept for :func:`save_hf`."""
+    from safetensors.numpy import load_file
+
+    directory = Path(path)
+    config_file, weights = directory / "config.json", directory / "model.safetensors"
+    for f in (config_file, weights):
+        if not f.is_file():
+            raise ConfigError(f"{f} not found: a Hugging Face directory holds config.json and "
+                              "model.safetensors (sharded checkpoints are not supported)")
+    hf = json.loads(config_file.read_text())
+    config = config_from_hf(hf)
+    model = from_hf_tensors(config, load_file(str(weights)))
+    model.hf_config = json.dumps(hf)  # a static string: the file's fields, for save_hf
+    return model
+
+
+def save_hf(path, model: Llama) -> None:
+    """Write ``model`` as a Hugging Face directory: ``config.json`` and ``model.safetensors``."""
+    from safetensors.numpy import save_file
+
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    extra = getattr(model, "hf_config", None)
+    config = config_to_hf(model.config, json.loads(extra) if extra else None)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(to_hf_tensors(model), str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+__all__ = ["LlamaConfig", "Llama", "lm_loss", "load_hf", "save_hf", "rope", "causal_attention"]
