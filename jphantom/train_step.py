@@ -97,7 +97,7 @@ class ParamLayout:
                               "the step trains parameters only: remove it (dropout RNGs, batch "
                               "statistics) or keep it outside the model")
         variables = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
-        pure = params.to_pure_dict()
+        pure = nnx.to_pure_dict(params)
         pure_paths, pure_treedef = jax.tree_util.tree_flatten_with_path(pure)
         index = {_key(path): i for i, (path, _) in enumerate(variables)}
         order = tuple(index[_key(path)] for path, _ in pure_paths)
@@ -234,7 +234,7 @@ class TrainStep:
         placed in their shards, and the optimizer state created in its shards."""
         if params is None:
             _, state, _ = nnx.split(self.model_template, nnx.Param, ...)
-            params = state.to_pure_dict()
+            params = nnx.to_pure_dict(state)
         # copies in their shards: the step donates its state, never the model's own arrays
         params = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
                          out_shardings=self.param_shardings())(params)
@@ -387,7 +387,7 @@ def make_forward_fn(model: nnx.Module, mesh: Mesh, params=None) -> Callable:
     layout = ParamLayout.of(model, mesh, 0)
     if params is None:
         _, state, _ = nnx.split(model, nnx.Param, ...)
-        params = state.to_pure_dict()
+        params = nnx.to_pure_dict(state)
     shardings = [NamedSharding(mesh, s) for s in layout.specs]
     leaves = tuple(jax.device_put(jax.tree.leaves(params), shardings))
     batch_spec = _batch_spec(mesh)

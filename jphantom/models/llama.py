@@ -342,7 +342,7 @@ def to_hf_tensors(model: Llama) -> dict[str, np.ndarray]:
     """The module's parameters as Hugging Face tensors (``[out, in]`` weights), numpy."""
     config = model.config
     _, state, _ = nnx.split(model, nnx.Param, ...)
-    pure = state.to_pure_dict()
+    pure = nnx.to_pure_dict(state)
     tensors = {}
     for path, (name, transpose) in _hf_names(config).items():
         value = np.asarray(jax.device_get(_get(pure, path)))
@@ -363,7 +363,7 @@ def from_hf_tensors(config: LlamaConfig, tensors: dict[str, np.ndarray]) -> Llam
     """A :class:`Llama` holding ``tensors`` (HF names and layout), built without random init."""
     abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
-    pure = state.to_pure_dict()
+    pure = nnx.to_pure_dict(state)
     names = _hf_names(config)
     missing = []
 

@@ -29,7 +29,7 @@ def param(value: jax.Array, axes: Sequence[str | None], *, reduce_axes: Sequence
     axes = tuple(axes)
     axes = (None,) * (value.ndim - len(axes)) + axes
     metadata = {"reduce_axes": tuple(reduce_axes)} if reduce_axes else {}
-    return nnx.Param(value, sharding=axes, eager_sharding=False, **metadata)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False, **metadata)
 
 
 def axes_of(variable: nnx.Variable) -> tuple[str | None, ...]:
