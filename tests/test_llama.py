@@ -1,0 +1,180 @@
+"""The Llama family (and Mixtral's MoE) as an NNX model: under Megatron tensor, sequence and
+phantom parallelism it equals its single-device run (phantom: its dense equivalent); Hugging Face
+checkpoints round-trip tensor for tensor."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+import jphantom
+from jphantom.errors import ConfigError
+from jphantom.models import hf, llama
+from tests.test_byo_model import rel_error
+
+V, S, BATCH = 64, 8, 8
+
+
+def config(experts: int = 0, **extra) -> llama.LlamaConfig:
+    return llama.LlamaConfig(vocab_size=V, hidden=32, intermediate=48, layers=2, heads=4,
+                             kv_heads=2, experts=experts, **extra)
+
+
+def _batch():
+    rng = np.random.default_rng(1)
+    return (jnp.asarray(rng.integers(0, V, (BATCH, S)), jnp.int32),
+            jnp.asarray(rng.integers(0, V, (BATCH, S)), jnp.int32))
+
+
+def _mesh(data, model):
+    if jax.device_count() < data * model:
+        pytest.skip("needs more devices")
+    return jax.make_mesh((data, model), ("data", "model"), devices=jax.devices()[:data * model])
+
+
+@functools.lru_cache(maxsize=None)
+def one_device(experts):
+    model = llama.Llama(config(experts), rngs=nnx.Rngs(0))
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    step = jphantom.make_train_step(model, mesh, optax.sgd(0.1), llama.lm_loss)
+    loss, grads = jax.jit(step.value_and_grad())(step.init().params, *_batch())
+    return float(loss), jax.device_get(grads)
+
+
+@pytest.mark.parametrize("experts", [0, 4], ids=["llama", "mixtral"])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tensor", "tensor-sp"])
+def test_llama_under_megatron_equals_one_device(experts, sequence_parallel):
+    model = llama.Llama(config(experts), rngs=nnx.Rngs(0))
+    mesh = _mesh(4, 2)
+    jphantom.parallelize(model, mesh,
+                         jphantom.plans.megatron(model, sequence_parallel=sequence_parallel))
+    step = jphantom.make_train_step(model, mesh, optax.sgd(0.1), llama.lm_loss)
+    loss, grads = jax.jit(step.value_and_grad())(step.init().params, *_batch())
+    ref_loss, ref_grads = one_device(experts)
+    assert abs(float(loss) - ref_loss) < 1e-5 * ref_loss
+    assert rel_error(grads, ref_grads) < 1e-5
+
+
+@pytest.mark.parametrize("experts", [0, 4], ids=["llama", "mixtral"])
+def test_phantom_llama_equals_its_dense_equivalent(experts):
+    """Every linear a phantom layer (k = 4): loss and gradients equal, on one device, those of the
+    dense model the phantom layers are, differentiated through ``dense_equivalent``."""
+    model = llama.Llama(config(experts), rngs=nnx.Rngs(0))
+    mesh = _mesh(4, 2)
+    jphantom.parallelize(model, mesh, jphantom.plans.phantom(model, ghost_width=4))
+    step = jphantom.make_train_step(model, mesh, optax.sgd(0.1), llama.lm_loss)
+    params = step.init().params
+    loss, grads = jax.jit(step.value_and_grad())(params, *_batch())
+
+    def oracle(pure):
+        dense = jphantom.dense_equivalent(step.layout.model_of(jax.tree.leaves(pure)))
+        return llama.lm_loss(dense, *_batch())
+
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(oracle))(jax.device_get(params))
+    assert abs(float(loss) - float(ref_loss)) < 1e-5 * float(ref_loss)
+    assert rel_error(grads, ref_grads) < 1e-5
+
+
+def test_heads_that_do_not_divide_are_refused_before_anything_runs():
+    model = llama.Llama(config(), rngs=nnx.Rngs(0))
+    with pytest.raises(ConfigError, match="kv_heads=2 is not divisible by the 4 ranks"):
+        jphantom.parallelize(model, {"data": 2, "model": 4}, jphantom.plans.megatron(model))
+
+
+def test_config_is_validated():
+    with pytest.raises(ConfigError, match="kv_heads"):
+        llama.LlamaConfig(heads=4, kv_heads=3)
+    with pytest.raises(ConfigError, match="top_k"):
+        llama.LlamaConfig(experts=2, top_k=3)
+
+
+# --- Hugging Face checkpoints ----------------------------------------------------------------
+
+
+def _hf_directory(tmp_path, experts: int, dtype):
+    """A tiny random checkpoint in Hugging Face's layout (names, [out, in] weights, config)."""
+    c = config(experts)
+    rng = np.random.default_rng(3)
+    h, f, d = c.hidden, c.intermediate, c.dim
+
+    def w(*shape):
+        return rng.standard_normal(shape).astype(dtype)
+
+    tensors = {"model.embed_tokens.weight": w(V, h), "model.norm.weight": w(h),
+               "lm_head.weight": w(V, h)}
+    for i in range(c.layers):
+        p = f"model.layers.{i}."
+        tensors.update({p + "input_layernorm.weight": w(h),
+                        p + "post_attention_layernorm.weight": w(h),
+                        p + "self_attn.q_proj.weight": w(c.heads * d, h),
+                        p + "self_attn.k_proj.weight": w(c.kv_heads * d, h),
+                        p + "self_attn.v_proj.weight": w(c.kv_heads * d, h),
+                        p + "self_attn.o_proj.weight": w(h, c.heads * d)})
+        if experts:
+            tensors[p + "block_sparse_moe.gate.weight"] = w(experts, h)
+            for e in range(experts):
+                q = p + f"block_sparse_moe.experts.{e}."
+                tensors.update({q + "w1.weight": w(f, h), q + "w2.weight": w(h, f),
+                                q + "w3.weight": w(f, h)})
+        else:
+            tensors.update({p + "mlp.gate_proj.weight": w(f, h), p + "mlp.up_proj.weight": w(f, h),
+                            p + "mlp.down_proj.weight": w(h, f)})
+    kind = "mixtral" if experts else "llama"
+    hf = {"model_type": kind, "architectures": [llama.ARCHITECTURES[kind]], "vocab_size": V,
+          "hidden_size": h, "intermediate_size": f, "num_hidden_layers": c.layers,
+          "num_attention_heads": c.heads, "num_key_value_heads": c.kv_heads,
+          "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+          "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 1,
+          "torch_dtype": "bfloat16" if dtype == ml_dtypes.bfloat16 else "float32"}
+    if experts:
+        hf.update(num_local_experts=experts, num_experts_per_tok=2, router_aux_loss_coef=0.02)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    return tensors, hf
+
+
+@pytest.mark.parametrize("experts", [0, 4], ids=["llama", "mixtral"])
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["float32", "bf16"])
+def test_hf_checkpoint_round_trips_tensor_for_tensor(tmp_path, experts, dtype):
+    tensors, config_json = _hf_directory(tmp_path / "in", experts, dtype)
+    model = hf.load(tmp_path / "in")
+    assert isinstance(model, llama.Llama) and model.config.experts == experts
+    hf.save(tmp_path / "out", model)
+    again = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(again) == sorted(tensors)
+    for name, value in tensors.items():
+        assert again[name].dtype == value.dtype and again[name].shape == value.shape, name
+        assert again[name].tobytes() == value.tobytes(), name
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert {k: written[k] for k in config_json} == config_json  # every field of the file kept
+
+
+def test_loaded_checkpoint_gives_logits_on_token_ids(tmp_path):
+    _hf_directory(tmp_path, 0, np.float32)
+    model = hf.load(tmp_path)
+    tokens, _ = _batch()
+    logits = model(tokens)
+    assert logits.shape == (BATCH, S, V) and np.isfinite(np.asarray(logits)).all()
+    # the causal model: changing the last token leaves earlier positions' logits unchanged
+    changed = model(tokens.at[:, -1].set((tokens[:, -1] + 1) % V))
+    np.testing.assert_array_equal(np.asarray(changed[:, :-1]), np.asarray(logits[:, :-1]))
+
+
+def test_unsupported_checkpoints_are_refused_by_name(tmp_path):
+    _, config_json = _hf_directory(tmp_path, 0, np.float32)
+    (tmp_path / "config.json").write_text(json.dumps({**config_json, "rope_scaling": {"type": "llama3"}}))
+    with pytest.raises(ConfigError, match="rope_scaling"):
+        hf.load(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config_json, "model_type": "bert"}))
+    with pytest.raises(ConfigError, match="bert"):
+        hf.load(tmp_path)
