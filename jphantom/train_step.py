@@ -236,8 +236,7 @@ class TrainStep:
             _, state, _ = nnx.split(self.model_template, nnx.Param, ...)
             params = nnx.to_pure_dict(state)
         # copies in their shards: the step donates its state, never the model's own arrays
-        params = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
-                         out_shardings=self.param_shardings())(params)
+        params = jax.device_put(params, self.param_shardings(), may_alias=False)
         shape = jax.eval_shape(lambda p: p, params)
         opt_state = jax.jit(self.optimizer.init,
                             out_shardings=self._opt_shardings(shape))(params)
