@@ -298,7 +298,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 _TRAIN_HELP = {
-    "model": "ffn (seed 000's teacher task) or transformer (byte-level text)",
+    "model": "ffn (seed 000's teacher task), transformer (GPT-2; alias gpt2) or llama (Llama; "
+             "Mixtral with --moe-every 1), both on byte-level text",
     "strategy": "parallel strategy: " + ", ".join(("dense", "gspmd", "tensor", "tensor-t1",
                                                    "phantom", "phantom-unfused", "pmm3d",
                                                    "pmm3d-regather", "pmm3d-deferred")),
@@ -334,6 +335,10 @@ _TRAIN_HELP = {
     "dtd": "MoE under tensor (TED): duplicate token dropping, all-to-all bytes / model axis",
     "cac": "communication-aware checkpointing (seed 004): --remat collectives_saveable",
     "layers": "transformer blocks", "hidden": "transformer width h", "heads": "attention heads",
+    "kv_heads": "llama: key/value heads of grouped-query attention (default: heads)",
+    "intermediate": "llama: SwiGLU width (default 8h/3 rounded up to a multiple of 32)",
+    "from_hf": "llama: start from a Hugging Face Llama or Mixtral directory",
+    "save_hf": "llama: save the trained model as a Hugging Face directory",
     "seq_len": "tokens per sequence", "vocab": "vocabulary size (256 for bytes)",
     "data": "a text file to train on (default: the Python standard library's sources)",
     "width": "FFN width n", "depth": "FFN layers L", "batch": "global batch (sequences or rows)",
@@ -447,7 +452,7 @@ def _add_train_parser(sub) -> None:
             train.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
             continue
         kind = {int: int, float: float}.get(type(field.default), str)
-        if field.name in ("ghost_width", "microbatches"):
+        if field.name in ("ghost_width", "microbatches", "kv_heads", "intermediate"):
             kind = int
         if field.name == "clip_norm":
             kind = float

@@ -48,7 +48,8 @@ from jphantom.pipeline.runner import PipelineConfig, pipeline_for
 from jphantom.step import check_step_options
 from jphantom.pipeline.schedule import SCHEDULES as PIPELINE_SCHEDULES
 
-MODELS = ("ffn", "transformer")
+MODELS = ("ffn", "transformer", "gpt2", "llama")  # gpt2: the transformer's name; llama: NNX
+MODULE_STRATEGIES = ("dense", "tensor", "phantom")  # what --model llama runs
 OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULES = ("constant", "cosine")
 
@@ -83,6 +84,8 @@ class RunConfig:
     layers: int = 4
     hidden: int = 256
     heads: int = 4
+    kv_heads: int | None = None  # llama: key/value heads (grouped-query attention; default heads)
+    intermediate: int | None = None  # llama: SwiGLU width (default 8h/3 rounded up to 32)
     seq_len: int = 128
     vocab: int = 256
     data: str | None = None  # a text file; default: the Python standard library's sources
@@ -105,6 +108,8 @@ class RunConfig:
     out: str = "out/train"
     from_gpt2: str | None = None
     save_gpt2: str | None = None
+    from_hf: str | None = None  # llama: a Hugging Face Llama / Mixtral directory to start from
+    save_hf: str | None = None  # llama: save the trained model as a Hugging Face directory
     # checkpoints (Orbax): every save_every steps into checkpoint_dir, the last keep_checkpoints kept
     checkpoint_dir: str | None = None
     save_every: int = 0
@@ -115,6 +120,8 @@ class RunConfig:
     def __post_init__(self):
         if self.model not in MODELS:
             raise ConfigError(f"model={self.model!r}; use one of {MODELS}")
+        if self.model == "gpt2":  # one model, two names
+            object.__setattr__(self, "model", "transformer")
         for name in ("layers", "hidden", "heads", "seq_len", "vocab", "width", "depth", "batch",
                      "steps", "eval_every", "eval_batches"):
             check_int(name, getattr(self, name))
@@ -157,9 +164,66 @@ class RunConfig:
         out = Path(self.out)
         if out.exists() and not out.is_dir():
             raise ConfigError(f"out={self.out!r} is an existing file: give a folder")
+        if self.model == "llama":
+            self._check_module_run()
+            return
+        for name in ("kv_heads", "intermediate", "from_hf", "save_hf"):
+            if getattr(self, name) is not None:
+                raise ConfigError(f"--{name.replace('_', '-')} applies to --model llama")
         check_step_options(self.program(), self.batch, accumulate=self.accumulate,
                            clip_norm=self.clip_norm, precision=self.precision,
                            remat=self.step_remat)
+
+    def _check_module_run(self) -> None:
+        """--model llama: what the module step takes, checked before anything is built."""
+        if self.strategy not in MODULE_STRATEGIES:
+            raise ConfigError(f"--model llama runs the strategies {MODULE_STRATEGIES} (plans "
+                              f"applied to the NNX model), not {self.strategy!r}")
+        if self.moe_every not in (0, 1) or self.dtd or self.dropless:
+            raise ConfigError("--model llama's mixture of experts is Mixtral's: --moe-every 1 "
+                              "(every block; dropless by construction, no --dtd/--dropless)")
+        if self.sequence_parallel and self.strategy != "tensor":
+            raise ConfigError("--sequence-parallel applies to --strategy tensor")
+        if self.strategy == "phantom" and self.ghost_width is None:
+            raise ConfigError("--strategy phantom needs --ghost-width K, e.g. 8")
+        if self.from_gpt2 or self.save_gpt2:
+            raise ConfigError("--from-gpt2/--save-gpt2 are GPT-2's: use --from-hf/--save-hf")
+        for name in ("from_hf",):
+            value = getattr(self, name)
+            if value is not None and not (Path(value) / "config.json").is_file():
+                raise ConfigError(f"--from-hf {value}: no config.json there")
+        mesh = self.mesh_config()
+        if mesh.device_count > jax.device_count():
+            raise ConfigError(f"mesh {mesh} needs {mesh.device_count} devices but "
+                              f"{jax.device_count()} are available: pass --devices "
+                              f"{mesh.device_count} to simulate them on CPU, or a smaller mesh")
+        if self.strategy == "dense" and mesh.size("model") != 1:
+            raise ConfigError("--strategy dense keeps every layer whole: use model=1")
+        for axis in ("expert", "x", "y", "z"):
+            if axis in mesh.shape:
+                raise ConfigError(f"--model llama runs on data, stage and model axes, not {axis}")
+        config = self.llama_config()
+        model_axis = mesh.size("model")
+        if config.kv_heads % model_axis:
+            raise ConfigError(f"kv_heads={config.kv_heads} is not divisible by model="
+                              f"{model_axis}: each rank needs whole key/value heads")
+        ranks = mesh.size("data")
+        if self.batch % (ranks * self.accumulate):
+            raise ConfigError(f"batch={self.batch} is not divisible by data={ranks} x "
+                              f"accumulate={self.accumulate}")
+        self.pipeline_config()
+
+    def llama_config(self):
+        from jphantom.models.llama import LlamaConfig, config_from_hf
+        if self.from_hf:
+            return dataclasses.replace(
+                config_from_hf(_read_json(Path(self.from_hf) / "config.json")), dtype=self.dtype)
+        intermediate = self.intermediate or -(-8 * self.hidden // 3 // 32) * 32
+        return LlamaConfig(vocab_size=self.vocab, hidden=self.hidden, intermediate=intermediate,
+                           layers=self.layers, heads=self.heads,
+                           kv_heads=self.kv_heads or self.heads, max_positions=self.seq_len,
+                           experts=self.experts if self.moe_every else 0, top_k=self.top_k,
+                           dtype=self.dtype)
 
     @property
     def step_remat(self) -> str:
@@ -299,6 +363,67 @@ class _TeacherSource:
         return {"source": "seed 000 teacher", **dataclasses.asdict(self.teacher.config)}
 
 
+class _ModuleProgram:
+    """``--model llama``: the NNX model under a plan (``tensor``: :func:`jphantom.plans.megatron`,
+    ``phantom``: :func:`jphantom.plans.phantom`), trained by :func:`jphantom.make_train_step`;
+    the attributes the run loop reads of a :class:`jphantom.step.Program`."""
+
+    def __init__(self, config: RunConfig, mesh):
+        from flax import nnx
+
+        from jphantom import plans
+        from jphantom.models import hf
+        from jphantom.models.llama import Llama, lm_loss
+        from jphantom.train_step import make_train_step
+
+        llama_config = config.llama_config()
+        if config.from_hf:
+            model = hf.load(config.from_hf)
+        else:
+            model = Llama(llama_config, rngs=nnx.Rngs(config.seed))
+        if config.strategy == "tensor":
+            plans.parallelize(model, mesh, plans.megatron(
+                model, sequence_parallel=config.sequence_parallel))
+        elif config.strategy == "phantom":
+            plans.parallelize(model, mesh, plans.phantom(model, ghost_width=config.ghost_width))
+        optimizer = config.optimizer_transform()
+        if config.clip_norm is not None:  # exact: the update sees the global gradients
+            optimizer = optax.chain(optax.clip_by_global_norm(config.clip_norm), optimizer)
+        pipeline = config.pipeline_config()
+        self.step = make_train_step(model, mesh, optimizer, lm_loss, zero=config.zero,
+                                    accumulate=config.accumulate, precision=config.precision,
+                                    remat=config.step_remat, pipeline=pipeline)
+        self.mesh, self.zero, self.config = config.mesh_config(), config.zero, llama_config
+        self.param_count = sum(math.prod(s.shape) for s in self.step.layout.shapes)
+        self.options = ({} if pipeline is None else
+                        {"pipeline": dataclasses.asdict(pipeline),
+                         "stages": self.mesh.size("stage")})
+        self.loss = self.step.loss()
+
+    def init(self):
+        state = self.step.init()
+        return state.params, state.opt_state
+
+    def step_fn(self, params, opt_state, *batch):
+        from jphantom.train_step import TrainState
+
+        state, loss = self.step(TrainState(params, opt_state), *batch)
+        return state.params, state.opt_state, loss
+
+    def batch_shardings(self, mesh):
+        from jax.sharding import NamedSharding
+
+        return (NamedSharding(self.step.mesh, self.step.batch_spec),) * 2
+
+    def save_hf(self, path, params, opt_state) -> None:
+        from jphantom import plans
+        from jphantom.models import hf
+        from jphantom.train_step import TrainState
+
+        model = self.step.model(TrainState(params, opt_state))
+        hf.save(path, plans.dense_equivalent(model))
+
+
 # --------------------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------------------
@@ -313,38 +438,49 @@ def run(config: RunConfig) -> dict:
     writer = jax.process_index() == 0  # process 0 alone writes logs and results
     if writer:
         out.mkdir(parents=True, exist_ok=True)
-    program = config.program()
-    mesh_config = program.mesh
-    mesh = mesh_config.build(first_devices(mesh_config.device_count))
-    model_config = config.model_config()
-    if config.model == "transformer":
-        source = _TextSource(config, model_config.seq_len)
+    module = config.model == "llama"
+    if module:
+        mesh_config = config.mesh_config()
+        mesh = mesh_config.build(first_devices(mesh_config.device_count))
+        program = _ModuleProgram(config, mesh)
+        model_config = program.config
+    else:
+        program = config.program()
+        mesh_config = program.mesh
+        mesh = mesh_config.build(first_devices(mesh_config.device_count))
+        model_config = config.model_config()
+    if config.model in ("transformer", "llama"):
+        source = _TextSource(config, config.seq_len if module else model_config.seq_len)
         if model_config.vocab_size < source.corpus.vocab_size:
             raise ConfigError(f"vocab={model_config.vocab_size} is smaller than the byte corpus's "
                               f"{source.corpus.vocab_size}: use --vocab 256")
     else:
         source = _TeacherSource(config)
-    if config.from_gpt2:
-        from jphantom.models import gpt2
-        _, dense = gpt2.load(config.from_gpt2)
-        dense = {**dense, "wpe": dense["wpe"][: model_config.seq_len]}
-        params = jax.device_put(dense, program.shardings(mesh))
+    if module:
+        params, opt_state = program.init()
+        step_fn, loss_fn = program.step_fn, program.loss
     else:
-        params = init_params(program, mesh, jax.random.PRNGKey(config.seed))
-    optimizer = config.optimizer_transform()
-    # per-rank programs: the moments in their (ZeRO-sharded) shards
-    opt_state = (init_optimizer_state(program, mesh, optimizer, params) if program.manual
-                 else optimizer.init(params))
-    step_fn = make_train_step(program, mesh, optimizer, accumulate=config.accumulate,
-                              clip_norm=config.clip_norm, precision=config.precision,
-                              remat=config.step_remat)
-    loss_fn = make_loss_fn(program, mesh)
+        if config.from_gpt2:
+            from jphantom.models import gpt2
+            _, dense = gpt2.load(config.from_gpt2)
+            dense = {**dense, "wpe": dense["wpe"][: model_config.seq_len]}
+            params = jax.device_put(dense, program.shardings(mesh))
+        else:
+            params = init_params(program, mesh, jax.random.PRNGKey(config.seed))
+        optimizer = config.optimizer_transform()
+        # per-rank programs: the moments in their (ZeRO-sharded) shards
+        opt_state = (init_optimizer_state(program, mesh, optimizer, params) if program.manual
+                     else optimizer.init(params))
+        step_fn = make_train_step(program, mesh, optimizer, accumulate=config.accumulate,
+                                  clip_norm=config.clip_norm, precision=config.precision,
+                                  remat=config.step_remat)
+        loss_fn = make_loss_fn(program, mesh)
     checkpointer = None
     if config.checkpoint_dir:
         from jphantom.checkpoint import Checkpointer
         checkpointer = Checkpointer(config.checkpoint_dir, save_every=config.save_every,
                                     keep=config.keep_checkpoints)
-    moe = getattr(model_config, "moe", None) is not None
+    moe = not module and getattr(model_config, "moe", None) is not None
     metrics_fn = make_metrics_fn(program, mesh) if moe else None
     shardings = program.batch_shardings(mesh)
     place = lambda pair: tuple(jax.device_put(np.asarray(a), s) for a, s in zip(pair, shardings))
@@ -425,7 +561,7 @@ def run(config: RunConfig) -> dict:
         "wall_seconds": time.perf_counter() - start,
         "data": source.describe(),
         "history": history,
-        "loss_units": "nats per token" if config.model == "transformer" else "MSE",
+        "loss_units": "nats per token" if config.model != "ffn" else "MSE",
     }
     results["step"] = {"zero": program.zero, "accumulate": config.accumulate,
                        "clip_norm": config.clip_norm, "precision": config.precision,
@@ -442,7 +578,9 @@ def run(config: RunConfig) -> dict:
                                "microbatches": pipeline["microbatches"],
                                "virtual_stages": pipeline["virtual_stages"],
                                "stages": program.options["stages"]}
-    if config.model == "transformer":
+    if module:
+        results["llama"] = dataclasses.asdict(model_config)
+    if config.model in ("transformer", "llama"):
         unigram = source.corpus.unigram_cross_entropy()
         results["unigram_cross_entropy"] = unigram
         results["validation_over_unigram"] = results["final_validation_loss"] / unigram
@@ -452,6 +590,8 @@ def run(config: RunConfig) -> dict:
     if writer:
         (out / "results.json").write_text(json.dumps(results, indent=2))
         _plot(history, out / "curves.png", results)
+    if config.save_hf and writer:
+        program.save_hf(config.save_hf, params, opt_state)
     if config.save_gpt2 and writer:
         from jphantom.models import gpt2
         gpt2.save(config.save_gpt2, model_config, jax.device_get(params))

@@ -170,7 +170,7 @@ class TrainStep:
     def __init__(self, model: nnx.Module, mesh: Mesh, optimizer: optax.GradientTransformation,
                  loss_fn: Callable, *, zero: int = 0, accumulate: int = 1,
                  precision: str | Precision = "float32", remat: str = "none",
-                 donate: bool = True):
+                 pipeline=None, donate: bool = True):
         if not isinstance(model, nnx.Module):
             raise ConfigError(f"make_train_step takes an nnx.Module, not {type(model).__name__}")
         self.mesh = _check_mesh(mesh)
@@ -197,7 +197,10 @@ class TrainStep:
         if zero and "expert" in mesh.axis_names:
             raise ConfigError("ZeRO with an 'expert' axis is not supported by the module step: "
                               "use zero=0 or put the batch ranks on 'data'")
+        self.pipeline, self.stack = self._pipeline(model, mesh, pipeline)
         self.layout = ParamLayout.of(model, mesh, zero)
+        if self.pipeline is not None:
+            self._pipeline_layout(model)
         self.model_template = model
         self.optimizer, self.loss_fn = optimizer, loss_fn
         layout = self.layout
@@ -207,6 +210,126 @@ class TrainStep:
         self.batch_spec = _batch_spec(mesh)
         self.donate = donate
         self._step = None
+
+    # -- pipelines ---------------------------------------------------------------------------
+
+    def _pipeline(self, model, mesh, pipeline):
+        """With a ``stage`` axis: the model's one :class:`Stacked` cut into stages (its parameters'
+        leading layer axis split over ``stage``) and the validated schedule; else ``None``."""
+        if "stage" not in mesh.axis_names:
+            if pipeline is not None:
+                raise ConfigError("pipeline= needs a 'stage' axis in the mesh")
+            return None, None
+        from jphantom.pipeline.runner import PipelineConfig
+
+        stages = dict(mesh.shape)["stage"]
+        pipeline = pipeline if pipeline is not None else PipelineConfig(microbatches=stages)
+        if not isinstance(pipeline, PipelineConfig):
+            raise ConfigError("pipeline must be a jphantom.pipeline.runner.PipelineConfig")
+        if pipeline.virtual_stages != 1:
+            raise ConfigError("interleaved stages (virtual_stages > 1) are not available to "
+                              "module models yet: use schedule '1f1b' or 'gpipe'")
+        if self.precision.loss_scale != 1.0:
+            raise ConfigError("loss scaling (float16) inside a pipeline is not implemented: "
+                              "use bf16")
+        if self.accumulate != 1:
+            raise ConfigError("a pipeline accumulates through its micro-batches: leave "
+                              "accumulate out and set PipelineConfig(microbatches=...)")
+        stacks = [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, Stacked)]
+        if len(stacks) != 1:
+            raise ConfigError(f"a 'stage' axis cuts the model's repeated blocks into stages: the "
+                              f"model must hold exactly one jphantom.nn.Stacked (it holds "
+                              f"{len(stacks)}); stack its blocks with Stacked(make_block, layers, "
+                              "rngs=rngs)")
+        path, stacked = stacks[0]
+        pipeline.check(stages, stacked.layers, "layers")
+        for _, variable in nnx.iter_graph(stacked.block):  # layer axis over stage
+            if isinstance(variable, nnx.Param):
+                axes = metadata.axes_of(variable)
+                if axes[0] not in (None, "stage"):
+                    raise ConfigError(f"a stacked parameter already splits its layer axis over "
+                                      f"{axes[0]!r}")
+                variable.set_metadata("out_sharding", ("stage", *axes[1:]))
+        return pipeline, (tuple(path), stacked)
+
+    def _pipeline_layout(self, model):
+        """Which pure-order leaves belong to the stacked blocks, and how they form the block's
+        state (``nnx.split(stacked.block)``)."""
+        path, stacked = self.stack
+        pure = nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[1])
+        paths = [_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(pure)[0]]
+        prefix = (*path, "block")
+        self.stacked_index = tuple(i for i, p in enumerate(paths) if p[:len(prefix)] == prefix)
+        self.rest_index = tuple(i for i, p in enumerate(paths) if p[:len(prefix)] != prefix)
+        block_graph, block_state, _ = nnx.split(stacked.block, nnx.Param, ...)
+        block_vars = jax.tree_util.tree_flatten_with_path(block_state, is_leaf=_is_variable)[0]
+        relative = {paths[i][len(prefix):]: k for k, i in enumerate(self.stacked_index)}
+        self.block_graph = block_graph
+        self.block_treedef = jax.tree.structure(block_state)
+        self.block_order = tuple(relative[_key(p)] for p, _ in block_vars)
+
+    def _split(self, leaves):
+        return ([leaves[i] for i in self.stacked_index], [leaves[i] for i in self.rest_index])
+
+    def _join(self, stacked, rest):
+        leaves = [None] * (len(stacked) + len(rest))
+        for i, x in zip(self.stacked_index, stacked):
+            leaves[i] = x
+        for i, x in zip(self.rest_index, rest):
+            leaves[i] = x
+        return leaves
+
+    def _pipeline_value_and_grad(self, leaves, inputs, targets):
+        """The model cut at its :class:`Stacked` and run by the pipeline executor
+        (:func:`jphantom.pipeline.runner.run`: GPipe or 1F1B, its own backward): the part of
+        ``loss_fn`` before the blocks on the first stage, the blocks' layers split over ``stage``,
+        the part after them (head, loss) on the last."""
+        from jphantom.nn.stack import Capture, Feed, StackInput, apply_blocks
+        from jphantom.pipeline import runner
+        from jphantom.plans import _set
+
+        cast, loss_fn, layout = self.precision.cast, self.loss_fn, self.layout
+        stack_path, stacked_module = self.stack
+        remat = stacked_module.remat
+        ranks = self.batch_ranks
+        micro = self.pipeline.microbatches
+        stacked_now, _ = self._split(leaves)
+        rows = inputs.shape[0] // micro
+        dummy_inputs = jnp.zeros((rows, *inputs.shape[1:]), inputs.dtype)
+        dummy_targets = jnp.zeros((rows, *targets.shape[1:]), targets.dtype)
+
+        def model_with(rest, stand_in):
+            model = layout.model_of(cast(self._join(stacked_now, rest)))
+            _set(model, stack_path, stand_in)
+            return model
+
+        def first(rest, inputs_mb):
+            try:
+                loss_fn(model_with(rest, Capture()), inputs_mb, dummy_targets)
+            except StackInput as entered:
+                return entered.h
+            raise ConfigError("loss_fn never called the model's Stacked blocks: a pipeline cuts "
+                              "the model there")
+
+        def body(chunk, x, _):
+            state = jax.tree.unflatten(self.block_treedef,
+                                       [cast(chunk[k]) for k in self.block_order])
+            return apply_blocks(self.block_graph, state, x, remat=remat)
+
+        def last(rest, out, targets_mb, microbatches):
+            model = model_with(rest, Feed(lambda: out))
+            loss = jnp.asarray(loss_fn(model, dummy_inputs, targets_mb))
+            return loss.astype(jnp.promote_types(loss.dtype, jnp.float32)) / (
+                microbatches * ranks)
+
+        stages = runner.Stages(units=stacked_module.layers, unit_name="layers", split=None,
+                               join=None, first=first, body=body, last=last)
+        plan = runner.plan(self.pipeline, dict(self.mesh.shape)["stage"])
+        stacked, rest = self._split(leaves)
+        loss, d_stacked, d_rest = runner.run(stages, self.pipeline, plan, stacked, rest, inputs,
+                                             targets)
+        grads = self._join(d_stacked, d_rest)
+        return loss, [g.astype(x.dtype) for g, x in zip(grads, leaves)]
 
     # -- shardings ---------------------------------------------------------------------------
 
@@ -248,9 +371,10 @@ class TrainStep:
         """Per leaf: the axes its (gathered) parameter is replicated over but each rank's
         gradient is only a part (batch axes it is not split on, and its reduce_axes)."""
         out = []
+        extra = ("stage",) if self.pipeline is not None else ()
         for spec, reduce in zip(self.layout.specs, self.layout.reduce_axes):
             split = zero_module.spec_axes(spec)
-            axes = tuple(a for a in self.batch_axes if a not in split)
+            axes = tuple(a for a in self.batch_axes + extra if a not in split)
             out.append(axes + tuple(a for a in reduce if a not in axes and a not in split))
         return out
 
@@ -284,7 +408,13 @@ class TrainStep:
             scale = precision.loss_scale
             return loss / scale, [(g / scale).astype(x.dtype) for g, x in zip(grads, leaves)]
 
-        if self.accumulate == 1:
+        if self.pipeline is not None:
+            if len(batch) != 2:
+                raise ConfigError(f"a pipelined step takes (inputs, targets), got {len(batch)} "
+                                  "batch arrays")
+            varied = _group_by(leaves, vary, lambda xs, axes: lax.pcast(xs, axes, to="varying"))
+            loss, grads = self._pipeline_value_and_grad(varied, *batch)
+        elif self.accumulate == 1:
             loss, grads = one(leaves, *batch)
         else:
             n = self.accumulate
@@ -311,8 +441,9 @@ class TrainStep:
             vary = [tuple(a for a in axes if not (a == "data" and d >= 0))
                     for axes, d in zip(vary, dims)]
         grads = _group_by(grads, vary, lambda xs, axes: lax.psum(xs, axes))
-        if self.batch_axes:
-            loss = lax.psum(loss, self.batch_axes)  # the global mean: one scalar all-reduce
+        loss_axes = self.batch_axes + (("stage",) if self.pipeline is not None else ())
+        if loss_axes:  # the global mean: one scalar all-reduce (a pipeline's: on its last stage)
+            loss = lax.psum(loss, loss_axes)
         return loss, grads
 
     def value_and_grad(self) -> Callable:
@@ -327,6 +458,33 @@ class TrainStep:
             return loss, self._pure(grads)
 
         return run
+
+    def loss(self) -> Callable:
+        """``loss(params, *batch) -> global mean loss`` (evaluation), jitted: forward only (a
+        pipeline's through its executor, gradients discarded)."""
+        if self.pipeline is not None:
+            value_and_grad = jax.jit(self.value_and_grad())
+            return lambda params, *batch: value_and_grad(params, *batch)[0]
+        dims = self.layout.zero_dims
+
+        def per_rank(leaves, *batch):
+            leaves = list(leaves)
+            if self.zero == 3:
+                leaves = [zero_module.gather(x, d, invariant=True) for x, d in zip(leaves, dims)]
+            model = self.layout.model_of(self.precision.cast(leaves))
+            loss = jnp.asarray(self.loss_fn(model, *self.precision.cast(batch)))
+            loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32)) / self.batch_ranks
+            return lax.psum(loss, self.batch_axes) if self.batch_axes else loss
+
+        @jax.jit
+        def evaluate(params, *batch):
+            fn = jax.shard_map(per_rank, mesh=self.mesh,
+                               in_specs=(tuple(self.param_specs),
+                                         *([self.batch_spec] * len(batch))),
+                               out_specs=P(), check_vma=True)
+            return fn(tuple(jax.tree.leaves(params)), *batch)
+
+        return evaluate
 
     def _build(self):
         run = self.value_and_grad()

@@ -251,3 +251,34 @@ def test_step_options_are_checked_before_compiling():
     tokens, targets = _batch()
     with pytest.raises(ConfigError, match="multiple of 2 batch ranks"):
         step(step.init(), tokens[:3], targets[:3])
+
+
+PIPELINES = {"1f1b-tensor": ("stage=2,data=2,model=2", "1f1b", False),
+             "gpipe": ("stage=2,data=4", "gpipe", None),
+             "1f1b-tensor-sp": ("stage=2,data=2,model=2", "1f1b", True)}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[] if c == "1f1b-tensor"
+                                               else [pytest.mark.slow]) for c in PIPELINES])
+def test_stacked_user_model_pipelined_equals_one_device(case):
+    """A ``stage`` axis cuts the model at its Stacked blocks: the part of the user's loss before
+    them runs on the first stage, the blocks' layers split over ``stage``, the rest on the last."""
+    from jphantom.pipeline.runner import PipelineConfig
+
+    shape, schedule, sequence_parallel = PIPELINES[case]
+    model = TinyLM(stacked=True)
+    mesh = _mesh(shape)
+    if sequence_parallel is not None:
+        jphantom.parallelize(model, mesh, jphantom.plans.megatron(
+            model, sequence_parallel=sequence_parallel))
+    step = jphantom.make_train_step(model, mesh, optax.sgd(0.1), loss_fn,
+                                    pipeline=PipelineConfig(schedule, microbatches=2))
+    loss, grads = jax.jit(step.value_and_grad())(step.init().params, *_batch())
+    ref_loss, ref_grads = one_device(stacked=True)
+    assert abs(float(loss) - ref_loss) < 1e-5 * abs(ref_loss)
+    assert rel_error(jax.device_get(grads), ref_grads) < 1e-5
+
+
+def test_a_pipeline_needs_one_stacked_module():
+    with pytest.raises(ConfigError, match="exactly one jphantom.nn.Stacked"):
+        jphantom.make_train_step(TinyLM(), _mesh("stage=2,data=4"), optax.sgd(0.1), loss_fn)

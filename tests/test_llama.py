@@ -178,3 +178,39 @@ def test_unsupported_checkpoints_are_refused_by_name(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config_json, "model_type": "bert"}))
     with pytest.raises(ConfigError, match="bert"):
         hf.load(tmp_path)
+
+
+# --- jphantom train --model llama ---------------------------------------------------------------
+
+
+def _run_config(tmp_path, **overrides):
+    from jphantom.run import RunConfig
+
+    settings = dict(model="llama", strategy="tensor", mesh="data=2,model=2", layers=2, hidden=32,
+                    heads=4, kv_heads=2, seq_len=16, batch=4, steps=3, eval_every=3,
+                    eval_batches=1, out=str(tmp_path / "run"), progress=False)
+    settings.update(overrides)
+    return RunConfig(**settings)
+
+
+def test_train_llama_writes_results_and_a_hf_checkpoint(tmp_path):
+    from jphantom.run import run
+
+    results = run(_run_config(tmp_path, save_hf=str(tmp_path / "hf"), clip_norm=1.0))
+    assert np.isfinite(results["final_validation_loss"])
+    assert results["llama"]["kv_heads"] == 2 and results["params"] > 0
+    again = hf.load(tmp_path / "hf")
+    assert again.config.layers == 2 and again.config.hidden == 32
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"strategy": "pmm3d"}, "runs the strategies"),
+    ({"moe_every": 2}, "Mixtral"),
+    ({"strategy": "phantom"}, "ghost-width"),
+    ({"mesh": "data=1,model=4"}, "kv_heads=2 is not divisible by model=4"),
+    ({"from_hf": "/nonexistent"}, "no config.json"),
+    ({"kv_heads": 3}, "heads=4 is not a multiple of kv_heads=3"),
+])
+def test_train_llama_refuses_bad_settings_before_building(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _run_config(tmp_path, **overrides)

@@ -41,14 +41,50 @@ class Stacked(nnx.Module):
     def __call__(self, h: jax.Array, *args) -> jax.Array:
         """``h`` through every block; ``args`` are passed to each block unchanged."""
         graphdef, state = nnx.split(self.block)
+        return apply_blocks(graphdef, state, h, *args, remat=self.remat)
 
-        def one(layer_state, h):
-            return nnx.merge(graphdef, layer_state)(h, *args)
 
-        if self.remat != "none":
-            one = jax.checkpoint(one, policy=remat_module.POLICIES[self.remat])
-        h, _ = lax.scan(lambda h, layer_state: (one(layer_state, h), None), h, state)
-        return h
+def apply_blocks(graphdef, state, h: jax.Array, *args, remat: str = "none") -> jax.Array:
+    """The blocks of a split :class:`Stacked` (``state`` stacked [L', ...]) applied in order under
+    ``lax.scan``, each checkpointed with ``remat``: a pipeline stage's body runs its L' blocks so."""
+
+    def one(layer_state, h):
+        return nnx.merge(graphdef, layer_state)(h, *args)
+
+    if remat != "none":
+        one = jax.checkpoint(one, policy=remat_module.POLICIES[remat])
+    h, _ = lax.scan(lambda h, layer_state: (one(layer_state, h), None), h, state)
+    return h
+
+
+class StackInput(Exception):
+    """Raised by :class:`Capture` to hand a pipeline the activation entering the blocks."""
+
+    def __init__(self, h):
+        super().__init__("the activation entering the stacked blocks")
+        self.h = h
+
+
+class Capture(Stacked):
+    """Stands in for a :class:`Stacked` while a pipeline runs the model's part before the blocks
+    (its first stage's embedding): raises :class:`StackInput` with the blocks' input."""
+
+    def __init__(self):  # holds no blocks
+        self.remat = "none"
+
+    def __call__(self, h, *args):
+        raise StackInput(h)
+
+
+class Feed(Stacked):
+    """Stands in for a :class:`Stacked` while a pipeline runs the model's part after the blocks
+    (its last stage's head and loss): returns the pipeline's output instead of its input."""
+
+    def __init__(self, output_fn):  # holds no blocks
+        self.output_fn, self.remat = output_fn, "none"
+
+    def __call__(self, h, *args):
+        return self.output_fn()
 
 
 def set_remat(model: nnx.Module, policy: str) -> None:

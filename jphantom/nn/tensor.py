@@ -18,8 +18,10 @@ Per call, per rank (elements):
 =======================  ==========================================  ============================
 layer                    forward                                     backward
 =======================  ==========================================  ============================
-ColumnParallelLinear     f: none (SP: all-gather of B S h)            f: all-reduce of B S h (SP:
-                                                                     reduce-scatter to B S h / p)
+InputNorm                f: none (SP: all-gather of B S h)            f: all-reduce of B S h (SP:
+  (norm before columns)                                              reduce-scatter to B S h / p)
+ColumnParallelLinear     f where its input does not vary yet (no     as f
+                         InputNorm before it), else none
 RowParallelLinear        g: all-reduce of B S h (SP: reduce-scatter)  none (SP: all-gather B S h)
 VocabParallelEmbed       all-reduce of B S h (SP: reduce-scatter)     none (SP: all-gather)
 VocabParallelHead        f (SP: all-gather); logits stay [B S V/p];   f's all-reduce (SP: RS)
