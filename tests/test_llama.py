@@ -214,3 +214,19 @@ def test_train_llama_writes_results_and_a_hf_checkpoint(tmp_path):
 def test_train_llama_refuses_bad_settings_before_building(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         _run_config(tmp_path, **overrides)
+
+
+def test_train_llama_resumes_from_a_checkpoint_on_another_mesh(tmp_path):
+    """Orbax checkpoints of the module step's state (parameters in the dense layout, Adam's
+    moments): written on data=2,model=2, restored onto data=4,model=1 and continued."""
+    from jphantom.run import run
+
+    directory = str(tmp_path / "ckpt")
+    first = run(_run_config(tmp_path, steps=2, eval_every=2, checkpoint_dir=directory,
+                            optimizer="adam"))
+    resumed = run(_run_config(tmp_path, steps=3, eval_every=3, checkpoint_dir=directory,
+                              optimizer="adam", resume=True, mesh="data=4,model=1",
+                              out=str(tmp_path / "again")))
+    assert resumed["checkpoints"]["resumed_from"] == 2
+    assert resumed["history"]["train_loss"][:2] == first["history"]["train_loss"]
+    assert np.isfinite(resumed["final_validation_loss"])
