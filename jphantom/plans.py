@@ -28,7 +28,9 @@ each kind of Flax layer (p = the size of ``axis``):
                :class:`~jphantom.nn.phantom_layers.FeatureParallelNorm`; ``Experts`` ->
                :class:`~jphantom.nn.tensor.TensorParallelExperts` on feature-split streams
 ``experts``    :class:`~jphantom.nn.experts.Experts` ->
-               :class:`~jphantom.nn.tensor.TensorParallelExperts` (FFN width / p)
+               :class:`~jphantom.nn.tensor.TensorParallelExperts` (FFN width / p); on a mesh
+               with an ``expert`` axis :class:`~jphantom.nn.expert.ExpertParallelExperts`
+               (E / G experts per rank, all-to-all dispatch; TED: width / p over ``axis``)
 ``replicate``  unchanged: every rank holds the whole layer
 =============  ==========================================================================
 
@@ -51,9 +53,11 @@ from flax import nnx
 from jphantom.errors import ConfigError
 from jphantom.nn import experts as experts_module
 from jphantom.nn.experts import Experts
-from jphantom.nn import tensor
+from jphantom.nn import expert as expert_layers
 from jphantom.nn import phantom as phantom_layers
+from jphantom.nn import tensor
 
+EXPERT_AXIS = "expert"
 STYLES = ("column", "row", "vocab", "input", "sequence", "phantom", "experts", "replicate")
 NORMS = (nnx.LayerNorm, nnx.RMSNorm)
 
@@ -111,7 +115,7 @@ def _divides(path: str, what: str, value: int, p: int, axis: str) -> None:
 
 
 def _convert(path: str, module, style: Style, *, axis: str, p: int, sequence_parallel: bool,
-             ghost_width: int | None, fused: bool):
+             ghost_width: int | None, fused: bool, shape: dict):
     """The parallel module for ``module`` under ``style`` (``None``: keep the module)."""
     kind = type(module).__name__
     name = style.name
@@ -139,7 +143,17 @@ def _convert(path: str, module, style: Style, *, axis: str, p: int, sequence_par
     if name == "sequence" and embed:
         return tensor.SequenceParallelEmbed.from_module(module, axis=axis)
     if name == "experts" and experts:
-        _divides(path, "expert width", module.w_gate.shape[-1], p, axis)
+        if p > 1:
+            _divides(path, "expert width", module.w_gate.shape[-1], p, axis)
+        groups = shape.get(EXPERT_AXIS, 1)
+        if groups > 1:  # expert parallelism over the expert axis, TED over ``axis``
+            _divides(path, "experts", module.w_gate.shape[-3], groups, EXPERT_AXIS)
+            if module.top_k is None:
+                raise ConfigError(f"{path}: expert parallelism dispatches each token to its top-k "
+                                  "experts: build Experts(..., top_k=k)")
+            return expert_layers.ExpertParallelExperts.from_module(
+                module, top_k=module.top_k, expert_axis=EXPERT_AXIS,
+                model_axis=axis if p > 1 else None, sequence_parallel=sequence_parallel)
         return tensor.TensorParallelExperts.from_module(module, axis=axis,
                                                         sequence_parallel=sequence_parallel)
     if name == "phantom":
@@ -200,6 +214,8 @@ def parallelize(model: nnx.Module, mesh, plan: Mapping[str, str | Style], *,
         raise ConfigError("plan must be a non-empty mapping of module path patterns to styles, "
                           "e.g. {'blocks.*.attn.q': 'column'} (or jphantom.plans.megatron(model))")
     p = _mesh_axis_size(mesh, axis)
+    shape = {str(k): int(v) for k, v in (dict(mesh.shape) if hasattr(mesh, "shape")
+                                         else dict(mesh)).items()}
     styles = {pattern: Style.of(value) for pattern, value in plan.items()}
     sequence_parallel = any(s.name == "sequence" for s in styles.values())
     modules = modules_by_path(model)
@@ -223,7 +239,7 @@ def parallelize(model: nnx.Module, mesh, plan: Mapping[str, str | Style], *,
     for path, (_, style) in chosen.items():  # validate every entry before changing anything
         path_tuple, module = modules[path]
         new = _convert(path, module, style, axis=axis, p=p, sequence_parallel=sequence_parallel,
-                       ghost_width=ghost_width, fused=fused)
+                       ghost_width=ghost_width, fused=fused, shape=shape)
         if new is not None:
             swaps.append((path_tuple, new))
     for path_tuple, new in swaps:

@@ -199,18 +199,24 @@ class RunConfig:
                               f"{mesh.device_count} to simulate them on CPU, or a smaller mesh")
         if self.strategy == "dense" and mesh.size("model") != 1:
             raise ConfigError("--strategy dense keeps every layer whole: use model=1")
-        for axis in ("expert", "x", "y", "z"):
+        for axis in ("x", "y", "z"):
             if axis in mesh.shape:
-                raise ConfigError(f"--model llama runs on data, stage and model axes, not {axis}")
+                raise ConfigError(f"--model llama runs on data, stage, expert and model axes, "
+                                  f"not {axis}")
+        if "expert" in mesh.shape and not self.moe_every:
+            raise ConfigError("an expert axis splits Mixtral's experts: add --moe-every 1")
         config = self.llama_config()
         model_axis = mesh.size("model")
         if config.kv_heads % model_axis:
             raise ConfigError(f"kv_heads={config.kv_heads} is not divisible by model="
                               f"{model_axis}: each rank needs whole key/value heads")
-        ranks = mesh.size("data")
+        ranks = mesh.size("data") * mesh.size("expert")
         if self.batch % (ranks * self.accumulate):
-            raise ConfigError(f"batch={self.batch} is not divisible by data={ranks} x "
+            raise ConfigError(f"batch={self.batch} is not divisible by data x expert={ranks} x "
                               f"accumulate={self.accumulate}")
+        if self.moe_every and self.experts % mesh.size("expert"):
+            raise ConfigError(f"experts={self.experts} is not divisible by expert="
+                              f"{mesh.size('expert')}")
         self.pipeline_config()
 
     def llama_config(self):

@@ -230,3 +230,41 @@ def test_train_llama_resumes_from_a_checkpoint_on_another_mesh(tmp_path):
     assert resumed["checkpoints"]["resumed_from"] == 2
     assert resumed["history"]["train_loss"][:2] == first["history"]["train_loss"]
     assert np.isfinite(resumed["final_validation_loss"])
+
+
+@pytest.mark.parametrize("axes, sequence_parallel", [
+    ((("data", 2), ("expert", 2), ("model", 2)), False),
+    ((("expert", 4), ("model", 2)), True),
+], ids=["data2-expert2-model2", "expert4-model2-sp"])
+def test_mixtral_expert_parallel_equals_one_device(axes, sequence_parallel):
+    """Experts split over ``expert`` (all-to-all dispatch, no token dropped) and their width over
+    ``model`` (TED), with and without sequence parallelism."""
+    names, sizes = zip(*axes)
+    mesh = jax.make_mesh(sizes, names, devices=jax.devices()[:int(np.prod(sizes))])
+    model = llama.Llama(config(4), rngs=nnx.Rngs(0))
+    jphantom.parallelize(model, mesh,
+                         jphantom.plans.megatron(model, sequence_parallel=sequence_parallel))
+    step = jphantom.make_train_step(model, mesh, optax.sgd(0.1), llama.lm_loss)
+    state = step.init()
+    loss, grads = jax.jit(step.value_and_grad())(state.params, *_batch())
+    ref_loss, ref_grads = one_device(4)
+    assert abs(float(loss) - ref_loss) < 1e-5 * ref_loss
+    assert rel_error(jax.device_get(grads), ref_grads) < 1e-5
+    if not sequence_parallel:  # 4 all-to-alls of E C h per MoE layer (C = T: none dropped)
+        from jphantom.analysis import hlo
+
+        text = step.lower(state, *_batch()).compile().as_text()
+        found = [c for c in hlo.collectives(text) if c.kind == "all-to-all"]
+        tokens = BATCH // 4 * S  # per data x expert rank
+        c = config(4)
+        assert sum(x.count for x in found) == 4 * c.layers
+        assert sum(x.total_bytes for x in found) == 4 * c.layers * c.experts * tokens * c.hidden * 4
+        assert all(x.mesh_axes(dict(mesh.shape)) == ("expert",) for x in found)
+
+
+def test_train_llama_with_an_expert_axis(tmp_path):
+    from jphantom.run import run
+
+    results = run(_run_config(tmp_path, mesh="expert=2,model=2", moe_every=1, experts=4,
+                              steps=2, eval_every=2))
+    assert results["llama"]["experts"] == 4 and np.isfinite(results["final_validation_loss"])

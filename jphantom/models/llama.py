@@ -170,7 +170,7 @@ class MoE(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         self.router = _linear(config.hidden, config.experts, config, rngs)
         self.experts = Experts(config.hidden, config.intermediate, config.experts, rngs=rngs,
-                               param_dtype=jnp.dtype(config.dtype))
+                               top_k=config.top_k, param_dtype=jnp.dtype(config.dtype))
         self.top_k = config.top_k
 
     def __call__(self, x):

@@ -32,15 +32,16 @@ class Experts(nnx.Module):
     """E SwiGLU experts, every one applied to every token and weighted by ``gates``."""
 
     def __init__(self, hidden: int, width: int, experts: int, *, rngs: nnx.Rngs,
-                 param_dtype=jnp.float32):
+                 top_k: int | None = None, param_dtype=jnp.float32):
+        self.top_k = top_k  # the router's k (expert-parallel layers dispatch that many per token)
         init = nnx.initializers.lecun_normal()
         self.w_gate = nnx.Param(init(rngs.params(), (experts, hidden, width), param_dtype))
         self.w_up = nnx.Param(init(rngs.params(), (experts, hidden, width), param_dtype))
         self.w_down = nnx.Param(init(rngs.params(), (experts, width, hidden), param_dtype))
 
     @classmethod
-    def of(cls, w_gate, w_up, w_down) -> "Experts":
-        experts = nnx.eval_shape(lambda: cls(1, 1, 1, rngs=nnx.Rngs(0)))
+    def of(cls, w_gate, w_up, w_down, top_k: int | None = None) -> "Experts":
+        experts = nnx.eval_shape(lambda: cls(1, 1, 1, rngs=nnx.Rngs(0), top_k=top_k))
         experts.w_gate, experts.w_up, experts.w_down = (
             nnx.Param(w_gate), nnx.Param(w_up), nnx.Param(w_down))
         return experts

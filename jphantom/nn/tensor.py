@@ -317,9 +317,10 @@ class TensorParallelExperts(nnx.Module):
     (B S h; backward all-gather), the gates being replicated already."""
 
     def __init__(self, w_gate, w_up, w_down, *, axis: str = "model",
-                 sequence_parallel: bool = False, feature_split: bool = False):
+                 sequence_parallel: bool = False, feature_split: bool = False,
+                 top_k: int | None = None):
         self.axis, self.sequence_parallel = axis, sequence_parallel
-        self.feature_split = feature_split
+        self.feature_split, self.top_k = feature_split, top_k
         self.w_gate = metadata.param(w_gate, (None, None, axis))
         self.w_up = metadata.param(w_up, (None, None, axis))
         self.w_down = metadata.param(w_down, (None, axis, None))
@@ -329,10 +330,11 @@ class TensorParallelExperts(nnx.Module):
                     sequence_parallel: bool = False,
                     feature_split: bool = False) -> "TensorParallelExperts":
         return cls(experts.w_gate[...], experts.w_up[...], experts.w_down[...], axis=axis,
-                   sequence_parallel=sequence_parallel, feature_split=feature_split)
+                   sequence_parallel=sequence_parallel, feature_split=feature_split,
+                   top_k=experts.top_k)
 
     def dense_equivalent(self) -> Experts:
-        return Experts.of(self.w_gate[...], self.w_up[...], self.w_down[...])
+        return Experts.of(self.w_gate[...], self.w_up[...], self.w_down[...], top_k=self.top_k)
 
     def __call__(self, x: jax.Array, gates: jax.Array) -> jax.Array:
         if self.feature_split:
