@@ -247,6 +247,50 @@ def parallelize(model: nnx.Module, mesh, plan: Mapping[str, str | Style], *,
     return model
 
 
+# What each style splits, for GSPMD's annotations: parameter name -> mesh axis per dimension.
+_ANNOTATIONS = {
+    ("column", "Linear"): {"kernel": (None, "{axis}"), "bias": ("{axis}",)},
+    ("vocab", "Linear"): {"kernel": (None, "{axis}"), "bias": ("{axis}",)},
+    ("row", "Linear"): {"kernel": ("{axis}", None)},
+    ("vocab", "Embed"): {"embedding": ("{axis}", None)},
+    ("experts", "Experts"): {"w_gate": (None, None, "{axis}"), "w_up": (None, None, "{axis}"),
+                             "w_down": (None, "{axis}", None)},
+}
+
+
+def annotate(model: nnx.Module, mesh, plan: Mapping[str, str | Style], *,
+             axis: str = "model") -> nnx.Module:
+    """GSPMD, what a JAX user writes without jphantom: the same plan, but the layers stay plain
+    Flax layers and only their parameters' sharding metadata changes (column: kernel split on its
+    outputs, row: on its inputs, vocab: the vocabulary); ``jax.jit`` then chooses the
+    collectives. Train it with ``make_train_step(..., spmd="gspmd")``. Norms, ``input`` and
+    ``sequence`` entries stay replicated; ``phantom`` has no annotation (it is another model)."""
+    _mesh_axis_size(mesh, axis)
+    modules = modules_by_path(model)
+    chosen = {}
+    for pattern, value in plan.items():
+        style = Style.of(value)
+        matched = [path for path in modules if fnmatch.fnmatchcase(path, pattern)]
+        if not matched:
+            raise ConfigError(f"plan pattern {pattern!r} matches no module of "
+                              f"{type(model).__name__}")
+        if style.name == "phantom":
+            raise ConfigError(f"{pattern}: phantom layers are another model, not an annotation "
+                              "of this one: use parallelize")
+        for path in matched:
+            chosen[path] = style
+    for path, style in chosen.items():
+        module = modules[path][1]
+        kind = "Linear" if isinstance(module, nnx.Linear) else type(module).__name__
+        for name, axes in _ANNOTATIONS.get((style.name, kind), {}).items():
+            variable = getattr(module, name, None)
+            if isinstance(variable, nnx.Param):
+                axes = tuple(a and a.format(axis=axis) for a in axes)
+                lead = variable.get_value().ndim - len(axes)
+                variable.set_metadata("out_sharding", (None,) * lead + axes)
+    return model
+
+
 def dense_equivalent(model: nnx.Module) -> nnx.Module:
     """A copy of ``model`` with every parallel layer replaced by the plain Flax layer it equals
     (``dense_equivalent()``): the single-device oracle of a parallelised model. Differentiable in

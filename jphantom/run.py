@@ -49,7 +49,7 @@ from jphantom.step import check_step_options
 from jphantom.pipeline.schedule import SCHEDULES as PIPELINE_SCHEDULES
 
 MODELS = ("ffn", "transformer", "gpt2", "llama")  # gpt2: the transformer's name; llama: NNX
-MODULE_STRATEGIES = ("dense", "tensor", "phantom")  # what --model llama runs
+MODULE_STRATEGIES = ("dense", "gspmd", "tensor", "phantom")  # what --model llama runs
 OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULES = ("constant", "cosine")
 
@@ -392,13 +392,16 @@ class _ModuleProgram:
                 model, sequence_parallel=config.sequence_parallel))
         elif config.strategy == "phantom":
             plans.parallelize(model, mesh, plans.phantom(model, ghost_width=config.ghost_width))
+        elif config.strategy == "gspmd":  # the same plan as annotations; jit's collectives
+            plans.annotate(model, mesh, plans.megatron(model))
         optimizer = config.optimizer_transform()
         if config.clip_norm is not None:  # exact: the update sees the global gradients
             optimizer = optax.chain(optax.clip_by_global_norm(config.clip_norm), optimizer)
         pipeline = config.pipeline_config()
         self.step = make_train_step(model, mesh, optimizer, lm_loss, zero=config.zero,
                                     accumulate=config.accumulate, precision=config.precision,
-                                    remat=config.step_remat, pipeline=pipeline)
+                                    remat=config.step_remat, pipeline=pipeline,
+                                    spmd="gspmd" if config.strategy == "gspmd" else "shard_map")
         self.mesh, self.zero, self.config = config.mesh_config(), config.zero, llama_config
         self.param_count = sum(math.prod(s.shape) for s in self.step.layout.shapes)
         self.options = ({} if pipeline is None else

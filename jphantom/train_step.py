@@ -170,7 +170,7 @@ class TrainStep:
     def __init__(self, model: nnx.Module, mesh: Mesh, optimizer: optax.GradientTransformation,
                  loss_fn: Callable, *, zero: int = 0, accumulate: int = 1,
                  precision: str | Precision = "float32", remat: str = "none",
-                 pipeline=None, donate: bool = True):
+                 pipeline=None, spmd: str = "shard_map", donate: bool = True):
         if not isinstance(model, nnx.Module):
             raise ConfigError(f"make_train_step takes an nnx.Module, not {type(model).__name__}")
         self.mesh = _check_mesh(mesh)
@@ -197,6 +197,19 @@ class TrainStep:
         if zero and "expert" in mesh.axis_names:
             raise ConfigError("ZeRO with an 'expert' axis is not supported by the module step: "
                               "use zero=0 or put the batch ranks on 'data'")
+        if spmd not in ("shard_map", "gspmd"):
+            raise ConfigError(f"spmd={spmd!r}: 'shard_map' (the parallel layers' own "
+                              "collectives) or 'gspmd' (annotations, jit's collectives)")
+        self.spmd = spmd
+        if spmd == "gspmd":
+            parallel = [type(m).__name__ for _, m in nnx.iter_modules(model)
+                        if callable(getattr(m, "dense_equivalent", None))]
+            if parallel:
+                raise ConfigError(f"spmd='gspmd' runs the plain model with sharding annotations "
+                                  f"(jphantom.plans.annotate); it holds parallel layers "
+                                  f"({parallel[0]}): annotate a plain model instead")
+            if pipeline is not None or "stage" in mesh.axis_names or accumulate != 1:
+                raise ConfigError("spmd='gspmd' takes no pipeline and no accumulation here")
         self.pipeline, self.stack = self._pipeline(model, mesh, pipeline)
         self.layout = ParamLayout.of(model, mesh, zero)
         if self.pipeline is not None:
@@ -446,9 +459,29 @@ class TrainStep:
             loss = lax.psum(loss, loss_axes)
         return loss, grads
 
+    def _gspmd_loss(self, params, *batch):
+        """GSPMD: the global loss of global arrays; ``jax.jit`` places the collectives."""
+        batch = [jax.lax.with_sharding_constraint(b, NamedSharding(self.mesh, self.batch_spec))
+                 for b in batch]
+        model = self.layout.model_of(self.precision.cast(jax.tree.leaves(params)))
+        loss = jnp.asarray(self.loss_fn(model, *self.precision.cast(batch)))
+        return loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
+
     def value_and_grad(self) -> Callable:
         """``(params, *batch) -> (loss, grads)``: the ``shard_map`` alone (grads as a dict like
         ``params``, with ZeRO-2/3 their shards)."""
+        if self.spmd == "gspmd":
+            grad_sh = self._shardings(self.grad_specs)
+
+            def run_gspmd(params, *batch):
+                scale = self.precision.loss_scale
+                loss, grads = jax.value_and_grad(
+                    lambda p: self._gspmd_loss(p, *batch) * scale)(params)
+                grads = jax.tree.map(lambda g, p: (g / scale).astype(p.dtype), grads, params)
+                return loss / scale, jax.lax.with_sharding_constraint(grads, grad_sh)
+
+            return run_gspmd
+
         def run(params, *batch):
             leaves = jax.tree.leaves(params)
             specs_in = (tuple(self.param_specs), *([self.batch_spec] * len(batch)))
@@ -465,6 +498,8 @@ class TrainStep:
         if self.pipeline is not None:
             value_and_grad = jax.jit(self.value_and_grad())
             return lambda params, *batch: value_and_grad(params, *batch)[0]
+        if self.spmd == "gspmd":
+            return jax.jit(self._gspmd_loss)
         dims = self.layout.zero_dims
 
         def per_rank(leaves, *batch):
@@ -530,7 +565,10 @@ def make_train_step(model: nnx.Module, mesh: Mesh, optimizer: optax.GradientTran
     """The training step of ``model`` on ``mesh``: ``step.init()`` then ``state, loss =
     step(state, *batch)`` (module docstring). Options: ``zero`` (0-3), ``accumulate``
     (micro-batches per step, one reduction), ``precision`` (float32, bf16, float16),
-    ``remat`` (checkpoint policy of the model's Stacked blocks), ``donate``."""
+    ``remat`` (checkpoint policy of the model's Stacked blocks), ``pipeline`` (a
+    :class:`~jphantom.pipeline.runner.PipelineConfig`, with a ``stage`` axis), ``spmd``
+    (``"shard_map"``, or ``"gspmd"``: the plain model with :func:`jphantom.plans.annotate`'s
+    sharding metadata, collectives chosen by ``jax.jit``, the baseline), ``donate``."""
     return TrainStep(model, mesh, optimizer, loss_fn, **options)
 
 

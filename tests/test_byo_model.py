@@ -282,3 +282,31 @@ def test_stacked_user_model_pipelined_equals_one_device(case):
 def test_a_pipeline_needs_one_stacked_module():
     with pytest.raises(ConfigError, match="exactly one jphantom.nn.Stacked"):
         jphantom.make_train_step(TinyLM(), _mesh("stage=2,data=4"), optax.sgd(0.1), loss_fn)
+
+
+def test_gspmd_baseline_of_the_same_plan_equals_one_device():
+    """GSPMD, what a JAX user writes: the plain model with the plan's sharding annotations,
+    ``jax.jit`` choosing the collectives; with ZeRO-3's data split as annotations too (FSDP)."""
+    for zero in (0, 3):
+        model = TinyLM()
+        mesh = _mesh("data=2,model=4")
+        jphantom.plans.annotate(model, mesh, jphantom.plans.megatron(model))
+        assert isinstance(model.blocks[0].attn.q, nnx.Linear)  # still the plain layer
+        step = jphantom.make_train_step(model, mesh, optax.sgd(0.1), loss_fn, spmd="gspmd",
+                                        zero=zero)
+        state = step.init()
+        assert state.params["blocks"][0]["attn"]["q"]["kernel"].sharding.spec[-1] == "model"
+        loss, grads = jax.jit(step.value_and_grad())(state.params, *_batch())
+        ref_loss, ref_grads = one_device()
+        assert abs(float(loss) - ref_loss) < 1e-5 * abs(ref_loss)
+        assert rel_error(jax.device_get(grads), ref_grads) < 1e-5
+        state, loss = step(state, *_batch())
+        assert np.isfinite(float(loss))
+
+
+def test_gspmd_refuses_a_parallelised_model():
+    model = TinyLM()
+    mesh = _mesh("data=2,model=4")
+    jphantom.parallelize(model, mesh, jphantom.plans.megatron(model))
+    with pytest.raises(ConfigError, match="annotate a plain model"):
+        jphantom.make_train_step(model, mesh, optax.sgd(0.1), loss_fn, spmd="gspmd")

@@ -268,3 +268,14 @@ def test_train_llama_with_an_expert_axis(tmp_path):
     results = run(_run_config(tmp_path, mesh="expert=2,model=2", moe_every=1, experts=4,
                               steps=2, eval_every=2))
     assert results["llama"]["experts"] == 4 and np.isfinite(results["final_validation_loss"])
+
+
+def test_llama_gspmd_baseline_equals_one_device():
+    model = llama.Llama(config(4), rngs=nnx.Rngs(0))
+    mesh = _mesh(4, 2)
+    jphantom.plans.annotate(model, mesh, jphantom.plans.megatron(model))
+    step = jphantom.make_train_step(model, mesh, optax.sgd(0.1), llama.lm_loss, spmd="gspmd")
+    loss, grads = jax.jit(step.value_and_grad())(step.init().params, *_batch())
+    ref_loss, ref_grads = one_device(4)
+    assert abs(float(loss) - ref_loss) < 1e-5 * ref_loss
+    assert rel_error(jax.device_get(grads), ref_grads) < 1e-5
