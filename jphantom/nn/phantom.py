@@ -35,6 +35,7 @@ from jax import lax
 
 from jphantom.errors import ConfigError
 from jphantom.nn import metadata
+from jphantom.nn import norm as norm_ops
 from jphantom.nn.tensor import _embed, _gather_vocab, _linear, _promote, _value
 from jphantom.sharding import phantom as phantom_ops
 from jphantom.sharding import vocab
@@ -186,42 +187,19 @@ class FeatureParallelNorm(nnx.Module):
 
     @classmethod
     def from_module(cls, norm, *, axis: str = "model") -> "FeatureParallelNorm":
-        kind = "rms" if isinstance(norm, nnx.RMSNorm) else "layer"
         return cls(_value(getattr(norm, "scale", None)), _value(getattr(norm, "bias", None)),
-                   kind=kind, epsilon=norm.epsilon, features=norm.num_features, axis=axis,
-                   dtype=norm.dtype)
+                   kind=norm_ops.kind_of(norm), epsilon=norm.epsilon,
+                   features=norm.num_features, axis=axis, dtype=norm.dtype)
 
     def dense_equivalent(self):
-        n = self.features
-        scale, bias = _value(self.scale), _value(self.bias)
-        if self.kind == "rms":
-            norm = nnx.RMSNorm(n, epsilon=self.epsilon, dtype=self.dtype,
-                               use_scale=scale is not None, rngs=nnx.Rngs(0))
-        else:
-            norm = nnx.LayerNorm(n, epsilon=self.epsilon, dtype=self.dtype,
-                                 use_scale=scale is not None, use_bias=bias is not None,
-                                 rngs=nnx.Rngs(0))
-        if scale is not None:
-            norm.scale = nnx.Param(scale)
-        if bias is not None:
-            norm.bias = nnx.Param(bias)
-        return norm
+        return norm_ops.plain(self.kind, self.epsilon, self.dtype, _value(self.scale),
+                              _value(self.bias))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-        if self.kind == "rms":
-            mean_square = lax.psum(jnp.sum(wide * wide, -1, keepdims=True), self.axis) / self.features
-            y = wide * lax.rsqrt(mean_square + self.epsilon)  # all-reduce of B*S
-        else:
-            mean = lax.psum(wide.sum(-1, keepdims=True), self.axis) / self.features  # AR B*S
-            centred = wide - mean
-            var = lax.psum(jnp.sum(centred * centred, -1, keepdims=True), self.axis) / self.features
-            y = centred * lax.rsqrt(var + self.epsilon)  # all-reduce of B*S
-        if self.scale is not None:
-            y = y * self.scale[...]
-        if self.bias is not None:
-            y = y + self.bias[...]
-        return y.astype(self.dtype or x.dtype)
+        # per-token sums all-reduced over the feature axis: B*S scalars each (LayerNorm: two)
+        return norm_ops.normalize(x, self.kind, self.epsilon, _value(self.scale),
+                                  _value(self.bias), axis=self.axis, features=self.features,
+                                  dtype=self.dtype)
 
 
 def _varying_axes(x) -> set[str]:

@@ -43,6 +43,7 @@ from flax import nnx
 from jax import lax
 
 from jphantom.nn import metadata
+from jphantom.nn import norm as norm_ops
 from jphantom.nn.experts import Experts
 from jphantom.sharding import vocab
 
@@ -268,40 +269,17 @@ class InputNorm(nnx.Module):
     @classmethod
     def from_module(cls, norm, *, axis: str = "model",
                     sequence_parallel: bool = False) -> "InputNorm":
-        kind = "rms" if isinstance(norm, nnx.RMSNorm) else "layer"
         return cls(_value(getattr(norm, "scale", None)), _value(getattr(norm, "bias", None)),
-                   kind=kind, epsilon=norm.epsilon, axis=axis,
+                   kind=norm_ops.kind_of(norm), epsilon=norm.epsilon, axis=axis,
                    sequence_parallel=sequence_parallel, dtype=norm.dtype)
 
     def dense_equivalent(self):
-        scale, bias = _value(self.scale), _value(self.bias)
-        n = (scale if scale is not None else bias).shape[-1]
-        if self.kind == "rms":
-            norm = nnx.RMSNorm(n, epsilon=self.epsilon, dtype=self.dtype,
-                               use_scale=scale is not None, rngs=nnx.Rngs(0))
-        else:
-            norm = nnx.LayerNorm(n, epsilon=self.epsilon, dtype=self.dtype,
-                                 use_scale=scale is not None, use_bias=bias is not None,
-                                 rngs=nnx.Rngs(0))
-        if scale is not None:
-            norm.scale = nnx.Param(scale)
-        if bias is not None:
-            norm.bias = nnx.Param(bias)
-        return norm
+        return norm_ops.plain(self.kind, self.epsilon, self.dtype, _value(self.scale),
+                              _value(self.bias))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-        if self.kind == "rms":
-            y = wide * lax.rsqrt(jnp.mean(wide * wide, -1, keepdims=True) + self.epsilon)
-        else:
-            mean = wide.mean(-1, keepdims=True)
-            var = jnp.mean(jnp.square(wide - mean), -1, keepdims=True)
-            y = (wide - mean) * lax.rsqrt(var + self.epsilon)
-        if self.scale is not None:
-            y = y * self.scale[...]
-        if self.bias is not None:
-            y = y + self.bias[...]
-        y = y.astype(self.dtype or x.dtype)
+        y = norm_ops.normalize(x, self.kind, self.epsilon, _value(self.scale), _value(self.bias),
+                               dtype=self.dtype)
         if self.sequence_parallel:
             return gather_sequence(y, self.axis)  # all-gather of B*S*h, once for its layers
         return copy_to_model(y, self.axis)  # f: backward all-reduce of B*S*h, once

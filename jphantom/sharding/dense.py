@@ -84,11 +84,9 @@ def gspmd_forward(params: Params, x: jax.Array, mesh: Mesh, activation_spec: P) 
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
-    """LayerNorm over the last axis (all features present)."""
-    mean = x.mean(axis=-1, keepdims=True)
-    centred = x - mean
-    var = jnp.mean(centred * centred, axis=-1, keepdims=True)
-    return centred * lax.rsqrt(var + eps) * scale + bias
+    """LayerNorm over the last axis (all features present): :func:`jphantom.nn.norm.normalize`."""
+    from jphantom.nn.norm import normalize
+    return normalize(x, "layer", eps, scale, bias, dtype=jnp.result_type(x, scale))
 
 
 def _linear(p, x):

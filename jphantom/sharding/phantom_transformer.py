@@ -181,10 +181,9 @@ class TransformerLayers:
 
     def norm(self, p, h):
         """LayerNorm over features split across ranks: two all-reduces of B x S per-token sums."""
-        mean = lax.psum(h.sum(axis=-1, keepdims=True), self.axis) / self.hidden  # all-reduce B*S
-        centred = h - mean
-        var = lax.psum((centred * centred).sum(axis=-1, keepdims=True), self.axis) / self.hidden
-        return centred * lax.rsqrt(var + self.eps) * p["scale"] + p["bias"]
+        from jphantom.nn.norm import normalize
+        return normalize(h, "layer", self.eps, p["scale"], p["bias"], axis=self.axis,
+                         features=self.hidden, dtype=jnp.result_type(h, p["scale"]))
 
     def _phantom(self, p, x):
         p = jax.tree.map(lambda a: a[0], p)  # drop the shard axis of size 1

@@ -1,0 +1,60 @@
+"""LayerNorm and RMSNorm arithmetic shared by the norm layers (no module of its own holds this
+twice): the per-token statistics in at least float32, summed over a mesh axis when the features
+are split across it.
+
+    LayerNorm: y = (x - mean) / sqrt(var + eps) * scale + bias      (two sums per token)
+    RMSNorm:   y = x / sqrt(mean(x^2) + eps) * scale                 (one sum per token)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+KINDS = ("layer", "rms")
+
+
+def kind_of(norm) -> str:
+    """``"rms"`` for an ``nnx.RMSNorm``, ``"layer"`` for an ``nnx.LayerNorm``."""
+    return "rms" if isinstance(norm, nnx.RMSNorm) else "layer"
+
+
+def normalize(x: jax.Array, kind: str, epsilon: float, scale=None, bias=None, *,
+              axis: str | None = None, features: int | None = None, dtype=None) -> jax.Array:
+    """The norm of ``x`` over its last dimension. ``axis``: the features are split over this mesh
+    axis (``features`` in all): each per-token sum is all-reduced over it (B S scalars)."""
+    wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    count = features or x.shape[-1]
+
+    def mean(values):
+        total = jnp.sum(values, -1, keepdims=True)
+        return (lax.psum(total, axis) if axis is not None else total) / count
+
+    if kind == "rms":
+        y = wide * lax.rsqrt(mean(wide * wide) + epsilon)
+    else:
+        centred = wide - mean(wide)
+        y = centred * lax.rsqrt(mean(centred * centred) + epsilon)
+    if scale is not None:
+        y = y * scale
+    if bias is not None:
+        y = y + bias
+    return y.astype(dtype or x.dtype)
+
+
+def plain(kind: str, epsilon: float, dtype, scale=None, bias=None):
+    """The plain ``nnx.RMSNorm`` / ``nnx.LayerNorm`` holding ``scale`` and ``bias``."""
+    n = (scale if scale is not None else bias).shape[-1]
+    if kind == "rms":
+        norm = nnx.RMSNorm(n, epsilon=epsilon, dtype=dtype, use_scale=scale is not None,
+                           rngs=nnx.Rngs(0))
+    else:
+        norm = nnx.LayerNorm(n, epsilon=epsilon, dtype=dtype, use_scale=scale is not None,
+                             use_bias=bias is not None, rngs=nnx.Rngs(0))
+    if scale is not None:
+        norm.scale = nnx.Param(scale)
+    if bias is not None:
+        norm.bias = nnx.Param(bias)
+    return norm
