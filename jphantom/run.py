@@ -383,17 +383,23 @@ class _ModuleProgram:
         from jphantom.train_step import make_train_step
 
         llama_config = config.llama_config()
+
+        def planned(model):
+            if config.strategy == "tensor":
+                plans.parallelize(model, mesh, plans.megatron(
+                    model, sequence_parallel=config.sequence_parallel))
+            elif config.strategy == "phantom":
+                plans.parallelize(model, mesh,
+                                  plans.phantom(model, ghost_width=config.ghost_width))
+            elif config.strategy == "gspmd":  # the same plan as annotations; jit's collectives
+                plans.annotate(model, mesh, plans.megatron(model))
+            return model
+
         if config.from_hf:
-            model = hf.load(config.from_hf)
-        else:
-            model = Llama(llama_config, rngs=nnx.Rngs(config.seed))
-        if config.strategy == "tensor":
-            plans.parallelize(model, mesh, plans.megatron(
-                model, sequence_parallel=config.sequence_parallel))
-        elif config.strategy == "phantom":
-            plans.parallelize(model, mesh, plans.phantom(model, ghost_width=config.ghost_width))
-        elif config.strategy == "gspmd":  # the same plan as annotations; jit's collectives
-            plans.annotate(model, mesh, plans.megatron(model))
+            self.create, model = None, planned(hf.load(config.from_hf))
+        else:  # built abstract; step.init creates every parameter in its shards
+            self.create = lambda: planned(Llama(llama_config, rngs=nnx.Rngs(config.seed)))
+            model = nnx.eval_shape(self.create)
         optimizer = config.optimizer_transform()
         if config.clip_norm is not None:  # exact: the update sees the global gradients
             optimizer = optax.chain(optax.clip_by_global_norm(config.clip_norm), optimizer)
@@ -410,7 +416,7 @@ class _ModuleProgram:
         self.loss = self.step.loss()
 
     def init(self):
-        state = self.step.init()
+        state = self.step.init(create=self.create)
         return state.params, state.opt_state
 
     def step_fn(self, params, opt_state, *batch):

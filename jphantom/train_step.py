@@ -365,14 +365,33 @@ class TrainStep:
 
     # -- init --------------------------------------------------------------------------------
 
-    def init(self, params=None) -> TrainState:
-        """The model's current parameters (or ``params``, a dict like ``TrainState.params``)
-        placed in their shards, and the optimizer state created in its shards."""
-        if params is None:
+    def init(self, params=None, *, create: Callable[[], nnx.Module] | None = None) -> TrainState:
+        """Parameters in their shards and the optimizer state created in its shards. The
+        parameters are the model's current ones, or ``params`` (a dict like
+        ``TrainState.params``), or those of ``create()``, which builds the (parallelised) model:
+        run under ``jax.jit`` with the parameters' shardings as outputs, so every parameter is
+        created directly in its shards and no device ever holds the whole model. With
+        ``create``, the model given to :func:`make_train_step` may be abstract
+        (``nnx.eval_shape(create)``)."""
+        if create is not None:
+            def build():
+                _, state, _ = nnx.split(create(), nnx.Param, ...)
+                pure = nnx.to_pure_dict(state)
+                if jax.tree.structure(pure) != self.layout.pure_treedef:
+                    raise ConfigError("create() built a model whose parameters differ from the "
+                                      "model the step was made for: build the same model, "
+                                      "parallelised with the same plan")
+                return pure
+
+            params = jax.jit(build, out_shardings=self.param_shardings())()
+        elif params is None:
             _, state, _ = nnx.split(self.model_template, nnx.Param, ...)
             params = nnx.to_pure_dict(state)
-        # copies in their shards: the step donates its state, never the model's own arrays
-        params = jax.device_put(params, self.param_shardings(), may_alias=False)
+            if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(params)):
+                raise ConfigError("the model is abstract (nnx.eval_shape): pass "
+                                  "step.init(create=...) to create its parameters in their shards")
+        if create is None:  # copies in their shards: the step donates its state, never the
+            params = jax.device_put(params, self.param_shardings(), may_alias=False)  # model's
         shape = jax.eval_shape(lambda p: p, params)
         opt_state = jax.jit(self.optimizer.init,
                             out_shardings=self._opt_shardings(shape))(params)

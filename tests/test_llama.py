@@ -279,3 +279,26 @@ def test_llama_gspmd_baseline_equals_one_device():
     ref_loss, ref_grads = one_device(4)
     assert abs(float(loss) - ref_loss) < 1e-5 * ref_loss
     assert rel_error(jax.device_get(grads), ref_grads) < 1e-5
+
+
+def test_parameters_are_created_in_their_shards_from_an_abstract_model():
+    """``step.init(create=...)`` builds the parallelised model under ``jax.jit`` with the
+    parameters' shardings as outputs: the same values as building it on the host, each array
+    born split (the step was made from ``nnx.eval_shape`` of the same function)."""
+    mesh = _mesh(4, 2)
+
+    def create():
+        model = llama.Llama(config(4), rngs=nnx.Rngs(0))
+        return jphantom.parallelize(model, mesh, jphantom.plans.megatron(model))
+
+    abstract = nnx.eval_shape(create)
+    step = jphantom.make_train_step(abstract, mesh, optax.adam(1e-3), llama.lm_loss)
+    with pytest.raises(ConfigError, match="abstract"):
+        step.init()
+    state = step.init(create=create)
+    q = state.params["layers"]["block"]["self_attn"]["q_proj"]["kernel"]
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, None, "model")
+    host = jphantom.make_train_step(create(), mesh, optax.adam(1e-3), llama.lm_loss).init()
+    assert rel_error(jax.device_get(state.params), jax.device_get(host.params)) < 1e-6  # jit vs eager rounding
+    state, loss = step(state, *_batch())
+    assert np.isfinite(float(loss))

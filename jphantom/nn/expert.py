@@ -51,7 +51,7 @@ class ExpertParallelExperts(nnx.Module):
     def from_module(cls, experts: Experts, *, top_k: int, expert_axis: str = "expert",
                     model_axis: str | None = None, capacity_factor: float | None = None,
                     sequence_parallel: bool = False) -> "ExpertParallelExperts":
-        return cls(experts.w_gate[...], experts.w_up[...], experts.w_down[...], top_k=top_k,
+        return cls(experts.w_gate.get_value(), experts.w_up.get_value(), experts.w_down.get_value(), top_k=top_k,
                    expert_axis=expert_axis, model_axis=model_axis,
                    capacity_factor=capacity_factor, sequence_parallel=sequence_parallel)
 

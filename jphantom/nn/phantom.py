@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax import lax
 
@@ -41,29 +40,28 @@ from jphantom.sharding import phantom as phantom_ops
 from jphantom.sharding import vocab
 
 
-def factorise(kernel: np.ndarray, bias, num_shards: int, ghost_width: int):
-    """The phantom parameters closest to a dense ``kernel`` [n_in, n_out] (``y = x W``), as numpy:
-    diagonal blocks copied, each sender's stacked off-diagonal blocks factorised to rank k."""
+def factorise(kernel: jax.Array, bias, num_shards: int, ghost_width: int):
+    """The phantom parameters closest to a dense ``kernel`` [n_in, n_out] (``y = x W``): diagonal
+    blocks copied, each sender's stacked off-diagonal blocks factorised to rank k by SVD. jax
+    operations throughout, so it also runs under ``jax.jit`` (parameters created in their shards)."""
     p, k = num_shards, ghost_width
-    w = np.asarray(kernel, np.float64).T  # [n_out, n_in]: block [j, i] acts from sender i to j
+    wide = jnp.promote_types(kernel.dtype, jnp.float32)
+    w = kernel.astype(wide).T  # [n_out, n_in]: block [j, i] acts from sender i to receiver j
     n_out, n_in = w.shape
     n_o, n_i = n_out // p, n_in // p
     blocks = w.reshape(p, n_o, p, n_i).transpose(0, 2, 1, 3)  # [j, i, n_o, n_i]
-    local = np.stack([blocks[j, j] for j in range(p)])
-    compress = np.zeros((p, k, n_i))
-    decompress = np.zeros((p, p, n_o, k))
-    for i in range(p):
+    local = blocks[jnp.arange(p), jnp.arange(p)]
+    compress = jnp.zeros((p, k, n_i), wide)
+    decompress = jnp.zeros((p, p, n_o, k), wide)
+    for i in range(p if p > 1 else 0):
         others = [j for j in range(p) if j != i]
-        if not others:
-            continue
-        stacked = np.concatenate([blocks[j, i] for j in others])  # [(p-1) n_o, n_i]
-        u, s, vt = np.linalg.svd(stacked, full_matrices=False)
-        r = min(k, s.size)
-        compress[i, :r] = vt[:r]
-        left = (u[:, :r] * s[:r]).reshape(len(others), n_o, r)
-        for index, j in enumerate(others):
-            decompress[j, i, :, :r] = left[index]
-    b = np.zeros((p, n_o)) if bias is None else np.asarray(bias, np.float64).reshape(p, n_o)
+        stacked = blocks[jnp.asarray(others), i].reshape(len(others) * n_o, n_i)
+        u, sigma, vt = jnp.linalg.svd(stacked, full_matrices=False)
+        r = min(k, sigma.shape[0])
+        compress = compress.at[i, :r].set(vt[:r])
+        left = (u[:, :r] * sigma[:r]).reshape(len(others), n_o, r)
+        decompress = decompress.at[jnp.asarray(others), i, :, :r].set(left)
+    b = jnp.zeros((p, n_o), wide) if bias is None else bias.astype(wide).reshape(p, n_o)
     return local, compress, decompress, b
 
 
@@ -90,21 +88,26 @@ class PhantomLinear(nnx.Module):
     def from_module(cls, linear: nnx.Linear, *, ghost_width: int, num_shards: int,
                     axis: str = "model", fused: bool = True,
                     vocab_output: bool = False) -> "PhantomLinear":
-        kernel, bias = linear.kernel[...], _value(linear.bias)
+        kernel, bias = linear.kernel.get_value(), _value(linear.bias)
         n_in, n_out = kernel.shape[-2:]
         for what, n in (("in_features", n_in), ("out_features", n_out)):
             if n % num_shards:
                 raise ConfigError(f"{what}={n} is not divisible by the {axis!r} axis "
                                   f"({num_shards} ranks): phantom splits the features evenly")
         lead = kernel.shape[:-2]
-        flat_k = np.asarray(kernel).reshape(-1, n_in, n_out)
-        flat_b = None if bias is None else np.asarray(bias).reshape(-1, n_out)
-        parts = [factorise(flat_k[l], None if flat_b is None else flat_b[l], num_shards,
-                           ghost_width) for l in range(flat_k.shape[0])]
-        dtype = kernel.dtype
-        local, compress, decompress, b = (
-            jnp.asarray(np.stack([part[n] for part in parts]).reshape(
-                *lead, *parts[0][n].shape), dtype) for n in range(4))
+
+        def stacked(kernel, bias):  # every leading (stacked) layer factorised alike
+            flat_k = kernel.reshape(-1, n_in, n_out)
+            flat_b = None if bias is None else bias.reshape(-1, n_out)
+            one = lambda w, b: factorise(w, b, num_shards, ghost_width)
+            parts = (jax.vmap(one)(flat_k, flat_b) if flat_b is not None
+                     else jax.vmap(lambda w: one(w, None))(flat_k))
+            return tuple(a.reshape(*lead, *a.shape[1:]).astype(kernel.dtype) for a in parts)
+
+        if isinstance(kernel, jax.ShapeDtypeStruct):  # an abstract model: shapes only
+            local, compress, decompress, b = jax.eval_shape(stacked, kernel, bias)
+        else:
+            local, compress, decompress, b = stacked(kernel, bias)
         return cls(local, compress, decompress, b, axis=axis, fused=fused,
                    vocab_output=vocab_output, use_bias=bias is not None, dtype=linear.dtype)
 
@@ -159,7 +162,7 @@ class FeatureParallelEmbed(nnx.Module):
 
     @classmethod
     def from_module(cls, embed: nnx.Embed, *, axis: str = "model") -> "FeatureParallelEmbed":
-        return cls(embed.embedding[...], axis=axis, dtype=embed.dtype)
+        return cls(embed.embedding.get_value(), axis=axis, dtype=embed.dtype)
 
     def dense_equivalent(self) -> nnx.Embed:
         return _embed(self.embedding[...], self.dtype)

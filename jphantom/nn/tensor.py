@@ -49,7 +49,8 @@ from jphantom.sharding import vocab
 
 
 def _value(p):
-    return None if p is None else p[...]
+    """A parameter's array (or its ShapeDtypeStruct in an abstract model), None for no parameter."""
+    return None if p is None else p.get_value()
 
 
 def _promote(*arrays):
@@ -116,7 +117,7 @@ class ColumnParallelLinear(nnx.Module):
     @classmethod
     def from_module(cls, linear: nnx.Linear, *, axis: str = "model",
                     sequence_parallel: bool = False) -> "ColumnParallelLinear":
-        return cls(linear.kernel[...], _value(linear.bias), axis=axis,
+        return cls(linear.kernel.get_value(), _value(linear.bias), axis=axis,
                    sequence_parallel=sequence_parallel, dtype=linear.dtype)
 
     def dense_equivalent(self) -> nnx.Linear:
@@ -169,7 +170,7 @@ class VocabParallelEmbed(nnx.Module):
     @classmethod
     def from_module(cls, embed: nnx.Embed, *, axis: str = "model",
                     sequence_parallel: bool = False) -> "VocabParallelEmbed":
-        return cls(embed.embedding[...], axis=axis, sequence_parallel=sequence_parallel,
+        return cls(embed.embedding.get_value(), axis=axis, sequence_parallel=sequence_parallel,
                    dtype=embed.dtype)
 
     def dense_equivalent(self) -> nnx.Embed:
@@ -239,7 +240,7 @@ class SequenceParallelEmbed(nnx.Module):
 
     @classmethod
     def from_module(cls, embed: nnx.Embed, *, axis: str = "model") -> "SequenceParallelEmbed":
-        return cls(embed.embedding[...], axis=axis, dtype=embed.dtype)
+        return cls(embed.embedding.get_value(), axis=axis, dtype=embed.dtype)
 
     def dense_equivalent(self) -> nnx.Embed:
         return _embed(self.embedding[...], self.dtype)
@@ -307,7 +308,7 @@ class TensorParallelExperts(nnx.Module):
     def from_module(cls, experts: Experts, *, axis: str = "model",
                     sequence_parallel: bool = False,
                     feature_split: bool = False) -> "TensorParallelExperts":
-        return cls(experts.w_gate[...], experts.w_up[...], experts.w_down[...], axis=axis,
+        return cls(experts.w_gate.get_value(), experts.w_up.get_value(), experts.w_down.get_value(), axis=axis,
                    sequence_parallel=sequence_parallel, feature_split=feature_split,
                    top_k=experts.top_k)
 
