@@ -48,6 +48,8 @@ def parse_args(argv):
     parser.add_argument("--batch", type=int, default=16, help="global batch (default 16)")
     parser.add_argument("--steps", type=int, default=10, help="timed rounds (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds (default 2)")
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                        help="the update both steps run (default adamw)")
     parser.add_argument("--compile-layers", type=int, default=12, help="layers of the compile "
                                                                         "time check (default 12)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
@@ -120,7 +122,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, vocab, (args.batch, seq)), jnp.int32)
     targets = jnp.asarray(rng.integers(0, vocab, (args.batch, seq)), jnp.int32)
-    optimizer = optax.adamw(1e-3)
+    optimizer = optax.adamw(1e-3) if args.optimizer == "adamw" else optax.sgd(1e-3)
 
     def module_step(layers):
         model = GPT(layers)
@@ -160,7 +162,7 @@ def main(argv=None) -> int:
         "machine": {"host": platform.node(), "jax": jax.__version__,
                     "devices": jax.device_count(), "platform": jax.devices()[0].platform},
         "shape": {"layers": args.layers, "hidden": h, "heads": heads, "seq_len": seq,
-                  "batch": args.batch, "mesh": args.mesh},
+                  "batch": args.batch, "mesh": args.mesh, "optimizer": args.optimizer},
         "median_step_seconds": times, "module_over_program": ratio,
         "collective_bytes_per_device": {"module": module_bytes,
                                         "program": report["collective_bytes_per_device"]},

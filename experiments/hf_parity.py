@@ -159,10 +159,10 @@ def misread_fields(config, hf: dict) -> dict:
 
     out = {}
     for name, key in HF_FIELDS.items():
-        if key in hf and hf[key] is not None and name not in ("experts", "top_k") or (
-                key in hf and config.experts):
-            if hf[key] is not None and getattr(config, name) != hf[key]:
-                out[name] = {"jphantom": getattr(config, name), "file": hf[key], "file_key": key}
+        if (name in ("experts", "top_k") and not config.experts) or hf.get(key) is None:
+            continue
+        if getattr(config, name) != hf[key]:
+            out[name] = {"jphantom": getattr(config, name), "file": hf[key], "file_key": key}
     theta = file_theta(hf)
     if theta is not None and "rope_theta" not in out and config.rope_theta != theta:
         out["rope_theta"] = {"jphantom": config.rope_theta, "file": theta,
