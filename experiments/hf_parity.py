@@ -25,6 +25,16 @@ It prints a table and writes ``results.json`` under ``--out``
 config that jphantom refuses or misreads is reported by name.
 
     python experiments/hf_parity.py [--python /tmp/hfenv/bin/python] [--tol 1e-4]
+
+The Hugging Face interpreter, made once outside the project (torch is never a dependency)::
+
+    python3 -m venv /tmp/hfenv
+    /tmp/hfenv/bin/pip install --no-deps "torch==2.13.0+cpu"     # the CPU build: no CUDA libraries
+    /tmp/hfenv/bin/pip install filelock typing-extensions sympy networkx jinja2 fsspec mpmath \
+        MarkupSafe "setuptools>=77.0.3" transformers
+
+Measured (torch 2.13.0+cpu, transformers 5.23.0, jax 0.10.2): Llama's logits within 3.6e-6 of
+transformers', Mixtral's within 2.5e-6; every tensor written back byte for byte (21 and 41).
 """
 
 from __future__ import annotations

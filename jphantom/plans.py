@@ -55,10 +55,13 @@ from jphantom.nn import experts as experts_module
 from jphantom.nn.experts import Experts
 from jphantom.nn import expert as expert_layers
 from jphantom.nn import phantom as phantom_layers
+from jphantom.nn import pmm3d as pmm3d_layers
 from jphantom.nn import tensor
 
 EXPERT_AXIS = "expert"
-STYLES = ("column", "row", "vocab", "input", "sequence", "phantom", "experts", "replicate")
+STYLES = ("column", "row", "vocab", "input", "sequence", "phantom", "experts", "pmm3d",
+          "replicate")
+AXIS_STYLES = ("column", "row", "vocab", "input", "sequence", "phantom", "experts")
 NORMS = (nnx.LayerNorm, nnx.RMSNorm)
 
 
@@ -70,13 +73,20 @@ class Style:
     name: str
     ghost_width: int | None = None
     vocab_output: bool = False
+    role: str | None = None  # pmm3d: "normal" (in over y, out over x) or "transposed"
 
     def __post_init__(self):
         if self.name not in STYLES:
             raise ConfigError(f"style {self.name!r}: use one of {', '.join(STYLES)}")
-        if self.name != "phantom" and (self.ghost_width is not None or self.vocab_output):
-            raise ConfigError(f"ghost_width and vocab_output belong to the 'phantom' style, not "
-                              f"{self.name!r}")
+        if self.name not in ("phantom", "pmm3d") and (self.ghost_width is not None
+                                                      or self.vocab_output):
+            raise ConfigError(f"ghost_width and vocab_output belong to the 'phantom' (and "
+                              f"vocab_output to 'pmm3d') style, not {self.name!r}")
+        if self.name == "pmm3d" and self.ghost_width is not None:
+            raise ConfigError("ghost_width belongs to the 'phantom' style, not 'pmm3d'")
+        if self.role is not None and (self.name != "pmm3d"
+                                      or self.role not in ("normal", "transposed")):
+            raise ConfigError(f"role={self.role!r}: 'normal' or 'transposed', for 'pmm3d' only")
         if self.ghost_width is not None:
             phantom_layers.check_ghost_width(self.ghost_width, "Style")
 
@@ -156,6 +166,30 @@ def _convert(path: str, module, style: Style, *, axis: str, p: int, sequence_par
                 model_axis=axis if p > 1 else None, sequence_parallel=sequence_parallel)
         return tensor.TensorParallelExperts.from_module(module, axis=axis,
                                                         sequence_parallel=sequence_parallel)
+    if name == "pmm3d":
+        if experts:
+            raise ConfigError(f"{path}: pmm3d has no expert layer: keep the experts off a pmm3d "
+                              "mesh (or write their plan with 'experts' on a model axis)")
+        if linear:
+            role = style.role or "normal"
+            contract, out = pmm3d_layers.ROLES[role]
+            _divides(path, "in_features", module.in_features, shape.get(contract, 1), contract)
+            _divides(path, "out_features", module.out_features,
+                     shape.get(out, 1) * shape.get(pmm3d_layers.Z, 1), f"{out} x z")
+            return pmm3d_layers.Pmm3dLinear.from_module(module, role=role,
+                                                        vocab_output=style.vocab_output)
+        y = pmm3d_layers.Y
+        if embed and style.vocab_output:  # the token table: a normal layer's weight
+            _divides(path, "num_embeddings", module.num_embeddings,
+                     shape.get("x", 1) * shape.get("z", 1), "x x z")
+            _divides(path, "features", module.features, shape.get(y, 1), y)
+            return pmm3d_layers.Pmm3dEmbed.from_module(module)
+        if embed:  # a position table: features over y
+            _divides(path, "features", module.features, shape.get(y, 1), y)
+            return phantom_layers.FeatureParallelEmbed.from_module(module, axis=y)
+        if norm:
+            _divides(path, "num_features", module.num_features, shape.get(y, 1), y)
+            return phantom_layers.FeatureParallelNorm.from_module(module, axis=y)
     if name == "phantom":
         if linear:
             k = style.ghost_width if style.ghost_width is not None else ghost_width
@@ -183,7 +217,8 @@ def _convert(path: str, module, style: Style, *, axis: str, p: int, sequence_par
             "sequence": "nnx.LayerNorm, nnx.RMSNorm or a position nnx.Embed",
             "input": "nnx.LayerNorm or nnx.RMSNorm",
             "phantom": "nnx.Linear, nnx.Embed, nnx.LayerNorm, nnx.RMSNorm or Experts",
-            "experts": "jphantom.nn.Experts"}[name]
+            "experts": "jphantom.nn.Experts",
+            "pmm3d": "nnx.Linear, nnx.Embed, nnx.LayerNorm or nnx.RMSNorm"}[name]
     raise ConfigError(f"{path}: style {name!r} does not fit {kind}; it applies to {fits}")
 
 
@@ -213,10 +248,14 @@ def parallelize(model: nnx.Module, mesh, plan: Mapping[str, str | Style], *,
     if not isinstance(plan, Mapping) or not plan:
         raise ConfigError("plan must be a non-empty mapping of module path patterns to styles, "
                           "e.g. {'blocks.*.attn.q': 'column'} (or jphantom.plans.megatron(model))")
-    p = _mesh_axis_size(mesh, axis)
     shape = {str(k): int(v) for k, v in (dict(mesh.shape) if hasattr(mesh, "shape")
                                          else dict(mesh)).items()}
     styles = {pattern: Style.of(value) for pattern, value in plan.items()}
+    uses_axis = any(s.name in AXIS_STYLES for s in styles.values())
+    p = _mesh_axis_size(mesh, axis) if uses_axis else shape.get(axis, 1)
+    if any(s.name == "pmm3d" for s in styles.values()):
+        for needed in ("x", "y", "z"):
+            _mesh_axis_size(mesh, needed)
     sequence_parallel = any(s.name == "sequence" for s in styles.values())
     modules = modules_by_path(model)
     chosen: dict[str, tuple[str, Style]] = {}
@@ -234,7 +273,8 @@ def parallelize(model: nnx.Module, mesh, plan: Mapping[str, str | Style], *,
             chosen[path] = (pattern, style)
     check = getattr(model, "check_shards", None)
     if callable(check) and any(s.name != "replicate" for s in styles.values()):
-        check(p)
+        # the axis splitting attention heads: pmm3d's output axis x, else the model axis
+        check(shape["x"] if any(s.name == "pmm3d" for s in styles.values()) else p)
     swaps = []
     for path, (_, style) in chosen.items():  # validate every entry before changing anything
         path_tuple, module = modules[path]
@@ -386,4 +426,32 @@ def phantom(model: nnx.Module, ghost_width: int = 8) -> dict[str, Style]:
                 plan[path] = Style("phantom", ghost_width=ghost_width, vocab_output=True)
             else:
                 plan[path] = layer
+    return plan
+
+
+def pmm3d(model: nnx.Module) -> dict[str, Style]:
+    """AxoNN's 3D matmul (seed 004 ch. 5) for a whole model on ``x``, ``y``, ``z``: q/k/v and
+    up/gate normal layers, attention output and down transposed, the token table (and an untied
+    head) vocabulary over ``x``, norms and position tables over ``y``."""
+    modules, embeds, vocab = _walk(model)
+    plan: dict[str, Style] = {}
+    for path, (path_tuple, module) in modules.items():
+        name = _name(path_tuple)
+        if isinstance(module, nnx.Embed):
+            plan[path] = Style("pmm3d", vocab_output=module.num_embeddings == vocab)
+        elif isinstance(module, NORMS):
+            plan[path] = Style("pmm3d")
+        elif isinstance(module, Experts) or name in ROUTERS:
+            raise ConfigError(f"plans.pmm3d: {path} is part of a mixture of experts, which pmm3d "
+                              "does not split; use plans.megatron with an expert axis")
+        elif isinstance(module, nnx.Linear):
+            if name in COLUMN:
+                plan[path] = Style("pmm3d", role="normal")
+            elif name in ROW:
+                plan[path] = Style("pmm3d", role="transposed")
+            elif vocab is not None and module.out_features == vocab:
+                plan[path] = Style("pmm3d", role="normal", vocab_output=True)
+            else:
+                raise ConfigError(f"plans.pmm3d cannot tell whether {path} is a normal or a "
+                                  "transposed layer: write the plan by hand")
     return plan

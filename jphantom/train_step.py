@@ -55,7 +55,7 @@ from jphantom.nn.stack import Stacked, set_remat
 from jphantom.precision import Precision
 from jphantom.sharding import zero as zero_module
 
-BATCH_AXES = ("data", "expert")
+BATCH_AXES = ("data", "expert", "z")  # z: pmm3d's rows are split over it too
 
 
 class TrainState(NamedTuple):

@@ -302,3 +302,38 @@ def test_parameters_are_created_in_their_shards_from_an_abstract_model():
     assert rel_error(jax.device_get(state.params), jax.device_get(host.params)) < 1e-6  # jit vs eager rounding
     state, loss = step(state, *_batch())
     assert np.isfinite(float(loss))
+
+
+@pytest.mark.parametrize("sizes", [(1, 2, 2, 2), (2, 1, 1, 4)], ids=["z2-y2-x2", "data2-x4"])
+def test_llama_under_pmm3d_equals_one_device(sizes):
+    """AxoNN's 3D matmul (Algorithm 3) on data, z, y, x: q/k/v and gate/up normal layers,
+    o and down transposed, norms over y, the vocabulary over x."""
+    mesh = jax.make_mesh(sizes, ("data", "z", "y", "x"), devices=jax.devices()[:8])
+    model = llama.Llama(config(), rngs=nnx.Rngs(0))
+    if sizes[3] > config().kv_heads:
+        with pytest.raises(ConfigError, match="kv_heads=2 is not divisible by the 4 ranks"):
+            jphantom.parallelize(model, mesh, jphantom.plans.pmm3d(model))
+        return
+    jphantom.parallelize(model, mesh, jphantom.plans.pmm3d(model))
+    step = jphantom.make_train_step(model, mesh, optax.sgd(0.1), llama.lm_loss)
+    loss, grads = jax.jit(step.value_and_grad())(step.init().params, *_batch())
+    ref_loss, ref_grads = one_device(0)
+    assert abs(float(loss) - ref_loss) < 1e-5 * ref_loss
+    assert rel_error(jax.device_get(grads), ref_grads) < 1e-5
+
+
+def test_transformers_5_rope_parameters_are_read_and_written_back(tmp_path):
+    """transformers 5 keeps rope_theta in rope_parameters (Mixtral's is 1e6, not the default)."""
+    _, config_json = _hf_directory(tmp_path, 0, np.float32)
+    config_json.pop("rope_theta")
+    config_json["rope_parameters"] = {"rope_theta": 1e6, "rope_type": "default"}
+    (tmp_path / "config.json").write_text(json.dumps(config_json))
+    model = hf.load(tmp_path)
+    assert model.config.rope_theta == 1e6
+    hf.save(tmp_path / "out", model)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["rope_parameters"]["rope_theta"] == 1e6 and "rope_theta" not in written
+    config_json["rope_parameters"]["rope_type"] = "llama3"
+    (tmp_path / "config.json").write_text(json.dumps(config_json))
+    with pytest.raises(ConfigError, match="rope_type='llama3'"):
+        hf.load(tmp_path)

@@ -264,6 +264,10 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     if hf.get("rope_scaling"):
         raise ConfigError(f"rope_scaling={hf['rope_scaling']!r} is not implemented (plain RoPE "
                           "only): use a checkpoint without it")
+    rope = hf.get("rope_parameters") or {}  # where transformers 5 keeps RoPE's settings
+    if rope.get("rope_type", "default") != "default":
+        raise ConfigError(f"rope_parameters.rope_type={rope['rope_type']!r} is not implemented "
+                          "(plain RoPE only): use a checkpoint without RoPE scaling")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise ConfigError(f"{flag}=true is not implemented: Llama here has no biases")
@@ -273,6 +277,8 @@ def config_from_hf(hf: dict) -> LlamaConfig:
         raise ConfigError(f"sliding_window={hf['sliding_window']} is not implemented: full "
                           "causal attention only")
     fields = {name: hf[key] for name, key in HF_FIELDS.items() if key in hf}
+    if "rope_theta" in rope:
+        fields["rope_theta"] = rope["rope_theta"]
     if kind == "llama":
         fields.pop("experts", None)
         fields.pop("top_k", None)
@@ -297,6 +303,10 @@ def config_to_hf(config: LlamaConfig, extra: dict | None = None) -> dict:
         value = getattr(config, name)
         if value is not None:
             out[key] = value
+    if isinstance(out.get("rope_parameters"), dict):  # transformers 5: keep the two in step
+        out["rope_parameters"] = {**out["rope_parameters"], "rope_theta": config.rope_theta}
+        if "rope_theta" not in (extra or {}):
+            del out["rope_theta"]
     return out
 
 

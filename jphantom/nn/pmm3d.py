@@ -1,0 +1,108 @@
+"""AxoNN's 3D parallel matrix multiply (seed 004 ch. 5, Algorithm 3) as Flax NNX layers, on mesh
+axes ``x``, ``y``, ``z`` (rows also over ``data``). The arithmetic and the naming are those of
+:mod:`jphantom.sharding.pmm3d`: a *normal* layer contracts features split over ``y`` and gives
+features split over ``x``, a *transposed* layer the reverse, so q/k/v and up/gate (normal) chain
+into the attention output and down projections (transposed) with no re-layout. Per layer, kernel
+``W [in, out]`` stored split over the contraction axis on ``in`` and over (output axis, ``z``) on
+``out``:
+
+    forward   W = all-gather_z(Ŵ)                          (Eq. 5.1)
+              O = all-reduce_contract(I W) + b              (Eq. 5.3)
+    backward  dI: all-reduce over the output axis          (Eq. 5.4, by autodiff)
+              dŴ: reduce-scatter over z                     (Eq. 5.2, the gather's transpose)
+
+The residual stream is [B/(G_data G_z), S, h/G_y], replicated over ``x``; norms sum their
+per-token statistics over ``y`` (:class:`~jphantom.nn.phantom.FeatureParallelNorm` on ``y``),
+position tables split their features over ``y``. The token table [V, h] is split like a normal
+layer's weight (vocabulary over (x, z), features over y): the lookup all-reduces over ``x``, the
+tied head's logits [B, S, V/G_x] all-reduce over ``y`` and the cross-entropy is
+vocabulary-parallel over ``x``. An untied head is a normal layer whose outputs are the vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jax import lax
+
+from jphantom import remat
+from jphantom.nn import metadata
+from jphantom.nn.tensor import _embed, _gather_vocab, _linear, _promote, _value
+from jphantom.sharding import pmm3d as pmm3d_ops
+from jphantom.sharding import vocab
+
+X, Y, Z = pmm3d_ops.X, pmm3d_ops.Y, pmm3d_ops.Z
+ROLES = pmm3d_ops.ROLES  # role -> (contraction axis, output axis)
+
+
+class Pmm3dLinear(nnx.Module):
+    """One Algorithm-3 layer: ``[..., in/G_c] -> [..., out/G_o]`` (``role`` normal: c = y,
+    o = x; transposed: c = x, o = y). ``vocab_output``: an LM head (normal), logits split over
+    ``x``; ``__call__`` gathers them, :meth:`cross_entropy` never does."""
+
+    def __init__(self, kernel, bias=None, *, role: str = "normal", vocab_output: bool = False,
+                 dtype=None):
+        self.role, self.vocab_output, self.dtype = role, vocab_output, dtype
+        contract, out = ROLES[role]
+        self.kernel = metadata.param(kernel, (contract, (out, Z)))
+        self.bias = None if bias is None else metadata.param(bias, (out,))
+
+    @classmethod
+    def from_module(cls, linear: nnx.Linear, *, role: str = "normal",
+                    vocab_output: bool = False) -> "Pmm3dLinear":
+        return cls(linear.kernel.get_value(), _value(linear.bias), role=role,
+                   vocab_output=vocab_output, dtype=linear.dtype)
+
+    def dense_equivalent(self) -> nnx.Linear:
+        return _linear(self.kernel[...], _value(self.bias), self.dtype)
+
+    def local_outputs(self, x: jax.Array) -> jax.Array:
+        contract, _ = ROLES[self.role]
+        w = pmm3d_ops.gather(self.kernel[...], self.kernel.ndim - 1)  # all-gather over z, Eq. 5.1
+        x, w, bias = _promote(x, w, _value(self.bias))
+        y = remat.name_collective(lax.psum(x @ w, contract))  # all-reduce_contract, Eq. 5.3
+        return y if bias is None else y + bias
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = self.local_outputs(x)
+        return _gather_vocab(y, X) if self.vocab_output else y
+
+    def cross_entropy(self, h: jax.Array, targets: jax.Array) -> jax.Array:
+        return vocab.cross_entropy_sum(self.local_outputs(h), targets, X) / targets.size
+
+
+class Pmm3dEmbed(nnx.Module):
+    """The token table [V, h] as a normal layer's weight: vocabulary over (x, z), features over
+    y. A lookup gathers the rows over z and all-reduces over x (B S h/G_y); :meth:`attend` and
+    :meth:`cross_entropy` are the tied head."""
+
+    def __init__(self, embedding, *, dtype=None):
+        self.dtype = dtype
+        self.embedding = metadata.param(embedding, ((X, Z), Y))
+
+    @classmethod
+    def from_module(cls, embed: nnx.Embed) -> "Pmm3dEmbed":
+        return cls(embed.embedding.get_value(), dtype=embed.dtype)
+
+    def dense_equivalent(self) -> nnx.Embed:
+        return _embed(self.embedding[...], self.dtype)
+
+    def _table(self):
+        table = pmm3d_ops.gather(self.embedding[...], 0)  # [V/G_x, h/G_y]
+        return table if self.dtype is None else table.astype(self.dtype)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return lax.psum(vocab.embed_partial(self._table(), tokens, X), X)  # all-reduce over x
+
+    def local_logits(self, h: jax.Array) -> jax.Array:
+        h, table = _promote(h, self._table())
+        return remat.name_collective(lax.psum(h @ table.T, Y))  # [B, S, V/G_x]
+
+    def attend(self, h: jax.Array) -> jax.Array:
+        return _gather_vocab(self.local_logits(h), X)
+
+    def cross_entropy(self, h: jax.Array, targets: jax.Array) -> jax.Array:
+        return vocab.cross_entropy_sum(self.local_logits(h), targets, X) / targets.size
+
+
+__all__ = ["Pmm3dLinear", "Pmm3dEmbed"]
