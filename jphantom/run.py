@@ -49,7 +49,7 @@ from jphantom.step import check_step_options
 from jphantom.pipeline.schedule import SCHEDULES as PIPELINE_SCHEDULES
 
 MODELS = ("ffn", "transformer", "gpt2", "llama")  # gpt2: the transformer's name; llama: NNX
-MODULE_STRATEGIES = ("dense", "gspmd", "tensor", "phantom")  # what --model llama runs
+MODULE_STRATEGIES = ("dense", "gspmd", "tensor", "phantom", "pmm3d")  # --model llama's
 OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULES = ("constant", "cosine")
 
@@ -199,18 +199,22 @@ class RunConfig:
                               f"{mesh.device_count} to simulate them on CPU, or a smaller mesh")
         if self.strategy == "dense" and mesh.size("model") != 1:
             raise ConfigError("--strategy dense keeps every layer whole: use model=1")
-        for axis in ("x", "y", "z"):
-            if axis in mesh.shape:
-                raise ConfigError(f"--model llama runs on data, stage, expert and model axes, "
-                                  f"not {axis}")
+        grid = [axis for axis in ("x", "y", "z") if axis in mesh.shape]
+        if grid and self.strategy != "pmm3d":
+            raise ConfigError(f"mesh axes {grid} are pmm3d's: use --strategy pmm3d, or data, "
+                              "stage, expert and model axes")
+        if self.strategy == "pmm3d" and (set(mesh.shape) - {"data", "x", "y", "z"}
+                                         or self.moe_every):
+            raise ConfigError("--strategy pmm3d runs on data, z, y, x (no experts), e.g. "
+                              "--mesh data=2,z=2,y=1,x=2")
         if "expert" in mesh.shape and not self.moe_every:
             raise ConfigError("an expert axis splits Mixtral's experts: add --moe-every 1")
         config = self.llama_config()
-        model_axis = mesh.size("model")
+        model_axis = mesh.size("x") if self.strategy == "pmm3d" else mesh.size("model")
         if config.kv_heads % model_axis:
             raise ConfigError(f"kv_heads={config.kv_heads} is not divisible by model="
                               f"{model_axis}: each rank needs whole key/value heads")
-        ranks = mesh.size("data") * mesh.size("expert")
+        ranks = mesh.size("data") * mesh.size("expert") * mesh.size("z")
         if self.batch % (ranks * self.accumulate):
             raise ConfigError(f"batch={self.batch} is not divisible by data x expert={ranks} x "
                               f"accumulate={self.accumulate}")
@@ -393,6 +397,12 @@ class _ModuleProgram:
                                   plans.phantom(model, ghost_width=config.ghost_width))
             elif config.strategy == "gspmd":  # the same plan as annotations; jit's collectives
                 plans.annotate(model, mesh, plans.megatron(model))
+            elif config.strategy == "pmm3d":
+                for axis in ("x", "y", "z"):
+                    if axis not in mesh.shape:
+                        raise ConfigError(f"--strategy pmm3d needs x, y and z in --mesh "
+                                          f"(size 1 where unused), e.g. data=2,z=2,y=1,x=2")
+                plans.parallelize(model, mesh, plans.pmm3d(model))
             return model
 
         if config.from_hf:

@@ -204,7 +204,9 @@ def test_train_llama_writes_results_and_a_hf_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"strategy": "pmm3d"}, "runs the strategies"),
+    ({"strategy": "tensor-t1"}, "runs the strategies"),
+    ({"strategy": "pmm3d"}, "runs on data, z, y, x"),
+    ({"mesh": "data=2,x=2"}, "pmm3d's"),
     ({"moe_every": 2}, "Mixtral"),
     ({"strategy": "phantom"}, "ghost-width"),
     ({"mesh": "data=1,model=4"}, "kv_heads=2 is not divisible by model=4"),
