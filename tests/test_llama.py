@@ -50,8 +50,10 @@ def one_device(experts):
     return float(loss), jax.device_get(grads)
 
 
-@pytest.mark.parametrize("experts", [0, 4], ids=["llama", "mixtral"])
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tensor", "tensor-sp"])
+@pytest.mark.parametrize("experts, sequence_parallel", [
+    (0, False), (4, False), (0, True),
+    pytest.param(4, True, marks=pytest.mark.slow)],  # SP with experts: also in the EP test
+    ids=["llama-tensor", "mixtral-tensor", "llama-tensor-sp", "mixtral-tensor-sp"])
 def test_llama_under_megatron_equals_one_device(experts, sequence_parallel):
     model = llama.Llama(config(experts), rngs=nnx.Rngs(0))
     mesh = _mesh(4, 2)
@@ -236,7 +238,7 @@ def test_train_llama_resumes_from_a_checkpoint_on_another_mesh(tmp_path):
 
 @pytest.mark.parametrize("axes, sequence_parallel", [
     ((("data", 2), ("expert", 2), ("model", 2)), False),
-    ((("expert", 4), ("model", 2)), True),
+    pytest.param((("expert", 4), ("model", 2)), True, marks=pytest.mark.slow),
 ], ids=["data2-expert2-model2", "expert4-model2-sp"])
 def test_mixtral_expert_parallel_equals_one_device(axes, sequence_parallel):
     """Experts split over ``expert`` (all-to-all dispatch, no token dropped) and their width over
@@ -264,6 +266,7 @@ def test_mixtral_expert_parallel_equals_one_device(axes, sequence_parallel):
         assert all(x.mesh_axes(dict(mesh.shape)) == ("expert",) for x in found)
 
 
+@pytest.mark.slow
 def test_train_llama_with_an_expert_axis(tmp_path):
     from jphantom.run import run
 
