@@ -1,0 +1,194 @@
+"""GPT-2 as a Flax NNX module built from plain Flax layers (no collective): the zoo's GPT-2 on the
+same path as any user's model (:func:`jphantom.parallelize`, :func:`jphantom.make_train_step`).
+
+The maths is :mod:`jphantom.models.transformer`'s (Radford et al. 2019; Hugging Face's
+``GPT2LMHeadModel``): learned positions, pre-LayerNorm blocks of causal attention and a GELU-tanh
+MLP of width 4h, a final LayerNorm, an LM head tied to the token embedding. Module paths (blocks
+stacked [L, ...] under ``lax.scan``):
+
+    wte [V, h]   wpe [S, h]   ln_f        blocks.block.{ln_1, ln_2}
+    blocks.block.attn.{q, k, v, out} [h, h]   blocks.block.mlp.{up [h, 4h], down [4h, h]}
+    head [h, V] (only with ``tied_head=False``)
+
+q, k and v are three ``nnx.Linear``s (a plan splits each over its heads); Hugging Face's fused
+``c_attn`` [h, 3h] is cut into them on load and joined on save, bit for bit
+(:func:`from_dense` / :func:`to_dense` convert from and to the dense dictionary of
+:mod:`jphantom.models.transformer`, which :mod:`jphantom.models.gpt2` reads and writes).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jphantom.errors import ConfigError
+from jphantom.models.llama import causal_attention
+from jphantom.models.transformer import TransformerConfig
+from jphantom.nn.loss import cross_entropy
+from jphantom.nn.stack import Stacked
+
+
+def _linear(n_in, n_out, dtype, rngs):
+    return nnx.Linear(n_in, n_out, param_dtype=dtype, kernel_init=nnx.initializers.normal(0.02),
+                      rngs=rngs)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        h, dtype = config.hidden, jnp.dtype(config.dtype)
+        self.q, self.k, self.v, self.out = (_linear(h, h, dtype, rngs) for _ in range(4))
+        self.head_dim = config.head_dim
+
+    def __call__(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        batch, seq = q.shape[:2]  # the projections' shape: whole sequence, this rank's heads
+        q, k, v = (a.reshape(batch, seq, -1, self.head_dim) for a in (q, k, v))
+        return self.out(causal_attention(q, k, v).reshape(batch, seq, -1))
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        h, dtype = config.hidden, jnp.dtype(config.dtype)
+        self.up, self.down = _linear(h, 4 * h, dtype, rngs), _linear(4 * h, h, dtype, rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.gelu(self.up(x), approximate=True))
+
+
+class Block(nnx.Module):
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        norm = lambda: nnx.LayerNorm(config.hidden, epsilon=config.layer_norm_eps,
+                                     param_dtype=jnp.dtype(config.dtype),
+                                     use_fast_variance=False, rngs=rngs)  # HF's centred variance
+        self.ln_1, self.attn, self.ln_2, self.mlp = (norm(), Attention(config, rngs=rngs),
+                                                     norm(), MLP(config, rngs=rngs))
+
+    def __call__(self, h):
+        h = h + self.attn(self.ln_1(h))
+        return h + self.mlp(self.ln_2(h))
+
+
+class GPT2(nnx.Module):
+    """``GPT2(config, rngs=nnx.Rngs(0))``; ``model(tokens)`` -> logits [B, S, V];
+    ``model.loss(tokens, targets)`` -> mean next-token cross-entropy."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        if config.moe_every:
+            raise ConfigError("the NNX GPT-2 has no MoE blocks: set moe_every=0 (Mixtral-style "
+                              "experts are in jphantom.models.llama)")
+        self.config = config
+        dtype = jnp.dtype(config.dtype)
+        init = nnx.initializers.normal(0.02)
+        self.wte = nnx.Embed(config.vocab_size, config.hidden, param_dtype=dtype,
+                             embedding_init=init, rngs=rngs)
+        self.wpe = nnx.Embed(config.seq_len, config.hidden, param_dtype=dtype,
+                             embedding_init=nnx.initializers.normal(0.01), rngs=rngs)
+        self.blocks = Stacked(lambda r: Block(config, rngs=r), config.layers, rngs=rngs)
+        self.ln_f = nnx.LayerNorm(config.hidden, epsilon=config.layer_norm_eps,
+                                  param_dtype=dtype, use_fast_variance=False, rngs=rngs)
+        if not config.tied_head:
+            self.head = _linear(config.hidden, config.vocab_size, dtype, rngs)
+
+    def check_shards(self, num_shards: int) -> None:
+        if self.config.heads % num_shards:
+            raise ConfigError(f"heads={self.config.heads} is not divisible by the {num_shards} "
+                              "ranks that split them: pick an axis size dividing the heads")
+
+    def hidden_states(self, tokens: jax.Array) -> jax.Array:
+        h = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))
+        return self.ln_f(self.blocks(h))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        h = self.hidden_states(tokens)
+        return self.wte.attend(h) if self.config.tied_head else self.head(h)
+
+    def loss(self, tokens: jax.Array, targets: jax.Array) -> jax.Array:
+        h = self.hidden_states(tokens)
+        if self.config.tied_head:
+            return cross_entropy(self.wte, h, targets, tied=True)
+        return cross_entropy(self.head, h, targets)
+
+
+# (our path, dense path, how): "q"/"k"/"v" take slot 0/1/2 of the fused QKV
+_BLOCK = [(("ln_1", "scale"), ("ln1", "scale")), (("ln_1", "bias"), ("ln1", "bias")),
+          (("ln_2", "scale"), ("ln2", "scale")), (("ln_2", "bias"), ("ln2", "bias")),
+          (("attn", "out", "kernel"), ("attn_out", "weight")),
+          (("attn", "out", "bias"), ("attn_out", "bias")),
+          (("mlp", "up", "kernel"), ("mlp_up", "weight")), (("mlp", "up", "bias"), ("mlp_up", "bias")),
+          (("mlp", "down", "kernel"), ("mlp_down", "weight")),
+          (("mlp", "down", "bias"), ("mlp_down", "bias"))]
+_TOP = [(("wte", "embedding"), ("wte",)), (("wpe", "embedding"), ("wpe",)),
+        (("ln_f", "scale"), ("ln_f", "scale")), (("ln_f", "bias"), ("ln_f", "bias"))]
+_QKV = ("q", "k", "v")
+
+
+def _get(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _put(tree, path, value):
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def from_dense(config: TransformerConfig, params: dict) -> GPT2:
+    """The :class:`GPT2` holding the dense dictionary ``params`` (:mod:`jphantom.models.
+    transformer`'s layout), by slicing only: built abstract, then filled."""
+    abstract = nnx.eval_shape(lambda: GPT2(config, rngs=nnx.Rngs(0)))
+    graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
+    pure = nnx.to_pure_dict(state)
+    for ours, theirs in _TOP:
+        _put(pure, ours, jnp.asarray(_get(params, theirs)))
+    blocks = params["blocks"]
+    for ours, theirs in _BLOCK:
+        _put(pure, ("blocks", "block", *ours), jnp.asarray(_get(blocks, theirs)))
+    for slot, name in enumerate(_QKV):
+        _put(pure, ("blocks", "block", "attn", name, "kernel"),
+             jnp.asarray(blocks["qkv"]["weight"][:, :, slot, :]))
+        _put(pure, ("blocks", "block", "attn", name, "bias"),
+             jnp.asarray(blocks["qkv"]["bias"][:, slot, :]))
+    if not config.tied_head:
+        _put(pure, ("head", "kernel"), jnp.asarray(params["head"]["weight"]))
+        _put(pure, ("head", "bias"), jnp.asarray(params["head"]["bias"]))
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state, rest)
+
+
+def to_dense(model: GPT2) -> dict:
+    """The dense dictionary of ``model``'s parameters (numpy), q/k/v joined into the fused QKV."""
+    import numpy as np
+
+    _, state, _ = nnx.split(model, nnx.Param, ...)
+    pure = jax.device_get(nnx.to_pure_dict(state))
+    out: dict = {}
+    for ours, theirs in _TOP:
+        _put(out, theirs, np.asarray(_get(pure, ours)))
+    for ours, theirs in _BLOCK:
+        _put(out, ("blocks", *theirs), np.asarray(_get(pure, ("blocks", "block", *ours))))
+    attn = pure["blocks"]["block"]["attn"]
+    out["blocks"]["qkv"] = {
+        "weight": np.stack([np.asarray(attn[n]["kernel"]) for n in _QKV], axis=2),
+        "bias": np.stack([np.asarray(attn[n]["bias"]) for n in _QKV], axis=1)}
+    if not model.config.tied_head:
+        out["head"] = {"weight": np.asarray(pure["head"]["kernel"]),
+                       "bias": np.asarray(pure["head"]["bias"])}
+    return out
+
+
+def load_hf(path) -> GPT2:
+    """A Hugging Face GPT-2 directory (:func:`jphantom.models.gpt2.load`) as a :class:`GPT2`."""
+    from jphantom.models import gpt2
+
+    config, params = gpt2.load(path)
+    return from_dense(config, params)
+
+
+def save_hf(path, model: GPT2) -> None:
+    """``model`` as a Hugging Face GPT-2 directory (:func:`jphantom.models.gpt2.save`)."""
+    from jphantom.models import gpt2
+
+    gpt2.save(path, model.config, to_dense(model))

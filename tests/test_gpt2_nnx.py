@@ -1,0 +1,70 @@
+"""GPT-2 as an NNX module (``jphantom.models.gpt2_nnx``): the same logits as the functional
+transformer and an independent numpy GPT-2, Hugging Face directories in and out bit for bit
+through ``jphantom.models.hf``, and Megatron / phantom plans equal to one device."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jphantom
+from jphantom.models import gpt2_nnx, hf
+from jphantom.models import transformer as tr
+from tests.test_byo_model import rel_error
+from tests.test_gpt2 import numpy_gpt2, random_tensors, read, same_bits, tokens_for, write_hf
+
+
+def test_hf_gpt2_loads_as_a_module_with_the_dense_paths_logits(tmp_path):
+    t = random_tensors(seed=2)
+    directory = write_hf(tmp_path / "m", t)
+    model = hf.load(directory)
+    assert isinstance(model, gpt2_nnx.GPT2)
+    tokens = tokens_for()
+    logits = np.asarray(model(tokens))
+    np.testing.assert_allclose(logits, numpy_gpt2(t, tokens), atol=1e-4, rtol=0)
+    config, params = jphantom.models.gpt2.load(directory)
+    np.testing.assert_allclose(logits, np.asarray(tr.logits(config, params, tokens)),
+                               atol=5e-6, rtol=0)  # float32 rounding: 1.4e-6 measured
+    assert float(model.loss(tokens[:, :-1], tokens[:, 1:])) == pytest.approx(float(
+        optax.softmax_cross_entropy_with_integer_labels(model(tokens[:, :-1]),
+                                                        tokens[:, 1:]).mean()), rel=1e-6)
+
+
+def test_hf_gpt2_round_trips_bit_for_bit(tmp_path):
+    directory = write_hf(tmp_path / "m", random_tensors(seed=4))
+    hf.save(tmp_path / "out", hf.load(directory))
+    before, _ = read(directory)
+    after, _ = read(tmp_path / "out")
+    assert sorted(before) == sorted(after)
+    assert all(same_bits(before[k], after[k]) for k in before)
+
+
+def test_dense_dictionary_round_trips_bit_for_bit():
+    config = tr.TransformerConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2,
+                                  tied_head=False)
+    params = jax.device_get(tr.init_dense(jax.random.PRNGKey(0), config))
+    back = gpt2_nnx.to_dense(gpt2_nnx.from_dense(config, params))
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    assert all(same_bits(a, b) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)))
+
+
+def test_gpt2_module_under_megatron_sp_equals_one_device():
+    config = tr.TransformerConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2)
+    rng = np.random.default_rng(0)
+    batch = (rng.integers(0, 64, (8, 16)).astype(np.int32),
+             rng.integers(0, 64, (8, 16)).astype(np.int32))
+    loss_fn = lambda model, tokens, targets: model.loss(tokens, targets)
+    one = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    reference = jphantom.make_train_step(gpt2_nnx.GPT2(config, rngs=nnx.Rngs(0)), one,
+                                         optax.sgd(0.1), loss_fn)
+    ref_loss, ref_grads = jax.jit(reference.value_and_grad())(reference.init().params, *batch)
+    model = gpt2_nnx.GPT2(config, rngs=nnx.Rngs(0))
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    jphantom.parallelize(model, mesh, jphantom.plans.megatron(model, sequence_parallel=True))
+    step = jphantom.make_train_step(model, mesh, optax.sgd(0.1), loss_fn)
+    loss, grads = jax.jit(step.value_and_grad())(step.init().params, *batch)
+    assert abs(float(loss) - float(ref_loss)) < 1e-5 * float(ref_loss)
+    assert rel_error(jax.device_get(grads), jax.device_get(ref_grads)) < 1e-5
