@@ -298,8 +298,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 _TRAIN_HELP = {
-    "model": "ffn (seed 000's teacher task), transformer (GPT-2; alias gpt2) or llama (Llama; "
-             "Mixtral with --moe-every 1), both on byte-level text",
+    "model": "ffn (seed 000's teacher task), transformer (the GPT-2 program, every strategy), "
+             "gpt2 (GPT-2 as an NNX module) or llama (Llama; Mixtral with --moe-every 1), the "
+             "last three on byte-level text",
     "strategy": "parallel strategy: " + ", ".join(("dense", "gspmd", "tensor", "tensor-t1",
                                                    "phantom", "phantom-unfused", "pmm3d",
                                                    "pmm3d-regather", "pmm3d-deferred")),

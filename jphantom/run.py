@@ -48,7 +48,8 @@ from jphantom.pipeline.runner import PipelineConfig, pipeline_for
 from jphantom.step import check_step_options
 from jphantom.pipeline.schedule import SCHEDULES as PIPELINE_SCHEDULES
 
-MODELS = ("ffn", "transformer", "gpt2", "llama")  # gpt2: the transformer's name; llama: NNX
+MODELS = ("ffn", "transformer", "gpt2", "llama")
+MODULE_MODELS = ("gpt2", "llama")  # NNX modules trained by jphantom.make_train_step
 MODULE_STRATEGIES = ("dense", "gspmd", "tensor", "phantom", "pmm3d")  # --model llama's
 OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULES = ("constant", "cosine")
@@ -120,8 +121,6 @@ class RunConfig:
     def __post_init__(self):
         if self.model not in MODELS:
             raise ConfigError(f"model={self.model!r}; use one of {MODELS}")
-        if self.model == "gpt2":  # one model, two names
-            object.__setattr__(self, "model", "transformer")
         for name in ("layers", "hidden", "heads", "seq_len", "vocab", "width", "depth", "batch",
                      "steps", "eval_every", "eval_batches"):
             check_int(name, getattr(self, name))
@@ -154,7 +153,7 @@ class RunConfig:
         if self.dtype == "float16" and self.optimizer != "sgd":
             raise ConfigError("dtype='float16' with an adaptive optimizer underflows Adam's epsilon "
                               "(1e-8 is 0 in float16): use bfloat16, or --optimizer sgd")
-        if (self.from_gpt2 or self.save_gpt2) and (
+        if (self.from_gpt2 or self.save_gpt2) and self.model != "gpt2" and (
                 self.model != "transformer" or self.strategy not in ("dense", "gspmd", "tensor")):
             raise ConfigError("--from-gpt2/--save-gpt2 hold a dense GPT-2: use --model transformer "
                               "with --strategy dense, gspmd or tensor")
@@ -164,29 +163,42 @@ class RunConfig:
         out = Path(self.out)
         if out.exists() and not out.is_dir():
             raise ConfigError(f"out={self.out!r} is an existing file: give a folder")
-        if self.model == "llama":
+        if self.model in MODULE_MODELS:
             self._check_module_run()
             return
         for name in ("kv_heads", "intermediate", "from_hf", "save_hf"):
             if getattr(self, name) is not None:
-                raise ConfigError(f"--{name.replace('_', '-')} applies to --model llama")
+                raise ConfigError(f"--{name.replace('_', '-')} applies to --model llama or gpt2")
         check_step_options(self.program(), self.batch, accumulate=self.accumulate,
                            clip_norm=self.clip_norm, precision=self.precision,
                            remat=self.step_remat)
 
     def _check_module_run(self) -> None:
-        """--model llama: what the module step takes, checked before anything is built."""
+        """--model llama / gpt2: what the module step takes, checked before anything is built."""
         if self.strategy not in MODULE_STRATEGIES:
-            raise ConfigError(f"--model llama runs the strategies {MODULE_STRATEGIES} (plans "
-                              f"applied to the NNX model), not {self.strategy!r}")
-        if self.moe_every not in (0, 1) or self.dtd or self.dropless:
+            raise ConfigError(f"--model {self.model} runs the strategies {MODULE_STRATEGIES} "
+                              f"(plans applied to the NNX model), not {self.strategy!r}")
+        if self.model == "gpt2":
+            if self.moe_every or self.dtd or self.dropless:
+                raise ConfigError("--model gpt2 has no mixture of experts: use --model llama "
+                                  "--moe-every 1 (Mixtral), or --model transformer")
+            for name in ("kv_heads", "intermediate"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"--{name.replace('_', '-')} applies to --model llama")
+            if self.from_gpt2 and self.from_hf:
+                raise ConfigError("give one of --from-gpt2 and --from-hf")
+            if self.from_gpt2:  # GPT-2's name for the same thing
+                object.__setattr__(self, "from_hf", self.from_gpt2)
+            if self.save_gpt2 and not self.save_hf:
+                object.__setattr__(self, "save_hf", self.save_gpt2)
+        elif self.moe_every not in (0, 1) or self.dtd or self.dropless:
             raise ConfigError("--model llama's mixture of experts is Mixtral's: --moe-every 1 "
                               "(every block; dropless by construction, no --dtd/--dropless)")
         if self.sequence_parallel and self.strategy != "tensor":
             raise ConfigError("--sequence-parallel applies to --strategy tensor")
         if self.strategy == "phantom" and self.ghost_width is None:
             raise ConfigError("--strategy phantom needs --ghost-width K, e.g. 8")
-        if self.from_gpt2 or self.save_gpt2:
+        if self.model == "llama" and (self.from_gpt2 or self.save_gpt2):
             raise ConfigError("--from-gpt2/--save-gpt2 are GPT-2's: use --from-hf/--save-hf")
         for name in ("from_hf",):
             value = getattr(self, name)
@@ -209,11 +221,16 @@ class RunConfig:
                               "--mesh data=2,z=2,y=1,x=2")
         if "expert" in mesh.shape and not self.moe_every:
             raise ConfigError("an expert axis splits Mixtral's experts: add --moe-every 1")
-        config = self.llama_config()
+        config = self.module_config()
+        if self.model == "gpt2" and self.seq_len > config.seq_len:
+            raise ConfigError(f"seq_len={self.seq_len} exceeds the checkpoint's "
+                              f"{config.seq_len} positions: pass --seq-len {config.seq_len} or less")
         model_axis = mesh.size("x") if self.strategy == "pmm3d" else mesh.size("model")
-        if config.kv_heads % model_axis:
-            raise ConfigError(f"kv_heads={config.kv_heads} is not divisible by model="
-                              f"{model_axis}: each rank needs whole key/value heads")
+        heads, what = ((config.kv_heads, "kv_heads") if self.model == "llama"
+                       else (config.heads, "heads"))
+        if heads % model_axis:
+            raise ConfigError(f"{what}={heads} is not divisible by model={model_axis}: each "
+                              "rank needs whole (key/value) heads")
         ranks = mesh.size("data") * mesh.size("expert") * mesh.size("z")
         if self.batch % (ranks * self.accumulate):
             raise ConfigError(f"batch={self.batch} is not divisible by data x expert={ranks} x "
@@ -222,6 +239,21 @@ class RunConfig:
             raise ConfigError(f"experts={self.experts} is not divisible by expert="
                               f"{mesh.size('expert')}")
         self.pipeline_config()
+
+    def module_config(self):
+        """The NNX model's configuration: a :class:`~jphantom.models.llama.LlamaConfig`, or for
+        GPT-2 a :class:`~jphantom.models.transformer.TransformerConfig` (an untied head under
+        phantom, whose feature-split activations would all-reduce the logits of a tied one)."""
+        if self.model == "llama":
+            return self.llama_config()
+        from jphantom.models import gpt2
+        from jphantom.models.transformer import TransformerConfig
+        if self.from_hf:
+            config = gpt2.config_from_hf(_read_json(Path(self.from_hf) / "config.json"))
+            return dataclasses.replace(config, dtype=self.dtype)
+        return TransformerConfig(vocab_size=self.vocab, seq_len=self.seq_len, hidden=self.hidden,
+                                 heads=self.heads, layers=self.layers, dtype=self.dtype,
+                                 tied_head=self.strategy != "phantom")
 
     def llama_config(self):
         from jphantom.models.llama import LlamaConfig, config_from_hf
@@ -383,10 +415,12 @@ class _ModuleProgram:
 
         from jphantom import plans
         from jphantom.models import hf
+        from jphantom.models.gpt2_nnx import GPT2
         from jphantom.models.llama import Llama, lm_loss
         from jphantom.train_step import make_train_step
 
-        llama_config = config.llama_config()
+        module_config = config.module_config()
+        family = Llama if config.model == "llama" else GPT2
 
         def planned(model):
             if config.strategy == "tensor":
@@ -400,15 +434,15 @@ class _ModuleProgram:
             elif config.strategy == "pmm3d":
                 for axis in ("x", "y", "z"):
                     if axis not in mesh.shape:
-                        raise ConfigError(f"--strategy pmm3d needs x, y and z in --mesh "
-                                          f"(size 1 where unused), e.g. data=2,z=2,y=1,x=2")
+                        raise ConfigError("--strategy pmm3d needs x, y and z in --mesh "
+                                          "(size 1 where unused), e.g. data=2,z=2,y=1,x=2")
                 plans.parallelize(model, mesh, plans.pmm3d(model))
             return model
 
         if config.from_hf:
             self.create, model = None, planned(hf.load(config.from_hf))
         else:  # built abstract; step.init creates every parameter in its shards
-            self.create = lambda: planned(Llama(llama_config, rngs=nnx.Rngs(config.seed)))
+            self.create = lambda: planned(family(module_config, rngs=nnx.Rngs(config.seed)))
             model = nnx.eval_shape(self.create)
         optimizer = config.optimizer_transform()
         if config.clip_norm is not None:  # exact: the update sees the global gradients
@@ -418,7 +452,7 @@ class _ModuleProgram:
                                     accumulate=config.accumulate, precision=config.precision,
                                     remat=config.step_remat, pipeline=pipeline,
                                     spmd="gspmd" if config.strategy == "gspmd" else "shard_map")
-        self.mesh, self.zero, self.config = config.mesh_config(), config.zero, llama_config
+        self.mesh, self.zero, self.config = config.mesh_config(), config.zero, module_config
         self.param_count = sum(math.prod(s.shape) for s in self.step.layout.shapes)
         self.options = ({} if pipeline is None else
                         {"pipeline": dataclasses.asdict(pipeline),
@@ -463,7 +497,7 @@ def run(config: RunConfig) -> dict:
     writer = jax.process_index() == 0  # process 0 alone writes logs and results
     if writer:
         out.mkdir(parents=True, exist_ok=True)
-    module = config.model == "llama"
+    module = config.model in MODULE_MODELS
     if module:
         mesh_config = config.mesh_config()
         mesh = mesh_config.build(first_devices(mesh_config.device_count))
@@ -474,7 +508,7 @@ def run(config: RunConfig) -> dict:
         mesh_config = program.mesh
         mesh = mesh_config.build(first_devices(mesh_config.device_count))
         model_config = config.model_config()
-    if config.model in ("transformer", "llama"):
+    if config.model != "ffn":
         source = _TextSource(config, config.seq_len if module else model_config.seq_len)
         if model_config.vocab_size < source.corpus.vocab_size:
             raise ConfigError(f"vocab={model_config.vocab_size} is smaller than the byte corpus's "
@@ -604,8 +638,8 @@ def run(config: RunConfig) -> dict:
                                "virtual_stages": pipeline["virtual_stages"],
                                "stages": program.options["stages"]}
     if module:
-        results["llama"] = dataclasses.asdict(model_config)
-    if config.model in ("transformer", "llama"):
+        results["module"] = {"model": config.model, **dataclasses.asdict(model_config)}
+    if config.model != "ffn":
         unigram = source.corpus.unigram_cross_entropy()
         results["unigram_cross_entropy"] = unigram
         results["validation_over_unigram"] = results["final_validation_loss"] / unigram
@@ -617,7 +651,7 @@ def run(config: RunConfig) -> dict:
         _plot(history, out / "curves.png", results)
     if config.save_hf and writer:
         program.save_hf(config.save_hf, params, opt_state)
-    if config.save_gpt2 and writer:
+    if config.save_gpt2 and writer and not module:
         from jphantom.models import gpt2
         gpt2.save(config.save_gpt2, model_config, jax.device_get(params))
     return results

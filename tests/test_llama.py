@@ -200,7 +200,7 @@ def test_train_llama_writes_results_and_a_hf_checkpoint(tmp_path):
 
     results = run(_run_config(tmp_path, save_hf=str(tmp_path / "hf"), clip_norm=1.0))
     assert np.isfinite(results["final_validation_loss"])
-    assert results["llama"]["kv_heads"] == 2 and results["params"] > 0
+    assert results["module"]["kv_heads"] == 2 and results["params"] > 0
     again = hf.load(tmp_path / "hf")
     assert again.config.layers == 2 and again.config.hidden == 32
 
@@ -272,7 +272,7 @@ def test_train_llama_with_an_expert_axis(tmp_path):
 
     results = run(_run_config(tmp_path, mesh="expert=2,model=2", moe_every=1, experts=4,
                               steps=2, eval_every=2))
-    assert results["llama"]["experts"] == 4 and np.isfinite(results["final_validation_loss"])
+    assert results["module"]["experts"] == 4 and np.isfinite(results["final_validation_loss"])
 
 
 def test_llama_gspmd_baseline_equals_one_device():
