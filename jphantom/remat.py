@@ -111,6 +111,19 @@ def layer(fn: Callable) -> Callable:
     return jax.checkpoint(fetched, policy=_without_fetched(policy))
 
 
+def checkpointed(fn: Callable, name: str, *, fetched: bool = False) -> Callable:
+    """``fn`` (one layer) under ``jax.checkpoint`` with policy ``name``; ``fetched``: the layer
+    fetches its parameters first (ZeRO-3's all-gather, named :data:`FETCHED` by the fetch), and
+    what the fetch returns is never saved, so the backward fetches again. Under ``none`` such a
+    layer keeps its matmul outputs (``dots_saveable``): keeping everything would keep values
+    derived from the fetched parameters, such as a transposed weight."""
+    check(name)
+    if not fetched:
+        return fn if name == "none" else jax.checkpoint(fn, policy=POLICIES[name])
+    policy = POLICIES["dots_saveable" if name == "none" else name]
+    return jax.checkpoint(fn, policy=_without_fetched(policy))
+
+
 def name_collective(x):
     """Mark a collective's output, so that ``collectives_saveable`` keeps it."""
     return checkpoint_name(x, COLLECTIVE)

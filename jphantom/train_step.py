@@ -87,6 +87,13 @@ class ParamLayout:
     specs: tuple[P, ...]  # the parameters' own specs (without ZeRO)
     reduce_axes: tuple[tuple[str, ...], ...]
     zero_dims: tuple[int, ...]
+    # per top-level Stacked: (its path, the pure indices of its block's leaves in the order of
+    # jax.tree.leaves(nnx.split(stacked.block)[1])): ZeRO-3 fetches those layer by layer
+    stacks: tuple[tuple[tuple, tuple[int, ...]], ...] = ()
+
+    @property
+    def stacked(self) -> frozenset[int]:
+        return frozenset(i for _, indices in self.stacks for i in indices)
 
     @classmethod
     def of(cls, model: nnx.Module, mesh: Mesh, zero: int) -> "ParamLayout":
@@ -103,17 +110,21 @@ class ParamLayout:
         order = tuple(index[_key(path)] for path, _ in pure_paths)
         axes = tuple(mesh.axis_names)
         data = dict(mesh.shape).get("data", 1)
+        pure_keys = [_key(path) for path, _ in pure_paths]
+        stacks = _top_stacks(model, pure_keys)
+        stacked = {i for _, indices in stacks for i in indices}
         specs, reduce, dims, shapes = [], [], [], []
-        for i in order:
+        for pure_index, i in enumerate(order):
             variable = variables[i][1]
             value = variable.get_value()
             spec = metadata.spec_of(variable, axes)
             specs.append(spec)
             reduce.append(tuple(a for a in metadata.reduce_axes_of(variable) if a in axes))
             shapes.append(jax.ShapeDtypeStruct(value.shape, value.dtype))
-            dims.append(zero_module.choose_dim(value.shape, spec, data) if zero else -1)
+            dims.append(zero_module.choose_dim(value.shape, spec, data,
+                                               stacked=pure_index in stacked) if zero else -1)
         return cls(graphdef, jax.tree.structure(params), pure_treedef, order, tuple(shapes),
-                   tuple(specs), tuple(reduce), tuple(dims))
+                   tuple(specs), tuple(reduce), tuple(dims), stacks)
 
     def state_of(self, leaves):
         """An ``nnx.State`` of pure-order ``leaves`` (inside a trace: fresh Variables)."""
@@ -128,6 +139,30 @@ class ParamLayout:
     def zero_specs(self) -> tuple[P, ...]:
         return tuple(zero_module.sharded_spec(s, d, a.ndim)
                      for s, d, a in zip(self.specs, self.zero_dims, self.shapes))
+
+
+def _top_stacks(model: nnx.Module, pure_keys: list[tuple]) -> tuple:
+    """Each :class:`Stacked` of ``model`` not inside another one: its path and the pure indices of
+    its block's parameters in the order of the block's own ``nnx.split`` state."""
+    paths = [tuple(path) for path, m in nnx.iter_modules(model) if isinstance(m, Stacked)]
+    top = [p for p in paths if not any(q != p and p[:len(q)] == q for q in paths)]
+    index = {key: i for i, key in enumerate(pure_keys)}
+    out = []
+    for path in top:
+        stacked = model
+        for part in path:
+            stacked = stacked[part] if isinstance(part, int) else getattr(stacked, part)
+        _, block_state, _ = nnx.split(stacked.block, nnx.Param, ...)
+        block_vars = jax.tree_util.tree_flatten_with_path(block_state, is_leaf=_is_variable)[0]
+        prefix = (*path, "block")
+        out.append((path, tuple(index[prefix + _key(p)] for p, _ in block_vars)))
+    return tuple(out)
+
+
+def _zeros_of(struct) -> jax.Array:
+    from jphantom.step import zeros_of  # noqa: PLC0415 (one definition)
+
+    return zeros_of(struct)
 
 
 def _batch_axes(mesh: Mesh) -> tuple[str, ...]:
@@ -152,6 +187,32 @@ def _group_by(leaves, axes_of_leaf, op):
     return leaves
 
 
+def _check_batch_specs(batch_specs, mesh: Mesh):
+    """``None`` (every batch array split on its first dimension over the batch axes), one
+    ``PartitionSpec`` for every array, or a sequence of one per array; axes must be the mesh's."""
+    if batch_specs is None:
+        return None
+    specs = (batch_specs,) if isinstance(batch_specs, P) else tuple(batch_specs)
+    for spec in specs:
+        if not isinstance(spec, P):
+            raise ConfigError(f"batch_specs entry {spec!r} is not a jax.sharding.PartitionSpec")
+        missing = zero_module.spec_axes(spec) - set(mesh.axis_names)
+        if missing:
+            raise ConfigError(f"batch_specs {spec} names axes {sorted(missing)} that the mesh "
+                              f"{dict(mesh.shape)} lacks")
+    return specs
+
+
+def mean_share(value, exclude: tuple[str, ...] = ()):
+    """This rank's share of a global mean: ``value`` (the mean over what this rank holds) divided
+    by the number of ranks it varies over (``check_vma``'s record: the batch axes, and any axis
+    splitting the data, e.g. seed 000's features over ``model``); ranks holding the same value
+    count once. Returns the share and the axes to ``psum`` it over."""
+    axes = tuple(a for a in sorted(metadata.varying_axes(value)) if a not in exclude)
+    ranks = math.prod(lax.axis_size(a) for a in axes)
+    return value / ranks, axes
+
+
 def _check_mesh(mesh) -> Mesh:
     """``mesh`` with every axis ``Auto`` (``jax.make_mesh`` makes ``Explicit`` ones by default):
     the step's own specs say where everything lives."""
@@ -170,7 +231,8 @@ class TrainStep:
     def __init__(self, model: nnx.Module, mesh: Mesh, optimizer: optax.GradientTransformation,
                  loss_fn: Callable, *, zero: int = 0, accumulate: int = 1,
                  precision: str | Precision = "float32", remat: str = "none",
-                 pipeline=None, spmd: str = "shard_map", donate: bool = True):
+                 pipeline=None, spmd: str = "shard_map", donate: bool = True,
+                 batch_specs=None):
         if not isinstance(model, nnx.Module):
             raise ConfigError(f"make_train_step takes an nnx.Module, not {type(model).__name__}")
         self.mesh = _check_mesh(mesh)
@@ -221,6 +283,7 @@ class TrainStep:
         self.grad_specs = layout.zero_specs() if zero >= 2 else layout.specs
         self.opt_param_specs = layout.zero_specs() if zero >= 1 else layout.specs
         self.batch_spec = _batch_spec(mesh)
+        self.batch_specs = _check_batch_specs(batch_specs, self.mesh)
         self.donate = donate
         self._step = None
 
@@ -304,7 +367,6 @@ class TrainStep:
         cast, loss_fn, layout = self.precision.cast, self.loss_fn, self.layout
         stack_path, stacked_module = self.stack
         remat = stacked_module.remat
-        ranks = self.batch_ranks
         micro = self.pipeline.microbatches
         stacked_now, _ = self._split(leaves)
         rows = inputs.shape[0] // micro
@@ -332,8 +394,8 @@ class TrainStep:
         def last(rest, out, targets_mb, microbatches):
             model = model_with(rest, Feed(lambda: out))
             loss = jnp.asarray(loss_fn(model, dummy_inputs, targets_mb))
-            return loss.astype(jnp.promote_types(loss.dtype, jnp.float32)) / (
-                microbatches * ranks)
+            loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
+            return self._mean_share(loss, exclude=("stage",))[0] / microbatches
 
         stages = runner.Stages(units=stacked_module.layers, unit_name="layers", split=None,
                                join=None, first=first, body=body, last=last)
@@ -401,36 +463,60 @@ class TrainStep:
 
     def _vary_axes(self) -> list[tuple[str, ...]]:
         """Per leaf: the axes its (gathered) parameter is replicated over but each rank's
-        gradient is only a part (batch axes it is not split on, and its reduce_axes)."""
+        gradient is only a part (batch axes it is not split on, and its reduce_axes), less
+        ``data`` where ZeRO-3's all-gather is that reduction's transpose."""
         out = []
         extra = ("stage",) if self.pipeline is not None else ()
-        for spec, reduce in zip(self.layout.specs, self.layout.reduce_axes):
+        for spec, reduce, dim in zip(self.layout.specs, self.layout.reduce_axes,
+                                     self.layout.zero_dims):
             split = zero_module.spec_axes(spec)
             axes = tuple(a for a in self.batch_axes + extra if a not in split)
-            out.append(axes + tuple(a for a in reduce if a not in axes and a not in split))
+            axes = axes + tuple(a for a in reduce if a not in axes and a not in split)
+            if self.zero == 3 and dim >= 0:
+                axes = tuple(a for a in axes if a != "data")
+            out.append(axes)
         return out
 
-    def _local_value_and_grad(self, leaves, *batch):
-        layout, precision = self.layout, self.precision
-        dims = layout.zero_dims
-        vary = self._vary_axes()
-        zero3 = self.zero == 3
+    def _model(self, leaves, *, train: bool):
+        """The model of this rank's ``leaves`` (cast to the compute dtype). ZeRO-3: the leaves of
+        the stacked blocks stay shards, gathered layer by layer by their :class:`Stacked`'s
+        ``fetch``; every other leaf is all-gathered here, once (``train``: varying, so that the
+        gather's transpose reduce-scatters the gradient)."""
+        leaves = self.precision.cast(list(leaves))
+        if self.zero != 3:
+            return self.layout.model_of(leaves)
+        stacked = self.layout.stacked if train and self.pipeline is None else frozenset()
+        dims = self.layout.zero_dims
+        leaves = [x if i in stacked else zero_module.gather(x, d, invariant=not train)
+                  for i, (x, d) in enumerate(zip(leaves, dims))]
+        model = self.layout.model_of(leaves)
+        for path, indices in (self.layout.stacks if stacked else ()):
+            module = model
+            for part in path:
+                module = module[part] if isinstance(part, int) else getattr(module, part)
+            module.fetch = zero_module.LayerFetch([dims[i] for i in indices])
+        return model
 
-        ranks = self.batch_ranks
-        if zero3:  # data's share of the reduction is the all-gather's transpose
-            vary = [tuple(a for a in axes if not (a == "data" and d >= 0))
-                    for axes, d in zip(vary, dims)]
+    def _mean_share(self, value, exclude=()):
+        share, axes = mean_share(value, exclude)
+        order = self.mesh.axis_names
+        return share, tuple(sorted(axes, key=order.index))
+
+    def _loss_share(self, model, batch):
+        loss = jnp.asarray(self.loss_fn(model, *self.precision.cast(batch)))
+        if loss.shape != ():
+            raise ConfigError(f"loss_fn returned shape {loss.shape}; it must return the "
+                              "scalar mean loss")
+        loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
+        return self._mean_share(loss)[0]  # this rank's share of the global mean
+
+    def _local_value_and_grad(self, leaves, *batch):
+        precision = self.precision
+        vary = self._vary_axes()
 
         def loss_of(leaves, *batch):
-            if zero3:  # all-gather over data; its transpose reduce-scatters the gradient
-                leaves = [zero_module.gather(x, d, invariant=False) for x, d in zip(leaves, dims)]
-            model = layout.model_of(precision.cast(leaves))
-            loss = jnp.asarray(self.loss_fn(model, *precision.cast(batch)))
-            if loss.shape != ():
-                raise ConfigError(f"loss_fn returned shape {loss.shape}; it must return the "
-                                  "scalar mean loss")
-            loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
-            return loss / ranks * precision.loss_scale  # this rank's share of the global mean
+            return self._loss_share(self._model(leaves, train=True), batch) * (
+                precision.loss_scale)
 
         def one(leaves, *batch):
             # each rank its own copy of what it holds replicated: the gradient w.r.t. the copy
@@ -445,43 +531,57 @@ class TrainStep:
                 raise ConfigError(f"a pipelined step takes (inputs, targets), got {len(batch)} "
                                   "batch arrays")
             varied = _group_by(leaves, vary, lambda xs, axes: lax.pcast(xs, axes, to="varying"))
-            loss, grads = self._pipeline_value_and_grad(varied, *batch)
-        elif self.accumulate == 1:
-            loss, grads = one(leaves, *batch)
-        else:
-            n = self.accumulate
-            micro = [b.reshape(n, b.shape[0] // n, *b.shape[1:]) for b in batch]
-            first = jax.eval_shape(one, leaves, *(m[0] for m in micro))
-            from jphantom.step import zeros_of
-            add = lambda a, b: jax.tree.map(jnp.add, a, b)
-            (loss, grads), _ = lax.scan(lambda total, mb: (add(total, one(leaves, *mb)), None),
-                                        jax.tree.map(zeros_of, first), micro)
-            loss, grads = jax.tree.map(lambda a: a / n, (loss, grads))
-        return loss, grads
+            if self.zero == 3:  # gathered once for the whole pipeline; its transpose scatters
+                dims = self.layout.zero_dims
+                varied, scatter = jax.vjp(
+                    lambda xs: [zero_module.gather(x, d, invariant=False)
+                                for x, d in zip(xs, dims)], varied)
+                loss, grads = self._pipeline_value_and_grad(varied, *batch)
+                (grads,) = scatter(grads)
+                return loss, grads
+            return self._pipeline_value_and_grad(varied, *batch)
+        if self.accumulate == 1:
+            return one(leaves, *batch)
+        n = self.accumulate
+        micro = [b.reshape(n, b.shape[0] // n, *b.shape[1:]) for b in batch]
+        first = jax.eval_shape(one, leaves, *(m[0] for m in micro))
+        add = lambda a, b: jax.tree.map(jnp.add, a, b)
+        (loss, grads), _ = lax.scan(lambda total, mb: (add(total, one(leaves, *mb)), None),
+                                    jax.tree.map(_zeros_of, first), micro)
+        return jax.tree.map(lambda a: a / n, (loss, grads))
 
     def _per_rank(self, leaves, *batch):
         loss, grads = self._local_value_and_grad(list(leaves), *batch)
         dims = self.layout.zero_dims
         vary = self._vary_axes()
-        if self.zero == 3:  # data's reduction was the all-gather's transpose
-            vary = [tuple(a for a in axes if not (a == "data" and d >= 0))
-                    for axes, d in zip(vary, dims)]
-        elif self.zero == 2:  # reduce-scatter over data, all-reduce over the rest
-            scattered = [zero_module.reduce_scatter(g, d) if d >= 0 else g
-                         for g, d in zip(grads, dims)]
-            grads = scattered
+        if self.zero == 2:  # reduce-scatter over data, all-reduce over the rest
+            grads = [zero_module.reduce_scatter(g, d) if d >= 0 else g
+                     for g, d in zip(grads, dims)]
             vary = [tuple(a for a in axes if not (a == "data" and d >= 0))
                     for axes, d in zip(vary, dims)]
         grads = _group_by(grads, vary, lambda xs, axes: lax.psum(xs, axes))
-        loss_axes = self.batch_axes + (("stage",) if self.pipeline is not None else ())
-        if loss_axes:  # the global mean: one scalar all-reduce (a pipeline's: on its last stage)
-            loss = lax.psum(loss, loss_axes)
-        return loss, grads
+        return self._global(loss), grads
+
+    def _global(self, share):
+        """The global value of per-rank shares: one all-reduce over the axes they vary over (a
+        pipeline's loss lives on its last stage)."""
+        axes = tuple(sorted(metadata.varying_axes(share), key=self.mesh.axis_names.index))
+        return lax.psum(share, axes) if axes else share
+
+    def _specs_of_batch(self, count: int) -> tuple[P, ...]:
+        if self.batch_specs is None:
+            return (self.batch_spec,) * count
+        if len(self.batch_specs) == 1:
+            return self.batch_specs * count
+        if len(self.batch_specs) != count:
+            raise ConfigError(f"batch_specs has {len(self.batch_specs)} entries for {count} "
+                              "batch arrays")
+        return self.batch_specs
 
     def _gspmd_loss(self, params, *batch):
         """GSPMD: the global loss of global arrays; ``jax.jit`` places the collectives."""
-        batch = [jax.lax.with_sharding_constraint(b, NamedSharding(self.mesh, self.batch_spec))
-                 for b in batch]
+        batch = [jax.lax.with_sharding_constraint(b, NamedSharding(self.mesh, s))
+                 for b, s in zip(batch, self._specs_of_batch(len(batch)))]
         model = self.layout.model_of(self.precision.cast(jax.tree.leaves(params)))
         loss = jnp.asarray(self.loss_fn(model, *self.precision.cast(batch)))
         return loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
@@ -503,13 +603,45 @@ class TrainStep:
 
         def run(params, *batch):
             leaves = jax.tree.leaves(params)
-            specs_in = (tuple(self.param_specs), *([self.batch_spec] * len(batch)))
+            specs_in = (tuple(self.param_specs), *self._specs_of_batch(len(batch)))
             fn = jax.shard_map(self._per_rank, mesh=self.mesh, in_specs=specs_in,
                                out_specs=(P(), list(self.grad_specs)), check_vma=True)
             loss, grads = fn(tuple(leaves), *batch)
             return loss, self._pure(grads)
 
         return run
+
+    def _evaluate(self, fn: Callable) -> Callable:
+        """``fn(model, *batch)`` -> a scalar mean or a dict of them, as global means, jitted
+        (forward only)."""
+        if self.spmd == "gspmd":
+            def global_fn(params, *batch):
+                batch = [jax.lax.with_sharding_constraint(b, NamedSharding(self.mesh, s))
+                         for b, s in zip(batch, self._specs_of_batch(len(batch)))]
+                model = self.layout.model_of(self.precision.cast(jax.tree.leaves(params)))
+                return fn(model, *self.precision.cast(batch))
+            return jax.jit(global_fn)
+
+        def per_rank(leaves, *batch):
+            model = self._model(leaves, train=False)
+            out = fn(model, *self.precision.cast(batch))
+
+            def total(value):
+                value = jnp.asarray(value)
+                value = value.astype(jnp.promote_types(value.dtype, jnp.float32))
+                return self._global(self._mean_share(value)[0])
+
+            return jax.tree.map(total, out)
+
+        @jax.jit
+        def evaluate(params, *batch):
+            fn_ = jax.shard_map(per_rank, mesh=self.mesh,
+                                in_specs=(tuple(self.param_specs),
+                                          *self._specs_of_batch(len(batch))),
+                                out_specs=P(), check_vma=True)
+            return fn_(tuple(jax.tree.leaves(params)), *batch)
+
+        return evaluate
 
     def loss(self) -> Callable:
         """``loss(params, *batch) -> global mean loss`` (evaluation), jitted: forward only (a
@@ -519,26 +651,16 @@ class TrainStep:
             return lambda params, *batch: value_and_grad(params, *batch)[0]
         if self.spmd == "gspmd":
             return jax.jit(self._gspmd_loss)
-        dims = self.layout.zero_dims
+        return self._evaluate(self.loss_fn)
 
-        def per_rank(leaves, *batch):
-            leaves = list(leaves)
-            if self.zero == 3:
-                leaves = [zero_module.gather(x, d, invariant=True) for x, d in zip(leaves, dims)]
-            model = self.layout.model_of(self.precision.cast(leaves))
-            loss = jnp.asarray(self.loss_fn(model, *self.precision.cast(batch)))
-            loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32)) / self.batch_ranks
-            return lax.psum(loss, self.batch_axes) if self.batch_axes else loss
-
-        @jax.jit
-        def evaluate(params, *batch):
-            fn = jax.shard_map(per_rank, mesh=self.mesh,
-                               in_specs=(tuple(self.param_specs),
-                                         *([self.batch_spec] * len(batch))),
-                               out_specs=P(), check_vma=True)
-            return fn(tuple(jax.tree.leaves(params)), *batch)
-
-        return evaluate
+    def metrics(self, metrics_fn: Callable) -> Callable:
+        """``metrics(params, *batch) -> dict``: ``metrics_fn(model, *batch)`` returns a dict of
+        means over the batch it is given (a language model's cross-entropy without auxiliary
+        losses, the fraction of tokens an MoE router dropped); the result holds their global
+        means. Forward only, jitted; pipelined steps run the model unpipelined."""
+        if self.pipeline is not None:
+            raise ConfigError("metrics of a pipelined step: evaluate with step.loss()")
+        return self._evaluate(metrics_fn)
 
     def _build(self):
         run = self.value_and_grad()
@@ -556,16 +678,27 @@ class TrainStep:
     def __call__(self, state: TrainState, *batch):
         if not batch:
             raise ConfigError("step(state, *batch) needs the batch arrays loss_fn takes")
-        ranks = math.prod(dict(self.mesh.shape)[a] for a in self.batch_axes)
-        for b in batch:
-            rows = jnp.shape(b)[0] if jnp.ndim(b) else None
-            if rows is None or rows % (ranks * self.accumulate):
-                raise ConfigError(f"a batch array of shape {jnp.shape(b)}: its first dimension "
-                                  f"must be a multiple of {ranks} batch ranks x accumulate="
-                                  f"{self.accumulate}")
+        self.check_batch(*batch)
         if self._step is None:
             self._step = self._build()
         return self._step(state, *batch)
+
+    def check_batch(self, *batch) -> None:
+        """Every batch array splits evenly over the mesh axes its spec names (the first
+        dimension also over ``accumulate`` micro-batches)."""
+        shape = dict(self.mesh.shape)
+        for b, spec in zip(batch, self._specs_of_batch(len(batch))):
+            dims = jnp.shape(b)
+            if len(spec) > len(dims) or not dims:
+                raise ConfigError(f"a batch array of shape {dims} cannot be split as {spec}")
+            for i, entry in enumerate(spec):
+                ranks = math.prod(shape[a] for a in ((entry,) if isinstance(entry, str)
+                                                     else entry or ()))
+                ranks *= self.accumulate if i == 0 else 1
+                if dims[i] % ranks:
+                    what = " x accumulate" if i == 0 and self.accumulate > 1 else ""
+                    raise ConfigError(f"a batch array of shape {dims}: dimension {i} must be a "
+                                      f"multiple of {ranks} (mesh axes {entry}{what})")
 
     def lower(self, state: TrainState, *batch):
         """The jitted step lowered for ``state`` and ``batch`` (``.compile().as_text()`` for HLO)."""

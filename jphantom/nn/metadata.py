@@ -59,3 +59,10 @@ def spec_of(variable: nnx.Variable, mesh_axes: Sequence[str]) -> P:
         names.pop()
     return P(*names)
 
+
+
+def varying_axes(x) -> frozenset[str]:
+    """The mesh axes ``x`` (inside a ``shard_map`` with ``check_vma=True``) varies over."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    return frozenset(vma if vma is not None else aval.manual_axis_type.varying)

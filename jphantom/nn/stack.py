@@ -6,9 +6,21 @@
 :class:`Stacked` creates L blocks under ``nnx.vmap`` (every parameter gets a leading [L] axis) and
 applies them with ``lax.scan`` over the split state, so a model's compile time is flat in its
 depth, a plan that names ``blocks.*.attn.q`` swaps the layer of every block at once, and a
-pipeline can cut the L axis over ``stage``. ``remat`` is the block's activation-checkpointing
-policy (:mod:`jphantom.remat`), an explicit attribute: :func:`set_remat` sets it, the step's
-``remat=`` option calls it. Holds no collective.
+pipeline can cut the L axis over ``stage``.
+
+What flows from block to block (the *carry*) is whatever the model passes: an array, or a pytree
+such as ``(h, aux)`` where a block adds its auxiliary losses to ``aux`` (the MoE blocks). With
+``with_index=True`` each block is called ``block(carry, index, *args)``, ``index`` the layer's
+global position (seed 000's FFN applies its ReLU before every layer but the first).
+``peel_first=True`` runs layer 0 outside the scan, so that autodiff can drop what only its input
+gradient needs (the FFN's data need none; inside the scan the first layer's backward collective
+would be the body's and stay).
+
+Two explicit attributes, set by the training step and never by a context: ``remat``, the
+blocks' activation-checkpointing policy (:mod:`jphantom.remat`; :func:`set_remat`), and
+``fetch``, a function applied to each layer's parameters before it runs (ZeRO-3's per-layer
+all-gather over ``data``, :class:`jphantom.sharding.zero.LayerFetch`): what it returns is never
+saved for the backward, which fetches again. Holds no collective itself.
 """
 
 from __future__ import annotations
@@ -16,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
@@ -27,7 +40,7 @@ class Stacked(nnx.Module):
     """``layers`` copies of one block, parameters stacked [L, ...], applied in order."""
 
     def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], layers: int, *,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, with_index: bool = False, peel_first: bool = False):
         self.layers = check_int("layers", layers)
 
         @nnx.split_rngs(splits=layers)
@@ -36,25 +49,38 @@ class Stacked(nnx.Module):
             return make_block(rngs)
 
         self.block = create(rngs)
+        self.with_index, self.peel_first = bool(with_index), bool(peel_first)
         self.remat = "none"
+        self.fetch = None
 
-    def __call__(self, h: jax.Array, *args) -> jax.Array:
-        """``h`` through every block; ``args`` are passed to each block unchanged."""
+    def __call__(self, carry, *args):
+        """``carry`` through every block; ``args`` are passed to each block unchanged."""
         graphdef, state = nnx.split(self.block)
-        return apply_blocks(graphdef, state, h, *args, remat=self.remat)
+        return apply_blocks(graphdef, state, carry, *args, remat=self.remat, fetch=self.fetch,
+                            with_index=self.with_index, peel_first=self.peel_first)
 
 
-def apply_blocks(graphdef, state, h: jax.Array, *args, remat: str = "none") -> jax.Array:
+def apply_blocks(graphdef, state, carry, *args, remat: str = "none", fetch=None,
+                 with_index: bool = False, peel_first: bool = False, offset=0):
     """The blocks of a split :class:`Stacked` (``state`` stacked [L', ...]) applied in order under
-    ``lax.scan``, each checkpointed with ``remat``: a pipeline stage's body runs its L' blocks so."""
+    ``lax.scan``, each checkpointed with ``remat`` and its parameters passed through ``fetch``: a
+    pipeline stage's body runs its L' blocks so (``offset``: the global index of its first)."""
 
-    def one(layer_state, h):
-        return nnx.merge(graphdef, layer_state)(h, *args)
+    def one(layer_state, carry, index):
+        if fetch is not None:
+            layer_state = fetch(layer_state)
+        block = nnx.merge(graphdef, layer_state)
+        return block(carry, index, *args) if with_index else block(carry, *args)
 
-    if remat != "none":
-        one = jax.checkpoint(one, policy=remat_module.POLICIES[remat])
-    h, _ = lax.scan(lambda h, layer_state: (one(layer_state, h), None), h, state)
-    return h
+    one = remat_module.checkpointed(one, remat, fetched=fetch is not None)
+    layers = jax.tree.leaves(state)[0].shape[0]
+    indices = offset + jnp.arange(layers)
+    if peel_first and layers > 1:
+        carry = one(jax.tree.map(lambda a: a[0], state), carry, indices[0])
+        state = jax.tree.map(lambda a: a[1:], state)
+        indices = indices[1:]
+    carry, _ = lax.scan(lambda c, xs: (one(xs[0], c, xs[1]), None), carry, (state, indices))
+    return carry
 
 
 class StackInput(Exception):
@@ -70,7 +96,7 @@ class Capture(Stacked):
     (its first stage's embedding): raises :class:`StackInput` with the blocks' input."""
 
     def __init__(self):  # holds no blocks
-        self.remat = "none"
+        self.remat, self.fetch = "none", None
 
     def __call__(self, h, *args):
         raise StackInput(h)
@@ -81,7 +107,7 @@ class Feed(Stacked):
     (its last stage's head and loss): returns the pipeline's output instead of its input."""
 
     def __init__(self, output_fn):  # holds no blocks
-        self.output_fn, self.remat = output_fn, "none"
+        self.output_fn, self.remat, self.fetch = output_fn, "none", None
 
     def __call__(self, h, *args):
         return self.output_fn()

@@ -70,9 +70,7 @@ def gather_sequence(x: jax.Array, axis: str) -> jax.Array:
 
 def varies_over(x: jax.Array, axis: str) -> bool:
     """Does ``x`` (inside a shard_map) vary over the mesh axis ``axis``?"""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    return axis in (vma if vma is not None else aval.manual_axis_type.varying)
+    return axis in metadata.varying_axes(x)
 
 
 def to_full_sequence(x: jax.Array, axis: str, sequence_parallel: bool) -> jax.Array:

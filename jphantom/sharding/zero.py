@@ -170,3 +170,29 @@ def gathered_params(shards, dims):
     return jax.tree.map(
         lambda x, d: gather(x, d, invariant=False) if d >= 0
         else lax.pcast(x, DATA_AXIS, to="varying"), shards, dims)
+
+
+class LayerFetch:
+    """ZeRO-3 inside a :class:`jphantom.nn.Stacked`: ``fetch(layer_state)`` all-gathers each of
+    one layer's parameters over ``data`` along its split dimension (``dims``: per leaf of the
+    block's state, in ``jax.tree.leaves`` order, the dimension of the *stacked* array, -1 for a
+    leaf left replicated) and names the result :data:`jphantom.remat.FETCHED`, so the
+    checkpointed layer never keeps it: the backward gathers again and only one layer is ever
+    whole. The gather's transpose, per layer in the backward scan, is the gradient's
+    reduce-scatter."""
+
+    def __init__(self, dims):
+        self.dims = tuple(dims)
+
+    def __call__(self, layer_state):
+        from jax.ad_checkpoint import checkpoint_name
+
+        from jphantom.remat import FETCHED
+
+        leaves, treedef = jax.tree.flatten(layer_state)
+        if len(leaves) != len(self.dims):
+            raise ValueError(f"LayerFetch of {len(self.dims)} parameters applied to "
+                             f"{len(leaves)}")
+        gathered = [x if d < 0 else checkpoint_name(gather(x, d - 1, invariant=False), FETCHED)
+                    for x, d in zip(leaves, self.dims)]
+        return jax.tree.unflatten(treedef, gathered)
