@@ -302,9 +302,6 @@ class TrainStep:
         pipeline = pipeline if pipeline is not None else PipelineConfig(microbatches=stages)
         if not isinstance(pipeline, PipelineConfig):
             raise ConfigError("pipeline must be a jphantom.pipeline.runner.PipelineConfig")
-        if pipeline.virtual_stages != 1:
-            raise ConfigError("interleaved stages (virtual_stages > 1) are not available to "
-                              "module models yet: use schedule '1f1b' or 'gpipe'")
         if self.precision.loss_scale != 1.0:
             raise ConfigError("loss scaling (float16) inside a pipeline is not implemented: "
                               "use bf16")
@@ -355,11 +352,42 @@ class TrainStep:
             leaves[i] = x
         return leaves
 
-    def _pipeline_value_and_grad(self, leaves, inputs, targets):
+    def _unit_order(self):
+        """Interleaved stages (V > 1): ``order[g]``, the layer stored at position g of the
+        stacked axis, so that the contiguous split over ``stage`` gives device s the model
+        chunks v P + s (Megatron's round robin); ``None`` for V = 1."""
+        from jphantom.pipeline.runner import unit_order
+
+        if self.pipeline is None or self.pipeline.virtual_stages == 1:
+            return None
+        return unit_order(self.stack[1].layers, dict(self.mesh.shape)["stage"],
+                          self.pipeline.virtual_stages)
+
+    def to_model_order(self, tree):
+        """A dict like ``TrainState.params`` (parameters or gradients) with interleaved stages'
+        stacked layers back in the model's order (unchanged otherwise)."""
+        return self._reorder(tree, inverse=True)
+
+    def _reorder(self, params, inverse: bool = False):
+        """``params`` (a pure dict) with the stacked layers in storage order (or back)."""
+        import numpy as np
+
+        order = self._unit_order()
+        if order is None:
+            return params
+        index = np.argsort(order) if inverse else order
+        leaves = list(jax.tree.leaves(params))
+        for i in self.stacked_index:
+            leaves[i] = leaves[i][index]
+        return self._pure(leaves)
+
+    def _pipeline_value_and_grad(self, leaves, inputs, targets, *, train: bool = True):
         """The model cut at its :class:`Stacked` and run by the pipeline executor
-        (:func:`jphantom.pipeline.runner.run`: GPipe or 1F1B, its own backward): the part of
-        ``loss_fn`` before the blocks on the first stage, the blocks' layers split over ``stage``,
-        the part after them (head, loss) on the last."""
+        (:func:`jphantom.pipeline.runner.run`: GPipe, 1F1B or interleaved 1F1B, its own
+        backward): the part of ``loss_fn`` before the blocks on the first stage, the blocks'
+        layers split over ``stage`` (with V virtual stages, chunk c = v P + s on device s,
+        layers [c L/(P V), (c+1) L/(P V))), the part after them (head, loss) on the last.
+        ``train=False``: the forward slots only, the loss share alone."""
         from jphantom.nn.stack import Capture, Feed, StackInput, apply_blocks
         from jphantom.pipeline import runner
         from jphantom.plans import _set
@@ -386,10 +414,14 @@ class TrainStep:
             raise ConfigError("loss_fn never called the model's Stacked blocks: a pipeline cuts "
                               "the model there")
 
-        def body(chunk, x, _):
+        stages_count = dict(self.mesh.shape)["stage"]
+        per_chunk = stacked_module.layers // (stages_count * self.pipeline.virtual_stages)
+
+        def body(chunk, x, c):
             state = jax.tree.unflatten(self.block_treedef,
                                        [cast(chunk[k]) for k in self.block_order])
-            return apply_blocks(self.block_graph, state, x, remat=remat)
+            return apply_blocks(self.block_graph, state, x, remat=remat,
+                                with_index=stacked_module.with_index, offset=c * per_chunk)
 
         def last(rest, out, targets_mb, microbatches):
             model = model_with(rest, Feed(lambda: out))
@@ -399,8 +431,11 @@ class TrainStep:
 
         stages = runner.Stages(units=stacked_module.layers, unit_name="layers", split=None,
                                join=None, first=first, body=body, last=last)
-        plan = runner.plan(self.pipeline, dict(self.mesh.shape)["stage"])
+        plan = runner.plan(self.pipeline, stages_count, train=train)
         stacked, rest = self._split(leaves)
+        if not train:
+            return runner.run(stages, self.pipeline, plan, stacked, rest, inputs, targets,
+                              train=False)
         loss, d_stacked, d_rest = runner.run(stages, self.pipeline, plan, stacked, rest, inputs,
                                              targets)
         grads = self._join(d_stacked, d_rest)
@@ -445,7 +480,8 @@ class TrainStep:
                                       "parallelised with the same plan")
                 return pure
 
-            params = jax.jit(build, out_shardings=self.param_shardings())()
+            params = jax.jit(lambda: self._reorder(build()),
+                             out_shardings=self.param_shardings())()
         elif params is None:
             _, state, _ = nnx.split(self.model_template, nnx.Param, ...)
             params = nnx.to_pure_dict(state)
@@ -454,6 +490,8 @@ class TrainStep:
                                   "step.init(create=...) to create its parameters in their shards")
         if create is None:  # copies in their shards: the step donates its state, never the
             params = jax.device_put(params, self.param_shardings(), may_alias=False)  # model's
+            if self._unit_order() is not None:  # interleaved stages: the storage order
+                params = jax.jit(self._reorder, out_shardings=self.param_shardings())(params)
         shape = jax.eval_shape(lambda p: p, params)
         opt_state = jax.jit(self.optimizer.init,
                             out_shardings=self._opt_shardings(shape))(params)
@@ -647,11 +685,33 @@ class TrainStep:
         """``loss(params, *batch) -> global mean loss`` (evaluation), jitted: forward only (a
         pipeline's through its executor, gradients discarded)."""
         if self.pipeline is not None:
-            value_and_grad = jax.jit(self.value_and_grad())
-            return lambda params, *batch: value_and_grad(params, *batch)[0]
+            return self._pipeline_loss()
         if self.spmd == "gspmd":
             return jax.jit(self._gspmd_loss)
         return self._evaluate(self.loss_fn)
+
+    def _pipeline_loss(self) -> Callable:
+        """Evaluation through the pipeline's forward slots (no backward, no stash)."""
+        vary = self._vary_axes()
+
+        def per_rank(leaves, inputs, targets):
+            leaves = list(leaves)
+            if self.zero == 3:
+                leaves = [zero_module.gather(x, d, invariant=False)
+                          for x, d in zip(leaves, self.layout.zero_dims)]
+            leaves = _group_by(leaves, vary, lambda xs, axes: lax.pcast(xs, axes, to="varying"))
+            return self._global(self._pipeline_value_and_grad(leaves, inputs, targets,
+                                                               train=False))
+
+        @jax.jit
+        def evaluate(params, *batch):
+            fn = jax.shard_map(per_rank, mesh=self.mesh,
+                               in_specs=(tuple(self.param_specs),
+                                         *self._specs_of_batch(len(batch))),
+                               out_specs=P(), check_vma=True)
+            return fn(tuple(jax.tree.leaves(params)), *batch)
+
+        return evaluate
 
     def metrics(self, metrics_fn: Callable) -> Callable:
         """``metrics(params, *batch) -> dict``: ``metrics_fn(model, *batch)`` returns a dict of
@@ -708,8 +768,10 @@ class TrainStep:
 
     def model(self, state: TrainState) -> nnx.Module:
         """The model holding ``state``'s parameters (global arrays), for evaluation or saving."""
-        leaves = jax.tree.leaves(state.params)
-        return self.layout.model_of(leaves)
+        params = state.params
+        if self._unit_order() is not None:  # interleaved stages: back to the layers' order
+            params = jax.jit(lambda p: self._reorder(p, inverse=True))(params)
+        return self.layout.model_of(jax.tree.leaves(params))
 
 
 def make_train_step(model: nnx.Module, mesh: Mesh, optimizer: optax.GradientTransformation,
