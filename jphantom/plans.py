@@ -355,7 +355,7 @@ def dense_equivalent(model: nnx.Module) -> nnx.Module:
 # walk cannot place is a ConfigError naming its path: write that entry by hand (plans are dicts).
 # -------------------------------------------------------------------------------------------------
 
-COLUMN = frozenset({"q", "k", "v", "q_proj", "k_proj", "v_proj", "query", "key", "value", "up",
+COLUMN = frozenset({"q", "k", "v", "qkv", "c_attn", "q_proj", "k_proj", "v_proj", "query", "key", "value", "up",
                     "up_proj", "gate_proj", "w1", "w3", "fc1", "c_fc", "wi", "mlp_up", "fc_in",
                     "in_proj"})
 ROW = frozenset({"o", "o_proj", "out", "out_proj", "down", "down_proj", "w2", "fc2", "c_proj",

@@ -187,8 +187,8 @@ def lm_plan(model: nnx.Module, strategy: str, mesh: MeshConfig, *, sequence_para
     from jphantom import plans
 
     if sequence_parallel and strategy != "tensor":
-        raise ConfigError("sequence_parallel is Megatron's (strategy 'tensor'), not "
-                          f"{strategy!r}'s")
+        raise ConfigError("sequence_parallel applies to strategy 'tensor' (Megatron-SP), not "
+                          f"to {strategy!r}")
     shape = mesh.shape
     if strategy in ("tensor",):
         plans.parallelize(model, shape, plans.megatron(model, sequence_parallel=sequence_parallel))
@@ -215,6 +215,11 @@ def lm_build(family_class: type, family_name: str):
         if options:
             raise ConfigError(f"options {sorted(options)} do not apply to the {family_name} model")
         mesh = check_lm_mesh(strategy, mesh)
+        positions = getattr(config, "seq_len", None)
+        if sequence_parallel and positions is not None and positions % mesh.size("model"):
+            raise ConfigError(f"seq_len={positions} is not divisible by the model axis size "
+                              f"{mesh.size('model')}: sequence parallelism splits the sequence "
+                              "over it; pick a sequence length divisible by it")
         k = ghost_width if ghost_width is not None else getattr(config, "ghost_width", None)
 
         def planned(m):
@@ -246,3 +251,58 @@ def lm_loss(model, tokens, targets):
 
 def build_ffn(config, strategy: str, mesh: MeshConfig, **options) -> Program:
     raise ConfigError("the FFN as an NNX module is not built yet")
+
+
+# -------------------------------------------------------------------------------------------------
+# What each strategy's step moves: the formulas the HLO tests and the cost model check
+# -------------------------------------------------------------------------------------------------
+
+
+def collective_inventory(config, strategy: str, mesh, batch: int, *,
+                         sequence_parallel: bool = False) -> dict[str, list[int]]:
+    """Per-device result elements of each collective kind over ``model`` in one training step
+    (``batch``: the per-data-rank batch; the data-parallel gradient reduction not included), from
+    the designs' formulas: the GPT-2 transformer under ``tensor`` (Megatron, seeds 002/003) and
+    ``phantom`` (seed 000 Sec. 5), the FFN under ``tensor``, ``tensor-t1`` and ``phantom``
+    (seed 000 Table II). Strategies whose collectives are left to ``jax.jit`` or are
+    Eqs. 5.1-5.5 (:mod:`jphantom.perf.axonn_model`) have none to list."""
+    from jphantom.models.ffn import FFNConfig
+    from jphantom.models.transformer import TransformerConfig
+
+    name = get(strategy).name
+    mesh = MeshConfig.parse(mesh) if isinstance(mesh, str) else MeshConfig.of(mesh)
+    p = mesh.size("model")
+    if isinstance(config, FFNConfig):
+        from jphantom.sharding import phantom, tensor
+
+        if name in ("tensor", "tensor-t1"):
+            return tensor.collective_buffers(width=config.width, num_shards=p, depth=config.depth,
+                                             batch=batch,
+                                             layout="t1" if name == "tensor-t1" else "megatron")
+        if STRATEGIES[name].family == "phantom":
+            return phantom.collective_buffers(width=config.width, ghost_width=config.ghost_width,
+                                              num_shards=p, depth=config.depth, batch=batch)
+    elif isinstance(config, TransformerConfig):
+        L, h, s = config.layers, config.hidden, config.seq_len
+        tokens = batch * s
+        if name == "tensor" and not sequence_parallel:
+            # embedding all-reduce (fwd); per block g, g (fwd) and f, f (bwd); head f (bwd);
+            # cross-entropy: max, sum of exponentials, target logit
+            return {"all-reduce": [tokens * h] * (4 * L + 2) + [tokens] * 3}
+        if name == "tensor":
+            # each all-reduce of B*S*h becomes a reduce-scatter to B*S*h/p and an all-gather
+            # back; plus the gradients of the sequence-parallel parameters (LayerNorms, row
+            # biases, wpe)
+            sp_grads = [L * h] * 6 + [h] * 2 + [s * h]
+            return {"reduce-scatter": [tokens * h // p] * (4 * L + 2),
+                    "all-gather": [tokens * h] * (4 * L + 2),
+                    "all-reduce": [tokens] * 3 + sp_grads}
+        if STRATEGIES[name].family == "phantom":
+            k = config.ghost_width
+            projections = 4 * L + 1
+            return {"all-gather": [tokens * p * k] * projections,
+                    "reduce-scatter": [tokens * k] * projections,
+                    "all-reduce": [tokens] * (8 * L + 4 + 3)}
+    raise ConfigError(f"strategy {name!r} has no hand-written collectives to list for "
+                      f"{type(config).__name__}: inspect its compiled step instead "
+                      "(jphantom inspect)")

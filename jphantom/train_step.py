@@ -497,6 +497,18 @@ class TrainStep:
                             out_shardings=self._opt_shardings(shape))(params)
         return TrainState(params, opt_state)
 
+    def abstract_state(self) -> TrainState:
+        """The state's ``ShapeDtypeStruct``s with their shardings (nothing allocated): what
+        ``step.lower(step.abstract_state(), *batch)`` compiles for."""
+        params = self._pure([jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                  sharding=NamedSharding(self.mesh, spec))
+                             for a, spec in zip(self.layout.shapes, self.param_specs)])
+        shapes = jax.eval_shape(self.optimizer.init, params)
+        shardings = self._opt_shardings(params)
+        opt_state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                                 shapes, shardings)
+        return TrainState(params, opt_state)
+
     # -- per rank ----------------------------------------------------------------------------
 
     def _vary_axes(self) -> list[tuple[str, ...]]:

@@ -2,9 +2,10 @@
 moves exactly the collectives the Megatron (seeds 002, 003) and phantom (seed 000 Sec. 5) designs
 predict, with loop trip counts applied.
 
-Each oracle test computes the loss and every gradient on the mesh (one shard_map step without the
-optimizer) and compares them with ``jax.value_and_grad`` of the dense model on one device, in
-float64, for the strategy's ``dense_equivalent`` of the same parameters.
+Each oracle test computes the loss and every gradient on the mesh (the step's shard_map without
+the optimizer) and compares them with ``jax.value_and_grad`` of the plain GPT-2 NNX module on one
+device, in float64, through the parallel model's dense equivalent (``plans.dense_equivalent``;
+tensor, gspmd and pmm3d keep the dense model's parameters, so theirs is the identity).
 """
 
 import dataclasses
@@ -16,16 +17,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
-from jphantom import strategies
+from jphantom import plans, program as programs
 from jphantom.analysis.hlo import collectives
 from jphantom.errors import ConfigError
 from jphantom.mesh import MeshConfig, first_devices
 from jphantom.models.transformer import TransformerConfig
-from jphantom.step import abstract_params, make_train_step, make_value_and_grad
 
 from conftest import require_devices
-from helpers import assert_tree_close, random_params
+from helpers import assert_tree_close
 
 VOCAB, SEQ, HIDDEN, HEADS, LAYERS, BATCH = 32, 8, 16, 8, 2, 4
 TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
@@ -38,13 +39,33 @@ def _config(strategy, dtype="float32", **kw):
     return TransformerConfig(**{**base, **kw})
 
 
+@functools.lru_cache(maxsize=None)
 def _program(strategy, mesh_text, sequence_parallel=False, **kw):
-    mesh_config = MeshConfig.parse(mesh_text)
-    require_devices(mesh_config.device_count)
-    mesh = mesh_config.build(first_devices(mesh_config.device_count))
-    program = strategies.get(strategy).program(_config(strategy, **kw), mesh_config,
-                                               sequence_parallel=sequence_parallel)
-    return program, mesh
+    """The program, its jax mesh and its step (SGD), shared by the tests of one layout."""
+    prog = programs.build(_config(strategy, **kw), strategy, mesh_text,
+                          sequence_parallel=sequence_parallel)
+    require_devices(prog.mesh.device_count)
+    mesh = prog.mesh.build(first_devices(prog.mesh.device_count))
+    return prog, mesh, prog.train_step(mesh, optax.sgd(0.1))
+
+
+def _pure(model):
+    return nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[1])
+
+
+def _perturbed(prog, step, seed=7):
+    """The model's initial parameters (phantom's the SVD of a dense init) with every bias and
+    norm moved off its initial 0 / 1 (so every parameter matters), placed in their shards."""
+    rng = np.random.default_rng(seed)
+
+    def move(path, leaf):
+        name = jax.tree_util.keystr(path)
+        if "bias" in name or "scale" in name:
+            return (leaf + 0.1 * rng.standard_normal(leaf.shape)).astype(leaf.dtype)
+        return leaf
+
+    params = jax.tree_util.tree_map_with_path(move, jax.device_get(_pure(prog.create())))
+    return jax.device_put(params, step.param_shardings())
 
 
 def _batch(batch=BATCH, seed=1):
@@ -53,46 +74,37 @@ def _batch(batch=BATCH, seed=1):
             np.asarray(jax.random.randint(keys[1], (batch, SEQ), 0, VOCAB)))
 
 
-def _perturbed(program, mesh):
-    """Random parameters of the program's shapes, made on the host (no init compile; LayerNorm
-    scales around 1), placed in their shards."""
-    params = random_params(program)
-    blocks = params["blocks"]
-    for name in ("ln1", "ln2"):
-        blocks[name]["scale"] = 1.0 + blocks[name]["scale"]
-    params["ln_f"]["scale"] = 1.0 + params["ln_f"]["scale"]
-    return jax.device_put(params, program.shardings(mesh))
-
-
 @functools.lru_cache(maxsize=None)
-def _oracle_fn(strategy, num_shards):
-    """jitted value_and_grad of the float64 dense model through the strategy's dense equivalent
-    (one per parameter layout: every dense-family strategy shares one)."""
-    program, _ = _program(strategy, f"model={num_shards}")
-    dense_config = dataclasses.replace(_config(strategy), dtype="float64", ghost_width=None)
-    dense = strategies.get("dense").program(dense_config, MeshConfig.parse("model=1"))
-    dense_loss = dense.global_loss(dense.mesh.build(first_devices(1)))
-    return jax.jit(jax.value_and_grad(
-        lambda p, tokens, targets: dense_loss(program.dense_equivalent(p), tokens, targets)))
+def _oracle_fn(strategy, mesh_text, **kw):
+    """jitted value_and_grad, float64 on one device, of the loss of the strategy's dense
+    equivalent w.r.t. the strategy's parameters (every dense-family layout shares one)."""
+    if not programs.get(strategy).family == "phantom":
+        strategy, mesh_text = "dense", "model=1"
+    prog = programs.build(_config(strategy, **{**kw, "dtype": "float64"}), strategy, mesh_text)
+    graphdef = nnx.split(prog.model, nnx.Param, ...)[0]
+    _, _, rest = nnx.split(prog.model, nnx.Param, ...)
+
+    def loss(params, tokens, targets):
+        state = nnx.split(prog.model, nnx.Param, ...)[1]
+        nnx.replace_by_pure_dict(state, params)
+        model = plans.dense_equivalent(nnx.merge(graphdef, state, rest))
+        return model.loss(tokens, targets)
+
+    return jax.jit(jax.value_and_grad(loss))
 
 
-def _oracle(program, params, tokens, targets):
-    """Loss and gradients w.r.t. the strategy's parameters, through its dense equivalent, f64."""
-    phantom = program.strategy.startswith("phantom")
-    fn = _oracle_fn("phantom" if phantom else "tensor",
-                    program.mesh.size("model") if phantom else 1)
+def _oracle(prog, mesh_text, params, tokens, targets, **kw):
+    fn = _oracle_fn(prog.strategy, mesh_text, **kw)
     host = jax.tree.map(lambda a: jnp.asarray(np.asarray(a), jnp.float64), params)
     return fn(jax.device_put(host, jax.devices()[0]), tokens, targets)
 
 
 def _check_against_dense(strategy, mesh_text, sequence_parallel=False, dtype="float32", **kw):
-    program, mesh = _program(strategy, mesh_text, sequence_parallel, dtype=dtype, **kw)
-    params = _perturbed(program, mesh)
+    prog, mesh, step = _program(strategy, mesh_text, sequence_parallel, dtype=dtype, **kw)
+    params = _perturbed(prog, step)
     tokens, targets = _batch()
-    shardings = program.batch_shardings(mesh)
-    loss, grads = make_value_and_grad(program, mesh)(
-        params, jax.device_put(tokens, shardings[0]), jax.device_put(targets, shardings[1]))
-    want_loss, want_grads = _oracle(program, params, tokens, targets)
+    loss, grads = jax.jit(step.value_and_grad())(params, tokens, targets)
+    want_loss, want_grads = _oracle(prog, mesh_text, params, tokens, targets, **kw)
     rtol = TOLERANCE[dtype]
     assert abs(float(loss) - float(want_loss)) <= rtol * abs(float(want_loss))
     assert_tree_close(grads, want_grads, rtol)
@@ -145,31 +157,26 @@ def test_vocabulary_parallel_cross_entropy_equals_optax():
 # --------------------------------------------------------------------------------------------------
 
 
-def _compiled_buffers(program, mesh, axis):
+def _compiled_buffers(prog, step, axis):
     """Per-device result elements of every collective over ``axis``, each repeated as often as it
     runs in one step (loop trip counts applied)."""
-    params = abstract_params(program, mesh)
-    optimizer = optax.sgd(0.1)
-    state = jax.eval_shape(optimizer.init, params)
-    batch = BATCH * program.mesh.size("data")
-    shardings = program.batch_shardings(mesh)
-    tokens = jax.ShapeDtypeStruct((batch, SEQ), jnp.int32, sharding=shardings[0])
-    text = make_train_step(program, mesh, optimizer).lower(params, state, tokens, tokens).compile(
-        ).as_text()
+    state = step.abstract_state()
+    batch = BATCH * prog.mesh.size("data")
+    tokens = jax.ShapeDtypeStruct((batch, SEQ), jnp.int32)
+    text = step.lower(state, tokens, tokens).compile().as_text()
     buffers = {}
     for op in collectives(text):
-        if op.mesh_axes(program.mesh.shape) != (axis,):
+        if op.mesh_axes(prog.mesh.shape) != (axis,):
             continue
         for _, shape in op.shapes:
             buffers.setdefault(op.kind, []).extend([int(np.prod(shape))] * op.count)
     return {kind: sorted(sizes) for kind, sizes in buffers.items()}
 
 
-def _inventory(program, **kw):
-    strategy = strategies.get(program.strategy)
-    config = _config(program.strategy, **kw)
-    found = strategy.collective_inventory(config, program.mesh, BATCH,
-                                          sequence_parallel=program.options["sequence_parallel"])
+def _inventory(prog, **kw):
+    found = programs.collective_inventory(_config(prog.strategy, **kw), prog.strategy, prog.mesh,
+                                          BATCH,
+                                          sequence_parallel=prog.options["sequence_parallel"])
     return {kind: sorted(sizes) for kind, sizes in found.items() if sizes}
 
 
@@ -178,20 +185,20 @@ def test_megatron_block_has_two_all_reduces_forward_and_two_backward(layers):
     """Per block, g after the attention output and after MLP-down (forward) and f before QKV and
     before MLP-up (backward): four all-reduces of B*S*h, inside the scan over blocks."""
     require_devices(4)
-    program, mesh = _program("tensor", "model=4", layers=layers)
-    buffers = _compiled_buffers(program, mesh, "model")
-    assert buffers == _inventory(program, layers=layers)
+    prog, mesh, step = _program("tensor", "model=4", layers=layers)
+    buffers = _compiled_buffers(prog, step, "model")
+    assert buffers == _inventory(prog, layers=layers)
     tokens = BATCH * SEQ
     assert Counter(buffers["all-reduce"])[tokens * HIDDEN] == 4 * layers + 2  # + embedding, head
 
 
 def test_sequence_parallel_turns_each_all_reduce_into_reduce_scatter_and_all_gather():
     require_devices(4)
-    program, mesh = _program("tensor", "model=4", sequence_parallel=True)
-    buffers = _compiled_buffers(program, mesh, "model")
-    assert buffers == _inventory(program)
-    plain_program, _ = _program("tensor", "model=4")
-    plain = _compiled_buffers(plain_program, mesh, "model")
+    prog, mesh, step = _program("tensor", "model=4", sequence_parallel=True)
+    buffers = _compiled_buffers(prog, step, "model")
+    assert buffers == _inventory(prog)
+    plain_prog, _, plain_step = _program("tensor", "model=4")
+    plain = _compiled_buffers(plain_prog, plain_step, "model")
     tokens, p = BATCH * SEQ, 4
     # the same network volume: an all-reduce of n moves what a reduce-scatter + all-gather move
     assert buffers["reduce-scatter"] == [tokens * HIDDEN // p] * Counter(plain["all-reduce"])[
@@ -201,9 +208,9 @@ def test_sequence_parallel_turns_each_all_reduce_into_reduce_scatter_and_all_gat
 
 def test_phantom_block_moves_what_its_docstring_says():
     require_devices(4)
-    program, mesh = _program("phantom", "model=4")
-    buffers = _compiled_buffers(program, mesh, "model")
-    assert buffers == _inventory(program)
+    prog, mesh, step = _program("phantom", "model=4")
+    buffers = _compiled_buffers(prog, step, "model")
+    assert buffers == _inventory(prog)
     tokens, k, p = BATCH * SEQ, 3, 4
     assert set(buffers["all-gather"]) == {tokens * p * k}  # only k ghosts per token cross
     assert set(buffers["reduce-scatter"]) == {tokens * k}
@@ -211,31 +218,28 @@ def test_phantom_block_moves_what_its_docstring_says():
 
 def test_data_parallelism_adds_one_gradient_reduction_per_parameter():
     require_devices(8)
-    program, mesh = _program("tensor", "data=2,model=4")
-    data = _compiled_buffers(program, mesh, "data")
-    local = jax.tree.map(lambda a: a.sharding.shard_shape(a.shape), abstract_params(program, mesh))
-    params = sorted(int(np.prod(s)) for s in jax.tree.leaves(local, is_leaf=lambda s: isinstance(
-        s, tuple)))
+    prog, mesh, step = _program("tensor", "data=2,model=4")
+    data = _compiled_buffers(prog, step, "data")
+    local = [a.sharding.shard_shape(a.shape) for a in jax.tree.leaves(step.abstract_state().params)]
+    params = sorted(int(np.prod(s)) for s in local)
     assert data == {"all-reduce": sorted(params + [1])}  # every gradient once, and the loss
-    assert _compiled_buffers(program, mesh, "model") == _inventory(program)
+    assert _compiled_buffers(prog, step, "model") == _inventory(prog)
 
 
 @pytest.mark.parametrize("strategy, mesh, kw, message", [
     ("tensor", "model=8", dict(heads=4), "heads=4 is not divisible"),
-    ("tensor", "model=4", dict(vocab_size=30), "vocab_size=30 is not divisible"),
+    ("tensor", "model=4", dict(vocab_size=30), "num_embeddings=30 is not divisible"),
     ("phantom", "model=4", dict(ghost_width=None), "needs ghost_width"),
     ("dense", "model=2", {}, "runs on one device"),
     ("tensor-t1", "model=2", {}, "runs the models"),
 ])
 def test_bad_transformer_layouts_are_named_errors(strategy, mesh, kw, message):
     with pytest.raises(ConfigError, match=message):
-        strategies.get(strategy).program(_config(strategy, **kw), MeshConfig.parse(mesh))
+        programs.build(_config(strategy, **kw), strategy, mesh)
 
 
 def test_sequence_parallelism_needs_a_divisible_sequence_and_the_tensor_strategy():
     with pytest.raises(ConfigError, match="seq_len=6 is not divisible"):
-        strategies.get("tensor").program(_config("tensor", seq_len=6), MeshConfig.parse("model=4"),
-                                         sequence_parallel=True)
+        programs.build(_config("tensor", seq_len=6), "tensor", "model=4", sequence_parallel=True)
     with pytest.raises(ConfigError, match="sequence_parallel applies"):
-        strategies.get("phantom").program(_config("phantom"), MeshConfig.parse("model=4"),
-                                          sequence_parallel=True)
+        programs.build(_config("phantom"), "phantom", "model=4", sequence_parallel=True)

@@ -7,11 +7,12 @@ MLP of width 4h, a final LayerNorm, an LM head tied to the token embedding. Modu
 stacked [L, ...] under ``lax.scan``):
 
     wte [V, h]   wpe [S, h]   ln_f        blocks.block.{ln_1, ln_2}
-    blocks.block.attn.{q, k, v, out} [h, h]   blocks.block.mlp.{up [h, 4h], down [4h, h]}
-    head [h, V] (only with ``tied_head=False``)
+    blocks.block.attn.qkv [h, 3h]   blocks.block.attn.out [h, h]
+    blocks.block.mlp.{up [h, 4h], down [4h, h]}   head [h, V] (only with ``tied_head=False``)
 
-q, k and v are three ``nnx.Linear``s (a plan splits each over its heads); Hugging Face's fused
-``c_attn`` [h, 3h] is cut into them on load and joined on save, bit for bit
+``qkv`` is GPT-2's fused ``c_attn`` with its output features reordered from Hugging Face's
+[3, heads, d] to [heads, 3, d], so that any split of them over ranks keeps whole heads
+(:class:`Attention`); the reordering is a permutation, bit for bit both ways
 (:func:`from_dense` / :func:`to_dense` convert from and to the dense dictionary of
 :mod:`jphantom.models.transformer`, which :mod:`jphantom.models.gpt2` reads and writes).
 """
@@ -35,15 +36,23 @@ def _linear(n_in, n_out, dtype, rngs):
 
 
 class Attention(nnx.Module):
+    """Causal multi-head attention with GPT-2's fused projection ``qkv`` [h, 3h], its output
+    features ordered [heads, 3, d] (head by head, its q, k and v): a contiguous split of the
+    outputs over p ranks (Megatron's column layer, phantom's feature split) gives each rank whole
+    heads with their q, k and v, and the projection stays one layer (one phantom ghost exchange,
+    as seed 000's phantom transformer has)."""
+
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         h, dtype = config.hidden, jnp.dtype(config.dtype)
-        self.q, self.k, self.v, self.out = (_linear(h, h, dtype, rngs) for _ in range(4))
+        self.qkv = _linear(h, 3 * h, dtype, rngs)
+        self.out = _linear(h, h, dtype, rngs)
         self.head_dim = config.head_dim
 
     def __call__(self, x):
-        q, k, v = self.q(x), self.k(x), self.v(x)
-        batch, seq = q.shape[:2]  # the projections' shape: whole sequence, this rank's heads
-        q, k, v = (a.reshape(batch, seq, -1, self.head_dim) for a in (q, k, v))
+        qkv = self.qkv(x)
+        batch, seq = qkv.shape[:2]  # whole sequence, this rank's heads
+        qkv = qkv.reshape(batch, seq, -1, 3, self.head_dim)
+        q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
         return self.out(causal_attention(q, k, v).reshape(batch, seq, -1))
 
 
@@ -120,7 +129,6 @@ _BLOCK = [(("ln_1", "scale"), ("ln1", "scale")), (("ln_1", "bias"), ("ln1", "bia
           (("mlp", "down", "bias"), ("mlp_down", "bias"))]
 _TOP = [(("wte", "embedding"), ("wte",)), (("wpe", "embedding"), ("wpe",)),
         (("ln_f", "scale"), ("ln_f", "scale")), (("ln_f", "bias"), ("ln_f", "bias"))]
-_QKV = ("q", "k", "v")
 
 
 def _get(tree, path):
@@ -146,11 +154,15 @@ def from_dense(config: TransformerConfig, params: dict) -> GPT2:
     blocks = params["blocks"]
     for ours, theirs in _BLOCK:
         _put(pure, ("blocks", "block", *ours), jnp.asarray(_get(blocks, theirs)))
-    for slot, name in enumerate(_QKV):
-        _put(pure, ("blocks", "block", "attn", name, "kernel"),
-             jnp.asarray(blocks["qkv"]["weight"][:, :, slot, :]))
-        _put(pure, ("blocks", "block", "attn", name, "bias"),
-             jnp.asarray(blocks["qkv"]["bias"][:, slot, :]))
+    heads, d = config.heads, config.head_dim
+    weight = jnp.asarray(blocks["qkv"]["weight"])  # [L, h, 3, heads * d]
+    layers = weight.shape[0]
+    _put(pure, ("blocks", "block", "attn", "qkv", "kernel"),
+         weight.reshape(layers, -1, 3, heads, d).transpose(0, 1, 3, 2, 4).reshape(layers, -1,
+                                                                                 3 * heads * d))
+    bias = jnp.asarray(blocks["qkv"]["bias"])  # [L, 3, heads * d]
+    _put(pure, ("blocks", "block", "attn", "qkv", "bias"),
+         bias.reshape(layers, 3, heads, d).transpose(0, 2, 1, 3).reshape(layers, 3 * heads * d))
     if not config.tied_head:
         _put(pure, ("head", "kernel"), jnp.asarray(params["head"]["weight"]))
         _put(pure, ("head", "bias"), jnp.asarray(params["head"]["bias"]))
@@ -159,7 +171,8 @@ def from_dense(config: TransformerConfig, params: dict) -> GPT2:
 
 
 def to_dense(model: GPT2) -> dict:
-    """The dense dictionary of ``model``'s parameters (numpy), q/k/v joined into the fused QKV."""
+    """The dense dictionary of ``model``'s parameters (numpy), ``qkv`` back in the [3, heads, d]
+    order of the fused QKV."""
     import numpy as np
 
     _, state, _ = nnx.split(model, nnx.Param, ...)
@@ -169,10 +182,15 @@ def to_dense(model: GPT2) -> dict:
         _put(out, theirs, np.asarray(_get(pure, ours)))
     for ours, theirs in _BLOCK:
         _put(out, ("blocks", *theirs), np.asarray(_get(pure, ("blocks", "block", *ours))))
-    attn = pure["blocks"]["block"]["attn"]
+    qkv = pure["blocks"]["block"]["attn"]["qkv"]
+    heads, d = model.config.heads, model.config.head_dim
+    kernel, bias = np.asarray(qkv["kernel"]), np.asarray(qkv["bias"])  # [heads, 3, d] order
+    layers = kernel.shape[0]
     out["blocks"]["qkv"] = {
-        "weight": np.stack([np.asarray(attn[n]["kernel"]) for n in _QKV], axis=2),
-        "bias": np.stack([np.asarray(attn[n]["bias"]) for n in _QKV], axis=1)}
+        "weight": kernel.reshape(layers, -1, heads, 3, d).transpose(0, 1, 3, 2, 4).reshape(
+            layers, -1, 3, heads * d),
+        "bias": bias.reshape(layers, heads, 3, d).transpose(0, 2, 1, 3).reshape(layers, 3,
+                                                                             heads * d)}
     if not model.config.tied_head:
         out["head"] = {"weight": np.asarray(pure["head"]["kernel"]),
                        "bias": np.asarray(pure["head"]["bias"])}
