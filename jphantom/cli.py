@@ -30,9 +30,9 @@ _PLUGINS = {"nvidia-smi": ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugin
 
 
 def _strategy_names(model: str | None = "ffn") -> list[str]:
-    from jphantom import strategies
+    from jphantom import program
 
-    return list(strategies.NAMES) if model is None else strategies.strategies_for(model)
+    return list(program.NAMES) if model is None else program.strategies_for(model)
 
 
 def _has_module(name: str) -> bool:
@@ -298,9 +298,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 _TRAIN_HELP = {
-    "model": "ffn (seed 000's teacher task), transformer (the GPT-2 program, every strategy), "
-             "gpt2 (GPT-2 as an NNX module) or llama (Llama; Mixtral with --moe-every 1), the "
-             "last three on byte-level text",
+    "model": "ffn (seed 000's teacher task), gpt2 (alias transformer) or llama (Llama; "
+             "Mixtral with --moe-every 1), the last two on byte-level text",
     "strategy": "parallel strategy: " + ", ".join(("dense", "gspmd", "tensor", "tensor-t1",
                                                    "phantom", "phantom-unfused", "pmm3d",
                                                    "pmm3d-regather", "pmm3d-deferred")),
@@ -338,8 +337,10 @@ _TRAIN_HELP = {
     "layers": "transformer blocks", "hidden": "transformer width h", "heads": "attention heads",
     "kv_heads": "llama: key/value heads of grouped-query attention (default: heads)",
     "intermediate": "llama: SwiGLU width (default 8h/3 rounded up to a multiple of 32)",
-    "from_hf": "llama: start from a Hugging Face Llama or Mixtral directory",
-    "save_hf": "llama: save the trained model as a Hugging Face directory",
+    "from_hf": "start from a Hugging Face GPT-2, Llama or Mixtral directory (config.json + "
+               "model.safetensors; alias --from-gpt2)",
+    "save_hf": "save the trained model as a Hugging Face directory (alias --save-gpt2)",
+    "target_loss": "stop once the validation loss reaches this (checked at each evaluation)",
     "seq_len": "tokens per sequence", "vocab": "vocabulary size (256 for bytes)",
     "data": "a text file to train on (default: the Python standard library's sources)",
     "width": "FFN width n", "depth": "FFN layers L", "batch": "global batch (sequences or rows)",
@@ -350,8 +351,6 @@ _TRAIN_HELP = {
     "lr_schedule": "learning rate after warm-up: constant or cosine",
     "eval_every": "validate every N steps", "eval_batches": "validation batches per evaluation",
     "seed": "random seed", "dtype": "float32, bfloat16, float16 or float64", "out": "output folder",
-    "from_gpt2": "start from a Hugging Face GPT-2 directory (config.json + model.safetensors)",
-    "save_gpt2": "save the trained transformer as a GPT-2 directory",
     "progress": "show a progress bar",
     "checkpoint_dir": "save Orbax checkpoints (asynchronous, atomic) into this folder",
     "save_every": "with --checkpoint-dir: save every N steps, and at the end (0: only at the end)",
@@ -418,61 +417,81 @@ def _add_schedule_parser(sub) -> None:
     schedule.set_defaults(handler=_schedule)
 
 
-def _add_train_parser(sub) -> None:
+def _add_run_flags(parser: argparse.ArgumentParser, defaults: dict | None = None,
+                   only: tuple[str, ...] | None = None) -> None:
+    """One flag per setting of :class:`jphantom.config.RunConfig` (flat names; ``--model`` is
+    ``model.name``), typed by the sections' annotations; ``defaults`` overrides shown defaults."""
     import dataclasses
+    import typing
 
+    from jphantom.config import ALIASES, FLAT, SECTIONS
     from jphantom.pipeline.schedule import SCHEDULES
-    from jphantom.run import RunConfig
-
-    from jphantom.sharding.zero import STAGES
-
     from jphantom.precision import NAMES as PRECISIONS
     from jphantom.remat import POLICIES
 
-    choices = {"schedule": SCHEDULES, "zero": STAGES, "precision": PRECISIONS,
-               "remat": tuple(POLICIES)}
-    train = sub.add_parser(
-        "train", help="train the FFN or the GPT transformer under any strategy and mesh",
-        description="Train and write metrics.jsonl, curves.png and results.json into --out. Every "
-                    "setting can also come from --config FILE.toml (keys as below, with - or _); "
-                    "flags override the file.",
-        epilog="Examples: jphantom train  (a 4-layer width-256 transformer on the standard "
-               "library's sources) | jphantom train --strategy tensor --mesh data=2,model=4 "
-               "--sequence-parallel --devices 8 | jphantom train --model ffn --strategy phantom "
-               "--ghost-width 8 --width 256 --mesh model=4 --devices 4 | jphantom train --strategy "
-               "tensor --mesh stage=2,data=2,model=2 --microbatches 4 --schedule gpipe "
-               "(a pipeline of 2 stages) | jphantom train --strategy tensor --mesh data=4,model=2 "
-               "--zero 3 --accumulate 2 --clip-norm 1.0 (FSDP, 2 micro-batches, clipping)")
-    train.add_argument("--config", metavar="FILE.toml", help="settings from a TOML file")
-    for field in dataclasses.fields(RunConfig):
-        flag = "--" + field.name.replace("_", "-")
-        text = _TRAIN_HELP.get(field.name, "")
-        if "default" not in text:
-            text += f" (default {field.default})"
-        if isinstance(field.default, bool):
-            train.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+    choices = {"schedule": SCHEDULES, "zero": (0, 1, 2, 3), "precision": PRECISIONS,
+               "remat": tuple(POLICIES), "optimizer": ("adamw", "adam", "sgd"),
+               "lr_schedule": ("constant", "cosine"),
+               "dtype": ("float32", "bfloat16", "float16", "float64"),
+               "model": ("ffn", "gpt2", "transformer", "llama")}
+    defaults = defaults or {}
+    for flat, (section, name) in FLAT.items():
+        if only is not None and flat not in only:
             continue
-        kind = {int: int, float: float}.get(type(field.default), str)
-        if field.name in ("ghost_width", "microbatches", "kv_heads", "intermediate"):
-            kind = int
-        if field.name == "clip_norm":
-            kind = float
-        train.add_argument(flag, type=kind, default=None, choices=choices.get(field.name),
-                           help=text)
+        cls = SECTIONS[section]
+        field = next(f for f in dataclasses.fields(cls) if f.name == name)
+        kind = typing.get_type_hints(cls)[name]
+        base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+        default = defaults.get(flat, field.default)
+        text = _TRAIN_HELP.get(flat, "")
+        text += f" (default {default})" if "default" not in text else ""
+        flag = "--" + flat.replace("_", "-")
+        aliases = [("--" + a.replace("_", "-")) for a, b in ALIASES.items() if b == flat]
+        if base is bool:
+            parser.add_argument(flag, *aliases, dest=flat, action=argparse.BooleanOptionalAction,
+                                default=None, help=text)
+            continue
+        parser.add_argument(flag, *aliases, dest=flat, type=base if base in (int, float) else str,
+                            default=None, choices=choices.get(flat), help=text)
+
+
+def _run_settings(args: argparse.Namespace, defaults: dict | None = None) -> dict:
+    """The flat settings of a run: ``defaults``, then ``--config``'s file, then the flags."""
+    from jphantom.config import FLAT, load_toml
+
+    settings = dict(defaults or {})
+    if getattr(args, "config", None):
+        settings.update(load_toml(args.config))
+    for flat in FLAT:
+        value = getattr(args, flat, None)
+        if value is not None:
+            settings[flat] = value
+    return settings
+
+
+def _add_train_parser(sub) -> None:
+    train = sub.add_parser(
+        "train", help="train the FFN, GPT-2 or Llama under any strategy and mesh",
+        description="Train and write metrics.jsonl, curves.png and results.json into --out. Every "
+                    "setting can also come from --config FILE.toml (flat keys as below, with - or "
+                    "_, or sections [model], [parallel], [step], [train]: examples/train.toml); "
+                    "flags override the file.",
+        epilog="Examples: jphantom train  (a 4-layer width-256 GPT-2 on the standard library's "
+               "sources) | jphantom train --strategy tensor --mesh data=2,model=4 "
+               "--sequence-parallel --devices 8 | jphantom train --model ffn --strategy phantom "
+               "--ghost-width 8 --width 256 --mesh model=4 --devices 4 | jphantom train --model "
+               "llama --strategy tensor --mesh stage=2,data=2,model=2 --microbatches 4 --schedule "
+               "gpipe (a pipeline of 2 stages) | jphantom train --strategy tensor --mesh "
+               "data=4,model=2 --zero 3 --accumulate 2 --clip-norm 1.0 (FSDP, 2 micro-batches, "
+               "clipping)")
+    train.add_argument("--config", metavar="FILE.toml", help="settings from a TOML file")
+    _add_run_flags(train)
     _add_device_flag(train)
     train.set_defaults(handler=_train)
 
 
 def _train(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    from jphantom.run import RunConfig, load_toml
-
-    settings = load_toml(args.config) if args.config else {}
-    for field in dataclasses.fields(RunConfig):
-        value = getattr(args, field.name)
-        if value is not None:
-            settings[field.name] = value
+    settings = _run_settings(args)
     from jphantom import distributed
 
     devices, at_least = args.devices, False
@@ -490,10 +509,11 @@ def _train(args: argparse.Namespace) -> int:
         _setup_devices(devices, at_least=at_least)
     import jax
 
+    from jphantom.config import RunConfig
     from jphantom.run import run
     if settings.get("dtype") == "float64":
         jax.config.update("jax_enable_x64", True)
-    config = RunConfig(**settings)
+    config = RunConfig.from_flags(**settings)
     results = run(config)
     if "pipeline" in results:
         pipe = results["pipeline"]
@@ -508,15 +528,14 @@ def _train(args: argparse.Namespace) -> int:
               + f", {step['precision']} compute, remat {step['remat']}")
     if "moe" in results:
         moe = results["moe"]
-        print(f"MoE: every {moe['moe_every']} block(s), {moe['experts']} experts, top-{moe['top_k']}"
-              f", {moe['active_params']:,} active parameters; dropped "
-              f"{100 * moe['final_dropped_fraction']:.2f}% of token-expert assignments")
+        print(f"MoE: dropped {100 * moe['final_dropped_fraction']:.2f}% of token-expert "
+              "assignments")
     print(f"final validation loss {results['final_validation_loss']:.4f}"
           + (f" nats/token; unigram cross-entropy {results['unigram_cross_entropy']:.4f}; "
              f"ratio {results['validation_over_unigram']:.3f}"
              if "unigram_cross_entropy" in results else " (MSE)"))
-    if jax.process_index() == 0:  # process 0 alone writes
-        print(f"wrote {config.out}/results.json, metrics.jsonl and curves.png")
+    if jax.process_index() == 0 and config.train.out is not None:  # process 0 alone writes
+        print(f"wrote {config.train.out}/results.json, metrics.jsonl and curves.png")
     return 0
 
 

@@ -94,7 +94,7 @@ class Program:
     model_name: str
     config: Any
     mesh: MeshConfig
-    create: Callable[[], nnx.Module] | None  # None: ``model`` is concrete (a loaded checkpoint)
+    create: Callable[[jax.Array], nnx.Module] | None  # key -> model; None: ``model`` is concrete
     model: nnx.Module
     loss_fn: Callable
     metrics_fn: Callable | None = None
@@ -116,9 +116,12 @@ class Program:
         return make_train_step(self.model, mesh, optimizer, self.loss_fn,
                                batch_specs=self.batch_specs, spmd=self.spmd, **options)
 
-    def init(self, step):
-        """``step.init`` with this program's parameters created in their shards."""
-        return step.init(create=self.create) if self.create is not None else step.init()
+    def init(self, step, seed: int = 0):
+        """``step.init`` with this program's parameters created in their shards from ``seed``
+        (one compilation for every seed), or the concrete model's parameters."""
+        if self.create is None:
+            return step.init()
+        return step.init(create=self.create, key=jax.random.PRNGKey(seed))
 
 
 def family_of(config) -> tuple[str, Callable[..., Program]]:
@@ -228,8 +231,8 @@ def lm_build(family_class: type, family_name: str):
         if model is not None:
             create, built = None, planned(model)
         else:
-            create = lambda: planned(family_class(config, rngs=nnx.Rngs(seed)))
-            built = nnx.eval_shape(create)
+            create = lambda key: planned(family_class(config, rngs=nnx.Rngs(key)))
+            built = nnx.eval_shape(lambda: create(jax.random.PRNGKey(seed)))
         return Program(strategy, family_name, config, mesh, create, built, lm_loss,
                        metrics_fn=getattr(family_class, "metrics_fn", None),
                        spmd="gspmd" if strategy == "gspmd" else "shard_map",

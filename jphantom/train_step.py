@@ -462,26 +462,22 @@ class TrainStep:
 
     # -- init --------------------------------------------------------------------------------
 
-    def init(self, params=None, *, create: Callable[[], nnx.Module] | None = None) -> TrainState:
+    def batch_shardings(self, count: int) -> tuple[NamedSharding, ...]:
+        """The shardings of ``count`` batch arrays (their specs on this step's mesh)."""
+        return tuple(NamedSharding(self.mesh, s) for s in self._specs_of_batch(count))
+
+    def init(self, params=None, *, create: Callable[..., nnx.Module] | None = None,
+             key: jax.Array | None = None) -> TrainState:
         """Parameters in their shards and the optimizer state created in its shards. The
         parameters are the model's current ones, or ``params`` (a dict like
-        ``TrainState.params``), or those of ``create()``, which builds the (parallelised) model:
+        ``TrainState.params``), or those of ``create()`` (``create(key)`` when a ``key`` is given:
+        one compilation serves every seed), which builds the (parallelised) model:
         run under ``jax.jit`` with the parameters' shardings as outputs, so every parameter is
         created directly in its shards and no device ever holds the whole model. With
         ``create``, the model given to :func:`make_train_step` may be abstract
         (``nnx.eval_shape(create)``)."""
         if create is not None:
-            def build():
-                _, state, _ = nnx.split(create(), nnx.Param, ...)
-                pure = nnx.to_pure_dict(state)
-                if jax.tree.structure(pure) != self.layout.pure_treedef:
-                    raise ConfigError("create() built a model whose parameters differ from the "
-                                      "model the step was made for: build the same model, "
-                                      "parallelised with the same plan")
-                return pure
-
-            params = jax.jit(lambda: self._reorder(build()),
-                             out_shardings=self.param_shardings())()
+            params = self._creator(create, key is not None)(*(() if key is None else (key,)))
         elif params is None:
             _, state, _ = nnx.split(self.model_template, nnx.Param, ...)
             params = nnx.to_pure_dict(state)
@@ -508,6 +504,22 @@ class TrainStep:
         opt_state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                                  shapes, shardings)
         return TrainState(params, opt_state)
+
+    def _creator(self, create, keyed: bool):
+        """``create`` jitted with the parameters' shardings as outputs, once per function."""
+        cache = self.__dict__.setdefault("_creators", {})
+        if (create, keyed) not in cache:
+            def build(*key):
+                _, state, _ = nnx.split(create(*key), nnx.Param, ...)
+                pure = nnx.to_pure_dict(state)
+                if jax.tree.structure(pure) != self.layout.pure_treedef:
+                    raise ConfigError("create() built a model whose parameters differ from the "
+                                      "model the step was made for: build the same model, "
+                                      "parallelised with the same plan")
+                return self._reorder(pure)
+
+            cache[(create, keyed)] = jax.jit(build, out_shardings=self.param_shardings())
+        return cache[(create, keyed)]
 
     # -- per rank ----------------------------------------------------------------------------
 

@@ -64,7 +64,7 @@ def _perturbed(prog, step, seed=7):
             return (leaf + 0.1 * rng.standard_normal(leaf.shape)).astype(leaf.dtype)
         return leaf
 
-    params = jax.tree_util.tree_map_with_path(move, jax.device_get(_pure(prog.create())))
+    params = jax.tree_util.tree_map_with_path(move, jax.device_get(_pure(prog.create(jax.random.PRNGKey(0)))))
     return jax.device_put(params, step.param_shardings())
 
 

@@ -1,0 +1,466 @@
+"""The one run configuration: what ``train``, ``inspect``, ``compare`` and ``plan`` read.
+
+A :class:`RunConfig` nests four frozen sections, each validated on construction (types by
+annotation, never coerced by truthiness; ranges and choices by name), then validated together by
+building the run's :class:`jphantom.program.Program` and its step (nothing is compiled)::
+
+    RunConfig(model=ModelConfig(name="llama", layers=2), parallel=ParallelConfig(
+        strategy="tensor", mesh="data=2,model=4"), step=StepConfig(zero=1),
+        train=TrainConfig(batch=16, steps=100))
+    RunConfig.from_flags(model="llama", strategy="tensor", mesh="data=2,model=4", zero=1)
+
+``from_flags`` takes the flat names of the command line (every flag is a field of one section;
+``--model`` is ``model.name``); a TOML file (``--config``) may use the same flat names or the
+sections (``[model]``, ``[parallel]``, ``[step]``, ``[train]``).
+
+============  ==========================================================================
+section       fields
+============  ==========================================================================
+``model``     the model family (``ffn``, ``gpt2`` -- alias ``transformer`` --, ``llama``) and
+              its shape; MoE; a Hugging Face checkpoint to start from
+``parallel``  the strategy, the mesh, sequence parallelism, DTD, the pipeline schedule
+``step``      ZeRO stage, accumulation, clipping, precision, activation checkpointing, CAC
+``train``     batch, steps, optimizer and schedule, evaluation, target loss, seed, data, outputs,
+              checkpoints
+============  ==========================================================================
+"""
+
+import dataclasses
+import math
+import typing
+from pathlib import Path
+
+from jphantom.errors import ConfigError
+
+MODELS = ("ffn", "gpt2", "llama")
+MODEL_ALIASES = {"transformer": "gpt2"}
+OPTIMIZERS = ("adamw", "adam", "sgd")
+LR_SCHEDULES = ("constant", "cosine")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def _check_types(section) -> None:
+    """Every field of ``section`` has its annotated type: ``int`` (not bool), ``float`` (an int
+    is accepted and converted), ``bool``, ``str``, ``X | None``; the error names the field."""
+    hints = typing.get_type_hints(type(section))
+    for field in dataclasses.fields(section):
+        value = getattr(section, field.name)
+        kind = hints[field.name]
+        args = typing.get_args(kind)
+        optional = type(None) in args
+        base = next((a for a in args if a is not type(None)), kind) if args else kind
+        if value is None:
+            if optional:
+                continue
+            raise ConfigError(f"{field.name} is required (got None)")
+        ok = {int: isinstance(value, int) and not isinstance(value, bool),
+              float: isinstance(value, (int, float)) and not isinstance(value, bool),
+              bool: isinstance(value, bool),
+              str: isinstance(value, str)}.get(base, True)
+        if not ok:
+            raise ConfigError(f"{field.name}={value!r} must be {base.__name__}"
+                              f"{' or None' if optional else ''}, not {type(value).__name__}")
+        if base is float and isinstance(value, int):
+            object.__setattr__(section, field.name, float(value))
+        if base is float and not math.isfinite(getattr(section, field.name)):
+            raise ConfigError(f"{field.name}={value!r} must be a finite number")
+
+
+def _at_least(section, minimum: int, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if value is not None and value < minimum:
+            raise ConfigError(f"{name}={value!r} must be at least {minimum}")
+
+
+def _choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r}; use one of {', '.join(map(str, choices))}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The model: ``name`` (``ffn``: seed 000's FFN of ``width`` x ``depth``; ``gpt2``: GPT-2;
+    ``llama``: Llama, Mixtral with ``moe_every=1``) and its shape."""
+
+    name: str = "gpt2"
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int | None = None  # llama: key/value heads (grouped-query attention)
+    intermediate: int | None = None  # llama: SwiGLU width (default 8h/3 rounded up to 32)
+    seq_len: int = 128
+    vocab: int = 256
+    width: int = 256  # ffn
+    depth: int = 2  # ffn
+    ghost_width: int | None = None  # phantom: k ghost neurons per rank (and token)
+    dtype: str = "float32"
+    moe_every: int = 0  # every n-th block a mixture of experts (0: none)
+    experts: int = 8
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    dropless: bool = False
+    from_hf: str | None = None  # a Hugging Face directory (GPT-2, Llama, Mixtral) to start from
+
+    def __post_init__(self):
+        _check_types(self)
+        object.__setattr__(self, "name", MODEL_ALIASES.get(self.name, self.name))
+        _choice("model", self.name, MODELS)
+        _at_least(self, 1, "layers", "hidden", "heads", "kv_heads", "intermediate", "seq_len",
+                  "vocab", "width", "depth", "ghost_width", "experts", "top_k")
+        _at_least(self, 0, "moe_every")
+        _choice("dtype", self.dtype, DTYPES)
+        if not self.capacity_factor > 0:
+            raise ConfigError(f"capacity_factor={self.capacity_factor} must be > 0")
+        if self.from_hf is not None and self.name == "ffn":
+            raise ConfigError("--from-hf holds a language model: use --model gpt2 or llama")
+        if self.name == "ffn" and self.moe_every:
+            raise ConfigError("--moe-every applies to --model gpt2 or llama")
+        if self.name == "llama" and self.moe_every not in (0, 1):
+            raise ConfigError("--model llama's mixture of experts is Mixtral's: --moe-every 1 "
+                              "(every block)")
+        for name in ("kv_heads", "intermediate"):
+            if getattr(self, name) is not None and self.name != "llama":
+                raise ConfigError(f"--{name.replace('_', '-')} applies to --model llama")
+
+    def family_config(self, strategy: str):
+        """The model family's configuration (:class:`~jphantom.models.ffn.FFNConfig`,
+        :class:`~jphantom.models.transformer.TransformerConfig`,
+        :class:`~jphantom.models.llama.LlamaConfig`) for ``strategy`` (a phantom GPT-2 has an
+        untied head: its feature-split activations would all-reduce a tied head's logits)."""
+        from jphantom.program import get
+
+        phantom = get(strategy).family == "phantom"
+        if self.name == "ffn":
+            from jphantom.models.ffn import FFNConfig
+            return FFNConfig(self.width, self.depth, self.ghost_width if phantom else None,
+                             self.dtype)
+        if self.name == "llama":
+            from jphantom.models.llama import LlamaConfig, config_from_hf
+            if self.from_hf:
+                return dataclasses.replace(config_from_hf(_read_json(
+                    Path(self.from_hf) / "config.json")), dtype=self.dtype)
+            intermediate = self.intermediate or -(-8 * self.hidden // 3 // 32) * 32
+            return LlamaConfig(vocab_size=self.vocab, hidden=self.hidden,
+                               intermediate=intermediate, layers=self.layers, heads=self.heads,
+                               kv_heads=self.kv_heads or self.heads,
+                               max_positions=self.seq_len,
+                               experts=self.experts if self.moe_every else 0, top_k=self.top_k,
+                               dtype=self.dtype)
+        from jphantom.models.transformer import TransformerConfig, moe_fields
+        if self.from_hf:
+            from jphantom.models import gpt2
+            config = gpt2.config_from_hf(_read_json(Path(self.from_hf) / "config.json"))
+            if self.seq_len > config.seq_len:
+                raise ConfigError(f"seq_len={self.seq_len} exceeds the checkpoint's "
+                                  f"{config.seq_len} positions: pass --seq-len "
+                                  f"{config.seq_len} or less")
+            return dataclasses.replace(config, dtype=self.dtype, tied_head=not phantom,
+                                       ghost_width=self.ghost_width if phantom else None)
+        return TransformerConfig(vocab_size=self.vocab, seq_len=self.seq_len, hidden=self.hidden,
+                                 heads=self.heads, layers=self.layers,
+                                 ghost_width=self.ghost_width if phantom else None,
+                                 dtype=self.dtype, tied_head=not phantom,
+                                 **moe_fields(self.moe_every, self.experts, self.top_k,
+                                              self.capacity_factor, self.dropless))
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split: ``strategy`` (:data:`jphantom.program.NAMES`), ``mesh`` (default
+    ``model=1`` for dense, else ``model=<all devices>``), Megatron sequence parallelism, DTD, and
+    with a ``stage`` axis the pipeline ``schedule``, ``microbatches`` per step and data rank
+    (default: the stages) and ``virtual_stages`` (interleaved 1F1B)."""
+
+    strategy: str = "dense"
+    mesh: str | None = None
+    sequence_parallel: bool = False
+    dtd: bool = False
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    virtual_stages: int = 1
+
+    def __post_init__(self):
+        from jphantom.pipeline.schedule import SCHEDULES
+        from jphantom.program import get
+
+        _check_types(self)
+        get(self.strategy)
+        _choice("schedule", self.schedule, SCHEDULES)
+        _at_least(self, 1, "microbatches", "virtual_stages")
+        self.mesh_config()
+
+    def mesh_config(self):
+        from jphantom.mesh import MeshConfig
+
+        if self.mesh is not None:
+            return MeshConfig.parse(self.mesh)
+        if self.strategy == "dense":
+            return MeshConfig.parse("model=1")
+        import jax
+
+        return MeshConfig.of({"model": jax.device_count()})
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """The training step's options (:class:`jphantom.TrainStep`): the ZeRO stage of ``data``,
+    gradient accumulation, global-norm clipping, the precision policy, activation checkpointing
+    per block, and ``cac`` (seed 004's communication-aware checkpointing:
+    ``remat=collectives_saveable``)."""
+
+    zero: int = 0
+    accumulate: int = 1
+    clip_norm: float | None = None
+    precision: str = "float32"
+    remat: str = "none"
+    cac: bool = False
+
+    def __post_init__(self):
+        from jphantom.precision import NAMES as PRECISIONS
+        from jphantom.remat import POLICIES, with_cac
+
+        _check_types(self)
+        _choice("zero", self.zero, (0, 1, 2, 3))
+        _at_least(self, 1, "accumulate")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ConfigError(f"clip_norm={self.clip_norm} must be > 0 (or left out)")
+        _choice("precision", self.precision, tuple(PRECISIONS))
+        _choice("remat", self.remat, tuple(POLICIES))
+        with_cac(self.remat, self.cac)
+
+    @property
+    def step_remat(self) -> str:
+        from jphantom.remat import with_cac
+
+        return with_cac(self.remat, self.cac)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The training run: global ``batch`` (sequences or rows), ``steps``, the optimizer and its
+    schedule (linear warm-up, then constant or cosine to 0.1x), evaluation, an optional
+    ``target_loss`` to stop at (held-out loss, checked at each evaluation), the seed, the text
+    ``data`` file, the ``out`` folder (``None``: write nothing), a Hugging Face directory to save
+    into, and Orbax checkpoints."""
+
+    batch: int = 16
+    steps: int = 300
+    optimizer: str = "adamw"
+    learning_rate: float = 3e-3
+    weight_decay: float = 1e-4
+    adam_b2: float = 0.95  # GPT-3 / Megatron's beta2: adapts faster than 0.999 in short runs
+    warmup_steps: int = 10
+    lr_schedule: str = "constant"
+    eval_every: int = 50
+    eval_batches: int = 8
+    target_loss: float | None = None
+    seed: int = 0
+    data: str | None = None  # a text file; default: the Python standard library's sources
+    out: str | None = "out/train"
+    save_hf: str | None = None
+    checkpoint_dir: str | None = None
+    save_every: int = 0
+    keep_checkpoints: int = 3
+    resume: bool = False
+    progress: bool = True
+
+    def __post_init__(self):
+        _check_types(self)
+        _at_least(self, 1, "batch", "steps", "eval_every", "eval_batches", "keep_checkpoints")
+        _at_least(self, 0, "warmup_steps", "seed", "save_every")
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        if not self.learning_rate > 0:
+            raise ConfigError(f"learning_rate={self.learning_rate} must be > 0")
+        if self.weight_decay < 0 or not 0 <= self.adam_b2 < 1:
+            raise ConfigError("weight_decay must be >= 0 and adam_b2 in [0, 1)")
+        if self.target_loss is not None and not self.target_loss > 0:
+            raise ConfigError(f"target_loss={self.target_loss} must be > 0 (or left out)")
+        if self.resume and not self.checkpoint_dir:
+            raise ConfigError("--resume needs --checkpoint-dir")
+        if self.save_every and not self.checkpoint_dir:
+            raise ConfigError("--save-every needs --checkpoint-dir")
+        if self.out is not None:
+            out = Path(self.out)
+            if out.exists() and not out.is_dir():
+                raise ConfigError(f"out={self.out!r} is an existing file: give a folder")
+
+    def optimizer_transform(self, total_steps: int | None = None):
+        """The optax optimizer: linear warm-up from 0 over ``warmup_steps`` (none for 0), then
+        the learning rate constant or cosine-decayed to 0.1x at ``steps``."""
+        import optax
+
+        lr, warmup = self.learning_rate, self.warmup_steps
+        steps = total_steps or self.steps
+        if self.lr_schedule == "cosine":
+            schedule = optax.warmup_cosine_decay_schedule(
+                0.0 if warmup else lr, lr, warmup, max(steps, warmup + 1), end_value=lr * 0.1)
+        elif warmup:
+            schedule = optax.join_schedules(
+                [optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup])
+        else:
+            schedule = lr
+        if self.optimizer == "adamw":
+            return optax.adamw(schedule, b2=self.adam_b2, weight_decay=self.weight_decay)
+        if self.optimizer == "adam":
+            return optax.adam(schedule, b2=self.adam_b2)
+        return optax.sgd(schedule)
+
+
+SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "step": StepConfig,
+            "train": TrainConfig}
+# flat name (CLI flag, flat TOML key) -> (section, field); --model is model.name
+FLAT: dict[str, tuple[str, str]] = {
+    **{f.name: (section, f.name) for section, cls in SECTIONS.items()
+       for f in dataclasses.fields(cls) if f.name != "name"},
+    "model": ("model", "name"),
+}
+ALIASES = {"from_gpt2": "from_hf", "save_gpt2": "save_hf"}  # GPT-2's names for the same thing
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One run: the four sections (module docstring)."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    step: StepConfig = dataclasses.field(default_factory=StepConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+    def __post_init__(self):
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"RunConfig.{name} must be a {cls.__name__}")
+        if self.parallel.dtd and not self.model.moe_every:
+            raise ConfigError("--dtd (duplicate token dropping) applies to MoE blocks: add "
+                              "--moe-every N")
+        if self.parallel.sequence_parallel and self.parallel.strategy != "tensor":
+            raise ConfigError("--sequence-parallel applies to --strategy tensor (Megatron-SP)")
+        if self.model.dtype == "float16" and self.train.optimizer != "sgd":
+            raise ConfigError("dtype='float16' with an adaptive optimizer underflows Adam's "
+                              "epsilon (1e-8 is 0 in float16): use --precision float16 (float32 "
+                              "master weights), bfloat16, or --optimizer sgd")
+        phantom = self.parallel.strategy.startswith("phantom")
+        if phantom and self.model.ghost_width is None:
+            raise ConfigError(f"--strategy {self.parallel.strategy} needs --ghost-width K (k "
+                              "ghost neurons per rank, seed 000), e.g. 8")
+
+    @classmethod
+    def from_flags(cls, **flags) -> "RunConfig":
+        """From flat names (CLI flags, flat TOML keys): each goes to its section."""
+        sections: dict[str, dict] = {name: {} for name in SECTIONS}
+        for key, value in flags.items():
+            key = ALIASES.get(key, key)
+            if key not in FLAT:
+                raise ConfigError(f"unknown setting {key!r}; known: {sorted(FLAT)}")
+            section, field = FLAT[key]
+            if field in sections[section] and sections[section][field] != value:
+                raise ConfigError(f"{key} is given twice with different values "
+                                  f"({sections[section][field]!r}, {value!r})")
+            sections[section][field] = value
+        return cls(**{name: SECTIONS[name](**values) for name, values in sections.items()})
+
+    def flat(self) -> dict:
+        """The flat names and values (what ``results.json`` records as ``config``)."""
+        out = {}
+        for flat, (section, field) in FLAT.items():
+            out[flat] = getattr(getattr(self, section), field)
+        return out
+
+    def to_json(self) -> dict:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    # -- what the run builds ---------------------------------------------------------------------
+
+    def family_config(self):
+        return self.model.family_config(self.parallel.strategy)
+
+    def program(self):
+        """The model under the strategy on the mesh (:func:`jphantom.program.build`): validates
+        every shape against the mesh; builds nothing concrete."""
+        import jax
+
+        from jphantom import program
+
+        mesh = self.parallel.mesh_config()
+        if mesh.device_count > jax.device_count():
+            raise ConfigError(f"mesh {mesh} needs {mesh.device_count} devices but "
+                              f"{jax.device_count()} are available: pass --devices "
+                              f"{mesh.device_count} to simulate them on CPU, or a smaller mesh")
+        options = {"seed": self.train.seed}
+        if self.parallel.sequence_parallel:
+            options["sequence_parallel"] = True
+        if self.parallel.dtd:
+            options["dtd"] = True
+        if self.model.from_hf:
+            from jphantom.models import hf
+            options["model"] = hf.load(self.model.from_hf)
+        return program.build(self.family_config(), self.parallel.strategy, mesh, **options)
+
+    def pipeline(self, program=None):
+        """The pipeline of a mesh with a ``stage`` axis (``None`` without one), validated, the
+        per-data-rank batch checked against the micro-batches."""
+        from jphantom.pipeline.runner import pipeline_for
+
+        mesh = program.mesh if program is not None else self.parallel.mesh_config()
+        return pipeline_for(mesh, self.train.batch, schedule=self.parallel.schedule,
+                            microbatches=self.parallel.microbatches,
+                            virtual_stages=self.parallel.virtual_stages)
+
+    def optimizer(self):
+        import optax
+
+        optimizer = self.train.optimizer_transform()
+        if self.step.clip_norm is not None:  # exact: the update sees the global gradients
+            optimizer = optax.chain(optax.clip_by_global_norm(self.step.clip_norm), optimizer)
+        return optimizer
+
+    def train_step(self, program, mesh, optimizer=None):
+        """The :class:`jphantom.TrainStep` of ``program`` on ``mesh`` with this run's step
+        options (nothing compiled)."""
+        return program.train_step(mesh, optimizer or self.optimizer(), zero=self.step.zero,
+                                  accumulate=self.step.accumulate,
+                                  precision=self.step.precision, remat=self.step.step_remat,
+                                  pipeline=self.pipeline(program))
+
+
+def _read_json(path: Path) -> dict:
+    import json
+
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConfigError(f"cannot read {path}: {error}") from None
+
+
+def load_toml(path: str) -> dict:
+    """Flat settings from a TOML file: flat keys (``-`` or ``_``) and/or sections (``[model]``,
+    ``[parallel]``, ``[step]``, ``[train]``); a value of the wrong type is refused by name when
+    the configuration is built."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as handle:
+            raw = tomllib.load(handle)
+    except OSError as error:
+        raise ConfigError(f"cannot read --config {path}: {error.strerror}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"--config {path} is not valid TOML: {error}") from None
+    flat: dict = {}
+    for key, value in raw.items():
+        key = key.replace("-", "_")
+        if key in SECTIONS and isinstance(value, dict):
+            for inner, inner_value in value.items():
+                inner = inner.replace("-", "_")
+                fields = {f.name for f in dataclasses.fields(SECTIONS[key])}
+                if inner not in fields:
+                    raise ConfigError(f"--config {path}: [{key}] has no setting {inner!r}; "
+                                      f"known: {sorted(fields)}")
+                flat["model" if (key, inner) == ("model", "name") else inner] = inner_value
+        else:
+            flat[key] = value
+    unknown = sorted(set(flat) - set(FLAT) - set(ALIASES))
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown settings {unknown}; known: {sorted(FLAT)}")
+    return flat
