@@ -108,74 +108,77 @@ def _setup_devices(count: int | None, *, at_least: bool = False) -> None:
                               "in this process; start a fresh one") from None
 
 
+INSPECT_DEFAULTS = {"model": "ffn", "width": 4096, "depth": 2, "ghost_width": 16, "batch": 256,
+                    "optimizer": "sgd", "learning_rate": 0.1, "warmup_steps": 0}
+INSPECT_FLAGS = ("model", "layers", "hidden", "heads", "kv_heads", "intermediate", "seq_len",
+                 "vocab", "width", "depth", "ghost_width", "dtype", "moe_every", "experts", "top_k",
+                 "capacity_factor", "dropless", "from_hf", "mesh", "sequence_parallel", "dtd",
+                 "schedule", "microbatches", "virtual_stages", "zero", "accumulate", "clip_norm",
+                 "precision", "remat", "cac", "batch", "optimizer")
+
+
 def _inspect(args: argparse.Namespace) -> int:
     _setup_devices(args.devices)
     import jax
 
-    if args.dtype == "float64":
-        jax.config.update("jax_enable_x64", True)
-
-    from jphantom.analysis.inspect import StepSpec, format_report, inspect_step
+    from jphantom.analysis.inspect import format_report, inspect_step
+    from jphantom.config import RunConfig
     from jphantom.errors import ConfigError
     from jphantom.mesh import MeshConfig
 
-    if args.mesh is not None:
-        mesh = MeshConfig.parse(args.mesh)
-        if args.shards is not None and args.shards != mesh.size("model"):
-            raise ConfigError(f"--shards {args.shards} disagrees with --mesh {args.mesh} "
-                              f"(model={mesh.size('model')}): give one of them")
-    else:
-        mesh = MeshConfig.of({"model": args.shards or jax.device_count()})
-    pipeline = dict(schedule=args.schedule, microbatches=args.microbatches,
-                    virtual_stages=args.virtual_stages, zero=args.zero,
-                    accumulate=args.accumulate, precision=args.precision, remat=args.remat,
-                    dtd=args.dtd, cac=args.cac)
-    moe = dict(moe_every=args.moe_every, experts=args.experts, top_k=args.top_k,
-               capacity_factor=args.capacity_factor, dropless=args.dropless)
+    settings = _run_settings(args, INSPECT_DEFAULTS)
+    if settings.get("dtype") == "float64":
+        jax.config.update("jax_enable_x64", True)
+    if args.shards is not None:
+        if "mesh" in settings and MeshConfig.parse(settings["mesh"]).size("model") != args.shards:
+            raise ConfigError(f"--shards {args.shards} disagrees with --mesh {settings['mesh']}: "
+                              "give one of them")
+        settings.setdefault("mesh", f"model={args.shards}")
+    mesh = settings.get("mesh") or f"model={jax.device_count()}"
+    configs = []
+    for name in dict.fromkeys(args.strategy):  # every run validated before anything compiles
+        run = {**settings, "strategy": name, "mesh": mesh, "out": None, "progress": False}
+        if not name.startswith("phantom"):
+            run.pop("ghost_width", None)
+        configs.append(RunConfig.from_flags(**run))
     reports = []
-    for name in dict.fromkeys(args.strategy):
-        spec = StepSpec(strategy=name, width=args.width, depth=args.depth, batch=args.batch,
-                        ghost_width=args.ghost_width, dtype=args.dtype,
-                        mesh="model=1" if name == "dense" else str(mesh), model=args.model,
-                        layers=args.layers, hidden=args.hidden, heads=args.heads,
-                        seq_len=args.seq_len, vocab=args.vocab,
-                        sequence_parallel=args.sequence_parallel, optimizer=args.optimizer, **moe,
-                        # dense: model=1, no pipeline, no ZeRO, no accumulation
-                        **({} if name == "dense" else pipeline))
-        report = inspect_step(spec)
+    for config in configs:
+        report = inspect_step(config)
         if args.breakdown:
             from jphantom.analysis.inspect import breakdown
 
-            report["breakdown"] = breakdown(spec)
+            report["breakdown"] = breakdown(config)
         reports.append(report)
     if args.json:
         json.dump(reports[0] if len(reports) == 1 else reports, sys.stdout, indent=2)
         print()
-    else:
-        shape = (f"width={args.width}, depth={args.depth}" if args.model == "ffn" else
-                 f"transformer L={args.layers}, h={args.hidden}, heads={args.heads}, "
-                 f"S={args.seq_len}, V={args.vocab}"
-                 + (", sequence-parallel" if args.sequence_parallel else ""))
-        staged = next((r["pipeline"] for r in reports if "pipeline" in r), None)
-        pipe = "" if staged is None else (
-            f" (pipeline: {staged['schedule']}, {staged['stages']} stages, "
-            f"{staged['microbatches']} micro-batches, {staged['virtual_stages']} virtual "
-            "stage(s) per device)")
-        step = "".join((f", ZeRO-{args.zero}" if args.zero else "",
-                        f", {args.accumulate} accumulation micro-batches"
-                        if args.accumulate > 1 else ""))
-        names = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
-        print(f"One training step (forward + backward + {names[args.optimizer]}{step}), {shape}, "
-              f"batch={args.batch}, mesh {mesh}{pipe}, {args.dtype}; bytes are per device, counts "
-              "per step (loops included); state MB: parameters + gradients + optimizer state.\n")
-        print(format_report(reports))
-        for report in reports:
-            if "breakdown" in report:
-                b = report["breakdown"]
-                print(f"breakdown {report['strategy']}: t_iter {b['t_iter'] * 1e3:.2f} ms = "
-                      f"compute {b['t_compute'] * 1e3:.2f} ms ({b['r_compute']:.1%}) + data "
-                      f"communication {b['t_comm'] * 1e3:.2f} ms ({b['r_comm']:.1%}); Eq. 26 "
-                      f"(Frontier, modelled): {b['t_comm_eq26_frontier_modelled'] * 1e3:.3f} ms")
+        return 0
+    config = configs[0]
+    m = config.model
+    shape = (f"width={m.width}, depth={m.depth}" if m.name == "ffn" else
+             f"{m.name} L={m.layers}, h={m.hidden}, heads={m.heads}, S={m.seq_len}, V={m.vocab}"
+             + (", sequence-parallel" if config.parallel.sequence_parallel else ""))
+    staged = next((r["pipeline"] for r in reports if "pipeline" in r), None)
+    pipe = "" if staged is None else (
+        f" (pipeline: {staged['schedule']}, {staged['stages']} stages, "
+        f"{staged['microbatches']} micro-batches, {staged['virtual_stages']} virtual "
+        "stage(s) per device)")
+    step = "".join((f", ZeRO-{config.step.zero}" if config.step.zero else "",
+                    f", {config.step.accumulate} accumulation micro-batches"
+                    if config.step.accumulate > 1 else ""))
+    names = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
+    print(f"One training step (forward + backward + {names[config.train.optimizer]}{step}), "
+          f"{shape}, batch={config.train.batch}, mesh {mesh}{pipe}, {m.dtype}; bytes are per "
+          "device, counts per step (loops included); state MB: parameters + gradients + "
+          "optimizer state.\n")
+    print(format_report(reports))
+    for report in reports:
+        if "breakdown" in report:
+            b = report["breakdown"]
+            print(f"breakdown {report['strategy']}: t_iter {b['t_iter'] * 1e3:.2f} ms = "
+                  f"compute {b['t_compute'] * 1e3:.2f} ms ({b['r_compute']:.1%}) + data "
+                  f"communication {b['t_comm'] * 1e3:.2f} ms ({b['r_comm']:.1%}); Eq. 26 "
+                  f"(Frontier, modelled): {b['t_comm_eq26_frontier_modelled'] * 1e3:.3f} ms")
     return 0
 
 
@@ -565,66 +568,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("--strategy", nargs="+", default=["phantom"], choices=names,
                          help="one or more strategies to compare side by side (default: phantom)")
-    inspect.add_argument("--model", choices=("ffn", "transformer"), default="ffn",
-                         help="seed 000's FFN (--width, --depth) or the GPT transformer (--layers, "
-                              "--hidden, --heads, --seq-len, --vocab); default ffn")
-    inspect.add_argument("--width", type=_positive_int, default=4096,
-                         help="layer width n (default 4096)")
-    inspect.add_argument("--depth", type=_positive_int, default=2,
-                         help="number of layers L (default 2)")
-    inspect.add_argument("--ghost-width", type=_positive_int, default=16,
-                         help="phantom ghost neurons per rank, k of seed 000 (default 16)")
-    inspect.add_argument("--batch", type=_positive_int, default=256,
-                         help="global batch size (default 256)")
-    for flag, default, text in (("--layers", 4, "transformer blocks"), ("--hidden", 256, "width h"),
-                                ("--heads", 4, "attention heads"),
-                                ("--seq-len", 128, "sequence length"),
-                                ("--vocab", 256, "vocabulary size")):
-        inspect.add_argument(flag, type=_positive_int, default=default,
-                             help=f"transformer: {text} (default {default})")
-    inspect.add_argument("--sequence-parallel", action="store_true",
-                         help="transformer under tensor: Megatron sequence parallelism")
-    inspect.add_argument("--mesh", default=None, metavar="AXES",
-                         help="mesh axes, e.g. data=2,model=4 (batch over data, features over "
-                              "model; default model=<all devices>; dense always runs on model=1)")
+    inspect.add_argument("--config", metavar="FILE.toml",
+                         help="settings from a TOML file (as train's; flags override)")
+    _add_run_flags(inspect, INSPECT_DEFAULTS, only=INSPECT_FLAGS)
     inspect.add_argument("--shards", type=_positive_int, default=None,
                          help="shorthand for --mesh model=N")
-    _add_pipeline_flags(inspect)
-    from jphantom.sharding.zero import STAGES
-
-    inspect.add_argument("--zero", type=int, choices=STAGES, default=0,
-                         help="ZeRO stage of the data axis (needs data=D in --mesh; not dense): 0 "
-                              "plain data parallelism, 1 optimizer state, 2 + gradients, 3 + "
-                              "parameters sharded over data; the memory report's params_bytes, "
-                              "gradient_bytes and optimizer_bytes show it (default 0)")
-    inspect.add_argument("--accumulate", type=_positive_int, default=1, metavar="N",
-                         help="gradient-accumulation micro-batches per step (one gradient "
-                              "reduction); batch / data must be a multiple (default 1)")
-    inspect.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="sgd",
-                         help="the step's optimizer: sgd has no state, adam and adamw two moments "
-                              "per parameter (default sgd)")
-    inspect.add_argument("--precision", choices=("float32", "bf16", "float16"), default="float32",
-                         help="mixed-precision policy of the step: compute dtype, float32 master "
-                              "weights (default float32)")
-    inspect.add_argument("--remat", default="none",
-                         choices=("none", "nothing_saveable", "dots_saveable",
-                                  "collectives_saveable"),
-                         help="activation checkpointing per layer; the memory report's temp_bytes "
-                              "shows what it saves (default none)")
-    inspect.add_argument("--moe-every", type=int, default=0, metavar="N",
-                         help="transformer: every N-th block a mixture of experts (default 0: "
-                              "none); split the experts with an expert=G mesh axis")
-    inspect.add_argument("--experts", type=_positive_int, default=8, help="MoE: experts E (8)")
-    inspect.add_argument("--top-k", type=_positive_int, default=2, help="MoE: top-k (2)")
-    inspect.add_argument("--capacity-factor", type=float, default=1.25,
-                         help="MoE: capacity factor (default 1.25)")
-    inspect.add_argument("--dropless", action="store_true", help="MoE: no capacity, no drops")
-    inspect.add_argument("--dtd", action="store_true",
-                         help="MoE under tensor: duplicate token dropping (seed 004)")
-    inspect.add_argument("--cac", action="store_true",
-                         help="communication-aware checkpointing: --remat collectives_saveable")
-    inspect.add_argument("--dtype", default="float32",
-                         choices=("float32", "bfloat16", "float16", "float64"))
     inspect.add_argument("--breakdown", action="store_true",
                          help="also run the step with and without its data-parallel reductions and "
                               "report seed 001's compute/communication breakdown (t_iter, "

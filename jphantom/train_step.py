@@ -232,7 +232,7 @@ class TrainStep:
                  loss_fn: Callable, *, zero: int = 0, accumulate: int = 1,
                  precision: str | Precision = "float32", remat: str = "none",
                  pipeline=None, spmd: str = "shard_map", donate: bool = True,
-                 batch_specs=None):
+                 batch_specs=None, communicate: bool = True):
         if not isinstance(model, nnx.Module):
             raise ConfigError(f"make_train_step takes an nnx.Module, not {type(model).__name__}")
         self.mesh = _check_mesh(mesh)
@@ -284,6 +284,10 @@ class TrainStep:
         self.opt_param_specs = layout.zero_specs() if zero >= 1 else layout.specs
         self.batch_spec = _batch_spec(mesh)
         self.batch_specs = _check_batch_specs(batch_specs, self.mesh)
+        self.communicate = bool(communicate)
+        if not communicate and (zero or spmd != "shard_map"):
+            raise ConfigError("communicate=False measures plain data parallelism of the "
+                              "shard_map step: use zero=0")
         self.donate = donate
         self._step = None
 
@@ -614,6 +618,8 @@ class TrainStep:
 
     def _per_rank(self, leaves, *batch):
         loss, grads = self._local_value_and_grad(list(leaves), *batch)
+        if not self.communicate:  # seed 001's t_compute: the step without its reductions
+            return loss, grads
         dims = self.layout.zero_dims
         vary = self._vary_axes()
         if self.zero == 2:  # reduce-scatter over data, all-reduce over the rest
@@ -667,7 +673,8 @@ class TrainStep:
             leaves = jax.tree.leaves(params)
             specs_in = (tuple(self.param_specs), *self._specs_of_batch(len(batch)))
             fn = jax.shard_map(self._per_rank, mesh=self.mesh, in_specs=specs_in,
-                               out_specs=(P(), list(self.grad_specs)), check_vma=True)
+                               out_specs=(P(), list(self.grad_specs)),
+                               check_vma=self.communicate)
             loss, grads = fn(tuple(leaves), *batch)
             return loss, self._pure(grads)
 
@@ -806,7 +813,11 @@ def make_train_step(model: nnx.Module, mesh: Mesh, optimizer: optax.GradientTran
     ``remat`` (checkpoint policy of the model's Stacked blocks), ``pipeline`` (a
     :class:`~jphantom.pipeline.runner.PipelineConfig`, with a ``stage`` axis), ``spmd``
     (``"shard_map"``, or ``"gspmd"``: the plain model with :func:`jphantom.plans.annotate`'s
-    sharding metadata, collectives chosen by ``jax.jit``, the baseline), ``donate``."""
+    sharding metadata, collectives chosen by ``jax.jit``, the baseline), ``donate``,
+    ``batch_specs`` (the batch arrays' ``PartitionSpec``s: default, each split on its first
+    dimension over the batch axes), ``communicate=False`` (measurement only, seed 001's
+    breakdown: the step without its gradient and loss reductions; its values are not the
+    model's)."""
     return TrainStep(model, mesh, optimizer, loss_fn, **options)
 
 

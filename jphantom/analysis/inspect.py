@@ -1,8 +1,8 @@
-"""Compile one training step (forward + backward + optimizer update, SGD by default) and report
-what it does.
+"""Compile one training step (forward + backward + optimizer update) and report what it does.
 
-The step is :func:`jphantom.step.make_train_step`'s (one ``jax.jit`` of one ``shard_map`` over the
-mesh, e.g. ``data=2,model=4``). From the compiled executable: every collective (kind, shape, dtype,
+The step is the one ``train`` runs for the same :class:`jphantom.config.RunConfig` (one
+``jax.jit`` of one ``shard_map`` over the mesh, e.g. ``data=2,model=4``), built and validated the
+same way. From the compiled executable: every collective (kind, shape, dtype,
 bytes, replica groups, the mesh axes it spans, and how many times it runs per step: layers under
 ``lax.scan`` run inside an HLO loop, whose trip count multiplies) parsed from the optimized HLO,
 GEMM FLOPs from the HLO's ``dot`` ops (trip counts applied; ``cost_analysis()`` counts a loop body
@@ -20,132 +20,31 @@ import time
 
 import jax
 import numpy as np
-import optax
 
-from jphantom import strategies
 from jphantom.analysis.hlo import collectives, dot_flops, normalise_replica_groups, summarize
-from jphantom.errors import ConfigError, check_int
-from jphantom.mesh import MeshConfig, first_devices, model_mesh
-from jphantom.models.ffn import FFNConfig
-from jphantom.pipeline.runner import PipelineConfig, pipeline_for
-from jphantom.step import (abstract_params, check_step_options, make_train_step,
-                           optimizer_state_specs)
+from jphantom.config import RunConfig
+from jphantom.errors import ConfigError
+from jphantom.mesh import first_devices
 
 
-@dataclasses.dataclass(frozen=True)
-class StepSpec:
-    """What to compile: a strategy's training step of the FFN (``model="ffn"``: ``width``,
-    ``depth``; ``batch`` rows of ``width`` features) or of the GPT transformer
-    (``model="transformer"``: ``layers``, ``hidden``, ``heads``, ``seq_len``, ``vocab``,
-    ``sequence_parallel``; ``batch`` sequences of ``seq_len`` tokens) on a mesh.
-
-    ``mesh`` is a mesh string (``"data=2,model=4"``); the default is ``model=<num_shards>``
-    (``dense`` runs on ``model=1``, the default ``num_shards``). With a mesh, ``num_shards`` becomes its ``model`` size (give one
-    or the other, or both consistently). ``ghost_width`` is used by the phantom strategies only.
-
-    A ``stage=P`` axis in ``mesh`` pipelines the step: ``schedule`` (``gpipe``, ``1f1b``,
-    ``interleaved-1f1b``), ``microbatches`` per step and data rank (default ``P``),
-    ``virtual_stages`` (interleaved only). Without a stage axis they must keep their defaults.
-
-    ``zero``: the ZeRO stage of the ``data`` axis (:mod:`jphantom.sharding.zero`); ``accumulate``:
-    gradient-accumulation micro-batches per step (the per-data-rank batch must be a multiple;
-    pipelines accumulate through ``microbatches``); ``optimizer``: ``sgd`` (no state), ``adam`` or
-    ``adamw`` (two moments per parameter).
-    """
-
-    strategy: str
-    width: int
-    depth: int
-    batch: int
-    num_shards: int = 1
-    ghost_width: int | None = None
-    dtype: str = "float32"
-    mesh: str | None = None
-    model: str = "ffn"
-    layers: int = 4
-    hidden: int = 256
-    heads: int = 4
-    seq_len: int = 128
-    vocab: int = 256
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"
-    microbatches: int | None = None
-    virtual_stages: int = 1
-    zero: int = 0
-    accumulate: int = 1
-    optimizer: str = "sgd"
-    precision: str = "float32"
-    remat: str = "none"
-    moe_every: int = 0  # transformer: every n-th block a mixture of experts
-    experts: int = 8
-    top_k: int = 2
-    capacity_factor: float = 1.25
-    dropless: bool = False
-    dtd: bool = False
-    cac: bool = False
-
-    def __post_init__(self):
-        strategy = strategies.get(self.strategy)
-        if self.model not in ("ffn", "transformer"):
-            raise ConfigError(f"model={self.model!r}; use 'ffn' or 'transformer'")
-        for name in ("width", "depth", "batch", "num_shards", "layers", "hidden", "heads",
-                     "seq_len", "vocab"):
-            check_int(name, getattr(self, name))
-        mesh = self.mesh_config()
-        object.__setattr__(self, "num_shards", mesh.size("model"))
-        if strategy.family != "phantom":
-            object.__setattr__(self, "ghost_width", None)
-        strategies.check_batch(mesh, self.batch, self.model,
-                               moe=bool(self.moe_every or self.dtd))
-        from jphantom.remat import with_cac
-        object.__setattr__(self, "remat", with_cac(self.remat, self.cac))
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"optimizer={self.optimizer!r}; use one of {tuple(OPTIMIZERS)}")
-        check_int("zero", self.zero, 0)
-        self.pipeline_config()  # the batch against the micro-batches, before any compile
-        program = self.program()  # the strategy validates the shapes (and the ZeRO stage)
-        check_step_options(program, self.batch, accumulate=self.accumulate,
-                           precision=self.precision, remat=self.remat)
-
-    def mesh_config(self) -> MeshConfig:
-        return model_mesh(self.mesh, self.num_shards)
-
-    def model_config(self):
-        if self.model == "transformer":
-            from jphantom.models.transformer import TransformerConfig, moe_fields
-            return TransformerConfig(
-                vocab_size=self.vocab, seq_len=self.seq_len, hidden=self.hidden, heads=self.heads,
-                layers=self.layers, ghost_width=self.ghost_width, dtype=self.dtype,
-                tied_head=strategies.get(self.strategy).family != "phantom",
-                **moe_fields(self.moe_every, self.experts, self.top_k, self.capacity_factor,
-                             self.dropless))
-        return FFNConfig(width=self.width, depth=self.depth, ghost_width=self.ghost_width,
-                         dtype=self.dtype)
-
-    def batch_shapes(self):
-        if self.model == "transformer":
-            return [((self.batch, self.seq_len), "int32")] * 2
-        return [((self.batch, self.width), self.dtype)] * 2
-
-    def pipeline_config(self) -> PipelineConfig | None:
-        """The pipeline on a mesh with a ``stage`` axis, else ``None`` (then the pipeline fields
-        must keep their defaults); checks the per-data-rank batch against the micro-batches."""
-        return pipeline_for(self.mesh_config(), self.batch, schedule=self.schedule,
-                            microbatches=self.microbatches, virtual_stages=self.virtual_stages)
-
-    def program(self):
-        return strategies.get(self.strategy).program(self.model_config(), self.mesh_config(),
-                                                     sequence_parallel=self.sequence_parallel,
-                                                     pipeline=self.pipeline_config(),
-                                                     zero=self.zero, dtd=self.dtd)
-
-    def optimizer_transform(self) -> optax.GradientTransformation:
-        return OPTIMIZERS[self.optimizer]()
+def build(config: RunConfig, optimizer=None):
+    """The run's program, jax mesh and :class:`jphantom.TrainStep` (nothing compiled): what
+    ``train`` builds, validated the same way."""
+    program = config.program()
+    mesh = program.mesh.build(first_devices(program.mesh.device_count))
+    return program, mesh, config.train_step(program, mesh, optimizer)
 
 
-# The optimizers inspect compiles (the learning rates do not change what is compiled).
-OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-3),
-              "adamw": lambda: optax.adamw(1e-3)}
+def abstract_batch(config: RunConfig, program, step) -> tuple:
+    """``ShapeDtypeStruct``s of the batch with their shardings: FFN rows of ``width`` features,
+    language models ``[batch, seq_len]`` token ids (inputs and targets)."""
+    if config.model.name == "ffn":
+        shape, dtype = (config.train.batch, config.model.width), config.model.dtype
+    else:
+        seq = min(config.model.seq_len, getattr(program.config, "seq_len", config.model.seq_len))
+        shape, dtype = (config.train.batch, seq), "int32"
+    return tuple(jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=s)
+                 for s in step.batch_shardings(2))
 
 
 def normalise_collectives(found):
@@ -155,41 +54,16 @@ def normalise_collectives(found):
             for c in found]
 
 
-def compile_step(spec: StepSpec, optimizer: optax.GradientTransformation | None = None):
-    """Lower and compile the training step of ``spec`` (``jphantom.step.make_train_step``, default
-    optimizer ``spec.optimizer``, SGD unless set) on abstract parameters; returns
-    ``(compiled, seconds_to_compile)``."""
-    program, mesh = _program_and_mesh(spec)
-    compiled, seconds = _compile(program, mesh, spec, optimizer or spec.optimizer_transform())
-    return compiled, seconds
+def compile_step(config: RunConfig, optimizer=None):
+    """Lower and compile the run's training step on abstract parameters; returns ``(compiled,
+    seconds_to_compile)``."""
+    program, mesh, step = build(config, optimizer)
+    return _compile(config, program, step)
 
 
-def _program_and_mesh(spec: StepSpec):
-    program = spec.program()  # validates the shapes before any device is asked for
-    mesh_config = program.mesh  # a pipeline adds model=1 where the mesh has no model axis
-    return program, mesh_config.build(first_devices(mesh_config.device_count))
-
-
-def _abstract_state(program, mesh, optimizer):
-    """Abstract parameters and optimizer state, each leaf with its sharding (the optimizer's
-    moments follow ``program.state_specs``: ZeRO-sharded for zero >= 1)."""
-    params = abstract_params(program, mesh)
-    shapes = jax.eval_shape(lambda: params)
-    opt_specs = optimizer_state_specs(optimizer, shapes, program.state_specs)
-    opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                             jax.eval_shape(optimizer.init, shapes),
-                             program.shardings(mesh, opt_specs))
-    return params, opt_state
-
-
-def _compile(program, mesh, spec: StepSpec, optimizer):
-    params, opt_state = _abstract_state(program, mesh, optimizer)
-    batch = tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=s)
-                  for (shape, dtype), s in zip(spec.batch_shapes(), program.batch_shardings(mesh)))
-    step = make_train_step(program, mesh, optimizer, accumulate=spec.accumulate,
-                           precision=spec.precision, remat=spec.remat)
+def _compile(config, program, step):
     start = time.perf_counter()
-    compiled = step.lower(params, opt_state, *batch).compile()
+    compiled = step.lower(step.abstract_state(), *abstract_batch(config, program, step)).compile()
     return compiled, time.perf_counter() - start
 
 
@@ -234,24 +108,25 @@ def per_device_bytes(structs) -> int:
                for a in jax.tree.leaves(structs))
 
 
-def state_bytes(program, mesh, optimizer) -> dict[str, int]:
+def state_bytes(step) -> dict[str, int]:
     """Per-device bytes of the training state from its shardings: ``params_bytes``,
     ``gradient_bytes`` (the gradients the optimizer sees: the parameters' layout for ZeRO 0 and 1,
-    whose all-reduce leaves the whole gradient on every data rank, ``program.state_specs`` for
-    ZeRO 2 and 3), ``optimizer_bytes`` (the optimizer's state: 0 for SGD) and ``zero``."""
-    params, opt_state = _abstract_state(program, mesh, optimizer)
-    grad_specs = program.state_specs if program.zero >= 2 else program.param_specs
-    grads = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         jax.eval_shape(lambda: params), program.shardings(mesh, grad_specs))
-    out = {"params_bytes": per_device_bytes(params), "gradient_bytes": per_device_bytes(grads),
-           "optimizer_bytes": per_device_bytes(opt_state), "zero": program.zero}
+    whose all-reduce leaves the whole gradient on every data rank, ZeRO-sharded for ZeRO 2 and 3),
+    ``optimizer_bytes`` (the optimizer's state: 0 for SGD) and ``zero``."""
+    from jax.sharding import NamedSharding
+
+    state = step.abstract_state()
+    grads = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(step.mesh, spec))
+             for a, spec in zip(step.layout.shapes, step.grad_specs)]
+    out = {"params_bytes": per_device_bytes(state.params), "gradient_bytes": per_device_bytes(grads),
+           "optimizer_bytes": per_device_bytes(state.opt_state), "zero": step.zero}
     out["model_state_bytes"] = sum(out[k] for k in ("params_bytes", "gradient_bytes",
                                                     "optimizer_bytes"))
-    out.update(zero_formula_bytes(program, mesh, params, opt_state))
+    out.update(zero_formula_bytes(step, state.params))
     return out
 
 
-def zero_formula_bytes(program, mesh, params, opt_state) -> dict[str, float]:
+def zero_formula_bytes(step, params) -> dict[str, float]:
     """ZeRO's model-state bytes per device for Adam (seed 001 Sec. 1.4, Table 1), with P the
     parameters per model-parallel rank (the ``data`` axis aside) and N the data-parallel degree:
     seed 001's mixed-precision figures (2-byte parameters and gradients, 12 bytes of float32
@@ -259,35 +134,34 @@ def zero_formula_bytes(program, mesh, params, opt_state) -> dict[str, float]:
     parameters are the master weights (no separate copy: the compute dtype is a cast inside the
     step): 4P parameters + 4P gradients + 8P moments = 16P, 8P + 8P/N, 4P + 12P/N, 16P/N. Only
     meaningful for Adam-like optimizers (two moments)."""
-    n = mesh.shape.get("data", 1)
+    n = dict(step.mesh.shape).get("data", 1)
     per_rank = sum(math.prod(a.sharding.shard_shape(a.shape)) for a in jax.tree.leaves(params))
-    p = per_rank * (n if program.zero == 3 else 1)  # the parameters a rank holds without ZeRO-3
+    p = per_rank * (n if step.zero == 3 else 1)  # the parameters a rank holds without ZeRO-3
     seed001 = {0: 16 * p, 1: 4 * p + 12 * p / n, 2: 2 * p + 14 * p / n, 3: 16 * p / n}
     ours = {0: 16 * p, 1: 8 * p + 8 * p / n, 2: 4 * p + 12 * p / n, 3: 16 * p / n}
-    return {"model_state_formula_bytes": ours[program.zero],
-            "seed001_formula_bytes": seed001[program.zero], "data_parallel": n,
+    return {"model_state_formula_bytes": ours[step.zero],
+            "seed001_formula_bytes": seed001[step.zero], "data_parallel": n,
             "params_per_model_rank": p}
 
 
-def inspect_step(spec: StepSpec) -> dict:
-    """Report for one strategy: ``collectives`` (rows ``{kind, axes, count, bytes}`` per collective
-    kind and mesh axes, loop trip counts applied), ``collective_bytes`` (per device, whole step),
-    ``collective_ops`` (every op with its shapes, groups, axes and executions per step), ``flops``
-    (GEMM FLOPs per device, loops counted by trip count: :func:`gemm_flops`), ``xla_flops`` (XLA's
-    ``cost_analysis()``: element-wise work included, loop bodies counted once), ``params``
-    (weights), ``memory`` (:func:`compiled_memory`: ``temp_bytes``, ``argument_bytes``, ``output_bytes``,
-    ``alias_bytes``..., and from the shardings :func:`state_bytes`: ``params_bytes``,
-    ``gradient_bytes``, ``optimizer_bytes``, ``zero``), compile time, and on a mesh with a
-    ``stage`` axis ``pipeline`` (schedule, micro-batches, virtual stages, stages)."""
-    program, mesh = _program_and_mesh(spec)
-    optimizer = spec.optimizer_transform()
-    compiled, compile_seconds = _compile(program, mesh, spec, optimizer)
+def inspect_step(config: RunConfig, optimizer=None) -> dict:
+    """Report for one run's step: ``collectives`` (rows ``{kind, axes, count, bytes}`` per
+    collective kind and mesh axes, loop trip counts applied), ``collective_bytes`` (per device,
+    whole step), ``collective_ops`` (every op with its shapes, groups, axes and executions per
+    step), ``flops`` (GEMM FLOPs per device, loops counted by trip count: :func:`gemm_flops`),
+    ``xla_flops`` (XLA's ``cost_analysis()``: element-wise work included, loop bodies counted
+    once), ``params`` (weights), ``memory`` (:func:`compiled_memory`: ``temp_bytes``,
+    ``argument_bytes``, ``output_bytes``, ``alias_bytes``..., and from the shardings
+    :func:`state_bytes`), compile time, and on a mesh with a ``stage`` axis ``pipeline``
+    (schedule, micro-batches, virtual stages, stages)."""
+    program, mesh, step = build(config, optimizer)
+    compiled, compile_seconds = _compile(config, program, step)
     found = normalise_collectives(collectives(compiled.as_text()))
     axes = dict(mesh.shape)
     report = {
-        "strategy": spec.strategy,
-        "mesh": str(spec.mesh_config()),
-        "config": dataclasses.asdict(spec),
+        "strategy": config.parallel.strategy,
+        "mesh": str(program.mesh),
+        "config": config.flat(),
         "collectives": [row | {"axes": list(row["axes"])} for row in summarize(found, axes=axes)],
         "collective_bytes": sum(c.total_bytes for c in found if not c.trivial),
         "collective_ops": [
@@ -300,21 +174,13 @@ def inspect_step(spec: StepSpec) -> dict:
         "flops": gemm_flops(compiled),
         "xla_flops": xla_flops(compiled),
         "params": program.param_count,
-        "memory": compiled_memory(compiled) | state_bytes(program, mesh, optimizer),
+        "memory": compiled_memory(compiled) | state_bytes(step),
         "compile_seconds": compile_seconds,
     }
-    pipeline = _pipeline(program)
-    if pipeline is not None:
-        report["pipeline"] = pipeline
+    if step.pipeline is not None:
+        report["pipeline"] = {**dataclasses.asdict(step.pipeline),
+                              "stages": program.mesh.size("stage")}
     return report
-
-
-def _pipeline(program) -> dict | None:
-    pipeline = program.options.get("pipeline")
-    if pipeline is None:
-        return None
-    return {"schedule": pipeline["schedule"], "microbatches": pipeline["microbatches"],
-            "virtual_stages": pipeline["virtual_stages"], "stages": program.options["stages"]}
 
 
 def _state_megabytes(report: dict) -> float:
@@ -356,39 +222,37 @@ def format_report(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def breakdown(spec: StepSpec, *, steps: int = 5, warmup: int = 2) -> dict:
+def breakdown(config: RunConfig, *, steps: int = 5, warmup: int = 2) -> dict:
     """Seed 001's bottom-up breakdown of one step (Sec. 3.1, Eqs. 2-4): the median time of the
     step (``t_iter``) and of the same step compiled without its data-parallel reductions
-    (``t_compute``: :func:`jphantom.step.make_train_step` with ``communicate=False``), measured side
-    by side; ``t_comm = t_iter - t_compute`` and the shares ``r_compute``, ``r_comm``; and the Eq. 26
-    cost (seed 000 Table III, Frontier) of the step's collectives over ``data``, modelled. Only the
-    ``data`` reductions are removed: collectives over ``model`` stay in ``t_compute``. Needs a per-rank
-    strategy without ZeRO; it initialises and runs the step (unlike the rest of ``inspect``)."""
+    (``t_compute``: ``communicate=False``), measured side by side; ``t_comm = t_iter - t_compute``
+    and the shares ``r_compute``, ``r_comm``; and the Eq. 26 cost (seed 000 Table III, Frontier)
+    of the step's collectives over ``data``, modelled. Only the ``data`` reductions are removed:
+    collectives over ``model`` stay in ``t_compute``. Needs the shard_map step without ZeRO; it
+    initialises and runs the step (unlike the rest of ``inspect``)."""
     from jphantom.analysis.timing import Runner, time_round_robin
     from jphantom.perf.comm_model import FRONTIER
-    from jphantom.step import init_params
-    from jphantom.train import init_optimizer_state
 
-    program, mesh = _program_and_mesh(spec)
-    if not program.manual or program.zero:
+    program, mesh, step = build(config)
+    if program.spmd != "shard_map" or config.step.zero:
         raise ConfigError("the breakdown compiles the step without its data reductions: use a "
                           "per-rank strategy (tensor or phantom) with --zero 0")
-    optimizer = spec.optimizer_transform()
     rng = np.random.default_rng(0)
     batch = []
-    for (shape, dtype), sharding in zip(spec.batch_shapes(), program.batch_shardings(mesh)):
-        data = (rng.integers(0, spec.vocab, shape) if np.issubdtype(np.dtype(dtype), np.integer)
-                else rng.standard_normal(shape))
-        batch.append(jax.device_put(np.asarray(data, dtype), sharding))
+    for struct in abstract_batch(config, program, step):
+        data = (rng.integers(0, config.model.vocab, struct.shape)
+                if np.issubdtype(struct.dtype, np.integer) else rng.standard_normal(struct.shape))
+        batch.append(jax.device_put(np.asarray(data, struct.dtype), struct.sharding))
     runners = []
     for label, communicate in (("step", True), ("compute", False)):
-        params = init_params(program, mesh, jax.random.PRNGKey(0))
-        state = init_optimizer_state(program, mesh, optimizer, params)
-        step = make_train_step(program, mesh, optimizer, accumulate=spec.accumulate,
-                               precision=spec.precision, remat=spec.remat,
-                               communicate=communicate)
-        runners.append(Runner(label, step.lower(params, state, *batch).compile(),
-                              (params, state, *batch), threads_state=True, flops_per_device=0,
+        measured = program.train_step(mesh, config.optimizer(), zero=0,
+                                      accumulate=config.step.accumulate,
+                                      precision=config.step.precision,
+                                      remat=config.step.step_remat,
+                                      pipeline=config.pipeline(program), communicate=communicate)
+        state = program.init(measured)
+        runners.append(Runner(label, measured.lower(state, *batch).compile(),
+                              (state, *batch), threads_state=True, flops_per_device=0,
                               devices=mesh.size))
     times = time_round_robin(runners, steps, warmup)
     t_iter, t_compute = times["step"], times["compute"]
