@@ -37,13 +37,13 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from jphantom.analysis.inspect import StepSpec, inspect_step
+from jphantom.analysis.inspect import inspect_step
+from jphantom.config import RunConfig
 from jphantom.data import Teacher, TeacherConfig
 from jphantom.energy import NvmlEnergyMeter, PowerModel, energy_per_iteration, process_devices
 from jphantom.errors import ConfigError, check_int
 from jphantom.perf.comm_model import FRONTIER
-from jphantom.sharding import phantom
-from jphantom.train import OPTIMIZERS, TrainConfig, check_memory, train
+from jphantom.nn.phantom import max_ghost_width
 
 TP_STRATEGY = "tensor-t1"
 
@@ -54,29 +54,33 @@ def auto_ghost_width(width: int, num_shards: int) -> int:
     The paper does not say how it chose k per p; this rule keeps phantom well inside the region
     where it is smaller than the dense model at every p.
     """
-    return max(1, int(phantom.max_ghost_width(width, num_shards) / 8))
+    return max(1, int(max_ghost_width(width, num_shards) / 8))
 
 
 @dataclasses.dataclass(frozen=True)
 class CompareConfig:
-    width: int = 256
-    depth: int = 2
+    """A sweep of the one run configuration: ``base`` (a :class:`jphantom.config.RunConfig` of
+    the FFN: width, depth, batch, optimizer, learning rate, ``steps`` as the maximum,
+    ``eval_every``, an optional ``target_loss``) trained with TP at each shard count in
+    ``shards`` and with phantom at each shard count and ghost width (``ghost_widths``, or
+    ``"auto"``), for every seed; the teacher has ``train_size`` / ``eval_size`` samples."""
+
+    base: RunConfig = dataclasses.field(default_factory=lambda: RunConfig.from_flags(
+        model="ffn", width=256, depth=2, batch=64, optimizer="adam", learning_rate=2e-3,
+        warmup_steps=0, adam_b2=0.999, steps=300, eval_every=10, out=None, progress=False,
+        strategy=TP_STRATEGY, mesh="model=1"))
     shards: tuple[int, ...] = (2, 4, 8)
     ghost_widths: tuple[int, ...] | str = (2, 4, 16)
-    target_loss: float | None = None
-    target_margin: float = 0.02
     seeds: tuple[int, ...] = (0, 1, 2)
-    batch: int = 64
-    optimizer: str = "adam"
-    learning_rate: float = 2e-3
-    max_steps: int = 300
-    eval_every: int = 10
+    target_margin: float = 0.02
     train_size: int = 1 << 14
     eval_size: int = 512
 
     def __post_init__(self):
-        for name in ("width", "depth", "batch", "max_steps", "eval_every", "train_size",
-                     "eval_size"):
+        if not isinstance(self.base, RunConfig) or self.base.model.name != "ffn":
+            raise ConfigError("compare trains seed 000's FFN: base must be a RunConfig with "
+                              "model 'ffn'")
+        for name in ("train_size", "eval_size"):
             check_int(name, getattr(self, name), 1)
         _check_list("shards", self.shards, 1)
         _check_list("seeds", self.seeds, 0)
@@ -85,43 +89,50 @@ class CompareConfig:
                 raise ConfigError(f"ghost_widths={self.ghost_widths!r}: give integers or 'auto'")
         else:
             _check_list("ghost_widths", self.ghost_widths, 1)
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"optimizer={self.optimizer!r}; use one of {OPTIMIZERS}")
-        for name in ("learning_rate", "target_margin") + (
-                ("target_loss",) if self.target_loss is not None else ()):
-            value = getattr(self, name)
-            low_ok = name == "target_margin"
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value) or value < 0 or (value == 0 and not low_ok):
-                raise ConfigError(f"{name}={value!r} must be a finite number "
-                                  f"{'>= 0' if low_ok else '> 0'}")
+        margin = self.target_margin
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not (
+                math.isfinite(margin) and margin >= 0):
+            raise ConfigError(f"target_margin={margin!r} must be a finite number >= 0")
         if jax.device_count() < max(self.shards):
             raise ConfigError(
                 f"shards={self.shards} needs {max(self.shards)} devices, have {jax.device_count()}: "
                 f"pass --devices {max(self.shards)} or fewer shards")
-        self.train_configs()  # every run's shapes are valid (width divisible by every p, ...)
+        self.run_configs()  # every run's shapes are valid (width divisible by every p, ...)
+
+    @property
+    def width(self) -> int:
+        return self.base.model.width
 
     def jobs(self) -> list[tuple[str, int, int | None]]:
         """(strategy, p, k) of every run: TP at each p, then phantom at each p and k."""
         jobs = [(TP_STRATEGY, p, None) for p in self.shards]
         return jobs + [("phantom", p, k) for p in self.shards for k in self.ghost_widths_for(p)]
 
-    def train_config(self, name: str, num_shards: int, ghost_width: int | None,
-                     seed: int) -> TrainConfig:
-        return TrainConfig(
-            name, width=self.width, depth=self.depth, num_shards=num_shards,
-            ghost_width=ghost_width, batch=self.batch, optimizer=self.optimizer,
-            learning_rate=self.learning_rate, max_steps=self.max_steps,
-            target_loss=self.target_loss, eval_every=self.eval_every, seed=seed)
+    def run_config(self, name: str, num_shards: int, ghost_width: int | None,
+                   seed: int) -> RunConfig:
+        base = self.base
+        return dataclasses.replace(
+            base, model=dataclasses.replace(base.model, ghost_width=ghost_width),
+            parallel=dataclasses.replace(base.parallel, strategy=name,
+                                         mesh=f"model={num_shards}"),
+            train=dataclasses.replace(base.train, seed=seed, out=None, progress=False,
+                                      eval_batches=1 << 30))
 
-    def train_configs(self) -> list[TrainConfig]:
-        return [self.train_config(name, p, k, seed) for name, p, k in self.jobs()
+    def run_configs(self) -> list[RunConfig]:
+        return [self.run_config(name, p, k, seed) for name, p, k in self.jobs()
                 for seed in self.seeds]
 
     def ghost_widths_for(self, num_shards: int) -> tuple[int, ...]:
         if self.ghost_widths == "auto":
             return (auto_ghost_width(self.width, num_shards),)
         return tuple(self.ghost_widths)
+
+    def to_json(self) -> dict:
+        return {"base": self.base.to_json(), "shards": list(self.shards),
+                "ghost_widths": self.ghost_widths if isinstance(self.ghost_widths, str)
+                else list(self.ghost_widths), "seeds": list(self.seeds),
+                "target_margin": self.target_margin, "train_size": self.train_size,
+                "eval_size": self.eval_size}
 
 
 def _check_list(name, values, minimum):
@@ -183,48 +194,54 @@ def gpu_meter_factory(log=print):
 
 def run_compare(config: CompareConfig, *, power: PowerModel = PowerModel(), progress: bool = True,
                 log=print, meter_factory=None) -> dict:
-    """Train every (strategy, p, k) for every seed and return ``{"config", "rows", ...}``.
+    """Train every (strategy, p, k) for every seed (:func:`jphantom.run.run`, the one training
+    loop) and return ``{"config", "rows", ...}``.
 
     ``meter_factory``: ``p -> meter`` (see :func:`gpu_meter_factory`); each run is metered over its
     training window and the row's energy is then ``"measured"`` (the model's figures stay in the
     row under ``*_modelled``). Without it the energy is modelled."""
+    from jphantom.run import check_memory, run
+
+    base = config.base
     teacher = Teacher(TeacherConfig(width=config.width, train_size=config.train_size,
-                                    eval_size=config.eval_size))
+                                    eval_size=config.eval_size), jnp.dtype(base.model.dtype))
     jobs = config.jobs()
     for name, p, k in jobs:  # refuse what cannot fit before anything is trained
-        check_memory(config.train_config(name, p, k, config.seeds[0]))
+        check_memory(config.run_config(name, p, k, config.seeds[0]))
     matmul_rate = measure_matmul_rate()
     runs = {}
     bar = tqdm(total=len(jobs) * len(config.seeds), desc="training", disable=not progress)
     for name, p, k in jobs:
         for seed in config.seeds:
-            result = train(config.train_config(name, p, k, seed), teacher,
-                           meter=meter_factory(p) if meter_factory else None)
+            result = run(config.run_config(name, p, k, seed), teacher=teacher,
+                         meter=meter_factory(p) if meter_factory else None)
             runs.setdefault((name, p, k), []).append(result)
             bar.update()
     bar.close()
 
-    if config.target_loss is None:
-        floor = max(min(r.eval_losses) for results in runs.values() for r in results)
+    curve = lambda r: (r["history"]["validation_step"], r["history"]["validation_loss"])
+    if base.train.target_loss is None:
+        floor = max(min(curve(r)[1]) for results in runs.values() for r in results)
         target = floor * (1 + config.target_margin)
     else:
-        target = config.target_loss
+        target = base.train.target_loss
 
     rows = []
     for (name, p, k), results in runs.items():
-        report = inspect_step(StepSpec(name, config.width, config.depth, config.batch, p, k))
-        iterations = [_first_reaching(r.eval_steps, r.eval_losses, target) for r in results]
+        report = inspect_step(config.run_config(name, p, k, config.seeds[0]))
+        iterations = [_first_reaching(*curve(r), target) for r in results]
         reached = [i for i in iterations if i is not None]
         mean_iterations = _mean_or_none(iterations)
         alpha = report["flops"] / matmul_rate
         beta = FRONTIER.step_time_us(report["collectives"], p) * 1e-6
         modelled_per_iteration = energy_per_iteration(alpha, beta, power, devices=p)
-        metered = [r.joules_per_step for r in results]
-        if all(j is not None for j in metered):
-            per_iteration, source = statistics.fmean(metered), "measured"
+        metered = [r.get("energy") for r in results]
+        if all(m is not None for m in metered):
+            per_iteration = statistics.fmean(m["joules_per_step"] for m in metered)
+            source = "measured"
         else:
             per_iteration, source = modelled_per_iteration, "modelled"
-        step_seconds = [s for r in results for s in r.step_seconds]
+        step_seconds = [s for r in results for s in r["step_seconds"]]
         rows.append({
             "strategy": name,
             "shards": p,
@@ -245,18 +262,18 @@ def run_compare(config: CompareConfig, *, power: PowerModel = PowerModel(), prog
             "energy_source": source,
             "energy_per_iteration_j_modelled": modelled_per_iteration,
             "energy_meter": None if source == "modelled" else {
-                "device_names": list(results[0].energy.device_names),
-                "mean_watts": statistics.fmean(r.energy.mean_watts for r in results),
-                "method": results[0].energy.method,  # "counter", "sampling" or "mixed"
-                "metered_steps": [r.metered_steps for r in results]},
+                "device_names": metered[0]["device_names"],
+                "mean_watts": statistics.fmean(m["mean_watts"] for m in metered),
+                "method": metered[0]["method"],  # "counter", "sampling" or "mixed"
+                "metered_steps": [m["metered_steps"] for m in metered]},
             "proxy_params_x_iterations": None if mean_iterations is None
             else report["params"] * mean_iterations,
-            "eval_curves": [{"steps": r.eval_steps, "losses": r.eval_losses} for r in results],
+            "eval_curves": [{"steps": curve(r)[0], "losses": curve(r)[1]} for r in results],
         })
     out = {
-        "config": dataclasses.asdict(config) | {"tp_strategy": TP_STRATEGY},
+        "config": config.to_json() | {"tp_strategy": TP_STRATEGY},
         "target_loss": target,
-        "target_rule": "given" if config.target_loss is not None else
+        "target_rule": "given" if base.train.target_loss is not None else
         f"max over runs of the best held-out loss x (1 + {config.target_margin})",
         "power_model": dataclasses.asdict(power),
         "comm_model": FRONTIER.name,

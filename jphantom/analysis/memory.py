@@ -7,16 +7,15 @@ adds up, per device:
 ===================  ========  ===================================================================
 entry                how       what
 ===================  ========  ===================================================================
-``parameters``       exact     the device's shards of every parameter (``abstract_params``: shapes
-                               and shardings only, nothing allocated)
+``parameters``       exact     the device's shards of every parameter (the step's abstract state:
+                               shapes and shardings only, nothing allocated)
 ``gradients``        exact     = parameters (jax materialises every gradient before the update)
-``optimizer_state``  exact     ``optimizer_states`` x parameters (0 SGD, 1 momentum, 2 Adam;
-                               scalar step counters left out)
+``optimizer_state``  exact     the optimizer state's shards (0 for SGD, two moments for Adam)
 ``batch``            exact     the device's shards of the inputs and targets
-``activations``      rough     ``depth x local batch x width`` elements: one full-width activation
-                               per layer and sample (what tensor-t1 saves for its backward; the
-                               other strategies save that or less). Compiler temporaries are not
-                               counted, so this is a lower bound of the real peak.
+``activations``      rough     :func:`activation_bytes`: the FFN's ``depth x local batch x width``
+                               elements, a language model's four hidden-wide vectors per block
+                               and token plus its logits. Compiler temporaries are not counted,
+                               so this is a lower bound of the real peak.
 ===================  ========  ===================================================================
 
 :func:`available_memory` is what a device can hold: ``jax.devices()[0].memory_stats()["bytes_limit"]``
@@ -35,7 +34,6 @@ import numpy as np
 
 from jphantom.errors import ConfigError
 
-OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}
 GIB = 2**30
 
 
@@ -47,27 +45,40 @@ def _device_bytes(abstract) -> int:
     return total
 
 
-def estimate_training_memory(program, mesh, model_config, *, batch: int,
-                             optimizer_states: int) -> dict[str, int]:
-    """Bytes per device of one training step of ``program`` on ``mesh`` (module docstring)."""
-    from jphantom.step import abstract_params
-
-    params = _device_bytes(abstract_params(program, mesh))
-    itemsize = np.dtype(model_config.dtype).itemsize
-    batch_shape = (batch, model_config.width)
-    batch_bytes = sum(_device_bytes(jax.ShapeDtypeStruct(batch_shape, model_config.dtype,
-                                                         sharding=s))
-                      for s in program.batch_shardings(mesh))
-    local_batch = batch // program.mesh.size("data")
+def estimate_training_memory(step, batch, *, activations: int) -> dict[str, int]:
+    """Bytes per device of one training step (module docstring): ``step`` a
+    :class:`jphantom.TrainStep` (its abstract state's shards: nothing allocated), ``batch`` the
+    batch's ``ShapeDtypeStruct``s with their shardings, ``activations`` the rough activation
+    bytes per device (:func:`activation_bytes`)."""
+    state = step.abstract_state()
+    params = _device_bytes(state.params)
     estimate = {
         "parameters": params,
         "gradients": params,
-        "optimizer_state": optimizer_states * params,
-        "batch": batch_bytes,
-        "activations": model_config.depth * local_batch * model_config.width * itemsize,
+        "optimizer_state": _device_bytes(state.opt_state),
+        "batch": _device_bytes(batch),
+        "activations": activations,
     }
     estimate["total"] = sum(estimate.values())
     return estimate
+
+
+def activation_bytes(config, program) -> int:
+    """A rough lower bound of the activations one device keeps for the backward: the FFN one
+    width-wide row per layer and sample of the data rank's batch (what tensor-t1 saves); a
+    language model four hidden-wide vectors per block and token (the block's input, its norms'
+    outputs, the attention's output) plus the logits of the rank's tokens."""
+    mesh = program.mesh
+    rows = config.train.batch // max(1, math.prod(mesh.size(a) for a in ("data", "expert", "z")))
+    itemsize = np.dtype(config.model.dtype).itemsize
+    if config.model.name == "ffn":
+        return config.model.depth * rows * config.model.width * itemsize
+    family = program.config
+    hidden = getattr(family, "hidden", config.model.hidden)
+    layers = getattr(family, "layers", config.model.layers)
+    vocab = getattr(family, "vocab_size", config.model.vocab)
+    tokens = rows * config.model.seq_len
+    return (4 * layers * tokens * hidden + tokens * vocab // max(1, mesh.size("model"))) * itemsize
 
 
 def _host_memory() -> int | None:
