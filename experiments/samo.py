@@ -1,8 +1,9 @@
 """SAMO's model-state memory and compressed all-reduce against seed 004's Eqs. 4.1-4.5.
 
-For the FFN (width 512, 4 layers, ``tensor`` with ``model=1`` on ``data=2``) pruned by magnitude to
-sparsity s in {0, 0.25, 0.5, 0.8, 0.9} (weight matrices; biases dense), this script builds SAMO's
-state (:mod:`jphantom.samo`, bf16 theta16), runs one step, and reports per device:
+For an MLP of ``nnx.Linear`` layers (width 512, 4 layers, ReLU; written here), on ``data=2``
+through ``jphantom.make_train_step(..., precision="bf16", samo=SamoConfig(s))``, pruned by
+magnitude to sparsity s in {0, 0.25, 0.5, 0.8, 0.9} (weight matrices; biases dense), this script
+builds SAMO's state (:mod:`jphantom.samo`, bf16 theta16), runs one step, and reports per device:
 
 - measured bytes between steps (theta16, the int32 index, the float32 master weights and Adam's
   two moments: from the arrays) against the formula's at-rest part 2 phi + 16 (1 - s) phi;
@@ -28,12 +29,32 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
 
-from jphantom import samo, strategies  # noqa: E402
+import jphantom  # noqa: E402
+from jphantom import samo  # noqa: E402
 from jphantom.analysis.hlo import collectives  # noqa: E402
-from jphantom.mesh import MeshConfig, first_devices  # noqa: E402
-from jphantom.models.ffn import FFNConfig  # noqa: E402
+from jphantom.mesh import first_devices, make_mesh  # noqa: E402
+
+
+class MLP(nnx.Module):
+    """``depth`` square ``nnx.Linear`` layers of ``width``, ReLU between them."""
+
+    def __init__(self, width: int, depth: int, seed: int = 0):
+        rngs = nnx.Rngs(seed)
+        self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(depth)])
+
+    def __call__(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x) if i == 0 else layer(jax.nn.relu(x))
+        return x
+
+
+def loss_fn(model, x, t):
+    return jnp.mean(jnp.square(model(x) - t))
 
 
 def main(argv=None) -> int:
@@ -42,28 +63,25 @@ def main(argv=None) -> int:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--out", default="experiments/results/samo")
     args = parser.parse_args(argv)
-    program = strategies.get("tensor").program(FFNConfig(args.width, args.depth),
-                                               MeshConfig.parse("data=2,model=1"))
-    mesh = program.mesh.build(first_devices(2))
+    mesh = make_mesh("data=2", first_devices(2))
     rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda a: (rng.standard_normal(a.shape) / np.sqrt(a.shape[-1]))
-                          .astype(np.float32), jax.eval_shape(program.init, jax.random.PRNGKey(0)))
-    batch = [jax.device_put(rng.standard_normal((64, args.width)).astype(np.float32), s)
-             for s in program.batch_shardings(mesh)]
+    x, t = (rng.standard_normal((64, args.width)).astype(np.float32) for _ in range(2))
+    model = MLP(args.width, args.depth)
+    params = nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[1])
     phi = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
     rows = []
     print(f"phi = {phi:,} parameters; bytes per device (MB)")
     print(f"{'s':>5}{'nnz/phi':>9}{'at rest':>10}{'formula':>10}{'ratio':>8}{'M(s)':>9}"
           f"{'20 phi':>9}{'saving':>8}{'all-reduce/phi':>16}")
     for sparsity in (0.0, 0.25, 0.5, 0.8, 0.9):
-        config = samo.SamoConfig(sparsity, "bfloat16")
+        step = jphantom.make_train_step(model, mesh, optax.adam(1e-3), loss_fn, precision="bf16",
+                                        samo=samo.SamoConfig(sparsity))
         masks = samo.magnitude_masks(params, sparsity)
-        state = samo.init(program, mesh, params, masks, config)
-        step = samo.make_step(program, mesh, config)
-        hlo = step.lower(state, *batch).compile().as_text()
-        state, _ = step(state, *batch)
+        state = step.init()  # the same magnitude masks, from the model's parameters
+        hlo = step.lower(state, x, t).compile().as_text()
+        state, _ = step(state, x, t)
         reduced = sum(int(np.prod(dims)) for c in collectives(hlo)
-                      if c.kind == "all-reduce" and c.mesh_axes({"data": 2, "model": 1}) == ("data",)
+                      if c.kind == "all-reduce" and c.mesh_axes({"data": 2}) == ("data",)
                       for _, dims in c.shapes if dims)
         nonzeros = sum(int(np.sum(m)) for m in jax.tree.leaves(masks))
         measured = samo.state_bytes(state)

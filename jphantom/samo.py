@@ -1,20 +1,33 @@
 """SAMO: sparsity-aware memory optimization for pruned models (seed 004 ch. 4, Singh & Bhatele,
-IPDPS'23), on the ``data`` axis of the one-shard_map step.
+IPDPS'23), an option of the module step on the ``data`` axis::
+
+    step = jphantom.make_train_step(model, mesh, optax.adam(1e-3), loss_fn, precision="bf16",
+                                    samo=SamoConfig(sparsity=0.9))
+    state = step.init()                  # magnitude-pruned; theta16 dense, the rest compressed
+    state, loss = step(state, x, t)
 
 For a model whose weights are pruned to a fraction f = 1 - s of nonzeros, SAMO keeps:
 
 - the compute weights theta16 **dense** (explicit zeros; dense GEMMs are faster than sparse ones
-  at these sparsities): 2 phi bytes in bf16;
-- the float32 master weights, Adam's two moments and the gradients **compressed**: only the f phi
-  nonzeros, as flat vectors sharing one int32 index vector per tensor (``index = flatnonzero``).
+  at these sparsities): 2 phi bytes in bf16 (the step's ``precision`` is theta16's dtype);
+- the float32 master weights, the optimizer's state (Adam's two moments) and the gradients
+  **compressed**: only the f phi nonzeros, as flat vectors sharing one int32 index vector per
+  tensor (``index = flatnonzero(mask)``).
 
-One step (:func:`make_step`), per data rank::
+One step (:func:`build`), inside one ``jax.jit``::
 
-    g16 = grad(loss)(theta16)                        # dense, compute dtype
-    g = g16.ravel()[index]                           # compress (f phi values)
-    g = psum(g, "data")                              # the all-reduce moves (1 - s) of the dense one
-    master, m, v = adam(g.astype(float32), ...)      # optax on the compressed vectors
+    def per_rank(theta16, index, *batch):                # inside one jax.shard_map over data
+        loss, g16 = value_and_grad(loss_fn)(theta16, *batch)   # dense, compute dtype
+        g = g16.ravel()[index]                           # compress (f phi values per rank)
+        g = psum(g, "data")                              # all-reduce: (1 - s) of the dense one
+        return psum(loss share), g
+    master, opt_state = optimizer.update(g.astype(float32), ...)   # optax on the global compressed
     theta16 = zeros(size).at[index].set(master.astype(compute)).reshape(shape)   # expand
+
+The optimizer runs after the ``shard_map`` on the global compressed vectors (a dict like the
+parameters, one flat vector of nonzeros per tensor): element-wise updates and global norms
+(``optax.clip_by_global_norm``) equal the masked dense model's; transformations that read a
+tensor's shape (Adafactor's factored moments, Muon) see flat vectors instead.
 
 Model-state bytes (Eqs. 4.1-4.5, phi = parameters before pruning): theta16 2 phi; master, m, v and
 the float32 gradient 4 f phi each; the compressed 16-bit gradient 2 f phi; the index 4 f phi; the
@@ -24,9 +37,10 @@ theta16 live between steps (:func:`state_bytes` measures them from the arrays); 
 and the copy exist inside the step. The gradient is compressed once the whole backward is done
 (XLA frees the dense one right after), not per layer as the paper does.
 
-Pure data parallelism (a mesh ``data=D``, ``model=1``) of any per-rank strategy's loss; the
-pruning mask is unstructured magnitude pruning of every weight matrix (``ndim >= 2``), biases and
-norms stay dense (their index covers them whole).
+Pure data parallelism: every mesh axis other than ``data`` has size 1, no ZeRO (SAMO's state is
+replicated over ``data``), no pipeline, ``spmd="shard_map"``; accumulation, remat and precision
+compose. The pruning mask is unstructured magnitude pruning of every weight with ``ndim >= 2``
+(:func:`magnitude_masks`); biases and norms stay dense (their index covers them whole).
 """
 
 from __future__ import annotations
@@ -43,52 +57,41 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jphantom.errors import ConfigError
-from jphantom.precision import Precision
 
 DATA_AXIS = "data"
 
 
 @dataclasses.dataclass(frozen=True)
 class SamoConfig:
-    """``sparsity``: fraction of each weight matrix pruned; ``compute``: theta16's dtype."""
+    """``sparsity`` (s): the fraction of each weight (``ndim >= 2``) pruned by magnitude."""
 
     sparsity: float = 0.9
-    compute: str = "bfloat16"
-    learning_rate: float = 1e-3
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
 
     def __post_init__(self):
-        if not 0.0 <= self.sparsity < 1.0:
+        if isinstance(self.sparsity, bool) or not isinstance(self.sparsity, (int, float)) \
+                or not 0.0 <= self.sparsity < 1.0:
             raise ConfigError(f"sparsity={self.sparsity!r} must be in [0, 1), e.g. 0.9")
-        if self.compute not in ("bfloat16", "float16", "float32"):
-            raise ConfigError(f"compute={self.compute!r}: use bfloat16, float16 or float32")
-        if not self.learning_rate > 0:
-            raise ConfigError(f"learning_rate={self.learning_rate!r} must be positive")
-
-    def optimizer(self) -> optax.GradientTransformation:
-        return optax.adam(self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps)
 
 
 @dataclasses.dataclass
 class SamoState:
-    """``theta``: dense compute weights; ``index``: per tensor the int32 flat indices of its
-    nonzeros; ``master``: float32 nonzeros; ``opt_state``: optax Adam state on ``master``."""
+    """What SAMO keeps between steps besides theta16 (``TrainState.params``), in
+    ``TrainState.opt_state``; each a dict like the parameters: ``index`` the int32 flat indices of
+    a tensor's nonzeros, ``master`` their values (the parameters' dtype, float32),
+    ``opt_state`` the optax state of ``master``."""
 
-    theta: Any
     index: Any
     master: Any
     opt_state: Any
 
 
-jax.tree_util.register_dataclass(SamoState, data_fields=["theta", "index", "master", "opt_state"],
+jax.tree_util.register_dataclass(SamoState, data_fields=["index", "master", "opt_state"],
                                  meta_fields=[])
 
 
 def magnitude_masks(params, sparsity: float):
-    """Host-side boolean masks: for each weight matrix (``ndim >= 2``) the largest-magnitude
-    (1 - sparsity) of its entries; other tensors dense."""
+    """Host-side boolean masks: for each weight (``ndim >= 2``) its largest-magnitude
+    (1 - sparsity) entries (ties to the first in row-major order); other tensors dense."""
     def mask(a):
         a = np.asarray(a)
         if a.ndim < 2 or sparsity == 0:
@@ -101,67 +104,110 @@ def magnitude_masks(params, sparsity: float):
     return jax.tree.map(mask, params)
 
 
-def _check_mesh(program) -> None:
-    extra = [n for n, s in program.mesh.axes if n != DATA_AXIS and s > 1]
-    if extra or not program.manual or DATA_AXIS not in program.mesh.shape:
-        raise ConfigError(f"SAMO runs on pure data parallelism of a per-rank strategy (mesh "
-                          f"'data=D' or 'data=D,model=1', strategy tensor or phantom); got "
-                          f"{program.strategy!r} on {program.mesh}")
+def check(config, mesh, *, zero: int, pipeline, spmd: str) -> SamoConfig:
+    """``config`` if SAMO composes with the step's other options, else a ``ConfigError`` naming
+    the fix."""
+    if not isinstance(config, SamoConfig):
+        raise ConfigError(f"samo= takes a jphantom.samo.SamoConfig, not {type(config).__name__}")
+    if pipeline is not None or "stage" in mesh.axis_names:
+        raise ConfigError("SAMO does not run under a pipeline: drop pipeline= and the 'stage' "
+                          "axis with samo=")
+    extra = {a: s for a, s in dict(mesh.shape).items() if a != DATA_AXIS and s > 1}
+    if extra:
+        raise ConfigError(f"SAMO runs on pure data parallelism: the mesh {dict(mesh.shape)} "
+                          f"splits {sorted(extra)} too; use a mesh 'data=D' (other axes of "
+                          "size 1)")
+    if zero:
+        raise ConfigError(f"SAMO keeps its compressed master weights and moments replicated over "
+                          f"'data'; zero={zero} (ZeRO) would shard them: use zero=0 with samo=")
+    if spmd != "shard_map":
+        raise ConfigError(f"SAMO compresses the gradient inside the shard_map, before the data "
+                          f"all-reduce; spmd={spmd!r} has none: use spmd='shard_map' with samo=")
+    return config
 
 
-def init(program, mesh, params, masks, config: SamoConfig) -> SamoState:
-    """SAMO's state for dense ``params`` (host or device) pruned by ``masks``, replicated over
-    ``data``."""
-    _check_mesh(program)
-    dtype = jnp.dtype(config.compute)
-    index = jax.tree.map(lambda m: np.flatnonzero(np.asarray(m).ravel()).astype(np.int32), masks)
-    master = jax.tree.map(lambda a, i: np.asarray(a, np.float32).ravel()[i], params, index)
-    theta = jax.tree.map(lambda a, m: np.where(m, np.asarray(a, np.float32), 0).astype(dtype),
-                         params, masks)
-    opt_state = config.optimizer().init(jax.tree.map(jnp.asarray, master))
-    replicated = NamedSharding(mesh, P())
-    return jax.device_put(SamoState(theta, index, master, opt_state), replicated)
+def init(step, params, masks=None) -> tuple[Any, SamoState]:
+    """``(theta16, SamoState)`` for ``step``'s dense ``params`` (a dict like
+    ``TrainState.params``) pruned by ``masks`` (default :func:`magnitude_masks` at the config's
+    sparsity), everything replicated over ``data``: theta16 ``where(mask, params, 0)`` in the
+    compute dtype, ``master`` the nonzeros in the parameters' dtype, the optimizer's state of
+    ``master``. The step wraps them in a ``TrainState``."""
+    host = jax.tree.map(np.asarray, jax.device_get(params))
+    if masks is None:
+        masks = magnitude_masks(host, step.samo.sparsity)
+    dtype = jnp.dtype(step.precision.compute)
+    index = jax.tree.map(lambda m: np.flatnonzero(np.asarray(m)).astype(np.int32), masks)
+    master = jax.tree.map(lambda a, i: a.ravel()[i], host, index)
+    theta = jax.tree.map(lambda a, m: np.where(m, a, 0).astype(dtype), host, masks)
+    replicated = NamedSharding(step.mesh, P())
+    theta = jax.device_put(theta, step.param_shardings())
+    index, master = jax.device_put((index, master), replicated)
+    opt_state = jax.jit(step.optimizer.init, out_shardings=replicated)(master)
+    return theta, SamoState(index, master, opt_state)
 
 
 def expand(master, index, shape, dtype):
     """theta16 of one tensor: the compressed 16-bit copy scattered into zeros."""
     size = int(np.prod(shape))
-    return jnp.zeros((size,), dtype).at[index].set(master.astype(dtype)).reshape(shape)
+    return jnp.zeros((size,), dtype).at[index].set(
+        master.astype(dtype), indices_are_sorted=True, unique_indices=True).reshape(shape)
 
 
-def make_step(program, mesh, config: SamoConfig):
-    """``step(state, *batch) -> (state, loss)``: one ``jax.jit`` of one ``jax.shard_map`` over the
-    data axis (module docstring), opened by :func:`jphantom.step.sharded`."""
-    _check_mesh(program)
-    from jphantom.step import loss_axes, sharded
+def build(step):
+    """``step(state, *batch) -> (state, loss)`` for SAMO: one ``jax.jit`` of one ``jax.shard_map``
+    over ``data`` and the update after it (module docstring). The backward is the module step's
+    own (precision, accumulation, remat, the loss averaged over the ranks it varies over)."""
+    vary = step._vary_axes()  # per leaf: the axes its gradient is summed over (data)
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, axes in enumerate(vary):
+        if axes:
+            groups.setdefault(axes, []).append(i)
 
-    optimizer = config.optimizer()
-    summed = loss_axes(program)
+    def per_rank(theta, index, *batch):
+        loss, grads = step._local_value_and_grad(list(theta), *batch)  # dense, compute dtype
+        compressed = [g.ravel().at[i].get(indices_are_sorted=True, unique_indices=True)
+                      for g, i in zip(grads, index)]  # [f phi] per tensor
+        for axes, members in groups.items():  # all-reduce of (1 - s) of the dense gradient
+            for i, g in zip(members, lax.psum([compressed[i] for i in members], axes)):
+                compressed[i] = g
+        return step._global(loss), compressed
 
-    def per_rank(state: SamoState, *batch):
-        theta = lax.pcast(state.theta, DATA_AXIS, to="varying")
-        batch = Precision(config.compute).cast(batch)  # activations in theta16's dtype too
-        loss, grads = jax.value_and_grad(program.loss)(theta, *batch)
-        compressed = jax.tree.map(lambda g, i: g.ravel()[i], grads, state.index)
-        compressed = lax.psum(compressed, DATA_AXIS)  # (1 - s) of the dense all-reduce
-        grads32 = jax.tree.map(lambda g: g.astype(jnp.float32), compressed)
-        updates, opt_state = optimizer.update(grads32, state.opt_state, state.master)
-        master = optax.apply_updates(state.master, updates)
-        theta = jax.tree.map(lambda m, i, t: expand(m, i, t.shape, t.dtype), master, state.index,
-                             state.theta)
-        return SamoState(theta, state.index, master, opt_state), lax.psum(loss, summed)
+    param_sh = step.param_shardings()
 
-    state_specs = P()  # everything replicated over data (a prefix spec for the whole state)
-    return sharded(per_rank, mesh, (state_specs, *program.batch_specs), (state_specs, P()))
+    def samo_step(state, *batch):
+        theta, samo = state.params, state.opt_state
+        specs_in = (tuple(step.param_specs), P(), *step._specs_of_batch(len(batch)))
+        fn = jax.shard_map(per_rank, mesh=step.mesh, in_specs=specs_in,
+                           out_specs=(P(), P()), check_vma=True)
+        loss, grads = fn(tuple(jax.tree.leaves(theta)), tuple(jax.tree.leaves(samo.index)),
+                         *batch)
+        grads = jax.tree.unflatten(jax.tree.structure(samo.master),
+                                   [g.astype(m.dtype) for g, m in
+                                    zip(grads, jax.tree.leaves(samo.master))])
+        updates, opt_state = step.optimizer.update(grads, samo.opt_state, samo.master)
+        master = optax.apply_updates(samo.master, updates)
+        theta = jax.tree.map(lambda m, i, t: expand(m, i, t.shape, t.dtype), master, samo.index,
+                             theta)
+        theta = lax.with_sharding_constraint(theta, param_sh)
+        samo = SamoState(samo.index, master, opt_state)
+        return state._replace(params=theta, opt_state=samo), loss
+
+    return jax.jit(samo_step, donate_argnums=(0,) if step.donate else ())
 
 
-def state_bytes(state: SamoState) -> dict[str, int]:
-    """Per-device bytes of what lives between steps, measured from the arrays."""
+def state_bytes(state) -> dict[str, int]:
+    """Per-device bytes of what lives between steps (a SAMO step's ``TrainState``), measured from
+    the arrays: theta16, the index, the master weights, Adam's moments (0 for another optimizer),
+    the whole optimizer state and the total."""
     def size(tree):
         return sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(tree))
-    moments = [s for s in state.opt_state if isinstance(s, optax.ScaleByAdamState)][0]
-    return {"theta": size(state.theta), "index": size(state.index), "master": size(state.master),
-            "moments": size((moments.mu, moments.nu)), "total": size(state)}
+    samo = state.opt_state
+    adam = [s for s in jax.tree.leaves(samo.opt_state,
+                                       is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
+            if isinstance(s, optax.ScaleByAdamState)]
+    return {"theta": size(state.params), "index": size(samo.index), "master": size(samo.master),
+            "moments": size([(s.mu, s.nu) for s in adam]), "optimizer": size(samo.opt_state),
+            "total": size(state)}
 
 
 def formula_bytes(phi: int, nonzeros: int) -> dict[str, float]:

@@ -49,6 +49,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jphantom import remat as remat_module
+from jphantom import samo as samo_module
 from jphantom.errors import ConfigError, check_int
 from jphantom.nn import metadata
 from jphantom.nn.stack import Stacked, set_remat
@@ -60,7 +61,8 @@ BATCH_AXES = ("data", "expert", "z")  # z: pmm3d's rows are split over it too
 
 class TrainState(NamedTuple):
     """What the step carries: ``params`` (a nested dict of the model's parameters, global arrays in
-    their shards, keyed by the model's attribute paths) and the optax state."""
+    their shards, keyed by the model's attribute paths) and the optax state (with ``samo=``: a
+    :class:`jphantom.samo.SamoState`, and ``params`` the dense theta16)."""
 
     params: Any
     opt_state: Any
@@ -232,7 +234,8 @@ class TrainStep:
                  loss_fn: Callable, *, zero: int = 0, accumulate: int = 1,
                  precision: str | Precision = "float32", remat: str = "none",
                  pipeline=None, spmd: str = "shard_map", donate: bool = True,
-                 batch_specs=None, communicate: bool = True):
+                 batch_specs=None, communicate: bool = True,
+                 samo: samo_module.SamoConfig | None = None):
         if not isinstance(model, nnx.Module):
             raise ConfigError(f"make_train_step takes an nnx.Module, not {type(model).__name__}")
         self.mesh = _check_mesh(mesh)
@@ -263,6 +266,8 @@ class TrainStep:
             raise ConfigError(f"spmd={spmd!r}: 'shard_map' (the parallel layers' own "
                               "collectives) or 'gspmd' (annotations, jit's collectives)")
         self.spmd = spmd
+        self.samo = None if samo is None else samo_module.check(  # SAMO (jphantom.samo)
+            samo, mesh, zero=zero, pipeline=pipeline, spmd=spmd)
         if spmd == "gspmd":
             parallel = [type(m).__name__ for _, m in nnx.iter_modules(model)
                         if callable(getattr(m, "dense_equivalent", None))]
@@ -492,6 +497,8 @@ class TrainStep:
             params = jax.device_put(params, self.param_shardings(), may_alias=False)  # model's
             if self._unit_order() is not None:  # interleaved stages: the storage order
                 params = jax.jit(self._reorder, out_shardings=self.param_shardings())(params)
+        if self.samo is not None:  # theta16 dense, master and optimizer state compressed
+            return TrainState(*samo_module.init(self, params))
         shape = jax.eval_shape(lambda p: p, params)
         opt_state = jax.jit(self.optimizer.init,
                             out_shardings=self._opt_shardings(shape))(params)
@@ -754,6 +761,8 @@ class TrainStep:
         return self._evaluate(metrics_fn)
 
     def _build(self):
+        if self.samo is not None:  # the gradient compressed before the data all-reduce
+            return samo_module.build(self)
         run = self.value_and_grad()
         param_sh = self.param_shardings()
 
@@ -817,7 +826,8 @@ def make_train_step(model: nnx.Module, mesh: Mesh, optimizer: optax.GradientTran
     ``batch_specs`` (the batch arrays' ``PartitionSpec``s: default, each split on its first
     dimension over the batch axes), ``communicate=False`` (measurement only, seed 001's
     breakdown: the step without its gradient and loss reductions; its values are not the
-    model's)."""
+    model's), ``samo`` (a :class:`~jphantom.samo.SamoConfig`: a magnitude-pruned model with
+    compressed master weights, optimizer state and gradient all-reduce, seed 004 ch. 4)."""
     return TrainStep(model, mesh, optimizer, loss_fn, **options)
 
 
