@@ -11,13 +11,13 @@ layout          strategy    communication per step (per GPU)
 ==============  ==========  ===============================================================
 pmm3d           pmm3d       Σ over the GPT's linear layers of Eq. 5.6 (Eqs. 5.1-5.5), the
                             tied LM head as one more normal layer (§1.4's layout)
-tensor          tensor      ``strategies.get("tensor").collective_inventory`` on
+tensor          tensor      ``program.collective_inventory(..., "tensor")`` on
                             data=D,model=T (Megatron's f/g all-reduces; seeds 002/003),
                             then the data all-reduce of the rank's parameters
 tensor + SP     tensor      the same with ``sequence_parallel=True`` (all-reduces become
                             reduce-scatter + all-gather pairs; seed 003)
 data            tensor      model=1: only the data all-reduce of all parameters
-phantom         phantom     ``strategies.get("phantom").collective_inventory`` (k ghosts per
+phantom         phantom     ``program.collective_inventory(..., "phantom")`` (k ghosts per
                             token all-gathered, reduced backward; seed 000) + data all-reduce
 pipeline 1F1B   tensor      stage=P,data=D (model=1): one point-to-point message of one
                             micro-batch's activations [S, h] per micro-batch forward and one
@@ -202,7 +202,7 @@ def _inventory(name: str, shape: GPTShape, data: int, model: int, batch_per_rank
                ghost_width: int | None, sequence_parallel: bool, repeats: int) -> list[Collective]:
     """A registry strategy's per-step collectives over ``model`` (each list entry one execution of
     one per-device result buffer of that many elements), ``repeats`` times (micro-batches)."""
-    from jphantom import strategies
+    from jphantom import program
     from jphantom.mesh import MeshConfig
     from jphantom.models.transformer import TransformerConfig
 
@@ -210,13 +210,13 @@ def _inventory(name: str, shape: GPTShape, data: int, model: int, batch_per_rank
                                hidden=shape.hidden, heads=shape.heads, layers=shape.layers,
                                ghost_width=ghost_width)
     options = {"sequence_parallel": True} if sequence_parallel else {}
-    inventory = strategies.get(name).collective_inventory(
-        config, MeshConfig.of({"data": data, "model": model}), batch_per_rank, **options)
+    inventory = program.collective_inventory(
+        config, name, MeshConfig.of({"data": data, "model": model}), batch_per_rank, **options)
     out = []
     for kind, sizes in inventory.items():
         for size in sorted(set(sizes)):
             out.append(Collective(kind, "model", model, size, repeats * sizes.count(size),
-                                  f"strategies.get({name!r}).collective_inventory"))
+                                  f"jphantom.program.collective_inventory({name!r})"))
     return out
 
 

@@ -133,6 +133,21 @@ def _built(key: RunConfig, steps: int) -> Built:
     return Built(program, mesh, step, step.loss(), metrics, step.batch_shardings(2))
 
 
+def check_memory(config: RunConfig) -> dict:
+    """The run's per-device memory estimate (:mod:`jphantom.analysis.memory`); raises
+    :class:`ConfigError` naming the largest term when it cannot fit, before anything is allocated
+    or compiled."""
+    from jphantom.analysis.inspect import abstract_batch
+    from jphantom.analysis.memory import activation_bytes, check_fits, estimate_training_memory
+
+    b = built(config)
+    estimate = estimate_training_memory(b.step, abstract_batch(config, b.program, b.step),
+                                        activations=activation_bytes(config, b.program))
+    check_fits(estimate, b.mesh, f"training {config.model.name} under "
+                                 f"{config.parallel.strategy} on mesh {b.program.mesh}")
+    return estimate
+
+
 def built(config: RunConfig) -> Built:
     """The program, mesh and step of ``config``, shared by the runs that differ only in their
     seed, outputs or length (the learning-rate schedule's length is part of the step)."""
@@ -157,6 +172,7 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
     out = Path(train.out) if train.out is not None else None
     start = time.perf_counter()
     b = built(config)
+    check_memory(config)
     program, mesh, step = b.program, b.mesh, b.step
     if _text_model(config):
         seq_len = getattr(program.config, "seq_len", config.model.seq_len)

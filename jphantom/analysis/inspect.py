@@ -154,6 +154,9 @@ def inspect_step(config: RunConfig, optimizer=None) -> dict:
     ``argument_bytes``, ``output_bytes``, ``alias_bytes``..., and from the shardings
     :func:`state_bytes`), compile time, and on a mesh with a ``stage`` axis ``pipeline``
     (schedule, micro-batches, virtual stages, stages)."""
+    from jphantom.run import check_memory
+
+    check_memory(config)  # refuse what cannot fit before compiling it
     program, mesh, step = build(config, optimizer)
     compiled, compile_seconds = _compile(config, program, step)
     found = normalise_collectives(collectives(compiled.as_text()))

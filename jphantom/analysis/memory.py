@@ -110,9 +110,17 @@ def check_fits(estimate: dict[str, int], mesh, what: str = "this training step")
     limit, source = available_memory(mesh)
     if limit is None or estimate["total"] <= limit:
         return
-    parts = ", ".join(f"{name} {value / GIB:.3g}" for name, value in estimate.items()
-                      if name != "total")
+    terms = {name: value for name, value in estimate.items() if name != "total"}
+    parts = ", ".join(f"{name} {value / GIB:.3g}" for name, value in terms.items())
+    largest = max(terms, key=terms.get)
+    fix = {"parameters": "more shards (a larger model axis), ZeRO-3 over data, or a smaller "
+                         "model",
+           "gradients": "ZeRO-2/3 over data, more shards, or a smaller model",
+           "optimizer_state": "ZeRO-1 or more over data, or SGD",
+           "batch": "a smaller batch or more data ranks",
+           "activations": "a smaller batch, more data ranks, --remat nothing_saveable or "
+                          "--accumulate N"}[largest]
     raise ConfigError(
         f"{what} needs about {estimate['total'] / GIB:.3g} GiB per device ({parts} GiB), more than "
-        f"the {limit / GIB:.3g} GiB available ({source}). Use a smaller width, depth or batch, "
-        "more shards, or a lighter optimizer.")
+        f"the {limit / GIB:.3g} GiB available ({source}); the largest term is {largest}: use "
+        f"{fix}.")

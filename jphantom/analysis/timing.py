@@ -12,18 +12,12 @@ import time
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import Mesh
 
-from jphantom import strategies
 from jphantom.analysis.hlo import collectives, summarize
 from jphantom.analysis.inspect import (compiled_memory, gemm_flops, normalise_collectives,
                                        xla_flops)
-from jphantom.analysis.memory import check_fits, estimate_training_memory
 from jphantom.mesh import mesh_config_of
-from jphantom.models.ffn import FFNConfig
-from jphantom.step import init_params, make_train_step
-from jphantom.train import init_optimizer_state
 
 
 class Runner:
@@ -33,7 +27,7 @@ class Runner:
         self.name = name
         self.compiled = compiled
         self.state = state
-        self.threads_state = threads_state  # a step: outputs (params, opt_state) feed the next call
+        self.threads_state = threads_state  # a step: its output TrainState feeds the next call
         self.flops_per_device = flops_per_device
         self.devices = devices
         self.times: list[float] = []
@@ -44,15 +38,14 @@ class Runner:
         jax.block_until_ready(out)
         elapsed = time.perf_counter() - start
         if self.threads_state:
-            params, opt_state, _ = out
-            self.state = (params, opt_state, *self.state[2:])
+            self.state = (out[0], *self.state[1:])
         return elapsed
 
 
 def build_step(name: str, mesh: Mesh, *, width: int, depth: int, ghost_width: int | None,
                batch: int, learning_rate: float, key: jax.Array, label: str | None = None):
     """Initialise (directly in the shards) and compile one strategy's float32 SGD training step
-    (:func:`jphantom.step.make_train_step`) on ``mesh`` (e.g. ``model=8`` or ``data=2,model=4``).
+    of seed 000's FFN on ``mesh`` (e.g. ``model=8`` or ``data=2,model=4``).
 
     Returns ``(Runner, report)``; the report has the parameter count, the per-device GEMM FLOPs
     (``inspect.gemm_flops``: loops counted by trip count; XLA's own count next to it), the
@@ -60,33 +53,34 @@ def build_step(name: str, mesh: Mesh, *, width: int, depth: int, ghost_width: in
     and mesh axes) and the compile time. Refuses (``ConfigError``) a step that cannot fit in the
     device memory, before allocating it.
     """
-    strategy = strategies.get(name)
-    mesh_config = mesh_config_of(mesh)
-    model = FFNConfig(width=width, depth=depth,
-                      ghost_width=ghost_width if strategy.family == "phantom" else None)
-    program = strategy.program(model, mesh_config)
-    check_fits(estimate_training_memory(program, mesh, model, batch=batch, optimizer_states=0),
-               mesh, f"the {name} step at width={width}, depth={depth}, batch={batch}")
-    k_params, k_x, k_y = jax.random.split(key, 3)
-    x_sharding, y_sharding = program.batch_shardings(mesh)
+    from jphantom.analysis.inspect import build
+    from jphantom.config import RunConfig
+    from jphantom.run import check_memory
+
+    config = RunConfig.from_flags(
+        model="ffn", strategy=name, mesh=str(mesh_config_of(mesh)), width=width, depth=depth,
+        ghost_width=ghost_width if name.startswith("phantom") else None, batch=batch,
+        optimizer="sgd", learning_rate=learning_rate, warmup_steps=0, out=None, progress=False)
+    check_memory(config)
+    program, mesh, step = build(config)
+    k_x, k_y = jax.random.split(key)
+    x_sharding, y_sharding = step.batch_shardings(2)
     x = jax.device_put(jax.random.normal(k_x, (batch, width), jnp.float32), x_sharding)
     y = jax.device_put(jax.random.normal(k_y, (batch, width), jnp.float32), y_sharding)
-    runner, report = build_program_step(program, mesh, (x, y), optax.sgd(learning_rate), k_params,
-                                        label=label or name)
+    runner, report = build_program_step(program, step, (x, y), label=label or name,
+                                        seed=int(jax.random.randint(key, (), 0, 2**30)))
     return runner, {"strategy": name, "batch": batch, **report}
 
 
-def build_program_step(program, mesh: Mesh, batch: tuple, optimizer, key: jax.Array, *,
-                       label: str):
-    """Initialise ``program``'s parameters in their shards and compile its training step on
-    ``batch`` (arrays already placed); returns ``(Runner, report)`` with the mesh, parameter count,
-    per-device GEMM FLOPs (loops by trip count), XLA's FLOPs, the HLO's collectives (bytes per
-    device, trip counts applied) and the compile time."""
-    params = init_params(program, mesh, key)
-    opt_state = init_optimizer_state(program, mesh, optimizer, params)
-    step = make_train_step(program, mesh, optimizer)
+def build_program_step(program, step, batch: tuple, *, label: str, seed: int = 0):
+    """Initialise ``program``'s parameters in their shards for ``step`` (a
+    :class:`jphantom.TrainStep`) and compile it on ``batch`` (arrays already placed); returns
+    ``(Runner, report)`` with the mesh, parameter count, per-device GEMM FLOPs (loops by trip
+    count), XLA's FLOPs, the HLO's collectives (bytes per device, trip counts applied) and the
+    compile time."""
+    state = program.init(step, seed=seed)
     start = time.perf_counter()
-    compiled = step.lower(params, opt_state, *batch).compile()
+    compiled = step.lower(state, *batch).compile()
     compile_seconds = time.perf_counter() - start
     found = normalise_collectives(collectives(compiled.as_text()))
     flops = gemm_flops(compiled)
@@ -102,7 +96,7 @@ def build_program_step(program, mesh: Mesh, batch: tuple, optimizer, key: jax.Ar
         "compile_seconds": compile_seconds,
         "memory": compiled_memory(compiled),
     }
-    runner = Runner(label, compiled, (params, opt_state, *batch), threads_state=True,
+    runner = Runner(label, compiled, (state, *batch), threads_state=True,
                     flops_per_device=flops, devices=devices)
     return runner, report
 
