@@ -640,11 +640,17 @@ def main(argv: list[str] | None = None) -> int:
             distributed.initialize_from_env()
         return args.handler(args)
     except ConfigError as error:
-        print(f"jphantom: error: {error}", file=sys.stderr)
+        print(f"jphantom: error: {_message(error)}", file=sys.stderr)
         return 2
     except TrainingDiverged as error:
-        print(f"jphantom: error: training diverged: {error}", file=sys.stderr)
+        print(f"jphantom: error: training diverged: {_message(error)}", file=sys.stderr)
         return 1
+
+
+def _message(error: Exception) -> str:
+    """The error's own words on one line (without what jax appends to errors raised while it
+    traces: a separator and a note on its filtered traceback)."""
+    return str(error).split("\n--------------------")[0].strip()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ section       fields
 """
 
 import dataclasses
+import functools
 import math
 import typing
 from pathlib import Path
@@ -345,6 +346,7 @@ class RunConfig:
         if phantom and self.model.ghost_width is None:
             raise ConfigError(f"--strategy {self.parallel.strategy} needs --ghost-width K (k "
                               "ghost neurons per rank, seed 000), e.g. 8")
+        self.build()  # every shape, axis and step option, before anything runs
 
     @classmethod
     def from_flags(cls, **flags) -> "RunConfig":
@@ -371,7 +373,7 @@ class RunConfig:
     def to_json(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
-    # -- what the run builds ---------------------------------------------------------------------
+    # -- what the run builds ----------------------------------------------------------------------
 
     def family_config(self):
         return self.model.family_config(self.parallel.strategy)
@@ -379,50 +381,109 @@ class RunConfig:
     def program(self):
         """The model under the strategy on the mesh (:func:`jphantom.program.build`): validates
         every shape against the mesh; builds nothing concrete."""
-        import jax
-
-        from jphantom import program
-
-        mesh = self.parallel.mesh_config()
-        if mesh.device_count > jax.device_count():
-            raise ConfigError(f"mesh {mesh} needs {mesh.device_count} devices but "
-                              f"{jax.device_count()} are available: pass --devices "
-                              f"{mesh.device_count} to simulate them on CPU, or a smaller mesh")
-        options = {"seed": self.train.seed}
-        if self.parallel.sequence_parallel:
-            options["sequence_parallel"] = True
-        if self.parallel.dtd:
-            options["dtd"] = True
-        if self.model.from_hf:
-            from jphantom.models import hf
-            options["model"] = hf.load(self.model.from_hf)
-        return program.build(self.family_config(), self.parallel.strategy, mesh, **options)
+        return self.build().program
 
     def pipeline(self, program=None):
         """The pipeline of a mesh with a ``stage`` axis (``None`` without one), validated, the
         per-data-rank batch checked against the micro-batches."""
-        from jphantom.pipeline.runner import pipeline_for
-
-        mesh = program.mesh if program is not None else self.parallel.mesh_config()
-        return pipeline_for(mesh, self.train.batch, schedule=self.parallel.schedule,
-                            microbatches=self.parallel.microbatches,
-                            virtual_stages=self.parallel.virtual_stages)
+        return _pipeline(self.parallel, self.train, program)
 
     def optimizer(self):
-        import optax
-
-        optimizer = self.train.optimizer_transform()
-        if self.step.clip_norm is not None:  # exact: the update sees the global gradients
-            optimizer = optax.chain(optax.clip_by_global_norm(self.step.clip_norm), optimizer)
-        return optimizer
+        return _optimizer(self.train, self.step)
 
     def train_step(self, program, mesh, optimizer=None):
         """The :class:`jphantom.TrainStep` of ``program`` on ``mesh`` with this run's step
         options (nothing compiled)."""
-        return program.train_step(mesh, optimizer or self.optimizer(), zero=self.step.zero,
-                                  accumulate=self.step.accumulate,
-                                  precision=self.step.precision, remat=self.step.step_remat,
-                                  pipeline=self.pipeline(program))
+        return _train_step(self, program, mesh, optimizer or self.optimizer())
+
+    def build(self) -> "Built":
+        """The program, jax mesh and step of this run (nothing compiled), shared by the runs
+        that differ only in their seed, outputs or stopping rule: every shape, axis and option
+        is checked here, before any data is read."""
+        train = dataclasses.replace(self.train, seed=0, target_loss=None, out=None,
+                                    checkpoint_dir=None, save_every=0, resume=False,
+                                    progress=False, save_hf=None, eval_every=1, eval_batches=1)
+        return _build(self.model, self.parallel, self.step, train)
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """What a run builds before it reads data: the program, the jax mesh, the step (a
+    :class:`jphantom.TrainStep`), its jitted evaluation functions and the batch shardings."""
+
+    program: object
+    mesh: object
+    step: object
+    loss: object
+    metrics: object | None
+    shardings: tuple
+
+
+def _pipeline(parallel: ParallelConfig, train: TrainConfig, program=None):
+    from jphantom.pipeline.runner import pipeline_for
+
+    mesh = program.mesh if program is not None else parallel.mesh_config()
+    return pipeline_for(mesh, train.batch, schedule=parallel.schedule,
+                        microbatches=parallel.microbatches,
+                        virtual_stages=parallel.virtual_stages)
+
+
+def _optimizer(train: TrainConfig, step: StepConfig):
+    import optax
+
+    optimizer = train.optimizer_transform()
+    if step.clip_norm is not None:  # exact: the update sees the global gradients
+        optimizer = optax.chain(optax.clip_by_global_norm(step.clip_norm), optimizer)
+    return optimizer
+
+
+def _train_step(config, program, mesh, optimizer):
+    return program.train_step(mesh, optimizer, zero=config.step.zero,
+                              accumulate=config.step.accumulate,
+                              precision=config.step.precision, remat=config.step.step_remat,
+                              pipeline=_pipeline(config.parallel, config.train, program))
+
+
+@functools.lru_cache(maxsize=16)
+def _build(model: ModelConfig, parallel: ParallelConfig, step: StepConfig,
+           train: TrainConfig) -> Built:
+    import jax
+
+    from jphantom import program as programs
+    from jphantom.mesh import first_devices
+
+    mesh_config = parallel.mesh_config()
+    if mesh_config.device_count > jax.device_count():
+        raise ConfigError(f"mesh {mesh_config} needs {mesh_config.device_count} devices but "
+                          f"{jax.device_count()} are available: pass --devices "
+                          f"{mesh_config.device_count} to simulate them on CPU, or a smaller "
+                          "mesh")
+    options = {}
+    if parallel.sequence_parallel:
+        options["sequence_parallel"] = True
+    if parallel.dtd:
+        options["dtd"] = True
+    if model.from_hf:
+        from jphantom.models import hf
+        options["model"] = hf.load(model.from_hf)
+    program = programs.build(model.family_config(parallel.strategy), parallel.strategy,
+                             mesh_config, **options)
+    mesh = program.mesh.build(first_devices(program.mesh.device_count))
+    config = _Sections(model, parallel, step, train)
+    train_step = _train_step(config, program, mesh, _optimizer(train, step))
+    metrics = None
+    if program.metrics_fn is not None and train_step.pipeline is None:
+        metrics = train_step.metrics(program.metrics_fn)
+    return Built(program, mesh, train_step, train_step.loss(), metrics,
+                 train_step.batch_shardings(2))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sections:
+    model: ModelConfig
+    parallel: ParallelConfig
+    step: StepConfig
+    train: TrainConfig
 
 
 def _read_json(path: Path) -> dict:

@@ -179,6 +179,10 @@ def check_lm_mesh(strategy: str, mesh: MeshConfig) -> MeshConfig:
             raise ConfigError(f"strategy {strategy!r} runs on the axes data, stage, z, y, x, not "
                               f"{extra}: drop them from the mesh ({mesh})")
         return MeshConfig.of({**dict(mesh.axes), **{a: mesh.size(a) for a in ("z", "y", "x")}})
+    grid = [a for a in ("x", "y", "z") if mesh.size(a) > 1]
+    if grid:
+        raise ConfigError(f"the mesh axes {grid} are pmm3d's (AxoNN's 3D matrix multiply): use "
+                          f"--strategy pmm3d, or put those devices on data or model ({mesh})")
     if "model" not in mesh.shape:
         return MeshConfig.of({**dict(mesh.axes), "model": 1})
     return mesh

@@ -17,14 +17,13 @@ initialisation). Into ``train.out`` (unless ``None``) it writes:
   parameters, for text the unigram cross-entropy and the ratio (nats/token), the pipeline and the
   step options.
 
-Runs that differ only in their seed share one compiled step (:func:`built`), as the seeds of a
-comparison do.
+Runs that differ only in their seed share one compiled step (:meth:`RunConfig.build`), as the
+seeds of a comparison do.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import statistics
@@ -99,59 +98,14 @@ class TeacherSource:
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Built:
-    """What a run needs besides its seed: the program, the jax mesh, the step, its evaluation
-    functions and the batch shardings."""
-
-    program: object
-    mesh: object
-    step: object
-    loss: object
-    metrics: object | None
-    shardings: tuple
-
-
-def _shape_key(config: RunConfig) -> RunConfig:
-    """``config`` with what does not change the compiled step normalised away."""
-    train = dataclasses.replace(config.train, seed=0, steps=1, target_loss=None, out=None,
-                                checkpoint_dir=None, save_every=0, resume=False, progress=False,
-                                save_hf=None, eval_every=1, eval_batches=1)
-    return dataclasses.replace(config, train=train)
-
-
-@functools.lru_cache(maxsize=8)
-def _built(key: RunConfig, steps: int) -> Built:
-    program = key.program()
-    mesh = program.mesh.build(first_devices(program.mesh.device_count))
-    optimizer = key.optimizer() if steps == key.train.steps else dataclasses.replace(
-        key, train=dataclasses.replace(key.train, steps=steps)).optimizer()
-    step = key.train_step(program, mesh, optimizer)
-    metrics = None
-    if program.metrics_fn is not None and step.pipeline is None:
-        metrics = step.metrics(program.metrics_fn)
-    return Built(program, mesh, step, step.loss(), metrics, step.batch_shardings(2))
-
-
 def check_memory(config: RunConfig) -> dict:
-    """The run's per-device memory estimate (:mod:`jphantom.analysis.memory`); raises
-    :class:`ConfigError` naming the largest term when it cannot fit, before anything is allocated
-    or compiled."""
-    from jphantom.analysis.inspect import abstract_batch
-    from jphantom.analysis.memory import activation_bytes, check_fits, estimate_training_memory
+    """The run's per-device memory estimate (:func:`jphantom.analysis.memory.check_run`); raises
+    :class:`ConfigError` naming the largest term when it cannot fit, before anything is
+    allocated or compiled."""
+    from jphantom.analysis.memory import check_run
 
-    b = built(config)
-    estimate = estimate_training_memory(b.step, abstract_batch(config, b.program, b.step),
-                                        activations=activation_bytes(config, b.program))
-    check_fits(estimate, b.mesh, f"training {config.model.name} under "
-                                 f"{config.parallel.strategy} on mesh {b.program.mesh}")
-    return estimate
-
-
-def built(config: RunConfig) -> Built:
-    """The program, mesh and step of ``config``, shared by the runs that differ only in their
-    seed, outputs or length (the learning-rate schedule's length is part of the step)."""
-    return _built(_shape_key(config), config.train.steps)
+    b = config.build()
+    return check_run(config, b.program, b.step)
 
 
 def _text_model(config: RunConfig) -> bool:
@@ -171,7 +125,7 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
     writer = jax.process_index() == 0 and train.out is not None  # process 0 alone writes
     out = Path(train.out) if train.out is not None else None
     start = time.perf_counter()
-    b = built(config)
+    b = config.build()
     check_memory(config)
     program, mesh, step = b.program, b.mesh, b.step
     if _text_model(config):

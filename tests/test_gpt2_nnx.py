@@ -73,16 +73,17 @@ def test_gpt2_module_under_megatron_sp_equals_one_device():
 def test_train_gpt2_module_from_and_to_a_hf_directory(tmp_path):
     """``jphantom train --model gpt2``: the NNX GPT-2 through the module step, started from a
     Hugging Face directory (--from-gpt2) and saved back (--save-gpt2)."""
-    from jphantom.run import RunConfig, run
+    from jphantom.config import RunConfig
+    from jphantom.run import run
 
     directory = write_hf(tmp_path / "m", random_tensors(seed=5, vocab=256),
                          config=hf_config(vocab_size=256))  # the byte corpus's vocabulary
-    results = run(RunConfig(model="gpt2", strategy="tensor", mesh="data=2,model=2",
+    results = run(RunConfig.from_flags(model="gpt2", strategy="tensor", mesh="data=2,model=2",
                             sequence_parallel=True, from_gpt2=str(directory),
                             save_gpt2=str(tmp_path / "out"), seq_len=16, batch=4, steps=2,
                             eval_every=2, eval_batches=1, out=str(tmp_path / "run"),
                             progress=False))
-    assert results["module"]["model"] == "gpt2" and np.isfinite(results["final_validation_loss"])
+    assert results["model"]["name"] == "gpt2" and np.isfinite(results["final_validation_loss"])
     assert isinstance(hf.load(tmp_path / "out"), gpt2_nnx.GPT2)
 
 

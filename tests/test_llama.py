@@ -186,13 +186,13 @@ def test_unsupported_checkpoints_are_refused_by_name(tmp_path):
 
 
 def _run_config(tmp_path, **overrides):
-    from jphantom.run import RunConfig
+    from jphantom.config import RunConfig
 
     settings = dict(model="llama", strategy="tensor", mesh="data=2,model=2", layers=2, hidden=32,
                     heads=4, kv_heads=2, seq_len=16, batch=4, steps=3, eval_every=3,
                     eval_batches=1, out=str(tmp_path / "run"), progress=False)
     settings.update(overrides)
-    return RunConfig(**settings)
+    return RunConfig.from_flags(**settings)
 
 
 def test_train_llama_writes_results_and_a_hf_checkpoint(tmp_path):
@@ -200,19 +200,19 @@ def test_train_llama_writes_results_and_a_hf_checkpoint(tmp_path):
 
     results = run(_run_config(tmp_path, save_hf=str(tmp_path / "hf"), clip_norm=1.0))
     assert np.isfinite(results["final_validation_loss"])
-    assert results["module"]["kv_heads"] == 2 and results["params"] > 0
+    assert results["model"]["kv_heads"] == 2 and results["params"] > 0
     again = hf.load(tmp_path / "hf")
     assert again.config.layers == 2 and again.config.hidden == 32
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"strategy": "tensor-t1"}, "runs the strategies"),
-    ({"strategy": "pmm3d"}, "runs on data, z, y, x"),
+    ({"strategy": "tensor-t1"}, "runs the models"),
+    ({"strategy": "pmm3d"}, "runs on the axes data, stage, z, y, x"),
     ({"mesh": "data=2,x=2"}, "pmm3d's"),
     ({"moe_every": 2}, "Mixtral"),
     ({"strategy": "phantom"}, "ghost-width"),
-    ({"mesh": "data=1,model=4"}, "kv_heads=2 is not divisible by model=4"),
-    ({"from_hf": "/nonexistent"}, "no config.json"),
+    ({"mesh": "data=1,model=4"}, "kv_heads=2 is not divisible by the 4 ranks"),
+    ({"from_hf": "/nonexistent"}, "config.json not found"),
     ({"kv_heads": 3}, "heads=4 is not a multiple of kv_heads=3"),
 ])
 def test_train_llama_refuses_bad_settings_before_building(tmp_path, overrides, message):
@@ -272,7 +272,7 @@ def test_train_llama_with_an_expert_axis(tmp_path):
 
     results = run(_run_config(tmp_path, mesh="expert=2,model=2", moe_every=1, experts=4,
                               steps=2, eval_every=2))
-    assert results["module"]["experts"] == 4 and np.isfinite(results["final_validation_loss"])
+    assert results["model"]["experts"] == 4 and np.isfinite(results["final_validation_loss"])
 
 
 def test_llama_gspmd_baseline_equals_one_device():

@@ -154,10 +154,10 @@ def inspect_step(config: RunConfig, optimizer=None) -> dict:
     ``argument_bytes``, ``output_bytes``, ``alias_bytes``..., and from the shardings
     :func:`state_bytes`), compile time, and on a mesh with a ``stage`` axis ``pipeline``
     (schedule, micro-batches, virtual stages, stages)."""
-    from jphantom.run import check_memory
+    from jphantom.analysis.memory import check_run
 
-    check_memory(config)  # refuse what cannot fit before compiling it
     program, mesh, step = build(config, optimizer)
+    check_run(config, program, step)  # refuse what cannot fit before compiling it
     compiled, compile_seconds = _compile(config, program, step)
     found = normalise_collectives(collectives(compiled.as_text()))
     axes = dict(mesh.shape)

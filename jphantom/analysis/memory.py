@@ -124,3 +124,15 @@ def check_fits(estimate: dict[str, int], mesh, what: str = "this training step")
         f"{what} needs about {estimate['total'] / GIB:.3g} GiB per device ({parts} GiB), more than "
         f"the {limit / GIB:.3g} GiB available ({source}); the largest term is {largest}: use "
         f"{fix}.")
+
+
+def check_run(config, program, step) -> dict[str, int]:
+    """The per-device memory estimate of ``config``'s run (its ``program`` and ``step``, nothing
+    allocated); raises :class:`ConfigError` naming the largest term when it cannot fit."""
+    from jphantom.analysis.inspect import abstract_batch
+
+    estimate = estimate_training_memory(step, abstract_batch(config, program, step),
+                                        activations=activation_bytes(config, program))
+    check_fits(estimate, step.mesh, f"training {config.model.name} under "
+                                    f"{config.parallel.strategy} on mesh {program.mesh}")
+    return estimate

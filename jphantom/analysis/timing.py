@@ -54,15 +54,15 @@ def build_step(name: str, mesh: Mesh, *, width: int, depth: int, ghost_width: in
     device memory, before allocating it.
     """
     from jphantom.analysis.inspect import build
+    from jphantom.analysis.memory import check_run
     from jphantom.config import RunConfig
-    from jphantom.run import check_memory
 
     config = RunConfig.from_flags(
         model="ffn", strategy=name, mesh=str(mesh_config_of(mesh)), width=width, depth=depth,
         ghost_width=ghost_width if name.startswith("phantom") else None, batch=batch,
         optimizer="sgd", learning_rate=learning_rate, warmup_steps=0, out=None, progress=False)
-    check_memory(config)
     program, mesh, step = build(config)
+    check_run(config, program, step)
     k_x, k_y = jax.random.split(key)
     x_sharding, y_sharding = step.batch_shardings(2)
     x = jax.device_put(jax.random.normal(k_x, (batch, width), jnp.float32), x_sharding)
