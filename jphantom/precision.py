@@ -5,16 +5,21 @@ inside the step the policy casts the parameters and the floating inputs to the c
 before the forward, so every matmul and activation runs in it, and autodiff casts the gradients
 back to float32 before the reduction and the update (Micikevicius et al. 2018; seed 001 Sec. 1.2).
 Losses reduce in at least float32 (the FFN's squared error and the transformer's cross-entropy
-promote). ``float16`` scales the loss by a static factor before differentiating and unscales the
-gradients after, so that small gradients do not flush to zero.
+promote). ``float16`` scales the loss before differentiating and unscales the gradients after, so
+that small gradients do not flush to zero, with *dynamic* loss scaling (Micikevicius et al. 2018;
+Megatron-LM's and ``jmp``'s): the scale starts at 2^15, a step whose gradients are not all finite
+is skipped (parameters and optimizer state unchanged) and halves the scale (never below 1), and
+every ``period`` finite steps in a row double it. The scale lives in the optimizer state
+(:class:`LossScaleState`, :func:`dynamic_loss_scale` wraps the optimizer), so checkpoints keep
+it.
 
-=========  ===============  ==========  ==============
+=========  ===============  ==========  ======================
 name       compute          master      loss scale
-=========  ===============  ==========  ==============
+=========  ===============  ==========  ======================
 float32    float32          float32     1
 bf16       bfloat16         float32     1
-float16    float16          float32     2^12 (static)
-=========  ===============  ==========  ==============
+float16    float16          float32     dynamic, from 2^15
+=========  ===============  ==========  ======================
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from typing import Any, NamedTuple
+
+import optax
 
 from jphantom.errors import ConfigError
 
@@ -34,7 +43,9 @@ class Precision:
     """``compute``: the dtype of the forward and backward; ``loss_scale``: the static factor."""
 
     compute: str = "float32"
-    loss_scale: float = 1.0
+    loss_scale: float = 1.0  # the static scale, or the dynamic scale's start
+    dynamic: bool = False
+    period: int = 2000  # finite steps in a row before the dynamic scale doubles
 
     def __post_init__(self):
         if self.compute not in ("float32", "bfloat16", "float16", "float64"):
@@ -51,7 +62,7 @@ class Precision:
         if name == "bf16":
             return cls("bfloat16")
         if name == "float16":
-            return cls("float16", 2.0 ** 12)
+            return cls("float16", 2.0 ** 15, dynamic=True)
         raise ConfigError(f"precision={name!r}: use one of {', '.join(NAMES)}")
 
     @property
@@ -65,3 +76,40 @@ class Precision:
         dtype = jnp.dtype(self.compute)
         return jax.tree.map(
             lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+class LossScaleState(NamedTuple):
+    """The dynamic loss scale and the wrapped optimizer's state."""
+
+    scale: jax.Array  # float32 scalar
+    good_steps: jax.Array  # int32 scalar: finite steps since the scale last changed
+    inner: Any
+
+
+def dynamic_loss_scale(inner: optax.GradientTransformation, *, initial: float = 2.0 ** 15,
+                       period: int = 2000, factor: float = 2.0,
+                       minimum: float = 1.0) -> optax.GradientTransformation:
+    """``inner`` with dynamic loss scaling (module docstring): the update of gradients that are
+    not all finite is zero and leaves ``inner``'s state as it was; the scale halves then, and
+    doubles after ``period`` finite steps in a row. The step scales the loss by
+    ``state.scale`` and hands the update unscaled gradients."""
+
+    def init(params):
+        return LossScaleState(jnp.asarray(initial, jnp.float32), jnp.zeros((), jnp.int32),
+                              inner.init(params))
+
+    def update(grads, state, params=None):
+        finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+        safe = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
+        updates, inner_state = inner.update(safe, state.inner, params)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
+        good = jnp.where(finite, state.good_steps + 1, 0)
+        grow = good >= period
+        scale = jnp.where(finite, jnp.where(grow, state.scale * factor, state.scale),
+                          jnp.maximum(state.scale / factor, minimum))
+        return updates, LossScaleState(scale.astype(jnp.float32),
+                                       jnp.where(grow, 0, good).astype(jnp.int32),
+                                       keep(inner_state, state.inner))
+
+    return optax.GradientTransformation(init, update)

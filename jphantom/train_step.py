@@ -282,6 +282,10 @@ class TrainStep:
         if self.pipeline is not None:
             self._pipeline_layout(model)
         self.model_template = model
+        if self.precision.dynamic:  # the scale lives in the optimizer state (checkpointed)
+            from jphantom.precision import dynamic_loss_scale
+            optimizer = dynamic_loss_scale(optimizer, initial=self.precision.loss_scale,
+                                           period=self.precision.period)
         self.optimizer, self.loss_fn = optimizer, loss_fn
         layout = self.layout
         self.param_specs = layout.zero_specs() if zero == 3 else layout.specs
@@ -311,9 +315,6 @@ class TrainStep:
         pipeline = pipeline if pipeline is not None else PipelineConfig(microbatches=stages)
         if not isinstance(pipeline, PipelineConfig):
             raise ConfigError("pipeline must be a jphantom.pipeline.runner.PipelineConfig")
-        if self.precision.loss_scale != 1.0:
-            raise ConfigError("loss scaling (float16) inside a pipeline is not implemented: "
-                              "use bf16")
         if self.accumulate != 1:
             raise ConfigError("a pipeline accumulates through its micro-batches: leave "
                               "accumulate out and set PipelineConfig(microbatches=...)")
@@ -390,7 +391,8 @@ class TrainStep:
             leaves[i] = leaves[i][index]
         return self._pure(leaves)
 
-    def _pipeline_value_and_grad(self, leaves, inputs, targets, *, train: bool = True):
+    def _pipeline_value_and_grad(self, leaves, inputs, targets, *, train: bool = True,
+                                 scale=1.0):
         """The model cut at its :class:`Stacked` and run by the pipeline executor
         (:func:`jphantom.pipeline.runner.run`: GPipe, 1F1B or interleaved 1F1B, its own
         backward): the part of ``loss_fn`` before the blocks on the first stage, the blocks'
@@ -436,7 +438,7 @@ class TrainStep:
             model = model_with(rest, Feed(lambda: out))
             loss = jnp.asarray(loss_fn(model, dummy_inputs, targets_mb))
             loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
-            return self._mean_share(loss, exclude=("stage",))[0] / microbatches
+            return self._mean_share(loss, exclude=("stage",))[0] / microbatches * scale
 
         stages = runner.Stages(units=stacked_module.layers, unit_name="layers", split=None,
                                join=None, first=first, body=body, last=last)
@@ -583,21 +585,25 @@ class TrainStep:
         loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
         return self._mean_share(loss)[0]  # this rank's share of the global mean
 
-    def _local_value_and_grad(self, leaves, *batch):
-        precision = self.precision
+    def _local_value_and_grad(self, leaves, *batch, scale=None):
+        """This rank's loss share and gradients, before the reductions. ``scale``: the loss
+        scale (a traced scalar under dynamic loss scaling; default the precision's)."""
         vary = self._vary_axes()
+        scale = self.precision.loss_scale if scale is None else scale
 
         def loss_of(leaves, *batch):
-            return self._loss_share(self._model(leaves, train=True), batch) * (
-                precision.loss_scale)
+            return self._loss_share(self._model(leaves, train=True), batch) * scale
+
+        def unscaled(loss, grads, like):  # in float32 (or wider) before the master's dtype
+            return loss / scale, [(g.astype(jnp.promote_types(g.dtype, jnp.float32)) / scale
+                                   ).astype(x.dtype) for g, x in zip(grads, like)]
 
         def one(leaves, *batch):
             # each rank its own copy of what it holds replicated: the gradient w.r.t. the copy
             # is this rank's part, summed once after the backward (_per_rank)
             varied = _group_by(leaves, vary, lambda xs, axes: lax.pcast(xs, axes, to="varying"))
             loss, grads = jax.value_and_grad(loss_of)(varied, *batch)
-            scale = precision.loss_scale
-            return loss / scale, [(g / scale).astype(x.dtype) for g, x in zip(grads, leaves)]
+            return unscaled(loss, grads, leaves)
 
         if self.pipeline is not None:
             if len(batch) != 2:
@@ -609,10 +615,10 @@ class TrainStep:
                 varied, scatter = jax.vjp(
                     lambda xs: [zero_module.gather(x, d, invariant=False)
                                 for x, d in zip(xs, dims)], varied)
-                loss, grads = self._pipeline_value_and_grad(varied, *batch)
+                loss, grads = self._pipeline_value_and_grad(varied, *batch, scale=scale)
                 (grads,) = scatter(grads)
-                return loss, grads
-            return self._pipeline_value_and_grad(varied, *batch)
+                return unscaled(loss, grads, leaves)
+            return unscaled(*self._pipeline_value_and_grad(varied, *batch, scale=scale), leaves)
         if self.accumulate == 1:
             return one(leaves, *batch)
         n = self.accumulate
@@ -623,8 +629,8 @@ class TrainStep:
                                     jax.tree.map(_zeros_of, first), micro)
         return jax.tree.map(lambda a: a / n, (loss, grads))
 
-    def _per_rank(self, leaves, *batch):
-        loss, grads = self._local_value_and_grad(list(leaves), *batch)
+    def _per_rank(self, leaves, *batch, scale=None):
+        loss, grads = self._local_value_and_grad(list(leaves), *batch, scale=scale)
         if not self.communicate:  # seed 001's t_compute: the step without its reductions
             return loss, grads
         dims = self.layout.zero_dims
@@ -667,8 +673,8 @@ class TrainStep:
         if self.spmd == "gspmd":
             grad_sh = self._shardings(self.grad_specs)
 
-            def run_gspmd(params, *batch):
-                scale = self.precision.loss_scale
+            def run_gspmd(params, *batch, scale=None):
+                scale = self.precision.loss_scale if scale is None else scale
                 loss, grads = jax.value_and_grad(
                     lambda p: self._gspmd_loss(p, *batch) * scale)(params)
                 grads = jax.tree.map(lambda g, p: (g / scale).astype(p.dtype), grads, params)
@@ -676,10 +682,17 @@ class TrainStep:
 
             return run_gspmd
 
-        def run(params, *batch):
+        def run(params, *batch, scale=None):
             leaves = jax.tree.leaves(params)
             specs_in = (tuple(self.param_specs), *self._specs_of_batch(len(batch)))
-            fn = jax.shard_map(self._per_rank, mesh=self.mesh, in_specs=specs_in,
+            if scale is None:
+                per_rank = self._per_rank
+            else:  # the dynamic loss scale, replicated
+                specs_in = (*specs_in, P())
+                per_rank = lambda leaves, *args: self._per_rank(leaves, *args[:-1],
+                                                                scale=args[-1])
+                batch = (*batch, scale)
+            fn = jax.shard_map(per_rank, mesh=self.mesh, in_specs=specs_in,
                                out_specs=(P(), list(self.grad_specs)),
                                check_vma=self.communicate)
             loss, grads = fn(tuple(leaves), *batch)
@@ -766,8 +779,11 @@ class TrainStep:
         run = self.value_and_grad()
         param_sh = self.param_shardings()
 
+        dynamic = self.precision.dynamic
+
         def step(state: TrainState, *batch):
-            loss, grads = run(state.params, *batch)
+            scale = state.opt_state.scale if dynamic else None
+            loss, grads = run(state.params, *batch, scale=scale)
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             params = jax.lax.with_sharding_constraint(params, param_sh)
