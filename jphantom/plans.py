@@ -420,9 +420,11 @@ def phantom(model: nnx.Module, ghost_width: int = 8) -> dict[str, Style]:
         if isinstance(module, (nnx.Embed, *NORMS, Experts)):
             plan[path] = layer
         elif isinstance(module, nnx.Linear):
-            if _name(path_tuple) in ROUTERS:
+            name = _name(path_tuple)
+            if name in ROUTERS:
                 plan[path] = Style("row")
-            elif vocab is not None and module.out_features == vocab:
+            elif (vocab is not None and module.out_features == vocab
+                  and name not in COLUMN | ROW):  # the LM head, not an MLP as wide as V
                 plan[path] = Style("phantom", ghost_width=ghost_width, vocab_output=True)
             else:
                 plan[path] = layer

@@ -1,0 +1,368 @@
+"""This code against a previous version of jphantom, side by side in one run: every layout of
+``make bench`` timed in two worker processes, one importing this tree and one a previous commit
+(default: the last commit before the move to Flax NNX), alternating step by step.
+
+Why two processes: two versions of one package cannot share an interpreter. The driver starts a
+worker per version (same interpreter, same 8 simulated CPU devices, ``PYTHONPATH`` pointing at the
+version's sources, extracted with ``git archive``); each worker builds and compiles every case
+once, then the driver asks them in turn for one timed step of one case (``--steps`` rounds after
+``--warmup``, the order of the two versions alternating each round), so that load from anything
+else on the machine hits both alike. Only one worker runs at a time.
+
+Each case is a layout ``make bench`` measures, at the benchmark's default sizes:
+``phantom_vs_tp`` (FFN n=4096, L=2, model=8: phantom k=16, tensor-t1, tensor, gspmd),
+``transformer_strategies`` (GPT-2 L=4, h=512, S=128, B=16 on data=2,model=4: tensor, tensor + SP,
+phantom k=8, gspmd), ``zero_stages`` (FFN n=1024, L=8, B=256 under tensor on data=8: ZeRO 0-3),
+``moe`` (GPT-2 with top-1 MoE every 2nd block, E=8, on expert=8, and dense on data=8) and ``pmm3d``
+(GPT-2 on data=4,x=2 and tensor on data=8). Reported: median step time of each version, their
+ratio (this / previous; the issue's target: no case above 1.05), and the compiled step's
+collective bytes per device of each (they should agree).
+
+Usage::
+
+    python benchmarks/versus_previous.py                    # every case, 10 rounds
+    python benchmarks/versus_previous.py --quick            # tiny sizes, a smoke run
+    python benchmarks/versus_previous.py --previous HEAD~5  # another version
+
+Results: ``<out>/results.json`` and ``<out>/versus_previous.png`` (default
+``benchmarks/results/versus_previous/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "versus_previous"
+PREVIOUS = "ddcea8b"  # the last commit whose built-in models are the functional programs
+TARGET = 1.05
+
+
+def cases(quick: bool) -> list[dict]:
+    """The layouts of ``make bench`` (module docstring); ``quick``: tiny shapes."""
+    ffn = dict(model="ffn", width=256 if quick else 4096, depth=2, batch=64 if quick else 256,
+               optimizer="sgd")
+    gpt = dict(model="gpt2", layers=1 if quick else 4, hidden=64 if quick else 512, heads=8,
+               seq_len=16 if quick else 128, batch=4 if quick else 16, optimizer="adamw")
+    zero = dict(model="ffn", width=64 if quick else 1024, depth=2 if quick else 8,
+                batch=64 if quick else 256, optimizer="adamw")
+    moe = dict(model="gpt2", layers=2 if quick else 4, hidden=32 if quick else 256, heads=4,
+               seq_len=16 if quick else 128, batch=16 if quick else 32, optimizer="adamw")
+    pmm = dict(model="gpt2", layers=2 if quick else 4, hidden=32 if quick else 256, heads=8,
+               seq_len=16 if quick else 128, batch=16 if quick else 32, optimizer="adamw")
+    out = [
+        {**ffn, "bench": "phantom_vs_tp", "strategy": "phantom", "mesh": "model=8",
+         "ghost_width": 4 if quick else 16},
+        {**ffn, "bench": "phantom_vs_tp", "strategy": "tensor-t1", "mesh": "model=8"},
+        {**ffn, "bench": "phantom_vs_tp", "strategy": "tensor", "mesh": "model=8"},
+        {**ffn, "bench": "phantom_vs_tp", "strategy": "gspmd", "mesh": "model=8"},
+        {**gpt, "bench": "transformer_strategies", "strategy": "tensor", "mesh": "data=2,model=4"},
+        {**gpt, "bench": "transformer_strategies", "strategy": "tensor", "mesh": "data=2,model=4",
+         "sequence_parallel": True},
+        {**gpt, "bench": "transformer_strategies", "strategy": "phantom", "mesh": "data=2,model=4",
+         "ghost_width": 2 if quick else 8},
+        {**gpt, "bench": "transformer_strategies", "strategy": "gspmd", "mesh": "data=2,model=4"},
+        *({**zero, "bench": "zero_stages", "strategy": "tensor", "mesh": "data=8,model=1",
+           "zero": z} for z in (0, 1, 2, 3)),
+        {**moe, "bench": "moe", "strategy": "tensor", "mesh": "expert=8,model=1", "moe_every": 2,
+         "experts": 8, "top_k": 1, "capacity_factor": 1.25},
+        {**moe, "bench": "moe", "strategy": "tensor", "mesh": "data=8,model=1"},
+        {**pmm, "bench": "pmm3d", "strategy": "pmm3d", "mesh": "data=4,z=1,y=1,x=2"},
+        {**pmm, "bench": "pmm3d", "strategy": "tensor", "mesh": "data=8,model=1"},
+    ]
+    return out
+
+
+def label(case: dict) -> str:
+    extra = "".join(f" {k}={case[k]}" for k in ("zero", "moe_every", "ghost_width")
+                    if case.get(k)) + (" +SP" if case.get("sequence_parallel") else "")
+    return f"{case['bench']}: {case['model']} {case['strategy']} {case['mesh']}{extra}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Worker: one version of jphantom, commands on stdin, JSON answers on stdout
+# --------------------------------------------------------------------------------------------------
+
+
+def _batch(case, shardings):
+    import jax
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    if case["model"] == "ffn":
+        shape = (case["batch"], case["width"])
+        arrays = [rng.standard_normal(shape).astype(np.float32) for _ in range(2)]
+    else:
+        shape = (case["batch"], case["seq_len"])
+        arrays = [rng.integers(0, 256, shape).astype(np.int32) for _ in range(2)]
+    return tuple(jax.device_put(a, s) for a, s in zip(arrays, shardings))
+
+
+def _optimizer(name):
+    import optax
+
+    return optax.sgd(1e-4) if name == "sgd" else optax.adamw(1e-4)
+
+
+def _build_new(case):
+    """This tree's API: one RunConfig, its program and TrainStep."""
+    from jphantom.config import RunConfig
+
+    flags = {k: v for k, v in case.items() if k not in ("bench",)}
+    flags.update(vocab=256, out=None, progress=False, warmup_steps=0, learning_rate=1e-4)
+    config = RunConfig.from_flags(**flags)
+    built = config.build()
+    state = built.program.init(built.step)
+    batch = _batch(case, built.shardings)
+    compiled = built.step.lower(state, *batch).compile()
+
+    def run(state):
+        state, loss = compiled(state, *batch)
+        return state, loss
+
+    return compiled, state, run
+
+
+def _build_old(case):
+    """The functional programs' API (jphantom.strategies, jphantom.step)."""
+    import jax
+
+    from jphantom import strategies
+    from jphantom.mesh import MeshConfig, first_devices
+    from jphantom.step import init_params, make_train_step
+    from jphantom.train import init_optimizer_state
+
+    strategy = strategies.get(case["strategy"])
+    phantom = strategy.family == "phantom"
+    if case["model"] == "ffn":
+        from jphantom.models.ffn import FFNConfig
+        config = FFNConfig(case["width"], case["depth"], case.get("ghost_width"))
+    else:
+        from jphantom.models.transformer import TransformerConfig, moe_fields
+        config = TransformerConfig(
+            vocab_size=256, seq_len=case["seq_len"], hidden=case["hidden"], heads=case["heads"],
+            layers=case["layers"], ghost_width=case.get("ghost_width"), tied_head=not phantom,
+            **moe_fields(case.get("moe_every", 0), case.get("experts", 8), case.get("top_k", 2),
+                         case.get("capacity_factor", 1.25), False))
+    options = {"zero": case.get("zero", 0)}
+    if case.get("sequence_parallel"):
+        options["sequence_parallel"] = True
+    program = strategy.program(config, MeshConfig.parse(case["mesh"]), **options)
+    mesh = program.mesh.build(first_devices(program.mesh.device_count))
+    optimizer = _optimizer(case["optimizer"])
+    params = init_params(program, mesh, jax.random.PRNGKey(0))
+    opt_state = (init_optimizer_state(program, mesh, optimizer, params) if program.manual
+                 else optimizer.init(params))
+    batch = _batch(case, program.batch_shardings(mesh))
+    step = make_train_step(program, mesh, optimizer)
+    compiled = step.lower(params, opt_state, *batch).compile()
+
+    def run(state):
+        params, opt_state, loss = compiled(*state, *batch)
+        return (params, opt_state), loss
+
+    return compiled, (params, opt_state), run
+
+
+def worker() -> int:
+    # this version's sources first, whatever an editable install of another maps "jphantom" to
+    root = os.environ["JPHANTOM_SOURCE"]
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+    sys.path.insert(0, root)
+    import jax
+
+    import jphantom
+
+    if not str(Path(jphantom.__file__).resolve()).startswith(str(Path(root).resolve())):
+        raise SystemExit(f"jphantom imported from {jphantom.__file__}, not {root}")
+
+    from jphantom.analysis.hlo import collectives
+
+    new = _has("jphantom.config")
+    built = {}
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["do"] == "exit":
+            return 0
+        key = command["case"]
+        try:
+            if command["do"] == "build":
+                case = json.loads(key)
+                start = time.perf_counter()
+                compiled, state, run = (_build_new if new else _build_old)(case)
+                seconds = time.perf_counter() - start
+                found = [c for c in collectives(compiled.as_text()) if not c.trivial]
+                built[key] = [state, run]
+                state, loss = run(state)  # one untimed step
+                jax.block_until_ready(loss)
+                built[key][0] = state
+                answer = {"build_seconds": seconds,
+                          "collective_bytes": sum(c.total_bytes for c in found)}
+            else:
+                state, run = built[key]
+                start = time.perf_counter()
+                state, loss = run(state)
+                jax.block_until_ready((state, loss))
+                answer = {"seconds": time.perf_counter() - start}
+                built[key][0] = state
+        except Exception as error:  # reported, the driver decides
+            answer = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
+        print(json.dumps(answer), flush=True)
+    return 0
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+# --------------------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------------------
+
+
+class Version:
+    def __init__(self, name: str, source: Path, devices: int):
+        env = dict(os.environ, PYTHONPATH=str(source), JAX_PLATFORMS="cpu",
+                   JPHANTOM_SOURCE=str(source),
+                   XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+        self.name = name
+        self.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--worker"], cwd=str(source),
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(self, **command) -> dict:
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.name} worker exited")
+        return json.loads(line)
+
+    def close(self):
+        try:
+            self.ask(do="exit")
+        except (RuntimeError, BrokenPipeError):
+            pass
+        self.process.wait(timeout=60)
+
+
+def _extract(ref: str, into: Path) -> Path:
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--previous", default=PREVIOUS,
+                        help=f"the git revision to compare with (default {PREVIOUS})")
+    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (8)")
+    parser.add_argument("--steps", type=int, default=10, help="timed rounds (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds (default 2)")
+    parser.add_argument("--only", default=None, help="run the cases whose label contains this")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes, 2 rounds; results go to a scratch folder")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup = 2, 1
+        if args.out == DEFAULT_OUT:
+            args.out = Path(tempfile.mkdtemp(prefix="jphantom-versus-previous-"))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.worker:
+        return worker()
+    todo = [c for c in cases(args.quick) if args.only is None or args.only in label(c)]
+    with tempfile.TemporaryDirectory(prefix="jphantom-previous-") as scratch:
+        previous = _extract(args.previous, Path(scratch))
+        versions = [Version("this", ROOT, args.devices), Version("previous", previous,
+                                                                 args.devices)]
+        try:
+            rows = []
+            for case in todo:
+                key = json.dumps(case, sort_keys=True)
+                row = {"case": label(case), **case}
+                built = {v.name: v.ask(do="build", case=key) for v in versions}
+                row.update({f"{name}_build": answer for name, answer in built.items()})
+                if any("error" in a for a in built.values()):
+                    rows.append(row)
+                    print(f"{label(case):<70} skipped: {built}", flush=True)
+                    continue
+                times = {v.name: [] for v in versions}
+                for round_index in range(args.warmup + args.steps):
+                    order = versions if round_index % 2 == 0 else versions[::-1]
+                    for v in order:
+                        answer = v.ask(do="time", case=key)
+                        if round_index >= args.warmup:
+                            times[v.name].append(answer["seconds"])
+                medians = {name: statistics.median(t) for name, t in times.items()}
+                row.update(this_seconds=medians["this"], previous_seconds=medians["previous"],
+                           ratio=medians["this"] / medians["previous"], times=times)
+                rows.append(row)
+                print(f"{label(case):<70} this {medians['this'] * 1e3:8.2f} ms  previous "
+                      f"{medians['previous'] * 1e3:8.2f} ms  ratio {row['ratio']:.3f}  bytes "
+                      f"{built['this']['collective_bytes']:,} / "
+                      f"{built['previous']['collective_bytes']:,}", flush=True)
+        finally:
+            for v in versions:
+                v.close()
+    measured = [r["ratio"] for r in rows if "ratio" in r]
+    result = {"previous": args.previous, "this": _head(), "devices": args.devices,
+              "steps": args.steps, "warmup": args.warmup, "target_ratio": TARGET,
+              "worst_ratio": max(measured) if measured else None,
+              "geometric_mean_ratio": statistics.geometric_mean(measured) if measured else None,
+              "platform": platform.platform(), "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(result, indent=2))
+    _plot(rows, args.out / "versus_previous.png")
+    if measured:
+        print(f"worst ratio {max(measured):.3f}, geometric mean "
+              f"{result['geometric_mean_ratio']:.3f} (target <= {TARGET}: "
+              f"{'met' if max(measured) <= TARGET else 'missed'}); wrote {args.out}")
+    return 0
+
+
+def _head() -> str:
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip()
+
+
+def _plot(rows, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured = [r for r in rows if "ratio" in r]
+    if not measured:
+        return
+    figure, axes = plt.subplots(figsize=(8, 0.35 * len(measured) + 1.5))
+    axes.barh([r["case"] for r in measured], [r["ratio"] for r in measured], color="tab:blue")
+    axes.axvline(1.0, color="grey", lw=1)
+    axes.axvline(TARGET, color="tab:red", ls="--", lw=1, label=f"target {TARGET}")
+    axes.set_xlabel("step time: this / previous")
+    axes.invert_yaxis()
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
