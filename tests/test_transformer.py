@@ -243,3 +243,15 @@ def test_sequence_parallelism_needs_a_divisible_sequence_and_the_tensor_strategy
         programs.build(_config("tensor", seq_len=6), "tensor", "model=4", sequence_parallel=True)
     with pytest.raises(ConfigError, match="sequence_parallel applies"):
         programs.build(_config("phantom"), "phantom", "model=4", sequence_parallel=True)
+
+
+def test_phantom_plan_finds_the_head_when_the_mlp_is_as_wide_as_the_vocabulary():
+    """plans.phantom tells the LM head by its place, not only by its V outputs: an MLP of width
+    4h = V stays a feature-split phantom layer (it once became a second vocabulary head)."""
+    from jphantom.models.gpt2_nnx import GPT2
+
+    config = _config("phantom", vocab_size=64, hidden=16)  # 4h = 64 = V
+    model = nnx.eval_shape(lambda: GPT2(config, rngs=nnx.Rngs(0)))
+    plan = plans.phantom(model, ghost_width=2)
+    assert not plan["blocks.block.mlp.up"].vocab_output
+    assert plan["head"].vocab_output
