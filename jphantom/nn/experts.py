@@ -63,16 +63,8 @@ def top_k_gates(logits: jax.Array, top_k: int, *, renormalise: bool = True) -> j
     return jnp.einsum("...k,...ke->...e", weights, one_hot)
 
 
-def _activate(activation: str, x, w):
-    """The hidden layer of every expert: ``x`` [E', N, h] -> [E', N, f]."""
-    dtype = jnp.result_type(x, w["w_up"])
-    x = x.astype(dtype)
-
-    def project(name):
-        y = jnp.einsum("enh,ehf->enf", x, w["w_" + name].astype(dtype))
-        bias = w.get("b_" + name)
-        return y if bias is None else y + bias.astype(dtype)[:, None, :]
-
+def _hidden(project, activation: str):
+    """The experts' hidden layer from ``project(name)`` = x W_name (+ b_name)."""
     if activation == "swiglu":
         return jax.nn.silu(project("gate")) * project("up")
     return jax.nn.gelu(project("up"), approximate=True)
@@ -83,12 +75,20 @@ def expert_ffn(rows: jax.Array, weights: dict, activation: str, reduce=None) -> 
     ``w_up``, ``w_down`` (and ``w_gate``, ``b_*``) of E' experts. ``reduce`` sums the partial
     outputs of tensor-parallel experts (f split over ranks) before ``b_down``; it may also
     scatter them (N' < N, duplicate token dropping)."""
-    hidden = _activate(activation, rows, weights)
-    out = jnp.einsum("enf,efh->enh", hidden, weights["w_down"].astype(hidden.dtype))
+    dtype = jnp.result_type(rows, weights["w_up"])
+    rows = rows.astype(dtype)
+
+    def project(name):
+        y = jnp.einsum("enh,ehf->enf", rows, weights["w_" + name].astype(dtype))
+        bias = weights.get("b_" + name)
+        return y if bias is None else y + bias.astype(dtype)[:, None, :]
+
+    out = jnp.einsum("enf,efh->enh", _hidden(project, activation),
+                     weights["w_down"].astype(dtype))
     if reduce is not None:
         out = reduce(out)
     bias = weights.get("b_down")
-    return out if bias is None else out + bias.astype(out.dtype)[:, None, :]
+    return out if bias is None else out + bias.astype(dtype)[:, None, :]
 
 
 def grouped_ffn(rows: jax.Array, sizes: jax.Array, weights: dict, activation: str,
@@ -96,9 +96,8 @@ def grouped_ffn(rows: jax.Array, sizes: jax.Array, weights: dict, activation: st
     """Rows [N, h] sorted by expert (``sizes`` [E'] of them each, the rest padding) through their
     experts with grouped matmuls (``lax.ragged_dot``): [N, h], padding rows zero. ``reduce`` as
     in :func:`expert_ffn`."""
-    experts = sizes.shape[0]
     group = jnp.clip(jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(rows.shape[0]),
-                                      side="right"), 0, experts - 1)
+                                      side="right"), 0, sizes.shape[0] - 1)
     dtype = jnp.result_type(rows, weights["w_up"])
     rows = rows.astype(dtype)
 
@@ -107,11 +106,7 @@ def grouped_ffn(rows: jax.Array, sizes: jax.Array, weights: dict, activation: st
         bias = weights.get("b_" + name)
         return y if bias is None else y + bias.astype(dtype)[group]
 
-    if activation == "swiglu":
-        hidden = jax.nn.silu(project("gate")) * project("up")
-    else:
-        hidden = jax.nn.gelu(project("up"), approximate=True)
-    out = lax.ragged_dot(hidden, weights["w_down"].astype(dtype), sizes)
+    out = lax.ragged_dot(_hidden(project, activation), weights["w_down"].astype(dtype), sizes)
     if reduce is not None:
         out = reduce(out)
     bias = weights.get("b_down")
