@@ -44,7 +44,7 @@ def _batch(seed=1):
 
 
 def _random(params, seed=7):
-    """Numpy random values of ``params``' shapes (no jax compilation): weights N(0, 1/n) (n the
+    """Numpy random values of ``params``' shapes (arrays or ShapeDtypeStructs) (no jax compilation): weights N(0, 1/n) (n the
     last dimension: decisive routing, varied gates), biases N(0, 0.01), norm scales 1 + N(0, 0.01).
     Phantom's own decompressor slot gets a random value too, which must have no effect."""
     rng = np.random.default_rng(seed)
@@ -57,7 +57,7 @@ def _random(params, seed=7):
         scale = 0.1 if name == "bias" or name.startswith("b_") else 1.0 / np.sqrt(leaf.shape[-1])
         return (scale * noise).astype(leaf.dtype)
 
-    return jax.tree_util.tree_map_with_path(fill, jax.device_get(params))
+    return jax.tree_util.tree_map_with_path(fill, params)
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,7 +68,7 @@ def _built(strategy, mesh_text, dtd=False, kw=()):
     require_devices(program.mesh.device_count)
     mesh = program.mesh.build(first_devices(program.mesh.device_count))
     step = program.train_step(mesh, optax.sgd(0.1), donate=False)
-    host = _random(program.init(step).params)
+    host = _random(jax.eval_shape(lambda: program.init(step)).params)
     return program, mesh, step, host, jax.device_put(host, step.param_shardings())
 
 
@@ -155,19 +155,22 @@ def test_moe_transformer_equals_the_single_device_model(strategy, mesh, dtd, kw)
     _check(strategy, mesh, dtd, **kw)
 
 
+@functools.lru_cache(maxsize=None)
 def _step_collectives(mesh_text, dtd=False, remat="none"):
-    """Collectives of the compiled training step (two MoE blocks), by (kind, mesh axes, elements).
-    A fresh program per remat policy: the step sets the policy on the model it is given."""
-    _, mesh, base, _, placed = _built("tensor", mesh_text, dtd, (("layers", 4),))
+    """Collectives of the compiled training step (two MoE blocks), by (kind, mesh axes, elements),
+    lowered for abstract parameters in their shards. A fresh program per remat policy: the step
+    sets the policy on the model it is given."""
     program = programs.build(_config(layers=4), "tensor", mesh_text, dtd=dtd)
+    require_devices(program.mesh.device_count)
+    mesh = program.mesh.build(first_devices(program.mesh.device_count))
     step = program.train_step(mesh, optax.sgd(0.1), donate=False, remat=remat)
-    state = jphantom.TrainState(placed, optax.sgd(0.1).init(placed))
+    state = jax.eval_shape(lambda: program.init(step))
     tokens = jax.ShapeDtypeStruct((BATCH, SEQ), np.int32)
     text = step.lower(state, tokens, tokens).compile().as_text()
     found = Counter()
     for op in collectives(text):
         found[op.kind, op.mesh_axes(dict(mesh.shape)), op.elements] += op.count
-    return found, base, mesh
+    return found, step, mesh
 
 
 def _local_elements(step, mesh, expert):
