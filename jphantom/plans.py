@@ -26,11 +26,16 @@ each kind of Flax layer (p = the size of ``axis``):
                (``Style("phantom", ghost_width=k, vocab_output=True)`` for the LM head);
                ``nnx.Embed`` -> :class:`~jphantom.nn.phantom_layers.FeatureParallelEmbed`; norms ->
                :class:`~jphantom.nn.phantom_layers.FeatureParallelNorm`; ``Experts`` ->
-               :class:`~jphantom.nn.tensor.TensorParallelExperts` on feature-split streams
+               :class:`~jphantom.nn.tensor.TensorParallelExperts` on feature-split streams;
+               ``SwitchMoE`` -> :class:`~jphantom.nn.expert.PhantomMoE` (phantom experts)
 ``experts``    :class:`~jphantom.nn.experts.Experts` ->
                :class:`~jphantom.nn.tensor.TensorParallelExperts` (FFN width / p); on a mesh
                with an ``expert`` axis :class:`~jphantom.nn.expert.ExpertParallelExperts`
-               (E / G experts per rank, all-to-all dispatch; TED: width / p over ``axis``)
+               (E / G experts per rank, all-to-all dispatch; TED: width / p over ``axis``);
+               a routed :class:`~jphantom.nn.experts.SwitchMoE` ->
+               :class:`~jphantom.nn.expert.ExpertParallelMoE` (E / G experts per rank over
+               ``expert``, TED over ``axis``; ``Style("experts", dtd=True)``: duplicate token
+               dropping), its load-balancing statistics summed over the batch axes
 ``replicate``  unchanged: every rank holds the whole layer
 =============  ==========================================================================
 
@@ -52,13 +57,14 @@ from flax import nnx
 
 from jphantom.errors import ConfigError
 from jphantom.nn import experts as experts_module
-from jphantom.nn.experts import Experts
+from jphantom.nn.experts import Experts, SwitchMoE
 from jphantom.nn import expert as expert_layers
 from jphantom.nn import phantom as phantom_layers
 from jphantom.nn import pmm3d as pmm3d_layers
 from jphantom.nn import tensor
 
 EXPERT_AXIS = "expert"
+BATCH_AXES = ("data", "expert", "z")  # the training step's: their ranks hold other tokens
 STYLES = ("column", "row", "vocab", "input", "sequence", "phantom", "experts", "pmm3d",
           "replicate")
 AXIS_STYLES = ("column", "row", "vocab", "input", "sequence", "phantom", "experts")
@@ -74,8 +80,12 @@ class Style:
     ghost_width: int | None = None
     vocab_output: bool = False
     role: str | None = None  # pmm3d: "normal" (in over y, out over x) or "transposed"
+    dtd: bool = False  # experts (a SwitchMoE): duplicate token dropping
 
     def __post_init__(self):
+        if self.dtd and self.name != "experts":
+            raise ConfigError(f"dtd (duplicate token dropping) belongs to the 'experts' style, "
+                              f"not {self.name!r}")
         if self.name not in STYLES:
             raise ConfigError(f"style {self.name!r}: use one of {', '.join(STYLES)}")
         if self.name not in ("phantom", "pmm3d") and (self.ghost_width is not None
@@ -135,6 +145,10 @@ def _convert(path: str, module, style: Style, *, axis: str, p: int, sequence_par
     embed = isinstance(module, nnx.Embed)
     norm = isinstance(module, NORMS)
     experts = isinstance(module, experts_module.Experts)
+    if isinstance(module, SwitchMoE) and name in ("experts", "phantom"):
+        return _convert_moe(path, module, style, axis=axis, p=p,
+                            sequence_parallel=sequence_parallel, ghost_width=ghost_width,
+                            fused=fused, shape=shape)
     if name in ("column", "vocab") and linear:
         _divides(path, "out_features", module.out_features, p, axis)
         cls = tensor.ColumnParallelLinear if name == "column" else tensor.VocabParallelHead
@@ -217,9 +231,44 @@ def _convert(path: str, module, style: Style, *, axis: str, p: int, sequence_par
             "sequence": "nnx.LayerNorm, nnx.RMSNorm or a position nnx.Embed",
             "input": "nnx.LayerNorm or nnx.RMSNorm",
             "phantom": "nnx.Linear, nnx.Embed, nnx.LayerNorm, nnx.RMSNorm or Experts",
-            "experts": "jphantom.nn.Experts",
+            "experts": "jphantom.nn.Experts or a SwitchMoE",
             "pmm3d": "nnx.Linear, nnx.Embed, nnx.LayerNorm or nnx.RMSNorm"}[name]
     raise ConfigError(f"{path}: style {name!r} does not fit {kind}; it applies to {fits}")
+
+
+def _convert_moe(path: str, moe: SwitchMoE, style: Style, *, axis: str, p: int,
+                 sequence_parallel: bool, ghost_width: int | None, fused: bool, shape: dict):
+    """A routed mixture of experts under ``experts`` (expert parallelism, TED, DTD) or
+    ``phantom`` (phantom-parallel experts)."""
+    config = moe.config
+    groups = shape.get(EXPERT_AXIS, 1)
+    if config.experts % groups:
+        raise ConfigError(f"{path}: experts={config.experts} is not divisible by the expert axis "
+                          f"size {groups}: every rank holds E / G whole experts")
+    if sequence_parallel:
+        raise ConfigError(f"{path}: the MoE routes the replicated stream; sequence parallelism "
+                          "with MoE blocks is not implemented: leave one of them out")
+    expert_axis = EXPERT_AXIS if groups > 1 else None
+    batch_axes = tuple(a for a in BATCH_AXES if a in shape)
+    if style.name == "phantom":
+        k = style.ghost_width if style.ghost_width is not None else ghost_width
+        if k is None:
+            raise ConfigError(f"{path}: style 'phantom' needs a ghost width: "
+                              "Style('phantom', ghost_width=8)")
+        phantom_layers.check_ghost_width(k, path)
+        _divides(path, "hidden", config.hidden, p, axis)
+        _divides(path, "expert width", config.width, p, axis)
+        return expert_layers.PhantomMoE.from_module(
+            moe, ghost_width=k, num_shards=p, axis=axis, fused=fused, expert_axis=expert_axis,
+            batch_axes=batch_axes)
+    _divides(path, "expert width", config.width, p, axis)
+    if style.dtd and p == 1:
+        raise ConfigError(f"{path}: dtd (duplicate token dropping) splits the capacity buffers "
+                          f"over the {axis!r} axis, which has size 1 here: add {axis}=2 or more, "
+                          "or leave dtd out")
+    return expert_layers.ExpertParallelMoE.from_module(
+        moe, expert_axis=expert_axis, model_axis=axis if p > 1 else None, dtd=style.dtd,
+        batch_axes=batch_axes)
 
 
 def _set(model, path: tuple, new) -> None:
@@ -361,10 +410,19 @@ COLUMN = frozenset({"q", "k", "v", "qkv", "c_attn", "q_proj", "k_proj", "v_proj"
 ROW = frozenset({"o", "o_proj", "out", "out_proj", "down", "down_proj", "w2", "fc2", "c_proj",
                  "wo", "attn_out", "mlp_down", "fc_out"})
 ROUTERS = frozenset({"router", "gate"})
+# the norm before a block's MLP: when that MLP is a routed mixture of experts (SwitchMoE) it stays
+# replicated under Megatron, so that the router runs on the replicated stream and TED's f acts on
+# the dispatched buffers (seed 004 ch. 7)
+MLP_NORMS = frozenset({"ln_2", "post_attention_layernorm", "ffn_norm", "norm2"})
 
 
 def _walk(model: nnx.Module):
+    """The model's modules (those inside a SwitchMoE left out: the MoE is one plan entry), its
+    embeddings and its vocabulary size."""
     modules = modules_by_path(model)
+    moes = [path for path, (_, m) in modules.items() if isinstance(m, SwitchMoE)]
+    modules = {path: entry for path, entry in modules.items()
+               if not any(path.startswith(moe + ".") for moe in moes)}
     embeds = {path: m for path, (_, m) in modules.items() if isinstance(m, nnx.Embed)}
     vocab = max((m.num_embeddings for m in embeds.values()), default=None)
     return modules, embeds, vocab
@@ -374,18 +432,32 @@ def _name(path_tuple) -> str:
     return str(path_tuple[-1])
 
 
-def megatron(model: nnx.Module, *, sequence_parallel: bool = False) -> dict[str, str]:
+def megatron(model: nnx.Module, *, sequence_parallel: bool = False,
+             dtd: bool = False) -> dict[str, str | Style]:
     """Megatron tensor parallelism (seed 002): q/k/v and up/gate column-parallel, attention output
     and down row-parallel, embedding and head vocabulary-parallel, experts split over their width,
     routers replicated, norms ``input`` (f once for the layers they feed: pre-norm blocks);
-    ``sequence_parallel`` (seed 003): norms and position tables ``sequence``."""
+    ``sequence_parallel`` (seed 003): norms and position tables ``sequence``. A routed mixture of
+    experts (:class:`~jphantom.nn.experts.SwitchMoE`) is ``experts`` (over ``expert`` and TED;
+    ``dtd``: duplicate token dropping) and the norm before it (:data:`MLP_NORMS`) ``replicate``."""
     modules, embeds, vocab = _walk(model)
-    plan: dict[str, str] = {}
+    moe_blocks = {path_tuple[:-1] for path_tuple, module in modules.values()
+                  if isinstance(module, SwitchMoE)}
+    if dtd and not moe_blocks:
+        raise ConfigError("dtd (duplicate token dropping) applies to routed MoE layers "
+                          "(SwitchMoE, e.g. GPT-2 with moe_every); the model has none: leave "
+                          "dtd out")
+    plan: dict[str, str | Style] = {}
     for path, (path_tuple, module) in modules.items():
         name = _name(path_tuple)
-        if isinstance(module, nnx.Embed):
+        if isinstance(module, SwitchMoE):
+            plan[path] = Style("experts", dtd=dtd)
+        elif isinstance(module, nnx.Embed):
             plan[path] = ("vocab" if module.num_embeddings == vocab
                           else "sequence" if sequence_parallel else "replicate")
+        elif (isinstance(module, NORMS) and path_tuple[:-1] in moe_blocks and name in MLP_NORMS
+              and not sequence_parallel):
+            plan[path] = "replicate"  # the MoE routes the replicated stream
         elif isinstance(module, NORMS):  # pre-norm blocks: every norm feeds column layers
             plan[path] = "sequence" if sequence_parallel else "input"
         elif isinstance(module, Experts):
@@ -417,7 +489,7 @@ def phantom(model: nnx.Module, ghost_width: int = 8) -> dict[str, Style]:
     layer = Style("phantom", ghost_width=ghost_width)
     plan: dict[str, Style] = {}
     for path, (path_tuple, module) in modules.items():
-        if isinstance(module, (nnx.Embed, *NORMS, Experts)):
+        if isinstance(module, (nnx.Embed, *NORMS, Experts, SwitchMoE)):
             plan[path] = layer
         elif isinstance(module, nnx.Linear):
             name = _name(path_tuple)
@@ -443,7 +515,7 @@ def pmm3d(model: nnx.Module) -> dict[str, Style]:
             plan[path] = Style("pmm3d", vocab_output=module.num_embeddings == vocab)
         elif isinstance(module, NORMS):
             plan[path] = Style("pmm3d")
-        elif isinstance(module, Experts) or name in ROUTERS:
+        elif isinstance(module, (Experts, SwitchMoE)) or name in ROUTERS:
             raise ConfigError(f"plans.pmm3d: {path} is part of a mixture of experts, which pmm3d "
                               "does not split; use plans.megatron with an expert axis")
         elif isinstance(module, nnx.Linear):

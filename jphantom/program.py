@@ -189,8 +189,9 @@ def check_lm_mesh(strategy: str, mesh: MeshConfig) -> MeshConfig:
 
 
 def lm_plan(model: nnx.Module, strategy: str, mesh: MeshConfig, *, sequence_parallel=False,
-            ghost_width=None):
-    """Parallelise the language model ``model`` in place under ``strategy``."""
+            ghost_width=None, dtd=False):
+    """Parallelise the language model ``model`` in place under ``strategy`` (``dtd``: duplicate
+    token dropping in the routed MoE layers, ``tensor`` only)."""
     from jphantom import plans
 
     if sequence_parallel and strategy != "tensor":
@@ -198,7 +199,8 @@ def lm_plan(model: nnx.Module, strategy: str, mesh: MeshConfig, *, sequence_para
                           f"to {strategy!r}")
     shape = mesh.shape
     if strategy in ("tensor",):
-        plans.parallelize(model, shape, plans.megatron(model, sequence_parallel=sequence_parallel))
+        plans.parallelize(model, shape, plans.megatron(model, sequence_parallel=sequence_parallel,
+                                                       dtd=dtd))
     elif strategy in ("phantom", "phantom-unfused"):
         if ghost_width is None:
             raise ConfigError(f"strategy {strategy!r} needs ghost_width (k ghost neurons per rank "
@@ -218,9 +220,10 @@ def lm_build(family_class: type, family_name: str):
 
     def build_lm(config, strategy: str, mesh: MeshConfig, *, sequence_parallel: bool = False,
                  ghost_width: int | None = None, seed: int = 0, model: nnx.Module | None = None,
-                 **options) -> Program:
+                 dtd: bool = False, **options) -> Program:
         if options:
             raise ConfigError(f"options {sorted(options)} do not apply to the {family_name} model")
+        check_experts(config, strategy, mesh, sequence_parallel=sequence_parallel, dtd=dtd)
         mesh = check_lm_mesh(strategy, mesh)
         positions = getattr(config, "seq_len", None)
         if sequence_parallel and positions is not None and positions % mesh.size("model"):
@@ -230,7 +233,8 @@ def lm_build(family_class: type, family_name: str):
         k = ghost_width if ghost_width is not None else getattr(config, "ghost_width", None)
 
         def planned(m):
-            return lm_plan(m, strategy, mesh, sequence_parallel=sequence_parallel, ghost_width=k)
+            return lm_plan(m, strategy, mesh, sequence_parallel=sequence_parallel, ghost_width=k,
+                           dtd=dtd)
 
         if model is not None:
             create, built = None, planned(model)
@@ -240,9 +244,31 @@ def lm_build(family_class: type, family_name: str):
         return Program(strategy, family_name, config, mesh, create, built, lm_loss,
                        metrics_fn=getattr(family_class, "metrics_fn", None),
                        spmd="gspmd" if strategy == "gspmd" else "shard_map",
-                       options={"sequence_parallel": sequence_parallel, "ghost_width": k})
+                       options={"sequence_parallel": sequence_parallel, "ghost_width": k,
+                                "dtd": dtd})
 
     return build_lm
+
+
+def check_experts(config, strategy: str, mesh: MeshConfig, *, sequence_parallel: bool,
+                  dtd: bool) -> None:
+    """What a language model's mixture of experts (GPT-2's ``moe_every``, Llama's ``experts``)
+    cannot run with, before anything is built."""
+    routed = bool(getattr(config, "moe_every", 0))  # GPT-2's routed MoE blocks (capacity, aux)
+    experts = routed or (not hasattr(config, "moe_every") and bool(getattr(config, "experts", 0)))
+    if dtd and not (routed and strategy == "tensor"):
+        raise ConfigError("dtd (duplicate token dropping) applies to the MoE blocks of GPT-2 "
+                          "under strategy 'tensor' (TED): set moe_every and use 'tensor', or "
+                          "leave dtd out")
+    if "expert" in mesh.shape and not experts:
+        raise ConfigError("an 'expert' mesh axis splits the experts of MoE blocks: give the "
+                          "model MoE blocks (--moe-every 2 --experts 8) or drop the axis")
+    if routed and "stage" in mesh.shape:
+        raise ConfigError("MoE blocks do not run inside pipeline stages yet: drop the 'stage' "
+                          "axis or set moe_every=0")
+    if routed and sequence_parallel:
+        raise ConfigError("MoE blocks run on the replicated stream: sequence_parallel with "
+                          "moe_every is not implemented; leave one of them out")
 
 
 def lm_loss(model, tokens, targets):

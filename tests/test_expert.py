@@ -1,5 +1,8 @@
-"""The expert-parallel MoE layer (:mod:`jphantom.sharding.expert`): equal to the dense oracle when
-nothing is dropped, exact dropped counts, two all-to-alls each way, named errors."""
+"""The routed MoE layers (:class:`jphantom.nn.experts.SwitchMoE` and its expert-parallel
+:class:`jphantom.nn.expert.ExpertParallelMoE`): equal to the dense oracle (every expert on every
+token, weighted by the router's gates) when nothing is dropped, the load-balancing loss of the
+whole batch on every mesh, exact dropped counts, two all-to-alls each way, TED and DTD, CAC, the
+dropless path, named errors."""
 
 import functools
 
@@ -7,58 +10,122 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
+import jphantom
+from jphantom import remat
 from jphantom.analysis.hlo import collectives
 from jphantom.errors import ConfigError
 from jphantom.mesh import MeshConfig, first_devices
-from jphantom.sharding import expert
+from jphantom.nn import expert, metadata
+from jphantom.nn.experts import SwitchMoE
 
 from conftest import require_devices
 from helpers import assert_tree_close
 
-HIDDEN, EXPERTS, TOKENS = 8, 8, 32
-SPECS = {"router": P(), "w_in": P("expert"), "b_in": P("expert"), "w_out": P("expert"),
-         "b_out": P("expert")}
-
-
-def _config(**kw):
-    base = dict(hidden=HIDDEN, experts=EXPERTS, top_k=2, capacity_factor=EXPERTS / 2, ffn=16)
-    return expert.MoEConfig(**{**base, **kw})
-
-
-def _inputs(seed=0):
-    params = expert.init(jax.random.PRNGKey(seed), _config())
-    params["router"] = params["router"] * 50  # decisive routing, varied gates
-    params = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.PRNGKey(seed + 1),
-                                                                 a.shape), params)
-    x = jax.random.normal(jax.random.PRNGKey(seed + 2), (TOKENS, HIDDEN))
-    return params, x
+HIDDEN, WIDTH, EXPERTS, TOKENS = 8, 16, 8, 32
 
 
 @functools.lru_cache(maxsize=None)
-def _sharded(ranks, config):
-    mesh = MeshConfig.parse(f"expert={ranks}").build(first_devices(ranks))
+def _moe(seed=0, **kw) -> SwitchMoE:
+    """A SwitchMoE with decisive routing (router N(0, 1)), varied gates and non-zero biases
+    (created under jax.jit; shared: tests read it, never change it)."""
+    kw = {"top_k": 2, "capacity_factor": EXPERTS / 2, **kw}
+    build = lambda: SwitchMoE(HIDDEN, WIDTH, EXPERTS, rngs=nnx.Rngs(seed),
+                              router_init=nnx.initializers.normal(1.0), **kw)
 
-    def per_rank(params, x):
-        y, aux = expert.moe_per_rank(params, x, config)
+    def create():
+        state = nnx.split(build())[1]
+        keys = iter(jax.random.split(jax.random.PRNGKey(seed + 1), 16))
+        return jax.tree.map(lambda a: a + 0.05 * jax.random.normal(next(keys), a.shape,
+                                                                   a.dtype), state)
+
+    return nnx.merge(nnx.split(nnx.eval_shape(build))[0], jax.jit(create)())
+
+
+def _tokens(seed=0):
+    return jax.random.normal(jax.random.PRNGKey(seed + 2), (TOKENS, HIDDEN))
+
+
+def _pure(module):
+    return nnx.to_pure_dict(nnx.split(module)[1])
+
+
+@functools.lru_cache(maxsize=None)
+def _plain(moe_kw=()):
+    """The single-device layer ``_moe(**moe_kw)``, jitted: (pure params, x) -> (y, aux)."""
+    graphdef, state = nnx.split(_moe(**dict(moe_kw)))
+    return jax.jit(lambda pure, x: nnx.merge(graphdef, _replaced(state, pure))(x))
+
+
+@functools.lru_cache(maxsize=None)
+def _dense_fn():
+    """The oracle: every expert on every token, combined by the router's top-k gates; jitted
+    value_and_grad of sum(y^2) / T with respect to the parameters and the tokens."""
+    graphdef, state = nnx.split(_moe())
+
+    def loss(pure, x):
+        m = nnx.merge(graphdef, _replaced(state, pure))
+        return jnp.sum(jnp.square(m.experts(x, m.dense_gates(x)))) / TOKENS
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+def _dense(moe, x):
+    return _dense_fn()(_pure(moe), x)
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_fn(mesh_text, moe_kw=(), layer_kw=(), policy=None):
+    """The parallel layer of ``_moe(**moe_kw)`` on ``mesh_text`` (tokens split over ``expert``,
+    replicated over ``model``) as one jitted shard_map: (leaves, x) -> (loss, (grads of the
+    leaves, of x), (dropped, load balance)); loss = sum(y^2) / T. ``policy``: the layer under
+    ``jax.checkpoint`` with that remat policy."""
+    mesh_config = MeshConfig.parse(mesh_text)
+    require_devices(mesh_config.device_count)
+    mesh = mesh_config.build(first_devices(mesh_config.device_count))
+    layer = expert.ExpertParallelMoE.from_module(_moe(**dict(moe_kw)), batch_axes=("expert",),
+                                                 **dict(layer_kw))
+    graphdef, state = nnx.split(layer)
+    leaves, treedef = jax.tree.flatten(state)
+    variables = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    specs = [metadata.spec_of(v, mesh.axis_names) for v in variables]
+
+    def apply(leaves, x):
+        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))(x)
+
+    if policy is not None:
+        apply = jax.checkpoint(apply, policy=remat.POLICIES[policy])
+
+    def per_rank(leaves, x):
+        y, aux = apply(leaves, x)
         loss = lax.psum(jnp.sum(jnp.square(y)), "expert") / TOKENS
-        return loss, lax.psum(aux["dropped"], "expert")
+        return loss, (lax.psum(aux["dropped"], "expert"), aux["load_balance"])
 
-    def loss_and_grads(params, x):  # gradients of the parameters and of the input tokens
-        (loss, dropped), grads = jax.value_and_grad(per_rank, argnums=(0, 1), has_aux=True)(
-            params, x)
-        return loss, grads, dropped
+    def loss_and_grads(leaves, x):
+        return jax.value_and_grad(per_rank, argnums=(0, 1), has_aux=True)(leaves, x)
 
-    fn = jax.shard_map(loss_and_grads, mesh=mesh, in_specs=(SPECS, P("expert")),
-                       out_specs=(P(), (SPECS, P("expert")), P()), check_vma=True)
-    return jax.jit(fn), mesh
+    x_spec = jax.sharding.PartitionSpec("expert")
+    fn = jax.jit(jax.shard_map(loss_and_grads, mesh=mesh, in_specs=(specs, x_spec),
+                               out_specs=((jax.sharding.PartitionSpec(),) * 2, (specs, x_spec)),
+                               check_vma=True))
+    to_pure = lambda grads: nnx.to_pure_dict(jax.tree.unflatten(treedef, grads))
+    to_leaves = lambda pure: jax.tree.leaves(_replaced(state, pure))
+    return fn, leaves, to_pure, to_leaves
 
 
-def _dense(params, x, config):
-    loss = lambda p, x: jnp.sum(jnp.square(expert.dense_moe(p, x, config)[0])) / TOKENS
-    return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+def _replaced(state, pure):
+    state = jax.tree.map(lambda a: a, state)
+    nnx.replace_by_pure_dict(state, pure)
+    return state
+
+
+def _run(mesh_text, moe_kw=(), layer_kw=()):
+    """(loss, pure grads, grad of x, dropped, load balance) of the parallel layer."""
+    fn, leaves, to_pure, _ = _layer_fn(mesh_text, tuple(moe_kw), tuple(layer_kw))
+    (loss, (dropped, balance)), (grads, dx) = fn(leaves, _tokens())
+    return loss, to_pure(grads), dx, dropped, balance
 
 
 @pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2, 4,
@@ -66,56 +133,57 @@ def _dense(params, x, config):
 def test_expert_parallel_moe_equals_the_dense_moe(ranks):
     """Capacity large enough to drop nothing: loss and every gradient (parameters and input
     tokens) equal the dense single-device MoE (every expert on every token, combined by the
-    gates), float32 1e-5."""
-    require_devices(ranks)
-    config = _config()
-    params, x = _inputs()
-    fn, _ = _sharded(ranks, config)
-    loss, grads, dropped = fn(params, x)
-    want_loss, want_grads = _dense(params, x, config)
+    gates), float32 1e-5; the load-balancing loss is the whole batch's (its statistics summed
+    over the ranks), the single-device layer's."""
+    moe, x = _moe(), _tokens()
+    loss, grads, dx, dropped, balance = _run(f"expert={ranks}")
+    want_loss, (want_grads, want_dx) = _dense(moe, x)
     assert int(dropped) == 0
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
-    assert_tree_close(grads, want_grads, 1e-5)
+    assert_tree_close((grads, dx), (want_grads, want_dx), 1e-5)
+    y, aux = _plain()(_pure(moe), x)  # the plain layer: the capacity path on one device
+    assert float(jnp.sum(jnp.square(y)) / TOKENS) == pytest.approx(float(want_loss), rel=1e-5)
+    assert float(balance) == pytest.approx(float(aux["load_balance"]), rel=1e-6)
 
 
 def test_dropped_tokens_are_counted_exactly():
     """A router sending every token's first choice to expert 0: with capacity C per rank, each of
-    the G ranks keeps C of its T/G first choices there and drops the rest; second choices spread."""
-    require_devices(2)
-    config = _config(top_k=1, capacity_factor=1.0)  # C = ceil(T/G / E) per rank
-    params, x = _inputs()
-    params["router"] = jnp.zeros_like(params["router"]).at[:, 0].set(1.0)
-    x = jnp.abs(x) + 0.1  # positive features: expert 0's logit is the largest for every token
-    fn, _ = _sharded(2, config)
-    _, _, dropped = fn(params, x)
+    the G ranks keeps C of its T/G first choices there and drops the rest (the single-device
+    layer: C of T)."""
+    kw = (("top_k", 1), ("capacity_factor", 1.0))  # C = ceil(T/G / E) per rank
+    fn, leaves, to_pure, to_leaves = _layer_fn("expert=2", kw)
+    router = jnp.zeros((HIDDEN, EXPERTS)).at[:, 0].set(1.0)
+    leaves = to_leaves({**to_pure(leaves), "router": router})
+    x = jnp.abs(_tokens()) + 0.1  # positive features: expert 0's logit is the largest
+    (_, (dropped, _)), _ = fn(leaves, x)
+    config = _moe(**dict(kw)).config
     per_rank = TOKENS // 2
     assert int(dropped) == 2 * (per_rank - config.capacity(per_rank))
+    _, aux = _plain(kw)({**_pure(_moe(**dict(kw))), "router": router}, x)
+    assert int(aux["dropped"]) == TOKENS - config.capacity(TOKENS)
 
 
 def test_two_all_to_alls_forward_and_two_backward():
     """Dispatch and combine forward; their transposes backward (the input's gradient needs the
     dispatch's), each of one [E, C, h] capacity buffer."""
-    require_devices(4)
-    config = _config()
-    params, x = _inputs()
-    fn, mesh = _sharded(4, config)
-    hlo = fn.lower(params, x).compile().as_text()
+    fn, leaves, *_ = _layer_fn("expert=4")
+    hlo = fn.lower(leaves, _tokens()).compile().as_text()
     found = [c for c in collectives(hlo) if c.kind == "all-to-all"]
     assert sum(c.count for c in found) == 4
-    capacity = config.capacity(TOKENS // 4)
+    capacity = _moe().config.capacity(TOKENS // 4)
     assert {c.elements for c in found} == {EXPERTS * capacity * HIDDEN}
 
 
 def test_aux_losses_equal_their_formulas():
-    config = _config()
-    params, x = _inputs()
-    logits, probs, experts, _ = expert.route(params["router"], x, config)
-    aux = expert.aux_losses(logits, probs, experts, config)
-    p = np.asarray(probs)
-    first = np.bincount(np.asarray(experts[:, 0]), minlength=EXPERTS) / TOKENS
+    moe, x = _moe(), _tokens()
+    _, aux = _plain()(_pure(moe), x)
+    logits = np.asarray(x @ moe.router[...], np.float64)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    first = np.bincount(np.argmax(p, axis=-1), minlength=EXPERTS) / TOKENS
     assert float(aux["load_balance"]) == pytest.approx(EXPERTS * np.sum(first * p.mean(0)),
-                                                       rel=1e-6)
-    lse = np.log(np.sum(np.exp(np.asarray(logits, np.float64)), axis=-1))
+                                                       rel=1e-5)
+    lse = np.log(np.sum(np.exp(logits), axis=-1))
     assert float(aux["z_loss"]) == pytest.approx(np.mean(lse ** 2), rel=1e-5)
 
 
@@ -125,60 +193,40 @@ def test_aux_losses_equal_their_formulas():
 ])
 def test_impossible_routing_is_a_config_error(kwargs, message):
     with pytest.raises(ConfigError, match=message):
-        _config(**kwargs)
+        SwitchMoE(HIDDEN, WIDTH, EXPERTS, rngs=nnx.Rngs(0), **kwargs)
 
 
 def test_experts_must_divide_over_the_expert_axis():
-    with pytest.raises(ConfigError, match="experts=6 is not divisible by the expert axis size 4"):
-        expert.MoEConfig(hidden=8, experts=6).check_axis(4)
+    class Holder(nnx.Module):
+        def __init__(self):
+            self.moe = SwitchMoE(8, 16, 6, rngs=nnx.Rngs(0))
 
-
-TED_SPECS = {"router": P(), "w_in": P("expert", None, "model"), "b_in": P("expert", "model"),
-             "w_out": P("expert", "model", None), "b_out": P("expert")}
-
-
-@functools.lru_cache(maxsize=None)
-def _ted(mesh_text, dtd, config):
-    mesh_config = MeshConfig.parse(mesh_text)
-    mesh = mesh_config.build(first_devices(mesh_config.device_count))
-
-    def per_rank(params, x):
-        y, _ = expert.moe_per_rank(params, x, config, model_axis="model", dtd=dtd)
-        return lax.psum(jnp.sum(jnp.square(y)), "expert") / TOKENS
-
-    def loss_and_grads(params, x):
-        return jax.value_and_grad(per_rank, argnums=(0, 1))(params, x)
-
-    fn = jax.shard_map(loss_and_grads, mesh=mesh, in_specs=(TED_SPECS, P("expert")),
-                       out_specs=(P(), (TED_SPECS, P("expert"))), check_vma=True)
-    return jax.jit(fn), mesh
+    with pytest.raises(ConfigError, match="moe: experts=6 is not divisible by the expert axis "
+                                          "size 4"):
+        jphantom.parallelize(nnx.eval_shape(Holder), {"expert": 4, "model": 1}, {"moe": "experts"})
 
 
 @pytest.mark.parametrize("mesh, dtd", [("expert=2,model=2", False), ("expert=2,model=4", True),
-                                       pytest.param("expert=2,model=2", True, marks=pytest.mark.slow),
+                                       pytest.param("expert=2,model=2", True,
+                                                    marks=pytest.mark.slow),
                                        pytest.param("expert=2,model=4", False,
                                                     marks=pytest.mark.slow)])
 def test_ted_experts_tensor_parallel_equal_the_dense_moe(mesh, dtd):
     """TED (seed 004 Eq. 7.1): experts tensor-parallel over model inside expert parallelism, with
     duplicate token dropping on and off: loss and every gradient of the dense MoE."""
-    require_devices(MeshConfig.parse(mesh).device_count)
-    config = _config()
-    params, x = _inputs()
-    fn, _ = _ted(mesh, dtd, config)
-    loss, grads = fn(params, x)
-    want_loss, want_grads = _dense(params, x, config)
+    loss, grads, dx, dropped, _ = _run(mesh, layer_kw=(("model_axis", "model"), ("dtd", dtd)))
+    want_loss, (want_grads, want_dx) = _dense(_moe(), _tokens())
+    assert int(dropped) == 0
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
-    assert_tree_close(grads, want_grads, 1e-5)
+    assert_tree_close((grads, dx), (want_grads, want_dx), 1e-5)
 
 
 def test_dtd_divides_the_all_to_all_bytes_by_the_tensor_ranks():
-    require_devices(8)
-    config = _config()
-    params, x = _inputs()
     sizes = {}
     for dtd in (False, True):
-        fn, _ = _ted("expert=2,model=4", dtd, config)
-        hlo = fn.lower(params, x).compile().as_text()
+        fn, leaves, *_ = _layer_fn("expert=2,model=4", (),
+                                  (("model_axis", "model"), ("dtd", dtd)))
+        hlo = fn.lower(leaves, _tokens()).compile().as_text()
         found = [c for c in collectives(hlo) if c.kind == "all-to-all"]
         assert sum(c.count for c in found) == 4
         sizes[dtd] = {c.elements for c in found}
@@ -192,51 +240,27 @@ def test_cac_keeps_the_all_to_all_outputs_so_the_recompute_repeats_none(policy, 
     """Seed 004's CAC: a checkpointed MoE layer recomputes its forward in the backward; saving the
     collectives' outputs by name (remat's ``collectives_saveable``) keeps the two all-to-alls out
     of the recompute (6 become 4)."""
-    require_devices(4)
-    from jphantom import remat
-
-    config = _config()
-    params, x = _inputs()
-    mesh = MeshConfig.parse("expert=4").build(first_devices(4))
-    layer = jax.checkpoint(lambda p, x: expert.moe_per_rank(p, x, config)[0],
-                           policy=remat.POLICIES[policy])
-    loss = lambda p, x: lax.psum(jnp.sum(jnp.square(layer(p, x))), "expert")
-    fn = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1)), mesh=mesh,
-                               in_specs=(SPECS, P("expert")), out_specs=(SPECS, P("expert")),
-                               check_vma=True))
-    hlo = fn.lower(params, x).compile().as_text()
+    fn, leaves, *_ = _layer_fn("expert=4", policy=policy)
+    hlo = fn.lower(leaves, _tokens()).compile().as_text()
     found = [c for c in collectives(hlo) if c.kind == "all-to-all"]
     assert sum(c.count for c in found) == all_to_alls
-    assert {c.elements for c in found} == {EXPERTS * config.capacity(TOKENS // 4) * HIDDEN}
-
-
-@functools.lru_cache(maxsize=None)
-def _dropless(ranks):
-    config = _config(capacity_factor=None)
-    mesh = MeshConfig.parse(f"expert={ranks}").build(first_devices(ranks))
-
-    def per_rank(params, x):
-        y, aux = expert.moe_per_rank(params, x, config)
-        return lax.psum(jnp.sum(jnp.square(y)), "expert") / TOKENS
-
-    fn = jax.shard_map(jax.value_and_grad(per_rank, argnums=(0, 1)), mesh=mesh,
-                       in_specs=(SPECS, P("expert")), out_specs=(P(), (SPECS, P("expert"))),
-                       check_vma=True)
-    return jax.jit(fn)
+    assert {c.elements for c in found} == {EXPERTS * _moe().config.capacity(TOKENS // 4) * HIDDEN}
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_dropless_path_equals_the_fixed_capacity_path_that_drops_nothing(ranks):
     """Sort, ragged exchange (``lax.ragged_all_to_all`` where the backend has it, its padded
     all_to_all emulation elsewhere), grouped matmuls (``lax.ragged_dot``): the same loss and
-    gradients as the capacity path with a capacity that drops nothing, and the dense oracle."""
-    require_devices(ranks)
-    params, x = _inputs()
-    loss, grads = _dropless(ranks)(params, x)
-    fixed_loss, fixed_grads, dropped = _sharded(ranks, _config())[0](params, x)
-    assert int(dropped) == 0
+    gradients as the capacity path with a capacity that drops nothing, and the dense oracle; the
+    single-device dropless layer too."""
+    dropless = (("capacity_factor", None),)
+    loss, grads, dx, dropped, _ = _run(f"expert={ranks}", dropless)
+    fixed_loss, fixed_grads, fixed_dx, fixed_dropped, _ = _run(f"expert={ranks}")
+    assert int(dropped) == 0 and int(fixed_dropped) == 0
     assert float(loss) == pytest.approx(float(fixed_loss), rel=1e-5)
-    assert_tree_close(grads, fixed_grads, 1e-5)
+    assert_tree_close((grads, dx), (fixed_grads, fixed_dx), 1e-5)
+    y, _ = _plain(dropless)(_pure(_moe(**dict(dropless))), _tokens())
+    assert float(jnp.sum(jnp.square(y)) / TOKENS) == pytest.approx(float(loss), rel=1e-5)
 
 
 def test_ragged_all_to_all_support_is_detected_not_assumed():
@@ -244,3 +268,22 @@ def test_ragged_all_to_all_support_is_detected_not_assumed():
     on a backend that has it, the dropless test above runs the real primitive."""
     supported = expert.ragged_all_to_all_supported(jax.devices()[0].platform)
     assert supported == (jax.devices()[0].platform != "cpu")
+
+
+def test_parallel_layers_give_back_the_plain_layer():
+    """``dense_equivalent``: the expert-parallel layer holds the plain layer's parameters
+    unchanged; the phantom-parallel one the dense experts it is (equal outputs on one device
+    for k = n/p, where the factorisation is exact)."""
+    moe, x = _moe(), _tokens()
+    back = expert.ExpertParallelMoE.from_module(moe, model_axis="model").dense_equivalent()
+    assert_tree_close(_pure(back), _pure(moe), 0)
+    graphdef, state = nnx.split(moe)
+
+    @jax.jit
+    def outputs(pure, x):
+        plain = nnx.merge(graphdef, _replaced(state, pure))
+        phantom = expert.PhantomMoE.from_module(plain, ghost_width=HIDDEN, num_shards=2)
+        return phantom.dense_equivalent()(x)[0], plain(x)[0]
+
+    got, want = outputs(_pure(moe), x)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -1,11 +1,11 @@
-"""The transformer with MoE blocks (issue 10) under every strategy and mesh equals the
-single-device model: loss and every gradient, with TED (experts tensor-parallel over ``model``),
-duplicate token dropping, phantom-parallel experts and the dropless path; gradients are reduced
-over the right groups (experts' over data only, the rest over data and expert)."""
+"""GPT-2 with MoE blocks (the NNX model, ``programs.build``) under every strategy and mesh
+equals the single-device model: loss and every gradient, with TED (experts tensor-parallel over
+``model``), duplicate token dropping, phantom-parallel experts and the dropless path; the
+load-balancing loss is the whole batch's on every mesh; gradients are reduced over the right
+groups (experts' over data only, the rest over data and expert)."""
 
 import dataclasses
 import functools
-
 import math
 from collections import Counter
 
@@ -14,16 +14,17 @@ import numpy as np
 import optax
 import pytest
 
-from jphantom import strategies
-from jphantom.errors import ConfigError
-from jphantom.mesh import MeshConfig, first_devices
-from jphantom.models.transformer import TransformerConfig
+import jphantom
+from jphantom import program as programs
 from jphantom.analysis.hlo import collectives
+from jphantom.errors import ConfigError
+from jphantom.mesh import first_devices
+from jphantom.models.gpt2_nnx import GPT2
+from jphantom.models.transformer import TransformerConfig
 from jphantom.sharding.zero import spec_axes
-from jphantom.step import abstract_params, make_metrics_fn, make_train_step, make_value_and_grad
 
 from conftest import require_devices
-from helpers import assert_tree_close, random_params
+from helpers import assert_tree_close
 
 VOCAB, SEQ, HIDDEN, HEADS, LAYERS, BATCH, EXPERTS = 32, 8, 16, 8, 2, 8, 8
 
@@ -36,62 +37,99 @@ def _config(strategy="tensor", **kw):
     return TransformerConfig(**{**base, **kw})
 
 
-@functools.lru_cache(maxsize=None)
-def _program(strategy, mesh_text, dtd=False, **kw):
-    mesh_config = MeshConfig.parse(mesh_text)
-    require_devices(mesh_config.device_count)
-    mesh = mesh_config.build(first_devices(mesh_config.device_count))
-    config = _config(strategy, **dict(kw))
-    return strategies.get(strategy).program(config, mesh_config, dtd=dtd), mesh
-
-
 def _batch(seed=1):
     keys = jax.random.split(jax.random.PRNGKey(seed))
     return (np.asarray(jax.random.randint(keys[0], (BATCH, SEQ), 0, VOCAB)),
             np.asarray(jax.random.randint(keys[1], (BATCH, SEQ), 0, VOCAB)))
 
 
-def _params(program):
-    params = random_params(program)
-    for stack in ("blocks", "moe_blocks"):
-        for name in ("ln1", "ln2"):
-            if stack in params:
-                params[stack][name]["scale"] = 1.0 + params[stack][name]["scale"]
-    params["ln_f"]["scale"] = 1.0 + params["ln_f"]["scale"]
-    return params
+def _random(params, seed=7):
+    """Numpy random values of ``params``' shapes (arrays or ShapeDtypeStructs) (no jax compilation): weights N(0, 1/n) (n the
+    last dimension: decisive routing, varied gates), biases N(0, 0.01), norm scales 1 + N(0, 0.01).
+    Phantom's own decompressor slot gets a random value too, which must have no effect."""
+    rng = np.random.default_rng(seed)
+
+    def fill(path, leaf):
+        name = str(getattr(path[-1], "key", path[-1]))
+        noise = rng.standard_normal(leaf.shape)
+        if name == "scale":
+            return (1.0 + 0.1 * noise).astype(leaf.dtype)
+        scale = 0.1 if name == "bias" or name.startswith("b_") else 1.0 / np.sqrt(leaf.shape[-1])
+        return (scale * noise).astype(leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(fill, params)
 
 
 @functools.lru_cache(maxsize=None)
-def _oracle_fn(strategy, num_shards, **kw):
-    """value_and_grad of the float64 dense MoE model (every expert on every token) through the
-    strategy's dense equivalent, on one device."""
-    program, _ = _program(strategy, f"model={num_shards}", **dict(kw))
-    config = dataclasses.replace(_config(strategy, **dict(kw)), dtype="float64",
-                                 ghost_width=None)
-    dense = strategies.get("dense").program(config, MeshConfig.parse("model=1"))
-    loss = dense.global_loss(dense.mesh.build(first_devices(1)))
-    return jax.jit(jax.value_and_grad(
-        lambda p, tokens, targets: loss(program.dense_equivalent(p), tokens, targets)))
+def _built(strategy, mesh_text, dtd=False, kw=()):
+    """The program, its mesh, its step and random parameters in their shards (shared by every
+    test of the same model, strategy and mesh)."""
+    program = programs.build(_config(strategy, **dict(kw)), strategy, mesh_text, dtd=dtd)
+    require_devices(program.mesh.device_count)
+    mesh = program.mesh.build(first_devices(program.mesh.device_count))
+    step = program.train_step(mesh, optax.sgd(0.1), donate=False)
+    host = _random(jax.eval_shape(lambda: program.init(step)).params)
+    return program, mesh, step, host, jax.device_put(host, step.param_shardings())
+
+
+@functools.lru_cache(maxsize=None)
+def _one_device(kw=()):
+    """value_and_grad of the float64 single-device model (every expert on every token: the
+    capacity drops nothing)."""
+    config = dataclasses.replace(_config(**dict(kw)), dtype="float64")
+    program = programs.build(config, "dense", "model=1")
+    step = program.train_step(program.mesh.build(first_devices(1)), optax.sgd(0.1))
+    return jax.jit(step.value_and_grad())
+
+
+@functools.lru_cache(maxsize=None)
+def _dense_equivalent_fn(strategy, mesh_text, kw=()):
+    """value_and_grad, on one device in float64, of the dense model a phantom model *is*
+    (``jphantom.dense_equivalent``), with respect to the phantom parameters."""
+    _, _, step, _, _ = _built(strategy, mesh_text, False, kw)
+
+    def loss(pure, tokens, targets):
+        model = step.layout.model_of(jax.tree.leaves(pure))
+        return jphantom.dense_equivalent(model).loss(tokens, targets)
+
+    return jax.jit(jax.value_and_grad(loss))
+
+
+def _assert_grads_close(actual, expected, rtol):
+    """Every gradient to ``rtol`` of its own scale; the key projection's bias, whose exact
+    gradient is zero (a softmax ignores a shift of one query's scores), to ``rtol`` of the largest
+    gradient (it is rounding noise of the others)."""
+    floor = max(float(np.max(np.abs(e))) for e in jax.tree.leaves(expected))
+    keys = lambda path: "['k']['bias']" in jax.tree_util.keystr(path)
+    zero = {jax.tree_util.keystr(p): e for p, e in
+            jax.tree_util.tree_flatten_with_path(expected)[0] if keys(p)}
+    for path, a in jax.tree_util.tree_flatten_with_path(actual)[0]:
+        if keys(path):
+            assert np.max(np.abs(zero[jax.tree_util.keystr(path)])) <= 1e-12 * floor
+            assert np.max(np.abs(a)) <= rtol * floor
+    strip = lambda tree: jax.tree_util.tree_map_with_path(
+        lambda p, a: np.zeros_like(a) if keys(p) else a, tree)
+    assert_tree_close(strip(actual), strip(expected), rtol)
 
 
 def _check(strategy, mesh_text, dtd=False, rtol=1e-5, **kw):
-    program, mesh = _program(strategy, mesh_text, dtd, **kw)
-    params = _params(program)
+    kw = tuple(sorted(kw.items()))
+    program, mesh, step, host, placed = _built(strategy, mesh_text, dtd, kw)
     tokens, targets = _batch()
-    shardings = program.batch_shardings(mesh)
-    placed = jax.device_put(params, program.shardings(mesh))
-    batch = (jax.device_put(tokens, shardings[0]), jax.device_put(targets, shardings[1]))
-    loss, grads = make_value_and_grad(program, mesh)(placed, *batch)
-    phantom = strategy.startswith("phantom")
-    oracle = _oracle_fn(strategy, MeshConfig.parse(mesh_text).size("model") if phantom else 1,
-                        **kw)
-    host = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
-    want_loss, want_grads = oracle(jax.device_put(host, jax.devices()[0]), tokens, targets)
+    loss, grads = jax.jit(step.value_and_grad())(placed, tokens, targets)
+    wide = jax.device_put(jax.tree.map(lambda a: np.asarray(a, np.float64), host),
+                          jax.devices()[0])
+    if strategy.startswith("phantom"):
+        want_loss, want_grads = _dense_equivalent_fn(strategy, mesh_text, kw)(wide, tokens,
+                                                                              targets)
+    else:
+        want_loss, want_grads = _one_device(kw)(wide, tokens, targets)
     assert abs(float(loss) - float(want_loss)) <= rtol * abs(float(want_loss))
-    assert_tree_close(grads, want_grads, rtol)
-    metrics = make_metrics_fn(program, mesh)(placed, *batch)
-    assert int(metrics["dropped"]) == 0
-    assert int(metrics["assignments"]) == BATCH * SEQ * 2 * _config(strategy, **kw).moe_layers
+    _assert_grads_close(jax.device_get(grads), jax.device_get(want_grads), rtol)
+    metrics = step.metrics(GPT2.metrics_fn)(placed, tokens, targets)
+    assert float(metrics["dropped"]) == 0
+    moe_layers = _config(strategy, **dict(kw)).moe_layers
+    assert float(metrics["assignments"]) * BATCH * SEQ == BATCH * SEQ * 2 * moe_layers
 
 
 SLOW = pytest.mark.slow  # the longer half of the grid: make test-all
@@ -109,46 +147,50 @@ SLOW = pytest.mark.slow  # the longer half of the grid: make test-all
                  marks=SLOW),  # dropless (its layer test runs in make test)
 ])
 def test_moe_transformer_equals_the_single_device_model(strategy, mesh, dtd, kw):
-    """Loss and every gradient equal the dense single-device MoE transformer (float64 oracle,
-    float32 1e-5): expert parallelism on 1, 2, 4 and 8 ranks, TED meshes with DTD on and off,
-    phantom-parallel experts, the dropless path; nothing dropped, assignments counted."""
+    """Loss and every gradient equal the single-device MoE GPT-2 (float64, every expert on every
+    token; phantom: its dense equivalent), float32 1e-5: expert parallelism on 1, 2, 4 and 8
+    ranks, TED meshes with DTD on and off, phantom-parallel experts, the dropless path; the
+    load-balancing loss is the whole batch's on every mesh; nothing dropped, assignments
+    counted."""
     _check(strategy, mesh, dtd, **kw)
 
 
-def _step_collectives(program, mesh, remat="none"):
-    step = make_train_step(program, mesh, optax.sgd(0.1), donate=False, remat=remat)
-    params = abstract_params(program, mesh)
-    tokens = jax.ShapeDtypeStruct((BATCH, SEQ), np.int32, sharding=program.batch_shardings(mesh)[0])
-    text = step.lower(params, jax.eval_shape(optax.sgd(0.1).init, params), tokens,
-                      tokens).compile().as_text()
+@functools.lru_cache(maxsize=None)
+def _step_collectives(mesh_text, dtd=False, remat="none"):
+    """Collectives of the compiled training step (two MoE blocks), by (kind, mesh axes, elements),
+    lowered for abstract parameters in their shards. A fresh program per remat policy: the step
+    sets the policy on the model it is given."""
+    program = programs.build(_config(layers=4), "tensor", mesh_text, dtd=dtd)
+    require_devices(program.mesh.device_count)
+    mesh = program.mesh.build(first_devices(program.mesh.device_count))
+    step = program.train_step(mesh, optax.sgd(0.1), donate=False, remat=remat)
+    state = jax.eval_shape(lambda: program.init(step))
+    tokens = jax.ShapeDtypeStruct((BATCH, SEQ), np.int32)
+    text = step.lower(state, tokens, tokens).compile().as_text()
     found = Counter()
     for op in collectives(text):
         found[op.kind, op.mesh_axes(dict(mesh.shape)), op.elements] += op.count
-    return found
+    return found, step, mesh
 
 
-def _local_elements(program, mesh, expert):
+def _local_elements(step, mesh, expert):
     """Per-rank elements of the parameters that are (or are not) split over ``expert``."""
-    shapes = jax.eval_shape(program.init, jax.random.PRNGKey(0))
     total = 0
-    for leaf, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(
-            program.param_specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))):
+    for shape, spec in zip(step.layout.shapes, step.layout.specs):
         if ("expert" in spec_axes(spec)) == expert:
-            local = math.prod(leaf.shape) // math.prod(mesh.shape[a] for a in spec_axes(spec))
-            total += local
+            total += math.prod(shape.shape) // math.prod(mesh.shape[a] for a in spec_axes(spec))
     return total
 
 
 @pytest.mark.parametrize("dtd", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_moe_step_moves_two_all_to_alls_each_way_per_moe_layer(dtd):
-    """The compiled training step on data=2,expert=2,model=2 with two MoE blocks (scan trip counts
+    """The compiled training step on data=2,expert=2,model=2 with two MoE blocks (loop trip counts
     applied): 4 all-to-alls per MoE layer over ``expert``, each of one capacity buffer E C h (with
     DTD, E C h / p: the bytes fall by G_tensor = 2); the experts' gradients all-reduced over
     ``data`` only and every other gradient over ``data`` and ``expert``, plus one all-reduce of
     2E router statistics per MoE layer and two scalars (the reported loss, and the backward of
     the batch-wide load-balancing loss: the transpose of its broadcast to every rank)."""
-    program, mesh = _program("tensor", "data=2,expert=2,model=2", dtd, layers=4)
-    found = _step_collectives(program, mesh)
+    found, step, mesh = _step_collectives("data=2,expert=2,model=2", dtd)
     tokens = BATCH * SEQ // 4
     buffer = EXPERTS * _config(layers=4).moe.capacity(tokens) * HIDDEN
     a2a = {(axes, n): c for (kind, axes, n), c in found.items() if kind == "all-to-all"}
@@ -157,21 +199,21 @@ def test_moe_step_moves_two_all_to_alls_each_way_per_moe_layer(dtd):
     for (kind, axes, n), c in found.items():
         if kind == "all-reduce" and "data" in axes:
             reduced[axes] += n * c
-    assert reduced == {("data",): _local_elements(program, mesh, expert=True),
-                       ("data", "expert"): _local_elements(program, mesh, expert=False)
+    assert reduced == {("data",): _local_elements(step, mesh, expert=True),
+                       ("data", "expert"): _local_elements(step, mesh, expert=False)
                        + 2 * EXPERTS * 2 + 2}
 
 
 @pytest.mark.parametrize("policy, recomputed", [("nothing_saveable", True),
                                                 ("collectives_saveable", False)])
 def test_cac_in_the_step_keeps_the_all_to_alls_out_of_the_recompute(policy, recomputed):
-    """Communication-aware checkpointing (seed 004): every block checkpointed; saving collective
-    outputs by name keeps the recompute free of communication. Per MoE layer, all-to-alls 6
-    become 4 (dispatch and combine forward, their transposes backward) and the experts' tensor
-    all-reduces of E C h 3 become 2 (forward, and the input's gradient backward): two MoE layers
-    here. (Seed 004 counts 6 + 6 -> 4 + 4 with the attention's, which behave alike.)"""
-    program, mesh = _program("tensor", "data=2,expert=2,model=2", False, layers=4)
-    found = _step_collectives(program, mesh, remat=policy)
+    """Communication-aware checkpointing (seed 004): every block group checkpointed; saving
+    collective outputs by name keeps the recompute free of communication. Per MoE layer,
+    all-to-alls 6 become 4 (dispatch and combine forward, their transposes backward) and the
+    experts' tensor all-reduces of E C h 3 become 2 (forward, and the input's gradient backward):
+    two MoE layers here. (Seed 004 counts 6 + 6 -> 4 + 4 with the attention's, which behave
+    alike.)"""
+    found, _, _ = _step_collectives("data=2,expert=2,model=2", remat=policy)
     buffer = EXPERTS * _config(layers=4).moe.capacity(BATCH * SEQ // 4) * HIDDEN
     per_layer = 3 if recomputed else 2
     assert sum(c for (kind, *_), c in found.items() if kind == "all-to-all") == 2 * 2 * per_layer
@@ -183,17 +225,21 @@ def test_cac_in_the_step_keeps_the_all_to_alls_out_of_the_recompute(policy, reco
 @pytest.mark.parametrize("kw, mesh, options, message", [
     ({"moe_every": 0}, "expert=2,model=1", {}, "an 'expert' mesh axis splits the experts"),
     ({}, "expert=2,model=1", {"dtd": True, "strategy": "phantom"}, "dtd"),
+    ({}, "expert=2,model=1", {"dtd": True}, "dtd .* 'model' axis, which has size 1"),
     ({}, "stage=2,model=1", {}, "MoE blocks do not run inside pipeline stages"),
-    ({}, "data=2,expert=2,model=1", {"zero": 1}, "ZeRO shards over 'data' only"),
+    ({}, "data=2,expert=2,model=1", {"zero": 1}, "ZeRO with an 'expert' axis"),
     ({"experts": 6}, "expert=4,model=1", {}, "experts=6 is not divisible by the expert axis"),
     ({}, "expert=2,model=2", {"sequence_parallel": True}, "sequence_parallel with moe_every"),
+    ({"capacity_factor": None}, "expert=2,model=2", {"strategy": "phantom"}, "dropless"),
 ])
 def test_moe_programs_that_cannot_run_are_config_errors(kw, mesh, options, message):
     options = dict(options)
     strategy = options.pop("strategy", "tensor")
+    zero = options.pop("zero", 0)
     with pytest.raises(ConfigError, match=message):
-        strategies.get(strategy).program(_config(strategy, **kw), MeshConfig.parse(mesh),
-                                         **options)
+        program = programs.build(_config(strategy, **kw), strategy, mesh, **options)
+        program.train_step(program.mesh.build(first_devices(program.mesh.device_count)),
+                           optax.sgd(0.1), zero=zero)
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -211,3 +257,5 @@ def test_active_parameters_count_k_of_the_experts():
     config = _config(layers=4)
     mlp = 8 * HIDDEN * HIDDEN + 5 * HIDDEN
     assert config.param_count() - config.param_count(active=True) == 2 * (EXPERTS - 2) * mlp
+    model = programs.build(config, "dense", "model=1")
+    assert model.param_count == config.param_count()  # the NNX model has the dense layout's

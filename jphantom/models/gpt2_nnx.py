@@ -15,6 +15,24 @@ stacked [L, ...] under ``lax.scan``):
 (:class:`Attention`); the reordering is a permutation, bit for bit both ways
 (:func:`from_dense` / :func:`to_dense` convert from and to the dense dictionary of
 :mod:`jphantom.models.transformer`, which :mod:`jphantom.models.gpt2` reads and writes).
+
+Mixture of experts (``moe_every=n``; seed 004 ch. 7): every n-th block (blocks n-1, 2n-1, ...)
+replaces its MLP by a :class:`~jphantom.nn.experts.SwitchMoE`: a router [h, E] and ``experts``
+GELU FFNs of width 4h with biases, top-k routing with a capacity (``capacity_factor``; ``None``:
+dropless). The blocks are then stacked as L/n groups, each n-1 plain blocks and one MoE block,
+and what flows from group to group is ``(h, aux)``: the MoE blocks add their load-balancing loss,
+router z-loss and dropped count to ``aux``. Paths:
+
+    blocks.block.dense.{0..n-2}.{ln_1, attn, ln_2, mlp}     (the group's plain blocks)
+    blocks.block.moe_block.{ln_1, attn, ln_2}
+    blocks.block.moe_block.moe.{router [h, E], experts.{w_up [E, h, 4h], b_up [E, 4h],
+                                                        w_down [E, 4h, h], b_down [E, h]}}
+
+``loss`` = cross-entropy + ``balance_weight`` x load balance + ``z_weight`` x z-loss, each summed
+over the MoE blocks (Switch Transformer's 0.01, ST-MoE's 0.001); :meth:`GPT2.metrics` gives the
+cross-entropy alone and the dropped assignments. A plan makes the MoE layers parallel
+(:class:`~jphantom.nn.expert.ExpertParallelMoE`, :class:`~jphantom.nn.expert.PhantomMoE`), whose
+load-balancing statistics are summed over the batch's ranks: the loss does not depend on the mesh.
 """
 
 from __future__ import annotations
@@ -26,8 +44,11 @@ from flax import nnx
 from jphantom.errors import ConfigError
 from jphantom.models.llama import causal_attention
 from jphantom.models.transformer import TransformerConfig
+from jphantom.nn.experts import SwitchMoE
 from jphantom.nn.loss import cross_entropy
 from jphantom.nn.stack import Stacked
+
+AUX = ("load_balance", "z_loss", "dropped")
 
 
 def _linear(n_in, n_out, dtype, rngs):
@@ -65,17 +86,53 @@ class MLP(nnx.Module):
         return self.down(jax.nn.gelu(self.up(x), approximate=True))
 
 
+def _norm(config: TransformerConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    return nnx.LayerNorm(config.hidden, epsilon=config.layer_norm_eps,
+                         param_dtype=jnp.dtype(config.dtype), use_fast_variance=False,
+                         rngs=rngs)  # HF's centred variance
+
+
 class Block(nnx.Module):
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
-        norm = lambda: nnx.LayerNorm(config.hidden, epsilon=config.layer_norm_eps,
-                                     param_dtype=jnp.dtype(config.dtype),
-                                     use_fast_variance=False, rngs=rngs)  # HF's centred variance
-        self.ln_1, self.attn, self.ln_2, self.mlp = (norm(), Attention(config, rngs=rngs),
-                                                     norm(), MLP(config, rngs=rngs))
+        self.ln_1, self.attn = _norm(config, rngs), Attention(config, rngs=rngs)
+        self.ln_2, self.mlp = _norm(config, rngs), MLP(config, rngs=rngs)
 
     def __call__(self, h):
         h = h + self.attn(self.ln_1(h))
         return h + self.mlp(self.ln_2(h))
+
+
+class MoEBlock(nnx.Module):
+    """A block whose MLP is the mixture of experts: ``h -> (h, aux of the MoE layer)``."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        h, moe = config.hidden, config.moe
+        self.ln_1, self.attn = _norm(config, rngs), Attention(config, rngs=rngs)
+        self.ln_2 = _norm(config, rngs)
+        self.moe = SwitchMoE(h, moe.width, moe.experts, top_k=moe.top_k,
+                             capacity_factor=moe.capacity_factor,
+                             param_dtype=jnp.dtype(config.dtype),
+                             kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+
+    def __call__(self, h):
+        h = h + self.attn(self.ln_1(h))
+        out, aux = self.moe(self.ln_2(h))
+        return h + out, aux
+
+
+class MoEGroup(nnx.Module):
+    """``moe_every - 1`` plain blocks, then an MoE block: ``(h, aux) -> (h, aux + its aux)``."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        self.dense = nnx.List([Block(config, rngs=rngs) for _ in range(config.moe_every - 1)])
+        self.moe_block = MoEBlock(config, rngs=rngs)
+
+    def __call__(self, carry):
+        h, aux = carry
+        for block in self.dense:
+            h = block(h)
+        h, added = self.moe_block(h)
+        return h, {name: aux[name] + added[name] for name in AUX}
 
 
 class GPT2(nnx.Module):
@@ -83,9 +140,6 @@ class GPT2(nnx.Module):
     ``model.loss(tokens, targets)`` -> mean next-token cross-entropy."""
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
-        if config.moe_every:
-            raise ConfigError("the NNX GPT-2 has no MoE blocks: set moe_every=0 (Mixtral-style "
-                              "experts are in jphantom.models.llama)")
         self.config = config
         dtype = jnp.dtype(config.dtype)
         init = nnx.initializers.normal(0.02)
@@ -93,7 +147,11 @@ class GPT2(nnx.Module):
                              embedding_init=init, rngs=rngs)
         self.wpe = nnx.Embed(config.seq_len, config.hidden, param_dtype=dtype,
                              embedding_init=nnx.initializers.normal(0.01), rngs=rngs)
-        self.blocks = Stacked(lambda r: Block(config, rngs=r), config.layers, rngs=rngs)
+        if config.moe_every:  # the first group outside the scan: it gives aux its types
+            self.blocks = Stacked(lambda r: MoEGroup(config, rngs=r), config.moe_layers,
+                                  rngs=rngs, peel_first=True)
+        else:
+            self.blocks = Stacked(lambda r: Block(config, rngs=r), config.layers, rngs=rngs)
         self.ln_f = nnx.LayerNorm(config.hidden, epsilon=config.layer_norm_eps,
                                   param_dtype=dtype, use_fast_variance=False, rngs=rngs)
         if not config.tied_head:
@@ -104,19 +162,57 @@ class GPT2(nnx.Module):
             raise ConfigError(f"heads={self.config.heads} is not divisible by the {num_shards} "
                               "ranks that split them: pick an axis size dividing the heads")
 
-    def hidden_states(self, tokens: jax.Array) -> jax.Array:
+    def trunk(self, tokens: jax.Array):
+        """The final-normed stream [B, S, h] and the MoE blocks' aux summed over them (``None``
+        without MoE blocks)."""
         h = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))
-        return self.ln_f(self.blocks(h))
+        if not self.config.moe_every:
+            return self.ln_f(self.blocks(h)), None
+        wide = jnp.promote_types(h.dtype, jnp.float32)  # the router's statistics' dtype
+        zero = {"load_balance": jnp.zeros((), wide), "z_loss": jnp.zeros((), wide),
+                "dropped": jnp.zeros((), jnp.int32)}
+        h, aux = self.blocks((h, zero))
+        return self.ln_f(h), aux
+
+    def hidden_states(self, tokens: jax.Array) -> jax.Array:
+        return self.trunk(tokens)[0]
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         h = self.hidden_states(tokens)
         return self.wte.attend(h) if self.config.tied_head else self.head(h)
 
-    def loss(self, tokens: jax.Array, targets: jax.Array) -> jax.Array:
-        h = self.hidden_states(tokens)
+    def _cross_entropy(self, h, targets):
         if self.config.tied_head:
             return cross_entropy(self.wte, h, targets, tied=True)
         return cross_entropy(self.head, h, targets)
+
+    def loss(self, tokens: jax.Array, targets: jax.Array) -> jax.Array:
+        """Mean next-token cross-entropy (plus, with MoE blocks, ``balance_weight`` x the
+        load-balancing loss and ``z_weight`` x the router z-loss, summed over the MoE blocks)."""
+        h, aux = self.trunk(tokens)
+        loss = self._cross_entropy(h, targets)
+        if aux is None:
+            return loss
+        config = self.config
+        extra = config.balance_weight * aux["load_balance"] + config.z_weight * aux["z_loss"]
+        return loss + extra.astype(loss.dtype)
+
+    def metrics(self, tokens: jax.Array, targets: jax.Array) -> dict:
+        """Means over the batch given: ``cross_entropy`` (without the auxiliary losses) and, with
+        MoE blocks, ``dropped`` and ``assignments`` per token (k per MoE block; their ratio is the
+        fraction of assignments the capacity dropped)."""
+        h, aux = self.trunk(tokens)
+        out = {"cross_entropy": self._cross_entropy(h, targets)}
+        if aux is not None:
+            out["dropped"] = aux["dropped"] / targets.size
+            out["assignments"] = jnp.asarray(self.config.top_k * self.config.moe_layers,
+                                             jnp.float32)
+        return out
+
+    @staticmethod
+    def metrics_fn(model: "GPT2", tokens: jax.Array, targets: jax.Array) -> dict:
+        """``metrics_fn(model, tokens, targets)`` of :meth:`jphantom.TrainStep.metrics`."""
+        return model.metrics(tokens, targets)
 
 
 # (our path, dense path, how): "q"/"k"/"v" take slot 0/1/2 of the fused QKV
@@ -143,9 +239,17 @@ def _put(tree, path, value):
     tree[path[-1]] = value
 
 
+def _no_moe(config: TransformerConfig) -> None:
+    if config.moe_every:
+        raise ConfigError("the dense dictionary (and Hugging Face's GPT-2) has no MoE blocks: "
+                          "save an MoE GPT-2 with the checkpoint module (Orbax), not as GPT-2 "
+                          "tensors")
+
+
 def from_dense(config: TransformerConfig, params: dict) -> GPT2:
     """The :class:`GPT2` holding the dense dictionary ``params`` (:mod:`jphantom.models.
     transformer`'s layout), by slicing only: built abstract, then filled."""
+    _no_moe(config)
     abstract = nnx.eval_shape(lambda: GPT2(config, rngs=nnx.Rngs(0)))
     graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
     pure = nnx.to_pure_dict(state)
@@ -175,6 +279,7 @@ def to_dense(model: GPT2) -> dict:
     order of the fused QKV."""
     import numpy as np
 
+    _no_moe(model.config)
     _, state, _ = nnx.split(model, nnx.Param, ...)
     pure = jax.device_get(nnx.to_pure_dict(state))
     out: dict = {}

@@ -9,13 +9,17 @@ model by path; a model holds none of them itself.
 - :mod:`jphantom.nn.tensor`: Megatron's column- and row-parallel linears with f and g,
   vocabulary-parallel embedding and head, sequence parallelism, tensor-parallel experts.
 - :mod:`jphantom.nn.phantom`: the phantom linear (seed 000), feature-split embeddings and norms.
-- :mod:`jphantom.nn.experts`: a mixture of SwiGLU experts (Mixtral's router), plain.
+- :mod:`jphantom.nn.experts`: mixtures of experts, plain: SwiGLU or GELU experts (Mixtral's
+  router), and the routed :class:`SwitchMoE` (capacity, dropless, load-balancing and z losses).
+- :mod:`jphantom.nn.expert`: expert parallelism over ``expert`` (all-to-all dispatch), TED and
+  DTD over ``model``, phantom-parallel experts.
 - :mod:`jphantom.nn.stack`: blocks stacked over depth under ``lax.scan``.
 - :mod:`jphantom.nn.loss`: the LM loss through whatever head a model has.
 - :mod:`jphantom.nn.metadata`: the mesh-axis metadata of parameters.
 """
 
-from jphantom.nn.experts import Experts, top_k_gates
+from jphantom.nn.expert import ExpertParallelExperts, ExpertParallelMoE, PhantomMoE
+from jphantom.nn.experts import Experts, SwitchMoE, top_k_gates
 from jphantom.nn.loss import cross_entropy
 from jphantom.nn.phantom import FeatureParallelEmbed, FeatureParallelNorm, PhantomLinear
 from jphantom.nn.stack import Stacked, set_remat
@@ -25,4 +29,5 @@ from jphantom.nn.tensor import (ColumnParallelLinear, RowParallelLinear, Sequenc
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbed", "VocabParallelHead",
            "SequenceParallelEmbed", "TensorParallelExperts", "PhantomLinear",
            "FeatureParallelEmbed", "FeatureParallelNorm", "Experts", "top_k_gates", "Stacked",
+           "SwitchMoE", "ExpertParallelExperts", "ExpertParallelMoE", "PhantomMoE",
            "set_remat", "cross_entropy"]

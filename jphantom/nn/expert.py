@@ -1,26 +1,55 @@
-"""Expert parallelism as a Flax NNX layer: a mixture of SwiGLU experts split over the ``expert``
-mesh axis, tokens exchanged by all-to-all (GShard / Switch routing; DeepSpeed-TED, seed 004
-ch. 7, with the experts also split over ``model``).
+"""Expert parallelism as Flax NNX layers: mixtures of experts split over the ``expert`` mesh axis,
+tokens exchanged by all-to-all (GShard / Switch routing; DeepSpeed-TED, seed 004 ch. 7, with the
+experts also split over ``model``).
 
 Per rank, inside the step's ``shard_map``, with E experts over G ``expert`` ranks (E/G each) and
 this rank's T tokens x [T, h] (the batch is split over ``data`` and ``expert``):
 
-1. the top-k experts of each token and their weights, read off the model's dense gates [T, E]
-   (Mixtral's renormalised softmax, :func:`jphantom.nn.experts.top_k_gates`);
-2. capacity C per expert and rank (``capacity_factor``: ceil(c T k / E); ``None``: C = T, which
-   drops nothing, so the layer equals its dense equivalent exactly); first choices served first;
-3. dispatch: each kept (token, choice) scattered into its row of [E, C, h]; one all-to-all over
-   ``expert`` (E C h elements);
-4. the E/G local experts on the G C rows each received (with ``model``: each expert's width f
-   split, column then row, TED);
-5. the all-to-all back (E C h), the gate-weighted combine; with ``model``, g: one all-reduce of
-   T h (SP: reduce-scatter) of the partial outputs, after the combine (the combine is linear).
+1. the top-k experts of each token and their gates (the router, replicated);
+2. capacity C per expert and rank (``capacity_factor``: ceil(c T k / E)); first choices served
+   first, the rest dropped and counted;
+3. dispatch: each kept (token, choice) scattered into its row of [G, E/G, C, h]; one all-to-all
+   over ``expert`` (E C h elements): every rank receives its experts' rows from every rank;
+4. the E/G local experts on the G C rows each received;
+5. the all-to-all back (E C h), the gate-weighted combine.
 
-Backward: the two all-to-alls' transposes, and f's all-reduce with ``model``. The router stays a
-plain replicated ``nnx.Linear`` in the model; this layer replaces :class:`Experts` only.
+Backward: the two all-to-alls' transposes (two more of E C h).
+
+Two layers:
+
+- :class:`ExpertParallelExperts` (Mixtral, :mod:`jphantom.models.llama`): the model's router
+  gives dense gates; no capacity by default (C = T, nothing dropped). With ``model``: f before
+  the dispatch and g after the combine, on T h.
+- :class:`ExpertParallelMoE` (the GPT-2 MoE blocks, :class:`jphantom.nn.experts.SwitchMoE`): the
+  router inside, capacity and dropless dispatch, and the auxiliary losses with the
+  load-balancing statistics summed over the batch's ranks (one all-reduce of 2E numbers), so the
+  loss is the same on every mesh. **TED** (``model_axis``, seed 004 Eq. 7.1): each expert also
+  tensor-parallel (W_up split on f, column; W_down on f, row) on the stream replicated over
+  ``model``; the received buffers go through f (backward all-reduce of E C h) and the experts'
+  partial outputs through g (all-reduce of E C h). **DTD** (``dtd``, duplicate token dropping):
+  each tensor rank sends only its 1/p slice of the (identical) capacity buffer, all-gathers the
+  slices over ``model`` after the all-to-all, and reduce-scatters the partial outputs instead of
+  all-reducing them: the all-to-all bytes fall by p. **Dropless** (``capacity_factor=None``):
+  assignments sorted by expert, grouped matmuls (``lax.ragged_dot``) on exactly the rows each
+  expert got, ``lax.ragged_all_to_all`` over ``expert`` where the backend implements it
+  (:func:`ragged_all_to_all_supported`, detected by compiling one); XLA:CPU does not, and there
+  the same exchange runs as a padded ``all_to_all`` of worst-case chunks (:func:`ragged_exchange`,
+  exact, G-fold larger).
+- :class:`PhantomMoE`: phantom-parallel experts (seed 000 in every expert) on the feature-split
+  stream [T, h/p]: the router's logits all-reduced over the feature axis (T E), each rank
+  dispatching its h/p features of every token (the all-to-all carries 1/p of the bytes, as DTD
+  does), every expert a phantom FFN whose ranks exchange k ghosts per token.
+
+**CAC** (seed 004's communication-aware checkpointing): every all-to-all and tensor all-reduce
+output is named (:func:`jphantom.remat.name_collective`), so ``remat="collectives_saveable"``
+keeps them and a recompute repeats no collective (per MoE layer 6 all-to-alls become 4, the
+experts' 3 all-reduces of E C h become 2).
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -28,15 +57,21 @@ from flax import nnx
 from jax import lax
 
 from jphantom import remat
+from jphantom.errors import ConfigError
 from jphantom.nn import metadata
-from jphantom.nn.experts import Experts
-from jphantom.nn.tensor import reduce_from_model, to_full_sequence
+from jphantom.nn.experts import (Experts, SwitchMoE, combine_sorted, expert_ffn, grouped_ffn,
+                                 route, router_losses, router_statistics, sort_by_expert)
+from jphantom.nn.phantom import PhantomLinear
+from jphantom.nn.tensor import _linear, _promote, reduce_from_model, to_full_sequence
 from jphantom.sharding import expert as expert_ops
+from jphantom.sharding import phantom as phantom_ops
 
 
 class ExpertParallelExperts(nnx.Module):
     """E SwiGLU experts split over ``expert_axis`` (and their width over ``model_axis``, TED).
-    w_gate, w_up [E, h, f], w_down [E, f, h]: E split over ``expert_axis``, f over ``model_axis``."""
+    w_gate, w_up [E, h, f], w_down [E, f, h]: E split over ``expert_axis``, f over ``model_axis``.
+    The router is a plain replicated ``nnx.Linear`` in the model; this layer replaces
+    :class:`Experts` only."""
 
     def __init__(self, w_gate, w_up, w_down, *, top_k: int, expert_axis: str = "expert",
                  model_axis: str | None = None, capacity_factor: float | None = None,
@@ -51,9 +86,14 @@ class ExpertParallelExperts(nnx.Module):
     def from_module(cls, experts: Experts, *, top_k: int, expert_axis: str = "expert",
                     model_axis: str | None = None, capacity_factor: float | None = None,
                     sequence_parallel: bool = False) -> "ExpertParallelExperts":
-        return cls(experts.w_gate.get_value(), experts.w_up.get_value(), experts.w_down.get_value(), top_k=top_k,
-                   expert_axis=expert_axis, model_axis=model_axis,
-                   capacity_factor=capacity_factor, sequence_parallel=sequence_parallel)
+        if experts.activation != "swiglu" or experts.use_bias:
+            raise ConfigError("ExpertParallelExperts splits SwiGLU experts without biases "
+                              "(Mixtral); route GELU experts with biases through a SwitchMoE "
+                              "(ExpertParallelMoE)")
+        return cls(experts.w_gate.get_value(), experts.w_up.get_value(),
+                   experts.w_down.get_value(), top_k=top_k, expert_axis=expert_axis,
+                   model_axis=model_axis, capacity_factor=capacity_factor,
+                   sequence_parallel=sequence_parallel)
 
     def dense_equivalent(self) -> Experts:
         return Experts.of(self.w_gate[...], self.w_up[...], self.w_down[...], top_k=self.top_k)
@@ -64,9 +104,9 @@ class ExpertParallelExperts(nnx.Module):
         lead, h = x.shape[:-1], x.shape[-1]
         tokens = x.reshape(-1, h)
         weights, chosen = lax.top_k(gates.reshape(-1, gates.shape[-1]), self.top_k)
-        w_gate, w_up, w_down = self.w_gate[...], self.w_up[...], self.w_down[...]
-        dtype = jnp.result_type(x, w_gate)
-        local = w_gate.shape[0]
+        w = {"w_gate": self.w_gate[...], "w_up": self.w_up[...], "w_down": self.w_down[...]}
+        dtype = jnp.result_type(x, w["w_gate"])
+        local = w["w_gate"].shape[0]
         ranks = lax.axis_size(self.expert_axis)
         experts = local * ranks
         count = tokens.shape[0]
@@ -79,9 +119,7 @@ class ExpertParallelExperts(nnx.Module):
         received = remat.name_collective(  # all-to-all of E C h: each expert's tokens to its rank
             lax.all_to_all(buffers, self.expert_axis, 0, 0, tiled=False))
         rows = received.transpose(1, 0, 2, 3).reshape(local, ranks * capacity, h)
-        hidden = jax.nn.silu(jnp.einsum("enh,ehf->enf", rows, w_gate.astype(dtype))) * jnp.einsum(
-            "enh,ehf->enf", rows, w_up.astype(dtype))
-        out = jnp.einsum("enf,efh->enh", hidden, w_down.astype(dtype))
+        out = expert_ffn(rows, w, "swiglu")
         out = out.reshape(local, ranks, capacity, h).transpose(1, 0, 2, 3)
         returned = remat.name_collective(  # all-to-all of E C h back home
             lax.all_to_all(out, self.expert_axis, 0, 0, tiled=False))
@@ -90,3 +128,295 @@ class ExpertParallelExperts(nnx.Module):
         if self.model_axis is not None:  # g over the experts' split width (TED)
             y = reduce_from_model(y, self.model_axis, self.sequence_parallel)
         return y
+
+
+def _ranks(axes) -> int:
+    return math.prod(lax.axis_size(a) for a in axes)
+
+
+class ExpertParallelMoE(nnx.Module):
+    """A :class:`~jphantom.nn.experts.SwitchMoE` split over ``expert_axis`` (E/G experts per
+    rank; ``None``: every expert on every rank, no all-to-all), its experts' width over
+    ``model_axis`` (TED; ``dtd``: duplicate token dropping), its load-balancing statistics summed
+    over ``batch_axes`` (the axes whose ranks hold other tokens of the batch). Module docstring.
+
+    Parameters: ``router`` [h, E] replicated; ``experts`` (:class:`Experts`) with E split over
+    ``expert_axis`` and f over ``model_axis``. Input x [..., h] replicated over ``model_axis``
+    (invariant: the router runs on it, and its backward all-reduce happens on the received buffers,
+    E C h); output (y [..., h], aux)."""
+
+    def __init__(self, router, experts: Experts, config: expert_ops.MoEConfig, *,
+                 expert_axis: str | None = "expert", model_axis: str | None = None,
+                 dtd: bool = False, batch_axes: tuple[str, ...] = ()):
+        if dtd and model_axis is None:
+            raise ConfigError("dtd (duplicate token dropping) splits the capacity buffers over "
+                              "the experts' tensor-parallel ranks: it needs a model axis")
+        if dtd and config.dropless:
+            raise ConfigError("the dropless MoE exchanges exactly the rows each expert gets; dtd "
+                              "slices fixed capacity buffers: give a capacity factor for dtd")
+        self.config, self.expert_axis, self.model_axis = config, expert_axis, model_axis
+        self.dtd, self.batch_axes = bool(dtd), tuple(batch_axes)
+        self.router = metadata.param(router, (None, None))
+        self.experts = experts
+
+    @classmethod
+    def from_module(cls, moe: SwitchMoE, *, expert_axis: str | None = "expert",
+                    model_axis: str | None = None, dtd: bool = False,
+                    batch_axes: tuple[str, ...] = ()) -> "ExpertParallelMoE":
+        experts = Experts.from_weights(
+            {name: getattr(moe.experts, name).get_value() for name in moe.experts.names},
+            activation=moe.experts.activation, top_k=moe.experts.top_k,
+            axes={"e": expert_axis, "f": model_axis})
+        return cls(moe.router.get_value(), experts, moe.config, expert_axis=expert_axis,
+                   model_axis=model_axis, dtd=dtd, batch_axes=batch_axes)
+
+    def dense_equivalent(self) -> SwitchMoE:
+        experts = Experts.from_weights(self.experts.weights(), activation=self.experts.activation,
+                                       top_k=self.experts.top_k)
+        return SwitchMoE.of(self.router[...], experts, self.config)
+
+    # -- the parts a phantom layer replaces ------------------------------------------------------
+
+    def logits(self, tokens: jax.Array) -> jax.Array:
+        """Router logits [T, E] (replicated router, no communication)."""
+        tokens, router = _promote(tokens, self.router[...])
+        return tokens @ router
+
+    def run_experts(self, rows: jax.Array, reduce=None) -> jax.Array:
+        """This rank's E/G experts on their received rows [E/G, N, h] (``reduce``: TED's g)."""
+        return expert_ffn(rows, self.experts.weights(), self.experts.activation, reduce)
+
+    # -- the layer ---------------------------------------------------------------------------------
+
+    def __call__(self, x: jax.Array):
+        config = self.config
+        lead, h = x.shape[:-1], x.shape[-1]
+        tokens = x.reshape(-1, h)
+        count = tokens.shape[0]
+        logits, probs, chosen, gates = route(tokens, self.logits(tokens), config.top_k)
+        statistics = router_statistics(probs, chosen)
+        if self.batch_axes:  # all-reduce of 2E numbers: the load balance of the whole batch
+            statistics = lax.psum(statistics, self.batch_axes)
+        aux = router_losses(logits, statistics, count * _ranks(self.batch_axes))
+        if config.dropless:
+            y, dropped = self._dropless(tokens, chosen, gates), jnp.zeros((), jnp.int32)
+        else:
+            y, dropped = self._dispatched(tokens, chosen, gates)
+        return y.reshape(*lead, y.shape[-1]), {**aux, "dropped": dropped.astype(jnp.int32)}
+
+    def _exchange(self, buffers):
+        """The dispatch (or combine) all-to-all of [G, E/G, C, h] over the expert axis."""
+        if self.expert_axis is None:
+            return buffers
+        return remat.name_collective(lax.all_to_all(buffers, self.expert_axis, 0, 0,
+                                                    tiled=False))
+
+    def _dispatched(self, tokens, chosen, gates):
+        config, model, dtd = self.config, self.model_axis, self.dtd
+        count, h = tokens.shape
+        ranks = lax.axis_size(self.expert_axis) if self.expert_axis is not None else 1
+        tensor = lax.axis_size(model) if model is not None else 1
+        local = config.experts // ranks
+        capacity = config.capacity(count, tensor if dtd else 1)
+        slots = capacity // tensor if dtd else capacity  # what each tensor rank sends per expert
+        position, dropped = expert_ops.dispatch_plan(chosen, config, capacity)
+        buffers = expert_ops.dispatch(tokens, position, config.experts * capacity)  # [E C, h]
+        buffers = buffers.reshape(ranks, local, capacity, h)
+        if dtd:  # this tensor rank's slice of the (identical) buffers: no duplicate crosses
+            buffers = lax.dynamic_slice_in_dim(buffers, lax.axis_index(model) * slots, slots, 2)
+        received = self._exchange(buffers)  # all-to-all of E C h (DTD: E C h / p)
+        if dtd:  # all-gather of the slices over model: [G, E/G, C, h]
+            received = remat.name_collective(lax.all_gather(received, model, axis=2, tiled=True))
+        if model is None:
+            reduce = None
+        elif dtd:  # reduce-scatter of E C h: each tensor rank keeps its C/p slots of a block
+            reduce = lambda o: lax.psum_scatter(
+                o.reshape(local, ranks, capacity, -1), model, scatter_dimension=2,
+                tiled=True).reshape(local, ranks * slots, -1)
+        else:  # g: all-reduce of E C h (f's backward, on the received buffers, is another)
+            reduce = lambda o: remat.name_collective(lax.psum(o, model))
+        rows = received.transpose(1, 0, 2, 3).reshape(local, ranks * capacity, h)
+        out = self.run_experts(rows, reduce)
+        out = out.reshape(local, ranks, slots, -1).transpose(1, 0, 2, 3)
+        returned = self._exchange(out)  # all-to-all of E C h back home
+        if dtd:  # all-gather of the returned slices over model, replicated again
+            returned = remat.name_collective(
+                lax.all_gather(returned, model, axis=2, tiled=True, to="invarying"))
+        y = expert_ops.combine(returned.reshape(config.experts * capacity, -1), position, gates)
+        return y, dropped
+
+    def _dropless(self, tokens, chosen, gates):
+        """Every assignment served: sort by expert, exchange exactly the rows each expert rank
+        gets (ragged), grouped matmuls, exchange back, combine by the gates."""
+        config, axis, model = self.config, self.expert_axis, self.model_axis
+        count, h = tokens.shape
+        k = config.top_k
+        ranks = lax.axis_size(axis) if axis is not None else 1
+        local = config.experts // ranks
+        order, sizes = sort_by_expert(chosen, config.experts)
+        rows = tokens[order // k]  # [T k, h], grouped by expert
+        weights, activation = self.experts.weights(), self.experts.activation
+        reduce = None if model is None else (
+            lambda o: remat.name_collective(lax.psum(o, model)))  # g: all-reduce of the rows
+        if ranks == 1:
+            return combine_sorted(grouped_ffn(rows, sizes, weights, activation, reduce), order,
+                                  gates)
+        me = lax.axis_index(axis)
+        counts = lax.all_gather(sizes.reshape(ranks, local), axis)  # [G_src, G_dst, E/G]
+        to_dst = counts.sum(axis=2)  # [G_src, G_dst]
+        send, recv = to_dst[me], to_dst[:, me]
+        send_offsets = jnp.cumsum(send) - send
+        recv_offsets = jnp.cumsum(recv) - recv
+        landing = (jnp.cumsum(to_dst, axis=0) - to_dst)[me]  # my chunk's offset in each receiver
+        buffer = jnp.zeros((ranks * count * k, h), tokens.dtype)  # the worst case: all here
+        got = ragged_exchange(rows, buffer, send_offsets, send, landing, recv, axis)
+        # received rows: source by source, each sorted by local expert; regroup by local expert
+        mine = counts[:, me, :]  # [G_src, E/G]
+        position = jnp.arange(buffer.shape[0])
+        source = jnp.clip(jnp.searchsorted(jnp.cumsum(recv), position, side="right"), 0,
+                          ranks - 1)
+        within = position - recv_offsets[source]
+        expert_of = jnp.sum(within[:, None] >= jnp.cumsum(mine[source], axis=1), axis=1)
+        expert_of = jnp.where(position < jnp.sum(recv), expert_of, local)  # padding last
+        regroup = jnp.argsort(expert_of, stable=True)
+        grouped = grouped_ffn(got[regroup], mine.sum(axis=0), weights, activation, reduce)
+        back = jnp.zeros_like(grouped).at[regroup].set(grouped)
+        home = (jnp.cumsum(to_dst, axis=1) - to_dst)[:, me]  # where each source's rows came from
+        out = ragged_exchange(back, jnp.zeros((count * k, back.shape[-1]), back.dtype),
+                              recv_offsets, recv, home, send, axis)
+        return combine_sorted(out, order, gates)
+
+
+class PhantomMoE(ExpertParallelMoE):
+    """Phantom-parallel experts (module docstring) on the feature-split stream x [..., h/p]: the
+    router [h, E] split on its input features over ``axis`` (logits all-reduced: T E), experts
+    split over ``expert_axis``, every expert's W_up (h -> f) and W_down (f -> h) a phantom linear
+    (:class:`~jphantom.nn.phantom.PhantomLinear` stacked over E: ``up``, ``down``) whose ranks
+    exchange k ghosts per token (all-gather of N p k forward, reduce-scatter of N k backward).
+    GELU experts with a capacity (no dropless, no DTD: each rank already sends 1/p of a row)."""
+
+    def __init__(self, router, up: PhantomLinear, down: PhantomLinear,
+                 config: expert_ops.MoEConfig, *, axis: str = "model",
+                 expert_axis: str | None = "expert", batch_axes: tuple[str, ...] = (),
+                 top_k: int | None = None):
+        if config.dropless:
+            raise ConfigError("phantom-parallel experts dispatch fixed capacity buffers: give a "
+                              "capacity factor (the dropless MoE runs under 'tensor')")
+        self.config, self.expert_axis, self.model_axis, self.dtd = config, expert_axis, None, False
+        self.axis, self.batch_axes, self.top_k = axis, tuple(batch_axes), top_k
+        self.router = metadata.param(router, (axis, None))
+        self.up, self.down = up, down
+        if expert_axis is not None:  # the expert dimension sits just before the shard dimension
+            for layer in (up, down):
+                for _, variable in nnx.iter_graph(layer):
+                    if isinstance(variable, nnx.Param):
+                        axes = list(metadata.axes_of(variable))
+                        axes[axes.index(axis) - 1] = expert_axis
+                        variable.set_metadata("out_sharding", tuple(axes))
+
+    @classmethod
+    def from_module(cls, moe: SwitchMoE, *, ghost_width: int, num_shards: int,
+                    axis: str = "model", fused: bool = True, expert_axis: str | None = "expert",
+                    batch_axes: tuple[str, ...] = ()) -> "PhantomMoE":
+        experts = moe.experts
+        if experts.activation != "gelu":
+            raise ConfigError("phantom-parallel experts are GELU FFNs (a SwitchMoE's default); "
+                              f"got activation={experts.activation!r}")
+        value = lambda name: (getattr(experts, name).get_value() if experts.use_bias else None)
+        linear = lambda w, b: PhantomLinear.from_module(
+            _linear(w, b, None), ghost_width=ghost_width, num_shards=num_shards, axis=axis,
+            fused=fused)
+        up = linear(experts.w_up.get_value(), value("b_up"))
+        down = linear(experts.w_down.get_value(), value("b_down"))
+        return cls(moe.router.get_value(), up, down, moe.config, axis=axis,
+                   expert_axis=expert_axis, batch_axes=batch_axes, top_k=experts.top_k)
+
+    def dense_equivalent(self) -> SwitchMoE:
+        up, down = self.up.dense_equivalent(), self.down.dense_equivalent()
+        weights = {"w_up": up.kernel[...], "w_down": down.kernel[...]}
+        if self.up.use_bias:
+            weights.update(b_up=up.bias[...], b_down=down.bias[...])
+        experts = Experts.from_weights(weights, activation="gelu", top_k=self.top_k)
+        return SwitchMoE.of(self.router[...], experts, self.config)
+
+    def logits(self, tokens: jax.Array) -> jax.Array:
+        """Partial logits of this rank's h/p features, all-reduced over ``axis``: T E."""
+        tokens, router = _promote(tokens, self.router[...])
+        return lax.psum(tokens @ router, self.axis)
+
+    def run_experts(self, rows: jax.Array, reduce=None) -> jax.Array:
+        """rows [E', N, h/p] through this rank's E' phantom expert FFNs."""
+        up = jax.nn.gelu(_phantom_experts(self.up, rows), approximate=True)
+        return _phantom_experts(self.down, up)
+
+
+def _phantom_experts(layer: PhantomLinear, rows: jax.Array) -> jax.Array:
+    """A phantom linear stacked over E' experts on rows [E', N, n_in/p] -> [E', N, n_out/p]
+    (Eq. 11 per expert; one all-gather of N p k per expert forward)."""
+    local, compress, decompress = layer.local[...], layer.compress[...], layer.decompress[...]
+    if layer.use_bias:
+        bias = layer.bias[...]
+    else:  # no bias: a constant zero, varying as the custom backward's gradient is
+        bias = jnp.zeros(local.shape[:-1], local.dtype)
+        bias = lax.pcast(bias, tuple(sorted(metadata.varying_axes(rows) | {layer.axis})),
+                         to="varying")
+    rows, local, compress, decompress, bias = _promote(rows, local, compress, decompress, bias)
+
+    def one(local, compress, decompress, bias, x):  # the shard dimension of size 1 dropped
+        return phantom_ops.phantom_layer(layer.axis, layer.num_shards, layer.fused, x, local[0],
+                                         compress[0], decompress[0], bias[0])
+
+    z = jax.vmap(one)(local, compress, decompress, bias, rows)
+    return remat.name_collective(z)  # holds the ghosts' all-gather
+
+
+# -------------------------------------------------------------------------------------------------
+# The ragged exchange of the dropless path
+# -------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def ragged_all_to_all_supported(platform: str | None = None) -> bool:
+    """Whether the backend compiles ``lax.ragged_all_to_all`` (XLA:CPU does not): detected by
+    compiling one on a one-device mesh, not assumed from the platform's name."""
+    device = jax.devices(platform)[0]
+    mesh = jax.sharding.Mesh([device], ("probe",))
+
+    def probe(x):
+        sizes = jnp.ones((1,), jnp.int32)
+        zero = jnp.zeros((1,), jnp.int32)
+        return lax.ragged_all_to_all(x, jnp.zeros_like(x), zero, sizes, zero, sizes,
+                                     axis_name="probe")
+
+    spec = jax.sharding.PartitionSpec("probe")
+    try:
+        jax.jit(jax.shard_map(probe, mesh=mesh, in_specs=spec, out_specs=spec)).lower(
+            jax.ShapeDtypeStruct((1, 1), jnp.float32,
+                                 sharding=jax.sharding.NamedSharding(mesh, spec))).compile()
+    except Exception:  # noqa: BLE001 - any failure to compile means "not supported here"
+        return False
+    return True
+
+
+def ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                    axis: str):
+    """``lax.ragged_all_to_all`` semantics: rows ``[input_offsets[d], + send_sizes[d])`` of
+    ``operand`` land in rank ``d``'s ``output`` at ``output_offsets[d]``; ``recv_sizes[s]`` rows
+    arrive from rank ``s``. The primitive where the backend has it; elsewhere a padded
+    ``all_to_all`` of every chunk at ``operand``'s length, then a scatter (exact, G-fold bytes)."""
+    if ragged_all_to_all_supported(jax.devices()[0].platform):
+        return lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                                     recv_sizes, axis_name=axis)
+    rows = operand.shape[0]
+    index = input_offsets[:, None] + jnp.arange(rows)[None, :]  # [G, rows]
+    valid = jnp.arange(rows)[None, :] < send_sizes[:, None]
+    chunks = jnp.where(valid[..., None], operand[jnp.clip(index, 0, rows - 1)], 0)
+    got = remat.name_collective(lax.all_to_all(chunks, axis, 0, 0, tiled=False))  # [G_src, ...]
+    offsets = lax.all_to_all(output_offsets[:, None], axis, 0, 0, tiled=False)[:, 0]
+    target = offsets[:, None] + jnp.arange(rows)[None, :]
+    target = jnp.where(jnp.arange(rows)[None, :] < recv_sizes[:, None], target, output.shape[0])
+    return output.at[target.reshape(-1)].set(got.reshape(-1, *got.shape[2:]), mode="drop")
+
+
+__all__ = ["ExpertParallelExperts", "ExpertParallelMoE", "PhantomMoE", "ragged_exchange",
+           "ragged_all_to_all_supported"]

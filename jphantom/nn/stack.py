@@ -14,7 +14,9 @@ such as ``(h, aux)`` where a block adds its auxiliary losses to ``aux`` (the MoE
 global position (seed 000's FFN applies its ReLU before every layer but the first).
 ``peel_first=True`` runs layer 0 outside the scan, so that autodiff can drop what only its input
 gradient needs (the FFN's data need none; inside the scan the first layer's backward collective
-would be the body's and stay).
+would be the body's and stay), and so that the carry entering the scan has the types the blocks
+give it (the MoE blocks' ``aux`` starts as plain zeros and leaves the first block varying over the
+batch axes, as ``check_vma`` records).
 
 Two explicit attributes, set by the training step and never by a context: ``remat``, the
 blocks' activation-checkpointing policy (:mod:`jphantom.remat`; :func:`set_remat`), and
@@ -75,8 +77,10 @@ def apply_blocks(graphdef, state, carry, *args, remat: str = "none", fetch=None,
     one = remat_module.checkpointed(one, remat, fetched=fetch is not None)
     layers = jax.tree.leaves(state)[0].shape[0]
     indices = offset + jnp.arange(layers)
-    if peel_first and layers > 1:
+    if peel_first:
         carry = one(jax.tree.map(lambda a: a[0], state), carry, indices[0])
+        if layers == 1:
+            return carry
         state = jax.tree.map(lambda a: a[1:], state)
         indices = indices[1:]
     carry, _ = lax.scan(lambda c, xs: (one(xs[0], c, xs[1]), None), carry, (state, indices))

@@ -271,49 +271,20 @@ def moe_per_rank(params: dict, x: jax.Array, config: MoEConfig, *,
     return y, {**aux, "dropped": dropped}
 
 
-@functools.lru_cache(maxsize=None)
 def ragged_all_to_all_supported(platform: str | None = None) -> bool:
-    """Whether the backend compiles ``lax.ragged_all_to_all`` (XLA:CPU does not): detected by
-    compiling one on a one-device mesh, not assumed from the platform's name."""
-    device = jax.devices(platform)[0]
-    mesh = jax.sharding.Mesh([device], ("probe",))
+    """:func:`jphantom.nn.expert.ragged_all_to_all_supported` (one definition)."""
+    from jphantom.nn import expert as nn_expert
 
-    def probe(x):
-        sizes = jnp.ones((1,), jnp.int32)
-        zero = jnp.zeros((1,), jnp.int32)
-        return lax.ragged_all_to_all(x, jnp.zeros_like(x), zero, sizes, zero, sizes,
-                                     axis_name="probe")
-
-    spec = jax.sharding.PartitionSpec("probe")
-    try:
-        from jphantom.step import sharded  # the library's one shard_map opener
-
-        sharded(probe, mesh, spec, spec).lower(
-            jax.ShapeDtypeStruct((1, 1), jnp.float32,
-                                 sharding=jax.sharding.NamedSharding(mesh, spec))).compile()
-    except Exception:  # noqa: BLE001 - any failure to compile means "not supported here"
-        return False
-    return True
+    return nn_expert.ragged_all_to_all_supported(platform)
 
 
 def ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                     axis: str):
-    """``lax.ragged_all_to_all`` semantics: rows ``[input_offsets[d], + send_sizes[d])`` of
-    ``operand`` land in rank ``d``'s ``output`` at ``output_offsets[d]``; ``recv_sizes[s]`` rows
-    arrive from rank ``s``. The primitive where the backend has it; elsewhere a padded
-    ``all_to_all`` of every chunk at ``operand``'s length, then a scatter (exact, G-fold bytes)."""
-    if ragged_all_to_all_supported(jax.devices()[0].platform):
-        return lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
-                                     recv_sizes, axis_name=axis)
-    rows = operand.shape[0]
-    index = input_offsets[:, None] + jnp.arange(rows)[None, :]  # [G, rows]
-    valid = jnp.arange(rows)[None, :] < send_sizes[:, None]
-    chunks = jnp.where(valid[..., None], operand[jnp.clip(index, 0, rows - 1)], 0)
-    got = remat.name_collective(lax.all_to_all(chunks, axis, 0, 0, tiled=False))  # [G_src, ...]
-    offsets = lax.all_to_all(output_offsets[:, None], axis, 0, 0, tiled=False)[:, 0]
-    target = offsets[:, None] + jnp.arange(rows)[None, :]
-    target = jnp.where(jnp.arange(rows)[None, :] < recv_sizes[:, None], target, output.shape[0])
-    return output.at[target.reshape(-1)].set(got.reshape(-1, *got.shape[2:]), mode="drop")
+    """:func:`jphantom.nn.expert.ragged_exchange` (one definition)."""
+    from jphantom.nn import expert as nn_expert
+
+    return nn_expert.ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets,
+                                     recv_sizes, axis)
 
 
 def _grouped_experts(params, rows, sizes, reduce):
