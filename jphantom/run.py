@@ -163,7 +163,8 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
         cross_entropy = float(np.mean([float(m["cross_entropy"]) for m in found]))
         if "dropped" not in found[0]:
             return cross_entropy, None
-        dropped = float(np.mean([float(m["dropped"]) for m in found]))
+        dropped = (sum(float(m["dropped"]) for m in found)
+                   / sum(float(m["assignments"]) for m in found))  # means per token: a ratio
         return cross_entropy, dropped
 
     history = {"step": [], "train_loss": [], "validation_step": [], "validation_loss": [],
