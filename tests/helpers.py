@@ -82,15 +82,36 @@ def step_loss_and_grads(strategy: str, model_config, mesh: str, params, *batch, 
     return value_and_grad(params, *batch)
 
 
-@functools.lru_cache(maxsize=None)
+def _oracle_key(step):
+    """What the oracle of ``step`` depends on: the model's structure (the same for every mesh of
+    a strategy whose parameters keep their shapes, so that those share one compilation)."""
+    layout = step.layout
+    return (layout.graphdef, layout.state_treedef, layout.pure_treedef, layout.order,
+            step.loss_fn)
+
+
+_ORACLES = {}
+
+
 def _oracle(step):
+    from flax import nnx
+
+    key = _oracle_key(step)
+    if key in _ORACLES:
+        return _ORACLES[key]
+    layout = step.layout
+
     def loss(params, *batch):
         from jphantom.plans import dense_equivalent
 
-        model = dense_equivalent(step.layout.model_of(jax.tree.leaves(params)))
+        model = dense_equivalent(layout.model_of(jax.tree.leaves(params)))
+        for _, module in nnx.iter_modules(model):  # compute in the parameters' float64
+            if getattr(module, "dtype", None) is not None:
+                module.dtype = None
         return step.loss_fn(model, *batch)
 
-    return jax.jit(jax.value_and_grad(loss))
+    _ORACLES[key] = jax.jit(jax.value_and_grad(loss))
+    return _ORACLES[key]
 
 
 def oracle_loss_and_grads(step, params, *batch):
@@ -143,14 +164,16 @@ def compiled_hlo(step, *batch_shapes):
     return step.lower(abstract_state(step), *batch).compile().as_text()
 
 
-def assert_tree_close(actual, expected, rtol):
-    """Every leaf: max |a - e| <= rtol * max |e| (a norm-wise relative error, robust near zeros)."""
+def assert_tree_close(actual, expected, rtol, floor: float = 1e-30):
+    """Every leaf: max |a - e| <= rtol * max(max |e|, floor) (a norm-wise relative error, robust
+    near zeros; ``floor``: the scale below which a leaf is compared absolutely, for gradients
+    that are zero in exact arithmetic)."""
     a_leaves, a_tree = jax.tree.flatten(actual)
     e_leaves, e_tree = jax.tree.flatten(expected)
     assert a_tree == e_tree
     for path, a, e in zip(jax.tree_util.tree_flatten_with_path(expected)[0], a_leaves, e_leaves):
         a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
-        scale = max(np.max(np.abs(e)), 1e-30) if e.size else 1.0
+        scale = max(np.max(np.abs(e)), floor) if e.size else 1.0
         err = np.max(np.abs(a - e)) / scale if e.size else 0.0
         assert err <= rtol, f"{jax.tree_util.keystr(path[0])}: relative error {err:.3e} > {rtol:g}"
 

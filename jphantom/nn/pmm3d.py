@@ -35,7 +35,6 @@ from jphantom.sharding import vocab
 X, Y, Z = pmm3d_ops.X, pmm3d_ops.Y, pmm3d_ops.Z
 ROLES = pmm3d_ops.ROLES  # role -> (contraction axis, output axis)
 WEIGHTS = ("kept", "regather", "deferred")  # Pmm3dLinear's gathered weights (its docstring)
-NEVER_SAVE_GATHERED = jax.checkpoint_policies.save_anything_except_these_names(pmm3d_ops.GATHERED)
 
 
 class Pmm3dLinear(nnx.Module):
@@ -51,8 +50,8 @@ class Pmm3dLinear(nnx.Module):
         one reduce-scatter of its gradient backward (Eq. 5.2); one gathered weight per layer
         alive until its backward.
     ``"regather"`` (AxoNN's default without ``cache_weights``)
-        the layer is a ``jax.checkpoint`` whose policy never saves the gathered weight, so its
-        backward all-gathers it again: two all-gathers of G, one reduce-scatter; no gathered
+        the layer is a ``jax.checkpoint`` that saves nothing (its backward needs only its inputs
+        and the gathered weight), so its backward all-gathers the weight again: two all-gathers of G, one reduce-scatter; no gathered
         weight outlives its layer.
     ``"deferred"`` (the dissertation's deferred reduce-scatter)
         inside a :class:`~jphantom.nn.stack.Stacked`, every layer's weight is gathered at once
@@ -104,8 +103,11 @@ class Pmm3dLinear(nnx.Module):
             y = remat.name_collective(lax.psum(x @ w, contract))  # all-reduce_contract, Eq. 5.3
             return y if bias is None else y + bias
 
-        if self.weights == "regather":  # the backward recomputes W: the all-gather again
-            linear = jax.checkpoint(linear, policy=NEVER_SAVE_GATHERED)
+        if self.weights == "regather":
+            # Nothing saved: the backward needs only the layer's inputs and W, so what it
+            # recomputes is W = all-gather_z(Ŵ), the all-gather again (a policy saving anything
+            # but W would save the all-gather's output under another name).
+            linear = jax.checkpoint(linear, policy=jax.checkpoint_policies.nothing_saveable)
         return linear(self.kernel[...], x, _value(self.bias))
 
     def __call__(self, x: jax.Array) -> jax.Array:
