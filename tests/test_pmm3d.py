@@ -158,8 +158,8 @@ def _check_gpt(strategy, grid):
     want_loss, want_grads = oracle_loss_and_grads(step, params, tokens, targets)
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
     # the key bias's gradient is zero in exact arithmetic (softmax ignores a constant added to
-    # every key's score): its leaf is compared against 1e-3, the others relative to themselves
-    assert_tree_close(grads, want_grads, 1e-5, floor=1e-3)
+    # every key's score): its leaf is compared against 1e-2, the others relative to themselves
+    assert_tree_close(grads, want_grads, 1e-5, floor=1e-2)
 
 
 FAST_GRIDS = [(2, 2, 2, 1), (2, 1, 2, 2)]

@@ -80,8 +80,9 @@ def copy_to_model(x: jax.Array, axis: str) -> jax.Array:
 
 
 def gather_sequence(x: jax.Array, axis: str) -> jax.Array:
-    """[B, S/p, h] -> [B, S, h]: all-gather of B S h (backward: reduce-scatter)."""
-    return lax.all_gather(x, axis, axis=x.ndim - 2, tiled=True)
+    """[B, S/p, h] -> [B, S, h]: all-gather of B S h (backward: reduce-scatter). The output is
+    named for ``remat="collectives_saveable"`` (kept, never recomputed)."""
+    return remat.name_collective(lax.all_gather(x, axis, axis=x.ndim - 2, tiled=True))
 
 
 def varies_over(x: jax.Array, axis: str) -> bool:
@@ -102,11 +103,12 @@ def to_full_sequence(x: jax.Array, axis: str, sequence_parallel: bool) -> jax.Ar
 
 
 def reduce_from_model(partial_sum: jax.Array, axis: str, sequence_parallel: bool) -> jax.Array:
-    """Megatron's g: all-reduce of the partial sums (SP: reduce-scatter over the sequence)."""
+    """Megatron's g: all-reduce of the partial sums (SP: reduce-scatter over the sequence),
+    named for ``remat="collectives_saveable"`` (kept, never recomputed)."""
     if sequence_parallel:
-        return lax.psum_scatter(partial_sum, axis, scatter_dimension=partial_sum.ndim - 2,
-                                tiled=True)
-    return lax.psum(partial_sum, axis)
+        return remat.name_collective(lax.psum_scatter(
+            partial_sum, axis, scatter_dimension=partial_sum.ndim - 2, tiled=True))
+    return remat.name_collective(lax.psum(partial_sum, axis))
 
 
 def own_sequence(x: jax.Array, axis: str) -> jax.Array:
