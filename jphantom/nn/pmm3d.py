@@ -17,6 +17,12 @@ position tables split their features over ``y``. The token table [V, h] is split
 layer's weight (vocabulary over (x, z), features over y): the lookup all-reduces over ``x``, the
 tied head's logits [B, S, V/G_x] all-reduce over ``y`` and the cross-entropy is
 vocabulary-parallel over ``x``. An untied head is a normal layer whose outputs are the vocabulary.
+
+What a layer does with its gathered weight is an option, so any model runs every variant
+(:class:`Pmm3dLinear`'s ``weights``): ``kept`` for the backward (default), ``regather`` in the
+backward (AxoNN's default; a ``jax.checkpoint`` that saves nothing), or ``deferred``: a
+:class:`~jphantom.nn.stack.Stacked` gathers every layer's weight before its scan and the
+gradients are reduce-scattered once after the backward.
 """
 
 from __future__ import annotations
