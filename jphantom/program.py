@@ -392,14 +392,6 @@ def build_ffn(config, strategy: str, mesh: MeshConfig, *, ghost_width: int | Non
         raise ConfigError("sequence_parallel applies to the transformer under strategy 'tensor' "
                           f"(Megatron-SP), not to ffn under {strategy!r}")
     mesh = check_ffn_mesh(config, strategy, mesh)
-    k = ghost_width if ghost_width is not None else config.ghost_width
-    if strategy in ("phantom", "phantom-unfused"):
-        from jphantom.sharding.phantom import PhantomConfig
-
-        if k is None:
-            raise ConfigError(f"strategy {strategy!r} needs ghost_width (k of seed 000), e.g. "
-                              "--ghost-width 16")
-        PhantomConfig(config.width, k, mesh.size(FEATURE_AXIS), config.depth)  # Eq. 8 warning
     pairs = strategy in PAIRED
     if STAGE_AXIS in mesh.shape:  # whole units per stage (virtual stages: the step checks)
         from jphantom.pipeline.runner import PipelineConfig
@@ -410,6 +402,15 @@ def build_ffn(config, strategy: str, mesh: MeshConfig, *, ghost_width: int | Non
             raise ConfigError(f"depth={config.depth}: a pipeline cuts the FFN's {name}; give it "
                               "at least one per stage")
         PipelineConfig().check(mesh.size(STAGE_AXIS), units, name)
+
+    k = ghost_width if ghost_width is not None else config.ghost_width
+    if strategy in ("phantom", "phantom-unfused"):
+        from jphantom.sharding.phantom import PhantomConfig
+
+        if k is None:
+            raise ConfigError(f"strategy {strategy!r} needs ghost_width (k of seed 000), e.g. "
+                              "--ghost-width 16")
+        PhantomConfig(config.width, k, mesh.size(FEATURE_AXIS), config.depth)  # Eq. 8 warning
 
     def planned(m):
         with warnings.catch_warnings():  # Eq. 8 warned about above, once

@@ -138,8 +138,6 @@ def gradient_catcher() -> optax.GradientTransformation:
 def abstract_state(step, optimizer=None):
     """A ``TrainState`` of ShapeDtypeStructs with the step's shardings (for lowering without
     creating anything)."""
-    from jax.sharding import NamedSharding
-
     from jphantom.train_step import TrainState
 
     shapes = step._pure(list(step.layout.shapes))

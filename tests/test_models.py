@@ -50,8 +50,6 @@ def test_ffn_model_matches_its_dense_equivalent(strategy):
     """Each strategy's parallelised FFN, created in its shards (program.init) and trained one SGD
     step, moves its parameters by exactly the gradient of the plain model it is (one device,
     float64): loss and update."""
-    import optax
-
     mesh = {"dense": "model=1", "pmm3d": "z=2,y=1,x=2"}.get(strategy, "model=4")
     require_devices(1 if strategy == "dense" else 4)
     config = FFNConfig(width=32, depth=3, ghost_width=2, dtype="float64")

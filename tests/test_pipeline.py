@@ -7,8 +7,6 @@ Every oracle test runs with ``bubble_fill=NaN``: whatever an idle slot sends is 
 that reached the loss or a gradient would fail the comparison (Praxis's check).
 """
 
-import functools
-
 import jax
 import numpy as np
 import optax
@@ -23,8 +21,8 @@ from jphantom.nn.stack import Stacked
 from jphantom.pipeline.runner import PipelineConfig, plan, unit_order
 
 from conftest import require_devices
-from helpers import (abstract_state, assert_tree_close, compiled_hlo, gradient_step,
-                     oracle_loss_and_grads, random_params)
+from helpers import (abstract_state, assert_tree_close, gradient_step, oracle_loss_and_grads,
+                     random_params)
 
 NAN = float("nan")
 WIDTH = 8
@@ -270,7 +268,6 @@ def test_pipeline_config_rejects_bad_values(kwargs, message):
 
 def test_bad_pipelines_fail_before_compiling():
     require_devices(4)
-    mesh = jax.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
     with pytest.raises(ConfigError, match="depth=6 is not divisible by stages x virtual stages"):
         program_module.build(FFNConfig(8, 6, 2), "phantom", "stage=4")
     with pytest.raises(ConfigError, match="microbatches divisible by the 4 stages"):
@@ -285,4 +282,3 @@ def test_bad_pipelines_fail_before_compiling():
                            pipeline=PipelineConfig())
     with pytest.raises(ConfigError, match="not divisible by microbatches=3"):
         PipelineConfig("gpipe", 3).check_batch(8)
-    del mesh

@@ -18,7 +18,7 @@ from jphantom.models.ffn import FFNConfig
 
 from conftest import require_devices
 from helpers import (assert_tree_close, batch, compiled_hlo, gradient_step, oracle_loss_and_grads,
-                     perturb, random_params, step_loss_and_grads)
+                     perturb, random_params)
 
 WIDTH, DEPTH, BATCH = 16, 3, 16
 
@@ -257,7 +257,8 @@ def test_pmm3d_variants_equal_the_dense_ffn_and_move_what_they_say(strategy):
     assert scattered == depth * block // 2
 
 
-@pytest.mark.parametrize("strategy", ["pmm3d-regather", "pmm3d-deferred"])
+@pytest.mark.parametrize("strategy", [pytest.param("pmm3d-regather", marks=pytest.mark.slow),
+                                      "pmm3d-deferred"])
 def test_pmm3d_variants_run_the_transformer(strategy):
     """The variants are options of the pmm3d linear layer, so any model runs them: the GPT's
     linears regathering or deferring their weights equal the single-device model."""

@@ -1,7 +1,6 @@
 """Tensor-parallel baselines, ``tensor-t1`` (row-sharded) and ``tensor`` (Megatron column/row
 pairs), and the ``gspmd`` baseline, against the single-device dense oracle."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
