@@ -41,7 +41,9 @@ def random_params(program, seed: int = 7):
     do for the oracle tests; phantom's own decompressor slot gets a random value too, which must
     have no effect. ``program``: a :class:`jphantom.program.Program` (fan_in: a kernel's
     dimension -2, else the last) or an old-path program (its ``init``; fan_in the last)."""
-    new_path = hasattr(program, "loss_fn")
+    from jphantom.program import Program
+
+    new_path = isinstance(program, Program)
     shapes = (param_shapes(program) if new_path
               else jax.eval_shape(program.init, jax.random.PRNGKey(0)))
     rng = np.random.default_rng(seed)
