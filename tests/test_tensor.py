@@ -101,3 +101,21 @@ def test_bad_width_and_mesh_are_errors():
         program_module.build(FFNConfig(width=48), "tensor-t2", "model=4")
     with pytest.raises(ConfigError, match=r"sequence_parallel applies to the transformer"):
         program_module.build(FFNConfig(width=48), "tensor", "model=4", sequence_parallel=True)
+
+
+def test_feature_styles_fit_their_modules_only():
+    """``t1`` takes an nnx.Linear, ``gather`` / ``scatter`` a Boundary; pmm3d's ``weights`` is
+    one of kept, regather, deferred: anything else is refused by path before anything changes."""
+    from jphantom import Style, parallelize
+
+    model = FFN(FFNConfig(WIDTH, 2), rngs=nnx.Rngs(0))
+    with pytest.raises(ConfigError, match=r"entry: style 't1' does not fit Boundary"):
+        parallelize(model, {"model": 4}, {"entry": "t1"})
+    with pytest.raises(ConfigError, match=r"layers.block.linear: style 'gather' does not fit"):
+        parallelize(model, {"model": 4}, {"layers.block.linear": "gather"})
+    with pytest.raises(ConfigError, match=r"weights='cached'"):
+        Style("pmm3d", weights="cached")
+    with pytest.raises(ConfigError, match=r"for 'pmm3d' only"):
+        Style("column", weights="deferred")
+    with pytest.raises(ConfigError, match=r"in_features=48 is not divisible"):
+        parallelize(model, {"model": 5}, {"layers.block.linear": "t1"})
