@@ -36,6 +36,19 @@ each kind of Flax layer (p = the size of ``axis``):
                :class:`~jphantom.nn.expert.ExpertParallelMoE` (E / G experts per rank over
                ``expert``, TED over ``axis``; ``Style("experts", dtd=True)``: duplicate token
                dropping), its load-balancing statistics summed over the batch axes
+               (E / G experts per rank, all-to-all dispatch; TED: width / p over ``axis``)
+``t1``         seed 000's T1 tensor parallelism: ``nnx.Linear`` ->
+               :class:`~jphantom.nn.tensor.T1Linear` (out / p; its feature-split input
+               all-gathered in every layer, output feature-split)
+``gather``     a :class:`~jphantom.nn.boundary.Boundary` ->
+               :class:`~jphantom.nn.tensor.GatherFeatures` (feature-split -> replicated)
+``scatter``    a :class:`~jphantom.nn.boundary.Boundary` ->
+               :class:`~jphantom.nn.tensor.ScatterFeatures` (replicated -> feature-split)
+``pmm3d``      AxoNN's 3D matmul on ``x``, ``y``, ``z``: ``nnx.Linear`` ->
+               :class:`~jphantom.nn.pmm3d.Pmm3dLinear` (``Style("pmm3d", role="normal" |
+               "transposed", weights="kept" | "regather" | "deferred")``); the token
+               ``nnx.Embed`` (``vocab_output=True``) -> :class:`~jphantom.nn.pmm3d.Pmm3dEmbed`;
+               other embeddings and norms split their features over ``y``
 ``replicate``  unchanged: every rank holds the whole layer
 =============  ==========================================================================
 
@@ -57,6 +70,7 @@ from flax import nnx
 
 from jphantom.errors import ConfigError
 from jphantom.nn import experts as experts_module
+from jphantom.nn.boundary import Boundary
 from jphantom.nn.experts import Experts, SwitchMoE
 from jphantom.nn import expert as expert_layers
 from jphantom.nn import phantom as phantom_layers
@@ -65,9 +79,10 @@ from jphantom.nn import tensor
 
 EXPERT_AXIS = "expert"
 BATCH_AXES = ("data", "expert", "z")  # the training step's: their ranks hold other tokens
-STYLES = ("column", "row", "vocab", "input", "sequence", "phantom", "experts", "pmm3d",
-          "replicate")
-AXIS_STYLES = ("column", "row", "vocab", "input", "sequence", "phantom", "experts")
+STYLES = ("column", "row", "vocab", "input", "sequence", "phantom", "experts", "t1", "gather",
+          "scatter", "pmm3d", "replicate")
+AXIS_STYLES = ("column", "row", "vocab", "input", "sequence", "phantom", "experts", "t1",
+               "gather", "scatter")
 NORMS = (nnx.LayerNorm, nnx.RMSNorm)
 
 
@@ -81,6 +96,7 @@ class Style:
     vocab_output: bool = False
     role: str | None = None  # pmm3d: "normal" (in over y, out over x) or "transposed"
     dtd: bool = False  # experts (a SwitchMoE): duplicate token dropping
+    weights: str | None = None  # pmm3d: "kept" (default), "regather" or "deferred"
 
     def __post_init__(self):
         if self.dtd and self.name != "experts":
@@ -97,6 +113,10 @@ class Style:
         if self.role is not None and (self.name != "pmm3d"
                                       or self.role not in ("normal", "transposed")):
             raise ConfigError(f"role={self.role!r}: 'normal' or 'transposed', for 'pmm3d' only")
+        if self.weights is not None and (self.name != "pmm3d"
+                                         or self.weights not in pmm3d_layers.WEIGHTS):
+            raise ConfigError(f"weights={self.weights!r}: one of "
+                              f"{', '.join(pmm3d_layers.WEIGHTS)}, for 'pmm3d' only")
         if self.ghost_width is not None:
             phantom_layers.check_ghost_width(self.ghost_width, "Style")
 
@@ -149,6 +169,14 @@ def _convert(path: str, module, style: Style, *, axis: str, p: int, sequence_par
         return _convert_moe(path, module, style, axis=axis, p=p,
                             sequence_parallel=sequence_parallel, ghost_width=ghost_width,
                             fused=fused, shape=shape)
+    boundary = isinstance(module, Boundary)
+    if name == "t1" and linear:
+        _divides(path, "in_features", module.in_features, p, axis)
+        _divides(path, "out_features", module.out_features, p, axis)
+        return tensor.T1Linear.from_module(module, axis=axis)
+    if name in ("gather", "scatter") and boundary:
+        cls = tensor.GatherFeatures if name == "gather" else tensor.ScatterFeatures
+        return cls.from_module(module, axis=axis)
     if name in ("column", "vocab") and linear:
         _divides(path, "out_features", module.out_features, p, axis)
         cls = tensor.ColumnParallelLinear if name == "column" else tensor.VocabParallelHead
@@ -191,7 +219,8 @@ def _convert(path: str, module, style: Style, *, axis: str, p: int, sequence_par
             _divides(path, "out_features", module.out_features,
                      shape.get(out, 1) * shape.get(pmm3d_layers.Z, 1), f"{out} x z")
             return pmm3d_layers.Pmm3dLinear.from_module(module, role=role,
-                                                        vocab_output=style.vocab_output)
+                                                        vocab_output=style.vocab_output,
+                                                        weights=style.weights or "kept")
         y = pmm3d_layers.Y
         if embed and style.vocab_output:  # the token table: a normal layer's weight
             _divides(path, "num_embeddings", module.num_embeddings,
@@ -231,7 +260,8 @@ def _convert(path: str, module, style: Style, *, axis: str, p: int, sequence_par
             "sequence": "nnx.LayerNorm, nnx.RMSNorm or a position nnx.Embed",
             "input": "nnx.LayerNorm or nnx.RMSNorm",
             "phantom": "nnx.Linear, nnx.Embed, nnx.LayerNorm, nnx.RMSNorm or Experts",
-            "experts": "jphantom.nn.Experts or a SwitchMoE",
+            "experts": "jphantom.nn.Experts or a SwitchMoE", "t1": "nnx.Linear",
+            "gather": "jphantom.nn.Boundary", "scatter": "jphantom.nn.Boundary",
             "pmm3d": "nnx.Linear, nnx.Embed, nnx.LayerNorm or nnx.RMSNorm"}[name]
     raise ConfigError(f"{path}: style {name!r} does not fit {kind}; it applies to {fits}")
 
@@ -503,10 +533,12 @@ def phantom(model: nnx.Module, ghost_width: int = 8) -> dict[str, Style]:
     return plan
 
 
-def pmm3d(model: nnx.Module) -> dict[str, Style]:
+def pmm3d(model: nnx.Module, *, weights: str = "kept") -> dict[str, Style]:
     """AxoNN's 3D matmul (seed 004 ch. 5) for a whole model on ``x``, ``y``, ``z``: q/k/v and
     up/gate normal layers, attention output and down transposed, the token table (and an untied
-    head) vocabulary over ``x``, norms and position tables over ``y``."""
+    head) vocabulary over ``x``, norms and position tables over ``y``. ``weights``: the linears'
+    gathered weights, ``"kept"``, ``"regather"`` or ``"deferred"``
+    (:class:`~jphantom.nn.pmm3d.Pmm3dLinear`; the token table is always kept)."""
     modules, embeds, vocab = _walk(model)
     plan: dict[str, Style] = {}
     for path, (path_tuple, module) in modules.items():
@@ -520,11 +552,11 @@ def pmm3d(model: nnx.Module) -> dict[str, Style]:
                               "does not split; use plans.megatron with an expert axis")
         elif isinstance(module, nnx.Linear):
             if name in COLUMN:
-                plan[path] = Style("pmm3d", role="normal")
+                plan[path] = Style("pmm3d", role="normal", weights=weights)
             elif name in ROW:
-                plan[path] = Style("pmm3d", role="transposed")
+                plan[path] = Style("pmm3d", role="transposed", weights=weights)
             elif vocab is not None and module.out_features == vocab:
-                plan[path] = Style("pmm3d", role="normal", vocab_output=True)
+                plan[path] = Style("pmm3d", role="normal", vocab_output=True, weights=weights)
             else:
                 raise ConfigError(f"plans.pmm3d cannot tell whether {path} is a normal or a "
                                   "transposed layer: write the plan by hand")

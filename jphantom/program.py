@@ -4,19 +4,19 @@
     program = jphantom.program.build(GPT2 config, "tensor", MeshConfig.parse("data=2,model=4"),
                                      sequence_parallel=True)
     step = program.train_step(mesh, optax.adamw(3e-4), zero=1)     # a jphantom.TrainStep
-    state = step.init(create=program.create)                         # parameters in their shards
+    state = program.init(step, seed=0)                               # parameters in their shards
 
 A :class:`Program` is small: the parallelised NNX model (abstract: ``nnx.eval_shape``), how to
-create it (``create()``, run by ``step.init`` under ``jax.jit`` so each parameter is born in its
-shards), its ``loss_fn(model, *batch)`` (and ``metrics_fn``), the batch arrays' specs when they
+create it (``create(key)``, run by ``step.init`` under ``jax.jit`` so each parameter is born in
+its shards; one compilation serves every seed), its ``loss_fn(model, *batch)`` (and ``metrics_fn``), the batch arrays' specs when they
 are not the default (seed 000's FFN takes its features split over ``model``), and whether the
 step is ``shard_map`` (the layers' own collectives) or ``gspmd`` (annotations, ``jax.jit``'s
 collectives, the baseline). Everything about *how* the step runs (ZeRO, pipelines, precision,
 remat, accumulation) is a step option, composed in one order by :class:`jphantom.TrainStep`.
 
 A strategy is a row of :data:`STRATEGIES` (the one vocabulary of names of the CLI, the API,
-``results.json``, the cost model and the docs) and a model family a row of :data:`FAMILIES`: the
-family builds its NNX model from a configuration and applies the strategy's plan to it
+``results.json``, the cost model and the docs); a model family (:func:`family_of`: FFN, GPT-2,
+Llama) builds its NNX model from a configuration and applies the strategy's plan to it
 (:mod:`jphantom.plans`).
 """
 
@@ -31,7 +31,7 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jphantom.errors import ConfigError
+from jphantom.errors import ConfigError, JPhantomWarning
 from jphantom.mesh import MeshConfig
 
 BATCH_AXES = ("data", "expert", "z")
@@ -41,12 +41,14 @@ BATCH_AXES = ("data", "expert", "z")
 class Strategy:
     """A row of the strategy vocabulary. ``family``: ``dense`` (dense-shaped weights, any degree)
     or ``phantom`` (the ghost width k and the degree p are part of the model); ``models``: the
-    model families it runs."""
+    model families it runs; ``zero``: whether ZeRO over ``data`` applies (pmm3d shards its
+    weights over ``z`` already: its z-only grid is ZeRO-3)."""
 
     name: str
     description: str
     family: str
     models: tuple[str, ...]
+    zero: bool = True
 
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
@@ -65,11 +67,11 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              "phantom", ("ffn", "gpt2", "llama")),
     Strategy("pmm3d", "AxoNN's 3D parallel matrix multiply on x, y, z (and data), seed 004 ch. 5: "
              "weights all-gathered over z, all-reduces over y forward and x backward, "
-             "reduce-scatters over z", "dense", ("ffn", "gpt2", "llama")),
+             "reduce-scatters over z", "dense", ("ffn", "gpt2", "llama"), zero=False),
     Strategy("pmm3d-regather", "pmm3d whose backward all-gathers the weights again instead of "
-             "keeping them (AxoNN's default)", "dense", ("ffn",)),
+             "keeping them (AxoNN's default)", "dense", ("ffn", "gpt2", "llama"), zero=False),
     Strategy("pmm3d-deferred", "pmm3d with every weight gathered before the layers and one "
-             "reduce-scatter after the backward", "dense", ("ffn",)),
+             "reduce-scatter after the backward", "dense", ("ffn", "gpt2", "llama"), zero=False),
 )}
 NAMES = tuple(STRATEGIES)
 
@@ -113,6 +115,11 @@ class Program:
         remat, pipeline, donate)."""
         from jphantom.train_step import make_train_step
 
+        zero = options.get("zero", 0)
+        if zero and not get(self.strategy).zero:
+            raise ConfigError(f"zero={zero}: {self.strategy} already shards every weight over "
+                              "'z' (its z-only grid is ZeRO-3); leave zero out and give the mesh a "
+                              "z axis")
         return make_train_step(self.model, mesh, optimizer, self.loss_fn,
                                batch_specs=self.batch_specs, spmd=self.spmd, **options)
 
@@ -209,8 +216,8 @@ def lm_plan(model: nnx.Module, strategy: str, mesh: MeshConfig, *, sequence_para
                           fused=strategy == "phantom")
     elif strategy == "gspmd":  # the same plan as annotations; jit's collectives
         plans.annotate(model, shape, plans.megatron(model))
-    elif strategy == "pmm3d":
-        plans.parallelize(model, shape, plans.pmm3d(model))
+    elif strategy in PMM3D_WEIGHTS:
+        plans.parallelize(model, shape, plans.pmm3d(model, weights=PMM3D_WEIGHTS[strategy]))
     return model
 
 
@@ -282,8 +289,184 @@ def lm_loss(model, tokens, targets):
 # -------------------------------------------------------------------------------------------------
 
 
-def build_ffn(config, strategy: str, mesh: MeshConfig, **options) -> Program:
-    raise ConfigError("the FFN as an NNX module is not built yet")
+FEATURE_AXIS, DATA_AXIS, STAGE_AXIS, EXPERT_AXIS = "model", "data", "stage", "expert"
+PMM3D_AXES = ("data", "z", "y", "x")
+PMM3D_WEIGHTS = {"pmm3d": "kept", "pmm3d-regather": "regather", "pmm3d-deferred": "deferred"}
+PAIRED = ("tensor", *PMM3D_WEIGHTS)  # strategies whose consecutive layers alternate
+
+
+def _only_axes(mesh: MeshConfig, allowed: tuple[str, ...], strategy: str) -> None:
+    extra = [name for name, size in mesh.axes if name not in allowed and size > 1]
+    if extra:
+        raise ConfigError(f"strategy {strategy!r} runs on mesh axes {allowed}, not {extra}: "
+                          f"drop them from the mesh ({mesh})")
+
+
+def _check_width(width: int, num_shards: int) -> None:
+    if width % num_shards:
+        lower = width - width % num_shards
+        raise ConfigError(
+            f"width={width} is not divisible by num_shards={num_shards}: every shard must hold "
+            f"width/num_shards features. Pick a width that is a multiple of {num_shards} "
+            f"(e.g. {lower or num_shards} or {lower + num_shards}), or another shard count.")
+
+
+def _pmm3d_divides(what: str, value: int, axes: tuple[str, ...], mesh: MeshConfig) -> None:
+    size = math.prod(mesh.size(a) for a in axes)
+    if value % size:
+        raise ConfigError(f"{what}={value} is not divisible by {' x '.join(axes)} = {size} of mesh "
+                          f"{mesh}: pmm3d splits it over those axes; pick a multiple or another "
+                          "grid")
+
+
+def check_ffn_mesh(config, strategy: str, mesh: MeshConfig) -> MeshConfig:
+    """The mesh the FFN runs on under ``strategy`` (``pmm3d*``: ``x``, ``y``, ``z`` added with
+    size 1 where absent; a staged mesh or ``gspmd`` without ``model``: ``model=1``), or a
+    ConfigError naming the value and the fix."""
+    if EXPERT_AXIS in mesh.shape:
+        raise ConfigError(f"an {EXPERT_AXIS!r} mesh axis splits the experts of MoE blocks: give "
+                          "the transformer MoE blocks (--moe-every 2 --experts 8) or drop the axis")
+    staged = STAGE_AXIS in mesh.shape
+    if strategy in PMM3D_WEIGHTS:
+        if staged:
+            raise ConfigError("pmm3d does not run inside pipeline stages: drop the 'stage' axis")
+        _only_axes(mesh, PMM3D_AXES, strategy)
+        mesh = MeshConfig.of({**dict(mesh.axes), **{a: mesh.size(a) for a in ("z", "y", "x")}})
+        for axes in (("x", "z"), ("y", "z")):
+            _pmm3d_divides("width", config.width, axes, mesh)
+        return mesh
+    if staged and strategy in ("dense", "gspmd"):
+        raise ConfigError(f"strategy {strategy!r} does not run inside pipeline stages: use "
+                          "'tensor' or 'phantom' (with model=1 for no tensor parallelism)")
+    if strategy == "dense":
+        if mesh.device_count != 1:
+            raise ConfigError(f"strategy 'dense' runs on one device, not on mesh {mesh}: use "
+                              "'model=1', or 'gspmd' / 'tensor' / 'phantom' for several devices")
+        return mesh
+    _only_axes(mesh, (DATA_AXIS, STAGE_AXIS, FEATURE_AXIS), strategy)
+    if FEATURE_AXIS not in mesh.shape:
+        if not staged and strategy != "gspmd":
+            raise ConfigError(f"strategy {strategy!r} shards features over the 'model' axis: add "
+                              f"it to the mesh (e.g. 'model={jax.device_count()}'), got {mesh}")
+        mesh = MeshConfig.of({**dict(mesh.axes), FEATURE_AXIS: 1})
+    _check_width(config.width, mesh.size(FEATURE_AXIS))
+    return mesh
+
+
+def ffn_plan(model: nnx.Module, strategy: str, mesh: MeshConfig, *, ghost_width=None):
+    """Parallelise the FFN ``model`` (:class:`jphantom.models.ffn.FFN`, ``pairs`` as
+    :data:`PAIRED` says) in place under ``strategy``:
+
+    ==================  ===================================================================
+    ``gspmd``           every layer's kernel annotated split on its outputs over ``model``
+    ``tensor``          ``entry`` gather, pairs (``first`` column, ``second`` row), a lone
+                        ``last`` column layer, ``exit`` scatter after a row layer (even depth)
+    ``tensor-t1``       every layer :class:`~jphantom.nn.tensor.T1Linear`
+    ``phantom*``        every layer :class:`~jphantom.nn.phantom.PhantomLinear` (fused or not)
+    ``pmm3d*``          ``first`` normal, ``second`` transposed, ``last`` normal
+                        (:class:`~jphantom.nn.pmm3d.Pmm3dLinear`, the variant's ``weights``)
+    ==================  ===================================================================
+    """
+    from jphantom import plans
+    from jphantom.plans import Style
+
+    shape = mesh.shape
+    present = lambda plan: {path: style for path, style in plan.items()
+                            if path.split(".")[0] in ("entry", "exit")
+                            or getattr(model, path.split(".")[0]) is not None}
+    if strategy == "gspmd":
+        plans.annotate(model, shape, {"layers.block.linear": "column"})
+    elif strategy == "tensor":
+        plan = {"entry": "gather", "layers.block.first": "column", "layers.block.second": "row",
+                "last": "column", "exit": "scatter" if model.last is None else "replicate"}
+        plans.parallelize(model, shape, present(plan))
+    elif strategy == "tensor-t1":
+        plans.parallelize(model, shape, {"layers.block.linear": "t1"})
+    elif strategy in ("phantom", "phantom-unfused"):
+        plans.parallelize(model, shape, {"layers.block.linear": Style("phantom",
+                                                                       ghost_width=ghost_width)},
+                          fused=strategy == "phantom")
+    elif strategy in PMM3D_WEIGHTS:
+        weights = PMM3D_WEIGHTS[strategy]
+        normal = Style("pmm3d", role="normal", weights=weights)
+        plan = {"layers.block.first": normal, "last": normal,
+                "layers.block.second": Style("pmm3d", role="transposed", weights=weights)}
+        plans.parallelize(model, shape, present(plan))
+    return model
+
+
+def ffn_batch_specs(strategy: str, config, mesh: MeshConfig) -> tuple[P, P]:
+    """The input's and the target's specs: rows over ``data``, features over ``model``
+    (phantom's layout, every strategy but pmm3d); pmm3d: rows over (``data``, ``z``), input
+    features over ``y``, output features over the last layer's output axis (x after a normal
+    last layer, odd depth; y after a transposed one)."""
+    if strategy in PMM3D_WEIGHTS:
+        rows = tuple(a for a in (DATA_AXIS, "z") if a in mesh.shape)
+        rows = rows[0] if len(rows) == 1 else rows
+        return P(rows, "y"), P(rows, "x" if config.depth % 2 else "y")
+    spec = P(DATA_AXIS if DATA_AXIS in mesh.shape else None,
+             FEATURE_AXIS if FEATURE_AXIS in mesh.shape else None)
+    return spec, spec
+
+
+def build_ffn(config, strategy: str, mesh: MeshConfig, *, ghost_width: int | None = None,
+              seed: int = 0, model: nnx.Module | None = None, sequence_parallel: bool = False,
+              dtd: bool = False, **options) -> Program:
+    """Seed 000's FFN (:class:`jphantom.models.ffn.FFN`) under ``strategy`` on ``mesh``: the plain
+    model (``pairs`` for the strategies of :data:`PAIRED`), parallelised by :func:`ffn_plan`.
+    ``ghost_width``: phantom's k (default the configuration's); ``model``: a concrete plain
+    :class:`~jphantom.models.ffn.FFN` to parallelise instead of creating one."""
+    import warnings
+
+    from jphantom.models.ffn import FFN, ffn_loss
+
+    if options:
+        raise ConfigError(f"options {sorted(options)} do not apply to the ffn model")
+    if dtd:
+        raise ConfigError("dtd (duplicate token dropping) applies to the MoE blocks of a "
+                          "transformer under strategy 'tensor' (TED): set moe_every and use "
+                          "'tensor', or leave dtd out")
+    if sequence_parallel:
+        raise ConfigError("sequence_parallel applies to the transformer under strategy 'tensor' "
+                          f"(Megatron-SP), not to ffn under {strategy!r}")
+    mesh = check_ffn_mesh(config, strategy, mesh)
+    pairs = strategy in PAIRED
+    if STAGE_AXIS in mesh.shape:  # whole units per stage (virtual stages: the step checks)
+        from jphantom.pipeline.runner import PipelineConfig
+
+        units, name = ((config.depth // 2, "layer pairs (depth / 2)") if pairs
+                       else (config.depth, "depth"))
+        if units == 0:
+            raise ConfigError(f"depth={config.depth}: a pipeline cuts the FFN's {name}; give it "
+                              "at least one per stage")
+        PipelineConfig().check(mesh.size(STAGE_AXIS), units, name)
+
+    k = ghost_width if ghost_width is not None else config.ghost_width
+    if strategy in ("phantom", "phantom-unfused"):
+        from jphantom.sharding.phantom import PhantomConfig
+
+        if k is None:
+            raise ConfigError(f"strategy {strategy!r} needs ghost_width (k of seed 000), e.g. "
+                              "--ghost-width 16")
+        PhantomConfig(config.width, k, mesh.size(FEATURE_AXIS), config.depth)  # Eq. 8 warning
+
+    def planned(m):
+        with warnings.catch_warnings():  # Eq. 8 warned about above, once
+            warnings.simplefilter("ignore", JPhantomWarning)
+            return ffn_plan(m, strategy, mesh, ghost_width=k)
+
+    if model is not None:
+        if not isinstance(model, FFN) or model.pairs != pairs or model.config != config:
+            raise ConfigError(f"model must be FFN({config}, pairs={pairs}) for strategy "
+                              f"{strategy!r}")
+        create, built = None, planned(model)
+    else:
+        create = lambda key: planned(FFN(config, pairs=pairs, rngs=nnx.Rngs(key)))
+        built = nnx.eval_shape(lambda: create(jax.random.PRNGKey(seed)))
+    return Program(strategy, "ffn", config, mesh, create, built, ffn_loss,
+                   batch_specs=ffn_batch_specs(strategy, config, mesh),
+                   spmd="gspmd" if strategy == "gspmd" else "shard_map",
+                   options={"ghost_width": k, "pairs": pairs})
 
 
 # -------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Shared test utilities: the single-device oracle, gradients out of the real training step, and
-tree comparisons."""
+"""Shared test utilities: the single-device oracle (the plain model a parallel model is, through
+:func:`jphantom.plans.dense_equivalent`), gradients out of the real training step, compiled HLO of
+abstract steps, and tree comparisons."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
-from jphantom.sharding import dense
 
 
 def batch(width: int, size: int = 16, dtype=jnp.float64, seed: int = 1):
@@ -27,17 +26,32 @@ def perturb(params, scale: float = 0.1, seed: int = 7):
     )
 
 
+def param_shapes(program):
+    """The parameters of a :class:`jphantom.program.Program` as a dict of ShapeDtypeStructs (keys:
+    the model's attribute paths, as ``TrainState.params``)."""
+    from flax import nnx
+
+    _, state, _ = nnx.split(program.model, nnx.Param, ...)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(state))
+
+
 def random_params(program, seed: int = 7):
     """Parameters of ``program``'s shapes and dtype filled with numpy random numbers (no jax
-    compilation): weights N(0, 1/fan_in) (fan_in = the last dimension), biases N(0, 0.01).
-    Any values do for the oracle tests; phantom's own decompressor slot gets a random value too,
-    which must have no effect."""
-    shapes = jax.eval_shape(program.init, jax.random.PRNGKey(0))
+    compilation): weights N(0, 1/fan_in), biases N(0, 0.01) (0.1 standard deviation). Any values
+    do for the oracle tests; phantom's own decompressor slot gets a random value too, which must
+    have no effect. ``program``: a :class:`jphantom.program.Program` (fan_in: a kernel's
+    dimension -2, else the last) or an old-path program (its ``init``; fan_in the last)."""
+    from jphantom.program import Program
+
+    new_path = isinstance(program, Program)
+    shapes = (param_shapes(program) if new_path
+              else jax.eval_shape(program.init, jax.random.PRNGKey(0)))
     rng = np.random.default_rng(seed)
 
     def fill(path, leaf):
         name = jax.tree_util.keystr(path)
-        scale = 0.1 if "bias" in name else 1.0 / np.sqrt(leaf.shape[-1])
+        fan_in = leaf.shape[-2] if new_path and "kernel" in name else leaf.shape[-1]
+        scale = 0.1 if "bias" in name else 1.0 / np.sqrt(fan_in)
         return (scale * rng.standard_normal(leaf.shape)).astype(leaf.dtype)
 
     return jax.tree_util.tree_map_with_path(fill, shapes)
@@ -47,36 +61,72 @@ def mse(y, t):
     return jnp.mean(jnp.square(y - t))
 
 
-def identity(params):
-    """The dense equivalent of dense-shaped parameters (dense, gspmd, tensor-t1)."""
-    return params
+@functools.lru_cache(maxsize=64)
+def gradient_step(strategy: str, model_config, mesh: str, **options):
+    """``(program, jax mesh, step, value_and_grad)`` of ``model_config`` under ``strategy`` on
+    ``mesh`` (:func:`jphantom.program.build`; step options such as ``zero``, ``remat``,
+    ``pipeline`` in ``options``), ``value_and_grad(params, *batch) -> (loss, grads)`` jitted: the
+    real step's ``shard_map`` with every reduction. Cached, so tests asking for the same
+    configuration share one compilation."""
+    from jphantom import program as program_module
+    from jphantom.mesh import first_devices
+
+    program = program_module.build(model_config, strategy, mesh)
+    mesh_obj = program.mesh.build(first_devices(program.mesh.device_count))
+    step = program.train_step(mesh_obj, optax.sgd(0.1), donate=False, **options)
+    return program, mesh_obj, step, jax.jit(step.value_and_grad())
 
 
-def to_dense_of(strategy: str):
-    """The dense equivalent of ``strategy``'s parameters, as a module-level function (so that the
-    oracle's compilation is shared by every test with the same shapes)."""
-    from jphantom.sharding import phantom, tensor
-
-    return {"phantom": phantom.dense_equivalent, "phantom-unfused": phantom.dense_equivalent,
-            "tensor": tensor.megatron_dense_equivalent}.get(strategy, identity)
+def step_loss_and_grads(strategy: str, model_config, mesh: str, params, *batch, **options):
+    """Loss and gradients of ``params`` (a dict like ``TrainState.params``) out of the compiled
+    training step on ``mesh``."""
+    _, _, _, value_and_grad = gradient_step(strategy, model_config, mesh, **options)
+    return value_and_grad(params, *batch)
 
 
-@functools.lru_cache(maxsize=None)
-def _oracle(to_dense):
-    def loss(params, x, t):
-        return mse(dense.forward(to_dense(params), x), t)
+def _oracle_key(step):
+    """What the oracle of ``step`` depends on: the model's structure (the same for every mesh of
+    a strategy whose parameters keep their shapes, so that those share one compilation)."""
+    layout = step.layout
+    return (layout.graphdef, layout.state_treedef, layout.pure_treedef, layout.order,
+            step.loss_fn)
 
-    return jax.jit(jax.value_and_grad(loss))
+
+_ORACLES = {}
 
 
-def oracle_loss_and_grads(to_dense, params, x, t):
-    """Loss and gradients w.r.t. the *sharded* params, computed on one device by differentiating
-    the dense equivalent ``to_dense(params)`` = ``{"weight": [L, n, n], "bias": [L, n]}`` through
-    ``dense.forward`` (float64 so that float32 runs are compared with the exact answer)."""
+def _oracle(step):
+    from flax import nnx
+
+    key = _oracle_key(step)
+    if key in _ORACLES:
+        return _ORACLES[key]
+    layout = step.layout
+
+    def loss(params, *batch):
+        from jphantom.plans import dense_equivalent
+
+        model = dense_equivalent(layout.model_of(jax.tree.leaves(params)))
+        for _, module in nnx.iter_modules(model):  # compute in the parameters' float64
+            if getattr(module, "dtype", None) is not None:
+                module.dtype = None
+        return step.loss_fn(model, *batch)
+
+    _ORACLES[key] = jax.jit(jax.value_and_grad(loss))
+    return _ORACLES[key]
+
+
+def oracle_loss_and_grads(step, params, *batch):
+    """Loss and gradients w.r.t. the *parallel* ``params`` computed on one device by
+    differentiating ``step``'s loss of the plain model the parallel layers are
+    (:func:`jphantom.plans.dense_equivalent`), in float64 so that float32 runs are compared with
+    the exact answer."""
     cpu0 = jax.devices()[0]
-    params64, x64, t64 = jax.device_put(
-        jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), (params, x, t)), cpu0)
-    return _oracle(to_dense)(params64, x64, t64)
+    wide = lambda a: (jnp.asarray(a, jnp.float64) if jnp.issubdtype(jnp.asarray(a).dtype,
+                                                                     jnp.floating)
+                      else jnp.asarray(a))
+    params64, batch64 = jax.device_put(jax.tree.map(wide, (params, batch)), cpu0)
+    return _oracle(step)(params64, *batch64)
 
 
 def gradient_catcher() -> optax.GradientTransformation:
@@ -87,36 +137,40 @@ def gradient_catcher() -> optax.GradientTransformation:
         lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads), grads))
 
 
-@functools.lru_cache(maxsize=64)
-def gradient_step(strategy: str, model_config, mesh: str):
-    """``(program, mesh, step)`` with ``step(params, state, x, t) -> (params, grads, loss)``: the
-    real training step (:func:`jphantom.step.make_train_step`) with :func:`gradient_catcher`.
-    Cached, so tests asking for the same configuration share one compilation."""
-    from jphantom import strategies
-    from jphantom.mesh import MeshConfig, first_devices
-    from jphantom.step import make_train_step
+def abstract_state(step, optimizer=None):
+    """A ``TrainState`` of ShapeDtypeStructs with the step's shardings (for lowering without
+    creating anything)."""
+    from jphantom.train_step import TrainState
 
-    config = MeshConfig.parse(mesh)
-    mesh_obj = config.build(first_devices(config.device_count))
-    program = strategies.get(strategy).program(model_config, config)
-    return program, mesh_obj, make_train_step(program, mesh_obj, gradient_catcher(), donate=False)
-
-
-def step_loss_and_grads(strategy: str, model_config, mesh: str, params, x, t):
-    """Loss and gradients of ``params`` out of the compiled training step on ``mesh``."""
-    program, mesh_obj, step = gradient_step(strategy, model_config, mesh)
-    params = jax.device_put(params, program.shardings(mesh_obj))
-    x, t = (jax.device_put(a, s) for a, s in zip((x, t), program.batch_shardings(mesh_obj)))
-    state = jax.tree.map(jnp.zeros_like, params)
-    _, grads, loss = step(params, state, x, t)
-    return loss, grads
+    shapes = step._pure(list(step.layout.shapes))
+    shardings = step.param_shardings()
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          shapes, shardings)
+    optimizer = optimizer or step.optimizer
+    opt_shapes = jax.eval_shape(optimizer.init, shapes)
+    opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                       opt_shapes, step._opt_shardings(shapes))
+    return TrainState(params, opt)
 
 
-def assert_tree_close(actual, expected, rtol):
-    """Every leaf: max |a - e| <= rtol * max |e| (a norm-wise relative error, robust near zeros).
-    A leaf whose expected value is zero up to rounding (below 1e-6 of the tree's largest, such as
-    the gradient of an attention key bias, which softmax cancels exactly) is measured against the
-    tree's largest instead: its computed value is rounding noise of the others."""
+def compiled_hlo(step, *batch_shapes):
+    """The optimized HLO text of ``step`` (forward, backward, update) for abstract parameters and
+    batch arrays of ``batch_shapes`` ((shape, dtype) pairs, in the step's batch shardings)."""
+    from jax.sharding import NamedSharding
+
+    specs = step._specs_of_batch(len(batch_shapes))
+    batch = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(step.mesh, spec))
+             for (shape, dtype), spec in zip(batch_shapes, specs)]
+    return step.lower(abstract_state(step), *batch).compile().as_text()
+
+
+def assert_tree_close(actual, expected, rtol, floor: float = 1e-30):
+    """Every leaf: max |a - e| <= rtol * max(max |e|, floor) (a norm-wise relative error, robust
+    near zeros; ``floor``: the scale below which a leaf is compared absolutely, for gradients
+    that are zero in exact arithmetic). A leaf whose expected value is zero up to rounding (below
+    1e-6 of the tree's largest, such as the gradient of an attention key bias, which softmax
+    cancels exactly) is measured against the tree's largest instead: its computed value is
+    rounding noise of the others."""
     a_leaves, a_tree = jax.tree.flatten(actual)
     e_leaves, e_tree = jax.tree.flatten(expected)
     assert a_tree == e_tree
@@ -124,7 +178,7 @@ def assert_tree_close(actual, expected, rtol):
                    if np.size(e)), default=1.0)
     for path, a, e in zip(jax.tree_util.tree_flatten_with_path(expected)[0], a_leaves, e_leaves):
         a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
-        scale = np.max(np.abs(e)) if e.size else 1.0
+        scale = max(np.max(np.abs(e)), floor) if e.size else 1.0
         scale = scale if scale > 1e-6 * largest else max(largest, 1e-30)
         err = np.max(np.abs(a - e)) / scale if e.size else 0.0
         assert err <= rtol, f"{jax.tree_util.keystr(path[0])}: relative error {err:.3e} > {rtol:g}"

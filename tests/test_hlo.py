@@ -1,40 +1,47 @@
 """The compiled training step moves exactly the bytes the papers' formulas predict: no more, no less.
 
-Each test compiles forward + backward + SGD update (one ``jax.jit`` of one ``shard_map``, layers
-under ``lax.scan``), parses every collective out of the optimized HLO, counting each as many times as
-its loop runs, and compares the per-device result buffers (kind, element count, bytes) with the
-strategy's own inventory (``strategies.get(name).collective_inventory``, i.e. the hand-written
-``collective_buffers``), plus the one scalar all-reduce of the MSE loss.
+Each test compiles forward + backward + SGD update of the FFN's module step (one ``jax.jit`` of
+one ``shard_map``, layers under ``lax.scan``), parses every collective out of the optimized HLO,
+counting each as many times as its loop runs, and compares the per-device result buffers (kind,
+element count, bytes) with the formula written here from the papers (and in the layers'
+docstrings), plus the one scalar all-reduce of the MSE loss.
 """
 
+import functools
 from collections import defaultdict
 
+import numpy as np
 import pytest
 
-from jphantom import strategies
-from jphantom.analysis.inspect import StepSpec, inspect_step
-from jphantom.mesh import MeshConfig
+from jphantom.analysis import hlo
 from jphantom.models.ffn import FFNConfig
-from jphantom.sharding import phantom, tensor
 
 from conftest import require_devices
+from helpers import compiled_hlo, gradient_step
 
 WIDTH, BATCH, GHOST = 64, 16, 3
 F32 = 4
 
 
-def _buffers(report):
+@functools.lru_cache(maxsize=None)
+def _ops(strategy, depth, num_shards, ghost_width=None):
+    """Every collective of the compiled step on ``model=p`` (and the mesh's axis sizes)."""
+    require_devices(num_shards)
+    config = FFNConfig(width=WIDTH, depth=depth, ghost_width=ghost_width)
+    program, mesh, step, _ = gradient_step(strategy, config, f"model={num_shards}")
+    text = compiled_hlo(step, ((BATCH, WIDTH), np.float32), ((BATCH, WIDTH), np.float32))
+    return hlo.collectives(text), dict(mesh.shape)
+
+
+def _buffers(ops):
     """kind -> sorted element counts of every result buffer (once per execution), and kind ->
     total bytes over the step."""
     elements, nbytes = defaultdict(list), defaultdict(int)
-    for op in report["collective_ops"]:
-        for dtype, shape in op["shapes"]:
+    for op in ops:
+        for dtype, shape in op.shapes:
             assert dtype == "f32", op
-            count = 1
-            for d in shape:
-                count *= d
-            elements[op["kind"]] += [count] * op["count"]
-        nbytes[op["kind"]] += op["bytes"] * op["count"]
+            elements[op.kind] += [int(np.prod(shape))] * op.count
+        nbytes[op.kind] += op.bytes * op.count
     return {k: sorted(v) for k, v in elements.items()}, dict(nbytes)
 
 
@@ -44,22 +51,39 @@ def _expected(formula):
     return {k: sorted(v) for k, v in with_loss.items()}
 
 
-def _assert_exact(report, formula):
-    elements, nbytes = _buffers(report)
+def _assert_exact(found, formula):
+    ops, axes = found
+    elements, nbytes = _buffers(ops)
     want = _expected(formula)
     assert elements == want, f"collective buffers {elements} != formula {want}"
     assert nbytes == {kind: F32 * sum(sizes) for kind, sizes in want.items()}
-    summary = {row["kind"]: row["bytes"] for row in report["collectives"]}
+    summary = {row["kind"]: row["bytes"] for row in hlo.summarize(ops)}
     assert summary == nbytes
-    assert all(row["axes"] == ["model"] for row in report["collectives"])  # model=p mesh
-    assert report["collective_bytes"] == sum(nbytes.values())
+    assert all(op.mesh_axes(axes) == ("model",) for op in ops)  # model=p mesh
 
 
-def _inventory(name, depth, num_shards, ghost_width=None):
-    """What the strategy says its step communicates (the step model asks the same)."""
-    config = FFNConfig(width=WIDTH, depth=depth, ghost_width=ghost_width)
-    return strategies.get(name).collective_inventory(
-        config, MeshConfig.of({"model": num_shards}), BATCH)
+def phantom_formula(depth, num_shards, ghost_width=GHOST, batch=BATCH):
+    """Table II of seed 000 per layer: forward one all-gather of k B from each of p ranks (result
+    p k B), backward one reduce-scatter down to k B, at every layer including the first (Gamma_1
+    feeds dL/dC_1, Eq. 20)."""
+    return {"all-gather": [num_shards * ghost_width * batch] * depth,
+            "reduce-scatter": [ghost_width * batch] * depth}
+
+
+def t1_formula(depth, num_shards, batch=BATCH):
+    """T1: L all-gathers of B n, L-1 reduce-scatters to B n/p (the first layer's would only
+    produce dL/dx)."""
+    return {"all-gather": [batch * WIDTH] * depth,
+            "reduce-scatter": [batch * WIDTH // num_shards] * (depth - 1)}
+
+
+def megatron_formula(depth, batch=BATCH):
+    """Megatron: the entry gather's all-gather of B n, the exit scatter's backward all-gather
+    when the depth is even; all-reduces of B n: floor(L/2) g forward, ceil(L/2) - 1 f backward
+    (the first f's would only feed dL/dx)."""
+    pairs, odd = divmod(depth, 2)
+    return {"all-gather": [batch * WIDTH] * (1 + (0 if odd else 1)),
+            "all-reduce": [batch * WIDTH] * (pairs + pairs + odd - 1)}
 
 
 @pytest.mark.parametrize("strategy", ["phantom", "phantom-unfused"])
@@ -68,14 +92,7 @@ def _inventory(name, depth, num_shards, ghost_width=None):
 def test_phantom_step_moves_only_k_wide_messages(strategy, num_shards, depth):
     """Per layer: one all-gather of B x p x k and one reduce-scatter back to B x k (Table II), and no
     all-reduce except the scalar loss: parameters are never replicated, so no gradient all-reduce."""
-    require_devices(num_shards)
-    report = inspect_step(StepSpec(strategy, WIDTH, depth, BATCH, num_shards, GHOST))
-    formula = phantom.collective_buffers(width=WIDTH, ghost_width=GHOST, num_shards=num_shards,
-                                         depth=depth, batch=BATCH)
-    assert formula["all-gather"] == [BATCH * num_shards * GHOST] * depth
-    assert formula["reduce-scatter"] == [BATCH * GHOST] * depth
-    assert _inventory(strategy, depth, num_shards, GHOST) == formula
-    _assert_exact(report, formula)
+    _assert_exact(_ops(strategy, depth, num_shards, GHOST), phantom_formula(depth, num_shards))
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])
@@ -83,14 +100,7 @@ def test_phantom_step_moves_only_k_wide_messages(strategy, num_shards, depth):
 def test_tensor_t1_step_collectives(num_shards, depth):
     """T1: all-gather of the n/p-wide activations into B x n per layer, reduce-scatter of B x n down
     to B x n/p per layer except the input layer (its only output would be dL/dx)."""
-    require_devices(num_shards)
-    report = inspect_step(StepSpec("tensor-t1", WIDTH, depth, BATCH, num_shards))
-    formula = tensor.collective_buffers(width=WIDTH, num_shards=num_shards, depth=depth,
-                                        batch=BATCH, layout="t1")
-    assert formula == {"all-gather": [BATCH * WIDTH] * depth,
-                       "reduce-scatter": [BATCH * WIDTH // num_shards] * (depth - 1)}
-    assert _inventory("tensor-t1", depth, num_shards) == formula
-    _assert_exact(report, formula)
+    _assert_exact(_ops("tensor-t1", depth, num_shards), t1_formula(depth, num_shards))
 
 
 @pytest.mark.parametrize("depth, gathers, all_reduces", [(1, 1, 0), (2, 2, 1), (3, 1, 2), (4, 2, 3)])
@@ -99,27 +109,21 @@ def test_tensor_megatron_step_collectives(num_shards, depth, gathers, all_reduce
     """tensor (Megatron): entry all-gather, one g all-reduce per pair forward, one f all-reduce per
     column layer but the first backward, and the exit scatter's all-gather backward when the depth
     is even."""
-    require_devices(num_shards)
-    report = inspect_step(StepSpec("tensor", WIDTH, depth, BATCH, num_shards))
-    formula = tensor.collective_buffers(width=WIDTH, num_shards=num_shards, depth=depth,
-                                        batch=BATCH, layout="megatron")
+    formula = megatron_formula(depth)
     assert formula == {"all-gather": [BATCH * WIDTH] * gathers,
                        "all-reduce": [BATCH * WIDTH] * all_reduces}
-    assert _inventory("tensor", depth, num_shards) == formula
-    _assert_exact(report, formula)
+    _assert_exact(_ops("tensor", depth, num_shards), formula)
 
 
 def test_phantom_bytes_are_k_over_block_of_t1_per_collective():
     """Seed 000 Eq. 9: per collective, phantom moves k/(n/p) of T1's bytes."""
-    require_devices(8)
     p, depth = 8, 2
-    ph = inspect_step(StepSpec("phantom", WIDTH, depth, BATCH, p, GHOST))
-    t1 = inspect_step(StepSpec("tensor-t1", WIDTH, depth, BATCH, p))
+    per_op = lambda ops: {r["kind"]: r["bytes"] / r["count"] for r in hlo.summarize(ops)}
+    ph = per_op(_ops("phantom", depth, p, GHOST)[0])
+    t1 = per_op(_ops("tensor-t1", depth, p)[0])
     ratio = GHOST / (WIDTH / p)
-    ph_bytes = {r["kind"]: r["bytes"] / r["count"] for r in ph["collectives"]}
-    t1_bytes = {r["kind"]: r["bytes"] / r["count"] for r in t1["collectives"]}
     for kind in ("all-gather", "reduce-scatter"):
-        assert ph_bytes[kind] == pytest.approx(ratio * t1_bytes[kind])
+        assert ph[kind] == pytest.approx(ratio * t1[kind])
 
 
 @pytest.mark.parametrize("text, groups, axes", [
@@ -129,11 +133,8 @@ def test_phantom_bytes_are_k_over_block_of_t1_per_collective():
 ])
 def test_gspmd_mesh_replica_groups_are_read_as_iota_lists(text, groups, axes):
     """GSPMD prints replica groups as a mesh and the axes the groups run along;
-    inspect.normalise_replica_groups turns that into the iota form hlo reads."""
-    from jphantom.analysis import hlo
-    from jphantom.analysis.inspect import normalise_replica_groups
-
-    iota = normalise_replica_groups(text)
+    hlo.normalise_replica_groups turns that into the iota form hlo reads."""
+    iota = hlo.normalise_replica_groups(text)
     assert hlo.replica_group_lists(iota, 8) == groups
     assert hlo.group_axes(iota, {"data": 2, "model": 4}) == axes
-    assert normalise_replica_groups("{{0,1},{2,3}}") == "{{0,1},{2,3}}"
+    assert hlo.normalise_replica_groups("{{0,1},{2,3}}") == "{{0,1},{2,3}}"

@@ -7,15 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jphantom import strategies
+from jphantom import program as program_module
 from jphantom.errors import ConfigError, JPhantomWarning
-from jphantom.mesh import MeshConfig, first_devices
 from jphantom.models.ffn import FFNConfig
 from jphantom.sharding import phantom
 
 from conftest import require_devices
-from helpers import (DTYPE_NAME, TOLERANCE, assert_tree_close, batch, oracle_loss_and_grads,
-                     random_params, step_loss_and_grads)
+from helpers import (DTYPE_NAME, TOLERANCE, assert_tree_close, batch, gradient_step,
+                     oracle_loss_and_grads, random_params, step_loss_and_grads)
 
 WIDTH = 48  # divisible by 1, 2, 4, 8 -> n/p = 48, 24, 12, 6
 
@@ -27,29 +26,17 @@ def _config(ghost_width, depth, dtype, width=WIDTH):
     return FFNConfig(width=width, depth=depth, ghost_width=ghost_width, dtype=DTYPE_NAME[dtype])
 
 
-def _init(num_shards, ghost_width, depth, dtype, width=WIDTH, strategy="phantom"):
-    """Random parameters of the phantom FFN's shapes (numpy: no compilation), own slots included."""
+def _case(num_shards, ghost_width, depth, dtype, width=WIDTH, strategy="phantom"):
+    """The compiled step (cached) and random parameters of the phantom FFN's shapes (numpy: no
+    compilation), own decompressor slots included."""
     require_devices(num_shards)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", JPhantomWarning)  # k=8 > Eq. 8 bound at p=8 is still legal
-        program = strategies.get(strategy).program(_config(ghost_width, depth, dtype, width),
-                                                   MeshConfig.of({"model": num_shards}))
-    return random_params(program)
-
-
-def _step_loss_and_grads(params, x, t, num_shards, fused=True):
-    """Loss and gradients out of the compiled training step (one shard_map over model=p)."""
-    config = phantom.config_of(params)
-    dtype = params["local"].dtype.type
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", JPhantomWarning)
-        return step_loss_and_grads("phantom" if fused else "phantom-unfused",
-                                   _config(config.ghost_width, config.depth, dtype),
-                                   f"model={num_shards}", params, x, t)
+    config = _config(ghost_width, depth, dtype, width)
+    program, _, step, _ = gradient_step(strategy, config, f"model={num_shards}")
+    return config, step, random_params(program)
 
 
 # Every p with every k at depth 3 in float64; depth 1 and float32 on a few (each case compiles a
-# training step and the oracle: about 2 s).
+# training step and the oracle: about 1 s).
 CASES = ([(p, k, 3, jnp.float64) for p in (1, 2, 4, 8) for k in (1, 3, 8)]
          + [(2, 3, 1, jnp.float64), (8, 8, 1, jnp.float64)]
          + [(4, 3, 3, jnp.float32), (8, 8, 3, jnp.float32)])
@@ -60,10 +47,10 @@ CASES = ([(p, k, 3, jnp.float64) for p in (1, 2, 4, 8) for k in (1, 3, 8)]
 def test_phantom_matches_dense_equivalent(num_shards, ghost_width, depth, dtype):
     """Loss and every gradient of the training step (custom_vjp backward, Eqs. 15-21, under
     lax.scan inside one shard_map) equal jax.grad of the dense equivalent on one device."""
-    params = _init(num_shards, ghost_width, depth, dtype)
+    config, step, params = _case(num_shards, ghost_width, depth, dtype)
     x, t = batch(WIDTH, dtype=dtype)
-    loss, grads = _step_loss_and_grads(params, x, t, num_shards)
-    want_loss, want_grads = oracle_loss_and_grads(phantom.dense_equivalent, params, x, t)
+    loss, grads = step_loss_and_grads("phantom", config, f"model={num_shards}", params, x, t)
+    want_loss, want_grads = oracle_loss_and_grads(step, params, x, t)
     np.testing.assert_allclose(loss, want_loss, rtol=TOLERANCE[dtype])
     assert_tree_close(grads, want_grads, TOLERANCE[dtype])
 
@@ -71,35 +58,55 @@ def test_phantom_matches_dense_equivalent(num_shards, ghost_width, depth, dtype)
 @pytest.mark.parametrize("num_shards", [2, 8])
 def test_unfused_decompressor_equals_fused(num_shards):
     """The paper's p-1 separate decompressor GEMMs give the same loss and gradients as one GEMM."""
-    params = _init(num_shards, 3, 3, jnp.float64)
+    config, _, params = _case(num_shards, 3, 3, jnp.float64)
     x, t = batch(WIDTH)
-    fused = _step_loss_and_grads(params, x, t, num_shards, fused=True)
-    unfused = _step_loss_and_grads(params, x, t, num_shards, fused=False)
+    mesh = f"model={num_shards}"
+    fused = step_loss_and_grads("phantom", config, mesh, params, x, t)
+    unfused = step_loss_and_grads("phantom-unfused", config, mesh, params, x, t)
     assert_tree_close(unfused, fused, 1e-12)
+
+
+def _decompress(params):
+    return params["layers"]["block"]["linear"]["decompress"]
 
 
 def test_own_decompressor_slot_has_no_effect_and_no_gradient():
     """D^(j,j) is not part of the model (seed 000 Sec. III): changing it changes nothing, and it
     gets an exactly zero gradient, so training never turns it on (digest Sec. 2.5)."""
     p = 4
-    params = _init(p, 3, 3, jnp.float64)
+    config, _, params = _case(p, 3, 3, jnp.float64)
     x, t = batch(WIDTH)
-    loss, grads = _step_loss_and_grads(params, x, t, p)
+    mesh = f"model={p}"
+    loss, grads = step_loss_and_grads("phantom", config, mesh, params, x, t)
     own = jnp.arange(p)
-    poisoned = dict(params, decompress=jnp.asarray(params["decompress"]).at[:, own, own].set(1e3))
-    loss_poisoned, grads_poisoned = _step_loss_and_grads(poisoned, x, t, p)
+    poisoned = jax.tree.map(lambda a: a, params)
+    poisoned["layers"]["block"]["linear"]["decompress"] = (
+        jnp.asarray(_decompress(params)).at[:, own, own].set(1e3))
+    loss_poisoned, grads_poisoned = step_loss_and_grads("phantom", config, mesh, poisoned, x, t)
     assert float(loss_poisoned) == float(loss)
-    assert np.all(np.asarray(grads["decompress"][:, own, own]) == 0.0)
-    assert np.all(np.asarray(grads_poisoned["decompress"][:, own, own]) == 0.0)
+    assert np.all(np.asarray(_decompress(grads)[:, own, own]) == 0.0)
+    assert np.all(np.asarray(_decompress(grads_poisoned)[:, own, own]) == 0.0)
     assert_tree_close(grads_poisoned, grads, 1e-14)
 
 
+def _layer0(params):
+    """Layer 0's phantom arrays (the stack's leading [L] axis dropped)."""
+    return jax.tree.map(lambda a: jnp.asarray(a)[0], params["layers"]["block"]["linear"])
+
+
 def test_dense_equivalent_block_structure():
-    """Diagonal blocks are L^(j); block (j, i) is D^(i,j) C^(i), of rank <= k (Sec. III)."""
+    """Diagonal blocks are L^(j); block (j, i) is D^(i,j) C^(i), of rank <= k (Sec. III): the
+    kernel of the plain layer the phantom layer is (jphantom.plans.dense_equivalent)."""
+    from flax import nnx
+
+    from jphantom.plans import dense_equivalent
+
     p, k = 4, 2
-    params = _init(p, k, 1, jnp.float64)
-    layer = jax.tree.map(lambda a: a[0], params)  # stacked over depth 1
-    weight = np.asarray(phantom.dense_equivalent(params)["weight"][0])
+    _, step, params = _case(p, k, 1, jnp.float64)
+    layer = _layer0(params)
+    dense = dense_equivalent(step.layout.model_of(jax.tree.leaves(params)))
+    assert isinstance(dense.layers.block.linear, nnx.Linear)
+    weight = np.asarray(dense.layers.block.linear.kernel[...][0]).T  # y = x W^T + b
     m = WIDTH // p
     block = lambda j, i: weight[j * m:(j + 1) * m, i * m:(i + 1) * m]
     for j in range(p):
@@ -128,16 +135,20 @@ def test_tensor_parallel_model_size_of_table_one():
 
 
 def test_param_count_matches_initialised_arrays():
-    """L(n^2/p + knp) counts exactly the stored weights minus the unused own decompressor slots."""
+    """L(n^2/p + knp) counts exactly the stored weights of the phantom FFN minus the unused own
+    decompressor slots (and the program's count is that plus the slots and the biases)."""
+    from helpers import param_shapes
+
     p, k, depth = 4, 3, 2
-    params = jax.eval_shape(lambda: phantom.init(jax.random.PRNGKey(0), width=WIDTH, ghost_width=k,
-                                                 num_shards=p, depth=depth))
+    program = program_module.build(FFNConfig(WIDTH, depth, k), "phantom", f"model={p}")
+    params = param_shapes(program)["layers"]["block"]["linear"]
     assert params["decompress"].shape == (depth, p, p, WIDTH // p, k)
     stored = sum(params[name].size for name in ("local", "compress", "decompress"))
     own_slots = depth * p * (WIDTH // p) * k
     assert stored - own_slots == phantom.param_count(WIDTH, k, p, depth)
     biases = params["bias"].size
     assert phantom.param_count(WIDTH, k, p, depth, include_bias=True) == stored - own_slots + biases
+    assert program.param_count == stored + biases
 
 
 def test_ghost_width_above_eq8_bound_warns_with_the_bound():
@@ -161,16 +172,40 @@ def test_bad_shapes_raise_clear_errors(kwargs, message):
         phantom.PhantomConfig(**kwargs)
 
 
-def test_mesh_without_axis_and_mismatched_shards_are_errors(mesh_of):
-    params = _init(4, 2, 1, jnp.float32)
-    x, _ = batch(WIDTH, dtype=jnp.float32)
-    other_axis = jax.make_mesh((4,), ("tp",), devices=first_devices(4))
-    with pytest.raises(ConfigError, match=r"no axis 'model'"):
-        phantom.forward(params, x, other_axis)
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(width=100, ghost_width=4), r"width=100 is not divisible by num_shards=8.*96 or 104"),
+    (dict(width=64), r"strategy 'phantom' needs ghost_width"),
+])
+def test_bad_phantom_programs_are_config_errors(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        program_module.build(FFNConfig(depth=2, **kwargs), "phantom", "model=8")
+
+
+def test_build_warns_above_eq8_bound_once():
+    with pytest.warns(JPhantomWarning, match=r"ghost_width=448 .*Eq\. 8") as record:
+        program_module.build(FFNConfig(4096, 1, 448), "phantom", "model=8")
+    assert len([w for w in record if issubclass(w.category, JPhantomWarning)]) == 1
+
+
+def test_mesh_without_axis_and_mismatched_shards_are_errors():
+    """A phantom model's p is part of its shapes: a mesh without ``model`` is refused when the
+    program is built, and a model built for p=4 stepped on model=2 when the step is traced."""
+    import optax
+
+    from jphantom.mesh import first_devices
+    from jphantom.train_step import make_train_step
+
+    require_devices(4)
+    config = _config(2, 1, jnp.float32)
+    with pytest.raises(ConfigError, match=r"shards features over the 'model' axis: add it"):
+        program_module.build(config, "phantom", "data=4")
+    program = program_module.build(config, "phantom", "model=4")
+    mesh = jax.make_mesh((2,), ("model",), devices=first_devices(2))
+    step = make_train_step(program.model, mesh, optax.sgd(0.1), program.loss_fn,
+                           batch_specs=program.batch_specs)
+    x, t = batch(WIDTH, dtype=jnp.float32)
     with pytest.raises(ConfigError, match=r"num_shards=4 but mesh axis 'model' has size 2"):
-        phantom.forward(params, x, mesh_of(2))
-    with pytest.raises(ConfigError, match=r"expected \[batch, width=48\]"):
-        phantom.forward(params, x[:, :40], mesh_of(4))
+        jax.eval_shape(step.value_and_grad(), random_params(program), x, t)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
@@ -179,13 +214,15 @@ def test_rank_compute_is_the_layer_without_its_collectives(fused):
     reduce-scatter's results by hand, every rank's z and gradients equal the dense layer's VJP."""
     p, k, width = 4, 3, 24
     m = width // p
-    params = jax.tree.map(jnp.asarray, _init(p, k, 1, jnp.float64, width=width))
-    layer = jax.tree.map(lambda a: a[0], params)  # stacked over depth 1
+    layer = _layer0(_case(p, k, 1, jnp.float64, width=width)[2])
     x, dz = batch(width, size=5)
-    z_dense, vjp = jax.vjp(lambda prm, x: x @ phantom.dense_equivalent(prm)["weight"][0].T
-                           + phantom.dense_equivalent(prm)["bias"][0], params, x)
-    (stacked_grads, want_dx) = vjp(dz)
-    want_grads = jax.tree.map(lambda a: a[0], stacked_grads)
+
+    def dense(prm, x):
+        weight, bias = phantom.linear_dense_equivalent(prm)
+        return x @ weight.T + bias
+
+    z_dense, vjp = jax.vjp(dense, layer, x)
+    want_grads, want_dx = vjp(dz)
     ys = [x[:, j * m:(j + 1) * m] for j in range(p)]
     gathered = jnp.stack([ys[i] @ layer["compress"][i].T for i in range(p)])  # the all-gather
     args = lambda j, gamma: (ys[j], gathered, gamma, dz[:, j * m:(j + 1) * m], layer["local"][j],

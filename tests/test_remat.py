@@ -1,6 +1,7 @@
-"""Activation checkpointing per layer (:mod:`jphantom.remat`): the same gradients under every
-policy, less compiled temp memory by what the policy predicts, and ``collectives_saveable``
-recomputes no collective."""
+"""Activation checkpointing per layer (the step's ``remat`` option, :mod:`jphantom.remat`, applied
+to the model's :class:`jphantom.nn.Stacked` blocks): the same gradients under every policy, less
+compiled temp memory by what the policy predicts, and ``collectives_saveable`` recomputes no
+collective."""
 
 import functools
 from collections import Counter
@@ -8,49 +9,48 @@ from collections import Counter
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
-from jphantom import remat, strategies
+from jphantom import program as program_module
+from jphantom import remat
 from jphantom.analysis.hlo import collectives
-from jphantom.analysis.inspect import compiled_memory
 from jphantom.errors import ConfigError
-from jphantom.mesh import MeshConfig, first_devices
-from jphantom.models import transformer as tr
-from jphantom.sharding import dense
-from jphantom.step import make_value_and_grad
+from jphantom.models import gpt2_nnx
+from jphantom.models.transformer import TransformerConfig
 
 from conftest import require_devices
 from helpers import assert_tree_close, random_params
 
-CONFIG = tr.TransformerConfig(vocab_size=32, seq_len=16, hidden=32, heads=4, layers=4,
-                              dtype="float32")
+CONFIG = TransformerConfig(vocab_size=32, seq_len=16, hidden=32, heads=4, layers=4,
+                           dtype="float32")
 BATCH = 8
 
 
 @functools.lru_cache(maxsize=None)
 def _case(mesh_text):
-    mesh_config = MeshConfig.parse(mesh_text)
-    require_devices(mesh_config.device_count)
-    program = strategies.get("tensor").program(CONFIG, mesh_config)
-    mesh = program.mesh.build(first_devices(program.mesh.device_count))
+    program = program_module.build(CONFIG, "tensor", mesh_text)
+    require_devices(program.mesh.device_count)
+    mesh = program.mesh.build(jax.devices()[:program.mesh.device_count])
     params = random_params(program)
-    for name in ("ln1", "ln2"):
-        params["blocks"][name]["scale"] += 1.0
-    params["ln_f"]["scale"] += 1.0
+    block = params["blocks"]["block"]
+    for norm in (block["ln_1"], block["ln_2"], params["ln_f"]):
+        norm["scale"] = 1.0 + norm["scale"]
     rng = np.random.default_rng(0)
     batch = [rng.integers(0, CONFIG.vocab_size, (BATCH, CONFIG.seq_len)) for _ in range(2)]
-    placed = jax.device_put(params, program.shardings(mesh))
-    batch = [jax.device_put(b, s) for b, s in zip(batch, program.batch_shardings(mesh))]
-    return program, mesh, placed, batch
+    return program, mesh, params, batch
 
 
 @functools.lru_cache(maxsize=None)
 def _run(mesh_text, policy):
-    program, mesh, params, batch = _case(mesh_text)
-    fn = make_value_and_grad(program, mesh, remat=policy)
-    compiled = fn.lower(params, *batch).compile()
+    _, mesh, params, batch = _case(mesh_text)
+    program = program_module.build(CONFIG, "tensor", mesh_text)  # the step sets its blocks' remat
+    step = program.train_step(mesh, optax.sgd(0.1), remat=policy, donate=False)
+    compiled = jax.jit(step.value_and_grad()).lower(params, *batch).compile()
     loss, grads = compiled(params, *batch)
-    return float(loss), grads, compiled_memory(compiled)["temp_bytes"], compiled.as_text()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    return float(loss), jax.device_get(grads), temp, compiled.as_text()
 
 
 @pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable", "collectives_saveable"])
@@ -58,16 +58,17 @@ def test_every_policy_gives_the_same_gradients(policy):
     loss, grads, _, _ = _run("model=2", policy)
     want_loss, want_grads, _, _ = _run("model=2", "none")
     assert loss == pytest.approx(want_loss, rel=1e-6)
-    assert_tree_close(grads, want_grads, 1e-5)
+    # the key bias's gradient is zero in exact arithmetic (softmax ignores a constant added to
+    # every key's score): compared against 1e-2
+    assert_tree_close(grads, want_grads, 1e-5, floor=1e-2)
 
 
 def _block_residual_bytes(policy):
-    """Per block, what the policy keeps for the backward: abstract vjp of one dense block."""
-    layers = dense.TransformerLayers(CONFIG.layer_norm_eps)
-    shapes = jax.eval_shape(lambda key: tr.init_dense(key, CONFIG), jax.random.PRNGKey(0))
-    block = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), shapes["blocks"])
+    """Per block, what the policy keeps for the backward: abstract vjp of one plain block."""
+    block = nnx.eval_shape(lambda: gpt2_nnx.Block(CONFIG, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(block)
     h = jax.ShapeDtypeStruct((BATCH, CONFIG.seq_len, CONFIG.hidden), jnp.float32)
-    return remat.residual_bytes(lambda p, x: tr.block(layers, CONFIG, p, x), block, h, policy)
+    return remat.residual_bytes(lambda s, x: nnx.merge(graphdef, s)(x), state, h, policy)
 
 
 def test_nothing_saveable_lowers_temp_memory_by_what_it_predicts():
@@ -98,4 +99,4 @@ def test_collectives_saveable_recomputes_no_collective():
 def test_unknown_policy_is_a_config_error():
     program, mesh, _, _ = _case("model=1")
     with pytest.raises(ConfigError, match="remat='everything'"):
-        make_value_and_grad(program, mesh, remat="everything")
+        program.train_step(mesh, optax.sgd(0.1), remat="everything")

@@ -1,20 +1,19 @@
 """Tensor-parallel baselines, ``tensor-t1`` (row-sharded) and ``tensor`` (Megatron column/row
 pairs), and the ``gspmd`` baseline, against the single-device dense oracle."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from jphantom import strategies
+from jphantom import program as program_module
 from jphantom.errors import ConfigError
-from jphantom.mesh import MeshConfig
-from jphantom.models.ffn import FFNConfig
-from jphantom.sharding import dense, tensor
+from jphantom.models.ffn import FFN, FFNConfig
+from jphantom.nn.tensor import ColumnParallelLinear, GatherFeatures, RowParallelLinear, T1Linear
 
 from conftest import require_devices
-from helpers import (DTYPE_NAME, TOLERANCE, assert_tree_close, batch, oracle_loss_and_grads,
-                     random_params, step_loss_and_grads, to_dense_of)
+from helpers import (DTYPE_NAME, TOLERANCE, assert_tree_close, batch, gradient_step,
+                     oracle_loss_and_grads, param_shapes, random_params)
 
 WIDTH = 48
 
@@ -32,43 +31,91 @@ def test_tensor_parallel_matches_dense(name, num_shards, depth, dtype):
     """Loss and every gradient of the training step equal jax.grad of the dense model."""
     require_devices(num_shards)
     config = FFNConfig(width=WIDTH, depth=depth, dtype=DTYPE_NAME[dtype])
-    program = strategies.get(name).program(config, MeshConfig.of({"model": num_shards}))
+    program, _, step, value_and_grad = gradient_step(name, config, f"model={num_shards}")
     params = random_params(program)
     x, t = batch(WIDTH, dtype=dtype)
-    loss, grads = step_loss_and_grads(name, config, f"model={num_shards}", params, x, t)
-    want_loss, want_grads = oracle_loss_and_grads(to_dense_of(name), params, x, t)
+    loss, grads = value_and_grad(params, x, t)
+    want_loss, want_grads = oracle_loss_and_grads(step, params, x, t)
     np.testing.assert_allclose(loss, want_loss, rtol=TOLERANCE[dtype])
     assert_tree_close(grads, want_grads, TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3, 4])
-def test_megatron_layout_round_trips(depth):
-    """Even layers are column-parallel, odd layers row-parallel; interleaving gives them back."""
-    layers = dense.init(jax.random.PRNGKey(3), width=WIDTH, depth=depth, dtype=jnp.float32)
-    split = tensor.megatron_from_dense(layers)
-    assert split["column"]["weight"].shape == ((depth + 1) // 2, WIDTH, WIDTH)
-    assert split["row"]["weight"].shape == (depth // 2, WIDTH, WIDTH)
-    assert_tree_close(tensor.megatron_dense_equivalent(split), layers, 0.0)
+def test_megatron_layout_pairs_the_dense_layers(depth):
+    """Megatron's FFN is the plain FFN with its layers grouped in pairs: pair u holds layers 2u
+    (column-parallel) and 2u+1 (row-parallel), an odd last layer is a lone column layer; the
+    feature-split input is gathered at the entry and, after a row layer, scattered at the exit.
+    The paired module computes the FFN of its layers taken in that order."""
+    config = FFNConfig(WIDTH, depth, dtype="float64")
+    paired = FFN(config, pairs=True, rngs=nnx.Rngs(0))
+    assert (paired.layers is None) == (depth == 1)
+    assert (paired.last is not None) == (depth % 2 == 1)
+    layers = []
+    if paired.layers is not None:
+        block = paired.layers.block
+        for u in range(depth // 2):
+            layers += [(block.first.kernel[...][u], block.first.bias[...][u]),
+                       (block.second.kernel[...][u], block.second.bias[...][u])]
+    if paired.last is not None:
+        layers.append((paired.last.kernel[...], paired.last.bias[...]))
+    x, _ = batch(WIDTH)
+    y = np.asarray(x)
+    for i, (kernel, bias) in enumerate(layers):
+        y = (np.maximum(y, 0) if i else y) @ np.asarray(kernel) + np.asarray(bias)
+    np.testing.assert_allclose(np.asarray(paired(x)), y, rtol=1e-12, atol=1e-12)
+    program = program_module.build(config, "tensor", "model=4")
+    model = program.model
+    assert isinstance(model.entry, GatherFeatures)
+    if depth > 1:
+        assert isinstance(model.layers.block.first, ColumnParallelLinear)
+        assert isinstance(model.layers.block.second, RowParallelLinear)
+    assert (type(model.exit).__name__ == "ScatterFeatures") == (depth % 2 == 0)
+    if depth % 2:
+        assert isinstance(model.last, ColumnParallelLinear)
 
 
 def test_tensor_parallel_programs_describe_the_dense_model():
     """Both layouts keep the dense model's global shapes (a checkpoint restores at any p) and its
     parameter count; only the specs say how they are split."""
     config = FFNConfig(width=WIDTH, depth=3)
-    t1 = strategies.get("tensor-t1").program(config, MeshConfig.of({"model": 4}))
-    megatron = strategies.get("tensor").program(config, MeshConfig.of({"model": 4}))
-    assert jax.eval_shape(t1.init, jax.random.PRNGKey(0))["weight"].shape == (3, WIDTH, WIDTH)
-    assert t1.param_count == megatron.param_count == dense.param_count(WIDTH, 3)
+    t1 = program_module.build(config, "tensor-t1", "model=4")
+    megatron = program_module.build(config, "tensor", "model=4")
+    assert isinstance(t1.model.layers.block.linear, T1Linear)
+    assert param_shapes(t1)["layers"]["block"]["linear"]["kernel"].shape == (3, WIDTH, WIDTH)
+    dense_count = 3 * (WIDTH * WIDTH + WIDTH)  # weights and biases
+    assert t1.param_count == megatron.param_count == dense_count
+    dense = program_module.build(config, "dense", "model=1")
+    assert dense.param_count == dense_count
 
 
 def test_bad_width_and_mesh_are_errors():
     config = FFNConfig(width=50, depth=1)
     for name in ("tensor", "tensor-t1"):
         with pytest.raises(ConfigError, match=r"width=50 is not divisible by num_shards=4"):
-            strategies.get(name).program(config, MeshConfig.of({"model": 4}))
+            program_module.build(config, name, "model=4")
     with pytest.raises(ConfigError, match=r"an 'expert' mesh axis splits the experts of MoE"):
-        strategies.get("tensor").program(FFNConfig(width=48), MeshConfig.of({"expert": 2, "model": 2}))
+        program_module.build(FFNConfig(width=48), "tensor", "expert=2,model=2")
     with pytest.raises(ConfigError, match=r"strategy 'dense' runs on one device"):
-        strategies.get("dense").program(FFNConfig(width=48), MeshConfig.of({"model": 4}))
+        program_module.build(FFNConfig(width=48), "dense", "model=4")
     with pytest.raises(ConfigError, match=r"unknown strategy 'tensor-t2'"):
-        strategies.get("tensor-t2")
+        program_module.build(FFNConfig(width=48), "tensor-t2", "model=4")
+    with pytest.raises(ConfigError, match=r"sequence_parallel applies to the transformer"):
+        program_module.build(FFNConfig(width=48), "tensor", "model=4", sequence_parallel=True)
+
+
+def test_feature_styles_fit_their_modules_only():
+    """``t1`` takes an nnx.Linear, ``gather`` / ``scatter`` a Boundary; pmm3d's ``weights`` is
+    one of kept, regather, deferred: anything else is refused by path before anything changes."""
+    from jphantom import Style, parallelize
+
+    model = FFN(FFNConfig(WIDTH, 2), rngs=nnx.Rngs(0))
+    with pytest.raises(ConfigError, match=r"entry: style 't1' does not fit Boundary"):
+        parallelize(model, {"model": 4}, {"entry": "t1"})
+    with pytest.raises(ConfigError, match=r"layers.block.linear: style 'gather' does not fit"):
+        parallelize(model, {"model": 4}, {"layers.block.linear": "gather"})
+    with pytest.raises(ConfigError, match=r"weights='cached'"):
+        Style("pmm3d", weights="cached")
+    with pytest.raises(ConfigError, match=r"for 'pmm3d' only"):
+        Style("column", weights="deferred")
+    with pytest.raises(ConfigError, match=r"in_features=48 is not divisible"):
+        parallelize(model, {"model": 5}, {"layers.block.linear": "t1"})

@@ -7,7 +7,12 @@ replaces (``from_module`` / ``dense_equivalent``). :func:`jphantom.parallelize` 
 model by path; a model holds none of them itself.
 
 - :mod:`jphantom.nn.tensor`: Megatron's column- and row-parallel linears with f and g,
-  vocabulary-parallel embedding and head, sequence parallelism, tensor-parallel experts.
+  vocabulary-parallel embedding and head, sequence parallelism, tensor-parallel experts; the
+  feature gather / scatter at a feature-split model's boundaries; seed 000's T1 linear.
+- :mod:`jphantom.nn.pmm3d`: AxoNN's 3D matmul linear (weights kept, regathered or deferred) and
+  token table.
+- :mod:`jphantom.nn.boundary`: the plain point between layers where a plan may re-lay an
+  activation out.
 - :mod:`jphantom.nn.phantom`: the phantom linear (seed 000), feature-split embeddings and norms.
 - :mod:`jphantom.nn.experts`: mixtures of experts, plain: SwiGLU or GELU experts (Mixtral's
   router), and the routed :class:`SwitchMoE` (capacity, dropless, load-balancing and z losses).
@@ -18,16 +23,18 @@ model by path; a model holds none of them itself.
 - :mod:`jphantom.nn.metadata`: the mesh-axis metadata of parameters.
 """
 
+from jphantom.nn.boundary import Boundary
 from jphantom.nn.expert import ExpertParallelExperts, ExpertParallelMoE, PhantomMoE
 from jphantom.nn.experts import Experts, SwitchMoE, top_k_gates
 from jphantom.nn.loss import cross_entropy
 from jphantom.nn.phantom import FeatureParallelEmbed, FeatureParallelNorm, PhantomLinear
 from jphantom.nn.stack import Stacked, set_remat
-from jphantom.nn.tensor import (ColumnParallelLinear, RowParallelLinear, SequenceParallelEmbed,
+from jphantom.nn.tensor import (ColumnParallelLinear, GatherFeatures, RowParallelLinear,
+                                ScatterFeatures, SequenceParallelEmbed, T1Linear,
                                 TensorParallelExperts, VocabParallelEmbed, VocabParallelHead)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbed", "VocabParallelHead",
-           "SequenceParallelEmbed", "TensorParallelExperts", "PhantomLinear",
-           "FeatureParallelEmbed", "FeatureParallelNorm", "Experts", "top_k_gates", "Stacked",
-           "SwitchMoE", "ExpertParallelExperts", "ExpertParallelMoE", "PhantomMoE",
-           "set_remat", "cross_entropy"]
+           "SequenceParallelEmbed", "TensorParallelExperts", "GatherFeatures", "ScatterFeatures",
+           "T1Linear", "Boundary", "PhantomLinear", "FeatureParallelEmbed", "FeatureParallelNorm",
+           "Experts", "top_k_gates", "Stacked", "SwitchMoE", "ExpertParallelExperts",
+           "ExpertParallelMoE", "PhantomMoE", "set_remat", "cross_entropy"]

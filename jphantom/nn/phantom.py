@@ -127,6 +127,12 @@ class PhantomLinear(nnx.Module):
 
     def local_outputs(self, x: jax.Array) -> jax.Array:
         """z^(j): this rank's n_out/p output features (Eq. 11; custom backward Eqs. 15-21)."""
+        ranks = lax.axis_size(self.axis)
+        if ranks != self.num_shards:  # p is part of a phantom model's shapes
+            raise ConfigError(f"the phantom layer was built for num_shards={self.num_shards} but "
+                              f"mesh axis {self.axis!r} has size {ranks}: build it for this mesh, "
+                              f"or run it on a mesh whose {self.axis!r} axis has "
+                              f"{self.num_shards} ranks")
         if self.use_bias:
             bias = self.bias[...]
         else:  # no bias: a constant zero (varying, as the custom backward's gradient is)

@@ -17,6 +17,12 @@ position tables split their features over ``y``. The token table [V, h] is split
 layer's weight (vocabulary over (x, z), features over y): the lookup all-reduces over ``x``, the
 tied head's logits [B, S, V/G_x] all-reduce over ``y`` and the cross-entropy is
 vocabulary-parallel over ``x``. An untied head is a normal layer whose outputs are the vocabulary.
+
+What a layer does with its gathered weight is an option, so any model runs every variant
+(:class:`Pmm3dLinear`'s ``weights``): ``kept`` for the backward (default), ``regather`` in the
+backward (AxoNN's default; a ``jax.checkpoint`` that saves nothing), or ``deferred``: a
+:class:`~jphantom.nn.stack.Stacked` gathers every layer's weight before its scan and the
+gradients are reduce-scattered once after the backward.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from flax import nnx
 from jax import lax
 
 from jphantom import remat
+from jphantom.errors import ConfigError
 from jphantom.nn import metadata
 from jphantom.nn.tensor import _embed, _gather_vocab, _linear, _promote, _value
 from jphantom.sharding import pmm3d as pmm3d_ops
@@ -33,35 +40,81 @@ from jphantom.sharding import vocab
 
 X, Y, Z = pmm3d_ops.X, pmm3d_ops.Y, pmm3d_ops.Z
 ROLES = pmm3d_ops.ROLES  # role -> (contraction axis, output axis)
+WEIGHTS = ("kept", "regather", "deferred")  # Pmm3dLinear's gathered weights (its docstring)
 
 
 class Pmm3dLinear(nnx.Module):
     """One Algorithm-3 layer: ``[..., in/G_c] -> [..., out/G_o]`` (``role`` normal: c = y,
     o = x; transposed: c = x, o = y). ``vocab_output``: an LM head (normal), logits split over
-    ``x``; ``__call__`` gathers them, :meth:`cross_entropy` never does."""
+    ``x``; ``__call__`` gathers them, :meth:`cross_entropy` never does.
+
+    ``weights``: what happens to the gathered weight ``W = all-gather_z(Ŵ)`` (Eq. 5.1),
+    per layer and step (G = n_in n_out / (G_x G_y), the block one rank multiplies with):
+
+    ``"kept"`` (default)
+        gathered once in the forward and kept for the backward: one all-gather of G forward,
+        one reduce-scatter of its gradient backward (Eq. 5.2); one gathered weight per layer
+        alive until its backward.
+    ``"regather"`` (AxoNN's default without ``cache_weights``)
+        the layer is a ``jax.checkpoint`` that saves nothing (its backward needs only its inputs
+        and the gathered weight), so its backward all-gathers the weight again: two all-gathers of G, one reduce-scatter; no gathered
+        weight outlives its layer.
+    ``"deferred"`` (the dissertation's deferred reduce-scatter)
+        inside a :class:`~jphantom.nn.stack.Stacked`, every layer's weight is gathered at once
+        before the layers run (:meth:`gather_stacked`, one all-gather of L G per stack) and the
+        gradients of the whole stack are reduce-scattered once after the backward (its
+        transpose); the whole gathered stack stays alive through the step. A layer outside any
+        stack gathers in its call, as ``"kept"``.
+    """
 
     def __init__(self, kernel, bias=None, *, role: str = "normal", vocab_output: bool = False,
-                 dtype=None):
+                 weights: str = "kept", dtype=None):
+        if weights not in WEIGHTS:
+            raise ConfigError(f"weights={weights!r}: one of {', '.join(WEIGHTS)}")
         self.role, self.vocab_output, self.dtype = role, vocab_output, dtype
+        self.weights = weights
+        self.gathered = False  # deferred: set by gather_stacked, the kernel is whole over z
         contract, out = ROLES[role]
         self.kernel = metadata.param(kernel, (contract, (out, Z)))
         self.bias = None if bias is None else metadata.param(bias, (out,))
 
     @classmethod
-    def from_module(cls, linear: nnx.Linear, *, role: str = "normal",
-                    vocab_output: bool = False) -> "Pmm3dLinear":
+    def from_module(cls, linear: nnx.Linear, *, role: str = "normal", vocab_output: bool = False,
+                    weights: str = "kept") -> "Pmm3dLinear":
         return cls(linear.kernel.get_value(), _value(linear.bias), role=role,
-                   vocab_output=vocab_output, dtype=linear.dtype)
+                   vocab_output=vocab_output, weights=weights, dtype=linear.dtype)
 
     def dense_equivalent(self) -> nnx.Linear:
         return _linear(self.kernel[...], _value(self.bias), self.dtype)
 
+    def gather_stacked(self) -> None:
+        """Called by :class:`~jphantom.nn.stack.Stacked` on the module holding every layer's
+        kernel [L, in/G_c, out/(G_o G_z)], before the layers run: ``deferred`` gathers them all
+        over z in one all-gather of L G (its transpose, after the backward, the one
+        reduce-scatter); the layers then use their slices as they are. Other settings: nothing."""
+        if self.weights != "deferred" or self.gathered:
+            return
+        self.kernel.set_value(pmm3d_ops.gather(self.kernel[...], self.kernel.ndim - 1))
+        self.gathered = True
+
     def local_outputs(self, x: jax.Array) -> jax.Array:
         contract, _ = ROLES[self.role]
-        w = pmm3d_ops.gather(self.kernel[...], self.kernel.ndim - 1)  # all-gather over z, Eq. 5.1
-        x, w, bias = _promote(x, w, _value(self.bias))
-        y = remat.name_collective(lax.psum(x @ w, contract))  # all-reduce_contract, Eq. 5.3
-        return y if bias is None else y + bias
+        gathered = self.gathered
+
+        def linear(kernel, x, bias):
+            # all-gather over z, Eq. 5.1 (deferred: done before the layers)
+            w = kernel if gathered else pmm3d_ops.gather(kernel, kernel.ndim - 1)
+            x, w, bias = _promote(x, w, bias)
+            w = pmm3d_ops.checkpoint_name(w)  # the weight the layer multiplies with
+            y = remat.name_collective(lax.psum(x @ w, contract))  # all-reduce_contract, Eq. 5.3
+            return y if bias is None else y + bias
+
+        if self.weights == "regather":
+            # Nothing saved: the backward needs only the layer's inputs and W, so what it
+            # recomputes is W = all-gather_z(Ŵ), the all-gather again (a policy saving anything
+            # but W would save the all-gather's output under another name).
+            linear = jax.checkpoint(linear, policy=jax.checkpoint_policies.nothing_saveable)
+        return linear(self.kernel[...], x, _value(self.bias))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = self.local_outputs(x)

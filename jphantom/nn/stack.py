@@ -14,9 +14,13 @@ such as ``(h, aux)`` where a block adds its auxiliary losses to ``aux`` (the MoE
 global position (seed 000's FFN applies its ReLU before every layer but the first).
 ``peel_first=True`` runs layer 0 outside the scan, so that autodiff can drop what only its input
 gradient needs (the FFN's data need none; inside the scan the first layer's backward collective
-would be the body's and stay), and so that the carry entering the scan has the types the blocks
-give it (the MoE blocks' ``aux`` starts as plain zeros and leaves the first block varying over the
-batch axes, as ``check_vma`` records).
+would be the body's and stay; a stack of one layer then has no scan at all), and so that the carry
+entering the scan has the types the blocks give it (the MoE blocks' ``aux`` starts as plain zeros
+and leaves the first block varying over the batch axes, as ``check_vma`` records).
+
+A module of the block may define ``gather_stacked()``: it runs once on the module holding all L
+layers' parameters, before the scan (:func:`gather_stacked`; pmm3d's deferred weights gather the
+whole stack in one collective).
 
 Two explicit attributes, set by the training step and never by a context: ``remat``, the
 blocks' activation-checkpointing policy (:mod:`jphantom.remat`; :func:`set_remat`), and
@@ -68,6 +72,8 @@ def apply_blocks(graphdef, state, carry, *args, remat: str = "none", fetch=None,
     ``lax.scan``, each checkpointed with ``remat`` and its parameters passed through ``fetch``: a
     pipeline stage's body runs its L' blocks so (``offset``: the global index of its first)."""
 
+    graphdef, state = gather_stacked(graphdef, state)
+
     def one(layer_state, carry, index):
         if fetch is not None:
             layer_state = fetch(layer_state)
@@ -85,6 +91,21 @@ def apply_blocks(graphdef, state, carry, *args, remat: str = "none", fetch=None,
         indices = indices[1:]
     carry, _ = lax.scan(lambda c, xs: (one(xs[0], c, xs[1]), None), carry, (state, indices))
     return carry
+
+
+def gather_stacked(graphdef, state):
+    """The block's graph and state after every module of it that defines ``gather_stacked()``
+    (pmm3d's deferred linears) has run it on the whole stack of its parameters [L, ...], before
+    the layers: one collective per stack instead of one per layer (its transpose, after the
+    backward, also one). Unchanged when no module defines it."""
+    block = nnx.merge(graphdef, state)  # fresh variables: the caller's state is never changed
+    hooks = [m.gather_stacked for _, m in nnx.iter_modules(block)
+             if callable(getattr(m, "gather_stacked", None))]
+    if not hooks:
+        return graphdef, state
+    for hook in hooks:
+        hook()
+    return nnx.split(block)
 
 
 class StackInput(Exception):

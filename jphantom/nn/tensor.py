@@ -28,21 +28,37 @@ VocabParallelHead        f (SP: all-gather); logits stay [B S V/p];   f's all-re
   .cross_entropy         3 all-reduces of B S scalars                 none
   .__call__              + all-gather of B S V (the full logits)      none (a slice)
 TensorParallelExperts    f before, g after (as a column/row pair)     f's all-reduce
+GatherFeatures           all-gather of B n (feature-split in,        none (keeps the own slice)
+                         replicated out)
+ScatterFeatures          none (keeps the own slice)                  all-gather of B n
+T1Linear (seed 000)      all-gather of B n_in (its input's features)  reduce-scatter to B n_in / p
 =======================  ==========================================  ============================
 
 Megatron's f (``copy_to_tensor_model_parallel_region``) is ``lax.pcast(x, axis, to="varying")``:
 identity forward, its transpose the all-reduce. g (``reduce_from_...``) is ``lax.psum``: its
 transpose is free under ``check_vma=True``.
+
+Seed 000's FFN takes and returns activations whose features are split over ``axis`` [B, n/p]
+(phantom's layout). Megatron's column/row pairs run on replicated [B, n] between them, so the FFN
+enters through :class:`GatherFeatures` (Megatron's ``gather_from_tensor_model_parallel_region``)
+and, after a row layer, leaves through :class:`ScatterFeatures` (``scatter_to_...``); after a lone
+column layer (odd depth) its output is feature-split already. Seed 000's own tensor parallelism
+(T1, Sec. II-B, Fig. 1a) is :class:`T1Linear`: the weight split on its output features and the
+input's features all-gathered in every layer, so input and output keep phantom's layout.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jphantom import remat
 from jphantom.nn import metadata
+from jphantom.nn.boundary import Boundary
 from jphantom.nn import norm as norm_ops
 from jphantom.nn.experts import Experts
 from jphantom.sharding import vocab
@@ -64,8 +80,9 @@ def copy_to_model(x: jax.Array, axis: str) -> jax.Array:
 
 
 def gather_sequence(x: jax.Array, axis: str) -> jax.Array:
-    """[B, S/p, h] -> [B, S, h]: all-gather of B S h (backward: reduce-scatter)."""
-    return lax.all_gather(x, axis, axis=x.ndim - 2, tiled=True)
+    """[B, S/p, h] -> [B, S, h]: all-gather of B S h (backward: reduce-scatter). The output is
+    named for ``remat="collectives_saveable"`` (kept, never recomputed)."""
+    return remat.name_collective(lax.all_gather(x, axis, axis=x.ndim - 2, tiled=True))
 
 
 def varies_over(x: jax.Array, axis: str) -> bool:
@@ -86,11 +103,12 @@ def to_full_sequence(x: jax.Array, axis: str, sequence_parallel: bool) -> jax.Ar
 
 
 def reduce_from_model(partial_sum: jax.Array, axis: str, sequence_parallel: bool) -> jax.Array:
-    """Megatron's g: all-reduce of the partial sums (SP: reduce-scatter over the sequence)."""
+    """Megatron's g: all-reduce of the partial sums (SP: reduce-scatter over the sequence),
+    named for ``remat="collectives_saveable"`` (kept, never recomputed)."""
     if sequence_parallel:
-        return lax.psum_scatter(partial_sum, axis, scatter_dimension=partial_sum.ndim - 2,
-                                tiled=True)
-    return lax.psum(partial_sum, axis)
+        return remat.name_collective(lax.psum_scatter(
+            partial_sum, axis, scatter_dimension=partial_sum.ndim - 2, tiled=True))
+    return remat.name_collective(lax.psum(partial_sum, axis))
 
 
 def own_sequence(x: jax.Array, axis: str) -> jax.Array:
@@ -323,6 +341,96 @@ class TensorParallelExperts(nnx.Module):
         x = to_full_sequence(x, self.axis, self.sequence_parallel)
         partial_sum = Experts.apply(x, gates, self.w_gate[...], self.w_up[...], self.w_down[...])
         return reduce_from_model(partial_sum, self.axis, self.sequence_parallel)
+
+
+class T1Linear(nnx.Module):
+    """Seed 000's T1 tensor parallelism (Sec. II-B, Fig. 1a): y[own] = all-gather(x) @ W[:, own]
+    + b[own], input and output features split over ``axis``.
+
+    kernel [..., in, out] split on ``out`` (rank j holds output features j n_out/p ..), bias
+    [..., out] split. Input [..., in/p] -> all-gather of B n_in -> [..., in] -> output
+    [..., out/p]. Backward: the all-gather's transpose, a reduce-scatter of the input gradient
+    [..., in] to [..., in/p] (dead for a model's first layer, whose input needs no gradient:
+    autodiff drops it). Per layer against phantom's k-wide messages: n_in/p versus k per token
+    (seed 000 Eq. 9)."""
+
+    def __init__(self, kernel, bias=None, *, axis: str = "model", dtype=None):
+        self.axis, self.dtype = axis, dtype
+        self.kernel = metadata.param(kernel, (None, axis))
+        self.bias = None if bias is None else metadata.param(bias, (axis,))
+
+    @classmethod
+    def from_module(cls, linear: nnx.Linear, *, axis: str = "model") -> "T1Linear":
+        return cls(linear.kernel.get_value(), _value(linear.bias), axis=axis, dtype=linear.dtype)
+
+    def dense_equivalent(self) -> nnx.Linear:
+        return _linear(self.kernel[...], _value(self.bias), self.dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # all-gather of B*n_in (its transpose, the backward reduce-scatter to B*n_in/p)
+        x_full = remat.name_collective(lax.all_gather(x, self.axis, axis=x.ndim - 1, tiled=True))
+        x_full, kernel, bias = _promote(x_full, self.kernel[...], _value(self.bias))
+        y = x_full @ kernel  # [..., out/p]: this rank's output features
+        return y if bias is None else y + bias
+
+
+class GatherFeatures(nnx.Module):
+    """Megatron's ``gather_from_tensor_model_parallel_region`` on the features: [..., n/p] split
+    over ``axis`` -> [..., n] replicated (invariant over ``axis``): an all-gather of B n forward;
+    backward, this rank's slice of the (replicated) gradient, no communication. Replaces a
+    :class:`~jphantom.nn.boundary.Boundary` (style ``gather``)."""
+
+    def __init__(self, *, axis: str = "model"):
+        self.axis = axis
+
+    @classmethod
+    def from_module(cls, boundary: Boundary, *, axis: str = "model") -> "GatherFeatures":
+        return cls(axis=axis)
+
+    def dense_equivalent(self) -> Boundary:
+        return Boundary()
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return lax.all_gather(x, self.axis, axis=x.ndim - 1, tiled=True, to="invarying")
+
+
+def _own_features(axis: str, x: jax.Array) -> jax.Array:
+    block = x.shape[-1] // lax.axis_size(axis)
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(axis) * block, block, axis=x.ndim - 1)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def scatter_features(axis: str, x: jax.Array) -> jax.Array:
+    """Megatron's ``scatter_to_tensor_model_parallel_region``: this rank's slice [..., n/p] of
+    the replicated [..., n]; backward, the all-gather of the slices' gradients (B n)."""
+    return _own_features(axis, x)
+
+
+def _scatter_features_bwd(axis, _, d_own):
+    # all-gather of B*n/p from each rank; the input was replicated, so is its gradient
+    return (lax.all_gather(d_own, axis, axis=d_own.ndim - 1, tiled=True, to="invarying"),)
+
+
+scatter_features.defvjp(lambda axis, x: (_own_features(axis, x), None), _scatter_features_bwd)
+
+
+class ScatterFeatures(nnx.Module):
+    """Megatron's ``scatter_to_tensor_model_parallel_region`` on the features: [..., n]
+    replicated over ``axis`` -> this rank's [..., n/p] (no communication forward); backward, an
+    all-gather of B n. Replaces a :class:`~jphantom.nn.boundary.Boundary` (style ``scatter``)."""
+
+    def __init__(self, *, axis: str = "model"):
+        self.axis = axis
+
+    @classmethod
+    def from_module(cls, boundary: Boundary, *, axis: str = "model") -> "ScatterFeatures":
+        return cls(axis=axis)
+
+    def dense_equivalent(self) -> Boundary:
+        return Boundary()
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return scatter_features(self.axis, x)
 
 
 def _gather_vocab(local_logits: jax.Array, axis: str) -> jax.Array:
