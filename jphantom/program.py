@@ -489,15 +489,24 @@ def collective_inventory(config, strategy: str, mesh, batch: int, *,
     mesh = MeshConfig.parse(mesh) if isinstance(mesh, str) else MeshConfig.of(mesh)
     p = mesh.size("model")
     if isinstance(config, FFNConfig):
-        from jphantom.sharding import phantom, tensor
-
-        if name in ("tensor", "tensor-t1"):
-            return tensor.collective_buffers(width=config.width, num_shards=p, depth=config.depth,
-                                             batch=batch,
-                                             layout="t1" if name == "tensor-t1" else "megatron")
+        n, L, b = config.width, config.depth, batch
+        if name == "tensor-t1":
+            # T1: per layer an all-gather of B n forward and a reduce-scatter to B n/p backward;
+            # the first layer's reduce-scatter would only give dL/dx of the data: removed
+            return {"all-gather": [b * n] * L, "reduce-scatter": [b * n // p] * (L - 1)}
+        if name == "tensor":
+            # Megatron pairs with phantom's feature-split I/O: gather the input (and its
+            # transpose, scatter's all-gather, when the depth is even); per pair g forward, and
+            # f backward for every column layer but the first
+            pairs, odd = divmod(L, 2)
+            return {"all-gather": [b * n] * (1 + (0 if odd else 1)),
+                    "all-reduce": [b * n] * (pairs + pairs + odd - 1)}
         if STRATEGIES[name].family == "phantom":
-            return phantom.collective_buffers(width=config.width, ghost_width=config.ghost_width,
-                                              num_shards=p, depth=config.depth, batch=batch)
+            # seed 000 Table II per layer: forward one all-gather of k B from each of p ranks
+            # (result p k B); backward one reduce-scatter to k B at every layer, the first
+            # included (Gamma_1 feeds dL/dC_1, Eq. 20)
+            k = config.ghost_width
+            return {"all-gather": [p * k * b] * L, "reduce-scatter": [k * b] * L}
     elif isinstance(config, TransformerConfig):
         L, h, s = config.layers, config.hidden, config.seq_len
         tokens = batch * s

@@ -1,10 +1,10 @@
 """Activation checkpointing per layer, with named ``jax.checkpoint`` policies.
 
-Every stack of layers in jphantom (the FFN's :func:`jphantom.sharding.dense.stack`, the
-transformer's :func:`jphantom.models.transformer.blocks`) applies its layers through
-:func:`layer`, which wraps the per-layer function in ``jax.checkpoint`` with the policy active
-while the step is traced (:func:`policy_scope`, set by :mod:`jphantom.step`). Models stay free of
-the choice: the step says how, the layers say what.
+Every stack of blocks (:class:`jphantom.nn.Stacked`) applies each block through
+:func:`checkpointed` with its ``remat`` attribute, which the training step sets
+(``make_train_step(..., remat=...)``, :func:`jphantom.nn.set_remat`). Models stay free of the
+choice: the step says how, the layers say what (they name their collectives' outputs,
+:func:`name_collective`).
 
 Policies (``POLICIES``):
 
@@ -24,8 +24,6 @@ Policies (``POLICIES``):
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from collections.abc import Callable
 
 import jax
@@ -44,9 +42,6 @@ POLICIES: dict[str, Callable | None] = {
 
 FETCHED = "fetched_parameters"  # ZeRO-3's per-layer gathered parameters: never saved
 
-_ACTIVE: contextvars.ContextVar[str] = contextvars.ContextVar("jphantom_remat", default="none")
-_FETCH: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("jphantom_fetch",
-                                                                        default=None)
 
 
 def check(name: str) -> str:
@@ -67,48 +62,11 @@ def with_cac(name: str, cac: bool) -> str:
     return "collectives_saveable"
 
 
-@contextlib.contextmanager
-def policy_scope(name: str):
-    """Layers traced inside this block are checkpointed with policy ``name``."""
-    token = _ACTIVE.set(check(name))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-@contextlib.contextmanager
-def fetch_scope(fetch: Callable):
-    """Layers traced inside this block apply ``fetch`` to their parameters first (ZeRO-3's
-    per-layer all-gather); what it returns is named :data:`FETCHED` and never saved for the
-    backward, which fetches again. Under the policy ``none`` such layers keep their matmul outputs
-    (``dots_saveable``): keeping everything would keep values derived from the fetched
-    parameters, such as a transposed weight, and the backward would not fetch again."""
-    token = _FETCH.set(fetch)
-    try:
-        yield
-    finally:
-        _FETCH.reset(token)
-
-
 def _without_fetched(policy):
     never = jax.checkpoint_policies.save_anything_except_these_names(FETCHED)
     if policy is None:
         return never
     return lambda *args, **kwargs: never(*args, **kwargs) and policy(*args, **kwargs)
-
-
-def layer(fn: Callable) -> Callable:
-    """``fn(params, x) -> y`` of one layer, checkpointed with the active policy (if any), its
-    parameters fetched first inside a :func:`fetch_scope`."""
-    name, fetch = _ACTIVE.get(), _FETCH.get()
-    if fetch is None:
-        return fn if name == "none" else jax.checkpoint(fn, policy=POLICIES[name])
-    fetched = lambda p, x: fn(jax.tree.map(lambda a: checkpoint_name(a, FETCHED), fetch(p)), x)
-    # "none" would keep whatever autodiff wants, including values derived from the fetched
-    # parameters (a transposed weight): keep the matmul outputs instead, recompute the rest.
-    policy = POLICIES["dots_saveable" if name == "none" else name]
-    return jax.checkpoint(fetched, policy=_without_fetched(policy))
 
 
 def checkpointed(fn: Callable, name: str, *, fetched: bool = False) -> Callable:

@@ -36,7 +36,6 @@ from tqdm.auto import tqdm
 
 from jphantom.config import RunConfig
 from jphantom.errors import ConfigError, TrainingDiverged
-from jphantom.mesh import first_devices
 
 
 # --------------------------------------------------------------------------------------------------

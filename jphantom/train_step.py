@@ -162,7 +162,7 @@ def _top_stacks(model: nnx.Module, pure_keys: list[tuple]) -> tuple:
 
 
 def _zeros_of(struct) -> jax.Array:
-    from jphantom.step import zeros_of  # noqa: PLC0415 (one definition)
+    from jphantom.pipeline.runner import zeros_of  # noqa: PLC0415 (one definition)
 
     return zeros_of(struct)
 
@@ -440,8 +440,8 @@ class TrainStep:
             loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
             return self._mean_share(loss, exclude=("stage",))[0] / microbatches * scale
 
-        stages = runner.Stages(units=stacked_module.layers, unit_name="layers", split=None,
-                               join=None, first=first, body=body, last=last)
+        stages = runner.Stages(units=stacked_module.layers, unit_name="layers", first=first,
+                               body=body, last=last)
         plan = runner.plan(self.pipeline, stages_count, train=train)
         stacked, rest = self._split(leaves)
         if not train:

@@ -129,9 +129,10 @@ def test_param_count_reproduces_table_one(num_shards, ghost_width, millions):
 
 
 def test_tensor_parallel_model_size_of_table_one():
-    from jphantom.sharding import dense
-
-    assert round(dense.param_count(16384, 2) / 1e6) == 537
+    """The dense model TP trains, n = 16384, L = 2: L n^2 weights (+ L n biases), built abstract."""
+    program = program_module.build(FFNConfig(16384, 2), "tensor-t1", "model=8")
+    assert program.param_count == 2 * 16384**2 + 2 * 16384
+    assert round(program.param_count / 1e6) == 537
 
 
 def test_param_count_matches_initialised_arrays():

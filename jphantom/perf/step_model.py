@@ -2,7 +2,7 @@
 
 For the seed-000 FFN (L layers of n x n, batch B, features sharded over p ranks) under
 
-- ``"tensor-t1"``: seed 000's TP, layout T1 of :mod:`jphantom.sharding.tensor` (row-sharded
+- ``"tensor-t1"``: seed 000's TP, :class:`jphantom.nn.tensor.T1Linear` (row-sharded
   W^(j) [n/p, n]; all-gather the [B, n/p] activations forward, reduce-scatter [B, n] -> [B, n/p]
   backward), or
 - ``"phantom"``: :mod:`jphantom.sharding.phantom` (local L [n/p, n/p], compressor C [k, n/p],
@@ -32,7 +32,7 @@ total seconds                             overhead for the unfused decompressor
 
 FLOPs per rank per step, m = n/p (every GEMM of the code). The first layer's input gradient is dead
 code, its only use would be dL/dx: every strategy applies layer 1 outside the ``lax.scan`` over the
-other layers (:func:`jphantom.sharding.dense.stack`), so XLA removes it (as it removes T1's first
+other layers (:class:`jphantom.nn.Stacked` with ``peel_first``), so XLA removes it (as it removes T1's first
 reduce-scatter):
 
     tensor-t1, per layer:     forward  y_full W^T               2 B n m
@@ -232,7 +232,7 @@ class StepShape:
         if self.strategy not in STRATEGIES:
             raise ConfigError(
                 f"strategy={self.strategy!r} has no step model; use one of {STRATEGIES} "
-                "('tensor-t1' is seed 000's TP, layout T1 of jphantom.sharding.tensor; phantom's "
+                "('tensor-t1' is seed 000's TP, jphantom.nn.tensor.T1Linear; phantom's "
                 "unfused decompressor is strategy='phantom', fused=False)"
             )
         _check_count("width", self.width, 1, "it is n, the layer width")
@@ -274,7 +274,7 @@ class StepShape:
 
     @property
     def strategy_name(self) -> str:
-        """The registry name of the modelled step (:mod:`jphantom.strategies`): ``tensor-t1``,
+        """The registry name of the modelled step (:data:`jphantom.program.STRATEGIES`): ``tensor-t1``,
         ``phantom`` or ``phantom-unfused``."""
         if self.strategy == "phantom" and not self.fused:
             return "phantom-unfused"

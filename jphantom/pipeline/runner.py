@@ -1,22 +1,23 @@
 """Pipeline parallelism executed inside the one SPMD training step (seed 003 Sec. 2.2, seed 004 ch. 3).
 
-A model that can be pipelined gives its :class:`Stages`: its parameters split into the layers
-stacked ``[U, ...]`` over a leading unit axis (transformer blocks, FFN layers, Megatron FFN
-column/row pairs) and the rest (embeddings, final norm, head), and three per-rank functions that
-hold the inner strategy's collectives (tensor or phantom parallelism over ``model``):
+The training step (:class:`jphantom.TrainStep`) cuts a model at its one
+:class:`jphantom.nn.Stacked` and gives this executor its :class:`Stages`: the stacked blocks'
+parameters ``[U, ...]`` (U = the blocks; the FFN's layers or Megatron pairs), the rest (embeddings,
+final norm, head), and three per-rank functions holding the inner strategy's collectives (tensor
+or phantom parallelism over ``model``):
 
-    first(rest, inputs_mb)        -> x     the embedding, on model chunk 0
-    body(chunk, x, c)             -> x     U / (P V) units of model chunk c
-    last(rest, x, targets_mb, M)  -> loss  head + loss on the last chunk: this rank's share of the
-                                           global mean loss (M: micro-batches per step)
+    first(rest, inputs_mb)        -> x     the part of the loss before the blocks, on chunk 0
+    body(chunk, x, c)             -> x     U / (P V) blocks of model chunk c
+    last(rest, x, targets_mb, M)  -> loss  the part after them (head + loss) on the last chunk:
+                                           this rank's share of the global mean loss (M: micro-
+                                           batches per step)
 
-:func:`pipelined` turns a :class:`jphantom.step.Program` with stages into one whose stacked layers
-are split over the ``stage`` mesh axis, ``U / P`` contiguous units per device; with ``V`` virtual
-stages, device ``s`` holds the model chunks ``v P + s`` (``v < V``), Megatron's round-robin. The
-global parameter arrays keep the model's shapes; for ``V > 1`` their unit axis is permuted so that
-a contiguous split gives each device its chunks (``dense_equivalent`` undoes it). The rest is
-replicated over ``stage``; its gradient (non-zero on the first and last stage only) is all-reduced
-over ``stage`` once per step, like Megatron's embedding-group all-reduce.
+The stacked parameters are split over the ``stage`` mesh axis, ``U / P`` contiguous units per
+device; with ``V`` virtual stages, device ``s`` holds the model chunks ``v P + s`` (``v < V``),
+Megatron's round-robin: the step stores the unit axis permuted (:func:`unit_order`) so that a
+contiguous split gives each device its chunks. The rest is replicated over ``stage``; its gradient
+(non-zero on the first and last stage only) is all-reduced over ``stage`` once per step, like
+Megatron's embedding-group all-reduce.
 
 The step walks the schedule's lock-step table (:func:`jphantom.pipeline.schedule.lockstep`) with
 ``lax.scan`` over ticks; every device reads its own row of the table (``lax.axis_index("stage")``)
@@ -51,13 +52,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from jphantom.errors import ConfigError, check_int
 from jphantom.pipeline.schedule import SCHEDULES, Lockstep, lockstep
-from jphantom.step import zeros_of
 
 STAGE_AXIS = "stage"
+
+
+def zeros_of(struct) -> jax.Array:
+    """Zeros of an abstract value (``jax.eval_shape`` inside a shard_map) with its shape, dtype
+    and varying mesh axes."""
+    zeros = jnp.zeros(struct.shape, struct.dtype)
+    varying = tuple(sorted(getattr(struct, "vma", None) or struct.manual_axis_type.varying))
+    return lax.pcast(zeros, varying, to="varying") if varying else zeros
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,18 +135,14 @@ def pipeline_for(mesh, batch: int, *, schedule: str = "1f1b", microbatches: int 
 
 @dataclasses.dataclass(frozen=True)
 class Stages:
-    """A model cut for pipelining (module docstring): ``split(params) -> (stacked, rest)`` and its
-    inverse ``join``; ``units``: the stacked leading axis; ``prepare``: the strategy's per-step
-    parameter transform (Megatron-SP's pcast), applied to the joined parameters."""
+    """A model cut for pipelining (module docstring): ``units`` stacked blocks, called
+    ``unit_name`` in errors, and the three per-rank functions."""
 
     units: int
     unit_name: str
-    split: Callable[[Any], tuple[Any, Any]]
-    join: Callable[[Any, Any], Any]
     first: Callable[[Any, jax.Array], jax.Array]
     body: Callable[[Any, jax.Array, jax.Array], jax.Array]
     last: Callable[[Any, jax.Array, jax.Array, int], jax.Array]
-    prepare: Callable[[Any], Any] = lambda params: params
 
 
 # --------------------------------------------------------------------------------------------------
@@ -495,7 +498,7 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
 
 
 # --------------------------------------------------------------------------------------------------
-# A Program, pipelined
+# Interleaved stages: the storage order of the stacked units
 # --------------------------------------------------------------------------------------------------
 
 
@@ -508,64 +511,3 @@ def unit_order(units: int, stages: int, virtual_stages: int) -> np.ndarray:
     s, within = divmod(g, V * per_chunk)
     v, j = divmod(within, per_chunk)
     return (v * P_ + s) * per_chunk + j
-
-
-def pipelined(program, config: PipelineConfig):
-    """``program`` (a manual :class:`jphantom.step.Program` with :class:`Stages`, on a mesh with a
-    ``stage`` axis) run as a pipeline with ``config``'s schedule (module docstring)."""
-    stages = program.stages
-    if stages is None or not program.manual:
-        raise ConfigError(f"strategy {program.strategy!r} on the {program.model} cannot run inside "
-                          "pipeline stages: use 'tensor' or 'phantom' (model=1 for none)")
-    mesh = program.mesh
-    if STAGE_AXIS not in mesh.shape:
-        raise ConfigError(f"a pipeline needs a 'stage' axis in the mesh, got {mesh}: e.g. "
-                          "--mesh stage=4,data=2")
-    num_stages = mesh.size(STAGE_AXIS)
-    config.check(num_stages, stages.units, stages.unit_name)
-    train_plan, eval_plan = plan(config, num_stages), plan(config, num_stages, train=False)
-    order = unit_order(stages.units, num_stages, config.virtual_stages)
-    inverse = np.argsort(order)
-    is_spec = lambda s: isinstance(s, P)
-
-    stacked_specs, rest_specs = stages.split(program.param_specs)
-
-    def on_stage(spec):
-        if len(spec) and spec[0] is not None:
-            raise ConfigError(f"stacked parameter spec {spec} already splits the unit axis")
-        return P(STAGE_AXIS, *spec[1:])
-
-    specs = stages.join(jax.tree.map(on_stage, stacked_specs, is_leaf=is_spec), rest_specs)
-
-    def permute(params, index):
-        stacked, rest = stages.split(params)
-        return stages.join(jax.tree.map(lambda a: a[index], stacked), rest)
-
-    def init(key):
-        return permute(program.init(key), order)
-
-    def dense_equivalent(params):
-        return program.dense_equivalent(permute(params, inverse))
-
-    def prepare(params):
-        stacked, rest = stages.split(params)
-        return stages.prepare(stages.join(stacked, lax.pcast(rest, STAGE_AXIS, to="varying")))
-
-    def value_and_grad(params, inputs, targets):
-        config.check_batch(inputs.shape[0])
-        prepared, prepare_vjp = jax.vjp(prepare, params)
-        stacked, rest = stages.split(prepared)
-        loss, d_stacked, d_rest = run(stages, config, train_plan, stacked, rest, inputs, targets)
-        (grads,) = prepare_vjp(stages.join(d_stacked, d_rest))  # rest: all-reduce over stage
-        return loss, grads
-
-    def loss(params, inputs, targets):
-        config.check_batch(inputs.shape[0])
-        stacked, rest = stages.split(prepare(params))
-        return run(stages, config, eval_plan, stacked, rest, inputs, targets, train=False)
-
-    options = {**program.options, "pipeline": dataclasses.asdict(config), "stages": num_stages}
-    return dataclasses.replace(
-        program, init=init, param_specs=specs, loss=loss, value_and_grad=value_and_grad,
-        loss_partial_axes=tuple(dict.fromkeys((*program.loss_partial_axes, STAGE_AXIS))),
-        dense_equivalent=dense_equivalent, forward=None, output_spec=None, options=options)

@@ -1,14 +1,13 @@
-"""How computation is split across devices: one module per parallel strategy.
+"""Per-rank operations of the parallel layers: the maths each :mod:`jphantom.nn` layer runs on one
+rank inside the training step's ``shard_map``, with its collectives on the mesh axes it is given.
 
-- :mod:`jphantom.sharding.dense`: the unsharded reference FFN and transformer layers, and their
-  GSPMD-annotated variants.
-- :mod:`jphantom.sharding.tensor`: tensor parallelism, seed 000's T1 and Megatron's column/row
-  pairs with f and g (FFN and transformer, with sequence parallelism).
-- :mod:`jphantom.sharding.phantom` and :mod:`.phantom_transformer`: phantom parallelism (seed 000).
+- :mod:`jphantom.sharding.phantom`: phantom parallelism's layer (seed 000), a ``custom_vjp`` with
+  the paper's backward operators, and its shape rules (Eq. 8).
+- :mod:`jphantom.sharding.pmm3d`: AxoNN's 3D matrix multiply (seed 004 ch. 5, Algorithm 3).
+- :mod:`jphantom.sharding.expert`: top-k routing, capacity, dispatch and combine of the MoE layers.
 - :mod:`jphantom.sharding.vocab`: vocabulary-parallel embedding and cross-entropy.
-- :mod:`jphantom.sharding.zero`: ZeRO-1/2/3 on the data axis.
-- :mod:`jphantom.sharding.expert`: the expert-parallel MoE layer (TED, DTD).
+- :mod:`jphantom.sharding.zero`: ZeRO-1/2/3 on the data axis (what the step shards, the gathers).
+- :mod:`jphantom.sharding.collectives`: hierarchical all-gather / reduce-scatter.
 
-Layers here run per rank inside the step's ``shard_map`` (:func:`jphantom.step.sharded`) and call
-their collectives on the mesh axes they are given; none opens a shard_map of its own.
+None opens a shard_map of its own.
 """

@@ -1,4 +1,4 @@
-"""Small validation helpers shared by the sharded strategies (no collectives here)."""
+"""Small validation helpers shared by the per-rank operations (no collectives here)."""
 
 from __future__ import annotations
 

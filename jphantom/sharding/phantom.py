@@ -11,20 +11,16 @@ Communication per layer and step (Table II): forward one all-gather of k x batch
 p x k x batch), backward one reduce-scatter of p x k x batch down to k x batch. Parameters are never
 replicated, so there is no gradient all-reduce and the optimizer update is local.
 
-Functional API (stable; other modules and users rely on these names and layouts):
+What is here (the maths of :class:`jphantom.nn.phantom.PhantomLinear`, the layer users put in
+their models):
 
-- :func:`init` -> a dict of global arrays stacked over depth, with a shard axis p after it:
-  ``"local"`` [L, p, n/p, n/p], ``"compress"`` [L, p, k, n/p], ``"decompress"`` [L, p, p, n/p, k]
-  where ``[l, j, i]`` is D^(i,j) (receiver j, sender i; the own slot ``[j, j]`` is masked out: it has
-  no effect and gets a zero gradient), ``"bias"`` [L, p, n/p]. Only phantom has p in its shapes:
-  p is part of the model.
-- :func:`ffn_per_rank` is the FFN on one rank inside the training step's single ``shard_map``
-  (layers under ``lax.scan``); :func:`phantom_layer` is one layer, a ``jax.custom_vjp``
-  implementing the paper's backward operators (Eqs. 15-21); :func:`forward` wraps the FFN in a
-  ``shard_map`` of its own for scripts.
-- :func:`dense_equivalent` assembles the identical dense layers; :func:`param_count` is L(n^2/p + knp).
-- :func:`init_linear`, :func:`linear_dense_equivalent`: the same layer for any in/out width (the
-  phantom transformer, :mod:`jphantom.sharding.phantom_transformer`).
+- :func:`phantom_layer`: one layer on one rank, a ``jax.custom_vjp`` implementing the paper's
+  backward operators (Eqs. 15-21); per rank ``local`` [n_o, n_i], ``compress`` [k, n_i],
+  ``decompress`` [p, n_o, k] (``[i]`` is D^(i,j) of sender i; the own slot is masked out: it has
+  no effect and gets a zero gradient), ``bias`` [n_o], n_i = in/p, n_o = out/p;
+  :func:`rank_compute` is its computation without the collectives (for timing).
+- :func:`linear_dense_equivalent` assembles the identical dense layer; :func:`param_count` is
+  L(n^2/p + knp) for the FFN; :class:`PhantomConfig` and :func:`max_ghost_width` check Eq. 8.
 
 Symbols: n = ``width``, p = ``num_shards``, k = ``ghost_width``, L = ``depth``.
 """
@@ -32,25 +28,15 @@ Symbols: n = ``width``, p = ``num_shards``, k = ``ghost_width``, L = ``depth``.
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from jphantom.errors import ConfigError, JPhantomWarning
-from jphantom.mesh import axis_size
-from jphantom import remat
-from jphantom.sharding import dense
-from jphantom.sharding._common import (check_depth, check_input, check_width, normal,
-                                       offdiagonal_mask)
-
-Params = dict[str, jax.Array]
-
+from jphantom.sharding._common import check_depth, check_width, offdiagonal_mask
 
 def max_ghost_width(width: int, num_shards: int) -> float:
     """Eq. 8 of seed 000: phantom has fewer FLOPs and parameters than dense iff k < (n/p)(1 - 1/p)."""
@@ -112,38 +98,6 @@ def param_count(
     return weights + (depth * n if include_bias else 0)
 
 
-def init_linear(key: jax.Array, *, in_features: int, out_features: int, ghost_width: int,
-                num_shards: int, layers: int | None = None, gain: float = 2.0,
-                dtype=jnp.float32) -> dict[str, jax.Array]:
-    """A phantom linear map of ``in_features`` -> ``out_features`` on p ranks, stacked over
-    ``layers`` (a leading axis; ``None`` for a single layer).
-
-    Shapes (without the leading layer axis), n_i = in_features / p, n_o = out_features / p:
-    ``local`` [p, n_o, n_i], ``compress`` [p, k, n_i], ``decompress`` [p, p, n_o, k] (``[j, i]`` is
-    D^(i,j), receiver j, sender i; own slot zero and masked), ``bias`` [p, n_o]. Initialisation:
-    every block of the equivalent dense matrix has the variance ``gain / in_features`` of a dense
-    layer (He for gain 2): L ~ N(0, gain/n_in), C ~ N(0, 1/n_i), D ~ N(0, gain/(p k)).
-    """
-    p, k = num_shards, ghost_width
-    n_i, n_o = in_features // p, out_features // p
-    lead = () if layers is None else (layers,)
-    k_local, k_comp, k_decomp = jax.random.split(key, 3)
-    own_slot_zero = (1.0 - jnp.eye(p, dtype=dtype))[:, :, None, None]
-    return {
-        "local": normal(k_local, (*lead, p, n_o, n_i), dtype, math.sqrt(gain / in_features)),
-        "compress": normal(k_comp, (*lead, p, k, n_i), dtype, math.sqrt(1.0 / n_i)),
-        "decompress": normal(k_decomp, (*lead, p, p, n_o, k), dtype, math.sqrt(gain / (p * k)))
-        * own_slot_zero,
-        "bias": jnp.zeros((*lead, p, n_o), dtype),
-    }
-
-
-def linear_specs(axis: str = "model", stacked: bool = True) -> dict[str, P]:
-    """PartitionSpecs of :func:`init_linear`'s arrays: the shard axis p over ``axis``."""
-    spec = P(None, axis) if stacked else P(axis)
-    return {name: spec for name in ("local", "compress", "decompress", "bias")}
-
-
 def linear_dense_equivalent(params: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """The identical dense map of one (unstacked) phantom linear: ``(weight [n_out, n_in], bias
     [n_out])`` with ``y = x W^T + b``; W[j-block rows, i-block cols] = L^(j) if i = j else
@@ -153,37 +107,6 @@ def linear_dense_equivalent(params: dict[str, jax.Array]) -> tuple[jax.Array, ja
     off = jnp.einsum("jimk,ikc->jimc", params["decompress"], params["compress"])  # D^(i,j) C^(i)
     blocks = jnp.where(own, params["local"][:, None], off)  # [j, i, n_o, n_i]
     return blocks.transpose(0, 2, 1, 3).reshape(p * n_o, p * n_i), params["bias"].reshape(p * n_o)
-
-
-def init(
-    key: jax.Array,
-    *,
-    width: int,
-    ghost_width: int,
-    num_shards: int,
-    depth: int,
-    dtype=jnp.float32,
-) -> Params:
-    """Random phantom FFN parameters: :func:`init_linear` of width -> width stacked over ``depth``.
-
-    Global arrays ``local`` [L, p, n/p, n/p], ``compress`` [L, p, k, n/p], ``decompress``
-    [L, p, p, n/p, k], ``bias`` [L, p, n/p]; every block of the equivalent dense matrix has the
-    variance of a He-initialised dense layer (seed 000 leaves initialisation open). Biases are zero.
-    """
-    cfg = PhantomConfig(width, ghost_width, num_shards, depth)
-    return init_linear(key, in_features=cfg.width, out_features=cfg.width, ghost_width=ghost_width,
-                       num_shards=num_shards, layers=depth, dtype=dtype)
-
-
-def config_of(params: Params) -> PhantomConfig:
-    """Recover (and validate) the :class:`PhantomConfig` from parameter shapes."""
-    if not isinstance(params, dict) or "compress" not in params or params["compress"].ndim != 4:
-        raise ConfigError("phantom FFN params must be the dict phantom.init returns, with "
-                          "'compress' of shape [depth, p, k, n/p]")
-    depth, p, k, m = params["compress"].shape
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", JPhantomWarning)  # already warned at init
-        return PhantomConfig(width=p * m, ghost_width=k, num_shards=p, depth=depth)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -342,66 +265,3 @@ def rank_compute(y, gathered, gamma, dz, local, compress, decompress, bias, *, r
 phantom_layer.defvjp(_phantom_layer_fwd, _phantom_layer_bwd)
 
 
-def ffn_per_rank(params: Params, y: jax.Array, *, axis: str, fused: bool = True) -> jax.Array:
-    """The phantom FFN on one rank, inside the step's ``shard_map``: y [B, n/p] -> [B, n/p].
-
-    ``params`` are this rank's shards (leading shard axis of size 1). Layers 1..L-1 run under
-    ``lax.scan`` (compile time does not grow with L), layer 0 before it so that XLA removes its
-    dead input gradient; ReLU between layers, none after the last (seed 000's FFN). Per layer one all-gather of k x B and one reduce-scatter back to k x B.
-    """
-    num_shards = lax.axis_size(axis)
-    layers = jax.tree.map(lambda a: a[:, 0], params)  # [L, ...] this rank's blocks
-
-    def layer(p, y):  # the output holds the ghosts' all-gather: named for collectives_saveable
-        return remat.name_collective(phantom_layer(axis, num_shards, fused, y, p["local"],
-                                                   p["compress"], p["decompress"], p["bias"]))
-
-    # Layer 0 outside the scan (jphantom.sharding.dense.stack): its dL/dy is dead and XLA drops it.
-    return dense.stack(layer, layers, y)
-
-
-def forward(
-    params: Params, x: jax.Array, mesh: Mesh, *, axis: str = "model", fused: bool = True
-) -> jax.Array:
-    """Phantom-parallel FFN: x [batch, n] sharded on features over ``axis`` -> [batch, n], same sharding.
-
-    A convenience for scripts: the forward of the ``phantom`` (or ``phantom-unfused``) strategy's
-    :class:`jphantom.step.Program` on ``mesh`` (:func:`jphantom.step.make_forward_fn`), the same
-    per-rank function the training step runs. ``fused=False`` runs the paper's p-1 decompressor
-    products (experiment E11).
-    """
-    from jphantom import strategies
-    from jphantom.mesh import mesh_config_of
-    from jphantom.models.ffn import FFNConfig
-    from jphantom.step import make_forward_fn
-
-    cfg = config_of(params)
-    num_shards = axis_size(mesh, axis)
-    if num_shards != cfg.num_shards:
-        raise ConfigError(
-            f"params were built for num_shards={cfg.num_shards} but mesh axis {axis!r} has size "
-            f"{num_shards}; re-initialise with num_shards={num_shards} or use a matching mesh")
-    if axis != "model":
-        raise ConfigError(f"phantom layers shard features over the mesh axis 'model', not {axis!r}: "
-                          "name the mesh axis 'model'")
-    check_input(x, cfg.width)
-    config = FFNConfig(cfg.width, cfg.depth, cfg.ghost_width, str(params["local"].dtype))
-    program = strategies.get("phantom" if fused else "phantom-unfused").program(
-        config, mesh_config_of(mesh))
-    return make_forward_fn(program, mesh)(params, x)
-
-
-def dense_equivalent(params: Params) -> dict[str, jax.Array]:
-    """The identical dense FFN ``{"weight": [L, n, n], "bias": [L, n]}`` (``y = x W^T + b``)."""
-    config_of(params)
-    weight, bias = jax.vmap(linear_dense_equivalent)(params)
-    return {"weight": weight, "bias": bias}
-
-
-def collective_buffers(*, width: int, ghost_width: int, num_shards: int, depth: int,
-                       batch: int) -> dict[str, list[int]]:
-    """Per-device result elements of each collective in one training step (Table II, per layer):
-    forward, one all-gather of k*B from each of p ranks (result p*k*B); backward, one reduce-scatter
-    down to k*B, at every layer including the first (Gamma_1 feeds dL/dC_1, Eq. 20)."""
-    k, p, b = ghost_width, num_shards, batch
-    return {"all-gather": [p * k * b] * depth, "reduce-scatter": [k * b] * depth}
