@@ -471,11 +471,33 @@ def _build(model: ModelConfig, parallel: ParallelConfig, step: StepConfig,
     mesh = program.mesh.build(first_devices(program.mesh.device_count))
     config = _Sections(model, parallel, step, train)
     train_step = _train_step(config, program, mesh, _optimizer(train, step))
+    _check_batch(train.batch, train_step, program.mesh)
     metrics = None
     if program.metrics_fn is not None and train_step.pipeline is None:
         metrics = train_step.metrics(program.metrics_fn)
     return Built(program, mesh, train_step, train_step.loss(), metrics,
                  train_step.batch_shardings(2))
+
+
+def _check_batch(batch: int, train_step, mesh) -> None:
+    """The global ``batch`` splits evenly over the mesh axes its rows are split on (``data``;
+    ``expert`` / ``z`` where the model has them) and each rank's share over the accumulation
+    micro-batches (a pipeline's micro-batches: :func:`jphantom.pipeline.runner.pipeline_for`)."""
+    spec = train_step.batch_shardings(2)[0].spec  # (inputs, targets): rows split alike
+    rows = spec[0] if len(spec) else None
+    axes = () if rows is None else (rows,) if isinstance(rows, str) else tuple(rows)
+    ranks = math.prod(mesh.size(a) for a in axes)
+    if batch % ranks:
+        named = " x ".join(axes)
+        word = "axis" if len(axes) == 1 else "axes"
+        raise ConfigError(f"batch={batch} is not divisible by the {named} {word} ({ranks}) of mesh "
+                          f"{mesh}: every {named} rank takes batch/{ranks} rows; pick a multiple "
+                          f"of {ranks}")
+    if train_step.pipeline is None and (batch // ranks) % train_step.accumulate:
+        raise ConfigError(f"the per-data-rank batch {batch // ranks} (batch={batch} over "
+                          f"{ranks} rank(s)) is not divisible by accumulate="
+                          f"{train_step.accumulate}: pick a batch that is a multiple of "
+                          f"{ranks * train_step.accumulate}")
 
 
 @dataclasses.dataclass(frozen=True)
