@@ -7,7 +7,7 @@ import pytest
 
 from jphantom import cli
 from jphantom.errors import ConfigError
-from jphantom.run import RunConfig, load_toml
+from jphantom.config import RunConfig, load_toml
 
 TINY = ["--layers", "1", "--hidden", "16", "--heads", "4", "--seq-len", "16", "--batch", "4",
         "--steps", "3", "--eval-every", "2", "--eval-batches", "1", "--no-progress"]
@@ -46,21 +46,24 @@ def test_train_settings_come_from_toml_and_flags_override(tmp_path):
         load_toml(str(toml))
 
 
-@pytest.mark.parametrize("kwargs, message", [
+@pytest.mark.parametrize("settings, message", [
     (dict(strategy="tensor", mesh="model=8", heads=4), "heads=4 is not divisible"),
-    (dict(strategy="phantom", mesh="model=4"), "needs ghost_width"),
-    (dict(batch=0), "batch=0 must be an integer >= 1"),
-    (dict(mesh="data=3,model=1", batch=16), "batch=16 is not divisible by the data axis"),
+    (dict(strategy="phantom", mesh="model=4"), "needs --ghost-width"),
+    (dict(batch=0), "batch=0 must be at least 1"),
+    (dict(strategy="tensor", mesh="data=3,model=1", batch=16),
+     "batch=16 is not divisible by the data axis"),
     (dict(mesh="pipeline=2"), "unknown mesh axis 'pipeline'"),
     (dict(dtype="float16"), "float16"),
     (dict(learning_rate=float("inf")), "learning_rate=inf"),
     (dict(model="cnn"), "model='cnn'"),
     (dict(mesh="model=16"), "needs 16 devices"),
-    (dict(from_gpt2="x", strategy="phantom", ghost_width=2), "--from-gpt2"),
+    (dict(from_gpt2="x", strategy="phantom", ghost_width=2), "x/config.json not found"),
 ])
-def test_bad_run_settings_are_refused_before_training(kwargs, message):
+def test_bad_run_settings_are_refused_before_training(settings, message):
+    """``RunConfig.from_flags`` takes the command line's flat names (``from_gpt2`` is GPT-2's
+    name for ``from_hf``); each bad value is refused by name on construction."""
     with pytest.raises(ConfigError, match=message):
-        RunConfig(**kwargs)
+        RunConfig.from_flags(**settings)
 
 
 def test_cli_train_reports_a_bad_setting_in_one_line(tmp_path, capsys):
