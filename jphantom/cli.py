@@ -264,10 +264,10 @@ def _compare(args: argparse.Namespace) -> int:
     from jphantom.compare import (CompareConfig, format_table, gpu_meter_factory,
                                   prepare_output_dir, run_compare, write_outputs)
 
-    config = CompareConfig(
+    config = CompareConfig.from_flags(
         width=args.width, depth=args.depth, shards=args.shards, ghost_widths=args.ghost_width,
         target_loss=args.target_loss, seeds=args.seeds, batch=args.batch,
-        learning_rate=args.learning_rate, max_steps=args.max_steps, eval_every=args.eval_every,
+        learning_rate=args.learning_rate, steps=args.max_steps, eval_every=args.eval_every,
     )
     prepare_output_dir(args.out)  # a bad --out fails before any training
     meter_factory = gpu_meter_factory() if args.energy == "auto" else None
@@ -283,15 +283,19 @@ def _demo(args: argparse.Namespace) -> int:
     _setup_devices(args.devices)
     import jax
 
-    from jphantom.analysis.inspect import StepSpec, format_report, inspect_step
+    from jphantom.analysis.inspect import format_report, inspect_step
     from jphantom.compare import prepare_output_dir
+    from jphantom.config import RunConfig
 
     prepare_output_dir(args.out)
     count = jax.device_count()
     p = max(q for q in (1, 2, 4, 8) if q <= count)
     print(f"== One training step of each strategy, n=1024, L=2, batch 64, p={p}, k=16 ==\n")
-    reports = [inspect_step(StepSpec(name, 1024, 2, 64, p, 16))
-               for name in ("phantom", "tensor-t1", "tensor", "gspmd")]
+    settings = {**INSPECT_DEFAULTS, "width": 1024, "depth": 2, "batch": 64, "mesh": f"model={p}",
+                "out": None, "progress": False, "ghost_width": None}
+    reports = [inspect_step(RunConfig.from_flags(
+        **(settings | {"strategy": name, "ghost_width": 16 if name == "phantom" else None})))
+        for name in ("phantom", "tensor-t1", "tensor", "gspmd")]
     print(format_report(reports).split("\n\nPer collective op")[0])
     print("\n== Training to the same target loss (Table I of seed 000, small scale) ==\n")
     shards = ",".join(str(q) for q in (2, 4, 8) if q <= count) or "1"

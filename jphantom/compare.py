@@ -44,6 +44,7 @@ from jphantom.energy import NvmlEnergyMeter, PowerModel, energy_per_iteration, p
 from jphantom.errors import ConfigError, check_int
 from jphantom.perf.comm_model import FRONTIER
 from jphantom.sharding.phantom import max_ghost_width
+from jphantom.sharding.phantom import param_count as phantom_param_count
 
 TP_STRATEGY = "tensor-t1"
 
@@ -57,6 +58,13 @@ def auto_ghost_width(width: int, num_shards: int) -> int:
     return max(1, int(max_ghost_width(width, num_shards) / 8))
 
 
+# the base run of a comparison (``jphantom compare``'s defaults): seed 000's FFN, Adam (optax's
+# betas), no warm-up, at most ``steps`` steps, evaluated every ``eval_every``
+BASE = dict(model="ffn", width=256, depth=2, batch=64, optimizer="adam", learning_rate=2e-3,
+            warmup_steps=0, adam_b2=0.999, steps=300, eval_every=10, out=None, progress=False,
+            strategy=TP_STRATEGY, mesh="model=1")
+
+
 @dataclasses.dataclass(frozen=True)
 class CompareConfig:
     """A sweep of the one run configuration: ``base`` (a :class:`jphantom.config.RunConfig` of
@@ -65,10 +73,7 @@ class CompareConfig:
     ``shards`` and with phantom at each shard count and ghost width (``ghost_widths``, or
     ``"auto"``), for every seed; the teacher has ``train_size`` / ``eval_size`` samples."""
 
-    base: RunConfig = dataclasses.field(default_factory=lambda: RunConfig.from_flags(
-        model="ffn", width=256, depth=2, batch=64, optimizer="adam", learning_rate=2e-3,
-        warmup_steps=0, adam_b2=0.999, steps=300, eval_every=10, out=None, progress=False,
-        strategy=TP_STRATEGY, mesh="model=1"))
+    base: RunConfig = dataclasses.field(default_factory=lambda: RunConfig.from_flags(**BASE))
     shards: tuple[int, ...] = (2, 4, 8)
     ghost_widths: tuple[int, ...] | str = (2, 4, 16)
     seeds: tuple[int, ...] = (0, 1, 2)
@@ -98,6 +103,17 @@ class CompareConfig:
                 f"shards={self.shards} needs {max(self.shards)} devices, have {jax.device_count()}: "
                 f"pass --devices {max(self.shards)} or fewer shards")
         self.run_configs()  # every run's shapes are valid (width divisible by every p, ...)
+
+    @classmethod
+    def from_flags(cls, *, shards=(2, 4, 8), ghost_widths=(2, 4, 16), seeds=(0, 1, 2),
+                   target_margin=0.02, train_size=1 << 14, eval_size=512,
+                   **flags) -> "CompareConfig":
+        """A comparison whose base run is :data:`BASE` with ``flags`` (the run's flat names:
+        ``width``, ``depth``, ``batch``, ``learning_rate``, ``steps``, ``eval_every``,
+        ``target_loss``...) over it."""
+        return cls(base=RunConfig.from_flags(**(BASE | flags)), shards=shards,
+                   ghost_widths=ghost_widths, seeds=seeds, target_margin=target_margin,
+                   train_size=train_size, eval_size=eval_size)
 
     @property
     def width(self) -> int:
@@ -133,6 +149,16 @@ class CompareConfig:
                 else list(self.ghost_widths), "seeds": list(self.seeds),
                 "target_margin": self.target_margin, "train_size": self.train_size,
                 "eval_size": self.eval_size}
+
+
+def table_one_params(strategy: str, width: int, depth: int, num_shards: int,
+                     ghost_width: int | None) -> int:
+    """Weights of the FFN as seed 000's Table I counts them (biases excluded): n^2 L for TP,
+    L (n^2/p + k n p) for phantom (:func:`jphantom.sharding.phantom.param_count`). The module's
+    own count (``module_params``) adds the biases and, fused, the decompressor's unused own slot."""
+    if strategy == TP_STRATEGY:
+        return width * width * depth
+    return phantom_param_count(width, ghost_width, num_shards, depth)
 
 
 def _check_list(name, values, minimum):
@@ -246,7 +272,8 @@ def run_compare(config: CompareConfig, *, power: PowerModel = PowerModel(), prog
             "strategy": name,
             "shards": p,
             "ghost_width": k,
-            "params": report["params"],
+            "params": table_one_params(name, config.width, base.model.depth, p, k),
+            "module_params": report["params"],
             "iterations_to_target": mean_iterations,
             "iterations_to_target_std": statistics.pstdev(reached) if len(reached) > 1 else 0.0,
             "iterations_per_seed": iterations,
@@ -267,7 +294,7 @@ def run_compare(config: CompareConfig, *, power: PowerModel = PowerModel(), prog
                 "method": metered[0]["method"],  # "counter", "sampling" or "mixed"
                 "metered_steps": [m["metered_steps"] for m in metered]},
             "proxy_params_x_iterations": None if mean_iterations is None
-            else report["params"] * mean_iterations,
+            else table_one_params(name, config.width, base.model.depth, p, k) * mean_iterations,
             "eval_curves": [{"steps": curve(r)[0], "losses": curve(r)[1]} for r in results],
         })
     out = {

@@ -16,13 +16,16 @@ REQUIRED = {"strategy", "shards", "ghost_width", "params", "iterations_to_target
 
 @pytest.mark.slow  # trains TP and phantom to a target: ~13 s
 def test_compare_table_rows_and_outputs(tmp_path):
-    config = CompareConfig(width=32, shards=(2, 4), ghost_widths=(2,), seeds=(0, 1), batch=16,
-                           max_steps=40, eval_every=10, train_size=512, eval_size=64)
+    config = CompareConfig.from_flags(width=32, shards=(2, 4), ghost_widths=(2,), seeds=(0, 1),
+                                      batch=16, steps=40, eval_every=10, train_size=512,
+                                      eval_size=64)
     result = run_compare(config, progress=False, log=lambda *a: None)
     rows = result["rows"]
     assert len(rows) == 2 + 2
     for row in rows:
         assert REQUIRED <= row.keys()
+        p, k = row["shards"], row["ghost_width"]  # Table I's weights (biases excluded)
+        assert row["params"] == (2 * 32 * 32 if k is None else 2 * (32 * 32 // p + k * 32 * p))
         assert row["iterations_to_target"] is not None  # the automatic target is reachable by all
         assert row["energy_source"] == "modelled"
         assert row["energy_total_j"] == pytest.approx(row["energy_per_iteration_j"]
@@ -53,7 +56,7 @@ def test_auto_ghost_width_is_inside_eq8():
     assert auto_ghost_width(16, 8) == 1
 
 
-@pytest.mark.parametrize("kwargs, message", [
+@pytest.mark.parametrize("settings, message", [
     (dict(shards=(16,)), "needs 16 devices"),
     (dict(ghost_widths="some"), "ghost_widths='some'"),
     (dict(ghost_widths=(0,)), r"ghost_widths=0 must be an integer >= 1"),
@@ -62,22 +65,26 @@ def test_auto_ghost_width_is_inside_eq8():
     (dict(shards=(2, 4, 2)), r"repeats \[2\]"),
     (dict(seeds=(1, 1)), r"seeds=\(1, 1\) repeats \[1\]"),
     (dict(seeds=()), "seeds is empty"),
-    (dict(batch=0), r"batch=0 must be an integer >= 1"),
-    (dict(width=2.5), r"width=2.5 must be an integer"),
+    (dict(batch=0), r"batch=0 must be at least 1"),
+    (dict(width=2.5), r"width=2.5 must be int"),
     (dict(width=30, shards=(4,)), r"width=30 is not divisible by num_shards=4"),
-    (dict(target_loss=0.0), r"target_loss=0.0 must be a finite number > 0"),
+    (dict(target_loss=0.0), r"target_loss=0.0 must be > 0"),
     (dict(learning_rate=-1.0), r"learning_rate=-1.0"),
     (dict(target_margin=-0.1), r"target_margin=-0.1"),
+    (dict(model="gpt2", strategy="dense"), r"compare trains seed 000's FFN"),
 ])
-def test_compare_rejects_bad_settings(kwargs, message):
+def test_compare_rejects_bad_settings(settings, message):
+    """``CompareConfig.from_flags``: the base run's flat settings over the comparison's
+    defaults, and the sweep (shards, ghost widths, seeds, margin)."""
     with pytest.raises(ConfigError, match=message):
-        CompareConfig(**kwargs)
+        CompareConfig.from_flags(**settings)
 
 
 def test_compare_refuses_what_cannot_fit_before_training():
     """n = 2**20: 4 TiB of TP weights per device at p = 2; refused with the estimate at once."""
-    config = CompareConfig(width=2**20, shards=(2,), ghost_widths=(1,), seeds=(0,), batch=8)
-    with pytest.raises(ConfigError, match=r"training tensor-t1 at width=1048576.*needs about"):
+    config = CompareConfig.from_flags(width=2**20, shards=(2,), ghost_widths=(1,), seeds=(0,),
+                                      batch=8)
+    with pytest.raises(ConfigError, match=r"training ffn under tensor-t1 on mesh model=2 needs about"):
         run_compare(config, progress=False, log=lambda *a: None)
 
 
@@ -131,8 +138,9 @@ def test_compare_uses_a_power_meter_when_given(tmp_path):
     training window; the model's figure stays next to it."""
     from jphantom.energy import NvmlPowerMeter
 
-    config = CompareConfig(width=32, shards=(2,), ghost_widths=(2,), seeds=(0,), batch=16,
-                           max_steps=20, eval_every=10, train_size=512, eval_size=64)
+    config = CompareConfig.from_flags(width=32, shards=(2,), ghost_widths=(2,), seeds=(0,),
+                                      batch=16, steps=20, eval_every=10, train_size=512,
+                                      eval_size=64)
     factory = lambda p: NvmlPowerMeter(interval_s=0.005, sampler=lambda: [100.0] * p,
                                        device_names=[f"fake{i}" for i in range(p)])
     result = run_compare(config, progress=False, log=lambda *a: None, meter_factory=factory)

@@ -5,7 +5,8 @@ import json
 import jax
 import pytest
 
-from jphantom import cli, strategies
+from jphantom import cli
+from jphantom import program as programs
 from jphantom.errors import ConfigError
 from jphantom.mesh import MAX_SIMULATED_DEVICES, MeshConfig, first_devices, make_mesh, simulate_cpu_devices
 
@@ -51,7 +52,10 @@ def test_cli_inspect_json_reports_collectives_flops_params(capsys):
     ops = [op for op in report["collective_ops"] if op["kind"] == "all-gather"]
     assert sum(op["count"] for op in ops) == 2  # layer 0, and layer 1 in the scan
     assert {op["bytes"] for op in ops} == {8 * 8 * 2 * 4}
-    assert report["flops"] > 0 and report["params"] == 2 * (64 * 64 // 8 + 2 * 64 * 8)
+    # the module's parameters: seed 000's weights (Table I) + 2 x 64 biases + the fused
+    # decompressor's own slot (k n/p per rank and layer, never used: test_phantom.py)
+    weights = 2 * (64 * 64 // 8 + 2 * 64 * 8)
+    assert report["flops"] > 0 and report["params"] == weights + 2 * 64 + 2 * 2 * 64
 
 
 def test_cli_inspect_on_a_data_and_model_mesh(capsys):
@@ -84,7 +88,7 @@ def test_cli_table_and_errors(capsys):
     assert err.count("\n") == 1 and "Traceback" not in err  # one line
     assert cli.main(["inspect", "--mesh", "data=4,model=4", "--width", "64", "--batch", "8",
                      "--ghost-width", "2"]) == 2
-    assert "16 devices needed but 8 are available" in capsys.readouterr().err
+    assert "mesh data=4,model=4 needs 16 devices but 8 are available" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     assert "inspect" in capsys.readouterr().out
@@ -95,15 +99,15 @@ def test_cli_lists_the_registry_strategies(capsys):
         cli.main(["inspect", "--strategy", "tensor-t2"])
     err = capsys.readouterr().err
     assert "invalid choice: 'tensor-t2'" in err
-    for name in strategies.strategies_for("ffn"):
+    for name in programs.strategies_for("ffn"):
         assert name in err
 
 
 @pytest.mark.parametrize("argv, message", [
     (["inspect", "--devices", "0"], "0 simulated devices: give 1 to"),
     (["inspect", "--devices", str(MAX_SIMULATED_DEVICES + 1)], "simulated devices: give 1 to"),
-    (["inspect", "--batch", "0"], "0 must be >= 1"),
-    (["inspect", "--width", "-4"], "-4 must be >= 1"),
+    (["inspect", "--batch", "0"], "batch=0 must be at least 1"),
+    (["inspect", "--width", "-4"], "width=-4 must be at least 1"),
     (["compare", "--shards", "0"], "shards=0 must be an integer >= 1"),
     (["compare", "--batch", "0"], "0 must be >= 1"),
     (["compare", "--shards", "2,2"], "repeats [2]"),
@@ -155,28 +159,32 @@ def test_demo_inspects_then_compares_on_the_devices_it_has(tmp_path, monkeypatch
 
 def test_param_count_is_never_negative_or_fractional_where_jphantom_computes_it():
     """The entry points that report parameter counts validate their inputs first."""
-    from jphantom.analysis.inspect import StepSpec
     from jphantom.compare import CompareConfig
-    from jphantom.train import TrainConfig
+    from jphantom.config import RunConfig
+    from jphantom.models.ffn import FFNConfig
+    from jphantom.sharding import phantom
 
+    ffn = dict(model="ffn", strategy="phantom", width=64, mesh="model=4", out=None)
     with pytest.raises(ConfigError, match="ghost_width=-100"):
-        TrainConfig("phantom", width=64, num_shards=4, ghost_width=-100)
+        RunConfig.from_flags(**ffn, ghost_width=-100)
     with pytest.raises(ConfigError, match="depth=2.5"):
-        StepSpec("phantom", 64, 2.5, 8, 4, 2)
+        RunConfig.from_flags(**ffn, depth=2.5, ghost_width=2)
     with pytest.raises(ConfigError, match="ghost_width=-1"):
-        StepSpec("phantom", 64, 2, 8, 4, -1)
+        RunConfig.from_flags(**ffn, ghost_width=-1)
     with pytest.raises(ConfigError, match="ghost_widths=-3"):
-        CompareConfig(width=64, shards=(2,), ghost_widths=(-3,))
-    assert strategies.param_count("phantom", width=64, depth=2, num_shards=4, ghost_width=2) == \
-        2 * (64 * 64 // 4 + 2 * 64 * 4)
+        CompareConfig.from_flags(width=64, shards=(2,), ghost_widths=(-3,))
+    # seed 000's count (Table I: weights only) beside the model's (biases, and the fused
+    # decompressor's own slot, whose k n/p per layer never moves: test_phantom.py)
+    weights = phantom.param_count(64, 2, 4, 2)
+    assert weights == 2 * (64 * 64 // 4 + 2 * 64 * 4)
+    built = programs.build(FFNConfig(64, 2, 2), "phantom", "model=4")
+    assert built.param_count == weights + 2 * 64 + 2 * 2 * 64
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(name="phantom", width=64, depth=2, num_shards=4, ghost_width=-100),
-    dict(name="phantom", width=64, depth=2.5, num_shards=4, ghost_width=2),
-    dict(name="tensor-t1", width=2.5, depth=2),
-])
-def test_strategies_param_count_rejects_bad_inputs(kwargs):
-    name = kwargs.pop("name")
+@pytest.mark.parametrize("args", [(64, -100, 4, 2), (64, 2, 4, 2.5), (2.5, 2, 1, 2)])
+def test_phantom_param_count_rejects_bad_inputs(args):
+    """``sharding.phantom.param_count(width, ghost_width, num_shards, depth)``."""
+    from jphantom.sharding import phantom
+
     with pytest.raises(ConfigError):
-        strategies.param_count(name, **kwargs)
+        phantom.param_count(*args)
