@@ -342,6 +342,11 @@ class RunConfig:
             raise ConfigError("dtype='float16' with an adaptive optimizer underflows Adam's "
                               "epsilon (1e-8 is 0 in float16): use --precision float16 (float32 "
                               "master weights), bfloat16, or --optimizer sgd")
+        if ("stage" in self.parallel.mesh_config().shape
+                and self.parallel.strategy in ("dense", "gspmd")):
+            raise ConfigError(f"strategy {self.parallel.strategy!r} does not run inside pipeline "
+                              "stages: use 'tensor' or 'phantom' (with model=1 for no tensor "
+                              "parallelism)")
         phantom = self.parallel.strategy.startswith("phantom")
         if phantom and self.model.ghost_width is None:
             raise ConfigError(f"--strategy {self.parallel.strategy} needs --ghost-width K (k "
@@ -426,6 +431,13 @@ def _pipeline(parallel: ParallelConfig, train: TrainConfig, program=None):
     return pipeline_for(mesh, train.batch, schedule=parallel.schedule,
                         microbatches=parallel.microbatches,
                         virtual_stages=parallel.virtual_stages)
+
+
+def pipeline_summary(pipeline, mesh) -> dict:
+    """What ``results.json`` and ``inspect`` report of a step's pipeline: the schedule, the
+    micro-batches (per data rank), the virtual stages per device and the stages of ``mesh``."""
+    return {"schedule": pipeline.schedule, "microbatches": pipeline.microbatches,
+            "virtual_stages": pipeline.virtual_stages, "stages": mesh.size("stage")}
 
 
 def _optimizer(train: TrainConfig, step: StepConfig):

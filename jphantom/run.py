@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jphantom.config import RunConfig
+from jphantom.config import RunConfig, pipeline_summary
 from jphantom.errors import ConfigError, TrainingDiverged
 
 
@@ -272,8 +272,7 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
         results["moe"] = {"final_dropped_fraction": history["dropped_fraction"][-1],
                           "dtd": config.parallel.dtd}
     if step.pipeline is not None:
-        results["pipeline"] = {**dataclasses.asdict(step.pipeline),
-                               "stages": program.mesh.size("stage")}
+        results["pipeline"] = pipeline_summary(step.pipeline, program.mesh)
     if _text_model(config):
         unigram = source.corpus.unigram_cross_entropy()
         results["unigram_cross_entropy"] = unigram

@@ -11,10 +11,9 @@ import sys
 import pytest
 
 from jphantom import cli
-from jphantom.analysis.inspect import StepSpec
+from jphantom.config import RunConfig, load_toml
 from jphantom.errors import ConfigError
 from jphantom.pipeline.schedule import lockstep, simulate
-from jphantom.run import RunConfig
 
 from helpers import exit_code
 
@@ -146,26 +145,29 @@ def test_train_pipelined_ffn_writes_the_pipeline_into_results(tmp_path, capsys):
     assert "pipeline: gpipe, 2 stages, 2 micro-batches" in capsys.readouterr().out
 
 
+FFN = dict(model="ffn", strategy="tensor-t1", width=16, out=None, progress=False)
+
+
 def test_unpipelined_results_have_no_pipeline_entry():
-    config = RunConfig(model="ffn", strategy="tensor-t1", width=16, mesh="data=2,model=4", batch=8)
-    assert config.pipeline_config() is None
+    config = RunConfig.from_flags(**FFN, mesh="data=2,model=4", batch=8)
+    assert config.pipeline() is None and config.build().step.pipeline is None
 
 
 def test_default_microbatches_are_the_stages():
-    config = RunConfig(model="ffn", strategy="tensor-t1", width=16, depth=4, batch=8,
-                       mesh="stage=4,model=2")
-    pipeline = config.pipeline_config()
+    config = RunConfig.from_flags(**FFN, depth=4, batch=8, mesh="stage=4,model=2")
+    pipeline = config.pipeline()
     assert (pipeline.schedule, pipeline.microbatches, pipeline.virtual_stages) == ("1f1b", 4, 1)
+    assert config.build().step.pipeline == pipeline
     assert config.program().mesh.device_count == 8
     # batch 4 over data=2: 2 rows per data rank, the default 2 micro-batches of one row each
-    RunConfig(model="ffn", strategy="tensor-t1", width=16, batch=4, mesh="stage=2,data=2,model=2")
+    RunConfig.from_flags(**FFN, batch=4, mesh="stage=2,data=2,model=2")
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(mesh="data=2,model=4", microbatches=2), r"--microbatches 2 only apply to a pipelined "
                                                   r"step.*add stage=N to the mesh"),
-    (dict(mesh="model=8", schedule="gpipe"), r"--schedule gpipe.*stage=N"),
-    (dict(mesh="model=8", virtual_stages=2), r"--virtual-stages 2.*stage=N"),
+    (dict(mesh="model=4", schedule="gpipe"), r"--schedule gpipe.*stage=N"),
+    (dict(mesh="model=4", virtual_stages=2), r"--virtual-stages 2.*stage=N"),
     (dict(mesh="stage=2,data=2,model=2", batch=6, microbatches=2),
      r"batch=6 over data=2: the per-data-rank batch 3 is not divisible by microbatches=2"),
     (dict(mesh="stage=2,model=4", virtual_stages=2), r"--schedule interleaved-1f1b"),
@@ -174,13 +176,13 @@ def test_default_microbatches_are_the_stages():
     (dict(mesh="stage=2,model=4", schedule="interleaved-1f1b", microbatches=3,
           batch=12), r"interleaved-1f1b needs microbatches divisible by the 2 stages"),
     (dict(mesh="stage=2,model=4", schedule="zero-bubble"), r"schedule="),
-    (dict(mesh="stage=2,model=4", microbatches=0), r"microbatches=0 must be an integer >= 1"),
+    (dict(mesh="stage=2,model=4", microbatches=0), r"microbatches=0 must be at least 1"),
     (dict(mesh="stage=2,model=4", strategy="dense"), r"does not run inside pipeline stages"),
 ])
 def test_bad_pipeline_settings_are_refused_before_training(kwargs, message):
     settings = dict(strategy="tensor", layers=2, hidden=16, heads=4, seq_len=8, batch=8) | kwargs
     with pytest.raises(ConfigError, match=message):
-        RunConfig(**settings)
+        RunConfig.from_flags(**settings)
 
 
 def test_cli_train_bad_pipeline_flag_is_one_line_and_runs_nothing(tmp_path, capsys):
@@ -198,10 +200,9 @@ def test_train_pipeline_settings_from_toml(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text('schedule = "gpipe"\nmicrobatches = 4\nmesh = "stage=2,model=4"\n'
                     'strategy = "tensor"\nlayers = 2\nhidden = 16\nheads = 4\nbatch = 8\n')
-    from jphantom.run import load_toml
-    config = RunConfig(**load_toml(str(toml)))
-    assert (config.schedule, config.microbatches) == ("gpipe", 4)
-    assert config.program().options["pipeline"]["microbatches"] == 4
+    config = RunConfig.from_flags(**load_toml(str(toml)))
+    assert (config.parallel.schedule, config.parallel.microbatches) == ("gpipe", 4)
+    assert config.build().step.pipeline.microbatches == 4
 
 
 # --------------------------------------------------------------------------------------------------
@@ -261,10 +262,12 @@ def test_inspect_bad_pipeline_flags_are_one_line(argv, message, capsys):
     _one_line_error(capsys, message)
 
 
-def test_step_spec_checks_the_batch_against_microbatches_without_compiling():
+def test_inspect_settings_check_the_batch_against_microbatches_without_compiling():
+    """What ``inspect`` builds (the run's configuration) is checked on construction."""
+    ffn = dict(FFN, width=32, depth=2)
     with pytest.raises(ConfigError, match="per-data-rank batch 3 is not divisible"):
-        StepSpec("tensor-t1", 32, 2, 6, mesh="stage=2,data=2,model=2", microbatches=2)
+        RunConfig.from_flags(**ffn, batch=6, mesh="stage=2,data=2,model=2", microbatches=2)
     with pytest.raises(ConfigError, match="only apply to a pipelined step"):
-        StepSpec("tensor-t1", 32, 2, 8, mesh="model=4", schedule="gpipe")
-    spec = StepSpec("tensor-t1", 32, 2, 8, mesh="stage=2,model=4")
-    assert spec.pipeline_config().microbatches == 2
+        RunConfig.from_flags(**ffn, batch=8, mesh="model=4", schedule="gpipe")
+    config = RunConfig.from_flags(**ffn, batch=8, mesh="stage=2,model=4")
+    assert config.pipeline().microbatches == 2

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from jphantom.analysis.hlo import collectives, dot_flops, normalise_replica_groups, summarize
-from jphantom.config import RunConfig
+from jphantom.config import RunConfig, pipeline_summary
 from jphantom.errors import ConfigError
 from jphantom.mesh import first_devices
 
@@ -181,8 +181,7 @@ def inspect_step(config: RunConfig, optimizer=None) -> dict:
         "compile_seconds": compile_seconds,
     }
     if step.pipeline is not None:
-        report["pipeline"] = {**dataclasses.asdict(step.pipeline),
-                              "stages": program.mesh.size("stage")}
+        report["pipeline"] = pipeline_summary(step.pipeline, program.mesh)
     return report
 
 
