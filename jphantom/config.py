@@ -342,11 +342,15 @@ class RunConfig:
             raise ConfigError("dtype='float16' with an adaptive optimizer underflows Adam's "
                               "epsilon (1e-8 is 0 in float16): use --precision float16 (float32 "
                               "master weights), bfloat16, or --optimizer sgd")
-        if ("stage" in self.parallel.mesh_config().shape
-                and self.parallel.strategy in ("dense", "gspmd")):
-            raise ConfigError(f"strategy {self.parallel.strategy!r} does not run inside pipeline "
-                              "stages: use 'tensor' or 'phantom' (with model=1 for no tensor "
-                              "parallelism)")
+        if "stage" in self.parallel.mesh_config().shape:
+            if self.parallel.strategy in ("dense", "gspmd"):
+                raise ConfigError(f"strategy {self.parallel.strategy!r} does not run inside "
+                                  "pipeline stages: use 'tensor' or 'phantom' (with model=1 for "
+                                  "no tensor parallelism)")
+            if self.step.accumulate != 1:
+                raise ConfigError(f"--accumulate {self.step.accumulate} does not apply to a "
+                                  "pipelined step: pipelines accumulate through --microbatches "
+                                  "(per data rank); leave --accumulate out")
         phantom = self.parallel.strategy.startswith("phantom")
         if phantom and self.model.ghost_width is None:
             raise ConfigError(f"--strategy {self.parallel.strategy} needs --ghost-width K (k "
@@ -506,9 +510,9 @@ def _check_batch(batch: int, train_step, mesh) -> None:
                           f"{mesh}: every {named} rank takes batch/{ranks} rows; pick a multiple "
                           f"of {ranks}")
     if train_step.pipeline is None and (batch // ranks) % train_step.accumulate:
-        raise ConfigError(f"the per-data-rank batch {batch // ranks} (batch={batch} over "
-                          f"{ranks} rank(s)) is not divisible by accumulate="
-                          f"{train_step.accumulate}: pick a batch that is a multiple of "
+        raise ConfigError(f"the per-data-rank batch {batch // ranks} is not divisible by "
+                          f"accumulate={train_step.accumulate} (batch={batch} over {ranks} "
+                          f"rank(s)): pick a batch that is a multiple of "
                           f"{ranks * train_step.accumulate}")
 
 

@@ -108,7 +108,7 @@ def test_meter_spans_the_training_window_and_is_stopped_on_divergence():
     (dict(strategy="tensor", mesh="data=3,model=2", batch=32),
      r"batch=32 is not divisible by the data axis \(3\) of mesh data=3,model=2"),
     (dict(strategy="tensor", mesh="data=2,model=2", accumulate=3, batch=8),
-     r"per-data-rank batch 4 \(batch=8 over 2 rank\(s\)\) is not divisible by accumulate=3"),
+     r"per-data-rank batch 4 is not divisible by accumulate=3 \(batch=8 over 2 rank"),
 ])
 def test_bad_training_config_is_an_error(settings, message):
     with pytest.raises(ConfigError, match=message):

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from jphantom import cli
-from jphantom.analysis.inspect import StepSpec, format_report
+from jphantom.analysis.inspect import format_report
+from jphantom.config import RunConfig
 from jphantom.errors import ConfigError
-from jphantom.run import RunConfig
 
 from helpers import exit_code
 
@@ -41,10 +41,10 @@ def test_train_zero3_with_accumulation_and_clipping_matches_zero0(tmp_path, caps
     (["--zero", "2", "--mesh", "model=8"], "zero=2 shards over the 'data' axis"),
     (["--accumulate", "3", "--mesh", "data=4,model=2"],
      "per-data-rank batch 4 is not divisible by accumulate=3"),
-    (["--clip-norm", "0", "--mesh", "data=4,model=2"], "clip_norm=0.0 must be a positive number"),
+    (["--clip-norm", "0", "--mesh", "data=4,model=2"], "clip_norm=0.0 must be > 0"),
     (["--accumulate", "2", "--mesh", "stage=2,data=2,model=2", "--depth", "4"],
      "pipelines accumulate through --microbatches"),
-    (["--zero", "1", "--strategy", "dense"], "not per-rank"),
+    (["--zero", "1", "--strategy", "dense"], "zero=1 shards over the 'data' axis"),
 ])
 def test_bad_step_settings_are_one_line_and_run_nothing(argv, message, tmp_path, capsys):
     out = tmp_path / "never"
@@ -56,14 +56,15 @@ def test_bad_step_settings_are_one_line_and_run_nothing(argv, message, tmp_path,
 
 
 def test_run_config_checks_the_step_settings_without_compiling():
-    base = dict(model="ffn", strategy="tensor", width=8, batch=16, mesh="data=4,model=2")
-    assert RunConfig(**base, zero=2, accumulate=4, clip_norm=0.5).program().zero == 2
-    for kwargs, message in ((dict(zero=4), "zero=4"), (dict(accumulate=0), "accumulate=0"),
-                            (dict(clip_norm=float("nan")), "clip_norm=nan")):
+    base = dict(model="ffn", strategy="tensor", width=8, batch=16, mesh="data=4,model=2",
+                out=None)
+    step = RunConfig.from_flags(**base, zero=2, accumulate=4, clip_norm=0.5).build().step
+    assert (step.zero, step.accumulate) == (2, 4)
+    for settings, message in ((dict(zero=4), "zero=4"), (dict(accumulate=0), "accumulate=0"),
+                              (dict(clip_norm=float("nan")), "clip_norm=nan"),
+                              (dict(accumulate=3), "not divisible by accumulate=3")):
         with pytest.raises(ConfigError, match=message):
-            RunConfig(**base, **kwargs)
-    with pytest.raises(ConfigError, match="not divisible by accumulate=3"):
-        StepSpec("tensor", 8, 2, 16, mesh="data=4,model=2", accumulate=3)
+            RunConfig.from_flags(**base, **settings)
 
 
 def test_inspect_zero3_shards_parameters_gradients_and_adam_state_over_data(capsys):
@@ -107,12 +108,15 @@ def test_inspect_zero2_gradients_sgd_state_and_table(capsys):
 
 
 def test_inspect_refuses_bad_precision_and_remat_before_compiling():
-    from jphantom.analysis.inspect import StepSpec
-    from jphantom.errors import ConfigError
-
+    """The names are checked by the configuration. (The old path refused remat and precision
+    under gspmd; on the module step they are properties of the model's blocks and of the one
+    step, so gspmd takes them too.)"""
+    base = dict(model="ffn", strategy="tensor", width=8, depth=2, batch=8, mesh="model=2",
+                out=None)
     with pytest.raises(ConfigError, match="precision='fp8'"):
-        StepSpec(strategy="tensor", width=8, depth=2, batch=8, mesh="model=2", precision="fp8")
+        RunConfig.from_flags(**base, precision="fp8")
     with pytest.raises(ConfigError, match="remat='all'"):
-        StepSpec(strategy="tensor", width=8, depth=2, batch=8, mesh="model=2", remat="all")
-    with pytest.raises(ConfigError, match="precision and remat run inside the one-shard_map step"):
-        StepSpec(strategy="gspmd", width=8, depth=2, batch=8, mesh="model=2", remat="dots_saveable")
+        RunConfig.from_flags(**base, remat="all")
+    gspmd = RunConfig.from_flags(**(base | {"strategy": "gspmd"}), remat="dots_saveable",
+                                 precision="bf16")
+    assert gspmd.build().step.spmd == "gspmd"
