@@ -535,8 +535,11 @@ def _train(args: argparse.Namespace) -> int:
               + f", {step['precision']} compute, remat {step['remat']}")
     if "moe" in results:
         moe = results["moe"]
-        print(f"MoE: dropped {100 * moe['final_dropped_fraction']:.2f}% of token-expert "
-              "assignments")
+        active = ("" if moe["active_params"] is None
+                  else f", {moe['active_params']:,} active parameters")
+        print(f"MoE: every {moe['moe_every']} block(s), {moe['experts']} experts, "
+              f"top-{moe['top_k']}{active}; dropped {100 * moe['final_dropped_fraction']:.2f}% "
+              "of token-expert assignments")
     print(f"final validation loss {results['final_validation_loss']:.4f}"
           + (f" nats/token; unigram cross-entropy {results['unigram_cross_entropy']:.4f}; "
              f"ratio {results['validation_over_unigram']:.3f}"

@@ -268,9 +268,15 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
                              "joules_per_step": energy.joules / metered_steps,
                              "device_names": list(energy.device_names),
                              "mean_watts": energy.mean_watts, "method": energy.method}
-    if history["dropped_fraction"]:
-        results["moe"] = {"final_dropped_fraction": history["dropped_fraction"][-1],
-                          "dtd": config.parallel.dtd}
+    if history["dropped_fraction"]:  # routed MoE blocks (GPT-2's): their shape and drops
+        model_config = program.config
+        count = getattr(model_config, "param_count", None)
+        results["moe"] = {"moe_every": model_config.moe_every, "experts": model_config.experts,
+                          "top_k": model_config.top_k,
+                          "capacity_factor": model_config.capacity_factor,
+                          "dtd": config.parallel.dtd,
+                          "active_params": count(active=True) if count else None,
+                          "final_dropped_fraction": history["dropped_fraction"][-1]}
     if step.pipeline is not None:
         results["pipeline"] = pipeline_summary(step.pipeline, program.mesh)
     if _text_model(config):

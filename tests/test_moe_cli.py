@@ -52,7 +52,7 @@ def test_inspect_lists_the_all_to_alls_over_expert(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--mesh", "expert=2,model=1"], "an 'expert' mesh axis splits the experts"),
     (["--moe-every", "2", "--top-k", "9"], "top_k=9 > experts=8"),
-    (["--moe-every", "2", "--capacity-factor", "0"], "capacity_factor=0.0 must be a positive"),
+    (["--moe-every", "2", "--capacity-factor", "0"], "capacity_factor=0.0 must be > 0"),
     (["--moe-every", "2", "--experts", "6", "--mesh", "expert=4,model=1"],
      "experts=6 is not divisible by the expert axis size 4"),
     (["--moe-every", "3"], "layers=2 is not divisible by moe_every=3"),
