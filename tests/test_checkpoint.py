@@ -15,7 +15,8 @@ import pytest
 
 from jphantom import cli
 from jphantom.errors import ConfigError
-from jphantom.run import RunConfig, run
+from jphantom.config import RunConfig
+from jphantom.run import run
 
 from conftest import require_devices
 
@@ -23,14 +24,18 @@ FFN = dict(model="ffn", strategy="tensor", width=16, depth=2, batch=16, eval_eve
            eval_batches=1, progress=False)
 
 
+def _config(**settings) -> RunConfig:
+    return RunConfig.from_flags(**settings)  # the command line's flat names
+
+
 def test_a_resumed_run_continues_the_loss_curve_exactly(tmp_path):
     require_devices(4)
     settings = dict(FFN, mesh="data=2,model=2")
-    whole = run(RunConfig(**settings, steps=6, out=str(tmp_path / "whole")))
+    whole = run(_config(**settings, steps=6, out=str(tmp_path / "whole")))
     ckpt = tmp_path / "ckpt"
-    run(RunConfig(**settings, steps=4, out=str(tmp_path / "part"), checkpoint_dir=str(ckpt),
+    run(_config(**settings, steps=4, out=str(tmp_path / "part"), checkpoint_dir=str(ckpt),
                   save_every=2, keep_checkpoints=2))
-    resumed = run(RunConfig(**settings, steps=6, out=str(tmp_path / "part"),
+    resumed = run(_config(**settings, steps=6, out=str(tmp_path / "part"),
                             checkpoint_dir=str(ckpt), save_every=2, keep_checkpoints=2,
                             resume=True))
     assert resumed["history"]["train_loss"] == whole["history"]["train_loss"]
@@ -45,14 +50,14 @@ def test_a_tensor_checkpoint_restores_on_other_meshes(tmp_path):
     losses equal the uninterrupted run's (dense-shaped weights: only their shards move)."""
     require_devices(8)
     settings = dict(FFN, eval_every=4)
-    whole = run(RunConfig(**settings, mesh="data=2,model=4", steps=4, out=str(tmp_path / "w")))
+    whole = run(_config(**settings, mesh="data=2,model=4", steps=4, out=str(tmp_path / "w")))
     saved = tmp_path / "saved"
-    run(RunConfig(**settings, mesh="data=2,model=4", steps=2, out=str(tmp_path / "a"),
+    run(_config(**settings, mesh="data=2,model=4", steps=2, out=str(tmp_path / "a"),
                   checkpoint_dir=str(saved)))
     for mesh in ("model=4", "model=2"):
         ckpt = tmp_path / f"ckpt-{mesh}"
         shutil.copytree(saved, ckpt)
-        resumed = run(RunConfig(**settings, mesh=mesh, steps=4, out=str(tmp_path / mesh),
+        resumed = run(_config(**settings, mesh=mesh, steps=4, out=str(tmp_path / mesh),
                                 checkpoint_dir=str(ckpt), resume=True))
         assert resumed["history"]["train_loss"] == pytest.approx(
             whole["history"]["train_loss"], rel=1e-5)
@@ -61,16 +66,16 @@ def test_a_tensor_checkpoint_restores_on_other_meshes(tmp_path):
 def test_a_phantom_checkpoint_is_refused_where_its_shapes_differ(tmp_path):
     require_devices(4)
     settings = dict(FFN, strategy="phantom", ghost_width=2)
-    run(RunConfig(**settings, mesh="model=2", steps=1, out=str(tmp_path / "a"),
+    run(_config(**settings, mesh="model=2", steps=1, out=str(tmp_path / "a"),
                   checkpoint_dir=str(tmp_path / "ckpt")))
     with pytest.raises(ConfigError, match="depend on the mesh"):
-        run(RunConfig(**settings, mesh="model=4", steps=2, out=str(tmp_path / "b"),
+        run(_config(**settings, mesh="model=4", steps=2, out=str(tmp_path / "b"),
                       checkpoint_dir=str(tmp_path / "ckpt"), resume=True))
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--resume"], "need --checkpoint-dir"),
-    (["--save-every", "2"], "need --checkpoint-dir"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--save-every", "2"], "--save-every needs --checkpoint-dir"),
     (["--checkpoint-dir", "{tmp}/ckpt", "--resume"], "no complete checkpoint"),
 ])
 def test_bad_checkpoint_settings_are_one_line(argv, message, tmp_path, capsys):

@@ -105,16 +105,16 @@ def test_data_parallelism_adds_one_gradient_all_reduce_per_parameter(name):
     assert 1 <= gradients[0]["count"] <= len(leaves)
 
 
-# On the program path (jphantom.analysis.inspect's breakdown) until inspect moves to the module
-# step.
 def test_inspect_breakdown_times_the_step_with_and_without_its_reductions():
     """Seed 001's breakdown: both steps run; the shares add up to one; the all-reduce over data is
     modelled by Eq. 26."""
-    from jphantom.analysis.inspect import StepSpec, breakdown
+    from jphantom.analysis.inspect import breakdown
+    from jphantom.config import RunConfig
 
     require_devices(2)
-    result = breakdown(StepSpec(strategy="tensor", width=16, depth=2, batch=8,
-                                mesh="data=2,model=1"), steps=2, warmup=1)
+    config = RunConfig.from_flags(model="ffn", strategy="tensor", width=16, depth=2, batch=8,
+                                  mesh="data=2,model=1", optimizer="sgd", out=None)
+    result = breakdown(config, steps=2, warmup=1)
     assert result["t_iter"] > 0 and result["t_compute"] > 0
     assert result["t_comm"] == max(result["t_iter"] - result["t_compute"], 0.0)
     assert result["r_comm"] == pytest.approx(result["t_comm"] / result["t_iter"])
