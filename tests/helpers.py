@@ -36,21 +36,17 @@ def param_shapes(program):
 
 
 def random_params(program, seed: int = 7):
-    """Parameters of ``program``'s shapes and dtype filled with numpy random numbers (no jax
-    compilation): weights N(0, 1/fan_in), biases N(0, 0.01) (0.1 standard deviation). Any values
-    do for the oracle tests; phantom's own decompressor slot gets a random value too, which must
-    have no effect. ``program``: a :class:`jphantom.program.Program` (fan_in: a kernel's
-    dimension -2, else the last) or an old-path program (its ``init``; fan_in the last)."""
-    from jphantom.program import Program
-
-    new_path = isinstance(program, Program)
-    shapes = (param_shapes(program) if new_path
-              else jax.eval_shape(program.init, jax.random.PRNGKey(0)))
+    """Parameters of ``program``'s shapes and dtype (a :class:`jphantom.program.Program`) filled
+    with numpy random numbers (no jax compilation): weights N(0, 1/fan_in) (fan_in: a kernel's
+    dimension -2, else the last), biases N(0, 0.01) (0.1 standard deviation). Any values do for
+    the oracle tests; phantom's own decompressor slot gets a random value too, which must have
+    no effect."""
+    shapes = param_shapes(program)
     rng = np.random.default_rng(seed)
 
     def fill(path, leaf):
         name = jax.tree_util.keystr(path)
-        fan_in = leaf.shape[-2] if new_path and "kernel" in name else leaf.shape[-1]
+        fan_in = leaf.shape[-2] if "kernel" in name else leaf.shape[-1]
         scale = 0.1 if "bias" in name else 1.0 / np.sqrt(fan_in)
         return (scale * rng.standard_normal(leaf.shape)).astype(leaf.dtype)
 

@@ -17,11 +17,11 @@ import jax
 import optax
 import pytest
 
-from jphantom import strategies
+from jphantom import program as programs
 from jphantom.analysis.hlo import collectives, dot_flops, summarize
-from jphantom.analysis.inspect import StepSpec, compile_step, gemm_flops, xla_flops
+from jphantom.analysis.inspect import compile_step, gemm_flops, xla_flops
+from jphantom.config import RunConfig
 from jphantom.errors import ConfigError
-from jphantom.mesh import mesh_config_of
 from jphantom.models.ffn import FFNConfig
 from jphantom.perf.comm_model import FRONTIER
 from jphantom.perf.step_model import (
@@ -41,6 +41,14 @@ from helpers import random_params
 
 WIDTH, BATCH, GHOST = 64, 16, 3
 
+
+def _run(name: str, num_shards: int, depth: int) -> RunConfig:
+    """The FFN's step as ``inspect`` compiles it: SGD (no optimizer state, no schedule state)."""
+    return RunConfig.from_flags(model="ffn", strategy=name, width=WIDTH, depth=depth, batch=BATCH,
+                                mesh=f"model={num_shards}", optimizer="sgd", learning_rate=0.1,
+                                warmup_steps=0, out=None,
+                                ghost_width=None if name == "tensor-t1" else GHOST)
+
 def _shape_of(name: str, num_shards: int, depth: int, optimizer_states: int = 0) -> StepShape:
     if name == "tensor-t1":
         return StepShape("tensor-t1", WIDTH, depth, num_shards, BATCH,
@@ -58,8 +66,7 @@ def _shape_of(name: str, num_shards: int, depth: int, optimizer_states: int = 0)
 @pytest.mark.parametrize("name", ["phantom", "phantom-unfused", "tensor-t1"])
 def test_flops_collectives_and_arguments_match_compiled_step(name, num_shards, depth):
     require_devices(num_shards)
-    ghost = None if name == "tensor-t1" else GHOST
-    compiled, _ = compile_step(StepSpec(name, WIDTH, depth, BATCH, num_shards, ghost))  # SGD
+    compiled, _ = compile_step(_run(name, num_shards, depth))  # SGD
     shape = _shape_of(name, num_shards, depth)
     flops = step_flops(shape)
 
@@ -97,8 +104,7 @@ def test_flops_collectives_and_arguments_match_compiled_step(name, num_shards, d
 ])
 def test_parameter_and_optimizer_bytes_equal_compiled_arguments(name, optimizer, states, scalars):
     require_devices(4)
-    ghost = None if name == "tensor-t1" else GHOST
-    compiled, _ = compile_step(StepSpec(name, WIDTH, 2, BATCH, 4, ghost), optimizer)
+    compiled, _ = compile_step(_run(name, 4, 2), optimizer)
     memory = step_memory(_shape_of(name, 4, 2, optimizer_states=states))
     assert memory["optimizer_state"] == states * memory["parameters"]
     # The model leaves out scalar optimizer state (Adam's step count): that is the only difference.
@@ -111,9 +117,10 @@ def test_parameter_bytes_equal_real_arrays_per_device(name, mesh_of):
     num_shards = 4
     mesh = mesh_of(num_shards)
     ghost = None if name == "tensor-t1" else GHOST
-    program = strategies.get(name).program(FFNConfig(width=WIDTH, depth=3, ghost_width=ghost),
-                                           mesh_config_of(mesh))
-    params = jax.device_put(random_params(program), program.shardings(mesh))
+    program = programs.build(FFNConfig(width=WIDTH, depth=3, ghost_width=ghost), name,
+                             f"model={num_shards}")
+    step = program.train_step(mesh, optax.sgd(0.1))
+    params = jax.device_put(random_params(program), step.param_shardings())
     per_device = {}
     for leaf in jax.tree.leaves(params):
         for shard in leaf.addressable_shards:
