@@ -1,6 +1,6 @@
 """Hugging Face GPT-2 checkpoints (jphantom.models.gpt2): name and layout mapping, bit-exact round
-trips in float32/float16/bfloat16, forward parity with an independent numpy GPT-2 and across
-strategies, and the errors for bad inputs.
+trips in float32/float16/bfloat16, forward parity of the NNX GPT-2 (``gpt2_nnx.from_dense``) with
+an independent numpy GPT-2 and under Megatron's plan, and the errors for bad inputs.
 
 The checkpoints are written here with numpy + safetensors in the exact layout that
 ``GPT2LMHeadModel.save_pretrained`` produces (no torch in the tests). Parity with torch itself was
@@ -9,15 +9,18 @@ checked outside the test suite (see the module docstring of jphantom.models.gpt2
 import json
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+import jphantom
 from jphantom.errors import ConfigError
 from jphantom.mesh import first_devices, make_mesh
-from jphantom.models import gpt2
+from jphantom.models import gpt2, gpt2_nnx
 from jphantom.models import transformer as tr
 
 V, S, H, A, L = 64, 32, 32, 4, 2  # vocab, n_positions, n_embd, n_head, n_layer
@@ -89,8 +92,9 @@ def same_bits(a, b) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-def numpy_gpt2(t: dict, tokens: np.ndarray, heads=A, eps=1e-5) -> np.ndarray:
-    """An independent float64 GPT-2 forward on HF-named tensors (HF's GPT2LMHeadModel maths)."""
+def numpy_gpt2(t: dict, tokens: np.ndarray, heads=A, eps=1e-5, head=None) -> np.ndarray:
+    """An independent float64 GPT-2 forward on HF-named tensors (HF's GPT2LMHeadModel maths);
+    ``head``: an untied head's (weight [h, V], bias [V]) instead of the tied embedding."""
     t = {k: np.asarray(v, np.float64) for k, v in t.items()}
     layers = sum(1 for k in t if k.endswith("ln_1.weight"))
 
@@ -115,13 +119,20 @@ def numpy_gpt2(t: dict, tokens: np.ndarray, heads=A, eps=1e-5) -> np.ndarray:
         y = norm(x, p("ln_2.weight"), p("ln_2.bias")) @ p("mlp.c_fc.weight") + p("mlp.c_fc.bias")
         x = x + gelu(y) @ p("mlp.c_proj.weight") + p("mlp.c_proj.bias")
     x = norm(x, t["ln_f.weight"], t["ln_f.bias"])
+    if head is not None:
+        return x @ np.asarray(head[0], np.float64) + np.asarray(head[1], np.float64)
     return x @ t["wte.weight"].T
 
 
 def zeros_like_init(config):
-    """numpy zeros in init_dense's layout, without running (and compiling) the initialiser."""
-    shapes = jax.eval_shape(lambda: tr.init_dense(jax.random.PRNGKey(0), config))
-    return jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), shapes)
+    """numpy zeros in the dense dictionary's layout (``gpt2_nnx.to_dense`` of the module), without
+    running (and compiling) an initialiser: the abstract module filled with zeros."""
+    graphdef, state, rest = nnx.split(nnx.eval_shape(lambda: gpt2_nnx.GPT2(config,
+                                                                           rngs=nnx.Rngs(0))),
+                                      nnx.Param, ...)
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda a: np.zeros(a.shape, a.dtype),
+                                                 nnx.to_pure_dict(state)))
+    return gpt2_nnx.to_dense(nnx.merge(graphdef, state, rest))
 
 
 def model_mesh(shards: int):
@@ -171,32 +182,48 @@ def test_dense_logits_match_an_independent_numpy_gpt2(tmp_path):
     t = random_tensors(seed=2)
     config, params = gpt2.load(write_hf(tmp_path / "m", t))
     tokens = tokens_for()
-    got = np.asarray(tr.logits(config, params, tokens))
+    got = np.asarray(gpt2_nnx.from_dense(config, params)(tokens))
     np.testing.assert_allclose(got, numpy_gpt2(t, tokens), atol=1e-4, rtol=0)
+
+
+def _megatron_logits(model, shards, sequence_parallel=False, **plan):
+    """Logits of ``model`` under Megatron's plan (with ``plan``'s entries over it) on a ``model``
+    axis of ``shards`` devices, as global arrays."""
+    mesh = model_mesh(shards)
+    jphantom.parallelize(model, mesh, {**jphantom.plans.megatron(
+        model, sequence_parallel=sequence_parallel), **plan})
+    return np.asarray(jphantom.make_forward_fn(model, mesh)(tokens_for(model.config.vocab_size,
+                                                                       shape=(2, 16))))
 
 
 @pytest.mark.parametrize("shards, sequence_parallel", [(2, False), (2, True), (4, False), (4, True)])
 def test_tensor_parallel_logits_equal_dense(tmp_path, shards, sequence_parallel):
     config, params = gpt2.load(write_hf(tmp_path / "m", random_tensors(seed=3)))
     tokens = tokens_for(shape=(2, 16))
-    dense = np.asarray(tr.logits(config, params, tokens))
-    got = np.asarray(tr.logits(config, params, tokens, strategy="tensor", mesh=model_mesh(shards),
-                               sequence_parallel=sequence_parallel))
+    dense = np.asarray(gpt2_nnx.from_dense(config, params)(tokens))
+    got = _megatron_logits(gpt2_nnx.from_dense(config, params), shards, sequence_parallel)
     assert got.shape == (2, 16, V)
     np.testing.assert_allclose(got, dense, atol=1e-5, rtol=0)
 
 
-def test_gpt2_vocabulary_is_padded_for_four_shards(tmp_path):
-    """50257 = GPT-2's vocabulary, not divisible by 4: logits pads wte and cuts the padding."""
-    t = random_tensors(seed=4, vocab=50257, positions=8)
+def test_gpt2_vocabulary_over_four_shards(tmp_path):
+    """50257 = GPT-2's vocabulary = 29 x 1733 splits over no power of two: a vocabulary-parallel
+    embedding on 4 shards is refused naming the module and the sizes; with the (tied) embedding
+    replicated, the blocks run tensor-parallel and the logits equal one device's and numpy's.
+    (The old functional path padded the table to a multiple of the shards; the parallel layers
+    do not pad.)"""
+    t = random_tensors(seed=4, vocab=50257, positions=16)
     config, params = gpt2.load(write_hf(tmp_path / "m", t, config=hf_config(vocab_size=50257,
-                                                                            n_positions=8)))
-    tokens = tokens_for(vocab=50257, shape=(1, 8))
-    dense = np.asarray(tr.logits(config, params, tokens))
-    got = np.asarray(tr.logits(config, params, tokens, strategy="tensor", mesh=model_mesh(4)))
-    assert got.shape == (1, 8, 50257)
-    np.testing.assert_allclose(got, dense, atol=1e-5, rtol=0)
+                                                                            n_positions=16)))
+    tokens = tokens_for(vocab=50257, shape=(2, 16))
+    dense = np.asarray(gpt2_nnx.from_dense(config, params)(tokens))
     np.testing.assert_allclose(dense, numpy_gpt2(t, tokens), atol=1e-4, rtol=0)
+    with pytest.raises(ConfigError, match=r"wte.*50257.*4"):
+        _megatron_logits(gpt2_nnx.from_dense(config, params), 4)
+    got = _megatron_logits(gpt2_nnx.from_dense(config, params), 4, wte="replicate",
+                           ln_f="replicate")  # the norm before the (replicated) head
+    assert got.shape == (2, 16, 50257)
+    np.testing.assert_allclose(got, dense, atol=1e-5, rtol=0)
 
 
 def test_load_reads_a_sharded_checkpoint(tmp_path):
@@ -252,9 +279,11 @@ def test_a_transformers_file_is_rewritten_byte_for_byte(tmp_path):
         (d / "model.safetensors").read_bytes()
 
 
-def test_save_takes_jax_params_from_init_dense(tmp_path):
+def test_save_takes_jax_params(tmp_path):
     config = tr.TransformerConfig(vocab_size=V, seq_len=S, hidden=H, heads=A, layers=L, dtype="bfloat16")
-    params = tr.init_dense(jax.random.PRNGKey(0), config)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype),
+                          zeros_like_init(config))
     gpt2.save(tmp_path / "m", config, params)
     config2, params2 = gpt2.load(tmp_path / "m")
     assert config2 == config
