@@ -4,7 +4,8 @@ Usage:
     python tests/_distributed_worker.py COORDINATOR PROCESS_ID NUM_PROCESSES LOCAL_DEVICES OUT.npz
 
 Joins the run, builds the global mesh over every process's CPU devices, computes the phantom FFN's
-loss and gradients under jax.jit on global arrays and writes them, gathered to host, to OUT.npz.
+loss and gradients with the training step's ``value_and_grad`` (one jit of one shard_map, every
+reduction included) on global arrays and writes them, gathered to host, to OUT.npz.
 """
 
 from __future__ import annotations
@@ -24,12 +25,29 @@ def problem():
     return config, x, target
 
 
-def loss_fn(params, x, target, mesh):
-    import jax.numpy as jnp
+def build(mesh):
+    """The phantom FFN's program (:func:`jphantom.program.build`), its training step on ``mesh``
+    and the parameters as host arrays (numpy random numbers from a fixed seed: every process
+    computes the same ones without running jax)."""
+    import optax
 
-    from jphantom.sharding import phantom
+    from helpers import random_params
+    from jphantom import program as programs
+    from jphantom.models.ffn import FFNConfig
 
-    return jnp.mean((phantom.forward(params, x, mesh) - target) ** 2)
+    config, _, _ = problem()
+    program = programs.build(FFNConfig(config["width"], config["depth"], config["ghost_width"]),
+                             "phantom", f"model={config['num_shards']}")
+    step = program.train_step(mesh, optax.sgd(0.1), donate=False)
+    return program, step, random_params(program)
+
+
+def flat_names(tree) -> dict:
+    """``{"layers/block/linear/local": array, ...}`` of a nested dictionary."""
+    import jax
+
+    return {"/".join(str(k.key) for k in path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def main(argv: list[str]) -> None:
@@ -48,36 +66,29 @@ def main(argv: list[str]) -> None:
     import jax
     import numpy as np
     from jax.experimental import multihost_utils
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     from jphantom.mesh import make_mesh
-    from jphantom.sharding import phantom
 
     config, x, target = problem()
     assert jax.process_count() == int(num_processes), jax.process_count()
     assert jax.device_count() == config["num_shards"], jax.devices()
     mesh = make_mesh({"model": config["num_shards"]})
+    _, step, host_params = build(mesh)
 
-    # Every process computes the same parameters locally (same key, deterministic CPU kernels) and
-    # contributes the shards its devices own.
-    host_params = jax.tree.map(np.asarray, phantom.init(jax.random.PRNGKey(0), **config))
-
-    def to_global(value, spec):
-        sharding = NamedSharding(mesh, spec)
+    def to_global(value, sharding):
         return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
-    params = jax.tree.map(to_global, host_params, phantom.linear_specs("model"))
-    x_global = to_global(x, P(None, "model"))
-    target_global = to_global(target, P(None, "model"))
-    assert not params["local"].is_fully_addressable
+    # Every process contributes the shards its devices own.
+    params = jax.tree.map(to_global, host_params, step.param_shardings())
+    x_global, target_global = (to_global(a, s) for a, s in zip((x, target),
+                                                                 step.batch_shardings(2)))
+    assert not any(a.is_fully_addressable for a in jax.tree.leaves(params))
 
-    step = jax.jit(jax.value_and_grad(loss_fn), static_argnums=3)
-    loss, grads = step(params, x_global, target_global, mesh)
+    loss, grads = jax.jit(step.value_and_grad())(params, x_global, target_global)
     loss_host = multihost_utils.process_allgather(loss, tiled=True)
     grads_host = multihost_utils.process_allgather(grads, tiled=True)
 
-    flat = {f"grad/{name}": np.asarray(value) for name, value in grads_host.items()}
+    flat = {f"grad/{name}": np.asarray(value) for name, value in flat_names(grads_host).items()}
     np.savez(out, loss=np.asarray(loss_host), process_count=jax.process_count(), **flat)
     distributed.shutdown()
 

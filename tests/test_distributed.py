@@ -417,19 +417,17 @@ def load_worker_module():
 
 def single_process_reference(worker):
     """Loss and grads on this process's 8 simulated devices: the same code path, one process."""
+    from helpers import oracle_loss_and_grads
     from jphantom.mesh import first_devices, make_mesh
-    from jphantom.sharding import dense, phantom
 
     config, x, target = worker.problem()
     mesh = make_mesh({"model": config["num_shards"]}, first_devices(config["num_shards"]))
-    params = phantom.init(jax.random.PRNGKey(0), **config)
-    step = jax.jit(jax.value_and_grad(worker.loss_fn), static_argnums=3)
-    loss, grads = step(params, x, target, mesh)
-    # Sanity: the reference itself agrees with the dense oracle.
-    dense_out = np.asarray(dense.forward(phantom.dense_equivalent(params), x))
-    dense_loss = np.mean((dense_out - target) ** 2)
-    np.testing.assert_allclose(float(loss), dense_loss, rtol=1e-5)
-    return np.asarray(loss), {k: np.asarray(v) for k, v in grads.items()}
+    _, step, params = worker.build(mesh)
+    loss, grads = jax.jit(step.value_and_grad())(params, x, target)
+    # Sanity: the reference itself agrees with the dense oracle (the plain FFN on one device).
+    dense_loss, _ = oracle_loss_and_grads(step, params, x, target)
+    np.testing.assert_allclose(float(loss), float(dense_loss), rtol=1e-5)
+    return np.asarray(loss), {k: np.asarray(v) for k, v in worker.flat_names(grads).items()}
 
 
 def describe(procs, logs) -> str:
@@ -484,7 +482,7 @@ def test_two_processes_match_single_process(tmp_path):
         np.testing.assert_allclose(got["loss"], loss_ref, rtol=1e-5, err_msg=context)
         expected_names = {f"grad/{name}" for name in grads_ref}
         assert set(got.files) - {"loss", "process_count"} == expected_names
-        for name, want in grads_ref.items():  # stacked over depth: [L, p, ...]
+        for name, want in grads_ref.items():  # stacked over depth: [L, ...]
             have = got[f"grad/{name}"]
             assert have.dtype == np.float32 and have.shape == want.shape, (name, have.shape)
             # rtol 1e-5 per element; elements that nearly cancel (|g| << max|g|) are compared
