@@ -2,9 +2,10 @@
 
 A directory as written by ``GPT2LMHeadModel.save_pretrained`` holds ``config.json`` and
 ``model.safetensors`` (or, for large models, ``model.safetensors.index.json`` with its shards).
-:func:`load` turns it into a :class:`~jphantom.models.transformer.TransformerConfig` and the dense
-parameter layout of :mod:`jphantom.models.transformer`; :func:`save` writes the inverse, a directory
-that ``GPT2LMHeadModel.from_pretrained`` loads. Only ``numpy`` and ``safetensors`` are used.
+:func:`load` turns it into a :class:`~jphantom.models.transformer.TransformerConfig` and GPT-2's
+dense parameter layout below (which :func:`jphantom.models.gpt2_nnx.from_dense` / ``to_dense``
+turn into the NNX module and back); :func:`save` writes the inverse, a directory that
+``GPT2LMHeadModel.from_pretrained`` loads. Only ``numpy`` and ``safetensors`` are used.
 
 Tensor names (``P`` is ``transformer.``, the prefix a ``GPT2LMHeadModel`` state dict has; a
 ``GPT2Model`` and older checkpoints, such as the ``gpt2`` files on the Hub, have none: both load)::
@@ -245,9 +246,9 @@ def load(directory) -> tuple[TransformerConfig, dict]:
     """Load a Hugging Face GPT-2 directory (``config.json`` + ``model.safetensors``).
 
     Returns ``(config, params)``: ``config`` a :class:`TransformerConfig` whose ``dtype`` is the
-    stored one, ``params`` the dense layout of :mod:`jphantom.models.transformer` (module docstring
-    above for the name map) as numpy arrays of the stored dtype, bit for bit: pass them to
-    :func:`jphantom.models.transformer.logits` or ``jax.device_put`` them. Names with or without the
+    stored one, ``params`` GPT-2's dense layout (module docstring above for the name map) as numpy
+    arrays of the stored dtype, bit for bit: pass them to :func:`jphantom.models.gpt2_nnx.
+    from_dense` (the NNX GPT-2) or ``jax.device_put`` them. Names with or without the
     ``transformer.`` prefix are accepted. Raises :class:`ConfigError` for a missing or unreadable
     file, an unsupported config field, a missing, unexpected or mis-shaped tensor, or tensors of
     different dtypes.
@@ -329,8 +330,8 @@ def to_hf_tensors(config: TransformerConfig, params: dict) -> dict[str, np.ndarr
         node = params
         for key in path.split("."):
             if not isinstance(node, dict) or key not in node:
-                raise ConfigError(f"params have no {path!r}; expected the dense layout of "
-                                  "jphantom.models.transformer (init_dense / gpt2.load)")
+                raise ConfigError(f"params have no {path!r}; expected GPT-2's dense layout "
+                                  "(gpt2.load, gpt2_nnx.to_dense)")
             node = node[key]
         value = np.asarray(node)
         if tuple(value.shape) != shape:
