@@ -15,43 +15,21 @@ status 2 (bad value) or 1 (diverged), without a traceback.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
-import shutil
 import sys
 
 DEFAULT_SIMULATED_DEVICES = 8
-_ACCELERATOR_PLATFORMS = ("cuda", "gpu", "rocm", "tpu")
-_PLUGINS = {"nvidia-smi": ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12",
-                           "jax_plugins.xla_cuda13"),
-            "rocm-smi": ("jax_rocm60_plugin", "jax_rocm7_plugin", "jax_plugins.xla_rocm60",
-                         "jax_plugins.xla_rocm7")}
-
-
 def _strategy_names(model: str | None = "ffn") -> list[str]:
     from jphantom import program
 
     return list(program.NAMES) if model is None else program.strategies_for(model)
 
 
-def _has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def accelerator_visible(env=None) -> bool:
-    """Whether jax will find an accelerator, decided without starting jax (see module docstring):
-    ``JAX_PLATFORMS`` names one (``cuda``, ``gpu``, ``rocm``, ``tpu``), or it is unset and
-    ``nvidia-smi`` / ``rocm-smi`` is on the PATH with a matching jax plugin installed."""
-    env = os.environ if env is None else env
-    platforms = [p.strip().lower() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
-    if platforms:
-        return any(p in _ACCELERATOR_PLATFORMS for p in platforms)
-    return any(shutil.which(tool) and any(_has_module(m) for m in modules)
-               for tool, modules in _PLUGINS.items())
+    """:func:`jphantom.distributed.accelerator_visible` (kept here for the CLI's callers)."""
+    from jphantom.distributed import accelerator_visible as visible
+
+    return visible(env)
 
 
 def _device_count(text: str) -> int:

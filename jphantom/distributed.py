@@ -173,3 +173,34 @@ def is_initialized() -> bool:
     import jax
 
     return jax.distributed.is_initialized()
+
+
+_ACCELERATOR_PLATFORMS = ("cuda", "gpu", "rocm", "tpu")
+_PLUGINS = {"nvidia-smi": ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12",
+                           "jax_plugins.xla_cuda13"),
+            "rocm-smi": ("jax_rocm60_plugin", "jax_rocm7_plugin", "jax_plugins.xla_rocm60",
+                         "jax_plugins.xla_rocm7")}
+
+
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def accelerator_visible(env=None) -> bool:
+    """Whether jax will find an accelerator, decided without starting jax (jax cannot change its
+    device count once started): ``JAX_PLATFORMS`` names one (``cuda``, ``gpu``, ``rocm``,
+    ``tpu``), or it is unset and ``nvidia-smi`` / ``rocm-smi`` is on the PATH with a matching jax
+    plugin installed."""
+    import shutil
+
+    env = os.environ if env is None else env
+    platforms = [p.strip().lower() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms:
+        return any(p in _ACCELERATOR_PLATFORMS for p in platforms)
+    return any(shutil.which(tool) and any(_has_module(m) for m in modules)
+               for tool, modules in _PLUGINS.items())

@@ -37,25 +37,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from jphantom.errors import ConfigError
+from jphantom.errors import ConfigError, check_real
 
 SOURCES = ("measured", "modelled")
 METHODS = ("counter", "sampling", "mixed")  # how a PowerMeasurement's joules were obtained
 INSTALL_HINT = "nvidia-ml-py (pynvml) is not installed: pip install 'jphantom[gpu]'"
-
-
-def _check_real(name: str, value: Any, *, positive: bool = False) -> float:
-    """``value`` as a float, finite and >= 0 (> 0 when ``positive``); ConfigError naming it otherwise."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{name}={value!r} must be a number, not a bool")
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}={value!r} is not a number") from None
-    if not math.isfinite(number) or number < 0 or (positive and number == 0):
-        bound = "> 0" if positive else ">= 0"
-        raise ConfigError(f"{name}={value!r} must be finite and {bound}")
-    return number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +56,8 @@ class PowerModel:
     name: str = "frontier-mi250x"
 
     def __post_init__(self):
-        busy = _check_real("PowerModel.busy_watts", self.busy_watts, positive=True)
-        idle = _check_real("PowerModel.idle_watts", self.idle_watts, positive=True)
+        busy = check_real("PowerModel.busy_watts", self.busy_watts, low_inclusive=False)
+        idle = check_real("PowerModel.idle_watts", self.idle_watts, low_inclusive=False)
         if busy < idle:
             raise ConfigError(
                 f"PowerModel.busy_watts={self.busy_watts!r} < idle_watts={self.idle_watts!r}: Eq. 1 needs "
@@ -91,8 +77,8 @@ def energy_per_iteration(
     sums over the GPUs, hence the factor ``devices``. Eq. 1 treats the two as disjoint: time in which
     communication overlaps compute belongs in α only.
     """
-    alpha = _check_real("alpha_s", alpha_s)
-    beta = _check_real("beta_s", beta_s)
+    alpha = check_real("alpha_s", alpha_s)
+    beta = check_real("beta_s", beta_s)
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ConfigError(f"devices={devices!r} must be a whole number >= 1 (the GPUs Eq. 1 sums over)")
     if not isinstance(power, PowerModel):
@@ -102,7 +88,7 @@ def energy_per_iteration(
 
 def energy_to_target(per_iteration_j: float, iterations: float) -> float:
     """Eq. 2, joules to reach the target loss: E_λ = ν_λ · e (``iterations`` ν_λ, often epochs)."""
-    return _check_real("per_iteration_j", per_iteration_j) * _check_real("iterations", iterations)
+    return check_real("per_iteration_j", per_iteration_j) * check_real("iterations", iterations)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,9 +112,9 @@ class EnergyEstimate:
             raise ConfigError(f"EnergyEstimate.source={self.source!r} must be one of {SOURCES}")
         for name in ("compute_seconds", "comm_seconds"):
             if getattr(self, name) is not None:
-                object.__setattr__(self, name, _check_real(f"EnergyEstimate.{name}", getattr(self, name)))
+                object.__setattr__(self, name, check_real(f"EnergyEstimate.{name}", getattr(self, name)))
         for name in ("joules_per_iteration", "iterations", "total_joules"):
-            object.__setattr__(self, name, _check_real(f"EnergyEstimate.{name}", getattr(self, name)))
+            object.__setattr__(self, name, check_real(f"EnergyEstimate.{name}", getattr(self, name)))
         eq2 = self.joules_per_iteration * self.iterations
         if not math.isclose(self.total_joules, eq2, rel_tol=1e-9, abs_tol=1e-9):
             raise ConfigError(
@@ -167,8 +153,8 @@ def measured_energy(
     note: str = "",
 ) -> EnergyEstimate:
     """A measured ``EnergyEstimate``: metered joules (e.g. an ``NvmlPowerMeter``) over ``iterations`` > 0."""
-    total = _check_real("total_joules", total_joules)
-    count = _check_real("iterations", iterations, positive=True)
+    total = check_real("total_joules", total_joules)
+    count = check_real("iterations", iterations, low_inclusive=False)
     return EnergyEstimate(compute_seconds, comm_seconds, total / count, count, total, "measured", note)
 
 
@@ -242,7 +228,7 @@ class NvmlPowerMeter:
         device_names: Sequence[str] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
-        self.interval_s = _check_real("interval_s", interval_s, positive=True)
+        self.interval_s = check_real("interval_s", interval_s, low_inclusive=False)
         if device_indices is not None:
             device_indices = tuple(device_indices)
             valid = all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in device_indices)
@@ -551,7 +537,7 @@ class NvmlEnergyMeter:
         gather: Callable[[np.ndarray], np.ndarray] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
-        self.interval_s = _check_real("interval_s", interval_s, positive=True)
+        self.interval_s = check_real("interval_s", interval_s, low_inclusive=False)
         self.devices = None if devices is None else tuple(devices)  # None: jax.local_devices()
         self._nvml_given = nvml
         self._bus_id_of = cuda_pci_bus_id if bus_id_of is None else bus_id_of

@@ -96,7 +96,7 @@ def launch(command: Sequence[str], num_processes: int, *, port: int | None = Non
         check_port_free(port)
     accelerator = False
     if devices_per_process is not None:
-        from jphantom.cli import accelerator_visible
+        from jphantom.distributed import accelerator_visible
 
         accelerator = accelerator_visible()
     lock = threading.Lock()

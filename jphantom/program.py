@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from jphantom.errors import ConfigError, JPhantomWarning
 from jphantom.mesh import MeshConfig
+from jphantom.sharding._common import check_width
 
 BATCH_AXES = ("data", "expert", "z")
 
@@ -302,15 +303,6 @@ def _only_axes(mesh: MeshConfig, allowed: tuple[str, ...], strategy: str) -> Non
                           f"drop them from the mesh ({mesh})")
 
 
-def _check_width(width: int, num_shards: int) -> None:
-    if width % num_shards:
-        lower = width - width % num_shards
-        raise ConfigError(
-            f"width={width} is not divisible by num_shards={num_shards}: every shard must hold "
-            f"width/num_shards features. Pick a width that is a multiple of {num_shards} "
-            f"(e.g. {lower or num_shards} or {lower + num_shards}), or another shard count.")
-
-
 def _pmm3d_divides(what: str, value: int, axes: tuple[str, ...], mesh: MeshConfig) -> None:
     size = math.prod(mesh.size(a) for a in axes)
     if value % size:
@@ -349,7 +341,7 @@ def check_ffn_mesh(config, strategy: str, mesh: MeshConfig) -> MeshConfig:
             raise ConfigError(f"strategy {strategy!r} shards features over the 'model' axis: add "
                               f"it to the mesh (e.g. 'model={jax.device_count()}'), got {mesh}")
         mesh = MeshConfig.of({**dict(mesh.axes), FEATURE_AXIS: 1})
-    _check_width(config.width, mesh.size(FEATURE_AXIS))
+    check_width(config.width, mesh.size(FEATURE_AXIS))
     return mesh
 
 

@@ -89,6 +89,7 @@ class ParamLayout:
     specs: tuple[P, ...]  # the parameters' own specs (without ZeRO)
     reduce_axes: tuple[tuple[str, ...], ...]
     zero_dims: tuple[int, ...]
+    zero_axes: tuple[tuple[str, ...], ...] = ()  # per leaf: the axes ZeRO shards it over
     # per top-level Stacked: (its path, the pure indices of its block's leaves in the order of
     # jax.tree.leaves(nnx.split(stacked.block)[1])): ZeRO-3 fetches those layer by layer
     stacks: tuple[tuple[tuple, tuple[int, ...]], ...] = ()
@@ -111,11 +112,11 @@ class ParamLayout:
         index = {_key(path): i for i, (path, _) in enumerate(variables)}
         order = tuple(index[_key(path)] for path, _ in pure_paths)
         axes = tuple(mesh.axis_names)
-        data = dict(mesh.shape).get("data", 1)
+        sizes = dict(mesh.shape)
         pure_keys = [_key(path) for path, _ in pure_paths]
         stacks = _top_stacks(model, pure_keys)
         stacked = {i for _, indices in stacks for i in indices}
-        specs, reduce, dims, shapes = [], [], [], []
+        specs, reduce, dims, shapes, zaxes = [], [], [], [], []
         for pure_index, i in enumerate(order):
             variable = variables[i][1]
             value = variable.get_value()
@@ -123,10 +124,14 @@ class ParamLayout:
             specs.append(spec)
             reduce.append(tuple(a for a in metadata.reduce_axes_of(variable) if a in axes))
             shapes.append(jax.ShapeDtypeStruct(value.shape, value.dtype))
-            dims.append(zero_module.choose_dim(value.shape, spec, data,
-                                               stacked=pure_index in stacked) if zero else -1)
+            over = zero_module.zero_axes(spec, axes) if zero else ()
+            ranks = math.prod(sizes[a] for a in over)
+            dims.append(zero_module.choose_dim(value.shape, spec, ranks,
+                                               stacked=pure_index in stacked)
+                        if over and ranks > 1 else -1)
+            zaxes.append(over)
         return cls(graphdef, jax.tree.structure(params), pure_treedef, order, tuple(shapes),
-                   tuple(specs), tuple(reduce), tuple(dims), stacks)
+                   tuple(specs), tuple(reduce), tuple(dims), tuple(zaxes), stacks)
 
     def state_of(self, leaves):
         """An ``nnx.State`` of pure-order ``leaves`` (inside a trace: fresh Variables)."""
@@ -139,8 +144,9 @@ class ParamLayout:
         return nnx.merge(self.graphdef, self.state_of(leaves))
 
     def zero_specs(self) -> tuple[P, ...]:
-        return tuple(zero_module.sharded_spec(s, d, a.ndim)
-                     for s, d, a in zip(self.specs, self.zero_dims, self.shapes))
+        return tuple(zero_module.sharded_spec(s, d, a.ndim, z)
+                     for s, d, a, z in zip(self.specs, self.zero_dims, self.shapes,
+                                           self.zero_axes))
 
 
 def _top_stacks(model: nnx.Module, pure_keys: list[tuple]) -> tuple:
@@ -259,9 +265,6 @@ class TrainStep:
         self.data = dict(mesh.shape).get("data", 1)
         if zero and "data" not in mesh.axis_names:
             raise ConfigError(f"zero={zero} shards over the 'data' axis: add it to the mesh")
-        if zero and "expert" in mesh.axis_names:
-            raise ConfigError("ZeRO with an 'expert' axis is not supported by the module step: "
-                              "use zero=0 or put the batch ranks on 'data'")
         if spmd not in ("shard_map", "gspmd"):
             raise ConfigError(f"spmd={spmd!r}: 'shard_map' (the parallel layers' own "
                               "collectives) or 'gspmd' (annotations, jit's collectives)")
@@ -547,8 +550,8 @@ class TrainStep:
             split = zero_module.spec_axes(spec)
             axes = tuple(a for a in self.batch_axes + extra if a not in split)
             axes = axes + tuple(a for a in reduce if a not in axes and a not in split)
-            if self.zero == 3 and dim >= 0:
-                axes = tuple(a for a in axes if a != "data")
+            if self.zero == 3 and dim >= 0:  # the gather's transpose is that reduction
+                axes = tuple(a for a in axes if a not in self.layout.zero_axes[len(out)])
             out.append(axes)
         return out
 
@@ -561,15 +564,17 @@ class TrainStep:
         if self.zero != 3:
             return self.layout.model_of(leaves)
         stacked = self.layout.stacked if train and self.pipeline is None else frozenset()
-        dims = self.layout.zero_dims
-        leaves = [x if i in stacked else zero_module.gather(x, d, invariant=not train)
+        dims, zaxes = self.layout.zero_dims, self.layout.zero_axes
+        leaves = [x if i in stacked else zero_module.gather(x, d, invariant=not train,
+                                                            axes=zaxes[i])
                   for i, (x, d) in enumerate(zip(leaves, dims))]
         model = self.layout.model_of(leaves)
         for path, indices in (self.layout.stacks if stacked else ()):
             module = model
             for part in path:
                 module = module[part] if isinstance(part, int) else getattr(module, part)
-            module.fetch = zero_module.LayerFetch([dims[i] for i in indices])
+            module.fetch = zero_module.LayerFetch([dims[i] for i in indices],
+                                                  [zaxes[i] for i in indices])
         return model
 
     def _mean_share(self, value, exclude=()):
@@ -611,10 +616,10 @@ class TrainStep:
                                   "batch arrays")
             varied = _group_by(leaves, vary, lambda xs, axes: lax.pcast(xs, axes, to="varying"))
             if self.zero == 3:  # gathered once for the whole pipeline; its transpose scatters
-                dims = self.layout.zero_dims
+                dims, zaxes = self.layout.zero_dims, self.layout.zero_axes
                 varied, scatter = jax.vjp(
-                    lambda xs: [zero_module.gather(x, d, invariant=False)
-                                for x, d in zip(xs, dims)], varied)
+                    lambda xs: [zero_module.gather(x, d, invariant=False, axes=z)
+                                for x, d, z in zip(xs, dims, zaxes)], varied)
                 loss, grads = self._pipeline_value_and_grad(varied, *batch, scale=scale)
                 (grads,) = scatter(grads)
                 return unscaled(loss, grads, leaves)
@@ -636,10 +641,11 @@ class TrainStep:
         dims = self.layout.zero_dims
         vary = self._vary_axes()
         if self.zero == 2:  # reduce-scatter over data, all-reduce over the rest
-            grads = [zero_module.reduce_scatter(g, d) if d >= 0 else g
-                     for g, d in zip(grads, dims)]
-            vary = [tuple(a for a in axes if not (a == "data" and d >= 0))
-                    for axes, d in zip(vary, dims)]
+            zaxes = self.layout.zero_axes
+            grads = [zero_module.reduce_scatter(g, d, z) if d >= 0 else g
+                     for g, d, z in zip(grads, dims, zaxes)]
+            vary = [tuple(a for a in axes if not (a in z and d >= 0))
+                    for axes, d, z in zip(vary, dims, zaxes)]
         grads = _group_by(grads, vary, lambda xs, axes: lax.psum(xs, axes))
         return self._global(loss), grads
 
@@ -748,8 +754,9 @@ class TrainStep:
         def per_rank(leaves, inputs, targets):
             leaves = list(leaves)
             if self.zero == 3:
-                leaves = [zero_module.gather(x, d, invariant=False)
-                          for x, d in zip(leaves, self.layout.zero_dims)]
+                leaves = [zero_module.gather(x, d, invariant=False, axes=z)
+                          for x, d, z in zip(leaves, self.layout.zero_dims,
+                                             self.layout.zero_axes)]
             leaves = _group_by(leaves, vary, lambda xs, axes: lax.pcast(xs, axes, to="varying"))
             return self._global(self._pipeline_value_and_grad(leaves, inputs, targets,
                                                                train=False))

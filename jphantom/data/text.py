@@ -41,7 +41,7 @@ from typing import Iterator
 
 import numpy as np
 
-from jphantom.errors import ConfigError
+from jphantom.errors import ConfigError, check_int
 
 VOCAB_SIZE = 256
 DEFAULT_VALIDATION_BATCHES = 8
@@ -222,12 +222,6 @@ def clear_cache() -> None:
     _SPLITS.clear()
 
 
-def _check_count(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
-    return int(value)
-
-
 class TextCorpus:
     """Byte-level train/validation splits of a :class:`TextConfig` source, with batch samplers.
 
@@ -257,8 +251,8 @@ class TextCorpus:
     # ---------------------------------------------------------------- training
     def train_windows(self, step: int, batch: int) -> np.ndarray:
         """Start offsets into ``train`` of the windows of training batch ``step`` (int64 [batch])."""
-        step = _check_count("step", step, 0)
-        batch = _check_count("batch", batch, 1)
+        step = check_int("step", step, 0)
+        batch = check_int("batch", batch, 1)
         rng = np.random.default_rng((self.config.seed, step))
         return rng.integers(0, self.train.size - self.seq_len, size=batch)
 
@@ -271,9 +265,9 @@ class TextCorpus:
     # -------------------------------------------------------------- validation
     def num_validation_batches(self, batch: int, max_batches: int | None = DEFAULT_VALIDATION_BATCHES) -> int:
         """How many batches :meth:`validation_batches` yields for these arguments (ConfigError if none)."""
-        batch = _check_count("batch", batch, 1)
+        batch = check_int("batch", batch, 1)
         if max_batches is not None:
-            max_batches = _check_count("max_batches", max_batches, 1)
+            max_batches = check_int("max_batches", max_batches, 1)
         windows = (self.validation.size - 1) // self.seq_len
         if windows < batch:
             raise ConfigError(

@@ -99,9 +99,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Any
 
-from jphantom.errors import ConfigError, JPhantomWarning
+from jphantom.errors import ConfigError, check_int, check_real, JPhantomWarning
 from jphantom.perf.comm_model import FRONTIER, CommModel
 from jphantom.sharding import phantom
 from jphantom.sharding._common import check_depth, check_width
@@ -114,29 +113,6 @@ OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}
 """Per-parameter state arrays of common optax optimizers (plain SGD, SGD with momentum, Adam)."""
 
 GIB = 2**30
-
-
-def _check_count(name: str, value: Any, minimum: int, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name}={value!r} must be a whole number >= {minimum}; {fix}")
-    if value < minimum:
-        raise ConfigError(f"{name}={value} must be >= {minimum}; {fix}")
-    return value
-
-
-def _check_real(name: str, value: Any, *, low: float, high: float | None = None,
-                low_inclusive: bool = False, fix: str = "") -> float:
-    if isinstance(value, bool):
-        raise ConfigError(f"{name}={value!r} must be a number, not a bool; {fix}")
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}={value!r} is not a number; {fix}") from None
-    too_low = number < low if low_inclusive else number <= low
-    if not math.isfinite(number) or too_low or (high is not None and number > high):
-        bound = f"{'>=' if low_inclusive else '>'} {low:g}" + (f" and <= {high:g}" if high else "")
-        raise ConfigError(f"{name}={value!r} must be finite and {bound}; {fix}")
-    return number
 
 
 # --------------------------------------------------------------------------------------------------
@@ -162,13 +138,13 @@ class DeviceSpec:
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"DeviceSpec.name={self.name!r} must be a non-empty string")
-        object.__setattr__(self, "peak_flops", _check_real(
+        object.__setattr__(self, "peak_flops", check_real(
             "DeviceSpec.peak_flops", self.peak_flops, low=0.0,
             fix="give the device's peak FLOP/s in the step's dtype, e.g. 47.9e12"))
-        object.__setattr__(self, "efficiency", _check_real(
+        object.__setattr__(self, "efficiency", check_real(
             "DeviceSpec.efficiency", self.efficiency, low=0.0, high=1.0,
             fix="give the fraction of peak the GEMMs reach, e.g. 0.5"))
-        _check_count("DeviceSpec.memory_bytes", self.memory_bytes, 1,
+        check_int("DeviceSpec.memory_bytes", self.memory_bytes, 1,
                      "give the device memory in bytes, e.g. 64 * 2**30")
 
     @property
@@ -235,15 +211,15 @@ class StepShape:
                 "('tensor-t1' is seed 000's TP, jphantom.nn.tensor.T1Linear; phantom's "
                 "unfused decompressor is strategy='phantom', fused=False)"
             )
-        _check_count("width", self.width, 1, "it is n, the layer width")
-        _check_count("num_shards", self.num_shards, 1, "it is p, the number of ranks")
+        check_int("width", self.width, 1, "it is n, the layer width")
+        check_int("num_shards", self.num_shards, 1, "it is p, the number of ranks")
         check_width(self.width, self.num_shards)
-        _check_count("depth", self.depth, 1, "it is L, the number of n x n layers")
+        check_int("depth", self.depth, 1, "it is L, the number of n x n layers")
         check_depth(self.depth)
-        _check_count("batch", self.batch, 1, "it is B, the samples per step")
+        check_int("batch", self.batch, 1, "it is B, the samples per step")
         if self.dtype not in DTYPE_BYTES:
             raise ConfigError(f"dtype={self.dtype!r} is not modelled; use one of {sorted(DTYPE_BYTES)}")
-        _check_count("optimizer_states", self.optimizer_states, 0,
+        check_int("optimizer_states", self.optimizer_states, 0,
                      f"per-parameter optimizer arrays, e.g. {OPTIMIZER_STATES}")
         if not isinstance(self.fused, bool) or not isinstance(self.loss_allreduce, bool):
             raise ConfigError(f"fused={self.fused!r} and loss_allreduce={self.loss_allreduce!r} "
@@ -251,7 +227,7 @@ class StepShape:
         if self.strategy == "phantom":
             if self.ghost_width is None:
                 raise ConfigError("strategy='phantom' needs ghost_width (k of seed 000), e.g. 64")
-            _check_count("ghost_width", self.ghost_width, 1, "it is k, the ghost neurons per rank")
+            check_int("ghost_width", self.ghost_width, 1, "it is k, the ghost neurons per rank")
             with warnings.catch_warnings():  # Eq. 8's bound: legal, only warned about
                 warnings.simplefilter("ignore", JPhantomWarning)
                 phantom.PhantomConfig(self.width, self.ghost_width, self.num_shards, self.depth)
@@ -463,7 +439,7 @@ def estimate_step(shape: StepShape, *, device: DeviceSpec = MI250X_GCD,
         raise ConfigError(f"device={device!r} must be a DeviceSpec, e.g. step_model.MI250X_GCD")
     if not isinstance(comm_model, CommModel):
         raise ConfigError(f"comm_model={comm_model!r} must be a CommModel, e.g. comm_model.FRONTIER")
-    overhead = _check_real("gemm_overhead_s", gemm_overhead_s, low=0.0, low_inclusive=True,
+    overhead = check_real("gemm_overhead_s", gemm_overhead_s, low=0.0, low_inclusive=True,
                            fix="give seconds per small GEMM, e.g. 10e-6 for a GPU kernel launch")
     flops = step_flops(shape)
     collectives = step_collectives(shape)

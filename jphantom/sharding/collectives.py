@@ -84,7 +84,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jphantom import remat
-from jphantom.errors import ConfigError
+from jphantom.errors import ConfigError, check_int, check_real
 
 KINDS = ("all-gather", "reduce-scatter")  # HLO names, as in jphantom.perf.comm_model
 METHODS = ("auto", "flat", "hierarchical")
@@ -103,12 +103,6 @@ _BYTES_PER_US = 1e3  # 1 GB/s = 1e9 B/s = 1e3 B/μs
 
 def _is_power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
-
-
-def _check_count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}={value!r} must be an integer >= 1 (ranks on that level)")
-    return value
 
 
 def _check_kind(kind: Any) -> str:
@@ -146,14 +140,6 @@ def _check_axis(axis: Any, ndim: int) -> int:
     if isinstance(axis, bool) or not isinstance(axis, int) or not -ndim <= axis < ndim:
         raise ConfigError(f"axis={axis!r} is not an axis of a rank-{ndim} array: use 0..{ndim - 1}")
     return axis % ndim
-
-
-def _check_real(name: str, value: Any, *, positive: bool) -> float:
-    is_real = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not is_real or not math.isfinite(value) or value < 0 or (positive and value == 0):
-        bound = "> 0" if positive else ">= 0"
-        raise ConfigError(f"{name}={value!r} must be a finite number {bound}")
-    return float(value)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -271,8 +257,8 @@ def rounds(kind: str, nodes: int, local: int) -> int:
     (recursive doubling for "all-gather", halving for "reduce-scatter"; ``local`` adds none, its
     phase is one all-gather / reduce-scatter). ConfigError unless nodes is a power of two."""
     _check_kind(kind)
-    _check_count("nodes", nodes)
-    _check_count("local", local)
+    check_int("nodes", nodes, 1, "ranks on that level")
+    check_int("local", local, 1, "ranks on that level")
     _check_power_of_two_nodes(nodes)
     return nodes.bit_length() - 1
 
@@ -285,11 +271,11 @@ def cost_us(kind: str, method: str, nbytes: float, nodes: int, local: int, *,
     the formulas are in the module docstring. ConfigError for hierarchical on non-power-of-two
     nodes, where recursive doubling/halving is not defined."""
     _check_kind(kind)
-    nodes, local = _check_count("nodes", nodes), _check_count("local", local)
-    n = _check_real("nbytes", nbytes, positive=False)
-    alpha = _check_real("alpha_us", alpha_us, positive=False)
-    inter = _check_real("beta_inter", beta_inter, positive=True) * _BYTES_PER_US  # bytes per μs
-    intra = _check_real("beta_intra", beta_intra, positive=True) * _BYTES_PER_US
+    nodes, local = check_int("nodes", nodes, 1, "ranks on that level"), check_int("local", local, 1, "ranks on that level")
+    n = check_real("nbytes", nbytes)
+    alpha = check_real("alpha_us", alpha_us)
+    inter = check_real("beta_inter", beta_inter, low_inclusive=False) * _BYTES_PER_US  # bytes per μs
+    intra = check_real("beta_intra", beta_intra, low_inclusive=False) * _BYTES_PER_US
     p = nodes * local
     if method == "flat":
         links = [b for b, present in ((inter, nodes > 1), (intra, local > 1)) if present]

@@ -41,7 +41,19 @@ from jax.sharding import PartitionSpec as P
 from jphantom.errors import ConfigError
 
 DATA_AXIS = "data"
+SHARDING_AXES = ("data", "expert")  # the batch axes whose replicas ZeRO shards a parameter over
 STAGES = (0, 1, 2, 3)
+
+
+def zero_axes(spec: P, mesh_axes) -> tuple[str, ...]:
+    """The axes ZeRO shards a parameter of ``spec`` over: the batch axes of the mesh that hold
+    replicas of it (``data``; and ``expert`` for a parameter not split over the experts: a dense
+    parameter beside an expert axis is sharded over data x expert, an expert's over data alone,
+    DeepSpeed-MoE's expert-data parallelism)."""
+    split = spec_axes(spec)
+    return tuple(a for a in SHARDING_AXES if a in mesh_axes and a not in split)
+
+
 def spec_axes(spec: P) -> set[str]:
     """The mesh axes a PartitionSpec splits on."""
     axes = set()
@@ -64,12 +76,13 @@ def choose_dim(shape: tuple[int, ...], spec: P, data: int, stacked: bool = False
     return max(candidates, key=lambda i: (shape[i], -i)) if candidates else -1
 
 
-def sharded_spec(spec: P, dim: int, ndim: int) -> P:
-    """``spec`` with ``data`` on ``dim`` (unchanged for ``dim == -1``)."""
+def sharded_spec(spec: P, dim: int, ndim: int, axes: tuple[str, ...] = (DATA_AXIS,)) -> P:
+    """``spec`` with ``axes`` (``data``, or ``data`` and ``expert``) on ``dim`` (unchanged for
+    ``dim == -1``)."""
     if dim < 0:
         return spec
     entries = list(tuple(spec) + (None,) * (ndim - len(spec)))
-    entries[dim] = DATA_AXIS
+    entries[dim] = axes[0] if len(axes) == 1 else tuple(axes)
     return P(*entries)
 
 
@@ -93,19 +106,24 @@ def own(x: jax.Array, dim: int) -> jax.Array:
     return lax.dynamic_slice_in_dim(x, lax.axis_index(DATA_AXIS) * size, size, axis=dim)
 
 
-def gather(x: jax.Array, dim: int, *, invariant: bool) -> jax.Array:
-    """All-gather of the slices along ``dim`` (``invariant``: a replicated result, the updated
-    parameters of ZeRO-1/2; otherwise varying, ZeRO-3's gather whose transpose is a
+def _group(axes):
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def gather(x: jax.Array, dim: int, *, invariant: bool,
+           axes: tuple[str, ...] = (DATA_AXIS,)) -> jax.Array:
+    """All-gather of the slices along ``dim`` over ``axes`` (``invariant``: a replicated result,
+    the updated parameters of ZeRO-1/2; otherwise varying, ZeRO-3's gather whose transpose is a
     reduce-scatter)."""
     if dim < 0:
         return x
-    return lax.all_gather(x, DATA_AXIS, axis=dim, tiled=True,
+    return lax.all_gather(x, _group(axes), axis=dim, tiled=True,
                           to="invarying" if invariant else "varying")
 
 
-def reduce_scatter(g: jax.Array, dim: int) -> jax.Array:
-    """Sum over ``data`` of per-rank gradients, each rank keeping its slice along ``dim``."""
-    return lax.psum_scatter(g, DATA_AXIS, scatter_dimension=dim, tiled=True)
+def reduce_scatter(g: jax.Array, dim: int, axes: tuple[str, ...] = (DATA_AXIS,)) -> jax.Array:
+    """Sum over ``axes`` of per-rank gradients, each rank keeping its slice along ``dim``."""
+    return lax.psum_scatter(g, _group(axes), scatter_dimension=dim, tiled=True)
 
 
 class LayerFetch:
@@ -117,8 +135,9 @@ class LayerFetch:
     whole. The gather's transpose, per layer in the backward scan, is the gradient's
     reduce-scatter."""
 
-    def __init__(self, dims):
+    def __init__(self, dims, axes=None):
         self.dims = tuple(dims)
+        self.axes = tuple(axes) if axes is not None else ((DATA_AXIS,),) * len(self.dims)
 
     def __call__(self, layer_state):
         from jax.ad_checkpoint import checkpoint_name
@@ -129,6 +148,7 @@ class LayerFetch:
         if len(leaves) != len(self.dims):
             raise ValueError(f"LayerFetch of {len(self.dims)} parameters applied to "
                              f"{len(leaves)}")
-        gathered = [x if d < 0 else checkpoint_name(gather(x, d - 1, invariant=False), FETCHED)
-                    for x, d in zip(leaves, self.dims)]
+        gathered = [x if d < 0 else checkpoint_name(
+            gather(x, d - 1, invariant=False, axes=a), FETCHED)
+            for x, d, a in zip(leaves, self.dims, self.axes)]
         return jax.tree.unflatten(treedef, gathered)
