@@ -132,14 +132,19 @@ def test_explicit_device_count_that_cannot_be_had_is_one_line(capsys):
 
 
 def test_accelerator_detection_reads_jax_platforms_first(monkeypatch):
+    """The CLI asks :func:`jphantom.distributed.accelerator_visible` (which the launcher shares)."""
+    import shutil
+
+    from jphantom import distributed
+
     assert cli.accelerator_visible({"JAX_PLATFORMS": "cpu"}) is False
     assert cli.accelerator_visible({"JAX_PLATFORMS": "cuda,cpu"}) is True
-    monkeypatch.setattr(cli.shutil, "which", lambda tool: None)
+    monkeypatch.setattr(shutil, "which", lambda tool: None)
     assert cli.accelerator_visible({}) is False  # no nvidia-smi / rocm-smi: simulate CPU devices
-    monkeypatch.setattr(cli.shutil, "which", lambda tool: f"/usr/bin/{tool}")
-    monkeypatch.setattr(cli, "_has_module", lambda name: False)
+    monkeypatch.setattr(shutil, "which", lambda tool: f"/usr/bin/{tool}")
+    monkeypatch.setattr(distributed, "_has_module", lambda name: False)
     assert cli.accelerator_visible({}) is False  # a GPU but no jax plugin for it
-    monkeypatch.setattr(cli, "_has_module", lambda name: name == "jax_cuda12_plugin")
+    monkeypatch.setattr(distributed, "_has_module", lambda name: name == "jax_cuda12_plugin")
     assert cli.accelerator_visible({}) is True
 
 

@@ -139,10 +139,10 @@ class DeviceSpec:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"DeviceSpec.name={self.name!r} must be a non-empty string")
         object.__setattr__(self, "peak_flops", check_real(
-            "DeviceSpec.peak_flops", self.peak_flops, low=0.0,
+            "DeviceSpec.peak_flops", self.peak_flops, low=0.0, low_inclusive=False,
             fix="give the device's peak FLOP/s in the step's dtype, e.g. 47.9e12"))
         object.__setattr__(self, "efficiency", check_real(
-            "DeviceSpec.efficiency", self.efficiency, low=0.0, high=1.0,
+            "DeviceSpec.efficiency", self.efficiency, low=0.0, high=1.0, low_inclusive=False,
             fix="give the fraction of peak the GEMMs reach, e.g. 0.5"))
         check_int("DeviceSpec.memory_bytes", self.memory_bytes, 1,
                      "give the device memory in bytes, e.g. 64 * 2**30")
