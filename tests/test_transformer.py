@@ -8,7 +8,6 @@ device, in float64, through the parallel model's dense equivalent (``plans.dense
 tensor, gspmd and pmm3d keep the dense model's parameters, so theirs is the identity).
 """
 
-import dataclasses
 import functools
 from collections import Counter
 
