@@ -227,7 +227,6 @@ def test_cac_in_the_step_keeps_the_all_to_alls_out_of_the_recompute(policy, reco
     ({}, "expert=2,model=1", {"dtd": True, "strategy": "phantom"}, "dtd"),
     ({}, "expert=2,model=1", {"dtd": True}, "dtd .* 'model' axis, which has size 1"),
     ({}, "stage=2,model=1", {}, "MoE blocks do not run inside pipeline stages"),
-    ({}, "data=2,expert=2,model=1", {"zero": 1}, "ZeRO with an 'expert' axis"),
     ({"experts": 6}, "expert=4,model=1", {}, "experts=6 is not divisible by the expert axis"),
     ({}, "expert=2,model=2", {"sequence_parallel": True}, "sequence_parallel with moe_every"),
     ({"capacity_factor": None}, "expert=2,model=2", {"strategy": "phantom"}, "dropless"),
@@ -259,3 +258,34 @@ def test_active_parameters_count_k_of_the_experts():
     assert config.param_count() - config.param_count(active=True) == 2 * (EXPERTS - 2) * mlp
     model = programs.build(config, "dense", "model=1")
     assert model.param_count == config.param_count()  # the NNX model has the dense layout's
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_beside_an_expert_axis_shards_each_parameter_over_its_replicas(zero):
+    """DeepSpeed-MoE's expert-data parallelism: with ZeRO beside an ``expert`` axis, a dense
+    parameter is sharded over data x expert (its replicas) and an expert's over data alone; the
+    gradients equal ZeRO-0's, and the compiled step's reduce-scatters run over exactly those
+    groups (with ZeRO-3 the all-gathers too)."""
+    config = _config(layers=2, capacity_factor=8.0)  # no token dropped on any layout
+    mesh_text = "data=2,expert=2,model=2"
+    reference = programs.build(config, "tensor", mesh_text)
+    require_devices(reference.mesh.device_count)
+    mesh = reference.mesh.build(first_devices(reference.mesh.device_count))
+    tokens, targets = _batch()
+    plain = reference.train_step(mesh, optax.sgd(0.1), donate=False)
+    state = reference.init(plain)
+    want_loss, want = jax.jit(plain.value_and_grad())(state.params, tokens, targets)
+    sharded = programs.build(config, "tensor", mesh_text)
+    step = sharded.train_step(mesh, optax.sgd(0.1), donate=False, zero=zero)
+    state = sharded.init(step)
+    loss, grads = jax.jit(step.value_and_grad())(state.params, tokens, targets)
+    assert abs(float(loss) - float(want_loss)) < 1e-6 * abs(float(want_loss))
+    assert_tree_close(jax.device_get(grads), jax.device_get(want), 1e-5)
+    axes_of = {}
+    for spec, z in zip(step.layout.specs, step.layout.zero_axes):
+        axes_of.setdefault("expert" in spec_axes(spec), set()).add(z)
+    assert axes_of == {True: {("data",)}, False: {("data", "expert")}}
+    text = step.lower(state, tokens, targets).compile().as_text()
+    groups = {op.mesh_axes(dict(mesh.shape)) for op in collectives(text)
+              if op.kind == "reduce-scatter"}
+    assert {("data",), ("data", "expert")} <= groups
