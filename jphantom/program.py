@@ -207,8 +207,9 @@ def lm_plan(model: nnx.Module, strategy: str, mesh: MeshConfig, *, sequence_para
                           f"to {strategy!r}")
     shape = mesh.shape
     if strategy in ("tensor",):
-        plans.parallelize(model, shape, plans.megatron(model, sequence_parallel=sequence_parallel,
-                                                       dtd=dtd))
+        plan = plans.megatron(model, sequence_parallel=sequence_parallel, dtd=dtd)
+        plans.parallelize(model, shape, _replicate_odd_vocabulary(model, plan, mesh,
+                                                                  sequence_parallel))
     elif strategy in ("phantom", "phantom-unfused"):
         if ghost_width is None:
             raise ConfigError(f"strategy {strategy!r} needs ghost_width (k ghost neurons per rank "
@@ -220,6 +221,44 @@ def lm_plan(model: nnx.Module, strategy: str, mesh: MeshConfig, *, sequence_para
     elif strategy in PMM3D_WEIGHTS:
         plans.parallelize(model, shape, plans.pmm3d(model, weights=PMM3D_WEIGHTS[strategy]))
     return model
+
+
+def _replicate_odd_vocabulary(model, plan: dict, mesh: MeshConfig, sequence_parallel: bool
+                              ) -> dict:
+    """Megatron's plan with the vocabulary layers (token table, untied head) and the final norm
+    replicated when the ``model`` axis does not divide the vocabulary (GPT-2's 50257 = 29 x 1733
+    on 2, 4 or 8 ranks): every rank then computes the whole logits, exactly, at p times the head's
+    work (a warning says so). Sequence parallelism needs the split head (its stream holds S/p
+    tokens per rank): refused by name."""
+    import warnings
+
+    from jphantom import plans
+    from jphantom.errors import JPhantomWarning
+
+    p = mesh.size("model")
+    odd = [path for path, style in plan.items() if style == "vocab"
+           and _vocabulary_of(plans.modules_by_path(model)[path][1]) % p]
+    if not odd:
+        return plan
+    vocab = _vocabulary_of(plans.modules_by_path(model)[odd[0]][1])
+    if sequence_parallel:
+        raise ConfigError(f"vocab_size={vocab} is not divisible by the model axis size {p}: "
+                          "sequence parallelism splits the LM head over it; pick a model axis "
+                          f"dividing {vocab}, or leave --sequence-parallel out")
+    warnings.warn(f"vocab_size={vocab} is not divisible by the model axis size {p}: the "
+                  f"embedding and the LM head ({', '.join(odd)}) stay replicated and every rank "
+                  "computes the whole logits (exact; the vocabulary-parallel head needs a "
+                  "divisible vocabulary)", JPhantomWarning, stacklevel=3)
+    plan = dict(plan)
+    for path, style in list(plan.items()):
+        if path in odd or (style in ("input", "sequence") and path.split(".")[-1] in
+                           ("ln_f", "norm", "final_norm", "final_layernorm")):
+            plan[path] = "replicate"
+    return plan
+
+
+def _vocabulary_of(module) -> int:
+    return module.num_embeddings if isinstance(module, nnx.Embed) else module.out_features
 
 
 def lm_build(family_class: type, family_name: str):

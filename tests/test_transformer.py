@@ -227,7 +227,6 @@ def test_data_parallelism_adds_one_gradient_reduction_per_parameter():
 
 @pytest.mark.parametrize("strategy, mesh, kw, message", [
     ("tensor", "model=8", dict(heads=4), "heads=4 is not divisible"),
-    ("tensor", "model=4", dict(vocab_size=30), "num_embeddings=30 is not divisible"),
     ("phantom", "model=4", dict(ghost_width=None), "needs ghost_width"),
     ("dense", "model=2", {}, "runs on one device"),
     ("tensor-t1", "model=2", {}, "runs the models"),
@@ -254,3 +253,24 @@ def test_phantom_plan_finds_the_head_when_the_mlp_is_as_wide_as_the_vocabulary()
     plan = plans.phantom(model, ghost_width=2)
     assert not plan["blocks.block.mlp.up"].vocab_output
     assert plan["head"].vocab_output
+
+
+def test_a_vocabulary_the_model_axis_does_not_divide_runs_replicated_and_exact():
+    """GPT-2's 50257 tokens do not split over 2, 4 or 8 ranks: under Megatron the embedding, the
+    tied head and the final norm then stay replicated (a warning says so), and the step equals
+    one device; sequence parallelism, which needs the split head, is refused by name."""
+    from jphantom.errors import JPhantomWarning
+
+    with pytest.warns(JPhantomWarning, match="vocab_size=30 is not divisible"):
+        prog, mesh, step = _program("tensor", "data=2,model=4", vocab_size=30)
+    assert prog.mesh.size("model") == 4
+    params = _perturbed(prog, step)
+    tokens, targets = (np.minimum(a, 29) for a in _batch())
+    loss, grads = jax.jit(step.value_and_grad())(params, tokens, targets)
+    want_loss, want_grads = _oracle(prog, "data=2,model=4", params, tokens, targets,
+                                    vocab_size=30)
+    assert abs(float(loss) - float(want_loss)) <= 1e-5 * abs(float(want_loss))
+    assert_tree_close(grads, want_grads, 1e-5)
+    with pytest.raises(ConfigError, match="vocab_size=30 is not divisible by the model axis"):
+        programs.build(_config("tensor", vocab_size=30), "tensor", "model=4",
+                       sequence_parallel=True)
