@@ -132,7 +132,7 @@ class MoEGroup(nnx.Module):
         for block in self.dense:
             h = block(h)
         h, added = self.moe_block(h)
-        return h, {name: aux[name] + added[name] for name in AUX}
+        return h, {name: aux[name] + added[name].astype(aux[name].dtype) for name in AUX}
 
 
 class GPT2(nnx.Module):
@@ -170,7 +170,7 @@ class GPT2(nnx.Module):
             return self.ln_f(self.blocks(h)), None
         wide = jnp.promote_types(h.dtype, jnp.float32)  # the router's statistics' dtype
         zero = {"load_balance": jnp.zeros((), wide), "z_loss": jnp.zeros((), wide),
-                "dropped": jnp.zeros((), jnp.int32)}
+                "dropped": jnp.zeros((), wide)}  # floats: a pipeline exchanges the carry
         h, aux = self.blocks((h, zero))
         return self.ln_f(h), aux
 
@@ -215,7 +215,7 @@ class GPT2(nnx.Module):
         return model.metrics(tokens, targets)
 
 
-# (our path, dense path, how): "q"/"k"/"v" take slot 0/1/2 of the fused QKV
+# (our path, dense path): every tensor but the fused QKV, which from_dense / to_dense reorder
 _BLOCK = [(("ln_1", "scale"), ("ln1", "scale")), (("ln_1", "bias"), ("ln1", "bias")),
           (("ln_2", "scale"), ("ln2", "scale")), (("ln_2", "bias"), ("ln2", "bias")),
           (("attn", "out", "kernel"), ("attn_out", "weight")),

@@ -62,7 +62,11 @@ def spec_of(variable: nnx.Variable, mesh_axes: Sequence[str]) -> P:
 
 
 def varying_axes(x) -> frozenset[str]:
-    """The mesh axes ``x`` (inside a ``shard_map`` with ``check_vma=True``) varies over."""
-    aval = jax.typeof(x)
+    """The mesh axes ``x`` (inside a ``shard_map`` with ``check_vma=True``; an array, or a
+    ``jax.ShapeDtypeStruct`` from ``jax.eval_shape`` there) varies over."""
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
     vma = getattr(aval, "vma", None)
-    return frozenset(vma if vma is not None else aval.manual_axis_type.varying)
+    if vma is not None:
+        return frozenset(vma)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying) if manual is not None else frozenset()

@@ -89,8 +89,25 @@ def apply_blocks(graphdef, state, carry, *args, remat: str = "none", fetch=None,
             return carry
         state = jax.tree.map(lambda a: a[1:], state)
         indices = indices[1:]
+    if not jax.tree.leaves(state) or jax.tree.leaves(state)[0].shape[0] == 0:
+        return carry
+    carry = _varying_like(carry, jax.eval_shape(  # the carry's type as the blocks leave it
+        lambda st, c: one(jax.tree.map(lambda a: a[0], st), c, indices[0]), state, carry))
     carry, _ = lax.scan(lambda c, xs: (one(xs[0], c, xs[1]), None), carry, (state, indices))
     return carry
+
+
+def _varying_like(carry, out):
+    """``carry`` marked varying over every mesh axis its block output varies over (inside a
+    shard_map, ``check_vma``): an MoE block's statistics enter as plain zeros and leave varying
+    over the batch axes, and a scan's carry must keep its type."""
+    from jphantom.nn.metadata import varying_axes
+
+    def one(c, o):
+        extra = tuple(sorted(varying_axes(o) - varying_axes(c)))
+        return lax.pcast(c, extra, to="varying") if extra else c
+
+    return jax.tree.map(one, carry, out)
 
 
 def gather_stacked(graphdef, state):

@@ -304,6 +304,25 @@ def _put(buffers, i, values):
                         buffers, values)
 
 
+def _cast_like(tree, like):
+    """``tree``'s leaves in ``like``'s dtypes and varying over (at least) its mesh axes
+    (activations may be pytrees: an MoE block's ``(h, aux)``, whose statistics start as plain
+    zeros; integer leaves' cotangents, float0, become zeros of the leaf's dtype)."""
+    from jphantom.nn.metadata import varying_axes
+
+    def one(a, b):
+        a = jnp.zeros(b.shape, b.dtype) if a.dtype == jax.dtypes.float0 else a.astype(b.dtype)
+        extra = tuple(sorted(varying_axes(b) - varying_axes(a)))
+        return lax.pcast(a, extra, to="varying") if extra else a
+    return jax.tree.map(one, tree, like)
+
+
+def _fill_like(tree, fill):
+    """A pytree like ``tree`` filled with ``fill`` (floating leaves; integer leaves with 0)."""
+    return jax.tree.map(lambda a: jnp.full_like(a, fill) if jnp.issubdtype(a.dtype, jnp.floating)
+                        else jnp.zeros_like(a), tree)
+
+
 def _slots(value, n):
     """A buffer of ``n + 1`` slots shaped like ``value`` (same varying axes), zero-filled."""
     return jax.tree.map(lambda a: jnp.broadcast_to(jnp.zeros_like(a)[None], (n + 1, *a.shape)),
@@ -344,7 +363,7 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
     def stage_input(row, received):
         m = field(row, "f_mb")
         return lax.cond(field(row, "f_first") > 0,
-                        lambda: stages.first(rest, _take(inputs, m)).astype(received.dtype),
+                        lambda: entry(rest, _take(inputs, m)),
                         lambda: received)
 
     def head(out, m):
@@ -359,7 +378,8 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
     # nothing of it is emitted): the body's output, its vjp residuals, the head's loss.
     row0 = _take(table, 0)[stage]
     x0 = stages.first(rest, _take(inputs, 0))
-    x0 = x0 + lax.pcast(jnp.zeros((), x0.dtype), STAGE_AXIS, to="varying")  # as in the ticks
+    x0 = jax.tree.map(lambda a: a + lax.pcast(jnp.zeros((), a.dtype), STAGE_AXIS, to="varying"),
+                      x0)  # as in the ticks
     chunk0 = chunk_of(field(row0, "f_chunk"))
     probed = {}
 
@@ -373,8 +393,13 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
     stash_shapes = [(a.shape, a.dtype) for a in stash0]
     traced = {"treedef": treedef}
     zero = zeros_of(jax.eval_shape(lambda r, o: stages.last(r, o, _take(targets, 0), M), rest,
-                                 zeros_of(out0)))
-    out0 = zeros_of(out0)
+                                 jax.tree.map(zeros_of, out0)))
+    out0 = jax.tree.map(zeros_of, out0)
+
+    def entry(rest, inputs_mb):
+        """The part before the blocks, typed as what flows between stages (a carry's statistics
+        start as plain zeros and flow varying over the batch axes)."""
+        return _cast_like(stages.first(rest, inputs_mb), out0)
     stash0 = [zeros_of(a) for a in stash0]
     carry = {"act": _slots(out0, plan_.activation_slots), "loss": zero}
     if train:
@@ -406,21 +431,21 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
 
             def with_head():
                 loss, d_out, d_rest = head(out, m)
-                return loss, d_out.astype(out.dtype), d_rest
+                return loss, _cast_like(d_out, out), d_rest
 
             def without_head():
-                return (jnp.zeros_like(zero), jnp.full_like(out, fill),
+                return (jnp.zeros_like(zero), _fill_like(out, fill),
                         jax.tree.map(jnp.zeros_like, rest))
 
             loss, d_out, d_rest = lax.cond(field(row, "f_last") > 0, with_head, without_head)
             return out, loss, stash, d_out, d_rest
 
         def idle():
-            out = jnp.full_like(out0, fill)
+            out = _fill_like(out0, fill)
             if not train:
                 return out, jnp.zeros_like(zero)
             return (out, jnp.zeros_like(zero), jax.tree.map(lambda a: jnp.full_like(a, fill), stash0),
-                    jnp.full_like(out0, fill), jax.tree.map(jnp.zeros_like, rest))
+                    _fill_like(out0, fill), jax.tree.map(jnp.zeros_like, rest))
 
         result = lax.cond(field(row, "f_on") > 0, active, idle)
         carry = dict(carry)
@@ -449,15 +474,15 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
             d_chunk, dx = vjp_fn(d_out)
 
             def embedding():
-                _, embed_vjp = jax.vjp(lambda r: stages.first(r, _take(inputs, m)), rest)
-                return embed_vjp(dx.astype(x0.dtype))[0]
+                _, embed_vjp = jax.vjp(lambda r: entry(r, _take(inputs, m)), rest)
+                return embed_vjp(_cast_like(dx, out0))[0]
 
             d_rest = lax.cond(field(row, "b_first") > 0, embedding,
                               lambda: jax.tree.map(jnp.zeros_like, rest))
             return d_chunk, dx, d_rest
 
         def idle():
-            return (jax.tree.map(jnp.zeros_like, chunk0), jnp.full_like(out0, fill),
+            return (jax.tree.map(jnp.zeros_like, chunk0), _fill_like(out0, fill),
                     jax.tree.map(jnp.zeros_like, rest))
 
         d_chunk, dx, d_rest = lax.cond(field(row, "b_on") > 0, active, idle)
@@ -483,7 +508,7 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
             if has_b:
                 dx, carry = backward_slot(row, carry)
                 if send_b:  # the cotangent exchange: one collective-permute of [b, ...]
-                    received = lax.ppermute(dx.astype(out0.dtype), STAGE_AXIS, perm_b)
+                    received = lax.ppermute(_cast_like(dx, out0), STAGE_AXIS, perm_b)
                     carry["cot"] = _put(carry["cot"], field(row, "b_recv"), received)
             return carry, None
         return tick
