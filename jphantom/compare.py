@@ -43,7 +43,7 @@ from jphantom.data import Teacher, TeacherConfig
 from jphantom.energy import NvmlEnergyMeter, PowerModel, energy_per_iteration, process_devices
 from jphantom.errors import ConfigError, check_int
 from jphantom.perf.comm_model import FRONTIER
-from jphantom.nn.phantom import max_ghost_width
+from jphantom.sharding.phantom import max_ghost_width
 
 TP_STRATEGY = "tensor-t1"
 
