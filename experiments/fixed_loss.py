@@ -175,7 +175,8 @@ def plot_fig7(result: dict, path: Path) -> None:
         ax.set_xlabel("shards p")
         ax.set_title(title, fontsize=10)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"n={result['config']['width']}, L={result['config']['depth']}, target MSE "
+    model = result["config"]["base"]["model"]  # compare's config: the base RunConfig's sections
+    fig.suptitle(f"n={model['width']}, L={model['depth']}, target MSE "
                  f"{result['target_loss']:.4g}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
