@@ -12,7 +12,8 @@ tensor-t1, tensor (Megatron), gspmd) and every batch size:
   XLA's ``cost_analysis()`` is kept next to it (``xla_flops_per_device``) but counts a loop body
   once, so it undercounts the scanned layers;
 - collective bytes per device and step, parsed from the compiled HLO (:mod:`jphantom.analysis.hlo`);
-- parameter count (weights, Table I convention).
+- parameter count: every parameter of the model (``Program.param_count``: weights and biases, and
+  phantom's stored own decompressor slot D^(j,j), masked; Table I counts the weights alone).
 
 Reference matmul FLOP/s, measured in the same round-robin as the steps (so under the same load):
 

@@ -9,8 +9,10 @@ step, and the time per FLOP relative to GSPMD's. ``dense`` on one device is show
 
 Two FLOP counts: *executed* (the GEMMs each compiled step runs, summed over devices) and *model*
 (the dense model's GEMMs, ``dense``'s executed count: the work the step must do). They differ when a
-program computes something redundantly: GSPMD's step executes 2.7x the model's FLOPs here. Time
-per model FLOP is the MFU convention and what target (e) uses; per executed FLOP is shown too.
+program computes something redundantly (``exec/model`` in the table; GSPMD's step, the plain
+model annotated with Megatron's plan by ``jphantom.plans.annotate``, is where jit may choose to).
+Time per model FLOP is the MFU convention and what target (e) uses; per executed FLOP is shown
+too.
 
 Targets (issue 7), printed PASS/MISS, never asserted in tests:
 (e) tensor step time per model FLOP <= 1.10 x gspmd's (same model: the step-time ratio);
