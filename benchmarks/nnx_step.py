@@ -104,9 +104,9 @@ def main(argv=None) -> int:
         "machine": {"host": platform.node(), "jax": jax.__version__,
                     "devices": jax.device_count(), "platform": jax.devices()[0].platform,
                     "cpu_count": os.cpu_count()},
-        "shape": {"model": "gpt2", "strategy": "tensor", "layers": args.layers, "hidden": args.hidden,
-                  "heads": args.heads, "seq_len": args.seq_len, "batch": args.batch,
-                  "mesh": args.mesh, "params": reports["sgd"]["params"]},
+        "shape": {"model": "gpt2", "strategy": "tensor", "layers": args.layers,
+                  "hidden": args.hidden, "heads": args.heads, "seq_len": args.seq_len,
+                  "batch": args.batch, "mesh": args.mesh, "params": reports["sgd"]["params"]},
         "median_step_seconds": times, "adamw_over_sgd": ratio,
         "step_seconds_all": {r.name: r.times for r in runners},
         "collective_bytes_per_device": {name: reports[name]["collective_bytes_per_device"]

@@ -2,10 +2,11 @@
 
 One process, one run, 8 simulated CPU devices (``--devices``), mesh ``model=<devices>``: for each
 strategy (:func:`jphantom.program.build` of ``jphantom.models.gpt2_nnx.GPT2`` under the strategy's
-plan, trained by :class:`jphantom.TrainStep`) the median wall time of one jitted AdamW step (forward, backward, update) over
-``--steps`` round-robin rounds after ``--warmup`` (``jphantom.analysis.timing``), the GEMM FLOPs per
-device counted from the compiled HLO (loops by trip count), the collective bytes per device and
-step, and the time per FLOP relative to GSPMD's. ``dense`` on one device is shown for scale.
+plan, trained by :class:`jphantom.TrainStep`) the median wall time of one jitted AdamW step
+(forward, backward, update) over ``--steps`` round-robin rounds after ``--warmup``
+(``jphantom.analysis.timing``), the GEMM FLOPs per device counted from the compiled HLO (loops by
+trip count), the collective bytes per device and step, and the time per FLOP relative to GSPMD's.
+``dense`` on one device is shown for scale.
 
 Two FLOP counts: *executed* (the GEMMs each compiled step runs, summed over devices) and *model*
 (the dense model's GEMMs, ``dense``'s executed count: the work the step must do). They differ when a

@@ -594,7 +594,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--large-from", type=int, default=2**18, help="m (floats) from which --large-repeats apply")
     add("--large-repeats", type=int, default=3, help="timed calls per point for m >= --large-from")
     add("--quick", action="store_true", help="m = 2^2,2^6,2^10,2^14, p = 2,4, 10 repeats, both transports")
-    add("--out", type=Path, default=None, help=f"results folder (default {DEFAULT_OUT}; --quick: a scratch folder)")
+    add("--out", type=Path, default=None,
+        help=f"results folder (default {DEFAULT_OUT}; --quick: a scratch folder)")
     add("--worker", nargs=4, metavar=("COORDINATOR", "RANK", "P", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:

@@ -319,7 +319,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--repeats", type=int, default=25, help="timed calls per method and cell; default 25")
     add("--warmup", type=int, default=2, help="untimed calls per method after compile; default 2")
     add("--quick", action="store_true", help="n = 2^10, 2^14 B, p = 2,4, 3 repeats, 1 warm-up")
-    add("--out", type=Path, default=None, help=f"results folder (default {DEFAULT_OUT}; --quick: a scratch folder)")
+    add("--out", type=Path, default=None,
+        help=f"results folder (default {DEFAULT_OUT}; --quick: a scratch folder)")
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.shards, args.repeats, args.warmup = [10, 14, 4], [2, 4], 3, 1

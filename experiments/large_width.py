@@ -110,7 +110,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--sweep-depths", type=parse_list, default=[1, 2, 3, 4, 5, 6],
         help="L values of the out-of-memory sweep (claim ii); default 1..6")
     add("--quick", action="store_true", help="skip the sensitivity sweeps (the grid is the same)")
-    add("--out", type=Path, default=None, help=f"results folder (default {DEFAULT_OUT}; --quick: a scratch folder)")
+    add("--out", type=Path, default=None,
+        help=f"results folder (default {DEFAULT_OUT}; --quick: a scratch folder)")
     args = parser.parse_args(argv)
     if args.gemm_overhead_us < 0:
         parser.error(f"--gemm-overhead-us {args.gemm_overhead_us}: must be >= 0")

@@ -3,11 +3,12 @@ tokens over training, the all-to-all bytes with and without duplicate token drop
 004's memory bound (Eq. 7.4) against the measured model-state bytes.
 
 1. **Training** (``jphantom train`` through :mod:`jphantom.run`, the byte-level stdlib corpus): a
-   GPT-2 (``jphantom.models.gpt2_nnx``) with every other block a top-1 MoE of 8 experts (Switch Transformer: each token visits one
-   expert of the dense MLP's width, so the active parameters equal the dense model's plus the
-   router) against the dense GPT of the same shape; validation cross-entropy (the auxiliary losses
-   left out) and, for the MoE runs, the fraction of token-expert assignments dropped at each
-   evaluation, with capacity factors 1.0 and 1.25. Experts on an ``expert=4`` axis.
+   GPT-2 (``jphantom.models.gpt2_nnx``) with every other block a top-1 MoE of 8 experts (Switch
+   Transformer: each token visits one expert of the dense MLP's width, so the active parameters
+   equal the dense model's plus the router) against the dense GPT of the same shape; validation
+   cross-entropy (the auxiliary losses left out) and, for the MoE runs, the fraction of
+   token-expert assignments dropped at each evaluation, with capacity factors 1.0 and 1.25.
+   Experts on an ``expert=4`` axis.
 2. **All-to-all bytes** per training step from the compiled HLO (trip counts applied), TED on
    ``data=2,expert=2,model=2``: plain, with DTD (seed 004: the bytes fall by G_tensor = 2), and the
    phantom-parallel experts (each rank dispatches its h/p features: the same 1/p without DTD).
