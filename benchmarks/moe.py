@@ -1,6 +1,7 @@
 """MoE against the dense transformer: step time per active-parameter FLOP, side by side.
 
-One process, one run, 8 simulated devices (or the GPUs): the GPT (``tensor``, ``model=1``) as a
+One process, one run, 8 simulated devices (or the GPUs): the GPT-2 model (``jphantom.models.
+gpt2_nnx``, ``--strategy tensor`` with ``model=1``) as a
 dense model on ``data=8`` and with every other block a top-k MoE on ``expert=8`` (experts split
 over the 8 ranks, the dense blocks data-parallel over them), one jitted AdamW step each, median
 wall time over ``--steps`` round-robin rounds after ``--warmup``
@@ -18,7 +19,8 @@ Usage::
     python benchmarks/moe.py            # L=4, h=256, S=128, batch 32, E=8, top-1
     python benchmarks/moe.py --quick    # tiny, seconds
 
-Results: ``<out>/results.json`` (default ``benchmarks/results/moe/``).
+Results: ``<out>/results.json`` (default ``benchmarks/results/moe/``; ``--quick``: a scratch
+folder).
 """
 
 from __future__ import annotations
@@ -36,10 +38,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from jphantom import strategies  # noqa: E402
-from jphantom.analysis.timing import build_program_step, time_round_robin  # noqa: E402
-from jphantom.mesh import MeshConfig, first_devices  # noqa: E402
-from jphantom.models.transformer import TransformerConfig  # noqa: E402
+from jphantom.analysis.machine import output_folder  # noqa: E402
+from jphantom.analysis.timing import build_run_step, time_round_robin  # noqa: E402
+from jphantom.config import RunConfig  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "moe"
 
@@ -57,30 +58,31 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="L=2, h=32, S=16, 3 rounds")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"results folder (default {DEFAULT_OUT}; --quick: a scratch folder)")
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.hidden, args.seq_len, args.batch, args.steps = 2, 32, 16, 16, 3
-    base = dict(vocab_size=256, seq_len=args.seq_len, hidden=args.hidden, heads=4,
-                layers=args.layers)
+    args.out = output_folder(args.out, DEFAULT_OUT, quick=args.quick, name="moe")
+    base = dict(model="gpt2", strategy="tensor", vocab=256, seq_len=args.seq_len,
+                hidden=args.hidden, heads=4, layers=args.layers, batch=args.batch, out=None,
+                progress=False)
     models = {
-        "dense": (TransformerConfig(**base), f"data={args.devices},model=1"),
-        "moe": (TransformerConfig(**base, moe_every=2, experts=args.experts, top_k=args.top_k,
-                                  capacity_factor=args.capacity_factor),
-                f"expert={args.devices},model=1"),
+        "dense": RunConfig.from_flags(**base, mesh=f"data={args.devices},model=1"),
+        "moe": RunConfig.from_flags(**base, mesh=f"expert={args.devices},model=1", moe_every=2,
+                                    experts=args.experts, top_k=args.top_k,
+                                    capacity_factor=args.capacity_factor),
     }
     rng = np.random.default_rng(0)
     host = [rng.integers(0, 256, (args.batch, args.seq_len)).astype(np.int32) for _ in range(2)]
     tokens = args.batch * args.seq_len
     runners, rows = [], {}
-    for name, (config, mesh_text) in models.items():
-        program = strategies.get("tensor").program(config, MeshConfig.parse(mesh_text))
-        mesh = program.mesh.build(first_devices(program.mesh.device_count))
-        batch = tuple(jax.device_put(a, s) for a, s in zip(host, program.batch_shardings(mesh)))
-        runner, report = build_program_step(program, mesh, batch, optax.adamw(1e-3),
-                                            jax.random.PRNGKey(0), label=name)
+    for name, run_config in models.items():
+        runner, report = build_run_step(run_config, tuple(host), label=name,
+                                        optimizer=optax.adamw(1e-3))
         runners.append(runner)
-        rows[name] = {"mesh": mesh_text, "params": config.param_count(),
+        config = run_config.family_config()  # the TransformerConfig: counts by formula
+        rows[name] = {"mesh": run_config.parallel.mesh, "params": config.param_count(),
                       "active_params": config.param_count(active=True),
                       "active_flops_step": config.flops_per_token() * tokens,
                       "compiled_gemm_flops_step": report["flops_step"],

@@ -1,25 +1,30 @@
-"""The module path (a Flax NNX model under ``jphantom.parallelize``) against the built-in
-``transformer`` program, side by side: the same GPT-2 maths, Megatron tensor parallelism.
+"""The module step (:class:`jphantom.TrainStep`): its compile time flat in depth, and the cost of
+running the optax update on the global arrays.
 
-One process, 8 simulated CPU devices (``--devices``), mesh ``data=2,model=4`` (``--mesh``):
+One process, 8 simulated CPU devices (``--devices``), mesh ``data=2,model=4`` (``--mesh``), the
+GPT-2 model (:mod:`jphantom.models.gpt2_nnx`) under Megatron tensor parallelism
+(``--strategy tensor``, :func:`jphantom.program.build`):
 
-- *step time*: the median wall time of one jitted AdamW step of each, over ``--steps`` round-robin
-  rounds after ``--warmup`` (:func:`jphantom.analysis.timing.time_round_robin`), and their ratio;
-- *collective bytes* per device and step of each compiled step;
-- *compile time* of the module step at 2 and ``--compile-layers`` (default 12) layers: the blocks
-  are a :class:`jphantom.nn.Stacked` under ``lax.scan``, so it stays flat in depth
-  (target: 12 layers < 5 s, printed PASS/MISS, never asserted in tests).
-
-The NNX model is written here with plain Flax layers (``nnx.Linear`` q, k, v instead of one fused
-QKV: the same FLOPs; a tied head through ``jphantom.nn.cross_entropy``), the built-in one is
-:mod:`jphantom.models.transformer`.
+- *compile time* of the step at 2 and ``--compile-layers`` (default 12) layers
+  (:func:`jphantom.analysis.inspect.compile_step`: lower and compile on abstract parameters, SGD).
+  The blocks are a :class:`jphantom.nn.Stacked` under ``lax.scan``, so it stays flat in depth
+  (target: 12 layers < 5 s, printed PASS/MISS, never asserted in tests);
+- *the optimizer update*: the median wall time of one jitted step with ``optax.sgd`` and with
+  ``optax.adamw`` side by side, over ``--steps`` round-robin rounds after ``--warmup``
+  (:func:`jphantom.analysis.timing.time_round_robin`), and their ratio. The step runs the update
+  after its ``shard_map``, inside the same ``jax.jit``, on the global gradient arrays with the
+  parameters' shardings kept (what makes every optax transformation exact, global-norm clipping
+  included); an element-wise update adds no collective, so both steps move the same bytes
+  (``collective_bytes_per_device``, from the compiled HLO) and AdamW's extra time is its update's
+  arithmetic and memory traffic.
 
 Usage::
 
     python benchmarks/nnx_step.py            # L=4, h=256, 8 heads, S=128, B=16
     python benchmarks/nnx_step.py --quick    # tiny, seconds
 
-Results: ``<out>/results.json`` (default ``benchmarks/results/nnx_step/``).
+Results: ``<out>/results.json`` (default ``benchmarks/results/nnx_step/``; ``--quick``: a scratch
+folder).
 """
 
 from __future__ import annotations
@@ -29,11 +34,11 @@ import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "nnx_step"
 COMPILE_SECONDS = 5.0
+OPTIMIZERS = ("sgd", "adamw")
 
 
 def parse_args(argv):
@@ -48,139 +53,84 @@ def parse_args(argv):
     parser.add_argument("--batch", type=int, default=16, help="global batch (default 16)")
     parser.add_argument("--steps", type=int, default=10, help="timed rounds (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds (default 2)")
-    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
-                        help="the update both steps run (default adamw)")
     parser.add_argument("--compile-layers", type=int, default=12, help="layers of the compile "
                                                                         "time check (default 12)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"results folder (default {DEFAULT_OUT}; --quick: a scratch folder)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run (results "
                                                              "go to a scratch folder)")
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.hidden, args.seq_len, args.batch = 1, 64, 16, 4
         args.steps, args.warmup, args.compile_layers = 2, 1, 2
-        if args.out == DEFAULT_OUT:
-            import tempfile
-            args.out = Path(tempfile.mkdtemp(prefix="jphantom-nnx-step-"))
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
+    from jphantom.mesh import ensure_devices
+
+    ensure_devices(args.devices)
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
-    from flax import nnx
 
-    import jphantom
-    from jphantom import strategies
-    from jphantom.analysis.hlo import collectives
-    from jphantom.analysis.inspect import normalise_collectives
-    from jphantom.analysis.timing import Runner, build_program_step, time_round_robin
-    from jphantom.mesh import MeshConfig, first_devices
-    from jphantom.models.transformer import TransformerConfig
+    from jphantom.analysis.inspect import compile_step
+    from jphantom.analysis.machine import output_folder
+    from jphantom.analysis.timing import build_run_step, time_round_robin
+    from jphantom.config import RunConfig
 
-    h, heads, seq, vocab = args.hidden, args.heads, args.seq_len, 256
-
-    class Block(nnx.Module):
-        def __init__(self, rngs):
-            self.ln_1, self.ln_2 = (nnx.LayerNorm(h, epsilon=1e-5, rngs=rngs) for _ in range(2))
-            self.q, self.k, self.v, self.out = (nnx.Linear(h, h, rngs=rngs) for _ in range(4))
-            self.up, self.down = nnx.Linear(h, 4 * h, rngs=rngs), nnx.Linear(4 * h, h, rngs=rngs)
-
-        def __call__(self, x):
-            y = self.ln_1(x)
-            q, k, v = self.q(y), self.k(y), self.v(y)
-            b, s, _ = q.shape
-            q, k, v = (a.reshape(b, s, -1, h // heads) for a in (q, k, v))
-            scores = jnp.einsum("bqad,bkad->baqk", q, k) / (h // heads) ** 0.5
-            scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores,
-                               jnp.finfo(scores.dtype).min)
-            attn = jnp.einsum("baqk,bkad->bqad", jax.nn.softmax(scores, -1), v)
-            x = x + self.out(attn.reshape(b, s, -1))
-            return x + self.down(jax.nn.gelu(self.up(self.ln_2(x)), approximate=True))
-
-    class GPT(nnx.Module):
-        def __init__(self, layers, seed=0):
-            rngs = nnx.Rngs(seed)
-            self.wte, self.wpe = nnx.Embed(vocab, h, rngs=rngs), nnx.Embed(seq, h, rngs=rngs)
-            self.blocks = jphantom.nn.Stacked(Block, layers, rngs=rngs)
-            self.ln_f = nnx.LayerNorm(h, epsilon=1e-5, rngs=rngs)
-
-        def loss(self, tokens, targets):
-            x = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))
-            return jphantom.nn.cross_entropy(self.wte, self.ln_f(self.blocks(x)), targets,
-                                             tied=True)
-
-    def loss_fn(model, tokens, targets):
-        return model.loss(tokens, targets)
-
-    mesh_config = MeshConfig.parse(args.mesh)
-    mesh = mesh_config.build(first_devices(mesh_config.device_count))
+    out = output_folder(args.out, DEFAULT_OUT, quick=args.quick, name="nnx_step")
+    shape = dict(model="gpt2", strategy="tensor", mesh=args.mesh, hidden=args.hidden,
+                 heads=args.heads, seq_len=args.seq_len, vocab=256, batch=args.batch,
+                 warmup_steps=0, out=None, progress=False)
     rng = np.random.default_rng(0)
-    tokens = jnp.asarray(rng.integers(0, vocab, (args.batch, seq)), jnp.int32)
-    targets = jnp.asarray(rng.integers(0, vocab, (args.batch, seq)), jnp.int32)
-    optimizer = optax.adamw(1e-3) if args.optimizer == "adamw" else optax.sgd(1e-3)
-
-    def module_step(layers):
-        model = GPT(layers)
-        jphantom.parallelize(model, mesh, jphantom.plans.megatron(model))
-        step = jphantom.make_train_step(model, mesh, optimizer, loss_fn)
-        state = step.init()
-        start = time.perf_counter()
-        compiled = step.lower(state, tokens, targets).compile()
-        return compiled, state, time.perf_counter() - start
-
-    class ModuleRunner(Runner):
-        def run(self) -> float:
-            start = time.perf_counter()
-            state, loss = self.compiled(self.state[0], *self.state[1:])
-            jax.block_until_ready(loss)
-            self.state = (state, *self.state[1:])
-            return time.perf_counter() - start
-
-    compiled, state, compile_main = module_step(args.layers)
-    module_bytes = sum(c.total_bytes for c in normalise_collectives(
-        collectives(compiled.as_text())) if not c.trivial)
-    module_runner = ModuleRunner("module", compiled, (state, tokens, targets),
-                                 threads_state=False, flops_per_device=0, devices=0)
-    config = TransformerConfig(vocab_size=vocab, seq_len=seq, hidden=h, heads=heads,
-                               layers=args.layers)
-    program = strategies.get("tensor").program(config, mesh_config)
-    batch = tuple(jax.device_put(a, s) for a, s in zip((tokens, targets),
-                                                        program.batch_shardings(mesh)))
-    program_runner, report = build_program_step(program, mesh, batch, optimizer,
-                                                jax.random.PRNGKey(0), label="program")
-    times = time_round_robin([module_runner, program_runner], args.steps, args.warmup)
+    tokens, targets = (rng.integers(0, 256, (args.batch, args.seq_len)).astype(np.int32)
+                       for _ in range(2))
+    config = RunConfig.from_flags(**shape, layers=args.layers)
+    optimizers = {"sgd": optax.sgd(1e-3), "adamw": optax.adamw(1e-3)}
+    runners, reports = [], {}
+    for name in OPTIMIZERS:
+        runner, reports[name] = build_run_step(config, (tokens, targets), label=name,
+                                               optimizer=optimizers[name])
+        runners.append(runner)
+    times = time_round_robin(runners, args.steps, args.warmup)
     compiles = {}
     for layers in sorted({2, args.compile_layers}):
-        compiles[layers] = module_step(layers)[2]
-    ratio = times["module"] / times["program"]
+        compiles[layers] = compile_step(RunConfig.from_flags(**shape, layers=layers,
+                                                             optimizer="sgd"))[1]
+    ratio = times["adamw"] / times["sgd"]
     results = {
         "machine": {"host": platform.node(), "jax": jax.__version__,
-                    "devices": jax.device_count(), "platform": jax.devices()[0].platform},
-        "shape": {"layers": args.layers, "hidden": h, "heads": heads, "seq_len": seq,
-                  "batch": args.batch, "mesh": args.mesh, "optimizer": args.optimizer},
-        "median_step_seconds": times, "module_over_program": ratio,
-        "collective_bytes_per_device": {"module": module_bytes,
-                                        "program": report["collective_bytes_per_device"]},
-        "compile_seconds": {"module_main": compile_main, "program_main": report["compile_seconds"],
-                            **{f"module_{k}_layers": v for k, v in compiles.items()}},
-        "targets": {"compile_12_layers_under_5s": compiles[args.compile_layers] < COMPILE_SECONDS},
+                    "devices": jax.device_count(), "platform": jax.devices()[0].platform,
+                    "cpu_count": os.cpu_count()},
+        "shape": {"model": "gpt2", "strategy": "tensor", "layers": args.layers,
+                  "hidden": args.hidden, "heads": args.heads, "seq_len": args.seq_len,
+                  "batch": args.batch, "mesh": args.mesh, "params": reports["sgd"]["params"]},
+        "median_step_seconds": times, "adamw_over_sgd": ratio,
+        "step_seconds_all": {r.name: r.times for r in runners},
+        "collective_bytes_per_device": {name: reports[name]["collective_bytes_per_device"]
+                                        for name in OPTIMIZERS},
+        "compile_seconds": {**{f"{name}_main": reports[name]["compile_seconds"]
+                               for name in OPTIMIZERS},
+                            **{f"{k}_layers": v for k, v in compiles.items()}},
+        "targets": {f"compile_{args.compile_layers}_layers_under_5s":
+                    compiles[args.compile_layers] < COMPILE_SECONDS},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
-    print(f"step time  module {times['module'] * 1e3:8.1f} ms   program "
-          f"{times['program'] * 1e3:8.1f} ms   module/program {ratio:.3f}")
-    print(f"collective bytes per device  module {module_bytes:,}   program "
-          f"{report['collective_bytes_per_device']:,}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    print(f"GPT-2 L={args.layers} h={args.hidden} heads={args.heads} S={args.seq_len} "
+          f"B={args.batch}, tensor on {args.mesh}, {jax.device_count()} devices "
+          f"({jax.devices()[0].platform})")
+    print(f"step time  sgd {times['sgd'] * 1e3:8.1f} ms   adamw {times['adamw'] * 1e3:8.1f} ms   "
+          f"adamw/sgd {ratio:.3f}")
+    print("collective bytes per device  " + "   ".join(
+        f"{name} {reports[name]['collective_bytes_per_device']:,}" for name in OPTIMIZERS))
     for layers, seconds in compiles.items():
-        print(f"module step compile, {layers} layers: {seconds:.2f} s")
+        print(f"step compile, {layers} layers: {seconds:.2f} s")
     verdict = "PASS" if compiles[args.compile_layers] < COMPILE_SECONDS else "MISS"
     print(f"target: {args.compile_layers}-layer compile < {COMPILE_SECONDS:.0f} s: {verdict}")
-    print(f"wrote {args.out / 'results.json'}")
+    print(f"wrote {out / 'results.json'}")
     return 0
 
 

@@ -12,7 +12,8 @@ tensor-t1, tensor (Megatron), gspmd) and every batch size:
   XLA's ``cost_analysis()`` is kept next to it (``xla_flops_per_device``) but counts a loop body
   once, so it undercounts the scanned layers;
 - collective bytes per device and step, parsed from the compiled HLO (:mod:`jphantom.analysis.hlo`);
-- parameter count (weights, Table I convention).
+- parameter count: every parameter of the model (``Program.param_count``: weights and biases, and
+  phantom's stored own decompressor slot D^(j,j), masked; Table I counts the weights alone).
 
 Reference matmul FLOP/s, measured in the same round-robin as the steps (so under the same load):
 
@@ -39,7 +40,7 @@ Usage::
     python benchmarks/phantom_vs_tp.py --quick         # tiny sizes, a few seconds (used by a test)
 
 Results: ``<out>/results.json`` and ``<out>/step_time.png`` (``--out``, default
-``benchmarks/results/phantom_vs_tp/``).
+``benchmarks/results/phantom_vs_tp/``; ``--quick``: a scratch folder).
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def parse_args(argv):
     parser.add_argument("--compile-depth", type=int, default=6, help="layers of the compile-time step")
     parser.add_argument("--compile-repeats", type=int, default=None, help="fresh compiles (default 3)")
     parser.add_argument("--lr", type=float, default=1e-4, help="SGD learning rate")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"results folder (default {DEFAULT_OUT}; --quick: a scratch folder)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes and few steps (width 256, batch 32, k 4): a smoke run")
@@ -101,6 +103,9 @@ def parse_args(argv):
         parser.error(f"--batch {args.batch!r}: give positive comma-separated sizes, e.g. 256,1024")
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
+    from jphantom.analysis.machine import output_folder
+
+    args.out = output_folder(args.out, DEFAULT_OUT, quick=quick, name="phantom_vs_tp")
     return args
 
 
@@ -152,12 +157,16 @@ def build_matmuls(mesh, size):
 
 
 def measure_compile(args, batch, num_shards):
-    """Lower + compile wall time of a fresh ``compile_depth``-layer phantom step (abstract params)."""
-    from jphantom.analysis.inspect import StepSpec, compile_step
+    """Lower + compile wall time of a fresh ``compile_depth``-layer phantom SGD step (abstract
+    params): each repeat builds a new step (a new jitted function) for the same run."""
+    from jphantom.analysis.inspect import compile_step
+    from jphantom.config import RunConfig
 
-    spec = StepSpec(strategy="phantom", width=args.width, depth=args.compile_depth, batch=batch,
-                    num_shards=num_shards, ghost_width=args.ghost_width)
-    seconds = [compile_step(spec)[1] for _ in range(max(args.compile_repeats, 1))]
+    config = RunConfig.from_flags(model="ffn", strategy="phantom", mesh=f"model={num_shards}",
+                                  width=args.width, depth=args.compile_depth, batch=batch,
+                                  ghost_width=args.ghost_width, optimizer="sgd",
+                                  learning_rate=args.lr, warmup_steps=0, out=None, progress=False)
+    seconds = [compile_step(config)[1] for _ in range(max(args.compile_repeats, 1))]
     return {"depth": args.compile_depth, "batch": batch, "width": args.width,
             "seconds": seconds, "median_seconds": statistics.median(seconds)}
 

@@ -1,6 +1,7 @@
 """AxoNN's 3D parallel matrix multiply against Megatron tensor parallelism, side by side.
 
-One process, one run, 8 simulated devices (or the GPUs): the same GPT under ``tensor`` on
+One process, one run, 8 simulated devices (or the GPUs): the same GPT-2 model
+(``jphantom.models.gpt2_nnx``) under ``tensor`` on
 ``data=8,model=1`` and ``data=4,model=2`` and under ``pmm3d`` on several (G_x, G_y, G_z, G_data)
 grids, one jitted AdamW step each, median wall time over ``--steps`` round-robin rounds after
 ``--warmup`` (:mod:`jphantom.analysis.timing`). Every layout runs the same model, so the step's
@@ -17,7 +18,8 @@ Usage::
     python benchmarks/pmm3d.py            # L=4, h=256, S=128, batch 32
     python benchmarks/pmm3d.py --quick    # tiny, seconds
 
-Results: ``<out>/results.json`` (default ``benchmarks/results/pmm3d/``).
+Results: ``<out>/results.json`` (default ``benchmarks/results/pmm3d/``; ``--quick``: a scratch
+folder).
 """
 
 from __future__ import annotations
@@ -35,10 +37,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from jphantom import strategies  # noqa: E402
-from jphantom.analysis.timing import build_program_step, time_round_robin  # noqa: E402
-from jphantom.mesh import MeshConfig, first_devices  # noqa: E402
-from jphantom.models.transformer import TransformerConfig  # noqa: E402
+from jphantom.analysis.machine import output_folder  # noqa: E402
+from jphantom.analysis.timing import build_run_step, time_round_robin  # noqa: E402
+from jphantom.config import RunConfig  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "pmm3d"
 LAYOUTS = [("tensor", "data=8,model=1"), ("tensor", "data=4,model=2"),
@@ -57,23 +58,24 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="L=2, h=32, S=16, 3 rounds")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"results folder (default {DEFAULT_OUT}; --quick: a scratch folder)")
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.hidden, args.seq_len, args.batch, args.steps = 2, 32, 16, 16, 3
-    config = TransformerConfig(vocab_size=256, seq_len=args.seq_len, hidden=args.hidden,
-                               heads=args.heads, layers=args.layers)
+    args.out = output_folder(args.out, DEFAULT_OUT, quick=args.quick, name="pmm3d")
+    shape = dict(model="gpt2", vocab=256, seq_len=args.seq_len, hidden=args.hidden,
+                 heads=args.heads, layers=args.layers, batch=args.batch, out=None, progress=False)
+    config = RunConfig.from_flags(**shape, strategy="tensor", mesh=LAYOUTS[0][1]).family_config()
     rng = np.random.default_rng(0)
     host = [rng.integers(0, 256, (args.batch, args.seq_len)).astype(np.int32) for _ in range(2)]
     flops = config.flops_per_token() * args.batch * args.seq_len
     runners, rows = [], {}
     for name, mesh_text in LAYOUTS:
-        program = strategies.get(name).program(config, MeshConfig.parse(mesh_text))
-        mesh = program.mesh.build(first_devices(program.mesh.device_count))
-        batch = tuple(jax.device_put(a, s) for a, s in zip(host, program.batch_shardings(mesh)))
         label = f"{name} {mesh_text}"
-        runner, report = build_program_step(program, mesh, batch, optax.adamw(1e-3),
-                                            jax.random.PRNGKey(0), label=label)
+        runner, report = build_run_step(
+            RunConfig.from_flags(**shape, strategy=name, mesh=mesh_text), tuple(host),
+            label=label, optimizer=optax.adamw(1e-3))
         runners.append(runner)
         rows[label] = {"strategy": name, "mesh": mesh_text,
                        "compiled_gemm_flops_step": report["flops_step"],

@@ -1,6 +1,7 @@
 """Plain data parallelism against ZeRO-1, 2 and 3, side by side on 8 simulated devices.
 
-One process, one run: the FFN (``tensor`` with ``model=1``, so only the ``data`` axis shards) on
+One process, one run: seed 000's FFN (``jphantom.models.ffn``, ``tensor`` with ``model=1``, so only
+the ``data`` axis shards) on
 ``data=<devices>``, one jitted AdamW step per ZeRO stage, median wall time over ``--steps``
 round-robin rounds after ``--warmup`` (``jphantom.analysis.timing``), with per device: the
 parameter, gradient-free optimizer-state and batch bytes the step takes (``argument_bytes``), the
@@ -17,7 +18,8 @@ Usage::
     python benchmarks/zero_stages.py            # width 1024, depth 8, batch 256
     python benchmarks/zero_stages.py --quick    # tiny, seconds
 
-Results: ``<out>/results.json`` (default ``benchmarks/results/zero_stages/``).
+Results: ``<out>/results.json`` (default ``benchmarks/results/zero_stages/``; ``--quick``: a
+scratch folder).
 """
 
 from __future__ import annotations
@@ -35,11 +37,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from jphantom import strategies  # noqa: E402
 from jphantom.analysis.inspect import per_device_bytes  # noqa: E402
-from jphantom.analysis.timing import build_program_step, time_round_robin  # noqa: E402
-from jphantom.mesh import MeshConfig, first_devices  # noqa: E402
-from jphantom.models.ffn import FFNConfig  # noqa: E402
+from jphantom.analysis.machine import output_folder  # noqa: E402
+from jphantom.analysis.timing import build_run_step, time_round_robin  # noqa: E402
+from jphantom.config import RunConfig  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "zero_stages"
 
@@ -53,22 +54,23 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="width 64, depth 2, 3 rounds")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"results folder (default {DEFAULT_OUT}; --quick: a scratch folder)")
     args = parser.parse_args(argv)
     if args.quick:
         args.width, args.depth, args.batch, args.steps = 64, 2, 32, 3
-    mesh_config = MeshConfig.parse(f"data={args.devices},model=1")
-    config = FFNConfig(args.width, args.depth)
+    args.out = output_folder(args.out, DEFAULT_OUT, quick=args.quick, name="zero_stages")
     rng = np.random.default_rng(0)
     host = [rng.standard_normal((args.batch, args.width)).astype(np.float32) for _ in range(2)]
     runners, rows = [], {}
     for zero in (0, 1, 2, 3):
-        program = strategies.get("tensor").program(config, mesh_config, zero=zero)
-        mesh = program.mesh.build(first_devices(program.mesh.device_count))
-        batch = tuple(jax.device_put(a, s) for a, s in zip(host, program.batch_shardings(mesh)))
-        runner, report = build_program_step(program, mesh, batch, optax.adamw(1e-3),
-                                            jax.random.PRNGKey(0), label=f"zero-{zero}")
-        params, opt_state = runner.state[0], runner.state[1]
+        config = RunConfig.from_flags(model="ffn", strategy="tensor",
+                                      mesh=f"data={args.devices},model=1", width=args.width,
+                                      depth=args.depth, batch=args.batch, zero=zero, out=None,
+                                      progress=False)
+        runner, report = build_run_step(config, tuple(host), label=f"zero-{zero}",
+                                        optimizer=optax.adamw(1e-3))
+        params, opt_state = runner.state[0].params, runner.state[0].opt_state
         over_data = {}  # model=1: every collective is over data
         for c in report["collectives"]:
             over_data[c["kind"]] = over_data.get(c["kind"], 0) + c["bytes"]
@@ -80,9 +82,7 @@ def main(argv=None) -> int:
         }
         runners.append(runner)
     times = time_round_robin(runners, args.steps, args.warmup)
-    total_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(
-        jax.eval_shape(strategies.get("tensor").program(config, mesh_config).init,
-                       jax.random.PRNGKey(0))))
+    total_params = config.program().param_count
     print(f"FFN width {args.width}, depth {args.depth}, batch {args.batch}, data={args.devices}, "
           f"AdamW float32; P = {total_params:,} parameters")
     print(f"{'':8}{'step ms':>9}{'x DP':>7}{'params MB':>11}{'Adam MB':>9}{'temp MB':>9}"

@@ -58,7 +58,8 @@ Usage::
     python experiments/collectives.py --sizes 10,20 --shards 2,4 --transports gloo --repeats 20
 
 Results: ``<out>/results.json`` (every timed call, medians, fits, Table III) and
-``<out>/collectives.png`` (``--out``, default ``experiments/results/collectives/``).
+``<out>/collectives.png`` (``--out``, default ``experiments/results/collectives/``; ``--quick``: a
+scratch folder).
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ from jax.sharding import PartitionSpec as P
 
 from jphantom import distributed
 from jphantom.analysis import hlo
+from jphantom.analysis.machine import output_folder
 from jphantom.errors import ConfigError
 from jphantom.mesh import first_devices, make_mesh, simulate_cpu_devices
 from jphantom.perf.comm_model import FRONTIER, CollectiveCost, fit, message_floats, rmse_log2_us
@@ -592,7 +594,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--large-from", type=int, default=2**18, help="m (floats) from which --large-repeats apply")
     add("--large-repeats", type=int, default=3, help="timed calls per point for m >= --large-from")
     add("--quick", action="store_true", help="m = 2^2,2^6,2^10,2^14, p = 2,4, 10 repeats, both transports")
-    add("--out", type=Path, default=DEFAULT_OUT, help=f"results folder; default {DEFAULT_OUT}")
+    add("--out", type=Path, default=None,
+        help=f"results folder (default {DEFAULT_OUT}; --quick: a scratch folder)")
     add("--worker", nargs=4, metavar=("COORDINATOR", "RANK", "P", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
@@ -621,6 +624,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.worker:
         worker(args)
         return {}
+    args.out = output_folder(args.out, DEFAULT_OUT, quick=args.quick, name="collectives")
     sizes = sizes_from(args.sizes)
     started = time.perf_counter()
     load_start = os.getloadavg()[0]  # other work on the machine shows up in every time below

@@ -1,10 +1,11 @@
 """Seed 001's bottom-up breakdown of a data-parallel step, and its speedup prediction (Eqs. 2-4).
 
-Weak scaling of the GPT transformer (``tensor`` with ``model=1``: plain data parallelism; a fixed
-batch per device) on ``data=n`` for n = 1, 2, 4, 8. For each n, side by side (round robin):
+Weak scaling of the GPT-2 transformer (``jphantom.models.gpt2_nnx``, ``tensor`` with ``model=1``:
+plain data parallelism; a fixed batch per device) on ``data=n`` for n = 1, 2, 4, 8. For each n, side
+by side (round robin):
 
 - ``t_iter``: the training step (AdamW) as it trains;
-- ``t_compute``: the same step compiled without its collectives (``make_train_step(...,
+- ``t_compute``: the same step compiled without its collectives (``jphantom.make_train_step(...,
   communicate=False)``: no gradient or loss reduction; measurement only) -- both from
   :func:`jphantom.analysis.inspect.breakdown`, as ``jphantom inspect --breakdown`` reports them;
 - ``t_comm = t_iter - t_compute`` and the shares r_compute, r_comm (seed 001's breakdown counts
@@ -22,7 +23,7 @@ compute at n: t_iter(n) ~ t_compute(n) + t_comm(g) / eff_{g->n}, which tests the
 that carries over (communication scaling like the standalone collective).
 
 Run: ``.venv/bin/python experiments/data_parallel.py`` (about 2 minutes); writes
-``experiments/results/data_parallel/results.json``.
+``experiments/results/data_parallel/results.json`` (``--quick``: a scratch folder).
 """
 
 from __future__ import annotations
@@ -44,17 +45,21 @@ from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jphantom.analysis.inspect import StepSpec, breakdown  # noqa: E402
+from jphantom.analysis.inspect import breakdown  # noqa: E402
+from jphantom.analysis.machine import output_folder  # noqa: E402
 from jphantom.analysis.timing import Runner, time_round_robin  # noqa: E402
+from jphantom.config import RunConfig  # noqa: E402
 from jphantom.mesh import MeshConfig, first_devices  # noqa: E402
 from jphantom.perf.comm_model import FRONTIER  # noqa: E402
-from jphantom.step import sharded  # noqa: E402
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "data_parallel"
 
 
 def _allreduce_seconds(n: int, elements: int, steps: int, warmup: int) -> float:
     """The gradient all-reduce alone: one psum over data of a float32 buffer per device."""
     mesh = MeshConfig.parse(f"data={n}").build(first_devices(n))
-    fn = sharded(lambda x: lax.psum(x, "data"), mesh, P("data"), P())
+    fn = jax.jit(jax.shard_map(lambda x: lax.psum(x, "data"), mesh=mesh, in_specs=P("data"),
+                               out_specs=P()))
     x = jax.device_put(jnp.ones((n * elements,), jnp.float32), NamedSharding(mesh, P("data")))
     runner = Runner("allreduce", fn.lower(x).compile(), (x,), threads_state=False,
                     flops_per_device=0, devices=n)
@@ -63,12 +68,12 @@ def _allreduce_seconds(n: int, elements: int, steps: int, warmup: int) -> float:
 
 def measure(n: int, args) -> dict:
     """``jphantom.analysis.inspect.breakdown`` of the step on ``data=n``, and the all-reduce."""
-    spec = StepSpec(strategy="tensor", width=1, depth=1, model="transformer",
-                    mesh=f"data={n},model=1",
-                    layers=args.layers, hidden=args.hidden, heads=4, seq_len=args.seq_len,
-                    vocab=256, batch=n * args.per_device, optimizer="adamw")
-    result = breakdown(spec, steps=args.steps, warmup=args.warmup)
-    elements = spec.program().param_count
+    config = RunConfig.from_flags(model="gpt2", strategy="tensor", mesh=f"data={n},model=1",
+                                  layers=args.layers, hidden=args.hidden, heads=4,
+                                  seq_len=args.seq_len, vocab=256, batch=n * args.per_device,
+                                  optimizer="adamw", out=None, progress=False)
+    result = breakdown(config, steps=args.steps, warmup=args.warmup)
+    elements = config.program().param_count
     allreduce = _allreduce_seconds(n, elements, args.steps, args.warmup) if n > 1 else 0.0
     modelled = FRONTIER.time_us("all-reduce", elements, n) * 1e-6 if n > 1 else 0.0
     return {"data": n, "params": elements, "t_iter": result["t_iter"],
@@ -86,8 +91,10 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny model, data = 1, 2, 4")
-    parser.add_argument("--out", default="experiments/results/data_parallel")
+    parser.add_argument("--out", default=None,
+                        help=f"results folder (default {DEFAULT_OUT}; --quick: a scratch folder)")
     args = parser.parse_args(argv)
+    args.out = str(output_folder(args.out, DEFAULT_OUT, quick=args.quick, name="data_parallel"))
     sizes = (1, 2, 4) if args.quick else (1, 2, 4, 8)
     if args.quick:
         args.layers, args.hidden, args.seq_len, args.steps = 1, 32, 16, 3

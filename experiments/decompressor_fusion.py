@@ -27,7 +27,7 @@ Usage::
     python experiments/decompressor_fusion.py --quick     # n=4096, k=16, p=8,16, B=32: seconds
 
 Results: ``<out>/results.json`` and ``<out>/decompressor_fusion.png`` (default
-``experiments/results/decompressor_fusion/``).
+``experiments/results/decompressor_fusion/``; ``--quick``: a scratch folder).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from jphantom.analysis import hlo  # noqa: E402
 from jphantom.analysis.inspect import xla_flops  # noqa: E402
-from jphantom.analysis.machine import machine_info  # noqa: E402
+from jphantom.analysis.machine import machine_info, output_folder  # noqa: E402
 from jphantom.sharding import phantom  # noqa: E402
 
 DEFAULT_OUT = REPO / "experiments" / "results" / "decompressor_fusion"
@@ -72,7 +72,8 @@ def parse_args(argv):
     parser.add_argument("--shards", type=str, help="comma-separated p (default 32,64,128,256)")
     parser.add_argument("--batch", type=int, help="B (default 256, our choice: the paper omits it)")
     parser.add_argument("--repeats", type=int, help="timed calls per variant (default 7)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"results folder (default {DEFAULT_OUT}; --quick: a scratch folder)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, a few seconds (tests)")
     args = parser.parse_args(argv)
     defaults = {"width": 4096 if args.quick else 131072, "ghost_width": 16 if args.quick else 64,
@@ -93,6 +94,7 @@ def parse_args(argv):
                          f"{phantom.max_ghost_width(args.width, p):g}): pick a smaller k or p")
     if args.batch < 1 or args.repeats < 1:
         parser.error("--batch and --repeats must be >= 1")
+    args.out = output_folder(args.out, DEFAULT_OUT, quick=args.quick, name="decompressor_fusion")
     return args
 
 

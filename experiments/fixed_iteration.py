@@ -27,7 +27,7 @@ Usage::
     python experiments/fixed_iteration.py --quick      # n = 256, p = 2, 4, k = 2, 4, B = 32: seconds
 
 Results: ``<out>/results.json`` and ``<out>/fixed_iteration.png`` (default
-``experiments/results/fixed_iteration/``).
+``experiments/results/fixed_iteration/``; ``--quick``: a scratch folder).
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def parse_args(argv):
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     parser.add_argument("--lr", type=float, default=1e-4, help="SGD learning rate")
     parser.add_argument("--skip-measured", action="store_true", help="only the modelled panels")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"results folder (default {DEFAULT_OUT}; --quick: a scratch folder)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, seconds (tests)")
     args = parser.parse_args(argv)
     defaults = {"width": 256 if args.quick else 4096, "shards": "2,4" if args.quick else "2,4,8",
@@ -93,6 +94,9 @@ def parse_args(argv):
                      "comma-separated integers, e.g. --shards 2,4,8 --ghost-widths 2,4,16")
     if min(args.shard_list) < 1 or min(args.ghost_list) < 1 or args.batch < 1 or args.steps < 1:
         parser.error("--shards, --ghost-widths, --batch and --steps must be >= 1")
+    from jphantom.analysis.machine import output_folder
+
+    args.out = output_folder(args.out, DEFAULT_OUT, quick=args.quick, name="fixed_iteration")
     return args
 
 

@@ -24,7 +24,7 @@ Usage::
 
 Results: ``<out>/results.json`` (the compare result plus ``paper`` and ``paper_vs_ours``),
 ``<out>/comparison.png`` (compare's chart) and ``<out>/fig7.png`` (Fig. 7a-c), default
-``experiments/results/fixed_loss/``.
+``experiments/results/fixed_loss/`` (``--quick``: a scratch folder).
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def parse_args(argv):
     parser.add_argument("--batch", type=int, help="B (default 64)")
     parser.add_argument("--max-steps", type=int, help="iterations per run (default 400)")
     parser.add_argument("--learning-rate", type=float, default=2e-3, help="Adam (default 2e-3)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"results folder (default {DEFAULT_OUT}; --quick: a scratch folder)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, seconds (tests)")
     args = parser.parse_args(argv)
     quick = args.quick
@@ -174,7 +175,8 @@ def plot_fig7(result: dict, path: Path) -> None:
         ax.set_xlabel("shards p")
         ax.set_title(title, fontsize=10)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"n={result['config']['width']}, L={result['config']['depth']}, target MSE "
+    model = result["config"]["base"]["model"]  # compare's config: the base RunConfig's sections
+    fig.suptitle(f"n={model['width']}, L={model['depth']}, target MSE "
                  f"{result['target_loss']:.4g}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -186,13 +188,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from jphantom.mesh import ensure_devices
 
     ensure_devices(max(args.shard_list))  # simulated CPU devices unless jax already has enough
-    from jphantom.analysis.machine import machine_info
+    from jphantom.analysis.machine import machine_info, output_folder
     from jphantom.compare import CompareConfig, format_table, run_compare, write_outputs
+    from jphantom.config import RunConfig
 
-    config = CompareConfig(width=args.width, depth=args.depth, shards=args.shard_list,
-                           ghost_widths=args.ghost, seeds=args.seed_list, batch=args.batch,
-                           learning_rate=args.learning_rate, max_steps=args.max_steps,
-                           train_size=512 if args.quick else 1 << 14,
+    args.out = output_folder(args.out, DEFAULT_OUT, quick=args.quick, name="fixed_loss")
+    # compare's run: Adam (beta2 0.999, no warm-up), every run the same; TP on model=1 here is
+    # only the base: each job sets its own strategy, mesh model=p and k
+    base = RunConfig.from_flags(model="ffn", width=args.width, depth=args.depth, batch=args.batch,
+                                optimizer="adam", learning_rate=args.learning_rate,
+                                adam_b2=0.999, warmup_steps=0, steps=args.max_steps,
+                                eval_every=10, strategy=TP_STRATEGY, mesh="model=1", out=None,
+                                progress=False)
+    config = CompareConfig(base=base, shards=args.shard_list, ghost_widths=args.ghost,
+                           seeds=args.seed_list, train_size=512 if args.quick else 1 << 14,
                            eval_size=64 if args.quick else 512)
     result = run_compare(config, progress=True)
     result["machine"] = machine_info()

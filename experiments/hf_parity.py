@@ -45,7 +45,6 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 

@@ -43,7 +43,7 @@ Usage::
     python experiments/hierarchical_collectives.py --sizes 10,22,2 --repeats 30
 
 Results: ``<out>/results.json`` and ``<out>/hierarchical_collectives.png`` (``--out``, default
-``experiments/results/hierarchical_collectives/``).
+``experiments/results/hierarchical_collectives/``; ``--quick``: a scratch folder).
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jphantom.analysis import hlo
+from jphantom.analysis.machine import output_folder
 from jphantom.mesh import simulate_cpu_devices
 from jphantom.sharding import collectives as hc
 
@@ -318,7 +319,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--repeats", type=int, default=25, help="timed calls per method and cell; default 25")
     add("--warmup", type=int, default=2, help="untimed calls per method after compile; default 2")
     add("--quick", action="store_true", help="n = 2^10, 2^14 B, p = 2,4, 3 repeats, 1 warm-up")
-    add("--out", type=Path, default=DEFAULT_OUT, help=f"results folder; default {DEFAULT_OUT}")
+    add("--out", type=Path, default=None,
+        help=f"results folder (default {DEFAULT_OUT}; --quick: a scratch folder)")
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.shards, args.repeats, args.warmup = [10, 14, 4], [2, 4], 3, 1
@@ -332,6 +334,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--sizes: the smallest n must hold one float per rank (n >= 4 p bytes)")
     if args.repeats < 1 or args.warmup < 0:
         parser.error("--repeats must be >= 1 and --warmup >= 0")
+    args.out = output_folder(args.out, DEFAULT_OUT, quick=args.quick,
+                             name="hierarchical_collectives")
     return args
 
 

@@ -34,7 +34,7 @@ Usage::
     python experiments/large_width.py --optimizer sgd --depth 4 --batch 1024
 
 Results: ``<out>/results.json`` and ``<out>/large_width.png`` (default
-``experiments/results/large_width/``).
+``experiments/results/large_width/``; ``--quick``: a scratch folder).
 """
 
 from __future__ import annotations
@@ -110,10 +110,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--sweep-depths", type=parse_list, default=[1, 2, 3, 4, 5, 6],
         help="L values of the out-of-memory sweep (claim ii); default 1..6")
     add("--quick", action="store_true", help="skip the sensitivity sweeps (the grid is the same)")
-    add("--out", type=Path, default=DEFAULT_OUT, help=f"results folder; default {DEFAULT_OUT}")
+    add("--out", type=Path, default=None,
+        help=f"results folder (default {DEFAULT_OUT}; --quick: a scratch folder)")
     args = parser.parse_args(argv)
     if args.gemm_overhead_us < 0:
         parser.error(f"--gemm-overhead-us {args.gemm_overhead_us}: must be >= 0")
+    from jphantom.analysis.machine import output_folder
+
+    args.out = output_folder(args.out, DEFAULT_OUT, quick=args.quick, name="large_width")
     return args
 
 

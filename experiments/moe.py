@@ -3,21 +3,24 @@ tokens over training, the all-to-all bytes with and without duplicate token drop
 004's memory bound (Eq. 7.4) against the measured model-state bytes.
 
 1. **Training** (``jphantom train`` through :mod:`jphantom.run`, the byte-level stdlib corpus): a
-   GPT with every other block a top-1 MoE of 8 experts (Switch Transformer: each token visits one
-   expert of the dense MLP's width, so the active parameters equal the dense model's plus the
-   router) against the dense GPT of the same shape; validation cross-entropy (the auxiliary losses
-   left out) and, for the MoE runs, the fraction of token-expert assignments dropped at each
-   evaluation, with capacity factors 1.0 and 1.25. Experts on an ``expert=4`` axis.
+   GPT-2 (``jphantom.models.gpt2_nnx``) with every other block a top-1 MoE of 8 experts (Switch
+   Transformer: each token visits one expert of the dense MLP's width, so the active parameters
+   equal the dense model's plus the router) against the dense GPT of the same shape; validation
+   cross-entropy (the auxiliary losses left out) and, for the MoE runs, the fraction of
+   token-expert assignments dropped at each evaluation, with capacity factors 1.0 and 1.25.
+   Experts on an ``expert=4`` axis.
 2. **All-to-all bytes** per training step from the compiled HLO (trip counts applied), TED on
    ``data=2,expert=2,model=2``: plain, with DTD (seed 004: the bytes fall by G_tensor = 2), and the
    phantom-parallel experts (each rank dispatches its h/p features: the same 1/p without DTD).
-3. **Memory** (Adam, float32): the model-state bytes per device from the step's shardings against
-   Eq. 7.4 evaluated with the per-device expert and non-expert parameter counts, once with
+3. **Memory** (Adam, float32): the model-state bytes per device from the step's shardings
+   (:func:`jphantom.analysis.inspect.state_bytes`: parameters, gradients and Adam's moments)
+   against Eq. 7.4 evaluated with the per-device expert and non-expert parameter counts, once with
    TED's ZeRO-1 data-parallel degrees (the bound) and once with G_data = 1 (jphantom: ZeRO does not
    yet run beside an expert axis, so every rank keeps 4 + 4 + 8 bytes per parameter).
 
 Run: ``.venv/bin/python experiments/moe.py`` (about 5 minutes on 2 CPU cores); writes
-``experiments/results/moe/results.json`` and ``moe.png``. ``--quick`` for the tests.
+``experiments/results/moe/results.json`` and ``moe.png``. ``--quick`` for the tests (into a scratch
+folder unless ``--out`` is given).
 """
 
 from __future__ import annotations
@@ -35,14 +38,15 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
-import optax  # noqa: E402
 
-from jphantom.analysis.inspect import StepSpec, inspect_step, state_bytes  # noqa: E402
-from jphantom.mesh import first_devices  # noqa: E402
-from jphantom.run import RunConfig, run  # noqa: E402
+from jphantom.analysis.inspect import build, inspect_step, state_bytes  # noqa: E402
+from jphantom.analysis.machine import output_folder  # noqa: E402
+from jphantom.config import RunConfig  # noqa: E402
+from jphantom.run import run  # noqa: E402
 from jphantom.sharding.zero import spec_axes  # noqa: E402
 
-SHAPE = dict(model="transformer", layers=4, hidden=64, heads=4, seq_len=64, batch=16)
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "moe"
+SHAPE = dict(model="gpt2", layers=4, hidden=64, heads=4, seq_len=64, batch=16)
 RUNS = {  # name: (mesh, MoE fields)
     "dense": ("data=4,model=1", {}),
     "moe-cf1.25": ("expert=4,model=1", dict(moe_every=2, experts=8, top_k=1,
@@ -56,12 +60,14 @@ def train(shape, steps, every) -> dict:
     out = {}
     for name, (mesh, moe) in RUNS.items():
         with tempfile.TemporaryDirectory() as folder:
-            config = RunConfig(**shape, **moe, strategy="tensor", mesh=mesh, steps=steps,
-                               eval_every=every, progress=False, out=folder, seed=0)
+            config = RunConfig.from_flags(**shape, **moe, strategy="tensor", mesh=mesh,
+                                          steps=steps, eval_every=every, progress=False,
+                                          out=folder, seed=0)
             res = run(config)
         hist = res["history"]
-        out[name] = {"mesh": mesh, **moe, "params": res["params"],
-                     "active_params": res.get("moe", {}).get("active_params", res["params"]),
+        # the TransformerConfig's count: the router and the k experts a token visits
+        active = config.family_config().param_count(active=True)
+        out[name] = {"mesh": mesh, **moe, "params": res["params"], "active_params": active,
                      "validation_step": hist["validation_step"],
                      "validation_loss": hist["validation_loss"],
                      "dropped_fraction": hist["dropped_fraction"],
@@ -80,11 +86,11 @@ def all_to_all_bytes(shape) -> dict:
     out = {}
     for name, strategy, dtd in (("ted", "tensor", False), ("ted+dtd", "tensor", True),
                                 ("phantom-experts", "phantom", False)):
-        spec = StepSpec(strategy=strategy, width=64, depth=2, mesh="data=2,expert=2,model=2",
-                        dtd=dtd, moe_every=2,
-                        experts=8, top_k=1, ghost_width=4 if strategy == "phantom" else None,
-                        **{k: v for k, v in shape.items() if k != "batch"}, batch=shape["batch"])
-        report = inspect_step(spec)
+        config = RunConfig.from_flags(**shape, strategy=strategy, mesh="data=2,expert=2,model=2",
+                                      dtd=dtd, moe_every=2, experts=8, top_k=1,
+                                      ghost_width=4 if strategy == "phantom" else None,
+                                      optimizer="sgd", out=None, progress=False)
+        report = inspect_step(config)
         by_kind = defaultdict(int)
         for row in report["collectives"]:
             by_kind[row["kind"]] += row["bytes"]
@@ -99,16 +105,13 @@ def all_to_all_bytes(shape) -> dict:
 
 def memory(shape) -> dict:
     """Eq. 7.4 against the measured model-state bytes on data=2,expert=2,model=2 (G = 8)."""
-    spec = StepSpec(strategy="tensor", width=64, depth=2, mesh="data=2,expert=2,model=2",
-                    moe_every=2, experts=8,
-                    top_k=1, optimizer="adam", **shape)
-    program = spec.program()
-    mesh = program.mesh.build(first_devices(program.mesh.device_count))
-    measured = state_bytes(program, mesh, optax.adam(1e-3))
-    shapes = jax.eval_shape(program.init, jax.random.PRNGKey(0))
+    config = RunConfig.from_flags(**shape, strategy="tensor", mesh="data=2,expert=2,model=2",
+                                  moe_every=2, experts=8, top_k=1, optimizer="adam",
+                                  warmup_steps=0, out=None, progress=False)
+    program, mesh, step = build(config)
+    measured = state_bytes(step)
     counts = {"exp": 0, "nonexp": 0}
-    for leaf, spec_ in zip(jax.tree.leaves(shapes), jax.tree.leaves(
-            program.param_specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))):
+    for leaf, spec_ in zip(step.layout.shapes, step.param_specs):
         axes = spec_axes(spec_)
         local = math.prod(leaf.shape) // math.prod(mesh.shape[a] for a in axes)
         counts["exp" if "expert" in axes else "nonexp"] += local
@@ -156,8 +159,10 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--quick", action="store_true", help="a few steps of a tiny model")
-    parser.add_argument("--out", default="experiments/results/moe")
+    parser.add_argument("--out", default=None,
+                        help=f"results folder (default {DEFAULT_OUT}; --quick: a scratch folder)")
     args = parser.parse_args(argv)
+    args.out = output_folder(args.out, DEFAULT_OUT, quick=args.quick, name="moe")
     shape, steps, every = SHAPE, args.steps, args.eval_every
     if args.quick:
         shape, steps, every = {**SHAPE, "layers": 2, "hidden": 32, "seq_len": 16, "batch": 8}, 4, 2

@@ -21,12 +21,13 @@ executor (:mod:`jphantom.pipeline.runner`: the whole pipelined step is one ``jax
    device (seed 004 ch. 3): counted from the compiled HLO's collective-permutes (loop trip counts
    applied) on ``stage=P,data=8/P`` for P = 1, 2, 4, 8, same global batch and M = 8.
 
-The model is the FFN (``tensor`` strategy with ``model=1``: plain layers in each stage), float32,
-SGD, with a fixed micro-batch of ``--microbatch`` rows: the batch is M x microbatch.
+The model is seed 000's FFN (``jphantom.models.ffn``, ``tensor`` strategy with ``model=1``: plain
+layers in each stage, the stack of layer pairs cut over ``stage`` by :class:`jphantom.TrainStep`),
+float32, SGD, with a fixed micro-batch of ``--microbatch`` rows: the batch is M x microbatch.
 
 Run: ``.venv/bin/python experiments/pipeline_schedules.py`` (about 3 minutes on 2 CPU cores);
 writes ``experiments/results/pipeline_schedules/results.json`` and ``pipeline_schedules.png``.
-``--quick`` runs a reduced grid (for the tests).
+``--quick`` runs a reduced grid (for the tests), into a scratch folder unless ``--out`` is given.
 """
 
 from __future__ import annotations
@@ -42,20 +43,16 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 
-from jphantom import strategies  # noqa: E402
 from jphantom.analysis.hlo import collectives  # noqa: E402
-from jphantom.analysis.inspect import compiled_memory  # noqa: E402
-from jphantom.analysis.timing import build_program_step, time_round_robin  # noqa: E402
-from jphantom.mesh import MeshConfig, first_devices  # noqa: E402
-from jphantom.models.ffn import FFNConfig  # noqa: E402
-from jphantom.pipeline.runner import PipelineConfig  # noqa: E402
+from jphantom.analysis.inspect import compile_step, compiled_memory  # noqa: E402
+from jphantom.analysis.machine import output_folder  # noqa: E402
+from jphantom.analysis.timing import build_run_step, time_round_robin  # noqa: E402
+from jphantom.config import RunConfig  # noqa: E402
 from jphantom.pipeline.schedule import lockstep, simulate  # noqa: E402
-from jphantom.step import make_train_step  # noqa: E402
 
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "pipeline_schedules"
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
 
 
@@ -64,16 +61,20 @@ def formula(schedule: str, P: int, M: int, V: int) -> float:
     return (P - 1) / (P - 1 + V * M) if schedule == "interleaved-1f1b" else (P - 1) / (M + P - 1)
 
 
-def _batch(rows: int, width: int, mesh, program, seed: int = 0):
+def _batch(rows: int, width: int, seed: int = 0) -> tuple:
     rng = np.random.default_rng(seed)
-    arrays = [rng.standard_normal((rows, width)).astype(np.float32) for _ in range(2)]
-    return tuple(jax.device_put(a, s) for a, s in zip(arrays, program.batch_shardings(mesh)))
+    return tuple(rng.standard_normal((rows, width)).astype(np.float32) for _ in range(2))
 
 
-def _program(mesh_text: str, width: int, depth: int, pipeline: PipelineConfig | None):
-    config = MeshConfig.parse(mesh_text)
-    program = strategies.get("tensor").program(FFNConfig(width, depth), config, pipeline=pipeline)
-    return program, program.mesh.build(first_devices(program.mesh.device_count))
+def _config(mesh_text: str, width: int, depth: int, batch: int, schedule: str = "1f1b",
+            microbatches: int | None = None, virtual_stages: int = 1) -> RunConfig:
+    """The FFN under ``tensor`` on ``mesh_text`` (with a ``stage`` axis: the pipeline of
+    ``schedule``, ``microbatches`` per step and data rank, ``virtual_stages``), SGD."""
+    return RunConfig.from_flags(model="ffn", strategy="tensor", mesh=mesh_text, width=width,
+                                depth=depth, batch=batch, schedule=schedule,
+                                microbatches=microbatches, virtual_stages=virtual_stages,
+                                optimizer="sgd", learning_rate=1e-3, warmup_steps=0, out=None,
+                                progress=False)
 
 
 def bubbles(stages: list[int], factors: list[int]) -> list[dict]:
@@ -102,18 +103,15 @@ def memory_and_time(stages: list[int], factors: list[int], *, width: int, depth:
             batch_rows = M * microbatch
             runners, reports = [], {}
             for schedule, V in SCHEDULES:
-                program, mesh = _program(f"stage={P}", width, depth, PipelineConfig(schedule, M, V))
-                runner, report = build_program_step(
-                    program, mesh, _batch(batch_rows, width, mesh, program), optax.sgd(1e-3),
-                    jax.random.PRNGKey(0), label=schedule)
+                config = _config(f"stage={P}", width, depth, batch_rows, schedule, M, V)
+                runner, report = build_run_step(config, _batch(batch_rows, width),
+                                                label=schedule)
                 runners.append(runner)
                 reports[schedule] = report
             # One micro-batch, unpipelined, on one device: the work of every stage on it, one
             # after another, at the GEMM shapes the pipeline runs.
-            program, mesh = _program("model=1", width, depth, None)
-            runner, _ = build_program_step(program, mesh, _batch(microbatch, width, mesh, program),
-                                           optax.sgd(1e-3), jax.random.PRNGKey(0),
-                                           label="unpipelined")
+            runner, _ = build_run_step(_config("model=1", width, depth, microbatch),
+                                       _batch(microbatch, width), label="unpipelined")
             runners.append(runner)
             times = time_round_robin(runners, steps, warmup)
             ideal = M * times["unpipelined"] / min(P, cores)
@@ -145,27 +143,13 @@ def point_to_point(stage_counts: list[int], *, width: int, depth: int, batch: in
     for P in stage_counts:
         data = devices // P
         mesh_text = f"stage={P},data={data}" if P > 1 else f"data={data},model=1"
-        pipeline = PipelineConfig("1f1b", microbatches) if P > 1 else None
-        program, mesh = _program(mesh_text, width, depth, pipeline)
-        optimizer = optax.sgd(1e-3)
-        params = jax.eval_shape(program.init, jax.random.PRNGKey(0))
-        from jphantom.step import optimizer_state_specs
-
-        opt_specs = optimizer_state_specs(optimizer, params, program.param_specs)
-        abstract = lambda tree, shardings: jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
-        opt_state = jax.eval_shape(optimizer.init, params)
-        x = jax.ShapeDtypeStruct((batch, width), jnp.float32)
-        shardings = program.batch_shardings(mesh)
-        compiled = make_train_step(program, mesh, optimizer).lower(
-            abstract(params, program.shardings(mesh)),
-            abstract(opt_state, program.shardings(mesh, opt_specs)),
-            *(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for s in shardings)).compile()
+        config = _config(mesh_text, width, depth, batch, "1f1b", microbatches if P > 1 else None)
+        compiled, _ = compile_step(config)  # abstract parameters: nothing allocated
         found = collectives(compiled.as_text())
         by_kind: dict[str, int] = {}
         for c in found:
             by_kind[c.kind] = by_kind.get(c.kind, 0) + c.total_bytes
-        rows.append({"stages": P, "data": data, "mesh": str(program.mesh),
+        rows.append({"stages": P, "data": data, "mesh": str(config.program().mesh),
                      "permute_bytes_per_device": by_kind.get("collective-permute", 0),
                      "bytes_per_device_by_kind": by_kind,
                      "temp_bytes": compiled_memory(compiled)["temp_bytes"]})
@@ -239,9 +223,11 @@ def main(argv=None) -> int:
     parser.add_argument("--microbatch", type=int, default=32, help="rows per micro-batch (default 32)")
     parser.add_argument("--steps", type=int, default=7, help="timed rounds (default 7)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--out", default="experiments/results/pipeline_schedules")
+    parser.add_argument("--out", default=None,
+                        help=f"results folder (default {DEFAULT_OUT}; --quick: a scratch folder)")
     parser.add_argument("--quick", action="store_true", help="P = 2, M in {P, 4P}, 2 rounds")
     args = parser.parse_args(argv)
+    args.out = output_folder(args.out, DEFAULT_OUT, quick=args.quick, name="pipeline_schedules")
     stages, factors = ([2], [1, 4]) if args.quick else ([2, 4], [1, 2, 4, 8])
     steps = 2 if args.quick else args.steps
     start = time.perf_counter()

@@ -2,13 +2,16 @@
 grid of the simulated devices, HLO bytes against Eqs. 5.1-5.5, the model's ranking against measured
 step times, and the planner's choices at the dissertation's scale.
 
-1. **FFN, every grid** (width 64, depth 4, batch 64): the compiled training step's collectives by
+1. **FFN, every grid** (seed 000's FFN, ``jphantom.models.ffn``, under ``--strategy pmm3d``: the
+   :class:`jphantom.nn.pmm3d.Pmm3dLinear` layers; width 64, depth 4, batch 64, SGD): the compiled
+   training step's collectives by
    kind and mesh axis (trip counts applied) against :func:`jphantom.perf.axonn_model.
    layer_collectives` summed over the layers (the model's own implementation of seed 004 §1.3's
    table, independent of the test's): all-gathers and reduce-scatters over z, all-reduces over y
    and x (layer 0's input-gradient all-reduce is absent: the input needs no gradient), all-reduce
    over data (plus the biases, which the model leaves out).
-2. **GPT, every grid** (L = 2, h = 64, 8 heads, S = 32, batch 16, AdamW): measured step time
+2. **GPT, every grid** (GPT-2, ``jphantom.models.gpt2_nnx``, under ``plans.pmm3d``; L = 2, h = 64,
+   8 heads, S = 32, batch 16, AdamW): measured step time
    (median of round-robin rounds, one process) against the model's Σ Eq. 5.6 on a notional machine
    (4 devices per node, Perlmutter's bandwidths, float32 messages); precision@k, Spearman's rank
    correlation and the regret of the model's top pick. On simulated CPU devices there is no
@@ -19,7 +22,8 @@ step times, and the planner's choices at the dissertation's scale.
 
 Run: ``.venv/bin/python experiments/pmm3d.py`` (8 devices, about 5 minutes on 2 CPU cores) and
 ``--devices 16`` (35 grids); writes ``experiments/results/pmm3d/results-<devices>.json`` and
-``pmm3d-<devices>.png``. ``--quick`` for the tests.
+``pmm3d-<devices>.png``. ``--quick`` for the tests (into a scratch folder unless ``--out`` is
+given).
 """
 
 from __future__ import annotations
@@ -49,42 +53,40 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from jphantom import strategies  # noqa: E402
 from jphantom.analysis.hlo import collectives  # noqa: E402
-from jphantom.analysis.timing import build_program_step, time_round_robin  # noqa: E402
-from jphantom.mesh import MeshConfig, first_devices  # noqa: E402
-from jphantom.models.ffn import FFNConfig  # noqa: E402
-from jphantom.models.transformer import TransformerConfig  # noqa: E402
+from jphantom.analysis.inspect import compile_step  # noqa: E402
+from jphantom.analysis.machine import output_folder  # noqa: E402
+from jphantom.analysis.timing import build_run_step, time_round_robin  # noqa: E402
+from jphantom.config import RunConfig  # noqa: E402
 from jphantom.perf import axonn_model as am  # noqa: E402
 from jphantom.plan import plan  # noqa: E402
-from jphantom.sharding.pmm3d import ffn_output_axis as pmm3d_output_axis  # noqa: E402
-from jphantom.step import abstract_params, make_train_step  # noqa: E402
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "pmm3d"
 
 
 def grids(devices: int) -> list[am.Grid]:
     return am.configurations(devices)
 
 
-def hlo_totals(program, mesh, batch_shapes) -> Counter:
-    """(kind, axes) -> per-device result elements of the compiled SGD step (trivial groups out)."""
-    step = make_train_step(program, mesh, optax.sgd(0.1), donate=False)
-    params = abstract_params(program, mesh)
-    batch = [jax.ShapeDtypeStruct(shape, dtype, sharding=s)
-             for (shape, dtype), s in zip(batch_shapes, program.batch_shardings(mesh))]
-    text = step.lower(params, jax.eval_shape(optax.sgd(0.1).init, params), *batch).compile(
-        ).as_text()
+def hlo_totals(config: RunConfig) -> Counter:
+    """(kind, axes) -> per-device result elements of the run's compiled step on abstract
+    parameters (trivial groups out)."""
+    compiled, _ = compile_step(config)
+    axes_of = config.program().mesh.shape
     found = Counter()
-    for op in collectives(text):
-        axes = op.mesh_axes(dict(mesh.shape))
+    for op in collectives(compiled.as_text()):
+        axes = op.mesh_axes(axes_of)
         if axes:
             found[op.kind, axes] += op.elements * op.count
     return found
 
 
 def ffn_check(grid: am.Grid, width: int, depth: int, rows: int) -> dict:
-    program = strategies.get("pmm3d").program(FFNConfig(width, depth), MeshConfig.parse(str(grid)))
-    mesh = program.mesh.build(first_devices(grid.devices))
-    found = hlo_totals(program, mesh, [((rows, width), np.float32)] * 2)
+    config = RunConfig.from_flags(model="ffn", strategy="pmm3d", mesh=str(grid), width=width,
+                                  depth=depth, batch=rows, optimizer="sgd", learning_rate=0.1,
+                                  warmup_steps=0, out=None, progress=False)
+    found = hlo_totals(config)
+    output_axis = config.program().batch_specs[1][1]  # x after a normal last layer, else y
     model = Counter()
     for index in range(depth):
         layer = am.Layer(rows // grid.data, width, width, transposed=bool(index % 2))
@@ -92,7 +94,7 @@ def ffn_check(grid: am.Grid, width: int, depth: int, rows: int) -> dict:
             if c.group > 1 and not (index == 0 and c.equation.startswith("Eq. 5.4")):
                 model[c.kind, (c.axis,)] += c.buffer
     loss_axes = tuple(a for a in ("data", "z", "y", "x") if grid.sizes[am.AXES.index(a)] > 1
-                      and a in ("data", "z", pmm3d_output_axis(depth)))
+                      and a in ("data", "z", output_axis))
     if len(loss_axes) == 1:  # the loss's scalar all-reduce shares its group with one of them
         found["all-reduce", loss_axes] -= 1
     compared = {}
@@ -118,8 +120,10 @@ def main(argv=None) -> int:
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="four grids, tiny shapes")
-    parser.add_argument("--out", default="experiments/results/pmm3d")
+    parser.add_argument("--out", default=None,
+                        help=f"results folder (default {DEFAULT_OUT}; --quick: a scratch folder)")
     args = parser.parse_args(argv)
+    args.out = output_folder(args.out, DEFAULT_OUT, quick=args.quick, name="pmm3d")
     devices = args.devices
     if jax.device_count() < devices:
         raise SystemExit(f"needs {devices} devices; run with --devices {devices} from the start")
@@ -141,7 +145,11 @@ def main(argv=None) -> int:
     if args.quick:
         shape.update(hidden=32, seq_len=16)
     batch = 16
-    config = TransformerConfig(**shape)
+    flags = dict(model="gpt2", vocab=shape["vocab_size"], seq_len=shape["seq_len"],
+                 hidden=shape["hidden"], heads=shape["heads"], layers=shape["layers"],
+                 batch=batch, out=None, progress=False)
+    config = RunConfig.from_flags(**flags, strategy="pmm3d", mesh=str(all_grids[0])
+                                  ).family_config()
     gpt = am.GPTShape(layers=config.layers, hidden=config.hidden, heads=config.heads,
                       seq_len=config.seq_len, vocab_size=config.vocab_size)
     topology = am.Topology.perlmutter()
@@ -149,11 +157,9 @@ def main(argv=None) -> int:
     host = [rng.integers(0, 256, (batch, config.seq_len)).astype(np.int32) for _ in range(2)]
     runners, rows = [], {}
     for grid in all_grids:
-        program = strategies.get("pmm3d").program(config, MeshConfig.parse(str(grid)))
-        mesh = program.mesh.build(first_devices(devices))
-        placed = tuple(jax.device_put(a, s) for a, s in zip(host, program.batch_shardings(mesh)))
-        runner, report = build_program_step(program, mesh, placed, optax.adamw(1e-3),
-                                            jax.random.PRNGKey(0), label=str(grid))
+        runner, report = build_run_step(
+            RunConfig.from_flags(**flags, strategy="pmm3d", mesh=str(grid)), tuple(host),
+            label=str(grid), optimizer=optax.adamw(1e-3))
         runners.append(runner)
         tokens = batch * config.seq_len // grid.data
         predicted = am.predict(am.gpt_layers(gpt, tokens, lm_head=True), grid, topology,

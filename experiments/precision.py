@@ -3,13 +3,15 @@
 Seed 001 (Sec. 1.2) trains in mixed precision: half-precision compute, float32 master weights and
 optimizer state. This script trains the same model from the same initialisation and data twice
 with ``jphantom train`` (:mod:`jphantom.run`), ``--precision float32`` and ``--precision bf16``,
-for the teacher FFN (seed 000's task) and the GPT transformer (byte-level stdlib corpus), on
+for the teacher FFN (seed 000's task, ``jphantom.models.ffn``) and the GPT-2 transformer
+(``jphantom.models.gpt2_nnx``, byte-level stdlib corpus), on
 ``data=2,model=2`` with the ``tensor`` strategy, and reports the validation step at which each run
 first reaches the float32 run's final validation loss (+0.5%: the target), and their ratio
 (the issue's bar: bf16 within 1.10x float32's iterations).
 
 Run: ``.venv/bin/python experiments/precision.py`` (a few minutes on 2 CPU cores); writes
-``experiments/results/precision/results.json``. ``--quick`` for the tests.
+``experiments/results/precision/results.json``. ``--quick`` for the tests (into a scratch folder
+unless ``--out`` is given).
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jphantom.run import RunConfig, run  # noqa: E402
+from jphantom.analysis.machine import output_folder  # noqa: E402
+from jphantom.config import RunConfig  # noqa: E402
+from jphantom.run import run  # noqa: E402
 
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "precision"
 MODELS = {
     "ffn": dict(model="ffn", width=256, depth=4, batch=64),
-    "transformer": dict(model="transformer", layers=2, hidden=128, heads=4, seq_len=64, batch=16),
+    "transformer": dict(model="gpt2", layers=2, hidden=128, heads=4, seq_len=64, batch=16),
 }
 
 
@@ -41,8 +46,10 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="30 steps, tiny models")
-    parser.add_argument("--out", default="experiments/results/precision")
+    parser.add_argument("--out", default=None,
+                        help=f"results folder (default {DEFAULT_OUT}; --quick: a scratch folder)")
     args = parser.parse_args(argv)
+    args.out = output_folder(args.out, DEFAULT_OUT, quick=args.quick, name="precision")
     steps, every = (30, 5) if args.quick else (args.steps, args.eval_every)
     results = {"settings": {"steps": steps, "eval_every": every, "mesh": "data=2,model=2",
                             "strategy": "tensor", "tolerance": 0.005}, "models": {}}
@@ -53,9 +60,10 @@ def main(argv=None) -> int:
         curves = {}
         for precision in ("float32", "bf16"):
             with tempfile.TemporaryDirectory() as out:
-                config = RunConfig(**shape, strategy="tensor", mesh="data=2,model=2", steps=steps,
-                                   eval_every=every, precision=precision, progress=False, out=out,
-                                   seed=0)
+                config = RunConfig.from_flags(**shape, strategy="tensor", mesh="data=2,model=2",
+                                              steps=steps, eval_every=every,
+                                              precision=precision, progress=False, out=out,
+                                              seed=0)
                 res = run(config)
                 lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
             curve = [(m["step"], m["validation_loss"]) for m in map(json.loads, lines)

@@ -5,9 +5,10 @@ loss of the tensor-parallel FFN with fewer parameters (1/p + kp/n of TP's), less
 (k/(n/p) of TP's bytes per collective) and less energy (0.14-0.88x TP's to the target); its
 conclusion proposes the transformer as future work: every projection is a matrix applied to t token
 columns, "the phantom parallel substitution extends naturally". jphantom has that transformer
-(``jphantom.sharding.phantom_transformer``: QKV, attention output, MLP up/down and the LM head are
-phantom linears, LayerNorms all-reduce per-token sums). This script trains, on the byte-level
-Python-stdlib corpus with the same data, optimizer and schedule for every run:
+(the GPT-2 model ``jphantom.models.gpt2_nnx`` under ``jphantom.plans.phantom``: QKV, attention
+output, MLP up/down and the LM head are :class:`jphantom.nn.PhantomLinear` layers, the LayerNorms
+all-reduce per-token sums). This script trains, on the byte-level Python-stdlib corpus with the
+same data, optimizer and schedule for every run:
 
 - ``dense``: the GPT on one device (``model=1``), the single-device reference;
 - ``tensor``: Megatron column/row TP on ``model=p`` (same dense model, tied head);
@@ -19,8 +20,9 @@ Python-stdlib corpus with the same data, optimizer and schedule for every run:
 and records, per run: the validation curve (nats/token), final and best validation loss, parameters,
 measured median step time, and for one step, from the compiled step's optimized HLO
 (``jphantom.analysis.inspect.inspect_step``, SGD; the collectives and GEMMs of an AdamW step are the
-same, the optimizer being element-wise per shard): the collective bytes per device (exact, loop trip
-counts applied), the collectives by kind and the GEMM FLOPs per device.
+same: the update runs element-wise on the global arrays after the ``shard_map``, adding neither a
+collective nor a GEMM): the collective bytes per device (exact, loop trip counts applied), the
+collectives by kind and the GEMM FLOPs per device.
 
 Energy is **modelled**, exactly as ``jphantom.compare`` models it (Eq. 1 of seed 000, per step, summed
 over the devices of the run): e = devices x (A x alpha + B x beta), alpha = GEMM FLOPs per device /
@@ -49,7 +51,7 @@ Results: ``<out>/results.json`` (config, every run with its curves, bytes, FLOPs
 the targets, the phantom/TP ratios, the paper's claims next to ours), ``<out>/transformer_tp_vs_
 phantom.png`` (validation loss vs step, and vs cumulative modelled energy) and each run's own
 ``results.json``, ``metrics.jsonl`` and ``curves.png`` under ``<out>/runs/<name>/``; default
-``experiments/results/transformer_tp_vs_phantom/``.
+``experiments/results/transformer_tp_vs_phantom/`` (``--quick``: a scratch folder).
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ def parse_args(argv):
     parser.add_argument("--learning-rate", type=float, default=3e-3, help="AdamW (default 3e-3)")
     parser.add_argument("--warmup-steps", type=int, help="linear warm-up (default 10; 2 with --quick)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation and data order (default 0)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"results folder (default {DEFAULT_OUT}; --quick: a scratch folder)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, about a minute (tests)")
     args = parser.parse_args(argv)
     quick = args.quick
@@ -120,6 +123,10 @@ def parse_args(argv):
         parser.error(f"--ghost-widths {args.ghost_widths}: give each k >= 1 once")
     if args.shards < 2:
         parser.error("--shards must be >= 2 (p = 1 is the dense run, always included)")
+    from jphantom.analysis.machine import output_folder
+
+    args.out = output_folder(args.out, DEFAULT_OUT, quick=quick,
+                             name="transformer_tp_vs_phantom")
     return args
 
 
@@ -153,25 +160,24 @@ def jobs(args) -> list[Job]:
 
 
 def run_config(args, job: Job, out: Path):
-    from jphantom.run import RunConfig
-    return RunConfig(model="transformer", strategy=job.strategy, mesh=job.mesh,
-                     sequence_parallel=job.sequence_parallel, ghost_width=job.ghost_width,
-                     layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
-                     vocab=256, batch=args.batch, steps=args.steps, optimizer="adamw",
-                     learning_rate=args.learning_rate, warmup_steps=args.warmup_steps,
-                     lr_schedule="constant", eval_every=args.eval_every,
-                     eval_batches=args.eval_batches, seed=args.seed, dtype="float32",
-                     out=str(out / "runs" / job.name), progress=True)
+    from jphantom.config import RunConfig
+    return RunConfig.from_flags(
+        model="gpt2", strategy=job.strategy, mesh=job.mesh,
+        sequence_parallel=job.sequence_parallel, ghost_width=job.ghost_width, layers=args.layers,
+        hidden=args.hidden, heads=args.heads, seq_len=args.seq_len, vocab=256, batch=args.batch,
+        steps=args.steps, optimizer="adamw", learning_rate=args.learning_rate,
+        warmup_steps=args.warmup_steps, lr_schedule="constant", eval_every=args.eval_every,
+        eval_batches=args.eval_batches, seed=args.seed, dtype="float32",
+        out=str(out / "runs" / job.name), progress=True)
 
 
-def inspect(args, job: Job) -> dict:
-    """One compiled step of ``job`` (SGD): exact collective bytes and GEMM FLOPs per device."""
-    from jphantom.analysis.inspect import StepSpec, inspect_step
-    return inspect_step(StepSpec(strategy=job.strategy, width=1, depth=1, batch=args.batch,
-                                 ghost_width=job.ghost_width, mesh=job.mesh, model="transformer",
-                                 layers=args.layers, hidden=args.hidden, heads=args.heads,
-                                 seq_len=args.seq_len, vocab=256,
-                                 sequence_parallel=job.sequence_parallel))
+def inspect(config) -> dict:
+    """One compiled step of the run ``config`` with SGD: exact collective bytes and GEMM FLOPs
+    per device."""
+    import optax
+
+    from jphantom.analysis.inspect import inspect_step
+    return inspect_step(config, optax.sgd(config.train.learning_rate))
 
 
 def largest_buffer_bytes(report: dict, kind: str) -> int | None:
@@ -421,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from jphantom.mesh import ensure_devices
 
     ensure_devices(args.shards)  # simulated CPU devices unless jax already has enough
-    from jphantom import strategies
+    from jphantom import program as programs
     from jphantom.analysis.machine import machine_info
     from jphantom.compare import measure_matmul_rate
     from jphantom.energy import PowerModel
@@ -443,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     runs = []
     for job, config in zip(job_list, configs):
-        report = inspect(args, job)
+        report = inspect(config)
         trained = run(config)
         energy = modelled_energy(report, job.devices, matmul_rate, power)
         history = trained["history"]
@@ -451,8 +457,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                                    for s in history["validation_step"]]
         inventory = None
         if job.strategy != "dense":
-            inventory = strategies.get(job.strategy).collective_inventory(
-                config.model_config(), config.mesh_config(), args.batch,
+            inventory = programs.collective_inventory(
+                config.family_config(), job.strategy, config.parallel.mesh_config(), args.batch,
                 sequence_parallel=job.sequence_parallel)
         runs.append({
             "name": job.name,

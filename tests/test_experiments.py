@@ -93,3 +93,36 @@ def test_fixed_iteration_quick(tmp_path):
     for r in modelled:
         if r["strategy"] == "tensor-table2":  # T1 plus a broadcast and an all-reduce of n B
             assert r["bytes_ratio_vs_tp"] > 1 and r["comm_ratio_vs_tp"] > 1
+
+
+@pytest.mark.slow  # four FFN steps compiled and four GPT steps timed: ~1 min
+def test_pmm3d_quick(tmp_path):
+    """AxoNN's 3D matmul: on every grid the FFN step's HLO collectives equal Eqs. 5.1-5.4's
+    buffers summed over the layers, element for element (seed 004 ch. 5)."""
+    require_devices(8)
+    assert load("pmm3d").main(["--quick", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "results-8.json").read_text())
+    assert (tmp_path / "pmm3d-8.png").stat().st_size > 0
+    assert len(result["ffn"]) == 4 and all(row["exact"] for row in result["ffn"])
+    assert len(result["gpt"]["rows"]) == 4
+    assert {"GPT-20B", "GPT-40B"} == set(result["planner"])
+
+
+def test_quick_runs_never_write_into_committed_results(tmp_path):
+    """Every benchmark and experiment with --quick takes its folder from
+    ``analysis.machine.output_folder``: --out when given, else the committed results for a full
+    run and a fresh scratch folder for a --quick one."""
+    from jphantom.analysis.machine import output_folder
+
+    committed = tmp_path / "results" / "name"
+    assert output_folder(None, committed, quick=False, name="name") == committed
+    scratch = output_folder(None, committed, quick=True, name="name")
+    assert scratch.is_dir() and committed not in (scratch, *scratch.parents)
+    scratch.rmdir()
+    assert output_folder(tmp_path / "given", committed, quick=True, name="name") == \
+        tmp_path / "given"
+    scripts = [*EXPERIMENTS.glob("*.py"), *(EXPERIMENTS.parent / "benchmarks").glob("*.py")]
+    for script in scripts:
+        text = script.read_text()
+        if "--quick" in text and script.name != "versus_previous.py":
+            assert "output_folder(" in text, f"{script.name}: --quick must not default to results/"

@@ -1,9 +1,12 @@
-"""What ran an experiment: host, jax, device and load, recorded next to every measured number."""
+"""What ran an experiment (host, jax, device and load, recorded next to every measured number), and
+where a benchmark or experiment script writes its results."""
 
 from __future__ import annotations
 
 import os
 import platform
+import tempfile
+from pathlib import Path
 
 import jax
 
@@ -20,3 +23,16 @@ def machine_info() -> dict:
         "device_count": jax.device_count(),
         "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
+
+
+def output_folder(out, default, *, quick: bool, name: str) -> Path:
+    """The folder a script writes its results into: ``out`` when given (``--out``); otherwise
+    ``default`` (the committed results, ``benchmarks/results/<name>`` or
+    ``experiments/results/<name>``), except for a ``--quick`` smoke run, which gets a fresh
+    scratch folder under the system's temporary directory so that it never overwrites the
+    committed results."""
+    if out is not None:
+        return Path(out)
+    if quick:
+        return Path(tempfile.mkdtemp(prefix=f"jphantom-{name}-quick-"))
+    return Path(default)

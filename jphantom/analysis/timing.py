@@ -1,8 +1,9 @@
 """Timing compiled training steps side by side: build a strategy's step on a mesh, run several
 round-robin so that load from other processes on the machine hits all of them alike.
 
-Used by ``benchmarks/phantom_vs_tp.py`` and the fixed-iteration experiment (seed 000 Fig. 5). Times are
-wall-clock medians of calls ended by ``block_until_ready``; compilation is excluded.
+Used by the benchmarks (``benchmarks/*.py``) and the experiments that time steps (seed 000 Fig. 5,
+pipelines, pmm3d, seed 001's breakdown). Times are wall-clock medians of calls ended by
+``block_until_ready``; compilation is excluded.
 """
 
 from __future__ import annotations
@@ -99,6 +100,22 @@ def build_program_step(program, step, batch: tuple, *, label: str, seed: int = 0
     runner = Runner(label, compiled, (state, *batch), threads_state=True,
                     flops_per_device=flops, devices=devices)
     return runner, report
+
+
+def build_run_step(config, batch: tuple, *, label: str, optimizer=None, seed: int = 0):
+    """The training step of the run ``config`` (a :class:`jphantom.config.RunConfig`: its model
+    under its strategy on its mesh, with its step options; ``optimizer`` in place of the run's
+    when given), its parameters created in their shards from ``seed``, compiled on ``batch`` (host
+    arrays, placed here in the step's batch shardings). Refuses (``ConfigError``) a step that
+    cannot fit in the device memory before allocating it. Returns ``(Runner, report)`` as
+    :func:`build_program_step`; ``runner.state`` is ``(TrainState, *batch)``."""
+    from jphantom.analysis.inspect import build
+    from jphantom.analysis.memory import check_run
+
+    program, mesh, step = build(config, optimizer)
+    check_run(config, program, step)
+    placed = tuple(jax.device_put(a, s) for a, s in zip(batch, step.batch_shardings(len(batch))))
+    return build_program_step(program, step, placed, label=label, seed=seed)
 
 
 def time_round_robin(runners: list[Runner], steps: int, warmup: int) -> dict[str, float]:

@@ -100,8 +100,12 @@ class PhantomLinear(nnx.Module):
             flat_k = kernel.reshape(-1, n_in, n_out)
             flat_b = None if bias is None else bias.reshape(-1, n_out)
             one = lambda w, b: factorise(w, b, num_shards, ghost_width)
-            parts = (jax.vmap(one)(flat_k, flat_b) if flat_b is not None
-                     else jax.vmap(lambda w: one(w, None))(flat_k))
+            # one layer after another (lax.map), not vmap: a batched SVD makes jaxlib's CPU
+            # LAPACK kernel fan the batch out into the intra-op thread pool it already runs on
+            # and wait; with several simulated devices sharing a small pool under jax.jit
+            # (step.init's create) every pool thread can end up waiting: a deadlock
+            parts = (jax.lax.map(lambda wb: one(*wb), (flat_k, flat_b)) if flat_b is not None
+                     else jax.lax.map(lambda w: one(w, None), flat_k))
             return tuple(a.reshape(*lead, *a.shape[1:]).astype(kernel.dtype) for a in parts)
 
         if isinstance(kernel, jax.ShapeDtypeStruct):  # an abstract model: shapes only
