@@ -66,7 +66,8 @@ def test_llama_under_megatron_equals_one_device(experts, sequence_parallel):
     assert rel_error(grads, ref_grads) < 1e-5
 
 
-@pytest.mark.parametrize("experts", [0, 4], ids=["llama", "mixtral"])
+@pytest.mark.parametrize("experts", [0, pytest.param(4, marks=pytest.mark.slow)],
+                         ids=["llama", "mixtral"])
 def test_phantom_llama_equals_its_dense_equivalent(experts):
     """Every linear a phantom layer (k = 4): loss and gradients equal, on one device, those of the
     dense model the phantom layers are, differentiated through ``dense_equivalent``."""
@@ -220,6 +221,7 @@ def test_train_llama_refuses_bad_settings_before_building(tmp_path, overrides, m
         _run_config(tmp_path, **overrides)
 
 
+@pytest.mark.slow
 def test_train_llama_resumes_from_a_checkpoint_on_another_mesh(tmp_path):
     """Orbax checkpoints of the module step's state (parameters in the dense layout, Adam's
     moments): written on data=2,model=2, restored onto data=4,model=1 and continued."""

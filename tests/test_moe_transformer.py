@@ -259,7 +259,7 @@ def test_active_parameters_count_k_of_the_experts():
     assert model.param_count == config.param_count()  # the NNX model has the dense layout's
 
 
-@pytest.mark.parametrize("zero", [2, 3])
+@pytest.mark.parametrize("zero", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_zero_beside_an_expert_axis_shards_each_parameter_over_its_replicas(zero):
     """DeepSpeed-MoE's expert-data parallelism: with ZeRO beside an ``expert`` axis, a dense
     parameter is sharded over data x expert (its replicas) and an expert's over data alone; the
@@ -290,19 +290,21 @@ def test_zero_beside_an_expert_axis_shards_each_parameter_over_its_replicas(zero
     assert {("data",), ("data", "expert")} <= groups
 
 
-@pytest.mark.parametrize("mesh_text, schedule, microbatches, virtual", [
-    ("stage=2,data=2,model=2", "1f1b", 2, 1),
-    pytest.param("stage=2,expert=2,model=2", "gpipe", 4, 1, marks=pytest.mark.slow),
-    ("stage=2,data=2,expert=2", "interleaved-1f1b", 2, 2),
+@pytest.mark.parametrize("mesh_text, schedule, microbatches, virtual, layers", [
+    ("stage=2,expert=2,model=2", "1f1b", 2, 1, 4),
+    pytest.param("stage=2,data=2,model=2", "gpipe", 4, 1, 4, marks=pytest.mark.slow),
+    pytest.param("stage=2,data=2,expert=2", "interleaved-1f1b", 2, 2, 8,
+                 marks=pytest.mark.slow),
 ])
-def test_moe_blocks_run_inside_pipeline_stages(mesh_text, schedule, microbatches, virtual):
+def test_moe_blocks_run_inside_pipeline_stages(mesh_text, schedule, microbatches, virtual,
+                                              layers):
     """MoE blocks inside pipeline stages: the blocks' carry (h, the router statistics) flows
     between stages, the experts' all-to-alls run inside a stage's slot, and the step equals the
     unpipelined one (the balance loss off: a pipeline computes it per micro-batch, as Megatron-LM
     does, and Switch's loss is not linear in the batch; the z-loss is, and stays on)."""
     from jphantom.pipeline.runner import PipelineConfig
 
-    config = dataclasses.replace(_config(layers=8, capacity_factor=8.0), balance_weight=0.0)
+    config = dataclasses.replace(_config(layers=layers, capacity_factor=8.0), balance_weight=0.0)
     tokens, targets = _batch()
     results = []
     for mesh_text_, pipeline in (("data=2,expert=2,model=2", None),

@@ -128,7 +128,7 @@ def test_transformer_equals_dense_in_float64(strategy, mesh, sequence_parallel):
 
 
 @pytest.mark.parametrize("strategy, mesh", [
-    ("phantom", "model=2"), ("phantom", "model=4"),
+    pytest.param("phantom", "model=2", marks=pytest.mark.slow), ("phantom", "model=4"),
     pytest.param("phantom", "model=8", marks=pytest.mark.slow),
     ("phantom", "data=4,model=2"), ("phantom-unfused", "model=4"),
 ])
