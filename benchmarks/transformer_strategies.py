@@ -11,7 +11,7 @@ Two FLOP counts: *executed* (the GEMMs each compiled step runs, summed over devi
 program computes something redundantly: GSPMD's step executes 2.7x the model's FLOPs here. Time
 per model FLOP is the MFU convention and what target (e) uses; per executed FLOP is shown too.
 
-Targets (issue 7), printed PASS/MISS, never asserted in tests:
+Targets, printed PASS/MISS, never asserted in tests:
 (e) tensor step time per model FLOP <= 1.10 x gspmd's (same model: the step-time ratio);
 (f) a 12-layer transformer step (tensor) lowers and compiles in under 5 s.
 
