@@ -107,7 +107,6 @@ def scratch(tmp_path, monkeypatch):
     """A scratch working directory with ``examples/`` linked in (outputs land here)."""
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(ROOT / "examples"))
     return tmp_path
 
 
