@@ -11,7 +11,7 @@ a token visits); the compiled step's own GEMM FLOPs (loops by trip count) are pr
 their excess over the active FLOPs is the dispatch and combine (one-hot einsums of the capacity
 buffers) and the capacity's padding.
 
-Target (issue 10), printed PASS/MISS, never asserted in tests: MoE seconds per active FLOP
+Target, printed PASS/MISS, never asserted in tests: MoE seconds per active FLOP
 <= 1.3x the dense transformer's.
 
 Usage::

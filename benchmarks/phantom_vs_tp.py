@@ -28,7 +28,7 @@ Reference matmul FLOP/s, measured in the same round-robin as the steps (so under
 Compile time: lower + compile wall time of a fresh ``--compile-depth``-layer (6) phantom training step
 on the 8 devices (abstract parameters; median of ``--compile-repeats`` fresh functions).
 
-Targets (from the issue), each printed as measured value, target and PASS/MISS:
+Targets, each printed as measured value, target and PASS/MISS:
 (a) phantom step time / gspmd step time <= 1.10 x their FLOP ratio, at every batch size;
 (b) tensor-t1 step time <= 0.95 x gspmd step time, at every batch size;
 (c) phantom step FLOP/s >= 85% of the reference matmul FLOP/s, at the largest batch (1024);
@@ -57,7 +57,7 @@ STRATEGIES = ("phantom", "phantom-unfused", "tensor-t1", "tensor", "gspmd")
 REFERENCES = ("matmul-1dev", "matmul-8way")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "phantom_vs_tp"
 
-# The issue's targets.
+# The targets.
 FLOP_RATIO_SLACK = 1.10  # (a)
 T1_VS_GSPMD = 0.95  # (b)
 FLOPS_FRACTION = 0.85  # (c)

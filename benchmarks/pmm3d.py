@@ -9,7 +9,7 @@ model FLOPs (``TransformerConfig.flops_per_token() x tokens``) are the same for 
 per FLOP is the step time over them; the compiled GEMM FLOPs and the collective bytes per device
 (HLO, trip counts applied) are printed beside.
 
-Target (issue 11), printed PASS/MISS, never asserted in tests: the fastest pmm3d grid's step time
+Target, printed PASS/MISS, never asserted in tests: the fastest pmm3d grid's step time
 per FLOP <= 1.15x the fastest tensor layout's. On simulated CPU devices there is no network: time
 follows FLOPs and the host's threads, not bandwidth.
 

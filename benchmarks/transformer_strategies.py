@@ -15,7 +15,7 @@ model annotated with Megatron's plan by ``jphantom.plans.annotate``, is where ji
 Time per model FLOP is the MFU convention and what target (e) uses; per executed FLOP is shown
 too.
 
-Targets (issue 7), printed PASS/MISS, never asserted in tests:
+Targets, printed PASS/MISS, never asserted in tests:
 (e) tensor step time per model FLOP <= 1.10 x gspmd's (same model: the step-time ratio);
 (f) a 12-layer transformer step (tensor, SGD, abstract parameters) is built, lowered and compiled in
     under 5 s.

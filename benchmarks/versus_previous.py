@@ -15,7 +15,7 @@ Each case is a layout ``make bench`` measures, at the benchmark's default sizes:
 phantom k=8, gspmd), ``zero_stages`` (FFN n=1024, L=8, B=256 under tensor on data=8: ZeRO 0-3),
 ``moe`` (GPT-2 with top-1 MoE every 2nd block, E=8, on expert=8, and dense on data=8) and ``pmm3d``
 (GPT-2 on data=4,x=2 and tensor on data=8). Reported: median step time of each version, their
-ratio (this / previous; the issue's target: no case above 1.05), and the compiled step's
+ratio (this / previous; the target: no case above 1.05), and the compiled step's
 collective bytes per device of each (they should agree).
 
 Usage::

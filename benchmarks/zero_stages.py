@@ -10,7 +10,7 @@ applied). Model-state bytes at rest per device are compared with seed 001's 16P 
 here float32 parameters and Adam's two float32 moments, 12P per device for DP, (4 + 8/D)P for
 ZeRO-1/2 and 12P/D for ZeRO-3, gradients excluded since they live inside the step).
 
-Target (issue 9), printed PASS/MISS, never asserted in tests: ZeRO-3 step time <= 1.10x plain
+Target, printed PASS/MISS, never asserted in tests: ZeRO-3 step time <= 1.10x plain
 DP's.
 
 Usage::

@@ -1,4 +1,4 @@
-"""Mixture of experts at small scale (issue 10): dense vs MoE at equal active parameters, dropped
+"""Mixture of experts at small scale (seed 004 ch. 7): dense vs MoE at equal active parameters, dropped
 tokens over training, the all-to-all bytes with and without duplicate token dropping, and seed
 004's memory bound (Eq. 7.4) against the measured model-state bytes.
 

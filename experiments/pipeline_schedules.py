@@ -1,4 +1,4 @@
-"""Pipeline schedules at small scale: memory, time, bubble and point-to-point bytes (issue 8).
+"""Pipeline schedules at small scale: memory, time, bubble and point-to-point bytes.
 
 Seed 003 (Sec. 2.2) and seed 004 (ch. 3) make four claims this script measures on jphantom's
 executor (:mod:`jphantom.pipeline.runner`: the whole pipelined step is one ``jax.jit`` of one

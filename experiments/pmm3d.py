@@ -1,4 +1,4 @@
-"""AxoNN's 3D parallel matrix multiply at small scale (issue 11): every (G_x, G_y, G_z, G_data)
+"""AxoNN's 3D parallel matrix multiply at small scale (seed 004 ch. 5): every (G_x, G_y, G_z, G_data)
 grid of the simulated devices, HLO bytes against Eqs. 5.1-5.5, the model's ranking against measured
 step times, and the planner's choices at the dissertation's scale.
 

@@ -1,4 +1,4 @@
-"""bf16 against float32 training: iterations to the float32 run's loss (issue 9).
+"""bf16 against float32 training: iterations to the float32 run's loss.
 
 Seed 001 (Sec. 1.2) trains in mixed precision: half-precision compute, float32 master weights and
 optimizer state. This script trains the same model from the same initialisation and data twice
@@ -7,7 +7,7 @@ for the teacher FFN (seed 000's task, ``jphantom.models.ffn``) and the GPT-2 tra
 (``jphantom.models.gpt2_nnx``, byte-level stdlib corpus), on
 ``data=2,model=2`` with the ``tensor`` strategy, and reports the validation step at which each run
 first reaches the float32 run's final validation loss (+0.5%: the target), and their ratio
-(the issue's bar: bf16 within 1.10x float32's iterations).
+(the target: bf16 within 1.10x float32's iterations).
 
 Run: ``.venv/bin/python experiments/precision.py`` (a few minutes on 2 CPU cores); writes
 ``experiments/results/precision/results.json``. ``--quick`` for the tests (into a scratch folder

@@ -1,4 +1,4 @@
-"""Training checkpoints with Orbax (issue 12): asynchronous, atomic, keep-last-k, resumable, and
+"""Training checkpoints with Orbax: asynchronous, atomic, keep-last-k, resumable, and
 restorable onto another mesh.
 
 A checkpoint at step ``n`` holds the parameters and the optimizer state (``state``, Orbax's

@@ -1,5 +1,5 @@
-"""Pipeline parallelism (issue 8): schedules as data (:mod:`.schedule`) and their SPMD executor
-(:mod:`.runner`)."""
+"""Pipeline parallelism (seed 003 Sec. 2.2, seed 004 ch. 3): schedules as data
+(:mod:`.schedule`) and their SPMD executor (:mod:`.runner`)."""
 
 from jphantom.pipeline.schedule import (SCHEDULES, Lockstep, Simulation, Task, Tick, TimedTask, build,
                                         lockstep, simulate)
