@@ -44,6 +44,7 @@ def test_a_resumed_run_continues_the_loss_curve_exactly(tmp_path):
     assert [json.loads(line)["step"] for line in lines] == list(range(1, 7))
 
 
+@pytest.mark.slow  # docs/multi-host-and-checkpoints.md resumes onto a pipeline mesh in make test
 def test_a_tensor_checkpoint_restores_on_other_meshes(tmp_path):
     """Saved on data=2,model=4 after 2 steps; resumed on model=4 and on model=2, the next steps'
     losses equal the uninterrupted run's (dense-shaped weights: only their shards move)."""
