@@ -23,6 +23,7 @@ Usage::
     python benchmarks/versus_previous.py                    # every case, 10 rounds
     python benchmarks/versus_previous.py --quick            # tiny sizes, a smoke run
     python benchmarks/versus_previous.py --previous HEAD~5  # another version
+    python benchmarks/versus_previous.py --this HEAD        # the last commit, not the tree
 
 Results: ``<out>/results.json`` and ``<out>/versus_previous.png`` (default
 ``benchmarks/results/versus_previous/``).
@@ -257,7 +258,22 @@ class Version:
         self.process.wait(timeout=60)
 
 
+def _snapshot(ref: str, into: Path) -> Path:
+    """``this`` version's sources: a git ref's (``git archive``), or with ``"tree"`` a copy of the
+    working tree's ``jphantom/`` and ``benchmarks/`` taken now (edits made while the benchmark
+    runs do not reach it)."""
+    if ref != "tree":
+        return _extract(ref, into)
+    import shutil
+
+    for folder in ("jphantom", "benchmarks"):
+        shutil.copytree(ROOT / folder, into / folder,
+                        ignore=shutil.ignore_patterns("__pycache__", "results"))
+    return into
+
+
 def _extract(ref: str, into: Path) -> Path:
+    into.mkdir(parents=True, exist_ok=True)
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref], check=True,
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
@@ -269,6 +285,9 @@ def parse_args(argv):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--previous", default=PREVIOUS,
                         help=f"the git revision to compare with (default {PREVIOUS})")
+    parser.add_argument("--this", default="tree",
+                        help="this version: 'tree' (a copy of the working tree, default) or a git "
+                             "ref")
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (8)")
     parser.add_argument("--steps", type=int, default=10, help="timed rounds (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds (default 2)")
@@ -291,8 +310,9 @@ def main(argv=None) -> int:
         return worker()
     todo = [c for c in cases(args.quick) if args.only is None or args.only in label(c)]
     with tempfile.TemporaryDirectory(prefix="jphantom-previous-") as scratch:
-        previous = _extract(args.previous, Path(scratch))
-        versions = [Version("this", ROOT, args.devices), Version("previous", previous,
+        previous = _extract(args.previous, Path(scratch) / "previous")
+        this = _snapshot(args.this, Path(scratch) / "this")
+        versions = [Version("this", this, args.devices), Version("previous", previous,
                                                                  args.devices)]
         try:
             rows = []
@@ -324,7 +344,8 @@ def main(argv=None) -> int:
             for v in versions:
                 v.close()
     measured = [r["ratio"] for r in rows if "ratio" in r]
-    result = {"previous": args.previous, "this": _head(), "devices": args.devices,
+    result = {"previous": args.previous,
+              "this": (_head() + " + working tree") if args.this == "tree" else args.this, "devices": args.devices,
               "steps": args.steps, "warmup": args.warmup, "target_ratio": TARGET,
               "worst_ratio": max(measured) if measured else None,
               "geometric_mean_ratio": statistics.geometric_mean(measured) if measured else None,

@@ -275,12 +275,13 @@ def _convert_moe(path: str, moe: SwitchMoE, style: Style, *, axis: str, p: int,
     if config.experts % groups:
         raise ConfigError(f"{path}: experts={config.experts} is not divisible by the expert axis "
                           f"size {groups}: every rank holds E / G whole experts")
-    if sequence_parallel:
-        raise ConfigError(f"{path}: the MoE routes the replicated stream; sequence parallelism "
-                          "with MoE blocks is not implemented: leave one of them out")
     expert_axis = EXPERT_AXIS if groups > 1 else None
     batch_axes = tuple(a for a in BATCH_AXES if a in shape)
     if style.name == "phantom":
+        if sequence_parallel:
+            raise ConfigError(f"{path}: phantom-parallel experts run on the feature-split stream "
+                              "[B, S, h/p]; sequence parallelism splits the sequence instead: "
+                              "drop the 'sequence' entries or use style 'experts'")
         k = style.ghost_width if style.ghost_width is not None else ghost_width
         if k is None:
             raise ConfigError(f"{path}: style 'phantom' needs a ghost width: "
@@ -298,7 +299,7 @@ def _convert_moe(path: str, moe: SwitchMoE, style: Style, *, axis: str, p: int,
                           "or leave dtd out")
     return expert_layers.ExpertParallelMoE.from_module(
         moe, expert_axis=expert_axis, model_axis=axis if p > 1 else None, dtd=style.dtd,
-        batch_axes=batch_axes)
+        batch_axes=batch_axes, sequence_parallel=sequence_parallel)
 
 
 def _set(model, path: tuple, new) -> None:
@@ -485,9 +486,8 @@ def megatron(model: nnx.Module, *, sequence_parallel: bool = False,
         elif isinstance(module, nnx.Embed):
             plan[path] = ("vocab" if module.num_embeddings == vocab
                           else "sequence" if sequence_parallel else "replicate")
-        elif (isinstance(module, NORMS) and path_tuple[:-1] in moe_blocks and name in MLP_NORMS
-              and not sequence_parallel):
-            plan[path] = "replicate"  # the MoE routes the replicated stream
+        elif isinstance(module, NORMS) and path_tuple[:-1] in moe_blocks and name in MLP_NORMS:
+            plan[path] = "replicate"  # the MoE routes the stream as it is (SP: this rank's S/p)
         elif isinstance(module, NORMS):  # pre-norm blocks: every norm feeds column layers
             plan[path] = "sequence" if sequence_parallel else "input"
         elif isinstance(module, Experts):

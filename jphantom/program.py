@@ -310,9 +310,6 @@ def check_experts(config, strategy: str, mesh: MeshConfig, *, sequence_parallel:
     if "expert" in mesh.shape and not experts:
         raise ConfigError("an 'expert' mesh axis splits the experts of MoE blocks: give the "
                           "model MoE blocks (--moe-every 2 --experts 8) or drop the axis")
-    if routed and sequence_parallel:
-        raise ConfigError("MoE blocks run on the replicated stream: sequence_parallel with "
-                          "moe_every is not implemented; leave one of them out")
 
 
 def lm_loss(model, tokens, targets):

@@ -56,6 +56,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jphantom import comm
 from jphantom.errors import ConfigError
 
 DATA_AXIS = "data"
@@ -168,7 +169,7 @@ def build(step):
         compressed = [g.ravel().at[i].get(indices_are_sorted=True, unique_indices=True)
                       for g, i in zip(grads, index)]  # [f phi] per tensor
         for axes, members in groups.items():  # all-reduce of (1 - s) of the dense gradient
-            for i, g in zip(members, lax.psum([compressed[i] for i in members], axes)):
+            for i, g in zip(members, comm.psum([compressed[i] for i in members], axes)):
                 compressed[i] = g
         return step._global(loss), compressed
 

@@ -48,6 +48,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jphantom import comm
 from jphantom import remat as remat_module
 from jphantom import samo as samo_module
 from jphantom.errors import ConfigError, check_int
@@ -111,8 +112,8 @@ class ParamLayout:
         pure_paths, pure_treedef = jax.tree_util.tree_flatten_with_path(pure)
         index = {_key(path): i for i, (path, _) in enumerate(variables)}
         order = tuple(index[_key(path)] for path, _ in pure_paths)
-        axes = tuple(mesh.axis_names)
         sizes = dict(mesh.shape)
+        axes = tuple(a for a in mesh.axis_names if sizes[a] > 1)  # a size-1 axis splits nothing
         pure_keys = [_key(path) for path, _ in pure_paths]
         stacks = _top_stacks(model, pure_keys)
         stacked = {i for _, indices in stacks for i in indices}
@@ -174,7 +175,8 @@ def _zeros_of(struct) -> jax.Array:
 
 
 def _batch_axes(mesh: Mesh) -> tuple[str, ...]:
-    return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+    sizes = dict(mesh.shape)
+    return tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)  # size 1: nothing to split
 
 
 def _batch_spec(mesh: Mesh) -> P:
@@ -208,7 +210,17 @@ def _check_batch_specs(batch_specs, mesh: Mesh):
         if missing:
             raise ConfigError(f"batch_specs {spec} names axes {sorted(missing)} that the mesh "
                               f"{dict(mesh.shape)} lacks")
-    return specs
+    return tuple(_split_axes_only(spec, dict(mesh.shape)) for spec in specs)
+
+
+def _split_axes_only(spec: P, sizes: dict) -> P:
+    """``spec`` without the axes of size 1 (they split nothing; nothing may vary over them)."""
+    entries = []
+    for entry in spec:
+        group = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,))
+                      if a is not None and sizes[a] > 1)
+        entries.append(None if not group else group[0] if len(group) == 1 else group)
+    return P(*entries)
 
 
 def mean_share(value, exclude: tuple[str, ...] = ()):
@@ -544,7 +556,8 @@ class TrainStep:
         gradient is only a part (batch axes it is not split on, and its reduce_axes), less
         ``data`` where ZeRO-3's all-gather is that reduction's transpose."""
         out = []
-        extra = ("stage",) if self.pipeline is not None else ()
+        extra = ("stage",) if self.pipeline is not None and dict(self.mesh.shape)["stage"] > 1 \
+            else ()
         for spec, reduce, dim in zip(self.layout.specs, self.layout.reduce_axes,
                                      self.layout.zero_dims):
             split = zero_module.spec_axes(spec)
@@ -606,7 +619,7 @@ class TrainStep:
         def one(leaves, *batch):
             # each rank its own copy of what it holds replicated: the gradient w.r.t. the copy
             # is this rank's part, summed once after the backward (_per_rank)
-            varied = _group_by(leaves, vary, lambda xs, axes: lax.pcast(xs, axes, to="varying"))
+            varied = _group_by(leaves, vary, lambda xs, axes: comm.pcast(xs, axes, to="varying"))
             loss, grads = jax.value_and_grad(loss_of)(varied, *batch)
             return unscaled(loss, grads, leaves)
 
@@ -614,7 +627,7 @@ class TrainStep:
             if len(batch) != 2:
                 raise ConfigError(f"a pipelined step takes (inputs, targets), got {len(batch)} "
                                   "batch arrays")
-            varied = _group_by(leaves, vary, lambda xs, axes: lax.pcast(xs, axes, to="varying"))
+            varied = _group_by(leaves, vary, lambda xs, axes: comm.pcast(xs, axes, to="varying"))
             if self.zero == 3:  # gathered once for the whole pipeline; its transpose scatters
                 dims, zaxes = self.layout.zero_dims, self.layout.zero_axes
                 varied, scatter = jax.vjp(
@@ -646,14 +659,14 @@ class TrainStep:
                      for g, d, z in zip(grads, dims, zaxes)]
             vary = [tuple(a for a in axes if not (a in z and d >= 0))
                     for axes, d, z in zip(vary, dims, zaxes)]
-        grads = _group_by(grads, vary, lambda xs, axes: lax.psum(xs, axes))
+        grads = _group_by(grads, vary, lambda xs, axes: comm.psum(xs, axes))
         return self._global(loss), grads
 
     def _global(self, share):
         """The global value of per-rank shares: one all-reduce over the axes they vary over (a
         pipeline's loss lives on its last stage)."""
         axes = tuple(sorted(metadata.varying_axes(share), key=self.mesh.axis_names.index))
-        return lax.psum(share, axes) if axes else share
+        return comm.psum(share, axes) if axes else share
 
     def _specs_of_batch(self, count: int) -> tuple[P, ...]:
         if self.batch_specs is None:
@@ -757,7 +770,7 @@ class TrainStep:
                 leaves = [zero_module.gather(x, d, invariant=False, axes=z)
                           for x, d, z in zip(leaves, self.layout.zero_dims,
                                              self.layout.zero_axes)]
-            leaves = _group_by(leaves, vary, lambda xs, axes: lax.pcast(xs, axes, to="varying"))
+            leaves = _group_by(leaves, vary, lambda xs, axes: comm.pcast(xs, axes, to="varying"))
             return self._global(self._pipeline_value_and_grad(leaves, inputs, targets,
                                                                train=False))
 
@@ -875,7 +888,7 @@ def make_forward_fn(model: nnx.Module, mesh: Mesh, params=None) -> Callable:
         vary.append(tuple(a for a in reduce if a not in split))
 
     def per_rank(leaves, *inputs):
-        leaves = _group_by(list(leaves), vary, lambda xs, axes: lax.pcast(xs, axes, to="varying"))
+        leaves = _group_by(list(leaves), vary, lambda xs, axes: comm.pcast(xs, axes, to="varying"))
         return layout.model_of(leaves)(*inputs)
 
     @jax.jit

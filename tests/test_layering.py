@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "jphantom"
 
 LAYERS = [
-    ("base", ["errors", "mesh"]),
+    ("base", ["errors", "mesh", "comm"]),
     ("operations", ["remat", "precision", "sharding", "pipeline", "pipeline.schedule", "data",
                     "analysis.hlo", "perf.comm_model", "perf.axonn_model", "energy",
                     "coordinator", "distributed"]),

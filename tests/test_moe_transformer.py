@@ -64,7 +64,10 @@ def _random(params, seed=7):
 def _built(strategy, mesh_text, dtd=False, kw=()):
     """The program, its mesh, its step and random parameters in their shards (shared by every
     test of the same model, strategy and mesh)."""
-    program = programs.build(_config(strategy, **dict(kw)), strategy, mesh_text, dtd=dtd)
+    model_kw = dict(kw)
+    sequence_parallel = model_kw.pop("sequence_parallel", False)
+    program = programs.build(_config(strategy, **model_kw), strategy, mesh_text, dtd=dtd,
+                             sequence_parallel=sequence_parallel)
     require_devices(program.mesh.device_count)
     mesh = program.mesh.build(first_devices(program.mesh.device_count))
     step = program.train_step(mesh, optax.sgd(0.1), donate=False)
@@ -76,7 +79,8 @@ def _built(strategy, mesh_text, dtd=False, kw=()):
 def _one_device(kw=()):
     """value_and_grad of the float64 single-device model (every expert on every token: the
     capacity drops nothing)."""
-    config = dataclasses.replace(_config(**dict(kw)), dtype="float64")
+    model_kw = {k: v for k, v in kw if k != "sequence_parallel"}
+    config = dataclasses.replace(_config(**model_kw), dtype="float64")
     program = programs.build(config, "dense", "model=1")
     step = program.train_step(program.mesh.build(first_devices(1)), optax.sgd(0.1))
     return jax.jit(step.value_and_grad())
@@ -123,12 +127,13 @@ def _check(strategy, mesh_text, dtd=False, rtol=1e-5, **kw):
         want_loss, want_grads = _dense_equivalent_fn(strategy, mesh_text, kw)(wide, tokens,
                                                                               targets)
     else:
-        want_loss, want_grads = _one_device(kw)(wide, tokens, targets)
+        want_loss, want_grads = _one_device(tuple(i for i in kw if i[0] != "sequence_parallel"))(
+            wide, tokens, targets)
     assert abs(float(loss) - float(want_loss)) <= rtol * abs(float(want_loss))
     _assert_grads_close(jax.device_get(grads), jax.device_get(want_grads), rtol)
     metrics = step.metrics(GPT2.metrics_fn)(placed, tokens, targets)
     assert float(metrics["dropped"]) == 0
-    moe_layers = _config(strategy, **dict(kw)).moe_layers
+    moe_layers = _config(strategy, **{k: v for k, v in kw if k != "sequence_parallel"}).moe_layers
     assert float(metrics["assignments"]) * BATCH * SEQ == BATCH * SEQ * 2 * moe_layers
 
 
@@ -145,6 +150,11 @@ SLOW = pytest.mark.slow  # the longer half of the grid: make test-all
     pytest.param("phantom", "data=2,expert=2,model=2", False, {}, marks=SLOW),
     pytest.param("tensor", "expert=4,model=2", False, {"capacity_factor": None},
                  marks=SLOW),  # dropless (its layer test runs in make test)
+    # Megatron-SP: each tensor rank dispatches its own S/p tokens (capacity path), or the
+    # dropless path gathers the sequence and reduce-scatters the experts' partial sums
+    ("tensor", "data=2,expert=2,model=2", False, {"sequence_parallel": True}),
+    pytest.param("tensor", "expert=2,model=4", False,
+                 {"sequence_parallel": True, "capacity_factor": None}, marks=SLOW),
 ])
 def test_moe_transformer_equals_the_single_device_model(strategy, mesh, dtd, kw):
     """Loss and every gradient equal the single-device MoE GPT-2 (float64, every expert on every
@@ -227,7 +237,8 @@ def test_cac_in_the_step_keeps_the_all_to_alls_out_of_the_recompute(policy, reco
     ({}, "expert=2,model=1", {"dtd": True, "strategy": "phantom"}, "dtd"),
     ({}, "expert=2,model=1", {"dtd": True}, "dtd .* 'model' axis, which has size 1"),
     ({"experts": 6}, "expert=4,model=1", {}, "experts=6 is not divisible by the expert axis"),
-    ({}, "expert=2,model=2", {"sequence_parallel": True}, "sequence_parallel with moe_every"),
+    ({}, "expert=2,model=2", {"sequence_parallel": True, "dtd": True},
+     "every tensor rank dispatches its own"),
     ({"capacity_factor": None}, "expert=2,model=2", {"strategy": "phantom"}, "dropless"),
 ])
 def test_moe_programs_that_cannot_run_are_config_errors(kw, mesh, options, message):
@@ -291,7 +302,7 @@ def test_zero_beside_an_expert_axis_shards_each_parameter_over_its_replicas(zero
 
 
 @pytest.mark.parametrize("mesh_text, schedule, microbatches, virtual, layers", [
-    ("stage=2,expert=2,model=2", "1f1b", 2, 1, 2),
+    ("stage=2,expert=2,model=2", "1f1b", 2, 1, 4),
     pytest.param("stage=2,data=2,model=2", "gpipe", 4, 1, 4, marks=pytest.mark.slow),
     pytest.param("stage=2,data=2,expert=2", "interleaved-1f1b", 2, 2, 8,
                  marks=pytest.mark.slow),

@@ -56,6 +56,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jphantom import comm
 from jphantom import remat
 from jphantom.errors import ConfigError
 from jphantom.nn import metadata
@@ -117,12 +118,12 @@ class ExpertParallelExperts(nnx.Module):
         buffers = expert_ops.dispatch(tokens.astype(dtype), position, experts * capacity)
         buffers = buffers.reshape(ranks, local, capacity, h)
         received = remat.name_collective(  # all-to-all of E C h: each expert's tokens to its rank
-            lax.all_to_all(buffers, self.expert_axis, 0, 0, tiled=False))
-        rows = received.transpose(1, 0, 2, 3).reshape(local, ranks * capacity, h)
+            comm.all_to_all(buffers, self.expert_axis, 0, 0, tiled=False))
+        rows = received.transpose(1, 0, 2, 3).reshape(local, -1, h)  # [E/G, G (p) slots, h]
         out = expert_ffn(rows, w, "swiglu")
         out = out.reshape(local, ranks, capacity, h).transpose(1, 0, 2, 3)
         returned = remat.name_collective(  # all-to-all of E C h back home
-            lax.all_to_all(out, self.expert_axis, 0, 0, tiled=False))
+            comm.all_to_all(out, self.expert_axis, 0, 0, tiled=False))
         y = expert_ops.combine(returned.reshape(experts * capacity, h), position, weights)
         y = y.reshape(*lead, h)
         if self.model_axis is not None:  # g over the experts' split width (TED)
@@ -147,7 +148,12 @@ class ExpertParallelMoE(nnx.Module):
 
     def __init__(self, router, experts: Experts, config: expert_ops.MoEConfig, *,
                  expert_axis: str | None = "expert", model_axis: str | None = None,
-                 dtd: bool = False, batch_axes: tuple[str, ...] = ()):
+                 dtd: bool = False, batch_axes: tuple[str, ...] = (),
+                 sequence_parallel: bool = False):
+        if dtd and sequence_parallel:
+            raise ConfigError("dtd (duplicate token dropping) keeps each tensor rank from sending "
+                              "the same tokens; under sequence parallelism every tensor rank "
+                              "dispatches its own S/p tokens already: leave dtd out")
         if dtd and model_axis is None:
             raise ConfigError("dtd (duplicate token dropping) splits the capacity buffers over "
                               "the experts' tensor-parallel ranks: it needs a model axis")
@@ -156,19 +162,22 @@ class ExpertParallelMoE(nnx.Module):
                               "slices fixed capacity buffers: give a capacity factor for dtd")
         self.config, self.expert_axis, self.model_axis = config, expert_axis, model_axis
         self.dtd, self.batch_axes = bool(dtd), tuple(batch_axes)
+        self.sequence_parallel = bool(sequence_parallel) and model_axis is not None
         self.router = metadata.param(router, (None, None))
         self.experts = experts
 
     @classmethod
     def from_module(cls, moe: SwitchMoE, *, expert_axis: str | None = "expert",
                     model_axis: str | None = None, dtd: bool = False,
-                    batch_axes: tuple[str, ...] = ()) -> "ExpertParallelMoE":
+                    batch_axes: tuple[str, ...] = (),
+                    sequence_parallel: bool = False) -> "ExpertParallelMoE":
         experts = Experts.from_weights(
             {name: getattr(moe.experts, name).get_value() for name in moe.experts.names},
             activation=moe.experts.activation, top_k=moe.experts.top_k,
             axes={"e": expert_axis, "f": model_axis})
         return cls(moe.router.get_value(), experts, moe.config, expert_axis=expert_axis,
-                   model_axis=model_axis, dtd=dtd, batch_axes=batch_axes)
+                   model_axis=model_axis, dtd=dtd, batch_axes=batch_axes,
+                   sequence_parallel=sequence_parallel)
 
     def dense_equivalent(self) -> SwitchMoE:
         experts = Experts.from_weights(self.experts.weights(), activation=self.experts.activation,
@@ -189,30 +198,41 @@ class ExpertParallelMoE(nnx.Module):
     # -- the layer ---------------------------------------------------------------------------------
 
     def __call__(self, x: jax.Array):
-        config = self.config
+        config, model = self.config, self.model_axis
+        gathered = self.sequence_parallel and config.dropless
+        if gathered:  # the whole sequence (all-gather of B S h over model; backward reduce-scatter)
+            x = comm.all_gather(x, model, axis=x.ndim - 2, tiled=True)
         lead, h = x.shape[:-1], x.shape[-1]
         tokens = x.reshape(-1, h)
         count = tokens.shape[0]
         logits, probs, chosen, gates = route(tokens, self.logits(tokens), config.top_k)
         statistics = router_statistics(probs, chosen)
-        if self.batch_axes:  # all-reduce of 2E numbers: the load balance of the whole batch
-            statistics = lax.psum(statistics, self.batch_axes)
-        aux = router_losses(logits, statistics, count * _ranks(self.batch_axes))
+        # the ranks holding other tokens: the batch's, and under SP (capacity path) the tensor ranks
+        axes = self.batch_axes + ((model,) if self.sequence_parallel and not gathered else ())
+        if axes:  # all-reduce of 2E numbers: the load balance of the whole batch
+            statistics = comm.psum(statistics, axes)
+        aux = router_losses(logits, statistics, count * _ranks(axes))
         if config.dropless:
             y, dropped = self._dropless(tokens, chosen, gates), jnp.zeros((), jnp.int32)
         else:
             y, dropped = self._dispatched(tokens, chosen, gates)
-        return y.reshape(*lead, y.shape[-1]), {**aux, "dropped": dropped.astype(jnp.int32)}
+        y = y.reshape(*lead, y.shape[-1])
+        if gathered:  # the experts' partial sums, reduce-scattered back to S/p (B S h)
+            y = remat.name_collective(comm.psum_scatter(y, model, scatter_dimension=y.ndim - 2,
+                                                        tiled=True))
+        return y, {**aux, "dropped": dropped.astype(jnp.int32)}
 
     def _exchange(self, buffers):
         """The dispatch (or combine) all-to-all of [G, E/G, C, h] over the expert axis."""
         if self.expert_axis is None:
             return buffers
-        return remat.name_collective(lax.all_to_all(buffers, self.expert_axis, 0, 0,
+        return remat.name_collective(comm.all_to_all(buffers, self.expert_axis, 0, 0,
                                                     tiled=False))
 
     def _dispatched(self, tokens, chosen, gates):
         config, model, dtd = self.config, self.model_axis, self.dtd
+        sp = self.sequence_parallel  # each tensor rank dispatches its own S/p tokens
+        split = dtd or sp  # the tensor ranks send different rows, gathered over model after
         count, h = tokens.shape
         ranks = lax.axis_size(self.expert_axis) if self.expert_axis is not None else 1
         tensor = lax.axis_size(model) if model is not None else 1
@@ -223,25 +243,25 @@ class ExpertParallelMoE(nnx.Module):
         buffers = expert_ops.dispatch(tokens, position, config.experts * capacity)  # [E C, h]
         buffers = buffers.reshape(ranks, local, capacity, h)
         if dtd:  # this tensor rank's slice of the (identical) buffers: no duplicate crosses
-            buffers = lax.dynamic_slice_in_dim(buffers, lax.axis_index(model) * slots, slots, 2)
+            buffers = lax.dynamic_slice_in_dim(buffers, comm.axis_index(model) * slots, slots, 2)
         received = self._exchange(buffers)  # all-to-all of E C h (DTD: E C h / p)
-        if dtd:  # all-gather of the slices over model: [G, E/G, C, h]
-            received = remat.name_collective(lax.all_gather(received, model, axis=2, tiled=True))
+        if split:  # all-gather of the tensor ranks' rows over model: [G, E/G, p slots, h]
+            received = remat.name_collective(comm.all_gather(received, model, axis=2, tiled=True))
         if model is None:
             reduce = None
-        elif dtd:  # reduce-scatter of E C h: each tensor rank keeps its C/p slots of a block
-            reduce = lambda o: lax.psum_scatter(
-                o.reshape(local, ranks, capacity, -1), model, scatter_dimension=2,
+        elif split:  # reduce-scatter: each tensor rank keeps the partial sums of its own rows
+            reduce = lambda o: comm.psum_scatter(
+                o.reshape(local, ranks, tensor * slots, -1), model, scatter_dimension=2,
                 tiled=True).reshape(local, ranks * slots, -1)
         else:  # g: all-reduce of E C h (f's backward, on the received buffers, is another)
-            reduce = lambda o: remat.name_collective(lax.psum(o, model))
-        rows = received.transpose(1, 0, 2, 3).reshape(local, ranks * capacity, h)
+            reduce = lambda o: remat.name_collective(comm.psum(o, model))
+        rows = received.transpose(1, 0, 2, 3).reshape(local, -1, h)  # [E/G, G (p) slots, h]
         out = self.run_experts(rows, reduce)
         out = out.reshape(local, ranks, slots, -1).transpose(1, 0, 2, 3)
         returned = self._exchange(out)  # all-to-all of E C h back home
         if dtd:  # all-gather of the returned slices over model, replicated again
             returned = remat.name_collective(
-                lax.all_gather(returned, model, axis=2, tiled=True, to="invarying"))
+                comm.all_gather(returned, model, axis=2, tiled=True, to="invarying"))
         y = expert_ops.combine(returned.reshape(config.experts * capacity, -1), position, gates)
         return y, dropped
 
@@ -257,12 +277,16 @@ class ExpertParallelMoE(nnx.Module):
         rows = tokens[order // k]  # [T k, h], grouped by expert
         weights, activation = self.experts.weights(), self.experts.activation
         reduce = None if model is None else (
-            lambda o: remat.name_collective(lax.psum(o, model)))  # g: all-reduce of the rows
+            lambda o: remat.name_collective(comm.psum(o, model)))  # g: all-reduce of the rows
+        if self.sequence_parallel:  # partial sums, reduce-scattered after the combine: each
+            reduce = None           # tensor rank adds 1/p of the output bias
+            if weights.get("b_down") is not None:
+                weights = {**weights, "b_down": weights["b_down"] / lax.axis_size(model)}
         if ranks == 1:
             return combine_sorted(grouped_ffn(rows, sizes, weights, activation, reduce), order,
                                   gates)
-        me = lax.axis_index(axis)
-        counts = lax.all_gather(sizes.reshape(ranks, local), axis)  # [G_src, G_dst, E/G]
+        me = comm.axis_index(axis)
+        counts = comm.all_gather(sizes.reshape(ranks, local), axis)  # [G_src, G_dst, E/G]
         to_dst = counts.sum(axis=2)  # [G_src, G_dst]
         send, recv = to_dst[me], to_dst[:, me]
         send_offsets = jnp.cumsum(send) - send
@@ -303,6 +327,7 @@ class PhantomMoE(ExpertParallelMoE):
             raise ConfigError("phantom-parallel experts dispatch fixed capacity buffers: give a "
                               "capacity factor (the dropless MoE runs under 'tensor')")
         self.config, self.expert_axis, self.model_axis, self.dtd = config, expert_axis, None, False
+        self.sequence_parallel = False
         self.axis, self.batch_axes, self.top_k = axis, tuple(batch_axes), top_k
         self.router = metadata.param(router, (axis, None))
         self.up, self.down = up, down
@@ -342,7 +367,7 @@ class PhantomMoE(ExpertParallelMoE):
     def logits(self, tokens: jax.Array) -> jax.Array:
         """Partial logits of this rank's h/p features, all-reduced over ``axis``: T E."""
         tokens, router = _promote(tokens, self.router[...])
-        return lax.psum(tokens @ router, self.axis)
+        return comm.psum(tokens @ router, self.axis)
 
     def run_experts(self, rows: jax.Array, reduce=None) -> jax.Array:
         """rows [E', N, h/p] through this rank's E' phantom expert FFNs."""
@@ -358,7 +383,7 @@ def _phantom_experts(layer: PhantomLinear, rows: jax.Array) -> jax.Array:
         bias = layer.bias[...]
     else:  # no bias: a constant zero, varying as the custom backward's gradient is
         bias = jnp.zeros(local.shape[:-1], local.dtype)
-        bias = lax.pcast(bias, tuple(sorted(metadata.varying_axes(rows) | {layer.axis})),
+        bias = comm.pcast(bias, tuple(sorted(metadata.varying_axes(rows) | {layer.axis})),
                          to="varying")
     rows, local, compress, decompress, bias = _promote(rows, local, compress, decompress, bias)
 
@@ -411,8 +436,8 @@ def ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, 
     index = input_offsets[:, None] + jnp.arange(rows)[None, :]  # [G, rows]
     valid = jnp.arange(rows)[None, :] < send_sizes[:, None]
     chunks = jnp.where(valid[..., None], operand[jnp.clip(index, 0, rows - 1)], 0)
-    got = remat.name_collective(lax.all_to_all(chunks, axis, 0, 0, tiled=False))  # [G_src, ...]
-    offsets = lax.all_to_all(output_offsets[:, None], axis, 0, 0, tiled=False)[:, 0]
+    got = remat.name_collective(comm.all_to_all(chunks, axis, 0, 0, tiled=False))  # [G_src, ...]
+    offsets = comm.all_to_all(output_offsets[:, None], axis, 0, 0, tiled=False)[:, 0]
     target = offsets[:, None] + jnp.arange(rows)[None, :]
     target = jnp.where(jnp.arange(rows)[None, :] < recv_sizes[:, None], target, output.shape[0])
     return output.at[target.reshape(-1)].set(got.reshape(-1, *got.shape[2:]), mode="drop")

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jphantom import comm
+
 KINDS = ("layer", "rms")
 
 
@@ -30,7 +32,7 @@ def normalize(x: jax.Array, kind: str, epsilon: float, scale=None, bias=None, *,
 
     def mean(values):
         total = jnp.sum(values, -1, keepdims=True)
-        return (lax.psum(total, axis) if axis is not None else total) / count
+        return (comm.psum(total, axis) if axis is not None else total) / count
 
     if kind == "rms":
         y = wide * lax.rsqrt(mean(wide * wide) + epsilon)

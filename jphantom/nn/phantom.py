@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jphantom import comm
 from jphantom.errors import ConfigError
 from jphantom.nn import metadata
 from jphantom.nn import norm as norm_ops
@@ -141,7 +142,7 @@ class PhantomLinear(nnx.Module):
             bias = self.bias[...]
         else:  # no bias: a constant zero (varying, as the custom backward's gradient is)
             bias = jnp.zeros(self.local.shape[:-1], self.local.dtype)
-            bias = lax.pcast(bias, tuple(sorted(_varying_axes(x) | {self.axis})), to="varying")
+            bias = comm.pcast(bias, tuple(sorted(_varying_axes(x) | {self.axis})), to="varying")
         x, local, compress, decompress, bias = _promote(
             x, self.local[...], self.compress[...], self.decompress[...], bias)
         lead = x.shape[:-1]
@@ -183,7 +184,7 @@ class FeatureParallelEmbed(nnx.Module):
 
     def attend(self, h: jax.Array) -> jax.Array:
         h, table = _promote(h, self.embedding[...])
-        return lax.psum(h @ table.T, self.axis)  # all-reduce of B*S*V
+        return comm.psum(h @ table.T, self.axis)  # all-reduce of B*S*V
 
 
 class FeatureParallelNorm(nnx.Module):

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import jax
 from flax import nnx
-from jax import lax
 
+from jphantom import comm
 from jphantom import remat
 from jphantom.errors import ConfigError
 from jphantom.nn import metadata
@@ -106,7 +106,7 @@ class Pmm3dLinear(nnx.Module):
             w = kernel if gathered else pmm3d_ops.gather(kernel, kernel.ndim - 1)
             x, w, bias = _promote(x, w, bias)
             w = pmm3d_ops.checkpoint_name(w)  # the weight the layer multiplies with
-            y = remat.name_collective(lax.psum(x @ w, contract))  # all-reduce_contract, Eq. 5.3
+            y = remat.name_collective(comm.psum(x @ w, contract))  # all-reduce_contract, Eq. 5.3
             return y if bias is None else y + bias
 
         if self.weights == "regather":
@@ -145,11 +145,11 @@ class Pmm3dEmbed(nnx.Module):
         return table if self.dtype is None else table.astype(self.dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return lax.psum(vocab.embed_partial(self._table(), tokens, X), X)  # all-reduce over x
+        return comm.psum(vocab.embed_partial(self._table(), tokens, X), X)  # all-reduce over x
 
     def local_logits(self, h: jax.Array) -> jax.Array:
         h, table = _promote(h, self._table())
-        return remat.name_collective(lax.psum(h @ table.T, Y))  # [B, S, V/G_x]
+        return remat.name_collective(comm.psum(h @ table.T, Y))  # [B, S, V/G_x]
 
     def attend(self, h: jax.Array) -> jax.Array:
         return _gather_vocab(self.local_logits(h), X)

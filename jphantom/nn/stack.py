@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jphantom import comm
 from jphantom import remat as remat_module
 from jphantom.errors import check_int
 
@@ -105,7 +106,7 @@ def _varying_like(carry, out):
 
     def one(c, o):
         extra = tuple(sorted(varying_axes(o) - varying_axes(c)))
-        return lax.pcast(c, extra, to="varying") if extra else c
+        return comm.pcast(c, extra, to="varying") if extra else c
 
     return jax.tree.map(one, carry, out)
 

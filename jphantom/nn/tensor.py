@@ -34,7 +34,7 @@ ScatterFeatures          none (keeps the own slice)                  all-gather 
 T1Linear (seed 000)      all-gather of B n_in (its input's features)  reduce-scatter to B n_in / p
 =======================  ==========================================  ============================
 
-Megatron's f (``copy_to_tensor_model_parallel_region``) is ``lax.pcast(x, axis, to="varying")``:
+Megatron's f (``copy_to_tensor_model_parallel_region``) is ``comm.pcast(x, axis, to="varying")``:
 identity forward, its transpose the all-reduce. g (``reduce_from_...``) is ``lax.psum``: its
 transpose is free under ``check_vma=True``.
 
@@ -56,6 +56,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jphantom import comm
 from jphantom import remat
 from jphantom.nn import metadata
 from jphantom.nn.boundary import Boundary
@@ -76,13 +77,13 @@ def _promote(*arrays):
 
 def copy_to_model(x: jax.Array, axis: str) -> jax.Array:
     """Megatron's f: identity forward; the backward all-reduces the gradient over ``axis``."""
-    return lax.pcast(x, axis, to="varying")
+    return comm.pcast(x, axis, to="varying")
 
 
 def gather_sequence(x: jax.Array, axis: str) -> jax.Array:
     """[B, S/p, h] -> [B, S, h]: all-gather of B S h (backward: reduce-scatter). The output is
     named for ``remat="collectives_saveable"`` (kept, never recomputed)."""
-    return remat.name_collective(lax.all_gather(x, axis, axis=x.ndim - 2, tiled=True))
+    return remat.name_collective(comm.all_gather(x, axis, axis=x.ndim - 2, tiled=True))
 
 
 def varies_over(x: jax.Array, axis: str) -> bool:
@@ -106,15 +107,15 @@ def reduce_from_model(partial_sum: jax.Array, axis: str, sequence_parallel: bool
     """Megatron's g: all-reduce of the partial sums (SP: reduce-scatter over the sequence),
     named for ``remat="collectives_saveable"`` (kept, never recomputed)."""
     if sequence_parallel:
-        return remat.name_collective(lax.psum_scatter(
+        return remat.name_collective(comm.psum_scatter(
             partial_sum, axis, scatter_dimension=partial_sum.ndim - 2, tiled=True))
-    return remat.name_collective(lax.psum(partial_sum, axis))
+    return remat.name_collective(comm.psum(partial_sum, axis))
 
 
 def own_sequence(x: jax.Array, axis: str) -> jax.Array:
     """This rank's S/p slice of the sequence dimension (-2) of ``x``."""
     chunk = x.shape[-2] // lax.axis_size(axis)
-    return lax.dynamic_slice_in_dim(x, lax.axis_index(axis) * chunk, chunk, axis=x.ndim - 2)
+    return lax.dynamic_slice_in_dim(x, comm.axis_index(axis) * chunk, chunk, axis=x.ndim - 2)
 
 
 class ColumnParallelLinear(nnx.Module):
@@ -333,10 +334,10 @@ class TensorParallelExperts(nnx.Module):
 
     def __call__(self, x: jax.Array, gates: jax.Array) -> jax.Array:
         if self.feature_split:
-            x = lax.all_gather(x, self.axis, axis=x.ndim - 1, tiled=True)  # [.., h]
+            x = comm.all_gather(x, self.axis, axis=x.ndim - 1, tiled=True)  # [.., h]
             partial_sum = Experts.apply(x, gates, self.w_gate[...], self.w_up[...],
                                         self.w_down[...])
-            return lax.psum_scatter(partial_sum, self.axis, scatter_dimension=x.ndim - 1,
+            return comm.psum_scatter(partial_sum, self.axis, scatter_dimension=x.ndim - 1,
                                     tiled=True)  # [.., h/p]
         x = to_full_sequence(x, self.axis, self.sequence_parallel)
         partial_sum = Experts.apply(x, gates, self.w_gate[...], self.w_up[...], self.w_down[...])
@@ -368,7 +369,7 @@ class T1Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # all-gather of B*n_in (its transpose, the backward reduce-scatter to B*n_in/p)
-        x_full = remat.name_collective(lax.all_gather(x, self.axis, axis=x.ndim - 1, tiled=True))
+        x_full = remat.name_collective(comm.all_gather(x, self.axis, axis=x.ndim - 1, tiled=True))
         x_full, kernel, bias = _promote(x_full, self.kernel[...], _value(self.bias))
         y = x_full @ kernel  # [..., out/p]: this rank's output features
         return y if bias is None else y + bias
@@ -391,12 +392,12 @@ class GatherFeatures(nnx.Module):
         return Boundary()
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return lax.all_gather(x, self.axis, axis=x.ndim - 1, tiled=True, to="invarying")
+        return comm.all_gather(x, self.axis, axis=x.ndim - 1, tiled=True, to="invarying")
 
 
 def _own_features(axis: str, x: jax.Array) -> jax.Array:
     block = x.shape[-1] // lax.axis_size(axis)
-    return lax.dynamic_slice_in_dim(x, lax.axis_index(axis) * block, block, axis=x.ndim - 1)
+    return lax.dynamic_slice_in_dim(x, comm.axis_index(axis) * block, block, axis=x.ndim - 1)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -408,7 +409,7 @@ def scatter_features(axis: str, x: jax.Array) -> jax.Array:
 
 def _scatter_features_bwd(axis, _, d_own):
     # all-gather of B*n/p from each rank; the input was replicated, so is its gradient
-    return (lax.all_gather(d_own, axis, axis=d_own.ndim - 1, tiled=True, to="invarying"),)
+    return (comm.all_gather(d_own, axis, axis=d_own.ndim - 1, tiled=True, to="invarying"),)
 
 
 scatter_features.defvjp(lambda axis, x: (_own_features(axis, x), None), _scatter_features_bwd)
@@ -435,7 +436,7 @@ class ScatterFeatures(nnx.Module):
 
 def _gather_vocab(local_logits: jax.Array, axis: str) -> jax.Array:
     """[..., V/p] -> [..., V] on every rank; the backward keeps the own slice (no communication)."""
-    return lax.all_gather(local_logits, axis, axis=local_logits.ndim - 1, tiled=True,
+    return comm.all_gather(local_logits, axis, axis=local_logits.ndim - 1, tiled=True,
                           to="invarying")
 
 

@@ -20,7 +20,7 @@ contiguous split gives each device its chunks. The rest is replicated over ``sta
 Megatron's embedding-group all-reduce.
 
 The step walks the schedule's lock-step table (:func:`jphantom.pipeline.schedule.lockstep`) with
-``lax.scan`` over ticks; every device reads its own row of the table (``lax.axis_index("stage")``)
+``lax.scan`` over ticks; every device reads its own row of the table (``comm.axis_index("stage")``)
 and runs, under ``lax.cond``, at most::
 
     forward slot:   x = first(rest, inputs[m]) on chunk 0, else the activation received for (c, m)
@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jphantom import comm
 from jphantom.errors import ConfigError, check_int
 from jphantom.pipeline.schedule import SCHEDULES, Lockstep, lockstep
 
@@ -64,7 +65,7 @@ def zeros_of(struct) -> jax.Array:
     and varying mesh axes."""
     zeros = jnp.zeros(struct.shape, struct.dtype)
     varying = tuple(sorted(getattr(struct, "vma", None) or struct.manual_axis_type.varying))
-    return lax.pcast(zeros, varying, to="varying") if varying else zeros
+    return comm.pcast(zeros, varying, to="varying") if varying else zeros
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,7 +314,7 @@ def _cast_like(tree, like):
     def one(a, b):
         a = jnp.zeros(b.shape, b.dtype) if a.dtype == jax.dtypes.float0 else a.astype(b.dtype)
         extra = tuple(sorted(varying_axes(b) - varying_axes(a)))
-        return lax.pcast(a, extra, to="varying") if extra else a
+        return comm.pcast(a, extra, to="varying") if extra else a
     return jax.tree.map(one, tree, like)
 
 
@@ -346,7 +347,7 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
     ``train``. The loss is non-zero on the last stage only."""
     V, M = config.virtual_stages, config.microbatches
     P_ = plan_.table.shape[1]
-    stage = lax.axis_index(STAGE_AXIS)
+    stage = comm.axis_index(STAGE_AXIS)
     chunks = _chunks(stacked, V)
     inputs, targets = _microbatches(inputs, M), _microbatches(targets, M)
     fill = config.bubble_fill
@@ -378,7 +379,7 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
     # nothing of it is emitted): the body's output, its vjp residuals, the head's loss.
     row0 = _take(table, 0)[stage]
     x0 = stages.first(rest, _take(inputs, 0))
-    x0 = jax.tree.map(lambda a: a + lax.pcast(jnp.zeros((), a.dtype), STAGE_AXIS, to="varying"),
+    x0 = jax.tree.map(lambda a: a + comm.pcast(jnp.zeros((), a.dtype), STAGE_AXIS, to="varying"),
                       x0)  # as in the ticks
     chunk0 = chunk_of(field(row0, "f_chunk"))
     probed = {}
@@ -503,12 +504,12 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
             if has_f:
                 out, carry = forward_slot(row, carry)
                 if send_f:  # the activation exchange: one collective-permute of [b, ...]
-                    received = lax.ppermute(out, STAGE_AXIS, perm_f)
+                    received = comm.ppermute(out, STAGE_AXIS, perm_f)
                     carry["act"] = _put(carry["act"], field(row, "f_recv"), received)
             if has_b:
                 dx, carry = backward_slot(row, carry)
                 if send_b:  # the cotangent exchange: one collective-permute of [b, ...]
-                    received = lax.ppermute(_cast_like(dx, out0), STAGE_AXIS, perm_b)
+                    received = comm.ppermute(_cast_like(dx, out0), STAGE_AXIS, perm_b)
                     carry["cot"] = _put(carry["cot"], field(row, "b_recv"), received)
             return carry, None
         return tick

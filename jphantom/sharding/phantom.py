@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jphantom import comm
 from jphantom.errors import ConfigError, JPhantomWarning
 from jphantom.sharding._common import check_depth, check_width, offdiagonal_mask
 
@@ -161,9 +162,9 @@ def phantom_layer(axis, num_shards, fused, y, local, compress, decompress, bias)
 
 
 def _phantom_layer_fwd(axis, num_shards, fused, y, local, compress, decompress, bias):
-    me = lax.axis_index(axis)
+    me = comm.axis_index(axis)
     ghosts = y @ compress.T  # [B, k]      phantom layer g^(j) = C^(j) y^(j), Eq. 11
-    gathered = lax.all_gather(ghosts, axis, axis=0)  # [p, B, k]   Table II: all-gather of k*B
+    gathered = comm.all_gather(ghosts, axis, axis=0)  # [p, B, k]   Table II: all-gather of k*B
     return _forward_after_gather(y, gathered, local, compress, decompress, bias, me, num_shards,
                                  fused)
 
@@ -186,9 +187,9 @@ def _phantom_layer_bwd(axis, num_shards, fused, residuals, dz):
     dz is Delta^(j) = dL/dz^(j) [B, n/p] (Eqs. 15-16). Rank j sends each other rank i the k-wide
     h^(j->i) = Delta^(j) D^(i,j); the reduce-scatter delivers Gamma^(i) = sum_{j != i} h^(j->i) (Eq. 17).
     """
-    me = lax.axis_index(axis)
+    me = comm.axis_index(axis)
     messages = _backward_messages(residuals, dz, me, num_shards, fused)  # [p, B, k]
-    gamma = lax.psum_scatter(messages, axis, scatter_dimension=0)  # [B, k]  Table II: reduce-scatter
+    gamma = comm.psum_scatter(messages, axis, scatter_dimension=0)  # [B, k]  Table II: reduce-scatter
     return _backward_gradients(residuals, dz, gamma, me, num_shards, fused)
 
 

@@ -45,8 +45,8 @@ all-reduce over ``y``, the cross-entropy vocabulary-parallel over ``x``.
 from __future__ import annotations
 
 import jax
-from jax import lax
 
+from jphantom import comm
 from jphantom import remat
 
 X, Y, Z = "x", "y", "z"
@@ -56,7 +56,7 @@ ROLES = {"normal": (Y, X), "transposed": (X, Y)}  # (contraction axis, output ax
 
 def gather(w_shard: jax.Array, axis: int) -> jax.Array:
     """``W`` from this rank's Z shard: all-gather over ``z`` on the output dimension (Eq. 5.1)."""
-    return checkpoint_name(lax.all_gather(w_shard, Z, axis=axis, tiled=True))
+    return checkpoint_name(comm.all_gather(w_shard, Z, axis=axis, tiled=True))
 
 
 def checkpoint_name(w):
@@ -67,7 +67,7 @@ def linear(inputs: jax.Array, w: jax.Array, bias: jax.Array, role: str) -> jax.A
     """``O = all-reduce_contract(I W) + b`` with the gathered ``w [in/G_c, out/G_o]``: inputs
     ``[..., in/G_c]`` -> ``[..., out/G_o]`` (Eq. 5.3 forward; Eqs. 5.2, 5.4 by autodiff)."""
     contract, _ = ROLES[role]
-    return remat.name_collective(lax.psum(inputs @ w, contract)) + bias
+    return remat.name_collective(comm.psum(inputs @ w, contract)) + bias
 
 
 # -- the FFN ----------------------------------------------------------------------------------------

@@ -11,9 +11,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jphantom import comm
+
 
 def _vocab_range(local_size: int, axis: str):
-    return lax.axis_index(axis) * local_size
+    return comm.axis_index(axis) * local_size
 
 
 def embed_partial(wte_local: jax.Array, tokens: jax.Array, axis: str) -> jax.Array:
@@ -33,11 +35,11 @@ def cross_entropy_sum(logits_local: jax.Array, targets: jax.Array, axis: str) ->
     Communication: three all-reduces of B x S scalars (max, sum of exponentials, target logit)."""
     local_size = logits_local.shape[-1]
     logits_local = logits_local.astype(jnp.promote_types(logits_local.dtype, jnp.float32))
-    peak = lax.pmax(lax.stop_gradient(logits_local.max(axis=-1)), axis)  # all-reduce (max) of B*S
-    sum_exp = lax.psum(jnp.exp(logits_local - peak[..., None]).sum(axis=-1), axis)  # all-reduce B*S
+    peak = comm.pmax(lax.stop_gradient(logits_local.max(axis=-1)), axis)  # all-reduce (max) of B*S
+    sum_exp = comm.psum(jnp.exp(logits_local - peak[..., None]).sum(axis=-1), axis)  # all-reduce B*S
     local = targets - _vocab_range(local_size, axis)
     mine = (local >= 0) & (local < local_size)
     picked = jnp.take_along_axis(logits_local, jnp.clip(local, 0, local_size - 1)[..., None],
                                  axis=-1)[..., 0]
-    picked = lax.psum(jnp.where(mine, picked, 0.0), axis)  # all-reduce of B*S: the target's logit
+    picked = comm.psum(jnp.where(mine, picked, 0.0), axis)  # all-reduce of B*S: the target's logit
     return jnp.sum(jnp.log(sum_exp) + peak - picked)

@@ -38,6 +38,7 @@ import jax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jphantom import comm
 from jphantom.errors import ConfigError
 
 DATA_AXIS = "data"
@@ -103,7 +104,7 @@ def own(x: jax.Array, dim: int) -> jax.Array:
     if dim < 0:
         return x
     size = x.shape[dim] // lax.axis_size(DATA_AXIS)
-    return lax.dynamic_slice_in_dim(x, lax.axis_index(DATA_AXIS) * size, size, axis=dim)
+    return lax.dynamic_slice_in_dim(x, comm.axis_index(DATA_AXIS) * size, size, axis=dim)
 
 
 def _group(axes):
@@ -117,13 +118,13 @@ def gather(x: jax.Array, dim: int, *, invariant: bool,
     reduce-scatter)."""
     if dim < 0:
         return x
-    return lax.all_gather(x, _group(axes), axis=dim, tiled=True,
+    return comm.all_gather(x, _group(axes), axis=dim, tiled=True,
                           to="invarying" if invariant else "varying")
 
 
 def reduce_scatter(g: jax.Array, dim: int, axes: tuple[str, ...] = (DATA_AXIS,)) -> jax.Array:
     """Sum over ``axes`` of per-rank gradients, each rank keeping its slice along ``dim``."""
-    return lax.psum_scatter(g, _group(axes), scatter_dimension=dim, tiled=True)
+    return comm.psum_scatter(g, _group(axes), scatter_dimension=dim, tiled=True)
 
 
 class LayerFetch:

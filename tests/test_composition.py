@@ -1,0 +1,279 @@
+"""Every axis with every axis: the composition matrix of the README, walked.
+
+A *feature* is an axis or a step option at its smallest size (``data=2``, ``model=2``, a 2-stage
+1F1B pipeline, 2 expert ranks, ZeRO-3, accumulation over 2 micro-batches, float16 with loss
+scaling, ...). A *cell* is one feature (the diagonal) or two together, built through the user's
+path (:class:`jphantom.config.RunConfig`, what ``jphantom train`` builds) on a tiny GPT-2 and
+either
+
+- ``ok``: its compiled step's loss and every gradient equal the single-device model's (float64
+  oracle: :func:`helpers.oracle_loss_and_grads`; float32 to 1e-5, float16/bfloat16 to their
+  rounding), or
+- ``refused``: construction raises the :class:`~jphantom.errors.ConfigError` whose message
+  :data:`EXPECTED` quotes, before anything compiles, or
+- ``meaningless``: the two features are alternatives (two strategies for one layer, two
+  precisions, two ZeRO stages); the cell says why and nothing is built.
+
+The MoE balance loss is not linear in the batch; a step that splits its batch into micro-batches
+(``--accumulate``, a pipeline) computes it per micro-batch, as Megatron-LM does, and the oracle of
+those cells is the single-device model averaged over the same micro-batches.
+
+:data:`EXPECTED` is what ``make test-all`` asserts cell by cell; the README's table is generated
+from it (``python tests/test_composition.py --write-readme``) and ``make test`` checks that the
+README shows it and runs a few cells.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pathlib
+import re
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# name -> (flags, mesh axes). Flags are RunConfig's flat names.
+FEATURES: dict[str, tuple[dict, dict]] = {
+    "data": ({}, {"data": 2}),
+    "tensor": ({"strategy": "tensor"}, {"model": 2}),
+    "sequence": ({"strategy": "tensor", "sequence_parallel": True}, {"model": 2}),
+    "phantom": ({"strategy": "phantom", "ghost_width": 2}, {"model": 2}),
+    "pmm3d": ({"strategy": "pmm3d"}, {"x": 2, "y": 1, "z": 1}),
+    "gspmd": ({"strategy": "gspmd"}, {"model": 2}),
+    "pipeline": ({"schedule": "1f1b", "microbatches": 2}, {"stage": 2}),
+    "experts": ({"moe_every": 2, "experts": 4, "capacity_factor": 4.0}, {"expert": 2}),
+    "zero-1": ({"zero": 1}, {"data": 2}),
+    "zero-3": ({"zero": 3}, {"data": 2}),
+    "accumulate": ({"accumulate": 2}, {}),
+    "remat": ({"remat": "full"}, {}),
+    "float16": ({"precision": "float16"}, {}),
+    "bfloat16": ({"precision": "bfloat16"}, {}),
+}
+NAMES = tuple(FEATURES)
+STRATEGY_OF = {name: flags.get("strategy") for name, (flags, _) in FEATURES.items()}
+ALTERNATIVES = [  # pairs that are two answers to one question
+    ({"tensor", "sequence"}, "sequence parallelism is an option of tensor parallelism: its row "
+                             "is tensor + SP"),
+    ({"tensor", "sequence", "phantom", "pmm3d", "gspmd"}, "two strategies for the same layers"),
+    ({"float16", "bfloat16"}, "two compute precisions"),
+    ({"zero-1", "zero-3"}, "two ZeRO stages"),
+]
+
+# Cells: a feature name (diagonal) or "a+b" in NAMES order. "ok", or "refused: <a substring of
+# the ConfigError>". Cells not listed are "ok".
+EXPECTED: dict[str, str] = {
+}
+
+TINY = dict(model="gpt2", layers=2, hidden=16, heads=2, seq_len=8, vocab=32, batch=8,
+            optimizer="sgd", learning_rate=0.1, warmup_steps=0, out=None, progress=False)
+LOW_PRECISION = {"float16": 2e-2, "bfloat16": 5e-2}
+
+
+def cells() -> list[tuple[str, ...]]:
+    return [(n,) for n in NAMES] + list(itertools.combinations(NAMES, 2))
+
+
+def cell_name(cell) -> str:
+    return "+".join(cell)
+
+
+def meaningless(cell) -> str | None:
+    for group, why in ALTERNATIVES:
+        if len(cell) == 2 and set(cell) <= group and cell[0] != cell[1]:
+            return why
+    return None
+
+
+def flags_of(cell) -> dict:
+    flags, mesh = dict(TINY), {}
+    for name in cell:
+        extra, axes = FEATURES[name]
+        flags.update(extra)
+        for axis, size in axes.items():
+            mesh[axis] = max(mesh.get(axis, 1), size)
+    if "experts" in cell:
+        flags["layers"] = 4  # two MoE groups: one per stage in a pipeline
+    strategy = flags.setdefault("strategy", "dense" if not mesh or set(mesh) <= {"data"}
+                                else "tensor")
+    if strategy in ("tensor", "phantom") and "model" not in mesh:
+        mesh["model"] = 1
+    if strategy == "dense" and set(mesh) - {"data"}:
+        flags["strategy"] = "tensor"
+        mesh.setdefault("model", 1)
+    order = ("stage", "data", "expert", "model", "x", "y", "z")
+    flags["mesh"] = ",".join(f"{a}={mesh[a]}" for a in order if a in mesh) or "data=1"
+    if any(name in cell for name in ("float16", "bfloat16")) and "experts" in cell:
+        flags["capacity_factor"] = 4.0
+    return flags
+
+
+def expected(cell) -> str:
+    why = meaningless(cell)
+    return f"meaningless: {why}" if why else EXPECTED.get(cell_name(cell), "ok")
+
+
+def _micro_batches(cell, flags) -> int:
+    if "accumulate" in cell:
+        return int(flags["accumulate"])
+    if "pipeline" in cell:
+        return int(flags["microbatches"])
+    return 1
+
+
+def outcome(cell) -> tuple[str, str]:
+    """("ok" | "refused" | "wrong", detail) of building and differentiating the cell."""
+    import jax
+
+    from jphantom.config import RunConfig
+    from jphantom.errors import ConfigError
+
+    from helpers import oracle_loss_and_grads
+
+    flags = flags_of(cell)
+    try:
+        built = RunConfig.from_flags(**flags).build()
+    except ConfigError as error:
+        return "refused", str(error)
+    step, program = built.step, built.program
+    rng = np.random.default_rng(3)
+    shape = (flags["batch"], flags["seq_len"])
+    tokens = rng.integers(0, flags["vocab"], shape).astype(np.int32)
+    targets = rng.integers(0, flags["vocab"], shape).astype(np.int32)
+    state = program.init(step)
+    placed = tuple(jax.device_put(a, s) for a, s in zip((tokens, targets), built.shardings))
+    loss, grads = jax.jit(step.value_and_grad())(state.params, *placed)
+    grads = jax.device_get(step.to_model_order(grads))
+    params = jax.device_get(step.to_model_order(state.params))
+    m = _micro_batches(cell, flags) if "experts" in cell else 1
+    ranks = step.batch_ranks
+    per_rank = flags["batch"] // ranks
+    rows = np.arange(flags["batch"]).reshape(ranks, m, per_rank // m)
+    want_loss, want = 0.0, None
+    for i in range(m):  # the global micro-batch i: every batch rank's i-th slice
+        index = rows[:, i].reshape(-1)
+        l_i, g_i = oracle_loss_and_grads(step, params, tokens[index], targets[index])
+        want_loss += float(l_i) / m
+        g_i = jax.tree.map(lambda a: np.asarray(a) / m, jax.device_get(g_i))
+        want = g_i if want is None else jax.tree.map(np.add, want, g_i)
+    precision = next((p for p in LOW_PRECISION if p in cell), None)
+    rtol = LOW_PRECISION.get(precision, 1e-5)
+    loss_error = abs(float(loss) - want_loss) / abs(want_loss)
+    grad_error = _error(grads, want)
+    if loss_error <= rtol and grad_error <= rtol:
+        return "ok", f"loss {loss_error:.1e}, gradients {grad_error:.1e}"
+    return "wrong", f"loss error {loss_error:.2e}, gradient error {grad_error:.2e} (> {rtol})"
+
+
+def _error(actual, expected) -> float:
+    """The largest leaf's max |a - e| over max |e| (a leaf that is zero up to rounding, below
+    1e-6 of the tree's largest, against the tree's largest)."""
+    import jax
+
+    a_leaves, e_leaves = jax.tree.leaves(actual), jax.tree.leaves(expected)
+    largest = max(float(np.max(np.abs(e))) for e in e_leaves)
+    return max(float(np.max(np.abs(np.asarray(a, np.float64) - e)))
+               / max(float(np.max(np.abs(e))), 1e-6 * largest)
+               for a, e in zip(a_leaves, e_leaves))
+
+
+def check(cell) -> None:
+    want = expected(cell)
+    if want.startswith("meaningless"):
+        return
+    got, detail = outcome(cell)
+    if want == "ok":
+        assert got == "ok", f"{cell_name(cell)}: {got}: {detail}"
+    else:
+        substring = want.split(": ", 1)[1]
+        assert got == "refused" and substring in detail, f"{cell_name(cell)}: {got}: {detail}"
+
+
+# make test: a representative diagonal; make test-all: every cell
+DEFAULT = {("pipeline", "experts"), ("zero-3", "experts"), ("sequence", "experts"),
+           ("tensor", "float16")}
+
+
+@pytest.mark.parametrize("cell", [
+    pytest.param(c, id=cell_name(c), marks=() if c in DEFAULT else pytest.mark.slow)
+    for c in cells() if meaningless(c) is None])
+def test_cell(cell):
+    check(cell)
+
+
+# -- the README table -------------------------------------------------------------------------------
+
+BEGIN = "<!-- composition table: generated by `python tests/test_composition.py --write-readme` -->"
+END = "<!-- end of composition table -->"
+SYMBOL = {"ok": "✓", "refused": "✗", "meaningless": "·"}
+
+
+def table() -> str:
+    lines = ["| | " + " | ".join(NAMES) + " |", "|---" * (len(NAMES) + 1) + "|"]
+    notes: dict[str, int] = {}
+    for a in NAMES:
+        row = [f"**{a}**"]
+        for b in NAMES:
+            cell = (a,) if a == b else tuple(sorted((a, b), key=NAMES.index))
+            status = expected(cell)
+            kind = status.split(":")[0]
+            if kind == "ok":
+                row.append(SYMBOL["ok"])
+                continue
+            reason = status.split(": ", 1)[1]
+            number = notes.setdefault(f"{SYMBOL[kind]} {reason}", len(notes) + 1)
+            row.append(f"{SYMBOL[kind]}{number}")
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    lines.extend(f"{number}. {text}" for text, number in notes.items())
+    return "\n".join(lines)
+
+
+def readme_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    match = re.search(re.escape(BEGIN) + r"\n(.*?)\n" + re.escape(END), text, re.S)
+    return match.group(1) if match else ""
+
+
+def test_the_readme_shows_the_matrix():
+    assert readme_section() == table(), (
+        "README.md's composition table is stale: python tests/test_composition.py --write-readme")
+
+
+def _write_readme() -> None:
+    path = ROOT / "README.md"
+    text = path.read_text()
+    new = f"{BEGIN}\n{table()}\n{END}"
+    if BEGIN in text:
+        text = re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _: new, text, flags=re.S)
+    else:
+        raise SystemExit(f"README.md has no line {BEGIN!r}")
+    path.write_text(text)
+
+
+def _survey() -> None:
+    """Run every cell and print its outcome (to fill EXPECTED)."""
+    for cell in cells():
+        why = meaningless(cell)
+        if why:
+            continue
+        got, detail = outcome(cell)
+        print(f"{cell_name(cell):<24} {got:<8} {detail.splitlines()[0][:150]}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT / "tests"))
+    if "--write-readme" in sys.argv:
+        _write_readme()
+    elif "--survey" in sys.argv:
+        from jphantom.mesh import simulate_cpu_devices
+
+        simulate_cpu_devices(8)
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+        _survey()
+    else:
+        raise SystemExit("python tests/test_composition.py --write-readme | --survey")
