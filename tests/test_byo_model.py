@@ -152,7 +152,7 @@ def test_forward_fn_gives_the_models_logits():
     np.testing.assert_allclose(np.asarray(logits), expected, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("zero", [pytest.param(0, marks=pytest.mark.slow), 1])
 def test_non_elementwise_optax_updates_equal_one_device(zero):
     """Global-norm clipping and LAMB (per-parameter trust ratios: norms over whole tensors) run on
     the global gradient arrays, so one step equals one device's."""

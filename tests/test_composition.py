@@ -48,9 +48,9 @@ FEATURES: dict[str, tuple[dict, dict]] = {
     "zero-1": ({"zero": 1}, {"data": 2}),
     "zero-3": ({"zero": 3}, {"data": 2}),
     "accumulate": ({"accumulate": 2}, {}),
-    "remat": ({"remat": "full"}, {}),
+    "remat": ({"remat": "nothing_saveable"}, {}),
     "float16": ({"precision": "float16"}, {}),
-    "bfloat16": ({"precision": "bfloat16"}, {}),
+    "bfloat16": ({"precision": "bf16"}, {}),
 }
 NAMES = tuple(FEATURES)
 STRATEGY_OF = {name: flags.get("strategy") for name, (flags, _) in FEATURES.items()}
@@ -65,6 +65,15 @@ ALTERNATIVES = [  # pairs that are two answers to one question
 # Cells: a feature name (diagonal) or "a+b" in NAMES order. "ok", or "refused: <a substring of
 # the ConfigError>". Cells not listed are "ok".
 EXPECTED: dict[str, str] = {
+    # meaningful refusals: pmm3d's z axis already shards every weight (its ZeRO-3); a pipeline
+    # accumulates through its micro-batches
+    "pmm3d+zero-1": "refused: pmm3d already shards every weight over 'z'",
+    "pmm3d+zero-3": "refused: pmm3d already shards every weight over 'z'",
+    "pipeline+accumulate": "refused: pipelines accumulate through --microbatches",
+    # not written yet (open work)
+    "pmm3d+experts": "refused: strategy 'pmm3d' runs on the axes",
+    "gspmd+pipeline": "refused: strategy 'gspmd' does not run inside pipeline stages",
+    "gspmd+accumulate": "refused: spmd='gspmd' takes no pipeline and no accumulation",
 }
 
 TINY = dict(model="gpt2", layers=2, hidden=16, heads=2, seq_len=8, vocab=32, batch=8,
@@ -96,13 +105,11 @@ def flags_of(cell) -> dict:
             mesh[axis] = max(mesh.get(axis, 1), size)
     if "experts" in cell:
         flags["layers"] = 4  # two MoE groups: one per stage in a pipeline
-    strategy = flags.setdefault("strategy", "dense" if not mesh or set(mesh) <= {"data"}
-                                else "tensor")
+    # several devices without a model-parallel feature: Megatron's layers on model=1 (what the
+    # error of strategy 'dense' on a mesh asks for)
+    strategy = flags.setdefault("strategy", "tensor" if mesh else "dense")
     if strategy in ("tensor", "phantom") and "model" not in mesh:
         mesh["model"] = 1
-    if strategy == "dense" and set(mesh) - {"data"}:
-        flags["strategy"] = "tensor"
-        mesh.setdefault("model", 1)
     order = ("stage", "data", "expert", "model", "x", "y", "z")
     flags["mesh"] = ",".join(f"{a}={mesh[a]}" for a in order if a in mesh) or "data=1"
     if any(name in cell for name in ("float16", "bfloat16")) and "experts" in cell:
@@ -192,8 +199,7 @@ def check(cell) -> None:
 
 
 # make test: a representative diagonal; make test-all: every cell
-DEFAULT = {("pipeline", "experts"), ("zero-3", "experts"), ("sequence", "experts"),
-           ("tensor", "float16")}
+DEFAULT = {("pipeline", "experts"), ("sequence", "experts")}
 
 
 @pytest.mark.parametrize("cell", [
@@ -253,11 +259,12 @@ def _write_readme() -> None:
     path.write_text(text)
 
 
-def _survey() -> None:
-    """Run every cell and print its outcome (to fill EXPECTED)."""
+def _survey(only: str | None = None) -> None:
+    """Run every cell (or those whose name contains ``only``) and print its outcome (to fill
+    EXPECTED)."""
     for cell in cells():
         why = meaningless(cell)
-        if why:
+        if why or (only and only not in cell_name(cell)):
             continue
         got, detail = outcome(cell)
         print(f"{cell_name(cell):<24} {got:<8} {detail.splitlines()[0][:150]}", flush=True)
@@ -274,6 +281,6 @@ if __name__ == "__main__":
         import jax
 
         jax.config.update("jax_enable_x64", True)
-        _survey()
+        _survey(sys.argv[sys.argv.index("--survey") + 1] if len(sys.argv) > 2 else None)
     else:
         raise SystemExit("python tests/test_composition.py --write-readme | --survey")

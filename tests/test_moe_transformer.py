@@ -144,7 +144,7 @@ SLOW = pytest.mark.slow  # the longer half of the grid: make test-all
     pytest.param("tensor", "data=8,model=1", False, {}, marks=SLOW),  # every expert everywhere
     pytest.param("tensor", "expert=2,model=2", False, {"moe_every": 1}, marks=SLOW),
     pytest.param("tensor", "expert=4,model=2", False, {}, marks=SLOW),
-    ("tensor", "expert=8,model=1", False, {}),
+    pytest.param("tensor", "expert=8,model=1", False, {}, marks=SLOW),
     pytest.param("tensor", "data=2,expert=2,model=2", False, {}, marks=SLOW),
     ("tensor", "data=2,expert=2,model=2", True, {}),
     pytest.param("phantom", "data=2,expert=2,model=2", False, {}, marks=SLOW),
@@ -302,7 +302,8 @@ def test_zero_beside_an_expert_axis_shards_each_parameter_over_its_replicas(zero
 
 
 @pytest.mark.parametrize("mesh_text, schedule, microbatches, virtual, layers", [
-    ("stage=2,expert=2,model=2", "1f1b", 2, 1, 4),
+    pytest.param("stage=2,expert=2,model=2", "1f1b", 2, 1, 4,
+                 marks=pytest.mark.slow),  # make test: tests/test_composition.py, balance loss on
     pytest.param("stage=2,data=2,model=2", "gpipe", 4, 1, 4, marks=pytest.mark.slow),
     pytest.param("stage=2,data=2,expert=2", "interleaved-1f1b", 2, 2, 8,
                  marks=pytest.mark.slow),

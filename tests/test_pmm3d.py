@@ -162,7 +162,7 @@ def _check_gpt(strategy, grid):
     assert_tree_close(grads, want_grads, 1e-5, floor=1e-2)
 
 
-FAST_GRIDS = [(2, 2, 2, 1), (2, 1, 2, 2)]
+FAST_GRIDS = [(2, 1, 2, 2)]
 
 
 @pytest.mark.parametrize("grid", FAST_GRIDS, ids=mesh_text)
