@@ -80,10 +80,10 @@ def test_inspect_zero3_shards_parameters_gradients_and_adam_state_over_data(caps
     assert memory[0]["zero"] == 0 and memory[3]["zero"] == 3
     assert memory[0]["params_bytes"] == memory[0]["gradient_bytes"] == weights + biases
     assert memory[0]["optimizer_bytes"] == 2 * (weights + biases) + count
-    # ZeRO-3: the weights 1/8 per device; the biases' only free dimension is on the model axis,
-    # so they stay replicated (zero.choose_dim)
-    assert memory[3]["params_bytes"] == memory[3]["gradient_bytes"] == weights // data + biases
-    assert memory[3]["optimizer_bytes"] == 2 * (weights // data + biases) + count
+    # ZeRO-3: weights and biases 1/8 per device (model=1 splits nothing: the biases' dimension,
+    # split over model on a wider mesh, is free for ZeRO here)
+    assert memory[3]["params_bytes"] == memory[3]["gradient_bytes"] == (weights + biases) // data
+    assert memory[3]["optimizer_bytes"] == 2 * (weights + biases) // data + count
     assert memory[3]["optimizer_bytes"] < memory[0]["optimizer_bytes"] / 5
     assert memory[3]["argument_bytes"] < memory[0]["argument_bytes"]  # XLA sees it too
 
