@@ -518,6 +518,10 @@ def _train(args: argparse.Namespace) -> int:
         print(f"MoE: every {moe['moe_every']} block(s), {moe['experts']} experts, "
               f"top-{moe['top_k']}{active}; dropped {100 * moe['final_dropped_fraction']:.2f}% "
               "of token-expert assignments")
+    if results["interrupted"]:
+        where = f" into {config.train.out}" if config.train.out is not None else ""
+        print(f"interrupted: wrote what the run had{where}", file=sys.stderr)
+        return 130
     print(f"final validation loss {results['final_validation_loss']:.4f}"
           + (f" nats/token; unigram cross-entropy {results['unigram_cross_entropy']:.4f}; "
              f"ratio {results['validation_over_unigram']:.3f}"
@@ -630,6 +634,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as error:
         print(f"jphantom: error: training diverged: {_message(error)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # before or after the training loop, which handles its own
+        print("jphantom: interrupted", file=sys.stderr)
+        return 130
 
 
 def _message(error: Exception) -> str:

@@ -183,12 +183,15 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
     bar = tqdm(total=train.steps, initial=first, unit="step", disable=not train.progress,
                desc=f"{config.model.name} {config.parallel.strategy} {program.mesh}")
     meter_running = False
+    interrupted, state_step, saved_step = False, first, None
+    stop = _StopOnCtrlC(bar)  # Ctrl-C: finish this step, then stop (twice: stop now)
     try:
         for index in range(first, train.steps):
             batch = place(source.train(index))
             jax.block_until_ready(batch)
             tick = time.perf_counter()
             state, loss = step(state, *batch)
+            state_step = index + 1  # the state is this step's (still computing)
             loss = float(loss)  # waits for the step
             elapsed = time.perf_counter() - tick
             if index == first:
@@ -222,19 +225,31 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
             if metrics_file is not None:
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
-            last = index + 1 == train.steps or reached is not None
+            last = index + 1 == train.steps or reached is not None or stop.requested
             if checkpointer is not None and (checkpointer.due(index + 1) or last):
                 checkpointer.save(index + 1, state.params, state.opt_state,
                                   {"history": json.loads(json.dumps(history))})
+                saved_step = index + 1
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}",
                             val=f"{history['validation_loss'][-1]:.3f}"
                             if history["validation_loss"] else "-")
             bar.update()
+            if stop.requested:
+                interrupted = True
+                break
             if reached is not None:
                 break
         if meter_running:
             jax.block_until_ready(state)  # ... and closes once the work is done
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now, keep what the run has
+        interrupted = True
+        bar.write(f"interrupted after step {state_step}: writing what the run has")
+        alive = not any(getattr(a, "is_deleted", lambda: False)() for a in jax.tree.leaves(state))
+        if checkpointer is not None and alive and state_step > first and state_step != saved_step:
+            checkpointer.save(state_step, state.params, state.opt_state,
+                              {"history": json.loads(json.dumps(history))})
     finally:
+        stop.restore()
         bar.close()
         if metrics_file is not None:
             metrics_file.close()
@@ -248,8 +263,10 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
         "mesh": str(program.mesh),
         "devices": [str(d) for d in mesh.devices.flat],
         "params": program.param_count,
-        "final_validation_loss": history["validation_loss"][-1],
-        "best_validation_loss": min(history["validation_loss"]),
+        "final_validation_loss": (history["validation_loss"][-1] if history["validation_loss"]
+                                  else None),
+        "best_validation_loss": min(history["validation_loss"], default=None),
+        "interrupted": interrupted,
         "median_step_seconds": float(np.median(step_seconds)) if step_seconds else None,
         "step_seconds": step_seconds,
         "compile_seconds": compile_seconds,
@@ -282,18 +299,47 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
     if _text_model(config):
         unigram = source.corpus.unigram_cross_entropy()
         results["unigram_cross_entropy"] = unigram
-        results["validation_over_unigram"] = results["final_validation_loss"] / unigram
+        final = results["final_validation_loss"]
+        results["validation_over_unigram"] = None if final is None else final / unigram
     if checkpointer is not None:
         results["checkpoints"] = {"directory": str(checkpointer.directory),
                                   "steps": checkpointer.all_steps(), "resumed_from": first}
     if writer:
         (out / "results.json").write_text(json.dumps(results, indent=2))
         plot(history, out / "curves.png", results)
-    if train.save_hf and jax.process_index() == 0:
+    if train.save_hf and jax.process_index() == 0 and not interrupted:
         from jphantom import plans
         from jphantom.models import hf
         hf.save(train.save_hf, plans.dense_equivalent(step.model(state)))
     return results
+
+
+class _StopOnCtrlC:
+    """While training: the first SIGINT asks the loop to stop after the step it is in (the run
+    then writes its metrics, results and a final checkpoint, and the command exits 130); a second
+    one raises ``KeyboardInterrupt`` at once. Only in the main thread (where Python delivers
+    signals); elsewhere Ctrl-C keeps its default."""
+
+    def __init__(self, bar):
+        import signal
+        import threading
+
+        self.requested, self._bar, self._previous = False, bar, None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self._bar.write("Ctrl-C: stopping after this step (Ctrl-C again to stop now)")
+
+    def restore(self):
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
 
 
 def _asdict(config) -> dict:

@@ -122,3 +122,32 @@ def test_a_run_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tm
     want = json.loads((tmp_path / "whole" / "results.json").read_text())
     assert got["checkpoints"]["resumed_from"] >= 1
     assert got["history"]["train_loss"] == want["history"]["train_loss"]
+
+
+def test_ctrl_c_stops_at_a_step_writes_what_the_run_has_and_exits_130(tmp_path):
+    """SIGINT (Ctrl-C) during training: the run stops, writes metrics.jsonl (every logged step),
+    results.json (``interrupted``: true) and a final checkpoint of the state it reached, and the
+    command exits 130 without a traceback; the checkpoint resumes."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    command = [sys.executable, "-m", "jphantom.cli", "train", "--model", "ffn", "--strategy",
+               "tensor", "--width", "16", "--depth", "2", "--mesh", "data=2,model=1",
+               "--batch", "16", "--steps", "100000", "--eval-every", "100000",
+               "--eval-batches", "1", "--no-progress", "--devices", "2",
+               "--checkpoint-dir", str(ckpt), "--out", str(out)]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists()
+                                      or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    child.send_signal(signal.SIGINT)
+    _, stderr = child.communicate(timeout=120)
+    assert child.returncode == 130, stderr
+    assert "Traceback" not in stderr and "interrupted" in stderr
+    results = json.loads((out / "results.json").read_text())
+    logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert results["interrupted"] is True and logged == list(range(1, len(logged) + 1))
+    saved = sorted(int(p.name) for p in ckpt.glob("[0-9]*"))
+    assert saved and saved[-1] >= logged[-1], stderr  # the state it reached
