@@ -28,6 +28,7 @@ section       fields
 import dataclasses
 import functools
 import math
+import os
 import typing
 from pathlib import Path
 
@@ -282,10 +283,15 @@ class TrainConfig:
             raise ConfigError("--resume needs --checkpoint-dir")
         if self.save_every and not self.checkpoint_dir:
             raise ConfigError("--save-every needs --checkpoint-dir")
-        if self.out is not None:
-            out = Path(self.out)
-            if out.exists() and not out.is_dir():
-                raise ConfigError(f"out={self.out!r} is an existing file: give a folder")
+        for name in ("out", "checkpoint_dir", "save_hf"):  # written at the end: checked now
+            if getattr(self, name) is not None:
+                _writable_folder(name, getattr(self, name))
+        if self.data is not None:
+            data = Path(self.data)
+            if not data.is_file() or not os.access(data, os.R_OK):
+                raise ConfigError(f"data={self.data!r} is not a readable file: give a text file "
+                                  "(or leave --data out for the Python standard library's "
+                                  "sources)")
 
     def optimizer_transform(self, total_steps: int | None = None):
         """The optax optimizer: linear warm-up from 0 over ``warmup_steps`` (none for 0), then
@@ -307,6 +313,20 @@ class TrainConfig:
         if self.optimizer == "adam":
             return optax.adam(schedule, b2=self.adam_b2)
         return optax.sgd(schedule)
+
+
+def _writable_folder(name: str, value: str) -> None:
+    """``value`` is a folder or can be made one: not an existing file, and its nearest existing
+    ancestor a folder this process can write in."""
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{name}={value!r} is an existing file: give a folder")
+    parent = path
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{name}={value!r}: {str(parent)!r} is not a folder this process can "
+                          "write in: pick another path")
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "step": StepConfig,

@@ -9,6 +9,8 @@ from jphantom import cli
 from jphantom.errors import ConfigError
 from jphantom.config import RunConfig, load_toml
 
+from helpers import exit_code
+
 TINY = ["--layers", "1", "--hidden", "16", "--heads", "4", "--seq-len", "16", "--batch", "4",
         "--steps", "3", "--eval-every", "2", "--eval-batches", "1", "--no-progress"]
 
@@ -88,3 +90,23 @@ def test_inspect_transformer_groups_collectives_by_mesh_axis(capsys):
     assert model_all_reduce["count"] == 4 * 2 + 2 + 3 - 1  # XLA fuses the head's and one scalar's
     assert model_all_reduce["bytes"] == 4 * (tokens * hidden * (4 * 2 + 2) + 3 * tokens)
     assert rows[("all-reduce", ("data",))]["count"] == 1  # one gradient reduction per step
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--out", "{file}/results", "is not a folder this process can write in"),
+    ("--checkpoint-dir", "{file}", "is an existing file"),
+    ("--save-hf", "{file}/hf", "is not a folder this process can write in"),
+    ("--data", "{tmp}/missing.txt", "is not a readable file"),
+])
+def test_paths_are_checked_before_anything_trains(tmp_path, capsys, flag, value, message):
+    """An output folder that cannot be written (under a file) or a data file that is missing is
+    one line and exit 2 before the model is built, not a traceback after the run."""
+    existing = tmp_path / "a_file"
+    existing.write_text("x")
+    value = value.format(file=existing, tmp=tmp_path)
+    argv = ["train", "--model", "ffn", "--width", "8", "--steps", "1", "--no-progress",
+            "--out", str(tmp_path / "out"), flag, value]
+    assert exit_code(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "out" / "results.json").exists()
