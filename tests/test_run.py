@@ -110,3 +110,14 @@ def test_paths_are_checked_before_anything_trains(tmp_path, capsys, flag, value,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_inspect_validates_what_train_validates(capsys):
+    """``inspect`` builds the same RunConfig as ``train``: a mesh, ZeRO or schedule the strategy
+    cannot use is the same one-line error, never a silent one-device report."""
+    argv = ["--strategy", "dense", "--mesh", "data=8", "--zero", "3", "--devices", "8"]
+    assert exit_code(["inspect", *argv]) == 2
+    inspect_error = capsys.readouterr().err.strip()
+    assert exit_code(["train", *argv, "--no-progress", "--out", "none"]) == 2
+    assert capsys.readouterr().err.strip() == inspect_error
+    assert len(inspect_error.splitlines()) == 1 and "runs on one device" in inspect_error
