@@ -317,14 +317,19 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
         for grid in ax.configurations(devices):
             if ax.grid_problems(grid, shape, batch, accumulate=accumulate):
                 continue
-            layers = ax.gpt_layers(shape, batch * S // grid.data, lm_head=True)
-            collectives = [c for layer in layers
-                           for c in ax.layer_collectives(layer, grid, microbatches=accumulate)]
+            # one block priced and counted L times (the blocks are alike: work bounded in L)
+            block_and_head = ax.gpt_layers(dataclasses.replace(ax.GPTShape.of(shape), layers=1),
+                                           batch * S // grid.data, lm_head=True)
+            priced = [pricer.price([c for layer in part for c in
+                                    ax.layer_collectives(layer, grid, microbatches=accumulate)],
+                                   grid.levels)
+                      for part in (block_and_head[:-1], block_and_head[-1:])]
+            by_axis = {axis: L * priced[0].get(axis, 0.0) + priced[1].get(axis, 0.0)
+                       for axis in dict.fromkeys([*priced[0], *priced[1]])}
             memory = ax.pmm3d_memory(grid, shape, batch, precision=p, accumulate=accumulate,
                                      flash_attention=flash_attention, lm_head=True)
             memory.pop("total")
-            add("pmm3d", "pmm3d", str(grid), {}, pricer.price(collectives, grid.levels), memory,
-                dense_flops)
+            add("pmm3d", "pmm3d", str(grid), {}, by_axis, memory, dense_flops)
 
     for t in divisors:  # Megatron tensor (+ SP) x data; t = 1 is plain data parallelism
         d = devices // t

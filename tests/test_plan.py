@@ -384,3 +384,20 @@ def test_pipeline_messages_use_one_pair_link_inside_a_node_and_eq_5_7_across():
     row = next(r for r in result if r.mesh == "data=8,stage=4")
     messages = 2 * (64 // 8) * 2048 * 7168  # M forward + M backward messages of [S, h]
     assert row.comm_by_axis["stage"] == pytest.approx(messages * 2 / 100e9)
+
+
+def test_plan_work_is_bounded_in_the_depth():
+    """A million layers price like one block counted a million times: the pmm3d rows' modelled
+    communication scales exactly with L, and the search finishes (it once built every layer)."""
+    from jphantom.perf.axonn_model import GPTShape
+    from jphantom.plan import plan
+
+    def pmm3d_comm(layers):
+        shape = GPTShape(layers=layers, hidden=1024, heads=16, seq_len=128, vocab_size=1024)
+        result = plan(shape, 8, batch=64, layouts=("pmm3d",))
+        return {row.mesh: row.comm_s for row in result.rows}
+
+    one, many = pmm3d_comm(2), pmm3d_comm(1_000_000)
+    assert one.keys() == many.keys() and one
+    for mesh in one:  # comm(L) = L * block + head: linear in L
+        assert many[mesh] > 1e5 * one[mesh] / 2
