@@ -122,10 +122,14 @@ def _inspect(args: argparse.Namespace) -> int:
     reports = []
     for config in configs:
         report = inspect_step(config)
-        if args.breakdown:
+        if args.breakdown and MeshConfig.parse(config.parallel.mesh).size("data") > 1:
             from jphantom.analysis.inspect import breakdown
 
             report["breakdown"] = breakdown(config)
+        elif args.breakdown:
+            report["notes"].append("--breakdown splits the step into compute and data-parallel "
+                                   "communication: this mesh has no data axis (> 1), so there "
+                                   "is nothing to break down")
         reports.append(report)
     if args.json:
         json.dump(reports[0] if len(reports) == 1 else reports, sys.stdout, indent=2)
@@ -150,6 +154,9 @@ def _inspect(args: argparse.Namespace) -> int:
           "device, counts per step (loops included); state MB: parameters + gradients + "
           "optimizer state.\n")
     print(format_report(reports))
+    for report in reports:
+        for note in report["notes"]:
+            print(f"note ({report['strategy']}): {note}")
     for report in reports:
         if "breakdown" in report:
             b = report["breakdown"]

@@ -121,3 +121,17 @@ def test_inspect_validates_what_train_validates(capsys):
     assert exit_code(["train", *argv, "--no-progress", "--out", "none"]) == 2
     assert capsys.readouterr().err.strip() == inspect_error
     assert len(inspect_error.splitlines()) == 1 and "runs on one device" in inspect_error
+
+
+def test_inspect_labels_cpu_bytes_of_16_bit_collectives_and_an_empty_breakdown(capsys):
+    """Honest labels: a bfloat16 step compiled for CPU says its collectives' bytes are the CPU
+    program's (XLA:CPU upcasts 16-bit collectives); --breakdown without a data axis says there
+    is nothing to break down instead of timing nothing."""
+    gpt = ["inspect", "--model", "gpt2", "--strategy", "tensor", "--layers", "1", "--hidden", "16",
+           "--heads", "4", "--seq-len", "8", "--batch", "8", "--devices", "8"]
+    assert cli.main([*gpt, "--mesh", "data=2,model=4", "--precision", "bf16", "--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert len(notes) == 1 and "XLA:CPU" in notes[0]
+    assert cli.main([*gpt, "--mesh", "model=4", "--breakdown"]) == 0
+    printed = capsys.readouterr().out
+    assert "nothing to break down" in printed and "breakdown tensor:" not in printed

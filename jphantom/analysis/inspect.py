@@ -182,7 +182,23 @@ def inspect_step(config: RunConfig, optimizer=None) -> dict:
     }
     if step.pipeline is not None:
         report["pipeline"] = pipeline_summary(step.pipeline, program.mesh)
+    report["notes"] = _notes(config, found, mesh)
     return report
+
+
+def _notes(config: RunConfig, found, mesh) -> list[str]:
+    """What the reader of the report must know: a CPU compile of 16-bit collectives runs them in
+    float32 (XLA:CPU upcasts them), so their bytes are the CPU program's, twice the model's."""
+    notes = []
+    sixteen = (config.step.precision in ("bf16", "float16")
+               or config.model.dtype in ("bfloat16", "float16"))
+    platform = next(iter(mesh.devices.flat)).platform
+    if sixteen and platform == "cpu" and any(dtype == "f32" for c in found
+                                             for dtype, _ in c.shapes):
+        notes.append("16-bit compute on XLA:CPU: the collectives of 16-bit activations run in "
+                     "float32 here (the CPU backend upcasts them), twice the bytes a GPU or TPU "
+                     "compile moves; the bytes above are the CPU program's")
+    return notes
 
 
 def _state_megabytes(report: dict) -> float:
