@@ -506,6 +506,10 @@ def _train(args: argparse.Namespace) -> int:
     if settings.get("dtype") == "float64":
         jax.config.update("jax_enable_x64", True)
     config = RunConfig.from_flags(**settings)
+    used, available = config.parallel.mesh_config().device_count, jax.device_count()
+    if used < available and jax.process_index() == 0:
+        print(f"note: mesh {config.parallel.mesh_config()} uses {used} of the {available} "
+              f"devices; {available - used} stay idle (give the mesh more ranks to use them)")
     results = run(config)
     if "pipeline" in results:
         pipe = results["pipeline"]

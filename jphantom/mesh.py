@@ -78,8 +78,11 @@ class MeshConfig:
     def parse(cls, text: str) -> MeshConfig:
         """``"data=2,model=4"`` -> MeshConfig. The one parser of mesh strings (CLI, TOML)."""
         axes = []
-        for item in str(text).split(","):
-            item = item.strip()
+        items = [item.strip() for item in str(text).split(",")]
+        if "" in items and any(items):
+            raise ConfigError(f"mesh {text!r} has an empty entry: write NAME=SIZE entries "
+                              "separated by single commas, e.g. 'data=2,model=4'")
+        for item in items:
             if not item:
                 continue
             name, sep, value = item.partition("=")

@@ -193,3 +193,21 @@ def test_phantom_param_count_rejects_bad_inputs(args):
 
     with pytest.raises(ConfigError):
         phantom.param_count(*args)
+
+
+@pytest.mark.parametrize("text", ["data=2,,model=2", "data=2,", ",model=4"])
+def test_a_mesh_with_an_empty_entry_is_refused(text):
+    from jphantom.errors import ConfigError
+    from jphantom.mesh import MeshConfig
+
+    with pytest.raises(ConfigError, match="empty entry"):
+        MeshConfig.parse(text)
+
+
+def test_train_says_when_the_mesh_leaves_devices_idle(tmp_path, capsys):
+    from jphantom import cli as cli_module
+
+    assert cli_module.main(["train", "--model", "ffn", "--strategy", "tensor", "--mesh",
+                            "data=2,model=1", "--width", "8", "--steps", "1", "--no-progress",
+                            "--out", str(tmp_path / "out"), "--devices", "8"]) == 0
+    assert "uses 2 of the 8 devices; 6 stay idle" in capsys.readouterr().out
