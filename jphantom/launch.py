@@ -76,14 +76,18 @@ def child_command(command: Sequence[str]) -> list[str]:
 
 
 def launch(command: Sequence[str], num_processes: int, *, port: int | None = None,
-           devices_per_process: int | None = None, timeout: int | None = None) -> None:
+           devices_per_process: int | None = None, timeout: int | None = None,
+           deadline: int | None = None) -> None:
     """Run ``command`` as ``num_processes`` local processes and wait for all of them.
 
-    Raises ConfigError for a bad setting (before anything starts) and RuntimeError, one line naming
-    the process and its exit status, when a child fails (the others are stopped first).
+    Each child leads its own process group, and stopping a child stops its group (what it started
+    too). ``deadline``: seconds after which every process is stopped. Raises ConfigError for a bad
+    setting (before anything starts) and RuntimeError, one line naming the process and its exit
+    status (or the deadline), when a child fails (the others are stopped first).
     """
     check_int("--num-processes", num_processes, 1)
-    for name, value in (("--devices-per-process", devices_per_process), ("--timeout", timeout)):
+    for name, value in (("--devices-per-process", devices_per_process), ("--timeout", timeout),
+                        ("--deadline", deadline)):
         if value is not None:
             check_int(name, value, 1)
     argv = child_command(command)
@@ -110,7 +114,8 @@ def launch(command: Sequence[str], num_processes: int, *, port: int | None = Non
                             timeout=timeout, accelerator=accelerator)
             try:
                 proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        start_new_session=True)  # its own process group
             except OSError as err:
                 raise ConfigError(f"jphantom launch: cannot start {argv[0]!r}: {err}") from None
             procs.append(proc)
@@ -119,13 +124,16 @@ def launch(command: Sequence[str], num_processes: int, *, port: int | None = Non
                                          daemon=True)
                 relay.start()
                 relays.append(relay)
-        failed = _wait(procs)
+        failed = _wait(procs, None if deadline is None else time.monotonic() + deadline)
     finally:
         _stop(procs)
         for relay in relays:
             relay.join(timeout=GRACE_S)
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
+    if failed == "deadline":
+        raise RuntimeError(f"launch: --deadline {deadline} s passed; stopped all "
+                           f"{num_processes} processes")
     if failed is not None:
         rank, code = failed
         how = (f"was killed by {signal.Signals(-code).name}" if code < 0
@@ -144,9 +152,12 @@ def _relay(pipe, sink, prefix: str, lock: threading.Lock) -> None:
     pipe.close()
 
 
-def _wait(procs) -> tuple[int, int] | None:
-    """Wait until every child has exited 0 (-> None) or one has failed (-> (rank, status))."""
+def _wait(procs, deadline: float | None = None):
+    """Wait until every child has exited 0 (-> None), one has failed (-> (rank, status)) or the
+    monotonic ``deadline`` has passed (-> "deadline")."""
     while True:
+        if deadline is not None and time.monotonic() > deadline:
+            return "deadline"
         codes = [proc.poll() for proc in procs]
         failed = next(((rank, code) for rank, code in enumerate(codes) if code), None)
         if failed is not None or all(code == 0 for code in codes):
@@ -154,18 +165,27 @@ def _wait(procs) -> tuple[int, int] | None:
         time.sleep(0.05)
 
 
+def _signal_group(proc, sig) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _stop(procs) -> None:
-    """SIGTERM every child still running, SIGKILL those still there after GRACE_S."""
-    running = [proc for proc in procs if proc.poll() is None]
-    for proc in running:
-        proc.terminate()
+    """SIGTERM every child's process group (what a child started is stopped with it, even after
+    the child itself has exited), SIGKILL the groups still there after GRACE_S."""
+    for proc in procs:
+        _signal_group(proc, signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S
-    for proc in running:
+    for proc in procs:
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            pass
+    for proc in procs:
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait()
 
 
 def add_parser(subparsers) -> None:
@@ -193,6 +213,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--timeout", type=int, default=None, metavar="S",
                         help="seconds each process waits for the coordinator and the others at "
                              "start-up (jax's initialization_timeout; default 300)")
+    parser.add_argument("--deadline", type=int, default=None, metavar="S",
+                        help="stop every process after S seconds in all and exit with status 1 "
+                             "(default: no limit)")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="the command every process runs, after --")
     parser.set_defaults(handler=_main)
@@ -201,7 +224,8 @@ def add_parser(subparsers) -> None:
 def _main(args) -> int:
     try:
         launch(args.command, args.num_processes, port=args.port,
-               devices_per_process=args.devices_per_process, timeout=args.timeout)
+               devices_per_process=args.devices_per_process, timeout=args.timeout,
+               deadline=args.deadline)
     except RuntimeError as error:
         print(f"jphantom: error: {error}", file=sys.stderr)
         return 1

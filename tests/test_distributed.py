@@ -390,10 +390,46 @@ def test_launch_stops_the_others_when_one_fails(capsys):
                                     "stopped the others; its output is above, prefixed [1]")
 
 
+def test_a_failed_launch_ends_what_its_processes_started(tmp_path, capsys):
+    """Each rank leads a process group: when rank 1 fails, rank 0's own child (a grandchild of
+    the launcher) is stopped with it, not left orphaned."""
+    pid_file = tmp_path / "grandchild.pid"
+    code = ("import os, subprocess, sys, time\nrank = os.environ['JPHANTOM_PROCESS_ID']\n"
+            "if rank == '0':\n"
+            "    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+            f"    open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+            "    time.sleep(120)\n"
+            "else:\n"
+            f"    while not os.path.exists({str(pid_file)!r}): time.sleep(0.05)\n"
+            "    sys.exit(3)")
+    assert cli.main(["launch", "-n", "2", "--", sys.executable, "-c", code]) == 1
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(grandchild, 9)
+        pytest.fail("the grandchild outlived the launch")
+    capsys.readouterr()
+
+
+def test_launch_deadline_stops_every_process(capsys):
+    start = time.monotonic()
+    status = cli.main(["launch", "-n", "2", "--deadline", "1", "--", sys.executable, "-c",
+                       "import time; time.sleep(120)"])
+    assert status == 1 and time.monotonic() - start < launch.GRACE_S + 10
+    assert "--deadline 1 s passed; stopped all 2 processes" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["-n", "2", "--port", "99999", "--", "x"], "--port 99999 is not a port in 1..65535"),
     (["-n", "0", "--", "x"], "--num-processes=0"),
     (["-n", "2", "--timeout", "0", "--", "x"], "--timeout=0"),
+    (["-n", "2", "--deadline", "0", "--", "x"], "--deadline=0"),
     (["-n", "2"], "no command given"),
     (["-n", "1", "--", "/nonexistent/program"], "cannot start '/nonexistent/program'"),
 ])
