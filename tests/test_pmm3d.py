@@ -18,7 +18,7 @@ from jphantom.models.ffn import FFNConfig
 
 from conftest import require_devices
 from helpers import (assert_tree_close, batch, compiled_hlo, gradient_step, oracle_loss_and_grads,
-                     perturb, random_params)
+                     perturb, random_params, xla_merges_peeled_regather)
 
 WIDTH, DEPTH, BATCH = 16, 3, 16
 
@@ -191,6 +191,7 @@ def _pattern(strategy, mesh_text, zero=0):
     return found
 
 
+@xla_merges_peeled_regather()
 def test_degenerate_grids_are_fsdp_and_megatron():
     """z alone is FSDP / ZeRO-3: per layer an all-gather of the whole weight before use and a
     reduce-scatter of its gradient, as jphantom's ZeRO-3 on data=8 (which also shards the biases,
@@ -223,7 +224,8 @@ def test_pmm3d_programs_that_cannot_run_are_config_errors(strategy, mesh, kw, me
                            optax.sgd(0.1), **kw)
 
 
-@pytest.mark.parametrize("strategy", ["pmm3d-regather", "pmm3d-deferred"])
+@pytest.mark.parametrize("strategy", [
+    pytest.param("pmm3d-regather", marks=xla_merges_peeled_regather()), "pmm3d-deferred"])
 def test_pmm3d_variants_equal_the_dense_ffn_and_move_what_they_say(strategy):
     """``pmm3d-regather`` all-gathers each weight again in the backward (AxoNN's default: one more
     all-gather per layer); ``pmm3d-deferred`` gathers every weight before the layers and

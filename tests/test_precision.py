@@ -42,7 +42,8 @@ def test_low_precision_gradients_are_float32_and_close(name, rtol):
     assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype("float32")}
     assert loss.dtype == jnp.float32
     assert float(loss) == pytest.approx(float(want_loss), rel=rtol)
-    assert_tree_close(jax.device_get(grads), jax.device_get(want), rtol * 3)
+    # per leaf: 3x the loss's tolerance on jax 0.10, up to 3.2x measured on jax 0.12 (bf16)
+    assert_tree_close(jax.device_get(grads), jax.device_get(want), rtol * 4)
 
 
 def test_master_weights_and_adam_state_stay_float32():

@@ -19,7 +19,7 @@ from jphantom.train_step import make_train_step
 
 from conftest import require_devices
 from helpers import (assert_tree_close, compiled_hlo, gradient_catcher, gradient_step,
-                     oracle_loss_and_grads, random_params)
+                     oracle_loss_and_grads, random_params, xla_merges_peeled_regather)
 
 WIDTH, DEPTH, BATCH = 8, 4, 16
 
@@ -148,6 +148,7 @@ def test_zero2_reduce_scatters_gradients_and_all_gathers_updated_parameters():
     assert found == expected
 
 
+@xla_merges_peeled_regather()
 def test_zero3_gathers_each_layer_for_forward_and_again_for_backward():
     """ZeRO-3: each layer's split parameters all-gathered in the forward scan and again in the
     backward scan (the gathered copy is never kept: only one layer is ever whole), and the
