@@ -58,7 +58,8 @@ class Checkpointer:
     def save(self, step: int, params, opt_state, meta: dict | None = None) -> None:
         """Start saving the state after ``step`` steps (returns once the arrays are off the
         devices)."""
-        meta = {**(meta or {}), "step": step, "shapes": _shapes(params)}
+        meta = {**(meta or {}), "step": step, "shapes": _shapes(params),
+                "optimizer_state": _shapes(opt_state)}
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
             meta=ocp.args.JsonSave(meta)), force=True)
@@ -75,10 +76,39 @@ class Checkpointer:
         """``(params, opt_state, meta)`` of ``step`` (default the latest), placed as the abstract
         targets say (``jax.ShapeDtypeStruct`` with shardings, or arrays): the mesh may differ
         from the one that saved."""
-        step = self.latest_step() if step is None else step
-        if step is None:
+        if step is not None:
+            return self._restore(step, params_like, opt_state_like)
+        steps = sorted(self.all_steps(), reverse=True)
+        if not steps:
             raise ConfigError(f"no complete checkpoint in {self.directory}: train without "
                               "--resume first, or give the folder that holds one")
+        failures, damaged = [], []
+        for step in steps:  # the newest that restores; a damaged one is skipped, and said so
+            try:
+                restored = self._restore(step, params_like, opt_state_like)
+            except ConfigError:
+                raise
+            except Exception as error:  # noqa: BLE001 (Orbax raises many kinds for damaged files)
+                failures.append(f"step {step}: {type(error).__name__}: "
+                                f"{str(error).splitlines()[0][:200] if str(error) else ''}")
+                damaged.append(step)
+                continue
+            if failures:
+                import warnings
+
+                from jphantom.errors import JPhantomWarning
+
+                for bad in damaged:  # kept for inspection, out of the run's way
+                    (self.directory / str(bad)).rename(self.directory / f"{bad}.damaged")
+                self.manager.reload()
+                warnings.warn(f"newer checkpoints in {self.directory} do not restore ("
+                              + "; ".join(failures) + f"): resumed from step {step}; the "
+                              "damaged ones are renamed <step>.damaged", JPhantomWarning,
+                              stacklevel=2)
+            return restored
+        raise ConfigError(f"no checkpoint in {self.directory} restores: " + "; ".join(failures))
+
+    def _restore(self, step: int, params_like, opt_state_like):
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
             "meta"]
         wanted = _shapes(params_like)
@@ -89,6 +119,15 @@ class Checkpointer:
                     f"model on this mesh has {tuple(wanted.get(name) or ())}: the model's shapes "
                     "depend on the mesh (phantom: p is part of the model); restore on the mesh "
                     "that saved it")
+        saved_opt, wanted_opt = meta.get("optimizer_state"), _shapes(opt_state_like)
+        if saved_opt is not None and saved_opt != wanted_opt:
+            first = next((k for k in sorted(set(saved_opt) | set(wanted_opt))
+                          if saved_opt.get(k) != wanted_opt.get(k)), "?")
+            raise ConfigError(
+                f"checkpoint step {step} holds another optimizer's state (at {first}: saved "
+                f"{saved_opt.get(first, 'nothing')}, this run's {wanted_opt.get(first, 'nothing')}"
+                f"; {len(saved_opt)} saved leaves, {len(wanted_opt)} here): resume with the "
+                "optimizer (and step options) that saved it")
         abstract = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
             {"params": params_like, "opt_state": opt_state_like})

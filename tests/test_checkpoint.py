@@ -151,3 +151,31 @@ def test_ctrl_c_stops_at_a_step_writes_what_the_run_has_and_exits_130(tmp_path):
     assert results["interrupted"] is True and logged == list(range(1, len(logged) + 1))
     saved = sorted(int(p.name) for p in ckpt.glob("[0-9]*"))
     assert saved and saved[-1] >= logged[-1], stderr  # the state it reached
+
+
+def test_resume_skips_a_damaged_newest_checkpoint_and_says_so(tmp_path):
+    """The newest checkpoint's arrays damaged on disk: --resume restores the newest one that
+    restores, with a warning naming the step it skipped, and continues the curve from there."""
+    require_devices(2)
+    settings = dict(FFN, mesh="data=2,model=1", checkpoint_dir=str(tmp_path / "ckpt"),
+                    save_every=2, keep_checkpoints=5)
+    run(_config(**settings, steps=4, out=str(tmp_path / "a")))
+    newest = tmp_path / "ckpt" / "4"
+    damaged = [p for p in (newest / "state").rglob("*") if p.is_file()]
+    assert damaged
+    for path in damaged:
+        path.write_bytes(b"not a checkpoint")
+    from jphantom.errors import JPhantomWarning
+
+    with pytest.warns(JPhantomWarning, match=r"step 4: .*resumed from step 2"):
+        resumed = run(_config(**settings, steps=6, resume=True, out=str(tmp_path / "a")))
+    assert resumed["checkpoints"]["resumed_from"] == 2
+
+
+def test_resume_with_another_optimizer_is_one_line_naming_it(tmp_path):
+    require_devices(2)
+    settings = dict(FFN, mesh="data=2,model=1", checkpoint_dir=str(tmp_path / "ckpt"))
+    run(_config(**settings, steps=2, optimizer="sgd", out=str(tmp_path / "a")))
+    with pytest.raises(ConfigError, match="another optimizer's state"):
+        run(_config(**settings, steps=4, optimizer="adamw", resume=True,
+                    out=str(tmp_path / "a")))
