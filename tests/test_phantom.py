@@ -242,3 +242,12 @@ def test_rank_compute_is_the_layer_without_its_collectives(fused):
                           (d_decompress, "decompress"), (d_bias, "bias")]:
             np.testing.assert_allclose(got, want_grads[name][j], rtol=1e-10, atol=1e-12,
                                        err_msg=name)
+
+
+@pytest.mark.parametrize("ghost_width", [2.0, None, True, "2"])
+def test_a_ghost_width_that_is_not_an_integer_is_a_config_error(ghost_width):
+    from jphantom.errors import ConfigError
+    from jphantom.sharding.phantom import PhantomConfig
+
+    with pytest.raises(ConfigError, match="ghost_width=.* must be an integer"):
+        PhantomConfig(16, ghost_width, 2, 2)

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jphantom import comm
-from jphantom.errors import ConfigError, JPhantomWarning
+from jphantom.errors import ConfigError, JPhantomWarning, check_int
 from jphantom.sharding._common import check_depth, check_width, offdiagonal_mask
 
 def max_ghost_width(width: int, num_shards: int) -> float:
@@ -60,6 +60,7 @@ class PhantomConfig:
     def __post_init__(self):
         check_width(self.width, self.num_shards)
         check_depth(self.depth)
+        check_int("ghost_width", self.ghost_width, 1)
         if self.ghost_width < 1:
             raise ConfigError(
                 f"ghost_width={self.ghost_width} must be >= 1: it is k, the number of ghost neurons "
