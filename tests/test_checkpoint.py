@@ -27,9 +27,11 @@ def _config(**settings) -> RunConfig:
     return RunConfig.from_flags(**settings)  # the command line's flat names
 
 
-def test_a_resumed_run_continues_the_loss_curve_exactly(tmp_path):
+@pytest.mark.parametrize("strategy", ["tensor", "gspmd"])
+def test_a_resumed_run_continues_the_loss_curve_exactly(tmp_path, strategy):
+    """Also the GSPMD baseline, whose restored optimizer state must land on the step's devices."""
     require_devices(4)
-    settings = dict(FFN, mesh="data=2,model=2")
+    settings = dict(FFN, mesh="data=2,model=2", strategy=strategy)
     whole = run(_config(**settings, steps=6, out=str(tmp_path / "whole")))
     ckpt = tmp_path / "ckpt"
     run(_config(**settings, steps=4, out=str(tmp_path / "part"), checkpoint_dir=str(ckpt),
