@@ -290,8 +290,10 @@ class TrainStep:
                 raise ConfigError(f"spmd='gspmd' runs the plain model with sharding annotations "
                                   f"(jphantom.plans.annotate); it holds parallel layers "
                                   f"({parallel[0]}): annotate a plain model instead")
-            if pipeline is not None or "stage" in mesh.axis_names or accumulate != 1:
-                raise ConfigError("spmd='gspmd' takes no pipeline and no accumulation here")
+            if pipeline is not None or "stage" in mesh.axis_names:
+                raise ConfigError("spmd='gspmd' takes no pipeline here: the GSPMD baseline is "
+                                  "one program of global arrays; use the shard_map step for "
+                                  "pipelines")
         self.pipeline, self.stack = self._pipeline(model, mesh, pipeline)
         self.layout = ParamLayout.of(model, mesh, zero)
         if self.pipeline is not None:
@@ -692,10 +694,25 @@ class TrainStep:
         if self.spmd == "gspmd":
             grad_sh = self._shardings(self.grad_specs)
 
+            def one(params, batch, scale):
+                return jax.value_and_grad(lambda p: self._gspmd_loss(p, *batch) * scale)(params)
+
             def run_gspmd(params, *batch, scale=None):
                 scale = self.precision.loss_scale if scale is None else scale
-                loss, grads = jax.value_and_grad(
-                    lambda p: self._gspmd_loss(p, *batch) * scale)(params)
+                n = self.accumulate
+                if n == 1:
+                    loss, grads = one(params, batch, scale)
+                else:  # micro-batch i: every batch rank's i-th slice, as the shard_map step
+                    ranks = self.batch_ranks
+                    micro = [b.reshape(ranks, n, b.shape[0] // (ranks * n), *b.shape[1:])
+                             .swapaxes(0, 1).reshape(n, b.shape[0] // n, *b.shape[1:])
+                             for b in batch]
+                    first = jax.eval_shape(one, params, [m[0] for m in micro], scale)
+                    total, _ = lax.scan(
+                        lambda acc, mb: (jax.tree.map(jnp.add, acc, one(params, mb, scale)),
+                                         None),
+                        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), first), micro)
+                    loss, grads = jax.tree.map(lambda a: a / n, total)
                 grads = jax.tree.map(lambda g, p: (g / scale).astype(p.dtype), grads, params)
                 return loss / scale, jax.lax.with_sharding_constraint(grads, grad_sh)
 

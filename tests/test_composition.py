@@ -73,7 +73,6 @@ EXPECTED: dict[str, str] = {
     # not written yet (open work)
     "pmm3d+experts": "refused: strategy 'pmm3d' runs on the axes",
     "gspmd+pipeline": "refused: strategy 'gspmd' does not run inside pipeline stages",
-    "gspmd+accumulate": "refused: spmd='gspmd' takes no pipeline and no accumulation",
 }
 
 TINY = dict(model="gpt2", layers=2, hidden=16, heads=2, seq_len=8, vocab=32, batch=8,
