@@ -38,6 +38,9 @@ from jax.sharding import AxisType, Mesh
 from jphantom.errors import ConfigError
 
 AXES = ("data", "stage", "expert", "z", "y", "x", "model")
+# The axes whose ranks hold different samples of the batch (the step splits the batch over them):
+# data, expert (expert-data parallelism) and z (pmm3d's rows are split over it too).
+BATCH_AXES = ("data", "expert", "z")
 MAX_SIMULATED_DEVICES = 512
 
 

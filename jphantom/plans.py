@@ -75,10 +75,10 @@ from jphantom.nn.experts import Experts, SwitchMoE
 from jphantom.nn import expert as expert_layers
 from jphantom.nn import phantom as phantom_layers
 from jphantom.nn import pmm3d as pmm3d_layers
+from jphantom.mesh import BATCH_AXES
 from jphantom.nn import tensor
 
 EXPERT_AXIS = "expert"
-BATCH_AXES = ("data", "expert", "z")  # the training step's: their ranks hold other tokens
 STYLES = ("column", "row", "vocab", "input", "sequence", "phantom", "experts", "t1", "gather",
           "scatter", "pmm3d", "replicate")
 AXIS_STYLES = ("column", "row", "vocab", "input", "sequence", "phantom", "experts", "t1",

@@ -35,7 +35,6 @@ from jphantom.errors import ConfigError, JPhantomWarning
 from jphantom.mesh import MeshConfig
 from jphantom.sharding._common import check_width
 
-BATCH_AXES = ("data", "expert", "z")
 
 
 @dataclasses.dataclass(frozen=True)

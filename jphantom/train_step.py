@@ -52,12 +52,12 @@ from jphantom import comm
 from jphantom import remat as remat_module
 from jphantom import samo as samo_module
 from jphantom.errors import ConfigError, check_int
+from jphantom.mesh import BATCH_AXES
 from jphantom.nn import metadata
 from jphantom.nn.stack import Stacked, set_remat
 from jphantom.precision import Precision
 from jphantom.sharding import zero as zero_module
 
-BATCH_AXES = ("data", "expert", "z")  # z: pmm3d's rows are split over it too
 
 
 class TrainState(NamedTuple):
