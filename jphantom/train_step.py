@@ -266,11 +266,12 @@ class TrainStep:
         self.accumulate = check_int("accumulate", accumulate)
         self.precision = Precision.named(precision)
         remat_module.check(remat)
-        if remat != "none":
-            if not any(isinstance(m, Stacked) for _, m in nnx.iter_modules(model)):
-                raise ConfigError(f"remat={remat!r} checkpoints the blocks of a "
-                                  "jphantom.nn.Stacked; the model has none: stack its repeated "
-                                  "blocks with Stacked, or leave remat out")
+        stacked = any(isinstance(m, Stacked) for _, m in nnx.iter_modules(model))
+        if remat != "none" and not stacked:
+            raise ConfigError(f"remat={remat!r} checkpoints the blocks of a "
+                              "jphantom.nn.Stacked; the model has none: stack its repeated "
+                              "blocks with Stacked, or leave remat out")
+        if stacked:  # the step's option is the blocks' policy ("none" resets an earlier one)
             set_remat(model, remat)
         self.batch_axes = _batch_axes(mesh)
         self.batch_ranks = math.prod(dict(mesh.shape)[a] for a in self.batch_axes)

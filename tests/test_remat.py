@@ -100,3 +100,23 @@ def test_unknown_policy_is_a_config_error():
     program, mesh, _, _ = _case("model=1")
     with pytest.raises(ConfigError, match="remat='everything'"):
         program.train_step(mesh, optax.sgd(0.1), remat="everything")
+
+
+def test_the_step_option_is_the_blocks_policy_even_none():
+    """``remat`` is the step's: a model whose blocks carried another policy gets the step's,
+    ``"none"`` included (the attribute is set by the step, never left over)."""
+    import optax
+    from flax import nnx
+
+    from jphantom import program as programs
+    from jphantom.mesh import first_devices
+    from jphantom.models.transformer import TransformerConfig
+    from jphantom.nn import Stacked, set_remat
+
+    program = programs.build(TransformerConfig(vocab_size=32, seq_len=8, hidden=16, heads=2,
+                                               layers=2), "tensor", "model=2")
+    mesh = program.mesh.build(first_devices(2))
+    set_remat(program.model, "nothing_saveable")
+    program.train_step(mesh, optax.sgd(0.1), remat="none")
+    policies = {m.remat for _, m in nnx.iter_modules(program.model) if isinstance(m, Stacked)}
+    assert policies == {"none"}
