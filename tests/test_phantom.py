@@ -164,7 +164,7 @@ def test_ghost_width_above_eq8_bound_warns_with_the_bound():
     "kwargs, message",
     [
         (dict(width=100, ghost_width=4, num_shards=8, depth=2), r"width=100 is not divisible by num_shards=8.*96 or 104"),
-        (dict(width=64, ghost_width=0, num_shards=8, depth=2), r"ghost_width=0 must be >= 1"),
+        (dict(width=64, ghost_width=0, num_shards=8, depth=2), r"ghost_width=0 must be an integer >= 1"),
         (dict(width=64, ghost_width=2, num_shards=8, depth=0), r"depth=0"),
     ],
 )
