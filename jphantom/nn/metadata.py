@@ -21,6 +21,8 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jphantom.comm import varying_axes  # noqa: F401 (re-exported: the layers' name for it)
+
 
 def param(value: jax.Array, axes: Sequence[str | None], *, reduce_axes: Sequence[str] = ()
           ) -> nnx.Param:
@@ -58,15 +60,3 @@ def spec_of(variable: nnx.Variable, mesh_axes: Sequence[str]) -> P:
     while names and names[-1] is None:
         names.pop()
     return P(*names)
-
-
-
-def varying_axes(x) -> frozenset[str]:
-    """The mesh axes ``x`` (inside a ``shard_map`` with ``check_vma=True``; an array, or a
-    ``jax.ShapeDtypeStruct`` from ``jax.eval_shape`` there) varies over."""
-    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is not None:
-        return frozenset(vma)
-    manual = getattr(aval, "manual_axis_type", None)
-    return frozenset(manual.varying) if manual is not None else frozenset()

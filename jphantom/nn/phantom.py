@@ -142,7 +142,8 @@ class PhantomLinear(nnx.Module):
             bias = self.bias[...]
         else:  # no bias: a constant zero (varying, as the custom backward's gradient is)
             bias = jnp.zeros(self.local.shape[:-1], self.local.dtype)
-            bias = comm.pcast(bias, tuple(sorted(_varying_axes(x) | {self.axis})), to="varying")
+            bias = comm.pcast(bias, tuple(sorted(comm.varying_axes(x) | {self.axis})),
+                              to="varying")
         x, local, compress, decompress, bias = _promote(
             x, self.local[...], self.compress[...], self.decompress[...], bias)
         lead = x.shape[:-1]
@@ -215,12 +216,6 @@ class FeatureParallelNorm(nnx.Module):
                                   _value(self.bias), axis=self.axis, features=self.features,
                                   dtype=self.dtype)
 
-
-def _varying_axes(x) -> set[str]:
-    """The manual mesh axes ``x`` varies over (inside a shard_map)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    return set(vma if vma is not None else aval.manual_axis_type.varying)
 
 
 def check_ghost_width(ghost_width, path: str) -> int:
