@@ -541,8 +541,10 @@ def test_launch_joins_the_processes_into_one_jax_run():  # about 4 s
         import jax
         from jax.experimental import multihost_utils
         ranks = multihost_utils.process_allgather(np.array([jax.process_index()]), tiled=True)
-        print("rank", jax.process_index(), "of", jax.process_count(), "devices",
-              jax.device_count(), "local", jax.local_device_count(), "ranks", ranks.tolist())
+        # one write of the whole line (Gloo's C++ logging shares the descriptor)
+        print(f"rank {jax.process_index()} of {jax.process_count()} devices "
+              f"{jax.device_count()} local {jax.local_device_count()} ranks {ranks.tolist()}",
+              flush=True)
         distributed.shutdown()
     """)
     result = subprocess.run(
