@@ -378,9 +378,12 @@ def test_launch_runs_every_rank_with_its_own_id(capsys, monkeypatch):
     assert lines == [f"[{r}] {r} 3 127.0.0.1:{port} False" for r in range(3)]
 
 
-def test_launch_stops_the_others_when_one_fails(capsys):
+def test_launch_stops_the_others_when_one_fails(capsys, tmp_path):
+    up = tmp_path / "up0"  # rank 1 fails once rank 0 has printed (no race with its start-up)
     code = ("import os, sys, time\nrank = os.environ['JPHANTOM_PROCESS_ID']\nprint('up', rank, "
-            "flush=True)\nif rank == '1': sys.exit(3)\ntime.sleep(120)")
+            f"flush=True)\nif rank == '0': open({str(up)!r}, 'w').close()\n"
+            f"if rank == '1':\n    while not os.path.exists({str(up)!r}): time.sleep(0.02)\n"
+            "    sys.exit(3)\ntime.sleep(120)")
     start = time.monotonic()
     status = cli.main(["launch", "-n", "2", "--", sys.executable, "-c", code])
     assert status == 1 and time.monotonic() - start < launch.GRACE_S + 10
