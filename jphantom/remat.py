@@ -40,7 +40,6 @@ POLICIES: dict[str, Callable | None] = {
     "collectives_saveable": jax.checkpoint_policies.save_only_these_names(COLLECTIVE),
 }
 
-FETCHED = "fetched_parameters"  # ZeRO-3's per-layer gathered parameters: never saved
 
 
 
@@ -62,24 +61,16 @@ def with_cac(name: str, cac: bool) -> str:
     return "collectives_saveable"
 
 
-def _without_fetched(policy):
-    never = jax.checkpoint_policies.save_anything_except_these_names(FETCHED)
-    if policy is None:
-        return never
-    return lambda *args, **kwargs: never(*args, **kwargs) and policy(*args, **kwargs)
-
-
 def checkpointed(fn: Callable, name: str, *, fetched: bool = False) -> Callable:
-    """``fn`` (one layer) under ``jax.checkpoint`` with policy ``name``; ``fetched``: the layer
-    fetches its parameters first (ZeRO-3's all-gather, named :data:`FETCHED` by the fetch), and
-    what the fetch returns is never saved, so the backward fetches again. Under ``none`` such a
-    layer keeps its matmul outputs (``dots_saveable``): keeping everything would keep values
-    derived from the fetched parameters, such as a transposed weight."""
+    """``fn`` (one layer) under ``jax.checkpoint`` with policy ``name``; ``fetched``: the layer's
+    parameters are ZeRO-3's gathered ones (:meth:`jphantom.sharding.zero.LayerFetch.around`
+    keeps every residual but them), so under ``none`` it keeps its matmul outputs
+    (``dots_saveable``): keeping everything would keep values derived from the parameters, such
+    as a transposed weight, whole."""
     check(name)
-    if not fetched:
-        return fn if name == "none" else jax.checkpoint(fn, policy=POLICIES[name])
-    policy = POLICIES["dots_saveable" if name == "none" else name]
-    return jax.checkpoint(fn, policy=_without_fetched(policy))
+    if fetched and name == "none":
+        name = "dots_saveable"
+    return fn if name == "none" else jax.checkpoint(fn, policy=POLICIES[name])
 
 
 def name_collective(x):

@@ -184,21 +184,6 @@ TOLERANCE = {jnp.float64: 1e-10, jnp.float32: 1e-5}
 DTYPE_NAME = {jnp.float64: "float64", jnp.float32: "float32"}
 
 
-def xla_merges_peeled_regather():
-    """An XFAIL mark for the counts that hold with jax 0.10's XLA, which merges the backward's
-    re-gather of a layer run before the scan with the forward's gather (CSE), and not with jax
-    0.12's, which re-gathers it: the regather is not yet made explicit by construction (a
-    custom VJP that gathers again), so the count depends on the compiler. Strict: when both
-    agree the mark must go."""
-    import jax
-    import pytest
-
-    newer = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
-    return pytest.mark.xfail(newer, strict=True, reason=(
-        "jax >= 0.11 re-gathers the peeled layer's weight for the backward; the count in this "
-        "test is jax 0.10's (regather by construction is open work)"))
-
-
 def exit_code(argv):
     """``jphantom.cli.main(argv)``'s exit status, argparse's SystemExit included."""
     from jphantom import cli

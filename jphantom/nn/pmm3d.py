@@ -37,6 +37,7 @@ from jphantom.nn import metadata
 from jphantom.nn.tensor import _embed, _gather_vocab, _linear, _promote, _value
 from jphantom.sharding import pmm3d as pmm3d_ops
 from jphantom.sharding import vocab
+from jphantom.sharding import zero as zero_ops
 
 X, Y, Z = pmm3d_ops.X, pmm3d_ops.Y, pmm3d_ops.Z
 ROLES = pmm3d_ops.ROLES  # role -> (contraction axis, output axis)
@@ -101,20 +102,25 @@ class Pmm3dLinear(nnx.Module):
         contract, _ = ROLES[self.role]
         gathered = self.gathered
 
-        def linear(kernel, x, bias):
-            # all-gather over z, Eq. 5.1 (deferred: done before the layers)
-            w = kernel if gathered else pmm3d_ops.gather(kernel, kernel.ndim - 1)
+        def multiply(w, x, bias):
             x, w, bias = _promote(x, w, bias)
             w = pmm3d_ops.checkpoint_name(w)  # the weight the layer multiplies with
             y = remat.name_collective(comm.psum(x @ w, contract))  # all-reduce_contract, Eq. 5.3
             return y if bias is None else y + bias
 
+        def gather(kernel):  # all-gather over z, Eq. 5.1
+            return pmm3d_ops.gather(kernel, kernel.ndim - 1)
+
+        bias = _value(self.bias)
+        if gathered:  # deferred: gathered before the layers
+            return multiply(self.kernel[...], x, bias)
         if self.weights == "regather":
-            # Nothing saved: the backward needs only the layer's inputs and W, so what it
-            # recomputes is W = all-gather_z(Ŵ), the all-gather again (a policy saving anything
-            # but W would save the all-gather's output under another name).
-            linear = jax.checkpoint(linear, policy=jax.checkpoint_policies.nothing_saveable)
-        return linear(self.kernel[...], x, _value(self.bias))
+            # The backward gathers W again from the shard, by construction (the forward keeps
+            # the layer's input, not W): AxoNN without cache_weights. Checkpointed, so that
+            # what the backward needs of W is W itself (not its named copy).
+            multiply = jax.checkpoint(multiply, policy=jax.checkpoint_policies.nothing_saveable)
+            return zero_ops.regathered(multiply, gather, [True])(self.kernel[...], x, bias)
+        return multiply(gather(self.kernel[...]), x, bias)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = self.local_outputs(x)

@@ -24,9 +24,9 @@ whole stack in one collective).
 
 Two explicit attributes, set by the training step and never by a context: ``remat``, the
 blocks' activation-checkpointing policy (:mod:`jphantom.remat`; :func:`set_remat`), and
-``fetch``, a function applied to each layer's parameters before it runs (ZeRO-3's per-layer
-all-gather over ``data``, :class:`jphantom.sharding.zero.LayerFetch`): what it returns is never
-saved for the backward, which fetches again. Holds no collective itself.
+``fetch``, ZeRO-3's per-layer all-gather over ``data`` (:class:`jphantom.sharding.zero.LayerFetch`),
+whose ``around(layer)`` runs each layer on its gathered parameters and gathers them again
+for the backward. Holds no collective itself.
 """
 
 from __future__ import annotations
@@ -76,12 +76,12 @@ def apply_blocks(graphdef, state, carry, *args, remat: str = "none", fetch=None,
     graphdef, state = gather_stacked(graphdef, state)
 
     def one(layer_state, carry, index):
-        if fetch is not None:
-            layer_state = fetch(layer_state)
         block = nnx.merge(graphdef, layer_state)
         return block(carry, index, *args) if with_index else block(carry, *args)
 
     one = remat_module.checkpointed(one, remat, fetched=fetch is not None)
+    if fetch is not None:
+        one = fetch.around(one)
     layers = jax.tree.leaves(state)[0].shape[0]
     indices = offset + jnp.arange(layers)
     if peel_first:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -131,25 +132,88 @@ class LayerFetch:
     """ZeRO-3 inside a :class:`jphantom.nn.Stacked`: ``fetch(layer_state)`` all-gathers each of
     one layer's parameters over ``data`` along its split dimension (``dims``: per leaf of the
     block's state, in ``jax.tree.leaves`` order, the dimension of the *stacked* array, -1 for a
-    leaf left replicated) and names the result :data:`jphantom.remat.FETCHED`, so the
-    checkpointed layer never keeps it: the backward gathers again and only one layer is ever
-    whole. The gather's transpose, per layer in the backward scan, is the gradient's
-    reduce-scatter."""
+    leaf left replicated). :meth:`around` runs a layer on what it fetches and gathers again in
+    the backward, by construction; the gather's transpose, per layer in the backward scan, is the
+    gradient's reduce-scatter."""
 
     def __init__(self, dims, axes=None):
         self.dims = tuple(dims)
         self.axes = tuple(axes) if axes is not None else ((DATA_AXIS,),) * len(self.dims)
 
     def __call__(self, layer_state):
-        from jax.ad_checkpoint import checkpoint_name
-
-        from jphantom.remat import FETCHED
-
         leaves, treedef = jax.tree.flatten(layer_state)
         if len(leaves) != len(self.dims):
             raise ValueError(f"LayerFetch of {len(self.dims)} parameters applied to "
                              f"{len(leaves)}")
-        gathered = [x if d < 0 else checkpoint_name(
-            gather(x, d - 1, invariant=False, axes=a), FETCHED)
-            for x, d, a in zip(leaves, self.dims, self.axes)]
+        gathered = [x if d < 0 else gather(x, d - 1, invariant=False, axes=a)
+                    for x, d, a in zip(leaves, self.dims, self.axes)]
         return jax.tree.unflatten(treedef, gathered)
+
+    def around(self, layer):
+        """``layer(params, carry, index)`` (checkpointed, :func:`jphantom.remat.checkpointed`
+        with ``fetched=True``) as ``f(shards, carry, index)`` that gathers the parameters for
+        the forward and again for the backward (:func:`regathered`)."""
+        return regathered(layer, self, [d >= 0 for d in self.dims])
+
+
+def regathered(fn, fetch, split):
+    """``fn(params, *args)`` as ``f(shards, *args)``, ``params = fetch(shards)``, the gather made
+    twice by construction: the forward gathers the parameters and keeps ``fn``'s residuals but
+    the gathered parameters (``fn`` is checkpointed, so that those are among its residuals
+    themselves, not values derived from them); the backward gathers them again from the shards once ``fn``'s output
+    gradient exists, and transposes the gather (a reduce-scatter). Only one layer's parameters
+    are ever whole. ``split``: per leaf of ``shards``, whether ``fetch`` gathers it.
+
+    The backward's gather reads the shards through ``shards + 0 * g[0]`` (``g`` the output
+    gradient): a data dependence, so the compiler can neither merge it with the forward's gather
+    (common-subexpression elimination: XLA's CPU pipeline in jax 0.10 drops an
+    ``optimization_barrier`` before it runs, and then merges the two; measured) nor hoist it
+    before the gradient arrives. The shards are first marked varying over the axes the output
+    varies over (those of ``g``), so the added term changes no type; the transpose of that mark
+    sums the shard's gradient over them, where autodiff would have summed the whole
+    parameter's."""
+    def run(shards, *args):
+        out_type = jax.eval_shape(lambda s, *a: fn(fetch(s), *a), shards, *args)
+        out_axes = set().union(*(comm.varying_axes(o) for o in jax.tree.leaves(out_type)))
+        leaves, treedef = jax.tree.flatten(shards)
+        leaves = [comm.pcast(x, tuple(sorted(out_axes - comm.varying_axes(x))), to="varying")
+                  if s else x for x, s in zip(leaves, split)]
+        return _regathered_call(fn, fetch, split)(jax.tree.unflatten(treedef, leaves), *args)
+
+    return run
+
+
+def _regathered_call(fn, fetch, split):
+    """:func:`regathered`'s custom VJP, one per call (what its forward learns of the residuals'
+    structure is its own)."""
+    static = {}
+
+    @jax.custom_vjp
+    def call(shards, *args):
+        return fn(fetch(shards), *args)
+
+    def forward(shards, *args):
+        full = fetch(shards)
+        out, pullback = jax.vjp(fn, full, *args)
+        residuals, static["tree"] = jax.tree.flatten(pullback)
+        position = {id(x): i for i, (x, s) in enumerate(zip(jax.tree.leaves(full), split)) if s}
+        static["where"] = [position.get(id(r), -1) for r in residuals]
+        kept = [None if w >= 0 else r for r, w in zip(residuals, static["where"])]
+        return out, (shards, kept)
+
+    def backward(saved, g):
+        shards, kept = saved
+        first = jax.tree.leaves(g)[0].reshape(-1)[0]
+        leaves, treedef = jax.tree.flatten(shards)
+        leaves = [x + jnp.zeros((), x.dtype) * first.astype(x.dtype) if s else x
+                  for x, s in zip(leaves, split)]
+        full, fetch_pullback = jax.vjp(fetch, jax.tree.unflatten(treedef, leaves))
+        full_leaves = jax.tree.leaves(full)
+        pullback = jax.tree.unflatten(static["tree"], [
+            full_leaves[w] if w >= 0 else r for r, w in zip(kept, static["where"])])
+        d_full, *d_args = pullback(g)
+        (d_shards,) = fetch_pullback(d_full)
+        return (d_shards, *d_args)
+
+    call.defvjp(forward, backward)
+    return call
