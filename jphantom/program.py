@@ -311,10 +311,11 @@ def check_experts(config, strategy: str, mesh: MeshConfig, *, sequence_parallel:
                           "model MoE blocks (--moe-every 2 --experts 8) or drop the axis")
 
 
-def lm_loss(model, tokens, targets):
+def lm_loss(model, tokens, targets, **balance):
     """``loss_fn`` of the zoo's language models: the model's own ``loss`` (vocabulary-parallel
-    cross-entropy when the head is; plus the MoE auxiliary losses)."""
-    return model.loss(tokens, targets)
+    cross-entropy when the head is; plus the MoE auxiliary losses; ``balance_fraction=`` from a
+    step that accumulates micro-batches, :meth:`jphantom.models.gpt2_nnx.GPT2.balance_statistics`)."""
+    return model.loss(tokens, targets, **balance)
 
 
 # -------------------------------------------------------------------------------------------------

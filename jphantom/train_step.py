@@ -36,6 +36,7 @@ that ``data`` divides (:func:`jphantom.sharding.zero.choose_dim`); one with none
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -598,13 +599,48 @@ class TrainStep:
         order = self.mesh.axis_names
         return share, tuple(sorted(axes, key=order.index))
 
-    def _loss_share(self, model, batch):
-        loss = jnp.asarray(self.loss_fn(model, *self.precision.cast(batch)))
+    def _loss_share(self, model, batch, balance=None):
+        loss = jnp.asarray(self._loss(model, batch, balance))
         if loss.shape != ():
             raise ConfigError(f"loss_fn returned shape {loss.shape}; it must return the "
                               "scalar mean loss")
         loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
         return self._mean_share(loss)[0]  # this rank's share of the global mean
+
+    def _loss(self, model, batch, balance=None):
+        """``loss_fn(model, *batch)`` in the compute precision (``balance``: the whole batch's
+        routing fractions, given to a micro-batch's loss, :meth:`_balance_fraction`)."""
+        extra = {} if balance is None else {"balance_fraction": balance}
+        return self.loss_fn(model, *self.precision.cast(batch), **extra)
+
+    def _takes_balance(self) -> bool:
+        """Whether micro-batches get the whole batch's routing fractions: the model defines
+        ``balance_statistics`` (GPT-2's MoE blocks) and ``loss_fn`` takes ``balance_fraction``."""
+        if not callable(getattr(self.model_template, "balance_statistics", None)):
+            return False
+        try:
+            parameters = inspect.signature(self.loss_fn).parameters.values()
+        except (TypeError, ValueError):
+            return False
+        return any(p.name == "balance_fraction" or p.kind is p.VAR_KEYWORD for p in parameters)
+
+    def _balance_fraction(self, model, micro):
+        """The whole batch's routing fractions [L_moe, E] from its micro-batches ``micro`` (each
+        array [n, b, ...]): a forward pass over each (no gradient) summing every MoE layer's
+        router statistics. ``None`` when the model has no MoE layers or does not take part
+        (:meth:`_takes_balance`). With them a micro-batch's load-balancing loss uses the whole
+        batch's fractions, so the accumulated loss and gradient equal the unaccumulated step's
+        (the fractions count arg-max choices: they carry no gradient)."""
+        if not self._takes_balance():
+            return None
+        statistics = lambda mb: model.balance_statistics(*self.precision.cast(mb))
+        shape = jax.eval_shape(statistics, [m[0] for m in micro])
+        if shape is None:
+            return None
+        total, _ = lax.scan(lambda acc, mb: (acc + statistics(mb), None),
+                            _zeros_of(shape), micro)
+        counts = lax.stop_gradient(total[:, :total.shape[-1] // 2])
+        return counts / jnp.sum(counts, axis=-1, keepdims=True)
 
     def _local_value_and_grad(self, leaves, *batch, scale=None):
         """This rank's loss share and gradients, before the reductions. ``scale``: the loss
@@ -612,18 +648,19 @@ class TrainStep:
         vary = self._vary_axes()
         scale = self.precision.loss_scale if scale is None else scale
 
-        def loss_of(leaves, *batch):
-            return self._loss_share(self._model(leaves, train=True), batch) * scale
+        def loss_of(leaves, *batch, balance=None):
+            return self._loss_share(self._model(leaves, train=True), batch, balance) * scale
 
         def unscaled(loss, grads, like):  # in float32 (or wider) before the master's dtype
             return loss / scale, [(g.astype(jnp.promote_types(g.dtype, jnp.float32)) / scale
                                    ).astype(x.dtype) for g, x in zip(grads, like)]
 
-        def one(leaves, *batch):
+        def one(leaves, *batch, balance=None):
             # each rank its own copy of what it holds replicated: the gradient w.r.t. the copy
             # is this rank's part, summed once after the backward (_per_rank)
             varied = _group_by(leaves, vary, lambda xs, axes: comm.pcast(xs, axes, to="varying"))
-            loss, grads = jax.value_and_grad(loss_of)(varied, *batch)
+            loss, grads = jax.value_and_grad(
+                lambda p, *b: loss_of(p, *b, balance=balance))(varied, *batch)
             return unscaled(loss, grads, leaves)
 
         if self.pipeline is not None:
@@ -644,10 +681,13 @@ class TrainStep:
             return one(leaves, *batch)
         n = self.accumulate
         micro = [b.reshape(n, b.shape[0] // n, *b.shape[1:]) for b in batch]
-        first = jax.eval_shape(one, leaves, *(m[0] for m in micro))
+        balance = self._balance_fraction(self._model(leaves, train=True), micro)
+        first = jax.eval_shape(lambda *mb: one(leaves, *mb, balance=balance),
+                               *(m[0] for m in micro))
         add = lambda a, b: jax.tree.map(jnp.add, a, b)
-        (loss, grads), _ = lax.scan(lambda total, mb: (add(total, one(leaves, *mb)), None),
-                                    jax.tree.map(_zeros_of, first), micro)
+        (loss, grads), _ = lax.scan(
+            lambda total, mb: (add(total, one(leaves, *mb, balance=balance)), None),
+            jax.tree.map(_zeros_of, first), micro)
         return jax.tree.map(lambda a: a / n, (loss, grads))
 
     def _per_rank(self, leaves, *batch, scale=None):
@@ -681,12 +721,12 @@ class TrainStep:
                               "batch arrays")
         return self.batch_specs
 
-    def _gspmd_loss(self, params, *batch):
+    def _gspmd_loss(self, params, *batch, balance=None):
         """GSPMD: the global loss of global arrays; ``jax.jit`` places the collectives."""
         batch = [jax.lax.with_sharding_constraint(b, NamedSharding(self.mesh, s))
                  for b, s in zip(batch, self._specs_of_batch(len(batch)))]
         model = self.layout.model_of(self.precision.cast(jax.tree.leaves(params)))
-        loss = jnp.asarray(self.loss_fn(model, *self.precision.cast(batch)))
+        loss = jnp.asarray(self._loss(model, batch, balance))
         return loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
 
     def value_and_grad(self) -> Callable:
@@ -695,8 +735,9 @@ class TrainStep:
         if self.spmd == "gspmd":
             grad_sh = self._shardings(self.grad_specs)
 
-            def one(params, batch, scale):
-                return jax.value_and_grad(lambda p: self._gspmd_loss(p, *batch) * scale)(params)
+            def one(params, batch, scale, balance=None):
+                return jax.value_and_grad(
+                    lambda p: self._gspmd_loss(p, *batch, balance=balance) * scale)(params)
 
             def run_gspmd(params, *batch, scale=None):
                 scale = self.precision.loss_scale if scale is None else scale
@@ -708,10 +749,14 @@ class TrainStep:
                     micro = [b.reshape(ranks, n, b.shape[0] // (ranks * n), *b.shape[1:])
                              .swapaxes(0, 1).reshape(n, b.shape[0] // n, *b.shape[1:])
                              for b in batch]
-                    first = jax.eval_shape(one, params, [m[0] for m in micro], scale)
+                    model = self.layout.model_of(
+                        self.precision.cast(jax.tree.leaves(params)))
+                    balance = self._balance_fraction(model, micro)
+                    first = jax.eval_shape(lambda mb: one(params, mb, scale, balance),
+                                           [m[0] for m in micro])
                     total, _ = lax.scan(
-                        lambda acc, mb: (jax.tree.map(jnp.add, acc, one(params, mb, scale)),
-                                         None),
+                        lambda acc, mb: (jax.tree.map(jnp.add, acc,
+                                                      one(params, mb, scale, balance)), None),
                         jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), first), micro)
                     loss, grads = jax.tree.map(lambda a: a / n, total)
                 grads = jax.tree.map(lambda g, p: (g / scale).astype(p.dtype), grads, params)

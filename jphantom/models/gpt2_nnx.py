@@ -114,14 +114,20 @@ class MoEBlock(nnx.Module):
                              param_dtype=jnp.dtype(config.dtype),
                              kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
 
-    def __call__(self, h):
+    def __call__(self, h, fraction=None):
         h = h + self.attn(self.ln_1(h))
-        out, aux = self.moe(self.ln_2(h))
+        out, aux = self.moe(self.ln_2(h), fraction)
         return h + out, aux
 
 
 class MoEGroup(nnx.Module):
-    """``moe_every - 1`` plain blocks, then an MoE block: ``(h, aux) -> (h, aux + its aux)``."""
+    """``moe_every - 1`` plain blocks, then an MoE block: ``(h, aux) -> (h, aux + its aux)``.
+
+    Two optional entries of ``aux`` are per MoE block, [L_moe, ...], the next block's in row 0
+    (each group uses or fills row 0 and rolls the rows by one, so after the L_moe groups they are
+    in order again): ``fraction`` [L_moe, E], the routing fractions of the whole batch when the
+    model runs on a micro-batch of it (:meth:`GPT2.loss`), and ``statistics`` [L_moe, 2E], each
+    block's router statistics (:meth:`GPT2.balance_statistics`)."""
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         self.dense = nnx.List([Block(config, rngs=rngs) for _ in range(config.moe_every - 1)])
@@ -131,8 +137,15 @@ class MoEGroup(nnx.Module):
         h, aux = carry
         for block in self.dense:
             h = block(h)
-        h, added = self.moe_block(h)
-        return h, {name: aux[name] + added[name].astype(aux[name].dtype) for name in AUX}
+        fraction = aux.get("fraction")
+        h, added = self.moe_block(h, None if fraction is None else fraction[0])
+        out = {name: aux[name] + added[name].astype(aux[name].dtype) for name in AUX}
+        if fraction is not None:
+            out["fraction"] = jnp.roll(fraction, -1, axis=0)
+        if "statistics" in aux:
+            rows = aux["statistics"].at[0].add(added["statistics"].astype(aux["statistics"].dtype))
+            out["statistics"] = jnp.roll(rows, -1, axis=0)
+        return h, out
 
 
 class GPT2(nnx.Module):
@@ -162,17 +175,33 @@ class GPT2(nnx.Module):
             raise ConfigError(f"heads={self.config.heads} is not divisible by the {num_shards} "
                               "ranks that split them: pick an axis size dividing the heads")
 
-    def trunk(self, tokens: jax.Array):
+    def trunk(self, tokens: jax.Array, *, balance_fraction=None, statistics: bool = False):
         """The final-normed stream [B, S, h] and the MoE blocks' aux summed over them (``None``
-        without MoE blocks)."""
+        without MoE blocks); ``balance_fraction`` [L_moe, E] and ``statistics``: :class:`MoEGroup`'s
+        optional entries."""
         h = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))
         if not self.config.moe_every:
             return self.ln_f(self.blocks(h)), None
         wide = jnp.promote_types(h.dtype, jnp.float32)  # the router's statistics' dtype
         zero = {"load_balance": jnp.zeros((), wide), "z_loss": jnp.zeros((), wide),
                 "dropped": jnp.zeros((), wide)}  # floats: a pipeline exchanges the carry
+        experts = self.config.moe.experts
+        if balance_fraction is not None:
+            zero["fraction"] = jnp.asarray(balance_fraction, wide)
+        if statistics:
+            zero["statistics"] = jnp.zeros((self.config.moe_layers, 2 * experts), wide)
         h, aux = self.blocks((h, zero))
         return self.ln_f(h), aux
+
+    def balance_statistics(self, tokens: jax.Array, targets: jax.Array | None = None):
+        """[L_moe, 2E] per MoE block: how many of the batch's tokens chose each expert first, and
+        the sum of each expert's probability (over the whole batch: the ranks' statistics are
+        summed); ``None`` without MoE blocks. A training step that accumulates micro-batches
+        runs this on each first and gives :meth:`loss` the whole batch's fractions, so the
+        load-balancing loss is the whole batch's, as without accumulation."""
+        if not self.config.moe_every:
+            return None
+        return self.trunk(tokens, statistics=True)[1]["statistics"]
 
     def hidden_states(self, tokens: jax.Array) -> jax.Array:
         return self.trunk(tokens)[0]
@@ -186,10 +215,13 @@ class GPT2(nnx.Module):
             return cross_entropy(self.wte, h, targets, tied=True)
         return cross_entropy(self.head, h, targets)
 
-    def loss(self, tokens: jax.Array, targets: jax.Array) -> jax.Array:
+    def loss(self, tokens: jax.Array, targets: jax.Array, *,
+             balance_fraction: jax.Array | None = None) -> jax.Array:
         """Mean next-token cross-entropy (plus, with MoE blocks, ``balance_weight`` x the
-        load-balancing loss and ``z_weight`` x the router z-loss, summed over the MoE blocks)."""
-        h, aux = self.trunk(tokens)
+        load-balancing loss and ``z_weight`` x the router z-loss, summed over the MoE blocks).
+        ``balance_fraction`` [L_moe, E]: the routing fractions of the whole batch when ``tokens``
+        is a micro-batch of it (:meth:`balance_statistics`)."""
+        h, aux = self.trunk(tokens, balance_fraction=balance_fraction)
         loss = self._cross_entropy(h, targets)
         if aux is None:
             return loss

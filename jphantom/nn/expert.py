@@ -197,7 +197,7 @@ class ExpertParallelMoE(nnx.Module):
 
     # -- the layer ---------------------------------------------------------------------------------
 
-    def __call__(self, x: jax.Array):
+    def __call__(self, x: jax.Array, fraction: jax.Array | None = None):
         config, model = self.config, self.model_axis
         gathered = self.sequence_parallel and config.dropless
         if gathered:  # the whole sequence (all-gather of B S h over model; backward reduce-scatter)
@@ -211,7 +211,8 @@ class ExpertParallelMoE(nnx.Module):
         axes = self.batch_axes + ((model,) if self.sequence_parallel and not gathered else ())
         if axes:  # all-reduce of 2E numbers: the load balance of the whole batch
             statistics = comm.psum(statistics, axes)
-        aux = router_losses(logits, statistics, count * _ranks(axes))
+        aux = {**router_losses(logits, statistics, count * _ranks(axes), fraction),
+               "statistics": statistics}
         if config.dropless:
             y, dropped = self._dropless(tokens, chosen, gates), jnp.zeros((), jnp.int32)
         else:

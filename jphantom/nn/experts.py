@@ -216,11 +216,19 @@ def router_statistics(probs: jax.Array, chosen: jax.Array) -> jax.Array:
     return jnp.concatenate([first.sum(axis=0), probs.sum(axis=0)])
 
 
-def router_losses(logits: jax.Array, statistics: jax.Array, tokens: int) -> dict:
+def router_losses(logits: jax.Array, statistics: jax.Array, tokens: int,
+                  fraction: jax.Array | None = None) -> dict:
     """Load balance ``E sum_e f_e P_e`` from :func:`router_statistics` of ``tokens`` tokens, and
-    the router z-loss ``mean(logsumexp(logits)^2)`` of the tokens ``logits`` [T, E] holds."""
+    the router z-loss ``mean(logsumexp(logits)^2)`` of the tokens ``logits`` [T, E] holds.
+
+    ``fraction`` [E]: the fractions ``f_e`` of a larger batch this one is a micro-batch of (from
+    the statistics of all its micro-batches, gradient-free as ``f`` always is): then the mean of
+    the micro-batches' losses is the whole batch's, ``E sum_e f_e mean_m P_e^(m)``, exactly."""
     experts = logits.shape[-1]
-    fraction, mean_prob = statistics[:experts] / tokens, statistics[experts:] / tokens
+    mean_prob = statistics[experts:] / tokens
+    if fraction is None:
+        fraction = statistics[:experts] / tokens
+    fraction = lax.stop_gradient(fraction).astype(mean_prob.dtype)
     return {"load_balance": experts * jnp.sum(fraction * mean_prob),
             "z_loss": jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))}
 
@@ -260,13 +268,16 @@ class SwitchMoE(nnx.Module):
         """The gates [..., E] this layer gives each token (zero for the experts it did not pick)."""
         return top_k_gates(x @ self.router[...], self.config.top_k, renormalise=False)
 
-    def __call__(self, x: jax.Array):
+    def __call__(self, x: jax.Array, fraction: jax.Array | None = None):
+        """``(y, aux)``; ``fraction`` [E]: the whole batch's routing fractions when ``x`` is a
+        micro-batch (:func:`router_losses`). ``aux["statistics"]``: :func:`router_statistics`."""
         config = self.config
         lead, h = x.shape[:-1], x.shape[-1]
         tokens = x.reshape(-1, h)
         count = tokens.shape[0]
         logits, probs, chosen, gates = route(tokens, tokens @ self.router[...], config.top_k)
-        aux = router_losses(logits, router_statistics(probs, chosen), count)
+        statistics = router_statistics(probs, chosen)
+        aux = {**router_losses(logits, statistics, count, fraction), "statistics": statistics}
         weights, activation = self.experts.weights(), self.experts.activation
         if config.dropless:
             order, sizes = sort_by_expert(chosen, config.experts)

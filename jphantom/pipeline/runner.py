@@ -64,7 +64,7 @@ def zeros_of(struct) -> jax.Array:
     """Zeros of an abstract value (``jax.eval_shape`` inside a shard_map) with its shape, dtype
     and varying mesh axes."""
     zeros = jnp.zeros(struct.shape, struct.dtype)
-    varying = tuple(sorted(getattr(struct, "vma", None) or struct.manual_axis_type.varying))
+    varying = tuple(sorted(comm.varying_axes(struct)))  # none outside a shard_map
     return comm.pcast(zeros, varying, to="varying") if varying else zeros
 
 
