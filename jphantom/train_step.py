@@ -410,14 +410,35 @@ class TrainStep:
             leaves[i] = leaves[i][index]
         return self._pure(leaves)
 
+    def _pipeline_balance(self, leaves, inputs, targets):
+        """A pipelined step's :meth:`_balance_fraction`: the forward slots of the schedule, each
+        last stage summing the MoE layers' router statistics of its micro-batches (the
+        statistics ride with the activations, [L_moe, 2E] per micro-batch), all-reduced over
+        ``stage``. ``None`` when the model has no MoE layers or does not take part."""
+        if not self._takes_balance():
+            return None
+        rows = inputs.shape[0] // self.pipeline.microbatches
+        shape = jax.eval_shape(
+            lambda l, i, t: self._model(l, train=False).balance_statistics(i, t),
+            leaves, inputs[:rows], targets[:rows])
+        if shape is None:
+            return None
+        total = self._pipeline_value_and_grad(leaves, inputs, targets, train=False,
+                                              statistics=True)
+        total = comm.psum(total, "stage")  # non-zero on the last stage only
+        counts = lax.stop_gradient(total[:, :total.shape[-1] // 2])
+        return counts / jnp.sum(counts, axis=-1, keepdims=True)
+
     def _pipeline_value_and_grad(self, leaves, inputs, targets, *, train: bool = True,
-                                 scale=1.0):
+                                 scale=1.0, balance=None, statistics: bool = False):
         """The model cut at its :class:`Stacked` and run by the pipeline executor
         (:func:`jphantom.pipeline.runner.run`: GPipe, 1F1B or interleaved 1F1B, its own
         backward): the part of ``loss_fn`` before the blocks on the first stage, the blocks'
         layers split over ``stage`` (with V virtual stages, chunk c = v P + s on device s,
         layers [c L/(P V), (c+1) L/(P V))), the part after them (head, loss) on the last.
-        ``train=False``: the forward slots only, the loss share alone."""
+        ``train=False``: the forward slots only, the loss share alone (``statistics``: the MoE
+        layers' router statistics summed over the micro-batches instead, :meth:`_pipeline_balance`).
+        ``balance``: the whole batch's routing fractions, given to each micro-batch's loss."""
         from jphantom.nn.stack import Capture, Feed, StackInput, apply_blocks
         from jphantom.pipeline import runner
         from jphantom.plans import _set
@@ -436,9 +457,16 @@ class TrainStep:
             _set(model, stack_path, stand_in)
             return model
 
+        extra = {} if balance is None else {"balance_fraction": balance}
+
+        def run_model(model, inputs_mb, targets_mb):
+            if statistics:
+                return model.balance_statistics(inputs_mb, targets_mb)
+            return loss_fn(model, inputs_mb, targets_mb, **extra)
+
         def first(rest, inputs_mb):
             try:
-                loss_fn(model_with(rest, Capture()), inputs_mb, dummy_targets)
+                run_model(model_with(rest, Capture()), inputs_mb, dummy_targets)
             except StackInput as entered:
                 return entered.h
             raise ConfigError("loss_fn never called the model's Stacked blocks: a pipeline cuts "
@@ -455,7 +483,9 @@ class TrainStep:
 
         def last(rest, out, targets_mb, microbatches):
             model = model_with(rest, Feed(lambda: out))
-            loss = jnp.asarray(loss_fn(model, dummy_inputs, targets_mb))
+            if statistics:
+                return run_model(model, dummy_inputs, targets_mb)
+            loss = jnp.asarray(run_model(model, dummy_inputs, targets_mb))
             loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
             return self._mean_share(loss, exclude=("stage",))[0] / microbatches * scale
 
@@ -673,10 +703,14 @@ class TrainStep:
                 varied, scatter = jax.vjp(
                     lambda xs: [zero_module.gather(x, d, invariant=False, axes=z)
                                 for x, d, z in zip(xs, dims, zaxes)], varied)
-                loss, grads = self._pipeline_value_and_grad(varied, *batch, scale=scale)
+                balance = self._pipeline_balance(varied, *batch)
+                loss, grads = self._pipeline_value_and_grad(varied, *batch, scale=scale,
+                                                            balance=balance)
                 (grads,) = scatter(grads)
                 return unscaled(loss, grads, leaves)
-            return unscaled(*self._pipeline_value_and_grad(varied, *batch, scale=scale), leaves)
+            balance = self._pipeline_balance(varied, *batch)
+            return unscaled(*self._pipeline_value_and_grad(varied, *batch, scale=scale,
+                                                           balance=balance), leaves)
         if self.accumulate == 1:
             return one(leaves, *batch)
         n = self.accumulate
