@@ -66,6 +66,26 @@ def test_llama_under_megatron_equals_one_device(experts, sequence_parallel):
     assert rel_error(grads, ref_grads) < 1e-5
 
 
+@pytest.mark.parametrize("remat", ["dots_saveable", "nothing_saveable"])
+def test_llama_pipeline_with_remat_equals_one_device(remat):
+    """A pipelined Llama under activation checkpointing: the stage body's residuals (a rotary
+    table among them, computed from constants) live in stage-varying slots (NaN in the bubbles)."""
+    from jphantom.pipeline.runner import PipelineConfig
+
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices")
+    model = llama.Llama(config(), rngs=nnx.Rngs(0))
+    mesh = jax.make_mesh((2, 2, 2), ("stage", "data", "model"))
+    jphantom.parallelize(model, mesh, jphantom.plans.megatron(model))
+    step = jphantom.make_train_step(
+        model, mesh, optax.sgd(0.1), llama.lm_loss, remat=remat,
+        pipeline=PipelineConfig("1f1b", microbatches=2, bubble_fill=float("nan")))
+    loss, grads = jax.jit(step.value_and_grad())(step.init().params, *_batch())
+    ref_loss, ref_grads = one_device(0)
+    assert abs(float(loss) - ref_loss) < 1e-5 * ref_loss
+    assert rel_error(step.to_model_order(grads), ref_grads) < 1e-5
+
+
 @pytest.mark.parametrize("experts", [0, pytest.param(4, marks=pytest.mark.slow)],
                          ids=["llama", "mixtral"])
 def test_phantom_llama_equals_its_dense_equivalent(experts):

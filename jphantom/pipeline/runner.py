@@ -318,6 +318,11 @@ def _cast_like(tree, like):
     return jax.tree.map(one, tree, like)
 
 
+def _varying_over(x, axis):
+    """``x`` also varying over ``axis``."""
+    return x if axis in comm.varying_axes(x) else comm.pcast(x, axis, to="varying")
+
+
 def _fill_like(tree, fill):
     """A pytree like ``tree`` filled with ``fill`` (floating leaves; integer leaves with 0)."""
     return jax.tree.map(lambda a: jnp.full_like(a, fill) if jnp.issubdtype(a.dtype, jnp.floating)
@@ -401,7 +406,9 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
         """The part before the blocks, typed as what flows between stages (a carry's statistics
         start as plain zeros and flow varying over the batch axes)."""
         return _cast_like(stages.first(rest, inputs_mb), out0)
-    stash0 = [zeros_of(a) for a in stash0]
+    # The stash lives in slots written at a stage-dependent index, so its buffers vary over
+    # ``stage`` even where a residual does not (a rotary table computed from constants).
+    stash0 = [_varying_over(zeros_of(a), STAGE_AXIS) for a in stash0]
     carry = {"act": _slots(out0, plan_.activation_slots), "loss": zero}
     if train:
         carry.update(cot=_slots(out0, plan_.cotangent_slots),
@@ -439,7 +446,7 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
                         jax.tree.map(jnp.zeros_like, rest))
 
             loss, d_out, d_rest = lax.cond(field(row, "f_last") > 0, with_head, without_head)
-            return out, loss, stash, d_out, d_rest
+            return out, loss, _cast_like(stash, stash0), d_out, d_rest
 
         def idle():
             out = _fill_like(out0, fill)
