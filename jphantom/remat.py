@@ -20,6 +20,11 @@ Policies (``POLICIES``):
     keep the outputs of the layer's collectives -- every tensor-parallel all-gather / all-reduce
     output is named ``"collective"`` (:func:`name_collective`) -- so a recompute never repeats a
     collective; everything else is recomputed.
+``dots_collectives_saveable``
+    both: the matmul outputs and the collectives' outputs (a row-parallel layer's all-reduced
+    output too, which ``dots_saveable`` recomputes, repeating its all-reduce): what a layer
+    scan on a CPU or GPU runs fastest with when memory allows (it stores far fewer bytes than
+    ``none``, whose scan stacks every intermediate: ``benchmarks/peer_maxtext.py``).
 """
 
 from __future__ import annotations
@@ -38,9 +43,10 @@ POLICIES: dict[str, Callable | None] = {
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
     "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "collectives_saveable": jax.checkpoint_policies.save_only_these_names(COLLECTIVE),
+    "dots_collectives_saveable": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(COLLECTIVE)),
 }
-
-
 
 
 def check(name: str) -> str:

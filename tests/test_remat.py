@@ -53,7 +53,8 @@ def _run(mesh_text, policy):
     return float(loss), jax.device_get(grads), temp, compiled.as_text()
 
 
-@pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable", "collectives_saveable"])
+@pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable", "collectives_saveable",
+                                    "dots_collectives_saveable"])
 def test_every_policy_gives_the_same_gradients(policy):
     loss, grads, _, _ = _run("model=2", policy)
     want_loss, want_grads, _, _ = _run("model=2", "none")
@@ -85,12 +86,14 @@ def test_nothing_saveable_lowers_temp_memory_by_what_it_predicts():
 def test_collectives_saveable_recomputes_no_collective():
     """Megatron on model=2: nothing_saveable repeats, in each block's backward, the attention
     output's all-reduce (the MLP half needs its result again; the MLP-down all-reduce gives the
-    block's output, which no backward needs); collectives_saveable keeps the collectives' outputs
-    and runs exactly the collectives of the step without checkpointing."""
+    block's output, which no backward needs); collectives_saveable (and
+    dots_collectives_saveable) keeps the collectives' outputs and runs exactly the collectives of
+    the step without checkpointing."""
     count = lambda text: Counter((c.kind, c.elements) for c in collectives(text)
                                  for _ in range(c.count))
     plain = count(_run("model=2", "none")[3])
     assert count(_run("model=2", "collectives_saveable")[3]) == plain
+    assert count(_run("model=2", "dots_collectives_saveable")[3]) == plain
     block_output = BATCH * CONFIG.seq_len * CONFIG.hidden  # one all-reduce of B S h per block
     assert count(_run("model=2", "nothing_saveable")[3]) - plain == Counter(
         {("all-reduce", block_output): CONFIG.layers})
