@@ -27,7 +27,7 @@ def _config(**settings) -> RunConfig:
     return RunConfig.from_flags(**settings)  # the command line's flat names
 
 
-@pytest.mark.parametrize("strategy", ["tensor", "gspmd"])
+@pytest.mark.parametrize("strategy", [pytest.param("tensor", marks=pytest.mark.slow), "gspmd"])
 def test_a_resumed_run_continues_the_loss_curve_exactly(tmp_path, strategy):
     """Also the GSPMD baseline, whose restored optimizer state must land on the step's devices."""
     require_devices(4)

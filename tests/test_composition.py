@@ -189,7 +189,7 @@ def check(cell) -> None:
 
 
 # make test: a representative diagonal; make test-all: every cell
-DEFAULT = {("pipeline", "experts"), ("sequence", "experts"), ("experts", "accumulate")}
+DEFAULT = {("pipeline", "experts")}  # SP + MoE: test_moe_transformer; accumulation: slow
 
 
 @pytest.mark.parametrize("cell", [

@@ -66,7 +66,8 @@ def test_llama_under_megatron_equals_one_device(experts, sequence_parallel):
     assert rel_error(grads, ref_grads) < 1e-5
 
 
-@pytest.mark.parametrize("remat", ["dots_saveable", "nothing_saveable"])
+@pytest.mark.parametrize("remat", ["dots_saveable",
+                                   pytest.param("nothing_saveable", marks=pytest.mark.slow)])
 def test_llama_pipeline_with_remat_equals_one_device(remat):
     """A pipelined Llama under activation checkpointing: the stage body's residuals (a rotary
     table among them, computed from constants) live in stage-varying slots (NaN in the bubbles)."""

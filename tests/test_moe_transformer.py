@@ -214,7 +214,8 @@ def test_moe_step_moves_two_all_to_alls_each_way_per_moe_layer(dtd):
                        + 2 * EXPERTS * 2 + 2}
 
 
-@pytest.mark.parametrize("policy, recomputed", [("nothing_saveable", True),
+@pytest.mark.parametrize("policy, recomputed", [pytest.param("nothing_saveable", True,
+                                                             marks=pytest.mark.slow),
                                                 ("collectives_saveable", False)])
 def test_cac_in_the_step_keeps_the_all_to_alls_out_of_the_recompute(policy, recomputed):
     """Communication-aware checkpointing (seed 004): every block group checkpointed; saving

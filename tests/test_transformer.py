@@ -133,7 +133,8 @@ def test_transformer_equals_dense_in_float64(strategy, mesh, sequence_parallel):
 
 
 @pytest.mark.parametrize("strategy, mesh", [
-    pytest.param("phantom", "model=2", marks=pytest.mark.slow), ("phantom", "model=4"),
+    pytest.param("phantom", "model=2", marks=pytest.mark.slow),
+    pytest.param("phantom", "model=4", marks=pytest.mark.slow),
     pytest.param("phantom", "model=8", marks=pytest.mark.slow),
     ("phantom", "data=4,model=2"),
     pytest.param("phantom-unfused", "model=4", marks=pytest.mark.slow),
