@@ -87,7 +87,8 @@ def test_llama_pipeline_with_remat_equals_one_device(remat):
     assert rel_error(step.to_model_order(grads), ref_grads) < 1e-5
 
 
-@pytest.mark.parametrize("experts", [0, pytest.param(4, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("experts", [pytest.param(0, marks=pytest.mark.slow),
+                                     pytest.param(4, marks=pytest.mark.slow)],
                          ids=["llama", "mixtral"])
 def test_phantom_llama_equals_its_dense_equivalent(experts):
     """Every linear a phantom layer (k = 4): loss and gradients equal, on one device, those of the

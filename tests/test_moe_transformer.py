@@ -271,7 +271,8 @@ def test_active_parameters_count_k_of_the_experts():
     assert model.param_count == config.param_count()  # the NNX model has the dense layout's
 
 
-@pytest.mark.parametrize("zero", [pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("zero", [pytest.param(2, marks=pytest.mark.slow),
+                                  pytest.param(3, marks=pytest.mark.slow)])
 def test_zero_beside_an_expert_axis_shards_each_parameter_over_its_replicas(zero):
     """DeepSpeed-MoE's expert-data parallelism: with ZeRO beside an ``expert`` axis, a dense
     parameter is sharded over data x expert (its replicas) and an expert's over data alone; the
