@@ -681,7 +681,7 @@ def main(argv=None) -> int:
                 w.close()
     measured = [r["ratio"] for r in rows if "ratio" in r]
     result = {
-        "jphantom": _head() + " + working tree", "maxtext": MAXTEXT_VERSION,
+        "jphantom": _head_revision() + " + working tree", "maxtext": MAXTEXT_VERSION,
         "jphantom_python": args.jphantom_python, "maxtext_python": str(maxtext_python),
         "devices": args.devices, "steps": args.steps, "warmup": args.warmup, "chunk": args.chunk,
         "remat": {"name": args.remat, "jphantom": REMAT[args.remat][0],
@@ -729,11 +729,6 @@ def _print_profile(row) -> None:
                       for k in kinds) + "  (jphantom/MaxText)", flush=True)
 
 
-def _head() -> str:
-    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True).stdout.strip()
-
-
 def _plot(rows, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -763,6 +758,14 @@ def _plot(rows, path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def _head_revision() -> str:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from jphantom.analysis.machine import source_revision
+
+    return source_revision(ROOT)
 
 
 if __name__ == "__main__":

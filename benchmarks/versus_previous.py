@@ -345,7 +345,7 @@ def main(argv=None) -> int:
                 v.close()
     measured = [r["ratio"] for r in rows if "ratio" in r]
     result = {"previous": args.previous,
-              "this": (_head() + " + working tree") if args.this == "tree" else args.this, "devices": args.devices,
+              "this": (_head_revision() + " + working tree") if args.this == "tree" else args.this, "devices": args.devices,
               "steps": args.steps, "warmup": args.warmup, "target_ratio": TARGET,
               "worst_ratio": max(measured) if measured else None,
               "geometric_mean_ratio": statistics.geometric_mean(measured) if measured else None,
@@ -358,11 +358,6 @@ def main(argv=None) -> int:
               f"{result['geometric_mean_ratio']:.3f} (target <= {TARGET}: "
               f"{'met' if max(measured) <= TARGET else 'missed'}); wrote {args.out}")
     return 0
-
-
-def _head() -> str:
-    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True).stdout.strip()
 
 
 def _plot(rows, path: Path) -> None:
@@ -383,6 +378,14 @@ def _plot(rows, path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def _head_revision() -> str:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from jphantom.analysis.machine import source_revision
+
+    return source_revision(ROOT)
 
 
 if __name__ == "__main__":

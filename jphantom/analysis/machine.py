@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -36,3 +37,9 @@ def output_folder(out, default, *, quick: bool, name: str) -> Path:
     if quick:
         return Path(tempfile.mkdtemp(prefix=f"jphantom-{name}-quick-"))
     return Path(default)
+
+
+def source_revision(root) -> str:
+    """The short git revision of the checkout at ``root`` ("" outside a git checkout)."""
+    return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip()
