@@ -296,9 +296,9 @@ _TRAIN_HELP = {
                                                    "phantom", "phantom-unfused", "pmm3d",
                                                    "pmm3d-regather", "pmm3d-deferred")),
     "mesh": "mesh axes, e.g. data=2,model=4; add stage=P to pipeline the step over P stages "
-            "(tensor or phantom), e.g. stage=2,data=2,model=2; expert=G splits MoE experts; pmm3d "
-            "runs on data, z, y, x, e.g. data=2,z=2,y=1,x=2 (default model=1 for dense, else "
-            "model=<all devices>)",
+            "(tensor, phantom, pmm3d; gspmd with --schedule gpipe), e.g. stage=2,data=2,model=2; "
+            "expert=G splits MoE experts; pmm3d runs on data, expert, z, y, x, e.g. "
+            "data=2,z=2,y=1,x=2 (default model=1 for dense, else model=<all devices>)",
     "schedule": "with a stage axis: the pipeline schedule, gpipe, 1f1b or "
                 "interleaved-1f1b (see `jphantom schedule`)",
     "microbatches": "with a stage axis: micro-batches per step on each data rank; batch / data "

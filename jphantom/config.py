@@ -363,10 +363,10 @@ class RunConfig:
                               "epsilon (1e-8 is 0 in float16): use --precision float16 (float32 "
                               "master weights), bfloat16, or --optimizer sgd")
         if "stage" in self.parallel.mesh_config().shape:
-            if self.parallel.strategy in ("dense", "gspmd"):
-                raise ConfigError(f"strategy {self.parallel.strategy!r} does not run inside "
-                                  "pipeline stages: use 'tensor' or 'phantom' (with model=1 for "
-                                  "no tensor parallelism)")
+            if self.parallel.strategy == "dense":
+                raise ConfigError("strategy 'dense' does not run inside pipeline stages: use "
+                                  "'tensor' or 'phantom' (with model=1 for no tensor "
+                                  "parallelism), or 'gspmd'")
             if self.step.accumulate != 1:
                 raise ConfigError(f"--accumulate {self.step.accumulate} does not apply to a "
                                   "pipelined step: pipelines accumulate through --microbatches "

@@ -48,7 +48,9 @@ each kind of Flax layer (p = the size of ``axis``):
                :class:`~jphantom.nn.pmm3d.Pmm3dLinear` (``Style("pmm3d", role="normal" |
                "transposed", weights="kept" | "regather" | "deferred")``); the token
                ``nnx.Embed`` (``vocab_output=True``) -> :class:`~jphantom.nn.pmm3d.Pmm3dEmbed`;
-               other embeddings and norms split their features over ``y``
+               other embeddings and norms split their features over ``y``; a routed
+               ``SwitchMoE`` -> :class:`~jphantom.nn.pmm3d.Pmm3dMoE` (experts over
+               ``expert``, their width over ``x``)
 ``replicate``  unchanged: every rank holds the whole layer
 =============  ==========================================================================
 
@@ -165,6 +167,16 @@ def _convert(path: str, module, style: Style, *, axis: str, p: int, sequence_par
     embed = isinstance(module, nnx.Embed)
     norm = isinstance(module, NORMS)
     experts = isinstance(module, experts_module.Experts)
+    if isinstance(module, SwitchMoE) and name == "pmm3d":
+        groups = shape.get(EXPERT_AXIS, 1)
+        if module.config.experts % groups:
+            raise ConfigError(f"{path}: experts={module.config.experts} is not divisible by the "
+                              f"expert axis size {groups}: every rank holds E / G whole experts")
+        _divides(path, "expert width", module.config.width, shape.get("x", 1), "x")
+        return pmm3d_layers.Pmm3dMoE.from_module(
+            module, expert_axis=EXPERT_AXIS if groups > 1 else None,
+            batch_axes=tuple(a for a in BATCH_AXES if a in shape),
+            tensor=shape.get("x", 1) > 1)
     if isinstance(module, SwitchMoE) and name in ("experts", "phantom"):
         return _convert_moe(path, module, style, axis=axis, p=p,
                             sequence_parallel=sequence_parallel, ghost_width=ghost_width,
@@ -262,7 +274,7 @@ def _convert(path: str, module, style: Style, *, axis: str, p: int, sequence_par
             "phantom": "nnx.Linear, nnx.Embed, nnx.LayerNorm, nnx.RMSNorm or Experts",
             "experts": "jphantom.nn.Experts or a SwitchMoE", "t1": "nnx.Linear",
             "gather": "jphantom.nn.Boundary", "scatter": "jphantom.nn.Boundary",
-            "pmm3d": "nnx.Linear, nnx.Embed, nnx.LayerNorm or nnx.RMSNorm"}[name]
+            "pmm3d": "nnx.Linear, nnx.Embed, nnx.LayerNorm, nnx.RMSNorm or a SwitchMoE"}[name]
     raise ConfigError(f"{path}: style {name!r} does not fit {kind}; it applies to {fits}")
 
 
@@ -547,9 +559,12 @@ def pmm3d(model: nnx.Module, *, weights: str = "kept") -> dict[str, Style]:
             plan[path] = Style("pmm3d", vocab_output=module.num_embeddings == vocab)
         elif isinstance(module, NORMS):
             plan[path] = Style("pmm3d")
-        elif isinstance(module, (Experts, SwitchMoE)) or name in ROUTERS:
-            raise ConfigError(f"plans.pmm3d: {path} is part of a mixture of experts, which pmm3d "
-                              "does not split; use plans.megatron with an expert axis")
+        elif isinstance(module, SwitchMoE):
+            plan[path] = Style("pmm3d")
+        elif isinstance(module, Experts) or name in ROUTERS:
+            raise ConfigError(f"plans.pmm3d: {path} is part of a mixture of experts that is not "
+                              "a routed SwitchMoE (GPT-2's MoE blocks), which pmm3d does not "
+                              "split; use strategy 'tensor' (plans.megatron) with an expert axis")
         elif isinstance(module, nnx.Linear):
             if name in COLUMN:
                 plan[path] = Style("pmm3d", role="normal", weights=weights)

@@ -181,9 +181,11 @@ def check_lm_mesh(strategy: str, mesh: MeshConfig) -> MeshConfig:
                               "'model=1', or 'gspmd' / 'tensor' / 'phantom' for several devices")
         return mesh
     if strategy.startswith("pmm3d"):
-        extra = [a for a, s in mesh.axes if a not in ("data", "z", "y", "x", "stage") and s > 1]
+        extra = [a for a, s in mesh.axes
+                 if a not in ("data", "z", "y", "x", "stage", "expert") and s > 1]
         if extra:
-            raise ConfigError(f"strategy {strategy!r} runs on the axes data, stage, z, y, x, not "
+            raise ConfigError(f"strategy {strategy!r} runs on the axes data, stage, expert, z, y, "
+                              f"x, not "
                               f"{extra}: drop them from the mesh ({mesh})")
         return MeshConfig.of({**dict(mesh.axes), **{a: mesh.size(a) for a in ("z", "y", "x")}})
     grid = [a for a in ("x", "y", "z") if mesh.size(a) > 1]
@@ -360,9 +362,9 @@ def check_ffn_mesh(config, strategy: str, mesh: MeshConfig) -> MeshConfig:
         for axes in (("x", "z"), ("y", "z")):
             _pmm3d_divides("width", config.width, axes, mesh)
         return mesh
-    if staged and strategy in ("dense", "gspmd"):
-        raise ConfigError(f"strategy {strategy!r} does not run inside pipeline stages: use "
-                          "'tensor' or 'phantom' (with model=1 for no tensor parallelism)")
+    if staged and strategy == "dense":
+        raise ConfigError("strategy 'dense' does not run inside pipeline stages: use 'tensor' or "
+                          "'phantom' (with model=1 for no tensor parallelism), or 'gspmd'")
     if strategy == "dense":
         if mesh.device_count != 1:
             raise ConfigError(f"strategy 'dense' runs on one device, not on mesh {mesh}: use "

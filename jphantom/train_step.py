@@ -292,10 +292,14 @@ class TrainStep:
                 raise ConfigError(f"spmd='gspmd' runs the plain model with sharding annotations "
                                   f"(jphantom.plans.annotate); it holds parallel layers "
                                   f"({parallel[0]}): annotate a plain model instead")
-            if pipeline is not None or "stage" in mesh.axis_names:
-                raise ConfigError("spmd='gspmd' takes no pipeline here: the GSPMD baseline is "
-                                  "one program of global arrays; use the shard_map step for "
-                                  "pipelines")
+            if pipeline is not None and (pipeline.schedule != "gpipe"
+                                         or pipeline.virtual_stages != 1):
+                raise ConfigError(
+                    f"spmd='gspmd' pipelines by differentiating a loop of forward ticks (Praxis, "
+                    f"MaxText), so every backward runs after every forward: its schedule is "
+                    f"GPipe, not {pipeline.schedule!r} (with {pipeline.virtual_stages} virtual "
+                    "stages); 1F1B and interleaving order the backward by hand: use the "
+                    "shard_map step (strategy 'tensor' with model=1, or 'phantom')")
         self.pipeline, self.stack = self._pipeline(model, mesh, pipeline)
         self.layout = ParamLayout.of(model, mesh, zero)
         if self.pipeline is not None:
@@ -500,6 +504,88 @@ class TrainStep:
                                              targets)
         grads = self._join(d_stacked, d_rest)
         return loss, [g.astype(x.dtype) for g, x in zip(grads, leaves)]
+
+    def _gspmd_pipeline_loss(self, leaves, inputs, targets, balance=None):
+        """GSPMD's pipeline, as a JAX user writes it (Praxis' ``LayerwiseShardablePipelined``,
+        MaxText's ``pipeline.py``): the stacked layers reshaped [P, L/P, ...] with the stage
+        dimension on ``stage``, a state buffer [P, micro-batch, ...] split the same way, and
+        M + P - 1 ticks of ``vmap`` over the stages, each tick rotating the buffer one stage on
+        (``jnp.concatenate`` of its last and first P - 1 slots, which the partitioner turns into
+        a collective-permute over ``stage``) and feeding micro-batch t to stage 0 in place of
+        what the last stage sent round. The loss is the mean of the
+        micro-batches' losses; ``jax.grad`` of the loop is the backward, so the schedule is
+        GPipe's (every forward tick, then every backward tick). Micro-batch i holds every batch
+        rank's i-th slice, as in the shard_map pipeline."""
+        from jphantom.nn.stack import Capture, Feed, StackInput, apply_blocks
+        from jphantom.plans import _set
+
+        leaves = self.precision.cast(list(leaves))
+        stack_path, stacked_module = self.stack
+        stages, micro = dict(self.mesh.shape)["stage"], self.pipeline.microbatches
+        ranks = self.batch_ranks
+        split = lambda b: (b.reshape(ranks, micro, b.shape[0] // (ranks * micro), *b.shape[1:])
+                           .swapaxes(0, 1).reshape(micro, b.shape[0] // micro, *b.shape[1:]))
+        inputs_mb, targets_mb = split(inputs), split(targets)
+        stacked, rest = self._split(leaves)
+        extra = {} if balance is None else {"balance_fraction": balance}
+        if balance is None and self._takes_balance():
+            fraction = self._balance_fraction(self.layout.model_of(leaves),
+                                              [inputs_mb, targets_mb])
+            extra = {} if fraction is None else {"balance_fraction": fraction}
+
+        def model_with(stand_in):
+            model = self.layout.model_of(self._join(stacked, rest))
+            _set(model, stack_path, stand_in)
+            return model
+
+        def first(inputs_one, targets_one):
+            try:
+                self.loss_fn(model_with(Capture()), inputs_one, targets_one, **extra)
+            except StackInput as entered:
+                return entered.h
+            raise ConfigError("loss_fn never called the model's Stacked blocks: a pipeline cuts "
+                              "the model there")
+
+        per_stage = stacked_module.layers // stages
+
+        def stage(chunk, x, s):
+            state = jax.tree.unflatten(self.block_treedef, [chunk[k] for k in self.block_order])
+            return apply_blocks(self.block_graph, state, x, remat=stacked_module.remat,
+                                with_index=stacked_module.with_index, offset=s * per_stage)
+
+        def on_stage(tree):  # dimension 0 over ``stage``, the others where the partitioner likes
+            return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(
+                self.mesh, P("stage", *[P.UNCONSTRAINED] * (a.ndim - 1)))), tree)
+
+        xs = jax.vmap(first)(inputs_mb, targets_mb)  # [M, b, ...]: every micro-batch embedded
+        chunks = on_stage([a.reshape(stages, per_stage, *a.shape[1:]) for a in stacked])
+        buffer = on_stage(jax.tree.map(lambda a: jnp.zeros((stages, *a.shape[1:]), a.dtype), xs))
+        outputs = jax.tree.map(jnp.zeros_like, xs)
+        run_stages = jax.vmap(stage, spmd_axis_name="stage")
+
+        def tick(carry, t):
+            buffer, outputs = carry
+            fed = jax.tree.map(lambda a: lax.dynamic_index_in_dim(
+                a, jnp.minimum(t, micro - 1), 0, keepdims=True), xs)
+            first_stage = jnp.arange(stages) == 0
+            shifted = on_stage(jax.tree.map(
+                lambda f, b: jnp.where(first_stage.reshape(-1, *[1] * (b.ndim - 1)), f,
+                                       jnp.concatenate([b[-1:], b[:-1]], 0)), fed, buffer))
+            buffer = on_stage(run_stages(chunks, shifted, jnp.arange(stages)))
+            done = jnp.maximum(t - (stages - 1), 0)  # the micro-batch leaving the last stage
+            outputs = jax.tree.map(
+                lambda o, b: jnp.where(t >= stages - 1, lax.dynamic_update_index_in_dim(
+                    o, b[-1], done, 0), o), outputs, buffer)
+            return (buffer, outputs), None
+
+        (_, outputs), _ = lax.scan(tick, (buffer, outputs), jnp.arange(micro + stages - 1))
+
+        def last(out, inputs_one, targets_one):
+            loss = jnp.asarray(self.loss_fn(model_with(Feed(lambda: out)), inputs_one,
+                                            targets_one, **extra))
+            return loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
+
+        return jnp.mean(jax.vmap(last)(outputs, inputs_mb, targets_mb))
 
     # -- shardings ---------------------------------------------------------------------------
 
@@ -759,6 +845,11 @@ class TrainStep:
         """GSPMD: the global loss of global arrays; ``jax.jit`` places the collectives."""
         batch = [jax.lax.with_sharding_constraint(b, NamedSharding(self.mesh, s))
                  for b, s in zip(batch, self._specs_of_batch(len(batch)))]
+        if self.pipeline is not None:
+            if len(batch) != 2:
+                raise ConfigError(f"a pipelined step takes (inputs, targets), got {len(batch)} "
+                                  "batch arrays")
+            return self._gspmd_pipeline_loss(jax.tree.leaves(params), *batch, balance=balance)
         model = self.layout.model_of(self.precision.cast(jax.tree.leaves(params)))
         loss = jnp.asarray(self._loss(model, batch, balance))
         return loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
@@ -851,10 +942,10 @@ class TrainStep:
     def loss(self) -> Callable:
         """``loss(params, *batch) -> global mean loss`` (evaluation), jitted: forward only (a
         pipeline's through its executor, gradients discarded)."""
+        if self.spmd == "gspmd":  # a pipeline's through its forward ticks
+            return jax.jit(self._gspmd_loss)
         if self.pipeline is not None:
             return self._pipeline_loss()
-        if self.spmd == "gspmd":
-            return jax.jit(self._gspmd_loss)
         return self._evaluate(self.loss_fn)
 
     def _pipeline_loss(self) -> Callable:

@@ -21,7 +21,8 @@ from jphantom.nn.stack import Stacked
 from jphantom.pipeline.runner import PipelineConfig, plan, unit_order
 
 from conftest import require_devices
-from helpers import (abstract_state, assert_tree_close, gradient_step, oracle_loss_and_grads,
+from helpers import (abstract_state, assert_tree_close, compiled_hlo, gradient_step,
+                     oracle_loss_and_grads,
                      random_params)
 
 NAN = float("nan")
@@ -90,6 +91,27 @@ def test_ffn_pipeline_with_data_and_model_parallelism(strategy, schedule, virtua
     step, stored, batch, want = _check_ffn(strategy, "stage=2,data=2,model=2", schedule, 4,
                                            virtual_stages)
     assert float(step.loss()(stored, *batch)) == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("mesh_text, microbatches", [
+    ("stage=2,data=2,model=2", 4), pytest.param("stage=4,data=2", 8, marks=pytest.mark.slow)])
+def test_gspmd_pipeline_equals_unpipelined_and_keeps_each_stage_s_layers(mesh_text, microbatches):
+    """The GSPMD baseline's pipeline (vmap over stages, a rotated state buffer, autodiff for the
+    backward: GPipe): the unpipelined loss and gradients and the same evaluation loss; the
+    partitioner moves activations between stages (collective-permutes over ``stage``, of one
+    micro-batch's rows per data rank) and never gathers a stage's layers elsewhere. How many
+    permutes and all-reduces it adds around them is the partitioner's choice, not asserted:
+    this is the baseline a JAX user writes, not a program jphantom spells out."""
+    step, stored, batch, want = _check_ffn("gspmd", mesh_text, "gpipe", microbatches)
+    assert float(step.loss()(stored, *batch)) == pytest.approx(want, rel=1e-5)
+    mesh = dict(step.mesh.shape)
+    text = compiled_hlo(step, ((batch[0].shape), np.float32), ((batch[1].shape), np.float32))
+    over_stage = {(op.kind, op.elements) for op in collectives(text)
+                  if "stage" in op.mesh_axes(mesh)}
+    rows = batch[0].shape[0] // (microbatches * mesh.get("data", 1))
+    # (the column-annotated layers leave the activations split over ``model``)
+    assert ("collective-permute", rows * WIDTH // mesh.get("model", 1)) in over_stage
+    assert not any(kind == "all-gather" for kind, _ in over_stage)
 
 
 def test_ffn_pipeline_with_tensor_t1_inside_stages():
@@ -276,7 +298,11 @@ def test_bad_pipelines_fail_before_compiling():
         program.train_step(program.mesh.build(jax.devices()[:4]), optax.sgd(0.1),
                            pipeline=PipelineConfig("interleaved-1f1b", 6, 2))
     with pytest.raises(ConfigError, match="does not run inside pipeline stages"):
-        program_module.build(FFNConfig(8, 8), "gspmd", "stage=4")
+        program_module.build(FFNConfig(8, 8), "dense", "stage=4")
+    with pytest.raises(ConfigError, match="its schedule is GPipe, not '1f1b'"):
+        program = program_module.build(FFNConfig(8, 8), "gspmd", "stage=4")
+        program.train_step(program.mesh.build(jax.devices()[:4]), optax.sgd(0.1),
+                           pipeline=PipelineConfig("1f1b", 4))
     with pytest.raises(ConfigError, match="needs a 'stage' axis"):
         program = program_module.build(FFNConfig(8, 8), "tensor", "model=4")
         program.train_step(program.mesh.build(jax.devices()[:4]), optax.sgd(0.1),

@@ -266,3 +266,47 @@ def test_pmm3d_variants_run_the_transformer(strategy):
     """The variants are options of the pmm3d linear layer, so any model runs them: the GPT's
     linears regathering or deferring their weights equal the single-device model."""
     _check_gpt(strategy, (2, 2, 2, 1))
+
+
+def _moe_gpt():
+    return _gpt(moe_every=1, experts=4, capacity_factor=4.0)
+
+
+@functools.lru_cache(maxsize=None)
+def _moe_inputs():
+    params = random_params(program_module.build(_moe_gpt(), "pmm3d", "x=1"))
+    _, tokens, targets = _gpt_inputs()
+    return params, tokens, targets
+
+
+@pytest.mark.parametrize("mesh", [
+    "expert=2,x=2,y=2",
+    pytest.param("z=2,y=2,x=2", marks=pytest.mark.slow),
+    pytest.param("data=2,expert=2,y=2", marks=pytest.mark.slow)])
+def test_pmm3d_moe_equals_one_device_and_gathers_its_tokens_over_y(mesh):
+    """GPT-2's routed MoE blocks under pmm3d (:class:`jphantom.nn.pmm3d.Pmm3dMoE`): loss and every
+    gradient equal one device; the only all-gathers over ``y`` are the MoE inputs' features (one
+    of B S h / (G_data G_expert G_z) elements per MoE layer forward) and every MoE layer moves
+    2 dispatch + 2 combine all-to-alls of E C h over ``expert`` (forward and backward)."""
+    require_devices(8)
+    params, tokens, targets = _moe_inputs()
+    _, mesh_obj, step, value_and_grad = gradient_step("pmm3d", _moe_gpt(), mesh)
+    loss, grads = value_and_grad(params, tokens, targets)
+    want_loss, want_grads = oracle_loss_and_grads(step, params, tokens, targets)
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
+    assert_tree_close(grads, want_grads, 1e-5, floor=1e-2)
+    shape = dict(mesh_obj.shape)
+    text = compiled_hlo(step, ((TOKENS_BATCH, SEQ), np.int32), ((TOKENS_BATCH, SEQ), np.int32))
+    found = Counter()
+    for op in collectives(text):
+        axes = op.mesh_axes(shape)
+        if (op.kind, axes) in (("all-gather", ("y",)), ("all-to-all", ("expert",))):
+            found[op.kind, axes, op.elements] += op.count
+    rows = TOKENS_BATCH // (shape.get("data", 1) * shape.get("expert", 1) * shape.get("z", 1))
+    want = Counter()
+    if shape.get("y", 1) > 1:
+        want["all-gather", ("y",), rows * SEQ * HIDDEN] = LAYERS
+    if shape.get("expert", 1) > 1:
+        capacity = int(rows * SEQ * 2 * 4.0 / 4)  # tokens x top-2 x capacity factor / E
+        want["all-to-all", ("expert",), 4 * capacity * HIDDEN] = 4 * LAYERS
+    assert found == want

@@ -454,6 +454,9 @@ def _attr_value(attrs: str, key: str) -> str:
     iota = _IOTA.match(attrs, start)
     if iota:
         return iota[0]
+    mesh = _MESH_GROUPS.match(attrs, start) if key == "replica_groups" else None
+    if mesh:
+        return mesh[0]
     fallback = _GROUPS.search(attrs) if key == "replica_groups" else None
     if fallback:
         return fallback[1]
@@ -537,12 +540,15 @@ def _mesh_shape(axes: Mapping[str, int]) -> tuple[list[str], tuple[int, ...]]:
     return names, shape
 
 
-_MESH_GROUPS = re.compile(r"mesh\[(?P<axes>[^\]]*)\]\s*\{(?P<over>[^}]*)\}")
+_MESH_GROUPS = re.compile(r"mesh\[(?P<axes>[^\]]*)\]"
+                          r"(?:,\s*device_ids=\(\[(?P<ids>[0-9,]*)\](?:T\((?P<perm>[0-9,]*)\))?\))?"
+                          r"\s*\{(?P<over>[^}]*)\}")
 
 
 def normalise_replica_groups(text: str) -> str:
     """GSPMD writes replica groups as ``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`` (devices in iota
-    order over that shape, one group per combination of the axes *not* listed); rewrite that as the
+    order over that shape, or in the order ``device_ids=([2,4]T(1,0))`` gives between the two,
+    one group per combination of the axes *not* listed); rewrite that as the
     equivalent iota list ``[2,4]<=[2,4]`` (here; transposed with ``T(...)`` so that the listed axes
     come last) that :func:`jphantom.analysis.hlo.replica_group_lists` reads. Other syntaxes are
     returned unchanged."""
@@ -558,6 +564,13 @@ def normalise_replica_groups(text: str) -> str:
     kept = [i for i, name in enumerate(names) if name not in over]
     grouped = [i for i, name in enumerate(names) if name in over]
     group_size = math.prod(sizes[i] for i in grouped)
+    if match["ids"] is not None:  # the mesh's devices: an iota reshaped and transposed
+        dims = [int(d) for d in match["ids"].split(",") if d]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if match["perm"]:
+            ids = ids.transpose([int(d) for d in match["perm"].split(",") if d])
+        groups = ids.reshape(sizes).transpose(kept + grouped).reshape(-1, group_size)
+        return "{" + ",".join("{" + ",".join(map(str, g)) + "}" for g in groups.tolist()) + "}"
     perm = ",".join(str(i) for i in kept + grouped)
     return (f"[{math.prod(sizes) // group_size},{group_size}]<=[{','.join(map(str, sizes))}]"
             f"T({perm})")

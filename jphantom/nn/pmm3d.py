@@ -18,6 +18,15 @@ layer's weight (vocabulary over (x, z), features over y): the lookup all-reduces
 tied head's logits [B, S, V/G_x] all-reduce over ``y`` and the cross-entropy is
 vocabulary-parallel over ``x``. An untied head is a normal layer whose outputs are the vocabulary.
 
+A routed mixture of experts (:class:`Pmm3dMoE`, a :class:`~jphantom.nn.experts.SwitchMoE` in the
+MLP's place) runs on the same stream: its tokens' features are all-gathered over ``y`` (the router
+and every expert contract whole tokens: B S h / (G_data G_z) per layer forward, an all-reduce of
+that size backward), the experts are split over ``expert`` (all-to-all dispatch) and their width
+over ``x`` (TED over the axis the stream is replicated over: the experts' all-reduce lands the
+output replicated over ``x`` as the stream is), and each rank keeps its ``y`` features of the
+output. The 3D matmul splits no expert over ``y``: the G_y ranks of a token row compute the same
+expert FFNs.
+
 What a layer does with its gathered weight is an option, so any model runs every variant
 (:class:`Pmm3dLinear`'s ``weights``): ``kept`` for the backward (default), ``regather`` in the
 backward (AxoNN's default; a ``jax.checkpoint`` that saves nothing), or ``deferred``: a
@@ -34,6 +43,8 @@ from jphantom import comm
 from jphantom import remat
 from jphantom.errors import ConfigError
 from jphantom.nn import metadata
+from jphantom.nn.expert import ExpertParallelMoE
+from jphantom.nn.experts import SwitchMoE
 from jphantom.nn.tensor import _embed, _gather_vocab, _linear, _promote, _value
 from jphantom.sharding import pmm3d as pmm3d_ops
 from jphantom.sharding import vocab
@@ -165,3 +176,35 @@ class Pmm3dEmbed(nnx.Module):
 
 
 __all__ = ["Pmm3dLinear", "Pmm3dEmbed"]
+
+
+class Pmm3dMoE(nnx.Module):
+    """A :class:`~jphantom.nn.experts.SwitchMoE` on pmm3d's stream [..., h/G_y] (module
+    docstring): ``x [..., h/G_y] -> (y [..., h/G_y], aux)``, the experts an
+    :class:`~jphantom.nn.expert.ExpertParallelMoE` over ``expert_axis`` (E/G experts per rank)
+    with their width over ``x`` (TED), on the tokens gathered over ``y``."""
+
+    def __init__(self, moe: ExpertParallelMoE):
+        self.moe = moe
+
+    @classmethod
+    def from_module(cls, moe: SwitchMoE, *, expert_axis: str | None,
+                    batch_axes: tuple[str, ...], tensor: bool) -> "Pmm3dMoE":
+        return cls(ExpertParallelMoE.from_module(moe, expert_axis=expert_axis,
+                                                 model_axis=X if tensor else None,
+                                                 batch_axes=batch_axes))
+
+    def dense_equivalent(self) -> SwitchMoE:
+        return self.moe.dense_equivalent()
+
+    @property
+    def config(self):
+        return self.moe.config
+
+    def __call__(self, x: jax.Array, fraction: jax.Array | None = None):
+        h = x.shape[-1]  # h / G_y
+        whole = comm.all_gather(x, Y, axis=x.ndim - 1, tiled=True, to="invarying")
+        y, aux = self.moe(whole, fraction)
+        if whole.shape[-1] != h:  # this rank's y features (no communication)
+            y = jax.lax.dynamic_slice_in_dim(y, comm.axis_index(Y) * h, h, y.ndim - 1)
+        return y, aux
