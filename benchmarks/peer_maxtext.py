@@ -399,7 +399,7 @@ def _categories(comps) -> dict[str, str]:
             elif op in ("while", "call", "conditional"):
                 kind = "loop"
             elif op == "fusion":
-                body = comps.get(hlo._attr_value(instr.attrs, "calls").lstrip("%"))
+                body = comps.get(instr.attr("calls").lstrip("%"))
                 inside = {i.opcode for i in body.instructions} if body else set()
                 inside -= {"parameter", "bitcast", "constant", "get-tuple-element", "tuple"}
                 kind = ("gemm" if "dot" in inside or "convolution" in inside
@@ -456,18 +456,18 @@ def analyse_hlo(text: str) -> dict:
     inner = set()  # fusion bodies, reducers, comparators: not executed as thunks of their own
     for comp in comps.values():
         for instr in comp.instructions:
-            for key, callee in hlo._callees(instr):
+            for key, callee in instr.callees():
                 if key in ("calls", "to_apply", "select", "scatter", "comparator") and (
                         instr.opcode == "fusion" or key != "calls"):
                     inner.add(callee)
     types = {i.name: i.type_text for c in comps.values() for i in c.instructions}
 
     def stacked(instr) -> int:  # bytes a dynamic-update-slice (fused or not) writes
-        body = comps.get(hlo._attr_value(instr.attrs, "calls").lstrip("%")) \
+        body = comps.get(instr.attr("calls").lstrip("%")) \
             if instr.opcode == "fusion" else None
         updates = [i for i in (body.instructions if body else [instr])
                    if i.opcode == "dynamic-update-slice"]
-        return sum(hlo._nbytes(hlo._parse_shapes(types.get(i.operands[1], ""))) for i in updates)
+        return sum(hlo.type_bytes(types.get(i.operands[1], "")) for i in updates)
 
     census, moved = {}, {"copy": 0, "transpose": 0, "stacked": 0}
     for comp in comps.values():
@@ -479,11 +479,11 @@ def analyse_hlo(text: str) -> dict:
                 continue
             op = instr.opcode
             if op == "fusion":
-                kind = hlo._attr_value(instr.attrs, "kind") or "?"
+                kind = instr.attr("kind") or "?"
                 op = f"fusion:{kind.replace('k', '', 1).lower()}"
             census[op] = census.get(op, 0) + runs
             if op in moved:
-                moved[op] += runs * hlo._nbytes(hlo._parse_shapes(instr.type_text))
+                moved[op] += runs * instr.nbytes
             if instr.opcode in ("fusion", "dynamic-update-slice"):
                 moved["stacked"] += runs * stacked(instr)
     return {"collectives": rows, "collective_bytes": sum(r["bytes"] for r in rows),

@@ -85,7 +85,7 @@ def test_train_gpt2_module_from_and_to_a_hf_directory(tmp_path):
     directory = write_hf(tmp_path / "m", random_tensors(seed=5, vocab=256),
                          config=hf_config(vocab_size=256))  # the byte corpus's vocabulary
     results = run(RunConfig.from_flags(model="gpt2", strategy="tensor", mesh="data=2,model=2",
-                            sequence_parallel=True, from_gpt2=str(directory),
+                            from_gpt2=str(directory),
                             save_gpt2=str(tmp_path / "out"), seq_len=16, batch=4, steps=2,
                             eval_every=2, eval_batches=1, out=str(tmp_path / "run"),
                             progress=False))

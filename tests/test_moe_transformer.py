@@ -314,11 +314,11 @@ def test_moe_blocks_run_inside_pipeline_stages(mesh_text, schedule, microbatches
                                               layers):
     """MoE blocks inside pipeline stages: the blocks' carry (h, the router statistics) flows
     between stages, the experts' all-to-alls run inside a stage's slot, and the step equals the
-    unpipelined one (the balance loss off: a pipeline computes it per micro-batch, as Megatron-LM
-    does, and Switch's loss is not linear in the batch; the z-loss is, and stays on)."""
+    unpipelined one, load-balancing loss included (its routing fractions are the whole batch's:
+    the schedule's forward slots sum the router statistics first)."""
     from jphantom.pipeline.runner import PipelineConfig
 
-    config = dataclasses.replace(_config(layers=layers, capacity_factor=8.0), balance_weight=0.0)
+    config = _config(layers=layers, capacity_factor=8.0)
     tokens, targets = _batch()
     results = []
     for mesh_text_, pipeline in (("data=2,expert=2,model=2", None),

@@ -21,8 +21,7 @@ from jphantom.nn.stack import Stacked
 from jphantom.pipeline.runner import PipelineConfig, plan, unit_order
 
 from conftest import require_devices
-from helpers import (abstract_state, assert_tree_close, compiled_hlo, gradient_step,
-                     oracle_loss_and_grads,
+from helpers import (abstract_state, assert_tree_close, gradient_step, oracle_loss_and_grads,
                      random_params)
 
 NAN = float("nan")
@@ -105,7 +104,8 @@ def test_gspmd_pipeline_equals_unpipelined_and_keeps_each_stage_s_layers(mesh_te
     step, stored, batch, want = _check_ffn("gspmd", mesh_text, "gpipe", microbatches)
     assert float(step.loss()(stored, *batch)) == pytest.approx(want, rel=1e-5)
     mesh = dict(step.mesh.shape)
-    text = compiled_hlo(step, ((batch[0].shape), np.float32), ((batch[1].shape), np.float32))
+    value_and_grad = _ffn_case("gspmd", mesh_text, "gpipe", microbatches)[3]  # cached, compiled
+    text = value_and_grad.lower(stored, *batch).compile().as_text()
     over_stage = {(op.kind, op.elements) for op in collectives(text)
                   if "stage" in op.mesh_axes(mesh)}
     rows = batch[0].shape[0] // (microbatches * mesh.get("data", 1))

@@ -73,6 +73,19 @@ class Instruction:
     attrs: str  # everything after the operand list, e.g. ", channel_id=1, replica_groups=..."
     root: bool
 
+    def attr(self, key: str) -> str:
+        """The text of attribute ``key`` (braced, iota or plain), or "" when absent."""
+        return _attr_value(self.attrs, key)
+
+    def callees(self) -> list[tuple[str, str]]:
+        """(attribute, computation name) for every computation this instruction calls."""
+        return _callees(self)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the result (every array of a tuple)."""
+        return type_bytes(self.type_text)
+
 
 @dataclasses.dataclass
 class Computation:
@@ -431,6 +444,11 @@ def _parse_shapes(type_text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
             continue  # token[], layouts and the like
         shapes.append((dtype, tuple(int(d) for d in dims.split(",") if d)))
     return tuple(shapes)
+
+
+def type_bytes(type_text: str) -> int:
+    """Bytes of the arrays an HLO type names (``f32[4,4]{1,0}``, or a tuple of them)."""
+    return _nbytes(_parse_shapes(type_text))
 
 
 def _nbytes(shapes) -> int:
