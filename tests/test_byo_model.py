@@ -133,6 +133,7 @@ def test_user_model_equals_one_device(case):
     assert rel_error(grads, ref_grads) < 1e-5
 
 
+@pytest.mark.slow  # make test: test_user_model_equals_one_device[tensor-sp]
 def test_stacked_user_model_under_sequence_parallelism_equals_one_device():
     step, _ = _parallel(lambda m: jphantom.plans.megatron(m, sequence_parallel=True),
                         stacked=True, remat="nothing_saveable")
@@ -284,6 +285,7 @@ def test_a_pipeline_needs_one_stacked_module():
         jphantom.make_train_step(TinyLM(), _mesh("stage=2,data=4"), optax.sgd(0.1), loss_fn)
 
 
+@pytest.mark.slow  # make test: test_llama.py's GSPMD baseline of a user-built Megatron plan
 def test_gspmd_baseline_of_the_same_plan_equals_one_device():
     """GSPMD, what a JAX user writes: the plain model with the plan's sharding annotations,
     ``jax.jit`` choosing the collectives; with ZeRO-3's data split as annotations too (FSDP)."""

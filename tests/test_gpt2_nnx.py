@@ -57,6 +57,7 @@ def test_dense_dictionary_round_trips_bit_for_bit():
     assert all(same_bits(a, b) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)))
 
 
+@pytest.mark.slow  # make test: test_transformer.py's SP cases of the same GPT-2 module
 def test_gpt2_module_under_megatron_sp_equals_one_device():
     config = tr.TransformerConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2)
     rng = np.random.default_rng(0)

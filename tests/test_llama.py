@@ -51,8 +51,8 @@ def one_device(experts):
 
 
 @pytest.mark.parametrize("experts, sequence_parallel", [
-    (0, False), (4, False), (0, True),
-    pytest.param(4, True, marks=pytest.mark.slow)],  # SP with experts: also in the EP test
+    (0, False), pytest.param(4, False, marks=pytest.mark.slow), (0, True),
+    pytest.param(4, True, marks=pytest.mark.slow)],  # Mixtral: the expert-parallel test
     ids=["llama-tensor", "mixtral-tensor", "llama-tensor-sp", "mixtral-tensor-sp"])
 def test_llama_under_megatron_equals_one_device(experts, sequence_parallel):
     model = llama.Llama(config(experts), rngs=nnx.Rngs(0))

@@ -261,7 +261,7 @@ def test_pmm3d_variants_equal_the_dense_ffn_and_move_what_they_say(strategy):
 
 
 @pytest.mark.parametrize("strategy", [pytest.param("pmm3d-regather", marks=pytest.mark.slow),
-                                      "pmm3d-deferred"])
+                                      pytest.param("pmm3d-deferred", marks=pytest.mark.slow)])
 def test_pmm3d_variants_run_the_transformer(strategy):
     """The variants are options of the pmm3d linear layer, so any model runs them: the GPT's
     linears regathering or deferring their weights equal the single-device model."""
