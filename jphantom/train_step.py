@@ -698,9 +698,9 @@ class TrainStep:
             return self.layout.model_of(leaves)
         stacked = self.layout.stacked if train and self.pipeline is None else frozenset()
         dims, zaxes = self.layout.zero_dims, self.layout.zero_axes
-        leaves = [x if i in stacked else zero_module.gather(x, d, invariant=not train,
-                                                            axes=zaxes[i])
-                  for i, (x, d) in enumerate(zip(leaves, dims))]
+        leaves = zero_module.gather_together(
+            leaves, [-1 if i in stacked else d for i, d in enumerate(dims)], zaxes,
+            invariant=not train)
         model = self.layout.model_of(leaves)
         for path, indices in (self.layout.stacks if stacked else ()):
             module = model
@@ -787,8 +787,8 @@ class TrainStep:
             if self.zero == 3:  # gathered once for the whole pipeline; its transpose scatters
                 dims, zaxes = self.layout.zero_dims, self.layout.zero_axes
                 varied, scatter = jax.vjp(
-                    lambda xs: [zero_module.gather(x, d, invariant=False, axes=z)
-                                for x, d, z in zip(xs, dims, zaxes)], varied)
+                    lambda xs: zero_module.gather_together(xs, dims, zaxes, invariant=False),
+                    varied)
                 balance = self._pipeline_balance(varied, *batch)
                 loss, grads = self._pipeline_value_and_grad(varied, *batch, scale=scale,
                                                             balance=balance)
@@ -955,9 +955,8 @@ class TrainStep:
         def per_rank(leaves, inputs, targets):
             leaves = list(leaves)
             if self.zero == 3:
-                leaves = [zero_module.gather(x, d, invariant=False, axes=z)
-                          for x, d, z in zip(leaves, self.layout.zero_dims,
-                                             self.layout.zero_axes)]
+                leaves = zero_module.gather_together(leaves, self.layout.zero_dims,
+                                                     self.layout.zero_axes, invariant=False)
             leaves = _group_by(leaves, vary, lambda xs, axes: comm.pcast(xs, axes, to="varying"))
             return self._global(self._pipeline_value_and_grad(leaves, inputs, targets,
                                                                train=False))

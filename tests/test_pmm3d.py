@@ -194,17 +194,23 @@ def _pattern(strategy, mesh_text, zero=0):
 def test_degenerate_grids_are_fsdp_and_megatron():
     """z alone is FSDP / ZeRO-3: per layer an all-gather of the whole weight before use, again
     for the backward (pmm3d-regather; the first layer's serves only the data's gradient, which is
-    not needed) and a reduce-scatter of its gradient, as jphantom's ZeRO-3 on data=8 (which also
-    shards the biases, where pmm3d all-reduces them); x alone is Megatron: one all-reduce of m n
-    per (column, row) pair, as strategy 'tensor' (whose FFN also gathers its feature-sharded input
-    and output)."""
+    not needed) and a reduce-scatter of its gradient. jphantom's ZeRO-3 on data=8 does the same
+    with the (column, row) pair's parameters as one flat buffer (FSDP's flat parameter, biases
+    included, where pmm3d all-reduces them): one all-gather of the pair forward, one of what its
+    backward reads (both weights, and the column bias its recomputation needs; in one buffer the
+    first weight cannot be left out), one reduce-scatter of the pair's gradient. x alone is
+    Megatron: one all-reduce of m n per (column, row) pair, as strategy 'tensor' (whose FFN also
+    gathers its feature-sharded input and output)."""
     require_devices(8)
     block = WIDTH * WIDTH
     fsdp = _pattern("pmm3d-regather", "z=8")
     zero3 = _pattern("tensor", "data=8,model=1", zero=3)
     weights = {("all-gather", block): 3, ("reduce-scatter", block // 8): 2}
     assert {k: v for k, v in fsdp.items() if k in weights} == weights
-    assert {k: v for k, v in zero3.items() if k in weights} == weights
+    pair = 2 * block + 2 * WIDTH
+    assert {k: v for k, v in zero3.items() if k[0] != "all-reduce"} == {
+        ("all-gather", pair): 1, ("all-gather", pair - WIDTH): 1,
+        ("reduce-scatter", pair // 8): 1}
     megatron, tensor = _pattern("pmm3d", "x=8"), _pattern("tensor", "model=8")
     assert megatron == {("all-reduce", BATCH * WIDTH): 1}
     assert tensor[("all-reduce", BATCH * WIDTH)] == 1

@@ -157,11 +157,11 @@ def test_zero3_gathers_each_layer_for_forward_and_again_for_backward():
     found, full, local, dims, ndims = _data_collectives(3, depth=2 * pairs)
     split = sum(n for n, d in zip(full, dims) if d >= 0)
     replicated = sum(full) - split
-    # The backward needs the weights again (not the biases): both of every scanned pair's, and
-    # the first pair's row weight (its column weight serves only the input's gradient, which the
-    # data do not need).
+    # The backward needs the weights again (not the biases): both of every pair's, the first
+    # pair's column weight included (it serves only the data's gradient, but a layer's weights
+    # are gathered as one flat buffer, and its row weight is needed).
     column, row = [n // pairs for n, d, k in zip(full, dims, ndims) if d >= 0 and k == 3]
-    expected = {"all-gather": split + (column + row) * (pairs - 1) + row,
+    expected = {"all-gather": split + (column + row) * pairs,
                 "reduce-scatter": split // 4}
     if replicated:
         expected["all-reduce"] = replicated

@@ -123,14 +123,46 @@ def gather(x: jax.Array, dim: int, *, invariant: bool,
                           to="invarying" if invariant else "varying")
 
 
+def gather_together(leaves, dims, axes, *, invariant: bool) -> list[jax.Array]:
+    """:func:`gather` of every leaf with ``dims[i] >= 0``, one all-gather per group of leaves
+    sharing their axes, dtype and varying axes, as FSDP's flat parameter: each shard moved so that
+    its split dimension leads, flattened and concatenated ([K] per rank), gathered ([G, K]) and
+    cut back into the leaves. A layer's parameters then cost one all-gather (and, its transpose,
+    one reduce-scatter) instead of one per parameter: the same bytes in fewer collectives, each
+    of which synchronises every rank of the group."""
+    out = list(leaves)
+    groups: dict = {}
+    for i, (x, d, a) in enumerate(zip(leaves, dims, axes)):
+        if d >= 0:
+            key = (tuple(a), jnp.dtype(x.dtype), tuple(sorted(comm.varying_axes(x))))
+            groups.setdefault(key, []).append(i)
+    for (a, _, _), members in groups.items():
+        if len(members) == 1:
+            (i,) = members
+            out[i] = gather(leaves[i], dims[i], invariant=invariant, axes=a)
+            continue
+        moved = [jnp.moveaxis(leaves[i], dims[i], 0) for i in members]
+        flat = jnp.concatenate([m.reshape(-1) for m in moved])
+        whole = comm.all_gather(flat, _group(a), axis=0, tiled=False,
+                                to="invarying" if invariant else "varying")  # [G, K]
+        offset = 0
+        for i, m in zip(members, moved):
+            piece = whole[:, offset:offset + m.size].reshape(whole.shape[0] * m.shape[0],
+                                                             *m.shape[1:])
+            out[i] = jnp.moveaxis(piece, 0, dims[i])
+            offset += m.size
+    return out
+
+
 def reduce_scatter(g: jax.Array, dim: int, axes: tuple[str, ...] = (DATA_AXIS,)) -> jax.Array:
     """Sum over ``axes`` of per-rank gradients, each rank keeping its slice along ``dim``."""
     return comm.psum_scatter(g, _group(axes), scatter_dimension=dim, tiled=True)
 
 
 class LayerFetch:
-    """ZeRO-3 inside a :class:`jphantom.nn.Stacked`: ``fetch(layer_state)`` all-gathers each of
-    one layer's parameters over ``data`` along its split dimension (``dims``: per leaf of the
+    """ZeRO-3 inside a :class:`jphantom.nn.Stacked`: ``fetch(layer_state)`` all-gathers one
+    layer's parameters over ``data``, each along its split dimension, in one collective per group
+    of like parameters (:func:`gather_together`; ``dims``: per leaf of the
     block's state, in ``jax.tree.leaves`` order, the dimension of the *stacked* array, -1 for a
     leaf left replicated). :meth:`around` runs a layer on what it fetches and gathers again in
     the backward, by construction; the gather's transpose, per layer in the backward scan, is the
@@ -145,9 +177,13 @@ class LayerFetch:
         if len(leaves) != len(self.dims):
             raise ValueError(f"LayerFetch of {len(self.dims)} parameters applied to "
                              f"{len(leaves)}")
-        gathered = [x if d < 0 else gather(x, d - 1, invariant=False, axes=a)
-                    for x, d, a in zip(leaves, self.dims, self.axes)]
+        gathered = gather_together(leaves, [d - 1 if d >= 0 else -1 for d in self.dims],
+                                   self.axes, invariant=False)
         return jax.tree.unflatten(treedef, gathered)
+
+    def only(self, mask) -> "LayerFetch":
+        """This fetch for the leaves ``mask`` marks (the others pass through as shards)."""
+        return LayerFetch([d if m else -1 for d, m in zip(self.dims, mask)], self.axes)
 
     def around(self, layer):
         """``layer(params, carry, index)`` (checkpointed, :func:`jphantom.remat.checkpointed`
@@ -208,6 +244,11 @@ def _regathered_call(fn, fetch, split):
         leaves = [x + jnp.zeros((), x.dtype) * first.astype(x.dtype) if s else x
                   for x, s in zip(leaves, split)]
         full, fetch_pullback = jax.vjp(fetch, jax.tree.unflatten(treedef, leaves))
+        only = getattr(fetch, "only", None)
+        if only is not None:  # gather just what the pullback reads (the rest of ``full`` is dead)
+            needed = {w for w in static["where"] if w >= 0}
+            full = only([i in needed for i in range(len(leaves))])(
+                jax.tree.unflatten(treedef, leaves))
         full_leaves = jax.tree.leaves(full)
         pullback = jax.tree.unflatten(static["tree"], [
             full_leaves[w] if w >= 0 else r for r, w in zip(kept, static["where"])])
