@@ -47,9 +47,11 @@ def _step(name, mesh, depth, dtype=jnp.float64):
         return gradient_step(name, _config(name, depth, dtype), mesh)
 
 
-@pytest.mark.parametrize("mesh, depth, dtype", CASES,
-                         ids=[f"{m}-L{d}-{DTYPE_NAME[t]}" for m, d, t in CASES])
-@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize("name, mesh, depth, dtype", [
+    pytest.param(name, *case, marks=() if case == CASES[0] or name in ("tensor", "phantom")
+                 else pytest.mark.slow)  # make test: every strategy on the first case
+    for name in STRATEGIES for case in CASES],
+    ids=[f"{name}-{m}-L{d}-{DTYPE_NAME[t]}" for name in STRATEGIES for m, d, t in CASES])
 def test_loss_and_gradients_equal_the_dense_model(name, mesh, depth, dtype):
     """Loss and every gradient of the training step on a data x model mesh equal jax.grad of the
     dense model on one device, over the whole (global) batch."""

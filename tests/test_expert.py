@@ -247,7 +247,7 @@ def test_cac_keeps_the_all_to_all_outputs_so_the_recompute_repeats_none(policy, 
     assert {c.elements for c in found} == {EXPERTS * _moe().config.capacity(TOKENS // 4) * HIDDEN}
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 4])
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow), 4])
 def test_dropless_path_equals_the_fixed_capacity_path_that_drops_nothing(ranks):
     """Sort, ragged exchange (``lax.ragged_all_to_all`` where the backend has it, its padded
     all_to_all emulation elsewhere), grouped matmuls (``lax.ragged_dot``): the same loss and

@@ -216,7 +216,8 @@ def test_moe_step_moves_two_all_to_alls_each_way_per_moe_layer(dtd):
 
 @pytest.mark.parametrize("policy, recomputed", [pytest.param("nothing_saveable", True,
                                                              marks=pytest.mark.slow),
-                                                ("collectives_saveable", False)])
+                                                pytest.param("collectives_saveable", False,
+                                                             marks=pytest.mark.slow)])
 def test_cac_in_the_step_keeps_the_all_to_alls_out_of_the_recompute(policy, recomputed):
     """Communication-aware checkpointing (seed 004): every block group checkpointed; saving
     collective outputs by name keeps the recompute free of communication. Per MoE layer,

@@ -40,10 +40,14 @@ def _case(num_shards, ghost_width, depth, dtype, width=WIDTH, strategy="phantom"
 CASES = ([(p, k, 3, jnp.float64) for p in (1, 2, 4, 8) for k in (1, 3, 8)]
          + [(2, 3, 1, jnp.float64), (8, 8, 1, jnp.float64)]
          + [(4, 3, 3, jnp.float32), (8, 8, 3, jnp.float32)])
+# make test: one k per p (each k on some p), a depth 1 and a float32 case; the rest: make test-all
+DEFAULT_CASES = {(1, 8, 3, jnp.float64), (2, 1, 3, jnp.float64), (4, 3, 3, jnp.float64),
+                 (8, 8, 3, jnp.float64), (2, 3, 1, jnp.float64), (4, 3, 3, jnp.float32)}
 
 
-@pytest.mark.parametrize("num_shards, ghost_width, depth, dtype", CASES,
-                         ids=[f"p{p}-k{k}-L{d}-{DTYPE_NAME[t]}" for p, k, d, t in CASES])
+@pytest.mark.parametrize("num_shards, ghost_width, depth, dtype", [
+    pytest.param(*case, marks=() if case in DEFAULT_CASES else pytest.mark.slow) for case in CASES],
+    ids=[f"p{p}-k{k}-L{d}-{DTYPE_NAME[t]}" for p, k, d, t in CASES])
 def test_phantom_matches_dense_equivalent(num_shards, ghost_width, depth, dtype):
     """Loss and every gradient of the training step (custom_vjp backward, Eqs. 15-21, under
     lax.scan inside one shard_map) equal jax.grad of the dense equivalent on one device."""

@@ -66,7 +66,7 @@ def _check_ffn(strategy, mesh_text, schedule, microbatches, virtual_stages=1, de
     return step, stored, (x, t), float(want_loss)
 
 
-@pytest.mark.parametrize("stages", [2, 4, 8])
+@pytest.mark.parametrize("stages", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("schedule, virtual_stages", [("gpipe", 1), ("1f1b", 1),
                                                       ("interleaved-1f1b", 2)])
 @pytest.mark.parametrize("factor", [pytest.param(0, marks=pytest.mark.slow), 1,

@@ -27,7 +27,9 @@ def _teacher():
 
 
 @pytest.mark.parametrize("strategy, extra", [("phantom", {"mesh": "model=4", "ghost_width": 2}),
-                                             ("tensor-t1", {"mesh": "model=4"}), ("dense", {})])
+                                             pytest.param("tensor-t1", {"mesh": "model=4"},
+                                                          marks=pytest.mark.slow),
+                                             ("dense", {})])
 def test_training_reaches_the_target_and_stops(strategy, extra, tmp_path):
     teacher = _teacher()
     # the first evaluation (step 5) is the same whatever the number of steps
