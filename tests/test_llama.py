@@ -333,7 +333,8 @@ def test_parameters_are_created_in_their_shards_from_an_abstract_model():
     assert np.isfinite(float(loss))
 
 
-@pytest.mark.parametrize("sizes", [(1, 2, 2, 2), (2, 1, 1, 4)], ids=["z2-y2-x2", "data2-x4"])
+@pytest.mark.parametrize("sizes", [pytest.param((1, 2, 2, 2), marks=pytest.mark.slow), (2, 1, 1, 4)],
+                         ids=["z2-y2-x2", "data2-x4"])  # make test: test_pmm3d.py's GPT on z, y, x
 def test_llama_under_pmm3d_equals_one_device(sizes):
     """AxoNN's 3D matmul (Algorithm 3) on data, z, y, x: q/k/v and gate/up normal layers,
     o and down transposed, norms over y, the vocabulary over x."""
