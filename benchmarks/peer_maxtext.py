@@ -680,8 +680,10 @@ def main(argv=None) -> int:
             for w in workers:
                 w.close()
     measured = [r["ratio"] for r in rows if "ratio" in r]
+    from jphantom.analysis.machine import source_revision  # ROOT is on the path (main)
+
     result = {
-        "jphantom": _head_revision() + " + working tree", "maxtext": MAXTEXT_VERSION,
+        "jphantom": source_revision(ROOT) + " + working tree", "maxtext": MAXTEXT_VERSION,
         "jphantom_python": args.jphantom_python, "maxtext_python": str(maxtext_python),
         "devices": args.devices, "steps": args.steps, "warmup": args.warmup, "chunk": args.chunk,
         "remat": {"name": args.remat, "jphantom": REMAT[args.remat][0],
@@ -758,14 +760,6 @@ def _plot(rows, path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
-
-
-def _head_revision() -> str:
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from jphantom.analysis.machine import source_revision
-
-    return source_revision(ROOT)
 
 
 if __name__ == "__main__":

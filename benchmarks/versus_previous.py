@@ -344,8 +344,11 @@ def main(argv=None) -> int:
             for v in versions:
                 v.close()
     measured = [r["ratio"] for r in rows if "ratio" in r]
-    result = {"previous": args.previous,
-              "this": (_head_revision() + " + working tree") if args.this == "tree" else args.this, "devices": args.devices,
+    sys.path.insert(0, str(ROOT))
+    from jphantom.analysis.machine import source_revision
+
+    this = source_revision(ROOT) + " + working tree" if args.this == "tree" else args.this
+    result = {"previous": args.previous, "this": this, "devices": args.devices,
               "steps": args.steps, "warmup": args.warmup, "target_ratio": TARGET,
               "worst_ratio": max(measured) if measured else None,
               "geometric_mean_ratio": statistics.geometric_mean(measured) if measured else None,
@@ -378,14 +381,6 @@ def _plot(rows, path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
-
-
-def _head_revision() -> str:
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from jphantom.analysis.machine import source_revision
-
-    return source_revision(ROOT)
 
 
 if __name__ == "__main__":
