@@ -154,6 +154,16 @@ def model_mesh(mesh: str | None, num_shards: int) -> MeshConfig:
     return config
 
 
+RAGGED_ALL_TO_ALL_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")  # XLA:CPU has none (jax-ml/jax#34755)
+
+
+def has_ragged_all_to_all(platform: str | None = None) -> bool:
+    """Whether XLA implements ``lax.ragged_all_to_all`` on ``platform`` (default: that of jax's
+    first device): its GPU and TPU backends do, its CPU backend does not
+    (``tests/test_expert.py`` compiles one on this machine's backend to check the table)."""
+    return (platform or jax.devices()[0].platform) in RAGGED_ALL_TO_ALL_PLATFORMS
+
+
 def first_devices(count: int) -> list[jax.Device]:
     """The first ``count`` devices, for meshes smaller than the machine (tests, shard sweeps)."""
     if count < 1:

@@ -263,11 +263,29 @@ def test_dropless_path_equals_the_fixed_capacity_path_that_drops_nothing(ranks):
     assert float(jnp.sum(jnp.square(y)) / TOKENS) == pytest.approx(float(loss), rel=1e-5)
 
 
-def test_ragged_all_to_all_support_is_detected_not_assumed():
-    """XLA:CPU has no ragged-all-to-all (jax-ml/jax#34755): the probe compiles one and says so;
-    on a backend that has it, the dropless test above runs the real primitive."""
-    supported = expert.ragged_all_to_all_supported(jax.devices()[0].platform)
-    assert supported == (jax.devices()[0].platform != "cpu")
+def test_the_ragged_all_to_all_table_says_what_this_backend_compiles():
+    """XLA:CPU has no ragged-all-to-all (jax-ml/jax#34755): compiling one here agrees with
+    :func:`jphantom.mesh.has_ragged_all_to_all`; on a backend that has it, the dropless test
+    above runs the real primitive."""
+    from jphantom.mesh import has_ragged_all_to_all
+
+    device = jax.devices()[0]
+    mesh = jax.sharding.Mesh([device], ("probe",))
+    spec = jax.sharding.PartitionSpec("probe")
+
+    def probe(x):
+        sizes, zero = jnp.ones((1,), jnp.int32), jnp.zeros((1,), jnp.int32)
+        return lax.ragged_all_to_all(x, jnp.zeros_like(x), zero, sizes, zero, sizes,
+                                     axis_name="probe")
+
+    try:
+        jax.jit(jax.shard_map(probe, mesh=mesh, in_specs=spec, out_specs=spec)).lower(
+            jax.ShapeDtypeStruct((1, 1), jnp.float32,
+                                 sharding=jax.sharding.NamedSharding(mesh, spec))).compile()
+        compiles = True
+    except Exception:  # noqa: BLE001 - any failure to compile means "not supported here"
+        compiles = False
+    assert has_ragged_all_to_all(device.platform) == compiles
 
 
 def test_parallel_layers_give_back_the_plain_layer():

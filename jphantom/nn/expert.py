@@ -32,7 +32,7 @@ Two layers:
   all-reducing them: the all-to-all bytes fall by p. **Dropless** (``capacity_factor=None``):
   assignments sorted by expert, grouped matmuls (``lax.ragged_dot``) on exactly the rows each
   expert got, ``lax.ragged_all_to_all`` over ``expert`` where the backend implements it
-  (:func:`ragged_all_to_all_supported`, detected by compiling one); XLA:CPU does not, and there
+  (:func:`jphantom.mesh.has_ragged_all_to_all`: its GPU and TPU backends); XLA:CPU does not, and there
   the same exchange runs as a padded ``all_to_all`` of worst-case chunks (:func:`ragged_exchange`,
   exact, G-fold larger).
 - :class:`PhantomMoE`: phantom-parallel experts (seed 000 in every expert) on the feature-split
@@ -48,7 +48,6 @@ experts' 3 all-reduces of E C h become 2).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -59,6 +58,7 @@ from jax import lax
 from jphantom import comm
 from jphantom import remat
 from jphantom.errors import ConfigError
+from jphantom.mesh import has_ragged_all_to_all
 from jphantom.nn import metadata
 from jphantom.nn.experts import (Experts, SwitchMoE, combine_sorted, expert_ffn, grouped_ffn,
                                  route, router_losses, router_statistics, sort_by_expert)
@@ -401,36 +401,13 @@ def _phantom_experts(layer: PhantomLinear, rows: jax.Array) -> jax.Array:
 # -------------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def ragged_all_to_all_supported(platform: str | None = None) -> bool:
-    """Whether the backend compiles ``lax.ragged_all_to_all`` (XLA:CPU does not): detected by
-    compiling one on a one-device mesh, not assumed from the platform's name."""
-    device = jax.devices(platform)[0]
-    mesh = jax.sharding.Mesh([device], ("probe",))
-
-    def probe(x):
-        sizes = jnp.ones((1,), jnp.int32)
-        zero = jnp.zeros((1,), jnp.int32)
-        return lax.ragged_all_to_all(x, jnp.zeros_like(x), zero, sizes, zero, sizes,
-                                     axis_name="probe")
-
-    spec = jax.sharding.PartitionSpec("probe")
-    try:
-        jax.jit(jax.shard_map(probe, mesh=mesh, in_specs=spec, out_specs=spec)).lower(
-            jax.ShapeDtypeStruct((1, 1), jnp.float32,
-                                 sharding=jax.sharding.NamedSharding(mesh, spec))).compile()
-    except Exception:  # noqa: BLE001 - any failure to compile means "not supported here"
-        return False
-    return True
-
-
 def ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                     axis: str):
     """``lax.ragged_all_to_all`` semantics: rows ``[input_offsets[d], + send_sizes[d])`` of
     ``operand`` land in rank ``d``'s ``output`` at ``output_offsets[d]``; ``recv_sizes[s]`` rows
     arrive from rank ``s``. The primitive where the backend has it; elsewhere a padded
     ``all_to_all`` of every chunk at ``operand``'s length, then a scatter (exact, G-fold bytes)."""
-    if ragged_all_to_all_supported(jax.devices()[0].platform):
+    if has_ragged_all_to_all():
         return lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
                                      recv_sizes, axis_name=axis)
     rows = operand.shape[0]
@@ -444,5 +421,4 @@ def ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, 
     return output.at[target.reshape(-1)].set(got.reshape(-1, *got.shape[2:]), mode="drop")
 
 
-__all__ = ["ExpertParallelExperts", "ExpertParallelMoE", "PhantomMoE", "ragged_exchange",
-           "ragged_all_to_all_supported"]
+__all__ = ["ExpertParallelExperts", "ExpertParallelMoE", "PhantomMoE", "ragged_exchange"]
