@@ -572,10 +572,11 @@ class TrainStep:
                 lambda f, b: jnp.where(first_stage.reshape(-1, *[1] * (b.ndim - 1)), f,
                                        jnp.concatenate([b[-1:], b[:-1]], 0)), fed, buffer))
             buffer = on_stage(run_stages(chunks, shifted, jnp.arange(stages)))
-            done = jnp.maximum(t - (stages - 1), 0)  # the micro-batch leaving the last stage
-            outputs = jax.tree.map(
-                lambda o, b: jnp.where(t >= stages - 1, lax.dynamic_update_index_in_dim(
-                    o, b[-1], done, 0), o), outputs, buffer)
+            # the micro-batch leaving the last stage (before tick P - 1 what leaves is filler,
+            # written to slot 0 and overwritten by micro-batch 0 at tick P - 1)
+            done = jnp.maximum(t - (stages - 1), 0)
+            outputs = jax.tree.map(lambda o, b: lax.dynamic_update_index_in_dim(o, b[-1], done, 0),
+                                   outputs, buffer)
             return (buffer, outputs), None
 
         (_, outputs), _ = lax.scan(tick, (buffer, outputs), jnp.arange(micro + stages - 1))

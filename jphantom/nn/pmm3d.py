@@ -197,10 +197,6 @@ class Pmm3dMoE(nnx.Module):
     def dense_equivalent(self) -> SwitchMoE:
         return self.moe.dense_equivalent()
 
-    @property
-    def config(self):
-        return self.moe.config
-
     def __call__(self, x: jax.Array, fraction: jax.Array | None = None):
         h = x.shape[-1]  # h / G_y
         whole = comm.all_gather(x, Y, axis=x.ndim - 1, tiled=True, to="invarying")
