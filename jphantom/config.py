@@ -432,7 +432,9 @@ class RunConfig:
         train = dataclasses.replace(self.train, seed=0, target_loss=None, out=None,
                                     checkpoint_dir=None, save_every=0, resume=False,
                                     progress=False, save_hf=None, eval_every=1, eval_batches=1)
-        return _build(self.model, self.parallel, self.step, train)
+        from jphantom.mesh import available_devices
+
+        return _build(self.model, self.parallel, self.step, train, available_devices())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -482,16 +484,13 @@ def _train_step(config, program, mesh, optimizer):
 
 @functools.lru_cache(maxsize=16)
 def _build(model: ModelConfig, parallel: ParallelConfig, step: StepConfig,
-           train: TrainConfig) -> Built:
-    import jax
-
+           train: TrainConfig, devices: tuple) -> Built:
     from jphantom import program as programs
-    from jphantom.mesh import first_devices
 
     mesh_config = parallel.mesh_config()
-    if mesh_config.device_count > jax.device_count():
+    if mesh_config.device_count > len(devices):
         raise ConfigError(f"mesh {mesh_config} needs {mesh_config.device_count} devices but "
-                          f"{jax.device_count()} are available: pass --devices "
+                          f"{len(devices)} are available: pass --devices "
                           f"{mesh_config.device_count} to simulate them on CPU, or a smaller "
                           "mesh")
     options = {}
@@ -499,12 +498,14 @@ def _build(model: ModelConfig, parallel: ParallelConfig, step: StepConfig,
         options["sequence_parallel"] = True
     if parallel.dtd:
         options["dtd"] = True
+    if model.name == "llama" and parallel.strategy.startswith("phantom"):
+        options["ghost_width"] = model.ghost_width  # LlamaConfig holds no k: the plan takes it
     if model.from_hf:
         from jphantom.models import hf
         options["model"] = hf.load(model.from_hf)
     program = programs.build(model.family_config(parallel.strategy), parallel.strategy,
                              mesh_config, **options)
-    mesh = program.mesh.build(first_devices(program.mesh.device_count))
+    mesh = program.mesh.build(devices[:program.mesh.device_count])
     config = _Sections(model, parallel, step, train)
     train_step = _train_step(config, program, mesh, _optimizer(train, step))
     _check_batch(train.batch, train_step, program.mesh)

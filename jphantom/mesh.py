@@ -26,10 +26,12 @@ All axes are ``AxisType.Auto``: the parallel layers run inside ``jax.shard_map``
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -130,8 +132,72 @@ class MeshConfig:
             raise ConfigError(
                 f"mesh {self} needs {self.device_count} devices but {len(pool)} are given "
                 f"({platform}). Fix: use a mesh whose sizes multiply to {len(pool)}, or {hint}.")
-        return jax.make_mesh(tuple(size for _, size in self.axes), self.names,
-                             axis_types=(AxisType.Auto,) * len(self.axes), devices=pool)
+        types = (AxisType.Auto,) * len(self.axes)
+        split = node_split(self, pool)
+        if split is None:
+            return jax.make_mesh(tuple(size for _, size in self.axes), self.names,
+                                 axis_types=types, devices=pool)
+        from jax.experimental import mesh_utils
+
+        inside, across = split
+        grid = mesh_utils.create_hybrid_device_mesh(
+            tuple(inside[n] for n in self.names), tuple(across[n] for n in self.names),
+            devices=pool, process_is_granule=True)
+        return Mesh(grid, self.names, axis_types=types)
+
+
+def node_split(config: MeshConfig, devices: Sequence[jax.Device]
+               ) -> tuple[dict[str, int], dict[str, int]] | None:
+    """How ``config``'s axes split over the nodes (processes) of ``devices``: ``(inside,
+    across)`` with ``inside[axis] * across[axis] == size``, the innermost axes (``model``, then
+    ``x``, ``y``, ``z``, ``expert``, ``stage``, ``data``) filling a node's devices first, as Megatron
+    and AxoNN place tensor parallelism inside a node's NVLink domain; the rest spans nodes
+    (``mesh_utils.create_hybrid_device_mesh`` builds the mesh). ``None`` when the devices are one
+    node, or when the sizes cannot fill whole nodes (then devices are taken in order)."""
+    nodes = sorted({d.process_index for d in devices})
+    if len(nodes) < 2 or len(devices) % len(nodes):
+        return None
+    room = len(devices) // len(nodes)
+    inside, across = {}, {}
+    for name in reversed(config.names):
+        size = config.size(name)
+        inside[name] = math.gcd(size, room)
+        across[name] = size // inside[name]
+        room //= inside[name]
+    return (inside, across) if room == 1 else None
+
+
+def axes_across_nodes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes of ``mesh`` whose groups hold devices of more than one node (process)."""
+    grid = np.vectorize(lambda d: d.process_index)(mesh.devices)
+    out = []
+    for i, name in enumerate(mesh.axis_names):
+        moved = np.moveaxis(grid, i, -1)
+        if (moved != moved[..., :1]).any():
+            out.append(name)
+    return tuple(out)
+
+
+_POOL: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("jphantom_device_pool",
+                                                                     default=None)
+
+
+@contextlib.contextmanager
+def device_pool(devices: Sequence[jax.Device]) -> Iterator[None]:
+    """Within the block, runs are built on ``devices`` instead of ``jax.devices()``: the devices of
+    a target compiled ahead of time (:mod:`jphantom.aot`: GPUs or TPUs this machine does not have,
+    from ``jax.experimental.topologies``), whose meshes compile but never run."""
+    token = _POOL.set(tuple(devices))
+    try:
+        yield
+    finally:
+        _POOL.reset(token)
+
+
+def available_devices() -> tuple[jax.Device, ...]:
+    """The devices runs are built on: :func:`device_pool`'s inside one, else ``jax.devices()``."""
+    pool = _POOL.get()
+    return tuple(jax.devices()) if pool is None else pool
 
 
 def make_mesh(axes: Mapping[str, int] | MeshConfig | str,
@@ -158,21 +224,22 @@ RAGGED_ALL_TO_ALL_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")  # XLA:CPU has none
 
 
 def has_ragged_all_to_all(platform: str | None = None) -> bool:
-    """Whether XLA implements ``lax.ragged_all_to_all`` on ``platform`` (default: that of jax's
-    first device): its GPU and TPU backends do, its CPU backend does not
+    """Whether XLA implements ``lax.ragged_all_to_all`` on ``platform`` (default: that of the
+    first of :func:`available_devices`): its GPU and TPU backends do, its CPU backend does not
     (``tests/test_expert.py`` compiles one on this machine's backend to check the table)."""
-    return (platform or jax.devices()[0].platform) in RAGGED_ALL_TO_ALL_PLATFORMS
+    return (platform or available_devices()[0].platform) in RAGGED_ALL_TO_ALL_PLATFORMS
 
 
 def first_devices(count: int) -> list[jax.Device]:
     """The first ``count`` devices, for meshes smaller than the machine (tests, shard sweeps)."""
     if count < 1:
         raise ConfigError(f"device count {count} must be >= 1")
-    if count > jax.device_count():
+    pool = available_devices()
+    if count > len(pool):
         raise ConfigError(
-            f"{count} devices needed but {jax.device_count()} are available "
-            f"({jax.devices()[0].platform}): on CPU simulate more with `--devices {count}`")
-    return jax.devices()[:count]
+            f"{count} devices needed but {len(pool)} are available "
+            f"({pool[0].platform}): on CPU simulate more with `--devices {count}`")
+    return list(pool[:count])
 
 
 def mesh_config_of(mesh: Mesh) -> MeshConfig:

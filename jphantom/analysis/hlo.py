@@ -42,7 +42,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all",
+         "ragged-all-to-all")
 
 DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
@@ -400,6 +401,8 @@ class Collective:
     count: int = 1  # executions per step: the multiplier of its computation (loop trip counts)
     computation: str = ""  # name of the computation holding it
     source_target_pairs: str = ""  # collective-permute only, e.g. "{{0,1},{1,2}}"
+    asynchronous: bool = False  # issued as a *-start / *-done pair (XLA:GPU, XLA:TPU)
+    overlapped: int = 0  # compute ops (fusions, GEMM calls, dots) scheduled between its start/done
 
     @property
     def elements(self) -> int:
@@ -495,23 +498,32 @@ def collectives(hlo_text: str) -> list[Collective]:
     """Every collective in an HLO module's text, in text order, with ``count`` = how many times it
     runs per step (the multiplier of its computation: loop trip counts multiplied in). Collectives
     in computations that never run (unreachable from ENTRY, or in a loop of trip count 0) are left
-    out. Raises ``ValueError`` when a loop's trip count cannot be determined."""
+    out. A ``*-start``/``*-done`` pair (the GPU and TPU backends' asynchronous collectives, also
+    inside loops) is one collective, ``asynchronous``, read at its ``-done`` with the groups of its
+    ``-start``; ``overlapped`` counts the compute ops (fusions, custom calls, dots, convolutions)
+    the schedule places between the two (the text order of a scheduled module is its schedule),
+    0 where nothing overlaps it. Raises ``ValueError`` when a loop's trip count cannot be
+    determined."""
     comps = parse_module(hlo_text)
     mult = multipliers(comps)
     found = []
-    starts: dict[str, Instruction] = {}
     for comp in comps.values():
-        for instr in comp.instructions:
+        starts: dict[str, tuple[int, Instruction]] = {}
+        for position, instr in enumerate(comp.instructions):
             parsed = _kind_of(instr.opcode)
             if parsed is None:
                 continue
             kind, suffix = parsed
             if suffix == "-start":
-                starts[instr.name] = instr
+                starts[instr.name] = (position, instr)
                 continue
-            source = instr
+            source, overlapped = instr, 0
             if suffix == "-done":  # the groups are on the matching -start
-                source = starts.get(instr.operands[0]) if instr.operands else None
+                begun = starts.get(instr.operands[0]) if instr.operands else None
+                source = begun[1] if begun else None
+                if begun:
+                    overlapped = sum(other.opcode in _COMPUTE_OPCODES
+                                     for other in comp.instructions[begun[0] + 1:position])
             attrs = source.attrs if source is not None else ""
             count = mult.get(comp.name, 0)
             if count == 0:
@@ -521,8 +533,12 @@ def collectives(hlo_text: str) -> list[Collective]:
                 instr.name, kind, shapes, _nbytes(shapes), _attr_value(attrs, "replica_groups"),
                 count=count, computation=comp.name,
                 source_target_pairs=_attr_value(attrs, "source_target_pairs"),
+                asynchronous=suffix == "-done", overlapped=overlapped,
             ))
     return found
+
+
+_COMPUTE_OPCODES = frozenset({"fusion", "custom-call", "dot", "convolution"})
 
 
 def summarize(found: list[Collective], axes: Mapping[str, int] | None = None) -> list[dict]:

@@ -1,0 +1,408 @@
+"""Ahead-of-time compilation for accelerators this machine does not have: H100/A100 nodes, TPU slices.
+
+XLA compiles for a device it cannot reach. ``jax.experimental.topologies.get_topology_desc`` gives
+the devices of a target -- with the CUDA plugin (``jax-cuda12-plugin``, ``jax-cuda12-pjrt`` and
+``nvidia-cuda-nvcc-cu12`` for ``ptxas``/``libdevice``, at the installed jax's version) and a
+``stream_executor.GpuTargetConfigProto`` describing the GPU, ``nodes x gpus_per_node`` GPUs; with
+``libtpu``, a TPU slice -- and ``jax.jit(step).lower(...).compile()`` over a mesh of them yields the
+target's optimised HLO (asynchronous ``*-start``/``*-done`` collectives, fusions, the GPU's
+collective scheduling) and ``memory_analysis()`` per device, on a CPU-only machine (MaxText's
+``train_compile.py`` does this for TPUs). Nothing runs; nothing is allocated.
+
+:class:`Target` names the hardware (``gpu:h100``, ``gpu:a100``, ``tpu:v5p:2x2x2``...), and
+:func:`compile_report` builds the training step exactly as ``train`` would (the same
+:class:`jphantom.config.RunConfig`, the one ``shard_map``), on the target's devices placed by node
+(:func:`jphantom.mesh.node_split`: the innermost axes inside a node's NVLink domain), compiles it
+and reports per device:
+
+- memory from XLA (arguments, outputs, temporaries, and the peak they imply) against the device's
+  memory. XLA's GPU compile does not fail when a program needs more than the device has (a 93 GB
+  peak compiles for an 80 GB H100), so ``fits`` is this comparison, not the compiler's verdict;
+- every collective: kind, mesh axes, bytes and executions per step, whether XLA issued it
+  asynchronously and how many compute ops it scheduled under it, and whether its groups cross nodes;
+- model FLOPs per device (GEMMs, counted as :func:`jphantom.analysis.hlo.dot_flops` counts them on
+  the unoptimised HLO, which is backend-independent) and XLA's ``cost_analysis()`` where the
+  backend gives one (the GPU path returns ``None``: reported as unavailable);
+- compile seconds, jax/jaxlib/plugin versions.
+
+Modelled, not measured: nothing here has a time. GEMM autotuning does not run without a GPU, so the
+kernels a real GPU picks may differ (the collectives and buffers do not depend on them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.resources
+import importlib.util
+import math
+import re
+import time
+from pathlib import Path
+
+from jphantom.errors import ConfigError
+
+GPU_TARGETS = {
+    # chip: (description file, HBM bytes as the description gives them, GPUs per node,
+    #        dense bf16 TFLOP/s from NVIDIA's datasheets)
+    "h100": ("h100_sxm.txtpb", 84942979072, 8, 989.0),
+    "a100": ("a100_sxm_80.txtpb", 85100068864, 8, 312.0),
+}
+TPU_TARGETS = {
+    # chip: (HBM bytes per chip, chips per host, dense bf16 TFLOP/s per chip; Google Cloud's docs)
+    "v4": (32 * 2**30, 4, 275.0),
+    "v5e": (16 * 2**30, 4, 197.0),
+    "v5p": (95 * 2**30, 4, 459.0),
+    "v6e": (32 * 2**30, 4, 918.0),
+}
+GPU_INSTALL = "pip install 'jphantom[aot]'"
+TPU_INSTALL = "pip install 'jphantom[tpu]'"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The hardware a step is compiled for. ``platform`` ``gpu`` or ``tpu``; ``chip`` a key of
+    :data:`GPU_TARGETS` / :data:`TPU_TARGETS`; GPUs: ``nodes`` x ``devices_per_node``, optionally
+    ``target_config`` (a path to a user's ``GpuTargetConfigProto`` text, instead of the shipped
+    one); TPUs: ``topology`` (``4x4x4``: chips along each torus axis). Validated on construction.
+    ``Target.parse("gpu:h100", nodes=4)``, ``Target.parse("tpu:v5p:2x2x2")``."""
+
+    platform: str
+    chip: str
+    nodes: int = 1
+    devices_per_node: int = 8
+    topology: str = ""
+    target_config: str | None = None
+
+    def __post_init__(self):
+        if self.platform not in ("gpu", "tpu"):
+            raise ConfigError(f"target platform {self.platform!r}: use gpu:CHIP or tpu:CHIP:TOPOLOGY, "
+                              "e.g. gpu:h100 or tpu:v5p:2x2x2")
+        known = GPU_TARGETS if self.platform == "gpu" else TPU_TARGETS
+        if self.chip not in known and not (self.platform == "gpu" and self.target_config):
+            raise ConfigError(f"target {self.platform}:{self.chip}: known chips are "
+                              f"{', '.join(f'{self.platform}:{c}' for c in known)}"
+                              + (" (or give --target-config FILE for another GPU)"
+                                 if self.platform == "gpu" else ""))
+        for name in ("nodes", "devices_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a whole number >= 1")
+        if self.platform == "tpu":
+            if not re.fullmatch(r"\d+(x\d+){1,2}", self.topology):
+                raise ConfigError(f"TPU topology {self.topology!r}: give chips per torus axis, "
+                                  "e.g. tpu:v5p:2x2x2 or tpu:v5e:4x4")
+        if self.target_config is not None and not Path(self.target_config).is_file():
+            raise ConfigError(f"--target-config {self.target_config}: no such file (give a "
+                              "stream_executor.GpuTargetConfigProto in text form)")
+
+    @classmethod
+    def parse(cls, text: str, *, nodes: int = 1, gpus_per_node: int | None = None,
+              target_config: str | None = None) -> Target:
+        parts = str(text).split(":")
+        if parts[0] == "gpu" and len(parts) == 2:
+            chip = parts[1]
+            per_node = gpus_per_node or GPU_TARGETS.get(chip, (None, None, 8))[2]
+            return cls("gpu", chip, nodes, per_node, target_config=target_config)
+        if parts[0] == "tpu" and len(parts) == 3:
+            if gpus_per_node is not None or nodes != 1:
+                raise ConfigError("a TPU target's size is its topology (tpu:v5p:4x4x4): leave "
+                                  "--nodes and --gpus-per-node out")
+            return cls("tpu", parts[1], topology=parts[2])
+        raise ConfigError(f"--target {text!r}: write gpu:CHIP (gpu:h100, gpu:a100) or "
+                          "tpu:CHIP:TOPOLOGY (tpu:v5p:2x2x2)")
+
+    @property
+    def device_count(self) -> int:
+        if self.platform == "tpu":
+            return math.prod(int(n) for n in self.topology.split("x"))
+        return self.nodes * self.devices_per_node
+
+    @property
+    def name(self) -> str:
+        if self.platform == "tpu":
+            return f"tpu:{self.chip}:{self.topology}"
+        return f"gpu:{self.chip} x {self.nodes} node(s) x {self.devices_per_node}"
+
+    @property
+    def memory_bytes(self) -> int:
+        """One device's memory (HBM), as the target description gives it."""
+        if self.platform == "tpu":
+            return TPU_TARGETS[self.chip][0]
+        if self.target_config is not None:
+            found = re.search(r"device_memory_size:\s*(\d+)", self.config_text())
+            if not found:
+                raise ConfigError(f"--target-config {self.target_config} has no "
+                                  "device_memory_size: add it (bytes of one GPU's memory)")
+            return int(found[1])
+        return GPU_TARGETS[self.chip][1]
+
+    @property
+    def peak_tflops(self) -> float | None:
+        """Dense bf16 TFLOP/s of one device from its datasheet (None for a user's GPU)."""
+        if self.platform == "tpu":
+            return TPU_TARGETS[self.chip][2]
+        return GPU_TARGETS[self.chip][3] if self.chip in GPU_TARGETS else None
+
+    def config_text(self) -> str:
+        """The GPU's ``GpuTargetConfigProto`` text: the user's file, else the shipped one."""
+        if self.target_config is not None:
+            return Path(self.target_config).read_text()
+        file = GPU_TARGETS[self.chip][0]
+        return importlib.resources.files("jphantom.targets").joinpath(file).read_text()
+
+    def devices(self) -> list:
+        """The target's devices (``jax.experimental.topologies``): compile for them, never run."""
+        require_plugin(self.platform)
+        from jax.experimental import topologies
+
+        if self.platform == "gpu":
+            topology = topologies.get_topology_desc(
+                platform="cuda", topology_name="", target_config=self.config_text(),
+                topology=f"1x{self.nodes}x{self.devices_per_node}")
+        else:
+            topology = topologies.get_topology_desc(platform="tpu",
+                                                    topology_name=f"{self.chip}:{self.topology}")
+        return list(topology.devices)
+
+    def as_dict(self) -> dict:
+        out = {"name": self.name, "platform": self.platform, "chip": self.chip,
+               "devices": self.device_count, "memory_bytes": self.memory_bytes,
+               "peak_bf16_tflops": self.peak_tflops}
+        if self.platform == "gpu":
+            out |= {"nodes": self.nodes, "devices_per_node": self.devices_per_node,
+                    "target_config": self.target_config or f"jphantom/targets/"
+                                                           f"{GPU_TARGETS[self.chip][0]}"}
+        else:
+            out["topology"] = self.topology
+        return out
+
+
+def versions() -> dict[str, str | None]:
+    """jax's and the compiler plugins' versions (recorded with every compiled number)."""
+    out = {}
+    for package in ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt",
+                    "nvidia-cuda-nvcc-cu12", "libtpu"):
+        try:
+            out[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            out[package] = None
+    return out
+
+
+def plugin_problem(platform: str) -> str | None:
+    """Why this environment cannot compile for ``platform`` (``gpu``/``tpu``), or None."""
+    have = versions()
+    if platform == "gpu":
+        missing = [p for p in ("jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12")
+                   if have[p] is None]
+        if missing:
+            return (f"compiling for a GPU needs {', '.join(missing)} (at jax's version "
+                    f"{have['jax']}): {GPU_INSTALL}")
+        wrong = [p for p in ("jax-cuda12-plugin", "jax-cuda12-pjrt") if have[p] != have["jaxlib"]]
+        if wrong:
+            return (f"{wrong[0]} {have[wrong[0]]} differs from jaxlib {have['jaxlib']}: the plugin "
+                    f"must match it: pip install '{wrong[0]}=={have['jaxlib']}'")
+        return None
+    if have["libtpu"] is None:
+        return f"compiling for a TPU needs libtpu: {TPU_INSTALL}"
+    return None
+
+
+def require_plugin(platform: str) -> None:
+    problem = plugin_problem(platform)
+    if problem:
+        raise ConfigError(problem)
+
+
+# -------------------------------------------------------------------------------------------------
+# Compile a run for a target and report it
+# -------------------------------------------------------------------------------------------------
+
+
+def compile_report(flags: dict, target: Target, *, devices: list | None = None) -> dict:
+    """Build the run of ``flags`` (:meth:`jphantom.config.RunConfig.from_flags` names) on
+    ``target``'s devices (``devices``: already fetched ones, to share them between runs), compile
+    its training step and report it (module docstring). Raises :class:`ConfigError` for a run that
+    cannot be built (before compiling) or a mesh whose size is not the target's."""
+    import jax
+
+    from jphantom.analysis.hlo import collectives, dot_flops
+    from jphantom.analysis.inspect import (abstract_batch, compiled_memory, normalise_collectives,
+                                           state_bytes)
+    from jphantom.config import RunConfig, pipeline_summary
+    from jphantom.mesh import MeshConfig, axes_across_nodes, device_pool, node_split
+
+    mesh_text = flags.get("mesh") or default_mesh(target)
+    if MeshConfig.parse(mesh_text).device_count != target.device_count:
+        raise ConfigError(f"mesh {mesh_text} has {MeshConfig.parse(mesh_text).device_count} "
+                          f"devices; the target {target.name} has {target.device_count}: give a "
+                          "mesh whose sizes multiply to it")
+    devices = target.devices() if devices is None else devices
+    with device_pool(devices):
+        config = RunConfig.from_flags(**{**flags, "mesh": mesh_text})
+        built = config.build()
+        program, mesh, step = built.program, built.mesh, built.step
+        batch = abstract_batch(config, program, step)
+        state = step.abstract_state()
+        start = time.perf_counter()
+        lowered = step.lower(state, *batch)
+        lower_seconds = time.perf_counter() - start
+        compiled = lowered.compile()
+        compile_seconds = time.perf_counter() - start
+    hlo_text = compiled.as_text()
+    found = normalise_collectives(collectives(hlo_text))
+    axes = dict(mesh.shape)
+    node_of = [d.process_index for d in mesh.devices.flat]
+    ops = [_collective_row(c, axes, node_of) for c in found]
+    memory = compiled_memory(compiled) | state_bytes(step)
+    peak = memory_peak(memory)
+    split = node_split(program.mesh, devices[:mesh.size])
+    cost = _cost_analysis(compiled)
+    report = {
+        "strategy": config.parallel.strategy,
+        "mesh": str(program.mesh),
+        "config": config.flat(),
+        "target": target.as_dict(),
+        "placement": {"inside_node": split[0], "across_nodes": split[1]} if split else
+                     {"inside_node": dict(axes), "across_nodes": {}},
+        "axes_across_nodes": list(axes_across_nodes(mesh)),
+        "memory": memory | {"peak_bytes": peak, "device_bytes": target.memory_bytes,
+                            "fits": peak <= target.memory_bytes},
+        "collectives": _summary(ops),
+        "collective_ops": ops,
+        "collective_bytes": sum(r["bytes"] * r["count"] for r in ops if not r["trivial"]),
+        "model_flops": dot_flops(lowered.as_text(dialect="hlo"))[0],
+        "xla_cost_analysis": cost,
+        "params": program.param_count,
+        "lower_seconds": lower_seconds,
+        "compile_seconds": compile_seconds,
+        "versions": versions(),
+        "notes": [],
+    }
+    if step.pipeline is not None:
+        report["pipeline"] = pipeline_summary(step.pipeline, program.mesh)
+    if cost is None:
+        report["notes"].append("XLA's cost_analysis() is unavailable for this target on this "
+                               "path (None)")
+    if target.platform == "gpu":
+        report["notes"].append("compiled without a GPU: GEMM autotuning did not run, so a real "
+                               "GPU may pick other kernels (collectives and buffers are the "
+                               "compiler's)")
+    if not report["memory"]["fits"]:
+        report["notes"].append(f"peak {peak / 2**30:.1f} GiB exceeds the device's "
+                               f"{target.memory_bytes / 2**30:.1f} GiB: XLA compiled it anyway; "
+                               "it would fail to allocate")
+    return report
+
+
+def default_mesh(target: Target) -> str:
+    """Tensor parallelism inside a node, data parallelism across nodes (GPUs); ``data=N`` on a TPU
+    slice."""
+    if target.platform == "tpu":
+        return f"data={target.device_count}"
+    return ",".join(f"{name}={size}" for name, size in
+                    (("data", target.nodes), ("model", target.devices_per_node)) if size > 1) \
+        or "model=1"
+
+
+def memory_peak(memory: dict) -> int:
+    """Bytes a device holds at the step's peak from ``memory_analysis()``: arguments + outputs -
+    aliased (outputs donated into arguments' buffers) + temporaries (MaxText's
+    ``train_compile.py`` sums them the same way)."""
+    return (memory.get("argument_bytes", 0) + memory.get("output_bytes", 0)
+            - memory.get("alias_bytes", 0) + memory.get("temp_bytes", 0))
+
+
+def _cost_analysis(compiled) -> dict | None:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 -- a backend without one raises instead of returning None
+        return None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    if not cost:
+        return None
+    return {key: float(value) for key, value in cost.items()
+            if key in ("flops", "transcendentals", "bytes accessed")}
+
+
+def _collective_row(c, axes: dict, node_of: list[int]) -> dict:
+    from jphantom.analysis.hlo import replica_group_lists
+
+    if c.kind == "collective-permute":
+        pairs = [tuple(int(v) for v in p.split(","))
+                 for p in re.findall(r"\{(\d+,\d+)\}", c.source_target_pairs)]
+        groups = [list(p) for p in pairs]
+    else:
+        try:
+            groups = replica_group_lists(c.replica_groups, len(node_of))
+        except ValueError:
+            groups = [list(range(len(node_of)))]
+        groups = groups or [list(range(len(node_of)))]
+    crosses = any(len({node_of[m] for m in g if m < len(node_of)}) > 1 for g in groups)
+    return {"kind": c.kind, "axes": list(c.mesh_axes(axes)),
+            "shapes": [[d, list(s)] for d, s in c.shapes], "bytes": c.bytes, "count": c.count,
+            "asynchronous": c.asynchronous, "overlapped_ops": c.overlapped,
+            "crosses_nodes": crosses, "trivial": c.trivial}
+
+
+def _summary(ops: list[dict]) -> list[dict]:
+    """One row per (kind, axes): executions, bytes per device per step, how many of the
+    executions were asynchronous, overlapped with compute, and crossing nodes."""
+    rows: dict[tuple, dict] = {}
+    for op in ops:
+        if op["trivial"]:
+            continue
+        key = (op["kind"], tuple(op["axes"]))
+        row = rows.setdefault(key, {"kind": op["kind"], "axes": list(op["axes"]), "count": 0,
+                                    "bytes": 0, "asynchronous": 0, "overlapped": 0,
+                                    "crosses_nodes": 0})
+        row["count"] += op["count"]
+        row["bytes"] += op["bytes"] * op["count"]
+        row["asynchronous"] += op["count"] * op["asynchronous"]
+        row["overlapped"] += op["count"] * (op["overlapped_ops"] > 0)
+        row["crosses_nodes"] += op["count"] * op["crosses_nodes"]
+    return list(rows.values())
+
+
+def format_compile_report(report: dict) -> str:
+    """The human table: memory against the device, then one line per collective kind and axes."""
+    m, t = report["memory"], report["target"]
+    gib = 2**30
+    lines = [
+        f"{report['strategy']} on {report['mesh']}, compiled for {t['name']} "
+        f"({t['devices']} devices) in {report['compile_seconds']:.1f} s",
+        f"placement: inside a node {_axes_text(report['placement']['inside_node'])}; across "
+        f"nodes {_axes_text(report['placement']['across_nodes']) or '-'}",
+        f"memory per device: arguments {m.get('argument_bytes', 0) / gib:.2f} GiB, outputs "
+        f"{m.get('output_bytes', 0) / gib:.2f} GiB (aliased {m.get('alias_bytes', 0) / gib:.2f}), "
+        f"temporaries {m.get('temp_bytes', 0) / gib:.2f} GiB -> peak {m['peak_bytes'] / gib:.2f} "
+        f"GiB of {m['device_bytes'] / gib:.1f} GiB: {'fits' if m['fits'] else 'DOES NOT FIT'}",
+        f"model FLOPs per device {report['model_flops'] / 1e12:.3f} TFLOP per step; XLA cost "
+        f"analysis: {_cost_text(report['xla_cost_analysis'])}",
+        "",
+        f"{'collective':<20} {'axes':<16} {'count':>7} {'MB/device':>11} {'async':>7} "
+        f"{'overlap':>8} {'x-node':>7}",
+    ]
+    for row in report["collectives"]:
+        lines.append(f"{row['kind']:<20} {','.join(row['axes']) or '-':<16} {row['count']:>7} "
+                     f"{row['bytes'] / 1e6:>11.2f} {row['asynchronous']:>7} "
+                     f"{row['overlapped']:>8} {row['crosses_nodes']:>7}")
+    lines.append(f"{'total':<20} {'':<16} {sum(r['count'] for r in report['collectives']):>7} "
+                 f"{report['collective_bytes'] / 1e6:>11.2f}")
+    return "\n".join(lines)
+
+
+def _axes_text(axes: dict) -> str:
+    return ",".join(f"{name}={size}" for name, size in axes.items() if size > 1)
+
+
+def _cost_text(cost: dict | None) -> str:
+    if cost is None:
+        return "unavailable (None on this path)"
+    return ", ".join(f"{key} {value:.3g}" for key, value in cost.items())
+
+
+__all__ = ["GPU_TARGETS", "TPU_TARGETS", "Target", "compile_report", "default_mesh",
+           "format_compile_report", "memory_peak", "plugin_problem", "versions"]
