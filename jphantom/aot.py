@@ -154,7 +154,14 @@ class Target:
     def devices(self) -> list:
         """The target's devices (``jax.experimental.topologies``): compile for them, never run."""
         require_plugin(self.platform)
+        import jax
         from jax.experimental import topologies
+
+        if not jax.config.jax_platforms:
+            # Without a GPU the CUDA plugin registers (and offers its topology API) only when the
+            # platforms jax starts are named and exclude it; this takes effect if jax's backends
+            # have not started yet (else set JAX_PLATFORMS=cpu before starting Python).
+            jax.config.update("jax_platforms", "cpu")
 
         if self.platform == "gpu":
             topology = topologies.get_topology_desc(
@@ -272,7 +279,7 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None) 
         "collectives": _summary(ops),
         "collective_ops": ops,
         "collective_bytes": sum(r["bytes"] * r["count"] for r in ops if not r["trivial"]),
-        "model_flops": dot_flops(lowered.as_text(dialect="hlo"))[0],
+        "model_flops": dot_flops(hlo_text)[0],
         "xla_cost_analysis": cost,
         "params": program.param_count,
         "lower_seconds": lower_seconds,
@@ -294,6 +301,91 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None) 
                                f"{target.memory_bytes / 2**30:.1f} GiB: XLA compiled it anyway; "
                                "it would fail to allocate")
     return report
+
+
+def plan_row_flags(row, shape: dict, batch: int, precision: str = "bf16") -> dict | None:
+    """The run of one :class:`jphantom.plan.PlanRow` of a GPT (``shape``: the plan's model
+    assumptions: ``layers``, ``hidden``, ``heads``, ``seq_len``, ``vocab_size``), as the
+    :meth:`RunConfig.from_flags` names: GPT-2 blocks (the model the planner prices), float32
+    parameters with ``precision`` compute (16 bytes of state per parameter with Adam, as the
+    planner counts), per-layer activation checkpointing (``remat=nothing_saveable``: the
+    planner's Korthikanti count of checkpointed activations). ``None`` for phantom rows (another
+    model)."""
+    if not row.same_model:
+        return None
+    flags = {"model": "gpt2", "layers": shape["layers"], "hidden": shape["hidden"],
+             "heads": shape["heads"], "seq_len": shape["seq_len"], "vocab": shape["vocab_size"],
+             "batch": batch, "optimizer": "adamw", "dtype": "float32", "precision": precision,
+             "remat": "nothing_saveable", "strategy": row.strategy,
+             "mesh": ",".join(item for item in row.mesh.split(",") if not item.endswith("=1"))}
+    options = dict(row.options)
+    for key in ("sequence_parallel", "zero", "schedule", "microbatches"):
+        if key in options:
+            flags[key] = options[key]
+    return flags
+
+
+def compile_plan(result, top: int, target: Target, *, devices: list | None = None,
+                 progress=None) -> list[dict]:
+    """Compile the ``top`` best same-model layouts of a :class:`jphantom.plan.Plan` for
+    ``target`` and re-rank them by what the compiler says: layouts whose compiled peak fits the
+    device first, then fewer collective bytes per device that cross nodes, then fewer in all.
+    Each entry: the plan row, its run's flags, the compile report's memory and collectives (or
+    ``error``: why jphantom refused to build it), and ``memory_ratio`` (modelled / compiled
+    peak)."""
+    a = result.assumptions
+    rows = [row for row in result.rows if row.same_model][:top]
+    devices = target.devices() if devices is None else devices
+    out = []
+    for row in rows:
+        flags = plan_row_flags(row, a["model"], a["batch_sequences"],
+                               "bf16" if a["precision"]["name"] == "bf16" else "float32")
+        entry = {"plan_rank": row.rank, "layout": row.layout, "mesh": row.mesh,
+                 "options": dict(row.options), "modelled_memory_bytes": row.memory["total"],
+                 "modelled_comm_s": row.comm_s, "flags": flags}
+        try:
+            report = compile_report(flags, target, devices=devices)
+        except ConfigError as error:
+            entry["error"] = str(error).split("\n")[0]
+        else:
+            across = sum(o["bytes"] * o["count"] for o in report["collective_ops"]
+                         if o["crosses_nodes"] and not o["trivial"])
+            entry |= {"compiled_peak_bytes": report["memory"]["peak_bytes"],
+                      "compiled_memory": {k: report["memory"][k] for k in (
+                          "argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
+                          "params_bytes", "gradient_bytes", "optimizer_bytes")},
+                      "fits": report["memory"]["fits"],
+                      "memory_ratio": row.memory["total"] / report["memory"]["peak_bytes"],
+                      "collective_bytes": report["collective_bytes"],
+                      "collective_bytes_across_nodes": across,
+                      "collectives": report["collectives"],
+                      "compile_seconds": report["compile_seconds"]}
+        out.append(entry)
+        if progress is not None:
+            progress(entry)
+    ok = sorted((e for e in out if "error" not in e),
+                key=lambda e: (not e["fits"], e["collective_bytes_across_nodes"],
+                               e["collective_bytes"]))
+    for rank, entry in enumerate(ok, 1):
+        entry["compiled_rank"] = rank
+    return ok + [e for e in out if "error" in e]
+
+
+def format_compiled_plan(entries: list[dict]) -> str:
+    gib = 2**30
+    lines = [f"{'compiled':>8} {'plan':>4}  {'layout':<14} {'mesh':<26} {'modelled GiB':>12} "
+             f"{'compiled GiB':>12} {'fits':>5} {'coll. GB':>9} {'x-node GB':>9} {'compile s':>9}"]
+    for e in entries:
+        head = (f"{e.get('compiled_rank', '-'):>8} {e['plan_rank']:>4}  {e['layout']:<14} "
+                f"{e['mesh']:<26} {e['modelled_memory_bytes'] / gib:>12.1f} ")
+        if "error" in e:
+            lines.append(head + f"refused: {e['error']}")
+            continue
+        lines.append(head + f"{e['compiled_peak_bytes'] / gib:>12.1f} "
+                     f"{'yes' if e['fits'] else 'NO':>5} {e['collective_bytes'] / 1e9:>9.2f} "
+                     f"{e['collective_bytes_across_nodes'] / 1e9:>9.2f} "
+                     f"{e['compile_seconds']:>9.1f}")
+    return "\n".join(lines)
 
 
 def default_mesh(target: Target) -> str:
@@ -379,7 +471,7 @@ def format_compile_report(report: dict) -> str:
         f"{m.get('output_bytes', 0) / gib:.2f} GiB (aliased {m.get('alias_bytes', 0) / gib:.2f}), "
         f"temporaries {m.get('temp_bytes', 0) / gib:.2f} GiB -> peak {m['peak_bytes'] / gib:.2f} "
         f"GiB of {m['device_bytes'] / gib:.1f} GiB: {'fits' if m['fits'] else 'DOES NOT FIT'}",
-        f"model FLOPs per device {report['model_flops'] / 1e12:.3f} TFLOP per step; XLA cost "
+        f"model FLOPs per device {report['model_flops'] / 1e9:.4g} GFLOP per step; XLA cost "
         f"analysis: {_cost_text(report['xla_cost_analysis'])}",
         "",
         f"{'collective':<20} {'axes':<16} {'count':>7} {'MB/device':>11} {'async':>7} "
@@ -394,6 +486,51 @@ def format_compile_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def write_reports(reports: list[dict], out: str | Path) -> None:
+    """``out/compile.json`` (the reports) and ``out/compile.png``: per run, the peak memory per
+    device split into XLA's arguments, outputs and temporaries against the device's memory, and
+    the collective bytes per device per mesh axes, split into what crosses nodes and what stays
+    inside one."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compile.json").write_text(json.dumps(reports, indent=2) + "\n")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 1.2 + 0.6 * len(reports)))
+    labels = [f"{r['strategy']} {r['mesh']}" for r in reports]
+    gib = 2**30
+    bottom = [0.0] * len(reports)
+    for field in ("argument_bytes", "output_bytes", "temp_bytes"):
+        values = [r["memory"].get(field, 0) / gib
+                  - (r["memory"].get("alias_bytes", 0) / gib if field == "output_bytes" else 0)
+                  for r in reports]
+        left.barh(labels, values, left=bottom, label=field.replace("_bytes", ""))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    left.axvline(reports[0]["target"]["memory_bytes"] / gib, color="k", linestyle="--",
+                 label="device memory")
+    left.set_xlabel("GiB per device (XLA memory_analysis)")
+    left.legend(fontsize=7)
+    inside, across = [], []
+    for r in reports:
+        ops = [o for o in r["collective_ops"] if not o["trivial"]]
+        across.append(sum(o["bytes"] * o["count"] for o in ops if o["crosses_nodes"]) / 1e6)
+        inside.append(sum(o["bytes"] * o["count"] for o in ops if not o["crosses_nodes"]) / 1e6)
+    right.barh(labels, inside, label="inside a node")
+    right.barh(labels, across, left=inside, label="across nodes")
+    right.set_xlabel("collective MB per device per step (compiled HLO)")
+    right.legend(fontsize=7)
+    right.set_yticks([])
+    fig.suptitle(f"compiled for {reports[0]['target']['name']} (no time measured)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "compile.png", dpi=120)
+    plt.close(fig)
+
+
 def _axes_text(axes: dict) -> str:
     return ",".join(f"{name}={size}" for name, size in axes.items() if size > 1)
 
@@ -404,5 +541,6 @@ def _cost_text(cost: dict | None) -> str:
     return ", ".join(f"{key} {value:.3g}" for key, value in cost.items())
 
 
-__all__ = ["GPU_TARGETS", "TPU_TARGETS", "Target", "compile_report", "default_mesh",
-           "format_compile_report", "memory_peak", "plugin_problem", "versions"]
+__all__ = ["GPU_TARGETS", "TPU_TARGETS", "Target", "compile_plan", "compile_report",
+           "default_mesh", "format_compiled_plan", "plan_row_flags",
+           "format_compile_report", "memory_peak", "plugin_problem", "versions", "write_reports"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 DEFAULT_SIMULATED_DEVICES = 8
@@ -88,6 +89,9 @@ def _setup_devices(count: int | None, *, at_least: bool = False) -> None:
 
 INSPECT_DEFAULTS = {"model": "ffn", "width": 4096, "depth": 2, "ghost_width": 16, "batch": 256,
                     "optimizer": "sgd", "learning_rate": 0.1, "warmup_steps": 0}
+COMPILE_DEFAULTS = {"model": "llama", "layers": 4, "hidden": 512, "heads": 8, "seq_len": 256,
+                    "vocab": 32000, "dtype": "bfloat16", "batch": 64, "optimizer": "adamw",
+                    "learning_rate": 3e-4, "warmup_steps": 0, "ghost_width": 16}
 INSPECT_FLAGS = ("model", "layers", "hidden", "heads", "kv_heads", "intermediate", "seq_len",
                  "vocab", "width", "depth", "ghost_width", "dtype", "moe_every", "experts", "top_k",
                  "capacity_factor", "dropless", "from_hf", "mesh", "sequence_parallel", "dtd",
@@ -164,6 +168,45 @@ def _inspect(args: argparse.Namespace) -> int:
                   f"compute {b['t_compute'] * 1e3:.2f} ms ({b['r_compute']:.1%}) + data "
                   f"communication {b['t_comm'] * 1e3:.2f} ms ({b['r_comm']:.1%}); Eq. 26 "
                   f"(Frontier, modelled): {b['t_comm_eq26_frontier_modelled'] * 1e3:.3f} ms")
+    return 0
+
+
+def _compile_for_target(args: argparse.Namespace) -> int:
+    """``jphantom compile``: the run's step compiled for a GPU cluster or TPU slice it does not
+    have (:mod:`jphantom.aot`)."""
+    from jphantom import aot
+    from jphantom.config import RunConfig
+
+    target = aot.Target.parse(args.target, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                              target_config=args.target_config)
+    aot.require_plugin(target.platform)  # before anything is built
+    settings = _run_settings(args, COMPILE_DEFAULTS)
+    settings["mesh"] = settings.get("mesh") or aot.default_mesh(target)
+    devices = target.devices()
+    from jphantom.mesh import device_pool
+
+    with device_pool(devices):  # every run validated before anything compiles
+        runs = []
+        for name in dict.fromkeys(args.strategy):
+            run = {**settings, "strategy": name, "out": None, "progress": False}
+            if not name.startswith("phantom"):
+                run.pop("ghost_width", None)
+            RunConfig.from_flags(**run)
+            runs.append(run)
+    reports = [aot.compile_report(run, target, devices=devices) for run in runs]
+    if args.out:
+        aot.write_reports(reports, args.out)
+    if args.json:
+        json.dump(reports[0] if len(reports) == 1 else reports, sys.stdout, indent=2)
+        print()
+        return 0
+    for report in reports:
+        print(aot.format_compile_report(report))
+        for note in report["notes"]:
+            print(f"note: {note}")
+        print()
+    if args.out:
+        print(f"wrote {args.out}/compile.json and {args.out}/compile.png")
     return 0
 
 
@@ -611,6 +654,41 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_flag(compare)
     compare.set_defaults(handler=_compare)
 
+    target = sub.add_parser(
+        "compile", help="compile the training step for H100/A100 nodes or a TPU slice from this "
+                        "machine: memory and collectives from XLA",
+        description="Build the training step exactly as `train` would (same flags) and compile it "
+                    "ahead of time for GPUs or TPUs this machine does not have "
+                    "(jax.experimental.topologies): report per device XLA's memory (arguments, "
+                    "outputs, temporaries, peak) against the device's memory, every collective "
+                    "with its mesh axes, bytes and executions, whether XLA made it asynchronous "
+                    "and overlapped it with compute, whether it crosses nodes, model FLOPs and "
+                    "XLA's cost analysis. Nothing runs. Needs the GPU compiler (pip install "
+                    "'jphantom[aot]') or libtpu (pip install 'jphantom[tpu]').",
+        epilog="Examples: jphantom compile --target gpu:h100 --nodes 4 --model llama --layers 2 "
+               "--hidden 256 --heads 8 --seq-len 128 --vocab 1024 --batch 64 --strategy tensor "
+               "--mesh data=4,model=8 | jphantom compile --target tpu:v5p:2x2x2 --model llama "
+               "--mesh data=8 --zero 3 --json")
+    target.add_argument("--target", default="gpu:h100",
+                        help="gpu:h100, gpu:a100 (SXM, 80 GB) or tpu:CHIP:TOPOLOGY, e.g. "
+                             "tpu:v5p:2x2x2 (default gpu:h100)")
+    target.add_argument("--nodes", type=_positive_int, default=1,
+                        help="GPU nodes (default 1)")
+    target.add_argument("--gpus-per-node", type=_positive_int, default=None,
+                        help="GPUs per node (default 8)")
+    target.add_argument("--target-config", metavar="FILE", default=None,
+                        help="your GPU as a stream_executor.GpuTargetConfigProto text file "
+                             "(default: the shipped H100 SXM or A100 SXM description)")
+    target.add_argument("--strategy", nargs="+", default=["tensor"], choices=names,
+                        help="one or more strategies (default tensor)")
+    target.add_argument("--config", metavar="FILE.toml",
+                        help="settings from a TOML file (as train's; flags override)")
+    _add_run_flags(target, COMPILE_DEFAULTS, only=INSPECT_FLAGS)
+    target.add_argument("--out", default=None, metavar="DIR",
+                        help="also write DIR/compile.json and DIR/compile.png")
+    target.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    target.set_defaults(handler=_compile_for_target)
+
     _add_train_parser(sub)
     _add_schedule_parser(sub)
     from jphantom.plan import add_parser as add_plan_parser
@@ -630,6 +708,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["compile"]:
+        # before jax loads the CUDA plugin, which logs that this machine has no GPU: known here
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     args = build_parser().parse_args(argv)
     from jphantom.errors import ConfigError, TrainingDiverged
 

@@ -577,11 +577,44 @@ def _run(args) -> int:
         device_tflops=_parse_float("--device-tflops", args.device_tflops),
         flash_attention=not args.attention_scores)
     top = _parse_int("--top", args.top)
+    if args.compile_top is not None:
+        return _compile_top(args, result, _parse_int("--compile-top", args.compile_top),
+                            gpus_per_node)
     if args.json:
         json.dump(result.as_dict(top), sys.stdout, indent=2)
         print()
     else:
         print(format_plan(result, top))
+    return 0
+
+
+def _compile_top(args, result: Plan, k: int, gpus_per_node: int) -> int:
+    """``--compile-top K``: compile the K best layouts for the target and re-rank them."""
+    import json
+    import os
+    import sys
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from jphantom import aot
+
+    devices = result.assumptions["devices"]
+    if devices % gpus_per_node:
+        raise ConfigError(f"--devices {devices} is not a whole number of nodes of "
+                          f"--gpus-per-node {gpus_per_node}")
+    target = aot.Target.parse(args.target, nodes=devices // gpus_per_node,
+                              gpus_per_node=gpus_per_node)
+    aot.require_plugin(target.platform)
+    entries = aot.compile_plan(result, k, target)
+    if args.json:
+        json.dump({"plan": result.as_dict(k), "target": target.as_dict(),
+                   "compiled": entries}, sys.stdout, indent=2)
+        print()
+        return 0
+    print(format_plan(result, k))
+    print(f"\nThe top {k} layouts that train this model, compiled for {target.name} and "
+          "re-ranked (compiled peak fits first, then fewer collective bytes across nodes, then "
+          "fewer in all):\n")
+    print(aot.format_compiled_plan(entries))
     return 0
 
 
@@ -649,4 +682,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--top", default="10", metavar="N", help="rows to print (default 10)")
     parser.add_argument("--json", action="store_true",
                         help="print JSON: assumptions, top choice and the top rows")
+    parser.add_argument("--compile-top", default=None, metavar="K",
+                        help="compile the K best layouts for --target (GPT-2 blocks of this "
+                             "shape, float32 master weights with bf16 compute, per-layer "
+                             "checkpointing) and re-rank them by compiled memory fit and "
+                             "compiled communication (needs pip install 'jphantom[aot]')")
+    parser.add_argument("--target", default="gpu:h100",
+                        help="the GPU --compile-top compiles for (default gpu:h100)")
     parser.set_defaults(handler=_run)

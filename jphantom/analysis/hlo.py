@@ -685,11 +685,16 @@ def _dims(text: str) -> list[int]:
     return [int(d) for d in text.split(",") if d]
 
 
+_GEMM_CALL = re.compile(r'custom_call_target="__cublas\$(lt\$matmul|gemm)"')
+_ARRAY_TYPE = re.compile(r"\w+\[([\d,]*)\]")
+
+
 def dot_flops(hlo_text: str) -> tuple[int, int]:
     """(FLOPs, count) of every ``dot`` executed by an optimized HLO module, 2 per multiply-add:
     2 x (elements of the result) x (product of the lhs contracting dimensions), times the number of
     times the dot runs per step (its computation's multiplier: loop trip counts multiplied in);
-    ``count`` is likewise the number of dot executions. Fusion bodies included; each instruction
+    ``count`` is likewise the number of dot executions. XLA:GPU's cuBLAS calls (``__cublas$gemm``,
+    ``__cublas$lt$matmul`` custom calls, the dots it did not fuse) are dots. Fusion bodies included; each instruction
     name is defined once per module, so operand shapes are looked up by name. Unlike
     ``cost_analysis()``, element-wise work is not counted: these are the GEMMs alone. Raises
     ``ValueError`` when a loop's trip count cannot be determined."""
@@ -705,11 +710,17 @@ def dot_flops(hlo_text: str) -> tuple[int, int]:
     for comp in comps.values():
         runs = mult.get(comp.name, 0)
         for instr in comp.instructions:
-            if instr.opcode != "dot" or runs == 0:
+            gemm = instr.opcode == "custom-call" and _GEMM_CALL.search(instr.attrs)
+            if not (instr.opcode == "dot" or gemm) or runs == 0:
                 continue
             lhs = shapes[instr.operands[0]]
-            contracted = math.prod(lhs[d] for d in _dims(_LHS_CONTRACTING.search(instr.attrs)[1]))
-            result = _SINGLE_ARRAY.match(instr.type_text)
+            if gemm:  # XLA:GPU's cuBLAS call: dimension numbers in its backend config (JSON)
+                numbers = _backend_config(instr)["gemm_backend_config"]["dot_dimension_numbers"]
+                dims = [int(d) for d in numbers.get("lhs_contracting_dimensions", [])]
+            else:
+                dims = _dims(_LHS_CONTRACTING.search(instr.attrs)[1])
+            contracted = math.prod(lhs[d] for d in dims)
+            result = _ARRAY_TYPE.search(instr.type_text)  # a cuBLAS call's first result
             flops += runs * 2 * math.prod(_dims(result[1])) * contracted
             count += runs
     return flops, count
