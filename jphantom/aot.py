@@ -304,20 +304,24 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None) 
 
 
 def plan_row_flags(row, shape: dict, batch: int, precision: str = "bf16") -> dict | None:
-    """The run of one :class:`jphantom.plan.PlanRow` of a GPT (``shape``: the plan's model
-    assumptions: ``layers``, ``hidden``, ``heads``, ``seq_len``, ``vocab_size``), as the
-    :meth:`RunConfig.from_flags` names: GPT-2 blocks (the model the planner prices), float32
+    """The run of one :class:`jphantom.plan.PlanRow` (``shape``: the plan's model assumptions,
+    :class:`jphantom.perf.axonn_model.GPTShape` as a dict), as the :meth:`RunConfig.from_flags`
+    names: the planner's model (``gpt2`` or ``llama`` of the same sizes), float32
     parameters with ``precision`` compute (16 bytes of state per parameter with Adam, as the
     planner counts), per-layer activation checkpointing (``remat=nothing_saveable``: the
     planner's Korthikanti count of checkpointed activations). ``None`` for phantom rows (another
     model)."""
     if not row.same_model:
         return None
-    flags = {"model": "gpt2", "layers": shape["layers"], "hidden": shape["hidden"],
+    llama = shape.get("family") == "llama"
+    flags = {"model": "llama" if llama else "gpt2", "layers": shape["layers"],
+             "hidden": shape["hidden"],
              "heads": shape["heads"], "seq_len": shape["seq_len"], "vocab": shape["vocab_size"],
              "batch": batch, "optimizer": "adamw", "dtype": "float32", "precision": precision,
              "remat": "nothing_saveable", "strategy": row.strategy,
              "mesh": ",".join(item for item in row.mesh.split(",") if not item.endswith("=1"))}
+    if llama:
+        flags |= {"intermediate": shape["intermediate"], "kv_heads": shape["kv_heads"]}
     options = dict(row.options)
     for key in ("sequence_parallel", "zero", "schedule", "microbatches"):
         if key in options:

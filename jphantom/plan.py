@@ -83,8 +83,9 @@ class PlanRow:
     ``options`` the strategy's options (``sequence_parallel``, ``zero``, ``schedule`` and
     ``microbatches``, ``ghost_width``). Seconds and bytes per step and per device: ``comm_s``
     (Σ of ``comm_by_axis``), ``bubble_s`` (pipelines), ``flops_per_device``, ``memory`` (modelled
-    breakdown, ``total``), ``fits`` (None without a memory limit), ``notes``, and ``rank`` (1 =
-    best)."""
+    breakdown, ``total``), ``fits`` (None without a memory limit), ``notes``, ``rank`` (1 =
+    best), and ``bytes_by_axis`` (the modelled collectives' per-device result bytes per step, the
+    compiled HLO's convention)."""
 
     layout: str
     strategy: str
@@ -99,6 +100,7 @@ class PlanRow:
     notes: tuple[str, ...] = ()
     rank: int = 0
     same_model: bool = True
+    bytes_by_axis: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def variant(self) -> str:
@@ -131,7 +133,8 @@ class PlanRow:
     def as_dict(self) -> dict:
         return {"rank": self.rank, "layout": self.layout, "strategy": self.strategy,
                 "mesh": self.mesh, "options": dict(self.options), "comm_s": self.comm_s,
-                "comm_by_axis_s": dict(self.comm_by_axis), "bubble_s": self.bubble_s,
+                "comm_by_axis_s": dict(self.comm_by_axis),
+                "collective_bytes_by_axis": dict(self.bytes_by_axis), "bubble_s": self.bubble_s,
                 "ranking_key_s": self.key_s, "flops_per_device": self.flops_per_device,
                 "memory_bytes": dict(self.memory), "memory_gib": self.memory_gib,
                 "fits": self.fits, "same_model": self.same_model, "variant": self.variant,
@@ -183,19 +186,24 @@ class _Pricer:
         self.alpha = topology.latency_us * 1e-6 if latency else 0.0
 
     def price(self, collectives: Sequence[Collective],
-              levels: Sequence[tuple[str, int]]) -> dict[str, float]:
-        """{axis: seconds} for ``collectives`` on a mesh whose ``levels`` are innermost first."""
+              levels: Sequence[tuple[str, int]]) -> tuple[dict[str, float], dict[str, float]]:
+        """({axis: seconds}, {axis: result bytes}) for ``collectives`` on a mesh whose ``levels``
+        are innermost first. Bytes are the per-device result buffers times executions (what the
+        compiled HLO reports, :class:`jphantom.perf.axonn_model.Collective`'s ``buffer``), at
+        the precision's message bytes."""
         bandwidth = ax.hierarchy_bandwidths(levels, self.topology)
         inner = {name: math.prod(size for _, size in levels[:i])
                  for i, (name, _) in enumerate(levels)}
         by_axis = {name: 0.0 for name, size in levels if size > 1}
+        volume = dict(by_axis)
         for c in collectives:
             if c.group > 1:
                 beta = (ax.point_to_point_bandwidth(self.topology, inner[c.axis], c.group)
                         if c.kind == "collective-permute" else bandwidth[c.axis])
                 by_axis[c.axis] += c.seconds(beta, latency_s=self.alpha,
                                              bytes_per_element=self.element_bytes)
-        return by_axis
+                volume[c.axis] += c.count * c.buffer * self.element_bytes
+        return by_axis, volume
 
 
 def _inventory(name: str, shape: GPTShape, data: int, model: int, batch_per_rank: int,
@@ -204,11 +212,18 @@ def _inventory(name: str, shape: GPTShape, data: int, model: int, batch_per_rank
     one per-device result buffer of that many elements), ``repeats`` times (micro-batches)."""
     from jphantom import program
     from jphantom.mesh import MeshConfig
+    from jphantom.models.llama import LlamaConfig
     from jphantom.models.transformer import TransformerConfig
 
-    config = TransformerConfig(vocab_size=shape.vocab_size, seq_len=shape.seq_len,
-                               hidden=shape.hidden, heads=shape.heads, layers=shape.layers,
-                               ghost_width=ghost_width)
+    if shape.family == "llama":
+        config = LlamaConfig(vocab_size=shape.vocab_size, hidden=shape.hidden,
+                             intermediate=shape.intermediate, layers=shape.layers,
+                             heads=shape.heads, kv_heads=shape.kv_heads,
+                             max_positions=shape.seq_len)
+    else:
+        config = TransformerConfig(vocab_size=shape.vocab_size, seq_len=shape.seq_len,
+                                   hidden=shape.hidden, heads=shape.heads, layers=shape.layers,
+                                   ghost_width=ghost_width)
     options = {"sequence_parallel": True} if sequence_parallel else {}
     inventory = program.collective_inventory(
         config, name, MeshConfig.of({"data": data, "model": model}), batch_per_rank, **options)
@@ -301,17 +316,20 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
     acts = dict(element_bytes=p.element_bytes, flash_attention=flash_attention)
     rows: list[PlanRow] = []
 
-    def add(layout, strategy, mesh, options, by_axis, memory, flops, bubble_s=0.0, notes=()):
+    def add(layout, strategy, mesh, options, priced, memory, flops, bubble_s=0.0, notes=()):
+        by_axis, volume = priced
         memory = dict(memory)
         memory["total"] = sum(v for key, v in memory.items() if key != "total")
         fits = None if memory_gib is None else memory["total"] <= memory_gib * GIB
         rows.append(PlanRow(layout, strategy, mesh, types.MappingProxyType(dict(options)),
                             sum(by_axis.values()), types.MappingProxyType(dict(by_axis)),
                             bubble_s, flops, types.MappingProxyType(memory), fits, tuple(notes),
-                            same_model=strategy != "phantom"))
+                            same_model=strategy != "phantom",
+                            bytes_by_axis=types.MappingProxyType(dict(volume))))
 
     divisors = [d for d in range(1, devices + 1) if devices % d == 0]
-    block_params = 12 * h * h + 13 * h
+    block_params = shape.block_params
+    llama = shape.family == "llama"
 
     if "pmm3d" in layouts:  # seed 004 ch. 5: Eqs. 5.1-5.7
         for grid in ax.configurations(devices):
@@ -324,12 +342,13 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
                                     ax.layer_collectives(layer, grid, microbatches=accumulate)],
                                    grid.levels)
                       for part in (block_and_head[:-1], block_and_head[-1:])]
-            by_axis = {axis: L * priced[0].get(axis, 0.0) + priced[1].get(axis, 0.0)
-                       for axis in dict.fromkeys([*priced[0], *priced[1]])}
+            by_axis, volume = ({axis: L * block.get(axis, 0.0) + head.get(axis, 0.0)
+                                for axis in dict.fromkeys([*block, *head])}
+                               for block, head in zip(*priced))
             memory = ax.pmm3d_memory(grid, shape, batch, precision=p, accumulate=accumulate,
                                      flash_attention=flash_attention, lm_head=True)
             memory.pop("total")
-            add("pmm3d", "pmm3d", str(grid), {}, by_axis, memory, dense_flops)
+            add("pmm3d", "pmm3d", str(grid), {}, (by_axis, volume), memory, dense_flops)
 
     for t in divisors:  # Megatron tensor (+ SP) x data; t = 1 is plain data parallelism
         d = devices // t
@@ -337,11 +356,14 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
         for layout, sp in variants:
             if layout not in layouts:
                 continue
-            if shape.heads % t or V % t or batch % (d * accumulate) or (sp and S % t):
+            if shape.heads % t or V % t or batch % (d * accumulate) or (sp and S % t) or (
+                    llama and shape.kv_heads % t):
                 continue
             per_rank = batch // (d * accumulate)
             collectives = _inventory("tensor", shape, d, t, per_rank, None, sp, accumulate)
-            sharded = L * (12 * h * h + 7 * h) + V * h  # column-parallel weights/biases, vocab
+            # column-parallel weights and biases (GPT-2's 7 h), the vocabulary tables
+            sharded = (L * (shape.block_matmul_params + (0 if llama else 7 * h))
+                       + V * h * (1 if shape.tied_head else 2))
             params = sharded / t + (total_params - sharded)
             collectives.append(_data_all_reduce(params, d, L + 1))
             tokens = per_rank * S
@@ -353,7 +375,7 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
             add(layout, "tensor", f"data={d},model={t}", options,
                 pricer.price(collectives, (("model", t), ("data", d))), memory, dense_flops)
 
-    if "phantom" in layouts:  # seed 000's phantom parallelism x data
+    if "phantom" in layouts and not llama:  # seed 000's phantom parallelism x data
         for t in divisors[1:]:
             d = devices // t
             if shape.heads % t or V % t or batch % (d * accumulate):
@@ -391,7 +413,7 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
             message = S * h  # one micro-batch's activations (and, backward, their gradient)
             collectives = [Collective("collective-permute", "stage", stages, message, 2 * M,
                                       "1F1B point-to-point: M forward + M backward messages")]
-            params = L // stages * block_params + V * h + S * h  # the first stage's
+            params = L // stages * block_params + shape.embedding_params  # the first stage's
             collectives.append(_data_all_reduce(params, d, L // stages + 1))
             bubble = (stages - 1) / M  # idle / busy time of 1F1B: (P-1)/(M+P-1) of the makespan
             compute_s = dense_flops / (device_tflops * 1e12)
@@ -543,14 +565,19 @@ def _run(args) -> int:
     import json
     import sys
 
-    if args.model != "transformer":
-        raise ConfigError(f"--model {args.model!r}: the planner prices GPT transformers; use "
-                          "--model transformer")
+    family = {"transformer": "gpt2", "gpt2": "gpt2", "llama": "llama"}.get(args.model)
+    if family is None:
+        raise ConfigError(f"--model {args.model!r}: the planner prices gpt2 (alias transformer) "
+                          "and llama")
     shape = GPTShape(layers=_parse_int("--layers", args.layers),
                      hidden=_parse_int("--hidden", args.hidden),
                      heads=_parse_int("--heads", args.heads),
                      seq_len=_parse_int("--seq-len", args.seq_len),
-                     vocab_size=_parse_int("--vocab", args.vocab))
+                     vocab_size=_parse_int("--vocab", args.vocab), family=family,
+                     intermediate=None if args.intermediate is None else _parse_int(
+                         "--intermediate", args.intermediate),
+                     kv_heads=None if args.kv_heads is None else _parse_int("--kv-heads",
+                                                                           args.kv_heads))
     gpus_per_node = _parse_int("--gpus-per-node", args.gpus_per_node)
     inter = _parse_float("--inter-node-gbps", args.inter_node_gbps)
     latency_us = _parse_float("--latency-us", args.latency_us, zero_ok=True)
@@ -639,7 +666,13 @@ def add_parser(subparsers) -> None:
                "--inter-node-gbps 200 --intra-node-gbps 450 --json  (another machine, as JSON) | "
                "jphantom plan --no-latency  (seed 004's model exactly)")
     parser.add_argument("--model", default="transformer",
-                        help="the model to plan: transformer (a GPT; the only one so far)")
+                        help="the model to plan: transformer (alias gpt2: GPT-2 blocks) or llama "
+                             "(grouped-query attention, SwiGLU, untied head; default "
+                             "transformer)")
+    parser.add_argument("--intermediate", default=None, metavar="N",
+                        help="llama: the SwiGLU width (default 8h/3 rounded up to 32)")
+    parser.add_argument("--kv-heads", default=None, metavar="N",
+                        help="llama: key/value heads (default --heads)")
     for flag, default, text in (
             ("--layers", "32", "transformer blocks L"), ("--hidden", "7168", "width h"),
             ("--heads", "56", "attention heads"), ("--seq-len", "2048", "sequence length S"),

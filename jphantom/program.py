@@ -505,11 +505,13 @@ def collective_inventory(config, strategy: str, mesh, batch: int, *,
                          sequence_parallel: bool = False) -> dict[str, list[int]]:
     """Per-device result elements of each collective kind over ``model`` in one training step
     (``batch``: the per-data-rank batch; the data-parallel gradient reduction not included), from
-    the designs' formulas: the GPT-2 transformer under ``tensor`` (Megatron, seeds 002/003) and
+    the designs' formulas: the GPT-2 transformer and Llama (``max_positions`` tokens per
+    sequence) under ``tensor`` (Megatron, seeds 002/003), GPT-2 under
     ``phantom`` (seed 000 Sec. 5), the FFN under ``tensor``, ``tensor-t1`` and ``phantom``
     (seed 000 Table II). Strategies whose collectives are left to ``jax.jit`` or are
     Eqs. 5.1-5.5 (:mod:`jphantom.perf.axonn_model`) have none to list."""
     from jphantom.models.ffn import FFNConfig
+    from jphantom.models.llama import LlamaConfig
     from jphantom.models.transformer import TransformerConfig
 
     name = get(strategy).name
@@ -534,8 +536,10 @@ def collective_inventory(config, strategy: str, mesh, batch: int, *,
             # included (Gamma_1 feeds dL/dC_1, Eq. 20)
             k = config.ghost_width
             return {"all-gather": [p * k * b] * L, "reduce-scatter": [k * b] * L}
-    elif isinstance(config, TransformerConfig):
-        L, h, s = config.layers, config.hidden, config.seq_len
+    elif isinstance(config, (TransformerConfig, LlamaConfig)):
+        llama = isinstance(config, LlamaConfig)
+        L, h = config.layers, config.hidden
+        s = config.max_positions if llama else config.seq_len
         tokens = batch * s
         if name == "tensor" and not sequence_parallel:
             # embedding all-reduce (fwd); per block g, g (fwd) and f, f (bwd); head f (bwd);
@@ -545,11 +549,12 @@ def collective_inventory(config, strategy: str, mesh, batch: int, *,
             # each all-reduce of B*S*h becomes a reduce-scatter to B*S*h/p and an all-gather
             # back; plus the gradients of the sequence-parallel parameters (LayerNorms, row
             # biases, wpe)
-            sp_grads = [L * h] * 6 + [h] * 2 + [s * h]
+            # (Llama: the two RMSNorms of every block and the final one)
+            sp_grads = [L * h] * 2 + [h] if llama else [L * h] * 6 + [h] * 2 + [s * h]
             return {"reduce-scatter": [tokens * h // p] * (4 * L + 2),
                     "all-gather": [tokens * h] * (4 * L + 2),
                     "all-reduce": [tokens] * 3 + sp_grads}
-        if STRATEGIES[name].family == "phantom":
+        if STRATEGIES[name].family == "phantom" and not llama:
             k = config.ghost_width
             projections = 4 * L + 1
             return {"all-gather": [tokens * p * k] * projections,

@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "jphantom"
 
 LAYERS = [
-    ("base", ["errors", "mesh", "comm"]),
+    ("base", ["errors", "mesh", "comm", "targets"]),
     ("operations", ["remat", "precision", "sharding", "pipeline", "pipeline.schedule", "data",
                     "analysis.hlo", "perf.comm_model", "perf.axonn_model", "energy",
                     "coordinator", "distributed"]),
@@ -20,7 +20,7 @@ LAYERS = [
     ("plans", ["plans"]),
     ("step", ["pipeline.runner", "train_step", "samo", "checkpoint"]),
     ("program", ["program"]),
-    ("run", ["config", "run", "analysis", "compare", "plan", "perf", "launch"]),
+    ("run", ["config", "run", "analysis", "compare", "plan", "perf", "launch", "aot"]),
     ("cli", ["cli", "__main__"]),
 ]
 
