@@ -457,7 +457,7 @@ class TrainStep:
         dummy_targets = jnp.zeros((rows, *targets.shape[1:]), targets.dtype)
 
         def model_with(rest, stand_in):
-            model = layout.model_of(cast(self._join(stacked_now, rest)))
+            model = self.precision.retype(layout.model_of(cast(self._join(stacked_now, rest))))
             _set(model, stack_path, stand_in)
             return model
 
@@ -529,12 +529,12 @@ class TrainStep:
         stacked, rest = self._split(leaves)
         extra = {} if balance is None else {"balance_fraction": balance}
         if balance is None and self._takes_balance():
-            fraction = self._balance_fraction(self.layout.model_of(leaves),
-                                              [inputs_mb, targets_mb])
+            fraction = self._balance_fraction(
+                self.precision.retype(self.layout.model_of(leaves)), [inputs_mb, targets_mb])
             extra = {} if fraction is None else {"balance_fraction": fraction}
 
         def model_with(stand_in):
-            model = self.layout.model_of(self._join(stacked, rest))
+            model = self.precision.retype(self.layout.model_of(self._join(stacked, rest)))
             _set(model, stack_path, stand_in)
             return model
 
@@ -696,13 +696,13 @@ class TrainStep:
         gather's transpose reduce-scatters the gradient)."""
         leaves = self.precision.cast(list(leaves))
         if self.zero != 3:
-            return self.layout.model_of(leaves)
+            return self.precision.retype(self.layout.model_of(leaves))
         stacked = self.layout.stacked if train and self.pipeline is None else frozenset()
         dims, zaxes = self.layout.zero_dims, self.layout.zero_axes
         leaves = zero_module.gather_together(
             leaves, [-1 if i in stacked else d for i, d in enumerate(dims)], zaxes,
             invariant=not train)
-        model = self.layout.model_of(leaves)
+        model = self.precision.retype(self.layout.model_of(leaves))
         for path, indices in (self.layout.stacks if stacked else ()):
             module = model
             for part in path:
@@ -851,7 +851,8 @@ class TrainStep:
                 raise ConfigError(f"a pipelined step takes (inputs, targets), got {len(batch)} "
                                   "batch arrays")
             return self._gspmd_pipeline_loss(jax.tree.leaves(params), *batch, balance=balance)
-        model = self.layout.model_of(self.precision.cast(jax.tree.leaves(params)))
+        model = self.precision.retype(
+            self.layout.model_of(self.precision.cast(jax.tree.leaves(params))))
         loss = jnp.asarray(self._loss(model, batch, balance))
         return loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
 
@@ -875,8 +876,8 @@ class TrainStep:
                     micro = [b.reshape(ranks, n, b.shape[0] // (ranks * n), *b.shape[1:])
                              .swapaxes(0, 1).reshape(n, b.shape[0] // n, *b.shape[1:])
                              for b in batch]
-                    model = self.layout.model_of(
-                        self.precision.cast(jax.tree.leaves(params)))
+                    model = self.precision.retype(self.layout.model_of(
+                        self.precision.cast(jax.tree.leaves(params))))
                     balance = self._balance_fraction(model, micro)
                     first = jax.eval_shape(lambda mb: one(params, mb, scale, balance),
                                            [m[0] for m in micro])
@@ -915,7 +916,8 @@ class TrainStep:
             def global_fn(params, *batch):
                 batch = [jax.lax.with_sharding_constraint(b, NamedSharding(self.mesh, s))
                          for b, s in zip(batch, self._specs_of_batch(len(batch)))]
-                model = self.layout.model_of(self.precision.cast(jax.tree.leaves(params)))
+                model = self.precision.retype(
+            self.layout.model_of(self.precision.cast(jax.tree.leaves(params))))
                 return fn(model, *self.precision.cast(batch))
             return jax.jit(global_fn)
 
