@@ -28,11 +28,11 @@ AOT_VENV ?= .venv-aot
 $(AOT_VENV)/.jphantom-installed: pyproject.toml
 	test -x $(AOT_VENV)/bin/python || $(PYTHON) -m venv $(AOT_VENV)
 	$(AOT_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(AOT_VENV)/bin/python -m pip install --quiet -e '.[test,aot]'
+	$(AOT_VENV)/bin/python -m pip install --quiet -e '.[test,aot,tpu]'
 	touch $@
 
 test-aot: $(AOT_VENV)/.jphantom-installed
-	$(AOT_VENV)/bin/python -m pytest -q -n 2 --dist loadfile tests/test_aot.py
+	$(AOT_VENV)/bin/python -m pytest -q -n 2 --dist load tests/test_aot.py
 
 demo: $(STAMP)
 	$(VENV)/bin/jphantom demo

@@ -16,8 +16,10 @@ term by term:
   the batch);
 - ``fixed``: the rest (modelled: transient gathered weights; compiled: peak - state - per-token:
   the update's temporaries, gathered or cast weights, collective buffers);
-- collective bytes per device per mesh axis: modelled (the planner's formulas, result buffers at
-  2 bytes per element) against the compiled HLO's (loops counted by trip count).
+- collective bytes per device per mesh axis: modelled (the planner's formulas with
+  ``as_compiled=True``: result buffers at 2 bytes per element, gradient reductions in float32,
+  pmm3d's backward re-gather and the recompute forward's collectives) against the compiled HLO's
+  (loops counted by trip count).
 
 Times are not measured: nothing runs.
 
@@ -65,7 +67,8 @@ def run(models: dict, device_counts: list[int], top: int, batch: int, out: Path)
     for name, shape, devices in cases:
         target = aot.Target.parse("gpu:h100", nodes=devices // 8)
         result = plan(GPTShape(**shape), devices, topology, batch=batch,
-                      memory_gib=target.memory_bytes / GIB, device_tflops=700.0)
+                      memory_gib=target.memory_bytes / GIB, device_tflops=700.0,
+                      as_compiled=True)
         start = time.perf_counter()
         devs = target.devices()
         entries = aot.compile_plan(result, top, target, devices=devs,

@@ -197,12 +197,13 @@ class _Pricer:
         by_axis = {name: 0.0 for name, size in levels if size > 1}
         volume = dict(by_axis)
         for c in collectives:
-            if c.group > 1:
+            if c.group > 1:  # a group over "a+b" spans both levels: priced at a's (outer) beta
                 beta = (ax.point_to_point_bandwidth(self.topology, inner[c.axis], c.group)
-                        if c.kind == "collective-permute" else bandwidth[c.axis])
-                by_axis[c.axis] += c.seconds(beta, latency_s=self.alpha,
-                                             bytes_per_element=self.element_bytes)
-                volume[c.axis] += c.count * c.buffer * self.element_bytes
+                        if c.kind == "collective-permute" else bandwidth[c.axis.split("+")[0]])
+                by_axis[c.axis] = by_axis.get(c.axis, 0.0) + c.seconds(
+                    beta, latency_s=self.alpha, bytes_per_element=self.element_bytes)
+                volume[c.axis] = volume.get(c.axis, 0.0) + c.count * c.buffer * (
+                    c.element_bytes or self.element_bytes)
         return by_axis, volume
 
 
@@ -235,11 +236,29 @@ def _inventory(name: str, shape: GPTShape, data: int, model: int, batch_per_rank
     return out
 
 
-def _data_all_reduce(params: float, data: int, buckets: int) -> Collective:
+def _data_all_reduce(params: float, data: int, buckets: int,
+                     element_bytes: float | None = None) -> Collective:
     """The once-per-step gradient all-reduce over ``data`` of a rank's ``params``, in ``buckets``
-    equal collectives (one per layer and one for the rest: each costs its ring steps of α)."""
+    equal collectives (one per layer and one for the rest: each costs its ring steps of α);
+    ``element_bytes``: 4 for float32 master gradients (``as_compiled``), else the precision's."""
     return Collective("all-reduce", "data", data, params / buckets, buckets,
-                      "gradient all-reduce over data (Eq. 5.5's role)")
+                      "gradient all-reduce over data (Eq. 5.5's role)", element_bytes)
+
+
+def _pmm3d_collectives(layer, grid, accumulate: int, as_compiled: bool,
+                       recomputed: bool) -> list[Collective]:
+    """Alg. 3's collectives of one layer (:func:`jphantom.perf.axonn_model.layer_collectives`);
+    ``as_compiled``: plus the backward's re-gather of the weight over ``z``, the forward
+    all-reduce again when the layer is ``recomputed``, the data all-reduce in float32."""
+    out = ax.layer_collectives(layer, grid, microbatches=accumulate)
+    if not as_compiled:
+        return out
+    gather, forward = out[0], out[2]
+    extra = [dataclasses.replace(gather, equation="jphantom: W gathered again for the backward")]
+    if recomputed:
+        extra.append(dataclasses.replace(forward, equation="jphantom: recompute forward"))
+    return ([dataclasses.replace(c, element_bytes=4) if c.axis == "data" else c for c in out]
+            + extra)
 
 
 def _phantom_linear(i: int, o: int, p: int, k: int) -> int:
@@ -270,7 +289,7 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
          precision: str = "bf16", ghost_width: int | None = None, accumulate: int = 1,
          latency: bool = True, device_tflops: float = DEFAULT_DEVICE_TFLOPS,
          flash_attention: bool = True, recompute: bool = True,
-         layouts: Sequence[str] = LAYOUTS) -> Plan:
+         layouts: Sequence[str] = LAYOUTS, as_compiled: bool = False) -> Plan:
     """Price every layout of ``model`` (a :class:`GPTShape` or a transformer ``TransformerConfig``)
     on ``devices`` GPUs of ``topology`` (default :meth:`Topology.perlmutter`) for one training step
     of ``batch`` sequences, and rank them (module docstring).
@@ -284,7 +303,15 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
     (pmm3d rows are then the paper's Eqs. 5.1-5.7 exactly). ``device_tflops``: sustained TFLOP/s
     per GPU pricing the pipeline bubble. ``flash_attention``: no S x S scores in activation memory.
     ``recompute``: FLOPs count the checkpointed forward again (Narayanan's 96 B S L h^2 form).
-    ``layouts``: a subset of :data:`LAYOUTS`.
+    ``layouts``: a subset of :data:`LAYOUTS`. ``as_compiled``: price what jphantom's compiled
+    step moves (checked against the H100 compile, ``experiments/compile_at_scale.py``) instead of
+    the papers' formulas alone: gradient reductions over ``data`` in float32 (the master
+    gradients; 4 bytes per element under bf16), pmm3d's weight gathered over ``z`` again in the
+    backward (as ZeRO-3's), and with ``recompute`` the checkpointed forward's activation
+    collectives again, except those of each block's last layer, whose output the backward does not
+    read (Megatron's attention all-reduce, or under SP the two all-gathers and the attention
+    reduce-scatter; pmm3d's Eq. 5.3 all-reduces of the q/k/v, attention output and MLP up
+    projections).
     """
     shape = GPTShape.of(model, seq_len)
     _int("devices", devices, 1, "give the number of GPUs to plan for, e.g. 32")
@@ -305,11 +332,12 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
     if unknown or not layouts:
         raise ConfigError(f"layouts={list(layouts)!r}: choose from {list(LAYOUTS)}")
     for name, value in (("latency", latency), ("flash_attention", flash_attention),
-                        ("recompute", recompute)):
+                        ("recompute", recompute), ("as_compiled", as_compiled)):
         if not isinstance(value, bool):
             raise ConfigError(f"{name}={value!r} must be True or False")
 
     pricer = _Pricer(topology, p.element_bytes, latency)
+    grad_bytes = 4 if as_compiled else None  # float32 master gradients reduce in float32
     h, L, S, V = shape.hidden, shape.layers, shape.seq_len, shape.vocab_size
     total_params = shape.param_count()
     dense_flops = shape.flops_per_step(batch, recompute=recompute) / devices
@@ -338,13 +366,23 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
             # one block priced and counted L times (the blocks are alike: work bounded in L)
             block_and_head = ax.gpt_layers(dataclasses.replace(ax.GPTShape.of(shape), layers=1),
                                            batch * S // grid.data, lm_head=True)
-            priced = [pricer.price([c for layer in part for c in
-                                    ax.layer_collectives(layer, grid, microbatches=accumulate)],
+            priced = [pricer.price([c for i, layer in enumerate(part) for c in
+                                    _pmm3d_collectives(layer, grid, accumulate, as_compiled,
+                                                       recompute and i < len(part) - 1
+                                                       and layer.name != "lm_head")],
                                    grid.levels)
                       for part in (block_and_head[:-1], block_and_head[-1:])]
+            if not shape.tied_head:  # the untied embedding's gradient over data (Eq. 5.5)
+                table = [Collective("all-reduce", "data", grid.data,
+                                    V * h / (grid.x * grid.y * grid.z), 1,
+                                    "Eq. 5.5: the untied embedding's gradient", grad_bytes)]
+                priced.append(pricer.price(table, grid.levels))
+            else:
+                priced.append(({}, {}))
             by_axis, volume = ({axis: L * block.get(axis, 0.0) + head.get(axis, 0.0)
-                                for axis in dict.fromkeys([*block, *head])}
-                               for block, head in zip(*priced))
+                                + table.get(axis, 0.0)
+                                for axis in dict.fromkeys([*block, *head, *table])}
+                               for block, head, table in zip(*priced))
             memory = ax.pmm3d_memory(grid, shape, batch, precision=p, accumulate=accumulate,
                                      flash_attention=flash_attention, lm_head=True)
             memory.pop("total")
@@ -361,11 +399,20 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
                 continue
             per_rank = batch // (d * accumulate)
             collectives = _inventory("tensor", shape, d, t, per_rank, None, sp, accumulate)
+            if as_compiled and recompute and t > 1:  # the recomputed forward, last layer aside
+                tokens_h = per_rank * S * h
+                collectives += ([Collective("all-gather", "model", t, tokens_h, 2 * L * accumulate,
+                                            "SP recompute: both inputs gathered again"),
+                                 Collective("reduce-scatter", "model", t, tokens_h / t,
+                                            L * accumulate, "SP recompute: attention output")]
+                                if sp else
+                                [Collective("all-reduce", "model", t, tokens_h, L * accumulate,
+                                            "recompute: attention output all-reduce again")])
             # column-parallel weights and biases (GPT-2's 7 h), the vocabulary tables
             sharded = (L * (shape.block_matmul_params + (0 if llama else 7 * h))
                        + V * h * (1 if shape.tied_head else 2))
             params = sharded / t + (total_params - sharded)
-            collectives.append(_data_all_reduce(params, d, L + 1))
+            collectives.append(_data_all_reduce(params, d, L + 1, grad_bytes))
             tokens = per_rank * S
             memory = {"state": p.state_bytes * params,
                       **ax.checkpointed_activations(shape, tokens, stream_split=t if sp else 1,
@@ -385,7 +432,7 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
             linears = [(h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)]
             params = (L * (sum(_phantom_linear(i, o, t, k) for i, o in linears) + 4 * h // t)
                       + (V + S) * h // t + 2 * h // t + _phantom_linear(h, V, t, k))
-            collectives.append(_data_all_reduce(params, d, L + 1))
+            collectives.append(_data_all_reduce(params, d, L + 1, grad_bytes))
             tokens = per_rank * S
             ghosts = 4 * tokens * t * k * p.element_bytes  # one block's received ghosts [T, p k]
             memory = {"state": p.state_bytes * params,
@@ -413,8 +460,14 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
             message = S * h  # one micro-batch's activations (and, backward, their gradient)
             collectives = [Collective("collective-permute", "stage", stages, message, 2 * M,
                                       "1F1B point-to-point: M forward + M backward messages")]
-            params = L // stages * block_params + shape.embedding_params  # the first stage's
-            collectives.append(_data_all_reduce(params, d, L // stages + 1))
+            # a stage's blocks, and what is not a block (embedding, final norm, untied head):
+            # jphantom keeps those on every stage, their gradients reduced over data x stage
+            rest = total_params - L * block_params
+            params = L // stages * block_params + rest
+            collectives.append(_data_all_reduce(L // stages * block_params, d, L // stages,
+                                                grad_bytes))
+            collectives.append(Collective("all-reduce", "data+stage", d * stages, rest, 1,
+                                          "gradients of what every stage holds", grad_bytes))
             bubble = (stages - 1) / M  # idle / busy time of 1F1B: (P-1)/(M+P-1) of the makespan
             compute_s = dense_flops / (device_tflops * 1e12)
             in_flight = min(stages, M)
@@ -467,6 +520,7 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
         "ghost_width_source": "given" if ghost_width is not None else "hidden / 32 (our default)",
         "accumulate": accumulate, "latency": latency, "device_tflops": device_tflops,
         "flash_attention": flash_attention, "recompute_flops": recompute,
+        "as_compiled": as_compiled,
         "ranking": "modelled communication + pipeline bubble seconds per step, layouts that fit "
                    "first",
         "modelled": "ring collectives priced count x (wire x bytes / beta + steps x alpha), beta "
@@ -495,8 +549,10 @@ def format_plan(result: Plan, top: int = 10) -> str:
     limit = (f"{fitting} of {len(result.rows)} fit in {a['memory_gib']:g} GiB"
              if a["memory_gib"] is not None else f"{len(result.rows)} priced, no memory limit")
     lines = [
-        f"GPT L={m['layers']}, h={m['hidden']}, heads={m['heads']}, S={m['seq_len']}, "
-        f"V={m['vocab_size']} ({m['parameters'] / 1e9:.2f}B parameters); batch "
+        (f"Llama L={m['layers']}, h={m['hidden']}, heads={m['heads']} ({m['kv_heads']} key/"
+         f"value), SwiGLU {m['intermediate']}, " if m.get("family") == "llama" else
+         f"GPT L={m['layers']}, h={m['hidden']}, heads={m['heads']}, ")
+        + f"S={m['seq_len']}, V={m['vocab_size']} ({m['parameters'] / 1e9:.2f}B parameters); batch "
         f"{a['batch_sequences']} sequences ({a['tokens_per_step']:,} tokens) per step"
         + (f", {a['accumulate']} accumulation micro-batches" if a["accumulate"] > 1 else "")
         + f"; {a['devices']} GPUs = {a['nodes']} node(s) x {t['gpus_per_node']}.",
@@ -504,8 +560,10 @@ def format_plan(result: Plan, top: int = 10) -> str:
         f" GB/s by (G0,G1): {intra}; alpha {t['latency_us']:g} us per ring step"
         + ("" if a["latency"] else " (off: seed 004's model exactly)") + ".",
         f"{a['precision']['name']}: {a['precision']['message_bytes']}-byte messages, "
-        f"{a['precision']['state_bytes_per_parameter']} bytes of state per parameter; phantom "
-        f"k={a['ghost_width']}; pipeline bubble priced at {a['device_tflops']:g} TFLOP/s. "
+        f"{a['precision']['state_bytes_per_parameter']} bytes of state per parameter; "
+        + ("no phantom layouts (GPT-2 blocks only)" if m.get("family") == "llama" else
+           f"phantom k={a['ghost_width']}")
+        + f"; pipeline bubble priced at {a['device_tflops']:g} TFLOP/s. "
         f"Layouts: {limit}.",
         "Ranked by modelled communication + pipeline bubble per step (seed 004 Eqs. 5.1-5.7, "
         "ring alpha-beta); memory modelled.",
@@ -602,7 +660,8 @@ def _run(args) -> int:
                                                                     args.ghost_width),
         accumulate=_parse_int("--accumulate", args.accumulate), latency=not args.no_latency,
         device_tflops=_parse_float("--device-tflops", args.device_tflops),
-        flash_attention=not args.attention_scores)
+        flash_attention=not args.attention_scores,
+        as_compiled=args.as_compiled or args.compile_top is not None)
     top = _parse_int("--top", args.top)
     if args.compile_top is not None:
         return _compile_top(args, result, _parse_int("--compile-top", args.compile_top),
@@ -715,6 +774,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--top", default="10", metavar="N", help="rows to print (default 10)")
     parser.add_argument("--json", action="store_true",
                         help="print JSON: assumptions, top choice and the top rows")
+    parser.add_argument("--as-compiled", action="store_true",
+                        help="price what jphantom's compiled step moves (float32 gradient "
+                             "reductions, pmm3d's backward weight re-gather, the recompute "
+                             "forward's collectives) instead of the papers' formulas alone; "
+                             "implied by --compile-top")
     parser.add_argument("--compile-top", default=None, metavar="K",
                         help="compile the K best layouts for --target (GPT-2 blocks of this "
                              "shape, float32 master weights with bf16 compute, per-layer "

@@ -401,3 +401,38 @@ def test_plan_work_is_bounded_in_the_depth():
     assert one.keys() == many.keys() and one
     for mesh in one:  # comm(L) = L * block + head: linear in L
         assert many[mesh] > 1e5 * one[mesh] / 2
+
+
+def test_llama_shape_counts_jphantoms_llama_and_prices_its_layouts():
+    """The planner's Llama (GQA, SwiGLU, untied head) has the parameters of jphantom's Llama, its
+    QKV width is h + 2 h kv/a, and its plan has no phantom rows (GPT-2 blocks only)."""
+    from jphantom import program
+    from jphantom.mesh import MeshConfig
+    from jphantom.models.llama import LlamaConfig
+
+    config = LlamaConfig(vocab_size=256, hidden=64, intermediate=160, layers=3, heads=8,
+                         kv_heads=2, max_positions=32)
+    shape = ax.GPTShape.of(config)
+    assert shape.family == "llama" and shape.linears()[0][2] == 64 + 2 * 64 * 2 // 8
+    built = program.build(config, "tensor", MeshConfig.parse("model=1"))
+    assert shape.param_count() == built.param_count
+    result = plan(shape, 8, batch=16)
+    assert {row.layout for row in result} >= {"pmm3d", "tensor", "zero-3"}
+    assert not any(row.layout == "phantom" for row in result)
+    with pytest.raises(ConfigError, match="kv_heads=3"):
+        ax.GPTShape(layers=2, hidden=64, heads=8, family="llama", kv_heads=3)
+
+
+def test_as_compiled_adds_what_jphantoms_step_moves():
+    """``as_compiled``: float32 gradient reductions (2x the data bytes under bf16), the pmm3d
+    weight re-gathered over z (Eq. 5.1 twice), the recomputed forward collectives."""
+    shape = ax.GPTShape(layers=2, hidden=64, heads=4, seq_len=32, vocab_size=256)
+    papers = {(r.layout, r.mesh): r for r in plan(shape, 8, batch=16, latency=False)}
+    compiled = {(r.layout, r.mesh): r for r in plan(shape, 8, batch=16, latency=False,
+                                                     as_compiled=True)}
+    data = ("data", "data=8,model=1")
+    assert compiled[data].bytes_by_axis["data"] == 2 * papers[data].bytes_by_axis["data"]
+    fsdp = ("pmm3d", "data=1,z=8,y=1,x=1")
+    assert compiled[fsdp].bytes_by_axis["z"] > 1.8 * papers[fsdp].bytes_by_axis["z"]
+    tp = ("tensor", "data=2,model=4")
+    assert compiled[tp].bytes_by_axis["model"] > papers[tp].bytes_by_axis["model"]

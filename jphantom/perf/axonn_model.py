@@ -294,6 +294,7 @@ class Collective:
     buffer: float
     count: int = 1
     equation: str = ""
+    element_bytes: float | None = None  # this collective's bytes per element, if not the default
 
     def __post_init__(self):
         if self.kind not in _RING_STEPS:
@@ -327,6 +328,8 @@ class Collective:
         """count x (wire x bytes / β + steps x α); 0 for a one-rank group."""
         if self.group == 1 or self.count == 0:
             return 0.0
+        if self.element_bytes is not None:
+            bytes_per_element = self.element_bytes
         return self.count * (self.wire * bytes_per_element / bandwidth + self.steps * latency_s)
 
 
@@ -523,13 +526,6 @@ class GPTShape:
     @property
     def block_params(self) -> int:
         return self.block_matmul_params + self.block_small_params
-
-    @property
-    def embedding_params(self) -> int:
-        """The first pipeline stage's non-block parameters: the embedding (and GPT-2's learned
-        positions)."""
-        h = self.hidden
-        return self.vocab_size * h + (self.seq_len * h if self.family == "gpt2" else 0)
 
     @property
     def tied_head(self) -> bool:
