@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -56,6 +55,7 @@ def run(models: dict, device_counts: list[int], top: int, batch: int, out: Path)
     from tqdm import tqdm
 
     from jphantom import aot
+    from jphantom.analysis.machine import source_revision
     from jphantom.perf.axonn_model import GPTShape, Topology
     from jphantom.plan import plan
 
@@ -97,7 +97,7 @@ def run(models: dict, device_counts: list[int], top: int, batch: int, out: Path)
     bar.close()
     results = {"models": models, "device_counts": device_counts, "top": top,
                "batch_sequences": batch, "topology": topology.as_dict(),
-               "versions": aot.versions(), "rows": rows,
+               "versions": aot.versions(), "source_revision": source_revision(Path(__file__).parents[1]), "rows": rows,
                "modelled": "planner memory and communication (jphantom.plan)",
                "compiled": "XLA's GPU compiler's memory_analysis() and HLO; nothing ran"}
     out.mkdir(parents=True, exist_ok=True)
@@ -204,11 +204,13 @@ def main(argv=None) -> int:
     if problem:
         print(f"compile_at_scale: {problem}", file=sys.stderr)
         return 2
+    from jphantom.analysis.machine import output_folder
+
+    out = output_folder(args.out, Path(__file__).parent / "results" / "compile_at_scale",
+                        quick=args.quick, name="compile_at_scale")
     if args.quick:
-        out = Path(args.out or tempfile.mkdtemp(prefix="compile_at_scale_"))
         run(QUICK, [16], 2, 32, out)
     else:
-        out = Path(args.out or Path(__file__).parent / "results" / "compile_at_scale")
         run(MODELS, [64, 256], args.top, 512, out)
     print(f"\nwrote {out}/results.json and {out}/compile_at_scale.png")
     return 0

