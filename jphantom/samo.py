@@ -177,9 +177,7 @@ def build(step):
 
     def samo_step(state, *batch):
         theta, samo = state.params, state.opt_state
-        specs_in = (tuple(step.param_specs), P(), *step._specs_of_batch(len(batch)))
-        fn = jax.shard_map(per_rank, mesh=step.mesh, in_specs=specs_in,
-                           out_specs=(P(), P()), check_vma=True)
+        fn = step.over_mesh(per_rank, len(batch), before=(P(),), out_specs=(P(), P()))
         loss, grads = fn(tuple(jax.tree.leaves(theta)), tuple(jax.tree.leaves(samo.index)),
                          *batch)
         grads = jax.tree.unflatten(jax.tree.structure(samo.master),

@@ -893,18 +893,14 @@ class TrainStep:
 
         def run(params, *batch, scale=None):
             leaves = jax.tree.leaves(params)
-            specs_in = (tuple(self.param_specs), *self._specs_of_batch(len(batch)))
-            if scale is None:
-                per_rank = self._per_rank
-            else:  # the dynamic loss scale, replicated
-                specs_in = (*specs_in, P())
+            per_rank = self._per_rank
+            if scale is not None:  # the dynamic loss scale, replicated, after the batch
                 per_rank = lambda leaves, *args: self._per_rank(leaves, *args[:-1],
                                                                 scale=args[-1])
-                batch = (*batch, scale)
-            fn = jax.shard_map(per_rank, mesh=self.mesh, in_specs=specs_in,
-                               out_specs=(P(), list(self.grad_specs)),
-                               check_vma=self.communicate)
-            loss, grads = fn(tuple(leaves), *batch)
+            fn = self.over_mesh(per_rank, len(batch), out_specs=(P(), list(self.grad_specs)),
+                                after=() if scale is None else (P(),),
+                                check_vma=self.communicate)
+            loss, grads = fn(tuple(leaves), *batch, *(() if scale is None else (scale,)))
             return loss, self._pure(grads)
 
         return run
@@ -917,7 +913,7 @@ class TrainStep:
                 batch = [jax.lax.with_sharding_constraint(b, NamedSharding(self.mesh, s))
                          for b, s in zip(batch, self._specs_of_batch(len(batch)))]
                 model = self.precision.retype(
-            self.layout.model_of(self.precision.cast(jax.tree.leaves(params))))
+                    self.layout.model_of(self.precision.cast(jax.tree.leaves(params))))
                 return fn(model, *self.precision.cast(batch))
             return jax.jit(global_fn)
 
@@ -934,10 +930,7 @@ class TrainStep:
 
         @jax.jit
         def evaluate(params, *batch):
-            fn_ = jax.shard_map(per_rank, mesh=self.mesh,
-                                in_specs=(tuple(self.param_specs),
-                                          *self._specs_of_batch(len(batch))),
-                                out_specs=P(), check_vma=True)
+            fn_ = self.over_mesh(per_rank, len(batch), out_specs=P())
             return fn_(tuple(jax.tree.leaves(params)), *batch)
 
         return evaluate
@@ -966,13 +959,21 @@ class TrainStep:
 
         @jax.jit
         def evaluate(params, *batch):
-            fn = jax.shard_map(per_rank, mesh=self.mesh,
-                               in_specs=(tuple(self.param_specs),
-                                         *self._specs_of_batch(len(batch))),
-                               out_specs=P(), check_vma=True)
+            fn = self.over_mesh(per_rank, len(batch), out_specs=P())
             return fn(tuple(jax.tree.leaves(params)), *batch)
 
         return evaluate
+
+    def over_mesh(self, per_rank: Callable, batch_arrays: int, *, out_specs, before=(),
+                  after=(), check_vma: bool = True) -> Callable:
+        """``per_rank(leaves, *before, *batch, *after)`` as this step's ``shard_map`` over the
+        whole mesh: the parameters' leaves in their specs, then the arguments of specs ``before``,
+        the ``batch_arrays`` batch arrays split over the batch axes, those of specs ``after``.
+        The training step, its evaluation and SAMO's step all run through it."""
+        return shard_map(per_rank, self.mesh,
+                         (tuple(self.param_specs), *before,
+                          *self._specs_of_batch(batch_arrays), *after), out_specs,
+                         check_vma=check_vma)
 
     def metrics(self, metrics_fn: Callable) -> Callable:
         """``metrics(params, *batch) -> dict``: ``metrics_fn(model, *batch)`` returns a dict of
@@ -1057,6 +1058,15 @@ def make_train_step(model: nnx.Module, mesh: Mesh, optimizer: optax.GradientTran
     return TrainStep(model, mesh, optimizer, loss_fn, **options)
 
 
+def shard_map(per_rank: Callable, mesh: Mesh, in_specs, out_specs, *,
+              check_vma: bool = True) -> Callable:
+    """The one place jphantom opens a ``jax.shard_map``: every program it compiles (a training
+    step, its evaluation, SAMO's step, :func:`make_forward_fn`) is ``per_rank`` over the whole
+    ``mesh``, with its collectives written inside ``per_rank`` on the axes it names."""
+    return jax.shard_map(per_rank, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=check_vma)
+
+
 def make_forward_fn(model: nnx.Module, mesh: Mesh, params=None) -> Callable:
     """``f(*inputs) -> output``: ``model`` applied to global inputs split over the batch axes, in
     one ``jax.jit`` of one ``shard_map``; the output is the model's (full logits for an LM) with
@@ -1084,9 +1094,8 @@ def make_forward_fn(model: nnx.Module, mesh: Mesh, params=None) -> Callable:
     @jax.jit
     def forward(leaves, *inputs):  # parameters as arguments, never captured as constants
         out_spec = batch_spec if batch_axes else P()
-        fn = jax.shard_map(per_rank, mesh=mesh, in_specs=(tuple(layout.specs),
-                                                          *([batch_spec] * len(inputs))),
-                           out_specs=out_spec, check_vma=True)
+        fn = shard_map(per_rank, mesh, (tuple(layout.specs), *([batch_spec] * len(inputs))),
+                       out_spec)
         return fn(leaves, *inputs)
 
     return lambda *inputs: forward(leaves, *inputs)
