@@ -1,7 +1,7 @@
 """MoE against the dense transformer: step time per active-parameter FLOP, side by side.
 
 One process, one run, 8 simulated devices (or the GPUs): the GPT-2 model (``jphantom.models.
-gpt2_nnx``, ``--strategy tensor`` with ``model=1``) as a
+gpt2``, ``--strategy tensor`` with ``model=1``) as a
 dense model on ``data=8`` and with every other block a top-k MoE on ``expert=8`` (experts split
 over the 8 ranks, the dense blocks data-parallel over them), one jitted AdamW step each, median
 wall time over ``--steps`` round-robin rounds after ``--warmup``

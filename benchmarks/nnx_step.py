@@ -2,7 +2,7 @@
 running the optax update on the global arrays.
 
 One process, 8 simulated CPU devices (``--devices``), mesh ``data=2,model=4`` (``--mesh``), the
-GPT-2 model (:mod:`jphantom.models.gpt2_nnx`) under Megatron tensor parallelism
+GPT-2 model (:mod:`jphantom.models.gpt2`) under Megatron tensor parallelism
 (``--strategy tensor``, :func:`jphantom.program.build`):
 
 - *compile time* of the step at 2 and ``--compile-layers`` (default 12) layers

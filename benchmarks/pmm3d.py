@@ -1,7 +1,7 @@
 """AxoNN's 3D parallel matrix multiply against Megatron tensor parallelism, side by side.
 
 One process, one run, 8 simulated devices (or the GPUs): the same GPT-2 model
-(``jphantom.models.gpt2_nnx``) under ``tensor`` on
+(``jphantom.models.gpt2``) under ``tensor`` on
 ``data=8,model=1`` and ``data=4,model=2`` and under ``pmm3d`` on several (G_x, G_y, G_z, G_data)
 grids, one jitted AdamW step each, median wall time over ``--steps`` round-robin rounds after
 ``--warmup`` (:mod:`jphantom.analysis.timing`). Every layout runs the same model, so the step's

@@ -148,7 +148,7 @@ def _build_old(case):
         from jphantom.models.ffn import FFNConfig
         config = FFNConfig(case["width"], case["depth"], case.get("ghost_width"))
     else:
-        from jphantom.models.transformer import TransformerConfig, moe_fields
+        from jphantom.models.gpt2 import TransformerConfig, moe_fields
         config = TransformerConfig(
             vocab_size=256, seq_len=case["seq_len"], hidden=case["hidden"], heads=case["heads"],
             layers=case["layers"], ghost_width=case.get("ghost_width"), tied_head=not phantom,

@@ -1,6 +1,6 @@
 """Seed 001's bottom-up breakdown of a data-parallel step, and its speedup prediction (Eqs. 2-4).
 
-Weak scaling of the GPT-2 transformer (``jphantom.models.gpt2_nnx``, ``tensor`` with ``model=1``:
+Weak scaling of the GPT-2 transformer (``jphantom.models.gpt2``, ``tensor`` with ``model=1``:
 plain data parallelism; a fixed batch per device) on ``data=n`` for n = 1, 2, 4, 8. For each n, side
 by side (round robin):
 

@@ -3,7 +3,7 @@ tokens over training, the all-to-all bytes with and without duplicate token drop
 004's memory bound (Eq. 7.4) against the measured model-state bytes.
 
 1. **Training** (``jphantom train`` through :mod:`jphantom.run`, the byte-level stdlib corpus): a
-   GPT-2 (``jphantom.models.gpt2_nnx``) with every other block a top-1 MoE of 8 experts (Switch
+   GPT-2 (``jphantom.models.gpt2``) with every other block a top-1 MoE of 8 experts (Switch
    Transformer: each token visits one expert of the dense MLP's width, so the active parameters
    equal the dense model's plus the router) against the dense GPT of the same shape; validation
    cross-entropy (the auxiliary losses left out) and, for the MoE runs, the fraction of

@@ -10,7 +10,7 @@ step times, and the planner's choices at the dissertation's scale.
    table, independent of the test's): all-gathers and reduce-scatters over z, all-reduces over y
    and x (layer 0's input-gradient all-reduce is absent: the input needs no gradient), all-reduce
    over data (plus the biases, which the model leaves out).
-2. **GPT, every grid** (GPT-2, ``jphantom.models.gpt2_nnx``, under ``plans.pmm3d``; L = 2, h = 64,
+2. **GPT, every grid** (GPT-2, ``jphantom.models.gpt2``, under ``plans.pmm3d``; L = 2, h = 64,
    8 heads, S = 32, batch 16, AdamW): measured step time
    (median of round-robin rounds, one process) against the model's Σ Eq. 5.6 on a notional machine
    (4 devices per node, Perlmutter's bandwidths, float32 messages); precision@k, Spearman's rank

@@ -5,7 +5,7 @@ loss of the tensor-parallel FFN with fewer parameters (1/p + kp/n of TP's), less
 (k/(n/p) of TP's bytes per collective) and less energy (0.14-0.88x TP's to the target); its
 conclusion proposes the transformer as future work: every projection is a matrix applied to t token
 columns, "the phantom parallel substitution extends naturally". jphantom has that transformer
-(the GPT-2 model ``jphantom.models.gpt2_nnx`` under ``jphantom.plans.phantom``: QKV, attention
+(the GPT-2 model ``jphantom.models.gpt2`` under ``jphantom.plans.phantom``: QKV, attention
 output, MLP up/down and the LM head are :class:`jphantom.nn.PhantomLinear` layers, the LayerNorms
 all-reduce per-token sums). This script trains, on the byte-level Python-stdlib corpus with the
 same data, optimizer and schedule for every run:

@@ -127,7 +127,7 @@ class ModelConfig:
 
     def family_config(self, strategy: str):
         """The model family's configuration (:class:`~jphantom.models.ffn.FFNConfig`,
-        :class:`~jphantom.models.transformer.TransformerConfig`,
+        :class:`~jphantom.models.gpt2.TransformerConfig`,
         :class:`~jphantom.models.llama.LlamaConfig`) for ``strategy`` (a phantom GPT-2 has an
         untied head: its feature-split activations would all-reduce a tied head's logits)."""
         from jphantom.program import get
@@ -149,7 +149,7 @@ class ModelConfig:
                                max_positions=self.seq_len,
                                experts=self.experts if self.moe_every else 0, top_k=self.top_k,
                                dtype=self.dtype)
-        from jphantom.models.transformer import TransformerConfig, moe_fields
+        from jphantom.models.gpt2 import TransformerConfig, moe_fields
         if self.from_hf:
             from jphantom.models import gpt2
             config = gpt2.config_from_hf(_read_json(Path(self.from_hf) / "config.json"))

@@ -214,7 +214,7 @@ def _inventory(name: str, shape: GPTShape, data: int, model: int, batch_per_rank
     from jphantom import program
     from jphantom.mesh import MeshConfig
     from jphantom.models.llama import LlamaConfig
-    from jphantom.models.transformer import TransformerConfig
+    from jphantom.models.gpt2 import TransformerConfig
 
     if shape.family == "llama":
         config = LlamaConfig(vocab_size=shape.vocab_size, hidden=shape.hidden,

@@ -136,10 +136,10 @@ def family_of(config) -> tuple[str, Callable[..., Program]]:
     **options) -> Program``."""
     from jphantom.models.ffn import FFNConfig
     from jphantom.models.llama import Llama, LlamaConfig
-    from jphantom.models.transformer import TransformerConfig
+    from jphantom.models.gpt2 import TransformerConfig
 
     if isinstance(config, TransformerConfig):
-        from jphantom.models.gpt2_nnx import GPT2
+        from jphantom.models.gpt2 import GPT2
 
         return "gpt2", lm_build(GPT2, "gpt2")
     if isinstance(config, LlamaConfig):
@@ -316,7 +316,7 @@ def check_experts(config, strategy: str, mesh: MeshConfig, *, sequence_parallel:
 def lm_loss(model, tokens, targets, **balance):
     """``loss_fn`` of the zoo's language models: the model's own ``loss`` (vocabulary-parallel
     cross-entropy when the head is; plus the MoE auxiliary losses; ``balance_fraction=`` from a
-    step that accumulates micro-batches, :meth:`jphantom.models.gpt2_nnx.GPT2.balance_statistics`)."""
+    step that accumulates micro-batches, :meth:`jphantom.models.gpt2.GPT2.balance_statistics`)."""
     return model.loss(tokens, targets, **balance)
 
 
@@ -512,7 +512,7 @@ def collective_inventory(config, strategy: str, mesh, batch: int, *,
     Eqs. 5.1-5.5 (:mod:`jphantom.perf.axonn_model`) have none to list."""
     from jphantom.models.ffn import FFNConfig
     from jphantom.models.llama import LlamaConfig
-    from jphantom.models.transformer import TransformerConfig
+    from jphantom.models.gpt2 import TransformerConfig
 
     name = get(strategy).name
     mesh = MeshConfig.parse(mesh) if isinstance(mesh, str) else MeshConfig.of(mesh)

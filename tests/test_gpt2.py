@@ -1,5 +1,5 @@
 """Hugging Face GPT-2 checkpoints (jphantom.models.gpt2): name and layout mapping, bit-exact round
-trips in float32/float16/bfloat16, forward parity of the NNX GPT-2 (``gpt2_nnx.from_dense``) with
+trips in float32/float16/bfloat16, forward parity of the NNX GPT-2 (``gpt2.from_dense``) with
 an independent numpy GPT-2 and under Megatron's plan, and the errors for bad inputs.
 
 The checkpoints are written here with numpy + safetensors in the exact layout that
@@ -20,8 +20,7 @@ from safetensors.numpy import save_file
 import jphantom
 from jphantom.errors import ConfigError
 from jphantom.mesh import first_devices, make_mesh
-from jphantom.models import gpt2, gpt2_nnx
-from jphantom.models import transformer as tr
+from jphantom.models import gpt2
 
 V, S, H, A, L = 64, 32, 32, 4, 2  # vocab, n_positions, n_embd, n_head, n_layer
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
@@ -125,14 +124,14 @@ def numpy_gpt2(t: dict, tokens: np.ndarray, heads=A, eps=1e-5, head=None) -> np.
 
 
 def zeros_like_init(config):
-    """numpy zeros in the dense dictionary's layout (``gpt2_nnx.to_dense`` of the module), without
+    """numpy zeros in the dense dictionary's layout (``gpt2.to_dense`` of the module), without
     running (and compiling) an initialiser: the abstract module filled with zeros."""
-    graphdef, state, rest = nnx.split(nnx.eval_shape(lambda: gpt2_nnx.GPT2(config,
+    graphdef, state, rest = nnx.split(nnx.eval_shape(lambda: gpt2.GPT2(config,
                                                                            rngs=nnx.Rngs(0))),
                                       nnx.Param, ...)
     nnx.replace_by_pure_dict(state, jax.tree.map(lambda a: np.zeros(a.shape, a.dtype),
                                                  nnx.to_pure_dict(state)))
-    return gpt2_nnx.to_dense(nnx.merge(graphdef, state, rest))
+    return gpt2.to_dense(nnx.merge(graphdef, state, rest))
 
 
 def model_mesh(shards: int):
@@ -152,7 +151,7 @@ def tokens_for(vocab=V, shape=(2, 8), seed=1):
 def test_load_maps_every_tensor_to_the_dense_layout(tmp_path, prefix, extras):
     t = random_tensors()
     config, params = gpt2.load(write_hf(tmp_path / "m", t, prefix=prefix, extras=extras))
-    assert config == tr.TransformerConfig(vocab_size=V, seq_len=S, hidden=H, heads=A, layers=L,
+    assert config == gpt2.TransformerConfig(vocab_size=V, seq_len=S, hidden=H, heads=A, layers=L,
                                           dtype="float32", layer_norm_eps=1e-5)
     want_shapes = jax.tree.map(lambda a: a.shape, zeros_like_init(config))
     assert jax.tree.map(lambda a: a.shape, params) == want_shapes
@@ -182,7 +181,7 @@ def test_dense_logits_match_an_independent_numpy_gpt2(tmp_path):
     t = random_tensors(seed=2)
     config, params = gpt2.load(write_hf(tmp_path / "m", t))
     tokens = tokens_for()
-    got = np.asarray(gpt2_nnx.from_dense(config, params)(tokens))
+    got = np.asarray(gpt2.from_dense(config, params)(tokens))
     np.testing.assert_allclose(got, numpy_gpt2(t, tokens), atol=1e-4, rtol=0)
 
 
@@ -200,8 +199,8 @@ def _megatron_logits(model, shards, sequence_parallel=False, **plan):
 def test_tensor_parallel_logits_equal_dense(tmp_path, shards, sequence_parallel):
     config, params = gpt2.load(write_hf(tmp_path / "m", random_tensors(seed=3)))
     tokens = tokens_for(shape=(2, 16))
-    dense = np.asarray(gpt2_nnx.from_dense(config, params)(tokens))
-    got = _megatron_logits(gpt2_nnx.from_dense(config, params), shards, sequence_parallel)
+    dense = np.asarray(gpt2.from_dense(config, params)(tokens))
+    got = _megatron_logits(gpt2.from_dense(config, params), shards, sequence_parallel)
     assert got.shape == (2, 16, V)
     np.testing.assert_allclose(got, dense, atol=1e-5, rtol=0)
 
@@ -215,11 +214,11 @@ def test_gpt2_vocabulary_over_four_shards(tmp_path):
     config, params = gpt2.load(write_hf(tmp_path / "m", t, config=hf_config(vocab_size=50257,
                                                                             n_positions=16)))
     tokens = tokens_for(vocab=50257, shape=(2, 16))
-    dense = np.asarray(gpt2_nnx.from_dense(config, params)(tokens))
+    dense = np.asarray(gpt2.from_dense(config, params)(tokens))
     np.testing.assert_allclose(dense, numpy_gpt2(t, tokens), atol=1e-4, rtol=0)
     with pytest.raises(ConfigError, match=r"wte.*50257.*4"):
-        _megatron_logits(gpt2_nnx.from_dense(config, params), 4)
-    got = _megatron_logits(gpt2_nnx.from_dense(config, params), 4, wte="replicate",
+        _megatron_logits(gpt2.from_dense(config, params), 4)
+    got = _megatron_logits(gpt2.from_dense(config, params), 4, wte="replicate",
                            ln_f="replicate")  # the norm before the (replicated) head
     assert got.shape == (2, 16, 50257)
     np.testing.assert_allclose(got, dense, atol=1e-5, rtol=0)
@@ -279,7 +278,7 @@ def test_a_transformers_file_is_rewritten_byte_for_byte(tmp_path):
 
 
 def test_save_takes_jax_params(tmp_path):
-    config = tr.TransformerConfig(vocab_size=V, seq_len=S, hidden=H, heads=A, layers=L, dtype="bfloat16")
+    config = gpt2.TransformerConfig(vocab_size=V, seq_len=S, hidden=H, heads=A, layers=L, dtype="bfloat16")
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype),
                           zeros_like_init(config))
@@ -290,12 +289,12 @@ def test_save_takes_jax_params(tmp_path):
 
 
 def test_save_rejects_an_untied_head(tmp_path):
-    config = tr.TransformerConfig(vocab_size=V, seq_len=S, hidden=H, heads=A, layers=L, tied_head=False)
+    config = gpt2.TransformerConfig(vocab_size=V, seq_len=S, hidden=H, heads=A, layers=L, tied_head=False)
     params = zeros_like_init(config)
     with pytest.raises(ConfigError, match="tied"):
         gpt2.save(tmp_path / "m", config, params)
-    tied = tr.TransformerConfig(vocab_size=V, seq_len=S, hidden=H, heads=A, layers=L)
-    three = zeros_like_init(tr.TransformerConfig(V, S, H, A, layers=3))
+    tied = gpt2.TransformerConfig(vocab_size=V, seq_len=S, hidden=H, heads=A, layers=L)
+    three = zeros_like_init(gpt2.TransformerConfig(V, S, H, A, layers=3))
     with pytest.raises(ConfigError, match=r"'blocks.ln1.scale' have shape \[3, 32\]"):
         gpt2.save(tmp_path / "m", tied, three)
 

@@ -1,4 +1,4 @@
-"""GPT-2 as an NNX module (``jphantom.models.gpt2_nnx``): the logits of an independent numpy GPT-2,
+"""GPT-2 as an NNX module (``jphantom.models.gpt2``): the logits of an independent numpy GPT-2,
 the dense dictionary (``jphantom.models.gpt2``'s layout) and Hugging Face directories in and out
 bit for bit (``from_dense`` / ``to_dense``, ``jphantom.models.hf``), and Megatron plans equal to
 one device."""
@@ -12,8 +12,7 @@ import pytest
 from flax import nnx
 
 import jphantom
-from jphantom.models import gpt2_nnx, hf
-from jphantom.models import transformer as tr
+from jphantom.models import gpt2, hf
 from tests.test_byo_model import rel_error
 from tests.test_gpt2 import (hf_config, numpy_gpt2, random_tensors, read, same_bits, tokens_for,
                              write_hf, zeros_like_init)
@@ -30,7 +29,7 @@ def test_hf_gpt2_loads_as_a_module_with_the_numpy_logits(tmp_path):
     t = random_tensors(seed=2)
     directory = write_hf(tmp_path / "m", t)
     model = hf.load(directory)
-    assert isinstance(model, gpt2_nnx.GPT2)
+    assert isinstance(model, gpt2.GPT2)
     tokens = tokens_for()
     logits = np.asarray(model(tokens))
     np.testing.assert_allclose(logits, numpy_gpt2(t, tokens), atol=1e-4, rtol=0)
@@ -49,26 +48,26 @@ def test_hf_gpt2_round_trips_bit_for_bit(tmp_path):
 
 
 def test_dense_dictionary_round_trips_bit_for_bit():
-    config = tr.TransformerConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2,
+    config = gpt2.TransformerConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2,
                                   tied_head=False)
     params = random_dense(config)
-    back = gpt2_nnx.to_dense(gpt2_nnx.from_dense(config, params))
+    back = gpt2.to_dense(gpt2.from_dense(config, params))
     assert jax.tree.structure(back) == jax.tree.structure(params)
     assert all(same_bits(a, b) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)))
 
 
 @pytest.mark.slow  # make test: test_transformer.py's SP cases of the same GPT-2 module
 def test_gpt2_module_under_megatron_sp_equals_one_device():
-    config = tr.TransformerConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2)
+    config = gpt2.TransformerConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2)
     rng = np.random.default_rng(0)
     batch = (rng.integers(0, 64, (8, 16)).astype(np.int32),
              rng.integers(0, 64, (8, 16)).astype(np.int32))
     loss_fn = lambda model, tokens, targets: model.loss(tokens, targets)
     one = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
-    reference = jphantom.make_train_step(gpt2_nnx.GPT2(config, rngs=nnx.Rngs(0)), one,
+    reference = jphantom.make_train_step(gpt2.GPT2(config, rngs=nnx.Rngs(0)), one,
                                          optax.sgd(0.1), loss_fn)
     ref_loss, ref_grads = jax.jit(reference.value_and_grad())(reference.init().params, *batch)
-    model = gpt2_nnx.GPT2(config, rngs=nnx.Rngs(0))
+    model = gpt2.GPT2(config, rngs=nnx.Rngs(0))
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     jphantom.parallelize(model, mesh, jphantom.plans.megatron(model, sequence_parallel=True))
     step = jphantom.make_train_step(model, mesh, optax.sgd(0.1), loss_fn)
@@ -91,7 +90,7 @@ def test_train_gpt2_module_from_and_to_a_hf_directory(tmp_path):
                             eval_every=2, eval_batches=1, out=str(tmp_path / "run"),
                             progress=False))
     assert results["model"]["name"] == "gpt2" and np.isfinite(results["final_validation_loss"])
-    assert isinstance(hf.load(tmp_path / "out"), gpt2_nnx.GPT2)
+    assert isinstance(hf.load(tmp_path / "out"), gpt2.GPT2)
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -111,7 +110,7 @@ def test_dense_params_give_the_numpy_logits_and_loss_tied_and_untied(tied, tmp_p
         head = (0.1 * rng.standard_normal((32, 64))).astype(np.float32), \
             (0.1 * rng.standard_normal(64)).astype(np.float32)
         params = {**params, "head": {"weight": head[0], "bias": head[1]}}
-    model = gpt2_nnx.from_dense(config, params)
+    model = gpt2.from_dense(config, params)
     assert hasattr(model, "head") != tied
     tokens = np.random.default_rng(0).integers(0, 64, (2, 16)).astype(np.int32)
     logits = np.asarray(model(tokens))
@@ -120,6 +119,6 @@ def test_dense_params_give_the_numpy_logits_and_loss_tied_and_untied(tied, tmp_p
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     expected = optax.softmax_cross_entropy_with_integer_labels(model(inputs), targets).mean()
     assert float(model.loss(inputs, targets)) == pytest.approx(float(expected), rel=1e-6)
-    back = gpt2_nnx.to_dense(model)
+    back = gpt2.to_dense(model)
     assert jax.tree.structure(back) == jax.tree.structure(params)
     assert all(same_bits(a, b) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)))

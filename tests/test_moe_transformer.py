@@ -19,8 +19,8 @@ from jphantom import program as programs
 from jphantom.analysis.hlo import collectives
 from jphantom.errors import ConfigError
 from jphantom.mesh import first_devices
-from jphantom.models.gpt2_nnx import GPT2
-from jphantom.models.transformer import TransformerConfig
+from jphantom.models.gpt2 import GPT2
+from jphantom.models.gpt2 import TransformerConfig
 from jphantom.sharding.zero import spec_axes
 
 from conftest import require_devices

@@ -132,7 +132,7 @@ VOCAB, SEQ, HIDDEN, HEADS = 32, 8, 16, 4
 
 
 def _transformer(strategy, layers):
-    from jphantom.models.transformer import TransformerConfig
+    from jphantom.models.gpt2 import TransformerConfig
 
     phantom = strategy.startswith("phantom")
     return TransformerConfig(VOCAB, SEQ, HIDDEN, HEADS, layers, 3 if phantom else None, "float32",

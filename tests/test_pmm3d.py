@@ -131,7 +131,7 @@ VOCAB, SEQ, HIDDEN, HEADS, LAYERS, TOKENS_BATCH = 32, 8, 16, 8, 2, 8
 
 
 def _gpt(**kw):
-    from jphantom.models.transformer import TransformerConfig
+    from jphantom.models.gpt2 import TransformerConfig
 
     return TransformerConfig(**{**dict(vocab_size=VOCAB, seq_len=SEQ, hidden=HIDDEN, heads=HEADS,
                                        layers=LAYERS), **kw})

@@ -17,8 +17,8 @@ from jphantom import program as program_module
 from jphantom import remat
 from jphantom.analysis.hlo import collectives
 from jphantom.errors import ConfigError
-from jphantom.models import gpt2_nnx
-from jphantom.models.transformer import TransformerConfig
+from jphantom.models import gpt2
+from jphantom.models.gpt2 import TransformerConfig
 
 from conftest import require_devices
 from helpers import assert_tree_close, random_params
@@ -66,7 +66,7 @@ def test_every_policy_gives_the_same_gradients(policy):
 
 def _block_residual_bytes(policy):
     """Per block, what the policy keeps for the backward: abstract vjp of one plain block."""
-    block = nnx.eval_shape(lambda: gpt2_nnx.Block(CONFIG, rngs=nnx.Rngs(0)))
+    block = nnx.eval_shape(lambda: gpt2.Block(CONFIG, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(block)
     h = jax.ShapeDtypeStruct((BATCH, CONFIG.seq_len, CONFIG.hidden), jnp.float32)
     return remat.residual_bytes(lambda s, x: nnx.merge(graphdef, s)(x), state, h, policy)
@@ -113,7 +113,7 @@ def test_the_step_option_is_the_blocks_policy_even_none():
 
     from jphantom import program as programs
     from jphantom.mesh import first_devices
-    from jphantom.models.transformer import TransformerConfig
+    from jphantom.models.gpt2 import TransformerConfig
     from jphantom.nn import Stacked, set_remat
 
     program = programs.build(TransformerConfig(vocab_size=32, seq_len=8, hidden=16, heads=2,

@@ -22,7 +22,7 @@ from jphantom import plans, program as programs
 from jphantom.analysis.hlo import collectives
 from jphantom.errors import ConfigError
 from jphantom.mesh import MeshConfig, first_devices
-from jphantom.models.transformer import TransformerConfig
+from jphantom.models.gpt2 import TransformerConfig
 
 from conftest import require_devices
 from helpers import assert_tree_close
@@ -253,7 +253,7 @@ def test_sequence_parallelism_needs_a_divisible_sequence_and_the_tensor_strategy
 def test_phantom_plan_finds_the_head_when_the_mlp_is_as_wide_as_the_vocabulary():
     """plans.phantom tells the LM head by its place, not only by its V outputs: an MLP of width
     4h = V stays a feature-split phantom layer (it once became a second vocabulary head)."""
-    from jphantom.models.gpt2_nnx import GPT2
+    from jphantom.models.gpt2 import GPT2
 
     config = _config("phantom", vocab_size=64, hidden=16)  # 4h = 64 = V
     model = nnx.eval_shape(lambda: GPT2(config, rngs=nnx.Rngs(0)))

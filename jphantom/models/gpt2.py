@@ -1,9 +1,62 @@
-"""Hugging Face GPT-2 checkpoints: read and write a ``GPT2LMHeadModel`` directory without torch.
+"""GPT-2 (Radford et al. 2019, as Hugging Face's ``GPT2LMHeadModel``) in one module: its shape
+(:class:`TransformerConfig`), the Flax NNX module built from plain Flax layers with no collective
+(:class:`GPT2`: the zoo's GPT-2 on the same path as any user's model, :func:`jphantom.parallelize`
+and :func:`jphantom.make_train_step`), and Hugging Face checkpoints read and written without torch
+(:func:`load` / :func:`save` as GPT-2's dense parameter dictionary, :func:`load_hf` /
+:func:`save_hf` as the module), as :mod:`jphantom.models.llama` holds Llama's.
+
+The shape
+---------
+Architecture (Radford et al. 2019, as Hugging Face's ``GPT2LMHeadModel``): token and learned
+position embeddings; ``layers`` pre-LayerNorm blocks of causal multi-head attention and a GELU-tanh
+MLP of width 4h, each with a residual connection; a final LayerNorm; an LM head tied to the token
+embedding (``tied_head=False``: an untied ``head``, as the phantom-parallel GPT-2 has). No dropout.
+
+Mixture of experts (``moe_every=n``): every n-th block (blocks n-1, 2n-1, ...) replaces its MLP by
+a top-k MoE of ``experts`` GELU FFNs of width 4h (:class:`jphantom.nn.experts.SwitchMoE`). The
+loss adds ``balance_weight`` x the load-balancing loss and ``z_weight`` x the router z-loss of
+every MoE block (Switch Transformer's 0.01, ST-MoE's 0.001).
+
+The module
+----------
+:class:`GPT2`'s module paths (blocks stacked [L, ...] under ``lax.scan``):
+
+    wte [V, h]   wpe [S, h]   ln_f        blocks.block.{ln_1, ln_2}
+    blocks.block.attn.qkv [h, 3h]   blocks.block.attn.out [h, h]
+    blocks.block.mlp.{up [h, 4h], down [4h, h]}   head [h, V] (only with ``tied_head=False``)
+
+``qkv`` is GPT-2's fused ``c_attn`` with its output features reordered from Hugging Face's
+[3, heads, d] to [heads, 3, d], so that any split of them over ranks keeps whole heads
+(:class:`Attention`); the reordering is a permutation, bit for bit both ways
+(:func:`from_dense` / :func:`to_dense` convert from and to the dense dictionary that
+:func:`load` and :func:`save` read and write).
+
+Mixture of experts (``moe_every=n``; seed 004 ch. 7): every n-th block (blocks n-1, 2n-1, ...)
+replaces its MLP by a :class:`~jphantom.nn.experts.SwitchMoE`: a router [h, E] and ``experts``
+GELU FFNs of width 4h with biases, top-k routing with a capacity (``capacity_factor``; ``None``:
+dropless). The blocks are then stacked as L/n groups, each n-1 plain blocks and one MoE block,
+and what flows from group to group is ``(h, aux)``: the MoE blocks add their load-balancing loss,
+router z-loss and dropped count to ``aux``. Paths:
+
+    blocks.block.dense.{0..n-2}.{ln_1, attn, ln_2, mlp}     (the group's plain blocks)
+    blocks.block.moe_block.{ln_1, attn, ln_2}
+    blocks.block.moe_block.moe.{router [h, E], experts.{w_up [E, h, 4h], b_up [E, 4h],
+                                                        w_down [E, 4h, h], b_down [E, h]}}
+
+``loss`` = cross-entropy + ``balance_weight`` x load balance + ``z_weight`` x z-loss, each summed
+over the MoE blocks (Switch Transformer's 0.01, ST-MoE's 0.001); :meth:`GPT2.metrics` gives the
+cross-entropy alone and the dropped assignments. A plan makes the MoE layers parallel
+(:class:`~jphantom.nn.expert.ExpertParallelMoE`, :class:`~jphantom.nn.expert.PhantomMoE`), whose
+load-balancing statistics are summed over the batch's ranks: the loss does not depend on the mesh.
+
+Hugging Face checkpoints
+------------------------
+Hugging Face GPT-2 checkpoints: read and write a ``GPT2LMHeadModel`` directory without torch.
 
 A directory as written by ``GPT2LMHeadModel.save_pretrained`` holds ``config.json`` and
 ``model.safetensors`` (or, for large models, ``model.safetensors.index.json`` with its shards).
-:func:`load` turns it into a :class:`~jphantom.models.transformer.TransformerConfig` and GPT-2's
-dense parameter layout below (which :func:`jphantom.models.gpt2_nnx.from_dense` / ``to_dense``
+:func:`load` turns it into a :class:`TransformerConfig` and GPT-2's
+dense parameter layout below (which :func:`from_dense` / ``to_dense``
 turn into the NNX module and back); :func:`save` writes the inverse, a directory that
 ``GPT2LMHeadModel.from_pretrained`` loads. Only ``numpy`` and ``safetensors`` are used.
 
@@ -43,10 +96,415 @@ import os
 import pathlib
 import re
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from jphantom.errors import ConfigError
-from jphantom.models.transformer import TransformerConfig
+from jphantom.errors import ConfigError, check_int
+from jphantom.models.llama import causal_attention
+from jphantom.nn.experts import SwitchMoE
+from jphantom.nn.loss import cross_entropy
+from jphantom.nn.stack import Stacked
+from jphantom.sharding.expert import MoEConfig
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+LAYER_NORM_EPS = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """A GPT-2 shape. ``seq_len`` is the number of positions (``n_positions``). ``ghost_width`` is
+    k of every phantom projection (phantom strategies only)."""
+
+    vocab_size: int = 256
+    seq_len: int = 128
+    hidden: int = 256
+    heads: int = 4
+    layers: int = 4
+    ghost_width: int | None = None
+    dtype: str = "float32"
+    layer_norm_eps: float = LAYER_NORM_EPS
+    tied_head: bool = True
+    moe_every: int = 0  # 0: no mixture of experts; n: every n-th block is an MoE block
+    experts: int = 8
+    top_k: int = 2
+    capacity_factor: float | None = 1.25  # None: dropless
+    balance_weight: float = 0.01
+    z_weight: float = 0.001
+    model_name = "transformer"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "seq_len", "hidden", "heads", "layers"):
+            check_int(name, getattr(self, name))
+        if self.hidden % self.heads:
+            raise ConfigError(f"hidden={self.hidden} is not divisible by heads={self.heads}: each "
+                              f"head has hidden/heads features; pick heads dividing {self.hidden}")
+        k = self.ghost_width
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ConfigError(f"ghost_width={k!r} must be an integer >= 1, e.g. 8")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r}; use one of {DTYPES}")
+        if self.dtype == "float64" and not jax.config.jax_enable_x64:
+            raise ConfigError("dtype='float64' needs 64-bit mode: call "
+                              "jax.config.update('jax_enable_x64', True) first, or use float32")
+        if not (self.layer_norm_eps > 0 and math.isfinite(self.layer_norm_eps)):
+            raise ConfigError(f"layer_norm_eps={self.layer_norm_eps} must be a positive number")
+        every = self.moe_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ConfigError(f"moe_every={every!r} must be an integer >= 0 (0: no MoE blocks; "
+                              "n: every n-th block is one)")
+        if every:
+            if self.layers % every:
+                raise ConfigError(f"layers={self.layers} is not divisible by moe_every={every}: "
+                                  "every n-th block is an MoE block, so L must be a multiple of n")
+            for name in ("balance_weight", "z_weight"):
+                value = getattr(self, name)
+                if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+                    raise ConfigError(f"{name}={value!r} must be a number >= 0")
+            self.moe  # validates experts, top_k and capacity_factor
+
+    @property
+    def moe(self) -> MoEConfig | None:
+        """The MoE layer of the MoE blocks (None without them)."""
+        if not self.moe_every:
+            return None
+        return MoEConfig(self.hidden, self.experts, self.top_k, self.capacity_factor)
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers // self.moe_every if self.moe_every else 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def param_count(self, active: bool = False) -> int:
+        """Weights and biases of the dense-layout model (tied head counted once); ``active``:
+        those one token uses (k of the E experts of an MoE block)."""
+        h, v, s, L, Lm = self.hidden, self.vocab_size, self.seq_len, self.layers, self.moe_layers
+        attention = 4 * h + (3 * h * h + 3 * h) + (h * h + h)
+        mlp = (4 * h * h + 4 * h) + (4 * h * h + h)
+        experts = self.top_k if active else self.experts
+        blocks = L * attention + (L - Lm) * mlp + Lm * (h * self.experts + experts * mlp)
+        return v * h + s * h + blocks + 2 * h + (0 if self.tied_head else h * v + v)
+
+    def flops_per_token(self) -> int:
+        """Forward + backward matmul FLOPs per token (6 x weights in matmuls + attention); an MoE
+        block counts its router and the k experts a token visits (active parameters)."""
+        h, L, s, v, Lm = self.hidden, self.layers, self.seq_len, self.vocab_size, self.moe_layers
+        matmul_weights = L * 4 * h * h + (L - Lm) * 8 * h * h + Lm * (
+            h * self.experts + self.top_k * 8 * h * h) + v * h
+        return 6 * matmul_weights + 6 * L * s * h  # causal attention: QK^T and AV, half the square
+
+
+def moe_fields(moe_every: int = 0, experts: int = 8, top_k: int = 2,
+               capacity_factor: float = 1.25, dropless: bool = False) -> dict:
+    """The :class:`TransformerConfig` MoE fields of the CLI's flags (``--dropless``: no capacity)."""
+    return {"moe_every": moe_every, "experts": experts, "top_k": top_k,
+            "capacity_factor": None if dropless else capacity_factor}
+
+# -------------------------------------------------------------------------------------------------
+# The NNX module
+# -------------------------------------------------------------------------------------------------
+
+AUX = ("load_balance", "z_loss", "dropped")
+
+
+def _linear(n_in, n_out, dtype, rngs):
+    return nnx.Linear(n_in, n_out, param_dtype=dtype, kernel_init=nnx.initializers.normal(0.02),
+                      rngs=rngs)
+
+
+class Attention(nnx.Module):
+    """Causal multi-head attention with GPT-2's fused projection ``qkv`` [h, 3h], its output
+    features ordered [heads, 3, d] (head by head, its q, k and v): a contiguous split of the
+    outputs over p ranks (Megatron's column layer, phantom's feature split) gives each rank whole
+    heads with their q, k and v, and the projection stays one layer (one phantom ghost exchange,
+    as seed 000's phantom transformer has)."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        h, dtype = config.hidden, jnp.dtype(config.dtype)
+        self.qkv = _linear(h, 3 * h, dtype, rngs)
+        self.out = _linear(h, h, dtype, rngs)
+        self.head_dim = config.head_dim
+
+    def __call__(self, x):
+        qkv = self.qkv(x)
+        batch, seq = qkv.shape[:2]  # whole sequence, this rank's heads
+        qkv = qkv.reshape(batch, seq, -1, 3, self.head_dim)
+        q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+        return self.out(causal_attention(q, k, v).reshape(batch, seq, -1))
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        h, dtype = config.hidden, jnp.dtype(config.dtype)
+        self.up, self.down = _linear(h, 4 * h, dtype, rngs), _linear(4 * h, h, dtype, rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.gelu(self.up(x), approximate=True))
+
+
+def _norm(config: TransformerConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    return nnx.LayerNorm(config.hidden, epsilon=config.layer_norm_eps,
+                         param_dtype=jnp.dtype(config.dtype), use_fast_variance=False,
+                         rngs=rngs)  # HF's centred variance
+
+
+class Block(nnx.Module):
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        self.ln_1, self.attn = _norm(config, rngs), Attention(config, rngs=rngs)
+        self.ln_2, self.mlp = _norm(config, rngs), MLP(config, rngs=rngs)
+
+    def __call__(self, h):
+        h = h + self.attn(self.ln_1(h))
+        return h + self.mlp(self.ln_2(h))
+
+
+class MoEBlock(nnx.Module):
+    """A block whose MLP is the mixture of experts: ``h -> (h, aux of the MoE layer)``."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        h, moe = config.hidden, config.moe
+        self.ln_1, self.attn = _norm(config, rngs), Attention(config, rngs=rngs)
+        self.ln_2 = _norm(config, rngs)
+        self.moe = SwitchMoE(h, moe.width, moe.experts, top_k=moe.top_k,
+                             capacity_factor=moe.capacity_factor,
+                             param_dtype=jnp.dtype(config.dtype),
+                             kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+
+    def __call__(self, h, fraction=None):
+        h = h + self.attn(self.ln_1(h))
+        out, aux = self.moe(self.ln_2(h), fraction)
+        return h + out, aux
+
+
+class MoEGroup(nnx.Module):
+    """``moe_every - 1`` plain blocks, then an MoE block: ``(h, aux) -> (h, aux + its aux)``.
+
+    Two optional entries of ``aux`` are per MoE block, [L_moe, ...], the next block's in row 0
+    (each group uses or fills row 0 and rolls the rows by one, so after the L_moe groups they are
+    in order again): ``fraction`` [L_moe, E], the routing fractions of the whole batch when the
+    model runs on a micro-batch of it (:meth:`GPT2.loss`), and ``statistics`` [L_moe, 2E], each
+    block's router statistics (:meth:`GPT2.balance_statistics`)."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        self.dense = nnx.List([Block(config, rngs=rngs) for _ in range(config.moe_every - 1)])
+        self.moe_block = MoEBlock(config, rngs=rngs)
+
+    def __call__(self, carry):
+        h, aux = carry
+        for block in self.dense:
+            h = block(h)
+        fraction = aux.get("fraction")
+        h, added = self.moe_block(h, None if fraction is None else fraction[0])
+        out = {name: aux[name] + added[name].astype(aux[name].dtype) for name in AUX}
+        if fraction is not None:
+            out["fraction"] = jnp.roll(fraction, -1, axis=0)
+        if "statistics" in aux:
+            rows = aux["statistics"].at[0].add(added["statistics"].astype(aux["statistics"].dtype))
+            out["statistics"] = jnp.roll(rows, -1, axis=0)
+        return h, out
+
+
+class GPT2(nnx.Module):
+    """``GPT2(config, rngs=nnx.Rngs(0))``; ``model(tokens)`` -> logits [B, S, V];
+    ``model.loss(tokens, targets)`` -> mean next-token cross-entropy."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        dtype = jnp.dtype(config.dtype)
+        init = nnx.initializers.normal(0.02)
+        self.wte = nnx.Embed(config.vocab_size, config.hidden, param_dtype=dtype,
+                             embedding_init=init, rngs=rngs)
+        self.wpe = nnx.Embed(config.seq_len, config.hidden, param_dtype=dtype,
+                             embedding_init=nnx.initializers.normal(0.01), rngs=rngs)
+        if config.moe_every:  # the first group outside the scan: it gives aux its types
+            self.blocks = Stacked(lambda r: MoEGroup(config, rngs=r), config.moe_layers,
+                                  rngs=rngs, peel_first=True)
+        else:
+            self.blocks = Stacked(lambda r: Block(config, rngs=r), config.layers, rngs=rngs)
+        self.ln_f = nnx.LayerNorm(config.hidden, epsilon=config.layer_norm_eps,
+                                  param_dtype=dtype, use_fast_variance=False, rngs=rngs)
+        if not config.tied_head:
+            self.head = _linear(config.hidden, config.vocab_size, dtype, rngs)
+
+    def check_shards(self, num_shards: int) -> None:
+        if self.config.heads % num_shards:
+            raise ConfigError(f"heads={self.config.heads} is not divisible by the {num_shards} "
+                              "ranks that split them: pick an axis size dividing the heads")
+
+    def trunk(self, tokens: jax.Array, *, balance_fraction=None, statistics: bool = False):
+        """The final-normed stream [B, S, h] and the MoE blocks' aux summed over them (``None``
+        without MoE blocks); ``balance_fraction`` [L_moe, E] and ``statistics``: :class:`MoEGroup`'s
+        optional entries."""
+        h = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))
+        if not self.config.moe_every:
+            return self.ln_f(self.blocks(h)), None
+        wide = jnp.promote_types(h.dtype, jnp.float32)  # the router's statistics' dtype
+        zero = {"load_balance": jnp.zeros((), wide), "z_loss": jnp.zeros((), wide),
+                "dropped": jnp.zeros((), wide)}  # floats: a pipeline exchanges the carry
+        experts = self.config.moe.experts
+        if balance_fraction is not None:
+            zero["fraction"] = jnp.asarray(balance_fraction, wide)
+        if statistics:
+            zero["statistics"] = jnp.zeros((self.config.moe_layers, 2 * experts), wide)
+        h, aux = self.blocks((h, zero))
+        return self.ln_f(h), aux
+
+    def balance_statistics(self, tokens: jax.Array, targets: jax.Array | None = None):
+        """[L_moe, 2E] per MoE block: how many of the batch's tokens chose each expert first, and
+        the sum of each expert's probability (over the whole batch: the ranks' statistics are
+        summed); ``None`` without MoE blocks. A training step that accumulates micro-batches
+        runs this on each first and gives :meth:`loss` the whole batch's fractions, so the
+        load-balancing loss is the whole batch's, as without accumulation."""
+        if not self.config.moe_every:
+            return None
+        return self.trunk(tokens, statistics=True)[1]["statistics"]
+
+    def hidden_states(self, tokens: jax.Array) -> jax.Array:
+        return self.trunk(tokens)[0]
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        h = self.hidden_states(tokens)
+        return self.wte.attend(h) if self.config.tied_head else self.head(h)
+
+    def _cross_entropy(self, h, targets):
+        if self.config.tied_head:
+            return cross_entropy(self.wte, h, targets, tied=True)
+        return cross_entropy(self.head, h, targets)
+
+    def loss(self, tokens: jax.Array, targets: jax.Array, *,
+             balance_fraction: jax.Array | None = None) -> jax.Array:
+        """Mean next-token cross-entropy (plus, with MoE blocks, ``balance_weight`` x the
+        load-balancing loss and ``z_weight`` x the router z-loss, summed over the MoE blocks).
+        ``balance_fraction`` [L_moe, E]: the routing fractions of the whole batch when ``tokens``
+        is a micro-batch of it (:meth:`balance_statistics`)."""
+        h, aux = self.trunk(tokens, balance_fraction=balance_fraction)
+        loss = self._cross_entropy(h, targets)
+        if aux is None:
+            return loss
+        config = self.config
+        extra = config.balance_weight * aux["load_balance"] + config.z_weight * aux["z_loss"]
+        return loss + extra.astype(loss.dtype)
+
+    def metrics(self, tokens: jax.Array, targets: jax.Array) -> dict:
+        """Means over the batch given: ``cross_entropy`` (without the auxiliary losses) and, with
+        MoE blocks, ``dropped`` and ``assignments`` per token (k per MoE block; their ratio is the
+        fraction of assignments the capacity dropped)."""
+        h, aux = self.trunk(tokens)
+        out = {"cross_entropy": self._cross_entropy(h, targets)}
+        if aux is not None:
+            out["dropped"] = aux["dropped"] / targets.size
+            out["assignments"] = jnp.asarray(self.config.top_k * self.config.moe_layers,
+                                             jnp.float32)
+        return out
+
+    @staticmethod
+    def metrics_fn(model: "GPT2", tokens: jax.Array, targets: jax.Array) -> dict:
+        """``metrics_fn(model, tokens, targets)`` of :meth:`jphantom.TrainStep.metrics`."""
+        return model.metrics(tokens, targets)
+
+
+# (our path, dense path): every tensor but the fused QKV, which from_dense / to_dense reorder
+_BLOCK = [(("ln_1", "scale"), ("ln1", "scale")), (("ln_1", "bias"), ("ln1", "bias")),
+          (("ln_2", "scale"), ("ln2", "scale")), (("ln_2", "bias"), ("ln2", "bias")),
+          (("attn", "out", "kernel"), ("attn_out", "weight")),
+          (("attn", "out", "bias"), ("attn_out", "bias")),
+          (("mlp", "up", "kernel"), ("mlp_up", "weight")), (("mlp", "up", "bias"), ("mlp_up", "bias")),
+          (("mlp", "down", "kernel"), ("mlp_down", "weight")),
+          (("mlp", "down", "bias"), ("mlp_down", "bias"))]
+_TOP = [(("wte", "embedding"), ("wte",)), (("wpe", "embedding"), ("wpe",)),
+        (("ln_f", "scale"), ("ln_f", "scale")), (("ln_f", "bias"), ("ln_f", "bias"))]
+
+
+def _get(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _put(tree, path, value):
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _no_moe(config: TransformerConfig) -> None:
+    if config.moe_every:
+        raise ConfigError("the dense dictionary (and Hugging Face's GPT-2) has no MoE blocks: "
+                          "save an MoE GPT-2 with the checkpoint module (Orbax), not as GPT-2 "
+                          "tensors")
+
+
+def from_dense(config: TransformerConfig, params: dict) -> GPT2:
+    """The :class:`GPT2` holding the dense dictionary ``params`` (:func:`load`'s layout), by
+    slicing only: built abstract, then filled."""
+    _no_moe(config)
+    abstract = nnx.eval_shape(lambda: GPT2(config, rngs=nnx.Rngs(0)))
+    graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
+    pure = nnx.to_pure_dict(state)
+    for ours, theirs in _TOP:
+        _put(pure, ours, jnp.asarray(_get(params, theirs)))
+    blocks = params["blocks"]
+    for ours, theirs in _BLOCK:
+        _put(pure, ("blocks", "block", *ours), jnp.asarray(_get(blocks, theirs)))
+    heads, d = config.heads, config.head_dim
+    weight = jnp.asarray(blocks["qkv"]["weight"])  # [L, h, 3, heads * d]
+    layers = weight.shape[0]
+    _put(pure, ("blocks", "block", "attn", "qkv", "kernel"),
+         weight.reshape(layers, -1, 3, heads, d).transpose(0, 1, 3, 2, 4).reshape(layers, -1,
+                                                                                 3 * heads * d))
+    bias = jnp.asarray(blocks["qkv"]["bias"])  # [L, 3, heads * d]
+    _put(pure, ("blocks", "block", "attn", "qkv", "bias"),
+         bias.reshape(layers, 3, heads, d).transpose(0, 2, 1, 3).reshape(layers, 3 * heads * d))
+    if not config.tied_head:
+        _put(pure, ("head", "kernel"), jnp.asarray(params["head"]["weight"]))
+        _put(pure, ("head", "bias"), jnp.asarray(params["head"]["bias"]))
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state, rest)
+
+
+def to_dense(model: GPT2) -> dict:
+    """The dense dictionary of ``model``'s parameters (numpy), ``qkv`` back in the [3, heads, d]
+    order of the fused QKV."""
+    _no_moe(model.config)
+    _, state, _ = nnx.split(model, nnx.Param, ...)
+    pure = jax.device_get(nnx.to_pure_dict(state))
+    out: dict = {}
+    for ours, theirs in _TOP:
+        _put(out, theirs, np.asarray(_get(pure, ours)))
+    for ours, theirs in _BLOCK:
+        _put(out, ("blocks", *theirs), np.asarray(_get(pure, ("blocks", "block", *ours))))
+    qkv = pure["blocks"]["block"]["attn"]["qkv"]
+    heads, d = model.config.heads, model.config.head_dim
+    kernel, bias = np.asarray(qkv["kernel"]), np.asarray(qkv["bias"])  # [heads, 3, d] order
+    layers = kernel.shape[0]
+    out["blocks"]["qkv"] = {
+        "weight": kernel.reshape(layers, -1, heads, 3, d).transpose(0, 1, 3, 2, 4).reshape(
+            layers, -1, 3, heads * d),
+        "bias": bias.reshape(layers, heads, 3, d).transpose(0, 2, 1, 3).reshape(layers, 3,
+                                                                             heads * d)}
+    if not model.config.tied_head:
+        out["head"] = {"weight": np.asarray(pure["head"]["kernel"]),
+                       "bias": np.asarray(pure["head"]["bias"])}
+    return out
+
+
+def load_hf(path) -> GPT2:
+    """A Hugging Face GPT-2 directory (:func:`load`) as a :class:`GPT2`."""
+    config, params = load(path)
+    return from_dense(config, params)
+
+
+def save_hf(path, model: GPT2) -> None:
+    """``model`` as a Hugging Face GPT-2 directory (:func:`save`)."""
+    save(path, model.config, to_dense(model))
+
+# -------------------------------------------------------------------------------------------------
+# Hugging Face checkpoints
+# -------------------------------------------------------------------------------------------------
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -247,8 +705,7 @@ def load(directory) -> tuple[TransformerConfig, dict]:
 
     Returns ``(config, params)``: ``config`` a :class:`TransformerConfig` whose ``dtype`` is the
     stored one, ``params`` GPT-2's dense layout (module docstring above for the name map) as numpy
-    arrays of the stored dtype, bit for bit: pass them to :func:`jphantom.models.gpt2_nnx.
-    from_dense` (the NNX GPT-2) or ``jax.device_put`` them. Names with or without the
+    arrays of the stored dtype, bit for bit: pass them to :func:`from_dense` (the NNX GPT-2) or ``jax.device_put`` them. Names with or without the
     ``transformer.`` prefix are accepted. Raises :class:`ConfigError` for a missing or unreadable
     file, an unsupported config field, a missing, unexpected or mis-shaped tensor, or tensors of
     different dtypes.
@@ -331,7 +788,7 @@ def to_hf_tensors(config: TransformerConfig, params: dict) -> dict[str, np.ndarr
         for key in path.split("."):
             if not isinstance(node, dict) or key not in node:
                 raise ConfigError(f"params have no {path!r}; expected GPT-2's dense layout "
-                                  "(gpt2.load, gpt2_nnx.to_dense)")
+                                  "(load, to_dense)")
             node = node[key]
         value = np.asarray(node)
         if tuple(value.shape) != shape:

@@ -5,7 +5,7 @@
     jphantom.models.hf.save("out", model)                    # config.json + model.safetensors
 
 The family is picked by ``config.json``'s ``model_type``: ``gpt2``
-(:mod:`jphantom.models.gpt2_nnx`), ``llama`` and ``mixtral`` (:mod:`jphantom.models.llama`). A load
+(:mod:`jphantom.models.gpt2`), ``llama`` and ``mixtral`` (:mod:`jphantom.models.llama`). A load
 then a save writes the file's tensors back exactly (names, dtypes, bytes).
 """
 
@@ -34,9 +34,9 @@ def model_type(path) -> str:
 def load(path):
     """The checkpoint at ``path`` as an ``nnx.Module`` of its family."""
     if model_type(path) == "gpt2":
-        from jphantom.models import gpt2_nnx
+        from jphantom.models import gpt2
 
-        return gpt2_nnx.load_hf(path)
+        return gpt2.load_hf(path)
     from jphantom.models import llama
 
     return llama.load_hf(path)
@@ -48,8 +48,8 @@ def save(path, model) -> None:
 
     if isinstance(model, llama.Llama):
         return llama.save_hf(path, model)
-    from jphantom.models import gpt2_nnx
+    from jphantom.models import gpt2
 
-    if isinstance(model, gpt2_nnx.GPT2):
-        return gpt2_nnx.save_hf(path, model)
+    if isinstance(model, gpt2.GPT2):
+        return gpt2.save_hf(path, model)
     raise ConfigError(f"hf.save takes a zoo model (GPT2, Llama), not {type(model).__name__}")

@@ -428,7 +428,7 @@ class GPTShape:
     """A decoder-only transformer's sizes for the planner (no arrays): ``layers`` L, ``hidden`` h,
     ``heads`` a, ``seq_len`` S, ``vocab_size`` V, and its ``family``:
 
-    - ``gpt2`` (default): GPT-2 blocks (:mod:`jphantom.models.transformer`): fused QKV h -> 3h,
+    - ``gpt2`` (default): GPT-2 blocks (:mod:`jphantom.models.gpt2`): fused QKV h -> 3h,
       attention output h -> h, MLP h -> 4h -> h with GELU, biases and LayerNorms (13 h small
       parameters per block), learned positions (S h), tied embedding and head;
     - ``llama`` (:mod:`jphantom.models.llama`): grouped-query attention with ``kv_heads`` key/value
@@ -476,7 +476,7 @@ class GPTShape:
 
     @classmethod
     def of(cls, model: Any, seq_len: int | None = None) -> GPTShape:
-        """A GPTShape from itself, a :class:`jphantom.models.transformer.TransformerConfig` or a
+        """A GPTShape from itself, a :class:`jphantom.models.gpt2.TransformerConfig` or a
         :class:`jphantom.models.llama.LlamaConfig` (``seq_len`` overrides the model's)."""
         if isinstance(model, GPTShape):
             shape = model
