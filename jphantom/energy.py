@@ -707,6 +707,19 @@ class NvmlEnergyMeter:
         )
         return self.measurement
 
+    def read(self) -> float | None:
+        """Joules of this process's GPUs since ``start()``, read from their energy counters now
+        (the window stays open): the difference of two reads, each after
+        ``jax.block_until_ready``, is the energy between them (a training step's). ``None`` when
+        some GPU has no counter (it is being sampled). No collective: this process only."""
+        if not self._running:
+            raise ConfigError("NvmlEnergyMeter.read() without start()")
+        if self._sampled_slots:
+            return None
+        now = [float(self._nvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+               for handle in self._counter_handles]
+        return sum(end - begin for end, begin in zip(now, self._counter_start)) / 1000.0  # mJ
+
     @property
     def fallback_reasons(self) -> dict[str, str]:
         """Why each sampled GPU of the last window has no counter reading (device name -> reason)."""
