@@ -3,10 +3,13 @@ restorable onto another mesh.
 
 A checkpoint at step ``n`` holds the parameters and the optimizer state (``state``, Orbax's
 ``StandardSave`` of the sharded arrays: every process writes its shards) and a JSON ``meta`` item:
-the step, the run's history so far, the shape of every parameter, and whatever the caller adds (the
-data stream's position is the step itself: jphantom's data sources are pure functions of the step
-index and the seed, and nothing else in a step draws random numbers, so the step is the whole RNG
-state).
+the step, the run's history so far, the shape of every parameter, the data stream's position
+(``data``) and whatever the caller adds. Byte-level text and the teacher are pure functions of the
+step index and the seed, so for them the step is the position (``data`` is ``None``); a token
+reader (:class:`jphantom.data.tokens.TokenBatches`) has an explicit position, its epoch and the
+windows consumed in it, which :meth:`Checkpointer.save` stores beside the step and
+:meth:`Checkpointer.restore` returns in ``meta["data"]``, so a resumed run reads exactly the
+batches an uninterrupted run would. Nothing else in a step draws random numbers.
 
 - **Asynchronous**: :meth:`Checkpointer.save` returns once the arrays are copied off the devices
   (the training step may then donate them); the files are written in the background.
@@ -55,10 +58,11 @@ class Checkpointer:
         """Whether step ``step`` (1-based, after the update) is a save point."""
         return bool(self.save_every) and step % self.save_every == 0
 
-    def save(self, step: int, params, opt_state, meta: dict | None = None) -> None:
+    def save(self, step: int, params, opt_state, meta: dict | None = None, *,
+             data: dict | None = None) -> None:
         """Start saving the state after ``step`` steps (returns once the arrays are off the
-        devices)."""
-        meta = {**(meta or {}), "step": step, "shapes": _shapes(params),
+        devices); ``data``: the data reader's position after that step (JSON-ready)."""
+        meta = {**(meta or {}), "step": step, "data": data, "shapes": _shapes(params),
                 "optimizer_state": _shapes(opt_state)}
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),

@@ -242,9 +242,13 @@ class StepConfig:
 class TrainConfig:
     """The training run: global ``batch`` (sequences or rows), ``steps``, the optimizer and its
     schedule (linear warm-up, then constant or cosine to 0.1x), evaluation, an optional
-    ``target_loss`` to stop at (held-out loss, checked at each evaluation), the seed, the text
-    ``data`` file, the ``out`` folder (``None``: write nothing), a Hugging Face directory to save
-    into, and Orbax checkpoints."""
+    ``target_loss`` to stop at (held-out loss, checked at each evaluation), the seed, the
+    ``data`` (a text file, a token file or a folder of them: :mod:`jphantom.data.tokens`) and the
+    ``tokenizer`` text goes through (:func:`jphantom.data.tokenizers.load_tokenizer`; ``None``:
+    bytes), the ``out`` folder (``None``: write nothing), a Hugging Face directory to save into,
+    Orbax checkpoints, and what is reported per step (:mod:`jphantom.metrics`): the gradient norm
+    (``grad_norm``, recorded by the optimizer; ``jphantom train`` turns it on) and TensorBoard
+    events (``tensorboard``, into ``out/tensorboard``)."""
 
     batch: int = 16
     steps: int = 300
@@ -258,7 +262,8 @@ class TrainConfig:
     eval_batches: int = 8
     target_loss: float | None = None
     seed: int = 0
-    data: str | None = None  # a text file; default: the Python standard library's sources
+    data: str | None = None  # a text file, token file or folder; default: the Python stdlib
+    tokenizer: str | None = None  # "bpe", a tokenizer.json, a tiktoken file or name; None: bytes
     out: str | None = "out/train"
     save_hf: str | None = None
     checkpoint_dir: str | None = None
@@ -266,6 +271,8 @@ class TrainConfig:
     keep_checkpoints: int = 3
     resume: bool = False
     progress: bool = True
+    grad_norm: bool = False  # record the gradients' global norm (one more reduction per step)
+    tensorboard: bool = False
 
     def __post_init__(self):
         _check_types(self)
@@ -287,32 +294,102 @@ class TrainConfig:
             if getattr(self, name) is not None:
                 _writable_folder(name, getattr(self, name))
         if self.data is not None:
-            data = Path(self.data)
-            if not data.is_file() or not os.access(data, os.R_OK):
-                raise ConfigError(f"data={self.data!r} is not a readable file: give a text file "
-                                  "(or leave --data out for the Python standard library's "
-                                  "sources)")
+            _readable_data(self.data)
+        if self.tokenizer is not None:
+            from jphantom.data.tokenizers import load_tokenizer
 
-    def optimizer_transform(self, total_steps: int | None = None):
-        """The optax optimizer: linear warm-up from 0 over ``warmup_steps`` (none for 0), then
-        the learning rate constant or cosine-decayed to 0.1x at ``steps``."""
+            load_tokenizer(self.tokenizer)  # on this machine, readable, its library installed
+        if self.tensorboard:
+            from jphantom.metrics import require_tensorboard
+
+            require_tensorboard()
+            if self.out is None:
+                raise ConfigError("tensorboard=True writes into the out folder: give --out DIR")
+
+    def schedule(self, total_steps: int | None = None):
+        """The learning rate schedule (an optax schedule, or the constant rate): linear warm-up
+        from 0 over ``warmup_steps`` (none for 0), then constant or cosine-decayed to 0.1x at
+        ``steps``."""
         import optax
 
         lr, warmup = self.learning_rate, self.warmup_steps
         steps = total_steps or self.steps
         if self.lr_schedule == "cosine":
-            schedule = optax.warmup_cosine_decay_schedule(
+            return optax.warmup_cosine_decay_schedule(
                 0.0 if warmup else lr, lr, warmup, max(steps, warmup + 1), end_value=lr * 0.1)
-        elif warmup:
-            schedule = optax.join_schedules(
+        if warmup:
+            return optax.join_schedules(
                 [optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup])
-        else:
-            schedule = lr
+        return lr
+
+    def learning_rate_at(self, step: int) -> float:
+        """The learning rate of update ``step`` (0-based: the first update is step 0)."""
+        schedule = self.schedule()
+        return float(schedule(step)) if callable(schedule) else float(schedule)
+
+    def optimizer_transform(self, total_steps: int | None = None):
+        """The optax optimizer on :meth:`schedule`; with ``grad_norm``, first
+        :func:`jphantom.metrics.record_grad_norm` (the gradients' global norm kept in the
+        optimizer state, read by :func:`jphantom.metrics.grad_norm_of`)."""
+        import optax
+
+        schedule = self.schedule(total_steps)
         if self.optimizer == "adamw":
-            return optax.adamw(schedule, b2=self.adam_b2, weight_decay=self.weight_decay)
-        if self.optimizer == "adam":
-            return optax.adam(schedule, b2=self.adam_b2)
-        return optax.sgd(schedule)
+            optimizer = optax.adamw(schedule, b2=self.adam_b2, weight_decay=self.weight_decay)
+        elif self.optimizer == "adam":
+            optimizer = optax.adam(schedule, b2=self.adam_b2)
+        else:
+            optimizer = optax.sgd(schedule)
+        if self.grad_norm:
+            from jphantom.metrics import record_grad_norm
+
+            optimizer = optax.chain(record_grad_norm(), optimizer)
+        return optimizer
+
+
+def _readable_data(value: str) -> None:
+    """``--data`` is a readable file (text or tokens) or a folder of token files."""
+    data = Path(value)
+    if data.is_dir():
+        if not any(data.glob("*.bin")):
+            raise ConfigError(f"data={value!r} is a folder without .bin token files: write them "
+                              "with `jphantom tokenize`, or give a text file")
+        return
+    if not data.is_file() or not os.access(data, os.R_OK):
+        raise ConfigError(f"data={value!r} is not a readable file or folder: give a text file, a "
+                          "token file (.bin) or a folder of them (or leave --data out for the "
+                          "Python standard library's sources)")
+
+
+def check_vocabulary(config: "RunConfig") -> None:
+    """Before anything is built or compiled: the data and tokenizer apply to a language model,
+    and its vocabulary holds every id they give (the tokenizer's ids; a token file's largest id
+    among its first 16M tokens per file; 256 for bytes); a ConfigError naming the fix."""
+    train = config.train
+    if config.model.name == "ffn":
+        if train.data is not None or train.tokenizer is not None:
+            raise ConfigError("--data and --tokenizer feed language models (--model gpt2 or "
+                              "llama); the FFN trains on seed 000's teacher: leave them out")
+        return
+    from jphantom.data import tokens
+
+    if train.tokenizer is not None:
+        from jphantom.data.tokenizers import load_tokenizer
+
+        need = load_tokenizer(train.tokenizer).vocab_size
+        what = f"tokenizer={train.tokenizer!r} ({need} ids)"
+    elif train.data is not None and tokens.is_token_data(train.data):
+        train_files, validation_files = tokens.token_files(train.data)
+        need = tokens.max_token([f.tokens() for f in train_files + validation_files]) + 1
+        what = f"the token ids of data={train.data!r} (up to {need - 1})"
+    else:
+        need, what = 256, "byte-level text (256 ids)"
+    vocab = config.family_config().vocab_size
+    if vocab < need:
+        if config.model.from_hf:
+            raise ConfigError(f"the checkpoint's vocabulary ({vocab}) is smaller than {what}: "
+                              "use the tokenizer the checkpoint was trained with")
+        raise ConfigError(f"vocab={vocab} is smaller than {what}: pass --vocab {need} (or more)")
 
 
 def _writable_folder(name: str, value: str) -> None:

@@ -2,7 +2,9 @@
 
 :func:`run` takes a :class:`jphantom.config.RunConfig` (validated on construction; the program and
 its step are built, nothing compiled, before any data is read) and trains: FFN runs on seed 000's
-teacher task, language models (GPT-2, Llama / Mixtral) on byte-level text. Per step it records the
+teacher task, language models (GPT-2, Llama / Mixtral) on byte-level text, or on tokens (token
+files, or text through a tokenizer: :class:`TokenSource`, whose reader's position is saved in
+checkpoints and restored on resume). Per step it records the
 loss and the step time (the first, compiling step excluded), evaluates every ``eval_every`` steps
 and at the end (held-out loss; MoE models: the cross-entropy without the auxiliary losses and the
 fraction of dropped token-expert assignments), stops early at ``target_loss``, saves Orbax
@@ -10,8 +12,10 @@ checkpoints, and meters energy when given a meter (its window opens after the fi
 closes after the last, both after ``jax.block_until_ready``, as seed 000 excludes
 initialisation). Into ``train.out`` (unless ``None``) it writes:
 
-- ``metrics.jsonl``: one line per step (``step``, ``train_loss``, ``tokens_per_second``) and per
-  evaluation (``validation_loss``), flushed as written;
+- ``metrics.jsonl``: one line per step (loss, learning rate, gradient norm, step time, tokens/s,
+  model TFLOP/s per device and MFU, peak memory, energy: :mod:`jphantom.metrics`) and per
+  evaluation (``validation_loss``), flushed as written (with ``tensorboard``, also TensorBoard
+  events);
 - ``curves.png``: training and validation loss against steps;
 - ``results.json``: the configuration, final and best validation loss, the step time, the
   parameters, for text the unigram cross-entropy and the ratio (nats/token), the pipeline and the
@@ -34,8 +38,10 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jphantom.config import RunConfig, pipeline_summary
+from jphantom.config import RunConfig, check_vocabulary, pipeline_summary
 from jphantom.errors import ConfigError, TrainingDiverged
+from jphantom.metrics import (StepEnergy, TensorBoard, flops_per_token, grad_norm_of,
+                              peak_memory_bytes, peak_tflops)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -44,7 +50,8 @@ from jphantom.errors import ConfigError, TrainingDiverged
 
 
 class TextSource:
-    """Byte-level text (:mod:`jphantom.data.text`): batches of ``[batch, seq_len]`` tokens."""
+    """Byte-level text (:mod:`jphantom.data.text`): batches of ``[batch, seq_len]`` tokens, a
+    pure function of (seed, step)."""
 
     def __init__(self, config: RunConfig, seq_len: int):
         from jphantom.data.text import TextConfig, TextCorpus
@@ -59,8 +66,81 @@ class TextSource:
     def validation(self):
         return self.corpus.validation_batches(self.batch, self.eval_batches)
 
+    def unigram_cross_entropy(self):
+        return self.corpus.unigram_cross_entropy()
+
     def describe(self):
         return self.corpus.describe()
+
+
+class TokenSource:
+    """Tokens (:mod:`jphantom.data.tokens`): token files (``--data`` a ``.bin`` file or a folder
+    of them), or text (``--data`` a text file, or the standard library) through ``--tokenizer``.
+    Batches come from a reader with an explicit position, saved in checkpoints (:meth:`state`)
+    and restored on resume; ``rows``: the rows of each global batch this process reads (default
+    all)."""
+
+    def __init__(self, config: RunConfig, seq_len: int, rows: slice | None = None):
+        from jphantom.data import tokens
+        from jphantom.data.text import TextConfig, TextCorpus
+
+        train = config.train
+        vocab = None
+        if train.tokenizer is not None:
+            from jphantom.data.tokenizers import load_tokenizer
+            vocab = load_tokenizer(train.tokenizer).vocab_size
+        if train.data is not None and tokens.is_token_data(train.data):
+            train_files, validation_files = tokens.token_files(train.data)
+            arrays = [f.tokens() for f in train_files]
+            held = [f.tokens() for f in validation_files]
+            if not held:
+                arrays, held = tokens.hold_out(arrays, TextConfig.validation_fraction)
+            source = {"source": str(Path(train.data).resolve()), "files": {
+                "train": [Path(f.path).name for f in train_files],
+                "validation": [Path(f.path).name for f in validation_files]},
+                "format": sorted({f.format for f in train_files + validation_files}),
+                "validation_split": "files" if validation_files else "last tokens held out"}
+        else:
+            corpus = TextCorpus(TextConfig(path=train.data, seq_len=seq_len, seed=train.seed))
+            first, second = tokens.tokenize_corpus(corpus, train.tokenizer,
+                                                   progress=train.progress)
+            arrays, held = [first], [second]
+            source = {"source": corpus.describe()["source"], "split": corpus.describe()["split"]}
+        source["tokenizer"] = train.tokenizer
+        self.batches = tokens.TokenBatches(arrays, held, seq_len=seq_len, batch=train.batch,
+                                           seed=train.seed, vocab_size=vocab, source=source)
+        self.rows, self.eval_batches = rows, train.eval_batches
+        self.tokens_per_batch = train.batch * seq_len
+
+    def train(self, step):
+        del step  # the reader's position says where the next batch is
+        return self.batches.next_batch(self.rows)
+
+    def validation(self):
+        return self.batches.validation_batches(self.eval_batches)
+
+    def state(self) -> dict:
+        return self.batches.state()
+
+    def restore(self, state: dict) -> None:
+        self.batches.restore(state)
+
+    def unigram_cross_entropy(self):
+        return self.batches.unigram_cross_entropy()
+
+    def describe(self):
+        return self.batches.describe()
+
+
+def text_source(config: RunConfig, seq_len: int, rows: slice | None = None):
+    """The data of a language model: :class:`TokenSource` for token files or a tokenizer, else
+    byte-level :class:`TextSource` (the default)."""
+    from jphantom.data.tokens import is_token_data
+
+    data = config.train.data
+    if config.train.tokenizer is not None or (data is not None and is_token_data(data)):
+        return TokenSource(config, seq_len, rows)
+    return TextSource(config, seq_len)
 
 
 class TeacherSource:
@@ -124,17 +204,18 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
     writer = jax.process_index() == 0 and train.out is not None  # process 0 alone writes
     out = Path(train.out) if train.out is not None else None
     start = time.perf_counter()
+    check_vocabulary(config)  # the data against the model, before anything is built
     b = config.build()
     check_memory(config)
     program, mesh, step = b.program, b.mesh, b.step
+    rows = None  # the rows of each training batch this process reads (None: all of them)
     if _text_model(config):
-        seq_len = getattr(program.config, "seq_len", config.model.seq_len)
-        source = TextSource(config, min(seq_len, config.model.seq_len))
-        vocab = getattr(program.config, "vocab_size", None)
-        if vocab is not None and vocab < source.corpus.vocab_size:
-            raise ConfigError(f"vocab={vocab} is smaller than the byte corpus's "
-                              f"{source.corpus.vocab_size}: use --vocab 256")
+        seq_len = min(getattr(program.config, "seq_len", config.model.seq_len),
+                      config.model.seq_len)
+        source = text_source(config, seq_len, _process_rows(b.shardings[0], train.batch))
+        rows = getattr(source, "rows", None)
     else:
+        seq_len = None
         source = TeacherSource(config, teacher)
     if writer:
         out.mkdir(parents=True, exist_ok=True)
@@ -146,6 +227,13 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
                                     keep=train.keep_checkpoints)
     place = lambda pair: tuple(jax.device_put(np.asarray(a), s)
                                for a, s in zip(pair, b.shardings))
+    if rows is not None:  # this process's rows of the global batch
+        place_train = lambda pair: tuple(
+            jax.make_array_from_process_local_data(s, np.asarray(a), (train.batch,
+                                                                      *np.shape(a)[1:]))
+            for a, s in zip(pair, b.shardings))
+    else:
+        place_train = place
 
     def validate():
         """Mean validation loss (MoE: the cross-entropy without the auxiliary losses) and the
@@ -177,9 +265,23 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
         if first >= train.steps:
             raise ConfigError(f"the checkpoint is at step {first}, not before steps="
                               f"{train.steps}: ask for more steps to continue")
+        if hasattr(source, "restore"):  # a reader with a position: where the checkpoint left it
+            if meta.get("data") is None:
+                raise ConfigError(f"the checkpoint at step {first} holds no data position (it "
+                                  "was saved by a run on byte-level text): resume with the data "
+                                  "and tokenizer that saved it")
+            source.restore(meta["data"])
     metrics_file = (out / "metrics.jsonl").open("a" if train.resume else "w") if writer else None
+    board = TensorBoard(out / "tensorboard") if writer and train.tensorboard else None
     step_seconds, reached, metered_steps, energy = [], None, 0, None
     compile_seconds = None
+    devices = list(mesh.devices.flat)
+    per_token = flops_per_token(program.config, config.parallel.strategy,
+                                seq_len if seq_len is not None else 1)
+    peak = peak_tflops(devices[0])
+    learning_rates = _learning_rates(train)
+    step_energy = StepEnergy.for_devices(devices)
+    data_state = getattr(source, "state", lambda: None)
     bar = tqdm(total=train.steps, initial=first, unit="step", disable=not train.progress,
                desc=f"{config.model.name} {config.parallel.strategy} {program.mesh}")
     meter_running = False
@@ -187,13 +289,16 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
     stop = _StopOnCtrlC(bar)  # Ctrl-C: finish this step, then stop (twice: stop now)
     try:
         for index in range(first, train.steps):
-            batch = place(source.train(index))
-            jax.block_until_ready(batch)
+            batch = place_train(source.train(index))
+            jax.block_until_ready(batch)  # the step's window opens on idle devices ...
+            step_energy.begin()
             tick = time.perf_counter()
             state, loss = step(state, *batch)
             state_step = index + 1  # the state is this step's (still computing)
-            loss = float(loss)  # waits for the step
+            jax.block_until_ready((state, loss))  # ... and closes once its work is done
             elapsed = time.perf_counter() - tick
+            joules = step_energy.end(elapsed)
+            loss = float(loss)
             if index == first:
                 compile_seconds = time.perf_counter() - start
                 if meter is not None and train.steps > first + 1:
@@ -210,7 +315,22 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
                     f"{config.model.dtype}, learning_rate={train.learning_rate:g}): lower the "
                     "learning rate or check the data")
             rate = source.tokens_per_batch / elapsed
-            record = {"step": index + 1, "train_loss": loss, "tokens_per_second": rate}
+            grad_norm = grad_norm_of(state.opt_state)
+            tflops = (None if per_token is None else
+                      per_token * source.tokens_per_batch / elapsed / len(devices) / 1e12)
+            record = {"step": index + 1, "train_loss": loss,
+                      "learning_rate": float(learning_rates[min(index, len(learning_rates) - 1)]),
+                      "grad_norm": None if grad_norm is None else float(grad_norm),
+                      "step_seconds": elapsed, "tokens_per_second": rate,
+                      "model_tflops_per_device": tflops,
+                      "mfu": None if tflops is None or peak is None else tflops / peak,
+                      "peak_memory_bytes": peak_memory_bytes(devices),
+                      "energy_joules": joules,
+                      "joules_per_token": step_energy.joules_per_token(
+                          joules, source.tokens_per_batch),
+                      "energy_source": step_energy.source}
+            if index == first:
+                record["compiled"] = True  # this step's time includes compiling it
             history["step"].append(index + 1)
             history["train_loss"].append(loss)
             if (index + 1) % train.eval_every == 0 or index + 1 == train.steps:
@@ -225,14 +345,15 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
             if metrics_file is not None:
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
+            if board is not None:
+                board.write(record)
             last = index + 1 == train.steps or reached is not None or stop.requested
             if checkpointer is not None and (checkpointer.due(index + 1) or last):
                 checkpointer.save(index + 1, state.params, state.opt_state,
-                                  {"history": json.loads(json.dumps(history))})
+                                  {"history": json.loads(json.dumps(history))},
+                                  data=data_state())
                 saved_step = index + 1
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}",
-                            val=f"{history['validation_loss'][-1]:.3f}"
-                            if history["validation_loss"] else "-")
+            bar.set_postfix(_postfix(record, history), refresh=False)
             bar.update()
             if stop.requested:
                 interrupted = True
@@ -247,12 +368,15 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
         alive = not any(getattr(a, "is_deleted", lambda: False)() for a in jax.tree.leaves(state))
         if checkpointer is not None and alive and state_step > first and state_step != saved_step:
             checkpointer.save(state_step, state.params, state.opt_state,
-                              {"history": json.loads(json.dumps(history))})
+                              {"history": json.loads(json.dumps(history))}, data=data_state())
     finally:
         stop.restore()
         bar.close()
         if metrics_file is not None:
             metrics_file.close()
+        if board is not None:
+            board.close()
+        step_energy.close()
         if checkpointer is not None:
             checkpointer.close()
         if meter_running:
@@ -268,6 +392,16 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
         "best_validation_loss": min(history["validation_loss"], default=None),
         "interrupted": interrupted,
         "median_step_seconds": float(np.median(step_seconds)) if step_seconds else None,
+        "throughput": {
+            "model_flops_per_token": per_token, "devices": len(devices),
+            "device_kind": str(getattr(devices[0], "device_kind", devices[0].platform)),
+            "peak_tflops_per_device": peak,
+            "median_mfu": (None if per_token is None or peak is None or not step_seconds else
+                           per_token * source.tokens_per_batch / float(np.median(step_seconds))
+                           / len(devices) / 1e12 / peak),
+            "energy_source": step_energy.source,
+            "power_model": None if step_energy.source == "nvml" else dataclasses.asdict(
+                step_energy.power)},
         "step_seconds": step_seconds,
         "compile_seconds": compile_seconds,
         "wall_seconds": time.perf_counter() - start,
@@ -297,7 +431,7 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
     if step.pipeline is not None:
         results["pipeline"] = pipeline_summary(step.pipeline, program.mesh)
     if _text_model(config):
-        unigram = source.corpus.unigram_cross_entropy()
+        unigram = source.unigram_cross_entropy()
         results["unigram_cross_entropy"] = unigram
         final = results["final_validation_loss"]
         results["validation_over_unigram"] = None if final is None else final / unigram
@@ -312,6 +446,41 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
         from jphantom.models import hf
         hf.save(train.save_hf, plans.dense_equivalent(step.model(state)))
     return results
+
+
+def _process_rows(sharding, batch: int) -> slice | None:
+    """With several processes: the rows of a ``[batch, ...]`` global array this process's devices
+    hold under ``sharding``, when they are one contiguous block (the reader then reads only
+    those); else ``None`` (every process reads the whole batch)."""
+    if jax.process_count() == 1:
+        return None
+    held = set()
+    for index in sharding.addressable_devices_indices_map((batch, 1)).values():
+        held.update(range(*index[0].indices(batch)) if index else range(batch))
+    low, high = min(held), max(held) + 1
+    return slice(low, high) if len(held) == high - low and high - low < batch else None
+
+
+def _learning_rates(train) -> np.ndarray:
+    """The learning rate of every update (``train.schedule()`` evaluated once, not per step)."""
+    schedule = train.schedule()
+    if not callable(schedule):
+        return np.full(1, schedule)
+    return np.asarray(jax.vmap(schedule)(np.arange(train.steps)))
+
+
+def _postfix(record: dict, history: dict) -> dict:
+    """The progress bar's figures: loss, learning rate, gradient norm, tokens/s, MFU (where
+    known) and the last validation loss."""
+    shown = {"loss": f"{record['train_loss']:.3f}", "lr": f"{record['learning_rate']:.2e}"}
+    if record["grad_norm"] is not None:
+        shown["gnorm"] = f"{record['grad_norm']:.3g}"
+    shown["tok/s"] = f"{record['tokens_per_second']:,.0f}"
+    if record["mfu"] is not None:
+        shown["mfu"] = f"{100 * record['mfu']:.1f}%"
+    shown["val"] = (f"{history['validation_loss'][-1]:.3f}" if history["validation_loss"]
+                    else "-")
+    return shown
 
 
 class _StopOnCtrlC:
