@@ -111,6 +111,7 @@ class TokenSource:
                                            seed=train.seed, vocab_size=vocab, source=source)
         self.rows, self.eval_batches = rows, train.eval_batches
         self.tokens_per_batch = train.batch * seq_len
+        self.batches.validation_batches(self.eval_batches)  # enough held out? (before training)
 
     def train(self, step):
         del step  # the reader's position says where the next batch is
@@ -212,7 +213,8 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
     if _text_model(config):
         seq_len = min(getattr(program.config, "seq_len", config.model.seq_len),
                       config.model.seq_len)
-        source = text_source(config, seq_len, _process_rows(b.shardings[0], train.batch))
+        source = text_source(config, seq_len,
+                             _process_rows(b.shardings[0], (train.batch, seq_len)))
         rows = getattr(source, "rows", None)
     else:
         seq_len = None
@@ -448,17 +450,20 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
     return results
 
 
-def _process_rows(sharding, batch: int) -> slice | None:
-    """With several processes: the rows of a ``[batch, ...]`` global array this process's devices
-    hold under ``sharding``, when they are one contiguous block (the reader then reads only
-    those); else ``None`` (every process reads the whole batch)."""
+def _process_rows(sharding, shape: tuple[int, ...]) -> slice | None:
+    """With several processes: the rows of a global array of ``shape`` this process's devices
+    hold under ``sharding``, when they are one contiguous block of whole rows (the reader then
+    reads only those); else ``None`` (every process reads the whole batch)."""
     if jax.process_count() == 1:
         return None
     held = set()
-    for index in sharding.addressable_devices_indices_map((batch, 1)).values():
-        held.update(range(*index[0].indices(batch)) if index else range(batch))
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        if any(i.indices(n) != (0, n, 1) for i, n in zip(index[1:], shape[1:])):
+            return None  # a device holds part of a row (its sequence split): read every row
+        held.update(range(*index[0].indices(shape[0])))
     low, high = min(held), max(held) + 1
-    return slice(low, high) if len(held) == high - low and high - low < batch else None
+    return slice(low, high) if len(held) == high - low and high - low < shape[0] else None
 
 
 def _learning_rates(train) -> np.ndarray:

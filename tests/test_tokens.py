@@ -273,3 +273,25 @@ def test_text_through_a_tokenizer_is_tokenised_once_and_cached(tmp_path, monkeyp
     stamps = [p.stat().st_mtime_ns for p in cached]
     again, _ = tokens.tokenize_corpus(corpus, "bpe")  # read back, not tokenised again
     assert np.array_equal(again, train) and [p.stat().st_mtime_ns for p in cached] == stamps
+
+
+def test_a_process_reads_the_rows_its_devices_hold_and_whole_batches_otherwise(monkeypatch):
+    """What ``run`` gives the reader with two processes: process 0's devices hold rows 0-3 of
+    8 (data split over processes) -> rows 0:4; replicated, or a sequence split -> every row."""
+    import jax
+
+    from jphantom.run import _process_rows
+
+    class Held:
+        def __init__(self, *indices):
+            self.indices = indices
+
+        def addressable_devices_indices_map(self, shape):
+            return dict(enumerate(self.indices))
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    whole = slice(None)
+    assert _process_rows(Held((slice(0, 2), whole), (slice(2, 4), whole)), (8, 16)) == slice(0, 4)
+    assert _process_rows(Held((whole, whole)), (8, 16)) is None  # replicated: all rows
+    assert _process_rows(Held((slice(0, 4), slice(0, 8))), (8, 16)) is None  # half sequences
+    assert _process_rows(Held((slice(0, 2), whole), (slice(4, 6), whole)), (8, 16)) is None
