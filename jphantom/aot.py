@@ -36,7 +36,6 @@ import importlib.metadata
 import importlib.resources
 import math
 import re
-import time
 from pathlib import Path
 
 from jphantom.errors import ConfigError
@@ -231,9 +230,9 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None) 
     ``target``'s devices (``devices``: already fetched ones, to share them between runs), compile
     its training step and report it (module docstring). Raises :class:`ConfigError` for a run that
     cannot be built (before compiling) or a mesh whose size is not the target's."""
-    from jphantom.analysis.hlo import collectives, dot_flops
-    from jphantom.analysis.inspect import (abstract_batch, compiled_memory, normalise_collectives,
-                                           state_bytes)
+    from jphantom.analysis.hlo import collectives
+    from jphantom.analysis.inspect import (compile_built, compiled_memory, gemm_flops,
+                                           normalise_collectives, state_bytes)
     from jphantom.config import RunConfig, pipeline_summary
     from jphantom.mesh import MeshConfig, axes_across_nodes, device_pool, node_split
 
@@ -247,15 +246,8 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None) 
         config = RunConfig.from_flags(**{**flags, "mesh": mesh_text})
         built = config.build()
         program, mesh, step = built.program, built.mesh, built.step
-        batch = abstract_batch(config, program, step)
-        state = step.abstract_state()
-        start = time.perf_counter()
-        lowered = step.lower(state, *batch)
-        lower_seconds = time.perf_counter() - start
-        compiled = lowered.compile()
-        compile_seconds = time.perf_counter() - start
-    hlo_text = compiled.as_text()
-    found = normalise_collectives(collectives(hlo_text))
+        compiled, compile_seconds = compile_built(config, program, step)
+    found = normalise_collectives(collectives(compiled.as_text()))
     axes = dict(mesh.shape)
     node_of = [d.process_index for d in mesh.devices.flat]
     ops = [_collective_row(c, axes, node_of) for c in found]
@@ -273,13 +265,12 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None) 
         "axes_across_nodes": list(axes_across_nodes(mesh)),
         "memory": memory | {"peak_bytes": peak, "device_bytes": target.memory_bytes,
                             "fits": peak <= target.memory_bytes},
-        "collectives": _summary(ops),
+        "collectives": _summary(found, axes, node_of),
         "collective_ops": ops,
         "collective_bytes": sum(r["bytes"] * r["count"] for r in ops if not r["trivial"]),
-        "model_flops": dot_flops(hlo_text)[0] or None,
+        "model_flops": gemm_flops(compiled) or None,
         "xla_cost_analysis": cost,
         "params": program.param_count,
-        "lower_seconds": lower_seconds,
         "compile_seconds": compile_seconds,
         "versions": versions(),
         "notes": [],
@@ -424,43 +415,33 @@ def _cost_analysis(compiled) -> dict | None:
             if key in ("flops", "transcendentals", "bytes accessed")}
 
 
-def _collective_row(c, axes: dict, node_of: list[int]) -> dict:
-    from jphantom.analysis.hlo import replica_group_lists
+def _crosses_nodes(c, node_of: list[int]) -> bool:
+    return any(len({node_of[m] for m in group if m < len(node_of)}) > 1
+               for group in c.device_groups(len(node_of)))
 
-    if c.kind == "collective-permute":
-        pairs = [tuple(int(v) for v in p.split(","))
-                 for p in re.findall(r"\{(\d+,\d+)\}", c.source_target_pairs)]
-        groups = [list(p) for p in pairs]
-    else:
-        try:
-            groups = replica_group_lists(c.replica_groups, len(node_of))
-        except ValueError:
-            groups = [list(range(len(node_of)))]
-        groups = groups or [list(range(len(node_of)))]
-    crosses = any(len({node_of[m] for m in g if m < len(node_of)}) > 1 for g in groups)
+
+def _collective_row(c, axes: dict, node_of: list[int]) -> dict:
     return {"kind": c.kind, "axes": list(c.mesh_axes(axes)),
             "shapes": [[d, list(s)] for d, s in c.shapes], "bytes": c.bytes, "count": c.count,
             "asynchronous": c.asynchronous, "overlapped_ops": c.overlapped,
-            "crosses_nodes": crosses, "trivial": c.trivial}
+            "crosses_nodes": _crosses_nodes(c, node_of), "trivial": c.trivial}
 
 
-def _summary(ops: list[dict]) -> list[dict]:
-    """One row per (kind, axes): executions, bytes per device per step, how many of the
-    executions were asynchronous, overlapped with compute, and crossing nodes."""
-    rows: dict[tuple, dict] = {}
-    for op in ops:
-        if op["trivial"]:
-            continue
-        key = (op["kind"], tuple(op["axes"]))
-        row = rows.setdefault(key, {"kind": op["kind"], "axes": list(op["axes"]), "count": 0,
-                                    "bytes": 0, "asynchronous": 0, "overlapped": 0,
-                                    "crosses_nodes": 0})
-        row["count"] += op["count"]
-        row["bytes"] += op["bytes"] * op["count"]
-        row["asynchronous"] += op["count"] * op["asynchronous"]
-        row["overlapped"] += op["count"] * (op["overlapped_ops"] > 0)
-        row["crosses_nodes"] += op["count"] * op["crosses_nodes"]
-    return list(rows.values())
+def _summary(found, axes: dict, node_of: list[int]) -> list[dict]:
+    """:func:`jphantom.analysis.hlo.summarize`'s rows per (kind, axes) of the collectives that
+    move data, each with how many of its executions were asynchronous, overlapped with compute,
+    and crossing nodes."""
+    from jphantom.analysis.hlo import summarize
+
+    moving = [c for c in found if not c.trivial]
+    rows = summarize(moving, axes=axes)
+    for row in rows:
+        same = [c for c in moving if (c.kind, c.mesh_axes(axes)) == (row["kind"], row["axes"])]
+        row.update(axes=list(row["axes"]),
+                   asynchronous=sum(c.count for c in same if c.asynchronous),
+                   overlapped=sum(c.count for c in same if c.overlapped),
+                   crosses_nodes=sum(c.count for c in same if _crosses_nodes(c, node_of)))
+    return rows
 
 
 def format_compile_report(report: dict) -> str:

@@ -432,6 +432,19 @@ class Collective:
         """Per-device result bytes over the step: ``bytes * count``."""
         return self.bytes * self.count
 
+    def device_groups(self, num_devices: int) -> list[list[int]]:
+        """The groups of devices (ids as in ``group_axes``) that exchange data: a
+        collective-permute's (source, target) pairs, else its replica groups (all
+        ``num_devices`` when it names none or cannot be read)."""
+        if self.kind == "collective-permute":
+            return [[int(a), int(b)] for a, b in
+                    re.findall(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}", self.source_target_pairs)]
+        try:
+            groups = replica_group_lists(self.replica_groups, num_devices)
+        except ValueError:
+            groups = []
+        return groups or [list(range(num_devices))]
+
     def mesh_axes(self, axes: Mapping[str, int]) -> tuple[str, ...]:
         """The mesh axes this collective communicates over (``group_axes``; for a
         collective-permute, the axes on which its sources and targets differ, ``pair_axes``)."""

@@ -58,10 +58,12 @@ def compile_step(config: RunConfig, optimizer=None):
     """Lower and compile the run's training step on abstract parameters; returns ``(compiled,
     seconds_to_compile)``."""
     program, mesh, step = build(config, optimizer)
-    return _compile(config, program, step)
+    return compile_built(config, program, step)
 
 
-def _compile(config, program, step):
+def compile_built(config, program, step):
+    """Lower and compile ``step`` (of ``program``, built for ``config``) on abstract parameters
+    and batch; returns ``(compiled, seconds_to_lower_and_compile)``."""
     start = time.perf_counter()
     compiled = step.lower(step.abstract_state(), *abstract_batch(config, program, step)).compile()
     return compiled, time.perf_counter() - start
@@ -158,7 +160,7 @@ def inspect_step(config: RunConfig, optimizer=None) -> dict:
 
     program, mesh, step = build(config, optimizer)
     check_run(config, program, step)  # refuse what cannot fit before compiling it
-    compiled, compile_seconds = _compile(config, program, step)
+    compiled, compile_seconds = compile_built(config, program, step)
     found = normalise_collectives(collectives(compiled.as_text()))
     axes = dict(mesh.shape)
     report = {
