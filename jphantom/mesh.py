@@ -8,6 +8,8 @@ axis       what it splits
 ``data``   the batch (data parallelism; ZeRO shards optimizer state, gradients, parameters)
 ``stage``  the layers (pipeline parallelism)
 ``expert`` the experts of a mixture-of-experts layer
+``context`` the sequence of every activation (context parallelism: ring or all-gather attention,
+           :mod:`jphantom.nn.attention`)
 ``z``      AxoNN's 3D matrix multiply, depth axis (seed 004 ch. 5)
 ``y``      AxoNN's 3D matrix multiply, column axis
 ``x``      AxoNN's 3D matrix multiply, row axis
@@ -39,7 +41,7 @@ from jax.sharding import AxisType, Mesh
 
 from jphantom.errors import ConfigError
 
-AXES = ("data", "stage", "expert", "z", "y", "x", "model")
+AXES = ("data", "stage", "expert", "context", "z", "y", "x", "model")
 # The axes whose ranks hold different samples of the batch (the step splits the batch over them):
 # data, expert (expert-data parallelism) and z (pmm3d's rows are split over it too).
 BATCH_AXES = ("data", "expert", "z")
@@ -150,7 +152,7 @@ def node_split(config: MeshConfig, devices: Sequence[jax.Device]
                ) -> tuple[dict[str, int], dict[str, int]] | None:
     """How ``config``'s axes split over the nodes (processes) of ``devices``: ``(inside,
     across)`` with ``inside[axis] * across[axis] == size``, the innermost axes (``model``, then
-    ``x``, ``y``, ``z``, ``expert``, ``stage``, ``data``) filling a node's devices first, as Megatron
+    ``x``, ``y``, ``z``, ``context``, ``expert``, ``stage``, ``data``) filling a node's devices first, as Megatron
     and AxoNN place tensor parallelism inside a node's NVLink domain; the rest spans nodes
     (``mesh_utils.create_hybrid_device_mesh`` builds the mesh). ``None`` when the devices are one
     node, or when the sizes cannot fill whole nodes (then devices are taken in order)."""

@@ -51,6 +51,13 @@ each kind of Flax layer (p = the size of ``axis``):
                other embeddings and norms split their features over ``y``; a routed
                ``SwitchMoE`` -> :class:`~jphantom.nn.pmm3d.Pmm3dMoE` (experts over
                ``expert``, their width over ``x``)
+``context``    context parallelism over the ``context`` axis (:mod:`jphantom.nn.attention`):
+               a :class:`~jphantom.nn.attention.CausalAttention` core ->
+               :class:`~jphantom.nn.attention.RingAttention` (``Style("context",
+               algorithm="all-gather")``: :class:`~jphantom.nn.attention.GatheredAttention`;
+               ``balanced=False``: the contiguous layout), a
+               :class:`~jphantom.nn.attention.Positions` ->
+               :class:`~jphantom.nn.attention.ContextPositions`
 ``replicate``  unchanged: every rank holds the whole layer
 =============  ==========================================================================
 
@@ -71,6 +78,7 @@ from collections.abc import Mapping
 from flax import nnx
 
 from jphantom.errors import ConfigError
+from jphantom.nn import attention
 from jphantom.nn import experts as experts_module
 from jphantom.nn.boundary import Boundary
 from jphantom.nn.experts import Experts, SwitchMoE
@@ -82,7 +90,7 @@ from jphantom.nn import tensor
 
 EXPERT_AXIS = "expert"
 STYLES = ("column", "row", "vocab", "input", "sequence", "phantom", "experts", "t1", "gather",
-          "scatter", "pmm3d", "replicate")
+          "scatter", "pmm3d", "context", "replicate")
 AXIS_STYLES = ("column", "row", "vocab", "input", "sequence", "phantom", "experts", "t1",
                "gather", "scatter")
 NORMS = (nnx.LayerNorm, nnx.RMSNorm)
@@ -99,8 +107,16 @@ class Style:
     role: str | None = None  # pmm3d: "normal" (in over y, out over x) or "transposed"
     dtd: bool = False  # experts (a SwitchMoE): duplicate token dropping
     weights: str | None = None  # pmm3d: "kept" (default), "regather" or "deferred"
+    algorithm: str | None = None  # context: "ring" (default) or "all-gather"
+    balanced: bool = True  # context: the load-balanced causal layout
 
     def __post_init__(self):
+        if self.algorithm is not None:
+            if self.name != "context":
+                raise ConfigError(f"algorithm belongs to the 'context' style, not {self.name!r}")
+            attention.check_algorithm(self.algorithm)
+        if not self.balanced and self.name != "context":
+            raise ConfigError(f"balanced belongs to the 'context' style, not {self.name!r}")
         if self.dtd and self.name != "experts":
             raise ConfigError(f"dtd (duplicate token dropping) belongs to the 'experts' style, "
                               f"not {self.name!r}")
@@ -163,6 +179,17 @@ def _convert(path: str, module, style: Style, *, axis: str, p: int, sequence_par
     name = style.name
     if name == "replicate":
         return None
+    if name == "context" and isinstance(module, (attention.CausalAttention,
+                                                  attention.Positions)):
+        size = shape.get(attention.AXIS, 1)
+        if size < 2:
+            raise ConfigError(f"{path}: style 'context' splits the sequence over the 'context' "
+                              "axis, which the mesh lacks (or has size 1): add context=2 or more")
+        if isinstance(module, attention.Positions):
+            return attention.ContextPositions(size=size, balanced=style.balanced)
+        cls = (attention.GatheredAttention if style.algorithm == "all-gather"
+               else attention.RingAttention)
+        return cls(size=size, balanced=style.balanced)
     linear = isinstance(module, nnx.Linear)
     embed = isinstance(module, nnx.Embed)
     norm = isinstance(module, NORMS)
@@ -274,7 +301,8 @@ def _convert(path: str, module, style: Style, *, axis: str, p: int, sequence_par
             "phantom": "nnx.Linear, nnx.Embed, nnx.LayerNorm, nnx.RMSNorm or Experts",
             "experts": "jphantom.nn.Experts or a SwitchMoE", "t1": "nnx.Linear",
             "gather": "jphantom.nn.Boundary", "scatter": "jphantom.nn.Boundary",
-            "pmm3d": "nnx.Linear, nnx.Embed, nnx.LayerNorm, nnx.RMSNorm or a SwitchMoE"}[name]
+            "pmm3d": "nnx.Linear, nnx.Embed, nnx.LayerNorm, nnx.RMSNorm or a SwitchMoE",
+            "context": "jphantom.nn.CausalAttention or jphantom.nn.Positions"}[name]
     raise ConfigError(f"{path}: style {name!r} does not fit {kind}; it applies to {fits}")
 
 
@@ -575,4 +603,26 @@ def pmm3d(model: nnx.Module, *, weights: str = "kept") -> dict[str, Style]:
             else:
                 raise ConfigError(f"plans.pmm3d cannot tell whether {path} is a normal or a "
                                   "transposed layer: write the plan by hand")
+    return plan
+
+
+def context(model: nnx.Module, *, algorithm: str = "ring", balanced: bool = True
+            ) -> dict[str, Style]:
+    """Context parallelism (:mod:`jphantom.nn.attention`): every attention core
+    (:class:`~jphantom.nn.attention.CausalAttention`) and positions module
+    (:class:`~jphantom.nn.attention.Positions`) of ``model`` over the ``context`` axis, with
+    ``algorithm`` ``ring`` or ``all-gather`` and the ``balanced`` causal layout. Merge it with
+    another plan (``{**plans.megatron(model), **plans.context(model)}``) or apply it alone."""
+    attention.check_algorithm(algorithm)
+    plan = {}
+    for path, (_, module) in modules_by_path(model).items():
+        if isinstance(module, attention.CausalAttention):
+            plan[path] = Style("context", algorithm=algorithm, balanced=balanced)
+        elif isinstance(module, attention.Positions):
+            plan[path] = Style("context", balanced=balanced)
+    if not any(isinstance(m, attention.CausalAttention) for _, m in nnx.iter_modules(model)):
+        raise ConfigError(f"{type(model).__name__} has no jphantom.nn.CausalAttention core: "
+                          "context parallelism swaps it for ring attention; build the model's "
+                          "attention with one (q, k, v -> output) and its positions with "
+                          "jphantom.nn.Positions")
     return plan

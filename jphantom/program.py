@@ -198,10 +198,16 @@ def check_lm_mesh(strategy: str, mesh: MeshConfig) -> MeshConfig:
 
 
 def lm_plan(model: nnx.Module, strategy: str, mesh: MeshConfig, *, sequence_parallel=False,
-            ghost_width=None, dtd=False):
+            ghost_width=None, dtd=False, context_attention="ring", load_balance=True):
     """Parallelise the language model ``model`` in place under ``strategy`` (``dtd``: duplicate
-    token dropping in the routed MoE layers, ``tensor`` only)."""
+    token dropping in the routed MoE layers, ``tensor`` only); with a ``context`` axis its
+    attention runs over it (``context_attention``: ring or all-gather; ``load_balance``: the
+    balanced causal layout)."""
     from jphantom import plans
+
+    if mesh.size("context") > 1:
+        plans.parallelize(model, mesh.shape, plans.context(model, algorithm=context_attention,
+                                                           balanced=load_balance))
 
     if sequence_parallel and strategy != "tensor":
         raise ConfigError("sequence_parallel applies to strategy 'tensor' (Megatron-SP), not "
@@ -268,11 +274,14 @@ def lm_build(family_class: type, family_name: str):
 
     def build_lm(config, strategy: str, mesh: MeshConfig, *, sequence_parallel: bool = False,
                  ghost_width: int | None = None, seed: int = 0, model: nnx.Module | None = None,
-                 dtd: bool = False, **options) -> Program:
+                 dtd: bool = False, context_attention: str = "ring", load_balance: bool = True,
+                 **options) -> Program:
         if options:
             raise ConfigError(f"options {sorted(options)} do not apply to the {family_name} model")
         check_experts(config, strategy, mesh, sequence_parallel=sequence_parallel, dtd=dtd)
         mesh = check_lm_mesh(strategy, mesh)
+        check_context(config, strategy, mesh, sequence_parallel=sequence_parallel,
+                      algorithm=context_attention, balanced=load_balance)
         positions = getattr(config, "seq_len", None)
         if sequence_parallel and positions is not None and positions % mesh.size("model"):
             raise ConfigError(f"seq_len={positions} is not divisible by the model axis size "
@@ -282,7 +291,8 @@ def lm_build(family_class: type, family_name: str):
 
         def planned(m):
             return lm_plan(m, strategy, mesh, sequence_parallel=sequence_parallel, ghost_width=k,
-                           dtd=dtd)
+                           dtd=dtd, context_attention=context_attention,
+                           load_balance=load_balance)
 
         if model is not None:
             create, built = None, planned(model)
@@ -293,9 +303,39 @@ def lm_build(family_class: type, family_name: str):
                        metrics_fn=getattr(family_class, "metrics_fn", None),
                        spmd="gspmd" if strategy == "gspmd" else "shard_map",
                        options={"sequence_parallel": sequence_parallel, "ghost_width": k,
-                                "dtd": dtd})
+                                "dtd": dtd, "context_attention": context_attention,
+                                "load_balance": load_balance})
 
     return build_lm
+
+
+def check_context(config, strategy: str, mesh: MeshConfig, *, sequence_parallel: bool,
+                  algorithm: str, balanced: bool) -> None:
+    """What context parallelism (a ``context`` axis) cannot run with, before anything is built:
+    the sequence must split into C (2C balanced) chunks, and those into the ``model`` ranks under
+    sequence parallelism; GSPMD and pmm3d keep the sequence whole; routed experts would need their
+    statistics summed over ``context`` too (not done)."""
+    from jphantom.nn.attention import check_algorithm
+
+    check_algorithm(algorithm)
+    c = mesh.size("context")
+    if c == 1:
+        return
+    if strategy == "gspmd" or strategy.startswith("pmm3d"):
+        raise ConfigError(f"a 'context' axis runs the shard_map strategies tensor and phantom, "
+                          f"not {strategy!r}: use --strategy tensor (model=1 for context "
+                          "parallelism alone)")
+    if getattr(config, "moe_every", 0) or (not hasattr(config, "moe_every")
+                                           and getattr(config, "experts", 0)):
+        raise ConfigError("context parallelism with mixture-of-experts blocks is not supported "
+                          "yet: drop the 'context' axis or the MoE blocks")
+    seq = getattr(config, "seq_len", None)  # Llama's max_positions is a bound: the step checks
+    parts = 2 * c if balanced else c
+    if seq is not None and seq % (parts * (mesh.size("model") if sequence_parallel else 1)):
+        extra = " x the model axis (sequence parallelism)" if sequence_parallel else ""
+        raise ConfigError(f"seq_len={seq} does not split into {parts} chunks{extra} for "
+                          f"context={c}" + (" (load-balanced: 2 per rank)" if balanced else "")
+                          + ": pick a sequence length divisible by it")
 
 
 def check_experts(config, strategy: str, mesh: MeshConfig, *, sequence_parallel: bool,

@@ -54,6 +54,7 @@ from jphantom import remat as remat_module
 from jphantom import samo as samo_module
 from jphantom.errors import ConfigError, check_int
 from jphantom.mesh import BATCH_AXES
+from jphantom.nn import attention as attention_module
 from jphantom.nn import metadata
 from jphantom.nn.stack import Stacked, set_remat
 from jphantom.precision import Precision
@@ -175,14 +176,21 @@ def _zeros_of(struct) -> jax.Array:
     return zeros_of(struct)
 
 
+CONTEXT = attention_module.AXIS
+
+
 def _batch_axes(mesh: Mesh) -> tuple[str, ...]:
     sizes = dict(mesh.shape)
     return tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)  # size 1: nothing to split
 
 
 def _batch_spec(mesh: Mesh) -> P:
+    """Rows over the batch axes; with a ``context`` axis the sequence (dimension 1) over it."""
     axes = _batch_axes(mesh)
-    return P(axes[0] if len(axes) == 1 else axes) if axes else P()
+    rows = (axes[0] if len(axes) == 1 else axes) if axes else None
+    if dict(mesh.shape).get(CONTEXT, 1) > 1:
+        return P(rows, CONTEXT)
+    return P(rows) if axes else P()
 
 
 def _group_by(leaves, axes_of_leaf, op):
@@ -315,6 +323,16 @@ class TrainStep:
         self.grad_specs = layout.zero_specs() if zero >= 2 else layout.specs
         self.opt_param_specs = layout.zero_specs() if zero >= 1 else layout.specs
         self.batch_spec = _batch_spec(mesh)
+        self.context = attention_module.context_of(model)  # (C, balanced) or None
+        if pipeline is not None and any(type(m) is attention_module.RingAttention
+                                        for _, m in nnx.iter_modules(model)):
+            raise ConfigError("ring attention inside a pipeline: its collective-permutes would "
+                              "run in the schedule's conditional slots, which XLA:CPU aborts "
+                              "on; with a 'stage' axis use context_attention='all-gather' "
+                              "(--context-attention all-gather)")
+        if dict(self.mesh.shape).get(CONTEXT, 1) > 1 and self.context is None:
+            raise ConfigError("the mesh has a 'context' axis but the model's attention does not "
+                              "run over it: parallelize it with jphantom.plans.context(model)")
         self.batch_specs = _check_batch_specs(batch_specs, self.mesh)
         self.communicate = bool(communicate)
         if not communicate and (zero or spmd != "shard_map"):
@@ -679,6 +697,8 @@ class TrainStep:
         out = []
         extra = ("stage",) if self.pipeline is not None and dict(self.mesh.shape)["stage"] > 1 \
             else ()
+        if dict(self.mesh.shape).get(CONTEXT, 1) > 1:  # each rank's gradient: its tokens' part
+            extra = (CONTEXT, *extra)
         for spec, reduce, dim in zip(self.layout.specs, self.layout.reduce_axes,
                                      self.layout.zero_dims):
             split = zero_module.spec_axes(spec)
@@ -858,7 +878,7 @@ class TrainStep:
 
     def value_and_grad(self) -> Callable:
         """``(params, *batch) -> (loss, grads)``: the ``shard_map`` alone (grads as a dict like
-        ``params``, with ZeRO-2/3 their shards)."""
+        ``params``, with ZeRO-2/3 their shards; the batch in :meth:`context_order`)."""
         if self.spmd == "gspmd":
             grad_sh = self._shardings(self.grad_specs)
 
@@ -933,7 +953,7 @@ class TrainStep:
             fn_ = self.over_mesh(per_rank, len(batch), out_specs=P())
             return fn_(tuple(jax.tree.leaves(params)), *batch)
 
-        return evaluate
+        return lambda params, *batch: evaluate(params, *self.context_order(batch))
 
     def loss(self) -> Callable:
         """``loss(params, *batch) -> global mean loss`` (evaluation), jitted: forward only (a
@@ -962,7 +982,7 @@ class TrainStep:
             fn = self.over_mesh(per_rank, len(batch), out_specs=P())
             return fn(tuple(jax.tree.leaves(params)), *batch)
 
-        return evaluate
+        return lambda params, *batch: evaluate(params, *self.context_order(batch))
 
     def over_mesh(self, per_rank: Callable, batch_arrays: int, *, out_specs, before=(),
                   after=(), check_vma: bool = True) -> Callable:
@@ -1008,7 +1028,19 @@ class TrainStep:
         self.check_batch(*batch)
         if self._step is None:
             self._step = self._build()
-        return self._step(state, *batch)
+        return self._step(state, *self.context_order(batch))
+
+    def context_order(self, batch):
+        """The batch arrays (their natural order) in the context layout's order: with the
+        balanced layout on a ``context`` axis each array's sequence (dimension 1) is reordered so
+        that rank r's contiguous part holds chunks r and 2C-1-r
+        (:func:`jphantom.nn.attention.to_context_order`); otherwise unchanged. The step and its
+        evaluations call it; :meth:`lower` takes arrays already in this order."""
+        if self.context is None:
+            return tuple(batch)
+        size, balanced = self.context
+        return tuple(attention_module.to_context_order(b, size, balanced=balanced)
+                     if jnp.ndim(b) >= 2 else b for b in batch)
 
     def check_batch(self, *batch) -> None:
         """Every batch array splits evenly over the mesh axes its spec names (the first
@@ -1022,6 +1054,8 @@ class TrainStep:
                 ranks = math.prod(shape[a] for a in ((entry,) if isinstance(entry, str)
                                                      else entry or ()))
                 ranks *= self.accumulate if i == 0 else 1
+                if i == 1 and entry == CONTEXT and self.context and self.context[1]:
+                    ranks *= 2  # the balanced layout: two chunks per rank
                 if dims[i] % ranks:
                     what = " x accumulate" if i == 0 and self.accumulate > 1 else ""
                     raise ConfigError(f"a batch array of shape {dims}: dimension {i} must be a "

@@ -102,7 +102,7 @@ import numpy as np
 from flax import nnx
 
 from jphantom.errors import ConfigError, check_int
-from jphantom.models.llama import causal_attention
+from jphantom.nn.attention import CausalAttention, Positions
 from jphantom.nn.experts import SwitchMoE
 from jphantom.nn.loss import cross_entropy
 from jphantom.nn.stack import Stacked
@@ -228,13 +228,14 @@ class Attention(nnx.Module):
         self.qkv = _linear(h, 3 * h, dtype, rngs)
         self.out = _linear(h, h, dtype, rngs)
         self.head_dim = config.head_dim
+        self.attend = CausalAttention()  # context parallelism: ring or all-gather attention
 
     def __call__(self, x):
         qkv = self.qkv(x)
         batch, seq = qkv.shape[:2]  # whole sequence, this rank's heads
         qkv = qkv.reshape(batch, seq, -1, 3, self.head_dim)
         q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
-        return self.out(causal_attention(q, k, v).reshape(batch, seq, -1))
+        return self.out(self.attend(q, k, v).reshape(batch, seq, -1))
 
 
 class MLP(nnx.Module):
@@ -320,6 +321,7 @@ class GPT2(nnx.Module):
                              embedding_init=init, rngs=rngs)
         self.wpe = nnx.Embed(config.seq_len, config.hidden, param_dtype=dtype,
                              embedding_init=nnx.initializers.normal(0.01), rngs=rngs)
+        self.positions = Positions()  # context parallelism: this rank's global positions
         if config.moe_every:  # the first group outside the scan: it gives aux its types
             self.blocks = Stacked(lambda r: MoEGroup(config, rngs=r), config.moe_layers,
                                   rngs=rngs, peel_first=True)
@@ -339,7 +341,7 @@ class GPT2(nnx.Module):
         """The final-normed stream [B, S, h] and the MoE blocks' aux summed over them (``None``
         without MoE blocks); ``balance_fraction`` [L_moe, E] and ``statistics``: :class:`MoEGroup`'s
         optional entries."""
-        h = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))
+        h = self.wte(tokens) + self.wpe(self.positions(tokens.shape[1]))
         if not self.config.moe_every:
             return self.ln_f(self.blocks(h)), None
         wide = jnp.promote_types(h.dtype, jnp.float32)  # the router's statistics' dtype

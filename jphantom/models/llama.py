@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from jphantom.errors import ConfigError, check_int
+from jphantom.nn.attention import CausalAttention, Positions, causal_attention
 from jphantom.nn.experts import Experts, top_k_gates
 from jphantom.nn.loss import cross_entropy
 from jphantom.nn.stack import Stacked
@@ -105,30 +106,25 @@ class LlamaConfig:
         return v * h + L * (attention + mlp + 2 * h) + h + head
 
 
-def rope(x: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding of x [B, S, heads, d] at positions 0..S-1 (HF's rotate-half)."""
+def rope(x: jax.Array, theta: float, positions: jax.Array | None = None,
+         length: int | None = None) -> jax.Array:
+    """Rotary position embedding of x [B, S, heads, d] (HF's rotate-half) at ``positions`` [S]
+    (default 0..S-1) of a sequence of ``length`` tokens (default S): the phases are computed in
+    float64 for the whole sequence, then this rank's rows are taken (context parallelism holds
+    positions that are not 0..S-1)."""
     seq, d = x.shape[1], x.shape[-1]
+    length = seq if length is None else length
     inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    angles = np.arange(seq, dtype=np.float64)[:, None] * inv_freq[None]  # [S, d/2]
+    angles = np.arange(length, dtype=np.float64)[:, None] * inv_freq[None]  # [S, d/2]
     angles = np.concatenate([angles, angles], axis=-1)  # [S, d]
     wide = jnp.promote_types(x.dtype, jnp.float32)
-    cos = jnp.asarray(np.cos(angles), wide)[None, :, None, :]
-    sin = jnp.asarray(np.sin(angles), wide)[None, :, None, :]
+    cos, sin = jnp.asarray(np.cos(angles), wide), jnp.asarray(np.sin(angles), wide)
+    if positions is not None:
+        cos, sin = jnp.take(cos, positions, axis=0), jnp.take(sin, positions, axis=0)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     half = d // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return (x.astype(wide) * cos + rotated.astype(wide) * sin).astype(x.dtype)
-
-
-def causal_attention(q, k, v) -> jax.Array:
-    """Causal softmax attention, q [B, S, Hq, d], k and v [B, S, Hk, d] (Hq a multiple of Hk:
-    each key/value head serves Hq/Hk query heads) -> [B, S, Hq, d]; softmax in float32."""
-    group = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-    seq, d = q.shape[1], q.shape[-1]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.asarray(d, q.dtype))
-    scores = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), scores, jnp.finfo(scores.dtype).min)
-    weights = jax.nn.softmax(scores.astype(jnp.promote_types(scores.dtype, jnp.float32)), -1)
-    return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v)
 
 
 def _linear(n_in, n_out, config, rngs):
@@ -144,12 +140,16 @@ class Attention(nnx.Module):
         self.v_proj = _linear(h, config.kv_heads * d, config, rngs)
         self.o_proj = _linear(config.heads * d, h, config, rngs)
         self.dim, self.theta = d, config.rope_theta
+        self.positions = Positions()  # context parallelism: this rank's global positions
+        self.attend = CausalAttention()  # context parallelism: ring or all-gather attention
 
     def __call__(self, x: jax.Array) -> jax.Array:
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         batch, seq = q.shape[:2]  # the projections' sequence (whole under SP)
         q, k, v = (a.reshape(batch, seq, -1, self.dim) for a in (q, k, v))
-        out = causal_attention(rope(q, self.theta), rope(k, self.theta), v)
+        positions, length = self.positions(seq), self.positions.length(seq)
+        out = self.attend(rope(q, self.theta, positions, length),
+                          rope(k, self.theta, positions, length), v)
         return self.o_proj(out.reshape(batch, seq, -1))
 
 

@@ -18,11 +18,15 @@ model by path; a model holds none of them itself.
   router), and the routed :class:`SwitchMoE` (capacity, dropless, load-balancing and z losses).
 - :mod:`jphantom.nn.expert`: expert parallelism over ``expert`` (all-to-all dispatch), TED and
   DTD over ``model``, phantom-parallel experts.
+- :mod:`jphantom.nn.attention`: the causal attention core and positions a model computes with,
+  and context parallelism: ring and all-gather attention over ``context``.
 - :mod:`jphantom.nn.stack`: blocks stacked over depth under ``lax.scan``.
 - :mod:`jphantom.nn.loss`: the LM loss through whatever head a model has.
 - :mod:`jphantom.nn.metadata`: the mesh-axis metadata of parameters.
 """
 
+from jphantom.nn.attention import (CausalAttention, ContextPositions, GatheredAttention,
+                                   Positions, RingAttention)
 from jphantom.nn.boundary import Boundary
 from jphantom.nn.expert import ExpertParallelExperts, ExpertParallelMoE, PhantomMoE
 from jphantom.nn.experts import Experts, SwitchMoE, top_k_gates
@@ -37,4 +41,5 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbed", "V
            "SequenceParallelEmbed", "TensorParallelExperts", "GatherFeatures", "ScatterFeatures",
            "T1Linear", "Boundary", "PhantomLinear", "FeatureParallelEmbed", "FeatureParallelNorm",
            "Experts", "top_k_gates", "Stacked", "SwitchMoE", "ExpertParallelExperts",
-           "ExpertParallelMoE", "PhantomMoE", "set_remat", "cross_entropy"]
+           "ExpertParallelMoE", "PhantomMoE", "set_remat", "cross_entropy", "CausalAttention",
+           "Positions", "RingAttention", "GatheredAttention", "ContextPositions"]
