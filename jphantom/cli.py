@@ -95,6 +95,7 @@ COMPILE_DEFAULTS = {"model": "llama", "layers": 4, "hidden": 512, "heads": 8, "s
 INSPECT_FLAGS = ("model", "layers", "hidden", "heads", "kv_heads", "intermediate", "seq_len",
                  "vocab", "width", "depth", "ghost_width", "dtype", "moe_every", "experts", "top_k",
                  "capacity_factor", "dropless", "from_hf", "mesh", "sequence_parallel", "dtd",
+                 "context_attention", "load_balance",
                  "schedule", "microbatches", "virtual_stages", "zero", "accumulate", "clip_norm",
                  "precision", "remat", "cac", "batch", "optimizer")
 
@@ -360,6 +361,10 @@ _TRAIN_HELP = {
     "remat": "activation checkpointing per layer: none, nothing_saveable, dots_saveable or "
              "collectives_saveable (keeps collective outputs: a recompute repeats no collective)",
     "sequence_parallel": "transformer under tensor: Megatron sequence parallelism",
+    "context_attention": "with a context=C mesh axis (the sequence split over C devices): ring "
+                         "(K/V passed around the ring, the default) or all-gather attention",
+    "load_balance": "with a context axis: the load-balanced causal layout (rank r holds chunks "
+                    "r and 2C-1-r; --no-load-balance: contiguous chunks)",
     "ghost_width": "phantom: k ghost neurons per rank (and token)",
     "moe_every": "transformer: every n-th block is a mixture of experts (0: none; with an "
                  "expert=G mesh axis the experts are split over G ranks)",
@@ -532,7 +537,8 @@ def _add_run_flags(parser: argparse.ArgumentParser, defaults: dict | None = None
                "remat": tuple(POLICIES), "optimizer": ("adamw", "adam", "sgd"),
                "lr_schedule": ("constant", "cosine"),
                "dtype": ("float32", "bfloat16", "float16", "float64"),
-               "model": ("ffn", "gpt2", "transformer", "llama")}
+               "model": ("ffn", "gpt2", "transformer", "llama"),
+               "context_attention": ("ring", "all-gather")}
     defaults = defaults or {}
     for flat, (section, name) in FLAT.items():
         if only is not None and flat not in only:

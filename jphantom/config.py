@@ -170,9 +170,10 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """How the model is split: ``strategy`` (:data:`jphantom.program.NAMES`), ``mesh`` (default
-    ``model=1`` for dense, else ``model=<all devices>``), Megatron sequence parallelism, DTD, and
+    ``model=1`` for dense, else ``model=<all devices>``), Megatron sequence parallelism, DTD,
     with a ``stage`` axis the pipeline ``schedule``, ``microbatches`` per step and data rank
-    (default: the stages) and ``virtual_stages`` (interleaved 1F1B)."""
+    (default: the stages) and ``virtual_stages`` (interleaved 1F1B), and with a ``context``
+    axis the ``context_attention`` (``ring`` or ``all-gather``) and ``load_balance``."""
 
     strategy: str = "dense"
     mesh: str | None = None
@@ -181,14 +182,18 @@ class ParallelConfig:
     schedule: str = "1f1b"
     microbatches: int | None = None
     virtual_stages: int = 1
+    context_attention: str = "ring"  # with a context axis: ring or all-gather attention
+    load_balance: bool = True  # with a context axis: the load-balanced causal layout
 
     def __post_init__(self):
+        from jphantom.nn.attention import ALGORITHMS
         from jphantom.pipeline.schedule import SCHEDULES
         from jphantom.program import get
 
         _check_types(self)
         get(self.strategy)
         _choice("schedule", self.schedule, SCHEDULES)
+        _choice("context_attention", self.context_attention, ALGORITHMS)
         _at_least(self, 1, "microbatches", "virtual_stages")
         self.mesh_config()
 
@@ -546,9 +551,12 @@ def pipeline_summary(pipeline, mesh) -> dict:
 def _optimizer(train: TrainConfig, step: StepConfig):
     import optax
 
-    optimizer = train.optimizer_transform()
+    optimizer = dataclasses.replace(train, grad_norm=False).optimizer_transform()
     if step.clip_norm is not None:  # exact: the update sees the global gradients
         optimizer = optax.chain(optax.clip_by_global_norm(step.clip_norm), optimizer)
+    if train.grad_norm:  # the norm before clipping, as Megatron and torchtitan log it
+        from jphantom.metrics import record_grad_norm
+        optimizer = optax.chain(record_grad_norm(), optimizer)
     return optimizer
 
 
@@ -575,6 +583,9 @@ def _build(model: ModelConfig, parallel: ParallelConfig, step: StepConfig,
         options["sequence_parallel"] = True
     if parallel.dtd:
         options["dtd"] = True
+    if parallel.mesh_config().size("context") > 1:
+        options["context_attention"] = parallel.context_attention
+        options["load_balance"] = parallel.load_balance
     if model.name == "llama" and parallel.strategy.startswith("phantom"):
         options["ghost_width"] = model.ghost_width  # LlamaConfig holds no k: the plan takes it
     if model.from_hf:

@@ -25,6 +25,10 @@ pipeline 1F1B   tensor      stage=P,data=D (model=1): one point-to-point message
 zero-3          tensor      data=G,model=1 with ``--zero 3``: per micro-batch every block is
                             all-gathered forward and again backward (jphantom re-gathers under
                             remat) and its gradient reduce-scattered (seed 001 §1.2: 6P bytes)
+context         tensor      data=D,context=C (model=1), ring attention: per layer (C-1) K/V
+                            chunks [B S/C Hk d] forward, again backward (and in the recompute
+                            forward), (C-1) dK/dV chunks backward (:mod:`jphantom.nn.attention`);
+                            the gradient all-reduce over data x context
 ==============  ==========  ===============================================================
 
 Each collective costs count x (wire elements x bytes / β + ring steps x α) (``Collective``), β
@@ -62,7 +66,8 @@ from jphantom.errors import ConfigError
 from jphantom.perf import axonn_model as ax
 from jphantom.perf.axonn_model import GIB, Collective, GPTShape, Topology
 
-LAYOUTS = ("pmm3d", "tensor", "tensor + SP", "data", "phantom", "pipeline 1F1B", "zero-3")
+LAYOUTS = ("pmm3d", "tensor", "tensor + SP", "data", "phantom", "pipeline 1F1B", "zero-3",
+           "context")
 DEFAULT_DEVICE_TFLOPS = 280.0
 """Sustained bf16 TFLOP/s assumed per GPU to price a pipeline's bubble: the A100's empirical GEMM
 peak (seed 004 §4.3: 280 of the advertised 312)."""
@@ -502,6 +507,50 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
                   "logits": ax.logits_bytes(tokens, 1, shape)}
         add("zero-3", "tensor", f"data={G},model=1", {"zero": 3},
             pricer.price(collectives, (("model", 1), ("data", G))), memory, dense_flops)
+
+    if "context" in layouts:  # ring attention over context x data (jphantom.nn.attention)
+        for c in divisors[1:]:
+            d = devices // c
+            if S % (2 * c) or batch % (d * accumulate):
+                continue
+            per_rank = batch // (d * accumulate)
+            chunk = per_rank * (S // c) * shape.kv_heads * (h // shape.heads)  # one K or V
+            passes = 3 if recompute else 2  # forward, backward (and the recompute forward)
+            collectives = [
+                Collective("collective-permute", "context", c, chunk,
+                           2 * passes * (c - 1) * L * accumulate,
+                           "ring attention: K and V chunks passed C-1 times per pass"),
+                Collective("collective-permute", "context", c, chunk,
+                           2 * (c - 1) * L * accumulate,
+                           "ring attention: dK and dV carried home, float32", 4),
+                Collective("all-reduce", "data+context", d * c, total_params / (L + 1), L + 1,
+                           "gradient all-reduce over data x context", grad_bytes)]
+            tokens = per_rank * S // c
+            memory = {"state": p.state_bytes * total_params,
+                      **ax.checkpointed_activations(dataclasses.replace(shape, seq_len=S // c),
+                                                    tokens, stream_split=1, inner_split=1,
+                                                    stored_layers=L, **acts),
+                      "logits": ax.logits_bytes(tokens, 1, shape)}
+            add("context", "tensor", f"data={d},context={c},model=1",
+                {"context_attention": "ring"},
+                pricer.price(collectives, (("context", c), ("data", d))), memory, dense_flops)
+            if d > 1:  # with ZeRO-3 over data (the state sharded; context keeps it whole)
+                rest = total_params - L * block_params
+                sharded = collectives[:2] + [
+                    Collective("all-gather", "data", d, block_params, 2 * accumulate * L,
+                               "ZeRO-3: each block gathered forward and again backward"),
+                    Collective("reduce-scatter", "data", d, block_params / d, accumulate * L,
+                               "ZeRO-3: each block's gradient reduce-scattered"),
+                    Collective("all-gather", "data", d, rest, accumulate, "ZeRO-3: the rest"),
+                    Collective("reduce-scatter", "data", d, rest / d, accumulate,
+                               "ZeRO-3: its gradient"),
+                    Collective("all-reduce", "context", c, total_params / d / (L + 1), L + 1,
+                               "gradient shards all-reduced over context", grad_bytes)]
+                memory = {**memory, "state": p.state_bytes * total_params / d,
+                          "transient": 2 * (block_params + rest) * p.element_bytes}
+                add("context", "tensor", f"data={d},context={c},model=1",
+                    {"context_attention": "ring", "zero": 3},
+                    pricer.price(sharded, (("context", c), ("data", d))), memory, dense_flops)
 
     if not rows:
         raise ConfigError(f"no layout of {len(layouts)} kinds can split this model over "

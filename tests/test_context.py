@@ -160,3 +160,23 @@ def test_context_refusals_before_building(config, strategy, mesh, options, messa
         return
     with pytest.raises(ConfigError, match=message):
         program_module.build(config, strategy, mesh, **options)
+
+
+def test_planner_prices_the_context_axis_from_the_ring_formula():
+    """``jphantom plan`` ranks data x context layouts (alone and with ZeRO-3); their bytes over
+    ``context`` are the ring's: per layer and pass (forward, backward, recompute) 2 (C-1) K/V
+    chunks, plus 2 (C-1) float32 dK/dV chunks."""
+    from jphantom import plan as planner
+    from jphantom.perf.axonn_model import GPTShape
+
+    shape = GPTShape(family="llama", vocab_size=1024, seq_len=4096, hidden=256, heads=8,
+                     layers=4, intermediate=512, kv_heads=2)
+    rows = [r for r in planner.plan(shape, 8, batch=8).rows if r.layout == "context"]
+    assert {(r.mesh, r.options.get("zero", 0)) for r in rows} >= {
+        ("data=2,context=4,model=1", 0), ("data=2,context=4,model=1", 3),
+        ("data=1,context=8,model=1", 0)}
+    row = next(r for r in rows if r.mesh == "data=2,context=4,model=1" and not r.options.get("zero"))
+    c, per_rank = 4, 8 // 2
+    chunk = per_rank * (4096 // c) * 2 * (256 // 8)
+    want = 4 * (c - 1) * (2 * 3 * chunk * 2 + 2 * chunk * 4)  # bf16 K/V, float32 dK/dV
+    assert row.bytes_by_axis["context"] == want
