@@ -514,7 +514,7 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
             if S % (2 * c) or batch % (d * accumulate):
                 continue
             per_rank = batch // (d * accumulate)
-            chunk = per_rank * (S // c) * shape.kv_heads * (h // shape.heads)  # one K or V
+            chunk = per_rank * (S // c) * (shape.kv_heads or shape.heads) * (h // shape.heads)  # K or V
             passes = 3 if recompute else 2  # forward, backward (and the recompute forward)
             collectives = [
                 Collective("collective-permute", "context", c, chunk,

@@ -42,10 +42,11 @@ def mesh_of():
 # loadfile, so that a file's tests share their compiled steps) in collection order, and a long
 # file taken last leaves the other worker idle at the end. Seconds per file on 2 cores, measured
 # with `pytest -m "not slow" -n 2 --dist loadfile --durations=0` (refresh when they change much).
-LONGEST_FIRST = ("test_docs.py", "test_transformer.py", "test_pipeline.py", "test_llama.py",
+LONGEST_FIRST = ("test_docs.py", "test_context.py", "test_transformer.py", "test_pipeline.py", "test_llama.py",
                  "test_byo_model.py", "test_pmm3d.py", "test_phantom.py", "test_checkpoint.py",
                  "test_composition.py", "test_expert.py", "test_zero.py", "test_gpt2_nnx.py",
-                 "test_train.py", "test_data_parallel.py", "test_moe_transformer.py")
+                 "test_train.py", "test_data_parallel.py", "test_moe_transformer.py",
+                 "test_tokens.py", "test_metrics.py", "test_experiments.py")
 
 
 def pytest_collection_modifyitems(config, items):

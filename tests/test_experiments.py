@@ -126,3 +126,16 @@ def test_quick_runs_never_write_into_committed_results(tmp_path):
         text = script.read_text()
         if "--quick" in text and script.name != "versus_previous.py":
             assert "output_folder(" in text, f"{script.name}: --quick must not default to results/"
+
+
+@pytest.mark.slow  # ~80 s: five compiles of a ring step; tests/test_context.py covers the rest
+def test_long_context_quick(tmp_path):
+    """The script runs; ring attention's temporary memory is below the unsplit step's already at
+    64 tokens."""
+    import json
+
+    assert load("long_context").main(["--quick", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    memory = {(r["attention"], r["context"]): r["temp_bytes_per_device"] for r in rows}
+    assert memory[("ring", 8)] < memory[("none", 1)]
+    assert (tmp_path / "long_context.png").exists()

@@ -20,7 +20,7 @@ LAYERS = [
     ("plans", ["plans"]),
     ("step", ["pipeline.runner", "train_step", "samo", "checkpoint"]),
     ("program", ["program"]),
-    ("run", ["config", "run", "analysis", "compare", "plan", "perf", "launch", "aot"]),
+    ("run", ["config", "run", "metrics", "analysis", "compare", "plan", "perf", "launch", "aot"]),
     ("cli", ["cli", "__main__"]),
 ]
 
