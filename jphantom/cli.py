@@ -212,14 +212,17 @@ def _compile_for_target(args: argparse.Namespace) -> int:
 
 
 _FORMULAS = {"gpipe": "(P-1)/(M+P-1)", "1f1b": "(P-1)/(M+P-1)",
-             "interleaved-1f1b": "(P-1)/(P-1+V*M)"}
+             "interleaved-1f1b": "(P-1)/(P-1+V*M)",
+             "zb-h1": "(P-1)(TF+TB-TW)/(M(TF+TB+TW)+(P-1)(TF+TB-TW))",
+             "zb-v": "0 when TF=TB=TW (the paper's claim)"}
 
 
 def _schedule(args: argparse.Namespace) -> int:
     """``jphantom schedule``: the simulator's timeline and bubble of a pipeline schedule, beside
     seed 003's formula and the lock-step executor's figures. Pure Python: no device is touched."""
     from jphantom.errors import ConfigError
-    from jphantom.pipeline.schedule import lockstep, simulate
+    from jphantom.pipeline.schedule import (SPLIT_SCHEDULES, lockstep, lockstep_split, simulate,
+                                            simulate_split, zero_bubble_formula)
 
     P, M, V = args.stages, args.microbatches, args.virtual_stages
     for flag, value in (("--stages", P), ("--microbatches", M), ("--virtual-stages", V)):
@@ -227,11 +230,22 @@ def _schedule(args: argparse.Namespace) -> int:
             raise ConfigError(f"{flag} {value} must be at least 1")
     if args.width is not None and args.width < 1:
         raise ConfigError(f"--width {args.width} must be at least 1 column")
-    simulation = simulate(args.schedule, P, M, V, backward_cost=args.backward_cost)
-    steps = lockstep(args.schedule, P, M, V)
-    interleaved = args.schedule == "interleaved-1f1b"
-    formula = (P - 1) / (P - 1 + V * M) if interleaved else (P - 1) / (M + P - 1)
+    split = args.schedule in SPLIT_SCHEDULES
+    if split:
+        if V != 1:
+            raise ConfigError(f"--virtual-stages applies to interleaved-1f1b; {args.schedule} "
+                              "places its own chunks (zb-v: two per device)")
+        R = args.backward_cost
+        simulation = simulate_split(args.schedule, P, M, backward_cost=R)
+        steps = lockstep_split(args.schedule, P, M)
+        formula = zero_bubble_formula(args.schedule, P, M, (1.0, R / 2, R / 2))
+    else:
+        simulation = simulate(args.schedule, P, M, V, backward_cost=args.backward_cost)
+        steps = lockstep(args.schedule, P, M, V)
+        interleaved = args.schedule == "interleaved-1f1b"
+        formula = (P - 1) / (P - 1 + V * M) if interleaved else (P - 1) / (M + P - 1)
     timeline = simulation.timeline(args.width)
+    slots = len(steps.slots) if split else len(steps.ticks)
     result = {
         "schedule": args.schedule, "stages": P, "microbatches": M, "virtual_stages": V,
         "backward_cost": args.backward_cost,
@@ -239,7 +253,7 @@ def _schedule(args: argparse.Namespace) -> int:
                       "makespan": simulation.makespan,
                       "peak_in_flight": list(simulation.peak_in_flight)},
         "formula": {"expression": _FORMULAS[args.schedule], "bubble_fraction": formula},
-        "lockstep": {"ticks": len(steps.ticks), "peak_in_flight": list(steps.peak_in_flight),
+        "lockstep": {"ticks": slots, "peak_in_flight": list(steps.peak_in_flight),
                      "cost": steps.cost(args.backward_cost),
                      "bubble_fraction": steps.bubble_fraction(args.backward_cost)},
         "timeline": timeline,
@@ -252,7 +266,8 @@ def _schedule(args: argparse.Namespace) -> int:
     print(f"{args.schedule}: P={P} stages, M={M} micro-batches{chunks}; a backward costs "
           f"{args.backward_cost:g}x a forward. Time in units of one device's forward of one "
           "micro-batch.")
-    print(f"Timeline (simulated; Fm / Bm: forward / backward of micro-batch m, . idle; makespan "
+    print("Timeline (simulated; Fm / Bm: forward / backward of micro-batch m"
+          + (" (B: input gradient, Wm: weight gradient)" if split else "") + f", . idle; makespan "
           f"{simulation.makespan:g})" + (f"; each micro-batch visits every device {V} times, once "
                                          "per chunk" if V > 1 else "") + ":\n")
     print(timeline)
@@ -260,11 +275,14 @@ def _schedule(args: argparse.Namespace) -> int:
     row = lambda label, value: print(f"  {label:<50}{value}")
     print("\nSimulated (every task starts as soon as its device and inputs are ready):")
     row("bubble fraction", f"{simulation.bubble_fraction:.2%}")
-    row(f"seed 003's formula {_FORMULAS[args.schedule]}", f"{formula:.2%}")
+    source = "Qi et al. 2024" if split else "seed 003's formula"
+    row(f"{source} {_FORMULAS[args.schedule]}", f"{formula:.2%}")
     row("peak micro-batches in flight per stage" + (" (chunks)" if V > 1 else ""),
         peaks(simulation.peak_in_flight))
-    print("Lock-step executor (the compiled step: each tick a forward and a backward slot):")
-    row("ticks", len(steps.ticks))
+    print("Lock-step SPMD execution (modelled for zb-h1 / zb-v: every slot one F, B or W per "
+          "device, ending in the exchange; the executor does not run them yet):" if split else
+          "Lock-step executor (the compiled step: each tick a forward and a backward slot):")
+    row("slots (F, B or W each)" if split else "ticks", slots)
     row("bubble fraction", f"{steps.bubble_fraction(args.backward_cost):.2%}")
     row("peak micro-batches in flight per stage" + (" (chunks)" if V > 1 else ""),
         peaks(steps.peak_in_flight))
@@ -428,7 +446,7 @@ def _add_pipeline_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_schedule_parser(sub) -> None:
-    from jphantom.pipeline.schedule import SCHEDULES
+    from jphantom.pipeline.schedule import ALL_SCHEDULES
 
     schedule = sub.add_parser(
         "schedule", help="draw a pipeline schedule and its bubble (no devices, nothing compiled)",
@@ -443,12 +461,16 @@ def _add_schedule_parser(sub) -> None:
                     "nothing compiled.",
         epilog="Examples: jphantom schedule --schedule 1f1b --stages 4 --microbatches 8 | jphantom "
                "schedule --schedule interleaved-1f1b --stages 4 --microbatches 8 --virtual-stages "
-               "2 | jphantom schedule --schedule gpipe --stages 4 --microbatches 16 --json")
+               "2 | jphantom schedule --schedule gpipe --stages 4 --microbatches 16 --json | "
+               "jphantom schedule --schedule zb-h1 --stages 4 --microbatches 16")
     schedule.add_argument("--schedule", dest="schedule", default="1f1b",
-                          choices=SCHEDULES,
+                          choices=ALL_SCHEDULES,
                           help="gpipe: all forwards, then all backwards; 1f1b: one forward, one "
                                "backward (fewer micro-batches in flight); interleaved-1f1b: "
-                               "1f1b over V model chunks per device (smaller bubble). Default 1f1b")
+                               "1f1b over V model chunks per device (smaller bubble); zb-h1 and "
+                               "zb-v: zero-bubble schedules, the backward split into B (input "
+                               "gradient) and W (weight gradient, filling bubbles), zb-v with "
+                               "two chunks per device in a V (simulated only). Default 1f1b")
     schedule.add_argument("--stages", type=int, default=4, metavar="P",
                           help="pipeline stages (devices along the stage axis; default 4)")
     schedule.add_argument("--microbatches", type=int, default=8, metavar="M",

@@ -21,6 +21,24 @@ operation per tick per device, every operation one tick long):
 per chunk (so one device's forwards of a micro-batch cost 1) and a backward ``backward_cost / V`` --
 starting every task as soon as its device is free and its dependencies have finished.
 
+``zb-h1`` and ``zb-v`` (zero-bubble schedules; Qi, Wan, Huang & Lin, "Zero Bubble Pipeline
+Parallelism", ICLR 2024) split each backward into **B**, the gradient of the stage's input (on
+the critical path), and **W**, the gradient of its weights (deferrable), so that W fills what
+would be bubbles. Their tables hold F, B and W tasks (:data:`SPLIT_SCHEDULES`; simulated and
+drawn, not yet run by the SPMD executor):
+
+``zb-h1``
+    1F1B's order with every W deferred as long as the stage holds no more micro-batches than
+    1F1B does (``P - s``; a micro-batch's activations live until its W), and W's filling the
+    cool-down between B's. The paper's bubble is ``(P - 1)(T_F + T_B - T_W)`` against 1F1B's
+    ``(P - 1)(T_F + T_B + T_W)``: a third of it when the three costs are equal.
+``zb-v``
+    The V-shaped placement (ZB-V, and DeepSeek-V3's DualPipeV): 2P model chunks, device ``s``
+    holding chunks ``s`` and ``2P - 1 - s``, so a micro-batch goes down the devices and back up
+    and its loss is computed on device 0. Each device runs, when free, a ready B, else a forward
+    while it holds fewer than ``2P`` chunk activations (1F1B's memory: ``P`` micro-batches of
+    whole stages), else a W: with equal costs the bubble is the paper's near-zero.
+
 Bubble fractions (idle time / total device time over the makespan), as this simulator measures them
 (see ``tests/test_pipeline_schedule.py``):
 
@@ -42,6 +60,9 @@ from dataclasses import dataclass, field
 from jphantom.errors import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SPLIT_SCHEDULES = ("zb-h1", "zb-v")
+"""Schedules whose backward is split into B (input gradient) and W (weight gradient)."""
+ALL_SCHEDULES = SCHEDULES + SPLIT_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -378,3 +399,276 @@ def lockstep(schedule: str, stages: int, microbatches: int, virtual_stages: int 
             raise RuntimeError("lock-step schedule deadlocked")
     peaks = _peak_in_flight(orders)
     return Lockstep(schedule, P, microbatches, V, tuple(ticks), tuple(peaks))
+
+
+# -------------------------------------------------------------------------------------------------
+# Split backward: zero-bubble schedules (F, B = input gradient, W = weight gradient)
+# -------------------------------------------------------------------------------------------------
+
+
+def chunks_of(schedule: str, stages: int) -> int:
+    """Model chunks per device: 2 for ``zb-v`` (the V shape), else 1."""
+    return 2 if schedule == "zb-v" else 1
+
+
+def model_chunk(schedule: str, stages: int, device: int, chunk: int) -> int:
+    """The model chunk (position along the forward) of ``device``'s ``chunk``: ``zb-v`` places
+    chunk 0 of device s at s and chunk 1 at 2P - 1 - s."""
+    if schedule == "zb-v":
+        return device if chunk == 0 else 2 * stages - 1 - device
+    return chunk * stages + device
+
+
+def _split_dependencies(c: int, kind: str, m: int, last: int) -> list[tuple[int, str, int]]:
+    if kind == "F":
+        return [(c - 1, "F", m)] if c > 0 else []
+    if kind == "B":
+        return [(c, "F", m)] + ([(c + 1, "B", m)] if c < last else [])
+    return [(c, "B", m)]  # W
+
+
+def _zb_h1_orders(stages: int, microbatches: int) -> list[list[_Op]]:
+    """1F1B with B and W split, each W deferred while the stage holds at most 1F1B's ``P - s``
+    micro-batches (activations live until W), W's filling the cool-down between B's."""
+    P, M = stages, microbatches
+    orders = []
+    for s in range(P):
+        cap = min(P, M)  # 1F1B's peak (its first stage's), on every stage
+        warmup = min(P - s - 1, M)
+        order: list[_Op] = [("F", m, 0) for m in range(warmup)]
+        pending: list[int] = []
+        forwards, backwards = warmup, 0
+        while backwards < M:
+            if forwards < M:
+                while forwards - (backwards - len(pending)) >= cap and pending:
+                    order.append(("W", pending.pop(0), 0))  # make room for the next forward
+                order.append(("F", forwards, 0))
+                forwards += 1
+            order.append(("B", backwards, 0))
+            pending.append(backwards)
+            backwards += 1
+            if forwards == M and pending and backwards < M:  # cool-down: W between B's
+                order.append(("W", pending.pop(0), 0))
+        order += [("W", m, 0) for m in pending]
+        orders.append(order)
+    return orders
+
+
+def _zb_v_orders(stages: int, microbatches: int, costs: tuple[float, float, float]
+                 ) -> list[list[_Op]]:
+    """ZB-V by list scheduling with unit-free ``costs`` (F, B, W per chunk): each free device
+    runs a ready B (the oldest micro-batch first), else a ready forward while it holds fewer
+    than 2P chunk activations (the deepest chunk first), else its oldest pending W."""
+    P, M = stages, microbatches
+    last = 2 * P - 1
+    place = {c: (c if c < P else 2 * P - 1 - c, 0 if c < P else 1) for c in range(2 * P)}
+    finished: dict[tuple[int, str, int], float] = {}
+    free = [0.0] * P
+    live = [0] * P
+    pending: list[list[tuple[int, int]]] = [[] for _ in range(P)]  # (m, c) awaiting W
+    done_f = {c: 0 for c in range(2 * P)}  # next micro-batch each chunk forwards
+    orders: list[list[_Op]] = [[] for _ in range(P)]
+    remaining = 3 * 2 * P * M
+    cost = dict(zip("FBW", costs))
+    while remaining:
+        # the device that becomes free first takes its best ready task
+        s = min(range(P), key=lambda d: (free[d], d))
+        now = free[s]
+        mine = [c for c in range(2 * P) if place[c][0] == s]
+        ready_b = sorted((m, -c) for c in mine for m in range(M)
+                         if (c, "B", m) not in finished
+                         and all(d in finished and finished[d] <= now
+                                 for d in _split_dependencies(c, "B", m, last)))
+        choice = None
+        if ready_b:
+            m, c = ready_b[0][0], -ready_b[0][1]
+            choice = ("B", m, c)
+        elif live[s] < 2 * P:
+            ready_f = sorted((-c, done_f[c]) for c in mine if done_f[c] < M
+                             and all(d in finished and finished[d] <= now for d in
+                                     _split_dependencies(c, "F", done_f[c], last)))
+            if ready_f:
+                choice = ("F", ready_f[0][1], -ready_f[0][0])
+        if choice is None and pending[s]:
+            m, c = pending[s].pop(0)
+            choice = ("W", m, c)
+        if choice is None:  # wait for the next finish anywhere
+            later = [t for t in finished.values() if t > now]
+            free[s] = min(later) if later else now + min(costs)
+            continue
+        kind, m, c = choice
+        end = now + cost[kind]
+        finished[(c, kind, m)] = end
+        free[s] = end
+        orders[s].append((kind, m, place[c][1]))
+        if kind == "F":
+            done_f[c] += 1
+            live[s] += 1
+        elif kind == "B":
+            pending[s].append((m, c))
+        else:
+            live[s] -= 1
+        remaining -= 1
+    return orders
+
+
+def split_orders(schedule: str, stages: int, microbatches: int,
+                 costs: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> list[list[_Op]]:
+    """Each device's F / B / W operations in order, ``(kind, microbatch, chunk)``."""
+    if schedule == "zb-h1":
+        return _zb_h1_orders(stages, microbatches)
+    if schedule == "zb-v":
+        return _zb_v_orders(stages, microbatches, costs)
+    raise ConfigError(f"{schedule!r} is not a split-backward schedule: use one of "
+                      f"{', '.join(SPLIT_SCHEDULES)}")
+
+
+def _execute_split(schedule: str, orders: list[list[_Op]], stages: int,
+                   costs: tuple[float, float, float]) -> dict[tuple[int, _Op], tuple[float, float]]:
+    """Each device's order as early as its dependencies allow: (start, end) per operation."""
+    P = stages
+    last = chunks_of(schedule, P) * P - 1
+    cost = dict(zip("FBW", costs))
+    done: dict[tuple[int, _Op], tuple[float, float]] = {}
+    finished: dict[tuple[int, str, int], float] = {}
+    position, free = [0] * P, [0.0] * P
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for s in range(P):
+            while position[s] < len(orders[s]):
+                op = orders[s][position[s]]
+                kind, m, chunk = op
+                c = model_chunk(schedule, P, s, chunk)
+                deps = _split_dependencies(c, kind, m, last)
+                if any(d not in finished for d in deps):
+                    break
+                start = max([free[s]] + [finished[d] for d in deps])
+                done[(s, op)] = (start, start + cost[kind])
+                finished[(c, kind, m)] = free[s] = start + cost[kind]
+                position[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # pragma: no cover - the built orders never deadlock
+            raise RuntimeError("pipeline schedule deadlocked: per-device orders violate dependencies")
+    return done
+
+
+def _split_peaks(orders: list[list[_Op]]) -> list[int]:
+    """Per device, the most chunk activations held: a forward's until its W."""
+    peaks = []
+    for order in orders:
+        live = peak = 0
+        for kind, _, _ in order:
+            live += {"F": 1, "W": -1}.get(kind, 0)
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
+
+
+def zero_bubble_formula(schedule: str, stages: int, microbatches: int,
+                        costs: tuple[float, float, float]) -> float:
+    """The paper's bubble fraction (Qi et al. 2024): ZB-H1 idles ``(P - 1)(T_F + T_B - T_W)``
+    per device against ``M (T_F + T_B + T_W)`` of work (Sec. 3); for ZB-V the paper claims no
+    bubble when T_F = T_B = T_W (Sec. 6): 0 is returned, whatever the costs (a claim, not a
+    formula)."""
+    f, b, w = costs
+    if schedule != "zb-h1":
+        return 0.0
+    idle = (stages - 1) * (f + b - w)
+    return idle / (microbatches * (f + b + w) + idle)
+
+
+def simulate_split(schedule: str, stages: int, microbatches: int,
+                   backward_cost: float = 2.0, weight_share: float = 0.5) -> Simulation:
+    """:func:`simulate` for :data:`SPLIT_SCHEDULES`: a forward of one whole stage costs 1, its
+    backward ``backward_cost``, of which ``weight_share`` is W (ZB-V: each of its two chunks
+    costs half). ``peak_in_flight`` counts chunk activations (held from F to W)."""
+    _validate_split(schedule, stages, microbatches, backward_cost, weight_share)
+    P, V = stages, chunks_of(schedule, stages)
+    costs = (1.0 / V, backward_cost * (1 - weight_share) / V, backward_cost * weight_share / V)
+    orders = split_orders(schedule, P, microbatches, costs)
+    times = _execute_split(schedule, orders, P, costs)
+    makespan = max(end for _, end in times.values())
+    busy = sum(end - start for start, end in times.values())
+    timed = sorted((TimedTask(Task(int(round(start * V)), s, op[1], op[0], op[2]), start, end)
+                    for (s, op), (start, end) in times.items()), key=lambda t: (t.start, t.stage))
+    return Simulation(schedule=schedule, stages=P, microbatches=microbatches, virtual_stages=V,
+                      backward_cost=float(backward_cost), makespan=makespan,
+                      bubble_fraction=(P * makespan - busy) / (P * makespan),
+                      peak_in_flight=_split_peaks(orders), tasks=timed)
+
+
+def _validate_split(schedule, stages, microbatches, backward_cost, weight_share) -> None:
+    if schedule not in SPLIT_SCHEDULES:
+        raise ConfigError(f"unknown split-backward schedule {schedule!r}; use one of "
+                          f"{', '.join(SPLIT_SCHEDULES)}")
+    for name, value in (("stages", stages), ("microbatches", microbatches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name}={value!r} must be a positive integer; pass {name} >= 1")
+    if not backward_cost > 0 or not math.isfinite(backward_cost):
+        raise ConfigError(f"backward_cost={backward_cost!r} must be a positive finite number")
+    if not 0 < weight_share < 1:
+        raise ConfigError(f"weight_share={weight_share!r}: the weight gradient's share of the "
+                          "backward, strictly between 0 and 1 (e.g. 0.5)")
+
+
+@dataclass(frozen=True)
+class SplitLockstep:
+    """A split-backward schedule in lock-step slots: in each slot every device runs at most its
+    next task (F, B or W) whose inputs were produced in an earlier slot, then the slot's
+    activations move one device down and its cotangents one device up; a slot lasts as long as
+    its longest task. ``cost`` in forwards of one whole stage."""
+
+    schedule: str
+    stages: int
+    microbatches: int
+    slots: tuple[tuple[_Op | None, ...], ...]
+    peak_in_flight: tuple[int, ...]
+
+    def cost(self, backward_cost: float = 2.0, weight_share: float = 0.5) -> float:
+        V = chunks_of(self.schedule, self.stages)
+        each = {"F": 1.0 / V, "B": backward_cost * (1 - weight_share) / V,
+                "W": backward_cost * weight_share / V}
+        return sum(max((each[op[0]] for op in slot if op), default=0.0) for slot in self.slots)
+
+    def bubble_fraction(self, backward_cost: float = 2.0, weight_share: float = 0.5) -> float:
+        busy = self.microbatches * (1.0 + backward_cost)
+        return 1.0 - busy / self.cost(backward_cost, weight_share)
+
+    def exchanges(self) -> int:
+        """Slots after which an activation or a cotangent moves (a collective-permute each)."""
+        return sum(any(op and op[0] == kind for op in slot)
+                   for slot in self.slots for kind in ("F", "B"))
+
+
+def lockstep_split(schedule: str, stages: int, microbatches: int) -> SplitLockstep:
+    """The split schedule as one SPMD program would run it: slot by slot, each device its next
+    task of any kind whose inputs arrived in an earlier slot (every slot ends in the exchange).
+    With equal F, B and W costs every slot costs one task, so the lock-step time is the unit-time
+    schedule's makespan: ZB-H1's bubble survives lock-step, where 1F1B's tick of a forward and a
+    whole backward does not shrink (:func:`lockstep`)."""
+    P = stages
+    orders = split_orders(schedule, P, microbatches)
+    last = chunks_of(schedule, P) * P - 1
+    done: dict[tuple[int, str, int], int] = {}  # -> the slot it ran in
+    position = [0] * P
+    total = sum(len(o) for o in orders)
+    slots = []
+    while sum(position) < total:
+        index = len(slots)
+        ran: list[_Op | None] = [None] * P
+        for s in range(P):
+            if position[s] >= len(orders[s]):
+                continue
+            op = orders[s][position[s]]
+            kind, m, chunk = op
+            c = model_chunk(schedule, P, s, chunk)
+            if all(done.get(d, index) < index for d in _split_dependencies(c, kind, m, last)):
+                ran[s] = op
+                done[(c, kind, m)] = index
+                position[s] += 1
+        slots.append(tuple(ran))
+        if len(slots) > 4 * total + 4:  # pragma: no cover - the orders never deadlock
+            raise RuntimeError("lock-step schedule deadlocked")
+    return SplitLockstep(schedule, P, microbatches, tuple(slots), tuple(_split_peaks(orders)))
