@@ -139,3 +139,16 @@ def test_long_context_quick(tmp_path):
     memory = {(r["attention"], r["context"]): r["temp_bytes_per_device"] for r in rows}
     assert memory[("ring", 8)] < memory[("none", 1)]
     assert (tmp_path / "long_context.png").exists()
+
+
+@pytest.mark.slow  # five compiled pipelines and FSDP steps
+def test_pipeline_vs_fsdp_quick(tmp_path):
+    """The script runs; a pipeline moves fewer collective bytes per device than FSDP's gathers
+    of the whole model, and the zero-bubble rows stretch 1F1B's time less."""
+    import json
+
+    assert load("pipeline_vs_fsdp").main(["--quick", "--out", str(tmp_path)]) == 0
+    rows = {r["label"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
+    bytes_of = lambda r: sum(r["collective_bytes_by_axis"].values())
+    assert bytes_of(rows["1f1b P=2"]) < bytes_of(rows["fsdp (zero-3)"])
+    assert rows["zb-h1 P=2 (modelled)"]["stretch"] < rows["1f1b P=2"]["stretch"]
