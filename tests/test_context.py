@@ -22,6 +22,8 @@ from jphantom.pipeline.runner import PipelineConfig
 SEQ, VOCAB, BATCH = 32, 64, 4
 LLAMA = LlamaConfig(vocab_size=VOCAB, hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2,
                     max_positions=SEQ)
+MIXTRAL = LlamaConfig(vocab_size=VOCAB, hidden=32, intermediate=32, layers=2, heads=4, kv_heads=2,
+                      max_positions=SEQ, experts=4, top_k=2)
 GPT2 = TransformerConfig(vocab_size=VOCAB, seq_len=SEQ, hidden=32, heads=4, layers=2)
 
 
@@ -43,6 +45,7 @@ CASES = [  # (model, strategy, mesh, program options, step options)
     ("llama", "tensor", "context=8", {}, {}),
     ("gpt2", "tensor", "data=2,context=2,model=2", {}, {}),
     pytest.param("llama", "tensor", "data=2,context=2,model=2", {}, {}, marks=pytest.mark.slow),
+    ("mixtral", "tensor", "expert=2,context=2,model=2", {}, {}),
     pytest.param("llama", "tensor", "context=2,model=2",
                  {"sequence_parallel": True, "load_balance": False}, {}, marks=pytest.mark.slow),
     ("llama", "tensor", "context=4,model=2", {"context_attention": "all-gather"}, {}),
@@ -63,7 +66,7 @@ CASES = [  # (model, strategy, mesh, program options, step options)
 def test_context_parallel_step_equals_one_device(model, strategy, mesh, options, step_options):
     """Loss and every gradient of the step with the sequence split over ``context`` equal the
     plain model's on one device (float32 against float64, 1e-5)."""
-    config = LLAMA if model == "llama" else GPT2
+    config = {"llama": LLAMA, "gpt2": GPT2, "mixtral": MIXTRAL}[model]
     if step_options.get("pipeline"):
         step_options = {**step_options, "pipeline": PipelineConfig(step_options["pipeline"], 2)}
     program, step = _step(config, strategy, mesh, options=options, **step_options)
@@ -153,7 +156,7 @@ def test_context_plan_for_a_users_model():
     (TransformerConfig(vocab_size=VOCAB, seq_len=24, hidden=32, heads=4, layers=2), "tensor",
      "context=8", {}, "does not split into 16 chunks"),
     (TransformerConfig(vocab_size=VOCAB, seq_len=SEQ, hidden=32, heads=4, layers=2, moe_every=2),
-     "tensor", "context=2", {}, "mixture-of-experts"),
+     "tensor", "context=2", {}, "routed MoE"),
     (GPT2, "tensor", "context=2", {"context_attention": "ulysses"}, "ring, all-gather"),
 ])
 def test_context_refusals_before_building(config, strategy, mesh, options, message):
