@@ -39,19 +39,20 @@ import re
 from pathlib import Path
 
 from jphantom.errors import ConfigError
+from jphantom.metrics import peak_of_kind
 
 GPU_TARGETS = {
     # chip: (description file, HBM bytes as the description gives them, GPUs per node,
-    #        dense bf16 TFLOP/s from NVIDIA's datasheets)
-    "h100": ("h100_sxm.txtpb", 84942979072, 8, 989.0),
-    "a100": ("a100_sxm_80.txtpb", 85100068864, 8, 312.0),
+    #        dense bf16 TFLOP/s: jphantom.metrics.PEAK_TFLOPS, the one table of peaks)
+    "h100": ("h100_sxm.txtpb", 84942979072, 8, peak_of_kind("h100 sxm")),
+    "a100": ("a100_sxm_80.txtpb", 85100068864, 8, peak_of_kind("a100")),
 }
 TPU_TARGETS = {
     # chip: (HBM bytes per chip, chips per host, dense bf16 TFLOP/s per chip; Google Cloud's docs)
-    "v4": (32 * 2**30, 4, 275.0),
-    "v5e": (16 * 2**30, 4, 197.0),
-    "v5p": (95 * 2**30, 4, 459.0),
-    "v6e": (32 * 2**30, 4, 918.0),
+    "v4": (32 * 2**30, 4, peak_of_kind("tpu v4")),
+    "v5e": (16 * 2**30, 4, peak_of_kind("tpu v5e")),
+    "v5p": (95 * 2**30, 4, peak_of_kind("tpu v5p")),
+    "v6e": (32 * 2**30, 4, peak_of_kind("tpu v6e")),
 }
 GPU_INSTALL = "pip install 'jphantom[aot]'"
 TPU_INSTALL = "pip install 'jphantom[tpu]'"

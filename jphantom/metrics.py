@@ -50,13 +50,19 @@ PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
 TENSORBOARD_INSTALL = "pip install tensorboardX"
 
 
+def peak_of_kind(kind: str) -> float | None:
+    """The dense bf16 peak TFLOP/s of a device kind (``"NVIDIA H100 80GB HBM3"``, ``"tpu v5p"``):
+    the first :data:`PEAK_TFLOPS` name it contains; ``None`` when none."""
+    kind = kind.lower()
+    return next((peak for name, peak in PEAK_TFLOPS if name in kind), None)
+
+
 def peak_tflops(device) -> float | None:
     """The device's dense bf16 peak TFLOP/s (:data:`PEAK_TFLOPS`); ``None`` on CPU or for a
     device the table does not list."""
     if device.platform == "cpu":
         return None
-    kind = str(getattr(device, "device_kind", "")).lower()
-    return next((peak for name, peak in PEAK_TFLOPS if name in kind), None)
+    return peak_of_kind(str(getattr(device, "device_kind", "")))
 
 
 def flops_per_token(model_config, strategy: str, seq_len: int) -> int | None:
