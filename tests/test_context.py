@@ -112,6 +112,8 @@ def test_all_gather_attention_gathers_kv_and_reduce_scatters_their_gradients():
     assert kinds == [("all-gather", LLAMA.layers)] * 2 + [("reduce-scatter", LLAMA.layers)] * 2
     gathered = [x for x in found if x.kind == "all-gather"]
     assert {x.bytes for x in gathered} == {BATCH * SEQ * LLAMA.kv_heads * LLAMA.dim * 4}
+    scattered = [x for x in found if x.kind == "reduce-scatter"]  # dK, dV: this rank's chunk
+    assert {x.bytes for x in scattered} == {BATCH * (SEQ // 4) * LLAMA.kv_heads * LLAMA.dim * 4}
 
 
 @pytest.mark.parametrize("size", [2, 4, 8])

@@ -204,13 +204,14 @@ def _orders(schedule: str, stages: int, microbatches: int, virtual_stages: int,
     return orders
 
 
-def _peak_in_flight(orders: list[list[_Op]]) -> list[int]:
-    """Per device, the most operations whose forward ran and whose backward has not."""
+def _peak_in_flight(orders: list[list[_Op]], release: str = "B") -> list[int]:
+    """Per device, the most operations whose forward ran and whose ``release`` (the backward;
+    split schedules: W, which still needs the activations) has not."""
     peaks = []
     for order in orders:
         live = peak = 0
         for kind, _, _ in order:
-            live += 1 if kind == "F" else -1
+            live += {"F": 1, release: -1}.get(kind, 0)
             peak = max(peak, live)
         peaks.append(peak)
     return peaks
@@ -220,40 +221,8 @@ def _execute(
     orders: list[list[_Op]], stages: int, virtual_stages: int, forward_cost: float, backward_cost: float
 ) -> dict[tuple[int, _Op], tuple[float, float]]:
     """Run each device's order as early as dependencies allow; returns (start, end) per op."""
-    P, V = stages, virtual_stages
-    last = V * P - 1
-    done: dict[tuple[int, _Op], tuple[float, float]] = {}
-    # Keyed by (model chunk, kind, microbatch) -> end time, for dependency look-ups.
-    finished: dict[tuple[int, str, int], float] = {}
-    position = [0] * P
-    free = [0.0] * P
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for s in range(P):
-            while position[s] < len(orders[s]):
-                op = orders[s][position[s]]
-                kind, m, chunk = op
-                c = chunk * P + s
-                if kind == "F":
-                    deps = [(c - 1, "F", m)] if c > 0 else []
-                    cost = forward_cost
-                else:
-                    deps = [(c, "F", m)] + ([(c + 1, "B", m)] if c < last else [])
-                    cost = backward_cost
-                if any(d not in finished for d in deps):
-                    break
-                start = max([free[s]] + [finished[d] for d in deps])
-                end = start + cost
-                done[(s, op)] = (start, end)
-                finished[(c, kind, m)] = end
-                free[s] = end
-                position[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # pragma: no cover - the built orders never deadlock
-            raise RuntimeError("pipeline schedule deadlocked: per-device orders violate dependencies")
-    return done
+    return _execute_split("round-robin", orders, stages, (forward_cost, backward_cost, 0.0),
+                          chunks=virtual_stages)
 
 
 def build(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> list[Task]:
@@ -524,10 +493,13 @@ def split_orders(schedule: str, stages: int, microbatches: int,
 
 
 def _execute_split(schedule: str, orders: list[list[_Op]], stages: int,
-                   costs: tuple[float, float, float]) -> dict[tuple[int, _Op], tuple[float, float]]:
-    """Each device's order as early as its dependencies allow: (start, end) per operation."""
+                   costs: tuple[float, float, float], chunks: int | None = None
+                   ) -> dict[tuple[int, _Op], tuple[float, float]]:
+    """Each device's order (F, B and W tasks; placed by :func:`model_chunk`, ``chunks`` per
+    device, default the schedule's) as early as its dependencies allow: (start, end) per
+    operation."""
     P = stages
-    last = chunks_of(schedule, P) * P - 1
+    last = (chunks or chunks_of(schedule, P)) * P - 1
     cost = dict(zip("FBW", costs))
     done: dict[tuple[int, _Op], tuple[float, float]] = {}
     finished: dict[tuple[int, str, int], float] = {}
@@ -552,18 +524,6 @@ def _execute_split(schedule: str, orders: list[list[_Op]], stages: int,
         if not progressed:  # pragma: no cover - the built orders never deadlock
             raise RuntimeError("pipeline schedule deadlocked: per-device orders violate dependencies")
     return done
-
-
-def _split_peaks(orders: list[list[_Op]]) -> list[int]:
-    """Per device, the most chunk activations held: a forward's until its W."""
-    peaks = []
-    for order in orders:
-        live = peak = 0
-        for kind, _, _ in order:
-            live += {"F": 1, "W": -1}.get(kind, 0)
-            peak = max(peak, live)
-        peaks.append(peak)
-    return peaks
 
 
 def zero_bubble_formula(schedule: str, stages: int, microbatches: int,
@@ -596,7 +556,7 @@ def simulate_split(schedule: str, stages: int, microbatches: int,
     return Simulation(schedule=schedule, stages=P, microbatches=microbatches, virtual_stages=V,
                       backward_cost=float(backward_cost), makespan=makespan,
                       bubble_fraction=(P * makespan - busy) / (P * makespan),
-                      peak_in_flight=_split_peaks(orders), tasks=timed)
+                      peak_in_flight=_peak_in_flight(orders, release="W"), tasks=timed)
 
 
 def _validate_split(schedule, stages, microbatches, backward_cost, weight_share) -> None:
@@ -671,4 +631,4 @@ def lockstep_split(schedule: str, stages: int, microbatches: int) -> SplitLockst
         slots.append(tuple(ran))
         if len(slots) > 4 * total + 4:  # pragma: no cover - the orders never deadlock
             raise RuntimeError("lock-step schedule deadlocked")
-    return SplitLockstep(schedule, P, microbatches, tuple(slots), tuple(_split_peaks(orders)))
+    return SplitLockstep(schedule, P, microbatches, tuple(slots), tuple(_peak_in_flight(orders, release="W")))
