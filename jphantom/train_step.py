@@ -409,8 +409,13 @@ class TrainStep:
         chunks v P + s (Megatron's round robin); ``None`` for V = 1."""
         from jphantom.pipeline.runner import unit_order
 
-        if self.pipeline is None or self.pipeline.virtual_stages == 1:
+        from jphantom.pipeline import split
+
+        if self.pipeline is None or self.pipeline.local_chunks == 1:
             return None
+        if self.pipeline.split:  # zb-v: device s holds chunks s and 2P - 1 - s
+            return split.unit_order(self.stack[1].layers, dict(self.mesh.shape)["stage"],
+                                    self.pipeline.schedule)
         return unit_order(self.stack[1].layers, dict(self.mesh.shape)["stage"],
                           self.pipeline.virtual_stages)
 
@@ -462,7 +467,7 @@ class TrainStep:
         layers' router statistics summed over the micro-batches instead, :meth:`_pipeline_balance`).
         ``balance``: the whole batch's routing fractions, given to each micro-batch's loss."""
         from jphantom.nn.stack import Capture, Feed, StackInput, apply_blocks
-        from jphantom.pipeline import runner
+        from jphantom.pipeline import runner, split
         from jphantom.plans import _set
 
         cast, loss_fn, layout = self.precision.cast, self.loss_fn, self.layout
@@ -495,7 +500,7 @@ class TrainStep:
                               "the model there")
 
         stages_count = dict(self.mesh.shape)["stage"]
-        per_chunk = stacked_module.layers // (stages_count * self.pipeline.virtual_stages)
+        per_chunk = stacked_module.layers // (stages_count * self.pipeline.local_chunks)
 
         def body(chunk, x, c):
             state = jax.tree.unflatten(self.block_treedef,
@@ -513,13 +518,14 @@ class TrainStep:
 
         stages = runner.Stages(units=stacked_module.layers, unit_name="layers", first=first,
                                body=body, last=last)
-        plan = runner.plan(self.pipeline, stages_count, train=train)
+        executor = split if self.pipeline.split else runner  # zero-bubble: B and W split
+        plan = executor.plan(self.pipeline, stages_count, train=train)
         stacked, rest = self._split(leaves)
         if not train:
-            return runner.run(stages, self.pipeline, plan, stacked, rest, inputs, targets,
-                              train=False)
-        loss, d_stacked, d_rest = runner.run(stages, self.pipeline, plan, stacked, rest, inputs,
-                                             targets)
+            return executor.run(stages, self.pipeline, plan, stacked, rest, inputs, targets,
+                                train=False)
+        loss, d_stacked, d_rest = executor.run(stages, self.pipeline, plan, stacked, rest, inputs,
+                                               targets)
         grads = self._join(d_stacked, d_rest)
         return loss, [g.astype(x.dtype) for g, x in zip(grads, leaves)]
 

@@ -55,7 +55,7 @@ from jax import lax
 
 from jphantom import comm
 from jphantom.errors import ConfigError, check_int
-from jphantom.pipeline.schedule import SCHEDULES, Lockstep, lockstep
+from jphantom.pipeline.schedule import ALL_SCHEDULES, SPLIT_SCHEDULES, Lockstep, chunks_of, lockstep
 
 STAGE_AXIS = "stage"
 
@@ -71,7 +71,8 @@ def zeros_of(struct) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     """How a step is pipelined: the schedule, micro-batches per step (per data rank) and virtual
-    stages per device (``interleaved-1f1b`` only)."""
+    stages per device (``interleaved-1f1b`` only). The split-backward schedules (``zb-h1``,
+    ``zb-v``) run in :mod:`jphantom.pipeline.split`."""
 
     schedule: str = "1f1b"
     microbatches: int = 1
@@ -79,9 +80,9 @@ class PipelineConfig:
     bubble_fill: float = 0.0  # what idle slots send; tests use NaN
 
     def __post_init__(self):
-        if self.schedule not in SCHEDULES:
+        if self.schedule not in ALL_SCHEDULES:
             raise ConfigError(f"unknown pipeline schedule {self.schedule!r}; use one of "
-                              f"{', '.join(SCHEDULES)}")
+                              f"{', '.join(ALL_SCHEDULES)}")
         check_int("microbatches", self.microbatches)
         check_int("virtual_stages", self.virtual_stages)
         if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
@@ -89,13 +90,24 @@ class PipelineConfig:
                               f"only, not {self.schedule!r}: pass --schedule interleaved-1f1b or "
                               "--virtual-stages 1")
 
+    @property
+    def split(self) -> bool:
+        """Whether the schedule splits each backward into B and W (zero-bubble)."""
+        return self.schedule in SPLIT_SCHEDULES
+
+    @property
+    def local_chunks(self) -> int:
+        """Model chunks per device: the virtual stages, or 2 for ``zb-v``'s V placement."""
+        return self.virtual_stages * chunks_of(self.schedule, 1)
+
     def check(self, stages: int, units: int, unit_name: str = "layers") -> None:
         """Raise ConfigError where this pipeline cannot cut a model of ``units`` on ``stages``."""
-        chunks = stages * self.virtual_stages
+        chunks = stages * self.local_chunks
         if units % chunks:
-            raise ConfigError(f"{unit_name}={units} is not divisible by stages x virtual stages = "
-                              f"{stages} x {self.virtual_stages}: every model chunk needs the same "
-                              f"number of {unit_name}; pick a multiple of {chunks}")
+            per = (f"stages x virtual stages = {stages} x {self.virtual_stages}"
+                   if self.schedule != "zb-v" else f"2 x stages = 2 x {stages} (zb-v's chunks)")
+            raise ConfigError(f"{unit_name}={units} is not divisible by {per}: every model chunk "
+                              f"needs the same number of {unit_name}; pick a multiple of {chunks}")
         if self.schedule == "interleaved-1f1b" and self.microbatches % stages:
             raise ConfigError(f"interleaved-1f1b needs microbatches divisible by the {stages} "
                               f"stages (as Megatron-LM does), got microbatches={self.microbatches}: "

@@ -24,8 +24,8 @@ starting every task as soon as its device is free and its dependencies have fini
 ``zb-h1`` and ``zb-v`` (zero-bubble schedules; Qi, Wan, Huang & Lin, "Zero Bubble Pipeline
 Parallelism", ICLR 2024) split each backward into **B**, the gradient of the stage's input (on
 the critical path), and **W**, the gradient of its weights (deferrable), so that W fills what
-would be bubbles. Their tables hold F, B and W tasks (:data:`SPLIT_SCHEDULES`; simulated and
-drawn, not yet run by the SPMD executor):
+would be bubbles. Their tables hold F, B and W tasks (:data:`SPLIT_SCHEDULES`; simulated,
+drawn, and run in lock-step by :mod:`jphantom.pipeline.split`):
 
 ``zb-h1``
     1F1B's order with every W deferred as long as the stage holds no more micro-batches than
@@ -602,14 +602,18 @@ class SplitLockstep:
                    for slot in self.slots for kind in ("F", "B"))
 
 
-def lockstep_split(schedule: str, stages: int, microbatches: int) -> SplitLockstep:
+def lockstep_split(schedule: str, stages: int, microbatches: int, *,
+                   forward_only: bool = False) -> SplitLockstep:
     """The split schedule as one SPMD program would run it: slot by slot, each device its next
     task of any kind whose inputs arrived in an earlier slot (every slot ends in the exchange).
     With equal F, B and W costs every slot costs one task, so the lock-step time is the unit-time
     schedule's makespan: ZB-H1's bubble survives lock-step, where 1F1B's tick of a forward and a
-    whole backward does not shrink (:func:`lockstep`)."""
+    whole backward does not shrink (:func:`lockstep`). ``forward_only``: the F tasks alone, in
+    the same orders (an evaluation's slots)."""
     P = stages
     orders = split_orders(schedule, P, microbatches)
+    if forward_only:
+        orders = [[op for op in order if op[0] == "F"] for order in orders]
     last = chunks_of(schedule, P) * P - 1
     done: dict[tuple[int, str, int], int] = {}  # -> the slot it ran in
     position = [0] * P
