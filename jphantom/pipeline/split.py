@@ -183,7 +183,8 @@ def backward_weight(linear, weight_only):
 @dataclasses.dataclass(frozen=True)
 class SplitPlan:
     """The lock-step slots as ``table[t, s, field]`` (``FIELDS``), the buffers' slot counts and
-    the scan segments ``(start, stop, kinds, send_next, send_prev)``."""
+    the scan segments ``(start, stop, tasks, send_next, send_prev)``, ``tasks`` the (kind,
+    local chunk) pairs its slots run."""
 
     lockstep: SplitLockstep
     table: np.ndarray
@@ -191,7 +192,7 @@ class SplitPlan:
     stash_b_slots: int
     stash_w_slots: int
     wstash_slots: int
-    segments: tuple[tuple[int, int, tuple[int, ...], bool, bool], ...]
+    segments: tuple[tuple[int, int, tuple[tuple[int, int], ...], bool, bool], ...]
 
     @property
     def permutes(self) -> int:
@@ -263,7 +264,7 @@ def plan(config: PipelineConfig, stages: int, *, train: bool = True) -> SplitPla
             kind, m, v = op
             c = model_chunk(schedule, P, s, v)
             row = table[t, s]
-            kinds[t].add(KINDS.index(kind))
+            kinds[t].add((KINDS.index(kind), v))
             row[[_F["kind"], _F["chunk"], _F["mb"], _F["first"], _F["last"]]] = (
                 KINDS.index(kind), v, m, c == 0, c == last)
             if kind == "F":
@@ -346,7 +347,8 @@ def run(stages: Stages, config: PipelineConfig, plan_: SplitPlan, stacked, rest,
     x0 = stages.first(rest, _take(inputs, 0))
     x0 = jax.tree.map(lambda a: a + comm.pcast(jnp.zeros((), a.dtype), STAGE_AXIS, to="varying"),
                       x0)
-    chunk0 = _take(chunks, 0)
+    local = [jax.tree.map(lambda a, v=v: a[v], chunks) for v in range(V)]  # static slices
+    chunk0 = local[0]
     probed = {}
 
     def probe_forward(chunk, x, c):
@@ -375,6 +377,7 @@ def run(stages: Stages, config: PipelineConfig, plan_: SplitPlan, stacked, rest,
         split = weight_only_residuals(rebuild(chunk0), stash0, chunk0, out0)
         known0, weight0 = _pick(stash0, split.weight_only, False), _pick(stash0, split.weight_only,
                                                                         True)
+
         def probe_backward(chunk, known, d_out):
             dx, b_leaves, linear = backward_input(rebuild(chunk), split, known, d_out, weight0)
             probed["linear_treedef"], wres, probed["linear_is_param"] = _residuals(
@@ -391,21 +394,6 @@ def run(stages: Stages, config: PipelineConfig, plan_: SplitPlan, stacked, rest,
                      d_rest=jax.tree.map(jnp.zeros_like, rest))
         traced = {}
 
-    def no_grads():
-        return jax.tree.map(jnp.zeros_like, chunk0), jax.tree.map(jnp.zeros_like, rest)
-
-    def idle_outputs():
-        """What every branch returns, as an idle slot fills it."""
-        result = {"msg": _fill_like(out0, fill), "loss": jnp.zeros_like(zero)}
-        if train:
-            d_chunk, d_rest = no_grads()
-            result.update(seed=_fill_like(out0, fill),
-                          stash_b=[jnp.full_like(a, fill) for a in known0],
-                          stash_w=[jnp.full_like(a, fill) for a in weight0],
-                          wstash=[jnp.full_like(a, fill) for a in wstash0],
-                          d_chunk=d_chunk, d_rest=d_rest)
-        return result
-
     def head(out, m):
         if not train:
             return stages.last(rest, out, _take(targets, m), M), None, None
@@ -413,18 +401,50 @@ def run(stages: Stages, config: PipelineConfig, plan_: SplitPlan, stacked, rest,
             lambda r, o: stages.last(r, o, _take(targets, m), M), argnums=(0, 1))(rest, out)
         return loss, d_out, d_rest
 
-    def forward(row, message, residuals):
-        del residuals
-        m, v = field(row, "mb"), field(row, "chunk")
-        c = global_chunk(v)
-        result = idle_outputs()
+    if train:
+        b_mask = [not w for w in split.weight_leaves]
+        zero_leaves = jax.tree.leaves(jax.tree.map(jnp.zeros_like, chunk0))
+        b_zeros, w_zeros = _pick(zero_leaves, b_mask, True), _pick(zero_leaves, b_mask, False)
+
+    def idle_result(kinds):
+        """What a segment's branches return, as an idle slot fills it: the message and the loss;
+        where F runs, its residuals and the loss's seed; where B runs, W's residuals and B's
+        gradient leaves; where W runs, W's; where F or B runs, the head's or embedding's
+        gradient (``rest``). Each branch writes only what its segment's slots can produce."""
+        result = {"msg": _fill_like(out0, fill), "loss": jnp.zeros_like(zero)}
+        if not train:
+            return result
+        if 1 in kinds:
+            result.update(stash_b=[jnp.full_like(a, fill) for a in known0],
+                          stash_w=[jnp.full_like(a, fill) for a in weight0],
+                          seed=_fill_like(out0, fill))
+        if 2 in kinds:
+            result.update(wstash=[jnp.full_like(a, fill) for a in wstash0], b_grads=b_zeros)
+        if 3 in kinds:
+            result["w_grads"] = w_zeros
+        if 1 in kinds or 2 in kinds:
+            result["d_rest"] = jax.tree.map(jnp.zeros_like, rest)
+        return result
+
+    def chunk_of(v, row):
+        """The local chunk's parameters: static with one chunk per device; with two (zb-v) a
+        dynamic slice (a branch per chunk would double every branch's buffers)."""
+        if v is not None:
+            return local[v], global_chunk(v)
+        v = field(row, "chunk")
+        return _take(chunks, v), global_chunk(v)
+
+    def forward(kinds, v, row, buffers):
+        message = _take(buffers["inbox"], field(row, "inbox"))
+        m = field(row, "mb")
+        chunk, c = chunk_of(v, row)
+        result = idle_result(kinds)
         x = lax.cond(field(row, "first") > 0, lambda: entry(rest, _take(inputs, m)),
                      lambda: message)
-        chunk = _take(chunks, v)
         body = lambda ch, x: stages.body(ch, x, c)  # noqa: E731
         if not train:
             out = body(chunk, x)
-            result["msg"] = out
+            result["msg"] = _cast_like(out, out0)
             result["loss"] = lax.cond(field(row, "last") > 0, lambda: head(out, m)[0],
                                       lambda: jnp.zeros_like(zero))
             return result
@@ -449,10 +469,10 @@ def run(stages: Stages, config: PipelineConfig, plan_: SplitPlan, stacked, rest,
                       stash_w=_pick(stash, split.weight_only, True))
         return result
 
-    def backward_b(row, d_out, residuals):
-        known, _, _ = residuals
-        m, v = field(row, "mb"), field(row, "chunk")
-        chunk = _take(chunks, v)
+    def backward_b(kinds, v, row, buffers):
+        d_out = _take(buffers["inbox"], field(row, "inbox"))
+        known = _take(buffers["stash_b"], field(row, "stash_b"))
+        m, (chunk, _) = field(row, "mb"), chunk_of(v, row)
         dx, b_leaves, linear = backward_input(rebuild(chunk), split, known, d_out, weight0)
         td, wres, params = _residuals(linear, jax.tree.leaves(chunk))
         if params != probed["linear_is_param"] or [(a.shape, a.dtype) for a in wres] \
@@ -466,72 +486,73 @@ def run(stages: Stages, config: PipelineConfig, plan_: SplitPlan, stacked, rest,
 
         d_rest = lax.cond(field(row, "first") > 0, embedding,
                           lambda: jax.tree.map(jnp.zeros_like, rest))
-        zeros = jax.tree.leaves(jax.tree.map(jnp.zeros_like, chunk0))
-        d_chunk = jax.tree.unflatten(jax.tree.structure(chunk0),
-                                     _merge([not w for w in split.weight_leaves], b_leaves,
-                                            _pick(zeros, split.weight_leaves, True)))
-        result = idle_outputs()
+        result = idle_result(kinds)
         result.update(msg=_cast_like(dx, out0), wstash=_cast_like(wres, wstash0),
-                      d_chunk=_cast_like(d_chunk, chunk0), d_rest=d_rest)
+                      b_grads=_cast_like(b_leaves, b_zeros), d_rest=d_rest)
         return result
 
-    def backward_w(row, message, residuals):
-        del message
-        _, weight_only, wres = residuals
-        v = field(row, "chunk")
-        chunk = _take(chunks, v)
-        chunk_leaves = jax.tree.leaves(chunk)
-        stored = iter(wres)
+    def backward_w(kinds, v, row, buffers):
+        chunk_leaves = jax.tree.leaves(chunk_of(v, row)[0])
+        stored = iter(_take(buffers["wstash"], field(row, "wstash")))
         linear = jax.tree.unflatten(
             traced.get("linear_treedef", probed["linear_treedef"]),
             [chunk_leaves[j] if j >= 0 else next(stored) for j in probed["linear_is_param"]])
-        w_leaves = backward_weight(linear, weight_only)
-        zeros = jax.tree.leaves(jax.tree.map(jnp.zeros_like, chunk0))
-        d_chunk = jax.tree.unflatten(jax.tree.structure(chunk0),
-                                     _merge(split.weight_leaves, w_leaves,
-                                            _pick(zeros, split.weight_leaves, False)))
-        result = idle_outputs()
-        result["d_chunk"] = _cast_like(d_chunk, chunk0)
+        result = idle_result(kinds)
+        weight_only = _take(buffers["stash_w"], field(row, "stash_w"))
+        result["w_grads"] = _cast_like(backward_weight(linear, weight_only), w_zeros)
         return result
 
-    def branch_for(kind):
-        if kind == 1:
-            return forward
-        if kind == 2:
-            return backward_b
-        if kind == 3:
-            return backward_w
-        return lambda row, message, residuals: idle_outputs()
+    def idle(kinds, v, row, buffers):
+        return idle_result(kinds)
 
-    def segment(kinds, send_next, send_prev):
-        branch_of = np.zeros(len(KINDS), np.int32)
-        present = sorted(set(kinds) | {0})
-        for i, k in enumerate(present):
-            branch_of[k] = i
+    branch_of_kind = {0: idle, 1: forward, 2: backward_b, 3: backward_w}
+
+    def add_to_chunk(d_chunks, v, leaves, mask):
+        """``d_chunks[v] +=`` the gradient ``leaves`` at the leaves where ``mask`` holds."""
+        new, out = iter(leaves), []
+        for acc, on in zip(jax.tree.leaves(d_chunks), mask):
+            if not on:
+                out.append(acc)
+            elif V == 1:
+                out.append(acc + next(new)[None])
+            else:
+                out.append(lax.dynamic_update_index_in_dim(
+                    acc, lax.dynamic_index_in_dim(acc, v, 0, keepdims=False) + next(new), v, 0))
+        return jax.tree.unflatten(jax.tree.structure(d_chunks), out)
+
+    def segment(tasks, send_next, send_prev):
+        """The scan body of a segment whose slots run ``tasks``, (kind, local chunk) pairs: one
+        branch per kind (with one chunk per device its parameters static), and the idle one."""
+        kinds = sorted({k for k, _ in tasks} | {0})
+        index_of = np.zeros(len(KINDS), np.int32)
+        index_of[kinds] = np.arange(len(kinds))
+        static = 0 if V == 1 else None
 
         def tick(carry, rows):
             row = rows[stage]
-            message = _take(carry["inbox"], field(row, "inbox"))
-            residuals = None
-            if train:
-                residuals = (_take(carry["stash_b"], field(row, "stash_b")),
-                             _take(carry["stash_w"], field(row, "stash_w")),
-                             _take(carry["wstash"], field(row, "wstash")))
-            branches = [lambda r, msg, res, k=k: branch_for(k)(r, msg, res) for k in present]
-            index = jnp.asarray(branch_of)[field(row, "kind")]
-            result = lax.switch(index, branches, row, message, residuals) if len(branches) > 1 \
-                else branches[0](row, message, residuals)
+            # The buffers a task of this segment reads, whole: the taken branch slices its slots
+            # (operands only; every write is outside the switch).
+            buffers = {"inbox": carry["inbox"]}
+            if train and 2 in kinds:
+                buffers["stash_b"] = carry["stash_b"]
+            if train and 3 in kinds:
+                buffers.update(stash_w=carry["stash_w"], wstash=carry["wstash"])
+            branches = [lambda r, b, k=k: branch_of_kind[k](kinds, static, r, b) for k in kinds]
+            index = jnp.asarray(index_of)[field(row, "kind")]
+            result = lax.switch(index, branches, row, buffers)
             carry = dict(carry)
             carry["loss"] = carry["loss"] + result["loss"]
-            if train:
-                carry["inbox"] = _put(carry["inbox"], field(row, "seed"), result["seed"])
-                for name in ("stash_b", "stash_w", "wstash"):
-                    carry[name] = _put(carry[name], field(row, name), result[name])
-                v = field(row, "chunk")
-                carry["d_chunks"] = jax.tree.map(
-                    lambda acc, d: lax.dynamic_update_index_in_dim(
-                        acc, lax.dynamic_index_in_dim(acc, v, 0, keepdims=False) + d, v, 0),
-                    carry["d_chunks"], result["d_chunk"])
+            v = field(row, "chunk")
+            for buffer, key in (("stash_b", "stash_b"), ("stash_w", "stash_w"),
+                                ("wstash", "wstash"), ("inbox", "seed")):
+                if key in result:
+                    carry[buffer] = _put(carry[buffer], field(row, key), result[key])
+            if "b_grads" in result:
+                carry["d_chunks"] = add_to_chunk(carry["d_chunks"], v, result["b_grads"], b_mask)
+            if "w_grads" in result:
+                carry["d_chunks"] = add_to_chunk(carry["d_chunks"], v, result["w_grads"],
+                                                 split.weight_leaves)
+            if "d_rest" in result:
                 carry["d_rest"] = jax.tree.map(jnp.add, carry["d_rest"], result["d_rest"])
             msg = result["msg"]
             carry["inbox"] = _put(carry["inbox"], field(row, "keep"), msg)
