@@ -431,12 +431,12 @@ _TRAIN_HELP = {
 
 def _add_pipeline_flags(parser: argparse.ArgumentParser) -> None:
     """inspect's --schedule, --microbatches, --virtual-stages (only with a stage axis in --mesh)."""
-    from jphantom.pipeline.schedule import SCHEDULES
+    from jphantom.pipeline.schedule import ALL_SCHEDULES
 
     parser.add_argument("--schedule", dest="schedule", default="1f1b",
-                        choices=SCHEDULES,
-                        help="with stage=P in --mesh: the pipeline schedule (default 1f1b; see "
-                             "`jphantom schedule`)")
+                        choices=ALL_SCHEDULES,
+                        help="with stage=P in --mesh: the pipeline schedule (default 1f1b; zb-h1 "
+                             "and zb-v split each backward into B and W; see `jphantom schedule`)")
     parser.add_argument("--microbatches", type=_positive_int, default=None, metavar="M",
                         help="with stage=P in --mesh: micro-batches per step; the batch per data "
                              "rank must be a multiple (default: P)")
@@ -551,11 +551,11 @@ def _add_run_flags(parser: argparse.ArgumentParser, defaults: dict | None = None
     import typing
 
     from jphantom.config import ALIASES, FLAT, SECTIONS
-    from jphantom.pipeline.schedule import SCHEDULES
+    from jphantom.pipeline.schedule import ALL_SCHEDULES
     from jphantom.precision import NAMES as PRECISIONS
     from jphantom.remat import POLICIES
 
-    choices = {"schedule": SCHEDULES, "zero": (0, 1, 2, 3), "precision": PRECISIONS,
+    choices = {"schedule": ALL_SCHEDULES, "zero": (0, 1, 2, 3), "precision": PRECISIONS,
                "remat": tuple(POLICIES), "optimizer": ("adamw", "adam", "sgd"),
                "lr_schedule": ("constant", "cosine"),
                "dtype": ("float32", "bfloat16", "float16", "float64"),

@@ -187,12 +187,12 @@ class ParallelConfig:
 
     def __post_init__(self):
         from jphantom.nn.attention import ALGORITHMS
-        from jphantom.pipeline.schedule import SCHEDULES
+        from jphantom.pipeline.schedule import ALL_SCHEDULES
         from jphantom.program import get
 
         _check_types(self)
         get(self.strategy)
-        _choice("schedule", self.schedule, SCHEDULES)
+        _choice("schedule", self.schedule, ALL_SCHEDULES)
         _choice("context_attention", self.context_attention, ALGORITHMS)
         _at_least(self, 1, "microbatches", "virtual_stages")
         self.mesh_config()

@@ -22,6 +22,10 @@ phantom         phantom     ``program.collective_inventory(..., "phantom")`` (k 
 pipeline 1F1B   tensor      stage=P,data=D (model=1): one point-to-point message of one
                             micro-batch's activations [S, h] per micro-batch forward and one
                             gradient backward; the data all-reduce of the stage's parameters
+pipeline ZB-H1  tensor      the same messages and memory; the bubble of the zero-bubble
+                            schedule's lock-step table (:mod:`jphantom.pipeline.split`)
+pipeline ZB-V   tensor      twice the messages (two chunks per device, the V placement); the
+                            same memory; its lock-step bubble
 zero-3          tensor      data=G,model=1 with ``--zero 3``: per micro-batch every block is
                             all-gathered forward and again backward (jphantom re-gathers under
                             remat) and its gradient reduce-scattered (seed 001 §1.2: 6P bytes)
@@ -57,6 +61,7 @@ exchange between the first and last pipeline stage, optimizer and kernel time, M
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 from collections.abc import Mapping, Sequence
@@ -66,8 +71,9 @@ from jphantom.errors import ConfigError
 from jphantom.perf import axonn_model as ax
 from jphantom.perf.axonn_model import GIB, Collective, GPTShape, Topology
 
-LAYOUTS = ("pmm3d", "tensor", "tensor + SP", "data", "phantom", "pipeline 1F1B", "zero-3",
-           "context")
+LAYOUTS = ("pmm3d", "tensor", "tensor + SP", "data", "phantom", "pipeline 1F1B", "pipeline ZB-H1",
+           "pipeline ZB-V", "zero-3", "context")
+PIPELINES = {"pipeline 1F1B": "1f1b", "pipeline ZB-H1": "zb-h1", "pipeline ZB-V": "zb-v"}
 DEFAULT_DEVICE_TFLOPS = 280.0
 """Sustained bf16 TFLOP/s assumed per GPU to price a pipeline's bubble: the A100's empirical GEMM
 peak (seed 004 §4.3: 280 of the advertised 312)."""
@@ -289,6 +295,19 @@ def _phantom_eq8_bound(hidden: int, p: int) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
+def _lockstep_idle(schedule: str, stages: int, microbatches: int) -> float:
+    """Idle time of a schedule's lock-step table, in forwards of a whole stage (t_b = 2 t_f):
+    1F1B (P - 1) x 3; the zero-bubble tables' idle time is the same for every M >= 2P, so it is
+    measured at min(M, 2P) (their list scheduling grows with M)."""
+    from jphantom.pipeline import schedule as schedules
+
+    if schedule == "1f1b":
+        return 3.0 * (stages - 1)
+    m = min(microbatches, 2 * stages)
+    return schedules.lockstep_split(schedule, stages, m).cost() - 3.0 * m
+
+
 def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: int,
          seq_len: int | None = None, memory_gib: float | None = None,
          precision: str = "bf16", ghost_width: int | None = None, accumulate: int = 1,
@@ -456,15 +475,19 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
                 pricer.price(collectives, (("model", t), ("data", d))), memory, flops,
                 notes=notes)
 
-    if "pipeline 1F1B" in layouts:  # stage x data, micro-batches of one sequence, 1F1B
+    for layout, schedule in PIPELINES.items():  # stage x data, micro-batches of one sequence
+        if layout not in layouts:
+            continue
         for stages in divisors[1:]:
             d = devices // stages
-            if L % stages or batch % d:
+            if L % (stages * (2 if schedule == "zb-v" else 1)) or batch % d:
                 continue
             M = batch // d
             message = S * h  # one micro-batch's activations (and, backward, their gradient)
-            collectives = [Collective("collective-permute", "stage", stages, message, 2 * M,
-                                      "1F1B point-to-point: M forward + M backward messages")]
+            sends = 4 * M if schedule == "zb-v" else 2 * M  # zb-v: both chunks' boundaries
+            collectives = [Collective("collective-permute", "stage", stages, message, sends,
+                                      f"{schedule} point-to-point: each micro-batch's "
+                                      "activations forward, their gradient backward")]
             # a stage's blocks, and what is not a block (embedding, final norm, untied head):
             # jphantom keeps those on every stage, their gradients reduced over data x stage
             rest = total_params - L * block_params
@@ -473,20 +496,20 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
                                                 grad_bytes))
             collectives.append(Collective("all-reduce", "data+stage", d * stages, rest, 1,
                                           "gradients of what every stage holds", grad_bytes))
-            bubble = (stages - 1) / M  # idle / busy time of 1F1B: (P-1)/(M+P-1) of the makespan
+            bubble = _lockstep_idle(schedule, stages, M) / (3 * M)  # idle / busy time
             compute_s = dense_flops / (device_tflops * 1e12)
-            in_flight = min(stages, M)
+            in_flight = min(stages, M)  # the zero-bubble schedules keep 1F1B's peak
             memory = {"state": p.state_bytes * params,
                       **ax.checkpointed_activations(shape, S, stream_split=1, inner_split=1,
                                                     stored_layers=in_flight * L // stages, **acts),
                       "logits": ax.logits_bytes(S, 1, shape)}
-            fraction = (stages - 1) / (M + stages - 1)
-            add("pipeline 1F1B", "tensor", f"data={d},stage={stages}",
-                {"schedule": "1f1b", "microbatches": M},
+            fraction = bubble / (1 + bubble)
+            add(layout, "tensor", f"data={d},stage={stages}",
+                {"schedule": schedule, "microbatches": M},
                 pricer.price(collectives, (("stage", stages), ("data", d))), memory, dense_flops,
                 bubble_s=compute_s * bubble,
-                notes=[f"bubble (P-1)/(M+P-1) = {fraction:.1%} of the step, priced at "
-                       f"{device_tflops:g} TFLOP/s"])
+                notes=[f"lock-step bubble {fraction:.1%} of the step (t_b = 2 t_f, B = W), "
+                       f"priced at {device_tflops:g} TFLOP/s"])
 
     if "zero-3" in layouts and devices > 1 and batch % (devices * accumulate) == 0:
         G, A = devices, accumulate

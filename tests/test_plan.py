@@ -12,6 +12,7 @@ from jphantom import cli
 from jphantom.errors import ConfigError
 from jphantom.perf import axonn_model as ax
 from jphantom.perf.axonn_model import GB, Grid, Layer, Topology
+from jphantom.pipeline.schedule import lockstep_split
 from jphantom.plan import LAYOUTS, plan
 
 from helpers import exit_code
@@ -283,11 +284,16 @@ def test_plan_covers_every_layout_and_ranks_fitting_rows_by_comm_plus_bubble():
     assert sum(r.layout == "pmm3d" for r in result) == len(ax.configurations(
         32, ax.GPT_20B, batch=64))
     assert all("PP" not in r.layout for r in result)  # PP means pipeline, never phantom
-    pipeline = next(r for r in result if r.mesh == "data=2,stage=16")
+    pipelines = {r.options["schedule"]: r for r in result if r.mesh == "data=2,stage=16"}
     M = 64 // 2
-    assert pipeline.options == {"schedule": "1f1b", "microbatches": M}
-    assert pipeline.bubble_s == pytest.approx(
-        ax.GPT_20B.flops_per_step(64) / 32 / 280e12 * (16 - 1) / M)
+    assert pipelines["1f1b"].options == {"schedule": "1f1b", "microbatches": M}
+    compute = ax.GPT_20B.flops_per_step(64) / 32 / 280e12
+    assert pipelines["1f1b"].bubble_s == pytest.approx(compute * (16 - 1) / M)
+    # the zero-bubble rows: the idle time of their lock-step tables (t_b = 2 t_f, B = W)
+    for name in ("zb-h1", "zb-v"):
+        idle = lockstep_split(name, 16, M).cost() - 3 * M
+        assert pipelines[name].bubble_s == pytest.approx(compute * idle / (3 * M))
+    assert pipelines["zb-v"].bubble_s < pipelines["zb-h1"].bubble_s < pipelines["1f1b"].bubble_s
     no_limit = plan(ax.GPT_20B, 32, batch=64)
     assert all(r.fits is None for r in no_limit)
 
@@ -340,7 +346,7 @@ def test_cli_prints_a_ranking_and_a_top_choice_on_perlmutter(capsys, flags, devi
     assert ranks == list(range(1, 11))
     assert "beta_inter 100 GB/s" in out and f"{devices} GPUs" in out
     top = next(line for line in lines if line.startswith("Top choice"))
-    assert "pmm3d on data=" in top and "GiB per GPU" in top
+    assert "Top choice: rank 1, " in top and " on data=" in top and "GiB per GPU" in top
 
 
 def test_cli_json_parses_and_carries_the_assumptions(capsys):
@@ -381,9 +387,12 @@ def test_pipeline_messages_use_one_pair_link_inside_a_node_and_eq_5_7_across():
     assert ax.point_to_point_bandwidth(perlmutter, inner=1, size=8) == 100 * GB  # β_inter
     assert ax.point_to_point_bandwidth(perlmutter, inner=2, size=4) == 100 * GB / 2
     result = plan(ax.GPT_20B, 32, batch=64, latency=False)
-    row = next(r for r in result if r.mesh == "data=8,stage=4")
+    rows = {r.options["schedule"]: r for r in result if r.mesh == "data=8,stage=4"}
     messages = 2 * (64 // 8) * 2048 * 7168  # M forward + M backward messages of [S, h]
-    assert row.comm_by_axis["stage"] == pytest.approx(messages * 2 / 100e9)
+    assert rows["1f1b"].comm_by_axis["stage"] == pytest.approx(messages * 2 / 100e9)
+    assert rows["zb-h1"].comm_by_axis["stage"] == pytest.approx(messages * 2 / 100e9)
+    # zb-v: each device holds two chunks, whose boundaries both send (V placement)
+    assert rows["zb-v"].comm_by_axis["stage"] == pytest.approx(2 * messages * 2 / 100e9)
 
 
 def test_plan_work_is_bounded_in_the_depth():

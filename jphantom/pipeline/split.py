@@ -183,8 +183,8 @@ def backward_weight(linear, weight_only):
 @dataclasses.dataclass(frozen=True)
 class SplitPlan:
     """The lock-step slots as ``table[t, s, field]`` (``FIELDS``), the buffers' slot counts and
-    the scan segments ``(start, stop, tasks, send_next, send_prev)``, ``tasks`` the (kind,
-    local chunk) pairs its slots run."""
+    the scan segments ``(start, stop, kinds, send_next, send_prev)``, ``kinds`` the task kinds
+    its slots run (indices into ``KINDS``)."""
 
     lockstep: SplitLockstep
     table: np.ndarray
@@ -192,7 +192,7 @@ class SplitPlan:
     stash_b_slots: int
     stash_w_slots: int
     wstash_slots: int
-    segments: tuple[tuple[int, int, tuple[tuple[int, int], ...], bool, bool], ...]
+    segments: tuple[tuple[int, int, tuple[int, ...], bool, bool], ...]
 
     @property
     def permutes(self) -> int:
@@ -264,7 +264,7 @@ def plan(config: PipelineConfig, stages: int, *, train: bool = True) -> SplitPla
             kind, m, v = op
             c = model_chunk(schedule, P, s, v)
             row = table[t, s]
-            kinds[t].add((KINDS.index(kind), v))
+            kinds[t].add(KINDS.index(kind))
             row[[_F["kind"], _F["chunk"], _F["mb"], _F["first"], _F["last"]]] = (
                 KINDS.index(kind), v, m, c == 0, c == last)
             if kind == "F":
@@ -521,9 +521,9 @@ def run(stages: Stages, config: PipelineConfig, plan_: SplitPlan, stacked, rest,
         return jax.tree.unflatten(jax.tree.structure(d_chunks), out)
 
     def segment(tasks, send_next, send_prev):
-        """The scan body of a segment whose slots run ``tasks``, (kind, local chunk) pairs: one
-        branch per kind (with one chunk per device its parameters static), and the idle one."""
-        kinds = sorted({k for k, _ in tasks} | {0})
+        """The scan body of a segment whose slots run the kinds ``tasks``: one branch per kind
+        (with one chunk per device its parameters static), and the idle one."""
+        kinds = sorted(set(tasks) | {0})
         index_of = np.zeros(len(KINDS), np.int32)
         index_of[kinds] = np.arange(len(kinds))
         static = 0 if V == 1 else None
