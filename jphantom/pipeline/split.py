@@ -65,6 +65,8 @@ from jphantom.pipeline.runner import (STAGE_AXIS, PipelineConfig, Stages, _alloc
 from jphantom.pipeline.schedule import SplitLockstep, chunks_of, lockstep_split, model_chunk
 
 KINDS = ("idle", "F", "B", "W")
+MAX_SEGMENTS = 12  # more loops than this and short runs join their neighbour (``plan``)
+MIN_RUN = 3  # slots: the runs that then join
 FIELDS = ("kind", "chunk", "mb", "first", "last", "inbox", "stash_b", "stash_w", "wstash", "seed",
           "keep", "from_prev", "from_next")
 _F = {name: i for i, name in enumerate(FIELDS)}
@@ -295,6 +297,19 @@ def plan(config: PipelineConfig, stages: int, *, train: bool = True) -> SplitPla
         if t == len(steps.slots) or signature(t) != signature(start):
             segments.append((start, t, *signature(start)))
             start = t
+    # Every segment is a loop with its own buffers: where sends alternate slot by slot (zb-v,
+    # two stages) one loop per slot costs memory and compile time. Past MAX_SEGMENTS, runs
+    # shorter than MIN_RUN slots join the segment before them (the union of their kinds and
+    # exchanges); a joined slot with nothing to send one way still permutes (its idle fill),
+    # counted in ``permutes``.
+    joined = []
+    for seg in segments:
+        if len(segments) > MAX_SEGMENTS and joined and seg[1] - seg[0] < MIN_RUN:
+            prev = joined.pop()
+            seg = (prev[0], seg[1], tuple(sorted(set(prev[2]) | set(seg[2]))),
+                   prev[3] or seg[3], prev[4] or seg[4])
+        joined.append(seg)
+    segments = joined
     return SplitPlan(steps, table, I, SB, SW, WS, tuple(segments))
 
 
