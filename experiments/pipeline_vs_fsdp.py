@@ -23,7 +23,7 @@ ideal (``jphantom.pipeline.schedule``, t_b = 2 t_f, B = W), plus every collectiv
 bandwidth, no overlap. The point is where a pipeline pays: on slow links, where FSDP's per-layer
 gathers of the whole model cost more than a pipeline's activations.
 
-Run: ``.venv/bin/python experiments/pipeline_vs_fsdp.py`` (about 7 minutes on 2 cores); writes
+Run: ``.venv/bin/python experiments/pipeline_vs_fsdp.py`` (about 12 minutes on 2 cores); writes
 ``experiments/results/pipeline_vs_fsdp/results.json`` and ``pipeline_vs_fsdp.png``. ``--quick``
 for the tests.
 """

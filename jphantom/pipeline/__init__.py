@@ -1,8 +1,10 @@
 """Pipeline parallelism (seed 003 Sec. 2.2, seed 004 ch. 3): schedules as data
-(:mod:`.schedule`) and their SPMD executor (:mod:`.runner`)."""
+(:mod:`.schedule`), their SPMD executor (:mod:`.runner`) and the zero-bubble executor that splits
+each backward into B and W (:mod:`.split`)."""
 
-from jphantom.pipeline.schedule import (SCHEDULES, Lockstep, Simulation, Task, Tick, TimedTask, build,
-                                        lockstep, simulate)
+from jphantom.pipeline.schedule import (ALL_SCHEDULES, SCHEDULES, SPLIT_SCHEDULES, Lockstep,
+                                        Simulation, Task, Tick, TimedTask, build, lockstep,
+                                        simulate)
 
-__all__ = ["SCHEDULES", "Lockstep", "Simulation", "Task", "Tick", "TimedTask", "build", "lockstep",
-           "simulate"]
+__all__ = ["ALL_SCHEDULES", "SCHEDULES", "SPLIT_SCHEDULES", "Lockstep", "Simulation", "Task",
+           "Tick", "TimedTask", "build", "lockstep", "simulate"]

@@ -92,6 +92,15 @@ def _needed_inputs(jaxpr, needed_outputs: list[bool]) -> list[bool]:
     return [v in live for v in jaxpr.invars]
 
 
+def _scan_counts(params) -> tuple[int, int]:
+    """A scan equation's (constants, carries) among its inputs: ``num_consts`` / ``num_carry``
+    (jax 0.10), or the sizes of the first two groups of ``ft_in`` (jax 0.12)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].tree.children()
+    return consts.num_leaves, carry.num_leaves
+
+
 def _open(j):
     return j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j
 
@@ -100,7 +109,7 @@ def _equation_inputs(eqn, outs: list[bool]) -> list[bool]:
     everything = [True] * len(eqn.invars)
     if eqn.primitive.name == "scan":
         body = _open(eqn.params["jaxpr"])
-        consts, carries = eqn.params["num_consts"], eqn.params["num_carry"]
+        consts, carries = _scan_counts(eqn.params)
         carry = outs[:carries]
         while True:
             ins = _needed_inputs(body, carry + outs[carries:])
