@@ -122,15 +122,7 @@ def task_costs(config, stages: int, repeats: int = 10) -> dict[str, float]:
     _, pullback = jax.vjp(body, state, x)
     treedef, stash, is_param = _residuals(pullback, jax.tree.leaves(state))
 
-    def rebuild(chunk):
-        leaves = jax.tree.leaves(chunk)
-
-        def with_residuals(res):
-            stored = iter(res)
-            return jax.tree.unflatten(treedef, [leaves[j] if j >= 0 else next(stored)
-                                                for j in is_param])
-        return with_residuals
-
+    rebuild = split.rebuilder(treedef, is_param)
     how = split.weight_only_residuals(rebuild(state), stash, state, x)
     known = split._pick(stash, how.weight_only, False)
     weight_only = split._pick(stash, how.weight_only, True)

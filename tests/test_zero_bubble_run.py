@@ -157,11 +157,7 @@ def test_b_and_w_split_the_backward_without_recomputing():
     _, pullback = jax.vjp(body, state, x)
     treedef, stash, is_param = _residuals(pullback, jax.tree.leaves(state))
 
-    def rebuild(chunk):
-        leaves = jax.tree.leaves(chunk)
-        return lambda res: jax.tree.unflatten(treedef, [leaves[j] if j >= 0 else r for j, r in
-                                                       zip(is_param, _fill(is_param, res))])
-
+    rebuild = split.rebuilder(treedef, is_param)
     how = split.weight_only_residuals(rebuild(state), stash, state, g)
     assert any(how.weight_only) and not all(how.weight_only)
     known = split._pick(stash, how.weight_only, False)
@@ -189,12 +185,6 @@ def test_b_and_w_split_the_backward_without_recomputing():
     got = split._merge([not m for m in how.weight_leaves], b_leaves, w(leaves, weight_only))
     for a, e in zip(got, jax.tree.leaves(want_chunk)):
         np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6)
-
-
-def _fill(is_param, residuals):
-    """``residuals`` spread over the pullback's leaves (parameters' positions left None)."""
-    stored = iter(residuals)
-    return [None if j >= 0 else next(stored) for j in is_param]
 
 
 @pytest.mark.parametrize("schedule, stages, microbatches", [("zb-h1", 4, 16), ("zb-v", 4, 8)])

@@ -158,6 +158,21 @@ def weight_only_residuals(rebuild, residuals, chunk, d_out) -> Split:
     return Split(weight_only, tuple(leaves))
 
 
+def rebuilder(treedef, is_param):
+    """``rebuild(chunk)(residuals)``: a stashed ``jax.vjp`` pullback (or ``jax.linearize``
+    function) from its stashed leaves and the chunk's own parameters at the positions
+    ``is_param`` names (:func:`jphantom.pipeline.runner._residuals`)."""
+    def rebuild(chunk):
+        chunk_leaves = jax.tree.leaves(chunk)
+
+        def with_residuals(residuals):
+            stored = iter(residuals)
+            return jax.tree.unflatten(treedef, [chunk_leaves[j] if j >= 0 else next(stored)
+                                                for j in is_param])
+        return with_residuals
+    return rebuild
+
+
 def _pick(values, mask, keep: bool):
     return [v for v, m in zip(values, mask) if m == keep]
 
@@ -387,15 +402,7 @@ def run(stages: Stages, config: PipelineConfig, plan_: SplitPlan, stacked, rest,
                                  out0))
     stash0 = [_varying_over(zeros_of(a), STAGE_AXIS) for a in stash0]
 
-    def rebuild(chunk):
-        chunk_leaves = jax.tree.leaves(chunk)
-
-        def with_residuals(residuals):
-            stored = iter(residuals)
-            return jax.tree.unflatten(treedef, [chunk_leaves[j] if j >= 0 else next(stored)
-                                                for j in is_param])
-        return with_residuals
-
+    rebuild = rebuilder(treedef, is_param)
     carry = {"inbox": _slots(out0, plan_.inbox_slots), "loss": zero}
     if train:
         split = weight_only_residuals(rebuild(chunk0), stash0, chunk0, out0)
@@ -516,11 +523,9 @@ def run(stages: Stages, config: PipelineConfig, plan_: SplitPlan, stacked, rest,
         return result
 
     def backward_w(kinds, v, row, buffers):
-        chunk_leaves = jax.tree.leaves(chunk_of(v, row)[0])
-        stored = iter(_take(buffers["wstash"], field(row, "wstash")))
-        linear = jax.tree.unflatten(
-            traced.get("linear_treedef", probed["linear_treedef"]),
-            [chunk_leaves[j] if j >= 0 else next(stored) for j in probed["linear_is_param"]])
+        linear = rebuilder(traced.get("linear_treedef", probed["linear_treedef"]),
+                           probed["linear_is_param"])(chunk_of(v, row)[0])(
+            _take(buffers["wstash"], field(row, "wstash")))
         result = idle_result(kinds)
         weight_only = _take(buffers["stash_w"], field(row, "stash_w"))
         result["w_grads"] = _cast_like(backward_weight(linear, weight_only), w_zeros)
