@@ -213,8 +213,9 @@ class ParallelConfig:
 class StepConfig:
     """The training step's options (:class:`jphantom.TrainStep`): the ZeRO stage of ``data``,
     gradient accumulation, global-norm clipping, the precision policy, activation checkpointing
-    per block, and ``cac`` (seed 004's communication-aware checkpointing:
-    ``remat=collectives_saveable``)."""
+    per block, ``cac`` (seed 004's communication-aware checkpointing:
+    ``remat=collectives_saveable``) and the ``attention`` kernel (``auto``: cuDNN's flash
+    attention on NVIDIA GPUs in bf16/fp16, XLA's path elsewhere; ``xla``; ``cudnn``)."""
 
     zero: int = 0
     accumulate: int = 1
@@ -222,8 +223,10 @@ class StepConfig:
     precision: str = "float32"
     remat: str = "none"
     cac: bool = False
+    attention: str = "auto"  # the attention kernel: auto (cuDNN where it runs), xla, cudnn
 
     def __post_init__(self):
+        from jphantom.nn.attention import IMPLEMENTATIONS
         from jphantom.precision import NAMES as PRECISIONS
         from jphantom.remat import POLICIES, with_cac
 
@@ -234,6 +237,7 @@ class StepConfig:
             raise ConfigError(f"clip_norm={self.clip_norm} must be > 0 (or left out)")
         _choice("precision", self.precision, tuple(PRECISIONS))
         _choice("remat", self.remat, tuple(POLICIES))
+        _choice("attention", self.attention, IMPLEMENTATIONS)
         with_cac(self.remat, self.cac)
 
     @property
@@ -564,7 +568,8 @@ def _train_step(config, program, mesh, optimizer):
     return program.train_step(mesh, optimizer, zero=config.step.zero,
                               accumulate=config.step.accumulate,
                               precision=config.step.precision, remat=config.step.step_remat,
-                              pipeline=_pipeline(config.parallel, config.train, program))
+                              pipeline=_pipeline(config.parallel, config.train, program),
+                              attention=config.step.attention)
 
 
 @functools.lru_cache(maxsize=16)

@@ -189,7 +189,8 @@ def _convert(path: str, module, style: Style, *, axis: str, p: int, sequence_par
             return attention.ContextPositions(size=size, balanced=style.balanced)
         cls = (attention.GatheredAttention if style.algorithm == "all-gather"
                else attention.RingAttention)
-        return cls(size=size, balanced=style.balanced)
+        return cls(size=size, balanced=style.balanced, window=module.window,
+                   implementation=module.implementation)
     linear = isinstance(module, nnx.Linear)
     embed = isinstance(module, nnx.Embed)
     norm = isinstance(module, NORMS)

@@ -19,7 +19,19 @@ name       compute          master      loss scale
 float32    float32          float32     1
 bf16       bfloat16         float32     1
 float16    float16          float32     dynamic, from 2^15
+fp8        bfloat16; the    float32     1
+           blocks' GEMMs
+           in FP8
 =========  ===============  ==========  ======================
+
+``fp8`` (:mod:`jphantom.fp8`: E4M3 forward operands, E5M2 output gradients, per-tensor current
+scaling) is bf16 with the GEMMs of the linear layers inside the model's
+:class:`~jphantom.nn.stack.Stacked` blocks (every linear layer of a model without them) on FP8
+operands (:func:`jphantom.nn.stack.set_fp8`, which the training step applies to each rank's
+model): ``nnx.Linear`` gets :func:`jphantom.fp8.dot_general` as its ``dot_general``, and
+jphantom's parallel layers (column, row, T1, phantom, experts, pmm3d) their ``fp8`` flag.
+Embeddings, norms, attention and the LM head stay bf16. No loss scale: E5M2's range covers the
+gradients.
 """
 
 from __future__ import annotations
@@ -35,7 +47,7 @@ import optax
 
 from jphantom.errors import ConfigError
 
-NAMES = ("float32", "bf16", "float16")
+NAMES = ("float32", "bf16", "float16", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +58,16 @@ class Precision:
     loss_scale: float = 1.0  # the static scale, or the dynamic scale's start
     dynamic: bool = False
     period: int = 2000  # finite steps in a row before the dynamic scale doubles
+    fp8: bool = False  # the blocks' GEMMs on FP8 operands (jphantom.fp8)
 
     def __post_init__(self):
         if self.compute not in ("float32", "bfloat16", "float16", "float64"):
             raise ConfigError(f"compute dtype {self.compute!r}: use float32, bfloat16 or float16")
         if not self.loss_scale > 0:
             raise ConfigError(f"loss_scale={self.loss_scale!r} must be positive, e.g. 4096")
+        if self.fp8 and self.compute not in ("bfloat16", "float32"):
+            raise ConfigError(f"fp8 GEMMs with {self.compute} compute: use bfloat16 "
+                              "(precision='fp8')")
 
     @classmethod
     def named(cls, name: str | Precision) -> Precision:
@@ -63,11 +79,21 @@ class Precision:
             return cls("bfloat16")
         if name == "float16":
             return cls("float16", 2.0 ** 15, dynamic=True)
+        if name == "fp8":
+            return cls("bfloat16", fp8=True)
         raise ConfigError(f"precision={name!r}: use one of {', '.join(NAMES)}")
 
     @property
     def is_default(self) -> bool:
-        return self.compute == "float32" and self.loss_scale == 1.0
+        return self.compute == "float32" and self.loss_scale == 1.0 and not self.fp8
+
+    @property
+    def name(self) -> str:
+        """The name :meth:`named` takes for this policy (``custom`` for other combinations)."""
+        for name in NAMES:
+            if Precision.named(name) == self:
+                return name
+        return "custom"
 
     def retype(self, model):
         """``model`` (merged from :meth:`cast` leaves) computing in the compute dtype: modules that

@@ -56,7 +56,7 @@ from jphantom.errors import ConfigError, check_int
 from jphantom.mesh import BATCH_AXES
 from jphantom.nn import attention as attention_module
 from jphantom.nn import metadata
-from jphantom.nn.stack import Stacked, set_remat
+from jphantom.nn.stack import Stacked, set_fp8, set_remat
 from jphantom.precision import Precision
 from jphantom.sharding import zero as zero_module
 
@@ -262,7 +262,7 @@ class TrainStep:
                  precision: str | Precision = "float32", remat: str = "none",
                  pipeline=None, spmd: str = "shard_map", donate: bool = True,
                  batch_specs=None, communicate: bool = True,
-                 samo: samo_module.SamoConfig | None = None):
+                 samo: samo_module.SamoConfig | None = None, attention: str | None = None):
         if not isinstance(model, nnx.Module):
             raise ConfigError(f"make_train_step takes an nnx.Module, not {type(model).__name__}")
         self.mesh = _check_mesh(mesh)
@@ -274,6 +274,9 @@ class TrainStep:
         self.zero = zero_module.check(zero)
         self.accumulate = check_int("accumulate", accumulate)
         self.precision = Precision.named(precision)
+        self.attention = (None if attention is None
+                          else attention_module.check_implementation(attention))
+        self.platform = attention_module.platform_of(self.mesh.devices.flat[0])
         remat_module.check(remat)
         stacked = any(isinstance(m, Stacked) for _, m in nnx.iter_modules(model))
         if remat != "none" and not stacked:
@@ -385,7 +388,8 @@ class TrainStep:
         prefix = (*path, "block")
         self.stacked_index = tuple(i for i, p in enumerate(paths) if p[:len(prefix)] == prefix)
         self.rest_index = tuple(i for i, p in enumerate(paths) if p[:len(prefix)] != prefix)
-        block_graph, block_state, _ = nnx.split(stacked.block, nnx.Param, ...)
+        block = nnx.merge(*nnx.split(stacked.block))  # a copy (arrays shared) set up to compute
+        block_graph, block_state, _ = nnx.split(self._ready(block), nnx.Param, ...)
         block_vars = jax.tree_util.tree_flatten_with_path(block_state, is_leaf=_is_variable)[0]
         relative = {paths[i][len(prefix):]: k for k, i in enumerate(self.stacked_index)}
         self.block_graph = block_graph
@@ -480,7 +484,7 @@ class TrainStep:
         dummy_targets = jnp.zeros((rows, *targets.shape[1:]), targets.dtype)
 
         def model_with(rest, stand_in):
-            model = self.precision.retype(layout.model_of(cast(self._join(stacked_now, rest))))
+            model = self._ready(layout.model_of(cast(self._join(stacked_now, rest))))
             _set(model, stack_path, stand_in)
             return model
 
@@ -554,11 +558,11 @@ class TrainStep:
         extra = {} if balance is None else {"balance_fraction": balance}
         if balance is None and self._takes_balance():
             fraction = self._balance_fraction(
-                self.precision.retype(self.layout.model_of(leaves)), [inputs_mb, targets_mb])
+                self._ready(self.layout.model_of(leaves)), [inputs_mb, targets_mb])
             extra = {} if fraction is None else {"balance_fraction": fraction}
 
         def model_with(stand_in):
-            model = self.precision.retype(self.layout.model_of(self._join(stacked, rest)))
+            model = self._ready(self.layout.model_of(self._join(stacked, rest)))
             _set(model, stack_path, stand_in)
             return model
 
@@ -722,13 +726,13 @@ class TrainStep:
         gather's transpose reduce-scatters the gradient)."""
         leaves = self.precision.cast(list(leaves))
         if self.zero != 3:
-            return self.precision.retype(self.layout.model_of(leaves))
+            return self._ready(self.layout.model_of(leaves))
         stacked = self.layout.stacked if train and self.pipeline is None else frozenset()
         dims, zaxes = self.layout.zero_dims, self.layout.zero_axes
         leaves = zero_module.gather_together(
             leaves, [-1 if i in stacked else d for i, d in enumerate(dims)], zaxes,
             invariant=not train)
-        model = self.precision.retype(self.layout.model_of(leaves))
+        model = self._ready(self.layout.model_of(leaves))
         for path, indices in (self.layout.stacks if stacked else ()):
             module = model
             for part in path:
@@ -736,6 +740,14 @@ class TrainStep:
             module.fetch = zero_module.LayerFetch([dims[i] for i in indices],
                                                   [zaxes[i] for i in indices])
         return model
+
+    def _ready(self, model: nnx.Module) -> nnx.Module:
+        """A rank's ``model`` set up to compute: in the precision's dtypes (and FP8 GEMMs), its
+        attention cores on the kernel ``attention`` picks for the mesh's platform."""
+        model = self.precision.retype(model)
+        if self.precision.fp8:
+            set_fp8(model)
+        return attention_module.configure(model, self.attention, self.platform)
 
     def _mean_share(self, value, exclude=()):
         share, axes = mean_share(value, exclude)
@@ -877,7 +889,7 @@ class TrainStep:
                 raise ConfigError(f"a pipelined step takes (inputs, targets), got {len(batch)} "
                                   "batch arrays")
             return self._gspmd_pipeline_loss(jax.tree.leaves(params), *batch, balance=balance)
-        model = self.precision.retype(
+        model = self._ready(
             self.layout.model_of(self.precision.cast(jax.tree.leaves(params))))
         loss = jnp.asarray(self._loss(model, batch, balance))
         return loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
@@ -902,7 +914,7 @@ class TrainStep:
                     micro = [b.reshape(ranks, n, b.shape[0] // (ranks * n), *b.shape[1:])
                              .swapaxes(0, 1).reshape(n, b.shape[0] // n, *b.shape[1:])
                              for b in batch]
-                    model = self.precision.retype(self.layout.model_of(
+                    model = self._ready(self.layout.model_of(
                         self.precision.cast(jax.tree.leaves(params))))
                     balance = self._balance_fraction(model, micro)
                     first = jax.eval_shape(lambda mb: one(params, mb, scale, balance),
@@ -938,7 +950,7 @@ class TrainStep:
             def global_fn(params, *batch):
                 batch = [jax.lax.with_sharding_constraint(b, NamedSharding(self.mesh, s))
                          for b, s in zip(batch, self._specs_of_batch(len(batch)))]
-                model = self.precision.retype(
+                model = self._ready(
                     self.layout.model_of(self.precision.cast(jax.tree.leaves(params))))
                 return fn(model, *self.precision.cast(batch))
             return jax.jit(global_fn)
@@ -1094,7 +1106,9 @@ def make_train_step(model: nnx.Module, mesh: Mesh, optimizer: optax.GradientTran
     dimension over the batch axes), ``communicate=False`` (measurement only, seed 001's
     breakdown: the step without its gradient and loss reductions; its values are not the
     model's), ``samo`` (a :class:`~jphantom.samo.SamoConfig`: a magnitude-pruned model with
-    compressed master weights, optimizer state and gradient all-reduce, seed 004 ch. 4)."""
+    compressed master weights, optimizer state and gradient all-reduce, seed 004 ch. 4),
+    ``attention`` (``auto``, ``xla`` or ``cudnn``: the kernel of the model's attention cores,
+    :func:`jphantom.nn.attention.choose`; default ``None``: as the model built them)."""
     return TrainStep(model, mesh, optimizer, loss_fn, **options)
 
 

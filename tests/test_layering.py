@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1] / "jphantom"
 
 LAYERS = [
     ("base", ["errors", "mesh", "comm", "targets"]),
-    ("operations", ["remat", "precision", "sharding", "pipeline", "pipeline.schedule", "data",
+    ("operations", ["remat", "precision", "fp8", "sharding", "pipeline", "pipeline.schedule", "data",
                     "analysis.hlo", "perf.comm_model", "perf.axonn_model", "energy",
                     "coordinator", "distributed"]),
     ("layers", ["nn"]),

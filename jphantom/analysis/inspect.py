@@ -61,11 +61,15 @@ def compile_step(config: RunConfig, optimizer=None):
     return compile_built(config, program, step)
 
 
-def compile_built(config, program, step):
+def compile_built(config, program, step, compiler_options: dict | None = None):
     """Lower and compile ``step`` (of ``program``, built for ``config``) on abstract parameters
-    and batch; returns ``(compiled, seconds_to_lower_and_compile)``."""
+    and batch, with XLA's ``compiler_options`` (flag name -> value, for this compilation alone:
+    :func:`jphantom.gpu_defaults.compiler_options`); returns ``(compiled,
+    seconds_to_lower_and_compile)``."""
     start = time.perf_counter()
-    compiled = step.lower(step.abstract_state(), *abstract_batch(config, program, step)).compile()
+    lowered = step.lower(step.abstract_state(), *abstract_batch(config, program, step))
+    compiled = lowered.compile(compiler_options=compiler_options) if compiler_options else \
+        lowered.compile()
     return compiled, time.perf_counter() - start
 
 
@@ -269,7 +273,8 @@ def breakdown(config: RunConfig, *, steps: int = 5, warmup: int = 2) -> dict:
                                       accumulate=config.step.accumulate,
                                       precision=config.step.precision,
                                       remat=config.step.step_remat,
-                                      pipeline=config.pipeline(program), communicate=communicate)
+                                      pipeline=config.pipeline(program), communicate=communicate,
+                                      attention=config.step.attention)
         state = program.init(measured)
         runners.append(Runner(label, measured.lower(state, *batch).compile(),
                               (state, *batch), threads_state=True, flops_per_device=0,

@@ -77,22 +77,86 @@ ALGORITHMS = ("ring", "all-gather")
 AXIS = "context"
 
 
-# -- the unsplit core --------------------------------------------------------------------------
+# -- the unsplit core: which kernel runs it ---------------------------------------------------
+
+IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+FUSED_DTYPES = ("bfloat16", "float16")
 
 
-def causal_attention(q, k, v, mask=None) -> jax.Array:
+def platform_of(device) -> str:
+    """``nvidia``, ``rocm``, ``cpu`` or ``tpu``: the platform of ``device`` (a device of the
+    step's mesh: also the target devices of an ahead-of-time compile, which the process's default
+    backend is not)."""
+    platform = str(getattr(device, "platform", "cpu")).lower()
+    kind = str(getattr(device, "device_kind", "")).lower()
+    if platform in ("gpu", "cuda", "rocm"):
+        if platform == "rocm" or "amd" in kind or "instinct" in kind:
+            return "rocm"
+        return "nvidia"
+    return platform
+
+
+def fused_problem(platform: str, dtype, head_dim: int) -> str | None:
+    """Why cuDNN's flash attention (``jax.nn.dot_product_attention(implementation="cudnn")``)
+    cannot run these inputs, or ``None``: it runs on NVIDIA GPUs, in bfloat16 or float16, with a
+    head dimension that is a multiple of 8 and at most 128."""
+    if platform != "nvidia":
+        return f"the {platform} platform has no cuDNN (it is NVIDIA's)"
+    name = jnp.dtype(dtype).name
+    if name not in FUSED_DTYPES:
+        return (f"{name} compute: cuDNN's flash attention takes bfloat16 or float16 "
+                "(--precision bf16)")
+    if head_dim % 8 or head_dim > 128:
+        return (f"head dimension {head_dim}: cuDNN's flash attention needs a multiple of 8, "
+                "at most 128")
+    return None
+
+
+def choose(implementation: str, platform: str, dtype, head_dim: int) -> tuple[str, str]:
+    """The kernel (``xla`` or ``cudnn``) that runs attention for ``implementation`` (``auto``,
+    ``xla``, ``cudnn``) and why. ``auto`` takes cuDNN wherever :func:`fused_problem` finds none,
+    else XLA's path, and says why; ``cudnn`` where cuDNN cannot run is a :class:`ConfigError`."""
+    check_implementation(implementation)
+    if implementation == "xla":
+        return "xla", "asked for (--attention xla)"
+    problem = fused_problem(platform, dtype, head_dim)
+    if implementation == "cudnn":
+        if problem:
+            raise ConfigError(f"attention='cudnn' cannot run here: {problem}; use --attention "
+                              "auto (XLA's path where cuDNN cannot run) or xla")
+        return "cudnn", "asked for (--attention cudnn)"
+    if problem:
+        return "xla", f"auto: {problem}"
+    return "cudnn", f"auto: {jnp.dtype(dtype).name} on an NVIDIA GPU"
+
+
+def check_implementation(name: str) -> str:
+    if name not in IMPLEMENTATIONS:
+        raise ConfigError(f"attention={name!r}: use one of {', '.join(IMPLEMENTATIONS)}")
+    return name
+
+
+def _window_size(window: int | None):
+    """``jax.nn.dot_product_attention``'s ``local_window_size`` of a causal sliding window of
+    ``window`` tokens (a query attends itself and the window-1 before it)."""
+    return None if window is None else (window - 1, 0)
+
+
+def causal_attention(q, k, v, mask=None, *, window: int | None = None,
+                     implementation: str = "xla") -> jax.Array:
     """Causal softmax attention, q [B, S, Hq, d], k and v [B, Sk, Hk, d] (Hq a multiple of Hk:
-    each key/value head serves Hq/Hk query heads) -> [B, S, Hq, d]; softmax in float32.
-    ``mask`` [S, Sk] (True: attend): default the causal mask of S = Sk positions 0..S-1."""
-    group = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-    seq, d = q.shape[1], q.shape[-1]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.asarray(d, q.dtype))
-    if mask is None:
-        mask = jnp.tril(jnp.ones((seq, seq), bool))
-    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-    weights = jax.nn.softmax(scores.astype(jnp.promote_types(scores.dtype, jnp.float32)), -1)
-    return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v)
+    each key/value head serves Hq/Hk query heads, never repeated) -> [B, S, Hq, d], through
+    ``jax.nn.dot_product_attention``: ``implementation`` ``xla`` (XLA's path: scores
+    [B, Hq, S, Sk] in float32, softmax in float32; exact, every platform) or ``cudnn`` (cuDNN's
+    flash attention: memory linear in S). ``window``: a causal sliding window of that many tokens
+    (Mistral's, Gemma's local layers). ``mask`` [S, Sk] (True: attend; XLA's path) replaces the
+    causal mask of S = Sk positions 0..S-1."""
+    local = _window_size(window)
+    if mask is not None:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None],
+                                            local_window_size=local, implementation="xla")
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
+                                        implementation=implementation)
 
 
 class Positions(nnx.Module):
@@ -106,10 +170,42 @@ class Positions(nnx.Module):
 
 
 class CausalAttention(nnx.Module):
-    """The attention core of a whole sequence: :func:`causal_attention`."""
+    """The attention core of a whole sequence: :func:`causal_attention` with the kernel
+    :func:`choose` picks for ``implementation`` (``auto``: cuDNN's flash attention on NVIDIA GPUs
+    in bf16/fp16, XLA's path elsewhere) on ``platform`` (set by the training step from its mesh's
+    devices, :func:`configure`; ``None``: the process's default backend). ``window``: a causal
+    sliding window of that many tokens."""
+
+    def __init__(self, *, window: int | None = None, implementation: str = "auto"):
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                   or window < 1):
+            raise ConfigError(f"window={window!r} must be a whole number of tokens >= 1")
+        self.window, self.implementation = window, check_implementation(implementation)
+        self.platform = None
+
+    def kernel(self, dtype, head_dim: int) -> tuple[str, str]:
+        """The kernel this core runs for ``dtype`` inputs of ``head_dim`` and why
+        (:func:`choose`)."""
+        platform = self.platform or platform_of(jax.devices()[0])
+        return choose(self.implementation, platform, dtype, head_dim)
 
     def __call__(self, q, k, v) -> jax.Array:
-        return causal_attention(q, k, v)
+        kernel, _ = self.kernel(q.dtype, q.shape[-1])
+        return causal_attention(q, k, v, window=self.window, implementation=kernel)
+
+
+def configure(model: nnx.Module, implementation: str | None, platform: str) -> nnx.Module:
+    """``model`` with every attention core's ``implementation`` (unless ``None``: as built) and
+    ``platform`` set: the training step calls it on each rank's model as it traces the step, so
+    the kernel is chosen for the devices the step is compiled for."""
+    if implementation is not None:
+        check_implementation(implementation)
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, (CausalAttention, RingAttention)):
+            if implementation is not None:
+                module.implementation = implementation
+            module.platform = platform
+    return model
 
 
 # -- layouts -----------------------------------------------------------------------------------
@@ -377,14 +473,19 @@ def ring_attention(q, k, v, *, size: int, balanced: bool = True) -> jax.Array:
     return out.reshape(q.shape)
 
 
-def gathered_attention(q, k, v, *, size: int, balanced: bool = True) -> jax.Array:
-    """Causal attention of this rank's chunk with K and V all-gathered over ``context``."""
+def gathered_attention(q, k, v, *, size: int, balanced: bool = True,
+                       window: int | None = None) -> jax.Array:
+    """Causal attention of this rank's chunk with K and V all-gathered over ``context`` (XLA's
+    path: the mask of the layout's positions is not one cuDNN takes)."""
     local = q.shape[1]
     k_all = comm.all_gather(k, AXIS, axis=1, tiled=True)
     v_all = comm.all_gather(v, AXIS, axis=1, tiled=True)
     q_pos = layout_positions(comm.axis_index(AXIS), size, local, balanced)
     k_pos = jnp.concatenate([layout_positions(r, size, local, balanced) for r in range(size)])
-    return causal_attention(q, k_all, v_all, q_pos[:, None] >= k_pos[None, :])
+    mask = q_pos[:, None] >= k_pos[None, :]
+    if window is not None:
+        mask &= q_pos[:, None] - k_pos[None, :] < window
+    return causal_attention(q, k_all, v_all, mask)
 
 
 # -- the context layers ------------------------------------------------------------------------
@@ -408,18 +509,42 @@ class ContextPositions(nnx.Module):
 
 
 class RingAttention(nnx.Module):
-    """Ring attention over ``context`` (module docstring): :func:`ring_attention`."""
+    """Ring attention over ``context`` (module docstring): :func:`ring_attention`. Its blocks run
+    XLA's path on every platform (:meth:`kernel` says why); ``window`` (a sliding window) is
+    refused by name: use :class:`GatheredAttention`."""
 
     algorithm = "ring"
 
-    def __init__(self, *, size: int, balanced: bool = True):
+    def __init__(self, *, size: int, balanced: bool = True, window: int | None = None,
+                 implementation: str = "auto"):
         self.size, self.balanced = size, balanced
+        self.window, self.implementation = window, check_implementation(implementation)
+        self.platform = None
+        if window is not None and self.algorithm == "ring":
+            raise ConfigError(f"a sliding window ({window} tokens) with ring attention: its "
+                              "blocks skip by whole chunks, not windows; use "
+                              "--context-attention all-gather")
+
+    def kernel(self, dtype, head_dim: int) -> tuple[str, str]:
+        """The kernel of the blocks and why: XLA's einsum blocks. Merging blocks needs each
+        block's log-sum-exp in float32, and ``jax.nn.dot_product_attention(...,
+        return_residual=True)`` returns it only as a stop-gradient in the compute dtype (bf16:
+        an error of up to 2^-8 relative in the merge weights); ``attention='cudnn'`` is refused
+        here by name."""
+        if self.implementation == "cudnn":
+            raise ConfigError(f"attention='cudnn' with {self.algorithm} context attention: its "
+                              "blocks run XLA's path (jax returns cuDNN's log-sum-exp only in "
+                              "the compute dtype, too coarse to merge blocks); use --attention "
+                              "auto or xla")
+        return "xla", (f"{self.algorithm} context attention: blocks merged by their float32 "
+                       "log-sum-exp, which jax's cuDNN call does not return")
 
     def __call__(self, q, k, v) -> jax.Array:
+        self.kernel(q.dtype, q.shape[-1])
         return ring_attention(q, k, v, size=self.size, balanced=self.balanced)
 
     def dense_equivalent(self) -> CausalAttention:
-        return CausalAttention()
+        return CausalAttention(window=self.window, implementation=self.implementation)
 
 
 class GatheredAttention(RingAttention):
@@ -428,7 +553,9 @@ class GatheredAttention(RingAttention):
     algorithm = "all-gather"
 
     def __call__(self, q, k, v) -> jax.Array:
-        return gathered_attention(q, k, v, size=self.size, balanced=self.balanced)
+        self.kernel(q.dtype, q.shape[-1])
+        return gathered_attention(q, k, v, size=self.size, balanced=self.balanced,
+                                  window=self.window)
 
 
 def context_of(model: nnx.Module) -> tuple[int, bool] | None:
@@ -445,7 +572,8 @@ def check_algorithm(name: str) -> str:
     return name
 
 
-__all__ = ["causal_attention", "Positions", "CausalAttention", "ContextPositions",
+__all__ = ["causal_attention", "Positions", "CausalAttention", "ContextPositions", "choose",
+           "configure", "platform_of", "fused_problem", "IMPLEMENTATIONS",
            "RingAttention", "GatheredAttention", "ring_attention", "gathered_attention",
            "to_context_order", "from_context_order", "layout_positions", "schedule",
            "attention_work", "context_of", "ALGORITHMS"]

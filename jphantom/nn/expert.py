@@ -74,6 +74,8 @@ class ExpertParallelExperts(nnx.Module):
     The router is a plain replicated ``nnx.Linear`` in the model; this layer replaces
     :class:`Experts` only."""
 
+    fp8 = False  # the experts' GEMMs on FP8 operands (precision='fp8')
+
     def __init__(self, w_gate, w_up, w_down, *, top_k: int, expert_axis: str = "expert",
                  model_axis: str | None = None, capacity_factor: float | None = None,
                  sequence_parallel: bool = False):
@@ -120,7 +122,7 @@ class ExpertParallelExperts(nnx.Module):
         received = remat.name_collective(  # all-to-all of E C h: each expert's tokens to its rank
             comm.all_to_all(buffers, self.expert_axis, 0, 0, tiled=False))
         rows = received.transpose(1, 0, 2, 3).reshape(local, -1, h)  # [E/G, G (p) slots, h]
-        out = expert_ffn(rows, w, "swiglu")
+        out = expert_ffn(rows, w, "swiglu", fp8=self.fp8)
         out = out.reshape(local, ranks, capacity, h).transpose(1, 0, 2, 3)
         returned = remat.name_collective(  # all-to-all of E C h back home
             comm.all_to_all(out, self.expert_axis, 0, 0, tiled=False))
@@ -193,7 +195,8 @@ class ExpertParallelMoE(nnx.Module):
 
     def run_experts(self, rows: jax.Array, reduce=None) -> jax.Array:
         """This rank's E/G experts on their received rows [E/G, N, h] (``reduce``: TED's g)."""
-        return expert_ffn(rows, self.experts.weights(), self.experts.activation, reduce)
+        return expert_ffn(rows, self.experts.weights(), self.experts.activation, reduce,
+                          self.experts.fp8)
 
     # -- the layer ---------------------------------------------------------------------------------
 
@@ -284,8 +287,8 @@ class ExpertParallelMoE(nnx.Module):
             if weights.get("b_down") is not None:
                 weights = {**weights, "b_down": weights["b_down"] / lax.axis_size(model)}
         if ranks == 1:
-            return combine_sorted(grouped_ffn(rows, sizes, weights, activation, reduce), order,
-                                  gates)
+            return combine_sorted(grouped_ffn(rows, sizes, weights, activation, reduce,
+                                              self.experts.fp8), order, gates)
         me = comm.axis_index(axis)
         counts = comm.all_gather(sizes.reshape(ranks, local), axis)  # [G_src, G_dst, E/G]
         to_dst = counts.sum(axis=2)  # [G_src, G_dst]
@@ -304,7 +307,8 @@ class ExpertParallelMoE(nnx.Module):
         expert_of = jnp.sum(within[:, None] >= jnp.cumsum(mine[source], axis=1), axis=1)
         expert_of = jnp.where(position < jnp.sum(recv), expert_of, local)  # padding last
         regroup = jnp.argsort(expert_of, stable=True)
-        grouped = grouped_ffn(got[regroup], mine.sum(axis=0), weights, activation, reduce)
+        grouped = grouped_ffn(got[regroup], mine.sum(axis=0), weights, activation, reduce,
+                              self.experts.fp8)
         back = jnp.zeros_like(grouped).at[regroup].set(grouped)
         home = (jnp.cumsum(to_dst, axis=1) - to_dst)[:, me]  # where each source's rows came from
         out = ragged_exchange(back, jnp.zeros((count * k, back.shape[-1]), back.dtype),

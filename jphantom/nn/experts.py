@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jphantom import fp8 as fp8_ops
 from jphantom.errors import ConfigError
 from jphantom.sharding import expert as expert_ops
 
@@ -70,21 +71,36 @@ def _hidden(project, activation: str):
     return jax.nn.gelu(project("up"), approximate=True)
 
 
-def expert_ffn(rows: jax.Array, weights: dict, activation: str, reduce=None) -> jax.Array:
+def _fp8_operands(rows, weights: dict, fp8: bool):
+    """``rows`` and the weight matrices as FP8 forward operands (:mod:`jphantom.fp8`) when
+    ``fp8``, else as they are."""
+    if not fp8:
+        return rows, weights
+    return fp8_ops.quantized(rows), {k: fp8_ops.quantized(v) if k.startswith("w_") else v
+                                     for k, v in weights.items()}
+
+
+def _fp8_output(y, fp8: bool):
+    return fp8_ops.quantized_gradient(y) if fp8 else y
+
+
+def expert_ffn(rows: jax.Array, weights: dict, activation: str, reduce=None,
+               fp8: bool = False) -> jax.Array:
     """Each expert on its rows: ``rows`` [E', N, h] -> [E', N', h]. ``weights``: this rank's
     ``w_up``, ``w_down`` (and ``w_gate``, ``b_*``) of E' experts. ``reduce`` sums the partial
     outputs of tensor-parallel experts (f split over ranks) before ``b_down``; it may also
-    scatter them (N' < N, duplicate token dropping)."""
+    scatter them (N' < N, duplicate token dropping). ``fp8``: the GEMMs on FP8 operands."""
     dtype = jnp.result_type(rows, weights["w_up"])
-    rows = rows.astype(dtype)
+    rows, weights = _fp8_operands(rows.astype(dtype), weights, fp8)
 
     def project(name):
-        y = jnp.einsum("enh,ehf->enf", rows, weights["w_" + name].astype(dtype))
+        y = _fp8_output(jnp.einsum("enh,ehf->enf", rows, weights["w_" + name].astype(dtype)), fp8)
         bias = weights.get("b_" + name)
         return y if bias is None else y + bias.astype(dtype)[:, None, :]
 
-    out = jnp.einsum("enf,efh->enh", _hidden(project, activation),
-                     weights["w_down"].astype(dtype))
+    hidden = _hidden(project, activation)
+    out = _fp8_output(jnp.einsum("enf,efh->enh", fp8_ops.quantized(hidden) if fp8 else hidden,
+                                 weights["w_down"].astype(dtype)), fp8)
     if reduce is not None:
         out = reduce(out)
     bias = weights.get("b_down")
@@ -92,21 +108,23 @@ def expert_ffn(rows: jax.Array, weights: dict, activation: str, reduce=None) -> 
 
 
 def grouped_ffn(rows: jax.Array, sizes: jax.Array, weights: dict, activation: str,
-                reduce=None) -> jax.Array:
+                reduce=None, fp8: bool = False) -> jax.Array:
     """Rows [N, h] sorted by expert (``sizes`` [E'] of them each, the rest padding) through their
-    experts with grouped matmuls (``lax.ragged_dot``): [N, h], padding rows zero. ``reduce`` as
-    in :func:`expert_ffn`."""
+    experts with grouped matmuls (``lax.ragged_dot``): [N, h], padding rows zero. ``reduce`` and
+    ``fp8`` as in :func:`expert_ffn`."""
     group = jnp.clip(jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(rows.shape[0]),
                                       side="right"), 0, sizes.shape[0] - 1)
     dtype = jnp.result_type(rows, weights["w_up"])
-    rows = rows.astype(dtype)
+    rows, weights = _fp8_operands(rows.astype(dtype), weights, fp8)
 
     def project(name):
-        y = lax.ragged_dot(rows, weights["w_" + name].astype(dtype), sizes)
+        y = _fp8_output(lax.ragged_dot(rows, weights["w_" + name].astype(dtype), sizes), fp8)
         bias = weights.get("b_" + name)
         return y if bias is None else y + bias.astype(dtype)[group]
 
-    out = lax.ragged_dot(_hidden(project, activation), weights["w_down"].astype(dtype), sizes)
+    hidden = _hidden(project, activation)
+    out = _fp8_output(lax.ragged_dot(fp8_ops.quantized(hidden) if fp8 else hidden,
+                                     weights["w_down"].astype(dtype), sizes), fp8)
     if reduce is not None:
         out = reduce(out)
     bias = weights.get("b_down")
@@ -118,6 +136,8 @@ def grouped_ffn(rows: jax.Array, sizes: jax.Array, weights: dict, activation: st
 
 class Experts(nnx.Module):
     """E experts (module docstring), every one applied to every token and weighted by ``gates``."""
+
+    fp8 = False  # the experts' GEMMs on FP8 operands (precision='fp8'; every layer using them)
 
     def __init__(self, hidden: int, width: int, experts: int, *, rngs: nnx.Rngs,
                  top_k: int | None = None, param_dtype=jnp.float32, activation: str = "swiglu",
@@ -175,24 +195,24 @@ class Experts(nnx.Module):
         return cls.from_weights({"w_gate": w_gate, "w_up": w_up, "w_down": w_down}, top_k=top_k)
 
     @staticmethod
-    def apply(x, gates, w_gate, w_up, w_down):
+    def apply(x, gates, w_gate, w_up, w_down, fp8: bool = False):
         """sum_e gates[..., e] * swiglu_e(x): x [..., h], gates [..., E] -> [..., h]."""
         return Experts.mix(x, gates, {"w_gate": w_gate, "w_up": w_up, "w_down": w_down},
-                           "swiglu")
+                           "swiglu", fp8=fp8)
 
     @staticmethod
-    def mix(x, gates, weights: dict, activation: str, reduce=None):
+    def mix(x, gates, weights: dict, activation: str, reduce=None, fp8: bool = False):
         """sum_e gates[..., e] * expert_e(x): every expert on every token, x [..., h], gates
         [..., E] -> [..., h]. ``reduce``: as in :func:`expert_ffn`, before the biases."""
         lead, h = x.shape[:-1], x.shape[-1]
         experts = weights["w_up"].shape[0]
         rows = jnp.broadcast_to(x.reshape(1, -1, h), (experts, x.size // h, h))
-        out = expert_ffn(rows, weights, activation, reduce)  # [E, N, h]
+        out = expert_ffn(rows, weights, activation, reduce, fp8)  # [E, N, h]
         mixed = jnp.einsum("enh,ne->nh", out, gates.reshape(-1, experts).astype(out.dtype))
         return mixed.reshape(*lead, h)
 
     def __call__(self, x: jax.Array, gates: jax.Array) -> jax.Array:
-        return self.mix(x, gates, self.weights(), self.activation)
+        return self.mix(x, gates, self.weights(), self.activation, fp8=self.fp8)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -281,14 +301,16 @@ class SwitchMoE(nnx.Module):
         weights, activation = self.experts.weights(), self.experts.activation
         if config.dropless:
             order, sizes = sort_by_expert(chosen, config.experts)
-            out = grouped_ffn(tokens[order // config.top_k], sizes, weights, activation)
+            out = grouped_ffn(tokens[order // config.top_k], sizes, weights, activation,
+                              fp8=self.experts.fp8)
             y = combine_sorted(out, order, gates)
             dropped = jnp.zeros((), jnp.int32)
         else:
             capacity = config.capacity(count)
             position, dropped = expert_ops.dispatch_plan(chosen, config, capacity)
             buffers = expert_ops.dispatch(tokens, position, config.experts * capacity)
-            out = expert_ffn(buffers.reshape(config.experts, capacity, h), weights, activation)
+            out = expert_ffn(buffers.reshape(config.experts, capacity, h), weights, activation,
+                             fp8=self.experts.fp8)
             y = expert_ops.combine(out.reshape(-1, out.shape[-1]), position, gates)
         return y.reshape(*lead, y.shape[-1]), {**aux, "dropped": dropped.astype(jnp.int32)}
 

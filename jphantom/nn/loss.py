@@ -7,7 +7,9 @@ A vocabulary-parallel head (:class:`~jphantom.nn.tensor.VocabParallelHead`, a ti
 :class:`~jphantom.nn.tensor.VocabParallelEmbed`, a phantom head) computes it without gathering the
 [B, S, V] logits (three all-reduces of B S scalars); a plain ``nnx.Linear`` or ``nnx.Embed``
 (``tied=True``: its ``attend``) gives logits and optax's cross-entropy. Both are the mean over the
-tokens, in at least float32.
+tokens, in at least float32, and both run in chunks of tokens
+(:func:`jphantom.sharding.vocab.chunked_sum`): the [B, S, V] logits are never held, only one
+chunk's, in the compute dtype.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
+
+from jphantom.sharding import vocab
 
 
 def cross_entropy(head, h: jax.Array, targets: jax.Array, *, tied: bool = False) -> jax.Array:
@@ -22,6 +27,33 @@ def cross_entropy(head, h: jax.Array, targets: jax.Array, *, tied: bool = False)
     [B, S]. ``tied``: ``head`` is the token embedding, applied with ``attend``."""
     if hasattr(head, "cross_entropy"):
         return head.cross_entropy(h, targets)
-    logits = head.attend(h) if tied else head(h)
+    if tied and isinstance(head, nnx.Embed):  # logits = h E^T in the embedding's dtype
+        table = head.embedding[...]
+        if head.dtype is not None:
+            table = table.astype(head.dtype)
+        total = vocab.chunked_sum(lambda x, t, e: token_losses(x @ e.T, t), h, targets, (table,),
+                                  vocab_local=table.shape[0])
+    elif not tied and type(head) is nnx.Linear:
+        weights = (head.kernel[...],) + (() if head.bias is None else (head.bias[...],))
+
+        def chunk(x, t, kernel, bias=None):  # nnx.Linear's own arithmetic, on one chunk
+            x, kernel, bias = head.promote_dtype((x, kernel, bias), dtype=head.dtype)
+            logits = head.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
+                                      precision=head.precision)
+            return token_losses(logits if bias is None else logits + bias, t)
+
+        total = vocab.chunked_sum(chunk, h, targets, weights,
+                                  vocab_local=head.out_features)
+    else:  # a head of the user's: its own call, in chunks
+        call = head.attend if tied else head
+        total = vocab.chunked_sum(lambda x, t: token_losses(call(x), t), h, targets,
+                                  vocab_local=getattr(head, "out_features", None)
+                                  or getattr(head, "num_embeddings", 1))
+    return total / targets.size
+
+
+def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """The summed next-token cross-entropy of ``logits`` [N, V] (any dtype; reduced in at least
+    float32) against ``targets`` [N]."""
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).sum()

@@ -33,6 +33,7 @@ from flax import nnx
 from jax import lax
 
 from jphantom import comm
+from jphantom import fp8 as fp8_ops
 from jphantom.errors import ConfigError
 from jphantom.nn import metadata
 from jphantom.nn import norm as norm_ops
@@ -71,7 +72,11 @@ class PhantomLinear(nnx.Module):
 
     ``vocab_output=True`` makes it an LM head: its outputs are this rank's vocabulary slice;
     ``__call__`` gathers the full logits (all-gather of B S V) and :meth:`cross_entropy` computes
-    the loss without gathering them."""
+    the loss without gathering them. ``fp8`` (``precision='fp8'``): its GEMMs' operands
+    quantised to FP8 (:mod:`jphantom.fp8`: E4M3 forward, the output gradient Delta in E5M2), the
+    hand-written backward (Eqs. 15-21) unchanged."""
+
+    fp8 = False
 
     def __init__(self, local, compress, decompress, bias, *, axis: str = "model",
                  fused: bool = True, vocab_output: bool = False, use_bias: bool = True,
@@ -146,10 +151,15 @@ class PhantomLinear(nnx.Module):
                               to="varying")
         x, local, compress, decompress, bias = _promote(
             x, self.local[...], self.compress[...], self.decompress[...], bias)
+        if self.fp8:  # every GEMM operand of Eqs. 11-21 FP8-representable (jphantom.fp8)
+            x, local, compress, decompress = (fp8_ops.quantized(a)
+                                              for a in (x, local, compress, decompress))
         lead = x.shape[:-1]
         rows = x.reshape(-1, x.shape[-1])
         z = phantom_ops.phantom_layer(self.axis, self.num_shards, self.fused, rows, local[0],
                                       compress[0], decompress[0], bias[0])  # AG k fwd, RS k bwd
+        if self.fp8:  # Delta^(j) in E5M2 for the backward's GEMMs
+            z = fp8_ops.quantized_gradient(z)
         return z.reshape(*lead, -1)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -160,7 +170,10 @@ class PhantomLinear(nnx.Module):
         """Mean cross-entropy of vocabulary-split logits: three all-reduces of B S scalars."""
         if not self.vocab_output:
             raise ConfigError("cross_entropy needs the LM head's phantom layer (vocab_output=True)")
-        return vocab.cross_entropy_sum(self.local_outputs(h), targets, self.axis) / targets.size
+        total = vocab.chunked_sum(  # in chunks of tokens, each its own messages
+            lambda x, t: vocab.cross_entropy_sum(self.local_outputs(x), t, self.axis), h,
+            targets, vocab_local=self.local.shape[-2])
+        return total / targets.size
 
 
 class FeatureParallelEmbed(nnx.Module):

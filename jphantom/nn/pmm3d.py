@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import jax
 from flax import nnx
+from jax import lax
 
 from jphantom import comm
 from jphantom import remat
@@ -45,7 +46,7 @@ from jphantom.errors import ConfigError
 from jphantom.nn import metadata
 from jphantom.nn.expert import ExpertParallelMoE
 from jphantom.nn.experts import SwitchMoE
-from jphantom.nn.tensor import _embed, _gather_vocab, _linear, _promote, _value
+from jphantom.nn.tensor import _embed, _gather_vocab, _linear, _promote, _value, matmul
 from jphantom.sharding import pmm3d as pmm3d_ops
 from jphantom.sharding import vocab
 from jphantom.sharding import zero as zero_ops
@@ -78,6 +79,8 @@ class Pmm3dLinear(nnx.Module):
         transpose); the whole gathered stack stays alive through the step. A layer outside any
         stack gathers in its call, as ``"kept"``.
     """
+
+    fp8 = False  # the GEMM on FP8 operands (precision='fp8')
 
     def __init__(self, kernel, bias=None, *, role: str = "normal", vocab_output: bool = False,
                  weights: str = "kept", dtype=None):
@@ -116,7 +119,7 @@ class Pmm3dLinear(nnx.Module):
         def multiply(w, x, bias):
             x, w, bias = _promote(x, w, bias)
             w = pmm3d_ops.checkpoint_name(w)  # the weight the layer multiplies with
-            y = remat.name_collective(comm.psum(x @ w, contract))  # all-reduce_contract, Eq. 5.3
+            y = remat.name_collective(comm.psum(matmul(self, x, w), contract))  # Eq. 5.3
             return y if bias is None else y + bias
 
         def gather(kernel):  # all-gather over z, Eq. 5.1
@@ -138,7 +141,14 @@ class Pmm3dLinear(nnx.Module):
         return _gather_vocab(y, X) if self.vocab_output else y
 
     def cross_entropy(self, h: jax.Array, targets: jax.Array) -> jax.Array:
-        return vocab.cross_entropy_sum(self.local_outputs(h), targets, X) / targets.size
+        """Mean cross-entropy of the vocabulary-split outputs, in chunks of tokens
+        (:func:`jphantom.sharding.vocab.chunked_sum`; each chunk multiplies as
+        :meth:`local_outputs` does, so ``regather`` gathers the weight per chunk)."""
+        local = self.kernel.shape[-1] * (1 if self.gathered else lax.axis_size(Z))
+        total = vocab.chunked_sum(
+            lambda x, t: vocab.cross_entropy_sum(self.local_outputs(x), t, X), h, targets,
+            vocab_local=local)
+        return total / targets.size
 
 
 class Pmm3dEmbed(nnx.Module):
@@ -172,7 +182,15 @@ class Pmm3dEmbed(nnx.Module):
         return _gather_vocab(self.local_logits(h), X)
 
     def cross_entropy(self, h: jax.Array, targets: jax.Array) -> jax.Array:
-        return vocab.cross_entropy_sum(self.local_logits(h), targets, X) / targets.size
+        """The tied head's mean cross-entropy, in chunks of tokens (the table gathered once)."""
+
+        def chunk(x, t, table):
+            x, table = _promote(x, table)
+            return vocab.cross_entropy_sum(remat.name_collective(comm.psum(x @ table.T, Y)), t, X)
+
+        table = self._table()
+        return vocab.chunked_sum(chunk, h, targets, (table,),
+                                 vocab_local=table.shape[0]) / targets.size
 
 
 __all__ = ["Pmm3dLinear", "Pmm3dEmbed"]

@@ -156,6 +156,27 @@ class Feed(Stacked):
         return self.output_fn()
 
 
+def set_fp8(model: nnx.Module) -> nnx.Module:
+    """The linear layers of ``model``'s :class:`Stacked` blocks (every linear layer of a model
+    without them) on FP8 operands (:mod:`jphantom.fp8`): ``nnx.Linear``'s ``dot_general`` becomes
+    :func:`jphantom.fp8.dot_general`, and the layers with an ``fp8`` flag (jphantom's column, row,
+    T1, phantom, experts and pmm3d layers) get it set. The step calls it on each rank's model
+    under ``precision='fp8'``. A mixture of experts' router stays in the compute dtype (its
+    top-k choice is sensitive to rounding; TransformerEngine and torchao leave it too)."""
+    from jphantom import fp8
+
+    stacks = [m for _, m in nnx.iter_modules(model) if isinstance(m, Stacked)]
+    for root in [s.block for s in stacks] or [model]:
+        for path, module in nnx.iter_modules(root):
+            if path and path[-1] == "router":
+                continue
+            if isinstance(module, nnx.Linear):
+                module.dot_general = fp8.dot_general
+            elif hasattr(module, "fp8"):
+                module.fp8 = True
+    return model
+
+
 def set_remat(model: nnx.Module, policy: str) -> None:
     """Checkpoint every :class:`Stacked` block of ``model`` with ``policy`` (``none``,
     ``nothing_saveable``, ``dots_saveable``, ``collectives_saveable``)."""

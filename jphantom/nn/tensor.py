@@ -57,6 +57,7 @@ from flax import nnx
 from jax import lax
 
 from jphantom import comm
+from jphantom import fp8 as fp8_ops
 from jphantom import remat
 from jphantom.nn import metadata
 from jphantom.nn.boundary import Boundary
@@ -73,6 +74,12 @@ def _value(p):
 def _promote(*arrays):
     dtype = jnp.result_type(*(a for a in arrays if a is not None))
     return tuple(None if a is None else a.astype(dtype) for a in arrays)
+
+
+def matmul(layer, x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """``x @ kernel`` of ``layer``: on FP8 operands when its ``fp8`` flag is set
+    (``precision='fp8'``, :func:`jphantom.nn.stack.set_fp8`)."""
+    return fp8_ops.matmul(x, kernel) if layer.fp8 else x @ kernel
 
 
 def copy_to_model(x: jax.Array, axis: str) -> jax.Array:
@@ -125,6 +132,8 @@ class ColumnParallelLinear(nnx.Module):
     (SP: [B, S/p, in], all-gathered over the sequence first); output [B, S, out/p].
     """
 
+    fp8 = False  # the GEMM on FP8 operands (precision='fp8')
+
     def __init__(self, kernel, bias=None, *, axis: str = "model",
                  sequence_parallel: bool = False, dtype=None):
         self.axis, self.sequence_parallel, self.dtype = axis, sequence_parallel, dtype
@@ -143,7 +152,7 @@ class ColumnParallelLinear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x = to_full_sequence(x, self.axis, self.sequence_parallel)
         x, kernel, bias = _promote(x, self.kernel[...], _value(self.bias))
-        y = x @ kernel
+        y = matmul(self, x, kernel)
         return y if bias is None else y + bias
 
 
@@ -154,6 +163,8 @@ class RowParallelLinear(nnx.Module):
     sees S/p tokens per rank, so its gradient is summed over ``axis`` once per step). Input
     [B, S, in/p]; output [B, S, out] replicated (SP: [B, S/p, out]).
     """
+
+    fp8 = False  # the GEMM on FP8 operands (precision='fp8')
 
     def __init__(self, kernel, bias=None, *, axis: str = "model",
                  sequence_parallel: bool = False, dtype=None):
@@ -169,7 +180,7 @@ class RowParallelLinear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x, kernel, bias = _promote(x, self.kernel[...], _value(self.bias))
-        y = reduce_from_model(x @ kernel, self.axis, self.sequence_parallel)
+        y = reduce_from_model(matmul(self, x, kernel), self.axis, self.sequence_parallel)
         return y if bias is None else y + bias
 
 
@@ -211,8 +222,17 @@ class VocabParallelEmbed(nnx.Module):
         return _gather_vocab(self.local_logits(h), self.axis)
 
     def cross_entropy(self, h: jax.Array, targets: jax.Array) -> jax.Array:
-        """Mean next-token cross-entropy of the tied head without gathering the logits."""
-        return vocab.cross_entropy_sum(self.local_logits(h), targets, self.axis) / targets.size
+        """Mean next-token cross-entropy of the tied head without gathering the logits, in
+        chunks of tokens (:func:`jphantom.sharding.vocab.chunked_sum`)."""
+        h = to_full_sequence(h, self.axis, self.sequence_parallel)
+
+        def chunk(x, t, table):
+            x, table = _promote(x, table)
+            return vocab.cross_entropy_sum(x @ table.T, t, self.axis)  # 3 all-reduces of N/n
+
+        table = self.embedding[...]
+        return vocab.chunked_sum(chunk, h, targets, (table,),
+                                 vocab_local=table.shape[0]) / targets.size
 
 
 class VocabParallelHead(nnx.Module):
@@ -242,8 +262,19 @@ class VocabParallelHead(nnx.Module):
         return _gather_vocab(self.local_logits(h), self.axis)
 
     def cross_entropy(self, h: jax.Array, targets: jax.Array) -> jax.Array:
-        """Mean cross-entropy over the tokens: three all-reduces of B S scalars."""
-        return vocab.cross_entropy_sum(self.local_logits(h), targets, self.axis) / targets.size
+        """Mean cross-entropy over the tokens: three all-reduces of B S scalars, in chunks of
+        tokens (:func:`jphantom.sharding.vocab.chunked_sum`)."""
+        h = to_full_sequence(h, self.axis, self.sequence_parallel)
+
+        def chunk(x, t, kernel, bias=None):
+            x, kernel, bias = _promote(x, kernel, bias)
+            y = x @ kernel
+            return vocab.cross_entropy_sum(y if bias is None else y + bias, t, self.axis)
+
+        kernel = self.kernel[...]
+        weights = (kernel,) + (() if self.bias is None else (self.bias[...],))
+        return vocab.chunked_sum(chunk, h, targets, weights,
+                                 vocab_local=kernel.shape[-1]) / targets.size
 
 
 class SequenceParallelEmbed(nnx.Module):
@@ -312,6 +343,8 @@ class TensorParallelExperts(nnx.Module):
     all-gathered (B S h; backward reduce-scatter) and the output reduce-scattered back to h/p
     (B S h; backward all-gather), the gates being replicated already."""
 
+    fp8 = False  # the experts' GEMMs on FP8 operands (precision='fp8')
+
     def __init__(self, w_gate, w_up, w_down, *, axis: str = "model",
                  sequence_parallel: bool = False, feature_split: bool = False,
                  top_k: int | None = None):
@@ -336,11 +369,12 @@ class TensorParallelExperts(nnx.Module):
         if self.feature_split:
             x = comm.all_gather(x, self.axis, axis=x.ndim - 1, tiled=True)  # [.., h]
             partial_sum = Experts.apply(x, gates, self.w_gate[...], self.w_up[...],
-                                        self.w_down[...])
+                                        self.w_down[...], fp8=self.fp8)
             return comm.psum_scatter(partial_sum, self.axis, scatter_dimension=x.ndim - 1,
                                     tiled=True)  # [.., h/p]
         x = to_full_sequence(x, self.axis, self.sequence_parallel)
-        partial_sum = Experts.apply(x, gates, self.w_gate[...], self.w_up[...], self.w_down[...])
+        partial_sum = Experts.apply(x, gates, self.w_gate[...], self.w_up[...], self.w_down[...],
+                                    fp8=self.fp8)
         return reduce_from_model(partial_sum, self.axis, self.sequence_parallel)
 
 
@@ -354,6 +388,8 @@ class T1Linear(nnx.Module):
     [..., in] to [..., in/p] (dead for a model's first layer, whose input needs no gradient:
     autodiff drops it). Per layer against phantom's k-wide messages: n_in/p versus k per token
     (seed 000 Eq. 9)."""
+
+    fp8 = False  # the GEMM on FP8 operands (precision='fp8')
 
     def __init__(self, kernel, bias=None, *, axis: str = "model", dtype=None):
         self.axis, self.dtype = axis, dtype
@@ -371,7 +407,7 @@ class T1Linear(nnx.Module):
         # all-gather of B*n_in (its transpose, the backward reduce-scatter to B*n_in/p)
         x_full = remat.name_collective(comm.all_gather(x, self.axis, axis=x.ndim - 1, tiled=True))
         x_full, kernel, bias = _promote(x_full, self.kernel[...], _value(self.bias))
-        y = x_full @ kernel  # [..., out/p]: this rank's output features
+        y = matmul(self, x_full, kernel)  # [..., out/p]: this rank's output features
         return y if bias is None else y + bias
 
 

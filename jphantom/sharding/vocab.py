@@ -1,17 +1,35 @@
-"""Vocabulary-parallel embedding lookup and cross-entropy (Megatron-LM, seed 002 Sec. 3).
+"""Vocabulary-parallel embedding lookup and cross-entropy (Megatron-LM, seed 002 Sec. 3), and
+the cross-entropy in chunks of tokens that never holds the [B, S, V] logits.
 
 The vocabulary V is split over the model axis: rank j holds rows [j V/p, (j+1) V/p) of the token
 embedding, or columns of the logits. Neither function ever gathers the [B, S, V] logits: the
 cross-entropy all-reduces three per-token scalars.
+
+**Chunks** (:func:`chunked_sum`; Liger-Kernel's fused linear cross-entropy and MaxText's vocabulary
+tiling do the same): the N tokens are cut into n chunks, each chunk's logits [N/n, V/p] computed
+from the head's weight, reduced to its loss and dropped, the chunk's gradients computed in the
+same forward (fused) or its logits recomputed in the backward (``jax.checkpoint``, for heads
+that hold their own weights). Logits are in the compute dtype; only one chunk is ever widened to
+float32. n is the fewest chunks dividing N whose float32 logits hold at most
+:data:`LOGITS_CHUNK_ELEMENTS` elements (256 MiB), so small problems run in one chunk, the
+program they always ran. The weights' gradients are accumulated over the chunks in float32.
+Communication is the same bytes in n pieces: the vocabulary-parallel loss's three all-reduces of
+N/n scalars per chunk.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jphantom import comm
+
+LOGITS_CHUNK_ELEMENTS = 2**26  # float32 logits of one chunk: 256 MiB
 
 
 def _vocab_range(local_size: int, axis: str):
@@ -43,3 +61,95 @@ def cross_entropy_sum(logits_local: jax.Array, targets: jax.Array, axis: str) ->
                                  axis=-1)[..., 0]
     picked = comm.psum(jnp.where(mine, picked, 0.0), axis)  # all-reduce of B*S: the target's logit
     return jnp.sum(jnp.log(sum_exp) + peak - picked)
+
+
+def token_chunks(tokens: int, vocab_local: int, max_elements: int | None = None) -> int:
+    """The fewest chunks n dividing ``tokens`` whose [tokens/n, vocab_local] logits hold at most
+    ``max_elements`` (default :data:`LOGITS_CHUNK_ELEMENTS`) elements (``tokens`` if none)."""
+    limit = LOGITS_CHUNK_ELEMENTS if max_elements is None else max_elements
+    need = max(1, -(-tokens * vocab_local // limit))
+    return next((n for n in range(need, tokens + 1) if tokens % n == 0), tokens)
+
+
+def chunked_sum(fn: Callable, h: jax.Array, targets: jax.Array, weights: tuple = (), *,
+                vocab_local: int, max_elements: int | None = None) -> jax.Array:
+    """``fn(h_c, t_c, *weights)`` summed over chunks of the tokens: ``h`` [..., hidden] and
+    ``targets`` [...] flattened to N tokens and cut into :func:`token_chunks` chunks; ``fn``
+    returns a chunk's summed loss (in float32) and reads no parameter but ``weights``.
+
+    With ``weights`` (a head's weight and bias) the sum is *fused* (Liger-Kernel's fused linear
+    cross-entropy): the forward computes each chunk's loss and, from its ``jax.vjp``, the
+    chunk's gradients for a unit cotangent (dh_c kept, the weights' accumulated in float32); the
+    backward only scales them. No logits are stored or recomputed: the FLOPs of the unchunked
+    loss, the memory of one chunk. Without ``weights`` (``fn`` closes over a head of its own)
+    each chunk is ``jax.checkpoint``-ed: its logits are recomputed in the backward."""
+    tokens = targets.size
+    rows, labels = h.reshape(tokens, h.shape[-1]), targets.reshape(tokens)
+    chunks = token_chunks(tokens, vocab_local, max_elements)
+    if chunks == 1:
+        return fn(rows, labels, *weights)
+    rows = rows.reshape(chunks, tokens // chunks, rows.shape[-1])
+    labels = labels.reshape(chunks, tokens // chunks)
+    if weights:
+        dtypes = tuple(w.dtype for w in weights)
+        wide = [w.astype(jnp.promote_types(w.dtype, jnp.float32)) for w in weights]
+        return _fused_sum(fn, dtypes, rows, labels, *wide)
+    one = jax.checkpoint(fn)
+    first = one(rows[0], labels[0])  # the carry starts varying as a chunk's sum does
+    total, _ = lax.scan(lambda total, chunk: (total + one(*chunk), None), first,
+                        (rows[1:], labels[1:]))
+    return total
+
+
+def _narrow(fn, dtypes):
+    """``fn`` taking float32 weights, narrowing them to ``dtypes`` (their compute dtypes)."""
+    return lambda x, t, *wide: fn(x, t, *(w.astype(d) for w, d in zip(wide, dtypes)))
+
+
+def _sum_of_chunks(fn, dtypes, rows, labels, *wide):
+    one = _narrow(fn, dtypes)
+    first = one(rows[0], labels[0], *wide)
+    total, _ = lax.scan(lambda total, c: (total + one(*c, *wide), None), first,
+                        (rows[1:], labels[1:]))
+    return total
+
+
+def _sum_and_gradients(fn, dtypes, rows, labels, *wide):
+    """The sum over chunks and its gradients for a unit cotangent: d rows (per chunk, the rows'
+    dtype) and d weights (float32, accumulated over the chunks)."""
+    one = _narrow(fn, dtypes)
+
+    def chunk(rows_c, labels_c):
+        loss, pullback = jax.vjp(lambda x, *w: one(x, labels_c, *w), rows_c, *wide)
+        d_rows, *d_wide = pullback(jnp.ones_like(loss))
+        return loss, d_rows, d_wide
+
+    loss, d_first, d_wide = chunk(rows[0], labels[0])
+
+    def add(carry, c):
+        total, d_total = carry
+        loss_c, d_rows, d_w = chunk(*c)
+        return (total + loss_c, [a + b for a, b in zip(d_total, d_w)]), d_rows
+
+    (total, d_wide), d_rest = lax.scan(add, (loss, d_wide), (rows[1:], labels[1:]))
+    return total, jnp.concatenate([d_first[None], d_rest]), d_wide
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fused_sum(fn, dtypes, rows, labels, *wide):
+    return _sum_of_chunks(fn, dtypes, rows, labels, *wide)
+
+
+def _fused_forward(fn, dtypes, rows, labels, *wide):
+    total, d_rows, d_wide = _sum_and_gradients(fn, dtypes, rows, labels, *wide)
+    return total, (d_rows, d_wide, labels)
+
+
+def _fused_backward(fn, dtypes, residuals, g):
+    d_rows, d_wide, labels = residuals
+    zero_labels = np.zeros(labels.shape, jax.dtypes.float0)
+    return ((g.astype(d_rows.dtype) * d_rows).astype(d_rows.dtype), zero_labels,
+            *(g.astype(d.dtype) * d for d in d_wide))
+
+
+_fused_sum.defvjp(_fused_forward, _fused_backward)
