@@ -15,12 +15,17 @@ with the scale s = amax(|x|) / max_format computed from the tensor itself at eve
 (*current* scaling; TransformerEngine's default is *delayed* scaling from an amax history, which
 saves the amax reduction but lags the data): x_q = round_format(x / s), dequantised as x_q s.
 
-Written as quantise-dequantise around ``lax.dot_general`` (:func:`dot_general`, the ``dot_general``
-of an ``nnx.Linear``; :func:`quantized` and :func:`quantized_gradient` for layers that write their
-GEMMs themselves): XLA's GPU GEMM rewriter turns ``dot(convert(x_q) s_x, convert(W_q) s_W)`` into
-one cuBLASLt FP8 GEMM taking the scales as operands (Hopper and later); on other platforms the
-same program runs the dequantised operands through the compute-dtype GEMM, which is the same
-arithmetic up to the accumulation order: an emulation, used on CPU by the tests. The straight-
+The GEMMs are written on the 8-bit operands themselves (:func:`matmul`, :func:`batched_matmul`,
+and :func:`dot_general` for ``nnx.Linear``; a ``jax.custom_vjp`` whose backward quantises dy and
+runs the dgrad and wgrad GEMMs on E5M2 x E4M3): ``lax.dot_general(x_q, W_q,
+preferred_element_type=float32) * (s_x s_W)``, which XLA:GPU compiles to one GEMM on FP8
+operands with the scales in its epilogue (a Triton or cuBLASLt FP8 GEMM on Hopper), and XLA:CPU
+runs exactly by widening the operands: the tests' emulation. The residuals kept for the
+backward are x_q and W_q, one byte an element. Where a layer's GEMMs are its own (phantom's
+hand-written backward, the dropless experts' ``lax.ragged_dot``) the operands are quantised and
+dequantised around them instead (:func:`quantized`, :func:`quantized_gradient`): the same
+numbers, on the compute dtype's tensor cores (an ``optimization_barrier`` keeps XLA from folding
+the round trip away, as ``xla_allow_excess_precision`` otherwise does on GPUs). The straight-
 through estimator carries gradients through the rounding (TransformerEngine's and torchao's).
 
 **One scale per tensor, as on one device.** A tensor split over mesh axes (a weight over
@@ -38,6 +43,8 @@ and optimizer state.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -67,9 +74,10 @@ def quantize(x: jax.Array, fmt) -> tuple[jax.Array, jax.Array]:
 
 
 def round_trip(x: jax.Array, fmt) -> jax.Array:
-    """``x`` quantised to ``fmt`` and dequantised back to its dtype: what the GEMM sees."""
+    """``x`` quantised to ``fmt`` and dequantised back to its dtype: the numbers an FP8 GEMM
+    sees (the 8-bit value behind an ``optimization_barrier``, so that XLA keeps the rounding)."""
     q, scale = quantize(x, fmt)
-    return q.astype(x.dtype) * scale.astype(x.dtype)
+    return lax.optimization_barrier(q).astype(x.dtype) * scale.astype(x.dtype)
 
 
 @jax.custom_vjp
@@ -91,19 +99,70 @@ def quantized_gradient(y: jax.Array) -> jax.Array:
 quantized_gradient.defvjp(lambda y: (y, None), lambda _, g: (round_trip(g, E5M2),))
 
 
+def _gemm(a8, b8, dims, scale, dtype):
+    """An FP8 GEMM: float32 accumulation, the two scales applied once, the result in ``dtype``."""
+    return (lax.dot_general(a8, b8, dims, preferred_element_type=jnp.float32)
+            * scale).astype(dtype)
+
+
+# x [N, in] @ w [in, out]; batched: x [E, N, in] @ w [E, in, out] (the experts' GEMMs)
+_DIMS = {False: ((((1,), (0,)), ((), ())),  # y = x w
+                 (((1,), (1,)), ((), ())),  # dx = dy w^T
+                 (((0,), (0,)), ((), ()))),  # dw = x^T dy
+         True: ((((2,), (1,)), ((0,), (0,))),
+                (((2,), (2,)), ((0,), (0,))),
+                (((1,), (1,)), ((0,), (0,))))}
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _fp8_matmul(x, w, batched: bool):
+    return _fp8_matmul_fwd(x, w, batched)[0]
+
+
+def _fp8_matmul_fwd(x, w, batched):
+    x8, sx = quantize(x, E4M3)
+    w8, sw = quantize(w, E4M3)
+    return _gemm(x8, w8, _DIMS[batched][0], sx * sw, x.dtype), (x8, sx, w8, sw)
+
+
+def _fp8_matmul_bwd(batched, residuals, g):
+    x8, sx, w8, sw = residuals
+    g8, sg = quantize(g, E5M2)
+    _, dgrad, wgrad = _DIMS[batched]
+    return _gemm(g8, w8, dgrad, sg * sw, g.dtype), _gemm(x8, g8, wgrad, sx * sg, g.dtype)
+
+
+_fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w`` (x [..., in], w [in, out]) as FP8 GEMMs forward and backward (module
+    docstring), in the operands' common dtype."""
+    dtype = jnp.result_type(x, w)
+    rows = x.astype(dtype).reshape(-1, x.shape[-1])
+    return _fp8_matmul(rows, w.astype(dtype), False).reshape(*x.shape[:-1], w.shape[-1])
+
+
+def batched_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``einsum("enh,ehf->enf", x, w)``: E independent FP8 GEMMs (a mixture's experts)."""
+    dtype = jnp.result_type(x, w)
+    return _fp8_matmul(x.astype(dtype), w.astype(dtype), True)
+
+
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                 **options):
-    """``lax.dot_general`` on FP8 operands (module docstring): a drop-in ``dot_general`` for
-    ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Einsum``."""
+    """A drop-in ``dot_general`` (``nnx.Linear``'s): the FP8 GEMMs of :func:`matmul` for a
+    contraction of ``lhs``'s last dimension with a 2-D ``rhs``'s first; any other contraction on
+    FP8-rounded operands (:func:`quantized`) in the compute dtype."""
+    (contract_l, contract_r), (batch_l, batch_r) = dimension_numbers
+    if (tuple(contract_l) == (lhs.ndim - 1,) and tuple(contract_r) == (0,) and rhs.ndim == 2
+            and not batch_l and not batch_r):
+        out = matmul(lhs, rhs)
+        return out if preferred_element_type is None else out.astype(preferred_element_type)
     out = lax.dot_general(quantized(lhs), quantized(rhs), dimension_numbers, precision=precision,
                           preferred_element_type=preferred_element_type, **options)
     return quantized_gradient(out)
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w`` (``w`` [in, out]) on FP8 operands."""
-    return dot_general(x, w, (((x.ndim - 1,), (w.ndim - 2,)), ((), ())))
-
-
-__all__ = ["E4M3", "E5M2", "dot_general", "matmul", "quantized", "quantized_gradient",
-           "quantize", "round_trip", "scale_of"]
+__all__ = ["E4M3", "E5M2", "batched_matmul", "dot_general", "matmul", "quantized",
+           "quantized_gradient", "quantize", "round_trip", "scale_of"]

@@ -37,6 +37,8 @@ the mesh (:class:`jphantom.nn.expert.ExpertParallelMoE`).
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -72,8 +74,8 @@ def _hidden(project, activation: str):
 
 
 def _fp8_operands(rows, weights: dict, fp8: bool):
-    """``rows`` and the weight matrices as FP8 forward operands (:mod:`jphantom.fp8`) when
-    ``fp8``, else as they are."""
+    """``rows`` and the weight matrices rounded to FP8 (:func:`jphantom.fp8.quantized`) when
+    ``fp8``, else as they are: the grouped GEMMs' operands (``lax.ragged_dot`` takes no FP8)."""
     if not fp8:
         return rows, weights
     return fp8_ops.quantized(rows), {k: fp8_ops.quantized(v) if k.startswith("w_") else v
@@ -91,16 +93,15 @@ def expert_ffn(rows: jax.Array, weights: dict, activation: str, reduce=None,
     outputs of tensor-parallel experts (f split over ranks) before ``b_down``; it may also
     scatter them (N' < N, duplicate token dropping). ``fp8``: the GEMMs on FP8 operands."""
     dtype = jnp.result_type(rows, weights["w_up"])
-    rows, weights = _fp8_operands(rows.astype(dtype), weights, fp8)
+    rows = rows.astype(dtype)
+    gemm = fp8_ops.batched_matmul if fp8 else partial(jnp.einsum, "enh,ehf->enf")
 
     def project(name):
-        y = _fp8_output(jnp.einsum("enh,ehf->enf", rows, weights["w_" + name].astype(dtype)), fp8)
+        y = gemm(rows, weights["w_" + name].astype(dtype))
         bias = weights.get("b_" + name)
         return y if bias is None else y + bias.astype(dtype)[:, None, :]
 
-    hidden = _hidden(project, activation)
-    out = _fp8_output(jnp.einsum("enf,efh->enh", fp8_ops.quantized(hidden) if fp8 else hidden,
-                                 weights["w_down"].astype(dtype)), fp8)
+    out = gemm(_hidden(project, activation), weights["w_down"].astype(dtype))
     if reduce is not None:
         out = reduce(out)
     bias = weights.get("b_down")
