@@ -245,8 +245,12 @@ def run_variant(name: str, shape: dict, steps: int, warmup: int) -> dict:
     flops = flops_per_token(config, "dense", shape["seq_len"]) * tokens_per_step
     peak = peak_tflops(device)
     stats = device.memory_stats() if on_gpu else None
+    from jphantom.sharding.vocab import LOGITS_CHUNK_ELEMENTS, token_chunks
+
     return {"variant": name, "device": getattr(device, "device_kind", device.platform),
-            "platform": device.platform, "jax": jax.__version__, "compile_seconds": compile_seconds,
+            "platform": device.platform, "jax": jax.__version__,
+            "loss_chunks": token_chunks(tokens_per_step, shape["vocab"], LOGITS_CHUNK_ELEMENTS)
+            if name.startswith("jphantom") else 1, "compile_seconds": compile_seconds,
             "step_seconds": step_s, "step_seconds_all": times,
             "tokens_per_second": tokens_per_step / step_s,
             "model_tflops": flops / step_s / 1e12, "model_flops_per_step": flops,
