@@ -15,6 +15,9 @@ each in its own process (so that each has its own peak memory and compile):
                     the layers, ``jax.nn.dot_product_attention(implementation="cudnn")``, logits
                     [B, S, V] in bf16 and optax's cross-entropy in float32, ``optax.adamw``, one
                     ``jax.jit`` with the state donated)
+``jphantom-bf16-unchunked``, ``jphantom-bf16-c26``: bf16 with the loss in one chunk (every
+                    logit held, as the reference) or in chunks of 2^26 logits (32 here): what the
+                    chunking costs
 ``train``           ``python -m jphantom train`` on a small Llama for a few steps: its
                     ``metrics.jsonl`` must record ``energy_source: "nvml"``, an MFU and a peak
                     memory
@@ -49,7 +52,10 @@ FULL = dict(layers=16, hidden=2048, heads=32, kv_heads=8, intermediate=8192, voc
             seq_len=4096, batch=4)
 SMALL = dict(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=512,
              seq_len=128, batch=2)
-VARIANTS = ("jphantom-bf16", "reference-bf16", "jphantom-fp8")
+VARIANTS = ("jphantom-bf16", "reference-bf16", "jphantom-fp8", "jphantom-bf16-unchunked",
+            "jphantom-bf16-c26")
+# the loss's chunk limit of the variants that change it (jphantom.sharding.vocab)
+CHUNK_LIMITS = {"unchunked": 2**62, "c26": 2**26}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -197,6 +203,12 @@ def run_variant(name: str, shape: dict, steps: int, warmup: int) -> dict:
     if name.startswith("jphantom"):
         from flax import nnx
 
+        from jphantom.sharding import vocab
+
+        limit = CHUNK_LIMITS.get(name.split("-")[-1])
+        if limit is not None:
+            vocab.LOGITS_CHUNK_ELEMENTS = limit
+
         import jphantom
         from jphantom.mesh import MeshConfig
         from jphantom.models.llama import Llama, lm_loss
@@ -245,11 +257,11 @@ def run_variant(name: str, shape: dict, steps: int, warmup: int) -> dict:
     flops = flops_per_token(config, "dense", shape["seq_len"]) * tokens_per_step
     peak = peak_tflops(device)
     stats = device.memory_stats() if on_gpu else None
-    from jphantom.sharding.vocab import LOGITS_CHUNK_ELEMENTS, token_chunks
+    from jphantom.sharding import vocab
 
     return {"variant": name, "device": getattr(device, "device_kind", device.platform),
             "platform": device.platform, "jax": jax.__version__,
-            "loss_chunks": token_chunks(tokens_per_step, shape["vocab"], LOGITS_CHUNK_ELEMENTS)
+            "loss_chunks": vocab.token_chunks(tokens_per_step, shape["vocab"])
             if name.startswith("jphantom") else 1, "compile_seconds": compile_seconds,
             "step_seconds": step_s, "step_seconds_all": times,
             "tokens_per_second": tokens_per_step / step_s,
@@ -424,17 +436,17 @@ def main(argv=None) -> int:
     _plot(results, out / "gpu_step.png")
     print(f"\n{results['device']} (jax {results['jax']}), Llama {results['params'] / 1e9:.2f}B, "
           f"S={shape['seq_len']}, batch {shape['batch']}; gemm: {results.get('gemm')}")
-    print(f"{'variant':<16} {'step s':>8} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'MFU/gemm':>8} "
+    print(f"{'variant':<24} {'step s':>8} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'MFU/gemm':>8} "
           f"{'peak GiB':>9} {'J/token':>8} {'loss first->last':>18}")
     for row in results["variants"]:
         if "step_seconds" not in row:
-            print(f"{row['variant']:<16} failed: {row.get('error')} "
+            print(f"{row["variant"]:<24} failed: {row.get('error')} "
                   f"{row.get('stderr_tail', '')[-600:]}")
             continue
         pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"
         gib = "-" if row["peak_memory_bytes"] is None else f"{row['peak_memory_bytes'] / 2**30:.1f}"
         jpt = "-" if row["joules_per_token"] is None else f"{row['joules_per_token']:.4f}"
-        print(f"{row['variant']:<16} {row['step_seconds']:>8.4f} {row['tokens_per_second']:>9.0f} "
+        print(f"{row["variant"]:<24} {row['step_seconds']:>8.4f} {row['tokens_per_second']:>9.0f} "
               f"{row['model_tflops']:>8.1f} {pct(row['mfu_datasheet']):>6} "
               f"{pct(row['mfu_measured_gemm']):>8} {gib:>9} {jpt:>8} "
               f"{row['losses'][0]:>8.4f}->{row['losses'][-1]:.4f}")
