@@ -440,13 +440,13 @@ def main(argv=None) -> int:
           f"{'peak GiB':>9} {'J/token':>8} {'loss first->last':>18}")
     for row in results["variants"]:
         if "step_seconds" not in row:
-            print(f"{row["variant"]:<24} failed: {row.get('error')} "
+            print(f"{row['variant']:<24} failed: {row.get('error')} "
                   f"{row.get('stderr_tail', '')[-600:]}")
             continue
         pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"
         gib = "-" if row["peak_memory_bytes"] is None else f"{row['peak_memory_bytes'] / 2**30:.1f}"
         jpt = "-" if row["joules_per_token"] is None else f"{row['joules_per_token']:.4f}"
-        print(f"{row["variant"]:<24} {row['step_seconds']:>8.4f} {row['tokens_per_second']:>9.0f} "
+        print(f"{row['variant']:<24} {row['step_seconds']:>8.4f} {row['tokens_per_second']:>9.0f} "
               f"{row['model_tflops']:>8.1f} {pct(row['mfu_datasheet']):>6} "
               f"{pct(row['mfu_measured_gemm']):>8} {gib:>9} {jpt:>8} "
               f"{row['losses'][0]:>8.4f}->{row['losses'][-1]:.4f}")
