@@ -184,6 +184,7 @@ class ParallelConfig:
     virtual_stages: int = 1
     context_attention: str = "ring"  # with a context axis: ring or all-gather attention
     load_balance: bool = True  # with a context axis: the load-balanced causal layout
+    collective_matmul: bool = False  # SP's all-gathers / reduce-scatters as rings under GEMMs
 
     def __post_init__(self):
         from jphantom.nn.attention import ALGORITHMS
@@ -195,6 +196,9 @@ class ParallelConfig:
         _choice("schedule", self.schedule, ALL_SCHEDULES)
         _choice("context_attention", self.context_attention, ALGORITHMS)
         _at_least(self, 1, "microbatches", "virtual_stages")
+        if self.collective_matmul and not self.sequence_parallel:
+            raise ConfigError("--collective-matmul overlaps sequence parallelism's all-gathers "
+                              "and reduce-scatters with the GEMMs: add --sequence-parallel")
         self.mesh_config()
 
     def mesh_config(self):
@@ -588,6 +592,8 @@ def _build(model: ModelConfig, parallel: ParallelConfig, step: StepConfig,
         options["sequence_parallel"] = True
     if parallel.dtd:
         options["dtd"] = True
+    if parallel.collective_matmul:
+        options["collective_matmul"] = True
     if parallel.mesh_config().size("context") > 1:
         options["context_attention"] = parallel.context_attention
         options["load_balance"] = parallel.load_balance

@@ -109,8 +109,12 @@ class Style:
     weights: str | None = None  # pmm3d: "kept" (default), "regather" or "deferred"
     algorithm: str | None = None  # context: "ring" (default) or "all-gather"
     balanced: bool = True  # context: the load-balanced causal layout
+    collective_matmul: bool = False  # sequence (a norm) and row: the SP collectives as rings
 
     def __post_init__(self):
+        if self.collective_matmul and self.name not in ("sequence", "row"):
+            raise ConfigError(f"collective_matmul belongs to the 'sequence' (a norm before "
+                              f"column layers) and 'row' styles, not {self.name!r}")
         if self.algorithm is not None:
             if self.name != "context":
                 raise ConfigError(f"algorithm belongs to the 'context' style, not {self.name!r}")
@@ -224,14 +228,16 @@ def _convert(path: str, module, style: Style, *, axis: str, p: int, sequence_par
     if name == "row" and linear:
         _divides(path, "in_features", module.in_features, p, axis)
         return tensor.RowParallelLinear.from_module(module, axis=axis,
-                                                    sequence_parallel=sequence_parallel)
+                                                    sequence_parallel=sequence_parallel,
+                                                    collective_matmul=style.collective_matmul)
     if name == "vocab" and embed:
         _divides(path, "num_embeddings", module.num_embeddings, p, axis)
         return tensor.VocabParallelEmbed.from_module(module, axis=axis,
                                                      sequence_parallel=sequence_parallel)
     if name in ("input", "sequence") and norm:
         return tensor.InputNorm.from_module(module, axis=axis,
-                                            sequence_parallel=name == "sequence")
+                                            sequence_parallel=name == "sequence",
+                                            collective_matmul=style.collective_matmul)
     if name == "sequence" and embed:
         return tensor.SequenceParallelEmbed.from_module(module, axis=axis)
     if name == "experts" and experts:
@@ -504,15 +510,26 @@ def _name(path_tuple) -> str:
     return str(path_tuple[-1])
 
 
-def megatron(model: nnx.Module, *, sequence_parallel: bool = False,
-             dtd: bool = False) -> dict[str, str | Style]:
+def megatron(model: nnx.Module, *, sequence_parallel: bool = False, dtd: bool = False,
+             collective_matmul: bool = False) -> dict[str, str | Style]:
     """Megatron tensor parallelism (seed 002): q/k/v and up/gate column-parallel, attention output
     and down row-parallel, embedding and head vocabulary-parallel, experts split over their width,
     routers replicated, norms ``input`` (f once for the layers they feed: pre-norm blocks);
     ``sequence_parallel`` (seed 003): norms and position tables ``sequence``. A routed mixture of
     experts (:class:`~jphantom.nn.experts.SwitchMoE`) is ``experts`` (over ``expert`` and TED;
-    ``dtd``: duplicate token dropping) and the norm before it (:data:`MLP_NORMS`) ``replicate``."""
+    ``dtd``: duplicate token dropping) and the norm before it (:data:`MLP_NORMS`) ``replicate``.
+    ``collective_matmul`` (with ``sequence_parallel``): the row layers and the norms inside the
+    blocks that feed column layers only (not a block's MLP norm where its MLP is a mixture of
+    experts, not the final norm before the head) run their collectives as rings under the GEMMs
+    (:mod:`jphantom.nn.tensor`)."""
+    if collective_matmul and not sequence_parallel:
+        raise ConfigError("collective_matmul overlaps sequence parallelism's all-gathers and "
+                          "reduce-scatters with the GEMMs: pass sequence_parallel=True too "
+                          "(--sequence-parallel)")
     modules, embeds, vocab = _walk(model)
+    expert_blocks = {path_tuple[:i] for path_tuple, module in modules.values()
+                     if isinstance(module, (SwitchMoE, Experts)) for i in range(len(path_tuple))}
+    cm = lambda name: Style(name, collective_matmul=True) if collective_matmul else name
     moe_blocks = {path_tuple[:-1] for path_tuple, module in modules.values()
                   if isinstance(module, SwitchMoE)}
     if dtd and not moe_blocks:
@@ -530,7 +547,10 @@ def megatron(model: nnx.Module, *, sequence_parallel: bool = False,
         elif isinstance(module, NORMS) and path_tuple[:-1] in moe_blocks and name in MLP_NORMS:
             plan[path] = "replicate"  # the MoE routes the stream as it is (SP: this rank's S/p)
         elif isinstance(module, NORMS):  # pre-norm blocks: every norm feeds column layers
-            plan[path] = "sequence" if sequence_parallel else "input"
+            in_block = len(path_tuple) > 1
+            feeds_columns = not (name in MLP_NORMS and path_tuple[:-1] in expert_blocks)
+            plan[path] = ("input" if not sequence_parallel
+                          else cm("sequence") if in_block and feeds_columns else "sequence")
         elif isinstance(module, Experts):
             plan[path] = "experts"
         elif isinstance(module, nnx.Linear):
@@ -539,7 +559,7 @@ def megatron(model: nnx.Module, *, sequence_parallel: bool = False,
             elif name in COLUMN:
                 plan[path] = "column"
             elif name in ROW:
-                plan[path] = "row"
+                plan[path] = cm("row")
             elif vocab is not None and module.out_features == vocab:
                 plan[path] = "vocab"
             else:

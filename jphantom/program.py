@@ -198,7 +198,8 @@ def check_lm_mesh(strategy: str, mesh: MeshConfig) -> MeshConfig:
 
 
 def lm_plan(model: nnx.Module, strategy: str, mesh: MeshConfig, *, sequence_parallel=False,
-            ghost_width=None, dtd=False, context_attention="ring", load_balance=True):
+            ghost_width=None, dtd=False, context_attention="ring", load_balance=True,
+            collective_matmul=False):
     """Parallelise the language model ``model`` in place under ``strategy`` (``dtd``: duplicate
     token dropping in the routed MoE layers, ``tensor`` only); with a ``context`` axis its
     attention runs over it (``context_attention``: ring or all-gather; ``load_balance``: the
@@ -212,9 +213,13 @@ def lm_plan(model: nnx.Module, strategy: str, mesh: MeshConfig, *, sequence_para
     if sequence_parallel and strategy != "tensor":
         raise ConfigError("sequence_parallel applies to strategy 'tensor' (Megatron-SP), not "
                           f"to {strategy!r}")
+    if collective_matmul and strategy != "tensor":
+        raise ConfigError("collective_matmul overlaps Megatron-SP's collectives: it applies to "
+                          f"strategy 'tensor', not {strategy!r}")
     shape = mesh.shape
     if strategy in ("tensor",):
-        plan = plans.megatron(model, sequence_parallel=sequence_parallel, dtd=dtd)
+        plan = plans.megatron(model, sequence_parallel=sequence_parallel, dtd=dtd,
+                              collective_matmul=collective_matmul)
         plans.parallelize(model, shape, _replicate_odd_vocabulary(model, plan, mesh,
                                                                   sequence_parallel))
     elif strategy in ("phantom", "phantom-unfused"):
@@ -275,7 +280,7 @@ def lm_build(family_class: type, family_name: str):
     def build_lm(config, strategy: str, mesh: MeshConfig, *, sequence_parallel: bool = False,
                  ghost_width: int | None = None, seed: int = 0, model: nnx.Module | None = None,
                  dtd: bool = False, context_attention: str = "ring", load_balance: bool = True,
-                 **options) -> Program:
+                 collective_matmul: bool = False, **options) -> Program:
         if options:
             raise ConfigError(f"options {sorted(options)} do not apply to the {family_name} model")
         check_experts(config, strategy, mesh, sequence_parallel=sequence_parallel, dtd=dtd)
@@ -292,7 +297,7 @@ def lm_build(family_class: type, family_name: str):
         def planned(m):
             return lm_plan(m, strategy, mesh, sequence_parallel=sequence_parallel, ghost_width=k,
                            dtd=dtd, context_attention=context_attention,
-                           load_balance=load_balance)
+                           load_balance=load_balance, collective_matmul=collective_matmul)
 
         if model is not None:
             create, built = None, planned(model)
@@ -304,7 +309,8 @@ def lm_build(family_class: type, family_name: str):
                        spmd="gspmd" if strategy == "gspmd" else "shard_map",
                        options={"sequence_parallel": sequence_parallel, "ghost_width": k,
                                 "dtd": dtd, "context_attention": context_attention,
-                                "load_balance": load_balance})
+                                "load_balance": load_balance,
+                                "collective_matmul": collective_matmul})
 
     return build_lm
 

@@ -34,6 +34,30 @@ ScatterFeatures          none (keeps the own slice)                  all-gather 
 T1Linear (seed 000)      all-gather of B n_in (its input's features)  reduce-scatter to B n_in / p
 =======================  ==========================================  ============================
 
+**Collective matmul** (``collective_matmul=True`` under sequence parallelism; Wang et al. 2023,
+"Overlap Communication with Dependent Computation via Decomposition in Large Deep Learning
+Models", which XLA's windowed einsum and torchtitan's async tensor parallelism implement): the
+all-gather before the column layers and the reduce-scatter after a row layer are cut into p-1
+``ppermute`` steps of one sequence chunk [B, S/p, h] each, and every GEMM into p GEMMs of one
+chunk, so that each step's transfer runs under the GEMM of the chunk already at hand:
+
+- :class:`InputNorm` hands the column layers it feeds its own chunk (:class:`SequenceChunks`);
+  the first of them passes the chunks around the ring (rank r receives rank r+1's chunk, then
+  r+2's, ...) in a loop whose step multiplies the chunk at hand while the next one arrives
+  (:func:`all_gather_matmul`), and leaves the gathered sequence for the others (k and v after q,
+  up after gate), which multiply it whole: one ring per norm, the all-gather's bytes, with the
+  first layer's GEMM under it.
+- :class:`RowParallelLinear` computes, in a loop, the partial sum of the chunk that is on its way
+  to rank r-1-i at step i while the accumulator from rank r-1 is in flight, and adds them
+  (:func:`matmul_reduce_scatter`): after p-1 steps rank r holds the whole sum of its own chunk.
+
+Each is a ``lax.scan``: written out step by step, XLA merges the chunks' GEMMs back into one
+(its dot merger and concatenate simplification), and nothing is left to overlap.
+
+The bytes are the all-gather's and the reduce-scatter's, as (p-1) collective-permutes of
+B S h / p each; backward, autodiff turns each ring around (the gradients' reduce-scatter and
+all-gather, overlapped the same way).
+
 Megatron's f (``copy_to_tensor_model_parallel_region``) is ``comm.pcast(x, axis, to="varying")``:
 identity forward, its transpose the all-reduce. g (``reduce_from_...``) is ``lax.psum``: its
 transpose is free under ``check_vma=True``.
@@ -59,6 +83,7 @@ from jax import lax
 from jphantom import comm
 from jphantom import fp8 as fp8_ops
 from jphantom import remat
+from jphantom.errors import ConfigError
 from jphantom.nn import metadata
 from jphantom.nn.boundary import Boundary
 from jphantom.nn import norm as norm_ops
@@ -119,6 +144,74 @@ def reduce_from_model(partial_sum: jax.Array, axis: str, sequence_parallel: bool
     return remat.name_collective(comm.psum(partial_sum, axis))
 
 
+class SequenceChunks:
+    """This rank's chunk [B, S/p, h] of a sequence split over ``axis``, not yet gathered: what a
+    collective-matmul :class:`InputNorm` hands the column layers it feeds. The first
+    :class:`ColumnParallelLinear` to take it gathers the sequence around the ring with its own
+    GEMM under the transfers (:func:`all_gather_matmul`) and leaves the gathered sequence here;
+    the others (k and v after q, up after gate) multiply that: one ring per norm, as one
+    all-gather was."""
+
+    def __init__(self, local: jax.Array, axis: str):
+        self.local, self.axis = local, axis
+        self.whole = None  # [B, S, h] once the first column layer has gathered it
+
+
+def _varying_zeros(shape, like):
+    zeros = jnp.zeros(shape, like.dtype)
+    axes = tuple(sorted(comm.varying_axes(like)))
+    return comm.pcast(zeros, axes, to="varying") if axes else zeros
+
+
+def all_gather_matmul(layer, x: jax.Array, kernel: jax.Array, axis: str):
+    """``(all-gather(x) @ kernel, all-gather(x))`` over the sequence, as a collective matmul:
+    x [B, S/p, in] -> ([B, S, out], [B, S, in]). A loop of p-1 steps: each passes the chunk at
+    hand to the left neighbour (rank r receives r+1's, then r+2's, ...; p-1
+    collective-permutes of B S in / p, the all-gather's bytes) while multiplying it, then the
+    last chunk's GEMM."""
+    size, rank = lax.axis_size(axis), comm.axis_index(axis)
+    chunk, seq = x.shape[-2], x.ndim - 2
+    to_left = [(i, (i - 1) % size) for i in range(size)]
+
+    def place(buffer, block, step):
+        return lax.dynamic_update_slice_in_dim(buffer, block, ((rank + step) % size) * chunk, seq)
+
+    def step(carry, index):
+        held, gathered, out = carry
+        arriving = remat.name_collective(lax.ppermute(held, axis, to_left))  # under the GEMM
+        out = place(out, matmul(layer, held, kernel), index)
+        return (arriving, place(gathered, held, index), out), None
+
+    whole = (*x.shape[:-2], chunk * size)
+    y_like = jax.eval_shape(lambda a: matmul(layer, a, kernel), x)
+    carry = (x, _varying_zeros((*whole, x.shape[-1]), x),
+             _varying_zeros((*whole, y_like.shape[-1]), x).astype(y_like.dtype))
+    (last, gathered, out), _ = lax.scan(step, carry, jnp.arange(size - 1))
+    out = place(out, matmul(layer, last, kernel), size - 1)
+    return out, place(gathered, last, size - 1)
+
+
+def matmul_reduce_scatter(layer, x: jax.Array, kernel: jax.Array, axis: str) -> jax.Array:
+    """(x @ kernel) summed over ``axis`` and scattered over the sequence, as a collective matmul:
+    x [B, S, in/p] -> [B, S/p, out]. A loop: step i computes the partial sum of the chunk bound
+    for rank r-1-i while the accumulator received from rank r-1 is in flight, then adds them
+    (p-1 collective-permutes of B S out / p, the reduce-scatter's bytes)."""
+    size, rank = lax.axis_size(axis), comm.axis_index(axis)
+    chunk = x.shape[-2] // size
+    to_right = [(i, (i + 1) % size) for i in range(size)]
+
+    def part(index):
+        rows = lax.dynamic_slice_in_dim(x, (index % size) * chunk, chunk, axis=x.ndim - 2)
+        return matmul(layer, rows, kernel)
+
+    def step(total, index):
+        arrived = remat.name_collective(lax.ppermute(total, axis, to_right))
+        return arrived + part(rank - 1 - index), None
+
+    total, _ = lax.scan(step, part(rank - 1), jnp.arange(1, size))
+    return total
+
+
 def own_sequence(x: jax.Array, axis: str) -> jax.Array:
     """This rank's S/p slice of the sequence dimension (-2) of ``x``."""
     chunk = x.shape[-2] // lax.axis_size(axis)
@@ -149,7 +242,13 @@ class ColumnParallelLinear(nnx.Module):
     def dense_equivalent(self) -> nnx.Linear:
         return _linear(self.kernel[...], _value(self.bias), self.dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x) -> jax.Array:
+        if isinstance(x, SequenceChunks):  # collective matmul
+            if x.whole is None:  # the first layer of the norm: the ring, under its GEMMs
+                local, kernel, bias = _promote(x.local, self.kernel[...], _value(self.bias))
+                y, x.whole = all_gather_matmul(self, local, kernel, self.axis)
+                return y if bias is None else y + bias
+            x = x.whole  # gathered by the first: multiplied whole
         x = to_full_sequence(x, self.axis, self.sequence_parallel)
         x, kernel, bias = _promote(x, self.kernel[...], _value(self.bias))
         y = matmul(self, x, kernel)
@@ -167,20 +266,30 @@ class RowParallelLinear(nnx.Module):
     fp8 = False  # the GEMM on FP8 operands (precision='fp8')
 
     def __init__(self, kernel, bias=None, *, axis: str = "model",
-                 sequence_parallel: bool = False, dtype=None):
+                 sequence_parallel: bool = False, dtype=None, collective_matmul: bool = False):
         self.axis, self.sequence_parallel, self.dtype = axis, sequence_parallel, dtype
+        self.collective_matmul = _check_collective_matmul(collective_matmul, sequence_parallel)
         self.kernel = metadata.param(kernel, (axis, None))
         reduce = (axis,) if sequence_parallel else ()
         self.bias = None if bias is None else metadata.param(bias, (None,), reduce_axes=reduce)
 
-    from_module = classmethod(ColumnParallelLinear.from_module.__func__)
+    @classmethod
+    def from_module(cls, linear: nnx.Linear, *, axis: str = "model",
+                    sequence_parallel: bool = False,
+                    collective_matmul: bool = False) -> "RowParallelLinear":
+        return cls(linear.kernel.get_value(), _value(linear.bias), axis=axis,
+                   sequence_parallel=sequence_parallel, dtype=linear.dtype,
+                   collective_matmul=collective_matmul)
 
     def dense_equivalent(self) -> nnx.Linear:
         return _linear(self.kernel[...], _value(self.bias), self.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x, kernel, bias = _promote(x, self.kernel[...], _value(self.bias))
-        y = reduce_from_model(matmul(self, x, kernel), self.axis, self.sequence_parallel)
+        if self.collective_matmul:  # the reduce-scatter as p-1 steps under p GEMMs
+            y = matmul_reduce_scatter(self, x, kernel, self.axis)
+        else:
+            y = reduce_from_model(matmul(self, x, kernel), self.axis, self.sequence_parallel)
         return y if bias is None else y + bias
 
 
@@ -308,19 +417,21 @@ class InputNorm(nnx.Module):
     ``axis`` once per step. Parameters keep the plain norm's names (``scale``, ``bias``)."""
 
     def __init__(self, scale, bias, *, kind: str, epsilon: float, axis: str = "model",
-                 sequence_parallel: bool = False, dtype=None):
+                 sequence_parallel: bool = False, dtype=None, collective_matmul: bool = False):
         self.kind, self.epsilon, self.axis, self.dtype = kind, epsilon, axis, dtype
         self.sequence_parallel = sequence_parallel
+        self.collective_matmul = _check_collective_matmul(collective_matmul, sequence_parallel)
         reduce = (axis,) if sequence_parallel else ()
         self.scale = None if scale is None else metadata.param(scale, (None,), reduce_axes=reduce)
         self.bias = None if bias is None else metadata.param(bias, (None,), reduce_axes=reduce)
 
     @classmethod
-    def from_module(cls, norm, *, axis: str = "model",
-                    sequence_parallel: bool = False) -> "InputNorm":
+    def from_module(cls, norm, *, axis: str = "model", sequence_parallel: bool = False,
+                    collective_matmul: bool = False) -> "InputNorm":
         return cls(_value(getattr(norm, "scale", None)), _value(getattr(norm, "bias", None)),
                    kind=norm_ops.kind_of(norm), epsilon=norm.epsilon, axis=axis,
-                   sequence_parallel=sequence_parallel, dtype=norm.dtype)
+                   sequence_parallel=sequence_parallel, dtype=norm.dtype,
+                   collective_matmul=collective_matmul)
 
     def dense_equivalent(self):
         return norm_ops.plain(self.kind, self.epsilon, self.dtype, _value(self.scale),
@@ -329,6 +440,8 @@ class InputNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         y = norm_ops.normalize(x, self.kind, self.epsilon, _value(self.scale), _value(self.bias),
                                dtype=self.dtype)
+        if self.collective_matmul:  # gathered by the first column layer, under its GEMMs
+            return SequenceChunks(y, self.axis)
         if self.sequence_parallel:
             return gather_sequence(y, self.axis)  # all-gather of B*S*h, once for its layers
         return copy_to_model(y, self.axis)  # f: backward all-reduce of B*S*h, once
@@ -468,6 +581,13 @@ class ScatterFeatures(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return scatter_features(self.axis, x)
+
+
+def _check_collective_matmul(collective_matmul: bool, sequence_parallel: bool) -> bool:
+    if collective_matmul and not sequence_parallel:
+        raise ConfigError("collective_matmul overlaps sequence parallelism's all-gathers and "
+                          "reduce-scatters with the GEMMs: turn sequence parallelism on too")
+    return bool(collective_matmul)
 
 
 def _gather_vocab(local_logits: jax.Array, axis: str) -> jax.Array:
