@@ -344,15 +344,32 @@ def _ring_perm(size: int):
     return [(i, (i + 1) % size) for i in range(size)]
 
 
-def _diagonal_mask(size, local, balanced):
-    pos = layout_positions(comm.axis_index(AXIS), size, local, balanced)
-    return pos[:, None] >= pos[None, :]
+def _kernels(kernel: str, scale: float):
+    """``(forward, backward)`` of one block for ``kernel`` (``xla``: the einsum blocks above;
+    ``pallas`` / ``pallas-interpret``: :mod:`jphantom.nn.flash`'s Triton kernels, the latter
+    through Pallas' interpreter on any platform, for tests): ``forward(q, k, v, causal) ->
+    (o, lse)`` and ``backward(q, k, v, o, lse, delta, do, causal) -> (dq, dk, dv)`` given the
+    final ``o``, ``lse`` and ``delta`` = sum(do o), float32. ``causal``: query i of the block
+    attends keys 0..i (the diagonal step's mask in both layouts)."""
+    if kernel == "xla":
+        mask = lambda q, causal: (jnp.tril(jnp.ones((q.shape[1], q.shape[1]), bool)) if causal
+                                  else None)
+        return (lambda q, k, v, causal: _block(q, k, v, mask(q, causal), scale),
+                lambda q, k, v, o, lse, delta, do, causal: _block_grads(
+                    q, k, v, do, lse, delta, mask(q, causal), scale))
+    from jphantom.nn import flash
+
+    interpret = kernel == "pallas-interpret"
+    return (lambda q, k, v, causal: flash.block(q, k, v, causal=causal, scale=scale,
+                                                interpret=interpret),
+            lambda q, k, v, o, lse, delta, do, causal: flash.block_grads(
+                q, k, v, o, lse, do, causal=causal, scale=scale, interpret=interpret))
 
 
-def _forward_branches(balanced, scale):
+def _forward_branches(balanced, forward):
     if not balanced:
         def full(q, k, v):
-            return _block(q, k, v, None, scale)
+            return forward(q, k, v, False)
 
         def skip(q, k, v):
             o = jnp.zeros(q.shape, jnp.float32)
@@ -361,38 +378,38 @@ def _forward_branches(balanced, scale):
 
     def early(q, k, v):
         c = k.shape[1] // 2
-        return _block(q, k[:, :c], v[:, :c], None, scale)
+        return forward(q, k[:, :c], v[:, :c], False)
 
     def late(q, k, v):
         c = q.shape[1] // 2
-        o, lse = _block(q[:, c:], k, v, None, scale)
+        o, lse = forward(q[:, c:], k, v, False)
         zeros = _vary_like(jnp.zeros(o.shape, jnp.float32), o)
         none = _vary_like(jnp.full(lse.shape, -jnp.inf, lse.dtype), lse)
         return jnp.concatenate([zeros, o], 1), jnp.concatenate([none, lse], 1)
     return [early, late]
 
 
-def _backward_branches(balanced, scale):
+def _backward_branches(balanced, backward):
     if not balanced:
-        def full(q, k, v, do, lse, delta):
-            return _block_grads(q, k, v, do, lse, delta, None, scale)
+        def full(q, k, v, o, do, lse, delta):
+            return backward(q, k, v, o, lse, delta, do, False)
 
-        def skip(q, k, v, do, lse, delta):
+        def skip(q, k, v, o, do, lse, delta):
             zq = _vary_like(jnp.zeros(q.shape, jnp.float32), q)
             zk = _vary_like(jnp.zeros(k.shape, jnp.float32), k)
             return zq, zk, _vary_like(jnp.zeros(v.shape, jnp.float32), v)
         return [full, skip]
 
-    def early(q, k, v, do, lse, delta):
+    def early(q, k, v, o, do, lse, delta):
         c = k.shape[1] // 2
-        dq, dk, dv = _block_grads(q, k[:, :c], v[:, :c], do, lse, delta, None, scale)
+        dq, dk, dv = backward(q, k[:, :c], v[:, :c], o, lse, delta, do, False)
         pad = lambda g: jnp.concatenate([g, _vary_like(jnp.zeros(g.shape, g.dtype), g)], 1)
         return dq, pad(dk), pad(dv)
 
-    def late(q, k, v, do, lse, delta):
+    def late(q, k, v, o, do, lse, delta):
         c = q.shape[1] // 2
-        dq, dk, dv = _block_grads(q[:, c:], k, v, do[:, c:], lse[:, c:], delta[:, c:], None,
-                                  scale)
+        dq, dk, dv = backward(q[:, c:], k, v, o[:, c:], lse[:, c:], delta[:, c:], do[:, c:],
+                              False)
         dq = jnp.concatenate([_vary_like(jnp.zeros(dq.shape, dq.dtype), dq), dq], 1)
         return dq, dk, dv
     return [early, late]
@@ -401,13 +418,14 @@ def _backward_branches(balanced, scale):
 # -- ring attention ----------------------------------------------------------------------------
 
 
-def _ring_forward(q, k, v, size, balanced):
+def _ring_forward(q, k, v, size, balanced, kernel):
     """q [B, S/C, Hk, G, d], k and v [B, S/C, Hk, d] -> output and log-sum-exp (float32)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     rank = comm.axis_index(AXIS)
-    o, lse = _block(q, k, v, _diagonal_mask(size, q.shape[1], balanced), scale)
+    forward, _ = _kernels(kernel, scale)
+    o, lse = forward(q, k, v, True)  # the diagonal step: the layout's causal mask
     table = jnp.asarray(schedule(size))
-    branches = _forward_branches(balanced, scale)
+    branches = _forward_branches(balanced, forward)
     kv = (k, v)
     for s in range(1, size):
         kv = lax.ppermute(kv, AXIS, _ring_perm(size))
@@ -416,32 +434,32 @@ def _ring_forward(q, k, v, size, balanced):
     return o, lse
 
 
-def _ring(q, k, v, size, balanced):
-    o, _ = _ring_forward(q, k, v, size, balanced)
+def _ring(q, k, v, size, balanced, kernel):
+    o, _ = _ring_forward(q, k, v, size, balanced, kernel)
     return o.astype(q.dtype)
 
 
-def _ring_fwd(q, k, v, size, balanced):
-    o, lse = _ring_forward(q, k, v, size, balanced)
+def _ring_fwd(q, k, v, size, balanced, kernel):
+    o, lse = _ring_forward(q, k, v, size, balanced, kernel)
     out = o.astype(q.dtype)
     return out, (q, k, v, out, lse)
 
 
-def _ring_bwd(size, balanced, residuals, do):
+def _ring_bwd(size, balanced, kernel, residuals, do):
     q, k, v, o, lse = residuals
     scale = 1.0 / math.sqrt(q.shape[-1])
     rank = comm.axis_index(AXIS)
-    do32 = do.astype(jnp.float32)
-    delta = jnp.sum(do32 * o.astype(jnp.float32), axis=-1)
-    dq, dk, dv = _block_grads(q, k, v, do32, lse, delta,
-                              _diagonal_mask(size, q.shape[1], balanced), scale)
+    _, backward = _kernels(kernel, scale)
+    do32, o32 = do.astype(jnp.float32), o.astype(jnp.float32)
+    delta = jnp.sum(do32 * o32, axis=-1)
+    dq, dk, dv = backward(q, k, v, o32, lse, delta, do32, True)
     table = jnp.asarray(schedule(size))
-    branches = _backward_branches(balanced, scale)
+    branches = _backward_branches(balanced, backward)
     perm = _ring_perm(size)
     kv, carried = (k, v), None
     for s in range(1, size):
         kv = lax.ppermute(kv, AXIS, perm)
-        dq_s, dk_s, dv_s = lax.switch(table[s, rank], branches, q, *kv, do32, lse, delta)
+        dq_s, dk_s, dv_s = lax.switch(table[s, rank], branches, q, *kv, o32, do32, lse, delta)
         dq = dq + dq_s
         if carried is None:  # the accumulator of rank r-1's chunk starts here
             carried = (dk_s, dv_s)
@@ -454,7 +472,7 @@ def _ring_bwd(size, balanced, residuals, do):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-_ring_attention = jax.custom_vjp(_ring, nondiff_argnums=(3, 4))
+_ring_attention = jax.custom_vjp(_ring, nondiff_argnums=(3, 4, 5))
 _ring_attention.defvjp(_ring_fwd, _ring_bwd)
 
 
@@ -466,10 +484,12 @@ def _grouped(q, k):
     return q.reshape(b, s, hk, hq // hk, d)
 
 
-def ring_attention(q, k, v, *, size: int, balanced: bool = True) -> jax.Array:
+def ring_attention(q, k, v, *, size: int, balanced: bool = True,
+                   kernel: str = "xla") -> jax.Array:
     """Causal attention of this rank's chunk of a sequence split over ``context`` (``size``
-    ranks), q [B, S/C, Hq, d], k and v [B, S/C, Hk, d] -> [B, S/C, Hq, d]; inside ``shard_map``."""
-    out = _ring_attention(_grouped(q, k), k, v, size, balanced)
+    ranks), q [B, S/C, Hq, d], k and v [B, S/C, Hk, d] -> [B, S/C, Hq, d]; inside ``shard_map``.
+    ``kernel``: the blocks' (``xla``, ``pallas``; :func:`_kernels`)."""
+    out = _ring_attention(_grouped(q, k), k, v, size, balanced, kernel)
     return out.reshape(q.shape)
 
 
@@ -509,9 +529,9 @@ class ContextPositions(nnx.Module):
 
 
 class RingAttention(nnx.Module):
-    """Ring attention over ``context`` (module docstring): :func:`ring_attention`. Its blocks run
-    XLA's path on every platform (:meth:`kernel` says why); ``window`` (a sliding window) is
-    refused by name: use :class:`GatheredAttention`."""
+    """Ring attention over ``context`` (module docstring): :func:`ring_attention`, its blocks on
+    the kernel :meth:`kernel` picks; ``window`` (a sliding window) is refused by name: use
+    :class:`GatheredAttention`."""
 
     algorithm = "ring"
 
@@ -526,22 +546,23 @@ class RingAttention(nnx.Module):
                               "--context-attention all-gather")
 
     def kernel(self, dtype, head_dim: int) -> tuple[str, str]:
-        """The kernel of the blocks and why: XLA's einsum blocks. Merging blocks needs each
-        block's log-sum-exp in float32, and ``jax.nn.dot_product_attention(...,
-        return_residual=True)`` returns it only as a stop-gradient in the compute dtype (bf16:
-        an error of up to 2^-8 relative in the merge weights); ``attention='cudnn'`` is refused
-        here by name."""
-        if self.implementation == "cudnn":
-            raise ConfigError(f"attention='cudnn' with {self.algorithm} context attention: its "
-                              "blocks run XLA's path (jax returns cuDNN's log-sum-exp only in "
-                              "the compute dtype, too coarse to merge blocks); use --attention "
-                              "auto or xla")
-        return "xla", (f"{self.algorithm} context attention: blocks merged by their float32 "
-                       "log-sum-exp, which jax's cuDNN call does not return")
+        """The kernel of the blocks and why: where :func:`choose` picks cuDNN for the unsplit
+        core, the ring's blocks run jax's Pallas Triton flash kernels (:mod:`jphantom.nn.flash`:
+        cuDNN's statistics come back only in the compute dtype), else XLA's einsum blocks. The
+        all-gather variant attends under its layout's position mask: XLA's path."""
+        platform = self.platform or platform_of(jax.devices()[0])
+        kernel, why = choose(self.implementation, platform, dtype, head_dim)
+        if kernel == "xla":
+            return "xla", why
+        if self.algorithm != "ring":
+            return "xla", (f"{self.algorithm} context attention: the layout's position mask is "
+                           "not one cuDNN takes")
+        return "pallas", (f"{why}; ring blocks: jax's Pallas Triton flash attention (float32 "
+                          "log-sum-exp to merge them)")
 
     def __call__(self, q, k, v) -> jax.Array:
-        self.kernel(q.dtype, q.shape[-1])
-        return ring_attention(q, k, v, size=self.size, balanced=self.balanced)
+        kernel, _ = self.kernel(q.dtype, q.shape[-1])
+        return ring_attention(q, k, v, size=self.size, balanced=self.balanced, kernel=kernel)
 
     def dense_equivalent(self) -> CausalAttention:
         return CausalAttention(window=self.window, implementation=self.implementation)

@@ -84,9 +84,10 @@ def chunked_sum(fn: Callable, h: jax.Array, targets: jax.Array, weights: tuple =
     With ``weights`` (a head's weight and bias, in the compute dtype) the sum is *fused*
     (Liger-Kernel's fused linear cross-entropy): the forward computes each chunk's loss and, from
     its ``jax.vjp``, the chunk's gradients for a unit cotangent (dh_c kept, the weights'
-    accumulated in float32); the backward only scales them. No logits are stored or recomputed: the FLOPs of the unchunked
-    loss, the memory of one chunk. Without ``weights`` (``fn`` closes over a head of its own)
-    each chunk is ``jax.checkpoint``-ed: its logits are recomputed in the backward."""
+    accumulated in float32); the backward only scales them. No logits are stored or
+    recomputed: the FLOPs of the unchunked loss, the memory of one chunk. Without ``weights``
+    (``fn`` closes over a head of its own) each chunk is ``jax.checkpoint``-ed: its logits are
+    recomputed in the backward."""
     tokens = targets.size
     rows, labels = h.reshape(tokens, h.shape[-1]), targets.reshape(tokens)
     chunks = token_chunks(tokens, vocab_local, max_elements)
