@@ -18,6 +18,8 @@ each in its own process (so that each has its own peak memory and compile):
 ``jphantom-bf16-unchunked``, ``jphantom-bf16-c26``: bf16 with the loss in one chunk (every
                     logit held, as the reference) or in chunks of 2^26 logits (32 here): what the
                     chunking costs
+``flash-blocks``    ring attention's blocks on jax's Pallas Triton kernels (jphantom.nn.flash),
+                    compiled, against the float32 einsum blocks (forward and backward)
 ``train``           ``python -m jphantom train`` on a small Llama for a few steps: its
                     ``metrics.jsonl`` must record ``energy_source: "nvml"``, an MFU and a peak
                     memory
@@ -175,6 +177,46 @@ def gemm_rates(small: bool) -> dict:
             out[f"{name}_tflops"] = 2 * n ** 3 / times[len(times) // 2] / 1e12
         except Exception as error:  # noqa: BLE001 (no FP8 GEMM on this platform)
             out[f"{name}_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+    return out
+
+
+def flash_blocks(small: bool) -> dict:
+    """Ring attention's blocks on the Pallas Triton kernels (jphantom.nn.flash, compiled) against
+    the einsum blocks in float32: forward (causal and not, unequal lengths) and the backward
+    given the final statistics; max |error| / max |reference| per output."""
+    import math
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jphantom.nn import attention, flash
+
+    sq, d = (64, 64) if small else (2048, 128)
+    rng = np.random.default_rng(0)
+    interpret = jax.devices()[0].platform != "gpu"  # elsewhere through Pallas' interpreter
+    out = {"sq": sq, "head_dim": d, "interpreted": interpret}
+    for causal, sk in ((True, sq), (False, sq // 2)):
+        q = jnp.asarray(rng.normal(size=(1, sq, 4, 2, d)), jnp.bfloat16)
+        k, v = (jnp.asarray(rng.normal(size=(1, sk, 4, d)), jnp.bfloat16) for _ in range(2))
+        do = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+        scale = 1 / math.sqrt(d)
+        mask = jnp.tril(jnp.ones((sq, sk), bool)) if causal else None
+        f32 = lambda a: a.astype(jnp.float32)
+        want_o, want_lse = jax.jit(attention._block, static_argnums=4)(
+            f32(q), f32(k), f32(v), mask, scale)
+        o, lse = jax.jit(lambda q, k, v: flash.block(q, k, v, causal=causal, scale=scale,
+                                                       interpret=interpret))(q, k, v)
+        delta = jnp.sum(do * want_o, -1)
+        want = jax.jit(attention._block_grads, static_argnums=7)(
+            f32(q), f32(k), f32(v), do, want_lse, delta, mask, scale)
+        got = jax.jit(lambda q, k, v, o, l, do: flash.block_grads(
+            q, k, v, o, l, do, causal=causal, scale=scale, interpret=interpret))(
+                q, k, v, want_o, want_lse, do)
+        rel = lambda a, b: float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+        out[f"{'causal' if causal else 'full'}_{sq}x{sk}"] = {
+            "out": rel(o, want_o), "lse_abs": float(jnp.max(jnp.abs(lse - want_lse))),
+            "dq": rel(got[0], want[0]), "dk": rel(got[1], want[1]), "dv": rel(got[2], want[2])}
     return out
 
 
@@ -373,6 +415,8 @@ def main(argv=None) -> int:
         sys.path.insert(0, str(ROOT))
         if args.variant == "gemm":
             result = gemm_rates(args.small)
+        elif args.variant == "flash-blocks":
+            result = flash_blocks(args.small)
         else:
             result = run_variant(args.variant, shape, args.steps, args.warmup)
         print("RESULT " + json.dumps(result), flush=True)
@@ -403,7 +447,7 @@ def main(argv=None) -> int:
                "steps": args.steps, "warmup": args.warmup, "gpu_defaults": applied,
                "variants": [], "skipped": []}
     save = lambda: (out / "gpu_step.json").write_text(json.dumps(results, indent=2) + "\n")
-    for variant in ("gemm", *VARIANTS):
+    for variant in ("gemm", *VARIANTS, "flash-blocks"):
         left = args.budget - (time.perf_counter() - start)
         if variant in args.skip or left < 45:
             results["skipped"].append(variant)
@@ -411,8 +455,8 @@ def main(argv=None) -> int:
         row = _child(variant, args, env, timeout=min(left - 30, 200))
         print(json.dumps({k: v for k, v in row.items()
                           if k not in ("step_seconds_all", "kernels", "losses")}), flush=True)
-        if variant == "gemm":
-            results["gemm"] = row
+        if variant in ("gemm", "flash-blocks"):
+            results[variant] = row
         else:
             results["variants"].append(row)
         for key in ("device", "platform", "jax"):
@@ -452,6 +496,8 @@ def main(argv=None) -> int:
               f"{row['losses'][0]:>8.4f}->{row['losses'][-1]:.4f}")
     for key in sorted(k for k in results if k.startswith("ratio_")):
         print(f"{key}: {results[key]:.3f}")
+    if "flash-blocks" in results:
+        print(f"flash blocks (Pallas Triton, bf16) vs einsum float32: {results['flash-blocks']}")
     if "train" in results:
         t = results["train"]
         print(f"train check: exit {t['returncode']}, {t.get('checks')}")
