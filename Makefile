@@ -22,7 +22,7 @@ test: $(STAMP)
 test-all: $(STAMP) test-aot
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
-# Ahead-of-time GPU compiles (tests/test_aot.py) need XLA's GPU compiler, ~1.3 GB: their own
+# Ahead-of-time GPU compiles (tests/test_aot.py) need XLA's GPU compiler and cuDNN, ~2.8 GB: their own
 # environment, so that `make test` stays light (there they skip, saying so).
 AOT_VENV ?= .venv-aot
 $(AOT_VENV)/.jphantom-installed: pyproject.toml

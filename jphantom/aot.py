@@ -23,7 +23,11 @@ and reports per device:
 - model FLOPs per device (the optimised HLO's GEMMs, :func:`jphantom.analysis.hlo.dot_flops`,
   XLA:GPU's cuBLAS calls included: equal to the CPU compile's) and XLA's ``cost_analysis()``
   where the backend gives one (the GPU path returns ``None``: reported as unavailable);
-- compile seconds, jax/jaxlib/plugin versions.
+- the kernels that decide its speed (:func:`jphantom.analysis.hlo.kernels`): cuDNN's fused
+  attention calls, the GEMMs by emitter and how many read FP8, and how many asynchronous
+  collectives have GEMMs scheduled under them (the overlap a collective matmul is after);
+- compile seconds, the XLA flags it was compiled with (on GPUs :mod:`jphantom.gpu_defaults`' where
+  ``XLA_FLAGS`` does not set them), jax/jaxlib/plugin versions.
 
 Modelled, not measured: nothing here has a time. GEMM autotuning does not run without a GPU, so the
 kernels a real GPU picks may differ (the collectives and buffers do not depend on them).
@@ -188,7 +192,7 @@ def versions() -> dict[str, str | None]:
     """jax's and the compiler plugins' versions (recorded with every compiled number)."""
     out = {}
     for package in ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt",
-                    "nvidia-cuda-nvcc-cu12", "libtpu"):
+                    "nvidia-cuda-nvcc-cu12", "nvidia-cudnn-cu12", "libtpu"):
         try:
             out[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
@@ -226,12 +230,20 @@ def require_plugin(platform: str) -> None:
 # -------------------------------------------------------------------------------------------------
 
 
-def compile_report(flags: dict, target: Target, *, devices: list | None = None) -> dict:
+def compile_report(flags: dict, target: Target, *, devices: list | None = None,
+                   gpu_defaults: bool = True, hlo_out: str | Path | None = None) -> dict:
     """Build the run of ``flags`` (:meth:`jphantom.config.RunConfig.from_flags` names) on
     ``target``'s devices (``devices``: already fetched ones, to share them between runs), compile
-    its training step and report it (module docstring). Raises :class:`ConfigError` for a run that
-    cannot be built (before compiling) or a mesh whose size is not the target's."""
-    from jphantom.analysis.hlo import collectives
+    its training step and report it (module docstring). For a GPU target the compile gets
+    :mod:`jphantom.gpu_defaults`' XLA flags where ``XLA_FLAGS`` does not name them
+    (``gpu_defaults=False``: only ``XLA_FLAGS``), passed to this compilation so that they hold
+    even if jax started before they were set; the report's ``xla_flags`` lists the flags it ran
+    with. ``hlo_out``: also write the optimised HLO text there. Raises :class:`ConfigError` for a
+    run that cannot be built (before compiling) or a mesh whose size is not the target's."""
+    import os
+
+    from jphantom import gpu_defaults as defaults
+    from jphantom.analysis.hlo import collectives, kernels
     from jphantom.analysis.inspect import (compile_built, compiled_memory, gemm_flops,
                                            normalise_collectives, state_bytes)
     from jphantom.config import RunConfig, pipeline_summary
@@ -242,13 +254,22 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None) 
         raise ConfigError(f"mesh {mesh_text} has {MeshConfig.parse(mesh_text).device_count} "
                           f"devices; the target {target.name} has {target.device_count}: give a "
                           "mesh whose sizes multiply to it")
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    use_defaults = gpu_defaults and target.platform == "gpu"
+    if use_defaults:
+        xla_flags, _ = defaults.merge_flags(xla_flags)
     devices = target.devices() if devices is None else devices
     with device_pool(devices):
         config = RunConfig.from_flags(**{**flags, "mesh": mesh_text})
         built = config.build()
         program, mesh, step = built.program, built.mesh, built.step
-        compiled, compile_seconds = compile_built(config, program, step)
-    found = normalise_collectives(collectives(compiled.as_text()))
+        compiled, compile_seconds = compile_built(
+            config, program, step, defaults.compiler_options(xla_flags) if use_defaults else None)
+    text = compiled.as_text()
+    if hlo_out is not None:
+        Path(hlo_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(hlo_out).write_text(text)
+    found = normalise_collectives(collectives(text))
     axes = dict(mesh.shape)
     node_of = [d.process_index for d in mesh.devices.flat]
     ops = [_collective_row(c, axes, node_of) for c in found]
@@ -271,11 +292,16 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None) 
         "collective_bytes": sum(r["bytes"] * r["count"] for r in ops if not r["trivial"]),
         "model_flops": gemm_flops(compiled) or None,
         "xla_cost_analysis": cost,
+        "kernels": kernels(text),
         "params": program.param_count,
         "compile_seconds": compile_seconds,
+        "xla_flags": xla_flags.split(),
+        "gpu_defaults": use_defaults,
         "versions": versions(),
         "notes": [],
     }
+    if hlo_out is not None:
+        report["hlo_file"] = str(hlo_out)
     if step.pipeline is not None:
         report["pipeline"] = pipeline_summary(step.pipeline, program.mesh)
     if report["model_flops"] is None:
@@ -285,6 +311,10 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None) 
     if cost is None:
         report["notes"].append("XLA's cost_analysis() is unavailable for this target on this "
                                "path (None)")
+    if report["kernels"]["attention"]["forward"]:
+        report["notes"].append("model FLOPs count the GEMMs XLA compiled; the attention inside "
+                               "cuDNN's fused attention calls (custom calls, not dots) is not "
+                               "in them")
     if target.platform == "gpu":
         report["notes"].append("compiled without a GPU: GEMM autotuning did not run, so a real "
                                "GPU may pick other kernels (collectives and buffers are the "
@@ -425,6 +455,7 @@ def _collective_row(c, axes: dict, node_of: list[int]) -> dict:
     return {"kind": c.kind, "axes": list(c.mesh_axes(axes)),
             "shapes": [[d, list(s)] for d, s in c.shapes], "bytes": c.bytes, "count": c.count,
             "asynchronous": c.asynchronous, "overlapped_ops": c.overlapped,
+            "overlapped_gemms": c.overlapped_gemms,
             "crosses_nodes": _crosses_nodes(c, node_of), "trivial": c.trivial}
 
 
@@ -446,7 +477,11 @@ def _summary(found, axes: dict, node_of: list[int]) -> list[dict]:
 
 
 def format_compile_report(report: dict) -> str:
-    """The human table: memory against the device, then one line per collective kind and axes."""
+    """The human table: memory against the device, FLOPs, the kernels that matter
+    (:func:`jphantom.analysis.hlo.format_kernels`) and the XLA flags, then one line per collective
+    kind and axes."""
+    from jphantom.analysis.hlo import format_kernels
+
     m, t = report["memory"], report["target"]
     gib = 2**30
     lines = [
@@ -461,6 +496,10 @@ def format_compile_report(report: dict) -> str:
         "model FLOPs per device " + (f"{report['model_flops'] / 1e9:.4g} GFLOP per step"
                                      if report["model_flops"] else "not counted") + "; XLA cost "
         f"analysis: {_cost_text(report['xla_cost_analysis'])}",
+        f"kernels: {format_kernels(report['kernels'])}",
+        "XLA flags: " + (" ".join(report["xla_flags"]) or "none")
+        + (" (jphantom's GPU defaults where XLA_FLAGS did not set them)"
+           if report["gpu_defaults"] else ""),
         "",
         f"{'collective':<20} {'axes':<16} {'count':>7} {'MB/device':>11} {'async':>7} "
         f"{'overlap':>8} {'x-node':>7}",

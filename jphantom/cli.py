@@ -87,11 +87,19 @@ def _setup_devices(count: int | None, *, at_least: bool = False) -> None:
                               "in this process; start a fresh one") from None
 
 
-INSPECT_DEFAULTS = {"model": "ffn", "width": 4096, "depth": 2, "ghost_width": 16, "batch": 256,
-                    "optimizer": "sgd", "learning_rate": 0.1, "warmup_steps": 0}
-COMPILE_DEFAULTS = {"model": "llama", "layers": 4, "hidden": 512, "heads": 8, "seq_len": 256,
-                    "vocab": 32000, "dtype": "bfloat16", "batch": 64, "optimizer": "adamw",
-                    "learning_rate": 3e-4, "warmup_steps": 0, "ghost_width": 16}
+# The defaults `inspect` and `compile` give a run where they differ from RunConfig's (`train`'s),
+# per model family, in one table: the same flags build the same model and step in both commands
+# (compile a GPU's step with `compile`, read the CPU's with `inspect`, and compare). `inspect`
+# defaults to the FFN (phantom parallelism's teacher task), `compile` to Llama. Float32
+# parameters as `train` has them: --dtype bfloat16 or --precision bf16 for 16-bit runs.
+FFN_DEFAULTS = {"width": 4096, "depth": 2, "ghost_width": 16, "dtype": "float32", "batch": 256,
+                "optimizer": "sgd", "learning_rate": 0.1, "warmup_steps": 0}
+LM_DEFAULTS = {"layers": 4, "hidden": 512, "heads": 8, "seq_len": 256, "vocab": 32000,
+               "dtype": "float32", "batch": 64, "ghost_width": 16, "optimizer": "adamw",
+               "learning_rate": 3e-4, "warmup_steps": 0}
+STEP_DEFAULTS = {"ffn": FFN_DEFAULTS, "gpt2": LM_DEFAULTS, "transformer": LM_DEFAULTS,
+                 "llama": LM_DEFAULTS}
+INSPECT_MODEL, COMPILE_MODEL = "ffn", "llama"
 INSPECT_FLAGS = ("model", "layers", "hidden", "heads", "kv_heads", "intermediate", "seq_len",
                  "vocab", "width", "depth", "ghost_width", "dtype", "moe_every", "experts", "top_k",
                  "capacity_factor", "dropless", "from_hf", "mesh", "sequence_parallel", "dtd",
@@ -109,7 +117,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from jphantom.errors import ConfigError
     from jphantom.mesh import MeshConfig
 
-    settings = _run_settings(args, INSPECT_DEFAULTS)
+    settings = _step_settings(args, INSPECT_MODEL)
     if settings.get("dtype") == "float64":
         jax.config.update("jax_enable_x64", True)
     if args.shards is not None:
@@ -172,6 +180,57 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _step_settings(args: argparse.Namespace, model: str) -> dict:
+    """The flat settings of ``inspect``'s or ``compile``'s run: the model's column of
+    :data:`STEP_DEFAULTS` (``model`` unless the file or the flags name another), then
+    ``--config``'s file, then the flags."""
+    given = _run_settings(args)
+    model = given.get("model", model)
+    return {**STEP_DEFAULTS.get(model, {}), "model": model, **given}
+
+
+def _shown_defaults(model: str) -> dict:
+    """What ``--help`` shows as the defaults of :data:`STEP_DEFAULTS` (per family where they
+    differ), with ``model`` the command's default model."""
+    shown = {"model": model}
+    for flat in dict.fromkeys([*LM_DEFAULTS, *FFN_DEFAULTS]):
+        lm, ffn = LM_DEFAULTS.get(flat), FFN_DEFAULTS.get(flat)
+        if lm == ffn:
+            shown[flat] = lm
+        elif ffn is None:
+            shown[flat] = f"{lm} for gpt2/llama"
+        elif lm is None:
+            shown[flat] = f"{ffn} for the FFN"
+        else:
+            shown[flat] = f"{lm} for gpt2/llama, {ffn} for the FFN"
+    return shown
+
+
+def _hlo_paths(text: str | None, strategies: list[str]) -> dict[str, str | None]:
+    """``--hlo FILE`` per strategy: FILE itself for one, FILE with ``.STRATEGY`` before its
+    suffix for several (``step.hlo`` -> ``step.tensor.hlo``). Refuses, before anything
+    compiles, a FILE that is a folder or whose folder cannot be written (or created)."""
+    from pathlib import Path
+
+    from jphantom.errors import ConfigError
+
+    if text is None:
+        return dict.fromkeys(strategies)
+    path = Path(text)
+    if path.is_dir():
+        raise ConfigError(f"--hlo {text} is a folder: give a file name, e.g. "
+                          f"{path / 'step.hlo'}")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--hlo {text}: {str(parent)!r} is not a folder this process can write "
+                          "in: pick another path")
+    if len(strategies) == 1:
+        return {strategies[0]: text}
+    return {name: str(path.with_name(f"{path.stem}.{name}{path.suffix}")) for name in strategies}
+
+
 def _compile_for_target(args: argparse.Namespace) -> int:
     """``jphantom compile``: the run's step compiled for a GPU cluster or TPU slice it does not
     have (:mod:`jphantom.aot`)."""
@@ -180,21 +239,29 @@ def _compile_for_target(args: argparse.Namespace) -> int:
 
     target = aot.Target.parse(args.target, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                               target_config=args.target_config)
+    strategies = list(dict.fromkeys(args.strategy))
+    hlo = _hlo_paths(args.hlo, strategies)
     aot.require_plugin(target.platform)  # before anything is built
-    settings = _run_settings(args, COMPILE_DEFAULTS)
+    settings = _step_settings(args, COMPILE_MODEL)
     settings["mesh"] = settings.get("mesh") or aot.default_mesh(target)
+    gpu_defaults = target.platform == "gpu" and not args.no_gpu_defaults
+    if gpu_defaults:  # XLA reads XLA_FLAGS when the plugin starts: before target.devices()
+        from jphantom import gpu_defaults as defaults
+
+        defaults.apply(allocator=False)  # the flags only: nothing is allocated
     devices = target.devices()
     from jphantom.mesh import device_pool
 
     with device_pool(devices):  # every run validated before anything compiles
         runs = []
-        for name in dict.fromkeys(args.strategy):
+        for name in strategies:
             run = {**settings, "strategy": name, "out": None, "progress": False}
             if not name.startswith("phantom"):
                 run.pop("ghost_width", None)
             RunConfig.from_flags(**run)
             runs.append(run)
-    reports = [aot.compile_report(run, target, devices=devices) for run in runs]
+    reports = [aot.compile_report(run, target, devices=devices, gpu_defaults=gpu_defaults,
+                                  hlo_out=hlo[run["strategy"]]) for run in runs]
     if args.out:
         aot.write_reports(reports, args.out)
     if args.json:
@@ -208,6 +275,9 @@ def _compile_for_target(args: argparse.Namespace) -> int:
         print()
     if args.out:
         print(f"wrote {args.out}/compile.json and {args.out}/compile.png")
+    for report in reports:
+        if "hlo_file" in report:
+            print(f"wrote the optimised HLO of {report['strategy']} to {report['hlo_file']}")
     return 0
 
 
@@ -338,8 +408,8 @@ def _demo(args: argparse.Namespace) -> int:
     count = jax.device_count()
     p = max(q for q in (1, 2, 4, 8) if q <= count)
     print(f"== One training step of each strategy, n=1024, L=2, batch 64, p={p}, k=16 ==\n")
-    settings = {**INSPECT_DEFAULTS, "width": 1024, "depth": 2, "batch": 64, "mesh": f"model={p}",
-                "out": None, "progress": False, "ghost_width": None}
+    settings = {**FFN_DEFAULTS, "model": "ffn", "width": 1024, "depth": 2, "batch": 64,
+                "mesh": f"model={p}", "out": None, "progress": False, "ghost_width": None}
     reports = [inspect_step(RunConfig.from_flags(
         **(settings | {"strategy": name, "ghost_width": 16 if name == "phantom" else None})))
         for name in ("phantom", "tensor-t1", "tensor", "gspmd")]
@@ -596,6 +666,13 @@ def _run_settings(args: argparse.Namespace, defaults: dict | None = None) -> dic
     return settings
 
 
+def _add_gpu_defaults_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--no-gpu-defaults``: leave :mod:`jphantom.gpu_defaults` out (``what`` they do here)."""
+    parser.add_argument("--no-gpu-defaults", action="store_true",
+                        help=f"do not {what}; without this flag they are used, and what is set "
+                             "is reported")
+
+
 def _add_train_parser(sub) -> None:
     train = sub.add_parser(
         "train", help="train the FFN, GPT-2 or Llama under any strategy and mesh",
@@ -614,10 +691,29 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--config", metavar="FILE.toml", help="settings from a TOML file")
     _add_run_flags(train)
     _add_device_flag(train)
+    _add_gpu_defaults_flag(train, "set jphantom's GPU defaults on NVIDIA GPUs (jphantom."
+                                  "gpu_defaults: XLA flags for the latency-hiding scheduler and "
+                                  "pipelined collectives, XLA_PYTHON_CLIENT_MEM_FRACTION=0.9) "
+                                  "where the environment does not set them")
     train.set_defaults(handler=_train)
 
 
 TRAIN_DEFAULTS = {"grad_norm": True}  # train's defaults where they differ from RunConfig's
+
+
+def _train_gpu_defaults() -> None:
+    """``train`` on NVIDIA GPUs: :mod:`jphantom.gpu_defaults` into the environment where it does
+    not set them, and one line saying what was set (by the first process of a multi-process
+    run)."""
+    from jphantom import gpu_defaults
+    from jphantom.distributed import ENV_PROCESS_ID
+
+    if not gpu_defaults.nvidia_gpu_visible():
+        return
+    applied = gpu_defaults.apply()
+    if os.environ.get(ENV_PROCESS_ID, "0").strip() in ("", "0"):
+        print("gpu defaults: " + (" ".join(applied) if applied else
+                                  "none set (XLA_FLAGS and the environment set them all)"))
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -696,9 +792,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Example: jphantom inspect --model transformer --layers 2 --hidden 64 --heads 4 "
                "--seq-len 32 --batch 8 --strategy tensor --sequence-parallel --mesh data=2,model=4 "
                "--devices 8",
-        description="Compile one training step (forward, backward, optimizer update: SGD "
-                    "unless --optimizer) of the FFN or the "
-                    "GPT transformer and report, "
+        description="Compile one training step (forward, backward, optimizer update: SGD for "
+                    "the FFN, AdamW for GPT-2 and Llama, unless --optimizer) of the FFN, GPT-2 "
+                    "or Llama, with the same defaults as `jphantom compile` for the same --model, "
+                    "and report, "
                     "from the compiled HLO, every collective (kind, shape, bytes, groups, mesh "
                     "axes, executions per step), FLOPs, parameter count and memory (XLA's, and "
                     "the parameters', gradients' and optimizer state's bytes per device). "
@@ -708,7 +805,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="one or more strategies to compare side by side (default: phantom)")
     inspect.add_argument("--config", metavar="FILE.toml",
                          help="settings from a TOML file (as train's; flags override)")
-    _add_run_flags(inspect, INSPECT_DEFAULTS, only=INSPECT_FLAGS)
+    _add_run_flags(inspect, _shown_defaults(INSPECT_MODEL), only=INSPECT_FLAGS)
     inspect.add_argument("--shards", type=_positive_int, default=None,
                          help="shorthand for --mesh model=N")
     inspect.add_argument("--breakdown", action="store_true",
@@ -778,9 +875,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="one or more strategies (default tensor)")
     target.add_argument("--config", metavar="FILE.toml",
                         help="settings from a TOML file (as train's; flags override)")
-    _add_run_flags(target, COMPILE_DEFAULTS, only=INSPECT_FLAGS)
+    _add_run_flags(target, _shown_defaults(COMPILE_MODEL), only=INSPECT_FLAGS)
     target.add_argument("--out", default=None, metavar="DIR",
                         help="also write DIR/compile.json and DIR/compile.png")
+    target.add_argument("--hlo", default=None, metavar="FILE",
+                        help="also write the optimised HLO text of the compiled step to FILE "
+                             "(the kernels, fusions and schedule XLA chose); with several "
+                             "--strategy values one file each, the strategy's name inserted "
+                             "before FILE's suffix (step.hlo -> step.tensor.hlo)")
+    _add_gpu_defaults_flag(target, "compile with jphantom's GPU XLA flags (jphantom."
+                                   "gpu_defaults: latency-hiding scheduler, pipelined "
+                                   "collectives) where XLA_FLAGS does not set them")
     target.add_argument("--json", action="store_true", help="print JSON instead of a table")
     target.set_defaults(handler=_compile_for_target)
 
@@ -810,6 +915,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from jphantom.errors import ConfigError, TrainingDiverged
 
+    if args.command == "train" and not args.no_gpu_defaults and args.devices is None:
+        _train_gpu_defaults()  # before jax.distributed or anything else starts jax
     try:
         if args.command != "launch":  # a process started by `jphantom launch`, srun or mpirun
             from jphantom import distributed

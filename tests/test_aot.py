@@ -6,6 +6,7 @@ needs no compiler (targets, placement, the CLI's one-line refusal) run everywher
 """
 
 import json
+import os
 import pathlib
 import types
 
@@ -167,7 +168,8 @@ def test_gpu_compile_moves_the_bytes_the_cpu_compile_asserts(h100, layout):
 
 @needs_gpu_compiler
 def test_memory_beyond_the_device_compiles_and_is_reported_as_not_fitting(h100):
-    big = dict(TINY, hidden=8192, intermediate=28672, heads=64, kv_heads=8, layers=16,
+    # 24 layers: with cuDNN's attention (no [S, S] scores kept) 16 layers' peak fits (67 GiB)
+    big = dict(TINY, hidden=8192, intermediate=28672, heads=64, kv_heads=8, layers=24,
                vocab=32000, seq_len=2048, batch=8, dtype="bfloat16")
     report = _compile(h100, 1, strategy="tensor", mesh="model=8", **big)
     memory = report["memory"]
@@ -176,7 +178,8 @@ def test_memory_beyond_the_device_compiles_and_is_reported_as_not_fitting(h100):
 
 
 @needs_gpu_compiler
-def test_cli_compile_writes_json_and_png(tmp_path, capsys):
+def test_cli_compile_writes_json_and_png(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored afterwards
     out = tmp_path / "compile"
     assert main(["compile", "--target", "gpu:h100", "--nodes", "2", "--model", "llama",
                  "--layers", "2", "--hidden", "128", "--heads", "8", "--seq-len", "32",
@@ -187,6 +190,104 @@ def test_cli_compile_writes_json_and_png(tmp_path, capsys):
     assert json.loads((out / "compile.json").read_text())[0]["strategy"] == "tensor"
     assert (out / "compile.png").stat().st_size > 0
     assert report["versions"]["jax-cuda12-plugin"] == jax.__version__
+
+
+@needs_gpu_compiler
+def test_cli_compile_writes_the_hlo_and_reports_kernels_and_gpu_defaults(tmp_path, capsys,
+                                                                         monkeypatch):
+    """--hlo FILE (one per strategy), the report's kernels line, and the GPU defaults: added to
+    the compile where XLA_FLAGS does not set them (the user's value kept), recorded in
+    ``xla_flags``; --no-gpu-defaults compiles with XLA_FLAGS alone."""
+    from jphantom import gpu_defaults
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_pipelined_all_gather=false")
+    argv = ["compile", "--target", "gpu:h100", "--model", "llama", "--layers", "2", "--hidden",
+            "128", "--heads", "8", "--seq-len", "32", "--vocab", "512", "--batch", "16",
+            "--mesh", "data=2,model=4", "--dtype", "bfloat16", "--gpus-per-node", "8"]
+    hlo_file = tmp_path / "hlo" / "step.hlo"
+    assert main([*argv, "--strategy", "tensor", "gspmd", "--hlo", str(hlo_file), "--json"]) == 0
+    reports = json.loads(capsys.readouterr().out)
+    for report in reports:
+        written = tmp_path / "hlo" / f"step.{report['strategy']}.hlo"
+        assert report["hlo_file"] == str(written) and written.read_text().startswith("HloModule")
+        kernels = report["kernels"]
+        assert kernels["gemms"]["total"] > 0 and kernels["gemms"]["fp8"] == 0
+        assert 0 <= kernels["collectives"]["with_gemms"] <= kernels["collectives"]["asynchronous"]
+        assert report["gpu_defaults"] is True
+        flags = report["xla_flags"]
+        assert flags[0] == "--xla_gpu_enable_pipelined_all_gather=false"
+        assert "--xla_gpu_enable_pipelined_all_gather=true" not in flags
+        assert "--xla_gpu_enable_latency_hiding_scheduler=true" in flags
+    assert set(gpu_defaults.flag_names(" ".join(reports[0]["xla_flags"]))) == set(
+        gpu_defaults.XLA_FLAGS)
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert main([*argv, "--strategy", "tensor", "--no-gpu-defaults"]) == 0
+    printed = capsys.readouterr().out
+    assert "\nkernels: cuDNN attention " in printed and "\nXLA flags: none\n" in printed
+
+
+@needs_gpu_compiler
+def test_cudnn_attention_and_an_fp8_gemm_compile_for_h100_and_are_counted():
+    """The aot extra brings cuDNN, so jax's cuDNN flash attention lowers and XLA compiles it for
+    an H100 here (``__cudnn$fmhaSoftmax`` forward, ``__cudnn$fmhaSoftmaxBackward`` backward), and
+    a dot of two float8_e4m3fn arrays compiles to a GEMM fusion whose dot reads FP8: both are
+    what hlo.kernels counts. (XLA removes a bf16 -> f8 -> bf16 round trip before the dot as
+    excess precision, so the dequantised form of docs/compile.md has no FP8 GEMM.)"""
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from jphantom.analysis import hlo
+
+    device = SingleDeviceSharding(aot.Target.parse("gpu:h100").devices()[0])
+    qkv = jax.ShapeDtypeStruct((2, 256, 8, 64), jnp.bfloat16, sharding=device)
+
+    def attention_loss(q, k, v):
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        return out.astype(jnp.float32).sum()
+
+    text = jax.jit(jax.grad(attention_loss, argnums=(0, 1, 2))).lower(qkv, qkv, qkv).compile() \
+        .as_text()
+    found = hlo.kernels(text)
+    assert found["attention"]["targets"] == {"__cudnn$fmhaSoftmax": 1,
+                                             "__cudnn$fmhaSoftmaxBackward": 1}
+    f8 = jax.ShapeDtypeStruct((256, 512), jnp.float8_e4m3fn, sharding=device)
+    w8 = jax.ShapeDtypeStruct((512, 1024), jnp.float8_e4m3fn, sharding=device)
+
+    def fp8_matmul(x, w):
+        return jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.bfloat16)
+
+    gemms = hlo.kernels(jax.jit(fp8_matmul).lower(f8, w8).compile().as_text())["gemms"]
+    assert gemms["total"] == gemms["fp8"] == 1
+
+
+@needs_gpu_compiler
+def test_the_fp8_step_has_fp8_gemms_and_the_bf16_step_none(h100):
+    """--precision fp8 (8-bit operands into the layers' GEMMs) shows in the report's kernels;
+    bf16 has none, and both run cuDNN's attention forward and backward once per layer."""
+    flags = dict(strategy="tensor", mesh="model=8", dtype="bfloat16", hidden=256, seq_len=128)
+    fp8 = _compile(h100, 1, **flags, precision="fp8")["kernels"]
+    bf16 = _compile(h100, 1, **flags, precision="bf16")["kernels"]
+    assert 0 < fp8["gemms"]["fp8"] <= fp8["gemms"]["total"] and bf16["gemms"]["fp8"] == 0
+    for found in (fp8, bf16):
+        assert (found["attention"]["forward"], found["attention"]["backward"]) == (2, 2)
+
+
+def test_compile_hlo_file_is_checked_before_anything_compiles(tmp_path, capsys):
+    """--hlo under a file, or naming a folder, is one line and exit 2 (with or without the
+    compiler: checked first)."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for value, message in ((a_file / "step.hlo", "is not a folder this process can write in"),
+                           (tmp_path, "is a folder: give a file name")):
+        assert main(["compile", "--hlo", str(value)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and message in err, err
+    from jphantom.cli import _hlo_paths
+
+    assert _hlo_paths("out/step.hlo", ["tensor"]) == {"tensor": "out/step.hlo"}
+    assert _hlo_paths("out/step.hlo", ["tensor", "phantom"]) == {
+        "tensor": "out/step.tensor.hlo", "phantom": "out/step.phantom.hlo"}
 
 
 def test_compile_refuses_a_mesh_of_another_size_before_building():

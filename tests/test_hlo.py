@@ -150,3 +150,152 @@ def test_gspmd_mesh_replica_groups_with_device_ids_and_their_attribute():
     assert text.endswith("{'axis_0'}")
     assert hlo.replica_group_lists(text, 8) == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert hlo.group_axes(text, {"a": 2, "b": 2, "c": 2}) == ("b",)
+
+
+# --------------------------------------------------------------------------------------------------
+# The kernels that matter (hlo.kernels), read from snippets shaped as XLA:GPU prints them (the
+# forms an H100 compile of jax 0.10.2 emitted; no compiler needed)
+# --------------------------------------------------------------------------------------------------
+
+_BODY = '''
+%loop_body (p: (s32[], bf16[4,8])) -> (s32[], bf16[4,8]) {
+  %p = (s32[], bf16[4,8]{1,0}) parameter(0)
+  %x = bf16[4,8]{1,0} get-tuple-element(%p), index=1
+  %q = bf16[2,256,8,64]{3,2,1,0} parameter(1)
+  %fmha = (bf16[2,8,256,64]{3,1,2,0}, f32[2,8,256]{2,1,0}, u8[0]{0}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax", operand_layout_constraints={bf16[2,256,8,64]{3,2,1,0}, bf16[2,256,8,64]{3,2,1,0}, bf16[2,256,8,64]{3,2,1,0}}, api_version=API_VERSION_STATUS_RETURNING, metadata={op_name="jit(step)/dot_product_attention_fwd"}
+  %fmha.bwd = (bf16[2,8,256,64]{3,1,2,0}, bf16[2,8,256,64]{3,1,2,0}, bf16[2,8,256,64]{3,1,2,0}, u8[0]{0}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmaxBackward", metadata={op_name="jit(step)/dot_product_attention_bwd"}
+  %all-gather-start = (bf16[4,8]{1,0}, bf16[16,8]{1,0}) all-gather-start(%x), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}, use_global_device_ids=true, backend_config={"operation_queue_id":"0"}
+  %gemm_fusion_dot = bf16[4,8]{1,0} fusion(%x, %x), kind=kCustom, calls=%gemm_body, backend_config={"operation_queue_id":"0","fusion_backend_config":{"kind":"__triton_nested_gemm_fusion","block_level_fusion_config":{"num_warps":"2"}}}
+  %all-gather-done = bf16[16,8]{1,0} all-gather-done(%all-gather-start)
+  %all-reduce-start = bf16[4,8]{1,0} all-reduce-start(%gemm_fusion_dot), channel_id=2, replica_groups={{0,1,2,3}}, to_apply=%add
+  %loop_add_fusion = bf16[4,8]{1,0} fusion(%x, %x), kind=kLoop, calls=%add_body
+  %all-reduce-done = bf16[4,8]{1,0} all-reduce-done(%all-reduce-start)
+  %trivial-start = bf16[4,8]{1,0} all-reduce-start(%x), channel_id=3, replica_groups={{0},{1},{2},{3}}, to_apply=%add
+  %gemm_fusion_dot.1 = bf16[4,8]{1,0} fusion(%x, %x), kind=kCustom, calls=%gemm_body, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %trivial-done = bf16[4,8]{1,0} all-reduce-done(%trivial-start)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], bf16[4,8]{1,0}) tuple(%i, %all-reduce-done)
+}
+
+%gemm_body (a: bf16[4,8], b: bf16[4,8]) -> bf16[4,8] {
+  %a = bf16[4,8]{1,0} parameter(0)
+  %b = bf16[4,8]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[4,8]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+
+%add_body (a: bf16[4,8], b: bf16[4,8]) -> bf16[4,8] {
+  %a.1 = bf16[4,8]{1,0} parameter(0)
+  %b.1 = bf16[4,8]{1,0} parameter(1)
+  ROOT %sum = bf16[4,8]{1,0} add(%a.1, %b.1)
+}
+
+%add (x: bf16[], y: bf16[]) -> bf16[] {
+  %x.2 = bf16[] parameter(0)
+  %y.2 = bf16[] parameter(1)
+  ROOT %z = bf16[] add(%x.2, %y.2)
+}
+
+%loop_cond (p: (s32[], bf16[4,8])) -> pred[] {
+  %p.1 = (s32[], bf16[4,8]{1,0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%p.1), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i.1, %n), direction=LT
+}
+'''
+
+_ENTRY = '''
+ENTRY %main (x: bf16[4,8], xq: f8e4m3fn[4,8], sx: f32[]) -> bf16[4,8] {
+  %x.0 = bf16[4,8]{1,0} parameter(0)
+  %xq.0 = f8e4m3fn[4,8]{1,0} parameter(1)
+  %sx.0 = f32[] parameter(2)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[4,8]{1,0}) tuple(%zero, %x.0)
+  %loop = (s32[], bf16[4,8]{1,0}) while(%init), condition=%loop_cond, body=%loop_body, backend_config={"known_trip_count":{"n":"4"}}
+  %cublas = (bf16[4,8]{1,0}, s8[4194304]{0}) custom-call(%x.0, %x.0), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"]}}}
+  %cublas.f8 = (bf16[4,4]{1,0}, s8[4194304]{0}) custom-call(%xq.0, %xq.0, %sx.0, %sx.0), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"]}}}
+  %fp8_dot = bf16[4,4]{1,0} fusion(%xq.0, %xq.0), kind=kCustom, calls=%f8_gemm_body, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %fp8_upcast = bf16[4,4]{1,0} fusion(%xq.0, %sx.0), kind=kCustom, calls=%upcast_gemm_body, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %pallas = bf16[4,8]{1,0} custom-call(%x.0), custom_call_target="__gpu$xla.gpu.triton", backend_config={"name":"flash_attention"}
+  %cp-start = (bf16[4,8]{1,0}, bf16[4,8]{1,0}) collective-permute-start(%x.0), channel_id=4, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %nested = bf16[4,8]{1,0} fusion(%x.0, %x.0), kind=kCustom, calls=%outer_body, backend_config={"fusion_backend_config":{"kind":"__cudnn$fusion"}}
+  %cp-done = bf16[4,8]{1,0} collective-permute-done(%cp-start)
+  ROOT %out = bf16[4,8]{1,0} get-tuple-element(%loop), index=1
+}
+
+%f8_gemm_body (a: f8e4m3fn[4,8], b: f8e4m3fn[4,8]) -> bf16[4,4] {
+  %a.3 = f8e4m3fn[4,8]{1,0} parameter(0)
+  %b.3 = f8e4m3fn[4,8]{1,0} parameter(1)
+  ROOT %dot.3 = bf16[4,4]{1,0} dot(%a.3, %b.3), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+
+%upcast_gemm_body (a: f8e4m3fn[4,8], s: f32[]) -> bf16[4,4] {
+  %a.4 = f8e4m3fn[4,8]{1,0} parameter(0)
+  %s.4 = f32[] parameter(1)
+  %wide = bf16[4,8]{1,0} convert(%a.4)
+  ROOT %dot.4 = bf16[4,4]{1,0} dot(%wide, %wide), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+
+%outer_body (a: bf16[4,8], b: bf16[4,8]) -> bf16[4,8] {
+  %a.5 = bf16[4,8]{1,0} parameter(0)
+  %b.5 = bf16[4,8]{1,0} parameter(1)
+  ROOT %inner = bf16[4,8]{1,0} fusion(%a.5, %b.5), kind=kLoop, calls=%gemm_body
+}
+'''
+
+
+def test_kernels_counts_attention_gemms_fp8_and_gemms_under_collectives():
+    """Per step (the loop's 4 trips multiplied in): cuDNN's fused attention forward and backward
+    by target, each GEMM kernel once by its emitter (a fusion's dot is its kernel, not another
+    GEMM; a fusion without a dot is none), FP8 where the multiply reads f8 and "upcast" where a
+    fusion reads f8 but widens it first, the Pallas call, and which asynchronous collectives
+    (trivial ones left out) have a GEMM scheduled between start and done."""
+    found = hlo.kernels(_BODY + _ENTRY)
+    assert found["attention"] == {"forward": 4, "backward": 4, "targets": {
+        "__cudnn$fmhaSoftmax": 4, "__cudnn$fmhaSoftmaxBackward": 4}}
+    assert found["pallas"] == {"__gpu$xla.gpu.triton": 1}
+    gemms = found["gemms"]
+    assert gemms["by_kind"] == {"triton": 2 * 4 + 2, "cublas_lt": 1, "cublas_lt_f8": 1,
+                                "cudnn": 1}
+    assert gemms["total"] == 13
+    assert (gemms["fp8"], gemms["fp8_upcast"]) == (2, 1)  # the cuBLAS-LT FP8 call, the f8 dot
+    # per trip: the all-gather has a GEMM under it, the all-reduce a loop fusion only, the
+    # trivial all-reduce (one device per group) does not count; once: the permute has the
+    # cuDNN GEMM fusion under it
+    assert found["collectives"] == {"asynchronous": 4 + 4 + 1, "with_gemms": 4 + 1,
+                                    "gemms_under": 4 + 1}
+    line = hlo.format_kernels(found)
+    assert line.startswith("cuDNN attention 4 fwd / 4 bwd, FP8 GEMMs 2 (+1 reading FP8")
+    assert "GEMMs 13 (triton 10," in line and line.endswith("5 of 9 asynchronous")
+
+
+def test_collectives_count_the_gemms_under_each_async_pair():
+    ops = {c.name: c for c in hlo.collectives(_BODY + _ENTRY)}
+    assert (ops["all-gather-done"].overlapped, ops["all-gather-done"].overlapped_gemms) == (1, 1)
+    assert (ops["all-reduce-done"].overlapped, ops["all-reduce-done"].overlapped_gemms) == (1, 0)
+    assert ops["cp-done"].overlapped_gemms == 1 and ops["cp-done"].count == 1
+
+
+def test_kernels_of_a_module_without_any():
+    """XLA:CPU's step: bare dots are GEMMs (kind ``dot``), no attention call, nothing async."""
+    text = '''
+ENTRY %main (a: f32[4,8], b: f32[8,2]) -> f32[4,2] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %b = f32[8,2]{1,0} parameter(1)
+  ROOT %d = f32[4,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+'''
+    found = hlo.kernels(text)
+    assert found["gemms"] == {"total": 1, "by_kind": {"dot": 1}, "fp8": 0, "fp8_upcast": 0}
+    assert found["attention"]["forward"] == 0 and found["collectives"]["asynchronous"] == 0
+    assert hlo.format_kernels(found) == ("cuDNN attention 0 fwd / 0 bwd, FP8 GEMMs 0, GEMMs 1 "
+                                         "(dot 1), collectives with GEMMs under them: 0 of 0 "
+                                         "asynchronous")
+
+
+def test_dot_flops_counts_cublas_lt_fp8_calls():
+    """``__cublas$lt$matmul$f8`` is a GEMM too. Executions: the loop's two GEMM fusions x 4 trips,
+    the nested fusion's dot, the cuBLAS-LT call, its FP8 call, the two f8 fusions' dots; 2 x
+    result elements x contracted size each: [4,8] results over 8 (512), [4,4] over 8 (256)."""
+    flops, count = hlo.dot_flops(_BODY + _ENTRY)
+    assert count == 2 * 4 + 1 + 1 + 1 + 2
+    assert flops == (2 * 4 + 1 + 1) * 512 + 3 * 256

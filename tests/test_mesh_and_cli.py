@@ -211,3 +211,27 @@ def test_train_says_when_the_mesh_leaves_devices_idle(tmp_path, capsys):
                             "data=2,model=1", "--width", "8", "--steps", "1", "--no-progress",
                             "--out", str(tmp_path / "out"), "--devices", "8"]) == 0
     assert "uses 2 of the 8 devices; 6 stay idle" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_inspect_and_compile_build_the_same_run_from_the_same_flags(model, tmp_path):
+    """One table of defaults (cli.STEP_DEFAULTS): for a language model `inspect` and `compile`
+    get the same dtype, vocabulary, shape, batch and optimizer, from the flags, from a TOML file,
+    or from neither; without --model, inspect builds the FFN and compile Llama."""
+    parser = cli.build_parser()
+    file = tmp_path / "run.toml"
+    file.write_text(f'model = "{model}"\nlayers = 2\n')
+    for argv in (["--model", model], ["--model", model, "--hidden", "64", "--batch", "8"],
+                 ["--config", str(file)]):
+        inspect = cli._step_settings(parser.parse_args(["inspect", *argv]), cli.INSPECT_MODEL)
+        compile_ = cli._step_settings(parser.parse_args(["compile", *argv]), cli.COMPILE_MODEL)
+        inspect.pop("strategy"), compile_.pop("strategy")  # each command's own (later per run)
+        assert inspect == compile_, argv
+        for key in ("dtype", "vocab", "layers", "hidden", "heads", "seq_len", "batch",
+                    "optimizer"):
+            assert key in inspect, key
+    assert inspect["layers"] == 2 and inspect["vocab"] == cli.LM_DEFAULTS["vocab"]
+    default_inspect = cli._step_settings(parser.parse_args(["inspect"]), cli.INSPECT_MODEL)
+    default_compile = cli._step_settings(parser.parse_args(["compile"]), cli.COMPILE_MODEL)
+    assert default_inspect == {**cli.FFN_DEFAULTS, "model": "ffn", "strategy": ["phantom"]}
+    assert default_compile == {**cli.LM_DEFAULTS, "model": "llama", "strategy": ["tensor"]}

@@ -27,6 +27,9 @@ e.g. ``compare(i, constant(N)), direction=LT``; possibly inside a fusion); when 
 ``ValueError`` is raised rather than guessing.
 
 ``dot_flops(hlo_text)`` counts the FLOPs of the ``dot`` instructions with the same multipliers.
+``kernels(hlo_text)`` counts, with them too, the kernels that decide a step's speed: fused
+attention custom calls (cuDNN's), hand-written Pallas kernels, GEMMs by emitter and whether they
+read FP8, and the asynchronous collectives with GEMMs scheduled under them.
 ``summarize`` tallies collectives per kind and, given the mesh axes, per kind and mesh axes
 (``group_axes`` maps replica groups onto mesh axes).
 """
@@ -46,7 +49,8 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "al
          "ragged-all-to-all")
 
 DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e3m4": 1,
+    "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1, "f8e8m0fnu": 1,
     "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
     "s32": 4, "u32": 4, "f32": 4,
     "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
@@ -403,6 +407,7 @@ class Collective:
     source_target_pairs: str = ""  # collective-permute only, e.g. "{{0,1},{1,2}}"
     asynchronous: bool = False  # issued as a *-start / *-done pair (XLA:GPU, XLA:TPU)
     overlapped: int = 0  # compute ops (fusions, GEMM calls, dots) scheduled between its start/done
+    overlapped_gemms: int = 0  # of those, GEMM kernels (gemm_kind): collective-matmul evidence
 
     @property
     def elements(self) -> int:
@@ -515,10 +520,15 @@ def collectives(hlo_text: str) -> list[Collective]:
     inside loops) is one collective, ``asynchronous``, read at its ``-done`` with the groups of its
     ``-start``; ``overlapped`` counts the compute ops (fusions, custom calls, dots, convolutions)
     the schedule places between the two (the text order of a scheduled module is its schedule),
-    0 where nothing overlaps it. Raises ``ValueError`` when a loop's trip count cannot be
-    determined."""
+    0 where nothing overlaps it, and ``overlapped_gemms`` how many of those are GEMM kernels
+    (:func:`gemm_kind`: cuBLAS calls, bare dots, fusions holding a dot). Raises ``ValueError``
+    when a loop's trip count cannot be determined."""
     comps = parse_module(hlo_text)
-    mult = multipliers(comps)
+    return _collectives(comps, multipliers(comps), _GemmIndex(comps))
+
+
+def _collectives(comps: Mapping[str, Computation], mult: Mapping[str, int],
+                 index: _GemmIndex) -> list[Collective]:
     found = []
     for comp in comps.values():
         starts: dict[str, tuple[int, Instruction]] = {}
@@ -530,13 +540,15 @@ def collectives(hlo_text: str) -> list[Collective]:
             if suffix == "-start":
                 starts[instr.name] = (position, instr)
                 continue
-            source, overlapped = instr, 0
+            source, overlapped, gemms = instr, 0, 0
             if suffix == "-done":  # the groups are on the matching -start
                 begun = starts.get(instr.operands[0]) if instr.operands else None
                 source = begun[1] if begun else None
                 if begun:
-                    overlapped = sum(other.opcode in _COMPUTE_OPCODES
-                                     for other in comp.instructions[begun[0] + 1:position])
+                    under = [other for other in comp.instructions[begun[0] + 1:position]
+                             if other.opcode in _COMPUTE_OPCODES]
+                    overlapped = len(under)
+                    gemms = sum(index.kind(other) is not None for other in under)
             attrs = source.attrs if source is not None else ""
             count = mult.get(comp.name, 0)
             if count == 0:
@@ -546,7 +558,7 @@ def collectives(hlo_text: str) -> list[Collective]:
                 instr.name, kind, shapes, _nbytes(shapes), _attr_value(attrs, "replica_groups"),
                 count=count, computation=comp.name,
                 source_target_pairs=_attr_value(attrs, "source_target_pairs"),
-                asynchronous=suffix == "-done", overlapped=overlapped,
+                asynchronous=suffix == "-done", overlapped=overlapped, overlapped_gemms=gemms,
             ))
     return found
 
@@ -698,7 +710,7 @@ def _dims(text: str) -> list[int]:
     return [int(d) for d in text.split(",") if d]
 
 
-_GEMM_CALL = re.compile(r'custom_call_target="__cublas\$(lt\$matmul|gemm)"')
+_GEMM_CALL = re.compile(r'custom_call_target="__cublas\$(lt\$matmul(\$f8)?|gemm)"')
 _ARRAY_TYPE = re.compile(r"\w+\[([\d,]*)\]")
 
 
@@ -707,8 +719,9 @@ def dot_flops(hlo_text: str) -> tuple[int, int]:
     2 x (elements of the result) x (product of the lhs contracting dimensions), times the number of
     times the dot runs per step (its computation's multiplier: loop trip counts multiplied in);
     ``count`` is likewise the number of dot executions. XLA:GPU's cuBLAS calls (``__cublas$gemm``,
-    ``__cublas$lt$matmul`` custom calls, the dots it did not fuse) are dots. Fusion bodies included; each instruction
-    name is defined once per module, so operand shapes are looked up by name. Unlike
+    ``__cublas$lt$matmul`` and its FP8 ``__cublas$lt$matmul$f8`` custom calls, the dots it did not
+    fuse) are dots. Fusion bodies included; each instruction name is defined once per module, so
+    operand shapes are looked up by name. Unlike
     ``cost_analysis()``, element-wise work is not counted: these are the GEMMs alone. Raises
     ``ValueError`` when a loop's trip count cannot be determined."""
     comps = parse_module(hlo_text)
@@ -737,3 +750,211 @@ def dot_flops(hlo_text: str) -> tuple[int, int]:
             flops += runs * 2 * math.prod(_dims(result[1])) * contracted
             count += runs
     return flops, count
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels: fused attention, FP8 and other GEMMs, GEMMs under asynchronous collectives.
+# ---------------------------------------------------------------------------------------------
+
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_FUSION_KIND = re.compile(r'"kind"\s*:\s*"([^"]*)"')
+_CUBLAS_KINDS = {"__cublas$gemm": "cublas", "__cublas$lt$matmul": "cublas_lt",
+                 "__cublas$lt$matmul$f8": "cublas_lt_f8"}
+# Hand-written kernels called as custom calls: Pallas on GPU through Triton, Pallas's Mosaic GPU
+# and TPU backends.
+_PALLAS_TARGETS = ("__gpu$xla.gpu.triton", "mosaic_gpu", "mosaic_gpu_v2", "tpu_custom_call")
+# Control flow whose called computations hold kernels (a fusion's body holds its kernel's ops)
+_KERNEL_CALLERS = {"while": ("body", "condition"), "call": ("to_apply", "calls"),
+                   "conditional": ("branch_computations", "true_computation",
+                                   "false_computation"),
+                   "async-start": ("calls",)}
+
+
+def custom_call_target(instr: Instruction) -> str:
+    """The ``custom_call_target`` of a custom call ("" for anything else)."""
+    if instr.opcode != "custom-call":
+        return ""
+    found = _TARGET.search(instr.attrs)
+    return found[1] if found else ""
+
+
+def _dtype(type_text: str) -> str:
+    """The element type of an array type (the first array of a tuple), "" when none."""
+    found = _ARRAY.search(type_text)
+    return found[1] if found else ""
+
+
+def _is_f8(type_text: str) -> bool:
+    return _dtype(type_text).startswith("f8")
+
+
+class _GemmIndex:
+    """Which kernels of a parsed module are GEMMs (:meth:`kind`) and whether they read FP8
+    (:meth:`fp8`), with the dots of every fusion body (nested fusions included) found once."""
+
+    def __init__(self, comps: Mapping[str, Computation]):
+        self.comps = comps
+        self._dots: dict[str, list[tuple[Instruction, Computation]]] = {}
+        self.types = {instr.name: instr.type_text
+                      for comp in comps.values() for instr in comp.instructions}
+
+    def dots(self, name: str) -> list[tuple[Instruction, Computation]]:
+        """The ``dot`` instructions of computation ``name`` and of the fusions it calls."""
+        if name not in self._dots:
+            self._dots[name] = []  # no recursion through a cycle
+            comp = self.comps.get(name)
+            found = []
+            for instr in comp.instructions if comp is not None else ():
+                if instr.opcode == "dot":
+                    found.append((instr, comp))
+                elif instr.opcode == "fusion":
+                    for key, callee in _callees(instr):
+                        if key == "calls":
+                            found += self.dots(callee)
+            self._dots[name] = found
+        return self._dots[name]
+
+    def body(self, fusion: Instruction) -> str | None:
+        return next((callee for key, callee in _callees(fusion) if key == "calls"), None)
+
+    def kind(self, instr: Instruction) -> str | None:
+        """The GEMM kernel ``instr`` is, or None: ``cublas``, ``cublas_lt``, ``cublas_lt_f8``
+        (XLA:GPU's cuBLAS custom calls), ``dot`` (a dot XLA left unfused: XLA:CPU), or for a
+        fusion holding a dot its emitter from the backend config: ``triton`` (XLA's Triton GEMM
+        fusions), ``cudnn`` (cuDNN GEMM fusions), ``cublas``, else ``fusion``."""
+        if instr.opcode == "custom-call":
+            return _CUBLAS_KINDS.get(custom_call_target(instr))
+        if instr.opcode == "dot":
+            return "dot"
+        if instr.opcode != "fusion":
+            return None
+        body = self.body(instr)
+        if body is None or not self.dots(body):
+            return None
+        emitter = _FUSION_KIND.search(instr.attrs)  # the backend config's fusion kind
+        emitter = (emitter[1] if emitter else "").lower()
+        for name in ("triton", "cudnn", "cublas"):
+            if name in emitter:
+                return name
+        return "fusion"
+
+    def fp8(self, instr: Instruction) -> str | None:
+        """How a GEMM kernel uses FP8: ``"fp8"`` when its matrix multiply takes FP8 operands
+        (cuBLAS-LT's FP8 call, a cuBLAS call or dot on f8 arrays, a fusion whose dot reads f8),
+        ``"fp8_upcast"`` when a fusion reads f8 arrays but widens them before its dot (FP8 in
+        memory, 16-bit tensor-core math), else None."""
+        if instr.opcode == "custom-call":
+            if custom_call_target(instr) == "__cublas$lt$matmul$f8":
+                return "fp8"
+            return "fp8" if any(_is_f8(self.types.get(op, "")) for op in instr.operands[:2]) \
+                else None
+        if instr.opcode == "dot":
+            return "fp8" if any(_is_f8(self.types.get(op, "")) for op in instr.operands) else None
+        body = self.body(instr)
+        if body is None:
+            return None
+        for dot, comp in self.dots(body):
+            for op in dot.operands:
+                source = comp.find(op)
+                if source is not None and _is_f8(source.type_text):
+                    return "fp8"
+        params = [i for i in self.comps[body].instructions if i.opcode == "parameter"]
+        return "fp8_upcast" if any(_is_f8(p.type_text) for p in params) else None
+
+
+def gemm_kind(instr: Instruction, comps: Mapping[str, Computation]) -> str | None:
+    """The GEMM kernel an instruction of a scheduled computation is (``cublas``, ``cublas_lt``,
+    ``cublas_lt_f8``, ``dot``, ``triton``, ``cudnn``, ``fusion``), or None when it holds no
+    matrix multiply (``_GemmIndex.kind``)."""
+    return _GemmIndex(comps).kind(instr)
+
+
+def _kernel_computations(comps: Mapping[str, Computation]) -> list[str]:
+    """The computations whose instructions are kernels or control flow: ENTRY and what loops,
+    calls, conditionals and async wrappers run (not fusion bodies or reducers)."""
+    roots = [c.name for c in comps.values() if c.entry]
+    if not roots:
+        called = {callee for comp in comps.values() for instr in comp.instructions
+                  for _, callee in _callees(instr)}
+        roots = [name for name in comps if name not in called]
+    seen, todo = set(roots), list(roots)
+    while todo:
+        for instr in comps[todo.pop()].instructions:
+            keys = _KERNEL_CALLERS.get(instr.opcode, ())
+            for key, callee in _callees(instr):
+                if key in keys and callee in comps and callee not in seen:
+                    seen.add(callee)
+                    todo.append(callee)
+    return [name for name in comps if name in seen]
+
+
+def kernels(hlo_text: str) -> dict:
+    """The kernels of an optimised HLO module that decide a step's speed, each counted as many
+    times as it runs per step (loop trip counts multiplied in, as :func:`dot_flops`):
+
+    - ``attention``: fused attention custom calls, ``forward`` and ``backward`` (cuDNN's
+      ``__cudnn$fmha*``, e.g. ``__cudnn$fmhaSoftmax`` / ``__cudnn$fmhaSoftmaxBackward``, which
+      ``jax.nn.dot_product_attention(..., implementation="cudnn")`` lowers to) and ``targets``
+      (executions per custom-call target);
+    - ``pallas``: executions per hand-written kernel's custom-call target (Pallas through Triton,
+      ``__gpu$xla.gpu.triton``; Mosaic GPU; ``tpu_custom_call``);
+    - ``gemms``: every GEMM kernel, ``total`` and ``by_kind`` (:meth:`_GemmIndex.kind`: ``triton``,
+      ``cublas``, ``cublas_lt``, ``cublas_lt_f8``, ``cudnn``, ``dot``, ``fusion``), ``fp8``
+      (those whose matrix multiply takes FP8 operands) and ``fp8_upcast`` (those that read FP8
+      arrays and widen them before the multiply);
+    - ``collectives``: the asynchronous collectives that move data (``*-start``/``*-done``
+      pairs, collective-permutes included; executions), how many of them have at least one GEMM
+      kernel scheduled between start and done (``with_gemms``: the overlap that collective
+      matmuls and the latency-hiding scheduler give), and the GEMM executions under them
+      (``gemms_under``).
+
+    Raises ``ValueError`` when a loop's trip count cannot be determined."""
+    comps = parse_module(hlo_text)
+    mult = multipliers(comps)
+    index = _GemmIndex(comps)
+    attention = {"forward": 0, "backward": 0, "targets": {}}
+    pallas: dict[str, int] = {}
+    gemms = {"total": 0, "by_kind": {}, "fp8": 0, "fp8_upcast": 0}
+    for name in _kernel_computations(comps):
+        runs = mult.get(name, 0)
+        if runs == 0:
+            continue
+        for instr in comps[name].instructions:
+            target = custom_call_target(instr)
+            if target.startswith("__cudnn$fmha"):
+                attention["backward" if "Backward" in target else "forward"] += runs
+                attention["targets"][target] = attention["targets"].get(target, 0) + runs
+            elif target in _PALLAS_TARGETS:
+                pallas[target] = pallas.get(target, 0) + runs
+            kind = index.kind(instr)
+            if kind is None:
+                continue
+            gemms["total"] += runs
+            gemms["by_kind"][kind] = gemms["by_kind"].get(kind, 0) + runs
+            fp8 = index.fp8(instr)
+            if fp8 is not None:
+                gemms[fp8] += runs
+    moving = [c for c in _collectives(comps, mult, index) if c.asynchronous and not c.trivial]
+    collectives_ = {"asynchronous": sum(c.count for c in moving),
+                    "with_gemms": sum(c.count for c in moving if c.overlapped_gemms),
+                    "gemms_under": sum(c.count * c.overlapped_gemms for c in moving)}
+    return {"attention": attention, "pallas": pallas, "gemms": gemms,
+            "collectives": collectives_}
+
+
+def format_kernels(found: dict) -> str:
+    """One line of :func:`kernels`' result: ``cuDNN attention 4 fwd / 4 bwd, FP8 GEMMs 0, GEMMs
+    38 (triton 30, cublas_lt 8), collectives with GEMMs under them: 12 of 40``."""
+    a, g, c = found["attention"], found["gemms"], found["collectives"]
+    kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(g["by_kind"].items(),
+                                                          key=lambda item: -item[1]))
+    parts = [f"cuDNN attention {a['forward']} fwd / {a['backward']} bwd",
+             f"FP8 GEMMs {g['fp8']}" + (f" (+{g['fp8_upcast']} reading FP8, 16-bit math)"
+                                        if g["fp8_upcast"] else ""),
+             f"GEMMs {g['total']}" + (f" ({kinds})" if kinds else "")]
+    if found["pallas"]:
+        parts.append("Pallas/Triton calls " + ", ".join(f"{t} {n}"
+                                                        for t, n in found["pallas"].items()))
+    parts.append(f"collectives with GEMMs under them: {c['with_gemms']} of {c['asynchronous']}"
+                 " asynchronous")
+    return ", ".join(parts)

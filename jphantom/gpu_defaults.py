@@ -1,0 +1,150 @@
+"""The XLA flags and allocator setting a GPU run should have, in one place.
+
+XLA reads ``XLA_FLAGS`` once, when jax starts its first backend, so these go into the environment
+before that (:func:`apply`), and never over what the user set: a flag already in ``XLA_FLAGS`` keeps
+the user's value, flag by flag, and ``XLA_PYTHON_CLIENT_MEM_FRACTION`` is set only when absent.
+``jphantom train`` applies them when an NVIDIA GPU is visible and prints what it set;
+``jphantom compile --target gpu:*`` applies the flags (not the allocator setting: nothing is
+allocated) and records them in its report; ``--no-gpu-defaults`` turns both off.
+
+The flags (:data:`XLA_FLAGS`), each accepted by the XLA of jax 0.10.2 and of jax 0.12 (an unknown
+flag aborts the process; checked by starting jax with each flag alone in ``XLA_FLAGS``):
+
+- ``--xla_gpu_enable_latency_hiding_scheduler=true``: schedule the asynchronous collectives'
+  ``*-start`` early and their ``*-done`` late, with independent compute between them, from a
+  latency estimate of each op. This is what lets a Megatron all-reduce or a ZeRO all-gather run
+  under the GEMMs of the step (jax's "GPU performance tips" page, NVIDIA's JAX-Toolbox images and
+  MaxText's GPU flags all turn it on);
+- ``--xla_gpu_enable_pipelined_all_gather=true``,
+  ``--xla_gpu_enable_pipelined_reduce_scatter=true``,
+  ``--xla_gpu_enable_pipelined_all_reduce=true``: XLA's collective pipeliner moves a collective of
+  a scanned layer (jphantom's layers run under ``lax.scan``) into the previous iteration (the
+  all-gather of layer i+1's ZeRO-3 shards while layer i computes) or the next (the reduce-scatter of
+  layer i's gradients while layer i-1 computes), so the scheduler has compute to hide it under
+  across the loop's iterations, not only inside one (jax's GPU performance tips, "FSDP"; MaxText's
+  GPU flags);
+- ``--xla_gpu_enable_while_loop_double_buffering=true``: unrolls a ``while`` loop by two so that
+  one iteration's collectives can overlap the other's compute, which the pipeliner's moves need
+  (jax's GPU performance tips; MaxText's GPU flags);
+- ``--xla_gpu_enable_highest_priority_async_stream=true``: runs the asynchronous collectives on
+  the highest-priority CUDA stream, so that a compute kernel launched first does not hold up a
+  collective the next layer waits for (MaxText's GPU flags; NVIDIA's JAX-Toolbox GPU performance
+  page).
+
+Left out on purpose: the combine thresholds (``--xla_gpu_all_reduce_combine_threshold_bytes`` and
+the like), which MaxText sizes by the number of GPUs and the model, so no one value suits every
+run; ``--xla_gpu_threshold_for_windowed_einsum_mib`` (collective matmul for GSPMD-partitioned
+einsums: jphantom's layers write their collectives themselves, only the ``gspmd`` baseline has
+such einsums); and ``--xla_gpu_multi_streamed_windowed_einsum``, which fails XLA's verifier on
+jax 0.10.2. Put any of them in ``XLA_FLAGS`` yourself: yours are kept.
+
+The allocator (:data:`ENVIRONMENT`): ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.9`` lets jax's allocator
+take 90% of each GPU's memory instead of its default 75%, leaving the rest to CUDA's and NCCL's own
+buffers (NVIDIA's JAX-Toolbox recommends 0.8-0.9; jax's "GPU memory allocation" page).
+
+References: https://docs.jax.dev/en/latest/gpu_performance_tips.html,
+MaxText's GPU documentation and scripts (``XLA_FLAGS`` for its GPU runs),
+https://docs.nvidia.com/jax-toolbox/performance-profiling/gpu-performance.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import MutableMapping
+
+XLA_FLAGS: dict[str, str] = {
+    "xla_gpu_enable_latency_hiding_scheduler": "true",
+    "xla_gpu_enable_pipelined_all_gather": "true",
+    "xla_gpu_enable_pipelined_reduce_scatter": "true",
+    "xla_gpu_enable_pipelined_all_reduce": "true",
+    "xla_gpu_enable_while_loop_double_buffering": "true",
+    "xla_gpu_enable_highest_priority_async_stream": "true",
+}
+"""XLA flag (without ``--``) -> value: what a GPU run gets unless the user set the flag."""
+
+ENVIRONMENT: dict[str, str] = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}
+"""Environment variable -> value: the allocator's settings, set only when absent."""
+
+_FLAG_NAME = re.compile(r"(?:^|\s)--?([A-Za-z0-9_]+)")
+_FLAG_VALUE = re.compile(r"(?:^|\s)--?([A-Za-z0-9_]+)(=\S*)?")
+
+
+def flag_names(xla_flags: str) -> set[str]:
+    """The names of the flags an ``XLA_FLAGS`` string sets (``--name=value`` or ``--name``)."""
+    return set(_FLAG_NAME.findall(xla_flags or ""))
+
+
+def merge_flags(xla_flags: str, defaults: dict[str, str] | None = None) -> tuple[str, list[str]]:
+    """``xla_flags`` (the user's ``XLA_FLAGS``) with every flag of ``defaults`` (default
+    :data:`XLA_FLAGS`) it does not name appended. Returns the merged string and the ``--name=value``
+    items added, in ``defaults``' order; the user's flags come first and are kept as written."""
+    defaults = XLA_FLAGS if defaults is None else defaults
+    given = flag_names(xla_flags)
+    added = [f"--{name}={value}" for name, value in defaults.items() if name not in given]
+    merged = " ".join(part for part in ((xla_flags or "").strip(), *added) if part)
+    return merged, added
+
+
+def apply(environ: MutableMapping[str, str] | None = None, *, allocator: bool = True) -> list[str]:
+    """Put the GPU defaults into ``environ`` (default ``os.environ``) without overriding the
+    user's: the flags of :data:`XLA_FLAGS` that ``XLA_FLAGS`` does not name, and (``allocator``)
+    the variables of :data:`ENVIRONMENT` that are unset. Returns what it set, as ``--name=value``
+    for flags and ``NAME=value`` for variables (empty when the user had set everything). Call it
+    before jax starts a backend: XLA reads ``XLA_FLAGS`` once."""
+    environ = os.environ if environ is None else environ
+    merged, added = merge_flags(environ.get("XLA_FLAGS", ""))
+    if added:
+        environ["XLA_FLAGS"] = merged
+    set_ = list(added)
+    if allocator:
+        for name, value in ENVIRONMENT.items():
+            if name not in environ:
+                environ[name] = value
+                set_.append(f"{name}={value}")
+    return set_
+
+
+def compiler_options(xla_flags: str, names=None) -> dict[str, bool | int | float | str]:
+    """The values ``xla_flags`` (an ``XLA_FLAGS`` string, e.g. :func:`merge_flags`' result) gives
+    the flags ``names`` (default: those of :data:`XLA_FLAGS`), as ``compile(compiler_options=...)``
+    takes them (booleans and numbers typed: XLA refuses the string ``'true'`` there). Passed to
+    one compilation they hold for it even when jax started its backends before ``XLA_FLAGS`` was
+    set (a test process, a notebook), where the environment no longer counts."""
+    names = XLA_FLAGS if names is None else names
+    out: dict[str, bool | int | float | str] = {}
+    for name, value in _FLAG_VALUE.findall(xla_flags or ""):
+        if name in names:
+            out[name] = _typed(value[1:] if value else "true")  # a bare --flag is true
+    return out
+
+
+def _typed(value: str) -> bool | int | float | str:
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def nvidia_gpu_visible(env=None) -> bool:
+    """Whether jax will start on NVIDIA GPUs, decided without starting it: ``JAX_PLATFORMS`` names
+    ``cuda`` (or ``gpu``), or it is unset and ``nvidia-smi`` is on the PATH with jax's CUDA plugin
+    installed (as :func:`jphantom.distributed.accelerator_visible` decides for any accelerator)."""
+    import shutil
+
+    from jphantom.distributed import _PLUGINS, _has_module
+
+    env = os.environ if env is None else env
+    platforms = [p.strip().lower() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms:
+        return any(p in ("cuda", "gpu") for p in platforms)
+    return bool(shutil.which("nvidia-smi")) and any(_has_module(m)
+                                                     for m in _PLUGINS["nvidia-smi"])
+
+
+__all__ = ["ENVIRONMENT", "XLA_FLAGS", "apply", "compiler_options", "flag_names", "merge_flags",
+           "nvidia_gpu_visible"]

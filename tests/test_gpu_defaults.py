@@ -1,0 +1,77 @@
+"""The GPU defaults (jphantom.gpu_defaults): merged into the environment flag by flag, never over
+what the user set; `jphantom train` applies them only where an NVIDIA GPU is visible, and says
+what it set. (That `jphantom compile` records them: tests/test_aot.py, with the GPU compiler.)"""
+
+import os
+
+import pytest
+
+from jphantom import cli, gpu_defaults
+
+
+def test_merge_keeps_the_users_flags_and_adds_the_rest():
+    user = "--xla_dump_to=/tmp/d --xla_gpu_enable_pipelined_all_gather=false " \
+           "--xla_gpu_enable_latency_hiding_scheduler"
+    merged, added = gpu_defaults.merge_flags(user)
+    assert merged.startswith(user)  # the user's, as written, first
+    assert "--xla_gpu_enable_pipelined_all_gather=true" not in merged
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in added
+    assert added == [f"--{name}={value}" for name, value in gpu_defaults.XLA_FLAGS.items()
+                     if name not in ("xla_gpu_enable_pipelined_all_gather",
+                                     "xla_gpu_enable_latency_hiding_scheduler")]
+    assert gpu_defaults.flag_names(merged) >= set(gpu_defaults.XLA_FLAGS) | {"xla_dump_to"}
+    # as one compilation takes them: the user's values where given (a bare flag is true), typed
+    options = gpu_defaults.compiler_options(merged)
+    assert set(options) == set(gpu_defaults.XLA_FLAGS)
+    assert options["xla_gpu_enable_pipelined_all_gather"] is False
+    assert options["xla_gpu_enable_latency_hiding_scheduler"] is True
+    assert gpu_defaults.merge_flags(merged) == (merged, [])  # applying twice adds nothing
+
+
+def test_apply_sets_only_what_is_unset_and_says_what():
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    applied = gpu_defaults.apply(env)
+    assert env["XLA_FLAGS"].startswith("--xla_force_host_platform_device_count=8 --xla_gpu_")
+    assert applied[-1] == "XLA_PYTHON_CLIENT_MEM_FRACTION=0.9"
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.9"
+    assert gpu_defaults.apply(env) == []  # everything set now
+    mine = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+    assert not any(a.startswith("XLA_PYTHON") for a in gpu_defaults.apply(mine))
+    assert mine["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
+    flags_only = {}
+    assert all(a.startswith("--") for a in gpu_defaults.apply(flags_only, allocator=False))
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in flags_only
+
+
+def test_nvidia_gpu_visible_from_jax_platforms():
+    assert gpu_defaults.nvidia_gpu_visible({"JAX_PLATFORMS": "cuda"}) is True
+    assert gpu_defaults.nvidia_gpu_visible({"JAX_PLATFORMS": "cpu"}) is False
+    assert gpu_defaults.nvidia_gpu_visible({"JAX_PLATFORMS": "tpu"}) is False
+
+
+@pytest.mark.parametrize("platforms, printed", [("cuda", True), ("cpu", False)])
+def test_train_applies_them_on_nvidia_gpus_only(monkeypatch, capsys, platforms, printed):
+    """The step train takes before jax starts (cli._train_gpu_defaults, called by main): on an
+    NVIDIA GPU one line says what it set; elsewhere nothing changes."""
+    monkeypatch.setenv("JAX_PLATFORMS", platforms)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_pipelined_all_reduce=false")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.delenv("JPHANTOM_PROCESS_ID", raising=False)
+    cli._train_gpu_defaults()
+    out = capsys.readouterr().out
+    if printed:
+        assert out.startswith("gpu defaults: --xla_gpu_enable_latency_hiding_scheduler=true")
+        assert out.count("\n") == 1 and "XLA_PYTHON_CLIENT_MEM_FRACTION=0.9" in out
+        assert "pipelined_all_reduce" not in out  # the user's =false stays
+        assert "--xla_gpu_enable_pipelined_all_reduce=false" in os.environ["XLA_FLAGS"]
+    else:
+        assert out == ""
+        assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_pipelined_all_reduce=false"
+        assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ
+
+
+def test_no_gpu_defaults_flag_on_train_and_compile():
+    parser = cli.build_parser()
+    assert parser.parse_args(["train", "--no-gpu-defaults"]).no_gpu_defaults is True
+    assert parser.parse_args(["compile", "--no-gpu-defaults"]).no_gpu_defaults is True
+    assert parser.parse_args(["train"]).no_gpu_defaults is False
