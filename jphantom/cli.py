@@ -102,10 +102,11 @@ STEP_DEFAULTS = {"ffn": FFN_DEFAULTS, "gpt2": LM_DEFAULTS, "transformer": LM_DEF
 INSPECT_MODEL, COMPILE_MODEL = "ffn", "llama"
 INSPECT_FLAGS = ("model", "layers", "hidden", "heads", "kv_heads", "intermediate", "seq_len",
                  "vocab", "width", "depth", "ghost_width", "dtype", "moe_every", "experts", "top_k",
-                 "capacity_factor", "dropless", "from_hf", "mesh", "sequence_parallel", "dtd",
+                 "capacity_factor", "dropless", "from_hf", "mesh", "sequence_parallel",
+                 "collective_matmul", "dtd",
                  "context_attention", "load_balance",
                  "schedule", "microbatches", "virtual_stages", "zero", "accumulate", "clip_norm",
-                 "precision", "remat", "cac", "batch", "optimizer")
+                 "precision", "remat", "cac", "attention", "batch", "optimizer")
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -448,7 +449,13 @@ _TRAIN_HELP = {
                  "and optimizer state (float16 with loss scaling)",
     "remat": "activation checkpointing per layer: none, nothing_saveable, dots_saveable or "
              "collectives_saveable (keeps collective outputs: a recompute repeats no collective)",
+    "attention": "the attention kernel: auto (cuDNN's flash attention on NVIDIA GPUs in bf16 "
+                 "or fp16, XLA's path elsewhere; the choice is printed), xla, or cudnn (an "
+                 "error where cuDNN cannot run)",
     "sequence_parallel": "transformer under tensor: Megatron sequence parallelism",
+    "collective_matmul": "with --sequence-parallel: each all-gather and reduce-scatter over "
+                         "the model axis as p-1 ring steps under the GEMMs of the chunks at "
+                         "hand (collective matmul; the same bytes)",
     "context_attention": "with a context=C mesh axis (the sequence split over C devices): ring "
                          "(K/V passed around the ring, the default) or all-gather attention",
     "load_balance": "with a context axis: the load-balanced causal layout (rank r holds chunks "
@@ -630,7 +637,8 @@ def _add_run_flags(parser: argparse.ArgumentParser, defaults: dict | None = None
                "lr_schedule": ("constant", "cosine"),
                "dtype": ("float32", "bfloat16", "float16", "float64"),
                "model": ("ffn", "gpt2", "transformer", "llama"),
-               "context_attention": ("ring", "all-gather")}
+               "context_attention": ("ring", "all-gather"),
+               "attention": ("auto", "xla", "cudnn")}
     defaults = defaults or {}
     for flat, (section, name) in FLAT.items():
         if only is not None and flat not in only:
