@@ -55,7 +55,7 @@ def test_master_weights_and_adam_state_stay_float32():
 
 
 def test_bad_precision_is_a_config_error():
-    with pytest.raises(ConfigError, match="precision='fp8'"):
-        Precision.named("fp8")
+    with pytest.raises(ConfigError, match="precision='fp4'"):
+        Precision.named("fp4")
     with pytest.raises(ConfigError, match="loss_scale"):
         Precision("float16", loss_scale=0)

@@ -113,8 +113,8 @@ def test_inspect_refuses_bad_precision_and_remat_before_compiling():
     step, so gspmd takes them too.)"""
     base = dict(model="ffn", strategy="tensor", width=8, depth=2, batch=8, mesh="model=2",
                 out=None)
-    with pytest.raises(ConfigError, match="precision='fp8'"):
-        RunConfig.from_flags(**base, precision="fp8")
+    with pytest.raises(ConfigError, match="precision='fp4'"):
+        RunConfig.from_flags(**base, precision="fp4")
     with pytest.raises(ConfigError, match="remat='all'"):
         RunConfig.from_flags(**base, remat="all")
     gspmd = RunConfig.from_flags(**(base | {"strategy": "gspmd"}), remat="dots_saveable",
