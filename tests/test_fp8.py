@@ -89,15 +89,15 @@ def test_an_fp8_step_under_tensor_parallelism_equals_the_one_device_fp8_step():
 
 
 def test_fp8_training_follows_bf16_within_the_measured_tolerance():
-    """experiments/fp8.py's quick case (a tiny Llama, 20 steps on data=2,model=2): measured
-    0.03% apart at every evaluation; the documented tolerance is 1% (docs/gpu.md), which the
-    300-step run also meets."""
+    """experiments/fp8.py's quick case (a tiny Llama, 20 steps on data=2,model=2), against the
+    tolerance docs/gpu.md gives from the 300-step run: 2% at every evaluation (that run: at most
+    1.94%, final 0.35%; this case: 0.03%)."""
     path = Path(__file__).resolve().parents[1] / "experiments" / "fp8.py"
     spec = importlib.util.spec_from_file_location("fp8_experiment", path)
     experiment = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(experiment)
     result = experiment.curves(experiment.QUICK, steps=20, every=5)
     gaps = experiment.gaps(result)
-    assert gaps["validation_max_relative_gap"] < 0.01
-    assert gaps["train_window_max_relative_gap"] < 0.01
+    assert gaps["validation_max_relative_gap"] < 0.02
+    assert gaps["train_window_max_relative_gap"] < 0.02
     assert result["fp8"]["validation"] != result["bf16"]["validation"]  # FP8 did round
