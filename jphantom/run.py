@@ -197,6 +197,23 @@ def _text_model(config: RunConfig) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
+def attention_kernels(config: RunConfig, program, step) -> dict[str, str] | None:
+    """What runs the model's attention cores on the step's devices, and why
+    (:func:`jphantom.nn.attention.kernels_of`); ``None`` for a model without attention."""
+    from jphantom.nn import attention
+    from jphantom.precision import Precision
+
+    family = program.config
+    heads = getattr(family, "heads", None)
+    if heads is None:
+        return None
+    head_dim = getattr(family, "dim", None) or family.hidden // heads
+    policy = Precision.named(config.step.precision)
+    dtype = config.model.dtype if policy.compute == "float32" else policy.compute
+    return attention.kernels_of(step.model_template, step.attention, step.platform, dtype,
+                                head_dim) or None
+
+
 def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
     """Train as configured; returns (and writes, with ``train.out``) the results dictionary.
     ``teacher``: the FFN's data (default: the seed's); ``meter``: an energy meter
@@ -221,6 +238,9 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
         source = TeacherSource(config, teacher)
     if writer:
         out.mkdir(parents=True, exist_ok=True)
+    kernels = attention_kernels(config, program, step)
+    if kernels and jax.process_index() == 0:  # the kernel choice is never silent
+        print("attention: " + "; ".join(f"{name} {what}" for name, what in kernels.items()))
     state = program.init(step, seed=train.seed)
     checkpointer = None
     if train.checkpoint_dir:
@@ -414,6 +434,7 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
         "step": {"zero": config.step.zero, "accumulate": config.step.accumulate,
                  "clip_norm": config.step.clip_norm, "precision": config.step.precision,
                  "remat": config.step.step_remat},
+        "attention": kernels,
         "model": {"name": config.model.name, **_asdict(program.config)},
     }
     if energy is not None:

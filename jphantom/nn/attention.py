@@ -546,19 +546,9 @@ class RingAttention(nnx.Module):
                               "--context-attention all-gather")
 
     def kernel(self, dtype, head_dim: int) -> tuple[str, str]:
-        """The kernel of the blocks and why: where :func:`choose` picks cuDNN for the unsplit
-        core, the ring's blocks run jax's Pallas Triton flash kernels (:mod:`jphantom.nn.flash`:
-        cuDNN's statistics come back only in the compute dtype), else XLA's einsum blocks. The
-        all-gather variant attends under its layout's position mask: XLA's path."""
+        """The kernel of the blocks and why (:func:`context_kernel`)."""
         platform = self.platform or platform_of(jax.devices()[0])
-        kernel, why = choose(self.implementation, platform, dtype, head_dim)
-        if kernel == "xla":
-            return "xla", why
-        if self.algorithm != "ring":
-            return "xla", (f"{self.algorithm} context attention: the layout's position mask is "
-                           "not one cuDNN takes")
-        return "pallas", (f"{why}; ring blocks: jax's Pallas Triton flash attention (float32 "
-                          "log-sum-exp to merge them)")
+        return context_kernel(self.algorithm, self.implementation, platform, dtype, head_dim)
 
     def __call__(self, q, k, v) -> jax.Array:
         kernel, _ = self.kernel(q.dtype, q.shape[-1])
@@ -579,6 +569,42 @@ class GatheredAttention(RingAttention):
                                   window=self.window)
 
 
+def context_kernel(algorithm: str, implementation: str, platform: str, dtype,
+                   head_dim: int) -> tuple[str, str]:
+    """The kernel of context attention's blocks and why: where :func:`choose` picks cuDNN for
+    the unsplit core, the ring's blocks run jax's Pallas Triton flash kernels
+    (:mod:`jphantom.nn.flash`: cuDNN's statistics come back only in the compute dtype), else
+    XLA's einsum blocks; the all-gather variant attends under its layout's position mask, on
+    XLA's path."""
+    kernel, why = choose(implementation, platform, dtype, head_dim)
+    if kernel == "xla":
+        return "xla", why
+    if algorithm != "ring":
+        return "xla", (f"{algorithm} context attention: the layout's position mask is not one "
+                       "cuDNN takes")
+    return "pallas", (f"{why}; ring blocks: jax's Pallas Triton flash attention (float32 "
+                      "log-sum-exp to merge them)")
+
+
+def kernels_of(model: nnx.Module, implementation: str | None, platform: str, dtype,
+               head_dim: int) -> dict[str, str]:
+    """``{attention core class: "kernel (why)"}`` of ``model``'s cores on ``platform`` in
+    ``dtype`` (``implementation``: the step's choice, ``None``: each core's own): what ``train``
+    prints and records, so that no fallback is silent."""
+    out = {}
+    for _, module in nnx.iter_modules(model):
+        name = type(module).__name__
+        if name in out or not isinstance(module, (CausalAttention, RingAttention)):
+            continue
+        chosen = implementation or module.implementation
+        if isinstance(module, RingAttention):
+            kernel, why = context_kernel(module.algorithm, chosen, platform, dtype, head_dim)
+        else:
+            kernel, why = choose(chosen, platform, dtype, head_dim)
+        out[name] = f"{kernel} ({why})"
+    return out
+
+
 def context_of(model: nnx.Module) -> tuple[int, bool] | None:
     """``(C, balanced)`` of a model whose attention runs over ``context``, else ``None``."""
     for _, module in nnx.iter_modules(model):
@@ -594,7 +620,8 @@ def check_algorithm(name: str) -> str:
 
 
 __all__ = ["causal_attention", "Positions", "CausalAttention", "ContextPositions", "choose",
-           "configure", "platform_of", "fused_problem", "IMPLEMENTATIONS",
+           "configure", "platform_of", "fused_problem", "IMPLEMENTATIONS", "context_kernel",
+           "kernels_of",
            "RingAttention", "GatheredAttention", "ring_attention", "gathered_attention",
            "to_context_order", "from_context_order", "layout_positions", "schedule",
            "attention_work", "context_of", "ALGORITHMS"]
