@@ -28,13 +28,17 @@ numbers, on the compute dtype's tensor cores (an ``optimization_barrier`` keeps 
 the round trip away, as ``xla_allow_excess_precision`` otherwise does on GPUs). The straight-
 through estimator carries gradients through the rounding (TransformerEngine's and torchao's).
 
-**One scale per tensor, as on one device.** A tensor split over mesh axes (a weight over
-``model``, activations over ``data``, ``context``, or the sequence under sequence parallelism)
-takes the maximum of its ranks' amax (``lax.pmax`` over the axes it varies over, ``stage``
-excepted: a stage's layers are its own), so every rank quantises with the scale the one-device
-model would use: an FP8 step under any strategy equals the one-device FP8 step. The price is one
-all-reduce of a scalar per quantised tensor per GEMM (TransformerEngine reduces amax over the
-tensor-parallel group the same way).
+**One scale per tensor, as on one device, across the axes that split a layer.** A tensor split
+over the axes that cut one layer's tensors (``model``, ``context``, ``x``, ``y``: a weight's
+columns, the sequence under sequence or context parallelism) takes the maximum of its ranks'
+amax (``lax.pmax`` over those axes), so every rank quantises with the scale the one-device model
+would use: an FP8 step under tensor, sequence or context parallelism equals the one-device FP8
+step (tested). The price is one all-reduce of a scalar per quantised tensor per GEMM over those
+axes (TransformerEngine reduces amax over the tensor-parallel group the same way). Over the axes
+the batch is split over (``data``, ``expert``, ``z``: :data:`jphantom.mesh.BATCH_AXES`) and
+``stage`` the scale stays the rank's own, as in every FP8 recipe: a data-parallel FP8 step
+equals the one-device FP8 steps of its data ranks' batches, not one step of the whole batch, and
+no scalar all-reduce crosses nodes with the data axis.
 
 :class:`jphantom.precision.Precision` ``fp8`` (``--precision fp8``) sets this on the linear layers
 of a model's :class:`~jphantom.nn.stack.Stacked` blocks (every linear layer of a model without
@@ -51,15 +55,19 @@ import jax.numpy as jnp
 from jax import lax
 
 from jphantom import comm
+from jphantom.mesh import BATCH_AXES
 
 E4M3 = jnp.float8_e4m3fn  # forward: activations and weights
 E5M2 = jnp.float8_e5m2  # backward: output gradients
-NO_SCALE_AXES = ("stage",)  # a pipeline stage's tensors are its own, not shards of one tensor
+# the scale stays the rank's own over these: a pipeline stage's tensors are its own, and over the
+# batch axes each rank's activations are its own batch's (module docstring)
+NO_SCALE_AXES = ("stage", *BATCH_AXES)
 
 
 def scale_of(x: jax.Array, fmt) -> jax.Array:
-    """The per-tensor scale of ``x`` for ``fmt``: amax(|x|) over the whole tensor (every rank's
-    shard, module docstring) / the format's largest value, float32, never zero."""
+    """The per-tensor scale of ``x`` for ``fmt``: amax(|x|) over the tensor (its ranks' shards
+    along the axes that split a layer, module docstring) / the format's largest value, float32,
+    never zero."""
     amax = jnp.max(jnp.abs(lax.stop_gradient(x))).astype(jnp.float32)
     axes = tuple(sorted(a for a in comm.varying_axes(x) if a not in NO_SCALE_AXES))
     if axes:

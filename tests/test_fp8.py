@@ -80,10 +80,11 @@ def _fp8_float32(mesh):
 
 
 def test_an_fp8_step_under_tensor_parallelism_equals_the_one_device_fp8_step():
-    """Every tensor is quantised with the scale of the whole tensor (its ranks' amax reduced), so
-    with float32 elsewhere the tensor-parallel FP8 step is the one-device FP8 step."""
+    """Every tensor split over ``model`` is quantised with the scale of the whole tensor (its
+    ranks' amax reduced), so with float32 elsewhere the tensor-parallel FP8 step is the
+    one-device FP8 step."""
     want_loss, want = _fp8_float32("model=1")
-    loss, grads = _fp8_float32("data=2,model=2")
+    loss, grads = _fp8_float32("model=2")
     assert loss == pytest.approx(want_loss, rel=1e-6)
     assert_tree_close(grads, want, 1e-5)
 
