@@ -198,7 +198,8 @@ def plot(results: dict, path: Path) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small model, the first rows")
-    parser.add_argument("--out", default=None, help=f"output folder (default {OUT})")
+    parser.add_argument("--out", default=None,
+                        help=f"output folder (default {OUT}; --quick: a scratch folder)")
     args = parser.parse_args(argv)
     from jphantom import aot
 
@@ -206,7 +207,9 @@ def main(argv=None) -> int:
     if problem:
         print(problem, file=sys.stderr)
         return 2
-    out = Path(args.out) if args.out else OUT
+    from jphantom.analysis.machine import output_folder
+
+    out = Path(output_folder(args.out, OUT, quick=args.quick, name="gpu_grade"))
     results = run(args.quick, out)
     plot(results, out / "gpu_grade.png")
     table(results)

@@ -369,3 +369,25 @@ def test_planner_state_and_collective_bytes_match_the_h100_compile(tmp_path):
         for axis, modelled in row["modelled_bytes_by_axis"].items():
             if modelled:
                 assert row["compiled_bytes_by_axis"][axis] == pytest.approx(modelled, rel=0.05)
+
+
+@needs_gpu_compiler
+def test_gpu_grade_quick_meets_the_targets_on_its_small_model(tmp_path):
+    """experiments/gpu_grade.py --quick (a hidden-512 Llama on 8 H100s): cuDNN's fused attention
+    in the optimised HLO forward and backward, its temporaries flat from S to 4S at the same
+    tokens, FP8 GEMMs under --precision fp8, and collective matmul putting GEMMs under most of
+    the model axis' collectives (far more than SP alone)."""
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "experiments"))
+    import gpu_grade
+
+    results = gpu_grade.run(True, tmp_path)
+    assert (tmp_path / "gpu_grade.json").exists()
+    checks = results["checks"]
+    assert checks["long_over_short_temp"]["pass"]
+    assert checks["cudnn_calls cudnn S=1024"]["pass"]
+    assert checks["fp8_gemms fp8 S=1024"]["pass"]
+    plain = checks["gemms_under_collectives sp S=1024"]
+    overlap = checks["gemms_under_collectives sp+overlap S=1024"]
+    assert overlap["with_gemms"] > overlap["asynchronous"] / 2 > plain["with_gemms"]
