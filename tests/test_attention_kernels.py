@@ -53,6 +53,20 @@ def test_causal_attention_equals_the_einsum_attention(window):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 4])
+def test_float16_attention_compiles_on_cpu_and_equals_float32_to_its_rounding(window):
+    """jax.nn.dot_product_attention's XLA path pins an F16_F16_F32 dot that XLA:CPU refuses:
+    float16 goes through the written-out path (same arithmetic), forward and backward."""
+    q, k, v = _qkv()
+    half = lambda f: jax.jit(lambda q, k, v: f(q.astype(jnp.float16), k.astype(jnp.float16),
+                                              v.astype(jnp.float16)).astype(jnp.float32))
+    ours = half(lambda q, k, v: attention.causal_attention(q, k, v, window=window))
+    np.testing.assert_allclose(ours(q, k, v), attention.causal_attention(q, k, v, window=window),
+                               atol=3e-3)
+    grad = jax.jit(jax.grad(lambda q: jnp.sum(ours(q, k, v))))(q)
+    assert grad.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(grad)))
+
+
 def test_the_window_changes_the_result():
     q, k, v = _qkv()
     assert not np.allclose(attention.causal_attention(q, k, v, window=4),

@@ -152,11 +152,32 @@ def causal_attention(q, k, v, mask=None, *, window: int | None = None,
     (Mistral's, Gemma's local layers). ``mask`` [S, Sk] (True: attend; XLA's path) replaces the
     causal mask of S = Sk positions 0..S-1."""
     local = _window_size(window)
+    if implementation == "xla" and jnp.dtype(q.dtype) == jnp.float16:
+        return _float16_attention(q, k, v, mask, window)
     if mask is not None:
         return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None],
                                             local_window_size=local, implementation="xla")
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
                                         implementation=implementation)
+
+
+def _float16_attention(q, k, v, mask, window):
+    """XLA's path for float16 inputs, written out: ``jax.nn.dot_product_attention`` pins the
+    F16_F16_F32 dot algorithm there, which XLA:CPU refuses at compile time. The same arithmetic:
+    scores in float32, softmax in float32, GQA by grouping the query heads."""
+    b, s, hq, d = q.shape
+    hk = k.shape[2]
+    grouped = q.reshape(b, s, hk, hq // hk, d)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", grouped, k,
+                        preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
+    if mask is None:
+        pos = jnp.arange(s)
+        mask = pos[:, None] >= jnp.arange(k.shape[1])[None, :]
+        if window is not None:
+            mask &= pos[:, None] - jnp.arange(k.shape[1])[None, :] < window
+    weights = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", weights.astype(v.dtype), v)
+    return out.reshape(b, s, hq, d)
 
 
 class Positions(nnx.Module):
