@@ -7,6 +7,7 @@ Bring your own Flax NNX model::
     step = jphantom.make_train_step(model, mesh, optax.adamw(3e-4), loss_fn)
     state = step.init()
     state, loss = step(state, tokens, targets)
+    print(jphantom.verify(model, mesh, plan, loss_fn, tokens, targets))  # exact vs one device?
 
 Importing jphantom has no side effects on jax (no device simulation, no config changes); the
 modules behind these names load on first use.
@@ -17,14 +18,15 @@ from jphantom.errors import ConfigError, JPhantomWarning, TrainingDiverged
 __version__ = "0.1.0"
 __all__ = ["ConfigError", "JPhantomWarning", "TrainingDiverged", "__version__", "parallelize",
            "dense_equivalent", "Style", "plans", "make_train_step", "make_forward_fn",
-           "TrainState", "nn"]
+           "TrainState", "nn", "verify"]
 
 _LAZY = {"parallelize": ("jphantom.plans", "parallelize"),
          "dense_equivalent": ("jphantom.plans", "dense_equivalent"),
          "Style": ("jphantom.plans", "Style"),
          "make_train_step": ("jphantom.train_step", "make_train_step"),
          "make_forward_fn": ("jphantom.train_step", "make_forward_fn"),
-         "TrainState": ("jphantom.train_step", "TrainState")}
+         "TrainState": ("jphantom.train_step", "TrainState"),
+         "verify": ("jphantom.exactness", "verify")}
 
 
 def __getattr__(name):

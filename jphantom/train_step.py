@@ -254,6 +254,14 @@ def _check_mesh(mesh) -> Mesh:
     return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
 
 
+def _private_copy(model: nnx.Module) -> nnx.Module:
+    """A copy of ``model``'s modules and variables (their arrays shared, none changed): the step
+    sets the blocks' remat policy and, with a stage axis, the layer axis' sharding metadata on its
+    own copy, never on the model it was given."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
+
+
 class TrainStep:
     """``state, loss = step(state, *batch)``; built by :func:`make_train_step`."""
 
@@ -265,6 +273,7 @@ class TrainStep:
                  samo: samo_module.SamoConfig | None = None, attention: str | None = None):
         if not isinstance(model, nnx.Module):
             raise ConfigError(f"make_train_step takes an nnx.Module, not {type(model).__name__}")
+        model = _private_copy(model)
         self.mesh = _check_mesh(mesh)
         if not isinstance(optimizer, optax.GradientTransformation):
             raise ConfigError("optimizer must be an optax.GradientTransformation, e.g. "

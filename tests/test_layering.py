@@ -18,7 +18,7 @@ LAYERS = [
     ("layers", ["nn"]),
     ("models", ["models"]),
     ("plans", ["plans"]),
-    ("step", ["pipeline.runner", "pipeline.split", "train_step", "samo", "checkpoint"]),
+    ("step", ["pipeline.runner", "pipeline.split", "train_step", "samo", "checkpoint", "exactness"]),
     ("program", ["program"]),
     ("run", ["config", "run", "metrics", "analysis", "compare", "plan", "perf", "launch", "aot"]),
     ("cli", ["cli", "__main__"]),

@@ -1,0 +1,111 @@
+"""Exactness as a user command (jphantom.verify, `jphantom verify`): the layouts the tests call
+exact report <= 1e-5 for the loss and every gradient; a layer broken on purpose is named; the
+model given (to verify or to make_train_step) is left as it was."""
+
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jphantom
+from jphantom import plans
+from jphantom.cli import main
+from jphantom.mesh import MeshConfig, first_devices
+from jphantom.models.llama import Llama, LlamaConfig, lm_loss
+from jphantom.nn import tensor
+from jphantom.pipeline.runner import PipelineConfig
+
+LLAMA = LlamaConfig(vocab_size=64, hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2,
+                    max_positions=16)
+
+
+def _mesh(text):
+    mesh = MeshConfig.parse(text)
+    return mesh.build(first_devices(mesh.device_count))
+
+
+def _tokens(rows=8):
+    return np.random.default_rng(0).integers(0, 64, (rows, 16)).astype(np.int32)
+
+
+def _snapshot(model):
+    graphdef, state = nnx.split(model)
+    variables = [(path, dict(v.get_metadata())) for path, v in nnx.iter_graph(model)
+                 if isinstance(v, nnx.Variable)]
+    return graphdef, [np.asarray(a) for a in jax.tree.leaves(state)], variables
+
+
+@pytest.mark.parametrize("mesh, plan, options", [
+    ("data=2,model=2", "megatron-sp", {}),
+    ("data=2,model=2", "megatron", {"zero": 3}),
+    ("stage=2,model=2", "megatron", {"pipeline": PipelineConfig(microbatches=2),
+                                     "remat": "nothing_saveable"}),
+], ids=["tensor-sp", "zero3", "pipeline-remat"])
+def test_exact_layouts_report_within_1e_5_and_leave_the_model_as_it_was(mesh, plan, options):
+    model = Llama(LLAMA, rngs=nnx.Rngs(0))
+    before = _snapshot(model)
+    layout = plans.megatron(model, sequence_parallel=plan == "megatron-sp")
+    report = jphantom.verify(model, _mesh(mesh), layout, lm_loss, _tokens(), _tokens(),
+                             **options)
+    assert report.ok, str(report)
+    assert report.loss_error <= 1e-5 and report.worst[1] <= 1e-5
+    assert len(report.errors) == 12 and "layers.block.mlp.down_proj.kernel" in report.errors
+    after = _snapshot(model)
+    assert before[0] == after[0] and before[2] == after[2]
+    assert all(np.array_equal(a, b) for a, b in zip(before[1], after[1]))
+
+
+class _DoubledBiasGradient(tensor.ColumnParallelLinear):
+    """A column layer broken on purpose: its bias' gradient comes out doubled (the value is
+    right, so only that gradient differs)."""
+
+    def __call__(self, x):
+        y = super().__call__(x)
+        bias = self.bias[...]
+        return y + bias - jax.lax.stop_gradient(bias) + (bias - jax.lax.stop_gradient(bias))
+
+
+def test_a_layer_broken_on_purpose_is_named():
+    model = nnx.Sequential(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), nnx.Linear(16, 4,
+                                                                             rngs=nnx.Rngs(1)))
+    mesh = _mesh("model=2")
+    model = plans.parallelize(model, mesh, {"layers.0": "column", "layers.1": "row"})
+    model.layers[0] = _DoubledBiasGradient(model.layers[0].kernel[...], model.layers[0].bias[...])
+    x = np.random.default_rng(1).standard_normal((4, 8)).astype(np.float32)
+    t = np.random.default_rng(2).standard_normal((4, 4)).astype(np.float32)
+    loss = lambda m, x, t: ((m(x) - t) ** 2).mean()
+    report = jphantom.verify(model, mesh, None, loss, x, t)
+    assert not report.ok
+    assert report.worst[0] == "layers.0.bias" and report.worst[1] > 0.1
+    assert report.loss_error <= 1e-5  # the forward is right
+    assert "DIFFERS" in str(report) and "layers.0.bias" in str(report)
+
+
+def test_make_train_step_leaves_the_model_as_it_was():
+    """The step sets the blocks' remat policy and, with a stage axis, the layer axis' sharding
+    on a copy of its own."""
+    model = Llama(LLAMA, rngs=nnx.Rngs(0))
+    before = _snapshot(model)
+    step = jphantom.make_train_step(model, _mesh("stage=2,data=2"), optax.sgd(0.1), lm_loss,
+                                    remat="nothing_saveable",
+                                    pipeline=PipelineConfig(microbatches=2))
+    state, _ = step(step.init(), _tokens(), _tokens())
+    after = _snapshot(model)
+    assert before[0] == after[0] and before[2] == after[2] and model.layers.remat == "none"
+    assert all(np.array_equal(a, b) for a, b in zip(before[1], after[1]))
+
+
+def test_the_verify_command_reports_and_exits_by_the_tolerance(capsys):
+    flags = ["verify", "--model", "llama", "--layers", "1", "--hidden", "32", "--heads", "4",
+             "--kv-heads", "2", "--seq-len", "16", "--batch", "8", "--strategy", "tensor",
+             "--mesh", "data=2,model=2", "--json"]
+    assert main(flags) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["worst"]["error"] <= 1e-5
+    assert set(report["errors"]) >= {"embed_tokens.embedding", "lm_head.kernel"}
+    assert main(flags + ["--tolerance", "1e-12"]) == 1  # float32 against float64: not that close
+    assert main(flags[:-1] + ["--tolerance", "-1"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
