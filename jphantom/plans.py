@@ -10,7 +10,11 @@ their values and gain the sharding metadata the training step reads. Styles and 
 each kind of Flax layer (p = the size of ``axis``):
 
 =============  ==========================================================================
-``column``     ``nnx.Linear`` -> :class:`~jphantom.nn.tensor.ColumnParallelLinear` (out / p)
+``column``     ``nnx.Linear`` -> :class:`~jphantom.nn.tensor.ColumnParallelLinear` (out / p);
+               ``Style("column", kv_heads=K)`` (grouped-query attention's key and value
+               projections) with more ranks than K heads ->
+               :class:`~jphantom.nn.tensor.SharedHeadsLinear` (each rank the head its query
+               heads share, the projection replicated)
 ``row``        ``nnx.Linear`` -> :class:`~jphantom.nn.tensor.RowParallelLinear` (in / p)
 ``vocab``      ``nnx.Embed`` -> :class:`~jphantom.nn.tensor.VocabParallelEmbed` (V / p);
                ``nnx.Linear`` (an LM head) -> :class:`~jphantom.nn.tensor.VocabParallelHead`
@@ -110,8 +114,14 @@ class Style:
     algorithm: str | None = None  # context: "ring" (default) or "all-gather"
     balanced: bool = True  # context: the load-balanced causal layout
     collective_matmul: bool = False  # sequence (a norm) and row: the SP collectives as rings
+    kv_heads: int | None = None  # column: the layer's outputs are this many (key/value) heads
 
     def __post_init__(self):
+        if self.kv_heads is not None and (self.name != "column" or isinstance(self.kv_heads, bool)
+                                          or not isinstance(self.kv_heads, int)
+                                          or self.kv_heads < 1):
+            raise ConfigError(f"kv_heads={self.kv_heads!r} belongs to the 'column' style, a whole "
+                              "number of heads >= 1")
         if self.collective_matmul and self.name not in ("sequence", "row"):
             raise ConfigError(f"collective_matmul belongs to the 'sequence' (a norm before "
                               f"column layers) and 'row' styles, not {self.name!r}")
@@ -221,6 +231,14 @@ def _convert(path: str, module, style: Style, *, axis: str, p: int, sequence_par
     if name in ("gather", "scatter") and boundary:
         cls = tensor.GatherFeatures if name == "gather" else tensor.ScatterFeatures
         return cls.from_module(module, axis=axis)
+    if name == "column" and linear and style.kv_heads is not None and p > style.kv_heads:
+        if p % style.kv_heads:
+            raise ConfigError(f"{path}: {style.kv_heads} key/value heads on {p} ranks of "
+                              f"{axis!r}: the ranks must be a multiple of the heads (each head "
+                              "shared by the same number of ranks), or divide them")
+        _divides(path, "out_features", module.out_features, style.kv_heads, "heads")
+        return tensor.SharedHeadsLinear.from_module(module, heads=style.kv_heads, axis=axis,
+                                                    sequence_parallel=sequence_parallel)
     if name in ("column", "vocab") and linear:
         _divides(path, "out_features", module.out_features, p, axis)
         cls = tensor.ColumnParallelLinear if name == "column" else tensor.VocabParallelHead
@@ -400,8 +418,11 @@ def parallelize(model: nnx.Module, mesh, plan: Mapping[str, str | Style], *,
             chosen[path] = (pattern, style)
     check = getattr(model, "check_shards", None)
     if callable(check) and any(s.name != "replicate" for s in styles.values()):
-        # the axis splitting attention heads: pmm3d's output axis x, else the model axis
-        check(shape["x"] if any(s.name == "pmm3d" for s in styles.values()) else p)
+        # the axis splitting attention heads: pmm3d's output axis x, else the model axis; with
+        # 'column' entries of kv_heads the key/value heads may be fewer than the ranks
+        shared = {s.kv_heads for s in styles.values() if s.kv_heads is not None}
+        check(shape["x"] if any(s.name == "pmm3d" for s in styles.values()) else p,
+              **({"shared_kv_heads": True} if shared else {}))
     swaps = []
     for path, (_, style) in chosen.items():  # validate every entry before changing anything
         path_tuple, module = modules[path]
@@ -487,6 +508,7 @@ COLUMN = frozenset({"q", "k", "v", "qkv", "c_attn", "q_proj", "k_proj", "v_proj"
                     "in_proj"})
 ROW = frozenset({"o", "o_proj", "out", "out_proj", "down", "down_proj", "w2", "fc2", "c_proj",
                  "wo", "attn_out", "mlp_down", "fc_out"})
+KV_COLUMNS = frozenset({"k", "v", "k_proj", "v_proj", "key", "value", "wk", "wv"})
 ROUTERS = frozenset({"router", "gate"})
 # the norm before a block's MLP: when that MLP is a routed mixture of experts (SwitchMoE) it stays
 # replicated under Megatron, so that the router runs on the replicated stream and TED's f acts on
@@ -511,7 +533,8 @@ def _name(path_tuple) -> str:
 
 
 def megatron(model: nnx.Module, *, sequence_parallel: bool = False, dtd: bool = False,
-             collective_matmul: bool = False) -> dict[str, str | Style]:
+             collective_matmul: bool = False,
+             kv_heads: int | None = None) -> dict[str, str | Style]:
     """Megatron tensor parallelism (seed 002): q/k/v and up/gate column-parallel, attention output
     and down row-parallel, embedding and head vocabulary-parallel, experts split over their width,
     routers replicated, norms ``input`` (f once for the layers they feed: pre-norm blocks);
@@ -521,7 +544,13 @@ def megatron(model: nnx.Module, *, sequence_parallel: bool = False, dtd: bool = 
     ``collective_matmul`` (with ``sequence_parallel``): the row layers and the norms inside the
     blocks that feed column layers only (not a block's MLP norm where its MLP is a mixture of
     experts, not the final norm before the head) run their collectives as rings under the GEMMs
-    (:mod:`jphantom.nn.tensor`)."""
+    (:mod:`jphantom.nn.tensor`). ``kv_heads``: the key/value heads of grouped-query attention
+    (the key and value projections then ``Style("column", kv_heads=...)``: with more ranks than
+    heads each rank computes the head its query heads share,
+    :class:`~jphantom.nn.tensor.SharedHeadsLinear`); default the model's ``config.kv_heads``
+    where it has one."""
+    if kv_heads is None:
+        kv_heads = getattr(getattr(model, "config", None), "kv_heads", None)
     if collective_matmul and not sequence_parallel:
         raise ConfigError("collective_matmul overlaps sequence parallelism's all-gathers and "
                           "reduce-scatters with the GEMMs: pass sequence_parallel=True too "
@@ -557,7 +586,8 @@ def megatron(model: nnx.Module, *, sequence_parallel: bool = False, dtd: bool = 
             if name in ROUTERS:
                 plan[path] = "replicate"
             elif name in COLUMN:
-                plan[path] = "column"
+                plan[path] = (Style("column", kv_heads=kv_heads)
+                              if kv_heads is not None and name in KV_COLUMNS else "column")
             elif name in ROW:
                 plan[path] = cm("row")
             elif vocab is not None and module.out_features == vocab:

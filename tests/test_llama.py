@@ -18,6 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 import jphantom
 from jphantom.errors import ConfigError
+from jphantom.mesh import MeshConfig, first_devices
 from jphantom.models import hf, llama
 from tests.test_byo_model import rel_error
 
@@ -110,9 +111,35 @@ def test_phantom_llama_equals_its_dense_equivalent(experts):
 
 
 def test_heads_that_do_not_divide_are_refused_before_anything_runs():
-    model = llama.Llama(config(), rngs=nnx.Rngs(0))
+    model = llama.Llama(config(), rngs=nnx.Rngs(0))  # 4 query heads, 2 key/value heads
     with pytest.raises(ConfigError, match="kv_heads=2 is not divisible by the 4 ranks"):
-        jphantom.parallelize(model, {"data": 2, "model": 4}, jphantom.plans.megatron(model))
+        jphantom.parallelize(model, {"data": 2, "model": 4},  # by hand: plain column k and v
+                             {**jphantom.plans.megatron(model), "layers.block.self_attn.k_proj":
+                              "column", "layers.block.self_attn.v_proj": "column"})
+    with pytest.raises(ConfigError, match="heads=4 do not divide among the 8 ranks"):
+        jphantom.parallelize(model, {"model": 8}, jphantom.plans.megatron(model))
+    with pytest.raises(ConfigError, match="multiple of the heads"):
+        jphantom.parallelize(nnx.Sequential(nnx.Linear(8, 6, rngs=nnx.Rngs(0))), {"model": 3},
+                             {"layers.0": jphantom.Style("column", kv_heads=2)})
+
+
+@pytest.mark.parametrize("kv_heads, mesh, sequence_parallel", [
+    (2, "data=2,model=4", True), (1, "model=8", False), (2, "model=8", False)])
+def test_fewer_key_value_heads_than_tensor_ranks_equals_one_device(kv_heads, mesh,
+                                                                   sequence_parallel):
+    """Qwen2.5-7B's case (4 KV heads on TP=8): each rank computes the key/value head its query
+    heads share (SharedHeadsLinear), the projection replicated, its gradient summed over the
+    ranks that share a head; exact, with sequence parallelism too."""
+    model = llama.Llama(llama.LlamaConfig(vocab_size=64, hidden=64, intermediate=64, layers=1,
+                                          heads=8, kv_heads=kv_heads, max_positions=16),
+                        rngs=nnx.Rngs(0))
+    plan = jphantom.plans.megatron(model, sequence_parallel=sequence_parallel)
+    assert plan["layers.block.self_attn.k_proj"] == jphantom.Style("column", kv_heads=kv_heads)
+    built = MeshConfig.parse(mesh)
+    tokens = np.random.default_rng(0).integers(0, 64, (8, 16)).astype(np.int32)
+    report = jphantom.verify(model, built.build(first_devices(built.device_count)), plan,
+                             llama.lm_loss, tokens, np.roll(tokens, -1, 1))
+    assert report.ok, str(report)
 
 
 def test_config_is_validated():
@@ -234,7 +261,7 @@ def test_train_llama_writes_results_and_a_hf_checkpoint(tmp_path):
     ({"mesh": "data=2,x=2"}, "pmm3d's"),
     ({"moe_every": 2}, "Mixtral"),
     ({"strategy": "phantom"}, "ghost-width"),
-    ({"mesh": "data=1,model=4"}, "kv_heads=2 is not divisible by the 4 ranks"),
+    ({"mesh": "data=1,model=8"}, "heads=4 do not divide among the 8 ranks"),
     ({"from_hf": "/nonexistent"}, "config.json not found"),
     ({"kv_heads": 3}, "heads=4 is not a multiple of kv_heads=3"),
 ])

@@ -212,14 +212,27 @@ class Llama(nnx.Module):
         if not config.tie_word_embeddings:
             self.lm_head = _linear(config.hidden, config.vocab_size, config, rngs)
 
-    def check_shards(self, num_shards: int) -> None:
-        """Heads split over ``num_shards`` ranks must keep whole key/value groups."""
+    def check_shards(self, num_shards: int, *, shared_kv_heads: bool = False) -> None:
+        """Heads split over ``num_shards`` ranks must keep whole key/value groups, or, with
+        ``shared_kv_heads`` (the plan's key/value projections ``Style("column", kv_heads=K)``),
+        the ranks may outnumber the key/value heads by a whole factor, the query heads dividing
+        among them."""
         c = self.config
-        if c.kv_heads % num_shards:
-            raise ConfigError(f"kv_heads={c.kv_heads} is not divisible by the {num_shards} ranks "
-                              "of the model axis: each rank needs whole key/value heads (and "
-                              f"their {c.heads // c.kv_heads} query heads); pick a model axis "
-                              f"dividing {c.kv_heads}")
+        if not c.kv_heads % num_shards:
+            return
+        if shared_kv_heads and not num_shards % c.kv_heads and not c.heads % num_shards:
+            return
+        if shared_kv_heads and not num_shards % c.kv_heads:
+            raise ConfigError(f"heads={c.heads} do not divide among the {num_shards} ranks of "
+                              "the model axis: each rank computes a whole number of query heads; "
+                              f"pick a model axis dividing {c.heads}")
+        raise ConfigError(f"kv_heads={c.kv_heads} is not divisible by the {num_shards} ranks "
+                          "of the model axis: each rank needs whole key/value heads (and their "
+                          f"{c.heads // c.kv_heads} query heads); pick a model axis dividing "
+                          f"{c.kv_heads}" + (f", or one that is a multiple of it dividing the "
+                                             f"{c.heads} query heads (plans.megatron shares a "
+                                             "key/value head among ranks)"
+                                             if not shared_kv_heads else ""))
 
     def hidden_states(self, tokens: jax.Array) -> jax.Array:
         return self.norm(self.layers(self.embed_tokens(tokens)))

@@ -34,10 +34,11 @@ from jphantom.nn.loss import cross_entropy
 from jphantom.nn.phantom import FeatureParallelEmbed, FeatureParallelNorm, PhantomLinear
 from jphantom.nn.stack import Stacked, set_remat
 from jphantom.nn.tensor import (ColumnParallelLinear, GatherFeatures, RowParallelLinear,
-                                ScatterFeatures, SequenceParallelEmbed, T1Linear,
-                                TensorParallelExperts, VocabParallelEmbed, VocabParallelHead)
+                                ScatterFeatures, SequenceParallelEmbed, SharedHeadsLinear,
+                                T1Linear, TensorParallelExperts, VocabParallelEmbed,
+                                VocabParallelHead)
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbed", "VocabParallelHead",
+__all__ = ["ColumnParallelLinear", "SharedHeadsLinear", "RowParallelLinear", "VocabParallelEmbed", "VocabParallelHead",
            "SequenceParallelEmbed", "TensorParallelExperts", "GatherFeatures", "ScatterFeatures",
            "T1Linear", "Boundary", "PhantomLinear", "FeatureParallelEmbed", "FeatureParallelNorm",
            "Experts", "top_k_gates", "Stacked", "SwitchMoE", "ExpertParallelExperts",
