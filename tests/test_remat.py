@@ -107,7 +107,8 @@ def test_unknown_policy_is_a_config_error():
 
 def test_the_step_option_is_the_blocks_policy_even_none():
     """``remat`` is the step's: a model whose blocks carried another policy gets the step's,
-    ``"none"`` included (the attribute is set by the step, never left over)."""
+    ``"none"`` included (set on the step's own copy of the model: the model given keeps its
+    own)."""
     import optax
     from flax import nnx
 
@@ -120,6 +121,8 @@ def test_the_step_option_is_the_blocks_policy_even_none():
                                                layers=2), "tensor", "model=2")
     mesh = program.mesh.build(first_devices(2))
     set_remat(program.model, "nothing_saveable")
-    program.train_step(mesh, optax.sgd(0.1), remat="none")
-    policies = {m.remat for _, m in nnx.iter_modules(program.model) if isinstance(m, Stacked)}
-    assert policies == {"none"}
+    step = program.train_step(mesh, optax.sgd(0.1), remat="none")
+    policies = lambda model: {m.remat for _, m in nnx.iter_modules(model)
+                              if isinstance(m, Stacked)}
+    assert policies(step.model_template) == {"none"}
+    assert policies(program.model) == {"nothing_saveable"}
