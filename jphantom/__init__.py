@@ -18,11 +18,12 @@ from jphantom.errors import ConfigError, JPhantomWarning, TrainingDiverged
 __version__ = "0.1.0"
 __all__ = ["ConfigError", "JPhantomWarning", "TrainingDiverged", "__version__", "parallelize",
            "dense_equivalent", "Style", "plans", "make_train_step", "make_forward_fn",
-           "TrainState", "nn", "verify"]
+           "register_style", "TrainState", "nn", "verify"]
 
 _LAZY = {"parallelize": ("jphantom.plans", "parallelize"),
          "dense_equivalent": ("jphantom.plans", "dense_equivalent"),
          "Style": ("jphantom.plans", "Style"),
+         "register_style": ("jphantom.plans", "register_style"),
          "make_train_step": ("jphantom.train_step", "make_train_step"),
          "make_forward_fn": ("jphantom.train_step", "make_forward_fn"),
          "TrainState": ("jphantom.train_step", "TrainState"),

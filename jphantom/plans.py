@@ -55,6 +55,7 @@ each kind of Flax layer (p = the size of ``axis``):
                other embeddings and norms split their features over ``y``; a routed
                ``SwitchMoE`` -> :class:`~jphantom.nn.pmm3d.Pmm3dMoE` (experts over
                ``expert``, their width over ``x``)
+(yours)        a style registered for your own layer class with :func:`register_style`
 ``context``    context parallelism over the ``context`` axis (:mod:`jphantom.nn.attention`):
                a :class:`~jphantom.nn.attention.CausalAttention` core ->
                :class:`~jphantom.nn.attention.RingAttention` (``Style("context",
@@ -77,7 +78,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from flax import nnx
 
@@ -98,6 +99,67 @@ STYLES = ("column", "row", "vocab", "input", "sequence", "phantom", "experts", "
 AXIS_STYLES = ("column", "row", "vocab", "input", "sequence", "phantom", "experts", "t1",
                "gather", "scatter")
 NORMS = (nnx.LayerNorm, nnx.RMSNorm)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a registered style's layer goes (:func:`register_style`): its ``path`` in the model,
+    the mesh ``axis`` the plan splits (of ``size`` ranks), whether the plan is sequence-parallel,
+    the mesh's axis sizes and the plan entry's :class:`Style`."""
+
+    path: str
+    axis: str
+    size: int
+    sequence_parallel: bool
+    mesh_shape: Mapping[str, int]
+    style: "Style"
+
+
+# name -> (the layer classes it applies to, build(module, placement), whether it splits ``axis``)
+_REGISTERED: dict[str, tuple[tuple[type, ...], Callable, bool]] = {}
+
+
+def register_style(name: str, layers, build: Callable, *, uses_axis: bool = True) -> None:
+    """Teach plans a style for your own layer classes: ``plan[path] = name`` on a module that is
+    an instance of ``layers`` (a class or a tuple of them) becomes ``build(module, placement)``
+    (:class:`Placement`), the parallel module: an ``nnx.Module`` that runs on one rank inside the
+    step's ``shard_map`` (its collectives on ``placement.axis``), whose parameters carry their
+    mesh axes (:func:`jphantom.nn.metadata.param`), and whose ``dense_equivalent()`` gives the
+    plain layer it equals (the one-device oracle, :func:`jphantom.verify`). ``uses_axis``: the
+    style needs ``axis`` in the mesh. Built-in styles cannot be replaced; registering a name again
+    replaces your earlier registration."""
+    if name in STYLES:
+        raise ConfigError(f"style {name!r} is built in: register yours under another name")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"a style's name is a non-empty string, not {name!r}")
+    classes = tuple(layers) if isinstance(layers, (tuple, list)) else (layers,)
+    if not classes or not all(isinstance(c, type) for c in classes):
+        raise ConfigError(f"register_style({name!r}, ...): give the layer class (or a tuple of "
+                          "them) the style applies to")
+    if not callable(build):
+        raise ConfigError(f"register_style({name!r}, ...): build must be a function "
+                          "build(module, placement) -> the parallel module")
+    _REGISTERED[name] = (classes, build, bool(uses_axis))
+
+
+def unregister_style(name: str) -> None:
+    """Forget a style registered with :func:`register_style`."""
+    _REGISTERED.pop(name, None)
+
+
+def _registered(path: str, module, style, *, axis: str, p: int, sequence_parallel: bool,
+                shape: dict):
+    classes, build, _ = _REGISTERED[style.name]
+    if not isinstance(module, classes):
+        raise ConfigError(f"{path}: style {style.name!r} applies to "
+                          f"{', '.join(c.__name__ for c in classes)}, not "
+                          f"{type(module).__name__}")
+    new = build(module, Placement(path, axis, p, sequence_parallel, dict(shape), style))
+    if not isinstance(new, nnx.Module) or not callable(getattr(new, "dense_equivalent", None)):
+        raise ConfigError(f"{path}: style {style.name!r} built {type(new).__name__}, which is not "
+                          "an nnx.Module with dense_equivalent() (the plain layer it equals: the "
+                          "one-device oracle)")
+    return new
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,8 +196,11 @@ class Style:
         if self.dtd and self.name != "experts":
             raise ConfigError(f"dtd (duplicate token dropping) belongs to the 'experts' style, "
                               f"not {self.name!r}")
-        if self.name not in STYLES:
-            raise ConfigError(f"style {self.name!r}: use one of {', '.join(STYLES)}")
+        if self.name not in STYLES and self.name not in _REGISTERED:
+            raise ConfigError(f"style {self.name!r}: use one of {', '.join(STYLES)}"
+                              + (f" or a registered one ({', '.join(_REGISTERED)})"
+                                 if _REGISTERED else "") + " (jphantom.plans.register_style "
+                              "adds a style for your own layer)")
         if self.name not in ("phantom", "pmm3d") and (self.ghost_width is not None
                                                       or self.vocab_output):
             raise ConfigError(f"ghost_width and vocab_output belong to the 'phantom' (and "
@@ -193,6 +258,9 @@ def _convert(path: str, module, style: Style, *, axis: str, p: int, sequence_par
     name = style.name
     if name == "replicate":
         return None
+    if name in _REGISTERED:
+        return _registered(path, module, style, axis=axis, p=p,
+                           sequence_parallel=sequence_parallel, shape=shape)
     if name == "context" and isinstance(module, (attention.CausalAttention,
                                                   attention.Positions)):
         size = shape.get(attention.AXIS, 1)
@@ -396,7 +464,8 @@ def parallelize(model: nnx.Module, mesh, plan: Mapping[str, str | Style], *,
     shape = {str(k): int(v) for k, v in (dict(mesh.shape) if hasattr(mesh, "shape")
                                          else dict(mesh)).items()}
     styles = {pattern: Style.of(value) for pattern, value in plan.items()}
-    uses_axis = any(s.name in AXIS_STYLES for s in styles.values())
+    uses_axis = any(s.name in AXIS_STYLES or (s.name in _REGISTERED and _REGISTERED[s.name][2])
+                    for s in styles.values())
     p = _mesh_axis_size(mesh, axis) if uses_axis else shape.get(axis, 1)
     if any(s.name == "pmm3d" for s in styles.values()):
         for needed in ("x", "y", "z"):

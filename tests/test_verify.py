@@ -109,3 +109,84 @@ def test_the_verify_command_reports_and_exits_by_the_tolerance(capsys):
     assert main(flags + ["--tolerance", "1e-12"]) == 1  # float32 against float64: not that close
     assert main(flags[:-1] + ["--tolerance", "-1"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+class _Dense(nnx.Module):
+    def __init__(self, n_in, n_out, seed=0):
+        self.w = nnx.Param(nnx.initializers.lecun_normal()(jax.random.PRNGKey(seed), (n_in, n_out)))
+
+    def __call__(self, x):
+        return x @ self.w[...]
+
+
+class _Column(nnx.Module):
+    def __init__(self, w, axis):
+        from jphantom.nn import metadata
+
+        self.axis, self.w = axis, metadata.param(w, (None, axis))
+
+    def __call__(self, x):
+        return tensor.copy_to_model(x, self.axis) @ self.w[...]
+
+    def dense_equivalent(self):
+        dense = _Dense(*self.w.shape)
+        dense.w = nnx.Param(self.w[...])
+        return dense
+
+
+class _Row(_Column):
+    def __init__(self, w, axis):
+        from jphantom.nn import metadata
+
+        self.axis, self.w = axis, metadata.param(w, (axis, None))
+
+    def __call__(self, x):
+        return jax.lax.psum(x @ self.w[...], self.axis)
+
+
+class _Pair(nnx.Module):
+    def __init__(self):
+        self.up, self.down = _Dense(8, 16, 1), _Dense(16, 8, 2)
+
+    def __call__(self, x):
+        return self.down(jax.nn.gelu(self.up(x)))
+
+
+@pytest.fixture
+def registered():
+    jphantom.register_style("test-column", _Dense, lambda m, at: _Column(m.w[...], at.axis))
+    jphantom.register_style("test-row", _Dense, lambda m, at: _Row(m.w[...], at.axis))
+    yield
+    plans.unregister_style("test-column")
+    plans.unregister_style("test-row")
+
+
+def test_a_registered_style_parallelises_a_users_layer_exactly(registered):
+    x = np.random.default_rng(3).standard_normal((8, 8)).astype(np.float32)
+    mse = lambda m, x, t: ((m(x) - t) ** 2).mean()
+    for mesh in ("model=2", "data=2,model=4"):
+        report = jphantom.verify(_Pair(), _mesh(mesh), {"up": "test-column",
+                                                        "down": jphantom.Style("test-row")},
+                                 mse, x, x)
+        assert report.ok, str(report)
+    model = plans.parallelize(_Pair(), {"model": 2}, {"up": "test-column", "down": "test-row"})
+    assert isinstance(model.up, _Column) and isinstance(model.down, _Row)
+
+
+def test_registered_styles_refuse_what_they_do_not_fit(registered):
+    from jphantom.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="applies to _Dense, not Linear"):
+        plans.parallelize(nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(0))), {"model": 2},
+                          {"layers.0": "test-column"})
+    jphantom.register_style("test-broken", _Dense, lambda m, at: nnx.Linear(8, 16,
+                                                                            rngs=nnx.Rngs(0)))
+    try:
+        with pytest.raises(ConfigError, match="not an nnx.Module with dense_equivalent"):
+            plans.parallelize(_Pair(), {"model": 2}, {"up": "test-broken"})
+    finally:
+        plans.unregister_style("test-broken")
+    with pytest.raises(ConfigError, match="built in"):
+        jphantom.register_style("column", _Dense, lambda m, at: m)
+    with pytest.raises(ConfigError, match="register_style adds a style"):
+        jphantom.Style("test-nothing")
