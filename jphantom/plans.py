@@ -324,6 +324,11 @@ def _convert(path: str, module, style: Style, *, axis: str, p: int, sequence_par
         return tensor.InputNorm.from_module(module, axis=axis,
                                             sequence_parallel=name == "sequence",
                                             collective_matmul=style.collective_matmul)
+    if name == "sequence" and not embed and not linear and _holds_params(module):
+        if style.collective_matmul:
+            raise ConfigError(f"{path}: collective_matmul applies to nnx.LayerNorm and "
+                              f"nnx.RMSNorm; {kind} runs as Style('sequence') without it")
+        return tensor.PerTokenSequence.from_module(module, axis=axis)
     if name == "sequence" and embed:
         return tensor.SequenceParallelEmbed.from_module(module, axis=axis)
     if name == "experts" and experts:
@@ -485,6 +490,11 @@ def parallelize(model: nnx.Module, mesh, plan: Mapping[str, str | Style], *,
                                   f"two styles ({chosen[path][1].name}, {style.name}): make them "
                                   "exclusive")
             chosen[path] = (pattern, style)
+    if sequence_parallel:  # every module then sees S/p tokens: each must be named
+        named = {path for path in chosen}
+        for path, (_, module) in modules.items():
+            if _holds_params(module) and path not in named and not _inside(path, named):
+                raise _unplaced(path, module, True, "parallelize (sequence parallelism)")
     check = getattr(model, "check_shards", None)
     if callable(check) and any(s.name != "replicate" for s in styles.values()):
         # the axis splitting attention heads: pmm3d's output axis x, else the model axis; with
@@ -565,16 +575,19 @@ def dense_equivalent(model: nnx.Module) -> nnx.Module:
 
 # -------------------------------------------------------------------------------------------------
 # Ready-made plans, built by walking a model's modules. The walk recognises layers by type and by
-# the names common model families use: the token embedding is the nnx.Embed with the most rows (V),
-# any other nnx.Embed a position table; the LM head an nnx.Linear with V outputs; column-parallel
-# linears (COLUMN: q, k, v, up and gate projections) and row-parallel ones (ROW: attention output,
-# down projections) by attribute name; routers (ROUTERS), norms and Experts by type. A linear the
-# walk cannot place is a ConfigError naming its path: write that entry by hand (plans are dicts).
+# the names common model families use: the token table by how the model uses it
+# (vocabulary_table: the only nnx.Embed, the one as large as an untied head, or the one named like
+# a token table beside position tables; else the caller names it), any other nnx.Embed a position
+# table; the LM head an nnx.Linear with V outputs; column-parallel linears (COLUMN: q, k, v, up
+# and gate projections) and row-parallel ones (ROW: attention output, down projections) by
+# attribute name; routers (ROUTERS), norms and Experts by type. A linear the walk cannot place,
+# or any other module holding parameters it does not know, is a ConfigError naming its path and
+# class and how to name it: the plans are exhaustive, never silently partial.
 # -------------------------------------------------------------------------------------------------
 
-COLUMN = frozenset({"q", "k", "v", "qkv", "c_attn", "q_proj", "k_proj", "v_proj", "query", "key", "value", "up",
-                    "up_proj", "gate_proj", "w1", "w3", "fc1", "c_fc", "wi", "mlp_up", "fc_in",
-                    "in_proj"})
+COLUMN = frozenset({"q", "k", "v", "qkv", "c_attn", "q_proj", "k_proj", "v_proj", "query",
+                    "key", "value", "wq", "wk", "wv", "up", "up_proj", "gate_proj", "w1", "w3",
+                    "fc1", "c_fc", "wi", "mlp_up", "fc_in", "in_proj"})
 ROW = frozenset({"o", "o_proj", "out", "out_proj", "down", "down_proj", "w2", "fc2", "c_proj",
                  "wo", "attn_out", "mlp_down", "fc_out"})
 KV_COLUMNS = frozenset({"k", "v", "k_proj", "v_proj", "key", "value", "wk", "wv"})
@@ -585,16 +598,73 @@ ROUTERS = frozenset({"router", "gate"})
 MLP_NORMS = frozenset({"ln_2", "post_attention_layernorm", "ffn_norm", "norm2"})
 
 
-def _walk(model: nnx.Module):
+VOCAB_NAMES = frozenset({"wte", "tok", "tok_embeddings", "embed_tokens", "token_embedding",
+                         "tokens", "word_embeddings", "embed", "embedding", "tok_emb"})
+POSITION_NAMES = frozenset({"wpe", "pos", "pos_embedding", "position_embeddings", "positions",
+                            "pos_emb", "position_embedding"})
+
+
+def _walk(model: nnx.Module, vocab: str | None = None):
     """The model's modules (those inside a SwitchMoE left out: the MoE is one plan entry), its
-    embeddings and its vocabulary size."""
+    embeddings, and the token table's path and size (:func:`vocabulary_table`)."""
     modules = modules_by_path(model)
     moes = [path for path, (_, m) in modules.items() if isinstance(m, SwitchMoE)]
     modules = {path: entry for path, entry in modules.items()
                if not any(path.startswith(moe + ".") for moe in moes)}
     embeds = {path: m for path, (_, m) in modules.items() if isinstance(m, nnx.Embed)}
-    vocab = max((m.num_embeddings for m in embeds.values()), default=None)
-    return modules, embeds, vocab
+    table = vocabulary_table(model, vocab, modules=modules)
+    return modules, embeds, table, (None if table is None else embeds[table].num_embeddings)
+
+
+def vocabulary_table(model: nnx.Module, vocab: str | None = None, *, modules=None) -> str | None:
+    """The path of ``model``'s token table, found by how the model uses its embeddings, never by
+    their sizes: ``vocab`` when given; the only ``nnx.Embed``; the one as large as an untied LM
+    head's outputs (an ``nnx.Linear`` not named like a projection); the one named like a token
+    table (:data:`VOCAB_NAMES`) beside ones named like position tables
+    (:data:`POSITION_NAMES`). Anything else is a :class:`ConfigError` asking for ``vocab``.
+    ``None`` for a model without embeddings."""
+    modules = modules_by_path(model) if modules is None else modules
+    embeds = {path: m for path, (_, m) in modules.items() if isinstance(m, nnx.Embed)}
+    if vocab is not None:
+        if vocab not in embeds:
+            raise ConfigError(f"vocab={vocab!r} is not an nnx.Embed of {type(model).__name__}; "
+                              f"its embeddings: {', '.join(embeds) or 'none'}")
+        return vocab
+    if len(embeds) <= 1:
+        return next(iter(embeds), None)
+    heads = {m.out_features for path, (tup, m) in modules.items()
+             if isinstance(m, nnx.Linear) and _name(tup) not in COLUMN | ROW | ROUTERS}
+    by_head = [path for path, m in embeds.items() if m.num_embeddings in heads]
+    if len(by_head) == 1:
+        return by_head[0]
+    names = {path: path.split(".")[-1] for path in embeds}
+    tokens = [p for p, n in names.items() if n in VOCAB_NAMES]
+    if len(tokens) == 1 and all(n in POSITION_NAMES for p, n in names.items() if p != tokens[0]):
+        return tokens[0]
+    raise ConfigError(f"cannot tell which of {type(model).__name__}'s embeddings "
+                      f"({', '.join(embeds)}) is the token table (the vocabulary): pass "
+                      "vocab='<its path>' to the plan (e.g. plans.megatron(model, vocab=...))")
+
+
+def _holds_params(module) -> bool:
+    """Whether ``module`` holds an ``nnx.Param`` as an attribute of its own (not through a
+    submodule)."""
+    return any(isinstance(value, nnx.Param) for value in vars(module).values())
+
+
+def _unplaced(path: str, module, sequence_parallel: bool, walk: str) -> ConfigError:
+    """The error for a module holding parameters that a ready-made plan cannot place."""
+    kind = type(module).__name__
+    names = ", ".join(n for n, v in vars(module).items() if isinstance(v, nnx.Param))
+    fix = (f"named={{{path!r}: jphantom.Style('sequence')}} if it treats each token alone (a "
+           "norm before column layers: it runs on the rank's S/p tokens, then the sequence is "
+           "gathered), or register a style for its class (jphantom.register_style)"
+           if sequence_parallel else
+           f"named={{{path!r}: 'replicate'}} to keep it whole on every rank (right for a "
+           "module that needs no split, such as a norm), or register a style for its class "
+           "(jphantom.register_style)")
+    return ConfigError(f"{walk} cannot place {path} ({kind}, holding {names}): name it, "
+                       f"{fix} (in a plan of your own: the same entry)")
 
 
 def _name(path_tuple) -> str:
@@ -602,8 +672,8 @@ def _name(path_tuple) -> str:
 
 
 def megatron(model: nnx.Module, *, sequence_parallel: bool = False, dtd: bool = False,
-             collective_matmul: bool = False,
-             kv_heads: int | None = None) -> dict[str, str | Style]:
+             collective_matmul: bool = False, kv_heads: int | None = None,
+             vocab: str | None = None, named: Mapping | None = None) -> dict[str, str | Style]:
     """Megatron tensor parallelism (seed 002): q/k/v and up/gate column-parallel, attention output
     and down row-parallel, embedding and head vocabulary-parallel, experts split over their width,
     routers replicated, norms ``input`` (f once for the layers they feed: pre-norm blocks);
@@ -617,14 +687,16 @@ def megatron(model: nnx.Module, *, sequence_parallel: bool = False, dtd: bool = 
     (the key and value projections then ``Style("column", kv_heads=...)``: with more ranks than
     heads each rank computes the head its query heads share,
     :class:`~jphantom.nn.tensor.SharedHeadsLinear`); default the model's ``config.kv_heads``
-    where it has one."""
+    where it has one. ``vocab``: the token table's path (:func:`vocabulary_table`). ``named``:
+    path patterns -> styles for modules the walk does not know (taken as given, before the
+    walk; a module holding parameters that neither names is an error naming it)."""
     if kv_heads is None:
         kv_heads = getattr(getattr(model, "config", None), "kv_heads", None)
     if collective_matmul and not sequence_parallel:
         raise ConfigError("collective_matmul overlaps sequence parallelism's all-gathers and "
                           "reduce-scatters with the GEMMs: pass sequence_parallel=True too "
                           "(--sequence-parallel)")
-    modules, embeds, vocab = _walk(model)
+    modules, embeds, table, vocab = _walk(model, vocab)
     expert_blocks = {path_tuple[:i] for path_tuple, module in modules.values()
                      if isinstance(module, (SwitchMoE, Experts)) for i in range(len(path_tuple))}
     cm = lambda name: Style(name, collective_matmul=True) if collective_matmul else name
@@ -634,13 +706,15 @@ def megatron(model: nnx.Module, *, sequence_parallel: bool = False, dtd: bool = 
         raise ConfigError("dtd (duplicate token dropping) applies to routed MoE layers "
                           "(SwitchMoE, e.g. GPT-2 with moe_every); the model has none: leave "
                           "dtd out")
-    plan: dict[str, str | Style] = {}
+    plan = _named(modules, named)
     for path, (path_tuple, module) in modules.items():
         name = _name(path_tuple)
+        if path in plan or _inside(path, plan):
+            continue
         if isinstance(module, SwitchMoE):
             plan[path] = Style("experts", dtd=dtd)
         elif isinstance(module, nnx.Embed):
-            plan[path] = ("vocab" if module.num_embeddings == vocab
+            plan[path] = ("vocab" if path == table
                           else "sequence" if sequence_parallel else "replicate")
         elif isinstance(module, NORMS) and path_tuple[:-1] in moe_blocks and name in MLP_NORMS:
             plan[path] = "replicate"  # the MoE routes the stream as it is (SP: this rank's S/p)
@@ -667,18 +741,43 @@ def megatron(model: nnx.Module, *, sequence_parallel: bool = False, dtd: bool = 
                                   "row-parallel: build the plan by hand, e.g. "
                                   f"{{**plans.megatron(...), {path!r}: 'column'}} after renaming, "
                                   "or write it whole")
+        elif _holds_params(module) and not _inside(path, plan):
+            raise _unplaced(path, module, sequence_parallel, "plans.megatron")
     return plan
 
 
-def phantom(model: nnx.Module, ghost_width: int = 8) -> dict[str, Style]:
+def _named(modules: dict, named: Mapping | None) -> dict:
+    """The entries of ``named`` (path patterns -> styles) on ``modules``' paths: what a walk
+    takes as given."""
+    plan = {}
+    for pattern, style in (named or {}).items():
+        matched = [path for path in modules if fnmatch.fnmatchcase(path, pattern)]
+        if not matched:
+            raise ConfigError(f"named pattern {pattern!r} matches no module; the modules include: "
+                              f"{', '.join(list(modules)[:12])}")
+        for path in matched:
+            plan[path] = style
+    return plan
+
+
+def _inside(path: str, plan: Mapping) -> bool:
+    """Whether ``path`` lies inside a module the plan already names (a mixture of experts is
+    one entry)."""
+    return any(path.startswith(named + ".") for named in plan)
+
+
+def phantom(model: nnx.Module, ghost_width: int = 8, *, vocab: str | None = None,
+            named: Mapping | None = None) -> dict[str, Style]:
     """Phantom parallelism (seed 000) for a whole model: every linear a phantom layer of k =
     ``ghost_width`` ghost neurons (the LM head with vocabulary-split outputs), embeddings and norms
     split over features, routers row-parallel (their logits all-reduced), experts on the
     feature-split stream."""
-    modules, embeds, vocab = _walk(model)
+    modules, embeds, _, vocab = _walk(model, vocab)
     layer = Style("phantom", ghost_width=ghost_width)
-    plan: dict[str, Style] = {}
+    plan = _named(modules, named)
     for path, (path_tuple, module) in modules.items():
+        if path in plan or _inside(path, plan):
+            continue
         if isinstance(module, (nnx.Embed, *NORMS, Experts, SwitchMoE)):
             plan[path] = layer
         elif isinstance(module, nnx.Linear):
@@ -690,21 +789,36 @@ def phantom(model: nnx.Module, ghost_width: int = 8) -> dict[str, Style]:
                 plan[path] = Style("phantom", ghost_width=ghost_width, vocab_output=True)
             else:
                 plan[path] = layer
+        elif _holds_params(module) and not _inside(path, plan):
+            raise _split_features(path, module, "plans.phantom")
     return plan
 
 
-def pmm3d(model: nnx.Module, *, weights: str = "kept") -> dict[str, Style]:
+def _split_features(path: str, module, walk: str) -> ConfigError:
+    """A module of the user's in a plan that splits every activation's features (phantom,
+    pmm3d): it would see a slice of each token's features."""
+    kind = type(module).__name__
+    return ConfigError(f"{walk} cannot place {path} ({kind}): this plan splits every "
+                       "activation's features, so the module would see a slice of each "
+                       "token's; register a style for its class (jphantom.register_style) and "
+                       f"name it in the plan, or use strategy 'tensor' (plans.megatron)")
+
+
+def pmm3d(model: nnx.Module, *, weights: str = "kept", vocab: str | None = None,
+          named: Mapping | None = None) -> dict[str, Style]:
     """AxoNN's 3D matmul (seed 004 ch. 5) for a whole model on ``x``, ``y``, ``z``: q/k/v and
     up/gate normal layers, attention output and down transposed, the token table (and an untied
     head) vocabulary over ``x``, norms and position tables over ``y``. ``weights``: the linears'
     gathered weights, ``"kept"``, ``"regather"`` or ``"deferred"``
     (:class:`~jphantom.nn.pmm3d.Pmm3dLinear`; the token table is always kept)."""
-    modules, embeds, vocab = _walk(model)
-    plan: dict[str, Style] = {}
+    modules, embeds, table, vocab = _walk(model, vocab)
+    plan = _named(modules, named)
     for path, (path_tuple, module) in modules.items():
         name = _name(path_tuple)
+        if path in plan or _inside(path, plan):
+            continue
         if isinstance(module, nnx.Embed):
-            plan[path] = Style("pmm3d", vocab_output=module.num_embeddings == vocab)
+            plan[path] = Style("pmm3d", vocab_output=path == table)
         elif isinstance(module, NORMS):
             plan[path] = Style("pmm3d")
         elif isinstance(module, SwitchMoE):
@@ -723,6 +837,8 @@ def pmm3d(model: nnx.Module, *, weights: str = "kept") -> dict[str, Style]:
             else:
                 raise ConfigError(f"plans.pmm3d cannot tell whether {path} is a normal or a "
                                   "transposed layer: write the plan by hand")
+        elif _holds_params(module) and not _inside(path, plan):
+            raise _split_features(path, module, "plans.pmm3d")
     return plan
 
 

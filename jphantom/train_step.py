@@ -106,9 +106,11 @@ class ParamLayout:
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         if jax.tree.leaves(rest):
             names = sorted({type(v).__name__ for v in jax.tree.leaves(rest, is_leaf=_is_variable)})
-            raise ConfigError(f"the model holds state other than nnx.Param ({', '.join(names)}); "
-                              "the step trains parameters only: remove it (dropout RNGs, batch "
-                              "statistics) or keep it outside the model")
+            where = next(".".join(map(str, path)) for path, v in nnx.iter_graph(model)
+                         if isinstance(v, nnx.Variable) and not isinstance(v, nnx.Param))
+            raise ConfigError(f"the model holds state other than nnx.Param ({', '.join(names)}), "
+                              f"e.g. at {where}; the step trains parameters only: remove it "
+                              "(dropout RNGs, batch statistics) or keep it outside the model")
         variables = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
         pure = nnx.to_pure_dict(params)
         pure_paths, pure_treedef = jax.tree_util.tree_flatten_with_path(pure)

@@ -489,6 +489,39 @@ class InputNorm(nnx.Module):
         return copy_to_model(y, self.axis)  # f: backward all-reduce of B*S*h, once
 
 
+class PerTokenSequence(nnx.Module):
+    """A per-token module of your own before column layers under sequence parallelism (a norm
+    that is not ``nnx.LayerNorm`` / ``nnx.RMSNorm``, such as Gemma's ``x / rms(x) * (1 + w)``):
+    ``inner`` runs on this rank's S/p tokens, then the sequence is all-gathered once for the
+    layers it feeds, as :class:`InputNorm` does (B S h; backward reduce-scatter). Its parameters
+    stay whole on every rank, their gradients summed over ``axis`` once per step (each rank saw
+    S/p tokens). Plan style ``sequence`` on a module jphantom does not know; right only for a
+    module that treats each token alone."""
+
+    def __init__(self, inner: nnx.Module, *, axis: str = "model"):
+        graphdef, state = nnx.split(inner)
+        self.inner = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))  # its own variables
+        self.axis = axis
+        for _, variable in nnx.iter_graph(self.inner):
+            if isinstance(variable, nnx.Param):
+                variable.set_metadata("reduce_axes", (axis,))
+
+    @classmethod
+    def from_module(cls, module: nnx.Module, *, axis: str = "model") -> "PerTokenSequence":
+        return cls(module, axis=axis)
+
+    def dense_equivalent(self) -> nnx.Module:
+        graphdef, state = nnx.split(self.inner)
+        inner = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
+        for _, variable in nnx.iter_graph(inner):
+            if isinstance(variable, nnx.Param):
+                variable.set_metadata("reduce_axes", ())
+        return inner
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return gather_sequence(self.inner(x), self.axis)  # all-gather of B*S*h, once
+
+
 class TensorParallelExperts(nnx.Module):
     """A mixture of SwiGLU experts with every expert's FFN width split over ``axis`` (TED's tensor
     part, seed 004 Eq. 7.1, without an expert axis): w_gate, w_up [E, h, f] split on f,

@@ -1,0 +1,168 @@
+"""Models written with plain Flax, as users write them, under the ready-made plans: each either
+equals the one-device model (loss and every gradient, jphantom.verify within 1e-5) or is refused
+with one ConfigError naming the module before anything compiles. None may run and differ."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jphantom
+from jphantom import plans
+from jphantom.errors import ConfigError
+from jphantom.mesh import MeshConfig, first_devices
+from jphantom.pipeline.runner import PipelineConfig
+
+V, S, H, HEADS = 32, 64, 32, 4  # a byte-level vocabulary smaller than the sequence
+
+
+class GemmaNorm(nnx.Module):
+    """A user's own norm: x / rms(x) * (1 + w)."""
+
+    def __init__(self, width):
+        self.scale = nnx.Param(jnp.full((width,), 0.1, jnp.float32))
+
+    def __call__(self, x):
+        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * (1 + self.scale[...])
+
+
+class Block(nnx.Module):
+    """Meta-style names (wq, wk, wv, wo; w1, w3, w2) and a norm of the user's."""
+
+    def __init__(self, rngs, norm=GemmaNorm):
+        self.attention_norm, self.ffn_norm = norm(H), norm(H)
+        self.wq, self.wk, self.wv, self.wo = (nnx.Linear(H, H, use_bias=False, rngs=rngs)
+                                              for _ in range(4))
+        self.w1, self.w3 = (nnx.Linear(H, 2 * H, use_bias=False, rngs=rngs) for _ in range(2))
+        self.w2 = nnx.Linear(2 * H, H, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.attention_norm(x)
+        q, k, v = self.wq(h), self.wk(h), self.wv(h)
+        b, s, _ = q.shape
+        q, k, v = (a.reshape(b, s, -1, H // HEADS) for a in (q, k, v))
+        x = x + self.wo(jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, s, -1))
+        h = self.ffn_norm(x)
+        return x + self.w2(jax.nn.silu(self.w1(h)) * self.w3(h))
+
+
+class ByteLM(nnx.Module):
+    def __init__(self, tied=False, names=("tok", "pos")):
+        rngs = nnx.Rngs(0)
+        self.names = names
+        setattr(self, names[0], nnx.Embed(V, H, rngs=rngs))
+        setattr(self, names[1], nnx.Embed(S, H, rngs=rngs))
+        self.layers = jphantom.nn.Stacked(Block, 2, rngs=rngs)
+        self.norm = nnx.RMSNorm(H, rngs=rngs)
+        self.tied = tied
+        if not tied:
+            self.output = nnx.Linear(H, V, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens):
+        tok, pos = getattr(self, self.names[0]), getattr(self, self.names[1])
+        h = self.norm(self.layers(tok(tokens) + pos(jnp.arange(tokens.shape[1]))))
+        return tok.attend(h) if self.tied else self.output(h)
+
+
+def loss_fn(model, tokens, targets):
+    return optax.softmax_cross_entropy_with_integer_labels(model(tokens), targets).mean()
+
+
+def _mesh(text):
+    mesh = MeshConfig.parse(text)
+    return mesh.build(first_devices(mesh.device_count))
+
+
+TOKENS = np.random.default_rng(0).integers(0, V, (8, S)).astype(np.int32)
+NORMS = {"layers.block.attention_norm": None, "layers.block.ffn_norm": None}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_norm_of_the_users_is_refused_by_name_until_named(sequence_parallel):
+    model = ByteLM()
+    with pytest.raises(ConfigError, match=r"cannot place layers\.block\.attention_norm "
+                                          r"\(GemmaNorm, holding scale\): name it"):
+        plans.megatron(model, sequence_parallel=sequence_parallel)
+
+
+@pytest.mark.parametrize("mesh, sequence_parallel, options", [
+    ("data=2,model=4", False, {}),
+    ("data=2,model=4", True, {}),
+    ("data=4,model=2", True, {"zero": 3}),
+    ("stage=2,model=4", True, {"pipeline": PipelineConfig(microbatches=2)}),
+], ids=["tensor", "tensor-sp", "sp-zero3", "sp-pipeline"])
+def test_named_user_norms_and_meta_names_are_exact(mesh, sequence_parallel, options):
+    """The user's norms named (per-token: Style('sequence') under SP, 'replicate' without), the
+    Meta-style projections found by name, the token table found by the untied head (the position
+    table has more rows): every layout equals one device."""
+    model = ByteLM()
+    style = jphantom.Style("sequence") if sequence_parallel else "replicate"
+    plan = plans.megatron(model, sequence_parallel=sequence_parallel,
+                          named={"layers.block.*_norm": style})
+    assert plan["tok"] == "vocab" and plan["layers.block.wq"] == "column"
+    assert plan["layers.block.wo"] == "row" and plan["layers.block.w2"] == "row"
+    report = jphantom.verify(model, _mesh(mesh), plan, loss_fn, TOKENS, np.roll(TOKENS, -1, 1),
+                             **options)
+    assert report.ok, str(report)
+
+
+def test_an_unnamed_module_under_sequence_parallelism_is_refused_by_parallelize():
+    """A plan written by hand that leaves a module holding parameters out cannot run under
+    sequence parallelism (the module would see S/p tokens unannounced)."""
+    model = ByteLM()
+    plan = plans.megatron(model, sequence_parallel=True, named={"layers.block.*_norm":
+                                                                jphantom.Style("sequence")})
+    del plan["layers.block.ffn_norm"]
+    with pytest.raises(ConfigError, match=r"parallelize \(sequence parallelism\) cannot place "
+                                          r"layers\.block\.ffn_norm"):
+        plans.parallelize(model, {"model": 4}, plan)
+
+
+def test_the_token_table_is_found_by_use_not_by_size():
+    assert plans.vocabulary_table(ByteLM()) == "tok"  # by the head: V = 32 < S = 64
+    assert plans.vocabulary_table(ByteLM(tied=True)) == "tok"  # by name, beside "pos"
+    assert plans.vocabulary_table(ByteLM(tied=True, names=("a", "b")), vocab="a") == "a"
+    with pytest.raises(ConfigError, match="cannot tell which of ByteLM's embeddings"):
+        plans.vocabulary_table(ByteLM(tied=True, names=("a", "b")))
+    with pytest.raises(ConfigError, match="vocab='c' is not an nnx.Embed"):
+        plans.vocabulary_table(ByteLM(), vocab="c")
+
+
+class FlaxAttentionLM(nnx.Module):
+    """nnx.MultiHeadAttention (LinearGeneral projections) and an nnx.Einsum MLP."""
+
+    def __init__(self):
+        rngs = nnx.Rngs(0)
+        self.embed = nnx.Embed(V, H, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(HEADS, H, decode=False, rngs=rngs)
+        self.mlp = nnx.Einsum("bsh,hf->bsf", (H, 2 * H), rngs=rngs)
+        self.head = nnx.Linear(2 * H, V, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.head(self.mlp(self.attn(self.embed(tokens))))
+
+
+def test_flax_layers_the_walk_does_not_split_are_refused_by_name():
+    """nnx.LinearGeneral (inside nnx.MultiHeadAttention) and nnx.Einsum are not split yet: the
+    walk names them instead of leaving them silently whole."""
+    refused = r"cannot place attn\.(query|key|value|out) \(LinearGeneral"
+    with pytest.raises(ConfigError, match=refused):
+        plans.megatron(FlaxAttentionLM())
+    with pytest.raises(ConfigError, match=refused):
+        plans.phantom(FlaxAttentionLM())
+
+
+def test_a_model_with_dropout_is_refused_naming_where_its_state_is():
+    class WithDropout(nnx.Module):
+        def __init__(self):
+            self.linear = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+            self.drop = nnx.Dropout(0.1, rngs=nnx.Rngs(1))
+
+        def __call__(self, x):
+            return self.drop(self.linear(x))
+
+    with pytest.raises(ConfigError, match=r"other than nnx.Param .* e\.g\. at drop\."):
+        jphantom.make_train_step(WithDropout(), _mesh("data=2"), optax.sgd(0.1),
+                                 lambda m, x: m(x).mean())
