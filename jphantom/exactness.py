@@ -93,11 +93,13 @@ def _dotted(keystr: str) -> str:
 
 def verify_step(step, params, *batch, tolerance: float = TOLERANCE) -> Report:
     """The :class:`Report` of a built training step (:func:`jphantom.make_train_step`) at
-    ``params`` (a ``TrainState.params`` dict) on ``batch`` (natural order; the step reorders it
-    for a context layout)."""
+    ``params`` (a ``TrainState.params`` dict, in the step's storage order, as ``step.init``
+    gives it) on ``batch`` (natural order; the step reorders it for a context layout)."""
     from jphantom.plans import dense_equivalent
 
     loss, grads = jax.jit(step.value_and_grad())(params, *step.context_order(batch))
+    # interleaved and zb-v pipelines store their layers in device order: the model's for both
+    params, grads = step.to_model_order(params), step.to_model_order(grads)
     wide = jnp.float64 if jax.config.jax_enable_x64 else None
     layout, loss_fn = step.layout, step.loss_fn
 

@@ -218,3 +218,36 @@ def test_zero_bubble_pipelines_refuse_bad_shapes_before_compiling():
                            pipeline=PipelineConfig("zb-v", 4))
     with pytest.raises(ConfigError, match="applies to 'interleaved-1f1b' only"):
         PipelineConfig("zb-h1", 4, 2)
+
+
+@pytest.mark.parametrize("schedule, dropless", [
+    ("zb-h1", False), ("zb-v", True),
+    pytest.param("gpipe", False, marks=pytest.mark.slow),
+    pytest.param("1f1b", True, marks=pytest.mark.slow),
+    pytest.param("interleaved-1f1b", False, marks=pytest.mark.slow),
+    pytest.param("zb-h1", True, marks=pytest.mark.slow),
+    pytest.param("zb-v", False, marks=pytest.mark.slow),
+])
+def test_every_schedule_with_gpt2_mixtures_of_experts_on_an_expert_axis_equals_one_device(
+        schedule, dropless):
+    """GPT-2's routed MoE (capacity with nothing dropped, or dropless) over ``expert`` in a
+    pipeline of 2 stages, load-balancing and z losses on: every schedule equals one device
+    (jphantom.verify). ZB-H1 used to differ from 1F1B here: its pullbacks were rebuilt from a
+    probe whose input carry was typed invariant over ``expert``, so the rebuilt pullback summed
+    the z-loss' cotangent over the expert ranks before sending it to the stage before."""
+    from helpers import random_params
+    from jphantom.exactness import verify_step
+    from jphantom.models.gpt2 import TransformerConfig, moe_fields
+
+    require_devices(4)
+    config = TransformerConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=4,
+                               **moe_fields(1, 4, 2, 100.0, dropless))
+    program = program_module.build(config, "tensor", "stage=2,expert=2")
+    mesh = program.mesh.build(jax.devices()[:4])
+    virtual = 2 if schedule == "interleaved-1f1b" else 1
+    step = program.train_step(mesh, optax.sgd(0.1), donate=False,
+                              pipeline=PipelineConfig(schedule, 4, virtual))
+    rng = np.random.default_rng(1)
+    tokens, targets = (rng.integers(0, 64, (8, 16)).astype(np.int32) for _ in range(2))
+    report = verify_step(step, step.init(random_params(program)).params, tokens, targets)
+    assert report.ok, str(report)

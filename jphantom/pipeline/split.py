@@ -396,6 +396,13 @@ def run(stages: Stages, config: PipelineConfig, plan_: SplitPlan, stacked, rest,
         return out, stash
 
     out0, stash0 = jax.eval_shape(probe_forward, chunk0, x0, global_chunk(0))
+    # Probe again on an input typed as what flows between stages (the body's output: an MoE
+    # carry's statistics start invariant and leave varying over the batch axes). The pullbacks
+    # are rebuilt from this probe's structure, and a pullback traced for an invariant input holds
+    # the transpose of its implicit cast, an all-reduce over those axes, that a stage whose input
+    # arrives varying must not apply to the cotangent it sends back.
+    x0 = _cast_like(x0, out0)
+    out0, stash0 = jax.eval_shape(probe_forward, chunk0, x0, global_chunk(0))
     treedef, is_param = probed["treedef"], probed["is_param"]
     out0 = jax.tree.map(zeros_of, out0)
     zero = zeros_of(jax.eval_shape(lambda r, o: stages.last(r, o, _take(targets, 0), M), rest,
