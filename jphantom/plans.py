@@ -11,11 +11,15 @@ each kind of Flax layer (p = the size of ``axis``):
 
 =============  ==========================================================================
 ``column``     ``nnx.Linear`` -> :class:`~jphantom.nn.tensor.ColumnParallelLinear` (out / p);
+               ``nnx.LinearGeneral`` (``nnx.MultiHeadAttention``'s query, key, value) ->
+               :class:`~jphantom.nn.tensor.ColumnParallelGeneral` (heads / p);
                ``Style("column", kv_heads=K)`` (grouped-query attention's key and value
                projections) with more ranks than K heads ->
                :class:`~jphantom.nn.tensor.SharedHeadsLinear` (each rank the head its query
                heads share, the projection replicated)
-``row``        ``nnx.Linear`` -> :class:`~jphantom.nn.tensor.RowParallelLinear` (in / p)
+``row``        ``nnx.Linear`` -> :class:`~jphantom.nn.tensor.RowParallelLinear` (in / p);
+               ``nnx.LinearGeneral`` (its output projection) ->
+               :class:`~jphantom.nn.tensor.RowParallelGeneral` (heads / p)
 ``vocab``      ``nnx.Embed`` -> :class:`~jphantom.nn.tensor.VocabParallelEmbed` (V / p);
                ``nnx.Linear`` (an LM head) -> :class:`~jphantom.nn.tensor.VocabParallelHead`
 ``input``      a norm whose output feeds column-parallel layers (q, k, v; up, gate; the head)
@@ -299,6 +303,13 @@ def _convert(path: str, module, style: Style, *, axis: str, p: int, sequence_par
     if name in ("gather", "scatter") and boundary:
         cls = tensor.GatherFeatures if name == "gather" else tensor.ScatterFeatures
         return cls.from_module(module, axis=axis)
+    general = isinstance(module, nnx.LinearGeneral)
+    if name in ("column", "row") and general:
+        split = module.out_features[0] if name == "column" else module.in_features[0]
+        _divides(path, "heads (the first " + ("output" if name == "column" else "input")
+                 + " axis)", split, p, axis)
+        cls = tensor.ColumnParallelGeneral if name == "column" else tensor.RowParallelGeneral
+        return cls.from_module(module, axis=axis, sequence_parallel=sequence_parallel)
     if name == "column" and linear and style.kv_heads is not None and p > style.kv_heads:
         if p % style.kv_heads:
             raise ConfigError(f"{path}: {style.kv_heads} key/value heads on {p} ranks of "
@@ -519,6 +530,9 @@ _ANNOTATIONS = {
     ("column", "Linear"): {"kernel": (None, "{axis}"), "bias": ("{axis}",)},
     ("vocab", "Linear"): {"kernel": (None, "{axis}"), "bias": ("{axis}",)},
     ("row", "Linear"): {"kernel": ("{axis}", None)},
+    # nnx.MultiHeadAttention's LinearGeneral: kernel [in, heads, d] / [heads, d, out]
+    ("column", "LinearGeneral"): {"kernel": (None, "{axis}", None), "bias": ("{axis}", None)},
+    ("row", "LinearGeneral"): {"kernel": ("{axis}", None, None)},
     ("vocab", "Embed"): {"embedding": ("{axis}", None)},
     ("experts", "Experts"): {"w_gate": (None, None, "{axis}"), "w_up": (None, None, "{axis}"),
                              "w_down": (None, "{axis}", None)},
@@ -725,6 +739,8 @@ def megatron(model: nnx.Module, *, sequence_parallel: bool = False, dtd: bool = 
                           else cm("sequence") if in_block and feeds_columns else "sequence")
         elif isinstance(module, Experts):
             plan[path] = "experts"
+        elif isinstance(module, nnx.LinearGeneral) and name in COLUMN | ROW:
+            plan[path] = "row" if name in ROW else "column"  # nnx.MultiHeadAttention's
         elif isinstance(module, nnx.Linear):
             if name in ROUTERS:
                 plan[path] = "replicate"

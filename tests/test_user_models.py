@@ -130,27 +130,56 @@ def test_the_token_table_is_found_by_use_not_by_size():
         plans.vocabulary_table(ByteLM(), vocab="c")
 
 
-class FlaxAttentionLM(nnx.Module):
-    """nnx.MultiHeadAttention (LinearGeneral projections) and an nnx.Einsum MLP."""
+class FlaxAttentionBlock(nnx.Module):
+    """A pre-norm block around Flax's own nnx.MultiHeadAttention (LinearGeneral projections)."""
 
-    def __init__(self):
+    def __init__(self, rngs):
+        self.ln_1, self.ln_2 = nnx.LayerNorm(H, rngs=rngs), nnx.LayerNorm(H, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(HEADS, H, decode=False, rngs=rngs)
+        self.up, self.down = nnx.Linear(H, 2 * H, rngs=rngs), nnx.Linear(2 * H, H, rngs=rngs)
+
+    def __call__(self, x):
+        causal = nnx.make_causal_mask(jnp.ones((x.shape[0], S)))  # the whole sequence
+        x = x + self.attn(self.ln_1(x), mask=causal)
+        return x + self.down(jax.nn.gelu(self.up(self.ln_2(x))))
+
+
+class FlaxAttentionLM(nnx.Module):
+    def __init__(self, mlp_einsum=False):
         rngs = nnx.Rngs(0)
         self.embed = nnx.Embed(V, H, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(HEADS, H, decode=False, rngs=rngs)
-        self.mlp = nnx.Einsum("bsh,hf->bsf", (H, 2 * H), rngs=rngs)
-        self.head = nnx.Linear(2 * H, V, rngs=rngs)
+        self.blocks = jphantom.nn.Stacked(FlaxAttentionBlock, 2, rngs=rngs)
+        if mlp_einsum:
+            self.mlp = nnx.Einsum("bsh,hf->bsf", (H, H), rngs=rngs)
+        self.ln_f, self.head = nnx.LayerNorm(H, rngs=rngs), nnx.Linear(H, V, rngs=rngs)
 
     def __call__(self, tokens):
-        return self.head(self.mlp(self.attn(self.embed(tokens))))
+        h = self.blocks(self.embed(tokens))
+        h = self.mlp(h) if hasattr(self, "mlp") else h
+        return self.head(self.ln_f(h))
+
+
+@pytest.mark.parametrize("mesh, sequence_parallel, options", [
+    ("data=2,model=4", False, {}), ("data=2,model=2", True, {}),
+    ("data=4,model=2", False, {"zero": 3})], ids=["tensor", "tensor-sp", "zero3"])
+def test_flax_multi_head_attention_is_tensor_parallel_and_exact(mesh, sequence_parallel,
+                                                                options):
+    """nnx.MultiHeadAttention's LinearGeneral projections: query, key and value split over their
+    heads (ColumnParallelGeneral), out over its input heads (RowParallelGeneral)."""
+    model = FlaxAttentionLM()
+    plan = plans.megatron(model, sequence_parallel=sequence_parallel)
+    assert plan["blocks.block.attn.query"] == "column" and plan["blocks.block.attn.out"] == "row"
+    report = jphantom.verify(model, _mesh(mesh), plan, loss_fn, TOKENS, np.roll(TOKENS, -1, 1),
+                             **options)
+    assert report.ok, str(report)
 
 
 def test_flax_layers_the_walk_does_not_split_are_refused_by_name():
-    """nnx.LinearGeneral (inside nnx.MultiHeadAttention) and nnx.Einsum are not split yet: the
-    walk names them instead of leaving them silently whole."""
-    refused = r"cannot place attn\.(query|key|value|out) \(LinearGeneral"
-    with pytest.raises(ConfigError, match=refused):
-        plans.megatron(FlaxAttentionLM())
-    with pytest.raises(ConfigError, match=refused):
+    """nnx.Einsum is not split yet, and phantom has no form for LinearGeneral: the walks name
+    them instead of leaving them silently whole."""
+    with pytest.raises(ConfigError, match=r"cannot place mlp \(Einsum, holding kernel"):
+        plans.megatron(FlaxAttentionLM(mlp_einsum=True))
+    with pytest.raises(ConfigError, match=r"plans.phantom cannot place blocks\.block\.attn\."):
         plans.phantom(FlaxAttentionLM())
 
 

@@ -33,12 +33,14 @@ from jphantom.nn.experts import Experts, SwitchMoE, top_k_gates
 from jphantom.nn.loss import cross_entropy
 from jphantom.nn.phantom import FeatureParallelEmbed, FeatureParallelNorm, PhantomLinear
 from jphantom.nn.stack import Stacked, set_remat
-from jphantom.nn.tensor import (ColumnParallelLinear, GatherFeatures, PerTokenSequence,
-                                RowParallelLinear, ScatterFeatures, SequenceParallelEmbed,
-                                SharedHeadsLinear, T1Linear, TensorParallelExperts,
-                                VocabParallelEmbed, VocabParallelHead)
+from jphantom.nn.tensor import (ColumnParallelGeneral, ColumnParallelLinear, GatherFeatures,
+                                PerTokenSequence, RowParallelGeneral, RowParallelLinear,
+                                ScatterFeatures, SequenceParallelEmbed, SharedHeadsLinear,
+                                T1Linear, TensorParallelExperts, VocabParallelEmbed,
+                                VocabParallelHead)
 
-__all__ = ["ColumnParallelLinear", "SharedHeadsLinear", "PerTokenSequence", "RowParallelLinear", "VocabParallelEmbed", "VocabParallelHead",
+__all__ = ["ColumnParallelLinear", "ColumnParallelGeneral", "RowParallelGeneral",
+           "SharedHeadsLinear", "PerTokenSequence", "RowParallelLinear", "VocabParallelEmbed", "VocabParallelHead",
            "SequenceParallelEmbed", "TensorParallelExperts", "GatherFeatures", "ScatterFeatures",
            "T1Linear", "Boundary", "PhantomLinear", "FeatureParallelEmbed", "FeatureParallelNorm",
            "Experts", "top_k_gates", "Stacked", "SwitchMoE", "ExpertParallelExperts",
