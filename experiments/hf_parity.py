@@ -237,6 +237,7 @@ def check_model(name: str, work: Path, tokens: np.ndarray, tol: float) -> dict:
         fixed_diff = float(np.abs(again - reference).max())
         row["with_file_values"] = {"fields": {k: v["file"] for k, v in misread.items()},
                                    "max_abs_diff": fixed_diff, "passed": bool(fixed_diff <= tol)}
+    row["tensor_parallel"] = tensor_parallel_logits(directory, tokens, reference, tol)
     out_dir = work / f"{name}_jphantom"
     llama.save_hf(out_dir, model)
     row["round_trip"] = compare_tensors(directory / "model.safetensors",
@@ -247,6 +248,33 @@ def check_model(name: str, work: Path, tokens: np.ndarray, tol: float) -> dict:
         for k in sorted(set(hf) | set(written)) if hf.get(k, "<absent>") != written.get(
             k, "<absent>")}
     return row
+
+
+def tensor_parallel_logits(directory: Path, tokens: np.ndarray, reference: np.ndarray,
+                           tol: float) -> dict:
+    """The loaded checkpoint under ``plans.megatron`` on ``model=4`` and ``model=8`` (more tensor
+    ranks than the 2 key/value heads: each rank computes the head its query heads share,
+    :class:`jphantom.nn.SharedHeadsLinear`), logits through ``make_forward_fn`` against HF's."""
+    import jax
+    import jax.numpy as jnp
+
+    import jphantom
+    from jphantom.models import llama
+
+    out = {}
+    for ranks in (4, 8):
+        if jax.device_count() < ranks:
+            out[f"model={ranks}"] = {"skipped": f"{jax.device_count()} devices"}
+            continue
+        mesh = jax.make_mesh((ranks,), ("model",), devices=jax.devices()[:ranks])
+        model = llama.load_hf(directory)
+        jphantom.parallelize(model, mesh, jphantom.plans.megatron(model))
+        logits = np.asarray(jphantom.make_forward_fn(model, mesh)(jnp.asarray(tokens)))
+        diff = float(np.abs(logits - reference).max())
+        out[f"model={ranks}"] = {
+            "max_abs_diff": diff, "passed": bool(diff <= tol),
+            "key_projection": type(model.layers.block.self_attn.k_proj).__name__}
+    return out
 
 
 def main(argv=None):
@@ -266,6 +294,7 @@ def main(argv=None):
         raise SystemExit(f"--python {args.python} not found: give an interpreter with torch and "
                          "transformers (see the module docstring)")
 
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     import flax
     import jax
     import safetensors
@@ -324,6 +353,10 @@ def main(argv=None):
         for key in ("differ", "missing_in_save_hf", "extra_in_save_hf"):
             if trip.get(key):
                 print(f"  {name}: round trip {key}: {trip[key]}")
+        for mesh, tp in row.get("tensor_parallel", {}).items():
+            print(f"  {name}: {mesh} ({tp.get('key_projection', '-')}): max abs diff "
+                  f"{tp.get('max_abs_diff', float('nan')):.3e} "
+                  f"{'passes' if tp.get('passed') else tp.get('skipped', 'FAILS')}")
         if "hf_reload_of_save_hf" in row:
             r = row["hf_reload_of_save_hf"]
             print(f"  {name}: transformers reading save_hf's config.json uses rope_theta "

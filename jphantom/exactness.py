@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jphantom import token_mean
+
 TOLERANCE = 1e-5
 
 
@@ -109,7 +111,7 @@ def verify_step(step, params, *batch, tolerance: float = TOLERANCE) -> Report:
             for _, module in nnx.iter_modules(model):
                 if getattr(module, "dtype", None) is not None:
                     module.dtype = None
-        return loss_fn(model, *batch)
+        return token_mean.value(loss_fn(model, *batch))
 
     device = step.mesh.devices.flat[0]
     cast = (lambda a: jnp.asarray(a, wide) if wide is not None and jnp.issubdtype(

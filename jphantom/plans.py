@@ -303,6 +303,14 @@ def _convert(path: str, module, style: Style, *, axis: str, p: int, sequence_par
     if name in ("gather", "scatter") and boundary:
         cls = tensor.GatherFeatures if name == "gather" else tensor.ScatterFeatures
         return cls.from_module(module, axis=axis)
+    if name in ("column", "row") and isinstance(module, nnx.Einsum):
+        cls = tensor.ColumnParallelEinsum if name == "column" else tensor.RowParallelEinsum
+        lhs, rhs, out = tensor.einsum_operands(module)
+        split = tensor.einsum_split(lhs, rhs, out, column=name == "column")
+        if split is not None:
+            _divides(path, f"the Einsum's axis {split!r}", module.kernel_shape[rhs.index(split)],
+                     p, axis)
+        return cls.from_module(module, axis=axis, sequence_parallel=sequence_parallel)
     general = isinstance(module, nnx.LinearGeneral)
     if name in ("column", "row") and general:
         split = module.out_features[0] if name == "column" else module.in_features[0]
@@ -563,13 +571,29 @@ def annotate(model: nnx.Module, mesh, plan: Mapping[str, str | Style], *,
     for path, style in chosen.items():
         module = modules[path][1]
         kind = "Linear" if isinstance(module, nnx.Linear) else type(module).__name__
-        for name, axes in _ANNOTATIONS.get((style.name, kind), {}).items():
+        table = _ANNOTATIONS.get((style.name, kind), {})
+        if isinstance(module, nnx.Einsum) and style.name in ("column", "row"):
+            table = _einsum_annotation(module, style.name)
+        for name, axes in table.items():
             variable = getattr(module, name, None)
             if isinstance(variable, nnx.Param):
                 axes = tuple(a and a.format(axis=axis) for a in axes)
                 lead = variable.get_value().ndim - len(axes)
                 variable.set_metadata("out_sharding", (None,) * lead + axes)
     return model
+
+
+def _einsum_annotation(module: nnx.Einsum, name: str) -> dict:
+    """An ``nnx.Einsum``'s annotation: the kernel axis its column or row layer splits (column:
+    the bias along it too)."""
+    lhs, rhs, out = tensor.einsum_operands(module)
+    split = tensor.einsum_split(lhs, rhs, out, column=name == "column")
+    if split is None:
+        return {}
+    table = {"kernel": tuple("{axis}" if c == split else None for c in rhs)}
+    if name == "column":
+        table["bias"] = tuple("{axis}" if c == split else None for c in out if c in rhs)
+    return table
 
 
 def dense_equivalent(model: nnx.Module) -> nnx.Module:
@@ -739,7 +763,7 @@ def megatron(model: nnx.Module, *, sequence_parallel: bool = False, dtd: bool = 
                           else cm("sequence") if in_block and feeds_columns else "sequence")
         elif isinstance(module, Experts):
             plan[path] = "experts"
-        elif isinstance(module, nnx.LinearGeneral) and name in COLUMN | ROW:
+        elif isinstance(module, (nnx.LinearGeneral, nnx.Einsum)) and name in COLUMN | ROW:
             plan[path] = "row" if name in ROW else "column"  # nnx.MultiHeadAttention's
         elif isinstance(module, nnx.Linear):
             if name in ROUTERS:

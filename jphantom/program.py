@@ -360,11 +360,15 @@ def check_experts(config, strategy: str, mesh: MeshConfig, *, sequence_parallel:
                           "model MoE blocks (--moe-every 2 --experts 8) or drop the axis")
 
 
-def lm_loss(model, tokens, targets, **balance):
+def lm_loss(model, tokens, targets, mask=None, **balance):
     """``loss_fn`` of the zoo's language models: the model's own ``loss`` (vocabulary-parallel
     cross-entropy when the head is; plus the MoE auxiliary losses; ``balance_fraction=`` from a
-    step that accumulates micro-batches, :meth:`jphantom.models.gpt2.GPT2.balance_statistics`)."""
-    return model.loss(tokens, targets, **balance)
+    step that accumulates micro-batches, :meth:`jphantom.models.gpt2.GPT2.balance_statistics`);
+    with ``mask`` (a third batch array) the terms of the global token mean
+    (:mod:`jphantom.token_mean`)."""
+    if mask is None:
+        return model.loss(tokens, targets, **balance)
+    return model.loss_terms(tokens, targets, mask, **balance)
 
 
 # -------------------------------------------------------------------------------------------------

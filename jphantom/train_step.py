@@ -52,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 from jphantom import comm
 from jphantom import remat as remat_module
 from jphantom import samo as samo_module
+from jphantom import token_mean
 from jphantom.errors import ConfigError, check_int
 from jphantom.mesh import BATCH_AXES
 from jphantom.nn import attention as attention_module
@@ -489,7 +490,7 @@ class TrainStep:
         stack_path, stacked_module = self.stack
         remat = stacked_module.remat
         micro = self.pipeline.microbatches
-        stacked_now, _ = self._split(leaves)
+        stacked_now, rest_now = self._split(leaves)
         rows = inputs.shape[0] // micro
         dummy_inputs = jnp.zeros((rows, *inputs.shape[1:]), inputs.dtype)
         dummy_targets = jnp.zeros((rows, *targets.shape[1:]), targets.dtype)
@@ -523,11 +524,24 @@ class TrainStep:
             return apply_blocks(self.block_graph, state, x, remat=remat,
                                 with_index=stacked_module.with_index, offset=c * per_chunk)
 
+        weight = None if statistics else self._pipeline_weight(
+            first, lambda out, t: run_model(model_with(rest_now, Feed(lambda: out)),
+                                            dummy_inputs, t),
+            rest_now, inputs[:rows], targets, micro)
+
         def last(rest, out, targets_mb, microbatches):
             model = model_with(rest, Feed(lambda: out))
             if statistics:
                 return run_model(model, dummy_inputs, targets_mb)
-            loss = jnp.asarray(run_model(model, dummy_inputs, targets_mb))
+            loss = run_model(model, dummy_inputs, targets_mb)
+            weighted = token_mean.terms(loss)
+            if weighted is not None:  # its part of the global token mean
+                if weight is None:
+                    raise ConfigError("loss_fn returned a scalar for one micro-batch and "
+                                      "(total, weight) for another")
+                return token_mean.shares(weighted, weight, micro=microbatches,
+                                         exclude=("stage",)) * scale
+            loss = jnp.asarray(loss)
             loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
             return self._mean_share(loss, exclude=("stage",))[0] / microbatches * scale
 
@@ -543,6 +557,31 @@ class TrainStep:
                                                targets)
         grads = self._join(d_stacked, d_rest)
         return loss, [g.astype(x.dtype) for g, x in zip(grads, leaves)]
+
+    @staticmethod
+    def _pipeline_weight(first, loss_after, rest, inputs_mb, targets, micro):
+        """A pipelined weighted ``loss_fn``'s global weight over the ``micro`` micro-batches of
+        ``targets``, before the schedule runs: ``loss_after(out, targets_mb)`` (the loss after
+        the blocks, as the last stage runs it) on a stand-in output of zeros, only its weight
+        kept (XLA drops the rest). A weight that depends on the model's output cannot be
+        known before the blocks have run: refused. ``None`` for a scalar ``loss_fn``."""
+        from jphantom.pipeline.split import _needed_inputs
+
+        out = jax.tree.map(_zeros_of, jax.eval_shape(first, rest, inputs_mb))
+        targets = targets.reshape(micro, targets.shape[0] // micro, *targets.shape[1:])
+        struct = jax.eval_shape(loss_after, out, targets[0])
+        if not isinstance(struct, tuple):
+            return None
+        weight_of = lambda o, t: token_mean.terms(loss_after(o, t)).weight
+        traced = jax.make_jaxpr(weight_of)(out, targets[0])
+        if _needed_inputs(traced.jaxpr, [True])[:len(jax.tree.leaves(out))] != [False] * len(
+                jax.tree.leaves(out)):
+            raise ConfigError("a pipelined step needs the loss's weight before the blocks run: "
+                              "loss_fn's weight depends on the model's output; count the "
+                              "tokens from the targets (a mask, or targets < 0 ignored)")
+        weights = lax.map(lambda t: weight_of(out, t), targets)
+        return token_mean.global_weight(jnp.sum(weights, axis=0),
+                                        metadata.varying_axes(struct[0]), exclude=("stage",))
 
     def _gspmd_pipeline_loss(self, leaves, inputs, targets, balance=None):
         """GSPMD's pipeline, as a JAX user writes it (Praxis' ``LayerwiseShardablePipelined``,
@@ -621,11 +660,18 @@ class TrainStep:
         (_, outputs), _ = lax.scan(tick, (buffer, outputs), jnp.arange(micro + stages - 1))
 
         def last(out, inputs_one, targets_one):
-            loss = jnp.asarray(self.loss_fn(model_with(Feed(lambda: out)), inputs_one,
-                                            targets_one, **extra))
+            loss = self.loss_fn(model_with(Feed(lambda: out)), inputs_one, targets_one, **extra)
+            weighted = token_mean.terms(loss)
+            if weighted is not None:
+                return tuple(weighted)
+            loss = jnp.asarray(loss)
             return loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
 
-        return jnp.mean(jax.vmap(last)(outputs, inputs_mb, targets_mb))
+        losses = jax.vmap(last)(outputs, inputs_mb, targets_mb)
+        if isinstance(losses, tuple):  # a global token mean: the micro-batches' sums
+            total, weight, mean = losses
+            return jnp.sum(total) / lax.stop_gradient(jnp.sum(weight)) + jnp.mean(mean)
+        return jnp.mean(losses)
 
     # -- shardings ---------------------------------------------------------------------------
 
@@ -765,13 +811,36 @@ class TrainStep:
         order = self.mesh.axis_names
         return share, tuple(sorted(axes, key=order.index))
 
-    def _loss_share(self, model, batch, balance=None):
-        loss = jnp.asarray(self._loss(model, batch, balance))
+    def _loss_share(self, model, batch, balance=None, weight=None, micro=1):
+        """This rank's share of the global loss: of the global mean of a scalar ``loss_fn``,
+        or of the global token mean of a weighted one (:mod:`jphantom.token_mean`; ``weight``:
+        the global weight when micro-batches share it, ``micro`` of them)."""
+        out = self._loss(model, batch, balance)
+        weighted = token_mean.terms(out)
+        if weighted is not None:
+            if weight is None:  # one all-reduce of a scalar, inside the forward
+                weight = token_mean.global_weight(weighted.weight,
+                                                  metadata.varying_axes(weighted.total))
+            return token_mean.shares(weighted, weight, micro=micro)
+        loss = jnp.asarray(out)
         if loss.shape != ():
             raise ConfigError(f"loss_fn returned shape {loss.shape}; it must return the "
-                              "scalar mean loss")
+                              "scalar mean loss, or (total, weight) for a global token mean")
         loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
         return self._mean_share(loss)[0]  # this rank's share of the global mean
+
+    def _micro_weight(self, model, micro, balance=None, *, exclude=()):
+        """The global weight of a weighted ``loss_fn`` over the micro-batches ``micro`` (each
+        array [n, b, ...]): ``loss_fn`` mapped over them keeping only the weight, which XLA
+        reduces to the weight's own arithmetic (:mod:`jphantom.token_mean`); ``None`` for a
+        scalar ``loss_fn``."""
+        struct = jax.eval_shape(lambda *mb: self._loss(model, mb, balance), *(m[0] for m in micro))
+        if not isinstance(struct, tuple):
+            return None
+        weights = lax.map(lambda mb: token_mean.terms(self._loss(model, mb, balance)).weight,
+                          micro)
+        return token_mean.global_weight(jnp.sum(weights, axis=0),
+                                        metadata.varying_axes(struct[0]), exclude)
 
     def _loss(self, model, batch, balance=None):
         """``loss_fn(model, *batch)`` in the compute precision (``balance``: the whole batch's
@@ -814,19 +883,21 @@ class TrainStep:
         vary = self._vary_axes()
         scale = self.precision.loss_scale if scale is None else scale
 
-        def loss_of(leaves, *batch, balance=None):
-            return self._loss_share(self._model(leaves, train=True), batch, balance) * scale
+        def loss_of(leaves, *batch, balance=None, weight=None, micro=1):
+            return self._loss_share(self._model(leaves, train=True), batch, balance, weight,
+                                    micro) * scale
 
         def unscaled(loss, grads, like):  # in float32 (or wider) before the master's dtype
             return loss / scale, [(g.astype(jnp.promote_types(g.dtype, jnp.float32)) / scale
                                    ).astype(x.dtype) for g, x in zip(grads, like)]
 
-        def one(leaves, *batch, balance=None):
+        def one(leaves, *batch, balance=None, weight=None, micro=1):
             # each rank its own copy of what it holds replicated: the gradient w.r.t. the copy
             # is this rank's part, summed once after the backward (_per_rank)
             varied = _group_by(leaves, vary, lambda xs, axes: comm.pcast(xs, axes, to="varying"))
             loss, grads = jax.value_and_grad(
-                lambda p, *b: loss_of(p, *b, balance=balance))(varied, *batch)
+                lambda p, *b: loss_of(p, *b, balance=balance, weight=weight, micro=micro)
+            )(varied, *batch)
             return unscaled(loss, grads, leaves)
 
         if self.pipeline is not None:
@@ -852,12 +923,17 @@ class TrainStep:
         n = self.accumulate
         micro = [b.reshape(n, b.shape[0] // n, *b.shape[1:]) for b in batch]
         balance = self._balance_fraction(self._model(leaves, train=True), micro)
-        first = jax.eval_shape(lambda *mb: one(leaves, *mb, balance=balance),
-                               *(m[0] for m in micro))
+        # a weighted loss_fn: the global weight of all micro-batches first, each micro-batch's
+        # share is then its part of the whole loss (summed, not averaged)
+        weight = self._micro_weight(self._model(leaves, train=False), micro, balance)
+        options = dict(balance=balance, weight=weight, micro=n)
+        first = jax.eval_shape(lambda *mb: one(leaves, *mb, **options), *(m[0] for m in micro))
         add = lambda a, b: jax.tree.map(jnp.add, a, b)
         (loss, grads), _ = lax.scan(
-            lambda total, mb: (add(total, one(leaves, *mb, balance=balance)), None),
+            lambda total, mb: (add(total, one(leaves, *mb, **options)), None),
             jax.tree.map(_zeros_of, first), micro)
+        if weight is not None:
+            return loss, grads
         return jax.tree.map(lambda a: a / n, (loss, grads))
 
     def _per_rank(self, leaves, *batch, scale=None):
@@ -891,8 +967,9 @@ class TrainStep:
                               "batch arrays")
         return self.batch_specs
 
-    def _gspmd_loss(self, params, *batch, balance=None):
-        """GSPMD: the global loss of global arrays; ``jax.jit`` places the collectives."""
+    def _gspmd_loss(self, params, *batch, balance=None, weight=None, micro=1):
+        """GSPMD: the global loss of global arrays; ``jax.jit`` places the collectives
+        (``weight``: a weighted loss' weight over all ``micro`` micro-batches)."""
         batch = [jax.lax.with_sharding_constraint(b, NamedSharding(self.mesh, s))
                  for b, s in zip(batch, self._specs_of_batch(len(batch)))]
         if self.pipeline is not None:
@@ -902,7 +979,12 @@ class TrainStep:
             return self._gspmd_pipeline_loss(jax.tree.leaves(params), *batch, balance=balance)
         model = self._ready(
             self.layout.model_of(self.precision.cast(jax.tree.leaves(params))))
-        loss = jnp.asarray(self._loss(model, batch, balance))
+        out = self._loss(model, batch, balance)
+        weighted = token_mean.terms(out)
+        if weighted is not None:
+            weight = lax.stop_gradient(weighted.weight) if weight is None else weight
+            return weighted.total / weight + weighted.mean / micro
+        loss = jnp.asarray(out)
         return loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
 
     def value_and_grad(self) -> Callable:
@@ -911,9 +993,10 @@ class TrainStep:
         if self.spmd == "gspmd":
             grad_sh = self._shardings(self.grad_specs)
 
-            def one(params, batch, scale, balance=None):
+            def one(params, batch, scale, balance=None, weight=None, micro=1):
                 return jax.value_and_grad(
-                    lambda p: self._gspmd_loss(p, *batch, balance=balance) * scale)(params)
+                    lambda p: self._gspmd_loss(p, *batch, balance=balance, weight=weight,
+                                               micro=micro) * scale)(params)
 
             def run_gspmd(params, *batch, scale=None):
                 scale = self.precision.loss_scale if scale is None else scale
@@ -928,13 +1011,16 @@ class TrainStep:
                     model = self._ready(self.layout.model_of(
                         self.precision.cast(jax.tree.leaves(params))))
                     balance = self._balance_fraction(model, micro)
-                    first = jax.eval_shape(lambda mb: one(params, mb, scale, balance),
+                    weight = self._micro_weight(model, micro, balance)
+                    options = (scale, balance, weight, n)
+                    first = jax.eval_shape(lambda mb: one(params, mb, *options),
                                            [m[0] for m in micro])
                     total, _ = lax.scan(
                         lambda acc, mb: (jax.tree.map(jnp.add, acc,
-                                                      one(params, mb, scale, balance)), None),
+                                                      one(params, mb, *options)), None),
                         jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), first), micro)
-                    loss, grads = jax.tree.map(lambda a: a / n, total)
+                    loss, grads = (total if weight is not None
+                                   else jax.tree.map(lambda a: a / n, total))
                 grads = jax.tree.map(lambda g, p: (g / scale).astype(p.dtype), grads, params)
                 return loss / scale, jax.lax.with_sharding_constraint(grads, grad_sh)
 
@@ -963,12 +1049,18 @@ class TrainStep:
                          for b, s in zip(batch, self._specs_of_batch(len(batch)))]
                 model = self._ready(
                     self.layout.model_of(self.precision.cast(jax.tree.leaves(params))))
-                return fn(model, *self.precision.cast(batch))
+                out = fn(model, *self.precision.cast(batch))
+                return token_mean.value(out) if isinstance(out, tuple) else out
             return jax.jit(global_fn)
 
         def per_rank(leaves, *batch):
             model = self._model(leaves, train=False)
             out = fn(model, *self.precision.cast(batch))
+            weighted = token_mean.terms(out)
+            if weighted is not None:  # a global token mean
+                weight = token_mean.global_weight(weighted.weight,
+                                                  metadata.varying_axes(weighted.total))
+                return self._global(token_mean.shares(weighted, weight))
 
             def total(value):
                 value = jnp.asarray(value)

@@ -14,7 +14,7 @@ LAYERS = [
     ("base", ["errors", "mesh", "comm", "targets"]),
     ("operations", ["remat", "precision", "fp8", "sharding", "pipeline", "pipeline.schedule", "data",
                     "analysis.hlo", "perf.comm_model", "perf.axonn_model", "energy",
-                    "coordinator", "distributed", "gpu_defaults"]),
+                    "coordinator", "distributed", "gpu_defaults", "token_mean"]),
     ("layers", ["nn"]),
     ("models", ["models"]),
     ("plans", ["plans"]),

@@ -174,11 +174,74 @@ def test_flax_multi_head_attention_is_tensor_parallel_and_exact(mesh, sequence_p
     assert report.ok, str(report)
 
 
+class EinsumBlock(nnx.Module):
+    """Attention and MLP written with nnx.Einsum, heads as their own kernel axis, with biases."""
+
+    def __init__(self, rngs):
+        d = H // HEADS
+        self.ln_1, self.ln_2 = nnx.LayerNorm(H, rngs=rngs), nnx.LayerNorm(H, rngs=rngs)
+        self.q, self.k, self.v = (nnx.Einsum("bsh,hnd->bsnd", (H, HEADS, d), (HEADS, d),
+                                             rngs=rngs) for _ in range(3))
+        self.o = nnx.Einsum("bsnd,ndh->bsh", (HEADS, d, H), (H,), rngs=rngs)
+        self.up = nnx.Einsum("bsh,hf->bsf", (H, 2 * H), (2 * H,), rngs=rngs)
+        self.down = nnx.Einsum("bsf,fh->bsh", (2 * H, H), (H,), rngs=rngs)
+
+    def __call__(self, x):
+        h = self.ln_1(x)
+        attention = jax.nn.dot_product_attention(self.q(h), self.k(h), self.v(h), is_causal=True)
+        x = x + self.o(attention)
+        return x + self.down(jax.nn.gelu(self.up(self.ln_2(x))))
+
+
+class EinsumLM(nnx.Module):
+    def __init__(self):
+        rngs = nnx.Rngs(0)
+        self.embed = nnx.Embed(V, H, rngs=rngs)
+        self.blocks = jphantom.nn.Stacked(EinsumBlock, 2, rngs=rngs)
+        self.ln_f, self.head = nnx.LayerNorm(H, rngs=rngs), nnx.Linear(H, V, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.head(self.ln_f(self.blocks(self.embed(tokens))))
+
+
+@pytest.mark.parametrize("mesh, sequence_parallel, options", [
+    ("data=2,model=4", False, {}), ("data=2,model=2", True, {}),
+    ("data=4,model=2", False, {"zero": 3}),
+    pytest.param("stage=2,model=2", False, {"pipeline": PipelineConfig(microbatches=2)},
+                 marks=pytest.mark.slow)], ids=["tensor", "tensor-sp", "zero3", "pipeline"])
+def test_einsum_layers_are_tensor_parallel_and_exact(mesh, sequence_parallel, options):
+    """nnx.Einsum: q, k, v and up split along the first kernel axis only their output has (the
+    heads, the features), o and down along the first they contract."""
+    model = EinsumLM()
+    plan = plans.megatron(model, sequence_parallel=sequence_parallel)
+    assert plan["blocks.block.q"] == "column" and plan["blocks.block.down"] == "row"
+    report = jphantom.verify(model, _mesh(mesh), plan, loss_fn, TOKENS, np.roll(TOKENS, -1, 1),
+                             **options)
+    assert report.ok, str(report)
+    layer = plans.parallelize(EinsumLM(), _mesh(mesh), plan).blocks.block.q
+    assert isinstance(layer, jphantom.nn.ColumnParallelEinsum)
+    assert jphantom.nn.metadata.axes_of(layer.kernel)[-3:] == (None, "model", None)
+
+
+def test_einsum_gspmd_annotation_is_exact():
+    model, mesh = EinsumLM(), _mesh("data=2,model=2")
+    plans.annotate(model, mesh, plans.megatron(EinsumLM()))
+    assert jphantom.nn.metadata.axes_of(model.blocks.block.o.kernel)[-3:] == ("model", None, None)
+    report = jphantom.verify(model, mesh, None, loss_fn, TOKENS, np.roll(TOKENS, -1, 1),
+                             spmd="gspmd")
+    assert report.ok, str(report)
+
+
 def test_flax_layers_the_walk_does_not_split_are_refused_by_name():
-    """nnx.Einsum is not split yet, and phantom has no form for LinearGeneral: the walks name
-    them instead of leaving them silently whole."""
+    """An Einsum whose name says nothing, one with an ellipsis, and phantom on LinearGeneral:
+    the walks name them instead of leaving them silently whole."""
     with pytest.raises(ConfigError, match=r"cannot place mlp \(Einsum, holding kernel"):
         plans.megatron(FlaxAttentionLM(mlp_einsum=True))
+    model = FlaxAttentionLM(mlp_einsum=True)
+    model.mlp = nnx.Einsum("...h,hf->...f", (H, H), rngs=nnx.Rngs(0))
+    with pytest.raises(ConfigError, match=r"explicit letters"):
+        plans.parallelize(model, _mesh("model=2"), {**plans.megatron(FlaxAttentionLM()),
+                                                    "mlp": "column"})
     with pytest.raises(ConfigError, match=r"plans.phantom cannot place blocks\.block\.attn\."):
         plans.phantom(FlaxAttentionLM())
 

@@ -101,10 +101,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jphantom import token_mean
 from jphantom.errors import ConfigError, check_int
 from jphantom.nn.attention import CausalAttention, Positions
 from jphantom.nn.experts import SwitchMoE
-from jphantom.nn.loss import cross_entropy
+from jphantom.nn.loss import cross_entropy_terms
 from jphantom.nn.stack import Stacked
 from jphantom.sharding.expert import MoEConfig
 
@@ -355,7 +356,8 @@ class GPT2(nnx.Module):
         h, aux = self.blocks((h, zero))
         return self.ln_f(h), aux
 
-    def balance_statistics(self, tokens: jax.Array, targets: jax.Array | None = None):
+    def balance_statistics(self, tokens: jax.Array, targets: jax.Array | None = None,
+                           mask: jax.Array | None = None):
         """[L_moe, 2E] per MoE block: how many of the batch's tokens chose each expert first, and
         the sum of each expert's probability (over the whole batch: the ranks' statistics are
         summed); ``None`` without MoE blocks. A training step that accumulates micro-batches
@@ -372,31 +374,40 @@ class GPT2(nnx.Module):
         h = self.hidden_states(tokens)
         return self.wte.attend(h) if self.config.tied_head else self.head(h)
 
-    def _cross_entropy(self, h, targets):
+    def _cross_entropy(self, h, targets, mask=None):
         if self.config.tied_head:
-            return cross_entropy(self.wte, h, targets, tied=True)
-        return cross_entropy(self.head, h, targets)
+            return cross_entropy_terms(self.wte, h, targets, tied=True, mask=mask)
+        return cross_entropy_terms(self.head, h, targets, mask=mask)
 
-    def loss(self, tokens: jax.Array, targets: jax.Array, *,
+    def loss(self, tokens: jax.Array, targets: jax.Array, mask: jax.Array | None = None, *,
              balance_fraction: jax.Array | None = None) -> jax.Array:
-        """Mean next-token cross-entropy (plus, with MoE blocks, ``balance_weight`` x the
-        load-balancing loss and ``z_weight`` x the router z-loss, summed over the MoE blocks).
+        """Mean next-token cross-entropy over the counted tokens (``mask`` true, target not
+        negative), plus, with MoE blocks, ``balance_weight`` x the load-balancing loss and
+        ``z_weight`` x the router z-loss, summed over the MoE blocks (over every token).
         ``balance_fraction`` [L_moe, E]: the routing fractions of the whole batch when ``tokens``
         is a micro-batch of it (:meth:`balance_statistics`)."""
+        return token_mean.value(self.loss_terms(tokens, targets, mask,
+                                                balance_fraction=balance_fraction))
+
+    def loss_terms(self, tokens: jax.Array, targets: jax.Array, mask: jax.Array | None = None,
+                   *, balance_fraction: jax.Array | None = None) -> token_mean.WeightedLoss:
+        """``(total, weight, mean)``: the counted tokens' summed cross-entropy, their number and
+        the MoE auxiliary losses (a mean already), for a global token mean
+        (:mod:`jphantom.token_mean`)."""
         h, aux = self.trunk(tokens, balance_fraction=balance_fraction)
-        loss = self._cross_entropy(h, targets)
+        total, weight = self._cross_entropy(h, targets, mask)
         if aux is None:
-            return loss
+            return token_mean.WeightedLoss(total, weight)
         config = self.config
         extra = config.balance_weight * aux["load_balance"] + config.z_weight * aux["z_loss"]
-        return loss + extra.astype(loss.dtype)
+        return token_mean.WeightedLoss(total, weight, extra.astype(total.dtype))
 
     def metrics(self, tokens: jax.Array, targets: jax.Array) -> dict:
         """Means over the batch given: ``cross_entropy`` (without the auxiliary losses) and, with
         MoE blocks, ``dropped`` and ``assignments`` per token (k per MoE block; their ratio is the
         fraction of assignments the capacity dropped)."""
         h, aux = self.trunk(tokens)
-        out = {"cross_entropy": self._cross_entropy(h, targets)}
+        out = {"cross_entropy": token_mean.value(self._cross_entropy(h, targets))}
         if aux is not None:
             out["dropped"] = aux["dropped"] / targets.size
             out["assignments"] = jnp.asarray(self.config.top_k * self.config.moe_layers,

@@ -35,10 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jphantom import token_mean
 from jphantom.errors import ConfigError, check_int
 from jphantom.nn.attention import CausalAttention, Positions, causal_attention
 from jphantom.nn.experts import Experts, top_k_gates
-from jphantom.nn.loss import cross_entropy
+from jphantom.nn.loss import cross_entropy_terms
 from jphantom.nn.stack import Stacked
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -241,16 +242,29 @@ class Llama(nnx.Module):
         h = self.hidden_states(tokens)
         return self.embed_tokens.attend(h) if self.config.tie_word_embeddings else self.lm_head(h)
 
-    def loss(self, tokens: jax.Array, targets: jax.Array) -> jax.Array:
+    def loss(self, tokens: jax.Array, targets: jax.Array, mask: jax.Array | None = None
+             ) -> jax.Array:
+        """Mean next-token cross-entropy over the counted tokens (``mask`` true, target not
+        negative)."""
+        return token_mean.value(self.loss_terms(tokens, targets, mask))
+
+    def loss_terms(self, tokens: jax.Array, targets: jax.Array, mask: jax.Array | None = None
+                   ) -> token_mean.WeightedLoss:
+        """``(total, weight)``: the summed cross-entropy of the counted tokens and their number
+        (:func:`jphantom.nn.cross_entropy_terms`), for a global token mean."""
         h = self.hidden_states(tokens)
         if self.config.tie_word_embeddings:
-            return cross_entropy(self.embed_tokens, h, targets, tied=True)
-        return cross_entropy(self.lm_head, h, targets)
+            return token_mean.WeightedLoss(
+                *cross_entropy_terms(self.embed_tokens, h, targets, tied=True, mask=mask))
+        return token_mean.WeightedLoss(*cross_entropy_terms(self.lm_head, h, targets, mask=mask))
 
 
-def lm_loss(model, tokens, targets):
-    """``loss_fn`` for :func:`jphantom.make_train_step` of the zoo's language models."""
-    return model.loss(tokens, targets)
+def lm_loss(model, tokens, targets, mask=None):
+    """``loss_fn`` for :func:`jphantom.make_train_step` of the zoo's language models: the mean
+    next-token loss, or with ``mask`` (a third batch array) the global token mean's terms."""
+    if mask is None:
+        return model.loss(tokens, targets)
+    return model.loss_terms(tokens, targets, mask)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,19 +30,21 @@ from jphantom.nn.attention import (CausalAttention, ContextPositions, GatheredAt
 from jphantom.nn.boundary import Boundary
 from jphantom.nn.expert import ExpertParallelExperts, ExpertParallelMoE, PhantomMoE
 from jphantom.nn.experts import Experts, SwitchMoE, top_k_gates
-from jphantom.nn.loss import cross_entropy
+from jphantom.nn.loss import cross_entropy, cross_entropy_terms
 from jphantom.nn.phantom import FeatureParallelEmbed, FeatureParallelNorm, PhantomLinear
 from jphantom.nn.stack import Stacked, set_remat
-from jphantom.nn.tensor import (ColumnParallelGeneral, ColumnParallelLinear, GatherFeatures,
+from jphantom.nn.tensor import (ColumnParallelEinsum, ColumnParallelGeneral, ColumnParallelLinear,
+                                RowParallelEinsum, GatherFeatures,
                                 PerTokenSequence, RowParallelGeneral, RowParallelLinear,
                                 ScatterFeatures, SequenceParallelEmbed, SharedHeadsLinear,
                                 T1Linear, TensorParallelExperts, VocabParallelEmbed,
                                 VocabParallelHead)
 
 __all__ = ["ColumnParallelLinear", "ColumnParallelGeneral", "RowParallelGeneral",
+           "ColumnParallelEinsum", "RowParallelEinsum",
            "SharedHeadsLinear", "PerTokenSequence", "RowParallelLinear", "VocabParallelEmbed", "VocabParallelHead",
            "SequenceParallelEmbed", "TensorParallelExperts", "GatherFeatures", "ScatterFeatures",
            "T1Linear", "Boundary", "PhantomLinear", "FeatureParallelEmbed", "FeatureParallelNorm",
            "Experts", "top_k_gates", "Stacked", "SwitchMoE", "ExpertParallelExperts",
-           "ExpertParallelMoE", "PhantomMoE", "set_remat", "cross_entropy", "CausalAttention",
+           "ExpertParallelMoE", "PhantomMoE", "set_remat", "cross_entropy", "cross_entropy_terms", "CausalAttention",
            "Positions", "RingAttention", "GatheredAttention", "ContextPositions"]

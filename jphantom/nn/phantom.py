@@ -71,7 +71,7 @@ class PhantomLinear(nnx.Module):
     """Seed 000's phantom layer on one rank: y^(j) [..., n_in/p] -> z^(j) [..., n_out/p] (Eq. 11).
 
     ``vocab_output=True`` makes it an LM head: its outputs are this rank's vocabulary slice;
-    ``__call__`` gathers the full logits (all-gather of B S V) and :meth:`cross_entropy` computes
+    ``__call__`` gathers the full logits (all-gather of B S V) and :meth:`cross_entropy_sum` computes
     the loss without gathering them. ``fp8`` (``precision='fp8'``): its GEMMs' operands
     quantised to FP8 (:mod:`jphantom.fp8`: E4M3 forward, the output gradient Delta in E5M2), the
     hand-written backward (Eqs. 15-21) unchanged."""
@@ -166,14 +166,15 @@ class PhantomLinear(nnx.Module):
         z = self.local_outputs(x)
         return _gather_vocab(z, self.axis) if self.vocab_output else z
 
-    def cross_entropy(self, h: jax.Array, targets: jax.Array) -> jax.Array:
-        """Mean cross-entropy of vocabulary-split logits: three all-reduces of B S scalars."""
+    def cross_entropy_sum(self, h: jax.Array, targets: jax.Array) -> jax.Array:
+        """Summed cross-entropy of vocabulary-split logits (negative targets add nothing): three
+        all-reduces of B S scalars."""
         if not self.vocab_output:
-            raise ConfigError("cross_entropy needs the LM head's phantom layer (vocab_output=True)")
+            raise ConfigError("cross_entropy_sum needs the LM head's phantom layer (vocab_output=True)")
         total = vocab.chunked_sum(  # in chunks of tokens, each its own messages
             lambda x, t: vocab.cross_entropy_sum(self.local_outputs(x), t, self.axis), h,
             targets, vocab_local=self.local.shape[-2])
-        return total / targets.size
+        return total
 
 
 class FeatureParallelEmbed(nnx.Module):

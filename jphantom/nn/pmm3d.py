@@ -59,7 +59,7 @@ WEIGHTS = ("kept", "regather", "deferred")  # Pmm3dLinear's gathered weights (it
 class Pmm3dLinear(nnx.Module):
     """One Algorithm-3 layer: ``[..., in/G_c] -> [..., out/G_o]`` (``role`` normal: c = y,
     o = x; transposed: c = x, o = y). ``vocab_output``: an LM head (normal), logits split over
-    ``x``; ``__call__`` gathers them, :meth:`cross_entropy` never does.
+    ``x``; ``__call__`` gathers them, :meth:`cross_entropy_sum` never does.
 
     ``weights``: what happens to the gathered weight ``W = all-gather_z(Ŵ)`` (Eq. 5.1),
     per layer and step (G = n_in n_out / (G_x G_y), the block one rank multiplies with):
@@ -140,21 +140,22 @@ class Pmm3dLinear(nnx.Module):
         y = self.local_outputs(x)
         return _gather_vocab(y, X) if self.vocab_output else y
 
-    def cross_entropy(self, h: jax.Array, targets: jax.Array) -> jax.Array:
-        """Mean cross-entropy of the vocabulary-split outputs, in chunks of tokens
+    def cross_entropy_sum(self, h: jax.Array, targets: jax.Array) -> jax.Array:
+        """Summed cross-entropy of the vocabulary-split outputs (negative targets add nothing),
+        in chunks of tokens
         (:func:`jphantom.sharding.vocab.chunked_sum`; each chunk multiplies as
         :meth:`local_outputs` does, so ``regather`` gathers the weight per chunk)."""
         local = self.kernel.shape[-1] * (1 if self.gathered else lax.axis_size(Z))
         total = vocab.chunked_sum(
             lambda x, t: vocab.cross_entropy_sum(self.local_outputs(x), t, X), h, targets,
             vocab_local=local)
-        return total / targets.size
+        return total
 
 
 class Pmm3dEmbed(nnx.Module):
     """The token table [V, h] as a normal layer's weight: vocabulary over (x, z), features over
     y. A lookup gathers the rows over z and all-reduces over x (B S h/G_y); :meth:`attend` and
-    :meth:`cross_entropy` are the tied head."""
+    :meth:`cross_entropy_sum` are the tied head."""
 
     def __init__(self, embedding, *, dtype=None):
         self.dtype = dtype
@@ -181,8 +182,9 @@ class Pmm3dEmbed(nnx.Module):
     def attend(self, h: jax.Array) -> jax.Array:
         return _gather_vocab(self.local_logits(h), X)
 
-    def cross_entropy(self, h: jax.Array, targets: jax.Array) -> jax.Array:
-        """The tied head's mean cross-entropy, in chunks of tokens (the table gathered once)."""
+    def cross_entropy_sum(self, h: jax.Array, targets: jax.Array) -> jax.Array:
+        """The tied head's summed cross-entropy (negative targets add nothing), in chunks of
+        tokens (the table gathered once)."""
 
         def chunk(x, t, table):
             x, table = _promote(x, table)
@@ -190,7 +192,7 @@ class Pmm3dEmbed(nnx.Module):
 
         table = self._table()
         return vocab.chunked_sum(chunk, h, targets, (table,),
-                                 vocab_local=table.shape[0]) / targets.size
+                                 vocab_local=table.shape[0])
 
 
 __all__ = ["Pmm3dLinear", "Pmm3dEmbed"]

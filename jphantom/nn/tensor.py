@@ -25,7 +25,7 @@ ColumnParallelLinear     f where its input does not vary yet (no     as f
 RowParallelLinear        g: all-reduce of B S h (SP: reduce-scatter)  none (SP: all-gather B S h)
 VocabParallelEmbed       all-reduce of B S h (SP: reduce-scatter)     none (SP: all-gather)
 VocabParallelHead        f (SP: all-gather); logits stay [B S V/p];   f's all-reduce (SP: RS)
-  .cross_entropy         3 all-reduces of B S scalars                 none
+  .cross_entropy_sum     3 all-reduces of B S scalars                 none
   .__call__              + all-gather of B S V (the full logits)      none (a slice)
 TensorParallelExperts    f before, g after (as a column/row pair)     f's all-reduce
 GatherFeatures           all-gather of B n (feature-split in,        none (keeps the own slice)
@@ -352,6 +352,154 @@ class RowParallelGeneral(nnx.Module):
         return y if bias is None else y + bias
 
 
+def einsum_operands(layer: nnx.Einsum) -> tuple[str, str, str]:
+    """``nnx.Einsum``'s equation as (input letters, kernel letters, output letters); forms the
+    Einsum layers do not take (an ellipsis, no explicit output, the equation given per call)
+    are refused by name."""
+    equation = (layer.einsum_str or "").replace(" ", "")
+    if "..." in equation or "->" not in equation or equation.count(",") != 1:
+        raise ConfigError(f"nnx.Einsum({layer.einsum_str!r}): jphantom splits an Einsum whose "
+                          "equation is given at construction with explicit letters, one input "
+                          "and the kernel, e.g. 'bsh,hf->bsf'")
+    operands, out = equation.split("->")
+    lhs, rhs = operands.split(",")
+    return lhs, rhs, out
+
+
+def einsum_split(lhs: str, rhs: str, out: str, *, column: bool) -> str | None:
+    """The kernel letter a column layer splits (the first only the output has) or a row layer
+    splits (the first it contracts with the input); ``None`` when there is none."""
+    letters = [c for c in rhs if (c in out and c not in lhs if column
+                                  else c in lhs and c not in out)]
+    return letters[0] if letters else None
+
+
+def _einsum_bias_letters(layer: nnx.Einsum, rhs: str, out: str) -> str:
+    """The output letters the bias spans (``nnx.Einsum`` reshapes it to them); a bias of
+    another shape is refused by name."""
+    letters = "".join(c for c in out if c in rhs)
+    if layer.bias is not None:
+        core = tuple(layer.kernel_shape[rhs.index(c)] for c in letters)
+        if tuple(layer.bias_shape) != core:
+            raise ConfigError(f"nnx.Einsum({layer.einsum_str!r}) with bias_shape="
+                              f"{tuple(layer.bias_shape)}: a split bias must have the shape of "
+                              f"the output axes it spans, {core}")
+    return letters
+
+
+def _einsum(equation: str, kernel, bias, kernel_ndim: int, dtype) -> nnx.Einsum:
+    """A plain ``nnx.Einsum`` of ``equation`` holding ``kernel`` (its last ``kernel_ndim`` axes the
+    equation's; leading stacked axes kept) and ``bias``."""
+    core = kernel.shape[kernel.ndim - kernel_ndim:]
+    lhs, rhs, out = equation.replace(" ", "").replace("->", ",").split(",")
+    bias_core = tuple(core[rhs.index(c)] for c in out if c in rhs)
+    layer = nnx.eval_shape(lambda: nnx.Einsum(equation, core, bias_core if bias is not None
+                                              else None, dtype=dtype,
+                                              param_dtype=kernel.dtype, rngs=nnx.Rngs(0)))
+    layer.kernel = nnx.Param(kernel)
+    if bias is not None:
+        layer.bias = nnx.Param(bias)
+    return layer
+
+
+class ColumnParallelEinsum(nnx.Module):
+    """Megatron's column layer for ``nnx.Einsum``: the first kernel axis that only the output
+    has (the heads of 'bsh,hnd->bsnd', the features of 'bsh,hf->bsf') split over ``axis``, the
+    bias along the same output axis; the input as :class:`ColumnParallelLinear`'s, the output
+    that axis' p-th part."""
+
+    def __init__(self, kernel, bias=None, *, equation: str, split: str, axis: str = "model",
+                 sequence_parallel: bool = False, dtype=None):
+        self.axis, self.sequence_parallel, self.dtype = axis, sequence_parallel, dtype
+        self.equation = equation
+        _, rhs, out = equation.replace("->", ",").split(",")
+        self.kernel = metadata.param(kernel, tuple(axis if c == split else None for c in rhs))
+        self.bias = None if bias is None else metadata.param(
+            bias, tuple(axis if c == split else None for c in out if c in rhs))
+
+    @classmethod
+    def from_module(cls, layer: nnx.Einsum, *, axis: str = "model",
+                    sequence_parallel: bool = False) -> "ColumnParallelEinsum":
+        lhs, rhs, out = einsum_operands(layer)
+        split = einsum_split(lhs, rhs, out, column=True)
+        if split is None:
+            raise ConfigError(f"nnx.Einsum({layer.einsum_str!r}) as a column layer: no kernel "
+                              "axis is an output axis the input lacks; name it 'row' if it "
+                              "contracts a split axis, or 'replicate'")
+        _einsum_bias_letters(layer, rhs, out)
+        return cls(layer.kernel.get_value(), _value(layer.bias), equation=f"{lhs},{rhs}->{out}",
+                   split=split, axis=axis, sequence_parallel=sequence_parallel,
+                   dtype=layer.dtype)
+
+    def dense_equivalent(self) -> nnx.Einsum:
+        rhs = self.equation.split(",")[1].split("->")[0]
+        return _einsum(self.equation, self.kernel[...], _value(self.bias), len(rhs), self.dtype)
+
+    def __call__(self, x) -> jax.Array:
+        if isinstance(x, SequenceChunks):  # a collective-matmul norm's chunks: gathered whole
+            x = x.whole if x.whole is not None else gather_sequence(x.local, self.axis)
+        x = to_full_sequence(x, self.axis, self.sequence_parallel)
+        return _einsum_call(self.equation, x, self.kernel[...], _value(self.bias))
+
+
+class RowParallelEinsum(nnx.Module):
+    """Megatron's row layer for ``nnx.Einsum``: the first contracted kernel axis (the heads of
+    'bsnd,ndh->bsh', the features of 'bsf,fh->bsh') split over ``axis``, the input arriving split
+    along it, the partial sums reduced by g (SP: reduce-scattered over the sequence, the output
+    [B, S, h]); the bias replicated, added after g (SP: its gradient summed over ``axis``)."""
+
+    def __init__(self, kernel, bias=None, *, equation: str, split: str, axis: str = "model",
+                 sequence_parallel: bool = False, dtype=None):
+        self.axis, self.sequence_parallel, self.dtype = axis, sequence_parallel, dtype
+        self.equation = equation
+        _, rhs, out = equation.replace("->", ",").split(",")
+        self.kernel = metadata.param(kernel, tuple(axis if c == split else None for c in rhs))
+        reduce = (axis,) if sequence_parallel else ()
+        self.bias = None if bias is None else metadata.param(
+            bias, (None,) * len([c for c in out if c in rhs]), reduce_axes=reduce)
+
+    @classmethod
+    def from_module(cls, layer: nnx.Einsum, *, axis: str = "model",
+                    sequence_parallel: bool = False) -> "RowParallelEinsum":
+        lhs, rhs, out = einsum_operands(layer)
+        split = einsum_split(lhs, rhs, out, column=False)
+        if split is None:
+            raise ConfigError(f"nnx.Einsum({layer.einsum_str!r}) as a row layer: it contracts "
+                              "no kernel axis with the input; name it 'column' or 'replicate'")
+        if sequence_parallel and len(out) != 3:
+            raise ConfigError(f"nnx.Einsum({layer.einsum_str!r}) as a sequence-parallel row "
+                              "layer: its output must be [batch, sequence, features] (three "
+                              "letters), the sequence reduce-scattered")
+        _einsum_bias_letters(layer, rhs, out)
+        return cls(layer.kernel.get_value(), _value(layer.bias), equation=f"{lhs},{rhs}->{out}",
+                   split=split, axis=axis, sequence_parallel=sequence_parallel,
+                   dtype=layer.dtype)
+
+    def dense_equivalent(self) -> nnx.Einsum:
+        rhs = self.equation.split(",")[1].split("->")[0]
+        return _einsum(self.equation, self.kernel[...], _value(self.bias), len(rhs), self.dtype)
+
+    def __call__(self, x) -> jax.Array:
+        partial_sum = _einsum_call(self.equation, x, self.kernel[...], None)
+        y = reduce_from_model(partial_sum, self.axis, self.sequence_parallel)
+        bias = _value(self.bias)
+        return y if bias is None else _einsum_call(self.equation, y, None, bias)
+
+
+def _einsum_call(equation: str, x, kernel, bias):
+    """``nnx.Einsum``'s arithmetic: ``einsum(equation, x, kernel)`` in the promoted dtype, plus
+    ``bias`` broadcast over the output letters it spans (``kernel=None``: ``x`` is the output,
+    only the bias added)."""
+    x, kernel, bias = _promote(x, kernel, bias)
+    _, rhs, out = equation.replace("->", ",").split(",")
+    y = x if kernel is None else jnp.einsum(equation, x, kernel)
+    if bias is None:
+        return y
+    spans = [c in rhs for c in out]
+    sizes = iter(bias.shape)
+    return y + bias.reshape([next(sizes) if s else 1 for s in spans])
+
+
 class SharedHeadsLinear(nnx.Module):
     """A column layer whose outputs are ``heads`` heads, fewer than the p ranks of ``axis`` (p a
     multiple of them): grouped-query attention's key and value projections with fewer key/value
@@ -466,12 +614,12 @@ class VocabParallelEmbed(nnx.Module):
         return h @ table.T
 
     def attend(self, h: jax.Array) -> jax.Array:
-        """Full logits [B, S, V] (all-gather of B S V; use :meth:`cross_entropy` to avoid it)."""
+        """Full logits [B, S, V] (all-gather of B S V; use :meth:`cross_entropy_sum` to avoid it)."""
         return _gather_vocab(self.local_logits(h), self.axis)
 
-    def cross_entropy(self, h: jax.Array, targets: jax.Array) -> jax.Array:
-        """Mean next-token cross-entropy of the tied head without gathering the logits, in
-        chunks of tokens (:func:`jphantom.sharding.vocab.chunked_sum`)."""
+    def cross_entropy_sum(self, h: jax.Array, targets: jax.Array) -> jax.Array:
+        """Summed next-token cross-entropy of the tied head over the tokens whose target is not
+        negative, without gathering the logits, in chunks of tokens (:func:`jphantom.sharding.vocab.chunked_sum`)."""
         h = to_full_sequence(h, self.axis, self.sequence_parallel)
 
         def chunk(x, t, table):
@@ -480,7 +628,7 @@ class VocabParallelEmbed(nnx.Module):
 
         table = self.embedding[...]
         return vocab.chunked_sum(chunk, h, targets, (table,),
-                                 vocab_local=table.shape[0]) / targets.size
+                                 vocab_local=table.shape[0])
 
 
 class VocabParallelHead(nnx.Module):
@@ -509,9 +657,9 @@ class VocabParallelHead(nnx.Module):
         :func:`jphantom.nn.cross_entropy` never does it)."""
         return _gather_vocab(self.local_logits(h), self.axis)
 
-    def cross_entropy(self, h: jax.Array, targets: jax.Array) -> jax.Array:
-        """Mean cross-entropy over the tokens: three all-reduces of B S scalars, in chunks of
-        tokens (:func:`jphantom.sharding.vocab.chunked_sum`)."""
+    def cross_entropy_sum(self, h: jax.Array, targets: jax.Array) -> jax.Array:
+        """Summed cross-entropy over the tokens whose target is not negative: three
+        all-reduces of B S scalars, in chunks of tokens (:func:`jphantom.sharding.vocab.chunked_sum`)."""
         h = to_full_sequence(h, self.axis, self.sequence_parallel)
 
         def chunk(x, t, kernel, bias=None):
@@ -522,7 +670,7 @@ class VocabParallelHead(nnx.Module):
         kernel = self.kernel[...]
         weights = (kernel,) + (() if self.bias is None else (self.bias[...],))
         return vocab.chunked_sum(chunk, h, targets, weights,
-                                 vocab_local=kernel.shape[-1]) / targets.size
+                                 vocab_local=kernel.shape[-1])
 
 
 class SequenceParallelEmbed(nnx.Module):

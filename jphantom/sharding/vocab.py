@@ -51,7 +51,8 @@ def embed_partial(wte_local: jax.Array, tokens: jax.Array, axis: str) -> jax.Arr
 
 
 def cross_entropy_sum(logits_local: jax.Array, targets: jax.Array, axis: str) -> jax.Array:
-    """Sum over tokens of -log softmax(logits)[target], logits split over the vocabulary.
+    """Sum over tokens of -log softmax(logits)[target], logits split over the vocabulary; a
+    negative target (a masked token) adds nothing.
 
     ``logits_local`` [B, S, V/p] (this rank's vocabulary slice), ``targets`` [B, S] global ids.
     Communication: three all-reduces of B x S scalars (max, sum of exponentials, target logit)."""
@@ -64,7 +65,7 @@ def cross_entropy_sum(logits_local: jax.Array, targets: jax.Array, axis: str) ->
     picked = jnp.take_along_axis(logits_local, jnp.clip(local, 0, local_size - 1)[..., None],
                                  axis=-1)[..., 0]
     picked = comm.psum(jnp.where(mine, picked, 0.0), axis)  # all-reduce of B*S: the target's logit
-    return jnp.sum(jnp.log(sum_exp) + peak - picked)
+    return jnp.sum(jnp.where(targets >= 0, jnp.log(sum_exp) + peak - picked, 0.0))
 
 
 def token_chunks(tokens: int, vocab_local: int, max_elements: int | None = None) -> int:

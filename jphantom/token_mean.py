@@ -1,0 +1,125 @@
+"""The global token mean: a loss over padded or masked tokens, as one device computes it.
+
+A ``loss_fn`` given to :func:`jphantom.make_train_step` returns either the mean loss of the batch
+it is given (a scalar), or a :class:`WeightedLoss` (any tuple ``(total, weight)`` or
+``(total, weight, mean)``): ``total`` the sum of its per-token losses, ``weight`` the number of
+tokens it counted (a mask's sum; any non-negative weights), ``mean`` a term that is already a
+mean over the batch (an MoE router's load-balancing and z-losses; 0 if absent). On one device
+the loss is ``total / weight + mean``; the step's loss is
+
+    L = (sum over ranks and micro-batches of total) / (sum over ranks and micro-batches of weight)
+        + the mean over ranks and micro-batches of ``mean``
+
+and its gradient is L's. That is the global token mean MaxText and torchtitan train on (they
+divide a global sum by a global token count); a mean of per-rank means, which a scalar
+``loss_fn`` gives, differs from it as soon as ranks or micro-batches count different numbers
+of tokens (every fine-tuning run's padding).
+
+How the step computes it: the global weight W is summed before any backward, so every rank's
+loss is ``total / W`` and one backward gives the gradient, with nothing rescaled afterwards.
+Without accumulation W is the all-reduce of ``weight`` (a scalar, one all-reduce over the axes
+the tokens are split over) inside the forward. With micro-batches (``accumulate``, pipelines) W
+comes from a pass of ``loss_fn`` over the micro-batches that keeps only ``weight``: XLA removes
+all of it but the weight's arithmetic when the weight depends on the batch alone (a mask, the
+targets' sign), so it costs no GEMM and no collective but the one scalar all-reduce (tested on
+the compiled step). A pipeline computes the weight of each micro-batch's loss, on the last
+stage, from the targets alone: a weight that depends on the model's output is refused there.
+
+Which ranks' weights are summed: those over which ``total`` varies (``check_vma``'s record: the
+batch axes ``data``/``expert``/``z``, ``context``, an axis splitting the data's features), each
+rank's ``weight`` counted once per rank holding a distinct ``total``, so a constant weight (a
+Python int) counts every rank's tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jphantom.comm import varying_axes
+from jphantom.errors import ConfigError
+
+
+class WeightedLoss(NamedTuple):
+    """What a ``loss_fn`` returns for a global token mean (module docstring)."""
+
+    total: Any
+    weight: Any
+    mean: Any = 0.0
+
+
+def terms(out) -> WeightedLoss | None:
+    """``loss_fn``'s output as a :class:`WeightedLoss` in at least float32, or ``None`` when it
+    is a scalar mean; anything else is refused."""
+    if isinstance(out, tuple):
+        if len(out) not in (2, 3):
+            raise ConfigError(f"loss_fn returned a tuple of {len(out)}: return the scalar mean "
+                              "loss, or (total, weight) / (total, weight, mean) for a global "
+                              "token mean (jphantom.token_mean.WeightedLoss)")
+        parts = [x if isinstance(x, (int, float)) else jnp.asarray(x) for x in out]
+        for name, part in zip(WeightedLoss._fields, parts):
+            if jnp.shape(part) != ():
+                raise ConfigError(f"loss_fn's {name} has shape {jnp.shape(part)}: each of "
+                                  "(total, weight, mean) must be a scalar (a sum over the tokens)")
+        total, weight, *mean = [jnp.asarray(x) for x in parts[:2]] + parts[2:]
+        wide = lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        # a mean given as a Python number stays one (weakly typed: it never widens the loss)
+        mean = [m if isinstance(m, (int, float)) else wide(m) for m in mean]
+        total = wide(total)  # the weight in the total's dtype (a count may be an integer)
+        return WeightedLoss(total, weight.astype(total.dtype),
+                            *(float(m) if isinstance(m, int) else m for m in mean))
+    return None
+
+
+def value(out) -> jax.Array:
+    """The loss of ``loss_fn``'s output on one device: ``total / weight + mean`` (the weight a
+    constant: no gradient flows through it, as in the step) or the scalar."""
+    weighted = terms(out)
+    if weighted is None:
+        return jnp.asarray(out)
+    return weighted.total / lax.stop_gradient(weighted.weight) + weighted.mean
+
+
+def lm_loss(model, tokens, targets, mask=None, **balance) -> WeightedLoss:
+    """``loss_fn`` of the zoo's language models (and any model with ``loss_terms``) as a global
+    token mean: tokens whose target is negative (Hugging Face's ``-100``) or whose ``mask`` is
+    false are not counted. A pipelined step's loss takes (tokens, targets): mark the ignored
+    tokens with negative targets there."""
+    return model.loss_terms(tokens, targets, mask, **balance)
+
+
+def global_weight(weight, total_axes, exclude=()) -> jax.Array:
+    """The sum of ``weight`` over the ranks holding distinct totals (``total_axes``, with
+    ``weight``'s own varying axes; ``exclude``: axes not to sum over, a pipeline's ``stage``),
+    without gradient: inside a ``shard_map``, one all-reduce of a scalar."""
+    weight = lax.stop_gradient(jnp.asarray(weight))
+    weight = weight.astype(jnp.promote_types(weight.dtype, jnp.float32))
+    axes = [a for a in sorted(set(total_axes) | set(varying_axes(weight))) if a not in exclude]
+    if not axes:
+        return weight
+    from jphantom import comm
+
+    return comm.psum(weight, tuple(axes))
+
+
+def shares(weighted: WeightedLoss, weight_total, *, micro: int = 1, exclude=(),
+           order=None) -> jax.Array:
+    """This rank's share of the global loss: ``total / W`` plus its part of the mean of
+    ``mean`` (over ``micro`` micro-batches too), each divided by the ranks over which it is
+    invariant but the other varies, so that summing the result over every axis it varies over
+    (the step's one all-reduce, ``exclude`` left out) gives L exactly once."""
+    total_axes = set(varying_axes(weighted.total)) - set(exclude)
+    mean_axes = set(varying_axes(jnp.asarray(weighted.mean))) - set(exclude)
+    union = total_axes | mean_axes
+    size = lambda axes: math.prod(lax.axis_size(a) for a in axes)
+    share = weighted.total / weight_total / size(union - total_axes)
+    if isinstance(weighted.mean, float) and weighted.mean == 0.0:  # (total, weight)
+        return share
+    return share + weighted.mean / (size(union) * micro)
+
+
+__all__ = ["WeightedLoss", "terms", "value", "lm_loss", "global_weight", "shares"]
