@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -53,9 +54,10 @@ from jphantom import comm
 from jphantom import remat as remat_module
 from jphantom import samo as samo_module
 from jphantom import token_mean
-from jphantom.errors import ConfigError, check_int
+from jphantom.errors import ConfigError, JPhantomWarning, check_int
 from jphantom.mesh import BATCH_AXES
 from jphantom.nn import attention as attention_module
+from jphantom.nn import dropout as dropout_module
 from jphantom.nn import metadata
 from jphantom.nn.stack import Stacked, set_fp8, set_remat
 from jphantom.precision import Precision
@@ -110,8 +112,9 @@ class ParamLayout:
             where = next(".".join(map(str, path)) for path, v in nnx.iter_graph(model)
                          if isinstance(v, nnx.Variable) and not isinstance(v, nnx.Param))
             raise ConfigError(f"the model holds state other than nnx.Param ({', '.join(names)}), "
-                              f"e.g. at {where}; the step trains parameters only: remove it "
-                              "(dropout RNGs, batch statistics) or keep it outside the model")
+                              f"e.g. at {where}; the step trains parameters only (and draws "
+                              "nnx.Dropout's masks itself): remove it (batch statistics, "
+                              "caches) or keep it outside the model")
         variables = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
         pure = nnx.to_pure_dict(params)
         pure_paths, pure_treedef = jax.tree_util.tree_flatten_with_path(pure)
@@ -257,6 +260,41 @@ def _check_mesh(mesh) -> Mesh:
     return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
 
 
+def _warn_unstacked_blocks(model: nnx.Module, layout: ParamLayout) -> None:
+    """ZeRO-3 gathers a :class:`Stacked`'s parameters layer by layer, every other parameter once
+    for the whole step: a model whose repeated blocks are a list (``nnx.List``, a Python list)
+    holds them all whole on every rank while the step runs. Said once, at construction."""
+    lists = {}
+    for path, module in nnx.iter_modules(model):
+        if len(path) > 1 and isinstance(path[-1], int) and any(
+                isinstance(v, nnx.Param) for _, v in nnx.iter_graph(module)):
+            lists.setdefault(".".join(map(str, path[:-1])), []).append(module)
+    if not lists:
+        return
+    sizes = [math.prod(s.shape) for s in layout.shapes]
+    stacked = layout.stacked
+    whole = sum(n for i, n in enumerate(sizes) if layout.zero_dims[i] >= 0 and i not in stacked)
+    where, blocks = max(lists.items(), key=lambda item: len(item[1]))
+    warnings.warn(f"zero=3 gathers every parameter outside a jphantom.nn.Stacked once for the "
+                  f"whole step: the {len(blocks)} blocks of {where} (with the rest, "
+                  f"{whole / max(sum(sizes), 1):.0%} of the parameters) are whole on every rank "
+                  "while it runs, not one block at a time; build them with "
+                  "jphantom.nn.Stacked(make_block, layers, rngs=rngs) to gather them layer by "
+                  "layer", JPhantomWarning, stacklevel=4)
+
+
+def _replace_dropout(model: nnx.Module) -> list[str]:
+    """Every ``nnx.Dropout`` of ``model`` (the step's own copy) replaced by a
+    :class:`jphantom.nn.dropout.Dropout`, its random state dropped; their paths."""
+    from jphantom.plans import _set, modules_by_path
+
+    found = [(path, path_tuple, module) for path, (path_tuple, module)
+             in modules_by_path(model).items() if isinstance(module, nnx.Dropout)]
+    for path, path_tuple, module in found:
+        _set(model, path_tuple, dropout_module.Dropout.from_module(module, path))
+    return [path for path, _, _ in found]
+
+
 def _private_copy(model: nnx.Module) -> nnx.Module:
     """A copy of ``model``'s modules and variables (their arrays shared, none changed): the step
     sets the blocks' remat policy and, with a stage axis, the layer axis' sharding metadata on its
@@ -273,10 +311,13 @@ class TrainStep:
                  precision: str | Precision = "float32", remat: str = "none",
                  pipeline=None, spmd: str = "shard_map", donate: bool = True,
                  batch_specs=None, communicate: bool = True,
-                 samo: samo_module.SamoConfig | None = None, attention: str | None = None):
+                 samo: samo_module.SamoConfig | None = None, attention: str | None = None,
+                 dropout_seed: int = 0):
         if not isinstance(model, nnx.Module):
             raise ConfigError(f"make_train_step takes an nnx.Module, not {type(model).__name__}")
         model = _private_copy(model)
+        self.dropout = _replace_dropout(model)  # the step's keys (jphantom.nn.dropout)
+        self.dropout_seed = check_int("dropout_seed", dropout_seed, minimum=0)
         self.mesh = _check_mesh(mesh)
         if not isinstance(optimizer, optax.GradientTransformation):
             raise ConfigError("optimizer must be an optax.GradientTransformation, e.g. "
@@ -323,11 +364,22 @@ class TrainStep:
                     f"GPipe, not {pipeline.schedule!r} (with {pipeline.virtual_stages} virtual "
                     "stages); 1F1B and interleaving order the backward by hand: use the "
                     "shard_map step (strategy 'tensor' with model=1, or 'phantom')")
+        if self.dropout and (pipeline is not None or "stage" in mesh.axis_names
+                             or samo is not None or spmd != "shard_map"):
+            what = ("a pipeline" if pipeline is not None or "stage" in mesh.axis_names
+                    else "SAMO" if samo is not None else "spmd='gspmd'")
+            raise ConfigError(f"{self.dropout[0]}: nnx.Dropout trains in the shard_map step "
+                              f"without a pipeline; {what} does not draw its masks yet: set "
+                              "its rate to 0 (or deterministic=True) there")
         self.pipeline, self.stack = self._pipeline(model, mesh, pipeline)
         self.layout = ParamLayout.of(model, mesh, zero)
+        if zero == 3 and pipeline is None:
+            _warn_unstacked_blocks(model, self.layout)
         if self.pipeline is not None:
             self._pipeline_layout(model)
         self.model_template = model
+        if self.dropout:  # the step count, the dropout keys' (checkpointed with the state)
+            optimizer = dropout_module.counting(optimizer)
         if self.precision.dynamic:  # the scale lives in the optimizer state (checkpointed)
             from jphantom.precision import dynamic_loss_scale
             optimizer = dynamic_loss_scale(optimizer, initial=self.precision.loss_scale,
@@ -877,10 +929,12 @@ class TrainStep:
         counts = lax.stop_gradient(total[:, :total.shape[-1] // 2])
         return counts / jnp.sum(counts, axis=-1, keepdims=True)
 
-    def _local_value_and_grad(self, leaves, *batch, scale=None):
+    def _local_value_and_grad(self, leaves, *batch, scale=None, key=None):
         """This rank's loss share and gradients, before the reductions. ``scale``: the loss
-        scale (a traced scalar under dynamic loss scaling; default the precision's)."""
+        scale (a traced scalar under dynamic loss scaling; default the precision's); ``key``:
+        the step's dropout key data (none: dropout layers pass their input through)."""
         vary = self._vary_axes()
+        key = None if key is None else jax.random.wrap_key_data(key)
         scale = self.precision.loss_scale if scale is None else scale
 
         def loss_of(leaves, *batch, balance=None, weight=None, micro=1):
@@ -891,13 +945,14 @@ class TrainStep:
             return loss / scale, [(g.astype(jnp.promote_types(g.dtype, jnp.float32)) / scale
                                    ).astype(x.dtype) for g, x in zip(grads, like)]
 
-        def one(leaves, *batch, balance=None, weight=None, micro=1):
+        def one(leaves, *batch, balance=None, weight=None, micro=1, index=0):
             # each rank its own copy of what it holds replicated: the gradient w.r.t. the copy
             # is this rank's part, summed once after the backward (_per_rank)
             varied = _group_by(leaves, vary, lambda xs, axes: comm.pcast(xs, axes, to="varying"))
-            loss, grads = jax.value_and_grad(
-                lambda p, *b: loss_of(p, *b, balance=balance, weight=weight, micro=micro)
-            )(varied, *batch)
+            with dropout_module.keys(None if key is None else jax.random.fold_in(key, index)):
+                loss, grads = jax.value_and_grad(
+                    lambda p, *b: loss_of(p, *b, balance=balance, weight=weight, micro=micro)
+                )(varied, *batch)
             return unscaled(loss, grads, leaves)
 
         if self.pipeline is not None:
@@ -929,15 +984,15 @@ class TrainStep:
         options = dict(balance=balance, weight=weight, micro=n)
         first = jax.eval_shape(lambda *mb: one(leaves, *mb, **options), *(m[0] for m in micro))
         add = lambda a, b: jax.tree.map(jnp.add, a, b)
-        (loss, grads), _ = lax.scan(
-            lambda total, mb: (add(total, one(leaves, *mb, **options)), None),
-            jax.tree.map(_zeros_of, first), micro)
+        (loss, grads), _ = lax.scan(  # micro-batch i draws its dropout masks from key i
+            lambda total, xs: (add(total, one(leaves, *xs[0], **options, index=xs[1])), None),
+            jax.tree.map(_zeros_of, first), (micro, jnp.arange(n)))
         if weight is not None:
             return loss, grads
         return jax.tree.map(lambda a: a / n, (loss, grads))
 
-    def _per_rank(self, leaves, *batch, scale=None):
-        loss, grads = self._local_value_and_grad(list(leaves), *batch, scale=scale)
+    def _per_rank(self, leaves, *batch, scale=None, key=None):
+        loss, grads = self._local_value_and_grad(list(leaves), *batch, scale=scale, key=key)
         if not self.communicate:  # seed 001's t_compute: the step without its reductions
             return loss, grads
         dims = self.layout.zero_dims
@@ -1026,16 +1081,19 @@ class TrainStep:
 
             return run_gspmd
 
-        def run(params, *batch, scale=None):
+        def run(params, *batch, scale=None, key=None):
             leaves = jax.tree.leaves(params)
-            per_rank = self._per_rank
-            if scale is not None:  # the dynamic loss scale, replicated, after the batch
-                per_rank = lambda leaves, *args: self._per_rank(leaves, *args[:-1],
-                                                                scale=args[-1])
+            # after the batch, replicated: the dynamic loss scale, the dropout key's data
+            extra = {name: value for name, value in (("scale", scale), ("key", key))
+                     if value is not None}
+
+            def per_rank(leaves, *args):
+                split = len(args) - len(extra)
+                return self._per_rank(leaves, *args[:split], **dict(zip(extra, args[split:])))
+
             fn = self.over_mesh(per_rank, len(batch), out_specs=(P(), list(self.grad_specs)),
-                                after=() if scale is None else (P(),),
-                                check_vma=self.communicate)
-            loss, grads = fn(tuple(leaves), *batch, *(() if scale is None else (scale,)))
+                                after=(P(),) * len(extra), check_vma=self.communicate)
+            loss, grads = fn(tuple(leaves), *batch, *extra.values())
             return loss, self._pure(grads)
 
         return run
@@ -1135,7 +1193,12 @@ class TrainStep:
 
         def step(state: TrainState, *batch):
             scale = state.opt_state.scale if dynamic else None
-            loss, grads = run(state.params, *batch, scale=scale)
+            key = None
+            if self.dropout:  # this step's masks: the count the optimizer state carries
+                counter = state.opt_state.inner if dynamic else state.opt_state
+                key = dropout_module.step_key(self.dropout_seed, counter.count)
+            keyed = {} if key is None else {"key": key}
+            loss, grads = run(state.params, *batch, scale=scale, **keyed)
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             params = jax.lax.with_sharding_constraint(params, param_sh)

@@ -246,15 +246,103 @@ def test_flax_layers_the_walk_does_not_split_are_refused_by_name():
         plans.phantom(FlaxAttentionLM())
 
 
-def test_a_model_with_dropout_is_refused_naming_where_its_state_is():
-    class WithDropout(nnx.Module):
-        def __init__(self):
-            self.linear = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
-            self.drop = nnx.Dropout(0.1, rngs=nnx.Rngs(1))
+class DropoutBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.up, self.down = nnx.Linear(H, 2 * H, rngs=rngs), nnx.Linear(2 * H, H, rngs=rngs)
+        self.drop = nnx.Dropout(0.3, rngs=rngs)
 
-        def __call__(self, x):
-            return self.drop(self.linear(x))
+    def __call__(self, x):
+        return x + self.drop(self.down(jax.nn.gelu(self.up(x))))
 
-    with pytest.raises(ConfigError, match=r"other than nnx.Param .* e\.g\. at drop\."):
-        jphantom.make_train_step(WithDropout(), _mesh("data=2"), optax.sgd(0.1),
-                                 lambda m, x: m(x).mean())
+
+class DropoutLM(nnx.Module):
+    """Dropout on the embedding and after each block's row layer, as GPT-2 places it."""
+
+    def __init__(self, rate=0.3):
+        rngs = nnx.Rngs(0)
+        self.embed = nnx.Embed(V, H, rngs=rngs)
+        self.blocks = jphantom.nn.Stacked(DropoutBlock, 2, rngs=rngs)
+        self.drop = nnx.Dropout(rate, rngs=rngs)
+        self.head = nnx.Linear(H, V, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.head(self.blocks(self.drop(self.embed(tokens))))
+
+
+def _dropout_run(mesh, plan=False, steps=2, **options):
+    model = DropoutLM()
+    mesh = _mesh(mesh)
+    if plan:
+        jphantom.parallelize(model, mesh, plans.megatron(model))
+    step = jphantom.make_train_step(model, mesh, optax.sgd(0.5), loss_fn, donate=False, **options)
+    state, losses = step.init(), []
+    for _ in range(steps):
+        state, loss = step(state, TOKENS, np.roll(TOKENS, -1, 1))
+        losses.append(float(loss))
+    return losses, step, state
+
+
+def test_dropout_trains_deterministically_with_one_mask_per_activation():
+    """nnx.Dropout trains: the same seed gives the same run, another seed another; tensor
+    parallelism (whose dropouts see the replicated stream) and ZeRO-3 draw the masks data
+    parallelism draws, so their runs equal it; the step's evaluation runs without dropout."""
+    base, step, state = _dropout_run("data=2")
+    assert _dropout_run("data=2")[0] == base
+    assert _dropout_run("data=2", dropout_seed=1)[0] != base
+    for mesh, plan, options in [("data=2,model=2", True, {}), ("data=2", False, {"zero": 3})]:
+        np.testing.assert_allclose(_dropout_run(mesh, plan, **options)[0], base, rtol=1e-5)
+    tokens, targets = TOKENS, np.roll(TOKENS, -1, 1)
+    no_dropout = jphantom.dense_equivalent(step.model(state))  # nnx.Dropout, deterministic
+    assert abs(float(step.loss()(state.params, tokens, targets))
+               - float(loss_fn(no_dropout, tokens, targets))) < 1e-5
+    assert float(step.loss()(state.params, tokens, targets)) != base[-1]
+
+
+def test_dropout_masks_split_over_the_axes_the_activation_varies_over():
+    """Ranks holding different rows (data) draw different masks; ranks holding the same
+    activation (model, over which the input is replicated) draw the same one."""
+    from jphantom.nn import dropout
+
+    mesh = _mesh("data=2,model=2")
+    layer = dropout.Dropout(0.5, stream=7)
+
+    def per_rank(x):
+        with dropout.keys(jax.random.key(0)):
+            y = layer(x)
+        return jax.lax.pcast(y, ("model",), to="varying")
+
+    y = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=jax.P("data"),
+                              out_specs=jax.P("data", "model")))(jnp.ones((4, 8)))
+    blocks = np.asarray(y).reshape(2, 2, 2, 2, 4)  # [data, row, model, column]
+    kept = blocks != 0
+    assert (kept[:, :, 0] == kept[:, :, 1]).all()  # the same mask on both model ranks
+    assert (kept[0] != kept[1]).any()  # another on the other data rank
+    assert set(np.unique(np.asarray(y))) <= {0.0, 2.0}
+
+
+def test_dropout_in_a_pipeline_is_refused_naming_where_it_is():
+    with pytest.raises(ConfigError, match=r"blocks\.block\.drop: nnx\.Dropout trains"):
+        jphantom.make_train_step(DropoutLM(), _mesh("data=2,stage=2"), optax.sgd(0.1), loss_fn)
+
+
+class ListLM(nnx.Module):
+    """Blocks in an nnx.List, called in a Python loop."""
+
+    def __init__(self):
+        rngs = nnx.Rngs(0)
+        self.embed = nnx.Embed(V, H, rngs=rngs)
+        self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+        self.norm, self.output = nnx.RMSNorm(H, rngs=rngs), nnx.Linear(H, V, rngs=rngs)
+
+    def __call__(self, tokens):
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.output(self.norm(h))
+
+
+def test_zero3_on_blocks_in_a_list_says_at_construction_that_it_gathers_them_whole():
+    with pytest.warns(jphantom.JPhantomWarning, match=r"the 2 blocks of blocks .*layer by layer"):
+        report = jphantom.verify(ListLM(), _mesh("data=4"), None, loss_fn, TOKENS,
+                                 np.roll(TOKENS, -1, 1), zero=3)
+    assert report.ok, str(report)

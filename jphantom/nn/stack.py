@@ -41,6 +41,7 @@ from jax import lax
 from jphantom import comm
 from jphantom import remat as remat_module
 from jphantom.errors import check_int
+from jphantom.nn import dropout
 
 
 class Stacked(nnx.Module):
@@ -77,7 +78,8 @@ def apply_blocks(graphdef, state, carry, *args, remat: str = "none", fetch=None,
 
     def one(layer_state, carry, index):
         block = nnx.merge(graphdef, layer_state)
-        return block(carry, index, *args) if with_index else block(carry, *args)
+        with dropout.layer(index):  # each layer its own dropout masks
+            return block(carry, index, *args) if with_index else block(carry, *args)
 
     one = remat_module.checkpointed(one, remat, fetched=fetch is not None)
     if fetch is not None:
