@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-MODELS = ("llama", "mixtral")
+MODELS = ("llama", "mixtral", "mistral", "qwen2", "qwen3")
 BATCH, SEQ, VOCAB = 2, 16, 128
 
 # Run by --python: ``hf_side.py build WORK`` or ``hf_side.py reload WORK``.
@@ -66,12 +66,15 @@ warnings.filterwarnings("ignore")
 import numpy as np
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 torch.set_num_threads(1)
 mode, work = sys.argv[1], sys.argv[2]
 tokens = torch.from_numpy(np.load(os.path.join(work, "tokens.npy")))
-CLASSES = {"llama": LlamaForCausalLM, "mixtral": MixtralForCausalLM}
+CLASSES = {"llama": LlamaForCausalLM, "mixtral": MixtralForCausalLM,
+           "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
 
 
 def logits_of(model):
@@ -84,6 +87,12 @@ def build(name, seed):
                   num_attention_heads=8, num_key_value_heads=2, attn_implementation="eager")
     if name == "llama":
         config = LlamaConfig(**common)
+    elif name == "mistral":  # a window shorter than the sequence (16): it changes the logits
+        config = MistralConfig(**common, sliding_window=4)
+    elif name == "qwen2":  # biases on q, k and v
+        config = Qwen2Config(**common)
+    elif name == "qwen3":  # per-head q/k RMSNorm, head_dim apart from hidden/heads, tied
+        config = Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
     else:
         config = MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
                                sliding_window=None)
@@ -95,7 +104,9 @@ def build(name, seed):
         for pname, p in model.named_parameters():
             in_memory[pname] = list(p.shape)
             noise = torch.randn(p.shape, generator=generator, dtype=p.dtype)
-            if p.ndim == 1:  # RMSNorm weights
+            if pname.endswith("bias"):
+                p.copy_(0.2 * noise)
+            elif p.ndim == 1:  # RMSNorm weights
                 p.copy_(1.0 + 0.2 * noise)
             else:  # [..., out, in] (embeddings [V, h]): std 1/sqrt(last dim)
                 p.copy_(noise / math.sqrt(p.shape[-1]))
@@ -118,7 +129,7 @@ try:
     out["safetensors"] = safetensors.__version__
 except Exception:
     pass
-for i, name in enumerate(("llama", "mixtral")):
+for i, name in enumerate(CLASSES):
     if mode == "build":
         model, in_memory = build(name, 1000 * (i + 1))
         directory = os.path.join(work, name + "_hf")
@@ -243,6 +254,11 @@ def check_model(name: str, work: Path, tokens: np.ndarray, tol: float) -> dict:
         row["with_file_values"] = {"fields": {k: v["file"] for k, v in misread.items()},
                                    "max_abs_diff": fixed_diff, "passed": bool(fixed_diff <= tol)}
     row["tensor_parallel"] = tensor_parallel_logits(directory, tokens, reference, tol)
+    if model.config.sliding_window:  # the window must matter: without it the logits move
+        weights = load_file(str(directory / "model.safetensors"))
+        full = dataclasses.replace(model.config, sliding_window=None)
+        without = np.asarray(llama.from_hf_tensors(full, weights)(jnp.asarray(tokens)))
+        row["without_the_window_max_abs_diff"] = float(np.abs(without - reference).max())
     out_dir = work / f"{name}_jphantom"
     llama.save_hf(out_dir, model)
     row["round_trip"] = compare_tensors(directory / "model.safetensors",
@@ -358,6 +374,9 @@ def main(argv=None):
         for key in ("differ", "missing_in_save_hf", "extra_in_save_hf"):
             if trip.get(key):
                 print(f"  {name}: round trip {key}: {trip[key]}")
+        if "without_the_window_max_abs_diff" in row:
+            print(f"  {name}: without its sliding window ({row['jphantom_config']['sliding_window']}"
+                  f" of {SEQ} tokens) the logits differ by {row['without_the_window_max_abs_diff']:.3f}")
         for mesh, tp in row.get("tensor_parallel", {}).items():
             print(f"  {name}: {mesh} ({tp.get('key_projection', '-')}): max abs diff "
                   f"{tp.get('max_abs_diff', float('nan')):.3e} "

@@ -472,8 +472,9 @@ _TRAIN_HELP = {
     "layers": "transformer blocks", "hidden": "transformer width h", "heads": "attention heads",
     "kv_heads": "llama: key/value heads of grouped-query attention (default: heads)",
     "intermediate": "llama: SwiGLU width (default 8h/3 rounded up to a multiple of 32)",
-    "from_hf": "start from a Hugging Face GPT-2, Llama or Mixtral directory (config.json + "
-               "model.safetensors; alias --from-gpt2)",
+    "from_hf": "start from a Hugging Face GPT-2, Llama, Mixtral, Mistral, Qwen2 or Qwen3 "
+               "directory (config.json + model.safetensors; alias --from-gpt2; the Llama-family "
+               "ones with --model llama)",
     "save_hf": "save the trained model as a Hugging Face directory (alias --save-gpt2)",
     "target_loss": "stop once the validation loss reaches this (checked at each evaluation)",
     "seq_len": "tokens per sequence", "vocab": "vocabulary size (256 for bytes)",

@@ -102,7 +102,7 @@ class ModelConfig:
     top_k: int = 2
     capacity_factor: float = 1.25
     dropless: bool = False
-    from_hf: str | None = None  # a Hugging Face directory (GPT-2, Llama, Mixtral) to start from
+    from_hf: str | None = None  # a Hugging Face directory (GPT-2, the Llama family) to start from
 
     def __post_init__(self):
         _check_types(self)

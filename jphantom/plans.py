@@ -628,6 +628,7 @@ COLUMN = frozenset({"q", "k", "v", "qkv", "c_attn", "q_proj", "k_proj", "v_proj"
                     "fc1", "c_fc", "wi", "mlp_up", "fc_in", "in_proj"})
 ROW = frozenset({"o", "o_proj", "out", "out_proj", "down", "down_proj", "w2", "fc2", "c_proj",
                  "wo", "attn_out", "mlp_down", "fc_out"})
+HEAD_NORMS = frozenset({"q_norm", "k_norm"})  # Qwen3, OLMo 2: over each head's features
 KV_COLUMNS = frozenset({"k", "v", "k_proj", "v_proj", "key", "value", "wk", "wv"})
 ROUTERS = frozenset({"router", "gate"})
 # the norm before a block's MLP: when that MLP is a routed mixture of experts (SwitchMoE) it stays
@@ -754,6 +755,8 @@ def megatron(model: nnx.Module, *, sequence_parallel: bool = False, dtd: bool = 
         elif isinstance(module, nnx.Embed):
             plan[path] = ("vocab" if path == table
                           else "sequence" if sequence_parallel else "replicate")
+        elif isinstance(module, NORMS) and name in HEAD_NORMS:
+            plan[path] = "replicate"  # Qwen3's per-head q/k norms: on this rank's heads
         elif isinstance(module, NORMS) and path_tuple[:-1] in moe_blocks and name in MLP_NORMS:
             plan[path] = "replicate"  # the MoE routes the stream as it is (SP: this rank's S/p)
         elif isinstance(module, NORMS):  # pre-norm blocks: every norm feeds column layers
@@ -818,6 +821,9 @@ def phantom(model: nnx.Module, ghost_width: int = 8, *, vocab: str | None = None
     for path, (path_tuple, module) in modules.items():
         if path in plan or _inside(path, plan):
             continue
+        if isinstance(module, NORMS) and _name(path_tuple) in HEAD_NORMS:
+            plan[path] = "replicate"  # per-head norms: each rank normalises its whole heads
+            continue
         if isinstance(module, (nnx.Embed, *NORMS, Experts, SwitchMoE)):
             plan[path] = layer
         elif isinstance(module, nnx.Linear):
@@ -859,6 +865,10 @@ def pmm3d(model: nnx.Module, *, weights: str = "kept", vocab: str | None = None,
             continue
         if isinstance(module, nnx.Embed):
             plan[path] = Style("pmm3d", vocab_output=path == table)
+        elif isinstance(module, NORMS) and name in HEAD_NORMS:
+            raise ConfigError(f"plans.pmm3d: {path} normalises each attention head, whose "
+                              "features pmm3d splits over y; use plans.megatron or "
+                              "plans.phantom for a model with per-head q/k norms (Qwen3)")
         elif isinstance(module, NORMS):
             plan[path] = Style("pmm3d")
         elif isinstance(module, SwitchMoE):

@@ -1,11 +1,12 @@
 """Hugging Face checkpoints of the model zoo, in and out, without torch.
 
-    model = jphantom.models.hf.load("path/to/checkpoint")   # GPT-2, Llama or Mixtral
+    model = jphantom.models.hf.load("path/to/checkpoint")   # GPT-2, Llama, Mixtral, Qwen...
     logits = model(tokens)                                   # [batch, seq] ids -> [batch, seq, V]
     jphantom.models.hf.save("out", model)                    # config.json + model.safetensors
 
 The family is picked by ``config.json``'s ``model_type``: ``gpt2``
-(:mod:`jphantom.models.gpt2`), ``llama`` and ``mixtral`` (:mod:`jphantom.models.llama`). A load
+(:mod:`jphantom.models.gpt2`), ``llama``, ``mixtral``, ``mistral``, ``qwen2`` and ``qwen3``
+(:mod:`jphantom.models.llama`). A load
 then a save writes the file's tensors back exactly (names, dtypes, bytes).
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from jphantom.errors import ConfigError
 
-FAMILIES = ("gpt2", "llama", "mixtral")
+FAMILIES = ("gpt2", "llama", "mixtral", "mistral", "qwen2", "qwen3")
 
 
 def model_type(path) -> str:
@@ -43,7 +44,7 @@ def load(path):
 
 
 def save(path, model) -> None:
-    """``model`` (a zoo model: GPT-2, Llama, Mixtral) as a Hugging Face directory at ``path``."""
+    """``model`` (a zoo model: GPT-2, the Llama family) as a Hugging Face directory at ``path``."""
     from jphantom.models import llama
 
     if isinstance(model, llama.Llama):

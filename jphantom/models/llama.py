@@ -64,6 +64,11 @@ class LlamaConfig:
     experts: int = 0  # 0: Llama's dense MLP; E > 0: Mixtral's mixture of E experts
     top_k: int = 2
     dtype: str = "float32"
+    qkv_bias: bool = False  # Qwen2: biases on the query, key and value projections
+    o_bias: bool = False  # Llama's attention_bias: on the output projection too
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head before RoPE
+    sliding_window: int | None = None  # Mistral: each token attends itself and the W-1 before
+    hf_type: str | None = None  # the Hugging Face model_type (default llama / mixtral)
     model_name = "llama"
 
     def __post_init__(self):
@@ -86,6 +91,13 @@ class LlamaConfig:
                 raise ConfigError(f"top_k={self.top_k} exceeds experts={self.experts}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r}; use one of {DTYPES}")
+        if self.sliding_window is not None:
+            check_int("sliding_window", self.sliding_window)
+        if self.hf_type is not None and self.hf_type not in ARCHITECTURES:
+            raise ConfigError(f"hf_type={self.hf_type!r}; use one of {tuple(ARCHITECTURES)}")
+        if self.hf_type in ("qwen2", "qwen3", "mistral", "llama") and self.experts:
+            raise ConfigError(f"hf_type={self.hf_type!r} has no experts: leave experts out, or "
+                              "use mixtral")
         for name in ("rope_theta", "rms_norm_eps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -97,11 +109,13 @@ class LlamaConfig:
 
     @property
     def model_type(self) -> str:
-        return "mixtral" if self.experts else "llama"
+        return self.hf_type or ("mixtral" if self.experts else "llama")
 
     def param_count(self) -> int:
         h, f, L, v = self.hidden, self.intermediate, self.layers, self.vocab_size
         attention = h * self.heads * self.dim * 2 + h * self.kv_heads * self.dim * 2
+        attention += (self.heads + 2 * self.kv_heads) * self.dim * self.qkv_bias
+        attention += h * self.o_bias + 2 * self.dim * self.qk_norm
         mlp = (h * self.experts + self.experts * 3 * h * f) if self.experts else 3 * h * f
         head = 0 if self.tie_word_embeddings else h * v
         return v * h + L * (attention + mlp + 2 * h) + h + head
@@ -128,26 +142,33 @@ def rope(x: jax.Array, theta: float, positions: jax.Array | None = None,
     return (x.astype(wide) * cos + rotated.astype(wide) * sin).astype(x.dtype)
 
 
-def _linear(n_in, n_out, config, rngs):
-    return nnx.Linear(n_in, n_out, use_bias=False, param_dtype=jnp.dtype(config.dtype),
+def _linear(n_in, n_out, config, rngs, bias=False):
+    return nnx.Linear(n_in, n_out, use_bias=bias, param_dtype=jnp.dtype(config.dtype),
                       kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
 
 
 class Attention(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         h, d = config.hidden, config.dim
-        self.q_proj = _linear(h, config.heads * d, config, rngs)
-        self.k_proj = _linear(h, config.kv_heads * d, config, rngs)
-        self.v_proj = _linear(h, config.kv_heads * d, config, rngs)
-        self.o_proj = _linear(config.heads * d, h, config, rngs)
+        self.q_proj = _linear(h, config.heads * d, config, rngs, config.qkv_bias)
+        self.k_proj = _linear(h, config.kv_heads * d, config, rngs, config.qkv_bias)
+        self.v_proj = _linear(h, config.kv_heads * d, config, rngs, config.qkv_bias)
+        self.o_proj = _linear(config.heads * d, h, config, rngs, config.o_bias)
+        if config.qk_norm:  # Qwen3: over each head's d features, shared by the heads
+            norm = lambda: nnx.RMSNorm(d, epsilon=config.rms_norm_eps,
+                                       param_dtype=jnp.dtype(config.dtype), rngs=rngs)
+            self.q_norm, self.k_norm = norm(), norm()
         self.dim, self.theta = d, config.rope_theta
         self.positions = Positions()  # context parallelism: this rank's global positions
-        self.attend = CausalAttention()  # context parallelism: ring or all-gather attention
+        # context parallelism: ring or all-gather attention
+        self.attend = CausalAttention(window=config.sliding_window)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         batch, seq = q.shape[:2]  # the projections' sequence (whole under SP)
         q, k, v = (a.reshape(batch, seq, -1, self.dim) for a in (q, k, v))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         positions, length = self.positions(seq), self.positions.length(seq)
         out = self.attend(rope(q, self.theta, positions, length),
                           rope(k, self.theta, positions, length), v)
@@ -279,7 +300,9 @@ HF_FIELDS = {"vocab_size": "vocab_size", "hidden": "hidden_size",
              "max_positions": "max_position_embeddings",
              "tie_word_embeddings": "tie_word_embeddings", "experts": "num_local_experts",
              "top_k": "num_experts_per_tok"}
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
 
 
 def config_from_hf(hf: dict) -> LlamaConfig:
@@ -287,7 +310,8 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     refused by name."""
     kind = hf.get("model_type")
     if kind not in ARCHITECTURES:
-        raise ConfigError(f"model_type={kind!r} is not a Llama-family model (llama, mixtral)")
+        raise ConfigError(f"model_type={kind!r} is not a Llama-family model "
+                          f"({', '.join(ARCHITECTURES)})")
     if hf.get("rope_scaling"):
         raise ConfigError(f"rope_scaling={hf['rope_scaling']!r} is not implemented (plain RoPE "
                           "only): use a checkpoint without it")
@@ -295,18 +319,27 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     if rope.get("rope_type", "default") != "default":
         raise ConfigError(f"rope_parameters.rope_type={rope['rope_type']!r} is not implemented "
                           "(plain RoPE only): use a checkpoint without RoPE scaling")
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
-            raise ConfigError(f"{flag}=true is not implemented: Llama here has no biases")
+    if hf.get("mlp_bias"):
+        raise ConfigError("mlp_bias=true is not implemented: the MLP here has no biases")
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act={hf['hidden_act']!r}: only silu (SwiGLU) is implemented")
-    if kind == "mixtral" and hf.get("sliding_window") not in (None, 0):
-        raise ConfigError(f"sliding_window={hf['sliding_window']} is not implemented: full "
-                          "causal attention only")
+    if kind in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        raise ConfigError(f"use_sliding_window=true ({kind}'s windowed layers from "
+                          "max_window_layers on) is not implemented: full causal attention, or "
+                          "a window on every layer (mistral)")
+    if kind == "qwen3" and hf.get("attention_bias"):
+        raise ConfigError("attention_bias=true on qwen3 is not implemented")
     fields = {name: hf[key] for name, key in HF_FIELDS.items() if key in hf}
+    # biases: Llama's attention_bias puts one on q, k, v and o; Qwen2 always has q, k, v ones
+    fields["qkv_bias"] = kind == "qwen2" or bool(hf.get("attention_bias"))
+    fields["o_bias"] = kind != "qwen2" and bool(hf.get("attention_bias"))
+    fields["qk_norm"] = kind == "qwen3"
+    if kind in ("mistral", "mixtral") and hf.get("sliding_window"):
+        fields["sliding_window"] = int(hf["sliding_window"])
+    fields["hf_type"] = kind if kind in ("mistral", "qwen2", "qwen3") else None
     if "rope_theta" in rope:
         fields["rope_theta"] = rope["rope_theta"]
-    if kind == "llama":
+    if kind != "mixtral":
         fields.pop("experts", None)
         fields.pop("top_k", None)
     elif "experts" not in fields:
@@ -330,6 +363,12 @@ def config_to_hf(config: LlamaConfig, extra: dict | None = None) -> dict:
         value = getattr(config, name)
         if value is not None:
             out[key] = value
+    if config.model_type in ("llama", "mistral", "mixtral", "qwen3") and (
+            config.o_bias or "attention_bias" in out):
+        out["attention_bias"] = config.o_bias
+    if config.model_type in ("mistral", "mixtral") and (config.sliding_window
+                                                        or "sliding_window" in out):
+        out["sliding_window"] = config.sliding_window
     if isinstance(out.get("rope_parameters"), dict):  # transformers 5: keep the two in step
         out["rope_parameters"] = {**out["rope_parameters"], "rope_theta": config.rope_theta}
         if "rope_theta" not in (extra or {}):
@@ -351,6 +390,12 @@ def _hf_names(config: LlamaConfig) -> dict[tuple, tuple[str, bool]]:
         layer + "post_attention_layernorm.weight", False)
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
         names[(*block, "self_attn", proj, "kernel")] = (layer + f"self_attn.{proj}.weight", True)
+        if config.qkv_bias and proj != "o_proj" or config.o_bias and proj == "o_proj":
+            names[(*block, "self_attn", proj, "bias")] = (layer + f"self_attn.{proj}.bias", False)
+    if config.qk_norm:
+        for norm in ("q_norm", "k_norm"):
+            names[(*block, "self_attn", norm, "scale")] = (layer + f"self_attn.{norm}.weight",
+                                                           False)
     if config.experts:
         moe = layer + "block_sparse_moe."
         names[(*block, "moe", "router", "kernel")] = (moe + "gate.weight", True)

@@ -1,0 +1,149 @@
+"""Mistral, Qwen2 and Qwen3 checkpoints made by transformers (tests/fixtures/make_hf_families.py,
+committed with torch's logits, loss and gradients): logits equal transformers' on one device and
+under tensor parallelism, the one-device step's loss and every gradient equal torch's, a load then
+a save writes the file's tensors back byte for byte, and ``train --from-hf`` runs on them. Qwen3's
+per-head q/k norms stay replicated under the plans; Mistral's window changes the logits."""
+
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jphantom
+from jphantom.mesh import MeshConfig, first_devices
+from jphantom.models import hf, llama
+
+from conftest import require_devices
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+FAMILIES = ("mistral", "qwen2", "qwen3")
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(family):
+    return dict(np.load(FIXTURES / family / "reference.npz"))
+
+
+def _mesh(text):
+    config = MeshConfig.parse(text)
+    require_devices(config.device_count)
+    return config.build(first_devices(config.device_count))
+
+
+def _close(ours, theirs, tolerance=1e-4):
+    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
+    return float(np.abs(ours - theirs).max() / np.abs(theirs).max()) <= tolerance
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_loss_and_gradients_equal_transformers(family):
+    ref = _reference(family)
+    model = hf.load(FIXTURES / family)
+    assert model.config.model_type == family
+    tokens, targets = jnp.asarray(ref["tokens"], jnp.int32), jnp.asarray(ref["targets"], jnp.int32)
+    assert _close(model(tokens), ref["logits"])
+    mesh = _mesh("data=1")
+    step = jphantom.make_train_step(model, mesh, optax.sgd(0.1), llama.lm_loss, donate=False)
+    params = step.init().params
+    loss, grads = jax.jit(step.value_and_grad())(params, tokens, targets)
+    assert abs(float(loss) - float(ref["loss"])) <= 1e-5 * float(ref["loss"])
+    graphdef, state, rest = nnx.split(model, nnx.Param, ...)  # the gradients, named as HF does
+    nnx.replace_by_pure_dict(state, grads)
+    ours = llama.to_hf_tensors(nnx.merge(graphdef, state, rest))
+    theirs = {k[len("grad/"):]: v for k, v in ref.items() if k.startswith("grad/")}
+    theirs.pop("lm_head.weight", None) if model.config.tie_word_embeddings else None
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        assert _close(ours[name], theirs[name]), name
+
+
+@pytest.mark.parametrize("family, mesh", [("qwen3", "model=4"),
+                                          pytest.param("mistral", "model=8",
+                                                       marks=pytest.mark.slow),
+                                          pytest.param("qwen2", "model=4",
+                                                       marks=pytest.mark.slow)])
+def test_tensor_parallel_logits_equal_transformers(family, mesh):
+    """More tensor ranks than the 2 key/value heads; Qwen3's q/k norms replicated."""
+    ref = _reference(family)
+    model, mesh = hf.load(FIXTURES / family), _mesh(mesh)
+    plan = jphantom.plans.megatron(model)
+    if family == "qwen3":
+        assert plan["layers.block.self_attn.q_norm"] == "replicate"
+    jphantom.parallelize(model, mesh, plan)
+    logits = jphantom.make_forward_fn(model, mesh)(jnp.asarray(ref["tokens"], jnp.int32))
+    assert _close(logits, ref["logits"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_load_then_a_save_writes_the_files_tensors_back(tmp_path, family):
+    from safetensors.numpy import load_file
+
+    hf.save(tmp_path, hf.load(FIXTURES / family))
+    theirs = load_file(str(FIXTURES / family / "model.safetensors"))
+    ours = load_file(str(tmp_path / "model.safetensors"))
+    assert set(ours) == set(theirs)
+    for name, value in theirs.items():
+        assert ours[name].dtype == value.dtype and ours[name].tobytes() == value.tobytes(), name
+    assert hf.model_type(tmp_path) == family
+
+
+def test_the_sliding_window_changes_the_result():
+    ref = _reference("mistral")
+    model = hf.load(FIXTURES / "mistral")
+    assert model.config.sliding_window == 4
+    tokens = jnp.asarray(ref["tokens"], jnp.int32)
+    from safetensors.numpy import load_file
+    import dataclasses
+
+    full = llama.from_hf_tensors(dataclasses.replace(model.config, sliding_window=None),
+                                 load_file(str(FIXTURES / "mistral" / "model.safetensors")))
+    assert not _close(full(tokens), ref["logits"], 1e-2)
+
+
+@pytest.mark.parametrize("family, mesh, plan, options", [
+    ("qwen3", "data=2,model=2", "sp", {}),
+    pytest.param("qwen3", "data=2,model=2", "phantom", {}, marks=pytest.mark.slow),
+    pytest.param("qwen2", "data=4,model=2", "tensor", {"zero": 3}, marks=pytest.mark.slow),
+    pytest.param("mistral", "data=2,stage=2", None, {"pipeline": "1f1b"},
+                 marks=pytest.mark.slow),
+    pytest.param("mistral", "data=2,context=2", "context", {}, marks=pytest.mark.slow),
+], ids=["qwen3-sp", "qwen3-phantom", "qwen2-zero3", "mistral-1f1b", "mistral-context"])
+def test_families_under_the_strategies_equal_one_device(family, mesh, plan, options):
+    """The new families' layers under sequence parallelism (Qwen3's q/k norms on the gathered
+    sequence's heads), phantom, ZeRO-3, a pipeline and all-gather context attention (Mistral's
+    window over the gathered keys)."""
+    from jphantom.pipeline.runner import PipelineConfig
+
+    model = hf.load(FIXTURES / family)
+    ref = _reference(family)
+    batch = (np.tile(ref["tokens"], (2, 1)).astype(np.int32),
+             np.tile(ref["targets"], (2, 1)).astype(np.int32))
+    plans = {"sp": lambda: jphantom.plans.megatron(model, sequence_parallel=True),
+             "tensor": lambda: jphantom.plans.megatron(model),
+             "phantom": lambda: jphantom.plans.phantom(model, ghost_width=2),
+             "context": lambda: jphantom.plans.context(model, algorithm="all-gather"),
+             None: lambda: None}
+    if "pipeline" in options:
+        options = {"pipeline": PipelineConfig(microbatches=2, schedule=options["pipeline"])}
+    report = jphantom.verify(model, _mesh(mesh), plans[plan](), llama.lm_loss, *batch,
+                             **options)
+    assert report.ok, str(report)
+
+
+def test_train_from_hf_runs_two_steps_on_data_and_model(tmp_path):
+    from jphantom.config import RunConfig
+    from jphantom.run import run
+
+    config = RunConfig.from_flags(model="llama", strategy="tensor", mesh="data=2,model=2",
+                                  from_hf=str(FIXTURES / "qwen3"), seq_len=16, batch=4, steps=2,
+                                  eval_every=2, eval_batches=1, out=str(tmp_path / "run"),
+                                  save_hf=str(tmp_path / "hf"), progress=False)
+    results = run(config)
+    assert np.isfinite(results["final_validation_loss"])
+    again = hf.load(tmp_path / "hf")
+    assert again.config.model_type == "qwen3" and again.config.qk_norm
