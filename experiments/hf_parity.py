@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-MODELS = ("llama", "mixtral", "mistral", "qwen2", "qwen3")
+MODELS = ("llama", "mixtral", "mistral", "qwen2", "qwen3", "qwen3_moe")
 BATCH, SEQ, VOCAB = 2, 16, 128
 
 # Run by --python: ``hf_side.py build WORK`` or ``hf_side.py reload WORK``.
@@ -68,13 +68,14 @@ import torch
 import transformers
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 torch.set_num_threads(1)
 mode, work = sys.argv[1], sys.argv[2]
 tokens = torch.from_numpy(np.load(os.path.join(work, "tokens.npy")))
 CLASSES = {"llama": LlamaForCausalLM, "mixtral": MixtralForCausalLM,
-           "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
+           "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
+           "qwen3_moe": Qwen3MoeForCausalLM}
 
 
 def logits_of(model):
@@ -93,6 +94,9 @@ def build(name, seed):
         config = Qwen2Config(**common)
     elif name == "qwen3":  # per-head q/k RMSNorm, head_dim apart from hidden/heads, tied
         config = Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
+    elif name == "qwen3_moe":  # fine-grained experts (narrower than the dense width), q/k norms
+        config = Qwen3MoeConfig(**common, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=24, norm_topk_prob=True)
     else:
         config = MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
                                sliding_window=None)
@@ -183,7 +187,10 @@ def misread_fields(config, hf: dict) -> dict:
     from jphantom.models.llama import HF_FIELDS
 
     out = {}
-    for name, key in HF_FIELDS.items():
+    keys = dict(HF_FIELDS)
+    if config.model_type == "qwen3_moe":  # its experts' width has its own key
+        keys["intermediate"] = "moe_intermediate_size"
+    for name, key in keys.items():
         if (name in ("experts", "top_k") and not config.experts) or hf.get(key) is None:
             continue
         if getattr(config, name) != hf[key]:

@@ -1,4 +1,4 @@
-"""Mistral, Qwen2 and Qwen3 checkpoints made by transformers (tests/fixtures/make_hf_families.py,
+"""Mistral, Qwen2, Qwen3 and Qwen3-MoE checkpoints made by transformers (tests/fixtures/make_hf_families.py,
 committed with torch's logits, loss and gradients): logits equal transformers' on one device and
 under tensor parallelism, the one-device step's loss and every gradient equal torch's, a load then
 a save writes the file's tensors back byte for byte, and ``train --from-hf`` runs on them. Qwen3's
@@ -21,7 +21,7 @@ from jphantom.models import hf, llama
 from conftest import require_devices
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-FAMILIES = ("mistral", "qwen2", "qwen3")
+FAMILIES = ("mistral", "qwen2", "qwen3", "qwen3_moe")
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,7 +62,7 @@ def test_logits_loss_and_gradients_equal_transformers(family):
         assert _close(ours[name], theirs[name]), name
 
 
-@pytest.mark.parametrize("family, mesh", [("qwen3", "model=4"),
+@pytest.mark.parametrize("family, mesh", [("qwen3", "model=4"), ("qwen3_moe", "model=2"),
                                           pytest.param("mistral", "model=8",
                                                        marks=pytest.mark.slow),
                                           pytest.param("qwen2", "model=4",
@@ -112,7 +112,9 @@ def test_the_sliding_window_changes_the_result():
     pytest.param("mistral", "data=2,stage=2", None, {"pipeline": "1f1b"},
                  marks=pytest.mark.slow),
     pytest.param("mistral", "data=2,context=2", "context", {}, marks=pytest.mark.slow),
-], ids=["qwen3-sp", "qwen3-phantom", "qwen2-zero3", "mistral-1f1b", "mistral-context"])
+    pytest.param("qwen3_moe", "data=2,expert=2,model=2", "sp", {}, marks=pytest.mark.slow),
+], ids=["qwen3-sp", "qwen3-phantom", "qwen2-zero3", "mistral-1f1b", "mistral-context",
+        "qwen3moe-expert-sp"])
 def test_families_under_the_strategies_equal_one_device(family, mesh, plan, options):
     """The new families' layers under sequence parallelism (Qwen3's q/k norms on the gathered
     sequence's heads), phantom, ZeRO-3, a pipeline and all-gather context attention (Mistral's

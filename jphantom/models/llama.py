@@ -69,6 +69,7 @@ class LlamaConfig:
     qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head before RoPE
     sliding_window: int | None = None  # Mistral: each token attends itself and the W-1 before
     hf_type: str | None = None  # the Hugging Face model_type (default llama / mixtral)
+    norm_topk_prob: bool = True  # the top-k gates renormalised (Mixtral; Qwen3-MoE's flag)
     model_name = "llama"
 
     def __post_init__(self):
@@ -97,7 +98,9 @@ class LlamaConfig:
             raise ConfigError(f"hf_type={self.hf_type!r}; use one of {tuple(ARCHITECTURES)}")
         if self.hf_type in ("qwen2", "qwen3", "mistral", "llama") and self.experts:
             raise ConfigError(f"hf_type={self.hf_type!r} has no experts: leave experts out, or "
-                              "use mixtral")
+                              "use mixtral or qwen3_moe")
+        if self.hf_type == "qwen3_moe" and not self.experts:
+            raise ConfigError("hf_type='qwen3_moe' needs experts > 0")
         for name in ("rope_theta", "rms_norm_eps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -193,10 +196,11 @@ class MoE(nnx.Module):
         self.router = _linear(config.hidden, config.experts, config, rngs)
         self.experts = Experts(config.hidden, config.intermediate, config.experts, rngs=rngs,
                                top_k=config.top_k, param_dtype=jnp.dtype(config.dtype))
-        self.top_k = config.top_k
+        self.top_k, self.renormalise = config.top_k, config.norm_topk_prob
 
     def __call__(self, x):
-        return self.experts(x, top_k_gates(self.router(x), self.top_k))
+        return self.experts(x, top_k_gates(self.router(x), self.top_k,
+                                           renormalise=self.renormalise))
 
 
 class Block(nnx.Module):
@@ -302,7 +306,7 @@ HF_FIELDS = {"vocab_size": "vocab_size", "hidden": "hidden_size",
              "top_k": "num_experts_per_tok"}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def config_from_hf(hf: dict) -> LlamaConfig:
@@ -333,13 +337,23 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     # biases: Llama's attention_bias puts one on q, k, v and o; Qwen2 always has q, k, v ones
     fields["qkv_bias"] = kind == "qwen2" or bool(hf.get("attention_bias"))
     fields["o_bias"] = kind != "qwen2" and bool(hf.get("attention_bias"))
-    fields["qk_norm"] = kind == "qwen3"
+    fields["qk_norm"] = kind in ("qwen3", "qwen3_moe")
     if kind in ("mistral", "mixtral") and hf.get("sliding_window"):
         fields["sliding_window"] = int(hf["sliding_window"])
-    fields["hf_type"] = kind if kind in ("mistral", "qwen2", "qwen3") else None
+    fields["hf_type"] = kind if kind in ("mistral", "qwen2", "qwen3", "qwen3_moe") else None
+    if kind == "qwen3_moe":  # every layer sparse, its experts moe_intermediate_size wide
+        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+            raise ConfigError(f"decoder_sparse_step={hf.get('decoder_sparse_step')}, "
+                              f"mlp_only_layers={hf.get('mlp_only_layers')}: dense layers among "
+                              "the sparse ones are not implemented (every layer a mixture)")
+        experts = hf.get("num_local_experts", hf.get("num_experts"))  # by transformers version
+        if not experts:
+            raise ConfigError("a qwen3_moe config.json without num_experts/num_local_experts")
+        fields.update(experts=int(experts), intermediate=int(hf["moe_intermediate_size"]),
+                      norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
     if "rope_theta" in rope:
         fields["rope_theta"] = rope["rope_theta"]
-    if kind != "mixtral":
+    if kind not in ("mixtral", "qwen3_moe"):
         fields.pop("experts", None)
         fields.pop("top_k", None)
     elif "experts" not in fields:
@@ -369,6 +383,10 @@ def config_to_hf(config: LlamaConfig, extra: dict | None = None) -> dict:
     if config.model_type in ("mistral", "mixtral") and (config.sliding_window
                                                         or "sliding_window" in out):
         out["sliding_window"] = config.sliding_window
+    if config.model_type == "qwen3_moe":  # the experts' width has its own key
+        out["moe_intermediate_size"] = config.intermediate
+        out["intermediate_size"] = (extra or {}).get("intermediate_size", config.intermediate)
+        out["norm_topk_prob"] = config.norm_topk_prob
     if isinstance(out.get("rope_parameters"), dict):  # transformers 5: keep the two in step
         out["rope_parameters"] = {**out["rope_parameters"], "rope_theta": config.rope_theta}
         if "rope_theta" not in (extra or {}):
@@ -397,9 +415,12 @@ def _hf_names(config: LlamaConfig) -> dict[tuple, tuple[str, bool]]:
             names[(*block, "self_attn", norm, "scale")] = (layer + f"self_attn.{norm}.weight",
                                                            False)
     if config.experts:
-        moe = layer + "block_sparse_moe."
+        qwen = config.model_type == "qwen3_moe"
+        moe = layer + ("mlp." if qwen else "block_sparse_moe.")
         names[(*block, "moe", "router", "kernel")] = (moe + "gate.weight", True)
-        for ours, theirs in (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2")):
+        pairs = ((("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")) if qwen
+                 else (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2")))
+        for ours, theirs in pairs:
             names[(*block, "moe", "experts", ours)] = (moe + "experts.{e}." + theirs + ".weight",
                                                        True)
     else:
