@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-MODELS = ("llama", "mixtral", "mistral", "qwen2", "qwen3", "qwen3_moe")
+MODELS = ("llama", "mixtral", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")
 BATCH, SEQ, VOCAB = 2, 16, 128
 
 # Run by --python: ``hf_side.py build WORK`` or ``hf_side.py reload WORK``.
@@ -68,14 +68,15 @@ import torch
 import transformers
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                          Gemma3TextConfig, Gemma3ForCausalLM)
 
 torch.set_num_threads(1)
 mode, work = sys.argv[1], sys.argv[2]
 tokens = torch.from_numpy(np.load(os.path.join(work, "tokens.npy")))
 CLASSES = {"llama": LlamaForCausalLM, "mixtral": MixtralForCausalLM,
            "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
-           "qwen3_moe": Qwen3MoeForCausalLM}
+           "qwen3_moe": Qwen3MoeForCausalLM, "gemma3_text": Gemma3ForCausalLM}
 
 
 def logits_of(model):
@@ -94,6 +95,11 @@ def build(name, seed):
         config = Qwen2Config(**common)
     elif name == "qwen3":  # per-head q/k RMSNorm, head_dim apart from hidden/heads, tied
         config = Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
+    elif name == "gemma3_text":  # a local (window 4) and a global layer, two RoPE bases
+        common = {k: v for k, v in common.items() if k != "num_hidden_layers"}
+        config = Gemma3TextConfig(**common, num_hidden_layers=2, head_dim=8, sliding_window=4,
+                                  query_pre_attn_scalar=16,
+                                  layer_types=["sliding_attention", "full_attention"])
     elif name == "qwen3_moe":  # fine-grained experts (narrower than the dense width), q/k norms
         config = Qwen3MoeConfig(**common, head_dim=8, num_experts=8, num_experts_per_tok=2,
                                 moe_intermediate_size=24, norm_topk_prob=True)
@@ -263,7 +269,9 @@ def check_model(name: str, work: Path, tokens: np.ndarray, tol: float) -> dict:
     row["tensor_parallel"] = tensor_parallel_logits(directory, tokens, reference, tol)
     if model.config.sliding_window:  # the window must matter: without it the logits move
         weights = load_file(str(directory / "model.safetensors"))
-        full = dataclasses.replace(model.config, sliding_window=None)
+        layers = model.config.layer_types
+        full = dataclasses.replace(model.config, sliding_window=None, layer_types=None
+                                   if layers is None else ("full_attention",) * len(layers))
         without = np.asarray(llama.from_hf_tensors(full, weights)(jnp.asarray(tokens)))
         row["without_the_window_max_abs_diff"] = float(np.abs(without - reference).max())
     out_dir = work / f"{name}_jphantom"

@@ -757,6 +757,8 @@ def megatron(model: nnx.Module, *, sequence_parallel: bool = False, dtd: bool = 
                           else "sequence" if sequence_parallel else "replicate")
         elif isinstance(module, NORMS) and name in HEAD_NORMS:
             plan[path] = "replicate"  # Qwen3's per-head q/k norms: on this rank's heads
+        elif isinstance(module, NORMS) and getattr(module, "residual_norm", False):
+            plan[path] = "replicate"  # Gemma's norms of a block's outputs: on the residual
         elif isinstance(module, NORMS) and path_tuple[:-1] in moe_blocks and name in MLP_NORMS:
             plan[path] = "replicate"  # the MoE routes the stream as it is (SP: this rank's S/p)
         elif isinstance(module, NORMS):  # pre-norm blocks: every norm feeds column layers

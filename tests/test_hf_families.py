@@ -1,4 +1,4 @@
-"""Mistral, Qwen2, Qwen3 and Qwen3-MoE checkpoints made by transformers (tests/fixtures/make_hf_families.py,
+"""Mistral, Qwen2, Qwen3, Qwen3-MoE and Gemma 3 checkpoints made by transformers (tests/fixtures/make_hf_families.py,
 committed with torch's logits, loss and gradients): logits equal transformers' on one device and
 under tensor parallelism, the one-device step's loss and every gradient equal torch's, a load then
 a save writes the file's tensors back byte for byte, and ``train --from-hf`` runs on them. Qwen3's
@@ -21,7 +21,7 @@ from jphantom.models import hf, llama
 from conftest import require_devices
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-FAMILIES = ("mistral", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,6 +63,7 @@ def test_logits_loss_and_gradients_equal_transformers(family):
 
 
 @pytest.mark.parametrize("family, mesh", [("qwen3", "model=4"), ("qwen3_moe", "model=2"),
+                                          ("gemma3_text", "model=4"),
                                           pytest.param("mistral", "model=8",
                                                        marks=pytest.mark.slow),
                                           pytest.param("qwen2", "model=4",
@@ -92,6 +93,17 @@ def test_a_load_then_a_save_writes_the_files_tensors_back(tmp_path, family):
     assert hf.model_type(tmp_path) == family
 
 
+def test_gemma3_under_context_parallelism_is_refused_by_name():
+    model = hf.load(FIXTURES / "gemma3_text")
+    ref = _reference("gemma3_text")
+    batch = (np.tile(ref["tokens"], (2, 1)).astype(np.int32),
+             np.tile(ref["targets"], (2, 1)).astype(np.int32))
+    with pytest.raises(jphantom.ConfigError, match="local and global layers"):
+        jphantom.verify(model, _mesh("data=2,context=2"),
+                        jphantom.plans.context(model, algorithm="all-gather"), llama.lm_loss,
+                        *batch)
+
+
 def test_the_sliding_window_changes_the_result():
     ref = _reference("mistral")
     model = hf.load(FIXTURES / "mistral")
@@ -113,8 +125,12 @@ def test_the_sliding_window_changes_the_result():
                  marks=pytest.mark.slow),
     pytest.param("mistral", "data=2,context=2", "context", {}, marks=pytest.mark.slow),
     pytest.param("qwen3_moe", "data=2,expert=2,model=2", "sp", {}, marks=pytest.mark.slow),
+    ("gemma3_text", "data=2,model=2", "sp", {}),
+    pytest.param("gemma3_text", "data=2,model=2", "phantom", {}, marks=pytest.mark.slow),
+    pytest.param("gemma3_text", "data=2,stage=2", None, {"pipeline": "zb-h1"},
+                 marks=pytest.mark.slow),
 ], ids=["qwen3-sp", "qwen3-phantom", "qwen2-zero3", "mistral-1f1b", "mistral-context",
-        "qwen3moe-expert-sp"])
+        "qwen3moe-expert-sp", "gemma3-sp", "gemma3-phantom", "gemma3-zb-h1"])
 def test_families_under_the_strategies_equal_one_device(family, mesh, plan, options):
     """The new families' layers under sequence parallelism (Qwen3's q/k norms on the gathered
     sequence's heads), phantom, ZeRO-3, a pipeline and all-gather context attention (Mistral's

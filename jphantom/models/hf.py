@@ -5,7 +5,7 @@
     jphantom.models.hf.save("out", model)                    # config.json + model.safetensors
 
 The family is picked by ``config.json``'s ``model_type``: ``gpt2``
-(:mod:`jphantom.models.gpt2`), ``llama``, ``mixtral``, ``mistral``, ``qwen2``, ``qwen3`` and ``qwen3_moe``
+(:mod:`jphantom.models.gpt2`), ``llama``, ``mixtral``, ``mistral``, ``qwen2``, ``qwen3``, ``qwen3_moe`` and ``gemma3_text``
 (:mod:`jphantom.models.llama`). A load
 then a save writes the file's tensors back exactly (names, dtypes, bytes).
 """
@@ -17,7 +17,8 @@ from pathlib import Path
 
 from jphantom.errors import ConfigError
 
-FAMILIES = ("gpt2", "llama", "mixtral", "mistral", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("gpt2", "llama", "mixtral", "mistral", "qwen2", "qwen3", "qwen3_moe",
+            "gemma3_text")
 
 
 def model_type(path) -> str:

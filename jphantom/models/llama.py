@@ -40,9 +40,11 @@ from jphantom.errors import ConfigError, check_int
 from jphantom.nn.attention import CausalAttention, Positions, causal_attention
 from jphantom.nn.experts import Experts, top_k_gates
 from jphantom.nn.loss import cross_entropy_terms
+from jphantom.nn.norm import OffsetRMSNorm
 from jphantom.nn.stack import Stacked
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +72,16 @@ class LlamaConfig:
     sliding_window: int | None = None  # Mistral: each token attends itself and the W-1 before
     hf_type: str | None = None  # the Hugging Face model_type (default llama / mixtral)
     norm_topk_prob: bool = True  # the top-k gates renormalised (Mixtral; Qwen3-MoE's flag)
+    # Gemma 3: (1 + w) norms, sandwich norms around attention and MLP, GeGLU (tanh GELU),
+    # embeddings times sqrt(hidden), scores scaled by query_pre_attn_scalar^-1/2, and local
+    # (sliding-window, rope_local_theta) and global layers (layer_types)
+    norm_offset: bool = False
+    post_norms: bool = False
+    activation: str = "silu"  # or "gelu_tanh"
+    embed_scale: bool = False
+    query_pre_attn_scalar: float | None = None
+    layer_types: tuple[str, ...] | None = None  # per layer: sliding_attention / full_attention
+    rope_local_theta: float | None = None  # the sliding layers' RoPE base
     model_name = "llama"
 
     def __post_init__(self):
@@ -94,6 +106,18 @@ class LlamaConfig:
             raise ConfigError(f"dtype={self.dtype!r}; use one of {DTYPES}")
         if self.sliding_window is not None:
             check_int("sliding_window", self.sliding_window)
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ConfigError(f"activation={self.activation!r}: 'silu' (SwiGLU) or 'gelu_tanh' "
+                              "(Gemma's GeGLU)")
+        if self.layer_types is not None:
+            kinds = set(self.layer_types)
+            if len(self.layer_types) != self.layers or not kinds <= set(LAYER_TYPES):
+                raise ConfigError(f"layer_types={self.layer_types!r}: one of {LAYER_TYPES} for "
+                                  f"each of the {self.layers} layers")
+            if "sliding_attention" in kinds and self.sliding_window is None:
+                raise ConfigError("layer_types has sliding_attention layers: give sliding_window")
+            if self.experts:
+                raise ConfigError("layer_types with experts is not implemented")
         if self.hf_type is not None and self.hf_type not in ARCHITECTURES:
             raise ConfigError(f"hf_type={self.hf_type!r}; use one of {tuple(ARCHITECTURES)}")
         if self.hf_type in ("qwen2", "qwen3", "mistral", "llama") and self.experts:
@@ -107,6 +131,20 @@ class LlamaConfig:
                 raise ConfigError(f"{name}={value!r} must be a positive number")
 
     @property
+    def mixed_layers(self) -> bool:
+        """Local and global layers under one scan (Gemma 3): each layer picks its window and
+        RoPE base by its index."""
+        return self.layer_types is not None and len(set(self.layer_types)) > 1
+
+    @property
+    def window(self) -> int | None:
+        """The static sliding window of every layer (``None``: full, or mixed layers)."""
+        if self.layer_types is not None:
+            if self.mixed_layers or self.layer_types[0] == "full_attention":
+                return None
+        return self.sliding_window
+
+    @property
     def dim(self) -> int:
         return self.head_dim or self.hidden // self.heads
 
@@ -118,7 +156,7 @@ class LlamaConfig:
         h, f, L, v = self.hidden, self.intermediate, self.layers, self.vocab_size
         attention = h * self.heads * self.dim * 2 + h * self.kv_heads * self.dim * 2
         attention += (self.heads + 2 * self.kv_heads) * self.dim * self.qkv_bias
-        attention += h * self.o_bias + 2 * self.dim * self.qk_norm
+        attention += h * self.o_bias + 2 * self.dim * self.qk_norm + 2 * h * self.post_norms
         mlp = (h * self.experts + self.experts * 3 * h * f) if self.experts else 3 * h * f
         head = 0 if self.tie_word_embeddings else h * v
         return v * h + L * (attention + mlp + 2 * h) + h + head
@@ -150,6 +188,10 @@ def _linear(n_in, n_out, config, rngs, bias=False):
                       kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
 
 
+def _norm_class(config):
+    return OffsetRMSNorm if config.norm_offset else nnx.RMSNorm
+
+
 class Attention(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         h, d = config.hidden, config.dim
@@ -158,23 +200,46 @@ class Attention(nnx.Module):
         self.v_proj = _linear(h, config.kv_heads * d, config, rngs, config.qkv_bias)
         self.o_proj = _linear(config.heads * d, h, config, rngs, config.o_bias)
         if config.qk_norm:  # Qwen3: over each head's d features, shared by the heads
-            norm = lambda: nnx.RMSNorm(d, epsilon=config.rms_norm_eps,
-                                       param_dtype=jnp.dtype(config.dtype), rngs=rngs)
+            norm = lambda: _norm_class(config)(d, epsilon=config.rms_norm_eps,
+                                               param_dtype=jnp.dtype(config.dtype), rngs=rngs)
             self.q_norm, self.k_norm = norm(), norm()
         self.dim, self.theta = d, config.rope_theta
+        # Gemma: scores scaled by query_pre_attn_scalar^-1/2 instead of d^-1/2
+        self.q_scale = (None if config.query_pre_attn_scalar is None
+                        else float(np.sqrt(d / config.query_pre_attn_scalar)))
+        self.mixed = config.mixed_layers  # per layer: its window and RoPE base by its index
+        if self.mixed:
+            self.full = tuple(t == "full_attention" for t in config.layer_types)
+            self.window, self.local_theta = config.sliding_window, config.rope_local_theta
+        elif config.layer_types is not None and config.layer_types[0] == "sliding_attention":
+            self.theta = config.rope_local_theta or config.rope_theta
         self.positions = Positions()  # context parallelism: this rank's global positions
         # context parallelism: ring or all-gather attention
-        self.attend = CausalAttention(window=config.sliding_window)
+        self.attend = CausalAttention(window=config.window)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, index=None) -> jax.Array:
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         batch, seq = q.shape[:2]  # the projections' sequence (whole under SP)
         q, k, v = (a.reshape(batch, seq, -1, self.dim) for a in (q, k, v))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         positions, length = self.positions(seq), self.positions.length(seq)
-        out = self.attend(rope(q, self.theta, positions, length),
-                          rope(k, self.theta, positions, length), v)
+        if not self.mixed:
+            q, k = (rope(a, self.theta, positions, length) for a in (q, k))
+            mask = None
+        else:
+            if type(self.attend) is not CausalAttention:
+                raise ConfigError("local and global layers in one stack (Gemma 3) under context "
+                                  "parallelism are not implemented: drop the context axis")
+            full = jnp.asarray(self.full)[index]
+            q, k = (jnp.where(full, rope(a, self.theta, positions, length),
+                              rope(a, self.local_theta, positions, length)) for a in (q, k))
+            pos = jnp.arange(seq)
+            causal = pos[:, None] >= pos[None, :]
+            mask = causal & (full | (pos[:, None] - pos[None, :] < self.window))
+        if self.q_scale is not None:
+            q = q * jnp.asarray(self.q_scale, q.dtype)
+        out = self.attend(q, k, v) if mask is None else self.attend(q, k, v, mask=mask)
         return self.o_proj(out.reshape(batch, seq, -1))
 
 
@@ -185,8 +250,12 @@ class MLP(nnx.Module):
         self.up_proj = _linear(h, f, config, rngs)
         self.down_proj = _linear(f, h, config, rngs)
 
+        self.gelu = config.activation == "gelu_tanh"  # Gemma's GeGLU
+
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        gate = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class MoE(nnx.Module):
@@ -204,21 +273,36 @@ class MoE(nnx.Module):
 
 
 class Block(nnx.Module):
+    """Llama's pre-norm block; with ``post_norms`` (Gemma) the sandwich: ``input_layernorm``
+    before attention, ``post_attention_layernorm`` on its output, ``pre_feedforward_layernorm``
+    before the MLP, ``post_feedforward_layernorm`` on its output (those two on the residual
+    branch's output: the plans keep them replicated, ``residual_norm``)."""
+
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(config.dtype)
-        norm = lambda: nnx.RMSNorm(config.hidden, epsilon=config.rms_norm_eps, param_dtype=dtype,
-                                   rngs=rngs)
+        norm = lambda: _norm_class(config)(config.hidden, epsilon=config.rms_norm_eps,
+                                           param_dtype=dtype, rngs=rngs)
         self.input_layernorm = norm()
         self.self_attn = Attention(config, rngs=rngs)
         self.post_attention_layernorm = norm()
+        self.sandwich = config.post_norms
+        if config.post_norms:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+            for output_norm in (self.post_attention_layernorm, self.post_feedforward_layernorm):
+                output_norm.residual_norm = True
         if config.experts:
             self.moe = MoE(config, rngs=rngs)
         else:
             self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, h):
-        h = h + self.self_attn(self.input_layernorm(h))
+    def __call__(self, h, index=None):
         ffn = self.moe if hasattr(self, "moe") else self.mlp
+        if self.sandwich:
+            h = h + self.post_attention_layernorm(
+                self.self_attn(self.input_layernorm(h), index))
+            return h + self.post_feedforward_layernorm(ffn(self.pre_feedforward_layernorm(h)))
+        h = h + self.self_attn(self.input_layernorm(h), index)
         return h + ffn(self.post_attention_layernorm(h))
 
 
@@ -232,9 +316,10 @@ class Llama(nnx.Module):
         dtype = jnp.dtype(config.dtype)
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden, param_dtype=dtype,
                                       embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
-        self.layers = Stacked(lambda r: Block(config, rngs=r), config.layers, rngs=rngs)
-        self.norm = nnx.RMSNorm(config.hidden, epsilon=config.rms_norm_eps, param_dtype=dtype,
-                                rngs=rngs)
+        self.layers = Stacked(lambda r: Block(config, rngs=r), config.layers, rngs=rngs,
+                              with_index=config.mixed_layers)
+        self.norm = _norm_class(config)(config.hidden, epsilon=config.rms_norm_eps,
+                                        param_dtype=dtype, rngs=rngs)
         if not config.tie_word_embeddings:
             self.lm_head = _linear(config.hidden, config.vocab_size, config, rngs)
 
@@ -261,7 +346,11 @@ class Llama(nnx.Module):
                                              if not shared_kv_heads else ""))
 
     def hidden_states(self, tokens: jax.Array) -> jax.Array:
-        return self.norm(self.layers(self.embed_tokens(tokens)))
+        h = self.embed_tokens(tokens)
+        if self.config.embed_scale:  # Gemma: sqrt(hidden) in the table's dtype
+            h = h * jnp.asarray(self.config.hidden ** 0.5,
+                                self.embed_tokens.embedding.get_value().dtype).astype(h.dtype)
+        return self.norm(self.layers(h))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         h = self.hidden_states(tokens)
@@ -306,7 +395,8 @@ HF_FIELDS = {"vocab_size": "vocab_size", "hidden": "hidden_size",
              "top_k": "num_experts_per_tok"}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def config_from_hf(hf: dict) -> LlamaConfig:
@@ -319,6 +409,8 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     if hf.get("rope_scaling"):
         raise ConfigError(f"rope_scaling={hf['rope_scaling']!r} is not implemented (plain RoPE "
                           "only): use a checkpoint without it")
+    if kind == "gemma3_text":
+        return _gemma3_from_hf(hf)
     rope = hf.get("rope_parameters") or {}  # where transformers 5 keeps RoPE's settings
     if rope.get("rope_type", "default") != "default":
         raise ConfigError(f"rope_parameters.rope_type={rope['rope_type']!r} is not implemented "
@@ -364,6 +456,45 @@ def config_from_hf(hf: dict) -> LlamaConfig:
                                         "float64": "float64"}.get(dtype, "float32"))
 
 
+def _gemma3_from_hf(hf: dict) -> LlamaConfig:
+    """Gemma 3's text model (``gemma3_text``): RoPE per layer type, the sandwich norms, GeGLU;
+    what it cannot reproduce is refused by name."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise ConfigError(f"{key}={hf[key]} is not implemented (Gemma 3 has none)")
+    if hf.get("use_bidirectional_attention"):
+        raise ConfigError("use_bidirectional_attention=true is not implemented: causal only")
+    if hf.get("attention_bias"):
+        raise ConfigError("attention_bias=true on gemma3_text is not implemented")
+    if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ConfigError(f"hidden_activation={hf['hidden_activation']!r}: only "
+                          "gelu_pytorch_tanh (GeGLU) is implemented")
+    rope = hf.get("rope_parameters") or {}
+    thetas = {}
+    for kind in LAYER_TYPES:
+        entry = rope.get(kind) or {}
+        if entry.get("rope_type", "default") != "default":
+            raise ConfigError(f"rope_parameters.{kind}.rope_type={entry['rope_type']!r} is not "
+                              "implemented (plain RoPE only; Gemma 3 1B's checkpoints have it)")
+        thetas[kind] = entry.get("rope_theta")
+    fields = {name: hf[key] for name, key in HF_FIELDS.items() if key in hf}
+    for name in ("experts", "top_k", "rope_theta", "tie_word_embeddings"):
+        fields.pop(name, None)
+    layer_types = tuple(hf.get("layer_types") or ())
+    return LlamaConfig(**fields, rope_theta=float(thetas["full_attention"] or hf.get(
+                           "rope_theta", 1e6)),
+                       rope_local_theta=float(thetas["sliding_attention"] or hf.get(
+                           "rope_local_base_freq", 1e4)),
+                       layer_types=layer_types or None, sliding_window=hf.get("sliding_window"),
+                       qk_norm=True, norm_offset=True, post_norms=True, activation="gelu_tanh",
+                       embed_scale=True,
+                       query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+                       tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                       hf_type="gemma3_text",
+                       dtype={"bfloat16": "bfloat16", "float16": "float16"}.get(
+                           hf.get("torch_dtype", hf.get("dtype")), "float32"))
+
+
 def config_to_hf(config: LlamaConfig, extra: dict | None = None) -> dict:
     """The ``config.json`` dict: ``extra`` (what a loaded file had) updated with the model's
     fields."""
@@ -383,11 +514,23 @@ def config_to_hf(config: LlamaConfig, extra: dict | None = None) -> dict:
     if config.model_type in ("mistral", "mixtral") and (config.sliding_window
                                                         or "sliding_window" in out):
         out["sliding_window"] = config.sliding_window
+    if config.model_type == "gemma3_text":
+        out.pop("hidden_act", None)
+        out.pop("rope_theta", None)
+        out.update(hidden_activation="gelu_pytorch_tanh", sliding_window=config.sliding_window,
+                   query_pre_attn_scalar=(int(config.query_pre_attn_scalar)
+                                          if float(config.query_pre_attn_scalar).is_integer()
+                                          else config.query_pre_attn_scalar),
+                   layer_types=list(config.layer_types or ()),
+                   rope_parameters={"full_attention": {"rope_theta": config.rope_theta,
+                                                       "rope_type": "default"},
+                                    "sliding_attention": {"rope_theta": config.rope_local_theta,
+                                                          "rope_type": "default"}})
     if config.model_type == "qwen3_moe":  # the experts' width has its own key
         out["moe_intermediate_size"] = config.intermediate
         out["intermediate_size"] = (extra or {}).get("intermediate_size", config.intermediate)
         out["norm_topk_prob"] = config.norm_topk_prob
-    if isinstance(out.get("rope_parameters"), dict):  # transformers 5: keep the two in step
+    if isinstance(out.get("rope_parameters"), dict) and config.model_type != "gemma3_text":
         out["rope_parameters"] = {**out["rope_parameters"], "rope_theta": config.rope_theta}
         if "rope_theta" not in (extra or {}):
             del out["rope_theta"]
@@ -406,6 +549,9 @@ def _hf_names(config: LlamaConfig) -> dict[tuple, tuple[str, bool]]:
     names[(*block, "input_layernorm", "scale")] = (layer + "input_layernorm.weight", False)
     names[(*block, "post_attention_layernorm", "scale")] = (
         layer + "post_attention_layernorm.weight", False)
+    if config.post_norms:
+        for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            names[(*block, norm, "scale")] = (layer + f"{norm}.weight", False)
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
         names[(*block, "self_attn", proj, "kernel")] = (layer + f"self_attn.{proj}.weight", True)
         if config.qkv_bias and proj != "o_proj" or config.o_bias and proj == "o_proj":

@@ -4,6 +4,7 @@ are split across it.
 
     LayerNorm: y = (x - mean) / sqrt(var + eps) * scale + bias      (two sums per token)
     RMSNorm:   y = x / sqrt(mean(x^2) + eps) * scale                 (one sum per token)
+    Gemma's:   y = x / sqrt(mean(x^2) + eps) * (1 + scale)           (OffsetRMSNorm)
 """
 
 from __future__ import annotations
@@ -15,11 +16,27 @@ from jax import lax
 
 from jphantom import comm
 
-KINDS = ("layer", "rms")
+KINDS = ("layer", "rms", "rms1")
+
+
+class OffsetRMSNorm(nnx.RMSNorm):
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + w)``, ``w`` (``scale``) initialised to zero and
+    the product taken in float32 (kind ``"rms1"``)."""
+
+    def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype=None,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        super().__init__(num_features, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
+                         scale_init=nnx.initializers.zeros_init(), rngs=rngs)
+
+    def __call__(self, x, mask=None):
+        return normalize(x, "rms1", self.epsilon, self.scale[...], dtype=self.dtype)
 
 
 def kind_of(norm) -> str:
-    """``"rms"`` for an ``nnx.RMSNorm``, ``"layer"`` for an ``nnx.LayerNorm``."""
+    """``"rms1"`` for an :class:`OffsetRMSNorm`, ``"rms"`` for an ``nnx.RMSNorm``,
+    ``"layer"`` for an ``nnx.LayerNorm``."""
+    if isinstance(norm, OffsetRMSNorm):
+        return "rms1"
     return "rms" if isinstance(norm, nnx.RMSNorm) else "layer"
 
 
@@ -34,13 +51,13 @@ def normalize(x: jax.Array, kind: str, epsilon: float, scale=None, bias=None, *,
         total = jnp.sum(values, -1, keepdims=True)
         return (comm.psum(total, axis) if axis is not None else total) / count
 
-    if kind == "rms":
+    if kind in ("rms", "rms1"):
         y = wide * lax.rsqrt(mean(wide * wide) + epsilon)
     else:
         centred = wide - mean(wide)
         y = centred * lax.rsqrt(mean(centred * centred) + epsilon)
     if scale is not None:
-        y = y * scale
+        y = y * (1 + scale.astype(y.dtype)) if kind == "rms1" else y * scale
     if bias is not None:
         y = y + bias
     return y.astype(dtype or x.dtype)
@@ -49,7 +66,9 @@ def normalize(x: jax.Array, kind: str, epsilon: float, scale=None, bias=None, *,
 def plain(kind: str, epsilon: float, dtype, scale=None, bias=None):
     """The plain ``nnx.RMSNorm`` / ``nnx.LayerNorm`` holding ``scale`` and ``bias``."""
     n = (scale if scale is not None else bias).shape[-1]
-    if kind == "rms":
+    if kind == "rms1":
+        norm = OffsetRMSNorm(n, epsilon=epsilon, dtype=dtype, rngs=nnx.Rngs(0))
+    elif kind == "rms":
         norm = nnx.RMSNorm(n, epsilon=epsilon, dtype=dtype, use_scale=scale is not None,
                            rngs=nnx.Rngs(0))
     else:
