@@ -1,11 +1,14 @@
-"""Parity of jphantom's Llama/Mixtral with Hugging Face ``transformers``, without torch in this venv.
+"""Parity of jphantom's Llama family with Hugging Face ``transformers``, without torch in this venv.
 
 Hugging Face's side runs in another interpreter (``--python``, one with torch and transformers; by
 default ``/tmp/hfenv/bin/python``) as a subprocess that this script generates. It:
 
-1. builds tiny random ``LlamaForCausalLM`` and ``MixtralForCausalLM`` models (vocab 128, hidden 64,
-   intermediate 96, 2 layers, 8 heads, 2 key/value heads, eager attention, float32; Mixtral with
-   4 experts, top 2, no sliding window). Every parameter is then re-drawn, matrices with std
+1. builds tiny random models of each family (``LlamaForCausalLM``, ``MixtralForCausalLM``,
+   ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``,
+   ``Gemma3ForCausalLM``: vocab 128, hidden 64, intermediate 96, 2 layers, 8 heads, 2 key/value
+   heads, eager attention, float32; Mixtral with 4 experts, top 2, no sliding window; Mistral's
+   window 4; Qwen3 with head_dim 16 and tied embeddings; Qwen3-MoE with 8 experts of width 24;
+   Gemma 3 with a local and a global layer). Every parameter is then re-drawn, matrices with std
    1/sqrt(fan_in) and norm weights 1 + 0.2 N(0, 1), so the logits are O(1) and a 1e-4 tolerance
    means something (HF's own init, std 0.02 and norms of one, gives logits of order 1e-2);
 2. ``save_pretrained(dir, safe_serialization=True)`` each one and saves the logits of fixed token
