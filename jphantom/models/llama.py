@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
 
 from jphantom import token_mean
 from jphantom.errors import ConfigError, check_int
@@ -216,6 +217,8 @@ class Attention(nnx.Module):
         self.positions = Positions()  # context parallelism: this rank's global positions
         # context parallelism: ring or all-gather attention
         self.attend = CausalAttention(window=config.window)
+        if self.mixed:  # the local layers' core: the same kernel with its window
+            self.attend_local = CausalAttention(window=config.sliding_window)
 
     def __call__(self, x: jax.Array, index=None) -> jax.Array:
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -226,7 +229,6 @@ class Attention(nnx.Module):
         positions, length = self.positions(seq), self.positions.length(seq)
         if not self.mixed:
             q, k = (rope(a, self.theta, positions, length) for a in (q, k))
-            mask = None
         else:
             if type(self.attend) is not CausalAttention:
                 raise ConfigError("local and global layers in one stack (Gemma 3) under context "
@@ -234,12 +236,12 @@ class Attention(nnx.Module):
             full = jnp.asarray(self.full)[index]
             q, k = (jnp.where(full, rope(a, self.theta, positions, length),
                               rope(a, self.local_theta, positions, length)) for a in (q, k))
-            pos = jnp.arange(seq)
-            causal = pos[:, None] >= pos[None, :]
-            mask = causal & (full | (pos[:, None] - pos[None, :] < self.window))
         if self.q_scale is not None:
             q = q * jnp.asarray(self.q_scale, q.dtype)
-        out = self.attend(q, k, v) if mask is None else self.attend(q, k, v, mask=mask)
+        if self.mixed:  # this layer's core, each on the fused kernel with its own window
+            out = lax.cond(full, self.attend, self.attend_local, q, k, v)
+        else:
+            out = self.attend(q, k, v)
         return self.o_proj(out.reshape(batch, seq, -1))
 
 

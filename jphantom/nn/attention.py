@@ -210,11 +210,9 @@ class CausalAttention(nnx.Module):
         platform = self.platform or platform_of(jax.devices()[0])
         return choose(self.implementation, platform, dtype, head_dim)
 
-    def __call__(self, q, k, v, mask=None) -> jax.Array:
-        """``mask`` [S, S] (True: attend) replaces the causal mask, on XLA's path (Gemma 3's
-        local and global layers under one scan, their window chosen per layer)."""
+    def __call__(self, q, k, v) -> jax.Array:
         kernel, _ = self.kernel(q.dtype, q.shape[-1])
-        return causal_attention(q, k, v, mask, window=self.window, implementation=kernel)
+        return causal_attention(q, k, v, window=self.window, implementation=kernel)
 
 
 def configure(model: nnx.Module, implementation: str | None, platform: str) -> nnx.Module:
