@@ -264,8 +264,11 @@ def _warn_unstacked_blocks(model: nnx.Module, layout: ParamLayout) -> None:
     """ZeRO-3 gathers a :class:`Stacked`'s parameters layer by layer, every other parameter once
     for the whole step: a model whose repeated blocks are a list (``nnx.List``, a Python list)
     holds them all whole on every rank while the step runs. Said once, at construction."""
+    stacks = [tuple(path) for path, m in nnx.iter_modules(model) if isinstance(m, Stacked)]
     lists = {}
     for path, module in nnx.iter_modules(model):
+        if any(tuple(path[:len(s)]) == s for s in stacks):
+            continue  # inside a Stacked: gathered layer by layer
         if len(path) > 1 and isinstance(path[-1], int) and any(
                 isinstance(v, nnx.Param) for _, v in nnx.iter_graph(module)):
             lists.setdefault(".".join(map(str, path[:-1])), []).append(module)
@@ -373,7 +376,7 @@ class TrainStep:
                               "its rate to 0 (or deterministic=True) there")
         self.pipeline, self.stack = self._pipeline(model, mesh, pipeline)
         self.layout = ParamLayout.of(model, mesh, zero)
-        if zero == 3 and pipeline is None:
+        if zero == 3 and pipeline is None and spmd == "shard_map":  # GSPMD: jit's gathers
             _warn_unstacked_blocks(model, self.layout)
         if self.pipeline is not None:
             self._pipeline_layout(model)
