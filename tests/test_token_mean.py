@@ -111,7 +111,7 @@ def _gpt2_moe(mesh_text, loss, **options):
 
 
 @pytest.mark.parametrize("mesh, options", [
-    ("data=2,expert=2", {"accumulate": 2}),
+    pytest.param("data=2,expert=2", {"accumulate": 2}, marks=pytest.mark.slow),
     pytest.param("stage=2,expert=2", {"pipeline": PipelineConfig(microbatches=2,
                                                                  schedule="zb-h1")},
                  marks=pytest.mark.slow)], ids=["expert-accumulate", "zb-h1"])
