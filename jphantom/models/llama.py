@@ -453,9 +453,13 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     elif "experts" not in fields:
         fields["experts"] = 8
     fields.setdefault("kv_heads", fields.get("heads", 4))
-    dtype = hf.get("torch_dtype", hf.get("dtype", "float32"))
-    return LlamaConfig(**fields, dtype={"bfloat16": "bfloat16", "float16": "float16",
-                                        "float64": "float64"}.get(dtype, "float32"))
+    return LlamaConfig(**fields, dtype=_dtype_of(hf))
+
+
+def _dtype_of(hf: dict) -> str:
+    """The model dtype a ``config.json`` names (``torch_dtype``, or transformers 5's ``dtype``)."""
+    named = hf.get("torch_dtype", hf.get("dtype", "float32"))
+    return named if named in ("bfloat16", "float16", "float64") else "float32"
 
 
 def _gemma3_from_hf(hf: dict) -> LlamaConfig:
@@ -493,8 +497,7 @@ def _gemma3_from_hf(hf: dict) -> LlamaConfig:
                        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
                        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
                        hf_type="gemma3_text",
-                       dtype={"bfloat16": "bfloat16", "float16": "float16"}.get(
-                           hf.get("torch_dtype", hf.get("dtype")), "float32"))
+                       dtype=_dtype_of(hf))
 
 
 def config_to_hf(config: LlamaConfig, extra: dict | None = None) -> dict:

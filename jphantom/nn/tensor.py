@@ -402,11 +402,13 @@ def _einsum(equation: str, kernel, bias, kernel_ndim: int, dtype) -> nnx.Einsum:
     return layer
 
 
-class ColumnParallelEinsum(nnx.Module):
-    """Megatron's column layer for ``nnx.Einsum``: the first kernel axis that only the output
-    has (the heads of 'bsh,hnd->bsnd', the features of 'bsh,hf->bsf') split over ``axis``, the
-    bias along the same output axis; the input as :class:`ColumnParallelLinear`'s, the output
-    that axis' p-th part."""
+class _ParallelEinsum(nnx.Module):
+    """What the column and row layers of ``nnx.Einsum`` share: the equation, the kernel split
+    along one letter (:func:`einsum_split`), the layer built from an ``nnx.Einsum`` and its dense
+    equivalent. ``column`` picks the letter; the subclass places the bias and computes."""
+
+    column: bool
+    refusal: str  # why an equation has no letter to split, and what to name it instead
 
     def __init__(self, kernel, bias=None, *, equation: str, split: str, axis: str = "model",
                  sequence_parallel: bool = False, dtype=None):
@@ -414,59 +416,17 @@ class ColumnParallelEinsum(nnx.Module):
         self.equation = equation
         _, rhs, out = equation.replace("->", ",").split(",")
         self.kernel = metadata.param(kernel, tuple(axis if c == split else None for c in rhs))
-        self.bias = None if bias is None else metadata.param(
-            bias, tuple(axis if c == split else None for c in out if c in rhs))
+        self.bias = None if bias is None else self._bias(bias, split, rhs, out)
 
     @classmethod
     def from_module(cls, layer: nnx.Einsum, *, axis: str = "model",
-                    sequence_parallel: bool = False) -> "ColumnParallelEinsum":
+                    sequence_parallel: bool = False):
         lhs, rhs, out = einsum_operands(layer)
-        split = einsum_split(lhs, rhs, out, column=True)
+        split = einsum_split(lhs, rhs, out, column=cls.column)
         if split is None:
-            raise ConfigError(f"nnx.Einsum({layer.einsum_str!r}) as a column layer: no kernel "
-                              "axis is an output axis the input lacks; name it 'row' if it "
-                              "contracts a split axis, or 'replicate'")
-        _einsum_bias_letters(layer, rhs, out)
-        return cls(layer.kernel.get_value(), _value(layer.bias), equation=f"{lhs},{rhs}->{out}",
-                   split=split, axis=axis, sequence_parallel=sequence_parallel,
-                   dtype=layer.dtype)
-
-    def dense_equivalent(self) -> nnx.Einsum:
-        rhs = self.equation.split(",")[1].split("->")[0]
-        return _einsum(self.equation, self.kernel[...], _value(self.bias), len(rhs), self.dtype)
-
-    def __call__(self, x) -> jax.Array:
-        if isinstance(x, SequenceChunks):  # a collective-matmul norm's chunks: gathered whole
-            x = x.whole if x.whole is not None else gather_sequence(x.local, self.axis)
-        x = to_full_sequence(x, self.axis, self.sequence_parallel)
-        return _einsum_call(self.equation, x, self.kernel[...], _value(self.bias))
-
-
-class RowParallelEinsum(nnx.Module):
-    """Megatron's row layer for ``nnx.Einsum``: the first contracted kernel axis (the heads of
-    'bsnd,ndh->bsh', the features of 'bsf,fh->bsh') split over ``axis``, the input arriving split
-    along it, the partial sums reduced by g (SP: reduce-scattered over the sequence, the output
-    [B, S, h]); the bias replicated, added after g (SP: its gradient summed over ``axis``)."""
-
-    def __init__(self, kernel, bias=None, *, equation: str, split: str, axis: str = "model",
-                 sequence_parallel: bool = False, dtype=None):
-        self.axis, self.sequence_parallel, self.dtype = axis, sequence_parallel, dtype
-        self.equation = equation
-        _, rhs, out = equation.replace("->", ",").split(",")
-        self.kernel = metadata.param(kernel, tuple(axis if c == split else None for c in rhs))
-        reduce = (axis,) if sequence_parallel else ()
-        self.bias = None if bias is None else metadata.param(
-            bias, (None,) * len([c for c in out if c in rhs]), reduce_axes=reduce)
-
-    @classmethod
-    def from_module(cls, layer: nnx.Einsum, *, axis: str = "model",
-                    sequence_parallel: bool = False) -> "RowParallelEinsum":
-        lhs, rhs, out = einsum_operands(layer)
-        split = einsum_split(lhs, rhs, out, column=False)
-        if split is None:
-            raise ConfigError(f"nnx.Einsum({layer.einsum_str!r}) as a row layer: it contracts "
-                              "no kernel axis with the input; name it 'column' or 'replicate'")
-        if sequence_parallel and len(out) != 3:
+            raise ConfigError(f"nnx.Einsum({layer.einsum_str!r}) as a "
+                              f"{'column' if cls.column else 'row'} layer: {cls.refusal}")
+        if sequence_parallel and not cls.column and len(out) != 3:
             raise ConfigError(f"nnx.Einsum({layer.einsum_str!r}) as a sequence-parallel row "
                               "layer: its output must be [batch, sequence, features] (three "
                               "letters), the sequence reduce-scattered")
@@ -478,6 +438,42 @@ class RowParallelEinsum(nnx.Module):
     def dense_equivalent(self) -> nnx.Einsum:
         rhs = self.equation.split(",")[1].split("->")[0]
         return _einsum(self.equation, self.kernel[...], _value(self.bias), len(rhs), self.dtype)
+
+
+class ColumnParallelEinsum(_ParallelEinsum):
+    """Megatron's column layer for ``nnx.Einsum``: the first kernel axis that only the output
+    has (the heads of 'bsh,hnd->bsnd', the features of 'bsh,hf->bsf') split over ``axis``, the
+    bias along the same output axis; the input as :class:`ColumnParallelLinear`'s, the output
+    that axis' p-th part."""
+
+    column = True
+    refusal = ("no kernel axis is an output axis the input lacks; name it 'row' if it "
+               "contracts a split axis, or 'replicate'")
+
+    def _bias(self, bias, split, rhs, out):
+        return metadata.param(bias, tuple(self.axis if c == split else None
+                                          for c in out if c in rhs))
+
+    def __call__(self, x) -> jax.Array:
+        if isinstance(x, SequenceChunks):  # a collective-matmul norm's chunks: gathered whole
+            x = x.whole if x.whole is not None else gather_sequence(x.local, self.axis)
+        x = to_full_sequence(x, self.axis, self.sequence_parallel)
+        return _einsum_call(self.equation, x, self.kernel[...], _value(self.bias))
+
+
+class RowParallelEinsum(_ParallelEinsum):
+    """Megatron's row layer for ``nnx.Einsum``: the first contracted kernel axis (the heads of
+    'bsnd,ndh->bsh', the features of 'bsf,fh->bsh') split over ``axis``, the input arriving split
+    along it, the partial sums reduced by g (SP: reduce-scattered over the sequence, the output
+    [B, S, h]); the bias replicated, added after g (SP: its gradient summed over ``axis``)."""
+
+    column = False
+    refusal = "it contracts no kernel axis with the input; name it 'column' or 'replicate'"
+
+    def _bias(self, bias, split, rhs, out):
+        reduce = (self.axis,) if self.sequence_parallel else ()
+        return metadata.param(bias, (None,) * len([c for c in out if c in rhs]),
+                              reduce_axes=reduce)
 
     def __call__(self, x) -> jax.Array:
         partial_sum = _einsum_call(self.equation, x, self.kernel[...], None)
