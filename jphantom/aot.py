@@ -329,7 +329,7 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
 def plan_row_flags(row, shape: dict, batch: int, precision: str = "bf16") -> dict | None:
     """The run of one :class:`jphantom.plan.PlanRow` (``shape``: the plan's model assumptions,
     :class:`jphantom.perf.axonn_model.GPTShape` as a dict), as the :meth:`RunConfig.from_flags`
-    names: the planner's model (``gpt2`` or ``llama`` of the same sizes), float32
+    names: the planner's model (its zoo family of the same sizes), float32
     parameters with ``precision`` compute (16 bytes of state per parameter with Adam, as the
     planner counts), per-layer activation checkpointing (``remat=nothing_saveable``: the
     planner's Korthikanti count of checkpointed activations). ``None`` for phantom rows (another
@@ -337,7 +337,8 @@ def plan_row_flags(row, shape: dict, batch: int, precision: str = "bf16") -> dic
     if not row.same_model:
         return None
     llama = shape.get("family") == "llama"
-    flags = {"model": "llama" if llama else "gpt2", "layers": shape["layers"],
+    flags = {"model": shape.get("model") or ("llama" if llama else "gpt2"),
+             "layers": shape["layers"],
              "hidden": shape["hidden"],
              "heads": shape["heads"], "seq_len": shape["seq_len"], "vocab": shape["vocab_size"],
              "batch": batch, "optimizer": "adamw", "dtype": "float32", "precision": precision,

@@ -97,10 +97,10 @@ FFN_DEFAULTS = {"width": 4096, "depth": 2, "ghost_width": 16, "dtype": "float32"
 LM_DEFAULTS = {"layers": 4, "hidden": 512, "heads": 8, "seq_len": 256, "vocab": 32000,
                "dtype": "float32", "batch": 64, "ghost_width": 16, "optimizer": "adamw",
                "learning_rate": 3e-4, "warmup_steps": 0}
-STEP_DEFAULTS = {"ffn": FFN_DEFAULTS, "gpt2": LM_DEFAULTS, "transformer": LM_DEFAULTS,
-                 "llama": LM_DEFAULTS}
+STEP_DEFAULTS = {"ffn": FFN_DEFAULTS, "lm": LM_DEFAULTS}  # by the family's ``defaults``
 INSPECT_MODEL, COMPILE_MODEL = "ffn", "llama"
-INSPECT_FLAGS = ("model", "layers", "hidden", "heads", "kv_heads", "intermediate", "seq_len",
+INSPECT_FLAGS = ("model", "layers", "hidden", "heads", "kv_heads", "intermediate",
+                 "sliding_window", "seq_len",
                  "vocab", "width", "depth", "ghost_width", "dtype", "moe_every", "experts", "top_k",
                  "capacity_factor", "dropless", "from_hf", "mesh", "sequence_parallel",
                  "collective_matmul", "dtd",
@@ -185,9 +185,22 @@ def _step_settings(args: argparse.Namespace, model: str) -> dict:
     """The flat settings of ``inspect``'s or ``compile``'s run: the model's column of
     :data:`STEP_DEFAULTS` (``model`` unless the file or the flags name another), then
     ``--config``'s file, then the flags."""
+    import dataclasses
+
+    from jphantom.config import ModelConfig
+    from jphantom.models import family
+    from jphantom.errors import ConfigError
+
     given = _run_settings(args)
     model = given.get("model", model)
-    return {**STEP_DEFAULTS.get(model, {}), "model": model, **given}
+    try:
+        found = family.get(model)
+    except ConfigError:
+        return {"model": model, **given}  # refused by name when the run is built
+    section = {f.name for f in dataclasses.fields(ModelConfig)}
+    defaults = {k: v for k, v in STEP_DEFAULTS[found.defaults].items()
+                if k not in section or k in found.accepted}
+    return {**defaults, "model": model, **given}
 
 
 def _shown_defaults(model: str) -> dict:
@@ -199,11 +212,11 @@ def _shown_defaults(model: str) -> dict:
         if lm == ffn:
             shown[flat] = lm
         elif ffn is None:
-            shown[flat] = f"{lm} for gpt2/llama"
+            shown[flat] = f"{lm} for language models"
         elif lm is None:
             shown[flat] = f"{ffn} for the FFN"
         else:
-            shown[flat] = f"{lm} for gpt2/llama, {ffn} for the FFN"
+            shown[flat] = f"{lm} for language models, {ffn} for the FFN"
     return shown
 
 
@@ -423,8 +436,10 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 _TRAIN_HELP = {
-    "model": "ffn (seed 000's teacher task), gpt2 (alias transformer) or llama (Llama; "
-             "Mixtral with --moe-every 1), the last two on byte-level text",
+    "model": "the model family: ffn (seed 000's teacher task), gpt2 (alias transformer), llama "
+             "(Mixtral with --moe-every 1), mistral, qwen2, qwen3, qwen3_moe, gemma3, or a "
+             "family registered with jphantom.models.family.register; the language models on "
+             "byte-level text unless --data and --tokenizer say otherwise",
     "strategy": "parallel strategy: " + ", ".join(("dense", "gspmd", "tensor", "tensor-t1",
                                                    "phantom", "phantom-unfused", "pmm3d",
                                                    "pmm3d-regather", "pmm3d-deferred")),
@@ -470,11 +485,14 @@ _TRAIN_HELP = {
     "dtd": "MoE under tensor (TED): duplicate token dropping, all-to-all bytes / model axis",
     "cac": "communication-aware checkpointing (seed 004): --remat collectives_saveable",
     "layers": "transformer blocks", "hidden": "transformer width h", "heads": "attention heads",
-    "kv_heads": "llama: key/value heads of grouped-query attention (default: heads)",
-    "intermediate": "llama: SwiGLU width (default 8h/3 rounded up to a multiple of 32)",
-    "from_hf": "start from a Hugging Face GPT-2, Llama, Mixtral, Mistral, Qwen2 or Qwen3 "
-               "directory (config.json + model.safetensors; alias --from-gpt2; the Llama-family "
-               "ones with --model llama)",
+    "kv_heads": "the Llama family: key/value heads of grouped-query attention (default: heads)",
+    "intermediate": "the Llama family: MLP width (qwen3_moe: each expert's; default 8h/3 rounded "
+                    "up to a multiple of 32)",
+    "sliding_window": "mistral, gemma3: the attention window W (each token attends itself and "
+                      "the W-1 before it; gemma3's local layers, default 512)",
+    "from_hf": "start from a Hugging Face directory of the --model family (config.json + "
+               "model.safetensors; GPT-2, Llama, Mixtral, Mistral, Qwen2, Qwen3, Qwen3-MoE, "
+               "Gemma 3; alias --from-gpt2)",
     "save_hf": "save the trained model as a Hugging Face directory (alias --save-gpt2)",
     "target_loss": "stop once the validation loss reaches this (checked at each evaluation)",
     "seq_len": "tokens per sequence", "vocab": "vocabulary size (256 for bytes)",
@@ -637,7 +655,6 @@ def _add_run_flags(parser: argparse.ArgumentParser, defaults: dict | None = None
                "remat": tuple(POLICIES), "optimizer": ("adamw", "adam", "sgd"),
                "lr_schedule": ("constant", "cosine"),
                "dtype": ("float32", "bfloat16", "float16", "float64"),
-               "model": ("ffn", "gpt2", "transformer", "llama"),
                "context_attention": ("ring", "all-gather"),
                "attention": ("auto", "xla", "cudnn")}
     defaults = defaults or {}

@@ -34,8 +34,6 @@ from pathlib import Path
 
 from jphantom.errors import ConfigError
 
-MODELS = ("ffn", "gpt2", "llama")
-MODEL_ALIASES = {"transformer": "gpt2"}
 OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULES = ("constant", "cosine")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -82,15 +80,17 @@ def _choice(name: str, value, choices) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The model: ``name`` (``ffn``: seed 000's FFN of ``width`` x ``depth``; ``gpt2``: GPT-2;
-    ``llama``: Llama, Mixtral with ``moe_every=1``) and its shape."""
+    """The model: ``name`` (a family of :mod:`jphantom.models.family`'s registry: ``ffn``, seed
+    000's FFN of ``width`` x ``depth``; ``gpt2``; ``llama`` (Mixtral with ``moe_every=1``);
+    ``mistral``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``gemma3``; or a user's registered family)
+    and its shape. A field the family does not read, set away from its default, is refused."""
 
     name: str = "gpt2"
     layers: int = 4
     hidden: int = 256
     heads: int = 4
-    kv_heads: int | None = None  # llama: key/value heads (grouped-query attention)
-    intermediate: int | None = None  # llama: SwiGLU width (default 8h/3 rounded up to 32)
+    kv_heads: int | None = None  # Llama family: key/value heads (grouped-query attention)
+    intermediate: int | None = None  # Llama family: MLP width (default 8h/3 rounded up to 32)
     seq_len: int = 128
     vocab: int = 256
     width: int = 256  # ffn
@@ -102,69 +102,47 @@ class ModelConfig:
     top_k: int = 2
     capacity_factor: float = 1.25
     dropless: bool = False
-    from_hf: str | None = None  # a Hugging Face directory (GPT-2, the Llama family) to start from
+    sliding_window: int | None = None  # mistral, gemma3: the attention window W
+    from_hf: str | None = None  # a Hugging Face checkpoint directory of the family to start from
 
     def __post_init__(self):
+        from jphantom.models import family as families
+
         _check_types(self)
-        object.__setattr__(self, "name", MODEL_ALIASES.get(self.name, self.name))
-        _choice("model", self.name, MODELS)
+        family = families.get(self.name)
+        object.__setattr__(self, "name", family.name)
         _at_least(self, 1, "layers", "hidden", "heads", "kv_heads", "intermediate", "seq_len",
-                  "vocab", "width", "depth", "ghost_width", "experts", "top_k")
+                  "vocab", "width", "depth", "ghost_width", "experts", "top_k", "sliding_window")
         _at_least(self, 0, "moe_every")
         _choice("dtype", self.dtype, DTYPES)
         if not self.capacity_factor > 0:
             raise ConfigError(f"capacity_factor={self.capacity_factor} must be > 0")
-        if self.from_hf is not None and self.name == "ffn":
-            raise ConfigError("--from-hf holds a language model: use --model gpt2 or llama")
-        if self.name == "ffn" and self.moe_every:
-            raise ConfigError("--moe-every applies to --model gpt2 or llama")
-        if self.name == "llama" and self.moe_every not in (0, 1):
-            raise ConfigError("--model llama's mixture of experts is Mixtral's: --moe-every 1 "
-                              "(every block)")
-        for name in ("kv_heads", "intermediate"):
-            if getattr(self, name) is not None and self.name != "llama":
-                raise ConfigError(f"--{name.replace('_', '-')} applies to --model llama")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        specific = {name for f in families.families().values() for name in f.accepted}
+        for name in sorted(specific - set(family.accepted) - {"name"}):
+            if getattr(self, name) != defaults[name]:
+                takers = [f.name for f in families.families().values() if name in f.accepted]
+                raise ConfigError(f"--{name.replace('_', '-')} does not apply to --model "
+                                  f"{family.name}; it applies to {', '.join(takers)}")
+        if family.check is not None:
+            family.check(self)
+
+    @property
+    def family(self):
+        """The registered :class:`jphantom.models.family.Family` of ``name``."""
+        from jphantom.models import family
+
+        return family.get(self.name)
 
     def family_config(self, strategy: str):
         """The model family's configuration (:class:`~jphantom.models.ffn.FFNConfig`,
         :class:`~jphantom.models.gpt2.TransformerConfig`,
-        :class:`~jphantom.models.llama.LlamaConfig`) for ``strategy`` (a phantom GPT-2 has an
-        untied head: its feature-split activations would all-reduce a tied head's logits)."""
+        :class:`~jphantom.models.llama.LlamaConfig`, ...) for ``strategy``: the family's
+        ``from_flags`` (a phantom GPT-2 has an untied head: its feature-split activations would
+        all-reduce a tied head's logits)."""
         from jphantom.program import get
 
-        phantom = get(strategy).family == "phantom"
-        if self.name == "ffn":
-            from jphantom.models.ffn import FFNConfig
-            return FFNConfig(self.width, self.depth, self.ghost_width if phantom else None,
-                             self.dtype)
-        if self.name == "llama":
-            from jphantom.models.llama import LlamaConfig, config_from_hf
-            if self.from_hf:
-                return dataclasses.replace(config_from_hf(_read_json(
-                    Path(self.from_hf) / "config.json")), dtype=self.dtype)
-            intermediate = self.intermediate or -(-8 * self.hidden // 3 // 32) * 32
-            return LlamaConfig(vocab_size=self.vocab, hidden=self.hidden,
-                               intermediate=intermediate, layers=self.layers, heads=self.heads,
-                               kv_heads=self.kv_heads or self.heads,
-                               max_positions=self.seq_len,
-                               experts=self.experts if self.moe_every else 0, top_k=self.top_k,
-                               dtype=self.dtype)
-        from jphantom.models.gpt2 import TransformerConfig, moe_fields
-        if self.from_hf:
-            from jphantom.models import gpt2
-            config = gpt2.config_from_hf(_read_json(Path(self.from_hf) / "config.json"))
-            if self.seq_len > config.seq_len:
-                raise ConfigError(f"seq_len={self.seq_len} exceeds the checkpoint's "
-                                  f"{config.seq_len} positions: pass --seq-len "
-                                  f"{config.seq_len} or less")
-            return dataclasses.replace(config, dtype=self.dtype, tied_head=not phantom,
-                                       ghost_width=self.ghost_width if phantom else None)
-        return TransformerConfig(vocab_size=self.vocab, seq_len=self.seq_len, hidden=self.hidden,
-                                 heads=self.heads, layers=self.layers,
-                                 ghost_width=self.ghost_width if phantom else None,
-                                 dtype=self.dtype, tied_head=not phantom,
-                                 **moe_fields(self.moe_every, self.experts, self.top_k,
-                                              self.capacity_factor, self.dropless))
+        return self.family.from_flags(self, get(strategy).family == "phantom")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -597,7 +575,7 @@ def _build(model: ModelConfig, parallel: ParallelConfig, step: StepConfig,
     if parallel.mesh_config().size("context") > 1:
         options["context_attention"] = parallel.context_attention
         options["load_balance"] = parallel.load_balance
-    if model.name == "llama" and parallel.strategy.startswith("phantom"):
+    if model.name != "ffn" and parallel.strategy.startswith("phantom"):
         options["ghost_width"] = model.ghost_width  # LlamaConfig holds no k: the plan takes it
     if model.from_hf:
         from jphantom.models import hf
@@ -642,15 +620,6 @@ class _Sections:
     parallel: ParallelConfig
     step: StepConfig
     train: TrainConfig
-
-
-def _read_json(path: Path) -> dict:
-    import json
-
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ConfigError(f"cannot read {path}: {error}") from None
 
 
 def load_toml(path: str) -> dict:

@@ -67,27 +67,20 @@ def peak_tflops(device) -> float | None:
 
 def flops_per_token(model_config, strategy: str, seq_len: int) -> int | None:
     """Forward + backward model FLOPs per token (per row for the FFN) of the dense model at
-    ``seq_len``: GPT-2's :meth:`~jphantom.models.gpt2.TransformerConfig.flops_per_token`, the same
-    count for Llama / Mixtral (query, key, value and output projections, SwiGLU's three matmuls
-    or the router and k experts, the head; attention 6 L S heads d), 6 L n^2 for the FFN.
-    ``None`` under phantom strategies, whose model is not the dense one (seed 000)."""
+    ``seq_len``: the model family's count (:attr:`jphantom.models.family.Family.flops_per_token`:
+    GPT-2's :meth:`~jphantom.models.gpt2.TransformerConfig.flops_per_token`, the Llama family's
+    :func:`~jphantom.models.llama.flops_per_token`, 6 L n^2 for the FFN). ``None`` under phantom
+    strategies, whose model is not the dense one (seed 000), or for a family that declares none."""
+    from jphantom.models import family
     from jphantom.program import get
 
     if get(strategy).family == "phantom":
         return None
-    name = getattr(model_config, "model_name", None)
-    if name == "ffn":
-        return 6 * model_config.depth * model_config.width ** 2
-    if name == "llama":
-        c = model_config
-        h, d, L = c.hidden, c.dim, c.layers
-        attention = h * c.heads * d * 2 + h * c.kv_heads * d * 2
-        mlp = (h * c.experts + c.top_k * 3 * h * c.intermediate) if c.experts else (
-            3 * h * c.intermediate)
-        return 6 * (L * (attention + mlp) + c.vocab_size * h) + 6 * L * seq_len * c.heads * d
-    if hasattr(model_config, "flops_per_token"):
-        return dataclasses.replace(model_config, seq_len=seq_len).flops_per_token()
-    return None
+    try:
+        count = family.of_config(model_config).flops_per_token
+    except ConfigError:
+        return None
+    return None if count is None else int(count(model_config, seq_len))
 
 
 def peak_memory_bytes(devices) -> int | None:

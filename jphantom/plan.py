@@ -621,7 +621,7 @@ def format_plan(result: Plan, top: int = 10) -> str:
     limit = (f"{fitting} of {len(result.rows)} fit in {a['memory_gib']:g} GiB"
              if a["memory_gib"] is not None else f"{len(result.rows)} priced, no memory limit")
     lines = [
-        (f"Llama L={m['layers']}, h={m['hidden']}, heads={m['heads']} ({m['kv_heads']} key/"
+        (f"{ {'llama': 'Llama'}.get(m.get('model'), m.get('model'))} L={m['layers']}, h={m['hidden']}, heads={m['heads']} ({m['kv_heads']} key/"
          f"value), SwiGLU {m['intermediate']}, " if m.get("family") == "llama" else
          f"GPT L={m['layers']}, h={m['hidden']}, heads={m['heads']}, ")
         + f"S={m['seq_len']}, V={m['vocab_size']} ({m['parameters'] / 1e9:.2f}B parameters); batch "
@@ -691,23 +691,33 @@ def _parse_float(flag: str, text: str, *, zero_ok: bool = False) -> float:
     return value
 
 
+def _shape_of_flags(args) -> GPTShape:
+    """The planner's shape of ``--model`` (a registered family that declares a ``plan_shape``)
+    at the flags' sizes."""
+    from jphantom.config import ModelConfig
+    from jphantom.models import family
+
+    found = family.get(args.model)
+    if found.plan_shape is None:
+        priced = [f.name for f in family.families().values() if f.plan_shape is not None]
+        raise ConfigError(f"--model {found.name}: the planner prices dense decoder blocks "
+                          f"({', '.join(priced)}); {found.name} declares no plan_shape")
+    sizes = {name: _parse_int(f"--{name.replace('_', '-')}", getattr(args, name))
+             for name in ("layers", "hidden", "heads", "seq_len", "vocab")}
+    for name in ("intermediate", "kv_heads"):
+        value = getattr(args, name)
+        if value is not None:
+            sizes[name] = _parse_int(f"--{name.replace('_', '-')}", value)
+    section = ModelConfig(name=found.name, **{k: v for k, v in sizes.items()
+                                              if k in found.accepted})
+    return GPTShape.of(found.plan_shape(found.from_flags(section, False)))
+
+
 def _run(args) -> int:
     import json
     import sys
 
-    family = {"transformer": "gpt2", "gpt2": "gpt2", "llama": "llama"}.get(args.model)
-    if family is None:
-        raise ConfigError(f"--model {args.model!r}: the planner prices gpt2 (alias transformer) "
-                          "and llama")
-    shape = GPTShape(layers=_parse_int("--layers", args.layers),
-                     hidden=_parse_int("--hidden", args.hidden),
-                     heads=_parse_int("--heads", args.heads),
-                     seq_len=_parse_int("--seq-len", args.seq_len),
-                     vocab_size=_parse_int("--vocab", args.vocab), family=family,
-                     intermediate=None if args.intermediate is None else _parse_int(
-                         "--intermediate", args.intermediate),
-                     kv_heads=None if args.kv_heads is None else _parse_int("--kv-heads",
-                                                                           args.kv_heads))
+    shape = _shape_of_flags(args)
     gpus_per_node = _parse_int("--gpus-per-node", args.gpus_per_node)
     inter = _parse_float("--inter-node-gbps", args.inter_node_gbps)
     latency_us = _parse_float("--latency-us", args.latency_us, zero_ok=True)
@@ -797,9 +807,11 @@ def add_parser(subparsers) -> None:
                "--inter-node-gbps 200 --intra-node-gbps 450 --json  (another machine, as JSON) | "
                "jphantom plan --no-latency  (seed 004's model exactly)")
     parser.add_argument("--model", default="transformer",
-                        help="the model to plan: transformer (alias gpt2: GPT-2 blocks) or llama "
-                             "(grouped-query attention, SwiGLU, untied head; default "
-                             "transformer)")
+                        help="the model family to plan: transformer (alias gpt2: GPT-2 blocks), "
+                             "llama (grouped-query attention, SwiGLU, untied head), mistral, "
+                             "qwen2, qwen3, gemma3 (their Llama blocks; qwen3 and gemma3 with "
+                             "tied embeddings), or a registered family with a plan_shape "
+                             "(default transformer)")
     parser.add_argument("--intermediate", default=None, metavar="N",
                         help="llama: the SwiGLU width (default 8h/3 rounded up to 32)")
     parser.add_argument("--kv-heads", default=None, metavar="N",

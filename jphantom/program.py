@@ -40,38 +40,42 @@ from jphantom.sharding._common import check_width
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     """A row of the strategy vocabulary. ``family``: ``dense`` (dense-shaped weights, any degree)
-    or ``phantom`` (the ghost width k and the degree p are part of the model); ``models``: the
-    model families it runs; ``zero``: whether ZeRO over ``data`` applies (pmm3d shards its
-    weights over ``z`` already: its z-only grid is ZeRO-3)."""
+    or ``phantom`` (the ghost width k and the degree p are part of the model); ``zero``: whether
+    ZeRO over ``data`` applies (pmm3d shards its weights over ``z`` already: its z-only grid is
+    ZeRO-3). Which model families run it is theirs to say
+    (:attr:`jphantom.models.family.Family.strategies`)."""
 
     name: str
     description: str
     family: str
-    models: tuple[str, ...]
     zero: bool = True
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The registered model families that run this strategy."""
+        from jphantom.models import family
+
+        return tuple(name for name, f in family.families().items() if self.name in f.strategies)
 
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
-    Strategy("dense", "the unsharded model on one device (the single-device oracle)", "dense",
-             ("ffn", "gpt2", "llama")),
+    Strategy("dense", "the unsharded model on one device (the single-device oracle)", "dense"),
     Strategy("gspmd", "the plain model with NamedSharding annotations of Megatron's plan; jax.jit "
-             "chooses the collectives (what a JAX user writes without jphantom)", "dense",
-             ("ffn", "gpt2", "llama")),
+             "chooses the collectives (what a JAX user writes without jphantom)", "dense"),
     Strategy("tensor", "Megatron tensor parallelism: column/row pairs with f and g (seed 002); "
-             "sequence parallelism as an option (seed 003)", "dense", ("ffn", "gpt2", "llama")),
+             "sequence parallelism as an option (seed 003)", "dense"),
     Strategy("tensor-t1", "seed 000's TP: row-sharded weights, all-gather forward / "
-             "reduce-scatter backward", "dense", ("ffn",)),
-    Strategy("phantom", "phantom parallelism (seed 000), one fused decompressor GEMM", "phantom",
-             ("ffn", "gpt2", "llama")),
+             "reduce-scatter backward", "dense"),
+    Strategy("phantom", "phantom parallelism (seed 000), one fused decompressor GEMM", "phantom"),
     Strategy("phantom-unfused", "phantom parallelism with the paper's p-1 decompressor GEMMs",
-             "phantom", ("ffn", "gpt2", "llama")),
+             "phantom"),
     Strategy("pmm3d", "AxoNN's 3D parallel matrix multiply on x, y, z (and data), seed 004 ch. 5: "
              "weights all-gathered over z, all-reduces over y forward and x backward, "
-             "reduce-scatters over z", "dense", ("ffn", "gpt2", "llama"), zero=False),
+             "reduce-scatters over z", "dense", zero=False),
     Strategy("pmm3d-regather", "pmm3d whose backward all-gathers the weights again instead of "
-             "keeping them (AxoNN's default)", "dense", ("ffn", "gpt2", "llama"), zero=False),
+             "keeping them (AxoNN's default)", "dense", zero=False),
     Strategy("pmm3d-deferred", "pmm3d with every weight gathered before the layers and one "
-             "reduce-scatter after the backward", "dense", ("ffn", "gpt2", "llama"), zero=False),
+             "reduce-scatter after the backward", "dense", zero=False),
 )}
 NAMES = tuple(STRATEGIES)
 
@@ -85,7 +89,11 @@ def get(name: str) -> Strategy:
 
 
 def strategies_for(model: str) -> list[str]:
-    return [name for name, s in STRATEGIES.items() if model in s.models]
+    """The strategies the model family ``model`` runs, in :data:`STRATEGIES` order."""
+    from jphantom.models import family
+
+    runs = family.get(model).strategies
+    return [name for name in STRATEGIES if name in runs]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,22 +140,14 @@ class Program:
 
 
 def family_of(config) -> tuple[str, Callable[..., Program]]:
-    """The model family of a configuration: its name and its ``build(config, strategy, mesh,
-    **options) -> Program``."""
-    from jphantom.models.ffn import FFNConfig
-    from jphantom.models.llama import Llama, LlamaConfig
-    from jphantom.models.gpt2 import TransformerConfig
+    """The model family of a configuration (:func:`jphantom.models.family.of_config`): its name
+    and its ``build(config, strategy, mesh, **options) -> Program``."""
+    from jphantom.models import family
 
-    if isinstance(config, TransformerConfig):
-        from jphantom.models.gpt2 import GPT2
-
-        return "gpt2", lm_build(GPT2, "gpt2")
-    if isinstance(config, LlamaConfig):
-        return "llama", lm_build(Llama, "llama")
-    if isinstance(config, FFNConfig):
-        return "ffn", build_ffn
-    raise ConfigError(f"no model family takes a {type(config).__name__}: give an FFNConfig, a "
-                      "TransformerConfig (GPT-2) or a LlamaConfig")
+    found = family.of_config(config)
+    if found.program == "ffn":
+        return found.name, build_ffn
+    return found.name, lm_build(found.module, found.name)
 
 
 def build(config, strategy: str, mesh: MeshConfig | Mapping[str, int] | str, **options
@@ -160,9 +160,9 @@ def build(config, strategy: str, mesh: MeshConfig | Mapping[str, int] | str, **o
     name = get(strategy).name
     mesh = MeshConfig.parse(mesh) if isinstance(mesh, str) else MeshConfig.of(mesh)
     family, build_family = family_of(config)
-    if family not in STRATEGIES[name].models:
-        raise ConfigError(f"strategy {name!r} runs the models {STRATEGIES[name].models}, not "
-                          f"{family!r}: pick one of {strategies_for(family)}")
+    if name not in strategies_for(family):
+        raise ConfigError(f"strategy {name!r} does not run the model family {family!r}: pick one "
+                          f"of {strategies_for(family)}")
     return build_family(config, name, mesh, **options)
 
 

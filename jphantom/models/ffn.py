@@ -141,3 +141,22 @@ class FFN(nnx.Module):
 def ffn_loss(model: FFN, x: jax.Array, t: jax.Array) -> jax.Array:
     """The FFN's ``loss_fn(model, x, t)`` for :func:`jphantom.make_train_step`."""
     return model.loss(x, t)
+
+
+
+def _register():
+    from jphantom.models import family
+
+    return family.register(family.Family(
+        name="ffn", description="seed 000's FFN of --width x --depth (its teacher task)",
+        config_type=FFNConfig, module=FFN,
+        from_flags=lambda section, phantom: FFNConfig(
+            section.width, section.depth, section.ghost_width if phantom else None,
+            section.dtype),
+        flags=("width", "depth", "ghost_width"), common_flags=("dtype",),
+        strategies=(*family.LM_STRATEGIES[:3], "tensor-t1", *family.LM_STRATEGIES[3:]),
+        flops_per_token=lambda config, seq_len: 6 * config.depth * config.width ** 2,
+        program="ffn", defaults="ffn"))
+
+
+FAMILY = _register()

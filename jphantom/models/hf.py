@@ -4,10 +4,11 @@
     logits = model(tokens)                                   # [batch, seq] ids -> [batch, seq, V]
     jphantom.models.hf.save("out", model)                    # config.json + model.safetensors
 
-The family is picked by ``config.json``'s ``model_type``: ``gpt2``
-(:mod:`jphantom.models.gpt2`), ``llama``, ``mixtral``, ``mistral``, ``qwen2``, ``qwen3``, ``qwen3_moe`` and ``gemma3_text``
-(:mod:`jphantom.models.llama`). A load
-then a save writes the file's tensors back exactly (names, dtypes, bytes).
+The family is the registered one (:mod:`jphantom.models.family`) that reads ``config.json``'s
+``model_type``: ``gpt2`` (:mod:`jphantom.models.gpt2`); ``llama`` and ``mixtral``
+(:mod:`jphantom.models.llama`); ``mistral``; ``qwen2``, ``qwen3`` and ``qwen3_moe``
+(:mod:`jphantom.models.qwen`); ``gemma3_text`` (:mod:`jphantom.models.gemma`). A load then a save
+writes the file's tensors back exactly (names, dtypes, bytes).
 """
 
 from __future__ import annotations
@@ -16,42 +17,40 @@ import json
 from pathlib import Path
 
 from jphantom.errors import ConfigError
-
-FAMILIES = ("gpt2", "llama", "mixtral", "mistral", "qwen2", "qwen3", "qwen3_moe",
-            "gemma3_text")
+from jphantom.models import family
 
 
 def model_type(path) -> str:
+    """The ``model_type`` of the checkpoint at ``path`` (refused unless a family reads it)."""
     config = Path(path) / "config.json"
     if not config.is_file():
         raise ConfigError(f"{config} not found: a Hugging Face checkpoint directory holds "
                           "config.json and model.safetensors")
-    kind = json.loads(config.read_text()).get("model_type")
-    if kind not in FAMILIES:
-        raise ConfigError(f"{config}: model_type={kind!r} is not in the zoo; supported: "
-                          f"{', '.join(FAMILIES)}")
+    try:
+        kind = json.loads(config.read_text()).get("model_type")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as error:
+        raise ConfigError(f"cannot read {config} as a JSON object: {error}") from None
+    family.of_hf_type(kind)
     return kind
 
 
 def load(path):
     """The checkpoint at ``path`` as an ``nnx.Module`` of its family."""
-    if model_type(path) == "gpt2":
-        from jphantom.models import gpt2
-
-        return gpt2.load_hf(path)
-    from jphantom.models import llama
-
-    return llama.load_hf(path)
+    found = family.of_hf_type(model_type(path))
+    if found.load_hf is None:
+        raise ConfigError(f"the {found.name} family declares no Hugging Face reader")
+    return found.load_hf(path)
 
 
 def save(path, model) -> None:
-    """``model`` (a zoo model: GPT-2, the Llama family) as a Hugging Face directory at ``path``."""
-    from jphantom.models import llama
-
-    if isinstance(model, llama.Llama):
-        return llama.save_hf(path, model)
-    from jphantom.models import gpt2
-
-    if isinstance(model, gpt2.GPT2):
-        return gpt2.save_hf(path, model)
-    raise ConfigError(f"hf.save takes a zoo model (GPT2, Llama), not {type(model).__name__}")
+    """``model`` (a zoo model: GPT-2, the Llama family, a registered family's) as a Hugging Face
+    directory at ``path``."""
+    config = getattr(model, "config", None)
+    try:
+        found = family.of_config(config)
+    except ConfigError:
+        found = None
+    if found is None or found.save_hf is None:
+        raise ConfigError(f"hf.save takes a model of a family with a Hugging Face writer (GPT2, "
+                          f"the Llama family), not {type(model).__name__}")
+    found.save_hf(path, model)

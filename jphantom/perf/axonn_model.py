@@ -449,6 +449,8 @@ class GPTShape:
     family: str = "gpt2"
     intermediate: int | None = None
     kv_heads: int | None = None
+    tied: bool | None = None  # a tied head (default: GPT-2's tied, Llama's untied)
+    model: str | None = None  # the zoo family of these sizes (default: family)
 
     def __post_init__(self):
         for field in ("layers", "hidden", "heads", "seq_len", "vocab_size"):
@@ -458,6 +460,10 @@ class GPTShape:
         if self.hidden % self.heads:
             raise ConfigError(f"hidden={self.hidden} is not divisible by heads={self.heads}: each "
                               f"head has hidden/heads features; pick heads dividing {self.hidden}")
+        if self.tied is None:
+            object.__setattr__(self, "tied", self.family == "gpt2")
+        if self.model is None:
+            object.__setattr__(self, "model", self.family)
         if self.family == "gpt2":
             for field in ("intermediate", "kv_heads"):
                 if getattr(self, field) is not None:
@@ -529,7 +535,7 @@ class GPTShape:
 
     @property
     def tied_head(self) -> bool:
-        return self.family == "gpt2"
+        return self.tied
 
     def param_count(self) -> int:
         """Weights and biases: GPT-2 (tied head, :meth:`TransformerConfig.param_count`)
@@ -537,7 +543,7 @@ class GPTShape:
         h, L = self.hidden, self.layers
         if self.family == "gpt2":
             return self.vocab_size * h + self.seq_len * h + L * (12 * h * h + 13 * h) + 2 * h
-        return 2 * self.vocab_size * h + L * self.block_params + h
+        return (1 + (not self.tied)) * self.vocab_size * h + L * self.block_params + h
 
     def flops_per_step(self, batch: int, *, recompute: bool = True) -> int:
         """FLOPs of one step over ``batch`` sequences: Narayanan et al.'s count (seed 004 §4.3,

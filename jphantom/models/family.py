@@ -1,0 +1,207 @@
+"""The model families: one registry that ``train``, ``inspect``, ``compile``, ``plan``,
+:class:`jphantom.config.RunConfig`, the metrics and :mod:`jphantom.models.hf` read.
+
+A family is declared once, in the module that holds it, by :func:`register`::
+
+    register(Family(
+        name="qwen3", description="Qwen3 (per-head q/k RMSNorm, tied embeddings)",
+        config_type=LlamaConfig, module=Llama, from_flags=_qwen3_from_flags,
+        flags=("kv_heads", "intermediate", "ghost_width"), hf_types=("qwen3",),
+        config_from_hf=config_from_hf, load_hf=load_hf, save_hf=save_hf,
+        flops_per_token=flops_per_token, plan_shape=plan_shape))
+
+What a family declares:
+
+- ``config_type`` and ``module``: its typed, validated configuration and its Flax NNX model
+  (``module(config, rngs=...)``, holding no collective, with ``loss(tokens, targets[, mask])``);
+  ``matches(config)`` picks the family of a configuration when several share a type (the Llama
+  variants share :class:`~jphantom.models.llama.LlamaConfig`); ``check(section)`` refuses a
+  model section the family cannot build, before anything else runs;
+- ``from_flags(section, phantom)``: its configuration from the flat model section of a run
+  (:class:`jphantom.config.ModelConfig`: ``layers``, ``hidden``, ``heads``, ``seq_len``,
+  ``vocab``, ``dtype`` for every language model, and the fields named in ``flags``; a field
+  outside ``flags`` set away from its default is refused by name);
+- its Hugging Face mapping: the ``model_type``\\ s it reads (``hf_types``), ``config_from_hf``,
+  ``load_hf`` and ``save_hf`` (tensor names, tied weights and key aliases live with them);
+- ``flops_per_token(config, seq_len)`` (forward + backward model FLOPs, for MFU) and
+  ``plan_shape(config)`` (the dense-block shape :mod:`jphantom.plan` prices, a
+  :class:`jphantom.perf.axonn_model.GPTShape`; ``None``: the planner refuses it by name);
+- ``strategies``: the strategy names it runs (:data:`jphantom.program.STRATEGIES`);
+  ``program``: ``"lm"`` (a language model under :func:`jphantom.program.lm_build`'s plans) or
+  ``"ffn"`` (the FFN's own builder); ``defaults``: the column of ``inspect``'s and ``compile``'s
+  defaults (``"lm"`` or ``"ffn"``).
+
+The zoo's families are the modules of :data:`BUILTIN`, imported on the first lookup; a user's
+family registers from anywhere (``tests/test_families.py`` declares one in the test file and
+drives it through ``train``, ``inspect``, ``plan`` and ``compile``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+from jphantom.errors import ConfigError
+
+BUILTIN = ("ffn", "gpt2", "llama", "mistral", "qwen", "gemma")
+"""The zoo's family modules under ``jphantom.models``."""
+
+COMMON_FLAGS = ("layers", "hidden", "heads", "seq_len", "vocab", "dtype", "from_hf")
+"""The model section's fields every language model takes."""
+
+LM_STRATEGIES = ("dense", "gspmd", "tensor", "phantom", "phantom-unfused", "pmm3d",
+                 "pmm3d-regather", "pmm3d-deferred")
+"""What the zoo's language models run (every strategy but seed 000's ``tensor-t1``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family (module docstring)."""
+
+    name: str
+    description: str
+    config_type: type
+    module: Callable[..., Any]
+    from_flags: Callable[[Any, bool], Any]
+    flags: tuple[str, ...] = ()
+    strategies: tuple[str, ...] = LM_STRATEGIES
+    hf_types: tuple[str, ...] = ()
+    config_from_hf: Callable[[dict], Any] | None = None
+    load_hf: Callable[[Any], Any] | None = None
+    save_hf: Callable[[Any, Any], None] | None = None
+    flops_per_token: Callable[[Any, int], int] | None = None
+    plan_shape: Callable[[Any], Any] | None = None
+    matches: Callable[[Any], bool] | None = None
+    check: Callable[[Any], None] | None = None
+    aliases: tuple[str, ...] = ()
+    program: str = "lm"
+    defaults: str = "lm"
+    common_flags: tuple[str, ...] = COMMON_FLAGS
+
+    def __post_init__(self):
+        if not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"family name {self.name!r}: letters, digits, - and _ only")
+        if self.program not in ("lm", "ffn") or self.defaults not in ("lm", "ffn"):
+            raise ConfigError(f"family {self.name!r}: program and defaults are 'lm' or 'ffn'")
+
+    def owns(self, config) -> bool:
+        """Whether ``config`` (a family configuration) is this family's."""
+        if not isinstance(config, self.config_type):
+            return False
+        return self.matches(config) if self.matches is not None else True
+
+    @property
+    def accepted(self) -> tuple[str, ...]:
+        """The model section's fields this family reads."""
+        return (*self.common_flags, *self.flags)
+
+
+_FAMILIES: dict[str, Family] = {}
+_ALIASES: dict[str, str] = {}
+_loaded = False
+
+
+def register(family: Family, *, replace: bool = False) -> Family:
+    """Add ``family`` to the registry (``replace``: a family of that name may be replaced, e.g.
+    re-registered by a test); returns it."""
+    taken = family.name in _FAMILIES or family.name in _ALIASES
+    if taken and not replace:
+        raise ConfigError(f"a model family named {family.name!r} is registered already: pick "
+                          "another name, or register(..., replace=True)")
+    _FAMILIES[family.name] = family
+    for alias in family.aliases:
+        _ALIASES[alias] = family.name
+    return family
+
+
+def unregister(name: str) -> None:
+    """Remove the family ``name`` (and its aliases) from the registry."""
+    family = _FAMILIES.pop(name, None)
+    for alias in getattr(family, "aliases", ()):
+        _ALIASES.pop(alias, None)
+
+
+def _load() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in BUILTIN:
+            importlib.import_module(f"jphantom.models.{module}")
+
+
+def families() -> dict[str, Family]:
+    """Every registered family by name (the zoo's first, in :data:`BUILTIN` order)."""
+    _load()
+    return dict(_FAMILIES)
+
+
+def names(*, aliases: bool = False) -> tuple[str, ...]:
+    """The registered families' names (``aliases``: with their aliases)."""
+    _load()
+    return (*_FAMILIES, *_ALIASES) if aliases else tuple(_FAMILIES)
+
+
+def canonical(name: str) -> str:
+    """``name`` with an alias resolved (``transformer`` -> ``gpt2``)."""
+    _load()
+    return _ALIASES.get(name, name)
+
+
+def get(name: str) -> Family:
+    """The family ``name`` (or alias), with the registered names in the error."""
+    _load()
+    try:
+        return _FAMILIES[_ALIASES.get(name, name)]
+    except KeyError:
+        raise ConfigError(f"model={name!r} is not a model family; use one of "
+                          f"{', '.join(_FAMILIES)}") from None
+
+
+def of_config(config) -> Family:
+    """The family of a configuration object (the last registered that owns it)."""
+    _load()
+    owners = [family for family in _FAMILIES.values() if family.owns(config)]
+    if not owners:
+        raise ConfigError(f"no model family takes a {type(config).__name__}: give one of "
+                          f"{', '.join(sorted({f.config_type.__name__ for f in _FAMILIES.values()}))}")
+    return owners[-1]
+
+
+def hf_types() -> tuple[str, ...]:
+    """Every Hugging Face ``model_type`` a registered family reads."""
+    _load()
+    return tuple(t for family in _FAMILIES.values() for t in family.hf_types)
+
+
+def of_hf_type(model_type: str | None) -> Family:
+    """The family that reads a ``config.json``'s ``model_type``."""
+    _load()
+    for family in _FAMILIES.values():
+        if model_type in family.hf_types:
+            return family
+    raise ConfigError(f"model_type={model_type!r} is not in the zoo; supported: "
+                      f"{', '.join(hf_types())}")
+
+
+def read_hf_config(directory, family: Family) -> dict:
+    """``directory/config.json`` of a checkpoint that ``family`` reads (a ``--from-hf`` of
+    another family is refused with the ``--model`` that reads it)."""
+    from pathlib import Path
+
+    path = Path(directory) / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"cannot read {path}: {error}") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path} holds {type(hf).__name__}, expected a JSON object")
+    kind = hf.get("model_type", "gpt2")
+    if kind not in family.hf_types:
+        owner = next((f.name for f in families().values() if kind in f.hf_types), None)
+        fix = f"pass --model {owner}" if owner else f"the zoo reads {', '.join(hf_types())}"
+        raise ConfigError(f"--from-hf {directory} holds a {kind!r} checkpoint, which --model "
+                          f"{family.name} does not read: {fix}")
+    return hf

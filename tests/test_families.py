@@ -1,0 +1,224 @@
+"""The model-family registry (jphantom.models.family): a family declared in this file, touching
+no library file, runs through ``train``, ``inspect``, ``verify``, ``plan`` and ``compile``; every
+zoo family is exact against its own one-device run under the strategies it declares (one cell
+per family in ``make test``, the rest of the matrix in ``make test-all``); the CLI, the
+configuration, the metrics and ``models.hf`` read the registry."""
+
+import dataclasses
+import json
+
+import jax
+import optax
+import pytest
+from flax import nnx
+
+from jphantom import aot
+from jphantom.cli import main
+from jphantom.errors import ConfigError
+from jphantom.models import family
+
+from conftest import require_devices
+
+# ------------------------------------------------------------------------------------------------
+# A user's family, declared here
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyConfig:
+    vocab_size: int = 64
+    hidden: int = 16
+    seq_len: int = 8
+    dtype: str = "float32"
+
+
+class ToyLM(nnx.Module):
+    """An embedding, one residual GELU MLP and an untied head."""
+
+    def __init__(self, config: ToyConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        h, v = config.hidden, config.vocab_size
+        self.embed = nnx.Embed(v, h, rngs=rngs)
+        self.up = nnx.Linear(h, 4 * h, rngs=rngs)
+        self.down = nnx.Linear(4 * h, h, rngs=rngs)
+        self.head = nnx.Linear(h, v, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        return self.head(x + self.down(jax.nn.gelu(self.up(x))))
+
+    def loss(self, tokens, targets):
+        return optax.softmax_cross_entropy_with_integer_labels(self(tokens), targets).mean()
+
+
+def _toy_plan_shape(config):
+    from jphantom.perf.axonn_model import GPTShape
+
+    return GPTShape(1, config.hidden, 1, config.seq_len, config.vocab_size, model="toy")
+
+
+TOY = family.Family(
+    name="toy", description="a test's toy language model", config_type=ToyConfig, module=ToyLM,
+    from_flags=lambda section, phantom: ToyConfig(section.vocab, section.hidden, section.seq_len,
+                                                  section.dtype),
+    common_flags=("hidden", "seq_len", "vocab", "dtype"), strategies=("dense", "gspmd", "tensor"),
+    flops_per_token=lambda config, seq_len: 6 * (8 * config.hidden ** 2
+                                                 + config.hidden * config.vocab_size),
+    plan_shape=_toy_plan_shape)
+
+TOY_FLAGS = ["--model", "toy", "--hidden", "16", "--seq-len", "8", "--vocab", "256"]
+
+
+@pytest.fixture
+def toy():
+    family.register(TOY, replace=True)
+    yield TOY
+    family.unregister("toy")
+
+
+def test_a_family_declared_in_a_test_trains_inspects_and_verifies(toy, tmp_path, capsys):
+    require_devices(4)
+    out = tmp_path / "run"
+    assert main(["train", *TOY_FLAGS, "--strategy", "tensor", "--mesh", "data=2,model=2",
+                 "--batch", "4", "--steps", "2", "--eval-every", "2",
+                 "--eval-batches", "1", "--out", str(out), "--no-progress"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["model"]["name"] == "toy" and results["model"]["hidden"] == 16
+    capsys.readouterr()
+    assert main(["inspect", *TOY_FLAGS, "--strategy", "tensor", "--mesh", "data=2,model=2",
+                 "--batch", "4", "--json"]) == 0
+    inspected = json.loads(capsys.readouterr().out)
+    assert inspected["strategy"] == "tensor" and inspected["collectives"]
+    assert main(["verify", *TOY_FLAGS, "--strategy", "tensor", "--mesh", "data=2,model=2",
+                 "--batch", "4", "--json"]) == 0
+    verified = json.loads(capsys.readouterr().out)
+    assert verified["ok"] and verified["worst"]["error"] <= 1e-5
+    # what the family does not declare is refused by name, before anything is built
+    for flags, match in ((["--strategy", "phantom", "--ghost-width", "2"], "ghost-width"),
+                         (["--strategy", "pmm3d"], "does not run the model family 'toy'"),
+                         (["--kv-heads", "2"], "kv-heads does not apply to --model toy")):
+        assert main(["verify", *TOY_FLAGS, *flags, "--batch", "4"]) == 2
+        assert match in capsys.readouterr().err
+
+
+def test_a_family_declared_in_a_test_is_planned(toy, capsys):
+    assert main(["plan", *TOY_FLAGS, "--layers", "1", "--heads", "1", "--devices", "8",
+                 "--batch", "8", "--json", "--top", "3"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["assumptions"]["model"]["model"] == "toy"
+    assert result["rows"]
+
+
+@pytest.mark.skipif(aot.plugin_problem("gpu") is not None,
+                    reason="needs the GPU compiler (make test-aot)")
+def test_a_family_declared_in_a_test_compiles_for_h100(toy, tmp_path, capsys, monkeypatch):
+    import os
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    assert main(["compile", "--target", "gpu:h100", *TOY_FLAGS, "--batch", "16",
+                 "--strategy", "tensor", "--mesh", "data=1,model=8", "--out",
+                 str(tmp_path / "c"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["strategy"] == "tensor"
+
+
+# ------------------------------------------------------------------------------------------------
+# The zoo through the registry
+# ------------------------------------------------------------------------------------------------
+
+
+def test_the_registry_names_the_zoo_and_its_checkpoints():
+    assert family.names()[:8] == ("ffn", "gpt2", "llama", "mistral", "qwen2", "qwen3",
+                                  "qwen3_moe", "gemma3")
+    assert family.get("transformer").name == "gpt2" and family.get("gemma3_text").name == "gemma3"
+    assert set(family.hf_types()) >= {"gpt2", "llama", "mixtral", "mistral", "qwen2", "qwen3",
+                                      "qwen3_moe", "gemma3_text"}
+    with pytest.raises(ConfigError, match="not a model family; use one of ffn, gpt2"):
+        family.get("qwen4")
+    with pytest.raises(ConfigError, match="registered already"):
+        family.register(dataclasses.replace(family.get("qwen3")))
+    from jphantom.config import RunConfig
+
+    for name, kind in (("qwen3", "qwen3"), ("gemma3", "gemma3_text"), ("mistral", "mistral"),
+                       ("llama", "llama")):
+        config = RunConfig.from_flags(model=name, layers=2, hidden=64, heads=4, seq_len=32,
+                                      vocab=128).family_config()
+        assert config.model_type == kind and family.of_config(config).name == name
+
+
+@pytest.mark.parametrize("name, expect", [
+    ("qwen3", "qk_norm"), ("qwen2", "qkv_bias"), ("gemma3", "norm_offset"),
+    ("qwen3_moe", "experts")])
+def test_the_presets_from_flags(name, expect):
+    from jphantom.config import RunConfig
+    from jphantom.metrics import flops_per_token
+
+    moe = {"experts": 4} if name == "qwen3_moe" else {}
+    config = RunConfig.from_flags(model=name, layers=6, hidden=64, heads=4, kv_heads=2,
+                                  seq_len=32, vocab=128, **moe).family_config()
+    assert getattr(config, expect)
+    if name == "gemma3":  # five local layers for each global one
+        assert config.layer_types[-1] == "full_attention" and config.layer_types.count(
+            "sliding_attention") == 5
+    assert flops_per_token(config, "tensor", 32) > 6 * config.vocab_size * config.hidden
+
+
+def test_a_checkpoint_of_another_family_names_the_model_that_reads_it():
+    from pathlib import Path
+
+    from jphantom.config import RunConfig
+
+    qwen3 = Path(__file__).parent / "fixtures" / "hf" / "qwen3"
+    with pytest.raises(ConfigError, match="pass --model qwen3"):
+        RunConfig.from_flags(model="llama", from_hf=str(qwen3)).family_config()
+    with pytest.raises(ConfigError, match="pass --model qwen3"):
+        RunConfig.from_flags(model="gpt2", from_hf=str(qwen3)).family_config()
+
+
+# one cell per family in `make test`; the matrix of the strategies each declares in test-all
+SMALL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--seq-len", "16",
+         "--vocab", "64", "--batch", "8"]
+CELLS = {  # family -> [(strategy, mesh, extra flags)], the first cell fast
+    "llama": [("gspmd", "data=2,model=2", []), ("pmm3d", "z=2,x=2", []),
+              ("tensor", "data=2,model=2", ["--zero", "3"])],
+    "mistral": [("tensor", "data=2,model=2", ["--sequence-parallel", "--sliding-window", "4"]),
+                ("gspmd", "data=2,model=2", ["--sliding-window", "4"]),
+                ("pmm3d", "y=2,x=2", ["--sliding-window", "4"]),
+                ("tensor", "stage=2,data=2", ["--sliding-window", "4", "--schedule", "zb-h1"])],
+    "qwen2": [("pmm3d", "z=2,x=2", []), ("gspmd", "data=2,model=2", []),
+              ("phantom", "model=2", ["--ghost-width", "2"]),
+              ("tensor", "data=2,model=2", ["--zero", "2"])],
+    "qwen3": [("gspmd", "data=2,model=2", []),
+              ("tensor", "data=2,context=2", ["--context-attention", "all-gather"]),
+              ("tensor", "data=2,model=2", ["--zero", "3", "--accumulate", "2"])],
+    "qwen3_moe": [("tensor", "expert=2,model=2", ["--experts", "4"]),
+                  ("gspmd", "data=2,model=2", ["--experts", "4"]),
+                  ("tensor", "stage=2,expert=2", ["--experts", "4"])],
+    "gemma3": [("gspmd", "data=2,model=2", ["--layers", "6", "--sliding-window", "4"]),
+               ("tensor", "data=2,model=2", ["--sliding-window", "4", "--zero", "3"])],
+}
+MATRIX = [pytest.param(name, *cell, id=f"{name}-{cell[0]}-{cell[1]}",
+                       marks=() if i == 0 else pytest.mark.slow)
+          for name, cells in CELLS.items() for i, cell in enumerate(cells)]
+
+
+@pytest.mark.parametrize("name, strategy, mesh, extra", MATRIX)
+def test_every_family_under_its_strategies_equals_its_one_device_run(name, strategy, mesh, extra,
+                                                                     capsys):
+    from jphantom.mesh import MeshConfig
+
+    require_devices(MeshConfig.parse(mesh).device_count)
+    flags = list(SMALL) + extra
+    if "--layers" in extra:  # the family's own layer count replaces SMALL's
+        i = flags.index("--layers")  # SMALL's
+        del flags[i:i + 2]
+    assert main(["verify", "--model", name, "--strategy", strategy, "--mesh", mesh, *flags,
+                 "--json"]) == 0, capsys.readouterr()
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["worst"]["error"] <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "gemma3"])
+def test_families_with_head_norms_or_their_own_experts_do_not_declare_pmm3d(name, capsys):
+    assert main(["verify", "--model", name, "--strategy", "pmm3d", "--mesh", "z=2,x=2",
+                 *SMALL]) == 2
+    assert f"does not run the model family {name!r}" in capsys.readouterr().err
