@@ -212,7 +212,7 @@ def test_strategy_table_is_the_vocabulary():
 
     rows = {}
     for line in (ROOT / "docs" / "strategies.md").read_text().splitlines():
-        match = re.match(r"^\| `([a-z0-9-]+)` \| ([a-z0-9, ]+) \|", line)
+        match = re.match(r"^\| `([a-z0-9-]+)` \| ([a-z0-9_, ]+) \|", line)
         if match:
             rows.setdefault(match.group(1), tuple(m.strip() for m in match.group(2).split(",")))
     assert rows == {name: s.models for name, s in STRATEGIES.items()}

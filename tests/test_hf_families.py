@@ -157,7 +157,7 @@ def test_train_from_hf_runs_two_steps_on_data_and_model(tmp_path):
     from jphantom.config import RunConfig
     from jphantom.run import run
 
-    config = RunConfig.from_flags(model="llama", strategy="tensor", mesh="data=2,model=2",
+    config = RunConfig.from_flags(model="qwen3", strategy="tensor", mesh="data=2,model=2",
                                   from_hf=str(FIXTURES / "qwen3"), seq_len=16, batch=4, steps=2,
                                   eval_every=2, eval_batches=1, out=str(tmp_path / "run"),
                                   save_hf=str(tmp_path / "hf"), progress=False)

@@ -256,7 +256,7 @@ def test_train_llama_writes_results_and_a_hf_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"strategy": "tensor-t1"}, "runs the models"),
+    ({"strategy": "tensor-t1"}, "does not run the model family"),
     ({"strategy": "pmm3d"}, "runs on the axes data, stage, expert, z, y, x"),
     ({"mesh": "data=2,x=2"}, "pmm3d's"),
     ({"moe_every": 2}, "Mixtral"),

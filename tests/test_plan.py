@@ -367,7 +367,8 @@ def test_cli_json_parses_and_carries_the_assumptions(capsys):
     (["--memory-gib", "-1"], "--memory-gib -1"),
     (["--inter-node-gbps", "0"], "--inter-node-gbps 0"),
     (["--precision", "fp8"], "precision='fp8'"),
-    (["--model", "ffn"], "--model 'ffn'"),
+    (["--model", "ffn"], "--model ffn: the planner prices dense decoder blocks"),
+    (["--model", "qwen4"], "model='qwen4' is not a model family"),
     (["--heads", "5"], "hidden=7168 is not divisible by heads=5"),
 ])
 def test_cli_bad_value_is_one_line_and_exit_2(capsys, argv, fragment):

@@ -249,8 +249,9 @@ def test_data_settings_are_refused_in_one_line_before_anything_compiles(
         argv, message, tmp_path, token_folder, capsys):
     (tmp_path / "empty").mkdir()
     argv = [a.format(folder=token_folder, empty=tmp_path / "empty") for a in argv]
-    code = cli.main(["train", *argv, "--layers", "1", "--hidden", "16", "--heads", "2",
-                     "--steps", "1", "--no-progress", "--out", str(tmp_path / "out")])
+    shape = [] if "ffn" in argv else ["--layers", "1", "--hidden", "16", "--heads", "2"]
+    code = cli.main(["train", *argv, *shape, "--steps", "1", "--no-progress", "--out",
+                     str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 2 and message in err, err
     assert err.startswith("jphantom: error:") and len(err.strip().splitlines()) == 1

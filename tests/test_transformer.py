@@ -236,7 +236,7 @@ def test_data_parallelism_adds_one_gradient_reduction_per_parameter():
     ("tensor", "model=8", dict(heads=4), "heads=4 is not divisible"),
     ("phantom", "model=4", dict(ghost_width=None), "needs ghost_width"),
     ("dense", "model=2", {}, "runs on one device"),
-    ("tensor-t1", "model=2", {}, "runs the models"),
+    ("tensor-t1", "model=2", {}, "does not run the model family"),
 ])
 def test_bad_transformer_layouts_are_named_errors(strategy, mesh, kw, message):
     with pytest.raises(ConfigError, match=message):

@@ -132,16 +132,22 @@ def _load() -> None:
             importlib.import_module(f"jphantom.models.{module}")
 
 
+def _rank(family: Family) -> int:
+    """The zoo's families first, in :data:`BUILTIN` order (whatever imported them first)."""
+    module = getattr(family.module, "__module__", "").removeprefix("jphantom.models.")
+    return BUILTIN.index(module) if module in BUILTIN else len(BUILTIN)
+
+
 def families() -> dict[str, Family]:
     """Every registered family by name (the zoo's first, in :data:`BUILTIN` order)."""
     _load()
-    return dict(_FAMILIES)
+    return {f.name: f for f in sorted(_FAMILIES.values(), key=_rank)}
 
 
 def names(*, aliases: bool = False) -> tuple[str, ...]:
     """The registered families' names (``aliases``: with their aliases)."""
-    _load()
-    return (*_FAMILIES, *_ALIASES) if aliases else tuple(_FAMILIES)
+    ordered = tuple(families())
+    return (*ordered, *_ALIASES) if aliases else ordered
 
 
 def canonical(name: str) -> str:
@@ -157,13 +163,12 @@ def get(name: str) -> Family:
         return _FAMILIES[_ALIASES.get(name, name)]
     except KeyError:
         raise ConfigError(f"model={name!r} is not a model family; use one of "
-                          f"{', '.join(_FAMILIES)}") from None
+                          f"{', '.join(names())}") from None
 
 
 def of_config(config) -> Family:
     """The family of a configuration object (the last registered that owns it)."""
-    _load()
-    owners = [family for family in _FAMILIES.values() if family.owns(config)]
+    owners = [family for family in families().values() if family.owns(config)]
     if not owners:
         raise ConfigError(f"no model family takes a {type(config).__name__}: give one of "
                           f"{', '.join(sorted({f.config_type.__name__ for f in _FAMILIES.values()}))}")
@@ -172,14 +177,12 @@ def of_config(config) -> Family:
 
 def hf_types() -> tuple[str, ...]:
     """Every Hugging Face ``model_type`` a registered family reads."""
-    _load()
-    return tuple(t for family in _FAMILIES.values() for t in family.hf_types)
+    return tuple(t for family in families().values() for t in family.hf_types)
 
 
 def of_hf_type(model_type: str | None) -> Family:
     """The family that reads a ``config.json``'s ``model_type``."""
-    _load()
-    for family in _FAMILIES.values():
+    for family in families().values():
         if model_type in family.hf_types:
             return family
     raise ConfigError(f"model_type={model_type!r} is not in the zoo; supported: "
