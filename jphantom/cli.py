@@ -495,6 +495,14 @@ _TRAIN_HELP = {
                "Gemma 3; alias --from-gpt2)",
     "save_hf": "save the trained model as a Hugging Face directory (alias --save-gpt2)",
     "target_loss": "stop once the validation loss reaches this (checked at each evaluation)",
+    "on_nonfinite": "a non-finite loss: stop (one line naming the newest checkpoint, the last "
+                    "good state), skip (the update is dropped and counted; 10 in a row stop the "
+                    "run) or rollback (reload the newest checkpoint and skip the batch; needs "
+                    "--checkpoint-dir and --save-every) (default stop)",
+    "step_timeout": "seconds a step (after the first, which compiles) or an evaluation may take; "
+                    "past it every process exits 124 with one line (a stuck rank or collective; "
+                    "default: off with one process, with several max(300 s, 50 x the slowest "
+                    "step) once two steps ran)",
     "seq_len": "tokens per sequence", "vocab": "vocabulary size (256 for bytes)",
     "data": "what to train on: a text file, a token file (.bin: llm.c's with a header or "
             "nanoGPT's uint16 tokens; `jphantom tokenize` writes them) or a folder of token files "
@@ -656,6 +664,7 @@ def _add_run_flags(parser: argparse.ArgumentParser, defaults: dict | None = None
                "lr_schedule": ("constant", "cosine"),
                "dtype": ("float32", "bfloat16", "float16", "float64"),
                "context_attention": ("ring", "all-gather"),
+               "on_nonfinite": ("stop", "skip", "rollback"),
                "attention": ("auto", "xla", "cudnn")}
     defaults = defaults or {}
     for flat, (section, name) in FLAT.items():
@@ -790,9 +799,18 @@ def _train(args: argparse.Namespace) -> int:
               f"top-{moe['top_k']}{active}; dropped {100 * moe['final_dropped_fraction']:.2f}% "
               "of token-expert assignments")
     if results["interrupted"]:
+        from jphantom.resilience import EXIT_STATUS
+
         where = f" into {config.train.out}" if config.train.out is not None else ""
-        print(f"interrupted: wrote what the run had{where}", file=sys.stderr)
-        return 130
+        saved = results.get("checkpoints", {}).get("steps") or []
+        kept = (f"; checkpoint of step {max(saved)} in {config.train.checkpoint_dir} (continue "
+                "with --resume)" if saved else "; no checkpoint (give --checkpoint-dir to keep "
+                "the state)")
+        if jax.process_index() == 0:
+            print(f"{results['stopped_by'] or 'interrupted'}: stopped after step "
+                  f"{results['steps_done']}, wrote what the run had{where}{kept}",
+                  file=sys.stderr)
+        return EXIT_STATUS.get(results["stopped_by"], 130)
     print(f"final validation loss {results['final_validation_loss']:.4f}"
           + (f" nats/token; unigram cross-entropy {results['unigram_cross_entropy']:.4f}; "
              f"ratio {results['validation_over_unigram']:.3f}"
@@ -841,8 +859,16 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (the usage is what ``--help`` is for); its
+    subcommands' parsers are of this class too."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="jphantom",
         description="Model-parallel FFN training in JAX, measured on communication and energy. "
                     "Phantom parallelism (Seal et al.) against tensor parallelism.",

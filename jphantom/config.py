@@ -264,6 +264,8 @@ class TrainConfig:
     progress: bool = True
     grad_norm: bool = False  # record the gradients' global norm (one more reduction per step)
     tensorboard: bool = False
+    on_nonfinite: str = "stop"  # a non-finite loss: stop, skip the update, or rollback
+    step_timeout: float | None = None  # seconds; None: off with one process, else automatic
 
     def __post_init__(self):
         _check_types(self)
@@ -277,6 +279,15 @@ class TrainConfig:
             raise ConfigError("weight_decay must be >= 0 and adam_b2 in [0, 1)")
         if self.target_loss is not None and not self.target_loss > 0:
             raise ConfigError(f"target_loss={self.target_loss} must be > 0 (or left out)")
+        from jphantom.resilience import NONFINITE
+
+        _choice("on_nonfinite", self.on_nonfinite, NONFINITE)
+        if self.on_nonfinite == "rollback" and not (self.checkpoint_dir and self.save_every):
+            raise ConfigError("--on-nonfinite rollback reloads the newest checkpoint: give "
+                              "--checkpoint-dir DIR and --save-every N")
+        if self.step_timeout is not None and not self.step_timeout > 0:
+            raise ConfigError(f"step_timeout={self.step_timeout} must be > 0 seconds (or left "
+                              "out: automatic with several processes, off with one)")
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir")
         if self.save_every and not self.checkpoint_dir:
@@ -499,7 +510,10 @@ class RunConfig:
         is checked here, before any data is read."""
         train = dataclasses.replace(self.train, seed=0, target_loss=None, out=None,
                                     checkpoint_dir=None, save_every=0, resume=False,
-                                    progress=False, save_hf=None, eval_every=1, eval_batches=1)
+                                    progress=False, save_hf=None, eval_every=1, eval_batches=1,
+                                    tensorboard=False, step_timeout=None,
+                                    on_nonfinite="skip" if self.train.on_nonfinite == "skip"
+                                    else "stop")
         from jphantom.mesh import available_devices
 
         return _build(self.model, self.parallel, self.step, train, available_devices())
@@ -543,6 +557,8 @@ def _optimizer(train: TrainConfig, step: StepConfig):
     if train.grad_norm:  # the norm before clipping, as Megatron and torchtitan log it
         from jphantom.metrics import record_grad_norm
         optimizer = optax.chain(record_grad_norm(), optimizer)
+    if train.on_nonfinite == "skip":  # a non-finite gradient: no update, counted in the state
+        optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=2 ** 30)
     return optimizer
 
 

@@ -10,7 +10,10 @@ Cluster variables (``SLURM_*``, ``OMPI_*``, ``PMI_*``, ``PMIX_*``) are removed f
 environment: they are a job of their own, and jax's detection must not override the launcher.
 
 Every output line of child ``r`` is printed prefixed with ``[r] ``. When a child fails, the others
-are stopped (SIGTERM, then SIGKILL after :data:`GRACE_S`) and launch fails with one line naming it.
+are stopped (SIGTERM, then SIGKILL after :data:`STOP_S`) and launch fails with one line naming it
+(``--max-restarts N``: starts the run again, from its newest checkpoint). A SIGTERM or SIGINT to
+launch is forwarded to every process, which get :data:`GRACE_S` (``--grace``) to write their
+checkpoint.
 """
 
 from __future__ import annotations
@@ -28,8 +31,12 @@ from jphantom import distributed
 from jphantom.coordinator import check_port_free
 from jphantom.errors import ConfigError, check_int
 
-GRACE_S = 5.0
-"""Seconds a stopped child gets between SIGTERM and SIGKILL."""
+GRACE_S = 30.0
+"""Seconds a child gets between the SIGTERM launch forwards and SIGKILL (to finish its step and
+write its checkpoint)."""
+STOP_S = 5.0
+"""Seconds the other children get between SIGTERM and SIGKILL when one has failed (they wait
+in a collective for it, most likely)."""
 
 CLUSTER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_")
 
@@ -77,37 +84,88 @@ def child_command(command: Sequence[str]) -> list[str]:
 
 def launch(command: Sequence[str], num_processes: int, *, port: int | None = None,
            devices_per_process: int | None = None, timeout: int | None = None,
-           deadline: int | None = None) -> None:
-    """Run ``command`` as ``num_processes`` local processes and wait for all of them.
+           deadline: int | None = None, grace: float = GRACE_S, max_restarts: int = 0) -> int:
+    """Run ``command`` as ``num_processes`` local processes and wait for all of them; returns
+    the exit status for the command line (0, or 143 / 130 when launch itself was sent SIGTERM /
+    SIGINT: the signal is forwarded to every process, which then has ``grace`` seconds to write
+    its checkpoint before SIGKILL).
 
     Each child leads its own process group, and stopping a child stops its group (what it started
-    too). ``deadline``: seconds after which every process is stopped. Raises ConfigError for a bad
-    setting (before anything starts) and RuntimeError, one line naming the process and its exit
-    status (or the deadline), when a child fails (the others are stopped first).
+    too). ``deadline``: seconds after which every process is stopped. ``max_restarts``: when a
+    process fails, stop the others and start the run again, up to that many times, with
+    ``--resume`` added when the command's ``--checkpoint-dir`` holds a complete checkpoint
+    (torchrun's elastic restart on jax.distributed). Raises ConfigError for a bad setting (before
+    anything starts) and RuntimeError, one line naming the process that failed first and how
+    (and any process left suspended), when a child fails and no restart is left.
     """
     check_int("--num-processes", num_processes, 1)
     for name, value in (("--devices-per-process", devices_per_process), ("--timeout", timeout),
                         ("--deadline", deadline)):
         if value is not None:
             check_int(name, value, 1)
+    check_int("--max-restarts", max_restarts, 0)
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
+        raise ConfigError(f"--grace {grace!r} must be a number of seconds >= 0")
     argv = child_command(command)
-    if port is None:
-        port = free_port()
-    elif isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int)
+                             or not 1 <= port <= 65535):
         raise ConfigError(f"--port {port!r} is not a port in 1..65535: pick a free port >= 1024 "
                           "or leave --port out for a free one")
-    else:
+    if port is not None:
         check_port_free(port)
     accelerator = False
     if devices_per_process is not None:
         from jphantom.distributed import accelerator_visible
 
         accelerator = accelerator_visible()
+    attempt = 0
+    while True:
+        outcome = _run_once(argv, num_processes, port if attempt == 0 and port else free_port(),
+                            devices_per_process, timeout, accelerator, deadline, grace)
+        if outcome is None:
+            return 0
+        if isinstance(outcome, str) and outcome.startswith("SIG"):
+            sys.stderr.write(f"launch: {outcome} forwarded to the {num_processes} processes; "
+                             "they stopped\n")
+            return 128 + signal.Signals[outcome].value
+        if outcome == "deadline":
+            raise RuntimeError(f"launch: --deadline {deadline} s passed; stopped all "
+                               f"{num_processes} processes")
+        rank, code, suspended = outcome
+        how = (f"was killed by {signal.Signals(-code).name}" if code < 0
+               else "ran past --step-timeout (status 124)" if code == 124
+               else f"exited with status {code}")
+        also = (f"; process(es) {', '.join(map(str, suspended))} were suspended (SIGSTOP) and "
+                "never arrived" if suspended else "")
+        if attempt < max_restarts:
+            attempt += 1
+            argv, resumed = _resumed(argv)
+            sys.stderr.write(f"launch: process {rank} of {num_processes} {how}{also}; stopped "
+                             f"the others; restart {attempt} of {max_restarts}"
+                             f"{' from the newest checkpoint (--resume)' if resumed else ''}\n")
+            continue
+        raise RuntimeError(f"launch: process {rank} of {num_processes} {how} first{also}; "
+                           f"stopped the others; its output is above, prefixed [{rank}]")
+
+
+def _run_once(argv, num_processes, port, devices_per_process, timeout, accelerator, deadline,
+              grace):
+    """One start of every process; ``None`` when all exited 0, else ``"deadline"``, the name of
+    a signal launch received (forwarded), or ``(rank, status, suspended ranks)`` of the first
+    process that failed."""
     lock = threading.Lock()
     procs, relays = [], []
+    received = []
     main_thread = threading.current_thread() is threading.main_thread()
-    if main_thread:  # a terminated launcher stops its children too (the finally block below)
-        previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    previous = {}
+    if main_thread:  # a signal to launch goes to every process (their preemption checkpoint)
+        def forward(signum, frame):
+            received.append(signal.Signals(signum).name)
+            for proc in procs:
+                _signal_group(proc, signal.SIGTERM)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, forward)
+    failed = None
     try:
         for rank in range(num_processes):
             env = child_env(rank, num_processes, port, devices_per_process=devices_per_process,
@@ -124,22 +182,48 @@ def launch(command: Sequence[str], num_processes: int, *, port: int | None = Non
                                          daemon=True)
                 relay.start()
                 relays.append(relay)
-        failed = _wait(procs, None if deadline is None else time.monotonic() + deadline)
+        failed = _wait(procs, None if deadline is None else time.monotonic() + deadline,
+                       received)
+        if isinstance(failed, tuple):
+            failed = (*failed, [r for r, proc in enumerate(procs) if _suspended(proc)])
     finally:
-        _stop(procs)
+        _stop(procs, grace if received else STOP_S)
         for relay in relays:
             relay.join(timeout=GRACE_S)
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
-    if failed == "deadline":
-        raise RuntimeError(f"launch: --deadline {deadline} s passed; stopped all "
-                           f"{num_processes} processes")
-    if failed is not None:
-        rank, code = failed
-        how = (f"was killed by {signal.Signals(-code).name}" if code < 0
-               else f"exited with status {code}")
-        raise RuntimeError(f"launch: process {rank} of {num_processes} {how}; stopped the "
-                           f"others; its output is above, prefixed [{rank}]")
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return received[0] if received else failed
+
+
+def _suspended(proc) -> bool:
+    """Whether ``proc`` is stopped (SIGSTOP, state T in /proc; False where /proc is absent)."""
+    try:
+        with open(f"/proc/{proc.pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _resumed(argv: list[str]) -> tuple[list[str], bool]:
+    """``argv`` with ``--resume`` when its ``--checkpoint-dir`` holds a complete checkpoint."""
+    directory = None
+    for i, arg in enumerate(argv):
+        if arg == "--checkpoint-dir" and i + 1 < len(argv):
+            directory = argv[i + 1]
+        elif arg.startswith("--checkpoint-dir="):
+            directory = arg.split("=", 1)[1]
+    if directory is None or not _has_checkpoint(directory):
+        return argv, False
+    return (argv if "--resume" in argv else [*argv, "--resume"]), True
+
+
+def _has_checkpoint(directory: str) -> bool:
+    """A complete Orbax step folder in ``directory`` (a number, not a temporary or damaged
+    one)."""
+    from pathlib import Path
+
+    folder = Path(directory)
+    return folder.is_dir() and any(p.is_dir() and p.name.isdigit() for p in folder.iterdir())
 
 
 def _relay(pipe, sink, prefix: str, lock: threading.Lock) -> None:
@@ -152,10 +236,13 @@ def _relay(pipe, sink, prefix: str, lock: threading.Lock) -> None:
     pipe.close()
 
 
-def _wait(procs, deadline: float | None = None):
-    """Wait until every child has exited 0 (-> None), one has failed (-> (rank, status)) or the
-    monotonic ``deadline`` has passed (-> "deadline")."""
+def _wait(procs, deadline: float | None = None, received=()):
+    """Wait until every child has exited 0 (-> None), one has failed (-> (rank, status)), the
+    monotonic ``deadline`` has passed (-> "deadline") or launch received a signal (-> None: the
+    caller reports it)."""
     while True:
+        if received:
+            return None
         if deadline is not None and time.monotonic() > deadline:
             return "deadline"
         codes = [proc.poll() for proc in procs]
@@ -172,12 +259,13 @@ def _signal_group(proc, sig) -> None:
         pass
 
 
-def _stop(procs) -> None:
+def _stop(procs, grace: float = STOP_S) -> None:
     """SIGTERM every child's process group (what a child started is stopped with it, even after
-    the child itself has exited), SIGKILL the groups still there after GRACE_S."""
+    the child itself has exited), SIGKILL the groups still there after ``grace`` seconds (at
+    once for a suspended child, which cannot act on SIGTERM)."""
     for proc in procs:
-        _signal_group(proc, signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_S
+        _signal_group(proc, signal.SIGKILL if _suspended(proc) else signal.SIGTERM)
+    deadline = time.monotonic() + grace
     for proc in procs:
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -216,6 +304,14 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--deadline", type=int, default=None, metavar="S",
                         help="stop every process after S seconds in all and exit with status 1 "
                              "(default: no limit)")
+    parser.add_argument("--grace", type=float, default=GRACE_S, metavar="S",
+                        help="seconds the processes get to write their checkpoint when launch "
+                             "is sent SIGTERM or SIGINT (forwarded to each) before SIGKILL "
+                             f"(default {GRACE_S:g})")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="when a process fails (or its --step-timeout fires), stop the "
+                             "others and start the run again, up to N times, with --resume "
+                             "when its --checkpoint-dir holds a checkpoint (default 0)")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="the command every process runs, after --")
     parser.set_defaults(handler=_main)
@@ -223,10 +319,9 @@ def add_parser(subparsers) -> None:
 
 def _main(args) -> int:
     try:
-        launch(args.command, args.num_processes, port=args.port,
-               devices_per_process=args.devices_per_process, timeout=args.timeout,
-               deadline=args.deadline)
+        return launch(args.command, args.num_processes, port=args.port,
+                      devices_per_process=args.devices_per_process, timeout=args.timeout,
+                      deadline=args.deadline, grace=args.grace, max_restarts=args.max_restarts)
     except RuntimeError as error:
         print(f"jphantom: error: {error}", file=sys.stderr)
         return 1
-    return 0

@@ -38,10 +38,13 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jphantom import resilience
 from jphantom.config import RunConfig, check_vocabulary, pipeline_summary
 from jphantom.errors import ConfigError, TrainingDiverged
 from jphantom.metrics import (StepEnergy, TensorBoard, flops_per_token, grad_norm_of,
                               peak_memory_bytes, peak_tflops)
+from jphantom.resilience import (AUTO_TIMEOUT_S, MAX_CONSECUTIVE_SKIPS, StopOnSignal, Watchdog,
+                                 agree)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -276,23 +279,18 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
                    / sum(float(m["assignments"]) for m in found))  # means per token: a ratio
         return cross_entropy, dropped
 
-    history = {"step": [], "train_loss": [], "validation_step": [], "validation_loss": [],
-               "dropped_fraction": []}
+    def fresh_history():
+        return {"step": [], "train_loss": [], "validation_step": [], "validation_loss": [],
+                "dropped_fraction": []}
+
+    history = fresh_history()
     first = 0
+    initial_data = getattr(source, "state", lambda: None)()  # where a rollback to 0 restarts
     if train.resume:  # the state, the history and the data stream's position (the step)
-        from jphantom.train_step import TrainState
-        params, opt_state, meta = checkpointer.restore(state.params, state.opt_state)
-        state = TrainState(params, opt_state)
-        first, history = meta["step"], meta["history"]
+        state, first, history = _restore(checkpointer, state, source)
         if first >= train.steps:
             raise ConfigError(f"the checkpoint is at step {first}, not before steps="
                               f"{train.steps}: ask for more steps to continue")
-        if hasattr(source, "restore"):  # a reader with a position: where the checkpoint left it
-            if meta.get("data") is None:
-                raise ConfigError(f"the checkpoint at step {first} holds no data position (it "
-                                  "was saved by a run on byte-level text): resume with the data "
-                                  "and tokenizer that saved it")
-            source.restore(meta["data"])
     metrics_file = (out / "metrics.jsonl").open("a" if train.resume else "w") if writer else None
     board = TensorBoard(out / "tensorboard") if writer and train.tensorboard else None
     step_seconds, reached, metered_steps, energy = [], None, 0, None
@@ -308,17 +306,44 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
                desc=f"{config.model.name} {config.parallel.strategy} {program.mesh}")
     meter_running = False
     interrupted, state_step, saved_step = False, first, None
-    stop = _StopOnCtrlC(bar)  # Ctrl-C: finish this step, then stop (twice: stop now)
+    stop = StopOnSignal(bar.write)  # SIGTERM / Ctrl-C: finish this step, checkpoint, stop
+    watchdog = Watchdog(train.step_timeout, rank=jax.process_index(),
+                        processes=jax.process_count())
+    nonfinite = {"policy": train.on_nonfinite, "skipped_steps": [], "rollbacks": [],
+                 "skipped_batches": []}
+    skip_batches, consecutive = set(), 0
+    dropped_before = resilience.nonfinite_total(state.opt_state) or 0
+    evaluated = False
+
+    def write(record):
+        if metrics_file is not None:
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+        if board is not None:
+            board.write(record)
+
     try:
-        for index in range(first, train.steps):
-            batch = place_train(source.train(index))
+        index = first
+        while index < train.steps:
+            pair = source.train(index)  # read even when skipped: the stream stays in step
+            if index in skip_batches:  # the batch that gave a rolled-back non-finite loss
+                skip_batches.discard(index)
+                nonfinite["skipped_batches"].append(index + 1)
+                write({"step": index + 1, "skipped_batch": True})
+                index += 1
+                bar.update()
+                continue
+            batch = place_train(pair)
             jax.block_until_ready(batch)  # the step's window opens on idle devices ...
             step_energy.begin()
+            if index > first:  # the first step compiles: not timed by the watchdog
+                watchdog.arm(f"step {index + 1}")
             tick = time.perf_counter()
             state, loss = step(state, *batch)
             state_step = index + 1  # the state is this step's (still computing)
             jax.block_until_ready((state, loss))  # ... and closes once its work is done
             elapsed = time.perf_counter() - tick
+            watchdog.disarm()
             joules = step_energy.end(elapsed)
             loss = float(loss)
             if index == first:
@@ -330,17 +355,55 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
             else:  # the first step compiles
                 step_seconds.append(elapsed)
                 metered_steps += meter is not None
-            if not math.isfinite(loss):
-                raise TrainingDiverged(
-                    f"training loss is {loss} at step {index + 1} ({config.model.name}, "
-                    f"{config.parallel.strategy}, precision {config.step.precision}, dtype "
-                    f"{config.model.dtype}, learning_rate={train.learning_rate:g}): lower the "
-                    "learning rate or check the data")
+                if train.step_timeout is None and jax.process_count() > 1 and len(
+                        step_seconds) >= 2 and watchdog.timeout is None:
+                    watchdog.close()  # several processes: an automatic limit once compiled
+                    watchdog = Watchdog(max(AUTO_TIMEOUT_S, 50 * max(step_seconds)),
+                                        rank=jax.process_index(),
+                                        processes=jax.process_count())
+            dropped = resilience.nonfinite_total(state.opt_state)
+            skipped = dropped is not None and dropped > dropped_before
+            dropped_before = dropped if dropped is not None else dropped_before
+            if not math.isfinite(loss) or skipped:
+                what = (f"training loss is {loss} at step {index + 1} ({config.model.name}, "
+                        f"{config.parallel.strategy}, precision {config.step.precision}, dtype "
+                        f"{config.model.dtype}, learning_rate={train.learning_rate:g})")
+                if train.on_nonfinite == "rollback":
+                    if checkpointer is not None:
+                        checkpointer.wait()
+                    if checkpointer is not None and checkpointer.all_steps():
+                        state, back, history = _restore(checkpointer, state, source)
+                    else:  # nothing saved yet: from the start
+                        state, back, history = program.init(step, seed=train.seed), 0, \
+                            fresh_history()
+                        if initial_data is not None:
+                            source.restore(initial_data)
+                    dropped_before = resilience.nonfinite_total(state.opt_state) or 0
+                    nonfinite["rollbacks"].append({"at_step": index + 1, "to_step": back})
+                    write({"step": index + 1, "train_loss": None, "nonfinite": True,
+                           "rolled_back_to": back})
+                    bar.write(f"{what}: rolled back to step {back}; its batch will be skipped")
+                    skip_batches.add(index)
+                    bar.n = back
+                    index = back
+                    continue
+                if train.on_nonfinite == "skip" and skipped:
+                    consecutive += 1
+                    nonfinite["skipped_steps"].append(index + 1)
+                    if consecutive >= MAX_CONSECUTIVE_SKIPS:
+                        raise TrainingDiverged(f"{what}; {consecutive} updates in a row were "
+                                               "skipped: lower the learning rate or check the "
+                                               "data" + _last_good(checkpointer))
+                else:
+                    raise TrainingDiverged(f"{what}: lower the learning rate or check the data"
+                                           + _last_good(checkpointer))
+            else:
+                consecutive = 0
             rate = source.tokens_per_batch / elapsed
             grad_norm = grad_norm_of(state.opt_state)
             tflops = (None if per_token is None else
                       per_token * source.tokens_per_batch / elapsed / len(devices) / 1e12)
-            record = {"step": index + 1, "train_loss": loss,
+            record = {"step": index + 1, "train_loss": loss if math.isfinite(loss) else None,
                       "learning_rate": float(learning_rates[min(index, len(learning_rates) - 1)]),
                       "grad_norm": None if grad_norm is None else float(grad_norm),
                       "step_seconds": elapsed, "tokens_per_second": rate,
@@ -351,12 +414,21 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
                       "joules_per_token": step_energy.joules_per_token(
                           joules, source.tokens_per_batch),
                       "energy_source": step_energy.source}
+            if train.on_nonfinite != "stop":
+                record["update_skipped"] = skipped
+                if skipped:  # the optimizer's state (and its recorded norm) did not move
+                    record["grad_norm"] = None
             if index == first:
                 record["compiled"] = True  # this step's time includes compiling it
-            history["step"].append(index + 1)
-            history["train_loss"].append(loss)
+            if not skipped:  # the history holds the steps that updated the model
+                history["step"].append(index + 1)
+                history["train_loss"].append(loss)
             if (index + 1) % train.eval_every == 0 or index + 1 == train.steps:
+                if evaluated:  # the first evaluation compiles
+                    watchdog.arm(f"the evaluation after step {index + 1}")
                 record["validation_loss"], dropped = validate()
+                watchdog.disarm()
+                evaluated = True
                 if dropped is not None:
                     record["dropped_fraction"] = dropped
                     history["dropped_fraction"].append(dropped)
@@ -364,12 +436,9 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
                 history["validation_loss"].append(record["validation_loss"])
                 if train.target_loss is not None and record["validation_loss"] <= train.target_loss:
                     reached = index + 1
-            if metrics_file is not None:
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-            if board is not None:
-                board.write(record)
-            last = index + 1 == train.steps or reached is not None or stop.requested
+            write(record)
+            stopping = agree(stop.requested)
+            last = index + 1 == train.steps or reached is not None or stopping
             if checkpointer is not None and (checkpointer.due(index + 1) or last):
                 checkpointer.save(index + 1, state.params, state.opt_state,
                                   {"history": json.loads(json.dumps(history))},
@@ -377,21 +446,24 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
                 saved_step = index + 1
             bar.set_postfix(_postfix(record, history), refresh=False)
             bar.update()
-            if stop.requested:
+            index += 1
+            if stopping:
                 interrupted = True
                 break
             if reached is not None:
                 break
         if meter_running:
             jax.block_until_ready(state)  # ... and closes once the work is done
-    except KeyboardInterrupt:  # a second Ctrl-C: stop now, keep what the run has
+    except KeyboardInterrupt:  # a second signal: stop now, keep what the run has
         interrupted = True
         bar.write(f"interrupted after step {state_step}: writing what the run has")
         alive = not any(getattr(a, "is_deleted", lambda: False)() for a in jax.tree.leaves(state))
         if checkpointer is not None and alive and state_step > first and state_step != saved_step:
             checkpointer.save(state_step, state.params, state.opt_state,
                               {"history": json.loads(json.dumps(history))}, data=data_state())
+            saved_step = state_step
     finally:
+        watchdog.close()
         stop.restore()
         bar.close()
         if metrics_file is not None:
@@ -413,6 +485,9 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
                                   else None),
         "best_validation_loss": min(history["validation_loss"], default=None),
         "interrupted": interrupted,
+        "stopped_by": stop.name if interrupted else None,
+        "steps_done": state_step,
+        "nonfinite": nonfinite,
         "median_step_seconds": float(np.median(step_seconds)) if step_seconds else None,
         "throughput": {
             "model_flops_per_token": per_token, "devices": len(devices),
@@ -498,7 +573,9 @@ def _learning_rates(train) -> np.ndarray:
 def _postfix(record: dict, history: dict) -> dict:
     """The progress bar's figures: loss, learning rate, gradient norm, tokens/s, MFU (where
     known) and the last validation loss."""
-    shown = {"loss": f"{record['train_loss']:.3f}", "lr": f"{record['learning_rate']:.2e}"}
+    loss = record["train_loss"]
+    shown = {"loss": "nan" if loss is None else f"{loss:.3f}",
+             "lr": f"{record['learning_rate']:.2e}"}
     if record["grad_norm"] is not None:
         shown["gnorm"] = f"{record['grad_norm']:.3g}"
     shown["tok/s"] = f"{record['tokens_per_second']:,.0f}"
@@ -509,32 +586,31 @@ def _postfix(record: dict, history: dict) -> dict:
     return shown
 
 
-class _StopOnCtrlC:
-    """While training: the first SIGINT asks the loop to stop after the step it is in (the run
-    then writes its metrics, results and a final checkpoint, and the command exits 130); a second
-    one raises ``KeyboardInterrupt`` at once. Only in the main thread (where Python delivers
-    signals); elsewhere Ctrl-C keeps its default."""
+def _restore(checkpointer, state, source):
+    """``(state, step, history)`` of the newest complete checkpoint, the data reader put back
+    where that checkpoint left it."""
+    from jphantom.train_step import TrainState
 
-    def __init__(self, bar):
-        import signal
-        import threading
+    params, opt_state, meta = checkpointer.restore(state.params, state.opt_state)
+    if hasattr(source, "restore"):  # a reader with a position: where the checkpoint left it
+        if meta.get("data") is None:
+            raise ConfigError(f"the checkpoint at step {meta['step']} holds no data position (it "
+                              "was saved by a run on byte-level text): resume with the data "
+                              "and tokenizer that saved it")
+        source.restore(meta["data"])
+    return TrainState(params, opt_state), meta["step"], meta["history"]
 
-        self.requested, self._bar, self._previous = False, bar, None
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
 
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        self._bar.write("Ctrl-C: stopping after this step (Ctrl-C again to stop now)")
-
-    def restore(self):
-        import signal
-
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+def _last_good(checkpointer) -> str:
+    """Where the last good state is, for a run that stops on a non-finite loss."""
+    if checkpointer is None:
+        return " (no --checkpoint-dir: no state was saved)"
+    checkpointer.wait()
+    steps = checkpointer.all_steps()
+    if not steps:
+        return f" (no checkpoint in {checkpointer.directory} yet)"
+    return (f"; the last good state is the checkpoint of step {max(steps)} in "
+            f"{checkpointer.directory} (--resume continues from it)")
 
 
 def _asdict(config) -> dict:

@@ -20,7 +20,7 @@ LAYERS = [
     ("plans", ["plans"]),
     ("step", ["pipeline.runner", "pipeline.split", "train_step", "samo", "checkpoint", "exactness"]),
     ("program", ["program"]),
-    ("run", ["config", "run", "metrics", "analysis", "compare", "plan", "perf", "launch", "aot"]),
+    ("run", ["config", "run", "resilience", "metrics", "analysis", "compare", "plan", "perf", "launch", "aot"]),
     ("cli", ["cli", "__main__"]),
 ]
 

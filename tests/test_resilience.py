@@ -1,0 +1,234 @@
+"""A run that survives the cluster and its user (jphantom.resilience, jphantom.launch): SIGTERM
+ends a run with a checkpoint of the step reached and ``--resume`` finishes it with the
+uninterrupted run's loss; a stopped rank under ``--step-timeout`` ends every process, naming the
+timeout; ``launch --max-restarts`` starts a killed run again from its newest checkpoint; the
+non-finite policies stop, skip or roll back.
+
+Real processes: one single-process SIGTERM in ``make test``; under ``launch`` (two processes)
+the slow suite."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jphantom import cli
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--model", "gpt2", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq-len", "16",
+        "--vocab", "256", "--batch", "4", "--eval-batches", "1", "--no-progress"]
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JPHANTOM_", "XLA_FLAGS"))}
+    return {**env, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+
+
+def _metrics(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _when(condition, proc, limit=120.0):
+    start = time.monotonic()
+    while not condition():
+        if proc.poll() is not None or time.monotonic() - start > limit:
+            out, err = proc.communicate(timeout=30) if proc.poll() is None else ("", "")
+            raise AssertionError(f"gave up waiting (rc={proc.returncode})\n{err[-3000:]}")
+        time.sleep(0.05)
+
+
+def _final_loss(out: Path) -> float:
+    return json.loads((out / "results.json").read_text())["final_validation_loss"]
+
+
+def test_sigterm_writes_a_checkpoint_of_the_step_reached_and_resume_finishes_the_run(tmp_path,
+                                                                                      capsys):
+    """No --save-every: SIGTERM mid-run (sent to this process from a thread once 3 steps are in
+    metrics.jsonl) leaves a checkpoint of the step it reached, exit status 143 and one line;
+    --resume ends with the uninterrupted run's validation loss."""
+    import threading
+
+    steps = ["--steps", "400", "--eval-every", "400"]
+    ck, out = tmp_path / "ck", tmp_path / "out"
+
+    def preempt():
+        while len(_metrics(out)) < 3:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=preempt, daemon=True).start()
+    assert cli.main(["train", *TINY, *steps, "--checkpoint-dir", str(ck), "--out",
+                     str(out)]) == 143
+    err = capsys.readouterr().err
+    reached = json.loads((out / "results.json").read_text())
+    assert reached["interrupted"] and reached["stopped_by"] == "SIGTERM"
+    assert reached["checkpoints"]["steps"] == [reached["steps_done"]]
+    assert 3 <= reached["steps_done"] < 400
+    assert err.strip().splitlines()[-1] == (
+        f"SIGTERM: stopped after step {reached['steps_done']}, wrote what the run had into "
+        f"{out}; checkpoint of step {reached['steps_done']} in {ck} (continue with --resume)")
+    assert cli.main(["train", *TINY, *steps, "--checkpoint-dir", str(ck), "--out", str(out),
+                     "--resume"]) == 0
+    assert cli.main(["train", *TINY, *steps, "--out", str(tmp_path / "whole")]) == 0
+    assert _final_loss(out) == pytest.approx(_final_loss(tmp_path / "whole"), rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# The non-finite policies (the FFN's teacher data, one batch made NaN)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def nan_at_step_4(monkeypatch):
+    from jphantom import run as run_module
+
+    train = run_module.TeacherSource.train
+
+    def poisoned(self, index):
+        x, t = train(self, index)
+        return (np.full_like(x, np.nan), t) if index == 3 else (x, t)
+
+    monkeypatch.setattr(run_module.TeacherSource, "train", poisoned)
+
+
+FFN = ["--model", "ffn", "--width", "16", "--batch", "8", "--steps", "8", "--eval-every", "8",
+       "--eval-batches", "1", "--no-progress", "--devices", "1", "--optimizer", "sgd"]
+
+
+def test_a_nonfinite_loss_stops_and_names_the_last_good_checkpoint(nan_at_step_4, tmp_path,
+                                                                     capsys):
+    assert cli.main(["train", *FFN, "--checkpoint-dir", str(tmp_path / "ck"), "--save-every",
+                     "2", "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "training loss is nan at step 4" in err and "checkpoint of step 2" in err
+    assert err.count("\n") == 1
+
+
+def test_skip_drops_the_update_and_counts_it(nan_at_step_4, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli.main(["train", *FFN, "--on-nonfinite", "skip", "--out", str(out)]) == 0
+    records = _metrics(out)
+    assert [r["update_skipped"] for r in records] == [False] * 3 + [True] + [False] * 4
+    assert records[3]["train_loss"] is None and np.isfinite(records[-1]["validation_loss"])
+    results = json.loads((out / "results.json").read_text())
+    assert results["nonfinite"]["skipped_steps"] == [4]
+
+
+def test_rollback_reloads_the_checkpoint_and_skips_the_batch(nan_at_step_4, tmp_path):
+    out = tmp_path / "out"
+    assert cli.main(["train", *FFN, "--on-nonfinite", "rollback", "--checkpoint-dir",
+                     str(tmp_path / "ck"), "--save-every", "2", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["nonfinite"]["rollbacks"] == [{"at_step": 4, "to_step": 2}]
+    assert results["nonfinite"]["skipped_batches"] == [4]
+    assert results["history"]["step"] == [1, 2, 3, 5, 6, 7, 8]
+    assert np.isfinite(results["final_validation_loss"])
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--on-nonfinite", "rollback"], "rollback reloads the newest checkpoint"),
+    (["--on-nonfinite", "retry"], "invalid choice: 'retry'"),
+    (["--step-timeout", "0"], "step_timeout=0.0 must be > 0"),
+])
+def test_bad_resilience_settings_are_one_line(flags, fragment, capsys):
+    try:
+        code = cli.main(["train", *FFN, *flags])
+    except SystemExit as exit:  # argparse's own refusal: one line too
+        code = exit.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Under launch: two processes
+# ------------------------------------------------------------------------------------------------
+
+LAUNCHED = ["--steps", "60", "--eval-every", "60", "--mesh", "data=2", "--save-every", "5"]
+
+
+def _launch(tmp_path, name, *extra, launch_flags=()):
+    out, ck = tmp_path / name / "out", tmp_path / name / "ck"
+    command = [sys.executable, "-m", "jphantom", "launch", "-n", "2", "--devices-per-process",
+               "1", *launch_flags, "--", "jphantom", "train", *TINY, *LAUNCHED, "--out",
+               str(out), "--checkpoint-dir", str(ck), *extra]
+    proc = subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    return proc, out, ck
+
+
+def _children(parent: int) -> dict[int, int]:
+    """rank -> pid of the processes ``jphantom launch`` (pid ``parent``) started."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) != parent:
+                continue
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        for item in environ:
+            if item.startswith(b"JPHANTOM_PROCESS_ID="):
+                found[int(item.split(b"=")[1])] = int(stat.parent.name)
+    return found
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    proc, out, _ = _launch(tmp_path, "whole")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return _final_loss(out)
+
+
+@pytest.mark.slow
+def test_sigterm_to_launch_checkpoints_every_process_and_resume_is_exact(tmp_path, uninterrupted):
+    proc, out, ck = _launch(tmp_path, "run", launch_flags=("--grace", "60"))
+    _when(lambda: len(_metrics(out)) >= 8, proc, 300)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["stopped_by"] == "SIGTERM" and results["steps_done"] in results[
+        "checkpoints"]["steps"]
+    again, out, _ = _launch(tmp_path, "run", "--resume")
+    _, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err[-3000:]
+    assert _final_loss(out) == pytest.approx(uninterrupted, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a_suspended_rank_ends_every_process_within_the_step_timeout(tmp_path):
+    proc, out, _ = _launch(tmp_path, "stuck", "--step-timeout", "20")
+    _when(lambda: len(_metrics(out)) >= 4, proc, 300)
+    children = _children(proc.pid)
+    os.kill(children[1], signal.SIGSTOP)
+    start = time.monotonic()
+    _, err = proc.communicate(timeout=90)
+    assert time.monotonic() - start < 60 and proc.returncode == 1, err[-3000:]
+    assert "did not finish within --step-timeout 20 s" in err
+    assert "process(es) 1 were suspended (SIGSTOP)" in err
+    for pid in children.values():
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text(
+        ).rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_restarted_from_the_newest_checkpoint(tmp_path, uninterrupted):
+    proc, out, ck = _launch(tmp_path, "restart", launch_flags=("--max-restarts", "1"))
+    _when(lambda: ck.exists() and any(p.name.isdigit() for p in ck.iterdir())
+          and len(_metrics(out)) >= 12, proc, 300)
+    os.kill(_children(proc.pid)[1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "restart 1 of 1 from the newest checkpoint (--resume)" in err
+    assert _final_loss(out) == pytest.approx(uninterrupted, rel=1e-6)
