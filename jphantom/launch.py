@@ -144,8 +144,8 @@ def launch(command: Sequence[str], num_processes: int, *, port: int | None = Non
                              f"the others; restart {attempt} of {max_restarts}"
                              f"{' from the newest checkpoint (--resume)' if resumed else ''}\n")
             continue
-        raise RuntimeError(f"launch: process {rank} of {num_processes} {how} first{also}; "
-                           f"stopped the others; its output is above, prefixed [{rank}]")
+        raise RuntimeError(f"launch: process {rank} of {num_processes} {how}{also}; stopped the "
+                           f"others; its output is above, prefixed [{rank}]")
 
 
 def _run_once(argv, num_processes, port, devices_per_process, timeout, accelerator, deadline,

@@ -325,6 +325,8 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
     try:
         index = first
         while index < train.steps:
+            if index > first:  # the whole iteration (not the first, which compiles)
+                watchdog.arm(f"step {index + 1}")
             pair = source.train(index)  # read even when skipped: the stream stays in step
             if index in skip_batches:  # the batch that gave a rolled-back non-finite loss
                 skip_batches.discard(index)
@@ -336,14 +338,11 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
             batch = place_train(pair)
             jax.block_until_ready(batch)  # the step's window opens on idle devices ...
             step_energy.begin()
-            if index > first:  # the first step compiles: not timed by the watchdog
-                watchdog.arm(f"step {index + 1}")
             tick = time.perf_counter()
             state, loss = step(state, *batch)
             state_step = index + 1  # the state is this step's (still computing)
             jax.block_until_ready((state, loss))  # ... and closes once its work is done
             elapsed = time.perf_counter() - tick
-            watchdog.disarm()
             joules = step_energy.end(elapsed)
             loss = float(loss)
             if index == first:
@@ -424,10 +423,12 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
                 history["step"].append(index + 1)
                 history["train_loss"].append(loss)
             if (index + 1) % train.eval_every == 0 or index + 1 == train.steps:
-                if evaluated:  # the first evaluation compiles
+                if evaluated:  # the first evaluation compiles: not timed
                     watchdog.arm(f"the evaluation after step {index + 1}")
+                else:
+                    watchdog.disarm()
                 record["validation_loss"], dropped = validate()
-                watchdog.disarm()
+                watchdog.arm(f"step {index + 1}")
                 evaluated = True
                 if dropped is not None:
                     record["dropped_fraction"] = dropped
@@ -452,6 +453,7 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
                 break
             if reached is not None:
                 break
+        watchdog.disarm()
         if meter_running:
             jax.block_until_ready(state)  # ... and closes once the work is done
     except KeyboardInterrupt:  # a second signal: stop now, keep what the run has

@@ -151,7 +151,8 @@ def test_bad_resilience_settings_are_one_line(flags, fragment, capsys):
 # Under launch: two processes
 # ------------------------------------------------------------------------------------------------
 
-LAUNCHED = ["--steps", "60", "--eval-every", "60", "--mesh", "data=2", "--save-every", "5"]
+LAUNCHED = ["--steps", "60", "--eval-every", "60", "--strategy", "tensor", "--mesh", "data=2",
+            "--save-every", "5"]
 
 
 def _launch(tmp_path, name, *extra, launch_flags=()):
