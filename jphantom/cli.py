@@ -301,6 +301,11 @@ _FORMULAS = {"gpipe": "(P-1)/(M+P-1)", "1f1b": "(P-1)/(M+P-1)",
              "zb-v": "0 when TF=TB=TW (the paper's claim)"}
 
 
+MAX_SCHEDULE_TASKS = 20_000
+"""``jphantom schedule`` refuses more forward tasks (P x M x V) than this: its drawing would be
+megabytes of text and its simulation minutes."""
+
+
 def _schedule(args: argparse.Namespace) -> int:
     """``jphantom schedule``: the simulator's timeline and bubble of a pipeline schedule, beside
     seed 003's formula and the lock-step executor's figures. Pure Python: no device is touched."""
@@ -314,6 +319,11 @@ def _schedule(args: argparse.Namespace) -> int:
             raise ConfigError(f"{flag} {value} must be at least 1")
     if args.width is not None and args.width < 1:
         raise ConfigError(f"--width {args.width} must be at least 1 column")
+    if P * M * V > MAX_SCHEDULE_TASKS:
+        raise ConfigError(f"--stages {P} x --microbatches {M} x --virtual-stages {V} = "
+                          f"{P * M * V:,} forward tasks: simulating and drawing more than "
+                          f"{MAX_SCHEDULE_TASKS:,} is not useful here; the bubble is "
+                          "(P-1)/(M+P-1) (1F1B, GPipe) or (P-1)/(P-1+V M) (interleaved)")
     split = args.schedule in SPLIT_SCHEDULES
     if split:
         if V != 1:

@@ -361,6 +361,10 @@ def _readable_data(value: str) -> None:
         raise ConfigError(f"data={value!r} is not a readable file or folder: give a text file, a "
                           "token file (.bin) or a folder of them (or leave --data out for the "
                           "Python standard library's sources)")
+    if data.suffix != ".bin":
+        from jphantom.data.tokens import check_text_file
+
+        check_text_file("data", data)
 
 
 def check_vocabulary(config: "RunConfig") -> None:
@@ -403,9 +407,22 @@ def _writable_folder(name: str, value: str) -> None:
     parent = path
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK) or not _can_create(
+            parent):
         raise ConfigError(f"{name}={value!r}: {str(parent)!r} is not a folder this process can "
                           "write in: pick another path")
+
+
+def _can_create(folder: Path) -> bool:
+    """Whether a folder can be made in ``folder`` (tried: ``os.access`` says yes for root in
+    /proc or on a read-only mount)."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".jphantom-probe-", dir=folder))
+    except OSError:
+        return False
+    return True
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "step": StepConfig,
@@ -437,6 +454,16 @@ class RunConfig:
                               "--moe-every N")
         if self.parallel.sequence_parallel and self.parallel.strategy != "tensor":
             raise ConfigError("--sequence-parallel applies to --strategy tensor (Megatron-SP)")
+        if self.parallel.mesh_config().size("context") == 1:
+            for flag, value, default in (("--context-attention", self.parallel.context_attention,
+                                          "ring"),
+                                         ("--no-load-balance", self.parallel.load_balance, True)):
+                if value != default:
+                    raise ConfigError(f"{flag} applies to a mesh with a context axis (context=C, "
+                                      "C > 1): add one to --mesh, or leave the flag out")
+        if self.train.save_hf is not None and self.model.family.save_hf is None:
+            raise ConfigError(f"--save-hf: the {self.model.name} family has no Hugging Face "
+                              "format; leave --save-hf out")
         if self.model.dtype == "float16" and self.train.optimizer != "sgd":
             raise ConfigError("dtype='float16' with an adaptive optimizer underflows Adam's "
                               "epsilon (1e-8 is 0 in float16): use --precision float16 (float32 "
@@ -649,6 +676,8 @@ def load_toml(path: str) -> dict:
             raw = tomllib.load(handle)
     except OSError as error:
         raise ConfigError(f"cannot read --config {path}: {error.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config {path} is not a text (TOML) file") from None
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"--config {path} is not valid TOML: {error}") from None
     flat: dict = {}
@@ -661,8 +690,15 @@ def load_toml(path: str) -> dict:
                 if inner not in fields:
                     raise ConfigError(f"--config {path}: [{key}] has no setting {inner!r}; "
                                       f"known: {sorted(fields)}")
-                flat["model" if (key, inner) == ("model", "name") else inner] = inner_value
+                name = "model" if (key, inner) == ("model", "name") else inner
+                if name in flat and flat[name] != inner_value:
+                    raise ConfigError(f"--config {path}: {name!r} is set twice, {flat[name]!r} "
+                                      f"and [{key}] {inner} = {inner_value!r}: keep one")
+                flat[name] = inner_value
         else:
+            if key in flat and flat[key] != value:
+                raise ConfigError(f"--config {path}: {key!r} is set twice, {flat[key]!r} and "
+                                  f"{value!r}: keep one")
             flat[key] = value
     unknown = sorted(set(flat) - set(FLAT) - set(ALIASES))
     if unknown:

@@ -495,6 +495,22 @@ def text_files(inputs: Sequence[str | os.PathLike], pattern: str = "*.txt") -> l
     return found
 
 
+def check_text_file(name: str, path) -> None:
+    """``path`` holds UTF-8 text (its first MiB decodes; a file cut inside a character at that
+    boundary passes): not empty, not binary."""
+    with open(path, "rb") as handle:
+        head = handle.read(1 << 20)
+    if not head:
+        raise ConfigError(f"{name}={str(path)!r} is empty: give a file with text in it")
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as error:
+        if error.start < len(head) - 4 or b"\0" in head:
+            raise ConfigError(f"{name}={str(path)!r} is not UTF-8 text (byte {error.start} is "
+                              f"0x{head[error.start]:02x}): give a text file, or a .bin token "
+                              "file written by `jphantom tokenize`") from None
+
+
 def tokenize_files(inputs: Sequence[str | os.PathLike], out: str | os.PathLike,
                    tokenizer_value: str, *, pattern: str = "*.txt", format: str = "llm.c",
                    eot: bool = True, progress: bool = True,
@@ -518,7 +534,15 @@ def tokenize_files(inputs: Sequence[str | os.PathLike], out: str | os.PathLike,
     files = text_files(inputs, pattern)
     if out.resolve() in {f.resolve() for f in files}:
         raise ConfigError(f"--out {str(out)!r} is also an input: write elsewhere")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    for path in files:
+        check_text_file("input", path)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_name(out.name + ".probe").touch()
+        out.with_name(out.name + ".probe").unlink()
+    except OSError as error:
+        raise ConfigError(f"--out {str(out)!r}: cannot write there ({error.strerror}): pick "
+                          "another path") from None
     total = sum(f.stat().st_size for f in files)
     separator = eot and tokenizer.eot is not None
     partial = out.with_name(out.name + ".partial")

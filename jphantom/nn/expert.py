@@ -113,8 +113,8 @@ class ExpertParallelExperts(nnx.Module):
         ranks = lax.axis_size(self.expert_axis)
         experts = local * ranks
         count = tokens.shape[0]
-        capacity = count if self.capacity_factor is None else max(
-            1, -(-int(self.capacity_factor * count * self.top_k) // experts))
+        capacity = count if self.capacity_factor is None else min(count, max(  # <= T: no drop
+            1, -(-int(self.capacity_factor * count * self.top_k) // experts)))
         config = expert_ops.MoEConfig(h, experts, self.top_k)
         position, _ = expert_ops.dispatch_plan(chosen, config, capacity)
         buffers = expert_ops.dispatch(tokens.astype(dtype), position, experts * capacity)

@@ -66,6 +66,7 @@ class MoEConfig:
         if self.dropless:
             raise ConfigError("a dropless MoE has no capacity")
         c = max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.experts))
+        c = min(c, tokens)  # an expert receives each token at most once: more drops nothing
         return -(-c // multiple) * multiple
 
     def check_axis(self, expert_ranks: int) -> None:

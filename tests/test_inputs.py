@@ -1,0 +1,69 @@
+"""Bad input never costs work: each of these is one line on stderr and exit status 2 before
+anything is built, compiled or written (the inputs of issue 35's probe that used to be
+tracebacks, silent or a near-hang)."""
+
+import pytest
+
+from jphantom import cli
+
+LM = ["--layers", "1", "--hidden", "16", "--heads", "2", "--steps", "1", "--no-progress"]
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "binary.dat").write_bytes(b"\x00\x01\x02\xff\xfe binary")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "both.toml").write_text("hidden = 64\n[model]\nhidden = 128\n")
+    (tmp_path / "text.txt").write_text("some text\n" * 10)
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["train", "--out", "/proc/x", *LM], "out='/proc/x': '/proc' is not a folder this process"),
+    (["train", "--save-gpt2", "/proc/x", "--out", "{t}/o", *LM], "save_hf='/proc/x'"),
+    (["train", "--config", "{t}/binary.dat"], "is not a text (TOML) file"),
+    (["train", "--config", "{t}/both.toml", "--out", "{t}/o"],
+     "'hidden' is set twice, 64 and [model] hidden = 128"),
+    (["train", "--data", "{t}/binary.dat", "--out", "{t}/o", *LM],
+     "binary.dat' is not UTF-8 text (byte 3 is 0xff)"),
+    (["train", "--data", "{t}/empty.txt", "--out", "{t}/o", *LM], "empty.txt' is empty"),
+    (["train", "--context-attention", "all-gather", "--out", "{t}/o", *LM],
+     "--context-attention applies to a mesh with a context axis"),
+    (["train", "--no-load-balance", "--out", "{t}/o", *LM],
+     "--no-load-balance applies to a mesh with a context axis"),
+    (["train", "--model", "ffn", "--save-hf", "{t}/hf", "--out", "{t}/o"],
+     "the ffn family has no Hugging Face format"),
+    (["train", "--model", "ffn", "--heads", "2", "--out", "{t}/o"],
+     "--heads does not apply to --model ffn; it applies to gpt2, llama"),
+    (["tokenize", "{t}/empty.txt", "--out", "{t}/e.bin"], "empty.txt' is empty"),
+    (["tokenize", "{t}/binary.dat", "--out", "{t}/b.bin"], "is not UTF-8 text"),
+    (["tokenize", "{t}/text.txt", "--out", "/proc/x.bin"], "--out '/proc/x.bin': cannot write"),
+    (["schedule", "--stages", "1000", "--microbatches", "1000"], "1,000,000 forward tasks"),
+])
+def test_bad_input_is_one_line_before_any_work(argv, fragment, files, capsys):
+    argv = [a.format(t=files) for a in argv]
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert fragment in captured.err and captured.err.count("\n") == 1, captured.err
+    assert not (files / "o").exists() and not (files / "hf").exists()
+
+
+def test_tensorboard_with_an_out_folder_is_accepted():
+    """``--tensorboard --out DIR`` used to be refused always: the built run copied the train
+    section with ``out=None``."""
+    pytest.importorskip("tensorboardX", reason="TensorBoard events need tensorboardX")
+    from jphantom.config import RunConfig
+
+    config = RunConfig.from_flags(tensorboard=True, out="out/tb", layers=1, hidden=16, heads=2)
+    assert config.build().program is not None
+
+
+def test_a_huge_capacity_factor_is_capped_at_the_tokens(tmp_path):
+    """--capacity-factor 1e9 used to overflow into a traceback: an expert never takes more than
+    the rank's T tokens, so the capacity is min(ceil(f T k / E), T)."""
+    from jphantom.sharding.expert import MoEConfig
+
+    assert MoEConfig(16, 4, 2, 1e9).capacity(32) == 32
+    assert MoEConfig(16, 4, 2, 1.0).capacity(32) == 16
+    assert cli.main(["train", "--capacity-factor", "1e9", "--moe-every", "1", *LM, "--out",
+                     str(tmp_path / "o")]) == 0
