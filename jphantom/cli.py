@@ -199,7 +199,8 @@ def _step_settings(args: argparse.Namespace, model: str) -> dict:
         return {"model": model, **given}  # refused by name when the run is built
     section = {f.name for f in dataclasses.fields(ModelConfig)}
     defaults = {k: v for k, v in STEP_DEFAULTS[found.defaults].items()
-                if k not in section or k in found.accepted}
+                if k not in section or (k in found.accepted and not (
+                    given.get("from_hf") and k in ("layers", "hidden", "heads", "vocab")))}
     return {**defaults, "model": model, **given}
 
 

@@ -208,9 +208,16 @@ class _Pricer:
         by_axis = {name: 0.0 for name, size in levels if size > 1}
         volume = dict(by_axis)
         for c in collectives:
-            if c.group > 1:  # a group over "a+b" spans both levels: priced at a's (outer) beta
+            if c.group > 1:  # a group over "a+b" spans both levels: priced at the outer
+                # level's beta, the outermost of its axes with more than one rank (data=1,
+                # context=C: context's, not data's, which has no link of its own)
+                sizes = dict(levels)
+                parts = [a for a in c.axis.split("+") if sizes.get(a, 1) > 1]
+                outer = max(parts or c.axis.split("+")[:1],
+                            key=lambda a: [name for name, _ in levels].index(a)
+                            if a in sizes else -1)
                 beta = (ax.point_to_point_bandwidth(self.topology, inner[c.axis], c.group)
-                        if c.kind == "collective-permute" else bandwidth[c.axis.split("+")[0]])
+                        if c.kind == "collective-permute" else bandwidth[outer])
                 by_axis[c.axis] = by_axis.get(c.axis, 0.0) + c.seconds(
                     beta, latency_s=self.alpha, bytes_per_element=self.element_bytes)
                 volume[c.axis] = volume.get(c.axis, 0.0) + c.count * c.buffer * (

@@ -181,14 +181,18 @@ class TeacherSource:
 # --------------------------------------------------------------------------------------------------
 
 
-def check_memory(config: RunConfig) -> dict:
+def check_memory(config: RunConfig, *, compiled: bool = False) -> dict:
     """The run's per-device memory estimate (:func:`jphantom.analysis.memory.check_run`); raises
     :class:`ConfigError` naming the largest term when it cannot fit, before anything is
-    allocated or compiled."""
-    from jphantom.analysis.memory import check_run
+    allocated or compiled. ``compiled``: then the compiled step's own figures
+    (:func:`jphantom.analysis.memory.check_compiled`), still before anything is allocated."""
+    from jphantom.analysis.memory import check_compiled, check_run
 
     b = config.build()
-    return check_run(config, b.program, b.step)
+    estimate = check_run(config, b.program, b.step)
+    if compiled:
+        return {"estimate": estimate, "compiled": check_compiled(config, b.program, b.step)}
+    return estimate
 
 
 def _text_model(config: RunConfig) -> bool:
@@ -227,7 +231,7 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
     start = time.perf_counter()
     check_vocabulary(config)  # the data against the model, before anything is built
     b = config.build()
-    check_memory(config)
+    memory = check_memory(config, compiled=True)  # compiles the step, allocates nothing
     program, mesh, step = b.program, b.mesh, b.step
     rows = None  # the rows of each training batch this process reads (None: all of them)
     if _text_model(config):
@@ -503,6 +507,7 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
                 step_energy.power)},
         "step_seconds": step_seconds,
         "compile_seconds": compile_seconds,
+        "compiled_memory_bytes": memory["compiled"] or None,
         "wall_seconds": time.perf_counter() - start,
         "iterations_to_target": reached,
         "data": source.describe(),

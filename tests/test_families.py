@@ -222,3 +222,18 @@ def test_families_with_head_norms_or_their_own_experts_do_not_declare_pmm3d(name
     assert main(["verify", "--model", name, "--strategy", "pmm3d", "--mesh", "z=2,x=2",
                  *SMALL]) == 2
     assert f"does not run the model family {name!r}" in capsys.readouterr().err
+
+
+def test_a_shape_flag_that_disagrees_with_the_checkpoint_is_refused():
+    """--from-hf used to ignore an explicit --hidden (and record the flag's value)."""
+    from pathlib import Path
+
+    from jphantom.config import RunConfig
+
+    qwen3 = str(Path(__file__).parent / "fixtures" / "hf" / "qwen3")
+    loaded = RunConfig.from_flags(model="qwen3", from_hf=qwen3).family_config()
+    with pytest.raises(ConfigError, match=f"--hidden 128 disagrees with the --from-hf "
+                                          f"checkpoint's hidden={loaded.hidden}"):
+        RunConfig.from_flags(model="qwen3", from_hf=qwen3, hidden=128).family_config()
+    same = RunConfig.from_flags(model="qwen3", from_hf=qwen3, hidden=loaded.hidden)
+    assert same.family_config() == loaded

@@ -67,3 +67,16 @@ def test_a_huge_capacity_factor_is_capped_at_the_tokens(tmp_path):
     assert MoEConfig(16, 4, 2, 1.0).capacity(32) == 16
     assert cli.main(["train", "--capacity-factor", "1e9", "--moe-every", "1", *LM, "--out",
                      str(tmp_path / "o")]) == 0
+
+
+def test_a_step_larger_than_the_device_is_one_line_before_anything_is_allocated(tmp_path,
+                                                                                capsys):
+    """The compiled step's own memory analysis (attention scores included: 64 x 2 heads x
+    65536^2 float32) against the host's memory per simulated device, before the state exists;
+    the estimate alone used to say it fits."""
+    assert cli.main(["train", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq-len",
+                     "65536", "--batch", "64", "--steps", "1", "--no-progress", "--out",
+                     str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "XLA's memory analysis" in err and "temporaries" in err and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()

@@ -446,3 +446,16 @@ def test_as_compiled_adds_what_jphantoms_step_moves():
     assert compiled[fsdp].bytes_by_axis["z"] > 1.8 * papers[fsdp].bytes_by_axis["z"]
     tp = ("tensor", "data=2,model=4")
     assert compiled[tp].bytes_by_axis["model"] > papers[tp].bytes_by_axis["model"]
+
+
+def test_a_context_only_layout_prices_its_gradient_all_reduce():
+    """data=1,context=C: the gradients are all-reduced over the C context ranks (they saw
+    different tokens); the planner used to price that at 0 s (data's level has no link), so with a
+    large vocabulary such a layout ranked first."""
+    from jphantom.plan import plan
+    from jphantom.perf.axonn_model import GPTShape
+
+    result = plan(GPTShape(layers=2, hidden=256, heads=4, seq_len=1024, vocab_size=65536), 8,
+                  batch=8, layouts=("context",))
+    row = next(r for r in result.rows if r.mesh == "data=1,context=8,model=1")
+    assert row.comm_by_axis["data+context"] > 0 and row.bytes_by_axis["data+context"] > 0

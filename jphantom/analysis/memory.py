@@ -136,3 +136,31 @@ def check_run(config, program, step) -> dict[str, int]:
     check_fits(estimate, step.mesh, f"training {config.model.name} under "
                                     f"{config.parallel.strategy} on mesh {program.mesh}")
     return estimate
+
+
+def check_compiled(config, program, step) -> dict[str, int]:
+    """The compiled step's own memory (XLA's ``memory_analysis()``: arguments + outputs -
+    aliased + temporaries per device, attention scores and every other buffer included) against
+    what a device holds (:func:`available_memory`), before anything is allocated: a ConfigError
+    with the figures and the flags that reduce them. The compilation is the run's own (jax
+    caches it: the first step does not compile again). Returns the figures."""
+    from jphantom.analysis.inspect import abstract_batch, compiled_memory
+
+    compiled = step.lower(step.abstract_state(), *abstract_batch(config, program, step)).compile()
+    memory = compiled_memory(compiled)
+    if not memory:
+        return memory
+    peak = (memory["argument_bytes"] + memory["output_bytes"] - memory["alias_bytes"]
+            + memory["temp_bytes"])
+    memory["peak_bytes"] = peak
+    limit, source = available_memory(step.mesh)
+    if limit is not None and peak > limit:
+        raise ConfigError(
+            f"the compiled step of {config.model.name} under {config.parallel.strategy} on mesh "
+            f"{program.mesh} needs {peak / GIB:.3g} GiB per device (XLA's memory analysis: "
+            f"arguments {memory['argument_bytes'] / GIB:.3g}, outputs "
+            f"{memory['output_bytes'] / GIB:.3g}, temporaries {memory['temp_bytes'] / GIB:.3g} "
+            f"GiB), more than the {limit / GIB:.3g} GiB available ({source}): reduce it with a "
+            "smaller --batch or --seq-len, --accumulate N, --remat nothing_saveable, --zero 3, "
+            "more model or context ranks")
+    return memory

@@ -208,3 +208,16 @@ def read_hf_config(directory, family: Family) -> dict:
         raise ConfigError(f"--from-hf {directory} holds a {kind!r} checkpoint, which --model "
                           f"{family.name} does not read: {fix}")
     return hf
+
+
+def check_checkpoint_shape(section, config, names: dict[str, str]) -> None:
+    """A ``--from-hf`` run's shape is the checkpoint's: a model-section field of ``names``
+    (section field -> configuration attribute) set away from its default must equal the loaded
+    configuration's, else a ConfigError naming both (it used to be ignored)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(type(section))}
+    for field, attribute in names.items():
+        given, loaded = getattr(section, field), getattr(config, attribute, None)
+        if given != defaults.get(field) and loaded is not None and given != loaded:
+            flag = "--" + field.replace("_", "-")
+            raise ConfigError(f"{flag} {given} disagrees with the --from-hf checkpoint's "
+                              f"{attribute}={loaded}: leave {flag} out (the checkpoint sets it)")

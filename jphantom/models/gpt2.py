@@ -878,6 +878,8 @@ def family_config(section, phantom: bool) -> TransformerConfig:
     ghost = section.ghost_width if phantom else None
     if section.from_hf:
         config = config_from_hf(family.read_hf_config(section.from_hf, family.get("gpt2")))
+        family.check_checkpoint_shape(section, config, {
+            "layers": "layers", "hidden": "hidden", "heads": "heads", "vocab": "vocab_size"})
         if section.seq_len > config.seq_len:
             raise ConfigError(f"seq_len={section.seq_len} exceeds the checkpoint's "
                               f"{config.seq_len} positions: pass --seq-len {config.seq_len} or "

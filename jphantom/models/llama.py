@@ -740,8 +740,12 @@ def family_config(section, name: str, **preset) -> LlamaConfig:
     from jphantom.models import family
 
     if section.from_hf:
-        hf = family.read_hf_config(section.from_hf, family.get(name))
-        return dataclasses.replace(config_from_hf(hf), dtype=section.dtype)
+        config = config_from_hf(family.read_hf_config(section.from_hf, family.get(name)))
+        family.check_checkpoint_shape(section, config, {
+            "layers": "layers", "hidden": "hidden", "heads": "heads", "vocab": "vocab_size",
+            "kv_heads": "kv_heads", "intermediate": "intermediate",
+            "sliding_window": "sliding_window"})
+        return dataclasses.replace(config, dtype=section.dtype)
     fields = dict(vocab_size=section.vocab, hidden=section.hidden,
                   intermediate=section.intermediate or default_intermediate(section.hidden),
                   layers=section.layers, heads=section.heads,
