@@ -112,6 +112,15 @@ class Checkpointer:
             return restored
         raise ConfigError(f"no checkpoint in {self.directory} restores: " + "; ".join(failures))
 
+    def meta(self, step: int | None = None) -> dict | None:
+        """The JSON saved beside checkpoint ``step`` (default the newest; None if there is
+        none): the step, history, shapes, and what the run put there (its model, its data)."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            return None
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+            "meta"]
+
     def _restore(self, step: int, params_like, opt_state_like):
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
             "meta"]

@@ -385,6 +385,12 @@ def format_table(result: dict) -> str:
             f"{r['collective_bytes_per_iteration'] / 1e3:>14.2f}"
             f"{r['energy_per_iteration_j']:>10.4f}{fmt(r['energy_total_j'], '.3f'):>10}"
             f"  {r['energy_source']}")
+    missed = [f"{r['strategy']} p={r['shards']}" for r in result["rows"]
+              if r["iterations_to_target"] is None]
+    if missed:
+        lines += ["", f"not reached: {', '.join(missed)} did not reach the target "
+                      f"{result['target_loss']:.4g} in any seed's steps (give more steps, or a "
+                      "higher --target-loss)"]
     lines += ["", "phantom / TP at the same p (bytes: per all-gather and per reduce-scatter, then the "
                   "iteration's total; k/(n/p) for reference):",
               f"{'p':>3}{'k':>4}{'params':>9}{'iters':>8}{'k/(n/p)':>9}{'AG':>8}{'RS':>8}"

@@ -290,7 +290,10 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
     history = fresh_history()
     first = 0
     initial_data = getattr(source, "state", lambda: None)()  # where a rollback to 0 restarts
+    identity = {"model": {"name": config.model.name, **_asdict(program.config)},
+                "corpus": {"data": train.data, "tokenizer": train.tokenizer}}
     if train.resume:  # the state, the history and the data stream's position (the step)
+        _check_same_run(checkpointer, identity)
         state, first, history = _restore(checkpointer, state, source)
         if first >= train.steps:
             raise ConfigError(f"the checkpoint is at step {first}, not before steps="
@@ -446,7 +449,7 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
             last = index + 1 == train.steps or reached is not None or stopping
             if checkpointer is not None and (checkpointer.due(index + 1) or last):
                 checkpointer.save(index + 1, state.params, state.opt_state,
-                                  {"history": json.loads(json.dumps(history))},
+                                  {"history": json.loads(json.dumps(history)), **identity},
                                   data=data_state())
                 saved_step = index + 1
             bar.set_postfix(_postfix(record, history), refresh=False)
@@ -466,7 +469,8 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
         alive = not any(getattr(a, "is_deleted", lambda: False)() for a in jax.tree.leaves(state))
         if checkpointer is not None and alive and state_step > first and state_step != saved_step:
             checkpointer.save(state_step, state.params, state.opt_state,
-                              {"history": json.loads(json.dumps(history))}, data=data_state())
+                              {"history": json.loads(json.dumps(history)), **identity},
+                              data=data_state())
             saved_step = state_step
     finally:
         watchdog.close()
@@ -606,6 +610,32 @@ def _restore(checkpointer, state, source):
                               "and tokenizer that saved it")
         source.restore(meta["data"])
     return TrainState(params, opt_state), meta["step"], meta["history"]
+
+
+def _check_same_run(checkpointer, identity: dict) -> None:
+    """``--resume`` continues the run that saved the checkpoint: the same model (a changed
+    ``--hidden`` is named, not blamed on the mesh) and the same data and tokenizer."""
+    meta = checkpointer.meta()
+    if meta is None:
+        return  # restore says there is no checkpoint
+    step = meta["step"]
+    saved = meta.get("model")
+    if saved is not None:
+        changed = [k for k in sorted(set(saved) | set(identity["model"]))
+                   if saved.get(k) != identity["model"].get(k) and k != "dtype"]
+        if changed:
+            k = changed[0]
+            raise ConfigError(f"checkpoint step {step} was saved by model {saved.get('name')} "
+                              f"with {k}={saved.get(k)!r}; this run's has "
+                              f"{k}={identity['model'].get(k)!r}: resume with the model flags "
+                              "that saved it, or start a new --checkpoint-dir")
+    corpus = meta.get("corpus")
+    if corpus is not None and corpus != identity["corpus"]:
+        raise ConfigError(f"checkpoint step {step} was trained on data={corpus['data']!r} "
+                          f"(tokenizer {corpus['tokenizer']!r}); this run reads "
+                          f"data={identity['corpus']['data']!r} (tokenizer "
+                          f"{identity['corpus']['tokenizer']!r}): resume with the data that "
+                          "saved it, or start a new --checkpoint-dir")
 
 
 def _last_good(checkpointer) -> str:

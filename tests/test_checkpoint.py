@@ -147,7 +147,7 @@ def test_ctrl_c_stops_at_a_step_writes_what_the_run_has_and_exits_130(tmp_path):
     child.send_signal(signal.SIGINT)
     _, stderr = child.communicate(timeout=120)
     assert child.returncode == 130, stderr
-    assert "Traceback" not in stderr and "interrupted" in stderr
+    assert "Traceback" not in stderr and "SIGINT: stopped after step" in stderr
     results = json.loads((out / "results.json").read_text())
     logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert results["interrupted"] is True and logged == list(range(1, len(logged) + 1))

@@ -99,7 +99,7 @@ def nan_at_step_4(monkeypatch):
 
 
 FFN = ["--model", "ffn", "--width", "16", "--batch", "8", "--steps", "8", "--eval-every", "8",
-       "--eval-batches", "1", "--no-progress", "--devices", "1", "--optimizer", "sgd"]
+       "--eval-batches", "1", "--no-progress", "--optimizer", "sgd"]
 
 
 def test_a_nonfinite_loss_stops_and_names_the_last_good_checkpoint(nan_at_step_4, tmp_path,
@@ -233,3 +233,20 @@ def test_a_killed_rank_is_restarted_from_the_newest_checkpoint(tmp_path, uninter
     assert proc.returncode == 0, err[-3000:]
     assert "restart 1 of 1 from the newest checkpoint (--resume)" in err
     assert _final_loss(out) == pytest.approx(uninterrupted, rel=1e-6)
+
+
+def test_resume_names_a_changed_model_or_corpus(tmp_path, capsys):
+    """A changed --hidden on --resume used to be blamed on the mesh; another corpus said
+    nothing."""
+    ck = str(tmp_path / "ck")
+    base = [*TINY, "--steps", "2", "--eval-every", "2", "--checkpoint-dir", ck]
+    assert cli.main(["train", *base, "--out", str(tmp_path / "a")]) == 0
+    capsys.readouterr()
+    steps4 = ["--steps", "4", "--resume", "--out", str(tmp_path / "b")]
+    assert cli.main(["train", *base, "--hidden", "64", *steps4]) == 2
+    assert "was saved by model gpt2 with hidden=32; this run's has hidden=64" in (
+        capsys.readouterr().err)
+    corpus = tmp_path / "other.txt"
+    corpus.write_text("another corpus\n" * 400)
+    assert cli.main(["train", *base, "--data", str(corpus), *steps4]) == 2
+    assert "was trained on data=None" in capsys.readouterr().err
