@@ -38,6 +38,28 @@ def _shapes(tree) -> dict[str, list[int]]:
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+def _quiet_closed_loop_callbacks() -> None:
+    """After a failed restore, TensorStore's reads still in flight finish on Orbax's closed
+    asyncio loop, and Python prints each ``RuntimeError('Event loop is closed')`` they raise as
+    an unraisable exception (hundreds of tracebacks before the one warning that says what
+    happened). Those alone are dropped; every other unraisable exception still reaches the
+    previous hook."""
+    import sys
+
+    previous = sys.unraisablehook
+    if getattr(previous, "_jphantom_quiet", False):
+        return
+
+    def hook(unraisable):
+        value = unraisable.exc_value
+        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook._jphantom_quiet = True
+    sys.unraisablehook = hook
+
+
 class Checkpointer:
     """Orbax ``CheckpointManager`` for jphantom's training state in ``directory``: save every
     ``save_every`` steps (0: only when asked), keep the last ``keep``."""
@@ -93,6 +115,7 @@ class Checkpointer:
             except ConfigError:
                 raise
             except Exception as error:  # noqa: BLE001 (Orbax raises many kinds for damaged files)
+                _quiet_closed_loop_callbacks()
                 failures.append(f"step {step}: {type(error).__name__}: "
                                 f"{str(error).splitlines()[0][:200] if str(error) else ''}")
                 damaged.append(step)

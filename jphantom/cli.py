@@ -1035,6 +1035,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from jphantom.errors import ConfigError, TrainingDiverged
 
+    _one_line_warnings()
+
     if args.command == "train" and not args.no_gpu_defaults and args.devices is None:
         _train_gpu_defaults()  # before jax.distributed or anything else starts jax
     try:
@@ -1052,6 +1054,27 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before or after the training loop, which handles its own
         print("jphantom: interrupted", file=sys.stderr)
         return 130
+
+
+def _one_line_warnings() -> None:
+    """jphantom's own warnings on the command line: one line, ``jphantom: warning: ...``, not the
+    library file and line they were raised at."""
+    import warnings
+
+    from jphantom.errors import JPhantomWarning
+
+    previous = warnings.showwarning
+    if getattr(previous, "_jphantom", False):
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, JPhantomWarning):
+            print(f"jphantom: warning: {message}", file=file or sys.stderr)
+            return
+        previous(message, category, filename, lineno, file, line)
+
+    show._jphantom = True
+    warnings.showwarning = show
 
 
 def _message(error: Exception) -> str:

@@ -608,6 +608,14 @@ def _build(model: ModelConfig, parallel: ParallelConfig, step: StepConfig,
                           f"{len(devices)} are available: pass --devices "
                           f"{mesh_config.device_count} to simulate them on CPU, or a smaller "
                           "mesh")
+    used = devices[:mesh_config.device_count]
+    idle = sorted({d.process_index for d in devices} - {d.process_index for d in used})
+    if idle:  # a process with no device of the mesh has no part of the step to run
+        processes = len({d.process_index for d in devices})
+        raise ConfigError(f"mesh {mesh_config} uses {len(used)} of the {len(devices)} devices of "
+                          f"{processes} processes; process(es) {', '.join(map(str, idle))} hold "
+                          "none of them: give the mesh every process's devices, or start fewer "
+                          "processes")
     options = {}
     if parallel.sequence_parallel:
         options["sequence_parallel"] = True

@@ -11,6 +11,7 @@ answered in time) naming the address.
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import time
 
@@ -47,6 +48,46 @@ def check_port_free(port: int) -> None:
                 raise ConfigError(
                     f"coordinator_address: process 0 cannot start the coordinator on port {port} "
                     f"({err.strerror}). Fix: pick a free port >= 1024 for every process") from None
+
+
+def check_reaches_self(address: str, timeout: float) -> None:
+    """Process 0's check that ``address`` reaches this host: a listener on its port, then a
+    connection to ``address`` within ``timeout`` s (jax's own client, which connects to it,
+    would abort the process after ~20 s instead). ConfigError naming the address if not."""
+    host, port = split_address(address)
+    listener = None
+    for family, any_host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            listener = socket.socket(family, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((any_host, port))
+            listener.listen(1)
+            break
+        except OSError:
+            listener.close()
+            listener = None
+    if listener is None:
+        return  # check_port_free names the port's problem
+    token = os.urandom(16)
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as client:
+            client.sendall(token)
+            listener.settimeout(min(timeout, 2.0))  # a proxy may accept what is not ours
+            accepted, _ = listener.accept()
+            with accepted:
+                accepted.settimeout(min(timeout, 2.0))
+                received = accepted.recv(len(token))
+        if received != token:
+            raise OSError("another listener answered")
+    except OSError as err:
+        why = "nothing of this host answered" if isinstance(err, TimeoutError) else (
+            f"{type(err).__name__}: {err}")
+        raise ConfigError(
+            f"coordinator_address {address}: process 0 runs the coordinator, but {host} does not "
+            f"reach this host ({why}). Fix: give every process an address of process 0's own "
+            "host (its name or IP), or start process 0 on that host") from None
+    finally:
+        listener.close()
 
 
 def probe_coordinator(address: str, timeout: float) -> None:

@@ -24,7 +24,8 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
-from jphantom.coordinator import check_port_free, probe_coordinator, split_address
+from jphantom.coordinator import (check_port_free, check_reaches_self, probe_coordinator,
+                                  split_address)
 from jphantom.errors import ConfigError, check_int
 
 ENV_NUM_PROCESSES = "JPHANTOM_NUM_PROCESSES"
@@ -97,6 +98,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if process_id == 0 and address:
         bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
         check_port_free(split_address(bind or address)[1])
+        if not bind:
+            check_reaches_self(address, min(initialization_timeout, 10))
     elif process_id is not None and address:
         probe_coordinator(address, initialization_timeout)
 

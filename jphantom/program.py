@@ -366,6 +366,12 @@ def lm_loss(model, tokens, targets, mask=None, **balance):
     step that accumulates micro-batches, :meth:`jphantom.models.gpt2.GPT2.balance_statistics`);
     with ``mask`` (a third batch array) the terms of the global token mean
     (:mod:`jphantom.token_mean`)."""
+    import jax.numpy as jnp
+
+    for name, ids in (("tokens", tokens), ("targets", targets)):
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ConfigError(f"{name} are {ids.dtype} values: a language model takes integer "
+                              f"token ids (e.g. np.int32), not {ids.dtype}")
     if mask is None:
         return model.loss(tokens, targets, **balance)
     return model.loss_terms(tokens, targets, mask, **balance)

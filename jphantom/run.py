@@ -615,7 +615,10 @@ def _restore(checkpointer, state, source):
 def _check_same_run(checkpointer, identity: dict) -> None:
     """``--resume`` continues the run that saved the checkpoint: the same model (a changed
     ``--hidden`` is named, not blamed on the mesh) and the same data and tokenizer."""
-    meta = checkpointer.meta()
+    try:
+        meta = checkpointer.meta()
+    except Exception:  # noqa: BLE001 (a damaged newest checkpoint: restore skips it, and says so)
+        return
     if meta is None:
         return  # restore says there is no checkpoint
     step = meta["step"]

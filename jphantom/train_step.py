@@ -330,6 +330,15 @@ class TrainStep:
         self.zero = zero_module.check(zero)
         self.accumulate = check_int("accumulate", accumulate)
         self.precision = Precision.named(precision)
+        if self.precision.dynamic:  # loss scaling needs float32 master weights to update
+            stored = {str(leaf.dtype) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))
+                      if jnp.issubdtype(leaf.dtype, jnp.floating)}
+            if stored - {"float32", "float64"}:
+                raise ConfigError(f"precision={self.precision.name!r} computes in float16 and "
+                                  f"updates float32 master weights, but the model's parameters "
+                                  f"are {', '.join(sorted(stored))}: build the model in float32 "
+                                  "(the policy casts it for the forward), or train in its dtype "
+                                  "with precision='float32'")
         self.attention = (None if attention is None
                           else attention_module.check_implementation(attention))
         self.platform = attention_module.platform_of(self.mesh.devices.flat[0])

@@ -602,3 +602,12 @@ def test_a_killed_process_stops_its_peer_within_the_heartbeat_timeout():
     assert procs[0].returncode != 0
     assert waited < heartbeat + 15, waited  # jax's default heartbeat timeout is 100 s
     assert "heartbeat timeout" in err or "another task died" in err, err[-3000:]
+
+
+def test_process_0_refuses_an_address_that_does_not_reach_its_host():
+    """Process 0 with a coordinator address of another host: jax's own client aborted the process
+    (SIGABRT, rc 134) after ~20 s, its timeout ignored; now one ConfigError within seconds."""
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="does not reach this host"):
+        distributed.initialize(f"10.255.255.1:{free_port()}", 2, 0, initialization_timeout=5)
+    assert time.monotonic() - start < 10

@@ -5,6 +5,7 @@ a save writes the file's tensors back byte for byte, and ``train --from-hf`` run
 per-head q/k norms stay replicated under the plans; Mistral's window changes the logits."""
 
 import functools
+import json
 from pathlib import Path
 
 import jax
@@ -15,6 +16,7 @@ import pytest
 from flax import nnx
 
 import jphantom
+from jphantom.cli import main
 from jphantom.mesh import MeshConfig, first_devices
 from jphantom.models import hf, llama
 
@@ -153,15 +155,19 @@ def test_families_under_the_strategies_equal_one_device(family, mesh, plan, opti
     assert report.ok, str(report)
 
 
-def test_train_from_hf_runs_two_steps_on_data_and_model(tmp_path):
-    from jphantom.config import RunConfig
-    from jphantom.run import run
-
-    config = RunConfig.from_flags(model="qwen3", strategy="tensor", mesh="data=2,model=2",
-                                  from_hf=str(FIXTURES / "qwen3"), seq_len=16, batch=4, steps=2,
-                                  eval_every=2, eval_batches=1, out=str(tmp_path / "run"),
-                                  save_hf=str(tmp_path / "hf"), progress=False)
-    results = run(config)
-    assert np.isfinite(results["final_validation_loss"])
+@pytest.mark.parametrize("family, model", [
+    ("qwen3", "qwen3"), pytest.param("mistral", "mistral", marks=pytest.mark.slow),
+    pytest.param("qwen2", "qwen2", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", "qwen3_moe", marks=pytest.mark.slow),
+    pytest.param("gemma3_text", "gemma3", marks=pytest.mark.slow)])
+def test_train_from_hf_runs_two_steps_on_data_and_model(tmp_path, family, model):
+    """`jphantom train --model M --from-hf DIR` on data=2,model=2 for every family, and its
+    --save-hf is the same family's checkpoint."""
+    assert main(["train", "--model", model, "--strategy", "tensor", "--mesh", "data=2,model=2",
+                 "--from-hf", str(FIXTURES / family), "--seq-len", "16", "--batch", "4",
+                 "--steps", "2", "--eval-every", "2", "--eval-batches", "1", "--out",
+                 str(tmp_path / "run"), "--save-hf", str(tmp_path / "hf"), "--no-progress"]) == 0
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert np.isfinite(results["final_validation_loss"]) and results["model"]["name"] == model
     again = hf.load(tmp_path / "hf")
-    assert again.config.model_type == "qwen3" and again.config.qk_norm
+    assert again.config.model_type == family == hf.model_type(tmp_path / "hf")

@@ -80,3 +80,52 @@ def test_a_step_larger_than_the_device_is_one_line_before_anything_is_allocated(
     err = capsys.readouterr().err
     assert "XLA's memory analysis" in err and "temporaries" in err and err.count("\n") == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_float_token_arrays_in_the_api_are_named():
+    import numpy as np
+
+    from jphantom.config import RunConfig
+
+    config = RunConfig.from_flags(layers=1, hidden=16, heads=2, seq_len=8, batch=4, out=None)
+    built = config.build()
+    state = built.program.init(built.step)
+    tokens = np.zeros((4, 8), np.float32)
+    with pytest.raises(Exception, match="tokens are float32 values: a language model takes "
+                                        "integer token ids"):
+        built.step(state, tokens, tokens.astype(np.int32))
+
+
+def test_float16_loss_scaling_on_bfloat16_parameters_is_refused():
+    """It used to keep bfloat16 master weights without a word."""
+    import optax
+
+    import jphantom
+    from jphantom.errors import ConfigError
+    from flax import nnx
+
+    from jphantom.models.llama import Llama, LlamaConfig, lm_loss
+
+    model = Llama(LlamaConfig(vocab_size=32, hidden=16, intermediate=32, layers=1, heads=2,
+                              kv_heads=2, dtype="bfloat16"), rngs=nnx.Rngs(0))
+    from jphantom.mesh import MeshConfig, first_devices
+
+    mesh = MeshConfig.parse("model=1").build(first_devices(1))
+    with pytest.raises(ConfigError, match="parameters are bfloat16"):
+        jphantom.make_train_step(model, mesh, optax.sgd(0.1), lm_loss, precision="float16")
+
+
+def test_a_mesh_that_leaves_a_process_without_devices_is_one_line(capsys):
+    """launch -n 3 with a mesh of 8 of the 12 devices: process 2 holds none (it used to fail
+    with `ValueError: min() arg is an empty sequence`)."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "jphantom", "launch", "-n", "3", "--devices-per-process",
+               "4", "--", "jphantom", "train", "--strategy", "tensor", "--mesh", "data=8", *LM,
+               "--out", "/tmp/unused-jphantom-out"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in __import__("os").environ.items()
+                               if k != "XLA_FLAGS"})
+    assert done.returncode == 1
+    assert "process(es) 2 hold none of them" in done.stderr and "Traceback" not in done.stderr

@@ -250,3 +250,25 @@ def test_resume_names_a_changed_model_or_corpus(tmp_path, capsys):
     corpus.write_text("another corpus\n" * 400)
     assert cli.main(["train", *base, "--data", str(corpus), *steps4]) == 2
     assert "was trained on data=None" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_is_one_warning_line(tmp_path):
+    """Its arrays damaged: --resume falls back to the one before with one line on stderr (it
+    used to print hundreds of asyncio/TensorStore tracebacks and the library line first)."""
+    ffn = [*FFN[:6], "--eval-batches", "1", "--no-progress", "--optimizer", "sgd",
+           "--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "2", "--keep-checkpoints",
+           "5", "--out", str(tmp_path / "o")]
+    first = subprocess.run([sys.executable, "-m", "jphantom", "train", *ffn, "--steps", "4",
+                            "--eval-every", "4"], env=_env(), capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    for path in (tmp_path / "ck" / "4" / "state").rglob("*"):
+        if path.is_file() and path.parent.name == "d":
+            path.write_bytes(b"not a checkpoint")
+    again = subprocess.run([sys.executable, "-m", "jphantom", "train", *ffn, "--steps", "6",
+                            "--eval-every", "6", "--resume"], env=_env(), capture_output=True,
+                           text=True)
+    assert again.returncode == 0, again.stderr
+    lines = again.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jphantom: warning: newer checkpoints")
+    assert "resumed from step 2" in lines[0]

@@ -272,8 +272,9 @@ class TextCorpus:
         if windows < batch:
             raise ConfigError(
                 f"the validation split has {self.validation.size} bytes = {windows} windows of "
-                f"seq_len={self.seq_len}, fewer than one batch of {batch}; lower batch or seq_len, raise "
-                "validation_fraction, or use a larger corpus"
+                f"seq_len={self.seq_len}, fewer than one batch of {batch}: lower --batch or "
+                f"--seq-len, or use a larger corpus (the validation split is "
+                f"{self.config.validation_fraction:.0%} of it)"
             )
         full = windows // batch
         return full if max_batches is None else min(full, max_batches)
