@@ -486,8 +486,16 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
         if meter_running:
             measurement = meter.stop()
             energy = measurement if metered_steps else None
+    flat = config.flat()
+    if config.model.from_hf:  # the loaded model's shape, not the flags' defaults
+        loaded = program.config
+        for name, attribute in (("layers", "layers"), ("hidden", "hidden"), ("heads", "heads"),
+                                ("vocab", "vocab_size"), ("kv_heads", "kv_heads"),
+                                ("intermediate", "intermediate")):
+            if name in flat and getattr(loaded, attribute, None) is not None:
+                flat[name] = getattr(loaded, attribute)
     results = {
-        "config": config.flat(),
+        "config": flat,
         "mesh": str(program.mesh),
         "devices": [str(d) for d in mesh.devices.flat],
         "params": program.param_count,

@@ -169,5 +169,6 @@ def test_train_from_hf_runs_two_steps_on_data_and_model(tmp_path, family, model)
                  str(tmp_path / "run"), "--save-hf", str(tmp_path / "hf"), "--no-progress"]) == 0
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert np.isfinite(results["final_validation_loss"]) and results["model"]["name"] == model
+    assert results["config"]["hidden"] == results["model"]["hidden"] != 256  # not the default
     again = hf.load(tmp_path / "hf")
     assert again.config.model_type == family == hf.model_type(tmp_path / "hf")

@@ -115,6 +115,7 @@ def test_float16_loss_scaling_on_bfloat16_parameters_is_refused():
         jphantom.make_train_step(model, mesh, optax.sgd(0.1), lm_loss, precision="float16")
 
 
+@pytest.mark.slow
 def test_a_mesh_that_leaves_a_process_without_devices_is_one_line(capsys):
     """launch -n 3 with a mesh of 8 of the 12 devices: process 2 holds none (it used to fail
     with `ValueError: min() arg is an empty sequence`)."""

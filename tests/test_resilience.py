@@ -235,6 +235,7 @@ def test_a_killed_rank_is_restarted_from_the_newest_checkpoint(tmp_path, uninter
     assert _final_loss(out) == pytest.approx(uninterrupted, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_resume_names_a_changed_model_or_corpus(tmp_path, capsys):
     """A changed --hidden on --resume used to be blamed on the mesh; another corpus said
     nothing."""
