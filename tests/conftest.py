@@ -16,6 +16,7 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", True)  # library code always passes explicit dtypes
+jax.devices()  # the 8 devices start now: a test's CLI call cannot shrink them for later tests
 
 
 def require_devices(count: int) -> None:
