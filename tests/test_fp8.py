@@ -89,6 +89,7 @@ def test_an_fp8_step_under_tensor_parallelism_equals_the_one_device_fp8_step():
     assert_tree_close(grads, want, 1e-5)
 
 
+@pytest.mark.slow
 def test_fp8_training_follows_bf16_within_the_measured_tolerance():
     """experiments/fp8.py's quick case (a tiny Llama, 20 steps on data=2,model=2), against the
     tolerance docs/gpu.md gives from the 300-step run: 2% at every evaluation (that run: at most

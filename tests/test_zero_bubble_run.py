@@ -221,7 +221,8 @@ def test_zero_bubble_pipelines_refuse_bad_shapes_before_compiling():
 
 
 @pytest.mark.parametrize("schedule, dropless", [
-    ("zb-h1", False), pytest.param("zb-v", True, marks=pytest.mark.slow),
+    pytest.param("zb-h1", False, marks=pytest.mark.slow),
+    pytest.param("zb-v", True, marks=pytest.mark.slow),
     pytest.param("gpipe", False, marks=pytest.mark.slow),
     pytest.param("1f1b", True, marks=pytest.mark.slow),
     pytest.param("interleaved-1f1b", False, marks=pytest.mark.slow),
