@@ -187,7 +187,7 @@ def _run_once(argv, num_processes, port, devices_per_process, timeout, accelerat
         if isinstance(failed, tuple):
             failed = (*failed, [r for r, proc in enumerate(procs) if _suspended(proc)])
     finally:
-        _stop(procs, grace if received else STOP_S)
+        _stop(procs, grace if received else STOP_S, terminate=not received)
         for relay in relays:
             relay.join(timeout=GRACE_S)
         for sig, handler in previous.items():
@@ -259,12 +259,17 @@ def _signal_group(proc, sig) -> None:
         pass
 
 
-def _stop(procs, grace: float = STOP_S) -> None:
+def _stop(procs, grace: float = STOP_S, *, terminate: bool = True) -> None:
     """SIGTERM every child's process group (what a child started is stopped with it, even after
     the child itself has exited), SIGKILL the groups still there after ``grace`` seconds (at
-    once for a suspended child, which cannot act on SIGTERM)."""
+    once for a suspended child, which cannot act on SIGTERM). ``terminate=False``: they were
+    sent a signal already (forwarded from launch's own), which a second one would turn into
+    "stop now": only wait, then SIGKILL."""
     for proc in procs:
-        _signal_group(proc, signal.SIGKILL if _suspended(proc) else signal.SIGTERM)
+        if _suspended(proc):
+            _signal_group(proc, signal.SIGKILL)
+        elif terminate:
+            _signal_group(proc, signal.SIGTERM)
     deadline = time.monotonic() + grace
     for proc in procs:
         try:

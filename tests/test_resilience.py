@@ -39,7 +39,9 @@ def _when(condition, proc, limit=120.0):
     start = time.monotonic()
     while not condition():
         if proc.poll() is not None or time.monotonic() - start > limit:
-            out, err = proc.communicate(timeout=30) if proc.poll() is None else ("", "")
+            if proc.poll() is None:
+                proc.kill()
+            out, err = proc.communicate(timeout=30)
             raise AssertionError(f"gave up waiting (rc={proc.returncode})\n{err[-3000:]}")
         time.sleep(0.05)
 
