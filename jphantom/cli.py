@@ -669,13 +669,14 @@ def _add_run_flags(parser: argparse.ArgumentParser, defaults: dict | None = None
     from jphantom.pipeline.schedule import ALL_SCHEDULES
     from jphantom.precision import NAMES as PRECISIONS
     from jphantom.remat import POLICIES
+    from jphantom.resilience import NONFINITE
 
     choices = {"schedule": ALL_SCHEDULES, "zero": (0, 1, 2, 3), "precision": PRECISIONS,
                "remat": tuple(POLICIES), "optimizer": ("adamw", "adam", "sgd"),
                "lr_schedule": ("constant", "cosine"),
                "dtype": ("float32", "bfloat16", "float16", "float64"),
                "context_attention": ("ring", "all-gather"),
-               "on_nonfinite": ("stop", "skip", "rollback"),
+               "on_nonfinite": NONFINITE,
                "attention": ("auto", "xla", "cudnn")}
     defaults = defaults or {}
     for flat, (section, name) in FLAT.items():

@@ -367,9 +367,10 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
                     watchdog = Watchdog(max(AUTO_TIMEOUT_S, 50 * max(step_seconds)),
                                         rank=jax.process_index(),
                                         processes=jax.process_count())
-            dropped = resilience.nonfinite_total(state.opt_state)
-            skipped = dropped is not None and dropped > dropped_before
-            dropped_before = dropped if dropped is not None else dropped_before
+            skipped = False  # skip: optax.apply_if_finite counted a dropped update
+            if train.on_nonfinite == "skip":
+                dropped = resilience.nonfinite_total(state.opt_state)
+                skipped, dropped_before = dropped > dropped_before, dropped
             if not math.isfinite(loss) or skipped:
                 what = (f"training loss is {loss} at step {index + 1} ({config.model.name}, "
                         f"{config.parallel.strategy}, precision {config.step.precision}, dtype "
