@@ -9,13 +9,15 @@ Three checks, each a ``python -m jphantom train`` process of its own:
 ``preempt``     a small Llama trained for many steps; SIGTERM once 3 steps are in metrics.jsonl:
                 exit 143, a checkpoint of the step reached, results.json with ``stopped_by``;
                 ``--resume`` finishes the run
-``reference``   the same run uninterrupted: its final validation loss against the resumed one's
+``reference``   the same run uninterrupted, twice: its final validation loss against the resumed
+                one's, and against itself (how far two runs of one program drift on the device)
 
 On CPU (``--small``) the same checks run against host memory, at smaller shapes.
 
 Usage::
 
     PYTHONPATH=. python benchmarks/gpu_resilience.py --out DIR     # one GPU, about a minute
+    PYTHONPATH=. python benchmarks/gpu_resilience.py --deterministic --out DIR2  # deterministic ops
     python benchmarks/gpu_resilience.py --small --out /tmp/r        # CPU
 
 Writes ``DIR/gpu_resilience.json``.
@@ -91,6 +93,13 @@ def preempt(run, folder: Path) -> dict:
     uninterrupted = _train(*run, *steps, "--out", str(ref))
     _, err2 = uninterrupted.communicate(timeout=600)
     record["reference_exit"] = uninterrupted.returncode
+    # the same uninterrupted run again: how far two runs of one program drift apart on this device
+    again = _train(*run, *steps, "--out", str(folder / "again"))
+    again.communicate(timeout=600)
+    if again.returncode == 0 and uninterrupted.returncode == 0:
+        record["run_to_run_abs_difference"] = abs(
+            json.loads((folder / "again" / "results.json").read_text())["final_validation_loss"]
+            - json.loads((ref / "results.json").read_text())["final_validation_loss"])
     if resumed.returncode == 0 and uninterrupted.returncode == 0:
         a = json.loads((out / "results.json").read_text())["final_validation_loss"]
         b = json.loads((ref / "results.json").read_text())["final_validation_loss"]
@@ -108,13 +117,20 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--small", action="store_true", help="CPU shapes")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="XLA_FLAGS=--xla_gpu_deterministic_ops=true for every run")
     args = parser.parse_args(argv)
+    if args.deterministic:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_gpu_deterministic_ops=true").strip()
     args.out.mkdir(parents=True, exist_ok=True)
     import jax
 
     device = jax.devices()[0]
-    result = {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__}
-    result["memory"] = memory(HUGE_SMALL if args.small else HUGE)
+    result = {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
+              "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    result["memory"] = (memory(HUGE_SMALL if args.small else HUGE) if not args.deterministic
+                        else {"ok": True, "skipped": "--deterministic runs the preemption only"})
     print(json.dumps(result["memory"]), flush=True)
     result["preempt"] = preempt(RUN_SMALL if args.small else RUN, args.out / "runs")
     print(json.dumps(result["preempt"]), flush=True)

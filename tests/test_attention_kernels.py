@@ -73,8 +73,14 @@ def test_the_window_changes_the_result():
                            attention.causal_attention(q, k, v))
 
 
-def test_the_kernel_choice_says_why_and_refuses_what_cannot_run():
+def test_the_kernel_choice_says_why_and_refuses_what_cannot_run(monkeypatch):
     assert attention.choose("auto", "nvidia", jnp.bfloat16, 128)[0] == "cudnn"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x --xla_gpu_deterministic_ops=true")
+    kernel, reason = attention.choose("auto", "nvidia", jnp.bfloat16, 128)
+    assert kernel == "xla" and "--xla_gpu_deterministic_ops=true" in reason
+    with pytest.raises(ConfigError, match="deterministic_ops"):
+        attention.choose("cudnn", "nvidia", jnp.bfloat16, 128)
+    monkeypatch.delenv("XLA_FLAGS")
     for platform, dtype, d, why in (("cpu", jnp.bfloat16, 128, "no cuDNN"),
                                     ("nvidia", jnp.float32, 128, "float32 compute"),
                                     ("nvidia", jnp.bfloat16, 256, "head dimension 256"),

@@ -63,6 +63,7 @@ attention's), the all-gather one [B, Hq, S/C, S] block (1/C) and the whole seque
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -96,12 +97,24 @@ def platform_of(device) -> str:
     return platform
 
 
+# XLA flags under which XLA's cuDNN flash attention fails at run time: on an H200 with jax 0.11.2
+# the step's first call raises ``IndexError: absl::container_internal::raw_hash_map<>::at``
+# (benchmarks/results/gpu_resilience/deterministic_ops.json); XLA's attention path trains.
+DETERMINISTIC_FLAGS = ("--xla_gpu_deterministic_ops=true", "--xla_gpu_deterministic_ops",
+                       "--xla_gpu_exclude_nondeterministic_ops=true")
+
+
 def fused_problem(platform: str, dtype, head_dim: int) -> str | None:
     """Why cuDNN's flash attention (``jax.nn.dot_product_attention(implementation="cudnn")``)
     cannot run these inputs, or ``None``: it runs on NVIDIA GPUs, in bfloat16 or float16, with a
-    head dimension that is a multiple of 8 and at most 128."""
+    head dimension that is a multiple of 8 and at most 128, and not under XLA's deterministic-ops
+    flags (:data:`DETERMINISTIC_FLAGS`: XLA's cuDNN attention fails at run time under them)."""
     if platform != "nvidia":
         return f"the {platform} platform has no cuDNN (it is NVIDIA's)"
+    asked = set(os.environ.get("XLA_FLAGS", "").split()) & set(DETERMINISTIC_FLAGS)
+    if asked:
+        return (f"XLA_FLAGS has {sorted(asked)[0]}, under which XLA's cuDNN flash attention "
+                "fails at run time (jax 0.11.2 on an H200)")
     name = jnp.dtype(dtype).name
     if name not in FUSED_DTYPES:
         return (f"{name} compute: cuDNN's flash attention takes bfloat16 or float16 "
