@@ -137,3 +137,23 @@ def test_gpu_step_small_runs_every_variant_side_by_side(tmp_path):
     blocks = results["flash-blocks"]
     assert blocks["interpreted"] and all(v["out"] < 0.01 for k, v in blocks.items()
                                          if isinstance(v, dict))
+
+
+@pytest.mark.slow  # five child processes of train: ~30 s
+def test_gpu_resilience_small_refuses_the_huge_step_and_resumes_exactly(tmp_path):
+    """benchmarks/gpu_resilience.py --small (the device check, at CPU sizes): the step that does
+    not fit is one line and exit 2 before work; SIGTERM leaves a checkpoint of the step reached
+    and --resume ends with the uninterrupted run's loss (CPU is deterministic: exactly)."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_resilience.py"
+    done = subprocess.run([sys.executable, str(script), "--small", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads((tmp_path / "gpu_resilience.json").read_text())
+    assert results["memory"]["exit"] == 2 and results["memory"]["lines"] == 1
+    assert not results["memory"]["resource_exhausted"]
+    preempt = results["preempt"]
+    assert preempt["exit"] == 143 and preempt["checkpoint_steps"] == [preempt["steps_done"]]
+    assert preempt["abs_difference"] == 0.0 and preempt["run_to_run_abs_difference"] == 0.0
