@@ -11,7 +11,9 @@ environment: they are a job of their own, and jax's detection must not override 
 
 Every output line of child ``r`` is printed prefixed with ``[r] ``. When a child fails, the others
 are stopped (SIGTERM, then SIGKILL after :data:`STOP_S`) and launch fails with one line naming it
-(``--max-restarts N``: starts the run again, from its newest checkpoint). A SIGTERM or SIGINT to
+(``--max-restarts N``: starts the run again, from its newest checkpoint; ``--min-processes M``:
+without the failed process, its ``data`` axis shrunk to the devices left, while at least M
+remain). A SIGTERM or SIGINT to
 launch is forwarded to every process, which get :data:`GRACE_S` (``--grace``) to write their
 checkpoint.
 """
@@ -84,7 +86,8 @@ def child_command(command: Sequence[str]) -> list[str]:
 
 def launch(command: Sequence[str], num_processes: int, *, port: int | None = None,
            devices_per_process: int | None = None, timeout: int | None = None,
-           deadline: int | None = None, grace: float = GRACE_S, max_restarts: int = 0) -> int:
+           deadline: int | None = None, grace: float = GRACE_S, max_restarts: int = 0,
+           min_processes: int | None = None) -> int:
     """Run ``command`` as ``num_processes`` local processes and wait for all of them; returns
     the exit status for the command line (0, or 143 / 130 when launch itself was sent SIGTERM /
     SIGINT: the signal is forwarded to every process, which then has ``grace`` seconds to write
@@ -94,7 +97,11 @@ def launch(command: Sequence[str], num_processes: int, *, port: int | None = Non
     too). ``deadline``: seconds after which every process is stopped. ``max_restarts``: when a
     process fails, stop the others and start the run again, up to that many times, with
     ``--resume`` added when the command's ``--checkpoint-dir`` holds a complete checkpoint
-    (torchrun's elastic restart on jax.distributed). Raises ConfigError for a bad setting (before
+    (torchrun's elastic restart on jax.distributed). ``min_processes``: a restart goes on without
+    the process that failed (as if its host were lost) while at least that many remain and the
+    command's ``--mesh`` can shrink its ``data`` axis in proportion (:func:`shrunk`; else it
+    starts as many as before). A process that exits with status 2 (a configuration error, which
+    a restart would meet again) is not restarted. Raises ConfigError for a bad setting (before
     anything starts) and RuntimeError, one line naming the process that failed first and how
     (and any process left suspended), when a child fails and no restart is left.
     """
@@ -104,6 +111,13 @@ def launch(command: Sequence[str], num_processes: int, *, port: int | None = Non
         if value is not None:
             check_int(name, value, 1)
     check_int("--max-restarts", max_restarts, 0)
+    if min_processes is not None:
+        check_int("--min-processes", min_processes, 1)
+        if min_processes > num_processes:
+            raise ConfigError(f"--min-processes {min_processes} is more than --num-processes "
+                              f"{num_processes}: give at most {num_processes}")
+        if max_restarts == 0:
+            raise ConfigError("--min-processes applies to restarts: give --max-restarts N too")
     if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
         raise ConfigError(f"--grace {grace!r} must be a number of seconds >= 0")
     argv = child_command(command)
@@ -137,11 +151,27 @@ def launch(command: Sequence[str], num_processes: int, *, port: int | None = Non
                else f"exited with status {code}")
         also = (f"; process(es) {', '.join(map(str, suspended))} were suspended (SIGSTOP) and "
                 "never arrived" if suspended else "")
+        if code == 2:
+            raise RuntimeError(f"launch: process {rank} of {num_processes} {how} (a "
+                               "configuration error: a restart would meet it again); stopped the "
+                               f"others; its output is above, prefixed [{rank}]")
         if attempt < max_restarts:
             attempt += 1
             argv, resumed = _resumed(argv)
-            sys.stderr.write(f"launch: process {rank} of {num_processes} {how}{also}; stopped "
-                             f"the others; restart {attempt} of {max_restarts}"
+            failed_of, fewer = num_processes, ""
+            for smaller in range(num_processes - 1, (min_processes or num_processes) - 1, -1):
+                shrunk_argv = shrunk(argv, num_processes, smaller)
+                if shrunk_argv is not None:
+                    argv, num_processes = shrunk_argv, smaller
+                    fewer = f" with {smaller} processes (--mesh {_mesh_of(argv)})"
+                    break
+            else:
+                if (min_processes or num_processes) < num_processes:
+                    fewer = (f" with all {num_processes} processes (the command's --mesh "
+                             f"{_mesh_of(argv) or '(none)'} has no data axis that shrinks to "
+                             f"{min_processes}..{num_processes - 1} processes)")
+            sys.stderr.write(f"launch: process {rank} of {failed_of} {how}{also}; stopped the "
+                             f"others; restart {attempt} of {max_restarts}{fewer}"
                              f"{' from the newest checkpoint (--resume)' if resumed else ''}\n")
             continue
         raise RuntimeError(f"launch: process {rank} of {num_processes} {how}{also}; stopped the "
@@ -215,6 +245,48 @@ def _resumed(argv: list[str]) -> tuple[list[str], bool]:
     if directory is None or not _has_checkpoint(directory):
         return argv, False
     return (argv if "--resume" in argv else [*argv, "--resume"]), True
+
+
+def _mesh_index(argv: list[str]) -> tuple[int, bool] | None:
+    """Where ``argv`` gives ``--mesh``: (index, whether it is ``--mesh=VALUE``), the last one."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == "--mesh" and i + 1 < len(argv):
+            found = (i + 1, False)
+        elif arg.startswith("--mesh="):
+            found = (i, True)
+    return found
+
+
+def _mesh_of(argv: list[str]) -> str | None:
+    where = _mesh_index(argv)
+    if where is None:
+        return None
+    i, inline = where
+    return argv[i].split("=", 1)[1] if inline else argv[i]
+
+
+def shrunk(argv: list[str], processes: int, fewer: int) -> list[str] | None:
+    """``argv`` for ``fewer`` processes instead of ``processes``: its ``--mesh`` with the
+    ``data`` axis shrunk in proportion (each process keeps its devices; the global batch stays,
+    split over fewer data ranks, and resuming reshards the checkpoint), or None where it cannot:
+    no ``--mesh`` on the command line, no ``data`` axis, or a size that does not divide."""
+    from jphantom.mesh import MeshConfig
+
+    where = _mesh_index(argv)
+    if where is None:
+        return None
+    i, inline = where
+    try:
+        mesh = MeshConfig.parse(_mesh_of(argv))
+    except ConfigError:
+        return None
+    data = mesh.size("data")
+    if (data * fewer) % processes:
+        return None
+    smaller = MeshConfig.of({**mesh.shape, "data": data * fewer // processes})
+    value = str(smaller)
+    return [*argv[:i], f"--mesh={value}" if inline else value, *argv[i + 1:]]
 
 
 def _has_checkpoint(directory: str) -> bool:
@@ -317,6 +389,11 @@ def add_parser(subparsers) -> None:
                         help="when a process fails (or its --step-timeout fires), stop the "
                              "others and start the run again, up to N times, with --resume "
                              "when its --checkpoint-dir holds a checkpoint (default 0)")
+    parser.add_argument("--min-processes", type=int, default=None, metavar="M",
+                        help="with --max-restarts: each restart goes on without the process "
+                             "that failed while at least M remain, the command's --mesh data "
+                             "axis shrunk in proportion (when it divides; else all N start "
+                             "again)")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="the command every process runs, after --")
     parser.set_defaults(handler=_main)
@@ -326,7 +403,8 @@ def _main(args) -> int:
     try:
         return launch(args.command, args.num_processes, port=args.port,
                       devices_per_process=args.devices_per_process, timeout=args.timeout,
-                      deadline=args.deadline, grace=args.grace, max_restarts=args.max_restarts)
+                      deadline=args.deadline, grace=args.grace, max_restarts=args.max_restarts,
+                      min_processes=args.min_processes)
     except RuntimeError as error:
         print(f"jphantom: error: {error}", file=sys.stderr)
         return 1

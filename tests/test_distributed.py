@@ -428,7 +428,43 @@ def test_launch_deadline_stops_every_process(capsys):
     assert "--deadline 1 s passed; stopped all 2 processes" in capsys.readouterr().err
 
 
+def test_shrunk_meshes_lose_data_ranks_in_proportion():
+    argv = ["train", "--mesh", "data=4,model=2", "--steps", "3"]
+    assert launch.shrunk(argv, 4, 2) == ["train", "--mesh", "data=2,model=2", "--steps", "3"]
+    assert launch.shrunk(["train", "--mesh=data=2,model=2"], 2, 1) == ["train",
+                                                                        "--mesh=data=1,model=2"]
+    assert launch.shrunk(argv, 4, 3)[2] == "data=3,model=2"  # 4 x 3 / 4 = 3 data ranks
+    assert launch.shrunk(["train", "--mesh", "data=2,model=2"], 4, 3) is None
+    assert launch.shrunk(["train", "--mesh", "model=4"], 2, 1) is None  # no data axis
+    assert launch.shrunk(["train", "--config", "run.toml"], 2, 1) is None  # no --mesh
+
+
+def test_a_restart_goes_on_without_the_failed_process_when_the_mesh_shrinks(capsys):
+    """--min-processes 1: the first start (2 processes, data=2) fails in process 1; the restart
+    runs 1 process with data=1 (each prints what it was given)."""
+    code = ("import os, sys\ne = os.environ\nprint(e['JPHANTOM_NUM_PROCESSES'], sys.argv[1:])\n"
+            "sys.exit(3 if e['JPHANTOM_NUM_PROCESSES'] == '2' and e['JPHANTOM_PROCESS_ID'] == '1'"
+            " else 0)")
+    assert cli.main(["launch", "-n", "2", "--max-restarts", "1", "--min-processes", "1", "--",
+                     sys.executable, "-c", code, "--mesh", "data=2,model=2"]) == 0
+    captured = capsys.readouterr()
+    assert "[0] 1 ['--mesh', 'data=1,model=2']" in captured.out.splitlines()
+    assert ("launch: process 1 of 2 exited with status 3; stopped the others; restart 1 of 1 "
+            "with 1 processes (--mesh data=1,model=2)") in captured.err
+
+
+def test_a_configuration_error_is_not_restarted(capsys):
+    code = "import os, sys; sys.exit(2 if os.environ['JPHANTOM_PROCESS_ID'] == '1' else 0)"
+    assert cli.main(["launch", "-n", "2", "--max-restarts", "3", "--", sys.executable, "-c",
+                     code]) == 1
+    err = capsys.readouterr().err
+    assert "restart 1" not in err and "a configuration error: a restart would meet it again" in err
+
+
 @pytest.mark.parametrize("argv, fragment", [
+    (["-n", "2", "--min-processes", "3", "--max-restarts", "1", "--", "x"],
+     "--min-processes 3 is more than --num-processes 2"),
+    (["-n", "2", "--min-processes", "1", "--", "x"], "give --max-restarts N too"),
     (["-n", "2", "--port", "99999", "--", "x"], "--port 99999 is not a port in 1..65535"),
     (["-n", "0", "--", "x"], "--num-processes=0"),
     (["-n", "2", "--timeout", "0", "--", "x"], "--timeout=0"),

@@ -238,6 +238,24 @@ def test_a_killed_rank_is_restarted_from_the_newest_checkpoint(tmp_path, uninter
 
 
 @pytest.mark.slow
+def test_a_killed_rank_under_min_processes_restarts_without_it(tmp_path, uninterrupted):
+    """--min-processes 1: the restart runs one process on mesh data=1 (the data axis shrunk
+    with the processes), resumes the checkpoint two processes wrote and ends with the
+    uninterrupted run's loss."""
+    proc, out, ck = _launch(tmp_path, "shrink", launch_flags=("--max-restarts", "1",
+                                                              "--min-processes", "1"))
+    _when(lambda: ck.exists() and any(p.name.isdigit() for p in ck.iterdir())
+          and len(_metrics(out)) >= 12, proc, 300)
+    os.kill(_children(proc.pid)[1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert ("restart 1 of 1 with 1 processes (--mesh data=1) from the newest checkpoint "
+            "(--resume)") in err
+    assert json.loads((out / "results.json").read_text())["mesh"] == "data=1,model=1"
+    assert _final_loss(out) == pytest.approx(uninterrupted, rel=1e-6)
+
+
+@pytest.mark.slow
 def test_resume_names_a_changed_model_or_corpus(tmp_path, capsys):
     """A changed --hidden on --resume used to be blamed on the mesh; another corpus said
     nothing."""
