@@ -142,6 +142,37 @@ class ParamLayout:
         return cls(graphdef, jax.tree.structure(params), pure_treedef, order, tuple(shapes),
                    tuple(specs), tuple(reduce), tuple(dims), tuple(zaxes), stacks)
 
+    def check_params(self, params) -> None:
+        """A ConfigError naming what differs when ``params`` (a pure dict, as
+        ``TrainState.params``) is not this model's: paths missing or not the model's, or a leaf
+        of another shape (one line, before anything is copied to a device)."""
+        def named(tree):
+            leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+            return {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
+
+        want = named(jax.tree.unflatten(self.pure_treedef, list(self.shapes)))
+        given = named(params)
+        missing = [k for k in want if k not in given]
+        extra = [k for k in given if k not in want]
+        if missing or extra:
+            parts = ([f"missing {len(missing)} parameter(s) the model has ({', '.join(missing[:3])}"
+                      f"{', ...' if len(missing) > 3 else ''})"] if missing else []) + (
+                [f"{len(extra)} the model does not have ({', '.join(extra[:3])}"
+                 f"{', ...' if len(extra) > 3 else ''})"] if extra else [])
+            raise ConfigError(f"the parameters given to step.init are not the model's: "
+                              f"{'; '.join(parts)}: pass the tree of the model the step was made "
+                              "for (nnx.to_pure_dict(nnx.state(model, nnx.Param)))")
+        if jax.tree.structure(params) != self.pure_treedef:
+            raise ConfigError("the parameters given to step.init hold the model's names in "
+                              "another tree structure: pass nnx.to_pure_dict(nnx.state(model, "
+                              "nnx.Param)) of the model the step was made for")
+        for key, shape in want.items():
+            leaf = given[key]
+            if tuple(getattr(leaf, "shape", ())) != tuple(shape.shape):
+                raise ConfigError(f"parameter {key} given to step.init has shape "
+                                  f"{tuple(getattr(leaf, 'shape', ()))}; the model's is "
+                                  f"{tuple(shape.shape)}")
+
     def state_of(self, leaves):
         """An ``nnx.State`` of pure-order ``leaves`` (inside a trace: fresh Variables)."""
         ordered = [None] * len(leaves)
@@ -781,7 +812,8 @@ class TrainStep:
                 raise ConfigError("the model is abstract (nnx.eval_shape): pass "
                                   "step.init(create=...) to create its parameters in their shards")
         if create is None:  # copies in their shards: the step donates its state, never the
-            params = jax.device_put(params, self.param_shardings(), may_alias=False)  # model's
+            self.layout.check_params(params)  # model's
+            params = jax.device_put(params, self.param_shardings(), may_alias=False)
             if self._unit_order() is not None:  # interleaved stages: the storage order
                 params = jax.jit(self._reorder, out_shardings=self.param_shardings())(params)
         if self.samo is not None:  # theta16 dense, master and optimizer state compressed

@@ -115,6 +115,34 @@ def test_float16_loss_scaling_on_bfloat16_parameters_is_refused():
         jphantom.make_train_step(model, mesh, optax.sgd(0.1), lm_loss, precision="float16")
 
 
+def test_step_init_names_what_a_params_tree_lacks():
+    """A params tree missing a subtree (or with a leaf of another shape) used to end in a
+    tree-structure traceback from jax.device_put."""
+    import jax
+    import optax
+    from flax import nnx
+
+    import jphantom
+    from jphantom.errors import ConfigError
+    from jphantom.mesh import MeshConfig, first_devices
+    from jphantom.models.llama import Llama, LlamaConfig, lm_loss
+
+    model = Llama(LlamaConfig(vocab_size=32, hidden=16, intermediate=32, layers=1, heads=2,
+                              kv_heads=2), rngs=nnx.Rngs(0))
+    mesh = MeshConfig.parse("model=1").build(first_devices(1))
+    step = jphantom.make_train_step(model, mesh, optax.sgd(0.1), lm_loss)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    first = next(iter(params))
+    lacking = {k: v for k, v in params.items() if k != first}
+    with pytest.raises(ConfigError, match=rf"missing \d+ parameter\(s\) the model has \(\['{first}'\]"):
+        step.init(lacking)
+    (path, leaf), *_ = jax.tree_util.tree_flatten_with_path(params)[0]
+    wrong = jax.tree_util.tree_map_with_path(lambda p, a: a[..., :1] if p == path else a, params)
+    with pytest.raises(ConfigError, match=r"given to step.init has shape"):
+        step.init(wrong)
+    assert jax.tree.structure(step.init(params).params) == jax.tree.structure(params)
+
+
 @pytest.mark.slow
 def test_a_mesh_that_leaves_a_process_without_devices_is_one_line(capsys):
     """launch -n 3 with a mesh of 8 of the 12 devices: process 2 holds none (it used to fail
