@@ -291,7 +291,9 @@ def shrunk(argv: list[str], processes: int, fewer: int) -> list[str] | None:
 
 def _has_checkpoint(directory: str) -> bool:
     """A complete Orbax step folder in ``directory`` (a number, not a temporary or damaged
-    one)."""
+    one). Read from the file system rather than by ``Checkpointer.latest_step()``: Orbax's
+    manager starts jax's backend, which on a GPU machine would take device memory in the
+    launcher the processes need."""
     from pathlib import Path
 
     folder = Path(directory)

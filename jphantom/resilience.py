@@ -87,12 +87,19 @@ class Watchdog:
     may be blocked in a collective that never returns). ``timeout=None``: never fires."""
 
     def __init__(self, timeout: float | None, *, rank: int = 0, processes: int = 1):
-        self.timeout, self.rank, self.processes = timeout, rank, processes
+        self.timeout, self.rank, self.processes = None, rank, processes
         self._phase, self._since = None, None
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._thread = None
-        if timeout is not None:
+        self.set_timeout(timeout)
+
+    def set_timeout(self, timeout: float | None) -> None:
+        """Time the phases from now on against ``timeout`` (the automatic limit, once the first
+        steps have compiled); the thread starts with the first limit."""
+        with self._lock:
+            self.timeout = timeout
+        if timeout is not None and self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="jphantom-watchdog",
                                             daemon=True)
             self._thread.start()
@@ -111,17 +118,16 @@ class Watchdog:
         self.disarm()
 
     def _watch(self) -> None:
-        period = min(1.0, max(0.05, self.timeout / 20))
-        while not self._done.wait(period):
+        while not self._done.wait(min(1.0, max(0.05, self.timeout / 20))):
             with self._lock:
-                phase, since = self._phase, self._since
-            if since is None or time.monotonic() - since <= self.timeout:
+                phase, since, timeout = self._phase, self._since, self.timeout
+            if since is None or time.monotonic() - since <= timeout:
                 continue
             who = f"process {self.rank} of {self.processes}: " if self.processes > 1 else ""
             wait = (" (a process stopped, died or never joined the collective; the others wait "
                     "for it)" if self.processes > 1 else "")
             sys.stderr.write(f"jphantom: error: {who}{phase} did not finish within "
-                             f"--step-timeout {self.timeout:g} s{wait}; exiting\n")
+                             f"--step-timeout {timeout:g} s{wait}; exiting\n")
             sys.stderr.flush()
             sys.stdout.flush()
             os._exit(TIMEOUT_EXIT)

@@ -363,10 +363,8 @@ def run(config: RunConfig, *, teacher=None, meter=None) -> dict:
                 metered_steps += meter is not None
                 if train.step_timeout is None and jax.process_count() > 1 and len(
                         step_seconds) >= 2 and watchdog.timeout is None:
-                    watchdog.close()  # several processes: an automatic limit once compiled
-                    watchdog = Watchdog(max(AUTO_TIMEOUT_S, 50 * max(step_seconds)),
-                                        rank=jax.process_index(),
-                                        processes=jax.process_count())
+                    # several processes: an automatic limit once compiled
+                    watchdog.set_timeout(max(AUTO_TIMEOUT_S, 50 * max(step_seconds)))
             skipped = False  # skip: optax.apply_if_finite counted a dropped update
             if train.on_nonfinite == "skip":
                 dropped = resilience.nonfinite_total(state.opt_state)
