@@ -1,12 +1,12 @@
 """Plain data parallelism against ZeRO-1, 2 and 3, side by side on 8 simulated devices.
 
-One process, one run: seed 000's FFN (``jphantom.models.ffn``, ``tensor`` with ``model=1``, so only
+One process, one run: Seal et al.'s FFN (``jphantom.models.ffn``, ``tensor`` with ``model=1``, so only
 the ``data`` axis shards) on
 ``data=<devices>``, one jitted AdamW step per ZeRO stage, median wall time over ``--steps``
 round-robin rounds after ``--warmup`` (``jphantom.analysis.timing``), with per device: the
 parameter, gradient-free optimizer-state and batch bytes the step takes (``argument_bytes``), the
 compiled temp bytes, and the bytes of each collective kind over ``data`` (HLO, trip counts
-applied). Model-state bytes at rest per device are compared with seed 001's 16P (mixed precision:
+applied). Model-state bytes at rest per device are compared with Cheng et al.'s 16P (mixed precision:
 here float32 parameters and Adam's two float32 moments, 12P per device for DP, (4 + 8/D)P for
 ZeRO-1/2 and 12P/D for ZeRO-3, gradients excluded since they live inside the step).
 

@@ -1,6 +1,6 @@
 """Collective micro-benchmark on this machine, fitted with Eq. 26 next to Table III's Frontier constants.
 
-Seed 000 Sec. 3.4 models one collective among p ranks with a message of m floats as
+Seal et al. Sec. 3.4 models one collective among p ranks with a message of m floats as
 
     (26)  t(m, p) = c1 · log2 p + c2 · m + c3                                   [microseconds]
 
@@ -654,7 +654,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     results = {
         "experiment": "collectives",
-        "paper": "seed 000 Sec. 3.4, Eq. 26, Table III",
+        "paper": "Seal et al. Sec. 3.4, Eq. 26, Table III",
         "model": "t(m, p) = c1*log2(p) + c2*m + c3 [us], m = floats per rank (Table II), float32",
         "config": {
             "sizes": sizes,

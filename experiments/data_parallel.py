@@ -1,4 +1,4 @@
-"""Seed 001's bottom-up breakdown of a data-parallel step, and its speedup prediction (Eqs. 2-4).
+"""Cheng et al.'s bottom-up breakdown of a data-parallel step, and its speedup prediction (Eqs. 2-4).
 
 Weak scaling of the GPT-2 transformer (``jphantom.models.gpt2``, ``tensor`` with ``model=1``:
 plain data parallelism; a fixed batch per device) on ``data=n`` for n = 1, 2, 4, 8. For each n, side
@@ -8,15 +8,15 @@ by side (round robin):
 - ``t_compute``: the same step compiled without its collectives (``jphantom.make_train_step(...,
   communicate=False)``: no gradient or loss reduction; measurement only) -- both from
   :func:`jphantom.analysis.inspect.breakdown`, as ``jphantom inspect --breakdown`` reports them;
-- ``t_comm = t_iter - t_compute`` and the shares r_compute, r_comm (seed 001's breakdown counts
+- ``t_comm = t_iter - t_compute`` and the shares r_compute, r_comm (Cheng et al.'s breakdown counts
   communication first; here the difference of two compiled programs);
 - ``t_allreduce``: the gradient's all-reduce alone (a buffer of the step's parameter count, one
   jitted ``psum`` over ``data``): the "collective benchmark" that gives the network efficiency
   eff_{g->n} = t_allreduce(g) / t_allreduce(n), g = 2 the baseline;
-- the Eq. 26 cost model of that all-reduce (seed 000 Table III's Frontier constants), for scale.
+- the Eq. 26 cost model of that all-reduce (Seal et al. Table III's Frontier constants), for scale.
 
 Prediction (Eq. 4 with the baseline g = 2): speedup_{g->n} = (r_c + r_m) / (r_c + r_m / eff),
-against the measured per-iteration time ratio t_iter(g) / t_iter(n). Seed 001 assumes a device's
+against the measured per-iteration time ratio t_iter(g) / t_iter(n). Cheng et al. assume a device's
 compute is the same at every n (one GPU per rank); here the n simulated devices share 2 CPU
 cores, so compute per step grows with n. The script therefore also predicts with the measured
 compute at n: t_iter(n) ~ t_compute(n) + t_comm(g) / eff_{g->n}, which tests the part of the model
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     summary = {"mse_with_measured_compute": float(np.mean(errors)) if errors else None,
                "mse_eq4": float(np.mean(errors_eq4)) if errors_eq4 else None}
     print(f"MSE of predicted vs measured speedup: Eq. 4 {summary['mse_eq4']:.4f}, with measured "
-          f"compute {summary['mse_with_measured_compute']:.4f} (seed 001: < 0.02)")
+          f"compute {summary['mse_with_measured_compute']:.4f} (Cheng et al.: < 0.02)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({

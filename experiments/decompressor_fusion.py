@@ -1,6 +1,6 @@
 """E11: the paper's p-1 separate decompressor GEMMs against one fused GEMM, at the paper's per-rank shapes.
 
-Seed 000 Fig. 6 (n = 131072, k = 64): phantom beats TP up to p = 128 but loses at p = 256, which the
+Seal et al. Fig. 6 (n = 131072, k = 64): phantom beats TP up to p = 128 but loses at p = 256, which the
 paper blames on the decompression: each rank multiplies the p-1 received k-wide phantom layers by p-1
 separate [n/p, k] decompressors (one ``torch.nn.Linear`` each), so it runs p-1 small GEMMs forward and
 2(p-1) backward, and GEMM efficiency falls as they shrink while their number grows with p. The
@@ -55,7 +55,7 @@ from jphantom.sharding import phantom  # noqa: E402
 
 DEFAULT_OUT = REPO / "experiments" / "results" / "decompressor_fusion"
 PAPER = {
-    "figure": "seed 000 Fig. 6, n = 131072, k = 64, p = 32..256; experiment E11",
+    "figure": "Seal et al. Fig. 6, n = 131072, k = 64, p = 32..256; experiment E11",
     "claim": "phantom beats TP up to p = 128 but TP is faster at p = 256; the paper attributes it "
              "to the p-1 small decompressor GEMMs, whose efficiency drops as they shrink and whose "
              "count grows with p (decompression time grows ~linearly with p)",

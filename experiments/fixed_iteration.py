@@ -1,4 +1,4 @@
-"""Seed 000 Fig. 5 (and E5): communication and time per iteration of TP and phantom, for p and k.
+"""Seal et al. Fig. 5 (and E5): communication and time per iteration of TP and phantom, for p and k.
 
 The paper trains for a fixed number of epochs and plots, per epoch (= iteration here):
 Fig. 5a, n = 65536, L = 6, k = 64, p = 32, 64, 128: communication time, phantom "significantly lower";
@@ -45,7 +45,7 @@ if str(REPO) not in sys.path:
 DEFAULT_OUT = REPO / "experiments" / "results" / "fixed_iteration"
 TP = "tensor-t1"
 
-# The paper's Fig. 5 panels (seed 000 Sec. VI-A). k per p for 5c: Table I's (the same n and L).
+# The paper's Fig. 5 panels (Seal et al. Sec. VI-A). k per p for 5c: Table I's (the same n and L).
 PANELS = {
     "5a": {"width": 65536, "depth": 6, "shards": [32, 64, 128], "ghost_widths": {"all": [64]},
            "metric": "communication time per iteration",
@@ -64,7 +64,7 @@ PANELS = {
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(
-        description="Seed 000 Fig. 5: communication and time per iteration, TP vs phantom.",
+        description="Seal et al. Fig. 5: communication and time per iteration, TP vs phantom.",
         epilog=__doc__.split("Usage::")[1].split("Results:")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=int, help="n of the measured part (default 4096; 256 quick)")
@@ -262,7 +262,7 @@ def format_tables(result: dict) -> str:
             f"{r['ghost_width'] or '-':>4}{r['comm_seconds_modelled'] * 1e3:>9.3f}"
             f"{r['compute_seconds_modelled'] * 1e3:>11.3f}{r['total_seconds_modelled'] * 1e3:>10.3f}"
             f"{r['comm_ratio_vs_tp']:>8.3f}{r['total_ratio_vs_tp']:>9.3f}")
-    lines.append("tensor-t1 = seed 000's TP (T1); tensor-table2 = the TP of the paper's Table II (T1 + a "
+    lines.append("tensor-t1 = Seal et al.'s TP (T1); tensor-table2 = the TP of the paper's Table II (T1 + a "
                  "broadcast and an all-reduce of n B per layer), comm modelled only")
     for panel, v in result["verdicts"].items():
         lines.append(f"Fig. {panel}: paper: {v['paper']}.")
@@ -327,13 +327,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     rows = [] if args.skip_measured else measured_part(args)
     modelled = modelled_part(args.batch)
     result = {
-        "experiment": "seed 000 Fig. 5 (E5): fixed-iteration communication and time",
+        "experiment": "Seal et al. Fig. 5 (E5): fixed-iteration communication and time",
         "config": {"width": args.width, "depth": args.depth, "shards": args.shard_list,
                    "ghost_widths": args.ghost_list, "batch": args.batch, "steps": args.steps,
                    "warmup": args.warmup, "tp_strategy": TP},
         "machine": machine_info(),
         "device": MI250X_GCD.as_dict(),
-        "comm_model": "frontier (seed 000 Table III)",
+        "comm_model": "frontier (Seal et al. Table III)",
         "panels": PANELS,
         "rows": rows + modelled,
         "verdicts": verdicts(modelled),

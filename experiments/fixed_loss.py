@@ -1,4 +1,4 @@
-"""Seed 000 Table I and Fig. 7a-c (and E7-E9): TP and phantom trained to the same loss.
+"""Seal et al. Table I and Fig. 7a-c (and E7-E9): TP and phantom trained to the same loss.
 
 The paper trains an n = 16384, L = 2 FFN with TP and phantom models with one k per p (Table I) on
 8..256 GPUs to one fixed MSE and reports iterations (epochs) to it, energy per epoch and in total
@@ -40,9 +40,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 DEFAULT_OUT = REPO / "experiments" / "results" / "fixed_loss"
-TP_STRATEGY = "tensor-t1"  # seed 000's TP, as jphantom.compare.TP_STRATEGY names it in its rows
+TP_STRATEGY = "tensor-t1"  # Seal et al.'s TP, as jphantom.compare.TP_STRATEGY names it in its rows
 
-# Seed 000 Table I (n = 16384, L = 2): p, k, TP J/epoch, TP epochs, phantom J/epoch, phantom epochs.
+# Seal et al. Table I (n = 16384, L = 2): p, k, TP J/epoch, TP epochs, phantom J/epoch, phantom epochs.
 TABLE_ONE = [
     (8, 16, 181.2, 453, 74.6, 157),
     (16, 6, 333.6, 453, 158.0, 175),
@@ -55,7 +55,7 @@ TABLE_ONE = [
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(
-        description="Seed 000 Table I / Fig. 7: TP vs phantom to the same loss, energy and time.",
+        description="Seal et al. Table I / Fig. 7: TP vs phantom to the same loss, energy and time.",
         epilog=__doc__.split("Usage::")[1].split("Results:")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=int, help="n (default 512; 32 with --quick)")

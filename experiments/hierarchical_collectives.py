@@ -1,6 +1,6 @@
-"""Ring vs recursive doubling/halving, and PCCL's round counts, on simulated CPU devices (seed 004 ch. 6).
+"""Ring vs recursive doubling/halving, and PCCL's round counts, on simulated CPU devices (Singh's thesis ch. 6).
 
-Seed 004 ch. 6 (PCCL) replaces the ring all-gather / reduce-scatter of RCCL and Cray-MPICH, (p-1)
+Singh's thesis ch. 6 (PCCL) replaces the ring all-gather / reduce-scatter of RCCL and Cray-MPICH, (p-1)
 sequential steps, by recursive doubling / halving across nodes, log2(p) steps, inside a two-level
 hierarchy (:mod:`jphantom.sharding.collectives`). Digest 7.5 asks for two small-scale reproductions,
 which this script runs:
@@ -364,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     results = {
         "experiment": "hierarchical_collectives",
-        "paper": "seed 004 ch. 6 (PCCL), digest 3.3 and 7.5",
+        "paper": "Singh's thesis ch. 6 (PCCL), digest 3.3 and 7.5",
         "note": NO_NETWORK,
         "config": {"nbytes": args.nbytes, "shards": args.shards, "repeats": args.repeats,
                    "warmup": args.warmup, "quick": args.quick, "dtype": "float32",

@@ -1,4 +1,4 @@
-"""Seed 000 Fig. 6 and experiment E10 at the paper's sizes, from the analytic step model.
+"""Seal et al. Fig. 6 and experiment E10 at the paper's sizes, from the analytic step model.
 
 The paper (Sec. VI-A, Fig. 6) trains the FFN with n = 131072 and 262144, k = 64, on p = 32, 64,
 128 and 256 GCDs of Frontier (AMD MI250X) and reports time per epoch (= iteration); L and B are not
@@ -15,7 +15,7 @@ with the fused decompressor (jphantom's default, a design improvement over the p
 and phantom unfused (the paper's p-1 GEMMs). Per rank and iteration it reports memory (parameters,
 gradients, optimizer state, batch: exact array sizes; saved activations and workspace: modelled
 rule) against the 64 GiB of one MI250X GCD, and *modelled* time: compute = GEMM FLOPs (exact) /
-(FP32 matrix peak 47.9 TFLOP/s x efficiency 0.5, an assumption), comm = Eq. 26 with seed 000's Table
+(FP32 matrix peak 47.9 TFLOP/s x efficiency 0.5, an assumption), comm = Eq. 26 with Seal et al.'s Table
 III Frontier constants on the step's exact collectives, and for the unfused decompressor a fixed cost
 per small GEMM (``--gemm-overhead-us``, a GPU kernel launch; 3 (p-1) L of them per step). No overlap.
 
@@ -71,7 +71,7 @@ LABELS = {("tensor-t1", True): "tensor (T1)", ("phantom", True): "phantom (fused
           ("phantom", False): "phantom (unfused)"}
 LAUNCH_RANGE_US = (5.0, 20.0)  # a plausible cost of one small GEMM kernel on a GPU, launch included
 PAPER = {
-    "figure": "seed 000 Fig. 6 (Sec. VI-A); experiment E10 (and E11's cause)",
+    "figure": "Seal et al. Fig. 6 (Sec. VI-A); experiment E10 (and E11's cause)",
     "setup": "n = 131072 and 262144, k = 64, p = 32, 64, 128, 256 MI250X GCDs, time per epoch "
              "(= iteration), first epoch excluded; L and B not stated",
     "claims": {
@@ -304,7 +304,7 @@ def sensitivity(args, device) -> dict:
     extra_s = FRONTIER.step_time_us(extra, p) * 1e-6
     gemms = ph.flops["decompressor_gemms"]
     out["tp_table2"] = {
-        "what": "TP paying seed 000 Table II's broadcast (n B, forward) and all-reduce (n B, "
+        "what": "TP paying Seal et al. Table II's broadcast (n B, forward) and all-reduce (n B, "
                 "backward) per layer on top of T1's all-gather / reduce-scatter",
         "extra_comm_s": extra_s,
         "tp_total_s": tp.total_seconds + extra_s,
@@ -321,7 +321,7 @@ def sensitivity(args, device) -> dict:
 
 def format_table(rows, break_even, oom, claim, args, device) -> str:
     lines = [
-        f"Seed 000 Fig. 6 from the step model: k={args.ghost_width}, B={args.batch}, L={args.depth}, "
+        f"Seal et al. Fig. 6 from the step model: k={args.ghost_width}, B={args.batch}, L={args.depth}, "
         f"{args.optimizer} ({OPTIMIZER_STATES[args.optimizer]} optimizer states), fp32, per rank",
         f"MODELLED times: {device.name}, {device.peak_flops / 1e12:.1f} TFLOP/s FP32 matrix peak x "
         f"{device.efficiency:g} efficiency; comm Eq. 26 with Table III (Frontier); unfused overhead "
@@ -421,7 +421,7 @@ def plot(rows, args, device, path: Path) -> None:
             ax.xaxis.set_minor_formatter(NullFormatter())
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
-    fig.suptitle(f"Seed 000 Fig. 6, MODELLED ({device.name}, Eq. 26 Table III; B={args.batch}, "
+    fig.suptitle(f"Seal et al. Fig. 6, MODELLED ({device.name}, Eq. 26 Table III; B={args.batch}, "
                  f"L={args.depth}, {args.optimizer})", fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=110)

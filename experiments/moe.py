@@ -1,4 +1,4 @@
-"""Mixture of experts at small scale (seed 004 ch. 7): dense vs MoE at equal active parameters, dropped
+"""Mixture of experts at small scale (Singh's thesis ch. 7): dense vs MoE at equal active parameters, dropped
 tokens over training, the all-to-all bytes with and without duplicate token dropping, and seed
 004's memory bound (Eq. 7.4) against the measured model-state bytes.
 
@@ -10,7 +10,7 @@ tokens over training, the all-to-all bytes with and without duplicate token drop
    token-expert assignments dropped at each evaluation, with capacity factors 1.0 and 1.25.
    Experts on an ``expert=4`` axis.
 2. **All-to-all bytes** per training step from the compiled HLO (trip counts applied), TED on
-   ``data=2,expert=2,model=2``: plain, with DTD (seed 004: the bytes fall by G_tensor = 2), and the
+   ``data=2,expert=2,model=2``: plain, with DTD (Singh's thesis: the bytes fall by G_tensor = 2), and the
    phantom-parallel experts (each rank dispatches its h/p features: the same 1/p without DTD).
 3. **Memory** (Adam, float32): the model-state bytes per device from the step's shardings
    (:func:`jphantom.analysis.inspect.state_bytes`: parameters, gradients and Adam's moments)

@@ -1,6 +1,6 @@
 """Pipeline schedules at small scale: memory, time, bubble and point-to-point bytes.
 
-Seed 003 (Sec. 2.2) and seed 004 (ch. 3) make four claims this script measures on jphantom's
+The Day 66 notes (Sec. 2.2) and Singh's thesis (ch. 3) make four claims this script measures on jphantom's
 executor (:mod:`jphantom.pipeline.runner`: the whole pipelined step is one ``jax.jit`` of one
 ``shard_map``):
 
@@ -18,10 +18,10 @@ executor (:mod:`jphantom.pipeline.runner`: the whole pipelined step is one ``jax
    one micro-batch on one device (the same GEMM shapes), divided by the stages that can run at
    once (P, at most this machine's cores).
 4. **Point-to-point bytes.** At a fixed device count, more stages mean more activation traffic per
-   device (seed 004 ch. 3): counted from the compiled HLO's collective-permutes (loop trip counts
+   device (Singh's thesis ch. 3): counted from the compiled HLO's collective-permutes (loop trip counts
    applied) on ``stage=P,data=8/P`` for P = 1, 2, 4, 8, same global batch and M = 8.
 
-The model is seed 000's FFN (``jphantom.models.ffn``, ``tensor`` strategy with ``model=1``: plain
+The model is Seal et al.'s FFN (``jphantom.models.ffn``, ``tensor`` strategy with ``model=1``: plain
 layers in each stage, the stack of layer pairs cut over ``stage`` by :class:`jphantom.TrainStep`),
 float32, SGD, with a fixed micro-batch of ``--microbatch`` rows: the batch is M x microbatch.
 
@@ -57,7 +57,7 @@ SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
 
 
 def formula(schedule: str, P: int, M: int, V: int) -> float:
-    """Seed 003's bubble as a fraction of device time."""
+    """The Day 66 notes' bubble as a fraction of device time."""
     return (P - 1) / (P - 1 + V * M) if schedule == "interleaved-1f1b" else (P - 1) / (M + P - 1)
 
 

@@ -1,12 +1,12 @@
-"""AxoNN's 3D parallel matrix multiply at small scale (seed 004 ch. 5): every (G_x, G_y, G_z, G_data)
+"""AxoNN's 3D parallel matrix multiply at small scale (Singh's thesis ch. 5): every (G_x, G_y, G_z, G_data)
 grid of the simulated devices, HLO bytes against Eqs. 5.1-5.5, the model's ranking against measured
 step times, and the planner's choices at the dissertation's scale.
 
-1. **FFN, every grid** (seed 000's FFN, ``jphantom.models.ffn``, under ``--strategy pmm3d``: the
+1. **FFN, every grid** (Seal et al.'s FFN, ``jphantom.models.ffn``, under ``--strategy pmm3d``: the
    :class:`jphantom.nn.pmm3d.Pmm3dLinear` layers; width 64, depth 4, batch 64, SGD): the compiled
    training step's collectives by
    kind and mesh axis (trip counts applied) against :func:`jphantom.perf.axonn_model.
-   layer_collectives` summed over the layers (the model's own implementation of seed 004 §1.3's
+   layer_collectives` summed over the layers (the model's own implementation of Singh's thesis §1.3's
    table, independent of the test's): all-gathers and reduce-scatters over z, all-reduces over y
    and x (layer 0's input-gradient all-reduce is absent: the input needs no gradient), all-reduce
    over data (plus the biases, which the model leaves out).
@@ -18,7 +18,7 @@ step times, and the planner's choices at the dissertation's scale.
    network: a step's time follows its FLOPs, copies and thread scheduling, not bandwidth, so the
    ranking by the HLO's collective bytes (the volume the model prices) is reported beside it.
 3. **The planner** (``jphantom plan``): top choices for GPT-20B on 32 and GPT-40B on 64 Perlmutter
-   GPUs (seed 004's Fig. 5.2 validation cases).
+   GPUs (Singh's Fig. 5.2 validation cases).
 
 Run: ``.venv/bin/python experiments/pmm3d.py`` (8 devices, about 5 minutes on 2 CPU cores) and
 ``--devices 16`` (35 grids); writes ``experiments/results/pmm3d/results-<devices>.json`` and

@@ -1,9 +1,9 @@
 """bf16 against float32 training: iterations to the float32 run's loss.
 
-Seed 001 (Sec. 1.2) trains in mixed precision: half-precision compute, float32 master weights and
+Cheng et al. (Sec. 1.2) trains in mixed precision: half-precision compute, float32 master weights and
 optimizer state. This script trains the same model from the same initialisation and data twice
 with ``jphantom train`` (:mod:`jphantom.run`), ``--precision float32`` and ``--precision bf16``,
-for the teacher FFN (seed 000's task, ``jphantom.models.ffn``) and the GPT-2 transformer
+for the teacher FFN (Seal et al.'s task, ``jphantom.models.ffn``) and the GPT-2 transformer
 (``jphantom.models.gpt2``, byte-level stdlib corpus), on
 ``data=2,model=2`` with the ``tensor`` strategy, and reports the validation step at which each run
 first reaches the float32 run's final validation loss (+0.5%: the target), and their ratio

@@ -1,4 +1,4 @@
-"""SAMO's model-state memory and compressed all-reduce against seed 004's Eqs. 4.1-4.5.
+"""SAMO's model-state memory and compressed all-reduce against Singh's Eqs. 4.1-4.5.
 
 For an MLP of ``nnx.Linear`` layers (width 512, 4 layers, ReLU; written here), on ``data=2``
 through ``jphantom.make_train_step(..., precision="bf16", samo=SamoConfig(s))``, pruned by

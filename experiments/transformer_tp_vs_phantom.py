@@ -1,6 +1,6 @@
-"""Seed 000's FFN claims on a GPT transformer: dense, Megatron TP, Megatron TP + SP and phantom.
+"""Seal et al.'s FFN claims on a GPT transformer: dense, Megatron TP, Megatron TP + SP and phantom.
 
-Seed 000 trains only FFNs (n = 16384, L = 2, Table I) and claims that phantom parallelism reaches the
+Seal et al. train only FFNs (n = 16384, L = 2, Table I) and claims that phantom parallelism reaches the
 loss of the tensor-parallel FFN with fewer parameters (1/p + kp/n of TP's), less communication
 (k/(n/p) of TP's bytes per collective) and less energy (0.14-0.88x TP's to the target); its
 conclusion proposes the transformer as future work: every projection is a matrix applied to t token
@@ -24,7 +24,7 @@ same: the update runs element-wise on the global arrays after the ``shard_map``,
 collective nor a GEMM): the collective bytes per device (exact, loop trip counts applied), the
 collectives by kind and the GEMM FLOPs per device.
 
-Energy is **modelled**, exactly as ``jphantom.compare`` models it (Eq. 1 of seed 000, per step, summed
+Energy is **modelled**, exactly as ``jphantom.compare`` models it (Eq. 1 of Seal et al., per step, summed
 over the devices of the run): e = devices x (A x alpha + B x beta), alpha = GEMM FLOPs per device /
 this machine's measured single-device matmul rate (``jphantom.compare.measure_matmul_rate``),
 beta = Eq. 26 with Table III's Frontier constants on the step's HLO collectives, A = 560 W and
@@ -81,7 +81,7 @@ REACH_TOLERANCE = 1e-3
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         description="Dense, Megatron TP, TP + SP and phantom GPTs: validation loss vs steps and vs "
-                    "modelled energy, with exact collective bytes (seed 000's FFN claims on a "
+                    "modelled energy, with exact collective bytes (Seal et al.'s FFN claims on a "
                     "transformer).",
         epilog=__doc__.split("Usage::")[1].split("Results:")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -227,14 +227,14 @@ def load_fixed_loss():
 
 
 def paper_claims() -> dict:
-    """Seed 000's FFN numbers (Table I: n = 16384, L = 2, p = 8..256, one k per p) as ranges."""
+    """Seal et al.'s FFN numbers (Table I: n = 16384, L = 2, p = 8..256, one k per p) as ranges."""
     fixed_loss = load_fixed_loss()
     n = 16384
     table = fixed_loss.TABLE_ONE
     ratios = fixed_loss.paper_rows()
     span = lambda values: [min(values), max(values)]
     return {
-        "source": "seed 000 Table I (FFN, n = 16384, L = 2, p = 8..256) and Eq. 8; ratios phantom/TP",
+        "source": "Seal et al. Table I (FFN, n = 16384, L = 2, p = 8..256) and Eq. 8; ratios phantom/TP",
         "table_one": [{"shards": p, "ghost_width": k} for p, k, *_ in table],
         "params_ratio": span([1 / p + k * p / n for p, k, *_ in table]),
         "bytes_per_collective_ratio": span([k / (n / p) for p, k, *_ in table]),
@@ -442,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     bound = max_ghost_width(args.hidden, args.shards)
     above = [k for k in args.ghost_list if k >= bound]
     if above:
-        print(f"note: k = {above} not below seed 000's Eq. 8 bound (h/p)(1-1/p) = {bound:g}: those "
+        print(f"note: k = {above} not below Seal et al.'s Eq. 8 bound (h/p)(1-1/p) = {bound:g}: those "
               "phantom models are not smaller than the dense one")
     power = PowerModel()
     matmul_rate = measure_matmul_rate()
@@ -508,7 +508,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                    "dtype": "float32", "quick": args.quick,
                    "runs": [j._asdict() for j in job_list]},
         "machine": machine_info(),
-        "eq8": {"bound": bound, "formula": "(h/p)(1 - 1/p), seed 000 Eq. 8 with n = h",
+        "eq8": {"bound": bound, "formula": "(h/p)(1 - 1/p), Seal et al. Eq. 8 with n = h",
                 "ghost_widths_below": [k for k in args.ghost_list if k < bound],
                 "ghost_widths_not_below": above},
         "energy_source": "modelled",

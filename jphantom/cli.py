@@ -309,7 +309,7 @@ megabytes of text and its simulation minutes."""
 
 def _schedule(args: argparse.Namespace) -> int:
     """``jphantom schedule``: the simulator's timeline and bubble of a pipeline schedule, beside
-    seed 003's formula and the lock-step executor's figures. Pure Python: no device is touched."""
+    the Day 66 notes' formula and the lock-step executor's figures. Pure Python: no device is touched."""
     from jphantom.errors import ConfigError
     from jphantom.pipeline.schedule import (SPLIT_SCHEDULES, lockstep, lockstep_split, simulate,
                                             simulate_split, zero_bubble_formula)
@@ -370,7 +370,7 @@ def _schedule(args: argparse.Namespace) -> int:
     row = lambda label, value: print(f"  {label:<50}{value}")
     print("\nSimulated (every task starts as soon as its device and inputs are ready):")
     row("bubble fraction", f"{simulation.bubble_fraction:.2%}")
-    source = "Qi et al. 2024" if split else "seed 003's formula"
+    source = "Qi et al. 2024" if split else "the Day 66 notes' formula"
     row(f"{source} {_FORMULAS[args.schedule]}", f"{formula:.2%}")
     row("peak micro-batches in flight per stage" + (" (chunks)" if V > 1 else ""),
         peaks(simulation.peak_in_flight))
@@ -439,7 +439,7 @@ def _demo(args: argparse.Namespace) -> int:
         **(settings | {"strategy": name, "ghost_width": 16 if name == "phantom" else None})))
         for name in ("phantom", "tensor-t1", "tensor", "gspmd")]
     print(format_report(reports).split("\n\nPer collective op")[0])
-    print("\n== Training to the same target loss (Table I of seed 000, small scale) ==\n")
+    print("\n== Training to the same target loss (Table I of Seal et al., small scale) ==\n")
     shards = ",".join(str(q) for q in (2, 4, 8) if q <= count) or "1"
     compare_args = build_parser().parse_args(["compare", "--out", args.out, "--shards", shards])
     compare_args.devices = None  # already set up
@@ -447,7 +447,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 _TRAIN_HELP = {
-    "model": "the model family: ffn (seed 000's teacher task), gpt2 (alias transformer), llama "
+    "model": "the model family: ffn (Seal et al.'s teacher task), gpt2 (alias transformer), llama "
              "(Mixtral with --moe-every 1), mistral, qwen2, qwen3, qwen3_moe, gemma3, or a "
              "family registered with jphantom.models.family.register; the language models on "
              "byte-level text unless --data and --tokenizer say otherwise",
@@ -494,7 +494,7 @@ _TRAIN_HELP = {
                        "the rest are dropped and counted",
     "dropless": "MoE: no capacity, no dropped tokens (grouped matmuls, ragged all-to-all)",
     "dtd": "MoE under tensor (TED): duplicate token dropping, all-to-all bytes / model axis",
-    "cac": "communication-aware checkpointing (seed 004): --remat collectives_saveable",
+    "cac": "communication-aware checkpointing (Singh's thesis): --remat collectives_saveable",
     "layers": "transformer blocks", "hidden": "transformer width h", "heads": "attention heads",
     "kv_heads": "the Llama family: key/value heads of grouped-query attention (default: heads)",
     "intermediate": "the Llama family: MLP width (qwen3_moe: each expert's; default 8h/3 rounded "
@@ -568,7 +568,7 @@ def _add_schedule_parser(sub) -> None:
         description="Simulate a pipeline schedule on P stages with M micro-batches and print its "
                     "timeline (one row per stage: Fm / Bm are the forward / backward of "
                     "micro-batch m, '.' is idle time), its bubble fraction (idle time / total "
-                    "device time) beside seed 003's formula, (P-1)/(M+P-1) for gpipe and 1f1b "
+                    "device time) beside the Day 66 notes' formula, (P-1)/(M+P-1) for gpipe and 1f1b "
                     "and (P-1)/(P-1+V*M) for interleaved-1f1b, and the micro-batches each stage "
                     "holds in flight (their activations stay in memory until the backward). Then "
                     "the same for the lock-step executor that `jphantom train --mesh stage=P,...` "
@@ -596,7 +596,7 @@ def _add_schedule_parser(sub) -> None:
     schedule.add_argument("--backward-cost", type=float, default=2.0, metavar="R",
                           help="a backward's cost in forwards (default 2.0): it stretches the "
                                "timeline and the makespan; the bubble fractions come out the same "
-                               "for any value, as seed 003's formula says")
+                               "for any value, as the Day 66 notes' formula says")
     schedule.add_argument("--width", type=int, default=None, metavar="COLUMNS",
                           help="timeline width in characters (default: wide enough for every "
                                "label)")
@@ -913,14 +913,14 @@ def build_parser() -> argparse.ArgumentParser:
                          help="shorthand for --mesh model=N")
     inspect.add_argument("--breakdown", action="store_true",
                          help="also run the step with and without its data-parallel reductions and "
-                              "report seed 001's compute/communication breakdown (t_iter, "
+                              "report Cheng et al.'s compute/communication breakdown (t_iter, "
                               "t_compute, t_comm, shares; Eq. 26's modelled communication)")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_device_flag(inspect)
     inspect.set_defaults(handler=_inspect)
 
     compare = sub.add_parser(
-        "compare", help="train TP and phantom to the same target loss (seed 000 Table I)",
+        "compare", help="train TP and phantom to the same target loss (Seal et al. Table I)",
         description="Train the dense model with tensor parallelism (tensor-t1) and phantom models "
                     "with each ghost width on the teacher task, for each shard count, to the same "
                     "held-out MSE; print a Table-I-shaped comparison and write results.json and "

@@ -1,6 +1,6 @@
-"""Seed 000's main experiment: tensor parallelism vs phantom parallelism to the same target loss.
+"""Seal et al.'s main experiment: tensor parallelism vs phantom parallelism to the same target loss.
 
-For every shard count p the dense model is trained with TP (``tensor-t1``, seed 000's TP) and
+For every shard count p the dense model is trained with TP (``tensor-t1``, Seal et al.'s TP) and
 phantom models with each ghost width k, on the same teacher data, optimizer, learning rate and batch, for several seeds. The result
 is a table in the shape of Table I: parameters, iterations to the target, time per iteration,
 collective bytes per iteration (from the compiled HLO), energy per iteration and to the target.
@@ -10,7 +10,7 @@ What is measured and what is modelled (see docs/methodology.md):
 - iterations to target, loss curves and wall time per iteration: **measured** here;
 - collective bytes per iteration: **exact**, parsed from the compiled step's HLO. Collective by
   collective, phantom moves k/(n/p) of T1's bytes (all-gather p*k*B vs n*B, reduce-scatter k*B vs
-  (n/p)*B, seed 000 Table II), and the table shows both that ratio and k/(n/p). Per iteration the
+  (n/p)*B, Seal et al. Table II), and the table shows both that ratio and k/(n/p). Per iteration the
   total ratio is a little higher: phantom has L reduce-scatters (the first layer's Gamma_1 feeds
   dL/dC_1, Eq. 20) while T1 has L-1 (XLA drops the one that would only give dL/dx of the input), so
   total = k/(n/p) * L(p+1) / (L p + L - 1), e.g. 1.059 x k/(n/p) at L = 2, p = 8;
@@ -50,7 +50,7 @@ TP_STRATEGY = "tensor-t1"
 
 
 def auto_ghost_width(width: int, num_shards: int) -> int:
-    """``--ghost-width auto``: one eighth of seed 000's Eq. 8 bound (n/p)(1 - 1/p), at least 1.
+    """``--ghost-width auto``: one eighth of Seal et al.'s Eq. 8 bound (n/p)(1 - 1/p), at least 1.
 
     The paper does not say how it chose k per p; this rule keeps phantom well inside the region
     where it is smaller than the dense model at every p.
@@ -58,7 +58,7 @@ def auto_ghost_width(width: int, num_shards: int) -> int:
     return max(1, int(max_ghost_width(width, num_shards) / 8))
 
 
-# the base run of a comparison (``jphantom compare``'s defaults): seed 000's FFN, Adam (optax's
+# the base run of a comparison (``jphantom compare``'s defaults): Seal et al.'s FFN, Adam (optax's
 # betas), no warm-up, at most ``steps`` steps, evaluated every ``eval_every``
 BASE = dict(model="ffn", width=256, depth=2, batch=64, optimizer="adam", learning_rate=2e-3,
             warmup_steps=0, adam_b2=0.999, steps=300, eval_every=10, out=None, progress=False,
@@ -83,7 +83,7 @@ class CompareConfig:
 
     def __post_init__(self):
         if not isinstance(self.base, RunConfig) or self.base.model.name != "ffn":
-            raise ConfigError("compare trains seed 000's FFN: base must be a RunConfig with "
+            raise ConfigError("compare trains Seal et al.'s FFN: base must be a RunConfig with "
                               "model 'ffn'")
         for name in ("train_size", "eval_size"):
             check_int(name, getattr(self, name), 1)
@@ -153,7 +153,7 @@ class CompareConfig:
 
 def table_one_params(strategy: str, width: int, depth: int, num_shards: int,
                      ghost_width: int | None) -> int:
-    """Weights of the FFN as seed 000's Table I counts them (biases excluded): n^2 L for TP,
+    """Weights of the FFN as Seal et al.'s Table I counts them (biases excluded): n^2 L for TP,
     L (n^2/p + k n p) for phantom (:func:`jphantom.sharding.phantom.param_count`). The module's
     own count (``module_params``) adds the biases and, fused, the decompressor's unused own slot."""
     if strategy == TP_STRATEGY:
@@ -329,7 +329,7 @@ def _ratios(rows, width):
             "iterations_to_target": div(r["iterations_to_target"], base["iterations_to_target"]),
             "collective_bytes_per_iteration": div(r["collective_bytes_per_iteration"],
                                                   base["collective_bytes_per_iteration"]),
-            # Seed 000's k/(n/p) holds collective by collective (Table II); the per-iteration total
+            # Seal et al.'s k/(n/p) holds collective by collective (Table II); the per-iteration total
             # differs because T1 has no reduce-scatter for the input layer (module docstring).
             "bytes_per_collective": {kind: div(per_op(r, kind), per_op(base, kind))
                                      for kind in ("all-gather", "reduce-scatter")},
@@ -341,7 +341,7 @@ def _ratios(rows, width):
 
 
 def _e9(rows):
-    """Seed 000's E9: the smallest-p phantom run (best of its k) against the largest-p TP run."""
+    """Seal et al.'s E9: the smallest-p phantom run (best of its k) against the largest-p TP run."""
     phantoms = [r for r in rows if r["strategy"] == "phantom" and r["energy_total_j"] is not None]
     tps = [r for r in rows if r["strategy"] == TP_STRATEGY]
     if not phantoms or not tps:

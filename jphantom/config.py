@@ -195,7 +195,7 @@ class ParallelConfig:
 class StepConfig:
     """The training step's options (:class:`jphantom.TrainStep`): the ZeRO stage of ``data``,
     gradient accumulation, global-norm clipping, the precision policy, activation checkpointing
-    per block, ``cac`` (seed 004's communication-aware checkpointing:
+    per block, ``cac`` (Singh's communication-aware checkpointing:
     ``remat=collectives_saveable``) and the ``attention`` kernel (``auto``: cuDNN's flash
     attention on NVIDIA GPUs in bf16/fp16, XLA's path elsewhere; ``xla``; ``cudnn``)."""
 
@@ -375,7 +375,7 @@ def check_vocabulary(config: "RunConfig") -> None:
     if config.model.name == "ffn":
         if train.data is not None or train.tokenizer is not None:
             raise ConfigError("--data and --tokenizer feed language models (--model gpt2 or "
-                              "llama); the FFN trains on seed 000's teacher: leave them out")
+                              "llama); the FFN trains on Seal et al.'s teacher: leave them out")
         return
     from jphantom.data import tokens
 
@@ -480,7 +480,7 @@ class RunConfig:
         phantom = self.parallel.strategy.startswith("phantom")
         if phantom and self.model.ghost_width is None:
             raise ConfigError(f"--strategy {self.parallel.strategy} needs --ghost-width K (k "
-                              "ghost neurons per rank, seed 000), e.g. 8")
+                              "ghost neurons per rank, Seal et al.), e.g. 8")
         self.build()  # every shape, axis and step option, before anything runs
 
     @classmethod

@@ -1,4 +1,4 @@
-"""Energy of training: seed 000's model (Eqs. 1-2) and GPU energy meters like its measurement.
+"""Energy of training: Seal et al.'s model (Eqs. 1-2) and GPU energy meters like its measurement.
 
     (1)  e = A · α + B · β        joules per iteration
     (2)  E_λ = ν_λ · e            joules to reach loss λ in ν_λ iterations
@@ -9,8 +9,8 @@ seconds one iteration (forward + backward) spends computing and communicating.
 
 ``PowerModel`` holds A and B, ``energy_per_iteration`` is Eq. 1 summed over devices,
 ``energy_to_target`` is Eq. 2, and ``EnergyEstimate`` records either a modelled or a measured result.
-Where NVIDIA GPUs are present, a meter measures instead (seed 000 measured with ROCm-SMI; digest of
-seed 000, Sec. 4.5). Only GPU energy is counted, as in the paper: no CPU, memory or network.
+Where NVIDIA GPUs are present, a meter measures instead (Seal et al. measured with ROCm-SMI; digest of
+Seal et al., Sec. 4.5). Only GPU energy is counted, as in the paper: no CPU, memory or network.
 
 - ``NvmlEnergyMeter`` (what ``jphantom compare --energy auto`` uses) reads NVML's cumulative energy
   counter (``nvmlDeviceGetTotalEnergyConsumption``, millijoules, Volta and newer) of each of this
@@ -48,7 +48,7 @@ INSTALL_HINT = "nvidia-ml-py (pynvml) is not installed: pip install 'jphantom[gp
 class PowerModel:
     """Per-device power of Eq. 1: A = ``busy_watts`` computing, B = ``idle_watts`` communicating.
 
-    Defaults are seed 000's Frontier values (Sec. II-A): A ≈ 560 W, B ≈ 90 W per MI250X GCD.
+    Defaults are Seal et al.'s Frontier values (Sec. II-A): A ≈ 560 W, B ≈ 90 W per MI250X GCD.
     """
 
     busy_watts: float = 560.0
@@ -213,7 +213,7 @@ class NvmlPowerMeter:
         meter.measurement.joules
 
     A sample is taken at ``start()`` and at ``stop()``, so the integral spans exactly the window, and
-    every ``interval_s`` in between. Only GPU power is counted, as in seed 000's measurement: no CPU,
+    every ``interval_s`` in between. Only GPU power is counted, as in Seal et al.'s measurement: no CPU,
     memory or network. Recent drivers report power averaged over the last second, so the integral
     lags the window by up to a second; keep windows long next to that. The result's ``method`` is
     ``"sampling"``.

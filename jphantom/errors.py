@@ -2,7 +2,7 @@
 
 Every validation failure raises :class:`ConfigError`, whose message names the offending value, the
 constraint it breaks and how to fix it. Soft violations of a paper's recommendation (for example a
-ghost width above seed 000's Eq. 8 bound) emit :class:`JPhantomWarning` instead.
+ghost width above Seal et al.'s Eq. 8 bound) emit :class:`JPhantomWarning` instead.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ axis       what it splits
 ``expert`` the experts of a mixture-of-experts layer
 ``context`` the sequence of every activation (context parallelism: ring or all-gather attention,
            :mod:`jphantom.nn.attention`)
-``z``      AxoNN's 3D matrix multiply, depth axis (seed 004 ch. 5)
+``z``      AxoNN's 3D matrix multiply, depth axis (Singh's thesis ch. 5)
 ``y``      AxoNN's 3D matrix multiply, column axis
 ``x``      AxoNN's 3D matrix multiply, row axis
 ``model``  the features of every layer (tensor and phantom parallelism): innermost, so that its

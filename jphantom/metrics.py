@@ -22,7 +22,7 @@ the main figures on its progress bar and, with ``--tensorboard``, logs the same 
 - ``energy_joules`` and ``joules_per_token``, with ``energy_source``: ``"nvml"`` on NVIDIA GPUs
   (the difference of NVML's energy counters around the step, :meth:`NvmlEnergyMeter.read`, this
   process's GPUs; joules per token divide by the tokens those GPUs processed), else
-  ``"modelled"``: seed 000's Eq. 1 with the whole step at the busy power A
+  ``"modelled"``: Seal et al.'s Eq. 1 with the whole step at the busy power A
   (:class:`jphantom.energy.PowerModel`, Frontier's MI250X by default) on every device of the mesh:
   a model, not a measurement.
 """
@@ -70,7 +70,7 @@ def flops_per_token(model_config, strategy: str, seq_len: int) -> int | None:
     ``seq_len``: the model family's count (:attr:`jphantom.models.family.Family.flops_per_token`:
     GPT-2's :meth:`~jphantom.models.gpt2.TransformerConfig.flops_per_token`, the Llama family's
     :func:`~jphantom.models.llama.flops_per_token`, 6 L n^2 for the FFN). ``None`` under phantom
-    strategies, whose model is not the dense one (seed 000), or for a family that declares none."""
+    strategies, whose model is not the dense one (Seal et al.), or for a family that declares none."""
     from jphantom.models import family
     from jphantom.program import get
 

@@ -1,6 +1,6 @@
 """``jphantom plan``: rank every parallel layout of a GPT on G GPUs by modelled communication.
 
-Seed 004's Sec. 5.1.2 enumerates the 4D grids (G_x, G_y, G_z, G_data), prices each with Eqs.
+Singh's Sec. 5.1.2 enumerates the 4D grids (G_x, G_y, G_z, G_data), prices each with Eqs.
 5.1-5.7 and runs the top few. This module does that (:mod:`jphantom.perf.axonn_model`) and prices
 the other layouts jphantom trains with the same alpha-beta, placement-aware network model, so that
 one table compares them. Every row is a layout you could run: its registry strategy, its mesh (the
@@ -15,10 +15,10 @@ tensor          tensor      ``program.collective_inventory(..., "tensor")`` on
                             data=D,model=T (Megatron's f/g all-reduces; seeds 002/003),
                             then the data all-reduce of the rank's parameters
 tensor + SP     tensor      the same with ``sequence_parallel=True`` (all-reduces become
-                            reduce-scatter + all-gather pairs; seed 003)
+                            reduce-scatter + all-gather pairs; the Day 66 notes)
 data            tensor      model=1: only the data all-reduce of all parameters
 phantom         phantom     ``program.collective_inventory(..., "phantom")`` (k ghosts per
-                            token all-gathered, reduced backward; seed 000) + data all-reduce
+                            token all-gathered, reduced backward; Seal et al.) + data all-reduce
 pipeline 1F1B   tensor      stage=P,data=D (model=1): one point-to-point message of one
                             micro-batch's activations [S, h] per micro-batch forward and one
                             gradient backward; the data all-reduce of the stage's parameters
@@ -28,7 +28,7 @@ pipeline ZB-V   tensor      twice the messages (two chunks per device, the V pla
                             same memory; its lock-step bubble
 zero-3          tensor      data=G,model=1 with ``--zero 3``: per micro-batch every block is
                             all-gathered forward and again backward (jphantom re-gathers under
-                            remat) and its gradient reduce-scattered (seed 001 §1.2: 6P bytes)
+                            remat) and its gradient reduce-scattered (Cheng et al. §1.2: 6P bytes)
 context         tensor      data=D,context=C (model=1), ring attention: per layer (C-1) K/V
                             chunks [B S/C Hk d] forward, again backward (and in the recompute
                             forward), (C-1) dK/dV chunks backward (:mod:`jphantom.nn.attention`);
@@ -45,7 +45,7 @@ The ranking key is ``comm_s + bubble_s``: the paper ranks by communication alone
 cost is mostly its bubble, idle time (P - 1)/M of its compute (1F1B with M micro-batches), so the
 bubble is priced too, at the assumed sustained FLOP/s. Compute is not in the key: every dense
 layout does the same FLOPs per device (Narayanan's count / G); phantom does fewer, but trains a
-different, smaller model (seed 000), so its FLOPs are shown, not credited.
+different, smaller model (Seal et al.), so its FLOPs are shown, not credited.
 
 Memory per device (modelled; 16 bytes of state per parameter for bf16 + Adam, per-layer activation
 checkpointing as the Ch. 5 runs, Korthikanti's per-layer activation count:
@@ -76,7 +76,7 @@ LAYOUTS = ("pmm3d", "tensor", "tensor + SP", "data", "phantom", "pipeline 1F1B",
 PIPELINES = {"pipeline 1F1B": "1f1b", "pipeline ZB-H1": "zb-h1", "pipeline ZB-V": "zb-v"}
 DEFAULT_DEVICE_TFLOPS = 280.0
 """Sustained bf16 TFLOP/s assumed per GPU to price a pipeline's bubble: the A100's empirical GEMM
-peak (seed 004 §4.3: 280 of the advertised 312)."""
+peak (Singh's thesis §4.3: 280 of the advertised 312)."""
 
 
 def _int(name: str, value: Any, minimum: int = 1, fix: str = "") -> int:
@@ -115,7 +115,7 @@ class PlanRow:
 
     @property
     def variant(self) -> str:
-        """A short label: pmm3d's special cases (seed 004 §1.3), phantom's k, the pipeline's M."""
+        """A short label: pmm3d's special cases (Singh's thesis §1.3), phantom's k, the pipeline's M."""
         o = self.options
         if "microbatches" in o:
             return f"M={o['microbatches']}"
@@ -293,7 +293,7 @@ def _phantom_linear_flops(i: int, o: int, p: int, k: int) -> int:
 
 
 def _phantom_eq8_bound(hidden: int, p: int) -> float:
-    """Seed 000 Eq. 8: phantom is smaller than the dense layer while k < (n/p)(1 - 1/p)."""
+    """Seal et al. Eq. 8: phantom is smaller than the dense layer while k < (n/p)(1 - 1/p)."""
     return hidden / p * (1 - 1 / p)
 
 
@@ -328,7 +328,7 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
     ``memory_gib``: the GPU's memory; layouts whose modelled memory exceeds it are marked
     ``fits=False`` and ranked last. ``precision``: ``bf16`` (2-byte messages and activations, 16
     bytes of state per parameter) or ``float32``. ``ghost_width``: phantom's k (default hidden / 32,
-    our choice; phantom rows above seed 000's Eq. 8 bound are noted). ``accumulate``: gradient
+    our choice; phantom rows above Seal et al.'s Eq. 8 bound are noted). ``accumulate``: gradient
     accumulation micro-batches A for every layout but the pipelines, whose micro-batches are one
     sequence each (M = batch / D, AxoNN ch. 3's micro-batch size 1). ``latency=False``: no α
     (pmm3d rows are then the paper's Eqs. 5.1-5.7 exactly). ``device_tflops``: sustained TFLOP/s
@@ -390,7 +390,7 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
     block_params = shape.block_params
     llama = shape.family == "llama"
 
-    if "pmm3d" in layouts:  # seed 004 ch. 5: Eqs. 5.1-5.7
+    if "pmm3d" in layouts:  # Singh's thesis ch. 5: Eqs. 5.1-5.7
         for grid in ax.configurations(devices):
             if ax.grid_problems(grid, shape, batch, accumulate=accumulate):
                 continue
@@ -453,7 +453,7 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
             add(layout, "tensor", f"data={d},model={t}", options,
                 pricer.price(collectives, (("model", t), ("data", d))), memory, dense_flops)
 
-    if "phantom" in layouts and not llama:  # seed 000's phantom parallelism x data
+    if "phantom" in layouts and not llama:  # Seal et al.'s phantom parallelism x data
         for t in divisors[1:]:
             d = devices // t
             if shape.heads % t or V % t or batch % (d * accumulate):
@@ -474,7 +474,7 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
             block = sum(_phantom_linear_flops(i, o, t, k) for i, o in linears) + 4 * S * h // t
             flops = batch * S / d * (r * L * block + 3 * _phantom_linear_flops(h, V, t, k))
             notes = ["a different model: k ghosts per rank replace the off-diagonal blocks of "
-                     "every projection (seed 000), so it is never the top choice"]
+                     "every projection (Seal et al.), so it is never the top choice"]
             bound = _phantom_eq8_bound(h, t)
             if k >= bound:
                 notes.append(f"k={k} >= Eq. 8 bound {bound:.0f}: larger than the dense layer")
@@ -603,7 +603,7 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
         "ranking": "modelled communication + pipeline bubble seconds per step, layouts that fit "
                    "first",
         "modelled": "ring collectives priced count x (wire x bytes / beta + steps x alpha), beta "
-                    "by seed 004 Eq. 5.7 per mesh level; pmm3d by Eqs. 5.1-5.6 over the GPT's "
+                    "by Singh's thesis Eq. 5.7 per mesh level; pmm3d by Eqs. 5.1-5.6 over the GPT's "
                     "linear layers and the LM head; memory: state + checkpointed activations "
                     "(Korthikanti) + logits",
         "not_modelled": "overlap, recompute collectives, compute and optimizer time (except the "
@@ -637,14 +637,14 @@ def format_plan(result: Plan, top: int = 10) -> str:
         + f"; {a['devices']} GPUs = {a['nodes']} node(s) x {t['gpus_per_node']}.",
         f"Network ({t['name']}): beta_inter {t['inter_node_gbps']:g} GB/s between nodes; intra-node"
         f" GB/s by (G0,G1): {intra}; alpha {t['latency_us']:g} us per ring step"
-        + ("" if a["latency"] else " (off: seed 004's model exactly)") + ".",
+        + ("" if a["latency"] else " (off: Singh's model exactly)") + ".",
         f"{a['precision']['name']}: {a['precision']['message_bytes']}-byte messages, "
         f"{a['precision']['state_bytes_per_parameter']} bytes of state per parameter; "
         + ("no phantom layouts (GPT-2 blocks only)" if m.get("family") == "llama" else
            f"phantom k={a['ghost_width']}")
         + f"; pipeline bubble priced at {a['device_tflops']:g} TFLOP/s. "
         f"Layouts: {limit}.",
-        "Ranked by modelled communication + pipeline bubble per step (seed 004 Eqs. 5.1-5.7, "
+        "Ranked by modelled communication + pipeline bubble per step (Singh's thesis Eqs. 5.1-5.7, "
         "ring alpha-beta); memory modelled.",
         "",
         f"{'rank':>4}  {'strategy':<14} {'mesh':<24} {'variant':<14} {'comm s':>8} "
@@ -658,7 +658,7 @@ def format_plan(result: Plan, top: int = 10) -> str:
                      f"{row.comm_s:8.3f} {bubble} {row.flops_per_device / 1e12:9.1f} "
                      f"{row.memory_gib:7.1f}  {fits}")
     if any(not row.same_model for row in shown):
-        lines.append("   * phantom trains a different, smaller model (seed 000): listed, never "
+        lines.append("   * phantom trains a different, smaller model (Seal et al.): listed, never "
                      "the top choice")
     best = result.top
     axes = ", ".join(f"{axis} {s:.3f} s" for axis, s in best.comm_by_axis.items())
@@ -798,21 +798,21 @@ def add_parser(subparsers) -> None:
     the handler, so a bad value is one ``jphantom: error:`` line (exit status 2)."""
     parser = subparsers.add_parser(
         "plan", help="rank parallel layouts of a GPT on N GPUs by modelled communication "
-                     "(seed 004's Eqs. 5.1-5.7); nothing runs",
+                     "(Singh's Eqs. 5.1-5.7); nothing runs",
         description="Enumerate every 4D grid (pmm3d: data x z x y x x) and the other layouts "
                     "(Megatron tensor parallelism with and without sequence parallelism, plain "
                     "data parallelism, phantom parallelism, 1F1B pipelines, ZeRO-3) of a GPT on "
                     "--devices GPUs; price each step's collectives with the ring alpha-beta model "
-                    "and AxoNN's placement-aware bandwidths (seed 004 Eq. 5.7: groups inside a "
+                    "and AxoNN's placement-aware bandwidths (Singh's thesis Eq. 5.7: groups inside a "
                     "node use the intra-node table, groups across nodes share beta_inter); model "
                     "the memory per GPU; print them ranked, best first, with the top choice and "
                     "every assumption. Pure arithmetic: no devices, nothing compiled. Defaults: "
-                    "GPT-20B of seed 004 Table 5.1 on 32 Perlmutter GPUs.",
+                    "GPT-20B of Singh's thesis Table 5.1 on 32 Perlmutter GPUs.",
         epilog="Examples: jphantom plan --devices 32 --memory-gib 40  (GPT-20B on 8 Perlmutter "
                "nodes) | jphantom plan --layers 38 --hidden 9216 --heads 72 --devices 64 "
                "--memory-gib 40 --top 5  (GPT-40B) | jphantom plan --devices 64 --gpus-per-node 8 "
                "--inter-node-gbps 200 --intra-node-gbps 450 --json  (another machine, as JSON) | "
-               "jphantom plan --no-latency  (seed 004's model exactly)")
+               "jphantom plan --no-latency  (Singh's model exactly)")
     parser.add_argument("--model", default="transformer",
                         help="the model family to plan: transformer (alias gpt2: GPT-2 blocks), "
                              "llama (grouped-query attention, SwiGLU, untied head), mistral, "
@@ -829,7 +829,7 @@ def add_parser(subparsers) -> None:
             ("--vocab", "51200", "vocabulary V (GPT-2's 50257 padded)")):
         parser.add_argument(flag, default=default, metavar="N", help=f"{text} (default {default})")
     parser.add_argument("--batch", default="512", metavar="N",
-                        help="sequences per training step (default 512, our choice: seed 004 does "
+                        help="sequences per training step (default 512, our choice: Singh's thesis does "
                              "not give its batch)")
     parser.add_argument("--devices", default="32", metavar="N",
                         help="GPUs to plan for (default 32)")
@@ -845,7 +845,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--latency-us", default="5", metavar="US",
                         help="alpha, microseconds per ring step (default 5, assumed)")
     parser.add_argument("--no-latency", action="store_true",
-                        help="no alpha terms: seed 004's bandwidth-only model exactly")
+                        help="no alpha terms: Singh's bandwidth-only model exactly")
     parser.add_argument("--memory-gib", default=None, metavar="GIB",
                         help="GPU memory: layouts whose modelled memory exceeds it rank last, "
                              "marked fits=no (Perlmutter: 40)")

@@ -30,7 +30,7 @@ each kind of Flax layer (p = the size of ``axis``):
                a position ``nnx.Embed`` -> :class:`~jphantom.nn.tensor.SequenceParallelEmbed`.
                Any ``sequence`` entry turns sequence parallelism on for every column, row, vocab
                and experts layer of the plan, which then take their input from such a norm.
-``phantom``    seed 000: ``nnx.Linear`` -> :class:`~jphantom.nn.phantom_layers.PhantomLinear`
+``phantom``    Seal et al.: ``nnx.Linear`` -> :class:`~jphantom.nn.phantom_layers.PhantomLinear`
                (``Style("phantom", ghost_width=k, vocab_output=True)`` for the LM head);
                ``nnx.Embed`` -> :class:`~jphantom.nn.phantom_layers.FeatureParallelEmbed`; norms ->
                :class:`~jphantom.nn.phantom_layers.FeatureParallelNorm`; ``Experts`` ->
@@ -45,7 +45,7 @@ each kind of Flax layer (p = the size of ``axis``):
                ``expert``, TED over ``axis``; ``Style("experts", dtd=True)``: duplicate token
                dropping), its load-balancing statistics summed over the batch axes
                (E / G experts per rank, all-to-all dispatch; TED: width / p over ``axis``)
-``t1``         seed 000's T1 tensor parallelism: ``nnx.Linear`` ->
+``t1``         Seal et al.'s T1 tensor parallelism: ``nnx.Linear`` ->
                :class:`~jphantom.nn.tensor.T1Linear` (out / p; its feature-split input
                all-gathered in every layer, output feature-split)
 ``gather``     a :class:`~jphantom.nn.boundary.Boundary` ->
@@ -477,7 +477,7 @@ def parallelize(model: nnx.Module, mesh, plan: Mapping[str, str | Style], *,
 
     ``mesh``: a ``jax.sharding.Mesh`` (or a mapping of axis sizes) with an ``axis`` axis (p ranks).
     ``plan``: dotted module path pattern -> style (module docstring). ``ghost_width``: the default
-    k of ``phantom`` entries. ``fused``: phantom's fused decompressor GEMM (seed 000 uses p-1).
+    k of ``phantom`` entries. ``fused``: phantom's fused decompressor GEMM (Seal et al. use p-1).
     Call it outside ``jax.jit``; it needs no mesh context (parameters are placed by the step).
     """
     if not isinstance(model, nnx.Module):
@@ -633,7 +633,7 @@ KV_COLUMNS = frozenset({"k", "v", "k_proj", "v_proj", "key", "value", "wk", "wv"
 ROUTERS = frozenset({"router", "gate"})
 # the norm before a block's MLP: when that MLP is a routed mixture of experts (SwitchMoE) it stays
 # replicated under Megatron, so that the router runs on the replicated stream and TED's f acts on
-# the dispatched buffers (seed 004 ch. 7)
+# the dispatched buffers (Singh's thesis ch. 7)
 MLP_NORMS = frozenset({"ln_2", "post_attention_layernorm", "ffn_norm", "norm2"})
 
 
@@ -713,10 +713,10 @@ def _name(path_tuple) -> str:
 def megatron(model: nnx.Module, *, sequence_parallel: bool = False, dtd: bool = False,
              collective_matmul: bool = False, kv_heads: int | None = None,
              vocab: str | None = None, named: Mapping | None = None) -> dict[str, str | Style]:
-    """Megatron tensor parallelism (seed 002): q/k/v and up/gate column-parallel, attention output
+    """Megatron tensor parallelism (Brakel et al.): q/k/v and up/gate column-parallel, attention output
     and down row-parallel, embedding and head vocabulary-parallel, experts split over their width,
     routers replicated, norms ``input`` (f once for the layers they feed: pre-norm blocks);
-    ``sequence_parallel`` (seed 003): norms and position tables ``sequence``. A routed mixture of
+    ``sequence_parallel`` (the Day 66 notes): norms and position tables ``sequence``. A routed mixture of
     experts (:class:`~jphantom.nn.experts.SwitchMoE`) is ``experts`` (over ``expert`` and TED;
     ``dtd``: duplicate token dropping) and the norm before it (:data:`MLP_NORMS`) ``replicate``.
     ``collective_matmul`` (with ``sequence_parallel``): the row layers and the norms inside the
@@ -813,7 +813,7 @@ def _inside(path: str, plan: Mapping) -> bool:
 
 def phantom(model: nnx.Module, ghost_width: int = 8, *, vocab: str | None = None,
             named: Mapping | None = None) -> dict[str, Style]:
-    """Phantom parallelism (seed 000) for a whole model: every linear a phantom layer of k =
+    """Phantom parallelism (Seal et al.) for a whole model: every linear a phantom layer of k =
     ``ghost_width`` ghost neurons (the LM head with vocabulary-split outputs), embeddings and norms
     split over features, routers row-parallel (their logits all-reduced), experts on the
     feature-split stream."""
@@ -854,7 +854,7 @@ def _split_features(path: str, module, walk: str) -> ConfigError:
 
 def pmm3d(model: nnx.Module, *, weights: str = "kept", vocab: str | None = None,
           named: Mapping | None = None) -> dict[str, Style]:
-    """AxoNN's 3D matmul (seed 004 ch. 5) for a whole model on ``x``, ``y``, ``z``: q/k/v and
+    """AxoNN's 3D matmul (Singh's thesis ch. 5) for a whole model on ``x``, ``y``, ``z``: q/k/v and
     up/gate normal layers, attention output and down transposed, the token table (and an untied
     head) vocabulary over ``x``, norms and position tables over ``y``. ``weights``: the linears'
     gathered weights, ``"kept"``, ``"regather"`` or ``"deferred"``

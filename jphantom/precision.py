@@ -3,7 +3,7 @@
 The parameters and the optimizer state stay in their stored dtype (float32: the master weights);
 inside the step the policy casts the parameters and the floating inputs to the compute dtype
 before the forward, so every matmul and activation runs in it, and autodiff casts the gradients
-back to float32 before the reduction and the update (Micikevicius et al. 2018; seed 001 Sec. 1.2).
+back to float32 before the reduction and the update (Micikevicius et al. 2018; Cheng et al. Sec. 1.2).
 Losses reduce in at least float32 (the FFN's squared error and the transformer's cross-entropy
 promote). ``float16`` scales the loss before differentiating and unscales the gradients after, so
 that small gradients do not flush to zero, with *dynamic* loss scaling (Micikevicius et al. 2018;

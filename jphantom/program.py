@@ -9,7 +9,7 @@
 A :class:`Program` is small: the parallelised NNX model (abstract: ``nnx.eval_shape``), how to
 create it (``create(key)``, run by ``step.init`` under ``jax.jit`` so each parameter is born in
 its shards; one compilation serves every seed), its ``loss_fn(model, *batch)`` (and ``metrics_fn``), the batch arrays' specs when they
-are not the default (seed 000's FFN takes its features split over ``model``), and whether the
+are not the default (Seal et al.'s FFN takes its features split over ``model``), and whether the
 step is ``shard_map`` (the layers' own collectives) or ``gspmd`` (annotations, ``jax.jit``'s
 collectives, the baseline). Everything about *how* the step runs (ZeRO, pipelines, precision,
 remat, accumulation) is a step option, composed in one order by :class:`jphantom.TrainStep`.
@@ -62,14 +62,14 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("dense", "the unsharded model on one device (the single-device oracle)", "dense"),
     Strategy("gspmd", "the plain model with NamedSharding annotations of Megatron's plan; jax.jit "
              "chooses the collectives (what a JAX user writes without jphantom)", "dense"),
-    Strategy("tensor", "Megatron tensor parallelism: column/row pairs with f and g (seed 002); "
-             "sequence parallelism as an option (seed 003)", "dense"),
-    Strategy("tensor-t1", "seed 000's TP: row-sharded weights, all-gather forward / "
+    Strategy("tensor", "Megatron tensor parallelism: column/row pairs with f and g (Brakel et al.); "
+             "sequence parallelism as an option (the Day 66 notes)", "dense"),
+    Strategy("tensor-t1", "Seal et al.'s TP: row-sharded weights, all-gather forward / "
              "reduce-scatter backward", "dense"),
-    Strategy("phantom", "phantom parallelism (seed 000), one fused decompressor GEMM", "phantom"),
+    Strategy("phantom", "phantom parallelism (Seal et al.), one fused decompressor GEMM", "phantom"),
     Strategy("phantom-unfused", "phantom parallelism with the paper's p-1 decompressor GEMMs",
              "phantom"),
-    Strategy("pmm3d", "AxoNN's 3D parallel matrix multiply on x, y, z (and data), seed 004 ch. 5: "
+    Strategy("pmm3d", "AxoNN's 3D parallel matrix multiply on x, y, z (and data), Singh's thesis ch. 5: "
              "weights all-gathered over z, all-reduces over y forward and x backward, "
              "reduce-scatters over z", "dense", zero=False),
     Strategy("pmm3d-regather", "pmm3d whose backward all-gathers the weights again instead of "
@@ -225,7 +225,7 @@ def lm_plan(model: nnx.Module, strategy: str, mesh: MeshConfig, *, sequence_para
     elif strategy in ("phantom", "phantom-unfused"):
         if ghost_width is None:
             raise ConfigError(f"strategy {strategy!r} needs ghost_width (k ghost neurons per rank "
-                              "and token, seed 000), e.g. --ghost-width 8")
+                              "and token, Seal et al.), e.g. --ghost-width 8")
         plans.parallelize(model, shape, plans.phantom(model, ghost_width=ghost_width),
                           fused=strategy == "phantom")
     elif strategy == "gspmd":  # the same plan as annotations; jit's collectives
@@ -378,7 +378,7 @@ def lm_loss(model, tokens, targets, mask=None, **balance):
 
 
 # -------------------------------------------------------------------------------------------------
-# Seed 000's FFN
+# Seal et al.'s FFN
 # -------------------------------------------------------------------------------------------------
 
 
@@ -496,7 +496,7 @@ def ffn_batch_specs(strategy: str, config, mesh: MeshConfig) -> tuple[P, P]:
 def build_ffn(config, strategy: str, mesh: MeshConfig, *, ghost_width: int | None = None,
               seed: int = 0, model: nnx.Module | None = None, sequence_parallel: bool = False,
               dtd: bool = False, **options) -> Program:
-    """Seed 000's FFN (:class:`jphantom.models.ffn.FFN`) under ``strategy`` on ``mesh``: the plain
+    """Seal et al.'s FFN (:class:`jphantom.models.ffn.FFN`) under ``strategy`` on ``mesh``: the plain
     model (``pairs`` for the strategies of :data:`PAIRED`), parallelised by :func:`ffn_plan`.
     ``ghost_width``: phantom's k (default the configuration's); ``model``: a concrete plain
     :class:`~jphantom.models.ffn.FFN` to parallelise instead of creating one."""
@@ -530,7 +530,7 @@ def build_ffn(config, strategy: str, mesh: MeshConfig, *, ghost_width: int | Non
         from jphantom.sharding.phantom import PhantomConfig
 
         if k is None:
-            raise ConfigError(f"strategy {strategy!r} needs ghost_width (k of seed 000), e.g. "
+            raise ConfigError(f"strategy {strategy!r} needs ghost_width (k of Seal et al.), e.g. "
                               "--ghost-width 16")
         PhantomConfig(config.width, k, mesh.size(FEATURE_AXIS), config.depth)  # Eq. 8 warning
 
@@ -564,8 +564,8 @@ def collective_inventory(config, strategy: str, mesh, batch: int, *,
     (``batch``: the per-data-rank batch; the data-parallel gradient reduction not included), from
     the designs' formulas: the GPT-2 transformer and Llama (``max_positions`` tokens per
     sequence) under ``tensor`` (Megatron, seeds 002/003), GPT-2 under
-    ``phantom`` (seed 000 Sec. 5), the FFN under ``tensor``, ``tensor-t1`` and ``phantom``
-    (seed 000 Table II). Strategies whose collectives are left to ``jax.jit`` or are
+    ``phantom`` (Seal et al. Sec. 5), the FFN under ``tensor``, ``tensor-t1`` and ``phantom``
+    (Seal et al. Table II). Strategies whose collectives are left to ``jax.jit`` or are
     Eqs. 5.1-5.5 (:mod:`jphantom.perf.axonn_model`) have none to list."""
     from jphantom.models.ffn import FFNConfig
     from jphantom.models.llama import LlamaConfig
@@ -588,7 +588,7 @@ def collective_inventory(config, strategy: str, mesh, batch: int, *,
             return {"all-gather": [b * n] * (1 + (0 if odd else 1)),
                     "all-reduce": [b * n] * (pairs + pairs + odd - 1)}
         if STRATEGIES[name].family == "phantom":
-            # seed 000 Table II per layer: forward one all-gather of k B from each of p ranks
+            # Seal et al. Table II per layer: forward one all-gather of k B from each of p ranks
             # (result p k B); backward one reduce-scatter to k B at every layer, the first
             # included (Gamma_1 feeds dL/dC_1, Eq. 20)
             k = config.ghost_width

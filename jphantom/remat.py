@@ -56,7 +56,7 @@ def check(name: str) -> str:
 
 
 def with_cac(name: str, cac: bool) -> str:
-    """The policy of ``--remat name --cac``: seed 004's communication-aware checkpointing is
+    """The policy of ``--remat name --cac``: Singh's communication-aware checkpointing is
     checkpointing every layer while keeping the collectives' outputs, ``collectives_saveable``."""
     check(name)
     if not cac:

@@ -1,7 +1,7 @@
 """The one training loop: ``jphantom train``, ``jphantom compare`` and the experiments run it.
 
 :func:`run` takes a :class:`jphantom.config.RunConfig` (validated on construction; the program and
-its step are built, nothing compiled, before any data is read) and trains: FFN runs on seed 000's
+its step are built, nothing compiled, before any data is read) and trains: FFN runs on Seal et al.'s
 teacher task, language models (GPT-2, Llama / Mixtral) on byte-level text, or on tokens (token
 files, or text through a tokenizer: :class:`TokenSource`, whose reader's position is saved in
 checkpoints and restored on resume). Per step it records the
@@ -9,7 +9,7 @@ loss and the step time (the first, compiling step excluded), evaluates every ``e
 and at the end (held-out loss; MoE models: the cross-entropy without the auxiliary losses and the
 fraction of dropped token-expert assignments), stops early at ``target_loss``, saves Orbax
 checkpoints, and meters energy when given a meter (its window opens after the first step and
-closes after the last, both after ``jax.block_until_ready``, as seed 000 excludes
+closes after the last, both after ``jax.block_until_ready``, as Seal et al. excludes
 initialisation). Into ``train.out`` (unless ``None``) it writes:
 
 - ``metrics.jsonl``: one line per step (loss, learning rate, gradient norm, step time, tokens/s,
@@ -148,7 +148,7 @@ def text_source(config: RunConfig, seq_len: int, rows: slice | None = None):
 
 
 class TeacherSource:
-    """Seed 000's teacher task: ``[batch, width]`` inputs and the teacher's outputs; validation
+    """Seal et al.'s teacher task: ``[batch, width]`` inputs and the teacher's outputs; validation
     is the first ``eval_batches`` held-out batches (every one of them with a teacher given)."""
 
     def __init__(self, config: RunConfig, teacher=None):
@@ -173,7 +173,7 @@ class TeacherSource:
             yield pair
 
     def describe(self):
-        return {"source": "seed 000 teacher", **dataclasses.asdict(self.teacher.config)}
+        return {"source": "Seal et al. teacher", **dataclasses.asdict(self.teacher.config)}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""SAMO: sparsity-aware memory optimization for pruned models (seed 004 ch. 4, Singh & Bhatele,
+"""SAMO: sparsity-aware memory optimization for pruned models (Singh's thesis ch. 4, Singh & Bhatele,
 IPDPS'23), an option of the module step on the ``data`` axis::
 
     step = jphantom.make_train_step(model, mesh, optax.adam(1e-3), loss_fn, precision="bf16",
@@ -210,7 +210,7 @@ def state_bytes(state) -> dict[str, int]:
 
 
 def formula_bytes(phi: int, nonzeros: int) -> dict[str, float]:
-    """Seed 004 Eqs. 4.1-4.5 with f phi = ``nonzeros``: at rest (theta16 2 phi, master + m + v
+    """Singh's thesis Eqs. 4.1-4.5 with f phi = ``nonzeros``: at rest (theta16 2 phi, master + m + v
     12 f phi, index 4 f phi) and in all (+ float32 and 16-bit gradients 6 f phi, the 16-bit copy
     2 f phi) = 24 f phi + 2 phi; dense mixed-precision Adam 20 phi."""
     f_phi = nonzeros

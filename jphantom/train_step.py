@@ -25,7 +25,7 @@ would see on one device, so ``optax.clip_by_global_norm``, LAMB or Adafactor are
 update's cross-shard reductions, a global norm, are the only collectives jit adds; element-wise
 updates add none).
 
-ZeRO over ``data`` (seed 001; Rajbhandari et al. 2020): ``zero=1`` shards the optimizer state
+ZeRO over ``data`` (Cheng et al.; Rajbhandari et al. 2020): ``zero=1`` shards the optimizer state
 (the update runs on each rank's slice and the new parameters are all-gathered), ``zero=2`` also
 reduce-scatters the gradients inside the ``shard_map``, ``zero=3`` also stores the parameters
 sharded and all-gathers them at the start of the step (the gradient's reduce-scatter is that
@@ -272,7 +272,7 @@ def _split_axes_only(spec: P, sizes: dict) -> P:
 def mean_share(value, exclude: tuple[str, ...] = ()):
     """This rank's share of a global mean: ``value`` (the mean over what this rank holds) divided
     by the number of ranks it varies over (``check_vma``'s record: the batch axes, and any axis
-    splitting the data, e.g. seed 000's features over ``model``); ranks holding the same value
+    splitting the data, e.g. Seal et al.'s features over ``model``); ranks holding the same value
     count once. Returns the share and the axes to ``psum`` it over."""
     axes = tuple(a for a in sorted(metadata.varying_axes(value)) if a not in exclude)
     ranks = math.prod(lax.axis_size(a) for a in axes)
@@ -1037,7 +1037,7 @@ class TrainStep:
 
     def _per_rank(self, leaves, *batch, scale=None, key=None):
         loss, grads = self._local_value_and_grad(list(leaves), *batch, scale=scale, key=key)
-        if not self.communicate:  # seed 001's t_compute: the step without its reductions
+        if not self.communicate:  # Cheng et al.'s t_compute: the step without its reductions
             return loss, grads
         dims = self.layout.zero_dims
         vary = self._vary_axes()
@@ -1313,10 +1313,10 @@ def make_train_step(model: nnx.Module, mesh: Mesh, optimizer: optax.GradientTran
     (``"shard_map"``, or ``"gspmd"``: the plain model with :func:`jphantom.plans.annotate`'s
     sharding metadata, collectives chosen by ``jax.jit``, the baseline), ``donate``,
     ``batch_specs`` (the batch arrays' ``PartitionSpec``s: default, each split on its first
-    dimension over the batch axes), ``communicate=False`` (measurement only, seed 001's
+    dimension over the batch axes), ``communicate=False`` (measurement only, Cheng et al.'s
     breakdown: the step without its gradient and loss reductions; its values are not the
     model's), ``samo`` (a :class:`~jphantom.samo.SamoConfig`: a magnitude-pruned model with
-    compressed master weights, optimizer state and gradient all-reduce, seed 004 ch. 4),
+    compressed master weights, optimizer state and gradient all-reduce, Singh's thesis ch. 4),
     ``attention`` (``auto``, ``xla`` or ``cudnn``: the kernel of the model's attention cores,
     :func:`jphantom.nn.attention.choose`; default ``None``: as the model built them)."""
     return TrainStep(model, mesh, optimizer, loss_fn, **options)

@@ -74,7 +74,7 @@ def test_quick_transformer_benchmark_reports_every_strategy(tmp_path):
 @pytest.mark.slow  # four compiled AdamW steps on 8 devices: ~15 s
 def test_quick_zero_benchmark_reports_every_stage(tmp_path):
     """benchmarks/zero_stages.py runs (tiny sizes); model state at rest shrinks stage by stage as
-    seed 001 says (parameters + Adam per device: 12P, (4 + 8/D)P, same, 12P/D)."""
+    Cheng et al. say (parameters + Adam per device: 12P, (4 + 8/D)P, same, 12P/D)."""
     import importlib.util
     import json
     import pathlib

@@ -70,7 +70,7 @@ def test_message_floats_is_table_ii_message_from_hlo_result_bytes(kind, result_b
     assert message_floats(kind, result_bytes, p) == expected_floats
 
 
-# Seed 000 digest section 3.4: n = 16384, B = 1024, per layer per iteration, milliseconds.
+# Seal et al. digest section 3.4: n = 16384, B = 1024, per layer per iteration, milliseconds.
 @pytest.mark.parametrize(
     "p, k, tp_all_four_ms, tp_ag_rs_ms, phantom_ms",
     [(8, 16, 72.2, 10.3, 0.96), (256, 4, 64.9, 2.66, 2.38)],

@@ -71,7 +71,7 @@ def test_auto_ghost_width_is_inside_eq8():
     (dict(target_loss=0.0), r"target_loss=0.0 must be > 0"),
     (dict(learning_rate=-1.0), r"learning_rate=-1.0"),
     (dict(target_margin=-0.1), r"target_margin=-0.1"),
-    (dict(model="gpt2", strategy="dense"), r"compare trains seed 000's FFN"),
+    (dict(model="gpt2", strategy="dense"), r"compare trains Seal et al.'s FFN"),
 ])
 def test_compare_rejects_bad_settings(settings, message):
     """``CompareConfig.from_flags``: the base run's flat settings over the comparison's

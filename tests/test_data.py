@@ -1,4 +1,4 @@
-"""Seed 000's teacher data: deterministic, split, sharded on demand."""
+"""Seal et al.'s teacher data: deterministic, split, sharded on demand."""
 
 import jax
 import numpy as np

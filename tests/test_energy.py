@@ -1,4 +1,4 @@
-"""Seed 000's energy model (Eqs. 1-2) against Table I, the power meter's integration, and the NVML
+"""Seal et al.'s energy model (Eqs. 1-2) against Table I, the power meter's integration, and the NVML
 energy meter against a fake NVML: counter preferred, PCI-bus-id mapping, fallback, per-process sums."""
 
 import itertools
@@ -23,7 +23,7 @@ from jphantom.energy import (
 )
 from jphantom.errors import ConfigError
 
-# Seed 000 Table I (n = 16384, L = 2, fixed MSE loss): p, k, then per model energy/epoch (J),
+# Seal et al. Table I (n = 16384, L = 2, fixed MSE loss): p, k, then per model energy/epoch (J),
 # epochs and total energy (J) as printed.
 TABLE_I = [
     # p, k, TP J/epoch, TP epochs, TP total, PP J/epoch, PP epochs, PP total
@@ -34,7 +34,7 @@ TABLE_I = [
     (128, 2, 2611.2, 453, 1_182_874, 2131.2, 488, 1_040_026),
     (256, 4, 6873.6, 453, 3_113_741, 6950.4, 232, 1_612_493),
 ]
-# Digest of seed 000, Sec. 4.4: PP/TP total energy, to three decimals.
+# Digest of Seal et al., Sec. 4.4: PP/TP total energy, to three decimals.
 PP_OVER_TP = {8: 0.143, 16: 0.183, 32: 0.299, 64: 0.486, 128: 0.879, 256: 0.518}
 
 

@@ -2,7 +2,7 @@
 
 The simulated transport runs on sub-meshes of the 8 devices conftest.py simulates in this process;
 the gloo transport starts its own one-device worker processes over 127.0.0.1. No timing is asserted:
-only that every measurement is a positive time and every fit has a finite RMSE (seed 000 Table III's
+only that every measurement is a positive time and every fit has a finite RMSE (Seal et al. Table III's
 error measure).
 """
 

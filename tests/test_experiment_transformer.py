@@ -63,7 +63,7 @@ def test_transformer_tp_vs_phantom_quick(tmp_path):
     for other in (tensor, sp):  # the same dense GPT, initialisation and batches
         assert other["final_validation_loss"] == pytest.approx(dense["final_validation_loss"],
                                                                abs=1e-3)
-    # Seed 000's communication claim: per collective k/(n/p) of TP's, here k/(h/p).
+    # Seal et al.'s communication claim: per collective k/(n/p) of TP's, here k/(h/p).
     assert phantom["collective_bytes_per_step"] < tensor["collective_bytes_per_step"]
     assert phantom["collective_bytes_per_step"] < sp["collective_bytes_per_step"]
     assert phantom["largest_collective_bytes"]["all-gather"] == 4 * tokens * p * k

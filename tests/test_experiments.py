@@ -98,7 +98,7 @@ def test_fixed_iteration_quick(tmp_path):
 @pytest.mark.slow  # four FFN steps compiled and four GPT steps timed: ~1 min
 def test_pmm3d_quick(tmp_path):
     """AxoNN's 3D matmul: on every grid the FFN step's HLO collectives equal Eqs. 5.1-5.4's
-    buffers summed over the layers, element for element (seed 004 ch. 5)."""
+    buffers summed over the layers, element for element (Singh's thesis ch. 5)."""
     require_devices(8)
     assert load("pmm3d").main(["--quick", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "results-8.json").read_text())

@@ -212,7 +212,7 @@ def test_experts_must_divide_over_the_expert_axis():
                                        pytest.param("expert=2,model=4", False,
                                                     marks=pytest.mark.slow)])
 def test_ted_experts_tensor_parallel_equal_the_dense_moe(mesh, dtd):
-    """TED (seed 004 Eq. 7.1): experts tensor-parallel over model inside expert parallelism, with
+    """TED (Singh's thesis Eq. 7.1): experts tensor-parallel over model inside expert parallelism, with
     duplicate token dropping on and off: loss and every gradient of the dense MoE."""
     loss, grads, dx, dropped, _ = _run(mesh, layer_kw=(("model_axis", "model"), ("dtd", dtd)))
     want_loss, (want_grads, want_dx) = _dense(_moe(), _tokens())
@@ -237,7 +237,7 @@ def test_dtd_divides_the_all_to_all_bytes_by_the_tensor_ranks():
 @pytest.mark.parametrize("policy, all_to_alls", [("nothing_saveable", 6),
                                                  ("collectives_saveable", 4)])
 def test_cac_keeps_the_all_to_all_outputs_so_the_recompute_repeats_none(policy, all_to_alls):
-    """Seed 004's CAC: a checkpointed MoE layer recomputes its forward in the backward; saving the
+    """Singh's CAC: a checkpointed MoE layer recomputes its forward in the backward; saving the
     collectives' outputs by name (remat's ``collectives_saveable``) keeps the two all-to-alls out
     of the recompute (6 become 4)."""
     fn, leaves, *_ = _layer_fn("expert=4", policy=policy)

@@ -1,4 +1,4 @@
-"""PCCL's hierarchical collectives (:mod:`jphantom.sharding.collectives`, seed 004 ch. 6): bitwise
+"""PCCL's hierarchical collectives (:mod:`jphantom.sharding.collectives`, Singh's thesis ch. 6): bitwise
 equal to the flat collectives over (node, local) in value and in gradient, log2(nodes) permutes
 across nodes in HLO (forward and backward), the alpha-beta selector on hand-computed cases, named
 errors.

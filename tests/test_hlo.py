@@ -63,7 +63,7 @@ def _assert_exact(found, formula):
 
 
 def phantom_formula(depth, num_shards, ghost_width=GHOST, batch=BATCH):
-    """Table II of seed 000 per layer: forward one all-gather of k B from each of p ranks (result
+    """Table II of Seal et al. per layer: forward one all-gather of k B from each of p ranks (result
     p k B), backward one reduce-scatter down to k B, at every layer including the first (Gamma_1
     feeds dL/dC_1, Eq. 20)."""
     return {"all-gather": [num_shards * ghost_width * batch] * depth,
@@ -116,7 +116,7 @@ def test_tensor_megatron_step_collectives(num_shards, depth, gathers, all_reduce
 
 
 def test_phantom_bytes_are_k_over_block_of_t1_per_collective():
-    """Seed 000 Eq. 9: per collective, phantom moves k/(n/p) of T1's bytes."""
+    """Seal et al. Eq. 9: per collective, phantom moves k/(n/p) of T1's bytes."""
     p, depth = 8, 2
     per_op = lambda ops: {r["kind"]: r["bytes"] / r["count"] for r in hlo.summarize(ops)}
     ph = per_op(_ops("phantom", depth, p, GHOST)[0])

@@ -52,7 +52,7 @@ def test_cli_inspect_json_reports_collectives_flops_params(capsys):
     ops = [op for op in report["collective_ops"] if op["kind"] == "all-gather"]
     assert sum(op["count"] for op in ops) == 2  # layer 0, and layer 1 in the scan
     assert {op["bytes"] for op in ops} == {8 * 8 * 2 * 4}
-    # the module's parameters: seed 000's weights (Table I) + 2 x 64 biases + the fused
+    # the module's parameters: Seal et al.'s weights (Table I) + 2 x 64 biases + the fused
     # decompressor's own slot (k n/p per rank and layer, never used: test_phantom.py)
     weights = 2 * (64 * 64 // 8 + 2 * 64 * 8)
     assert report["flops"] > 0 and report["params"] == weights + 2 * 64 + 2 * 2 * 64
@@ -178,7 +178,7 @@ def test_param_count_is_never_negative_or_fractional_where_jphantom_computes_it(
         RunConfig.from_flags(**ffn, ghost_width=-1)
     with pytest.raises(ConfigError, match="ghost_widths=-3"):
         CompareConfig.from_flags(width=64, shards=(2,), ghost_widths=(-3,))
-    # seed 000's count (Table I: weights only) beside the model's (biases, and the fused
+    # Seal et al.'s count (Table I: weights only) beside the model's (biases, and the fused
     # decompressor's own slot, whose k n/p per layer never moves: test_phantom.py)
     weights = phantom.param_count(64, 2, 4, 2)
     assert weights == 2 * (64 * 64 // 4 + 2 * 64 * 4)

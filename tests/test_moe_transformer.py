@@ -219,11 +219,11 @@ def test_moe_step_moves_two_all_to_alls_each_way_per_moe_layer(dtd):
                                                 pytest.param("collectives_saveable", False,
                                                              marks=pytest.mark.slow)])
 def test_cac_in_the_step_keeps_the_all_to_alls_out_of_the_recompute(policy, recomputed):
-    """Communication-aware checkpointing (seed 004): every block group checkpointed; saving
+    """Communication-aware checkpointing (Singh's thesis): every block group checkpointed; saving
     collective outputs by name keeps the recompute free of communication. Per MoE layer,
     all-to-alls 6 become 4 (dispatch and combine forward, their transposes backward) and the
     experts' tensor all-reduces of E C h 3 become 2 (forward, and the input's gradient backward):
-    two MoE layers here. (Seed 004 counts 6 + 6 -> 4 + 4 with the attention's, which behave
+    two MoE layers here. (Singh's thesis counts 6 + 6 -> 4 + 4 with the attention's, which behave
     alike.)"""
     found, _, _ = _step_collectives("data=2,expert=2,model=2", remat=policy)
     buffer = EXPERTS * _config(layers=4).moe.capacity(BATCH * SEQ // 4) * HIDDEN

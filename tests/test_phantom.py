@@ -1,4 +1,4 @@
-"""Phantom parallelism (seed 000) against the single-device dense oracle, and its validation."""
+"""Phantom parallelism (Seal et al.) against the single-device dense oracle, and its validation."""
 
 import warnings
 
@@ -75,7 +75,7 @@ def _decompress(params):
 
 
 def test_own_decompressor_slot_has_no_effect_and_no_gradient():
-    """D^(j,j) is not part of the model (seed 000 Sec. III): changing it changes nothing, and it
+    """D^(j,j) is not part of the model (Seal et al. Sec. III): changing it changes nothing, and it
     gets an exactly zero gradient, so training never turns it on (digest Sec. 2.5)."""
     p = 4
     config, _, params = _case(p, 3, 3, jnp.float64)

@@ -1,4 +1,4 @@
-"""AxoNN's placement-aware communication model (seed 004 ch. 5, Eqs. 5.1-5.7) and ``jphantom plan``.
+"""AxoNN's placement-aware communication model (Singh's thesis ch. 5, Eqs. 5.1-5.7) and ``jphantom plan``.
 
 Pure arithmetic: nothing is compiled. Expected seconds are computed by hand from the equations as
 the paper writes them, not through the module under test."""
@@ -133,7 +133,7 @@ def test_volumes_are_eqs_5_1_to_5_5_and_buffers_are_the_hlo_result_buffers():
     assert ar_bwd.wire == pytest.approx(ax.all_reduce_x(m, k, grid))
     assert ar_data.wire == pytest.approx(ax.all_reduce_data(k, n, grid))
     assert ax.all_gather_z(k, n, grid) == pytest.approx(ax.reduce_scatter_z(k, n, grid))
-    # per-GPU result buffers (seed 004 §1.3's table): what the compiled HLO reports
+    # per-GPU result buffers (Singh's thesis §1.3's table): what the compiled HLO reports
     assert (ag.kind, ag.axis, ag.group, ag.buffer) == ("all-gather", "z", 8, k * n / (4 * 2))
     assert (rs.kind, rs.axis, rs.group, rs.buffer) == ("reduce-scatter", "z", 8, k * n / 64)
     assert (ar_fwd.axis, ar_fwd.group, ar_fwd.buffer) == ("y", 2, m * n / (8 * 4))

@@ -1,4 +1,4 @@
-"""AxoNN's 3D parallel matrix multiply (``pmm3d``, seed 004 ch. 5): every (G_x, G_y, G_z, G_data)
+"""AxoNN's 3D parallel matrix multiply (``pmm3d``, Singh's thesis ch. 5): every (G_x, G_y, G_z, G_data)
 grid of 8 devices gives the single-device loss and every gradient, for the FFN and the transformer;
 the compiled step moves exactly Eqs. 5.1-5.5's volumes over the axes Algorithm 3 names; the
 degenerate grids are FSDP (z) and Megatron (x)."""

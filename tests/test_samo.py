@@ -1,4 +1,4 @@
-"""SAMO (seed 004 ch. 4) as an option of the module step: compressed master weights, Adam moments
+"""SAMO (Singh's thesis ch. 4) as an option of the module step: compressed master weights, Adam moments
 and gradients for a pruned model; the trajectory of masked-dense Adam, an all-reduce of (1 - s) of
 the dense gradient, and the model-state bytes of Eqs. 4.1-4.5.
 

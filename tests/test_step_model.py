@@ -154,7 +154,7 @@ def test_hand_computed_flops():
 
 
 def test_hand_computed_comm_time_matches_digest_example():
-    # Digest of seed 000 Sec. 3.4: n = 16384, B = 1024, p = 8 -> per layer PP (AG + RS of k B) =
+    # Digest of Seal et al. Sec. 3.4: n = 16384, B = 1024, p = 8 -> per layer PP (AG + RS of k B) =
     # 295.46 log2 p + 4.47e-3 k B us = 959.6 us at k = 16; TP (AG + RS of n/p B) = 10260.7 us.
     ph = estimate_step(StepShape("phantom", 16384, 2, 8, 1024, 16, loss_allreduce=False))
     per_layer = 295.46 * 3 + 4.47e-3 * 16 * 1024

@@ -12,7 +12,7 @@ from jphantom.data import Teacher, TeacherConfig
 from jphantom.errors import ConfigError, TrainingDiverged
 from jphantom.run import run
 
-# seed 000's set-up at a small width: Adam (optax's betas), no warm-up, every held-out batch
+# Seal et al.'s set-up at a small width: Adam (optax's betas), no warm-up, every held-out batch
 SMALL = dict(model="ffn", width=32, depth=2, batch=32, optimizer="adam", adam_b2=0.999,
              warmup_steps=0, learning_rate=3e-3, eval_every=5, steps=400, out=None,
              progress=False)

@@ -1,5 +1,5 @@
 """The GPT transformer under every strategy equals the single-device model, and its compiled step
-moves exactly the collectives the Megatron (seeds 002, 003) and phantom (seed 000 Sec. 5) designs
+moves exactly the collectives the Megatron (seeds 002, 003) and phantom (Seal et al. Sec. 5) designs
 predict, with loop trip counts applied.
 
 Each oracle test computes the loss and every gradient on the mesh (the step's shard_map without

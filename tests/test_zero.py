@@ -132,7 +132,7 @@ def test_plain_data_parallelism_all_reduces_every_gradient_once():
 
 
 def test_zero1_all_reduces_gradients_and_all_gathers_updated_parameters():
-    """Seed 001's ZeRO-1: the gradient all-reduce of DP, then each rank updates its 1/D slice and
+    """Cheng et al.'s ZeRO-1: the gradient all-reduce of DP, then each rank updates its 1/D slice and
     the slices are all-gathered (result elements: the whole parameter)."""
     found, full, _, dims, _ = _data_collectives(1)
     split = sum(n for n, d in zip(full, dims) if d >= 0)
@@ -152,7 +152,7 @@ def test_zero2_reduce_scatters_gradients_and_all_gathers_updated_parameters():
 def test_zero3_gathers_each_layer_for_forward_and_again_for_backward():
     """ZeRO-3: each layer's split parameters all-gathered in the forward scan and again in the
     backward scan (the gathered copy is never kept: only one layer is ever whole), and the
-    gradient reduce-scattered layer by layer; parameters sharded at rest (seed 001 Table 2)."""
+    gradient reduce-scattered layer by layer; parameters sharded at rest (Cheng et al. Table 2)."""
     pairs = 4  # depth 8: Megatron's first (column, row) pair, then 3 under lax.scan
     found, full, local, dims, ndims = _data_collectives(3, depth=2 * pairs)
     split = sum(n for n, d in zip(full, dims) if d >= 0)

@@ -133,9 +133,9 @@ def state_bytes(step) -> dict[str, int]:
 
 
 def zero_formula_bytes(step, params) -> dict[str, float]:
-    """ZeRO's model-state bytes per device for Adam (seed 001 Sec. 1.4, Table 1), with P the
+    """ZeRO's model-state bytes per device for Adam (Cheng et al. Sec. 1.4, Table 1), with P the
     parameters per model-parallel rank (the ``data`` axis aside) and N the data-parallel degree:
-    seed 001's mixed-precision figures (2-byte parameters and gradients, 12 bytes of float32
+    Cheng et al.'s mixed-precision figures (2-byte parameters and gradients, 12 bytes of float32
     master weights and moments): 16P, 4P + 12P/N, 2P + 14P/N, 16P/N; and jphantom's, whose float32
     parameters are the master weights (no separate copy: the compute dtype is a cast inside the
     step): 4P parameters + 4P gradients + 8P moments = 16P, 8P + 8P/N, 4P + 12P/N, 16P/N. Only
@@ -247,10 +247,10 @@ def format_report(reports: list[dict]) -> str:
 
 
 def breakdown(config: RunConfig, *, steps: int = 5, warmup: int = 2) -> dict:
-    """Seed 001's bottom-up breakdown of one step (Sec. 3.1, Eqs. 2-4): the median time of the
+    """Cheng et al.'s bottom-up breakdown of one step (Sec. 3.1, Eqs. 2-4): the median time of the
     step (``t_iter``) and of the same step compiled without its data-parallel reductions
     (``t_compute``: ``communicate=False``), measured side by side; ``t_comm = t_iter - t_compute``
-    and the shares ``r_compute``, ``r_comm``; and the Eq. 26 cost (seed 000 Table III, Frontier)
+    and the shares ``r_compute``, ``r_comm``; and the Eq. 26 cost (Seal et al. Table III, Frontier)
     of the step's collectives over ``data``, modelled. Only the ``data`` reductions are removed:
     collectives over ``model`` stay in ``t_compute``. Needs the shard_map step without ZeRO; it
     initialises and runs the step (unlike the rest of ``inspect``)."""

@@ -1,8 +1,8 @@
 """Timing compiled training steps side by side: build a strategy's step on a mesh, run several
 round-robin so that load from other processes on the machine hits all of them alike.
 
-Used by the benchmarks (``benchmarks/*.py``) and the experiments that time steps (seed 000 Fig. 5,
-pipelines, pmm3d, seed 001's breakdown). Times are wall-clock medians of calls ended by
+Used by the benchmarks (``benchmarks/*.py``) and the experiments that time steps (Seal et al. Fig. 5,
+pipelines, pmm3d, Cheng et al.'s breakdown). Times are wall-clock medians of calls ended by
 ``block_until_ready``; compilation is excluded.
 """
 
@@ -46,7 +46,7 @@ class Runner:
 def build_step(name: str, mesh: Mesh, *, width: int, depth: int, ghost_width: int | None,
                batch: int, learning_rate: float, key: jax.Array, label: str | None = None):
     """Initialise (directly in the shards) and compile one strategy's float32 SGD training step
-    of seed 000's FFN on ``mesh`` (e.g. ``model=8`` or ``data=2,model=4``).
+    of Seal et al.'s FFN on ``mesh`` (e.g. ``model=8`` or ``data=2,model=4``).
 
     Returns ``(Runner, report)``; the report has the parameter count, the per-device GEMM FLOPs
     (``inspect.gemm_flops``: loops counted by trip count; XLA's own count next to it), the

@@ -1,4 +1,4 @@
-"""Seed 000's synthetic regression task: a fixed standard-Gaussian teacher W (n x n, seeded),
+"""Seal et al.'s synthetic regression task: a fixed standard-Gaussian teacher W (n x n, seeded),
 inputs x ~ N(0, I), targets y = ReLU(W ReLU(x)).
 
 Samples are generated on demand from (seed, split, sample index), so the data set is never held in

@@ -1,2 +1,2 @@
-"""Models: Flax NNX modules of computation only (seed 000's FFN, GPT-2, Llama / Mixtral); every
+"""Models: Flax NNX modules of computation only (Seal et al.'s FFN, GPT-2, Llama / Mixtral); every
 parallel layer comes from a plan (:mod:`jphantom.plans`)."""

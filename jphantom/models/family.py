@@ -54,7 +54,7 @@ COMMON_FLAGS = ("layers", "hidden", "heads", "seq_len", "vocab", "dtype", "from_
 
 LM_STRATEGIES = ("dense", "gspmd", "tensor", "phantom", "phantom-unfused", "pmm3d",
                  "pmm3d-regather", "pmm3d-deferred")
-"""What the zoo's language models run (every strategy but seed 000's ``tensor-t1``)."""
+"""What the zoo's language models run (every strategy but Seal et al.'s ``tensor-t1``)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Seed 000's FFN: L layers of width n, ReLU between them, none after the last, trained on MSE.
+"""Seal et al.'s FFN: L layers of width n, ReLU between them, none after the last, trained on MSE.
 
     y = W_L relu(... relu(W_2 relu(W_1 x + b_1) + b_2) ...) + b_L        x, y [B, n]
 
@@ -48,13 +48,13 @@ DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def mse(prediction: jax.Array, target: jax.Array) -> jax.Array:
-    """Mean squared error over batch and features (seed 000's loss)."""
+    """Mean squared error over batch and features (Seal et al.'s loss)."""
     return jnp.mean(jnp.square(prediction - target))
 
 
 @dataclasses.dataclass(frozen=True)
 class FFNConfig:
-    """The FFN's shape. ``ghost_width`` (k of seed 000) is used by phantom strategies only."""
+    """The FFN's shape. ``ghost_width`` (k of Seal et al.) is used by phantom strategies only."""
 
     width: int
     depth: int = 2
@@ -68,7 +68,7 @@ class FFNConfig:
         k = self.ghost_width
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ConfigError(f"ghost_width={k!r} must be an integer >= 1 (k ghost neurons per "
-                              "rank, seed 000), e.g. 16")
+                              "rank, Seal et al.), e.g. 16")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r}; use one of {DTYPES}")
         if self.dtype == "float64" and not jax.config.jax_enable_x64:
@@ -148,7 +148,7 @@ def _register():
     from jphantom.models import family
 
     return family.register(family.Family(
-        name="ffn", description="seed 000's FFN of --width x --depth (its teacher task)",
+        name="ffn", description="Seal et al.'s FFN of --width x --depth (its teacher task)",
         config_type=FFNConfig, module=FFN,
         from_flags=lambda section, phantom: FFNConfig(
             section.width, section.depth, section.ghost_width if phantom else None,

@@ -31,7 +31,7 @@ The module
 (:func:`from_dense` / :func:`to_dense` convert from and to the dense dictionary that
 :func:`load` and :func:`save` read and write).
 
-Mixture of experts (``moe_every=n``; seed 004 ch. 7): every n-th block (blocks n-1, 2n-1, ...)
+Mixture of experts (``moe_every=n``; Singh's thesis ch. 7): every n-th block (blocks n-1, 2n-1, ...)
 replaces its MLP by a :class:`~jphantom.nn.experts.SwitchMoE`: a router [h, E] and ``experts``
 GELU FFNs of width 4h with biases, top-k routing with a capacity (``capacity_factor``; ``None``:
 dropless). The blocks are then stacked as L/n groups, each n-1 plain blocks and one MoE block,
@@ -222,7 +222,7 @@ class Attention(nnx.Module):
     features ordered [heads, 3, d] (head by head, its q, k and v): a contiguous split of the
     outputs over p ranks (Megatron's column layer, phantom's feature split) gives each rank whole
     heads with their q, k and v, and the projection stays one layer (one phantom ghost exchange,
-    as seed 000's phantom transformer has)."""
+    as Seal et al.'s phantom transformer has)."""
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         h, dtype = config.hidden, jnp.dtype(config.dtype)

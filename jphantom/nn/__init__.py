@@ -8,12 +8,12 @@ model by path; a model holds none of them itself.
 
 - :mod:`jphantom.nn.tensor`: Megatron's column- and row-parallel linears with f and g,
   vocabulary-parallel embedding and head, sequence parallelism, tensor-parallel experts; the
-  feature gather / scatter at a feature-split model's boundaries; seed 000's T1 linear.
+  feature gather / scatter at a feature-split model's boundaries; Seal et al.'s T1 linear.
 - :mod:`jphantom.nn.pmm3d`: AxoNN's 3D matmul linear (weights kept, regathered or deferred) and
   token table.
 - :mod:`jphantom.nn.boundary`: the plain point between layers where a plan may re-lay an
   activation out.
-- :mod:`jphantom.nn.phantom`: the phantom linear (seed 000), feature-split embeddings and norms.
+- :mod:`jphantom.nn.phantom`: the phantom linear (Seal et al.), feature-split embeddings and norms.
 - :mod:`jphantom.nn.experts`: mixtures of experts, plain: SwiGLU or GELU experts (Mixtral's
   router), and the routed :class:`SwitchMoE` (capacity, dropless, load-balancing and z losses).
 - :mod:`jphantom.nn.expert`: expert parallelism over ``expert`` (all-to-all dispatch), TED and

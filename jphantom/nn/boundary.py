@@ -2,7 +2,7 @@
 
 On one device a :class:`Boundary` is the identity. A model puts one where a strategy may need to
 re-lay its activation out between the layers it has and the layout its inputs or outputs come in:
-seed 000's FFN takes and returns activations whose features are split over ``model`` (phantom's
+Seal et al.'s FFN takes and returns activations whose features are split over ``model`` (phantom's
 layout), and Megatron's column/row pairs run on replicated activations in between, so the FFN
 has an ``entry`` and an ``exit`` boundary. A plan swaps them for the layers that move the data
 (``gather`` and ``scatter`` styles: :class:`~jphantom.nn.tensor.GatherFeatures`,

@@ -1,5 +1,5 @@
 """Expert parallelism as Flax NNX layers: mixtures of experts split over the ``expert`` mesh axis,
-tokens exchanged by all-to-all (GShard / Switch routing; DeepSpeed-TED, seed 004 ch. 7, with the
+tokens exchanged by all-to-all (GShard / Switch routing; DeepSpeed-TED, Singh's thesis ch. 7, with the
 experts also split over ``model``).
 
 Per rank, inside the step's ``shard_map``, with E experts over G ``expert`` ranks (E/G each) and
@@ -23,7 +23,7 @@ Two layers:
 - :class:`ExpertParallelMoE` (the GPT-2 MoE blocks, :class:`jphantom.nn.experts.SwitchMoE`): the
   router inside, capacity and dropless dispatch, and the auxiliary losses with the
   load-balancing statistics summed over the batch's ranks (one all-reduce of 2E numbers), so the
-  loss is the same on every mesh. **TED** (``model_axis``, seed 004 Eq. 7.1): each expert also
+  loss is the same on every mesh. **TED** (``model_axis``, Singh's thesis Eq. 7.1): each expert also
   tensor-parallel (W_up split on f, column; W_down on f, row) on the stream replicated over
   ``model``; the received buffers go through f (backward all-reduce of E C h) and the experts'
   partial outputs through g (all-reduce of E C h). **DTD** (``dtd``, duplicate token dropping):
@@ -35,12 +35,12 @@ Two layers:
   (:func:`jphantom.mesh.has_ragged_all_to_all`: its GPU and TPU backends); XLA:CPU does not, and there
   the same exchange runs as a padded ``all_to_all`` of worst-case chunks (:func:`ragged_exchange`,
   exact, G-fold larger).
-- :class:`PhantomMoE`: phantom-parallel experts (seed 000 in every expert) on the feature-split
+- :class:`PhantomMoE`: phantom-parallel experts (Seal et al. in every expert) on the feature-split
   stream [T, h/p]: the router's logits all-reduced over the feature axis (T E), each rank
   dispatching its h/p features of every token (the all-to-all carries 1/p of the bytes, as DTD
   does), every expert a phantom FFN whose ranks exchange k ghosts per token.
 
-**CAC** (seed 004's communication-aware checkpointing): every all-to-all and tensor all-reduce
+**CAC** (Singh's communication-aware checkpointing): every all-to-all and tensor all-reduce
 output is named (:func:`jphantom.remat.name_collective`), so ``remat="collectives_saveable"``
 keeps them and a recompute repeats no collective (per MoE layer 6 all-to-alls become 4, the
 experts' 3 all-reduces of E C h become 2).

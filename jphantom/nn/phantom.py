@@ -1,7 +1,7 @@
-"""Phantom parallelism as Flax NNX layers (Seal et al., seed 000).
+"""Phantom parallelism as Flax NNX layers (Seal et al., Seal et al.).
 
 Every activation is split over the features on ``axis`` (p ranks): rank j holds y^(j) [..., n/p].
-A :class:`PhantomLinear` is seed 000's layer, Eq. 11, generalised to rectangular maps
+A :class:`PhantomLinear` is Seal et al.'s layer, Eq. 11, generalised to rectangular maps
 (n_in -> n_out; n_i = n_in / p, n_o = n_out / p):
 
     g^(j) = C^(j) y^(j)                                   [..., k]   k ghost neurons
@@ -68,7 +68,7 @@ def factorise(kernel: jax.Array, bias, num_shards: int, ghost_width: int):
 
 
 class PhantomLinear(nnx.Module):
-    """Seed 000's phantom layer on one rank: y^(j) [..., n_in/p] -> z^(j) [..., n_out/p] (Eq. 11).
+    """Seal et al.'s phantom layer on one rank: y^(j) [..., n_in/p] -> z^(j) [..., n_out/p] (Eq. 11).
 
     ``vocab_output=True`` makes it an LM head: its outputs are this rank's vocabulary slice;
     ``__call__`` gathers the full logits (all-gather of B S V) and :meth:`cross_entropy_sum` computes
@@ -235,7 +235,7 @@ class FeatureParallelNorm(nnx.Module):
 def check_ghost_width(ghost_width, path: str) -> int:
     if isinstance(ghost_width, bool) or not isinstance(ghost_width, int) or ghost_width < 1:
         raise ConfigError(f"{path}: ghost_width={ghost_width!r} must be an integer >= 1 (k ghost "
-                          "neurons per rank, seed 000), e.g. 8")
+                          "neurons per rank, Seal et al.), e.g. 8")
     return ghost_width
 
 

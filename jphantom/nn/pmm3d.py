@@ -1,4 +1,4 @@
-"""AxoNN's 3D parallel matrix multiply (seed 004 ch. 5, Algorithm 3) as Flax NNX layers, on mesh
+"""AxoNN's 3D parallel matrix multiply (Singh's thesis ch. 5, Algorithm 3) as Flax NNX layers, on mesh
 axes ``x``, ``y``, ``z`` (rows also over ``data``). The arithmetic and the naming are those of
 :mod:`jphantom.sharding.pmm3d`: a *normal* layer contracts features split over ``y`` and gives
 features split over ``x``, a *transposed* layer the reverse, so q/k/v and up/gate (normal) chain

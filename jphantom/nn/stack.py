@@ -11,7 +11,7 @@ pipeline can cut the L axis over ``stage``.
 What flows from block to block (the *carry*) is whatever the model passes: an array, or a pytree
 such as ``(h, aux)`` where a block adds its auxiliary losses to ``aux`` (the MoE blocks). With
 ``with_index=True`` each block is called ``block(carry, index, *args)``, ``index`` the layer's
-global position (seed 000's FFN applies its ReLU before every layer but the first).
+global position (Seal et al.'s FFN applies its ReLU before every layer but the first).
 ``peel_first=True`` runs layer 0 outside the scan, so that autodiff can drop what only its input
 gradient needs (the FFN's data need none; inside the scan the first layer's backward collective
 would be the body's and stay; a stack of one layer then has no scan at all), and so that the carry

@@ -1,5 +1,5 @@
-"""Megatron tensor (and sequence) parallelism as Flax NNX layers (Shoeybi et al., seed 002;
-Korthikanti et al., seed 003).
+"""Megatron tensor (and sequence) parallelism as Flax NNX layers (Shoeybi et al., Brakel et al.;
+Korthikanti et al., the Day 66 notes).
 
 Each layer runs on one rank inside the training step's ``shard_map`` and calls its collectives on
 the mesh axis it was given (``axis``, default ``"model"``, of size p). Parameters are ``nnx.Param``s
@@ -9,7 +9,7 @@ them back with :meth:`dense_equivalent`. Leading stacked dimensions (blocks crea
 ``nnx.vmap``, [L, ...]) are carried along unsplit.
 
 Activations: B tokens' batch, S sequence, h features. Without sequence parallelism the residual
-stream is replicated over ``axis`` [B, S, h]; with it (``sequence_parallel=True``, seed 003
+stream is replicated over ``axis`` [B, S, h]; with it (``sequence_parallel=True``, the Day 66 notes
 Sec. 4.2.2) it is split over the sequence [B, S/p, h] and each all-reduce below becomes a
 reduce-scatter plus an all-gather of the same volume.
 
@@ -31,7 +31,7 @@ TensorParallelExperts    f before, g after (as a column/row pair)     f's all-re
 GatherFeatures           all-gather of B n (feature-split in,        none (keeps the own slice)
                          replicated out)
 ScatterFeatures          none (keeps the own slice)                  all-gather of B n
-T1Linear (seed 000)      all-gather of B n_in (its input's features)  reduce-scatter to B n_in / p
+T1Linear (Seal et al.)      all-gather of B n_in (its input's features)  reduce-scatter to B n_in / p
 =======================  ==========================================  ============================
 
 **Collective matmul** (``collective_matmul=True`` under sequence parallelism; Wang et al. 2023,
@@ -62,11 +62,11 @@ Megatron's f (``copy_to_tensor_model_parallel_region``) is ``comm.pcast(x, axis,
 identity forward, its transpose the all-reduce. g (``reduce_from_...``) is ``lax.psum``: its
 transpose is free under ``check_vma=True``.
 
-Seed 000's FFN takes and returns activations whose features are split over ``axis`` [B, n/p]
+Seal et al.'s FFN takes and returns activations whose features are split over ``axis`` [B, n/p]
 (phantom's layout). Megatron's column/row pairs run on replicated [B, n] between them, so the FFN
 enters through :class:`GatherFeatures` (Megatron's ``gather_from_tensor_model_parallel_region``)
 and, after a row layer, leaves through :class:`ScatterFeatures` (``scatter_to_...``); after a lone
-column layer (odd depth) its output is feature-split already. Seed 000's own tensor parallelism
+column layer (odd depth) its output is feature-split already. Seal et al.'s own tensor parallelism
 (T1, Sec. II-B, Fig. 1a) is :class:`T1Linear`: the weight split on its output features and the
 input's features all-gathered in every layer, so input and output keep phantom's layout.
 """
@@ -765,7 +765,7 @@ class PerTokenSequence(nnx.Module):
 
 class TensorParallelExperts(nnx.Module):
     """A mixture of SwiGLU experts with every expert's FFN width split over ``axis`` (TED's tensor
-    part, seed 004 Eq. 7.1, without an expert axis): w_gate, w_up [E, h, f] split on f,
+    part, Singh's thesis Eq. 7.1, without an expert axis): w_gate, w_up [E, h, f] split on f,
     w_down [E, f, h] split on f; f before, g after, as a column/row pair.
 
     ``feature_split=True`` (phantom models, whose stream is [B, S, h/p]): the input's features are
@@ -808,7 +808,7 @@ class TensorParallelExperts(nnx.Module):
 
 
 class T1Linear(nnx.Module):
-    """Seed 000's T1 tensor parallelism (Sec. II-B, Fig. 1a): y[own] = all-gather(x) @ W[:, own]
+    """Seal et al.'s T1 tensor parallelism (Sec. II-B, Fig. 1a): y[own] = all-gather(x) @ W[:, own]
     + b[own], input and output features split over ``axis``.
 
     kernel [..., in, out] split on ``out`` (rank j holds output features j n_out/p ..), bias
@@ -816,7 +816,7 @@ class T1Linear(nnx.Module):
     [..., out/p]. Backward: the all-gather's transpose, a reduce-scatter of the input gradient
     [..., in] to [..., in/p] (dead for a model's first layer, whose input needs no gradient:
     autodiff drops it). Per layer against phantom's k-wide messages: n_in/p versus k per token
-    (seed 000 Eq. 9)."""
+    (Seal et al. Eq. 9)."""
 
     fp8 = False  # the GEMM on FP8 operands (precision='fp8')
 

@@ -1,1 +1,1 @@
-"""Performance models: the cost of collectives (seed 000 Eq. 26, Table III)."""
+"""Performance models: the cost of collectives (Seal et al. Eq. 26, Table III)."""

@@ -1,10 +1,10 @@
-"""AxoNN's placement-aware communication model of the 4D algorithm (seed 004 ch. 5, Eqs. 5.1-5.7).
+"""AxoNN's placement-aware communication model of the 4D algorithm (Singh's thesis ch. 5, Eqs. 5.1-5.7).
 
 The G GPUs form a grid G_x x G_y x G_z x G_data, ranked innermost to outermost X, Y, Z, data (the
 ``x``, ``y``, ``z``, ``data`` axes of :mod:`jphantom.mesh`; ``str(grid)`` is the mesh text
 ``"data=2,z=2,y=2,x=2"``). A fully connected layer O = I W with I [m, k], W [k, n] runs Algorithm 3:
 W is split rows over Y and columns over X and flat-sharded over Z (Ŵ, k n / (G_x G_y G_z) per GPU);
-I is split rows (tokens) over Z and columns over Y. Per layer and per step (seed 004 §2, exact; the
+I is split rows (tokens) over Z and columns over Y. Per layer and per step (Singh's thesis §2, exact; the
 "volume" is what each GPU puts on the wire under the ring algorithm, in elements):
 
     (5.1)  t_AG,z   = (1/β_z) (G_z - 1) k n / (G_x G_y G_z)           all-gather of Ŵ, forward
@@ -31,7 +31,7 @@ missing. Case 2, the group spans nodes:
 (one ring over 8 GPUs of 2 nodes gets β_inter; two concurrent rings of 4 across the same nodes get
 β_inter / 2 each; a node has at most G_node ring links leaving it). A group of one rank costs 0.
 
-Latency (our addition, seed 000 Eq. 26's idea in the ring's terms). The paper ignores startup
+Latency (our addition, Seal et al. Eq. 26's idea in the ring's terms). The paper ignores startup
 costs (§2 assumption 3: large messages). Here every collective also costs α per ring step, p - 1
 steps for all-gather and reduce-scatter and 2 (p - 1) for all-reduce (Thakur et al.'s ring), one
 per point-to-point message, so that many small messages are not free. ``latency=False`` gives the
@@ -40,7 +40,7 @@ paper's model exactly.
 Units: volumes are elements (compare them with the HLO's bytes / element size); bandwidths are
 bytes per second, GB/s = 1e9 bytes/s; times are seconds.
 
-Also here, for the planner (:mod:`jphantom.plan`): the GPT layer list (seed 004 §1.4: QKV normal,
+Also here, for the planner (:mod:`jphantom.plan`): the GPT layer list (Singh's thesis §1.4: QKV normal,
 attention output transposed, MLP up normal, MLP down transposed), the enumeration of grids with
 their divisibility and memory filters, and the per-device memory model (:func:`pmm3d_memory`,
 modelled, see its docstring).
@@ -59,7 +59,7 @@ GB = 1e9
 """Bytes in one GB (bandwidths are GB/s = 1e9 bytes per second)."""
 GIB = 2**30
 AXES = ("x", "y", "z", "data")
-"""The grid's axes, innermost first (seed 004 Sec. 5.1.2's hierarchy order)."""
+"""The grid's axes, innermost first (Singh's thesis Sec. 5.1.2's hierarchy order)."""
 
 # ring steps of one collective among p ranks (Thakur et al.): how many α it costs
 _RING_STEPS = {"all-gather": lambda p: p - 1, "reduce-scatter": lambda p: p - 1,
@@ -150,7 +150,7 @@ class Topology:
 
     @classmethod
     def perlmutter(cls) -> Topology:
-        """Perlmutter's GPU nodes (seed 004 §4.3): 4 A100-40GB and 4 Slingshot-11 NICs per node.
+        """Perlmutter's GPU nodes (Singh's thesis §4.3): 4 A100-40GB and 4 Slingshot-11 NICs per node.
 
         β_inter = 4 NICs x 25 GB/s = 100 GB/s per direction per node pair (Slingshot-11 is
         200 Gb/s = 25 GB/s each way; the digest's "25 GB/s bidirectional each" read as per
@@ -163,7 +163,7 @@ class Topology:
         return cls(gpus_per_node=4, inter_node_gbps=4 * 25.0, intra_node_gbps=300.0,
                    intra_node_table={(1, 2): 100.0, (2, 2): 100.0, (1, 3): 200.0, (1, 4): 300.0},
                    latency_us=5.0, name="perlmutter",
-                   source="seed 004 §4.3: 4 A100 + 4 Slingshot-11 NICs x 25 GB/s per node "
+                   source="Singh's thesis §4.3: 4 A100 + 4 Slingshot-11 NICs x 25 GB/s per node "
                           "(β_inter = 100 GB/s); NVLink3 table and α = 5 μs assumed (nominal)")
 
     @property
@@ -256,7 +256,7 @@ class Grid:
         return tuple(zip(AXES, self.sizes))
 
     def transposed(self) -> Grid:
-        """The grid a transposed layer sees: G_x and G_y swapped (seed 004 §1.3)."""
+        """The grid a transposed layer sees: G_x and G_y swapped (Singh's thesis §1.3)."""
         return Grid(self.y, self.x, self.z, self.data)
 
     def __str__(self) -> str:
@@ -359,7 +359,7 @@ def all_reduce_data(k: int, n: int, grid: Grid) -> float:
 
 
 def layer_collectives(layer: Layer, grid: Grid, *, microbatches: int = 1) -> list[Collective]:
-    """The five collectives of Alg. 3 for one layer, per GPU and step (seed 004 §1.3's table).
+    """The five collectives of Alg. 3 for one layer, per GPU and step (Singh's thesis §1.3's table).
 
     Normal layer: AG_z of Ŵ (result k n/(G_x G_y)), AR over Y of Ô (m n/(G_z G_x)), AR over X of
     dI (m k/(G_z G_y)), RS_z of dW (result k n/(G_x G_y G_z)), AR over data of dŴ. A transposed
@@ -438,7 +438,7 @@ class GPTShape:
       ``heads``.
 
     Defaults: S = 2048 and V = 51,200 (GPT-2's 50,257 BPE tokens padded to a multiple of 2048 so it
-    divides every power-of-two split); seed 004's Table 5.1 gives neither, so both are assumed.
+    divides every power-of-two split); Singh's Table 5.1 gives neither, so both are assumed.
     """
 
     layers: int
@@ -504,7 +504,7 @@ class GPTShape:
 
     def linears(self) -> tuple[tuple[str, int, int, bool], ...]:
         """One block's fully connected layers as (name, k, n, transposed): k inputs, n outputs,
-        ``transposed`` for the second of each pair (seed 004 Alg. 3's layout)."""
+        ``transposed`` for the second of each pair (Singh's thesis Alg. 3's layout)."""
         h = self.hidden
         if self.family == "gpt2":
             return (("qkv", h, 3 * h, False), ("attn_out", h, h, True),
@@ -546,7 +546,7 @@ class GPTShape:
         return (1 + (not self.tied)) * self.vocab_size * h + L * self.block_params + h
 
     def flops_per_step(self, batch: int, *, recompute: bool = True) -> int:
-        """FLOPs of one step over ``batch`` sequences: Narayanan et al.'s count (seed 004 §4.3,
+        """FLOPs of one step over ``batch`` sequences: Narayanan et al.'s count (Singh's thesis §4.3,
         [EXT]) F = 96 B S L h^2 (1 + S/(6h) + V/(16 L h)) = B S (r L (24 h^2 + 4 S h) + 6 h V)
         with r = 4 passes of each block under activation recompute (forward, recompute, 2 x
         backward), r = 3 without; 24 h^2 is 2 Σ k n of GPT-2's block (Llama: its own Σ k n).
@@ -560,13 +560,13 @@ FAMILIES = ("gpt2", "llama")
 
 
 GPT_20B = GPTShape(layers=32, hidden=7168, heads=56)
-"""Seed 004 Table 5.1's GPT-20B (S = 2048 and V = 51,200 assumed)."""
+"""Singh's thesis Table 5.1's GPT-20B (S = 2048 and V = 51,200 assumed)."""
 GPT_40B = GPTShape(layers=38, hidden=9216, heads=72)
-"""Seed 004 Table 5.1's GPT-40B (S = 2048 and V = 51,200 assumed)."""
+"""Singh's thesis Table 5.1's GPT-40B (S = 2048 and V = 51,200 assumed)."""
 
 
 def gpt_layers(shape: GPTShape, tokens: int, *, lm_head: bool = False) -> tuple[Layer, ...]:
-    """The fully connected layers of a GPT under Alg. 3 (seed 004 §1.4), m = ``tokens`` of one
+    """The fully connected layers of a GPT under Alg. 3 (Singh's thesis §1.4), m = ``tokens`` of one
     data group (batch x S / G_data): per block QKV (k = h, n = 3h, normal: heads over X), attention
     output (h, h, transposed), MLP up (h, 4h, normal), MLP down (4h, h, transposed); L blocks
     (:meth:`GPTShape.linears`: a Llama's GQA and SwiGLU widths).
@@ -598,7 +598,7 @@ class Precision:
 
 PRECISIONS = {
     "bf16": Precision("bf16", 2, 16, "bf16 weights and gradients + fp32 master weights and Adam "
-                      "moments: 2 + 2 + 12 = 16 bytes per parameter (seed 001 §1.1; jphantom's "
+                      "moments: 2 + 2 + 12 = 16 bytes per parameter (Cheng et al. §1.1; jphantom's "
                       "bf16 policy keeps fp32 weights and gradients: 4 + 4 + 8, also 16)"),
     "float32": Precision("float32", 4, 16, "fp32 weights, gradients, Adam moments: 4 + 4 + 8"),
 }
@@ -616,7 +616,7 @@ def precision_of(name: str | Precision) -> Precision:
 def checkpointed_activations(shape: GPTShape, tokens: float, *, stream_split: int,
                              inner_split: int, stored_layers: float, element_bytes: int,
                              flash_attention: bool = True) -> dict[str, float]:
-    """Activation bytes per device under per-layer activation checkpointing (seed 004 §4.3: the
+    """Activation bytes per device under per-layer activation checkpointing (Singh's thesis §4.3: the
     Ch. 5 runs checkpoint activations), modelled with Korthikanti et al.'s per-layer count (seed
     003 digest: s b h (34 + 5 a s / h) bytes at 2-byte activations, of which 10 s b h are the
     LayerNorm/dropout/residual parts a tensor split replicates and 24 s b h + 5 a s^2 b the

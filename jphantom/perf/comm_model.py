@@ -1,4 +1,4 @@
-"""Collective cost model of seed 000: Eq. 26, with Table III's Frontier constants as a preset.
+"""Collective cost model of Seal et al.: Eq. 26, with Table III's Frontier constants as a preset.
 
     (26)  t(m, p) = c1 · log2 p + c2 · m + c3                                  [microseconds]
 
@@ -198,9 +198,9 @@ FRONTIER = CommModel(
         "all-gather": CollectiveCost(c1=149.94, c2=2.07e-3, c3=0.0, rmse_log2_us=3.90),
         "reduce-scatter": CollectiveCost(c1=145.52, c2=2.40e-3, c3=0.0, rmse_log2_us=3.91),
     },
-    name="frontier (seed 000 Table III fit)",
+    name="frontier (Seal et al. Table III fit)",
 )
-"""The paper's Frontier fit (seed 000 Table III): RCCL on MI250X GCDs, fitted over m = 2^2..2^26
+"""The paper's Frontier fit (Seal et al. Table III): RCCL on MI250X GCDs, fitted over m = 2^2..2^26
 floats and p = 2..256 ranks; c3 = 0 as the paper sets it."""
 
 

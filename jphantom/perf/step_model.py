@@ -2,7 +2,7 @@
 
 For the seed-000 FFN (L layers of n x n, batch B, features sharded over p ranks) under
 
-- ``"tensor-t1"``: seed 000's TP, :class:`jphantom.nn.tensor.T1Linear` (row-sharded
+- ``"tensor-t1"``: Seal et al.'s TP, :class:`jphantom.nn.tensor.T1Linear` (row-sharded
   W^(j) [n/p, n]; all-gather the [B, n/p] activations forward, reduce-scatter [B, n] -> [B, n/p]
   backward), or
 - ``"phantom"``: :mod:`jphantom.sharding.phantom` (local L [n/p, n/p], compressor C [k, n/p],
@@ -10,7 +10,7 @@ For the seed-000 FFN (L layers of n x n, batch B, features sharded over p ranks)
   fused decompressor (one GEMM, the default) or the paper's p-1 small GEMMs (``fused=False``),
 
 this module gives, per rank (per device) and per step (forward + backward + optimizer update), for
-any n, L, p, k, B, including sizes too large to run here (seed 000 Fig. 6: n = 131072 and 262144,
+any n, L, p, k, B, including sizes too large to run here (Seal et al. Fig. 6: n = 131072 and 262144,
 p = 32..256):
 
 ===========================  ===========  ============================================================
@@ -86,7 +86,7 @@ Time per step (modelled; no overlap of computation with communication, as Eq. 1 
 
     compute_s  = FLOPs / (device.peak_flops x device.efficiency)
     comm_s     = Eq. 26 summed over the step's collectives (``CommModel.step_time_us``; default
-                 ``comm_model.FRONTIER``, seed 000 Table III), all among the p ranks
+                 ``comm_model.FRONTIER``, Seal et al. Table III), all among the p ranks
     overhead_s = 3 (p-1) L x gemm_overhead_s for phantom with ``fused=False`` (the p-1 small
                  decompressor GEMMs per pass that the paper blames for Fig. 6's p = 256 slowdown;
                  a kernel launch on a GPU), else 0: the O(L) large GEMMs' launches are not modelled
@@ -106,7 +106,7 @@ from jphantom.sharding import phantom
 from jphantom.sharding._common import check_depth, check_width
 
 STRATEGIES = ("tensor-t1", "phantom")
-"""Strategies with a step model: seed 000's TP (T1) and phantom (``fused`` picks ``phantom`` or
+"""Strategies with a step model: Seal et al.'s TP (T1) and phantom (``fused`` picks ``phantom`` or
 ``phantom-unfused``). Megatron's ``tensor`` and ``gspmd`` have none (their FLOPs are not modelled)."""
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}
@@ -171,10 +171,10 @@ MI250X_GCD = DeviceSpec(
         "hipBLASLt FP32 GEMMs (PyTorch's fp32 matmul on ROCm) run on the matrix cores. efficiency "
         "0.5 is our assumption for the large GEMMs of this step, not a measurement (modelled "
         "compute time scales as 1/efficiency). memory: 64 GiB HBM2e per GCD (128 GB per MI250X, "
-        "seed 000 Sec. VI); usable memory is somewhat less (runtime, allocator)"
+        "Seal et al. Sec. VI); usable memory is somewhat less (runtime, allocator)"
     ),
 )
-"""Frontier's device in seed 000: one Graphics Compute Die of an AMD MI250X."""
+"""Frontier's device in Seal et al.: one Graphics Compute Die of an AMD MI250X."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -208,7 +208,7 @@ class StepShape:
         if self.strategy not in STRATEGIES:
             raise ConfigError(
                 f"strategy={self.strategy!r} has no step model; use one of {STRATEGIES} "
-                "('tensor-t1' is seed 000's TP, jphantom.nn.tensor.T1Linear; phantom's "
+                "('tensor-t1' is Seal et al.'s TP, jphantom.nn.tensor.T1Linear; phantom's "
                 "unfused decompressor is strategy='phantom', fused=False)"
             )
         check_int("width", self.width, 1, "it is n, the layer width")
@@ -226,7 +226,7 @@ class StepShape:
                               "must be True or False")
         if self.strategy == "phantom":
             if self.ghost_width is None:
-                raise ConfigError("strategy='phantom' needs ghost_width (k of seed 000), e.g. 64")
+                raise ConfigError("strategy='phantom' needs ghost_width (k of Seal et al.), e.g. 64")
             check_int("ghost_width", self.ghost_width, 1, "it is k, the ghost neurons per rank")
             with warnings.catch_warnings():  # Eq. 8's bound: legal, only warned about
                 warnings.simplefilter("ignore", JPhantomWarning)

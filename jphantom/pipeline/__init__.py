@@ -1,4 +1,4 @@
-"""Pipeline parallelism (seed 003 Sec. 2.2, seed 004 ch. 3): schedules as data
+"""Pipeline parallelism (the Day 66 notes Sec. 2.2, Singh's thesis ch. 3): schedules as data
 (:mod:`.schedule`), their SPMD executor (:mod:`.runner`) and the zero-bubble executor that splits
 each backward into B and W (:mod:`.split`)."""
 

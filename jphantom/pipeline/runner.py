@@ -1,4 +1,4 @@
-"""Pipeline parallelism executed inside the one SPMD training step (seed 003 Sec. 2.2, seed 004 ch. 3).
+"""Pipeline parallelism executed inside the one SPMD training step (the Day 66 notes Sec. 2.2, Singh's thesis ch. 3).
 
 The training step (:class:`jphantom.TrainStep`) cuts a model at its one
 :class:`jphantom.nn.Stacked` and gives this executor its :class:`Stages`: the stacked blocks'

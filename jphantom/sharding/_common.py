@@ -44,5 +44,5 @@ def check_input(x: jax.Array, width: int) -> None:
 
 
 def offdiagonal_mask(num_shards: int, me: jax.Array, dtype) -> jax.Array:
-    """``[p]`` vector, 0 at this rank's own slot and 1 elsewhere (seed 000 has no D^(j,j))."""
+    """``[p]`` vector, 0 at this rank's own slot and 1 elsewhere (Seal et al. have no D^(j,j))."""
     return (jnp.arange(num_shards) != me).astype(dtype)

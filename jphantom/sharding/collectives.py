@@ -1,4 +1,4 @@
-"""PCCL's hierarchical all-gather and reduce-scatter over a (node, local) pair of mesh axes (seed 004 ch. 6).
+"""PCCL's hierarchical all-gather and reduce-scatter over a (node, local) pair of mesh axes (Singh's thesis ch. 6).
 
 Written per rank, for use inside the step's one ``jax.shard_map`` (like every layer in
 :mod:`jphantom.sharding`; nothing here opens a shard_map). The caller names two mesh axes: a
@@ -47,7 +47,7 @@ or pairwise exchange would be needed otherwise, and PCCL describes neither). The
 ``hierarchical_*`` functions raise :class:`~jphantom.errors.ConfigError` for such N; :func:`choose`
 answers "flat" for them, so ``method="auto"`` falls back to the flat collective.
 
-The model (Thakur-Gropp / Rabenseifner, digest 3.3; link sharing of seed 004 Eq. 5.7). n = bytes of
+The model (Thakur-Gropp / Rabenseifner, digest 3.3; link sharing of Singh's thesis Eq. 5.7). n = bytes of
 the full buffer per rank (the all-gather's output, the reduce-scatter's input; PCCL's convention),
 p = N · M, alpha per message (μs), bandwidths in GB/s (1 GB/s moves 1000 bytes per μs):
 
@@ -116,7 +116,7 @@ def _check_power_of_two_nodes(nodes: int, node_axis: str = "node") -> None:
         below = 1 << (nodes.bit_length() - 1)
         raise ConfigError(
             f"{node_axis}={nodes} ranks: recursive doubling/halving across nodes needs a power of "
-            f"two (log2 rounds with partner rank XOR 2^s; seed 004 ch. 6). Use method='flat' or "
+            f"two (log2 rounds with partner rank XOR 2^s; Singh's thesis ch. 6). Use method='flat' or "
             f"method='auto' (which falls back to the flat collective), or {below} or {2 * below} nodes")
 
 
@@ -164,7 +164,7 @@ def hierarchical_all_gather(x: jax.Array, node_axis: str, local_axis: str, *, ax
 
     Per rank: x [..., a, ...] (a at ``axis``) -> [..., N·M·a, ...], rank (node, local)'s block at
     position node·M + local: equal to ``lax.all_gather(x, (node_axis, local_axis), axis=axis,
-    tiled=True)``. Seed 004 ch. 6, Fig. 6.5 (digest 3.2): log2 N ppermute rounds across nodes, then
+    tiled=True)``. Singh's thesis ch. 6, Fig. 6.5 (digest 3.2): log2 N ppermute rounds across nodes, then
     one all-gather inside the node, then the shuffle. N must be a power of two (ConfigError).
     """
     nodes, local = _axis_sizes(node_axis, local_axis)
@@ -196,7 +196,7 @@ def hierarchical_reduce_scatter(x: jax.Array, node_axis: str, local_axis: str, *
 
     Per rank: x [..., N·M·c, ...] (at ``axis``) -> [..., c, ...], the sum over all ranks of block
     node·M + local: equal to ``lax.psum_scatter(x, (node_axis, local_axis), scatter_dimension=axis,
-    tiled=True)``. Seed 004 ch. 6 (digest 3.2: "the same in reverse order, intra-node first"): the
+    tiled=True)``. Singh's thesis ch. 6 (digest 3.2: "the same in reverse order, intra-node first"): the
     input is shuffled to [local][node], reduce-scattered inside the node, then log2 N ppermute rounds
     of recursive halving across nodes. N must be a power of two and x.shape[axis] a multiple of
     N·M (ConfigError).

@@ -1,4 +1,4 @@
-"""Routing arithmetic of the mixture-of-experts layers (GShard / Switch Transformer; seed 004
+"""Routing arithmetic of the mixture-of-experts layers (GShard / Switch Transformer; Singh's thesis
 ch. 7), shared by :mod:`jphantom.nn.experts` (the single-device :class:`~jphantom.nn.experts.SwitchMoE`)
 and :mod:`jphantom.nn.expert` (expert parallelism over the ``expert`` axis, TED, DTD, dropless,
 phantom-parallel experts): no collective here.

@@ -1,4 +1,4 @@
-"""Phantom parallelism (seed 000: Seal et al., "A Parallel Alternative for Energy-Efficient Neural
+"""Phantom parallelism (Seal et al.: Seal et al., "A Parallel Alternative for Energy-Efficient Neural
 Network Training and Inferencing").
 
 Each of the p ranks keeps, per layer, a dense local block L^(j) [n/p, n/p], a compressor C^(j)
@@ -40,7 +40,7 @@ from jphantom.errors import ConfigError, JPhantomWarning, check_int
 from jphantom.sharding._common import check_depth, check_width, offdiagonal_mask
 
 def max_ghost_width(width: int, num_shards: int) -> float:
-    """Eq. 8 of seed 000: phantom has fewer FLOPs and parameters than dense iff k < (n/p)(1 - 1/p)."""
+    """Eq. 8 of Seal et al.: phantom has fewer FLOPs and parameters than dense iff k < (n/p)(1 - 1/p)."""
     return (width / num_shards) * (1.0 - 1.0 / num_shards)
 
 
@@ -64,13 +64,13 @@ class PhantomConfig:
         if self.ghost_width < 1:
             raise ConfigError(
                 f"ghost_width={self.ghost_width} must be >= 1: it is k, the number of ghost neurons "
-                "each rank sends per sample (seed 000)"
+                "each rank sends per sample (Seal et al.)"
             )
         bound = max_ghost_width(self.width, self.num_shards)
         if self.ghost_width >= bound:
             warnings.warn(
                 f"ghost_width={self.ghost_width} is not below (n/p)(1-1/p)={bound:g} for "
-                f"width={self.width}, num_shards={self.num_shards} (seed 000 Eq. 8): the phantom "
+                f"width={self.width}, num_shards={self.num_shards} (Seal et al. Eq. 8): the phantom "
                 f"model then has at least as many parameters and FLOPs as the dense one. Pick "
                 f"ghost_width < {bound:g}.",
                 JPhantomWarning,
@@ -183,7 +183,7 @@ def _forward_after_gather(y, gathered, local, compress, decompress, bias, me, nu
 
 
 def _phantom_layer_bwd(axis, num_shards, fused, residuals, dz):
-    """Backward operators of seed 000, Eqs. 15-21, with one reduce-scatter of k x B.
+    """Backward operators of Seal et al., Eqs. 15-21, with one reduce-scatter of k x B.
 
     dz is Delta^(j) = dL/dz^(j) [B, n/p] (Eqs. 15-16). Rank j sends each other rank i the k-wide
     h^(j->i) = Delta^(j) D^(i,j); the reduce-scatter delivers Gamma^(i) = sum_{j != i} h^(j->i) (Eq. 17).

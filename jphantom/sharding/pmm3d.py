@@ -1,4 +1,4 @@
-"""AxoNN's 3D parallel matrix multiply (seed 004 ch. 5, Algorithm 3), per rank on mesh axes
+"""AxoNN's 3D parallel matrix multiply (Singh's thesis ch. 5, Algorithm 3), per rank on mesh axes
 ``x``, ``y``, ``z`` (and ``data``), inside the step's one shard_map.
 
 **Naming** (the dissertation's prose and AxoNN's code put the forward all-reduce over X, Algorithm

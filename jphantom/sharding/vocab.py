@@ -1,4 +1,4 @@
-"""Vocabulary-parallel embedding lookup and cross-entropy (Megatron-LM, seed 002 Sec. 3), and
+"""Vocabulary-parallel embedding lookup and cross-entropy (Megatron-LM, Brakel et al. Sec. 3), and
 the cross-entropy in chunks of tokens that never holds the [B, S, V] logits.
 
 The vocabulary V is split over the model axis: rank j holds rows [j V/p, (j+1) V/p) of the token

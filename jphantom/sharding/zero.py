@@ -1,11 +1,11 @@
-"""ZeRO (seed 001 Sec. 1.3-1.5; Rajbhandari et al. 2020): what the ``data`` axis shards.
+"""ZeRO (Cheng et al. Sec. 1.3-1.5; Rajbhandari et al. 2020): what the ``data`` axis shards.
 
 A setting of the training step's ``data`` axis (``make_train_step(..., zero=Z)``, any strategy
 with its own collectives: tensor, phantom, pipelines); :class:`jphantom.TrainStep` runs the
 collectives, all explicit:
 
 =====  ==========================  ===================================================  ===========
-stage  sharded over ``data``       one step, per parameter of P elements (D data ranks)  seed 001
+stage  sharded over ``data``       one step, per parameter of P elements (D data ranks)  Cheng et al.
 =====  ==========================  ===================================================  ===========
 0      nothing                     all-reduce of the gradient (P), replicated update      2P
 1      optimizer state             all-reduce of the gradient, update of the own 1/D      2P + P
