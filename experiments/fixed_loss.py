@@ -31,13 +31,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 DEFAULT_OUT = REPO / "experiments" / "results" / "fixed_loss"
 TP_STRATEGY = "tensor-t1"  # Seal et al.'s TP, as jphantom.compare.TP_STRATEGY names it in its rows

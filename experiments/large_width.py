@@ -45,14 +45,11 @@ import json
 import math
 import os
 import platform
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 from jphantom.errors import ConfigError  # noqa: E402
 from jphantom.perf.comm_model import FRONTIER  # noqa: E402

@@ -29,13 +29,11 @@ import argparse
 import json
 import math
 import os
-import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 

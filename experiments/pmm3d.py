@@ -47,7 +47,6 @@ def _devices_from_argv(argv) -> int:
 
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count="
                                    f"{_devices_from_argv(sys.argv)}")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

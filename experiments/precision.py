@@ -19,12 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jphantom.analysis.machine import output_folder  # noqa: E402
 from jphantom.config import RunConfig  # noqa: E402

@@ -68,8 +68,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 DEFAULT_OUT = REPO / "experiments" / "results" / "transformer_tp_vs_phantom"
 PNG_NAME = "transformer_tp_vs_phantom.png"
