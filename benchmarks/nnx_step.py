@@ -6,7 +6,7 @@ GPT-2 model (:mod:`jphantom.models.gpt2`) under Megatron tensor parallelism
 (``--strategy tensor``, :func:`jphantom.program.build`):
 
 - *compile time* of the step at 2 and ``--compile-layers`` (default 12) layers
-  (:func:`jphantom.analysis.inspect.compile_step`: lower and compile on abstract parameters, SGD).
+  (:func:`jphantom.analysis.compiled.compile_step`: lower and compile on abstract parameters, SGD).
   The blocks are a :class:`jphantom.nn.Stacked` under ``lax.scan``, so it stays flat in depth
   (target: 12 layers < 5 s, printed PASS/MISS, never asserted in tests);
 - *the optimizer update*: the median wall time of one jitted step with ``optax.sgd`` and with
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     import numpy as np
     import optax
 
-    from jphantom.analysis.inspect import compile_step
+    from jphantom.analysis.compiled import compile_step
     from jphantom.analysis.machine import output_folder
     from jphantom.analysis.timing import build_run_step, time_round_robin
     from jphantom.config import RunConfig

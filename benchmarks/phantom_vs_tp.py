@@ -7,7 +7,7 @@ tensor-t1, tensor (Megatron), gspmd) and every batch size:
   ``--steps`` timed steps after ``--warmup`` untimed ones, each ended by ``block_until_ready``. The
   strategies run round-robin (one step each per round, the order rotating every round) so that load
   from other processes on the machine hits all of them alike;
-- FLOPs per device: the GEMMs of the compiled step (``jphantom.analysis.inspect.gemm_flops``: every
+- FLOPs per device: the GEMMs of the compiled step (``jphantom.analysis.compiled.gemm_flops``: every
   HLO ``dot``, counted as many times as its ``lax.scan`` loop runs; x num_shards for the whole step).
   XLA's ``cost_analysis()`` is kept next to it (``xla_flops_per_device``) but counts a loop body
   once, so it undercounts the scanned layers;
@@ -130,7 +130,7 @@ def build_matmuls(mesh, size):
     from jax.sharding import PartitionSpec as P
 
     from jphantom.analysis.timing import Runner
-    from jphantom.analysis.inspect import xla_flops as _flops
+    from jphantom.analysis.compiled import xla_flops as _flops
 
     p = mesh.shape["model"]
     rows = max(size // p, 1) * p
@@ -159,7 +159,7 @@ def build_matmuls(mesh, size):
 def measure_compile(args, batch, num_shards):
     """Lower + compile wall time of a fresh ``compile_depth``-layer phantom SGD step (abstract
     params): each repeat builds a new step (a new jitted function) for the same run."""
-    from jphantom.analysis.inspect import compile_step
+    from jphantom.analysis.compiled import compile_step
     from jphantom.config import RunConfig
 
     config = RunConfig.from_flags(model="ffn", strategy="phantom", mesh=f"model={num_shards}",

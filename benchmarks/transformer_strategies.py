@@ -88,7 +88,7 @@ def main(argv=None) -> dict:
     import numpy as np
     import optax
 
-    from jphantom.analysis.inspect import compile_step
+    from jphantom.analysis.compiled import compile_step
     from jphantom.analysis.timing import build_run_step, time_round_robin
     from jphantom.config import RunConfig
 

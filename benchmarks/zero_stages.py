@@ -35,7 +35,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from jphantom.analysis.inspect import per_device_bytes  # noqa: E402
+from jphantom.analysis.compiled import per_device_bytes  # noqa: E402
 from jphantom.analysis.machine import output_folder  # noqa: E402
 from jphantom.analysis.timing import build_run_step, time_round_robin  # noqa: E402
 from jphantom.config import RunConfig  # noqa: E402

@@ -7,7 +7,7 @@ by side (round robin):
 - ``t_iter``: the training step (AdamW) as it trains;
 - ``t_compute``: the same step compiled without its collectives (``jphantom.make_train_step(...,
   communicate=False)``: no gradient or loss reduction; measurement only) -- both from
-  :func:`jphantom.analysis.inspect.breakdown`, as ``jphantom inspect --breakdown`` reports them;
+  :func:`jphantom.analysis.timing.breakdown`, as ``jphantom inspect --breakdown`` reports them;
 - ``t_comm = t_iter - t_compute`` and the shares r_compute, r_comm (Cheng et al.'s breakdown counts
   communication first; here the difference of two compiled programs);
 - ``t_allreduce``: the gradient's all-reduce alone (a buffer of the step's parameter count, one
@@ -43,7 +43,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jphantom.analysis.inspect import breakdown  # noqa: E402
+from jphantom.analysis.timing import breakdown  # noqa: E402
 from jphantom.analysis.machine import output_folder  # noqa: E402
 from jphantom.analysis.timing import Runner, time_round_robin  # noqa: E402
 from jphantom.config import RunConfig  # noqa: E402
@@ -65,7 +65,7 @@ def _allreduce_seconds(n: int, elements: int, steps: int, warmup: int) -> float:
 
 
 def measure(n: int, args) -> dict:
-    """``jphantom.analysis.inspect.breakdown`` of the step on ``data=n``, and the all-reduce."""
+    """``jphantom.analysis.timing.breakdown`` of the step on ``data=n``, and the all-reduce."""
     config = RunConfig.from_flags(model="gpt2", strategy="tensor", mesh=f"data={n},model=1",
                                   layers=args.layers, hidden=args.hidden, heads=4,
                                   seq_len=args.seq_len, vocab=256, batch=n * args.per_device,

@@ -46,7 +46,7 @@ import jax.numpy as jnp  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from jphantom.analysis import hlo  # noqa: E402
-from jphantom.analysis.inspect import xla_flops  # noqa: E402
+from jphantom.analysis.compiled import xla_flops  # noqa: E402
 from jphantom.analysis.machine import machine_info, output_folder  # noqa: E402
 from jphantom.sharding import phantom  # noqa: E402
 

@@ -13,7 +13,7 @@ tokens over training, the all-to-all bytes with and without duplicate token drop
    ``data=2,expert=2,model=2``: plain, with DTD (Singh's thesis: the bytes fall by G_tensor = 2), and the
    phantom-parallel experts (each rank dispatches its h/p features: the same 1/p without DTD).
 3. **Memory** (Adam, float32): the model-state bytes per device from the step's shardings
-   (:func:`jphantom.analysis.inspect.state_bytes`: parameters, gradients and Adam's moments)
+   (:func:`jphantom.analysis.compiled.state_bytes`: parameters, gradients and Adam's moments)
    against Eq. 7.4 evaluated with the per-device expert and non-expert parameter counts, once with
    TED's ZeRO-1 data-parallel degrees (the bound) and once with G_data = 1 (jphantom: ZeRO does not
    yet run beside an expert axis, so every rank keeps 4 + 4 + 8 bytes per parameter).
@@ -37,7 +37,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
 
-from jphantom.analysis.inspect import build, inspect_step, state_bytes  # noqa: E402
+from jphantom.analysis.compiled import build, state_bytes  # noqa: E402
+from jphantom.analysis.inspect import inspect_step  # noqa: E402
 from jphantom.analysis.machine import output_folder  # noqa: E402
 from jphantom.config import RunConfig  # noqa: E402
 from jphantom.run import run  # noqa: E402

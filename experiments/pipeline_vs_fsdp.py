@@ -110,7 +110,7 @@ def task_costs(config, stages: int, repeats: int = 10) -> dict[str, float]:
     from jphantom.models.llama import Llama
     from jphantom.nn.stack import apply_blocks
     from jphantom.pipeline import split
-    from jphantom.pipeline.runner import _residuals
+    from jphantom.pipeline.runner import vjp_residuals
 
     layers = config.layers // stages
     graph, state = nnx.split(Llama(config, rngs=nnx.Rngs(0)).layers.block)
@@ -118,7 +118,7 @@ def task_costs(config, stages: int, repeats: int = 10) -> dict[str, float]:
     x = jax.numpy.ones((1, config.max_positions, config.hidden), np.float32)
     body = lambda st, x: apply_blocks(graph, st, x)  # noqa: E731
     _, pullback = jax.vjp(body, state, x)
-    treedef, stash, is_param = _residuals(pullback, jax.tree.leaves(state))
+    treedef, stash, is_param = vjp_residuals(pullback, jax.tree.leaves(state))
 
     rebuild = split.rebuilder(treedef, is_param)
     how = split.weight_only_residuals(rebuild(state), stash, state, x)

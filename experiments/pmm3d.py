@@ -53,7 +53,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from jphantom.analysis.hlo import collectives  # noqa: E402
-from jphantom.analysis.inspect import compile_step  # noqa: E402
+from jphantom.analysis.compiled import compile_step  # noqa: E402
 from jphantom.analysis.machine import output_folder  # noqa: E402
 from jphantom.analysis.timing import build_run_step, time_round_robin  # noqa: E402
 from jphantom.config import RunConfig  # noqa: E402

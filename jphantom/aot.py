@@ -244,7 +244,7 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
 
     from jphantom import gpu_defaults as defaults
     from jphantom.analysis.hlo import collectives, kernels
-    from jphantom.analysis.inspect import (compile_built, compiled_memory, gemm_flops,
+    from jphantom.analysis.compiled import (compile_built, compiled_memory, gemm_flops,
                                            normalise_collectives, state_bytes)
     from jphantom.config import RunConfig, pipeline_summary
     from jphantom.mesh import MeshConfig, axes_across_nodes, device_pool, node_split

@@ -137,7 +137,7 @@ def _inspect(args: argparse.Namespace) -> int:
     for config in configs:
         report = inspect_step(config)
         if args.breakdown and MeshConfig.parse(config.parallel.mesh).size("data") > 1:
-            from jphantom.analysis.inspect import breakdown
+            from jphantom.analysis.timing import breakdown
 
             report["breakdown"] = breakdown(config)
         elif args.breakdown:
@@ -847,7 +847,7 @@ def _verify(args: argparse.Namespace) -> int:
     import numpy as np
 
     jax.config.update("jax_enable_x64", True)  # the one-device reference in float64
-    from jphantom.analysis.inspect import abstract_batch
+    from jphantom.analysis.compiled import abstract_batch
     from jphantom.config import RunConfig
     from jphantom.exactness import verify_step
 

@@ -179,13 +179,13 @@ def is_initialized() -> bool:
 
 
 _ACCELERATOR_PLATFORMS = ("cuda", "gpu", "rocm", "tpu")
-_PLUGINS = {"nvidia-smi": ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12",
+GPU_PLUGINS = {"nvidia-smi": ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12",
                            "jax_plugins.xla_cuda13"),
             "rocm-smi": ("jax_rocm60_plugin", "jax_rocm7_plugin", "jax_plugins.xla_rocm60",
                          "jax_plugins.xla_rocm7")}
 
 
-def _has_module(name: str) -> bool:
+def has_module(name: str) -> bool:
     import importlib.util
 
     try:
@@ -205,5 +205,5 @@ def accelerator_visible(env=None) -> bool:
     platforms = [p.strip().lower() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
     if platforms:
         return any(p in _ACCELERATOR_PLATFORMS for p in platforms)
-    return any(shutil.which(tool) and any(_has_module(m) for m in modules)
-               for tool, modules in _PLUGINS.items())
+    return any(shutil.which(tool) and any(has_module(m) for m in modules)
+               for tool, modules in GPU_PLUGINS.items())

@@ -136,14 +136,14 @@ def nvidia_gpu_visible(env=None) -> bool:
     installed (as :func:`jphantom.distributed.accelerator_visible` decides for any accelerator)."""
     import shutil
 
-    from jphantom.distributed import _PLUGINS, _has_module
+    from jphantom.distributed import GPU_PLUGINS, has_module
 
     env = os.environ if env is None else env
     platforms = [p.strip().lower() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
     if platforms:
         return any(p in ("cuda", "gpu") for p in platforms)
-    return bool(shutil.which("nvidia-smi")) and any(_has_module(m)
-                                                     for m in _PLUGINS["nvidia-smi"])
+    return bool(shutil.which("nvidia-smi")) and any(has_module(m)
+                                                     for m in GPU_PLUGINS["nvidia-smi"])
 
 
 __all__ = ["ENVIRONMENT", "XLA_FLAGS", "apply", "compiler_options", "flag_names", "merge_flags",

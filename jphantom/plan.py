@@ -80,11 +80,11 @@ peak (Singh's thesis §4.3: 280 of the advertised 312)."""
 
 
 def _int(name: str, value: Any, minimum: int = 1, fix: str = "") -> int:
-    return ax._count(name, value, minimum, fix)
+    return ax.check_count(name, value, minimum, fix)
 
 
 def _number(name: str, value: Any, fix: str) -> float:
-    return ax._positive(name, value, fix)
+    return ax.check_positive(name, value, fix)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -459,7 +459,7 @@ def _convert_moe(path: str, moe: SwitchMoE, style: Style, *, axis: str, p: int,
         batch_axes=batch_axes, sequence_parallel=sequence_parallel)
 
 
-def _set(model, path: tuple, new) -> None:
+def set_submodule(model, path: tuple, new) -> None:
     parent = model
     for part in path[:-1]:
         parent = parent[part] if isinstance(part, int) else getattr(parent, part)
@@ -529,7 +529,7 @@ def parallelize(model: nnx.Module, mesh, plan: Mapping[str, str | Style], *,
         if new is not None:
             swaps.append((path_tuple, new))
     for path_tuple, new in swaps:
-        _set(model, path_tuple, new)
+        set_submodule(model, path_tuple, new)
     return model
 
 
@@ -606,7 +606,7 @@ def dense_equivalent(model: nnx.Module) -> nnx.Module:
              for path_tuple, module in modules_by_path(copy).values()
              if callable(getattr(module, "dense_equivalent", None))]
     for path_tuple, new in sorted(swaps, key=lambda s: len(s[0])):
-        _set(copy, path_tuple, new)
+        set_submodule(copy, path_tuple, new)
     return copy
 
 

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from jphantom.errors import ConfigError, JPhantomWarning
 from jphantom.mesh import MeshConfig
-from jphantom.sharding._common import check_width
+from jphantom.sharding.common import check_width
 
 
 

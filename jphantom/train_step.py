@@ -320,12 +320,12 @@ def _warn_unstacked_blocks(model: nnx.Module, layout: ParamLayout) -> None:
 def _replace_dropout(model: nnx.Module) -> list[str]:
     """Every ``nnx.Dropout`` of ``model`` (the step's own copy) replaced by a
     :class:`jphantom.nn.dropout.Dropout`, its random state dropped; their paths."""
-    from jphantom.plans import _set, modules_by_path
+    from jphantom.plans import set_submodule, modules_by_path
 
     found = [(path, path_tuple, module) for path, (path_tuple, module)
              in modules_by_path(model).items() if isinstance(module, nnx.Dropout)]
     for path, path_tuple, module in found:
-        _set(model, path_tuple, dropout_module.Dropout.from_module(module, path))
+        set_submodule(model, path_tuple, dropout_module.Dropout.from_module(module, path))
     return [path for path, _, _ in found]
 
 
@@ -579,7 +579,7 @@ class TrainStep:
         ``balance``: the whole batch's routing fractions, given to each micro-batch's loss."""
         from jphantom.nn.stack import Capture, Feed, StackInput, apply_blocks
         from jphantom.pipeline import runner, split
-        from jphantom.plans import _set
+        from jphantom.plans import set_submodule
 
         cast, loss_fn, layout = self.precision.cast, self.loss_fn, self.layout
         stack_path, stacked_module = self.stack
@@ -592,7 +592,7 @@ class TrainStep:
 
         def model_with(rest, stand_in):
             model = self._ready(layout.model_of(cast(self._join(stacked_now, rest))))
-            _set(model, stack_path, stand_in)
+            set_submodule(model, stack_path, stand_in)
             return model
 
         extra = {} if balance is None else {"balance_fraction": balance}
@@ -660,7 +660,7 @@ class TrainStep:
         the blocks, as the last stage runs it) on a stand-in output of zeros, only its weight
         kept (XLA drops the rest). A weight that depends on the model's output cannot be
         known before the blocks have run: refused. ``None`` for a scalar ``loss_fn``."""
-        from jphantom.pipeline.split import _needed_inputs
+        from jphantom.pipeline.split import needed_inputs
 
         out = jax.tree.map(_zeros_of, jax.eval_shape(first, rest, inputs_mb))
         targets = targets.reshape(micro, targets.shape[0] // micro, *targets.shape[1:])
@@ -669,7 +669,7 @@ class TrainStep:
             return None
         weight_of = lambda o, t: token_mean.terms(loss_after(o, t)).weight
         traced = jax.make_jaxpr(weight_of)(out, targets[0])
-        if _needed_inputs(traced.jaxpr, [True])[:len(jax.tree.leaves(out))] != [False] * len(
+        if needed_inputs(traced.jaxpr, [True])[:len(jax.tree.leaves(out))] != [False] * len(
                 jax.tree.leaves(out)):
             raise ConfigError("a pipelined step needs the loss's weight before the blocks run: "
                               "loss_fn's weight depends on the model's output; count the "
@@ -690,7 +690,7 @@ class TrainStep:
         GPipe's (every forward tick, then every backward tick). Micro-batch i holds every batch
         rank's i-th slice, as in the shard_map pipeline."""
         from jphantom.nn.stack import Capture, Feed, StackInput, apply_blocks
-        from jphantom.plans import _set
+        from jphantom.plans import set_submodule
 
         leaves = self.precision.cast(list(leaves))
         stack_path, stacked_module = self.stack
@@ -708,7 +708,7 @@ class TrainStep:
 
         def model_with(stand_in):
             model = self._ready(self.layout.model_of(self._join(stacked, rest)))
-            _set(model, stack_path, stand_in)
+            set_submodule(model, stack_path, stand_in)
             return model
 
         def first(inputs_one, targets_one):

@@ -110,7 +110,7 @@ def test_data_parallelism_adds_one_gradient_all_reduce_per_parameter(name):
 def test_inspect_breakdown_times_the_step_with_and_without_its_reductions():
     """Cheng et al.'s breakdown: both steps run; the shares add up to one; the all-reduce over data is
     modelled by Eq. 26."""
-    from jphantom.analysis.inspect import breakdown
+    from jphantom.analysis.timing import breakdown
     from jphantom.config import RunConfig
 
     require_devices(2)

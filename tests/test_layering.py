@@ -1,7 +1,8 @@
 """The library's layers import downwards only (no import circle): errors and mesh, then the per-rank
 operations, the parallel layers, the models, the plans, the step, the program, the run and its
 analysis, the command line. Every import counts, module-level or inside a function, except the
-top-level package's lazy names (``jphantom.parallelize`` and friends)."""
+top-level package's lazy names (``jphantom.parallelize`` and friends). No import circle anywhere,
+inside a layer either, and no ``_private`` name imported across modules."""
 
 import ast
 from pathlib import Path
@@ -80,3 +81,89 @@ def test_the_old_program_path_is_gone(removed):
     """One of each thing: the functional programs and their step builder were replaced by the NNX
     modules, jphantom.program and the one TrainStep."""
     assert not (ROOT / (removed.replace(".", "/") + ".py")).exists()
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the library modules it imports (a ``from jphantom.a import b`` of a module ``b``
+    counts as importing ``a.b``)."""
+    names = {name for name, _ in _modules()}
+    graph = {}
+    for name, path in _modules():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and (
+                    node.module.startswith("jphantom.")):
+                base = node.module[len("jphantom."):]
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    targets.add(full if full in names else base)
+            elif isinstance(node, ast.Import):
+                targets.update(a.name[len("jphantom."):] for a in node.names
+                               if a.name.startswith("jphantom."))
+        graph[name] = {t for t in targets if t in names and t != name}
+    return graph
+
+
+def test_no_import_circle_anywhere():
+    """No circle of imports, inside a layer either (analysis.inspect, memory and timing once
+    imported each other: the compiled step's readers are analysis.compiled now)."""
+    graph, circles = _graph(), []
+    index, low, stack, on, counter = {}, {}, [], set(), [0]
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not circles, f"import circles: {circles}"
+
+
+def test_no_private_name_crosses_a_module_boundary():
+    """A ``_name`` is its module's own: no ``from jphantom.x import _name``, no ``x._name`` on an
+    imported library module, no ``jphantom.pkg._module`` imported from outside ``pkg``."""
+    names = {name for name, _ in _modules()}
+    found = []
+    for name, path in _modules():
+        tree = ast.parse(path.read_text())
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and (
+                    node.module == "jphantom" or node.module.startswith("jphantom.")):
+                base = node.module[len("jphantom."):] if node.module != "jphantom" else ""
+                for alias in node.names:
+                    full = f"{base}.{alias.name}" if base else alias.name
+                    if full in names:
+                        aliases[alias.asname or alias.name] = full
+                    elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                        found.append(f"{path.name}:{node.lineno} imports {base}.{alias.name}")
+                module = base.split(".")
+                if any(p.startswith("_") and not p.startswith("__") for p in module) and not (
+                        name.startswith(".".join(module[:-1]) + ".")):
+                    found.append(f"{path.name}:{node.lineno} imports the private module {base}")
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                found.append(f"{path.name}:{node.lineno} uses {aliases[node.value.id]}."
+                             f"{node.attr}")
+    assert not found, "private names across modules:\n" + "\n".join(found)

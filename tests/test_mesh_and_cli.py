@@ -142,9 +142,9 @@ def test_accelerator_detection_reads_jax_platforms_first(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda tool: None)
     assert cli.accelerator_visible({}) is False  # no nvidia-smi / rocm-smi: simulate CPU devices
     monkeypatch.setattr(shutil, "which", lambda tool: f"/usr/bin/{tool}")
-    monkeypatch.setattr(distributed, "_has_module", lambda name: False)
+    monkeypatch.setattr(distributed, "has_module", lambda name: False)
     assert cli.accelerator_visible({}) is False  # a GPU but no jax plugin for it
-    monkeypatch.setattr(distributed, "_has_module", lambda name: name == "jax_cuda12_plugin")
+    monkeypatch.setattr(distributed, "has_module", lambda name: name == "jax_cuda12_plugin")
     assert cli.accelerator_visible({}) is True
 
 

@@ -1,7 +1,7 @@
 """The analytic step model (jphantom.perf.step_model) against the compiled step and by hand.
 
 The exact parts of the model are checked against what XLA compiles for the same step on the simulated
-CPU devices (``inspect.compile_step``: forward + backward + optax update): the GEMM FLOPs and GEMM
+CPU devices (``compiled.compile_step``: forward + backward + optax update): the GEMM FLOPs and GEMM
 count against the ``dot`` instructions of the optimized HLO, the collectives against the HLO's
 collectives (``hlo.summarize``), the parameter + optimizer + batch bytes against
 ``memory_analysis().argument_size_in_bytes``, and the parameter bytes against real initialised
@@ -19,7 +19,7 @@ import pytest
 
 from jphantom import program as programs
 from jphantom.analysis.hlo import collectives, dot_flops, summarize
-from jphantom.analysis.inspect import compile_step, gemm_flops, xla_flops
+from jphantom.analysis.compiled import compile_step, gemm_flops, xla_flops
 from jphantom.config import RunConfig
 from jphantom.errors import ConfigError
 from jphantom.models.ffn import FFNConfig

@@ -16,7 +16,7 @@ from jphantom.errors import ConfigError
 from jphantom.models.ffn import FFN, FFNConfig, Pair
 from jphantom.nn.stack import Stacked, apply_blocks
 from jphantom.pipeline import split
-from jphantom.pipeline.runner import PipelineConfig, _residuals
+from jphantom.pipeline.runner import PipelineConfig, vjp_residuals
 from jphantom.pipeline.schedule import lockstep_split
 
 from conftest import require_devices
@@ -155,7 +155,7 @@ def test_b_and_w_split_the_backward_without_recomputing():
     g = jax.random.normal(jax.random.PRNGKey(2), (2, 16, 32))
     body = lambda st, x: apply_blocks(graph, st, x)  # noqa: E731
     _, pullback = jax.vjp(body, state, x)
-    treedef, stash, is_param = _residuals(pullback, jax.tree.leaves(state))
+    treedef, stash, is_param = vjp_residuals(pullback, jax.tree.leaves(state))
 
     rebuild = split.rebuilder(treedef, is_param)
     how = split.weight_only_residuals(rebuild(state), stash, state, g)

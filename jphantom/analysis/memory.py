@@ -129,7 +129,7 @@ def check_fits(estimate: dict[str, int], mesh, what: str = "this training step")
 def check_run(config, program, step) -> dict[str, int]:
     """The per-device memory estimate of ``config``'s run (its ``program`` and ``step``, nothing
     allocated); raises :class:`ConfigError` naming the largest term when it cannot fit."""
-    from jphantom.analysis.inspect import abstract_batch
+    from jphantom.analysis.compiled import abstract_batch
 
     estimate = estimate_training_memory(step, abstract_batch(config, program, step),
                                         activations=activation_bytes(config, program))
@@ -144,7 +144,7 @@ def check_compiled(config, program, step) -> dict[str, int]:
     what a device holds (:func:`available_memory`), before anything is allocated: a ConfigError
     with the figures and the flags that reduce them. The compilation is the run's own (jax
     caches it: the first step does not compile again). Returns the figures."""
-    from jphantom.analysis.inspect import abstract_batch, compiled_memory
+    from jphantom.analysis.compiled import abstract_batch, compiled_memory
 
     compiled = step.lower(step.abstract_state(), *abstract_batch(config, program, step)).compile()
     memory = compiled_memory(compiled)

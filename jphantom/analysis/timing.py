@@ -15,9 +15,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+import numpy as np
+
+from jphantom.analysis.compiled import (abstract_batch, build, compiled_memory, gemm_flops,
+                                        normalise_collectives, xla_flops)
 from jphantom.analysis.hlo import collectives, summarize
-from jphantom.analysis.inspect import (compiled_memory, gemm_flops, normalise_collectives,
-                                       xla_flops)
+from jphantom.config import RunConfig
+from jphantom.errors import ConfigError
 from jphantom.mesh import mesh_config_of
 
 
@@ -49,12 +53,11 @@ def build_step(name: str, mesh: Mesh, *, width: int, depth: int, ghost_width: in
     of Seal et al.'s FFN on ``mesh`` (e.g. ``model=8`` or ``data=2,model=4``).
 
     Returns ``(Runner, report)``; the report has the parameter count, the per-device GEMM FLOPs
-    (``inspect.gemm_flops``: loops counted by trip count; XLA's own count next to it), the
+    (``compiled.gemm_flops``: loops counted by trip count; XLA's own count next to it), the
     compiled HLO's collectives (exact bytes per device, loop trip counts applied, grouped by kind
     and mesh axes) and the compile time. Refuses (``ConfigError``) a step that cannot fit in the
     device memory, before allocating it.
     """
-    from jphantom.analysis.inspect import build
     from jphantom.analysis.memory import check_run
     from jphantom.config import RunConfig
 
@@ -109,7 +112,6 @@ def build_run_step(config, batch: tuple, *, label: str, optimizer=None, seed: in
     arrays, placed here in the step's batch shardings). Refuses (``ConfigError``) a step that
     cannot fit in the device memory before allocating it. Returns ``(Runner, report)`` as
     :func:`build_program_step`; ``runner.state`` is ``(TrainState, *batch)``."""
-    from jphantom.analysis.inspect import build
     from jphantom.analysis.memory import check_run
 
     program, mesh, step = build(config, optimizer)
@@ -129,3 +131,49 @@ def time_round_robin(runners: list[Runner], steps: int, warmup: int) -> dict[str
         for runner in runners[shift:] + runners[:shift]:
             runner.times.append(runner.run())
     return {runner.name: statistics.median(runner.times) for runner in runners}
+
+
+def breakdown(config: RunConfig, *, steps: int = 5, warmup: int = 2) -> dict:
+    """Cheng et al.'s bottom-up breakdown of one step (Sec. 3.1, Eqs. 2-4): the median time of the
+    step (``t_iter``) and of the same step compiled without its data-parallel reductions
+    (``t_compute``: ``communicate=False``), measured side by side; ``t_comm = t_iter - t_compute``
+    and the shares ``r_compute``, ``r_comm``; and the Eq. 26 cost (Seal et al. Table III, Frontier)
+    of the step's collectives over ``data``, modelled. Only the ``data`` reductions are removed:
+    collectives over ``model`` stay in ``t_compute``. Needs the shard_map step without ZeRO; it
+    initialises and runs the step (unlike the rest of ``inspect``)."""
+    from jphantom.analysis.timing import Runner, time_round_robin
+    from jphantom.perf.comm_model import FRONTIER
+
+    program, mesh, step = build(config)
+    if program.spmd != "shard_map" or config.step.zero:
+        raise ConfigError("the breakdown compiles the step without its data reductions: use a "
+                          "per-rank strategy (tensor or phantom) with --zero 0")
+    rng = np.random.default_rng(0)
+    batch = []
+    for struct in abstract_batch(config, program, step):
+        data = (rng.integers(0, config.model.vocab, struct.shape)
+                if np.issubdtype(struct.dtype, np.integer) else rng.standard_normal(struct.shape))
+        batch.append(jax.device_put(np.asarray(data, struct.dtype), struct.sharding))
+    runners = []
+    for label, communicate in (("step", True), ("compute", False)):
+        measured = program.train_step(mesh, config.optimizer(), zero=0,
+                                      accumulate=config.step.accumulate,
+                                      precision=config.step.precision,
+                                      remat=config.step.step_remat,
+                                      pipeline=config.pipeline(program), communicate=communicate,
+                                      attention=config.step.attention)
+        state = program.init(measured)
+        runners.append(Runner(label, measured.lower(state, *batch).compile(),
+                              (state, *batch), threads_state=True, flops_per_device=0,
+                              devices=mesh.size))
+    times = time_round_robin(runners, steps, warmup)
+    t_iter, t_compute = times["step"], times["compute"]
+    t_comm = max(t_iter - t_compute, 0.0)
+    n = mesh.shape.get("data", 1)
+    compiled = runners[0].compiled
+    over_data = [c for c in normalise_collectives(collectives(compiled.as_text()))
+                 if c.mesh_axes(dict(mesh.shape)) == ("data",)]
+    modelled = FRONTIER.step_time_us(over_data, n) * 1e-6 if n > 1 and over_data else 0.0
+    return {"t_iter": t_iter, "t_compute": t_compute, "t_comm": t_comm,
+            "r_compute": t_compute / t_iter, "r_comm": t_comm / t_iter,
+            "t_comm_eq26_frontier_modelled": modelled, "data": n, "steps": steps}

@@ -63,7 +63,7 @@ from jphantom.nn import metadata
 from jphantom.nn.experts import (Experts, SwitchMoE, combine_sorted, expert_ffn, grouped_ffn,
                                  route, router_losses, router_statistics, sort_by_expert)
 from jphantom.nn.phantom import PhantomLinear
-from jphantom.nn.tensor import _linear, _promote, reduce_from_model, to_full_sequence
+from jphantom.nn.tensor import plain_linear, promote_dtypes, reduce_from_model, to_full_sequence
 from jphantom.sharding import expert as expert_ops
 from jphantom.sharding import phantom as phantom_ops
 
@@ -190,7 +190,7 @@ class ExpertParallelMoE(nnx.Module):
 
     def logits(self, tokens: jax.Array) -> jax.Array:
         """Router logits [T, E] (replicated router, no communication)."""
-        tokens, router = _promote(tokens, self.router[...])
+        tokens, router = promote_dtypes(tokens, self.router[...])
         return tokens @ router
 
     def run_experts(self, rows: jax.Array, reduce=None) -> jax.Array:
@@ -354,7 +354,7 @@ class PhantomMoE(ExpertParallelMoE):
                               f"got activation={experts.activation!r}")
         value = lambda name: (getattr(experts, name).get_value() if experts.use_bias else None)
         linear = lambda w, b: PhantomLinear.from_module(
-            _linear(w, b, None), ghost_width=ghost_width, num_shards=num_shards, axis=axis,
+            plain_linear(w, b, None), ghost_width=ghost_width, num_shards=num_shards, axis=axis,
             fused=fused)
         up = linear(experts.w_up.get_value(), value("b_up"))
         down = linear(experts.w_down.get_value(), value("b_down"))
@@ -371,7 +371,7 @@ class PhantomMoE(ExpertParallelMoE):
 
     def logits(self, tokens: jax.Array) -> jax.Array:
         """Partial logits of this rank's h/p features, all-reduced over ``axis``: T E."""
-        tokens, router = _promote(tokens, self.router[...])
+        tokens, router = promote_dtypes(tokens, self.router[...])
         return comm.psum(tokens @ router, self.axis)
 
     def run_experts(self, rows: jax.Array, reduce=None) -> jax.Array:
@@ -390,7 +390,7 @@ def _phantom_experts(layer: PhantomLinear, rows: jax.Array) -> jax.Array:
         bias = jnp.zeros(local.shape[:-1], local.dtype)
         bias = comm.pcast(bias, tuple(sorted(metadata.varying_axes(rows) | {layer.axis})),
                          to="varying")
-    rows, local, compress, decompress, bias = _promote(rows, local, compress, decompress, bias)
+    rows, local, compress, decompress, bias = promote_dtypes(rows, local, compress, decompress, bias)
 
     def one(local, compress, decompress, bias, x):  # the shard dimension of size 1 dropped
         return phantom_ops.phantom_layer(layer.axis, layer.num_shards, layer.fused, x, local[0],

@@ -37,7 +37,8 @@ from jphantom import fp8 as fp8_ops
 from jphantom.errors import ConfigError
 from jphantom.nn import metadata
 from jphantom.nn import norm as norm_ops
-from jphantom.nn.tensor import _embed, _gather_vocab, _linear, _promote, _value
+from jphantom.nn.tensor import (gather_vocab, param_value, plain_embed, plain_linear,
+                                 promote_dtypes)
 from jphantom.sharding import phantom as phantom_ops
 from jphantom.sharding import vocab
 
@@ -94,7 +95,7 @@ class PhantomLinear(nnx.Module):
     def from_module(cls, linear: nnx.Linear, *, ghost_width: int, num_shards: int,
                     axis: str = "model", fused: bool = True,
                     vocab_output: bool = False) -> "PhantomLinear":
-        kernel, bias = linear.kernel.get_value(), _value(linear.bias)
+        kernel, bias = linear.kernel.get_value(), param_value(linear.bias)
         n_in, n_out = kernel.shape[-2:]
         for what, n in (("in_features", n_in), ("out_features", n_out)):
             if n % num_shards:
@@ -133,7 +134,7 @@ class PhantomLinear(nnx.Module):
         weight, bias = jax.vmap(phantom_ops.linear_dense_equivalent)(flat)  # [N, out, in]
         kernel = jnp.swapaxes(weight, -1, -2).reshape(*lead, weight.shape[-1], weight.shape[-2])
         bias = bias.reshape(*lead, -1)
-        return _linear(kernel, bias if self.use_bias else None, self.dtype)
+        return plain_linear(kernel, bias if self.use_bias else None, self.dtype)
 
     def local_outputs(self, x: jax.Array) -> jax.Array:
         """z^(j): this rank's n_out/p output features (Eq. 11; custom backward Eqs. 15-21)."""
@@ -149,7 +150,7 @@ class PhantomLinear(nnx.Module):
             bias = jnp.zeros(self.local.shape[:-1], self.local.dtype)
             bias = comm.pcast(bias, tuple(sorted(comm.varying_axes(x) | {self.axis})),
                               to="varying")
-        x, local, compress, decompress, bias = _promote(
+        x, local, compress, decompress, bias = promote_dtypes(
             x, self.local[...], self.compress[...], self.decompress[...], bias)
         if self.fp8:  # every GEMM operand of Eqs. 11-21 FP8-representable (jphantom.fp8)
             x, local, compress, decompress = (fp8_ops.quantized(a)
@@ -164,7 +165,7 @@ class PhantomLinear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         z = self.local_outputs(x)
-        return _gather_vocab(z, self.axis) if self.vocab_output else z
+        return gather_vocab(z, self.axis) if self.vocab_output else z
 
     def cross_entropy_sum(self, h: jax.Array, targets: jax.Array) -> jax.Array:
         """Summed cross-entropy of vocabulary-split logits (negative targets add nothing): three
@@ -191,14 +192,14 @@ class FeatureParallelEmbed(nnx.Module):
         return cls(embed.embedding.get_value(), axis=axis, dtype=embed.dtype)
 
     def dense_equivalent(self) -> nnx.Embed:
-        return _embed(self.embedding[...], self.dtype)
+        return plain_embed(self.embedding[...], self.dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         table = self.embedding[...]
         return jnp.take(table if self.dtype is None else table.astype(self.dtype), tokens, axis=0)
 
     def attend(self, h: jax.Array) -> jax.Array:
-        h, table = _promote(h, self.embedding[...])
+        h, table = promote_dtypes(h, self.embedding[...])
         return comm.psum(h @ table.T, self.axis)  # all-reduce of B*S*V
 
 
@@ -216,18 +217,18 @@ class FeatureParallelNorm(nnx.Module):
 
     @classmethod
     def from_module(cls, norm, *, axis: str = "model") -> "FeatureParallelNorm":
-        return cls(_value(getattr(norm, "scale", None)), _value(getattr(norm, "bias", None)),
+        return cls(param_value(getattr(norm, "scale", None)), param_value(getattr(norm, "bias", None)),
                    kind=norm_ops.kind_of(norm), epsilon=norm.epsilon,
                    features=norm.num_features, axis=axis, dtype=norm.dtype)
 
     def dense_equivalent(self):
-        return norm_ops.plain(self.kind, self.epsilon, self.dtype, _value(self.scale),
-                              _value(self.bias))
+        return norm_ops.plain(self.kind, self.epsilon, self.dtype, param_value(self.scale),
+                              param_value(self.bias))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # per-token sums all-reduced over the feature axis: B*S scalars each (LayerNorm: two)
-        return norm_ops.normalize(x, self.kind, self.epsilon, _value(self.scale),
-                                  _value(self.bias), axis=self.axis, features=self.features,
+        return norm_ops.normalize(x, self.kind, self.epsilon, param_value(self.scale),
+                                  param_value(self.bias), axis=self.axis, features=self.features,
                                   dtype=self.dtype)
 
 

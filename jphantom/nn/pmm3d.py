@@ -46,7 +46,8 @@ from jphantom.errors import ConfigError
 from jphantom.nn import metadata
 from jphantom.nn.expert import ExpertParallelMoE
 from jphantom.nn.experts import SwitchMoE
-from jphantom.nn.tensor import _embed, _gather_vocab, _linear, _promote, _value, matmul
+from jphantom.nn.tensor import (gather_vocab, matmul, param_value, plain_embed, plain_linear,
+                                 promote_dtypes)
 from jphantom.sharding import pmm3d as pmm3d_ops
 from jphantom.sharding import vocab
 from jphantom.sharding import zero as zero_ops
@@ -96,11 +97,11 @@ class Pmm3dLinear(nnx.Module):
     @classmethod
     def from_module(cls, linear: nnx.Linear, *, role: str = "normal", vocab_output: bool = False,
                     weights: str = "kept") -> "Pmm3dLinear":
-        return cls(linear.kernel.get_value(), _value(linear.bias), role=role,
+        return cls(linear.kernel.get_value(), param_value(linear.bias), role=role,
                    vocab_output=vocab_output, weights=weights, dtype=linear.dtype)
 
     def dense_equivalent(self) -> nnx.Linear:
-        return _linear(self.kernel[...], _value(self.bias), self.dtype)
+        return plain_linear(self.kernel[...], param_value(self.bias), self.dtype)
 
     def gather_stacked(self) -> None:
         """Called by :class:`~jphantom.nn.stack.Stacked` on the module holding every layer's
@@ -117,7 +118,7 @@ class Pmm3dLinear(nnx.Module):
         gathered = self.gathered
 
         def multiply(w, x, bias):
-            x, w, bias = _promote(x, w, bias)
+            x, w, bias = promote_dtypes(x, w, bias)
             w = pmm3d_ops.checkpoint_name(w)  # the weight the layer multiplies with
             y = remat.name_collective(comm.psum(matmul(self, x, w), contract))  # Eq. 5.3
             return y if bias is None else y + bias
@@ -125,7 +126,7 @@ class Pmm3dLinear(nnx.Module):
         def gather(kernel):  # all-gather over z, Eq. 5.1
             return pmm3d_ops.gather(kernel, kernel.ndim - 1)
 
-        bias = _value(self.bias)
+        bias = param_value(self.bias)
         if gathered:  # deferred: gathered before the layers
             return multiply(self.kernel[...], x, bias)
         if self.weights == "regather":
@@ -138,7 +139,7 @@ class Pmm3dLinear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = self.local_outputs(x)
-        return _gather_vocab(y, X) if self.vocab_output else y
+        return gather_vocab(y, X) if self.vocab_output else y
 
     def cross_entropy_sum(self, h: jax.Array, targets: jax.Array) -> jax.Array:
         """Summed cross-entropy of the vocabulary-split outputs (negative targets add nothing),
@@ -166,7 +167,7 @@ class Pmm3dEmbed(nnx.Module):
         return cls(embed.embedding.get_value(), dtype=embed.dtype)
 
     def dense_equivalent(self) -> nnx.Embed:
-        return _embed(self.embedding[...], self.dtype)
+        return plain_embed(self.embedding[...], self.dtype)
 
     def _table(self):
         table = pmm3d_ops.gather(self.embedding[...], 0)  # [V/G_x, h/G_y]
@@ -176,18 +177,18 @@ class Pmm3dEmbed(nnx.Module):
         return comm.psum(vocab.embed_partial(self._table(), tokens, X), X)  # all-reduce over x
 
     def local_logits(self, h: jax.Array) -> jax.Array:
-        h, table = _promote(h, self._table())
+        h, table = promote_dtypes(h, self._table())
         return remat.name_collective(comm.psum(h @ table.T, Y))  # [B, S, V/G_x]
 
     def attend(self, h: jax.Array) -> jax.Array:
-        return _gather_vocab(self.local_logits(h), X)
+        return gather_vocab(self.local_logits(h), X)
 
     def cross_entropy_sum(self, h: jax.Array, targets: jax.Array) -> jax.Array:
         """The tied head's summed cross-entropy (negative targets add nothing), in chunks of
         tokens (the table gathered once)."""
 
         def chunk(x, t, table):
-            x, table = _promote(x, table)
+            x, table = promote_dtypes(x, table)
             return vocab.cross_entropy_sum(remat.name_collective(comm.psum(x @ table.T, Y)), t, X)
 
         table = self._table()

@@ -91,12 +91,12 @@ from jphantom.nn.experts import Experts
 from jphantom.sharding import vocab
 
 
-def _value(p):
+def param_value(p):
     """A parameter's array (or its ShapeDtypeStruct in an abstract model), None for no parameter."""
     return None if p is None else p.get_value()
 
 
-def _promote(*arrays):
+def promote_dtypes(*arrays):
     dtype = jnp.result_type(*(a for a in arrays if a is not None))
     return tuple(None if a is None else a.astype(dtype) for a in arrays)
 
@@ -236,21 +236,21 @@ class ColumnParallelLinear(nnx.Module):
     @classmethod
     def from_module(cls, linear: nnx.Linear, *, axis: str = "model",
                     sequence_parallel: bool = False) -> "ColumnParallelLinear":
-        return cls(linear.kernel.get_value(), _value(linear.bias), axis=axis,
+        return cls(linear.kernel.get_value(), param_value(linear.bias), axis=axis,
                    sequence_parallel=sequence_parallel, dtype=linear.dtype)
 
     def dense_equivalent(self) -> nnx.Linear:
-        return _linear(self.kernel[...], _value(self.bias), self.dtype)
+        return plain_linear(self.kernel[...], param_value(self.bias), self.dtype)
 
     def __call__(self, x) -> jax.Array:
         if isinstance(x, SequenceChunks):  # collective matmul
             if x.whole is None:  # the first layer of the norm: the ring, under its GEMMs
-                local, kernel, bias = _promote(x.local, self.kernel[...], _value(self.bias))
+                local, kernel, bias = promote_dtypes(x.local, self.kernel[...], param_value(self.bias))
                 y, x.whole = all_gather_matmul(self, local, kernel, self.axis)
                 return y if bias is None else y + bias
             x = x.whole  # gathered by the first: multiplied whole
         x = to_full_sequence(x, self.axis, self.sequence_parallel)
-        x, kernel, bias = _promote(x, self.kernel[...], _value(self.bias))
+        x, kernel, bias = promote_dtypes(x, self.kernel[...], param_value(self.bias))
         y = matmul(self, x, kernel)
         return y if bias is None else y + bias
 
@@ -302,18 +302,18 @@ class ColumnParallelGeneral(nnx.Module):
     def from_module(cls, layer: nnx.LinearGeneral, *, axis: str = "model",
                     sequence_parallel: bool = False) -> "ColumnParallelGeneral":
         _check_general(layer, column=True)
-        return cls(layer.kernel.get_value(), _value(layer.bias),
+        return cls(layer.kernel.get_value(), param_value(layer.bias),
                    out_axes=len(layer.out_features), axis=axis,
                    sequence_parallel=sequence_parallel, dtype=layer.dtype)
 
     def dense_equivalent(self) -> nnx.LinearGeneral:
-        return _general(self.kernel[...], _value(self.bias), 1, self.out_axes, self.dtype)
+        return _general(self.kernel[...], param_value(self.bias), 1, self.out_axes, self.dtype)
 
     def __call__(self, x, out_sharding=None) -> jax.Array:
         if isinstance(x, SequenceChunks):  # a collective-matmul norm's chunks: gathered whole
             x = x.whole if x.whole is not None else gather_sequence(x.local, self.axis)
         x = to_full_sequence(x, self.axis, self.sequence_parallel)
-        x, kernel, bias = _promote(x, self.kernel[...], _value(self.bias))
+        x, kernel, bias = promote_dtypes(x, self.kernel[...], param_value(self.bias))
         y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
         return y if bias is None else y + bias
 
@@ -336,15 +336,15 @@ class RowParallelGeneral(nnx.Module):
     def from_module(cls, layer: nnx.LinearGeneral, *, axis: str = "model",
                     sequence_parallel: bool = False) -> "RowParallelGeneral":
         _check_general(layer, column=False)
-        return cls(layer.kernel.get_value(), _value(layer.bias),
+        return cls(layer.kernel.get_value(), param_value(layer.bias),
                    in_axes=len(layer.in_features), axis=axis,
                    sequence_parallel=sequence_parallel, dtype=layer.dtype)
 
     def dense_equivalent(self) -> nnx.LinearGeneral:
-        return _general(self.kernel[...], _value(self.bias), self.in_axes, 1, self.dtype)
+        return _general(self.kernel[...], param_value(self.bias), self.in_axes, 1, self.dtype)
 
     def __call__(self, x, out_sharding=None) -> jax.Array:
-        x, kernel, bias = _promote(x, self.kernel[...], _value(self.bias))
+        x, kernel, bias = promote_dtypes(x, self.kernel[...], param_value(self.bias))
         ins = self.in_axes
         contract = tuple(range(x.ndim - ins, x.ndim))
         partial_sum = lax.dot_general(x, kernel, ((contract, tuple(range(ins))), ((), ())))
@@ -431,13 +431,13 @@ class _ParallelEinsum(nnx.Module):
                               "layer: its output must be [batch, sequence, features] (three "
                               "letters), the sequence reduce-scattered")
         _einsum_bias_letters(layer, rhs, out)
-        return cls(layer.kernel.get_value(), _value(layer.bias), equation=f"{lhs},{rhs}->{out}",
+        return cls(layer.kernel.get_value(), param_value(layer.bias), equation=f"{lhs},{rhs}->{out}",
                    split=split, axis=axis, sequence_parallel=sequence_parallel,
                    dtype=layer.dtype)
 
     def dense_equivalent(self) -> nnx.Einsum:
         rhs = self.equation.split(",")[1].split("->")[0]
-        return _einsum(self.equation, self.kernel[...], _value(self.bias), len(rhs), self.dtype)
+        return _einsum(self.equation, self.kernel[...], param_value(self.bias), len(rhs), self.dtype)
 
 
 class ColumnParallelEinsum(_ParallelEinsum):
@@ -458,7 +458,7 @@ class ColumnParallelEinsum(_ParallelEinsum):
         if isinstance(x, SequenceChunks):  # a collective-matmul norm's chunks: gathered whole
             x = x.whole if x.whole is not None else gather_sequence(x.local, self.axis)
         x = to_full_sequence(x, self.axis, self.sequence_parallel)
-        return _einsum_call(self.equation, x, self.kernel[...], _value(self.bias))
+        return _einsum_call(self.equation, x, self.kernel[...], param_value(self.bias))
 
 
 class RowParallelEinsum(_ParallelEinsum):
@@ -478,7 +478,7 @@ class RowParallelEinsum(_ParallelEinsum):
     def __call__(self, x) -> jax.Array:
         partial_sum = _einsum_call(self.equation, x, self.kernel[...], None)
         y = reduce_from_model(partial_sum, self.axis, self.sequence_parallel)
-        bias = _value(self.bias)
+        bias = param_value(self.bias)
         return y if bias is None else _einsum_call(self.equation, y, None, bias)
 
 
@@ -486,7 +486,7 @@ def _einsum_call(equation: str, x, kernel, bias):
     """``nnx.Einsum``'s arithmetic: ``einsum(equation, x, kernel)`` in the promoted dtype, plus
     ``bias`` broadcast over the output letters it spans (``kernel=None``: ``x`` is the output,
     only the bias added)."""
-    x, kernel, bias = _promote(x, kernel, bias)
+    x, kernel, bias = promote_dtypes(x, kernel, bias)
     _, rhs, out = equation.replace("->", ",").split(",")
     y = x if kernel is None else jnp.einsum(equation, x, kernel)
     if bias is None:
@@ -518,17 +518,17 @@ class SharedHeadsLinear(nnx.Module):
     @classmethod
     def from_module(cls, linear: nnx.Linear, *, heads: int, axis: str = "model",
                     sequence_parallel: bool = False) -> "SharedHeadsLinear":
-        return cls(linear.kernel.get_value(), _value(linear.bias), heads=heads, axis=axis,
+        return cls(linear.kernel.get_value(), param_value(linear.bias), heads=heads, axis=axis,
                    sequence_parallel=sequence_parallel, dtype=linear.dtype)
 
     def dense_equivalent(self) -> nnx.Linear:
-        return _linear(self.kernel[...], _value(self.bias), self.dtype)
+        return plain_linear(self.kernel[...], param_value(self.bias), self.dtype)
 
     def __call__(self, x) -> jax.Array:
         if isinstance(x, SequenceChunks):  # a collective-matmul norm's chunks: gathered whole
             x = x.whole if x.whole is not None else gather_sequence(x.local, self.axis)
         x = to_full_sequence(x, self.axis, self.sequence_parallel)
-        x, kernel, bias = _promote(x, self.kernel[...], _value(self.bias))
+        x, kernel, bias = promote_dtypes(x, self.kernel[...], param_value(self.bias))
         width = kernel.shape[-1] // self.heads
         head = comm.axis_index(self.axis) // (lax.axis_size(self.axis) // self.heads)
         kernel = lax.dynamic_slice_in_dim(kernel, head * width, width, axis=kernel.ndim - 1)
@@ -560,15 +560,15 @@ class RowParallelLinear(nnx.Module):
     def from_module(cls, linear: nnx.Linear, *, axis: str = "model",
                     sequence_parallel: bool = False,
                     collective_matmul: bool = False) -> "RowParallelLinear":
-        return cls(linear.kernel.get_value(), _value(linear.bias), axis=axis,
+        return cls(linear.kernel.get_value(), param_value(linear.bias), axis=axis,
                    sequence_parallel=sequence_parallel, dtype=linear.dtype,
                    collective_matmul=collective_matmul)
 
     def dense_equivalent(self) -> nnx.Linear:
-        return _linear(self.kernel[...], _value(self.bias), self.dtype)
+        return plain_linear(self.kernel[...], param_value(self.bias), self.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x, kernel, bias = _promote(x, self.kernel[...], _value(self.bias))
+        x, kernel, bias = promote_dtypes(x, self.kernel[...], param_value(self.bias))
         if self.collective_matmul:  # the reduce-scatter as p-1 steps under p GEMMs
             y = matmul_reduce_scatter(self, x, kernel, self.axis)
         else:
@@ -594,7 +594,7 @@ class VocabParallelEmbed(nnx.Module):
                    dtype=embed.dtype)
 
     def dense_equivalent(self) -> nnx.Embed:
-        return _embed(self.embedding[...], self.dtype)
+        return plain_embed(self.embedding[...], self.dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         table = self.embedding[...]
@@ -606,12 +606,12 @@ class VocabParallelEmbed(nnx.Module):
     def local_logits(self, h: jax.Array) -> jax.Array:
         """This rank's vocabulary slice of the tied head's logits, [B, S, V/p]."""
         h = to_full_sequence(h, self.axis, self.sequence_parallel)
-        h, table = _promote(h, self.embedding[...])
+        h, table = promote_dtypes(h, self.embedding[...])
         return h @ table.T
 
     def attend(self, h: jax.Array) -> jax.Array:
         """Full logits [B, S, V] (all-gather of B S V; use :meth:`cross_entropy_sum` to avoid it)."""
-        return _gather_vocab(self.local_logits(h), self.axis)
+        return gather_vocab(self.local_logits(h), self.axis)
 
     def cross_entropy_sum(self, h: jax.Array, targets: jax.Array) -> jax.Array:
         """Summed next-token cross-entropy of the tied head over the tokens whose target is not
@@ -619,7 +619,7 @@ class VocabParallelEmbed(nnx.Module):
         h = to_full_sequence(h, self.axis, self.sequence_parallel)
 
         def chunk(x, t, table):
-            x, table = _promote(x, table)
+            x, table = promote_dtypes(x, table)
             return vocab.cross_entropy_sum(x @ table.T, t, self.axis)  # 3 all-reduces of N/n
 
         table = self.embedding[...]
@@ -640,18 +640,18 @@ class VocabParallelHead(nnx.Module):
     from_module = classmethod(ColumnParallelLinear.from_module.__func__)
 
     def dense_equivalent(self) -> nnx.Linear:
-        return _linear(self.kernel[...], _value(self.bias), self.dtype)
+        return plain_linear(self.kernel[...], param_value(self.bias), self.dtype)
 
     def local_logits(self, h: jax.Array) -> jax.Array:
         h = to_full_sequence(h, self.axis, self.sequence_parallel)
-        h, kernel, bias = _promote(h, self.kernel[...], _value(self.bias))
+        h, kernel, bias = promote_dtypes(h, self.kernel[...], param_value(self.bias))
         y = h @ kernel
         return y if bias is None else y + bias
 
     def __call__(self, h: jax.Array) -> jax.Array:
         """Full logits [B, S, V]: an all-gather of B S V (a loss through
         :func:`jphantom.nn.cross_entropy` never does it)."""
-        return _gather_vocab(self.local_logits(h), self.axis)
+        return gather_vocab(self.local_logits(h), self.axis)
 
     def cross_entropy_sum(self, h: jax.Array, targets: jax.Array) -> jax.Array:
         """Summed cross-entropy over the tokens whose target is not negative: three
@@ -659,7 +659,7 @@ class VocabParallelHead(nnx.Module):
         h = to_full_sequence(h, self.axis, self.sequence_parallel)
 
         def chunk(x, t, kernel, bias=None):
-            x, kernel, bias = _promote(x, kernel, bias)
+            x, kernel, bias = promote_dtypes(x, kernel, bias)
             y = x @ kernel
             return vocab.cross_entropy_sum(y if bias is None else y + bias, t, self.axis)
 
@@ -683,7 +683,7 @@ class SequenceParallelEmbed(nnx.Module):
         return cls(embed.embedding.get_value(), axis=axis, dtype=embed.dtype)
 
     def dense_equivalent(self) -> nnx.Embed:
-        return _embed(self.embedding[...], self.dtype)
+        return plain_embed(self.embedding[...], self.dtype)
 
     def __call__(self, positions: jax.Array) -> jax.Array:
         table = self.embedding[...]
@@ -711,17 +711,17 @@ class InputNorm(nnx.Module):
     @classmethod
     def from_module(cls, norm, *, axis: str = "model", sequence_parallel: bool = False,
                     collective_matmul: bool = False) -> "InputNorm":
-        return cls(_value(getattr(norm, "scale", None)), _value(getattr(norm, "bias", None)),
+        return cls(param_value(getattr(norm, "scale", None)), param_value(getattr(norm, "bias", None)),
                    kind=norm_ops.kind_of(norm), epsilon=norm.epsilon, axis=axis,
                    sequence_parallel=sequence_parallel, dtype=norm.dtype,
                    collective_matmul=collective_matmul)
 
     def dense_equivalent(self):
-        return norm_ops.plain(self.kind, self.epsilon, self.dtype, _value(self.scale),
-                              _value(self.bias))
+        return norm_ops.plain(self.kind, self.epsilon, self.dtype, param_value(self.scale),
+                              param_value(self.bias))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = norm_ops.normalize(x, self.kind, self.epsilon, _value(self.scale), _value(self.bias),
+        y = norm_ops.normalize(x, self.kind, self.epsilon, param_value(self.scale), param_value(self.bias),
                                dtype=self.dtype)
         if self.collective_matmul:  # gathered by the first column layer, under its GEMMs
             return SequenceChunks(y, self.axis)
@@ -827,15 +827,15 @@ class T1Linear(nnx.Module):
 
     @classmethod
     def from_module(cls, linear: nnx.Linear, *, axis: str = "model") -> "T1Linear":
-        return cls(linear.kernel.get_value(), _value(linear.bias), axis=axis, dtype=linear.dtype)
+        return cls(linear.kernel.get_value(), param_value(linear.bias), axis=axis, dtype=linear.dtype)
 
     def dense_equivalent(self) -> nnx.Linear:
-        return _linear(self.kernel[...], _value(self.bias), self.dtype)
+        return plain_linear(self.kernel[...], param_value(self.bias), self.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # all-gather of B*n_in (its transpose, the backward reduce-scatter to B*n_in/p)
         x_full = remat.name_collective(comm.all_gather(x, self.axis, axis=x.ndim - 1, tiled=True))
-        x_full, kernel, bias = _promote(x_full, self.kernel[...], _value(self.bias))
+        x_full, kernel, bias = promote_dtypes(x_full, self.kernel[...], param_value(self.bias))
         y = matmul(self, x_full, kernel)  # [..., out/p]: this rank's output features
         return y if bias is None else y + bias
 
@@ -906,13 +906,13 @@ def _check_collective_matmul(collective_matmul: bool, sequence_parallel: bool) -
     return bool(collective_matmul)
 
 
-def _gather_vocab(local_logits: jax.Array, axis: str) -> jax.Array:
+def gather_vocab(local_logits: jax.Array, axis: str) -> jax.Array:
     """[..., V/p] -> [..., V] on every rank; the backward keeps the own slice (no communication)."""
     return comm.all_gather(local_logits, axis, axis=local_logits.ndim - 1, tiled=True,
                           to="invarying")
 
 
-def _linear(kernel, bias, dtype) -> nnx.Linear:
+def plain_linear(kernel, bias, dtype) -> nnx.Linear:
     """A plain ``nnx.Linear`` holding ``kernel`` [..., in, out] and ``bias``."""
     linear = nnx.Linear(kernel.shape[-2], kernel.shape[-1], use_bias=bias is not None,
                         dtype=dtype, param_dtype=kernel.dtype, rngs=nnx.Rngs(0))
@@ -922,7 +922,7 @@ def _linear(kernel, bias, dtype) -> nnx.Linear:
     return linear
 
 
-def _embed(embedding, dtype) -> nnx.Embed:
+def plain_embed(embedding, dtype) -> nnx.Embed:
     embed = nnx.Embed(embedding.shape[-2], embedding.shape[-1], dtype=dtype,
                       param_dtype=embedding.dtype, rngs=nnx.Rngs(0))
     embed.embedding = nnx.Param(embedding)

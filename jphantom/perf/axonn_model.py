@@ -67,14 +67,14 @@ _RING_STEPS = {"all-gather": lambda p: p - 1, "reduce-scatter": lambda p: p - 1,
                "collective-permute": lambda p: 1}
 
 
-def _count(name: str, value: Any, minimum: int = 1, fix: str = "") -> int:
+def check_count(name: str, value: Any, minimum: int = 1, fix: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}"
                           + (f": {fix}" if fix else ""))
     return value
 
 
-def _positive(name: str, value: Any, fix: str, *, zero_ok: bool = False) -> float:
+def check_positive(name: str, value: Any, fix: str, *, zero_ok: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name}={value!r} must be a number: {fix}")
     number = float(value)
@@ -111,14 +111,15 @@ class Topology:
     source: str = ""
 
     def __post_init__(self):
-        _count("gpus_per_node", self.gpus_per_node, 1, "give G_node, the GPUs of one node, e.g. 4")
-        object.__setattr__(self, "inter_node_gbps", _positive(
+        check_count("gpus_per_node", self.gpus_per_node, 1,
+                    "give G_node, the GPUs of one node, e.g. 4")
+        object.__setattr__(self, "inter_node_gbps", check_positive(
             "inter_node_gbps", self.inter_node_gbps,
             "give β_inter in GB/s between two nodes (all NICs), e.g. 100 for 4 x 25 GB/s"))
-        object.__setattr__(self, "intra_node_gbps", _positive(
+        object.__setattr__(self, "intra_node_gbps", check_positive(
             "intra_node_gbps", self.intra_node_gbps,
             "give the intra-node collective bandwidth in GB/s, e.g. 300 for NVLink3"))
-        object.__setattr__(self, "latency_us", _positive(
+        object.__setattr__(self, "latency_us", check_positive(
             "latency_us", self.latency_us, "give α in microseconds per ring step, e.g. 5 (0: none)",
             zero_ok=True))
         table = self.intra_node_table
@@ -136,14 +137,15 @@ class Topology:
             except (TypeError, ValueError):
                 raise ConfigError(f"intra_node_table entry {item!r} must be ((G0, G1), GB/s), e.g. "
                                   "((1, 4), 300.0)") from None
-            _count(f"intra_node_table key {key!r}: G0", g0, 1)
-            _count(f"intra_node_table key {key!r}: G1", g1, 1)
+            check_count(f"intra_node_table key {key!r}: G0", g0, 1)
+            check_count(f"intra_node_table key {key!r}: G1", g1, 1)
             if g0 * g1 > self.gpus_per_node:
                 raise ConfigError(
                     f"intra_node_table key {key!r} has G0 x G1 = {g0 * g1} > gpus_per_node="
                     f"{self.gpus_per_node}: the database covers groups inside one node (Eq. 5.7 "
                     "prices the others); drop the entry or raise gpus_per_node")
-            entries[(g0, g1)] = _positive(f"intra_node_table[{key!r}]", gbps, "give GB/s > 0")
+            entries[(g0, g1)] = check_positive(f"intra_node_table[{key!r}]", gbps,
+                                               "give GB/s > 0")
         object.__setattr__(self, "intra_node_table", tuple(sorted(entries.items())))
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"Topology.name={self.name!r} must be a non-empty string")
@@ -189,8 +191,8 @@ def placement_bandwidth(topology: Topology, inner: int, size: int) -> float:
     Case 1 (``inner * size <= G_node``): the database entry (inner, size), else the default
     intra-node bandwidth. Case 2: β_inter / min(G_node, inner).
     """
-    _count("inner", inner, 1)
-    _count("size", size, 1)
+    check_count("inner", inner, 1)
+    check_count("size", size, 1)
     if size == 1:
         return math.inf
     if inner * size <= topology.gpus_per_node:
@@ -204,8 +206,8 @@ def point_to_point_bandwidth(topology: Topology, inner: int, size: int) -> float
     database entry of ``inner`` concurrent *pairs* (inner, 2), since a message uses one GPU pair's
     link; across nodes, Eq. 5.7's β_inter / min(G_node, inner) (the chain's node-boundary link,
     shared by the ``inner`` chains beside it); ``math.inf`` for one rank."""
-    _count("inner", inner, 1)
-    _count("size", size, 1)
+    check_count("inner", inner, 1)
+    check_count("size", size, 1)
     if size == 1:
         return math.inf
     if inner * size <= topology.gpus_per_node:
@@ -240,7 +242,7 @@ class Grid:
 
     def __post_init__(self):
         for axis in AXES:
-            _count(f"G_{axis}", getattr(self, axis), 1, "grid sizes are whole numbers of GPUs")
+            check_count(f"G_{axis}", getattr(self, axis), 1, "grid sizes are whole numbers of GPUs")
 
     @property
     def devices(self) -> int:
@@ -276,7 +278,7 @@ class Layer:
 
     def __post_init__(self):
         for field in ("m", "k", "n"):
-            _count(f"Layer.{field}", getattr(self, field), 1)
+            check_count(f"Layer.{field}", getattr(self, field), 1)
         if not isinstance(self.transposed, bool):
             raise ConfigError(f"Layer.transposed={self.transposed!r} must be True or False")
 
@@ -299,9 +301,9 @@ class Collective:
     def __post_init__(self):
         if self.kind not in _RING_STEPS:
             raise ConfigError(f"collective kind {self.kind!r}: use one of {sorted(_RING_STEPS)}")
-        _count("Collective.group", self.group, 1)
-        _count("Collective.count", self.count, 0)
-        _positive("Collective.buffer", self.buffer, "elements of the result buffer", zero_ok=True)
+        check_count("Collective.group", self.group, 1)
+        check_count("Collective.count", self.count, 0)
+        check_positive("Collective.buffer", self.buffer, "elements of the result buffer", zero_ok=True)
 
     @property
     def wire(self) -> float:
@@ -368,7 +370,7 @@ def layer_collectives(layer: Layer, grid: Grid, *, microbatches: int = 1) -> lis
     accumulation, our extension): per micro-batch of m/A tokens Ŵ is gathered, both all-reduces
     run and dW is reduce-scattered (A times each); the data all-reduce stays once per step.
     """
-    _count("microbatches", microbatches, 1)
+    check_count("microbatches", microbatches, 1)
     g = grid.transposed() if layer.transposed else grid
     forward_axis, backward_axis = ("x", "y") if layer.transposed else ("y", "x")
     m, k, n, A = layer.m / microbatches, layer.k, layer.n, microbatches
@@ -454,7 +456,7 @@ class GPTShape:
 
     def __post_init__(self):
         for field in ("layers", "hidden", "heads", "seq_len", "vocab_size"):
-            _count(field, getattr(self, field), 1)
+            check_count(field, getattr(self, field), 1)
         if self.family not in FAMILIES:
             raise ConfigError(f"family={self.family!r}: the planner prices {FAMILIES}")
         if self.hidden % self.heads:
@@ -474,8 +476,8 @@ class GPTShape:
             object.__setattr__(self, "intermediate", -(-8 * self.hidden // 3 // 32) * 32)
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
-        _count("intermediate", self.intermediate, 1)
-        _count("kv_heads", self.kv_heads, 1)
+        check_count("intermediate", self.intermediate, 1)
+        check_count("kv_heads", self.kv_heads, 1)
         if self.heads % self.kv_heads:
             raise ConfigError(f"heads={self.heads} is not divisible by kv_heads={self.kv_heads}: "
                               "each key/value head serves heads/kv_heads query heads")
@@ -537,7 +539,7 @@ class GPTShape:
     def tied_head(self) -> bool:
         return self.tied
 
-    def param_count(self) -> int:
+    def paramcheck_count(self) -> int:
         """Weights and biases: GPT-2 (tied head, :meth:`TransformerConfig.param_count`)
         V h + S h + L (12 h^2 + 13 h) + 2 h; Llama (untied head) 2 V h + L (Σ k n + 2 h) + h."""
         h, L = self.hidden, self.layers
@@ -572,7 +574,7 @@ def gpt_layers(shape: GPTShape, tokens: int, *, lm_head: bool = False) -> tuple[
     (:meth:`GPTShape.linears`: a Llama's GQA and SwiGLU widths).
     ``lm_head``: also the (tied) LM head h -> V as one normal layer (vocabulary over X)."""
     shape = GPTShape.of(shape)
-    _count("tokens", tokens, 1)
+    check_count("tokens", tokens, 1)
     h = shape.hidden
     block = tuple(Layer(tokens, k, n, transposed, name)
                   for name, k, n, transposed in shape.linears())
@@ -699,7 +701,7 @@ def pmm3d_memory(grid: Grid, shape: GPTShape, batch: int, *, precision: str | Pr
     h, L, S = shape.hidden, shape.layers, shape.seq_len
     tables = shape.vocab_size * h * (1 if shape.tied_head else 2)  # embedding (+ untied head)
     matmul = L * shape.block_matmul_params + (tables if lm_head else 0)
-    small = shape.param_count() - L * shape.block_matmul_params - tables
+    small = shape.paramcheck_count() - L * shape.block_matmul_params - tables
     tensor_group = grid.x * grid.y * grid.z
     tokens = batch * S / (grid.data * grid.z * accumulate)
     acts = checkpointed_activations(shape, tokens, stream_split=grid.y, inner_split=grid.x,
@@ -733,7 +735,7 @@ def configurations(devices: int, shape: GPTShape | None = None, *, batch: int | 
     32, 84 for 64: C(a+3, 3) for 2^a), sorted by (G_data, G_z, G_y, G_x). With a ``shape`` and
     ``batch``, only the grids that pass :func:`grid_problems`; with ``memory_gib`` also, only those
     whose :func:`pmm3d_memory` total fits in that many GiB."""
-    _count("devices", devices, 1, "give the number of GPUs, e.g. 32")
+    check_count("devices", devices, 1, "give the number of GPUs, e.g. 32")
     grids = [Grid(x, y, z, devices // (x * y * z))
              for x in _divisors(devices) for y in _divisors(devices // x)
              for z in _divisors(devices // (x * y))]
@@ -745,12 +747,12 @@ def configurations(devices: int, shape: GPTShape | None = None, *, batch: int | 
     shape = GPTShape.of(shape)
     if batch is None:
         raise ConfigError("filtering grids against a model needs batch (sequences per step)")
-    _count("batch", batch, 1)
-    _count("accumulate", accumulate, 1)
+    check_count("batch", batch, 1)
+    check_count("accumulate", accumulate, 1)
     grids = [g for g in grids if not grid_problems(g, shape, batch, accumulate=accumulate,
                                                    lm_head=lm_head)]
     if memory_gib is not None:
-        limit = _positive("memory_gib", memory_gib, "give the GiB of one GPU, e.g. 40") * GIB
+        limit = check_positive("memory_gib", memory_gib, "give the GiB of one GPU, e.g. 40") * GIB
         grids = [g for g in grids if pmm3d_memory(
             g, shape, batch, precision=precision, accumulate=accumulate,
             flash_attention=flash_attention, lm_head=lm_head)["total"] <= limit]

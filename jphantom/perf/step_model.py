@@ -103,7 +103,7 @@ import warnings
 from jphantom.errors import ConfigError, check_int, check_real, JPhantomWarning
 from jphantom.perf.comm_model import FRONTIER, CommModel
 from jphantom.sharding import phantom
-from jphantom.sharding._common import check_depth, check_width
+from jphantom.sharding.common import check_depth, check_width
 
 STRATEGIES = ("tensor-t1", "phantom")
 """Strategies with a step model: Seal et al.'s TP (T1) and phantom (``fused`` picks ``phantom`` or

@@ -188,7 +188,7 @@ class Plan:
         return sum(stop - start for start, stop, _, _, _, send in self.segments if send)
 
 
-def _allocate(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
+def allocate_slots(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
     """Slots for (write time, read time, key) intervals: a slot is reused once read before the
     next write. Returns key -> slot and the number of slots."""
     slot_of, free_after = {}, []
@@ -241,7 +241,7 @@ def plan(config: PipelineConfig, stages: int, *, train: bool = True) -> Plan:
     for s in range(P):
         for i, (intervals, into) in enumerate(((acts[s], act_slot), (cots[s], cot_slot),
                                                (stash[s], stash_slot))):
-            slots, n = _allocate(intervals)
+            slots, n = allocate_slots(intervals)
             into.update(slots)
             counts[i] = max(counts[i], n)
     A, C, S = (max(1, n) for n in counts)  # slot index n (A, C, S) is the garbage slot
@@ -299,7 +299,7 @@ def plan(config: PipelineConfig, stages: int, *, train: bool = True) -> Plan:
 # --------------------------------------------------------------------------------------------------
 
 
-def _microbatches(x: jax.Array, m: int) -> jax.Array:
+def split_microbatches(x: jax.Array, m: int) -> jax.Array:
     return x.reshape(m, x.shape[0] // m, *x.shape[1:])
 
 
@@ -308,7 +308,7 @@ def _chunks(stacked, V: int):
     return jax.tree.map(lambda a: a.reshape(V, a.shape[0] // V, *a.shape[1:]), stacked)
 
 
-def _take(tree, i):
+def take_index(tree, i):
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
 
@@ -317,7 +317,7 @@ def _put(buffers, i, values):
                         buffers, values)
 
 
-def _cast_like(tree, like):
+def cast_like(tree, like):
     """``tree``'s leaves in ``like``'s dtypes and varying over (at least) its mesh axes
     (activations may be pytrees: an MoE block's ``(h, aux)``, whose statistics start as plain
     zeros; integer leaves' cotangents, float0, become zeros of the leaf's dtype)."""
@@ -330,24 +330,24 @@ def _cast_like(tree, like):
     return jax.tree.map(one, tree, like)
 
 
-def _varying_over(x, axis):
+def varying_over(x, axis):
     """``x`` also varying over ``axis``."""
     return x if axis in comm.varying_axes(x) else comm.pcast(x, axis, to="varying")
 
 
-def _fill_like(tree, fill):
+def fill_like(tree, fill):
     """A pytree like ``tree`` filled with ``fill`` (floating leaves; integer leaves with 0)."""
     return jax.tree.map(lambda a: jnp.full_like(a, fill) if jnp.issubdtype(a.dtype, jnp.floating)
                         else jnp.zeros_like(a), tree)
 
 
-def _slots(value, n):
+def slot_buffers(value, n):
     """A buffer of ``n + 1`` slots shaped like ``value`` (same varying axes), zero-filled."""
     return jax.tree.map(lambda a: jnp.broadcast_to(jnp.zeros_like(a)[None], (n + 1, *a.shape)),
                         value)
 
 
-def _residuals(vjp_fn, chunk_leaves):
+def vjp_residuals(vjp_fn, chunk_leaves):
     """``jax.vjp``'s Partial -> (treedef, leaves to stash, positions of leaves that are the chunk's
     own parameters: those are re-read at the backward instead of copied)."""
     leaves, treedef = jax.tree.flatten(vjp_fn)
@@ -366,7 +366,7 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
     P_ = plan_.table.shape[1]
     stage = comm.axis_index(STAGE_AXIS)
     chunks = _chunks(stacked, V)
-    inputs, targets = _microbatches(inputs, M), _microbatches(targets, M)
+    inputs, targets = split_microbatches(inputs, M), split_microbatches(targets, M)
     fill = config.bubble_fill
     perm_f = [(s, (s + 1) % P_) for s in range(P_) if V > 1 or s + 1 < P_]
     perm_b = [(d, s) for s, d in perm_f]
@@ -376,26 +376,26 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
         return row[_F[name]]
 
     def chunk_of(v):
-        return _take(chunks, v) if V > 1 else stacked
+        return take_index(chunks, v) if V > 1 else stacked
 
     def stage_input(row, received):
         m = field(row, "f_mb")
         return lax.cond(field(row, "f_first") > 0,
-                        lambda: entry(rest, _take(inputs, m)),
+                        lambda: entry(rest, take_index(inputs, m)),
                         lambda: received)
 
     def head(out, m):
         """Loss share of micro-batch m and (training) d loss / d out, d loss / d rest."""
         if not train:
-            return stages.last(rest, out, _take(targets, m), M), None, None
+            return stages.last(rest, out, take_index(targets, m), M), None, None
         (loss, (d_rest, d_out)) = jax.value_and_grad(
-            lambda r, o: stages.last(r, o, _take(targets, m), M), argnums=(0, 1))(rest, out)
+            lambda r, o: stages.last(r, o, take_index(targets, m), M), argnums=(0, 1))(rest, out)
         return loss, d_out, d_rest
 
     # Shapes (and varying axes) of what flows, from an abstract trace of tick 0's slot (jax.eval_shape:
     # nothing of it is emitted): the body's output, its vjp residuals, the head's loss.
-    row0 = _take(table, 0)[stage]
-    x0 = stages.first(rest, _take(inputs, 0))
+    row0 = take_index(table, 0)[stage]
+    x0 = stages.first(rest, take_index(inputs, 0))
     x0 = jax.tree.map(lambda a: a + comm.pcast(jnp.zeros((), a.dtype), STAGE_AXIS, to="varying"),
                       x0)  # as in the ticks
     chunk0 = chunk_of(field(row0, "f_chunk"))
@@ -403,28 +403,28 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
 
     def probe(chunk, x, c):
         out, vjp_fn = jax.vjp(lambda ch, x: stages.body(ch, x, c), chunk, x)
-        probed["treedef"], stash, probed["is_param"] = _residuals(vjp_fn, jax.tree.leaves(chunk))
+        probed["treedef"], stash, probed["is_param"] = vjp_residuals(vjp_fn, jax.tree.leaves(chunk))
         return out, stash
 
     out0, stash0 = jax.eval_shape(probe, chunk0, x0, field(row0, "f_chunk") * P_ + stage)
     treedef, is_param = probed["treedef"], probed["is_param"]
     stash_shapes = [(a.shape, a.dtype) for a in stash0]
     traced = {"treedef": treedef}
-    zero = zeros_of(jax.eval_shape(lambda r, o: stages.last(r, o, _take(targets, 0), M), rest,
+    zero = zeros_of(jax.eval_shape(lambda r, o: stages.last(r, o, take_index(targets, 0), M), rest,
                                  jax.tree.map(zeros_of, out0)))
     out0 = jax.tree.map(zeros_of, out0)
 
     def entry(rest, inputs_mb):
         """The part before the blocks, typed as what flows between stages (a carry's statistics
         start as plain zeros and flow varying over the batch axes)."""
-        return _cast_like(stages.first(rest, inputs_mb), out0)
+        return cast_like(stages.first(rest, inputs_mb), out0)
     # The stash lives in slots written at a stage-dependent index, so its buffers vary over
     # ``stage`` even where a residual does not (a rotary table computed from constants).
-    stash0 = [_varying_over(zeros_of(a), STAGE_AXIS) for a in stash0]
-    carry = {"act": _slots(out0, plan_.activation_slots), "loss": zero}
+    stash0 = [varying_over(zeros_of(a), STAGE_AXIS) for a in stash0]
+    carry = {"act": slot_buffers(out0, plan_.activation_slots), "loss": zero}
     if train:
-        carry.update(cot=_slots(out0, plan_.cotangent_slots),
-                     stash=_slots(stash0, plan_.stash_slots),
+        carry.update(cot=slot_buffers(out0, plan_.cotangent_slots),
+                     stash=slot_buffers(stash0, plan_.stash_slots),
                      d_chunks=jax.tree.map(jnp.zeros_like, chunks if V > 1 else stacked),
                      d_rest=jax.tree.map(jnp.zeros_like, rest))
 
@@ -432,7 +432,7 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
         m, v = field(row, "f_mb"), field(row, "f_chunk")
         c = v * P_ + stage
 
-        received = _take(carry["act"], field(row, "f_in"))  # one slot, read outside the cond
+        received = take_index(carry["act"], field(row, "f_in"))  # one slot, read outside the cond
 
         def active():
             x = stage_input(row, received)
@@ -444,28 +444,28 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
                                 lambda: jnp.zeros_like(zero))
                 return out, loss
             out, vjp_fn = jax.vjp(body, chunk, x)
-            td, stash, params = _residuals(vjp_fn, jax.tree.leaves(chunk))
+            td, stash, params = vjp_residuals(vjp_fn, jax.tree.leaves(chunk))
             if params != is_param or [(a.shape, a.dtype) for a in stash] != stash_shapes:
                 raise RuntimeError("the stage body's vjp residuals changed between traces")
             traced["treedef"] = td  # the backward slots rebuild the pullback with it
 
             def with_head():
                 loss, d_out, d_rest = head(out, m)
-                return loss, _cast_like(d_out, out), d_rest
+                return loss, cast_like(d_out, out), d_rest
 
             def without_head():
-                return (jnp.zeros_like(zero), _fill_like(out, fill),
+                return (jnp.zeros_like(zero), fill_like(out, fill),
                         jax.tree.map(jnp.zeros_like, rest))
 
             loss, d_out, d_rest = lax.cond(field(row, "f_last") > 0, with_head, without_head)
-            return out, loss, _cast_like(stash, stash0), d_out, d_rest
+            return out, loss, cast_like(stash, stash0), d_out, d_rest
 
         def idle():
-            out = _fill_like(out0, fill)
+            out = fill_like(out0, fill)
             if not train:
                 return out, jnp.zeros_like(zero)
             return (out, jnp.zeros_like(zero), jax.tree.map(lambda a: jnp.full_like(a, fill), stash0),
-                    _fill_like(out0, fill), jax.tree.map(jnp.zeros_like, rest))
+                    fill_like(out0, fill), jax.tree.map(jnp.zeros_like, rest))
 
         result = lax.cond(field(row, "f_on") > 0, active, idle)
         carry = dict(carry)
@@ -482,8 +482,8 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
 
         # One slot of residuals and one cotangent, read outside the cond (the branches never
         # take the whole buffers).
-        residuals = _take(carry["stash"], field(row, "b_stash"))
-        d_out = _take(carry["cot"], field(row, "b_in"))
+        residuals = take_index(carry["stash"], field(row, "b_stash"))
+        d_out = take_index(carry["cot"], field(row, "b_in"))
 
         def active():
             chunk = chunk_of(v)
@@ -494,15 +494,15 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
             d_chunk, dx = vjp_fn(d_out)
 
             def embedding():
-                _, embed_vjp = jax.vjp(lambda r: entry(r, _take(inputs, m)), rest)
-                return embed_vjp(_cast_like(dx, out0))[0]
+                _, embed_vjp = jax.vjp(lambda r: entry(r, take_index(inputs, m)), rest)
+                return embed_vjp(cast_like(dx, out0))[0]
 
             d_rest = lax.cond(field(row, "b_first") > 0, embedding,
                               lambda: jax.tree.map(jnp.zeros_like, rest))
             return d_chunk, dx, d_rest
 
         def idle():
-            return (jax.tree.map(jnp.zeros_like, chunk0), _fill_like(out0, fill),
+            return (jax.tree.map(jnp.zeros_like, chunk0), fill_like(out0, fill),
                     jax.tree.map(jnp.zeros_like, rest))
 
         d_chunk, dx, d_rest = lax.cond(field(row, "b_on") > 0, active, idle)
@@ -528,7 +528,7 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
             if has_b:
                 dx, carry = backward_slot(row, carry)
                 if send_b:  # the cotangent exchange: one collective-permute of [b, ...]
-                    received = comm.ppermute(_cast_like(dx, out0), STAGE_AXIS, perm_b)
+                    received = comm.ppermute(cast_like(dx, out0), STAGE_AXIS, perm_b)
                     carry["cot"] = _put(carry["cot"], field(row, "b_recv"), received)
             return carry, None
         return tick

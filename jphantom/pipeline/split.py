@@ -59,9 +59,9 @@ import numpy as np
 from jax import lax
 
 from jphantom import comm
-from jphantom.pipeline.runner import (STAGE_AXIS, PipelineConfig, Stages, _allocate, _cast_like,
-                                      _fill_like, _microbatches, _residuals, _slots, _take,
-                                      _varying_over, zeros_of)
+from jphantom.pipeline.runner import (STAGE_AXIS, PipelineConfig, Stages, allocate_slots,
+                                      cast_like, fill_like, slot_buffers, split_microbatches,
+                                      take_index, varying_over, vjp_residuals, zeros_of)
 from jphantom.pipeline.schedule import SplitLockstep, chunks_of, lockstep_split, model_chunk
 
 KINDS = ("idle", "F", "B", "W")
@@ -77,7 +77,7 @@ _F = {name: i for i, name in enumerate(FIELDS)}
 # --------------------------------------------------------------------------------------------------
 
 
-def _needed_inputs(jaxpr, needed_outputs: list[bool]) -> list[bool]:
+def needed_inputs(jaxpr, needed_outputs: list[bool]) -> list[bool]:
     """Which of ``jaxpr``'s inputs the outputs marked in ``needed_outputs`` depend on. Walks into
     scans (a fixpoint over the carry), conditionals and any equation holding one sub-jaxpr with
     its own inputs and outputs (jit, checkpoint, custom derivatives); anything else is taken to
@@ -112,7 +112,7 @@ def _equation_inputs(eqn, outs: list[bool]) -> list[bool]:
         consts, carries = _scan_counts(eqn.params)
         carry = outs[:carries]
         while True:
-            ins = _needed_inputs(body, carry + outs[carries:])
+            ins = needed_inputs(body, carry + outs[carries:])
             grown = [a or b for a, b in zip(carry, ins[consts:consts + carries])]
             if grown == carry:
                 return ins
@@ -120,12 +120,12 @@ def _equation_inputs(eqn, outs: list[bool]) -> list[bool]:
     if eqn.primitive.name == "cond":
         needed = [False] * (len(eqn.invars) - 1)
         for branch in eqn.params["branches"]:
-            needed = [a or b for a, b in zip(needed, _needed_inputs(_open(branch), outs))]
+            needed = [a or b for a, b in zip(needed, needed_inputs(_open(branch), outs))]
         return [True] + needed
     subs = [_open(j) for j in jcore.jaxprs_in_params(eqn.params)]
     if len(subs) == 1 and len(subs[0].invars) == len(eqn.invars) \
             and len(subs[0].outvars) == len(eqn.outvars):
-        return _needed_inputs(subs[0], outs)
+        return needed_inputs(subs[0], outs)
     return everything
 
 
@@ -148,12 +148,12 @@ def weight_only_residuals(rebuild, residuals, chunk, d_out) -> Split:
     n_res = len(jax.tree.leaves(residuals))
     n_chunk = len(jax.tree.leaves(chunk))
     n_out = len(closed.jaxpr.outvars)
-    by_dx = _needed_inputs(closed.jaxpr, [i >= n_chunk for i in range(n_out)])[:n_res]
+    by_dx = needed_inputs(closed.jaxpr, [i >= n_chunk for i in range(n_out)])[:n_res]
     weight_only = tuple(not used and jnp.issubdtype(r.dtype, jnp.floating)
                         for used, r in zip(by_dx, jax.tree.leaves(residuals)))
     leaves = []
     for j in range(n_chunk):
-        uses = _needed_inputs(closed.jaxpr, [i == j for i in range(n_out)])[:n_res]
+        uses = needed_inputs(closed.jaxpr, [i == j for i in range(n_out)])[:n_res]
         leaves.append(any(u and w for u, w in zip(uses, weight_only)))
     return Split(weight_only, tuple(leaves))
 
@@ -161,7 +161,7 @@ def weight_only_residuals(rebuild, residuals, chunk, d_out) -> Split:
 def rebuilder(treedef, is_param):
     """``rebuild(chunk)(residuals)``: a stashed ``jax.vjp`` pullback (or ``jax.linearize``
     function) from its stashed leaves and the chunk's own parameters at the positions
-    ``is_param`` names (:func:`jphantom.pipeline.runner._residuals`)."""
+    ``is_param`` names (:func:`jphantom.pipeline.runner.vjp_residuals`)."""
     def rebuild(chunk):
         chunk_leaves = jax.tree.leaves(chunk)
 
@@ -259,7 +259,7 @@ def plan(config: PipelineConfig, stages: int, *, train: bool = True) -> SplitPla
     slot_of, counts = [{}, {}, {}, {}], [0, 0, 0, 0]
     for s in range(P):
         for i, intervals in enumerate((inbox[s], stash_b[s], stash_w[s], wstash[s])):
-            slots, n = _allocate(intervals)
+            slots, n = allocate_slots(intervals)
             slot_of[i].update({(s, key): slot for key, slot in slots.items()})
             counts[i] = max(counts[i], n)
     I, SB, SW, WS = (max(1, n) for n in counts)  # index n of each buffer: the garbage slot
@@ -364,7 +364,7 @@ def run(stages: Stages, config: PipelineConfig, plan_: SplitPlan, stacked, rest,
     V = chunks_of(schedule, P_)
     stage = comm.axis_index(STAGE_AXIS)
     chunks = jax.tree.map(lambda a: a.reshape(V, a.shape[0] // V, *a.shape[1:]), stacked)
-    inputs, targets = _microbatches(inputs, M), _microbatches(targets, M)
+    inputs, targets = split_microbatches(inputs, M), split_microbatches(targets, M)
     fill = config.bubble_fill
     to_next = [(s, s + 1) for s in range(P_ - 1)]
     to_prev = [(s + 1, s) for s in range(P_ - 1)]
@@ -379,11 +379,11 @@ def run(stages: Stages, config: PipelineConfig, plan_: SplitPlan, stacked, rest,
         return chunk_index[stage, v]
 
     def entry(rest, inputs_mb):
-        return _cast_like(stages.first(rest, inputs_mb), out0)
+        return cast_like(stages.first(rest, inputs_mb), out0)
 
     # Abstract values of what flows (nothing emitted): the body's output, its pullback's
     # residuals and their split, B's linear function's residuals, the head's loss.
-    x0 = stages.first(rest, _take(inputs, 0))
+    x0 = stages.first(rest, take_index(inputs, 0))
     x0 = jax.tree.map(lambda a: a + comm.pcast(jnp.zeros((), a.dtype), STAGE_AXIS, to="varying"),
                       x0)
     local = [jax.tree.map(lambda a, v=v: a[v], chunks) for v in range(V)]  # static slices
@@ -392,7 +392,7 @@ def run(stages: Stages, config: PipelineConfig, plan_: SplitPlan, stacked, rest,
 
     def probe_forward(chunk, x, c):
         out, pullback = jax.vjp(lambda ch, x: stages.body(ch, x, c), chunk, x)
-        probed["treedef"], stash, probed["is_param"] = _residuals(pullback, jax.tree.leaves(chunk))
+        probed["treedef"], stash, probed["is_param"] = vjp_residuals(pullback, jax.tree.leaves(chunk))
         return out, stash
 
     out0, stash0 = jax.eval_shape(probe_forward, chunk0, x0, global_chunk(0))
@@ -401,16 +401,16 @@ def run(stages: Stages, config: PipelineConfig, plan_: SplitPlan, stacked, rest,
     # are rebuilt from this probe's structure, and a pullback traced for an invariant input holds
     # the transpose of its implicit cast, an all-reduce over those axes, that a stage whose input
     # arrives varying must not apply to the cotangent it sends back.
-    x0 = _cast_like(x0, out0)
+    x0 = cast_like(x0, out0)
     out0, stash0 = jax.eval_shape(probe_forward, chunk0, x0, global_chunk(0))
     treedef, is_param = probed["treedef"], probed["is_param"]
     out0 = jax.tree.map(zeros_of, out0)
-    zero = zeros_of(jax.eval_shape(lambda r, o: stages.last(r, o, _take(targets, 0), M), rest,
+    zero = zeros_of(jax.eval_shape(lambda r, o: stages.last(r, o, take_index(targets, 0), M), rest,
                                  out0))
-    stash0 = [_varying_over(zeros_of(a), STAGE_AXIS) for a in stash0]
+    stash0 = [varying_over(zeros_of(a), STAGE_AXIS) for a in stash0]
 
     rebuild = rebuilder(treedef, is_param)
-    carry = {"inbox": _slots(out0, plan_.inbox_slots), "loss": zero}
+    carry = {"inbox": slot_buffers(out0, plan_.inbox_slots), "loss": zero}
     if train:
         split = weight_only_residuals(rebuild(chunk0), stash0, chunk0, out0)
         known0, weight0 = _pick(stash0, split.weight_only, False), _pick(stash0, split.weight_only,
@@ -418,25 +418,25 @@ def run(stages: Stages, config: PipelineConfig, plan_: SplitPlan, stacked, rest,
 
         def probe_backward(chunk, known, d_out):
             dx, b_leaves, linear = backward_input(rebuild(chunk), split, known, d_out, weight0)
-            probed["linear_treedef"], wres, probed["linear_is_param"] = _residuals(
+            probed["linear_treedef"], wres, probed["linear_is_param"] = vjp_residuals(
                 linear, jax.tree.leaves(chunk))
             return wres
 
         wstash0 = jax.eval_shape(probe_backward, chunk0, known0, out0)
-        wstash0 = [_varying_over(zeros_of(a), STAGE_AXIS) for a in wstash0]
+        wstash0 = [varying_over(zeros_of(a), STAGE_AXIS) for a in wstash0]
         wstash_shapes = [(a.shape, a.dtype) for a in wstash0]
-        carry.update(stash_b=_slots(known0, plan_.stash_b_slots),
-                     stash_w=_slots(weight0, plan_.stash_w_slots),
-                     wstash=_slots(wstash0, plan_.wstash_slots),
+        carry.update(stash_b=slot_buffers(known0, plan_.stash_b_slots),
+                     stash_w=slot_buffers(weight0, plan_.stash_w_slots),
+                     wstash=slot_buffers(wstash0, plan_.wstash_slots),
                      d_chunks=jax.tree.map(jnp.zeros_like, chunks),
                      d_rest=jax.tree.map(jnp.zeros_like, rest))
         traced = {}
 
     def head(out, m):
         if not train:
-            return stages.last(rest, out, _take(targets, m), M), None, None
+            return stages.last(rest, out, take_index(targets, m), M), None, None
         loss, (d_rest, d_out) = jax.value_and_grad(
-            lambda r, o: stages.last(r, o, _take(targets, m), M), argnums=(0, 1))(rest, out)
+            lambda r, o: stages.last(r, o, take_index(targets, m), M), argnums=(0, 1))(rest, out)
         return loss, d_out, d_rest
 
     if train:
@@ -449,13 +449,13 @@ def run(stages: Stages, config: PipelineConfig, plan_: SplitPlan, stacked, rest,
         where F runs, its residuals and the loss's seed; where B runs, W's residuals and B's
         gradient leaves; where W runs, W's; where F or B runs, the head's or embedding's
         gradient (``rest``). Each branch writes only what its segment's slots can produce."""
-        result = {"msg": _fill_like(out0, fill), "loss": jnp.zeros_like(zero)}
+        result = {"msg": fill_like(out0, fill), "loss": jnp.zeros_like(zero)}
         if not train:
             return result
         if 1 in kinds:
             result.update(stash_b=[jnp.full_like(a, fill) for a in known0],
                           stash_w=[jnp.full_like(a, fill) for a in weight0],
-                          seed=_fill_like(out0, fill))
+                          seed=fill_like(out0, fill))
         if 2 in kinds:
             result.update(wstash=[jnp.full_like(a, fill) for a in wstash0], b_grads=b_zeros)
         if 3 in kinds:
@@ -470,72 +470,72 @@ def run(stages: Stages, config: PipelineConfig, plan_: SplitPlan, stacked, rest,
         if v is not None:
             return local[v], global_chunk(v)
         v = field(row, "chunk")
-        return _take(chunks, v), global_chunk(v)
+        return take_index(chunks, v), global_chunk(v)
 
     def forward(kinds, v, row, buffers):
-        message = _take(buffers["inbox"], field(row, "inbox"))
+        message = take_index(buffers["inbox"], field(row, "inbox"))
         m = field(row, "mb")
         chunk, c = chunk_of(v, row)
         result = idle_result(kinds)
-        x = lax.cond(field(row, "first") > 0, lambda: entry(rest, _take(inputs, m)),
+        x = lax.cond(field(row, "first") > 0, lambda: entry(rest, take_index(inputs, m)),
                      lambda: message)
         body = lambda ch, x: stages.body(ch, x, c)  # noqa: E731
         if not train:
             out = body(chunk, x)
-            result["msg"] = _cast_like(out, out0)
+            result["msg"] = cast_like(out, out0)
             result["loss"] = lax.cond(field(row, "last") > 0, lambda: head(out, m)[0],
                                       lambda: jnp.zeros_like(zero))
             return result
         out, pullback = jax.vjp(body, chunk, x)
-        _, stash, params = _residuals(pullback, jax.tree.leaves(chunk))
+        _, stash, params = vjp_residuals(pullback, jax.tree.leaves(chunk))
         if params != is_param or [(a.shape, a.dtype) for a in stash] != \
                 [(a.shape, a.dtype) for a in stash0]:
             raise RuntimeError("the stage body's vjp residuals changed between traces")
-        stash = _cast_like(stash, stash0)
+        stash = cast_like(stash, stash0)
 
         def with_head():
             loss, d_out, d_rest = head(out, m)
-            return loss, _cast_like(d_out, out0), d_rest
+            return loss, cast_like(d_out, out0), d_rest
 
         def without_head():
-            return (jnp.zeros_like(zero), _fill_like(out0, fill),
+            return (jnp.zeros_like(zero), fill_like(out0, fill),
                     jax.tree.map(jnp.zeros_like, rest))
 
         loss, d_out, d_rest = lax.cond(field(row, "last") > 0, with_head, without_head)
-        result.update(msg=_cast_like(out, out0), loss=loss, seed=d_out, d_rest=d_rest,
+        result.update(msg=cast_like(out, out0), loss=loss, seed=d_out, d_rest=d_rest,
                       stash_b=_pick(stash, split.weight_only, False),
                       stash_w=_pick(stash, split.weight_only, True))
         return result
 
     def backward_b(kinds, v, row, buffers):
-        d_out = _take(buffers["inbox"], field(row, "inbox"))
-        known = _take(buffers["stash_b"], field(row, "stash_b"))
+        d_out = take_index(buffers["inbox"], field(row, "inbox"))
+        known = take_index(buffers["stash_b"], field(row, "stash_b"))
         m, (chunk, _) = field(row, "mb"), chunk_of(v, row)
         dx, b_leaves, linear = backward_input(rebuild(chunk), split, known, d_out, weight0)
-        td, wres, params = _residuals(linear, jax.tree.leaves(chunk))
+        td, wres, params = vjp_residuals(linear, jax.tree.leaves(chunk))
         if params != probed["linear_is_param"] or [(a.shape, a.dtype) for a in wres] \
                 != wstash_shapes:
             raise RuntimeError("the stage body's input-gradient residuals changed between traces")
         traced["linear_treedef"] = td
 
         def embedding():
-            _, embed_vjp = jax.vjp(lambda r: entry(r, _take(inputs, m)), rest)
-            return embed_vjp(_cast_like(dx, out0))[0]
+            _, embed_vjp = jax.vjp(lambda r: entry(r, take_index(inputs, m)), rest)
+            return embed_vjp(cast_like(dx, out0))[0]
 
         d_rest = lax.cond(field(row, "first") > 0, embedding,
                           lambda: jax.tree.map(jnp.zeros_like, rest))
         result = idle_result(kinds)
-        result.update(msg=_cast_like(dx, out0), wstash=_cast_like(wres, wstash0),
-                      b_grads=_cast_like(b_leaves, b_zeros), d_rest=d_rest)
+        result.update(msg=cast_like(dx, out0), wstash=cast_like(wres, wstash0),
+                      b_grads=cast_like(b_leaves, b_zeros), d_rest=d_rest)
         return result
 
     def backward_w(kinds, v, row, buffers):
         linear = rebuilder(traced.get("linear_treedef", probed["linear_treedef"]),
                            probed["linear_is_param"])(chunk_of(v, row)[0])(
-            _take(buffers["wstash"], field(row, "wstash")))
+            take_index(buffers["wstash"], field(row, "wstash")))
         result = idle_result(kinds)
-        weight_only = _take(buffers["stash_w"], field(row, "stash_w"))
-        result["w_grads"] = _cast_like(backward_weight(linear, weight_only), w_zeros)
+        weight_only = take_index(buffers["stash_w"], field(row, "stash_w"))
+        result["w_grads"] = cast_like(backward_weight(linear, weight_only), w_zeros)
         return result
 
     def idle(kinds, v, row, buffers):
