@@ -539,7 +539,7 @@ class GPTShape:
     def tied_head(self) -> bool:
         return self.tied
 
-    def paramcheck_count(self) -> int:
+    def param_count(self) -> int:
         """Weights and biases: GPT-2 (tied head, :meth:`TransformerConfig.param_count`)
         V h + S h + L (12 h^2 + 13 h) + 2 h; Llama (untied head) 2 V h + L (Σ k n + 2 h) + h."""
         h, L = self.hidden, self.layers
@@ -701,7 +701,7 @@ def pmm3d_memory(grid: Grid, shape: GPTShape, batch: int, *, precision: str | Pr
     h, L, S = shape.hidden, shape.layers, shape.seq_len
     tables = shape.vocab_size * h * (1 if shape.tied_head else 2)  # embedding (+ untied head)
     matmul = L * shape.block_matmul_params + (tables if lm_head else 0)
-    small = shape.paramcheck_count() - L * shape.block_matmul_params - tables
+    small = shape.param_count() - L * shape.block_matmul_params - tables
     tensor_group = grid.x * grid.y * grid.z
     tokens = batch * S / (grid.data * grid.z * accumulate)
     acts = checkpointed_activations(shape, tokens, stream_split=grid.y, inner_split=grid.x,
