@@ -21,7 +21,7 @@ LAYERS = [
     ("plans", ["plans"]),
     ("step", ["pipeline.runner", "pipeline.split", "train_step", "samo", "checkpoint", "exactness"]),
     ("program", ["program"]),
-    ("run", ["config", "run", "resilience", "metrics", "analysis", "compare", "plan", "perf", "launch", "aot"]),
+    ("run", ["config", "sources", "callbacks", "run", "resilience", "metrics", "analysis", "compare", "plan", "perf", "launch", "aot"]),
     ("cli", ["cli", "__main__"]),
 ]
 

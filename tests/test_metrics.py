@@ -68,7 +68,7 @@ def test_the_recorded_gradient_norm_is_the_first_steps_gradients_norm(tiny_run):
     """SGD moves the parameters by -lr x gradient: the first update's norm over the learning
     rate is the norm of the gradients, over every parameter (the run's compiled step, reused)."""
     out, text, lines = tiny_run
-    from jphantom.run import TextSource
+    from jphantom.sources import TextSource
 
     config = RunConfig.from_flags(**SETTINGS, data=str(text), out=str(out), progress=False,
                                   grad_norm=True)

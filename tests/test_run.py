@@ -135,3 +135,43 @@ def test_inspect_labels_cpu_bytes_of_16_bit_collectives_and_an_empty_breakdown(c
     assert cli.main([*gpt, "--mesh", "model=4", "--breakdown"]) == 0
     printed = capsys.readouterr().out
     assert "nothing to break down" in printed and "breakdown tensor:" not in printed
+
+
+def test_a_user_callback_sees_every_step_stops_the_run_and_adds_to_the_results(tmp_path):
+    """Trainer(config, callbacks=[...]): the user's callback gets each step's record after the
+    built-in ones (metrics.jsonl has the line already), its request_stop ends the run after that
+    step with a checkpoint of it, and on_train_end may add to results.json."""
+    from jphantom.callbacks import Callback
+    from jphantom.run import Trainer
+
+    class StopAt(Callback):
+        def __init__(self):
+            self.seen, self.closed = [], False
+
+        def on_train_start(self, trainer):
+            assert trainer.first_step == 0 and trainer.state is not None
+
+        def on_step_end(self, trainer, record):
+            self.seen.append(record["step"])
+            assert len((trainer.out / "metrics.jsonl").read_text().splitlines()) == record["step"]
+            if record["step"] == 2:
+                trainer.request_stop("StopAt(2)")
+
+        def on_train_end(self, trainer, results):
+            results["seen"] = list(self.seen)
+
+        def close(self):
+            self.closed = True
+
+    config = RunConfig.from_flags(model="gpt2", layers=1, hidden=16, heads=4, seq_len=16,
+                                  batch=4, vocab=256, steps=50, eval_every=50, eval_batches=1,
+                                  out=str(tmp_path / "out"), progress=False,
+                                  checkpoint_dir=str(tmp_path / "ck"))
+    stop = StopAt()
+    results = Trainer(config, callbacks=[stop]).fit()
+    assert stop.seen == [1, 2] and stop.closed
+    assert results["stopped_by"] == "StopAt(2)" and results["steps_done"] == 2
+    assert not results["interrupted"] and results["checkpoints"]["steps"] == [2]
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["seen"] == [1, 2]
+    with pytest.raises(ConfigError, match="subclass Callback"):
+        Trainer(config, callbacks=[lambda trainer, record: None])

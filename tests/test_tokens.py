@@ -281,7 +281,7 @@ def test_a_process_reads_the_rows_its_devices_hold_and_whole_batches_otherwise(m
     8 (data split over processes) -> rows 0:4; replicated, or a sequence split -> every row."""
     import jax
 
-    from jphantom.run import _process_rows
+    from jphantom.sources import process_rows
 
     class Held:
         def __init__(self, *indices):
@@ -292,7 +292,7 @@ def test_a_process_reads_the_rows_its_devices_hold_and_whole_batches_otherwise(m
 
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     whole = slice(None)
-    assert _process_rows(Held((slice(0, 2), whole), (slice(2, 4), whole)), (8, 16)) == slice(0, 4)
-    assert _process_rows(Held((whole, whole)), (8, 16)) is None  # replicated: all rows
-    assert _process_rows(Held((slice(0, 4), slice(0, 8))), (8, 16)) is None  # half sequences
-    assert _process_rows(Held((slice(0, 2), whole), (slice(4, 6), whole)), (8, 16)) is None
+    assert process_rows(Held((slice(0, 2), whole), (slice(2, 4), whole)), (8, 16)) == slice(0, 4)
+    assert process_rows(Held((whole, whole)), (8, 16)) is None  # replicated: all rows
+    assert process_rows(Held((slice(0, 4), slice(0, 8))), (8, 16)) is None  # half sequences
+    assert process_rows(Held((slice(0, 2), whole), (slice(4, 6), whole)), (8, 16)) is None

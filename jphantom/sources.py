@@ -1,0 +1,156 @@
+"""The data a training run reads, as host arrays its loop places on the mesh: byte-level text
+(:class:`TextSource`), tokens from files or through a tokenizer (:class:`TokenSource`, whose
+reader's position is saved in checkpoints and restored on resume) and Seal et al.'s teacher task
+for the FFN (:class:`TeacherSource`). Each has ``train(step)``, ``validation()``, ``describe()``
+and ``tokens_per_batch``; a source with a position also ``state()`` and ``restore(state)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+
+from jphantom.config import RunConfig
+from jphantom.errors import ConfigError
+
+
+class TextSource:
+    """Byte-level text (:mod:`jphantom.data.text`): batches of ``[batch, seq_len]`` tokens, a
+    pure function of (seed, step)."""
+
+    def __init__(self, config: RunConfig, seq_len: int):
+        from jphantom.data.text import TextConfig, TextCorpus
+        self.corpus = TextCorpus(TextConfig(path=config.train.data, seq_len=seq_len,
+                                            seed=config.train.seed))
+        self.batch, self.eval_batches = config.train.batch, config.train.eval_batches
+        self.tokens_per_batch = config.train.batch * seq_len
+
+    def train(self, step):
+        return self.corpus.train_batch(step, self.batch)
+
+    def validation(self):
+        return self.corpus.validation_batches(self.batch, self.eval_batches)
+
+    def unigram_cross_entropy(self):
+        return self.corpus.unigram_cross_entropy()
+
+    def describe(self):
+        return self.corpus.describe()
+
+
+class TokenSource:
+    """Tokens (:mod:`jphantom.data.tokens`): token files (``--data`` a ``.bin`` file or a folder
+    of them), or text (``--data`` a text file, or the standard library) through ``--tokenizer``.
+    Batches come from a reader with an explicit position, saved in checkpoints (:meth:`state`)
+    and restored on resume; ``rows``: the rows of each global batch this process reads (default
+    all)."""
+
+    def __init__(self, config: RunConfig, seq_len: int, rows: slice | None = None):
+        from jphantom.data import tokens
+        from jphantom.data.text import TextConfig, TextCorpus
+
+        train = config.train
+        vocab = None
+        if train.tokenizer is not None:
+            from jphantom.data.tokenizers import load_tokenizer
+            vocab = load_tokenizer(train.tokenizer).vocab_size
+        if train.data is not None and tokens.is_token_data(train.data):
+            train_files, validation_files = tokens.token_files(train.data)
+            arrays = [f.tokens() for f in train_files]
+            held = [f.tokens() for f in validation_files]
+            if not held:
+                arrays, held = tokens.hold_out(arrays, TextConfig.validation_fraction)
+            source = {"source": str(Path(train.data).resolve()), "files": {
+                "train": [Path(f.path).name for f in train_files],
+                "validation": [Path(f.path).name for f in validation_files]},
+                "format": sorted({f.format for f in train_files + validation_files}),
+                "validation_split": "files" if validation_files else "last tokens held out"}
+        else:
+            corpus = TextCorpus(TextConfig(path=train.data, seq_len=seq_len, seed=train.seed))
+            first, second = tokens.tokenize_corpus(corpus, train.tokenizer,
+                                                   progress=train.progress)
+            arrays, held = [first], [second]
+            source = {"source": corpus.describe()["source"], "split": corpus.describe()["split"]}
+        source["tokenizer"] = train.tokenizer
+        self.batches = tokens.TokenBatches(arrays, held, seq_len=seq_len, batch=train.batch,
+                                           seed=train.seed, vocab_size=vocab, source=source)
+        self.rows, self.eval_batches = rows, train.eval_batches
+        self.tokens_per_batch = train.batch * seq_len
+        self.batches.validation_batches(self.eval_batches)  # enough held out? (before training)
+
+    def train(self, step):
+        del step  # the reader's position says where the next batch is
+        return self.batches.next_batch(self.rows)
+
+    def validation(self):
+        return self.batches.validation_batches(self.eval_batches)
+
+    def state(self) -> dict:
+        return self.batches.state()
+
+    def restore(self, state: dict) -> None:
+        self.batches.restore(state)
+
+    def unigram_cross_entropy(self):
+        return self.batches.unigram_cross_entropy()
+
+    def describe(self):
+        return self.batches.describe()
+
+
+def text_source(config: RunConfig, seq_len: int, rows: slice | None = None):
+    """The data of a language model: :class:`TokenSource` for token files or a tokenizer, else
+    byte-level :class:`TextSource` (the default)."""
+    from jphantom.data.tokens import is_token_data
+
+    data = config.train.data
+    if config.train.tokenizer is not None or (data is not None and is_token_data(data)):
+        return TokenSource(config, seq_len, rows)
+    return TextSource(config, seq_len)
+
+
+class TeacherSource:
+    """Seal et al.'s teacher task: ``[batch, width]`` inputs and the teacher's outputs; validation
+    is the first ``eval_batches`` held-out batches (every one of them with a teacher given)."""
+
+    def __init__(self, config: RunConfig, teacher=None):
+        from jphantom.data import Teacher, TeacherConfig
+        self.teacher = teacher or Teacher(TeacherConfig(width=config.model.width,
+                                                        seed=config.train.seed),
+                                          jax.numpy.dtype(config.model.dtype))
+        if self.teacher.config.width != config.model.width:
+            raise ConfigError(f"teacher width {self.teacher.config.width} != model width "
+                              f"{config.model.width}")
+        self.batch, self.eval_batches = config.train.batch, config.train.eval_batches
+        self.everything = teacher is not None
+        self.tokens_per_batch = config.train.batch
+
+    def train(self, step):
+        return self.teacher.train_batch(step, self.batch)
+
+    def validation(self):
+        for index, pair in enumerate(self.teacher.eval_batches(self.batch)):
+            if index >= self.eval_batches and not self.everything:
+                return
+            yield pair
+
+    def describe(self):
+        return {"source": "Seal et al. teacher", **dataclasses.asdict(self.teacher.config)}
+
+
+def process_rows(sharding, shape: tuple[int, ...]) -> slice | None:
+    """With several processes: the rows of a global array of ``shape`` this process's devices
+    hold under ``sharding``, when they are one contiguous block of whole rows (the reader then
+    reads only those); else ``None`` (every process reads the whole batch)."""
+    if jax.process_count() == 1:
+        return None
+    held = set()
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        if any(i.indices(n) != (0, n, 1) for i, n in zip(index[1:], shape[1:])):
+            return None  # a device holds part of a row (its sequence split): read every row
+        held.update(range(*index[0].indices(shape[0])))
+    low, high = min(held), max(held) + 1
+    return slice(low, high) if len(held) == high - low and high - low < shape[0] else None
