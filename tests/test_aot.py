@@ -334,7 +334,7 @@ def _composition_cells():
 @needs_gpu_compiler
 @pytest.mark.parametrize("cell", _composition_cells())
 def test_every_composition_cell_compiles_for_h100(cell):
-    """Every cell the composition matrix trains on CPU (README's table) compiles for H100s in one
+    """Every cell the composition matrix trains on CPU (docs/strategies.md's table) compiles for H100s in one
     node, its GPU count the cell's mesh size. (Whether XLA issues a step's only all-reduce
     asynchronously depends on its version: jax 0.12's does not when nothing can overlap it.)"""
     from test_composition import flags_of
