@@ -56,7 +56,7 @@ SMALL = dict(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=
              seq_len=128, batch=2)
 VARIANTS = ("jphantom-bf16", "reference-bf16", "jphantom-fp8", "jphantom-bf16-unchunked",
             "jphantom-bf16-c26")
-# the loss's chunk limit of the variants that change it (jphantom.sharding.vocab)
+# the loss's chunk limit of the variants that change it (jphantom.nn.vocab)
 CHUNK_LIMITS = {"unchunked": 2**62, "c26": 2**26}
 
 
@@ -245,7 +245,7 @@ def run_variant(name: str, shape: dict, steps: int, warmup: int) -> dict:
     if name.startswith("jphantom"):
         from flax import nnx
 
-        from jphantom.sharding import vocab
+        from jphantom.nn import vocab
 
         limit = CHUNK_LIMITS.get(name.split("-")[-1])
         if limit is not None:
@@ -299,7 +299,7 @@ def run_variant(name: str, shape: dict, steps: int, warmup: int) -> dict:
     flops = flops_per_token(config, "dense", shape["seq_len"]) * tokens_per_step
     peak = peak_tflops(device)
     stats = device.memory_stats() if on_gpu else None
-    from jphantom.sharding import vocab
+    from jphantom.nn import vocab
 
     return {"variant": name, "device": getattr(device, "device_kind", device.platform),
             "platform": device.platform, "jax": jax.__version__,

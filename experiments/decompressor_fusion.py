@@ -48,7 +48,7 @@ from tqdm.auto import tqdm  # noqa: E402
 from jphantom.analysis import hlo  # noqa: E402
 from jphantom.analysis.compiled import xla_flops  # noqa: E402
 from jphantom.analysis.machine import machine_info, output_folder  # noqa: E402
-from jphantom.sharding import phantom  # noqa: E402
+from jphantom.nn.phantom import ops as phantom  # noqa: E402
 
 DEFAULT_OUT = REPO / "experiments" / "results" / "decompressor_fusion"
 PAPER = {

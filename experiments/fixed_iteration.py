@@ -105,7 +105,7 @@ def measured_part(args) -> list[dict]:
     from jphantom.analysis.timing import build_step, time_round_robin
     from jphantom.mesh import first_devices, make_mesh
     from jphantom.perf.comm_model import FRONTIER
-    from jphantom.sharding import phantom
+    from jphantom.nn.phantom import ops as phantom
 
     rows = []
     key = jax.random.PRNGKey(0)
@@ -166,7 +166,7 @@ def table_two_tp_comm_seconds(width: int, depth: int, num_shards: int, batch: in
 def modelled_part(batch: int) -> list[dict]:
     """Fig. 5's panels at the paper's sizes from the analytic step model (module doc)."""
     from jphantom.perf.step_model import StepShape, estimate_step
-    from jphantom.sharding import phantom
+    from jphantom.nn.phantom import ops as phantom
 
     rows = []
     for panel, spec in PANELS.items():

@@ -42,7 +42,7 @@ from jphantom.analysis.inspect import inspect_step  # noqa: E402
 from jphantom.analysis.machine import output_folder  # noqa: E402
 from jphantom.config import RunConfig  # noqa: E402
 from jphantom.run import run  # noqa: E402
-from jphantom.sharding.zero import spec_axes  # noqa: E402
+from jphantom.zero import spec_axes  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "moe"
 SHAPE = dict(model="gpt2", layers=4, hidden=64, heads=4, seq_len=64, batch=16)

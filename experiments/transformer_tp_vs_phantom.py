@@ -431,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from jphantom.energy import PowerModel
     from jphantom.perf.comm_model import FRONTIER
     from jphantom.run import run
-    from jphantom.sharding.phantom import max_ghost_width
+    from jphantom.nn.phantom.ops import max_ghost_width
 
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)

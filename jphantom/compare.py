@@ -43,8 +43,8 @@ from jphantom.data import Teacher, TeacherConfig
 from jphantom.energy import NvmlEnergyMeter, PowerModel, energy_per_iteration, process_devices
 from jphantom.errors import ConfigError, check_int
 from jphantom.perf.comm_model import FRONTIER
-from jphantom.sharding.phantom import max_ghost_width
-from jphantom.sharding.phantom import param_count as phantom_param_count
+from jphantom.nn.phantom.ops import max_ghost_width
+from jphantom.nn.phantom.ops import param_count as phantom_param_count
 
 TP_STRATEGY = "tensor-t1"
 
@@ -154,7 +154,7 @@ class CompareConfig:
 def table_one_params(strategy: str, width: int, depth: int, num_shards: int,
                      ghost_width: int | None) -> int:
     """Weights of the FFN as Seal et al.'s Table I counts them (biases excluded): n^2 L for TP,
-    L (n^2/p + k n p) for phantom (:func:`jphantom.sharding.phantom.param_count`). The module's
+    L (n^2/p + k n p) for phantom (:func:`jphantom.nn.phantom.ops.param_count`). The module's
     own count (``module_params``) adds the biases and, fused, the decompressor's unused own slot."""
     if strategy == TP_STRATEGY:
         return width * width * depth

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from jphantom.errors import ConfigError, JPhantomWarning
 from jphantom.mesh import MeshConfig
-from jphantom.sharding.common import check_width
+from jphantom.nn.shapes import check_width
 
 
 
@@ -527,7 +527,7 @@ def build_ffn(config, strategy: str, mesh: MeshConfig, *, ghost_width: int | Non
 
     k = ghost_width if ghost_width is not None else config.ghost_width
     if strategy in ("phantom", "phantom-unfused"):
-        from jphantom.sharding.phantom import PhantomConfig
+        from jphantom.nn.phantom.ops import PhantomConfig
 
         if k is None:
             raise ConfigError(f"strategy {strategy!r} needs ghost_width (k of Seal et al.), e.g. "

@@ -69,7 +69,7 @@ def with_cac(name: str, cac: bool) -> str:
 
 def checkpointed(fn: Callable, name: str, *, fetched: bool = False) -> Callable:
     """``fn`` (one layer) under ``jax.checkpoint`` with policy ``name``; ``fetched``: the layer's
-    parameters are ZeRO-3's gathered ones (:meth:`jphantom.sharding.zero.LayerFetch.around`
+    parameters are ZeRO-3's gathered ones (:meth:`jphantom.zero.LayerFetch.around`
     keeps every residual but them), so under ``none`` it keeps its matmul outputs
     (``dots_saveable``): keeping everything would keep values derived from the parameters, such
     as a transposed weight, whole."""

@@ -30,7 +30,7 @@ ZeRO over ``data`` (Cheng et al.; Rajbhandari et al. 2020): ``zero=1`` shards th
 reduce-scatters the gradients inside the ``shard_map``, ``zero=3`` also stores the parameters
 sharded and all-gathers them at the start of the step (the gradient's reduce-scatter is that
 all-gather's transpose). Each parameter splits along its largest dimension no other axis splits
-that ``data`` divides (:func:`jphantom.sharding.zero.choose_dim`); one with none stays replicated.
+that ``data`` divides (:func:`jphantom.zero.choose_dim`); one with none stays replicated.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from jphantom.nn import dropout as dropout_module
 from jphantom.nn import metadata
 from jphantom.nn.stack import Stacked, set_fp8, set_remat
 from jphantom.precision import Precision
-from jphantom.sharding import zero as zero_module
+from jphantom import zero as zero_module
 
 
 

@@ -1,4 +1,4 @@
-"""The next-token loss in chunks of tokens (jphantom.sharding.vocab.chunked_sum): equal to the
+"""The next-token loss in chunks of tokens (jphantom.nn.vocab.chunked_sum): equal to the
 unchunked loss, value and every gradient, on one device and under the vocabulary-parallel
 heads; and the compiled step never holds the [tokens, V] float32 logits."""
 
@@ -18,7 +18,7 @@ from jphantom.mesh import first_devices
 from jphantom.models.gpt2 import TransformerConfig
 from jphantom.models.llama import LlamaConfig
 from jphantom.nn import loss
-from jphantom.sharding import vocab
+from jphantom.nn import vocab
 
 SEQ, VOCAB = 16, 64
 LLAMA = LlamaConfig(vocab_size=VOCAB, hidden=32, intermediate=64, layers=1, heads=4, kv_heads=2,

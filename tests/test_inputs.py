@@ -61,7 +61,7 @@ def test_tensorboard_with_an_out_folder_is_accepted():
 def test_a_huge_capacity_factor_is_capped_at_the_tokens(tmp_path):
     """--capacity-factor 1e9 used to overflow into a traceback: an expert never takes more than
     the rank's T tokens, so the capacity is min(ceil(f T k / E), T)."""
-    from jphantom.sharding.expert import MoEConfig
+    from jphantom.nn.routing import MoEConfig
 
     assert MoEConfig(16, 4, 2, 1e9).capacity(32) == 32
     assert MoEConfig(16, 4, 2, 1.0).capacity(32) == 16

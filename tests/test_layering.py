@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1] / "jphantom"
 
 LAYERS = [
     ("base", ["errors", "mesh", "comm", "targets"]),
-    ("operations", ["remat", "precision", "fp8", "sharding", "pipeline", "pipeline.schedule", "data",
+    ("operations", ["remat", "precision", "fp8", "zero", "collectives", "pipeline", "pipeline.schedule", "data",
                     "analysis.hlo", "perf.comm_model", "perf.axonn_model", "energy",
                     "coordinator", "distributed", "gpu_defaults", "token_mean"]),
     ("layers", ["nn"]),
@@ -76,7 +76,8 @@ def test_every_import_goes_downwards():
 
 
 @pytest.mark.parametrize("removed", ["strategies", "step", "train", "sharding.dense",
-                                     "sharding.tensor", "sharding.phantom_transformer"])
+                                     "sharding.tensor", "sharding.phantom_transformer",
+                                     "sharding/__init__"])
 def test_the_old_program_path_is_gone(removed):
     """One of each thing: the functional programs and their step builder were replaced by the NNX
     modules, jphantom.program and the one TrainStep."""

@@ -167,7 +167,7 @@ def test_param_count_is_never_negative_or_fractional_where_jphantom_computes_it(
     from jphantom.compare import CompareConfig
     from jphantom.config import RunConfig
     from jphantom.models.ffn import FFNConfig
-    from jphantom.sharding import phantom
+    from jphantom.nn.phantom import ops as phantom
 
     ffn = dict(model="ffn", strategy="phantom", width=64, mesh="model=4", out=None)
     with pytest.raises(ConfigError, match="ghost_width=-100"):
@@ -188,8 +188,8 @@ def test_param_count_is_never_negative_or_fractional_where_jphantom_computes_it(
 
 @pytest.mark.parametrize("args", [(64, -100, 4, 2), (64, 2, 4, 2.5), (2.5, 2, 1, 2)])
 def test_phantom_param_count_rejects_bad_inputs(args):
-    """``sharding.phantom.param_count(width, ghost_width, num_shards, depth)``."""
-    from jphantom.sharding import phantom
+    """``nn.phantom.ops.param_count(width, ghost_width, num_shards, depth)``."""
+    from jphantom.nn.phantom import ops as phantom
 
     with pytest.raises(ConfigError):
         phantom.param_count(*args)

@@ -21,7 +21,7 @@ from jphantom.errors import ConfigError
 from jphantom.mesh import first_devices
 from jphantom.models.gpt2 import GPT2
 from jphantom.models.gpt2 import TransformerConfig
-from jphantom.sharding.zero import spec_axes
+from jphantom.zero import spec_axes
 
 from conftest import require_devices
 from helpers import assert_tree_close

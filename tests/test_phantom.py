@@ -10,7 +10,7 @@ import pytest
 from jphantom import program as program_module
 from jphantom.errors import ConfigError, JPhantomWarning
 from jphantom.models.ffn import FFNConfig
-from jphantom.sharding import phantom
+from jphantom.nn.phantom import ops as phantom
 
 from conftest import require_devices
 from helpers import (DTYPE_NAME, TOLERANCE, assert_tree_close, batch, gradient_step,
@@ -251,7 +251,7 @@ def test_rank_compute_is_the_layer_without_its_collectives(fused):
 @pytest.mark.parametrize("ghost_width", [2.0, None, True, "2"])
 def test_a_ghost_width_that_is_not_an_integer_is_a_config_error(ghost_width):
     from jphantom.errors import ConfigError
-    from jphantom.sharding.phantom import PhantomConfig
+    from jphantom.nn.phantom.ops import PhantomConfig
 
     with pytest.raises(ConfigError, match="ghost_width=.* must be an integer"):
         PhantomConfig(16, ghost_width, 2, 2)

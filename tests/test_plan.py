@@ -304,7 +304,7 @@ def test_zero_3_regathers_so_it_moves_about_one_and_a_half_times_fsdp_pmm3d():
     zero3 = next(r for r in result if r.layout == "zero-3")
     assert fsdp.variant == "FSDP" and zero3.options == {"zero": 3}
     # pmm3d (Eqs. 5.1, 5.2): AG + RS of the matmul weights W, same ring volume (31/32) and β;
-    # ZeRO-3 (sharding/zero.py): each block gathered twice (forward, remat backward), the rest
+    # ZeRO-3 (jphantom/zero.py): each block gathered twice (forward, remat backward), the rest
     # (embeddings, final norm) once, every gradient reduce-scattered once
     h = 7168
     weights, everything = 32 * 12 * h**2 + 51200 * h, ax.GPT_20B.param_count()

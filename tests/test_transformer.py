@@ -146,7 +146,7 @@ def test_phantom_transformer_equals_its_dense_equivalent(strategy, mesh):
 def test_vocabulary_parallel_cross_entropy_equals_optax():
     from jax.sharding import PartitionSpec as P
 
-    from jphantom.sharding.vocab import cross_entropy_sum
+    from jphantom.nn.vocab import cross_entropy_sum
 
     require_devices(4)
     mesh = MeshConfig.parse("model=4").build(first_devices(4))

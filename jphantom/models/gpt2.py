@@ -107,7 +107,7 @@ from jphantom.nn.attention import CausalAttention, Positions
 from jphantom.nn.experts import SwitchMoE
 from jphantom.nn.loss import cross_entropy_terms
 from jphantom.nn.stack import Stacked
-from jphantom.sharding.expert import MoEConfig
+from jphantom.nn.routing import MoEConfig
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 LAYER_NORM_EPS = 1e-5

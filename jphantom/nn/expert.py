@@ -64,8 +64,8 @@ from jphantom.nn.experts import (Experts, SwitchMoE, combine_sorted, expert_ffn,
                                  route, router_losses, router_statistics, sort_by_expert)
 from jphantom.nn.phantom import PhantomLinear
 from jphantom.nn.tensor import plain_linear, promote_dtypes, reduce_from_model, to_full_sequence
-from jphantom.sharding import expert as expert_ops
-from jphantom.sharding import phantom as phantom_ops
+from jphantom.nn import routing as expert_ops
+from jphantom.nn.phantom import ops as phantom_ops
 
 
 class ExpertParallelExperts(nnx.Module):

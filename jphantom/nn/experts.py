@@ -46,7 +46,7 @@ from jax import lax
 
 from jphantom import fp8 as fp8_ops
 from jphantom.errors import ConfigError
-from jphantom.sharding import expert as expert_ops
+from jphantom.nn import routing as expert_ops
 
 ACTIVATIONS = ("swiglu", "gelu")
 # parameter name -> its dimensions' roles: e (experts), h (model width), f (expert width)

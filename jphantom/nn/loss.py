@@ -9,7 +9,7 @@ A vocabulary-parallel head (:class:`~jphantom.nn.tensor.VocabParallelHead`, a ti
 [B, S, V] logits (three all-reduces of B S scalars); a plain ``nnx.Linear`` or ``nnx.Embed``
 (``tied=True``: its ``attend``) gives logits and optax's cross-entropy. Both sum over the tokens
 in at least float32, and both run in chunks of tokens
-(:func:`jphantom.sharding.vocab.chunked_sum`): the [B, S, V] logits are never held, only one
+(:func:`jphantom.nn.vocab.chunked_sum`): the [B, S, V] logits are never held, only one
 chunk's, in the compute dtype.
 
 **Masked tokens**: a token whose target is negative (Hugging Face's ``-100``) or whose ``mask``
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jphantom.sharding import vocab
+from jphantom.nn import vocab
 
 
 def cross_entropy(head, h: jax.Array, targets: jax.Array, *, tied: bool = False,

@@ -24,7 +24,7 @@ whole stack in one collective).
 
 Two explicit attributes, set by the training step and never by a context: ``remat``, the
 blocks' activation-checkpointing policy (:mod:`jphantom.remat`; :func:`set_remat`), and
-``fetch``, ZeRO-3's per-layer all-gather over ``data`` (:class:`jphantom.sharding.zero.LayerFetch`),
+``fetch``, ZeRO-3's per-layer all-gather over ``data`` (:class:`jphantom.zero.LayerFetch`),
 whose ``around(layer)`` runs each layer on its gathered parameters and gathers them again
 for the backward. Holds no collective itself.
 """

@@ -88,7 +88,7 @@ from jphantom.nn import metadata
 from jphantom.nn.boundary import Boundary
 from jphantom.nn import norm as norm_ops
 from jphantom.nn.experts import Experts
-from jphantom.sharding import vocab
+from jphantom.nn import vocab
 
 
 def param_value(p):
@@ -615,7 +615,7 @@ class VocabParallelEmbed(nnx.Module):
 
     def cross_entropy_sum(self, h: jax.Array, targets: jax.Array) -> jax.Array:
         """Summed next-token cross-entropy of the tied head over the tokens whose target is not
-        negative, without gathering the logits, in chunks of tokens (:func:`jphantom.sharding.vocab.chunked_sum`)."""
+        negative, without gathering the logits, in chunks of tokens (:func:`jphantom.nn.vocab.chunked_sum`)."""
         h = to_full_sequence(h, self.axis, self.sequence_parallel)
 
         def chunk(x, t, table):
@@ -655,7 +655,7 @@ class VocabParallelHead(nnx.Module):
 
     def cross_entropy_sum(self, h: jax.Array, targets: jax.Array) -> jax.Array:
         """Summed cross-entropy over the tokens whose target is not negative: three
-        all-reduces of B S scalars, in chunks of tokens (:func:`jphantom.sharding.vocab.chunked_sum`)."""
+        all-reduces of B S scalars, in chunks of tokens (:func:`jphantom.nn.vocab.chunked_sum`)."""
         h = to_full_sequence(h, self.axis, self.sequence_parallel)
 
         def chunk(x, t, kernel, bias=None):

@@ -5,7 +5,7 @@ For the seed-000 FFN (L layers of n x n, batch B, features sharded over p ranks)
 - ``"tensor-t1"``: Seal et al.'s TP, :class:`jphantom.nn.tensor.T1Linear` (row-sharded
   W^(j) [n/p, n]; all-gather the [B, n/p] activations forward, reduce-scatter [B, n] -> [B, n/p]
   backward), or
-- ``"phantom"``: :mod:`jphantom.sharding.phantom` (local L [n/p, n/p], compressor C [k, n/p],
+- ``"phantom"``: :mod:`jphantom.nn.phantom.ops` (local L [n/p, n/p], compressor C [k, n/p],
   decompressors D [p, n/p, k]; all-gather of k B forward, reduce-scatter to k B backward), with the
   fused decompressor (one GEMM, the default) or the paper's p-1 small GEMMs (``fused=False``),
 
@@ -102,8 +102,8 @@ import warnings
 
 from jphantom.errors import ConfigError, check_int, check_real, JPhantomWarning
 from jphantom.perf.comm_model import FRONTIER, CommModel
-from jphantom.sharding import phantom
-from jphantom.sharding.common import check_depth, check_width
+from jphantom.nn.phantom import ops as phantom
+from jphantom.nn.shapes import check_depth, check_width
 
 STRATEGIES = ("tensor-t1", "phantom")
 """Strategies with a step model: Seal et al.'s TP (T1) and phantom (``fused`` picks ``phantom`` or

@@ -1,7 +1,7 @@
 """PCCL's hierarchical all-gather and reduce-scatter over a (node, local) pair of mesh axes (Singh's thesis ch. 6).
 
 Written per rank, for use inside the step's one ``jax.shard_map`` (like every layer in
-:mod:`jphantom.sharding`; nothing here opens a shard_map). The caller names two mesh axes: a
+:mod:`jphantom.nn`; nothing here opens a shard_map). The caller names two mesh axes: a
 ``node`` axis (outer, N ranks: the nodes) and a ``local`` axis (inner, M ranks: the GPUs of a node),
 e.g. ``("data", "model")`` or ``("z", "x")``. Global rank r = node · M + local, the order of a flat
 collective over ``(node_axis, local_axis)``.

@@ -8,7 +8,7 @@ A :class:`PhantomLinear` is Seal et al.'s layer, Eq. 11, generalised to rectangu
     z^(j) = L^(j) y^(j) + sum_{i != j} D^(i,j) g^(i) + b^(j)          [..., n_o]
 
 with one all-gather of k per token forward and, in its ``custom_vjp`` (Eqs. 15-21,
-:func:`jphantom.sharding.phantom.phantom_layer`), one reduce-scatter of k per token backward.
+:func:`jphantom.nn.phantom.ops.phantom_layer`), one reduce-scatter of k per token backward.
 Parameters (global, the shard dimension p split over ``axis``): ``local`` [p, n_o, n_i],
 ``compress`` [p, k, n_i], ``decompress`` [p, p, n_o, k] (``[j, i]`` is D^(i,j); own slot zero),
 ``bias`` [p, n_o]; leading stacked dimensions [L, ...] stay unsplit.
@@ -39,8 +39,8 @@ from jphantom.nn import metadata
 from jphantom.nn import norm as norm_ops
 from jphantom.nn.tensor import (gather_vocab, param_value, plain_embed, plain_linear,
                                  promote_dtypes)
-from jphantom.sharding import phantom as phantom_ops
-from jphantom.sharding import vocab
+from jphantom.nn.phantom import ops as phantom_ops
+from jphantom.nn import vocab
 
 
 def factorise(kernel: jax.Array, bias, num_shards: int, ghost_width: int):

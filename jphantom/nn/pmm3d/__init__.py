@@ -1,6 +1,6 @@
 """AxoNN's 3D parallel matrix multiply (Singh's thesis ch. 5, Algorithm 3) as Flax NNX layers, on mesh
 axes ``x``, ``y``, ``z`` (rows also over ``data``). The arithmetic and the naming are those of
-:mod:`jphantom.sharding.pmm3d`: a *normal* layer contracts features split over ``y`` and gives
+:mod:`jphantom.nn.pmm3d.ops`: a *normal* layer contracts features split over ``y`` and gives
 features split over ``x``, a *transposed* layer the reverse, so q/k/v and up/gate (normal) chain
 into the attention output and down projections (transposed) with no re-layout. Per layer, kernel
 ``W [in, out]`` stored split over the contraction axis on ``in`` and over (output axis, ``z``) on
@@ -48,9 +48,9 @@ from jphantom.nn.expert import ExpertParallelMoE
 from jphantom.nn.experts import SwitchMoE
 from jphantom.nn.tensor import (gather_vocab, matmul, param_value, plain_embed, plain_linear,
                                  promote_dtypes)
-from jphantom.sharding import pmm3d as pmm3d_ops
-from jphantom.sharding import vocab
-from jphantom.sharding import zero as zero_ops
+from jphantom.nn.pmm3d import ops as pmm3d_ops
+from jphantom.nn import vocab
+from jphantom import zero as zero_ops
 
 X, Y, Z = pmm3d_ops.X, pmm3d_ops.Y, pmm3d_ops.Z
 ROLES = pmm3d_ops.ROLES  # role -> (contraction axis, output axis)
@@ -144,7 +144,7 @@ class Pmm3dLinear(nnx.Module):
     def cross_entropy_sum(self, h: jax.Array, targets: jax.Array) -> jax.Array:
         """Summed cross-entropy of the vocabulary-split outputs (negative targets add nothing),
         in chunks of tokens
-        (:func:`jphantom.sharding.vocab.chunked_sum`; each chunk multiplies as
+        (:func:`jphantom.nn.vocab.chunked_sum`; each chunk multiplies as
         :meth:`local_outputs` does, so ``regather`` gathers the weight per chunk)."""
         local = self.kernel.shape[-1] * (1 if self.gathered else lax.axis_size(Z))
         total = vocab.chunked_sum(

@@ -37,7 +37,7 @@ from jax import lax
 
 from jphantom import comm
 from jphantom.errors import ConfigError, JPhantomWarning, check_int
-from jphantom.sharding.common import check_depth, check_width, offdiagonal_mask
+from jphantom.nn.shapes import check_depth, check_width, offdiagonal_mask
 
 def max_ghost_width(width: int, num_shards: int) -> float:
     """Eq. 8 of Seal et al.: phantom has fewer FLOPs and parameters than dense iff k < (n/p)(1 - 1/p)."""
