@@ -124,7 +124,8 @@ def test_flash_blocks_equal_the_einsum_blocks(causal, keys):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-@pytest.mark.parametrize("size, balanced", [(2, True), (4, True), (2, False)])
+@pytest.mark.parametrize("size, balanced", [pytest.param(2, True, marks=pytest.mark.slow),
+                                           (4, True), (2, False)])
 def test_ring_on_flash_blocks_equals_the_unsplit_attention(size, balanced):
     """The whole ring (forward, custom backward, every branch of the schedule) with its blocks on
     the Pallas kernels equals causal attention of the whole sequence, value and gradients.

@@ -58,13 +58,17 @@ def test_tensorboard_with_an_out_folder_is_accepted():
     assert config.build().program is not None
 
 
-def test_a_huge_capacity_factor_is_capped_at_the_tokens(tmp_path):
+def test_a_huge_capacity_factor_is_capped_at_the_tokens():
     """--capacity-factor 1e9 used to overflow into a traceback: an expert never takes more than
     the rank's T tokens, so the capacity is min(ceil(f T k / E), T)."""
     from jphantom.nn.routing import MoEConfig
 
     assert MoEConfig(16, 4, 2, 1e9).capacity(32) == 32
     assert MoEConfig(16, 4, 2, 1.0).capacity(32) == 16
+
+
+@pytest.mark.slow  # a whole train run (test budget); the capacity rule above is the fix
+def test_a_huge_capacity_factor_trains(tmp_path):
     assert cli.main(["train", "--capacity-factor", "1e9", "--moe-every", "1", *LM, "--out",
                      str(tmp_path / "o")]) == 0
 

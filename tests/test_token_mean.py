@@ -64,7 +64,8 @@ def _verify(mesh_text, plan, loss_fn, *batch, **options):
     ("data=2,model=2", lambda m: jphantom.plans.megatron(m, sequence_parallel=True), "mask", {}),
     ("data=2,context=2", jphantom.plans.context, "mask", {}),
     ("data=2,stage=2", None, "ignored", {"pipeline": PipelineConfig(microbatches=2)}),
-    ("data=4", None, "mask", {"accumulate": 2, "spmd": "gspmd"}),
+    pytest.param("data=4", None, "mask", {"accumulate": 2, "spmd": "gspmd"},
+                 marks=pytest.mark.slow),  # test budget: gspmd accumulation has its own tests
 ], ids=["data4-accumulate2", "tensor-sp", "context2", "1f1b", "gspmd-accumulate2"])
 def test_ragged_masks_equal_the_one_device_token_mean(mesh, plan, batch, options):
     arrays = (TOKENS, TARGETS, MASK) if batch == "mask" else (TOKENS, IGNORED)
