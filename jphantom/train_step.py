@@ -35,306 +35,34 @@ that ``data`` divides (:func:`jphantom.zero.choose_dim`); one with none stays re
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
-import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jphantom import comm
 from jphantom import remat as remat_module
 from jphantom import samo as samo_module
 from jphantom import token_mean
-from jphantom.errors import ConfigError, JPhantomWarning, check_int
-from jphantom.mesh import BATCH_AXES
+from jphantom.errors import ConfigError, check_int
 from jphantom.nn import attention as attention_module
 from jphantom.nn import dropout as dropout_module
 from jphantom.nn import metadata
 from jphantom.nn.stack import Stacked, set_fp8, set_remat
 from jphantom.precision import Precision
 from jphantom import zero as zero_module
+from jphantom.step.layout import (CONTEXT, ParamLayout, TrainState, batch_axes_of,
+                                   batch_spec_of, check_batch_specs, check_mesh, group_by,
+                                   is_variable, mean_share, path_key, private_copy,
+                                   replace_dropout, warn_unstacked_blocks, zeros_of)
 
-
-
-class TrainState(NamedTuple):
-    """What the step carries: ``params`` (a nested dict of the model's parameters, global arrays in
-    their shards, keyed by the model's attribute paths) and the optax state (with ``samo=``: a
-    :class:`jphantom.samo.SamoState`, and ``params`` the dense theta16)."""
-
-    params: Any
-    opt_state: Any
-
-
-def _is_variable(x) -> bool:
-    return isinstance(x, nnx.Variable)
-
-
-def _key(path) -> tuple:
-    return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamLayout:
-    """The model's parameters as the step sees them: the ``nnx.split`` pieces, and per leaf (in
-    the pure dict's order) its spec, the axes its gradient is summed over, its ZeRO dimension."""
-
-    graphdef: Any
-    state_treedef: Any
-    pure_treedef: Any
-    order: tuple[int, ...]  # pure leaf i is state leaf order[i]
-    shapes: tuple[jax.ShapeDtypeStruct, ...]
-    specs: tuple[P, ...]  # the parameters' own specs (without ZeRO)
-    reduce_axes: tuple[tuple[str, ...], ...]
-    zero_dims: tuple[int, ...]
-    zero_axes: tuple[tuple[str, ...], ...] = ()  # per leaf: the axes ZeRO shards it over
-    # per top-level Stacked: (its path, the pure indices of its block's leaves in the order of
-    # jax.tree.leaves(nnx.split(stacked.block)[1])): ZeRO-3 fetches those layer by layer
-    stacks: tuple[tuple[tuple, tuple[int, ...]], ...] = ()
-
-    @property
-    def stacked(self) -> frozenset[int]:
-        return frozenset(i for _, indices in self.stacks for i in indices)
-
-    @classmethod
-    def of(cls, model: nnx.Module, mesh: Mesh, zero: int) -> "ParamLayout":
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        if jax.tree.leaves(rest):
-            names = sorted({type(v).__name__ for v in jax.tree.leaves(rest, is_leaf=_is_variable)})
-            where = next(".".join(map(str, path)) for path, v in nnx.iter_graph(model)
-                         if isinstance(v, nnx.Variable) and not isinstance(v, nnx.Param))
-            raise ConfigError(f"the model holds state other than nnx.Param ({', '.join(names)}), "
-                              f"e.g. at {where}; the step trains parameters only (and draws "
-                              "nnx.Dropout's masks itself): remove it (batch statistics, "
-                              "caches) or keep it outside the model")
-        variables = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
-        pure = nnx.to_pure_dict(params)
-        pure_paths, pure_treedef = jax.tree_util.tree_flatten_with_path(pure)
-        index = {_key(path): i for i, (path, _) in enumerate(variables)}
-        order = tuple(index[_key(path)] for path, _ in pure_paths)
-        sizes = dict(mesh.shape)
-        axes = tuple(a for a in mesh.axis_names if sizes[a] > 1)  # a size-1 axis splits nothing
-        pure_keys = [_key(path) for path, _ in pure_paths]
-        stacks = _top_stacks(model, pure_keys)
-        stacked = {i for _, indices in stacks for i in indices}
-        specs, reduce, dims, shapes, zaxes = [], [], [], [], []
-        for pure_index, i in enumerate(order):
-            variable = variables[i][1]
-            value = variable.get_value()
-            spec = metadata.spec_of(variable, axes)
-            specs.append(spec)
-            reduce.append(tuple(a for a in metadata.reduce_axes_of(variable) if a in axes))
-            shapes.append(jax.ShapeDtypeStruct(value.shape, value.dtype))
-            over = zero_module.zero_axes(spec, axes) if zero else ()
-            ranks = math.prod(sizes[a] for a in over)
-            dims.append(zero_module.choose_dim(value.shape, spec, ranks,
-                                               stacked=pure_index in stacked)
-                        if over and ranks > 1 else -1)
-            zaxes.append(over)
-        return cls(graphdef, jax.tree.structure(params), pure_treedef, order, tuple(shapes),
-                   tuple(specs), tuple(reduce), tuple(dims), tuple(zaxes), stacks)
-
-    def check_params(self, params) -> None:
-        """A ConfigError naming what differs when ``params`` (a pure dict, as
-        ``TrainState.params``) is not this model's: paths missing or not the model's, or a leaf
-        of another shape (one line, before anything is copied to a device)."""
-        def named(tree):
-            leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-            return {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
-
-        want = named(jax.tree.unflatten(self.pure_treedef, list(self.shapes)))
-        given = named(params)
-        missing = [k for k in want if k not in given]
-        extra = [k for k in given if k not in want]
-        if missing or extra:
-            parts = ([f"missing {len(missing)} parameter(s) the model has ({', '.join(missing[:3])}"
-                      f"{', ...' if len(missing) > 3 else ''})"] if missing else []) + (
-                [f"{len(extra)} the model does not have ({', '.join(extra[:3])}"
-                 f"{', ...' if len(extra) > 3 else ''})"] if extra else [])
-            raise ConfigError(f"the parameters given to step.init are not the model's: "
-                              f"{'; '.join(parts)}: pass the tree of the model the step was made "
-                              "for (nnx.to_pure_dict(nnx.state(model, nnx.Param)))")
-        if jax.tree.structure(params) != self.pure_treedef:
-            raise ConfigError("the parameters given to step.init hold the model's names in "
-                              "another tree structure: pass nnx.to_pure_dict(nnx.state(model, "
-                              "nnx.Param)) of the model the step was made for")
-        for key, shape in want.items():
-            leaf = given[key]
-            if tuple(getattr(leaf, "shape", ())) != tuple(shape.shape):
-                raise ConfigError(f"parameter {key} given to step.init has shape "
-                                  f"{tuple(getattr(leaf, 'shape', ()))}; the model's is "
-                                  f"{tuple(shape.shape)}")
-
-    def state_of(self, leaves):
-        """An ``nnx.State`` of pure-order ``leaves`` (inside a trace: fresh Variables)."""
-        ordered = [None] * len(leaves)
-        for pure_index, state_index in enumerate(self.order):
-            ordered[state_index] = leaves[pure_index]
-        return jax.tree.unflatten(self.state_treedef, ordered)
-
-    def model_of(self, leaves) -> nnx.Module:
-        return nnx.merge(self.graphdef, self.state_of(leaves))
-
-    def zero_specs(self) -> tuple[P, ...]:
-        return tuple(zero_module.sharded_spec(s, d, a.ndim, z)
-                     for s, d, a, z in zip(self.specs, self.zero_dims, self.shapes,
-                                           self.zero_axes))
-
-
-def _top_stacks(model: nnx.Module, pure_keys: list[tuple]) -> tuple:
-    """Each :class:`Stacked` of ``model`` not inside another one: its path and the pure indices of
-    its block's parameters in the order of the block's own ``nnx.split`` state."""
-    paths = [tuple(path) for path, m in nnx.iter_modules(model) if isinstance(m, Stacked)]
-    top = [p for p in paths if not any(q != p and p[:len(q)] == q for q in paths)]
-    index = {key: i for i, key in enumerate(pure_keys)}
-    out = []
-    for path in top:
-        stacked = model
-        for part in path:
-            stacked = stacked[part] if isinstance(part, int) else getattr(stacked, part)
-        _, block_state, _ = nnx.split(stacked.block, nnx.Param, ...)
-        block_vars = jax.tree_util.tree_flatten_with_path(block_state, is_leaf=_is_variable)[0]
-        prefix = (*path, "block")
-        out.append((path, tuple(index[prefix + _key(p)] for p, _ in block_vars)))
-    return tuple(out)
-
-
-def _zeros_of(struct) -> jax.Array:
-    from jphantom.pipeline.runner import zeros_of  # noqa: PLC0415 (one definition)
-
-    return zeros_of(struct)
-
-
-CONTEXT = attention_module.AXIS
-
-
-def _batch_axes(mesh: Mesh) -> tuple[str, ...]:
-    sizes = dict(mesh.shape)
-    return tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)  # size 1: nothing to split
-
-
-def _batch_spec(mesh: Mesh) -> P:
-    """Rows over the batch axes; with a ``context`` axis the sequence (dimension 1) over it."""
-    axes = _batch_axes(mesh)
-    rows = (axes[0] if len(axes) == 1 else axes) if axes else None
-    if dict(mesh.shape).get(CONTEXT, 1) > 1:
-        return P(rows, CONTEXT)
-    return P(rows) if axes else P()
-
-
-def _group_by(leaves, axes_of_leaf, op):
-    """``op(list, axes)`` once per group of leaves sharing the same non-empty axes."""
-    leaves = list(leaves)
-    groups: dict[tuple[str, ...], list[int]] = {}
-    for i, axes in enumerate(axes_of_leaf):
-        if axes:
-            groups.setdefault(axes, []).append(i)
-    for axes, indices in groups.items():
-        for i, leaf in zip(indices, op([leaves[i] for i in indices], axes)):
-            leaves[i] = leaf
-    return leaves
-
-
-def _check_batch_specs(batch_specs, mesh: Mesh):
-    """``None`` (every batch array split on its first dimension over the batch axes), one
-    ``PartitionSpec`` for every array, or a sequence of one per array; axes must be the mesh's."""
-    if batch_specs is None:
-        return None
-    specs = (batch_specs,) if isinstance(batch_specs, P) else tuple(batch_specs)
-    for spec in specs:
-        if not isinstance(spec, P):
-            raise ConfigError(f"batch_specs entry {spec!r} is not a jax.sharding.PartitionSpec")
-        missing = zero_module.spec_axes(spec) - set(mesh.axis_names)
-        if missing:
-            raise ConfigError(f"batch_specs {spec} names axes {sorted(missing)} that the mesh "
-                              f"{dict(mesh.shape)} lacks")
-    return tuple(_split_axes_only(spec, dict(mesh.shape)) for spec in specs)
-
-
-def _split_axes_only(spec: P, sizes: dict) -> P:
-    """``spec`` without the axes of size 1 (they split nothing; nothing may vary over them)."""
-    entries = []
-    for entry in spec:
-        group = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,))
-                      if a is not None and sizes[a] > 1)
-        entries.append(None if not group else group[0] if len(group) == 1 else group)
-    return P(*entries)
-
-
-def mean_share(value, exclude: tuple[str, ...] = ()):
-    """This rank's share of a global mean: ``value`` (the mean over what this rank holds) divided
-    by the number of ranks it varies over (``check_vma``'s record: the batch axes, and any axis
-    splitting the data, e.g. Seal et al.'s features over ``model``); ranks holding the same value
-    count once. Returns the share and the axes to ``psum`` it over."""
-    axes = tuple(a for a in sorted(metadata.varying_axes(value)) if a not in exclude)
-    ranks = math.prod(lax.axis_size(a) for a in axes)
-    return value / ranks, axes
-
-
-def _check_mesh(mesh) -> Mesh:
-    """``mesh`` with every axis ``Auto`` (``jax.make_mesh`` makes ``Explicit`` ones by default):
-    the step's own specs say where everything lives."""
-    if not isinstance(mesh, Mesh):
-        raise ConfigError(f"mesh must be a jax.sharding.Mesh (jax.make_mesh or "
-                          f"jphantom.mesh.make_mesh), not {type(mesh).__name__}")
-    auto = (AxisType.Auto,) * len(mesh.axis_names)
-    if tuple(mesh.axis_types) == auto:
-        return mesh
-    return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
-
-
-def _warn_unstacked_blocks(model: nnx.Module, layout: ParamLayout) -> None:
-    """ZeRO-3 gathers a :class:`Stacked`'s parameters layer by layer, every other parameter once
-    for the whole step: a model whose repeated blocks are a list (``nnx.List``, a Python list)
-    holds them all whole on every rank while the step runs. Said once, at construction."""
-    stacks = [tuple(path) for path, m in nnx.iter_modules(model) if isinstance(m, Stacked)]
-    lists = {}
-    for path, module in nnx.iter_modules(model):
-        if any(tuple(path[:len(s)]) == s for s in stacks):
-            continue  # inside a Stacked: gathered layer by layer
-        if len(path) > 1 and isinstance(path[-1], int) and any(
-                isinstance(v, nnx.Param) for _, v in nnx.iter_graph(module)):
-            lists.setdefault(".".join(map(str, path[:-1])), []).append(module)
-    if not lists:
-        return
-    sizes = [math.prod(s.shape) for s in layout.shapes]
-    stacked = layout.stacked
-    whole = sum(n for i, n in enumerate(sizes) if layout.zero_dims[i] >= 0 and i not in stacked)
-    where, blocks = max(lists.items(), key=lambda item: len(item[1]))
-    warnings.warn(f"zero=3 gathers every parameter outside a jphantom.nn.Stacked once for the "
-                  f"whole step: the {len(blocks)} blocks of {where} (with the rest, "
-                  f"{whole / max(sum(sizes), 1):.0%} of the parameters) are whole on every rank "
-                  "while it runs, not one block at a time; build them with "
-                  "jphantom.nn.Stacked(make_block, layers, rngs=rngs) to gather them layer by "
-                  "layer", JPhantomWarning, stacklevel=4)
-
-
-def _replace_dropout(model: nnx.Module) -> list[str]:
-    """Every ``nnx.Dropout`` of ``model`` (the step's own copy) replaced by a
-    :class:`jphantom.nn.dropout.Dropout`, its random state dropped; their paths."""
-    from jphantom.plans import set_submodule, modules_by_path
-
-    found = [(path, path_tuple, module) for path, (path_tuple, module)
-             in modules_by_path(model).items() if isinstance(module, nnx.Dropout)]
-    for path, path_tuple, module in found:
-        set_submodule(model, path_tuple, dropout_module.Dropout.from_module(module, path))
-    return [path for path, _, _ in found]
-
-
-def _private_copy(model: nnx.Module) -> nnx.Module:
-    """A copy of ``model``'s modules and variables (their arrays shared, none changed): the step
-    sets the blocks' remat policy and, with a stage axis, the layer axis' sharding metadata on its
-    own copy, never on the model it was given."""
-    graphdef, state = nnx.split(model)
-    return nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
 
 
 class TrainStep:
@@ -349,10 +77,10 @@ class TrainStep:
                  dropout_seed: int = 0):
         if not isinstance(model, nnx.Module):
             raise ConfigError(f"make_train_step takes an nnx.Module, not {type(model).__name__}")
-        model = _private_copy(model)
-        self.dropout = _replace_dropout(model)  # the step's keys (jphantom.nn.dropout)
+        model = private_copy(model)
+        self.dropout = replace_dropout(model)  # the step's keys (jphantom.nn.dropout)
         self.dropout_seed = check_int("dropout_seed", dropout_seed, minimum=0)
-        self.mesh = _check_mesh(mesh)
+        self.mesh = check_mesh(mesh)
         if not isinstance(optimizer, optax.GradientTransformation):
             raise ConfigError("optimizer must be an optax.GradientTransformation, e.g. "
                               "optax.adamw(3e-4)")
@@ -381,7 +109,7 @@ class TrainStep:
                               "blocks with Stacked, or leave remat out")
         if stacked:  # the step's option is the blocks' policy ("none" resets an earlier one)
             set_remat(model, remat)
-        self.batch_axes = _batch_axes(mesh)
+        self.batch_axes = batch_axes_of(mesh)
         self.batch_ranks = math.prod(dict(mesh.shape)[a] for a in self.batch_axes)
         self.data = dict(mesh.shape).get("data", 1)
         if zero and "data" not in mesh.axis_names:
@@ -417,7 +145,7 @@ class TrainStep:
         self.pipeline, self.stack = self._pipeline(model, mesh, pipeline)
         self.layout = ParamLayout.of(model, mesh, zero)
         if zero == 3 and pipeline is None and spmd == "shard_map":  # GSPMD: jit's gathers
-            _warn_unstacked_blocks(model, self.layout)
+            warn_unstacked_blocks(model, self.layout)
         if self.pipeline is not None:
             self._pipeline_layout(model)
         self.model_template = model
@@ -432,7 +160,7 @@ class TrainStep:
         self.param_specs = layout.zero_specs() if zero == 3 else layout.specs
         self.grad_specs = layout.zero_specs() if zero >= 2 else layout.specs
         self.opt_param_specs = layout.zero_specs() if zero >= 1 else layout.specs
-        self.batch_spec = _batch_spec(mesh)
+        self.batch_spec = batch_spec_of(mesh)
         self.context = attention_module.context_of(model)  # (C, balanced) or None
         if pipeline is not None and any(type(m) is attention_module.RingAttention
                                         for _, m in nnx.iter_modules(model)):
@@ -443,7 +171,7 @@ class TrainStep:
         if dict(self.mesh.shape).get(CONTEXT, 1) > 1 and self.context is None:
             raise ConfigError("the mesh has a 'context' axis but the model's attention does not "
                               "run over it: parallelize it with jphantom.plans.context(model)")
-        self.batch_specs = _check_batch_specs(batch_specs, self.mesh)
+        self.batch_specs = check_batch_specs(batch_specs, self.mesh)
         self.communicate = bool(communicate)
         if not communicate and (zero or spmd != "shard_map"):
             raise ConfigError("communicate=False measures plain data parallelism of the "
@@ -491,17 +219,17 @@ class TrainStep:
         state (``nnx.split(stacked.block)``)."""
         path, stacked = self.stack
         pure = nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[1])
-        paths = [_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(pure)[0]]
+        paths = [path_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(pure)[0]]
         prefix = (*path, "block")
         self.stacked_index = tuple(i for i, p in enumerate(paths) if p[:len(prefix)] == prefix)
         self.rest_index = tuple(i for i, p in enumerate(paths) if p[:len(prefix)] != prefix)
         block = nnx.merge(*nnx.split(stacked.block))  # a copy (arrays shared) set up to compute
         block_graph, block_state, _ = nnx.split(self._ready(block), nnx.Param, ...)
-        block_vars = jax.tree_util.tree_flatten_with_path(block_state, is_leaf=_is_variable)[0]
+        block_vars = jax.tree_util.tree_flatten_with_path(block_state, is_leaf=is_variable)[0]
         relative = {paths[i][len(prefix):]: k for k, i in enumerate(self.stacked_index)}
         self.block_graph = block_graph
         self.block_treedef = jax.tree.structure(block_state)
-        self.block_order = tuple(relative[_key(p)] for p, _ in block_vars)
+        self.block_order = tuple(relative[path_key(p)] for p, _ in block_vars)
 
     def _split(self, leaves):
         return ([leaves[i] for i in self.stacked_index], [leaves[i] for i in self.rest_index])
@@ -662,7 +390,7 @@ class TrainStep:
         known before the blocks have run: refused. ``None`` for a scalar ``loss_fn``."""
         from jphantom.pipeline.split import needed_inputs
 
-        out = jax.tree.map(_zeros_of, jax.eval_shape(first, rest, inputs_mb))
+        out = jax.tree.map(zeros_of, jax.eval_shape(first, rest, inputs_mb))
         targets = targets.reshape(micro, targets.shape[0] // micro, *targets.shape[1:])
         struct = jax.eval_shape(loss_after, out, targets[0])
         if not isinstance(struct, tuple):
@@ -969,7 +697,7 @@ class TrainStep:
         if shape is None:
             return None
         total, _ = lax.scan(lambda acc, mb: (acc + statistics(mb), None),
-                            _zeros_of(shape), micro)
+                            zeros_of(shape), micro)
         counts = lax.stop_gradient(total[:, :total.shape[-1] // 2])
         return counts / jnp.sum(counts, axis=-1, keepdims=True)
 
@@ -992,7 +720,7 @@ class TrainStep:
         def one(leaves, *batch, balance=None, weight=None, micro=1, index=0):
             # each rank its own copy of what it holds replicated: the gradient w.r.t. the copy
             # is this rank's part, summed once after the backward (_per_rank)
-            varied = _group_by(leaves, vary, lambda xs, axes: comm.pcast(xs, axes, to="varying"))
+            varied = group_by(leaves, vary, lambda xs, axes: comm.pcast(xs, axes, to="varying"))
             with dropout_module.keys(None if key is None else jax.random.fold_in(key, index)):
                 loss, grads = jax.value_and_grad(
                     lambda p, *b: loss_of(p, *b, balance=balance, weight=weight, micro=micro)
@@ -1003,7 +731,7 @@ class TrainStep:
             if len(batch) != 2:
                 raise ConfigError(f"a pipelined step takes (inputs, targets), got {len(batch)} "
                                   "batch arrays")
-            varied = _group_by(leaves, vary, lambda xs, axes: comm.pcast(xs, axes, to="varying"))
+            varied = group_by(leaves, vary, lambda xs, axes: comm.pcast(xs, axes, to="varying"))
             if self.zero == 3:  # gathered once for the whole pipeline; its transpose scatters
                 dims, zaxes = self.layout.zero_dims, self.layout.zero_axes
                 varied, scatter = jax.vjp(
@@ -1030,7 +758,7 @@ class TrainStep:
         add = lambda a, b: jax.tree.map(jnp.add, a, b)
         (loss, grads), _ = lax.scan(  # micro-batch i draws its dropout masks from key i
             lambda total, xs: (add(total, one(leaves, *xs[0], **options, index=xs[1])), None),
-            jax.tree.map(_zeros_of, first), (micro, jnp.arange(n)))
+            jax.tree.map(zeros_of, first), (micro, jnp.arange(n)))
         if weight is not None:
             return loss, grads
         return jax.tree.map(lambda a: a / n, (loss, grads))
@@ -1047,7 +775,7 @@ class TrainStep:
                      for g, d, z in zip(grads, dims, zaxes)]
             vary = [tuple(a for a in axes if not (a in z and d >= 0))
                     for axes, d, z in zip(vary, dims, zaxes)]
-        grads = _group_by(grads, vary, lambda xs, axes: comm.psum(xs, axes))
+        grads = group_by(grads, vary, lambda xs, axes: comm.psum(xs, axes))
         return self._global(loss), grads
 
     def _global(self, share):
@@ -1196,7 +924,7 @@ class TrainStep:
             if self.zero == 3:
                 leaves = zero_module.gather_together(leaves, self.layout.zero_dims,
                                                      self.layout.zero_axes, invariant=False)
-            leaves = _group_by(leaves, vary, lambda xs, axes: comm.pcast(xs, axes, to="varying"))
+            leaves = group_by(leaves, vary, lambda xs, axes: comm.pcast(xs, axes, to="varying"))
             return self._global(self._pipeline_value_and_grad(leaves, inputs, targets,
                                                                train=False))
 
@@ -1337,22 +1065,22 @@ def make_forward_fn(model: nnx.Module, mesh: Mesh, params=None) -> Callable:
     its first dimension split like the inputs. Uses the model's current parameters, or
     ``params`` (a ``TrainState.params`` dict, which may be ZeRO-3 shards of a step without ZeRO
     here: pass ``step.model(state)`` instead)."""
-    mesh = _check_mesh(mesh)
+    mesh = check_mesh(mesh)
     layout = ParamLayout.of(model, mesh, 0)
     if params is None:
         _, state, _ = nnx.split(model, nnx.Param, ...)
         params = nnx.to_pure_dict(state)
     shardings = [NamedSharding(mesh, s) for s in layout.specs]
     leaves = tuple(jax.device_put(jax.tree.leaves(params), shardings))
-    batch_spec = _batch_spec(mesh)
-    batch_axes = _batch_axes(mesh)
+    batch_spec = batch_spec_of(mesh)
+    batch_axes = batch_axes_of(mesh)
     vary = []
     for spec, reduce in zip(layout.specs, layout.reduce_axes):
         split = zero_module.spec_axes(spec)
         vary.append(tuple(a for a in reduce if a not in split))
 
     def per_rank(leaves, *inputs):
-        leaves = _group_by(list(leaves), vary, lambda xs, axes: comm.pcast(xs, axes, to="varying"))
+        leaves = group_by(list(leaves), vary, lambda xs, axes: comm.pcast(xs, axes, to="varying"))
         return layout.model_of(leaves)(*inputs)
 
     @jax.jit
