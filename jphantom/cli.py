@@ -133,6 +133,7 @@ def _inspect(args: argparse.Namespace) -> int:
         if not name.startswith("phantom"):
             run.pop("ghost_width", None)
         configs.append(RunConfig.from_flags(**run))
+        configs[-1].build()  # its shapes against the mesh, before anything compiles
     reports = []
     for config in configs:
         report = inspect_step(config)
@@ -273,7 +274,7 @@ def _compile_for_target(args: argparse.Namespace) -> int:
             run = {**settings, "strategy": name, "out": None, "progress": False}
             if not name.startswith("phantom"):
                 run.pop("ghost_width", None)
-            RunConfig.from_flags(**run)
+            RunConfig.from_flags(**run).build()
             runs.append(run)
     reports = [aot.compile_report(run, target, devices=devices, gpu_defaults=gpu_defaults,
                                   hlo_out=hlo[run["strategy"]]) for run in runs]
@@ -787,6 +788,7 @@ def _train(args: argparse.Namespace) -> int:
     if settings.get("dtype") == "float64":
         jax.config.update("jax_enable_x64", True)
     config = RunConfig.from_flags(**settings)
+    config.build()  # every shape against the mesh, before any data is read
     used, available = config.parallel.mesh_config().device_count, jax.device_count()
     if used < available and jax.process_index() == 0:
         print(f"note: mesh {config.parallel.mesh_config()} uses {used} of the {available} "

@@ -102,7 +102,8 @@ class CompareConfig:
             raise ConfigError(
                 f"shards={self.shards} needs {max(self.shards)} devices, have {jax.device_count()}: "
                 f"pass --devices {max(self.shards)} or fewer shards")
-        self.run_configs()  # every run's shapes are valid (width divisible by every p, ...)
+        for config in self.run_configs():  # every run's shapes are valid (width divisible
+            config.build()  # by every p, ...), before the first run trains
 
     @classmethod
     def from_flags(cls, *, shards=(2, 4, 8), ghost_widths=(2, 4, 16), seeds=(0, 1, 2),

@@ -1,8 +1,11 @@
 """The one run configuration: what ``train``, ``inspect``, ``compare`` and ``plan`` read.
 
 A :class:`RunConfig` nests four frozen sections, each validated on construction (types by
-annotation, never coerced by truthiness; ranges and choices by name), then validated together by
-building the run's :class:`jphantom.program.Program` and its step (nothing is compiled)::
+annotation, never coerced by truthiness; ranges and choices by name; the sections against each
+other), without jax: configuration is data. :func:`build` (``config.build()``) is the explicit
+next step every command takes before it reads data: it builds the run's
+:class:`jphantom.program.Program`, its jax mesh and its step (nothing is compiled), which checks
+every shape against the mesh::
 
     RunConfig(model=ModelConfig(name="llama", layers=2), parallel=ParallelConfig(
         strategy="tensor", mesh="data=2,model=4"), step=StepConfig(zero=1),
@@ -177,7 +180,19 @@ class ParallelConfig:
         if self.collective_matmul and not self.sequence_parallel:
             raise ConfigError("--collective-matmul overlaps sequence parallelism's all-gathers "
                               "and reduce-scatters with the GEMMs: add --sequence-parallel")
-        self.mesh_config()
+        self.declared_mesh()
+
+    def declared_mesh(self):
+        """The mesh as given (``mesh``, or ``model=1`` for ``dense``), parsed and validated; None
+        when it is left to the devices (``model=<all of them>``: :meth:`mesh_config`). Reads
+        nothing but the configuration."""
+        from jphantom.mesh import MeshConfig
+
+        if self.mesh is not None:
+            return MeshConfig.parse(self.mesh)
+        if self.strategy == "dense":
+            return MeshConfig.parse("model=1")
+        return None
 
     def mesh_config(self):
         from jphantom.mesh import MeshConfig
@@ -292,21 +307,18 @@ class TrainConfig:
             raise ConfigError("--resume needs --checkpoint-dir")
         if self.save_every and not self.checkpoint_dir:
             raise ConfigError("--save-every needs --checkpoint-dir")
-        for name in ("out", "checkpoint_dir", "save_hf"):  # written at the end: checked now
-            if getattr(self, name) is not None:
-                _writable_folder(name, getattr(self, name))
-        if self.data is not None:
-            _readable_data(self.data)
-        if self.tokenizer is not None:
-            from jphantom.data.tokenizers import load_tokenizer
-
-            load_tokenizer(self.tokenizer)  # on this machine, readable, its library installed
         if self.tensorboard:
             from jphantom.metrics import require_tensorboard
 
             require_tensorboard()
             if self.out is None:
                 raise ConfigError("tensorboard=True writes into the out folder: give --out DIR")
+
+    def check_paths(self) -> None:
+        """What this run reads and writes, on this machine (:meth:`RunConfig.build` calls it,
+        before anything is built): the output folders can be made and written (written at the
+        end: checked first), ``data`` is readable, the tokenizer loads."""
+        _check_paths(self.out, self.checkpoint_dir, self.save_hf, self.data, self.tokenizer)
 
     def schedule(self, total_steps: int | None = None):
         """The learning rate schedule (an optax schedule, or the constant rate): linear warm-up
@@ -347,6 +359,19 @@ class TrainConfig:
 
             optimizer = optax.chain(record_grad_norm(), optimizer)
         return optimizer
+
+
+@functools.lru_cache(maxsize=64)  # once per process and set of paths: build() runs it each time
+def _check_paths(out, checkpoint_dir, save_hf, data, tokenizer) -> None:
+    for name, value in (("out", out), ("checkpoint_dir", checkpoint_dir), ("save_hf", save_hf)):
+        if value is not None:
+            _writable_folder(name, value)
+    if data is not None:
+        _readable_data(data)
+    if tokenizer is not None:
+        from jphantom.data.tokenizers import load_tokenizer
+
+        load_tokenizer(tokenizer)  # on this machine, readable, its library installed
 
 
 def _readable_data(value: str) -> None:
@@ -454,7 +479,8 @@ class RunConfig:
                               "--moe-every N")
         if self.parallel.sequence_parallel and self.parallel.strategy != "tensor":
             raise ConfigError("--sequence-parallel applies to --strategy tensor (Megatron-SP)")
-        if self.parallel.mesh_config().size("context") == 1:
+        declared = self.parallel.declared_mesh()  # None: model=<every device> (no other axis)
+        if declared is None or declared.size("context") == 1:
             for flag, value, default in (("--context-attention", self.parallel.context_attention,
                                           "ring"),
                                          ("--no-load-balance", self.parallel.load_balance, True)):
@@ -468,7 +494,7 @@ class RunConfig:
             raise ConfigError("dtype='float16' with an adaptive optimizer underflows Adam's "
                               "epsilon (1e-8 is 0 in float16): use --precision float16 (float32 "
                               "master weights), bfloat16, or --optimizer sgd")
-        if "stage" in self.parallel.mesh_config().shape:
+        if declared is not None and "stage" in declared.shape:
             if self.parallel.strategy == "dense":
                 raise ConfigError("strategy 'dense' does not run inside pipeline stages: use "
                                   "'tensor' or 'phantom' (with model=1 for no tensor "
@@ -481,7 +507,16 @@ class RunConfig:
         if phantom and self.model.ghost_width is None:
             raise ConfigError(f"--strategy {self.parallel.strategy} needs --ghost-width K (k "
                               "ghost neurons per rank, Seal et al.), e.g. 8")
-        self.build()  # every shape, axis and step option, before anything runs
+        # what needs neither jax's devices nor a file: the family runs the strategy, its own
+        # shape rules, a language model's mesh axes (the shapes against the mesh: build())
+        from jphantom import program as programs
+
+        family = self.model.family
+        programs.check_runs(family.name, self.parallel.strategy)
+        if not self.model.from_hf:
+            self.family_config()
+        if family.program == "lm" and declared is not None:
+            programs.check_lm_mesh(programs.get(self.parallel.strategy).name, declared)
 
     @classmethod
     def from_flags(cls, **flags) -> "RunConfig":
@@ -534,7 +569,9 @@ class RunConfig:
     def build(self) -> "Built":
         """The program, jax mesh and step of this run (nothing compiled), shared by the runs
         that differ only in their seed, outputs or stopping rule: every shape, axis and option
-        is checked here, before any data is read."""
+        is checked against the mesh here, and the paths it reads and writes
+        (:meth:`TrainConfig.check_paths`), before any data is read (:func:`build`)."""
+        self.train.check_paths()
         train = dataclasses.replace(self.train, seed=0, target_loss=None, out=None,
                                     checkpoint_dir=None, save_every=0, resume=False,
                                     progress=False, save_hf=None, eval_every=1, eval_batches=1,
@@ -544,6 +581,12 @@ class RunConfig:
         from jphantom.mesh import available_devices
 
         return _build(self.model, self.parallel, self.step, train, available_devices())
+
+
+def build(config: RunConfig) -> "Built":
+    """What ``config`` runs, built (:meth:`RunConfig.build`): the explicit step between the
+    configuration (data) and the work."""
+    return config.build()
 
 
 @dataclasses.dataclass(frozen=True)

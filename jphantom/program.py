@@ -160,10 +160,15 @@ def build(config, strategy: str, mesh: MeshConfig | Mapping[str, int] | str, **o
     name = get(strategy).name
     mesh = MeshConfig.parse(mesh) if isinstance(mesh, str) else MeshConfig.of(mesh)
     family, build_family = family_of(config)
-    if name not in strategies_for(family):
-        raise ConfigError(f"strategy {name!r} does not run the model family {family!r}: pick one "
-                          f"of {strategies_for(family)}")
+    check_runs(family, name)
     return build_family(config, name, mesh, **options)
+
+
+def check_runs(family: str, strategy: str) -> None:
+    """A ConfigError unless the model family ``family`` runs ``strategy`` (its registry entry)."""
+    if get(strategy).name not in strategies_for(family):
+        raise ConfigError(f"strategy {get(strategy).name!r} does not run the model family "
+                          f"{family!r}: pick one of {strategies_for(family)}")
 
 
 # -------------------------------------------------------------------------------------------------

@@ -266,8 +266,8 @@ def test_train_llama_writes_results_and_a_hf_checkpoint(tmp_path):
     ({"kv_heads": 3}, "heads=4 is not a multiple of kv_heads=3"),
 ])
 def test_train_llama_refuses_bad_settings_before_building(tmp_path, overrides, message):
-    with pytest.raises(ConfigError, match=message):
-        _run_config(tmp_path, **overrides)
+    with pytest.raises(ConfigError, match=message):  # on construction, or at the explicit build
+        _run_config(tmp_path, **overrides).build()
 
 
 @pytest.mark.slow

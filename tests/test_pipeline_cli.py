@@ -182,7 +182,7 @@ def test_default_microbatches_are_the_stages():
 def test_bad_pipeline_settings_are_refused_before_training(kwargs, message):
     settings = dict(strategy="tensor", layers=2, hidden=16, heads=4, seq_len=8, batch=8) | kwargs
     with pytest.raises(ConfigError, match=message):
-        RunConfig.from_flags(**settings)
+        RunConfig.from_flags(**settings).build()  # construction, or the explicit build
 
 
 def test_cli_train_bad_pipeline_flag_is_one_line_and_runs_nothing(tmp_path, capsys):
@@ -266,8 +266,9 @@ def test_inspect_settings_check_the_batch_against_microbatches_without_compiling
     """What ``inspect`` builds (the run's configuration) is checked on construction."""
     ffn = dict(FFN, width=32, depth=2)
     with pytest.raises(ConfigError, match="per-data-rank batch 3 is not divisible"):
-        RunConfig.from_flags(**ffn, batch=6, mesh="stage=2,data=2,model=2", microbatches=2)
+        RunConfig.from_flags(**ffn, batch=6, mesh="stage=2,data=2,model=2",
+                             microbatches=2).build()
     with pytest.raises(ConfigError, match="only apply to a pipelined step"):
-        RunConfig.from_flags(**ffn, batch=8, mesh="model=4", schedule="gpipe")
+        RunConfig.from_flags(**ffn, batch=8, mesh="model=4", schedule="gpipe").build()
     config = RunConfig.from_flags(**ffn, batch=8, mesh="stage=2,model=4")
     assert config.pipeline().microbatches == 2

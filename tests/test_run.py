@@ -58,14 +58,14 @@ def test_train_settings_come_from_toml_and_flags_override(tmp_path):
     (dict(dtype="float16"), "float16"),
     (dict(learning_rate=float("inf")), "learning_rate=inf"),
     (dict(model="cnn"), "model='cnn'"),
-    (dict(mesh="model=16"), "needs 16 devices"),
+    (dict(mesh="model=16", strategy="tensor"), "needs 16 devices"),
     (dict(from_gpt2="x", strategy="phantom", ghost_width=2), "x/config.json not found"),
 ])
 def test_bad_run_settings_are_refused_before_training(settings, message):
     """``RunConfig.from_flags`` takes the command line's flat names (``from_gpt2`` is GPT-2's
     name for ``from_hf``); each bad value is refused by name on construction."""
     with pytest.raises(ConfigError, match=message):
-        RunConfig.from_flags(**settings)
+        RunConfig.from_flags(**settings).build()  # construction, or the explicit build
 
 
 def test_cli_train_reports_a_bad_setting_in_one_line(tmp_path, capsys):
@@ -104,8 +104,9 @@ def test_paths_are_checked_before_anything_trains(tmp_path, capsys, flag, value,
     existing = tmp_path / "a_file"
     existing.write_text("x")
     value = value.format(file=existing, tmp=tmp_path)
-    argv = ["train", "--model", "ffn", "--width", "8", "--steps", "1", "--no-progress",
-            "--out", str(tmp_path / "out"), flag, value]
+    argv = ["train", "--model", "gpt2", "--layers", "1", "--hidden", "16", "--heads", "2",
+            "--seq-len", "8", "--steps", "1", "--no-progress", "--out", str(tmp_path / "out"),
+            flag, value]
     assert exit_code(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
@@ -175,3 +176,26 @@ def test_a_user_callback_sees_every_step_stops_the_run_and_adds_to_the_results(t
     assert json.loads((tmp_path / "out" / "results.json").read_text())["seen"] == [1, 2]
     with pytest.raises(ConfigError, match="subclass Callback"):
         Trainer(config, callbacks=[lambda trainer, record: None])
+
+
+def test_a_run_configuration_is_pure_data(monkeypatch):
+    """Constructing a RunConfig validates it without jax's devices or the file system (a missing
+    --from-hf folder is found by build(), the explicit next step); it pickles and compares by
+    value."""
+    import pickle
+
+    import jax
+
+    def no_devices(*args, **kwargs):
+        raise AssertionError("a configuration asked jax for its devices")
+
+    for name in ("devices", "device_count", "local_devices"):
+        monkeypatch.setattr(jax, name, no_devices)
+    config = RunConfig.from_flags(model="llama", strategy="tensor", mesh="data=2,model=2",
+                                  layers=2, hidden=32, heads=4, kv_heads=2, from_hf="/nowhere")
+    assert pickle.loads(pickle.dumps(config)) == config
+    with pytest.raises(ConfigError, match="heads=4 is not a multiple of kv_heads=3"):
+        RunConfig.from_flags(model="llama", kv_heads=3)  # the family's own rules: no jax either
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match="config.json not found"):
+        config.build()

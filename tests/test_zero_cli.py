@@ -64,7 +64,7 @@ def test_run_config_checks_the_step_settings_without_compiling():
                               (dict(clip_norm=float("nan")), "clip_norm=nan"),
                               (dict(accumulate=3), "not divisible by accumulate=3")):
         with pytest.raises(ConfigError, match=message):
-            RunConfig.from_flags(**base, **settings)
+            RunConfig.from_flags(**base, **settings).build()
 
 
 def test_inspect_zero3_shards_parameters_gradients_and_adam_state_over_data(capsys):
