@@ -113,8 +113,8 @@ def test_meter_spans_the_training_window_and_is_stopped_on_divergence():
      r"per-data-rank batch 4 is not divisible by accumulate=3 \(batch=8 over 2 rank"),
 ])
 def test_bad_training_config_is_an_error(settings, message):
-    with pytest.raises(ConfigError, match=message):
-        _config(**settings)
+    with pytest.raises(ConfigError, match=message):  # on construction, or at the explicit build
+        _config(**settings).build()
 
 
 def test_float64_needs_x64_and_mesh_defaults():
