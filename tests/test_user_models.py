@@ -282,6 +282,7 @@ def _dropout_run(mesh, plan=False, steps=2, **options):
     return losses, step, state
 
 
+@pytest.mark.slow  # test budget: the masks' split over axes is the fast test below
 def test_dropout_trains_deterministically_with_one_mask_per_activation():
     """nnx.Dropout trains: the same seed gives the same run, another seed another; tensor
     parallelism (whose dropouts see the replicated stream) and ZeRO-3 draw the masks data
