@@ -241,7 +241,8 @@ def test_every_schedule_with_gpt2_mixtures_of_experts_on_an_expert_axis_equals_o
     from jphantom.models.gpt2 import TransformerConfig, moe_fields
 
     require_devices(4)
-    config = TransformerConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2,
+    chunks = 2 if schedule in ("zb-v", "interleaved-1f1b") else 1  # model chunks per stage
+    config = TransformerConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2 * chunks,
                                **moe_fields(1, 4, 2, 100.0, dropless))
     program = program_module.build(config, "tensor", "stage=2,expert=2")
     mesh = program.mesh.build(jax.devices()[:4])
