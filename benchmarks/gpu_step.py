@@ -411,8 +411,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip", nargs="*", default=[], help="variants to leave out")
     args = parser.parse_args(argv)
     shape = SMALL if args.small else FULL
-    if args.variant:  # a child: one variant, one JSON line
-        sys.path.insert(0, str(ROOT))
+    if args.variant:  # a child (PYTHONPATH: this tree): one variant, one JSON line
         if args.variant == "gemm":
             result = gemm_rates(args.small)
         elif args.variant == "flash-blocks":
@@ -429,7 +428,6 @@ def main(argv=None) -> int:
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     applied = []
     try:
-        sys.path.insert(0, str(ROOT))
         from jphantom import gpu_defaults
 
         applied = gpu_defaults.apply(env)  # every variant gets the same XLA flags

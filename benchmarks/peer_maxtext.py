@@ -591,7 +591,6 @@ def parse_args(argv):
         args.steps, args.warmup = 2, 1
         args.hidden, args.seq_len, args.intermediate = 64, 32, 176
     if args.worker is None:
-        sys.path.insert(0, str(ROOT))
         from jphantom.analysis.machine import output_folder
 
         args.out = output_folder(args.out, DEFAULT_OUT, quick=args.quick, name="peer-maxtext")

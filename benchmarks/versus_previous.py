@@ -175,10 +175,10 @@ def _build_old(case):
 
 
 def worker() -> int:
-    # this version's sources first, whatever an editable install of another maps "jphantom" to
+    # this version's sources (PYTHONPATH, set by Version), whatever an editable install of
+    # another maps "jphantom" to
     root = os.environ["JPHANTOM_SOURCE"]
     sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
-    sys.path.insert(0, root)
     import jax
 
     import jphantom
@@ -344,7 +344,6 @@ def main(argv=None) -> int:
             for v in versions:
                 v.close()
     measured = [r["ratio"] for r in rows if "ratio" in r]
-    sys.path.insert(0, str(ROOT))
     from jphantom.analysis.machine import source_revision
 
     this = source_revision(ROOT) + " + working tree" if args.this == "tree" else args.this
