@@ -189,13 +189,13 @@ def _step_settings(args: argparse.Namespace, model: str) -> dict:
     import dataclasses
 
     from jphantom.config import ModelConfig
-    from jphantom.models import family
+    from jphantom import families
     from jphantom.errors import ConfigError
 
     given = _run_settings(args)
     model = given.get("model", model)
     try:
-        found = family.get(model)
+        found = families.get(model)
     except ConfigError:
         return {"model": model, **given}  # refused by name when the run is built
     section = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -450,7 +450,7 @@ def _demo(args: argparse.Namespace) -> int:
 _TRAIN_HELP = {
     "model": "the model family: ffn (Seal et al.'s teacher task), gpt2 (alias transformer), llama "
              "(Mixtral with --moe-every 1), mistral, qwen2, qwen3, qwen3_moe, gemma3, or a "
-             "family registered with jphantom.models.family.register; the language models on "
+             "family registered with jphantom.families.register; the language models on "
              "byte-level text unless --data and --tokenizer say otherwise",
     "strategy": "parallel strategy: " + ", ".join(("dense", "gspmd", "tensor", "tensor-t1",
                                                    "phantom", "phantom-unfused", "pmm3d",

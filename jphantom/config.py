@@ -83,7 +83,7 @@ def _choice(name: str, value, choices) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The model: ``name`` (a family of :mod:`jphantom.models.family`'s registry: ``ffn``, seed
+    """The model: ``name`` (a family of :mod:`jphantom.families`'s registry: ``ffn``, seed
     000's FFN of ``width`` x ``depth``; ``gpt2``; ``llama`` (Mixtral with ``moe_every=1``);
     ``mistral``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``gemma3``; or a user's registered family)
     and its shape. A field the family does not read, set away from its default, is refused."""
@@ -109,7 +109,7 @@ class ModelConfig:
     from_hf: str | None = None  # a Hugging Face checkpoint directory of the family to start from
 
     def __post_init__(self):
-        from jphantom.models import family as families
+        from jphantom import families
 
         _check_types(self)
         family = families.get(self.name)
@@ -132,10 +132,10 @@ class ModelConfig:
 
     @property
     def family(self):
-        """The registered :class:`jphantom.models.family.Family` of ``name``."""
-        from jphantom.models import family
+        """The registered :class:`jphantom.families.Family` of ``name``."""
+        from jphantom import families
 
-        return family.get(self.name)
+        return families.get(self.name)
 
     def family_config(self, strategy: str):
         """The model family's configuration (:class:`~jphantom.models.ffn.FFNConfig`,

@@ -67,17 +67,17 @@ def peak_tflops(device) -> float | None:
 
 def flops_per_token(model_config, strategy: str, seq_len: int) -> int | None:
     """Forward + backward model FLOPs per token (per row for the FFN) of the dense model at
-    ``seq_len``: the model family's count (:attr:`jphantom.models.family.Family.flops_per_token`:
+    ``seq_len``: the model family's count (:attr:`jphantom.families.Family.flops_per_token`:
     GPT-2's :meth:`~jphantom.models.gpt2.TransformerConfig.flops_per_token`, the Llama family's
     :func:`~jphantom.models.llama.flops_per_token`, 6 L n^2 for the FFN). ``None`` under phantom
     strategies, whose model is not the dense one (Seal et al.), or for a family that declares none."""
-    from jphantom.models import family
+    from jphantom import families
     from jphantom.program import get
 
     if get(strategy).family == "phantom":
         return None
     try:
-        count = family.of_config(model_config).flops_per_token
+        count = families.of_config(model_config).flops_per_token
     except ConfigError:
         return None
     return None if count is None else int(count(model_config, seq_len))

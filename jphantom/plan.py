@@ -702,11 +702,11 @@ def _shape_of_flags(args) -> GPTShape:
     """The planner's shape of ``--model`` (a registered family that declares a ``plan_shape``)
     at the flags' sizes."""
     from jphantom.config import ModelConfig
-    from jphantom.models import family
+    from jphantom import families
 
-    found = family.get(args.model)
+    found = families.get(args.model)
     if found.plan_shape is None:
-        priced = [f.name for f in family.families().values() if f.plan_shape is not None]
+        priced = [f.name for f in families.families().values() if f.plan_shape is not None]
         raise ConfigError(f"--model {found.name}: the planner prices dense decoder blocks "
                           f"({', '.join(priced)}); {found.name} declares no plan_shape")
     sizes = {name: _parse_int(f"--{name.replace('_', '-')}", getattr(args, name))

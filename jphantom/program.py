@@ -43,7 +43,7 @@ class Strategy:
     or ``phantom`` (the ghost width k and the degree p are part of the model); ``zero``: whether
     ZeRO over ``data`` applies (pmm3d shards its weights over ``z`` already: its z-only grid is
     ZeRO-3). Which model families run it is theirs to say
-    (:attr:`jphantom.models.family.Family.strategies`)."""
+    (:attr:`jphantom.families.Family.strategies`)."""
 
     name: str
     description: str
@@ -53,9 +53,9 @@ class Strategy:
     @property
     def models(self) -> tuple[str, ...]:
         """The registered model families that run this strategy."""
-        from jphantom.models import family
+        from jphantom import families
 
-        return tuple(name for name, f in family.families().items() if self.name in f.strategies)
+        return tuple(name for name, f in families.families().items() if self.name in f.strategies)
 
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
@@ -90,9 +90,9 @@ def get(name: str) -> Strategy:
 
 def strategies_for(model: str) -> list[str]:
     """The strategies the model family ``model`` runs, in :data:`STRATEGIES` order."""
-    from jphantom.models import family
+    from jphantom import families
 
-    runs = family.get(model).strategies
+    runs = families.get(model).strategies
     return [name for name in STRATEGIES if name in runs]
 
 
@@ -140,11 +140,11 @@ class Program:
 
 
 def family_of(config) -> tuple[str, Callable[..., Program]]:
-    """The model family of a configuration (:func:`jphantom.models.family.of_config`): its name
+    """The model family of a configuration (:func:`jphantom.families.of_config`): its name
     and its ``build(config, strategy, mesh, **options) -> Program``."""
-    from jphantom.models import family
+    from jphantom import families
 
-    found = family.of_config(config)
+    found = families.of_config(config)
     if found.program == "ffn":
         return found.name, build_ffn
     return found.name, lm_build(found.module, found.name)

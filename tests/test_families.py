@@ -1,4 +1,4 @@
-"""The model-family registry (jphantom.models.family): a family declared in this file, touching
+"""The model-family registry (jphantom.families): a family declared in this file, touching
 no library file, runs through ``train``, ``inspect``, ``verify``, ``plan`` and ``compile``; every
 zoo family is exact against its own one-device run under the strategies it declares (one cell
 per family in ``make test``, the rest of the matrix in ``make test-all``); the CLI, the
@@ -15,7 +15,7 @@ from flax import nnx
 from jphantom import aot
 from jphantom.cli import main
 from jphantom.errors import ConfigError
-from jphantom.models import family
+from jphantom import families
 
 from conftest import require_devices
 
@@ -57,7 +57,7 @@ def _toy_plan_shape(config):
     return GPTShape(1, config.hidden, 1, config.seq_len, config.vocab_size, model="toy")
 
 
-TOY = family.Family(
+TOY = families.Family(
     name="toy", description="a test's toy language model", config_type=ToyConfig, module=ToyLM,
     from_flags=lambda section, phantom: ToyConfig(section.vocab, section.hidden, section.seq_len,
                                                   section.dtype),
@@ -71,9 +71,9 @@ TOY_FLAGS = ["--model", "toy", "--hidden", "16", "--seq-len", "8", "--vocab", "2
 
 @pytest.fixture
 def toy():
-    family.register(TOY, replace=True)
+    families.register(TOY, replace=True)
     yield TOY
-    family.unregister("toy")
+    families.unregister("toy")
 
 
 def test_a_family_declared_in_a_test_trains_inspects_and_verifies(toy, tmp_path, capsys):
@@ -127,22 +127,22 @@ def test_a_family_declared_in_a_test_compiles_for_h100(toy, tmp_path, capsys, mo
 
 
 def test_the_registry_names_the_zoo_and_its_checkpoints():
-    assert family.names()[:8] == ("ffn", "gpt2", "llama", "mistral", "qwen2", "qwen3",
+    assert families.names()[:8] == ("ffn", "gpt2", "llama", "mistral", "qwen2", "qwen3",
                                   "qwen3_moe", "gemma3")
-    assert family.get("transformer").name == "gpt2" and family.get("gemma3_text").name == "gemma3"
-    assert set(family.hf_types()) >= {"gpt2", "llama", "mixtral", "mistral", "qwen2", "qwen3",
+    assert families.get("transformer").name == "gpt2" and families.get("gemma3_text").name == "gemma3"
+    assert set(families.hf_types()) >= {"gpt2", "llama", "mixtral", "mistral", "qwen2", "qwen3",
                                       "qwen3_moe", "gemma3_text"}
     with pytest.raises(ConfigError, match="not a model family; use one of ffn, gpt2"):
-        family.get("qwen4")
+        families.get("qwen4")
     with pytest.raises(ConfigError, match="registered already"):
-        family.register(dataclasses.replace(family.get("qwen3")))
+        families.register(dataclasses.replace(families.get("qwen3")))
     from jphantom.config import RunConfig
 
     for name, kind in (("qwen3", "qwen3"), ("gemma3", "gemma3_text"), ("mistral", "mistral"),
                        ("llama", "llama")):
         config = RunConfig.from_flags(model=name, layers=2, hidden=64, heads=4, seq_len=32,
                                       vocab=128).family_config()
-        assert config.model_type == kind and family.of_config(config).name == name
+        assert config.model_type == kind and families.of_config(config).name == name
 
 
 @pytest.mark.parametrize("name, expect", [

@@ -17,7 +17,7 @@ LAYERS = [
                     "analysis.hlo", "perf.comm_model", "perf.axonn_model", "energy",
                     "coordinator", "distributed", "gpu_defaults", "token_mean"]),
     ("layers", ["nn"]),
-    ("models", ["models"]),
+    ("models", ["models", "families"]),
     ("plans", ["plans"]),
     ("step", ["pipeline.runner", "pipeline.split", "step", "train_step", "samo", "checkpoint", "exactness"]),
     ("program", ["program"]),

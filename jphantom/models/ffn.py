@@ -145,16 +145,16 @@ def ffn_loss(model: FFN, x: jax.Array, t: jax.Array) -> jax.Array:
 
 
 def _register():
-    from jphantom.models import family
+    from jphantom import families
 
-    return family.register(family.Family(
+    return families.register(families.Family(
         name="ffn", description="Seal et al.'s FFN of --width x --depth (its teacher task)",
         config_type=FFNConfig, module=FFN,
         from_flags=lambda section, phantom: FFNConfig(
             section.width, section.depth, section.ghost_width if phantom else None,
             section.dtype),
         flags=("width", "depth", "ghost_width"), common_flags=("dtype",),
-        strategies=(*family.LM_STRATEGIES[:3], "tensor-t1", *family.LM_STRATEGIES[3:]),
+        strategies=(*families.LM_STRATEGIES[:3], "tensor-t1", *families.LM_STRATEGIES[3:]),
         flops_per_token=lambda config, seq_len: 6 * config.depth * config.width ** 2,
         program="ffn", defaults="ffn"))
 

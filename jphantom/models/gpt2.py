@@ -864,7 +864,7 @@ def save(directory, config: TransformerConfig, params: dict) -> None:
 
 
 # -------------------------------------------------------------------------------------------------
-# The family: what the CLI, the planner and the metrics read (jphantom.models.family)
+# The family: what the CLI, the planner and the metrics read (jphantom.families)
 # -------------------------------------------------------------------------------------------------
 
 
@@ -873,12 +873,12 @@ def family_config(section, phantom: bool) -> TransformerConfig:
     (:class:`jphantom.config.ModelConfig`): its checkpoint's (``from_hf``) or the section's shape.
     A phantom GPT-2 has an untied head (its feature-split activations would all-reduce a tied
     head's logits)."""
-    from jphantom.models import family
+    from jphantom import families
 
     ghost = section.ghost_width if phantom else None
     if section.from_hf:
-        config = config_from_hf(family.read_hf_config(section.from_hf, family.get("gpt2")))
-        family.check_checkpoint_shape(section, config, {
+        config = config_from_hf(families.read_hf_config(section.from_hf, families.get("gpt2")))
+        families.check_checkpoint_shape(section, config, {
             "layers": "layers", "hidden": "hidden", "heads": "heads", "vocab": "vocab_size"})
         if section.seq_len > config.seq_len:
             raise ConfigError(f"seq_len={section.seq_len} exceeds the checkpoint's "
@@ -905,9 +905,9 @@ def plan_shape(config: TransformerConfig):
 
 
 def _register():
-    from jphantom.models import family
+    from jphantom import families
 
-    return family.register(family.Family(
+    return families.register(families.Family(
         name="gpt2", description="GPT-2 (LayerNorm, GELU MLP, learned positions, tied head); "
         "GShard-style routed MoE blocks with --moe-every", config_type=TransformerConfig,
         module=GPT2, from_flags=family_config,

@@ -4,7 +4,7 @@
     logits = model(tokens)                                   # [batch, seq] ids -> [batch, seq, V]
     jphantom.models.hf.save("out", model)                    # config.json + model.safetensors
 
-The family is the registered one (:mod:`jphantom.models.family`) that reads ``config.json``'s
+The family is the registered one (:mod:`jphantom.families`) that reads ``config.json``'s
 ``model_type``: ``gpt2`` (:mod:`jphantom.models.gpt2`); ``llama`` and ``mixtral``
 (:mod:`jphantom.models.llama`); ``mistral``; ``qwen2``, ``qwen3`` and ``qwen3_moe``
 (:mod:`jphantom.models.qwen`); ``gemma3_text`` (:mod:`jphantom.models.gemma`). A load then a save
@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from jphantom.errors import ConfigError
-from jphantom.models import family
+from jphantom import families
 
 
 def model_type(path) -> str:
@@ -30,13 +30,13 @@ def model_type(path) -> str:
         kind = json.loads(config.read_text()).get("model_type")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as error:
         raise ConfigError(f"cannot read {config} as a JSON object: {error}") from None
-    family.of_hf_type(kind)
+    families.of_hf_type(kind)
     return kind
 
 
 def load(path):
     """The checkpoint at ``path`` as an ``nnx.Module`` of its family."""
-    found = family.of_hf_type(model_type(path))
+    found = families.of_hf_type(model_type(path))
     if found.load_hf is None:
         raise ConfigError(f"the {found.name} family declares no Hugging Face reader")
     return found.load_hf(path)
@@ -47,7 +47,7 @@ def save(path, model) -> None:
     directory at ``path``."""
     config = getattr(model, "config", None)
     try:
-        found = family.of_config(config)
+        found = families.of_config(config)
     except ConfigError:
         found = None
     if found is None or found.save_hf is None:

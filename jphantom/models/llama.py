@@ -695,7 +695,7 @@ __all__ = ["LlamaConfig", "Llama", "lm_loss", "load_hf", "save_hf", "rope", "cau
 
 
 # -------------------------------------------------------------------------------------------------
-# The family: what the CLI, the planner and the metrics read (jphantom.models.family)
+# The family: what the CLI, the planner and the metrics read (jphantom.families)
 # -------------------------------------------------------------------------------------------------
 
 
@@ -737,11 +737,11 @@ def family_config(section, name: str, **preset) -> LlamaConfig:
     """The :class:`LlamaConfig` of the run's model section (:class:`jphantom.config.ModelConfig`)
     for the Llama-family ``name``: its checkpoint's (``from_hf``) or the section's shape with the
     family's ``preset`` fields (a callable preset is called with the section)."""
-    from jphantom.models import family
+    from jphantom import families
 
     if section.from_hf:
-        config = config_from_hf(family.read_hf_config(section.from_hf, family.get(name)))
-        family.check_checkpoint_shape(section, config, {
+        config = config_from_hf(families.read_hf_config(section.from_hf, families.get(name)))
+        families.check_checkpoint_shape(section, config, {
             "layers": "layers", "hidden": "hidden", "heads": "heads", "vocab": "vocab_size",
             "kv_heads": "kv_heads", "intermediate": "intermediate",
             "sliding_window": "sliding_window"})
@@ -764,16 +764,16 @@ def register_variant(name: str, description: str, hf_types: tuple[str, ...], *,
     every language-model strategy)."""
     import functools
 
-    from jphantom.models import family
+    from jphantom import families
 
-    return family.register(family.Family(
+    return families.register(families.Family(
         name=name, description=description, config_type=LlamaConfig, module=Llama,
         from_flags=lambda section, phantom: family_config(section, name, **preset),
         flags=("kv_heads", "intermediate", "ghost_width", *flags), hf_types=hf_types,
         config_from_hf=config_from_hf, load_hf=load_hf, save_hf=save_hf,
         flops_per_token=flops_per_token, plan_shape=functools.partial(plan_shape, model=name),
         matches=lambda config: config.model_type in hf_types, check=check, aliases=aliases,
-        strategies=family.LM_STRATEGIES if strategies is None else strategies))
+        strategies=families.LM_STRATEGIES if strategies is None else strategies))
 
 
 NO_PMM3D = ("dense", "gspmd", "tensor", "phantom", "phantom-unfused")
