@@ -46,8 +46,9 @@ from typing import Any
 
 from jphantom.errors import ConfigError
 
-BUILTIN = ("ffn", "gpt2", "llama", "mistral", "qwen", "gemma")
-"""The zoo's family modules under ``jphantom.models``."""
+BUILTIN = ("ffn", "gpt2", "llama")
+"""The zoo's family modules under ``jphantom.models`` (``llama`` registers its presets too:
+mistral, qwen2, qwen3, qwen3_moe, gemma3)."""
 
 COMMON_FLAGS = ("layers", "hidden", "heads", "seq_len", "vocab", "dtype", "from_hf")
 """The model section's fields every language model takes."""
@@ -134,7 +135,9 @@ def _load() -> None:
 
 def _rank(family: Family) -> int:
     """The zoo's families first, in :data:`BUILTIN` order (whatever imported them first)."""
-    module = getattr(family.module, "__module__", "").removeprefix("jphantom.models.")
+    module = getattr(family.module, "__module__", "")
+    if module.startswith("jphantom.models."):  # a zoo package's: jphantom.models.llama.model
+        module = module.removeprefix("jphantom.models.").split(".")[0]
     return BUILTIN.index(module) if module in BUILTIN else len(BUILTIN)
 
 

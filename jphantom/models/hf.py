@@ -5,10 +5,10 @@
     jphantom.models.hf.save("out", model)                    # config.json + model.safetensors
 
 The family is the registered one (:mod:`jphantom.families`) that reads ``config.json``'s
-``model_type``: ``gpt2`` (:mod:`jphantom.models.gpt2`); ``llama`` and ``mixtral``
-(:mod:`jphantom.models.llama`); ``mistral``; ``qwen2``, ``qwen3`` and ``qwen3_moe``
-(:mod:`jphantom.models.qwen`); ``gemma3_text`` (:mod:`jphantom.models.gemma`). A load then a save
-writes the file's tensors back exactly (names, dtypes, bytes).
+``model_type``: ``gpt2`` (:mod:`jphantom.models.gpt2`); ``llama``, ``mixtral``, ``mistral``,
+``qwen2``, ``qwen3``, ``qwen3_moe`` and ``gemma3_text`` (:mod:`jphantom.models.llama`, its presets
+in :mod:`jphantom.models.llama.variants`). A load then a save writes the file's tensors back
+exactly (names, dtypes, bytes).
 """
 
 from __future__ import annotations

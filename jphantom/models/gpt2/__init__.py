@@ -1,0 +1,19 @@
+"""GPT-2 (Radford et al. 2019, as Hugging Face's ``GPT2LMHeadModel``): its shape
+(:class:`TransformerConfig`, :mod:`~jphantom.models.gpt2.config`), the Flax NNX module built from
+plain Flax layers with no collective (:class:`GPT2`, :mod:`~jphantom.models.gpt2.model`: the zoo's
+GPT-2 on the same path as any user's model, :func:`jphantom.parallelize` and
+:func:`jphantom.make_train_step`), GPT-2's dense parameter dictionary
+(:func:`from_dense` / :func:`to_dense`, :mod:`~jphantom.models.gpt2.dense`), Hugging Face
+checkpoints read and written without torch (:func:`load` / :func:`save` as the dense dictionary,
+:func:`load_hf` / :func:`save_hf` as the module, :mod:`~jphantom.models.gpt2.hf`), as
+:mod:`jphantom.models.llama` holds Llama's, and its family registration
+(:mod:`~jphantom.models.gpt2.family`). Importing the package registers the ``gpt2`` family.
+"""
+
+from jphantom.models.gpt2.config import DTYPES, LAYER_NORM_EPS, TransformerConfig, moe_fields
+from jphantom.models.gpt2.model import AUX, GPT2, MLP, Attention, Block, MoEBlock, MoEGroup
+from jphantom.models.gpt2.dense import from_dense, to_dense
+from jphantom.models.gpt2.hf import (CONFIG_FILE, HF_DEFAULTS, INDEX_FILE, PREFIX, TANH_GELUS,
+                                     WEIGHTS_FILE, config_from_hf, config_to_hf, load, load_hf,
+                                     save, save_hf, to_hf_tensors)
+from jphantom.models.gpt2.family import FAMILY, family_config, plan_shape

@@ -1,0 +1,64 @@
+"""GPT-2 (Radford et al. 2019) as a model family (:mod:`jphantom.families`): its configuration
+from a run's model section, the block shape the planner prices, and its registration (``gpt2``,
+alias ``transformer``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jphantom.errors import ConfigError
+from jphantom.models.gpt2.config import TransformerConfig, moe_fields
+from jphantom.models.gpt2.hf import config_from_hf, load_hf, save_hf
+from jphantom.models.gpt2.model import GPT2
+
+def family_config(section, phantom: bool) -> TransformerConfig:
+    """The :class:`TransformerConfig` of the run's model section
+    (:class:`jphantom.config.ModelConfig`): its checkpoint's (``from_hf``) or the section's shape.
+    A phantom GPT-2 has an untied head (its feature-split activations would all-reduce a tied
+    head's logits)."""
+    from jphantom import families
+
+    ghost = section.ghost_width if phantom else None
+    if section.from_hf:
+        config = config_from_hf(families.read_hf_config(section.from_hf, families.get("gpt2")))
+        families.check_checkpoint_shape(section, config, {
+            "layers": "layers", "hidden": "hidden", "heads": "heads", "vocab": "vocab_size"})
+        if section.seq_len > config.seq_len:
+            raise ConfigError(f"seq_len={section.seq_len} exceeds the checkpoint's "
+                              f"{config.seq_len} positions: pass --seq-len {config.seq_len} or "
+                              "less")
+        return dataclasses.replace(config, dtype=section.dtype, tied_head=not phantom,
+                                   ghost_width=ghost)
+    return TransformerConfig(vocab_size=section.vocab, seq_len=section.seq_len,
+                             hidden=section.hidden, heads=section.heads, layers=section.layers,
+                             ghost_width=ghost, dtype=section.dtype, tied_head=not phantom,
+                             **moe_fields(section.moe_every, section.experts, section.top_k,
+                                          section.capacity_factor, section.dropless))
+
+
+def plan_shape(config: TransformerConfig):
+    """The dense-block shape :mod:`jphantom.plan` prices (GPT-2's block, tied head)."""
+    from jphantom.perf.axonn_model import GPTShape
+
+    if config.moe_every:
+        raise ConfigError("the planner prices dense blocks; MoE blocks are not modelled: use a "
+                          "dense model")
+    return GPTShape(config.layers, config.hidden, config.heads, config.seq_len,
+                    config.vocab_size)
+
+
+def _register():
+    from jphantom import families
+
+    return families.register(families.Family(
+        name="gpt2", description="GPT-2 (LayerNorm, GELU MLP, learned positions, tied head); "
+        "GShard-style routed MoE blocks with --moe-every", config_type=TransformerConfig,
+        module=GPT2, from_flags=family_config,
+        flags=("ghost_width", "moe_every", "experts", "top_k", "capacity_factor", "dropless"),
+        hf_types=("gpt2",), config_from_hf=config_from_hf, load_hf=load_hf, save_hf=save_hf,
+        flops_per_token=lambda config, seq_len: dataclasses.replace(
+            config, seq_len=seq_len).flops_per_token(),
+        plan_shape=plan_shape, aliases=("transformer",)))
+
+
+FAMILY = _register()

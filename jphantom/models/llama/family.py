@@ -1,0 +1,95 @@
+"""What the family registry (:mod:`jphantom.families`) reads of a Llama-family model: its
+FLOPs per token, the block shape the planner prices, its configuration from a run's model
+section, and :func:`register_variant`, which declares one preset of the Llama block as a family
+(:mod:`jphantom.models.llama.variants` declares the zoo's)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jphantom.errors import ConfigError
+from jphantom.models.llama.config import LlamaConfig
+from jphantom.models.llama.hf import config_from_hf, load_hf, save_hf
+from jphantom.models.llama.model import Llama
+
+
+def default_intermediate(hidden: int) -> int:
+    """Llama's SwiGLU width for ``hidden``: 8h/3 rounded up to a multiple of 32."""
+    return -(-8 * hidden // 3 // 32) * 32
+
+
+def flops_per_token(config: LlamaConfig, seq_len: int) -> int:
+    """Forward + backward model FLOPs per token at ``seq_len``: 6 x the weights in matmuls (the
+    query, key, value and output projections, the MLP's three matmuls or the router and the k
+    experts a token visits, the head) plus attention's 6 L S heads d (QK^T and AV over the causal
+    half of the square, forward and backward; sliding windows counted whole)."""
+    c = config
+    h, d, L = c.hidden, c.dim, c.layers
+    attention = h * c.heads * d * 2 + h * c.kv_heads * d * 2
+    mlp = (h * c.experts + c.top_k * 3 * h * c.intermediate) if c.experts else (
+        3 * h * c.intermediate)
+    return 6 * (L * (attention + mlp) + c.vocab_size * h) + 6 * L * seq_len * c.heads * d
+
+
+def plan_shape(config: LlamaConfig, model: str = "llama"):
+    """The dense-block shape :mod:`jphantom.plan` prices (its Llama block: GQA projections and a
+    gated MLP; norms, biases and q/k norms are small parameters it leaves out)."""
+    from jphantom.perf.axonn_model import GPTShape
+
+    if config.experts:
+        raise ConfigError("the planner prices dense blocks; MoE blocks are not modelled: use a "
+                          "dense model")
+    if config.dim * config.heads != config.hidden:
+        raise ConfigError(f"head_dim={config.dim} x heads={config.heads} != hidden="
+                          f"{config.hidden}: the planner prices heads of hidden/heads features")
+    return GPTShape(config.layers, config.hidden, config.heads, config.max_positions,
+                    config.vocab_size, "llama", config.intermediate, config.kv_heads,
+                    tied=config.tie_word_embeddings, model=model)
+
+
+def family_config(section, name: str, **preset) -> LlamaConfig:
+    """The :class:`LlamaConfig` of the run's model section (:class:`jphantom.config.ModelConfig`)
+    for the Llama-family ``name``: its checkpoint's (``from_hf``) or the section's shape with the
+    family's ``preset`` fields (a callable preset is called with the section)."""
+    from jphantom import families
+
+    if section.from_hf:
+        config = config_from_hf(families.read_hf_config(section.from_hf, families.get(name)))
+        families.check_checkpoint_shape(section, config, {
+            "layers": "layers", "hidden": "hidden", "heads": "heads", "vocab": "vocab_size",
+            "kv_heads": "kv_heads", "intermediate": "intermediate",
+            "sliding_window": "sliding_window"})
+        return dataclasses.replace(config, dtype=section.dtype)
+    fields = dict(vocab_size=section.vocab, hidden=section.hidden,
+                  intermediate=section.intermediate or default_intermediate(section.hidden),
+                  layers=section.layers, heads=section.heads,
+                  kv_heads=section.kv_heads or section.heads, max_positions=section.seq_len,
+                  dtype=section.dtype)
+    fields.update({k: v(section) if callable(v) else v for k, v in preset.items()})
+    return LlamaConfig(**fields)
+
+
+def register_variant(name: str, description: str, hf_types: tuple[str, ...], *,
+                     flags: tuple[str, ...] = (), check=None, aliases: tuple[str, ...] = (),
+                     strategies: tuple[str, ...] | None = None, **preset):
+    """Register a Llama-family variant (one :class:`LlamaConfig` preset, the :class:`Llama`
+    module, its Hugging Face reader and writer); the variant owns the configurations whose
+    :attr:`LlamaConfig.model_type` is in ``hf_types``; ``strategies``: what it runs (default
+    every language-model strategy)."""
+    import functools
+
+    from jphantom import families
+
+    return families.register(families.Family(
+        name=name, description=description, config_type=LlamaConfig, module=Llama,
+        from_flags=lambda section, phantom: family_config(section, name, **preset),
+        flags=("kv_heads", "intermediate", "ghost_width", *flags), hf_types=hf_types,
+        config_from_hf=config_from_hf, load_hf=load_hf, save_hf=save_hf,
+        flops_per_token=flops_per_token, plan_shape=functools.partial(plan_shape, model=name),
+        matches=lambda config: config.model_type in hf_types, check=check, aliases=aliases,
+        strategies=families.LM_STRATEGIES if strategies is None else strategies))
+
+
+NO_PMM3D = ("dense", "gspmd", "tensor", "phantom", "phantom-unfused")
+"""What a family with per-head q/k norms runs: pmm3d splits a head's features over ``y``, and
+the norm needs the whole head (:func:`jphantom.plans.pmm3d` refuses it by name)."""
