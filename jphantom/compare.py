@@ -71,7 +71,9 @@ class CompareConfig:
     the FFN: width, depth, batch, optimizer, learning rate, ``steps`` as the maximum,
     ``eval_every``, an optional ``target_loss``) trained with TP at each shard count in
     ``shards`` and with phantom at each shard count and ghost width (``ghost_widths``, or
-    ``"auto"``), for every seed; the teacher has ``train_size`` / ``eval_size`` samples."""
+    ``"auto"``), for every seed; the teacher has ``train_size`` / ``eval_size`` samples.
+    Validated on construction without jax's devices or the file system (configuration is data);
+    :meth:`build` checks the sweep against the devices."""
 
     base: RunConfig = dataclasses.field(default_factory=lambda: RunConfig.from_flags(**BASE))
     shards: tuple[int, ...] = (2, 4, 8)
@@ -98,12 +100,18 @@ class CompareConfig:
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not (
                 math.isfinite(margin) and margin >= 0):
             raise ConfigError(f"target_margin={margin!r} must be a finite number >= 0")
+
+    def build(self) -> list:
+        """Every run of the sweep built (:meth:`jphantom.config.RunConfig.build`, nothing
+        compiled), in :meth:`run_configs`' order: the devices hold the largest shard count and
+        every run's shapes are valid (width divisible by every p, ...), before the first run
+        trains. The explicit step after the configuration (data, touching neither jax's devices
+        nor the file system); :func:`run_compare` takes it first."""
         if jax.device_count() < max(self.shards):
             raise ConfigError(
                 f"shards={self.shards} needs {max(self.shards)} devices, have {jax.device_count()}: "
                 f"pass --devices {max(self.shards)} or fewer shards")
-        for config in self.run_configs():  # every run's shapes are valid (width divisible
-            config.build()  # by every p, ...), before the first run trains
+        return [config.build() for config in self.run_configs()]
 
     @classmethod
     def from_flags(cls, *, shards=(2, 4, 8), ghost_widths=(2, 4, 16), seeds=(0, 1, 2),
@@ -229,6 +237,7 @@ def run_compare(config: CompareConfig, *, power: PowerModel = PowerModel(), prog
     row under ``*_modelled``). Without it the energy is modelled."""
     from jphantom.run import check_memory, run
 
+    config.build()  # the devices and every run's shapes, before anything is trained
     base = config.base
     teacher = Teacher(TeacherConfig(width=config.width, train_size=config.train_size,
                                     eval_size=config.eval_size), jnp.dtype(base.model.dtype))

@@ -29,7 +29,6 @@ the main figures on its progress bar and, with ``--tensorboard``, logs the same 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
 
 import jax

@@ -283,7 +283,7 @@ def test_compile_hlo_file_is_checked_before_anything_compiles(tmp_path, capsys):
         assert main(["compile", "--hlo", str(value)]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and message in err, err
-    from jphantom.cli import _hlo_paths
+    from jphantom.cli.compile import hlo_paths as _hlo_paths
 
     assert _hlo_paths("out/step.hlo", ["tensor"]) == {"tensor": "out/step.hlo"}
     assert _hlo_paths("out/step.hlo", ["tensor", "phantom"]) == {

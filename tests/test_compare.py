@@ -77,7 +77,28 @@ def test_compare_rejects_bad_settings(settings, message):
     """``CompareConfig.from_flags``: the base run's flat settings over the comparison's
     defaults, and the sweep (shards, ghost widths, seeds, margin)."""
     with pytest.raises(ConfigError, match=message):
-        CompareConfig.from_flags(**settings)
+        CompareConfig.from_flags(**settings).build()
+
+
+def test_a_compare_configuration_is_pure_data(monkeypatch):
+    """Constructing a CompareConfig validates it without jax's devices or the file system (as a
+    RunConfig: test_run.py); build(), the explicit next step, checks the sweep against the
+    devices, with the same error."""
+    import jax
+
+    def no_devices(*args, **kwargs):
+        raise AssertionError("a configuration asked jax for its devices")
+
+    for name in ("devices", "device_count", "local_devices"):
+        monkeypatch.setattr(jax, name, no_devices)
+    config = CompareConfig.from_flags(width=64, shards=(2, 16), ghost_widths=(2,), seeds=(0,))
+    assert config == CompareConfig.from_flags(width=64, shards=(2, 16), ghost_widths=(2,),
+                                              seeds=(0,))
+    with pytest.raises(ConfigError, match="ghost_widths=0 must be an integer >= 1"):
+        CompareConfig.from_flags(ghost_widths=(0,))  # the sweep's own rules: no jax either
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match=r"shards=\(2, 16\) needs 16 devices, have 8"):
+        config.build()
 
 
 def test_compare_refuses_what_cannot_fit_before_training():

@@ -51,13 +51,13 @@ def test_nvidia_gpu_visible_from_jax_platforms():
 
 @pytest.mark.parametrize("platforms, printed", [("cuda", True), ("cpu", False)])
 def test_train_applies_them_on_nvidia_gpus_only(monkeypatch, capsys, platforms, printed):
-    """The step train takes before jax starts (cli._train_gpu_defaults, called by main): on an
+    """The step train takes before jax starts (cli.train_gpu_defaults, called by main): on an
     NVIDIA GPU one line says what it set; elsewhere nothing changes."""
     monkeypatch.setenv("JAX_PLATFORMS", platforms)
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_pipelined_all_reduce=false")
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     monkeypatch.delenv("JPHANTOM_PROCESS_ID", raising=False)
-    cli._train_gpu_defaults()
+    cli.train_gpu_defaults()
     out = capsys.readouterr().out
     if printed:
         assert out.startswith("gpu defaults: --xla_gpu_enable_latency_hiding_scheduler=true")

@@ -152,7 +152,7 @@ def test_demo_inspects_then_compares_on_the_devices_it_has(tmp_path, monkeypatch
     """demo: inspect of phantom, tensor-t1, tensor and gspmd at p = 8 (this process's 8 CPU
     devices), then compare with its defaults on shards 2,4,8 (the training itself is stubbed)."""
     seen = {}
-    monkeypatch.setattr(cli, "_compare", lambda args: seen.setdefault("args", args) and 0)
+    monkeypatch.setattr(cli.compare, "handle", lambda args: seen.setdefault("args", args) and 0)
     assert cli.main(["demo", "--out", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out
     assert "p=8, k=16" in out
@@ -223,15 +223,15 @@ def test_inspect_and_compile_build_the_same_run_from_the_same_flags(model, tmp_p
     file.write_text(f'model = "{model}"\nlayers = 2\n')
     for argv in (["--model", model], ["--model", model, "--hidden", "64", "--batch", "8"],
                  ["--config", str(file)]):
-        inspect = cli._step_settings(parser.parse_args(["inspect", *argv]), cli.INSPECT_MODEL)
-        compile_ = cli._step_settings(parser.parse_args(["compile", *argv]), cli.COMPILE_MODEL)
+        inspect = cli.step_settings(parser.parse_args(["inspect", *argv]), cli.INSPECT_MODEL)
+        compile_ = cli.step_settings(parser.parse_args(["compile", *argv]), cli.COMPILE_MODEL)
         inspect.pop("strategy"), compile_.pop("strategy")  # each command's own (later per run)
         assert inspect == compile_, argv
         for key in ("dtype", "vocab", "layers", "hidden", "heads", "seq_len", "batch",
                     "optimizer"):
             assert key in inspect, key
     assert inspect["layers"] == 2 and inspect["vocab"] == cli.LM_DEFAULTS["vocab"]
-    default_inspect = cli._step_settings(parser.parse_args(["inspect"]), cli.INSPECT_MODEL)
-    default_compile = cli._step_settings(parser.parse_args(["compile"]), cli.COMPILE_MODEL)
+    default_inspect = cli.step_settings(parser.parse_args(["inspect"]), cli.INSPECT_MODEL)
+    default_compile = cli.step_settings(parser.parse_args(["compile"]), cli.COMPILE_MODEL)
     assert default_inspect == {**cli.FFN_DEFAULTS, "model": "ffn", "strategy": ["phantom"]}
     assert default_compile == {**cli.LM_DEFAULTS, "model": "llama", "strategy": ["tensor"]}

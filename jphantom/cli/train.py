@@ -1,0 +1,123 @@
+"""``jphantom train``: the run the flags (and ``--config FILE.toml``) describe, trained by
+:func:`jphantom.run.run`, with jphantom's GPU defaults set first on NVIDIA GPUs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from jphantom.cli.devices import accelerator_visible, add_device_flag, setup_devices
+from jphantom.cli.parser import add_gpu_defaults_flag, add_run_flags, run_settings
+
+TRAIN_DEFAULTS = {"grad_norm": True}  # train's defaults where they differ from RunConfig's
+
+
+def add_parser(sub) -> None:
+    train = sub.add_parser(
+        "train", help="train the FFN, GPT-2 or Llama under any strategy and mesh",
+        description="Train and write metrics.jsonl, curves.png and results.json into --out. Every "
+                    "setting can also come from --config FILE.toml (flat keys as below, with - or "
+                    "_, or sections [model], [parallel], [step], [train]: examples/train.toml); "
+                    "flags override the file.",
+        epilog="Examples: jphantom train  (a 4-layer width-256 GPT-2 on the standard library's "
+               "sources) | jphantom train --strategy tensor --mesh data=2,model=4 "
+               "--sequence-parallel --devices 8 | jphantom train --model ffn --strategy phantom "
+               "--ghost-width 8 --width 256 --mesh model=4 --devices 4 | jphantom train --model "
+               "llama --strategy tensor --mesh stage=2,data=2,model=2 --microbatches 4 --schedule "
+               "gpipe (a pipeline of 2 stages) | jphantom train --strategy tensor --mesh "
+               "data=4,model=2 --zero 3 --accumulate 2 --clip-norm 1.0 (FSDP, 2 micro-batches, "
+               "clipping)")
+    train.add_argument("--config", metavar="FILE.toml", help="settings from a TOML file")
+    add_run_flags(train)
+    add_device_flag(train)
+    add_gpu_defaults_flag(train, "set jphantom's GPU defaults on NVIDIA GPUs (jphantom."
+                                 "gpu_defaults: XLA flags for the latency-hiding scheduler and "
+                                 "pipelined collectives, XLA_PYTHON_CLIENT_MEM_FRACTION=0.9) "
+                                 "where the environment does not set them")
+    train.set_defaults(handler=handle)
+
+
+def train_gpu_defaults() -> None:
+    """``train`` on NVIDIA GPUs: :mod:`jphantom.gpu_defaults` into the environment where it does
+    not set them, and one line saying what was set (by the first process of a multi-process
+    run)."""
+    from jphantom import gpu_defaults
+    from jphantom.distributed import ENV_PROCESS_ID
+
+    if not gpu_defaults.nvidia_gpu_visible():
+        return
+    applied = gpu_defaults.apply()
+    if os.environ.get(ENV_PROCESS_ID, "0").strip() in ("", "0"):
+        print("gpu defaults: " + (" ".join(applied) if applied else
+                                  "none set (XLA_FLAGS and the environment set them all)"))
+
+
+def handle(args: argparse.Namespace) -> int:
+    settings = run_settings(args, TRAIN_DEFAULTS)
+    from jphantom import distributed
+
+    devices, at_least = args.devices, False
+    if devices is None and not accelerator_visible():
+        # On CPU simulate as many devices as the mesh needs (one for dense): fewer simulated devices
+        # leave each one more of the host's threads.
+        from jphantom.mesh import MeshConfig
+        mesh = settings.get("mesh")
+        if mesh is not None:
+            devices = MeshConfig.parse(mesh).device_count
+        elif settings.get("strategy", "dense") == "dense":
+            devices = 1
+        at_least = True
+    if not distributed.is_initialized():  # else the launcher gave every process its devices
+        setup_devices(devices, at_least=at_least)
+    import jax
+
+    from jphantom.config import RunConfig
+    from jphantom.run import run
+    if settings.get("dtype") == "float64":
+        jax.config.update("jax_enable_x64", True)
+    config = RunConfig.from_flags(**settings)
+    config.build()  # every shape against the mesh, before any data is read
+    used, available = config.parallel.mesh_config().device_count, jax.device_count()
+    if used < available and jax.process_index() == 0:
+        print(f"note: mesh {config.parallel.mesh_config()} uses {used} of the {available} "
+              f"devices; {available - used} stay idle (give the mesh more ranks to use them)")
+    results = run(config)
+    if "pipeline" in results:
+        pipe = results["pipeline"]
+        print(f"pipeline: {pipe['schedule']}, {pipe['stages']} stages, {pipe['microbatches']} "
+              f"micro-batches, {pipe['virtual_stages']} virtual stage(s) per device")
+    step = results["step"]
+    if step != {"zero": 0, "accumulate": 1, "clip_norm": None, "precision": "float32",
+                "remat": "none"}:
+        print(f"step: ZeRO-{step['zero']}, {step['accumulate']} accumulation micro-batch(es), "
+              + ("no clipping" if step["clip_norm"] is None
+                 else f"gradients clipped to global norm {step['clip_norm']:g}")
+              + f", {step['precision']} compute, remat {step['remat']}")
+    if "moe" in results:
+        moe = results["moe"]
+        active = ("" if moe["active_params"] is None
+                  else f", {moe['active_params']:,} active parameters")
+        print(f"MoE: every {moe['moe_every']} block(s), {moe['experts']} experts, "
+              f"top-{moe['top_k']}{active}; dropped {100 * moe['final_dropped_fraction']:.2f}% "
+              "of token-expert assignments")
+    if results["interrupted"]:
+        from jphantom.resilience import EXIT_STATUS
+
+        where = f" into {config.train.out}" if config.train.out is not None else ""
+        saved = results.get("checkpoints", {}).get("steps") or []
+        kept = (f"; checkpoint of step {max(saved)} in {config.train.checkpoint_dir} (continue "
+                "with --resume)" if saved else "; no checkpoint (give --checkpoint-dir to keep "
+                "the state)")
+        if jax.process_index() == 0:
+            print(f"{results['stopped_by'] or 'interrupted'}: stopped after step "
+                  f"{results['steps_done']}, wrote what the run had{where}{kept}",
+                  file=sys.stderr)
+        return EXIT_STATUS.get(results["stopped_by"], 130)
+    print(f"final validation loss {results['final_validation_loss']:.4f}"
+          + (f" nats/token; unigram cross-entropy {results['unigram_cross_entropy']:.4f}; "
+             f"ratio {results['validation_over_unigram']:.3f}"
+             if "unigram_cross_entropy" in results else " (MSE)"))
+    if jax.process_index() == 0 and config.train.out is not None:  # process 0 alone writes
+        print(f"wrote {config.train.out}/results.json, metrics.jsonl and curves.png")
+    return 0
