@@ -203,12 +203,12 @@ def flash_blocks(small: bool) -> dict:
         scale = 1 / math.sqrt(d)
         mask = jnp.tril(jnp.ones((sq, sk), bool)) if causal else None
         f32 = lambda a: a.astype(jnp.float32)
-        want_o, want_lse = jax.jit(attention._block, static_argnums=4)(
+        want_o, want_lse = jax.jit(attention.block, static_argnums=4)(
             f32(q), f32(k), f32(v), mask, scale)
         o, lse = jax.jit(lambda q, k, v: flash.block(q, k, v, causal=causal, scale=scale,
                                                        interpret=interpret))(q, k, v)
         delta = jnp.sum(do * want_o, -1)
-        want = jax.jit(attention._block_grads, static_argnums=7)(
+        want = jax.jit(attention.block_grads, static_argnums=7)(
             f32(q), f32(k), f32(v), do, want_lse, delta, mask, scale)
         got = jax.jit(lambda q, k, v, o, l, do: flash.block_grads(
             q, k, v, o, l, do, causal=causal, scale=scale, interpret=interpret))(

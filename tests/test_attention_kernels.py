@@ -112,12 +112,12 @@ def test_flash_blocks_equal_the_einsum_blocks(causal, keys):
     do = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
     scale = 1 / math.sqrt(8)
     mask = jnp.tril(jnp.ones((16, keys), bool)) if causal else None
-    want_o, want_lse = attention._block(q, k, v, mask, scale)
+    want_o, want_lse = attention.block(q, k, v, mask, scale)
     o, lse = flash.block(q, k, v, causal=causal, scale=scale, interpret=True)
     np.testing.assert_allclose(o, want_o, atol=1e-5)
     np.testing.assert_allclose(lse, want_lse, atol=1e-5)
     delta = jnp.sum(do * want_o, -1)
-    want = attention._block_grads(q, k, v, do, want_lse, delta, mask, scale)
+    want = attention.block_grads(q, k, v, do, want_lse, delta, mask, scale)
     got = flash.block_grads(q, k, v, want_o, want_lse, do, causal=causal, scale=scale,
                             interpret=True)
     for a, b in zip(got, want):

@@ -146,7 +146,7 @@ def test_gspmd_mesh_replica_groups_with_device_ids_and_their_attribute():
     4 j + 2 i + k here) and the attribute reader takes it whole, not up to the first comma."""
     attrs = (", channel_id=6, replica_groups=mesh['axis_0'=2,'axis_1'=2,'axis_2'=2], "
              "device_ids=([2,2,2]T(1,0,2)) {'axis_0'}, metadata={op_name=\"x\"}")
-    text = hlo._attr_value(attrs, "replica_groups")
+    text = hlo.attr_value(attrs, "replica_groups")
     assert text.endswith("{'axis_0'}")
     assert hlo.replica_group_lists(text, 8) == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert hlo.group_axes(text, {"a": 2, "b": 2, "c": 2}) == ("b",)

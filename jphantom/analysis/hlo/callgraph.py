@@ -1,0 +1,151 @@
+"""How many times each computation of an HLO module runs per step (its *multiplier*): the call
+graph from ENTRY, a ``while`` body run its trip count times (from XLA's ``known_trip_count`` or its
+condition's compare against a constant), its condition once more."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from jphantom.analysis.hlo.text import Computation, Instruction, backend_config, called_computations
+
+
+_TRIP = re.compile(r'\\?"known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"?(-?\d+)')
+_DIRECTION = re.compile(r"direction=(\w+)")
+
+
+def _int_value(comp: Computation, name: str, params: Mapping[int, int | None]) -> int | None:
+    """The integer ``name`` holds in ``comp`` if it is a compile-time constant, else None.
+
+    Follows ``copy``/``convert``/``bitcast``/``reshape`` and, inside a fusion, maps
+    ``parameter(i)`` to the value of the fusion's i-th operand (``params``)."""
+    instr = comp.find(name)
+    if instr is None:
+        return None
+    if instr.opcode == "constant":
+        literal = instr.operands[0]
+        return int(literal) if re.fullmatch(r"-?\d+", literal) else None
+    if instr.opcode == "parameter":
+        index = instr.operands[0]
+        return params.get(int(index)) if index.isdigit() else None
+    if instr.opcode in ("copy", "convert", "bitcast", "reshape") and instr.operands:
+        return _int_value(comp, instr.operands[0], params)
+    return None
+
+
+def _trip_count_from_condition(cond: Computation, comps: Mapping[str, Computation],
+                               init: int, step: int) -> int | None:
+    """Trip count of a loop whose condition compares the loop variable with a constant."""
+    root = cond.root
+    if root is None:
+        return None
+    scope, params = cond, {}
+    if root.opcode == "fusion":  # CPU/GPU wrap the compare in a fusion: look inside it
+        callee = [name for key, name in called_computations(root) if key == "calls"]
+        if len(callee) != 1 or callee[0] not in comps:
+            return None
+        params = {i: _int_value(cond, op, {}) for i, op in enumerate(root.operands)}
+        scope = comps[callee[0]]
+        root = scope.root
+    if root is None or root.opcode != "compare" or len(root.operands) != 2:
+        return None
+    direction = _DIRECTION.search(root.attrs)
+    lhs, rhs = (_int_value(scope, op, params) for op in root.operands)
+    if direction is None or (lhs is None) == (rhs is None):
+        return None  # need exactly one constant side: the bound
+    direction = direction[1]
+    if lhs is not None:  # "N > i" is "i < N"
+        direction = {"GT": "LT", "GE": "LE", "LT": "GT", "LE": "GE"}.get(direction, direction)
+    bound = rhs if rhs is not None else lhs
+    if step > 0 and direction in ("LT", "LE"):
+        stop = bound if direction == "LT" else bound + 1
+        return max(0, -(-(stop - init) // step))
+    if step < 0 and direction in ("GT", "GE"):
+        stop = bound if direction == "GT" else bound - 1
+        return max(0, -(-(init - stop) // -step))
+    return None
+
+
+def trip_count(loop: Instruction, comps: Mapping[str, Computation]) -> int:
+    """How many times the body of the ``while`` instruction ``loop`` runs.
+
+    XLA's ``"known_trip_count"`` (backend_config) when present; otherwise derived from the condition
+    computation, ``i < N`` (``compare(..., direction=LT)`` of the loop variable against
+    ``constant(N)``, also ``LE``/``GT``/``GE`` and inside a fusion), with the loop variable starting
+    at ``"known_init_step"`` of backend_config if given, else at 0 with step 1 (how ``lax.scan``
+    and ``lax.fori_loop`` lower). Raises ``ValueError`` when neither works.
+    """
+    config = backend_config(loop)
+    known = config.get("known_trip_count", {}).get("n") if isinstance(config, dict) else None
+    if known is None:
+        match = _TRIP.search(loop.attrs)
+        known = match[1] if match else None
+    if known is not None:
+        return int(known)
+    init_step = config.get("known_init_step", {}) if isinstance(config, dict) else {}
+    init, step = int(init_step.get("init", 0)), int(init_step.get("step", 1))
+    condition = [name for key, name in called_computations(loop) if key == "condition"]
+    if condition and condition[0] in comps and step != 0:
+        count = _trip_count_from_condition(comps[condition[0]], comps, init, step)
+        if count is not None:
+            return count
+    raise ValueError(
+        f"cannot determine the trip count of while loop %{loop.name} (condition="
+        f"{'%' + condition[0] if condition else '?'}): no known_trip_count in its backend_config "
+        "and its condition is not a compare of the loop variable against a constant"
+    )
+
+
+def multipliers(comps: Mapping[str, Computation]) -> dict[str, int]:
+    """How many times each computation runs per execution of the module (see the module doc).
+
+    Computations not reachable from ENTRY are absent (their loops are never inspected). Without an
+    ENTRY (a fragment), every computation that nothing calls is a root run once."""
+    edges: dict[str, list[tuple[str, Instruction, str]]] = {name: [] for name in comps}
+    called = set()
+    for comp in comps.values():
+        for instr in comp.instructions:
+            for key, callee in called_computations(instr):
+                if callee in comps:
+                    edges[comp.name].append((callee, instr, key))
+                    called.add(callee)
+    roots = [c.name for c in comps.values() if c.entry]
+    if not roots:
+        roots = [name for name in comps if name not in called]
+
+    # Reachable computations in topological order (callers before callees; HLO has no recursion).
+    order, state = [], {}
+    for root in roots:
+        if root in state:
+            continue
+        state[root] = "open"
+        stack = [(root, iter(edges[root]))]
+        while stack:
+            node, children = stack[-1]
+            for child, _, _ in children:
+                if child not in state:
+                    state[child] = "open"
+                    stack.append((child, iter(edges[child])))
+                    break
+                if state[child] == "open":
+                    raise ValueError(f"recursive HLO call graph through %{child}")
+            else:
+                stack.pop()
+                state[node] = "done"
+                order.append(node)
+    order.reverse()
+
+    mult = {name: 0 for name in order}
+    for root in roots:
+        mult[root] = 1
+    trips: dict[int, int] = {}  # id(while instruction) -> trip count
+    for name in order:
+        for callee, instr, key in edges[name]:
+            factor = 1
+            if instr.opcode == "while" and key in ("body", "condition"):
+                if id(instr) not in trips:
+                    trips[id(instr)] = trip_count(instr, comps)
+                # The condition is evaluated once more than the body: the last test exits.
+                factor = trips[id(instr)] + (key == "condition")
+            mult[callee] += mult[name] * factor
+    return mult

@@ -1,0 +1,120 @@
+"""Context parallelism's layers: the sequence of every activation split over the ``context``
+mesh axis, the attention core swapped (plan style ``context``, :func:`jphantom.plans.context`) for
+:class:`RingAttention` (the default) or :class:`GatheredAttention` (K and V all-gathered,
+MaxText's default), the positions for :class:`ContextPositions`; and the kernel their blocks run
+on (:func:`context_kernel`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jphantom import comm
+from jphantom.errors import ConfigError
+from jphantom.nn.attention.core import CausalAttention, Positions, causal_attention
+from jphantom.nn.attention.kernel_choice import check_implementation, choose, platform_of
+from jphantom.nn.attention.layout import AXIS, layout_positions
+from jphantom.nn.attention.ring import ring_attention
+
+
+ALGORITHMS = ("ring", "all-gather")
+
+
+def gathered_attention(q, k, v, *, size: int, balanced: bool = True,
+                       window: int | None = None) -> jax.Array:
+    """Causal attention of this rank's chunk with K and V all-gathered over ``context`` (XLA's
+    path: the mask of the layout's positions is not one cuDNN takes)."""
+    local = q.shape[1]
+    k_all = comm.all_gather(k, AXIS, axis=1, tiled=True)
+    v_all = comm.all_gather(v, AXIS, axis=1, tiled=True)
+    q_pos = layout_positions(comm.axis_index(AXIS), size, local, balanced)
+    k_pos = jnp.concatenate([layout_positions(r, size, local, balanced) for r in range(size)])
+    mask = q_pos[:, None] >= k_pos[None, :]
+    if window is not None:
+        mask &= q_pos[:, None] - k_pos[None, :] < window
+    return causal_attention(q, k_all, v_all, mask)
+
+
+# -- the context layers ------------------------------------------------------------------------
+
+
+class ContextPositions(nnx.Module):
+    """The global positions of the S/C tokens this rank holds on the ``context`` axis
+    (``length``: the whole sequence's S)."""
+
+    def __init__(self, *, size: int, balanced: bool = True):
+        self.size, self.balanced = size, balanced
+
+    def __call__(self, seq: int) -> jax.Array:
+        return layout_positions(comm.axis_index(AXIS), self.size, seq, self.balanced)
+
+    def length(self, seq: int) -> int:
+        return seq * self.size
+
+    def dense_equivalent(self) -> Positions:
+        return Positions()
+
+
+class RingAttention(nnx.Module):
+    """Ring attention over ``context`` (module docstring): :func:`ring_attention`, its blocks on
+    the kernel :meth:`kernel` picks; ``window`` (a sliding window) is refused by name: use
+    :class:`GatheredAttention`."""
+
+    algorithm = "ring"
+
+    def __init__(self, *, size: int, balanced: bool = True, window: int | None = None,
+                 implementation: str = "auto"):
+        self.size, self.balanced = size, balanced
+        self.window, self.implementation = window, check_implementation(implementation)
+        self.platform = None
+        if window is not None and self.algorithm == "ring":
+            raise ConfigError(f"a sliding window ({window} tokens) with ring attention: its "
+                              "blocks skip by whole chunks, not windows; use "
+                              "--context-attention all-gather")
+
+    def kernel(self, dtype, head_dim: int) -> tuple[str, str]:
+        """The kernel of the blocks and why (:func:`context_kernel`)."""
+        platform = self.platform or platform_of(jax.devices()[0])
+        return context_kernel(self.algorithm, self.implementation, platform, dtype, head_dim)
+
+    def __call__(self, q, k, v) -> jax.Array:
+        kernel, _ = self.kernel(q.dtype, q.shape[-1])
+        return ring_attention(q, k, v, size=self.size, balanced=self.balanced, kernel=kernel)
+
+    def dense_equivalent(self) -> CausalAttention:
+        return CausalAttention(window=self.window, implementation=self.implementation)
+
+
+class GatheredAttention(RingAttention):
+    """Attention over ``context`` with K/V all-gathered: :func:`gathered_attention`."""
+
+    algorithm = "all-gather"
+
+    def __call__(self, q, k, v) -> jax.Array:
+        self.kernel(q.dtype, q.shape[-1])
+        return gathered_attention(q, k, v, size=self.size, balanced=self.balanced,
+                                  window=self.window)
+
+
+def context_kernel(algorithm: str, implementation: str, platform: str, dtype,
+                   head_dim: int) -> tuple[str, str]:
+    """The kernel of context attention's blocks and why: where :func:`choose` picks cuDNN for
+    the unsplit core, the ring's blocks run jax's Pallas Triton flash kernels
+    (:mod:`jphantom.nn.flash`: cuDNN's statistics come back only in the compute dtype), else
+    XLA's einsum blocks; the all-gather variant attends under its layout's position mask, on
+    XLA's path."""
+    kernel, why = choose(implementation, platform, dtype, head_dim)
+    if kernel == "xla":
+        return "xla", why
+    if algorithm != "ring":
+        return "xla", (f"{algorithm} context attention: the layout's position mask is not one "
+                       "cuDNN takes")
+    return "pallas", (f"{why}; ring blocks: jax's Pallas Triton flash attention (float32 "
+                      "log-sum-exp to merge them)")
+
+
+def check_algorithm(name: str) -> str:
+    if name not in ALGORITHMS:
+        raise ConfigError(f"context attention {name!r}: use one of {', '.join(ALGORITHMS)}")
+    return name

@@ -1,0 +1,92 @@
+"""The causal attention core of a whole sequence and its positions: :func:`causal_attention`
+through ``jax.nn.dot_product_attention`` (XLA's path or cuDNN's flash attention; GQA, sliding
+windows), the parameterless :class:`CausalAttention` a model hands q, k and v to, and
+:class:`Positions`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jphantom.errors import ConfigError
+from jphantom.nn.attention.kernel_choice import check_implementation, choose, platform_of
+
+
+def _window_size(window: int | None):
+    """``jax.nn.dot_product_attention``'s ``local_window_size`` of a causal sliding window of
+    ``window`` tokens (a query attends itself and the window-1 before it)."""
+    return None if window is None else (window - 1, 0)
+
+
+def causal_attention(q, k, v, mask=None, *, window: int | None = None,
+                     implementation: str = "xla") -> jax.Array:
+    """Causal softmax attention, q [B, S, Hq, d], k and v [B, Sk, Hk, d] (Hq a multiple of Hk:
+    each key/value head serves Hq/Hk query heads, never repeated) -> [B, S, Hq, d], through
+    ``jax.nn.dot_product_attention``: ``implementation`` ``xla`` (XLA's path: scores
+    [B, Hq, S, Sk] in float32, softmax in float32; exact, every platform) or ``cudnn`` (cuDNN's
+    flash attention: memory linear in S). ``window``: a causal sliding window of that many tokens
+    (Mistral's, Gemma's local layers). ``mask`` [S, Sk] (True: attend; XLA's path) replaces the
+    causal mask of S = Sk positions 0..S-1."""
+    local = _window_size(window)
+    if implementation == "xla" and jnp.dtype(q.dtype) == jnp.float16:
+        return _float16_attention(q, k, v, mask, window)
+    if mask is not None:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None],
+                                            local_window_size=local, implementation="xla")
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
+                                        implementation=implementation)
+
+
+def _float16_attention(q, k, v, mask, window):
+    """XLA's path for float16 inputs, written out: ``jax.nn.dot_product_attention`` pins the
+    F16_F16_F32 dot algorithm there, which XLA:CPU refuses at compile time. The same arithmetic:
+    scores in float32, softmax in float32, GQA by grouping the query heads."""
+    b, s, hq, d = q.shape
+    hk = k.shape[2]
+    grouped = q.reshape(b, s, hk, hq // hk, d)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", grouped, k,
+                        preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
+    if mask is None:
+        pos = jnp.arange(s)
+        mask = pos[:, None] >= jnp.arange(k.shape[1])[None, :]
+        if window is not None:
+            mask &= pos[:, None] - jnp.arange(k.shape[1])[None, :] < window
+    weights = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", weights.astype(v.dtype), v)
+    return out.reshape(b, s, hq, d)
+
+
+class Positions(nnx.Module):
+    """The positions 0..S-1 of a whole sequence of S tokens (``length(S)``: S)."""
+
+    def __call__(self, seq: int) -> jax.Array:
+        return jnp.arange(seq)
+
+    def length(self, seq: int) -> int:
+        return seq
+
+
+class CausalAttention(nnx.Module):
+    """The attention core of a whole sequence: :func:`causal_attention` with the kernel
+    :func:`choose` picks for ``implementation`` (``auto``: cuDNN's flash attention on NVIDIA GPUs
+    in bf16/fp16, XLA's path elsewhere) on ``platform`` (set by the training step from its mesh's
+    devices, :func:`configure`; ``None``: the process's default backend). ``window``: a causal
+    sliding window of that many tokens."""
+
+    def __init__(self, *, window: int | None = None, implementation: str = "auto"):
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                   or window < 1):
+            raise ConfigError(f"window={window!r} must be a whole number of tokens >= 1")
+        self.window, self.implementation = window, check_implementation(implementation)
+        self.platform = None
+
+    def kernel(self, dtype, head_dim: int) -> tuple[str, str]:
+        """The kernel this core runs for ``dtype`` inputs of ``head_dim`` and why
+        (:func:`choose`)."""
+        platform = self.platform or platform_of(jax.devices()[0])
+        return choose(self.implementation, platform, dtype, head_dim)
+
+    def __call__(self, q, k, v) -> jax.Array:
+        kernel, _ = self.kernel(q.dtype, q.shape[-1])
+        return causal_attention(q, k, v, window=self.window, implementation=kernel)

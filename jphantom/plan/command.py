@@ -1,0 +1,217 @@
+"""``jphantom plan`` on the command line: its flags (read as text, checked by the handler, so
+that a bad value is one ``jphantom: error:`` line), the planner run on them, and
+``--compile-top`` compiling the best layouts for a target."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jphantom.errors import ConfigError
+from jphantom.perf.axonn_model import GPTShape, Topology
+from jphantom.plan.report import format_plan
+from jphantom.plan.result import Plan
+from jphantom.plan.search import DEFAULT_DEVICE_TFLOPS, plan
+
+
+def _parse_int(flag: str, text: str, minimum: int = 1) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{flag} {text!r} is not a whole number: give e.g. {flag} "
+                          f"{max(minimum, 32)}") from None
+    if value < minimum:
+        raise ConfigError(f"{flag} {value} must be >= {minimum}")
+    return value
+
+
+def _parse_float(flag: str, text: str, *, zero_ok: bool = False) -> float:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{flag} {text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(f"{flag} {text} must be a finite number {'>= 0' if zero_ok else '> 0'}")
+    return value
+
+
+def _shape_of_flags(args) -> GPTShape:
+    """The planner's shape of ``--model`` (a registered family that declares a ``plan_shape``)
+    at the flags' sizes."""
+    from jphantom.config import ModelConfig
+    from jphantom import families
+
+    found = families.get(args.model)
+    if found.plan_shape is None:
+        priced = [f.name for f in families.families().values() if f.plan_shape is not None]
+        raise ConfigError(f"--model {found.name}: the planner prices dense decoder blocks "
+                          f"({', '.join(priced)}); {found.name} declares no plan_shape")
+    sizes = {name: _parse_int(f"--{name.replace('_', '-')}", getattr(args, name))
+             for name in ("layers", "hidden", "heads", "seq_len", "vocab")}
+    for name in ("intermediate", "kv_heads"):
+        value = getattr(args, name)
+        if value is not None:
+            sizes[name] = _parse_int(f"--{name.replace('_', '-')}", value)
+    section = ModelConfig(name=found.name, **{k: v for k, v in sizes.items()
+                                              if k in found.accepted})
+    return GPTShape.of(found.plan_shape(found.from_flags(section, False)))
+
+
+def _run(args) -> int:
+    import json
+    import sys
+
+    shape = _shape_of_flags(args)
+    gpus_per_node = _parse_int("--gpus-per-node", args.gpus_per_node)
+    inter = _parse_float("--inter-node-gbps", args.inter_node_gbps)
+    latency_us = _parse_float("--latency-us", args.latency_us, zero_ok=True)
+    if args.intra_node_gbps is None and gpus_per_node == 4:
+        base = Topology.perlmutter()
+        topology = dataclasses.replace(
+            base, inter_node_gbps=inter, latency_us=latency_us,
+            name="perlmutter" if (inter, latency_us) == (base.inter_node_gbps, base.latency_us)
+            else "perlmutter NVLink table, custom inter-node/latency")
+    else:
+        intra = 300.0 if args.intra_node_gbps is None else _parse_float("--intra-node-gbps",
+                                                                        args.intra_node_gbps)
+        topology = Topology(gpus_per_node=gpus_per_node, inter_node_gbps=inter,
+                            intra_node_gbps=intra, latency_us=latency_us, name="custom")
+    result = plan(
+        shape, _parse_int("--devices", args.devices), topology,
+        batch=_parse_int("--batch", args.batch),
+        memory_gib=None if args.memory_gib is None else _parse_float("--memory-gib",
+                                                                     args.memory_gib),
+        precision=args.precision,
+        ghost_width=None if args.ghost_width is None else _parse_int("--ghost-width",
+                                                                    args.ghost_width),
+        accumulate=_parse_int("--accumulate", args.accumulate), latency=not args.no_latency,
+        device_tflops=_parse_float("--device-tflops", args.device_tflops),
+        flash_attention=not args.attention_scores,
+        as_compiled=args.as_compiled or args.compile_top is not None)
+    top = _parse_int("--top", args.top)
+    if args.compile_top is not None:
+        return _compile_top(args, result, _parse_int("--compile-top", args.compile_top),
+                            gpus_per_node)
+    if args.json:
+        json.dump(result.as_dict(top), sys.stdout, indent=2)
+        print()
+    else:
+        print(format_plan(result, top))
+    return 0
+
+
+def _compile_top(args, result: Plan, k: int, gpus_per_node: int) -> int:
+    """``--compile-top K``: compile the K best layouts for the target and re-rank them."""
+    import json
+    import os
+    import sys
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from jphantom import aot
+
+    devices = result.assumptions["devices"]
+    if devices % gpus_per_node:
+        raise ConfigError(f"--devices {devices} is not a whole number of nodes of "
+                          f"--gpus-per-node {gpus_per_node}")
+    target = aot.Target.parse(args.target, nodes=devices // gpus_per_node,
+                              gpus_per_node=gpus_per_node)
+    aot.require_plugin(target.platform)
+    entries = aot.compile_plan(result, k, target)
+    if args.json:
+        json.dump({"plan": result.as_dict(k), "target": target.as_dict(),
+                   "compiled": entries}, sys.stdout, indent=2)
+        print()
+        return 0
+    print(format_plan(result, k))
+    print(f"\nThe top {k} layouts that train this model, compiled for {target.name} and "
+          "re-ranked (compiled peak fits first, then fewer collective bytes across nodes, then "
+          "fewer in all):\n")
+    print(aot.format_compiled_plan(entries))
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    """Register ``jphantom plan`` on the CLI's subparsers. Numbers are read as text and checked by
+    the handler, so a bad value is one ``jphantom: error:`` line (exit status 2)."""
+    parser = subparsers.add_parser(
+        "plan", help="rank parallel layouts of a GPT on N GPUs by modelled communication "
+                     "(Singh's Eqs. 5.1-5.7); nothing runs",
+        description="Enumerate every 4D grid (pmm3d: data x z x y x x) and the other layouts "
+                    "(Megatron tensor parallelism with and without sequence parallelism, plain "
+                    "data parallelism, phantom parallelism, 1F1B pipelines, ZeRO-3) of a GPT on "
+                    "--devices GPUs; price each step's collectives with the ring alpha-beta model "
+                    "and AxoNN's placement-aware bandwidths (Singh's thesis Eq. 5.7: groups inside a "
+                    "node use the intra-node table, groups across nodes share beta_inter); model "
+                    "the memory per GPU; print them ranked, best first, with the top choice and "
+                    "every assumption. Pure arithmetic: no devices, nothing compiled. Defaults: "
+                    "GPT-20B of Singh's thesis Table 5.1 on 32 Perlmutter GPUs.",
+        epilog="Examples: jphantom plan --devices 32 --memory-gib 40  (GPT-20B on 8 Perlmutter "
+               "nodes) | jphantom plan --layers 38 --hidden 9216 --heads 72 --devices 64 "
+               "--memory-gib 40 --top 5  (GPT-40B) | jphantom plan --devices 64 --gpus-per-node 8 "
+               "--inter-node-gbps 200 --intra-node-gbps 450 --json  (another machine, as JSON) | "
+               "jphantom plan --no-latency  (Singh's model exactly)")
+    parser.add_argument("--model", default="transformer",
+                        help="the model family to plan: transformer (alias gpt2: GPT-2 blocks), "
+                             "llama (grouped-query attention, SwiGLU, untied head), mistral, "
+                             "qwen2, qwen3, gemma3 (their Llama blocks; qwen3 and gemma3 with "
+                             "tied embeddings), or a registered family with a plan_shape "
+                             "(default transformer)")
+    parser.add_argument("--intermediate", default=None, metavar="N",
+                        help="llama: the SwiGLU width (default 8h/3 rounded up to 32)")
+    parser.add_argument("--kv-heads", default=None, metavar="N",
+                        help="llama: key/value heads (default --heads)")
+    for flag, default, text in (
+            ("--layers", "32", "transformer blocks L"), ("--hidden", "7168", "width h"),
+            ("--heads", "56", "attention heads"), ("--seq-len", "2048", "sequence length S"),
+            ("--vocab", "51200", "vocabulary V (GPT-2's 50257 padded)")):
+        parser.add_argument(flag, default=default, metavar="N", help=f"{text} (default {default})")
+    parser.add_argument("--batch", default="512", metavar="N",
+                        help="sequences per training step (default 512, our choice: Singh's thesis does "
+                             "not give its batch)")
+    parser.add_argument("--devices", default="32", metavar="N",
+                        help="GPUs to plan for (default 32)")
+    parser.add_argument("--gpus-per-node", default="4", metavar="N",
+                        help="GPUs per node, G_node (default 4, Perlmutter)")
+    parser.add_argument("--inter-node-gbps", default="100", metavar="GB/S",
+                        help="beta_inter: GB/s per direction between two nodes, all NICs together "
+                             "(default 100 = Perlmutter's 4 Slingshot-11 NICs x 25 GB/s)")
+    parser.add_argument("--intra-node-gbps", default=None, metavar="GB/S",
+                        help="one bandwidth for every collective inside a node (default: with 4 "
+                             "GPUs per node Perlmutter's NVLink3 table, 100 GB/s for a pair, 200 "
+                             "for 3, 300 for all 4; else 300)")
+    parser.add_argument("--latency-us", default="5", metavar="US",
+                        help="alpha, microseconds per ring step (default 5, assumed)")
+    parser.add_argument("--no-latency", action="store_true",
+                        help="no alpha terms: Singh's bandwidth-only model exactly")
+    parser.add_argument("--memory-gib", default=None, metavar="GIB",
+                        help="GPU memory: layouts whose modelled memory exceeds it rank last, "
+                             "marked fits=no (Perlmutter: 40)")
+    parser.add_argument("--precision", default="bf16",
+                        help="bf16 (2-byte messages, 16 bytes of state per parameter; default) or "
+                             "float32")
+    parser.add_argument("--ghost-width", default=None, metavar="K",
+                        help="phantom's ghost neurons per rank and token (default hidden / 32)")
+    parser.add_argument("--accumulate", default="1", metavar="A",
+                        help="gradient-accumulation micro-batches (not pipelines; default 1)")
+    parser.add_argument("--device-tflops", default=str(DEFAULT_DEVICE_TFLOPS), metavar="TF",
+                        help="sustained TFLOP/s per GPU, to price a pipeline's bubble (default "
+                             "280, the A100's empirical bf16 GEMM peak)")
+    parser.add_argument("--attention-scores", action="store_true",
+                        help="count the S x S attention scores in activation memory (no fused "
+                             "attention kernel)")
+    parser.add_argument("--top", default="10", metavar="N", help="rows to print (default 10)")
+    parser.add_argument("--json", action="store_true",
+                        help="print JSON: assumptions, top choice and the top rows")
+    parser.add_argument("--as-compiled", action="store_true",
+                        help="price what jphantom's compiled step moves (float32 gradient "
+                             "reductions, pmm3d's backward weight re-gather, the recompute "
+                             "forward's collectives) instead of the papers' formulas alone; "
+                             "implied by --compile-top")
+    parser.add_argument("--compile-top", default=None, metavar="K",
+                        help="compile the K best layouts for --target (GPT-2 blocks of this "
+                             "shape, float32 master weights with bf16 compute, per-layer "
+                             "checkpointing) and re-rank them by compiled memory fit and "
+                             "compiled communication (needs pip install 'jphantom[aot]')")
+    parser.add_argument("--target", default="gpu:h100",
+                        help="the GPU --compile-top compiles for (default gpu:h100)")
+    parser.set_defaults(handler=_run)

@@ -1,0 +1,61 @@
+"""The planner's ranking as text: the table of layouts, the top choice and every assumption
+(Singh's thesis Eqs. 5.1-5.7 named as the model)."""
+
+from __future__ import annotations
+
+from jphantom.plan.result import Plan
+
+
+def format_plan(result: Plan, top: int = 10) -> str:
+    """The ranking as a text table, the top choice and the assumptions."""
+    a = result.assumptions
+    m, t = a["model"], a["topology"]
+    table = t["intra_node_table"]
+    intra = (", ".join(f"({key}) {v:g}" for key, v in table.items())
+             + f", else {t['intra_node_gbps']:g}") if table else f"{t['intra_node_gbps']:g}"
+    fitting = sum(r.fits is not False for r in result.rows)
+    limit = (f"{fitting} of {len(result.rows)} fit in {a['memory_gib']:g} GiB"
+             if a["memory_gib"] is not None else f"{len(result.rows)} priced, no memory limit")
+    lines = [
+        (f"{ {'llama': 'Llama'}.get(m.get('model'), m.get('model'))} L={m['layers']}, h={m['hidden']}, heads={m['heads']} ({m['kv_heads']} key/"
+         f"value), SwiGLU {m['intermediate']}, " if m.get("family") == "llama" else
+         f"GPT L={m['layers']}, h={m['hidden']}, heads={m['heads']}, ")
+        + f"S={m['seq_len']}, V={m['vocab_size']} ({m['parameters'] / 1e9:.2f}B parameters); batch "
+        f"{a['batch_sequences']} sequences ({a['tokens_per_step']:,} tokens) per step"
+        + (f", {a['accumulate']} accumulation micro-batches" if a["accumulate"] > 1 else "")
+        + f"; {a['devices']} GPUs = {a['nodes']} node(s) x {t['gpus_per_node']}.",
+        f"Network ({t['name']}): beta_inter {t['inter_node_gbps']:g} GB/s between nodes; intra-node"
+        f" GB/s by (G0,G1): {intra}; alpha {t['latency_us']:g} us per ring step"
+        + ("" if a["latency"] else " (off: Singh's model exactly)") + ".",
+        f"{a['precision']['name']}: {a['precision']['message_bytes']}-byte messages, "
+        f"{a['precision']['state_bytes_per_parameter']} bytes of state per parameter; "
+        + ("no phantom layouts (GPT-2 blocks only)" if m.get("family") == "llama" else
+           f"phantom k={a['ghost_width']}")
+        + f"; pipeline bubble priced at {a['device_tflops']:g} TFLOP/s. "
+        f"Layouts: {limit}.",
+        "Ranked by modelled communication + pipeline bubble per step (Singh's thesis Eqs. 5.1-5.7, "
+        "ring alpha-beta); memory modelled.",
+        "",
+        f"{'rank':>4}  {'strategy':<14} {'mesh':<24} {'variant':<14} {'comm s':>8} "
+        f"{'bubble s':>8} {'TFLOP/dev':>9} {'mem GiB':>7}  fits",
+    ]
+    shown = result.rows[:top]
+    for row in shown:
+        fits = "-" if row.fits is None else ("yes" if row.fits else "no")
+        bubble = f"{row.bubble_s:8.3f}" if row.bubble_s else f"{'-':>8}"
+        lines.append(f"{row.rank:>4}  {row.layout:<14} {row.mesh:<24} {row.variant:<14} "
+                     f"{row.comm_s:8.3f} {bubble} {row.flops_per_device / 1e12:9.1f} "
+                     f"{row.memory_gib:7.1f}  {fits}")
+    if any(not row.same_model for row in shown):
+        lines.append("   * phantom trains a different, smaller model (Seal et al.): listed, never "
+                     "the top choice")
+    best = result.top
+    axes = ", ".join(f"{axis} {s:.3f} s" for axis, s in best.comm_by_axis.items())
+    verdict = ("" if best.fits is not False
+               else " (nothing fits: the least communication among those that do not)")
+    variant = f" ({best.variant})" if best.variant else ""
+    lines += ["", f"Top choice{verdict}: rank {best.rank}, {best.layout} on {best.mesh}{variant}, "
+              f"{best.key_s:.3f} s modelled per step ({axes or 'no communication'}), "
+              f"{best.memory_gib:.1f} GiB per GPU."]
+    lines.append("Not modelled: " + a["not_modelled"] + ".")
+    return "\n".join(lines)
