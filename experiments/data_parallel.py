@@ -5,8 +5,8 @@ plain data parallelism; a fixed batch per device) on ``data=n`` for n = 1, 2, 4,
 by side (round robin):
 
 - ``t_iter``: the training step (AdamW) as it trains;
-- ``t_compute``: the same step compiled without its collectives (``jphantom.make_train_step(...,
-  communicate=False)``: no gradient or loss reduction; measurement only) -- both from
+- ``t_compute``: the same step compiled without its collectives (``jphantom.experimental.compute_only``:
+  no gradient or loss reduction; measurement only) -- both from
   :func:`jphantom.analysis.timing.breakdown`, as ``jphantom inspect --breakdown`` reports them;
 - ``t_comm = t_iter - t_compute`` and the shares r_compute, r_comm (Cheng et al.'s breakdown counts
   communication first; here the difference of two compiled programs);

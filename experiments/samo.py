@@ -1,9 +1,9 @@
 """SAMO's model-state memory and compressed all-reduce against Singh's Eqs. 4.1-4.5.
 
 For an MLP of ``nnx.Linear`` layers (width 512, 4 layers, ReLU; written here), on ``data=2``
-through ``jphantom.make_train_step(..., precision="bf16", samo=SamoConfig(s))``, pruned by
-magnitude to sparsity s in {0, 0.25, 0.5, 0.8, 0.9} (weight matrices; biases dense), this script
-builds SAMO's state (:mod:`jphantom.samo`, bf16 theta16), runs one step, and reports per device:
+through ``make_samo_step(..., SamoConfig(s), precision="bf16")``, pruned by magnitude to
+sparsity s in {0, 0.25, 0.5, 0.8, 0.9} (weight matrices; biases dense), this script builds SAMO's
+state (:mod:`jphantom.experimental.samo`, bf16 theta16), runs one step, and reports per device:
 
 - measured bytes between steps (theta16, the int32 index, the float32 master weights and Adam's
   two moments: from the arrays) against the formula's at-rest part 2 phi + 16 (1 - s) phi;
@@ -32,8 +32,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import jphantom  # noqa: E402
-from jphantom import samo  # noqa: E402
+from jphantom.experimental import samo  # noqa: E402
 from jphantom.analysis.hlo import collectives  # noqa: E402
 from jphantom.mesh import first_devices, make_mesh  # noqa: E402
 
@@ -72,8 +71,8 @@ def main(argv=None) -> int:
     print(f"{'s':>5}{'nnz/phi':>9}{'at rest':>10}{'formula':>10}{'ratio':>8}{'M(s)':>9}"
           f"{'20 phi':>9}{'saving':>8}{'all-reduce/phi':>16}")
     for sparsity in (0.0, 0.25, 0.5, 0.8, 0.9):
-        step = jphantom.make_train_step(model, mesh, optax.adam(1e-3), loss_fn, precision="bf16",
-                                        samo=samo.SamoConfig(sparsity))
+        step = samo.make_samo_step(model, mesh, optax.adam(1e-3), loss_fn,
+                                   samo.SamoConfig(sparsity), precision="bf16")
         masks = samo.magnitude_masks(params, sparsity)
         state = step.init()  # the same magnitude masks, from the model's parameters
         hlo = step.lower(state, x, t).compile().as_text()

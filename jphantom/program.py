@@ -365,12 +365,11 @@ def check_experts(config, strategy: str, mesh: MeshConfig, *, sequence_parallel:
                           "model MoE blocks (--moe-every 2 --experts 8) or drop the axis")
 
 
-def lm_loss(model, tokens, targets, mask=None, **balance):
+def lm_loss(model, tokens, targets, mask=None):
     """``loss_fn`` of the zoo's language models: the model's own ``loss`` (vocabulary-parallel
-    cross-entropy when the head is; plus the MoE auxiliary losses; ``balance_fraction=`` from a
-    step that accumulates micro-batches, :meth:`jphantom.models.gpt2.GPT2.balance_statistics`);
-    with ``mask`` (a third batch array) the terms of the global token mean
-    (:mod:`jphantom.token_mean`)."""
+    cross-entropy when the head is; plus the MoE auxiliary losses, with the whole batch's routing
+    fractions when the step splits it, :mod:`jphantom.nn.balance`); with ``mask`` (a third batch
+    array) the terms of the global token mean (:mod:`jphantom.token_mean`)."""
     import jax.numpy as jnp
 
     for name, ids in (("tokens", tokens), ("targets", targets)):
@@ -378,8 +377,8 @@ def lm_loss(model, tokens, targets, mask=None, **balance):
             raise ConfigError(f"{name} are {ids.dtype} values: a language model takes integer "
                               f"token ids (e.g. np.int32), not {ids.dtype}")
     if mask is None:
-        return model.loss(tokens, targets, **balance)
-    return model.loss_terms(tokens, targets, mask, **balance)
+        return model.loss(tokens, targets)
+    return model.loss_terms(tokens, targets, mask)
 
 
 # -------------------------------------------------------------------------------------------------

@@ -35,7 +35,6 @@ that ``data`` divides (:func:`jphantom.zero.choose_dim`); one with none stays re
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable
 
@@ -43,38 +42,38 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jphantom import comm
 from jphantom import remat as remat_module
-from jphantom import samo as samo_module
 from jphantom import token_mean
 from jphantom.errors import ConfigError, check_int
 from jphantom.nn import attention as attention_module
 from jphantom.nn import dropout as dropout_module
 from jphantom.nn import metadata
-from jphantom.nn.stack import Stacked, set_fp8, set_remat
+from jphantom.nn.stack import Stacked, set_remat
 from jphantom.precision import Precision
 from jphantom import zero as zero_module
 from jphantom.step.layout import (CONTEXT, ParamLayout, TrainState, batch_axes_of,
                                    batch_spec_of, check_batch_specs, check_mesh, group_by,
-                                   mean_share, private_copy, replace_dropout,
-                                   warn_unstacked_blocks, zeros_of)
+                                   private_copy, replace_dropout, warn_unstacked_blocks)
+from jphantom.step.grads import GradParts
+from jphantom.step.gspmd import GspmdParts
 from jphantom.step.pipeline import PipelineParts
+from jphantom.step.reduce import ReduceParts
 
 
-
-class TrainStep(PipelineParts):
+class TrainStep(GradParts, ReduceParts, PipelineParts, GspmdParts):
     """``state, loss = step(state, *batch)``; built by :func:`make_train_step`."""
+
+    check_vma = True  # shard_map's check of the collectives' axes (jphantom.experimental's off)
 
     def __init__(self, model: nnx.Module, mesh: Mesh, optimizer: optax.GradientTransformation,
                  loss_fn: Callable, *, zero: int = 0, accumulate: int = 1,
                  precision: str | Precision = "float32", remat: str = "none",
                  pipeline=None, spmd: str = "shard_map", donate: bool = True,
-                 batch_specs=None, communicate: bool = True,
-                 samo: samo_module.SamoConfig | None = None, attention: str | None = None,
+                 batch_specs=None, attention: str | None = None,
                  dropout_seed: int = 0):
         if not isinstance(model, nnx.Module):
             raise ConfigError(f"make_train_step takes an nnx.Module, not {type(model).__name__}")
@@ -119,8 +118,6 @@ class TrainStep(PipelineParts):
             raise ConfigError(f"spmd={spmd!r}: 'shard_map' (the parallel layers' own "
                               "collectives) or 'gspmd' (annotations, jit's collectives)")
         self.spmd = spmd
-        self.samo = None if samo is None else samo_module.check(  # SAMO (jphantom.samo)
-            samo, mesh, zero=zero, pipeline=pipeline, spmd=spmd)
         if spmd == "gspmd":
             parallel = [type(m).__name__ for _, m in nnx.iter_modules(model)
                         if callable(getattr(m, "dense_equivalent", None))]
@@ -137,12 +134,10 @@ class TrainStep(PipelineParts):
                     "stages); 1F1B and interleaving order the backward by hand: use the "
                     "shard_map step (strategy 'tensor' with model=1, or 'phantom')")
         if self.dropout and (pipeline is not None or "stage" in mesh.axis_names
-                             or samo is not None or spmd != "shard_map"):
+                             or spmd != "shard_map"):
             what = ("a pipeline" if pipeline is not None or "stage" in mesh.axis_names
-                    else "SAMO" if samo is not None else "spmd='gspmd'")
-            raise ConfigError(f"{self.dropout[0]}: nnx.Dropout trains in the shard_map step "
-                              f"without a pipeline; {what} does not draw its masks yet: set "
-                              "its rate to 0 (or deterministic=True) there")
+                    else "spmd='gspmd'")
+            self.refuse_dropout(what)
         self.pipeline, self.stack = self._pipeline(model, mesh, pipeline)
         self.layout = ParamLayout.of(model, mesh, zero)
         if zero == 3 and pipeline is None and spmd == "shard_map":  # GSPMD: jit's gathers
@@ -173,12 +168,14 @@ class TrainStep(PipelineParts):
             raise ConfigError("the mesh has a 'context' axis but the model's attention does not "
                               "run over it: parallelize it with jphantom.plans.context(model)")
         self.batch_specs = check_batch_specs(batch_specs, self.mesh)
-        self.communicate = bool(communicate)
-        if not communicate and (zero or spmd != "shard_map"):
-            raise ConfigError("communicate=False measures plain data parallelism of the "
-                              "shard_map step: use zero=0")
         self.donate = donate
         self._step = None
+
+    def refuse_dropout(self, what: str) -> None:
+        """The model's dropout layers cannot train under ``what``: a ConfigError naming one."""
+        raise ConfigError(f"{self.dropout[0]}: nnx.Dropout trains in the shard_map step without a "
+                          f"pipeline; {what} does not draw its masks yet: set its rate to 0 (or "
+                          "deterministic=True) there")
 
     # -- shardings ---------------------------------------------------------------------------
 
@@ -228,8 +225,10 @@ class TrainStep(PipelineParts):
             params = jax.device_put(params, self.param_shardings(), may_alias=False)
             if self._unit_order() is not None:  # interleaved stages: the storage order
                 params = jax.jit(self._reorder, out_shardings=self.param_shardings())(params)
-        if self.samo is not None:  # theta16 dense, master and optimizer state compressed
-            return TrainState(*samo_module.init(self, params))
+        return self.init_state(params)
+
+    def init_state(self, params) -> TrainState:
+        """The state of ``params`` (in their shards): the optimizer state created in its shards."""
         shape = jax.eval_shape(lambda p: p, params)
         opt_state = jax.jit(self.optimizer.init,
                             out_shardings=self._opt_shardings(shape))(params)
@@ -265,209 +264,6 @@ class TrainStep(PipelineParts):
 
     # -- per rank ----------------------------------------------------------------------------
 
-    def _vary_axes(self) -> list[tuple[str, ...]]:
-        """Per leaf: the axes its (gathered) parameter is replicated over but each rank's
-        gradient is only a part (batch axes it is not split on, and its reduce_axes), less
-        ``data`` where ZeRO-3's all-gather is that reduction's transpose."""
-        out = []
-        extra = ("stage",) if self.pipeline is not None and dict(self.mesh.shape)["stage"] > 1 \
-            else ()
-        if dict(self.mesh.shape).get(CONTEXT, 1) > 1:  # each rank's gradient: its tokens' part
-            extra = (CONTEXT, *extra)
-        for spec, reduce, dim in zip(self.layout.specs, self.layout.reduce_axes,
-                                     self.layout.zero_dims):
-            split = zero_module.spec_axes(spec)
-            axes = tuple(a for a in self.batch_axes + extra if a not in split)
-            axes = axes + tuple(a for a in reduce if a not in axes and a not in split)
-            if self.zero == 3 and dim >= 0:  # the gather's transpose is that reduction
-                axes = tuple(a for a in axes if a not in self.layout.zero_axes[len(out)])
-            out.append(axes)
-        return out
-
-    def _model(self, leaves, *, train: bool):
-        """The model of this rank's ``leaves`` (cast to the compute dtype). ZeRO-3: the leaves of
-        the stacked blocks stay shards, gathered layer by layer by their :class:`Stacked`'s
-        ``fetch``; every other leaf is all-gathered here, once (``train``: varying, so that the
-        gather's transpose reduce-scatters the gradient)."""
-        leaves = self.precision.cast(list(leaves))
-        if self.zero != 3:
-            return self._ready(self.layout.model_of(leaves))
-        stacked = self.layout.stacked if train and self.pipeline is None else frozenset()
-        dims, zaxes = self.layout.zero_dims, self.layout.zero_axes
-        leaves = zero_module.gather_together(
-            leaves, [-1 if i in stacked else d for i, d in enumerate(dims)], zaxes,
-            invariant=not train)
-        model = self._ready(self.layout.model_of(leaves))
-        for path, indices in (self.layout.stacks if stacked else ()):
-            module = model
-            for part in path:
-                module = module[part] if isinstance(part, int) else getattr(module, part)
-            module.fetch = zero_module.LayerFetch([dims[i] for i in indices],
-                                                  [zaxes[i] for i in indices])
-        return model
-
-    def _ready(self, model: nnx.Module) -> nnx.Module:
-        """A rank's ``model`` set up to compute: in the precision's dtypes (and FP8 GEMMs), its
-        attention cores on the kernel ``attention`` picks for the mesh's platform."""
-        model = self.precision.retype(model)
-        if self.precision.fp8:
-            set_fp8(model)
-        return attention_module.configure(model, self.attention, self.platform)
-
-    def _mean_share(self, value, exclude=()):
-        share, axes = mean_share(value, exclude)
-        order = self.mesh.axis_names
-        return share, tuple(sorted(axes, key=order.index))
-
-    def _loss_share(self, model, batch, balance=None, weight=None, micro=1):
-        """This rank's share of the global loss: of the global mean of a scalar ``loss_fn``,
-        or of the global token mean of a weighted one (:mod:`jphantom.token_mean`; ``weight``:
-        the global weight when micro-batches share it, ``micro`` of them)."""
-        out = self._loss(model, batch, balance)
-        weighted = token_mean.terms(out)
-        if weighted is not None:
-            if weight is None:  # one all-reduce of a scalar, inside the forward
-                weight = token_mean.global_weight(weighted.weight,
-                                                  metadata.varying_axes(weighted.total))
-            return token_mean.shares(weighted, weight, micro=micro)
-        loss = jnp.asarray(out)
-        if loss.shape != ():
-            raise ConfigError(f"loss_fn returned shape {loss.shape}; it must return the "
-                              "scalar mean loss, or (total, weight) for a global token mean")
-        loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
-        return self._mean_share(loss)[0]  # this rank's share of the global mean
-
-    def _micro_weight(self, model, micro, balance=None, *, exclude=()):
-        """The global weight of a weighted ``loss_fn`` over the micro-batches ``micro`` (each
-        array [n, b, ...]): ``loss_fn`` mapped over them keeping only the weight, which XLA
-        reduces to the weight's own arithmetic (:mod:`jphantom.token_mean`); ``None`` for a
-        scalar ``loss_fn``."""
-        struct = jax.eval_shape(lambda *mb: self._loss(model, mb, balance), *(m[0] for m in micro))
-        if not isinstance(struct, tuple):
-            return None
-        weights = lax.map(lambda mb: token_mean.terms(self._loss(model, mb, balance)).weight,
-                          micro)
-        return token_mean.global_weight(jnp.sum(weights, axis=0),
-                                        metadata.varying_axes(struct[0]), exclude)
-
-    def _loss(self, model, batch, balance=None):
-        """``loss_fn(model, *batch)`` in the compute precision (``balance``: the whole batch's
-        routing fractions, given to a micro-batch's loss, :meth:`_balance_fraction`)."""
-        extra = {} if balance is None else {"balance_fraction": balance}
-        return self.loss_fn(model, *self.precision.cast(batch), **extra)
-
-    def _takes_balance(self) -> bool:
-        """Whether micro-batches get the whole batch's routing fractions: the model defines
-        ``balance_statistics`` (GPT-2's MoE blocks) and ``loss_fn`` takes ``balance_fraction``."""
-        if not callable(getattr(self.model_template, "balance_statistics", None)):
-            return False
-        try:
-            parameters = inspect.signature(self.loss_fn).parameters.values()
-        except (TypeError, ValueError):
-            return False
-        return any(p.name == "balance_fraction" or p.kind is p.VAR_KEYWORD for p in parameters)
-
-    def _balance_fraction(self, model, micro):
-        """The whole batch's routing fractions [L_moe, E] from its micro-batches ``micro`` (each
-        array [n, b, ...]): a forward pass over each (no gradient) summing every MoE layer's
-        router statistics. ``None`` when the model has no MoE layers or does not take part
-        (:meth:`_takes_balance`). With them a micro-batch's load-balancing loss uses the whole
-        batch's fractions, so the accumulated loss and gradient equal the unaccumulated step's
-        (the fractions count arg-max choices: they carry no gradient)."""
-        if not self._takes_balance():
-            return None
-        statistics = lambda mb: model.balance_statistics(*self.precision.cast(mb))
-        shape = jax.eval_shape(statistics, [m[0] for m in micro])
-        if shape is None:
-            return None
-        total, _ = lax.scan(lambda acc, mb: (acc + statistics(mb), None),
-                            zeros_of(shape), micro)
-        counts = lax.stop_gradient(total[:, :total.shape[-1] // 2])
-        return counts / jnp.sum(counts, axis=-1, keepdims=True)
-
-    def _local_value_and_grad(self, leaves, *batch, scale=None, key=None):
-        """This rank's loss share and gradients, before the reductions. ``scale``: the loss
-        scale (a traced scalar under dynamic loss scaling; default the precision's); ``key``:
-        the step's dropout key data (none: dropout layers pass their input through)."""
-        vary = self._vary_axes()
-        key = None if key is None else jax.random.wrap_key_data(key)
-        scale = self.precision.loss_scale if scale is None else scale
-
-        def loss_of(leaves, *batch, balance=None, weight=None, micro=1):
-            return self._loss_share(self._model(leaves, train=True), batch, balance, weight,
-                                    micro) * scale
-
-        def unscaled(loss, grads, like):  # in float32 (or wider) before the master's dtype
-            return loss / scale, [(g.astype(jnp.promote_types(g.dtype, jnp.float32)) / scale
-                                   ).astype(x.dtype) for g, x in zip(grads, like)]
-
-        def one(leaves, *batch, balance=None, weight=None, micro=1, index=0):
-            # each rank its own copy of what it holds replicated: the gradient w.r.t. the copy
-            # is this rank's part, summed once after the backward (_per_rank)
-            varied = group_by(leaves, vary, lambda xs, axes: comm.pcast(xs, axes, to="varying"))
-            with dropout_module.keys(None if key is None else jax.random.fold_in(key, index)):
-                loss, grads = jax.value_and_grad(
-                    lambda p, *b: loss_of(p, *b, balance=balance, weight=weight, micro=micro)
-                )(varied, *batch)
-            return unscaled(loss, grads, leaves)
-
-        if self.pipeline is not None:
-            if len(batch) != 2:
-                raise ConfigError(f"a pipelined step takes (inputs, targets), got {len(batch)} "
-                                  "batch arrays")
-            varied = group_by(leaves, vary, lambda xs, axes: comm.pcast(xs, axes, to="varying"))
-            if self.zero == 3:  # gathered once for the whole pipeline; its transpose scatters
-                dims, zaxes = self.layout.zero_dims, self.layout.zero_axes
-                varied, scatter = jax.vjp(
-                    lambda xs: zero_module.gather_together(xs, dims, zaxes, invariant=False),
-                    varied)
-                balance = self._pipeline_balance(varied, *batch)
-                loss, grads = self._pipeline_value_and_grad(varied, *batch, scale=scale,
-                                                            balance=balance)
-                (grads,) = scatter(grads)
-                return unscaled(loss, grads, leaves)
-            balance = self._pipeline_balance(varied, *batch)
-            return unscaled(*self._pipeline_value_and_grad(varied, *batch, scale=scale,
-                                                           balance=balance), leaves)
-        if self.accumulate == 1:
-            return one(leaves, *batch)
-        n = self.accumulate
-        micro = [b.reshape(n, b.shape[0] // n, *b.shape[1:]) for b in batch]
-        balance = self._balance_fraction(self._model(leaves, train=True), micro)
-        # a weighted loss_fn: the global weight of all micro-batches first, each micro-batch's
-        # share is then its part of the whole loss (summed, not averaged)
-        weight = self._micro_weight(self._model(leaves, train=False), micro, balance)
-        options = dict(balance=balance, weight=weight, micro=n)
-        first = jax.eval_shape(lambda *mb: one(leaves, *mb, **options), *(m[0] for m in micro))
-        add = lambda a, b: jax.tree.map(jnp.add, a, b)
-        (loss, grads), _ = lax.scan(  # micro-batch i draws its dropout masks from key i
-            lambda total, xs: (add(total, one(leaves, *xs[0], **options, index=xs[1])), None),
-            jax.tree.map(zeros_of, first), (micro, jnp.arange(n)))
-        if weight is not None:
-            return loss, grads
-        return jax.tree.map(lambda a: a / n, (loss, grads))
-
-    def _per_rank(self, leaves, *batch, scale=None, key=None):
-        loss, grads = self._local_value_and_grad(list(leaves), *batch, scale=scale, key=key)
-        if not self.communicate:  # Cheng et al.'s t_compute: the step without its reductions
-            return loss, grads
-        dims = self.layout.zero_dims
-        vary = self._vary_axes()
-        if self.zero == 2:  # reduce-scatter over data, all-reduce over the rest
-            zaxes = self.layout.zero_axes
-            grads = [zero_module.reduce_scatter(g, d, z) if d >= 0 else g
-                     for g, d, z in zip(grads, dims, zaxes)]
-            vary = [tuple(a for a in axes if not (a in z and d >= 0))
-                    for axes, d, z in zip(vary, dims, zaxes)]
-        grads = group_by(grads, vary, lambda xs, axes: comm.psum(xs, axes))
-        return self._global(loss), grads
-
-    def _global(self, share):
-        """The global value of per-rank shares: one all-reduce over the axes they vary over (a
-        pipeline's loss lives on its last stage)."""
-        axes = tuple(sorted(metadata.varying_axes(share), key=self.mesh.axis_names.index))
-        return comm.psum(share, axes) if axes else share
-
     def _specs_of_batch(self, count: int) -> tuple[P, ...]:
         if self.batch_specs is None:
             return (self.batch_spec,) * count
@@ -478,64 +274,11 @@ class TrainStep(PipelineParts):
                               "batch arrays")
         return self.batch_specs
 
-    def _gspmd_loss(self, params, *batch, balance=None, weight=None, micro=1):
-        """GSPMD: the global loss of global arrays; ``jax.jit`` places the collectives
-        (``weight``: a weighted loss' weight over all ``micro`` micro-batches)."""
-        batch = [jax.lax.with_sharding_constraint(b, NamedSharding(self.mesh, s))
-                 for b, s in zip(batch, self._specs_of_batch(len(batch)))]
-        if self.pipeline is not None:
-            if len(batch) != 2:
-                raise ConfigError(f"a pipelined step takes (inputs, targets), got {len(batch)} "
-                                  "batch arrays")
-            return self._gspmd_pipeline_loss(jax.tree.leaves(params), *batch, balance=balance)
-        model = self._ready(
-            self.layout.model_of(self.precision.cast(jax.tree.leaves(params))))
-        out = self._loss(model, batch, balance)
-        weighted = token_mean.terms(out)
-        if weighted is not None:
-            weight = lax.stop_gradient(weighted.weight) if weight is None else weight
-            return weighted.total / weight + weighted.mean / micro
-        loss = jnp.asarray(out)
-        return loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
-
     def value_and_grad(self) -> Callable:
         """``(params, *batch) -> (loss, grads)``: the ``shard_map`` alone (grads as a dict like
         ``params``, with ZeRO-2/3 their shards; the batch in :meth:`context_order`)."""
         if self.spmd == "gspmd":
-            grad_sh = self._shardings(self.grad_specs)
-
-            def one(params, batch, scale, balance=None, weight=None, micro=1):
-                return jax.value_and_grad(
-                    lambda p: self._gspmd_loss(p, *batch, balance=balance, weight=weight,
-                                               micro=micro) * scale)(params)
-
-            def run_gspmd(params, *batch, scale=None):
-                scale = self.precision.loss_scale if scale is None else scale
-                n = self.accumulate
-                if n == 1:
-                    loss, grads = one(params, batch, scale)
-                else:  # micro-batch i: every batch rank's i-th slice, as the shard_map step
-                    ranks = self.batch_ranks
-                    micro = [b.reshape(ranks, n, b.shape[0] // (ranks * n), *b.shape[1:])
-                             .swapaxes(0, 1).reshape(n, b.shape[0] // n, *b.shape[1:])
-                             for b in batch]
-                    model = self._ready(self.layout.model_of(
-                        self.precision.cast(jax.tree.leaves(params))))
-                    balance = self._balance_fraction(model, micro)
-                    weight = self._micro_weight(model, micro, balance)
-                    options = (scale, balance, weight, n)
-                    first = jax.eval_shape(lambda mb: one(params, mb, *options),
-                                           [m[0] for m in micro])
-                    total, _ = lax.scan(
-                        lambda acc, mb: (jax.tree.map(jnp.add, acc,
-                                                      one(params, mb, *options)), None),
-                        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), first), micro)
-                    loss, grads = (total if weight is not None
-                                   else jax.tree.map(lambda a: a / n, total))
-                grads = jax.tree.map(lambda g, p: (g / scale).astype(p.dtype), grads, params)
-                return loss / scale, jax.lax.with_sharding_constraint(grads, grad_sh)
-
-            return run_gspmd
+            return self._gspmd_value_and_grad()
 
         def run(params, *batch, scale=None, key=None):
             leaves = jax.tree.leaves(params)
@@ -548,7 +291,7 @@ class TrainStep(PipelineParts):
                 return self._per_rank(leaves, *args[:split], **dict(zip(extra, args[split:])))
 
             fn = self.over_mesh(per_rank, len(batch), out_specs=(P(), list(self.grad_specs)),
-                                after=(P(),) * len(extra), check_vma=self.communicate)
+                                after=(P(),) * len(extra), check_vma=self.check_vma)
             loss, grads = fn(tuple(leaves), *batch, *extra.values())
             return loss, self._pure(grads)
 
@@ -558,14 +301,7 @@ class TrainStep(PipelineParts):
         """``fn(model, *batch)`` -> a scalar mean or a dict of them, as global means, jitted
         (forward only)."""
         if self.spmd == "gspmd":
-            def global_fn(params, *batch):
-                batch = [jax.lax.with_sharding_constraint(b, NamedSharding(self.mesh, s))
-                         for b, s in zip(batch, self._specs_of_batch(len(batch)))]
-                model = self._ready(
-                    self.layout.model_of(self.precision.cast(jax.tree.leaves(params))))
-                out = fn(model, *self.precision.cast(batch))
-                return token_mean.value(out) if isinstance(out, tuple) else out
-            return jax.jit(global_fn)
+            return self._gspmd_evaluate(fn)
 
         def per_rank(leaves, *batch):
             model = self._model(leaves, train=False)
@@ -574,12 +310,12 @@ class TrainStep(PipelineParts):
             if weighted is not None:  # a global token mean
                 weight = token_mean.global_weight(weighted.weight,
                                                   metadata.varying_axes(weighted.total))
-                return self._global(token_mean.shares(weighted, weight))
+                return self.global_value(token_mean.shares(weighted, weight))
 
             def total(value):
                 value = jnp.asarray(value)
                 value = value.astype(jnp.promote_types(value.dtype, jnp.float32))
-                return self._global(self._mean_share(value)[0])
+                return self.global_value(self._mean_share(value)[0])
 
             return jax.tree.map(total, out)
 
@@ -620,8 +356,6 @@ class TrainStep(PipelineParts):
         return self._evaluate(metrics_fn)
 
     def _build(self):
-        if self.samo is not None:  # the gradient compressed before the data all-reduce
-            return samo_module.build(self)
         run = self.value_and_grad()
         param_sh = self.param_shardings()
 
@@ -705,12 +439,17 @@ def make_train_step(model: nnx.Module, mesh: Mesh, optimizer: optax.GradientTran
     (``"shard_map"``, or ``"gspmd"``: the plain model with :func:`jphantom.plans.annotate`'s
     sharding metadata, collectives chosen by ``jax.jit``, the baseline), ``donate``,
     ``batch_specs`` (the batch arrays' ``PartitionSpec``s: default, each split on its first
-    dimension over the batch axes), ``communicate=False`` (measurement only, Cheng et al.'s
-    breakdown: the step without its gradient and loss reductions; its values are not the
-    model's), ``samo`` (a :class:`~jphantom.samo.SamoConfig`: a magnitude-pruned model with
-    compressed master weights, optimizer state and gradient all-reduce, Singh's thesis ch. 4),
-    ``attention`` (``auto``, ``xla`` or ``cudnn``: the kernel of the model's attention cores,
-    :func:`jphantom.nn.attention.choose`; default ``None``: as the model built them)."""
+    dimension over the batch axes), ``attention`` (``auto``, ``xla`` or ``cudnn``: the kernel of the model's attention cores,
+    :func:`jphantom.nn.attention.choose`; default ``None``: as the model built them).
+
+    Experimental steps built from this one's parts live in :mod:`jphantom.experimental`: SAMO
+    (:func:`jphantom.experimental.samo.make_samo_step`) and the step without its reductions
+    (:func:`jphantom.experimental.compute_only.make_compute_only_step`)."""
+    for name, where in (("samo", "samo.make_samo_step"),
+                        ("communicate", "compute_only.make_compute_only_step")):
+        if name in options:
+            raise ConfigError(f"{name}= is an experimental step: "
+                              f"jphantom.experimental.{where}(model, mesh, optimizer, loss_fn, ...)")
     return TrainStep(model, mesh, optimizer, loss_fn, **options)
 
 

@@ -19,7 +19,7 @@ LAYERS = [
     ("layers", ["nn"]),
     ("models", ["models", "families"]),
     ("plans", ["plans"]),
-    ("step", ["pipeline.runner", "pipeline.split", "step", "train_step", "samo", "checkpoint", "exactness"]),
+    ("step", ["pipeline.runner", "pipeline.split", "step", "train_step", "experimental", "checkpoint", "exactness"]),
     ("program", ["program"]),
     ("run", ["config", "sources", "callbacks", "run", "resilience", "metrics", "analysis", "compare", "plan", "perf", "launch", "aot"]),
     ("cli", ["cli", "__main__"]),

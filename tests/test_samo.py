@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import jphantom
-from jphantom import samo
+from jphantom.experimental import samo
 from jphantom.analysis.hlo import collectives
 from jphantom.errors import ConfigError
 from jphantom.mesh import make_mesh, first_devices
@@ -61,8 +61,8 @@ def _samo(sparsity, precision, steps):
     mesh, x, t = _setup()
     model = MLP()
     params = jax.tree.map(np.asarray, _params(model))
-    step = jphantom.make_train_step(model, mesh, optax.adam(1e-2), loss_fn, precision=precision,
-                                    samo=samo.SamoConfig(sparsity))
+    step = samo.make_samo_step(model, mesh, optax.adam(1e-2), loss_fn, samo.SamoConfig(sparsity),
+                               precision=precision)
     state = step.init()
     masks = samo.magnitude_masks(params, sparsity)
     loss = None
@@ -145,13 +145,15 @@ def test_samo_refuses_what_it_does_not_run():
     require_devices(4)
     config, optimizer = samo.SamoConfig(), optax.adam(1e-3)
     with pytest.raises(ConfigError, match="pure data parallelism"):
-        jphantom.make_train_step(MLP(), make_mesh("data=2,model=2", first_devices(4)), optimizer,
-                                 loss_fn, samo=config)
+        samo.make_samo_step(MLP(), make_mesh("data=2,model=2", first_devices(4)), optimizer,
+                            loss_fn, config)
     data = make_mesh("data=2", first_devices(2))
     with pytest.raises(ConfigError, match="zero=0"):
-        jphantom.make_train_step(MLP(), data, optimizer, loss_fn, zero=1, samo=config)
+        samo.make_samo_step(MLP(), data, optimizer, loss_fn, config, zero=1)
     with pytest.raises(ConfigError, match="spmd='shard_map'"):
-        jphantom.make_train_step(MLP(), data, optimizer, loss_fn, spmd="gspmd", samo=config)
+        samo.make_samo_step(MLP(), data, optimizer, loss_fn, config, spmd="gspmd")
     with pytest.raises(ConfigError, match="pipeline"):
-        jphantom.make_train_step(MLP(), make_mesh("stage=2,data=2", first_devices(4)), optimizer,
-                                 loss_fn, samo=config)
+        samo.make_samo_step(MLP(), make_mesh("stage=2,data=2", first_devices(4)), optimizer,
+                            loss_fn, config)
+    with pytest.raises(ConfigError, match="jphantom.experimental.samo.make_samo_step"):
+        jphantom.make_train_step(MLP(), data, optimizer, loss_fn, samo=config)

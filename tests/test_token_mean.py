@@ -130,6 +130,20 @@ def test_gpt2_moe_token_mean_with_auxiliary_losses(mesh, options):
     assert report.ok, str(report)
 
 
+def _own_loss(model, tokens, targets):  # a user's loss_fn: no parameter for the balance hook
+    return model.loss(tokens, targets)
+
+
+def test_moe_balance_reaches_a_users_loss_through_the_models_hook():
+    """jphantom.nn.balance: a loss_fn that only calls the model's loss gets the whole batch's
+    routing fractions in every accumulated micro-batch (the step gives them through the hook, no
+    signature is read): the step equals the one-device model."""
+    step, params = _gpt2_moe("data=2", _own_loss, accumulate=2)
+    assert step._takes_balance()
+    report = verify_step(step, params, TOKENS % 32, TARGETS % 32)
+    assert report.ok, str(report)
+
+
 def test_the_weight_costs_no_gemm_and_one_scalar_all_reduce():
     """Accumulating a weighted loss: the pass over the micro-batches that sums the weight is
     reduced by XLA to the mask's sum: the compiled step runs the unweighted step's GEMMs and

@@ -136,12 +136,12 @@ def time_round_robin(runners: list[Runner], steps: int, warmup: int) -> dict[str
 def breakdown(config: RunConfig, *, steps: int = 5, warmup: int = 2) -> dict:
     """Cheng et al.'s bottom-up breakdown of one step (Sec. 3.1, Eqs. 2-4): the median time of the
     step (``t_iter``) and of the same step compiled without its data-parallel reductions
-    (``t_compute``: ``communicate=False``), measured side by side; ``t_comm = t_iter - t_compute``
+    (``t_compute``: :mod:`jphantom.experimental.compute_only`), measured side by side; ``t_comm = t_iter - t_compute``
     and the shares ``r_compute``, ``r_comm``; and the Eq. 26 cost (Seal et al. Table III, Frontier)
     of the step's collectives over ``data``, modelled. Only the ``data`` reductions are removed:
     collectives over ``model`` stay in ``t_compute``. Needs the shard_map step without ZeRO; it
     initialises and runs the step (unlike the rest of ``inspect``)."""
-    from jphantom.analysis.timing import Runner, time_round_robin
+    from jphantom.experimental.compute_only import make_compute_only_step
     from jphantom.perf.comm_model import FRONTIER
 
     program, mesh, step = build(config)
@@ -154,14 +154,17 @@ def breakdown(config: RunConfig, *, steps: int = 5, warmup: int = 2) -> dict:
         data = (rng.integers(0, config.model.vocab, struct.shape)
                 if np.issubdtype(struct.dtype, np.integer) else rng.standard_normal(struct.shape))
         batch.append(jax.device_put(np.asarray(data, struct.dtype), struct.sharding))
+    options = dict(accumulate=config.step.accumulate, precision=config.step.precision,
+                   remat=config.step.step_remat, pipeline=config.pipeline(program),
+                   attention=config.step.attention)
     runners = []
-    for label, communicate in (("step", True), ("compute", False)):
-        measured = program.train_step(mesh, config.optimizer(), zero=0,
-                                      accumulate=config.step.accumulate,
-                                      precision=config.step.precision,
-                                      remat=config.step.step_remat,
-                                      pipeline=config.pipeline(program), communicate=communicate,
-                                      attention=config.step.attention)
+    for label in ("step", "compute"):
+        if label == "step":
+            measured = program.train_step(mesh, config.optimizer(), zero=0, **options)
+        else:  # the same step less its reductions (jphantom.experimental.compute_only)
+            measured = make_compute_only_step(program.model, mesh, config.optimizer(),
+                                              program.loss_fn, batch_specs=program.batch_specs,
+                                              **options)
         state = program.init(measured)
         runners.append(Runner(label, measured.lower(state, *batch).compile(),
                               (state, *batch), threads_state=True, flops_per_device=0,

@@ -1,8 +1,9 @@
 """SAMO: sparsity-aware memory optimization for pruned models (Singh's thesis ch. 4, Singh & Bhatele,
-IPDPS'23), an option of the module step on the ``data`` axis::
+IPDPS'23), an experimental step on the ``data`` axis built from :class:`jphantom.TrainStep`'s
+parts (its per-rank value and gradient, the axes each gradient is summed over, its shard_map)::
 
-    step = jphantom.make_train_step(model, mesh, optax.adam(1e-3), loss_fn, precision="bf16",
-                                    samo=SamoConfig(sparsity=0.9))
+    step = make_samo_step(model, mesh, optax.adam(1e-3), loss_fn, SamoConfig(sparsity=0.9),
+                          precision="bf16")
     state = step.init()                  # magnitude-pruned; theta16 dense, the rest compressed
     state, loss = step(state, x, t)
 
@@ -14,7 +15,7 @@ For a model whose weights are pruned to a fraction f = 1 - s of nonzeros, SAMO k
   **compressed**: only the f phi nonzeros, as flat vectors sharing one int32 index vector per
   tensor (``index = flatnonzero(mask)``).
 
-One step (:func:`build`), inside one ``jax.jit``::
+One step (:meth:`SamoStep._build`), inside one ``jax.jit``::
 
     def per_rank(theta16, index, *batch):                # inside one jax.shard_map over data
         loss, g16 = value_and_grad(loss_fn)(theta16, *batch)   # dense, compute dtype
@@ -58,6 +59,8 @@ from jax.sharding import PartitionSpec as P
 
 from jphantom import comm
 from jphantom.errors import ConfigError
+from jphantom.step.layout import TrainState
+from jphantom.train_step import TrainStep
 
 DATA_AXIS = "data"
 
@@ -109,7 +112,8 @@ def check(config, mesh, *, zero: int, pipeline, spmd: str) -> SamoConfig:
     """``config`` if SAMO composes with the step's other options, else a ``ConfigError`` naming
     the fix."""
     if not isinstance(config, SamoConfig):
-        raise ConfigError(f"samo= takes a jphantom.samo.SamoConfig, not {type(config).__name__}")
+        raise ConfigError(f"SAMO takes a jphantom.experimental.samo.SamoConfig, not "
+                          f"{type(config).__name__}")
     if pipeline is not None or "stage" in mesh.axis_names:
         raise ConfigError("SAMO does not run under a pipeline: drop pipeline= and the 'stage' "
                           "axis with samo=")
@@ -154,44 +158,67 @@ def expand(master, index, shape, dtype):
         master.astype(dtype), indices_are_sorted=True, unique_indices=True).reshape(shape)
 
 
-def build(step):
-    """``step(state, *batch) -> (state, loss)`` for SAMO: one ``jax.jit`` of one ``jax.shard_map``
-    over ``data`` and the update after it (module docstring). The backward is the module step's
-    own (precision, accumulation, remat, the loss averaged over the ranks it varies over)."""
-    vary = step._vary_axes()  # per leaf: the axes its gradient is summed over (data)
-    groups: dict[tuple[str, ...], list[int]] = {}
-    for i, axes in enumerate(vary):
-        if axes:
-            groups.setdefault(axes, []).append(i)
+class SamoStep(TrainStep):
+    """``state, loss = step(state, *batch)`` of a magnitude-pruned model with compressed master
+    weights, optimizer state and gradient all-reduce (module docstring); built by
+    :func:`make_samo_step`."""
 
-    def per_rank(theta, index, *batch):
-        loss, grads = step._local_value_and_grad(list(theta), *batch)  # dense, compute dtype
-        compressed = [g.ravel().at[i].get(indices_are_sorted=True, unique_indices=True)
-                      for g, i in zip(grads, index)]  # [f phi] per tensor
-        for axes, members in groups.items():  # all-reduce of (1 - s) of the dense gradient
-            for i, g in zip(members, comm.psum([compressed[i] for i in members], axes)):
-                compressed[i] = g
-        return step._global(loss), compressed
+    def __init__(self, model, mesh, optimizer, loss_fn, samo: SamoConfig, **options):
+        self.samo = check(samo, mesh, zero=options.get("zero", 0),
+                          pipeline=options.get("pipeline"), spmd=options.get("spmd", "shard_map"))
+        super().__init__(model, mesh, optimizer, loss_fn, **options)
+        if self.dropout:
+            self.refuse_dropout("SAMO")
 
-    param_sh = step.param_shardings()
+    def init_state(self, params) -> TrainState:
+        """theta16 dense, the master weights and optimizer state compressed (:func:`init`)."""
+        return TrainState(*init(self, params))
 
-    def samo_step(state, *batch):
-        theta, samo = state.params, state.opt_state
-        fn = step.over_mesh(per_rank, len(batch), before=(P(),), out_specs=(P(), P()))
-        loss, grads = fn(tuple(jax.tree.leaves(theta)), tuple(jax.tree.leaves(samo.index)),
-                         *batch)
-        grads = jax.tree.unflatten(jax.tree.structure(samo.master),
-                                   [g.astype(m.dtype) for g, m in
-                                    zip(grads, jax.tree.leaves(samo.master))])
-        updates, opt_state = step.optimizer.update(grads, samo.opt_state, samo.master)
-        master = optax.apply_updates(samo.master, updates)
-        theta = jax.tree.map(lambda m, i, t: expand(m, i, t.shape, t.dtype), master, samo.index,
-                             theta)
-        theta = lax.with_sharding_constraint(theta, param_sh)
-        samo = SamoState(samo.index, master, opt_state)
-        return state._replace(params=theta, opt_state=samo), loss
+    def _build(self):
+        """``step(state, *batch) -> (state, loss)`` for SAMO: one ``jax.jit`` of one
+        ``jax.shard_map`` over ``data`` and the update after it (module docstring). The backward
+        is the module step's own (precision, accumulation, remat, the loss averaged over the
+        ranks it varies over)."""
+        vary = self.vary_axes()  # per leaf: the axes its gradient is summed over (data)
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for i, axes in enumerate(vary):
+            if axes:
+                groups.setdefault(axes, []).append(i)
 
-    return jax.jit(samo_step, donate_argnums=(0,) if step.donate else ())
+        def per_rank(theta, index, *batch):
+            loss, grads = self.local_value_and_grad(list(theta), *batch)  # dense, compute dtype
+            compressed = [g.ravel().at[i].get(indices_are_sorted=True, unique_indices=True)
+                          for g, i in zip(grads, index)]  # [f phi] per tensor
+            for axes, members in groups.items():  # all-reduce of (1 - s) of the dense gradient
+                for i, g in zip(members, comm.psum([compressed[i] for i in members], axes)):
+                    compressed[i] = g
+            return self.global_value(loss), compressed
+
+        param_sh = self.param_shardings()
+
+        def samo_step(state, *batch):
+            theta, samo = state.params, state.opt_state
+            fn = self.over_mesh(per_rank, len(batch), before=(P(),), out_specs=(P(), P()))
+            loss, grads = fn(tuple(jax.tree.leaves(theta)), tuple(jax.tree.leaves(samo.index)),
+                             *batch)
+            grads = jax.tree.unflatten(jax.tree.structure(samo.master),
+                                       [g.astype(m.dtype) for g, m in
+                                        zip(grads, jax.tree.leaves(samo.master))])
+            updates, opt_state = self.optimizer.update(grads, samo.opt_state, samo.master)
+            master = optax.apply_updates(samo.master, updates)
+            theta = jax.tree.map(lambda m, i, t: expand(m, i, t.shape, t.dtype), master,
+                                 samo.index, theta)
+            theta = lax.with_sharding_constraint(theta, param_sh)
+            samo = SamoState(samo.index, master, opt_state)
+            return state._replace(params=theta, opt_state=samo), loss
+
+        return jax.jit(samo_step, donate_argnums=(0,) if self.donate else ())
+
+
+def make_samo_step(model, mesh, optimizer, loss_fn, samo: SamoConfig, **options) -> SamoStep:
+    """SAMO's step of ``model`` on ``mesh`` (a ``data`` axis; the others of size 1): the options
+    of :func:`jphantom.make_train_step` less ZeRO, pipelines and GSPMD."""
+    return SamoStep(model, mesh, optimizer, loss_fn, samo, **options)
 
 
 def state_bytes(state) -> dict[str, int]:

@@ -30,8 +30,8 @@ from jphantom.nn.stack import Stacked
 
 class TrainState(NamedTuple):
     """What the step carries: ``params`` (a nested dict of the model's parameters, global arrays in
-    their shards, keyed by the model's attribute paths) and the optax state (with ``samo=``: a
-    :class:`jphantom.samo.SamoState`, and ``params`` the dense theta16)."""
+    their shards, keyed by the model's attribute paths) and the optax state (of a SAMO step: a
+    :class:`jphantom.experimental.samo.SamoState`, and ``params`` the dense theta16)."""
 
     params: Any
     opt_state: Any

@@ -23,6 +23,7 @@ from jphantom import comm
 from jphantom import token_mean
 from jphantom import zero as zero_module
 from jphantom.errors import ConfigError
+from jphantom.nn import balance as balance_module
 from jphantom.nn import metadata
 from jphantom.nn.stack import Stacked
 from jphantom.step.layout import group_by, is_variable, path_key, zeros_of
@@ -142,8 +143,7 @@ class PipelineParts:
         total = self._pipeline_value_and_grad(leaves, inputs, targets, train=False,
                                               statistics=True)
         total = comm.psum(total, "stage")  # non-zero on the last stage only
-        counts = lax.stop_gradient(total[:, :total.shape[-1] // 2])
-        return counts / jnp.sum(counts, axis=-1, keepdims=True)
+        return balance_module.fractions(total)
 
     def _pipeline_value_and_grad(self, leaves, inputs, targets, *, train: bool = True,
                                  scale=1.0, balance=None, statistics: bool = False):
@@ -173,12 +173,11 @@ class PipelineParts:
             set_submodule(model, stack_path, stand_in)
             return model
 
-        extra = {} if balance is None else {"balance_fraction": balance}
-
         def run_model(model, inputs_mb, targets_mb):
             if statistics:
                 return model.balance_statistics(inputs_mb, targets_mb)
-            return loss_fn(model, inputs_mb, targets_mb, **extra)
+            with balance_module.given(balance):
+                return loss_fn(model, inputs_mb, targets_mb)
 
         def first(rest, inputs_mb):
             try:
@@ -278,11 +277,9 @@ class PipelineParts:
                            .swapaxes(0, 1).reshape(micro, b.shape[0] // micro, *b.shape[1:]))
         inputs_mb, targets_mb = split(inputs), split(targets)
         stacked, rest = self._split(leaves)
-        extra = {} if balance is None else {"balance_fraction": balance}
         if balance is None and self._takes_balance():
-            fraction = self._balance_fraction(
+            balance = self._balance_fraction(
                 self._ready(self.layout.model_of(leaves)), [inputs_mb, targets_mb])
-            extra = {} if fraction is None else {"balance_fraction": fraction}
 
         def model_with(stand_in):
             model = self._ready(self.layout.model_of(self._join(stacked, rest)))
@@ -291,7 +288,8 @@ class PipelineParts:
 
         def first(inputs_one, targets_one):
             try:
-                self.loss_fn(model_with(Capture()), inputs_one, targets_one, **extra)
+                with balance_module.given(balance):
+                    self.loss_fn(model_with(Capture()), inputs_one, targets_one)
             except StackInput as entered:
                 return entered.h
             raise ConfigError("loss_fn never called the model's Stacked blocks: a pipeline cuts "
@@ -333,7 +331,8 @@ class PipelineParts:
         (_, outputs), _ = lax.scan(tick, (buffer, outputs), jnp.arange(micro + stages - 1))
 
         def last(out, inputs_one, targets_one):
-            loss = self.loss_fn(model_with(Feed(lambda: out)), inputs_one, targets_one, **extra)
+            with balance_module.given(balance):
+                loss = self.loss_fn(model_with(Feed(lambda: out)), inputs_one, targets_one)
             weighted = token_mean.terms(loss)
             if weighted is not None:
                 return tuple(weighted)
@@ -348,7 +347,7 @@ class PipelineParts:
 
     def _pipeline_loss(self) -> Callable:
         """Evaluation through the pipeline's forward slots (no backward, no stash)."""
-        vary = self._vary_axes()
+        vary = self.vary_axes()
 
         def per_rank(leaves, inputs, targets):
             leaves = list(leaves)
@@ -356,7 +355,7 @@ class PipelineParts:
                 leaves = zero_module.gather_together(leaves, self.layout.zero_dims,
                                                      self.layout.zero_axes, invariant=False)
             leaves = group_by(leaves, vary, lambda xs, axes: comm.pcast(xs, axes, to="varying"))
-            return self._global(self._pipeline_value_and_grad(leaves, inputs, targets,
+            return self.global_value(self._pipeline_value_and_grad(leaves, inputs, targets,
                                                                train=False))
 
         @jax.jit
