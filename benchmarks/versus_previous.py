@@ -1,6 +1,7 @@
 """This code against a previous version of jphantom, side by side in one run: every layout of
 ``make bench`` timed in two worker processes, one importing this tree and one a previous commit
-(default: the last commit before the move to Flax NNX), alternating step by step.
+(default: the last commit before the library was split into modules of one idea each, issue
+34), alternating step by step.
 
 Why two processes: two versions of one package cannot share an interpreter. The driver starts a
 worker per version (same interpreter, same 8 simulated CPU devices, ``PYTHONPATH`` pointing at the
@@ -17,6 +18,12 @@ phantom k=8, gspmd), ``zero_stages`` (FFN n=1024, L=8, B=256 under tensor on dat
 (GPT-2 on data=4,x=2 and tensor on data=8). Reported: median step time of each version, their
 ratio (this / previous; the target: no case above 1.05), and the compiled step's
 collective bytes per device of each (they should agree).
+
+Compile time (``--compile-layers``, default 12; 0 skips it): a GPT-2 step of that many layers
+(h=512, 8 heads, S=128, B=16, tensor on data=2,model=4, SGD) lowered and compiled on abstract
+parameters, each version in a fresh process per round (a cold compile, as a user's first step),
+the versions alternating over ``--compile-rounds`` rounds; the medians and their ratio (the
+target: no slower).
 
 Usage::
 
@@ -44,7 +51,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "versus_previous"
-PREVIOUS = "ddcea8b"  # the last commit whose built-in models are the functional programs
+PREVIOUS = "b102f76"  # the last commit before the step, the CLI and the layers were split by idea
 TARGET = 1.05
 
 
@@ -108,14 +115,9 @@ def _batch(case, shardings):
     return tuple(jax.device_put(a, s) for a, s in zip(arrays, shardings))
 
 
-def _optimizer(name):
-    import optax
-
-    return optax.sgd(1e-4) if name == "sgd" else optax.adamw(1e-4)
-
-
-def _build_new(case):
-    """This tree's API: one RunConfig, its program and TrainStep."""
+def build(case):
+    """The case's step, compiled, through the run configuration (``RunConfig.build()``: the API
+    of both versions compared)."""
     from jphantom.config import RunConfig
 
     flags = {k: v for k, v in case.items() if k not in ("bench",)}
@@ -133,45 +135,27 @@ def _build_new(case):
     return compiled, state, run
 
 
-def _build_old(case):
-    """The functional programs' API (jphantom.strategies, jphantom.step)."""
+COMPILE_CASE = dict(model="gpt2", hidden=512, heads=8, seq_len=128, batch=16, optimizer="sgd",
+                    strategy="tensor", mesh="data=2,model=4")
+
+
+def compile_worker(layers: int) -> int:
+    """One cold compile of a ``layers``-deep GPT-2 step (this version's API); prints its seconds."""
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
     import jax
 
-    from jphantom import strategies
-    from jphantom.mesh import MeshConfig, first_devices
-    from jphantom.step import init_params, make_train_step
-    from jphantom.train import init_optimizer_state
+    from jphantom.config import RunConfig
 
-    strategy = strategies.get(case["strategy"])
-    phantom = strategy.family == "phantom"
-    if case["model"] == "ffn":
-        from jphantom.models.ffn import FFNConfig
-        config = FFNConfig(case["width"], case["depth"], case.get("ghost_width"))
-    else:
-        from jphantom.models.gpt2 import TransformerConfig, moe_fields
-        config = TransformerConfig(
-            vocab_size=256, seq_len=case["seq_len"], hidden=case["hidden"], heads=case["heads"],
-            layers=case["layers"], ghost_width=case.get("ghost_width"), tied_head=not phantom,
-            **moe_fields(case.get("moe_every", 0), case.get("experts", 8), case.get("top_k", 2),
-                         case.get("capacity_factor", 1.25), False))
-    options = {"zero": case.get("zero", 0)}
-    if case.get("sequence_parallel"):
-        options["sequence_parallel"] = True
-    program = strategy.program(config, MeshConfig.parse(case["mesh"]), **options)
-    mesh = program.mesh.build(first_devices(program.mesh.device_count))
-    optimizer = _optimizer(case["optimizer"])
-    params = init_params(program, mesh, jax.random.PRNGKey(0))
-    opt_state = (init_optimizer_state(program, mesh, optimizer, params) if program.manual
-                 else optimizer.init(params))
-    batch = _batch(case, program.batch_shardings(mesh))
-    step = make_train_step(program, mesh, optimizer)
-    compiled = step.lower(params, opt_state, *batch).compile()
-
-    def run(state):
-        params, opt_state, loss = compiled(*state, *batch)
-        return (params, opt_state), loss
-
-    return compiled, (params, opt_state), run
+    flags = dict(COMPILE_CASE, layers=layers, vocab=256, out=None, progress=False,
+                 warmup_steps=0, learning_rate=1e-4)
+    built = RunConfig.from_flags(**flags).build()
+    step = built.step
+    batch = [jax.ShapeDtypeStruct((COMPILE_CASE["batch"], COMPILE_CASE["seq_len"]), "int32",
+                                  sharding=s) for s in built.shardings]
+    start = time.perf_counter()
+    step.lower(step.abstract_state(), *batch).compile()
+    print(json.dumps({"seconds": time.perf_counter() - start}), flush=True)
+    return 0
 
 
 def worker() -> int:
@@ -188,7 +172,6 @@ def worker() -> int:
 
     from jphantom.analysis.hlo import collectives
 
-    new = _has("jphantom.config")
     built = {}
     for line in sys.stdin:
         command = json.loads(line)
@@ -199,7 +182,7 @@ def worker() -> int:
             if command["do"] == "build":
                 case = json.loads(key)
                 start = time.perf_counter()
-                compiled, state, run = (_build_new if new else _build_old)(case)
+                compiled, state, run = build(case)
                 seconds = time.perf_counter() - start
                 found = [c for c in collectives(compiled.as_text()) if not c.trivial]
                 built[key] = [state, run]
@@ -221,12 +204,6 @@ def worker() -> int:
     return 0
 
 
-def _has(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
-
-
 # --------------------------------------------------------------------------------------------------
 # Driver
 # --------------------------------------------------------------------------------------------------
@@ -237,10 +214,17 @@ class Version:
         env = dict(os.environ, PYTHONPATH=str(source), JAX_PLATFORMS="cpu",
                    JPHANTOM_SOURCE=str(source),
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-        self.name = name
+        self.name, self.source, self.env = name, source, env
         self.process = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "--worker"], cwd=str(source),
             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def compile_seconds(self, layers: int) -> float:
+        """A cold compile of a ``layers``-deep step in a fresh process of this version."""
+        out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--compile-worker",
+                              str(layers)], cwd=str(self.source), env=self.env,
+                             capture_output=True, text=True, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
 
     def ask(self, **command) -> dict:
         self.process.stdin.write(json.dumps(command) + "\n")
@@ -295,10 +279,16 @@ def parse_args(argv):
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes, 2 rounds; results go to a scratch folder")
+    parser.add_argument("--compile-layers", type=int, default=12,
+                        help="layers of the compile-time case (default 12; 0: skip it)")
+    parser.add_argument("--compile-rounds", type=int, default=3,
+                        help="cold compiles per version (default 3)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--compile-worker", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.warmup = 2, 1
+        args.compile_layers, args.compile_rounds = min(args.compile_layers, 2), 1
         if args.out == DEFAULT_OUT:
             args.out = Path(tempfile.mkdtemp(prefix="jphantom-versus-previous-"))
     return args
@@ -308,6 +298,8 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.worker:
         return worker()
+    if args.compile_worker is not None:
+        return compile_worker(args.compile_worker)
     todo = [c for c in cases(args.quick) if args.only is None or args.only in label(c)]
     with tempfile.TemporaryDirectory(prefix="jphantom-previous-") as scratch:
         previous = _extract(args.previous, Path(scratch) / "previous")
@@ -340,6 +332,21 @@ def main(argv=None) -> int:
                       f"{medians['previous'] * 1e3:8.2f} ms  ratio {row['ratio']:.3f}  bytes "
                       f"{built['this']['collective_bytes']:,} / "
                       f"{built['previous']['collective_bytes']:,}", flush=True)
+            compile_time = None
+            if args.compile_layers:
+                seconds = {v.name: [] for v in versions}
+                for round_index in range(args.compile_rounds):
+                    for v in (versions if round_index % 2 == 0 else versions[::-1]):
+                        seconds[v.name].append(v.compile_seconds(args.compile_layers))
+                medians = {name: statistics.median(t) for name, t in seconds.items()}
+                compile_time = {"layers": args.compile_layers, **COMPILE_CASE,
+                                "this_seconds": medians["this"],
+                                "previous_seconds": medians["previous"],
+                                "ratio": medians["this"] / medians["previous"],
+                                "seconds": seconds}
+                print(f"compile of a {args.compile_layers}-layer step: this "
+                      f"{medians['this']:.2f} s  previous {medians['previous']:.2f} s  ratio "
+                      f"{compile_time['ratio']:.3f}", flush=True)
         finally:
             for v in versions:
                 v.close()
@@ -351,7 +358,7 @@ def main(argv=None) -> int:
               "steps": args.steps, "warmup": args.warmup, "target_ratio": TARGET,
               "worst_ratio": max(measured) if measured else None,
               "geometric_mean_ratio": statistics.geometric_mean(measured) if measured else None,
-              "platform": platform.platform(), "rows": rows}
+              "platform": platform.platform(), "compile": compile_time, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(result, indent=2))
     _plot(rows, args.out / "versus_previous.png")
