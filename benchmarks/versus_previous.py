@@ -16,8 +16,9 @@ Each case is a layout ``make bench`` measures, at the benchmark's default sizes:
 phantom k=8, gspmd), ``zero_stages`` (FFN n=1024, L=8, B=256 under tensor on data=8: ZeRO 0-3),
 ``moe`` (GPT-2 with top-1 MoE every 2nd block, E=8, on expert=8, and dense on data=8) and ``pmm3d``
 (GPT-2 on data=4,x=2 and tensor on data=8). Reported: median step time of each version, their
-ratio (this / previous; the target: no case above 1.05), and the compiled step's
-collective bytes per device of each (they should agree).
+ratio (this / previous; the target: no case above 1.05), the compiled step's collective bytes
+per device of each (they should agree) and whether the two versions compiled the same program
+(``same_hlo``: the optimised HLO's hash, source metadata left out).
 
 Compile time (``--compile-layers``, default 12; 0 skips it): a GPT-2 step of that many layers
 (h=512, 8 heads, S=128, B=16, tensor on data=2,model=4, SGD) lowered and compiled on abstract
@@ -135,6 +136,19 @@ def build(case):
     return compiled, state, run
 
 
+def hlo_fingerprint(text: str) -> str:
+    """A hash of the optimised HLO without its source metadata (file names and lines, op names):
+    two versions that compile the same program give the same fingerprint."""
+    import hashlib
+    import re
+
+    text = re.sub(r",? metadata=\{[^}]*\}", "", text)
+    # the tables of source files, functions and stack frames the instructions' metadata named
+    text = re.sub(r"^(FileNames|FunctionNames|FileLocations|StackFrames)\n.*?\n\n", "", text,
+                  flags=re.S | re.M)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 COMPILE_CASE = dict(model="gpt2", hidden=512, heads=8, seq_len=128, batch=16, optimizer="sgd",
                     strategy="tensor", mesh="data=2,model=4")
 
@@ -153,8 +167,12 @@ def compile_worker(layers: int) -> int:
     batch = [jax.ShapeDtypeStruct((COMPILE_CASE["batch"], COMPILE_CASE["seq_len"]), "int32",
                                   sharding=s) for s in built.shardings]
     start = time.perf_counter()
-    step.lower(step.abstract_state(), *batch).compile()
-    print(json.dumps({"seconds": time.perf_counter() - start}), flush=True)
+    lowered = step.lower(step.abstract_state(), *batch)
+    traced = time.perf_counter()
+    lowered.compile()
+    done = time.perf_counter()
+    print(json.dumps({"seconds": done - start, "lower_seconds": traced - start,
+                      "xla_seconds": done - traced}), flush=True)
     return 0
 
 
@@ -190,7 +208,8 @@ def worker() -> int:
                 jax.block_until_ready(loss)
                 built[key][0] = state
                 answer = {"build_seconds": seconds,
-                          "collective_bytes": sum(c.total_bytes for c in found)}
+                          "collective_bytes": sum(c.total_bytes for c in found),
+                          "hlo_fingerprint": hlo_fingerprint(compiled.as_text())}
             else:
                 state, run = built[key]
                 start = time.perf_counter()
@@ -219,12 +238,13 @@ class Version:
             [sys.executable, str(Path(__file__).resolve()), "--worker"], cwd=str(source),
             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
-    def compile_seconds(self, layers: int) -> float:
-        """A cold compile of a ``layers``-deep step in a fresh process of this version."""
+    def compile_seconds(self, layers: int) -> dict:
+        """A cold compile of a ``layers``-deep step in a fresh process of this version: seconds in
+        all, to lower (trace, jphantom's Python) and in XLA's compiler."""
         out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--compile-worker",
                               str(layers)], cwd=str(self.source), env=self.env,
                              capture_output=True, text=True, check=True)
-        return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
+        return json.loads(out.stdout.strip().splitlines()[-1])
 
     def ask(self, **command) -> dict:
         self.process.stdin.write(json.dumps(command) + "\n")
@@ -328,24 +348,33 @@ def main(argv=None) -> int:
                 row.update(this_seconds=medians["this"], previous_seconds=medians["previous"],
                            ratio=medians["this"] / medians["previous"], times=times)
                 rows.append(row)
+                row["same_hlo"] = (built["this"]["hlo_fingerprint"]
+                                   == built["previous"]["hlo_fingerprint"])
                 print(f"{label(case):<70} this {medians['this'] * 1e3:8.2f} ms  previous "
                       f"{medians['previous'] * 1e3:8.2f} ms  ratio {row['ratio']:.3f}  bytes "
                       f"{built['this']['collective_bytes']:,} / "
-                      f"{built['previous']['collective_bytes']:,}", flush=True)
+                      f"{built['previous']['collective_bytes']:,}  same HLO: "
+                      f"{row['same_hlo']}", flush=True)
             compile_time = None
             if args.compile_layers:
-                seconds = {v.name: [] for v in versions}
+                runs = {v.name: [] for v in versions}
                 for round_index in range(args.compile_rounds):
                     for v in (versions if round_index % 2 == 0 else versions[::-1]):
-                        seconds[v.name].append(v.compile_seconds(args.compile_layers))
-                medians = {name: statistics.median(t) for name, t in seconds.items()}
-                compile_time = {"layers": args.compile_layers, **COMPILE_CASE,
-                                "this_seconds": medians["this"],
-                                "previous_seconds": medians["previous"],
-                                "ratio": medians["this"] / medians["previous"],
-                                "seconds": seconds}
-                print(f"compile of a {args.compile_layers}-layer step: this "
-                      f"{medians['this']:.2f} s  previous {medians['previous']:.2f} s  ratio "
+                        runs[v.name].append(v.compile_seconds(args.compile_layers))
+                median = lambda name, key: statistics.median(r[key] for r in runs[name])
+                compile_time = {"layers": args.compile_layers, **COMPILE_CASE, "runs": runs}
+                for key in ("seconds", "lower_seconds", "xla_seconds"):
+                    compile_time[f"this_{key}"] = median("this", key)
+                    compile_time[f"previous_{key}"] = median("previous", key)
+                compile_time["ratio"] = (compile_time["this_seconds"]
+                                         / compile_time["previous_seconds"])
+                print(f"compile of a {args.compile_layers}-layer step (medians of "
+                      f"{args.compile_rounds}): this {compile_time['this_seconds']:.2f} s "
+                      f"(lower {compile_time['this_lower_seconds']:.2f} + XLA "
+                      f"{compile_time['this_xla_seconds']:.2f})  previous "
+                      f"{compile_time['previous_seconds']:.2f} s (lower "
+                      f"{compile_time['previous_lower_seconds']:.2f} + XLA "
+                      f"{compile_time['previous_xla_seconds']:.2f})  ratio "
                       f"{compile_time['ratio']:.3f}", flush=True)
         finally:
             for v in versions:

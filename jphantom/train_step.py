@@ -25,6 +25,14 @@ would see on one device, so ``optax.clip_by_global_norm``, LAMB or Adafactor are
 update's cross-shard reductions, a global norm, are the only collectives jit adds; element-wise
 updates add none).
 
+The step is composed of parts, one idea each, in this order: :mod:`jphantom.step.layout` (the
+parameters' specs and shardings, the batch's axes), :mod:`jphantom.step.grads` (each rank's loss
+share and gradient: the weighted loss, accumulation, the MoE balance), :mod:`jphantom.step.reduce`
+(the gradients' reductions, ZeRO's gathers and scatters), then the optimizer update after the
+``shard_map``; a ``stage`` axis runs the blocks through :mod:`jphantom.step.pipeline`'s executors,
+``spmd="gspmd"`` is :mod:`jphantom.step.gspmd`'s baseline. Steps built from these parts for other
+purposes (SAMO, the compute-only step) are in :mod:`jphantom.experimental`.
+
 ZeRO over ``data`` (Cheng et al.; Rajbhandari et al. 2020): ``zero=1`` shards the optimizer state
 (the update runs on each rank's slice and the new parameters are all-gathered), ``zero=2`` also
 reduce-scatters the gradients inside the ``shard_map``, ``zero=3`` also stores the parameters

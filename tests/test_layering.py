@@ -168,3 +168,30 @@ def test_no_private_name_crosses_a_module_boundary():
                 found.append(f"{path.name}:{node.lineno} uses {aliases[node.value.id]}."
                              f"{node.attr}")
     assert not found, "private names across modules:\n" + "\n".join(found)
+
+
+def test_the_library_opens_one_shard_map():
+    """One SPMD program: jax.shard_map is called in one place, jphantom.train_step.shard_map,
+    which every program the library compiles goes through (the step, its evaluation, the
+    experimental steps, make_forward_fn)."""
+    calls = []
+    for name, path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                func = node.func
+                called = (func.attr if isinstance(func, ast.Attribute)
+                          and isinstance(func.value, ast.Name) and func.value.id == "jax"
+                          else None)
+                if called == "shard_map":
+                    calls.append(f"{name}:{node.lineno}")
+            elif isinstance(node, ast.ImportFrom) and node.module and "shard_map" in {
+                    a.name for a in node.names} and node.module.startswith("jax"):
+                calls.append(f"{name}:{node.lineno} imports shard_map from {node.module}")
+    assert len(calls) == 1 and calls[0].startswith("train_step:"), calls
+
+
+def test_no_module_holds_several_ideas_by_size():
+    """A module over about 650 lines holds several ideas: split it by idea (issue 34)."""
+    long = {f"jphantom/{path.relative_to(ROOT)}": n for _, path in _modules()
+            if (n := len(path.read_text().splitlines())) > 650}
+    assert not long, long

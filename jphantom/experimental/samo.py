@@ -116,7 +116,7 @@ def check(config, mesh, *, zero: int, pipeline, spmd: str) -> SamoConfig:
                           f"{type(config).__name__}")
     if pipeline is not None or "stage" in mesh.axis_names:
         raise ConfigError("SAMO does not run under a pipeline: drop pipeline= and the 'stage' "
-                          "axis with samo=")
+                          "axis")
     extra = {a: s for a, s in dict(mesh.shape).items() if a != DATA_AXIS and s > 1}
     if extra:
         raise ConfigError(f"SAMO runs on pure data parallelism: the mesh {dict(mesh.shape)} "
@@ -124,10 +124,10 @@ def check(config, mesh, *, zero: int, pipeline, spmd: str) -> SamoConfig:
                           "size 1)")
     if zero:
         raise ConfigError(f"SAMO keeps its compressed master weights and moments replicated over "
-                          f"'data'; zero={zero} (ZeRO) would shard them: use zero=0 with samo=")
+                          f"'data'; zero={zero} (ZeRO) would shard them: use zero=0 for SAMO")
     if spmd != "shard_map":
         raise ConfigError(f"SAMO compresses the gradient inside the shard_map, before the data "
-                          f"all-reduce; spmd={spmd!r} has none: use spmd='shard_map' with samo=")
+                          f"all-reduce; spmd={spmd!r} has none: use spmd='shard_map' for SAMO")
     return config
 
 
