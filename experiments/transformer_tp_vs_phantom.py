@@ -61,7 +61,6 @@ import dataclasses
 import importlib.util
 import json
 import math
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -425,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from jphantom.mesh import ensure_devices
 
     ensure_devices(args.shards)  # simulated CPU devices unless jax already has enough
-    from jphantom import program as programs
+    from jphantom.inventory import collective_inventory
     from jphantom.analysis.machine import machine_info
     from jphantom.compare import measure_matmul_rate
     from jphantom.energy import PowerModel
@@ -455,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                                    for s in history["validation_step"]]
         inventory = None
         if job.strategy != "dense":
-            inventory = programs.collective_inventory(
+            inventory = collective_inventory(
                 config.family_config(), job.strategy, config.parallel.mesh_config(), args.batch,
                 sequence_parallel=job.sequence_parallel)
         runs.append({

@@ -20,7 +20,7 @@ LAYERS = [
     ("models", ["models", "families"]),
     ("plans", ["plans"]),
     ("step", ["pipeline.runner", "pipeline.split", "step", "train_step", "experimental", "checkpoint", "exactness"]),
-    ("program", ["program"]),
+    ("program", ["program", "inventory"]),
     ("run", ["config", "sources", "callbacks", "run", "resilience", "metrics", "analysis", "compare", "plan", "perf", "launch", "aot"]),
     ("cli", ["cli", "__main__"]),
 ]

@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 
 from jphantom import plans, program as programs
+from jphantom.inventory import collective_inventory
 from jphantom.analysis.hlo import collectives
 from jphantom.errors import ConfigError
 from jphantom.mesh import MeshConfig, first_devices
@@ -180,8 +181,7 @@ def _compiled_buffers(prog, step, axis):
 
 
 def _inventory(prog, **kw):
-    found = programs.collective_inventory(_config(prog.strategy, **kw), prog.strategy, prog.mesh,
-                                          BATCH,
+    found = collective_inventory(_config(prog.strategy, **kw), prog.strategy, prog.mesh, BATCH,
                                           sequence_parallel=prog.options["sequence_parallel"])
     return {kind: sorted(sizes) for kind, sizes in found.items() if sizes}
 

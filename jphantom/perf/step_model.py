@@ -19,7 +19,7 @@ quantity                     label        source
 GEMM FLOPs, GEMM count       exact        the code's matrix products, counted below (2 FLOPs per
                                           multiply-add); equal to the ``dot`` ops of the compiled HLO
 collectives (kind/count/     exact        the strategy's own inventory,
-bytes)                                    ``program.collective_inventory`` (verified
+bytes)                                    ``inventory.collective_inventory`` (verified
                                           against HLO in tests/test_hlo.py) + the scalar loss
                                           all-reduce
 parameter, gradient,         exact        sizes of the arrays the code allocates per rank
@@ -307,18 +307,18 @@ def step_collectives(shape: StepShape) -> list[dict]:
     """Exact collective inventory per rank of one step, ``[{"kind", "count", "bytes"}]`` merged per
     kind (``hlo.summarize``'s form, what ``CommModel.step_time_us`` takes); bytes are per-device
     result bytes. The strategy lists its own collectives
-    (:func:`jphantom.program.collective_inventory` on a ``model=p`` mesh), plus
+    (:func:`jphantom.inventory.collective_inventory` on a ``model=p`` mesh), plus
     (``loss_allreduce``) the scalar all-reduce of the loss. A one-rank mesh has none (XLA removes
     collectives over a single device)."""
     if shape.num_shards == 1:
         return []
-    from jphantom import program
+    from jphantom.inventory import collective_inventory
     from jphantom.mesh import MeshConfig
     from jphantom.models.ffn import FFNConfig
 
     # float32 here only names the model; the inventory is in elements, bytes use shape.dtype.
     model = FFNConfig(width=shape.width, depth=shape.depth, ghost_width=shape.ghost_width)
-    inventory = program.collective_inventory(
+    inventory = collective_inventory(
         model, shape.strategy_name, MeshConfig.of({"model": shape.num_shards}), shape.batch)
     buffers = {kind: list(sizes) for kind, sizes in inventory.items()}
     if shape.loss_allreduce:

@@ -11,13 +11,13 @@ layout          strategy    communication per step (per GPU)
 ==============  ==========  ===============================================================
 pmm3d           pmm3d       Σ over the GPT's linear layers of Eq. 5.6 (Eqs. 5.1-5.5), the
                             tied LM head as one more normal layer (§1.4's layout)
-tensor          tensor      ``program.collective_inventory(..., "tensor")`` on
-                            data=D,model=T (Megatron's f/g all-reduces; seeds 002/003),
+tensor          tensor      ``inventory.collective_inventory(..., "tensor")`` on
+                            data=D,model=T (Megatron's f/g all-reduces; Shoeybi et al.),
                             then the data all-reduce of the rank's parameters
 tensor + SP     tensor      the same with ``sequence_parallel=True`` (all-reduces become
                             reduce-scatter + all-gather pairs; the Day 66 notes)
 data            tensor      model=1: only the data all-reduce of all parameters
-phantom         phantom     ``program.collective_inventory(..., "phantom")`` (k ghosts per
+phantom         phantom     ``inventory.collective_inventory(..., "phantom")`` (k ghosts per
                             token all-gathered, reduced backward; Seal et al.) + data all-reduce
 pipeline 1F1B   tensor      stage=P,data=D (model=1): one point-to-point message of one
                             micro-batch's activations [S, h] per micro-batch forward and one

@@ -55,7 +55,7 @@ def inventory(name: str, shape: GPTShape, data: int, model: int, batch_per_rank:
                ghost_width: int | None, sequence_parallel: bool, repeats: int) -> list[Collective]:
     """A registry strategy's per-step collectives over ``model`` (each list entry one execution of
     one per-device result buffer of that many elements), ``repeats`` times (micro-batches)."""
-    from jphantom import program
+    from jphantom.inventory import collective_inventory
     from jphantom.mesh import MeshConfig
     from jphantom.models.llama import LlamaConfig
     from jphantom.models.gpt2 import TransformerConfig
@@ -70,13 +70,13 @@ def inventory(name: str, shape: GPTShape, data: int, model: int, batch_per_rank:
                                    hidden=shape.hidden, heads=shape.heads, layers=shape.layers,
                                    ghost_width=ghost_width)
     options = {"sequence_parallel": True} if sequence_parallel else {}
-    inventory = program.collective_inventory(
+    inventory = collective_inventory(
         config, name, MeshConfig.of({"data": data, "model": model}), batch_per_rank, **options)
     out = []
     for kind, sizes in inventory.items():
         for size in sorted(set(sizes)):
             out.append(Collective(kind, "model", model, size, repeats * sizes.count(size),
-                                  f"jphantom.program.collective_inventory({name!r})"))
+                                  f"jphantom.inventory.collective_inventory({name!r})"))
     return out
 
 
