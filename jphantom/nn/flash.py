@@ -15,10 +15,11 @@ offers for that on NVIDIA GPUs:
   kernel (``mha_backward_kernel``) reads the output, log-sum-exp and delta = sum(do o) it is
   given, so the ring hands it the final ones. This module runs the two kernels with its own
   ``pallas_call``s: the module's ``mha`` wrapper declares its statistics' output without the
-  mesh axes it varies over, which ``shard_map(check_vma=True)`` (jphantom's step) refuses, and
-  its backward is a private function. Tested on every jax version the project supports (on CPU
-  through Pallas' interpreter, ``interpret=True``); jax 0.12 marks the module deprecated in
-  favour of tokamax, its kernels unchanged there.
+  mesh axes it varies over, which the step's check of varying axes (``check_vma``) refuses, and
+  its backward is a private function. Nothing here opens a ``shard_map``: the blocks run inside
+  the training step's one (:func:`jphantom.train_step.shard_map`). Tested on every jax version
+  the project supports (on CPU through Pallas' interpreter, ``interpret=True``); jax 0.12 marks
+  the module deprecated in favour of tokamax, its kernels unchanged there.
 
 So on NVIDIA GPUs (bf16/fp16, head dimension a multiple of 8 up to 128) a ring's blocks run
 Pallas' Triton kernels; elsewhere XLA's einsum blocks. K/V heads are repeated to the query heads
@@ -58,13 +59,13 @@ def _tile(n: int, most: int) -> int:
 
 def _like(shape, dtype, *arrays):
     """An array of ``shape`` and ``dtype`` varying over the mesh axes ``arrays`` vary over: a
-    ``pallas_call``'s out_shape inside a ``shard_map`` (its type is all that is read)."""
+    ``pallas_call``'s out_shape inside the step (its type is all that is read)."""
     return _vary(jnp.zeros(shape, dtype), *arrays)
 
 
 def _vary(x, *arrays):
     """``x`` typed as varying over the mesh axes ``arrays`` vary over. A ``pallas_call``'s
-    outputs come back typed invariant inside ``shard_map(check_vma=True)`` though each rank
+    outputs come back typed invariant under the step's ``check_vma`` though each rank
     computed its own: this restores their type (a forward identity; no gradient passes through
     here, the ring's ``custom_vjp`` rules call these blocks)."""
     axes = set().union(*(comm.varying_axes(a) for a in arrays)) - comm.varying_axes(x)
