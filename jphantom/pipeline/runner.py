@@ -312,7 +312,8 @@ def take_index(tree, i):
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
 
-def _put(buffers, i, values):
+def put_slot(buffers, i, values):
+    """``buffers`` with slot ``i`` (dimension 0) of each leaf set to ``values`` (cast to it)."""
     return jax.tree.map(lambda b, v: lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), i, 0),
                         buffers, values)
 
@@ -472,8 +473,8 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
         carry["loss"] = carry["loss"] + result[1]
         if train:
             out, _, stash, d_out, d_rest = result
-            carry["stash"] = _put(carry["stash"], field(row, "f_stash"), stash)
-            carry["cot"] = _put(carry["cot"], field(row, "f_seed"), d_out)
+            carry["stash"] = put_slot(carry["stash"], field(row, "f_stash"), stash)
+            carry["cot"] = put_slot(carry["cot"], field(row, "f_seed"), d_out)
             carry["d_rest"] = jax.tree.map(jnp.add, carry["d_rest"], d_rest)
         return result[0], carry
 
@@ -524,12 +525,12 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
                 out, carry = forward_slot(row, carry)
                 if send_f:  # the activation exchange: one collective-permute of [b, ...]
                     received = comm.ppermute(out, STAGE_AXIS, perm_f)
-                    carry["act"] = _put(carry["act"], field(row, "f_recv"), received)
+                    carry["act"] = put_slot(carry["act"], field(row, "f_recv"), received)
             if has_b:
                 dx, carry = backward_slot(row, carry)
                 if send_b:  # the cotangent exchange: one collective-permute of [b, ...]
                     received = comm.ppermute(cast_like(dx, out0), STAGE_AXIS, perm_b)
-                    carry["cot"] = _put(carry["cot"], field(row, "b_recv"), received)
+                    carry["cot"] = put_slot(carry["cot"], field(row, "b_recv"), received)
             return carry, None
         return tick
 

@@ -60,8 +60,9 @@ from jax import lax
 
 from jphantom import comm
 from jphantom.pipeline.runner import (STAGE_AXIS, PipelineConfig, Stages, allocate_slots,
-                                      cast_like, fill_like, slot_buffers, split_microbatches,
-                                      take_index, varying_over, vjp_residuals, zeros_of)
+                                      cast_like, fill_like, put_slot, slot_buffers,
+                                      split_microbatches, take_index, varying_over,
+                                      vjp_residuals, zeros_of)
 from jphantom.pipeline.schedule import SplitLockstep, chunks_of, lockstep_split, model_chunk
 
 KINDS = ("idle", "F", "B", "W")
@@ -582,7 +583,7 @@ def run(stages: Stages, config: PipelineConfig, plan_: SplitPlan, stacked, rest,
             for buffer, key in (("stash_b", "stash_b"), ("stash_w", "stash_w"),
                                 ("wstash", "wstash"), ("inbox", "seed")):
                 if key in result:
-                    carry[buffer] = _put(carry[buffer], field(row, key), result[key])
+                    carry[buffer] = put_slot(carry[buffer], field(row, key), result[key])
             if "b_grads" in result:
                 carry["d_chunks"] = add_to_chunk(carry["d_chunks"], v, result["b_grads"], b_mask)
             if "w_grads" in result:
@@ -591,12 +592,12 @@ def run(stages: Stages, config: PipelineConfig, plan_: SplitPlan, stacked, rest,
             if "d_rest" in result:
                 carry["d_rest"] = jax.tree.map(jnp.add, carry["d_rest"], result["d_rest"])
             msg = result["msg"]
-            carry["inbox"] = _put(carry["inbox"], field(row, "keep"), msg)
+            carry["inbox"] = put_slot(carry["inbox"], field(row, "keep"), msg)
             if send_next:  # one collective-permute of [b, ...] down the devices
-                carry["inbox"] = _put(carry["inbox"], field(row, "from_prev"),
+                carry["inbox"] = put_slot(carry["inbox"], field(row, "from_prev"),
                                       comm.ppermute(msg, STAGE_AXIS, to_next))
             if send_prev:  # and one up
-                carry["inbox"] = _put(carry["inbox"], field(row, "from_next"),
+                carry["inbox"] = put_slot(carry["inbox"], field(row, "from_next"),
                                       comm.ppermute(msg, STAGE_AXIS, to_prev))
             return carry, None
         return tick
@@ -609,7 +610,3 @@ def run(stages: Stages, config: PipelineConfig, plan_: SplitPlan, stacked, rest,
                              carry["d_chunks"])
     return carry["loss"], d_stacked, carry["d_rest"]
 
-
-def _put(buffers, i, values):
-    return jax.tree.map(lambda b, v: lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), i, 0),
-                        buffers, values)

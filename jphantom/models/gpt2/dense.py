@@ -16,6 +16,7 @@ from flax import nnx
 from jphantom.errors import ConfigError
 from jphantom.models.gpt2.config import TransformerConfig
 from jphantom.models.gpt2.model import GPT2
+from jphantom.models.paths import get_path, set_path
 
 # (our path, dense path): every tensor but the fused QKV, which from_dense / to_dense reorder
 _BLOCK = [(("ln_1", "scale"), ("ln1", "scale")), (("ln_1", "bias"), ("ln1", "bias")),
@@ -27,18 +28,6 @@ _BLOCK = [(("ln_1", "scale"), ("ln1", "scale")), (("ln_1", "bias"), ("ln1", "bia
           (("mlp", "down", "bias"), ("mlp_down", "bias"))]
 _TOP = [(("wte", "embedding"), ("wte",)), (("wpe", "embedding"), ("wpe",)),
         (("ln_f", "scale"), ("ln_f", "scale")), (("ln_f", "bias"), ("ln_f", "bias"))]
-
-
-def _get(tree, path):
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
-def _put(tree, path, value):
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
 
 
 def _no_moe(config: TransformerConfig) -> None:
@@ -56,22 +45,22 @@ def from_dense(config: TransformerConfig, params: dict) -> GPT2:
     graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
     pure = nnx.to_pure_dict(state)
     for ours, theirs in _TOP:
-        _put(pure, ours, jnp.asarray(_get(params, theirs)))
+        set_path(pure, ours, jnp.asarray(get_path(params, theirs)))
     blocks = params["blocks"]
     for ours, theirs in _BLOCK:
-        _put(pure, ("blocks", "block", *ours), jnp.asarray(_get(blocks, theirs)))
+        set_path(pure, ("blocks", "block", *ours), jnp.asarray(get_path(blocks, theirs)))
     heads, d = config.heads, config.head_dim
     weight = jnp.asarray(blocks["qkv"]["weight"])  # [L, h, 3, heads * d]
     layers = weight.shape[0]
-    _put(pure, ("blocks", "block", "attn", "qkv", "kernel"),
+    set_path(pure, ("blocks", "block", "attn", "qkv", "kernel"),
          weight.reshape(layers, -1, 3, heads, d).transpose(0, 1, 3, 2, 4).reshape(layers, -1,
                                                                                  3 * heads * d))
     bias = jnp.asarray(blocks["qkv"]["bias"])  # [L, 3, heads * d]
-    _put(pure, ("blocks", "block", "attn", "qkv", "bias"),
+    set_path(pure, ("blocks", "block", "attn", "qkv", "bias"),
          bias.reshape(layers, 3, heads, d).transpose(0, 2, 1, 3).reshape(layers, 3 * heads * d))
     if not config.tied_head:
-        _put(pure, ("head", "kernel"), jnp.asarray(params["head"]["weight"]))
-        _put(pure, ("head", "bias"), jnp.asarray(params["head"]["bias"]))
+        set_path(pure, ("head", "kernel"), jnp.asarray(params["head"]["weight"]))
+        set_path(pure, ("head", "bias"), jnp.asarray(params["head"]["bias"]))
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state, rest)
 
@@ -84,9 +73,9 @@ def to_dense(model: GPT2) -> dict:
     pure = jax.device_get(nnx.to_pure_dict(state))
     out: dict = {}
     for ours, theirs in _TOP:
-        _put(out, theirs, np.asarray(_get(pure, ours)))
+        set_path(out, theirs, np.asarray(get_path(pure, ours)))
     for ours, theirs in _BLOCK:
-        _put(out, ("blocks", *theirs), np.asarray(_get(pure, ("blocks", "block", *ours))))
+        set_path(out, ("blocks", *theirs), np.asarray(get_path(pure, ("blocks", "block", *ours))))
     qkv = pure["blocks"]["block"]["attn"]["qkv"]
     heads, d = model.config.heads, model.config.head_dim
     kernel, bias = np.asarray(qkv["kernel"]), np.asarray(qkv["bias"])  # [heads, 3, d] order

@@ -22,6 +22,7 @@ from flax import nnx
 from jphantom.errors import ConfigError
 from jphantom.models.llama.config import ARCHITECTURES, LAYER_TYPES, LlamaConfig
 from jphantom.models.llama.model import Llama
+from jphantom.models.paths import get_path, set_path
 
 # LlamaConfig field -> config.json key
 HF_FIELDS = {"vocab_size": "vocab_size", "hidden": "hidden_size",
@@ -212,18 +213,6 @@ def _hf_names(config: LlamaConfig) -> dict[tuple, tuple[str, bool]]:
     return names
 
 
-def _get(tree, path):
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
-def _put(tree, path, value):
-    for key in path[:-1]:
-        tree = tree[key]
-    tree[path[-1]] = value
-
-
 def to_hf_tensors(model: Llama) -> dict[str, np.ndarray]:
     """The module's parameters as Hugging Face tensors (``[out, in]`` weights), numpy."""
     config = model.config
@@ -231,7 +220,7 @@ def to_hf_tensors(model: Llama) -> dict[str, np.ndarray]:
     pure = nnx.to_pure_dict(state)
     tensors = {}
     for path, (name, transpose) in _hf_names(config).items():
-        value = np.asarray(jax.device_get(_get(pure, path)))
+        value = np.asarray(jax.device_get(get_path(pure, path)))
         if "{i}" not in name:
             tensors[name] = np.ascontiguousarray(value.T if transpose else value)
             continue
@@ -260,7 +249,7 @@ def from_hf_tensors(config: LlamaConfig, tensors: dict[str, np.ndarray]) -> Llam
         return tensors[name]
 
     for path, (name, transpose) in names.items():
-        shape = _get(pure, path).shape
+        shape = get_path(pure, path).shape
         if "{i}" not in name:
             value = take(name)
             value = None if value is None else (value.T if transpose else value)
@@ -279,7 +268,7 @@ def from_hf_tensors(config: LlamaConfig, tensors: dict[str, np.ndarray]) -> Llam
             if tuple(value.shape) != tuple(shape):
                 raise ConfigError(f"tensor {name} has shape {value.shape}; config.json implies "
                                   f"{tuple(shape)} for {'.'.join(map(str, path))}")
-            _put(pure, path, jnp.asarray(value))
+            set_path(pure, path, jnp.asarray(value))
     if missing:
         raise ConfigError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
     expected = {n.format(i=i, e=e) for n, _ in names.values() for i in range(config.layers)

@@ -4,15 +4,10 @@ The G GPUs form a grid G_x x G_y x G_z x G_data, ranked innermost to outermost X
 ``x``, ``y``, ``z``, ``data`` axes of :mod:`jphantom.mesh`; ``str(grid)`` is the mesh text
 ``"data=2,z=2,y=2,x=2"``). A fully connected layer O = I W with I [m, k], W [k, n] runs Algorithm 3:
 W is split rows over Y and columns over X and flat-sharded over Z (Ŵ, k n / (G_x G_y G_z) per GPU);
-I is split rows (tokens) over Z and columns over Y. Per layer and per step (Singh's thesis §2, exact; the
-"volume" is what each GPU puts on the wire under the ring algorithm, in elements):
-
-    (5.1)  t_AG,z   = (1/β_z) (G_z - 1) k n / (G_x G_y G_z)           all-gather of Ŵ, forward
-    (5.2)  t_RS,z   = (1/β_z) ((G_z - 1)/G_z) k n / (G_x G_y)         reduce-scatter of dŴ, backward
-    (5.3)  t_AR,y   = (2/β_y) ((G_y - 1)/G_y) m n / (G_z G_x)         all-reduce of O, forward
-    (5.4)  t_AR,x   = (2/β_x) ((G_x - 1)/G_x) m k / (G_z G_y)         all-reduce of dI, backward
-    (5.5)  t_AR,data= (2/β_d) ((G_data - 1)/G_data) k n / (G_x G_y G_z)  gradient all-reduce
-    (5.6)  t_comm   = t_AG,z + t_RS,z + t_AR,y + t_AR,x + t_AR,data
+I is split rows (tokens) over Z and columns over Y. Per layer and per step its five collectives
+cost Eqs. 5.1-5.5 and their sum, Eq. 5.6 (Singh's thesis §2, exact; the "volume" is what each GPU
+puts on the wire under the ring algorithm, in elements), written out in
+:mod:`~jphantom.perf.axonn_model.equations`.
 
 A *transposed* layer (every other layer, so that O's (Z, X) layout feeds the next layer) swaps the
 roles of X and Y: G_x <-> G_y in the volumes, and, since its forward all-reduce then runs over the X
