@@ -32,7 +32,21 @@ from jphantom.nn import balance as balance_module
 from jphantom.nn import dropout as dropout_module
 from jphantom.nn import metadata
 from jphantom import zero as zero_module
-from jphantom.step.layout import group_by, mean_share, zeros_of
+from jphantom.pipeline.runner import zeros_of
+from jphantom.step.layout import group_by, mean_share
+
+
+def accumulate(fn, micro, *, mean: bool, indexed: bool = False):
+    """``fn(micro_batch[, i])`` summed over the micro-batches ``micro`` (each array [n, ...]) by one
+    ``lax.scan`` (``indexed``: each call also gets its index i); ``mean``: divided by n (a scalar
+    ``loss_fn``'s mean; a weighted one's shares already sum to the whole loss)."""
+    n = micro[0].shape[0]
+    call = (lambda mb, i: fn(mb, i)) if indexed else (lambda mb, _: fn(mb))
+    first = jax.eval_shape(lambda mb: call(mb, 0), [m[0] for m in micro])
+    xs = (micro, jnp.arange(n)) if indexed else (micro, None)
+    total, _ = lax.scan(lambda acc, x: (jax.tree.map(jnp.add, acc, call(*x)), None),
+                        jax.tree.map(zeros_of, first), xs)
+    return jax.tree.map(lambda a: a / n, total) if mean else total
 
 
 class GradParts:
@@ -133,19 +147,18 @@ class GradParts:
                 raise ConfigError(f"a pipelined step takes (inputs, targets), got {len(batch)} "
                                   "batch arrays")
             varied = group_by(leaves, vary, lambda xs, axes: comm.pcast(xs, axes, to="varying"))
+            scatter = None
             if self.zero == 3:  # gathered once for the whole pipeline; its transpose scatters
                 dims, zaxes = self.layout.zero_dims, self.layout.zero_axes
                 varied, scatter = jax.vjp(
                     lambda xs: zero_module.gather_together(xs, dims, zaxes, invariant=False),
                     varied)
-                balance = self._pipeline_balance(varied, *batch)
-                loss, grads = self._pipeline_value_and_grad(varied, *batch, scale=scale,
-                                                            balance=balance)
-                (grads,) = scatter(grads)
-                return unscaled(loss, grads, leaves)
             balance = self._pipeline_balance(varied, *batch)
-            return unscaled(*self._pipeline_value_and_grad(varied, *batch, scale=scale,
-                                                           balance=balance), leaves)
+            loss, grads = self._pipeline_value_and_grad(varied, *batch, scale=scale,
+                                                        balance=balance)
+            if scatter is not None:
+                (grads,) = scatter(grads)
+            return unscaled(loss, grads, leaves)
         if self.accumulate == 1:
             return one(leaves, *batch)
         n = self.accumulate
@@ -155,14 +168,9 @@ class GradParts:
         # share is then its part of the whole loss (summed, not averaged)
         weight = self._micro_weight(self._model(leaves, train=False), micro, balance)
         options = dict(balance=balance, weight=weight, micro=n)
-        first = jax.eval_shape(lambda *mb: one(leaves, *mb, **options), *(m[0] for m in micro))
-        add = lambda a, b: jax.tree.map(jnp.add, a, b)
-        (loss, grads), _ = lax.scan(  # micro-batch i draws its dropout masks from key i
-            lambda total, xs: (add(total, one(leaves, *xs[0], **options, index=xs[1])), None),
-            jax.tree.map(zeros_of, first), (micro, jnp.arange(n)))
-        if weight is not None:
-            return loss, grads
-        return jax.tree.map(lambda a: a / n, (loss, grads))
+        # micro-batch i draws its dropout masks from key i
+        return accumulate(lambda mb, i: one(leaves, *mb, **options, index=i), micro,
+                          mean=weight is None, indexed=True)
 
     def global_value(self, share):
         """The global value of per-rank shares: one all-reduce over the axes they vary over (a

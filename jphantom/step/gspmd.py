@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 
 from jphantom import token_mean
 from jphantom.errors import ConfigError
+from jphantom.step.grads import accumulate
 
 
 class GspmdParts:
@@ -69,14 +70,8 @@ class GspmdParts:
                 balance = self._balance_fraction(model, micro)
                 weight = self._micro_weight(model, micro, balance)
                 options = (scale, balance, weight, n)
-                first = jax.eval_shape(lambda mb: one(params, mb, *options),
-                                       [m[0] for m in micro])
-                total, _ = lax.scan(
-                    lambda acc, mb: (jax.tree.map(jnp.add, acc,
-                                                  one(params, mb, *options)), None),
-                    jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), first), micro)
-                loss, grads = (total if weight is not None
-                               else jax.tree.map(lambda a: a / n, total))
+                loss, grads = accumulate(lambda mb: one(params, mb, *options), micro,
+                                         mean=weight is None)
             grads = jax.tree.map(lambda g, p: (g / scale).astype(p.dtype), grads, params)
             return loss / scale, jax.lax.with_sharding_constraint(grads, grad_sh)
 

@@ -170,10 +170,6 @@ def top_stacks(model: nnx.Module, pure_keys: list[tuple]) -> tuple:
     return tuple(out)
 
 
-def zeros_of(struct) -> jax.Array:
-    from jphantom.pipeline.runner import zeros_of  # noqa: PLC0415 (one definition)
-
-    return zeros_of(struct)
 
 
 CONTEXT = attention_module.AXIS

@@ -26,7 +26,8 @@ from jphantom.errors import ConfigError
 from jphantom.nn import balance as balance_module
 from jphantom.nn import metadata
 from jphantom.nn.stack import Stacked
-from jphantom.step.layout import group_by, is_variable, path_key, zeros_of
+from jphantom.pipeline.runner import zeros_of
+from jphantom.step.layout import group_by, is_variable, path_key
 
 
 class PipelineParts:
