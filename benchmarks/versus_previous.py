@@ -32,6 +32,7 @@ Usage::
     python benchmarks/versus_previous.py --quick            # tiny sizes, a smoke run
     python benchmarks/versus_previous.py --previous HEAD~5  # another version
     python benchmarks/versus_previous.py --this HEAD        # the last commit, not the tree
+    python benchmarks/versus_previous.py --cases pipelines  # every pipeline schedule instead
 
 Results: ``<out>/results.json`` and ``<out>/versus_previous.png`` (default
 ``benchmarks/results/versus_previous/``).
@@ -91,8 +92,23 @@ def cases(quick: bool) -> list[dict]:
     return out
 
 
+def pipeline_cases(quick: bool) -> list[dict]:
+    """Every pipeline schedule on one GPT-2 (L=8, h=256, S=128, B=16; ``quick``: tiny), tensor
+    parallelism inside the stages: on stage=2,data=2,model=2 with 4 micro-batches, and 1F1B and
+    ZB-V on stage=4,model=2 with 8."""
+    gpt = dict(model="gpt2", layers=8, hidden=32 if quick else 256, heads=4,
+               seq_len=16 if quick else 128, batch=16, optimizer="adamw", strategy="tensor",
+               bench="pipelines")
+    two = dict(gpt, mesh="stage=2,data=2,model=2", microbatches=4)
+    four = dict(gpt, mesh="stage=4,model=2", microbatches=8)
+    return [dict(two, schedule="gpipe"), dict(two, schedule="1f1b"),
+            dict(two, schedule="interleaved-1f1b", virtual_stages=2), dict(two, schedule="zb-h1"),
+            dict(two, schedule="zb-v"), dict(four, schedule="1f1b"), dict(four, schedule="zb-v")]
+
+
 def label(case: dict) -> str:
-    extra = "".join(f" {k}={case[k]}" for k in ("zero", "moe_every", "ghost_width")
+    extra = "".join(f" {k}={case[k]}" for k in ("schedule", "microbatches", "virtual_stages",
+                                                 "zero", "moe_every", "ghost_width")
                     if case.get(k)) + (" +SP" if case.get("sequence_parallel") else "")
     return f"{case['bench']}: {case['model']} {case['strategy']} {case['mesh']}{extra}"
 
@@ -299,6 +315,8 @@ def parse_args(argv):
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes, 2 rounds; results go to a scratch folder")
+    parser.add_argument("--cases", choices=("bench", "pipelines"), default="bench",
+                        help="make bench's layouts (default), or every pipeline schedule")
     parser.add_argument("--compile-layers", type=int, default=12,
                         help="layers of the compile-time case (default 12; 0: skip it)")
     parser.add_argument("--compile-rounds", type=int, default=3,
@@ -320,7 +338,8 @@ def main(argv=None) -> int:
         return worker()
     if args.compile_worker is not None:
         return compile_worker(args.compile_worker)
-    todo = [c for c in cases(args.quick) if args.only is None or args.only in label(c)]
+    every = cases(args.quick) if args.cases == "bench" else pipeline_cases(args.quick)
+    todo = [c for c in every if args.only is None or args.only in label(c)]
     with tempfile.TemporaryDirectory(prefix="jphantom-previous-") as scratch:
         previous = _extract(args.previous, Path(scratch) / "previous")
         this = _snapshot(args.this, Path(scratch) / "this")

@@ -122,8 +122,8 @@ def task_costs(config, stages: int, repeats: int = 10) -> dict[str, float]:
 
     rebuild = split.rebuilder(treedef, is_param)
     how = split.weight_only_residuals(rebuild(state), stash, state, x)
-    known = split._pick(stash, how.weight_only, False)
-    weight_only = split._pick(stash, how.weight_only, True)
+    known = split.pick(stash, how.weight_only, False)
+    weight_only = split.pick(stash, how.weight_only, True)
     _, _, linear = split.backward_input(rebuild(state), how, known, x, weight_only)
     linear_leaves, linear_tree = jax.tree.flatten(linear)
 

@@ -235,8 +235,8 @@ def test_pipelined_step_moves_what_the_schedule_needs(strategy, schedule, microb
     schedule_plan = plan(step.pipeline, 2)
     permutes = [c for c in found if c.kind == "collective-permute"]
     assert {c.mesh_axes(axes) for c in permutes} == {("stage",)}
-    assert sum(c.count for c in permutes) == (schedule_plan.forward_permutes
-                                              + schedule_plan.backward_permutes)
+    assert sum(c.count for c in permutes) == (schedule_plan.permutes_next
+                                              + schedule_plan.permutes_prev)
     p = mesh.shape["model"]
     features = WIDTH if strategy == "tensor" else WIDTH // p  # Megatron: replicated between stages
     activation_bytes = (x.shape[0] // 2 // microbatches) * features * 4
@@ -268,9 +268,9 @@ def test_residual_slots_stay_bounded_for_1f1b_and_grow_for_gpipe(stages):
 
 def test_permutes_skip_ticks_that_move_nothing():
     gpipe = plan(PipelineConfig("gpipe", 8), 4)  # M + P - 1 ticks each way; the last sends nothing
-    assert (gpipe.forward_permutes, gpipe.backward_permutes) == (8 + 4 - 2, 8 + 4 - 2)
+    assert (gpipe.permutes_next, gpipe.permutes_prev) == (8 + 4 - 2, 8 + 4 - 2)
     onefoneb = plan(PipelineConfig("1f1b", 8), 4)
-    assert (onefoneb.forward_permutes, onefoneb.backward_permutes) == (8 + 4 - 2, 8 + 4 - 2)
+    assert (onefoneb.permutes_next, onefoneb.permutes_prev) == (8 + 4 - 2, 8 + 4 - 2)
 
 
 def test_unit_order_gives_each_device_its_round_robin_chunks():

@@ -15,7 +15,8 @@ from jphantom.analysis.hlo import collectives
 from jphantom.errors import ConfigError
 from jphantom.models.ffn import FFN, FFNConfig, Pair
 from jphantom.nn.stack import Stacked, apply_blocks
-from jphantom.pipeline import split
+from jphantom.pipeline import runner, split
+from jphantom.pipeline import table as table_module
 from jphantom.pipeline.runner import PipelineConfig, vjp_residuals
 from jphantom.pipeline.schedule import lockstep_split
 
@@ -129,7 +130,7 @@ def test_zero_bubble_step_holds_exactly_the_schedules_permutes(strategy, schedul
     found = collectives(hlo)
     permutes = [c for c in found if c.kind == "collective-permute"]
     assert {c.mesh_axes(axes) for c in permutes} == {("stage",)}
-    schedule_plan = split.plan(step.pipeline, 2)
+    schedule_plan = runner.plan(step.pipeline, 2)
     assert sum(c.count for c in permutes) == schedule_plan.permutes
     features = WIDTH if strategy == "tensor" else WIDTH // mesh.shape["model"]
     assert {c.bytes for c in permutes} == {(x.shape[0] // 2 // microbatches) * features * 4}
@@ -160,8 +161,8 @@ def test_b_and_w_split_the_backward_without_recomputing():
     rebuild = split.rebuilder(treedef, is_param)
     how = split.weight_only_residuals(rebuild(state), stash, state, g)
     assert any(how.weight_only) and not all(how.weight_only)
-    known = split._pick(stash, how.weight_only, False)
-    weight_only = split._pick(stash, how.weight_only, True)
+    known = split.pick(stash, how.weight_only, False)
+    weight_only = split.pick(stash, how.weight_only, True)
 
     def b(st, known, g):
         dx, b_leaves, linear = split.backward_input(rebuild(st), how, known, g, weight_only)
@@ -182,7 +183,7 @@ def test_b_and_w_split_the_backward_without_recomputing():
     assert 0.3 * full < w_flops < 0.6 * full  # the weight GEMMs: about half the backward
     want_chunk, want_dx = pullback(g)
     np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-6)
-    got = split._merge([not m for m in how.weight_leaves], b_leaves, w(leaves, weight_only))
+    got = split.merge([not m for m in how.weight_leaves], b_leaves, w(leaves, weight_only))
     for a, e in zip(got, jax.tree.leaves(want_chunk)):
         np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6)
 
@@ -190,10 +191,10 @@ def test_b_and_w_split_the_backward_without_recomputing():
 @pytest.mark.parametrize("schedule, stages, microbatches", [("zb-h1", 4, 16), ("zb-v", 4, 8)])
 def test_the_table_runs_every_task_once_within_1f1bs_memory(schedule, stages, microbatches):
     config = PipelineConfig(schedule, microbatches)
-    table = split.plan(config, stages)
+    table = runner.plan(config, stages)
     steps = lockstep_split(schedule, stages, microbatches)
     assert table.table.shape[:2] == (len(steps.slots), stages)
-    kinds = table.table[:, :, split.FIELDS.index("kind")]
+    kinds = table.table[:, :, table_module.FIELDS.index("kind")]
     for kind in (1, 2, 3):  # F, B, W: M per local chunk on every device
         np.testing.assert_array_equal((kinds == kind).sum(0), microbatches * config.local_chunks)
     # a micro-batch's weight-only residuals live from F to W: at most 1F1B's P in flight
@@ -201,12 +202,12 @@ def test_the_table_runs_every_task_once_within_1f1bs_memory(schedule, stages, mi
     assert table.stash_w_slots <= stages * config.local_chunks
     # the weight-only buffers are freed at W, the others at B: B's stash is never larger
     assert table.stash_b_slots <= table.stash_w_slots
-    eval_table = split.plan(config, stages, train=False)
+    eval_table = runner.plan(config, stages, train=False)
     assert set(np.unique(eval_table.table[:, :, 0])) <= {0, 1}
 
 
 def test_unit_order_gives_zb_v_devices_their_v_chunks():
-    order = split.unit_order(8, 2, "zb-v")  # 4 chunks of 2 layers; device 0: 0 and 3
+    order = runner.unit_order(8, 2, schedule="zb-v")  # 4 chunks of 2 layers; device 0: 0 and 3
     np.testing.assert_array_equal(order, [0, 1, 6, 7, 2, 3, 4, 5])
 
 

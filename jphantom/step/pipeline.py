@@ -1,8 +1,9 @@
 """The step's pipeline part (the ``stage`` axis): the model's one :class:`Stacked` cut into stages
-at its leading layer axis, the storage order of interleaved (virtual) stages, and the three ways
-the step runs a schedule: the per-rank executor of :mod:`jphantom.pipeline.runner` (GPipe, 1F1B,
-interleaved 1F1B) and :mod:`jphantom.pipeline.split` (ZB-H1, ZB-V: F, B and W tasks), and
-GSPMD's tick loop differentiated by jax (the baseline, as MaxText pipelines). The micro-batches'
+at its leading layer axis, the storage order of interleaved (virtual) stages and zb-v's chunks,
+and the two ways the step runs a schedule: the per-rank executor of
+:mod:`jphantom.pipeline.runner` (F, B, W and whole-backward tasks: GPipe, 1F1B, interleaved
+1F1B, ZB-H1, ZB-V), and GSPMD's tick loop differentiated by jax (the baseline, as MaxText
+pipelines). The micro-batches'
 routing fractions (MoE) and token weights are computed over the whole batch first, so the
 pipelined loss and gradients equal the unpipelined step's. :class:`jphantom.train_step.TrainStep`
 takes these methods from :class:`PipelineParts`; they read its layout, mesh and precision.
@@ -95,20 +96,16 @@ class PipelineParts:
         return leaves
 
     def _unit_order(self):
-        """Interleaved stages (V > 1): ``order[g]``, the layer stored at position g of the
-        stacked axis, so that the contiguous split over ``stage`` gives device s the model
-        chunks v P + s (Megatron's round robin); ``None`` for V = 1."""
+        """Several model chunks per device: ``order[g]``, the layer stored at position g of the
+        stacked axis, so that the contiguous split over ``stage`` gives device s its model
+        chunks (v P + s with V virtual stages, Megatron's round robin; s and 2P - 1 - s with
+        zb-v); ``None`` with one chunk per device."""
         from jphantom.pipeline.runner import unit_order
-
-        from jphantom.pipeline import split
 
         if self.pipeline is None or self.pipeline.local_chunks == 1:
             return None
-        if self.pipeline.split:  # zb-v: device s holds chunks s and 2P - 1 - s
-            return split.unit_order(self.stack[1].layers, dict(self.mesh.shape)["stage"],
-                                    self.pipeline.schedule)
         return unit_order(self.stack[1].layers, dict(self.mesh.shape)["stage"],
-                          self.pipeline.virtual_stages)
+                          self.pipeline.virtual_stages, schedule=self.pipeline.schedule)
 
     def to_model_order(self, tree):
         """A dict like ``TrainState.params`` (parameters or gradients) with interleaved stages'
@@ -149,15 +146,14 @@ class PipelineParts:
     def _pipeline_value_and_grad(self, leaves, inputs, targets, *, train: bool = True,
                                  scale=1.0, balance=None, statistics: bool = False):
         """The model cut at its :class:`Stacked` and run by the pipeline executor
-        (:func:`jphantom.pipeline.runner.run`: GPipe, 1F1B or interleaved 1F1B, its own
-        backward): the part of ``loss_fn`` before the blocks on the first stage, the blocks'
+        (:func:`jphantom.pipeline.runner.run`, every schedule, its own backward): the part of ``loss_fn`` before the blocks on the first stage, the blocks'
         layers split over ``stage`` (with V virtual stages, chunk c = v P + s on device s,
         layers [c L/(P V), (c+1) L/(P V))), the part after them (head, loss) on the last.
         ``train=False``: the forward slots only, the loss share alone (``statistics``: the MoE
         layers' router statistics summed over the micro-batches instead, :meth:`_pipeline_balance`).
         ``balance``: the whole batch's routing fractions, given to each micro-batch's loss."""
         from jphantom.nn.stack import Capture, Feed, StackInput, apply_blocks
-        from jphantom.pipeline import runner, split
+        from jphantom.pipeline import runner
         from jphantom.plans import set_submodule
 
         cast, loss_fn, layout = self.precision.cast, self.loss_fn, self.layout
@@ -220,14 +216,13 @@ class PipelineParts:
 
         stages = runner.Stages(units=stacked_module.layers, unit_name="layers", first=first,
                                body=body, last=last)
-        executor = split if self.pipeline.split else runner  # zero-bubble: B and W split
-        plan = executor.plan(self.pipeline, stages_count, train=train)
+        plan = runner.plan(self.pipeline, stages_count, train=train)
         stacked, rest = self._split(leaves)
         if not train:
-            return executor.run(stages, self.pipeline, plan, stacked, rest, inputs, targets,
-                                train=False)
-        loss, d_stacked, d_rest = executor.run(stages, self.pipeline, plan, stacked, rest, inputs,
-                                               targets)
+            return runner.run(stages, self.pipeline, plan, stacked, rest, inputs, targets,
+                              train=False)
+        loss, d_stacked, d_rest = runner.run(stages, self.pipeline, plan, stacked, rest, inputs,
+                                             targets)
         grads = self._join(d_stacked, d_rest)
         return loss, [g.astype(x.dtype) for g, x in zip(grads, leaves)]
 
