@@ -15,10 +15,11 @@ Each case is a layout ``make bench`` measures, at the benchmark's default sizes:
 ``transformer_strategies`` (GPT-2 L=4, h=512, S=128, B=16 on data=2,model=4: tensor, tensor + SP,
 phantom k=8, gspmd), ``zero_stages`` (FFN n=1024, L=8, B=256 under tensor on data=8: ZeRO 0-3),
 ``moe`` (GPT-2 with top-1 MoE every 2nd block, E=8, on expert=8, and dense on data=8) and ``pmm3d``
-(GPT-2 on data=4,x=2 and tensor on data=8). Reported: median step time of each version, their
+(GPT-2 on data=4,x=2 and tensor on data=8). ``--cases pipelines`` measures every pipeline
+schedule instead (:func:`pipeline_cases`). Reported: median step time of each version, their
 ratio (this / previous; the target: no case above 1.05), the compiled step's collective bytes
-per device of each (they should agree) and whether the two versions compiled the same program
-(``same_hlo``: the optimised HLO's hash, source metadata left out).
+per device of each (they should agree), its temporary memory and whether the two versions
+compiled the same program (``same_hlo``: the optimised HLO's hash, source metadata left out).
 
 Compile time (``--compile-layers``, default 12; 0 skips it): a GPT-2 step of that many layers
 (h=512, 8 heads, S=128, B=16, tensor on data=2,model=4, SGD) lowered and compiled on abstract
@@ -223,8 +224,10 @@ def worker() -> int:
                 state, loss = run(state)  # one untimed step
                 jax.block_until_ready(loss)
                 built[key][0] = state
+                memory = compiled.memory_analysis()
                 answer = {"build_seconds": seconds,
                           "collective_bytes": sum(c.total_bytes for c in found),
+                          "temp_bytes": getattr(memory, "temp_size_in_bytes", None),
                           "hlo_fingerprint": hlo_fingerprint(compiled.as_text())}
             else:
                 state, run = built[key]
@@ -372,7 +375,8 @@ def main(argv=None) -> int:
                 print(f"{label(case):<70} this {medians['this'] * 1e3:8.2f} ms  previous "
                       f"{medians['previous'] * 1e3:8.2f} ms  ratio {row['ratio']:.3f}  bytes "
                       f"{built['this']['collective_bytes']:,} / "
-                      f"{built['previous']['collective_bytes']:,}  same HLO: "
+                      f"{built['previous']['collective_bytes']:,}  temp "
+                      f"{_mib(built['this'])} / {_mib(built['previous'])} MiB  same HLO: "
                       f"{row['same_hlo']}", flush=True)
             compile_time = None
             if args.compile_layers:
@@ -417,6 +421,12 @@ def main(argv=None) -> int:
     return 0
 
 
+def _mib(answer: dict) -> str:
+    """A build's compiled temporary memory (XLA's memory analysis), in MiB."""
+    temp = answer.get("temp_bytes")
+    return "?" if temp is None else f"{temp / 2**20:.1f}"
+
+
 def _plot(rows, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -425,7 +435,7 @@ def _plot(rows, path: Path) -> None:
     measured = [r for r in rows if "ratio" in r]
     if not measured:
         return
-    figure, axes = plt.subplots(figsize=(8, 0.35 * len(measured) + 1.5))
+    figure, axes = plt.subplots(figsize=(12, 0.35 * len(measured) + 1.5))
     axes.barh([r["case"] for r in measured], [r["ratio"] for r in measured], color="tab:blue")
     axes.axvline(1.0, color="grey", lw=1)
     axes.axvline(TARGET, color="tab:red", ls="--", lw=1, label=f"target {TARGET}")

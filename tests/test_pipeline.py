@@ -19,6 +19,8 @@ from jphantom.errors import ConfigError
 from jphantom.models.ffn import FFN, FFNConfig, Pair
 from jphantom.nn.stack import Stacked
 from jphantom.pipeline.runner import PipelineConfig, plan, unit_order
+from jphantom.pipeline.schedule import lockstep
+from jphantom.pipeline.table import FIELDS, KINDS
 
 from conftest import require_devices
 from helpers import (abstract_state, assert_tree_close, gradient_step, oracle_loss_and_grads,
@@ -271,6 +273,25 @@ def test_permutes_skip_ticks_that_move_nothing():
     assert (gpipe.permutes_next, gpipe.permutes_prev) == (8 + 4 - 2, 8 + 4 - 2)
     onefoneb = plan(PipelineConfig("1f1b", 8), 4)
     assert (onefoneb.permutes_next, onefoneb.permutes_prev) == (8 + 4 - 2, 8 + 4 - 2)
+
+
+@pytest.mark.parametrize("schedule, stages, microbatches, virtual_stages",
+                         [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("interleaved-1f1b", 2, 4, 2)])
+def test_one_table_runs_the_lockstep_schedules_as_forward_then_whole_backward_slots(
+        schedule, stages, microbatches, virtual_stages):
+    """The executor that runs ZB-H1's F, B and W runs these too: each lock-step tick is a slot
+    of forwards and then a slot of whole backwards (BW), every task once."""
+    config = PipelineConfig(schedule, microbatches, virtual_stages)
+    table = plan(config, stages)
+    assert (table.phases, table.splits, table.ring) == (2, False, virtual_stages > 1)
+    assert table.table.shape[:2] == (2 * len(lockstep(schedule, stages, microbatches,
+                                                      virtual_stages).ticks), stages)
+    kinds = table.table[:, :, FIELDS.index("kind")]
+    assert set(np.unique(kinds[0::2])) == {0, KINDS.index("F")}
+    assert set(np.unique(kinds[1::2])) == {0, KINDS.index("BW")}
+    for kind in ("F", "BW"):
+        np.testing.assert_array_equal((kinds == KINDS.index(kind)).sum(0),
+                                      microbatches * virtual_stages)
 
 
 def test_unit_order_gives_each_device_its_round_robin_chunks():

@@ -23,7 +23,7 @@ pipeline 1F1B   tensor      stage=P,data=D (model=1): one point-to-point message
                             micro-batch's activations [S, h] per micro-batch forward and one
                             gradient backward; the data all-reduce of the stage's parameters
 pipeline ZB-H1  tensor      the same messages and memory; the bubble of the zero-bubble
-                            schedule's lock-step table (:mod:`jphantom.pipeline.split`)
+                            schedule's lock-step table (:mod:`jphantom.pipeline.table`)
 pipeline ZB-V   tensor      twice the messages (two chunks per device, the V placement); the
                             same memory; its lock-step bubble
 zero-3          tensor      data=G,model=1 with ``--zero 3``: per micro-batch every block is
