@@ -1,7 +1,6 @@
 """Pipeline parallelism executed inside the one SPMD training step: one executor for every
-schedule (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
-Megatron-LM", Sec. 2.2: GPipe, 1F1B and interleaved 1F1B; Qi et al., "Zero Bubble Pipeline
-Parallelism", Sec. 2-3: ZB-H1 and ZB-V; Singh's thesis ch. 3).
+schedule (GPipe, 1F1B and interleaved 1F1B: the Day 66 notes Sec. 2.2, Singh's thesis ch. 3;
+ZB-H1 and ZB-V: Qi et al., "Zero Bubble Pipeline Parallelism", Sec. 2).
 
 The training step (:class:`jphantom.TrainStep`) cuts a model at its one
 :class:`jphantom.nn.Stacked` and gives this executor its :class:`Stages`: the stacked blocks'
