@@ -11,12 +11,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, traverse_util
 
 from jphantom.errors import ConfigError
 from jphantom.models.gpt2.config import TransformerConfig
 from jphantom.models.gpt2.model import GPT2
-from jphantom.models.paths import get_path, set_path
 
 # (our path, dense path): every tensor but the fused QKV, which from_dense / to_dense reorder
 _BLOCK = [(("ln_1", "scale"), ("ln1", "scale")), (("ln_1", "bias"), ("ln1", "bias")),
@@ -43,25 +42,23 @@ def from_dense(config: TransformerConfig, params: dict) -> GPT2:
     _no_moe(config)
     abstract = nnx.eval_shape(lambda: GPT2(config, rngs=nnx.Rngs(0)))
     graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
-    pure = nnx.to_pure_dict(state)
-    for ours, theirs in _TOP:
-        set_path(pure, ours, jnp.asarray(get_path(params, theirs)))
-    blocks = params["blocks"]
-    for ours, theirs in _BLOCK:
-        set_path(pure, ("blocks", "block", *ours), jnp.asarray(get_path(blocks, theirs)))
+    theirs_flat = traverse_util.flatten_dict(params)
+    pure = {ours: jnp.asarray(theirs_flat[theirs]) for ours, theirs in _TOP}
+    pure.update({("blocks", "block", *ours): jnp.asarray(theirs_flat[("blocks", *theirs)])
+                 for ours, theirs in _BLOCK})
     heads, d = config.heads, config.head_dim
+    blocks = params["blocks"]
     weight = jnp.asarray(blocks["qkv"]["weight"])  # [L, h, 3, heads * d]
     layers = weight.shape[0]
-    set_path(pure, ("blocks", "block", "attn", "qkv", "kernel"),
-         weight.reshape(layers, -1, 3, heads, d).transpose(0, 1, 3, 2, 4).reshape(layers, -1,
-                                                                                 3 * heads * d))
+    pure[("blocks", "block", "attn", "qkv", "kernel")] = weight.reshape(
+        layers, -1, 3, heads, d).transpose(0, 1, 3, 2, 4).reshape(layers, -1, 3 * heads * d)
     bias = jnp.asarray(blocks["qkv"]["bias"])  # [L, 3, heads * d]
-    set_path(pure, ("blocks", "block", "attn", "qkv", "bias"),
-         bias.reshape(layers, 3, heads, d).transpose(0, 2, 1, 3).reshape(layers, 3 * heads * d))
+    pure[("blocks", "block", "attn", "qkv", "bias")] = bias.reshape(
+        layers, 3, heads, d).transpose(0, 2, 1, 3).reshape(layers, 3 * heads * d)
     if not config.tied_head:
-        set_path(pure, ("head", "kernel"), jnp.asarray(params["head"]["weight"]))
-        set_path(pure, ("head", "bias"), jnp.asarray(params["head"]["bias"]))
-    nnx.replace_by_pure_dict(state, pure)
+        pure[("head", "kernel")] = jnp.asarray(params["head"]["weight"])
+        pure[("head", "bias")] = jnp.asarray(params["head"]["bias"])
+    nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(pure))
     return nnx.merge(graphdef, state, rest)
 
 
@@ -71,11 +68,11 @@ def to_dense(model: GPT2) -> dict:
     _no_moe(model.config)
     _, state, _ = nnx.split(model, nnx.Param, ...)
     pure = jax.device_get(nnx.to_pure_dict(state))
-    out: dict = {}
-    for ours, theirs in _TOP:
-        set_path(out, theirs, np.asarray(get_path(pure, ours)))
-    for ours, theirs in _BLOCK:
-        set_path(out, ("blocks", *theirs), np.asarray(get_path(pure, ("blocks", "block", *ours))))
+    ours_flat = traverse_util.flatten_dict(pure)
+    out = {theirs: np.asarray(ours_flat[ours]) for ours, theirs in _TOP}
+    out.update({("blocks", *theirs): np.asarray(ours_flat[("blocks", "block", *ours)])
+                for ours, theirs in _BLOCK})
+    out = traverse_util.unflatten_dict(out)
     qkv = pure["blocks"]["block"]["attn"]["qkv"]
     heads, d = model.config.heads, model.config.head_dim
     kernel, bias = np.asarray(qkv["kernel"]), np.asarray(qkv["bias"])  # [heads, 3, d] order

@@ -17,12 +17,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, traverse_util
 
 from jphantom.errors import ConfigError
 from jphantom.models.llama.config import ARCHITECTURES, LAYER_TYPES, LlamaConfig
 from jphantom.models.llama.model import Llama
-from jphantom.models.paths import get_path, set_path
 
 # LlamaConfig field -> config.json key
 HF_FIELDS = {"vocab_size": "vocab_size", "hidden": "hidden_size",
@@ -217,10 +216,10 @@ def to_hf_tensors(model: Llama) -> dict[str, np.ndarray]:
     """The module's parameters as Hugging Face tensors (``[out, in]`` weights), numpy."""
     config = model.config
     _, state, _ = nnx.split(model, nnx.Param, ...)
-    pure = nnx.to_pure_dict(state)
+    pure = traverse_util.flatten_dict(nnx.to_pure_dict(state))
     tensors = {}
     for path, (name, transpose) in _hf_names(config).items():
-        value = np.asarray(jax.device_get(get_path(pure, path)))
+        value = np.asarray(jax.device_get(pure[path]))
         if "{i}" not in name:
             tensors[name] = np.ascontiguousarray(value.T if transpose else value)
             continue
@@ -238,7 +237,8 @@ def from_hf_tensors(config: LlamaConfig, tensors: dict[str, np.ndarray]) -> Llam
     """A :class:`Llama` holding ``tensors`` (HF names and layout), built without random init."""
     abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
-    pure = nnx.to_pure_dict(state)
+    shapes = traverse_util.flatten_dict(nnx.to_pure_dict(state))
+    pure = {}
     names = _hf_names(config)
     missing = []
 
@@ -249,7 +249,7 @@ def from_hf_tensors(config: LlamaConfig, tensors: dict[str, np.ndarray]) -> Llam
         return tensors[name]
 
     for path, (name, transpose) in names.items():
-        shape = get_path(pure, path).shape
+        shape = shapes[path].shape
         if "{i}" not in name:
             value = take(name)
             value = None if value is None else (value.T if transpose else value)
@@ -268,7 +268,7 @@ def from_hf_tensors(config: LlamaConfig, tensors: dict[str, np.ndarray]) -> Llam
             if tuple(value.shape) != tuple(shape):
                 raise ConfigError(f"tensor {name} has shape {value.shape}; config.json implies "
                                   f"{tuple(shape)} for {'.'.join(map(str, path))}")
-            set_path(pure, path, jnp.asarray(value))
+            pure[path] = jnp.asarray(value)
     if missing:
         raise ConfigError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
     expected = {n.format(i=i, e=e) for n, _ in names.values() for i in range(config.layers)
@@ -277,7 +277,7 @@ def from_hf_tensors(config: LlamaConfig, tensors: dict[str, np.ndarray]) -> Llam
     if extra:
         raise ConfigError(f"the checkpoint has {len(extra)} tensors this model does not use, e.g. "
                           f"{extra[0]}")
-    nnx.replace_by_pure_dict(state, pure)
+    nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(pure))
     return nnx.merge(graphdef, state, rest)
 
 
