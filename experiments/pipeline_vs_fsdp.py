@@ -110,7 +110,7 @@ def task_costs(config, stages: int, repeats: int = 10) -> dict[str, float]:
     from jphantom.models.llama import Llama
     from jphantom.nn.stack import apply_blocks
     from jphantom.pipeline import split
-    from jphantom.pipeline.runner import vjp_residuals
+    from jphantom.pipeline.buffers import rebuilder, vjp_residuals
 
     layers = config.layers // stages
     graph, state = nnx.split(Llama(config, rngs=nnx.Rngs(0)).layers.block)
@@ -120,7 +120,7 @@ def task_costs(config, stages: int, repeats: int = 10) -> dict[str, float]:
     _, pullback = jax.vjp(body, state, x)
     treedef, stash, is_param = vjp_residuals(pullback, jax.tree.leaves(state))
 
-    rebuild = split.rebuilder(treedef, is_param)
+    rebuild = rebuilder(treedef, is_param)
     how = split.weight_only_residuals(rebuild(state), stash, state, x)
     known = split.pick(stash, how.weight_only, False)
     weight_only = split.pick(stash, how.weight_only, True)

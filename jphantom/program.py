@@ -520,7 +520,7 @@ def build_ffn(config, strategy: str, mesh: MeshConfig, *, ghost_width: int | Non
     mesh = check_ffn_mesh(config, strategy, mesh)
     pairs = strategy in PAIRED
     if STAGE_AXIS in mesh.shape:  # whole units per stage (virtual stages: the step checks)
-        from jphantom.pipeline.runner import PipelineConfig
+        from jphantom.pipeline.config import PipelineConfig
 
         units, name = ((config.depth // 2, "layer pairs (depth / 2)") if pairs
                        else (config.depth, "depth"))

@@ -192,3 +192,18 @@ def exit_code(argv):
         return cli.main(argv)
     except SystemExit as exit_info:
         return exit_info.code
+
+
+def assert_every_task_once(plan, kinds, local_chunks: int, microbatches: int) -> None:
+    """Every device of a pipeline table (:func:`jphantom.pipeline.table.plan`) runs each task of
+    ``kinds`` once for every (local chunk, micro-batch): none twice, none missing."""
+    from jphantom.pipeline.table import FIELDS, KINDS
+
+    columns = [FIELDS.index("chunk"), FIELDS.index("mb")]
+    for s in range(plan.table.shape[1]):
+        rows = plan.table[:, s]
+        for kind in kinds:
+            ran = sorted(map(tuple, rows[rows[:, FIELDS.index("kind")] == KINDS.index(kind)]
+                             [:, columns].tolist()))
+            assert ran == [(v, m) for v in range(local_chunks) for m in range(microbatches)], \
+                (s, kind)

@@ -23,8 +23,8 @@ from jphantom.pipeline.schedule import lockstep
 from jphantom.pipeline.table import FIELDS, KINDS
 
 from conftest import require_devices
-from helpers import (abstract_state, assert_tree_close, gradient_step, oracle_loss_and_grads,
-                     random_params)
+from helpers import (abstract_state, assert_every_task_once, assert_tree_close, gradient_step,
+                     oracle_loss_and_grads, random_params)
 
 NAN = float("nan")
 WIDTH = 8
@@ -289,9 +289,7 @@ def test_one_table_runs_the_lockstep_schedules_as_forward_then_whole_backward_sl
     kinds = table.table[:, :, FIELDS.index("kind")]
     assert set(np.unique(kinds[0::2])) == {0, KINDS.index("F")}
     assert set(np.unique(kinds[1::2])) == {0, KINDS.index("BW")}
-    for kind in ("F", "BW"):
-        np.testing.assert_array_equal((kinds == KINDS.index(kind)).sum(0),
-                                      microbatches * virtual_stages)
+    assert_every_task_once(table, ("F", "BW"), virtual_stages, microbatches)
 
 
 def test_unit_order_gives_each_device_its_round_robin_chunks():

@@ -4,7 +4,6 @@ micro-batch and chunk (B and W replay residuals), hold exactly the schedule's co
 and split each backward into B and W without recomputing anything."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -17,11 +16,12 @@ from jphantom.models.ffn import FFN, FFNConfig, Pair
 from jphantom.nn.stack import Stacked, apply_blocks
 from jphantom.pipeline import runner, split
 from jphantom.pipeline import table as table_module
-from jphantom.pipeline.runner import PipelineConfig, vjp_residuals
+from jphantom.pipeline.buffers import rebuilder, vjp_residuals
+from jphantom.pipeline.runner import PipelineConfig
 from jphantom.pipeline.schedule import lockstep_split
 
 from conftest import require_devices
-from helpers import abstract_state
+from helpers import abstract_state, assert_every_task_once
 from test_pipeline import WIDTH, _check_ffn, _ffn, _ffn_batch, _ffn_case
 
 
@@ -158,7 +158,7 @@ def test_b_and_w_split_the_backward_without_recomputing():
     _, pullback = jax.vjp(body, state, x)
     treedef, stash, is_param = vjp_residuals(pullback, jax.tree.leaves(state))
 
-    rebuild = split.rebuilder(treedef, is_param)
+    rebuild = rebuilder(treedef, is_param)
     how = split.weight_only_residuals(rebuild(state), stash, state, g)
     assert any(how.weight_only) and not all(how.weight_only)
     known = split.pick(stash, how.weight_only, False)
@@ -194,16 +194,16 @@ def test_the_table_runs_every_task_once_within_1f1bs_memory(schedule, stages, mi
     table = runner.plan(config, stages)
     steps = lockstep_split(schedule, stages, microbatches)
     assert table.table.shape[:2] == (len(steps.slots), stages)
-    kinds = table.table[:, :, table_module.FIELDS.index("kind")]
-    for kind in (1, 2, 3):  # F, B, W: M per local chunk on every device
-        np.testing.assert_array_equal((kinds == kind).sum(0), microbatches * config.local_chunks)
+    assert_every_task_once(table, ("F", "B", "W"), config.local_chunks, microbatches)
     # a micro-batch's weight-only residuals live from F to W: at most 1F1B's P in flight
     # (zb-v: 2P chunks of half a stage)
     assert table.stash_w_slots <= stages * config.local_chunks
     # the weight-only buffers are freed at W, the others at B: B's stash is never larger
     assert table.stash_b_slots <= table.stash_w_slots
     eval_table = runner.plan(config, stages, train=False)
-    assert set(np.unique(eval_table.table[:, :, 0])) <= {0, 1}
+    assert_every_task_once(eval_table, ("F",), config.local_chunks, microbatches)
+    kinds = eval_table.table[:, :, table_module.FIELDS.index("kind")]
+    assert set(np.unique(kinds)) <= {table_module.KINDS.index(k) for k in ("idle", "F")}
 
 
 def test_unit_order_gives_zb_v_devices_their_v_chunks():

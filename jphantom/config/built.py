@@ -31,7 +31,7 @@ class Built:
 
 def pipeline_of(parallel: ParallelConfig, train: TrainConfig, program=None):
     """The pipeline of the mesh's ``stage`` axis (:meth:`RunConfig.pipeline`)."""
-    from jphantom.pipeline.runner import pipeline_for
+    from jphantom.pipeline.config import pipeline_for
 
     mesh = program.mesh if program is not None else parallel.mesh_config()
     return pipeline_for(mesh, train.batch, schedule=parallel.schedule,

@@ -61,7 +61,7 @@ from jphantom.pipeline.split import (Split, backward_input, backward_weight, pic
 from jphantom.pipeline.table import FIELDS, KINDS, Plan, plan, unit_order
 
 __all__ = ["STAGE_AXIS", "PipelineConfig", "Plan", "Stages", "pipeline_for", "plan", "run",
-           "unit_order", "zeros_of"]
+           "unit_order"]
 
 _F = {name: i for i, name in enumerate(FIELDS)}
 F_, B_, W_, BW_ = (KINDS.index(k) for k in ("F", "B", "W", "BW"))

@@ -44,7 +44,6 @@ import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
 
-from jphantom.pipeline.buffers import rebuilder  # noqa: F401  (the pullbacks split here)
 
 # --------------------------------------------------------------------------------------------------
 # Which residuals only the weight gradient needs (a dependency walk over the pullback's jaxpr)

@@ -34,8 +34,7 @@ from typing import Any
 import numpy as np
 
 from jphantom.pipeline.config import PipelineConfig
-from jphantom.pipeline.schedule import (Lockstep, SplitLockstep, chunks_of, lockstep,
-                                        lockstep_split, model_chunk)
+from jphantom.pipeline.schedule import chunks_of, lockstep, lockstep_split, model_chunk
 
 KINDS = ("idle", "F", "B", "W", "BW")
 FIELDS = ("kind", "chunk", "mb", "first", "last", "inbox", "stash_b", "stash_w", "wstash", "seed",
@@ -58,7 +57,6 @@ class Plan:
     weight-only residuals, from F to W; ``wstash``: B's linear function's residuals, from B to W.
     """
 
-    lockstep: Lockstep | SplitLockstep
     table: np.ndarray
     phases: int
     ring: bool
@@ -121,23 +119,23 @@ def _slots(config: PipelineConfig, stages: int, train: bool):
     P = stages
     if config.split:
         steps = lockstep_split(config.schedule, P, config.microbatches, forward_only=not train)
-        return steps, list(steps.slots), 1
+        return list(steps.slots), 1
     steps = lockstep(config.schedule, P, config.microbatches, config.virtual_stages)
     as_ops = lambda ops, kind: tuple(None if o is None else (kind, *o) for o in ops)  # noqa: E731
     if not train:  # evaluation: the forward slots that run something
-        return steps, [as_ops(t.forward, "F") for t in steps.ticks
-                       if any(f is not None for f in t.forward)], 1
+        return [as_ops(t.forward, "F") for t in steps.ticks
+                if any(f is not None for f in t.forward)], 1
     slots = []
     for tick in steps.ticks:
         slots += [as_ops(tick.forward, "F"), as_ops(tick.backward, "BW")]
-    return steps, slots, 2
+    return slots, 2
 
 
 def plan(config: PipelineConfig, stages: int, *, train: bool = True) -> Plan:
     """Compile ``config``'s schedule on ``stages`` devices to the executor's table
     (``train=False``: its forward tasks only, for evaluation)."""
     P, schedule = stages, config.schedule
-    steps, slots, phases = _slots(config, P, train)
+    slots, phases = _slots(config, P, train)
     V = config.local_chunks
     last = V * P - 1
     device = {model_chunk(schedule, P, s, v): s for s in range(P) for v in range(V)}
@@ -256,7 +254,7 @@ def plan(config: PipelineConfig, stages: int, *, train: bool = True) -> Plan:
                 for a, b in zip(prev[2], seg[2])))
         joined.append(seg)
     keeps = bool((table[:, :, F["keep"]] != I).any())
-    return Plan(steps, table, phases, ring, keeps, I, SB, SW, WS, tuple(joined))
+    return Plan(table, phases, ring, keeps, I, SB, SW, WS, tuple(joined))
 
 
 def unit_order(units: int, stages: int, virtual_stages: int = 1, *,

@@ -32,7 +32,7 @@ from jphantom.nn import balance as balance_module
 from jphantom.nn import dropout as dropout_module
 from jphantom.nn import metadata
 from jphantom import zero as zero_module
-from jphantom.pipeline.runner import zeros_of
+from jphantom.pipeline.buffers import zeros_of
 from jphantom.step.layout import group_by, mean_share
 
 

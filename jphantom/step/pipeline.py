@@ -27,7 +27,7 @@ from jphantom.errors import ConfigError
 from jphantom.nn import balance as balance_module
 from jphantom.nn import metadata
 from jphantom.nn.stack import Stacked
-from jphantom.pipeline.runner import zeros_of
+from jphantom.pipeline.buffers import zeros_of
 from jphantom.step.layout import group_by, is_variable, path_key
 
 
@@ -41,7 +41,7 @@ class PipelineParts:
             if pipeline is not None:
                 raise ConfigError("pipeline= needs a 'stage' axis in the mesh")
             return None, None
-        from jphantom.pipeline.runner import PipelineConfig
+        from jphantom.pipeline.config import PipelineConfig
 
         stages = dict(mesh.shape)["stage"]
         pipeline = pipeline if pipeline is not None else PipelineConfig(microbatches=stages)
@@ -100,7 +100,7 @@ class PipelineParts:
         stacked axis, so that the contiguous split over ``stage`` gives device s its model
         chunks (v P + s with V virtual stages, Megatron's round robin; s and 2P - 1 - s with
         zb-v); ``None`` with one chunk per device."""
-        from jphantom.pipeline.runner import unit_order
+        from jphantom.pipeline.table import unit_order
 
         if self.pipeline is None or self.pipeline.local_chunks == 1:
             return None
@@ -146,9 +146,10 @@ class PipelineParts:
     def _pipeline_value_and_grad(self, leaves, inputs, targets, *, train: bool = True,
                                  scale=1.0, balance=None, statistics: bool = False):
         """The model cut at its :class:`Stacked` and run by the pipeline executor
-        (:func:`jphantom.pipeline.runner.run`, every schedule, its own backward): the part of ``loss_fn`` before the blocks on the first stage, the blocks'
-        layers split over ``stage`` (with V virtual stages, chunk c = v P + s on device s,
-        layers [c L/(P V), (c+1) L/(P V))), the part after them (head, loss) on the last.
+        (:func:`jphantom.pipeline.runner.run`, every schedule, its own backward): the part of
+        ``loss_fn`` before the blocks on the first stage, the blocks' layers split over ``stage``
+        (model chunks of L / (P V) layers: :func:`jphantom.pipeline.table.unit_order`),
+        the part after them (head, loss) on the last.
         ``train=False``: the forward slots only, the loss share alone (``statistics``: the MoE
         layers' router statistics summed over the micro-batches instead, :meth:`_pipeline_balance`).
         ``balance``: the whole batch's routing fractions, given to each micro-batch's loss."""
