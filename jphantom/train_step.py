@@ -119,7 +119,6 @@ class TrainStep(GradParts, ReduceParts, PipelineParts, GspmdParts):
             set_remat(model, remat)
         self.batch_axes = batch_axes_of(mesh)
         self.batch_ranks = math.prod(dict(mesh.shape)[a] for a in self.batch_axes)
-        self.data = dict(mesh.shape).get("data", 1)
         if zero and "data" not in mesh.axis_names:
             raise ConfigError(f"zero={zero} shards over the 'data' axis: add it to the mesh")
         if spmd not in ("shard_map", "gspmd"):

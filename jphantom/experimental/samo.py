@@ -59,7 +59,7 @@ from jax.sharding import PartitionSpec as P
 
 from jphantom import comm
 from jphantom.errors import ConfigError
-from jphantom.step.layout import TrainState
+from jphantom.step.layout import TrainState, group_by
 from jphantom.train_step import TrainStep
 
 DATA_AXIS = "data"
@@ -180,18 +180,13 @@ class SamoStep(TrainStep):
         is the module step's own (precision, accumulation, remat, the loss averaged over the
         ranks it varies over)."""
         vary = self.vary_axes()  # per leaf: the axes its gradient is summed over (data)
-        groups: dict[tuple[str, ...], list[int]] = {}
-        for i, axes in enumerate(vary):
-            if axes:
-                groups.setdefault(axes, []).append(i)
 
         def per_rank(theta, index, *batch):
             loss, grads = self.local_value_and_grad(list(theta), *batch)  # dense, compute dtype
             compressed = [g.ravel().at[i].get(indices_are_sorted=True, unique_indices=True)
                           for g, i in zip(grads, index)]  # [f phi] per tensor
-            for axes, members in groups.items():  # all-reduce of (1 - s) of the dense gradient
-                for i, g in zip(members, comm.psum([compressed[i] for i in members], axes)):
-                    compressed[i] = g
+            # all-reduce of (1 - s) of the dense gradient
+            compressed = group_by(compressed, vary, lambda xs, axes: comm.psum(xs, axes))
             return self.global_value(loss), compressed
 
         param_sh = self.param_shardings()

@@ -22,7 +22,16 @@ def zeros_of(struct) -> jax.Array:
 
 
 def split_microbatches(x: jax.Array, m: int) -> jax.Array:
+    """A rank's batch [B, ...] as ``m`` micro-batches [m, B / m, ...] of consecutive rows."""
     return x.reshape(m, x.shape[0] // m, *x.shape[1:])
+
+
+def interleave_microbatches(x: jax.Array, m: int, ranks: int) -> jax.Array:
+    """A global batch [B, ...] of ``ranks`` batch ranks' consecutive rows as ``m`` micro-batches
+    [m, B / m, ...], micro-batch i holding every rank's i-th slice (:func:`split_microbatches`
+    of each rank's rows): what the shard_map step's ranks each take, for a global-array step."""
+    return (x.reshape(ranks, m, x.shape[0] // (ranks * m), *x.shape[1:]).swapaxes(0, 1)
+            .reshape(m, x.shape[0] // m, *x.shape[1:]))
 
 
 

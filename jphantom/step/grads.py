@@ -32,7 +32,7 @@ from jphantom.nn import balance as balance_module
 from jphantom.nn import dropout as dropout_module
 from jphantom.nn import metadata
 from jphantom import zero as zero_module
-from jphantom.pipeline.buffers import zeros_of
+from jphantom.pipeline.buffers import split_microbatches, zeros_of
 from jphantom.step.layout import group_by, mean_share
 
 
@@ -41,7 +41,7 @@ def accumulate(fn, micro, *, mean: bool, indexed: bool = False):
     ``lax.scan`` (``indexed``: each call also gets its index i); ``mean``: divided by n (a scalar
     ``loss_fn``'s mean; a weighted one's shares already sum to the whole loss)."""
     n = micro[0].shape[0]
-    call = (lambda mb, i: fn(mb, i)) if indexed else (lambda mb, _: fn(mb))
+    call = fn if indexed else (lambda mb, _: fn(mb))
     first = jax.eval_shape(lambda mb: call(mb, 0), [m[0] for m in micro])
     xs = (micro, jnp.arange(n)) if indexed else (micro, None)
     total, _ = lax.scan(lambda acc, x: (jax.tree.map(jnp.add, acc, call(*x)), None),
@@ -81,9 +81,7 @@ class GradParts:
         shape = jax.eval_shape(statistics, [m[0] for m in micro])
         if shape is None:
             return None
-        total, _ = lax.scan(lambda acc, mb: (acc + statistics(mb), None),
-                            zeros_of(shape), micro)
-        return balance_module.fractions(total)
+        return balance_module.fractions(accumulate(statistics, micro, mean=False))
 
     def _loss_share(self, model, batch, balance=None, weight=None, micro=1):
         """This rank's share of the global loss: of the global mean of a scalar ``loss_fn``,
@@ -162,7 +160,7 @@ class GradParts:
         if self.accumulate == 1:
             return one(leaves, *batch)
         n = self.accumulate
-        micro = [b.reshape(n, b.shape[0] // n, *b.shape[1:]) for b in batch]
+        micro = [split_microbatches(b, n) for b in batch]
         balance = self._balance_fraction(self._model(leaves, train=True), micro)
         # a weighted loss_fn: the global weight of all micro-batches first, each micro-batch's
         # share is then its part of the whole loss (summed, not averaged)

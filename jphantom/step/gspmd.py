@@ -18,25 +18,32 @@ from jax.sharding import NamedSharding
 
 from jphantom import token_mean
 from jphantom.errors import ConfigError
+from jphantom.pipeline.buffers import interleave_microbatches
 from jphantom.step.grads import accumulate
 
 
 class GspmdParts:
     """``spmd="gspmd"``'s loss, value-and-grad and evaluation of :class:`jphantom.TrainStep`."""
 
+    def _gspmd_model(self, params):
+        """The model holding ``params`` (global arrays) in the compute precision."""
+        return self._ready(self.layout.model_of(self.precision.cast(jax.tree.leaves(params))))
+
+    def _gspmd_batch(self, batch):
+        """``batch`` constrained to the step's batch shardings."""
+        return [jax.lax.with_sharding_constraint(b, NamedSharding(self.mesh, s))
+                for b, s in zip(batch, self._specs_of_batch(len(batch)))]
+
     def _gspmd_loss(self, params, *batch, balance=None, weight=None, micro=1):
         """GSPMD: the global loss of global arrays; ``jax.jit`` places the collectives
         (``weight``: a weighted loss' weight over all ``micro`` micro-batches)."""
-        batch = [jax.lax.with_sharding_constraint(b, NamedSharding(self.mesh, s))
-                 for b, s in zip(batch, self._specs_of_batch(len(batch)))]
+        batch = self._gspmd_batch(batch)
         if self.pipeline is not None:
             if len(batch) != 2:
                 raise ConfigError(f"a pipelined step takes (inputs, targets), got {len(batch)} "
                                   "batch arrays")
             return self._gspmd_pipeline_loss(jax.tree.leaves(params), *batch, balance=balance)
-        model = self._ready(
-            self.layout.model_of(self.precision.cast(jax.tree.leaves(params))))
-        out = self._loss(model, batch, balance)
+        out = self._loss(self._gspmd_model(params), batch, balance)
         weighted = token_mean.terms(out)
         if weighted is not None:
             weight = lax.stop_gradient(weighted.weight) if weight is None else weight
@@ -62,11 +69,8 @@ class GspmdParts:
                 loss, grads = one(params, batch, scale)
             else:  # micro-batch i: every batch rank's i-th slice, as the shard_map step
                 ranks = self.batch_ranks
-                micro = [b.reshape(ranks, n, b.shape[0] // (ranks * n), *b.shape[1:])
-                         .swapaxes(0, 1).reshape(n, b.shape[0] // n, *b.shape[1:])
-                         for b in batch]
-                model = self._ready(self.layout.model_of(
-                    self.precision.cast(jax.tree.leaves(params))))
+                micro = [interleave_microbatches(b, n, ranks) for b in batch]
+                model = self._gspmd_model(params)
                 balance = self._balance_fraction(model, micro)
                 weight = self._micro_weight(model, micro, balance)
                 options = (scale, balance, weight, n)
@@ -80,10 +84,6 @@ class GspmdParts:
     def _gspmd_evaluate(self, fn: Callable) -> Callable:
         """GSPMD's :meth:`_evaluate`: ``fn`` on the global arrays, jitted."""
         def global_fn(params, *batch):
-            batch = [jax.lax.with_sharding_constraint(b, NamedSharding(self.mesh, s))
-                     for b, s in zip(batch, self._specs_of_batch(len(batch)))]
-            model = self._ready(
-                self.layout.model_of(self.precision.cast(jax.tree.leaves(params))))
-            out = fn(model, *self.precision.cast(batch))
+            out = fn(self._gspmd_model(params), *self.precision.cast(self._gspmd_batch(batch)))
             return token_mean.value(out) if isinstance(out, tuple) else out
         return jax.jit(global_fn)

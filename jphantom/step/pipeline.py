@@ -27,7 +27,7 @@ from jphantom.errors import ConfigError
 from jphantom.nn import balance as balance_module
 from jphantom.nn import metadata
 from jphantom.nn.stack import Stacked
-from jphantom.pipeline.buffers import zeros_of
+from jphantom.pipeline.buffers import interleave_microbatches, split_microbatches, zeros_of
 from jphantom.step.layout import group_by, is_variable, path_key
 
 
@@ -237,7 +237,7 @@ class PipelineParts:
         from jphantom.pipeline.split import needed_inputs
 
         out = jax.tree.map(zeros_of, jax.eval_shape(first, rest, inputs_mb))
-        targets = targets.reshape(micro, targets.shape[0] // micro, *targets.shape[1:])
+        targets = split_microbatches(targets, micro)
         struct = jax.eval_shape(loss_after, out, targets[0])
         if not isinstance(struct, tuple):
             return None
@@ -270,9 +270,8 @@ class PipelineParts:
         stack_path, stacked_module = self.stack
         stages, micro = dict(self.mesh.shape)["stage"], self.pipeline.microbatches
         ranks = self.batch_ranks
-        split = lambda b: (b.reshape(ranks, micro, b.shape[0] // (ranks * micro), *b.shape[1:])
-                           .swapaxes(0, 1).reshape(micro, b.shape[0] // micro, *b.shape[1:]))
-        inputs_mb, targets_mb = split(inputs), split(targets)
+        inputs_mb, targets_mb = (interleave_microbatches(b, micro, ranks)
+                                 for b in (inputs, targets))
         stacked, rest = self._split(leaves)
         if balance is None and self._takes_balance():
             balance = self._balance_fraction(

@@ -176,10 +176,11 @@ class GPT2(nnx.Module):
             raise ConfigError(f"heads={self.config.heads} is not divisible by the {num_shards} "
                               "ranks that split them: pick an axis size dividing the heads")
 
-    def trunk(self, tokens: jax.Array, *, balance_fraction=None, statistics: bool = False):
+    def trunk(self, tokens: jax.Array, *, statistics: bool = False):
         """The final-normed stream [B, S, h] and the MoE blocks' aux summed over them (``None``
-        without MoE blocks); ``balance_fraction`` [L_moe, E] and ``statistics``: :class:`MoEGroup`'s
-        optional entries."""
+        without MoE blocks); the whole batch's routing fractions [L_moe, E] a training step gives
+        a micro-batch (:func:`jphantom.nn.balance.current`) and ``statistics``:
+        :class:`MoEGroup`'s optional entries."""
         h = self.wte(tokens) + self.wpe(self.positions(tokens.shape[1]))
         if not self.config.moe_every:
             return self.ln_f(self.blocks(h)), None
@@ -187,10 +188,9 @@ class GPT2(nnx.Module):
         zero = {"load_balance": jnp.zeros((), wide), "z_loss": jnp.zeros((), wide),
                 "dropped": jnp.zeros((), wide)}  # floats: a pipeline exchanges the carry
         experts = self.config.moe.experts
-        if balance_fraction is None:  # a step's micro-batch: the whole batch's (nn.balance)
-            balance_fraction = balance.current()
-        if balance_fraction is not None:
-            zero["fraction"] = jnp.asarray(balance_fraction, wide)
+        fraction = balance.current()  # a step's micro-batch: the whole batch's
+        if fraction is not None:
+            zero["fraction"] = jnp.asarray(fraction, wide)
         if statistics:
             zero["statistics"] = jnp.zeros((self.config.moe_layers, 2 * experts), wide)
         h, aux = self.blocks((h, zero))
@@ -219,22 +219,21 @@ class GPT2(nnx.Module):
             return cross_entropy_terms(self.wte, h, targets, tied=True, mask=mask)
         return cross_entropy_terms(self.head, h, targets, mask=mask)
 
-    def loss(self, tokens: jax.Array, targets: jax.Array, mask: jax.Array | None = None, *,
-             balance_fraction: jax.Array | None = None) -> jax.Array:
+    def loss(self, tokens: jax.Array, targets: jax.Array, mask: jax.Array | None = None
+             ) -> jax.Array:
         """Mean next-token cross-entropy over the counted tokens (``mask`` true, target not
         negative), plus, with MoE blocks, ``balance_weight`` x the load-balancing loss and
-        ``z_weight`` x the router z-loss, summed over the MoE blocks (over every token).
-        ``balance_fraction`` [L_moe, E]: the routing fractions of the whole batch when ``tokens``
-        is a micro-batch of it (:meth:`balance_statistics`)."""
-        return token_mean.value(self.loss_terms(tokens, targets, mask,
-                                                balance_fraction=balance_fraction))
+        ``z_weight`` x the router z-loss, summed over the MoE blocks (over every token; when
+        ``tokens`` is a micro-batch of a step, with the whole batch's routing fractions:
+        :mod:`jphantom.nn.balance`, :meth:`balance_statistics`)."""
+        return token_mean.value(self.loss_terms(tokens, targets, mask))
 
-    def loss_terms(self, tokens: jax.Array, targets: jax.Array, mask: jax.Array | None = None,
-                   *, balance_fraction: jax.Array | None = None) -> token_mean.WeightedLoss:
+    def loss_terms(self, tokens: jax.Array, targets: jax.Array, mask: jax.Array | None = None
+                   ) -> token_mean.WeightedLoss:
         """``(total, weight, mean)``: the counted tokens' summed cross-entropy, their number and
         the MoE auxiliary losses (a mean already), for a global token mean
         (:mod:`jphantom.token_mean`)."""
-        h, aux = self.trunk(tokens, balance_fraction=balance_fraction)
+        h, aux = self.trunk(tokens)
         total, weight = self._cross_entropy(h, targets, mask)
         if aux is None:
             return token_mean.WeightedLoss(total, weight)

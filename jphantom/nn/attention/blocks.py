@@ -58,10 +58,6 @@ def merge(o, lse, o_s, lse_s):
     return o * jnp.exp(lse - new)[..., None] + o_s * jnp.exp(lse_s - new)[..., None], new
 
 
-def _ring_perm(size: int):
-    return [(i, (i + 1) % size) for i in range(size)]
-
-
 def block_kernels(kernel: str, scale: float):
     """``(forward, backward)`` of one block for ``kernel`` (``xla``: the einsum blocks above;
     ``pallas`` / ``pallas-interpret``: :mod:`jphantom.nn.flash`'s Triton kernels, the latter
