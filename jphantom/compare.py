@@ -101,7 +101,7 @@ class CompareConfig:
                 math.isfinite(margin) and margin >= 0):
             raise ConfigError(f"target_margin={margin!r} must be a finite number >= 0")
 
-    def build(self) -> list:
+    def build(self) -> None:
         """Every run of the sweep built (:meth:`jphantom.config.RunConfig.build`, nothing
         compiled), in :meth:`run_configs`' order: the devices hold the largest shard count and
         every run's shapes are valid (width divisible by every p, ...), before the first run
@@ -111,7 +111,8 @@ class CompareConfig:
             raise ConfigError(
                 f"shards={self.shards} needs {max(self.shards)} devices, have {jax.device_count()}: "
                 f"pass --devices {max(self.shards)} or fewer shards")
-        return [config.build() for config in self.run_configs()]
+        for config in self.run_configs():
+            config.build()
 
     @classmethod
     def from_flags(cls, *, shards=(2, 4, 8), ghost_widths=(2, 4, 16), seeds=(0, 1, 2),

@@ -154,17 +154,14 @@ def breakdown(config: RunConfig, *, steps: int = 5, warmup: int = 2) -> dict:
         data = (rng.integers(0, config.model.vocab, struct.shape)
                 if np.issubdtype(struct.dtype, np.integer) else rng.standard_normal(struct.shape))
         batch.append(jax.device_put(np.asarray(data, struct.dtype), struct.sharding))
-    options = dict(accumulate=config.step.accumulate, precision=config.step.precision,
-                   remat=config.step.step_remat, pipeline=config.pipeline(program),
-                   attention=config.step.attention)
+    # the same step less its reductions (jphantom.experimental.compute_only)
+    compute = make_compute_only_step(
+        program.model, mesh, config.optimizer(), program.loss_fn,
+        batch_specs=program.batch_specs, accumulate=config.step.accumulate,
+        precision=config.step.precision, remat=config.step.step_remat,
+        pipeline=config.pipeline(program), attention=config.step.attention)
     runners = []
-    for label in ("step", "compute"):
-        if label == "step":
-            measured = program.train_step(mesh, config.optimizer(), zero=0, **options)
-        else:  # the same step less its reductions (jphantom.experimental.compute_only)
-            measured = make_compute_only_step(program.model, mesh, config.optimizer(),
-                                              program.loss_fn, batch_specs=program.batch_specs,
-                                              **options)
+    for label, measured in (("step", step), ("compute", compute)):
         state = program.init(measured)
         runners.append(Runner(label, measured.lower(state, *batch).compile(),
                               (state, *batch), threads_state=True, flops_per_device=0,

@@ -27,20 +27,17 @@ import sys
 
 from jphantom.cli import (compare, compile, demo, inspect, schedule, tokenize, train,
                           verify)
-from jphantom.cli.compile import hlo_paths
-from jphantom.cli.devices import DEFAULT_SIMULATED_DEVICES, accelerator_visible, setup_devices
-from jphantom.cli.parser import Parser, add_run_flags, run_settings
+from jphantom.cli.devices import DEFAULT_SIMULATED_DEVICES, accelerator_visible
+from jphantom.cli.parser import Parser
 from jphantom.cli.schedule import MAX_SCHEDULE_TASKS
 from jphantom.cli.step_defaults import (COMPILE_MODEL, FFN_DEFAULTS, INSPECT_FLAGS, INSPECT_MODEL,
-                                        LM_DEFAULTS, STEP_DEFAULTS, shown_defaults,
-                                        step_settings)
+                                        LM_DEFAULTS, STEP_DEFAULTS, step_settings)
 from jphantom.cli.train import TRAIN_DEFAULTS, train_gpu_defaults
 
 __all__ = ["COMPILE_MODEL", "DEFAULT_SIMULATED_DEVICES", "FFN_DEFAULTS", "INSPECT_FLAGS",
            "INSPECT_MODEL", "LM_DEFAULTS", "MAX_SCHEDULE_TASKS", "STEP_DEFAULTS",
-           "TRAIN_DEFAULTS", "Parser", "accelerator_visible", "add_run_flags", "build_parser",
-           "hlo_paths", "main", "run_settings", "setup_devices", "shown_defaults",
-           "step_settings", "train_gpu_defaults"]
+           "TRAIN_DEFAULTS", "accelerator_visible", "build_parser", "main", "step_settings",
+           "train_gpu_defaults"]
 
 
 def build_parser() -> argparse.ArgumentParser:

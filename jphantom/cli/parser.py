@@ -53,7 +53,7 @@ def add_run_flags(parser: argparse.ArgumentParser, defaults: dict | None = None,
     ``defaults`` overrides shown defaults."""
     import typing
 
-    from jphantom.config import ALIASES, FLAT, SECTIONS, field_of
+    from jphantom.config import FLAT, SECTIONS, field_of
 
     choices = run_flag_choices()
     defaults = defaults or {}
@@ -67,7 +67,7 @@ def add_run_flags(parser: argparse.ArgumentParser, defaults: dict | None = None,
         text = field.metadata["help"]
         text += f" (default {default})" if "default" not in text else ""
         flag = "--" + flat.replace("_", "-")
-        aliases = [("--" + a.replace("_", "-")) for a, b in ALIASES.items() if b == flat]
+        aliases = ["--" + a.replace("_", "-") for a in field.metadata.get("aliases", ())]
         if base is bool:
             parser.add_argument(flag, *aliases, dest=flat, action=argparse.BooleanOptionalAction,
                                 default=None, help=text)

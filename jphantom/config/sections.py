@@ -439,9 +439,8 @@ FLAT: dict[str, tuple[str, str]] = {
        for f in dataclasses.fields(cls) if "flag" in f.metadata},
 }
 # another flat name -> the flat name it stands for (GPT-2's names for the same thing)
-ALIASES = {alias: name for name, (section, field) in FLAT.items()
-           for f in dataclasses.fields(SECTIONS[section]) if f.name == field
-           for alias in f.metadata.get("aliases", ())}
+ALIASES = {alias: f.metadata.get("flag", f.name) for cls in SECTIONS.values()
+           for f in dataclasses.fields(cls) for alias in f.metadata.get("aliases", ())}
 
 
 def field_of(flat: str) -> dataclasses.Field:

@@ -45,7 +45,7 @@ One idea a module:
 
 from jphantom.analysis.hlo.accounting import KINDS, Collective, collectives, summarize
 from jphantom.analysis.hlo.callgraph import multipliers, trip_count
-from jphantom.analysis.hlo.gemms import GemmIndex, custom_call_target, dot_flops, gemm_kind
+from jphantom.analysis.hlo.gemms import custom_call_target, dot_flops, gemm_kind
 from jphantom.analysis.hlo.groups import (group_axes, normalise_replica_groups, pair_axes,
                                           replica_group_lists)
 from jphantom.analysis.hlo.kernel_census import format_kernels, kernels
@@ -54,7 +54,7 @@ from jphantom.analysis.hlo.text import (DTYPE_BYTES, Computation, Instruction, a
 
 
 __all__ = ["collectives", "summarize", "Collective", "KINDS", "DTYPE_BYTES", "multipliers",
-           "trip_count", "dot_flops", "gemm_kind", "GemmIndex", "custom_call_target", "kernels",
+           "trip_count", "dot_flops", "gemm_kind", "custom_call_target", "kernels",
            "format_kernels", "group_axes", "pair_axes", "replica_group_lists",
            "normalise_replica_groups", "Instruction", "Computation", "parse_instruction",
            "parse_module", "type_bytes", "attr_value"]

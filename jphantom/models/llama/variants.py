@@ -59,18 +59,18 @@ register_variant(
 
 # ---------------------------------------------------------------------------------- Mistral
 
-FAMILY = register_variant(
+register_variant(
     "mistral", "Mistral: Llama blocks with sliding-window attention (--sliding-window)",
     ("mistral",), flags=("sliding_window",), sliding_window=lambda s: s.sliding_window,
     hf_type="mistral")
 
 # ------------------------------------------------------------------------------------- Qwen
 
-QWEN2 = register_variant(
+register_variant(
     "qwen2", "Qwen2: Llama blocks with q/k/v biases, untied head", ("qwen2",),
     qkv_bias=True, rope_theta=1e6, rms_norm_eps=1e-6, hf_type="qwen2")
 
-QWEN3 = register_variant(
+register_variant(
     "qwen3", "Qwen3: per-head q/k RMSNorm, tied embeddings", ("qwen3",),
     strategies=NO_PMM3D, qk_norm=True, tie_word_embeddings=True, rope_theta=1e6,
     rms_norm_eps=1e-6, hf_type="qwen3")
@@ -81,7 +81,7 @@ def _check_moe(section) -> None:
         raise ConfigError(f"--top-k {section.top_k} exceeds --experts {section.experts}")
 
 
-QWEN3_MOE = register_variant(
+register_variant(
     "qwen3_moe", "Qwen3-MoE: Qwen3 attention, every MLP fine-grained experts (--experts, "
     "--top-k, --intermediate per expert)", ("qwen3_moe",), flags=("experts", "top_k"),
     check=_check_moe, strategies=NO_PMM3D, qk_norm=True, rope_theta=1e6, rms_norm_eps=1e-6,
@@ -96,7 +96,7 @@ def _layer_types(section) -> tuple[str, ...]:
                  for i in range(section.layers))
 
 
-GEMMA3 = register_variant(
+register_variant(
     "gemma3", "Gemma 3 text: (1 + w) and sandwich norms, GeGLU, scaled embeddings, 5 local "
     "(--sliding-window) : 1 global layers, tied embeddings", ("gemma3_text",),
     flags=("sliding_window",), aliases=("gemma3_text",), strategies=NO_PMM3D,
