@@ -34,6 +34,7 @@ Usage::
     python benchmarks/versus_previous.py --previous HEAD~5  # another version
     python benchmarks/versus_previous.py --this HEAD        # the last commit, not the tree
     python benchmarks/versus_previous.py --cases pipelines  # every pipeline schedule instead
+    python benchmarks/versus_previous.py --steps 0 --compile-layers 0  # same programs? untimed
 
 Results: ``<out>/results.json`` and ``<out>/versus_previous.png`` (default
 ``benchmarks/results/versus_previous/``).
@@ -133,24 +134,32 @@ def _batch(case, shardings):
     return tuple(jax.device_put(a, s) for a, s in zip(arrays, shardings))
 
 
+RUN_FLAGS = dict(vocab=256, out=None, progress=False, warmup_steps=0, learning_rate=1e-4)
+
+
+def _import_this_version() -> None:
+    """Import jphantom from this version's sources (``JPHANTOM_SOURCE``, on ``PYTHONPATH``, set by
+    :class:`Version`), whatever an editable install of another maps "jphantom" to; refuse
+    another copy."""
+    root = os.environ["JPHANTOM_SOURCE"]
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+    import jphantom
+
+    if not str(Path(jphantom.__file__).resolve()).startswith(str(Path(root).resolve())):
+        raise SystemExit(f"jphantom imported from {jphantom.__file__}, not {root}")
+
+
 def build(case):
     """The case's step, compiled, through the run configuration (``RunConfig.build()``: the API
     of both versions compared)."""
     from jphantom.config import RunConfig
 
     flags = {k: v for k, v in case.items() if k not in ("bench",)}
-    flags.update(vocab=256, out=None, progress=False, warmup_steps=0, learning_rate=1e-4)
-    config = RunConfig.from_flags(**flags)
-    built = config.build()
+    built = RunConfig.from_flags(**flags, **RUN_FLAGS).build()
     state = built.program.init(built.step)
     batch = _batch(case, built.shardings)
     compiled = built.step.lower(state, *batch).compile()
-
-    def run(state):
-        state, loss = compiled(state, *batch)
-        return state, loss
-
-    return compiled, state, run
+    return compiled, state, lambda state: compiled(state, *batch)
 
 
 def hlo_fingerprint(text: str) -> str:
@@ -172,14 +181,12 @@ COMPILE_CASE = dict(model="gpt2", hidden=512, heads=8, seq_len=128, batch=16, op
 
 def compile_worker(layers: int) -> int:
     """One cold compile of a ``layers``-deep GPT-2 step (this version's API); prints its seconds."""
-    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+    _import_this_version()
     import jax
 
     from jphantom.config import RunConfig
 
-    flags = dict(COMPILE_CASE, layers=layers, vocab=256, out=None, progress=False,
-                 warmup_steps=0, learning_rate=1e-4)
-    built = RunConfig.from_flags(**flags).build()
+    built = RunConfig.from_flags(**COMPILE_CASE, layers=layers, **RUN_FLAGS).build()
     step = built.step
     batch = [jax.ShapeDtypeStruct((COMPILE_CASE["batch"], COMPILE_CASE["seq_len"]), "int32",
                                   sharding=s) for s in built.shardings]
@@ -194,16 +201,8 @@ def compile_worker(layers: int) -> int:
 
 
 def worker() -> int:
-    # this version's sources (PYTHONPATH, set by Version), whatever an editable install of
-    # another maps "jphantom" to
-    root = os.environ["JPHANTOM_SOURCE"]
-    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+    _import_this_version()
     import jax
-
-    import jphantom
-
-    if not str(Path(jphantom.__file__).resolve()).startswith(str(Path(root).resolve())):
-        raise SystemExit(f"jphantom imported from {jphantom.__file__}, not {root}")
 
     from jphantom.analysis.hlo import collectives
 
@@ -219,7 +218,8 @@ def worker() -> int:
                 start = time.perf_counter()
                 compiled, state, run = build(case)
                 seconds = time.perf_counter() - start
-                found = [c for c in collectives(compiled.as_text()) if not c.trivial]
+                text = compiled.as_text()
+                found = [c for c in collectives(text) if not c.trivial]
                 built[key] = [state, run]
                 state, loss = run(state)  # one untimed step
                 jax.block_until_ready(loss)
@@ -228,7 +228,7 @@ def worker() -> int:
                 answer = {"build_seconds": seconds,
                           "collective_bytes": sum(c.total_bytes for c in found),
                           "temp_bytes": getattr(memory, "temp_size_in_bytes", None),
-                          "hlo_fingerprint": hlo_fingerprint(compiled.as_text())}
+                          "hlo_fingerprint": hlo_fingerprint(text)}
             else:
                 state, run = built[key]
                 start = time.perf_counter()
@@ -312,7 +312,8 @@ def parse_args(argv):
                         help="this version: 'tree' (a copy of the working tree, default) or a git "
                              "ref")
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (8)")
-    parser.add_argument("--steps", type=int, default=10, help="timed rounds (default 10)")
+    parser.add_argument("--steps", type=int, default=10,
+                        help="timed rounds (default 10; 0: compare the programs only, untimed)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds (default 2)")
     parser.add_argument("--only", default=None, help="run the cases whose label contains this")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
@@ -328,7 +329,7 @@ def parse_args(argv):
     parser.add_argument("--compile-worker", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.warmup = 2, 1
+        args.steps, args.warmup = min(args.steps, 2), 1
         args.compile_layers, args.compile_rounds = min(args.compile_layers, 2), 1
         if args.out == DEFAULT_OUT:
             args.out = Path(tempfile.mkdtemp(prefix="jphantom-versus-previous-"))
@@ -359,6 +360,16 @@ def main(argv=None) -> int:
                     rows.append(row)
                     print(f"{label(case):<70} skipped: {built}", flush=True)
                     continue
+                row["same_hlo"] = (built["this"]["hlo_fingerprint"]
+                                   == built["previous"]["hlo_fingerprint"])
+                rows.append(row)
+                programs = (f"bytes {built['this']['collective_bytes']:,} / "
+                            f"{built['previous']['collective_bytes']:,}  temp "
+                            f"{_mib(built['this'])} / {_mib(built['previous'])} MiB  same HLO: "
+                            f"{row['same_hlo']}")
+                if not args.steps:  # the programs only
+                    print(f"{label(case):<70} {programs}", flush=True)
+                    continue
                 times = {v.name: [] for v in versions}
                 for round_index in range(args.warmup + args.steps):
                     order = versions if round_index % 2 == 0 else versions[::-1]
@@ -369,15 +380,9 @@ def main(argv=None) -> int:
                 medians = {name: statistics.median(t) for name, t in times.items()}
                 row.update(this_seconds=medians["this"], previous_seconds=medians["previous"],
                            ratio=medians["this"] / medians["previous"], times=times)
-                rows.append(row)
-                row["same_hlo"] = (built["this"]["hlo_fingerprint"]
-                                   == built["previous"]["hlo_fingerprint"])
                 print(f"{label(case):<70} this {medians['this'] * 1e3:8.2f} ms  previous "
-                      f"{medians['previous'] * 1e3:8.2f} ms  ratio {row['ratio']:.3f}  bytes "
-                      f"{built['this']['collective_bytes']:,} / "
-                      f"{built['previous']['collective_bytes']:,}  temp "
-                      f"{_mib(built['this'])} / {_mib(built['previous'])} MiB  same HLO: "
-                      f"{row['same_hlo']}", flush=True)
+                      f"{medians['previous'] * 1e3:8.2f} ms  ratio {row['ratio']:.3f}  "
+                      f"{programs}", flush=True)
             compile_time = None
             if args.compile_layers:
                 runs = {v.name: [] for v in versions}

@@ -157,3 +157,6 @@ def test_samo_refuses_what_it_does_not_run():
                             loss_fn, config)
     with pytest.raises(ConfigError, match="jphantom.experimental.samo.make_samo_step"):
         jphantom.make_train_step(MLP(), data, optimizer, loss_fn, samo=config)
+    with pytest.raises(ConfigError,
+                       match="jphantom.experimental.compute_only.make_compute_only_step"):
+        jphantom.make_train_step(MLP(), data, optimizer, loss_fn, communicate=False)

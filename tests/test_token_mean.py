@@ -139,7 +139,6 @@ def test_moe_balance_reaches_a_users_loss_through_the_models_hook():
     routing fractions in every accumulated micro-batch (the step gives them through the hook, no
     signature is read): the step equals the one-device model."""
     step, params = _gpt2_moe("data=2", _own_loss, accumulate=2)
-    assert step._takes_balance()
     report = verify_step(step, params, TOKENS % 32, TARGETS % 32)
     assert report.ok, str(report)
 
