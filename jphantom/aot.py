@@ -49,6 +49,7 @@ GPU_TARGETS = {
     # chip: (description file, HBM bytes as the description gives them, GPUs per node,
     #        dense bf16 TFLOP/s: jphantom.metrics.PEAK_TFLOPS, the one table of peaks)
     "h100": ("h100_sxm.txtpb", 84942979072, 8, peak_of_kind("h100 sxm")),
+    "h200": ("h200_sxm.txtpb", 150754820096, 8, peak_of_kind("h200")),
     "a100": ("a100_sxm_80.txtpb", 85100068864, 8, peak_of_kind("a100")),
 }
 TPU_TARGETS = {
@@ -112,7 +113,7 @@ class Target:
                 raise ConfigError("a TPU target's size is its topology (tpu:v5p:4x4x4): leave "
                                   "--nodes and --gpus-per-node out")
             return cls("tpu", parts[1], topology=parts[2])
-        raise ConfigError(f"--target {text!r}: write gpu:CHIP (gpu:h100, gpu:a100) or "
+        raise ConfigError(f"--target {text!r}: write gpu:CHIP (gpu:h100, gpu:h200, gpu:a100) or "
                           "tpu:CHIP:TOPOLOGY (tpu:v5p:2x2x2)")
 
     @property
@@ -231,15 +232,19 @@ def require_plugin(platform: str) -> None:
 
 
 def compile_report(flags: dict, target: Target, *, devices: list | None = None,
-                   gpu_defaults: bool = True, hlo_out: str | Path | None = None) -> dict:
+                   gpu_defaults: bool = True, hlo_out: str | Path | None = None,
+                   predict_on=None) -> dict:
     """Build the run of ``flags`` (:meth:`jphantom.config.RunConfig.from_flags` names) on
     ``target``'s devices (``devices``: already fetched ones, to share them between runs), compile
     its training step and report it (module docstring). For a GPU target the compile gets
     :mod:`jphantom.gpu_defaults`' XLA flags where ``XLA_FLAGS`` does not name them
     (``gpu_defaults=False``: only ``XLA_FLAGS``), passed to this compilation so that they hold
     even if jax started before they were set; the report's ``xla_flags`` lists the flags it ran
-    with. ``hlo_out``: also write the optimised HLO text there. Raises :class:`ConfigError` for a
-    run that cannot be built (before compiling) or a mesh whose size is not the target's."""
+    with. ``hlo_out``: also write the optimised HLO text there. ``predict_on``: a
+    :class:`jphantom.predict.DeviceModel` to play the compiled program on
+    (:func:`jphantom.predict.predict`; the report's ``prediction``: step seconds, MFU, tokens/s
+    per GPU, joules, all modelled). Raises :class:`ConfigError` for a run that cannot be built
+    (before compiling) or a mesh whose size is not the target's."""
     import os
 
     from jphantom import gpu_defaults as defaults
@@ -304,6 +309,9 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
         report["hlo_file"] = str(hlo_out)
     if step.pipeline is not None:
         report["pipeline"] = pipeline_summary(step.pipeline, program.mesh)
+    if predict_on is not None:
+        report["prediction"] = _prediction(text, predict_on, config, program, node_of,
+                                           target, peak).as_dict()
     if report["model_flops"] is None:
         report["notes"].append("no dot or cuBLAS call in the optimised HLO (XLA:TPU writes its "
                                "matmuls as convolutions): model FLOPs not counted; see XLA's "
@@ -324,6 +332,22 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
                                f"{target.memory_bytes / 2**30:.1f} GiB: XLA compiled it anyway; "
                                "it would fail to allocate")
     return report
+
+
+def _prediction(text: str, device, config, program, node_of: list[int], target: Target,
+                peak: int):
+    """The compiled program played on ``device`` (:func:`jphantom.predict.predict`), with the
+    run's tokens per step and the model's FLOPs per device for MFU."""
+    from jphantom.metrics import flops_per_token
+    from jphantom.predict import predict
+
+    seq_len = 1 if config.model.name == "ffn" else config.model.seq_len
+    tokens = config.train.batch * seq_len
+    per_token = flops_per_token(program.config, config.parallel.strategy, seq_len)
+    flops = None if per_token is None else per_token * tokens / len(node_of)
+    return predict(text, device, devices=len(node_of), gpus_per_node=target.devices_per_node,
+                   node_of=lambda i: node_of[i] if i < len(node_of) else 0,
+                   tokens_per_step=tokens, model_flops_per_step=flops, peak_memory_bytes=peak)
 
 
 def plan_row_flags(row, shape: dict, batch: int, precision: str = "bf16") -> dict | None:
@@ -360,7 +384,10 @@ def compile_plan(result, top: int, target: Target, *, devices: list | None = Non
     device first, then fewer collective bytes per device that cross nodes, then fewer in all.
     Each entry: the plan row, its run's flags, the compile report's memory and collectives (or
     ``error``: why jphantom refused to build it), and ``memory_ratio`` (modelled / compiled
-    peak)."""
+    peak). With ``predict_on`` (a :class:`jphantom.predict.DeviceModel`) each compiled program is
+    also simulated (``simulated``: step seconds, J/token, MFU...) beside the plan's modelled step
+    and J/token, and the ranking is by the simulated figure of the plan's objective (``time``:
+    step seconds, ``energy``: joules per token), compiled peak fits first."""
     a = result.assumptions
     rows = [row for row in result.rows if row.same_model][:top]
     devices = target.devices() if devices is None else devices
@@ -370,9 +397,10 @@ def compile_plan(result, top: int, target: Target, *, devices: list | None = Non
                                "bf16" if a["precision"]["name"] == "bf16" else "float32")
         entry = {"plan_rank": row.rank, "layout": row.layout, "mesh": row.mesh,
                  "options": dict(row.options), "modelled_memory_bytes": row.memory["total"],
-                 "modelled_comm_s": row.comm_s, "flags": flags}
+                 "modelled_comm_s": row.comm_s, "modelled_step_s": row.step_s,
+                 "modelled_joules_per_token": row.joules_per_token, "flags": flags}
         try:
-            report = compile_report(flags, target, devices=devices)
+            report = compile_report(flags, target, devices=devices, predict_on=predict_on)
         except ConfigError as error:
             entry["error"] = str(error).split("\n")[0]
         else:
@@ -388,12 +416,22 @@ def compile_plan(result, top: int, target: Target, *, devices: list | None = Non
                       "collective_bytes_across_nodes": across,
                       "collectives": report["collectives"],
                       "compile_seconds": report["compile_seconds"]}
+            if "prediction" in report:
+                entry["simulated"] = {k: report["prediction"][k] for k in (
+                    "step_s", "compute_s", "exposed_comm_s", "hidden_comm_s",
+                    "joules_per_token", "mfu", "tokens_per_second_per_gpu")}
         out.append(entry)
         if progress is not None:
             progress(entry)
-    ok = sorted((e for e in out if "error" not in e),
-                key=lambda e: (not e["fits"], e["collective_bytes_across_nodes"],
-                               e["collective_bytes"]))
+    objective = a.get("objective", "comm")
+    if predict_on is not None and objective in ("time", "energy"):
+        field = "step_s" if objective == "time" else "joules_per_token"
+        ok = sorted((e for e in out if "error" not in e),
+                    key=lambda e: (not e["fits"], e["simulated"][field]))
+    else:
+        ok = sorted((e for e in out if "error" not in e),
+                    key=lambda e: (not e["fits"], e["collective_bytes_across_nodes"],
+                                   e["collective_bytes"]))
     for rank, entry in enumerate(ok, 1):
         entry["compiled_rank"] = rank
     return ok + [e for e in out if "error" in e]
@@ -413,6 +451,36 @@ def format_compiled_plan(entries: list[dict]) -> str:
                      f"{'yes' if e['fits'] else 'NO':>5} {e['collective_bytes'] / 1e9:>9.2f} "
                      f"{e['collective_bytes_across_nodes'] / 1e9:>9.2f} "
                      f"{e['compile_seconds']:>9.1f}")
+    return "\n".join(lines)
+
+
+def format_simulated_plan(entries: list[dict]) -> str:
+    """The compiled layouts with the plan's modelled step and J/token beside the simulated ones,
+    and where the simulated order differs from the plan's."""
+    gib = 2**30
+    lines = [f"{'sim':>4} {'plan':>4}  {'layout':<14} {'mesh':<24} {'step s':>8} {'sim s':>8} "
+             f"{'exposed':>8} {'J/tok':>7} {'sim J/tok':>9} {'MFU':>6} {'GiB':>6} {'fits':>4}"]
+    for e in entries:
+        head = (f"{e.get('compiled_rank', '-'):>4} {e['plan_rank']:>4}  {e['layout']:<14} "
+                f"{e['mesh']:<24} {e['modelled_step_s']:>8.3f} ")
+        if "error" in e:
+            lines.append(head + f"refused: {e['error']}")
+            continue
+        sim = e["simulated"]
+        mfu = f"{sim['mfu']:.1%}" if sim.get("mfu") is not None else "-"
+        lines.append(head + f"{sim['step_s']:>8.3f} {sim['exposed_comm_s']:>8.3f} "
+                     f"{e['modelled_joules_per_token']:>7.3f} {sim['joules_per_token']:>9.3f} "
+                     f"{mfu:>6} {e['compiled_peak_bytes'] / gib:>6.1f} "
+                     f"{'yes' if e['fits'] else 'NO':>4}")
+    ranked = [e for e in entries if "error" not in e]
+    order = sorted(e["plan_rank"] for e in ranked)
+    moved = [e for e in ranked if e["compiled_rank"] != order.index(e["plan_rank"]) + 1]
+    lines.append("the simulation keeps the plan's order" if not moved else
+                 "order changed: " + "; ".join(
+                     f"{e['layout']} {e['mesh']} plan #{e['plan_rank']} -> #{e['compiled_rank']}"
+                     for e in moved))
+    lines.append("step s, J/tok: the plan's model (nothing overlapped); sim: the compiled "
+                 "program played on the device (jphantom.predict); all modelled")
     return "\n".join(lines)
 
 

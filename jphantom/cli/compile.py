@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
                "--mesh data=4,model=8 | jphantom compile --target tpu:v5p:2x2x2 --model llama "
                "--mesh data=8 --zero 3 --json")
     target.add_argument("--target", default="gpu:h100",
-                        help="gpu:h100, gpu:a100 (SXM, 80 GB) or tpu:CHIP:TOPOLOGY, e.g. "
+                        help="gpu:h100, gpu:h200, gpu:a100 (SXM) or tpu:CHIP:TOPOLOGY, e.g. "
                              "tpu:v5p:2x2x2 (default gpu:h100)")
     target.add_argument("--nodes", type=positive_int, default=1,
                         help="GPU nodes (default 1)")
@@ -54,6 +54,18 @@ def add_parser(sub) -> None:
     add_gpu_defaults_flag(target, "compile with jphantom's GPU XLA flags (jphantom."
                                   "gpu_defaults: latency-hiding scheduler, pipelined "
                                   "collectives) where XLA_FLAGS does not set them")
+    target.add_argument("--predict", action="store_true",
+                        help="also play the compiled program on a modelled device and network "
+                             "(jphantom.predict): step seconds split into compute, exposed and "
+                             "hidden communication, MFU, tokens/s per GPU, joules per step and "
+                             "per token (Seal et al.'s Eq. 1), the top ops; all modelled")
+    target.add_argument("--device", default=None, metavar="NAME|FILE",
+                        help="with --predict: the device description to price the program on, "
+                             "a shipped one (h100-sxm, h200, a100-sxm, b200, mi250x-gcd, "
+                             "mi300x) or a TOML file benchmarks/calibrate.py wrote (default: "
+                             "the target's own, e.g. h100-sxm for gpu:h100)")
+    target.add_argument("--top", type=positive_int, default=10,
+                        help="with --predict: the ops to list by predicted time (default 10)")
     target.add_argument("--json", action="store_true", help="print JSON instead of a table")
     target.set_defaults(handler=handle)
 
@@ -88,11 +100,21 @@ def handle(args: argparse.Namespace) -> int:
     have (:mod:`jphantom.aot`)."""
     from jphantom import aot
     from jphantom.config import RunConfig
+    from jphantom.errors import ConfigError
 
     target = aot.Target.parse(args.target, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                               target_config=args.target_config)
     strategies = list(dict.fromkeys(args.strategy))
     hlo = hlo_paths(args.hlo, strategies)
+    predict_on = None
+    if args.predict or args.device is not None:
+        from jphantom.predict import device as described
+
+        if target.platform != "gpu":
+            raise ConfigError("--predict prices GPU programs: give --target gpu:h100, gpu:h200 "
+                              "or gpu:a100")
+        predict_on = (described.load(args.device) if args.device is not None
+                      else described.for_target(f"gpu:{target.chip}"))
     aot.require_plugin(target.platform)  # before anything is built
     settings = step_settings(args, COMPILE_MODEL)
     settings["mesh"] = settings.get("mesh") or aot.default_mesh(target)
@@ -113,7 +135,8 @@ def handle(args: argparse.Namespace) -> int:
             RunConfig.from_flags(**run).build()
             runs.append(run)
     reports = [aot.compile_report(run, target, devices=devices, gpu_defaults=gpu_defaults,
-                                  hlo_out=hlo[run["strategy"]]) for run in runs]
+                                  hlo_out=hlo[run["strategy"]], predict_on=predict_on)
+               for run in runs]
     if args.out:
         aot.write_reports(reports, args.out)
     if args.json:
@@ -124,6 +147,12 @@ def handle(args: argparse.Namespace) -> int:
         print(aot.format_compile_report(report))
         for note in report["notes"]:
             print(f"note: {note}")
+        if "prediction" in report:
+            from jphantom.predict import Prediction, format_prediction
+
+            fields = {f: report["prediction"][f] for f in Prediction.__dataclass_fields__}
+            print(format_prediction(Prediction(**{**fields, "top_ops": fields["top_ops"][
+                :args.top]}), f"prediction on {predict_on.description} ({predict_on.path}):"))
         print()
     if args.out:
         print(f"wrote {args.out}/compile.json and {args.out}/compile.png")

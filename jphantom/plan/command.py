@@ -62,10 +62,24 @@ def _run(args) -> int:
     import sys
 
     shape = _shape_of_flags(args)
-    gpus_per_node = _parse_int("--gpus-per-node", args.gpus_per_node)
-    inter = _parse_float("--inter-node-gbps", args.inter_node_gbps)
-    latency_us = _parse_float("--latency-us", args.latency_us, zero_ok=True)
-    if args.intra_node_gbps is None and gpus_per_node == 4:
+    device = None
+    if args.device is not None or args.objective in ("time", "energy"):
+        from jphantom.predict import device as described
+
+        device = described.load(args.device or DEFAULT_DEVICE)
+    gpus_per_node = _parse_int("--gpus-per-node", args.gpus_per_node or (
+        str(int(device["network.gpus_per_node"])) if args.device else "4"))
+    inter = _parse_float("--inter-node-gbps", args.inter_node_gbps or (
+        str(device["network.nics_per_node"] * device["network.nic_gbps"]
+            * device["network.inter_node_efficiency"]) if args.device else "100"))
+    latency_us = _parse_float("--latency-us", args.latency_us or (
+        str(device["network.inter_latency_us"]) if args.device else "5"), zero_ok=True)
+    if args.device and args.intra_node_gbps is None:  # the device's own links
+        intra = device["network.intra_node_gbps"] * device["network.intra_node_efficiency"]
+        topology = Topology(gpus_per_node=gpus_per_node, inter_node_gbps=inter,
+                            intra_node_gbps=intra, latency_us=latency_us,
+                            name=f"{device.name} nodes")
+    elif args.intra_node_gbps is None and gpus_per_node == 4:
         base = Topology.perlmutter()
         topology = dataclasses.replace(
             base, inter_node_gbps=inter, latency_us=latency_us,
@@ -85,9 +99,11 @@ def _run(args) -> int:
         ghost_width=None if args.ghost_width is None else _parse_int("--ghost-width",
                                                                     args.ghost_width),
         accumulate=_parse_int("--accumulate", args.accumulate), latency=not args.no_latency,
-        device_tflops=_parse_float("--device-tflops", args.device_tflops),
+        device_tflops=(None if args.device_tflops is None
+                       else _parse_float("--device-tflops", args.device_tflops)),
         flash_attention=not args.attention_scores,
-        as_compiled=args.as_compiled or args.compile_top is not None)
+        as_compiled=args.as_compiled or args.compile_top is not None,
+        objective=args.objective, device=device)
     top = _parse_int("--top", args.top)
     if args.compile_top is not None:
         return _compile_top(args, result, _parse_int("--compile-top", args.compile_top),
@@ -98,6 +114,11 @@ def _run(args) -> int:
     else:
         print(format_plan(result, top))
     return 0
+
+
+DEFAULT_DEVICE = "a100-sxm"
+"""The device ``--objective time|energy`` prices without ``--device``: Perlmutter's A100, the
+planner's default machine."""
 
 
 def _compile_top(args, result: Plan, k: int, gpus_per_node: int) -> int:
@@ -115,14 +136,27 @@ def _compile_top(args, result: Plan, k: int, gpus_per_node: int) -> int:
                           f"--gpus-per-node {gpus_per_node}")
     target = aot.Target.parse(args.target, nodes=devices // gpus_per_node,
                               gpus_per_node=gpus_per_node)
+    predict_on = None
+    if result.assumptions["objective"] in ("time", "energy"):
+        from jphantom.predict import device as described
+
+        predict_on = (described.load(args.device) if args.device
+                      else described.for_target(f"gpu:{target.chip}"))
     aot.require_plugin(target.platform)
-    entries = aot.compile_plan(result, k, target)
+    entries = aot.compile_plan(result, k, target, predict_on=predict_on)
     if args.json:
         json.dump({"plan": result.as_dict(k), "target": target.as_dict(),
                    "compiled": entries}, sys.stdout, indent=2)
         print()
         return 0
     print(format_plan(result, k))
+    if predict_on is not None:
+        print(f"\nThe top {k} layouts that train this model, compiled for {target.name}, "
+              f"simulated on {predict_on.name} (jphantom.predict) and re-ranked by simulated "
+              f"{'step time' if result.assumptions['objective'] == 'time' else 'J/token'} "
+              "(compiled peak fits first); modelled and simulated side by side:\n")
+        print(aot.format_simulated_plan(entries))
+        return 0
     print(f"\nThe top {k} layouts that train this model, compiled for {target.name} and "
           "re-ranked (compiled peak fits first, then fewer collective bytes across nodes, then "
           "fewer in all):\n")
@@ -170,17 +204,19 @@ def add_parser(subparsers) -> None:
                              "not give its batch)")
     parser.add_argument("--devices", default="32", metavar="N",
                         help="GPUs to plan for (default 32)")
-    parser.add_argument("--gpus-per-node", default="4", metavar="N",
-                        help="GPUs per node, G_node (default 4, Perlmutter)")
-    parser.add_argument("--inter-node-gbps", default="100", metavar="GB/S",
+    parser.add_argument("--gpus-per-node", default=None, metavar="N",
+                        help="GPUs per node, G_node (default: --device's, else 4, Perlmutter)")
+    parser.add_argument("--inter-node-gbps", default=None, metavar="GB/S",
                         help="beta_inter: GB/s per direction between two nodes, all NICs together "
-                             "(default 100 = Perlmutter's 4 Slingshot-11 NICs x 25 GB/s)")
+                             "(default: --device's NICs x their rate x efficiency, else 100 = Perlmutter's 4 "
+                             "Slingshot-11 NICs x 25 GB/s)")
     parser.add_argument("--intra-node-gbps", default=None, metavar="GB/S",
                         help="one bandwidth for every collective inside a node (default: with 4 "
                              "GPUs per node Perlmutter's NVLink3 table, 100 GB/s for a pair, 200 "
                              "for 3, 300 for all 4; else 300)")
-    parser.add_argument("--latency-us", default="5", metavar="US",
-                        help="alpha, microseconds per ring step (default 5, assumed)")
+    parser.add_argument("--latency-us", default=None, metavar="US",
+                        help="alpha, microseconds per ring step (default: --device's inter-node latency, "
+                             "else 5, assumed)")
     parser.add_argument("--no-latency", action="store_true",
                         help="no alpha terms: Singh's bandwidth-only model exactly")
     parser.add_argument("--memory-gib", default=None, metavar="GIB",
@@ -193,9 +229,23 @@ def add_parser(subparsers) -> None:
                         help="phantom's ghost neurons per rank and token (default hidden / 32)")
     parser.add_argument("--accumulate", default="1", metavar="A",
                         help="gradient-accumulation micro-batches (not pipelines; default 1)")
-    parser.add_argument("--device-tflops", default=str(DEFAULT_DEVICE_TFLOPS), metavar="TF",
-                        help="sustained TFLOP/s per GPU, to price a pipeline's bubble (default "
-                             "280, the A100's empirical bf16 GEMM peak)")
+    parser.add_argument("--device-tflops", default=None, metavar="TF",
+                        help="sustained TFLOP/s per GPU, to price compute and a pipeline's "
+                             "bubble (default: --device's peak x GEMM efficiency, else "
+                             f"{DEFAULT_DEVICE_TFLOPS:g}, the A100's empirical bf16 GEMM peak)")
+    parser.add_argument("--objective", default="comm", choices=("comm", "time", "energy",
+                                                                "memory"),
+                        help="rank by comm (modelled communication + pipeline bubble, Singh's "
+                             "model; the default), time (compute + communication + bubble), "
+                             "energy (joules per token, Seal et al.'s Eq. 1 with the device's "
+                             "busy and idle power; prints the time/energy Pareto front) or "
+                             "memory (per GPU)")
+    parser.add_argument("--device", default=None, metavar="NAME|FILE",
+                        help="the GPU (jphantom.predict's descriptions: h100-sxm, h200, "
+                             "a100-sxm, b200, mi250x-gcd, mi300x, or a TOML file): its sustained "
+                             "GEMM rate, power, GPUs per node, NVLink and NICs price the layouts "
+                             "unless the network flags are given (default with --objective "
+                             f"time/energy: {DEFAULT_DEVICE})")
     parser.add_argument("--attention-scores", action="store_true",
                         help="count the S x S attention scores in activation memory (no fused "
                              "attention kernel)")

@@ -33,19 +33,26 @@ def format_plan(result: Plan, top: int = 10) -> str:
            f"phantom k={a['ghost_width']}")
         + f"; pipeline bubble priced at {a['device_tflops']:g} TFLOP/s. "
         f"Layouts: {limit}.",
-        "Ranked by modelled communication + pipeline bubble per step (Singh's thesis Eqs. 5.1-5.7, "
-        "ring alpha-beta); memory modelled.",
-        "",
-        f"{'rank':>4}  {'strategy':<14} {'mesh':<24} {'variant':<14} {'comm s':>8} "
-        f"{'bubble s':>8} {'TFLOP/dev':>9} {'mem GiB':>7}  fits",
+        f"Ranked by {a['ranking']} (communication: Singh's thesis Eqs. 5.1-5.7, ring "
+        "alpha-beta); memory modelled.",
     ]
+    priced = a.get("objective", "comm") in ("time", "energy")
+    if priced:
+        p = a["power_watts"]
+        lines.append(f"Compute at {a['device_tflops']:.0f} TFLOP/s per GPU, energy by Seal et "
+                     f"al.'s Eq. 1 at A = {p['busy']:g} W busy, B = {p['idle']:g} W idle "
+                     f"({p['source']}); all modelled.")
+    lines += ["", f"{'rank':>4}  {'strategy':<14} {'mesh':<24} {'variant':<14} {'comm s':>8} "
+              f"{'bubble s':>8} {'TFLOP/dev':>9} {'mem GiB':>7}  fits"
+              + (f" {'step s':>7} {'J/token':>8}" if priced else "")]
     shown = result.rows[:top]
     for row in shown:
         fits = "-" if row.fits is None else ("yes" if row.fits else "no")
         bubble = f"{row.bubble_s:8.3f}" if row.bubble_s else f"{'-':>8}"
         lines.append(f"{row.rank:>4}  {row.layout:<14} {row.mesh:<24} {row.variant:<14} "
                      f"{row.comm_s:8.3f} {bubble} {row.flops_per_device / 1e12:9.1f} "
-                     f"{row.memory_gib:7.1f}  {fits}")
+                     f"{row.memory_gib:7.1f}  {fits:<4}"
+                     + (f" {row.step_s:7.3f} {row.joules_per_token:8.3f}" if priced else ""))
     if any(not row.same_model for row in shown):
         lines.append("   * phantom trains a different, smaller model (Seal et al.): listed, never "
                      "the top choice")
@@ -56,6 +63,13 @@ def format_plan(result: Plan, top: int = 10) -> str:
     variant = f" ({best.variant})" if best.variant else ""
     lines += ["", f"Top choice{verdict}: rank {best.rank}, {best.layout} on {best.mesh}{variant}, "
               f"{best.key_s:.3f} s modelled per step ({axes or 'no communication'}), "
-              f"{best.memory_gib:.1f} GiB per GPU."]
+              f"{best.memory_gib:.1f} GiB per GPU"
+              + (f"; {best.step_s:.3f} s per step with compute, {best.joules_per_token:.3f} "
+                 "J/token" if priced else "") + "."]
+    if a.get("objective") == "energy":
+        lines += ["", "Time/energy Pareto front (no layout that fits is both faster and cheaper):"]
+        for row in result.pareto():
+            lines.append(f"  rank {row.rank:>3}  {row.layout:<14} {row.mesh:<24} "
+                         f"{row.step_s:7.3f} s/step  {row.joules_per_token:8.3f} J/token")
     lines.append("Not modelled: " + a["not_modelled"] + ".")
     return "\n".join(lines)

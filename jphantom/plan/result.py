@@ -9,6 +9,10 @@ from typing import Any
 
 from jphantom.perf.axonn_model import GIB
 
+OBJECTIVES = ("comm", "time", "energy", "memory")
+"""What a plan ranks by: modelled communication + bubble (Singh's model, the default), the
+modelled step time, joules per token (Seal et al.'s Eq. 1), or memory per GPU."""
+
 
 @dataclasses.dataclass(frozen=True)
 class PlanRow:
@@ -35,6 +39,12 @@ class PlanRow:
     rank: int = 0
     same_model: bool = True
     bytes_by_axis: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    compute_s: float = 0.0  # FLOPs at the device's sustained GEMM rate
+    busy_watts: float = 0.0  # Seal et al.'s Eq. 1: A while computing, B while waiting
+    idle_watts: float = 0.0
+    devices: int = 1
+    tokens: int = 0  # per step, all devices
+    objective: str = "comm"
 
     @property
     def variant(self) -> str:
@@ -57,8 +67,28 @@ class PlanRow:
 
     @property
     def key_s(self) -> float:
-        """The ranking key: modelled communication + pipeline bubble seconds per step."""
+        """Modelled communication + pipeline bubble seconds per step (the ``comm`` objective)."""
         return self.comm_s + self.bubble_s
+
+    @property
+    def step_s(self) -> float:
+        """Modelled step seconds: compute + communication (none hidden: an upper bound; the
+        compiled schedule's overlap is what ``--compile-top`` simulates) + bubble."""
+        return self.compute_s + self.comm_s + self.bubble_s
+
+    @property
+    def joules_per_token(self) -> float:
+        """Seal et al.'s Eq. 1 over every device, per token: A x compute + B x (communication
+        + bubble), the GPUs busy while computing and idle while waiting."""
+        joules = self.devices * (self.busy_watts * self.compute_s
+                                 + self.idle_watts * (self.comm_s + self.bubble_s))
+        return joules / self.tokens if self.tokens else 0.0
+
+    @property
+    def ranking_key(self) -> float:
+        """The value the plan ranks by under its objective (:data:`OBJECTIVES`)."""
+        return {"comm": self.key_s, "time": self.step_s, "energy": self.joules_per_token,
+                "memory": self.memory["total"]}[self.objective]
 
     @property
     def memory_gib(self) -> float:
@@ -72,7 +102,8 @@ class PlanRow:
                 "ranking_key_s": self.key_s, "flops_per_device": self.flops_per_device,
                 "memory_bytes": dict(self.memory), "memory_gib": self.memory_gib,
                 "fits": self.fits, "same_model": self.same_model, "variant": self.variant,
-                "notes": list(self.notes)}
+                "compute_s": self.compute_s, "step_s": self.step_s,
+                "joules_per_token": self.joules_per_token, "notes": list(self.notes)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +131,22 @@ class Plan:
         return next((row for row in same if row.fits is not False), same[0] if same else
                     self.rows[0])
 
+    def pareto(self) -> list[PlanRow]:
+        """The time/energy Pareto front: the same-model rows that fit (all of them when none
+        fits) that no other such row beats on both step seconds and joules per token, fastest
+        first."""
+        pool = [r for r in self.rows if r.same_model and r.fits is not False] or [
+            r for r in self.rows if r.same_model]
+        front = [r for r in pool if not any(
+            (o.step_s <= r.step_s and o.joules_per_token <= r.joules_per_token)
+            and (o.step_s < r.step_s or o.joules_per_token < r.joules_per_token) for o in pool)]
+        return sorted(front, key=lambda r: r.step_s)
+
     def as_dict(self, top: int | None = None) -> dict:
         rows = self.rows if top is None else self.rows[:top]
-        return {"assumptions": dict(self.assumptions), "considered": len(self.rows),
-                "fitting": sum(r.fits is not False for r in self.rows),
-                "top_choice": self.top.as_dict(), "rows": [r.as_dict() for r in rows]}
+        out = {"assumptions": dict(self.assumptions), "considered": len(self.rows),
+               "fitting": sum(r.fits is not False for r in self.rows),
+               "top_choice": self.top.as_dict(), "rows": [r.as_dict() for r in rows]}
+        if self.assumptions.get("objective") in ("time", "energy"):
+            out["pareto_front"] = [r.as_dict() for r in self.pareto()]
+        return out

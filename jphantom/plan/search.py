@@ -38,9 +38,10 @@ def _number(name: str, value: Any, fix: str) -> float:
 def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: int,
          seq_len: int | None = None, memory_gib: float | None = None,
          precision: str = "bf16", ghost_width: int | None = None, accumulate: int = 1,
-         latency: bool = True, device_tflops: float = DEFAULT_DEVICE_TFLOPS,
+         latency: bool = True, device_tflops: float | None = None,
          flash_attention: bool = True, recompute: bool = True,
-         layouts: Sequence[str] = LAYOUTS, as_compiled: bool = False) -> Plan:
+         layouts: Sequence[str] = LAYOUTS, as_compiled: bool = False,
+         objective: str = "comm", device: Any = None) -> Plan:
     """Price every layout of ``model`` (a :class:`GPTShape` or a transformer ``TransformerConfig``)
     on ``devices`` GPUs of ``topology`` (default :meth:`Topology.perlmutter`) for one training step
     of ``batch`` sequences, and rank them (module docstring).
@@ -52,7 +53,13 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
     accumulation micro-batches A for every layout but the pipelines, whose micro-batches are one
     sequence each (M = batch / D, AxoNN ch. 3's micro-batch size 1). ``latency=False``: no α
     (pmm3d rows are then the paper's Eqs. 5.1-5.7 exactly). ``device_tflops``: sustained TFLOP/s
-    per GPU pricing the pipeline bubble. ``flash_attention``: no S x S scores in activation memory.
+    per GPU pricing the compute and the pipeline bubble (default: ``device``'s sustained GEMM
+    rate, peak x GEMM efficiency, else :data:`DEFAULT_DEVICE_TFLOPS`).
+    ``objective``: what to rank by (:data:`jphantom.plan.result.OBJECTIVES`): ``comm``
+    (communication + bubble, the default), ``time`` (compute + communication + bubble), ``energy``
+    (joules per token, Seal et al.'s Eq. 1 with ``device``'s busy and idle power, else Frontier's
+    A = 560 W, B = 90 W) or ``memory``. ``device``: a :class:`jphantom.predict.DeviceModel`.
+    ``flash_attention``: no S x S scores in activation memory.
     ``recompute``: FLOPs count the checkpointed forward again (Narayanan's 96 B S L h^2 form).
     ``layouts``: a subset of :data:`LAYOUTS`. ``as_compiled``: price what jphantom's compiled
     step moves (checked against the H100 compile, ``experiments/compile_at_scale.py``) instead of
@@ -74,8 +81,19 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
     _int("accumulate", accumulate, 1, "give the gradient-accumulation micro-batches, e.g. 1")
     if memory_gib is not None:
         memory_gib = _number("memory_gib", memory_gib, "give one GPU's memory in GiB, e.g. 40")
+    from jphantom.energy import PowerModel
+    from jphantom.plan.result import OBJECTIVES
+
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"objective={objective!r}: choose from {', '.join(OBJECTIVES)}")
+    dtype = "bf16" if precision == "bf16" else "f32"
+    if device_tflops is None:
+        device_tflops = (device.peak_flops(dtype) * device[f"gemm_efficiency.{dtype}"] / 1e12
+                         if device is not None else DEFAULT_DEVICE_TFLOPS)
     device_tflops = _number("device_tflops", device_tflops,
                             "give the sustained TFLOP/s of one GPU, e.g. 280")
+    power = (PowerModel(device["power.busy_watts"], device["power.idle_watts"], device.name)
+             if device is not None else PowerModel())
     p = ax.precision_of(precision)
     k = max(1, shape.hidden // 32) if ghost_width is None else ghost_width
     _int("ghost_width", k, 1, "give phantom's k ghost neurons per rank and token, e.g. 64")
@@ -104,7 +122,10 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
                             sum(by_axis.values()), types.MappingProxyType(dict(by_axis)),
                             bubble_s, flops, types.MappingProxyType(memory), fits, tuple(notes),
                             same_model=strategy != "phantom",
-                            bytes_by_axis=types.MappingProxyType(dict(volume))))
+                            bytes_by_axis=types.MappingProxyType(dict(volume)),
+                            compute_s=flops / (device_tflops * 1e12),
+                            busy_watts=power.busy_watts, idle_watts=power.idle_watts,
+                            devices=devices, tokens=batch * S, objective=objective))
 
     divisors = [d for d in range(1, devices + 1) if devices % d == 0]
     block_params = shape.block_params
@@ -306,7 +327,8 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
         raise ConfigError(f"no layout of {len(layouts)} kinds can split this model over "
                           f"{devices} GPUs with batch={batch}: pick a batch divisible by the "
                           "device count (whole sequences per rank) or other sizes")
-    rows.sort(key=lambda r: (r.fits is False, r.key_s, r.memory["total"], r.layout, r.mesh))
+    rows.sort(key=lambda r: (r.fits is False, r.ranking_key, r.key_s, r.memory["total"],
+                             r.layout, r.mesh))
     rows = [dataclasses.replace(row, rank=i + 1) for i, row in enumerate(rows)]
     nodes = math.ceil(devices / topology.gpus_per_node)
     assumptions = {
@@ -320,13 +342,26 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
         "accumulate": accumulate, "latency": latency, "device_tflops": device_tflops,
         "flash_attention": flash_attention, "recompute_flops": recompute,
         "as_compiled": as_compiled,
-        "ranking": "modelled communication + pipeline bubble seconds per step, layouts that fit "
-                   "first",
+        "objective": objective,
+        "ranking": {"comm": "modelled communication + pipeline bubble seconds per step",
+                    "time": "modelled step seconds: compute at the sustained GEMM rate + "
+                            "communication (none hidden) + pipeline bubble",
+                    "energy": "joules per token, Seal et al.'s Eq. 1: A x compute + B x "
+                              "(communication + bubble) on every GPU",
+                    "memory": "modelled memory per GPU"}[objective] + ", layouts that fit first",
+        "device": device.name if device is not None else None,
+        "power_watts": {"busy": power.busy_watts, "idle": power.idle_watts,
+                        "source": power.name},
         "modelled": "ring collectives priced count x (wire x bytes / beta + steps x alpha), beta "
                     "by Singh's thesis Eq. 5.7 per mesh level; pmm3d by Eqs. 5.1-5.6 over the GPT's "
                     "linear layers and the LM head; memory: state + checkpointed activations "
                     "(Korthikanti) + logits",
-        "not_modelled": "overlap, recompute collectives, compute and optimizer time (except the "
-                        "pipeline bubble), LayerNorm collectives of pmm3d, kernel efficiency",
+        "not_modelled": ("overlap, recompute collectives, compute and optimizer time (except the "
+                         "pipeline bubble), LayerNorm collectives of pmm3d, kernel efficiency"
+                         if objective in ("comm", "memory") else
+                         "overlap of communication with compute (none hidden: an upper bound), "
+                         "memory-bound kernels and the optimizer update, LayerNorm collectives "
+                         "of pmm3d, per-shape kernel efficiency (--compile-top simulates the "
+                         "compiled program for all of these)"),
     }
     return Plan(tuple(rows), types.MappingProxyType(assumptions))

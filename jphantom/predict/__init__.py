@@ -1,0 +1,35 @@
+"""Know before you rent: a training step's time, memory and energy predicted from the program XLA
+compiled for the target, on a modelled device and network.
+
+``jphantom compile`` gives the optimised HLO of the real step for H100/H200/A100 nodes on a
+CPU-only machine; this package plays it:
+
+- :mod:`~jphantom.predict.device`: a device kind as data (``devices/*.toml``: peaks by dtype,
+  GEMM and attention efficiencies, HBM, launch cost, links, NICs, busy and idle power), every
+  number measured, from a datasheet or assumed, and saying which;
+- :mod:`~jphantom.predict.costs`: what each kernel costs (GEMMs and fused attention by FLOPs at
+  their efficiency, everything else by its bytes at the HBM bandwidth: the scaling book's
+  roofline, plus a launch);
+- :mod:`~jphantom.predict.network`: a collective's seconds as NCCL's ring or tree on the
+  group's placement (NVLink inside a node, the NICs across);
+- :mod:`~jphantom.predict.simulate`: the schedule XLA chose, played on a compute stream and a
+  collective stream (async collectives overlap the compute between their start and done; loops
+  times their trip counts);
+- :mod:`~jphantom.predict.report`: the :class:`Prediction` (compute, exposed and hidden
+  communication, MFU, tokens/s per GPU, compiled peak memory, joules per step and per token by
+  Seal et al.'s Eq. 1).
+
+Why a simulator of our own: XLA's GPU cost analysis returns nothing for an ahead-of-time target
+(``cost_analysis()`` is None on this path), its latency estimators are scheduling aids, and the
+published simulators read PyTorch traces (ASTRA-sim's Chakra, Lumos) or the framework's own
+workload description (SimAI); none reads XLA's scheduled program or predicts energy.
+Every number it prints is modelled; ``benchmarks/predict_validation.py`` gives its measured error.
+"""
+
+from jphantom.predict.device import DeviceModel, Quantity, for_kind, load, names
+from jphantom.predict.network import Network, Placement
+from jphantom.predict.report import Prediction, format_prediction, predict
+from jphantom.predict.simulate import Simulator, Timeline, simulate
+
+__all__ = ["DeviceModel", "Network", "Placement", "Prediction", "Quantity", "Simulator",
+           "Timeline", "for_kind", "format_prediction", "load", "names", "predict", "simulate"]

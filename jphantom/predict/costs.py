@@ -1,0 +1,209 @@
+"""What one kernel of a compiled GPU program costs on a device: each scheduled instruction
+classified (GEMM, fused attention, memory-bound kernel, collective, free) with its FLOPs, its
+bytes through HBM and its seconds (:class:`jphantom.predict.device.DeviceModel`'s roofline).
+
+Bytes of a kernel are what it reads and writes, as XLA's GPU performance model counts them:
+
+* an operand read only through ``dynamic-slice``, ``slice`` or ``gather`` inside the fusion (a
+  layer's weights taken from the stacked ``[L, ...]`` array of a scanned model) costs the slices'
+  bytes, not the whole array's;
+* a fusion whose root is a ``dynamic-update-slice`` (a layer's residuals written into the stacked
+  buffer) updates in place: it writes the update's bytes, and the buffer it updates is not read;
+* free instructions (``parameter``, ``get-tuple-element``, ``tuple``, ``bitcast``, constants,
+  ``partition-id`` ...) launch nothing and cost nothing.
+
+GEMM FLOPs are 2 x (result elements) x (contracted elements) of each ``dot`` in the kernel;
+a cuBLAS call's from its backend config. A fused attention call (``__cudnn$fmha*``) does
+4 B H Sq Sk D FLOPs forward (the two GEMMs of Q K^T and P V), half that under a causal mask, and
+2.5 times that backward (the recomputed scores and the four gradients' GEMMs, Dao's FlashAttention-2
+count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+
+from jphantom.analysis.hlo.gemms import GemmIndex, custom_call_target
+from jphantom.analysis.hlo.text import (Computation, Instruction, backend_config,
+                                        called_computations, parse_shapes, type_bytes)
+from jphantom.predict.device import DeviceModel
+
+FREE = frozenset({
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
+    "replica-id", "after-all", "add-dependency", "opt-barrier", "optimization-barrier",
+    "domain", "get-dimension-size", "copy-done", "async-done", "recv", "recv-done",
+})
+_SLICERS = frozenset({"dynamic-slice", "slice", "gather"})
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """One kernel: ``kind`` (``gemm``, ``attention``, ``memory``), FLOPs, bytes, seconds, the
+    jax operation it came from (``source``) and the FP8 flag of a GEMM."""
+
+    kind: str
+    flops: float
+    nbytes: float
+    seconds: float
+    source: str = ""
+    dtype: str = ""
+
+
+def _dims(type_text: str) -> tuple[str, tuple[int, ...]]:
+    shapes = parse_shapes(type_text)
+    return shapes[0] if shapes else ("", ())
+
+
+def op_name(instr: Instruction) -> str:
+    found = _OP_NAME.search(instr.attrs)
+    return found[1] if found else ""
+
+
+class Pricer:
+    """Prices the kernels of one parsed module on one device."""
+
+    def __init__(self, comps: Mapping[str, Computation], device: DeviceModel):
+        self.comps = comps
+        self.device = device
+        self.gemms = GemmIndex(comps)
+        self.types = self.gemms.types
+        self._fusion_bytes: dict[str, tuple[list[float | None], float]] = {}
+
+    # -- bytes -----------------------------------------------------------------------------------
+    def _body_io(self, body: str) -> tuple[list[float | None], float]:
+        """Per parameter of a fusion body: the bytes it reads (None: all of the operand), and
+        the bytes the body writes."""
+        if body in self._fusion_bytes:
+            return self._fusion_bytes[body]
+        comp = self.comps[body]
+        params: dict[str, int] = {}
+        users: dict[str, list[Instruction]] = {}
+        for instr in comp.instructions:
+            if instr.opcode == "parameter" and instr.operands[0].isdigit():
+                params[instr.name] = int(instr.operands[0])
+            for op in instr.operands:
+                users.setdefault(op, []).append(instr)
+        reads: list[float | None] = [None] * (max(params.values(), default=-1) + 1)
+        root = comp.root
+        roots = ([comp.find(n) for n in root.operands] if root is not None and root.opcode ==
+                 "tuple" else [root])
+        updated = {r.operands[0] for r in roots if r is not None
+                   and r.opcode == "dynamic-update-slice"}
+        for name, index in params.items():
+            used = users.get(name, [])
+            if name in updated:
+                reads[index] = 0.0
+            elif used and all(u.opcode in _SLICERS and u.operands[0] == name for u in used):
+                reads[index] = float(sum(type_bytes(u.type_text) for u in used))
+        written = 0.0
+        for r in roots:
+            if r is None:
+                continue
+            if r.opcode == "dynamic-update-slice":
+                update = comp.find(r.operands[1])
+                written += type_bytes(update.type_text) if update is not None else 0
+            else:
+                written += type_bytes(r.type_text)
+        self._fusion_bytes[body] = (reads, written)
+        return reads, written
+
+    def kernel_bytes(self, instr: Instruction) -> float:
+        """Bytes a kernel reads and writes (module docstring)."""
+        body = self.gemms.body(instr) if instr.opcode == "fusion" else None
+        if body is None or body not in self.comps:
+            read = sum(type_bytes(self.types.get(op, "")) for op in instr.operands)
+            return float(read + type_bytes(instr.type_text))
+        reads, written = self._body_io(body)
+        total = written
+        for i, op in enumerate(instr.operands):
+            part = reads[i] if i < len(reads) else None
+            total += type_bytes(self.types.get(op, "")) if part is None else part
+        return float(total)
+
+    # -- GEMMs -----------------------------------------------------------------------------------
+    def _gemm_shape(self, instr: Instruction) -> tuple[float, float, float, str]:
+        """(FLOPs, output elements, contracted elements, dtype) of a GEMM kernel."""
+        if instr.opcode == "custom-call":
+            config = backend_config(instr).get("gemm_backend_config", {})
+            numbers = config.get("dot_dimension_numbers", {})
+            _, lhs = _dims(self.types.get(instr.operands[0], ""))
+            contracted = math.prod(lhs[int(d)] for d in numbers.get(
+                "lhs_contracting_dimensions", []) if int(d) < len(lhs))
+            _, out = _dims(instr.type_text)
+            dtype = _dims(self.types.get(instr.operands[0], ""))[0]
+            return 2.0 * math.prod(out) * contracted, math.prod(out), contracted, dtype
+        dots = ([(instr, None)] if instr.opcode == "dot"
+                else self.gemms.dots(self.gemms.body(instr)))
+        flops = out_total = 0.0
+        contracted_max, dtype = 1.0, ""
+        for dot, comp in dots:
+            lookup = (lambda n: self.types.get(n, "")) if comp is None else (
+                lambda n, c=comp: (c.find(n).type_text if c.find(n) else self.types.get(n, "")))
+            dtype, lhs = _dims(lookup(dot.operands[0]))
+            found = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", dot.attrs)
+            dims = [int(d) for d in found[1].split(",") if d] if found else []
+            contracted = math.prod(lhs[d] for d in dims if d < len(lhs))
+            _, out = _dims(dot.type_text)
+            flops += 2.0 * math.prod(out) * contracted
+            out_total += math.prod(out)
+            contracted_max = max(contracted_max, contracted)
+        return flops, out_total, contracted_max, dtype
+
+    def _gemm_dtype(self, instr: Instruction, operand_dtype: str) -> str:
+        if self.gemms.fp8(instr) == "fp8":
+            return "fp8"
+        return "f32" if operand_dtype in ("f32", "f64") else "bf16"
+
+    # -- attention -------------------------------------------------------------------------------
+    def _attention(self, instr: Instruction, target: str) -> Cost:
+        config = backend_config(instr).get("cudnn_fmha_backend_config", {})
+        numbers = config.get("bmm1_dot_dimension_numbers", {})
+        _, q = _dims(self.types.get(instr.operands[0], ""))
+        _, k = _dims(self.types.get(instr.operands[1], ""))
+        batch = [int(d) for d in numbers.get("lhs_batch_dimensions", [])]
+        contracting = [int(d) for d in numbers.get("lhs_contracting_dimensions", [])]
+        k_batch = [int(d) for d in numbers.get("rhs_batch_dimensions", [])]
+        k_contracting = [int(d) for d in numbers.get("rhs_contracting_dimensions", [])]
+        if q and k and contracting:
+            bh = math.prod(q[d] for d in batch)
+            head = math.prod(q[d] for d in contracting)
+            sq = math.prod(d for i, d in enumerate(q) if i not in batch + contracting)
+            sk = math.prod(d for i, d in enumerate(k) if i not in k_batch + k_contracting)
+        else:  # no dimension numbers: [B, S, H, D] for both
+            bh, head = (q[0] * q[2], q[3]) if len(q) == 4 else (1, 1)
+            sq, sk = (q[1], k[1]) if len(q) == 4 and len(k) == 4 else (1, 1)
+        flops = 4.0 * bh * sq * sk * head
+        if config.get("mask_type", "") in ("CAUSAL", "PADDING_CAUSAL"):
+            flops /= 2
+        backward = "Backward" in target
+        if backward:
+            flops *= 2.5
+        nbytes = self.kernel_bytes(instr)
+        seconds = self.device.attention_seconds(flops, nbytes, int(head), backward)
+        return Cost("attention", flops, nbytes, seconds, op_name(instr), "bf16")
+
+    # -- any kernel ------------------------------------------------------------------------------
+    def price(self, instr: Instruction) -> Cost | None:
+        """The kernel ``instr`` launches, priced; None for a free instruction."""
+        if instr.opcode in FREE:
+            return None
+        target = custom_call_target(instr)
+        if target.startswith("__cudnn$fmha"):
+            return self._attention(instr, target)
+        if self.gemms.kind(instr) is not None:
+            flops, out, contracted, operand = self._gemm_shape(instr)
+            dtype = self._gemm_dtype(instr, operand)
+            nbytes = self.kernel_bytes(instr)
+            seconds = self.device.gemm_seconds(flops, nbytes, dtype, out, contracted)
+            return Cost("gemm", flops, nbytes, seconds, op_name(instr), dtype)
+        nbytes = self.kernel_bytes(instr)
+        seconds = self.device.memory_seconds(nbytes) + self.device.launch_seconds
+        return Cost("memory", 0.0, nbytes, seconds, op_name(instr))
+
+
+def callees(instr: Instruction, key: str) -> list[str]:
+    return [name for k, name in called_computations(instr) if k == key]

@@ -1,0 +1,329 @@
+"""The step-time simulator (jphantom.predict) on hand-built programs with known answers: serial,
+overlapped and exposed collectives, loops and nested loops, GEMMs and fused attention by their
+FLOPs, in-place and sliced operands by their bytes, groups placed across nodes; and the shipped
+device descriptions (every number sourced)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from jphantom.errors import ConfigError
+from jphantom.predict import device as described
+from jphantom.predict import network as net
+from jphantom.predict import predict, simulate
+
+N = 25_000_000  # f32 elements: 100 MB an array
+
+# a device whose numbers make the answers easy: 100 TFLOP/s at 100% efficiency, 1000 GB/s of HBM,
+# 100 GB/s links, no latency or launch cost unless a test sets them
+PLAIN = {
+    "name": "plain", "description": "a device for known answers", "vendor": "nvidia",
+    "device_kinds": ["plain"], "compile_target": "",
+    "peak_tflops": {"bf16": 100.0, "fp8": 200.0, "f32": 50.0},
+    "gemm_efficiency": {"bf16": 1.0, "fp8": 1.0, "f32": 1.0},
+    "gemm_shape": {"sm_count": 1, "tile": 1, "k_half": 0},
+    "attention_efficiency": {"forward_hd64": 0.5, "forward_hd128": 0.5, "backward_hd64": 0.25,
+                             "backward_hd128": 0.25},
+    "memory": {"hbm_bytes": 80e9, "hbm_gbps": 1000.0, "stream_efficiency": 1.0},
+    "launch": {"kernel_us": 0.0},
+    "network": {"gpus_per_node": 8, "intra_node_gbps": 100.0, "intra_node_efficiency": 1.0,
+                "intra_latency_us": 0.0, "nics_per_node": 1, "nic_gbps": 10.0,
+                "inter_node_efficiency": 1.0, "inter_latency_us": 0.0},
+    "power": {"busy_watts": 500.0, "idle_watts": 100.0},
+}
+
+
+def device(**changes):
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in PLAIN.items()}
+    for key, value in changes.items():
+        section, name = key.split("__")
+        data[section][name] = value
+    sourced = {k: ({n: {"value": x, "source": "assumed", "cite": "test"} for n, x in v.items()}
+                   if isinstance(v, dict) else v) for k, v in data.items()}
+    return described.parse(sourced, "test")
+
+
+DEVICE = device()
+FUSION = f"""
+%add_body (p0: f32[{N}], p1: f32[{N}]) -> f32[{N}] {{
+  %p0 = f32[{N}]{{0}} parameter(0)
+  %p1 = f32[{N}]{{0}} parameter(1)
+  ROOT %sum = f32[{N}]{{0}} add(%p0, %p1)
+}}
+"""
+ADD_S = 3 * 4 * N / 1000e9  # two arrays read, one written: 300 MB at 1000 GB/s = 0.3 ms
+AR_BYTES = 4 * N  # an all-reduce of one array over 8 GPUs in one node
+AR_S = 2 * 7 / 8 * AR_BYTES / 100e9  # the ring: 2 (n-1)/n x bytes / 100 GB/s = 1.75 ms
+
+
+def module(entry: str, extra: str = "") -> str:
+    return f"HloModule test, is_scheduled=true\n{FUSION}{extra}\nENTRY %main () -> f32[{N}] " \
+           f"{{\n{entry}\n}}\n"
+
+
+ARGS = f"""  %a = f32[{N}]{{0}} parameter(0)
+  %b = f32[{N}]{{0}} parameter(1)"""
+GROUPS = "replica_groups={{0,1,2,3,4,5,6,7}}"
+
+
+def test_serial_program_adds_compute_and_a_blocking_collective():
+    text = module(f"""{ARGS}
+  %f = f32[{N}]{{0}} fusion(%a, %b), kind=kLoop, calls=%add_body
+  ROOT %ar = f32[{N}]{{0}} all-reduce(%f), channel_id=1, {GROUPS}, to_apply=%add_body""")
+    t = simulate(text, DEVICE, devices=8)
+    assert t.compute == pytest.approx(ADD_S)
+    assert t.comm == pytest.approx(AR_S)
+    assert t.exposed == pytest.approx(AR_S)
+    assert t.step == pytest.approx(ADD_S + AR_S)
+
+
+def _async(compute_ops: int) -> str:
+    under = "\n".join(f"  %f{i} = f32[{N}]{{0}} fusion(%a, %b), kind=kLoop, calls=%add_body"
+                      for i in range(compute_ops))
+    return module(f"""{ARGS}
+  %s = f32[{N}]{{0}} all-reduce-start(%a), channel_id=1, {GROUPS}, to_apply=%add_body
+{under}
+  ROOT %d = f32[{N}]{{0}} all-reduce-done(%s)""")
+
+
+def test_compute_between_start_and_done_hides_the_collective():
+    t = simulate(_async(8), DEVICE, devices=8)  # 8 x 0.3 ms of compute over a 1.75 ms collective
+    assert t.compute == pytest.approx(8 * ADD_S)
+    assert t.exposed == 0
+    assert t.hidden == pytest.approx(AR_S)
+    assert t.step == pytest.approx(8 * ADD_S)  # overlap ignored would give 8 x 0.3 + 1.75 ms
+
+
+def test_too_little_compute_under_the_collective_leaves_the_rest_exposed():
+    t = simulate(_async(2), DEVICE, devices=8)
+    assert t.exposed == pytest.approx(AR_S - 2 * ADD_S)
+    assert t.hidden == pytest.approx(2 * ADD_S)
+    assert t.step == pytest.approx(AR_S)
+
+
+def test_collectives_share_one_stream():
+    text = module(f"""{ARGS}
+  %s1 = f32[{N}]{{0}} all-reduce-start(%a), channel_id=1, {GROUPS}, to_apply=%add_body
+  %s2 = f32[{N}]{{0}} all-reduce-start(%b), channel_id=2, {GROUPS}, to_apply=%add_body
+  %f = f32[{N}]{{0}} fusion(%a, %b), kind=kLoop, calls=%add_body
+  %d1 = f32[{N}]{{0}} all-reduce-done(%s1)
+  ROOT %d2 = f32[{N}]{{0}} all-reduce-done(%s2)""")
+    t = simulate(text, DEVICE, devices=8)
+    assert t.step == pytest.approx(2 * AR_S)  # one after the other, not side by side
+
+
+LOOP = """
+%cond{tag} (c: (s32[], f32[{n}])) -> pred[] {{
+  %c = (s32[], f32[{n}]{{0}}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %limit = s32[] constant({trips})
+  ROOT %lt = pred[] compare(%i, %limit), direction=LT
+}}
+
+%body{tag} (c: (s32[], f32[{n}])) -> (s32[], f32[{n}]) {{
+  %c = (s32[], f32[{n}]{{0}}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %x = f32[{n}]{{0}} get-tuple-element(%c), index=1
+{inner}
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %out = (s32[], f32[{n}]{{0}}) tuple(%next, %y)
+}}
+"""
+
+
+def _loop(tag: str, trips: int, inner: str) -> str:
+    return LOOP.format(tag=tag, n=N, trips=trips, inner=inner)
+
+
+def _while(tag: str, trips: int, known: bool = True) -> str:
+    config = (f', backend_config={{"known_trip_count":{{"n":"{trips}"}}}}' if known else "")
+    return (f"  %t{tag} = (s32[], f32[{N}]{{0}}) tuple(%zero, %a)\n"
+            f"  %w{tag} = (s32[], f32[{N}]{{0}}) while(%t{tag}), condition=%cond{tag}, "
+            f"body=%body{tag}{config}")
+
+
+SCALAR_ADD_S = 3 * 4 / 1000e9  # the loop counter's add: 12 bytes
+CONDITION_S = (4 + 4 + 1) / 1000e9  # the compare: two s32 read, a pred written
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_a_loop_runs_its_body_trip_count_times(known):
+    body = _loop("", 5, f"  %y = f32[{N}]{{0}} fusion(%x, %x), kind=kLoop, calls=%add_body")
+    text = module(f"""{ARGS}
+  %zero = s32[] constant(0)
+{_while('', 5, known)}
+  ROOT %r = f32[{N}]{{0}} get-tuple-element(%w), index=1""", body)
+    t = simulate(text, DEVICE)
+    assert t.compute == pytest.approx(5 * (ADD_S + SCALAR_ADD_S) + 6 * CONDITION_S)
+    assert t.step == pytest.approx(t.compute)
+
+
+def test_nested_loops_multiply_their_trip_counts():
+    inner = _loop("_in", 4, f"  %y = f32[{N}]{{0}} fusion(%x, %x), kind=kLoop, calls=%add_body")
+    outer = _loop("_out", 3, f"""  %zero = s32[] constant(0)
+  %ta = (s32[], f32[{N}]{{0}}) tuple(%zero, %x)
+  %win = (s32[], f32[{N}]{{0}}) while(%ta), condition=%cond_in, body=%body_in, backend_config={{"known_trip_count":{{"n":"4"}}}}
+  %y = f32[{N}]{{0}} get-tuple-element(%win), index=1""")
+    text = module(f"""{ARGS}
+  %zero = s32[] constant(0)
+{_while('_out', 3)}
+  ROOT %r = f32[{N}]{{0}} get-tuple-element(%w_out), index=1""", inner + outer)
+    t = simulate(text, DEVICE)
+    adds = 3 * 4 * ADD_S
+    assert t.flops == 0
+    assert t.compute == pytest.approx(adds, rel=1e-6)  # scalar ops are ~1e-11 s
+    assert t.ops["y"] == pytest.approx(["memory", 12 * ADD_S, 12, 0.0, ""])  # 12 runs
+
+
+def test_a_collective_inside_a_loop_overlaps_the_compute_after_its_start():
+    body = _loop("", 4, f"""  %s = f32[{N}]{{0}} all-reduce-start(%x), channel_id=1, {GROUPS}, to_apply=%add_body
+  %f1 = f32[{N}]{{0}} fusion(%x, %x), kind=kLoop, calls=%add_body
+  %f2 = f32[{N}]{{0}} fusion(%f1, %x), kind=kLoop, calls=%add_body
+  %y = f32[{N}]{{0}} all-reduce-done(%s)""")
+    text = module(f"""{ARGS}
+  %zero = s32[] constant(0)
+{_while('', 4)}
+  ROOT %r = f32[{N}]{{0}} get-tuple-element(%w), index=1""", body)
+    t = simulate(text, DEVICE, devices=8)
+    assert t.comm == pytest.approx(4 * AR_S)
+    assert t.exposed == pytest.approx(4 * (AR_S - 2 * ADD_S), rel=1e-6)
+    assert t.hidden == pytest.approx(4 * 2 * ADD_S, rel=1e-6)
+
+
+def test_a_gemm_is_priced_by_its_flops_and_an_attention_call_by_its_efficiency():
+    m, k, n = 4096, 8192, 2048
+    gemm = f"""
+%gemm_body (p0: bf16[{m},{k}], p1: bf16[{k},{n}]) -> bf16[{m},{n}] {{
+  %p0 = bf16[{m},{k}]{{1,0}} parameter(0)
+  %p1 = bf16[{k},{n}]{{1,0}} parameter(1)
+  ROOT %dot = bf16[{m},{n}]{{1,0}} dot(%p0, %p1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+"""
+    config = ('{"cudnn_fmha_backend_config":{"mask_type":"CAUSAL","bmm1_dot_dimension_numbers":'
+              '{"lhs_contracting_dimensions":["3"],"rhs_contracting_dimensions":["3"],'
+              '"lhs_batch_dimensions":["0","2"],"rhs_batch_dimensions":["0","2"]}}}')
+    text = f"""HloModule g, is_scheduled=true
+{gemm}
+ENTRY %main () -> bf16[{m},{n}] {{
+  %x = bf16[{m},{k}]{{1,0}} parameter(0)
+  %w = bf16[{k},{n}]{{1,0}} parameter(1)
+  %q = bf16[2,1024,8,128]{{3,2,1,0}} parameter(2)
+  %att = (bf16[2,8,1024,128]{{3,2,1,0}}, f32[2,8,1024]{{2,1,0}}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax", backend_config={config}
+  %bwd = (bf16[2,1024,8,128]{{3,2,1,0}}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmaxBackward", backend_config={config}
+  ROOT %g = bf16[{m},{n}]{{1,0}} fusion(%x, %w), kind=kCustom, calls=%gemm_body, backend_config={{"fusion_backend_config":{{"kind":"__triton_gemm"}}}}
+}}
+"""
+    t = simulate(text, DEVICE)
+    gemm_flops = 2 * m * n * k
+    attention = 4 * 2 * 8 * 1024 * 1024 * 128 / 2  # causal forward
+    assert t.ops["g"][0] == "gemm" and t.ops["g"][3] == gemm_flops
+    assert t.ops["g"][1] == pytest.approx(gemm_flops / 100e12)
+    assert t.ops["att"][3] == attention
+    assert t.ops["att"][1] == pytest.approx(attention / (0.5 * 100e12))
+    assert t.ops["bwd"][3] == 2.5 * attention
+    assert t.ops["bwd"][1] == pytest.approx(2.5 * attention / (0.25 * 100e12))
+    assert t.flops == gemm_flops + 3.5 * attention
+
+
+def test_sliced_operands_cost_their_slice_and_in_place_updates_their_update():
+    layers = 16
+    extra = f"""
+%slice_body (p0: f32[{layers},{N // layers}], p1: s32[]) -> f32[1,{N // layers}] {{
+  %p0 = f32[{layers},{N // layers}]{{1,0}} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %ds = f32[1,{N // layers}]{{1,0}} dynamic-slice(%p0, %p1, %z), dynamic_slice_sizes={{1,{N // layers}}}
+}}
+
+%update_body (p0: f32[{layers},{N // layers}], p1: f32[1,{N // layers}], p2: s32[]) -> f32[{layers},{N // layers}] {{
+  %p0 = f32[{layers},{N // layers}]{{1,0}} parameter(0)
+  %p1 = f32[1,{N // layers}]{{1,0}} parameter(1)
+  %p2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %dus = f32[{layers},{N // layers}]{{1,0}} dynamic-update-slice(%p0, %p1, %p2, %z)
+}}
+"""
+    text = f"""HloModule s, is_scheduled=true
+{extra}
+ENTRY %main () -> f32[{layers},{N // layers}] {{
+  %stack = f32[{layers},{N // layers}]{{1,0}} parameter(0)
+  %i = s32[] parameter(1)
+  %one = f32[1,{N // layers}]{{1,0}} fusion(%stack, %i), kind=kLoop, calls=%slice_body
+  ROOT %back = f32[{layers},{N // layers}]{{1,0}} fusion(%stack, %one, %i), kind=kLoop, calls=%update_body
+}}
+"""
+    t = simulate(text, DEVICE)
+    layer = 4 * N // layers
+    assert t.ops["one"][1] == pytest.approx((layer + 4 + layer) / 1000e9)  # slice + index + out
+    assert t.ops["back"][1] == pytest.approx((layer + 4 + layer) / 1000e9)  # update in, update out
+    assert t.nbytes == pytest.approx(2 * (2 * layer + 4))
+
+
+def test_groups_across_nodes_are_priced_on_the_nics():
+    nodes = device()
+    inside = net.Placement(8, 1)
+    across = net.Placement(8, 8)  # one GPU on each of 8 nodes: one NIC of 10 GB/s each
+    network = net.Network.of(nodes)
+    b = 1e9
+    assert network.seconds("all-gather", b, inside) == pytest.approx(7 / 8 * b / 100e9)
+    assert network.seconds("all-gather", b, across) == pytest.approx(7 / 8 * b / (10e9 / 8))
+    assert network.seconds("reduce-scatter", b, inside) == pytest.approx(7 * b / 100e9)
+    assert network.seconds("collective-permute", b, across) == pytest.approx(b / (10e9 / 8))
+    assert network.seconds("all-reduce", b, net.Placement(1, 1)) == 0
+    groups = [[0, 8], [1, 9]]
+    assert net.placement(groups, lambda i: i // 8) == net.Placement(2, 2)
+    # with latency, a small all-reduce across many nodes takes NCCL's tree when it is faster
+    slow = device(network__inter_latency_us=10.0)
+    wide = net.Placement(64, 64)
+    ring = 2 * 63 / 64 * 1e3 / (10e9 / 8) + 2 * 63 * 10e-6
+    tree = 2 * math.log2(64) * 10e-6 + 2 * 1e3 / (10e9 / 8)
+    assert net.Network.of(slow).seconds("all-reduce", 1e3, wide) == pytest.approx(min(ring, tree))
+    assert tree < ring
+
+
+def test_prediction_reports_throughput_mfu_and_eq1_energy():
+    p = predict(_async(2), DEVICE, devices=8, tokens_per_step=8000, model_flops_per_step=1e9,
+                peak_memory_bytes=1e9)
+    assert p.step_s == pytest.approx(AR_S)
+    assert p.tokens_per_second_per_gpu == pytest.approx(8000 / AR_S / 8)
+    assert p.mfu == pytest.approx(1e9 / AR_S / 100e12)
+    busy, idle = 2 * ADD_S, AR_S - 2 * ADD_S  # Eq. 1: A while computing, B while waiting
+    assert p.joules_per_step == pytest.approx(8 * (500 * busy + 100 * idle))
+    assert p.joules_per_token == pytest.approx(p.joules_per_step / 8000)
+    assert p.fits is True
+
+
+def test_shipped_device_descriptions_cite_every_number():
+    shipped = described.names()
+    assert {"h100-sxm", "h200", "a100-sxm", "b200", "mi250x-gcd", "mi300x"} <= set(shipped)
+    for name in shipped:
+        d = described.load(name)
+        for section in d.numbers.values():
+            for q in section.values():
+                assert q.source in described.SOURCES and q.cite.strip()
+        assert d.peak_flops("bf16") > 0 and d["power.busy_watts"] > d["power.idle_watts"]
+    assert described.for_target("gpu:h100").name == "h100-sxm"
+    assert described.for_target("gpu:h200").name == "h200"
+    assert described.for_kind("NVIDIA H100 80GB HBM3").name == "h100-sxm"
+    h200 = described.load("h200")
+    assert h200.numbers["gemm_efficiency"]["bf16"].source == "measured"
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"memory": {"hbm_gbps": {"value": 1.0, "source": "guessed", "cite": "x"}}}, "source"),
+    ({"gemm_efficiency": {"bf16": {"value": 1.5, "source": "assumed", "cite": "x"}}},
+     "fraction"),
+    ({"launch": {}}, "lacks kernel_us"),
+])
+def test_a_bad_description_is_refused_by_name(bad, message):
+    data = {k: ({n: {"value": x, "source": "assumed", "cite": "t"} for n, x in v.items()}
+                if isinstance(v, dict) else v) for k, v in PLAIN.items()}
+    for section, table in bad.items():
+        data[section] = {**data[section], **table} if table else {}
+    with pytest.raises(ConfigError, match=message):
+        described.parse(data, "bad.toml")
+    with pytest.raises(ConfigError, match="known devices"):
+        described.load("no-such-gpu")
