@@ -193,6 +193,22 @@ def test_cli_compile_writes_json_and_png(tmp_path, capsys, monkeypatch):
 
 
 @needs_gpu_compiler
+def test_compile_predict_plays_the_h100_program_on_the_h100_description(capsys, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    assert main(["compile", "--target", "gpu:h100", "--nodes", "2", "--model", "llama",
+                 "--layers", "2", "--hidden", "128", "--heads", "8", "--seq-len", "32",
+                 "--vocab", "512", "--batch", "16", "--strategy", "tensor", "--mesh",
+                 "data=2,model=8", "--precision", "bf16", "--predict", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)["prediction"]
+    assert p["device"] == "h100-sxm" and p["devices"] == 16 and p["label"] == "modelled"
+    assert p["step_s"] == pytest.approx(p["compute_s"] + p["exposed_comm_s"])
+    assert p["hidden_comm_s"] > 0  # XLA overlapped some collectives with compute
+    assert 0 < p["mfu"] < 1 and p["tokens_per_second_per_gpu"] > 0
+    assert {"gemm", "attention", "memory"} <= set(p["by_kind_s"])  # cuDNN attention priced
+    assert any(k.startswith("collective:") for k in p["by_kind_s"])
+
+
+@needs_gpu_compiler
 def test_cli_compile_writes_the_hlo_and_reports_kernels_and_gpu_defaults(tmp_path, capsys,
                                                                          monkeypatch):
     """--hlo FILE (one per strategy), the report's kernels line, and the GPU defaults: added to

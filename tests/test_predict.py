@@ -327,3 +327,114 @@ def test_a_bad_description_is_refused_by_name(bad, message):
         described.parse(data, "bad.toml")
     with pytest.raises(ConfigError, match="known devices"):
         described.load("no-such-gpu")
+
+
+# --------------------------------------------------------------------------------------------------
+# the planner's objectives (jphantom plan --objective time|energy|memory)
+# --------------------------------------------------------------------------------------------------
+
+
+def _plan(objective):
+    from jphantom.perf import axonn_model as ax
+    from jphantom.plan import plan
+
+    shape = ax.GPTShape(layers=4, hidden=256, heads=8, seq_len=128, vocab_size=1024)
+    return plan(shape, 16, batch=64, memory_gib=80, objective=objective,
+                device=described.load("h100-sxm"))
+
+
+def test_plan_objectives_rank_by_step_time_joules_and_memory():
+    h100 = described.load("h100-sxm")
+    timed = _plan("time")
+    rate = h100.peak_flops("bf16") * h100["gemm_efficiency.bf16"]
+    for row in timed:
+        assert row.compute_s == pytest.approx(row.flops_per_device / rate)
+        assert row.step_s == pytest.approx(row.compute_s + row.comm_s + row.bubble_s)
+        busy, idle = h100["power.busy_watts"], h100["power.idle_watts"]
+        joules = 16 * (busy * row.compute_s + idle * (row.comm_s + row.bubble_s))
+        assert row.joules_per_token == pytest.approx(joules / (64 * 128))
+    fitting = [r for r in timed if r.fits]
+    assert [r.step_s for r in fitting] == sorted(r.step_s for r in fitting)
+    energy = _plan("energy")
+    fitting = [r for r in energy if r.fits]
+    assert [r.joules_per_token for r in fitting] == sorted(r.joules_per_token for r in fitting)
+    front = energy.pareto()
+    assert front and all(r.same_model for r in front)
+    for r in front:  # nothing that fits beats a front row on both
+        assert not any(o.step_s < r.step_s and o.joules_per_token < r.joules_per_token
+                       for o in energy if o.same_model and o.fits)
+    memory = [r for r in _plan("memory") if r.fits]
+    assert [r.memory["total"] for r in memory] == sorted(r.memory["total"] for r in memory)
+    with pytest.raises(ConfigError, match="objective='speed'"):
+        _plan("speed")
+
+
+def test_plan_cli_energy_prints_time_joules_and_the_pareto_front(capsys):
+    from helpers import exit_code
+
+    argv = ["plan", "--model", "llama", "--layers", "4", "--hidden", "256", "--heads", "8",
+            "--kv-heads", "4", "--seq-len", "128", "--vocab", "1024", "--batch", "64",
+            "--devices", "16", "--device", "h100-sxm", "--objective", "energy", "--top", "5"]
+    assert exit_code(argv) == 0
+    out = capsys.readouterr().out
+    assert "step s  J/token" in out and "Pareto front" in out
+    assert "2 node(s) x 8" in out and "A = 700 W busy" in out
+    assert exit_code(argv[:-6] + ["--objective", "fast"]) == 2
+    assert exit_code(argv[:-4] + ["--device", "tpu-v9"]) == 2
+    assert "known devices are" in capsys.readouterr().err
+
+
+def test_compile_predict_refuses_before_compiling(capsys):
+    from helpers import exit_code
+
+    assert exit_code(["compile", "--target", "tpu:v5p:2x2x2", "--predict"]) == 2
+    assert "--predict prices GPU programs" in capsys.readouterr().err
+    assert exit_code(["compile", "--device", "no-such.toml", "--predict"]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_a_slice_seen_through_a_bitcast_costs_the_slice():
+    layers, width = 8, N // 8
+    text = f"""HloModule b, is_scheduled=true
+
+%body (p0: f32[{layers},{width}], p1: s32[]) -> f32[1,{width}] {{
+  %p0 = f32[{layers},{width}]{{1,0}} parameter(0)
+  %view = f32[{width},{layers}]{{0,1}} bitcast(%p0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %ds = f32[{width},1]{{0,1}} dynamic-slice(%view, %z, %p1), dynamic_slice_sizes={{{width},1}}
+  ROOT %out = f32[1,{width}]{{1,0}} bitcast(%ds)
+}}
+
+ENTRY %main () -> f32[1,{width}] {{
+  %stack = f32[{layers},{width}]{{1,0}} parameter(0)
+  %i = s32[] parameter(1)
+  ROOT %one = f32[1,{width}]{{1,0}} fusion(%stack, %i), kind=kLoop, calls=%body
+}}
+"""
+    t = simulate(text, DEVICE)
+    assert t.nbytes == 4 * width + 4 + 4 * width  # one layer read, the index, one layer written
+
+
+def test_an_in_place_update_of_a_bitcast_buffer_costs_the_update():
+    layers, width = 8, N // 8
+    text = f"""HloModule u, is_scheduled=true
+
+%body (p0: f32[1,{width}], p1: s32[], p2: f32[{layers},{width}]) -> f32[{width},{layers}] {{
+  %p2 = f32[{layers},{width}]{{1,0}} parameter(2)
+  %view = f32[{width},{layers}]{{0,1}} bitcast(%p2)
+  %p0 = f32[1,{width}]{{1,0}} parameter(0)
+  %col = f32[{width},1]{{0,1}} bitcast(%p0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %dus = f32[{width},{layers}]{{0,1}} dynamic-update-slice(%view, %col, %z, %p1)
+}}
+
+ENTRY %main () -> f32[{width},{layers}] {{
+  %stack = f32[{layers},{width}]{{1,0}} parameter(0)
+  %row = f32[1,{width}]{{1,0}} parameter(1)
+  %i = s32[] parameter(2)
+  ROOT %back = f32[{width},{layers}]{{0,1}} fusion(%row, %i, %stack), kind=kLoop, calls=%body
+}}
+"""
+    assert simulate(text, DEVICE).nbytes == 4 * width + 4 + 4 * width  # update in, index, out

@@ -52,7 +52,7 @@ def format_plan(result: Plan, top: int = 10) -> str:
         lines.append(f"{row.rank:>4}  {row.layout:<14} {row.mesh:<24} {row.variant:<14} "
                      f"{row.comm_s:8.3f} {bubble} {row.flops_per_device / 1e12:9.1f} "
                      f"{row.memory_gib:7.1f}  {fits:<4}"
-                     + (f" {row.step_s:7.3f} {row.joules_per_token:8.3f}" if priced else ""))
+                     + (f" {row.step_s:7.3f} {row.joules_per_token:8.4f}" if priced else ""))
     if any(not row.same_model for row in shown):
         lines.append("   * phantom trains a different, smaller model (Seal et al.): listed, never "
                      "the top choice")
@@ -64,12 +64,12 @@ def format_plan(result: Plan, top: int = 10) -> str:
     lines += ["", f"Top choice{verdict}: rank {best.rank}, {best.layout} on {best.mesh}{variant}, "
               f"{best.key_s:.3f} s modelled per step ({axes or 'no communication'}), "
               f"{best.memory_gib:.1f} GiB per GPU"
-              + (f"; {best.step_s:.3f} s per step with compute, {best.joules_per_token:.3f} "
+              + (f"; {best.step_s:.3f} s per step with compute, {best.joules_per_token:.4f} "
                  "J/token" if priced else "") + "."]
     if a.get("objective") == "energy":
         lines += ["", "Time/energy Pareto front (no layout that fits is both faster and cheaper):"]
         for row in result.pareto():
             lines.append(f"  rank {row.rank:>3}  {row.layout:<14} {row.mesh:<24} "
-                         f"{row.step_s:7.3f} s/step  {row.joules_per_token:8.3f} J/token")
+                         f"{row.step_s:7.3f} s/step  {row.joules_per_token:8.4f} J/token")
     lines.append("Not modelled: " + a["not_modelled"] + ".")
     return "\n".join(lines)

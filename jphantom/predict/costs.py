@@ -5,10 +5,11 @@ bytes through HBM and its seconds (:class:`jphantom.predict.device.DeviceModel`'
 Bytes of a kernel are what it reads and writes, as XLA's GPU performance model counts them:
 
 * an operand read only through ``dynamic-slice``, ``slice`` or ``gather`` inside the fusion (a
-  layer's weights taken from the stacked ``[L, ...]`` array of a scanned model) costs the slices'
-  bytes, not the whole array's;
+  layer's weights taken from the stacked ``[L, ...]`` array of a scanned model), possibly through
+  ``bitcast`` re-views, costs the slices' bytes, not the whole array's;
 * a fusion whose root is a ``dynamic-update-slice`` (a layer's residuals written into the stacked
-  buffer) updates in place: it writes the update's bytes, and the buffer it updates is not read;
+  buffer; bitcasts seen through) updates in place: it writes the update's bytes, and the buffer it
+  updates is not read;
 * free instructions (``parameter``, ``get-tuple-element``, ``tuple``, ``bitcast``, constants,
   ``partition-id`` ...) launch nothing and cost nothing.
 
@@ -88,17 +89,31 @@ class Pricer:
             for op in instr.operands:
                 users.setdefault(op, []).append(instr)
         reads: list[float | None] = [None] * (max(params.values(), default=-1) + 1)
+
+        def seen(instr: Instruction | None) -> Instruction | None:
+            """``instr`` seen through free re-views (bitcast) to what produced it."""
+            while instr is not None and instr.opcode == "bitcast" and instr.operands:
+                instr = comp.find(instr.operands[0])
+            return instr
+
         root = comp.root
-        roots = ([comp.find(n) for n in root.operands] if root is not None and root.opcode ==
-                 "tuple" else [root])
-        updated = {r.operands[0] for r in roots if r is not None
-                   and r.opcode == "dynamic-update-slice"}
+        roots = [seen(comp.find(n)) for n in root.operands] if root is not None and (
+            root.opcode == "tuple") else [seen(root)]
+        updated = {seen(comp.find(r.operands[0])).name for r in roots if r is not None
+                   and r.opcode == "dynamic-update-slice" and seen(comp.find(r.operands[0]))}
+        def readers(name: str) -> list[tuple[str, Instruction]]:
+            """(operand name, user) of ``name``'s uses, seen through free re-views (bitcast)."""
+            found = []
+            for u in users.get(name, []):
+                found += readers(u.name) if u.opcode == "bitcast" else [(name, u)]
+            return found
+
         for name, index in params.items():
-            used = users.get(name, [])
+            used = readers(name)
             if name in updated:
                 reads[index] = 0.0
-            elif used and all(u.opcode in _SLICERS and u.operands[0] == name for u in used):
-                reads[index] = float(sum(type_bytes(u.type_text) for u in used))
+            elif used and all(u.opcode in _SLICERS and u.operands[0] == via for via, u in used):
+                reads[index] = float(sum(type_bytes(u.type_text) for _, u in used))
         written = 0.0
         for r in roots:
             if r is None:
