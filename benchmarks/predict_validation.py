@@ -162,9 +162,15 @@ def published_flags(run: dict) -> dict:
     if run.get("zero"):
         flags["zero"] = int(run["zero"])
     micro = run["global_batch"] // (data * run["micro_batch"])
-    if "stage" in axes:
+    if "stage" in axes:  # Megatron's interleaved schedule (VP=v in its layout)
+        virtual = int(run["layout"].split("VP=")[1].split(")")[0].split(",")[0]) if (
+            "VP=" in run["layout"]) else 1
         flags["microbatches"] = micro
-        flags["schedule"] = "interleaved-1f1b" if run.get("virtual_stages") else "1f1b"
+        flags["schedule"] = "interleaved-1f1b" if virtual > 1 else "1f1b"
+        if virtual > 1:
+            flags["virtual_stages"] = virtual
+        if "context" in axes:  # jphantom runs ring attention outside pipelines only
+            flags["context_attention"] = "all-gather"
     elif micro > 1:
         flags["accumulate"] = micro
     if "model" in axes:
@@ -376,8 +382,14 @@ def main(argv: list[str] | None = None) -> int:
                               "device"}
     if "gpu_step" in args.parts:
         results["gpu_step"] = part_gpu_step()
+    path = out / "predict_validation.json"
+    previous = json.loads(path.read_text()) if path.exists() else {}
     if "published" in args.parts:
         results["published"] = part_published(args.runs)
+        if args.runs and "published" in previous:  # some runs again: the others as they were
+            fresh = {r["id"]: r for r in results["published"]["rows"]}
+            results["published"]["rows"] = [fresh.pop(r["id"], r) for r in
+                                            previous["published"]["rows"]] + list(fresh.values())
         ratios = [r["ratio"] for r in results["published"]["rows"] if "ratio" in r]
         if ratios:
             results["published"]["summary"] = {
@@ -385,8 +397,6 @@ def main(argv: list[str] | None = None) -> int:
                 "min_ratio": min(ratios), "max_ratio": max(ratios)}
     if "seal" in args.parts:
         results["seal"] = part_seal()
-    path = out / "predict_validation.json"
-    previous = json.loads(path.read_text()) if path.exists() else {}
     merged = {**previous, **results}
     path.write_text(json.dumps(merged, indent=2, default=str))
     plot(merged, out / "predict_validation.png")

@@ -438,3 +438,16 @@ ENTRY %main () -> f32[{width},{layers}] {{
 }}
 """
     assert simulate(text, DEVICE).nbytes == 4 * width + 4 + 4 * width  # update in, index, out
+
+
+def test_the_calibration_gemm_runs_at_the_measured_efficiency_and_small_ones_slower():
+    d = device(gemm_shape__sm_count=132, gemm_shape__tile=128, gemm_shape__k_half=256,
+               gemm_efficiency__bf16=0.64)
+    n = 8192
+    flops = 2.0 * n**3
+    assert d.gemm_seconds(flops, 0, "bf16", n * n, n) == pytest.approx(flops / (0.64 * 100e12))
+    assert d.gemm_shape_factor(n * n, 8192) == pytest.approx(1.0)
+    assert d.gemm_shape_factor(n * n, 512) < 0.7  # short K: the tile's fixed costs
+    # 133 tiles on 132 SMs: a second wave for one tile, half the device idle in it
+    assert d.gemm_shape_factor(133 * 128 * 128, 8192) == pytest.approx(
+        (133 / 264) / (4096 / (32 * 132)))

@@ -13,8 +13,8 @@ How the simulator prices kernels with it (the roofline method of the scaling boo
 * a GEMM of F FLOPs moving M bytes takes ``max(F / (peak x eff x shape), M / (HBM x stream))``
   seconds plus one launch, where ``eff`` is the large-GEMM efficiency of its dtype and ``shape``
   the fraction of the device its tiles keep busy: ``tiles / (waves x SMs)`` (wave quantisation,
-  tiles of ``tile`` x ``tile`` outputs) times ``K / (K + k_half)`` relative to K = 8192 (short
-  reductions pay the tile's prologue and epilogue);
+  tiles of ``tile`` x ``tile`` outputs) times ``K / (K + k_half)``, both relative to the 8192^3
+  GEMM the efficiency is measured on (short reductions pay the tile's prologue and epilogue);
 * a fused attention call (cuDNN's) by its FLOPs at the attention efficiency of its head size
   (forward and backward apart), linear between the listed head sizes;
 * anything else by its bytes at the HBM bandwidth times ``stream_efficiency``, plus a launch.
@@ -85,11 +85,14 @@ class DeviceModel:
         included) and reduction length ``contracted`` reaches: wave quantisation times the
         short-K penalty, relative to K = 8192 (module docstring)."""
         sms, tile, k_half = (self[f"gemm_shape.{k}"] for k in ("sm_count", "tile", "k_half"))
-        tiles = max(1.0, math.ceil(output_elements / (tile * tile)))
-        waves = math.ceil(tiles / sms)
-        quantisation = tiles / (waves * sms)
+
+        def quantisation(elements: float) -> float:
+            tiles = max(1.0, math.ceil(elements / (tile * tile)))
+            return tiles / (math.ceil(tiles / sms) * sms)
+
         k = max(1.0, contracted)
-        return quantisation * (k / (k + k_half)) / (8192 / (8192 + k_half))
+        return (quantisation(output_elements) / quantisation(8192 * 8192)
+                * (k / (k + k_half)) / (8192 / (8192 + k_half)))
 
     def gemm_seconds(self, flops: float, nbytes: float, dtype: str, output_elements: float,
                      contracted: float) -> float:
