@@ -209,6 +209,22 @@ def test_compile_predict_plays_the_h100_program_on_the_h100_description(capsys, 
 
 
 @needs_gpu_compiler
+def test_plan_compile_top_simulates_the_compiled_layouts_beside_the_plan(capsys, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    assert main(["plan", "--model", "llama", "--layers", "2", "--hidden", "128", "--heads", "8",
+                 "--seq-len", "32", "--vocab", "512", "--batch", "16", "--devices", "8",
+                 "--device", "h100-sxm", "--objective", "time", "--compile-top", "2",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plan"]["assumptions"]["objective"] == "time"
+    done = [e for e in out["compiled"] if "error" not in e]
+    assert done and all(e["simulated"]["step_s"] > 0 for e in done)
+    steps = [e["simulated"]["step_s"] for e in done if e["fits"]]
+    assert steps == sorted(steps)  # re-ranked by the simulated step
+    assert all(e["modelled_step_s"] > 0 for e in done)
+
+
+@needs_gpu_compiler
 def test_cli_compile_writes_the_hlo_and_reports_kernels_and_gpu_defaults(tmp_path, capsys,
                                                                          monkeypatch):
     """--hlo FILE (one per strategy), the report's kernels line, and the GPU defaults: added to

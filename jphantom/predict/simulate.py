@@ -69,10 +69,11 @@ class Timeline:
         row[2] += count
         row[3] += flops * count
 
-    def absorb(self, other: Timeline, times: float) -> None:
-        """Add ``times`` runs of ``other`` (a loop body, a called computation) in sequence."""
+    def absorb(self, other: Timeline, times: float, *, step: bool = True) -> None:
+        """Add ``times`` runs of ``other`` (a loop body, a called computation) in sequence;
+        ``step=False`` leaves ``step`` to the caller's clocks."""
         for field in ("step", "compute", "exposed", "comm", "flops", "nbytes",
-                      "collective_bytes", "kernels"):
+                      "collective_bytes", "kernels")[0 if step else 1:]:
             setattr(self, field, getattr(self, field) + times * getattr(other, field))
         for name, (kind, seconds, count, flops, source) in other.ops.items():
             row = self.ops.setdefault(name, [kind, 0.0, 0.0, 0.0, source])
@@ -103,6 +104,61 @@ def _collective_kind(opcode: str) -> tuple[str, str] | None:
         return opcode, ""
     return {"send": ("collective-permute", "-start"),
             "send-done": ("collective-permute", "-done")}.get(opcode)
+
+
+class _Streams:
+    """The two clocks of one run of a computation (module docstring) and what it adds up."""
+
+    def __init__(self):
+        self.out = Timeline()
+        self.clock = 0.0  # the compute stream
+        self.comm_free = 0.0  # the collective stream
+        self.pending: dict[str, float] = {}  # a -start's name -> when it ends
+
+    def kernel(self, name: str, cost) -> None:
+        self.clock += cost.seconds
+        out = self.out
+        out.compute += cost.seconds
+        out.flops += cost.flops
+        out.nbytes += cost.nbytes
+        out.kernels += 1
+        out.add_op(name, cost.kind, cost.seconds, 1, cost.flops, cost.source)
+
+    def collective(self, name: str, kind: str, seconds: float, nbytes: float, source: str, *,
+                   asynchronous: bool) -> None:
+        """Start one on the collective stream when both it and the compute stream reach it; a
+        synchronous one blocks the compute stream until it ends."""
+        self.out.comm += seconds
+        self.out.collective_bytes += nbytes
+        self.out.add_op(name, f"collective:{kind}", seconds, 1, 0.0, source)
+        start = max(self.clock, self.comm_free)
+        self.comm_free = start + seconds
+        if asynchronous:
+            self.pending[name] = self.comm_free
+        else:
+            self.out.exposed += self.comm_free - self.clock
+            self.clock = self.comm_free
+
+    def wait_for(self, start_name: str) -> None:
+        """A ``-done``: the compute stream waits for what is left of its collective."""
+        end = self.pending.pop(start_name, None)
+        if end is not None and end > self.clock:
+            self.out.exposed += end - self.clock
+            self.clock = end
+
+    def sequence(self, inner: Timeline) -> None:
+        """Run ``inner`` (a loop, a branch, a call) on the compute stream; the collectives
+        still in flight keep running under it."""
+        self.out.absorb(inner, 1, step=False)
+        self.clock += inner.step
+        self.comm_free = max(self.comm_free, self.clock)
+
+    def finish(self) -> Timeline:
+        """The run's timeline: a start never awaited still holds the step."""
+        for name in list(self.pending):
+            self.wait_for(name)
+        self.out.step = max(self.clock, self.comm_free)
+        return self.out
 
 
 class Simulator:
@@ -153,83 +209,60 @@ class Simulator:
             return self._cache[name]
         self._cache[name] = Timeline()  # a cycle (never in valid HLO) costs nothing
         comp = self.comps[name]
-        out = Timeline()
-        clock = 0.0  # the compute stream
-        comm_free = 0.0  # the collective stream
-        pending: dict[str, float] = {}  # -start name -> its end time
+        streams = _Streams()
         for instr in comp.instructions:
             parsed = _collective_kind(instr.opcode)
             wrapped = self._wrapped_collective(instr) if instr.opcode == "async-start" else None
             if wrapped is not None:
                 parsed = (wrapped.opcode, "-start")
-            elif instr.opcode == "async-done" and instr.operands and instr.operands[0] in pending:
+            elif instr.opcode == "async-done" and instr.operands and (
+                    instr.operands[0] in streams.pending):
                 parsed = ("", "-done")
-            if parsed is not None:
-                kind, suffix = parsed
-                if suffix == "-done":
-                    end = pending.pop(instr.operands[0], None) if instr.operands else None
-                    if end is not None and end > clock:
-                        out.exposed += end - clock
-                        clock = end
-                    continue
+            if parsed is not None and parsed[1] == "-done":
+                streams.wait_for(instr.operands[0] if instr.operands else "")
+            elif parsed is not None:
                 source = wrapped or instr
-                result = self._result_of(comp, instr, wrapped)
-                seconds, nbytes = self.collective_seconds(kind, result, source)
-                out.comm += seconds
-                out.collective_bytes += nbytes
-                out.add_op(instr.name, f"collective:{kind}", seconds, 1, 0.0, op_name(source))
-                if suffix == "-start":
-                    start = max(clock, comm_free)
-                    comm_free = start + seconds
-                    pending[instr.name] = comm_free
-                else:  # synchronous: waits for the collective stream, blocks compute
-                    start = max(clock, comm_free)
-                    out.exposed += start + seconds - clock
-                    clock = comm_free = start + seconds
-                continue
-            if instr.opcode == "while":
-                body = self.run(callees(instr, "body")[0])
-                cond = self.run(callees(instr, "condition")[0])
-                trips = trip_count(instr, self.comps)
-                inner = Timeline()
-                inner.absorb(body, trips)
-                inner.absorb(cond, trips + 1)
-                clock = self._sequence(out, inner, clock, comm_free, pending)
-                comm_free = max(comm_free, clock)
-                continue
-            if instr.opcode == "conditional":
-                branches = [self.run(c) for c in (callees(instr, "branch_computations")
-                                                  + callees(instr, "true_computation")
-                                                  + callees(instr, "false_computation"))]
-                if branches:
-                    slowest = max(branches, key=lambda t: t.step)
-                    clock = self._sequence(out, slowest, clock, comm_free, pending)
-                    comm_free = max(comm_free, clock)
-                continue
-            target = (callees(instr, "to_apply") or callees(instr, "calls") or [None])[0]
-            if instr.opcode in ("call", "async-start") and target in self.comps:
-                if self._is_program(target):  # a command buffer, a call: its kernels in place
-                    clock = self._sequence(out, self.run(target), clock, comm_free, pending)
-                    comm_free = max(comm_free, clock)
-                    continue
+                seconds, nbytes = self.collective_seconds(
+                    parsed[0], self._result_of(comp, instr, wrapped), source)
+                streams.collective(instr.name, parsed[0], seconds, nbytes, op_name(source),
+                                   asynchronous=parsed[1] == "-start")
+            elif instr.opcode in ("while", "conditional") or (
+                    self._called_program(instr) is not None):
+                streams.sequence(self._control_flow(instr))
+            else:
                 if instr.opcode == "async-start":  # one op on another stream: priced in line
-                    instr = self.comps[target].root or instr
-            cost = self.pricer.price(instr)
-            if cost is None:
-                continue
-            clock += cost.seconds
-            out.compute += cost.seconds
-            out.flops += cost.flops
-            out.nbytes += cost.nbytes
-            out.kernels += 1
-            out.add_op(instr.name, cost.kind, cost.seconds, 1, cost.flops, cost.source)
-        for end in pending.values():  # a start never awaited: the step still waits for it
-            if end > clock:
-                out.exposed += end - clock
-                clock = end
-        out.step = max(clock, comm_free)
+                    target = callees(instr, "calls")
+                    instr = self.comps[target[0]].root if target else instr
+                cost = self.pricer.price(instr)
+                if cost is not None:
+                    streams.kernel(instr.name, cost)
+        out = streams.finish()
         self._cache[name] = out
         return out
+
+    def _called_program(self, instr: Instruction) -> str | None:
+        """The computation a ``call`` or ``async-start`` runs in place, when it is a sequence of
+        kernels (a command buffer, a call) rather than one kernel's body."""
+        if instr.opcode not in ("call", "async-start"):
+            return None
+        target = (callees(instr, "to_apply") or callees(instr, "calls") or [None])[0]
+        return target if target in self.comps and self._is_program(target) else None
+
+    def _control_flow(self, instr: Instruction) -> Timeline:
+        """The timeline of a ``while`` (body x trips, condition x (trips + 1)), a
+        ``conditional`` (its slowest branch) or a called program."""
+        if instr.opcode == "while":
+            trips = trip_count(instr, self.comps)
+            inner = Timeline()
+            inner.absorb(self.run(callees(instr, "body")[0]), trips)
+            inner.absorb(self.run(callees(instr, "condition")[0]), trips + 1)
+            return inner
+        if instr.opcode == "conditional":
+            branches = [self.run(c) for c in (callees(instr, "branch_computations")
+                                              + callees(instr, "true_computation")
+                                              + callees(instr, "false_computation"))]
+            return max(branches, key=lambda t: t.step) if branches else Timeline()
+        return self.run(self._called_program(instr))
 
     def _is_program(self, name: str) -> bool:
         """Whether a called computation is a sequence of kernels (a command buffer, a call)
@@ -237,15 +270,6 @@ class Simulator:
         comp = self.comps[name]
         return any(i.opcode in ("fusion", "custom-call", "while", "conditional", "call")
                    or _collective_kind(i.opcode) is not None for i in comp.instructions)
-
-    @staticmethod
-    def _sequence(out: Timeline, inner: Timeline, clock: float, comm_free: float,
-                  pending: dict) -> float:
-        """Run ``inner`` (a loop, a branch, a call) after the compute stream's ``clock``: the
-        collectives still in flight keep running under it."""
-        out.absorb(inner, 1)
-        out.step -= inner.step  # the caller sets its own step from the clocks
-        return clock + inner.step
 
     def _result_of(self, comp: Computation, instr: Instruction,
                    wrapped: Instruction | None) -> Instruction:
