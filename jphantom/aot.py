@@ -378,7 +378,7 @@ def plan_row_flags(row, shape: dict, batch: int, precision: str = "bf16") -> dic
 
 
 def compile_plan(result, top: int, target: Target, *, devices: list | None = None,
-                 progress=None) -> list[dict]:
+                 progress=None, predict_on=None) -> list[dict]:
     """Compile the ``top`` best same-model layouts of a :class:`jphantom.plan.Plan` for
     ``target`` and re-rank them by what the compiler says: layouts whose compiled peak fits the
     device first, then fewer collective bytes per device that cross nodes, then fewer in all.
