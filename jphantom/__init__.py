@@ -18,7 +18,7 @@ from jphantom.errors import ConfigError, JPhantomWarning, TrainingDiverged
 __version__ = "0.1.0"
 __all__ = ["ConfigError", "JPhantomWarning", "TrainingDiverged", "__version__", "parallelize",
            "dense_equivalent", "Style", "plans", "make_train_step", "make_forward_fn",
-           "register_style", "TrainState", "nn", "verify"]
+           "register_style", "TrainState", "TrainStep", "nn", "verify"]
 
 _LAZY = {"parallelize": ("jphantom.plans", "parallelize"),
          "dense_equivalent": ("jphantom.plans", "dense_equivalent"),
@@ -27,6 +27,7 @@ _LAZY = {"parallelize": ("jphantom.plans", "parallelize"),
          "make_train_step": ("jphantom.train_step", "make_train_step"),
          "make_forward_fn": ("jphantom.train_step", "make_forward_fn"),
          "TrainState": ("jphantom.train_step", "TrainState"),
+         "TrainStep": ("jphantom.train_step", "TrainStep"),
          "verify": ("jphantom.exactness", "verify")}
 
 

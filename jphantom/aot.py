@@ -469,7 +469,7 @@ def format_simulated_plan(entries: list[dict]) -> str:
         sim = e["simulated"]
         mfu = f"{sim['mfu']:.1%}" if sim.get("mfu") is not None else "-"
         lines.append(head + f"{sim['step_s']:>8.3f} {sim['exposed_comm_s']:>8.3f} "
-                     f"{e['modelled_joules_per_token']:>7.3f} {sim['joules_per_token']:>9.3f} "
+                     f"{e['modelled_joules_per_token']:>7.4f} {sim['joules_per_token']:>9.4f} "
                      f"{mfu:>6} {e['compiled_peak_bytes'] / gib:>6.1f} "
                      f"{'yes' if e['fits'] else 'NO':>4}")
     ranked = [e for e in entries if "error" not in e]

@@ -1,6 +1,7 @@
 """Test set-up: 8 simulated CPU devices and float64 available, set before jax initialises."""
 
 import os
+import pathlib
 
 # The suite is compile-bound: LLVM's -O0 for the CPU backend compiles about a quarter faster and
 # changes no floating-point semantics (XLA's HLO passes, fusion included, still run).
@@ -97,9 +98,26 @@ BUDGET_SLOW = {
 
 
 def pytest_collection_modifyitems(config, items):
+    seen = set()
     for item in items:
-        if f"{item.path.name}::{item.name}" in BUDGET_SLOW:
+        node = f"{item.path.name}::{item.name}"
+        seen.add(node)
+        if node in BUDGET_SLOW:
             item.add_marker(pytest.mark.slow)
+    check_budget_slow(seen, {item.path.name for item in items})
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     order = {id(item): i for i, item in enumerate(items)}
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), order[id(item)]))
+
+
+def check_budget_slow(seen: set[str], files: set[str]) -> None:
+    """Every node id of :data:`BUDGET_SLOW` names a test that exists (checked when every test
+    file was collected): a renamed test would otherwise silently leave the slow list and join the
+    fast suite's budget."""
+    every_file = {p.name for p in pathlib.Path(__file__).parent.glob("test_*.py")}
+    if not every_file <= files:
+        return
+    missing = sorted(BUDGET_SLOW - seen)
+    if missing:
+        raise pytest.UsageError("tests/conftest.py BUDGET_SLOW names tests that do not exist: "
+                                + ", ".join(missing))

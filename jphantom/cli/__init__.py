@@ -43,8 +43,10 @@ __all__ = ["COMPILE_MODEL", "DEFAULT_SIMULATED_DEVICES", "FFN_DEFAULTS", "INSPEC
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="jphantom",
-        description="Model-parallel FFN training in JAX, measured on communication and energy. "
-                    "Phantom parallelism (Seal et al.) against tensor parallelism.",
+        description="Model-parallel training in JAX (FFNs, GPT-2, the Llama family and your own "
+                    "Flax NNX models), measured on communication and energy. "
+                    "Phantom parallelism (Seal et al.), Megatron tensor and sequence "
+                    "parallelism, pipelines, ZeRO, experts, AxoNN's 3D matmul.",
         epilog="Example: jphantom inspect --strategy phantom --width 4096 --depth 2 "
                "--ghost-width 16 --devices 8 --batch 256",
     )

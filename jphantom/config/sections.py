@@ -175,8 +175,8 @@ class ParallelConfig:
     dtd: bool = setting(
         False, "MoE under tensor (TED): duplicate token dropping, all-to-all bytes / model axis")
     schedule: str = setting(
-        "1f1b", "with a stage axis: the pipeline schedule, gpipe, 1f1b or interleaved-1f1b (see "
-        "`jphantom schedule`)")
+        "1f1b", "with a stage axis: the pipeline schedule, gpipe, 1f1b, interleaved-1f1b, zb-h1 "
+        "or zb-v (see `jphantom schedule`)")
     microbatches: int | None = setting(
         None, "with a stage axis: micro-batches per step on each data rank; batch / data must be "
         "a multiple (default: the number of stages)")

@@ -30,10 +30,10 @@ each kind of Flax layer (p = the size of ``axis``):
                a position ``nnx.Embed`` -> :class:`~jphantom.nn.tensor.SequenceParallelEmbed`.
                Any ``sequence`` entry turns sequence parallelism on for every column, row, vocab
                and experts layer of the plan, which then take their input from such a norm.
-``phantom``    Seal et al.: ``nnx.Linear`` -> :class:`~jphantom.nn.phantom_layers.PhantomLinear`
+``phantom``    Seal et al.: ``nnx.Linear`` -> :class:`~jphantom.nn.phantom.PhantomLinear`
                (``Style("phantom", ghost_width=k, vocab_output=True)`` for the LM head);
-               ``nnx.Embed`` -> :class:`~jphantom.nn.phantom_layers.FeatureParallelEmbed`; norms ->
-               :class:`~jphantom.nn.phantom_layers.FeatureParallelNorm`; ``Experts`` ->
+               ``nnx.Embed`` -> :class:`~jphantom.nn.phantom.FeatureParallelEmbed`; norms ->
+               :class:`~jphantom.nn.phantom.FeatureParallelNorm`; ``Experts`` ->
                :class:`~jphantom.nn.tensor.TensorParallelExperts` on feature-split streams;
                ``SwitchMoE`` -> :class:`~jphantom.nn.expert.PhantomMoE` (phantom experts)
 ``experts``    :class:`~jphantom.nn.experts.Experts` ->
