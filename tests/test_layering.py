@@ -15,7 +15,7 @@ LAYERS = [
     ("base", ["errors", "mesh", "comm", "targets"]),
     ("operations", ["remat", "precision", "fp8", "zero", "collectives", "pipeline", "pipeline.schedule", "data",
                     "analysis.hlo", "perf.comm_model", "perf.axonn_model", "energy",
-                    "coordinator", "distributed", "gpu_defaults", "token_mean"]),
+                    "coordinator", "distributed", "gpu_defaults", "token_mean", "predict"]),
     ("layers", ["nn"]),
     ("models", ["models", "families"]),
     ("plans", ["plans"]),
