@@ -4,7 +4,7 @@ For Llama 3 8B (L = 32, h = 4096, 32 heads, 8 key/value heads, SwiGLU width 1433
 (L = 80, h = 8192, 64 heads, 8 key/value heads, 28672), V = 128256, S = 2048, 512 sequences per
 step, on 64 and 256 H100 SXM GPUs (8 per node; NVLink 450 GB/s per direction inside a node,
 8 x 400 Gb/s InfiniBand = 400 GB/s per node across nodes): `jphantom.plan` ranks every layout of
-the Llama; the top K are compiled ahead of time for the GPUs (`jphantom.aot.compile_plan`: XLA's
+the Llama; the top K are compiled ahead of time for the GPUs (`jphantom.plan.compiled.compile_plan`: XLA's
 GPU compiler, no GPU; float32 master weights, bf16 compute, Adam, per-layer activation
 checkpointing, as the planner assumes) and each row puts the planner's figures beside XLA's,
 term by term:
@@ -55,6 +55,7 @@ def run(models: dict, device_counts: list[int], top: int, batch: int, out: Path)
     from tqdm import tqdm
 
     from jphantom import aot
+    from jphantom.plan.compiled import compile_plan, format_compiled_plan
     from jphantom.analysis.machine import source_revision
     from jphantom.perf.axonn_model import GPTShape, Topology
     from jphantom.plan import plan
@@ -71,7 +72,7 @@ def run(models: dict, device_counts: list[int], top: int, batch: int, out: Path)
                       as_compiled=True)
         start = time.perf_counter()
         devs = target.devices()
-        entries = aot.compile_plan(result, top, target, devices=devs,
+        entries = compile_plan(result, top, target, devices=devs,
                                    progress=lambda _: bar.update())
         rows_by_rank = {row.rank: row for row in result.rows}
         for entry in entries:
@@ -93,7 +94,7 @@ def run(models: dict, device_counts: list[int], top: int, batch: int, out: Path)
             rows.append(entry)
             bar.update()
         print(f"\n{name} on {devices} H100s ({time.perf_counter() - start:.0f} s):\n"
-              f"{aot.format_compiled_plan(entries)}", flush=True)
+              f"{format_compiled_plan(entries)}", flush=True)
     bar.close()
     results = {"models": models, "device_counts": device_counts, "top": top,
                "batch_sequences": batch, "topology": topology.as_dict(),

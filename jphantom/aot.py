@@ -252,13 +252,9 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
     from jphantom.analysis.compiled import (compile_built, compiled_memory, gemm_flops,
                                            normalise_collectives, state_bytes)
     from jphantom.config import RunConfig, pipeline_summary
-    from jphantom.mesh import MeshConfig, axes_across_nodes, device_pool, node_split
+    from jphantom.mesh import axes_across_nodes, device_pool, node_split
 
-    mesh_text = flags.get("mesh") or default_mesh(target)
-    if MeshConfig.parse(mesh_text).device_count != target.device_count:
-        raise ConfigError(f"mesh {mesh_text} has {MeshConfig.parse(mesh_text).device_count} "
-                          f"devices; the target {target.name} has {target.device_count}: give a "
-                          "mesh whose sizes multiply to it")
+    mesh_text = _mesh_of(flags, target)
     xla_flags = os.environ.get("XLA_FLAGS", "")
     use_defaults = gpu_defaults and target.platform == "gpu"
     if use_defaults:
@@ -303,7 +299,6 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
         "xla_flags": xla_flags.split(),
         "gpu_defaults": use_defaults,
         "versions": versions(),
-        "notes": [],
     }
     if hlo_out is not None:
         report["hlo_file"] = str(hlo_out)
@@ -312,26 +307,41 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
     if predict_on is not None:
         report["prediction"] = _prediction(text, predict_on, config, program, node_of,
                                            target, peak).as_dict()
-    if report["model_flops"] is None:
-        report["notes"].append("no dot or cuBLAS call in the optimised HLO (XLA:TPU writes its "
-                               "matmuls as convolutions): model FLOPs not counted; see XLA's "
-                               "cost analysis")
-    if cost is None:
-        report["notes"].append("XLA's cost_analysis() is unavailable for this target on this "
-                               "path (None)")
-    if report["kernels"]["attention"]["forward"]:
-        report["notes"].append("model FLOPs count the GEMMs XLA compiled; the attention inside "
-                               "cuDNN's fused attention calls (custom calls, not dots) is not "
-                               "in them")
-    if target.platform == "gpu":
-        report["notes"].append("compiled without a GPU: GEMM autotuning did not run, so a real "
-                               "GPU may pick other kernels (collectives and buffers are the "
-                               "compiler's)")
-    if not report["memory"]["fits"]:
-        report["notes"].append(f"peak {peak / 2**30:.1f} GiB exceeds the device's "
-                               f"{target.memory_bytes / 2**30:.1f} GiB: XLA compiled it anyway; "
-                               "it would fail to allocate")
+    report["notes"] = _notes(report, target)
     return report
+
+
+def _mesh_of(flags: dict, target: Target) -> str:
+    """The run's mesh text (default: :func:`default_mesh`), checked against the target's size."""
+    from jphantom.mesh import MeshConfig
+
+    mesh_text = flags.get("mesh") or default_mesh(target)
+    if MeshConfig.parse(mesh_text).device_count != target.device_count:
+        raise ConfigError(f"mesh {mesh_text} has {MeshConfig.parse(mesh_text).device_count} "
+                          f"devices; the target {target.name} has {target.device_count}: give a "
+                          "mesh whose sizes multiply to it")
+    return mesh_text
+
+
+def _notes(report: dict, target: Target) -> list[str]:
+    """What a compile report's figures leave out, said in its notes."""
+    notes = []
+    if report["model_flops"] is None:
+        notes.append("no dot or cuBLAS call in the optimised HLO (XLA:TPU writes its matmuls as "
+                     "convolutions): model FLOPs not counted; see XLA's cost analysis")
+    if report["xla_cost_analysis"] is None:
+        notes.append("XLA's cost_analysis() is unavailable for this target on this path (None)")
+    if report["kernels"]["attention"]["forward"]:
+        notes.append("model FLOPs count the GEMMs XLA compiled; the attention inside cuDNN's "
+                     "fused attention calls (custom calls, not dots) is not in them")
+    if target.platform == "gpu":
+        notes.append("compiled without a GPU: GEMM autotuning did not run, so a real GPU may "
+                     "pick other kernels (collectives and buffers are the compiler's)")
+    if not report["memory"]["fits"]:
+        notes.append(f"peak {report['memory']['peak_bytes'] / 2**30:.1f} GiB exceeds the "
+                     f"device's {target.memory_bytes / 2**30:.1f} GiB: XLA compiled it anyway; "
+                     "it would fail to allocate")
+    return notes
 
 
 def _prediction(text: str, device, config, program, node_of: list[int], target: Target,
@@ -348,140 +358,6 @@ def _prediction(text: str, device, config, program, node_of: list[int], target: 
     return predict(text, device, devices=len(node_of), gpus_per_node=target.devices_per_node,
                    node_of=lambda i: node_of[i] if i < len(node_of) else 0,
                    tokens_per_step=tokens, model_flops_per_step=flops, peak_memory_bytes=peak)
-
-
-def plan_row_flags(row, shape: dict, batch: int, precision: str = "bf16") -> dict | None:
-    """The run of one :class:`jphantom.plan.PlanRow` (``shape``: the plan's model assumptions,
-    :class:`jphantom.perf.axonn_model.GPTShape` as a dict), as the :meth:`RunConfig.from_flags`
-    names: the planner's model (its zoo family of the same sizes), float32
-    parameters with ``precision`` compute (16 bytes of state per parameter with Adam, as the
-    planner counts), per-layer activation checkpointing (``remat=nothing_saveable``: the
-    planner's Korthikanti count of checkpointed activations). ``None`` for phantom rows (another
-    model)."""
-    if not row.same_model:
-        return None
-    llama = shape.get("family") == "llama"
-    flags = {"model": shape.get("model") or ("llama" if llama else "gpt2"),
-             "layers": shape["layers"],
-             "hidden": shape["hidden"],
-             "heads": shape["heads"], "seq_len": shape["seq_len"], "vocab": shape["vocab_size"],
-             "batch": batch, "optimizer": "adamw", "dtype": "float32", "precision": precision,
-             "remat": "nothing_saveable", "strategy": row.strategy,
-             "mesh": ",".join(item for item in row.mesh.split(",") if not item.endswith("=1"))}
-    if llama:
-        flags |= {"intermediate": shape["intermediate"], "kv_heads": shape["kv_heads"]}
-    options = dict(row.options)
-    for key in ("sequence_parallel", "zero", "schedule", "microbatches"):
-        if key in options:
-            flags[key] = options[key]
-    return flags
-
-
-def compile_plan(result, top: int, target: Target, *, devices: list | None = None,
-                 progress=None, predict_on=None) -> list[dict]:
-    """Compile the ``top`` best same-model layouts of a :class:`jphantom.plan.Plan` for
-    ``target`` and re-rank them by what the compiler says: layouts whose compiled peak fits the
-    device first, then fewer collective bytes per device that cross nodes, then fewer in all.
-    Each entry: the plan row, its run's flags, the compile report's memory and collectives (or
-    ``error``: why jphantom refused to build it), and ``memory_ratio`` (modelled / compiled
-    peak). With ``predict_on`` (a :class:`jphantom.predict.DeviceModel`) each compiled program is
-    also simulated (``simulated``: step seconds, J/token, MFU...) beside the plan's modelled step
-    and J/token, and the ranking is by the simulated figure of the plan's objective (``time``:
-    step seconds, ``energy``: joules per token), compiled peak fits first."""
-    a = result.assumptions
-    rows = [row for row in result.rows if row.same_model][:top]
-    devices = target.devices() if devices is None else devices
-    out = []
-    for row in rows:
-        flags = plan_row_flags(row, a["model"], a["batch_sequences"],
-                               "bf16" if a["precision"]["name"] == "bf16" else "float32")
-        entry = {"plan_rank": row.rank, "layout": row.layout, "mesh": row.mesh,
-                 "options": dict(row.options), "modelled_memory_bytes": row.memory["total"],
-                 "modelled_comm_s": row.comm_s, "modelled_step_s": row.step_s,
-                 "modelled_joules_per_token": row.joules_per_token, "flags": flags}
-        try:
-            report = compile_report(flags, target, devices=devices, predict_on=predict_on)
-        except ConfigError as error:
-            entry["error"] = str(error).split("\n")[0]
-        else:
-            across = sum(o["bytes"] * o["count"] for o in report["collective_ops"]
-                         if o["crosses_nodes"] and not o["trivial"])
-            entry |= {"compiled_peak_bytes": report["memory"]["peak_bytes"],
-                      "compiled_memory": {k: report["memory"][k] for k in (
-                          "argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
-                          "params_bytes", "gradient_bytes", "optimizer_bytes")},
-                      "fits": report["memory"]["fits"],
-                      "memory_ratio": row.memory["total"] / report["memory"]["peak_bytes"],
-                      "collective_bytes": report["collective_bytes"],
-                      "collective_bytes_across_nodes": across,
-                      "collectives": report["collectives"],
-                      "compile_seconds": report["compile_seconds"]}
-            if "prediction" in report:
-                entry["simulated"] = {k: report["prediction"][k] for k in (
-                    "step_s", "compute_s", "exposed_comm_s", "hidden_comm_s",
-                    "joules_per_token", "mfu", "tokens_per_second_per_gpu")}
-        out.append(entry)
-        if progress is not None:
-            progress(entry)
-    objective = a.get("objective", "comm")
-    if predict_on is not None and objective in ("time", "energy"):
-        field = "step_s" if objective == "time" else "joules_per_token"
-        ok = sorted((e for e in out if "error" not in e),
-                    key=lambda e: (not e["fits"], e["simulated"][field]))
-    else:
-        ok = sorted((e for e in out if "error" not in e),
-                    key=lambda e: (not e["fits"], e["collective_bytes_across_nodes"],
-                                   e["collective_bytes"]))
-    for rank, entry in enumerate(ok, 1):
-        entry["compiled_rank"] = rank
-    return ok + [e for e in out if "error" in e]
-
-
-def format_compiled_plan(entries: list[dict]) -> str:
-    gib = 2**30
-    lines = [f"{'compiled':>8} {'plan':>4}  {'layout':<14} {'mesh':<26} {'modelled GiB':>12} "
-             f"{'compiled GiB':>12} {'fits':>5} {'coll. GB':>9} {'x-node GB':>9} {'compile s':>9}"]
-    for e in entries:
-        head = (f"{e.get('compiled_rank', '-'):>8} {e['plan_rank']:>4}  {e['layout']:<14} "
-                f"{e['mesh']:<26} {e['modelled_memory_bytes'] / gib:>12.1f} ")
-        if "error" in e:
-            lines.append(head + f"refused: {e['error']}")
-            continue
-        lines.append(head + f"{e['compiled_peak_bytes'] / gib:>12.1f} "
-                     f"{'yes' if e['fits'] else 'NO':>5} {e['collective_bytes'] / 1e9:>9.2f} "
-                     f"{e['collective_bytes_across_nodes'] / 1e9:>9.2f} "
-                     f"{e['compile_seconds']:>9.1f}")
-    return "\n".join(lines)
-
-
-def format_simulated_plan(entries: list[dict]) -> str:
-    """The compiled layouts with the plan's modelled step and J/token beside the simulated ones,
-    and where the simulated order differs from the plan's."""
-    gib = 2**30
-    lines = [f"{'sim':>4} {'plan':>4}  {'layout':<14} {'mesh':<24} {'step s':>8} {'sim s':>8} "
-             f"{'exposed':>8} {'J/tok':>7} {'sim J/tok':>9} {'MFU':>6} {'GiB':>6} {'fits':>4}"]
-    for e in entries:
-        head = (f"{e.get('compiled_rank', '-'):>4} {e['plan_rank']:>4}  {e['layout']:<14} "
-                f"{e['mesh']:<24} {e['modelled_step_s']:>8.3f} ")
-        if "error" in e:
-            lines.append(head + f"refused: {e['error']}")
-            continue
-        sim = e["simulated"]
-        mfu = f"{sim['mfu']:.1%}" if sim.get("mfu") is not None else "-"
-        lines.append(head + f"{sim['step_s']:>8.3f} {sim['exposed_comm_s']:>8.3f} "
-                     f"{e['modelled_joules_per_token']:>7.4f} {sim['joules_per_token']:>9.4f} "
-                     f"{mfu:>6} {e['compiled_peak_bytes'] / gib:>6.1f} "
-                     f"{'yes' if e['fits'] else 'NO':>4}")
-    ranked = [e for e in entries if "error" not in e]
-    order = sorted(e["plan_rank"] for e in ranked)
-    moved = [e for e in ranked if e["compiled_rank"] != order.index(e["plan_rank"]) + 1]
-    lines.append("the simulation keeps the plan's order" if not moved else
-                 "order changed: " + "; ".join(
-                     f"{e['layout']} {e['mesh']} plan #{e['plan_rank']} -> #{e['compiled_rank']}"
-                     for e in moved))
-    lines.append("step s, J/tok: the plan's model (nothing overlapped); sim: the compiled "
-                 "program played on the device (jphantom.predict); all modelled")
-    return "\n".join(lines)
 
 
 def default_mesh(target: Target) -> str:
@@ -637,6 +513,6 @@ def _cost_text(cost: dict | None) -> str:
     return ", ".join(f"{key} {value:.3g}" for key, value in cost.items())
 
 
-__all__ = ["GPU_TARGETS", "TPU_TARGETS", "Target", "compile_plan", "compile_report",
-           "default_mesh", "format_compiled_plan", "plan_row_flags",
+__all__ = ["GPU_TARGETS", "TPU_TARGETS", "Target", "compile_report",
+           "default_mesh",
            "format_compile_report", "memory_peak", "plugin_problem", "versions", "write_reports"]

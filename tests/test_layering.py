@@ -21,7 +21,7 @@ LAYERS = [
     ("plans", ["plans"]),
     ("step", ["pipeline.runner", "pipeline.split", "step", "train_step", "experimental", "checkpoint", "exactness"]),
     ("program", ["program", "inventory"]),
-    ("run", ["config", "sources", "callbacks", "run", "resilience", "metrics", "analysis", "compare", "plan", "perf", "launch", "aot"]),
+    ("run", ["config", "sources", "callbacks", "loop", "run", "resilience", "metrics", "analysis", "compare", "plan", "perf", "launch", "aot"]),
     ("cli", ["cli", "__main__"]),
 ]
 
@@ -195,3 +195,42 @@ def test_no_module_holds_several_ideas_by_size():
     long = {f"jphantom/{path.relative_to(ROOT)}": n for _, path in _modules()
             if (n := len(path.read_text().splitlines())) > 650}
     assert not long, long
+
+
+FUNCTION_LINES = 80
+# Functions still over the limit, each with its length today as a ceiling (it may only shrink)
+# and why it is long. Take one off the list by splitting it; never add one.
+LONG_FUNCTIONS = {
+    "plan/search.py::plan": (330, "the planner's enumeration of every layout, one block per "
+                                  "layout kind (issue 44: one priced strategy object each)"),
+    "pipeline/runner.py::run": (287, "the pipeline executor's slot loop and its 21 closures "
+                                     "over the slot buffers (issue 44)"),
+    "plans/convert.py::convert": (166, "one branch per style and layer type (issue 44: the "
+                                       "styles own their conversions)"),
+    "pipeline/table.py::plan": (124, "the host-side slot assignment of every task's buffers"),
+    "plan/command.py::add_parser": (101, "argparse declarations of the planner's flags"),
+    "train_step.py::__init__": (100, "the step's options validated and its parts composed "
+                                     "(issue 44: the step as a composition)"),
+    "compare.py::run_compare": (94, "the comparison's runs, seeds and targets"),
+    "launch.py::launch": (92, "the launcher's processes, their environment and their exit"),
+    "step/pipeline.py::_gspmd_pipeline_loss": (88, "the GSPMD baseline's pipelined loss"),
+    "step/pipeline.py::_pipeline_value_and_grad": (83, "the pipelined value-and-grad with "
+                                                       "ZeRO-3's gathers"),
+}
+
+
+def test_no_function_runs_over_a_screen_or_two():
+    """A function over 80 lines holds several steps: split it (issue 44). The exemptions above
+    name their reason and may only shrink."""
+    found = {}
+    for _, path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > FUNCTION_LINES:
+                    found[f"{path.relative_to(ROOT)}::{node.name}"] = lines
+    grown = {name: lines for name, lines in found.items()
+             if lines > LONG_FUNCTIONS.get(name, (FUNCTION_LINES, ""))[0]}
+    assert not grown, f"functions over {FUNCTION_LINES} lines (or over their ceiling): {grown}"
+    gone = set(LONG_FUNCTIONS) - set(found)
+    assert not gone, f"no longer long: take them off LONG_FUNCTIONS: {sorted(gone)}"

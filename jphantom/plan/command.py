@@ -129,6 +129,7 @@ def _compile_top(args, result: Plan, k: int, gpus_per_node: int) -> int:
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from jphantom import aot
+    from jphantom.plan.compiled import compile_plan, format_compiled_plan, format_simulated_plan
 
     devices = result.assumptions["devices"]
     if devices % gpus_per_node:
@@ -143,7 +144,7 @@ def _compile_top(args, result: Plan, k: int, gpus_per_node: int) -> int:
         predict_on = (described.load(args.device) if args.device
                       else described.for_target(f"gpu:{target.chip}"))
     aot.require_plugin(target.platform)
-    entries = aot.compile_plan(result, k, target, predict_on=predict_on)
+    entries = compile_plan(result, k, target, predict_on=predict_on)
     if args.json:
         json.dump({"plan": result.as_dict(k), "target": target.as_dict(),
                    "compiled": entries}, sys.stdout, indent=2)
@@ -155,12 +156,12 @@ def _compile_top(args, result: Plan, k: int, gpus_per_node: int) -> int:
               f"simulated on {predict_on.name} (jphantom.predict) and re-ranked by simulated "
               f"{'step time' if result.assumptions['objective'] == 'time' else 'J/token'} "
               "(compiled peak fits first); modelled and simulated side by side:\n")
-        print(aot.format_simulated_plan(entries))
+        print(format_simulated_plan(entries))
         return 0
     print(f"\nThe top {k} layouts that train this model, compiled for {target.name} and "
           "re-ranked (compiled peak fits first, then fewer collective bytes across nodes, then "
           "fewer in all):\n")
-    print(aot.format_compiled_plan(entries))
+    print(format_compiled_plan(entries))
     return 0
 
 

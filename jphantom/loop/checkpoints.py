@@ -1,0 +1,107 @@
+"""A run's checkpoints (:class:`RunCheckpoints`): Orbax checkpoints of the state
+(:class:`jphantom.checkpoint.Checkpointer`) with what a run needs beside it: the loss history,
+the model and corpus that trained it (``--resume`` continues only the same run), the data
+stream's position, and where the last good state is when a run stops on a non-finite loss. A run
+without ``--checkpoint-dir`` has one too, that saves nothing."""
+
+from __future__ import annotations
+
+import json
+
+from jphantom.errors import ConfigError
+
+
+class RunCheckpoints:
+    """Checkpoints of one run (module docstring). ``identity``: the model and corpus
+    (``{"model": {...}, "corpus": {"data", "tokenizer"}}``) saved with each checkpoint."""
+
+    def __init__(self, train, identity: dict):
+        self.identity = identity
+        self.checkpointer = None
+        if train.checkpoint_dir:
+            from jphantom.checkpoint import Checkpointer
+
+            self.checkpointer = Checkpointer(train.checkpoint_dir, save_every=train.save_every,
+                                             keep=train.keep_checkpoints)
+
+    def __bool__(self) -> bool:
+        return self.checkpointer is not None
+
+    def due(self, step: int) -> bool:
+        return self.checkpointer is not None and self.checkpointer.due(step)
+
+    def save(self, step: int, state, history: dict, data) -> None:
+        """The state after ``step`` with the history, the run's identity and the data's
+        position."""
+        self.checkpointer.save(step, state.params, state.opt_state,
+                               {"history": json.loads(json.dumps(history)), **self.identity},
+                               data=data)
+
+    def steps(self) -> list[int]:
+        """The steps saved (every save finished first)."""
+        if self.checkpointer is None:
+            return []
+        self.checkpointer.wait()
+        return self.checkpointer.all_steps()
+
+    def restore(self, state, source):
+        """``(state, step, history)`` of the newest complete checkpoint, the data reader put
+        back where that checkpoint left it."""
+        from jphantom.train_step import TrainState
+
+        params, opt_state, meta = self.checkpointer.restore(state.params, state.opt_state)
+        if hasattr(source, "restore"):  # a reader with a position: where the checkpoint left it
+            if meta.get("data") is None:
+                raise ConfigError(f"the checkpoint at step {meta['step']} holds no data position "
+                                  "(it was saved by a run on byte-level text): resume with the "
+                                  "data and tokenizer that saved it")
+            source.restore(meta["data"])
+        return TrainState(params, opt_state), meta["step"], meta["history"]
+
+    def check_same_run(self) -> None:
+        """``--resume`` continues the run that saved the checkpoint: the same model (a changed
+        ``--hidden`` is named, not blamed on the mesh) and the same data and tokenizer."""
+        try:
+            meta = self.checkpointer.meta()
+        except Exception:  # noqa: BLE001 (a damaged newest checkpoint: restore skips it, says so)
+            return
+        if meta is None:
+            return  # restore says there is no checkpoint
+        step, model = meta["step"], self.identity["model"]
+        saved = meta.get("model")
+        if saved is not None:
+            changed = [k for k in sorted(set(saved) | set(model))
+                       if saved.get(k) != model.get(k) and k != "dtype"]
+            if changed:
+                k = changed[0]
+                raise ConfigError(f"checkpoint step {step} was saved by model {saved.get('name')} "
+                                  f"with {k}={saved.get(k)!r}; this run's has {k}="
+                                  f"{model.get(k)!r}: resume with the model flags that saved "
+                                  "it, or start a new --checkpoint-dir")
+        corpus, ours = meta.get("corpus"), self.identity["corpus"]
+        if corpus is not None and corpus != ours:
+            raise ConfigError(f"checkpoint step {step} was trained on data={corpus['data']!r} "
+                              f"(tokenizer {corpus['tokenizer']!r}); this run reads "
+                              f"data={ours['data']!r} (tokenizer {ours['tokenizer']!r}): resume "
+                              "with the data that saved it, or start a new --checkpoint-dir")
+
+    def last_good(self) -> str:
+        """Where the last good state is, for a run that stops on a non-finite loss."""
+        if self.checkpointer is None:
+            return " (no --checkpoint-dir: no state was saved)"
+        steps = self.steps()
+        if not steps:
+            return f" (no checkpoint in {self.checkpointer.directory} yet)"
+        return (f"; the last good state is the checkpoint of step {max(steps)} in "
+                f"{self.checkpointer.directory} (--resume continues from it)")
+
+    def describe(self, resumed_from: int) -> dict | None:
+        """``results.json``'s ``checkpoints``: the folder, the steps kept, where it resumed."""
+        if self.checkpointer is None:
+            return None
+        return {"directory": str(self.checkpointer.directory),
+                "steps": self.checkpointer.all_steps(), "resumed_from": resumed_from}
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()

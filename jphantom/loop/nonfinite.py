@@ -1,0 +1,96 @@
+"""What a non-finite training loss does (``--on-nonfinite``), as one object,
+:class:`NonFinitePolicy`:
+
+- ``stop`` (the default): the run ends with :class:`jphantom.errors.TrainingDiverged`, naming
+  the step and where the last good state is;
+- ``skip``: the update is not applied (the optimizer is wrapped in ``optax.apply_if_finite``,
+  whose count of dropped updates :func:`jphantom.resilience.nonfinite_total` reads); after
+  :data:`jphantom.resilience.MAX_CONSECUTIVE_SKIPS` in a row the run stops;
+- ``rollback``: the state, the history and the data stream go back to the newest checkpoint (or
+  the start), and the batch that gave the bad loss is read but not trained on when the run gets
+  there again.
+
+The policy keeps the record ``results.json`` gets (``skipped_steps``, ``rollbacks``,
+``skipped_batches``)."""
+
+from __future__ import annotations
+
+import math
+
+from jphantom import resilience
+from jphantom.errors import TrainingDiverged
+from jphantom.resilience import MAX_CONSECUTIVE_SKIPS
+
+POLICIES = ("stop", "skip", "rollback")
+
+
+class NonFinitePolicy:
+    """One run's non-finite policy (module docstring). ``config``: the run's configuration
+    (named in the messages); ``opt_state``: the optimizer's state at the start."""
+
+    def __init__(self, config, opt_state):
+        self.config = config
+        self.name = config.train.on_nonfinite
+        self.skipped_steps: list[int] = []
+        self.rollbacks: list[dict] = []
+        self.skipped_batches: list[int] = []
+        self._bad_batches: set[int] = set()
+        self._in_a_row = 0
+        self.reset(opt_state)
+
+    def reset(self, opt_state) -> None:
+        """The optimizer's count of dropped updates starts again from ``opt_state``'s."""
+        self._dropped = resilience.nonfinite_total(opt_state) or 0
+
+    def skips_batch(self, index: int) -> bool:
+        """Whether batch ``index`` gave a rolled-back non-finite loss: then it is not trained
+        on (once), and recorded."""
+        if index not in self._bad_batches:
+            return False
+        self._bad_batches.discard(index)
+        self.skipped_batches.append(index + 1)
+        return True
+
+    def judge(self, index: int, loss: float, opt_state, last_good) -> str:
+        """After step ``index`` with training ``loss``: ``"ok"``, ``"skipped"`` (the update was
+        dropped and the run goes on) or ``"rollback"``; raises
+        :class:`~jphantom.errors.TrainingDiverged` when the run must stop (``last_good()``:
+        where the last good state is, appended to the message)."""
+        skipped = False  # skip: optax.apply_if_finite counted a dropped update
+        if self.name == "skip":
+            dropped = resilience.nonfinite_total(opt_state)
+            skipped, self._dropped = dropped > self._dropped, dropped
+        if math.isfinite(loss) and not skipped:
+            self._in_a_row = 0
+            return "ok"
+        if self.name == "rollback":
+            return "rollback"
+        what = self.describe(index, loss)
+        if self.name == "skip" and skipped:
+            self._in_a_row += 1
+            self.skipped_steps.append(index + 1)
+            if self._in_a_row >= MAX_CONSECUTIVE_SKIPS:
+                raise TrainingDiverged(f"{what}; {self._in_a_row} updates in a row were "
+                                       "skipped: lower the learning rate or check the data"
+                                       + last_good())
+            return "skipped"
+        raise TrainingDiverged(f"{what}: lower the learning rate or check the data"
+                               + last_good())
+
+    def rolled_back(self, index: int, to_step: int, opt_state) -> None:
+        """Record a rollback at step ``index`` to ``to_step``'s state; its batch will be
+        skipped."""
+        self.reset(opt_state)
+        self.rollbacks.append({"at_step": index + 1, "to_step": to_step})
+        self._bad_batches.add(index)
+
+    def describe(self, index: int, loss: float) -> str:
+        c = self.config
+        return (f"training loss is {loss} at step {index + 1} ({c.model.name}, "
+                f"{c.parallel.strategy}, precision {c.step.precision}, dtype {c.model.dtype}, "
+                f"learning_rate={c.train.learning_rate:g})")
+
+    def record(self) -> dict:
+        """``results.json``'s ``nonfinite``."""
+        return {"policy": self.name, "skipped_steps": self.skipped_steps,
+                "rollbacks": self.rollbacks, "skipped_batches": self.skipped_batches}
