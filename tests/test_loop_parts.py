@@ -1,0 +1,102 @@
+"""The training loop's parts, each built and tested alone (jphantom.loop): the non-finite
+policy's verdicts, the records' keys, the run's checkpoints without a folder."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import jax.numpy as jnp
+import optax
+import pytest
+
+from jphantom.errors import TrainingDiverged
+from jphantom.loop import (NonFinitePolicy, RolledBack, RunCheckpoints, RunResults, SkippedBatch,
+                           StepRecord, fresh_history)
+from jphantom.resilience import MAX_CONSECUTIVE_SKIPS
+
+
+def _config(policy: str):
+    return types.SimpleNamespace(
+        train=types.SimpleNamespace(on_nonfinite=policy, learning_rate=0.1, checkpoint_dir=None),
+        model=types.SimpleNamespace(name="gpt2", dtype="float32"),
+        parallel=types.SimpleNamespace(strategy="tensor"),
+        step=types.SimpleNamespace(precision="float32"))
+
+
+def _opt_state(dropped: int):
+    """An optimizer state as optax.apply_if_finite keeps it, ``dropped`` updates skipped."""
+    tx = optax.apply_if_finite(optax.sgd(0.1), 10)
+    state = tx.init({"w": jnp.zeros(2)})
+    return state._replace(total_notfinite=jnp.asarray(dropped))
+
+
+def _no_checkpoint():
+    return " (no --checkpoint-dir: no state was saved)"
+
+
+def test_stop_ends_the_run_naming_the_step_and_the_last_good_state():
+    policy = NonFinitePolicy(_config("stop"), None)
+    assert policy.judge(0, 1.5, None, _no_checkpoint) == "ok"
+    with pytest.raises(TrainingDiverged, match=r"loss is nan at step 4 \(gpt2, tensor.*no "
+                                               r"--checkpoint-dir"):
+        policy.judge(3, math.nan, None, _no_checkpoint)
+
+
+def test_skip_counts_the_updates_the_optimizer_dropped_and_stops_after_too_many():
+    policy = NonFinitePolicy(_config("skip"), _opt_state(0))
+    assert policy.judge(0, 2.0, _opt_state(0), _no_checkpoint) == "ok"
+    assert policy.judge(1, math.inf, _opt_state(1), _no_checkpoint) == "skipped"
+    assert policy.judge(2, 2.0, _opt_state(1), _no_checkpoint) == "ok"  # a good step resets
+    for i in range(MAX_CONSECUTIVE_SKIPS - 1):
+        assert policy.judge(3 + i, math.nan, _opt_state(2 + i), _no_checkpoint) == "skipped"
+    with pytest.raises(TrainingDiverged, match=f"{MAX_CONSECUTIVE_SKIPS} updates in a row"):
+        policy.judge(20, math.nan, _opt_state(20), _no_checkpoint)
+    assert policy.record()["skipped_steps"] == [2, *range(4, 3 + MAX_CONSECUTIVE_SKIPS), 21]
+    # a non-finite loss whose update the optimizer did not drop cannot be skipped: it stops
+    with pytest.raises(TrainingDiverged):
+        NonFinitePolicy(_config("skip"), _opt_state(0)).judge(0, math.nan, _opt_state(0),
+                                                               _no_checkpoint)
+
+
+def test_rollback_asks_for_a_rollback_then_skips_the_bad_batch_once():
+    policy = NonFinitePolicy(_config("rollback"), None)
+    assert policy.judge(5, math.nan, None, _no_checkpoint) == "rollback"
+    policy.rolled_back(5, 3, None)
+    assert not policy.skips_batch(4)
+    assert policy.skips_batch(5) and not policy.skips_batch(5)
+    assert policy.record() == {"policy": "rollback", "skipped_steps": [],
+                               "rollbacks": [{"at_step": 6, "to_step": 3}],
+                               "skipped_batches": [6]}
+
+
+def test_records_keep_the_keys_metrics_jsonl_always_had():
+    record = StepRecord(step=3, train_loss=1.0, learning_rate=0.1, grad_norm=None,
+                        step_seconds=0.5, tokens_per_second=10.0, model_tflops_per_device=None,
+                        mfu=None, peak_memory_bytes=None, energy_joules=None,
+                        joules_per_token=None, energy_source="modelled")
+    found = record.as_dict()
+    assert "validation_loss" not in found and "compiled" not in found
+    assert found["grad_norm"] is None and found["step"] == 3  # always there, even when None
+    record.update_skipped, record.validation_loss = False, 2.5
+    assert record.as_dict()["update_skipped"] is False
+    assert record.as_dict()["validation_loss"] == 2.5
+    assert SkippedBatch(4).as_dict() == {"step": 4, "skipped_batch": True}
+    assert RolledBack(6, 3).as_dict() == {"step": 6, "train_loss": None, "nonfinite": True,
+                                          "rolled_back_to": 3}
+
+
+def test_results_leave_out_what_does_not_apply():
+    fields = {f: None for f in RunResults.__dataclass_fields__}
+    fields |= {"config": {}, "history": fresh_history(), "nonfinite": {}, "throughput": {}}
+    out = RunResults(**fields).as_dict()
+    assert not {"energy", "moe", "pipeline", "checkpoints", "unigram_cross_entropy"} & set(out)
+    assert {"final_validation_loss", "stopped_by", "history"} <= set(out)
+
+
+def test_a_run_without_a_checkpoint_folder_saves_nothing_and_says_so():
+    checkpoints = RunCheckpoints(_config("stop").train, {"model": {}, "corpus": {}})
+    assert not checkpoints and not checkpoints.due(1) and checkpoints.steps() == []
+    assert "no --checkpoint-dir" in checkpoints.last_good()
+    assert checkpoints.describe(0) is None
+    checkpoints.close()
