@@ -1,6 +1,6 @@
 """Pipeline schedules at small scale: memory, time, bubble and point-to-point bytes.
 
-The Day 66 notes (Sec. 2.2) and Singh's thesis (ch. 3) make four claims this script measures on jphantom's
+Narayanan et al. 2021 (Sec. 2.2) and Singh's thesis (ch. 3) make four claims this script measures on jphantom's
 executor (:mod:`jphantom.pipeline.runner`: the whole pipelined step is one ``jax.jit`` of one
 ``shard_map``):
 
@@ -55,7 +55,7 @@ SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
 
 
 def formula(schedule: str, P: int, M: int, V: int) -> float:
-    """The Day 66 notes' bubble as a fraction of device time."""
+    """Narayanan et al.'s bubble as a fraction of device time."""
     return (P - 1) / (P - 1 + V * M) if schedule == "interleaved-1f1b" else (P - 1) / (M + P - 1)
 
 

@@ -63,7 +63,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("gspmd", "the plain model with NamedSharding annotations of Megatron's plan; jax.jit "
              "chooses the collectives (what a JAX user writes without jphantom)", "dense"),
     Strategy("tensor", "Megatron tensor parallelism: column/row pairs with f and g (Brakel et al.); "
-             "sequence parallelism as an option (the Day 66 notes)", "dense"),
+             "sequence parallelism as an option (Korthikanti et al. 2022)", "dense"),
     Strategy("tensor-t1", "Seal et al.'s TP: row-sharded weights, all-gather forward / "
              "reduce-scatter backward", "dense"),
     Strategy("phantom", "phantom parallelism (Seal et al.), one fused decompressor GEMM", "phantom"),

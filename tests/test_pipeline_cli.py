@@ -39,7 +39,7 @@ def test_schedule_prints_timeline_bubble_beside_formula_and_lockstep(capsys):
     assert len(rows) == 4 and all(row.endswith("|") for row in rows)
     assert "F0" in rows[0] and "B7" in rows[3] and "." in rows[3]  # the last stage idles first
     assert "(P-1)/(M+P-1)" in out
-    assert out.count("27.27%") == 3  # simulated = the Day 66 notes' 3/11 = lock-step executor's
+    assert out.count("27.27%") == 3  # simulated = Narayanan et al.'s 3/11 = lock-step executor's
     assert "4 3 2 1" in out  # PipeDream-Flush: P - s in flight on stage s
     steps = lockstep("1f1b", 4, 8)
     assert " ".join(map(str, steps.peak_in_flight)) in out

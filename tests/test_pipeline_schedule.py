@@ -1,4 +1,4 @@
-"""Pipeline schedules as data (issue 8): tables, dependencies, bubbles (the Day 66 notes), memory, errors."""
+"""Pipeline schedules as data (issue 8): tables, dependencies, bubbles (Narayanan et al. 2021), memory, errors."""
 
 from collections import Counter
 
@@ -7,7 +7,7 @@ import pytest
 from jphantom.errors import ConfigError
 from jphantom.pipeline import Task, build, simulate
 
-# The Day 66 notes (Narayanan et al. 2021): bubble (P - 1) / (M + P - 1) for GPipe and 1F1B.
+# Narayanan et al. 2021: bubble (P - 1) / (M + P - 1) for GPipe and 1F1B.
 SEED_003_BUBBLES = [
     (4, 4, 42.9),
     (4, 16, 15.8),

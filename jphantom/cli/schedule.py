@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
         description="Simulate a pipeline schedule on P stages with M micro-batches and print its "
                     "timeline (one row per stage: Fm / Bm are the forward / backward of "
                     "micro-batch m, '.' is idle time), its bubble fraction (idle time / total "
-                    "device time) beside the Day 66 notes' formula, (P-1)/(M+P-1) for gpipe and 1f1b "
+                    "device time) beside Narayanan et al.'s formula, (P-1)/(M+P-1) for gpipe and 1f1b "
                     "and (P-1)/(P-1+V*M) for interleaved-1f1b, and the micro-batches each stage "
                     "holds in flight (their activations stay in memory until the backward). Then "
                     "the same for the lock-step executor that `jphantom train --mesh stage=P,...` "
@@ -54,7 +54,7 @@ def add_parser(sub) -> None:
     schedule.add_argument("--backward-cost", type=float, default=2.0, metavar="R",
                           help="a backward's cost in forwards (default 2.0): it stretches the "
                                "timeline and the makespan; the bubble fractions come out the same "
-                               "for any value, as the Day 66 notes' formula says")
+                               "for any value, as Narayanan et al.'s formula says")
     schedule.add_argument("--width", type=int, default=None, metavar="COLUMNS",
                           help="timeline width in characters (default: wide enough for every "
                                "label)")
@@ -65,7 +65,7 @@ def add_parser(sub) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     """``jphantom schedule``: the simulator's timeline and bubble of a pipeline schedule, beside
-    the Day 66 notes' formula and the lock-step executor's figures. Pure Python: no device is touched."""
+    Narayanan et al.'s formula and the lock-step executor's figures. Pure Python: no device is touched."""
     from jphantom.errors import ConfigError
     from jphantom.pipeline.schedule import (SPLIT_SCHEDULES, lockstep, lockstep_split, simulate,
                                             simulate_split, zero_bubble_formula)
@@ -126,7 +126,7 @@ def handle(args: argparse.Namespace) -> int:
     row = lambda label, value: print(f"  {label:<50}{value}")
     print("\nSimulated (every task starts as soon as its device and inputs are ready):")
     row("bubble fraction", f"{simulation.bubble_fraction:.2%}")
-    source = "Qi et al. 2024" if split else "the Day 66 notes' formula"
+    source = "Qi et al. 2024" if split else "Narayanan et al.'s formula"
     row(f"{source} {FORMULAS[args.schedule]}", f"{formula:.2%}")
     row("peak micro-batches in flight per stage" + (" (chunks)" if V > 1 else ""),
         peaks(simulation.peak_in_flight))

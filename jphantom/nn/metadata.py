@@ -7,7 +7,7 @@ A parallel layer creates its parameters with :func:`param`, which records
   ``PartitionSpec`` of the parameter's shards;
 - ``reduce_axes``: mesh axes over which this rank sees only part of the parameter's uses, so its
   gradient is summed over them once per step, after the backward (Megatron-SP's LayerNorm and
-  row-bias parameters, which see S/p tokens per rank, the Day 66 notes Sec. 4.2.2).
+  row-bias parameters, which see S/p tokens per rank, Korthikanti et al. 2022, Sec. 4.2.2).
 
 Nothing here communicates. Parameters are created with ``eager_sharding=False``: the step places
 them (``jax.jit`` with ``out_shardings``), so a model can be parallelised without a mesh context.

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (the Day 66 notes Sec. 2.2, Singh's thesis ch. 3): schedules as data
+"""Pipeline parallelism (Narayanan et al. 2021, Sec. 2.2, Singh's thesis ch. 3): schedules as data
 (:mod:`.schedule`), the settings (:mod:`.config`), a schedule compiled to a table of F, BW, B and
 W tasks (:mod:`.table`), the one SPMD executor that runs every schedule's table (:mod:`.runner`,
 its buffers in :mod:`.buffers`) and a stage's backward split into B and W (:mod:`.split`)."""

@@ -1,5 +1,5 @@
 """Pipeline parallelism executed inside the one SPMD training step: one executor for every
-schedule (GPipe, 1F1B and interleaved 1F1B: the Day 66 notes Sec. 2.2, Singh's thesis ch. 3;
+schedule (GPipe, 1F1B and interleaved 1F1B: Narayanan et al. 2021, Sec. 2.2, Singh's thesis ch. 3;
 ZB-H1 and ZB-V: Qi et al., "Zero Bubble Pipeline Parallelism", Sec. 2).
 
 The training step (:class:`jphantom.TrainStep`) cuts a model at its one

@@ -12,7 +12,7 @@ operation per tick per device, every operation one tick long):
     forward and one backward, then drains the remaining backwards. At most ``P - s`` micro-batches
     are in flight on stage ``s``.
 ``interleaved-1f1b``
-    Megatron-LM's interleaved schedule (the Day 66 notes, Narayanan et al. 2021, Sec. 2.2): each device holds
+    Megatron-LM's interleaved schedule (Narayanan et al. 2021, Sec. 2.2): each device holds
     ``V`` model chunks (virtual stages); model chunk ``chunk * P + stage`` lives on ``stage``, so a
     micro-batch passes through all ``V * P`` chunks, visiting every device ``V`` times. Like
     Megatron, it requires ``microbatches % stages == 0``.
@@ -42,11 +42,11 @@ drawn, and run in lock-step by :mod:`jphantom.pipeline.split`):
 Bubble fractions (idle time / total device time over the makespan), as this simulator measures them
 (see ``tests/test_pipeline_schedule.py``):
 
-* GPipe and 1F1B: ``(P - 1) / (M + P - 1)`` exactly, for *any* ``backward_cost`` -- the Day 66 notes'
+* GPipe and 1F1B: ``(P - 1) / (M + P - 1)`` exactly, for *any* ``backward_cost`` -- Narayanan et al.'s
   formula: the bubble is ``(P - 1) * (t_f + t_b)`` against an ideal ``M * (t_f + t_b)``, so the
   backward/forward cost ratio cancels. (P, M) = (4, 4), (4, 16), (4, 64), (16, 16), (16, 64),
   (16, 256) give 42.9, 15.8, 4.5, 48.4, 19.0, 5.5 %.
-* Interleaved 1F1B: the Day 66 notes gives a bubble of ``(1 / V) * (P - 1) / M`` *relative to the ideal
+* Interleaved 1F1B: Narayanan et al. give a bubble of ``(1 / V) * (P - 1) / M`` *relative to the ideal
   time*; as a fraction of total device time that is ``(P - 1) / (P - 1 + V * M)``, which the
   simulator reproduces (to float rounding) for the (P, V, M) tested, with ``backward_cost`` 1
   and 2 alike -- again the cost ratio cancels.
@@ -250,7 +250,7 @@ def simulate(
 
     A forward costs ``1 / virtual_stages`` per chunk and a backward ``backward_cost /
     virtual_stages``; each task starts when its device is free and its dependencies have ended.
-    GPipe and 1F1B give the Day 66 notes' bubble ``(P - 1) / (M + P - 1)`` for any ``backward_cost``;
+    GPipe and 1F1B give Narayanan et al.'s bubble ``(P - 1) / (M + P - 1)`` for any ``backward_cost``;
     interleaved 1F1B gives ``(P - 1) / (P - 1 + V * M)`` (see the module docstring).
     """
     _validate(schedule, stages, microbatches, virtual_stages)

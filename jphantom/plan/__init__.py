@@ -15,7 +15,7 @@ tensor          tensor      ``inventory.collective_inventory(..., "tensor")`` on
                             data=D,model=T (Megatron's f/g all-reduces; Shoeybi et al.),
                             then the data all-reduce of the rank's parameters
 tensor + SP     tensor      the same with ``sequence_parallel=True`` (all-reduces become
-                            reduce-scatter + all-gather pairs; the Day 66 notes)
+                            reduce-scatter + all-gather pairs; Korthikanti et al. 2022)
 data            tensor      model=1: only the data all-reduce of all parameters
 phantom         phantom     ``inventory.collective_inventory(..., "phantom")`` (k ghosts per
                             token all-gathered, reduced backward; Seal et al.) + data all-reduce

@@ -1,5 +1,5 @@
 """The ready-made plan of Megatron tensor parallelism (Shoeybi et al., Brakel et al.), with
-sequence parallelism (Korthikanti et al., the Day 66 notes), collective matmul, grouped-query
+sequence parallelism (Korthikanti et al. 2022), collective matmul, grouped-query
 attention's shared key/value heads and routed experts (expert parallelism, TED, DTD: Singh's
 thesis ch. 7): :func:`megatron`."""
 
@@ -23,7 +23,7 @@ def megatron(model: nnx.Module, *, sequence_parallel: bool = False, dtd: bool = 
     """Megatron tensor parallelism (Brakel et al.): q/k/v and up/gate column-parallel, attention output
     and down row-parallel, embedding and head vocabulary-parallel, experts split over their width,
     routers replicated, norms ``input`` (f once for the layers they feed: pre-norm blocks);
-    ``sequence_parallel`` (the Day 66 notes): norms and position tables ``sequence``. A routed mixture of
+    ``sequence_parallel`` (Korthikanti et al. 2022): norms and position tables ``sequence``. A routed mixture of
     experts (:class:`~jphantom.nn.experts.SwitchMoE`) is ``experts`` (over ``expert`` and TED;
     ``dtd``: duplicate token dropping) and the norm before it (:data:`MLP_NORMS`) ``replicate``.
     ``collective_matmul`` (with ``sequence_parallel``): the row layers and the norms inside the

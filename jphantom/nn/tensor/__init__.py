@@ -1,5 +1,5 @@
 """Megatron tensor (and sequence) parallelism as Flax NNX layers (Shoeybi et al., Brakel et al.;
-Korthikanti et al., the Day 66 notes).
+Korthikanti et al. 2022).
 
 Each layer runs on one rank inside the training step's ``shard_map`` and calls its collectives on
 the mesh axis it was given (``axis``, default ``"model"``, of size p). Parameters are ``nnx.Param``s
@@ -9,7 +9,7 @@ them back with :meth:`dense_equivalent`. Leading stacked dimensions (blocks crea
 ``nnx.vmap``, [L, ...]) are carried along unsplit.
 
 Activations: B tokens' batch, S sequence, h features. Without sequence parallelism the residual
-stream is replicated over ``axis`` [B, S, h]; with it (``sequence_parallel=True``, the Day 66 notes
+stream is replicated over ``axis`` [B, S, h]; with it (``sequence_parallel=True``, Korthikanti et al. 2022
 Sec. 4.2.2) it is split over the sequence [B, S/p, h] and each all-reduce below becomes a
 reduce-scatter plus an all-gather of the same volume.
 

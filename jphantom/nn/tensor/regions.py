@@ -1,6 +1,6 @@
 """Megatron's f and g (Shoeybi et al., ``copy_to_tensor_model_parallel_region`` and
 ``reduce_from_tensor_model_parallel_region``) and their sequence-parallel forms (Korthikanti et
-al., the Day 66 notes Sec. 4.2.2), where the residual stream enters and leaves the tensor-parallel
+al. 2022, Sec. 4.2.2), where the residual stream enters and leaves the tensor-parallel
 region.
 
 f is ``comm.pcast(x, axis, to="varying")``: identity forward, its transpose the all-reduce. g is

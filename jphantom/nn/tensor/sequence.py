@@ -1,4 +1,4 @@
-"""Sequence parallelism's boundaries (Korthikanti et al., the Day 66 notes Sec. 4.2.2): the
+"""Sequence parallelism's boundaries (Korthikanti et al. 2022, Sec. 4.2.2): the
 per-token modules before the column layers (a norm, a module of your own, a learned position
 embedding) run on this rank's S/p tokens, their parameters' gradients summed over the mesh axis
 once per step, and the sequence is all-gathered once for the layers they feed. Without sequence
