@@ -3,8 +3,8 @@
 For Llama 3 8B (L = 32, h = 4096, 32 heads, 8 key/value heads, SwiGLU width 14336) and 70B
 (L = 80, h = 8192, 64 heads, 8 key/value heads, 28672), V = 128256, S = 2048, 512 sequences per
 step, on 64 and 256 H100 SXM GPUs (8 per node; NVLink 450 GB/s per direction inside a node,
-8 x 400 Gb/s InfiniBand = 400 GB/s per node across nodes): `jphantom.plan` ranks every layout of
-the Llama; the top K are compiled ahead of time for the GPUs (`jphantom.plan.compiled.compile_plan`: XLA's
+8 x 400 Gb/s InfiniBand = 400 GB/s per node across nodes): `jphantom.planner` ranks every layout of
+the Llama; the top K are compiled ahead of time for the GPUs (`jphantom.planner.compiled.compile_plan`: XLA's
 GPU compiler, no GPU; float32 master weights, bf16 compute, Adam, per-layer activation
 checkpointing, as the planner assumes) and each row puts the planner's figures beside XLA's,
 term by term:
@@ -55,10 +55,10 @@ def run(models: dict, device_counts: list[int], top: int, batch: int, out: Path)
     from tqdm import tqdm
 
     from jphantom import aot
-    from jphantom.plan.compiled import compile_plan, format_compiled_plan
+    from jphantom.planner.compiled import compile_plan, format_compiled_plan
     from jphantom.analysis.machine import source_revision
     from jphantom.perf.axonn_model import GPTShape, Topology
-    from jphantom.plan import plan
+    from jphantom.planner import plan
 
     topology = Topology(gpus_per_node=8, inter_node_gbps=400.0, intra_node_gbps=450.0,
                         latency_us=5.0, name="H100 SXM nodes (assumed)")
@@ -99,7 +99,7 @@ def run(models: dict, device_counts: list[int], top: int, batch: int, out: Path)
     results = {"models": models, "device_counts": device_counts, "top": top,
                "batch_sequences": batch, "topology": topology.as_dict(),
                "versions": aot.versions(), "source_revision": source_revision(Path(__file__).parents[1]), "rows": rows,
-               "modelled": "planner memory and communication (jphantom.plan)",
+               "modelled": "planner memory and communication (jphantom.planner)",
                "compiled": "XLA's GPU compiler's memory_analysis() and HLO; nothing ran"}
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -58,7 +58,7 @@ from jphantom.analysis.machine import output_folder  # noqa: E402
 from jphantom.analysis.timing import build_run_step, time_round_robin  # noqa: E402
 from jphantom.config import RunConfig  # noqa: E402
 from jphantom.perf import axonn_model as am  # noqa: E402
-from jphantom.plan import plan  # noqa: E402
+from jphantom.planner import plan  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "pmm3d"
 

@@ -24,7 +24,7 @@ What a family declares:
 - its Hugging Face mapping: the ``model_type``\\ s it reads (``hf_types``), ``config_from_hf``,
   ``load_hf`` and ``save_hf`` (tensor names, tied weights and key aliases live with them);
 - ``flops_per_token(config, seq_len)`` (forward + backward model FLOPs, for MFU) and
-  ``plan_shape(config)`` (the dense-block shape :mod:`jphantom.plan` prices, a
+  ``plan_shape(config)`` (the dense-block shape :mod:`jphantom.planner` prices, a
   :class:`jphantom.perf.axonn_model.GPTShape`; ``None``: the planner refuses it by name);
 - ``strategies``: the strategy names it runs (:data:`jphantom.program.STRATEGIES`);
   ``program``: ``"lm"`` (a language model under :func:`jphantom.program.lm_build`'s plans) or

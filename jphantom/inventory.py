@@ -1,6 +1,6 @@
 """What each strategy's training step moves over ``model``: the collectives the designs' formulas
 predict, per device, kind by kind. The HLO tests (``tests/test_transformer.py``) assert the
-compiled step moves exactly these, the planner (:mod:`jphantom.plan`) and the analytic step model
+compiled step moves exactly these, the planner (:mod:`jphantom.planner`) and the analytic step model
 (:mod:`jphantom.perf.step_model`) price them.
 
 Formulas: Megatron tensor parallelism (Shoeybi et al.) and its sequence parallelism (Korthikanti

@@ -1,5 +1,5 @@
-"""The routed MoE layers (:class:`jphantom.nn.experts.SwitchMoE` and its expert-parallel
-:class:`jphantom.nn.expert.ExpertParallelMoE`): equal to the dense oracle (every expert on every
+"""The routed MoE layers (:class:`jphantom.nn.moe.SwitchMoE` and its expert-parallel
+:class:`jphantom.nn.expert_parallel.ExpertParallelMoE`): equal to the dense oracle (every expert on every
 token, weighted by the router's gates) when nothing is dropped, the load-balancing loss of the
 whole batch on every mesh, exact dropped counts, two all-to-alls each way, TED and DTD, CAC, the
 dropless path, named errors."""
@@ -18,8 +18,9 @@ from jphantom import remat
 from jphantom.analysis.hlo import collectives
 from jphantom.errors import ConfigError
 from jphantom.mesh import MeshConfig, first_devices
-from jphantom.nn import expert, metadata
-from jphantom.nn.experts import SwitchMoE
+from jphantom.nn import expert_parallel as expert
+from jphantom.nn import metadata
+from jphantom.nn.moe import SwitchMoE
 
 from conftest import require_devices
 from helpers import assert_tree_close

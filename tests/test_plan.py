@@ -13,7 +13,7 @@ from jphantom.errors import ConfigError
 from jphantom.perf import axonn_model as ax
 from jphantom.perf.axonn_model import GB, Grid, Layer, Topology
 from jphantom.pipeline.schedule import lockstep_split
-from jphantom.plan import LAYOUTS, plan
+from jphantom.planner import LAYOUTS, plan
 
 from helpers import exit_code
 
@@ -400,7 +400,7 @@ def test_plan_work_is_bounded_in_the_depth():
     """A million layers price like one block counted a million times: the pmm3d rows' modelled
     communication scales exactly with L, and the search finishes (it once built every layer)."""
     from jphantom.perf.axonn_model import GPTShape
-    from jphantom.plan import plan
+    from jphantom.planner import plan
 
     def pmm3d_comm(layers):
         shape = GPTShape(layers=layers, hidden=1024, heads=16, seq_len=128, vocab_size=1024)
@@ -452,7 +452,7 @@ def test_a_context_only_layout_prices_its_gradient_all_reduce():
     """data=1,context=C: the gradients are all-reduced over the C context ranks (they saw
     different tokens); the planner used to price that at 0 s (data's level has no link), so with a
     large vocabulary such a layout ranked first."""
-    from jphantom.plan import plan
+    from jphantom.planner import plan
     from jphantom.perf.axonn_model import GPTShape
 
     result = plan(GPTShape(layers=2, hidden=256, heads=4, seq_len=1024, vocab_size=65536), 8,

@@ -336,7 +336,7 @@ def test_a_bad_description_is_refused_by_name(bad, message):
 
 def _plan(objective):
     from jphantom.perf import axonn_model as ax
-    from jphantom.plan import plan
+    from jphantom.planner import plan
 
     shape = ax.GPTShape(layers=4, hidden=256, heads=8, seq_len=128, vocab_size=1024)
     return plan(shape, 16, batch=64, memory_gib=80, objective=objective,

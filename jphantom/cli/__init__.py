@@ -12,7 +12,7 @@ Errors. A bad value (:class:`jphantom.errors.ConfigError`) or a diverged trainin
 status 2 (bad value) or 1 (diverged), without a traceback.
 
 One module per command (``train``, ``inspect``, ``compile``, ``compare``, ``schedule``,
-``tokenize``, ``verify``, ``demo``; ``plan`` and ``launch`` live in :mod:`jphantom.plan` and
+``tokenize``, ``verify``, ``demo``; ``plan`` and ``launch`` live in :mod:`jphantom.planner` and
 :mod:`jphantom.launch`), each with its ``add_parser(sub)`` and ``handle(args)``; the flags they
 share in :mod:`jphantom.cli.parser` (the run's, built from the configuration's fields),
 :mod:`jphantom.cli.devices` and :mod:`jphantom.cli.step_defaults`. This module is the entry
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_parser(sub)
     tokenize.add_parser(sub)
     schedule.add_parser(sub)
-    from jphantom.plan import add_parser as add_plan_parser
+    from jphantom.planner import add_parser as add_plan_parser
 
     add_plan_parser(sub)
     from jphantom.launch import add_parser as add_launch_parser

@@ -14,9 +14,9 @@ model by path; a model holds none of them itself.
 - :mod:`jphantom.nn.boundary`: the plain point between layers where a plan may re-lay an
   activation out.
 - :mod:`jphantom.nn.phantom`: the phantom linear (Seal et al.), feature-split embeddings and norms.
-- :mod:`jphantom.nn.experts`: mixtures of experts, plain: SwiGLU or GELU experts (Mixtral's
+- :mod:`jphantom.nn.moe`: mixtures of experts, plain: SwiGLU or GELU experts (Mixtral's
   router), and the routed :class:`SwitchMoE` (capacity, dropless, load-balancing and z losses).
-- :mod:`jphantom.nn.expert`: expert parallelism over ``expert`` (all-to-all dispatch), TED and
+- :mod:`jphantom.nn.expert_parallel`: expert parallelism over ``expert`` (all-to-all dispatch), TED and
   DTD over ``model``, phantom-parallel experts.
 - :mod:`jphantom.nn.attention`: the causal attention core and positions a model computes with,
   and context parallelism: ring and all-gather attention over ``context``.
@@ -28,8 +28,8 @@ model by path; a model holds none of them itself.
 from jphantom.nn.attention import (CausalAttention, ContextPositions, GatheredAttention,
                                    Positions, RingAttention)
 from jphantom.nn.boundary import Boundary
-from jphantom.nn.expert import ExpertParallelExperts, ExpertParallelMoE, PhantomMoE
-from jphantom.nn.experts import Experts, SwitchMoE, top_k_gates
+from jphantom.nn.expert_parallel import ExpertParallelExperts, ExpertParallelMoE, PhantomMoE
+from jphantom.nn.moe import Experts, SwitchMoE, top_k_gates
 from jphantom.nn.loss import cross_entropy, cross_entropy_terms
 from jphantom.nn.phantom import FeatureParallelEmbed, FeatureParallelNorm, PhantomLinear
 from jphantom.nn.stack import Stacked, set_remat

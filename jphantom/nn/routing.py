@@ -1,6 +1,6 @@
 """Routing arithmetic of the mixture-of-experts layers (GShard / Switch Transformer; Singh's thesis
-ch. 7), shared by :mod:`jphantom.nn.experts` (the single-device :class:`~jphantom.nn.experts.SwitchMoE`)
-and :mod:`jphantom.nn.expert` (expert parallelism over the ``expert`` axis, TED, DTD, dropless,
+ch. 7), shared by :mod:`jphantom.nn.moe` (the single-device :class:`~jphantom.nn.moe.SwitchMoE`)
+and :mod:`jphantom.nn.expert_parallel` (expert parallelism over the ``expert`` axis, TED, DTD, dropless,
 phantom-parallel experts): no collective here.
 
 - :class:`MoEConfig`: hidden width, experts E, top-k, capacity factor (``None``: dropless).

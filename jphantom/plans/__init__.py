@@ -35,13 +35,13 @@ each kind of Flax layer (p = the size of ``axis``):
                ``nnx.Embed`` -> :class:`~jphantom.nn.phantom.FeatureParallelEmbed`; norms ->
                :class:`~jphantom.nn.phantom.FeatureParallelNorm`; ``Experts`` ->
                :class:`~jphantom.nn.tensor.TensorParallelExperts` on feature-split streams;
-               ``SwitchMoE`` -> :class:`~jphantom.nn.expert.PhantomMoE` (phantom experts)
-``experts``    :class:`~jphantom.nn.experts.Experts` ->
+               ``SwitchMoE`` -> :class:`~jphantom.nn.expert_parallel.PhantomMoE` (phantom experts)
+``experts``    :class:`~jphantom.nn.moe.Experts` ->
                :class:`~jphantom.nn.tensor.TensorParallelExperts` (FFN width / p); on a mesh
-               with an ``expert`` axis :class:`~jphantom.nn.expert.ExpertParallelExperts`
+               with an ``expert`` axis :class:`~jphantom.nn.expert_parallel.ExpertParallelExperts`
                (E / G experts per rank, all-to-all dispatch; TED: width / p over ``axis``);
-               a routed :class:`~jphantom.nn.experts.SwitchMoE` ->
-               :class:`~jphantom.nn.expert.ExpertParallelMoE` (E / G experts per rank over
+               a routed :class:`~jphantom.nn.moe.SwitchMoE` ->
+               :class:`~jphantom.nn.expert_parallel.ExpertParallelMoE` (E / G experts per rank over
                ``expert``, TED over ``axis``; ``Style("experts", dtd=True)``: duplicate token
                dropping), its load-balancing statistics summed over the batch axes
                (E / G experts per rank, all-to-all dispatch; TED: width / p over ``axis``)

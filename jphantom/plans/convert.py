@@ -12,13 +12,13 @@ from flax import nnx
 from jphantom.errors import ConfigError
 from jphantom.mesh import BATCH_AXES
 from jphantom.nn import attention
-from jphantom.nn import expert as expert_layers
-from jphantom.nn import experts as experts_module
+from jphantom.nn import expert_parallel as expert_layers
+from jphantom.nn import moe as experts_module
 from jphantom.nn import phantom as phantom_layers
 from jphantom.nn import pmm3d as pmm3d_layers
 from jphantom.nn import tensor
 from jphantom.nn.boundary import Boundary
-from jphantom.nn.experts import SwitchMoE
+from jphantom.nn.moe import SwitchMoE
 from jphantom.plans.paths import holds_params
 from jphantom.plans.styles import NORMS, REGISTERED, Style, build_registered
 

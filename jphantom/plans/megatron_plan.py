@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from flax import nnx
 
 from jphantom.errors import ConfigError
-from jphantom.nn.experts import Experts, SwitchMoE
+from jphantom.nn.moe import Experts, SwitchMoE
 from jphantom.plans.paths import holds_params, inside, unplaced
 from jphantom.plans.styles import NORMS, Style
 from jphantom.plans.walk import (COLUMN, HEAD_NORMS, KV_COLUMNS, MLP_NORMS, ROUTERS, ROW, leaf_name,
@@ -24,7 +24,7 @@ def megatron(model: nnx.Module, *, sequence_parallel: bool = False, dtd: bool = 
     and down row-parallel, embedding and head vocabulary-parallel, experts split over their width,
     routers replicated, norms ``input`` (f once for the layers they feed: pre-norm blocks);
     ``sequence_parallel`` (Korthikanti et al. 2022): norms and position tables ``sequence``. A routed mixture of
-    experts (:class:`~jphantom.nn.experts.SwitchMoE`) is ``experts`` (over ``expert`` and TED;
+    experts (:class:`~jphantom.nn.moe.SwitchMoE`) is ``experts`` (over ``expert`` and TED;
     ``dtd``: duplicate token dropping) and the norm before it (:data:`MLP_NORMS`) ``replicate``.
     ``collective_matmul`` (with ``sequence_parallel``): the row layers and the norms inside the
     blocks that feed column layers only (not a block's MLP norm where its MLP is a mixture of

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from flax import nnx
 
-from jphantom.nn.experts import Experts, SwitchMoE
+from jphantom.nn.moe import Experts, SwitchMoE
 from jphantom.plans.paths import holds_params, inside
 from jphantom.plans.styles import NORMS, Style
 from jphantom.plans.walk import (COLUMN, HEAD_NORMS, ROUTERS, ROW, leaf_name, named_entries,

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from flax import nnx
 
 from jphantom.errors import ConfigError
-from jphantom.nn.experts import SwitchMoE
+from jphantom.nn.moe import SwitchMoE
 from jphantom.plans.paths import modules_by_path
 
 

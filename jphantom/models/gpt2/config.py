@@ -7,7 +7,7 @@ MLP of width 4h, each with a residual connection; a final LayerNorm; an LM head 
 embedding (``tied_head=False``: an untied ``head``, as the phantom-parallel GPT-2 has). No dropout.
 
 Mixture of experts (``moe_every=n``): every n-th block (blocks n-1, 2n-1, ...) replaces its MLP by
-a top-k MoE of ``experts`` GELU FFNs of width 4h (:class:`jphantom.nn.experts.SwitchMoE`). The
+a top-k MoE of ``experts`` GELU FFNs of width 4h (:class:`jphantom.nn.moe.SwitchMoE`). The
 loss adds ``balance_weight`` x the load-balancing loss and ``z_weight`` x the router z-loss of
 every MoE block (Switch Transformer's 0.01, ST-MoE's 0.001).
 """

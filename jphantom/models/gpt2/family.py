@@ -37,7 +37,7 @@ def family_config(section, phantom: bool) -> TransformerConfig:
 
 
 def plan_shape(config: TransformerConfig):
-    """The dense-block shape :mod:`jphantom.plan` prices (GPT-2's block, tied head)."""
+    """The dense-block shape :mod:`jphantom.planner` prices (GPT-2's block, tied head)."""
     from jphantom.perf.axonn_model import GPTShape
 
     if config.moe_every:

@@ -14,7 +14,7 @@ built from plain Flax layers with no collective, with optional mixture-of-expert
 :func:`load` and :func:`save` read and write).
 
 Mixture of experts (``moe_every=n``; Singh's thesis ch. 7): every n-th block (blocks n-1, 2n-1, ...)
-replaces its MLP by a :class:`~jphantom.nn.experts.SwitchMoE`: a router [h, E] and ``experts``
+replaces its MLP by a :class:`~jphantom.nn.moe.SwitchMoE`: a router [h, E] and ``experts``
 GELU FFNs of width 4h with biases, top-k routing with a capacity (``capacity_factor``; ``None``:
 dropless). The blocks are then stacked as L/n groups, each n-1 plain blocks and one MoE block,
 and what flows from group to group is ``(h, aux)``: the MoE blocks add their load-balancing loss,
@@ -28,7 +28,7 @@ router z-loss and dropped count to ``aux``. Paths:
 ``loss`` = cross-entropy + ``balance_weight`` x load balance + ``z_weight`` x z-loss, each summed
 over the MoE blocks (Switch Transformer's 0.01, ST-MoE's 0.001); :meth:`GPT2.metrics` gives the
 cross-entropy alone and the dropped assignments. A plan makes the MoE layers parallel
-(:class:`~jphantom.nn.expert.ExpertParallelMoE`, :class:`~jphantom.nn.expert.PhantomMoE`), whose
+(:class:`~jphantom.nn.expert_parallel.ExpertParallelMoE`, :class:`~jphantom.nn.expert_parallel.PhantomMoE`), whose
 load-balancing statistics are summed over the batch's ranks: the loss does not depend on the mesh.
 """
 
@@ -43,7 +43,7 @@ from jphantom.errors import ConfigError
 from jphantom.models.gpt2.config import TransformerConfig
 from jphantom.nn import balance
 from jphantom.nn.attention import CausalAttention, Positions
-from jphantom.nn.experts import SwitchMoE
+from jphantom.nn.moe import SwitchMoE
 from jphantom.nn.loss import cross_entropy_terms
 from jphantom.nn.stack import Stacked
 

@@ -32,7 +32,7 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> int:
 
 
 def plan_shape(config: LlamaConfig, model: str = "llama"):
-    """The dense-block shape :mod:`jphantom.plan` prices (its Llama block: GQA projections and a
+    """The dense-block shape :mod:`jphantom.planner` prices (its Llama block: GQA projections and a
     gated MLP; norms, biases and q/k norms are small parameters it leaves out)."""
     from jphantom.perf.axonn_model import GPTShape
 

@@ -5,7 +5,7 @@ pre-RMSNorm blocks of causal grouped-query attention with rotary position embedd
 "rotate half" convention) and a SwiGLU MLP, ``down(silu(gate(x)) * up(x))``; a final RMSNorm; an
 untied LM head (tied with ``tie_word_embeddings``). No biases. Mixtral (Jiang et al. 2024,
 ``MixtralForCausalLM``): the MLP of every block is a mixture of ``experts`` SwiGLU experts with a
-softmax router whose top-k weights are renormalised (:mod:`jphantom.nn.experts`), no capacity.
+softmax router whose top-k weights are renormalised (:mod:`jphantom.nn.moe`), no capacity.
 
 The model holds no collective; :func:`jphantom.plans.megatron` / :func:`jphantom.plans.phantom` and
 :func:`jphantom.parallelize` make it parallel. Attention reshapes heads with ``-1`` and reads the
@@ -31,7 +31,7 @@ from jphantom import token_mean
 from jphantom.errors import ConfigError
 from jphantom.models.llama.config import LlamaConfig
 from jphantom.nn.attention import CausalAttention, Positions
-from jphantom.nn.experts import Experts, top_k_gates
+from jphantom.nn.moe import Experts, top_k_gates
 from jphantom.nn.loss import cross_entropy_terms
 from jphantom.nn.norm import OffsetRMSNorm
 from jphantom.nn.stack import Stacked

@@ -18,7 +18,7 @@ layer's weight (vocabulary over (x, z), features over y): the lookup all-reduces
 tied head's logits [B, S, V/G_x] all-reduce over ``y`` and the cross-entropy is
 vocabulary-parallel over ``x``. An untied head is a normal layer whose outputs are the vocabulary.
 
-A routed mixture of experts (:class:`Pmm3dMoE`, a :class:`~jphantom.nn.experts.SwitchMoE` in the
+A routed mixture of experts (:class:`Pmm3dMoE`, a :class:`~jphantom.nn.moe.SwitchMoE` in the
 MLP's place) runs on the same stream: its tokens' features are all-gathered over ``y`` (the router
 and every expert contract whole tokens: B S h / (G_data G_z) per layer forward, an all-reduce of
 that size backward), the experts are split over ``expert`` (all-to-all dispatch) and their width
@@ -44,8 +44,8 @@ from jphantom import comm
 from jphantom import remat
 from jphantom.errors import ConfigError
 from jphantom.nn import metadata
-from jphantom.nn.expert import ExpertParallelMoE
-from jphantom.nn.experts import SwitchMoE
+from jphantom.nn.expert_parallel import ExpertParallelMoE
+from jphantom.nn.moe import SwitchMoE
 from jphantom.nn.tensor import (gather_vocab, matmul, param_value, plain_embed, plain_linear,
                                  promote_dtypes)
 from jphantom.nn.pmm3d import ops as pmm3d_ops
@@ -200,9 +200,9 @@ __all__ = ["Pmm3dLinear", "Pmm3dEmbed"]
 
 
 class Pmm3dMoE(nnx.Module):
-    """A :class:`~jphantom.nn.experts.SwitchMoE` on pmm3d's stream [..., h/G_y] (module
+    """A :class:`~jphantom.nn.moe.SwitchMoE` on pmm3d's stream [..., h/G_y] (module
     docstring): ``x [..., h/G_y] -> (y [..., h/G_y], aux)``, the experts an
-    :class:`~jphantom.nn.expert.ExpertParallelMoE` over ``expert_axis`` (E/G experts per rank)
+    :class:`~jphantom.nn.expert_parallel.ExpertParallelMoE` over ``expert_axis`` (E/G experts per rank)
     with their width over ``x`` (TED), on the tokens gathered over ``y``."""
 
     def __init__(self, moe: ExpertParallelMoE):

@@ -9,7 +9,7 @@ from flax import nnx
 
 from jphantom import comm
 from jphantom.nn import metadata
-from jphantom.nn.experts import Experts
+from jphantom.nn.moe import Experts
 from jphantom.nn.tensor.regions import reduce_from_model, to_full_sequence
 
 

@@ -35,7 +35,7 @@ paper's model exactly.
 Units: volumes are elements (compare them with the HLO's bytes / element size); bandwidths are
 bytes per second, GB/s = 1e9 bytes/s; times are seconds.
 
-Also here, for the planner (:mod:`jphantom.plan`): the GPT layer list (Singh's thesis §1.4: QKV normal,
+Also here, for the planner (:mod:`jphantom.planner`): the GPT layer list (Singh's thesis §1.4: QKV normal,
 attention output transposed, MLP up normal, MLP down transposed), the enumeration of grids with
 their divisibility and memory filters, and the per-device memory model (:func:`pmm3d_memory`,
 modelled, see its docstring).

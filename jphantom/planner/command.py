@@ -9,9 +9,9 @@ import math
 
 from jphantom.errors import ConfigError
 from jphantom.perf.axonn_model import GPTShape, Topology
-from jphantom.plan.report import format_plan
-from jphantom.plan.result import Plan
-from jphantom.plan.search import DEFAULT_DEVICE_TFLOPS, plan
+from jphantom.planner.report import format_plan
+from jphantom.planner.result import Ranking
+from jphantom.planner.search import DEFAULT_DEVICE_TFLOPS, plan
 
 
 def _parse_int(flag: str, text: str, minimum: int = 1) -> int:
@@ -121,7 +121,7 @@ DEFAULT_DEVICE = "a100-sxm"
 planner's default machine."""
 
 
-def _compile_top(args, result: Plan, k: int, gpus_per_node: int) -> int:
+def _compile_top(args, result: Ranking, k: int, gpus_per_node: int) -> int:
     """``--compile-top K``: compile the K best layouts for the target and re-rank them."""
     import json
     import os
@@ -129,7 +129,7 @@ def _compile_top(args, result: Plan, k: int, gpus_per_node: int) -> int:
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from jphantom import aot
-    from jphantom.plan.compiled import compile_plan, format_compiled_plan, format_simulated_plan
+    from jphantom.planner.compiled import compile_plan, format_compiled_plan, format_simulated_plan
 
     devices = result.assumptions["devices"]
     if devices % gpus_per_node:

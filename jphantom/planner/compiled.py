@@ -10,7 +10,7 @@ from jphantom.errors import ConfigError
 
 
 def plan_row_flags(row, shape: dict, batch: int, precision: str = "bf16") -> dict | None:
-    """The run of one :class:`jphantom.plan.PlanRow` (``shape``: the plan's model assumptions,
+    """The run of one :class:`jphantom.planner.PlanRow` (``shape``: the plan's model assumptions,
     :class:`jphantom.perf.axonn_model.GPTShape` as a dict), as the :meth:`RunConfig.from_flags`
     names: the planner's model (its zoo family of the same sizes), float32
     parameters with ``precision`` compute (16 bytes of state per parameter with Adam, as the
@@ -38,7 +38,7 @@ def plan_row_flags(row, shape: dict, batch: int, precision: str = "bf16") -> dic
 
 def compile_plan(result, top: int, target: Target, *, devices: list | None = None,
                  progress=None, predict_on=None) -> list[dict]:
-    """Compile the ``top`` best same-model layouts of a :class:`jphantom.plan.Plan` for
+    """Compile the ``top`` best same-model layouts of a :class:`jphantom.planner.Ranking` for
     ``target`` and re-rank them by what the compiler says: layouts whose compiled peak fits the
     device first, then fewer collective bytes per device that cross nodes, then fewer in all.
     Each entry: the plan row, its run's flags, the compile report's memory and collectives (or

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from jphantom.plan.result import Plan
+from jphantom.planner.result import Ranking
 
 
-def format_plan(result: Plan, top: int = 10) -> str:
+def format_plan(result: Ranking, top: int = 10) -> str:
     """The ranking as a text table, the top choice and the assumptions."""
     a = result.assumptions
     m, t = a["model"], a["topology"]

@@ -1,5 +1,5 @@
 """The planner's result: every layout priced (:class:`PlanRow`) and their ranking with the
-inputs assumed (:class:`Plan`)."""
+inputs assumed (:class:`Ranking`)."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ class PlanRow:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Ranking:
     """The ranked rows (best first; iterate, index or ``len`` it like a list) and the inputs
     assumed (``assumptions``)."""
 

@@ -1,6 +1,6 @@
 """The planner: every layout of a GPT on G GPUs enumerated and priced, then ranked (Singh's
 Sec. 5.1.2: the 4D grids priced with Eqs. 5.1-5.7; the other layouts jphantom trains with the
-same alpha-beta, placement-aware network model; how each is priced: :mod:`jphantom.plan`)."""
+same alpha-beta, placement-aware network model; how each is priced: :mod:`jphantom.planner`)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from typing import Any
 from jphantom.errors import ConfigError
 from jphantom.perf import axonn_model as ax
 from jphantom.perf.axonn_model import GIB, Collective, GPTShape, Topology
-from jphantom.plan.pricing import (Pricer, data_all_reduce, inventory, lockstep_idle,
+from jphantom.planner.pricing import (Pricer, data_all_reduce, inventory, lockstep_idle,
                                    phantom_eq8_bound, phantom_linear, phantom_linear_flops,
                                    pmm3d_collectives)
-from jphantom.plan.result import Plan, PlanRow
+from jphantom.planner.result import PlanRow, Ranking
 
 
 LAYOUTS = ("pmm3d", "tensor", "tensor + SP", "data", "phantom", "pipeline 1F1B", "pipeline ZB-H1",
@@ -41,7 +41,7 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
          latency: bool = True, device_tflops: float | None = None,
          flash_attention: bool = True, recompute: bool = True,
          layouts: Sequence[str] = LAYOUTS, as_compiled: bool = False,
-         objective: str = "comm", device: Any = None) -> Plan:
+         objective: str = "comm", device: Any = None) -> Ranking:
     """Price every layout of ``model`` (a :class:`GPTShape` or a transformer ``TransformerConfig``)
     on ``devices`` GPUs of ``topology`` (default :meth:`Topology.perlmutter`) for one training step
     of ``batch`` sequences, and rank them (module docstring).
@@ -55,7 +55,7 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
     (pmm3d rows are then the paper's Eqs. 5.1-5.7 exactly). ``device_tflops``: sustained TFLOP/s
     per GPU pricing the compute and the pipeline bubble (default: ``device``'s sustained GEMM
     rate, peak x GEMM efficiency, else :data:`DEFAULT_DEVICE_TFLOPS`).
-    ``objective``: what to rank by (:data:`jphantom.plan.result.OBJECTIVES`): ``comm``
+    ``objective``: what to rank by (:data:`jphantom.planner.result.OBJECTIVES`): ``comm``
     (communication + bubble, the default), ``time`` (compute + communication + bubble), ``energy``
     (joules per token, Seal et al.'s Eq. 1 with ``device``'s busy and idle power, else Frontier's
     A = 560 W, B = 90 W) or ``memory``. ``device``: a :class:`jphantom.predict.DeviceModel`.
@@ -82,7 +82,7 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
     if memory_gib is not None:
         memory_gib = _number("memory_gib", memory_gib, "give one GPU's memory in GiB, e.g. 40")
     from jphantom.energy import PowerModel
-    from jphantom.plan.result import OBJECTIVES
+    from jphantom.planner.result import OBJECTIVES
 
     if objective not in OBJECTIVES:
         raise ConfigError(f"objective={objective!r}: choose from {', '.join(OBJECTIVES)}")
@@ -364,4 +364,4 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
                          "of pmm3d, per-shape kernel efficiency (--compile-top simulates the "
                          "compiled program for all of these)"),
     }
-    return Plan(tuple(rows), types.MappingProxyType(assumptions))
+    return Ranking(tuple(rows), types.MappingProxyType(assumptions))
