@@ -201,14 +201,13 @@ FUNCTION_LINES = 80
 # Functions still over the limit, each with its length today as a ceiling (it may only shrink)
 # and why it is long. Take one off the list by splitting it; never add one.
 LONG_FUNCTIONS = {
-    "planner/search.py::plan": (330, "the planner's enumeration of every layout, one block per "
+    "planner/search.py::plan": (288, "the planner's enumeration of every layout, one block per "
                                   "layout kind (issue 44: one priced strategy object each)"),
     "pipeline/runner.py::run": (287, "the pipeline executor's slot loop and its 21 closures "
                                      "over the slot buffers (issue 44)"),
     "plans/convert.py::convert": (166, "one branch per style and layer type (issue 44: the "
                                        "styles own their conversions)"),
     "pipeline/table.py::plan": (124, "the host-side slot assignment of every task's buffers"),
-    "planner/command.py::add_parser": (101, "argparse declarations of the planner's flags"),
     "train_step.py::__init__": (100, "the step's options validated and its parts composed "
                                      "(issue 44: the step as a composition)"),
     "compare.py::run_compare": (94, "the comparison's runs, seeds and targets"),

@@ -205,21 +205,7 @@ def add_parser(subparsers) -> None:
                              "not give its batch)")
     parser.add_argument("--devices", default="32", metavar="N",
                         help="GPUs to plan for (default 32)")
-    parser.add_argument("--gpus-per-node", default=None, metavar="N",
-                        help="GPUs per node, G_node (default: --device's, else 4, Perlmutter)")
-    parser.add_argument("--inter-node-gbps", default=None, metavar="GB/S",
-                        help="beta_inter: GB/s per direction between two nodes, all NICs together "
-                             "(default: --device's NICs x their rate x efficiency, else 100 = Perlmutter's 4 "
-                             "Slingshot-11 NICs x 25 GB/s)")
-    parser.add_argument("--intra-node-gbps", default=None, metavar="GB/S",
-                        help="one bandwidth for every collective inside a node (default: with 4 "
-                             "GPUs per node Perlmutter's NVLink3 table, 100 GB/s for a pair, 200 "
-                             "for 3, 300 for all 4; else 300)")
-    parser.add_argument("--latency-us", default=None, metavar="US",
-                        help="alpha, microseconds per ring step (default: --device's inter-node latency, "
-                             "else 5, assumed)")
-    parser.add_argument("--no-latency", action="store_true",
-                        help="no alpha terms: Singh's bandwidth-only model exactly")
+    _add_network_flags(parser)
     parser.add_argument("--memory-gib", default=None, metavar="GIB",
                         help="GPU memory: layouts whose modelled memory exceeds it rank last, "
                              "marked fits=no (Perlmutter: 40)")
@@ -230,23 +216,7 @@ def add_parser(subparsers) -> None:
                         help="phantom's ghost neurons per rank and token (default hidden / 32)")
     parser.add_argument("--accumulate", default="1", metavar="A",
                         help="gradient-accumulation micro-batches (not pipelines; default 1)")
-    parser.add_argument("--device-tflops", default=None, metavar="TF",
-                        help="sustained TFLOP/s per GPU, to price compute and a pipeline's "
-                             "bubble (default: --device's peak x GEMM efficiency, else "
-                             f"{DEFAULT_DEVICE_TFLOPS:g}, the A100's empirical bf16 GEMM peak)")
-    parser.add_argument("--objective", default="comm", choices=("comm", "time", "energy",
-                                                                "memory"),
-                        help="rank by comm (modelled communication + pipeline bubble, Singh's "
-                             "model; the default), time (compute + communication + bubble), "
-                             "energy (joules per token, Seal et al.'s Eq. 1 with the device's "
-                             "busy and idle power; prints the time/energy Pareto front) or "
-                             "memory (per GPU)")
-    parser.add_argument("--device", default=None, metavar="NAME|FILE",
-                        help="the GPU (jphantom.predict's descriptions: h100-sxm, h200, "
-                             "a100-sxm, b200, mi250x-gcd, mi300x, or a TOML file): its sustained "
-                             "GEMM rate, power, GPUs per node, NVLink and NICs price the layouts "
-                             "unless the network flags are given (default with --objective "
-                             f"time/energy: {DEFAULT_DEVICE})")
+    _add_objective_flags(parser)
     parser.add_argument("--attention-scores", action="store_true",
                         help="count the S x S attention scores in activation memory (no fused "
                              "attention kernel)")
@@ -266,3 +236,43 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--target", default="gpu:h100",
                         help="the GPU --compile-top compiles for (default gpu:h100)")
     parser.set_defaults(handler=_run)
+
+
+def _add_network_flags(parser) -> None:
+    """The cluster's network: GPUs per node, NICs, NVLink and the per-step latency."""
+    parser.add_argument("--gpus-per-node", default=None, metavar="N",
+                        help="GPUs per node, G_node (default: --device's, else 4, Perlmutter)")
+    parser.add_argument("--inter-node-gbps", default=None, metavar="GB/S",
+                        help="beta_inter: GB/s per direction between two nodes, all NICs together "
+                             "(default: --device's NICs x their rate x efficiency, else 100 = Perlmutter's 4 "
+                             "Slingshot-11 NICs x 25 GB/s)")
+    parser.add_argument("--intra-node-gbps", default=None, metavar="GB/S",
+                        help="one bandwidth for every collective inside a node (default: with 4 "
+                             "GPUs per node Perlmutter's NVLink3 table, 100 GB/s for a pair, 200 "
+                             "for 3, 300 for all 4; else 300)")
+    parser.add_argument("--latency-us", default=None, metavar="US",
+                        help="alpha, microseconds per ring step (default: --device's inter-node latency, "
+                             "else 5, assumed)")
+    parser.add_argument("--no-latency", action="store_true",
+                        help="no alpha terms: Singh's bandwidth-only model exactly")
+
+
+def _add_objective_flags(parser) -> None:
+    """What to rank by, and the GPU that prices compute and energy."""
+    parser.add_argument("--device-tflops", default=None, metavar="TF",
+                        help="sustained TFLOP/s per GPU, to price compute and a pipeline's "
+                             "bubble (default: --device's peak x GEMM efficiency, else "
+                             f"{DEFAULT_DEVICE_TFLOPS:g}, the A100's empirical bf16 GEMM peak)")
+    parser.add_argument("--objective", default="comm", choices=("comm", "time", "energy",
+                                                                "memory"),
+                        help="rank by comm (modelled communication + pipeline bubble, Singh's "
+                             "model; the default), time (compute + communication + bubble), "
+                             "energy (joules per token, Seal et al.'s Eq. 1 with the device's "
+                             "busy and idle power; prints the time/energy Pareto front) or "
+                             "memory (per GPU)")
+    parser.add_argument("--device", default=None, metavar="NAME|FILE",
+                        help="the GPU (jphantom.predict's descriptions: h100-sxm, h200, "
+                             "a100-sxm, b200, mi250x-gcd, mi300x, or a TOML file): its sustained "
+                             "GEMM rate, power, GPUs per node, NVLink and NICs price the layouts "
+                             "unless the network flags are given (default with --objective "
+                             f"time/energy: {DEFAULT_DEVICE})")

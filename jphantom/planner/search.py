@@ -81,19 +81,7 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
     _int("accumulate", accumulate, 1, "give the gradient-accumulation micro-batches, e.g. 1")
     if memory_gib is not None:
         memory_gib = _number("memory_gib", memory_gib, "give one GPU's memory in GiB, e.g. 40")
-    from jphantom.energy import PowerModel
-    from jphantom.planner.result import OBJECTIVES
-
-    if objective not in OBJECTIVES:
-        raise ConfigError(f"objective={objective!r}: choose from {', '.join(OBJECTIVES)}")
-    dtype = "bf16" if precision == "bf16" else "f32"
-    if device_tflops is None:
-        device_tflops = (device.peak_flops(dtype) * device[f"gemm_efficiency.{dtype}"] / 1e12
-                         if device is not None else DEFAULT_DEVICE_TFLOPS)
-    device_tflops = _number("device_tflops", device_tflops,
-                            "give the sustained TFLOP/s of one GPU, e.g. 280")
-    power = (PowerModel(device["power.busy_watts"], device["power.idle_watts"], device.name)
-             if device is not None else PowerModel())
+    device_tflops, power = _device_pricing(objective, device, precision, device_tflops)
     p = ax.precision_of(precision)
     k = max(1, shape.hidden // 32) if ghost_width is None else ghost_width
     _int("ghost_width", k, 1, "give phantom's k ghost neurons per rank and token, e.g. 64")
@@ -330,11 +318,43 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
     rows.sort(key=lambda r: (r.fits is False, r.ranking_key, r.key_s, r.memory["total"],
                              r.layout, r.mesh))
     rows = [dataclasses.replace(row, rank=i + 1) for i, row in enumerate(rows)]
-    nodes = math.ceil(devices / topology.gpus_per_node)
-    assumptions = {
+    assumptions = _assumptions(
+        shape, total_params, batch, devices, topology, p, memory_gib, k, ghost_width,
+        accumulate, latency, device_tflops, flash_attention, recompute, as_compiled, objective,
+        device, power)
+    return Ranking(tuple(rows), types.MappingProxyType(assumptions))
+
+
+def _device_pricing(objective: str, device: Any, precision: str,
+                    device_tflops: float | None) -> tuple[float, Any]:
+    """The objective checked; the sustained TFLOP/s pricing compute (``device``'s peak x GEMM
+    efficiency unless given, else :data:`DEFAULT_DEVICE_TFLOPS`) and Eq. 1's power (``device``'s
+    busy and idle watts, else Frontier's)."""
+    from jphantom.energy import PowerModel
+    from jphantom.planner.result import OBJECTIVES
+
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"objective={objective!r}: choose from {', '.join(OBJECTIVES)}")
+    dtype = "bf16" if precision == "bf16" else "f32"
+    if device_tflops is None:
+        device_tflops = (device.peak_flops(dtype) * device[f"gemm_efficiency.{dtype}"] / 1e12
+                         if device is not None else DEFAULT_DEVICE_TFLOPS)
+    device_tflops = _number("device_tflops", device_tflops,
+                            "give the sustained TFLOP/s of one GPU, e.g. 280")
+    power = (PowerModel(device["power.busy_watts"], device["power.idle_watts"], device.name)
+             if device is not None else PowerModel())
+    return device_tflops, power
+
+
+def _assumptions(shape, total_params, batch, devices, topology, p, memory_gib, k, ghost_width,
+                 accumulate, latency, device_tflops, flash_attention, recompute, as_compiled,
+                 objective, device, power) -> dict:
+    """Everything a ranking assumed, with what it models and what it does not."""
+    return {
+        "nodes": math.ceil(devices / topology.gpus_per_node),
         "model": dataclasses.asdict(shape) | {"parameters": total_params},
-        "batch_sequences": batch, "tokens_per_step": batch * S, "devices": devices,
-        "nodes": nodes, "topology": topology.as_dict(),
+        "batch_sequences": batch, "tokens_per_step": batch * shape.seq_len, "devices": devices,
+        "topology": topology.as_dict(),
         "precision": {"name": p.name, "message_bytes": p.element_bytes,
                       "state_bytes_per_parameter": p.state_bytes, "source": p.source},
         "memory_gib": memory_gib, "ghost_width": k,
@@ -364,4 +384,3 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
                          "of pmm3d, per-shape kernel efficiency (--compile-top simulates the "
                          "compiled program for all of these)"),
     }
-    return Ranking(tuple(rows), types.MappingProxyType(assumptions))
