@@ -94,6 +94,34 @@ BUDGET_SLOW = {
     "test_train.py::test_training_reaches_the_target_and_stops[tensor-t1-extra1]",
     "test_train.py::test_training_reaches_the_target_and_stops[dense-extra2]",
     "test_moe_cli.py::test_inspect_lists_the_all_to_alls_over_expert",
+    # siblings of a faster cell of the same idea that stays in the fast suite (issue 44: one
+    # exactness cell per idea in `make test`, the others in `make test-all`)
+    "test_context.py::test_context_parallel_step_equals_one_device"
+    "[llama-tensor-context=2-options0-step_options0]",
+    "test_context.py::test_context_parallel_step_equals_one_device"
+    "[llama-tensor-context=4-options1-step_options1]",
+    "test_context.py::test_context_parallel_step_equals_one_device"
+    "[llama-tensor-context=4,model=2-options7-step_options7]",
+    "test_context.py::test_ring_moves_c_minus_1_kv_chunks_each_way[context=4-True]",
+    "test_token_mean.py::test_ragged_masks_equal_the_one_device_token_mean[tensor-sp]",
+    "test_token_mean.py::test_ragged_masks_equal_the_one_device_token_mean[context2]",
+    "test_singleton_axes.py::test_no_collective_runs_over_a_size_one_axis[argv1-allowed1]",
+    "test_user_models.py::test_named_user_norms_and_meta_names_are_exact[tensor-sp]",
+    "test_user_models.py::test_flax_multi_head_attention_is_tensor_parallel_and_exact[tensor-sp]",
+    "test_user_models.py::test_flax_multi_head_attention_is_tensor_parallel_and_exact[zero3]",
+    "test_user_models.py::test_einsum_layers_are_tensor_parallel_and_exact[tensor-sp]",
+    "test_user_models.py::test_einsum_layers_are_tensor_parallel_and_exact[zero3]",
+    "test_verify.py::test_exact_layouts_report_within_1e_5_and_leave_the_model_as_it_was[zero3]",
+    "test_verify.py::test_exact_layouts_report_within_1e_5_and_leave_the_model_as_it_was"
+    "[pipeline-remat]",
+    "test_attention_kernels.py::test_ring_on_flash_blocks_equals_the_unsplit_attention[2-False]",
+    "test_chunked_loss.py::test_chunked_loss_equals_the_whole_loss_on_one_device[300-True]",
+    "test_chunked_loss.py::test_chunked_loss_equals_the_whole_loss_on_one_device[50-False]",
+    "test_collective_matmul.py::test_collective_matmul_equals_one_device[gpt2-8]",
+    "test_hf_families.py::test_logits_loss_and_gradients_equal_transformers[qwen2]",
+    "test_llama.py::test_fewer_key_value_heads_than_tensor_ranks_equals_one_device"
+    "[2-model=8-False]",
+    "test_pipeline.py::test_ffn_pipeline_with_data_and_model_parallelism[phantom-1f1b-1]",
 }
 
 
