@@ -173,7 +173,7 @@ def test_planner_prices_the_context_axis_from_the_ring_formula():
     """``jphantom plan`` ranks data x context layouts (alone and with ZeRO-3); their bytes over
     ``context`` are the ring's: per layer and pass (forward, backward, recompute) 2 (C-1) K/V
     chunks, plus 2 (C-1) float32 dK/dV chunks."""
-    from jphantom import plan as planner
+    from jphantom import planner
     from jphantom.perf.axonn_model import GPTShape
 
     shape = GPTShape(family="llama", vocab_size=1024, seq_len=4096, hidden=256, heads=8,

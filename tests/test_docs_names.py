@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import pathlib
 import re
+import warnings
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NAME = re.compile(r"(?<![\w./-])jphantom(?:\.[A-Za-z_]\w*)+(?![\w/-])")
@@ -19,7 +20,9 @@ def resolves(dotted: str) -> bool:
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):
         try:
-            found = importlib.import_module(".".join(parts[:cut]))
+            with warnings.catch_warnings():  # a renamed module's deprecated alias resolves too
+                warnings.simplefilter("ignore", DeprecationWarning)
+                found = importlib.import_module(".".join(parts[:cut]))
         except ImportError:
             continue
         for name in parts[cut:]:
