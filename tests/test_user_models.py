@@ -347,3 +347,35 @@ def test_zero3_on_blocks_in_a_list_says_at_construction_that_it_gathers_them_who
         report = jphantom.verify(ListLM(), _mesh("data=4"), None, loss_fn, TOKENS,
                                  np.roll(TOKENS, -1, 1), zero=3)
     assert report.ok, str(report)
+
+
+def test_a_fused_qkv_in_hugging_face_layout_is_refused_by_name_until_its_order_is_declared():
+    """A fused q/k/v projection split over ranks keeps whole heads only when its outputs run head
+    by head; Hugging Face's q | k | v would hand each rank part of q, k and v, silently wrong."""
+    from flax import nnx
+
+    from jphantom import plans
+    from jphantom.errors import ConfigError
+
+    class Attention(nnx.Module):
+        def __init__(self, rngs):
+            self.qkv = nnx.Linear(16, 48, rngs=rngs)
+            self.out_proj = nnx.Linear(16, 16, rngs=rngs)
+
+    class HeadsFirst(Attention):
+        FUSED_QKV_LAYOUT = "heads"
+
+    class Model(nnx.Module):
+        def __init__(self, attention, rngs):
+            self.embed = nnx.Embed(32, 16, rngs=rngs)
+            self.attn = attention(rngs)
+            self.head = nnx.Linear(16, 32, rngs=rngs)
+
+    model = Model(Attention, nnx.Rngs(0))
+    for make in (plans.megatron, plans.pmm3d, lambda m: plans.phantom(m, 2)):
+        with pytest.raises(ConfigError, match=r"attn\.qkv is a fused q/k/v projection.*"
+                                              "FUSED_QKV_LAYOUT = 'heads' on Attention"):
+            make(model)
+    assert plans.megatron(Model(HeadsFirst, nnx.Rngs(0)))["attn.qkv"] == "column"
+    named = plans.megatron(model, named={"attn.qkv": "column"})  # the user's own call
+    assert named["attn.qkv"] == "column"

@@ -13,8 +13,8 @@ from jphantom.errors import ConfigError
 from jphantom.nn.moe import Experts, SwitchMoE
 from jphantom.plans.paths import holds_params, inside, unplaced
 from jphantom.plans.styles import NORMS, Style
-from jphantom.plans.walk import (COLUMN, HEAD_NORMS, KV_COLUMNS, MLP_NORMS, ROUTERS, ROW, leaf_name,
-                                 named_entries, walk_model)
+from jphantom.plans.walk import (COLUMN, FUSED_QKV, check_fused_qkv, HEAD_NORMS, KV_COLUMNS,
+                                 MLP_NORMS, ROUTERS, ROW, leaf_name, named_entries, walk_model)
 
 
 def megatron(model: nnx.Module, *, sequence_parallel: bool = False, dtd: bool = False,
@@ -81,6 +81,8 @@ def megatron(model: nnx.Module, *, sequence_parallel: bool = False, dtd: bool = 
             if name in ROUTERS:
                 plan[path] = "replicate"
             elif name in COLUMN:
+                if name in FUSED_QKV:
+                    check_fused_qkv(modules, path, "plans.megatron")
                 plan[path] = (Style("column", kv_heads=kv_heads)
                               if kv_heads is not None and name in KV_COLUMNS else "column")
             elif name in ROW:

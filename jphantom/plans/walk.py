@@ -27,6 +27,7 @@ COLUMN = frozenset({"q", "k", "v", "qkv", "c_attn", "q_proj", "k_proj", "v_proj"
                     "fc1", "c_fc", "wi", "mlp_up", "fc_in", "in_proj"})
 ROW = frozenset({"o", "o_proj", "out", "out_proj", "down", "down_proj", "w2", "fc2", "c_proj",
                  "wo", "attn_out", "mlp_down", "fc_out"})
+FUSED_QKV = frozenset({"qkv", "c_attn", "in_proj"})  # one projection for q, k and v
 HEAD_NORMS = frozenset({"q_norm", "k_norm"})  # Qwen3, OLMo 2: over each head's features
 KV_COLUMNS = frozenset({"k", "v", "k_proj", "v_proj", "key", "value", "wk", "wv"})
 ROUTERS = frozenset({"router", "gate"})
@@ -110,3 +111,23 @@ def split_features(path: str, module, walk: str) -> ConfigError:
                        "activation's features, so the module would see a slice of each "
                        "token's; register a style for its class (jphantom.register_style) and "
                        f"name it in the plan, or use strategy 'tensor' (plans.megatron)")
+
+
+def check_fused_qkv(modules: Mapping, path: str, plan_name: str) -> None:
+    """A fused q/k/v projection keeps whole heads, each with its q, k and v, under a split of its
+    outputs over ranks only when its outputs are ordered head by head (``[heads, 3, head_dim]``,
+    as :class:`jphantom.models.gpt2.model.Attention` orders GPT-2's ``c_attn``). In Hugging
+    Face's layout (``q | k | v``) a contiguous split would hand a rank a slice of each instead,
+    silently wrong; so the module holding it must declare ``FUSED_QKV_LAYOUT = "heads"``, and
+    anything else is refused by name."""
+    parent = path.rsplit(".", 1)[0] if "." in path else ""
+    holder = modules.get(parent, (None, None))[1]
+    if getattr(holder, "FUSED_QKV_LAYOUT", None) == "heads":
+        return
+    owner = type(holder).__name__ if holder is not None else "its module"
+    raise ConfigError(
+        f"{plan_name}: {path} is a fused q/k/v projection; in Hugging Face's layout (q | k | v "
+        "along its outputs) a split of its outputs over ranks gives a rank part of q, k and v "
+        "instead of whole heads. Split it into q, k and v linears; or order its outputs head "
+        f"by head ([heads, 3, head_dim]) and set FUSED_QKV_LAYOUT = 'heads' on {owner}; or "
+        f"name its style yourself (named={{{path!r}: ...}})")

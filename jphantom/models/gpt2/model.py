@@ -60,7 +60,10 @@ class Attention(nnx.Module):
     features ordered [heads, 3, d] (head by head, its q, k and v): a contiguous split of the
     outputs over p ranks (Megatron's column layer, phantom's feature split) gives each rank whole
     heads with their q, k and v, and the projection stays one layer (one phantom ghost exchange,
-    as Seal et al.'s phantom transformer has)."""
+    as Seal et al.'s phantom transformer has). ``FUSED_QKV_LAYOUT`` declares that order to the
+    plans (:func:`jphantom.plans.walk.check_fused_qkv`)."""
+
+    FUSED_QKV_LAYOUT = "heads"
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         h, dtype = config.hidden, jnp.dtype(config.dtype)
