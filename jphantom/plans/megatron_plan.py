@@ -13,7 +13,7 @@ from jphantom.errors import ConfigError
 from jphantom.nn.moe import Experts, SwitchMoE
 from jphantom.plans.paths import holds_params, inside, unplaced
 from jphantom.plans.styles import NORMS, Style
-from jphantom.plans.walk import (COLUMN, FUSED_QKV, check_fused_qkv, HEAD_NORMS, KV_COLUMNS,
+from jphantom.plans.walk import (COLUMN, check_fused_qkv, HEAD_NORMS, KV_COLUMNS,
                                  MLP_NORMS, ROUTERS, ROW, leaf_name, named_entries, walk_model)
 
 
@@ -81,8 +81,7 @@ def megatron(model: nnx.Module, *, sequence_parallel: bool = False, dtd: bool = 
             if name in ROUTERS:
                 plan[path] = "replicate"
             elif name in COLUMN:
-                if name in FUSED_QKV:
-                    check_fused_qkv(modules, path, "plans.megatron")
+                check_fused_qkv(modules, path, "plans.megatron")
                 plan[path] = (Style("column", kv_heads=kv_heads)
                               if kv_heads is not None and name in KV_COLUMNS else "column")
             elif name in ROW:

@@ -10,7 +10,7 @@ from flax import nnx
 from jphantom.nn.moe import Experts, SwitchMoE
 from jphantom.plans.paths import holds_params, inside
 from jphantom.plans.styles import NORMS, Style
-from jphantom.plans.walk import (COLUMN, FUSED_QKV, check_fused_qkv, HEAD_NORMS, ROUTERS, ROW,
+from jphantom.plans.walk import (COLUMN, check_fused_qkv, HEAD_NORMS, ROUTERS, ROW,
                                  leaf_name, named_entries, split_features, walk_model)
 
 
@@ -39,8 +39,7 @@ def phantom(model: nnx.Module, ghost_width: int = 8, *, vocab: str | None = None
                   and name not in COLUMN | ROW):  # the LM head, not an MLP as wide as V
                 plan[path] = Style("phantom", ghost_width=ghost_width, vocab_output=True)
             else:
-                if name in FUSED_QKV:
-                    check_fused_qkv(modules, path, "plans.phantom")
+                check_fused_qkv(modules, path, "plans.phantom")
                 plan[path] = layer
         elif holds_params(module) and not inside(path, plan):
             raise split_features(path, module, "plans.phantom")

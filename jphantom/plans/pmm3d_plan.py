@@ -11,7 +11,7 @@ from jphantom.errors import ConfigError
 from jphantom.nn.moe import Experts, SwitchMoE
 from jphantom.plans.paths import holds_params, inside
 from jphantom.plans.styles import NORMS, Style
-from jphantom.plans.walk import (COLUMN, FUSED_QKV, check_fused_qkv, HEAD_NORMS, ROUTERS, ROW,
+from jphantom.plans.walk import (COLUMN, check_fused_qkv, HEAD_NORMS, ROUTERS, ROW,
                                  leaf_name, named_entries, split_features, walk_model)
 
 
@@ -44,8 +44,7 @@ def pmm3d(model: nnx.Module, *, weights: str = "kept", vocab: str | None = None,
                               "split; use strategy 'tensor' (plans.megatron) with an expert axis")
         elif isinstance(module, nnx.Linear):
             if name in COLUMN:
-                if name in FUSED_QKV:
-                    check_fused_qkv(modules, path, "plans.pmm3d")
+                check_fused_qkv(modules, path, "plans.pmm3d")
                 plan[path] = Style("pmm3d", role="normal", weights=weights)
             elif name in ROW:
                 plan[path] = Style("pmm3d", role="transposed", weights=weights)

@@ -119,7 +119,9 @@ def check_fused_qkv(modules: Mapping, path: str, plan_name: str) -> None:
     as :class:`jphantom.models.gpt2.model.Attention` orders GPT-2's ``c_attn``). In Hugging
     Face's layout (``q | k | v``) a contiguous split would hand a rank a slice of each instead,
     silently wrong; so the module holding it must declare ``FUSED_QKV_LAYOUT = "heads"``, and
-    anything else is refused by name."""
+    anything else is refused by name. Any other linear passes."""
+    if path.rsplit(".", 1)[-1] not in FUSED_QKV:
+        return
     parent = path.rsplit(".", 1)[0] if "." in path else ""
     holder = modules.get(parent, (None, None))[1]
     if getattr(holder, "FUSED_QKV_LAYOUT", None) == "heads":
