@@ -250,7 +250,7 @@ def measure_launch(plan: dict, device_model) -> dict:
     import jax.numpy as jnp
 
     from jphantom.predict.device import Quantity
-    from jphantom.predict.simulate import simulate
+    from jphantom.predict.timeline import simulate
 
     ops = plan["launch_ops"]
     numbers = copy.copy(device_model.numbers)

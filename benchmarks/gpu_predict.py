@@ -339,7 +339,9 @@ def _peer_attempt(torch, LlamaConfig, LlamaForCausalLM, shape, batch, steps, war
         compile_s = time.perf_counter() - t0
         for _ in range(max(0, warmup - 1)):
             losses.append(float(step().item()))
-        energy = _nvml_counter()
+        from gpu_step import energy_counter  # this script's sibling: GPU 0's NVML counter
+
+        energy = energy_counter()
         start_j = energy() if energy else None
         times = []
         torch.cuda.synchronize()
@@ -358,19 +360,6 @@ def _peer_attempt(torch, LlamaConfig, LlamaForCausalLM, shape, batch, steps, war
     finally:
         del model, optimizer, compiled
         gc.collect()
-
-
-def _nvml_counter():
-    """``read() -> joules`` of GPU 0's NVML energy counter, or None."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
-        return lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3
-    except Exception:  # noqa: BLE001
-        return None
 
 
 # ------------------------------------------------------------------------------------------------

@@ -130,7 +130,7 @@ def reference_loss(params, tokens, targets, shape: dict, implementation):
 # ------------------------------------------------------------------------------------------------
 
 
-def _energy_counter():
+def energy_counter():
     """``read() -> joules`` of GPU 0's NVML energy counter, or None where there is none."""
     try:
         import pynvml
@@ -285,7 +285,7 @@ def run_variant(name: str, shape: dict, steps: int, warmup: int) -> dict:
     for _ in range(warmup):
         state, loss = run(state)
         losses.append(float(loss))
-    energy = _energy_counter() if on_gpu else None
+    energy = energy_counter() if on_gpu else None
     start_j = energy() if energy else None
     for _ in range(steps):
         t = time.perf_counter()

@@ -11,6 +11,7 @@ import sys
 from jphantom.cli.parser import (add_gpu_defaults_flag, add_run_flags, positive_int,
                                  strategy_names)
 from jphantom.cli.step_defaults import COMPILE_MODEL, INSPECT_FLAGS, shown_defaults, step_settings
+from jphantom.predict.device import names as device_names
 
 
 def add_parser(sub) -> None:
@@ -61,9 +62,9 @@ def add_parser(sub) -> None:
                              "per token (Seal et al.'s Eq. 1), the top ops; all modelled")
     target.add_argument("--device", default=None, metavar="NAME|FILE",
                         help="with --predict: the device description to price the program on, "
-                             "a shipped one (h100-sxm, h200, a100-sxm, b200, mi250x-gcd, "
-                             "mi300x) or a TOML file benchmarks/calibrate.py wrote (default: "
-                             "the target's own, e.g. h100-sxm for gpu:h100)")
+                             f"a shipped one ({', '.join(device_names())}) or a TOML file "
+                             "benchmarks/calibrate.py wrote (default: the target's own, e.g. "
+                             "h100-sxm for gpu:h100)")
     target.add_argument("--top", type=positive_int, default=10,
                         help="with --predict: the ops to list by predicted time (default 10)")
     target.add_argument("--json", action="store_true", help="print JSON instead of a table")

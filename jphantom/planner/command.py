@@ -12,6 +12,7 @@ from jphantom.perf.axonn_model import GPTShape, Topology
 from jphantom.planner.report import format_plan
 from jphantom.planner.result import Ranking
 from jphantom.planner.search import DEFAULT_DEVICE_TFLOPS, plan
+from jphantom.predict.device import names as device_names
 
 
 def _parse_int(flag: str, text: str, minimum: int = 1) -> int:
@@ -271,8 +272,8 @@ def _add_objective_flags(parser) -> None:
                              "busy and idle power; prints the time/energy Pareto front) or "
                              "memory (per GPU)")
     parser.add_argument("--device", default=None, metavar="NAME|FILE",
-                        help="the GPU (jphantom.predict's descriptions: h100-sxm, h200, "
-                             "a100-sxm, b200, mi250x-gcd, mi300x, or a TOML file): its sustained "
+                        help=f"the GPU (jphantom.predict's descriptions: "
+                             f"{', '.join(device_names())}, or a TOML file): its sustained "
                              "GEMM rate, power, GPUs per node, NVLink and NICs price the layouts "
                              "unless the network flags are given (default with --objective "
                              f"time/energy: {DEFAULT_DEVICE})")

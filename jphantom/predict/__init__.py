@@ -12,7 +12,7 @@ CPU-only machine; this package plays it:
   roofline, plus a launch);
 - :mod:`~jphantom.predict.network`: a collective's seconds as NCCL's ring or tree on the
   group's placement (NVLink inside a node, the NICs across);
-- :mod:`~jphantom.predict.simulate`: the schedule XLA chose, played on a compute stream and a
+- :mod:`~jphantom.predict.timeline`: the schedule XLA chose, played on a compute stream and a
   collective stream (async collectives overlap the compute between their start and done; loops
   times their trip counts);
 - :mod:`~jphantom.predict.report`: the :class:`Prediction` (compute, exposed and hidden
@@ -26,10 +26,18 @@ workload description (SimAI); none reads XLA's scheduled program or predicts ene
 Every number it prints is modelled; ``benchmarks/predict_validation.py`` gives its measured error.
 """
 
-from jphantom.predict.device import DeviceModel, Quantity, for_kind, load, names
-from jphantom.predict.network import Network, Placement
-from jphantom.predict.report import Prediction, format_prediction, predict
-from jphantom.predict.simulate import Simulator, Timeline, simulate
+_LAZY = {"DeviceModel": "device", "Quantity": "device", "for_kind": "device", "load": "device",
+         "names": "device", "Network": "network", "Placement": "network",
+         "Prediction": "report", "format_prediction": "report", "predict": "report",
+         "Simulator": "timeline", "Timeline": "timeline", "simulate": "timeline"}
+__all__ = sorted(_LAZY)
 
-__all__ = ["DeviceModel", "Network", "Placement", "Prediction", "Quantity", "Simulator",
-           "Timeline", "for_kind", "format_prediction", "load", "names", "predict", "simulate"]
+
+def __getattr__(name):
+    """The names above load on first use, so that reading the device descriptions (the CLI's
+    help lists them) imports neither jax nor numpy."""
+    import importlib
+
+    if name not in _LAZY:
+        raise AttributeError(f"module 'jphantom.predict' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"jphantom.predict.{_LAZY[name]}"), name)

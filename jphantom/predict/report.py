@@ -9,10 +9,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from jphantom.energy import PowerModel, energy_per_iteration
 from jphantom.predict.device import DeviceModel
 from jphantom.predict.network import Network
-from jphantom.predict.simulate import Timeline, simulate
+from jphantom.predict.timeline import Timeline, simulate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +43,8 @@ class Prediction:
     @property
     def joules_per_step(self) -> float:
         """Seal et al.'s Eq. 1 over every device: devices x (A x compute + B x exposed)."""
+        from jphantom.energy import PowerModel, energy_per_iteration
+
         power = PowerModel(self.busy_watts, self.idle_watts, self.device)
         return energy_per_iteration(self.compute_s, self.exposed_comm_s, power, self.devices)
 
@@ -85,7 +86,7 @@ def predict(hlo_text: str, device: DeviceModel, *, devices: int = 1,
             peak_memory_bytes: float | None = None, top: int = 10) -> Prediction:
     """Simulate the compiled program ``hlo_text`` (per device, as XLA compiled it for
     ``devices`` devices, ``gpus_per_node`` to a node) on ``device``
-    (:func:`jphantom.predict.simulate.simulate`) and report it. ``tokens_per_step`` (global)
+    (:func:`jphantom.predict.timeline.simulate`) and report it. ``tokens_per_step`` (global)
     and ``model_flops_per_step`` (per device, the model's count) give tokens/s and MFU;
     ``peak_memory_bytes`` (XLA's memory analysis) whether it fits."""
     network = Network.of(device, gpus_per_node)
