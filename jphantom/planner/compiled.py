@@ -96,41 +96,48 @@ def compile_plan(result, top: int, target: Target, *, devices: list | None = Non
     return ok + [e for e in out if "error" in e]
 
 
+def _table(entries: list[dict], header: str, rank_width: int, mesh_width: int, first,
+           rest) -> list[str]:
+    """One line per entry: its compiled and plan ranks, layout and mesh, ``first(e)`` (what the
+    plan modelled), then ``rest(e)`` (what the compiler or the simulation said) or why
+    jphantom refused to build it."""
+    lines = [header]
+    for e in entries:
+        head = (f"{e.get('compiled_rank', '-'):>{rank_width}} {e['plan_rank']:>4}  "
+                f"{e['layout']:<14} {e['mesh']:<{mesh_width}} {first(e)}")
+        lines.append(head + (f"refused: {e['error']}" if "error" in e else rest(e)))
+    return lines
+
+
 def format_compiled_plan(entries: list[dict]) -> str:
     gib = 2**30
-    lines = [f"{'compiled':>8} {'plan':>4}  {'layout':<14} {'mesh':<26} {'modelled GiB':>12} "
-             f"{'compiled GiB':>12} {'fits':>5} {'coll. GB':>9} {'x-node GB':>9} {'compile s':>9}"]
-    for e in entries:
-        head = (f"{e.get('compiled_rank', '-'):>8} {e['plan_rank']:>4}  {e['layout']:<14} "
-                f"{e['mesh']:<26} {e['modelled_memory_bytes'] / gib:>12.1f} ")
-        if "error" in e:
-            lines.append(head + f"refused: {e['error']}")
-            continue
-        lines.append(head + f"{e['compiled_peak_bytes'] / gib:>12.1f} "
-                     f"{'yes' if e['fits'] else 'NO':>5} {e['collective_bytes'] / 1e9:>9.2f} "
-                     f"{e['collective_bytes_across_nodes'] / 1e9:>9.2f} "
-                     f"{e['compile_seconds']:>9.1f}")
-    return "\n".join(lines)
+    header = (f"{'compiled':>8} {'plan':>4}  {'layout':<14} {'mesh':<26} {'modelled GiB':>12} "
+              f"{'compiled GiB':>12} {'fits':>5} {'coll. GB':>9} {'x-node GB':>9} "
+              f"{'compile s':>9}")
+    return "\n".join(_table(
+        entries, header, 8, 26, lambda e: f"{e['modelled_memory_bytes'] / gib:>12.1f} ",
+        lambda e: (f"{e['compiled_peak_bytes'] / gib:>12.1f} "
+                   f"{'yes' if e['fits'] else 'NO':>5} {e['collective_bytes'] / 1e9:>9.2f} "
+                   f"{e['collective_bytes_across_nodes'] / 1e9:>9.2f} "
+                   f"{e['compile_seconds']:>9.1f}")))
+
+
+def _simulated(e: dict) -> str:
+    sim = e["simulated"]
+    mfu = f"{sim['mfu']:.1%}" if sim.get("mfu") is not None else "-"
+    return (f"{sim['step_s']:>8.3f} {sim['exposed_comm_s']:>8.3f} "
+            f"{e['modelled_joules_per_token']:>7.4f} {sim['joules_per_token']:>9.4f} "
+            f"{mfu:>6} {e['compiled_peak_bytes'] / 2**30:>6.1f} "
+            f"{'yes' if e['fits'] else 'NO':>4}")
 
 
 def format_simulated_plan(entries: list[dict]) -> str:
     """The compiled layouts with the plan's modelled step and J/token beside the simulated ones,
     and where the simulated order differs from the plan's."""
-    gib = 2**30
-    lines = [f"{'sim':>4} {'plan':>4}  {'layout':<14} {'mesh':<24} {'step s':>8} {'sim s':>8} "
-             f"{'exposed':>8} {'J/tok':>7} {'sim J/tok':>9} {'MFU':>6} {'GiB':>6} {'fits':>4}"]
-    for e in entries:
-        head = (f"{e.get('compiled_rank', '-'):>4} {e['plan_rank']:>4}  {e['layout']:<14} "
-                f"{e['mesh']:<24} {e['modelled_step_s']:>8.3f} ")
-        if "error" in e:
-            lines.append(head + f"refused: {e['error']}")
-            continue
-        sim = e["simulated"]
-        mfu = f"{sim['mfu']:.1%}" if sim.get("mfu") is not None else "-"
-        lines.append(head + f"{sim['step_s']:>8.3f} {sim['exposed_comm_s']:>8.3f} "
-                     f"{e['modelled_joules_per_token']:>7.4f} {sim['joules_per_token']:>9.4f} "
-                     f"{mfu:>6} {e['compiled_peak_bytes'] / gib:>6.1f} "
-                     f"{'yes' if e['fits'] else 'NO':>4}")
+    header = (f"{'sim':>4} {'plan':>4}  {'layout':<14} {'mesh':<24} {'step s':>8} {'sim s':>8} "
+              f"{'exposed':>8} {'J/tok':>7} {'sim J/tok':>9} {'MFU':>6} {'GiB':>6} {'fits':>4}")
+    lines = _table(entries, header, 4, 24, lambda e: f"{e['modelled_step_s']:>8.3f} ",
+                   _simulated)
     ranked = [e for e in entries if "error" not in e]
     order = sorted(e["plan_rank"] for e in ranked)
     moved = [e for e in ranked if e["compiled_rank"] != order.index(e["plan_rank"]) + 1]
