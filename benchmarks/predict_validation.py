@@ -162,9 +162,8 @@ def published_flags(run: dict) -> dict:
     if run.get("zero"):
         flags["zero"] = int(run["zero"])
     micro = run["global_batch"] // (data * run["micro_batch"])
-    if "stage" in axes:  # Megatron's interleaved schedule (VP=v in its layout)
-        virtual = int(run["layout"].split("VP=")[1].split(")")[0].split(",")[0]) if (
-            "VP=" in run["layout"]) else 1
+    if "stage" in axes:  # Megatron's interleaved schedule: its VP, the run's virtual_stages
+        virtual = run.get("virtual_stages", 1)
         flags["microbatches"] = micro
         flags["schedule"] = "interleaved-1f1b" if virtual > 1 else "1f1b"
         if virtual > 1:
