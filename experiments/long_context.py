@@ -60,7 +60,7 @@ def measure(seq: int, context: int, algorithm: str | None, steps: int, timed: bo
     program, step = build(seq, context, algorithm)
     batch = [jax.ShapeDtypeStruct((1, seq), np.int32,
                                   sharding=jax.sharding.NamedSharding(step.mesh, s))
-             for s in step._specs_of_batch(2)]
+             for s in step.specs_of_batch(2)]
     compiled = step.lower(step.abstract_state(), *batch).compile()
     memory = compiled.memory_analysis()
     row = {"seq_len": seq, "context": context, "attention": algorithm or "none",

@@ -71,7 +71,7 @@ def measure(config, mesh, schedule, stages, batch, steps):
         schedule, batch // (8 // stages), 2 if schedule == "interleaved-1f1b" else 1)}
     step = program.train_step(devices, optax.adamw(1e-3), **options)
     seq = config.max_positions
-    specs = step._specs_of_batch(2)
+    specs = step.specs_of_batch(2)
     shapes = [jax.ShapeDtypeStruct((batch, seq), np.int32,
                                    sharding=jax.sharding.NamedSharding(step.mesh, s))
               for s in specs]

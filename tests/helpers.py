@@ -138,14 +138,14 @@ def abstract_state(step, optimizer=None):
     creating anything)."""
     from jphantom.train_step import TrainState
 
-    shapes = step._pure(list(step.layout.shapes))
+    shapes = step.setup.pure(list(step.layout.shapes))
     shardings = step.param_shardings()
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           shapes, shardings)
     optimizer = optimizer or step.optimizer
     opt_shapes = jax.eval_shape(optimizer.init, shapes)
     opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                       opt_shapes, step._opt_shardings(shapes))
+                       opt_shapes, step.update.state_shardings(shapes))
     return TrainState(params, opt)
 
 
@@ -154,7 +154,7 @@ def compiled_hlo(step, *batch_shapes):
     batch arrays of ``batch_shapes`` ((shape, dtype) pairs, in the step's batch shardings)."""
     from jax.sharding import NamedSharding
 
-    specs = step._specs_of_batch(len(batch_shapes))
+    specs = step.specs_of_batch(len(batch_shapes))
     batch = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(step.mesh, spec))
              for (shape, dtype), spec in zip(batch_shapes, specs)]
     return step.lower(abstract_state(step), *batch).compile().as_text()

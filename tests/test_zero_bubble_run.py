@@ -124,7 +124,7 @@ def test_zero_bubble_step_holds_exactly_the_schedules_permutes(strategy, schedul
     x, t = _ffn_batch(mesh)
     state = abstract_state(step)
     batch = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.NamedSharding(mesh, s))
-             for a, s in zip((x, t), step._specs_of_batch(2))]
+             for a, s in zip((x, t), step.specs_of_batch(2))]
     hlo = value_and_grad.lower(state.params, *batch).compile().as_text()
     axes = dict(mesh.shape)
     found = collectives(hlo)

@@ -1,6 +1,6 @@
-"""Experimental steps, built from :class:`jphantom.TrainStep`'s public parts (its per-rank value
-and gradient ``local_value_and_grad``, the axes each gradient is summed over ``vary_axes``, its
-``shard_map`` ``over_mesh``, ``init_state``):
+"""Experimental steps, built from :class:`jphantom.TrainStep`'s parts (its gradient provider
+``step.gradients``, its reducer ``step.reducer`` and the axes each gradient is summed over
+``step.reducer.vary``, its ``shard_map`` ``over_mesh``, ``init_state``, ``build``):
 
 - :mod:`jphantom.experimental.samo`: SAMO, a magnitude-pruned model with compressed master
   weights, optimizer state and gradient all-reduce (Singh's thesis ch. 4);

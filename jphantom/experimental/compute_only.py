@@ -11,25 +11,15 @@ means something. Collectives inside the layers (tensor parallelism over ``model`
 from __future__ import annotations
 
 from jphantom.errors import ConfigError
+from jphantom.step.reduce import NoReduction
 from jphantom.train_step import TrainStep
 
 
-class ComputeOnlyStep(TrainStep):
-    """:class:`jphantom.TrainStep` less its reductions after the backward (module docstring)."""
-
-    check_vma = False  # the outputs vary over the batch axes they are not summed over
-
-    def __init__(self, model, mesh, optimizer, loss_fn, **options):
-        if options.get("zero", 0) or options.get("spmd", "shard_map") != "shard_map":
-            raise ConfigError("the compute-only step measures plain data parallelism of the "
-                              "shard_map step: use zero=0")
-        super().__init__(model, mesh, optimizer, loss_fn, **options)
-
-    def _per_rank(self, leaves, *batch, scale=None, key=None):
-        return self.local_value_and_grad(list(leaves), *batch, scale=scale, key=key)
-
-
-def make_compute_only_step(model, mesh, optimizer, loss_fn, **options) -> ComputeOnlyStep:
-    """The step of :func:`jphantom.make_train_step` without its gradient and loss reductions
-    (measurement only; ``zero=0``, ``spmd="shard_map"``)."""
-    return ComputeOnlyStep(model, mesh, optimizer, loss_fn, **options)
+def make_compute_only_step(model, mesh, optimizer, loss_fn, **options) -> TrainStep:
+    """The step of :func:`jphantom.make_train_step` with the :class:`~jphantom.step.reduce.
+    NoReduction` reducer: no gradient or loss reduction (measurement only; ``zero=0``,
+    ``spmd="shard_map"``)."""
+    if options.get("zero", 0) or options.get("spmd", "shard_map") != "shard_map":
+        raise ConfigError("the compute-only step measures plain data parallelism of the "
+                          "shard_map step: use zero=0")
+    return TrainStep(model, mesh, optimizer, loss_fn, reducer=NoReduction, **options)

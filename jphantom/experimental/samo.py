@@ -15,7 +15,7 @@ For a model whose weights are pruned to a fraction f = 1 - s of nonzeros, SAMO k
   **compressed**: only the f phi nonzeros, as flat vectors sharing one int32 index vector per
   tensor (``index = flatnonzero(mask)``).
 
-One step (:meth:`SamoStep._build`), inside one ``jax.jit``::
+One step (:meth:`SamoStep.build`), inside one ``jax.jit``::
 
     def per_rank(theta16, index, *batch):                # inside one jax.shard_map over data
         loss, g16 = value_and_grad(loss_fn)(theta16, *batch)   # dense, compute dtype
@@ -167,27 +167,27 @@ class SamoStep(TrainStep):
         self.samo = check(samo, mesh, zero=options.get("zero", 0),
                           pipeline=options.get("pipeline"), spmd=options.get("spmd", "shard_map"))
         super().__init__(model, mesh, optimizer, loss_fn, **options)
-        if self.dropout:
-            self.refuse_dropout("SAMO")
+        if self.setup.dropout:
+            self.setup.refuse_dropout("SAMO")
 
     def init_state(self, params) -> TrainState:
         """theta16 dense, the master weights and optimizer state compressed (:func:`init`)."""
         return TrainState(*init(self, params))
 
-    def _build(self):
+    def build(self):
         """``step(state, *batch) -> (state, loss)`` for SAMO: one ``jax.jit`` of one
         ``jax.shard_map`` over ``data`` and the update after it (module docstring). The backward
         is the module step's own (precision, accumulation, remat, the loss averaged over the
         ranks it varies over)."""
-        vary = self.vary_axes()  # per leaf: the axes its gradient is summed over (data)
+        vary = self.reducer.vary  # per leaf: the axes its gradient is summed over (data)
 
         def per_rank(theta, index, *batch):
-            loss, grads = self.local_value_and_grad(list(theta), *batch)  # dense, compute dtype
+            loss, grads = self.gradients(theta, *batch)  # dense, compute dtype
             compressed = [g.ravel().at[i].get(indices_are_sorted=True, unique_indices=True)
                           for g, i in zip(grads, index)]  # [f phi] per tensor
             # all-reduce of (1 - s) of the dense gradient
             compressed = group_by(compressed, vary, lambda xs, axes: comm.psum(xs, axes))
-            return self.global_value(loss), compressed
+            return self.setup.global_value(loss), compressed
 
         param_sh = self.param_shardings()
 

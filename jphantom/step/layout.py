@@ -273,7 +273,7 @@ def warn_unstacked_blocks(model: nnx.Module, layout: ParamLayout) -> None:
                   f"{whole / max(sum(sizes), 1):.0%} of the parameters) are whole on every rank "
                   "while it runs, not one block at a time; build them with "
                   "jphantom.nn.Stacked(make_block, layers, rngs=rngs) to gather them layer by "
-                  "layer", JPhantomWarning, stacklevel=4)
+                  "layer", JPhantomWarning, stacklevel=5)
 
 
 def replace_dropout(model: nnx.Module) -> list[str]:
