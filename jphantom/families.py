@@ -31,9 +31,20 @@ What a family declares:
   ``"ffn"`` (the FFN's own builder); ``defaults``: the column of ``inspect``'s and ``compile``'s
   defaults (``"lm"`` or ``"ffn"``).
 
-The zoo's families are the modules of :data:`BUILTIN`, imported on the first lookup; a user's
+The zoo's families are the packages of :data:`BUILTIN`, imported on the first lookup; a user's
 family registers from anywhere (``tests/test_families.py`` declares one in the test file and
 drives it through ``train``, ``inspect``, ``plan`` and ``compile``).
+
+**No jax until a model is built.** A configuration reads the registry as it validates
+(:class:`jphantom.config.ModelConfig`: the names, the fields each family reads, its ``check``;
+:class:`jphantom.config.RunConfig`: ``from_flags``, the strategies), and configuration is data:
+it imports neither jax, flax nor numpy. So a family's declarative facts, its configuration type
+and ``from_flags`` live in modules that import no jax, and whatever needs jax (its NNX
+``module``, its Hugging Face reader and writer) may be given as a :class:`Lazy` reference,
+``Lazy("jphantom.models.llama.model", "Llama")``, which the family imports when the field is
+first read (building a model, loading a checkpoint); :meth:`Family.declares` says whether a
+field is given without importing it. The zoo's families declare themselves so, each in its
+package's ``family`` module (``ffn``, ``gpt2``, ``llama`` with its ``variants``).
 """
 
 from __future__ import annotations
@@ -47,8 +58,9 @@ from typing import Any
 from jphantom.errors import ConfigError
 
 BUILTIN = ("ffn", "gpt2", "llama")
-"""The zoo's family modules under ``jphantom.models`` (``llama`` registers its presets too:
-mistral, qwen2, qwen3, qwen3_moe, gemma3)."""
+"""The zoo's family packages under ``jphantom.models`` (``llama`` registers its presets too:
+mistral, qwen2, qwen3, qwen3_moe, gemma3); importing one registers its families and imports no
+jax."""
 
 COMMON_FLAGS = ("layers", "hidden", "heads", "seq_len", "vocab", "dtype", "from_hf")
 """The model section's fields every language model takes."""
@@ -59,20 +71,34 @@ LM_STRATEGIES = ("dense", "gspmd", "tensor", "phantom", "phantom-unfused", "pmm3
 
 
 @dataclasses.dataclass(frozen=True)
+class Lazy:
+    """The attribute ``attribute`` of the module ``module``, imported when a :class:`Family`
+    field given as it is first read (module docstring)."""
+
+    module: str
+    attribute: str
+
+    def load(self):
+        """The attribute, its module imported."""
+        return getattr(importlib.import_module(self.module), self.attribute)
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
-    """One model family (module docstring)."""
+    """One model family (module docstring). A field given as a :class:`Lazy` reference reads as
+    the object it names, imported on the first read."""
 
     name: str
     description: str
     config_type: type
-    module: Callable[..., Any]
+    module: Callable[..., Any] | Lazy
     from_flags: Callable[[Any, bool], Any]
     flags: tuple[str, ...] = ()
     strategies: tuple[str, ...] = LM_STRATEGIES
     hf_types: tuple[str, ...] = ()
-    config_from_hf: Callable[[dict], Any] | None = None
-    load_hf: Callable[[Any], Any] | None = None
-    save_hf: Callable[[Any, Any], None] | None = None
+    config_from_hf: Callable[[dict], Any] | Lazy | None = None
+    load_hf: Callable[[Any], Any] | Lazy | None = None
+    save_hf: Callable[[Any, Any], None] | Lazy | None = None
     flops_per_token: Callable[[Any, int], int] | None = None
     plan_shape: Callable[[Any], Any] | None = None
     matches: Callable[[Any], bool] | None = None
@@ -87,6 +113,18 @@ class Family:
             raise ConfigError(f"family name {self.name!r}: letters, digits, - and _ only")
         if self.program not in ("lm", "ffn") or self.defaults not in ("lm", "ffn"):
             raise ConfigError(f"family {self.name!r}: program and defaults are 'lm' or 'ffn'")
+
+    def __getattribute__(self, name):
+        value = object.__getattribute__(self, name)
+        if isinstance(value, Lazy):  # imported once, then kept as the field's value
+            value = value.load()
+            object.__setattr__(self, name, value)
+        return value
+
+    def declares(self, field: str) -> bool:
+        """Whether the family gives ``field`` (not ``None``), without importing a :class:`Lazy`
+        one (a configuration asks whether there is a ``save_hf``)."""
+        return object.__getattribute__(self, field) is not None
 
     def owns(self, config) -> bool:
         """Whether ``config`` (a family configuration) is this family's."""
@@ -135,7 +173,8 @@ def _load() -> None:
 
 def _rank(family: Family) -> int:
     """The zoo's families first, in :data:`BUILTIN` order (whatever imported them first)."""
-    module = getattr(family.module, "__module__", "")
+    module = object.__getattribute__(family, "module")  # a Lazy one stays unimported
+    module = module.module if isinstance(module, Lazy) else getattr(module, "__module__", "")
     if module.startswith("jphantom.models."):  # a zoo package's: jphantom.models.llama.model
         module = module.removeprefix("jphantom.models.").split(".")[0]
     return BUILTIN.index(module) if module in BUILTIN else len(BUILTIN)

@@ -24,6 +24,10 @@ layer asks :meth:`MeshConfig.size` and skips the collectives of a trivial axis.
 All axes are ``AxisType.Auto``: the parallel layers run inside ``jax.shard_map`` with explicit specs
 (every collective written by hand), and the GSPMD baseline lets ``jax.jit`` choose collectives from
 ``NamedSharding`` annotations, which is what Auto axes are for.
+
+A :class:`MeshConfig` is data: parsing and validating one imports neither jax nor numpy (a run's
+configuration does it, :mod:`jphantom.config`); jax is imported where a mesh is built or devices
+are asked for.
 """
 
 from __future__ import annotations
@@ -32,14 +36,16 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+import numbers
 import os
 from collections.abc import Iterator, Mapping, Sequence
-
-import jax
-import numpy as np
-from jax.sharding import AxisType, Mesh
+from typing import TYPE_CHECKING
 
 from jphantom.errors import ConfigError
+
+if TYPE_CHECKING:
+    import jax
+    from jax.sharding import Mesh
 
 AXES = ("data", "stage", "expert", "context", "z", "y", "x", "model")
 # The axes whose ranks hold different samples of the batch (the step splits the batch over them):
@@ -68,7 +74,7 @@ class MeshConfig:
             if name in seen:
                 raise ConfigError(f"mesh axis {name!r} is given twice: give each axis once")
             seen.add(name)
-            if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
                 raise ConfigError(f"mesh axis {name!r} has size {size!r}; sizes must be integers >= 1")
         ordered = tuple(sorted(((n, int(s)) for n, s in self.axes), key=lambda a: AXES.index(a[0])))
         object.__setattr__(self, "axes", ordered)
@@ -125,6 +131,9 @@ class MeshConfig:
     def build(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
         """The ``jax.sharding.Mesh`` over ``devices`` (default: all of ``jax.devices()``), whose
         count must equal the product of the axis sizes."""
+        import jax
+        from jax.sharding import AxisType, Mesh
+
         pool = list(jax.devices()) if devices is None else list(devices)
         if self.device_count != len(pool):
             platform = pool[0].platform if pool else "none"
@@ -171,6 +180,8 @@ def node_split(config: MeshConfig, devices: Sequence[jax.Device]
 
 def axes_across_nodes(mesh: Mesh) -> tuple[str, ...]:
     """The axes of ``mesh`` whose groups hold devices of more than one node (process)."""
+    import numpy as np
+
     grid = np.vectorize(lambda d: d.process_index)(mesh.devices)
     out = []
     for i, name in enumerate(mesh.axis_names):
@@ -199,7 +210,11 @@ def device_pool(devices: Sequence[jax.Device]) -> Iterator[None]:
 def available_devices() -> tuple[jax.Device, ...]:
     """The devices runs are built on: :func:`device_pool`'s inside one, else ``jax.devices()``."""
     pool = _POOL.get()
-    return tuple(jax.devices()) if pool is None else pool
+    if pool is not None:
+        return pool
+    import jax
+
+    return tuple(jax.devices())
 
 
 def make_mesh(axes: Mapping[str, int] | MeshConfig | str,
@@ -266,6 +281,8 @@ def simulate_cpu_devices(count: int) -> None:
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_SIMULATED_DEVICES:
         raise ConfigError(f"simulated device count {count!r} must be an integer in "
                           f"[1, {MAX_SIMULATED_DEVICES}]")
+    import jax
+
     try:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError:
@@ -291,6 +308,8 @@ def ensure_devices(count: int) -> None:
     try:
         simulate_cpu_devices(count)
     except RuntimeError:
+        import jax
+
         if jax.device_count() >= count:
             return
         raise ConfigError(

@@ -32,20 +32,21 @@ model): ``nnx.Linear`` gets :func:`jphantom.fp8.dot_general` as its ``dot_genera
 jphantom's parallel layers (column, row, T1, phantom, experts, pmm3d) their ``fp8`` flag.
 Embeddings, norms, attention and the LM head stay bf16. No loss scale: E5M2's range covers the
 gradients.
+
+The names (:data:`NAMES`) and :class:`Precision` import no jax (a run's configuration validates
+against them); casting and loss scaling import jax and optax when they run.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-import jax
-import jax.numpy as jnp
-
-from typing import Any, NamedTuple
-
-import optax
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from jphantom.errors import ConfigError
+
+if TYPE_CHECKING:
+    import jax
+    import optax
 
 NAMES = ("float32", "bf16", "float16", "fp8")
 
@@ -104,6 +105,7 @@ class Precision:
         in float32 under ``bf16``)."""
         if self.is_default:
             return model
+        import jax.numpy as jnp
         from flax import nnx
 
         dtype = jnp.dtype(self.compute)
@@ -117,6 +119,9 @@ class Precision:
         """Floating leaves to the compute dtype (integers, e.g. tokens, untouched)."""
         if self.is_default:
             return tree
+        import jax
+        import jax.numpy as jnp
+
         dtype = jnp.dtype(self.compute)
         return jax.tree.map(
             lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
@@ -137,6 +142,9 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *, initial: float = 
     not all finite is zero and leaves ``inner``'s state as it was; the scale halves then, and
     doubles after ``period`` finite steps in a row. The step scales the loss by
     ``state.scale`` and hands the update unscaled gradients."""
+    import jax
+    import jax.numpy as jnp
+    import optax
 
     def init(params):
         return LossScaleState(jnp.asarray(initial, jnp.float32), jnp.zeros((), jnp.int32),

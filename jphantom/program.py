@@ -18,6 +18,11 @@ A strategy is a row of :data:`STRATEGIES` (the one vocabulary of names of the CL
 ``results.json``, the cost model and the docs); a model family (:func:`family_of`: FFN, GPT-2,
 Llama) builds its NNX model from a configuration and applies the strategy's plan to it
 (:mod:`jphantom.plans`).
+
+The vocabulary and the checks of a run's names against it (:func:`get`, :func:`check_runs`,
+:func:`check_lm_mesh`) import no jax: a run's configuration reads them as it validates
+(:class:`jphantom.config.RunConfig`); jax, flax and the layers are imported where a program is
+built.
 """
 
 from __future__ import annotations
@@ -25,16 +30,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
-
-import jax
-from flax import nnx
-from jax.sharding import PartitionSpec as P
+from typing import TYPE_CHECKING, Any
 
 from jphantom.errors import ConfigError, JPhantomWarning
 from jphantom.mesh import MeshConfig
-from jphantom.nn.shapes import check_width
 
+if TYPE_CHECKING:
+    import jax
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +118,9 @@ class Program:
 
     @property
     def param_count(self) -> int:
+        import jax
+        from flax import nnx
+
         _, state, _ = nnx.split(self.model, nnx.Param, ...)
         return sum(math.prod(a.shape) for a in jax.tree.leaves(state))
 
@@ -136,6 +143,8 @@ class Program:
         (one compilation for every seed), or the concrete model's parameters."""
         if self.create is None:
             return step.init()
+        import jax
+
         return step.init(create=self.create, key=jax.random.PRNGKey(seed))
 
 
@@ -275,6 +284,8 @@ def _replicate_odd_vocabulary(model, plan: dict, mesh: MeshConfig, sequence_para
 
 
 def _vocabulary_of(module) -> int:
+    from flax import nnx
+
     return module.num_embeddings if isinstance(module, nnx.Embed) else module.out_features
 
 
@@ -286,6 +297,9 @@ def lm_build(family_class: type, family_name: str):
                  ghost_width: int | None = None, seed: int = 0, model: nnx.Module | None = None,
                  dtd: bool = False, context_attention: str = "ring", load_balance: bool = True,
                  collective_matmul: bool = False, **options) -> Program:
+        import jax
+        from flax import nnx
+
         if options:
             raise ConfigError(f"options {sorted(options)} do not apply to the {family_name} model")
         check_experts(config, strategy, mesh, sequence_parallel=sequence_parallel, dtd=dtd)
@@ -434,9 +448,13 @@ def check_ffn_mesh(config, strategy: str, mesh: MeshConfig) -> MeshConfig:
     _only_axes(mesh, (DATA_AXIS, STAGE_AXIS, FEATURE_AXIS), strategy)
     if FEATURE_AXIS not in mesh.shape:
         if not staged and strategy != "gspmd":
+            import jax
+
             raise ConfigError(f"strategy {strategy!r} shards features over the 'model' axis: add "
                               f"it to the mesh (e.g. 'model={jax.device_count()}'), got {mesh}")
         mesh = MeshConfig.of({**dict(mesh.axes), FEATURE_AXIS: 1})
+    from jphantom.nn.shapes import check_width
+
     check_width(config.width, mesh.size(FEATURE_AXIS))
     return mesh
 
@@ -488,6 +506,8 @@ def ffn_batch_specs(strategy: str, config, mesh: MeshConfig) -> tuple[P, P]:
     (phantom's layout, every strategy but pmm3d); pmm3d: rows over (``data``, ``z``), input
     features over ``y``, output features over the last layer's output axis (x after a normal
     last layer, odd depth; y after a transposed one)."""
+    from jax.sharding import PartitionSpec as P
+
     if strategy in PMM3D_WEIGHTS:
         rows = tuple(a for a in (DATA_AXIS, "z") if a in mesh.shape)
         rows = rows[0] if len(rows) == 1 else rows
@@ -505,6 +525,9 @@ def build_ffn(config, strategy: str, mesh: MeshConfig, *, ghost_width: int | Non
     ``ghost_width``: phantom's k (default the configuration's); ``model``: a concrete plain
     :class:`~jphantom.models.ffn.FFN` to parallelise instead of creating one."""
     import warnings
+
+    import jax
+    from flax import nnx
 
     from jphantom.models.ffn import FFN, ffn_loss
 

@@ -6,7 +6,8 @@ Every stack of blocks (:class:`jphantom.nn.Stacked`) applies each block through
 choice: the step says how, the layers say what (they name their collectives' outputs,
 :func:`name_collective`).
 
-Policies (``POLICIES``):
+Policies (their names :data:`NAMES`, which a run's configuration validates against without jax;
+the ``jax.checkpoint`` policies ``POLICIES``, imported with jax on first use):
 
 ``none``
     keep every residual autodiff wants (no recompute).
@@ -29,29 +30,47 @@ Policies (``POLICIES``):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-
-import jax
-from jax.ad_checkpoint import checkpoint_name
 
 from jphantom.errors import ConfigError
 
 COLLECTIVE = "collective"
 
-POLICIES: dict[str, Callable | None] = {
-    "none": None,
-    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
-    "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "collectives_saveable": jax.checkpoint_policies.save_only_these_names(COLLECTIVE),
-    "dots_collectives_saveable": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(COLLECTIVE)),
-}
+NAMES = ("none", "nothing_saveable", "dots_saveable", "collectives_saveable",
+         "dots_collectives_saveable")
+"""The policies by name (module docstring)."""
+
+
+@functools.cache
+def policies() -> dict[str, Callable | None]:
+    """The ``jax.checkpoint`` policy of each name of :data:`NAMES` (``None`` for ``none``), the
+    same objects on every call (``POLICIES``)."""
+    import jax
+
+    saveable = jax.checkpoint_policies
+    return {
+        "none": None,
+        "nothing_saveable": saveable.nothing_saveable,
+        "dots_saveable": saveable.dots_with_no_batch_dims_saveable,
+        "collectives_saveable": saveable.save_only_these_names(COLLECTIVE),
+        "dots_collectives_saveable": saveable.save_from_both_policies(
+            saveable.dots_with_no_batch_dims_saveable,
+            saveable.save_only_these_names(COLLECTIVE)),
+    }
+
+
+def __getattr__(name):
+    """``POLICIES`` (:func:`policies`) loads with jax on first use: importing the module, and
+    checking a name, import none."""
+    if name == "POLICIES":
+        return policies()
+    raise AttributeError(f"module 'jphantom.remat' has no attribute {name!r}")
 
 
 def check(name: str) -> str:
-    if name not in POLICIES:
-        raise ConfigError(f"remat={name!r}: use one of {', '.join(POLICIES)}")
+    if name not in NAMES:
+        raise ConfigError(f"remat={name!r}: use one of {', '.join(NAMES)}")
     return name
 
 
@@ -73,14 +92,18 @@ def checkpointed(fn: Callable, name: str, *, fetched: bool = False) -> Callable:
     keeps every residual but them), so under ``none`` it keeps its matmul outputs
     (``dots_saveable``): keeping everything would keep values derived from the parameters, such
     as a transposed weight, whole."""
+    import jax
+
     check(name)
     if fetched and name == "none":
         name = "dots_saveable"
-    return fn if name == "none" else jax.checkpoint(fn, policy=POLICIES[name])
+    return fn if name == "none" else jax.checkpoint(fn, policy=policies()[name])
 
 
 def name_collective(x):
     """Mark a collective's output, so that ``collectives_saveable`` keeps it."""
+    from jax.ad_checkpoint import checkpoint_name
+
     return checkpoint_name(x, COLLECTIVE)
 
 
@@ -89,7 +112,9 @@ def residual_bytes(fn: Callable, params, x, policy: str) -> int:
     under ``policy``: the leaves of ``jax.vjp``'s residuals other than the parameters and the
     input themselves (which live anyway). The prediction of what a policy saves per layer.
     Abstract: nothing is computed. Inside a ``shard_map`` (collectives) call it per rank."""
-    wrapped = fn if check(policy) == "none" else jax.checkpoint(fn, policy=POLICIES[policy])
+    import jax
+
+    wrapped = fn if check(policy) == "none" else jax.checkpoint(fn, policy=policies()[policy])
 
     def probe(p, x):
         _, vjp_fn = jax.vjp(wrapped, p, x)

@@ -29,8 +29,6 @@ import sys
 import threading
 import time
 
-import numpy as np
-
 NONFINITE = ("stop", "skip", "rollback")
 MAX_CONSECUTIVE_SKIPS = 10
 """``--on-nonfinite skip``: this many non-finite steps in a row stop the run (diverged, not a
@@ -76,6 +74,7 @@ def agree(flag: bool) -> bool:
 
     if jax.process_count() == 1:
         return flag
+    import numpy as np
     from jax.experimental import multihost_utils
 
     return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))

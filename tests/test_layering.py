@@ -15,6 +15,7 @@ LAYERS = [
     ("base", ["errors", "mesh", "comm", "targets"]),
     ("operations", ["remat", "precision", "fp8", "zero", "collectives", "pipeline", "pipeline.schedule", "data",
                     "analysis.hlo", "perf.comm_model", "perf.axonn_model", "energy",
+                    "attention_choices",
                     "coordinator", "distributed", "gpu_defaults", "token_mean", "predict"]),
     ("layers", ["nn"]),
     ("models", ["models", "families"]),
@@ -208,13 +209,9 @@ LONG_FUNCTIONS = {
     "plans/convert.py::convert": (166, "one branch per style and layer type (issue 44: the "
                                        "styles own their conversions)"),
     "pipeline/table.py::plan": (124, "the host-side slot assignment of every task's buffers"),
-    "train_step.py::__init__": (100, "the step's options validated and its parts composed "
-                                     "(issue 44: the step as a composition)"),
     "compare.py::run_compare": (94, "the comparison's runs, seeds and targets"),
     "launch.py::launch": (92, "the launcher's processes, their environment and their exit"),
-    "step/pipeline.py::_gspmd_pipeline_loss": (88, "the GSPMD baseline's pipelined loss"),
-    "step/pipeline.py::_pipeline_value_and_grad": (83, "the pipelined value-and-grad with "
-                                                       "ZeRO-3's gathers"),
+    "step/gspmd.py::pipeline_loss": (88, "the GSPMD baseline's pipelined loss"),
 }
 
 

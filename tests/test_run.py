@@ -199,3 +199,40 @@ def test_a_run_configuration_is_pure_data(monkeypatch):
     monkeypatch.undo()
     with pytest.raises(ConfigError, match="config.json not found"):
         config.build()
+
+
+# constructs what the command line constructs, in a process of its own (one: fast)
+NO_JAX = """
+import sys
+
+from jphantom import families
+from jphantom.config import ModelConfig, RunConfig, load_toml
+
+for name in families.names(aliases=True):
+    RunConfig(model=ModelConfig(name=name))
+RunConfig.from_flags(model="llama", strategy="tensor", mesh="data=2,model=2", layers=2,
+                     hidden=32, heads=4, kv_heads=2, zero=1, precision="bf16",
+                     remat="collectives_saveable", attention="xla", save_hf="out/hf")
+RunConfig.from_flags(model="qwen3", strategy="tensor", mesh="data=2,context=2",
+                     context_attention="all-gather", accumulate=2, clip_norm=1.0)
+RunConfig.from_flags(model="ffn", strategy="phantom", mesh="stage=2,model=2", ghost_width=4,
+                     schedule="zb-h1", on_nonfinite="skip", optimizer="sgd")
+RunConfig.from_flags(**load_toml(sys.argv[1]))
+print(sorted(name for name in ("jax", "flax", "numpy") if name in sys.modules))
+"""
+
+
+def test_constructing_a_configuration_imports_neither_jax_nor_flax(tmp_path):
+    """Configuration is data (issue 44): a fresh process that constructs the model section of
+    every registered family and the run configurations around them (every section, a TOML
+    file's settings) imports neither jax, flax nor numpy; they come with ``build()``."""
+    import subprocess
+    import sys
+
+    toml = tmp_path / "run.toml"
+    toml.write_text('[model]\nname = "mistral"\nsliding_window = 4\n[parallel]\n'
+                    'strategy = "pmm3d"\nmesh = "z=2,x=2"\n[train]\nbatch = 8\n')
+    done = subprocess.run([sys.executable, "-c", NO_JAX, str(toml)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"constructing a configuration imported {done.stdout}"

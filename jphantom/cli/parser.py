@@ -34,16 +34,17 @@ def strategy_names(model: str | None = "ffn") -> list[str]:
 
 def run_flag_choices() -> dict:
     """The choices of the run flags that have a fixed set (argparse refuses anything else)."""
+    from jphantom.attention_choices import ALGORITHMS, IMPLEMENTATIONS
     from jphantom.config import DTYPES, LR_SCHEDULES, OPTIMIZERS
     from jphantom.pipeline.schedule import ALL_SCHEDULES
     from jphantom.precision import NAMES as PRECISIONS
-    from jphantom.remat import POLICIES
+    from jphantom.remat import NAMES as REMATS
     from jphantom.resilience import NONFINITE
 
     return {"schedule": ALL_SCHEDULES, "zero": (0, 1, 2, 3), "precision": PRECISIONS,
-            "remat": tuple(POLICIES), "optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES,
-            "dtype": DTYPES, "context_attention": ("ring", "all-gather"),
-            "on_nonfinite": NONFINITE, "attention": ("auto", "xla", "cudnn")}
+            "remat": REMATS, "optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES,
+            "dtype": DTYPES, "context_attention": ALGORITHMS,
+            "on_nonfinite": NONFINITE, "attention": IMPLEMENTATIONS}
 
 
 def add_run_flags(parser: argparse.ArgumentParser, defaults: dict | None = None,

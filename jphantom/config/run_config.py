@@ -37,7 +37,7 @@ class RunConfig:
                 if value != default:
                     raise ConfigError(f"{flag} applies to a mesh with a context axis (context=C, "
                                       "C > 1): add one to --mesh, or leave the flag out")
-        if self.train.save_hf is not None and self.model.family.save_hf is None:
+        if self.train.save_hf is not None and not self.model.family.declares("save_hf"):
             raise ConfigError(f"--save-hf: the {self.model.name} family has no Hugging Face "
                               "format; leave --save-hf out")
         if self.model.dtype == "float16" and self.train.optimizer != "sgd":

@@ -1,10 +1,12 @@
 """The four sections of a run's configuration: what each setting is, its default, its help.
 
 :class:`ModelConfig`, :class:`ParallelConfig`, :class:`StepConfig` and :class:`TrainConfig` are
-frozen dataclasses validated on construction without jax (types by annotation, ranges and
-choices by name). Every field carries its command-line help in its metadata (:func:`setting`):
-``jphantom train``'s flags are built from them (:mod:`jphantom.cli.parser`), so the words live
-here once. :data:`FLAT` maps each flat name (a flag, a flat TOML key) to its section and field.
+frozen dataclasses validated on construction without jax, flax or numpy (types by annotation,
+ranges and choices by name, against vocabularies that import none of them: the model families'
+registry, :mod:`jphantom.program`'s strategies, :mod:`jphantom.attention_choices`, ...). Every
+field carries its command-line help in its metadata (:func:`setting`): ``jphantom train``'s flags
+are built from them (:mod:`jphantom.cli.parser`), so the words live here once. :data:`FLAT` maps
+each flat name (a flag, a flat TOML key) to its section and field.
 """
 
 import dataclasses
@@ -194,7 +196,7 @@ class ParallelConfig:
         "bytes)")
 
     def __post_init__(self):
-        from jphantom.nn.attention import ALGORITHMS
+        from jphantom.attention_choices import ALGORITHMS
         from jphantom.pipeline.schedule import ALL_SCHEDULES
         from jphantom.program import get
 
@@ -264,9 +266,9 @@ class StepConfig:
         "cannot run)")
 
     def __post_init__(self):
-        from jphantom.nn.attention import IMPLEMENTATIONS
+        from jphantom.attention_choices import IMPLEMENTATIONS
         from jphantom.precision import NAMES as PRECISIONS
-        from jphantom.remat import POLICIES, with_cac
+        from jphantom.remat import NAMES as REMATS, with_cac
 
         _check_types(self)
         _choice("zero", self.zero, (0, 1, 2, 3))
@@ -274,7 +276,7 @@ class StepConfig:
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ConfigError(f"clip_norm={self.clip_norm} must be > 0 (or left out)")
         _choice("precision", self.precision, tuple(PRECISIONS))
-        _choice("remat", self.remat, tuple(POLICIES))
+        _choice("remat", self.remat, REMATS)
         _choice("attention", self.attention, IMPLEMENTATIONS)
         with_cac(self.remat, self.cac)
 

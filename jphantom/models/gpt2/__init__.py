@@ -7,13 +7,27 @@ GPT-2 on the same path as any user's model, :func:`jphantom.parallelize` and
 checkpoints read and written without torch (:func:`load` / :func:`save` as the dense dictionary,
 :func:`load_hf` / :func:`save_hf` as the module, :mod:`~jphantom.models.gpt2.hf`), as
 :mod:`jphantom.models.llama` holds Llama's, and its family registration
-(:mod:`~jphantom.models.gpt2.family`). Importing the package registers the ``gpt2`` family.
+(:mod:`~jphantom.models.gpt2.family`). Importing the package registers the ``gpt2`` family and
+imports no jax (the shape and the registration need none); the names of the module, the dense
+dictionary and the checkpoints load on first use.
 """
 
 from jphantom.models.gpt2.config import DTYPES, LAYER_NORM_EPS, TransformerConfig, moe_fields
-from jphantom.models.gpt2.model import AUX, GPT2, MLP, Attention, Block, MoEBlock, MoEGroup
-from jphantom.models.gpt2.dense import from_dense, to_dense
-from jphantom.models.gpt2.hf import (CONFIG_FILE, HF_DEFAULTS, INDEX_FILE, PREFIX, TANH_GELUS,
-                                     WEIGHTS_FILE, config_from_hf, config_to_hf, load, load_hf,
-                                     save, save_hf, to_hf_tensors)
 from jphantom.models.gpt2.family import FAMILY, family_config, plan_shape
+
+_LAZY = {**{name: "model" for name in ("AUX", "GPT2", "MLP", "Attention", "Block", "MoEBlock",
+                                       "MoEGroup")},
+         **{name: "dense" for name in ("from_dense", "to_dense")},
+         **{name: "hf" for name in ("CONFIG_FILE", "HF_DEFAULTS", "INDEX_FILE", "PREFIX",
+                                    "TANH_GELUS", "WEIGHTS_FILE", "config_from_hf",
+                                    "config_to_hf", "load", "load_hf", "save", "save_hf",
+                                    "to_hf_tensors")}}
+
+
+def __getattr__(name):
+    """The names above load on first use (module docstring)."""
+    import importlib
+
+    if name not in _LAZY:
+        raise AttributeError(f"module 'jphantom.models.gpt2' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"jphantom.models.gpt2.{_LAZY[name]}"), name)

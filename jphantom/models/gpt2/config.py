@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-
-import jax
+from typing import TYPE_CHECKING
 
 from jphantom.errors import ConfigError, check_int
-from jphantom.nn.routing import MoEConfig
+
+if TYPE_CHECKING:
+    from jphantom.nn.routing import MoEConfig
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 LAYER_NORM_EPS = 1e-5
@@ -59,9 +60,13 @@ class TransformerConfig:
             raise ConfigError(f"ghost_width={k!r} must be an integer >= 1, e.g. 8")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r}; use one of {DTYPES}")
-        if self.dtype == "float64" and not jax.config.jax_enable_x64:
-            raise ConfigError("dtype='float64' needs 64-bit mode: call "
-                              "jax.config.update('jax_enable_x64', True) first, or use float32")
+        if self.dtype == "float64":
+            import jax  # 64-bit mode is jax's setting: only a float64 shape asks for it
+
+            if not jax.config.jax_enable_x64:
+                raise ConfigError("dtype='float64' needs 64-bit mode: call "
+                                  "jax.config.update('jax_enable_x64', True) first, or use "
+                                  "float32")
         if not (self.layer_norm_eps > 0 and math.isfinite(self.layer_norm_eps)):
             raise ConfigError(f"layer_norm_eps={self.layer_norm_eps} must be a positive number")
         every = self.moe_every
@@ -80,9 +85,12 @@ class TransformerConfig:
 
     @property
     def moe(self) -> MoEConfig | None:
-        """The MoE layer of the MoE blocks (None without them)."""
+        """The MoE layer of the MoE blocks (None without them; :mod:`jphantom.nn.routing`, which
+        imports jax, only for them)."""
         if not self.moe_every:
             return None
+        from jphantom.nn.routing import MoEConfig
+
         return MoEConfig(self.hidden, self.experts, self.top_k, self.capacity_factor)
 
     @property

@@ -1,6 +1,8 @@
 """GPT-2 (Radford et al. 2019) as a model family (:mod:`jphantom.families`): its configuration
 from a run's model section, the block shape the planner prices, and its registration (``gpt2``,
-alias ``transformer``)."""
+alias ``transformer``), without jax (the NNX module and the Hugging Face reader and writer are
+:class:`~jphantom.families.Lazy` references, imported when a model is built or a checkpoint
+read)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ import dataclasses
 
 from jphantom.errors import ConfigError
 from jphantom.models.gpt2.config import TransformerConfig, moe_fields
-from jphantom.models.gpt2.hf import config_from_hf, load_hf, save_hf
-from jphantom.models.gpt2.model import GPT2
+
+HF = "jphantom.models.gpt2.hf"
+"""The module of GPT-2's Hugging Face reader and writer (numpy and jax: imported when used)."""
+
 
 def family_config(section, phantom: bool) -> TransformerConfig:
     """The :class:`TransformerConfig` of the run's model section
@@ -20,6 +24,8 @@ def family_config(section, phantom: bool) -> TransformerConfig:
 
     ghost = section.ghost_width if phantom else None
     if section.from_hf:
+        from jphantom.models.gpt2.hf import config_from_hf
+
         config = config_from_hf(families.read_hf_config(section.from_hf, families.get("gpt2")))
         families.check_checkpoint_shape(section, config, {
             "layers": "layers", "hidden": "hidden", "heads": "heads", "vocab": "vocab_size"})
@@ -53,9 +59,10 @@ def _register():
     return families.register(families.Family(
         name="gpt2", description="GPT-2 (LayerNorm, GELU MLP, learned positions, tied head); "
         "GShard-style routed MoE blocks with --moe-every", config_type=TransformerConfig,
-        module=GPT2, from_flags=family_config,
+        module=families.Lazy("jphantom.models.gpt2.model", "GPT2"), from_flags=family_config,
         flags=("ghost_width", "moe_every", "experts", "top_k", "capacity_factor", "dropless"),
-        hf_types=("gpt2",), config_from_hf=config_from_hf, load_hf=load_hf, save_hf=save_hf,
+        hf_types=("gpt2",), config_from_hf=families.Lazy(HF, "config_from_hf"),
+        load_hf=families.Lazy(HF, "load_hf"), save_hf=families.Lazy(HF, "save_hf"),
         flops_per_token=lambda config, seq_len: dataclasses.replace(
             config, seq_len=seq_len).flops_per_token(),
         plan_shape=plan_shape, aliases=("transformer",)))

@@ -12,15 +12,29 @@ six registered families. Importing the package registers them (:mod:`jphantom.fa
   configuration of a run's model section) and :func:`register_variant`;
 - :mod:`~jphantom.models.llama.variants`: the presets registered as ``llama``, ``mistral``,
   ``qwen2``, ``qwen3``, ``qwen3_moe`` and ``gemma3``.
+
+The shape, the family and its presets import no jax; the module's and the checkpoints' names
+load on first use.
 """
 
 from jphantom.models.llama.config import ARCHITECTURES, DTYPES, LAYER_TYPES, LlamaConfig
-from jphantom.models.llama.model import MLP, Attention, Block, Llama, MoE, lm_loss, rope
-from jphantom.models.llama.hf import (HF_FIELDS, config_from_hf, config_to_hf, from_hf_tensors,
-                                      load_hf, save_hf, to_hf_tensors)
 from jphantom.models.llama.family import (NO_PMM3D, default_intermediate, family_config,
                                           flops_per_token, plan_shape, register_variant)
 from jphantom.models.llama import variants  # noqa: F401  (registers the six families)
-from jphantom.nn.attention import causal_attention
 
+_LAZY = {**{name: "jphantom.models.llama.model" for name in ("MLP", "Attention", "Block",
+                                                             "Llama", "MoE", "lm_loss", "rope")},
+         **{name: "jphantom.models.llama.hf" for name in ("HF_FIELDS", "config_from_hf",
+                                                          "config_to_hf", "from_hf_tensors",
+                                                          "load_hf", "save_hf", "to_hf_tensors")},
+         "causal_attention": "jphantom.nn.attention"}
 __all__ = ["LlamaConfig", "Llama", "lm_loss", "load_hf", "save_hf", "rope", "causal_attention"]
+
+
+def __getattr__(name):
+    """The names above load on first use (module docstring)."""
+    import importlib
+
+    if name not in _LAZY:
+        raise AttributeError(f"module 'jphantom.models.llama' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -1,7 +1,9 @@
 """What the family registry (:mod:`jphantom.families`) reads of a Llama-family model: its
 FLOPs per token, the block shape the planner prices, its configuration from a run's model
 section, and :func:`register_variant`, which declares one preset of the Llama block as a family
-(:mod:`jphantom.models.llama.variants` declares the zoo's)."""
+(:mod:`jphantom.models.llama.variants` declares the zoo's); without jax (the NNX module and the
+Hugging Face reader and writer are :class:`~jphantom.families.Lazy` references, imported when a
+model is built or a checkpoint read)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,10 @@ import dataclasses
 
 from jphantom.errors import ConfigError
 from jphantom.models.llama.config import LlamaConfig
-from jphantom.models.llama.hf import config_from_hf, load_hf, save_hf
-from jphantom.models.llama.model import Llama
+
+HF = "jphantom.models.llama.hf"
+"""The module of the family's Hugging Face reader and writer (numpy and jax: imported when
+used)."""
 
 
 def default_intermediate(hidden: int) -> int:
@@ -54,6 +58,8 @@ def family_config(section, name: str, **preset) -> LlamaConfig:
     from jphantom import families
 
     if section.from_hf:
+        from jphantom.models.llama.hf import config_from_hf
+
         config = config_from_hf(families.read_hf_config(section.from_hf, families.get(name)))
         families.check_checkpoint_shape(section, config, {
             "layers": "layers", "hidden": "hidden", "heads": "heads", "vocab": "vocab_size",
@@ -72,19 +78,21 @@ def family_config(section, name: str, **preset) -> LlamaConfig:
 def register_variant(name: str, description: str, hf_types: tuple[str, ...], *,
                      flags: tuple[str, ...] = (), check=None, aliases: tuple[str, ...] = (),
                      strategies: tuple[str, ...] | None = None, **preset):
-    """Register a Llama-family variant (one :class:`LlamaConfig` preset, the :class:`Llama`
-    module, its Hugging Face reader and writer); the variant owns the configurations whose
-    :attr:`LlamaConfig.model_type` is in ``hf_types``; ``strategies``: what it runs (default
-    every language-model strategy)."""
+    """Register a Llama-family variant (one :class:`LlamaConfig` preset, the
+    :class:`~jphantom.models.llama.Llama` module, its Hugging Face reader and writer); the
+    variant owns the configurations whose :attr:`LlamaConfig.model_type` is in ``hf_types``;
+    ``strategies``: what it runs (default every language-model strategy)."""
     import functools
 
     from jphantom import families
 
     return families.register(families.Family(
-        name=name, description=description, config_type=LlamaConfig, module=Llama,
+        name=name, description=description, config_type=LlamaConfig,
+        module=families.Lazy("jphantom.models.llama.model", "Llama"),
         from_flags=lambda section, phantom: family_config(section, name, **preset),
         flags=("kv_heads", "intermediate", "ghost_width", *flags), hf_types=hf_types,
-        config_from_hf=config_from_hf, load_hf=load_hf, save_hf=save_hf,
+        config_from_hf=families.Lazy(HF, "config_from_hf"), load_hf=families.Lazy(HF, "load_hf"),
+        save_hf=families.Lazy(HF, "save_hf"),
         flops_per_token=flops_per_token, plan_shape=functools.partial(plan_shape, model=name),
         matches=lambda config: config.model_type in hf_types, check=check, aliases=aliases,
         strategies=families.LM_STRATEGIES if strategies is None else strategies))

@@ -11,14 +11,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jphantom import comm
+from jphantom.attention_choices import ALGORITHMS
 from jphantom.errors import ConfigError
 from jphantom.nn.attention.core import CausalAttention, Positions, causal_attention
 from jphantom.nn.attention.kernel_choice import check_implementation, choose, platform_of
 from jphantom.nn.attention.layout import AXIS, layout_positions
 from jphantom.nn.attention.ring import ring_attention
-
-
-ALGORITHMS = ("ring", "all-gather")
 
 
 def gathered_attention(q, k, v, *, size: int, balanced: bool = True,

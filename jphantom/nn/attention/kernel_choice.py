@@ -8,10 +8,9 @@ import os
 
 import jax.numpy as jnp
 
+from jphantom.attention_choices import IMPLEMENTATIONS
 from jphantom.errors import ConfigError
 
-
-IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 FUSED_DTYPES = ("bfloat16", "float16")
 
 

@@ -1,0 +1,30 @@
+"""Seal et al.'s FFN as a model family (:mod:`jphantom.families`): its registration
+(``ffn``), its configuration from a run's model section and its FLOPs, without jax (the NNX
+module is a :class:`~jphantom.families.Lazy` reference, imported when a model is built)."""
+
+from __future__ import annotations
+
+from jphantom.models.ffn.config import FFNConfig
+
+
+def family_config(section, phantom: bool) -> FFNConfig:
+    """The :class:`FFNConfig` of the run's model section (:class:`jphantom.config.ModelConfig`):
+    phantom's ghost width only under a phantom strategy."""
+    return FFNConfig(section.width, section.depth, section.ghost_width if phantom else None,
+                     section.dtype)
+
+
+def _register():
+    from jphantom import families
+
+    return families.register(families.Family(
+        name="ffn", description="Seal et al.'s FFN of --width x --depth (its teacher task)",
+        config_type=FFNConfig, module=families.Lazy("jphantom.models.ffn.model", "FFN"),
+        from_flags=family_config,
+        flags=("width", "depth", "ghost_width"), common_flags=("dtype",),
+        strategies=(*families.LM_STRATEGIES[:3], "tensor-t1", *families.LM_STRATEGIES[3:]),
+        flops_per_token=lambda config, seq_len: 6 * config.depth * config.width ** 2,
+        program="ffn", defaults="ffn"))
+
+
+FAMILY = _register()
