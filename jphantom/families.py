@@ -26,7 +26,7 @@ What a family declares:
 - ``flops_per_token(config, seq_len)`` (forward + backward model FLOPs, for MFU) and
   ``plan_shape(config)`` (the dense-block shape :mod:`jphantom.planner` prices, a
   :class:`jphantom.perf.axonn_model.GPTShape`; ``None``: the planner refuses it by name);
-- ``strategies``: the strategy names it runs (:data:`jphantom.program.STRATEGIES`);
+- ``strategies``: the strategy names it runs (:data:`jphantom.strategies.STRATEGIES`);
   ``program``: ``"lm"`` (a language model under :func:`jphantom.program.lm_build`'s plans) or
   ``"ffn"`` (the FFN's own builder); ``defaults``: the column of ``inspect``'s and ``compile``'s
   defaults (``"lm"`` or ``"ffn"``).
@@ -263,3 +263,17 @@ def check_checkpoint_shape(section, config, names: dict[str, str]) -> None:
             flag = "--" + field.replace("_", "-")
             raise ConfigError(f"{flag} {given} disagrees with the --from-hf checkpoint's "
                               f"{attribute}={loaded}: leave {flag} out (the checkpoint sets it)")
+
+
+def strategies_for(model: str) -> list[str]:
+    """The strategies the family ``model`` runs, in :data:`jphantom.strategies.STRATEGIES`
+    order."""
+    from jphantom.strategies import NAMES
+
+    runs = get(model).strategies
+    return [name for name in NAMES if name in runs]
+
+
+def running(strategy: str) -> tuple[str, ...]:
+    """The registered families that run ``strategy``."""
+    return tuple(name for name, f in families().items() if strategy in f.strategies)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from jphantom.errors import ConfigError
 from jphantom.mesh import MeshConfig
-from jphantom.program import STRATEGIES, get
+from jphantom.strategies import STRATEGIES, get
 
 
 def collective_inventory(config, strategy: str, mesh, batch: int, *,

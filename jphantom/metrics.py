@@ -71,7 +71,7 @@ def flops_per_token(model_config, strategy: str, seq_len: int) -> int | None:
     :func:`~jphantom.models.llama.flops_per_token`, 6 L n^2 for the FFN). ``None`` under phantom
     strategies, whose model is not the dense one (Seal et al.), or for a family that declares none."""
     from jphantom import families
-    from jphantom.program import get
+    from jphantom.strategies import get
 
     if get(strategy).family == "phantom":
         return None

@@ -32,6 +32,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from jphantom import strategies
 from jphantom.errors import ConfigError, JPhantomWarning
 from jphantom.mesh import MeshConfig
 
@@ -41,63 +42,16 @@ if TYPE_CHECKING:
     from jax.sharding import PartitionSpec as P
 
 
-@dataclasses.dataclass(frozen=True)
-class Strategy:
-    """A row of the strategy vocabulary. ``family``: ``dense`` (dense-shaped weights, any degree)
-    or ``phantom`` (the ghost width k and the degree p are part of the model); ``zero``: whether
-    ZeRO over ``data`` applies (pmm3d shards its weights over ``z`` already: its z-only grid is
-    ZeRO-3). Which model families run it is theirs to say
-    (:attr:`jphantom.families.Family.strategies`)."""
-
-    name: str
-    description: str
-    family: str
-    zero: bool = True
-
-    @property
-    def models(self) -> tuple[str, ...]:
-        """The registered model families that run this strategy."""
-        from jphantom import families
-
-        return tuple(name for name, f in families.families().items() if self.name in f.strategies)
-
-
-STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
-    Strategy("dense", "the unsharded model on one device (the single-device oracle)", "dense"),
-    Strategy("gspmd", "the plain model with NamedSharding annotations of Megatron's plan; jax.jit "
-             "chooses the collectives (what a JAX user writes without jphantom)", "dense"),
-    Strategy("tensor", "Megatron tensor parallelism: column/row pairs with f and g (Brakel et al.); "
-             "sequence parallelism as an option (Korthikanti et al. 2022)", "dense"),
-    Strategy("tensor-t1", "Seal et al.'s TP: row-sharded weights, all-gather forward / "
-             "reduce-scatter backward", "dense"),
-    Strategy("phantom", "phantom parallelism (Seal et al.), one fused decompressor GEMM", "phantom"),
-    Strategy("phantom-unfused", "phantom parallelism with the paper's p-1 decompressor GEMMs",
-             "phantom"),
-    Strategy("pmm3d", "AxoNN's 3D parallel matrix multiply on x, y, z (and data), Singh's thesis ch. 5: "
-             "weights all-gathered over z, all-reduces over y forward and x backward, "
-             "reduce-scatters over z", "dense", zero=False),
-    Strategy("pmm3d-regather", "pmm3d whose backward all-gathers the weights again instead of "
-             "keeping them (AxoNN's default)", "dense", zero=False),
-    Strategy("pmm3d-deferred", "pmm3d with every weight gathered before the layers and one "
-             "reduce-scatter after the backward", "dense", zero=False),
-)}
-NAMES = tuple(STRATEGIES)
-
-
-def get(name: str) -> Strategy:
-    """A strategy by name, with the valid names in the error."""
-    try:
-        return STRATEGIES[name]
-    except KeyError:
-        raise ConfigError(f"unknown strategy {name!r}; choose one of {list(STRATEGIES)}") from None
+# The registry lives in jphantom.strategies (no jax); its names are this module's too.
+STRATEGIES, NAMES, Strategy, get = strategies.STRATEGIES, strategies.NAMES, strategies.Strategy, \
+    strategies.get
 
 
 def strategies_for(model: str) -> list[str]:
-    """The strategies the model family ``model`` runs, in :data:`STRATEGIES` order."""
+    """The strategies the model family ``model`` runs (:func:`jphantom.families.strategies_for`)."""
     from jphantom import families
 
-    runs = families.get(model).strategies
-    return [name for name in STRATEGIES if name in runs]
+    return families.strategies_for(model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,67 +140,70 @@ def check_runs(family: str, strategy: str) -> None:
 
 
 def check_lm_mesh(strategy: str, mesh: MeshConfig) -> MeshConfig:
-    """The mesh a language model runs on under ``strategy`` (``dense``: one device; ``pmm3d``:
-    ``x``, ``y``, ``z`` added with size 1 where absent; a staged mesh without ``model`` gets
-    ``model=1``), or a ConfigError naming what does not fit."""
-    if strategy == "dense":
-        if mesh.device_count != 1:
-            raise ConfigError(f"strategy 'dense' runs on one device, not on mesh {mesh}: use "
-                              "'model=1', or 'gspmd' / 'tensor' / 'phantom' for several devices")
-        return mesh
-    if strategy.startswith("pmm3d"):
-        extra = [a for a, s in mesh.axes
-                 if a not in ("data", "z", "y", "x", "stage", "expert") and s > 1]
-        if extra:
-            raise ConfigError(f"strategy {strategy!r} runs on the axes data, stage, expert, z, y, "
-                              f"x, not "
-                              f"{extra}: drop them from the mesh ({mesh})")
-        return MeshConfig.of({**dict(mesh.axes), **{a: mesh.size(a) for a in ("z", "y", "x")}})
-    grid = [a for a in ("x", "y", "z") if mesh.size(a) > 1]
-    if grid:
-        raise ConfigError(f"the mesh axes {grid} are pmm3d's (AxoNN's 3D matrix multiply): use "
-                          f"--strategy pmm3d, or put those devices on data or model ({mesh})")
-    if "model" not in mesh.shape:
-        return MeshConfig.of({**dict(mesh.axes), "model": 1})
-    return mesh
+    """The mesh a language model runs on under ``strategy``
+    (:meth:`jphantom.strategies.Strategy.check_mesh`), or a ConfigError naming what does not
+    fit."""
+    return get(strategy).check_mesh(mesh)
 
 
 def lm_plan(model: nnx.Module, strategy: str, mesh: MeshConfig, *, sequence_parallel=False,
             ghost_width=None, dtd=False, context_attention="ring", load_balance=True,
             collective_matmul=False):
-    """Parallelise the language model ``model`` in place under ``strategy`` (``dtd``: duplicate
-    token dropping in the routed MoE layers, ``tensor`` only); with a ``context`` axis its
-    attention runs over it (``context_attention``: ring or all-gather; ``load_balance``: the
-    balanced causal layout)."""
+    """Parallelise the language model ``model`` in place under ``strategy``, by the plan its
+    registry row names (:data:`LM_PLANS`; ``dtd``: duplicate token dropping in the routed MoE
+    layers, ``tensor`` only); with a ``context`` axis its attention runs over it
+    (``context_attention``: ring or all-gather; ``load_balance``: the balanced causal
+    layout)."""
     from jphantom import plans
 
     if mesh.size("context") > 1:
         plans.parallelize(model, mesh.shape, plans.context(model, algorithm=context_attention,
                                                            balanced=load_balance))
-
-    if sequence_parallel and strategy != "tensor":
-        raise ConfigError("sequence_parallel applies to strategy 'tensor' (Megatron-SP), not "
-                          f"to {strategy!r}")
-    if collective_matmul and strategy != "tensor":
-        raise ConfigError("collective_matmul overlaps Megatron-SP's collectives: it applies to "
-                          f"strategy 'tensor', not {strategy!r}")
-    shape = mesh.shape
-    if strategy in ("tensor",):
-        plan = plans.megatron(model, sequence_parallel=sequence_parallel, dtd=dtd,
-                              collective_matmul=collective_matmul)
-        plans.parallelize(model, shape, _replicate_odd_vocabulary(model, plan, mesh,
-                                                                  sequence_parallel))
-    elif strategy in ("phantom", "phantom-unfused"):
-        if ghost_width is None:
-            raise ConfigError(f"strategy {strategy!r} needs ghost_width (k ghost neurons per rank "
-                              "and token, Seal et al.), e.g. --ghost-width 8")
-        plans.parallelize(model, shape, plans.phantom(model, ghost_width=ghost_width),
-                          fused=strategy == "phantom")
-    elif strategy == "gspmd":  # the same plan as annotations; jit's collectives
-        plans.annotate(model, shape, plans.megatron(model))
-    elif strategy in PMM3D_WEIGHTS:
-        plans.parallelize(model, shape, plans.pmm3d(model, weights=PMM3D_WEIGHTS[strategy]))
+    row = get(strategy)
+    strategies.check_sequence_parallel(strategy, sequence_parallel)
+    strategies.check_collective_matmul(collective_matmul, sequence_parallel)
+    if row.plan is None:  # the plain model
+        return model
+    if row.plan not in LM_PLANS:
+        raise ConfigError(f"strategy {strategy!r} ({row.plan} layers) has no plan for a "
+                          "language model: pick one of the strategies its family lists")
+    LM_PLANS[row.plan](model, row, mesh, sequence_parallel=sequence_parallel,
+                       ghost_width=ghost_width, dtd=dtd, collective_matmul=collective_matmul)
     return model
+
+
+def _tensor_lm(model, row, mesh, *, sequence_parallel, dtd, collective_matmul, **_):
+    from jphantom import plans
+
+    plan = plans.megatron(model, sequence_parallel=sequence_parallel, dtd=dtd,
+                          collective_matmul=collective_matmul)
+    plans.parallelize(model, mesh.shape, _replicate_odd_vocabulary(model, plan, mesh,
+                                                                   sequence_parallel))
+
+
+def _phantom_lm(model, row, mesh, *, ghost_width, **_):
+    from jphantom import plans
+
+    strategies.check_ghost_width(row.name, ghost_width)
+    plans.parallelize(model, mesh.shape, plans.phantom(model, ghost_width=ghost_width),
+                      fused=row.fused)
+
+
+def _annotate_lm(model, row, mesh, **_):  # the same plan as annotations; jit's collectives
+    from jphantom import plans
+
+    plans.annotate(model, mesh.shape, plans.megatron(model))
+
+
+def _pmm3d_lm(model, row, mesh, **_):
+    from jphantom import plans
+
+    plans.parallelize(model, mesh.shape, plans.pmm3d(model, weights=row.weights))
+
+
+LM_PLANS = {"tensor": _tensor_lm, "phantom": _phantom_lm, "annotate": _annotate_lm,
+            "pmm3d": _pmm3d_lm}
+"""A language model's plan of each kind a strategy names (:attr:`Strategy.plan`)."""
 
 
 def _replicate_odd_vocabulary(model, plan: dict, mesh: MeshConfig, sequence_parallel: bool
@@ -325,7 +282,7 @@ def lm_build(family_class: type, family_name: str):
             built = nnx.eval_shape(lambda: create(jax.random.PRNGKey(seed)))
         return Program(strategy, family_name, config, mesh, create, built, lm_loss,
                        metrics_fn=getattr(family_class, "metrics_fn", None),
-                       spmd="gspmd" if strategy == "gspmd" else "shard_map",
+                       spmd=get(strategy).spmd,
                        options={"sequence_parallel": sequence_parallel, "ghost_width": k,
                                 "dtd": dtd, "context_attention": context_attention,
                                 "load_balance": load_balance,
@@ -346,7 +303,7 @@ def check_context(config, strategy: str, mesh: MeshConfig, *, sequence_parallel:
     c = mesh.size("context")
     if c == 1:
         return
-    if strategy == "gspmd" or strategy.startswith("pmm3d"):
+    if not get(strategy).context:
         raise ConfigError(f"a 'context' axis runs the shard_map strategies tensor and phantom, "
                           f"not {strategy!r}: use --strategy tensor (model=1 for context "
                           "parallelism alone)")
@@ -370,10 +327,7 @@ def check_experts(config, strategy: str, mesh: MeshConfig, *, sequence_parallel:
     cannot run with, before anything is built."""
     routed = bool(getattr(config, "moe_every", 0))  # GPT-2's routed MoE blocks (capacity, aux)
     experts = routed or (not hasattr(config, "moe_every") and bool(getattr(config, "experts", 0)))
-    if dtd and not (routed and strategy == "tensor"):
-        raise ConfigError("dtd (duplicate token dropping) applies to the MoE blocks of GPT-2 "
-                          "under strategy 'tensor' (TED): set moe_every and use 'tensor', or "
-                          "leave dtd out")
+    strategies.check_dtd(strategy, dtd, routed_experts=routed)
     if "expert" in mesh.shape and not experts:
         raise ConfigError("an 'expert' mesh axis splits the experts of MoE blocks: give the "
                           "model MoE blocks (--moe-every 2 --experts 8) or drop the axis")
@@ -402,8 +356,6 @@ def lm_loss(model, tokens, targets, mask=None):
 
 FEATURE_AXIS, DATA_AXIS, STAGE_AXIS, EXPERT_AXIS = "model", "data", "stage", "expert"
 PMM3D_AXES = ("data", "z", "y", "x")
-PMM3D_WEIGHTS = {"pmm3d": "kept", "pmm3d-regather": "regather", "pmm3d-deferred": "deferred"}
-PAIRED = ("tensor", *PMM3D_WEIGHTS)  # strategies whose consecutive layers alternate
 
 
 def _only_axes(mesh: MeshConfig, allowed: tuple[str, ...], strategy: str) -> None:
@@ -422,32 +374,29 @@ def _pmm3d_divides(what: str, value: int, axes: tuple[str, ...], mesh: MeshConfi
 
 
 def check_ffn_mesh(config, strategy: str, mesh: MeshConfig) -> MeshConfig:
-    """The mesh the FFN runs on under ``strategy`` (``pmm3d*``: ``x``, ``y``, ``z`` added with
+    """The mesh the FFN runs on under ``strategy`` (pmm3d's grid: ``x``, ``y``, ``z`` added with
     size 1 where absent; a staged mesh or ``gspmd`` without ``model``: ``model=1``), or a
-    ConfigError naming the value and the fix."""
+    ConfigError naming the value and the fix. The FFN has no experts, no sequence to split over
+    ``context``, and pmm3d's grid no pipeline."""
     if EXPERT_AXIS in mesh.shape:
         raise ConfigError(f"an {EXPERT_AXIS!r} mesh axis splits the experts of MoE blocks: give "
                           "the transformer MoE blocks (--moe-every 2 --experts 8) or drop the axis")
+    row = get(strategy)
     staged = STAGE_AXIS in mesh.shape
-    if strategy in PMM3D_WEIGHTS:
+    if row.axes == strategies.GRID_AXES:
         if staged:
             raise ConfigError("pmm3d does not run inside pipeline stages: drop the 'stage' axis")
         _only_axes(mesh, PMM3D_AXES, strategy)
-        mesh = MeshConfig.of({**dict(mesh.axes), **{a: mesh.size(a) for a in ("z", "y", "x")}})
+        mesh = row.check_mesh(mesh)
         for axes in (("x", "z"), ("y", "z")):
             _pmm3d_divides("width", config.width, axes, mesh)
         return mesh
-    if staged and strategy == "dense":
-        raise ConfigError("strategy 'dense' does not run inside pipeline stages: use 'tensor' or "
-                          "'phantom' (with model=1 for no tensor parallelism), or 'gspmd'")
-    if strategy == "dense":
-        if mesh.device_count != 1:
-            raise ConfigError(f"strategy 'dense' runs on one device, not on mesh {mesh}: use "
-                              "'model=1', or 'gspmd' / 'tensor' / 'phantom' for several devices")
-        return mesh
+    strategies.check_stage(strategy, staged)
+    if row.one_device:
+        return row.check_mesh(mesh)
     _only_axes(mesh, (DATA_AXIS, STAGE_AXIS, FEATURE_AXIS), strategy)
     if FEATURE_AXIS not in mesh.shape:
-        if not staged and strategy != "gspmd":
+        if not staged and row.spmd != "gspmd":
             import jax
 
             raise ConfigError(f"strategy {strategy!r} shards features over the 'model' axis: add "
@@ -460,45 +409,75 @@ def check_ffn_mesh(config, strategy: str, mesh: MeshConfig) -> MeshConfig:
 
 
 def ffn_plan(model: nnx.Module, strategy: str, mesh: MeshConfig, *, ghost_width=None):
-    """Parallelise the FFN ``model`` (:class:`jphantom.models.ffn.FFN`, ``pairs`` as
-    :data:`PAIRED` says) in place under ``strategy``:
+    """Parallelise the FFN ``model`` (:class:`jphantom.models.ffn.FFN`, ``pairs`` as its
+    strategy declares) in place under ``strategy``, by the plan its registry row names
+    (:data:`FFN_PLANS`):
 
     ==================  ===================================================================
-    ``gspmd``           every layer's kernel annotated split on its outputs over ``model``
+    ``annotate``        every layer's kernel annotated split on its outputs over ``model``
     ``tensor``          ``entry`` gather, pairs (``first`` column, ``second`` row), a lone
                         ``last`` column layer, ``exit`` scatter after a row layer (even depth)
-    ``tensor-t1``       every layer :class:`~jphantom.nn.tensor.T1Linear`
-    ``phantom*``        every layer :class:`~jphantom.nn.phantom.PhantomLinear` (fused or not)
-    ``pmm3d*``          ``first`` normal, ``second`` transposed, ``last`` normal
+    ``t1``              every layer :class:`~jphantom.nn.tensor.T1Linear`
+    ``phantom``         every layer :class:`~jphantom.nn.phantom.PhantomLinear` (fused or not)
+    ``pmm3d``           ``first`` normal, ``second`` transposed, ``last`` normal
                         (:class:`~jphantom.nn.pmm3d.Pmm3dLinear`, the variant's ``weights``)
     ==================  ===================================================================
     """
-    from jphantom import plans
-    from jphantom.plans import Style
-
-    shape = mesh.shape
-    present = lambda plan: {path: style for path, style in plan.items()
-                            if path.split(".")[0] in ("entry", "exit")
-                            or getattr(model, path.split(".")[0]) is not None}
-    if strategy == "gspmd":
-        plans.annotate(model, shape, {"layers.block.linear": "column"})
-    elif strategy == "tensor":
-        plan = {"entry": "gather", "layers.block.first": "column", "layers.block.second": "row",
-                "last": "column", "exit": "scatter" if model.last is None else "replicate"}
-        plans.parallelize(model, shape, present(plan))
-    elif strategy == "tensor-t1":
-        plans.parallelize(model, shape, {"layers.block.linear": "t1"})
-    elif strategy in ("phantom", "phantom-unfused"):
-        plans.parallelize(model, shape, {"layers.block.linear": Style("phantom",
-                                                                       ghost_width=ghost_width)},
-                          fused=strategy == "phantom")
-    elif strategy in PMM3D_WEIGHTS:
-        weights = PMM3D_WEIGHTS[strategy]
-        normal = Style("pmm3d", role="normal", weights=weights)
-        plan = {"layers.block.first": normal, "last": normal,
-                "layers.block.second": Style("pmm3d", role="transposed", weights=weights)}
-        plans.parallelize(model, shape, present(plan))
+    row = get(strategy)
+    if row.plan is None:  # the plain model
+        return model
+    if row.plan not in FFN_PLANS:
+        raise ConfigError(f"strategy {strategy!r} ({row.plan} layers) has no plan for the FFN")
+    FFN_PLANS[row.plan](model, row, mesh.shape, ghost_width)
     return model
+
+
+def _present(model, plan: dict) -> dict:
+    """The entries of ``plan`` for the FFN's layers that exist (``last`` only at odd depth)."""
+    return {path: style for path, style in plan.items()
+            if path.split(".")[0] in ("entry", "exit")
+            or getattr(model, path.split(".")[0]) is not None}
+
+
+def _annotate_ffn(model, row, shape, ghost_width):
+    from jphantom import plans
+
+    plans.annotate(model, shape, {"layers.block.linear": "column"})
+
+
+def _tensor_ffn(model, row, shape, ghost_width):
+    from jphantom import plans
+
+    plans.parallelize(model, shape, _present(model, {
+        "entry": "gather", "layers.block.first": "column", "layers.block.second": "row",
+        "last": "column", "exit": "scatter" if model.last is None else "replicate"}))
+
+
+def _t1_ffn(model, row, shape, ghost_width):
+    from jphantom import plans
+
+    plans.parallelize(model, shape, {"layers.block.linear": "t1"})
+
+
+def _phantom_ffn(model, row, shape, ghost_width):
+    from jphantom import plans
+
+    plans.parallelize(model, shape, {"layers.block.linear": plans.Style(
+        "phantom", ghost_width=ghost_width)}, fused=row.fused)
+
+
+def _pmm3d_ffn(model, row, shape, ghost_width):
+    from jphantom import plans
+
+    normal = plans.Style("pmm3d", role="normal", weights=row.weights)
+    plans.parallelize(model, shape, _present(model, {
+        "layers.block.first": normal, "last": normal,
+        "layers.block.second": plans.Style("pmm3d", role="transposed", weights=row.weights)}))
+
+
+FFN_PLANS = {"annotate": _annotate_ffn, "tensor": _tensor_ffn, "t1": _t1_ffn,
+             "phantom": _phantom_ffn, "pmm3d": _pmm3d_ffn}
+"""The FFN's plan of each kind a strategy names (:attr:`Strategy.plan`)."""
 
 
 def ffn_batch_specs(strategy: str, config, mesh: MeshConfig) -> tuple[P, P]:
@@ -508,7 +487,7 @@ def ffn_batch_specs(strategy: str, config, mesh: MeshConfig) -> tuple[P, P]:
     last layer, odd depth; y after a transposed one)."""
     from jax.sharding import PartitionSpec as P
 
-    if strategy in PMM3D_WEIGHTS:
+    if get(strategy).axes == strategies.GRID_AXES:
         rows = tuple(a for a in (DATA_AXIS, "z") if a in mesh.shape)
         rows = rows[0] if len(rows) == 1 else rows
         return P(rows, "y"), P(rows, "x" if config.depth % 2 else "y")
@@ -521,7 +500,7 @@ def build_ffn(config, strategy: str, mesh: MeshConfig, *, ghost_width: int | Non
               seed: int = 0, model: nnx.Module | None = None, sequence_parallel: bool = False,
               dtd: bool = False, **options) -> Program:
     """Seal et al.'s FFN (:class:`jphantom.models.ffn.FFN`) under ``strategy`` on ``mesh``: the plain
-    model (``pairs`` for the strategies of :data:`PAIRED`), parallelised by :func:`ffn_plan`.
+    model (``pairs`` where the strategy declares them), parallelised by :func:`ffn_plan`.
     ``ghost_width``: phantom's k (default the configuration's); ``model``: a concrete plain
     :class:`~jphantom.models.ffn.FFN` to parallelise instead of creating one."""
     import warnings
@@ -533,15 +512,10 @@ def build_ffn(config, strategy: str, mesh: MeshConfig, *, ghost_width: int | Non
 
     if options:
         raise ConfigError(f"options {sorted(options)} do not apply to the ffn model")
-    if dtd:
-        raise ConfigError("dtd (duplicate token dropping) applies to the MoE blocks of a "
-                          "transformer under strategy 'tensor' (TED): set moe_every and use "
-                          "'tensor', or leave dtd out")
-    if sequence_parallel:
-        raise ConfigError("sequence_parallel applies to the transformer under strategy 'tensor' "
-                          f"(Megatron-SP), not to ffn under {strategy!r}")
+    strategies.check_dtd(strategy, dtd, routed_experts=False)
+    strategies.check_sequence_parallel(strategy, sequence_parallel, has_sequence=False)
     mesh = check_ffn_mesh(config, strategy, mesh)
-    pairs = strategy in PAIRED
+    pairs = get(strategy).pairs
     if STAGE_AXIS in mesh.shape:  # whole units per stage (virtual stages: the step checks)
         from jphantom.pipeline.config import PipelineConfig
 
@@ -553,12 +527,10 @@ def build_ffn(config, strategy: str, mesh: MeshConfig, *, ghost_width: int | Non
         PipelineConfig().check(mesh.size(STAGE_AXIS), units, name)
 
     k = ghost_width if ghost_width is not None else config.ghost_width
-    if strategy in ("phantom", "phantom-unfused"):
+    strategies.check_ghost_width(strategy, k)
+    if get(strategy).needs_ghost_width:
         from jphantom.nn.phantom.ops import PhantomConfig
 
-        if k is None:
-            raise ConfigError(f"strategy {strategy!r} needs ghost_width (k of Seal et al.), e.g. "
-                              "--ghost-width 16")
         PhantomConfig(config.width, k, mesh.size(FEATURE_AXIS), config.depth)  # Eq. 8 warning
 
     def planned(m):
@@ -576,5 +548,4 @@ def build_ffn(config, strategy: str, mesh: MeshConfig, *, ghost_width: int | Non
         built = nnx.eval_shape(lambda: create(jax.random.PRNGKey(seed)))
     return Program(strategy, "ffn", config, mesh, create, built, ffn_loss,
                    batch_specs=ffn_batch_specs(strategy, config, mesh),
-                   spmd="gspmd" if strategy == "gspmd" else "shard_map",
-                   options={"ghost_width": k, "pairs": pairs})
+                   spmd=get(strategy).spmd, options={"ghost_width": k, "pairs": pairs})

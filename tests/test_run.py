@@ -50,7 +50,7 @@ def test_train_settings_come_from_toml_and_flags_override(tmp_path):
 
 @pytest.mark.parametrize("settings, message", [
     (dict(strategy="tensor", mesh="model=8", heads=4), "heads=4 is not divisible"),
-    (dict(strategy="phantom", mesh="model=4"), "needs --ghost-width"),
+    (dict(strategy="phantom", mesh="model=4"), "needs ghost_width"),
     (dict(batch=0), "batch=0 must be at least 1"),
     (dict(strategy="tensor", mesh="data=3,model=1", batch=16),
      "batch=16 is not divisible by the data axis"),

@@ -82,7 +82,7 @@ def test_meter_spans_the_training_window_and_is_stopped_on_divergence():
 
 
 @pytest.mark.parametrize("settings, message", [
-    (dict(strategy="phantom", mesh="model=4"), "needs --ghost-width K"),
+    (dict(strategy="phantom", mesh="model=4"), "needs ghost_width"),
     (dict(strategy="phantom", mesh="model=4", ghost_width=0), r"ghost_width=0 must be at least 1"),
     (dict(strategy="phantom", mesh="model=4", ghost_width=1.5), r"ghost_width=1.5 must be int"),
     (dict(strategy="dense", learning_rate=float("nan")), "learning_rate=nan"),

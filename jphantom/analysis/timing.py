@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 import numpy as np
 
+from jphantom import strategies
 from jphantom.analysis.compiled import (abstract_batch, build, compiled_memory, gemm_flops,
                                         normalise_collectives, xla_flops)
 from jphantom.analysis.hlo import collectives, summarize
@@ -63,7 +64,7 @@ def build_step(name: str, mesh: Mesh, *, width: int, depth: int, ghost_width: in
 
     config = RunConfig.from_flags(
         model="ffn", strategy=name, mesh=str(mesh_config_of(mesh)), width=width, depth=depth,
-        ghost_width=ghost_width if name.startswith("phantom") else None, batch=batch,
+        ghost_width=ghost_width if strategies.get(name).needs_ghost_width else None, batch=batch,
         optimizer="sgd", learning_rate=learning_rate, warmup_steps=0, out=None, progress=False)
     program, mesh, step = build(config)
     check_run(config, program, step)

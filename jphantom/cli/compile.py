@@ -12,6 +12,7 @@ from jphantom.cli.parser import (add_gpu_defaults_flag, add_run_flags, positive_
                                  strategy_names)
 from jphantom.cli.step_defaults import COMPILE_MODEL, INSPECT_FLAGS, shown_defaults, step_settings
 from jphantom.predict.device import names as device_names
+from jphantom.strategies import get as get_strategy
 
 
 def add_parser(sub) -> None:
@@ -131,7 +132,7 @@ def handle(args: argparse.Namespace) -> int:
         runs = []
         for name in strategies:
             run = {**settings, "strategy": name, "out": None, "progress": False}
-            if not name.startswith("phantom"):
+            if not get_strategy(name).needs_ghost_width:
                 run.pop("ghost_width", None)
             RunConfig.from_flags(**run).build()
             runs.append(run)

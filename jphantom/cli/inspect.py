@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 
+from jphantom import strategies
 from jphantom.cli.devices import add_device_flag, setup_devices
 from jphantom.cli.parser import add_run_flags, positive_int, strategy_names
 from jphantom.cli.step_defaults import INSPECT_FLAGS, INSPECT_MODEL, shown_defaults, step_settings
@@ -65,7 +66,7 @@ def handle(args: argparse.Namespace) -> int:
     configs = []
     for name in dict.fromkeys(args.strategy):  # every run validated before anything compiles
         run = {**settings, "strategy": name, "mesh": mesh, "out": None, "progress": False}
-        if not name.startswith("phantom"):
+        if not strategies.get(name).needs_ghost_width:
             run.pop("ghost_width", None)
         configs.append(RunConfig.from_flags(**run))
         configs[-1].build()  # its shapes against the mesh, before anything compiles

@@ -27,9 +27,9 @@ def positive_int(text: str) -> int:
 
 def strategy_names(model: str | None = "ffn") -> list[str]:
     """The strategies ``model`` runs under (every strategy for ``None``)."""
-    from jphantom import program
+    from jphantom import families, strategies
 
-    return list(program.NAMES) if model is None else program.strategies_for(model)
+    return list(strategies.NAMES) if model is None else families.strategies_for(model)
 
 
 def run_flag_choices() -> dict:

@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 
+from jphantom import strategies
 from jphantom.cli.devices import accelerator_visible, add_device_flag, setup_devices
 from jphantom.cli.parser import add_gpu_defaults_flag, add_run_flags, run_settings
 
@@ -65,7 +66,7 @@ def handle(args: argparse.Namespace) -> int:
         mesh = settings.get("mesh")
         if mesh is not None:
             devices = MeshConfig.parse(mesh).device_count
-        elif settings.get("strategy", "dense") == "dense":
+        elif strategies.get(settings.get("strategy", "dense")).one_device:
             devices = 1
         at_least = True
     if not distributed.is_initialized():  # else the launcher gave every process its devices

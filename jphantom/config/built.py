@@ -8,6 +8,7 @@ import math
 
 from jphantom.config.sections import ModelConfig, ParallelConfig, StepConfig, TrainConfig
 from jphantom.errors import ConfigError
+from jphantom.strategies import get as get_strategy
 
 
 def build(config) -> "Built":
@@ -102,7 +103,7 @@ def build_cached(model: ModelConfig, parallel: ParallelConfig, step: StepConfig,
     if parallel.mesh_config().size("context") > 1:
         options["context_attention"] = parallel.context_attention
         options["load_balance"] = parallel.load_balance
-    if model.name != "ffn" and parallel.strategy.startswith("phantom"):
+    if model.family.program == "lm" and get_strategy(parallel.strategy).needs_ghost_width:
         options["ghost_width"] = model.ghost_width  # LlamaConfig holds no k: the plan takes it
     if model.from_hf:
         from jphantom.models import hf

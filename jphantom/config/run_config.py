@@ -4,6 +4,7 @@ and the door to what it builds (:meth:`RunConfig.build`, :mod:`jphantom.config.b
 
 import dataclasses
 
+from jphantom import strategies
 from jphantom.config.built import (Built, build_cached, optimizer_of, pipeline_of,
                                    train_step_of)
 from jphantom.config.sections import (ALIASES, FLAT, SECTIONS, ModelConfig, ParallelConfig,
@@ -24,11 +25,11 @@ class RunConfig:
         for name, cls in SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"RunConfig.{name} must be a {cls.__name__}")
-        if self.parallel.dtd and not self.model.moe_every:
-            raise ConfigError("--dtd (duplicate token dropping) applies to MoE blocks: add "
-                              "--moe-every N")
-        if self.parallel.sequence_parallel and self.parallel.strategy != "tensor":
-            raise ConfigError("--sequence-parallel applies to --strategy tensor (Megatron-SP)")
+        strategy = self.parallel.strategy
+        strategies.check_dtd(strategy, self.parallel.dtd,
+                             routed_experts=bool(self.model.moe_every))
+        strategies.check_sequence_parallel(strategy, self.parallel.sequence_parallel,
+                                           has_sequence=self.model.family.program == "lm")
         declared = self.parallel.declared_mesh()  # None: model=<every device> (no other axis)
         if declared is None or declared.size("context") == 1:
             for flag, value, default in (("--context-attention", self.parallel.context_attention,
@@ -45,18 +46,12 @@ class RunConfig:
                               "epsilon (1e-8 is 0 in float16): use --precision float16 (float32 "
                               "master weights), bfloat16, or --optimizer sgd")
         if declared is not None and "stage" in declared.shape:
-            if self.parallel.strategy == "dense":
-                raise ConfigError("strategy 'dense' does not run inside pipeline stages: use "
-                                  "'tensor' or 'phantom' (with model=1 for no tensor "
-                                  "parallelism), or 'gspmd'")
+            strategies.check_stage(strategy, True)
             if self.step.accumulate != 1:
                 raise ConfigError(f"--accumulate {self.step.accumulate} does not apply to a "
                                   "pipelined step: pipelines accumulate through --microbatches "
                                   "(per data rank); leave --accumulate out")
-        phantom = self.parallel.strategy.startswith("phantom")
-        if phantom and self.model.ghost_width is None:
-            raise ConfigError(f"--strategy {self.parallel.strategy} needs --ghost-width K (k "
-                              "ghost neurons per rank, Seal et al.), e.g. 8")
+        strategies.check_ghost_width(strategy, self.model.ghost_width)
         # what needs neither jax's devices nor a file: the family runs the strategy, its own
         # shape rules, a language model's mesh axes (the shapes against the mesh: build())
         from jphantom import program as programs

@@ -151,14 +151,14 @@ class ModelConfig:
         :class:`~jphantom.models.llama.LlamaConfig`, ...) for ``strategy``: the family's
         ``from_flags`` (a phantom GPT-2 has an untied head: its feature-split activations would
         all-reduce a tied head's logits)."""
-        from jphantom.program import get
+        from jphantom.strategies import get
 
         return self.family.from_flags(self, get(strategy).family == "phantom")
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """How the model is split: ``strategy`` (:data:`jphantom.program.NAMES`), ``mesh`` (default
+    """How the model is split: ``strategy`` (:data:`jphantom.strategies.NAMES`), ``mesh`` (default
     ``model=1`` for dense, else ``model=<all devices>``), Megatron sequence parallelism, DTD,
     with a ``stage`` axis the pipeline ``schedule``, ``microbatches`` per step and data rank
     (default: the stages) and ``virtual_stages`` (interleaved 1F1B), and with a ``context``
@@ -198,16 +198,14 @@ class ParallelConfig:
     def __post_init__(self):
         from jphantom.attention_choices import ALGORITHMS
         from jphantom.pipeline.schedule import ALL_SCHEDULES
-        from jphantom.program import get
+        from jphantom.strategies import check_collective_matmul, get
 
         _check_types(self)
         get(self.strategy)
         _choice("schedule", self.schedule, ALL_SCHEDULES)
         _choice("context_attention", self.context_attention, ALGORITHMS)
         _at_least(self, 1, "microbatches", "virtual_stages")
-        if self.collective_matmul and not self.sequence_parallel:
-            raise ConfigError("--collective-matmul overlaps sequence parallelism's all-gathers "
-                              "and reduce-scatters with the GEMMs: add --sequence-parallel")
+        check_collective_matmul(self.collective_matmul, self.sequence_parallel)
         self.declared_mesh()
 
     def declared_mesh(self):
@@ -215,19 +213,21 @@ class ParallelConfig:
         when it is left to the devices (``model=<all of them>``: :meth:`mesh_config`). Reads
         nothing but the configuration."""
         from jphantom.mesh import MeshConfig
+        from jphantom.strategies import get
 
         if self.mesh is not None:
             return MeshConfig.parse(self.mesh)
-        if self.strategy == "dense":
+        if get(self.strategy).one_device:
             return MeshConfig.parse("model=1")
         return None
 
     def mesh_config(self):
         from jphantom.mesh import MeshConfig
+        from jphantom.strategies import get
 
         if self.mesh is not None:
             return MeshConfig.parse(self.mesh)
-        if self.strategy == "dense":
+        if get(self.strategy).one_device:
             return MeshConfig.parse("model=1")
         import jax
 

@@ -250,7 +250,7 @@ class StepShape:
 
     @property
     def strategy_name(self) -> str:
-        """The registry name of the modelled step (:data:`jphantom.program.STRATEGIES`): ``tensor-t1``,
+        """The registry name of the modelled step (:data:`jphantom.strategies.STRATEGIES`): ``tensor-t1``,
         ``phantom`` or ``phantom-unfused``."""
         if self.strategy == "phantom" and not self.fused:
             return "phantom-unfused"

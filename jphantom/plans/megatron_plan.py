@@ -13,6 +13,7 @@ from jphantom.errors import ConfigError
 from jphantom.nn.moe import Experts, SwitchMoE
 from jphantom.plans.paths import holds_params, inside, unplaced
 from jphantom.plans.styles import NORMS, Style
+from jphantom.strategies import check_collective_matmul
 from jphantom.plans.walk import (COLUMN, check_fused_qkv, HEAD_NORMS, KV_COLUMNS,
                                  MLP_NORMS, ROUTERS, ROW, leaf_name, named_entries, walk_model)
 
@@ -38,10 +39,7 @@ def megatron(model: nnx.Module, *, sequence_parallel: bool = False, dtd: bool = 
     walk; a module holding parameters that neither names is an error naming it)."""
     if kv_heads is None:
         kv_heads = getattr(getattr(model, "config", None), "kv_heads", None)
-    if collective_matmul and not sequence_parallel:
-        raise ConfigError("collective_matmul overlaps sequence parallelism's all-gathers and "
-                          "reduce-scatters with the GEMMs: pass sequence_parallel=True too "
-                          "(--sequence-parallel)")
+    check_collective_matmul(collective_matmul, sequence_parallel)
     modules, embeds, table, vocab = walk_model(model, vocab)
     expert_blocks = {path_tuple[:i] for path_tuple, module in modules.values()
                      if isinstance(module, (SwitchMoE, Experts)) for i in range(len(path_tuple))}

@@ -45,6 +45,7 @@ all-reduce over ``y``, the cross-entropy vocabulary-parallel over ``x``.
 from __future__ import annotations
 
 import jax
+from jax.ad_checkpoint import checkpoint_name as name_residual
 
 from jphantom import comm
 from jphantom import remat
@@ -60,7 +61,7 @@ def gather(w_shard: jax.Array, axis: int) -> jax.Array:
 
 
 def checkpoint_name(w):
-    return jax.ad_checkpoint.checkpoint_name(w, GATHERED)
+    return name_residual(w, GATHERED)
 
 
 def linear(inputs: jax.Array, w: jax.Array, bias: jax.Array, role: str) -> jax.Array:

@@ -31,7 +31,6 @@ from jax import lax
 
 from jphantom import comm
 from jphantom import remat
-from jphantom.errors import ConfigError
 from jphantom.nn.tensor.dense import matmul
 
 
@@ -104,7 +103,8 @@ def matmul_reduce_scatter(layer, x: jax.Array, kernel: jax.Array, axis: str) -> 
 
 
 def check_collective_matmul(collective_matmul: bool, sequence_parallel: bool) -> bool:
-    if collective_matmul and not sequence_parallel:
-        raise ConfigError("collective_matmul overlaps sequence parallelism's all-gathers and "
-                          "reduce-scatters with the GEMMs: turn sequence parallelism on too")
+    """The rule of :func:`jphantom.strategies.check_collective_matmul`; the flag as a bool."""
+    from jphantom.strategies import check_collective_matmul as rule
+
+    rule(collective_matmul, sequence_parallel)
     return bool(collective_matmul)

@@ -1,0 +1,175 @@
+"""The parallel strategies: one registry of objects, each declaring what it is, and the rules that
+join a strategy to the other options, each stated once with one message.
+
+A strategy (:class:`Strategy`) declares its mesh axes, whether it is the one-device oracle, which
+plan its layers take (:mod:`jphantom.program` applies it: Megatron's column/row pairs, Seal et
+al.'s T1 or phantom layers, AxoNN's 3D matmul, or GSPMD's annotations of Megatron's plan), the
+program it runs as (``shard_map`` or ``gspmd``), and which options apply to it: sequence
+parallelism, duplicate token dropping, a ghost width, ZeRO, a context axis. The names are the one
+vocabulary of the CLI, the API, ``results.json``, the cost models and the docs; which model
+families run a strategy is theirs to say (:attr:`jphantom.families.Family.strategies`).
+
+The cross-option rules (:func:`check_sequence_parallel`, :func:`check_collective_matmul`,
+:func:`check_dtd`, :func:`check_ghost_width`, :func:`check_stage`) are called by the run
+configuration, the program builder and the plans alike, so a rule has one message wherever it is
+broken. This module imports no jax: a configuration reads it as it validates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jphantom.errors import ConfigError
+
+SHARED_AXES = ("data", "stage", "expert", "context")
+"""The axes every strategy of a language model may add (batch, pipeline, experts, sequence)."""
+
+GRID_AXES = ("z", "y", "x")
+"""AxoNN's 3D matmul grid (pmm3d's own axes)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """A row of :data:`STRATEGIES` (module docstring).
+
+    - ``family``: ``dense`` (dense-shaped weights, any degree) or ``phantom`` (the ghost width k
+      and the degree p are part of the model).
+    - ``plan``: the plan its layers take (``None``: the plain model), :mod:`jphantom.program`'s
+      ``tensor``, ``t1``, ``phantom``, ``pmm3d`` or ``annotate``; ``fused`` (phantom: one
+      decompressor GEMM) and ``weights`` (pmm3d: when the weights are gathered) select within it.
+    - ``axes``: the mesh axes its layers split (``model``; pmm3d's ``z``, ``y``, ``x``); none
+      for the one-device oracle (``one_device``).
+    - ``spmd``: ``shard_map`` (the layers' own collectives) or ``gspmd`` (annotations, jit's).
+    - What applies to it: ``zero`` (ZeRO over ``data``; pmm3d shards its weights over ``z``
+      already), ``sequence_parallel`` and ``dtd`` (Megatron-SP, TED's duplicate token dropping),
+      ``context`` (a context axis), ``pairs`` (an FFN's layers alternate column and row)."""
+
+    name: str
+    description: str
+    family: str = "dense"
+    plan: str | None = None
+    axes: tuple[str, ...] = ("model",)
+    spmd: str = "shard_map"
+    one_device: bool = False
+    fused: bool = True
+    weights: str | None = None
+    zero: bool = True
+    sequence_parallel: bool = False
+    dtd: bool = False
+    context: bool = True
+    pairs: bool = False
+
+    @property
+    def needs_ghost_width(self) -> bool:
+        """Phantom parallelism's k is part of its model."""
+        return self.family == "phantom"
+
+    def check_mesh(self, mesh):
+        """The mesh (a :class:`jphantom.mesh.MeshConfig`) a language model runs on under this
+        strategy: one device for the oracle; pmm3d's ``x``, ``y``, ``z`` added with size 1 where
+        absent; ``model=1`` added where absent otherwise. A ConfigError names an axis it cannot
+        use."""
+        from jphantom.mesh import MeshConfig
+
+        if self.one_device:
+            if mesh.device_count != 1:
+                raise ConfigError(f"strategy {self.name!r} runs on one device, not on mesh {mesh}: "
+                                  "use 'model=1', or 'gspmd' / 'tensor' / 'phantom' for several "
+                                  "devices")
+            return mesh
+        allowed = SHARED_AXES + self.axes
+        if self.axes == GRID_AXES:
+            extra = [a for a, s in mesh.axes if a not in allowed and s > 1]
+            if extra:
+                raise ConfigError(f"strategy {self.name!r} runs on the axes data, stage, expert, "
+                                  f"z, y, x, not {extra}: drop them from the mesh ({mesh})")
+            return MeshConfig.of({**dict(mesh.axes), **{a: mesh.size(a) for a in GRID_AXES}})
+        grid = [a for a in ("x", "y", "z") if mesh.size(a) > 1]
+        if grid:
+            raise ConfigError(f"the mesh axes {grid} are pmm3d's (AxoNN's 3D matrix multiply): use "
+                              f"--strategy pmm3d, or put those devices on data or model ({mesh})")
+        if "model" not in mesh.shape:
+            return MeshConfig.of({**dict(mesh.axes), "model": 1})
+        return mesh
+
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
+    Strategy("dense", "the unsharded model on one device (the single-device oracle)", axes=(),
+             one_device=True),
+    Strategy("gspmd", "the plain model with NamedSharding annotations of Megatron's plan; jax.jit "
+             "chooses the collectives (what a JAX user writes without jphantom)",
+             plan="annotate", spmd="gspmd", context=False),
+    Strategy("tensor", "Megatron tensor parallelism: column/row pairs with f and g (Brakel et al.); "
+             "sequence parallelism as an option (Korthikanti et al. 2022)", plan="tensor",
+             sequence_parallel=True, dtd=True, pairs=True),
+    Strategy("tensor-t1", "Seal et al.'s TP: row-sharded weights, all-gather forward / "
+             "reduce-scatter backward", plan="t1"),
+    Strategy("phantom", "phantom parallelism (Seal et al.), one fused decompressor GEMM",
+             family="phantom", plan="phantom"),
+    Strategy("phantom-unfused", "phantom parallelism with the paper's p-1 decompressor GEMMs",
+             family="phantom", plan="phantom", fused=False),
+    Strategy("pmm3d", "AxoNN's 3D parallel matrix multiply on x, y, z (and data), Singh's thesis "
+             "ch. 5: weights all-gathered over z, all-reduces over y forward and x backward, "
+             "reduce-scatters over z", plan="pmm3d", weights="kept", axes=GRID_AXES, zero=False,
+             context=False, pairs=True),
+    Strategy("pmm3d-regather", "pmm3d whose backward all-gathers the weights again instead of "
+             "keeping them (AxoNN's default)", plan="pmm3d", weights="regather", axes=GRID_AXES,
+             zero=False, context=False, pairs=True),
+    Strategy("pmm3d-deferred", "pmm3d with every weight gathered before the layers and one "
+             "reduce-scatter after the backward", plan="pmm3d", weights="deferred",
+             axes=GRID_AXES, zero=False, context=False, pairs=True),
+)}
+NAMES = tuple(STRATEGIES)
+
+
+def get(name: str) -> Strategy:
+    """A strategy by name, with the valid names in the error."""
+    try:
+        return STRATEGIES[name]
+    except (KeyError, TypeError):
+        raise ConfigError(f"unknown strategy {name!r}; choose one of {list(STRATEGIES)}") from None
+
+
+# -- the cross-option rules, each stated once ------------------------------------------------------
+
+
+def check_sequence_parallel(strategy: str, on: bool, *, has_sequence: bool = True) -> None:
+    """Megatron-SP splits a transformer's sequence over ``model`` between its tensor-parallel
+    regions (Korthikanti et al. 2022): ``tensor`` only, and a model with a sequence."""
+    if on and not (get(strategy).sequence_parallel and has_sequence):
+        what = "a model without a sequence (the FFN)" if not has_sequence else repr(strategy)
+        raise ConfigError("sequence_parallel (--sequence-parallel) applies to the transformer "
+                          f"under strategy 'tensor' (Megatron-SP), not to {what}")
+
+
+def check_collective_matmul(on: bool, sequence_parallel: bool) -> None:
+    """The collective matmul overlaps sequence parallelism's collectives (Wang et al. 2023)."""
+    if on and not sequence_parallel:
+        raise ConfigError("collective_matmul (--collective-matmul) overlaps sequence "
+                          "parallelism's all-gathers and reduce-scatters with the GEMMs: add "
+                          "sequence_parallel (--sequence-parallel)")
+
+
+def check_dtd(strategy: str, on: bool, *, routed_experts: bool) -> None:
+    """TED's duplicate token dropping (Singh's thesis ch. 7) splits the routed experts' capacity
+    buffers over ``model``: GPT-2's routed MoE blocks under ``tensor``."""
+    if on and not (routed_experts and get(strategy).dtd):
+        raise ConfigError("dtd (--dtd, duplicate token dropping) applies to routed MoE blocks "
+                          "(GPT-2's moe_every, --moe-every N) under strategy 'tensor' (TED): set "
+                          "them and use 'tensor', or leave dtd out")
+
+
+def check_ghost_width(strategy: str, ghost_width) -> None:
+    """Phantom parallelism's k (ghost neurons per rank and token, Seal et al.) is part of its
+    model: it must be given."""
+    if get(strategy).needs_ghost_width and ghost_width is None:
+        raise ConfigError(f"strategy {strategy!r} needs ghost_width (--ghost-width K: k ghost "
+                          "neurons per rank and token, Seal et al.), e.g. 8")
+
+
+def check_stage(strategy: str, staged: bool) -> None:
+    """The one-device oracle has no stages to cut."""
+    if staged and get(strategy).one_device:
+        raise ConfigError(f"strategy {strategy!r} does not run inside pipeline stages: use "
+                          "'tensor' or 'phantom' (with model=1 for no tensor parallelism), or "
+                          "'gspmd'")
