@@ -26,6 +26,12 @@ What a family declares:
 - ``flops_per_token(config, seq_len)`` (forward + backward model FLOPs, for MFU) and
   ``plan_shape(config)`` (the dense-block shape :mod:`jphantom.planner` prices, a
   :class:`jphantom.perf.axonn_model.GPTShape`; ``None``: the planner refuses it by name);
+- ``plan(model, kind, **options)``: its model's parallel plan (path -> style) under a strategy's
+  plan kind (:attr:`jphantom.strategies.Strategy.plan`: ``tensor``, ``annotate``, ``phantom``,
+  ``pmm3d``), declared by path as torchtitan's ``parallelize_llama`` declares Llama's; ``None``
+  (for the family, or returned for a kind) leaves it to :mod:`jphantom.plans`' walkers, which
+  recognise the layers by type and name (GPT-2 declares its Megatron plan,
+  :mod:`jphantom.models.gpt2.plan`; the Llama variants and a user's family take the walkers);
 - ``strategies``: the strategy names it runs (:data:`jphantom.strategies.STRATEGIES`);
   ``program``: ``"lm"`` (a language model under :func:`jphantom.program.lm_build`'s plans) or
   ``"ffn"`` (the FFN's own builder); ``defaults``: the column of ``inspect``'s and ``compile``'s
@@ -101,6 +107,7 @@ class Family:
     save_hf: Callable[[Any, Any], None] | Lazy | None = None
     flops_per_token: Callable[[Any, int], int] | None = None
     plan_shape: Callable[[Any], Any] | None = None
+    plan: Callable[..., Any] | Lazy | None = None
     matches: Callable[[Any], bool] | None = None
     check: Callable[[Any], None] | None = None
     aliases: tuple[str, ...] = ()

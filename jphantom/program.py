@@ -148,10 +148,11 @@ def check_lm_mesh(strategy: str, mesh: MeshConfig) -> MeshConfig:
 
 def lm_plan(model: nnx.Module, strategy: str, mesh: MeshConfig, *, sequence_parallel=False,
             ghost_width=None, dtd=False, context_attention="ring", load_balance=True,
-            collective_matmul=False):
+            collective_matmul=False, family: str | None = None):
     """Parallelise the language model ``model`` in place under ``strategy``, by the plan its
-    registry row names (:data:`LM_PLANS`; ``dtd``: duplicate token dropping in the routed MoE
-    layers, ``tensor`` only); with a ``context`` axis its attention runs over it
+    registry row names (:data:`LM_PLANS`; the model ``family``'s declared plan where it declares
+    one, :attr:`jphantom.families.Family.plan`, else the walkers'; ``dtd``: duplicate token
+    dropping in the routed MoE layers, ``tensor`` only); with a ``context`` axis its attention runs over it
     (``context_attention``: ring or all-gather; ``load_balance``: the balanced causal
     layout)."""
     from jphantom import plans
@@ -168,37 +169,53 @@ def lm_plan(model: nnx.Module, strategy: str, mesh: MeshConfig, *, sequence_para
         raise ConfigError(f"strategy {strategy!r} ({row.plan} layers) has no plan for a "
                           "language model: pick one of the strategies its family lists")
     LM_PLANS[row.plan](model, row, mesh, sequence_parallel=sequence_parallel,
-                       ghost_width=ghost_width, dtd=dtd, collective_matmul=collective_matmul)
+                       ghost_width=ghost_width, dtd=dtd, collective_matmul=collective_matmul,
+                       family=family)
     return model
 
 
-def _tensor_lm(model, row, mesh, *, sequence_parallel, dtd, collective_matmul, **_):
+def declared_plan(family: str | None, model, kind: str, walker: Callable, **options) -> dict:
+    """The plan of ``kind`` that the model's ``family`` declares
+    (:attr:`jphantom.families.Family.plan`), or the walker's (``walker(model, **options)``)."""
+    if family is not None:
+        from jphantom import families
+
+        hook = families.get(family).plan
+        declared = None if hook is None else hook(model, kind, **options)
+        if declared is not None:
+            return declared
+    return walker(model, **options)
+
+
+def _tensor_lm(model, row, mesh, *, sequence_parallel, dtd, collective_matmul, family, **_):
     from jphantom import plans
 
-    plan = plans.megatron(model, sequence_parallel=sequence_parallel, dtd=dtd,
-                          collective_matmul=collective_matmul)
+    plan = declared_plan(family, model, "tensor", plans.megatron,
+                         sequence_parallel=sequence_parallel, dtd=dtd,
+                         collective_matmul=collective_matmul)
     plans.parallelize(model, mesh.shape, _replicate_odd_vocabulary(model, plan, mesh,
                                                                    sequence_parallel))
 
 
-def _phantom_lm(model, row, mesh, *, ghost_width, **_):
+def _phantom_lm(model, row, mesh, *, ghost_width, family, **_):
     from jphantom import plans
 
     strategies.check_ghost_width(row.name, ghost_width)
-    plans.parallelize(model, mesh.shape, plans.phantom(model, ghost_width=ghost_width),
-                      fused=row.fused)
+    plan = declared_plan(family, model, "phantom", plans.phantom, ghost_width=ghost_width)
+    plans.parallelize(model, mesh.shape, plan, fused=row.fused)
 
 
-def _annotate_lm(model, row, mesh, **_):  # the same plan as annotations; jit's collectives
+def _annotate_lm(model, row, mesh, *, family, **_):  # Megatron's plan as annotations; jit's
+    from jphantom import plans                           # collectives
+
+    plans.annotate(model, mesh.shape, declared_plan(family, model, "annotate", plans.megatron))
+
+
+def _pmm3d_lm(model, row, mesh, *, family, **_):
     from jphantom import plans
 
-    plans.annotate(model, mesh.shape, plans.megatron(model))
-
-
-def _pmm3d_lm(model, row, mesh, **_):
-    from jphantom import plans
-
-    plans.parallelize(model, mesh.shape, plans.pmm3d(model, weights=row.weights))
+    plan = declared_plan(family, model, "pmm3d", plans.pmm3d, weights=row.weights)
+    plans.parallelize(model, mesh.shape, plan)
 
 
 LM_PLANS = {"tensor": _tensor_lm, "phantom": _phantom_lm, "annotate": _annotate_lm,
@@ -271,7 +288,8 @@ def lm_build(family_class: type, family_name: str):
         k = ghost_width if ghost_width is not None else getattr(config, "ghost_width", None)
 
         def planned(m):
-            return lm_plan(m, strategy, mesh, sequence_parallel=sequence_parallel, ghost_width=k,
+            return lm_plan(m, strategy, mesh, family=family_name,
+                           sequence_parallel=sequence_parallel, ghost_width=k,
                            dtd=dtd, context_attention=context_attention,
                            load_balance=load_balance, collective_matmul=collective_matmul)
 

@@ -240,3 +240,27 @@ def test_a_shape_flag_that_disagrees_with_the_checkpoint_is_refused():
         RunConfig.from_flags(model="qwen3", from_hf=qwen3, hidden=128).family_config()
     same = RunConfig.from_flags(model="qwen3", from_hf=qwen3, hidden=loaded.hidden)
     assert same.family_config() == loaded
+
+
+@pytest.mark.parametrize("shape, options", [
+    ({}, {}),
+    ({}, {"sequence_parallel": True, "collective_matmul": True}),
+    ({"tied_head": False}, {}),
+    ({"layers": 3, "moe_every": 3, "experts": 4}, {"sequence_parallel": True}),
+    ({"moe_every": 2, "experts": 4}, {"dtd": True}),
+])
+def test_gpt2_declares_the_plan_the_walker_finds(shape, options):
+    """GPT-2's plan hook (jphantom.models.gpt2.plan, declared by path) and the walker that
+    recognises layers by type (plans.megatron) agree on every variant; the kinds GPT-2 leaves to
+    the walkers (phantom, pmm3d) it declines."""
+    from flax import nnx
+
+    from jphantom import families, plans
+    from jphantom.models.gpt2 import GPT2, TransformerConfig
+
+    config = TransformerConfig(vocab_size=32, seq_len=8, hidden=16, heads=2,
+                               **{"layers": 2, **shape})
+    model = nnx.eval_shape(lambda: GPT2(config, rngs=nnx.Rngs(0)))
+    declared = families.get("gpt2").plan
+    assert declared(model, "tensor", **options) == plans.megatron(model, **options)
+    assert declared(model, "phantom", ghost_width=2) is None

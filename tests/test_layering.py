@@ -19,7 +19,7 @@ LAYERS = [
                     "coordinator", "distributed", "gpu_defaults", "token_mean", "predict"]),
     ("layers", ["nn"]),
     ("models", ["models", "families"]),
-    ("plans", ["plans"]),
+    ("plans", ["plans", "models.gpt2.plan"]),  # a family's declared plan is written in styles
     ("step", ["pipeline.runner", "pipeline.split", "step", "train_step", "experimental", "checkpoint", "exactness"]),
     ("program", ["program", "inventory"]),
     ("run", ["config", "sources", "callbacks", "loop", "run", "resilience", "metrics", "analysis", "compare", "planner", "plan", "perf", "launch", "aot"]),

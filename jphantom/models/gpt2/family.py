@@ -65,7 +65,8 @@ def _register():
         load_hf=families.Lazy(HF, "load_hf"), save_hf=families.Lazy(HF, "save_hf"),
         flops_per_token=lambda config, seq_len: dataclasses.replace(
             config, seq_len=seq_len).flops_per_token(),
-        plan_shape=plan_shape, aliases=("transformer",)))
+        plan_shape=plan_shape, plan=families.Lazy("jphantom.models.gpt2.plan", "plan"),
+        aliases=("transformer",)))
 
 
 FAMILY = _register()
