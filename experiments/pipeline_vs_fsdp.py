@@ -223,7 +223,7 @@ def main(argv=None) -> int:
         elif schedule in schedules.SPLIT_SCHEDULES and stages in one_f1b:
             base, c = one_f1b[stages], costs[stages]
             # the HLO's GEMM count includes every branch of the slot switch; the GEMMs executed
-            # are 1F1B's (B + W = the backward, tests/test_zero_bubble_run.py)
+            # are 1F1B's (B + W = the backward, tests/pipeline/test_zero_bubble_run.py)
             row["gemm_flops_counted_all_branches"] = row["gemm_flops_per_device"]
             row["gemm_flops_per_device"] = base["gemm_flops_per_device"]
             row["vs_1f1b"] = {

@@ -38,7 +38,7 @@ What a family declares:
   defaults (``"lm"`` or ``"ffn"``).
 
 The zoo's families are the packages of :data:`BUILTIN`, imported on the first lookup; a user's
-family registers from anywhere (``tests/test_families.py`` declares one in the test file and
+family registers from anywhere (``tests/models/test_families.py`` declares one in the test file and
 drives it through ``train``, ``inspect``, ``plan`` and ``compile``).
 
 **No jax until a model is built.** A configuration reads the registry as it validates

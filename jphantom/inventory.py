@@ -1,5 +1,5 @@
 """What each strategy's training step moves over ``model``: the collectives the designs' formulas
-predict, per device, kind by kind. The HLO tests (``tests/test_transformer.py``) assert the
+predict, per device, kind by kind. The HLO tests (``tests/models/test_transformer.py``) assert the
 compiled step moves exactly these, the planner (:mod:`jphantom.planner`) and the analytic step model
 (:mod:`jphantom.perf.step_model`) price them.
 

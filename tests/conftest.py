@@ -77,7 +77,7 @@ BUDGET_SLOW = {
     "test_zero.py::test_zero_trains_like_one_device[phantom-data=2,model=4-3]",
     "test_plan.py::test_plan_work_is_bounded_in_the_depth",
     "test_run.py::test_inspect_labels_cpu_bytes_of_16_bit_collectives_and_an_empty_breakdown",
-    # covered by the zero-bubble executor's tests of the same checks (tests/test_zero_bubble_run.py)
+    # covered by the zero-bubble executor's tests of the same checks (tests/pipeline/test_zero_bubble_run.py)
     "test_pipeline.py::test_ffn_pipeline_with_data_and_model_parallelism[tensor-gpipe-1]",
     "test_pipeline.py::test_ffn_pipeline_with_data_and_model_parallelism[tensor-1f1b-1]",
     "test_pipeline.py::test_stage_body_runs_as_often_as_the_schedule_says[interleaved-1f1b-4-2]",
@@ -142,7 +142,7 @@ def check_budget_slow(seen: set[str], files: set[str]) -> None:
     """Every node id of :data:`BUDGET_SLOW` names a test that exists (checked when every test
     file was collected): a renamed test would otherwise silently leave the slow list and join the
     fast suite's budget."""
-    every_file = {p.name for p in pathlib.Path(__file__).parent.glob("test_*.py")}
+    every_file = {p.name for p in pathlib.Path(__file__).parent.rglob("test_*.py")}
     if not every_file <= files:
         return
     missing = sorted(BUDGET_SLOW - seen)

@@ -22,7 +22,7 @@ TRAIN = ["train", *GPT, "--steps", "2", "--eval-every", "1", "--eval-batches", "
          "--no-progress"]
 
 
-@pytest.mark.slow  # DTD and CAC: tests/test_moe_transformer.py in make test
+@pytest.mark.slow  # DTD and CAC: tests/models/test_moe_transformer.py in make test
 def test_train_ted_with_dtd_and_cac_reports_dropped_tokens(tmp_path, capsys):
     out = tmp_path / "moe"
     assert cli.main([*TRAIN, "--mesh", "data=2,expert=2,model=2", "--moe-every", "2",

@@ -40,7 +40,7 @@ drawn, and run in lock-step by :mod:`jphantom.pipeline.split`):
     whole stages), else a W: with equal costs the bubble is the paper's near-zero.
 
 Bubble fractions (idle time / total device time over the makespan), as this simulator measures them
-(see ``tests/test_pipeline_schedule.py``):
+(see ``tests/pipeline/test_pipeline_schedule.py``):
 
 * GPipe and 1F1B: ``(P - 1) / (M + P - 1)`` exactly, for *any* ``backward_cost`` -- Narayanan et al.'s
   formula: the bubble is ``(P - 1) * (t_f + t_b)`` against an ideal ``M * (t_f + t_b)``, so the

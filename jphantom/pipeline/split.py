@@ -20,7 +20,7 @@ How one ``jax.vjp`` is split, with nothing recomputed (:func:`weight_only_residu
    (every ``dy``, ``dx``, B's leaves) does not depend on ``R_W`` and is evaluated; W's leaves are
    linear in ``R_W`` (``x^T dy``), so they are left as a linear function whose residuals are the
    ``dy``'s -- the B-to-W stash. The zero-point values of W's leaves are never used, so XLA drops
-   their dots: B costs the chain, not the whole backward (``tests/test_zero_bubble_run.py``
+   their dots: B costs the chain, not the whole backward (``tests/pipeline/test_zero_bubble_run.py``
    checks B + W = the backward's FLOPs from the compiled HLO).
 4. **W** applies that linear function to the stashed ``R_W``: ``dW = x^T dy``, exactly the
    pullback's weight gradient (W's leaves are linear and homogeneous in ``R_W``: a parameter

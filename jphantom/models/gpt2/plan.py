@@ -23,7 +23,7 @@ path            without sequence parallelism     with it
 and ``wte`` (and an untied ``head``) ``vocab``, ``wpe`` ``replicate`` (``sequence``), ``ln_f``
 ``input`` (``sequence``). ``collective_matmul`` rings the row layers' and the norms' collectives
 (Wang et al. 2023). Phantom and pmm3d give every layer their one style: the walkers'
-(:mod:`jphantom.plans`). ``tests/test_families.py`` checks this declaration against the walker
+(:mod:`jphantom.plans`). ``tests/models/test_families.py`` checks this declaration against the walker
 of :func:`jphantom.plans.megatron` on every variant.
 """
 

@@ -22,7 +22,7 @@ from jphantom.models import hf, llama
 
 from conftest import require_devices
 
-FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf"
 FAMILIES = ("mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")
 
 

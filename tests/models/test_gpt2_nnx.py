@@ -13,8 +13,8 @@ from flax import nnx
 
 import jphantom
 from jphantom.models import gpt2, hf
-from tests.test_byo_model import rel_error
-from tests.test_gpt2 import (hf_config, numpy_gpt2, random_tensors, read, same_bits, tokens_for,
+from test_byo_model import rel_error
+from test_gpt2 import (hf_config, numpy_gpt2, random_tensors, read, same_bits, tokens_for,
                              write_hf, zeros_like_init)
 
 

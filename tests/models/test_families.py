@@ -167,7 +167,7 @@ def test_a_checkpoint_of_another_family_names_the_model_that_reads_it():
 
     from jphantom.config import RunConfig
 
-    qwen3 = Path(__file__).parent / "fixtures" / "hf" / "qwen3"
+    qwen3 = Path(__file__).parents[1] / "fixtures" / "hf" / "qwen3"
     with pytest.raises(ConfigError, match="pass --model qwen3"):
         RunConfig.from_flags(model="llama", from_hf=str(qwen3)).family_config()
     with pytest.raises(ConfigError, match="pass --model qwen3"):
@@ -197,7 +197,7 @@ CELLS = {  # family -> [(strategy, mesh, extra flags)], the first cell fast
                ("tensor", "data=2,model=2", ["--sliding-window", "4", "--zero", "3"])],
 }
 # llama's and qwen3's first cells are slow too (test budget): llama has its own fast tests under
-# every strategy (tests/test_llama.py), qwen3 its fast --from-hf run (tests/test_hf_families.py)
+# every strategy (tests/models/test_llama.py), qwen3 its fast --from-hf run (tests/models/test_hf_families.py)
 SLOW_FAMILIES = ("llama", "qwen3")
 MATRIX = [pytest.param(name, *cell, id=f"{name}-{cell[0]}-{cell[1]}",
                        marks=() if i == 0 and name not in SLOW_FAMILIES else pytest.mark.slow)
@@ -233,7 +233,7 @@ def test_a_shape_flag_that_disagrees_with_the_checkpoint_is_refused():
 
     from jphantom.config import RunConfig
 
-    qwen3 = str(Path(__file__).parent / "fixtures" / "hf" / "qwen3")
+    qwen3 = str(Path(__file__).parents[1] / "fixtures" / "hf" / "qwen3")
     loaded = RunConfig.from_flags(model="qwen3", from_hf=qwen3).family_config()
     with pytest.raises(ConfigError, match=f"--hidden 128 disagrees with the --from-hf "
                                           f"checkpoint's hidden={loaded.hidden}"):

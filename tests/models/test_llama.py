@@ -20,7 +20,7 @@ import jphantom
 from jphantom.errors import ConfigError
 from jphantom.mesh import MeshConfig, first_devices
 from jphantom.models import hf, llama
-from tests.test_byo_model import rel_error
+from test_byo_model import rel_error
 
 V, S, BATCH = 64, 8, 8
 
