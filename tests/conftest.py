@@ -122,6 +122,23 @@ BUDGET_SLOW = {
     "test_llama.py::test_fewer_key_value_heads_than_tensor_ranks_equals_one_device"
     "[2-model=8-False]",
     "test_pipeline.py::test_ffn_pipeline_with_data_and_model_parallelism[phantom-1f1b-1]",
+    "test_families.py::test_every_family_under_its_strategies_equals_its_one_device_run"
+    "[qwen3_moe-tensor-expert=2,model=2]",
+    "test_families.py::test_every_family_under_its_strategies_equals_its_one_device_run"
+    "[gemma3-gspmd-data=2,model=2]",
+    "test_context.py::test_context_parallel_step_equals_one_device"
+    "[llama-tensor-context=8-options2-step_options2]",
+    "test_context.py::test_context_parallel_step_equals_one_device"
+    "[mixtral-tensor-expert=2,context=2,model=2-options5-step_options5]",
+    "test_hf_families.py::test_families_under_the_strategies_equal_one_device[gemma3-sp]",
+    "test_token_mean.py::test_ragged_masks_equal_the_one_device_token_mean[1f1b]",
+    "test_collective_matmul.py::test_collective_matmul_equals_one_device[llama-4]",
+    "test_chunked_loss.py::test_chunked_loss_under_strategies_equals_one_device[llama-data-context]",
+    "test_byo_model.py::test_user_model_equals_one_device[tensor-zero3]",
+    "test_user_models.py::test_named_user_norms_and_meta_names_are_exact[sp-pipeline]",
+    # the docs' pages whose commands other files' tests run (examples, checkpoints, launches)
+    "test_docs.py::test_page_runs[docs/bring-your-own-model.md]",
+    "test_docs.py::test_page_runs[docs/multi-host-and-checkpoints.md]",
 }
 
 

@@ -36,6 +36,7 @@ def handle(args: argparse.Namespace) -> int:
     from jphantom.analysis.inspect import format_report, inspect_step
     from jphantom.compare import prepare_output_dir
     from jphantom.config import RunConfig
+    from jphantom.strategies import get
 
     prepare_output_dir(args.out)
     count = jax.device_count()
@@ -44,7 +45,7 @@ def handle(args: argparse.Namespace) -> int:
     settings = {**FFN_DEFAULTS, "model": "ffn", "width": 1024, "depth": 2, "batch": 64,
                 "mesh": f"model={p}", "out": None, "progress": False, "ghost_width": None}
     reports = [inspect_step(RunConfig.from_flags(
-        **(settings | {"strategy": name, "ghost_width": 16 if name == "phantom" else None})))
+        **(settings | {"strategy": name, "ghost_width": 16 if get(name).needs_ghost_width else None})))
         for name in ("phantom", "tensor-t1", "tensor", "gspmd")]
     print(format_report(reports).split("\n\nPer collective op")[0])
     print("\n== Training to the same target loss (Table I of Seal et al., small scale) ==\n")

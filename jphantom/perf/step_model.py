@@ -100,6 +100,7 @@ import dataclasses
 import math
 import warnings
 
+from jphantom import strategies
 from jphantom.errors import ConfigError, check_int, check_real, JPhantomWarning
 from jphantom.perf.comm_model import FRONTIER, CommModel
 from jphantom.nn.phantom import ops as phantom
@@ -225,8 +226,7 @@ class StepShape:
             raise ConfigError(f"fused={self.fused!r} and loss_allreduce={self.loss_allreduce!r} "
                               "must be True or False")
         if self.strategy == "phantom":
-            if self.ghost_width is None:
-                raise ConfigError("strategy='phantom' needs ghost_width (k of Seal et al.), e.g. 64")
+            strategies.check_ghost_width(self.strategy, self.ghost_width)
             check_int("ghost_width", self.ghost_width, 1, "it is k, the ghost neurons per rank")
             with warnings.catch_warnings():  # Eq. 8's bound: legal, only warned about
                 warnings.simplefilter("ignore", JPhantomWarning)

@@ -17,6 +17,7 @@ from jphantom.planner.pricing import (Pricer, data_all_reduce, inventory, lockst
                                    phantom_eq8_bound, phantom_linear, phantom_linear_flops,
                                    pmm3d_collectives)
 from jphantom.planner.result import PlanRow, Ranking
+from jphantom.strategies import get as get_strategy
 
 
 LAYOUTS = ("pmm3d", "tensor", "tensor + SP", "data", "phantom", "pipeline 1F1B", "pipeline ZB-H1",
@@ -109,7 +110,7 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
         rows.append(PlanRow(layout, strategy, mesh, types.MappingProxyType(dict(options)),
                             sum(by_axis.values()), types.MappingProxyType(dict(by_axis)),
                             bubble_s, flops, types.MappingProxyType(memory), fits, tuple(notes),
-                            same_model=strategy != "phantom",
+                            same_model=get_strategy(strategy).family != "phantom",
                             bytes_by_axis=types.MappingProxyType(dict(volume)),
                             compute_s=flops / (device_tflops * 1e12),
                             busy_watts=power.busy_watts, idle_watts=power.idle_watts,
