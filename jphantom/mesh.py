@@ -47,10 +47,13 @@ if TYPE_CHECKING:
     import jax
     from jax.sharding import Mesh
 
-AXES = ("data", "stage", "expert", "context", "z", "y", "x", "model")
+# The mesh axis names, defined here only (every module that names an axis imports it from here).
+DATA, STAGE, EXPERT, CONTEXT, Z, Y, X, MODEL = ("data", "stage", "expert", "context", "z", "y",
+                                                 "x", "model")
+AXES = (DATA, STAGE, EXPERT, CONTEXT, Z, Y, X, MODEL)
 # The axes whose ranks hold different samples of the batch (the step splits the batch over them):
 # data, expert (expert-data parallelism) and z (pmm3d's rows are split over it too).
-BATCH_AXES = ("data", "expert", "z")
+BATCH_AXES = (DATA, EXPERT, Z)
 MAX_SIMULATED_DEVICES = 512
 
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from jphantom import strategies
 from jphantom.errors import ConfigError, JPhantomWarning
-from jphantom.mesh import MeshConfig
+from jphantom.mesh import DATA, EXPERT, MODEL, STAGE, MeshConfig
 
 if TYPE_CHECKING:
     import jax
@@ -372,8 +372,8 @@ def lm_loss(model, tokens, targets, mask=None):
 # -------------------------------------------------------------------------------------------------
 
 
-FEATURE_AXIS, DATA_AXIS, STAGE_AXIS, EXPERT_AXIS = "model", "data", "stage", "expert"
-PMM3D_AXES = ("data", "z", "y", "x")
+FEATURE_AXIS, DATA_AXIS, STAGE_AXIS, EXPERT_AXIS = MODEL, DATA, STAGE, EXPERT
+PMM3D_AXES = (DATA, *strategies.GRID_AXES)
 
 
 def _only_axes(mesh: MeshConfig, allowed: tuple[str, ...], strategy: str) -> None:

@@ -20,11 +20,12 @@ from __future__ import annotations
 import dataclasses
 
 from jphantom.errors import ConfigError
+from jphantom.mesh import CONTEXT, DATA, EXPERT, MODEL, STAGE, X, Y, Z
 
-SHARED_AXES = ("data", "stage", "expert", "context")
+SHARED_AXES = (DATA, STAGE, EXPERT, CONTEXT)
 """The axes every strategy of a language model may add (batch, pipeline, experts, sequence)."""
 
-GRID_AXES = ("z", "y", "x")
+GRID_AXES = (Z, Y, X)
 """AxoNN's 3D matmul grid (pmm3d's own axes)."""
 
 
@@ -48,7 +49,7 @@ class Strategy:
     description: str
     family: str = "dense"
     plan: str | None = None
-    axes: tuple[str, ...] = ("model",)
+    axes: tuple[str, ...] = (MODEL,)
     spmd: str = "shard_map"
     one_device: bool = False
     fused: bool = True
@@ -84,12 +85,12 @@ class Strategy:
                 raise ConfigError(f"strategy {self.name!r} runs on the axes data, stage, expert, "
                                   f"z, y, x, not {extra}: drop them from the mesh ({mesh})")
             return MeshConfig.of({**dict(mesh.axes), **{a: mesh.size(a) for a in GRID_AXES}})
-        grid = [a for a in ("x", "y", "z") if mesh.size(a) > 1]
+        grid = [a for a in (X, Y, Z) if mesh.size(a) > 1]
         if grid:
             raise ConfigError(f"the mesh axes {grid} are pmm3d's (AxoNN's 3D matrix multiply): use "
                               f"--strategy pmm3d, or put those devices on data or model ({mesh})")
-        if "model" not in mesh.shape:
-            return MeshConfig.of({**dict(mesh.axes), "model": 1})
+        if MODEL not in mesh.shape:
+            return MeshConfig.of({**dict(mesh.axes), MODEL: 1})
         return mesh
 
 

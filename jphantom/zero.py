@@ -41,9 +41,10 @@ from jax.sharding import PartitionSpec as P
 
 from jphantom import comm
 from jphantom.errors import ConfigError
+from jphantom.mesh import DATA, EXPERT
 
-DATA_AXIS = "data"
-SHARDING_AXES = ("data", "expert")  # the batch axes whose replicas ZeRO shards a parameter over
+DATA_AXIS = DATA
+SHARDING_AXES = (DATA, EXPERT)  # the batch axes whose replicas ZeRO shards a parameter over
 STAGES = (0, 1, 2, 3)
 
 

@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from jphantom.errors import ConfigError, check_int
+from jphantom.mesh import EXPERT
 
-EXPERT_AXIS = "expert"
+EXPERT_AXIS = EXPERT
 
 
 @dataclasses.dataclass(frozen=True)

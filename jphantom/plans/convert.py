@@ -10,7 +10,7 @@ from __future__ import annotations
 from flax import nnx
 
 from jphantom.errors import ConfigError
-from jphantom.mesh import BATCH_AXES
+from jphantom.mesh import BATCH_AXES, EXPERT
 from jphantom.nn import attention
 from jphantom.nn import expert_parallel as expert_layers
 from jphantom.nn import moe as experts_module
@@ -23,7 +23,7 @@ from jphantom.plans.paths import holds_params
 from jphantom.plans.styles import NORMS, REGISTERED, Style, build_registered
 
 
-EXPERT_AXIS = "expert"
+EXPERT_AXIS = EXPERT
 
 
 def mesh_axis_size(mesh, axis: str) -> int:

@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jphantom.errors import ConfigError
+from jphantom.mesh import CONTEXT
 
 
-AXIS = "context"
+AXIS = CONTEXT
 
 
 def _order(size: int, balanced: bool) -> list[int]:

@@ -49,8 +49,8 @@ from jax.ad_checkpoint import checkpoint_name as name_residual
 
 from jphantom import comm
 from jphantom import remat
+from jphantom.mesh import X, Y, Z
 
-X, Y, Z = "x", "y", "z"
 GATHERED = "pmm3d_gathered_weight"
 ROLES = {"normal": (Y, X), "transposed": (X, Y)}  # (contraction axis, output axis)
 
