@@ -31,7 +31,8 @@ What a family declares:
   ``pmm3d``), declared by path as torchtitan's ``parallelize_llama`` declares Llama's; ``None``
   (for the family, or returned for a kind) leaves it to :mod:`jphantom.plans`' walkers, which
   recognise the layers by type and name (GPT-2 declares its Megatron plan,
-  :mod:`jphantom.models.gpt2.plan`; the Llama variants and a user's family take the walkers);
+  :mod:`jphantom.models.gpt2.plan`, and the Llama family for every variant,
+  :mod:`jphantom.models.llama.plan`; a user's family may take the walkers);
 - ``strategies``: the strategy names it runs (:data:`jphantom.strategies.STRATEGIES`);
   ``program``: ``"lm"`` (a language model under :func:`jphantom.program.lm_build`'s plans) or
   ``"ffn"`` (the FFN's own builder); ``defaults``: the column of ``inspect``'s and ``compile``'s

@@ -264,3 +264,29 @@ def test_gpt2_declares_the_plan_the_walker_finds(shape, options):
     declared = families.get("gpt2").plan
     assert declared(model, "tensor", **options) == plans.megatron(model, **options)
     assert declared(model, "phantom", ghost_width=2) is None
+
+
+@pytest.mark.parametrize("shape, options", [
+    ({}, {}),
+    ({}, {"sequence_parallel": True, "collective_matmul": True}),
+    ({"tie_word_embeddings": True, "kv_heads": 4}, {}),
+    ({"qk_norm": True, "kv_heads": 1}, {"sequence_parallel": True}),
+    ({"post_norms": True}, {"sequence_parallel": True, "collective_matmul": True}),
+    ({"experts": 4}, {}),
+    ({"experts": 4, "qk_norm": True}, {"sequence_parallel": True, "collective_matmul": True}),
+])
+def test_llama_declares_the_plan_the_walker_finds(shape, options):
+    """The Llama family's plan hook (jphantom.models.llama.plan: Llama, Qwen's q/k norms, Gemma's
+    post-norms, Mixtral's and Qwen3-MoE's experts, tied heads, fewer key/value heads) equals the
+    walker's plan on every variant."""
+    from flax import nnx
+
+    from jphantom import families, plans
+    from jphantom.models.llama import Llama, LlamaConfig
+
+    config = LlamaConfig(**{"vocab_size": 32, "hidden": 16, "intermediate": 24, "layers": 2,
+                            "heads": 4, "kv_heads": 2, "max_positions": 16, **shape})
+    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    declared = families.get("llama").plan
+    assert declared(model, "tensor", **options) == plans.megatron(model, **options)
+    assert declared(model, "pmm3d", weights="kept") is None

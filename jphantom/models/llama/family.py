@@ -94,6 +94,7 @@ def register_variant(name: str, description: str, hf_types: tuple[str, ...], *,
         config_from_hf=families.Lazy(HF, "config_from_hf"), load_hf=families.Lazy(HF, "load_hf"),
         save_hf=families.Lazy(HF, "save_hf"),
         flops_per_token=flops_per_token, plan_shape=functools.partial(plan_shape, model=name),
+        plan=families.Lazy("jphantom.models.llama.plan", "plan"),
         matches=lambda config: config.model_type in hf_types, check=check, aliases=aliases,
         strategies=families.LM_STRATEGIES if strategies is None else strategies))
 
