@@ -55,7 +55,9 @@ def test_tensorboard_with_an_out_folder_is_accepted():
     from jphantom.config import RunConfig
 
     config = RunConfig.from_flags(tensorboard=True, out="out/tb", layers=1, hidden=16, heads=2)
-    assert config.build().program is not None
+    built = config.build()  # refused here before the fix
+    assert (config.train.tensorboard, config.train.out) == (True, "out/tb")
+    assert built.program.model_name == "gpt2" and dict(built.step.mesh.shape) == dict(built.mesh.shape)
 
 
 def test_a_huge_capacity_factor_is_capped_at_the_tokens():
