@@ -72,13 +72,7 @@ def check_reaches_self(address: str, timeout: float) -> None:
     try:
         with socket.create_connection((host, port), timeout=timeout) as client:
             client.sendall(token)
-            listener.settimeout(min(timeout, 2.0))  # a proxy may accept what is not ours
-            accepted, _ = listener.accept()
-            with accepted:
-                accepted.settimeout(min(timeout, 2.0))
-                received = accepted.recv(len(token))
-        if received != token:
-            raise OSError("another listener answered")
+            _accept_token(listener, token, min(timeout, 2.0))
     except OSError as err:
         why = "nothing of this host answered" if isinstance(err, TimeoutError) else (
             f"{type(err).__name__}: {err}")
@@ -88,6 +82,28 @@ def check_reaches_self(address: str, timeout: float) -> None:
             "host (its name or IP), or start process 0 on that host") from None
     finally:
         listener.close()
+
+
+def _accept_token(listener: socket.socket, token: bytes, timeout: float) -> None:
+    """Accept connections on ``listener`` until one carries ``token`` (this process's own client)
+    within ``timeout`` s. Another process's connection (a peer already probing for the
+    coordinator, :func:`probe_coordinator`, which retries) is closed and skipped; no token in time
+    means another listener took the client's connection (a proxy): OSError."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        listener.settimeout(left)
+        try:
+            accepted, _ = listener.accept()
+        except TimeoutError:
+            break
+        with accepted:
+            accepted.settimeout(max(deadline - time.monotonic(), 0.01))
+            try:
+                if accepted.recv(len(token)) == token:
+                    return
+            except TimeoutError:
+                pass
+    raise OSError("another listener answered")
 
 
 def probe_coordinator(address: str, timeout: float) -> None:

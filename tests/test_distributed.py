@@ -647,3 +647,26 @@ def test_process_0_refuses_an_address_that_does_not_reach_its_host():
     with pytest.raises(ConfigError, match="does not reach this host"):
         distributed.initialize(f"10.255.255.1:{free_port()}", 2, 0, initialization_timeout=5)
     assert time.monotonic() - start < 10
+
+
+def test_process_0_skips_a_peer_probing_before_its_own_check_connects():
+    """Process 1 may probe for the coordinator (sending gRPC's preface) just as process 0's check
+    listens on the port: that connection is skipped, not taken for another listener (a flaky
+    'another listener answered' of `jphantom launch`); with no token at all it still refuses."""
+    import socket
+
+    from jphantom import coordinator
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        address = listener.getsockname()
+        token = b"0123456789abcdef"
+        with socket.create_connection(address) as peer, socket.create_connection(address) as own:
+            peer.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            own.sendall(token)
+            coordinator._accept_token(listener, token, 2.0)
+        with socket.create_connection(address) as peer:
+            peer.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            with pytest.raises(OSError, match="another listener answered"):
+                coordinator._accept_token(listener, token, 0.5)
