@@ -157,3 +157,22 @@ def test_gpu_resilience_small_refuses_the_huge_step_and_resumes_exactly(tmp_path
     preempt = results["preempt"]
     assert preempt["exit"] == 143 and preempt["checkpoint_steps"] == [preempt["steps_done"]]
     assert preempt["abs_difference"] == 0.0 and preempt["run_to_run_abs_difference"] == 0.0
+
+
+def test_code_counts_see_what_the_function_rule_sees():
+    """benchmarks/code_counts.py counts the functions over 80 lines the layering test lists as
+    exemptions (the same AST measure), and finds no strategy-name comparison in program.py."""
+    import importlib.util
+
+    from test_layering import LONG_FUNCTIONS
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "code_counts.py"
+    if not (path.parents[1] / ".git").exists():
+        pytest.skip("counts a git revision: needs the repository's history")
+    spec = importlib.util.spec_from_file_location("code_counts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.counts("HEAD")
+    assert result["functions_over_80_lines"] == len(LONG_FUNCTIONS)
+    assert "program.py" not in result["files_comparing_strategy_names"]
+    assert result["rule_messages"]["sequence parallelism needs tensor"] == 1
