@@ -15,10 +15,10 @@ import typing
 
 from jphantom.config import paths
 from jphantom.errors import ConfigError
+from jphantom.models.dtypes import DTYPES
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULES = ("constant", "cosine")
-DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def setting(default, help: str, *, flag: str | None = None, aliases: tuple[str, ...] = ()):

@@ -189,28 +189,7 @@ def test_stage_body_runs_as_often_as_the_schedule_says(schedule, microbatches, v
     """Praxis's check: count, per device, the forward and backward executions of the stage body
     (a host callback in the FFN's stacked unit; one unit per model chunk). Each device runs each
     of its V chunks once forward and once backward per micro-batch: 2 M V, never a bubble."""
-    stages = 4
-    require_devices(stages)
-    counts = np.zeros((stages,), int)
-
-    def count(stage):
-        counts[int(stage)] += 1
-
-    class CountingPair(Pair):
-        def __call__(self, h, index):
-            jax.debug.callback(count, jax.lax.axis_index("stage"))
-            return super().__call__(h, index)
-
-    config = _ffn("tensor", 2 * stages * virtual_stages)
-    model = FFN(config, pairs=True, rngs=nnx.Rngs(0))
-    model.layers = Stacked(lambda r: CountingPair(WIDTH, np.float32, rngs=r),
-                           config.depth // 2, rngs=nnx.Rngs(1), with_index=True, peel_first=True)
-    program = program_module.build(config, "tensor", f"stage={stages}", model=model)
-    mesh = program.mesh.build(jax.devices()[:stages])
-    step = program.train_step(mesh, optax.sgd(0.1), donate=False,
-                              pipeline=PipelineConfig(schedule, microbatches, virtual_stages))
-    x, t = _ffn_batch(mesh)
-    jax.block_until_ready(jax.jit(step.value_and_grad())(step.init().params, x, t))
+    counts, _ = stage_body_counts(schedule, 2 * 4 * virtual_stages, microbatches, virtual_stages)
     # jax.vjp runs the body forward once; the backward replays its residuals, not the body.
     np.testing.assert_array_equal(counts, microbatches * virtual_stages)
 
@@ -328,3 +307,32 @@ def test_bad_pipelines_fail_before_compiling():
                            pipeline=PipelineConfig())
     with pytest.raises(ConfigError, match="not divisible by microbatches=3"):
         PipelineConfig("gpipe", 3).check_batch(8)
+
+
+def stage_body_counts(schedule: str, depth: int, microbatches: int, virtual_stages: int = 1):
+    """Praxis's check's counts: per device of a 4-stage pipeline, how often the FFN's stacked
+    unit (a tensor layer pair, a host callback inside) ran in one value-and-grad of ``schedule``;
+    and the step's pipeline."""
+    stages = 4
+    require_devices(stages)
+    counts = np.zeros((stages,), int)
+
+    def count(stage):
+        counts[int(stage)] += 1
+
+    class CountingPair(Pair):
+        def __call__(self, h, index):
+            jax.debug.callback(count, jax.lax.axis_index("stage"))
+            return super().__call__(h, index)
+
+    config = _ffn("tensor", depth)
+    model = FFN(config, pairs=True, rngs=nnx.Rngs(0))
+    model.layers = Stacked(lambda r: CountingPair(WIDTH, np.float32, rngs=r),
+                           config.depth // 2, rngs=nnx.Rngs(1), with_index=True, peel_first=True)
+    program = program_module.build(config, "tensor", f"stage={stages}", model=model)
+    mesh = program.mesh.build(jax.devices()[:stages])
+    pipeline = PipelineConfig(schedule, microbatches, virtual_stages)
+    step = program.train_step(mesh, optax.sgd(0.1), donate=False, pipeline=pipeline)
+    x, t = _ffn_batch(mesh)
+    jax.block_until_ready(jax.jit(step.value_and_grad())(step.init().params, x, t))
+    return counts, pipeline

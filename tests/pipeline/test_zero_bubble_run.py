@@ -12,8 +12,8 @@ from flax import nnx
 from jphantom import program as program_module
 from jphantom.analysis.hlo import collectives
 from jphantom.errors import ConfigError
-from jphantom.models.ffn import FFN, FFNConfig, Pair
-from jphantom.nn.stack import Stacked, apply_blocks
+from jphantom.models.ffn import FFNConfig
+from jphantom.nn.stack import apply_blocks
 from jphantom.pipeline import runner, split
 from jphantom.pipeline import table as table_module
 from jphantom.pipeline.buffers import rebuilder, vjp_residuals
@@ -22,7 +22,7 @@ from jphantom.pipeline.schedule import lockstep_split
 
 from conftest import require_devices
 from helpers import abstract_state, assert_every_task_once
-from test_pipeline import WIDTH, _check_ffn, _ffn, _ffn_batch, _ffn_case
+from test_pipeline import WIDTH, _check_ffn, _ffn_batch, _ffn_case, stage_body_counts
 
 
 def _depth(schedule, stages):
@@ -87,28 +87,7 @@ def test_zero_bubble_transformer_equals_dense():
 def test_stage_body_runs_once_per_microbatch_and_chunk(schedule, microbatches):
     """Praxis's check (a host callback in the stacked unit): each device runs the body M times
     per local chunk -- the forwards; B and W replay the stashed residuals, never the body."""
-    stages = 4
-    require_devices(stages)
-    counts = np.zeros((stages,), int)
-
-    def count(stage):
-        counts[int(stage)] += 1
-
-    class CountingPair(Pair):
-        def __call__(self, h, index):
-            jax.debug.callback(count, jax.lax.axis_index("stage"))
-            return super().__call__(h, index)
-
-    config = _ffn("tensor", _depth(schedule, stages))
-    model = FFN(config, pairs=True, rngs=nnx.Rngs(0))
-    model.layers = Stacked(lambda r: CountingPair(WIDTH, np.float32, rngs=r),
-                           config.depth // 2, rngs=nnx.Rngs(1), with_index=True, peel_first=True)
-    program = program_module.build(config, "tensor", f"stage={stages}", model=model)
-    mesh = program.mesh.build(jax.devices()[:stages])
-    pipeline = PipelineConfig(schedule, microbatches)
-    step = program.train_step(mesh, optax.sgd(0.1), donate=False, pipeline=pipeline)
-    x, t = _ffn_batch(mesh)
-    jax.block_until_ready(jax.jit(step.value_and_grad())(step.init().params, x, t))
+    counts, pipeline = stage_body_counts(schedule, _depth(schedule, 4), microbatches)
     np.testing.assert_array_equal(counts, microbatches * pipeline.local_chunks)
 
 

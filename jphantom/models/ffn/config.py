@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from jphantom.errors import ConfigError, check_int
+from jphantom.models.dtypes import DTYPES, check_dtype, check_float64  # noqa: F401
 
-DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,12 +27,5 @@ class FFNConfig:
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ConfigError(f"ghost_width={k!r} must be an integer >= 1 (k ghost neurons per "
                               "rank, Seal et al.), e.g. 16")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r}; use one of {DTYPES}")
-        if self.dtype == "float64":
-            import jax  # 64-bit mode is jax's setting: only a float64 shape asks for it
-
-            if not jax.config.jax_enable_x64:
-                raise ConfigError("dtype='float64' needs 64-bit mode: call "
-                                  "jax.config.update('jax_enable_x64', True) first, or use "
-                                  "float32")
+        check_dtype(self.dtype)
+        check_float64(self.dtype)

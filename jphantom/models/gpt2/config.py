@@ -19,11 +19,11 @@ import math
 from typing import TYPE_CHECKING
 
 from jphantom.errors import ConfigError, check_int
+from jphantom.models.dtypes import DTYPES, check_dtype, check_float64  # noqa: F401
 
 if TYPE_CHECKING:
     from jphantom.nn.routing import MoEConfig
 
-DTYPES = ("float32", "bfloat16", "float16", "float64")
 LAYER_NORM_EPS = 1e-5
 
 
@@ -58,15 +58,8 @@ class TransformerConfig:
         k = self.ghost_width
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ConfigError(f"ghost_width={k!r} must be an integer >= 1, e.g. 8")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r}; use one of {DTYPES}")
-        if self.dtype == "float64":
-            import jax  # 64-bit mode is jax's setting: only a float64 shape asks for it
-
-            if not jax.config.jax_enable_x64:
-                raise ConfigError("dtype='float64' needs 64-bit mode: call "
-                                  "jax.config.update('jax_enable_x64', True) first, or use "
-                                  "float32")
+        check_dtype(self.dtype)
+        check_float64(self.dtype)
         if not (self.layer_norm_eps > 0 and math.isfinite(self.layer_norm_eps)):
             raise ConfigError(f"layer_norm_eps={self.layer_norm_eps} must be a positive number")
         every = self.moe_every

@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 from jphantom.errors import ConfigError, check_int
+from jphantom.models.dtypes import DTYPES, check_dtype  # noqa: F401
 
-DTYPES = ("float32", "bfloat16", "float16", "float64")
 LAYER_TYPES = ("sliding_attention", "full_attention")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -73,8 +73,7 @@ class LlamaConfig:
             check_int("top_k", self.top_k)
             if self.top_k > self.experts:
                 raise ConfigError(f"top_k={self.top_k} exceeds experts={self.experts}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r}; use one of {DTYPES}")
+        check_dtype(self.dtype)
         if self.sliding_window is not None:
             check_int("sliding_window", self.sliding_window)
         if self.activation not in ("silu", "gelu_tanh"):
