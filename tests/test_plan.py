@@ -305,11 +305,13 @@ def test_zero_3_regathers_so_it_moves_about_one_and_a_half_times_fsdp_pmm3d():
     assert fsdp.variant == "FSDP" and zero3.options == {"zero": 3}
     # pmm3d (Eqs. 5.1, 5.2): AG + RS of the matmul weights W, same ring volume (31/32) and β;
     # ZeRO-3 (jphantom/zero.py): each block gathered twice (forward, remat backward), the rest
-    # (embeddings, final norm) once, every gradient reduce-scattered once
+    # (embeddings, final norm) once, every gradient reduce-scattered once; pmm3d's position
+    # table [S, h] is replicated, its gradient all-reduced over z (an RS + AG's volume)
     h = 7168
     weights, everything = 32 * 12 * h**2 + 51200 * h, ax.GPT_20B.param_count()
     rest = everything - 32 * (12 * h**2 + 13 * h)
-    assert zero3.comm_s / fsdp.comm_s == pytest.approx((3 * everything - rest) / (2 * weights))
+    assert zero3.comm_s / fsdp.comm_s == pytest.approx((3 * everything - rest)
+                                                       / (2 * weights + 2 * 2048 * h))
 
 
 def test_plan_refuses_bad_inputs_by_name():
@@ -370,10 +372,31 @@ def test_cli_json_parses_and_carries_the_assumptions(capsys):
     (["--model", "ffn"], "--model ffn: the planner prices dense decoder blocks"),
     (["--model", "qwen4"], "model='qwen4' is not a model family"),
     (["--heads", "5"], "hidden=7168 is not divisible by heads=5"),
+    (["--devices", "1000000000000000000"], "devices=1000000000000000000 exceeds the planner's"),
 ])
 def test_cli_bad_value_is_one_line_and_exit_2(capsys, argv, fragment):
     assert exit_code(["plan", *argv]) == 2
     _one_line_error(capsys, fragment)
+
+
+def test_cli_says_how_the_gpus_sit_on_nodes(capsys):
+    for devices, says in (("1", "1 GPU of one 4-GPU node."), ("8", "8 GPUs = 2 node(s) x 4.")):
+        assert cli.main(["plan", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len",
+                         "16", "--vocab", "256", "--batch", "8", "--devices", devices]) == 0
+        assert says in capsys.readouterr().out.splitlines()[0]
+
+
+def test_pmm3d_prices_the_position_table_gradient():
+    """GPT-2's learned positions [S, h/G_y] are all-reduced over data x z: the bytes grow with S
+    where the blocks' collectives do not (no x, y split)."""
+    def fsdp(seq_len):
+        rows = plan(ax.GPTShape(layers=2, hidden=64, heads=4, seq_len=seq_len, vocab_size=256),
+                    4, batch=4, layouts=("pmm3d",), latency=False)
+        return next(r for r in rows if r.mesh == "data=1,z=4,y=1,x=1")
+    short, long = fsdp(16), fsdp(4096)
+    assert short.bytes_by_axis["z"] == long.bytes_by_axis["z"]  # the blocks' collectives
+    for seq_len, row in ((16, short), (4096, long)):  # [S, h] result, 2-byte messages
+        assert row.bytes_by_axis["data+z"] == seq_len * 64 * 2 and row.comm_by_axis["data+z"] > 0
 
 
 def test_cli_help_has_an_example(capsys):

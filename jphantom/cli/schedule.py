@@ -43,7 +43,7 @@ def add_parser(sub) -> None:
                                "1f1b over V model chunks per device (smaller bubble); zb-h1 and "
                                "zb-v: zero-bubble schedules, the backward split into B (input "
                                "gradient) and W (weight gradient, filling bubbles), zb-v with "
-                               "two chunks per device in a V (simulated only). Default 1f1b")
+                               "two chunks per device in a V. Default 1f1b")
     schedule.add_argument("--stages", type=int, default=4, metavar="P",
                           help="pipeline stages (devices along the stage axis; default 4)")
     schedule.add_argument("--microbatches", type=int, default=8, metavar="M",
@@ -74,8 +74,6 @@ def handle(args: argparse.Namespace) -> int:
     for flag, value in (("--stages", P), ("--microbatches", M), ("--virtual-stages", V)):
         if value < 1:
             raise ConfigError(f"{flag} {value} must be at least 1")
-    if args.width is not None and args.width < 1:
-        raise ConfigError(f"--width {args.width} must be at least 1 column")
     if P * M * V > MAX_SCHEDULE_TASKS:
         raise ConfigError(f"--stages {P} x --microbatches {M} x --virtual-stages {V} = "
                           f"{P * M * V:,} forward tasks: simulating and drawing more than "
@@ -95,7 +93,11 @@ def handle(args: argparse.Namespace) -> int:
         steps = lockstep(args.schedule, P, M, V)
         interleaved = args.schedule == "interleaved-1f1b"
         formula = (P - 1) / (P - 1 + V * M) if interleaved else (P - 1) / (M + P - 1)
-    timeline = simulation.timeline(args.width)
+    try:
+        timeline = simulation.timeline(args.width)
+    except ConfigError as error:  # the API's message, in the flag's name
+        raise ConfigError(str(error).replace("timeline width=", "--width ").replace(
+            "pass width >=", "give --width >=")) from None
     slots = len(steps.slots) if split else len(steps.ticks)
     result = {
         "schedule": args.schedule, "stages": P, "microbatches": M, "virtual_stages": V,
@@ -131,7 +133,8 @@ def handle(args: argparse.Namespace) -> int:
     row("peak micro-batches in flight per stage" + (" (chunks)" if V > 1 else ""),
         peaks(simulation.peak_in_flight))
     print("Lock-step SPMD execution (modelled for zb-h1 / zb-v: every slot one F, B or W per "
-          "device, ending in the exchange; the executor does not run them yet):" if split else
+          "device, ending in the exchange; `jphantom train --schedule` runs them):"
+          if split else
           "Lock-step executor (the compiled step: each tick a forward and a backward slot):")
     row("slots (F, B or W each)" if split else "ticks", slots)
     row("bubble fraction", f"{steps.bubble_fraction(args.backward_cost):.2%}")

@@ -132,12 +132,14 @@ class Simulation:
         its kind and micro-batch (``F3``, ``B3``), ``.`` where the device is idle. ``width`` is the
         number of chart columns (default: enough for every label to show)."""
         labels = {t: f"{t.kind}{t.microbatch}" for t in self.tasks}
-        if width is None:
-            shortest = min(t.end - t.start for t in self.tasks)
-            per_unit = (max(len(s) for s in labels.values()) + 1) / shortest
-            width = max(1, math.ceil(self.makespan * per_unit - 1e-9))
-        if width < 1:
-            raise ConfigError(f"timeline width={width} must be at least 1; pass width >= 1")
+        shortest = min(t.end - t.start for t in self.tasks)
+        per_unit = (max(len(s) for s in labels.values()) + 1) / shortest
+        fits = max(1, math.ceil(self.makespan * per_unit - 1e-9))
+        width = fits if width is None else width
+        narrowest = math.ceil(self.makespan / shortest - 1e-9)  # one column for the shortest task
+        if isinstance(width, bool) or not isinstance(width, int) or width < narrowest:
+            raise ConfigError(f"timeline width={width!r} is too narrow to show each task apart: "
+                              f"pass width >= {narrowest} ({fits} shows every label)")
         scale = width / self.makespan
         rows = [["."] * width for _ in range(self.stages)]
         for timed in self.tasks:

@@ -6,6 +6,16 @@ from __future__ import annotations
 from jphantom.planner.result import Ranking
 
 
+def _nodes(devices: int, nodes: int, per_node: int) -> str:
+    """How the GPUs sit on nodes: "32 GPUs = 8 node(s) x 4", "1 GPU of one 4-GPU node"."""
+    if devices % per_node == 0:
+        return f"{devices} GPUs = {nodes} node(s) x {per_node}"
+    if devices < per_node:
+        return f"{devices} GPU{'s' if devices > 1 else ''} of one {per_node}-GPU node"
+    return (f"{devices} GPUs on {nodes} nodes of {per_node} ({devices % per_node} on the "
+            "last)")
+
+
 def format_plan(result: Ranking, top: int = 10) -> str:
     """The ranking as a text table, the top choice and the assumptions."""
     a = result.assumptions
@@ -23,7 +33,7 @@ def format_plan(result: Ranking, top: int = 10) -> str:
         + f"S={m['seq_len']}, V={m['vocab_size']} ({m['parameters'] / 1e9:.2f}B parameters); batch "
         f"{a['batch_sequences']} sequences ({a['tokens_per_step']:,} tokens) per step"
         + (f", {a['accumulate']} accumulation micro-batches" if a["accumulate"] > 1 else "")
-        + f"; {a['devices']} GPUs = {a['nodes']} node(s) x {t['gpus_per_node']}.",
+        + f"; {_nodes(a['devices'], a['nodes'], t['gpus_per_node'])}.",
         f"Network ({t['name']}): beta_inter {t['inter_node_gbps']:g} GB/s between nodes; intra-node"
         f" GB/s by (G0,G1): {intra}; alpha {t['latency_us']:g} us per ring step"
         + ("" if a["latency"] else " (off: Singh's model exactly)") + ".",

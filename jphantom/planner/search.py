@@ -23,6 +23,10 @@ from jphantom.strategies import get as get_strategy
 LAYOUTS = ("pmm3d", "tensor", "tensor + SP", "data", "phantom", "pipeline 1F1B", "pipeline ZB-H1",
            "pipeline ZB-V", "zero-3", "context")
 PIPELINES = {"pipeline 1F1B": "1f1b", "pipeline ZB-H1": "zb-h1", "pipeline ZB-V": "zb-v"}
+MAX_DEVICES = 1 << 20
+"""The most GPUs :func:`plan` prices (1,048,576): its enumeration of every divisor and 4D grid
+stays under seconds up to there; a larger count is refused by name rather than searched for
+minutes."""
 DEFAULT_DEVICE_TFLOPS = 280.0
 """Sustained bf16 TFLOP/s assumed per GPU to price a pipeline's bubble: the A100's empirical GEMM
 peak (Singh's thesis §4.3: 280 of the advertised 312)."""
@@ -53,7 +57,8 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
     our choice; phantom rows above Seal et al.'s Eq. 8 bound are noted). ``accumulate``: gradient
     accumulation micro-batches A for every layout but the pipelines, whose micro-batches are one
     sequence each (M = batch / D, AxoNN ch. 3's micro-batch size 1). ``latency=False``: no α
-    (pmm3d rows are then the paper's Eqs. 5.1-5.7 exactly). ``device_tflops``: sustained TFLOP/s
+    (pmm3d rows are then the paper's Eqs. 5.1-5.7, plus GPT-2's position-table gradient).
+    ``device_tflops``: sustained TFLOP/s
     per GPU pricing the compute and the pipeline bubble (default: ``device``'s sustained GEMM
     rate, peak x GEMM efficiency, else :data:`DEFAULT_DEVICE_TFLOPS`).
     ``objective``: what to rank by (:data:`jphantom.planner.result.OBJECTIVES`): ``comm``
@@ -73,7 +78,7 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
     projections).
     """
     shape = GPTShape.of(model, seq_len)
-    _int("devices", devices, 1, "give the number of GPUs to plan for, e.g. 32")
+    _devices(devices)
     topology = Topology.perlmutter() if topology is None else topology
     if not isinstance(topology, Topology):
         raise ConfigError(f"topology={topology!r} must be a jphantom.perf.axonn_model.Topology, "
@@ -110,7 +115,7 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
         rows.append(PlanRow(layout, strategy, mesh, types.MappingProxyType(dict(options)),
                             sum(by_axis.values()), types.MappingProxyType(dict(by_axis)),
                             bubble_s, flops, types.MappingProxyType(memory), fits, tuple(notes),
-                            same_model=get_strategy(strategy).family != "phantom",
+                            same_model=get_strategy(strategy).same_model,
                             bytes_by_axis=types.MappingProxyType(dict(volume)),
                             compute_s=flops / (device_tflops * 1e12),
                             busy_watts=power.busy_watts, idle_watts=power.idle_watts,
@@ -133,13 +138,8 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
                                                        and layer.name != "lm_head")],
                                    grid.levels)
                       for part in (block_and_head[:-1], block_and_head[-1:])]
-            if not shape.tied_head:  # the untied embedding's gradient over data (Eq. 5.5)
-                table = [Collective("all-reduce", "data", grid.data,
-                                    V * h / (grid.x * grid.y * grid.z), 1,
-                                    "Eq. 5.5: the untied embedding's gradient", grad_bytes)]
-                priced.append(pricer.price(table, grid.levels))
-            else:
-                priced.append(({}, {}))
+            tables = _pmm3d_tables(shape, grid, grad_bytes)
+            priced.append(pricer.price(tables, grid.levels) if tables else ({}, {}))
             by_axis, volume = ({axis: L * block.get(axis, 0.0) + head.get(axis, 0.0)
                                 + table.get(axis, 0.0)
                                 for axis in dict.fromkeys([*block, *head, *table])}
@@ -324,6 +324,33 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
         accumulate, latency, device_tflops, flash_attention, recompute, as_compiled, objective,
         device, power)
     return Ranking(tuple(rows), types.MappingProxyType(assumptions))
+
+
+def _devices(devices: Any) -> int:
+    """``devices``, an integer in 1 .. :data:`MAX_DEVICES`."""
+    _int("devices", devices, 1, "give the number of GPUs to plan for, e.g. 32")
+    if devices > MAX_DEVICES:
+        raise ConfigError(f"devices={devices} exceeds the planner's {MAX_DEVICES:,} GPUs: give "
+                          "a machine's GPU count, e.g. 32")
+    return devices
+
+
+def _pmm3d_tables(shape: GPTShape, grid: Any, grad_bytes: int | None) -> list[Collective]:
+    """The gradients of pmm3d's tables outside the blocks and the tied head: an untied
+    embedding's (vocabulary over x, z and features over y: all-reduced over data, Eq. 5.5) and
+    GPT-2's learned position table's [S, h/G_y] (replicated over x, z and data; the batch splits
+    over data x z, so its gradient all-reduces over them)."""
+    V, h = shape.vocab_size, shape.hidden
+    tables = []
+    if not shape.tied_head:
+        tables.append(Collective("all-reduce", "data", grid.data,
+                                 V * h / (grid.x * grid.y * grid.z), 1,
+                                 "Eq. 5.5: the untied embedding's gradient", grad_bytes))
+    if shape.family == "gpt2":
+        tables.append(Collective("all-reduce", "data+z", grid.z * grid.data,
+                                 shape.seq_len * h / grid.y, 1,
+                                 "the position table's gradient", grad_bytes))
+    return tables
 
 
 def _device_pricing(objective: str, device: Any, precision: str,

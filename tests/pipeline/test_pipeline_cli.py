@@ -85,11 +85,19 @@ def test_schedule_gpipe_formula_and_width(capsys):
       "--virtual-stages", "2"], "microbatches divisible by stages"),
     (["--schedule", "1f1b", "--virtual-stages", "2"], "only applies to 'interleaved-1f1b'"),
     (["--backward-cost", "0"], "backward_cost=0.0 must be a positive finite number"),
-    (["--width", "0"], "--width 0 must be at least 1"),
+    (["--width", "0"], "--width 0 is too narrow"),
+    (["--width", "1"], "--width 1 is too narrow to show each task apart: give --width >= 33"),
 ])
 def test_schedule_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert exit_code(["schedule", *argv]) == 2
     _one_line_error(capsys, message)
+
+
+def test_schedule_says_the_executor_runs_the_zero_bubble_schedules(capsys):
+    assert cli.main(["schedule", "--schedule", "zb-h1", "--stages", "2", "--microbatches",
+                     "2"]) == 0
+    out = capsys.readouterr().out
+    assert "`jphantom train --schedule` runs them" in out and "not run" not in out
 
 
 def test_schedule_unknown_name_is_refused_by_the_parser(capsys):

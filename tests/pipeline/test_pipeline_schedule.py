@@ -171,6 +171,8 @@ def test_bad_backward_cost_and_width():
         simulate("1f1b", 2, 2, backward_cost=0)
     with pytest.raises(ConfigError, match="width"):
         simulate("1f1b", 2, 2).timeline(width=0)
+    with pytest.raises(ConfigError, match="width=1 is too narrow to show each task apart"):
+        simulate("1f1b", 4, 8).timeline(width=1)  # every stage drawn as |B| before
 
 
 # --------------------------------------------------------------------------------------------------
