@@ -63,6 +63,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jphantom.errors import ConfigError
+from jphantom.lazy import Lazy, resolved
 
 BUILTIN = ("ffn", "gpt2", "llama")
 """The zoo's family packages under ``jphantom.models`` (``llama`` registers its presets too:
@@ -75,19 +76,6 @@ COMMON_FLAGS = ("layers", "hidden", "heads", "seq_len", "vocab", "dtype", "from_
 LM_STRATEGIES = ("dense", "gspmd", "tensor", "phantom", "phantom-unfused", "pmm3d",
                  "pmm3d-regather", "pmm3d-deferred")
 """What the zoo's language models run (every strategy but Seal et al.'s ``tensor-t1``)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Lazy:
-    """The attribute ``attribute`` of the module ``module``, imported when a :class:`Family`
-    field given as it is first read (module docstring)."""
-
-    module: str
-    attribute: str
-
-    def load(self):
-        """The attribute, its module imported."""
-        return getattr(importlib.import_module(self.module), self.attribute)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,11 +111,7 @@ class Family:
             raise ConfigError(f"family {self.name!r}: program and defaults are 'lm' or 'ffn'")
 
     def __getattribute__(self, name):
-        value = object.__getattribute__(self, name)
-        if isinstance(value, Lazy):  # imported once, then kept as the field's value
-            value = value.load()
-            object.__setattr__(self, name, value)
-        return value
+        return resolved(self, name)  # a Lazy field imported once, then kept as its value
 
     def declares(self, field: str) -> bool:
         """Whether the family gives ``field`` (not ``None``), without importing a :class:`Lazy`

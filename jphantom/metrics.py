@@ -73,7 +73,7 @@ def flops_per_token(model_config, strategy: str, seq_len: int) -> int | None:
     from jphantom import families
     from jphantom.strategies import get
 
-    if get(strategy).family == "phantom":
+    if not get(strategy).same_model:
         return None
     try:
         count = families.of_config(model_config).flops_per_token

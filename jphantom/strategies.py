@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from jphantom.errors import ConfigError
+from jphantom.lazy import Lazy, resolved
 from jphantom.mesh import CONTEXT, DATA, EXPERT, MODEL, STAGE, X, Y, Z
 
 SHARED_AXES = (DATA, STAGE, EXPERT, CONTEXT)
@@ -59,11 +60,27 @@ class Strategy:
     dtd: bool = False
     context: bool = True
     pairs: bool = False
+    collectives: Lazy | None = None
+    step_model: Lazy | None = None
+
+    def __getattribute__(self, name):
+        return resolved(self, name)  # a Lazy field imported once, then kept as its value
+
+    def declares(self, field: str) -> bool:
+        """Whether the row gives ``field`` (not ``None``), without importing a
+        :class:`~jphantom.lazy.Lazy` one."""
+        return object.__getattribute__(self, field) is not None
 
     @property
     def needs_ghost_width(self) -> bool:
         """Phantom parallelism's k is part of its model."""
         return self.family == "phantom"
+
+    @property
+    def same_model(self) -> bool:
+        """Whether it trains the dense model (dense-shaped weights, the one-device oracle's
+        function); phantom's ghosts make another model (Seal et al.)."""
+        return self.family == "dense"
 
     def check_mesh(self, mesh):
         """The mesh (a :class:`jphantom.mesh.MeshConfig`) a language model runs on under this
@@ -94,6 +111,7 @@ class Strategy:
         return mesh
 
 
+_INVENTORY, _STEP_MODEL = "jphantom.inventory", "jphantom.perf.step_model"
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("dense", "the unsharded model on one device (the single-device oracle)", axes=(),
              one_device=True),
@@ -102,13 +120,17 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              plan="annotate", spmd="gspmd", context=False),
     Strategy("tensor", "Megatron tensor parallelism: column/row pairs with f and g (Brakel et al.); "
              "sequence parallelism as an option (Korthikanti et al. 2022)", plan="tensor",
-             sequence_parallel=True, dtd=True, pairs=True),
+             sequence_parallel=True, dtd=True, pairs=True,
+             collectives=Lazy(_INVENTORY, "MEGATRON")),
     Strategy("tensor-t1", "Seal et al.'s TP: row-sharded weights, all-gather forward / "
-             "reduce-scatter backward", plan="t1"),
+             "reduce-scatter backward", plan="t1", collectives=Lazy(_INVENTORY, "T1"),
+             step_model=Lazy(_STEP_MODEL, "T1")),
     Strategy("phantom", "phantom parallelism (Seal et al.), one fused decompressor GEMM",
-             family="phantom", plan="phantom"),
+             family="phantom", plan="phantom", collectives=Lazy(_INVENTORY, "PHANTOM"),
+             step_model=Lazy(_STEP_MODEL, "PHANTOM")),
     Strategy("phantom-unfused", "phantom parallelism with the paper's p-1 decompressor GEMMs",
-             family="phantom", plan="phantom", fused=False),
+             family="phantom", plan="phantom", fused=False,
+             collectives=Lazy(_INVENTORY, "PHANTOM"), step_model=Lazy(_STEP_MODEL, "PHANTOM")),
     Strategy("pmm3d", "AxoNN's 3D parallel matrix multiply on x, y, z (and data), Singh's thesis "
              "ch. 5: weights all-gathered over z, all-reduces over y forward and x backward, "
              "reduce-scatters over z", plan="pmm3d", weights="kept", axes=GRID_AXES, zero=False,

@@ -129,6 +129,9 @@ class ModelConfig:
         if not self.capacity_factor > 0:
             raise ConfigError(f"capacity_factor={self.capacity_factor} must be > 0")
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        if self.dropless and self.capacity_factor != defaults["capacity_factor"]:
+            raise ConfigError(f"--capacity-factor {self.capacity_factor:g} does not apply with "
+                              "--dropless (no capacity: no token is dropped); leave one out")
         specific = {name for f in families.families().values() for name in f.accepted}
         for name in sorted(specific - set(family.accepted) - {"name"}):
             if getattr(self, name) != defaults[name]:
@@ -153,7 +156,7 @@ class ModelConfig:
         all-reduce a tied head's logits)."""
         from jphantom.strategies import get
 
-        return self.family.from_flags(self, get(strategy).family == "phantom")
+        return self.family.from_flags(self, get(strategy).needs_ghost_width)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,9 +106,12 @@ from jphantom.perf.comm_model import FRONTIER, CommModel
 from jphantom.nn.phantom import ops as phantom
 from jphantom.nn.shapes import check_depth, check_width
 
-STRATEGIES = ("tensor-t1", "phantom")
-"""Strategies with a step model: Seal et al.'s TP (T1) and phantom (``fused`` picks ``phantom`` or
-``phantom-unfused``). Megatron's ``tensor`` and ``gspmd`` have none (their FLOPs are not modelled)."""
+STRATEGIES = tuple(name for name, row in strategies.STRATEGIES.items()
+                   if row.declares("step_model") and row.fused)
+"""Strategies with a step model (their registry rows name one,
+:attr:`jphantom.strategies.Strategy.step_model`): Seal et al.'s TP (``tensor-t1``, :data:`T1`) and
+phantom (:data:`PHANTOM`; ``fused`` picks ``phantom`` or ``phantom-unfused``). Megatron's
+``tensor`` and ``gspmd`` have none (their FLOPs are not modelled)."""
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}
 """Per-parameter state arrays of common optax optimizers (plain SGD, SGD with momentum, Adam)."""
@@ -225,19 +228,13 @@ class StepShape:
         if not isinstance(self.fused, bool) or not isinstance(self.loss_allreduce, bool):
             raise ConfigError(f"fused={self.fused!r} and loss_allreduce={self.loss_allreduce!r} "
                               "must be True or False")
-        if self.strategy == "phantom":
-            strategies.check_ghost_width(self.strategy, self.ghost_width)
-            check_int("ghost_width", self.ghost_width, 1, "it is k, the ghost neurons per rank")
-            with warnings.catch_warnings():  # Eq. 8's bound: legal, only warned about
-                warnings.simplefilter("ignore", JPhantomWarning)
-                phantom.PhantomConfig(self.width, self.ghost_width, self.num_shards, self.depth)
-        else:
-            if self.ghost_width is not None:
-                raise ConfigError(f"ghost_width={self.ghost_width} is only for strategy='phantom'; "
-                                  f"leave it None for {self.strategy!r}")
-            if not self.fused:
-                raise ConfigError("fused=False is phantom's unfused decompressor; leave fused=True "
-                                  f"for strategy={self.strategy!r}")
+        self.model.check(self)
+
+    @property
+    def model(self) -> "StrategyStepModel":
+        """The step model of the strategy (its registry row's
+        :attr:`~jphantom.strategies.Strategy.step_model`: :data:`T1` or :data:`PHANTOM`)."""
+        return strategies.get(self.strategy).step_model
 
     @property
     def block(self) -> int:
@@ -252,15 +249,123 @@ class StepShape:
     def strategy_name(self) -> str:
         """The registry name of the modelled step (:data:`jphantom.strategies.STRATEGIES`): ``tensor-t1``,
         ``phantom`` or ``phantom-unfused``."""
-        if self.strategy == "phantom" and not self.fused:
-            return "phantom-unfused"
-        return self.strategy
+        return next(name for name, row in strategies.STRATEGIES.items()
+                    if row.declares("step_model") and row.step_model is self.model
+                    and row.fused == self.fused)
 
     @property
     def label(self) -> str:
-        if self.strategy == "tensor-t1":
-            return "tensor (T1)"
-        return "phantom (fused)" if self.fused else "phantom (unfused)"
+        return self.model.label(self)
+
+
+class StrategyStepModel:
+    """One strategy's step (module docstring): what it checks of a :class:`StepShape` and its
+    formulas, per rank. A strategy's registry row names its instance
+    (:attr:`jphantom.strategies.Strategy.step_model`)."""
+
+    def check(self, shape: StepShape) -> None:
+        """The shape's strategy-specific fields, refused by name (ConfigError)."""
+        if shape.ghost_width is not None:
+            raise ConfigError(f"ghost_width={shape.ghost_width} is only for strategy='phantom'; "
+                              f"leave it None for {shape.strategy!r}")
+        if not shape.fused:
+            raise ConfigError("fused=False is phantom's unfused decompressor; leave fused=True "
+                              f"for strategy={shape.strategy!r}")
+
+    def label(self, shape: StepShape) -> str:
+        raise NotImplementedError
+
+    def flops(self, shape: StepShape) -> dict:
+        """:func:`step_flops`."""
+        raise NotImplementedError
+
+    def parameter_elements(self, shape: StepShape) -> int:
+        """:func:`parameter_elements`."""
+        raise NotImplementedError
+
+    def saved(self, shape: StepShape) -> tuple[int, int, int]:
+        """Elements of the saved activations and the workspace, and the own decompressor slot's
+        bytes (:func:`step_memory`)."""
+        raise NotImplementedError
+
+
+class T1StepModel(StrategyStepModel):
+    """Seal et al.'s TP (:class:`jphantom.nn.tensor.T1Linear`)."""
+
+    def label(self, shape):
+        return "tensor (T1)"
+
+    def flops(self, shape):
+        n, L, B, m = shape.width, shape.depth, shape.batch, shape.block
+        inner = L - 1  # layers whose input gradient is computed (all but the first; module doc)
+        forward = 2 * B * n * m * L
+        backward = 2 * B * n * m * (L + inner)
+        return {"forward": forward, "backward": backward, "total": forward + backward,
+                "by_op": {"weight": forward + backward}, "gemms": 3 * L - 1,
+                "decompressor_gemms": 0}
+
+    def parameter_elements(self, shape):
+        n, L, m = shape.width, shape.depth, shape.block
+        return L * (m * n + m)
+
+    def saved(self, shape):
+        return shape.depth * shape.batch * shape.width, 0, 0
+
+
+class PhantomStepModel(StrategyStepModel):
+    """Phantom parallelism (:mod:`jphantom.nn.phantom.ops`), fused or unfused."""
+
+    def check(self, shape):
+        strategies.check_ghost_width(shape.strategy, shape.ghost_width)
+        check_int("ghost_width", shape.ghost_width, 1, "it is k, the ghost neurons per rank")
+        with warnings.catch_warnings():  # Eq. 8's bound: legal, only warned about
+            warnings.simplefilter("ignore", JPhantomWarning)
+            phantom.PhantomConfig(shape.width, shape.ghost_width, shape.num_shards, shape.depth)
+
+    def label(self, shape):
+        return "phantom (fused)" if shape.fused else "phantom (unfused)"
+
+    def flops(self, shape):
+        n, L, p, B, m = shape.width, shape.depth, shape.num_shards, shape.batch, shape.block
+        inner = L - 1  # layers whose input gradient is computed (all but the first; module doc)
+        k = shape.ghost_width
+        local = 2 * B * m * m * (L + L + inner)  # forward, dL (Eq. 19), dy through L (Eq. 17)
+        compressor = 2 * B * k * m * (L + L + inner)  # ghosts (Eq. 11), dC (Eq. 20), dy through C
+        if shape.fused:
+            slots = p  # one GEMM over all p slots, the own one masked
+            decompressor = 3 * 2 * B * slots * k * m * L  # Eq. 11, messages (Eq. 17), dD (Eq. 21)
+            corner = 2 * B * k * (p * k) * L  # Gamma^T G block of the fused outer product, unused
+            forward = L * (2 * B * m * k + 2 * B * m * m + 2 * B * p * k * m)
+            gemms = 3 * L + 2 * L + 2 * inner
+            decompressor_gemms = 0
+        else:
+            decompressor = 3 * 2 * B * (p - 1) * k * m * L
+            corner = 0
+            forward = L * (2 * B * m * k + 2 * B * m * m + 2 * B * (p - 1) * k * m)
+            decompressor_gemms = 3 * (p - 1) * L
+            gemms = L * (2 + (p - 1)) + L * (2 * (p - 1) + 2) + 2 * inner
+        total = local + compressor + decompressor + corner
+        by_op = {"local": local, "compressor": compressor, "decompressor": decompressor}
+        if shape.fused:
+            by_op["fused_corner"] = corner
+        return {"forward": forward, "backward": total - forward, "total": total, "by_op": by_op,
+                "gemms": gemms, "decompressor_gemms": decompressor_gemms}
+
+    def parameter_elements(self, shape):
+        m, k, p = shape.block, shape.ghost_width, shape.num_shards
+        return shape.depth * (m * m + k * m + p * m * k + m)
+
+    def saved(self, shape):
+        L, p, B, m, k = shape.depth, shape.num_shards, shape.batch, shape.block, shape.ghost_width
+        if shape.fused:
+            return L * B * (m + p * k), L * m * p * k, shape.dtype_bytes * L * m * k
+        return (L - 1) * B * m + L * p * B * k, 0, shape.dtype_bytes * L * m * k
+
+
+T1 = T1StepModel()
+"""``tensor-t1``'s step model."""
+PHANTOM = PhantomStepModel()
+"""``phantom``'s and ``phantom-unfused``'s step model."""
 
 
 def step_flops(shape: StepShape) -> dict:
@@ -271,36 +376,7 @@ def step_flops(shape: StepShape) -> dict:
     ``decompressor_gemms`` (phantom unfused: the 3 (p-1) L small ones; else 0). Element-wise work
     (bias, ReLU, loss, optimizer update) is not counted.
     """
-    n, L, p, B, m = shape.width, shape.depth, shape.num_shards, shape.batch, shape.block
-    inner = L - 1  # layers whose input gradient is computed (all but the first; module doc)
-    if shape.strategy == "tensor-t1":
-        forward = 2 * B * n * m * L
-        backward = 2 * B * n * m * (L + inner)
-        return {"forward": forward, "backward": backward, "total": forward + backward,
-                "by_op": {"weight": forward + backward}, "gemms": 3 * L - 1,
-                "decompressor_gemms": 0}
-    k = shape.ghost_width
-    local = 2 * B * m * m * (L + L + inner)  # forward, dL (Eq. 19), dy through L (Eq. 17)
-    compressor = 2 * B * k * m * (L + L + inner)  # ghosts (Eq. 11), dC (Eq. 20), dy through C
-    if shape.fused:
-        slots = p  # one GEMM over all p slots, the own one masked
-        decompressor = 3 * 2 * B * slots * k * m * L  # Eq. 11, messages (Eq. 17), dD (Eq. 21)
-        corner = 2 * B * k * (p * k) * L  # Gamma^T G block of the fused outer product, unused
-        forward = L * (2 * B * m * k + 2 * B * m * m + 2 * B * p * k * m)
-        gemms = 3 * L + 2 * L + 2 * inner
-        decompressor_gemms = 0
-    else:
-        decompressor = 3 * 2 * B * (p - 1) * k * m * L
-        corner = 0
-        forward = L * (2 * B * m * k + 2 * B * m * m + 2 * B * (p - 1) * k * m)
-        decompressor_gemms = 3 * (p - 1) * L
-        gemms = L * (2 + (p - 1)) + L * (2 * (p - 1) + 2) + 2 * inner
-    total = local + compressor + decompressor + corner
-    by_op = {"local": local, "compressor": compressor, "decompressor": decompressor}
-    if shape.fused:
-        by_op["fused_corner"] = corner
-    return {"forward": forward, "backward": total - forward, "total": total, "by_op": by_op,
-            "gemms": gemms, "decompressor_gemms": decompressor_gemms}
+    return shape.model.flops(shape)
 
 
 def step_collectives(shape: StepShape) -> list[dict]:
@@ -329,11 +405,7 @@ def step_collectives(shape: StepShape) -> list[dict]:
 
 def parameter_elements(shape: StepShape) -> int:
     """Elements of the parameter arrays one rank stores (biases included; phantom's own D slot too)."""
-    n, L, m = shape.width, shape.depth, shape.block
-    if shape.strategy == "tensor-t1":
-        return L * (m * n + m)
-    k, p = shape.ghost_width, shape.num_shards
-    return L * (m * m + k * m + p * m * k + m)
+    return shape.model.parameter_elements(shape)
 
 
 def step_memory(shape: StepShape) -> dict:
@@ -341,23 +413,11 @@ def step_memory(shape: StepShape) -> dict:
     ``batch`` (exact array sizes), ``activations`` and ``workspace`` (modelled rule), ``total``
     (modelled peak), and ``own_decompressor_slot`` (phantom: the part of ``parameters`` that is the
     unused D^(j,j) block)."""
-    n, L, p, B, m = shape.width, shape.depth, shape.num_shards, shape.batch, shape.block
+    L, B, m = shape.depth, shape.batch, shape.block
     size = shape.dtype_bytes
     params = size * parameter_elements(shape)
     hidden_and_loss = L * B * m  # L-1 ReLU pre-activations + the MSE residual
-    if shape.strategy == "tensor-t1":
-        saved = L * B * n
-        workspace = 0
-        own_slot = 0
-    else:
-        k = shape.ghost_width
-        if shape.fused:
-            saved = L * B * (m + p * k)
-            workspace = L * m * p * k
-        else:
-            saved = (L - 1) * B * m + L * p * B * k
-            workspace = 0
-        own_slot = size * L * m * k
+    saved, workspace, own_slot = shape.model.saved(shape)
     memory = {
         "parameters": params,
         "gradients": params,
@@ -456,7 +516,7 @@ def break_even_gemm_overhead(tensor_step: StepEstimate, unfused_step: StepEstima
     """Seconds per small decompressor GEMM at which unfused phantom's modelled step equals TP's:
     (t_TP - t_phantom without overhead) / (3 (p-1) L). Negative: phantom is slower even with no
     overhead; ``math.inf`` if the phantom step has no small GEMMs (p = 1)."""
-    if tensor_step.shape.strategy != "tensor-t1" or unfused_step.shape.strategy != "phantom" \
+    if tensor_step.shape.model is not T1 or unfused_step.shape.model is not PHANTOM \
             or unfused_step.shape.fused:
         raise ConfigError("break_even_gemm_overhead needs a 'tensor-t1' estimate and an unfused "
                           "'phantom' estimate (StepShape(..., fused=False))")
