@@ -528,6 +528,9 @@ def build_ffn(config, strategy: str, mesh: MeshConfig, *, ghost_width: int | Non
 
     from jphantom.models.ffn import FFN, ffn_loss
 
+    if {"context_attention", "load_balance"} & set(options):
+        raise ConfigError("a context mesh axis does not apply to the ffn model: it has no "
+                          "sequence to split; drop context from the mesh")
     if options:
         raise ConfigError(f"options {sorted(options)} do not apply to the ffn model")
     strategies.check_dtd(strategy, dtd, routed_experts=False)

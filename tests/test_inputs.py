@@ -39,6 +39,14 @@ def files(tmp_path):
     (["tokenize", "{t}/binary.dat", "--out", "{t}/b.bin"], "is not UTF-8 text"),
     (["tokenize", "{t}/text.txt", "--out", "/proc/x.bin"], "--out '/proc/x.bin': cannot write"),
     (["schedule", "--stages", "1000", "--microbatches", "1000"], "1,000,000 forward tasks"),
+    (["train", "--model", "ffn", "--attention", "cudnn", "--out", "{t}/o"],
+     "--attention cudnn does not apply to --model ffn: it has no attention"),
+    (["train", "--model", "ffn", "--mesh", "context=2", "--out", "{t}/o"],
+     "--mesh context=2 does not apply to --model ffn: it has no sequence to split"),
+    (["train", "--moe-every", "1", "--dropless", "--capacity-factor", "2", "--out", "{t}/o",
+      *LM], "--capacity-factor 2 does not apply with --dropless"),
+    (["train", "--mesh", "stage=2,expert=2", "--moe-every", "2", "--layers", "2", "--strategy",
+      "tensor", "--out", "{t}/o"], "--layers 2 with --moe-every 2 makes 1 group(s) of 2 blocks"),
 ])
 def test_bad_input_is_one_line_before_any_work(argv, fragment, files, capsys):
     argv = [a.format(t=files) for a in argv]

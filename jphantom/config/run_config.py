@@ -52,6 +52,7 @@ class RunConfig:
                                   "pipelined step: pipelines accumulate through --microbatches "
                                   "(per data rank); leave --accumulate out")
         strategies.check_ghost_width(strategy, self.model.ghost_width)
+        self._check_model_on_mesh(declared)
         # what needs neither jax's devices nor a file: the family runs the strategy, its own
         # shape rules, a language model's mesh axes (the shapes against the mesh: build())
         from jphantom import program as programs
@@ -62,6 +63,34 @@ class RunConfig:
             self.family_config()
         if family.program == "lm" and declared is not None:
             programs.check_lm_mesh(programs.get(self.parallel.strategy).name, declared)
+
+    def _check_model_on_mesh(self, declared) -> None:
+        """What the model has against what the mesh and step split: attention (a kernel, a
+        context axis) and, with a stage axis, whole MoE groups per pipeline chunk."""
+        model = self.model
+        if model.family.program != "lm":  # the FFN: no attention, no sequence
+            if self.step.attention != "auto":
+                raise ConfigError(f"--attention {self.step.attention} does not apply to --model "
+                                  f"{model.name}: it has no attention; leave --attention out")
+            if declared is not None and declared.size("context") > 1:
+                raise ConfigError(f"--mesh context={declared.size('context')} does not apply to "
+                                  f"--model {model.name}: it has no sequence to split; drop "
+                                  "context from --mesh")
+        if (declared is None or "stage" not in declared.shape or not model.moe_every
+                or "moe_every" not in model.family.accepted or model.layers % model.moe_every):
+            return
+        from jphantom.pipeline.config import PipelineConfig
+
+        stages = declared.size("stage")
+        chunks = stages * PipelineConfig(self.parallel.schedule, stages,
+                                         self.parallel.virtual_stages).local_chunks
+        groups = model.layers // model.moe_every
+        if groups % chunks:
+            raise ConfigError(
+                f"--layers {model.layers} with --moe-every {model.moe_every} makes {groups} "
+                f"group(s) of {model.moe_every} blocks (the last an MoE block), and each of the "
+                f"{chunks} pipeline chunks holds the same number of whole groups: pick --layers "
+                f"a multiple of {model.moe_every * chunks}")
 
     @classmethod
     def from_flags(cls, **flags) -> "RunConfig":
