@@ -172,3 +172,15 @@ def test_a_mesh_that_leaves_a_process_without_devices_is_one_line(capsys):
                                if k != "XLA_FLAGS"})
     assert done.returncode == 1
     assert "process(es) 2 hold none of them" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_every_mixture_of_experts_gets_its_moe_line():
+    """Qwen3-MoE and Mixtral (experts in every block, no capacity) printed no ``MoE:`` line where
+    GPT-2's routed blocks did."""
+    from jphantom.cli.train import _moe_line
+
+    qwen3_moe = {"params": 21632, "model": {"name": "qwen3_moe", "experts": 4, "top_k": 2,
+                                            "hidden": 16, "intermediate": 64, "layers": 1}}
+    assert _moe_line(qwen3_moe) == ("MoE: every block, 4 experts, top-2, 15,488 active "
+                                    "parameters; dropless (no token-expert assignment dropped)")
+    assert _moe_line({"params": 10, "model": {"name": "llama", "experts": 0}}) is None

@@ -95,13 +95,8 @@ def handle(args: argparse.Namespace) -> int:
               + ("no clipping" if step["clip_norm"] is None
                  else f"gradients clipped to global norm {step['clip_norm']:g}")
               + f", {step['precision']} compute, remat {step['remat']}")
-    if "moe" in results:
-        moe = results["moe"]
-        active = ("" if moe["active_params"] is None
-                  else f", {moe['active_params']:,} active parameters")
-        print(f"MoE: every {moe['moe_every']} block(s), {moe['experts']} experts, "
-              f"top-{moe['top_k']}{active}; dropped {100 * moe['final_dropped_fraction']:.2f}% "
-              "of token-expert assignments")
+    if (moe_line := _moe_line(results)) is not None:
+        print(moe_line)
     if results["interrupted"]:
         from jphantom.resilience import EXIT_STATUS
 
@@ -122,3 +117,23 @@ def handle(args: argparse.Namespace) -> int:
     if jax.process_index() == 0 and config.train.out is not None:  # process 0 alone writes
         print(f"wrote {config.train.out}/results.json, metrics.jsonl and curves.png")
     return 0
+
+
+def _moe_line(results: dict) -> str | None:
+    """The run's mixture of experts in one line: GPT-2's routed blocks (capacity, drops) or a
+    Mixtral / Qwen3-MoE MLP in every block (no capacity: nothing dropped)."""
+    if "moe" in results:
+        moe = results["moe"]
+        active = ("" if moe["active_params"] is None
+                  else f", {moe['active_params']:,} active parameters")
+        return (f"MoE: every {moe['moe_every']} block(s), {moe['experts']} experts, "
+                f"top-{moe['top_k']}{active}; dropped {100 * moe['final_dropped_fraction']:.2f}% "
+                "of token-expert assignments")
+    model = results.get("model") or {}
+    if not model.get("experts") or "moe_every" in model:
+        return None
+    E, k = model["experts"], model["top_k"]
+    idle = (E - k) * 3 * model["hidden"] * model["intermediate"] * model["layers"]
+    active = f", {results['params'] - idle:,} active parameters" if "params" in results else ""
+    return (f"MoE: every block, {E} experts, top-{k}{active}; dropless (no token-expert "
+            "assignment dropped)")
