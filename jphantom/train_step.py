@@ -68,7 +68,7 @@ from jphantom.nn import attention as attention_module
 from jphantom.step.grads import LocalGradients
 from jphantom.step.gspmd import GspmdGradients
 from jphantom.step.layout import (CONTEXT, ParamLayout, TrainState, batch_axes_of,
-                                   batch_spec_of, check_mesh, group_by)
+                                   batch_spec_of, check_mesh, group_by, integer_ids_error)
 from jphantom.step.pipeline import PipelineGradients
 from jphantom.step.reduce import Reducer
 from jphantom.step.setup import StepSetup, setup_of
@@ -236,7 +236,12 @@ class TrainStep:
         self.check_batch(*batch)
         if self._step is None:
             self._step = self.build()
-        return self._step(state, *self.context_order(batch))
+        try:
+            return self._step(state, *self.context_order(batch))
+        except (TypeError, ValueError) as error:  # float token ids, named (layout.py)
+            if (named := integer_ids_error(error, batch)) is None:
+                raise
+            raise named from None
 
     def lower(self, state: TrainState, *batch):
         """The jitted step lowered for ``state`` and ``batch`` (``.compile().as_text()`` for HLO)."""
@@ -370,6 +375,7 @@ def make_forward_fn(model: nnx.Module, mesh: Mesh, params=None) -> Callable:
     if params is None:
         _, state, _ = nnx.split(model, nnx.Param, ...)
         params = nnx.to_pure_dict(state)
+    layout.check_params(params, "make_forward_fn's params=")
     shardings = [NamedSharding(mesh, s) for s in layout.specs]
     leaves = tuple(jax.device_put(jax.tree.leaves(params), shardings))
     batch_spec = batch_spec_of(mesh)
@@ -390,4 +396,12 @@ def make_forward_fn(model: nnx.Module, mesh: Mesh, params=None) -> Callable:
                        out_spec)
         return fn(leaves, *inputs)
 
-    return lambda *inputs: forward(leaves, *inputs)
+    def call(*inputs):
+        try:
+            return forward(leaves, *inputs)
+        except (TypeError, ValueError) as error:  # float token ids, named (layout.py)
+            if (named := integer_ids_error(error, inputs)) is None:
+                raise
+            raise named from None
+
+    return call

@@ -184,3 +184,30 @@ def test_every_mixture_of_experts_gets_its_moe_line():
     assert _moe_line(qwen3_moe) == ("MoE: every block, 4 experts, top-2, 15,488 active "
                                     "parameters; dropless (no token-expert assignment dropped)")
     assert _moe_line({"params": 10, "model": {"name": "llama", "experts": 0}}) is None
+
+
+def test_forward_fn_and_a_user_loss_name_float_ids_and_a_wrong_params_tree():
+    """Float token ids under a user's loss_fn (or make_forward_fn) used to end in jax's
+    "indices must have an integer type"; a wrong params= in jax's device_put tree-prefix error."""
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import jphantom
+    from jphantom.errors import ConfigError
+    from jphantom.mesh import MeshConfig, first_devices
+    from jphantom.models.llama import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig(vocab_size=32, hidden=16, intermediate=32, layers=1, heads=2,
+                              kv_heads=2), rngs=nnx.Rngs(0))
+    mesh = MeshConfig.parse("model=1").build(first_devices(1))
+    tokens = np.zeros((2, 8), np.float32)
+    float_ids = "batch array 0 holds float32 values where the model looks up integer ids"
+    with pytest.raises(ConfigError, match=float_ids):
+        jphantom.make_forward_fn(model, mesh)(tokens)
+    step = jphantom.make_train_step(model, mesh, optax.sgd(0.1), lambda m, x, y: m.loss(x, y))
+    with pytest.raises(ConfigError, match=float_ids):
+        step(step.init(), tokens, tokens.astype(np.int32))
+    with pytest.raises(ConfigError, match=r"the parameters given to make_forward_fn's params= "
+                                          r"are not the model's: missing \d+ parameter"):
+        jphantom.make_forward_fn(model, mesh, params={"a": np.zeros(3)})

@@ -105,10 +105,11 @@ class ParamLayout:
         return cls(graphdef, jax.tree.structure(params), pure_treedef, order, tuple(shapes),
                    tuple(specs), tuple(reduce), tuple(dims), tuple(zaxes), stacks)
 
-    def check_params(self, params) -> None:
+    def check_params(self, params, where: str = "step.init") -> None:
         """A ConfigError naming what differs when ``params`` (a pure dict, as
         ``TrainState.params``) is not this model's: paths missing or not the model's, or a leaf
-        of another shape (one line, before anything is copied to a device)."""
+        of another shape (one line, before anything is copied to a device); ``where`` names the
+        call that was given them."""
         def named(tree):
             leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
             return {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
@@ -122,17 +123,17 @@ class ParamLayout:
                       f"{', ...' if len(missing) > 3 else ''})"] if missing else []) + (
                 [f"{len(extra)} the model does not have ({', '.join(extra[:3])}"
                  f"{', ...' if len(extra) > 3 else ''})"] if extra else [])
-            raise ConfigError(f"the parameters given to step.init are not the model's: "
+            raise ConfigError(f"the parameters given to {where} are not the model's: "
                               f"{'; '.join(parts)}: pass the tree of the model the step was made "
                               "for (nnx.to_pure_dict(nnx.state(model, nnx.Param)))")
         if jax.tree.structure(params) != self.pure_treedef:
-            raise ConfigError("the parameters given to step.init hold the model's names in "
+            raise ConfigError(f"the parameters given to {where} hold the model's names in "
                               "another tree structure: pass nnx.to_pure_dict(nnx.state(model, "
                               "nnx.Param)) of the model the step was made for")
         for key, shape in want.items():
             leaf = given[key]
             if tuple(getattr(leaf, "shape", ())) != tuple(shape.shape):
-                raise ConfigError(f"parameter {key} given to step.init has shape "
+                raise ConfigError(f"parameter {key} given to {where} has shape "
                                   f"{tuple(getattr(leaf, 'shape', ()))}; the model's is "
                                   f"{tuple(shape.shape)}")
 
@@ -200,6 +201,22 @@ def group_by(leaves, axes_of_leaf, op):
         for i, leaf in zip(indices, op([leaves[i] for i in indices], axes)):
             leaves[i] = leaf
     return leaves
+
+
+def integer_ids_error(error: Exception, batch) -> ConfigError | None:
+    """The one-line ConfigError for jax's refusal to index with floats (an embedding lookup of a
+    float batch array: "indices must have an integer type", "Input type must be an integer"),
+    naming the batch array; None for any other error."""
+    text = str(error)
+    if "integer" not in text or not ("indices" in text or "Input type" in text):
+        return None
+    for i, array in enumerate(batch):
+        dtype = jax.numpy.result_type(array)
+        if jax.numpy.issubdtype(dtype, jax.numpy.floating):
+            return ConfigError(f"batch array {i} holds {dtype} values where the model looks up "
+                               "integer ids (tokens of an embedding): pass integer token ids, "
+                               "e.g. np.int32")
+    return None
 
 
 def check_batch_specs(batch_specs, mesh: Mesh):
