@@ -116,8 +116,7 @@ class Checkpointer:
                 raise
             except Exception as error:  # noqa: BLE001 (Orbax raises many kinds for damaged files)
                 _quiet_closed_loop_callbacks()
-                failures.append(f"step {step}: {type(error).__name__}: "
-                                f"{str(error).splitlines()[0][:200] if str(error) else ''}")
+                failures.append(f"step {step}: {reason_of(error)}")
                 damaged.append(step)
                 continue
             if failures:
@@ -178,3 +177,19 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def reason_of(error: BaseException) -> str:
+    """One line of why a checkpoint did not restore: the error's type and its first line that
+    says something, without the ``<bound method ...>`` reprs some bindings put in messages."""
+    text = str(error)
+    for prefix in ("<bound method ", "<built-in method ", "<function ", "<method "):
+        while (at := text.find(prefix)) >= 0:  # drop the repr, its nested <...> too
+            depth, end = 0, at
+            for end in range(at, len(text)):
+                depth += {"<": 1, ">": -1}.get(text[end], 0)
+                if depth == 0:
+                    break
+            text = text[:at] + text[end + 1:]
+    lines = [line.strip(" :;,") for line in text.splitlines() if line.strip(" :;,()")]
+    return f"{type(error).__name__}: {lines[0][:200]}" if lines else type(error).__name__

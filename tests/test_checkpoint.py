@@ -181,3 +181,17 @@ def test_resume_with_another_optimizer_is_one_line_naming_it(tmp_path):
     with pytest.raises(ConfigError, match="another optimizer's state"):
         run(_config(**settings, steps=4, optimizer="adamw", resume=True,
                     out=str(tmp_path / "a")))
+
+
+def test_a_damaged_checkpoint_reason_quotes_no_bound_method():
+    """Some bindings' errors read ``<bound method ...>``: the warning's reason drops the repr."""
+    from jphantom.checkpoint import reason_of
+
+    class Store:
+        def read(self):
+            pass
+
+    assert reason_of(ValueError(repr(Store().read))) == "ValueError"
+    assert reason_of(ValueError(f"reading {Store().read!r} failed: truncated")) == (
+        "ValueError: reading  failed: truncated")
+    assert reason_of(ValueError("Expecting value: line 1")) == "ValueError: Expecting value: line 1"

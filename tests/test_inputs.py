@@ -211,3 +211,20 @@ def test_forward_fn_and_a_user_loss_name_float_ids_and_a_wrong_params_tree():
     with pytest.raises(ConfigError, match=r"the parameters given to make_forward_fn's params= "
                                           r"are not the model's: missing \d+ parameter"):
         jphantom.make_forward_fn(model, mesh, params={"a": np.zeros(3)})
+
+
+def test_a_truncated_llama_checkpoint_is_one_line(tmp_path):
+    """The Llama loader reads through GPT-2's reader: a truncated model.safetensors used to be a
+    26-line SafetensorError."""
+    from flax import nnx
+
+    from jphantom.errors import ConfigError
+    from jphantom.models.llama import Llama, LlamaConfig
+    from jphantom.models.llama.hf import load_hf, save_hf
+
+    save_hf(tmp_path, Llama(LlamaConfig(vocab_size=32, hidden=16, intermediate=32, layers=1,
+                                        heads=2, kv_heads=2), rngs=nnx.Rngs(0)))
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ConfigError, match=r"cannot read .*model.safetensors as safetensors: "):
+        load_hf(tmp_path)

@@ -4,7 +4,7 @@ and from :class:`~jphantom.models.llama.config.LlamaConfig` (``LlamaForCausalLM`
 ``Qwen3MoeForCausalLM``, ``Gemma3ForCausalLM``; what the model cannot reproduce is refused by
 name), and the tensors to and from the :class:`~jphantom.models.llama.model.Llama` module.
 
-:func:`load_hf` reads ``config.json`` and ``model.safetensors`` (one file) into the module,
+:func:`load_hf` reads ``config.json`` and ``model.safetensors`` (or its shards) into the module,
 :func:`save_hf` writes them back in the same layout, tensor for tensor (``[out, in]`` weights
 transposed to Flax's ``[in, out]`` kernels and back: bit-exact).
 """
@@ -282,19 +282,19 @@ def from_hf_tensors(config: LlamaConfig, tensors: dict[str, np.ndarray]) -> Llam
 
 
 def load_hf(path) -> Llama:
-    """A Hugging Face Llama or Mixtral directory (``config.json`` + ``model.safetensors``) as a
+    """A Hugging Face Llama or Mixtral directory (``config.json`` + ``model.safetensors``, or
+    its shards and their index) as a
     :class:`Llama`; the file's other config fields are kept for :func:`save_hf`."""
-    from safetensors.numpy import load_file
+    from jphantom.models.gpt2.hf import _read_tensors  # GPT-2's reader: damage in one line
 
     directory = Path(path)
-    config_file, weights = directory / "config.json", directory / "model.safetensors"
-    for f in (config_file, weights):
-        if not f.is_file():
-            raise ConfigError(f"{f} not found: a Hugging Face directory holds config.json and "
-                              "model.safetensors (sharded checkpoints are not supported)")
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"{config_file} not found: a Hugging Face directory holds config.json "
+                          "and model.safetensors")
     hf = json.loads(config_file.read_text())
     config = config_from_hf(hf)
-    model = from_hf_tensors(config, load_file(str(weights)))
+    model = from_hf_tensors(config, _read_tensors(directory))
     model.hf_config = json.dumps(hf)  # a static string: the file's fields, for save_hf
     return model
 
