@@ -210,7 +210,7 @@ def _safetensors():
     return safetensors
 
 
-def _read_tensors(directory: pathlib.Path) -> dict[str, np.ndarray]:
+def read_tensors(directory: pathlib.Path) -> dict[str, np.ndarray]:
     """Every tensor of the checkpoint (one file, or the shards an index names), copied into
     memory so that no array maps a file that a later :func:`save` may replace."""
     safe_open = _safetensors().safe_open
@@ -267,7 +267,7 @@ def load(directory) -> tuple[TransformerConfig, dict]:
     except (OSError, ValueError) as err:
         raise ConfigError(f"cannot read {config_path} as JSON: {err}") from None
     config = config_from_hf(hf)
-    tensors = _read_tensors(directory)
+    tensors = read_tensors(directory)
 
     prefix = PREFIX if PREFIX + "wte.weight" in tensors else ""
     h, L, V, S = config.hidden, config.layers, config.vocab_size, config.seq_len

@@ -285,7 +285,7 @@ def load_hf(path) -> Llama:
     """A Hugging Face Llama or Mixtral directory (``config.json`` + ``model.safetensors``, or
     its shards and their index) as a
     :class:`Llama`; the file's other config fields are kept for :func:`save_hf`."""
-    from jphantom.models.gpt2.hf import _read_tensors  # GPT-2's reader: damage in one line
+    from jphantom.models.gpt2.hf import read_tensors  # GPT-2's reader: damage in one line
 
     directory = Path(path)
     config_file = directory / "config.json"
@@ -294,7 +294,7 @@ def load_hf(path) -> Llama:
                           "and model.safetensors")
     hf = json.loads(config_file.read_text())
     config = config_from_hf(hf)
-    model = from_hf_tensors(config, _read_tensors(directory))
+    model = from_hf_tensors(config, read_tensors(directory))
     model.hf_config = json.dumps(hf)  # a static string: the file's fields, for save_hf
     return model
 
