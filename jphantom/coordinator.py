@@ -19,6 +19,7 @@ from jphantom.errors import ConfigError
 
 # HTTP/2 client connection preface, then an empty SETTINGS frame (type 0x4; RFC 9113 3.4, 6.5).
 _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+_BACKLOG = 64  # process 0's self-reach listener: peers probing at once never crowd out its client
 
 
 def split_address(address, name: str = "coordinator_address") -> tuple[str, int]:
@@ -61,7 +62,7 @@ def check_reaches_self(address: str, timeout: float) -> None:
             listener = socket.socket(family, socket.SOCK_STREAM)
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             listener.bind((any_host, port))
-            listener.listen(1)
+            listener.listen(_BACKLOG)  # peers' probes queued beside the check's own client
             break
         except OSError:
             listener.close()
@@ -72,7 +73,7 @@ def check_reaches_self(address: str, timeout: float) -> None:
     try:
         with socket.create_connection((host, port), timeout=timeout) as client:
             client.sendall(token)
-            _accept_token(listener, token, min(timeout, 2.0))
+            _accept_token(listener, token, timeout)
     except OSError as err:
         why = "nothing of this host answered" if isinstance(err, TimeoutError) else (
             f"{type(err).__name__}: {err}")
@@ -85,24 +86,49 @@ def check_reaches_self(address: str, timeout: float) -> None:
 
 
 def _accept_token(listener: socket.socket, token: bytes, timeout: float) -> None:
-    """Accept connections on ``listener`` until one carries ``token`` (this process's own client)
-    within ``timeout`` s. Another process's connection (a peer already probing for the
-    coordinator, :func:`probe_coordinator`, which retries) is closed and skipped; no token in time
-    means another listener took the client's connection (a proxy): OSError."""
+    """Accept connections on ``listener`` until one carries ``token`` (this process's own client,
+    which sent it before this runs) within ``timeout`` s. Other processes' connections (peers
+    already probing for the coordinator, :func:`probe_coordinator`, which retry) are read side by
+    side and closed: a peer that connected but is slow to write (a loaded machine) holds up
+    nothing. No token in time means another listener took the client's connection (a proxy):
+    OSError."""
+    import selectors
+
     deadline = time.monotonic() + timeout
-    while (left := deadline - time.monotonic()) > 0:
-        listener.settimeout(left)
-        try:
-            accepted, _ = listener.accept()
-        except TimeoutError:
-            break
-        with accepted:
-            accepted.settimeout(max(deadline - time.monotonic(), 0.01))
-            try:
-                if accepted.recv(len(token)) == token:
+    listener.setblocking(False)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, None)
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            for key, _ in selector.select(left):
+                if key.data is None:  # a connection to accept
+                    try:
+                        accepted, _ = listener.accept()
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    accepted.setblocking(False)
+                    selector.register(accepted, selectors.EVENT_READ, b"")
+                    continue
+                try:
+                    chunk = key.fileobj.recv(len(token) - len(key.data))
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    chunk = b""
+                data = key.data + chunk
+                if data == token:
                     return
-            except TimeoutError:
-                pass
+                if chunk and token.startswith(data):  # part of it so far
+                    selector.modify(key.fileobj, selectors.EVENT_READ, data)
+                    continue
+                selector.unregister(key.fileobj)  # a peer's probe, or closed early
+                key.fileobj.close()
+    finally:
+        for key in list(selector.get_map().values()):
+            if key.data is not None:
+                key.fileobj.close()
+        selector.close()
+        listener.setblocking(True)
     raise OSError("another listener answered")
 
 
@@ -123,6 +149,11 @@ def probe_coordinator(address: str, timeout: float) -> None:
             last = f"{type(err).__name__}: {err}"
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
             continue
+        if _self_connected(sock):  # no listener yet; the kernel gave the port to our own probe
+            sock.close()
+            last = "no listener yet (a connection to itself, closed)"
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+            continue
         with sock:
             header = _first_frame_header(sock, deadline)
         if len(header) == 9:
@@ -139,6 +170,16 @@ def probe_coordinator(address: str, timeout: float) -> None:
         f"coordinator_address {address}: no jax coordinator answered within {timeout:g} s "
         f"({last}). Check that process 0 runs with the same address, that the host resolves and "
         "the port is reachable from here, or raise initialization_timeout")
+
+
+def _self_connected(sock: socket.socket) -> bool:
+    """Whether ``sock`` is connected to itself: a TCP connect to a local port nothing listens on
+    can draw that same port as its own (simultaneous open), and would then read its own preface
+    back and take it for a foreign service, and hold the port process 0 is about to bind."""
+    try:
+        return sock.getsockname()[:2] == sock.getpeername()[:2]
+    except OSError:
+        return False
 
 
 def _first_frame_header(sock: socket.socket, deadline: float) -> bytes:

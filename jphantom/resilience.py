@@ -18,7 +18,9 @@ rank, non-finite losses.
   line naming the newest checkpoint, the last good state on disk), ``skip`` (the update is
   dropped inside the step with ``optax.apply_if_finite``, counted, and reported per step),
   ``rollback`` (the newest checkpoint is reloaded and the batch that gave the non-finite loss is
-  skipped).
+  skipped; :data:`MAX_ROLLBACKS` without progress stop the run). A checkpoint is written only of
+  a finite state, and a run that ends with non-finite parameters says so and fails
+  (:mod:`jphantom.loop.nonfinite`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ NONFINITE = ("stop", "skip", "rollback")
 MAX_CONSECUTIVE_SKIPS = 10
 """``--on-nonfinite skip``: this many non-finite steps in a row stop the run (diverged, not a
 spike)."""
+MAX_ROLLBACKS = 5
+"""``--on-nonfinite rollback``: this many rollbacks with no checkpoint written since the first of
+them stop the run (every retry of the steps since the checkpoint went non-finite)."""
 AUTO_TIMEOUT_S = 300.0
 """Without ``--step-timeout``, a run of several processes times its steps once two have run: the
 larger of this and 50 times the slowest step so far."""
@@ -133,7 +138,8 @@ class Watchdog:
 
 
 def nonfinite_total(opt_state) -> int | None:
-    """Steps whose update ``optax.apply_if_finite`` dropped so far (None without it)."""
+    """Steps whose update :func:`jphantom.step.finite.keep_if_finite` (or
+    ``optax.apply_if_finite``) dropped so far (None without it)."""
     import jax
     import optax
 

@@ -48,13 +48,14 @@ from tqdm.auto import tqdm
 
 from jphantom.callbacks import Callback, default_callbacks
 from jphantom.config import RunConfig, check_vocabulary, pipeline_summary
-from jphantom.errors import ConfigError
+from jphantom.errors import ConfigError, TrainingDiverged
 from jphantom.loop import (Evaluator, NonFinitePolicy, RolledBack, RunCheckpoints, RunResults,
                            SkippedBatch, StepRecord, fresh_history)
 from jphantom.metrics import (StepEnergy, flops_per_token, grad_norm_of, peak_memory_bytes,
                               peak_tflops)
 from jphantom.resilience import AUTO_TIMEOUT_S, StopOnSignal, Watchdog, agree
 from jphantom.sources import TeacherSource, process_rows, text_source
+from jphantom.step.finite import state_is_finite
 
 
 # --------------------------------------------------------------------------------------------------
@@ -127,7 +128,7 @@ class Trainer:
     def fit(self) -> dict:
         """Train; returns (and writes, with ``train.out``) the results dictionary."""
         run = self._setup()
-        energy = None
+        energy = diverged = None
         try:
             for callback in run.callbacks:
                 callback.on_train_start(self)
@@ -141,9 +142,17 @@ class Trainer:
                 jax.block_until_ready(self.state)  # the energy window closes on idle devices
         except KeyboardInterrupt:  # a second signal: stop now, keep what the run has
             self._interrupted_now(run)
+        except TrainingDiverged as error:  # results.json still records the run, then it fails
+            diverged = error
         finally:
             energy = self._close(run)
-        return self._finish(run, energy)
+        results = self._finish(run, energy, diverged)
+        if diverged is None:
+            diverged = _ended_nonfinite(results, self.config.train.on_nonfinite)
+        if diverged is not None:
+            diverged.results = results  # what the run wrote, for callers of run()
+            raise diverged
+        return results
 
     # -- before the loop -------------------------------------------------------------------------
     def _setup(self) -> _Run:
@@ -222,10 +231,11 @@ class Trainer:
             self._emit(run, SkippedBatch(index + 1))
             return index + 1, True
         loss, elapsed, joules = self._update(run, index, pair)
+        finite = (not run.policy.checks_state) or bool(state_is_finite(self.state))
         verdict = run.policy.judge(index, loss, self.state.opt_state,
-                                   run.checkpoints.last_good)
+                                   run.checkpoints.last_good, finite)
         if verdict == "rollback":
-            return self._roll_back(run, index, loss), True
+            return self._roll_back(run, index, loss, finite), True
         record = self._record(run, index, loss, elapsed, joules, verdict == "skipped")
         if run.evaluator.due(index):
             self._evaluate(run, index, record)
@@ -259,12 +269,19 @@ class Trainer:
                 run.watchdog.set_timeout(max(AUTO_TIMEOUT_S, 50 * max(run.step_seconds)))
         return float(loss), elapsed, joules
 
-    def _roll_back(self, run: _Run, index: int, loss: float) -> int:
-        """The rollback policy: the newest checkpoint's state, history and data position (or
-        the start's); returns the step to go on from."""
-        if run.checkpoints.steps():
-            self.state, back, restored = run.checkpoints.restore(self.state, run.source)
-        else:  # nothing saved yet: from the start
+    def _roll_back(self, run: _Run, index: int, loss: float, finite: bool) -> int:
+        """The rollback policy: the newest finite checkpoint's state, history and data position
+        (or the start's); returns the step to go on from."""
+        run.policy.rolling_back(index, loss, finite, run.checkpoints.last_good)
+        found = None
+        for step in sorted(run.checkpoints.steps(), reverse=True):
+            found = run.checkpoints.restore(self.state, run.source, step)
+            if bool(state_is_finite(found[0])):
+                break
+            found = None  # a non-finite checkpoint (an older run's): an older one
+        if found is not None:
+            self.state, back, restored = found
+        else:  # nothing finite saved yet: from the start
             self.state, back, restored = self.program.init(
                 self.step, seed=self.config.train.seed), 0, fresh_history()
             if run.initial_data is not None:
@@ -272,8 +289,8 @@ class Trainer:
         self.history.clear()
         self.history.update(restored)
         run.policy.rolled_back(index, back, self.state.opt_state)
-        tqdm.write(f"{run.policy.describe(index, loss)}: rolled back to step {back}; its batch "
-                   "will be skipped")
+        tqdm.write(f"{run.policy.describe(index, loss, finite)}: rolled back to step {back}; "
+                   "its batch will be skipped")
         self._emit(run, RolledBack(index + 1, back))
         return back
 
@@ -333,9 +350,15 @@ class Trainer:
         return index + 1, self._stop_reason is None
 
     def _save(self, run: _Run, at: int) -> None:
+        """The checkpoint of step ``at``, written only from a finite state."""
+        if not bool(state_is_finite(self.state)):
+            tqdm.write(f"not writing the checkpoint of step {at}: its parameters or optimizer "
+                       "state are not finite")
+            return
         run.checkpoints.save(at, self.state, self.history,
                              getattr(run.source, "state", lambda: None)())
         run.saved_step = at
+        run.policy.saved()
 
     # -- after the loop --------------------------------------------------------------------------
     def _interrupted_now(self, run: _Run) -> None:
@@ -361,16 +384,23 @@ class Trainer:
             return measurement if run.metered_steps else None
         return None
 
-    def _finish(self, run: _Run, energy) -> dict:
-        """:class:`RunResults` to the callbacks and ``results.json``; the Hugging Face copy."""
+    def _finish(self, run: _Run, energy, diverged=None) -> dict:
+        """:class:`RunResults` to the callbacks and ``results.json``; the Hugging Face copy
+        (not of a diverged run)."""
         results = self._results(run, energy).as_dict()
+        alive = self.state is not None and not any(
+            getattr(a, "is_deleted", lambda: False)() for a in jax.tree.leaves(self.state))
+        results["nonfinite"]["final_state_finite"] = (bool(state_is_finite(self.state))
+                                                      if alive else None)
+        results["nonfinite"]["diverged"] = None if diverged is None else str(diverged)
         for callback in run.callbacks:
             callback.on_train_end(self, results)
         if jax.process_index() == 0 and self.out is not None:
             (self.out / "results.json").write_text(json.dumps(results, indent=2))
             plot(self.history, self.out / "curves.png", results)
         train = self.config.train
-        if train.save_hf and jax.process_index() == 0 and not run.interrupted:
+        if (train.save_hf and jax.process_index() == 0 and not run.interrupted
+                and diverged is None and results["nonfinite"]["final_state_finite"]):
             from jphantom import plans
             from jphantom.models import hf
             hf.save(train.save_hf, plans.dense_equivalent(self.step.model(self.state)))
@@ -443,6 +473,24 @@ class Trainer:
             "energy_source": run.step_energy.source,
             "power_model": None if run.step_energy.source == "nvml" else dataclasses.asdict(
                 run.step_energy.power)}
+
+
+def _ended_nonfinite(results: dict, policy: str) -> TrainingDiverged | None:
+    """A run that ended with a non-finite state or final validation loss fails, saying so (with
+    what ``--on-nonfinite`` did on the way)."""
+    from jphantom.loop.nonfinite import summary
+
+    final, steps = results["final_validation_loss"], results["steps_done"]
+    if results["nonfinite"]["final_state_finite"] is False:
+        what = f"the parameters or optimizer state are not finite after step {steps}"
+    elif final is not None and not math.isfinite(final):
+        what = f"the final validation loss is {final} after step {steps}"
+    else:
+        return None
+    done = summary(results["nonfinite"], results["steps_done"])
+    return TrainingDiverged(f"{what} (--on-nonfinite {policy}"
+                            + (f"; {done}" if done else "") + "): lower the learning rate or "
+                            "check the data; results.json records the run")
 
 
 def run(config: RunConfig, *, teacher=None, meter=None,

@@ -66,6 +66,7 @@ from jphantom import zero as zero_module
 from jphantom.errors import ConfigError
 from jphantom.nn import attention as attention_module
 from jphantom.step.grads import LocalGradients
+from jphantom.step.finite import NonFiniteWatch, skipped_updates
 from jphantom.step.gspmd import GspmdGradients
 from jphantom.step.layout import (CONTEXT, ParamLayout, TrainState, batch_axes_of,
                                    batch_spec_of, check_mesh, group_by, integer_ids_error)
@@ -90,10 +91,13 @@ class TrainStep:
     (module docstring): ``setup``, ``reducer``, ``gradients`` and ``update``."""
 
     def __init__(self, model: nnx.Module, mesh: Mesh, optimizer, loss_fn: Callable, *,
-                 reducer: type[Reducer] = Reducer, donate: bool = True, **options):
+                 reducer: type[Reducer] = Reducer, donate: bool = True,
+                 on_nonfinite: str = "warn", **options):
         check_optimizer(optimizer)
+        self.watch = NonFiniteWatch(on_nonfinite)
         self.setup = setup = setup_of(model, mesh, loss_fn, **options)
-        self.update = OptimizerUpdate(optimizer, setup)
+        self.update = OptimizerUpdate(optimizer, setup,
+                                      keep_finite=on_nonfinite in ("skip", "stop"))
         self.reducer = reducer(setup)
         self.gradients = gradients_of(setup, self.reducer)
         self.donate = donate
@@ -237,11 +241,18 @@ class TrainStep:
         if self._step is None:
             self._step = self.build()
         try:
-            return self._step(state, *self.context_order(batch))
+            state, loss = self._step(state, *self.context_order(batch))
         except (TypeError, ValueError) as error:  # float token ids, named (layout.py)
             if (named := integer_ids_error(error, batch)) is None:
                 raise
             raise named from None
+        self.watch(state, loss)  # on_nonfinite (jphantom.step.finite)
+        return state, loss
+
+    def skipped_updates(self, state: TrainState) -> int | None:
+        """How many updates ``on_nonfinite="skip"`` or ``"stop"`` dropped so far (a host read of
+        ``state``'s count; None under other policies)."""
+        return skipped_updates(state.opt_state)
 
     def lower(self, state: TrainState, *batch):
         """The jitted step lowered for ``state`` and ``batch`` (``.compile().as_text()`` for HLO)."""
@@ -342,7 +353,12 @@ def make_train_step(model: nnx.Module, mesh: Mesh, optimizer: optax.GradientTran
     sharding metadata, collectives chosen by ``jax.jit``, the baseline), ``donate``,
     ``batch_specs`` (the batch arrays' ``PartitionSpec``s: default, each split on its first
     dimension over the batch axes), ``attention`` (``auto``, ``xla`` or ``cudnn``: the kernel of the model's attention cores,
-    :func:`jphantom.nn.attention.choose`; default ``None``: as the model built them).
+    :func:`jphantom.nn.attention.choose`; default ``None``: as the model built them),
+    ``on_nonfinite`` (``"warn"``, the default: one warning the first time a loss is non-finite,
+    no host sync added; ``"skip"``: an update that would make the state non-finite is dropped and
+    counted, :meth:`TrainStep.skipped_updates`; ``"stop"``: that, and a
+    :class:`~jphantom.errors.TrainingDiverged` at once; ``"ignore"``:
+    :mod:`jphantom.step.finite`).
 
     Experimental steps built from this one's parts live in :mod:`jphantom.experimental`: SAMO
     (:func:`jphantom.experimental.samo.make_samo_step`) and the step without its reductions

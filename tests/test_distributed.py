@@ -670,3 +670,52 @@ def test_process_0_skips_a_peer_probing_before_its_own_check_connects():
             peer.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
             with pytest.raises(OSError, match="another listener answered"):
                 coordinator._accept_token(listener, token, 0.5)
+
+
+def test_process_0_finds_its_token_behind_peers_slow_to_write():
+    """On a loaded machine a peer's probe may connect and then not be scheduled to send its
+    preface: such silent connections are read side by side, so the check's own token is found at
+    once (each one used to hold the window, then the launch failed as a configuration error,
+    exit 2, which `launch --max-restarts` does not retry)."""
+    import socket
+
+    from jphantom import coordinator
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(coordinator._BACKLOG)
+        address = listener.getsockname()
+        token = b"0123456789abcdef"
+        silent = [socket.create_connection(address) for _ in range(3)]
+        try:
+            with socket.create_connection(address) as own:
+                own.sendall(token[:5])  # in two parts, too
+                own.sendall(token[5:])
+                start = time.monotonic()
+                coordinator._accept_token(listener, token, 5.0)
+                assert time.monotonic() - start < 2.0
+        finally:
+            for peer in silent:
+                peer.close()
+
+
+def test_a_probe_connected_to_itself_retries_instead_of_blaming_the_address(monkeypatch):
+    """A peer probing a local port before process 0 listens can be handed that port as its own
+    (a TCP self-connect): it read its own preface and called the address 'not a jax coordinator'
+    (exit 2), and held the port process 0 then failed to bind. Now it closes and retries."""
+    import socket
+
+    from jphantom import coordinator
+
+    port = free_port()
+
+    def self_connected(address, timeout=None):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.connect(("127.0.0.1", port))  # simultaneous open: connected to itself
+        return sock
+
+    monkeypatch.setattr(coordinator.socket, "create_connection", self_connected)
+    with pytest.raises(RuntimeError, match="no jax coordinator answered.*connection to itself"):
+        coordinator.probe_coordinator(f"127.0.0.1:{port}", 0.5)

@@ -13,7 +13,7 @@ import pytest
 from jphantom.errors import TrainingDiverged
 from jphantom.loop import (NonFinitePolicy, RolledBack, RunCheckpoints, RunResults, SkippedBatch,
                            StepRecord, fresh_history)
-from jphantom.resilience import MAX_CONSECUTIVE_SKIPS
+from jphantom.resilience import MAX_CONSECUTIVE_SKIPS, MAX_ROLLBACKS
 
 
 def _config(policy: str):
@@ -65,9 +65,28 @@ def test_rollback_asks_for_a_rollback_then_skips_the_bad_batch_once():
     policy.rolled_back(5, 3, None)
     assert not policy.skips_batch(4)
     assert policy.skips_batch(5) and not policy.skips_batch(5)
-    assert policy.record() == {"policy": "rollback", "skipped_steps": [],
+    assert policy.record() == {"policy": "rollback", "skipped_steps": [], "skipped_updates": 0,
                                "rollbacks": [{"at_step": 6, "to_step": 3}],
                                "skipped_batches": [6]}
+
+
+def test_a_finite_loss_with_a_nonfinite_state_is_judged_bad_and_rollbacks_are_bounded():
+    with pytest.raises(TrainingDiverged, match="not finite after step 2 .its training loss 1.5"):
+        NonFinitePolicy(_config("stop"), None).judge(1, 1.5, None, _no_checkpoint, False)
+    policy = NonFinitePolicy(_config("rollback"), None)
+    assert policy.judge(1, 1.5, None, _no_checkpoint, False) == "rollback"
+    for i in range(MAX_ROLLBACKS):
+        policy.rolling_back(1, 1.5, False, _no_checkpoint)
+        policy.rolled_back(1, 1, None)
+        if i == 1:
+            policy.saved()  # progress: the count starts again
+    policy.saved()
+    for _ in range(MAX_ROLLBACKS):
+        policy.rolling_back(1, math.nan, True, _no_checkpoint)
+        policy.rolled_back(1, 1, None)
+    with pytest.raises(TrainingDiverged, match=f"{MAX_ROLLBACKS} rollbacks without a new "
+                                               "checkpoint"):
+        policy.rolling_back(1, math.nan, True, _no_checkpoint)
 
 
 def test_records_keep_the_keys_metrics_jsonl_always_had():

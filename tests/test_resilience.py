@@ -116,6 +116,7 @@ def test_a_nonfinite_loss_stops_and_names_the_last_good_checkpoint(nan_at_step_4
 def test_skip_drops_the_update_and_counts_it(nan_at_step_4, tmp_path, capsys):
     out = tmp_path / "out"
     assert cli.main(["train", *FFN, "--on-nonfinite", "skip", "--out", str(out)]) == 0
+    assert "non-finite: skipped 1 of 8 updates (steps 4: non-finite)" in capsys.readouterr().out
     records = _metrics(out)
     assert [r["update_skipped"] for r in records] == [False] * 3 + [True] + [False] * 4
     assert records[3]["train_loss"] is None and np.isfinite(records[-1]["validation_loss"])
@@ -132,6 +133,58 @@ def test_rollback_reloads_the_checkpoint_and_skips_the_batch(nan_at_step_4, tmp_
     assert results["nonfinite"]["skipped_batches"] == [4]
     assert results["history"]["step"] == [1, 2, 3, 5, 6, 7, 8]
     assert np.isfinite(results["final_validation_loss"])
+
+
+@pytest.fixture
+def inf_params_after_step_2(monkeypatch):
+    """Step 2's loss is finite but its update leaves infinite parameters (a learning rate far
+    too large), once."""
+    import jax
+
+    from jphantom import run as run_module
+    from jphantom.step.layout import TrainState
+
+    update, done = run_module.Trainer._update, []
+
+    def overflowing(self, run, index, pair):
+        found = update(self, run, index, pair)
+        if index == 1 and not done:
+            done.append(index)
+            self.state = TrainState(jax.tree.map(lambda p: p * np.inf, self.state.params),
+                                    self.state.opt_state)
+        return found
+
+    monkeypatch.setattr(run_module.Trainer, "_update", overflowing)
+
+
+def test_rollback_skips_the_batch_whose_update_left_infinite_parameters(
+        inf_params_after_step_2, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli.main(["train", *FFN, "--steps", "4", "--eval-every", "4", "--on-nonfinite",
+                     "rollback", "--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "1",
+                     "--out", str(out)]) == 0
+    assert "not finite after step 2 (its training loss" in capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert results["nonfinite"]["rollbacks"] == [{"at_step": 2, "to_step": 1}]
+    assert results["nonfinite"]["skipped_batches"] == [2]
+    assert results["nonfinite"]["final_state_finite"] is True
+    assert np.isfinite(results["final_validation_loss"])
+
+
+def test_a_nonfinite_state_is_never_checkpointed_and_the_run_fails_saying_so(
+        inf_params_after_step_2, tmp_path, capsys):
+    """skip cannot drop a state made non-finite outside its update: the checkpoints stop at step
+    1, and the run exits 1 with one line; results.json records it."""
+    out = tmp_path / "out"
+    assert cli.main(["train", *FFN, "--steps", "3", "--eval-every", "3", "--on-nonfinite",
+                     "skip", "--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "1",
+                     "--out", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert "not writing the checkpoint of step 2" in captured.out
+    assert captured.err.count("\n") == 1 and "not finite after step 3" in captured.err
+    results = json.loads((out / "results.json").read_text())
+    assert results["checkpoints"]["steps"] == [1]
+    assert results["nonfinite"]["final_state_finite"] is False
 
 
 @pytest.mark.parametrize("flags, fragment", [

@@ -110,10 +110,19 @@ def handle(args: argparse.Namespace) -> int:
                   f"{results['steps_done']}, wrote what the run had{where}{kept}",
                   file=sys.stderr)
         return EXIT_STATUS.get(results["stopped_by"], 130)
-    print(f"final validation loss {results['final_validation_loss']:.4f}"
-          + (f" nats/token; unigram cross-entropy {results['unigram_cross_entropy']:.4f}; "
-             f"ratio {results['validation_over_unigram']:.3f}"
-             if "unigram_cross_entropy" in results else " (MSE)"))
+    from jphantom.loop.nonfinite import summary as nonfinite_summary
+
+    summary = nonfinite_summary(results["nonfinite"], results["steps_done"])
+    if summary:
+        print(summary)
+    final = results["final_validation_loss"]
+    if final is None:
+        print("final validation loss: none (no evaluation ran)")
+    else:
+        print(f"final validation loss {final:.4f}"
+              + (f" nats/token; unigram cross-entropy {results['unigram_cross_entropy']:.4f}; "
+                 f"ratio {results['validation_over_unigram']:.3f}"
+                 if "unigram_cross_entropy" in results else " (MSE)"))
     if jax.process_index() == 0 and config.train.out is not None:  # process 0 alone writes
         print(f"wrote {config.train.out}/results.json, metrics.jsonl and curves.png")
     return 0

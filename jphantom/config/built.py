@@ -58,8 +58,10 @@ def optimizer_of(train: TrainConfig, step: StepConfig):
     if train.grad_norm:  # the norm before clipping, as Megatron and torchtitan log it
         from jphantom.metrics import record_grad_norm
         optimizer = optax.chain(record_grad_norm(), optimizer)
-    if train.on_nonfinite == "skip":  # a non-finite gradient: no update, counted in the state
-        optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=2 ** 30)
+    if train.on_nonfinite == "skip":  # an update that would make the state non-finite is
+        from jphantom.step.finite import keep_if_finite  # dropped, counted in the state
+
+        optimizer = keep_if_finite(optimizer)
     return optimizer
 
 
@@ -69,7 +71,8 @@ def train_step_of(config, program, mesh, optimizer):
                               accumulate=config.step.accumulate,
                               precision=config.step.precision, remat=config.step.step_remat,
                               pipeline=pipeline_of(config.parallel, config.train, program),
-                              attention=config.step.attention)
+                              attention=config.step.attention,
+                              on_nonfinite="ignore")  # the Trainer applies --on-nonfinite
 
 
 @functools.lru_cache(maxsize=16)

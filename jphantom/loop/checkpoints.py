@@ -44,12 +44,12 @@ class RunCheckpoints:
         self.checkpointer.wait()
         return self.checkpointer.all_steps()
 
-    def restore(self, state, source):
-        """``(state, step, history)`` of the newest complete checkpoint, the data reader put
-        back where that checkpoint left it."""
+    def restore(self, state, source, step: int | None = None):
+        """``(state, step, history)`` of checkpoint ``step`` (default: the newest complete
+        one), the data reader put back where that checkpoint left it."""
         from jphantom.train_step import TrainState
 
-        params, opt_state, meta = self.checkpointer.restore(state.params, state.opt_state)
+        params, opt_state, meta = self.checkpointer.restore(state.params, state.opt_state, step)
         if hasattr(source, "restore"):  # a reader with a position: where the checkpoint left it
             if meta.get("data") is None:
                 raise ConfigError(f"the checkpoint at step {meta['step']} holds no data position "

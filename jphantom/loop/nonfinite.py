@@ -1,16 +1,21 @@
-"""What a non-finite training loss does (``--on-nonfinite``), as one object,
-:class:`NonFinitePolicy`:
+"""What a non-finite training loss, or an update that leaves non-finite parameters or optimizer
+state, does (``--on-nonfinite``), as one object, :class:`NonFinitePolicy`:
 
 - ``stop`` (the default): the run ends with :class:`jphantom.errors.TrainingDiverged`, naming
   the step and where the last good state is;
-- ``skip``: the update is not applied (the optimizer is wrapped in ``optax.apply_if_finite``,
-  whose count of dropped updates :func:`jphantom.resilience.nonfinite_total` reads); after
+- ``skip``: the update is not applied (the optimizer is wrapped in
+  :func:`jphantom.step.finite.keep_if_finite`, whose count of dropped updates
+  :func:`jphantom.resilience.nonfinite_total` reads); after
   :data:`jphantom.resilience.MAX_CONSECUTIVE_SKIPS` in a row the run stops;
 - ``rollback``: the state, the history and the data stream go back to the newest checkpoint (or
-  the start), and the batch that gave the bad loss is read but not trained on when the run gets
-  there again.
+  the start), and the batch that gave the bad step is read but not trained on when the run gets
+  there again; after :data:`jphantom.resilience.MAX_ROLLBACKS` rollbacks with no checkpoint
+  written between them the run stops.
 
-The policy keeps the record ``results.json`` gets (``skipped_steps``, ``rollbacks``,
+Under ``stop`` and ``rollback`` the state is checked after every step (one jitted reduction,
+:func:`jphantom.step.finite.state_is_finite`), so the step whose update made the parameters
+non-finite is the one named or skipped, even when its own loss was finite. The policy keeps the
+record ``results.json`` gets (``skipped_steps``, ``skipped_updates``, ``rollbacks``,
 ``skipped_batches``)."""
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import math
 
 from jphantom import resilience
 from jphantom.errors import TrainingDiverged
-from jphantom.resilience import MAX_CONSECUTIVE_SKIPS
+from jphantom.resilience import MAX_CONSECUTIVE_SKIPS, MAX_ROLLBACKS
 
 POLICIES = ("stop", "skip", "rollback")
 
@@ -36,7 +41,13 @@ class NonFinitePolicy:
         self.skipped_batches: list[int] = []
         self._bad_batches: set[int] = set()
         self._in_a_row = 0
+        self._rollbacks_in_a_row = 0
         self.reset(opt_state)
+
+    @property
+    def checks_state(self) -> bool:
+        """Whether the loop checks the state after each step (``skip`` keeps it finite)."""
+        return self.name != "skip"
 
     def reset(self, opt_state) -> None:
         """The optimizer's count of dropped updates starts again from ``opt_state``'s."""
@@ -51,21 +62,22 @@ class NonFinitePolicy:
         self.skipped_batches.append(index + 1)
         return True
 
-    def judge(self, index: int, loss: float, opt_state, last_good) -> str:
-        """After step ``index`` with training ``loss``: ``"ok"``, ``"skipped"`` (the update was
-        dropped and the run goes on) or ``"rollback"``; raises
-        :class:`~jphantom.errors.TrainingDiverged` when the run must stop (``last_good()``:
-        where the last good state is, appended to the message)."""
-        skipped = False  # skip: optax.apply_if_finite counted a dropped update
+    def judge(self, index: int, loss: float, opt_state, last_good,
+              state_finite: bool = True) -> str:
+        """After step ``index`` with training ``loss`` (``state_finite``: whether the state it
+        left is): ``"ok"``, ``"skipped"`` (the update was dropped and the run goes on) or
+        ``"rollback"``; raises :class:`~jphantom.errors.TrainingDiverged` when the run must
+        stop (``last_good()``: where the last good state is, appended to the message)."""
+        skipped = False  # skip: keep_if_finite counted a dropped update
         if self.name == "skip":
             dropped = resilience.nonfinite_total(opt_state)
             skipped, self._dropped = dropped > self._dropped, dropped
-        if math.isfinite(loss) and not skipped:
+        if math.isfinite(loss) and not skipped and state_finite:
             self._in_a_row = 0
             return "ok"
         if self.name == "rollback":
             return "rollback"
-        what = self.describe(index, loss)
+        what = self.describe(index, loss, state_finite)
         if self.name == "skip" and skipped:
             self._in_a_row += 1
             self.skipped_steps.append(index + 1)
@@ -77,20 +89,54 @@ class NonFinitePolicy:
         raise TrainingDiverged(f"{what}: lower the learning rate or check the data"
                                + last_good())
 
+    def rolling_back(self, index: int, loss: float, state_finite: bool, last_good) -> None:
+        """Before a rollback at step ``index``: raises
+        :class:`~jphantom.errors.TrainingDiverged` once :data:`MAX_ROLLBACKS` rollbacks ran
+        with no checkpoint written since the first of them."""
+        if self._rollbacks_in_a_row >= MAX_ROLLBACKS:
+            raise TrainingDiverged(f"{self.describe(index, loss, state_finite)}; "
+                                   f"{self._rollbacks_in_a_row} rollbacks without a new "
+                                   "checkpoint: lower the learning rate or check the data"
+                                   + last_good())
+
     def rolled_back(self, index: int, to_step: int, opt_state) -> None:
         """Record a rollback at step ``index`` to ``to_step``'s state; its batch will be
         skipped."""
         self.reset(opt_state)
+        self._rollbacks_in_a_row += 1
         self.rollbacks.append({"at_step": index + 1, "to_step": to_step})
         self._bad_batches.add(index)
 
-    def describe(self, index: int, loss: float) -> str:
+    def saved(self) -> None:
+        """A checkpoint was written: the run made progress since its last rollback."""
+        self._rollbacks_in_a_row = 0
+
+    def describe(self, index: int, loss: float, state_finite: bool = True) -> str:
         c = self.config
-        return (f"training loss is {loss} at step {index + 1} ({c.model.name}, "
-                f"{c.parallel.strategy}, precision {c.step.precision}, dtype {c.model.dtype}, "
+        what = (f"training loss is {loss} at step {index + 1}"
+                if state_finite or not math.isfinite(loss) else
+                f"the parameters or optimizer state are not finite after step {index + 1} "
+                f"(its training loss {loss})")
+        return (f"{what} ({c.model.name}, {c.parallel.strategy}, precision "
+                f"{c.step.precision}, dtype {c.model.dtype}, "
                 f"learning_rate={c.train.learning_rate:g})")
 
     def record(self) -> dict:
         """``results.json``'s ``nonfinite``."""
         return {"policy": self.name, "skipped_steps": self.skipped_steps,
-                "rollbacks": self.rollbacks, "skipped_batches": self.skipped_batches}
+                "skipped_updates": len(self.skipped_steps), "rollbacks": self.rollbacks,
+                "skipped_batches": self.skipped_batches}
+
+
+def summary(record: dict, steps: int) -> str | None:
+    """The line saying what ``--on-nonfinite`` did (None when it did nothing)."""
+    parts = []
+    if record.get("skipped_updates"):
+        shown = ", ".join(map(str, record["skipped_steps"][:10]))
+        more = "" if len(record["skipped_steps"]) <= 10 else ", ..."
+        parts.append(f"skipped {record['skipped_updates']} of {steps} updates (steps "
+                     f"{shown}{more}: non-finite)")
+    if record.get("rollbacks"):
+        parts.append(f"rolled back {len(record['rollbacks'])} time(s), skipping batch(es) "
+                     + ", ".join(map(str, record["skipped_batches"][:10])))
+    return "non-finite: " + "; ".join(parts) if parts else None

@@ -8,5 +8,7 @@
   reduce-scatters;
 - :mod:`jphantom.step.pipeline`: the ``stage`` axis (the cut at ``Stacked``, the schedule
   executors' glue, GSPMD's tick loop);
-- :mod:`jphantom.step.gspmd`: the GSPMD baseline (annotations, ``jax.jit``'s collectives).
+- :mod:`jphantom.step.gspmd`: the GSPMD baseline (annotations, ``jax.jit``'s collectives);
+- :mod:`jphantom.step.finite`: the ``on_nonfinite`` policy (warn once, skip or stop on a
+  non-finite loss or update).
 """

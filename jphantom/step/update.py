@@ -5,6 +5,9 @@ update's cross-shard reductions, a global norm, are the only collectives jit add
 and up the optimizer state is stored in shards over ``data`` (Rajbhandari et al. 2020), and the
 new parameters are put back in theirs.
 
+With ``keep_finite`` (``on_nonfinite`` ``"skip"`` or ``"stop"``) the user's optimizer is wrapped
+in :func:`jphantom.step.finite.keep_if_finite`.
+
 The optimizer also carries what the step reads before its gradients: the dynamic loss scale
 (float16, :func:`jphantom.precision.dynamic_loss_scale`) and the step count that seeds the
 dropout masks (:func:`jphantom.nn.dropout.counting`), both checkpointed with its state.
@@ -34,8 +37,12 @@ class OptimizerUpdate:
     """``state = update(grads, state)``: the optimizer's step on the global gradients; built from
     the user's optax transformation and the setup (module docstring)."""
 
-    def __init__(self, optimizer: optax.GradientTransformation, setup: StepSetup):
+    def __init__(self, optimizer: optax.GradientTransformation, setup: StepSetup, *,
+                 keep_finite: bool = False):
         check_optimizer(optimizer)
+        if keep_finite:  # on_nonfinite skip/stop: a non-finite update is dropped, counted
+            from jphantom.step.finite import keep_if_finite
+            optimizer = keep_if_finite(optimizer)
         if setup.dropout:  # the step count, the dropout keys' (checkpointed with the state)
             optimizer = dropout_module.counting(optimizer)
         if setup.precision.dynamic:  # the scale lives in the optimizer state (checkpointed)
