@@ -5,6 +5,7 @@ degenerate grids are FSDP (z) and Megatron (x)."""
 
 import functools
 import itertools
+import math
 from collections import Counter
 
 import jax
@@ -293,7 +294,10 @@ def test_pmm3d_moe_equals_one_device_and_gathers_its_tokens_over_y(mesh):
     """GPT-2's routed MoE blocks under pmm3d (:class:`jphantom.nn.pmm3d.Pmm3dMoE`): loss and every
     gradient equal one device; the only all-gathers over ``y`` are the MoE inputs' features (one
     of B S h / (G_data G_expert G_z) elements per MoE layer forward) and every MoE layer moves
-    2 dispatch + 2 combine all-to-alls of E C h over ``expert`` (forward and backward)."""
+    2 dispatch + 2 combine all-to-alls of E C h over ``expert`` (forward and backward), with
+    C = min(ceil(c T k / E), T) on the rank's T = B S / (G_data G_expert G_z) tokens
+    (:meth:`~jphantom.nn.routing.MoEConfig.capacity`: an expert takes a token at most once, so
+    here, c = 4, k = 2, E = 4, C = min(2T, T) = T and nothing is dropped)."""
     require_devices(8)
     params, tokens, targets = _moe_inputs()
     _, mesh_obj, step, value_and_grad = gradient_step("pmm3d", _moe_gpt(), mesh)
@@ -314,6 +318,7 @@ def test_pmm3d_moe_equals_one_device_and_gathers_its_tokens_over_y(mesh):
     if shape.get("y", 1) > 1:
         want["all-gather", ("y",), rows * SEQ * HIDDEN] = LAYERS
     if shape.get("expert", 1) > 1:
-        capacity = int(rows * SEQ * 2 * 4.0 / 4)  # tokens x top-2 x capacity factor / E
+        count = rows * SEQ  # T, this rank's tokens (the gather over y is of features)
+        capacity = min(math.ceil(4.0 * count * 2 / 4), count)  # min(ceil(c T k / E), T)
         want["all-to-all", ("expert",), 4 * capacity * HIDDEN] = 4 * LAYERS
     assert found == want

@@ -6,8 +6,8 @@ Per rank, inside the step's ``shard_map``, with E experts over G ``expert`` rank
 this rank's T tokens x [T, h] (the batch is split over ``data`` and ``expert``):
 
 1. the top-k experts of each token and their gates (the router, replicated);
-2. capacity C per expert and rank (``capacity_factor``: ceil(c T k / E)); first choices served
-   first, the rest dropped and counted;
+2. capacity C per expert and rank (``capacity_factor``: min(ceil(c T k / E), T)); first
+   choices served first, the rest dropped and counted;
 3. dispatch: each kept (token, choice) scattered into its row of [G, E/G, C, h]; one all-to-all
    over ``expert`` (E C h elements): every rank receives its experts' rows from every rank;
 4. the E/G local experts on the G C rows each received;

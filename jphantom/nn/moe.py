@@ -20,10 +20,11 @@ GShard, Lepikhin et al. 2020), on the T tokens it is given, x [T, h]:
 
 1. **Router** ``W_r`` [h, E]: logits ``x W_r``, probabilities ``softmax`` (in at least float32),
    the top-k experts of each token, their probabilities as gates (not renormalised).
-2. **Capacity** ``C = ceil(capacity_factor * T * k / E)`` per expert; assignments are served
-   choice rank by choice rank, tokens in order within each (all first choices before any second
-   choice); the rest are dropped and counted exactly. ``capacity_factor=None``: dropless, every
-   assignment served (tokens sorted by expert, grouped matmuls ``lax.ragged_dot``).
+2. **Capacity** ``C = min(ceil(capacity_factor * T * k / E), T)`` per expert (an expert takes a
+   token at most once); assignments are served choice rank by choice rank, tokens in order within
+   each (all first choices before any second choice); the rest are dropped and counted exactly.
+   ``capacity_factor=None``: dropless, every assignment served (tokens sorted by expert, grouped
+   matmuls ``lax.ragged_dot``).
 3. **Dispatch** each kept (token, choice) to its row of the buffer [E, C, h], the experts on
    their C rows, **combine** ``y[t] = sum_j gate[t, j] * out[slot of (t, j)]``.
 4. **Auxiliary losses**: load balance ``E sum_e f_e P_e`` (``f_e``: fraction of the tokens whose

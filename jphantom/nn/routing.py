@@ -4,9 +4,10 @@ and :mod:`jphantom.nn.expert_parallel` (expert parallelism over the ``expert`` a
 phantom-parallel experts): no collective here.
 
 - :class:`MoEConfig`: hidden width, experts E, top-k, capacity factor (``None``: dropless).
-- **Capacity** (:func:`dispatch_plan`): each expert takes at most ``C = ceil(capacity_factor * T
-  * k / E)`` of a rank's T tokens; assignments are served in order of choice rank then token (all
-  first choices before any second choice, as GShard does); the rest are dropped and counted.
+- **Capacity** (:func:`dispatch_plan`): each expert takes at most ``C = min(ceil(capacity_factor
+  * T * k / E), T)`` of a rank's T tokens (it takes a token at most once); assignments are
+  served in order of choice rank then token (all first choices before any second choice, as
+  GShard does); the rest are dropped and counted.
 - **Dispatch** (:func:`dispatch`): each kept (token, choice) scattered to its row of the capacity
   buffer ``[E, C, h]`` (GShard's one-hot ``[T, E, C]`` einsum computes the same with ``T E C h``
   multiply-adds; the scatter moves ``T k h`` numbers).
@@ -62,8 +63,8 @@ class MoEConfig:
         return self.capacity_factor is None
 
     def capacity(self, tokens: int, multiple: int = 1) -> int:
-        """Per expert, the tokens one rank may send: ceil(factor * T * k / E), rounded up to a
-        ``multiple`` (DTD splits the capacity over the tensor-parallel ranks)."""
+        """Per expert, the tokens one rank may send: min(ceil(factor * T * k / E), T), rounded up
+        to a ``multiple`` (DTD splits the capacity over the tensor-parallel ranks)."""
         if self.dropless:
             raise ConfigError("a dropless MoE has no capacity")
         c = max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.experts))
