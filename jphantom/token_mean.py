@@ -33,11 +33,14 @@ Python int) counts every rank's tokens.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jphantom.comm import varying_axes
@@ -52,19 +55,20 @@ class WeightedLoss(NamedTuple):
     mean: Any = 0.0
 
 
-def terms(out) -> WeightedLoss | None:
+def terms(out, fn=None) -> WeightedLoss | None:
     """``loss_fn``'s output as a :class:`WeightedLoss` in at least float32, or ``None`` when it
-    is a scalar mean; anything else is refused."""
+    is a scalar mean; anything else is refused, naming ``fn`` (the user's ``loss_fn``), at
+    trace time: a part that is not a real number, or of another shape than a scalar, and a
+    weight given as a constant that is not positive and finite."""
     if isinstance(out, tuple):
+        who = name_of(fn)
         if len(out) not in (2, 3):
-            raise ConfigError(f"loss_fn returned a tuple of {len(out)}: return the scalar mean "
+            raise ConfigError(f"{who} returned a tuple of {len(out)}: return the scalar mean "
                               "loss, or (total, weight) / (total, weight, mean) for a global "
                               "token mean (jphantom.token_mean.WeightedLoss)")
+        for name, part in zip(WeightedLoss._fields, out):
+            _check_part(who, name, part)
         parts = [x if isinstance(x, (int, float)) else jnp.asarray(x) for x in out]
-        for name, part in zip(WeightedLoss._fields, parts):
-            if jnp.shape(part) != ():
-                raise ConfigError(f"loss_fn's {name} has shape {jnp.shape(part)}: each of "
-                                  "(total, weight, mean) must be a scalar (a sum over the tokens)")
         total, weight, *mean = [jnp.asarray(x) for x in parts[:2]] + parts[2:]
         wide = lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32))
         # a mean given as a Python number stays one (weakly typed: it never widens the loss)
@@ -73,6 +77,32 @@ def terms(out) -> WeightedLoss | None:
         return WeightedLoss(total, weight.astype(total.dtype),
                             *(float(m) if isinstance(m, int) else m for m in mean))
     return None
+
+
+def name_of(fn) -> str:
+    """``loss_fn`` named as the messages name it: ``loss_fn my_loss``."""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    return "loss_fn" if name is None else f"loss_fn {name}"
+
+
+def _check_part(who: str, name: str, part) -> None:
+    """One of (total, weight, mean): a real scalar (a Python number, or an integer or floating
+    array of shape ()); a constant weight also positive and finite."""
+    dtype = getattr(part, "dtype", None)
+    real = (isinstance(part, (int, float)) and not isinstance(part, bool)) or (
+        dtype is not None and (jnp.issubdtype(dtype, jnp.integer)
+                               or jnp.issubdtype(dtype, jnp.floating)))
+    if not real:
+        what = type(part).__name__ if dtype is None else f"an array of {dtype}"
+        raise ConfigError(f"{who} returned {name}={part!r:.40} ({what}): each of (total, weight, "
+                          "mean) must be a real number, e.g. mask.sum() for the weight")
+    if jnp.shape(part) != ():
+        raise ConfigError(f"{who}'s {name} has shape {jnp.shape(part)}: each of "
+                          "(total, weight, mean) must be a scalar (a sum over the tokens)")
+    if name == "weight" and isinstance(part, (int, float, np.number, np.ndarray)) and not (
+            math.isfinite(float(part)) and float(part) > 0):
+        raise ConfigError(f"{who} returned weight={part}: the weight (the number of tokens the "
+                          "total sums) must be positive and finite")
 
 
 def value(out) -> jax.Array:
@@ -122,4 +152,84 @@ def shares(weighted: WeightedLoss, weight_total, *, micro: int = 1, exclude=(),
     return share + weighted.mean / (size(union) * micro)
 
 
-__all__ = ["WeightedLoss", "terms", "value", "lm_loss", "global_weight", "shares"]
+# -- the global weight, checked where the step runs --------------------------------------------
+
+_NOTED: list[list] = []  # the global weights the step's gradient provider found, while tracing
+
+
+@contextlib.contextmanager
+def noting():
+    """The global weights :func:`note` records while the step traces its gradients (a list: a
+    scalar ``loss_fn`` notes none)."""
+    found: list = []
+    _NOTED.append(found)
+    try:
+        yield found
+    finally:
+        _NOTED.pop()
+
+
+def note(weight) -> None:
+    """Record the step's global weight ``weight`` (at the trace level of the step's ``shard_map``
+    body, or of its jit under GSPMD) for :func:`guard`; nothing outside :func:`noting`."""
+    if _NOTED and weight is not None:
+        _NOTED[-1].append(weight)
+
+
+def noted(weights):
+    """The one global weight of the noted ``weights`` (``None`` if none), the same on every rank:
+    the smallest where several were noted or where ranks could differ."""
+    if not weights:
+        return None
+    weight = weights[0] if len(weights) == 1 else jnp.min(jnp.stack(weights))
+    axes = tuple(sorted(varying_axes(weight)))
+    if axes:  # the weight is already global: the ranks of an excluded axis hold the same
+        from jphantom import comm
+
+        weight = -comm.pmax(-weight, axes)
+    return weight
+
+
+def guard(weight, new, old, loss, report: "WeightReport"):
+    """``(state, loss)`` of a step whose global weight is ``weight``: ``new`` and ``loss`` when
+    it is positive and finite; otherwise the update is not applied (``old``, the state before
+    the step, is kept), the loss is NaN (nothing was measured) and ``report`` is called on the
+    host with the weight (a conditional callback: nothing moves to the host on a good step)."""
+    ok = (weight > 0) & jnp.isfinite(weight)
+    state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    lax.cond(ok, lambda w: None, lambda w: jax.debug.callback(report, w), weight)
+    return state, jnp.where(ok, loss, jnp.nan)
+
+
+class WeightReport:
+    """What the step found about its global weights, on the host: ``skipped``, the batches it
+    did not train on because nothing was counted (a global weight of 0: every target ignored
+    or masked), each reported on stderr as it happens; ``error``, the message of a negative or
+    non-finite weight, which the step raises (a ``ConfigError``) at its next call."""
+
+    def __init__(self, fn=None):
+        self.name, self.skipped, self.error = name_of(fn), 0, None
+
+    def __call__(self, weight) -> None:
+        weight = float(weight)
+        if weight == 0:
+            self.skipped += 1
+            sys.stderr.write(f"jphantom: {self.name} counted nothing in this batch (global weight "
+                             "0: every target ignored or masked): the batch is skipped, the "
+                             f"update not applied ({self.skipped} skipped so far)\n")
+            return
+        self.error = (f"{self.name} returned a global weight of {weight}: the weight (the number "
+                      "of tokens the total sums, over every rank) must be positive and finite; "
+                      "the update was not applied")
+        sys.stderr.write(f"jphantom: error: {self.error}\n")
+
+    def check(self) -> None:
+        """Raise the error a previous step found (once), the state it returned being the last
+        good one."""
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise ConfigError(error)
+
+
+__all__ = ["WeightedLoss", "terms", "value", "lm_loss", "global_weight", "shares", "WeightReport",
+           "guard", "note", "noted", "noting", "name_of"]

@@ -61,7 +61,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jphantom import comm
+from jphantom import comm, token_mean
 from jphantom import zero as zero_module
 from jphantom.errors import ConfigError
 from jphantom.nn import attention as attention_module
@@ -70,6 +70,7 @@ from jphantom.step.finite import NonFiniteWatch, skipped_updates
 from jphantom.step.gspmd import GspmdGradients
 from jphantom.step.layout import (CONTEXT, ParamLayout, TrainState, batch_axes_of,
                                    batch_spec_of, check_mesh, group_by, integer_ids_error)
+from jphantom.step.memory import check_state_fits
 from jphantom.step.pipeline import PipelineGradients
 from jphantom.step.reduce import Reducer
 from jphantom.step.setup import StepSetup, setup_of
@@ -102,6 +103,8 @@ class TrainStep:
         self.gradients = gradients_of(setup, self.reducer)
         self.donate = donate
         self._step = None
+        # the global weights of a weighted loss_fn, checked as the step runs (token_mean.guard)
+        self.weight_report = token_mean.WeightReport(setup.loss_fn)
         # the facts users and tools read, by their names
         self.mesh, self.layout, self.loss_fn = setup.mesh, setup.layout, setup.loss_fn
         self.model_template, self.precision = setup.model_template, setup.precision
@@ -134,7 +137,10 @@ class TrainStep:
         run under ``jax.jit`` with the parameters' shardings as outputs, so every parameter is
         created directly in its shards and no device ever holds the whole model. With
         ``create``, the model given to :func:`make_train_step` may be abstract
-        (``nnx.eval_shape(create)``)."""
+        (``nnx.eval_shape(create)``). Refused with the estimate, before anything is allocated,
+        when the parameters and optimizer state exceed one device's memory
+        (:func:`jphantom.step.memory.check_state_fits`)."""
+        check_state_fits(self.abstract_state(), self.mesh)
         if create is not None:
             params = self._creator(create, key is not None)(*(() if key is None else (key,)))
         elif params is None:
@@ -209,16 +215,24 @@ class TrainStep:
             # after the batch, replicated: the dynamic loss scale, the dropout key's data
             extra = {name: value for name, value in (("scale", scale), ("key", key))
                      if value is not None}
+            weighted = []  # whether the provider found a global weight (a weighted loss_fn)
 
             def per_rank(leaves, *args):
                 split = len(args) - len(extra)
-                share, grads = self.gradients(leaves, *args[:split],
-                                              **dict(zip(extra, args[split:])))
-                return self.reducer(share, grads)
+                with token_mean.noting() as weights:
+                    share, grads = self.gradients(leaves, *args[:split],
+                                                  **dict(zip(extra, args[split:])))
+                weighted.append(bool(weights))
+                weight = token_mean.noted(weights)
+                return (*self.reducer(share, grads),
+                        jnp.float32(1) if weight is None else weight)
 
-            fn = self.over_mesh(per_rank, len(batch), out_specs=(P(), list(self.grad_specs)),
+            fn = self.over_mesh(per_rank, len(batch),
+                                out_specs=(P(), list(self.grad_specs), P()),
                                 after=(P(),) * len(extra), check_vma=self.reducer.check_vma)
-            loss, grads = fn(tuple(jax.tree.leaves(params)), *batch, *extra.values())
+            loss, grads, weight = fn(tuple(jax.tree.leaves(params)), *batch, *extra.values())
+            if weighted[-1]:
+                token_mean.note(weight)  # the global weight, for the step's check
             return loss, self.setup.pure(grads)
 
         return run
@@ -229,8 +243,14 @@ class TrainStep:
         value_and_grad = self.value_and_grad()
 
         def step(state: TrainState, *batch):
-            loss, grads = value_and_grad(state.params, *batch, **self.update.inputs(state))
-            return self.update(grads, state), loss
+            with token_mean.noting() as weights:
+                loss, grads = value_and_grad(state.params, *batch, **self.update.inputs(state))
+            new = self.update(grads, state)
+            if not weights:  # a scalar loss_fn
+                return new, loss
+            # a weighted loss_fn: its global weight positive and finite, or no update
+            return token_mean.guard(token_mean.noted(weights), new, state, loss,
+                                    self.weight_report)
 
         return jax.jit(step, donate_argnums=(0,) if self.donate else ())
 
@@ -238,6 +258,7 @@ class TrainStep:
         if not batch:
             raise ConfigError("step(state, *batch) needs the batch arrays loss_fn takes")
         self.check_batch(*batch)
+        self.weight_report.check()  # a negative or non-finite weight a previous call found
         if self._step is None:
             self._step = self.build()
         try:

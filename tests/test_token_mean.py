@@ -182,3 +182,43 @@ def test_refusals():
         step = jphantom.make_train_step(_llama(), one, optax.sgd(0.1), bad, donate=False)
         with pytest.raises(ConfigError, match=match):
             jax.jit(step.value_and_grad()).lower(step.init().params, TOKENS, TARGETS)
+
+
+def test_a_weight_of_the_wrong_type_or_value_is_refused_at_the_first_call():
+    """A constant weight that is not positive and finite, or a weight that is not a real number,
+    is one line naming the loss_fn, when the step is traced."""
+    mesh = _mesh("data=2")
+    for weight, match in [(0.0, "weight=0.0: .* positive and finite"), (0, "weight=0:"),
+                          (float("nan"), "weight=nan"), (-5.0, "weight=-5.0"),
+                          ("3", "weight='3' \\(str\\)")]:
+        def my_loss(model, tokens, targets):
+            return model.loss_terms(tokens, targets).total, weight
+
+        step = jphantom.make_train_step(_llama(), mesh, optax.sgd(0.1), my_loss, donate=False)
+        with pytest.raises(ConfigError, match="loss_fn .*my_loss .*" + match):
+            jax.jit(step.value_and_grad()).lower(step.init().params, TOKENS, TARGETS)
+
+
+def test_a_batch_with_nothing_to_count_is_skipped_and_a_negative_weight_is_an_error():
+    """The global weight (over data=2) checked as the step runs: 0 (every target -100) skips
+    the update, reported and counted, the loss NaN; a negative one is not applied either and the
+    next call raises it by name; a good batch then trains."""
+    mesh = _mesh("data=2")
+
+    def signed(model, tokens, targets, sign):  # per-token weights: -1 makes the sum negative
+        terms = model.loss_terms(tokens, targets)
+        return terms.total, jnp.sum(jnp.where(targets >= 0, sign, 0.0))
+
+    step = jphantom.make_train_step(_llama(), mesh, optax.adam(1e-2), signed)
+    state = step.init()
+    first = np.asarray(jax.tree.leaves(state.params)[0])
+    ones = jnp.ones(TARGETS.shape)
+    unchanged = lambda s: np.array_equal(np.asarray(jax.tree.leaves(s.params)[0]), first)
+    state, loss = step(state, TOKENS, jnp.full_like(TARGETS, -100), ones)
+    assert np.isnan(float(loss)) and unchanged(state) and step.weight_report.skipped == 1
+    state, loss = step(state, TOKENS, TARGETS, -ones)
+    assert np.isnan(float(loss)) and unchanged(state)
+    with pytest.raises(ConfigError, match="signed returned a global weight of -64.0"):
+        step(state, TOKENS, TARGETS, ones)
+    state, loss = step(state, TOKENS, TARGETS, ones)
+    assert np.isfinite(float(loss)) and not unchanged(state)

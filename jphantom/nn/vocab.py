@@ -152,3 +152,23 @@ def _fused_backward(fn, residuals, g):
 
 
 _fused_sum.defvjp(_fused_forward, _fused_backward)
+
+
+def without_lookup_gradient(embed, tokens: jax.Array, h: jax.Array, row: int) -> jax.Array:
+    """``h = embed(tokens)`` with no gradient reaching table row ``row`` from these lookups
+    (``torch.nn.Embedding``'s ``padding_idx``): the looked-up vectors of the tokens equal to
+    ``row`` are stopped, so the rule is exact whatever splits the table (a vocabulary-parallel
+    lookup's sum over ranks; under sequence parallelism the tokens' mask is cut to this rank's
+    S/p like the lookup's output). A layer whose output the tokens do not line up with is
+    refused by name."""
+    from jphantom.errors import ConfigError
+    from jphantom.nn.tensor.regions import own_sequence
+
+    mask = (tokens == row)[..., None]
+    if getattr(embed, "sequence_parallel", False):  # the lookup reduce-scattered the sequence
+        mask = own_sequence(mask, embed.axis)
+    if mask.shape[:-1] != h.shape[:-1]:
+        raise ConfigError(f"{type(embed).__name__}'s lookup of tokens {tokens.shape} gives "
+                          f"{h.shape}: the pad row's gradient cannot be stopped there; use a plan "
+                          "that keeps the embedding's output per token, or pad_token_id=None")
+    return jnp.where(mask, jax.lax.stop_gradient(h), h)

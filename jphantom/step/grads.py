@@ -80,22 +80,23 @@ def balance_fraction(setup: StepSetup, model, micro):
 
 
 def loss_share(setup: StepSetup, model, batch, balance=None, weight=None, micro=1):
-    """This rank's share of the global loss: of the global mean of a scalar ``loss_fn``, or of
-    the global token mean of a weighted one (:mod:`jphantom.token_mean`; ``weight``: the global
-    weight when micro-batches share it, ``micro`` of them)."""
+    """``(share, weight)``: this rank's share of the global loss, of the global mean of a scalar
+    ``loss_fn`` (``weight`` None), or of the global token mean of a weighted one
+    (:mod:`jphantom.token_mean`) with its global weight (given: the global weight when
+    micro-batches share it, ``micro`` of them)."""
     out = loss_of(setup, model, batch, balance)
-    weighted = token_mean.terms(out)
+    weighted = token_mean.terms(out, setup.loss_fn)
     if weighted is not None:
         if weight is None:  # one all-reduce of a scalar, inside the forward
             weight = token_mean.global_weight(weighted.weight,
                                               metadata.varying_axes(weighted.total))
-        return token_mean.shares(weighted, weight, micro=micro)
+        return token_mean.shares(weighted, weight, micro=micro), weight
     loss = jnp.asarray(out)
     if loss.shape != ():
         raise ConfigError(f"loss_fn returned shape {loss.shape}; it must return the "
                           "scalar mean loss, or (total, weight) for a global token mean")
     loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
-    return setup.mean_share(loss)[0]  # this rank's share of the global mean
+    return setup.mean_share(loss)[0], None  # this rank's share of the global mean
 
 
 def micro_weight(setup: StepSetup, model, micro, balance=None, *, exclude=()):
@@ -105,8 +106,8 @@ def micro_weight(setup: StepSetup, model, micro, balance=None, *, exclude=()):
     struct = jax.eval_shape(lambda *mb: loss_of(setup, model, mb, balance), *(m[0] for m in micro))
     if not isinstance(struct, tuple):
         return None
-    weights = lax.map(lambda mb: token_mean.terms(loss_of(setup, model, mb, balance)).weight,
-                      micro)
+    weights = lax.map(lambda mb: token_mean.terms(loss_of(setup, model, mb, balance),
+                                                  setup.loss_fn).weight, micro)
     return token_mean.global_weight(jnp.sum(weights, axis=0),
                                     metadata.varying_axes(struct[0]), exclude)
 
@@ -137,22 +138,28 @@ class LocalGradients:
         def one(leaves, *batch, balance=None, weight=None, micro=1, index=0):
             varied = reducer.vary_params(leaves)
             with dropout_module.keys(None if key is None else jax.random.fold_in(key, index)):
-                loss, grads = jax.value_and_grad(
-                    lambda p, *b: loss_share(setup, reducer.model(p, train=True), b, balance,
-                                             weight, micro) * scale)(varied, *batch)
-            return unscaled(loss, grads, leaves, scale)
+                (loss, found), grads = jax.value_and_grad(scaled, has_aux=True)(
+                    varied, *batch, balance=balance, weight=weight, micro=micro)
+            return unscaled(loss, grads, leaves, scale), found
+
+        def scaled(p, *b, **options):
+            share, found = loss_share(setup, reducer.model(p, train=True), b, **options)
+            return share * scale, found
 
         if setup.accumulate == 1:
-            return one(leaves, *batch)
+            (loss, grads), found = one(leaves, *batch)
+            token_mean.note(found)  # the global weight, for the step's check
+            return loss, grads
         n = setup.accumulate
         micro = [split_microbatches(b, n) for b in batch]
         balance = balance_fraction(setup, reducer.model(leaves, train=True), micro)
         # a weighted loss_fn: the global weight of all micro-batches first, each micro-batch's
         # share is then its part of the whole loss (summed, not averaged)
         weight = micro_weight(setup, reducer.model(leaves, train=False), micro, balance)
+        token_mean.note(weight)
         options = dict(balance=balance, weight=weight, micro=n)
         # micro-batch i draws its dropout masks from key i
-        return accumulate(lambda mb, i: one(leaves, *mb, **options, index=i), micro,
+        return accumulate(lambda mb, i: one(leaves, *mb, **options, index=i)[0], micro,
                           mean=weight is None, indexed=True)
 
     def evaluate(self, fn):
@@ -163,7 +170,7 @@ class LocalGradients:
         def per_rank(leaves, *batch):
             model = self.reducer.model(leaves, train=False)
             out = fn(model, *setup.precision.cast(batch))
-            weighted = token_mean.terms(out)
+            weighted = token_mean.terms(out, fn)
             if weighted is not None:  # a global token mean
                 weight = token_mean.global_weight(weighted.weight,
                                                   metadata.varying_axes(weighted.total))

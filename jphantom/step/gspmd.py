@@ -41,9 +41,14 @@ class GspmdGradients:
         return [jax.lax.with_sharding_constraint(b, NamedSharding(setup.mesh, s))
                 for b, s in zip(batch, setup.specs_of_batch(len(batch)))]
 
-    def loss(self, params, *batch, balance=None, weight=None, micro=1):
-        """The global loss of global arrays; ``jax.jit`` places the collectives (``weight``: a
-        weighted loss' weight over all ``micro`` micro-batches)."""
+    def loss(self, params, *batch, **options):
+        """The global loss of global arrays; ``jax.jit`` places the collectives."""
+        return self.loss_and_weight(params, *batch, **options)[0]
+
+    def loss_and_weight(self, params, *batch, balance=None, weight=None, micro=1):
+        """``(loss, weight)``: the global loss and, for a weighted ``loss_fn``, its global weight
+        (given: a weighted loss' weight over all ``micro`` micro-batches; None for a scalar
+        ``loss_fn``)."""
         batch = self.batch(batch)
         if self.setup.pipeline is not None:
             if len(batch) != 2:
@@ -51,12 +56,12 @@ class GspmdGradients:
                                   "batch arrays")
             return self.pipeline_loss(jax.tree.leaves(params), *batch, balance=balance)
         out = loss_of(self.setup, self.model(params), batch, balance)
-        weighted = token_mean.terms(out)
+        weighted = token_mean.terms(out, self.setup.loss_fn)
         if weighted is not None:
             weight = lax.stop_gradient(weighted.weight) if weight is None else weight
-            return weighted.total / weight + weighted.mean / micro
+            return weighted.total / weight + weighted.mean / micro, weight
         loss = jnp.asarray(out)
-        return loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
+        return loss.astype(jnp.promote_types(loss.dtype, jnp.float32)), None
 
     def __call__(self, params, *batch, scale=None):
         """The global loss differentiated, the micro-batches accumulated as the shard_map step
@@ -65,20 +70,26 @@ class GspmdGradients:
         scale = setup.precision.loss_scale if scale is None else scale
 
         def one(params, batch, scale, balance=None, weight=None, micro=1):
-            return jax.value_and_grad(
-                lambda p: self.loss(p, *batch, balance=balance, weight=weight,
-                                    micro=micro) * scale)(params)
+            def scaled(p):
+                loss, found = self.loss_and_weight(p, *batch, balance=balance, weight=weight,
+                                                   micro=micro)
+                return loss * scale, found
+
+            (loss, found), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+            return (loss, grads), found
 
         n = setup.accumulate
         if n == 1:
-            loss, grads = one(params, batch, scale)
+            (loss, grads), found = one(params, batch, scale)
+            token_mean.note(found)  # the global weight, for the step's check
         else:  # micro-batch i: every batch rank's i-th slice, as the shard_map step
             micro = [interleave_microbatches(b, n, setup.batch_ranks) for b in batch]
             model = self.model(params)
             balance = balance_fraction(setup, model, micro)
             weight = micro_weight(setup, model, micro, balance)
+            token_mean.note(weight)
             options = (scale, balance, weight, n)
-            loss, grads = accumulate(lambda mb: one(params, mb, *options), micro,
+            loss, grads = accumulate(lambda mb: one(params, mb, *options)[0], micro,
                                      mean=weight is None)
         grads = jax.tree.map(lambda g, p: (g / scale).astype(p.dtype), grads, params)
         return loss / scale, jax.lax.with_sharding_constraint(grads,
@@ -99,8 +110,8 @@ class GspmdGradients:
         M + P - 1 ticks of ``vmap`` over the stages, each tick rotating the buffer one stage on
         (``jnp.concatenate`` of its last and first P - 1 slots, which the partitioner turns into
         a collective-permute over ``stage``) and feeding micro-batch t to stage 0 in place of
-        what the last stage sent round. The loss is the mean of the
-        micro-batches' losses; ``jax.grad`` of the loop is the backward, so the schedule is
+        what the last stage sent round. ``(loss, weight)``: the micro-batches' mean (or global
+        token mean, and its weight); ``jax.grad`` of the loop is the backward, so the schedule is
         GPipe's (every forward tick, then every backward tick). Micro-batch i holds every batch
         rank's i-th slice, as in the shard_map pipeline."""
         from jphantom.nn.stack import Capture, Feed, StackInput
@@ -163,7 +174,7 @@ class GspmdGradients:
         def last(out, inputs_one, targets_one):
             with balance_module.given(balance):
                 loss = setup.loss_fn(model_with(Feed(lambda: out)), inputs_one, targets_one)
-            weighted = token_mean.terms(loss)
+            weighted = token_mean.terms(loss, setup.loss_fn)
             if weighted is not None:
                 return tuple(weighted)
             loss = jnp.asarray(loss)
@@ -172,8 +183,8 @@ class GspmdGradients:
         losses = jax.vmap(last)(outputs, inputs_mb, targets_mb)
         if isinstance(losses, tuple):  # a global token mean: the micro-batches' sums
             total, weight, mean = losses
-            return jnp.sum(total) / lax.stop_gradient(jnp.sum(weight)) + jnp.mean(mean)
-        return jnp.mean(losses)
+            return jnp.sum(total) / (w := lax.stop_gradient(jnp.sum(weight))) + jnp.mean(mean), w
+        return jnp.mean(losses), None
 
     def stage(self):
         """``stage(chunk, x, s)``: stage ``s``'s layers (its parameters ``chunk``) applied to ``x``

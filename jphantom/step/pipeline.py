@@ -120,13 +120,15 @@ class PipelineGradients:
             first, lambda out, t: run_model(model_with(rest_now, Feed(lambda: out)),
                                             dummy_inputs, t),
             rest_now, inputs[:rows], targets, micro)
+        if train:
+            token_mean.note(weight)  # the global weight, for the step's check
 
         def last(rest, out, targets_mb, microbatches):
             model = model_with(rest, Feed(lambda: out))
             if statistics:
                 return run_model(model, dummy_inputs, targets_mb)
             loss = run_model(model, dummy_inputs, targets_mb)
-            weighted = token_mean.terms(loss)
+            weighted = token_mean.terms(loss, loss_fn)
             if weighted is not None:  # its part of the global token mean
                 if weight is None:
                     raise ConfigError("loss_fn returned a scalar for one micro-batch and "

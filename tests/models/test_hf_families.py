@@ -4,6 +4,7 @@ under tensor parallelism, the one-device step's loss and every gradient equal to
 a save writes the file's tensors back byte for byte, and ``train --from-hf`` runs on them. Qwen3's
 per-head q/k norms stay replicated under the plans; Mistral's window changes the logits."""
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -172,3 +173,46 @@ def test_train_from_hf_runs_two_steps_on_data_and_model(tmp_path, family, model)
     assert results["config"]["hidden"] == results["model"]["hidden"] != 256  # not the default
     again = hf.load(tmp_path / "hf")
     assert again.config.model_type == family == hf.model_type(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("mesh, sp", [("data=1", False), ("model=2", False), ("model=2", True)])
+def test_the_pad_rows_lookups_give_it_no_gradient(mesh, sp):
+    """transformers' nn.Embedding(padding_idx=pad_token_id) (Gemma 3 and the Llama-like
+    families): with the pad id in the inputs, the pad row's gradient is the tied head's alone.
+    Tied against the same model untied (head = table): the tied row is the untied head's row,
+    the untied table's pad row is zero, every other row is the sum of the two; the same on a
+    vocabulary-sharded table."""
+    config = llama.LlamaConfig(vocab_size=32, hidden=16, intermediate=24, layers=1, heads=2,
+                               kv_heads=1, tie_word_embeddings=True, pad_token_id=3)
+    tokens = jnp.asarray(np.arange(16).reshape(2, 8) % 5, jnp.int32)  # pad (3) in every row
+    targets = jnp.asarray((np.arange(16).reshape(2, 8) * 7) % 32, jnp.int32)
+
+    def grads(config, head=None):
+        model = llama.Llama(config, rngs=nnx.Rngs(0))
+        if head is not None:  # untied, the head a copy of the tied table
+            model.lm_head.kernel.set_value(head.T)
+        if mesh != "data=1":
+            jphantom.parallelize(model, _mesh(mesh),
+                                 jphantom.plans.megatron(model, sequence_parallel=sp))
+        step = jphantom.make_train_step(model, _mesh(mesh), optax.sgd(0.1), llama.lm_loss,
+                                        donate=False)
+        return jax.jit(step.value_and_grad())(step.init().params, tokens, targets)[1]
+
+    table = llama.Llama(config, rngs=nnx.Rngs(0)).embed_tokens.embedding.get_value()
+    tied = np.asarray(grads(config)["embed_tokens"]["embedding"])
+    untied = grads(dataclasses.replace(config, tie_word_embeddings=False), head=table)
+    lookup = np.asarray(untied["embed_tokens"]["embedding"])
+    head = np.asarray(untied["lm_head"]["kernel"]).T
+    assert np.all(lookup[3] == 0) and np.abs(lookup).max() > 0
+    np.testing.assert_allclose(tied, lookup + head, atol=1e-6)
+    assert np.abs(tied[3]).max() > 0  # the head's part stays
+    without = np.asarray(grads(dataclasses.replace(config, pad_token_id=None))[
+        "embed_tokens"]["embedding"])
+    assert np.abs(without[3] - tied[3]).max() > 1e-3  # the lookups' part is gone
+
+
+def test_the_pad_id_comes_from_the_checkpoint():
+    assert hf.load(FIXTURES / "gemma3_text").config.pad_token_id == 0  # Gemma's
+    assert hf.load(FIXTURES / "qwen3").config.pad_token_id is None
+    with pytest.raises(jphantom.ConfigError, match="pad_token_id=40"):
+        llama.LlamaConfig(vocab_size=32, pad_token_id=40)

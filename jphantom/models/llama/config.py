@@ -53,6 +53,8 @@ class LlamaConfig:
     query_pre_attn_scalar: float | None = None
     layer_types: tuple[str, ...] | None = None  # per layer: sliding_attention / full_attention
     rope_local_theta: float | None = None  # the sliding layers' RoPE base
+    # the pad token (transformers' padding_idx): its embedding row gets no gradient from lookups
+    pad_token_id: int | None = None
     model_name = "llama"
 
     def __post_init__(self):
@@ -74,6 +76,10 @@ class LlamaConfig:
             if self.top_k > self.experts:
                 raise ConfigError(f"top_k={self.top_k} exceeds experts={self.experts}")
         check_dtype(self.dtype)
+        if self.pad_token_id is not None and not (isinstance(self.pad_token_id, int)
+                                                  and 0 <= self.pad_token_id < self.vocab_size):
+            raise ConfigError(f"pad_token_id={self.pad_token_id!r} is not a token id below "
+                              f"vocab_size={self.vocab_size}: give the pad token's id, or None")
         if self.sliding_window is not None:
             check_int("sliding_window", self.sliding_window)
         if self.activation not in ("silu", "gelu_tanh"):

@@ -30,7 +30,17 @@ HF_FIELDS = {"vocab_size": "vocab_size", "hidden": "hidden_size",
              "head_dim": "head_dim", "rope_theta": "rope_theta", "rms_norm_eps": "rms_norm_eps",
              "max_positions": "max_position_embeddings",
              "tie_word_embeddings": "tie_word_embeddings", "experts": "num_local_experts",
-             "top_k": "num_experts_per_tok"}
+             "top_k": "num_experts_per_tok", "pad_token_id": "pad_token_id"}
+
+
+def _fields(hf: dict) -> dict:
+    """The :data:`HF_FIELDS` a ``config.json`` dict gives; a negative ``pad_token_id`` counts
+    from the end of the vocabulary, as ``nn.Embedding``'s ``padding_idx`` does."""
+    fields = {name: hf[key] for name, key in HF_FIELDS.items() if key in hf}
+    pad, vocab = fields.get("pad_token_id"), fields.get("vocab_size")
+    if isinstance(pad, int) and isinstance(vocab, int) and -vocab <= pad < 0:
+        fields["pad_token_id"] = pad + vocab
+    return fields
 
 
 def config_from_hf(hf: dict) -> LlamaConfig:
@@ -59,7 +69,7 @@ def config_from_hf(hf: dict) -> LlamaConfig:
                           "a window on every layer (mistral)")
     if kind == "qwen3" and hf.get("attention_bias"):
         raise ConfigError("attention_bias=true on qwen3 is not implemented")
-    fields = {name: hf[key] for name, key in HF_FIELDS.items() if key in hf}
+    fields = _fields(hf)
     # biases: Llama's attention_bias puts one on q, k, v and o; Qwen2 always has q, k, v ones
     fields["qkv_bias"] = kind == "qwen2" or bool(hf.get("attention_bias"))
     fields["o_bias"] = kind != "qwen2" and bool(hf.get("attention_bias"))
@@ -115,7 +125,7 @@ def _gemma3_from_hf(hf: dict) -> LlamaConfig:
             raise ConfigError(f"rope_parameters.{kind}.rope_type={entry['rope_type']!r} is not "
                               "implemented (plain RoPE only; Gemma 3 1B's checkpoints have it)")
         thetas[kind] = entry.get("rope_theta")
-    fields = {name: hf[key] for name, key in HF_FIELDS.items() if key in hf}
+    fields = _fields(hf)
     for name in ("experts", "top_k", "rope_theta", "tie_word_embeddings"):
         fields.pop(name, None)
     layer_types = tuple(hf.get("layer_types") or ())

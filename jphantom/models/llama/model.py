@@ -34,6 +34,7 @@ from jphantom.nn.attention import CausalAttention, Positions
 from jphantom.nn.moe import Experts, top_k_gates
 from jphantom.nn.loss import cross_entropy_terms
 from jphantom.nn.norm import OffsetRMSNorm
+from jphantom.nn import vocab
 from jphantom.nn.stack import Stacked
 
 
@@ -223,6 +224,9 @@ class Llama(nnx.Module):
 
     def hidden_states(self, tokens: jax.Array) -> jax.Array:
         h = self.embed_tokens(tokens)
+        pad = self.config.pad_token_id
+        if pad is not None:  # nn.Embedding's padding_idx: no gradient reaches that row from a
+            h = vocab.without_lookup_gradient(self.embed_tokens, tokens, h, pad)  # lookup
         if self.config.embed_scale:  # Gemma: sqrt(hidden) in the table's dtype
             h = h * jnp.asarray(self.config.hidden ** 0.5,
                                 self.embed_tokens.embedding.get_value().dtype).astype(h.dtype)
