@@ -19,8 +19,17 @@ What a family declares:
   model section the family cannot build, before anything else runs;
 - ``from_flags(section, phantom)``: its configuration from the flat model section of a run
   (:class:`jphantom.config.ModelConfig`: ``layers``, ``hidden``, ``heads``, ``seq_len``,
-  ``vocab``, ``dtype`` for every language model, and the fields named in ``flags``; a field
-  outside ``flags`` set away from its default is refused by name);
+  ``vocab``, ``dtype`` for every language model, the fields it declares in ``fields`` and the
+  fields of other declarations it names in ``flags``; a field it does not read, set away from its
+  default, is refused by name);
+- ``fields``: the model-section settings it owns, each a :class:`Field` (name, type, default,
+  help, least value) declared once in the family's module (:data:`GHOST_WIDTH` and the routed
+  experts' :data:`MOE_EVERY`, :data:`EXPERTS`, :data:`TOP_K`, which several families read, here).
+  :class:`jphantom.config.ModelConfig` is built from these declarations: its fields, their
+  validation and the ``train``/``inspect``/``compile`` flags and help (prefixed with the families
+  that read each) come from them. Its fields are fixed when :mod:`jphantom.config` is first
+  imported: a family registered later may read fields declared by then, and declaring a new one
+  is refused by name;
 - its Hugging Face mapping: the ``model_type``\\ s it reads (``hf_types``), ``config_from_hf``,
   ``load_hf`` and ``save_hf`` (tensor names, tied weights and key aliases live with them);
 - ``flops_per_token(config, seq_len)`` (forward + backward model FLOPs, for MFU) and
@@ -73,6 +82,41 @@ jax."""
 COMMON_FLAGS = ("layers", "hidden", "heads", "seq_len", "vocab", "dtype", "from_hf")
 """The model section's fields every language model takes."""
 
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One setting of a run's model section that a family declares (module docstring): the flat
+    ``name`` (the flag ``--name``), its ``type`` (``int``, ``float``, ``bool``, ``str`` or
+    ``X | None``), ``default``, command-line ``help``, and the least value it takes
+    (``minimum``; ``above``: the minimum itself excluded)."""
+
+    name: str
+    type: Any
+    default: Any
+    help: str
+    minimum: int | float | None = None
+    above: bool = False
+
+    def check(self, value) -> None:
+        """Refuse ``value`` below the least value, by name."""
+        if self.minimum is None or value is None:
+            return
+        if self.above and not value > self.minimum:
+            raise ConfigError(f"{self.name}={value} must be > {self.minimum}")
+        if not self.above and value < self.minimum:
+            raise ConfigError(f"{self.name}={value!r} must be at least {self.minimum}")
+
+
+GHOST_WIDTH = Field("ghost_width", int | None, None,
+                    "phantom: k ghost neurons per rank (and token)", minimum=1)
+"""Phantom parallelism's k, read by every zoo family (under a phantom strategy only)."""
+MOE_EVERY = Field("moe_every", int, 0, "every n-th block is a mixture of experts (0: none; with "
+                  "an expert=G mesh axis the experts are split over G ranks)", minimum=0)
+EXPERTS = Field("experts", int, 8, "MoE: experts E per MoE block", minimum=1)
+TOP_K = Field("top_k", int, 2, "MoE: experts each token visits", minimum=1)
+"""The routed experts' settings that GPT-2 and the Llama family's MoE presets read."""
+
 LM_STRATEGIES = ("dense", "gspmd", "tensor", "phantom", "phantom-unfused", "pmm3d",
                  "pmm3d-regather", "pmm3d-deferred")
 """What the zoo's language models run (every strategy but Seal et al.'s ``tensor-t1``)."""
@@ -89,6 +133,7 @@ class Family:
     module: Callable[..., Any] | Lazy
     from_flags: Callable[[Any, bool], Any]
     flags: tuple[str, ...] = ()
+    fields: tuple[Field, ...] = ()
     strategies: tuple[str, ...] = LM_STRATEGIES
     hf_types: tuple[str, ...] = ()
     config_from_hf: Callable[[dict], Any] | Lazy | None = None
@@ -109,6 +154,11 @@ class Family:
             raise ConfigError(f"family name {self.name!r}: letters, digits, - and _ only")
         if self.program not in ("lm", "ffn") or self.defaults not in ("lm", "ffn"):
             raise ConfigError(f"family {self.name!r}: program and defaults are 'lm' or 'ffn'")
+        for field in self.fields:
+            if not isinstance(field, Field) or field.name in ("name", *COMMON_FLAGS):
+                raise ConfigError(f"family {self.name!r}: fields are jphantom.families.Field "
+                                  "declarations of settings the common ones do not name "
+                                  f"({', '.join(COMMON_FLAGS)}), not {field!r}")
 
     def __getattribute__(self, name):
         return resolved(self, name)  # a Lazy field imported once, then kept as its value
@@ -127,12 +177,27 @@ class Family:
     @property
     def accepted(self) -> tuple[str, ...]:
         """The model section's fields this family reads."""
-        return (*self.common_flags, *self.flags)
+        return (*self.common_flags, *self.flags, *(f.name for f in self.fields))
 
 
 _FAMILIES: dict[str, Family] = {}
 _ALIASES: dict[str, str] = {}
 _loaded = False
+_sealed: dict[str, Field] | None = None  # the model section's fields, once it was built
+
+
+def _declared(families) -> dict[str, Field]:
+    """Every field the ``families`` declare, by name, in declaration order; one name declared
+    two ways is refused by name."""
+    declared: dict[str, tuple[Field, str]] = {}
+    for family in families:
+        for field in family.fields:
+            first = declared.setdefault(field.name, (field, family.name))
+            if first[0] != field:
+                raise ConfigError(f"family {family.name!r} declares the model field "
+                                  f"{field.name!r} differently from family {first[1]!r}: "
+                                  "declare it once and give both families that Field")
+    return {name: field for name, (field, _) in declared.items()}
 
 
 def register(family: Family, *, replace: bool = False) -> Family:
@@ -142,6 +207,14 @@ def register(family: Family, *, replace: bool = False) -> Family:
     if taken and not replace:
         raise ConfigError(f"a model family named {family.name!r} is registered already: pick "
                           "another name, or register(..., replace=True)")
+    others = [f for f in _FAMILIES.values() if f.name != family.name]
+    declared = _declared([*others, family])
+    if _sealed is not None:
+        new = [name for name, field in declared.items() if _sealed.get(name) != field]
+        if new:
+            raise ConfigError(f"family {family.name!r} declares the model field(s) {new} after "
+                              "jphantom.config built the model section: register it before "
+                              "jphantom.config is imported, or read fields declared already")
     _FAMILIES[family.name] = family
     for alias in family.aliases:
         _ALIASES[alias] = family.name
@@ -170,6 +243,17 @@ def _rank(family: Family) -> int:
     if module.startswith("jphantom.models."):  # a zoo package's: jphantom.models.llama.model
         module = module.removeprefix("jphantom.models.").split(".")[0]
     return BUILTIN.index(module) if module in BUILTIN else len(BUILTIN)
+
+
+def section_fields() -> dict[str, tuple[Field, tuple[str, ...]]]:
+    """Every field the registered families declare (the zoo's imported first), by name, with the
+    families that read it; what :class:`jphantom.config.ModelConfig` is built from, once (later
+    registrations may declare no new field)."""
+    global _sealed
+    ordered = families().values()
+    _sealed = _declared(ordered)
+    return {name: (field, tuple(f.name for f in ordered if name in f.accepted))
+            for name, field in _sealed.items()}
 
 
 def families() -> dict[str, Family]:

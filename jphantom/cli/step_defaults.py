@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from jphantom.cli.parser import run_settings
+from jphantom.config import FLAT
 
 FFN_DEFAULTS = {"width": 4096, "depth": 2, "ghost_width": 16, "dtype": "float32", "batch": 256,
                 "optimizer": "sgd", "learning_rate": 0.1, "warmup_steps": 0}
@@ -20,10 +21,9 @@ LM_DEFAULTS = {"layers": 4, "hidden": 512, "heads": 8, "seq_len": 256, "vocab": 
                "learning_rate": 3e-4, "warmup_steps": 0}
 STEP_DEFAULTS = {"ffn": FFN_DEFAULTS, "lm": LM_DEFAULTS}  # by the family's ``defaults``
 INSPECT_MODEL, COMPILE_MODEL = "ffn", "llama"
-INSPECT_FLAGS = ("model", "layers", "hidden", "heads", "kv_heads", "intermediate",
-                 "sliding_window", "seq_len",
-                 "vocab", "width", "depth", "ghost_width", "dtype", "moe_every", "experts", "top_k",
-                 "capacity_factor", "dropless", "from_hf", "mesh", "sequence_parallel",
+MODEL_FLAGS = tuple(flat for flat, (section, _) in FLAT.items() if section == "model")
+"""Every setting of the model section (the families' declared fields among them)."""
+INSPECT_FLAGS = (*MODEL_FLAGS, "mesh", "sequence_parallel",
                  "collective_matmul", "dtd",
                  "context_attention", "load_balance",
                  "schedule", "microbatches", "virtual_stages", "zero", "accumulate", "clip_norm",

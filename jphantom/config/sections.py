@@ -72,12 +72,32 @@ def _choice(name: str, value, choices) -> None:
         raise ConfigError(f"{name}={value!r}; use one of {', '.join(map(str, choices))}")
 
 
-@dataclasses.dataclass(frozen=True)
+def _family_fields(cls):
+    """``cls`` (the model section's common fields) with the fields the model families declare
+    (:class:`jphantom.families.Field`, :func:`jphantom.families.section_fields`), each's help
+    prefixed with the families that read it where not all do, made a frozen dataclass."""
+    from jphantom import families
+
+    declared = families.section_fields()
+    everyone = set(families.names())
+    for name, (field, readers) in declared.items():
+        text = field.help if set(readers) >= everyone else f"{', '.join(readers)}: {field.help}"
+        cls.__annotations__[name] = field.type
+        setattr(cls, name, setting(field.default, text))
+    cls.FAMILY_FIELDS = tuple(field for field, _ in declared.values())
+    return dataclasses.dataclass(frozen=True)(cls)
+
+
+@_family_fields
 class ModelConfig:
     """The model: ``name`` (a family of :mod:`jphantom.families`'s registry: ``ffn``, seed
     000's FFN of ``width`` x ``depth``; ``gpt2``; ``llama`` (Mixtral with ``moe_every=1``);
     ``mistral``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``gemma3``; or a user's registered family)
-    and its shape. A field the family does not read, set away from its default, is refused."""
+    and its shape. The fields every language model reads are written here; the others (``width``,
+    ``depth``, ``ghost_width``, ``kv_heads``, ``intermediate``, ``sliding_window``, the MoE
+    settings) are the families' declarations (:attr:`jphantom.families.Family.fields`), added with
+    their defaults, help and least values when this class is made (``FAMILY_FIELDS``). A field the
+    family does not read, set away from its default, is refused by name."""
 
     name: str = setting(
         "gpt2", "the model family: ffn (Seal et al.'s teacher task), gpt2 (alias transformer), "
@@ -87,30 +107,9 @@ class ModelConfig:
     layers: int = setting(4, "transformer blocks")
     hidden: int = setting(256, "transformer width h")
     heads: int = setting(4, "attention heads")
-    kv_heads: int | None = setting(
-        None, "the Llama family: key/value heads of grouped-query attention (default: heads)")
-    intermediate: int | None = setting(
-        None, "the Llama family: MLP width (qwen3_moe: each expert's; default 8h/3 rounded up to "
-        "a multiple of 32)")
     seq_len: int = setting(128, "tokens per sequence")
     vocab: int = setting(256, "vocabulary size (256 for bytes)")
-    width: int = setting(256, "FFN width n")
-    depth: int = setting(2, "FFN layers L")
-    ghost_width: int | None = setting(None, "phantom: k ghost neurons per rank (and token)")
     dtype: str = setting("float32", "float32, bfloat16, float16 or float64")
-    moe_every: int = setting(
-        0, "transformer: every n-th block is a mixture of experts (0: none; with an expert=G "
-        "mesh axis the experts are split over G ranks)")
-    experts: int = setting(8, "MoE: experts E per MoE block")
-    top_k: int = setting(2, "MoE: experts each token visits")
-    capacity_factor: float = setting(
-        1.25, "MoE: each expert takes capacity_factor x T k / E tokens per rank; the rest are "
-        "dropped and counted")
-    dropless: bool = setting(
-        False, "MoE: no capacity, no dropped tokens (grouped matmuls, ragged all-to-all)")
-    sliding_window: int | None = setting(
-        None, "mistral, gemma3: the attention window W (each token attends itself and the W-1 "
-        "before it; gemma3's local layers, default 512)")
     from_hf: str | None = setting(
         None, "start from a Hugging Face directory of the --model family (config.json + "
         "model.safetensors; GPT-2, Llama, Mixtral, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3; "
@@ -122,16 +121,11 @@ class ModelConfig:
         _check_types(self)
         family = families.get(self.name)
         object.__setattr__(self, "name", family.name)
-        _at_least(self, 1, "layers", "hidden", "heads", "kv_heads", "intermediate", "seq_len",
-                  "vocab", "width", "depth", "ghost_width", "experts", "top_k", "sliding_window")
-        _at_least(self, 0, "moe_every")
+        _at_least(self, 1, "layers", "hidden", "heads", "seq_len", "vocab")
+        for field in self.FAMILY_FIELDS:
+            field.check(getattr(self, field.name))
         _choice("dtype", self.dtype, DTYPES)
-        if not self.capacity_factor > 0:
-            raise ConfigError(f"capacity_factor={self.capacity_factor} must be > 0")
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        if self.dropless and self.capacity_factor != defaults["capacity_factor"]:
-            raise ConfigError(f"--capacity-factor {self.capacity_factor:g} does not apply with "
-                              "--dropless (no capacity: no token is dropped); leave one out")
         specific = {name for f in families.families().values() for name in f.accepted}
         for name in sorted(specific - set(family.accepted) - {"name"}):
             if getattr(self, name) != defaults[name]:

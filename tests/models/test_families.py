@@ -101,6 +101,34 @@ def test_a_family_declared_in_a_test_trains_inspects_and_verifies(toy, tmp_path,
         assert match in capsys.readouterr().err
 
 
+def test_a_family_owns_its_model_fields_and_the_flags_derive_from_them():
+    """The model section's family-specific fields are the families' declarations (default, help
+    prefixed with the families that read it, least value), so are inspect's flags; a field
+    declared twice differently, a common name declared again, or a new field once the section
+    is built is refused by name."""
+    from jphantom.cli.step_defaults import INSPECT_FLAGS
+    from jphantom.config import ModelConfig
+    from jphantom.models.llama.family import SLIDING_WINDOW
+
+    field = {f.name: f for f in dataclasses.fields(ModelConfig)}["sliding_window"]
+    assert field.default is None and "sliding_window" in INSPECT_FLAGS
+    assert field.metadata["help"] == "mistral, gemma3: " + SLIDING_WINDOW.help
+    with pytest.raises(ConfigError, match="sliding_window=0 must be at least 1"):
+        ModelConfig(name="mistral", sliding_window=0)
+    with pytest.raises(ConfigError, match="--sliding-window does not apply to --model qwen2; "
+                                          "it applies to mistral, gemma3"):
+        ModelConfig(name="qwen2", sliding_window=8)
+    late = dataclasses.replace(TOY, fields=(families.Field("rank", int, 4, "a late field"),))
+    with pytest.raises(ConfigError, match=r"declares the model field\(s\) \['rank'\] after"):
+        families.register(late, replace=True)
+    twice = dataclasses.replace(TOY, fields=(dataclasses.replace(SLIDING_WINDOW, default=8),))
+    with pytest.raises(ConfigError, match="'sliding_window' differently from family 'mistral'"):
+        families.register(twice, replace=True)
+    with pytest.raises(ConfigError, match="fields are jphantom.families.Field declarations"):
+        dataclasses.replace(TOY, fields=(families.Field("hidden", int, 4, "h"),))
+    assert "toy" not in families.names()
+
+
 def test_a_family_declared_in_a_test_is_planned(toy, capsys):
     assert main(["plan", *TOY_FLAGS, "--layers", "1", "--heads", "1", "--devices", "8",
                  "--batch", "8", "--json", "--top", "3"]) == 0

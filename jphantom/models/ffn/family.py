@@ -4,7 +4,12 @@ module is a :class:`~jphantom.families.Lazy` reference, imported when a model is
 
 from __future__ import annotations
 
+from jphantom.families import GHOST_WIDTH, Field
 from jphantom.models.ffn.config import FFNConfig
+
+WIDTH = Field("width", int, 256, "width n of its n x n layers", minimum=1)
+DEPTH = Field("depth", int, 2, "its layers L", minimum=1)
+"""The model-section settings the FFN owns (:class:`jphantom.families.Field`)."""
 
 
 def family_config(section, phantom: bool) -> FFNConfig:
@@ -21,7 +26,7 @@ def _register():
         name="ffn", description="Seal et al.'s FFN of --width x --depth (its teacher task)",
         config_type=FFNConfig, module=families.Lazy("jphantom.models.ffn.model", "FFN"),
         from_flags=family_config,
-        flags=("width", "depth", "ghost_width"), common_flags=("dtype",),
+        fields=(WIDTH, DEPTH, GHOST_WIDTH), common_flags=("dtype",),
         strategies=(*families.LM_STRATEGIES[:3], "tensor-t1", *families.LM_STRATEGIES[3:]),
         flops_per_token=lambda config, seq_len: 6 * config.depth * config.width ** 2,
         program="ffn", defaults="ffn"))

@@ -9,7 +9,16 @@ from __future__ import annotations
 import dataclasses
 
 from jphantom.errors import ConfigError
+from jphantom.families import EXPERTS, GHOST_WIDTH, MOE_EVERY, TOP_K, Field
 from jphantom.models.gpt2.config import TransformerConfig, moe_fields
+
+CAPACITY_FACTOR = Field(
+    "capacity_factor", float, 1.25, "each MoE expert takes capacity_factor x T k / E tokens per "
+    "rank; the rest are dropped and counted", minimum=0, above=True)
+DROPLESS = Field("dropless", bool, False, "MoE with no capacity, no dropped tokens (grouped "
+                 "matmuls, ragged all-to-all)")
+"""The model-section settings GPT-2 owns (:class:`jphantom.families.Field`; it reads the shared
+ghost width and routed-expert ones too)."""
 
 HF = "jphantom.models.gpt2.hf"
 """The module of GPT-2's Hugging Face reader and writer (numpy and jax: imported when used)."""
@@ -42,6 +51,13 @@ def family_config(section, phantom: bool) -> TransformerConfig:
                                           section.capacity_factor, section.dropless))
 
 
+def check(section) -> None:
+    """A run's model section GPT-2 cannot build: a capacity factor with dropless experts."""
+    if section.dropless and section.capacity_factor != CAPACITY_FACTOR.default:
+        raise ConfigError(f"--capacity-factor {section.capacity_factor:g} does not apply with "
+                          "--dropless (no capacity: no token is dropped); leave one out")
+
+
 def plan_shape(config: TransformerConfig):
     """The dense-block shape :mod:`jphantom.planner` prices (GPT-2's block, tied head)."""
     from jphantom.perf.axonn_model import GPTShape
@@ -60,12 +76,12 @@ def _register():
         name="gpt2", description="GPT-2 (LayerNorm, GELU MLP, learned positions, tied head); "
         "GShard-style routed MoE blocks with --moe-every", config_type=TransformerConfig,
         module=families.Lazy("jphantom.models.gpt2.model", "GPT2"), from_flags=family_config,
-        flags=("ghost_width", "moe_every", "experts", "top_k", "capacity_factor", "dropless"),
+        fields=(GHOST_WIDTH, MOE_EVERY, EXPERTS, TOP_K, CAPACITY_FACTOR, DROPLESS),
         hf_types=("gpt2",), config_from_hf=families.Lazy(HF, "config_from_hf"),
         load_hf=families.Lazy(HF, "load_hf"), save_hf=families.Lazy(HF, "save_hf"),
         flops_per_token=lambda config, seq_len: dataclasses.replace(
             config, seq_len=seq_len).flops_per_token(),
-        plan_shape=plan_shape, plan=families.Lazy("jphantom.models.gpt2.plan", "plan"),
+        plan_shape=plan_shape, plan=families.Lazy("jphantom.models.gpt2.plan", "plan"), check=check,
         aliases=("transformer",)))
 
 

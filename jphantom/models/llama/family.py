@@ -10,7 +10,19 @@ from __future__ import annotations
 import dataclasses
 
 from jphantom.errors import ConfigError
+from jphantom.families import GHOST_WIDTH, Field
 from jphantom.models.llama.config import LlamaConfig
+
+KV_HEADS = Field("kv_heads", int | None, None,
+                 "key/value heads of grouped-query attention (default: heads)", minimum=1)
+INTERMEDIATE = Field("intermediate", int | None, None, "MLP width (qwen3_moe: each expert's; "
+                     "default 8h/3 rounded up to a multiple of 32)", minimum=1)
+SLIDING_WINDOW = Field("sliding_window", int | None, None, "the attention window W (each token "
+                       "attends itself and the W-1 before it; gemma3's local layers, default "
+                       "512)", minimum=1)
+"""The model-section settings the Llama family owns (:class:`jphantom.families.Field`; every
+variant reads ``kv_heads``, ``intermediate`` and the shared ghost width, a variant's
+``register_variant(fields=...)`` adds its own)."""
 
 HF = "jphantom.models.llama.hf"
 """The module of the family's Hugging Face reader and writer (numpy and jax: imported when
@@ -76,11 +88,14 @@ def family_config(section, name: str, **preset) -> LlamaConfig:
 
 
 def register_variant(name: str, description: str, hf_types: tuple[str, ...], *,
-                     flags: tuple[str, ...] = (), check=None, aliases: tuple[str, ...] = (),
+                     fields: tuple[Field, ...] = (), flags: tuple[str, ...] = (), check=None,
+                     aliases: tuple[str, ...] = (),
                      strategies: tuple[str, ...] | None = None, **preset):
     """Register a Llama-family variant (one :class:`LlamaConfig` preset, the
     :class:`~jphantom.models.llama.Llama` module, its Hugging Face reader and writer); the
     variant owns the configurations whose :attr:`LlamaConfig.model_type` is in ``hf_types``;
+    ``fields``: the model-section settings it reads beyond every variant's (declarations,
+    :class:`jphantom.families.Field`; ``flags``: names of fields declared elsewhere);
     ``strategies``: what it runs (default every language-model strategy)."""
     import functools
 
@@ -90,7 +105,7 @@ def register_variant(name: str, description: str, hf_types: tuple[str, ...], *,
         name=name, description=description, config_type=LlamaConfig,
         module=families.Lazy("jphantom.models.llama.model", "Llama"),
         from_flags=lambda section, phantom: family_config(section, name, **preset),
-        flags=("kv_heads", "intermediate", "ghost_width", *flags), hf_types=hf_types,
+        fields=(KV_HEADS, INTERMEDIATE, GHOST_WIDTH, *fields), flags=flags, hf_types=hf_types,
         config_from_hf=families.Lazy(HF, "config_from_hf"), load_hf=families.Lazy(HF, "load_hf"),
         save_hf=families.Lazy(HF, "save_hf"),
         flops_per_token=flops_per_token, plan_shape=functools.partial(plan_shape, model=name),

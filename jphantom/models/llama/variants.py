@@ -40,7 +40,8 @@ Checkpoints with RoPE scaling on the global layers (Gemma 3 4B and larger) are r
 """
 
 from jphantom.errors import ConfigError
-from jphantom.models.llama.family import NO_PMM3D, register_variant
+from jphantom.families import EXPERTS, MOE_EVERY, TOP_K
+from jphantom.models.llama.family import NO_PMM3D, SLIDING_WINDOW, register_variant
 
 # ----------------------------------------------------------------------------------- Llama
 
@@ -53,7 +54,7 @@ def _check_llama_flags(section) -> None:
 
 register_variant(
     "llama", "Llama 2/3 (GQA, RoPE, SwiGLU, untied head); Mixtral's experts with --moe-every 1",
-    ("llama", "mixtral"), flags=("moe_every", "experts", "top_k"), check=_check_llama_flags,
+    ("llama", "mixtral"), fields=(MOE_EVERY, EXPERTS, TOP_K), check=_check_llama_flags,
     experts=lambda s: s.experts if s.moe_every else 0, top_k=lambda s: s.top_k)
 
 
@@ -61,7 +62,7 @@ register_variant(
 
 register_variant(
     "mistral", "Mistral: Llama blocks with sliding-window attention (--sliding-window)",
-    ("mistral",), flags=("sliding_window",), sliding_window=lambda s: s.sliding_window,
+    ("mistral",), fields=(SLIDING_WINDOW,), sliding_window=lambda s: s.sliding_window,
     hf_type="mistral")
 
 # ------------------------------------------------------------------------------------- Qwen
@@ -83,7 +84,7 @@ def _check_moe(section) -> None:
 
 register_variant(
     "qwen3_moe", "Qwen3-MoE: Qwen3 attention, every MLP fine-grained experts (--experts, "
-    "--top-k, --intermediate per expert)", ("qwen3_moe",), flags=("experts", "top_k"),
+    "--top-k, --intermediate per expert)", ("qwen3_moe",), fields=(EXPERTS, TOP_K),
     check=_check_moe, strategies=NO_PMM3D, qk_norm=True, rope_theta=1e6, rms_norm_eps=1e-6,
     experts=lambda s: s.experts, top_k=lambda s: s.top_k, norm_topk_prob=True,
     hf_type="qwen3_moe")
@@ -99,7 +100,7 @@ def _layer_types(section) -> tuple[str, ...]:
 register_variant(
     "gemma3", "Gemma 3 text: (1 + w) and sandwich norms, GeGLU, scaled embeddings, 5 local "
     "(--sliding-window) : 1 global layers, tied embeddings", ("gemma3_text",),
-    flags=("sliding_window",), aliases=("gemma3_text",), strategies=NO_PMM3D,
+    fields=(SLIDING_WINDOW,), aliases=("gemma3_text",), strategies=NO_PMM3D,
     norm_offset=True, post_norms=True, activation="gelu_tanh",
     embed_scale=True, qk_norm=True, tie_word_embeddings=True, rms_norm_eps=1e-6,
     rope_theta=1e6, rope_local_theta=1e4, layer_types=_layer_types,
