@@ -230,7 +230,13 @@ class Trainer:
         if run.policy.skips_batch(index):  # the batch that gave a rolled-back non-finite loss
             self._emit(run, SkippedBatch(index + 1))
             return index + 1, True
+        counted = getattr(self.step, "weight_report", None)
+        before = None if counted is None else counted.skipped
         loss, elapsed, joules = self._update(run, index, pair)
+        if before is not None and counted.skipped > before:  # nothing to count: no update
+            run.policy.nothing_counted(index)
+            self._emit(run, SkippedBatch(index + 1, reason="nothing to count"))
+            return self._end_of_step(run, index)
         finite = (not run.policy.checks_state) or bool(state_is_finite(self.state))
         verdict = run.policy.judge(index, loss, self.state.opt_state,
                                    run.checkpoints.last_good, finite)

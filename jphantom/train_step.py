@@ -95,7 +95,6 @@ class TrainStep:
                  reducer: type[Reducer] = Reducer, donate: bool = True,
                  on_nonfinite: str = "warn", **options):
         check_optimizer(optimizer)
-        self.watch = NonFiniteWatch(on_nonfinite)
         self.setup = setup = setup_of(model, mesh, loss_fn, **options)
         self.update = OptimizerUpdate(optimizer, setup,
                                       keep_finite=on_nonfinite in ("skip", "stop"))
@@ -105,6 +104,7 @@ class TrainStep:
         self._step = None
         # the global weights of a weighted loss_fn, checked as the step runs (token_mean.guard)
         self.weight_report = token_mean.WeightReport(setup.loss_fn)
+        self.watch = NonFiniteWatch(on_nonfinite, lambda: self.weight_report.skipped)
         # the facts users and tools read, by their names
         self.mesh, self.layout, self.loss_fn = setup.mesh, setup.layout, setup.loss_fn
         self.model_template, self.precision = setup.model_template, setup.precision

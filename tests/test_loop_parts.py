@@ -14,6 +14,7 @@ from jphantom.errors import TrainingDiverged
 from jphantom.loop import (NonFinitePolicy, RolledBack, RunCheckpoints, RunResults, SkippedBatch,
                            StepRecord, fresh_history)
 from jphantom.resilience import MAX_CONSECUTIVE_SKIPS, MAX_ROLLBACKS
+from jphantom.loop.nonfinite import summary
 
 
 def _config(policy: str):
@@ -67,7 +68,10 @@ def test_rollback_asks_for_a_rollback_then_skips_the_bad_batch_once():
     assert policy.skips_batch(5) and not policy.skips_batch(5)
     assert policy.record() == {"policy": "rollback", "skipped_steps": [], "skipped_updates": 0,
                                "rollbacks": [{"at_step": 6, "to_step": 3}],
-                               "skipped_batches": [6]}
+                               "skipped_batches": [6], "empty_batches": []}
+    policy.nothing_counted(7)  # a batch with nothing to count: recorded, said, not judged
+    assert policy.record()["empty_batches"] == [8]
+    assert "1 batch(es) had nothing to count" in summary(policy.record(), 10)
 
 
 def test_a_finite_loss_with_a_nonfinite_state_is_judged_bad_and_rollbacks_are_bounded():

@@ -83,3 +83,17 @@ def test_skip_and_stop_keep_the_last_finite_state():
 def test_an_unknown_policy_is_one_line():
     with pytest.raises(ConfigError, match="on_nonfinite='retry' must be one of 'warn'"):
         _step(0.1, on_nonfinite="retry")
+
+
+def test_a_batch_with_nothing_to_count_is_not_a_nonfinite_loss():
+    """A weighted loss_fn's batch with nothing to count comes back NaN with no update applied
+    (jphantom.token_mean reports it): the watch passes over it, and warns at the next NaN."""
+    from jphantom.step.finite import NonFiniteWatch
+
+    empty = [1]
+    watch = NonFiniteWatch("warn", lambda: empty[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", JPhantomWarning)
+        watch(None, jnp.float32(jnp.nan))  # the empty batch
+    with pytest.warns(JPhantomWarning, match="training loss is nan at call 2"):
+        watch(None, jnp.float32(jnp.nan))

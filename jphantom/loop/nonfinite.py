@@ -39,6 +39,7 @@ class NonFinitePolicy:
         self.skipped_steps: list[int] = []
         self.rollbacks: list[dict] = []
         self.skipped_batches: list[int] = []
+        self.empty_batches: list[int] = []  # batches with nothing to count (no update)
         self._bad_batches: set[int] = set()
         self._in_a_row = 0
         self._rollbacks_in_a_row = 0
@@ -46,8 +47,11 @@ class NonFinitePolicy:
 
     @property
     def checks_state(self) -> bool:
-        """Whether the loop checks the state after each step (``skip`` keeps it finite)."""
-        return self.name != "skip"
+        """Whether the loop checks the state after each step: under ``rollback``, so that the
+        batch whose update broke a finite-loss step is the one skipped. ``skip`` keeps the state
+        finite; under ``stop`` the next step's loss, the checkpoint writer and the end of the run
+        see a broken state, and the default step pays no extra pass over the state."""
+        return self.name == "rollback"
 
     def reset(self, opt_state) -> None:
         """The optimizer's count of dropped updates starts again from ``opt_state``'s."""
@@ -107,6 +111,11 @@ class NonFinitePolicy:
         self.rollbacks.append({"at_step": index + 1, "to_step": to_step})
         self._bad_batches.add(index)
 
+    def nothing_counted(self, index: int) -> None:
+        """Batch ``index`` had nothing to count (the loss's global weight 0): the step applied no
+        update; recorded, not judged."""
+        self.empty_batches.append(index + 1)
+
     def saved(self) -> None:
         """A checkpoint was written: the run made progress since its last rollback."""
         self._rollbacks_in_a_row = 0
@@ -125,7 +134,7 @@ class NonFinitePolicy:
         """``results.json``'s ``nonfinite``."""
         return {"policy": self.name, "skipped_steps": self.skipped_steps,
                 "skipped_updates": len(self.skipped_steps), "rollbacks": self.rollbacks,
-                "skipped_batches": self.skipped_batches}
+                "skipped_batches": self.skipped_batches, "empty_batches": self.empty_batches}
 
 
 def summary(record: dict, steps: int) -> str | None:
@@ -139,4 +148,10 @@ def summary(record: dict, steps: int) -> str | None:
     if record.get("rollbacks"):
         parts.append(f"rolled back {len(record['rollbacks'])} time(s), skipping batch(es) "
                      + ", ".join(map(str, record["skipped_batches"][:10])))
-    return "non-finite: " + "; ".join(parts) if parts else None
+    line = "non-finite: " + "; ".join(parts) if parts else None
+    if record.get("empty_batches"):
+        empty = (f"{len(record['empty_batches'])} batch(es) had nothing to count (every target "
+                 "ignored) and trained nothing: steps "
+                 + ", ".join(map(str, record["empty_batches"][:10])))
+        line = empty if line is None else f"{line}; {empty}"
+    return line

@@ -53,12 +53,15 @@ class StepRecord:
 
 @dataclasses.dataclass(frozen=True)
 class SkippedBatch:
-    """The batch that gave a rolled-back non-finite loss, read and not trained on."""
+    """A batch read and not trained on: the one that gave a rolled-back non-finite loss, or one
+    with nothing to count (``reason``; every target ignored, the loss's global weight 0)."""
 
     step: int
+    reason: str = "rolled back"
 
     def as_dict(self) -> dict:
-        return {"step": self.step, "skipped_batch": True}
+        found = {"step": self.step, "skipped_batch": True}
+        return found if self.reason == "rolled back" else {**found, "reason": self.reason}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -92,8 +92,9 @@ def skipped_updates(opt_state) -> int | None:
 class NonFiniteWatch:
     """The step's side of the policy (module docstring), called with each step's outputs."""
 
-    def __init__(self, policy: str):
+    def __init__(self, policy: str, empty=lambda: 0):
         self.policy = check_policy(policy)
+        self.empty, self._empty_seen = empty, 0  # batches with nothing to count, so far
         self.calls = 0
         self.warned = False
         self._pending: list[tuple[int, jax.Array]] = []
@@ -114,6 +115,9 @@ class NonFiniteWatch:
             if _ready(value) is None:
                 continue  # deleted (donated or freed) before it was read
             value = float(value)
+            if not math.isfinite(value) and self._empty_seen < self.empty():
+                self._empty_seen += 1  # nothing to count: reported, no update (token_mean)
+                continue
             if not math.isfinite(value):
                 self.warned, self._pending = True, []
                 what = ("the update was not applied (on_nonfinite='skip'; "
@@ -127,6 +131,9 @@ class NonFiniteWatch:
 
     def _stop(self, state, loss) -> None:
         skipped, value = skipped_updates(state.opt_state) or 0, float(loss)
+        if not math.isfinite(value) and self._empty_seen < self.empty():
+            self._empty_seen += 1  # nothing to count: reported, no update (token_mean)
+            return
         if skipped > self._skipped or not math.isfinite(value):
             self._skipped = skipped
             error = TrainingDiverged(
