@@ -319,3 +319,24 @@ def ensure_devices(count: int) -> None:
             f"{count} devices needed, jax already runs with {jax.device_count()}: start a fresh "
             f"process, or set XLA_FLAGS=--xla_force_host_platform_device_count={count} before jax "
             "starts") from None
+
+
+def device_memory(mesh: Mesh) -> tuple[int | None, str]:
+    """(bytes one device of ``mesh`` can hold, where the number comes from), read without
+    allocating: the device's ``memory_stats()['bytes_limit']`` where the backend reports it
+    (GPUs), else the host's physical memory (``os.sysconf``) shared by the mesh's devices
+    (simulated CPU devices all live in the host's memory); ``(None, "unknown")`` if neither."""
+    device = mesh.devices.flat[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # backends without memory statistics raise or return None
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), f"{device.device_kind} memory_stats()['bytes_limit']"
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None, "unknown"
+    devices = mesh.devices.size
+    return host // devices, (f"host physical memory {host / 2**30:.1f} GiB shared by {devices} "
+                             f"{device.platform} device(s)")

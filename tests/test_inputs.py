@@ -228,3 +228,28 @@ def test_a_truncated_llama_checkpoint_is_one_line(tmp_path):
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(ConfigError, match=r"cannot read .*model.safetensors as safetensors: "):
         load_hf(tmp_path)
+
+
+def test_step_init_beyond_a_devices_memory_is_refused_with_the_estimate(monkeypatch):
+    """A width-2**20 phantom FFN's init used to die in RESOURCE_EXHAUSTED (137 GB) with no
+    estimate: the parameters and optimizer state are counted from the abstract state (nothing
+    allocated) and refused by name above what a device holds (here a limit the test sets)."""
+    import optax
+
+    from jphantom import program
+    from jphantom.errors import ConfigError
+    from jphantom.mesh import first_devices
+    from jphantom.models.ffn import FFNConfig
+    from jphantom.step import memory
+
+    built = program.build(FFNConfig(width=64, depth=2, ghost_width=2), "phantom", "model=2")
+    step = built.train_step(built.mesh.build(first_devices(2)), optax.adam(1e-3))
+    monkeypatch.setattr(memory, "device_memory", lambda mesh: (2**14, "a test's limit"))
+    creators = []
+    monkeypatch.setattr(type(step), "_creator", lambda *a: creators.append(a))
+    with pytest.raises(ConfigError, match=r"step.init: the parameters \(.* GiB\) and optimizer "
+                                          r"state \(.* GiB\) need .* GiB per device, before "
+                                          r".* one device holds \(a test's limit\): shard the "
+                                          r"optimizer state \(zero=1"):
+        built.init(step)
+    assert not creators  # refused before the parameters' creation was even compiled

@@ -27,22 +27,14 @@ devices of the mesh (simulated CPU devices all live in the host's memory).
 from __future__ import annotations
 
 import math
-import os
 
-import jax
 import numpy as np
 
 from jphantom.errors import ConfigError
+from jphantom.mesh import device_memory
+from jphantom.step.memory import device_bytes
 
 GIB = 2**30
-
-
-def _device_bytes(abstract) -> int:
-    total = 0
-    for leaf in jax.tree.leaves(abstract):
-        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
-        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
-    return total
 
 
 def estimate_training_memory(step, batch, *, activations: int) -> dict[str, int]:
@@ -51,12 +43,12 @@ def estimate_training_memory(step, batch, *, activations: int) -> dict[str, int]
     batch's ``ShapeDtypeStruct``s with their shardings, ``activations`` the rough activation
     bytes per device (:func:`activation_bytes`)."""
     state = step.abstract_state()
-    params = _device_bytes(state.params)
+    params = device_bytes(state.params)
     estimate = {
         "parameters": params,
         "gradients": params,
-        "optimizer_state": _device_bytes(state.opt_state),
-        "batch": _device_bytes(batch),
+        "optimizer_state": device_bytes(state.opt_state),
+        "batch": device_bytes(batch),
         "activations": activations,
     }
     estimate["total"] = sum(estimate.values())
@@ -81,28 +73,10 @@ def activation_bytes(config, program) -> int:
     return (4 * layers * tokens * hidden + tokens * vocab // max(1, mesh.size("model"))) * itemsize
 
 
-def _host_memory() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
 def available_memory(mesh) -> tuple[int | None, str]:
-    """(bytes one device of ``mesh`` can hold, where the number comes from); None if unknown."""
-    device = mesh.devices.flat[0]
-    try:
-        stats = device.memory_stats()
-    except Exception:  # backends without memory statistics raise or return None
-        stats = None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"]), f"{device.device_kind} memory_stats()['bytes_limit']"
-    host = _host_memory()
-    if host is None:
-        return None, "unknown"
-    devices = mesh.devices.size
-    return host // devices, (f"host physical memory {host / GIB:.1f} GiB shared by {devices} "
-                             f"{device.platform} device(s)")
+    """(bytes one device of ``mesh`` can hold, where the number comes from); None if unknown
+    (:func:`jphantom.mesh.device_memory`, which the step's own check before ``init`` reads too)."""
+    return device_memory(mesh)
 
 
 def check_fits(estimate: dict[str, int], mesh, what: str = "this training step") -> None:
