@@ -74,7 +74,7 @@ from jphantom.step.memory import check_state_fits
 from jphantom.step.pipeline import PipelineGradients
 from jphantom.step.reduce import Reducer
 from jphantom.step.setup import StepSetup, setup_of
-from jphantom.step.update import OptimizerUpdate, check_optimizer
+from jphantom.step.update import OptimizerUpdate, check_learning_rate, check_optimizer
 
 
 def gradients_of(setup: StepSetup, reducer: Reducer):
@@ -162,6 +162,7 @@ class TrainStep:
         shape = jax.eval_shape(lambda p: p, params)
         opt_state = jax.jit(self.optimizer.init,
                             out_shardings=self.update.state_shardings(shape))(params)
+        check_learning_rate(opt_state)
         return TrainState(params, opt_state)
 
     def abstract_state(self) -> TrainState:

@@ -253,3 +253,25 @@ def test_step_init_beyond_a_devices_memory_is_refused_with_the_estimate(monkeypa
                                           r"optimizer state \(zero=1"):
         built.init(step)
     assert not creators  # refused before the parameters' creation was even compiled
+
+
+@pytest.mark.parametrize("rate", [-0.1, float("nan")])
+def test_a_negative_or_nan_learning_rate_jphantom_can_read_is_refused_at_init(rate):
+    """optax.sgd(-0.1) trained by gradient ascent without a word. A rate in an
+    inject_hyperparams state is read at init; a plain transformation's is in a closure."""
+    import optax
+
+    from jphantom import program
+    from jphantom.errors import ConfigError
+    from jphantom.mesh import first_devices
+    from jphantom.models.ffn import FFNConfig
+
+    built = program.build(FFNConfig(width=8, depth=1), "dense", "model=1")
+    mesh = built.mesh.build(first_devices(1))
+    optimizer = optax.chain(optax.clip(1.0), optax.inject_hyperparams(optax.sgd)(learning_rate=rate))
+    with pytest.raises(ConfigError, match=f"the optimizer's learning_rate is {rate:g} "
+                                          r"\(its optax.inject_hyperparams state.*\): give a "
+                                          "positive, finite learning rate"):
+        built.init(built.train_step(mesh, optimizer))
+    good = optax.inject_hyperparams(optax.sgd)(learning_rate=optax.linear_schedule(0.0, 0.1, 4))
+    built.init(built.train_step(mesh, good))  # a warm-up from 0 is fine

@@ -33,6 +33,28 @@ def check_optimizer(optimizer) -> None:
                           "optax.adamw(3e-4)")
 
 
+def check_learning_rate(opt_state) -> None:
+    """A ConfigError when an ``optax.inject_hyperparams`` state in ``opt_state`` holds a
+    negative or non-finite ``learning_rate`` (gradient ascent, or NaN parameters from the first
+    update). Any other optax transformation keeps its rate in a closure jphantom cannot read:
+    the CLI checks ``--learning-rate``, and ``on_nonfinite="warn"`` reports a NaN rate's first
+    non-finite loss."""
+    import math
+
+    import numpy as np
+
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, "hyperparams")):
+        rate = getattr(node, "hyperparams", {}).get("learning_rate")
+        if not isinstance(rate, jax.Array) or rate.ndim:
+            continue
+        value = float(np.asarray(rate.addressable_data(0)))  # one scalar, at init only
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(
+                f"the optimizer's learning_rate is {value:g} (its optax.inject_hyperparams "
+                f"state{'; the updates would ascend the loss' if value < 0 else ''}): give a "
+                "positive, finite learning rate, e.g. 3e-4")
+
+
 class OptimizerUpdate:
     """``state = update(grads, state)``: the optimizer's step on the global gradients; built from
     the user's optax transformation and the setup (module docstring)."""
