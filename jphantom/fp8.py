@@ -30,15 +30,19 @@ through estimator carries gradients through the rounding (TransformerEngine's an
 
 **One scale per tensor, as on one device, across the axes that split a layer.** A tensor split
 over the axes that cut one layer's tensors (``model``, ``context``, ``x``, ``y``: a weight's
-columns, the sequence under sequence or context parallelism) takes the maximum of its ranks'
+columns, the sequence under sequence or context parallelism; ``expert``: the experts' weights and
+the tokens sent to them, and the batch of the layers between) takes the maximum of its ranks'
 amax (``lax.pmax`` over those axes), so every rank quantises with the scale the one-device model
-would use: an FP8 step under tensor, sequence or context parallelism equals the one-device FP8
-step (tested). The price is one all-reduce of a scalar per quantised tensor per GEMM over those
-axes (TransformerEngine reduces amax over the tensor-parallel group the same way). Over the axes
-the batch is split over (``data``, ``expert``, ``z``: :data:`jphantom.mesh.BATCH_AXES`) and
-``stage`` the scale stays the rank's own, as in every FP8 recipe: a data-parallel FP8 step
-equals the one-device FP8 steps of its data ranks' batches, not one step of the whole batch, and
-no scalar all-reduce crosses nodes with the data axis.
+would use: with float32 elsewhere, an FP8 step under tensor, sequence, context, expert or pmm3d
+parallelism equals the one-device FP8 step (tested to 1e-5). The price is one all-reduce of a
+scalar per quantised tensor per GEMM over those axes (TransformerEngine reduces amax over the
+tensor-parallel group the same way). Over ``data`` and ``z`` (the batch alone) and ``stage`` the
+scale stays the rank's own, as in every FP8 recipe: a data-parallel FP8 step equals the
+one-device FP8 steps of its data ranks' batches, not one step of the whole batch, and no scalar
+all-reduce crosses nodes with the data axis. With bf16 compute, a layout's sums round
+differently (its partial sums are bf16 before their all-reduce), and FP8's coarse rounding
+amplifies that: the FP8 step differs from the one-device FP8 step by up to 8x what the bf16
+step differs by (docs/gpu.md gives the argument and the measurement).
 
 :class:`jphantom.precision.Precision` ``fp8`` (``--precision fp8``) sets this on the linear layers
 of a model's :class:`~jphantom.nn.stack.Stacked` blocks (every linear layer of a model without
@@ -55,13 +59,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from jphantom import comm
-from jphantom.mesh import BATCH_AXES
+from jphantom.mesh import DATA, STAGE, Z
 
 E4M3 = jnp.float8_e4m3fn  # forward: activations and weights
 E5M2 = jnp.float8_e5m2  # backward: output gradients
 # the scale stays the rank's own over these: a pipeline stage's tensors are its own, and over the
-# batch axes each rank's activations are its own batch's (module docstring)
-NO_SCALE_AXES = ("stage", *BATCH_AXES)
+# data axes each rank's activations are its own batch's (module docstring). ``expert`` is not
+# among them: it splits the experts' tensors as well as the batch.
+NO_SCALE_AXES = (STAGE, DATA, Z)
 
 
 def scale_of(x: jax.Array, fmt) -> jax.Array:
@@ -133,11 +138,20 @@ def _fp8_matmul_fwd(x, w, batched):
     return _gemm(x8, w8, _DIMS[batched][0], sx * sw, x.dtype), (x8, sx, w8, sw)
 
 
+def _like(grad, primal):
+    """``grad`` summed over the mesh axes it varies over and ``primal`` does not: the transpose
+    of the implicit broadcast (``pvary``) that autodiff would have inserted for an operand
+    replicated over an axis its GEMM's other operand is split over (pmm3d's x over ``y``)."""
+    extra = comm.varying_axes(grad) - comm.varying_axes(primal)
+    return comm.psum(grad, tuple(sorted(extra))) if extra else grad
+
+
 def _fp8_matmul_bwd(batched, residuals, g):
     x8, sx, w8, sw = residuals
     g8, sg = quantize(g, E5M2)
     _, dgrad, wgrad = _DIMS[batched]
-    return _gemm(g8, w8, dgrad, sg * sw, g.dtype), _gemm(x8, g8, wgrad, sx * sg, g.dtype)
+    return (_like(_gemm(g8, w8, dgrad, sg * sw, g.dtype), x8),
+            _like(_gemm(x8, g8, wgrad, sx * sg, g.dtype), w8))
 
 
 _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)

@@ -96,6 +96,20 @@ class Precision:
                 return name
         return "custom"
 
+    def check_master(self, dtypes) -> None:
+        """Every policy but float32 updates float32 master weights (the table above): the
+        floating parameters' dtypes (``dtypes``, names) must all be float32, else a ConfigError
+        naming them. Stated once; the run's configuration and the training step both check it."""
+        if self.is_default:
+            return
+        other = sorted({str(d) for d in dtypes} - {"float32"})
+        if other:
+            raise ConfigError(f"precision={self.name!r} computes in {self.compute} and updates "
+                              f"float32 master weights, but the model's parameters are "
+                              f"{', '.join(other)}: build the model in float32 (--dtype float32; "
+                              "the policy casts it for the forward), or train in its dtype with "
+                              "precision='float32'")
+
     def retype(self, model):
         """``model`` (merged from :meth:`cast` leaves) computing in the compute dtype: modules that
         name a floating ``dtype`` get the compute dtype. Flax's ``nnx.Embed`` sets its ``dtype`` to

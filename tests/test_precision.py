@@ -10,6 +10,7 @@ import optax
 import pytest
 
 from jphantom import program as program_module
+from jphantom.config import RunConfig
 from jphantom.errors import ConfigError
 from jphantom.models.ffn import FFNConfig
 from jphantom.precision import Precision
@@ -59,3 +60,24 @@ def test_bad_precision_is_a_config_error():
         Precision.named("fp4")
     with pytest.raises(ConfigError, match="loss_scale"):
         Precision("float16", loss_scale=0)
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp8", "bfloat16"), ("bf16", "bfloat16"),
+                                              ("bf16", "float64"), ("fp8", "float64"),
+                                              ("float16", "float64")])
+def test_mixed_precision_refuses_master_weights_other_than_float32(precision, dtype):
+    """Every policy but float32 updates float32 master weights: one rule
+    (Precision.check_master), checked by the run's configuration before anything is built."""
+    with pytest.raises(ConfigError, match=rf"precision='{precision}' .* float32 master weights, "
+                                          rf"but the model's parameters are {dtype}"):
+        RunConfig.from_flags(model="gpt2", precision=precision, dtype=dtype)
+    RunConfig.from_flags(model="gpt2", precision=precision)  # float32: fine
+    RunConfig.from_flags(model="gpt2", dtype=dtype)  # trained in its own dtype: fine
+
+
+def test_the_training_step_refuses_bf16_master_weights_under_fp8():
+    """The API states the same rule: make_train_step with a bfloat16 model under fp8."""
+    program = program_module.build(FFNConfig(16, 2, dtype="bfloat16"), "dense", "model=1")
+    mesh = program.mesh.build(jax.devices()[:1])
+    with pytest.raises(ConfigError, match="precision='fp8' .* are bfloat16"):
+        program.train_step(mesh, optax.sgd(0.1), precision="fp8")

@@ -190,3 +190,42 @@ def test_registered_styles_refuse_what_they_do_not_fit(registered):
         jphantom.register_style("column", _Dense, lambda m, at: m)
     with pytest.raises(ConfigError, match="register_style adds a style"):
         jphantom.Style("test-nothing")
+
+
+GPT2_FLAGS = ["verify", "--model", "gpt2", "--layers", "2", "--hidden", "32", "--heads", "4",
+              "--seq-len", "16", "--batch", "8", "--strategy", "tensor", "--mesh", "model=2",
+              "--json"]
+
+
+@pytest.mark.parametrize("precision, tolerance", [
+    ("bf16", 32 * 2.0 ** -8),
+    pytest.param("fp8", 2 * 2.0 ** -3, marks=pytest.mark.slow),
+])
+def test_verify_compares_mixed_precision_with_the_one_device_step_at_that_precision(
+        precision, tolerance, capsys):
+    """Against float64 a bf16 or fp8 step could never pass 1e-5; against the one-device step at
+    its own precision it passes the tolerance derived from that precision, which the report
+    states (jphantom.exactness.tolerance_of: 32 unit roundoffs of bf16, one E5M2 step)."""
+    assert main([*GPT2_FLAGS, "--precision", precision]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["tolerance"] == tolerance and precision in report["reference"]
+    assert report["tolerance_derived"] != "float32"
+    assert 1e-5 < report["worst"]["error"] <= tolerance  # not float32-exact; within its own
+    assert main([*GPT2_FLAGS, "--precision", precision, "--tolerance", "1e-5"]) == 1
+
+
+def test_the_one_device_step_at_a_precision_is_verify_s_reference_bit_for_bit():
+    """On one device the step and the reference are the same computation: no difference."""
+    model = Llama(LLAMA, rngs=nnx.Rngs(0))
+    report = jphantom.verify(model, _mesh("model=1"), None, lm_loss, _tokens(), _tokens(),
+                             precision="bf16")
+    assert report.worst[1] == 0 and report.loss_error == 0 and report.tolerance == 2.0 ** -3
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--out", "--checkpoint-dir", "--on-nonfinite",
+                                  "--learning-rate", "--data", "--progress"])
+def test_verify_lists_no_flag_it_does_not_use(flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["verify", flag, "1"] if flag != "--progress" else ["verify", flag])
+    assert exit_info.value.code == 2
+    assert f"unrecognized arguments: {flag}" in capsys.readouterr().err

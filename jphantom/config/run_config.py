@@ -45,6 +45,9 @@ class RunConfig:
             raise ConfigError("dtype='float16' with an adaptive optimizer underflows Adam's "
                               "epsilon (1e-8 is 0 in float16): use --precision float16 (float32 "
                               "master weights), bfloat16, or --optimizer sgd")
+        from jphantom.precision import Precision
+
+        Precision.named(self.step.precision).check_master([self.model.dtype])
         if declared is not None and "stage" in declared.shape:
             strategies.check_stage(strategy, True)
             if self.step.accumulate != 1:

@@ -209,6 +209,8 @@ class Experts(nnx.Module):
         lead, h = x.shape[:-1], x.shape[-1]
         experts = weights["w_up"].shape[0]
         rows = jnp.broadcast_to(x.reshape(1, -1, h), (experts, x.size // h, h))
+        if fp8:  # only the tokens routed to an expert in its FP8 scales, as when dispatched
+            rows = rows * (gates.reshape(-1, experts).T != 0)[..., None].astype(rows.dtype)
         out = expert_ffn(rows, weights, activation, reduce, fp8)  # [E, N, h]
         mixed = jnp.einsum("enh,ne->nh", out, gates.reshape(-1, experts).astype(out.dtype))
         return mixed.reshape(*lead, h)

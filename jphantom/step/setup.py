@@ -178,16 +178,9 @@ def setup_of(model: nnx.Module, mesh: Mesh, loss_fn: Callable, *, zero: int = 0,
 
 
 def _check_precision(precision: Precision, model: nnx.Module) -> Precision:
-    """Loss scaling needs float32 master weights to update."""
-    if precision.dynamic:
-        stored = {str(leaf.dtype) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))
-                  if jnp.issubdtype(leaf.dtype, jnp.floating)}
-        if stored - {"float32", "float64"}:
-            raise ConfigError(f"precision={precision.name!r} computes in float16 and "
-                              f"updates float32 master weights, but the model's parameters "
-                              f"are {', '.join(sorted(stored))}: build the model in float32 "
-                              "(the policy casts it for the forward), or train in its dtype "
-                              "with precision='float32'")
+    """Mixed precision updates float32 master weights (:meth:`Precision.check_master`)."""
+    precision.check_master(leaf.dtype for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))
+                           if jnp.issubdtype(leaf.dtype, jnp.floating))
     return precision
 
 
