@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import socket
 import time
 
@@ -19,6 +20,16 @@ from jphantom.errors import ConfigError
 
 # HTTP/2 client connection preface, then an empty SETTINGS frame (type 0x4; RFC 9113 3.4, 6.5).
 _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+# A gRPC call of a method no service has (RFC 9113 6.2 HEADERS, RFC 7541 literals without
+# indexing, no Huffman): a gRPC server answers HTTP status 200 (grpc-status UNIMPLEMENTED); an
+# HTTP/2 server or proxy that is no gRPC server answers another status (a sandbox's proxy: 404).
+_CALL = (b"\x83\x86"                                      # :method POST, :scheme http
+         + b"\x04\x33/xla.coordination.CoordinationService/JphantomProbe"          # :path
+         + b"\x0f\x10\x10application/grpc"                 # content-type
+         + b"\x00\x02te\x08trailers")
+_CALL_FRAME = len(_CALL).to_bytes(3, "big") + b"\x01\x05\x00\x00\x00\x01" + _CALL  # stream 1
+_STATUS = {0x88: 200, 0x89: 204, 0x8A: 206, 0x8B: 304, 0x8C: 400, 0x8D: 404, 0x8E: 500}
+_CALL_WAIT = 5.0  # seconds for the call's answer once SETTINGS came (none: as before, accepted)
 _BACKLOG = 64  # process 0's self-reach listener: peers probing at once never crowd out its client
 
 
@@ -136,7 +147,10 @@ def probe_coordinator(address: str, timeout: float) -> None:
     """Process != 0's check that a jax coordinator answers at ``address`` within ``timeout`` s.
 
     Retries the TCP connect until the deadline (process 0 may start later), then sends the HTTP/2
-    preface and expects the server's SETTINGS frame, as every gRPC server sends. Raises ConfigError
+    preface and expects the server's SETTINGS frame, as every gRPC server sends, then HTTP
+    status 200 for a gRPC call of a method no service has (:data:`_CALL`; another HTTP/2 server,
+    such as a proxy answering for an unreachable host, gives 404; no answer within
+    :data:`_CALL_WAIT` s is accepted, as SETTINGS alone once was). Raises ConfigError
     when something else answers, RuntimeError when nothing answers in time; both name ``address``.
     """
     host, port = split_address(address)
@@ -156,10 +170,19 @@ def probe_coordinator(address: str, timeout: float) -> None:
             continue
         with sock:
             header = _first_frame_header(sock, deadline)
+            length, kind, stream = int.from_bytes(header[:3], "big"), header[3:4], header[5:]
+            settings = len(header) == 9 and kind == b"\x04" and length % 6 == 0 and not any(stream)
+            status = _call_status(sock, length, min(deadline, time.monotonic() + _CALL_WAIT)) \
+                if settings else None
+        if settings and status in (None, 200):
+            return
+        if settings:
+            raise ConfigError(
+                f"coordinator_address {address}: an HTTP/2 server answers there but no jax "
+                f"coordinator (a gRPC call got HTTP status {status}, where gRPC answers 200; "
+                "a proxy may be answering for a host this machine cannot reach). Fix: give "
+                "the host:port of process 0, reachable from here without a proxy")
         if len(header) == 9:
-            length, kind, stream = int.from_bytes(header[:3], "big"), header[3], header[5:]
-            if kind == 0x4 and length % 6 == 0 and not any(stream):
-                return
             raise ConfigError(
                 f"coordinator_address {address}: what listens there is not a jax coordinator (it "
                 f"answered {header!r}, not an HTTP/2 SETTINGS frame). Fix: give the host:port of "
@@ -183,10 +206,11 @@ def _self_connected(sock: socket.socket) -> bool:
 
 
 def _first_frame_header(sock: socket.socket, deadline: float) -> bytes:
-    """Send the client preface; the server's first 9 bytes (fewer on silence, close or reset)."""
+    """Send the client preface and the probe's gRPC call; the server's first 9 bytes (fewer on
+    silence, close or reset)."""
     header = b""
     try:
-        sock.sendall(_PREFACE)
+        sock.sendall(_PREFACE + _CALL_FRAME)
         while len(header) < 9 and (left := deadline - time.monotonic()) > 0:
             sock.settimeout(left)
             chunk = sock.recv(9 - len(header))
@@ -196,3 +220,38 @@ def _first_frame_header(sock: socket.socket, deadline: float) -> bytes:
     except OSError:
         pass
     return header
+
+
+def _call_status(sock: socket.socket, skip: int, deadline: float) -> int | str | None:
+    """The HTTP status of the answer to :data:`_CALL_FRAME` (the first HEADERS frame of stream
+    1), after ``skip`` payload bytes of the frame already read; None when none came in time."""
+    buffer = b""
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            chunk = sock.recv(4096)
+            if not chunk:
+                return None
+            buffer += chunk
+            while len(buffer) >= skip + 9:  # past the frames read: the next frame's header
+                buffer, skip = buffer[skip:], 0
+                length, kind, stream = (int.from_bytes(buffer[:3], "big"), buffer[3],
+                                        int.from_bytes(buffer[5:9], "big"))
+                if kind == 0x1 and stream == 1:  # HEADERS: its first field is :status
+                    if len(buffer) < 9 + min(length, 16):
+                        break  # read on
+                    return _status_of(buffer[9:9 + length])
+                buffer, skip = buffer[9:], length
+    except OSError:
+        pass
+    return None
+
+
+def _status_of(block: bytes) -> int | str:
+    """The ``:status`` an HPACK block starts with (RFC 7541 6.1 indexed, or 6.2 literal with the
+    static name or a literal ``:status`` name, its value not Huffman-coded)."""
+    if block[:1] and block[0] in _STATUS:
+        return _STATUS[block[0]]
+    found = re.match(rb"(?:[\x08-\x0e\x18-\x1e\x48-\x4e]|[\x00\x10\x40]\x07:status)\x03(\d{3})",
+                     block)
+    return int(found.group(1)) if found else f"other than 200 (HPACK {block[:8]!r})"

@@ -155,9 +155,30 @@ def test_port_in_use_is_reported():
 # --------------------------------------------------------------------------------------------------
 
 
-def test_probe_accepts_an_http2_server():
-    with server(SETTINGS_FRAME + b"\x00\x00\x00\x04\x01\x00\x00\x00\x00") as port:
-        probe_coordinator(f"127.0.0.1:{port}", 2)
+def _headers(block: bytes) -> bytes:
+    """An HTTP/2 HEADERS frame of stream 1 (END_STREAM | END_HEADERS) holding ``block``."""
+    return len(block).to_bytes(3, "big") + b"\x01\x05\x00\x00\x00\x01" + block
+
+
+@pytest.mark.parametrize("status", [b"\x88", b"\x00\x07:status\x03200"],
+                         ids=["indexed", "literal, as jax's coordinator writes it"])
+def test_probe_accepts_an_http2_server(status):
+    ack = b"\x00\x00\x00\x04\x01\x00\x00\x00\x00"
+    with server(SETTINGS_FRAME + ack + _headers(status + b"\x00\x02te\x00")) as port:
+        start = time.monotonic()
+        probe_coordinator(f"127.0.0.1:{port}", 5)
+        assert time.monotonic() - start < 2
+
+
+def test_probe_rejects_an_http2_server_that_is_no_grpc_server():
+    """A sandbox's HTTP/2 proxy answered SETTINGS for an unreachable host, the probe passed, and
+    jax's client aborted the process (rc 134 after 21.6 s) on the 404 of its RegisterTask."""
+    with server(SETTINGS_FRAME + _headers(b"\x8d")) as port:
+        start = time.monotonic()
+        with pytest.raises(ConfigError, match=f"127.0.0.1:{port}: an HTTP/2 server answers there "
+                                              "but no jax coordinator .*HTTP status 404"):
+            probe_coordinator(f"127.0.0.1:{port}", 5)
+        assert time.monotonic() - start < 2
 
 
 def test_probe_waits_for_a_coordinator_that_starts_late():
