@@ -146,6 +146,20 @@ class Checkpointer:
     def _restore(self, step: int, params_like, opt_state_like):
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
             "meta"]
+        self.check_layout(meta, params_like, opt_state_like)
+        abstract = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+            {"params": params_like, "opt_state": opt_state_like})
+        state = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract)))["state"]
+        return state["params"], state["opt_state"], meta
+
+    @staticmethod
+    def check_layout(meta: dict, params_like, opt_state_like) -> None:
+        """ConfigError when the checkpoint whose :meth:`meta` is ``meta`` holds parameters or an
+        optimizer state of other shapes than ``params_like`` / ``opt_state_like`` (arrays or
+        ``ShapeDtypeStruct``s: an abstract state is enough, nothing is read but the JSON)."""
+        step = meta["step"]
         wanted = _shapes(params_like)
         for name, shape in meta["shapes"].items():
             if wanted.get(name) != shape:
@@ -163,12 +177,6 @@ class Checkpointer:
                 f"{saved_opt.get(first, 'nothing')}, this run's {wanted_opt.get(first, 'nothing')}"
                 f"; {len(saved_opt)} saved leaves, {len(wanted_opt)} here): resume with the "
                 "optimizer (and step options) that saved it")
-        abstract = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-            {"params": params_like, "opt_state": opt_state_like})
-        state = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract)))["state"]
-        return state["params"], state["opt_state"], meta
 
     def wait(self) -> None:
         """Block until every started save is on disk."""

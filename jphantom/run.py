@@ -162,8 +162,13 @@ class Trainer:
         start = time.perf_counter()
         check_vocabulary(config)  # the data against the model, before anything is built
         b = config.build()
-        memory = check_memory(config, compiled=True)  # compiles the step, allocates nothing
         program, mesh, step = b.program, b.mesh, b.step
+        identity = {"model": {"name": config.model.name, **_asdict(program.config)},
+                    "corpus": {"data": train.data, "tokenizer": train.tokenizer}}
+        checkpoints = RunCheckpoints(train, identity)
+        if train.resume:  # the checkpoint's JSON against the run, before the step compiles
+            checkpoints.check_same_run(step.abstract_state(), train.steps)
+        memory = check_memory(config, compiled=True)  # compiles the step, allocates nothing
         self.program, self.mesh, self.step = program, mesh, step
         source, seq_len, place, place_train = self._data(b)
         if jax.process_index() == 0 and self.out is not None:  # process 0 alone writes
@@ -172,16 +177,10 @@ class Trainer:
         if kernels and jax.process_index() == 0:  # the kernel choice is never silent
             print("attention: " + "; ".join(f"{name} {what}" for name, what in kernels.items()))
         self.state = program.init(step, seed=train.seed)
-        identity = {"model": {"name": config.model.name, **_asdict(program.config)},
-                    "corpus": {"data": train.data, "tokenizer": train.tokenizer}}
-        checkpoints = RunCheckpoints(train, identity)
         initial_data = getattr(source, "state", lambda: None)()
         if train.resume:  # the state, the history and the data stream's position (the step)
-            checkpoints.check_same_run()
             self.state, self.first_step, self.history = checkpoints.restore(self.state, source)
-            if self.first_step >= train.steps:
-                raise ConfigError(f"the checkpoint is at step {self.first_step}, not before "
-                                  f"steps={train.steps}: ask for more steps to continue")
+            checkpoints.check_before(self.first_step, train.steps)  # an older one restored
         devices = list(mesh.devices.flat)
         watchdog = Watchdog(train.step_timeout, rank=jax.process_index(),
                             processes=jax.process_count())

@@ -183,6 +183,29 @@ def test_resume_with_another_optimizer_is_one_line_naming_it(tmp_path):
                     out=str(tmp_path / "a")))
 
 
+def test_resume_refusals_come_before_the_step_compiles(tmp_path, monkeypatch):
+    """Another model, optimizer or a checkpoint at the last step: refused from the checkpoint's
+    JSON and the abstract state, before the compiled memory check (they came after the step was
+    compiled and the state created, 11-17 s)."""
+    import jphantom.run as run_module
+
+    require_devices(2)
+    settings = dict(FFN, mesh="data=2,model=1", checkpoint_dir=str(tmp_path / "ckpt"))
+    run(_config(**settings, steps=2, optimizer="sgd", out=str(tmp_path / "a")))
+
+    def compiles(*args, **kwargs):
+        raise AssertionError("the step was compiled before the refusal")
+
+    monkeypatch.setattr(run_module, "check_memory", compiles)
+    for changed, message in [(dict(optimizer="adamw"), "another optimizer's state"),
+                             (dict(optimizer="sgd", width=32),
+                              "saved by model ffn with width=16; this run's has width=32"),
+                             (dict(optimizer="sgd", steps=2), "at step 2, not before steps=2")]:
+        with pytest.raises(ConfigError, match=message):
+            run(_config(**{**settings, "steps": 4, **changed}, resume=True,
+                        out=str(tmp_path / "a")))
+
+
 def test_a_damaged_checkpoint_reason_quotes_no_bound_method():
     """Some bindings' errors read ``<bound method ...>``: the warning's reason drops the repr."""
     from jphantom.checkpoint import reason_of

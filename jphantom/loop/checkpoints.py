@@ -58,9 +58,12 @@ class RunCheckpoints:
             source.restore(meta["data"])
         return TrainState(params, opt_state), meta["step"], meta["history"]
 
-    def check_same_run(self) -> None:
+    def check_same_run(self, abstract_state=None, steps: int | None = None) -> None:
         """``--resume`` continues the run that saved the checkpoint: the same model (a changed
-        ``--hidden`` is named, not blamed on the mesh) and the same data and tokenizer."""
+        ``--hidden`` is named, not blamed on the mesh) and the same data and tokenizer; with
+        ``abstract_state`` (the step's, nothing allocated) the same parameter and optimizer
+        shapes, and with ``steps`` a checkpoint before them. Reads the newest checkpoint's JSON
+        only, so a run refuses before its step compiles."""
         try:
             meta = self.checkpointer.meta()
         except Exception:  # noqa: BLE001 (a damaged newest checkpoint: restore skips it, says so)
@@ -84,6 +87,17 @@ class RunCheckpoints:
                               f"(tokenizer {corpus['tokenizer']!r}); this run reads "
                               f"data={ours['data']!r} (tokenizer {ours['tokenizer']!r}): resume "
                               "with the data that saved it, or start a new --checkpoint-dir")
+        if abstract_state is not None:
+            self.checkpointer.check_layout(meta, abstract_state.params, abstract_state.opt_state)
+        if steps is not None:
+            self.check_before(step, steps)
+
+    @staticmethod
+    def check_before(step: int, steps: int) -> None:
+        """A resumed run has steps left: checkpoint ``step`` is before ``steps``."""
+        if step >= steps:
+            raise ConfigError(f"the checkpoint is at step {step}, not before steps={steps}: ask "
+                              "for more steps to continue")
 
     def last_good(self) -> str:
         """Where the last good state is, for a run that stops on a non-finite loss."""
