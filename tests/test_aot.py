@@ -423,3 +423,24 @@ def test_gpu_grade_quick_meets_the_targets_on_its_small_model(tmp_path):
     plain = checks["gemms_under_collectives sp S=1024"]
     overlap = checks["gemms_under_collectives sp+overlap S=1024"]
     assert overlap["with_gemms"] > overlap["asynchronous"] / 2 > plain["with_gemms"]
+
+
+@needs_gpu_compiler
+def test_commands_without_a_gpu_print_none_of_the_cuda_plugins_start_up_lines(tmp_path):
+    """jphantom[aot] on a machine without a GPU: every command printed the plugin's
+    "Could not find cuda drivers" lines, and the first use of jax a 20-line "Unable to load
+    CUDA" traceback. The command line sets JAX_PLATFORMS=cpu and drops those lines alone."""
+    import subprocess
+    import sys
+
+    from jphantom.cli.quiet import missing_gpu
+
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    if not missing_gpu(env):
+        pytest.skip("this machine has an accelerator device node: the rule does not apply")
+    result = subprocess.run([sys.executable, "-m", "jphantom", "train", "--model", "ffn",
+                             "--width", "16", "--batch", "8", "--steps", "1", "--no-progress",
+                             "--out", str(tmp_path / "o")],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "cuda" not in result.stderr.lower() and "Traceback" not in result.stderr, result.stderr

@@ -275,3 +275,18 @@ def test_a_negative_or_nan_learning_rate_jphantom_can_read_is_refused_at_init(ra
         built.init(built.train_step(mesh, optimizer))
     good = optax.inject_hyperparams(optax.sgd)(learning_rate=optax.linear_schedule(0.0, 0.1, 4))
     built.init(built.train_step(mesh, good))  # a warm-up from 0 is fine
+
+
+def test_the_cli_drops_only_the_cuda_plugins_start_up_lines(capfd):
+    """Without a GPU the CUDA plugin of jphantom[aot] logs 'Could not find cuda drivers' at
+    jax's start (tests/test_aot.py runs the command); every other line written then is kept."""
+    import os
+
+    from jphantom.cli.quiet import filtered_stderr, missing_gpu
+
+    with filtered_stderr():
+        os.write(2, b"WARNING: All log messages before absl::InitializeLog() is called are "
+                    b"written to STDERR\nI0000 cudart_stub.cc:31] Could not find cuda drivers "
+                    b"on your machine, GPU will not be used.\nsomething else\n")
+    assert capfd.readouterr().err == "something else\n"
+    assert not missing_gpu({"JAX_PLATFORMS": "cuda"})  # the user's choice is kept

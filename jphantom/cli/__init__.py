@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     if (sys.argv[1:] if argv is None else argv)[:1] == ["compile"]:
         # before jax loads the CUDA plugin, which logs that this machine has no GPU: known here
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from jphantom.cli.quiet import quiet_missing_gpu
+
+    quiet_missing_gpu()  # no GPU, the CUDA plugin installed: JAX_PLATFORMS=cpu, no plugin noise
     args = build_parser().parse_args(argv)
     from jphantom.errors import ConfigError, TrainingDiverged
 

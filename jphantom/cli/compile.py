@@ -125,7 +125,10 @@ def handle(args: argparse.Namespace) -> int:
         from jphantom import gpu_defaults as defaults
 
         defaults.apply(allocator=False)  # the flags only: nothing is allocated
-    devices = target.devices()
+    from jphantom.cli.quiet import filtered_stderr
+
+    with filtered_stderr():  # the CUDA plugin starts: without a GPU, its start-up lines dropped
+        devices = target.devices()
     from jphantom.mesh import device_pool
 
     with device_pool(devices):  # every run validated before anything compiles

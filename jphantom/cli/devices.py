@@ -64,3 +64,7 @@ def setup_devices(count: int | None, *, at_least: bool = False) -> None:
         if explicit:
             raise ConfigError(str(error).split(". ")[0] + f": cannot simulate {count} devices "
                               "in this process; start a fresh one") from None
+        return
+    from jphantom.cli.quiet import start_backends_quietly
+
+    start_backends_quietly()  # without a GPU but with the CUDA plugin: its start-up lines dropped
