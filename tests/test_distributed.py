@@ -160,6 +160,11 @@ def _headers(block: bytes) -> bytes:
     return len(block).to_bytes(3, "big") + b"\x01\x05\x00\x00\x00\x01" + block
 
 
+# what jax's coordinator answers the probe's call: SETTINGS, its ACK, HEADERS with :status 200
+COORDINATOR_REPLY = (SETTINGS_FRAME + b"\x00\x00\x00\x04\x01\x00\x00\x00\x00"
+                     + _headers(b"\x88\x00\x02te\x00"))
+
+
 @pytest.mark.parametrize("status", [b"\x88", b"\x00\x07:status\x03200"],
                          ids=["indexed", "literal, as jax's coordinator writes it"])
 def test_probe_accepts_an_http2_server(status):
@@ -275,7 +280,7 @@ def test_only_given_values_are_passed_on(jax_calls):
 def test_initialize_from_env(jax_calls, monkeypatch):
     assert distributed.initialize_from_env({}) is False
     assert jax_calls == []
-    with server(SETTINGS_FRAME) as port:
+    with server(COORDINATOR_REPLY) as port:
         env = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JPHANTOM_NUM_PROCESSES": "2",
                "JPHANTOM_PROCESS_ID": "1", "JPHANTOM_INIT_TIMEOUT": "30"}
         assert distributed.initialize_from_env(env) is True
