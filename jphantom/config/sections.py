@@ -339,10 +339,11 @@ class TrainConfig:
         False, "also write the per-step metrics as TensorBoard events into OUT/tensorboard "
         "(needs pip install tensorboardX) (default: off)")
     on_nonfinite: str = setting(
-        "stop", "a non-finite loss: stop (one line naming the newest checkpoint, the last good "
-        "state), skip (the update is dropped and counted; 10 in a row stop the run) or rollback "
-        "(reload the newest checkpoint and skip the batch; needs --checkpoint-dir and "
-        "--save-every) (default stop)")
+        "stop", "a non-finite loss or state: stop (one line naming the newest checkpoint, the "
+        "last good state), skip (the update is dropped and counted; 10 in a row stop the run) or "
+        "rollback (reload the newest finite checkpoint and skip the batch; 5 rollbacks without a "
+        "new checkpoint stop the run; needs --checkpoint-dir and --save-every); checkpoints are "
+        "written only from a finite state (default stop)")
     step_timeout: float | None = setting(
         None, "seconds a step (after the first, which compiles) or an evaluation may take; past "
         "it every process exits 124 with one line (a stuck rank or collective; default: off with "
