@@ -210,8 +210,9 @@ def test_verify_compares_mixed_precision_with_the_one_device_step_at_that_precis
     report = json.loads(capsys.readouterr().out)
     assert report["tolerance"] == tolerance and precision in report["reference"]
     assert report["tolerance_derived"] != "float32"
-    assert 1e-5 < report["worst"]["error"] <= tolerance  # not float32-exact; within its own
-    assert main([*GPT2_FLAGS, "--precision", precision, "--tolerance", "1e-5"]) == 1
+    # not float32-exact (so 1e-5 would fail: test_the_verify_command_reports_and_exits_by_the_
+    # tolerance checks that exit), within its own precision's tolerance
+    assert 1e-5 < report["worst"]["error"] <= tolerance
 
 
 def test_the_one_device_step_at_a_precision_is_verify_s_reference_bit_for_bit():
