@@ -211,6 +211,28 @@ def test_the_pad_rows_lookups_give_it_no_gradient(mesh, sp):
     assert np.abs(without[3] - tied[3]).max() > 1e-3  # the lookups' part is gone
 
 
+def test_gemma_with_its_pad_id_in_the_inputs_equals_transformers():
+    """Gemma 3's pad id (0) in every third position: the loss and every gradient equal
+    transformers' (``pad_reference.npz``, made by tests/fixtures/make_pad_reference.py with
+    nn.Embedding's padding_idx), the tied table's pad row included (the head's part alone)."""
+    ref = dict(np.load(FIXTURES / "gemma3_text" / "pad_reference.npz"))
+    model = hf.load(FIXTURES / "gemma3_text")
+    tokens, targets = jnp.asarray(ref["tokens"], jnp.int32), jnp.asarray(ref["targets"], jnp.int32)
+    assert int((ref["tokens"] == 0).sum()) == 12
+    step = jphantom.make_train_step(model, _mesh("data=1"), optax.sgd(0.1), llama.lm_loss,
+                                    donate=False)
+    loss, grads = jax.jit(step.value_and_grad())(step.init().params, tokens, targets)
+    assert abs(float(loss) - float(ref["loss"])) <= 1e-5 * float(ref["loss"])
+    graphdef, state, rest = nnx.split(model, nnx.Param, ...)
+    nnx.replace_by_pure_dict(state, grads)
+    ours = llama.to_hf_tensors(nnx.merge(graphdef, state, rest))
+    theirs = {k[len("grad/"):]: v for k, v in ref.items() if k.startswith("grad/")}
+    theirs.pop("lm_head.weight", None)
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        assert _close(ours[name], theirs[name]), name
+
+
 def test_the_pad_id_comes_from_the_checkpoint():
     assert hf.load(FIXTURES / "gemma3_text").config.pad_token_id == 0  # Gemma's
     assert hf.load(FIXTURES / "qwen3").config.pad_token_id is None
