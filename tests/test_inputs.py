@@ -290,3 +290,16 @@ def test_the_cli_drops_only_the_cuda_plugins_start_up_lines(capfd):
                     b"on your machine, GPU will not be used.\nsomething else\n")
     assert capfd.readouterr().err == "something else\n"
     assert not missing_gpu({"JAX_PLATFORMS": "cuda"})  # the user's choice is kept
+
+
+def test_the_plan_states_the_configurations_dtd_rule():
+    """plans.megatron(dtd=True) on a model without routed MoE layers: the one dtd rule
+    (jphantom.strategies.check_dtd), with its one message."""
+    from flax import nnx
+
+    import jphantom
+    from jphantom.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"dtd \(--dtd, duplicate token dropping\) applies to "
+                                          "routed MoE blocks"):
+        jphantom.plans.megatron(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), dtd=True)

@@ -13,7 +13,7 @@ from jphantom.errors import ConfigError
 from jphantom.nn.moe import Experts, SwitchMoE
 from jphantom.plans.paths import holds_params, inside, unplaced
 from jphantom.plans.styles import NORMS, Style
-from jphantom.strategies import check_collective_matmul
+from jphantom.strategies import check_collective_matmul, check_dtd
 from jphantom.plans.walk import (COLUMN, check_fused_qkv, HEAD_NORMS, KV_COLUMNS,
                                  MLP_NORMS, ROUTERS, ROW, leaf_name, named_entries, walk_model)
 
@@ -46,10 +46,7 @@ def megatron(model: nnx.Module, *, sequence_parallel: bool = False, dtd: bool = 
     cm = lambda name: Style(name, collective_matmul=True) if collective_matmul else name
     moe_blocks = {path_tuple[:-1] for path_tuple, module in modules.values()
                   if isinstance(module, SwitchMoE)}
-    if dtd and not moe_blocks:
-        raise ConfigError("dtd (duplicate token dropping) applies to routed MoE layers "
-                          "(SwitchMoE, e.g. GPT-2 with moe_every); the model has none: leave "
-                          "dtd out")
+    check_dtd("tensor", dtd, routed_experts=bool(moe_blocks))  # SwitchMoE layers
     plan = named_entries(modules, named)
     for path, (path_tuple, module) in modules.items():
         name = leaf_name(path_tuple)
