@@ -100,8 +100,8 @@ def test_negative_targets_are_not_counted():
 
 
 @functools.lru_cache(maxsize=None)
-def _gpt2_moe(mesh_text, loss, **options):
-    config = TransformerConfig(vocab_size=32, seq_len=S, hidden=16, heads=8, layers=4,
+def _gpt2_moe(mesh_text, loss, layers=4, **options):
+    config = TransformerConfig(vocab_size=32, seq_len=S, hidden=16, heads=8, layers=layers,
                                moe_every=2, experts=4, top_k=2, capacity_factor=4.0)
     program = programs.build(config, "tensor", mesh_text)
     require_devices(program.mesh.device_count)
@@ -137,8 +137,8 @@ def _own_loss(model, tokens, targets):  # a user's loss_fn: no parameter for the
 def test_moe_balance_reaches_a_users_loss_through_the_models_hook():
     """jphantom.nn.balance: a loss_fn that only calls the model's loss gets the whole batch's
     routing fractions in every accumulated micro-batch (the step gives them through the hook, no
-    signature is read): the step equals the one-device model."""
-    step, params = _gpt2_moe("data=2", _own_loss, accumulate=2)
+    signature is read): the step equals the one-device model. Two blocks: one dense, one MoE."""
+    step, params = _gpt2_moe("data=2", _own_loss, layers=2, accumulate=2)
     report = verify_step(step, params, TOKENS % 32, TARGETS % 32)
     assert report.ok, str(report)
 
