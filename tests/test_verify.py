@@ -192,7 +192,7 @@ def test_registered_styles_refuse_what_they_do_not_fit(registered):
         jphantom.Style("test-nothing")
 
 
-GPT2_FLAGS = ["verify", "--model", "gpt2", "--layers", "2", "--hidden", "32", "--heads", "4",
+GPT2_FLAGS = ["verify", "--model", "gpt2", "--layers", "1", "--hidden", "32", "--heads", "4",
               "--seq-len", "16", "--batch", "8", "--strategy", "tensor", "--mesh", "model=2",
               "--json"]
 
