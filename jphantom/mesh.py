@@ -181,6 +181,26 @@ def node_split(config: MeshConfig, devices: Sequence[jax.Device]
     return (inside, across) if room == 1 else None
 
 
+def axis_domains(config: MeshConfig, domains: Sequence[tuple[str, int]]) -> dict[str, str]:
+    """Where each axis's groups sit when the innermost axes fill nested domains of devices first,
+    as :func:`node_split` fills a node: ``domains`` innermost first, ``(name, devices)``, e.g.
+    ``(("package", 2), ("node", 8))`` for Frontier (an MI250X package holds 2 GCDs, joined by
+    200 GB/s of Infinity Fabric; :mod:`jphantom.planner.clusters`). Each axis gets the name of
+    the smallest domain that holds each of its groups whole (its size times the sizes of the axes
+    inside it divides the domain's devices), else ``"across nodes"``. ``axis_domains(
+    MeshConfig.parse("data=8,model=2"), (("package", 2), ("node", 8)))`` is ``{"model":
+    "package", "data": "across nodes"}``. Devices are taken in order, a package's GCDs adjacent
+    (as Frontier numbers them), so this is where :meth:`MeshConfig.build` puts them."""
+    out = {}
+    for domain, room in sorted(domains, key=lambda d: d[1], reverse=True):
+        for name in reversed(config.names):  # innermost first, as node_split fills a node
+            if room % config.size(name):
+                break
+            out[name] = domain
+            room //= config.size(name)
+    return {name: out.get(name, "across nodes") for name in config.names}
+
+
 def axes_across_nodes(mesh: Mesh) -> tuple[str, ...]:
     """The axes of ``mesh`` whose groups hold devices of more than one node (process)."""
     import numpy as np

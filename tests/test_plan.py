@@ -482,3 +482,72 @@ def test_a_context_only_layout_prices_its_gradient_all_reduce():
                   batch=8, layouts=("context",))
     row = next(r for r in result.rows if r.mesh == "data=1,context=8,model=1")
     assert row.comm_by_axis["data+context"] > 0 and row.bytes_by_axis["data+context"] > 0
+
+
+# --------------------------------------------------------------------------------------------------
+# --cluster: Frontier's and an MI300X platform's nodes
+# --------------------------------------------------------------------------------------------------
+
+SMALL_FLAGS = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "16", "--vocab",
+               "256", "--batch", "16"]
+
+
+def test_frontier_and_mi300x_presets_load_with_every_number_cited():
+    from jphantom.planner import clusters
+    from jphantom.predict.device import SOURCES
+
+    frontier = clusters.get("frontier")
+    assert (frontier.gpus_per_node, frontier.gpus_per_package) == (8, 2)
+    assert frontier["in_package_gbps"] == 200 and frontier["between_packages_gbps"] == 50
+    assert (frontier["nics_per_node"], frontier["nic_gbps"]) == (4, 25)
+    assert frontier.device == "mi250x-gcd"
+    for cluster in clusters.CLUSTERS.values():
+        for key, number in cluster.numbers.items():
+            assert number.source in SOURCES and len(number.cite) > 10, (cluster.name, key)
+    net = frontier.topology()
+    assert net.inter_node_gbps == 100 and net.gpus_per_node == 8
+    assert net.intra_node(1, 2) == 200 * GB  # a GCD pair in one MI250X
+    assert net.intra_node(2, 2) == 50 * GB and net.intra_node(1, 8) == 50 * GB  # across packages
+    assert ax.placement_bandwidth(net, 8, 4) == 100 * GB / 8  # 8 GCDs share the node's 4 NICs
+    mi300x = clusters.get("mi300x").topology()  # fully connected: a 64 GB/s link to each peer
+    assert mi300x.intra_node(1, 8) == 448 * GB and mi300x.intra_node(4, 2) == 64 * GB
+    assert mi300x.inter_node_gbps == 400
+    assert clusters.get("perlmutter").topology() == Topology.perlmutter()
+
+
+def test_a_2_wide_inner_axis_sits_inside_a_package_on_frontier():
+    from types import SimpleNamespace
+
+    from jphantom.mesh import MeshConfig, axis_domains, node_split
+    from jphantom.planner import clusters
+
+    domains = clusters.get("frontier").domains
+    assert domains == (("package", 2), ("node", 8))
+    config = MeshConfig.parse("data=8,model=2")
+    assert axis_domains(config, domains) == {"model": "package", "data": "across nodes"}
+    assert axis_domains(MeshConfig.parse("data=2,z=4,x=2"), domains) == {
+        "x": "package", "z": "node", "data": "across nodes"}
+    assert axis_domains(MeshConfig.parse("data=4,model=4"), domains)["model"] == "node"
+    assert axis_domains(MeshConfig.parse("model=3,data=2"), domains) == {
+        "data": "across nodes", "model": "across nodes"}  # 3 GCDs fill no package or node
+    # node_split, which builds the mesh, fills a node innermost first: the 2-wide model axis
+    # takes adjacent GCDs, the 2 of one MI250X
+    devices = [SimpleNamespace(id=i, process_index=i // 8) for i in range(16)]
+    assert node_split(config, devices) == ({"model": 2, "data": 4}, {"model": 1, "data": 2})
+
+
+def test_plan_cluster_frontier_ranks_on_its_nodes(capsys):
+    assert cli.main(["plan", *SMALL_FLAGS, "--devices", "16", "--cluster", "frontier"]) == 0
+    out = capsys.readouterr().out
+    assert "16 GPUs = 2 node(s) x 8." in out.splitlines()[0]
+    assert "Network (frontier): beta_inter 100 GB/s" in out and "(1,2) 200, else 50" in out
+    assert "fit in 59.6046 GiB" in out  # the GCD's 64 GB
+    assert "Top choice: rank" in out
+    assert cli.main(["plan", *SMALL_FLAGS, "--devices", "16"]) == 0  # the default is unchanged
+    default = capsys.readouterr().out
+    assert "Network (perlmutter)" in default and "16 GPUs = 4 node(s) x 4." in default
+
+
+def test_plan_refuses_an_unknown_cluster_naming_the_choices(capsys):
+    assert exit_code(["plan", "--cluster", "nonsense"]) == 2
+    _one_line_error(capsys, "--cluster 'nonsense'", "perlmutter, frontier, mi300x")

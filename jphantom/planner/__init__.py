@@ -64,6 +64,8 @@ One idea a module:
 - :mod:`~jphantom.planner.result`: :class:`PlanRow` and :class:`Ranking`.
 - :mod:`~jphantom.planner.report`: :func:`format_plan`, the ranking as text.
 - :mod:`~jphantom.planner.command`: ``jphantom plan`` on the command line (:func:`add_parser`).
+- :mod:`~jphantom.planner.clusters`: the nodes ``--cluster`` names (Perlmutter, Frontier, an MI300X
+  platform), every number cited.
 """
 
 from jphantom.planner.command import add_parser

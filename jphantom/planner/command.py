@@ -9,6 +9,7 @@ import math
 
 from jphantom.errors import ConfigError
 from jphantom.perf.axonn_model import GPTShape, Topology
+from jphantom.planner import clusters
 from jphantom.planner.report import format_plan
 from jphantom.planner.result import Ranking
 from jphantom.planner.search import DEFAULT_DEVICE_TFLOPS, plan
@@ -63,39 +64,21 @@ def _run(args) -> int:
     import sys
 
     shape = _shape_of_flags(args)
+    cluster = None if args.cluster is None else clusters.get(args.cluster)
     device = None
-    if args.device is not None or args.objective in ("time", "energy"):
+    if args.device is not None or args.objective in ("time", "energy") or cluster is not None:
         from jphantom.predict import device as described
 
-        device = described.load(args.device or DEFAULT_DEVICE)
-    gpus_per_node = _parse_int("--gpus-per-node", args.gpus_per_node or (
-        str(int(device["network.gpus_per_node"])) if args.device else "4"))
-    inter = _parse_float("--inter-node-gbps", args.inter_node_gbps or (
-        str(device["network.nics_per_node"] * device["network.nic_gbps"]
-            * device["network.inter_node_efficiency"]) if args.device else "100"))
-    latency_us = _parse_float("--latency-us", args.latency_us or (
-        str(device["network.inter_latency_us"]) if args.device else "5"), zero_ok=True)
-    if args.device and args.intra_node_gbps is None:  # the device's own links
-        intra = device["network.intra_node_gbps"] * device["network.intra_node_efficiency"]
-        topology = Topology(gpus_per_node=gpus_per_node, inter_node_gbps=inter,
-                            intra_node_gbps=intra, latency_us=latency_us,
-                            name=f"{device.name} nodes")
-    elif args.intra_node_gbps is None and gpus_per_node == 4:
-        base = Topology.perlmutter()
-        topology = dataclasses.replace(
-            base, inter_node_gbps=inter, latency_us=latency_us,
-            name="perlmutter" if (inter, latency_us) == (base.inter_node_gbps, base.latency_us)
-            else "perlmutter NVLink table, custom inter-node/latency")
-    else:
-        intra = 300.0 if args.intra_node_gbps is None else _parse_float("--intra-node-gbps",
-                                                                        args.intra_node_gbps)
-        topology = Topology(gpus_per_node=gpus_per_node, inter_node_gbps=inter,
-                            intra_node_gbps=intra, latency_us=latency_us, name="custom")
+        device = described.load(args.device or (cluster.device if cluster else DEFAULT_DEVICE))
+    topology = (_cluster_topology(args, cluster) if cluster is not None
+                else _topology(args, device))
+    memory_gib = args.memory_gib
+    if memory_gib is None and cluster is not None:  # the cluster's GPU's HBM
+        memory_gib = str(cluster.memory_gib(device))
     result = plan(
         shape, _parse_int("--devices", args.devices), topology,
         batch=_parse_int("--batch", args.batch),
-        memory_gib=None if args.memory_gib is None else _parse_float("--memory-gib",
-                                                                     args.memory_gib),
+        memory_gib=None if memory_gib is None else _parse_float("--memory-gib", memory_gib),
         precision=args.precision,
         ghost_width=None if args.ghost_width is None else _parse_int("--ghost-width",
                                                                     args.ghost_width),
@@ -108,13 +91,61 @@ def _run(args) -> int:
     top = _parse_int("--top", args.top)
     if args.compile_top is not None:
         return _compile_top(args, result, _parse_int("--compile-top", args.compile_top),
-                            gpus_per_node)
+                            topology.gpus_per_node)
     if args.json:
         json.dump(result.as_dict(top), sys.stdout, indent=2)
         print()
     else:
         print(format_plan(result, top))
     return 0
+
+
+def _topology(args, device) -> Topology:
+    """The network without ``--cluster``: ``--device``'s links and NICs, else Perlmutter's
+    NVLink table, else one intra-node bandwidth; the network flags override each number."""
+    gpus_per_node = _parse_int("--gpus-per-node", args.gpus_per_node or (
+        str(int(device["network.gpus_per_node"])) if args.device else "4"))
+    inter = _parse_float("--inter-node-gbps", args.inter_node_gbps or (
+        str(device["network.nics_per_node"] * device["network.nic_gbps"]
+            * device["network.inter_node_efficiency"]) if args.device else "100"))
+    latency_us = _parse_float("--latency-us", args.latency_us or (
+        str(device["network.inter_latency_us"]) if args.device else "5"), zero_ok=True)
+    if args.device and args.intra_node_gbps is None:  # the device's own links
+        intra = device["network.intra_node_gbps"] * device["network.intra_node_efficiency"]
+        return Topology(gpus_per_node=gpus_per_node, inter_node_gbps=inter,
+                        intra_node_gbps=intra, latency_us=latency_us,
+                        name=f"{device.name} nodes")
+    if args.intra_node_gbps is None and gpus_per_node == 4:
+        base = Topology.perlmutter()
+        return dataclasses.replace(
+            base, inter_node_gbps=inter, latency_us=latency_us,
+            name="perlmutter" if (inter, latency_us) == (base.inter_node_gbps, base.latency_us)
+            else "perlmutter NVLink table, custom inter-node/latency")
+    intra = 300.0 if args.intra_node_gbps is None else _parse_float("--intra-node-gbps",
+                                                                    args.intra_node_gbps)
+    return Topology(gpus_per_node=gpus_per_node, inter_node_gbps=inter,
+                    intra_node_gbps=intra, latency_us=latency_us, name="custom")
+
+
+def _cluster_topology(args, cluster: clusters.Cluster) -> Topology:
+    """``--cluster``'s network (:mod:`jphantom.planner.clusters`), each network flag given
+    replacing its number."""
+    topology = cluster.topology()
+    changes = {}
+    if args.gpus_per_node is not None:
+        changes["gpus_per_node"] = _parse_int("--gpus-per-node", args.gpus_per_node)
+        changes["intra_node_table"] = ()  # the node's table no longer describes it
+    if args.inter_node_gbps is not None:
+        changes["inter_node_gbps"] = _parse_float("--inter-node-gbps", args.inter_node_gbps)
+    if args.intra_node_gbps is not None:
+        changes["intra_node_gbps"] = _parse_float("--intra-node-gbps", args.intra_node_gbps)
+        changes["intra_node_table"] = ()
+    if args.latency_us is not None:
+        changes["latency_us"] = _parse_float("--latency-us", args.latency_us, zero_ok=True)
+    if changes:
+        given = sorted(k for k in changes if k != "intra_node_table")
+        changes["name"] = f"{cluster.name}, custom {', '.join(given)}"
+    return dataclasses.replace(topology, **changes)
 
 
 DEFAULT_DEVICE = "a100-sxm"
@@ -206,6 +237,13 @@ def add_parser(subparsers) -> None:
                              "not give its batch)")
     parser.add_argument("--devices", default="32", metavar="N",
                         help="GPUs to plan for (default 32)")
+    parser.add_argument("--cluster", default=None, metavar="NAME",
+                        help=f"price a known cluster's nodes ({', '.join(clusters.names())}; "
+                             "jphantom.planner.clusters, every number cited): its GPUs per node and "
+                             "package, Infinity Fabric/NVLink, NICs and latency; --device and "
+                             "--memory-gib default to its GPU (frontier: mi250x-gcd, 64 GB); the "
+                             "network flags override single numbers (default: none, Perlmutter's "
+                             "network as below)")
     _add_network_flags(parser)
     parser.add_argument("--memory-gib", default=None, metavar="GIB",
                         help="GPU memory: layouts whose modelled memory exceeds it rank last, "
