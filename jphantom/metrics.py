@@ -21,7 +21,9 @@ the main figures on its progress bar and, with ``--tensorboard``, logs the same 
   (``device.memory_stats()``; ``None`` where the backend reports none, as on CPU);
 - ``energy_joules`` and ``joules_per_token``, with ``energy_source``: ``"nvml"`` on NVIDIA GPUs
   (the difference of NVML's energy counters around the step, :meth:`NvmlEnergyMeter.read`, this
-  process's GPUs; joules per token divide by the tokens those GPUs processed), else
+  process's GPUs; joules per token divide by the tokens those GPUs processed), ``"amdsmi"`` on
+  AMD GPUs (amdsmi's counters the same way; ``"amdsmi-unreliable"`` with ``None`` joules once a
+  counter sticks or steps backwards), else
   ``"modelled"``: Seal et al.'s Eq. 1 with the whole step at the busy power A
   (:class:`jphantom.energy.PowerModel`, Frontier's MI250X by default) on every device of the mesh:
   a model, not a measurement.
@@ -143,10 +145,13 @@ def grad_norm_of(opt_state) -> jax.Array | None:
 
 
 class StepEnergy:
-    """Energy of each training step: NVML's counters (:class:`jphantom.energy.NvmlEnergyMeter`)
-    where jax runs on NVIDIA GPUs and NVML works, else Eq. 1 (module docstring). Call
-    :meth:`begin` after the batch is on the devices and :meth:`end` once the step's state is
-    ready; what happens between steps (evaluation, checkpoints) is outside every window."""
+    """Energy of each training step: the GPUs' energy counters where jax runs on GPUs and a
+    counter works (NVML's, :class:`jphantom.energy.NvmlEnergyMeter`, source ``"nvml"``; amdsmi's
+    on AMD GPUs, :class:`jphantom.energy.AmdsmiEnergyMeter`, source ``"amdsmi"``), else Eq. 1
+    (module docstring). Call :meth:`begin` after the batch is on the devices and :meth:`end` once
+    the step's state is ready; what happens between steps (evaluation, checkpoints) is outside
+    every window. A counter that sticks or steps backwards gives ``None`` joules and the source
+    ``"<source>-unreliable"`` from then on."""
 
     def __init__(self, devices, meter=None, power=None):
         from jphantom.energy import PowerModel
@@ -154,51 +159,69 @@ class StepEnergy:
         self.devices = list(devices)
         self.meter = meter
         self.power = power or PowerModel()
-        self.source = "nvml" if meter is not None else "modelled"
+        self.source = getattr(meter, "source", "nvml") if meter is not None else "modelled"
         self.metered_devices = (sum(d.process_index == jax.process_index() for d in self.devices)
                                 if meter is not None else len(self.devices))
         self._start = None
 
     @classmethod
-    def for_devices(cls, devices, nvml=None) -> "StepEnergy":
-        """NVML on this process's GPUs among ``devices`` when it can, else the model."""
-        from jphantom.energy import NvmlEnergyMeter
+    def for_devices(cls, devices, nvml=None, amdsmi=None) -> "StepEnergy":
+        """NVML (NVIDIA) or amdsmi (AMD) on this process's GPUs among ``devices`` when it can,
+        else the model."""
+        from jphantom.energy import AmdsmiEnergyMeter, NvmlEnergyMeter
 
         local = [d for d in devices if d.process_index == jax.process_index()]
-        if local and all(d.platform in ("gpu", "cuda") for d in local):
-            ok, _ = NvmlEnergyMeter.available(nvml)
-            if ok:
-                meter = NvmlEnergyMeter(local, nvml=nvml, gather=lambda row: row[None])
-                try:
-                    meter.start()
-                except ConfigError:
-                    meter = None
-                if meter is not None and meter.read() is not None:
-                    return cls(devices, meter)
-                if meter is not None:
-                    meter.stop()
+        if not local or not all(d.platform in ("gpu", "cuda", "rocm") for d in local):
+            return cls(devices)
+        rocm = any(d.platform == "rocm" for d in local)
+        for kind, module in ((AmdsmiEnergyMeter, amdsmi),) if rocm else (
+                (NvmlEnergyMeter, nvml), (AmdsmiEnergyMeter, amdsmi)):
+            ok, _ = kind.available(module)
+            if not ok:
+                continue
+            meter = (kind(local, nvml=module, gather=lambda row: row[None]) if kind is
+                     NvmlEnergyMeter else kind(local, amdsmi=module, gather=lambda row: row[None]))
+            try:
+                meter.start()
+            except ConfigError:
+                continue
+            if meter.read() is not None:
+                return cls(devices, meter)
+            meter.stop()
         return cls(devices)
 
     def begin(self) -> None:
         self._start = self.meter.read() if self.meter is not None else None
 
-    def end(self, seconds: float) -> float:
-        """Joules of the step that began at :meth:`begin` and took ``seconds``."""
+    def end(self, seconds: float) -> float | None:
+        """Joules of the step that began at :meth:`begin` and took ``seconds`` (None where the
+        counter turned unreliable)."""
         if self.meter is not None:
-            return self.meter.read() - self._start
+            now = self.meter.read()
+            if now is None or self._start is None:
+                if not self.source.endswith("-unreliable"):
+                    self.source += "-unreliable"
+                return None
+            return now - self._start
         from jphantom.energy import energy_per_iteration
 
         return energy_per_iteration(seconds, 0.0, self.power, devices=len(self.devices))
 
-    def joules_per_token(self, joules: float, tokens: int) -> float:
+    def joules_per_token(self, joules: float | None, tokens: int) -> float | None:
         """``joules`` over the tokens the metered devices processed (their share of ``tokens``)."""
+        if joules is None:
+            return None
         share = tokens * self.metered_devices / len(self.devices)
         return joules / share if share else float("nan")
 
     def close(self) -> None:
         if self.meter is not None:
-            self.meter.stop()
-            self.meter = None
+            meter, self.meter = self.meter, None
+            try:
+                meter.stop()
+            except RuntimeError:  # an unreliable counter: already reported (source, warning)
+                if not self.source.endswith("-unreliable"):
+                    raise
 
 
 # ------------------------------------------------------------------------------------------------

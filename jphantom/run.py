@@ -476,7 +476,7 @@ class Trainer:
             "median_mfu": (None if per_token is None or peak is None or median is None
                            else per_token * tokens / median / len(devices) / 1e12 / peak),
             "energy_source": run.step_energy.source,
-            "power_model": None if run.step_energy.source == "nvml" else dataclasses.asdict(
+            "power_model": None if run.step_energy.source in ("nvml", "amdsmi") else dataclasses.asdict(
                 run.step_energy.power)}
 
 

@@ -19,6 +19,9 @@ Seal et al., Sec. 4.5). Only GPU energy is counted, as in the paper: no CPU, mem
   "mixed"). jax devices are matched to NVML handles by PCI bus id (``cuda_pci_bus_id``), never by
   index, and with several processes each meters only its own GPUs before the totals are summed
   (``gather_across_processes``), so no GPU is counted twice.
+- ``AmdsmiEnergyMeter`` is the same for AMD GPUs: amdsmi's energy counter
+  (``amdsmi_get_energy_count``, accumulator x resolution in µJ), each MI250X package counted once,
+  and a counter that sticks or steps backwards reported, not recorded (:mod:`~jphantom.energy.amd`).
 - ``NvmlPowerMeter`` samples ``nvmlDeviceGetPowerUsage`` in a background thread and integrates it
   (trapezoid rule). It is the fallback above, and the meter for injected samplers (tests).
 
@@ -28,6 +31,7 @@ The modules: :mod:`~jphantom.energy.model` (Eqs. 1-2), :mod:`~jphantom.energy.sa
 the sum over processes).
 """
 
+from jphantom.energy.amd import AmdsmiEnergyMeter, amdsmi_microjoules
 from jphantom.energy.counter import NvmlEnergyMeter
 from jphantom.energy.devices import (cuda_pci_bus_id, gather_across_processes,
                                      normalise_pci_bus_id, process_devices, sum_across_processes)
@@ -36,8 +40,8 @@ from jphantom.energy.model import (SOURCES, EnergyEstimate, PowerModel, energy_p
 from jphantom.energy.sampling import (INSTALL_HINT, METHODS, NvmlPowerMeter, PowerMeasurement,
                                       integrate_trapezoid)
 
-__all__ = ["INSTALL_HINT", "METHODS", "SOURCES", "EnergyEstimate", "NvmlEnergyMeter",
-           "NvmlPowerMeter", "PowerMeasurement", "PowerModel", "cuda_pci_bus_id",
-           "energy_per_iteration", "energy_to_target", "estimate_energy",
-           "gather_across_processes", "integrate_trapezoid", "measured_energy",
+__all__ = ["AmdsmiEnergyMeter", "INSTALL_HINT", "METHODS", "SOURCES", "EnergyEstimate",
+           "NvmlEnergyMeter", "NvmlPowerMeter", "PowerMeasurement", "PowerModel",
+           "amdsmi_microjoules", "cuda_pci_bus_id", "energy_per_iteration", "energy_to_target",
+           "estimate_energy", "gather_across_processes", "integrate_trapezoid", "measured_energy",
            "normalise_pci_bus_id", "process_devices", "sum_across_processes"]
