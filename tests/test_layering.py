@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "jphantom"
 
 LAYERS = [
-    ("base", ["errors", "lazy", "strategies", "mesh", "comm", "targets"]),
+    ("base", ["errors", "lazy", "dtypes", "strategies", "mesh", "comm", "targets"]),
     ("operations", ["remat", "precision", "fp8", "zero", "collectives", "pipeline", "pipeline.schedule", "data",
                     "analysis.hlo", "perf.comm_model", "perf.axonn_model", "energy",
                     "attention_choices",

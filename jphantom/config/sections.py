@@ -15,7 +15,7 @@ import typing
 
 from jphantom.config import paths
 from jphantom.errors import ConfigError
-from jphantom.models.dtypes import DTYPES
+from jphantom.dtypes import DTYPES
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULES = ("constant", "cosine")
