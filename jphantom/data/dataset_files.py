@@ -1,0 +1,219 @@
+"""Dataset files: the rows of JSON Lines, JSON, Parquet and Arrow files, streamed.
+
+``train --data`` takes one such file or a folder of them (searched recursively, sorted by
+path); in a folder, files whose name contains ``val`` are the validation split, as for token
+files (:mod:`jphantom.data.tokens`). The formats, and how each is read without holding the file
+in memory:
+
+- ``.jsonl`` (JSON Lines): the standard library's :mod:`json`, one line at a time;
+- ``.json``: JSON Lines too (what Hugging Face ``datasets``' ``to_json`` writes), or one JSON
+  array of rows (Alpaca-style files), decoded one row at a time from 1 MiB blocks with
+  :meth:`json.JSONDecoder.raw_decode` (the standard library: pyarrow's JSON reader takes only
+  newline-delimited JSON);
+- ``.parquet``: ``pyarrow.parquet.ParquetFile.iter_batches`` (record batches of 1024 rows);
+- ``.arrow`` / ``.feather`` (Arrow IPC): memory-mapped by ``pyarrow``, the file format (Feather
+  v2) or the stream format (what ``datasets``' ``save_to_disk`` writes), batch by batch.
+
+A row is one of the three shapes TRL's ``SFTTrainer`` takes (other keys are ignored, and a key
+whose value is null counts as absent):
+
+- ``{"text": str}``: language modelling;
+- ``{"prompt": ..., "completion": ...}``: both strings (standard) or both lists of messages
+  (conversational);
+- ``{"messages": [{"role": str, "content": ...}, ...]}``: a conversation.
+
+Anything else is refused with one line naming the file, the row (1-based) and the keys found.
+pyarrow is the ``data`` extra (``pip install 'jphantom[data]'``); JSON needs nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+from jphantom.errors import ConfigError
+
+SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".feather")
+KINDS = {"text": ("text",), "prompt_completion": ("prompt", "completion"),
+         "messages": ("messages",)}
+BLOCK_BYTES = 1 << 20
+ARROW_BATCH_ROWS = 1024
+
+
+def is_dataset_data(path: str | os.PathLike) -> bool:
+    """Whether ``--data`` names dataset files: a file with one of :data:`SUFFIXES`, or a folder
+    holding some (and no ``.bin`` token file)."""
+    path = Path(path)
+    if path.is_dir():
+        return not any(path.glob("*.bin")) and any(_found(path))
+    return path.suffix.lower() in SUFFIXES
+
+
+def _found(folder: Path) -> Iterator[Path]:
+    return (p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES)
+
+
+def split_files(data: str | os.PathLike) -> tuple[list[Path], list[Path]]:
+    """(train, validation) files of ``--data``: a file is the training split alone; a folder's
+    files sorted by path, those whose name contains ``val`` the validation split."""
+    path = Path(data)
+    if not path.is_dir():
+        if not path.is_file():
+            raise ConfigError(f"data={str(data)!r} does not exist: give a .jsonl, .json, .parquet "
+                              "or .arrow file, or a folder of them")
+        return [path], []
+    files = sorted(_found(path), key=lambda p: p.relative_to(path).as_posix())
+    if not files:
+        raise ConfigError(f"data={str(data)!r} holds no {', '.join(SUFFIXES)} file")
+    validation = [f for f in files if "val" in f.name.lower()]
+    train = [f for f in files if f not in validation]
+    if not train:
+        raise ConfigError(f"data={str(data)!r}: every file is a validation file (its name "
+                          "contains 'val'): add training files")
+    return train, validation
+
+
+def read_rows(path: str | os.PathLike) -> Iterator[dict]:
+    """The rows of one dataset file, in order, each a dict, read as the module docstring says
+    (never the whole file at once)."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in SUFFIXES:
+        raise ConfigError(f"data file {str(path)!r}: {suffix or 'no suffix'} is not one of "
+                          f"{', '.join(SUFFIXES)}")
+    if suffix in (".jsonl", ".json"):
+        return _json_rows(path)
+    return _arrow_rows(path, parquet=suffix == ".parquet")
+
+
+def _json_rows(path: Path) -> Iterator[dict]:
+    with open(path, encoding="utf-8") as handle:
+        head = handle.read(BLOCK_BYTES)
+        if head.lstrip().startswith("["):
+            yield from _json_array(handle, head, path)
+            return
+        number, rest = 0, head
+        for line in _lines(handle, rest):
+            number += 1
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ConfigError(f"data file {str(path)!r} line {number} is not JSON "
+                                  f"({error.msg}): give one JSON object per line") from None
+
+
+def _lines(handle, head: str) -> Iterator[str]:
+    """The lines of ``head`` followed by the rest of ``handle``, one at a time."""
+    pending = head
+    while True:
+        cut = pending.find("\n")
+        if cut >= 0:
+            yield pending[:cut]
+            pending = pending[cut + 1:]
+            continue
+        block = handle.read(BLOCK_BYTES)
+        if not block:
+            if pending:
+                yield pending
+            return
+        pending += block
+
+
+def _json_array(handle, buffer: str, path: Path) -> Iterator[dict]:
+    """The elements of a top-level JSON array, decoded one at a time from blocks."""
+    decoder = json.JSONDecoder()
+    at = buffer.index("[") + 1
+    while True:
+        while at < len(buffer) and buffer[at] in " \t\r\n,":
+            at += 1
+        if at == len(buffer):
+            block = handle.read(BLOCK_BYTES)
+            if not block:
+                raise ConfigError(f"data file {str(path)!r}: the JSON array is not closed")
+            buffer, at = buffer[at:] + block, 0
+            continue
+        if buffer[at] == "]":
+            return
+        try:
+            row, end = decoder.raw_decode(buffer, at)
+        except json.JSONDecodeError as error:
+            block = handle.read(BLOCK_BYTES)
+            if not block:
+                raise ConfigError(f"data file {str(path)!r} is not a JSON array of objects "
+                                  f"({error.msg} at character {error.pos})") from None
+            buffer, at = buffer[at:] + block, 0
+            continue
+        yield row
+        buffer, at = buffer[end:], 0
+
+
+def _arrow_rows(path: Path, parquet: bool) -> Iterator[dict]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(f"data file {str(path)!r} needs pyarrow: pip install 'jphantom[data]' "
+                          "(or pyarrow)") from None
+    try:
+        if parquet:
+            batches = pq.ParquetFile(path).iter_batches(batch_size=ARROW_BATCH_ROWS)
+        else:
+            source = pa.memory_map(str(path), "r")
+            try:
+                reader = pa.ipc.open_file(source)
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            except pa.ArrowInvalid:  # not the file format: the stream format (datasets' .arrow)
+                source.seek(0)
+                batches = pa.ipc.open_stream(source)
+        for batch in batches:
+            yield from batch.to_pylist()
+    except (pa.ArrowInvalid, OSError) as error:
+        kind = "Parquet" if parquet else "Arrow IPC"
+        raise ConfigError(f"data file {str(path)!r} is not a {kind} file that pyarrow reads "
+                          f"({str(error).splitlines()[0][:120]})") from None
+
+
+def row_kind(row, path, number: int) -> str:
+    """The shape of ``row`` (row ``number``, 1-based, of ``path``): ``"text"``,
+    ``"prompt_completion"`` or ``"messages"``; anything else a ConfigError in one line."""
+    where = f"data file {str(path)!r} row {number}"
+    if not isinstance(row, dict):
+        raise ConfigError(f"{where} is a {type(row).__name__}, not an object with 'text', "
+                          "'prompt' and 'completion', or 'messages'")
+    keys = {k for k, v in row.items() if v is not None}
+    found = [kind for kind, need in KINDS.items() if set(need) <= keys]
+    if len(found) != 1:
+        what = "more than one shape" if found else "none of the shapes"
+        raise ConfigError(f"{where} has keys {sorted(row)} ({what}): a row needs 'text', or "
+                          "'prompt' and 'completion', or 'messages'")
+    kind = found[0]
+    if kind == "text" and not isinstance(row["text"], str):
+        raise ConfigError(f"{where}: 'text' is a {type(row['text']).__name__}, not a string")
+    if kind == "messages":
+        check_messages(row["messages"], f"{where} 'messages'")
+    if kind == "prompt_completion":
+        prompt, completion = row["prompt"], row["completion"]
+        if isinstance(prompt, str) != isinstance(completion, str):
+            raise ConfigError(f"{where}: 'prompt' and 'completion' must both be strings or both "
+                              "lists of messages")
+        if not isinstance(prompt, str):
+            check_messages(prompt, f"{where} 'prompt'")
+            check_messages(completion, f"{where} 'completion'")
+    return kind
+
+
+def check_messages(messages, where: str) -> None:
+    """``messages`` is a non-empty list of objects with a string ``role`` and a ``content``."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ConfigError(f"{where} must be a non-empty list of messages, not "
+                          f"{type(messages).__name__}")
+    for index, message in enumerate(messages):
+        if (not isinstance(message, dict) or not isinstance(message.get("role"), str)
+                or "content" not in message and "tool_calls" not in message):
+            keys = sorted(message) if isinstance(message, dict) else type(message).__name__
+            raise ConfigError(f"{where}[{index}] has {keys}: a message needs 'role' and "
+                              "'content'")

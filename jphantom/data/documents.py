@@ -1,0 +1,230 @@
+"""Rows of dataset files as tokenised documents with a loss mask, as TRL's ``SFTTrainer``
+tokenises them.
+
+Each row (:mod:`jphantom.data.dataset_files`) becomes one document: its token ids and, per token,
+whether the loss is taken on it (``--loss-on``):
+
+- ``{"text"}``: the text through the tokenizer with its special tokens (a ``tokenizer.json``'s
+  post-processor: Llama's BOS), then the end-of-sequence id unless the text ends with it (TRL's
+  ``add_eos``); the loss on every token (``all``, the only choice);
+- ``{"prompt", "completion"}`` as strings: the prompt, then prompt + completion + EOS tokenised
+  together; the completion is what follows the prompt's tokens. ``completion`` (the default, as
+  TRL's ``completion_only_loss=None`` is for prompt-completion data) takes the loss on it, ``all``
+  on everything;
+- ``{"messages"}``: the conversation through the chat template (no special tokens added: the
+  template writes them), ``all`` by default (TRL's ``assistant_only_loss=False``); ``assistant``
+  takes the loss on the assistant turns (:meth:`ChatTemplate.assistant_spans`);
+- ``{"prompt", "completion"}`` as messages: the prompt rendered with the generation prompt, then
+  prompt + completion; ``completion`` (default), ``assistant`` (the assistant turns of the whole)
+  or ``all``.
+
+A choice that does not apply to a row (``assistant`` for text, ``completion`` for messages) is a
+ConfigError naming the file and row. :func:`targets` turns a document into the step's targets:
+the next token where the loss is taken on it, -100 elsewhere and at the document's last token
+(Hugging Face's ignore index; no target crosses a document's end). :class:`Documents` holds every
+document of a split in three flat arrays (tokens, targets, starts) and counts rows, tokens and
+loss tokens (the targets that count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from jphantom.data.dataset_files import read_rows, row_kind, split_files
+from jphantom.errors import ConfigError
+
+IGNORE = -100
+HELD_OUT = 0.01  # the validation rows held out when no validation file is named
+LOSS_ON = ("assistant", "completion", "all")
+DEFAULT_LOSS_ON = {"text": "all", "prompt_completion": "completion", "messages": "all"}
+APPLIES = {"text": ("all",), "prompt_completion": LOSS_ON, "messages": ("assistant", "all")}
+
+
+def encode_with_offsets(tokenizer, text: str, special: bool = False
+                        ) -> tuple[list[int], list[tuple[int, int]]]:
+    """(ids, character offsets) of ``text``: a Hugging Face tokenizer's own offsets (with its
+    post-processor's special tokens when ``special``), one per UTF-8 byte for bytes."""
+    inner = getattr(tokenizer, "tokenizer", None)
+    if inner is not None and hasattr(inner, "encode"):
+        encoding = inner.encode(text, add_special_tokens=special)
+        return list(encoding.ids), list(encoding.offsets)
+    if getattr(tokenizer, "name", None) == "bytes":
+        ids, offsets = [], []
+        for index, char in enumerate(text):
+            for byte in char.encode("utf-8"):
+                ids.append(byte)
+                offsets.append((index, index + 1))
+        return ids, offsets
+    raise ConfigError(f"tokenizer={getattr(tokenizer, 'name', tokenizer)!r} gives no character "
+                      "offsets, which chat templates need: use a Hugging Face tokenizer.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTokenizer:
+    """Tokenises rows (module docstring). ``tokenizer``: a :mod:`jphantom.data.tokenizers`
+    tokenizer; ``template``: a :class:`~jphantom.data.chat_template.ChatTemplate` (None: rows with
+    messages are refused); ``eos``: the end-of-sequence id appended to standard rows (None:
+    nothing appended); ``loss_on``: one of :data:`LOSS_ON`, or None for each row's default."""
+
+    tokenizer: object
+    template: object = None
+    eos: int | None = None
+    loss_on: str | None = None
+
+    def __post_init__(self):
+        if self.loss_on is not None and self.loss_on not in LOSS_ON:
+            raise ConfigError(f"loss_on={self.loss_on!r}; use one of {', '.join(LOSS_ON)}")
+
+    def __call__(self, row: dict, path="row", number: int = 1) -> tuple[list[int], list[int]]:
+        """(ids, mask): the row's tokens and 1 where the loss is taken on a token."""
+        kind = row_kind(row, path, number)
+        loss_on = self.loss_on or DEFAULT_LOSS_ON[kind]
+        if loss_on not in APPLIES[kind]:
+            what = {"text": "a text row has no answer", "messages": "a messages row has no "
+                    "completion (its answers are the assistant turns)"}[kind]
+            raise ConfigError(f"--loss-on {loss_on} does not apply to data file {str(path)!r} row "
+                              f"{number}: {what}; use --loss-on "
+                              f"{' or '.join(APPLIES[kind])}")
+        if kind == "text":
+            ids = self._standard(row["text"])
+            return ids, [1] * len(ids)
+        if kind == "messages" or not isinstance(row["prompt"], str):
+            return self._conversation(row, kind, loss_on, path, number)
+        prompt = encode_with_offsets(self.tokenizer, row["prompt"], special=True)[0]
+        ids = self._standard(row["prompt"] + row["completion"])
+        mask = [1] * len(ids) if loss_on == "all" else [0] * len(prompt) + [1] * (
+            len(ids) - len(prompt))
+        return ids, mask[:len(ids)]
+
+    def _standard(self, text: str) -> list[int]:
+        ids = encode_with_offsets(self.tokenizer, text, special=True)[0]
+        if self.eos is not None and (not ids or ids[-1] != self.eos):
+            ids.append(self.eos)
+        return ids
+
+    def _conversation(self, row, kind, loss_on, path, number) -> tuple[list[int], list[int]]:
+        if self.template is None:
+            raise ConfigError(f"data file {str(path)!r} row {number} is a conversation but there "
+                              "is no chat template: give --chat-template FILE, or --from-hf a "
+                              "checkpoint whose folder has one")
+        options = {"tools": row.get("tools"), **(row.get("chat_template_kwargs") or {})}
+        messages = list(row["messages"] if kind == "messages" else
+                        list(row["prompt"]) + list(row["completion"]))
+        if loss_on == "assistant":
+            text, spans = self.template.assistant_spans(messages, **options)
+        else:
+            text, spans = self.template.render(messages, **options)
+        ids, offsets = encode_with_offsets(self.tokenizer, text)
+        if loss_on == "all":
+            return ids, [1] * len(ids)
+        if loss_on == "assistant":
+            from jphantom.data.chat_template import token_mask
+
+            return ids, token_mask(offsets, spans)
+        prompt_text, _ = self.template.render(list(row["prompt"]), add_generation_prompt=True,
+                                              **options)
+        prompt = encode_with_offsets(self.tokenizer, prompt_text)[0]
+        return ids, [0] * len(prompt) + [1] * (len(ids) - len(prompt))
+
+
+def targets(ids: Sequence[int], mask: Sequence[int]) -> np.ndarray:
+    """int32 targets of one document: ``ids[t + 1]`` where ``mask[t + 1]``, else -100; -100 at
+    the last token."""
+    ids, mask = np.asarray(ids, np.int32), np.asarray(mask, bool)
+    out = np.full(len(ids), IGNORE, np.int32)
+    if len(ids) > 1:
+        out[:-1] = np.where(mask[1:], ids[1:], IGNORE)
+    return out
+
+
+@dataclasses.dataclass
+class Documents:
+    """The documents of a split: ``tokens`` and ``targets`` (int32, every document's one after
+    another) and ``starts`` (int64 [documents + 1]: document d is ``starts[d]:starts[d + 1]``);
+    ``rows``: the rows they came from."""
+
+    tokens: np.ndarray
+    targets: np.ndarray
+    starts: np.ndarray
+
+    @property
+    def count(self) -> int:
+        return len(self.starts) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.starts)
+
+    def document(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = int(self.starts[index]), int(self.starts[index + 1])
+        return self.tokens[a:b], self.targets[a:b]
+
+    def summary(self) -> dict:
+        """Rows, tokens and loss tokens (targets that count)."""
+        return {"rows": self.count, "tokens": int(len(self.tokens)),
+                "loss_tokens": int(np.count_nonzero(self.targets >= 0))}
+
+    def hold_out(self, fraction: float = HELD_OUT) -> tuple["Documents", "Documents"]:
+        """(train, validation): the last ``fraction`` of the documents (at least 1, at most all
+        but 1) held out, in file order."""
+        if self.count < 2:
+            raise ConfigError(f"the data holds {self.count} row(s): holding out validation rows "
+                              "needs at least 2; add rows, or a validation file (a name "
+                              "containing 'val')")
+        held = min(self.count - 1, max(1, round(fraction * self.count)))
+        return self.split(self.count - held)
+
+    def split(self, count: int) -> tuple["Documents", "Documents"]:
+        """(the first ``count`` documents, the rest)."""
+        cut = int(self.starts[count])
+        return (Documents(self.tokens[:cut], self.targets[:cut], self.starts[:count + 1]),
+                Documents(self.tokens[cut:], self.targets[cut:], self.starts[count:] - cut))
+
+    @classmethod
+    def of(cls, pairs: Iterable[tuple[Sequence[int], Sequence[int]]]) -> "Documents":
+        """From (ids, mask) pairs (:class:`RowTokenizer`'s)."""
+        tokens, target_parts, lengths = [], [], [0]
+        for ids, mask in pairs:
+            tokens.append(np.asarray(ids, np.int32))
+            target_parts.append(targets(ids, mask))
+            lengths.append(len(ids))
+        join = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int32)
+        return cls(join(tokens), join(target_parts), np.cumsum(lengths, dtype=np.int64))
+
+
+def tokenize_files(paths, row_tokenizer: RowTokenizer) -> Documents:
+    """Every row of the dataset files ``paths``, tokenised, as :class:`Documents` (rows with no
+    token are dropped)."""
+
+    def pairs():
+        for path in paths:
+            for number, row in enumerate(read_rows(path), 1):
+                ids, mask = row_tokenizer(row, path, number)
+                if ids:
+                    yield ids, mask
+
+    return Documents.of(pairs())
+
+
+def read_documents(data, row_tokenizer: RowTokenizer) -> tuple[Documents, Documents, dict]:
+    """(train, validation, description) of ``--data`` (a dataset file or a folder of them,
+    :func:`jphantom.data.dataset_files.split_files`): the validation files' rows, else the
+    last :data:`HELD_OUT` of the rows (at least one)."""
+    from pathlib import Path
+
+    train_files, validation_files = split_files(data)
+    train = tokenize_files(train_files, row_tokenizer)
+    if validation_files:
+        validation = tokenize_files(validation_files, row_tokenizer)
+    else:
+        train, validation = train.hold_out()
+    return train, validation, {
+        "source": str(Path(data).resolve()),
+        "files": {"train": [p.name for p in train_files],
+                  "validation": [p.name for p in validation_files]},
+        "validation_split": ("files" if validation_files else
+                             f"the last {HELD_OUT:.0%} of the rows held out (at least 1)"),
+        "loss_on": row_tokenizer.loss_on or "each row's default"}

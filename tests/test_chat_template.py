@@ -1,0 +1,137 @@
+"""Chat templates against transformers itself (tests/fixtures/chat, made by
+tests/fixtures/make_chat_reference.py with transformers' ``apply_chat_template``): the same text,
+token ids and assistant mask; the prefix-rendering spans of a template without
+``{% generation %}`` equal transformers' generation spans; the loss on the answers is the mean
+over the assistant tokens; and what each ``--loss-on`` takes from each kind of row."""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from jphantom.data.chat_template import ChatTemplate, load_chat_template, token_mask
+from jphantom.data.documents import RowTokenizer, encode_with_offsets, targets
+from jphantom.data.tokenizers import load_tokenizer
+from jphantom.errors import ConfigError
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "chat"
+REFERENCE = json.loads((FIXTURE / "reference.json").read_text())["conversations"]
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return load_tokenizer(str(FIXTURE)), load_chat_template(FIXTURE)
+
+
+def _plain(template: ChatTemplate) -> ChatTemplate:
+    """The same template without its generation tags."""
+    source = template.source.replace("{%- generation %}", "").replace("{%- endgeneration %}", "")
+    assert source != template.source
+    return ChatTemplate(source, template.special)
+
+
+@pytest.mark.parametrize("index", range(len(REFERENCE)))
+def test_ids_and_assistant_mask_equal_transformers(chat, index):
+    tokenizer, template = chat
+    record = REFERENCE[index]
+    ids, mask = RowTokenizer(tokenizer, template, loss_on="assistant")(
+        {"messages": record["messages"]})
+    assert ids == record["input_ids"] and mask == record["assistant_masks"]
+    assert template.render(record["messages"])[0] == record["text"]
+    prompt, _ = template.render(record["messages"][:-1], add_generation_prompt=True)
+    assert prompt == record["prompt_text"]
+    assert encode_with_offsets(tokenizer, prompt)[0] == record["prompt_ids"]
+    # without {% generation %}: each assistant turn found by rendering prefixes, the same mask
+    text, spans = _plain(template).assistant_spans(record["messages"])
+    assert token_mask(encode_with_offsets(tokenizer, text)[1], spans) == record["assistant_masks"]
+
+
+def test_template_sources(chat, tmp_path):
+    """chat_template.jinja takes precedence over tokenizer_config.json's entry; a .jinja file
+    or a tokenizer_config.json given alone; the special tokens come from the config."""
+    _, template = chat
+    assert template.has_generation and template.special["eos_token"] == "<|im_end|>"
+    config = json.loads((FIXTURE / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat_template.jinja").write_text("{{ eos_token }}{{ messages | length }}")
+    found = load_chat_template(tmp_path)
+    assert found.render([{"role": "user", "content": "x"}])[0] == "<|im_end|>1"
+    assert load_chat_template(FIXTURE / "tokenizer_config.json").source == template.source
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "t.jinja").write_text("{{ messages[0]['content'] | tojson }}")
+    assert load_chat_template(alone / "t.jinja").render(
+        [{"role": "user", "content": "é<"}])[0] == '"é<"'  # not escaped, as transformers'
+    assert load_chat_template(alone) is None
+
+
+def test_template_errors_are_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="refused the conversation: only user"):
+        ChatTemplate("{{ raise_exception('only user') }}").render([])
+    with pytest.raises(ConfigError, match="not a Jinja template"):
+        ChatTemplate("{% for %}")
+    rewriting = ChatTemplate("{% for m in messages %}{{ m['content'] if loop.last else 'x' }}"
+                             "{% endfor %}", name="rewriting.jinja")
+    with pytest.raises(ConfigError, match="rewriting.jinja has no .* cannot be found"):
+        rewriting.assistant_spans([{"role": "user", "content": "a"},
+                                   {"role": "assistant", "content": "b"},
+                                   {"role": "user", "content": "c"}])
+
+
+def test_loss_on_each_kind_of_row(chat):
+    """text: every token and EOS appended; prompt/completion: the completion by default (TRL's
+    completion_only_loss); messages: all by default (TRL's assistant_only_loss=False);
+    conversational prompt/completion: what follows the prompt's generation prompt."""
+    tokenizer, template = chat
+    eos = tokenizer.tokenizer.token_to_id("<|im_end|>")
+    make = lambda loss_on=None: RowTokenizer(tokenizer, template, eos=eos, loss_on=loss_on)
+    ids, mask = make()({"text": "Blue sky"})
+    assert ids[-1] == eos and mask == [1] * len(ids)
+    prompt = tokenizer.encode("Name a prime")
+    ids, mask = make()({"prompt": "Name a prime", "completion": " number."})
+    assert ids[:len(prompt)] == prompt and ids[-1] == eos
+    assert mask == [0] * len(prompt) + [1] * (len(ids) - len(prompt))
+    ids, mask = make("all")({"prompt": "a", "completion": "b"})
+    assert ids[-1] == eos and mask == [1] * len(ids)
+    record = REFERENCE[0]
+    ids, mask = make()({"messages": record["messages"]})
+    assert ids == record["input_ids"] and mask == [1] * len(ids)
+    row = {"prompt": record["messages"][:-1], "completion": record["messages"][-1:]}
+    ids, mask = make()(row)
+    assert ids == record["input_ids"]
+    assert mask == [0] * len(record["prompt_ids"]) + [1] * (len(ids) - len(record["prompt_ids"]))
+    for loss_on, bad, words in (("assistant", {"text": "t"}, "a text row has no answer"),
+                                ("completion", {"messages": record["messages"]},
+                                 "has no completion")):
+        with pytest.raises(ConfigError, match=f"--loss-on {loss_on} does not apply to .*{words}"):
+            make(loss_on)(bad, "chat.jsonl", 7)
+    with pytest.raises(ConfigError, match="row 3 is a conversation but there is no chat template"):
+        RowTokenizer(tokenizer)({"messages": record["messages"]}, "chat.jsonl", 3)
+
+
+def test_answer_only_loss_is_the_mean_over_assistant_tokens(chat):
+    """The targets of a conversation count exactly its assistant tokens (each predicted from the
+    token before it); a cross-entropy over them with -100 ignored equals numpy's mean over the
+    assistant tokens of logits from a tiny random model."""
+    import jax.numpy as jnp
+    import optax
+
+    tokenizer, template = chat
+    record = REFERENCE[1]
+    ids, mask = RowTokenizer(tokenizer, template, loss_on="assistant")(
+        {"messages": record["messages"]})
+    found = targets(ids, mask)
+    assistant = np.flatnonzero(record["assistant_masks"])
+    assert list(np.flatnonzero(found >= 0)) == list(assistant - 1)
+    assert list(found[assistant - 1]) == [ids[i] for i in assistant]
+    rng = np.random.default_rng(0)
+    embed, head = rng.normal(size=(128, 16)), rng.normal(size=(16, 128))
+    logits = np.tanh(embed[ids]) @ head  # a tiny model's logits, [S, V]
+    counted = found >= 0
+    per_token = optax.softmax_cross_entropy_with_integer_labels(
+        jnp.asarray(logits), jnp.asarray(np.where(counted, found, 0)))
+    loss = float(jnp.sum(jnp.where(counted, per_token, 0.0)) / counted.sum())
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    expected = -np.mean([log_probs[i - 1, ids[i]] for i in assistant])
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)

@@ -1,0 +1,104 @@
+"""Dataset files (jphantom.data.dataset_files): every format gives the same rows, a folder's
+*val* files are the validation split, a row of no known shape is refused naming the file, the
+row and its keys, and JSON arrays are decoded a row at a time across block boundaries."""
+
+import json
+
+import pytest
+
+from jphantom.data import dataset_files
+from jphantom.data.dataset_files import read_rows, row_kind, split_files
+from jphantom.errors import ConfigError
+
+ROWS = [{"text": "plain text"},
+        {"prompt": "2 + 2 =", "completion": " 4"},
+        {"messages": [{"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": "hello"}]}]
+
+
+def _write(path, rows):
+    suffix = path.suffix
+    if suffix == ".jsonl":
+        path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    elif suffix == ".json":
+        path.write_text(json.dumps(rows, indent=2))
+    else:
+        import pyarrow as pa
+        import pyarrow.feather as feather
+        import pyarrow.parquet as pq
+
+        table = pa.Table.from_struct_array(pa.array(rows))  # every row's keys as columns
+        if suffix == ".parquet":
+            pq.write_table(table, path, row_group_size=2)
+        elif suffix == ".feather":
+            feather.write_feather(table, path)
+        else:  # .arrow in the IPC stream format, as datasets' save_to_disk writes
+            with pa.ipc.new_stream(str(path), table.schema) as writer:
+                writer.write_table(table, max_chunksize=2)
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet", ".arrow", ".feather"])
+def test_every_format_reads_the_same_rows(tmp_path, suffix):
+    """pyarrow fills absent columns with None; a None counts as an absent key."""
+    rows = list(read_rows(_write(tmp_path / f"d{suffix}", ROWS)))
+    assert len(rows) == 3
+    assert [row_kind(r, "d", i) for i, r in enumerate(rows, 1)] == [
+        "text", "prompt_completion", "messages"]
+    clean = [{k: v for k, v in r.items() if v is not None} for r in rows]
+    if suffix in (".parquet", ".arrow", ".feather"):  # struct fields of a list: None-filled too
+        assert clean[2]["messages"][1]["content"] == "hello"
+        clean[2]["messages"] = ROWS[2]["messages"]
+    assert clean == ROWS
+
+
+def test_json_array_streams_across_blocks(tmp_path, monkeypatch):
+    """A JSON array decoded from 7-byte blocks gives its rows (a row spans several blocks)."""
+    monkeypatch.setattr(dataset_files, "BLOCK_BYTES", 7)
+    path = _write(tmp_path / "a.json", ROWS * 3)
+    assert list(read_rows(path)) == ROWS * 3
+    lines = _write(tmp_path / "b.jsonl", ROWS * 3)
+    assert list(read_rows(lines)) == ROWS * 3
+
+
+def test_folder_splits_on_val_in_the_name(tmp_path):
+    for name in ("b-train.jsonl", "a-train.parquet", "val.jsonl", "notes.txt"):
+        (tmp_path / name).write_text("")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "c.arrow").write_text("")
+    train, validation = split_files(tmp_path)
+    assert [p.name for p in train] == ["a-train.parquet", "b-train.jsonl", "c.arrow"]
+    assert [p.name for p in validation] == ["val.jsonl"]
+    assert dataset_files.is_dataset_data(tmp_path)
+    (tmp_path / "tokens.bin").write_bytes(b"")
+    assert not dataset_files.is_dataset_data(tmp_path)  # a token folder stays one
+
+
+@pytest.mark.parametrize("row, words", [
+    ({"question": "q", "answer": "a"}, "row 2 has keys ['answer', 'question'] (none of"),
+    ({"text": "t", "messages": [{"role": "user", "content": "c"}]}, "more than one shape"),
+    ({"prompt": "p"}, "keys ['prompt']"),
+    ({"prompt": "p", "completion": [{"role": "assistant", "content": "c"}]}, "must both be strings"),
+    ({"messages": [{"content": "no role"}]}, "'messages'[0] has ['content']"),
+    ({"text": 3}, "'text' is a int"),
+])
+def test_a_row_of_no_known_shape_is_refused_in_one_line(tmp_path, row, words):
+    path = _write(tmp_path / "bad.jsonl", [ROWS[0], row])
+    with pytest.raises(ConfigError) as error:
+        for number, found in enumerate(read_rows(path), 1):
+            row_kind(found, path, number)
+    message = str(error.value)
+    assert words in message and "bad.jsonl" in message and "\n" not in message
+
+
+def test_malformed_files_are_refused(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"text": \n')
+    with pytest.raises(ConfigError, match="line 2 is not JSON"):
+        list(read_rows(bad))
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"not parquet at all")
+    with pytest.raises(ConfigError, match="not a Parquet file"):
+        list(read_rows(broken))
+    with pytest.raises(ConfigError, match="does not exist"):
+        split_files(tmp_path / "missing.jsonl")
