@@ -72,8 +72,10 @@ def _vary(x, *arrays):
     return comm.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
 
 
-def _forward(q, k, v, *, causal, scale, interpret):
-    """``mha_forward_kernel`` on [B, S, H, d] q, k, v: output and base-2 log-sum-exp [B, H, S]."""
+def _forward(q, k, v, *, causal, scale, interpret, segment_ids=None):
+    """``mha_forward_kernel`` on [B, S, H, d] q, k, v (``segment_ids`` [B, S]: a query attends
+    only to keys of its segment; q and k the same tokens): output and base-2 log-sum-exp
+    [B, H, S]."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -86,17 +88,20 @@ def _forward(q, k, v, *, causal, scale, interpret):
                                block_k=block_k, head_dim=d, causal=causal)
     rows = lambda n: pl.BlockSpec((None, n, None, padded), lambda i, j, k: (j, i, k, 0))
     whole = pl.BlockSpec((None, sk, None, padded), lambda _, j, k: (j, 0, k, 0))
+    segments = (None if segment_ids is None
+                else pl.BlockSpec((None, sk), lambda _, j, k: (j, 0)))
     out = pl.pallas_call(
         kernel, grid=(sq // block_q, b, h),
-        in_specs=[rows(block_q), whole, whole, None],
+        in_specs=[rows(block_q), whole, whole, segments],
         out_specs=[rows(block_q), pl.BlockSpec((None, None, block_q), lambda i, j, k: (j, k, i))],
         out_shape=[_like(q.shape, q.dtype, q, k, v), _like((b, h, sq), jnp.float32, q, k, v)],
         compiler_params=plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2),
-        interpret=interpret, name="ring_block_forward")(q, k, v, None)
+        interpret=interpret, name="ring_block_forward" if segment_ids is None
+        else "packed_attention_forward")(q, k, v, segment_ids)
     return [_vary(a, q, k, v) for a in out]
 
 
-def _backward(q, k, v, out, do, lse2, delta, *, causal, scale, interpret):
+def _backward(q, k, v, out, do, lse2, delta, *, causal, scale, interpret, segment_ids=None):
     """``mha_backward_kernel``: dq, dk, dv of [B, S, H, d] blocks given the final ``out``, base-2
     log-sum-exp and ``delta`` = sum(do out) [B, H, Sq]."""
     from jax.experimental import pallas as pl
@@ -117,31 +122,36 @@ def _backward(q, k, v, out, do, lse2, delta, *, causal, scale, interpret):
     stats = pl.BlockSpec((None, None, sq), lambda i, j, _: (i, j, 0))
     tiles = lambda n: pl.BlockSpec((None, n, None, padded), lambda i, j, k: (i, k, j, 0))
     varying = (q, k, v, out, do)
+    segments = (None if segment_ids is None
+                else pl.BlockSpec((None, sk), lambda i, j, _: (i, 0)))
     grads = pl.pallas_call(
         kernel, grid=(b, h, count),
-        in_specs=[rows(sq), rows(sk), rows(sk), None, rows(sq), rows(sq), stats, stats],
+        in_specs=[rows(sq), rows(sk), rows(sk), segments, rows(sq), rows(sq), stats, stats],
         out_specs=[tiles(block_q), tiles(block_kv), tiles(block_kv)],
         out_shape=[_like(q.shape, q.dtype, *varying), _like(k.shape, k.dtype, *varying),
                    _like(v.shape, v.dtype, *varying)],
         compiler_params=plgpu.CompilerParams(
             num_warps=4 if block_q * block_kv < 128 * 128 else 8, num_stages=2),
-        interpret=interpret, name="ring_block_backward")(q, k, v, None, out, do, lse2, delta)
+        interpret=interpret, name="ring_block_backward" if segment_ids is None
+        else "packed_attention_backward")(q, k, v, segment_ids, out, do, lse2, delta)
     return [_vary(g, *varying) for g in grads]
 
 
-def block(q, k, v, *, causal: bool, scale: float, interpret: bool = False):
+def block(q, k, v, *, causal: bool, scale: float, interpret: bool = False, segment_ids=None):
     """One block: q [B, Sq, Hk, G, d] over k, v [B, Sk, Hk, d] (``causal``: query i attends keys
     0..i) -> normalised output [B, Sq, Hk, G, d] and natural log-sum-exp [B, Sq, Hk, G], both
     float32."""
     b, sq, hk, g, d = q.shape
     qh, kh, vh = _heads(q, k, v)
     with jax.enable_x64(False):  # the kernels' index arithmetic is 32-bit
-        out, lse2 = _forward(qh, kh, vh, causal=causal, scale=scale, interpret=interpret)
+        out, lse2 = _forward(qh, kh, vh, causal=causal, scale=scale, interpret=interpret,
+                             segment_ids=segment_ids)
     lse = jnp.transpose(lse2, (0, 2, 1)).reshape(b, sq, hk, g) * LN2
     return out.reshape(q.shape).astype(jnp.float32), lse
 
 
-def block_grads(q, k, v, out, lse, do, *, causal: bool, scale: float, interpret: bool = False):
+def block_grads(q, k, v, out, lse, do, *, causal: bool, scale: float, interpret: bool = False,
+                segment_ids=None):
     """dq, dk, dv (float32) of one block given the *final* output ``out`` [B, Sq, Hk, G, d] and
     natural log-sum-exp ``lse`` [B, Sq, Hk, G] of the rows and their gradient ``do``."""
     b, sq, hk, g, d = q.shape
@@ -152,9 +162,47 @@ def block_grads(q, k, v, out, lse, do, *, causal: bool, scale: float, interpret:
     delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
     with jax.enable_x64(False):  # the kernels' index arithmetic is 32-bit
         dq, dk, dv = _backward(qh, kh, vh, rows(out), rows(do), per_head(lse / LN2),
-                               per_head(delta), causal=causal, scale=scale, interpret=interpret)
+                               per_head(delta), causal=causal, scale=scale, interpret=interpret,
+                               segment_ids=segment_ids)
     per_group = lambda a: a.reshape(b, sk, hk, g, d).astype(jnp.float32).sum(axis=3)
     return dq.reshape(q.shape).astype(jnp.float32), per_group(dk), per_group(dv)
 
 
-__all__ = ["block", "block_grads"]
+def _grouped(q, k):
+    b, s, hq, d = q.shape
+    return q.reshape(b, s, k.shape[2], hq // k.shape[2], d)
+
+
+def _packed_forward(q, k, v, segment_ids, interpret):
+    o, lse = block(_grouped(q, k), k, v, causal=True, scale=1.0 / math.sqrt(q.shape[-1]),
+                   interpret=interpret, segment_ids=segment_ids)
+    out = o.reshape(q.shape).astype(q.dtype)
+    return out, (q, k, v, segment_ids, out, lse)
+
+
+def _packed(q, k, v, segment_ids, interpret):
+    return _packed_forward(q, k, v, segment_ids, interpret)[0]
+
+
+def _packed_backward(interpret, residuals, do):
+    q, k, v, segment_ids, out, lse = residuals
+    dq, dk, dv = block_grads(_grouped(q, k), k, v, _grouped(out, k), lse, _grouped(do, k),
+                             causal=True, scale=1.0 / math.sqrt(q.shape[-1]),
+                             interpret=interpret, segment_ids=segment_ids)
+    return (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None)
+
+
+_packed_attention = jax.custom_vjp(_packed, nondiff_argnums=(4,))
+_packed_attention.defvjp(_packed_forward, _packed_backward)
+
+
+def packed_attention(q, k, v, segment_ids, *, interpret: bool = False) -> jax.Array:
+    """Causal attention of packed rows, q [B, S, Hq, d], k and v [B, S, Hk, d], ``segment_ids``
+    [B, S] (:mod:`jphantom.nn.attention.packing`) -> [B, S, Hq, d], on jax's Pallas Triton flash
+    kernels (forward and backward take the segment ids; memory linear in S): the fused kernel of
+    packed batches on NVIDIA GPUs, where ``jax.nn.dot_product_attention`` takes no segment ids.
+    Stores the output in the compute dtype and the float32 log-sum-exp for the backward."""
+    return _packed_attention(q, k, v, jnp.asarray(segment_ids, jnp.int32), interpret)
+
+
+__all__ = ["block", "block_grads", "packed_attention"]

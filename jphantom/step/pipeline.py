@@ -38,8 +38,8 @@ class PipelineGradients:
         """``scale``: the loss scale (default the precision's); no dropout in a pipeline."""
         setup = self.setup
         scale = setup.precision.loss_scale if scale is None else scale
-        if len(batch) != 2:
-            raise ConfigError(f"a pipelined step takes (inputs, targets), got {len(batch)} "
+        if len(batch) < 2:
+            raise ConfigError(f"a pipelined step takes (inputs, targets, ...), got {len(batch)} "
                               "batch arrays")
         leaves = list(leaves)
         varied = self.reducer.vary_params(leaves)
@@ -55,7 +55,7 @@ class PipelineGradients:
             (grads,) = scatter(grads)
         return unscaled(loss, grads, leaves, scale)
 
-    def balance(self, leaves, inputs, targets):
+    def balance(self, leaves, *batch):
         """The whole batch's routing fractions (:func:`jphantom.step.grads.balance_fraction`)
         through the schedule's forward slots, each last stage summing the MoE layers' router
         statistics of its micro-batches (the statistics ride with the activations, [L_moe, 2E]
@@ -63,18 +63,18 @@ class PipelineGradients:
         or does not take part."""
         if not takes_balance(self.setup):
             return None
-        rows = inputs.shape[0] // self.setup.pipeline.microbatches
+        rows = batch[0].shape[0] // self.setup.pipeline.microbatches
         shape = jax.eval_shape(
             lambda l, i, t: self.reducer.model(l, train=False).balance_statistics(i, t),
-            leaves, inputs[:rows], targets[:rows])
+            leaves, batch[0][:rows], batch[1][:rows])
         if shape is None:
             return None
-        total = self.value_and_grad(leaves, inputs, targets, train=False, statistics=True)
+        total = self.value_and_grad(leaves, *batch, train=False, statistics=True)
         total = comm.psum(total, "stage")  # non-zero on the last stage only
         return balance_module.fractions(total)
 
-    def value_and_grad(self, leaves, inputs, targets, *, train: bool = True,
-                                 scale=1.0, balance=None, statistics: bool = False):
+    def value_and_grad(self, leaves, *batch, train: bool = True, scale=1.0, balance=None,
+                       statistics: bool = False):
         """The model cut at its :class:`Stacked` and run by the pipeline executor
         (:func:`jphantom.pipeline.runner.run`, every schedule, its own backward): the part of
         ``loss_fn`` before the blocks on the first stage, the blocks' layers split over ``stage``
@@ -82,7 +82,11 @@ class PipelineGradients:
         the part after them (head, loss) on the last.
         ``train=False``: the forward slots only, the loss share alone (``statistics``: the MoE
         layers' router statistics summed over the micro-batches instead, :meth:`balance`).
-        ``balance``: the whole batch's routing fractions, given to each micro-batch's loss."""
+        ``balance``: the whole batch's routing fractions, given to each micro-batch's loss.
+        ``batch``: ``(inputs, targets, *extras)``; the extras (a mask, a packed batch's segment
+        ids and positions) reach the first stage's part with the inputs and the last stage's
+        with the targets (a packed batch's ride with the activation through the stages,
+        :mod:`jphantom.nn.attention.packing`)."""
         from jphantom.nn.stack import Capture, Feed, StackInput
         from jphantom.pipeline import runner
         from jphantom.plans import set_submodule
@@ -92,24 +96,27 @@ class PipelineGradients:
         stack_path, stacked_module = stages_layout.path, stages_layout.stacked
         micro = setup.pipeline.microbatches
         stacked_now, rest_now = stages_layout.split(leaves)
+        inputs, targets, extras = batch[0], batch[1], tuple(batch[2:])
         rows = inputs.shape[0] // micro
         dummy_inputs = jnp.zeros((rows, *inputs.shape[1:]), inputs.dtype)
         dummy_targets = jnp.zeros((rows, *targets.shape[1:]), targets.dtype)
+        inputs, targets = (inputs, *extras), (targets, *extras)  # what first / last read
 
         def model_with(rest, stand_in):
             model = setup.ready(layout.model_of(cast(stages_layout.join(stacked_now, rest))))
             set_submodule(model, stack_path, stand_in)
             return model
 
-        def run_model(model, inputs_mb, targets_mb):
+        def run_model(model, inputs_mb, targets_mb, extras_mb):
             if statistics:
                 return model.balance_statistics(inputs_mb, targets_mb)
             with balance_module.given(balance):
-                return loss_fn(model, inputs_mb, targets_mb)
+                return loss_fn(model, inputs_mb, targets_mb, *extras_mb)
 
         def first(rest, inputs_mb):
             try:
-                run_model(model_with(rest, Capture()), inputs_mb, dummy_targets)
+                run_model(model_with(rest, Capture()), inputs_mb[0], dummy_targets,
+                          inputs_mb[1:])
             except StackInput as entered:
                 return entered.h
             raise ConfigError("loss_fn never called the model's Stacked blocks: a pipeline cuts "
@@ -118,16 +125,16 @@ class PipelineGradients:
         stages_count = stages_layout.stages
         weight = None if statistics else self.weight(
             first, lambda out, t: run_model(model_with(rest_now, Feed(lambda: out)),
-                                            dummy_inputs, t),
-            rest_now, inputs[:rows], targets, micro)
+                                            dummy_inputs, t[0], t[1:]),
+            rest_now, tuple(a[:rows] for a in inputs), targets, micro)
         if train:
             token_mean.note(weight)  # the global weight, for the step's check
 
         def last(rest, out, targets_mb, microbatches):
             model = model_with(rest, Feed(lambda: out))
             if statistics:
-                return run_model(model, dummy_inputs, targets_mb)
-            loss = run_model(model, dummy_inputs, targets_mb)
+                return run_model(model, dummy_inputs, targets_mb[0], targets_mb[1:])
+            loss = run_model(model, dummy_inputs, targets_mb[0], targets_mb[1:])
             weighted = token_mean.terms(loss, loss_fn)
             if weighted is not None:  # its part of the global token mean
                 if weight is None:
@@ -178,12 +185,12 @@ class PipelineGradients:
         from jphantom.pipeline.split import needed_inputs
 
         out = jax.tree.map(zeros_of, jax.eval_shape(first, rest, inputs_mb))
-        targets = split_microbatches(targets, micro)
-        struct = jax.eval_shape(loss_after, out, targets[0])
+        targets = jax.tree.map(lambda a: split_microbatches(a, micro), targets)
+        struct = jax.eval_shape(loss_after, out, jax.tree.map(lambda a: a[0], targets))
         if not isinstance(struct, tuple):
             return None
         weight_of = lambda o, t: token_mean.terms(loss_after(o, t)).weight
-        traced = jax.make_jaxpr(weight_of)(out, targets[0])
+        traced = jax.make_jaxpr(weight_of)(out, jax.tree.map(lambda a: a[0], targets))
         if needed_inputs(traced.jaxpr, [True])[:len(jax.tree.leaves(out))] != [False] * len(
                 jax.tree.leaves(out)):
             raise ConfigError("a pipelined step needs the loss's weight before the blocks run: "
@@ -198,12 +205,12 @@ class PipelineGradients:
         stash), for the step's evaluation ``shard_map``."""
         setup = self.setup
 
-        def per_rank(leaves, inputs, targets):
+        def per_rank(leaves, *batch):
             leaves = list(leaves)
             if setup.zero == 3:
                 leaves = zero_module.gather_together(leaves, setup.layout.zero_dims,
                                                      setup.layout.zero_axes, invariant=False)
             leaves = self.reducer.vary_params(leaves)
-            return setup.global_value(self.value_and_grad(leaves, inputs, targets, train=False))
+            return setup.global_value(self.value_and_grad(leaves, *batch, train=False))
 
         return per_rank

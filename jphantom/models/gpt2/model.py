@@ -43,6 +43,8 @@ from jphantom.errors import ConfigError
 from jphantom.models.gpt2.config import TransformerConfig
 from jphantom.nn import balance
 from jphantom.nn.attention import CausalAttention, Positions
+from jphantom.nn.attention import packing as packed
+from jphantom.nn.attention.packing import Packing
 from jphantom.nn.moe import SwitchMoE
 from jphantom.nn.loss import cross_entropy_terms
 from jphantom.nn.stack import Stacked
@@ -72,12 +74,13 @@ class Attention(nnx.Module):
         self.head_dim = config.head_dim
         self.attend = CausalAttention()  # context parallelism: ring or all-gather attention
 
-    def __call__(self, x):
+    def __call__(self, x, packing: Packing | None = None):
+        """``packing``: a packed batch's segment ids, the core attending within each document."""
         qkv = self.qkv(x)
         batch, seq = qkv.shape[:2]  # whole sequence, this rank's heads
         qkv = qkv.reshape(batch, seq, -1, 3, self.head_dim)
         q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
-        return self.out(self.attend(q, k, v).reshape(batch, seq, -1))
+        return self.out(packed.attend(self.attend, q, k, v, packing).reshape(batch, seq, -1))
 
 
 class MLP(nnx.Module):
@@ -100,9 +103,11 @@ class Block(nnx.Module):
         self.ln_1, self.attn = _norm(config, rngs), Attention(config, rngs=rngs)
         self.ln_2, self.mlp = _norm(config, rngs), MLP(config, rngs=rngs)
 
-    def __call__(self, h):
-        h = h + self.attn(self.ln_1(h))
-        return h + self.mlp(self.ln_2(h))
+    def __call__(self, carry):
+        """``carry``: h, or ``(h, packing)`` of a packed batch, returned alike."""
+        h, packing = packed.split(carry)
+        h = h + self.attn(self.ln_1(h), packing)
+        return packed.join(h + self.mlp(self.ln_2(h)), packing)
 
 
 class MoEBlock(nnx.Module):
@@ -179,11 +184,23 @@ class GPT2(nnx.Module):
             raise ConfigError(f"heads={self.config.heads} is not divisible by the {num_shards} "
                               "ranks that split them: pick an axis size dividing the heads")
 
-    def trunk(self, tokens: jax.Array, *, statistics: bool = False):
+    def trunk(self, tokens: jax.Array, *, statistics: bool = False,
+              segment_ids: jax.Array | None = None, positions: jax.Array | None = None):
         """The final-normed stream [B, S, h] and the MoE blocks' aux summed over them (``None``
         without MoE blocks); the whole batch's routing fractions [L_moe, E] a training step gives
         a micro-batch (:func:`jphantom.nn.balance.current`) and ``statistics``:
-        :class:`MoEGroup`'s optional entries."""
+        :class:`MoEGroup`'s optional entries. ``segment_ids`` and ``positions`` [B, S]: a packed
+        batch (:mod:`jphantom.nn.attention.packing`), attention within each document and the
+        position table read at each token's position in it."""
+        packing = packed.packing_of(segment_ids, positions)
+        if packing is not None and self.config.moe_every:
+            raise ConfigError("GPT-2's routed MoE blocks with a packed batch: their capacity "
+                              "and load-balancing statistics would count pad tokens; use "
+                              "--model llama --moe-every 1 (dropless experts) or unpacked "
+                              "batches")
+        if packing is not None:
+            h = self.wte(tokens) + self.wpe(packing.positions)
+            return self.ln_f(packed.split(self.blocks((h, packing)))[0]), None
         h = self.wte(tokens) + self.wpe(self.positions(tokens.shape[1]))
         if not self.config.moe_every:
             return self.ln_f(self.blocks(h)), None
@@ -200,7 +217,7 @@ class GPT2(nnx.Module):
         return self.ln_f(h), aux
 
     def balance_statistics(self, tokens: jax.Array, targets: jax.Array | None = None,
-                           mask: jax.Array | None = None):
+                           mask: jax.Array | None = None, *packed_batch):
         """[L_moe, 2E] per MoE block: how many of the batch's tokens chose each expert first, and
         the sum of each expert's probability (over the whole batch: the ranks' statistics are
         summed); ``None`` without MoE blocks. A training step that accumulates micro-batches
@@ -208,13 +225,17 @@ class GPT2(nnx.Module):
         load-balancing loss is the whole batch's, as without accumulation."""
         if not self.config.moe_every:
             return None
+        if packed_batch:  # (tokens, targets, segment_ids, positions)
+            self.trunk(tokens, segment_ids=mask, positions=packed_batch[0])  # refused by name
         return self.trunk(tokens, statistics=True)[1]["statistics"]
 
-    def hidden_states(self, tokens: jax.Array) -> jax.Array:
-        return self.trunk(tokens)[0]
+    def hidden_states(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                      positions: jax.Array | None = None) -> jax.Array:
+        return self.trunk(tokens, segment_ids=segment_ids, positions=positions)[0]
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        h = self.hidden_states(tokens)
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        h = self.hidden_states(tokens, segment_ids, positions)
         return self.wte.attend(h) if self.config.tied_head else self.head(h)
 
     def _cross_entropy(self, h, targets, mask=None):
@@ -231,12 +252,14 @@ class GPT2(nnx.Module):
         :mod:`jphantom.nn.balance`, :meth:`balance_statistics`)."""
         return token_mean.value(self.loss_terms(tokens, targets, mask))
 
-    def loss_terms(self, tokens: jax.Array, targets: jax.Array, mask: jax.Array | None = None
-                   ) -> token_mean.WeightedLoss:
+    def loss_terms(self, tokens: jax.Array, targets: jax.Array, mask: jax.Array | None = None,
+                   *, segment_ids: jax.Array | None = None,
+                   positions: jax.Array | None = None) -> token_mean.WeightedLoss:
         """``(total, weight, mean)``: the counted tokens' summed cross-entropy, their number and
         the MoE auxiliary losses (a mean already), for a global token mean
-        (:mod:`jphantom.token_mean`)."""
-        h, aux = self.trunk(tokens)
+        (:mod:`jphantom.token_mean`); ``segment_ids`` and ``positions``: a packed batch
+        (:meth:`trunk`)."""
+        h, aux = self.trunk(tokens, segment_ids=segment_ids, positions=positions)
         total, weight = self._cross_entropy(h, targets, mask)
         if aux is None:
             return token_mean.WeightedLoss(total, weight)

@@ -31,6 +31,8 @@ from jphantom import token_mean
 from jphantom.errors import ConfigError
 from jphantom.models.llama.config import LlamaConfig
 from jphantom.nn.attention import CausalAttention, Positions
+from jphantom.nn.attention import packing as packed
+from jphantom.nn.attention.packing import Packing
 from jphantom.nn.moe import Experts, top_k_gates
 from jphantom.nn.loss import cross_entropy_terms
 from jphantom.nn.norm import OffsetRMSNorm
@@ -41,9 +43,10 @@ from jphantom.nn.stack import Stacked
 def rope(x: jax.Array, theta: float, positions: jax.Array | None = None,
          length: int | None = None) -> jax.Array:
     """Rotary position embedding of x [B, S, heads, d] (HF's rotate-half) at ``positions`` [S]
-    (default 0..S-1) of a sequence of ``length`` tokens (default S): the phases are computed in
-    float64 for the whole sequence, then this rank's rows are taken (context parallelism holds
-    positions that are not 0..S-1)."""
+    or each row's [B, S] (a packed batch's positions within its documents; default 0..S-1) of a
+    sequence of ``length`` tokens (default S): the phases are computed in float64 for the whole
+    sequence, then this rank's rows are taken (context parallelism holds positions that are not
+    0..S-1)."""
     seq, d = x.shape[1], x.shape[-1]
     length = seq if length is None else length
     inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
@@ -53,7 +56,10 @@ def rope(x: jax.Array, theta: float, positions: jax.Array | None = None,
     cos, sin = jnp.asarray(np.cos(angles), wide), jnp.asarray(np.sin(angles), wide)
     if positions is not None:
         cos, sin = jnp.take(cos, positions, axis=0), jnp.take(sin, positions, axis=0)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    if cos.ndim == 3:  # each row's positions [B, S, d]
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    else:
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     half = d // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return (x.astype(wide) * cos + rotated.astype(wide) * sin).astype(x.dtype)
@@ -95,13 +101,17 @@ class Attention(nnx.Module):
         if self.mixed:  # the local layers' core: the same kernel with its window
             self.attend_local = CausalAttention(window=config.sliding_window)
 
-    def __call__(self, x: jax.Array, index=None) -> jax.Array:
+    def __call__(self, x: jax.Array, index=None, packing: Packing | None = None) -> jax.Array:
+        """``packing``: a packed batch's segment ids (the core attends within each document)
+        and positions (RoPE's phases), [B, S] as the projections' sequence."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         batch, seq = q.shape[:2]  # the projections' sequence (whole under SP)
         q, k, v = (a.reshape(batch, seq, -1, self.dim) for a in (q, k, v))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         positions, length = self.positions(seq), self.positions.length(seq)
+        if packing is not None:
+            positions = packing.positions
         if not self.mixed:
             q, k = (rope(a, self.theta, positions, length) for a in (q, k))
         else:
@@ -113,10 +123,13 @@ class Attention(nnx.Module):
                               rope(a, self.local_theta, positions, length)) for a in (q, k))
         if self.q_scale is not None:
             q = q * jnp.asarray(self.q_scale, q.dtype)
-        if self.mixed:  # this layer's core, each on the fused kernel with its own window
+        if self.mixed and packing is None:  # this layer's core, each with its own window
             out = lax.cond(full, self.attend, self.attend_local, q, k, v)
+        elif self.mixed:
+            out = lax.cond(full, lambda *a: packed.attend(self.attend, *a, packing),
+                           lambda *a: packed.attend(self.attend_local, *a, packing), q, k, v)
         else:
-            out = self.attend(q, k, v)
+            out = packed.attend(self.attend, q, k, v, packing)
         return self.o_proj(out.reshape(batch, seq, -1))
 
 
@@ -173,14 +186,19 @@ class Block(nnx.Module):
         else:
             self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, h, index=None):
+    def __call__(self, carry, index=None):
+        """``carry``: the stream h, or ``(h, packing)`` of a packed batch
+        (:mod:`jphantom.nn.attention.packing`), returned alike."""
+        h, packing = packed.split(carry)
         ffn = self.moe if hasattr(self, "moe") else self.mlp
         if self.sandwich:
             h = h + self.post_attention_layernorm(
-                self.self_attn(self.input_layernorm(h), index))
-            return h + self.post_feedforward_layernorm(ffn(self.pre_feedforward_layernorm(h)))
-        h = h + self.self_attn(self.input_layernorm(h), index)
-        return h + ffn(self.post_attention_layernorm(h))
+                self.self_attn(self.input_layernorm(h), index, packing))
+            h = h + self.post_feedforward_layernorm(ffn(self.pre_feedforward_layernorm(h)))
+        else:
+            h = h + self.self_attn(self.input_layernorm(h), index, packing)
+            h = h + ffn(self.post_attention_layernorm(h))
+        return packed.join(h, packing)
 
 
 class Llama(nnx.Module):
@@ -222,7 +240,12 @@ class Llama(nnx.Module):
                                              "key/value head among ranks)"
                                              if not shared_kv_heads else ""))
 
-    def hidden_states(self, tokens: jax.Array) -> jax.Array:
+    def hidden_states(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                      positions: jax.Array | None = None) -> jax.Array:
+        """The final-normed stream [B, S, h]; ``segment_ids`` and ``positions`` [B, S]: a packed
+        batch (:mod:`jphantom.nn.attention.packing`), attention stopping at each document's
+        boundary and RoPE at each token's position within its document."""
+        packing = packed.packing_of(segment_ids, positions)
         h = self.embed_tokens(tokens)
         pad = self.config.pad_token_id
         if pad is not None:  # nn.Embedding's padding_idx: no gradient reaches that row from a
@@ -230,10 +253,11 @@ class Llama(nnx.Module):
         if self.config.embed_scale:  # Gemma: sqrt(hidden) in the table's dtype
             h = h * jnp.asarray(self.config.hidden ** 0.5,
                                 self.embed_tokens.embedding.get_value().dtype).astype(h.dtype)
-        return self.norm(self.layers(h))
+        return self.norm(packed.split(self.layers(packed.join(h, packing)))[0])
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        h = self.hidden_states(tokens)
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        h = self.hidden_states(tokens, segment_ids, positions)
         return self.embed_tokens.attend(h) if self.config.tie_word_embeddings else self.lm_head(h)
 
     def loss(self, tokens: jax.Array, targets: jax.Array, mask: jax.Array | None = None
@@ -242,11 +266,13 @@ class Llama(nnx.Module):
         negative)."""
         return token_mean.value(self.loss_terms(tokens, targets, mask))
 
-    def loss_terms(self, tokens: jax.Array, targets: jax.Array, mask: jax.Array | None = None
-                   ) -> token_mean.WeightedLoss:
+    def loss_terms(self, tokens: jax.Array, targets: jax.Array, mask: jax.Array | None = None,
+                   *, segment_ids: jax.Array | None = None,
+                   positions: jax.Array | None = None) -> token_mean.WeightedLoss:
         """``(total, weight)``: the summed cross-entropy of the counted tokens and their number
-        (:func:`jphantom.nn.cross_entropy_terms`), for a global token mean."""
-        h = self.hidden_states(tokens)
+        (:func:`jphantom.nn.cross_entropy_terms`), for a global token mean; ``segment_ids`` and
+        ``positions``: a packed batch (:meth:`hidden_states`)."""
+        h = self.hidden_states(tokens, segment_ids, positions)
         if self.config.tie_word_embeddings:
             return token_mean.WeightedLoss(
                 *cross_entropy_terms(self.embed_tokens, h, targets, tied=True, mask=mask))

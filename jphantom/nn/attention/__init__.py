@@ -69,6 +69,8 @@ One idea a module:
 - :mod:`~jphantom.nn.attention.ring`: ring attention and its backward.
 - :mod:`~jphantom.nn.attention.context`: the context layers (ring, all-gather, positions).
 - :mod:`~jphantom.nn.attention.model_cores`: a model's cores configured and reported.
+- :mod:`~jphantom.nn.attention.packing`: packed batches' segment ids and positions, carried to
+  the cores.
 """
 
 from jphantom.nn.attention.blocks import block, block_grads
@@ -82,6 +84,7 @@ from jphantom.nn.attention.kernel_choice import (DETERMINISTIC_FLAGS, FUSED_DTYP
 from jphantom.nn.attention.layout import (AXIS, from_context_order, layout_positions,
                                           to_context_order)
 from jphantom.nn.attention.model_cores import configure, context_of, kernels_of
+from jphantom.nn.attention.packing import Packing, packing_of, segment_mask
 from jphantom.nn.attention.ring import ring_attention
 from jphantom.nn.attention.schedule import EARLY, FULL, LATE, SKIP, attention_work, schedule
 
@@ -91,4 +94,5 @@ __all__ = ["causal_attention", "Positions", "CausalAttention", "ContextPositions
            "kernels_of",
            "RingAttention", "GatheredAttention", "ring_attention", "gathered_attention",
            "to_context_order", "from_context_order", "layout_positions", "schedule",
-           "attention_work", "context_of", "ALGORITHMS"]
+           "attention_work", "context_of", "ALGORITHMS", "Packing", "packing_of",
+           "segment_mask"]

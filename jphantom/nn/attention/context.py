@@ -16,13 +16,16 @@ from jphantom.errors import ConfigError
 from jphantom.nn.attention.core import CausalAttention, Positions, causal_attention
 from jphantom.nn.attention.kernel_choice import check_implementation, choose, platform_of
 from jphantom.nn.attention.layout import AXIS, layout_positions
+from jphantom.nn.attention.packing import segment_mask
 from jphantom.nn.attention.ring import ring_attention
 
 
 def gathered_attention(q, k, v, *, size: int, balanced: bool = True,
-                       window: int | None = None) -> jax.Array:
+                       window: int | None = None, segment_ids=None) -> jax.Array:
     """Causal attention of this rank's chunk with K and V all-gathered over ``context`` (XLA's
-    path: the mask of the layout's positions is not one cuDNN takes)."""
+    path: the mask of the layout's positions is not one cuDNN takes); ``segment_ids`` [B, S/C]
+    (a packed batch, this rank's chunk): gathered with K and V, a query attending only keys of
+    its own segment."""
     local = q.shape[1]
     k_all = comm.all_gather(k, AXIS, axis=1, tiled=True)
     v_all = comm.all_gather(v, AXIS, axis=1, tiled=True)
@@ -31,6 +34,9 @@ def gathered_attention(q, k, v, *, size: int, balanced: bool = True,
     mask = q_pos[:, None] >= k_pos[None, :]
     if window is not None:
         mask &= q_pos[:, None] - k_pos[None, :] < window
+    if segment_ids is not None:
+        k_segments = comm.all_gather(segment_ids, AXIS, axis=1, tiled=True)
+        mask = mask[None] & segment_mask(segment_ids, k_segments)
     return causal_attention(q, k_all, v_all, mask)
 
 
@@ -60,6 +66,7 @@ class RingAttention(nnx.Module):
     :class:`GatheredAttention`."""
 
     algorithm = "ring"
+    takes_segments = True  # packed batches: segment ids (jphantom.nn.attention.packing)
 
     def __init__(self, *, size: int, balanced: bool = True, window: int | None = None,
                  implementation: str = "auto"):
@@ -71,14 +78,20 @@ class RingAttention(nnx.Module):
                               "blocks skip by whole chunks, not windows; use "
                               "--context-attention all-gather")
 
-    def kernel(self, dtype, head_dim: int) -> tuple[str, str]:
+    def kernel(self, dtype, head_dim: int, *, packed: bool = False) -> tuple[str, str]:
         """The kernel of the blocks and why (:func:`context_kernel`)."""
         platform = self.platform or platform_of(jax.devices()[0])
-        return context_kernel(self.algorithm, self.implementation, platform, dtype, head_dim)
+        return context_kernel(self.algorithm, self.implementation, platform, dtype, head_dim,
+                              packed=packed)
 
-    def __call__(self, q, k, v) -> jax.Array:
-        kernel, _ = self.kernel(q.dtype, q.shape[-1])
-        return ring_attention(q, k, v, size=self.size, balanced=self.balanced, kernel=kernel)
+    def __call__(self, q, k, v, segment_ids=None) -> jax.Array:
+        if segment_ids is None:
+            kernel, _ = self.kernel(q.dtype, q.shape[-1])
+            return ring_attention(q, k, v, size=self.size, balanced=self.balanced,
+                                  kernel=kernel)
+        kernel, _ = self.kernel(q.dtype, q.shape[-1], packed=True)
+        return ring_attention(q, k, v, size=self.size, balanced=self.balanced, kernel=kernel,
+                              segment_ids=segment_ids)
 
     def dense_equivalent(self) -> CausalAttention:
         return CausalAttention(window=self.window, implementation=self.implementation)
@@ -89,14 +102,14 @@ class GatheredAttention(RingAttention):
 
     algorithm = "all-gather"
 
-    def __call__(self, q, k, v) -> jax.Array:
-        self.kernel(q.dtype, q.shape[-1])
+    def __call__(self, q, k, v, segment_ids=None) -> jax.Array:
+        self.kernel(q.dtype, q.shape[-1], packed=segment_ids is not None)
         return gathered_attention(q, k, v, size=self.size, balanced=self.balanced,
-                                  window=self.window)
+                                  window=self.window, segment_ids=segment_ids)
 
 
 def context_kernel(algorithm: str, implementation: str, platform: str, dtype,
-                   head_dim: int) -> tuple[str, str]:
+                   head_dim: int, *, packed: bool = False) -> tuple[str, str]:
     """The kernel of context attention's blocks and why: where :func:`choose` picks cuDNN for
     the unsplit core, the ring's blocks run jax's Pallas Triton flash kernels
     (:mod:`jphantom.nn.flash`: cuDNN's statistics come back only in the compute dtype), else
@@ -108,6 +121,10 @@ def context_kernel(algorithm: str, implementation: str, platform: str, dtype,
     if algorithm != "ring":
         return "xla", (f"{algorithm} context attention: the layout's position mask is not one "
                        "cuDNN takes")
+    if packed:
+        return "xla", (f"{why}; packed batch on the ring: jax's Pallas flash kernel takes one "
+                       "segment-id array for queries and keys, a ring block's are two chunks: "
+                       "XLA's blocks under the segment mask")
     return "pallas", (f"{why}; ring blocks: jax's Pallas Triton flash attention (float32 "
                       "log-sum-exp to merge them)")
 

@@ -11,6 +11,7 @@ from flax import nnx
 
 from jphantom.errors import ConfigError
 from jphantom.nn.attention.kernel_choice import check_implementation, choose, platform_of
+from jphantom.nn.attention.packing import segment_mask
 
 
 def _window_size(window: int | None):
@@ -20,20 +21,31 @@ def _window_size(window: int | None):
 
 
 def causal_attention(q, k, v, mask=None, *, window: int | None = None,
-                     implementation: str = "xla") -> jax.Array:
+                     implementation: str = "xla", segment_ids=None) -> jax.Array:
     """Causal softmax attention, q [B, S, Hq, d], k and v [B, Sk, Hk, d] (Hq a multiple of Hk:
     each key/value head serves Hq/Hk query heads, never repeated) -> [B, S, Hq, d], through
     ``jax.nn.dot_product_attention``: ``implementation`` ``xla`` (XLA's path: scores
     [B, Hq, S, Sk] in float32, softmax in float32; exact, every platform) or ``cudnn`` (cuDNN's
     flash attention: memory linear in S). ``window``: a causal sliding window of that many tokens
     (Mistral's, Gemma's local layers). ``mask`` [S, Sk] (True: attend; XLA's path) replaces the
-    causal mask of S = Sk positions 0..S-1."""
+    causal mask of S = Sk positions 0..S-1; a [B, S, Sk] mask is each row's.
+    ``segment_ids`` [B, S] (a packed batch, :mod:`~jphantom.nn.attention.packing`): a query
+    attends only to keys of its own segment, on XLA's path under that mask or (``pallas``,
+    ``pallas-interpret``) in jax's Pallas Triton flash kernel, which takes segment ids."""
     local = _window_size(window)
+    if segment_ids is not None:
+        if implementation in ("pallas", "pallas-interpret"):
+            from jphantom.nn import flash
+            return flash.packed_attention(q, k, v, segment_ids,
+                                          interpret=implementation == "pallas-interpret")
+        mask = _causal_mask(q.shape[1], window)[None] & segment_mask(segment_ids, segment_ids)
+        implementation, local = "xla", None  # the mask (window included) is XLA's path's
     if implementation == "xla" and jnp.dtype(q.dtype) == jnp.float16:
         return _float16_attention(q, k, v, mask, window)
     if mask is not None:
-        return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None],
-                                            local_window_size=local, implementation="xla")
+        mask = mask[None, None] if mask.ndim == 2 else mask[:, None]
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, local_window_size=local,
+                                            implementation="xla")
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
                                         implementation=implementation)
 
@@ -52,9 +64,20 @@ def _float16_attention(q, k, v, mask, window):
         mask = pos[:, None] >= jnp.arange(k.shape[1])[None, :]
         if window is not None:
             mask &= pos[:, None] - jnp.arange(k.shape[1])[None, :] < window
+    elif mask.ndim == 3:  # each row's [B, S, Sk] over [B, Hk, G, S, Sk] scores
+        mask = mask[:, None, None]
     weights = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", weights.astype(v.dtype), v)
     return out.reshape(b, s, hq, d)
+
+
+def _causal_mask(seq: int, window: int | None) -> jax.Array:
+    """[S, S]: key j <= query i (and i - j < ``window``)."""
+    pos = jnp.arange(seq)
+    mask = pos[:, None] >= pos[None, :]
+    if window is not None:
+        mask &= pos[:, None] - pos[None, :] < window
+    return mask
 
 
 class Positions(nnx.Module):
@@ -81,12 +104,19 @@ class CausalAttention(nnx.Module):
         self.window, self.implementation = window, check_implementation(implementation)
         self.platform = None
 
-    def kernel(self, dtype, head_dim: int) -> tuple[str, str]:
-        """The kernel this core runs for ``dtype`` inputs of ``head_dim`` and why
-        (:func:`choose`)."""
-        platform = self.platform or platform_of(jax.devices()[0])
-        return choose(self.implementation, platform, dtype, head_dim)
+    takes_segments = True  # packed batches: segment ids (jphantom.nn.attention.packing)
 
-    def __call__(self, q, k, v) -> jax.Array:
-        kernel, _ = self.kernel(q.dtype, q.shape[-1])
-        return causal_attention(q, k, v, window=self.window, implementation=kernel)
+    def kernel(self, dtype, head_dim: int, *, packed: bool = False) -> tuple[str, str]:
+        """The kernel this core runs for ``dtype`` inputs of ``head_dim`` (``packed``: with
+        segment ids) and why (:func:`choose`)."""
+        platform = self.platform or platform_of(jax.devices()[0])
+        return choose(self.implementation, platform, dtype, head_dim, packed=packed,
+                      window=self.window)
+
+    def __call__(self, q, k, v, segment_ids=None) -> jax.Array:
+        if segment_ids is None:
+            kernel, _ = self.kernel(q.dtype, q.shape[-1])
+            return causal_attention(q, k, v, window=self.window, implementation=kernel)
+        kernel, _ = self.kernel(q.dtype, q.shape[-1], packed=True)
+        return causal_attention(q, k, v, window=self.window, implementation=kernel,
+                                segment_ids=segment_ids)

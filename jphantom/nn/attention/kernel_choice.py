@@ -21,7 +21,8 @@ def platform_of(device) -> str:
     platform = str(getattr(device, "platform", "cpu")).lower()
     kind = str(getattr(device, "device_kind", "")).lower()
     if platform in ("gpu", "cuda", "rocm"):
-        if platform == "rocm" or "amd" in kind or "instinct" in kind:
+        # an ahead-of-time ROCm target's devices say platform "gpu", kind "MI300X" / "MI250"
+        if platform == "rocm" or "amd" in kind or "instinct" in kind or kind.startswith("mi"):
             return "rocm"
         return "nvidia"
     return platform
@@ -39,6 +40,10 @@ def fused_problem(platform: str, dtype, head_dim: int) -> str | None:
     cannot run these inputs, or ``None``: it runs on NVIDIA GPUs, in bfloat16 or float16, with a
     head dimension that is a multiple of 8 and at most 128, and not under XLA's deterministic-ops
     flags (:data:`DETERMINISTIC_FLAGS`: XLA's cuDNN attention fails at run time under them)."""
+    if platform == "rocm":
+        return ("on ROCm jax offers no fused attention: jax.nn.dot_product_attention's "
+                "implementation='cudnn' answers 'cuDNN is not detected' (compiled for MI250X "
+                "and MI300X, jax 0.12.0)")
     if platform != "nvidia":
         return f"the {platform} platform has no cuDNN (it is NVIDIA's)"
     asked = set(os.environ.get("XLA_FLAGS", "").split()) & set(DETERMINISTIC_FLAGS)
@@ -55,14 +60,22 @@ def fused_problem(platform: str, dtype, head_dim: int) -> str | None:
     return None
 
 
-def choose(implementation: str, platform: str, dtype, head_dim: int) -> tuple[str, str]:
-    """The kernel (``xla`` or ``cudnn``) that runs attention for ``implementation`` (``auto``,
-    ``xla``, ``cudnn``) and why. ``auto`` takes cuDNN wherever :func:`fused_problem` finds none,
-    else XLA's path, and says why; ``cudnn`` where cuDNN cannot run is a :class:`ConfigError`."""
+def choose(implementation: str, platform: str, dtype, head_dim: int, *, packed: bool = False,
+           window: int | None = None) -> tuple[str, str]:
+    """The kernel (``xla`` or ``cudnn``; ``pallas`` for packed batches) that runs attention for
+    ``implementation`` (``auto``, ``xla``, ``cudnn``) and why. ``auto`` takes cuDNN wherever
+    :func:`fused_problem` finds none, else XLA's path, and says why; ``cudnn`` where cuDNN cannot
+    run is a :class:`ConfigError`. ``packed`` (segment ids, :mod:`~jphantom.nn.attention.packing`):
+    ``jax.nn.dot_product_attention`` takes no segment ids or offsets (cuDNN's own take sequence
+    offsets, but jax's public API does not pass them), so where cuDNN would run, jax's Pallas
+    Triton flash kernel runs instead (it takes segment ids), unless the layer has a sliding
+    ``window`` (that kernel has none): then XLA's path under the mask."""
     check_implementation(implementation)
     if implementation == "xla":
         return "xla", "asked for (--attention xla)"
     problem = fused_problem(platform, dtype, head_dim)
+    if packed:
+        return _packed_choice(implementation, problem, dtype, window)
     if implementation == "cudnn":
         if problem:
             raise ConfigError(f"attention='cudnn' cannot run here: {problem}; use --attention "
@@ -71,6 +84,27 @@ def choose(implementation: str, platform: str, dtype, head_dim: int) -> tuple[st
     if problem:
         return "xla", f"auto: {problem}"
     return "cudnn", f"auto: {jnp.dtype(dtype).name} on an NVIDIA GPU"
+
+
+def _packed_choice(implementation, problem, dtype, window) -> tuple[str, str]:
+    asked = "asked for (--attention cudnn)" if implementation == "cudnn" else "auto"
+    if problem:
+        if implementation == "cudnn":
+            raise ConfigError(f"attention='cudnn' cannot run here: {problem}; use --attention "
+                              "auto (XLA's path where cuDNN cannot run) or xla")
+        return "xla", f"auto: {problem}; packed batch: XLA's path under the segment mask"
+    if window is not None:
+        if implementation == "cudnn":
+            raise ConfigError(f"attention='cudnn' with a packed batch and a sliding window "
+                              f"({window} tokens): jax.nn.dot_product_attention takes no "
+                              "segment ids and jax's Pallas flash kernel no window; use "
+                              "--attention auto (XLA's path) or xla")
+        return "xla", (f"auto: packed batch with a sliding window ({window} tokens): "
+                       "jax.nn.dot_product_attention's cuDNN path takes no segment ids and "
+                       "jax's Pallas Triton flash kernel no window: XLA's path under the mask")
+    return "pallas", (f"{asked}: packed batch, {jnp.dtype(dtype).name} on an NVIDIA GPU: jax's "
+                      "Pallas Triton flash attention with segment ids "
+                      "(jax.nn.dot_product_attention's cuDNN path takes none)")
 
 
 def check_implementation(name: str) -> str:

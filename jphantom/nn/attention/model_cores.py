@@ -27,10 +27,11 @@ def configure(model: nnx.Module, implementation: str | None, platform: str) -> n
 
 
 def kernels_of(model: nnx.Module, implementation: str | None, platform: str, dtype,
-               head_dim: int) -> dict[str, str]:
+               head_dim: int, *, packed: bool = False) -> dict[str, str]:
     """``{attention core class: "kernel (why)"}`` of ``model``'s cores on ``platform`` in
-    ``dtype`` (``implementation``: the step's choice, ``None``: each core's own): what ``train``
-    prints and records, so that no fallback is silent."""
+    ``dtype`` (``implementation``: the step's choice, ``None``: each core's own; ``packed``: for
+    packed batches, with segment ids): what ``train`` prints and records, so that no fallback
+    is silent."""
     out = {}
     for _, module in nnx.iter_modules(model):
         name = type(module).__name__
@@ -38,9 +39,11 @@ def kernels_of(model: nnx.Module, implementation: str | None, platform: str, dty
             continue
         chosen = implementation or module.implementation
         if isinstance(module, RingAttention):
-            kernel, why = context_kernel(module.algorithm, chosen, platform, dtype, head_dim)
+            kernel, why = context_kernel(module.algorithm, chosen, platform, dtype, head_dim,
+                                         packed=packed)
         else:
-            kernel, why = choose(chosen, platform, dtype, head_dim)
+            kernel, why = choose(chosen, platform, dtype, head_dim, packed=packed,
+                                 window=module.window)
         out[name] = f"{kernel} ({why})"
     return out
 
