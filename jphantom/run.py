@@ -211,14 +211,16 @@ class Trainer:
         else:
             seq_len = None
             source = TeacherSource(config, self.teacher)
+        # the batch arrays' shardings: (tokens, targets), or a document source's four
+        shardings = b.step.batch_shardings(getattr(source, "arrays", len(b.shardings)))
         place = lambda pair: tuple(jax.device_put(np.asarray(a), s)
-                                   for a, s in zip(pair, b.shardings))
+                                   for a, s in zip(pair, shardings))
         if rows is None:
             return source, seq_len, place, place
         place_train = lambda pair: tuple(  # this process's rows of the global batch
             jax.make_array_from_process_local_data(s, np.asarray(a),
                                                    (train.batch, *np.shape(a)[1:]))
-            for a, s in zip(pair, b.shardings))
+            for a, s in zip(pair, shardings))
         return source, seq_len, place, place_train
 
     # -- one iteration ---------------------------------------------------------------------------

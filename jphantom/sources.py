@@ -8,6 +8,7 @@ and ``tokens_per_batch``; a source with a position also ``state()`` and ``restor
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import jax
@@ -100,12 +101,98 @@ class TokenSource:
         return self.batches.describe()
 
 
+class DocumentSource:
+    """Dataset files (:mod:`jphantom.data.dataset_files`): rows tokenised as documents with the
+    loss on ``--loss-on``'s tokens (:func:`read_document_data`), packed or padded into
+    ``(tokens, targets, segment_ids, positions)`` batches by a reader whose position is saved in
+    checkpoints (:mod:`jphantom.data.packing`)."""
+
+    arrays = 4  # the batch arrays: jphantom.models.packed_lm_loss's
+
+    def __init__(self, config: RunConfig, seq_len: int, rows: slice | None = None):
+        from jphantom.data.packing import DocumentBatches
+
+        train = config.train
+        first, held, source, pad_id = read_document_data(config)
+        self.batches = DocumentBatches(first, held, seq_len=seq_len, batch=train.batch,
+                                       packed=train.pack, seed=train.seed, pad_id=pad_id,
+                                       source=source)
+        self.rows, self.eval_batches = rows, train.eval_batches
+        self.tokens_per_batch = train.batch * seq_len
+
+    def train(self, step):
+        del step  # the reader's position says where the next batch is
+        return self.batches.next_batch(self.rows)
+
+    def validation(self):
+        return self.batches.validation_batches(self.eval_batches)
+
+    def state(self) -> dict:
+        return self.batches.state()
+
+    def restore(self, state: dict) -> None:
+        self.batches.restore(state)
+
+    def unigram_cross_entropy(self):
+        return self.batches.unigram_cross_entropy()
+
+    def describe(self):
+        return self.batches.describe()
+
+
+def read_document_data(config: RunConfig):
+    """(train documents, validation documents, description, pad id) of ``config``'s dataset
+    files, read and tokenised once per process for the same files and settings (the
+    configuration's checks read them before anything compiles: a bad row is refused first). The
+    tokenizer: ``--tokenizer``, else the ``--from-hf`` checkpoint's; the chat template:
+    ``--chat-template``, else the checkpoint's, else the tokenizer folder's; the special tokens
+    (EOS appended to standard rows, the pad id) from the first of those folders'
+    ``tokenizer_config.json``, else the tokenizer's end-of-text."""
+    from jphantom.config.paths import dataset_tokenizer
+    from jphantom.data.dataset_files import split_files
+
+    train = config.train
+    value = dataset_tokenizer(config)
+    files = [p for split in split_files(train.data) for p in split]
+    stamp = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    return _document_data(train.data, value, train.chat_template, train.loss_on,
+                          config.model.from_hf, stamp)
+
+
+@functools.lru_cache(maxsize=4)
+def _document_data(data, value, chat_template, loss_on, from_hf, stamp):
+    from jphantom.data.chat_template import (load_chat_template, read_tokenizer_config,
+                                             special_tokens)
+    from jphantom.data.documents import RowTokenizer, read_documents
+    from jphantom.data.tokenizers import load_tokenizer
+
+    del stamp  # part of the cache's key only: a file that changed is read again
+    tokenizer = load_tokenizer(value)
+    folders = [f for f in (from_hf, value) if f and Path(f).is_dir()]
+    if Path(value).is_file():
+        folders.append(str(Path(value).parent))
+    special = next((special_tokens(c) for c in map(read_tokenizer_config, folders) if c), {})
+    template = (load_chat_template(chat_template) if chat_template else
+                next(filter(None, map(load_chat_template, folders)), None))
+    ids = getattr(getattr(tokenizer, "tokenizer", None), "token_to_id", lambda token: None)
+    eos = ids(special["eos_token"]) if "eos_token" in special else None
+    eos = tokenizer.eot if eos is None else eos
+    pad = ids(special["pad_token"]) if "pad_token" in special else None
+    first, held, source = read_documents(data, RowTokenizer(tokenizer, template, eos, loss_on))
+    source.update(tokenizer=value, chat_template=None if template is None else template.name)
+    return first, held, source, pad if pad is not None else eos or 0
+
+
 def text_source(config: RunConfig, seq_len: int, rows: slice | None = None):
-    """The data of a language model: :class:`TokenSource` for token files or a tokenizer, else
-    byte-level :class:`TextSource` (the default)."""
+    """The data of a language model: :class:`DocumentSource` for dataset files,
+    :class:`TokenSource` for token files or a tokenizer, else byte-level :class:`TextSource`
+    (the default)."""
+    from jphantom.config.paths import is_dataset_data
     from jphantom.data.tokens import is_token_data
 
     data = config.train.data
+    if is_dataset_data(data):
+        return DocumentSource(config, seq_len, rows)
     if config.train.tokenizer is not None or (data is not None and is_token_data(data)):
         return TokenSource(config, seq_len, rows)
     return TextSource(config, seq_len)

@@ -36,6 +36,7 @@ def run_flag_choices() -> dict:
     """The choices of the run flags that have a fixed set (argparse refuses anything else)."""
     from jphantom.attention_choices import ALGORITHMS, IMPLEMENTATIONS
     from jphantom.config import DTYPES, LR_SCHEDULES, OPTIMIZERS
+    from jphantom.config.sections import LOSS_ON
     from jphantom.pipeline.schedule import ALL_SCHEDULES
     from jphantom.precision import NAMES as PRECISIONS
     from jphantom.remat import NAMES as REMATS
@@ -44,7 +45,7 @@ def run_flag_choices() -> dict:
     return {"schedule": ALL_SCHEDULES, "zero": (0, 1, 2, 3), "precision": PRECISIONS,
             "remat": REMATS, "optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES,
             "dtype": DTYPES, "context_attention": ALGORITHMS,
-            "on_nonfinite": NONFINITE, "attention": IMPLEMENTATIONS}
+            "on_nonfinite": NONFINITE, "attention": IMPLEMENTATIONS, "loss_on": LOSS_ON}
 
 
 def add_run_flags(parser: argparse.ArgumentParser, defaults: dict | None = None,

@@ -97,6 +97,8 @@ def handle(args: argparse.Namespace) -> int:
               + f", {step['precision']} compute, remat {step['remat']}")
     if (moe_line := _moe_line(results)) is not None:
         print(moe_line)
+    if (data_line := _data_line(results.get("data") or {})) is not None:
+        print(data_line)
     if results["interrupted"]:
         from jphantom.resilience import EXIT_STATUS
 
@@ -146,3 +148,18 @@ def _moe_line(results: dict) -> str | None:
     active = f", {results['params'] - idle:,} active parameters" if "params" in results else ""
     return (f"MoE: every block, {E} experts, top-{k}{active}; dropless (no token-expert "
             "assignment dropped)")
+
+
+def _data_line(data: dict) -> str | None:
+    """Dataset files in one line: rows, tokens and loss tokens of each split, what the loss is
+    on, and packed rows or padded documents."""
+    if "packed" not in data:
+        return None
+    split = lambda s: (f"{s['rows']:,} rows, {s['tokens']:,} tokens, {s['loss_tokens']:,} loss "
+                       "tokens")
+    layout = (f"packed into {data['rows_per_epoch']:,.1f} rows of {data['seq_len']} per epoch"
+              if data["packed"] else
+              f"one document per row of {data['seq_len']}, padded "
+              f"({data['truncated_documents']:,} truncated)")
+    return (f"data: train {split(data['train'])}; validation {split(data['validation'])} "
+            f"({data['validation_split']}); loss on {data['loss_on']}; {layout}")

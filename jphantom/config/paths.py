@@ -25,19 +25,56 @@ def check_paths(out, checkpoint_dir, save_hf, data, tokenizer) -> None:
         load_tokenizer(tokenizer)  # on this machine, readable, its library installed
 
 
+def is_dataset_data(value: str | None) -> bool:
+    """Whether ``--data`` names dataset files (:func:`jphantom.data.dataset_files.is_dataset_data`)."""
+    from jphantom.data.dataset_files import is_dataset_data as dataset
+
+    return value is not None and dataset(value)
+
+
+def check_document_options(data, pack: bool, loss_on, chat_template) -> None:
+    """``--pack``, ``--loss-on`` and ``--chat-template`` apply to dataset files (documents), not
+    to text or token files; a ``--chat-template`` file exists."""
+    given = [flag for flag, value in (("--pack", pack), (f"--loss-on {loss_on}", loss_on),
+                                      ("--chat-template", chat_template)) if value]
+    if given and not is_dataset_data(data):
+        what = "the standard library's text" if data is None else f"data={data!r}"
+        raise ConfigError(f"{given[0]} applies to dataset files (.jsonl, .json, .parquet, "
+                          f".arrow), whose rows are documents; {what} has none: give such a "
+                          f"file, or leave {given[0].split()[0]} out")
+    if chat_template is not None and not Path(chat_template).exists():
+        raise ConfigError(f"chat_template={chat_template!r} does not exist: give a .jinja file, a "
+                          "tokenizer_config.json or a checkpoint folder")
+
+
+def dataset_tokenizer(config) -> str:
+    """The tokenizer dataset files go through: ``--tokenizer``, else the ``--from-hf``
+    checkpoint's ``tokenizer.json``; a ConfigError when there is neither."""
+    train = config.train
+    if train.tokenizer is not None:
+        return train.tokenizer
+    if config.model.from_hf and (Path(config.model.from_hf) / "tokenizer.json").is_file():
+        return config.model.from_hf
+    raise ConfigError(f"data={train.data!r} holds text to tokenise: give --tokenizer (a "
+                      "tokenizer.json or its folder), or --from-hf a checkpoint folder with its "
+                      "tokenizer.json")
+
+
 def _readable_data(value: str) -> None:
-    """``--data`` is a readable file (text or tokens) or a folder of token files."""
+    """``--data`` is a readable file (text, tokens or dataset rows) or a folder of token or
+    dataset files."""
     data = Path(value)
     if data.is_dir():
-        if not any(data.glob("*.bin")):
-            raise ConfigError(f"data={value!r} is a folder without .bin token files: write them "
-                              "with `jphantom tokenize`, or give a text file")
+        if not any(data.glob("*.bin")) and not is_dataset_data(value):
+            raise ConfigError(f"data={value!r} is a folder without .bin token files or dataset "
+                              "files (.jsonl, .json, .parquet, .arrow): write token files with "
+                              "`jphantom tokenize`, or give a text file")
         return
     if not data.is_file() or not os.access(data, os.R_OK):
         raise ConfigError(f"data={value!r} is not a readable file or folder: give a text file, a "
                           "token file (.bin) or a folder of them (or leave --data out for the "
                           "Python standard library's sources)")
-    if data.suffix != ".bin":
+    if data.suffix != ".bin" and not is_dataset_data(value):
         from jphantom.data.tokens import check_text_file
 
         check_text_file("data", data)
@@ -56,11 +93,16 @@ def check_vocabulary(config) -> None:
         return
     from jphantom.data import tokens
 
-    if train.tokenizer is not None:
+    if train.tokenizer is not None or is_dataset_data(train.data):
         from jphantom.data.tokenizers import load_tokenizer
 
-        need = load_tokenizer(train.tokenizer).vocab_size
-        what = f"tokenizer={train.tokenizer!r} ({need} ids)"
+        value = dataset_tokenizer(config)
+        need = load_tokenizer(value).vocab_size
+        what = f"tokenizer={value!r} ({need} ids)"
+        if is_dataset_data(train.data):  # every row read and tokenised: a bad one refused now
+            from jphantom.sources import read_document_data
+
+            read_document_data(config)
     elif train.data is not None and tokens.is_token_data(train.data):
         train_files, validation_files = tokens.token_files(train.data)
         need = tokens.max_token([f.tokens() for f in train_files + validation_files]) + 1

@@ -18,6 +18,7 @@ from jphantom.errors import ConfigError
 from jphantom.dtypes import DTYPES
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
+LOSS_ON = ("assistant", "completion", "all")  # jphantom.data.documents
 LR_SCHEDULES = ("constant", "cosine")
 
 
@@ -311,14 +312,30 @@ class TrainConfig:
     seed: int = setting(0, "random seed")
     data: str | None = setting(
         None, "what to train on: a text file, a token file (.bin: llm.c's with a header or "
-        "nanoGPT's uint16 tokens; `jphantom tokenize` writes them) or a folder of token files "
-        "(files named *val* are the validation split) (default: the Python standard library's "
-        "sources as bytes)")
+        "nanoGPT's uint16 tokens; `jphantom tokenize` writes them), a dataset file (.jsonl, "
+        ".json, .parquet, .arrow: rows of text, prompt/completion or messages, tokenised with "
+        "--tokenizer or the --from-hf checkpoint's tokenizer.json) or a folder of token or "
+        "dataset files (files named *val* are the validation split) (default: the Python "
+        "standard library's sources as bytes)")
     tokenizer: str | None = setting(
         None, "the tokenizer text goes through: bpe (the bundled byte-level BPE, 1024 ids), a "
         "Hugging Face tokenizer.json (or its folder), a .tiktoken file, or a tiktoken encoding "
         "name already in tiktoken's cache; nothing downloads; --vocab must be at least its size "
         "(default: none, bytes)")
+    chat_template: str | None = setting(
+        None, "with dataset files: the Jinja chat template rows of messages are rendered with, "
+        "a .jinja file or a tokenizer_config.json (default: the --from-hf checkpoint's "
+        "chat_template.jinja or tokenizer_config.json, else the --tokenizer folder's)")
+    loss_on: str | None = setting(
+        None, "with dataset files: the tokens the loss is taken on: assistant (the assistant "
+        "turns of conversations), completion (the completion of prompt/completion rows) or all "
+        "(default, as TRL's SFTTrainer: completion for prompt/completion rows, all for messages "
+        "and text)")
+    pack: bool = setting(
+        False, "with dataset files: pack the documents into rows of --seq-len (each attends "
+        "only within itself, positions restart; a document crossing a row's end goes on in the "
+        "next) instead of one document per row, truncated to --seq-len and padded (default: "
+        "padded)")
     out: str | None = setting("out/train", "output folder")
     save_hf: str | None = setting(
         None, "save the trained model as a Hugging Face directory (alias --save-gpt2)",
@@ -355,6 +372,8 @@ class TrainConfig:
         _at_least(self, 0, "warmup_steps", "seed", "save_every")
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        if self.loss_on is not None:
+            _choice("loss_on", self.loss_on, LOSS_ON)
         if not self.learning_rate > 0:
             raise ConfigError(f"learning_rate={self.learning_rate} must be > 0")
         if self.weight_decay < 0 or not 0 <= self.adam_b2 < 1:
@@ -387,6 +406,7 @@ class TrainConfig:
         end: checked first), ``data`` is readable, the tokenizer loads."""
         paths.check_paths(self.out, self.checkpoint_dir, self.save_hf, self.data,
                           self.tokenizer)
+        paths.check_document_options(self.data, self.pack, self.loss_on, self.chat_template)
 
     def schedule(self, total_steps: int | None = None):
         """The learning rate schedule (an optax schedule, or the constant rate): linear warm-up

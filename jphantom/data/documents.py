@@ -33,12 +33,12 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from jphantom.config.sections import LOSS_ON
 from jphantom.data.dataset_files import read_rows, row_kind, split_files
 from jphantom.errors import ConfigError
 
 IGNORE = -100
 HELD_OUT = 0.01  # the validation rows held out when no validation file is named
-LOSS_ON = ("assistant", "completion", "all")
 DEFAULT_LOSS_ON = {"text": "all", "prompt_completion": "completion", "messages": "all"}
 APPLIES = {"text": ("all",), "prompt_completion": LOSS_ON, "messages": ("assistant", "all")}
 

@@ -126,13 +126,14 @@ class DocumentBatches:
         """The position and what it is a position in (JSON-ready; a checkpoint stores it)."""
         return {"row": self.row, "seed": self.seed, "seq_len": self.seq_len,
                 "packed": self.packed, "documents": self.train.count,
-                "train_tokens": int(len(self.train.tokens))}
+                "train_tokens": int(len(self.train.tokens)),
+                "loss_tokens": int(np.count_nonzero(self.train.targets >= 0))}
 
     def restore(self, state: dict) -> None:
         """Continue from ``state`` (from :meth:`state`): the same documents, row length, packing
         and seed, else a ConfigError."""
         mine = self.state()
-        for key in ("seq_len", "packed", "documents", "train_tokens", "seed"):
+        for key in ("seq_len", "packed", "documents", "train_tokens", "loss_tokens", "seed"):
             if state.get(key) != mine[key]:
                 raise ConfigError(f"the checkpoint's data position is for {key}={state.get(key)} "
                                   f"but this run has {key}={mine[key]}: resume with the same "

@@ -36,12 +36,14 @@ class Evaluator:
 
     def _evaluate(self, params) -> tuple[float, float | None]:
         b = self.built
-        if b.metrics is None:
+        documents = getattr(self.source, "arrays", 2) == 4  # packed or padded documents
+        if b.metrics is None or documents:
             total = count = 0.0
             for pair in self.source.validation():
-                rows = np.shape(pair[0])[0]
-                total += float(b.loss(params, *self.place(pair))) * rows
-                count += rows
+                # each batch's loss is its mean over rows, or over the targets that count
+                weight = np.count_nonzero(pair[1] >= 0) if documents else np.shape(pair[0])[0]
+                total += float(b.loss(params, *self.place(pair))) * weight
+                count += weight
             return total / count, None
         found = [jax.device_get(b.metrics(params, *self.place(pair)))
                  for pair in self.source.validation()]
