@@ -411,6 +411,8 @@ class Trainer:
             from jphantom import plans
             from jphantom.models import hf
             hf.save(train.save_hf, plans.dense_equivalent(self.step.model(self.state)))
+            if hasattr(run.source, "save_tokenizer"):  # the tokenizer and chat template too
+                run.source.save_tokenizer(train.save_hf)
         return results
 
     def _results(self, run: _Run, energy) -> RunResults:

@@ -139,6 +139,27 @@ class DocumentSource:
     def describe(self):
         return self.batches.describe()
 
+    def save_tokenizer(self, folder) -> None:
+        """Beside a ``--save-hf`` checkpoint: the tokenizer's files (``tokenizer.json``,
+        ``tokenizer_config.json``, ``special_tokens_map.json``, ``chat_template.jinja`` of its
+        folder) and, when the template came from elsewhere, that template as
+        ``chat_template.jinja`` (which transformers reads before the config's), so the folder
+        loads as a chat model with the template it was tuned with."""
+        import shutil
+
+        value = Path(self.batches.source["tokenizer"])
+        home = value if value.is_dir() else value.parent
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                     "chat_template.jinja"):
+            found = value if name == "tokenizer.json" and value.is_file() else home / name
+            if found.is_file() and not (Path(folder) / name).exists():
+                shutil.copyfile(found, Path(folder) / name)
+        template = self.batches.source.get("chat_template")
+        if template is not None and Path(template).parent.resolve() != home.resolve():
+            from jphantom.data.chat_template import TEMPLATE_FILE, load_chat_template
+
+            (Path(folder) / TEMPLATE_FILE).write_text(load_chat_template(template).source)
+
 
 def read_document_data(config: RunConfig):
     """(train documents, validation documents, description, pad id) of ``config``'s dataset

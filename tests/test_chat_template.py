@@ -112,10 +112,14 @@ def test_loss_on_each_kind_of_row(chat):
 
 def test_answer_only_loss_is_the_mean_over_assistant_tokens(chat):
     """The targets of a conversation count exactly its assistant tokens (each predicted from the
-    token before it); a cross-entropy over them with -100 ignored equals numpy's mean over the
-    assistant tokens of logits from a tiny random model."""
+    token before it), and ``jphantom.models.packed_lm_loss`` of the Qwen3 fixture on the padded
+    row is numpy's mean over those tokens of the model's own next-token cross-entropy."""
     import jax.numpy as jnp
-    import optax
+    from flax import nnx
+
+    from jphantom.data.documents import Documents
+    from jphantom.data.packing import pad
+    from jphantom.models import hf, packed_lm_loss
 
     tokenizer, template = chat
     record = REFERENCE[1]
@@ -125,13 +129,12 @@ def test_answer_only_loss_is_the_mean_over_assistant_tokens(chat):
     assistant = np.flatnonzero(record["assistant_masks"])
     assert list(np.flatnonzero(found >= 0)) == list(assistant - 1)
     assert list(found[assistant - 1]) == [ids[i] for i in assistant]
-    rng = np.random.default_rng(0)
-    embed, head = rng.normal(size=(128, 16)), rng.normal(size=(16, 128))
-    logits = np.tanh(embed[ids]) @ head  # a tiny model's logits, [S, V]
-    counted = found >= 0
-    per_token = optax.softmax_cross_entropy_with_integer_labels(
-        jnp.asarray(logits), jnp.asarray(np.where(counted, found, 0)))
-    loss = float(jnp.sum(jnp.where(counted, per_token, 0.0)) / counted.sum())
+    model = hf.load(pathlib.Path(__file__).parent / "fixtures" / "hf" / "qwen3")
+    batch = pad(Documents.of([(ids, mask)]), np.array([0]), len(ids) + 3)  # 3 pads
+    both = nnx.jit(lambda m, b, t: (packed_lm_loss(m, *b)[:2], m(t)))  # one compilation
+    (total, weight), logits = both(model, tuple(map(jnp.asarray, batch)), jnp.asarray([ids]))
+    logits = np.asarray(logits, np.float64)[0]  # [S, V]
     log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     expected = -np.mean([log_probs[i - 1, ids[i]] for i in assistant])
-    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    assert float(weight) == len(assistant)
+    np.testing.assert_allclose(float(total) / float(weight), expected, rtol=1e-5)

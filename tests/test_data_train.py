@@ -76,3 +76,23 @@ def test_fine_tune_packed_on_the_answers_and_resume(tmp_path):
     run(_config(data, checkpoint_dir=checkpoints, save_every=3, **{**flags, "steps": 3}))
     resumed = run(_config(data, checkpoint_dir=checkpoints, resume=True, **flags))
     assert resumed["history"]["train_loss"][3:] == pytest.approx(losses[3:], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_fine_tune_padded_and_save_a_chat_model(tmp_path):
+    """One padded conversation per row; --save-hf writes the model with the tokenizer and the
+    template it was tuned with, and the folder loads (jphantom's reader; transformers reads the
+    same files) and renders the conversations as the fixture's template does."""
+    from jphantom.data.chat_template import load_chat_template
+    from jphantom.models import hf
+    from jphantom.run import run
+
+    out = tmp_path / "tuned"
+    results = run(_config(_chat_file(tmp_path), loss_on="assistant", save_hf=str(out)))
+    assert not results["data"]["packed"] and results["data"]["truncated_documents"] > 0
+    assert results["final_validation_loss"] > 0
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in out.iterdir()}
+    hf.load(out)
+    record = CONVERSATIONS[0]
+    assert load_chat_template(out).render(record["messages"])[0] == record["text"]

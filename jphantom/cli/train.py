@@ -155,8 +155,8 @@ def _data_line(data: dict) -> str | None:
     on, and packed rows or padded documents."""
     if "packed" not in data:
         return None
-    split = lambda s: (f"{s['rows']:,} rows, {s['tokens']:,} tokens, {s['loss_tokens']:,} loss "
-                       "tokens")
+    split = lambda s: (f"{s['rows']:,} row{'s' * (s['rows'] != 1)}, {s['tokens']:,} tokens, "
+                       f"{s['loss_tokens']:,} loss tokens")
     layout = (f"packed into {data['rows_per_epoch']:,.1f} rows of {data['seq_len']} per epoch"
               if data["packed"] else
               f"one document per row of {data['seq_len']}, padded "
