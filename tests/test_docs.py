@@ -1,8 +1,8 @@
 """The documentation runs as printed: every code block of README.md and docs/*.md meant to run.
 
 - ```python blocks run in order, one namespace per page (a page reads like a notebook), in this
-  process with the suite's 8 simulated CPU devices, from a scratch directory holding a link to
-  ``examples/``.
+  process with the suite's 8 simulated CPU devices, from a scratch directory holding links to
+  ``examples/`` and ``tests/fixtures/`` (the Hugging Face and chat fixtures).
 - ```bash blocks whose first command starts with ``jphantom `` run every command through
   :func:`jphantom.cli.main` at the sizes shown (they must all be ``jphantom`` commands, and each
   must exit 0); a ``python path.py`` command in other bash blocks must name a file that exists.
@@ -105,8 +105,11 @@ def _is_jphantom(block: Block) -> bool:
 
 @pytest.fixture
 def scratch(tmp_path, monkeypatch):
-    """A scratch working directory with ``examples/`` linked in (outputs land here)."""
+    """A scratch working directory with ``examples/`` and ``tests/fixtures/`` linked in (outputs
+    land here)."""
     (tmp_path / "examples").symlink_to(ROOT / "examples")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "fixtures").symlink_to(ROOT / "tests" / "fixtures")
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
