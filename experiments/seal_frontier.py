@@ -236,9 +236,16 @@ def pairs(runs: list[dict]) -> list[dict]:
                "tp_joules": tp["joules"], "pp_joules": pp["joules"]}
         unfused = by.get((width, p, "phantom-unfused"))
         if unfused is not None:
-            row["unfused_time_ratio"] = unfused["step_s"] / tp["step_s"]
-            row["unfused_energy_ratio"] = unfused["joules"] / tp["joules"]
-            row["unfused_eq26_time_ratio"] = unfused["eq26_step_s"] / tp["eq26_step_s"]
+            extra = (sum(unfused["gemm_kernels"].values())
+                     - sum(pp["gemm_kernels"].values()))  # the p - 1 GEMMs' kernels, per step
+            row |= {"unfused_time_ratio": unfused["step_s"] / tp["step_s"],
+                    "unfused_energy_ratio": unfused["joules"] / tp["joules"],
+                    "unfused_eq26_time_ratio": unfused["eq26_step_s"] / tp["eq26_step_s"],
+                    "unfused_extra_gemm_kernels": extra,
+                    # what each of those kernels would have to cost on top of its prediction
+                    # (a framework's dispatch, say) for TP to be the faster
+                    "unfused_break_even_us": (tp["step_s"] - unfused["step_s"]) / extra * 1e6
+                    if extra > 0 else None}
         if width == 16384 and p in TABLE_I:
             per_epoch, epochs = TABLE_I[p]
             row |= {"paper_energy_per_epoch_ratio": per_epoch, "paper_epoch_ratio": epochs,
