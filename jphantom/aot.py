@@ -36,6 +36,7 @@ kernels a real GPU picks may differ (the collectives and buffers do not depend o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import importlib.resources
 import math
@@ -52,6 +53,14 @@ GPU_TARGETS = {
     "h200": ("h200_sxm.txtpb", 150754820096, 8, peak_of_kind("h200")),
     "a100": ("a100_sxm_80.txtpb", 85100068864, 8, peak_of_kind("a100")),
 }
+ROCM_TARGETS = {
+    # chip: (description file, HBM bytes as the description gives them, devices per node, dense
+    #        bf16 TFLOP/s). MI250X: one jax device is one GCD (half a package); Frontier's node
+    #        has 4 MI250X = 8 GCDs. XLA's own descriptions (jphantom/targets/*.txtpb).
+    "mi250x": ("mi250x_gcd.txtpb", 67628957696, 8, peak_of_kind("mi250x")),
+    "mi300x": ("mi300x.txtpb", 206158430208, 8, peak_of_kind("mi300x")),
+    "mi350x": ("mi350x.txtpb", 270566162432, 8, peak_of_kind("mi350x")),
+}
 TPU_TARGETS = {
     # chip: (HBM bytes per chip, chips per host, dense bf16 TFLOP/s per chip; Google Cloud's docs)
     "v4": (32 * 2**30, 4, peak_of_kind("tpu v4")),
@@ -60,16 +69,20 @@ TPU_TARGETS = {
     "v6e": (32 * 2**30, 4, peak_of_kind("tpu v6e")),
 }
 GPU_INSTALL = "pip install 'jphantom[aot]'"
+ROCM_INSTALL = "pip install 'jphantom[rocm]'"
+_DESCRIBED = {"gpu": GPU_TARGETS, "rocm": ROCM_TARGETS}
 TPU_INSTALL = "pip install 'jphantom[tpu]'"
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """The hardware a step is compiled for. ``platform`` ``gpu`` or ``tpu``; ``chip`` a key of
-    :data:`GPU_TARGETS` / :data:`TPU_TARGETS`; GPUs: ``nodes`` x ``devices_per_node``, optionally
+    """The hardware a step is compiled for. ``platform`` ``gpu`` (NVIDIA), ``rocm`` (AMD) or
+    ``tpu``; ``chip`` a key of :data:`GPU_TARGETS` / :data:`ROCM_TARGETS` / :data:`TPU_TARGETS`;
+    GPUs: ``nodes`` x ``devices_per_node`` (an MI250X's device is one GCD), optionally
     ``target_config`` (a path to a user's ``GpuTargetConfigProto`` text, instead of the shipped
     one); TPUs: ``topology`` (``4x4x4``: chips along each torus axis). Validated on construction.
-    ``Target.parse("gpu:h100", nodes=4)``, ``Target.parse("tpu:v5p:2x2x2")``."""
+    ``Target.parse("gpu:h100", nodes=4)``, ``Target.parse("rocm:mi250x", nodes=2)``,
+    ``Target.parse("tpu:v5p:2x2x2")``."""
 
     platform: str
     chip: str
@@ -79,15 +92,15 @@ class Target:
     target_config: str | None = None
 
     def __post_init__(self):
-        if self.platform not in ("gpu", "tpu"):
-            raise ConfigError(f"target platform {self.platform!r}: use gpu:CHIP or tpu:CHIP:TOPOLOGY, "
-                              "e.g. gpu:h100 or tpu:v5p:2x2x2")
-        known = GPU_TARGETS if self.platform == "gpu" else TPU_TARGETS
-        if self.chip not in known and not (self.platform == "gpu" and self.target_config):
+        if self.platform not in ("gpu", "rocm", "tpu"):
+            raise ConfigError(f"target platform {self.platform!r}: use gpu:CHIP, rocm:CHIP or "
+                              "tpu:CHIP:TOPOLOGY, e.g. gpu:h100, rocm:mi250x or tpu:v5p:2x2x2")
+        known = _DESCRIBED.get(self.platform, TPU_TARGETS)
+        if self.chip not in known and not (self.is_gpu and self.target_config):
             raise ConfigError(f"target {self.platform}:{self.chip}: known chips are "
                               f"{', '.join(f'{self.platform}:{c}' for c in known)}"
                               + (" (or give --target-config FILE for another GPU)"
-                                 if self.platform == "gpu" else ""))
+                                 if self.is_gpu else ""))
         for name in ("nodes", "devices_per_node"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -104,17 +117,23 @@ class Target:
     def parse(cls, text: str, *, nodes: int = 1, gpus_per_node: int | None = None,
               target_config: str | None = None) -> Target:
         parts = str(text).split(":")
-        if parts[0] == "gpu" and len(parts) == 2:
+        if parts[0] in _DESCRIBED and len(parts) == 2:
             chip = parts[1]
-            per_node = gpus_per_node or GPU_TARGETS.get(chip, (None, None, 8))[2]
-            return cls("gpu", chip, nodes, per_node, target_config=target_config)
+            per_node = gpus_per_node or _DESCRIBED[parts[0]].get(chip, (None, None, 8))[2]
+            return cls(parts[0], chip, nodes, per_node, target_config=target_config)
         if parts[0] == "tpu" and len(parts) == 3:
             if gpus_per_node is not None or nodes != 1:
                 raise ConfigError("a TPU target's size is its topology (tpu:v5p:4x4x4): leave "
                                   "--nodes and --gpus-per-node out")
             return cls("tpu", parts[1], topology=parts[2])
-        raise ConfigError(f"--target {text!r}: write gpu:CHIP (gpu:h100, gpu:h200, gpu:a100) or "
+        raise ConfigError(f"--target {text!r}: write gpu:CHIP (gpu:h100, gpu:h200, gpu:a100), "
+                          "rocm:CHIP (rocm:mi250x, rocm:mi300x, rocm:mi350x) or "
                           "tpu:CHIP:TOPOLOGY (tpu:v5p:2x2x2)")
+
+    @property
+    def is_gpu(self) -> bool:
+        """NVIDIA or AMD: nodes of GPUs described by a ``GpuTargetConfigProto``."""
+        return self.platform in _DESCRIBED
 
     @property
     def device_count(self) -> int:
@@ -126,7 +145,7 @@ class Target:
     def name(self) -> str:
         if self.platform == "tpu":
             return f"tpu:{self.chip}:{self.topology}"
-        return f"gpu:{self.chip} x {self.nodes} node(s) x {self.devices_per_node}"
+        return f"{self.platform}:{self.chip} x {self.nodes} node(s) x {self.devices_per_node}"
 
     @property
     def memory_bytes(self) -> int:
@@ -139,25 +158,30 @@ class Target:
                 raise ConfigError(f"--target-config {self.target_config} has no "
                                   "device_memory_size: add it (bytes of one GPU's memory)")
             return int(found[1])
-        return GPU_TARGETS[self.chip][1]
+        return _DESCRIBED[self.platform][self.chip][1]
 
     @property
     def peak_tflops(self) -> float | None:
         """Dense bf16 TFLOP/s of one device from its datasheet (None for a user's GPU)."""
         if self.platform == "tpu":
             return TPU_TARGETS[self.chip][2]
-        return GPU_TARGETS[self.chip][3] if self.chip in GPU_TARGETS else None
+        table = _DESCRIBED[self.platform]
+        return table[self.chip][3] if self.chip in table else None
 
     def config_text(self) -> str:
         """The GPU's ``GpuTargetConfigProto`` text: the user's file, else the shipped one."""
         if self.target_config is not None:
             return Path(self.target_config).read_text()
-        file = GPU_TARGETS[self.chip][0]
+        file = _DESCRIBED[self.platform][self.chip][0]
         return importlib.resources.files("jphantom.targets").joinpath(file).read_text()
 
     def devices(self) -> list:
         """The target's devices (``jax.experimental.topologies``): compile for them, never run."""
         require_plugin(self.platform)
+        if self.platform == "rocm":
+            from jphantom import rocm
+
+            rocm.prepare()  # before jax's backends start: stand-ins, the GPU-count shim
         import jax
         from jax.experimental import topologies
 
@@ -167,10 +191,20 @@ class Target:
             # have not started yet (else set JAX_PLATFORMS=cpu before starting Python).
             jax.config.update("jax_platforms", "cpu")
 
-        if self.platform == "gpu":
-            topology = topologies.get_topology_desc(
-                platform="cuda", topology_name="", target_config=self.config_text(),
+        if self.is_gpu:
+            describe = functools.partial(
+                topologies.get_topology_desc, platform="cuda" if self.platform == "gpu" else
+                "rocm", topology_name="", target_config=self.config_text(),
                 topology=f"1x{self.nodes}x{self.devices_per_node}")
+            try:
+                topology = describe()
+            except NotImplementedError:
+                if self.platform != "rocm":
+                    raise
+                from jphantom import rocm  # jax discovered its plugins before the shim
+
+                rocm.register_plugin()
+                topology = describe()
         else:
             topology = topologies.get_topology_desc(platform="tpu",
                                                     topology_name=f"{self.chip}:{self.topology}")
@@ -180,10 +214,14 @@ class Target:
         out = {"name": self.name, "platform": self.platform, "chip": self.chip,
                "devices": self.device_count, "memory_bytes": self.memory_bytes,
                "peak_bf16_tflops": self.peak_tflops}
-        if self.platform == "gpu":
+        if self.is_gpu:
+            shipped = f"jphantom/targets/{_DESCRIBED[self.platform].get(self.chip, ('',))[0]}"
             out |= {"nodes": self.nodes, "devices_per_node": self.devices_per_node,
-                    "target_config": self.target_config or f"jphantom/targets/"
-                                                           f"{GPU_TARGETS[self.chip][0]}"}
+                    "target_config": self.target_config or shipped}
+        if self.platform == "rocm":
+            from jphantom import rocm
+
+            out["runtime_stand_ins"] = rocm.stand_ins()
         else:
             out["topology"] = self.topology
         return out
@@ -193,7 +231,8 @@ def versions() -> dict[str, str | None]:
     """jax's and the compiler plugins' versions (recorded with every compiled number)."""
     out = {}
     for package in ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt",
-                    "nvidia-cuda-nvcc-cu12", "nvidia-cudnn-cu12", "libtpu"):
+                    "nvidia-cuda-nvcc-cu12", "nvidia-cudnn-cu12", "jax-rocm7-pjrt",
+                    "jax-rocm7-plugin", "libtpu"):
         try:
             out[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
@@ -202,7 +241,11 @@ def versions() -> dict[str, str | None]:
 
 
 def plugin_problem(platform: str) -> str | None:
-    """Why this environment cannot compile for ``platform`` (``gpu``/``tpu``), or None."""
+    """Why this environment cannot compile for ``platform`` (``gpu``/``rocm``/``tpu``), or None."""
+    if platform == "rocm":
+        from jphantom import rocm
+
+        return rocm.problem()
     have = versions()
     if platform == "gpu":
         missing = [p for p in ("jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12")
@@ -256,7 +299,7 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
 
     mesh_text = _mesh_of(flags, target)
     xla_flags = os.environ.get("XLA_FLAGS", "")
-    use_defaults = gpu_defaults and target.platform == "gpu"
+    use_defaults = gpu_defaults and target.is_gpu
     if use_defaults:
         xla_flags, _ = defaults.merge_flags(xla_flags)
     devices = target.devices() if devices is None else devices
@@ -334,9 +377,13 @@ def _notes(report: dict, target: Target) -> list[str]:
     if report["kernels"]["attention"]["forward"]:
         notes.append("model FLOPs count the GEMMs XLA compiled; the attention inside cuDNN's "
                      "fused attention calls (custom calls, not dots) is not in them")
-    if target.platform == "gpu":
+    if target.is_gpu:
         notes.append("compiled without a GPU: GEMM autotuning did not run, so a real GPU may "
                      "pick other kernels (collectives and buffers are the compiler's)")
+    if report["target"].get("runtime_stand_ins"):
+        notes.append(f"compiled against {len(report['target']['runtime_stand_ins'])} stand-ins "
+                     "for ROCm's runtime libraries (jphantom.rocm.stubs): nothing can run in "
+                     "this process")
     if not report["memory"]["fits"]:
         notes.append(f"peak {report['memory']['peak_bytes'] / 2**30:.1f} GiB exceeds the "
                      f"device's {target.memory_bytes / 2**30:.1f} GiB: XLA compiled it anyway; "

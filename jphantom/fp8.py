@@ -1,4 +1,5 @@
-"""FP8 GEMMs for Hopper: operands quantised to 8-bit floats with per-tensor current scaling.
+"""FP8 GEMMs for Hopper and AMD Instinct: operands quantised to 8-bit floats with per-tensor
+current scaling.
 
 Micikevicius et al. 2022, "FP8 Formats for Deep Learning", defines the two formats; the recipe is
 NVIDIA TransformerEngine's (and torchao's ``float8`` "tensorwise" scaling, which torchtitan
@@ -44,6 +45,15 @@ differently (its partial sums are bf16 before their all-reduce), and FP8's coars
 amplifies that: the FP8 step differs from the one-device FP8 step by up to 8x what the bf16
 step differs by (docs/gpu.md gives the argument and the measurement).
 
+**Two format families.** NVIDIA's Hopper/Blackwell and AMD's MI350 (gfx950) take the OCP formats
+(``float8_e4m3fn``, largest 448; ``float8_e5m2``, 57344). AMD's MI300X/MI325X (gfx942) take only
+the FNUZ variants (``float8_e4m3fnuz``, largest 240; ``float8_e5m2fnuz``, 57344: no negative zero,
+one NaN, exponent bias one higher), as in MaxText's separate ``nanoo_fp8`` recipe; XLA's ROCm
+compiler refuses OCP FP8 GEMMs there ("for gfx942 please use native supported fp8 variants").
+The MI250X (gfx90a, CDNA2) has no FP8 GEMMs at all: ``fp8`` is refused there by name.
+:func:`select` picks the family from the devices a run is built for (the mesh's; the target's in
+an ahead-of-time compile), before anything is traced; the CPU emulates either exactly.
+
 :class:`jphantom.precision.Precision` ``fp8`` (``--precision fp8``) sets this on the linear layers
 of a model's :class:`~jphantom.nn.stack.Stacked` blocks (every linear layer of a model without
 them): bf16 elsewhere (embeddings, norms, attention, the LM head and loss), float32 master weights
@@ -52,6 +62,7 @@ and optimizer state.
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import jax
@@ -59,14 +70,66 @@ import jax.numpy as jnp
 from jax import lax
 
 from jphantom import comm
+from jphantom.errors import ConfigError
 from jphantom.mesh import DATA, STAGE, Z
 
-E4M3 = jnp.float8_e4m3fn  # forward: activations and weights
-E5M2 = jnp.float8_e5m2  # backward: output gradients
+E4M3 = jnp.float8_e4m3fn  # OCP, forward: activations and weights
+E5M2 = jnp.float8_e5m2  # OCP, backward: output gradients
+FAMILIES = {"ocp": (E4M3, E5M2), "fnuz": (jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz)}
+_active = ["ocp"]  # the family traced now (:func:`select`)
 # the scale stays the rank's own over these: a pipeline stage's tensors are its own, and over the
 # data axes each rank's activations are its own batch's (module docstring). ``expert`` is not
 # among them: it splits the experts' tensors as well as the batch.
 NO_SCALE_AXES = (STAGE, DATA, Z)
+
+
+def family_of(device) -> str:
+    """``ocp`` or ``fnuz``: the FP8 formats ``device``'s GEMMs take (module docstring); a
+    :class:`ConfigError` for an AMD GPU without FP8 GEMMs (gfx90a: MI250X, MI210; older)."""
+    platform = str(getattr(device, "platform", "cpu")).lower()
+    kind = str(getattr(device, "device_kind", "")).lower()
+    arch = str(getattr(device, "compute_capability", "") or "").lower()
+    arch = arch if arch.startswith("gfx") else ""  # a target's device says "<unknown ...>"
+    if not (platform == "rocm" or "gfx" in arch or "instinct" in kind or kind.startswith("mi")):
+        return "ocp"  # CPU (exact emulation), NVIDIA, TPU
+    if arch.startswith("gfx94") or any(m in kind for m in ("mi300", "mi325")):
+        return "fnuz"
+    if arch.startswith("gfx95") or any(m in kind for m in ("mi350", "mi355")):
+        return "ocp"
+    raise ConfigError(f"--precision fp8 on {device.device_kind}{f' ({arch})' if arch else ''}: "
+                      "it has no FP8 GEMMs (CDNA2, gfx90a: MI250X, MI210; and older); use "
+                      "--precision bf16, or an MI300X/MI325X (FNUZ formats) or MI350X/MI355X "
+                      "(OCP)")
+
+
+def select(devices) -> str:
+    """Trace the FP8 GEMMs in the formats of ``devices`` (a run's mesh devices) from now on;
+    returns the family. Raises :class:`ConfigError` before anything is traced where they have
+    none, or where the devices disagree."""
+    families = {family_of(d) for d in devices}
+    if len(families) > 1:
+        raise ConfigError(f"--precision fp8 on devices with different FP8 formats "
+                          f"({', '.join(sorted(families))}): one format family per mesh")
+    _active[0] = families.pop() if families else "ocp"
+    return _active[0]
+
+
+@contextlib.contextmanager
+def using(family: str):
+    """Trace FP8 GEMMs in ``family`` (``ocp``/``fnuz``) inside the block (the CPU emulates either:
+    the tests'; a run's build calls :func:`select` for its devices instead)."""
+    if family not in FAMILIES:
+        raise ConfigError(f"FP8 format family {family!r}: use one of {', '.join(FAMILIES)}")
+    previous, _active[0] = _active[0], family
+    try:
+        yield
+    finally:
+        _active[0] = previous
+
+
+def formats() -> tuple:
+    """(forward, backward) formats traced now: E4M3 and E5M2 of the selected family."""
+    return FAMILIES[_active[0]]
 
 
 def scale_of(x: jax.Array, fmt) -> jax.Array:
@@ -96,10 +159,10 @@ def round_trip(x: jax.Array, fmt) -> jax.Array:
 @jax.custom_vjp
 def quantized(x: jax.Array) -> jax.Array:
     """``x`` as an E4M3 forward operand (:func:`round_trip`); gradient straight through."""
-    return round_trip(x, E4M3)
+    return round_trip(x, formats()[0])
 
 
-quantized.defvjp(lambda x: (round_trip(x, E4M3), None), lambda _, g: (g,))
+quantized.defvjp(lambda x: (round_trip(x, formats()[0]), None), lambda _, g: (g,))
 
 
 @jax.custom_vjp
@@ -109,7 +172,7 @@ def quantized_gradient(y: jax.Array) -> jax.Array:
     return y
 
 
-quantized_gradient.defvjp(lambda y: (y, None), lambda _, g: (round_trip(g, E5M2),))
+quantized_gradient.defvjp(lambda y: (y, None), lambda _, g: (round_trip(g, formats()[1]),))
 
 
 def _gemm(a8, b8, dims, scale, dtype):
@@ -133,8 +196,9 @@ def _fp8_matmul(x, w, batched: bool):
 
 
 def _fp8_matmul_fwd(x, w, batched):
-    x8, sx = quantize(x, E4M3)
-    w8, sw = quantize(w, E4M3)
+    forward = formats()[0]
+    x8, sx = quantize(x, forward)
+    w8, sw = quantize(w, forward)
     return _gemm(x8, w8, _DIMS[batched][0], sx * sw, x.dtype), (x8, sx, w8, sw)
 
 
@@ -148,7 +212,7 @@ def _like(grad, primal):
 
 def _fp8_matmul_bwd(batched, residuals, g):
     x8, sx, w8, sw = residuals
-    g8, sg = quantize(g, E5M2)
+    g8, sg = quantize(g, formats()[1])
     _, dgrad, wgrad = _DIMS[batched]
     return (_like(_gemm(g8, w8, dgrad, sg * sw, g.dtype), x8),
             _like(_gemm(x8, g8, wgrad, sx * sg, g.dtype), w8))
@@ -186,5 +250,6 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     return quantized_gradient(out)
 
 
-__all__ = ["E4M3", "E5M2", "batched_matmul", "dot_general", "matmul", "quantized",
-           "quantized_gradient", "quantize", "round_trip", "scale_of"]
+__all__ = ["E4M3", "E5M2", "FAMILIES", "batched_matmul", "dot_general", "family_of", "formats",
+           "matmul", "quantized", "quantized_gradient", "quantize", "round_trip", "scale_of",
+           "select", "using"]

@@ -7,8 +7,12 @@ the user's value, flag by flag, and ``XLA_PYTHON_CLIENT_MEM_FRACTION`` is set on
 ``jphantom compile --target gpu:*`` applies the flags (not the allocator setting: nothing is
 allocated) and records them in its report; ``--no-gpu-defaults`` turns both off.
 
-The flags (:data:`XLA_FLAGS`), each accepted by the XLA of jax 0.10.2 and of jax 0.12 (an unknown
-flag aborts the process; checked by starting jax with each flag alone in ``XLA_FLAGS``):
+The flags (:data:`XLA_FLAGS`), each accepted by the XLA of jax 0.10.2 and of jax 0.12 in
+``XLA_FLAGS`` (an unknown flag aborts the process; checked by starting jax with each flag alone in
+``XLA_FLAGS``). jaxlib 0.12's XLA (CUDA and ROCm plugins alike) no longer has the three pipeliner
+flags as compile options (``compile(compiler_options=...)`` answers ``No such compile option``),
+so :func:`current` leaves them out there (:data:`RETIRED`); the others are accepted by the ROCm
+compiler too (checked by compiling for MI250X and MI300X with each alone):
 
 - ``--xla_gpu_enable_latency_hiding_scheduler=true``: schedule the asynchronous collectives'
   ``*-start`` early and their ``*-done`` late, with independent compute between them, from a
@@ -61,7 +65,27 @@ XLA_FLAGS: dict[str, str] = {
     "xla_gpu_enable_while_loop_double_buffering": "true",
     "xla_gpu_enable_highest_priority_async_stream": "true",
 }
-"""XLA flag (without ``--``) -> value: what a GPU run gets unless the user set the flag."""
+"""XLA flag (without ``--``) -> value: what a GPU run gets unless the user set the flag (those of
+:data:`RETIRED` only on the jaxlib versions that still have them: :func:`current`)."""
+
+RETIRED: dict[str, tuple[int, int]] = {
+    "xla_gpu_enable_pipelined_all_gather": (0, 12),
+    "xla_gpu_enable_pipelined_reduce_scatter": (0, 12),
+    "xla_gpu_enable_pipelined_all_reduce": (0, 12),
+}
+"""XLA flag -> the first jaxlib (major, minor) whose XLA has no such compile option."""
+
+
+def current(jaxlib_version: str | None = None) -> dict[str, str]:
+    """:data:`XLA_FLAGS` less the flags :data:`RETIRED` from ``jaxlib_version`` (default: the
+    installed jaxlib's, read without importing jax)."""
+    if jaxlib_version is None:
+        import importlib.metadata
+
+        jaxlib_version = importlib.metadata.version("jaxlib")
+    release = tuple(int(part) for part in re.findall(r"\d+", jaxlib_version)[:2])
+    return {name: value for name, value in XLA_FLAGS.items()
+            if release < RETIRED.get(name, (10**6, 0))}
 
 ENVIRONMENT: dict[str, str] = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}
 """Environment variable -> value: the allocator's settings, set only when absent."""
@@ -77,9 +101,9 @@ def flag_names(xla_flags: str) -> set[str]:
 
 def merge_flags(xla_flags: str, defaults: dict[str, str] | None = None) -> tuple[str, list[str]]:
     """``xla_flags`` (the user's ``XLA_FLAGS``) with every flag of ``defaults`` (default
-    :data:`XLA_FLAGS`) it does not name appended. Returns the merged string and the ``--name=value``
+    :func:`current`) it does not name appended. Returns the merged string and the ``--name=value``
     items added, in ``defaults``' order; the user's flags come first and are kept as written."""
-    defaults = XLA_FLAGS if defaults is None else defaults
+    defaults = current() if defaults is None else defaults
     given = flag_names(xla_flags)
     added = [f"--{name}={value}" for name, value in defaults.items() if name not in given]
     merged = " ".join(part for part in ((xla_flags or "").strip(), *added) if part)
@@ -88,7 +112,7 @@ def merge_flags(xla_flags: str, defaults: dict[str, str] | None = None) -> tuple
 
 def apply(environ: MutableMapping[str, str] | None = None, *, allocator: bool = True) -> list[str]:
     """Put the GPU defaults into ``environ`` (default ``os.environ``) without overriding the
-    user's: the flags of :data:`XLA_FLAGS` that ``XLA_FLAGS`` does not name, and (``allocator``)
+    user's: the flags of :func:`current` that ``XLA_FLAGS`` does not name, and (``allocator``)
     the variables of :data:`ENVIRONMENT` that are unset. Returns what it set, as ``--name=value``
     for flags and ``NAME=value`` for variables (empty when the user had set everything). Call it
     before jax starts a backend: XLA reads ``XLA_FLAGS`` once."""
@@ -107,11 +131,11 @@ def apply(environ: MutableMapping[str, str] | None = None, *, allocator: bool = 
 
 def compiler_options(xla_flags: str, names=None) -> dict[str, bool | int | float | str]:
     """The values ``xla_flags`` (an ``XLA_FLAGS`` string, e.g. :func:`merge_flags`' result) gives
-    the flags ``names`` (default: those of :data:`XLA_FLAGS`), as ``compile(compiler_options=...)``
+    the flags ``names`` (default: those of :func:`current`), as ``compile(compiler_options=...)``
     takes them (booleans and numbers typed: XLA refuses the string ``'true'`` there). Passed to
     one compilation they hold for it even when jax started its backends before ``XLA_FLAGS`` was
     set (a test process, a notebook), where the environment no longer counts."""
-    names = XLA_FLAGS if names is None else names
+    names = current() if names is None else names
     out: dict[str, bool | int | float | str] = {}
     for name, value in _FLAG_VALUE.findall(xla_flags or ""):
         if name in names:

@@ -47,6 +47,10 @@ PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("l40s", 362.0), ("l40", 181.0), ("l4", 121.0), ("a10", 125.0),
     ("tpu v4", 275.0), ("tpu v5 lite", 197.0), ("tpu v5e", 197.0), ("tpu v5p", 459.0),
     ("tpu v6", 918.0),
+    # AMD's Instinct pages: MI250X 383.0 per package = 191.5 per GCD (one jax device); MI250
+    # 362.1 = 181.05 per GCD; MI300X/MI325X 1307.4; MI350X 4.6 PFLOPS with sparsity = 2300 dense
+    ("mi250x", 191.5), ("mi250", 181.05), ("mi300x", 1307.4), ("mi325x", 1307.4),
+    ("mi350x", 2300.0),
 )
 TENSORBOARD_INSTALL = "pip install tensorboardX"
 

@@ -18,6 +18,7 @@ from flax import nnx
 
 from helpers import assert_tree_close, random_params
 from jphantom import fp8
+from jphantom.errors import ConfigError
 from jphantom import program as program_module
 from jphantom.mesh import first_devices
 from jphantom.models.gpt2.config import TransformerConfig
@@ -36,15 +37,19 @@ def reference_qdq(x, fmt):
     return np.asarray(jnp.asarray(x / scale).astype(fmt).astype(jnp.float32)) * scale
 
 
-def test_fp8_matmul_is_the_recipe_forward_and_backward():
+@pytest.mark.parametrize("family", ["ocp", "fnuz"])
+def test_fp8_matmul_is_the_recipe_forward_and_backward(family):
+    """In either format family: OCP (NVIDIA, MI350X) and FNUZ (MI300X's, largest E4M3 240)."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(2, 8, 32)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(32, 16)), jnp.float32)
     g = jnp.asarray(rng.normal(size=(2, 8, 16)), jnp.float32)
-    y, pullback = jax.vjp(fp8.matmul, x, w)
-    xq, wq, gq = (reference_qdq(a, f) for a, f in ((x, fp8.E4M3), (w, fp8.E4M3), (g, fp8.E5M2)))
+    e4m3, e5m2 = fp8.FAMILIES[family]
+    with fp8.using(family):
+        y, pullback = jax.vjp(fp8.matmul, x, w)
+        dx, dw = pullback(g)
+    xq, wq, gq = (reference_qdq(a, f) for a, f in ((x, e4m3), (w, e4m3), (g, e5m2)))
     np.testing.assert_allclose(y, xq @ wq, rtol=1e-5, atol=1e-5)
-    dx, dw = pullback(g)
     np.testing.assert_allclose(dx, gq @ wq.T, rtol=1e-5, atol=1e-5)  # dgrad: E5M2 x E4M3
     np.testing.assert_allclose(dw, np.einsum("bni,bno->io", xq, gq), rtol=1e-5, atol=1e-4)
     assert 0.01 < float(jnp.linalg.norm(y - x @ w) / jnp.linalg.norm(x @ w)) < 0.1  # it rounds
@@ -77,16 +82,18 @@ GPT2 = TransformerConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2
 
 
 @functools.lru_cache(maxsize=None)
-def _fp8_step(config, strategy, mesh, precision=Precision("float32", fp8=True), **options):
+def _fp8_step(config, strategy, mesh, precision=Precision("float32", fp8=True), family="ocp",
+              **options):
     """The loss and gradients of one step of ``config`` under ``strategy`` on ``mesh`` (random
-    parameters, the same for every layout of a shape), float32 compute with FP8 GEMMs unless
-    ``precision`` says otherwise."""
+    parameters, the same for every layout of a shape), float32 compute with FP8 GEMMs in
+    ``family``'s formats unless ``precision`` says otherwise."""
     program = program_module.build(config, strategy, mesh, **options)
     step = program.train_step(program.mesh.build(first_devices(program.mesh.device_count)),
                               optax.sgd(0.1), donate=False, precision=precision)
     rng = np.random.default_rng(0)
     batch = tuple(rng.integers(0, 64, (8, 16)).astype(np.int32) for _ in range(2))
-    loss, grads = jax.jit(step.value_and_grad())(random_params(program), *batch)
+    with fp8.using(family):
+        loss, grads = jax.jit(step.value_and_grad())(random_params(program), *batch)
     return float(loss), jax.device_get(grads)
 
 
@@ -95,15 +102,16 @@ def _fp8_step(config, strategy, mesh, precision=Precision("float32", fp8=True), 
     (MIXTRAL, "tensor", "expert=2", {}),
     pytest.param(LLAMA, "tensor", "model=2", {"sequence_parallel": True}, marks=pytest.mark.slow),
     (GPT2, "pmm3d", "x=2,y=2", {}),
-], ids=["tensor", "expert", "sequence-parallel", "pmm3d"])
+    (LLAMA, "tensor", "model=2", {"family": "fnuz"}),
+], ids=["tensor", "expert", "sequence-parallel", "pmm3d", "tensor-fnuz"])
 def test_an_fp8_step_under_a_layout_equals_the_one_device_fp8_step(config, strategy, mesh,
                                                                    options):
     """Every tensor split over ``model``, ``context``, ``x``, ``y`` or ``expert`` is quantised
     with the scale of the whole tensor (its ranks' amax reduced), so with float32 elsewhere the
     FP8 step of tensor, sequence, expert and pmm3d parallelism is the one-device FP8 step (under
     pmm3d the FP8 GEMM's backward sums the gradient of an operand replicated over an axis, as
-    autodiff does for a plain product)."""
-    want_loss, want = _fp8_step(config, "dense", "model=1")
+    autodiff does for a plain product). FNUZ formats (MI300X's) likewise."""
+    want_loss, want = _fp8_step(config, "dense", "model=1", family=options.get("family", "ocp"))
     loss, grads = _fp8_step(config, strategy, mesh, **options)
     assert loss == pytest.approx(want_loss, rel=1e-6)
     assert_tree_close(grads, want, 1e-5)
@@ -149,3 +157,28 @@ def test_fp8_training_follows_bf16_within_the_measured_tolerance():
     assert gaps["validation_max_relative_gap"] < 0.02
     assert gaps["train_window_max_relative_gap"] < 0.02
     assert result["fp8"]["validation"] != result["bf16"]["validation"]  # FP8 did round
+
+
+class _Device:  # what fp8.family_of reads of a jax device
+    def __init__(self, platform, device_kind, compute_capability=None):
+        self.platform, self.device_kind = platform, device_kind
+        self.compute_capability = compute_capability
+
+
+def test_the_fp8_formats_are_the_device_s_and_gfx90a_is_refused_by_name():
+    """OCP on CPU, NVIDIA and gfx950; FNUZ on gfx942 (by architecture on a real GPU, by kind on an
+    ahead-of-time target, whose devices say 'MI300X'); MI250X refused before anything traces."""
+    cases = [(_Device("cpu", "cpu"), "ocp"),
+             (_Device("gpu", "NVIDIA H100 80GB HBM3", "9.0"), "ocp"),
+             (_Device("rocm", "AMD Instinct MI300X", "gfx942"), "fnuz"),
+             (_Device("gpu", "MI300X"), "fnuz"),
+             (_Device("rocm", "AMD Instinct MI355X", "gfx950"), "ocp"),
+             (_Device("gpu", "MI350X"), "ocp")]
+    for device, family in cases:
+        assert fp8.family_of(device) == family, device.device_kind
+    for device in (_Device("rocm", "AMD Instinct MI250X", "gfx90a"), _Device("gpu", "MI250")):
+        with pytest.raises(ConfigError, match="no FP8 GEMMs.*--precision bf16"):
+            fp8.family_of(device)
+    with pytest.raises(ConfigError, match="different FP8 formats"):
+        fp8.select([cases[2][0], cases[4][0]])
+    assert fp8.formats() == fp8.FAMILIES["ocp"]  # a refused selection changed nothing

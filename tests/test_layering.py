@@ -16,7 +16,7 @@ LAYERS = [
     ("operations", ["remat", "precision", "fp8", "zero", "collectives", "pipeline", "pipeline.schedule", "data",
                     "analysis.hlo", "perf.comm_model", "perf.axonn_model", "energy",
                     "attention_choices",
-                    "coordinator", "distributed", "gpu_defaults", "token_mean", "predict"]),
+                    "coordinator", "distributed", "gpu_defaults", "token_mean", "predict", "rocm"]),
     ("layers", ["nn"]),
     ("models", ["models", "families"]),
     ("plans", ["plans", "models.gpt2.plan", "models.llama.plan"]),  # a family's declared plan is written in styles

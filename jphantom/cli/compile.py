@@ -17,8 +17,8 @@ from jphantom.strategies import get as get_strategy
 
 def add_parser(sub) -> None:
     target = sub.add_parser(
-        "compile", help="compile the training step for H100/A100 nodes or a TPU slice from this "
-                        "machine: memory and collectives from XLA",
+        "compile", help="compile the training step for H100/A100 or AMD MI250X/MI300X nodes or a "
+                        "TPU slice from this machine: memory and collectives from XLA",
         description="Build the training step exactly as `train` would (same flags) and compile it "
                     "ahead of time for GPUs or TPUs this machine does not have "
                     "(jax.experimental.topologies): report per device XLA's memory (arguments, "
@@ -26,21 +26,24 @@ def add_parser(sub) -> None:
                     "with its mesh axes, bytes and executions, whether XLA made it asynchronous "
                     "and overlapped it with compute, whether it crosses nodes, model FLOPs and "
                     "XLA's cost analysis. Nothing runs. Needs the GPU compiler (pip install "
-                    "'jphantom[aot]') or libtpu (pip install 'jphantom[tpu]').",
+                    "'jphantom[aot]'), the ROCm compiler (pip install 'jphantom[rocm]', Python "
+                    ">= 3.12) or libtpu (pip install 'jphantom[tpu]').",
         epilog="Examples: jphantom compile --target gpu:h100 --nodes 4 --model llama --layers 2 "
                "--hidden 256 --heads 8 --seq-len 128 --vocab 1024 --batch 64 --strategy tensor "
-               "--mesh data=4,model=8 | jphantom compile --target tpu:v5p:2x2x2 --model llama "
-               "--mesh data=8 --zero 3 --json")
+               "--mesh data=4,model=8 | jphantom compile --target rocm:mi250x --nodes 2 --model llama "
+               "--strategy tensor phantom --mesh data=2,model=8 | jphantom compile --target "
+               "tpu:v5p:2x2x2 --model llama --mesh data=8 --zero 3 --json")
     target.add_argument("--target", default="gpu:h100",
-                        help="gpu:h100, gpu:h200, gpu:a100 (SXM) or tpu:CHIP:TOPOLOGY, e.g. "
-                             "tpu:v5p:2x2x2 (default gpu:h100)")
+                        help="gpu:h100, gpu:h200, gpu:a100 (SXM), rocm:mi250x (one device per "
+                             "GCD, 8 per node as on Frontier), rocm:mi300x, rocm:mi350x, or "
+                             "tpu:CHIP:TOPOLOGY, e.g. tpu:v5p:2x2x2 (default gpu:h100)")
     target.add_argument("--nodes", type=positive_int, default=1,
                         help="GPU nodes (default 1)")
     target.add_argument("--gpus-per-node", type=positive_int, default=None,
-                        help="GPUs per node (default 8)")
+                        help="GPUs (MI250X: GCDs) per node (default 8)")
     target.add_argument("--target-config", metavar="FILE", default=None,
                         help="your GPU as a stream_executor.GpuTargetConfigProto text file "
-                             "(default: the shipped H100 SXM or A100 SXM description)")
+                             "(default: the shipped description of the --target chip)")
     target.add_argument("--strategy", nargs="+", default=["tensor"], choices=strategy_names(None),
                         help="one or more strategies (default tensor)")
     target.add_argument("--config", metavar="FILE.toml",
@@ -112,22 +115,22 @@ def handle(args: argparse.Namespace) -> int:
     if args.predict or args.device is not None:
         from jphantom.predict import device as described
 
-        if target.platform != "gpu":
-            raise ConfigError("--predict prices GPU programs: give --target gpu:h100, gpu:h200 "
-                              "or gpu:a100")
+        if not target.is_gpu:
+            raise ConfigError("--predict prices GPU programs: give --target gpu:h100, gpu:h200, "
+                              "gpu:a100, rocm:mi250x or rocm:mi300x")
         predict_on = (described.load(args.device) if args.device is not None
-                      else described.for_target(f"gpu:{target.chip}"))
+                      else described.for_target(f"{target.platform}:{target.chip}"))
     aot.require_plugin(target.platform)  # before anything is built
     settings = step_settings(args, COMPILE_MODEL)
     settings["mesh"] = settings.get("mesh") or aot.default_mesh(target)
-    gpu_defaults = target.platform == "gpu" and not args.no_gpu_defaults
+    gpu_defaults = target.is_gpu and not args.no_gpu_defaults
     if gpu_defaults:  # XLA reads XLA_FLAGS when the plugin starts: before target.devices()
         from jphantom import gpu_defaults as defaults
 
         defaults.apply(allocator=False)  # the flags only: nothing is allocated
     from jphantom.cli.quiet import filtered_stderr
 
-    with filtered_stderr():  # the CUDA plugin starts: without a GPU, its start-up lines dropped
+    with filtered_stderr():  # the GPU plugin starts: without a GPU, its start-up lines dropped
         devices = target.devices()
     from jphantom.mesh import device_pool
 

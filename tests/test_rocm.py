@@ -1,0 +1,161 @@
+"""Compiling for AMD GPUs without one (jphantom.rocm, ``compile --target rocm:...``).
+
+The fast tests run everywhere: the targets' descriptions, the one-line refusals without the ROCm
+extra, the GPU-count shim's hold on jax's private function, and the stand-in library builder on a
+small fake plugin (gcc and readelf). The compiles themselves need the ROCm compiler (``pip install
+'jphantom[rocm]'``, Python >= 3.12: ``make test-rocm`` builds that environment); without it they
+skip, saying so."""
+
+import ctypes
+import importlib.util
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from jphantom import aot, rocm
+from jphantom.errors import ConfigError
+from jphantom.rocm import shim, stubs
+
+has_rocm_compiler = rocm.problem() is None and importlib.util.find_spec("jax_plugins") is not None
+needs_rocm_compiler = pytest.mark.skipif(
+    not has_rocm_compiler, reason=f"needs the ROCm compiler: {rocm.problem() or rocm.INSTALL}")
+needs_toolchain = pytest.mark.skipif(shutil.which("gcc") is None or shutil.which("readelf") is None,
+                                     reason="needs gcc and readelf")
+
+
+def test_rocm_targets_are_xla_s_descriptions_with_their_memory_and_peaks():
+    mi250x = aot.Target.parse("rocm:mi250x", nodes=2)
+    assert (mi250x.device_count, mi250x.devices_per_node, mi250x.peak_tflops) == (16, 8, 191.5)
+    assert mi250x.memory_bytes == 67628957696  # one GCD's 64 GB as XLA's mi200.txtpb gives it
+    assert 'gcn_arch_name: "gfx90a' in mi250x.config_text()
+    mi300x = aot.Target.parse("rocm:mi300x")
+    assert (mi300x.memory_bytes, mi300x.peak_tflops) == (206158430208, 1307.4)
+    assert 'gcn_arch_name: "gfx942' in mi300x.config_text()
+    assert 'gcn_arch_name: "gfx950' in aot.Target.parse("rocm:mi350x").config_text()
+    assert mi250x.name == "rocm:mi250x x 2 node(s) x 8" and mi250x.is_gpu
+    with pytest.raises(ConfigError, match="rocm:mi250x, rocm:mi300x, rocm:mi350x"):
+        aot.Target.parse("rocm:mi100")
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="the refusal of Python 3.11")
+def test_without_the_extra_compile_for_rocm_is_one_line_before_anything_is_built():
+    out = subprocess.run([sys.executable, "-m", "jphantom", "compile", "--target", "rocm:mi250x"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [
+        "jphantom: error: compiling for ROCm needs Python >= 3.12 (the ROCm plugin's wheels are "
+        "cp312/cp313; this is 3.11): pip install 'jphantom[rocm]'  (Python >= 3.12; jax 0.12.0)"]
+
+
+def test_the_shim_holds_jax_s_gpu_count_function():
+    """The one private function the shim replaces exists, with ``stop_at``, on this jax; where it
+    counts no AMD GPU the shim makes it one, once, and marks it."""
+    from jax._src import hardware_utils
+
+    original = hardware_utils.num_available_amd_gpus
+    try:
+        patched = shim.allow_without_gpu()
+        assert patched == (original(stop_at=1) == 0)
+        if patched:
+            assert hardware_utils.num_available_amd_gpus(stop_at=2) == 1
+            assert shim.allow_without_gpu() is True  # idempotent
+    finally:
+        hardware_utils.num_available_amd_gpus = original
+
+
+def _shared_object(folder, name, source, *, version_script=None, links=()):
+    (folder / f"{name}.c").write_text(source)
+    command = ["gcc", "-shared", "-fPIC", "-o", str(folder / name), f"-Wl,-soname,{name}",
+               str(folder / f"{name}.c"), *links]
+    if version_script:
+        (folder / f"{name}.map").write_text(version_script)
+        command.append(f"-Wl,--version-script,{folder / f'{name}.map'}")
+    subprocess.run(command, check=True, capture_output=True)
+    return folder / name
+
+
+@needs_toolchain
+def test_stand_ins_let_a_plugin_whose_libraries_are_missing_load(tmp_path):
+    """A fake plugin linked against a versioned runtime (as the ROCm plugin is against
+    ``libamdhip64.so.7``'s ``hip_4.2``...) and an unversioned one, both then removed: it does not
+    load; the stand-ins planned from its ELF alone define each symbol under its version, and it
+    loads."""
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    _shared_object(runtime, "libfakehip.so.7", "int fakeMalloc(void){return 0;}\n"
+                   "int fakeFree(void){return 0;}\n",
+                   version_script="fake_4.2 { global: fakeMalloc; };\n"
+                                  "fake_6.5 { global: fakeFree; };\n")
+    _shared_object(runtime, "libfakeprof.so.1", "int fakeProfile(void){return 0;}\n")
+    plugin = _shared_object(
+        tmp_path, "fake_plugin.so",
+        "int fakeMalloc(void); int fakeFree(void); int fakeProfile(void);\n"
+        "int (*table[])(void) = {fakeMalloc, fakeFree, fakeProfile};\n",
+        links=[f"-L{runtime}", "-l:libfakehip.so.7", "-l:libfakeprof.so.1"])
+    shutil.rmtree(runtime)
+    with pytest.raises(OSError, match="libfakehip.so.7"):
+        ctypes.CDLL(str(plugin))
+    planned = {lib.soname: lib for lib in stubs.plan([plugin])}
+    assert set(planned) == {"libfakehip.so.7", "libfakeprof.so.1"}
+    assert planned["libfakehip.so.7"].symbols == {"fake_4.2": ("fakeMalloc",),
+                                                  "fake_6.5": ("fakeFree",)}
+    assert planned["libfakeprof.so.1"].symbols == {"": ("fakeProfile",)}
+    for path in stubs.build(list(planned.values()), tmp_path / "stand-ins"):
+        ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    ctypes.CDLL(str(plugin))  # loads now
+
+
+# -------------------------------------------------------------------------------------------------
+# Compiles for MI250X and MI300X (make test-rocm)
+# -------------------------------------------------------------------------------------------------
+
+LLAMA = dict(model="llama", layers=2, hidden=128, heads=8, kv_heads=8, seq_len=64, vocab=512,
+             batch=16)
+
+
+@pytest.fixture(scope="module")
+def mi250x():
+    target = aot.Target.parse("rocm:mi250x", nodes=2)
+    return target, target.devices()
+
+
+@needs_rocm_compiler
+@pytest.mark.parametrize("strategy, options, expected", [
+    ("tensor", {"sequence_parallel": True}, {"all-gather", "reduce-scatter"}),
+    ("phantom", {"ghost_width": 8}, {"all-gather", "reduce-scatter", "all-reduce"}),
+    ("tensor", {"zero": 3, "mesh": "data=16"}, {"all-gather", "reduce-scatter"}),
+], ids=["tensor-sp", "phantom", "zero3"])
+def test_a_llama_step_compiles_for_two_frontier_nodes(mi250x, strategy, options, expected):
+    """2 nodes x 8 MI250X GCDs: AMDGPU code for the step, memory per GCD, the collectives the
+    strategy's formulas name (sequence parallelism's gathers and scatters over ``model``,
+    phantom's, ZeRO-3's over ``data``), exactly those over ``data`` crossing the nodes, and the
+    report saying its runtime was stood in for."""
+    target, devices = mi250x
+    flags = {**LLAMA, "strategy": strategy, "mesh": "data=2,model=8", **options}
+    report = aot.compile_report(flags, target, devices=devices)
+    assert report["target"]["platform"] == "rocm" and report["memory"]["fits"]
+    assert 0 < report["memory"]["peak_bytes"] < 2**30
+    rows = report["collectives"]
+    assert expected <= {r["kind"] for r in rows}
+    for row in rows:
+        assert row["crosses_nodes"] == (row["count"] if "data" in row["axes"] else 0), row
+    assert any("data" in r["axes"] for r in rows)
+    assert report["kernels"]["gemms"]["total"] > 0
+    assert any("stand-ins for ROCm" in note for note in report["notes"])
+
+
+@needs_rocm_compiler
+def test_fp8_on_mi300x_compiles_to_gemms_on_fnuz_operands_and_mi250x_refuses_it(mi250x, tmp_path):
+    target = aot.Target.parse("rocm:mi300x")
+    hlo = tmp_path / "step.hlo"
+    report = aot.compile_report({**LLAMA, "strategy": "tensor", "mesh": "model=8",
+                                 "precision": "fp8"}, target, hlo_out=hlo)
+    assert report["kernels"]["gemms"]["fp8"] > 0
+    text = hlo.read_text()
+    assert "f8e4m3fnuz" in text and "f8e5m2fnuz" in text
+    assert "f8e4m3fn[" not in text and "f8e5m2[" not in text  # no OCP operand anywhere
+    with pytest.raises(ConfigError, match="no FP8 GEMMs"):
+        aot.compile_report({**LLAMA, "strategy": "tensor", "mesh": "data=2,model=8",
+                            "precision": "fp8"}, mi250x[0], devices=mi250x[1])
