@@ -94,8 +94,8 @@ def _json_rows(path: Path) -> Iterator[dict]:
         if head.lstrip().startswith("["):
             yield from _json_array(handle, head, path)
             return
-        number, rest = 0, head
-        for line in _lines(handle, rest):
+        number = 0
+        for line in _lines(handle, head):
             number += 1
             if not line.strip():
                 continue

@@ -227,4 +227,5 @@ def read_documents(data, row_tokenizer: RowTokenizer) -> tuple[Documents, Docume
                   "validation": [p.name for p in validation_files]},
         "validation_split": ("files" if validation_files else
                              f"the last {HELD_OUT:.0%} of the rows held out (at least 1)"),
-        "loss_on": row_tokenizer.loss_on or "each row's default"}
+        "loss_on": row_tokenizer.loss_on or "each row's default (" + ", ".join(
+            f"{kind}: {on}" for kind, on in DEFAULT_LOSS_ON.items()) + ")"}
