@@ -16,8 +16,9 @@ crosses a row's end goes on at the start of the next row: each piece is its own 
 positions restart at 0 (as a window of a long text does in pretraining, and as the model sees a
 context of that length at inference; positions never exceed ``seq_len - 1``, so RoPE tables of
 ``seq_len`` hold). Each piece keeps its tokens' targets, so the last token of a piece that is not
-its document's last still predicts the document's next token. (MaxText truncates a document to
-the row length before packing and drops the rest; here the rest trains.)
+its document's last still predicts the document's next token. (MaxText's Hugging Face pipeline
+truncates a document to the row length when it tokenises and packs whole documents first-fit
+with Grain's ``PackAndBatchOperation``; here the rest of a long document trains.)
 
 **Padded** (:func:`pad`): one document per row, in the same shuffled order, truncated to its
 first ``seq_len`` tokens (TRL's ``keep_start``; the rest is dropped), padded with ``pad_id``,
