@@ -101,6 +101,14 @@ def test_loss_on_each_kind_of_row(chat):
     ids, mask = make()(row)
     assert ids == record["input_ids"]
     assert mask == [0] * len(record["prompt_ids"]) + [1] * (len(ids) - len(record["prompt_ids"]))
+    two = REFERENCE[1]  # the completion's assistant turn, not the prompt's
+    row = {"prompt": two["messages"][:3], "completion": two["messages"][3:]}
+    ids, mask = make("assistant")(row)
+    cut = len(tokenizer.encode(template.render(two["messages"][:3], add_generation_prompt=True)[0]))
+    assert ids == two["input_ids"] and sum(two["assistant_masks"][:cut]) > 0
+    assert mask == [0] * cut + two["assistant_masks"][cut:]
+    with pytest.raises(ConfigError, match="row 5: .* a completion starts with the assistant"):
+        make()({"prompt": two["messages"][:2], "completion": two["messages"][2:]}, "c.jsonl", 5)
     for loss_on, bad, words in (("assistant", {"text": "t"}, "a text row has no answer"),
                                 ("completion", {"messages": record["messages"]},
                                  "has no completion")):

@@ -94,9 +94,8 @@ def _json_rows(path: Path) -> Iterator[dict]:
         if head.lstrip().startswith("["):
             yield from _json_array(handle, head, path)
             return
-        number = 0
-        for line in _lines(handle, head):
-            number += 1
+        handle.seek(0)
+        for number, line in enumerate(handle, 1):  # the file object's buffered line reader
             if not line.strip():
                 continue
             try:
@@ -106,25 +105,9 @@ def _json_rows(path: Path) -> Iterator[dict]:
                                   f"({error.msg}): give one JSON object per line") from None
 
 
-def _lines(handle, head: str) -> Iterator[str]:
-    """The lines of ``head`` followed by the rest of ``handle``, one at a time."""
-    pending = head
-    while True:
-        cut = pending.find("\n")
-        if cut >= 0:
-            yield pending[:cut]
-            pending = pending[cut + 1:]
-            continue
-        block = handle.read(BLOCK_BYTES)
-        if not block:
-            if pending:
-                yield pending
-            return
-        pending += block
-
-
 def _json_array(handle, buffer: str, path: Path) -> Iterator[dict]:
-    """The elements of a top-level JSON array, decoded one at a time from blocks."""
+    """The elements of a top-level JSON array, decoded one at a time from blocks (the buffer
+    keeps the undecoded rest of the last block, plus the next block when a row spans both)."""
     decoder = json.JSONDecoder()
     at = buffer.index("[") + 1
     while True:
@@ -134,12 +117,12 @@ def _json_array(handle, buffer: str, path: Path) -> Iterator[dict]:
             block = handle.read(BLOCK_BYTES)
             if not block:
                 raise ConfigError(f"data file {str(path)!r}: the JSON array is not closed")
-            buffer, at = buffer[at:] + block, 0
+            buffer, at = block, 0
             continue
         if buffer[at] == "]":
             return
         try:
-            row, end = decoder.raw_decode(buffer, at)
+            row, at = decoder.raw_decode(buffer, at)
         except json.JSONDecodeError as error:
             block = handle.read(BLOCK_BYTES)
             if not block:
@@ -148,7 +131,6 @@ def _json_array(handle, buffer: str, path: Path) -> Iterator[dict]:
             buffer, at = buffer[at:] + block, 0
             continue
         yield row
-        buffer, at = buffer[end:], 0
 
 
 def _arrow_rows(path: Path, parquet: bool) -> Iterator[dict]:

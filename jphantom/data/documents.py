@@ -15,8 +15,8 @@ whether the loss is taken on it (``--loss-on``):
   template writes them), ``all`` by default (TRL's ``assistant_only_loss=False``); ``assistant``
   takes the loss on the assistant turns (:meth:`ChatTemplate.assistant_spans`);
 - ``{"prompt", "completion"}`` as messages: the prompt rendered with the generation prompt, then
-  prompt + completion; ``completion`` (default), ``assistant`` (the assistant turns of the whole)
-  or ``all``.
+  prompt + completion; ``completion`` (default: what follows the prompt), ``assistant`` (the
+  assistant turns of the completion: TRL's completion mask times its assistant mask) or ``all``.
 
 A choice that does not apply to a row (``assistant`` for text, ``completion`` for messages) is a
 ConfigError naming the file and row. :func:`targets` turns a document into the step's targets:
@@ -120,14 +120,23 @@ class RowTokenizer:
         ids, offsets = encode_with_offsets(self.tokenizer, text)
         if loss_on == "all":
             return ids, [1] * len(ids)
+        mask = [1] * len(ids)
         if loss_on == "assistant":
             from jphantom.data.chat_template import token_mask
 
-            return ids, token_mask(offsets, spans)
-        prompt_text, _ = self.template.render(list(row["prompt"]), add_generation_prompt=True,
-                                              **options)
-        prompt = encode_with_offsets(self.tokenizer, prompt_text)[0]
-        return ids, [0] * len(prompt) + [1] * (len(ids) - len(prompt))
+            mask = token_mask(offsets, spans)
+        if kind == "prompt_completion":  # the completion only (with assistant: its turns)
+            prompt_text, _ = self.template.render(list(row["prompt"]),
+                                                  add_generation_prompt=True, **options)
+            if not text.startswith(prompt_text):
+                raise ConfigError(f"data file {str(path)!r} row {number}: {self.template.name} "
+                                  "renders the prompt (with the generation prompt) otherwise "
+                                  "than the start of prompt + completion, so the completion "
+                                  "cannot be found: a completion starts with the assistant's "
+                                  "turn")
+            prompt = len(encode_with_offsets(self.tokenizer, prompt_text)[0])
+            mask = [0] * prompt + mask[prompt:]
+        return ids, mask
 
 
 def targets(ids: Sequence[int], mask: Sequence[int]) -> np.ndarray:
