@@ -174,7 +174,7 @@ def read_document_data(config: RunConfig):
 
     train = config.train
     value = dataset_tokenizer(config)
-    files = [p for split in split_files(train.data) for p in split]
+    files = [p for split in split_files(train.data)[:2] for p in split]
     stamp = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
     return _document_data(train.data, value, train.chat_template, train.loss_on,
                           config.model.from_hf, stamp)

@@ -61,14 +61,20 @@ def test_json_array_streams_across_blocks(tmp_path, monkeypatch):
     assert list(read_rows(lines)) == ROWS * 3
 
 
-def test_folder_splits_on_val_in_the_name(tmp_path):
-    for name in ("b-train.jsonl", "a-train.parquet", "val.jsonl", "notes.txt"):
+def test_folder_splits_on_val_and_test_in_the_path(tmp_path):
+    """Hugging Face layouts: the hub's data/<split>-*.parquet, save_to_disk's <split>/ folders
+    (their metadata .json files left out)."""
+    for name in ("b-train.jsonl", "a-train.parquet", "val.jsonl", "notes.txt", "contest.jsonl",
+                 "sub/c.arrow", "validation/data-0.arrow", "validation/state.json",
+                 "test/data-0.arrow", "data/test-00000-of-00001.parquet",
+                 "dataset_dict.json"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text("")
-    (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "c.arrow").write_text("")
-    train, validation = split_files(tmp_path)
-    assert [p.name for p in train] == ["a-train.parquet", "b-train.jsonl", "c.arrow"]
-    assert [p.name for p in validation] == ["val.jsonl"]
+    train, validation, test = split_files(tmp_path)
+    relative = lambda files: [p.relative_to(tmp_path).as_posix() for p in files]
+    assert relative(train) == ["a-train.parquet", "b-train.jsonl", "contest.jsonl", "sub/c.arrow"]
+    assert relative(validation) == ["val.jsonl", "validation/data-0.arrow"]
+    assert relative(test) == ["data/test-00000-of-00001.parquet", "test/data-0.arrow"]
     assert dataset_files.is_dataset_data(tmp_path)
     (tmp_path / "tokens.bin").write_bytes(b"")
     assert not dataset_files.is_dataset_data(tmp_path)  # a token folder stays one

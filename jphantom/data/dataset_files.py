@@ -1,8 +1,9 @@
 """Dataset files: the rows of JSON Lines, JSON, Parquet and Arrow files, streamed.
 
 ``train --data`` takes one such file or a folder of them (searched recursively, sorted by
-path); in a folder, files whose name contains ``val`` are the validation split, as for token
-files (:mod:`jphantom.data.tokens`). The formats, and how each is read without holding the file
+path); in a folder, files whose path contains ``val`` are the validation split, as for token
+files (:mod:`jphantom.data.tokens`), and a test split (:func:`split_files`) is left out. The
+formats, and how each is read without holding the file
 in memory:
 
 - ``.jsonl`` (JSON Lines): the standard library's :mod:`json`, one line at a time;
@@ -30,14 +31,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from jphantom.errors import ConfigError
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".feather")
 KINDS = {"text": ("text",), "prompt_completion": ("prompt", "completion"),
          "messages": ("messages",)}
+METADATA = ("dataset_info.json", "state.json", "dataset_dict.json")  # datasets' save_to_disk
+TEST = re.compile(r"(^|[/_.-])test")  # a test split's path part
 BLOCK_BYTES = 1 << 20
 ARROW_BATCH_ROWS = 1024
 
@@ -52,27 +56,41 @@ def is_dataset_data(path: str | os.PathLike) -> bool:
 
 
 def _found(folder: Path) -> Iterator[Path]:
-    return (p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES)
+    return (p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES
+            and p.name not in METADATA)
 
 
-def split_files(data: str | os.PathLike) -> tuple[list[Path], list[Path]]:
-    """(train, validation) files of ``--data``: a file is the training split alone; a folder's
-    files sorted by path, those whose name contains ``val`` the validation split."""
+class Splits(NamedTuple):
+    """The files of ``--data``: ``train``, ``validation`` and ``test`` (never read)."""
+
+    train: list[Path]
+    validation: list[Path]
+    test: list[Path]
+
+
+def split_files(data: str | os.PathLike) -> Splits:
+    """The files of ``--data``: a file is the training split alone; a folder's files (searched
+    recursively, Hugging Face ``datasets``' metadata files left out) sorted by path, those whose
+    path below the folder contains ``val`` the validation split, those with a ``test`` part
+    (``test.jsonl``, ``test/...``, ``data/test-00000-of-00001.parquet``) the test split, which
+    nothing trains or validates on."""
     path = Path(data)
     if not path.is_dir():
         if not path.is_file():
             raise ConfigError(f"data={str(data)!r} does not exist: give a .jsonl, .json, .parquet "
                               "or .arrow file, or a folder of them")
-        return [path], []
-    files = sorted(_found(path), key=lambda p: p.relative_to(path).as_posix())
+        return Splits([path], [], [])
+    relative = {p: p.relative_to(path).as_posix().lower() for p in _found(path)}
+    files = sorted(relative, key=relative.get)
     if not files:
         raise ConfigError(f"data={str(data)!r} holds no {', '.join(SUFFIXES)} file")
-    validation = [f for f in files if "val" in f.name.lower()]
-    train = [f for f in files if f not in validation]
+    validation = [f for f in files if "val" in relative[f]]
+    test = [f for f in files if f not in validation and TEST.search(relative[f])]
+    train = [f for f in files if f not in validation and f not in test]
     if not train:
-        raise ConfigError(f"data={str(data)!r}: every file is a validation file (its name "
-                          "contains 'val'): add training files")
-    return train, validation
+        raise ConfigError(f"data={str(data)!r}: every file is a validation or test file (its path "
+                          "contains 'val' or 'test'): add training files")
+    return Splits(train, validation, test)
 
 
 def read_rows(path: str | os.PathLike) -> Iterator[dict]:

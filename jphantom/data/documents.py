@@ -224,7 +224,7 @@ def read_documents(data, row_tokenizer: RowTokenizer) -> tuple[Documents, Docume
     last :data:`HELD_OUT` of the rows (at least one)."""
     from pathlib import Path
 
-    train_files, validation_files = split_files(data)
+    train_files, validation_files, test_files = split_files(data)
     train = tokenize_files(train_files, row_tokenizer)
     if validation_files:
         validation = tokenize_files(validation_files, row_tokenizer)
@@ -232,8 +232,9 @@ def read_documents(data, row_tokenizer: RowTokenizer) -> tuple[Documents, Docume
         train, validation = train.hold_out()
     return train, validation, {
         "source": str(Path(data).resolve()),
-        "files": {"train": [p.name for p in train_files],
-                  "validation": [p.name for p in validation_files]},
+        "files": {"train": [str(p) for p in train_files],
+                  "validation": [str(p) for p in validation_files],
+                  "test (not read)": [str(p) for p in test_files]},
         "validation_split": ("files" if validation_files else
                              f"the last {HELD_OUT:.0%} of the rows held out (at least 1)"),
         "loss_on": row_tokenizer.loss_on or "each row's default (" + ", ".join(
