@@ -292,6 +292,24 @@ def test_the_cli_drops_only_the_cuda_plugins_start_up_lines(capfd):
     assert not missing_gpu({"JAX_PLATFORMS": "cuda"})  # the user's choice is kept
 
 
+def test_the_cli_drops_only_the_rocm_plugins_declining_record():
+    """Without /dev/kfd, jphantom[rocm]'s plugin declines with a logged traceback at every jax
+    start: that record, and no other, is dropped."""
+    import logging
+
+    from jphantom.cli.quiet import _RocmDeclined
+
+    def record(message, *args):
+        return logging.LogRecord("jax._src.xla_bridge", logging.ERROR, __file__, 1, message,
+                                 args, None)
+
+    declined = record("Jax plugin configuration error: Exception when calling %s.initialize()",
+                      "jax_plugins.xla_rocm7")
+    other = record("Jax plugin configuration error: Exception when calling %s.initialize()",
+                   "jax_plugins.xla_cuda12")
+    assert [_RocmDeclined().filter(r) for r in (declined, other)] == [False, True]
+
+
 def test_the_plan_states_the_configurations_dtd_rule():
     """plans.megatron(dtd=True) on a model without routed MoE layers: the one dtd rule
     (jphantom.strategies.check_dtd), with its one message."""

@@ -10,12 +10,18 @@ started; its compiler still serves ``compile``'s GPU targets, which start jax on
 and drops those start-up lines, and only those, from what jax's import and its backends' start
 write to stderr (:func:`filtered_stderr`). Importing jphantom in Python changes nothing: there,
 set ``JAX_PLATFORMS=cpu`` yourself.
+
+The ROCm plugin (``jphantom[rocm]``, what ``compile --target rocm:...`` needs) is quieter in C++
+but declines loudly: without ``/dev/kfd`` jax logs "Jax plugin configuration error: Exception when
+calling jax_plugins.xla_rocm7.initialize()" and a traceback at every start, ``JAX_PLATFORMS=cpu``
+or not. Under the same rule that one log record, and only it, is dropped (:class:`_RocmDeclined`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import os
 import sys
 import tempfile
@@ -26,20 +32,29 @@ from collections.abc import Iterator
 NOISE = ("WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
          "cudart_stub.cc", "Could not find cuda drivers on your machine")
 _CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
+_ROCM_PLUGINS = ("jax_rocm7_plugin", "jax_rocm10_plugin")
 _DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia[0-9]*", "/dev/kfd", "/dev/accel*",
                  "/dev/vfio/[0-9]*")
 _quieted = False
 
 
 def missing_gpu(env=None) -> bool:
-    """Whether the rule applies (module docstring): ``JAX_PLATFORMS`` unset, a CUDA plugin
-    installed, no accelerator device node."""
+    """Whether the rule applies (module docstring): ``JAX_PLATFORMS`` unset, a CUDA or ROCm
+    plugin installed, no accelerator device node."""
     from jphantom.distributed import has_module
 
     env = os.environ if env is None else env
     return ("JAX_PLATFORMS" not in env
-            and any(has_module(name) for name in _CUDA_PLUGINS)
+            and any(has_module(name) for name in _CUDA_PLUGINS + _ROCM_PLUGINS)
             and not any(glob.glob(pattern) for pattern in _DEVICE_NODES))
+
+
+class _RocmDeclined(logging.Filter):
+    """Drops jax's record of the ROCm plugin declining to start for want of a GPU."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("Jax plugin configuration error" in message and "xla_rocm" in message)
 
 
 @contextlib.contextmanager
@@ -72,6 +87,7 @@ def quiet_missing_gpu() -> None:
         return
     os.environ["JAX_PLATFORMS"] = "cpu"
     _quieted = True
+    logging.getLogger("jax._src.xla_bridge").addFilter(_RocmDeclined())
     with filtered_stderr():
         import jax  # noqa: F401
 
