@@ -7,6 +7,7 @@ row before anything compiles."""
 import json
 import pathlib
 
+import numpy as np
 import pytest
 
 from jphantom.config import RunConfig, check_vocabulary
@@ -96,3 +97,34 @@ def test_fine_tune_padded_and_save_a_chat_model(tmp_path):
     hf.load(out)
     record = CONVERSATIONS[0]
     assert load_chat_template(out).render(record["messages"])[0] == record["text"]
+
+
+@pytest.mark.slow  # two trainings, three processes: 83 s on 2 cores
+def test_two_processes_read_their_rows_and_train_as_one(tmp_path):
+    """``jphantom launch -n 2``: each process builds only its rows of each packed batch, and the
+    run's losses equal one process's on the same 8 devices."""
+    import os
+    import subprocess
+    import sys
+
+    data = _chat_file(tmp_path)
+    train = ["train", "--model", "qwen3", "--from-hf", str(FIXTURES / "hf" / "qwen3"),
+             "--tokenizer", str(CHAT), "--data", str(data), "--pack", "--loss-on", "assistant",
+             "--strategy", "tensor", "--mesh", "data=4,model=2", "--seq-len", "32",
+             "--batch", "8", "--steps", "3", "--eval-every", "3", "--eval-batches", "1",
+             "--no-progress"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    found = []
+    for name, command in (("one", ["--devices", "8"]),
+                          ("two", ["launch", "-n", "2", "--devices-per-process", "4", "--",
+                                   "jphantom"])):
+        out = tmp_path / name
+        argv = (command + train if name == "two" else train + command) + ["--out", str(out)]
+        done = subprocess.run([sys.executable, "-m", "jphantom.cli", *argv], env=env,
+                              capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        found.append(json.loads((out / "results.json").read_text()))
+    one, two = found
+    assert len(two["devices"]) == 8 and two["data"]["train"] == one["data"]["train"]
+    np.testing.assert_allclose(two["history"]["train_loss"], one["history"]["train_loss"],
+                               rtol=1e-5)
