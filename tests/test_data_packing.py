@@ -133,3 +133,8 @@ def test_read_documents_holds_out_the_last_rows(tmp_path):
     (tmp_path / "val.jsonl").write_text(json.dumps({"text": "held"}))
     train, validation, source = read_documents(tmp_path, tokenizer)
     assert (train.count, validation.count) == (10, 1) and source["validation_split"] == "files"
+    train, validation, _ = read_documents(tmp_path / "train.jsonl", tokenizer,  # --val-data
+                                          tmp_path / "val.jsonl")
+    assert (train.count, validation.count) == (10, 1)
+    assert validation.tokens.tobytes() == np.frombuffer(b"held", np.uint8).astype(
+        np.int32).tobytes()

@@ -39,10 +39,14 @@ def test_options_without_documents_are_refused(tmp_path):
     text.write_text("plain text\n")
     for data, flags, words in ((tokens, {"pack": True}, "--pack applies to dataset files"),
                                (text, {"loss_on": "assistant"}, "--loss-on assistant applies"),
-                               (None, {"chat_template": str(CHAT)}, "the standard library's")):
+                               (None, {"chat_template": str(CHAT)}, "the standard library's"),
+                               (tokens, {"val_data": str(text)}, "--val-data applies")):
         config = RunConfig.from_flags(data=None if data is None else str(data), **flags)
         with pytest.raises(ConfigError, match=words):
             config.train.check_paths()
+    with pytest.raises(ConfigError, match="val_data=.*notes.txt' is not a dataset file"):
+        RunConfig.from_flags(data=str(_chat_file(tmp_path)), val_data=str(text)
+                             ).train.check_paths()
     with pytest.raises(ConfigError, match="loss_on='answers'; use one of assistant"):
         RunConfig.from_flags(loss_on="answers")
 

@@ -32,16 +32,21 @@ def is_dataset_data(value: str | None) -> bool:
     return value is not None and dataset(value)
 
 
-def check_document_options(data, pack: bool, loss_on, chat_template) -> None:
-    """``--pack``, ``--loss-on`` and ``--chat-template`` apply to dataset files (documents), not
-    to text or token files; a ``--chat-template`` file exists."""
+def check_document_options(data, pack: bool, loss_on, chat_template, val_data=None) -> None:
+    """``--pack``, ``--loss-on``, ``--chat-template`` and ``--val-data`` apply to dataset files
+    (documents), not to text or token files; a ``--chat-template`` file exists and
+    ``--val-data`` is dataset files."""
     given = [flag for flag, value in (("--pack", pack), (f"--loss-on {loss_on}", loss_on),
-                                      ("--chat-template", chat_template)) if value]
+                                      ("--chat-template", chat_template),
+                                      ("--val-data", val_data)) if value]
     if given and not is_dataset_data(data):
         what = "the standard library's text" if data is None else f"data={data!r}"
         raise ConfigError(f"{given[0]} applies to dataset files (.jsonl, .json, .parquet, "
                           f".arrow), whose rows are documents; {what} has none: give such a "
                           f"file, or leave {given[0].split()[0]} out")
+    if val_data is not None and not (Path(val_data).exists() and is_dataset_data(val_data)):
+        raise ConfigError(f"val_data={val_data!r} is not a dataset file (.jsonl, .json, .parquet, "
+                          ".arrow) or a folder of them")
     if chat_template is not None and not Path(chat_template).exists():
         raise ConfigError(f"chat_template={chat_template!r} does not exist: give a .jinja file, a "
                           "tokenizer_config.json or a checkpoint folder")

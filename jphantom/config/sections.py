@@ -322,6 +322,10 @@ class TrainConfig:
         "Hugging Face tokenizer.json (or its folder), a .tiktoken file, or a tiktoken encoding "
         "name already in tiktoken's cache; nothing downloads; --vocab must be at least its size "
         "(default: none, bytes)")
+    val_data: str | None = setting(
+        None, "with dataset files: the validation rows, a dataset file or a folder of them "
+        "(default: the --data folder's files named *val*, else the last one percent of the "
+        "rows, at least one)")
     chat_template: str | None = setting(
         None, "with dataset files: the Jinja chat template rows of messages are rendered with, "
         "a .jinja file or a tokenizer_config.json (default: the --from-hf checkpoint's "
@@ -406,7 +410,8 @@ class TrainConfig:
         end: checked first), ``data`` is readable, the tokenizer loads."""
         paths.check_paths(self.out, self.checkpoint_dir, self.save_hf, self.data,
                           self.tokenizer)
-        paths.check_document_options(self.data, self.pack, self.loss_on, self.chat_template)
+        paths.check_document_options(self.data, self.pack, self.loss_on, self.chat_template,
+                                     self.val_data)
 
     def schedule(self, total_steps: int | None = None):
         """The learning rate schedule (an optax schedule, or the constant rate): linear warm-up

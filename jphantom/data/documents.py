@@ -218,13 +218,18 @@ def tokenize_files(paths, row_tokenizer: RowTokenizer) -> Documents:
     return Documents.of(pairs())
 
 
-def read_documents(data, row_tokenizer: RowTokenizer) -> tuple[Documents, Documents, dict]:
+def read_documents(data, row_tokenizer: RowTokenizer, validation_data=None
+                   ) -> tuple[Documents, Documents, dict]:
     """(train, validation, description) of ``--data`` (a dataset file or a folder of them,
-    :func:`jphantom.data.dataset_files.split_files`): the validation files' rows, else the
-    last :data:`HELD_OUT` of the rows (at least one)."""
+    :func:`jphantom.data.dataset_files.split_files`): the rows of ``validation_data`` (a file or
+    a folder: ``--val-data``), else of the folder's validation files, else the last
+    :data:`HELD_OUT` of the rows (at least one)."""
     from pathlib import Path
 
     train_files, validation_files, test_files = split_files(data)
+    if validation_data is not None:
+        named = split_files(validation_data)
+        validation_files = named.train + named.validation
     train = tokenize_files(train_files, row_tokenizer)
     if validation_files:
         validation = tokenize_files(validation_files, row_tokenizer)
