@@ -114,6 +114,15 @@ def test_loss_on_each_kind_of_row(chat):
                                  "has no completion")):
         with pytest.raises(ConfigError, match=f"--loss-on {loss_on} does not apply to .*{words}"):
             make(loss_on)(bad, "chat.jsonl", 7)
+    class Lengths:  # any tokenizer with encode (tiktoken's): text rows; templates need offsets
+        name = "lengths"
+
+        def encode(self, text):
+            return [len(word) for word in text.split()]
+
+    assert RowTokenizer(Lengths(), eos=0)({"text": "a bb ccc"}) == ([1, 2, 3, 0], [1] * 4)
+    with pytest.raises(ConfigError, match="'lengths' gives no character offsets"):
+        RowTokenizer(Lengths(), template)({"messages": record["messages"]})
     with pytest.raises(ConfigError, match="row 3 is a conversation but there is no chat template"):
         RowTokenizer(tokenizer)({"messages": record["messages"]}, "chat.jsonl", 3)
 

@@ -62,6 +62,15 @@ def encode_with_offsets(tokenizer, text: str, special: bool = False
                       "offsets, which chat templates need: use a Hugging Face tokenizer.json")
 
 
+def encode_ids(tokenizer, text: str, special: bool = False) -> list[int]:
+    """The ids of ``text``: a Hugging Face tokenizer's with its post-processor's special tokens
+    when ``special``; any other tokenizer's ``encode``."""
+    inner = getattr(tokenizer, "tokenizer", None)
+    if inner is not None and hasattr(inner, "encode"):
+        return list(inner.encode(text, add_special_tokens=special).ids)
+    return list(tokenizer.encode(text))
+
+
 @dataclasses.dataclass(frozen=True)
 class RowTokenizer:
     """Tokenises rows (module docstring). ``tokenizer``: a :mod:`jphantom.data.tokenizers`
@@ -93,14 +102,14 @@ class RowTokenizer:
             return ids, [1] * len(ids)
         if kind == "messages" or not isinstance(row["prompt"], str):
             return self._conversation(row, kind, loss_on, path, number)
-        prompt = encode_with_offsets(self.tokenizer, row["prompt"], special=True)[0]
+        prompt = encode_ids(self.tokenizer, row["prompt"], special=True)
         ids = self._standard(row["prompt"] + row["completion"])
         mask = [1] * len(ids) if loss_on == "all" else [0] * len(prompt) + [1] * (
             len(ids) - len(prompt))
         return ids, mask[:len(ids)]
 
     def _standard(self, text: str) -> list[int]:
-        ids = encode_with_offsets(self.tokenizer, text, special=True)[0]
+        ids = encode_ids(self.tokenizer, text, special=True)
         if self.eos is not None and (not ids or ids[-1] != self.eos):
             ids.append(self.eos)
         return ids
@@ -134,7 +143,7 @@ class RowTokenizer:
                                   "than the start of prompt + completion, so the completion "
                                   "cannot be found: a completion starts with the assistant's "
                                   "turn")
-            prompt = len(encode_with_offsets(self.tokenizer, prompt_text)[0])
+            prompt = len(encode_ids(self.tokenizer, prompt_text))
             mask = [0] * prompt + mask[prompt:]
         return ids, mask
 
