@@ -110,6 +110,8 @@ def test_loss_on_each_kind_of_row(chat):
     with pytest.raises(ConfigError, match="row 5: .* a completion starts with the assistant"):
         make()({"prompt": two["messages"][:2], "completion": two["messages"][2:]}, "c.jsonl", 5)
     for loss_on, bad, words in (("assistant", {"text": "t"}, "a text row has no answer"),
+                                ("assistant", {"prompt": "p", "completion": "c"},
+                                 "strings has no assistant turns"),
                                 ("completion", {"messages": record["messages"]},
                                  "has no completion")):
         with pytest.raises(ConfigError, match=f"--loss-on {loss_on} does not apply to .*{words}"):

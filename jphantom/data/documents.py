@@ -18,8 +18,8 @@ whether the loss is taken on it (``--loss-on``):
   prompt + completion; ``completion`` (default: what follows the prompt), ``assistant`` (the
   assistant turns of the completion: TRL's completion mask times its assistant mask) or ``all``.
 
-A choice that does not apply to a row (``assistant`` for text, ``completion`` for messages) is a
-ConfigError naming the file and row. :func:`targets` turns a document into the step's targets:
+A choice that does not apply to a row (``assistant`` for text and for prompt/completion strings,
+``completion`` for messages) is a ConfigError naming the file and row. :func:`targets` turns a document into the step's targets:
 the next token where the loss is taken on it, -100 elsewhere and at the document's last token
 (Hugging Face's ignore index; no target crosses a document's end). :class:`Documents` holds every
 document of a split in three flat arrays (tokens, targets, starts) and counts rows, tokens and
@@ -102,6 +102,10 @@ class RowTokenizer:
             return ids, [1] * len(ids)
         if kind == "messages" or not isinstance(row["prompt"], str):
             return self._conversation(row, kind, loss_on, path, number)
+        if loss_on == "assistant":
+            raise ConfigError(f"--loss-on assistant does not apply to data file {str(path)!r} row "
+                              f"{number}: a prompt/completion row of strings has no assistant "
+                              "turns; use --loss-on completion or all")
         prompt = encode_ids(self.tokenizer, row["prompt"], special=True)
         ids = self._standard(row["prompt"] + row["completion"])
         mask = [1] * len(ids) if loss_on == "all" else [0] * len(prompt) + [1] * (
