@@ -34,6 +34,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from jphantom.config.sections import LOSS_ON
+from jphantom.data.chat_template import token_mask
 from jphantom.data.dataset_files import read_rows, row_kind, split_files
 from jphantom.errors import ConfigError
 
@@ -135,8 +136,6 @@ class RowTokenizer:
             return ids, [1] * len(ids)
         mask = [1] * len(ids)
         if loss_on == "assistant":
-            from jphantom.data.chat_template import token_mask
-
             mask = token_mask(offsets, spans)
         if kind == "prompt_completion":  # the completion only (with assistant: its turns)
             prompt_text, _ = self.template.render(list(row["prompt"]),
@@ -165,8 +164,8 @@ def targets(ids: Sequence[int], mask: Sequence[int]) -> np.ndarray:
 @dataclasses.dataclass
 class Documents:
     """The documents of a split: ``tokens`` and ``targets`` (int32, every document's one after
-    another) and ``starts`` (int64 [documents + 1]: document d is ``starts[d]:starts[d + 1]``);
-    ``rows``: the rows they came from."""
+    another) and ``starts`` (int64 [documents + 1]: document d is ``starts[d]:starts[d + 1]``),
+    one document per row of the files."""
 
     tokens: np.ndarray
     targets: np.ndarray

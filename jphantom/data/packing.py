@@ -43,8 +43,6 @@ from jphantom.data.documents import IGNORE, Documents
 from jphantom.data.tokens import process_rows
 from jphantom.errors import ConfigError, check_int
 
-BATCH_ARRAYS = ("tokens", "targets", "segment_ids", "positions")
-
 
 def empty_rows(count: int, seq_len: int, pad_id: int = 0) -> tuple[np.ndarray, ...]:
     """Rows of padding only: (tokens = ``pad_id``, targets -100, segments 0, positions 0)."""
