@@ -159,3 +159,14 @@ def test_fp8_on_mi300x_compiles_to_gemms_on_fnuz_operands_and_mi250x_refuses_it(
     with pytest.raises(ConfigError, match="no FP8 GEMMs"):
         aot.compile_report({**LLAMA, "strategy": "tensor", "mesh": "data=2,model=8",
                             "precision": "fp8"}, mi250x[0], devices=mi250x[1])
+
+
+@pytest.mark.skipif(has_rocm_compiler, reason="with the extra the script compiles (minutes)")
+def test_the_rocm_benchmark_says_what_to_install_in_one_line(tmp_path):
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "rocm_compile.py"
+    out = subprocess.run([sys.executable, str(script), "--quick", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert "jphantom[rocm]" in out.stderr and not list(tmp_path.iterdir())
