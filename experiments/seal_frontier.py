@@ -27,7 +27,7 @@ paper's model does: energy = p (A compute + B comm26).
 Everything here is modelled; nothing ran on a GPU. ``--target gpu:h100`` compiles for H100s
 instead (the program XLA writes for NVIDIA, priced on the MI250X's numbers: labelled so), for a
 machine without the ROCm compiler. ``--quick`` compiles tiny FFNs for this machine's CPU devices
-(4 and 8 simulated, "nodes" of 4) and prices them the same way: the pipeline, not the paper's sizes,
+(8 simulated, in 2 "nodes" of 4) and prices them the same way: the pipeline, not the paper's sizes,
 in seconds and with no compiler extra.
 
 Usage::
@@ -67,7 +67,7 @@ UNFUSED_AT = (131072,)
 TABLE_I = {8: (74.6 / 181.2, 157 / 453), 16: (158.0 / 333.6, 175 / 453),
            32: (333.6 / 658.4, 267 / 453), 64: (779.2 / 1281.6, 362 / 453),
            128: (2131.2 / 2611.2, 488 / 453), 256: (6950.4 / 6873.6, 232 / 453)}
-QUICK = dict(widths={256: (2, 2, "plumbing")}, gpus=(4, 8), batch=64, gpus_per_node=4)
+QUICK = dict(widths={256: (2, 2, "plumbing")}, gpus=(8,), batch=64, gpus_per_node=4)
 PAPER = {
     "source": "Seal et al., phantom parallelism (arXiv:2508.00960), Frontier MI250X GCDs",
     "table_i": "n = 16384, L = 2: PP/TP energy per epoch 0.41, 0.47, 0.51, 0.61, 0.82, 1.01 "
@@ -162,7 +162,9 @@ def eq26(hlo_text: str, p: int) -> dict:
             "collectives": sum(c.count for c in moving),
             "bytes": float(sum(c.total_bytes for c in moving)),
             "by_kind": {kind: sum(c.count for c in moving if c.kind == kind)
-                        for kind in sorted({c.kind for c in moving})}}
+                        for kind in sorted({c.kind for c in moving})},
+            "by_kind_s": {kind: FRONTIER.step_time_us([c for c in moving if c.kind == kind], p)
+                          * 1e-6 for kind in sorted({c.kind for c in moving})}}
 
 
 def run_of(strategy: str, width: int, depth: int, p: int, k: int, compiled: dict,
@@ -185,6 +187,7 @@ def run_of(strategy: str, width: int, depth: int, p: int, k: int, compiled: dict
         "gemm_kernels": compiled["kernels"]["gemms"]["by_kind"],
         "by_kind_s": pr["by_kind_s"], "top_ops": pr["top_ops"][:5],
         "eq26_comm_s": comm26["seconds"], "eq26_collectives": comm26["by_kind"],
+        "eq26_by_kind_s": comm26["by_kind_s"],
         "eq26_step_s": pr["compute_s"] + comm26["seconds"],
         "eq26_joules": p * (busy * pr["compute_s"] + idle * comm26["seconds"]),
     }
@@ -245,7 +248,9 @@ def pairs(runs: list[dict]) -> list[dict]:
                     # what each of those kernels would have to cost on top of its prediction
                     # (a framework's dispatch, say) for TP to be the faster
                     "unfused_break_even_us": (tp["step_s"] - unfused["step_s"]) / extra * 1e6
-                    if extra > 0 else None}
+                    if extra > 0 else None,
+                    "unfused_eq26_break_even_us": (tp["eq26_step_s"] - unfused["eq26_step_s"])
+                    / extra * 1e6 if extra > 0 else None}
         if width == 16384 and p in TABLE_I:
             per_epoch, epochs = TABLE_I[p]
             row |= {"paper_energy_per_epoch_ratio": per_epoch, "paper_epoch_ratio": epochs,
@@ -341,6 +346,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--widths", default=None,
                         help="comma-separated subset of 16384,65536,131072 (default all)")
     parser.add_argument("--gpus", default=None, help="comma-separated p (default 32,64,128,256)")
+    parser.add_argument("--batch", type=int, default=BATCH,
+                        help=f"global rows per iteration (default {BATCH}: our choice)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny FFNs compiled for this machine's CPU devices (seconds)")
     parser.add_argument("--out", type=Path, default=None,
@@ -386,7 +393,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         else:
             chosen = _ints(args.widths, WIDTHS, "widths", allowed=set(WIDTHS))
             widths = {n: WIDTHS[n] for n in chosen}
-            gpus, batch, pool = _ints(args.gpus, GPUS, "gpus"), BATCH, {}
+            gpus, batch, pool = _ints(args.gpus, GPUS, "gpus"), args.batch, {}
+            if batch < 1:
+                raise ConfigError(f"--batch {batch}: give a whole number of rows >= 1")
             compile_one = lambda flags, p: compile_for_target(flags, p, args.target, device, pool)
             label = (f"compiled for {args.target}, priced on {device.name}" + (
                 "" if args.target.startswith("rocm:") else
@@ -416,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                    f"{device['power.busy_watts']:g} W while computing, B = "
                    f"{device['power.idle_watts']:g} W while waiting on a collective "
                    f"({device.name}'s power)",
-                   "choices": "batch 1024 rows, SGD, float32, L = 2 at n = 131072 are ours "
+                   "choices": f"batch {batch} rows, SGD, float32, L = 2 at n = 131072 are ours "
                               "(the paper gives none of them); k per p from Table I at n = 16384 "
                               "and 64 at n = 65536 and 131072 (Figs. 5a, 6)"},
         "device": device.as_dict(), "runs": runs, "rows": rows, "claims": claims(rows),
