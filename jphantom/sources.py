@@ -179,11 +179,11 @@ def read_document_data(config: RunConfig):
         files += [p for split in split_files(train.val_data)[:2] for p in split]
     stamp = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
     return _document_data(train.data, train.val_data, value, train.chat_template, train.loss_on,
-                          config.model.from_hf, stamp)
+                          config.model.from_hf, stamp, train.progress)
 
 
 @functools.lru_cache(maxsize=4)
-def _document_data(data, val_data, value, chat_template, loss_on, from_hf, stamp):
+def _document_data(data, val_data, value, chat_template, loss_on, from_hf, stamp, progress):
     from jphantom.data.chat_template import (load_chat_template, read_tokenizer_config,
                                              special_tokens)
     from jphantom.data.documents import RowTokenizer, read_documents
@@ -202,7 +202,7 @@ def _document_data(data, val_data, value, chat_template, loss_on, from_hf, stamp
     eos = tokenizer.eot if eos is None else eos
     pad = ids(special["pad_token"]) if "pad_token" in special else None
     first, held, source = read_documents(data, RowTokenizer(tokenizer, template, eos, loss_on),
-                                         val_data)
+                                         val_data, progress)
     source.update(tokenizer=value, chat_template=None if template is None else template.name)
     return first, held, source, pad if pad is not None else eos or 0
 

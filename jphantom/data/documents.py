@@ -29,6 +29,7 @@ loss tokens (the targets that count).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -216,35 +217,39 @@ class Documents:
         return cls(join(tokens), join(target_parts), np.cumsum(lengths, dtype=np.int64))
 
 
-def tokenize_files(paths, row_tokenizer: RowTokenizer) -> Documents:
+def tokenize_files(paths, row_tokenizer: RowTokenizer, progress: bool = False) -> Documents:
     """Every row of the dataset files ``paths``, tokenised, as :class:`Documents` (rows with no
-    token are dropped)."""
+    token are dropped); ``progress``: a tqdm bar of the rows."""
+    from tqdm.auto import tqdm
 
     def pairs():
-        for path in paths:
-            for number, row in enumerate(read_rows(path), 1):
-                ids, mask = row_tokenizer(row, path, number)
-                if ids:
-                    yield ids, mask
+        with tqdm(unit=" rows", disable=not progress, desc="tokenizing") as bar:
+            for path in paths:
+                bar.set_description_str(f"tokenizing {os.path.basename(path)}")
+                for number, row in enumerate(read_rows(path), 1):
+                    ids, mask = row_tokenizer(row, path, number)
+                    bar.update()
+                    if ids:
+                        yield ids, mask
 
     return Documents.of(pairs())
 
 
-def read_documents(data, row_tokenizer: RowTokenizer, validation_data=None
-                   ) -> tuple[Documents, Documents, dict]:
+def read_documents(data, row_tokenizer: RowTokenizer, validation_data=None,
+                   progress: bool = False) -> tuple[Documents, Documents, dict]:
     """(train, validation, description) of ``--data`` (a dataset file or a folder of them,
     :func:`jphantom.data.dataset_files.split_files`): the rows of ``validation_data`` (a file or
     a folder: ``--val-data``), else of the folder's validation files, else the last
-    :data:`HELD_OUT` of the rows (at least one)."""
+    :data:`HELD_OUT` of the rows (at least one); ``progress``: a bar of the rows tokenised."""
     from pathlib import Path
 
     train_files, validation_files, test_files = split_files(data)
     if validation_data is not None:
         named = split_files(validation_data)
         validation_files = named.train + named.validation
-    train = tokenize_files(train_files, row_tokenizer)
+    train = tokenize_files(train_files, row_tokenizer, progress)
     if validation_files:
-        validation = tokenize_files(validation_files, row_tokenizer)
+        validation = tokenize_files(validation_files, row_tokenizer, progress)
     else:
         train, validation = train.hold_out()
     return train, validation, {
