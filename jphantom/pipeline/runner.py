@@ -71,15 +71,14 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
         train: bool = True):
     """One step of the pipeline on this rank. ``stacked``: this device's units [V Lc, ...];
     ``rest``: the replicated parameters (varying over ``stage``); ``inputs``, ``targets``: the data
-    rank's batch (each an array or a tuple of arrays: what ``first`` and ``last`` read). Returns (loss share, d_stacked, d_rest) -- or the loss share alone when not
-    ``train``. The loss is non-zero on the last stage only."""
+    rank's batch (arrays or tuples of them). Returns (loss share, d_stacked, d_rest), or the loss
+    share alone when not ``train``. The loss is non-zero on the last stage only."""
     schedule, M = config.schedule, config.microbatches
     P_ = plan_.table.shape[1]
     V = config.local_chunks
     stage = comm.axis_index(STAGE_AXIS)
     chunks = jax.tree.map(lambda a: a.reshape(V, a.shape[0] // V, *a.shape[1:]), stacked)
-    inputs, targets = (jax.tree.map(lambda a: split_microbatches(a, M), x)
-                       for x in (inputs, targets))  # arrays or tuples of them
+    inputs, targets = jax.tree.map(lambda a: split_microbatches(a, M), (inputs, targets))
     fill = config.bubble_fill
     to_next = [(s, (s + 1) % P_) for s in range(P_) if plan_.ring or s + 1 < P_]
     to_prev = [(d, s) for s, d in to_next]
@@ -159,9 +158,8 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
         """Loss share of micro-batch m and (training) d loss / d out, d loss / d rest."""
         if not train:
             return stages.last(rest, out, take_index(targets, m), M), None, None
-        loss, (d_rest, d_out) = jax.value_and_grad(
-            lambda r, o: stages.last(r, o, take_index(targets, m), M), argnums=(0, 1),
-            allow_int=True)(rest, out)  # integer leaves of out (a packed batch's ids): float0
+        loss, (d_rest, d_out) = jax.value_and_grad(lambda r, o: stages.last(  # ints: float0
+            r, o, take_index(targets, m), M), (0, 1), allow_int=True)(rest, out)
         return loss, d_out, d_rest
 
     def embedding_grad(dx, m):

@@ -5,7 +5,10 @@ stages and zb-v's chunks (:class:`~jphantom.step.stages.PipelineLayout`), and th
 and whole-backward tasks: GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V; Huang et al. 2019,
 Narayanan et al. 2021, Qi et al. 2024). The micro-batches' routing fractions (MoE) and token
 weights are computed over the whole batch first, so the pipelined loss and gradients equal the
-unpipelined step's. GSPMD's tick loop (the baseline) is :mod:`jphantom.step.gspmd`'s.
+unpipelined step's. Batch arrays past ``(inputs, targets)`` (a mask; a packed batch's
+segment ids and positions, which ride with the activation through the stages,
+:mod:`jphantom.nn.attention.packing`) reach the first stage's part with the inputs and the last
+stage's with the targets. GSPMD's tick loop (the baseline) is :mod:`jphantom.step.gspmd`'s.
 """
 
 from __future__ import annotations
@@ -83,10 +86,7 @@ class PipelineGradients:
         ``train=False``: the forward slots only, the loss share alone (``statistics``: the MoE
         layers' router statistics summed over the micro-batches instead, :meth:`balance`).
         ``balance``: the whole batch's routing fractions, given to each micro-batch's loss.
-        ``batch``: ``(inputs, targets, *extras)``; the extras (a mask, a packed batch's segment
-        ids and positions) reach the first stage's part with the inputs and the last stage's
-        with the targets (a packed batch's ride with the activation through the stages,
-        :mod:`jphantom.nn.attention.packing`)."""
+        ``batch``: ``(inputs, targets, *extras)`` (module docstring)."""
         from jphantom.nn.stack import Capture, Feed, StackInput
         from jphantom.pipeline import runner
         from jphantom.plans import set_submodule
@@ -96,11 +96,9 @@ class PipelineGradients:
         stack_path, stacked_module = stages_layout.path, stages_layout.stacked
         micro = setup.pipeline.microbatches
         stacked_now, rest_now = stages_layout.split(leaves)
-        inputs, targets, extras = batch[0], batch[1], tuple(batch[2:])
-        rows = inputs.shape[0] // micro
-        dummy_inputs = jnp.zeros((rows, *inputs.shape[1:]), inputs.dtype)
-        dummy_targets = jnp.zeros((rows, *targets.shape[1:]), targets.dtype)
-        inputs, targets = (inputs, *extras), (targets, *extras)  # what first / last read
+        rows = batch[0].shape[0] // micro
+        dummy_inputs, dummy_targets = (jnp.zeros((rows, *a.shape[1:]), a.dtype) for a in batch[:2])
+        inputs, targets = (batch[0], *batch[2:]), batch[1:]  # what first / last read
 
         def model_with(rest, stand_in):
             model = setup.ready(layout.model_of(cast(stages_layout.join(stacked_now, rest))))
