@@ -3,7 +3,10 @@ batch ``(tokens, targets, segment_ids, positions)`` equal the one-device model's
 (:func:`jphantom.verify`, float32 against float64, 1e-5): tensor + sequence parallelism, ring
 and all-gather context attention (the balanced layout reorders the segment ids and positions
 with the tokens; the ring passes each K/V chunk's segment ids with it), a 1F1B pipeline (the
-packing rides with the activation between stages), dropless experts (Mixtral) and ZeRO-3."""
+packing rides with the activation between stages), dropless experts (Mixtral), ZeRO-3, and
+GPT-2 and Gemma 3 (sliding-window local layers) under sequence parallelism."""
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +14,7 @@ from flax import nnx
 
 import jphantom
 from jphantom.mesh import MeshConfig, first_devices
-from jphantom.models import gpt2, llama, packed_lm_loss
+from jphantom.models import gpt2, hf, llama, packed_lm_loss
 from jphantom.pipeline.runner import PipelineConfig
 
 from conftest import require_devices
@@ -60,6 +63,8 @@ CASES = {
     "zero3": ("data=2,model=2", lambda m: jphantom.plans.megatron(m), {"zero": 3}),
     "gpt2-sp": ("data=2,model=2", lambda m: jphantom.plans.megatron(m, sequence_parallel=True),
                 {}),
+    "gemma3-sp": ("data=2,model=2",  # local layers' window (4) shorter than most documents
+                  lambda m: jphantom.plans.megatron(m, sequence_parallel=True), {}),
 }
 FAST = {"ring"}
 
@@ -68,7 +73,9 @@ FAST = {"ring"}
                                   for c in CASES])
 def test_packed_training_equals_one_device(case):
     mesh, plan, options = CASES[case]
-    if case == "gpt2-sp":
+    if case == "gemma3-sp":
+        model = hf.load(Path(__file__).parent / "fixtures" / "hf" / "gemma3_text")
+    elif case == "gpt2-sp":
         model = gpt2.GPT2(gpt2.TransformerConfig(vocab_size=VOCAB, seq_len=S, hidden=32, heads=4,
                                                  layers=2), rngs=nnx.Rngs(0))
     else:
