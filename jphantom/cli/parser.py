@@ -36,7 +36,7 @@ def run_flag_choices() -> dict:
     """The choices of the run flags that have a fixed set (argparse refuses anything else)."""
     from jphantom.attention_choices import ALGORITHMS, IMPLEMENTATIONS
     from jphantom.config import DTYPES, LR_SCHEDULES, OPTIMIZERS
-    from jphantom.config.sections import LOSS_ON
+    from jphantom.data.documents import LOSS_ON
     from jphantom.pipeline.schedule import ALL_SCHEDULES
     from jphantom.precision import NAMES as PRECISIONS
     from jphantom.remat import NAMES as REMATS

@@ -52,19 +52,6 @@ def check_document_options(data, pack: bool, loss_on, chat_template, val_data=No
                           "tokenizer_config.json or a checkpoint folder")
 
 
-def dataset_tokenizer(config) -> str:
-    """The tokenizer dataset files go through: ``--tokenizer``, else the ``--from-hf``
-    checkpoint's ``tokenizer.json``; a ConfigError when there is neither."""
-    train = config.train
-    if train.tokenizer is not None:
-        return train.tokenizer
-    if config.model.from_hf and (Path(config.model.from_hf) / "tokenizer.json").is_file():
-        return config.model.from_hf
-    raise ConfigError(f"data={train.data!r} holds text to tokenise: give --tokenizer (a "
-                      "tokenizer.json or its folder), or --from-hf a checkpoint folder with its "
-                      "tokenizer.json")
-
-
 def _readable_data(value: str) -> None:
     """``--data`` is a readable file (text, tokens or dataset rows) or a folder of token or
     dataset files."""
@@ -99,13 +86,14 @@ def check_vocabulary(config) -> None:
     from jphantom.data import tokens
 
     if train.tokenizer is not None or is_dataset_data(train.data):
+        from jphantom.config.dataset import dataset_tokenizer
         from jphantom.data.tokenizers import load_tokenizer
 
         value = dataset_tokenizer(config)
         need = load_tokenizer(value).vocab_size
         what = f"tokenizer={value!r} ({need} ids)"
         if is_dataset_data(train.data):  # every row read and tokenised: a bad one refused now
-            from jphantom.sources import read_document_data
+            from jphantom.config.dataset import read_document_data
 
             read_document_data(config)
     elif train.data is not None and tokens.is_token_data(train.data):

@@ -18,7 +18,6 @@ from jphantom.errors import ConfigError
 from jphantom.dtypes import DTYPES
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
-LOSS_ON = ("assistant", "completion", "all")  # jphantom.data.documents
 LR_SCHEDULES = ("constant", "cosine")
 
 
@@ -377,6 +376,8 @@ class TrainConfig:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         if self.loss_on is not None:
+            from jphantom.data.documents import LOSS_ON
+
             _choice("loss_on", self.loss_on, LOSS_ON)
         if not self.learning_rate > 0:
             raise ConfigError(f"learning_rate={self.learning_rate} must be > 0")

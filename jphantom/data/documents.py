@@ -34,12 +34,12 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from jphantom.config.sections import LOSS_ON
 from jphantom.data.chat_template import token_mask
 from jphantom.data.dataset_files import read_rows, row_kind, split_files
 from jphantom.errors import ConfigError
 
 IGNORE = -100
+LOSS_ON = ("assistant", "completion", "all")  # --loss-on
 HELD_OUT = 0.01  # the validation rows held out when no validation file is named
 DEFAULT_LOSS_ON = {"text": "all", "prompt_completion": "completion", "messages": "all"}
 APPLIES = {"text": ("all",), "prompt_completion": LOSS_ON, "messages": ("assistant", "all")}

@@ -1,0 +1,69 @@
+"""A run's dataset files (``--data`` with JSON Lines, JSON, Parquet or Arrow files), read and
+tokenised once per process: the configuration's checks read them before anything compiles (a bad
+row is refused first) and the training source (:class:`jphantom.sources.DocumentSource`) packs or
+pads the same documents."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from jphantom.errors import ConfigError
+
+
+def dataset_tokenizer(config) -> str:
+    """The tokenizer dataset files go through: ``--tokenizer``, else the ``--from-hf``
+    checkpoint's ``tokenizer.json``; a ConfigError when there is neither."""
+    train = config.train
+    if train.tokenizer is not None:
+        return train.tokenizer
+    if config.model.from_hf and (Path(config.model.from_hf) / "tokenizer.json").is_file():
+        return config.model.from_hf
+    raise ConfigError(f"data={train.data!r} holds text to tokenise: give --tokenizer (a "
+                      "tokenizer.json or its folder), or --from-hf a checkpoint folder with its "
+                      "tokenizer.json")
+
+
+def read_document_data(config):
+    """(train documents, validation documents, description, pad id) of ``config``'s dataset
+    files, read and tokenised once per process for the same files and settings (the
+    configuration's checks read them before anything compiles: a bad row is refused first). The
+    tokenizer: ``--tokenizer``, else the ``--from-hf`` checkpoint's; the chat template:
+    ``--chat-template``, else the checkpoint's, else the tokenizer folder's; the special tokens
+    (EOS appended to standard rows, the pad id) from the first of those folders'
+    ``tokenizer_config.json``, else the tokenizer's end-of-text."""
+    from jphantom.data.dataset_files import split_files
+
+    train = config.train
+    value = dataset_tokenizer(config)
+    files = [p for split in split_files(train.data)[:2] for p in split]
+    if train.val_data is not None:
+        files += [p for split in split_files(train.val_data)[:2] for p in split]
+    stamp = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    return _document_data(train.data, train.val_data, value, train.chat_template, train.loss_on,
+                          config.model.from_hf, stamp, train.progress)
+
+
+@functools.lru_cache(maxsize=4)
+def _document_data(data, val_data, value, chat_template, loss_on, from_hf, stamp, progress):
+    from jphantom.data.chat_template import (load_chat_template, read_tokenizer_config,
+                                             special_tokens)
+    from jphantom.data.documents import RowTokenizer, read_documents
+    from jphantom.data.tokenizers import load_tokenizer
+
+    del stamp  # part of the cache's key only: a file that changed is read again
+    tokenizer = load_tokenizer(value)
+    folders = [f for f in (from_hf, value) if f and Path(f).is_dir()]
+    if Path(value).is_file():
+        folders.append(str(Path(value).parent))
+    special = next((special_tokens(c) for c in map(read_tokenizer_config, folders) if c), {})
+    template = (load_chat_template(chat_template) if chat_template else
+                next(filter(None, map(load_chat_template, folders)), None))
+    ids = getattr(getattr(tokenizer, "tokenizer", None), "token_to_id", lambda token: None)
+    eos = ids(special["eos_token"]) if "eos_token" in special else None
+    eos = tokenizer.eot if eos is None else eos
+    pad = ids(special["pad_token"]) if "pad_token" in special else None
+    first, held, source = read_documents(data, RowTokenizer(tokenizer, template, eos, loss_on),
+                                         val_data, progress)
+    source.update(tokenizer=value, chat_template=None if template is None else template.name)
+    return first, held, source, pad if pad is not None else eos or 0
