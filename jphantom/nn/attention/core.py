@@ -36,6 +36,9 @@ def causal_attention(q, k, v, mask=None, *, window: int | None = None,
     if segment_ids is not None:
         if implementation in ("pallas", "pallas-interpret"):
             from jphantom.nn import flash
+            if window is not None:
+                raise ConfigError(f"a sliding window ({window} tokens) on jax's Pallas flash "
+                                  "kernel, which has none: use implementation='xla'")
             return flash.packed_attention(q, k, v, segment_ids,
                                           interpret=implementation == "pallas-interpret")
         mask = _causal_mask(q.shape[1], window)[None] & segment_mask(segment_ids, segment_ids)
