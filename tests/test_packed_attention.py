@@ -120,6 +120,11 @@ def test_the_kernel_choice_names_what_it_picks_for_packed_batches():
     model = _models()["llama"]()
     assert kernels_of(model, "auto", "nvidia", bf16, 8, packed=True)["CausalAttention"] \
         .startswith("pallas (")
+    gemma = nnx.eval_shape(lambda: hf.load(FIXTURES / "gemma3_text"))  # local and global cores
+    assert len(kernels_of(gemma, "auto", "nvidia", bf16, 8)) == 1  # both cuDNN unpacked
+    kernels = kernels_of(gemma, "auto", "nvidia", bf16, 8, packed=True)
+    assert kernels["CausalAttention"].startswith("pallas (")
+    assert kernels["CausalAttention (window 4)"].startswith("xla (")
 
 
 def test_what_cannot_carry_segment_ids_is_refused_by_name():

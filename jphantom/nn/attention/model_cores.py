@@ -31,12 +31,13 @@ def kernels_of(model: nnx.Module, implementation: str | None, platform: str, dty
     """``{attention core class: "kernel (why)"}`` of ``model``'s cores on ``platform`` in
     ``dtype`` (``implementation``: the step's choice, ``None``: each core's own; ``packed``: for
     packed batches, with segment ids): what ``train`` prints and records, so that no fallback
-    is silent."""
+    is silent. A core of the same class whose choice differs (a packed batch's sliding-window
+    layers) is listed too, as ``"class (window W)"``."""
     out = {}
     for _, module in nnx.iter_modules(model):
-        name = type(module).__name__
-        if name in out or not isinstance(module, (CausalAttention, RingAttention)):
+        if not isinstance(module, (CausalAttention, RingAttention)):
             continue
+        name = type(module).__name__
         chosen = implementation or module.implementation
         if isinstance(module, RingAttention):
             kernel, why = context_kernel(module.algorithm, chosen, platform, dtype, head_dim,
@@ -44,7 +45,9 @@ def kernels_of(model: nnx.Module, implementation: str | None, platform: str, dty
         else:
             kernel, why = choose(chosen, platform, dtype, head_dim, packed=packed,
                                  window=module.window)
-        out[name] = f"{kernel} ({why})"
+        if name in out and out[name] != f"{kernel} ({why})":
+            name = f"{name} (window {module.window})"
+        out.setdefault(name, f"{kernel} ({why})")
     return out
 
 
