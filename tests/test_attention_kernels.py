@@ -84,7 +84,7 @@ def test_the_kernel_choice_says_why_and_refuses_what_cannot_run(monkeypatch):
     for platform, dtype, d, why in (("cpu", jnp.bfloat16, 128, "no cuDNN"),
                                     ("nvidia", jnp.float32, 128, "float32 compute"),
                                     ("nvidia", jnp.bfloat16, 256, "head dimension 256"),
-                                    ("rocm", jnp.bfloat16, 64, "no cuDNN")):
+                                    ("rocm", jnp.bfloat16, 64, "jax offers no fused attention")):
         kernel, reason = attention.choose("auto", platform, dtype, d)
         assert kernel == "xla" and why in reason
         with pytest.raises(ConfigError, match=why):
