@@ -3,12 +3,14 @@ GEMMs as ``__triton_nested_gemm_fusion`` fusions whose body slices a layer's wei
 stacked array, hipBLASLt calls under XLA's shared ``__cublas$lt$matmul`` target (a workspace in
 the result tuple), replica groups written ``mesh['model'=8] {'model'}``, an asynchronous
 reduce-scatter and a synchronous all-gather (ROCm's scheduler leaves some collectives
-synchronous). A hand-written snippet with known answers, then the same on ``mi250x-gcd.toml``."""
+synchronous). A hand-written snippet with known answers, then the same on ``mi250x-gcd.toml``; and a group
+inside one MI250X package priced on its 4 links."""
 
 from __future__ import annotations
 
 import pytest
 
+from jphantom.errors import ConfigError
 from jphantom.predict import device as described
 from jphantom.predict import load, simulate
 
@@ -104,3 +106,40 @@ def test_on_the_mi250x_gcd_a_node_ring_runs_on_one_infinity_fabric_link():
     assert lt[1] == pytest.approx(2 * M * N * N / rate + 5e-6)
     across = simulate(ROCM_HLO, gcd, devices=8, node_of=lambda i: i // 2)  # 4 nodes of 2
     assert across.ops["all_gather.1"][1] > t.ops["all_gather.1"][1]  # on the NICs
+
+
+@pytest.mark.parametrize("groups, gbps", [
+    ("{{0,1},{2,3},{4,5},{6,7}}", 200),  # the 2 GCDs of one MI250X: 4 Infinity Fabric links
+    ("{{0,2},{1,3},{4,6},{5,7}}", 50),  # GCDs of two packages: one link
+])
+def test_a_pair_inside_one_mi250x_package_runs_on_its_four_links(groups, gbps):
+    nbytes = 4 * M * N
+    text = f"""HloModule pairs, is_scheduled=true
+
+%add (x: f32[], y: f32[]) -> f32[] {{
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}}
+
+ENTRY %main (x: f32[{M},{N}]) -> f32[{M},{N}] {{
+  %x = f32[{M},{N}]{{1,0}} parameter(0)
+  ROOT %all-reduce.1 = f32[{M},{N}]{{1,0}} all-reduce(%x), channel_id=1, replica_groups={groups}, use_global_device_ids=true, to_apply=%add
+}}
+"""
+    t = simulate(text, load("mi250x-gcd"), devices=8)
+    ring = 2 * 1 / 2 * nbytes / (gbps * 0.8e9) + 2 * 1.5e-6  # 2 (n-1)/n b, 2 (n-1) steps
+    assert t.ops["all-reduce.1"][1] == pytest.approx(5e-6 + ring)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"gpus_per_package": 2}, "together"),
+    ({"gpus_per_package": 3, "in_package_gbps": 200}, "divides gpus_per_node"),
+])
+def test_package_numbers_come_together_and_divide_the_node(extra, message):
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in EASY.items()}
+    data["network"] = {**data["network"], **extra}
+    sourced = {k: ({n: {"value": x, "source": "assumed", "cite": "test"} for n, x in v.items()}
+                   if isinstance(v, dict) else v) for k, v in data.items()}
+    with pytest.raises(ConfigError, match=message):
+        described.parse(sourced, "bad.toml")

@@ -18,6 +18,9 @@ How the simulator prices kernels with it (the roofline method of the scaling boo
 * a fused attention call (cuDNN's) by its FLOPs at the attention efficiency of its head size
   (forward and backward apart), linear between the listed head sizes;
 * anything else by its bytes at the HBM bandwidth times ``stream_efficiency``, plus a launch.
+
+``[network]`` may also give ``gpus_per_package`` and ``in_package_gbps``: GPUs that share a
+package (an MI250X's 2 GCDs) and the bandwidth between them, for groups that stay inside one.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ _SECTIONS = {
                 "nics_per_node", "nic_gbps", "inter_node_efficiency", "inter_latency_us"),
     "power": ("busy_watts", "idle_watts"),
 }
+# Optional: GPUs that share a package and the link between them (an MI250X holds 2 GCDs joined by
+# 4 Infinity Fabric links); without them every GPU of a node is its own package.
+_OPTIONAL = {"network": ("gpus_per_package", "in_package_gbps")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +80,12 @@ class DeviceModel:
         """``device["memory.hbm_gbps"]``: a number's value."""
         section, _, name = key.partition(".")
         return self.numbers[section][name].value
+
+    def get(self, key: str, default: float | None = None) -> float | None:
+        """An optional number's value (``network.gpus_per_package``), else ``default``."""
+        section, _, name = key.partition(".")
+        found = self.numbers.get(section, {}).get(name)
+        return default if found is None else found.value
 
     # -- compute ---------------------------------------------------------------------------------
     def peak_flops(self, dtype: str) -> float:
@@ -179,7 +191,9 @@ def parse(data: dict, where: str = "device description") -> DeviceModel:
         missing = [k for k in keys if k not in table]
         if missing:
             raise ConfigError(f"{where}: [{section}] lacks {', '.join(missing)}")
-        numbers[section] = {k: _quantity(f"{where} [{section}] {k}", table[k]) for k in keys}
+        numbers[section] = {k: _quantity(f"{where} [{section}] {k}", table[k])
+                            for k in keys + tuple(k for k in _OPTIONAL.get(section, ())
+                                                  if k in table)}
     for section in ("gemm_efficiency", "attention_efficiency"):
         for k, q in numbers[section].items():
             if not 0 < q.value <= 1:
@@ -188,6 +202,14 @@ def parse(data: dict, where: str = "device description") -> DeviceModel:
     for k in ("stream_efficiency",):
         if not 0 < numbers["memory"][k].value <= 1:
             raise ConfigError(f"{where} [memory] {k}: a fraction in (0, 1]")
+    package = numbers["network"].get("gpus_per_package")
+    if package is not None and (not package.value.is_integer() or package.value < 1 or (
+            numbers["network"]["gpus_per_node"].value % package.value)):
+        raise ConfigError(f"{where} [network] gpus_per_package = {package.value:g}: a whole "
+                          "number of GPUs that divides gpus_per_node")
+    if (package is None) != ("in_package_gbps" not in numbers["network"]):
+        raise ConfigError(f"{where} [network]: give gpus_per_package and in_package_gbps "
+                          "together (or neither)")
     if numbers["peak_tflops"]["bf16"].value <= 0:
         raise ConfigError(f"{where} [peak_tflops] bf16 must be > 0")
     return DeviceModel(str(data["name"]), str(data["description"]), str(data["vendor"]),

@@ -17,7 +17,9 @@ collective-permute     b                          1
 =====================  =========================  ===============
 
 The link's bandwidth ``B`` is NVLink/NVSwitch's (``intra_node_gbps x intra_node_efficiency``)
-inside one node. A group spanning nodes runs one ring per NIC (NCCL's channels), so the node's
+inside one node, or the package's (``in_package_gbps x intra_node_efficiency``) for a group
+inside one package of a device that has them (an MI250X: 2 GCDs joined by 4 Infinity Fabric
+links, 200 GB/s, against one 50 GB/s link between packages). A group spanning nodes runs one ring per NIC (NCCL's channels), so the node's
 NICs carry it together; every group of the collective runs at once (SPMD), and the
 ``gpus_per_node / g`` groups that share a node share its NICs:
 ``B = min(intra, nics x nic_gbps x inter_node_efficiency x g / gpus_per_node)``. Each ring step
@@ -44,22 +46,26 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Where a collective's groups sit: ``size`` GPUs per group, ``per_node`` of them on each of
-    ``nodes`` nodes (``size = per_node x nodes``)."""
+    ``nodes`` nodes (``size = per_node x nodes``), spanning ``packages`` packages (0: not
+    known, as if each GPU were its own)."""
 
     size: int
     nodes: int = 1
+    packages: int = 0
 
     @property
     def per_node(self) -> int:
         return max(1, self.size // max(1, self.nodes))
 
 
-def placement(groups: list[list[int]], node_of) -> Placement:
-    """The placement of the largest group (``node_of(id)``: the node of a device id)."""
+def placement(groups: list[list[int]], node_of, package_of=None) -> Placement:
+    """The placement of the largest group (``node_of(id)``: the node of a device id;
+    ``package_of(id)``: its package, when the device has packages)."""
     if not groups:
         return Placement(1, 1)
     group = max(groups, key=len)
-    return Placement(len(group), len({node_of(i) for i in group}))
+    packages = len({package_of(i) for i in group}) if package_of is not None else 0
+    return Placement(len(group), len({node_of(i) for i in group}), packages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +79,16 @@ class Network:
     def of(cls, device: DeviceModel, gpus_per_node: int | None = None) -> Network:
         return cls(device, int(gpus_per_node or device["network.gpus_per_node"]))
 
+    @property
+    def gpus_per_package(self) -> int:
+        return int(self.device.get("network.gpus_per_package", 1))
+
     def bandwidth(self, where: Placement) -> float:
         """Bytes per second of the group's busiest link."""
         d = self.device
         intra = d["network.intra_node_gbps"] * d["network.intra_node_efficiency"] * 1e9
+        if where.nodes <= 1 and where.packages == 1 and d.get("network.in_package_gbps"):
+            return d["network.in_package_gbps"] * d["network.intra_node_efficiency"] * 1e9
         if where.nodes <= 1:
             return intra
         nics = (d["network.nics_per_node"] * d["network.nic_gbps"]

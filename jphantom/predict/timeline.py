@@ -18,7 +18,8 @@ trip count (XLA's ``known_trip_count``, else its condition's constant:
 :func:`jphantom.analysis.hlo.trip_count`), nested loops multiplying; a ``conditional`` takes its
 slowest branch (in the pipeline executor's SPMD switch every device waits for the slowest); a
 ``call`` runs its callee in place. Each collective's group is placed on nodes by ``node_of``
-(the device id's node), so a group that spans nodes is priced on the NICs.
+(the device id's node), so a group that spans nodes is priced on the NICs, and on a device with
+packages (``gpus_per_package``: consecutive ids) a group inside one package on its link.
 
 The result (:class:`Timeline`) splits the step into compute seconds, communication hidden under
 compute, and communication exposed (the compute stream waiting on a collective): ``step = compute
@@ -176,6 +177,8 @@ class Simulator:
         self.devices = devices
         per_node = self.network.gpus_per_node
         self.node_of = node_of or (lambda i: i // per_node)
+        per_package = self.network.gpus_per_package  # ids run through a node's packages in order
+        self.package_of = (lambda i: i // per_package) if per_package > 1 else None
         self._cache: dict[str, Timeline] = {}
 
     # -- collectives -----------------------------------------------------------------------------
@@ -190,7 +193,7 @@ class Simulator:
             groups = [[0, 1]]  # send/recv: one peer
         else:
             groups = c.device_groups(self.devices)
-        where = placement(groups, self.node_of)
+        where = placement(groups, self.node_of, self.package_of)
         return self.network.seconds(kind, nbytes, where), float(nbytes)
 
     def _wrapped_collective(self, instr: Instruction) -> Instruction | None:
