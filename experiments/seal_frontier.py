@@ -14,8 +14,9 @@ The paper (Seal et al., Frontier, PyTorch + RCCL, one rank per GCD) measured:
 
 For each (n, p) this script builds the FFN step exactly as ``jphantom train`` would (one
 ``shard_map`` over ``model=p``; float32 as the paper's PyTorch; SGD, so no optimizer state; a
-global batch of 1024 rows, our choice: the paper gives none), compiles it for p MI250X GCDs
-(``jphantom.aot.Target.parse("rocm:mi250x", nodes=p // 8)``: jax's ROCm compiler, no GPU) and
+global batch of 1024 rows by default, ``--batch``: the paper gives none), compiles it for p
+MI250X GCDs (``jphantom.aot.Target.parse("rocm:mi250x", nodes=p // 8)``: jax's ROCm compiler,
+no GPU) and
 predicts one iteration on ``mi250x-gcd.toml`` (peaks and efficiencies per GCD, Infinity Fabric
 inside a node, 4 Slingshot NICs per node, busy A = 560 W and idle B = 90 W: Seal et al.'s Eq. 1
 constants): seconds split into compute, exposed and hidden communication, and joules over all p
@@ -32,7 +33,8 @@ in seconds and with no compiler extra.
 
 Usage::
 
-    .venv-rocm/bin/python experiments/seal_frontier.py            # rocm:mi250x, ~5 min
+    .venv-rocm/bin/python experiments/seal_frontier.py            # rocm:mi250x, ~9 min
+    .venv-rocm/bin/python experiments/seal_frontier.py --widths 16384 --batch 256 --out DIR
     .venv-aot/bin/python experiments/seal_frontier.py --target gpu:h100
     python experiments/seal_frontier.py --quick                   # CPU, seconds
 
