@@ -16,10 +16,9 @@ For each (n, p) this script builds the FFN step exactly as ``jphantom train`` wo
 ``shard_map`` over ``model=p``; float32 as the paper's PyTorch; SGD, so no optimizer state; a
 global batch of 1024 rows by default, ``--batch``: the paper gives none), compiles it for p
 MI250X GCDs (``jphantom.aot.Target.parse("rocm:mi250x", nodes=p // 8)``: jax's ROCm compiler,
-no GPU) and
-predicts one iteration on ``mi250x-gcd.toml`` (peaks and efficiencies per GCD, Infinity Fabric
-inside a node, 4 Slingshot NICs per node, busy A = 560 W and idle B = 90 W: Seal et al.'s Eq. 1
-constants): seconds split into compute, exposed and hidden communication, and joules over all p
+no GPU) and predicts one iteration on ``mi250x-gcd.toml`` (peaks and efficiencies per GCD,
+Infinity Fabric inside a node, 4 Slingshot NICs per node, busy A = 560 W and idle B = 90 W: Seal
+et al.'s Eq. 1 constants): seconds split into compute, exposed and hidden communication, and joules over all p
 GCDs. At n = 131072 it also compiles ``phantom-unfused`` (the paper's p - 1 decompressor GEMMs).
 Beside the simulator's network it prices the same compiled collectives with the paper's own
 Eq. 26 and Table III (RCCL on Frontier, measured), one after another with no overlap, as the
