@@ -65,6 +65,7 @@ from jphantom import comm, token_mean
 from jphantom import zero as zero_module
 from jphantom.errors import ConfigError
 from jphantom.nn import attention as attention_module
+from jphantom.precision import Precision
 from jphantom.step.grads import LocalGradients
 from jphantom.step.finite import NonFiniteWatch, skipped_updates
 from jphantom.step.gspmd import GspmdGradients
@@ -368,7 +369,8 @@ def make_train_step(model: nnx.Module, mesh: Mesh, optimizer: optax.GradientTran
                     loss_fn: Callable, **options) -> TrainStep:
     """The training step of ``model`` on ``mesh``: ``step.init()`` then ``state, loss =
     step(state, *batch)`` (module docstring). Options: ``zero`` (0-3), ``accumulate``
-    (micro-batches per step, one reduction), ``precision`` (float32, bf16, float16),
+    (micro-batches per step, one reduction), ``precision`` (float32, bf16, float16, fp8: in
+    the formats of ``mesh``'s devices, :func:`jphantom.fp8.select`),
     ``remat`` (checkpoint policy of the model's Stacked blocks), ``pipeline`` (a
     :class:`~jphantom.pipeline.runner.PipelineConfig`, with a ``stage`` axis), ``spmd``
     (``"shard_map"``, or ``"gspmd"``: the plain model with :func:`jphantom.plans.annotate`'s
@@ -390,6 +392,10 @@ def make_train_step(model: nnx.Module, mesh: Mesh, optimizer: optax.GradientTran
         if name in options:
             raise ConfigError(f"{name}= is an experimental step: "
                               f"jphantom.experimental.{where}(model, mesh, optimizer, loss_fn, ...)")
+    if options.get("precision") is not None and Precision.named(options["precision"]).fp8:
+        from jphantom import fp8  # the devices' FP8 formats, or refused by name, before tracing
+
+        fp8.select(mesh.devices.flat)
     return TrainStep(model, mesh, optimizer, loss_fn, **options)
 
 

@@ -182,3 +182,16 @@ def test_the_fp8_formats_are_the_device_s_and_gfx90a_is_refused_by_name():
     with pytest.raises(ConfigError, match="different FP8 formats"):
         fp8.select([cases[2][0], cases[4][0]])
     assert fp8.formats() == fp8.FAMILIES["ocp"]  # a refused selection changed nothing
+
+
+def test_the_api_step_selects_the_mesh_devices_formats():
+    """make_train_step(precision="fp8") picks the formats of its mesh's devices, as the CLI's
+    build does: OCP on the CPU, whatever was selected before."""
+    import jphantom
+
+    mesh = program_module.build(LLAMA, "dense", "model=1").mesh.build(first_devices(1))
+    model = Llama(LLAMA, rngs=nnx.Rngs(0))
+    with fp8.using("fnuz"):
+        jphantom.make_train_step(model, mesh, optax.sgd(0.1), program_module.lm_loss,
+                                 precision="fp8")
+        assert fp8.formats() == fp8.FAMILIES["ocp"]

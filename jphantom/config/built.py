@@ -8,7 +8,6 @@ import math
 
 from jphantom.config.sections import ModelConfig, ParallelConfig, StepConfig, TrainConfig
 from jphantom.errors import ConfigError
-from jphantom.precision import Precision
 from jphantom.strategies import get as get_strategy
 
 
@@ -115,10 +114,6 @@ def build_cached(model: ModelConfig, parallel: ParallelConfig, step: StepConfig,
     program = programs.build(model.family_config(parallel.strategy), parallel.strategy,
                              mesh_config, **options)
     mesh = program.mesh.build(devices[:program.mesh.device_count])
-    if Precision.named(step.precision).fp8:  # the devices' FP8 formats, or refused, before tracing
-        from jphantom import fp8
-
-        fp8.select(mesh.devices.flat)
     config = _Sections(model, parallel, step, train)
     train_step = train_step_of(config, program, mesh, optimizer_of(train, step))
     _check_batch(train.batch, train_step, program.mesh)

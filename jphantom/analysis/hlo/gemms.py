@@ -66,7 +66,10 @@ def dot_flops(hlo_text: str) -> tuple[int, int]:
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _FUSION_KIND = re.compile(r'"kind"\s*:\s*"([^"]*)"')
 _CUBLAS_KINDS = {"__cublas$gemm": "cublas", "__cublas$lt$matmul": "cublas_lt",
-                 "__cublas$lt$matmul$f8": "cublas_lt_f8"}
+                 "__cublas$lt$matmul$f8": "cublas_lt_f8",
+                 # also the targets of XLA:ROCm's hipBLASLt calls (in the ROCm plugin's strings)
+                 "__cublas$lt$matmul$mx": "cublas_lt_mx",
+                 "__cublas$lt$groupedMatmul": "cublas_lt_grouped"}
 
 
 def custom_call_target(instr: Instruction) -> str:
