@@ -170,3 +170,34 @@ def test_the_rocm_benchmark_says_what_to_install_in_one_line(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
     assert "jphantom[rocm]" in out.stderr and not list(tmp_path.iterdir())
+
+
+@needs_rocm_compiler
+def test_on_rocm_jax_has_no_fused_attention_so_auto_takes_xla_s_path(mi250x):
+    """What each attention choice becomes when compiled for the MI250X: jax's cuDNN path is
+    refused by jax itself, XLA's path compiles to fusions with no custom call, and ``auto`` picks
+    it and says why (jphantom.nn.attention.choose)."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jphantom.nn import attention
+    from jphantom.nn.attention.kernel_choice import platform_of
+
+    _, devices = mi250x
+    mesh = Mesh(np.array(devices[:1]), ("x",))
+    q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, PartitionSpec()))
+
+    def attend(implementation):
+        return jax.jit(lambda a, b, c: jax.nn.dot_product_attention(
+            a, b, c, is_causal=True, implementation=implementation)).lower(q, q, q).compile()
+
+    with pytest.raises(RuntimeError, match="cuDNN is not detected"):
+        attend("cudnn")
+    assert not re.findall(r'custom_call_target="', attend("xla").as_text())
+    kernel, why = attention.choose("auto", platform_of(devices[0]), jnp.bfloat16, 64)
+    assert kernel == "xla" and "no fused attention" in why
