@@ -97,16 +97,18 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a hidden-256 model")
-    parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--out", default=None,
+                        help=f"results folder (default {OUT}; --quick: a scratch folder)")
     args = parser.parse_args(argv)
     from jphantom import aot, rocm
+    from jphantom.analysis.machine import output_folder
     from jphantom.errors import ConfigError
 
     if (problem := rocm.problem()) is not None:
         print(f"rocm_compile: {problem}", file=sys.stderr)
         return 2
     base = QUICK if args.quick else LLAMA
-    out = Path(args.out)
+    out = output_folder(args.out, OUT, quick=args.quick, name="rocm_compile")
     out.mkdir(parents=True, exist_ok=True)
     rows, devices = [], {}
     for target_name, nodes, name, flags in RUNS:
