@@ -126,7 +126,8 @@ def parse(argv=None):
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--out", default=None,
+                        help=f"the JSON file (default {OUT}; --quick: in a scratch folder)")
     args = parser.parse_args(argv)
     if args.quick:
         args.__dict__.update(seq_len=64, batch=8, documents=96, min_len=4, layers=2, hidden=32,
@@ -151,6 +152,10 @@ def main(argv=None) -> dict:
     rows = {mode: measure(args, mode == "packed", docs) for mode in ("padded", "packed")}
     speedup = (rows["packed"]["real_tokens_per_second"] / rows["padded"]["real_tokens_per_second"]
                if rows["padded"]["real_tokens_per_second"] else None)
+    from jphantom.analysis.machine import output_folder
+
+    args.out = str(args.out or output_folder(None, OUT.parent, quick=args.quick,
+                                             name="packed_vs_padded") / OUT.name)
     report = {"config": {k: v for k, v in vars(args).items() if k != "out"},
               "devices": [str(d) for d in jax.devices()],
               "documents": docs.summary() | {"mean_length": float(docs.lengths.mean())},
