@@ -12,18 +12,21 @@ from jphantom import cli, gpu_defaults
 def test_merge_keeps_the_users_flags_and_adds_the_rest():
     user = "--xla_dump_to=/tmp/d --xla_gpu_enable_pipelined_all_gather=false " \
            "--xla_gpu_enable_latency_hiding_scheduler"
+    defaults = gpu_defaults.current()  # this jaxlib's (the pipeliner flags only before 0.12)
     merged, added = gpu_defaults.merge_flags(user)
     assert merged.startswith(user)  # the user's, as written, first
     assert "--xla_gpu_enable_pipelined_all_gather=true" not in merged
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in added
-    assert added == [f"--{name}={value}" for name, value in gpu_defaults.XLA_FLAGS.items()
+    assert added == [f"--{name}={value}" for name, value in defaults.items()
                      if name not in ("xla_gpu_enable_pipelined_all_gather",
                                      "xla_gpu_enable_latency_hiding_scheduler")]
-    assert gpu_defaults.flag_names(merged) >= set(gpu_defaults.XLA_FLAGS) | {"xla_dump_to"}
-    # as one compilation takes them: the user's values where given (a bare flag is true), typed
+    assert gpu_defaults.flag_names(merged) >= set(defaults) | {"xla_dump_to"}
+    # as one compilation takes them: the user's values where given (a bare flag is true), typed,
+    # and only the flags this jaxlib has as compile options
     options = gpu_defaults.compiler_options(merged)
-    assert set(options) == set(gpu_defaults.XLA_FLAGS)
-    assert options["xla_gpu_enable_pipelined_all_gather"] is False
+    assert set(options) == set(defaults)
+    if "xla_gpu_enable_pipelined_all_gather" in defaults:
+        assert options["xla_gpu_enable_pipelined_all_gather"] is False
     assert options["xla_gpu_enable_latency_hiding_scheduler"] is True
     assert gpu_defaults.merge_flags(merged) == (merged, [])  # applying twice adds nothing
 
@@ -75,3 +78,17 @@ def test_no_gpu_defaults_flag_on_train_and_compile():
     assert parser.parse_args(["train", "--no-gpu-defaults"]).no_gpu_defaults is True
     assert parser.parse_args(["compile", "--no-gpu-defaults"]).no_gpu_defaults is True
     assert parser.parse_args(["train"]).no_gpu_defaults is False
+
+
+def test_the_pipeliner_flags_are_left_out_from_jaxlib_0_12():
+    """jaxlib 0.12's XLA has no compile option for the three collective-pipeliner flags ("No such
+    compile option", measured on its CPU and ROCm compilers): the defaults leave them out there,
+    keep them on 0.10 and 0.11, and every other flag stays."""
+    old, new = gpu_defaults.current("0.11.2"), gpu_defaults.current("0.12.0.1")
+    assert old == gpu_defaults.XLA_FLAGS
+    assert set(old) - set(new) == set(gpu_defaults.RETIRED) and len(new) == 3
+    import jax
+
+    compiled = jax.jit(lambda a: a + 1).lower(jax.numpy.ones(2))
+    for name in gpu_defaults.current():  # each accepted by this jaxlib's compiler
+        compiled.compile(compiler_options={name: True})
