@@ -147,7 +147,7 @@ def test_a_llama_step_compiles_for_two_frontier_nodes(mi250x, strategy, options,
 
 
 @needs_rocm_compiler
-def test_fp8_on_mi300x_compiles_to_gemms_on_fnuz_operands_and_mi250x_refuses_it(mi250x, tmp_path):
+def test_fp8_compiles_to_fnuz_gemms_on_mi300x_ocp_on_mi350x_refused_on_mi250x(mi250x, tmp_path):
     target = aot.Target.parse("rocm:mi300x")
     hlo = tmp_path / "step.hlo"
     report = aot.compile_report({**LLAMA, "strategy": "tensor", "mesh": "model=8",
@@ -159,6 +159,13 @@ def test_fp8_on_mi300x_compiles_to_gemms_on_fnuz_operands_and_mi250x_refuses_it(
     with pytest.raises(ConfigError, match="no FP8 GEMMs"):
         aot.compile_report({**LLAMA, "strategy": "tensor", "mesh": "data=2,model=8",
                             "precision": "fp8"}, mi250x[0], devices=mi250x[1])
+    # the MI350X (gfx950) takes the OCP formats, as NVIDIA's GPUs do
+    report = aot.compile_report({**LLAMA, "strategy": "tensor", "mesh": "model=8",
+                                 "precision": "fp8"}, aot.Target.parse("rocm:mi350x"),
+                                hlo_out=hlo)
+    text = hlo.read_text()
+    assert report["kernels"]["gemms"]["fp8"] > 0
+    assert "f8e4m3fn[" in text and "f8e5m2[" in text and "fnuz[" not in text
 
 
 @pytest.mark.skipif(has_rocm_compiler, reason="with the extra the script compiles (minutes)")
