@@ -51,10 +51,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from jphantom.errors import ConfigError
 
-from jphantom.errors import ConfigError  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 DEFAULT_OUT = REPO / "experiments" / "results" / "seal_frontier"
 GPUS = (32, 64, 128, 256)
