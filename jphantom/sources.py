@@ -40,7 +40,33 @@ class TextSource:
         return self.corpus.describe()
 
 
-class TokenSource:
+class _ReaderSource:
+    """A source whose batches come from a reader with an explicit position (``self.batches``:
+    :class:`jphantom.data.tokens.TokenBatches` or :class:`jphantom.data.packing.DocumentBatches`),
+    saved in checkpoints (:meth:`state`) and restored on resume; ``self.rows``: the rows of each
+    global batch this process reads."""
+
+    def train(self, step):
+        del step  # the reader's position says where the next batch is
+        return self.batches.next_batch(self.rows)
+
+    def validation(self):
+        return self.batches.validation_batches(self.eval_batches)
+
+    def state(self) -> dict:
+        return self.batches.state()
+
+    def restore(self, state: dict) -> None:
+        self.batches.restore(state)
+
+    def unigram_cross_entropy(self):
+        return self.batches.unigram_cross_entropy()
+
+    def describe(self):
+        return self.batches.describe()
+
+
+class TokenSource(_ReaderSource):
     """Tokens (:mod:`jphantom.data.tokens`): token files (``--data`` a ``.bin`` file or a folder
     of them), or text (``--data`` a text file, or the standard library) through ``--tokenizer``.
     Batches come from a reader with an explicit position, saved in checkpoints (:meth:`state`)
@@ -80,65 +106,26 @@ class TokenSource:
         self.tokens_per_batch = train.batch * seq_len
         self.batches.validation_batches(self.eval_batches)  # enough held out? (before training)
 
-    def train(self, step):
-        del step  # the reader's position says where the next batch is
-        return self.batches.next_batch(self.rows)
 
-    def validation(self):
-        return self.batches.validation_batches(self.eval_batches)
-
-    def state(self) -> dict:
-        return self.batches.state()
-
-    def restore(self, state: dict) -> None:
-        self.batches.restore(state)
-
-    def unigram_cross_entropy(self):
-        return self.batches.unigram_cross_entropy()
-
-    def describe(self):
-        return self.batches.describe()
-
-
-class DocumentSource:
+class DocumentSource(_ReaderSource):
     """Dataset files (:mod:`jphantom.data.dataset_files`): rows tokenised as documents with the
-    loss on ``--loss-on``'s tokens (:func:`jphantom.config.dataset.read_document_data`), packed or padded into
-    ``(tokens, targets, segment_ids, positions)`` batches by a reader whose position is saved in
-    checkpoints (:mod:`jphantom.data.packing`)."""
+    loss on ``--loss-on``'s tokens (:func:`jphantom.config.dataset.read_document_data`), packed
+    or padded into ``(tokens, targets, segment_ids, positions)`` batches by a reader whose
+    position is saved in checkpoints (:mod:`jphantom.data.packing`)."""
 
     arrays = 4  # the batch arrays: jphantom.models.packed_lm_loss's
 
     def __init__(self, config: RunConfig, seq_len: int, rows: slice | None = None):
+        from jphantom.config.dataset import read_document_data
         from jphantom.data.packing import DocumentBatches
 
         train = config.train
-        from jphantom.config.dataset import read_document_data
-
         first, held, source, pad_id = read_document_data(config)
         self.batches = DocumentBatches(first, held, seq_len=seq_len, batch=train.batch,
                                        packed=train.pack, seed=train.seed, pad_id=pad_id,
                                        source=source)
         self.rows, self.eval_batches = rows, train.eval_batches
         self.tokens_per_batch = train.batch * seq_len
-
-    def train(self, step):
-        del step  # the reader's position says where the next batch is
-        return self.batches.next_batch(self.rows)
-
-    def validation(self):
-        return self.batches.validation_batches(self.eval_batches)
-
-    def state(self) -> dict:
-        return self.batches.state()
-
-    def restore(self, state: dict) -> None:
-        self.batches.restore(state)
-
-    def unigram_cross_entropy(self):
-        return self.batches.unigram_cross_entropy()
-
-    def describe(self):
-        return self.batches.describe()
 
     def save_tokenizer(self, folder) -> None:
         """Beside a ``--save-hf`` checkpoint: the tokenizer's files (``tokenizer.json``,
