@@ -297,17 +297,17 @@ def test_the_cli_drops_only_the_rocm_plugins_declining_record():
     start: that record, and no other, is dropped."""
     import logging
 
-    from jphantom.cli.quiet import _RocmDeclined
+    from jphantom.rocm.shim import LOGGER, PluginDeclined
 
     def record(message, *args):
-        return logging.LogRecord("jax._src.xla_bridge", logging.ERROR, __file__, 1, message,
+        return logging.LogRecord(LOGGER, logging.ERROR, __file__, 1, message,
                                  args, None)
 
     declined = record("Jax plugin configuration error: Exception when calling %s.initialize()",
                       "jax_plugins.xla_rocm7")
     other = record("Jax plugin configuration error: Exception when calling %s.initialize()",
                    "jax_plugins.xla_cuda12")
-    assert [_RocmDeclined().filter(r) for r in (declined, other)] == [False, True]
+    assert [PluginDeclined().filter(r) for r in (declined, other)] == [False, True]
 
 
 def test_the_plan_states_the_configurations_dtd_rule():

@@ -14,14 +14,14 @@ set ``JAX_PLATFORMS=cpu`` yourself.
 The ROCm plugin (``jphantom[rocm]``, what ``compile --target rocm:...`` needs) is quieter in C++
 but declines loudly: without ``/dev/kfd`` jax logs "Jax plugin configuration error: Exception when
 calling jax_plugins.xla_rocm7.initialize()" and a traceback at every start, ``JAX_PLATFORMS=cpu``
-or not. Under the same rule that one log record, and only it, is dropped (:class:`_RocmDeclined`).
+or not. Under the same rule that one log record, and only it, is dropped
+(:func:`jphantom.rocm.shim.quiet_declined_plugin`: the logger is jax's private module's).
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
-import logging
 import os
 import sys
 import tempfile
@@ -47,14 +47,6 @@ def missing_gpu(env=None) -> bool:
     return ("JAX_PLATFORMS" not in env
             and any(has_module(name) for name in _CUDA_PLUGINS + _ROCM_PLUGINS)
             and not any(glob.glob(pattern) for pattern in _DEVICE_NODES))
-
-
-class _RocmDeclined(logging.Filter):
-    """Drops jax's record of the ROCm plugin declining to start for want of a GPU."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not ("Jax plugin configuration error" in message and "xla_rocm" in message)
 
 
 @contextlib.contextmanager
@@ -87,7 +79,9 @@ def quiet_missing_gpu() -> None:
         return
     os.environ["JAX_PLATFORMS"] = "cpu"
     _quieted = True
-    logging.getLogger("jax._src.xla_bridge").addFilter(_RocmDeclined())
+    from jphantom.rocm.shim import quiet_declined_plugin
+
+    quiet_declined_plugin()
     with filtered_stderr():
         import jax  # noqa: F401
 

@@ -1,4 +1,4 @@
-"""The one private jax API jphantom touches to compile for AMD GPUs without one.
+"""The private jax names jphantom touches for AMD GPUs it does not have, in one place.
 
 jax registers the ROCm PJRT plugin (``jax_plugins.xla_rocm7.initialize``) only after
 ``jax._src.hardware_utils.num_available_amd_gpus`` finds a GPU under ``/sys/class/kfd``; without
@@ -11,11 +11,18 @@ discovers its plugins, and only where the count is zero; nothing else in jax rea
 Tested against jax 0.12.0 (the only version with a ROCm plugin on the registry) by
 ``tests/test_rocm.py``, which checks that the function still exists with this signature, so a jax
 that renames it fails there, in one place, rather than in a user's compile.
+
+Without an AMD GPU, jax's plugin discovery also logs the ROCm plugin declining ("Jax plugin
+configuration error: Exception when calling jax_plugins.xla_rocm7.initialize()" and a traceback)
+at every start, through the logger of its private module ``jax._src.xla_bridge``:
+:func:`quiet_declined_plugin` drops that record and no other (the command line uses it where no
+accelerator is present, :mod:`jphantom.cli.quiet`).
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 
 from jphantom.errors import ConfigError
 
@@ -43,4 +50,21 @@ def allow_without_gpu() -> bool:
     return True
 
 
-__all__ = ["allow_without_gpu"]
+class PluginDeclined(logging.Filter):
+    """Drops jax's record of the ROCm plugin declining to start for want of a GPU."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("Jax plugin configuration error" in message and "xla_rocm" in message)
+
+
+LOGGER = "jax._src.xla_bridge"  # private: where jax's plugin discovery logs
+
+
+def quiet_declined_plugin() -> None:
+    """Drop the ROCm plugin's declining record from jax's plugin-discovery log (module
+    docstring); every other record is kept."""
+    logging.getLogger(LOGGER).addFilter(PluginDeclined())
+
+
+__all__ = ["LOGGER", "PluginDeclined", "allow_without_gpu", "quiet_declined_plugin"]
