@@ -35,17 +35,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "experiments" / "results" / "fine_tune_transformers"
-CONVERSATIONS = [
-    [{"role": "system", "content": "You answer in one word."},
-     {"role": "user", "content": "What colour is the sky?"},
-     {"role": "assistant", "content": "Blue."}],
-    [{"role": "user", "content": "Name a prime number."},
-     {"role": "assistant", "content": "Seven."},
-     {"role": "user", "content": "And an even one?"},
-     {"role": "assistant", "content": "Two, the only even prime."}],
-    [{"role": "user", "content": "Say hello twice."},
-     {"role": "assistant", "content": "Hello hello."}],
-]
+# the chat fixture's conversations (tests/fixtures/make_chat_reference.py), the walkthrough's too
+CONVERSATIONS = [c["messages"] for c in json.loads(
+    (ROOT / "tests/fixtures/chat/reference.json").read_text())["conversations"]]
 HF_SIDE = '''
 import json, sys
 import numpy as np, torch
