@@ -99,10 +99,17 @@ def _check_part(who: str, name: str, part) -> None:
     if jnp.shape(part) != ():
         raise ConfigError(f"{who}'s {name} has shape {jnp.shape(part)}: each of "
                           "(total, weight, mean) must be a scalar (a sum over the tokens)")
-    if name == "weight" and isinstance(part, (int, float, np.number, np.ndarray)) and not (
+    if name == "weight" and _constant(part) and not (
             math.isfinite(float(part)) and float(part) > 0):
         raise ConfigError(f"{who} returned weight={part}: the weight (the number of tokens the "
                           "total sums) must be positive and finite")
+
+
+def _constant(part) -> bool:
+    """Whether ``part`` is known at trace time: a Python or NumPy number, or a concrete jax array
+    (``jnp.float32(0.0)`` made outside the step); a tracer is checked as the step runs."""
+    return isinstance(part, (int, float, np.number, np.ndarray)) or (
+        isinstance(part, jax.Array) and not isinstance(part, jax.core.Tracer))
 
 
 def value(out) -> jax.Array:

@@ -185,12 +185,17 @@ def test_refusals():
 
 
 def test_a_weight_of_the_wrong_type_or_value_is_refused_at_the_first_call():
-    """A constant weight that is not positive and finite, or a weight that is not a real number,
-    is one line naming the loss_fn, when the step is traced."""
+    """A constant weight (a Python or NumPy number, a concrete jax array) that is not positive
+    and finite, or a weight that is not a real number, is one line naming the loss_fn, when the
+    step is traced."""
     mesh = _mesh("data=2")
     for weight, match in [(0.0, "weight=0.0: .* positive and finite"), (0, "weight=0:"),
                           (float("nan"), "weight=nan"), (-5.0, "weight=-5.0"),
-                          ("3", "weight='3' \\(str\\)")]:
+                          ("3", "weight='3' \\(str\\)"),
+                          # constant arrays are known at trace as Python numbers are (issue 55)
+                          (jnp.float32(0.0), "weight=0.0:"), (jnp.float32(-5.0), "weight=-5.0"),
+                          (np.float32(0.0), "weight=0.0:"), (np.array(0), "weight=0:"),
+                          (jnp.asarray(float("nan")), "weight=nan")]:
         def my_loss(model, tokens, targets):
             return model.loss_terms(tokens, targets).total, weight
 
