@@ -125,7 +125,8 @@ def handle(args: argparse.Namespace) -> int:
                                          "per chunk" if V > 1 else "") + ":\n")
     print(timeline)
     peaks = lambda values: " ".join(str(v) for v in values)
-    row = lambda label, value: print(f"  {label:<50}{value}")
+    # the label padded to 50 columns, and never fewer than two spaces before its value
+    row = lambda label, value: print(f"  {label:<48}  {value}")
     print("\nSimulated (every task starts as soon as its device and inputs are ready):")
     row("bubble fraction", f"{simulation.bubble_fraction:.2%}")
     source = "Qi et al. 2024" if split else "Narayanan et al.'s formula"

@@ -73,6 +73,13 @@ def test_schedule_command_draws_w_tasks(capsys):
     assert "W7" in out and "Qi et al. 2024" in out and "11.11%" in out
 
 
+def test_schedule_command_separates_every_label_from_its_value(capsys):
+    """zb-v's formula label is longer than the column: still two spaces before the figure."""
+    assert main(["schedule", "--schedule", "zb-v", "--stages", "4", "--microbatches", "8"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "the paper's claim" in x)
+    assert "(the paper's claim)  0.00%" in line, line
+
+
 def test_split_schedules_refuse_bad_values():
     with pytest.raises(ConfigError, match="weight_share"):
         S.simulate_split("zb-h1", 4, 8, weight_share=1.0)
