@@ -1,5 +1,5 @@
 """Dataset files (jphantom.data.dataset_files): every format gives the same rows, a folder's
-*val* files are the validation split, a row of no known shape is refused naming the file, the
+files split by whole words of their paths (others skipped and named), a row of no known shape is refused naming the file, the
 row and its keys, and JSON arrays are decoded a row at a time across block boundaries."""
 
 import json
@@ -61,23 +61,52 @@ def test_json_array_streams_across_blocks(tmp_path, monkeypatch):
     assert list(read_rows(lines)) == ROWS * 3
 
 
-def test_folder_splits_on_val_and_test_in_the_path(tmp_path):
+def test_folder_splits_on_whole_words_of_the_path(tmp_path):
     """Hugging Face layouts: the hub's data/<split>-*.parquet, save_to_disk's <split>/ folders
-    (their metadata .json files left out)."""
+    (their metadata .json files skipped, and named); one rule, a whole word, for every split:
+    values.jsonl, intervals/ and contest.jsonl train (issue 55)."""
     for name in ("b-train.jsonl", "a-train.parquet", "val.jsonl", "notes.txt", "contest.jsonl",
                  "sub/c.arrow", "validation/data-0.arrow", "validation/state.json",
-                 "test/data-0.arrow", "data/test-00000-of-00001.parquet",
-                 "dataset_dict.json"):
+                 "test/data-0.arrow", "data/test-00000-of-00001.parquet", "dev2.jsonl",
+                 "dataset_dict.json", "values.jsonl", "intervals/more.jsonl", "testing_x.json"):
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text("")
     train, validation, test = split_files(tmp_path)
     relative = lambda files: [p.relative_to(tmp_path).as_posix() for p in files]
-    assert relative(train) == ["a-train.parquet", "b-train.jsonl", "contest.jsonl", "sub/c.arrow"]
-    assert relative(validation) == ["val.jsonl", "validation/data-0.arrow"]
-    assert relative(test) == ["data/test-00000-of-00001.parquet", "test/data-0.arrow"]
+    assert relative(train) == ["a-train.parquet", "b-train.jsonl", "contest.jsonl",
+                               "intervals/more.jsonl", "sub/c.arrow", "values.jsonl"]
+    assert relative(validation) == ["dev2.jsonl", "val.jsonl", "validation/data-0.arrow"]
+    assert relative(test) == ["data/test-00000-of-00001.parquet", "test/data-0.arrow",
+                              "testing_x.json"]
+    skipped = dataset_files.skipped_files(tmp_path)
+    assert relative(skipped) == ["dataset_dict.json", "notes.txt", "validation/state.json"]
+    assert skipped[tmp_path / "notes.txt"].startswith("not a dataset file: .jsonl")
     assert dataset_files.is_dataset_data(tmp_path)
     (tmp_path / "tokens.bin").write_bytes(b"")
     assert not dataset_files.is_dataset_data(tmp_path)  # a token folder stays one
+
+
+def test_every_file_is_named_by_split_or_skipped(tmp_path):
+    """train's data: line names each file's split and each file skipped with why; --val-data
+    replaces the folder's validation files, which are named as skipped; a file of both splits
+    is refused."""
+    from types import SimpleNamespace
+
+    from jphantom.cli.train import _files_line
+
+    for name in ("d/train.jsonl", "d/val.jsonl", "d/b.txt", "d/more/x.jsonl", "v/y.jsonl"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("")
+    data = tmp_path / "d"
+    line = _files_line(SimpleNamespace(data=str(data), val_data=None))
+    assert line == (f"data: {data}: train more/x.jsonl, train.jsonl; validation val.jsonl; "
+                    "skipped b.txt (not a dataset file: .jsonl, .json, .parquet, .arrow, "
+                    ".feather)")
+    files = dataset_files.data_files(data, tmp_path / "v")
+    assert files["validation"] == [tmp_path / "v" / "y.jsonl"]
+    assert files["skipped"][data / "val.jsonl"].startswith("a validation file of --data")
+    with pytest.raises(ConfigError, match="x.jsonl' is also a training file of --data"):
+        dataset_files.data_files(data, data / "more")
 
 
 @pytest.mark.parametrize("row, words", [

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from jphantom import strategies
 from jphantom.cli.devices import accelerator_visible, add_device_flag, setup_devices
@@ -83,6 +84,8 @@ def handle(args: argparse.Namespace) -> int:
     if used < available and jax.process_index() == 0:
         print(f"note: mesh {config.parallel.mesh_config()} uses {used} of the {available} "
               f"devices; {available - used} stay idle (give the mesh more ranks to use them)")
+    if jax.process_index() == 0 and (line := _files_line(config.train)) is not None:
+        print(line)
     results = run(config)
     if "pipeline" in results:
         pipe = results["pipeline"]
@@ -148,6 +151,35 @@ def _moe_line(results: dict) -> str | None:
     active = f", {results['params'] - idle:,} active parameters" if "params" in results else ""
     return (f"MoE: every block, {E} experts, top-{k}{active}; dropless (no token-expert "
             "assignment dropped)")
+
+
+def _files_line(train, shown: int = 8) -> str | None:
+    """Dataset files in one line, before anything is read: each file's split and every file
+    skipped with why (:func:`jphantom.data.dataset_files.data_files`), at most ``shown`` names
+    per list (results.json lists them all); None for other data."""
+    from jphantom.config.paths import is_dataset_data
+    from jphantom.data.dataset_files import data_files
+    from jphantom.data.documents import HELD_OUT
+
+    if not is_dataset_data(train.data):
+        return None
+    files, root = data_files(train.data, train.val_data), Path(train.data)
+    root = root if root.is_dir() else root.parent
+
+    def names(found):
+        named = [str(p.relative_to(root)) if p.is_relative_to(root) else str(p) for p in found]
+        more = f" and {len(named) - shown} more" if len(named) > shown else ""
+        return ", ".join(named[:shown]) + more
+
+    parts = [f"train {names(files['train'])}", "validation " + (
+        names(files["validation"]) if files["validation"] else
+        f"none (the last {HELD_OUT:.0%} of the training rows held out)")]
+    if files["test (not read)"]:
+        parts.append(f"test (not read) {names(files['test (not read)'])}")
+    skipped = files["skipped"]
+    for why in dict.fromkeys(skipped.values()):
+        parts.append(f"skipped {names([p for p in skipped if skipped[p] == why])} ({why})")
+    return f"data: {train.data}: " + "; ".join(parts)
 
 
 def _data_line(data: dict) -> str | None:

@@ -314,7 +314,8 @@ class TrainConfig:
         "nanoGPT's uint16 tokens; `jphantom tokenize` writes them), a dataset file (.jsonl, "
         ".json, .parquet, .arrow: rows of text, prompt/completion or messages, tokenised with "
         "--tokenizer or the --from-hf checkpoint's tokenizer.json) or a folder of token or "
-        "dataset files (files named *val* are the validation split) (default: the Python "
+        "dataset files (the validation split: token files named *val*; dataset files with a "
+        "file or folder named val, valid, validation, dev or eval) (default: the Python "
         "standard library's sources as bytes)")
     tokenizer: str | None = setting(
         None, "the tokenizer text goes through: bpe (the bundled byte-level BPE, 1024 ids), a "
@@ -323,8 +324,8 @@ class TrainConfig:
         "(default: none, bytes)")
     val_data: str | None = setting(
         None, "with dataset files: the validation rows, a dataset file or a folder of them "
-        "(default: the --data folder's files named *val*, else the last one percent of the "
-        "rows, at least one)")
+        "(default: the --data folder's validation files, those with a file or folder named val, "
+        "valid, validation, dev or eval, else the last one percent of the rows, at least one)")
     chat_template: str | None = setting(
         None, "with dataset files: the Jinja chat template rows of messages are rendered with, "
         "a .jinja file or a tokenizer_config.json (default: the --from-hf checkpoint's "

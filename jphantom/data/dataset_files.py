@@ -1,10 +1,13 @@
 """Dataset files: the rows of JSON Lines, JSON, Parquet and Arrow files, streamed.
 
 ``train --data`` takes one such file or a folder of them (searched recursively, sorted by
-path); in a folder, files whose path contains ``val`` are the validation split, as for token
-files (:mod:`jphantom.data.tokens`), and a test split (:func:`split_files`) is left out. The
-formats, and how each is read without holding the file
-in memory:
+path). In a folder, a file's split is named by a whole word of its path below the folder (the
+runs of letters: ``data/validation-00000-of-00001.parquet`` has ``data``, ``validation``,
+``of``, ``parquet``), one rule for every split (:func:`split_of`): :data:`VALIDATION_NAMES`
+the validation split, :data:`TEST_NAMES` a test split nothing reads, anything else training
+(``values.jsonl`` and ``intervals/`` train; ``contest.jsonl`` too). Other files in the folder
+are skipped and named (:func:`skipped_files`). The formats, and how each is read without
+holding the file in memory:
 
 - ``.jsonl`` (JSON Lines): the standard library's :mod:`json`, one line at a time;
 - ``.json``: JSON Lines too (what Hugging Face ``datasets``' ``to_json`` writes), or one JSON
@@ -41,7 +44,10 @@ SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".feather")
 KINDS = {"text": ("text",), "prompt_completion": ("prompt", "completion"),
          "messages": ("messages",)}
 METADATA = ("dataset_info.json", "state.json", "dataset_dict.json")  # datasets' save_to_disk
-TEST = re.compile(r"(^|[/_.-])test")  # a test split's path part
+VALIDATION_NAMES = frozenset({"val", "valid", "validation", "dev", "eval", "evaluation"})
+TEST_NAMES = frozenset({"test", "testing"})
+WORDS = re.compile(r"[a-z]+")  # a path's words: its runs of letters, lower-cased
+VALIDATION_FILE = "a validation file (a file or folder named val, valid, validation, dev or eval)"
 BLOCK_BYTES = 1 << 20
 ARROW_BATCH_ROWS = 1024
 
@@ -56,8 +62,35 @@ def is_dataset_data(path: str | os.PathLike) -> bool:
 
 
 def _found(folder: Path) -> Iterator[Path]:
-    return (p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES
-            and p.name not in METADATA)
+    return (p for p in folder.rglob("*") if p.is_file() and _skip_reason(p) is None)
+
+
+def _skip_reason(path: Path) -> str | None:
+    """Why a file of a ``--data`` folder is not read (None: it is a dataset file)."""
+    if path.name in METADATA:
+        return "datasets' metadata"
+    if path.suffix.lower() not in SUFFIXES:
+        return f"not a dataset file: {', '.join(SUFFIXES)}"
+    return None
+
+
+def skipped_files(data: str | os.PathLike) -> dict[Path, str]:
+    """The files of a ``--data`` folder that are not read, sorted by path, each with why (none
+    for a file): what ``train`` names in its ``data:`` line and results.json."""
+    path = Path(data)
+    if not path.is_dir():
+        return {}
+    found = sorted(p for p in path.rglob("*") if p.is_file())
+    return {p: reason for p in found if (reason := _skip_reason(p)) is not None}
+
+
+def split_of(relative: str) -> str:
+    """``"validation"``, ``"test"`` or ``"train"``: the split a file's path below the ``--data``
+    folder names, by a whole word of it (module docstring), validation first."""
+    words = set(WORDS.findall(relative.lower()))
+    if words & VALIDATION_NAMES:
+        return "validation"
+    return "test" if words & TEST_NAMES else "train"
 
 
 class Splits(NamedTuple):
@@ -69,11 +102,11 @@ class Splits(NamedTuple):
 
 
 def split_files(data: str | os.PathLike) -> Splits:
-    """The files of ``--data``: a file is the training split alone; a folder's files (searched
-    recursively, Hugging Face ``datasets``' metadata files left out) sorted by path, those whose
-    path below the folder contains ``val`` the validation split, those with a ``test`` part
-    (``test.jsonl``, ``test/...``, ``data/test-00000-of-00001.parquet``) the test split, which
-    nothing trains or validates on."""
+    """The files of ``--data``: a file is the training split alone; a folder's dataset files
+    (searched recursively, Hugging Face ``datasets``' metadata files left out) sorted by path,
+    each in the split a whole word of its path below the folder names (:func:`split_of`:
+    ``val.jsonl``, ``validation/data-0.arrow``, ``data/test-00000-of-00001.parquet``); the test
+    split is what nothing trains or validates on."""
     path = Path(data)
     if not path.is_dir():
         if not path.is_file():
@@ -84,13 +117,36 @@ def split_files(data: str | os.PathLike) -> Splits:
     files = sorted(relative, key=relative.get)
     if not files:
         raise ConfigError(f"data={str(data)!r} holds no {', '.join(SUFFIXES)} file")
-    validation = [f for f in files if "val" in relative[f]]
-    test = [f for f in files if f not in validation and TEST.search(relative[f])]
-    train = [f for f in files if f not in validation and f not in test]
+    named = {f: split_of(relative[f]) for f in files}
+    train, validation, test = ([f for f in files if named[f] == split]
+                               for split in ("train", "validation", "test"))
     if not train:
-        raise ConfigError(f"data={str(data)!r}: every file is a validation or test file (its path "
-                          "contains 'val' or 'test'): add training files")
+        raise ConfigError(f"data={str(data)!r}: every file is a validation or test file (a word "
+                          f"of its path is one of {sorted(VALIDATION_NAMES | TEST_NAMES)}): add "
+                          "training files")
     return Splits(train, validation, test)
+
+
+def data_files(data, validation_data=None) -> dict[str, list[Path] | dict[Path, str]]:
+    """The files ``train`` reads of ``--data`` and ``--val-data``, by split (``"train"``,
+    ``"validation"``, ``"test (not read)"``), and ``"skipped"``: every other file of their
+    folders, with why (:func:`skipped_files`; with ``--val-data``, also ``--data``'s own
+    validation files), so that no file is left out without a word. A file in both splits is a
+    ConfigError."""
+    train, validation, test = split_files(data)
+    skipped = skipped_files(data)
+    if validation_data is not None:
+        named = split_files(validation_data)
+        skipped.update({f: "a validation file of --data; --val-data replaces them"
+                        for f in validation})
+        skipped.update(skipped_files(validation_data))
+        validation, test = named.train + named.validation, test + named.test
+        both = sorted({p.resolve() for p in train} & {p.resolve() for p in validation})
+        if both:
+            raise ConfigError(f"val_data={str(validation_data)!r}: {str(both[0])!r} is also a "
+                              "training file of --data: move it out of the --data folder")
+    return {"train": train, "validation": validation, "test (not read)": test,
+            "skipped": skipped}
 
 
 def read_rows(path: str | os.PathLike) -> Iterator[dict]:

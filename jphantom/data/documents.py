@@ -35,7 +35,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from jphantom.data.chat_template import token_mask
-from jphantom.data.dataset_files import read_rows, row_kind, split_files
+from jphantom.data.dataset_files import VALIDATION_FILE, data_files, read_rows, row_kind
 from jphantom.errors import ConfigError
 
 IGNORE = -100
@@ -194,8 +194,8 @@ class Documents:
         but 1) held out, in file order."""
         if self.count < 2:
             raise ConfigError(f"the data holds {self.count} row(s): holding out validation rows "
-                              "needs at least 2; add rows, or a validation file (a name "
-                              "containing 'val')")
+                              "needs at least 2; add rows, or "
+                              f"{VALIDATION_FILE}")
         held = min(self.count - 1, max(1, round(fraction * self.count)))
         return self.split(self.count - held)
 
@@ -238,26 +238,23 @@ def tokenize_files(paths, row_tokenizer: RowTokenizer, progress: bool = False) -
 def read_documents(data, row_tokenizer: RowTokenizer, validation_data=None,
                    progress: bool = False) -> tuple[Documents, Documents, dict]:
     """(train, validation, description) of ``--data`` (a dataset file or a folder of them,
-    :func:`jphantom.data.dataset_files.split_files`): the rows of ``validation_data`` (a file or
+    :func:`jphantom.data.dataset_files.data_files`): the rows of ``validation_data`` (a file or
     a folder: ``--val-data``), else of the folder's validation files, else the last
-    :data:`HELD_OUT` of the rows (at least one); ``progress``: a bar of the rows tokenised."""
+    :data:`HELD_OUT` of the rows (at least one); ``progress``: a bar of the rows tokenised. The
+    description names every file by split, and every file skipped with why."""
     from pathlib import Path
 
-    train_files, validation_files, test_files = split_files(data)
-    if validation_data is not None:
-        named = split_files(validation_data)
-        validation_files = named.train + named.validation
-    train = tokenize_files(train_files, row_tokenizer, progress)
-    if validation_files:
-        validation = tokenize_files(validation_files, row_tokenizer, progress)
+    files = data_files(data, validation_data)
+    train = tokenize_files(files["train"], row_tokenizer, progress)
+    if files["validation"]:
+        validation = tokenize_files(files["validation"], row_tokenizer, progress)
     else:
         train, validation = train.hold_out()
     return train, validation, {
         "source": str(Path(data).resolve()),
-        "files": {"train": [str(p) for p in train_files],
-                  "validation": [str(p) for p in validation_files],
-                  "test (not read)": [str(p) for p in test_files]},
-        "validation_split": ("files" if validation_files else
+        "files": {split: ({str(p): why for p, why in found.items()} if split == "skipped"
+                          else [str(p) for p in found]) for split, found in files.items()},
+        "validation_split": ("files" if files["validation"] else
                              f"the last {HELD_OUT:.0%} of the rows held out (at least 1)"),
         "loss_on": row_tokenizer.loss_on or "each row's default (" + ", ".join(
             f"{kind}: {on}" for kind, on in DEFAULT_LOSS_ON.items()) + ")"}

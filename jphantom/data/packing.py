@@ -39,6 +39,7 @@ from typing import Iterator
 
 import numpy as np
 
+from jphantom.data.dataset_files import VALIDATION_FILE
 from jphantom.data.documents import IGNORE, Documents
 from jphantom.data.tokens import process_rows
 from jphantom.errors import ConfigError, check_int
@@ -114,8 +115,8 @@ class DocumentBatches:
         if train.count == 0 or len(train.tokens) == 0:
             raise ConfigError("the training split holds no document: give rows with text in them")
         if validation.count == 0:
-            raise ConfigError("the validation split holds no document: give a validation file "
-                              "(a name containing 'val') with rows, or more rows")
+            raise ConfigError(f"the validation split holds no document: give {VALIDATION_FILE} "
+                              "with rows, or more rows")
         self.row = 0  # the position: the next global row
         self._orders: dict[int, np.ndarray] = {}
         self._ends: dict[int, np.ndarray] = {}
