@@ -40,6 +40,7 @@ def test_targets_never_cross_a_document():
     docs = Documents.of([([5, 6, 7], [1, 1, 1]), ([8, 9], [0, 1])])
     assert docs.targets.tolist() == [6, 7, IGNORE, 9, IGNORE]
     assert docs.summary() == {"rows": 2, "tokens": 5, "loss_tokens": 3}
+    assert docs.summary(1) == {"rows": 2, "tokens": 2, "loss_tokens": 2}  # what padded rows keep
 
 
 def test_packed_rows_are_the_shuffled_stream():

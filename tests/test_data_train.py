@@ -61,6 +61,31 @@ def test_a_bad_row_is_refused_before_anything_is_built(tmp_path):
         check_vocabulary(no_tokenizer)
 
 
+def _turn(user: str, answer: str | None) -> dict:
+    turns = [{"role": "user", "content": user}]
+    return {"messages": turns + ([{"role": "assistant", "content": answer}] if answer else [])}
+
+
+@pytest.mark.parametrize("rows, flags, words", [
+    ([_turn("word " * 300, "yes it is")] * 4, {"loss_on": "assistant"},
+     "every loss token lies past the first 32 tokens of its document, where a padded row of "
+     "--seq-len 32 ends (the earliest is token 312): give --seq-len 313 or more, or --pack"),
+    ([_turn("hi there", None)] * 4, {"loss_on": "assistant", "pack": True},
+     "no row has an assistant turn for --loss-on assistant: give rows with answers"),
+    ([{"text": ""}] * 4, {}, "every row is at most one token (a text of '' is its EOS alone)"),
+])
+def test_nothing_to_learn_is_refused_before_anything_is_built(tmp_path, rows, flags, words):
+    """Issue 55: loss tokens are counted in the rows the model sees (after padding's
+    truncation), and a split with none is one line naming why, before the build."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError) as error:
+        check_vocabulary(_config(path, **flags))
+    message = str(error.value)
+    assert message.startswith("the training split has nothing to learn (0 loss tokens in 3 row")
+    assert words in message and "\n" not in message
+
+
 @pytest.mark.slow
 def test_fine_tune_packed_on_the_answers_and_resume(tmp_path):
     """Packed conversations, the loss on the assistant turns: the run trains (the loss falls over

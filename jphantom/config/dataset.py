@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import numpy as np
+
 from jphantom.errors import ConfigError
 
 
@@ -42,6 +44,37 @@ def read_document_data(config):
     stamp = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
     return _document_data(train.data, train.val_data, value, train.chat_template, train.loss_on,
                           config.model.from_hf, stamp, train.progress)
+
+
+def check_document_data(config) -> None:
+    """Before anything is built: every row of ``config``'s dataset files read and tokenised (a
+    bad one refused, :func:`read_document_data`), and each split holding a target that counts
+    in the rows the model sees (padded rows keep a document's first ``seq_len`` tokens; packed
+    rows every token); else a ConfigError saying why there is nothing to learn."""
+    first, held, source, _ = read_document_data(config)
+    model = config.model
+    seq_len = min(getattr(config.family_config(), "seq_len", model.seq_len), model.seq_len)
+    limit = None if config.train.pack else seq_len
+    for split, documents in (("training", first), ("validation", held)):
+        if documents.summary(limit)["loss_tokens"] == 0:
+            why = _why_none(documents, config.train, seq_len)
+            raise ConfigError(f"the {split} split has nothing to learn (0 loss tokens in "
+                              f"{documents.count} row(s)): {why}")
+
+
+def _why_none(documents, train, seq_len: int) -> str:
+    """Why ``documents`` have no loss token in their rows, and the fix."""
+    counted = documents.targets >= 0
+    if counted.any():  # only past the rows' end
+        start = int(documents.offsets()[counted].min())
+        return (f"every loss token lies past the first {seq_len} tokens of its document, where "
+                f"a padded row of --seq-len {seq_len} ends (the earliest is token {start}): give "
+                f"--seq-len {start + 1} or more, or --pack")
+    if train.loss_on in ("assistant", "completion"):
+        answer = "assistant turn" if train.loss_on == "assistant" else "completion"
+        return (f"no row has an {answer} for --loss-on {train.loss_on}: give rows with answers, "
+                "or --loss-on all")
+    return "every row is at most one token (a text of '' is its EOS alone): give rows with text"
 
 
 @functools.lru_cache(maxsize=4)

@@ -184,16 +184,30 @@ class Documents:
         a, b = int(self.starts[index]), int(self.starts[index + 1])
         return self.tokens[a:b], self.targets[a:b]
 
-    def summary(self) -> dict:
-        """Rows, tokens and loss tokens (targets that count)."""
-        return {"rows": self.count, "tokens": int(len(self.tokens)),
-                "loss_tokens": int(np.count_nonzero(self.targets >= 0))}
+    def kept(self, limit: int | None = None) -> np.ndarray:
+        """bool per token: whether it is among its document's first ``limit`` tokens (all when
+        None), those a padded row of ``limit`` keeps (:func:`jphantom.data.packing.pad`)."""
+        if limit is None:
+            return np.ones(len(self.tokens), bool)
+        return self.offsets() < limit
+
+    def offsets(self) -> np.ndarray:
+        """int64 per token: its position in its document, from 0."""
+        return np.arange(len(self.tokens)) - np.repeat(self.starts[:-1], self.lengths)
+
+    def summary(self, limit: int | None = None) -> dict:
+        """Rows, tokens and loss tokens (targets that count) that rows keep: every token
+        packed (``limit`` None), each document's first ``limit`` padded."""
+        kept = self.kept(limit)
+        return {"rows": self.count, "tokens": int(np.count_nonzero(kept)),
+                "loss_tokens": int(np.count_nonzero((self.targets >= 0) & kept))}
 
     def hold_out(self, fraction: float = HELD_OUT) -> tuple["Documents", "Documents"]:
         """(train, validation): the last ``fraction`` of the documents (at least 1, at most all
         but 1) held out, in file order."""
         if self.count < 2:
-            raise ConfigError(f"the data holds {self.count} row(s): holding out validation rows "
+            raise ConfigError(f"the data holds {self.count} row(s) with a token: holding out "
+                              "validation rows "
                               "needs at least 2; add rows, or "
                               f"{VALIDATION_FILE}")
         held = min(self.count - 1, max(1, round(fraction * self.count)))

@@ -232,7 +232,8 @@ class DocumentBatches:
         return float(-log_probs[held].mean()) if len(held) else float("nan")
 
     def describe(self) -> dict:
-        train, held = self.train.summary(), self.validation.summary()
+        limit = None if self.packed else self.seq_len  # what rows keep: padded, truncated
+        train, held = self.train.summary(limit), self.validation.summary(limit)
         per_epoch = (train["tokens"] / self.seq_len if self.packed else train["rows"])
         return {**self.source, "seq_len": self.seq_len, "seed": self.seed,
                 "packed": self.packed, "train": train, "validation": held,
