@@ -296,6 +296,21 @@ def test_prediction_reports_throughput_mfu_and_eq1_energy():
     assert p.fits is True
 
 
+def test_energy_is_printed_with_its_significant_figures_never_as_zero():
+    """A small model's joules per token are micro- or millijoules: printed in that unit, not as
+    0.000 J; the plan's tables keep three significant figures below 0.01 J."""
+    from jphantom.planner.report import per_token
+    from jphantom.predict.report import format_prediction, joules_text
+
+    assert [joules_text(j) for j in (2.5e-5, 0.0729, 12.345, 1234.5, 0.0)] == [
+        "25 \u00b5J", "72.9 mJ", "12.3 J", "1,234 J", "0 J"]
+    assert [per_token(j) for j in (0.1851, 0.00729, 2.5e-5)] == ["0.1851", "0.00729", "2.5e-05"]
+    p = predict(_async(2), DEVICE, devices=8, tokens_per_step=8_000)
+    text = format_prediction(p)
+    assert f"{joules_text(p.joules_per_token)} per token" in text and "0.000 J" not in text
+    assert p.joules_per_token < 1e-3 and "\u00b5J per token" in text
+
+
 def test_shipped_device_descriptions_cite_every_number():
     shipped = described.names()
     assert {"h100-sxm", "h200", "a100-sxm", "b200", "mi250x-gcd", "mi300x"} <= set(shipped)

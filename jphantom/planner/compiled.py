@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from jphantom.aot import Target, compile_report
 from jphantom.errors import ConfigError
+from jphantom.planner.report import per_token
 
 
 def plan_row_flags(row, shape: dict, batch: int, precision: str = "bf16") -> dict | None:
@@ -126,7 +127,8 @@ def _simulated(e: dict) -> str:
     sim = e["simulated"]
     mfu = f"{sim['mfu']:.1%}" if sim.get("mfu") is not None else "-"
     return (f"{sim['step_s']:>8.3f} {sim['exposed_comm_s']:>8.3f} "
-            f"{e['modelled_joules_per_token']:>7.4f} {sim['joules_per_token']:>9.4f} "
+            f"{per_token(e['modelled_joules_per_token']):>7} "
+            f"{per_token(sim['joules_per_token']):>9} "
             f"{mfu:>6} {e['compiled_peak_bytes'] / 2**30:>6.1f} "
             f"{'yes' if e['fits'] else 'NO':>4}")
 

@@ -6,6 +6,12 @@ from __future__ import annotations
 from jphantom.planner.result import Ranking
 
 
+def per_token(joules: float) -> str:
+    """Joules per token for a table: 4 decimals from 0.01 J up, 3 significant figures below
+    (``0.00729``, ``2.5e-05``), never ``0.0000`` for a non-zero energy."""
+    return f"{joules:.4f}" if joules >= 0.01 or joules == 0 else f"{joules:.3g}"
+
+
 def _nodes(devices: int, nodes: int, per_node: int) -> str:
     """How the GPUs sit on nodes: "32 GPUs = 8 node(s) x 4", "1 GPU of one 4-GPU node"."""
     if devices % per_node == 0:
@@ -62,7 +68,7 @@ def format_plan(result: Ranking, top: int = 10) -> str:
         lines.append(f"{row.rank:>4}  {row.layout:<14} {row.mesh:<24} {row.variant:<14} "
                      f"{row.comm_s:8.3f} {bubble} {row.flops_per_device / 1e12:9.1f} "
                      f"{row.memory_gib:7.1f}  {fits:<4}"
-                     + (f" {row.step_s:7.3f} {row.joules_per_token:8.4f}" if priced else ""))
+                     + (f" {row.step_s:7.3f} {per_token(row.joules_per_token):>8}" if priced else ""))
     if any(not row.same_model for row in shown):
         lines.append("   * phantom trains a different, smaller model (Seal et al.): listed, never "
                      "the top choice")
@@ -74,12 +80,12 @@ def format_plan(result: Ranking, top: int = 10) -> str:
     lines += ["", f"Top choice{verdict}: rank {best.rank}, {best.layout} on {best.mesh}{variant}, "
               f"{best.key_s:.3f} s modelled per step ({axes or 'no communication'}), "
               f"{best.memory_gib:.1f} GiB per GPU"
-              + (f"; {best.step_s:.3f} s per step with compute, {best.joules_per_token:.4f} "
+              + (f"; {best.step_s:.3f} s per step with compute, {per_token(best.joules_per_token)} "
                  "J/token" if priced else "") + "."]
     if a.get("objective") == "energy":
         lines += ["", "Time/energy Pareto front (no layout that fits is both faster and cheaper):"]
         for row in result.pareto():
             lines.append(f"  rank {row.rank:>3}  {row.layout:<14} {row.mesh:<24} "
-                         f"{row.step_s:7.3f} s/step  {row.joules_per_token:8.4f} J/token")
+                         f"{row.step_s:7.3f} s/step  {per_token(row.joules_per_token):>8} J/token")
     lines.append("Not modelled: " + a["not_modelled"] + ".")
     return "\n".join(lines)

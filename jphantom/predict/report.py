@@ -103,6 +103,18 @@ def predict(hlo_text: str, device: DeviceModel, *, devices: int = 1,
         idle_watts=device["power.idle_watts"])
 
 
+def joules_text(joules: float) -> str:
+    """``joules`` with at least three significant figures in J, mJ, \u00b5J or nJ, the unit that
+    puts it at 1 or more (J from 1 up): never ``0.000 J`` for a small, non-zero energy."""
+    if joules == 0:
+        return "0 J"
+    for unit, factor in (("J", 1.0), ("mJ", 1e-3), ("\u00b5J", 1e-6), ("nJ", 1e-9)):
+        if abs(joules) >= factor or unit == "nJ":
+            value = joules / factor
+            return f"{value:,.0f} {unit}" if abs(value) >= 100 else f"{value:.3g} {unit}"
+    raise AssertionError("unreachable")
+
+
 def format_prediction(p: Prediction, title: str = "") -> str:
     """The prediction as text: the step's split, throughput, memory, energy and top ops."""
     ms = 1e3
@@ -123,9 +135,9 @@ def format_prediction(p: Prediction, title: str = "") -> str:
                      f"{p.device_memory_bytes / 2**30:.1f} GiB: "
                      + ("fits" if p.fits else "does NOT fit"))
     energy = f"energy (Seal et al. Eq. 1, A = {p.busy_watts:g} W busy, B = {p.idle_watts:g} W " \
-             f"idle): {p.joules_per_step:,.0f} J per step"
+             f"idle): {joules_text(p.joules_per_step)} per step"
     if p.joules_per_token is not None:
-        energy += f", {p.joules_per_token:.3f} J per token"
+        energy += f", {joules_text(p.joules_per_token)} per token"
     lines.append(energy)
     kinds = ", ".join(f"{k} {v * ms:.1f} ms" for k, v in sorted(p.by_kind_s.items(),
                                                                 key=lambda kv: -kv[1]))
