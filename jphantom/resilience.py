@@ -17,10 +17,11 @@ rank, non-finite losses.
 - :data:`NONFINITE`: what a non-finite loss does (``--on-nonfinite``): ``stop`` (the default: one
   line naming the newest checkpoint, the last good state on disk), ``skip`` (the update is
   dropped inside the step with ``optax.apply_if_finite``, counted, and reported per step),
-  ``rollback`` (the newest checkpoint is reloaded and the batch that gave the non-finite loss is
-  skipped; :data:`MAX_ROLLBACKS` without progress stop the run). A checkpoint is written only of
-  a finite state, and a run that ends with non-finite parameters says so and fails
-  (:mod:`jphantom.loop.nonfinite`).
+  ``rollback`` (the newest checkpoint whose recorded loss and parameters are finite is reloaded
+  and the batch that gave the non-finite loss is skipped; :data:`MAX_ROLLBACKS` without progress
+  stop the run). A checkpoint is written only of a finite state whose recorded losses are
+  finite, and a run that ends with non-finite parameters or final loss says so and fails,
+  ``results.json`` recording that line (:mod:`jphantom.loop.nonfinite`).
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ from jphantom.config import RunConfig, check_vocabulary, pipeline_summary
 from jphantom.errors import ConfigError, TrainingDiverged
 from jphantom.loop import (Evaluator, NonFinitePolicy, RolledBack, RunCheckpoints, RunResults,
                            SkippedBatch, StepRecord, fresh_history)
+from jphantom.loop.checkpoints import nonfinite_loss
 from jphantom.metrics import (StepEnergy, flops_per_token, grad_norm_of, peak_memory_bytes,
                               peak_tflops)
 from jphantom.resilience import AUTO_TIMEOUT_S, StopOnSignal, Watchdog, agree
@@ -146,9 +147,7 @@ class Trainer:
             diverged = error
         finally:
             energy = self._close(run)
-        results = self._finish(run, energy, diverged)
-        if diverged is None:
-            diverged = _ended_nonfinite(results, self.config.train.on_nonfinite)
+        results, diverged = self._finish(run, energy, diverged)
         if diverged is not None:
             diverged.results = results  # what the run wrote, for callers of run()
             raise diverged
@@ -277,26 +276,34 @@ class Trainer:
         return float(loss), elapsed, joules
 
     def _roll_back(self, run: _Run, index: int, loss: float, finite: bool) -> int:
-        """The rollback policy: the newest finite checkpoint's state, history and data position
-        (or the start's); returns the step to go on from."""
+        """The rollback policy: the state, history and data position of the newest checkpoint
+        whose recorded losses and parameters are finite (or the start's); returns the step to go
+        on from."""
         run.policy.rolling_back(index, loss, finite, run.checkpoints.last_good)
         found = None
-        for step in sorted(run.checkpoints.steps(), reverse=True):
+        for step in run.checkpoints.good_steps():  # newest first, their recorded losses finite
             found = run.checkpoints.restore(self.state, run.source, step)
             if bool(state_is_finite(found[0])):
                 break
             found = None  # a non-finite checkpoint (an older run's): an older one
         if found is not None:
             self.state, back, restored = found
+            where = (f"the checkpoint of step {back} in {run.checkpoints.checkpointer.directory} "
+                     "(the newest whose recorded loss and parameters are finite)")
         else:  # nothing finite saved yet: from the start
             self.state, back, restored = self.program.init(
                 self.step, seed=self.config.train.seed), 0, fresh_history()
             if run.initial_data is not None:
                 run.source.restore(run.initial_data)
+            where = "the start, step 0 (no checkpoint's recorded loss and parameters are finite)"
+        dropped = run.checkpoints.drop_after(back) if run.checkpoints else []
+        if dropped:  # the run writes these steps again
+            where += (f"; deleted the newer checkpoint(s) of step(s) "
+                      f"{', '.join(map(str, dropped))}, whose loss or parameters are not finite")
         self.history.clear()
         self.history.update(restored)
         run.policy.rolled_back(index, back, self.state.opt_state)
-        tqdm.write(f"{run.policy.describe(index, loss, finite)}: rolled back to step {back}; "
+        tqdm.write(f"{run.policy.describe(index, loss, finite)}: rolled back to {where}; "
                    "its batch will be skipped")
         self._emit(run, RolledBack(index + 1, back))
         return back
@@ -357,10 +364,15 @@ class Trainer:
         return index + 1, self._stop_reason is None
 
     def _save(self, run: _Run, at: int) -> None:
-        """The checkpoint of step ``at``, written only from a finite state."""
+        """The checkpoint of step ``at``, written only from a finite state whose recorded
+        losses are finite (the state a rollback or ``--resume`` may go back to)."""
         if not bool(state_is_finite(self.state)):
             tqdm.write(f"not writing the checkpoint of step {at}: its parameters or optimizer "
                        "state are not finite")
+            return
+        loss = nonfinite_loss(self.history)
+        if loss is not None:
+            tqdm.write(f"not writing the checkpoint of step {at}: its {loss}")
             return
         run.checkpoints.save(at, self.state, self.history,
                              getattr(run.source, "state", lambda: None)())
@@ -391,14 +403,19 @@ class Trainer:
             return measurement if run.metered_steps else None
         return None
 
-    def _finish(self, run: _Run, energy, diverged=None) -> dict:
+    def _finish(self, run: _Run, energy,
+                diverged=None) -> tuple[dict, TrainingDiverged | None]:
         """:class:`RunResults` to the callbacks and ``results.json``; the Hugging Face copy
-        (not of a diverged run)."""
+        (not of a diverged run). Returns the results and how the run diverged: ``diverged``,
+        or the end's non-finite state or final loss (:func:`_ended_nonfinite`), which
+        ``results.json`` records as the run prints it."""
         results = self._results(run, energy).as_dict()
         alive = self.state is not None and not any(
             getattr(a, "is_deleted", lambda: False)() for a in jax.tree.leaves(self.state))
         results["nonfinite"]["final_state_finite"] = (bool(state_is_finite(self.state))
                                                       if alive else None)
+        if diverged is None:  # the run ends well but for its final state or loss: it fails too
+            diverged = _ended_nonfinite(results, self.config.train.on_nonfinite)
         results["nonfinite"]["diverged"] = None if diverged is None else str(diverged)
         for callback in run.callbacks:
             callback.on_train_end(self, results)
@@ -413,7 +430,7 @@ class Trainer:
             hf.save(train.save_hf, plans.dense_equivalent(self.step.model(self.state)))
             if hasattr(run.source, "save_tokenizer"):  # the tokenizer and chat template too
                 run.source.save_tokenizer(train.save_hf)
-        return results
+        return results, diverged
 
     def _results(self, run: _Run, energy) -> RunResults:
         config, program, history = self.config, self.program, self.history

@@ -123,3 +123,23 @@ def test_a_run_without_a_checkpoint_folder_saves_nothing_and_says_so():
     assert "no --checkpoint-dir" in checkpoints.last_good()
     assert checkpoints.describe(0) is None
     checkpoints.close()
+
+
+def test_the_last_good_state_is_the_newest_checkpoint_whose_recorded_loss_is_finite(tmp_path):
+    """A folder whose newest checkpoint records a validation loss of inf (an older run's): the
+    last good state named is the one before, saying --resume would take the newer; a rollback
+    to it deletes the newer one, which the run writes again."""
+    train = types.SimpleNamespace(checkpoint_dir=str(tmp_path), save_every=1, keep_checkpoints=3)
+    checkpoints = RunCheckpoints(train, {"model": {}, "corpus": {}})
+    state = types.SimpleNamespace(params={"w": jnp.ones(2)}, opt_state={"m": jnp.zeros(2)})
+    for step, validation in [(1, 2.0), (2, 1.5), (3, math.inf)]:
+        history = {**fresh_history(), "train_loss": [1.0], "validation_loss": [validation]}
+        checkpoints.save(step, state, history, None)
+    assert checkpoints.good_steps() == [2, 1]
+    assert checkpoints.last_good() == (
+        f"; the last good state is the checkpoint of step 2 in {tmp_path} (newer ones record a "
+        "non-finite loss and --resume takes the newest: move step(s) 3 aside to continue from "
+        "it)")
+    assert checkpoints.drop_after(2) == [3] and checkpoints.steps() == [1, 2]
+    assert checkpoints.last_good().endswith("(--resume continues from it)")
+    checkpoints.close()

@@ -187,6 +187,38 @@ def test_a_nonfinite_state_is_never_checkpointed_and_the_run_fails_saying_so(
     assert results["nonfinite"]["final_state_finite"] is False
 
 
+DIVERGING = [*FFN, "--learning-rate", "1e6"]  # sgd: the loss 1e19 at step 3, inf after
+
+
+def test_a_run_that_diverges_at_its_end_records_what_it_printed(tmp_path, capsys):
+    """skip keeps the parameters finite (1e19-sized), the final validation loss is inf: the run
+    exits 1 with one line, and results.json's nonfinite.diverged is that line (issue 55)."""
+    out = tmp_path / "out"
+    assert cli.main(["train", *DIVERGING, "--on-nonfinite", "skip", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the final validation loss is inf after step 8" in err
+    nonfinite = json.loads((out / "results.json").read_text())["nonfinite"]
+    assert err.strip() == f"jphantom: error: training diverged: {nonfinite['diverged']}"
+    assert nonfinite["final_state_finite"] is True  # finite, if huge: the loss says what went on
+
+
+def test_rollback_goes_back_to_the_newest_checkpoint_whose_loss_is_finite(tmp_path, capsys):
+    """Step 3's validation loss is inf: its checkpoint is not written, the rollbacks go to step 2
+    and say so, and the line the run ends with names step 2 as the last good state."""
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    assert cli.main(["train", *DIVERGING, "--eval-every", "1", "--on-nonfinite", "rollback",
+                     "--checkpoint-dir", str(ck), "--save-every", "1", "--out", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert "not writing the checkpoint of step 3: its validation loss is inf" in captured.out
+    assert (f"rolled back to the checkpoint of step 2 in {ck} (the newest whose recorded loss "
+            "and parameters are finite)") in captured.out
+    assert f"the last good state is the checkpoint of step 2 in {ck}" in captured.err
+    results = json.loads((out / "results.json").read_text())
+    assert {r["to_step"] for r in results["nonfinite"]["rollbacks"]} == {2}
+    assert results["checkpoints"]["steps"] == [1, 2]
+    assert captured.err.strip().endswith(results["nonfinite"]["diverged"])
+
+
 @pytest.mark.parametrize("flags, fragment", [
     (["--on-nonfinite", "rollback"], "rollback reloads the newest checkpoint"),
     (["--on-nonfinite", "retry"], "invalid choice: 'retry'"),

@@ -362,9 +362,10 @@ class TrainConfig:
     on_nonfinite: str = setting(
         "stop", "a non-finite loss or state: stop (one line naming the newest checkpoint, the "
         "last good state), skip (the update is dropped and counted; 10 in a row stop the run) or "
-        "rollback (reload the newest finite checkpoint and skip the batch; 5 rollbacks without a "
-        "new checkpoint stop the run; needs --checkpoint-dir and --save-every); checkpoints are "
-        "written only from a finite state (default stop)")
+        "rollback (reload the newest checkpoint whose recorded loss and parameters are finite "
+        "and skip the batch; 5 rollbacks without a new checkpoint stop the run; needs "
+        "--checkpoint-dir and --save-every); checkpoints are written only from a finite state "
+        "whose recorded losses are finite (default stop)")
     step_timeout: float | None = setting(
         None, "seconds a step (after the first, which compiles) or an evaluation may take; past "
         "it every process exits 124 with one line (a stuck rank or collective; default: off with "

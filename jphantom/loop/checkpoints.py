@@ -7,6 +7,7 @@ without ``--checkpoint-dir`` has one too, that saves nothing."""
 from __future__ import annotations
 
 import json
+import math
 
 from jphantom.errors import ConfigError
 
@@ -99,15 +100,41 @@ class RunCheckpoints:
             raise ConfigError(f"the checkpoint is at step {step}, not before steps={steps}: ask "
                               "for more steps to continue")
 
+    def good_steps(self) -> list[int]:
+        """The steps saved whose recorded losses are finite (:func:`nonfinite_loss` of their
+        history), newest first. Their parameters were finite when written (the trainer writes
+        no other state); a rollback checks them again once restored."""
+        return [step for step in sorted(self.steps(), reverse=True)
+                if nonfinite_loss(self.checkpointer.meta(step).get("history") or {}) is None]
+
+    def drop_after(self, step: int) -> list[int]:
+        """Delete the checkpoints newer than ``step`` (a rollback to ``step`` passed them: their
+        recorded loss or their parameters are not finite, and the run writes those steps
+        again); returns their steps."""
+        newer = [s for s in self.steps() if s > step]
+        for s in newer:
+            self.checkpointer.manager.delete(s)
+        return newer
+
     def last_good(self) -> str:
-        """Where the last good state is, for a run that stops on a non-finite loss."""
+        """Where the last good state is, for a run that stops on a non-finite loss: the newest
+        checkpoint whose recorded losses are finite."""
         if self.checkpointer is None:
             return " (no --checkpoint-dir: no state was saved)"
         steps = self.steps()
         if not steps:
             return f" (no checkpoint in {self.checkpointer.directory} yet)"
-        return (f"; the last good state is the checkpoint of step {max(steps)} in "
-                f"{self.checkpointer.directory} (--resume continues from it)")
+        good = self.good_steps()
+        if not good:
+            return (f" (no checkpoint in {self.checkpointer.directory} records a finite loss: "
+                    f"steps {', '.join(map(str, steps))})")
+        where = (f"; the last good state is the checkpoint of step {good[0]} in "
+                 f"{self.checkpointer.directory}")
+        newer = [step for step in steps if step > good[0]]
+        if not newer:
+            return f"{where} (--resume continues from it)"
+        return (f"{where} (newer ones record a non-finite loss and --resume takes the newest: "
+                f"move step(s) {', '.join(map(str, newer))} aside to continue from it)")
 
     def describe(self, resumed_from: int) -> dict | None:
         """``results.json``'s ``checkpoints``: the folder, the steps kept, where it resumed."""
@@ -119,3 +146,13 @@ class RunCheckpoints:
     def close(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.close()
+
+
+def nonfinite_loss(history: dict) -> str | None:
+    """What is not finite among the newest training and validation losses ``history`` records
+    ("validation loss is inf"), or None when they are finite (or there are none)."""
+    for key, name in (("train_loss", "training loss"), ("validation_loss", "validation loss")):
+        losses = history.get(key) or []
+        if losses and not (losses[-1] is not None and math.isfinite(losses[-1])):
+            return f"{name} is {losses[-1]}"
+    return None

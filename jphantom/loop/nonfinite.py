@@ -7,8 +7,8 @@ state, does (``--on-nonfinite``), as one object, :class:`NonFinitePolicy`:
   :func:`jphantom.step.finite.keep_if_finite`, whose count of dropped updates
   :func:`jphantom.resilience.nonfinite_total` reads); after
   :data:`jphantom.resilience.MAX_CONSECUTIVE_SKIPS` in a row the run stops;
-- ``rollback``: the state, the history and the data stream go back to the newest checkpoint (or
-  the start), and the batch that gave the bad step is read but not trained on when the run gets
+- ``rollback``: the state, the history and the data stream go back to the newest checkpoint
+  whose recorded loss and parameters are finite (or the start), and the batch that gave the bad step is read but not trained on when the run gets
   there again; after :data:`jphantom.resilience.MAX_ROLLBACKS` rollbacks with no checkpoint
   written between them the run stops.
 
