@@ -38,7 +38,8 @@ ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"  # jax's own; jax reads it too
 
 def check_settings(coordinator_address=None, num_processes=None, process_id=None, *,
                    local_device_ids=None, local_device_count=None, initialization_timeout=300,
-                   heartbeat_timeout_seconds=100, env: Mapping[str, str] | None = None) -> None:
+                   heartbeat_timeout_seconds=100, env: Mapping[str, str] | None = None,
+                   platform=None) -> None:
     """Validate every setting :func:`initialize` will hand to jax; pure (reads only ``env``,
     default ``os.environ``, for jax's ``JAX_COORDINATOR_ADDRESS`` / ``JAX_COORDINATOR_PORT`` /
     ``JAX_COORDINATOR_BIND_ADDRESS``). ``None`` means "jax detects it". Raises ConfigError
@@ -68,6 +69,13 @@ def check_settings(coordinator_address=None, num_processes=None, process_id=None
         check_int("local_device_ids entry", value, 0)
     check_int("initialization_timeout (seconds)", initialization_timeout, 1)
     check_int("heartbeat_timeout_seconds", heartbeat_timeout_seconds, 1)
+    if platform is not None:
+        names = [p.strip().lower() for p in str(platform).split(",")] if isinstance(
+            platform, str) else []
+        if not names or not all(p in PLATFORMS for p in names):
+            raise ConfigError(f"platform={platform!r} is not a jax platform: give one of "
+                              f"{', '.join(PLATFORMS)} (or a comma-separated list of them, as "
+                              "JAX_PLATFORMS takes), or None to let jax choose")
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -78,7 +86,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     """Start jax's distributed runtime in this process; call it before any other jax call.
 
     Arguments left ``None`` are not passed on, so jax's cluster detection (SLURM, Open MPI,
-    Kubernetes, TPU, ``JAX_COORDINATOR_ADDRESS``) fills them. ``platform`` sets ``jax_platforms``;
+    Kubernetes, TPU, ``JAX_COORDINATOR_ADDRESS``) fills them. ``platform`` (one of
+    :data:`PLATFORMS`, or a comma-separated list of them) sets ``jax_platforms``;
     ``local_device_count`` sets ``jax_num_cpu_devices`` (CPU devices per process); CPU collectives
     across processes use gloo unless another implementation was configured. ``timeout_s`` is the
     old name of ``initialization_timeout``. Raises ConfigError for a bad setting, RuntimeError
@@ -92,7 +101,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     check_settings(coordinator_address, num_processes, process_id,
                    local_device_ids=local_device_ids, local_device_count=local_device_count,
                    initialization_timeout=initialization_timeout,
-                   heartbeat_timeout_seconds=heartbeat_timeout_seconds)
+                   heartbeat_timeout_seconds=heartbeat_timeout_seconds, platform=platform)
     address = coordinator_address or os.environ.get(ENV_COORDINATOR)
     start = time.monotonic()
     if process_id == 0 and address:
@@ -179,6 +188,8 @@ def is_initialized() -> bool:
 
 
 _ACCELERATOR_PLATFORMS = ("cuda", "gpu", "rocm", "tpu")
+PLATFORMS = ("cpu", *_ACCELERATOR_PLATFORMS)
+"""The ``platform`` values :func:`initialize` accepts (jax's ``jax_platforms`` names)."""
 GPU_PLUGINS = {"nvidia-smi": ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12",
                            "jax_plugins.xla_cuda13"),
             "rocm-smi": ("jax_rocm60_plugin", "jax_rocm7_plugin", "jax_plugins.xla_rocm60",

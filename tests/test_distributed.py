@@ -125,6 +125,10 @@ def test_good_settings_pass():
     ((), {"initialization_timeout": 0}, "initialization_timeout (seconds)=0"),
     ((), {"initialization_timeout": 1.5}, "initialization_timeout (seconds)=1.5"),
     ((), {"heartbeat_timeout_seconds": -3}, "heartbeat_timeout_seconds=-3"),
+    ((), {"platform": "nonsense"}, "platform='nonsense' is not a jax platform: give one of cpu, "
+                                   "cuda, gpu, rocm, tpu"),
+    ((), {"platform": "cpu,nonsense"}, "platform='cpu,nonsense'"),
+    ((), {"platform": 3}, "platform=3"),
 ])
 def test_bad_settings_name_the_setting(args, kwargs, fragment):
     with pytest.raises(ConfigError) as info:
@@ -300,6 +304,14 @@ def test_initialize_from_env(jax_calls, monkeypatch):
 def test_initialize_from_env_names_the_variable(jax_calls, env, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(")):
         distributed.initialize_from_env(env)
+    assert jax_calls == []
+
+
+def test_initialize_refuses_an_unknown_platform_before_jax_is_called(jax_calls):
+    """It returned None, jax_platforms set to a name no backend has; now a ConfigError naming
+    the accepted ones, and jax untouched."""
+    with pytest.raises(ConfigError, match="platform='nonsense' is not a jax platform"):
+        distributed.initialize("127.0.0.1:1234", 2, 1, platform="nonsense")
     assert jax_calls == []
 
 
