@@ -157,3 +157,30 @@ def test_answer_only_loss_is_the_mean_over_assistant_tokens(chat):
     expected = -np.mean([log_probs[i - 1, ids[i]] for i in assistant])
     assert float(weight) == len(assistant)
     np.testing.assert_allclose(float(total) / float(weight), expected, rtol=1e-5)
+
+
+def test_content_as_a_list_of_text_parts_reads_as_its_text(chat):
+    """OpenAI's and TRL's list form of content: its text parts concatenated (issue 55)."""
+    tokenizer, template = chat
+    turns = lambda first, second: {"messages": [{"role": "user", "content": first},
+                                                {"role": "assistant", "content": second}]}
+    parts = [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]
+    make = RowTokenizer(tokenizer, template, loss_on="assistant")
+    assert make(turns(parts, [{"type": "text", "text": "yo"}])) == make(turns("hi there", "yo"))
+
+
+@pytest.mark.parametrize("source, words", [
+    ("{% for i in range(100000000) %}x{% endfor %}",
+     "(line 1) failed on the conversation: OverflowError: Range too big"),
+    ("{{ 'a' }}\n{{ messages[0]['content'] + 1 }}",
+     "(line 2) failed on the conversation: TypeError: can only concatenate str"),
+    ("{{ raise_exception('only user turns') }}", "(line 1) refused the conversation: only user"),
+])
+def test_an_error_inside_a_template_is_one_line_naming_it_and_the_row(chat, source, words):
+    tokenizer, _ = chat
+    make = RowTokenizer(tokenizer, ChatTemplate(source, name="mine.jinja"))
+    with pytest.raises(ConfigError) as error:
+        make({"messages": [{"role": "user", "content": "hi"}]}, "chat.jsonl", 4)
+    message = str(error.value)
+    assert message.startswith("data file 'chat.jsonl' row 4: mine.jinja (line ")
+    assert words in message and "\n" not in message

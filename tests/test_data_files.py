@@ -115,7 +115,10 @@ def test_every_file_is_named_by_split_or_skipped(tmp_path):
     ({"prompt": "p"}, "keys ['prompt']"),
     ({"prompt": "p", "completion": [{"role": "assistant", "content": "c"}]}, "must both be strings"),
     ({"messages": [{"content": "no role"}]}, "'messages'[0] has ['content']"),
-    ({"text": 3}, "'text' is a int"),
+    ({"text": 3}, "'text' is a number, not a string"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+     "'messages'[0] 'content'[0] is a 'image_url' part: only text parts"),
+    ({"messages": [{"role": "user", "content": 7}]}, "'content' is a number, not a string or"),
 ])
 def test_a_row_of_no_known_shape_is_refused_in_one_line(tmp_path, row, words):
     path = _write(tmp_path / "bad.jsonl", [ROWS[0], row])

@@ -135,8 +135,12 @@ class ChatTemplate:
         try:
             for block in self._template.generate(**variables):
                 blocks.append(block)
-        except self._error as error:
-            raise ConfigError(f"{self.name} refused the conversation: {error}") from None
+        except self._error as error:  # raise_exception, an undefined name, the sandbox
+            raise ConfigError(f"{self.name}{_line_of(error)} refused the conversation: "
+                              f"{_first_line(error)}") from None
+        except Exception as error:  # Python's own inside the template: a TypeError on a value
+            raise ConfigError(f"{self.name}{_line_of(error)} failed on the conversation: "
+                              f"{type(error).__name__}: {_first_line(error)}") from None
         finally:
             tracker.recorder = None
         return "".join(blocks), spans
@@ -161,6 +165,22 @@ class ChatTemplate:
                     "(--chat-template FILE) or use --loss-on all")
             spans.append((len(before), len(through)))
         return text, spans
+
+
+def _line_of(error: Exception) -> str:
+    """`` (line N)``: the template line ``error`` was raised at (jinja2 rewrites tracebacks so
+    that a template's frames read ``<template>``), else nothing."""
+    traceback, line = error.__traceback__, None
+    while traceback is not None:
+        if traceback.tb_frame.f_code.co_filename == "<template>":
+            line = traceback.tb_lineno
+        traceback = traceback.tb_next
+    return "" if line is None else f" (line {line})"
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "(no message)"
 
 
 def normalize_messages(messages) -> list[dict]:

@@ -24,7 +24,9 @@ whose value is null counts as absent):
 - ``{"text": str}``: language modelling;
 - ``{"prompt": ..., "completion": ...}``: both strings (standard) or both lists of messages
   (conversational);
-- ``{"messages": [{"role": str, "content": ...}, ...]}``: a conversation.
+- ``{"messages": [{"role": str, "content": ...}, ...]}``: a conversation; a ``content`` is a
+  string or a list of text parts (``[{"type": "text", "text": "hi"}]``, OpenAI's form), whose
+  text is the parts' concatenated (:func:`content_text`), any other part refused by its type.
 
 Anything else is refused with one line naming the file, the row (1-based) and the keys found.
 pyarrow is the ``data`` extra (``pip install 'jphantom[data]'``); JSON needs nothing.
@@ -238,8 +240,8 @@ def row_kind(row, path, number: int) -> str:
     ``"prompt_completion"`` or ``"messages"``; anything else a ConfigError in one line."""
     where = f"data file {str(path)!r} row {number}"
     if not isinstance(row, dict):
-        raise ConfigError(f"{where} is a {type(row).__name__}, not an object with 'text', "
-                          "'prompt' and 'completion', or 'messages'")
+        raise ConfigError(f"{where} is {json_type(row)} ({json.dumps(row, default=str)[:40]}), not an "
+                          "object with 'text', 'prompt' and 'completion', or 'messages'")
     keys = {k for k, v in row.items() if v is not None}
     found = [kind for kind, need in KINDS.items() if set(need) <= keys]
     if len(found) != 1:
@@ -248,7 +250,7 @@ def row_kind(row, path, number: int) -> str:
                           "'prompt' and 'completion', or 'messages'")
     kind = found[0]
     if kind == "text" and not isinstance(row["text"], str):
-        raise ConfigError(f"{where}: 'text' is a {type(row['text']).__name__}, not a string")
+        raise ConfigError(f"{where}: 'text' is {json_type(row['text'])}, not a string")
     if kind == "messages":
         check_messages(row["messages"], f"{where} 'messages'")
     if kind == "prompt_completion":
@@ -273,3 +275,40 @@ def check_messages(messages, where: str) -> None:
             keys = sorted(message) if isinstance(message, dict) else type(message).__name__
             raise ConfigError(f"{where}[{index}] has {keys}: a message needs 'role' and "
                               "'content'")
+        _check_content(message.get("content"), f"{where}[{index}] 'content'")
+
+
+def _check_content(content, where: str) -> None:
+    """A message's content is None, a string, or a list of text parts (OpenAI's and
+    transformers' form, ``[{"type": "text", "text": "hi"}]``); any other part is refused by its
+    type (a text model reads no image or audio)."""
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, (list, tuple)):
+        raise ConfigError(f"{where} is {json_type(content)}, not a string or a list of "
+                          "{'type': 'text', 'text': ...} parts")
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else json_type(part)
+        if kind != "text" or not isinstance(part.get("text"), str):
+            what = f"a {kind!r} part" if isinstance(part, dict) else kind
+            raise ConfigError(f"{where}[{index}] is {what}: only text parts ({{'type': 'text', "
+                              "'text': ...}) are read, a text model takes no image or audio; "
+                              "drop it or give its text")
+
+
+def content_text(content):
+    """A message's content as a template reads it: the list form's text parts concatenated
+    (as TRL reads them for a text model), anything else as it is."""
+    if isinstance(content, (list, tuple)):
+        return "".join(part["text"] for part in content)
+    return content
+
+
+def json_type(value) -> str:
+    """``value``'s JSON type, with an article, for messages: "a JSON array", "a number"..."""
+    for kinds, name in (((bool,), "true or false"), ((int, float), "a number"),
+                        ((str,), "a string"), ((list, tuple), "a JSON array"),
+                        ((dict,), "a JSON object"), ((type(None),), "null")):
+        if isinstance(value, kinds):
+            return name
+    return f"a {type(value).__name__}"

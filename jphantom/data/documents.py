@@ -35,7 +35,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from jphantom.data.chat_template import token_mask
-from jphantom.data.dataset_files import VALIDATION_FILE, data_files, read_rows, row_kind
+from jphantom.data.dataset_files import (VALIDATION_FILE, content_text, data_files, read_rows,
+                                         row_kind)
 from jphantom.errors import ConfigError
 
 IGNORE = -100
@@ -125,9 +126,20 @@ class RowTokenizer:
             raise ConfigError(f"data file {str(path)!r} row {number} is a conversation but there "
                               "is no chat template: give --chat-template FILE, or --from-hf a "
                               "checkpoint whose folder has one")
+        try:
+            return self._rendered(row, kind, loss_on)
+        except ConfigError as error:  # the template's own, named here with the row it was on
+            raise ConfigError(f"data file {str(path)!r} row {number}: {error}") from None
+
+    def _rendered(self, row, kind, loss_on) -> tuple[list[int], list[int]]:
+        """(ids, mask) of a conversation row through the template (module docstring); a
+        message's list of text parts is its text (TRL's reading)."""
         options = {"tools": row.get("tools"), **(row.get("chat_template_kwargs") or {})}
-        messages = list(row["messages"] if kind == "messages" else
-                        list(row["prompt"]) + list(row["completion"]))
+        flat = lambda turns: [{**m, "content": content_text(m.get("content"))} if "content" in m
+                              else m for m in turns]
+        prompt_turns = flat(row["prompt"]) if kind == "prompt_completion" else []
+        messages = (flat(row["messages"]) if kind == "messages" else
+                    prompt_turns + flat(row["completion"]))
         if loss_on == "assistant":
             text, spans = self.template.assistant_spans(messages, **options)
         else:
@@ -139,14 +151,13 @@ class RowTokenizer:
         if loss_on == "assistant":
             mask = token_mask(offsets, spans)
         if kind == "prompt_completion":  # the completion only (with assistant: its turns)
-            prompt_text, _ = self.template.render(list(row["prompt"]),
-                                                  add_generation_prompt=True, **options)
+            prompt_text, _ = self.template.render(prompt_turns, add_generation_prompt=True,
+                                                  **options)
             if not text.startswith(prompt_text):
-                raise ConfigError(f"data file {str(path)!r} row {number}: {self.template.name} "
-                                  "renders the prompt (with the generation prompt) otherwise "
-                                  "than the start of prompt + completion, so the completion "
-                                  "cannot be found: a completion starts with the assistant's "
-                                  "turn")
+                raise ConfigError(f"{self.template.name} renders the prompt (with the generation "
+                                  "prompt) otherwise than the start of prompt + completion, so "
+                                  "the completion cannot be found: a completion starts with the "
+                                  "assistant's turn")
             prompt = len(encode_ids(self.tokenizer, prompt_text))
             mask = [0] * prompt + mask[prompt:]
         return ids, mask
