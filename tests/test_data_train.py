@@ -86,6 +86,23 @@ def test_nothing_to_learn_is_refused_before_anything_is_built(tmp_path, rows, fl
     assert words in message and "\n" not in message
 
 
+def test_text_the_tokenizer_cannot_represent_is_counted_or_refused(tmp_path):
+    """Issue 55: the chat fixture's 120-id byte-level BPE has no token for 'Ü' or '日' and drops
+    them; the count and the first row are a warning, or with --refuse-lost-text a refusal."""
+    from jphantom.errors import JPhantomWarning
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"text": "Hello the sky"}) + "\n"
+                    + json.dumps({"text": "Ünïcödé 日本語 😀"}) + "\n" * 3)
+    first = f"the first: data file {str(path)!r} row 2 ('Ü')"
+    with pytest.warns(JPhantomWarning, match="cannot represent 8 character\\(s\\) of 1 row") as caught:
+        check_vocabulary(_config(path))
+    assert first in str(caught[0].message)
+    with pytest.raises(ConfigError, match="--refuse-lost-text: .* 8 character") as error:
+        check_vocabulary(_config(path, refuse_lost_text=True))
+    assert first in str(error.value)
+
+
 @pytest.mark.slow
 def test_fine_tune_packed_on_the_answers_and_resume(tmp_path):
     """Packed conversations, the loss on the assistant turns: the run trains (the loss falls over

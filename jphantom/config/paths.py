@@ -32,13 +32,15 @@ def is_dataset_data(value: str | None) -> bool:
     return value is not None and dataset(value)
 
 
-def check_document_options(data, pack: bool, loss_on, chat_template, val_data=None) -> None:
-    """``--pack``, ``--loss-on``, ``--chat-template`` and ``--val-data`` apply to dataset files
-    (documents), not to text or token files; a ``--chat-template`` file exists and
-    ``--val-data`` is dataset files."""
+def check_document_options(data, pack: bool, loss_on, chat_template, val_data=None,
+                           refuse_lost_text: bool = False) -> None:
+    """``--pack``, ``--loss-on``, ``--chat-template``, ``--val-data`` and ``--refuse-lost-text``
+    apply to dataset files (documents), not to text or token files; a ``--chat-template`` file
+    exists and ``--val-data`` is dataset files."""
     given = [flag for flag, value in (("--pack", pack), (f"--loss-on {loss_on}", loss_on),
                                       ("--chat-template", chat_template),
-                                      ("--val-data", val_data)) if value]
+                                      ("--val-data", val_data),
+                                      ("--refuse-lost-text", refuse_lost_text)) if value]
     if given and not is_dataset_data(data):
         what = "the standard library's text" if data is None else f"data={data!r}"
         raise ConfigError(f"{given[0]} applies to dataset files (.jsonl, .json, .parquet, "

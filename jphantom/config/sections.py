@@ -340,6 +340,10 @@ class TrainConfig:
         "only within itself, positions restart; a document crossing a row's end goes on in the "
         "next) instead of one document per row, truncated to --seq-len and padded (default: "
         "padded)")
+    refuse_lost_text: bool = setting(
+        False, "with dataset files: refuse the data when the tokenizer cannot represent some of "
+        "its characters (it drops them) instead of a warning naming the count and the first "
+        "row (default: warn)")
     out: str | None = setting("out/train", "output folder")
     save_hf: str | None = setting(
         None, "save the trained model as a Hugging Face directory (alias --save-gpt2)",
@@ -414,7 +418,7 @@ class TrainConfig:
         paths.check_paths(self.out, self.checkpoint_dir, self.save_hf, self.data,
                           self.tokenizer)
         paths.check_document_options(self.data, self.pack, self.loss_on, self.chat_template,
-                                     self.val_data)
+                                     self.val_data, self.refuse_lost_text)
 
     def schedule(self, total_steps: int | None = None):
         """The learning rate schedule (an optax schedule, or the constant rate): linear warm-up

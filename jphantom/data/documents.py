@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
+from collections import Counter
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -37,7 +39,7 @@ import numpy as np
 from jphantom.data.chat_template import token_mask
 from jphantom.data.dataset_files import (VALIDATION_FILE, content_text, data_files, read_rows,
                                          row_kind)
-from jphantom.errors import ConfigError
+from jphantom.errors import ConfigError, JPhantomWarning
 
 IGNORE = -100
 LOSS_ON = ("assistant", "completion", "all")  # --loss-on
@@ -92,6 +94,12 @@ class RowTokenizer:
 
     def __call__(self, row: dict, path="row", number: int = 1) -> tuple[list[int], list[int]]:
         """(ids, mask): the row's tokens and 1 where the loss is taken on a token."""
+        ids, mask, _ = self.encode(row, path, number)
+        return ids, mask
+
+    def encode(self, row: dict, path="row", number: int = 1) -> tuple[list[int], list[int], str]:
+        """(ids, mask, lost): the row's tokens, 1 where the loss is taken on a token, and the
+        characters of its text the tokenizer cannot represent (:func:`lost_characters`)."""
         kind = row_kind(row, path, number)
         loss_on = self.loss_on or DEFAULT_LOSS_ON[kind]
         if loss_on not in APPLIES[kind]:
@@ -101,19 +109,27 @@ class RowTokenizer:
                               f"{number}: {what}; use --loss-on "
                               f"{' or '.join(APPLIES[kind])}")
         if kind == "text":
-            ids = self._standard(row["text"])
-            return ids, [1] * len(ids)
-        if kind == "messages" or not isinstance(row["prompt"], str):
-            return self._conversation(row, kind, loss_on, path, number)
+            text = row["text"]
+            ids = self._standard(text)
+            mask = [1] * len(ids)
+        elif kind == "messages" or not isinstance(row["prompt"], str):
+            ids, mask, text = self._conversation(row, kind, loss_on, path, number)
+        else:
+            ids, mask, text = self._strings(row, loss_on, path, number)
+        return ids, mask, lost_characters(self.tokenizer, text, ids)
+
+    def _strings(self, row, loss_on, path, number) -> tuple[list[int], list[int], str]:
+        """A prompt/completion row of strings: (ids, mask, text)."""
         if loss_on == "assistant":
             raise ConfigError(f"--loss-on assistant does not apply to data file {str(path)!r} row "
                               f"{number}: a prompt/completion row of strings has no assistant "
                               "turns; use --loss-on completion or all")
         prompt = encode_ids(self.tokenizer, row["prompt"], special=True)
-        ids = self._standard(row["prompt"] + row["completion"])
+        text = row["prompt"] + row["completion"]
+        ids = self._standard(text)
         mask = [1] * len(ids) if loss_on == "all" else [0] * len(prompt) + [1] * (
             len(ids) - len(prompt))
-        return ids, mask[:len(ids)]
+        return ids, mask[:len(ids)], text
 
     def _standard(self, text: str) -> list[int]:
         ids = encode_ids(self.tokenizer, text, special=True)
@@ -121,7 +137,7 @@ class RowTokenizer:
             ids.append(self.eos)
         return ids
 
-    def _conversation(self, row, kind, loss_on, path, number) -> tuple[list[int], list[int]]:
+    def _conversation(self, row, kind, loss_on, path, number) -> tuple[list[int], list[int], str]:
         if self.template is None:
             raise ConfigError(f"data file {str(path)!r} row {number} is a conversation but there "
                               "is no chat template: give --chat-template FILE, or --from-hf a "
@@ -131,8 +147,8 @@ class RowTokenizer:
         except ConfigError as error:  # the template's own, named here with the row it was on
             raise ConfigError(f"data file {str(path)!r} row {number}: {error}") from None
 
-    def _rendered(self, row, kind, loss_on) -> tuple[list[int], list[int]]:
-        """(ids, mask) of a conversation row through the template (module docstring); a
+    def _rendered(self, row, kind, loss_on) -> tuple[list[int], list[int], str]:
+        """(ids, mask, text) of a conversation row through the template (module docstring); a
         message's list of text parts is its text (TRL's reading)."""
         options = {"tools": row.get("tools"), **(row.get("chat_template_kwargs") or {})}
         flat = lambda turns: [{**m, "content": content_text(m.get("content"))} if "content" in m
@@ -146,7 +162,7 @@ class RowTokenizer:
             text, spans = self.template.render(messages, **options)
         ids, offsets = encode_with_offsets(self.tokenizer, text)
         if loss_on == "all":
-            return ids, [1] * len(ids)
+            return ids, [1] * len(ids), text
         mask = [1] * len(ids)
         if loss_on == "assistant":
             mask = token_mask(offsets, spans)
@@ -160,7 +176,27 @@ class RowTokenizer:
                                   "assistant's turn")
             prompt = len(encode_ids(self.tokenizer, prompt_text))
             mask = [0] * prompt + mask[prompt:]
-        return ids, mask
+        return ids, mask, text
+
+
+def lost_characters(tokenizer, text: str, ids: Sequence[int]) -> str:
+    """The characters of ``text`` (whitespace aside, in order) that ``ids`` do not give back: a
+    Hugging Face tokenizer drops a character it has no token for (a byte-level BPE without a
+    byte's token, a model without an unknown token) or maps it to its unknown token. Counted as
+    the text, through the tokenizer's normaliser (lower-casing, NFKC), less the characters of
+    the decoded ids; bytes and tiktoken (byte-level, every byte a token) lose none."""
+    inner = getattr(tokenizer, "tokenizer", None)
+    if inner is None or not hasattr(inner, "decode") or getattr(inner, "decoder", 1) is None:
+        return ""
+    normal = inner.normalizer.normalize_str(text) if inner.normalizer is not None else text
+    missing = Counter("".join(normal.split())) - Counter(
+        "".join(inner.decode(list(ids), skip_special_tokens=False).split()))
+    lost = []
+    for char in normal:
+        if missing[char] > 0:
+            missing[char] -= 1
+            lost.append(char)
+    return "".join(lost)
 
 
 def targets(ids: Sequence[int], mask: Sequence[int]) -> np.ndarray:
@@ -242,17 +278,46 @@ class Documents:
         return cls(join(tokens), join(target_parts), np.cumsum(lengths, dtype=np.int64))
 
 
-def tokenize_files(paths, row_tokenizer: RowTokenizer, progress: bool = False) -> Documents:
+@dataclasses.dataclass
+class LostText:
+    """The characters the tokenizer could not represent (:func:`lost_characters`), over rows:
+    how many, in how many rows, and the first such row and character."""
+
+    characters: int = 0
+    rows: int = 0
+    first: str | None = None  # "data file 'chat.jsonl' row 3 ('Ü')"
+
+    def add(self, lost: str, path, number: int) -> None:
+        if lost:
+            self.characters, self.rows = self.characters + len(lost), self.rows + 1
+            self.first = self.first or f"data file {str(path)!r} row {number} ({lost[0]!r})"
+
+    def warning(self, tokenizer) -> str | None:
+        """One line naming the count and the first row, or None when nothing was lost."""
+        if not self.characters:
+            return None
+        name = getattr(tokenizer, "name", tokenizer)
+        return (f"tokenizer {name!r} cannot represent {self.characters:,} character(s) of "
+                f"{self.rows:,} row(s), which it drops; the first: {self.first}: use a tokenizer "
+                "that covers the data's characters (a byte-level one), or clean the data")
+
+
+def tokenize_files(paths, row_tokenizer: RowTokenizer, progress: bool = False,
+                   lost: LostText | None = None) -> Documents:
     """Every row of the dataset files ``paths``, tokenised, as :class:`Documents` (rows with no
-    token are dropped); ``progress``: a tqdm bar of the rows."""
+    token are dropped); ``progress``: a tqdm bar of the rows; ``lost``: counts the characters
+    the tokenizer cannot represent."""
     from tqdm.auto import tqdm
+
+    lost = LostText() if lost is None else lost
 
     def pairs():
         with tqdm(unit=" rows", disable=not progress, desc="tokenizing") as bar:
             for path in paths:
                 bar.set_description_str(f"tokenizing {os.path.basename(path)}")
                 for number, row in enumerate(read_rows(path), 1):
-                    ids, mask = row_tokenizer(row, path, number)
+                    ids, mask, dropped = row_tokenizer.encode(row, path, number)
+                    lost.add(dropped, path, number)
                     bar.update()
                     if ids:
                         yield ids, mask
@@ -266,20 +331,24 @@ def read_documents(data, row_tokenizer: RowTokenizer, validation_data=None,
     :func:`jphantom.data.dataset_files.data_files`): the rows of ``validation_data`` (a file or
     a folder: ``--val-data``), else of the folder's validation files, else the last
     :data:`HELD_OUT` of the rows (at least one); ``progress``: a bar of the rows tokenised. The
-    description names every file by split, and every file skipped with why."""
+    description names every file by split, and every file skipped with why, and counts the
+    characters the tokenizer cannot represent (a warning names the count and the first row)."""
     from pathlib import Path
 
-    files = data_files(data, validation_data)
-    train = tokenize_files(files["train"], row_tokenizer, progress)
+    files, lost = data_files(data, validation_data), LostText()
+    train = tokenize_files(files["train"], row_tokenizer, progress, lost)
     if files["validation"]:
-        validation = tokenize_files(files["validation"], row_tokenizer, progress)
+        validation = tokenize_files(files["validation"], row_tokenizer, progress, lost)
     else:
         train, validation = train.hold_out()
+    if (warning := lost.warning(row_tokenizer.tokenizer)) is not None:
+        warnings.warn(warning, JPhantomWarning, stacklevel=2)
     return train, validation, {
         "source": str(Path(data).resolve()),
         "files": {split: ({str(p): why for p, why in found.items()} if split == "skipped"
                           else [str(p) for p in found]) for split, found in files.items()},
         "validation_split": ("files" if files["validation"] else
                              f"the last {HELD_OUT:.0%} of the rows held out (at least 1)"),
+        "lost_characters": dataclasses.asdict(lost),
         "loss_on": row_tokenizer.loss_on or "each row's default (" + ", ".join(
             f"{kind}: {on}" for kind, on in DEFAULT_LOSS_ON.items()) + ")"}
