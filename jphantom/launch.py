@@ -42,6 +42,24 @@ in a collective for it, most likely)."""
 
 CLUSTER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_")
 
+PROCESSES_PER_CPU = 8
+"""Processes launch starts per CPU core at most: each is a Python process running jax (its own
+runtime threads), so more than this only queues on the cores."""
+BYTES_PER_PROCESS = 256 * 2**20
+"""Memory launch counts per process (a Python process with jax imported holds about this much
+before any array): the machine's memory over it bounds ``-n`` too."""
+
+
+def max_processes() -> int:
+    """The most processes launch starts on this machine: :data:`PROCESSES_PER_CPU` per CPU core,
+    and no more than the physical memory holds at :data:`BYTES_PER_PROCESS` each (at least 1)."""
+    by_cpus = PROCESSES_PER_CPU * (os.cpu_count() or 1)
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no sysconf figure: the cores alone
+        return by_cpus
+    return max(1, min(by_cpus, memory // BYTES_PER_PROCESS))
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
@@ -106,6 +124,12 @@ def launch(command: Sequence[str], num_processes: int, *, port: int | None = Non
     (and any process left suspended), when a child fails and no restart is left.
     """
     check_int("--num-processes", num_processes, 1)
+    limit = max_processes()
+    if num_processes > limit:
+        raise ConfigError(f"--num-processes {num_processes} is more than this machine runs: at "
+                          f"most {limit} ({PROCESSES_PER_CPU} per CPU core of "
+                          f"{os.cpu_count() or 1}, {BYTES_PER_PROCESS // 2**20} MiB of memory "
+                          f"each); give -n {limit} or fewer, or use several machines")
     for name, value in (("--devices-per-process", devices_per_process), ("--timeout", timeout),
                         ("--deadline", deadline)):
         if value is not None:
@@ -371,7 +395,8 @@ def add_parser(subparsers) -> None:
                "--strategy tensor --mesh data=2,model=4 | jphantom launch -n 4 --timeout 60 -- "
                "python my_script.py")
     parser.add_argument("-n", "--num-processes", type=int, required=True, metavar="N",
-                        help="number of processes")
+                        help="number of processes (at most 8 per CPU core, and no more than "
+                             "the memory holds at 256 MiB each: refused before any starts)")
     parser.add_argument("--devices-per-process", type=int, default=None, metavar="D",
                         help="CPU devices simulated per process; with accelerators, process r "
                              "gets devices rD..rD+D-1 (default: jax's choice)")

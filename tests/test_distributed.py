@@ -516,6 +516,23 @@ def test_launch_rejects_bad_settings_in_one_line(capsys, argv, fragment):
     assert err.count("\n") == 1 and fragment in err, err
 
 
+def test_launch_refuses_more_processes_than_the_machine_runs_before_starting_any(
+        capsys, monkeypatch):
+    """-n 100000 started threads for 96 s, then failed; now one line and exit 2 at once, the
+    limit derived from the cores (8 each) and the memory (256 MiB each)."""
+    import jphantom.launch as launch_module
+
+    started = []
+    monkeypatch.setattr(launch_module, "_run_once", lambda *a, **k: started.append(a))
+    limit = launch_module.max_processes()
+    assert 1 <= limit <= launch_module.PROCESSES_PER_CPU * (os.cpu_count() or 1)
+    assert cli.main(["launch", "-n", "100000", "--", "true"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--num-processes 100000 is more than this machine runs: " \
+        f"at most {limit}" in err and f"give -n {limit} or fewer" in err, err
+    assert cli.main(["launch", "-n", str(limit + 1), "--", "true"]) == 2 and started == []
+
+
 # --------------------------------------------------------------------------------------------------
 # Real multi-process jax.
 # --------------------------------------------------------------------------------------------------
