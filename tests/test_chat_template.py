@@ -184,3 +184,11 @@ def test_an_error_inside_a_template_is_one_line_naming_it_and_the_row(chat, sour
     message = str(error.value)
     assert message.startswith("data file 'chat.jsonl' row 4: mine.jinja (line ")
     assert words in message and "\n" not in message
+
+
+def test_a_conversation_rendered_as_nothing_is_refused(chat):
+    """A template that writes nothing for a row: named with the row, not dropped unseen."""
+    tokenizer, _ = chat
+    make = RowTokenizer(tokenizer, ChatTemplate("{% if false %}x{% endif %}", name="mine.jinja"))
+    with pytest.raises(ConfigError, match="row 2: mine.jinja renders the conversation as ''"):
+        make({"messages": [{"role": "user", "content": "hi"}]}, "chat.jsonl", 2)

@@ -140,3 +140,24 @@ def test_malformed_files_are_refused(tmp_path):
         list(read_rows(broken))
     with pytest.raises(ConfigError, match="does not exist"):
         split_files(tmp_path / "missing.jsonl")
+
+
+def test_a_byte_order_mark_is_read_past(tmp_path):
+    """Issue 55: a UTF-8 BOM (a common export) before JSON Lines or a JSON array."""
+    lines, array = tmp_path / "a.jsonl", tmp_path / "b.json"
+    lines.write_text("\ufeff" + "".join(json.dumps(r) + "\n" for r in ROWS), encoding="utf-8")
+    array.write_text("\ufeff" + json.dumps(ROWS), encoding="utf-8")
+    assert list(read_rows(lines)) == ROWS and list(read_rows(array)) == ROWS
+
+
+def test_json_lines_of_lists_are_refused_as_lists(tmp_path):
+    """Issue 55: lines of [1, 2, 3] are rows that are lists (not one array of numbers); a
+    one-line array of objects is still one array of rows."""
+    path = tmp_path / "lists.jsonl"
+    path.write_text("[1, 2, 3]\n" * 3)
+    with pytest.raises(ConfigError, match=r"row 1 is a JSON array \(\[1, 2, 3\]\), not an obj"):
+        for number, found in enumerate(read_rows(path), 1):
+            row_kind(found, path, number)
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(ROWS) + "\n")
+    assert list(read_rows(one)) == ROWS

@@ -103,6 +103,19 @@ def test_text_the_tokenizer_cannot_represent_is_counted_or_refused(tmp_path):
     assert first in str(error.value)
 
 
+def test_a_chat_template_refusal_blames_the_template(tmp_path):
+    """Issue 55: an empty --chat-template file, and a folder without a template, are named as
+    such (not "the data holds 0 row(s)", not "give --chat-template FILE")."""
+    data = _chat_file(tmp_path, copies=1)
+    empty = tmp_path / "empty.jinja"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match=f"chat template {str(empty)!r} is empty: give its"):
+        check_vocabulary(_config(data, chat_template=str(empty)))
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(ConfigError, match="folder' is a folder without a chat_template.jinja"):
+        check_vocabulary(_config(data, chat_template=str(tmp_path / "folder")))
+
+
 @pytest.mark.slow
 def test_fine_tune_packed_on_the_answers_and_resume(tmp_path):
     """Packed conversations, the loss on the assistant turns: the run trains (the loss falls over

@@ -99,6 +99,10 @@ def _document_data(data, val_data, value, chat_template, loss_on, from_hf, stamp
     special = next((special_tokens(c) for c in map(read_tokenizer_config, folders) if c), {})
     template = (load_chat_template(chat_template) if chat_template else
                 next(filter(None, map(load_chat_template, folders)), None))
+    if chat_template and template is None:  # a folder without one
+        raise ConfigError(f"chat_template={chat_template!r} is a folder without a "
+                          "chat_template.jinja or a tokenizer_config.json with a 'chat_template': "
+                          "give the template's .jinja file, or the checkpoint folder that has one")
     ids = getattr(getattr(tokenizer, "tokenizer", None), "token_to_id", lambda token: None)
     eos = ids(special["eos_token"]) if "eos_token" in special else None
     eos = tokenizer.eot if eos is None else eos

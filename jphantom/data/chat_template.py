@@ -111,6 +111,9 @@ class ChatTemplate:
 
     def __init__(self, source: str, special: dict | None = None, name: str = "chat template"):
         jinja2 = _jinja()
+        if not source.strip():
+            raise ConfigError(f"chat template {name!r} is empty: give its Jinja text (a .jinja "
+                              "file, or a tokenizer_config.json's 'chat_template')")
         self.source, self.name = source, name
         self.special = dict(special or {})
         self.has_generation = bool(GENERATION_TAG.search(source))
@@ -242,7 +245,7 @@ def read_tokenizer_config(folder: str | os.PathLike) -> dict:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8-sig"))
     except (OSError, json.JSONDecodeError) as error:
         raise ConfigError(f"{str(path)!r} cannot be read as JSON ({error})") from None
 
@@ -259,7 +262,7 @@ def load_chat_template(source: str | os.PathLike, special: dict | None = None
     tokens = {**special_tokens(config), **(special or {})}
     if path.is_dir():
         if (path / TEMPLATE_FILE).is_file():
-            return ChatTemplate((path / TEMPLATE_FILE).read_text(encoding="utf-8"), tokens,
+            return ChatTemplate((path / TEMPLATE_FILE).read_text(encoding="utf-8-sig"), tokens,
                                 str(path / TEMPLATE_FILE))
         text = _template_of_config(config, str(path / CONFIG_FILE))
         return None if text is None else ChatTemplate(text, tokens, str(path / CONFIG_FILE))
@@ -268,11 +271,11 @@ def load_chat_template(source: str | os.PathLike, special: dict | None = None
                           "tokenizer_config.json or a checkpoint folder")
     if path.suffix == ".json":
         try:
-            own = json.loads(path.read_text(encoding="utf-8"))
+            own = json.loads(path.read_text(encoding="utf-8-sig"))
         except json.JSONDecodeError as error:
             raise ConfigError(f"chat_template={str(source)!r} is not JSON ({error.msg})") from None
         text = _template_of_config(own, str(path))
         if text is None:
             raise ConfigError(f"chat_template={str(source)!r} has no 'chat_template' entry")
         return ChatTemplate(text, {**tokens, **special_tokens(own)}, str(path))
-    return ChatTemplate(path.read_text(encoding="utf-8"), tokens, str(path))
+    return ChatTemplate(path.read_text(encoding="utf-8-sig"), tokens, str(path))

@@ -11,9 +11,9 @@ holding the file in memory:
 
 - ``.jsonl`` (JSON Lines): the standard library's :mod:`json`, one line at a time;
 - ``.json``: JSON Lines too (what Hugging Face ``datasets``' ``to_json`` writes), or one JSON
-  array of rows (Alpaca-style files), decoded one row at a time from 1 MiB blocks with
-  :meth:`json.JSONDecoder.raw_decode` (the standard library: pyarrow's JSON reader takes only
-  newline-delimited JSON);
+  array of rows (Alpaca-style files; :func:`_one_array`), decoded one row at a time from 1 MiB
+  blocks with :meth:`json.JSONDecoder.raw_decode` (the standard library: pyarrow's JSON reader
+  takes only newline-delimited JSON); a UTF-8 byte-order mark is read past (``utf-8-sig``);
 - ``.parquet``: ``pyarrow.parquet.ParquetFile.iter_batches`` (record batches of 1024 rows);
 - ``.arrow`` / ``.feather`` (Arrow IPC): memory-mapped by ``pyarrow``, the file format (Feather
   v2) or the stream format (what ``datasets``' ``save_to_disk`` writes), batch by batch.
@@ -165,9 +165,11 @@ def read_rows(path: str | os.PathLike) -> Iterator[dict]:
 
 
 def _json_rows(path: Path) -> Iterator[dict]:
-    with open(path, encoding="utf-8") as handle:
+    """JSON Lines, or (a ``.json`` file) one array of rows; a UTF-8 byte-order mark (what some
+    editors and spreadsheet exports write) is read past."""
+    with open(path, encoding="utf-8-sig") as handle:
         head = handle.read(BLOCK_BYTES)
-        if head.lstrip().startswith("["):
+        if _one_array(head):
             yield from _json_array(handle, head, path)
             return
         handle.seek(0)
@@ -179,6 +181,22 @@ def _json_rows(path: Path) -> Iterator[dict]:
             except json.JSONDecodeError as error:
                 raise ConfigError(f"data file {str(path)!r} line {number} is not JSON "
                                   f"({error.msg}): give one JSON object per line") from None
+
+
+def _one_array(head: str) -> bool:
+    """Whether a JSON file starting with ``head`` is one array of rows: it opens with ``[`` and
+    its first line is not a whole JSON value (the array spans lines), or is a list of objects
+    with nothing after it. A first line such as ``[1, 2, 3]`` followed by others, or alone, is
+    JSON Lines whose row is that list (then refused as one)."""
+    text = head.lstrip()
+    if not text.startswith("["):
+        return False
+    first, _, rest = text.partition("\n")
+    try:
+        value = json.loads(first)
+    except json.JSONDecodeError:
+        return True
+    return not rest.strip() and all(isinstance(row, dict) for row in value)
 
 
 def _json_array(handle, buffer: str, path: Path) -> Iterator[dict]:

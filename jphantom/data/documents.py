@@ -160,6 +160,9 @@ class RowTokenizer:
             text, spans = self.template.assistant_spans(messages, **options)
         else:
             text, spans = self.template.render(messages, **options)
+        if not text.strip():
+            raise ConfigError(f"{self.template.name} renders the conversation as {text!r}: check "
+                              "the template writes the messages' content")
         ids, offsets = encode_with_offsets(self.tokenizer, text)
         if loss_on == "all":
             return ids, [1] * len(ids), text
