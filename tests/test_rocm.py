@@ -107,6 +107,37 @@ def test_stand_ins_let_a_plugin_whose_libraries_are_missing_load(tmp_path):
     ctypes.CDLL(str(plugin))  # loads now
 
 
+@needs_toolchain
+def test_a_stand_in_that_is_called_names_itself_and_aborts(tmp_path):
+    """Every stand-in returned a non-null pointer, so a call that reached one ran on with a
+    made-up result; now it prints its symbol to stderr and aborts. The registrations the plugin's
+    load makes, and error-string getters, still answer."""
+    library = stubs.Library("libfakehip.so.7", {"": ("hipMalloc", "__hipRegisterFatBinary",
+                                                     "hipGetErrorString")})
+    assert [stubs.kind_of(n) for n in ("hipMalloc", "__hipRegisterFatBinary",
+                                       "hipGetErrorString", "_ZTVN3foo3BarE")] == [
+        "fail", "handle", "text", "data"]
+    [path] = stubs.build([library], tmp_path)
+    code = (f"import ctypes, sys; lib = ctypes.CDLL({str(path)!r}); "
+            "[setattr(getattr(lib, n), 'restype', ctypes.c_char_p) for n in "
+            "('__hipRegisterFatBinary', 'hipGetErrorString', 'hipMalloc')]; "
+            "print(lib.__hipRegisterFatBinary().decode(), lib.hipGetErrorString().decode(), "
+            "sep='|', flush=True); lib.hipMalloc(); print('ran on')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == -6 and "ran on" not in out.stdout  # SIGABRT
+    assert out.stdout.strip() == "|".join(["ROCm runtime stand-in (jphantom.rocm.stubs)"] * 2)
+    assert out.stderr.startswith("jphantom: hipMalloc was called, but it is a stand-in for the "
+                                 "ROCm runtime"), out.stderr
+
+
+def test_the_stand_ins_cache_honours_jphantom_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("JPHANTOM_CACHE_DIR", str(tmp_path / "cache"))
+    assert stubs.cache_root() == tmp_path / "cache" / "rocm-stubs"
+    monkeypatch.delenv("JPHANTOM_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert stubs.cache_root() == tmp_path / "xdg" / "jphantom" / "rocm-stubs"
+
+
 # -------------------------------------------------------------------------------------------------
 # Compiles for MI250X and MI300X (make test-rocm)
 # -------------------------------------------------------------------------------------------------

@@ -14,11 +14,17 @@ So, for each needed library that does not load here, :func:`ensure` compiles (gc
 object of that ``SONAME`` defining every symbol the plugin takes from it, under the symbol
 versions the plugin asks for (``hip_4.2`` ... ``hip_6.5``, ``ROCR_1``, ``AMDSMI_1``,
 ``AMDROCM_SYSDEPS_1.0*``, read from its ``.gnu.version_r`` with readelf); the plugin's unversioned
-undefined symbols that no system library defines go into the first unversioned stand-in. Every
-stand-in function returns a non-zero pointer to a string (a non-zero status; an error-string
-getter returns readable text). They are written once into a cache keyed by what they define
-(``$XDG_CACHE_HOME/jphantom/rocm-stubs/<key>``, regenerated when the plugin's needs change) and
-loaded with ``RTLD_GLOBAL`` before jax discovers the plugin.
+undefined symbols that no system library defines go into the first unversioned stand-in. A
+stand-in fails loudly when called: it prints its symbol's name to stderr and aborts, so that a
+call that reaches one stops there instead of running on with a made-up result. Three kinds are
+left working, because loading the plugin calls them or they are not code (:func:`kind_of`): the
+static initialisers' registrations (``__hipRegister*``, ``__hipUnregister*`` at exit and
+``rocprofiler_force_configure``) return a non-null handle, an error-string getter returns readable
+text, and C++ vtables and typeinfo (``_ZTV``, ``_ZTI``, ``_ZTS``) are placeholders no one calls.
+They are written once into a cache keyed by what they define (``$JPHANTOM_CACHE_DIR/rocm-stubs/
+<key>``, else ``$XDG_CACHE_HOME/jphantom/rocm-stubs/<key>``, default ``~/.cache/jphantom``;
+regenerated when the plugin's needs change) and loaded with ``RTLD_GLOBAL`` before jax discovers
+the plugin.
 
 **Never where ROCm is**: a library that loads is not stood in for; where every one loads (a real
 ROCm install) nothing is generated or loaded. Anything that *runs* on a stand-in fails; jphantom
@@ -39,7 +45,35 @@ from pathlib import Path
 from jphantom.errors import ConfigError
 
 _SYSTEM_VERSIONS = re.compile(r"^(GLIBC|GLIBCXX|CXXABI|GCC)_")
-_STUB_BODY = 'static const char jphantom_stub[] = "ROCm runtime stand-in (jphantom.rocm.stubs)";\n'
+_STUB_BODY = (
+    "#include <stdio.h>\n#include <stdlib.h>\n"
+    'static const char jphantom_stub[] = "ROCm runtime stand-in (jphantom.rocm.stubs)";\n'
+    "static void jphantom_called(const char *name) {\n"
+    '    fprintf(stderr, "jphantom: %s was called, but it is a stand-in for the ROCm runtime '
+    "(jphantom.rocm.stubs): this machine has no ROCm, the stand-ins only let XLA's compiler "
+    'load; run on a machine with ROCm installed\\n", name);\n'
+    "    abort();\n}\n")
+_LOADING = re.compile(r"^(__hipRegister|__hipUnregister|rocprofiler_force_configure$)")
+_ERROR_TEXT = re.compile(r"(GetErrorString|GetErrorName|StatusString|status_string|"
+                         r"ErrorString)$", re.IGNORECASE)
+_NOT_CODE = re.compile(r"^_ZT[VIS]")  # C++ vtables and typeinfo: data, never called
+
+
+def kind_of(name: str) -> str:
+    """What a stand-in for ``name`` does (module docstring): ``handle`` (a registration the
+    plugin's load makes: a non-null pointer), ``text`` (an error-string getter: readable text),
+    ``data`` (a vtable or typeinfo) or ``fail`` (prints ``name`` to stderr and aborts)."""
+    if _LOADING.match(name):
+        return "handle"
+    if _ERROR_TEXT.search(name):
+        return "text"
+    return "data" if _NOT_CODE.match(name) else "fail"
+
+
+def _definition(name: str) -> str:
+    if kind_of(name) == "fail":
+        return f'const void *{name}(void) {{ jphantom_called("{name}"); return 0; }}\n'
+    return f"const void *{name}(void) {{ return jphantom_stub; }}\n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +91,7 @@ class Library:
 
     def source(self) -> str:
         names = sorted({s for group in self._named().values() for s in group})
-        return _STUB_BODY + "".join(f"const void *{name}(void) {{ return jphantom_stub; }}\n"
-                                    for name in names)
+        return _STUB_BODY + "".join(_definition(name) for name in names)
 
     def version_script(self) -> str | None:
         named = self._named()
@@ -152,8 +185,12 @@ def plan(files: list[Path] | None = None) -> list[Library]:
 
 
 def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "jphantom" / "rocm-stubs"
+    """Where the stand-ins are cached: ``$JPHANTOM_CACHE_DIR/rocm-stubs``, else
+    ``$XDG_CACHE_HOME/jphantom/rocm-stubs`` (default ``~/.cache/jphantom``), as the project's
+    other caches (:func:`jphantom.data.tokens.cache_dir`)."""
+    root = os.environ.get("JPHANTOM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jphantom")
+    return Path(root) / "rocm-stubs"
 
 
 def key_of(libraries: list[Library]) -> str:
@@ -208,4 +245,5 @@ def ensure() -> list[Path]:
     return paths
 
 
-__all__ = ["Library", "build", "cache_root", "ensure", "key_of", "plan", "plugin_files"]
+__all__ = ["Library", "build", "cache_root", "ensure", "key_of", "kind_of", "plan",
+           "plugin_files"]
