@@ -332,6 +332,14 @@ def test_shipped_device_descriptions_cite_every_number():
     ({"gemm_efficiency": {"bf16": {"value": 1.5, "source": "assumed", "cite": "x"}}},
      "fraction"),
     ({"launch": {}}, "lacks kernel_us"),
+    ({"network": {"gpus_per_node": {"value": 0, "source": "assumed", "cite": "x"}}},
+     r"bad.toml \[network\] gpus_per_node = 0: a whole number >= 1"),
+    ({"network": {"nics_per_node": {"value": 1.5, "source": "assumed", "cite": "x"}}},
+     r"\[network\] nics_per_node = 1.5: a whole number"),
+    ({"network": {"inter_node_efficiency": {"value": 0, "source": "assumed", "cite": "x"}}},
+     r"\[network\] inter_node_efficiency = 0: a fraction"),
+    ({"memory": {"hbm_bytes": {"value": 0, "source": "assumed", "cite": "x"}}},
+     r"\[memory\] hbm_bytes = 0: must be > 0"),
 ])
 def test_a_bad_description_is_refused_by_name(bad, message):
     data = {k: ({n: {"value": x, "source": "assumed", "cite": "t"} for n, x in v.items()}
@@ -342,6 +350,26 @@ def test_a_bad_description_is_refused_by_name(bad, message):
         described.parse(data, "bad.toml")
     with pytest.raises(ConfigError, match="known devices"):
         described.load("no-such-gpu")
+
+
+def test_plan_and_compile_predict_refuse_a_description_by_the_same_rule(tmp_path, capsys):
+    """gpus_per_node = 0 was accepted by compile --predict and refused by plan blaming a
+    --gpus-per-node never given; a folder was "no such file". One validator (device.parse), one
+    line naming the file and the field, before anything is compiled."""
+    from helpers import exit_code
+
+    text = described._shipped().joinpath("h100-sxm.toml").read_text()
+    zero = tmp_path / "zero.toml"
+    zero.write_text(text.replace("gpus_per_node = { value = 8,", "gpus_per_node = { value = 0,"))
+    line = f"jphantom: error: {zero} [network] gpus_per_node = 0: a whole number >= 1"
+    for argv in (["plan", "--objective", "time", "--device", str(zero)],
+                 ["compile", "--target", "gpu:h100", "--predict", "--device", str(zero)]):
+        assert exit_code(argv) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [line]
+    assert exit_code(["plan", "--objective", "time", "--device", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"jphantom: error: --device {tmp_path} is a folder: give a device "
+                          "description TOML file in it (zero.toml)") and "\n" not in err
 
 
 # --------------------------------------------------------------------------------------------------

@@ -177,9 +177,40 @@ def _quantity(where: str, raw: Any) -> Quantity:
     return Quantity(float(value), source, cite)
 
 
+# The one rule every reader of a description (compile --predict, plan, the simulator) relies on:
+# a fraction in (0, 1], a count a whole number >= 1, a rate, size or power > 0 (module docstring).
+_FRACTIONS = {"memory": ("stream_efficiency",),
+              "network": ("intra_node_efficiency", "inter_node_efficiency")}
+_COUNTS = {"gemm_shape": ("sm_count", "tile"), "network": ("gpus_per_node", "nics_per_node")}
+_POSITIVE = {"peak_tflops": ("bf16", "f32"), "memory": ("hbm_bytes", "hbm_gbps"),
+             "network": ("intra_node_gbps", "nic_gbps"), "power": ("busy_watts",)}
+
+
+def _check_numbers(numbers: dict, where: str) -> None:
+    """Every number the simulator and the planner divide by or count with, checked once here
+    (a ConfigError naming the file, the table and the field)."""
+    for section, keys in _FRACTIONS.items():
+        for k in keys:
+            if not 0 < numbers[section][k].value <= 1:
+                raise ConfigError(f"{where} [{section}] {k} = {numbers[section][k].value:g}: "
+                                  "a fraction in (0, 1]")
+    for section, keys in _COUNTS.items():
+        for k in keys:
+            value = numbers[section][k].value
+            if value < 1 or not value.is_integer():
+                raise ConfigError(f"{where} [{section}] {k} = {value:g}: a whole number >= 1")
+    for section, keys in _POSITIVE.items():
+        for k in keys:
+            if numbers[section][k].value <= 0:
+                raise ConfigError(f"{where} [{section}] {k} = {numbers[section][k].value:g}: "
+                                  "must be > 0")
+
+
 def parse(data: dict, where: str = "device description") -> DeviceModel:
     """A :class:`DeviceModel` from a description's parsed TOML (checked: every section and key
-    present, every number a Quantity; efficiencies in (0, 1])."""
+    present, every number a Quantity; efficiencies in (0, 1], counts whole numbers >= 1, rates,
+    sizes and busy power > 0: :func:`_check_numbers`, the one rule ``compile --predict`` and
+    ``plan`` both read descriptions by)."""
     for key in ("name", "description", "vendor", "device_kinds", "compile_target"):
         if key not in data:
             raise ConfigError(f"{where}: no {key!r}")
@@ -199,9 +230,7 @@ def parse(data: dict, where: str = "device description") -> DeviceModel:
             if not 0 < q.value <= 1:
                 raise ConfigError(f"{where} [{section}] {k} = {q.value}: an efficiency is a "
                                   "fraction in (0, 1]")
-    for k in ("stream_efficiency",):
-        if not 0 < numbers["memory"][k].value <= 1:
-            raise ConfigError(f"{where} [memory] {k}: a fraction in (0, 1]")
+    _check_numbers(numbers, where)
     package = numbers["network"].get("gpus_per_package")
     if package is not None and (not package.value.is_integer() or package.value < 1 or (
             numbers["network"]["gpus_per_node"].value % package.value)):
@@ -210,8 +239,6 @@ def parse(data: dict, where: str = "device description") -> DeviceModel:
     if (package is None) != ("in_package_gbps" not in numbers["network"]):
         raise ConfigError(f"{where} [network]: give gpus_per_package and in_package_gbps "
                           "together (or neither)")
-    if numbers["peak_tflops"]["bf16"].value <= 0:
-        raise ConfigError(f"{where} [peak_tflops] bf16 must be > 0")
     return DeviceModel(str(data["name"]), str(data["description"]), str(data["vendor"]),
                        tuple(str(k).lower() for k in data["device_kinds"]),
                        str(data["compile_target"]), numbers)
@@ -229,6 +256,11 @@ def names() -> list[str]:
 def load(name_or_path: str | Path) -> DeviceModel:
     """A shipped kind by name (``h100-sxm``) or a description file by path."""
     text = str(name_or_path)
+    if Path(text).is_dir():
+        found = sorted(p.name for p in Path(text).glob("*.toml"))
+        raise ConfigError(f"--device {text} is a folder: give a device description TOML file"
+                          + (f" in it ({', '.join(found[:5])})" if found else "")
+                          + f" or one of {', '.join(names())}")
     if text.endswith(".toml") or "/" in text:
         path = Path(text)
         if not path.is_file():
