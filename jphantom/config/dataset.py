@@ -6,11 +6,12 @@ pads the same documents."""
 from __future__ import annotations
 
 import functools
+import warnings
 from pathlib import Path
 
 import numpy as np
 
-from jphantom.errors import ConfigError
+from jphantom.errors import ConfigError, JPhantomWarning
 
 
 def dataset_tokenizer(config) -> str:
@@ -48,17 +49,18 @@ def read_document_data(config):
 
 def check_document_data(config) -> None:
     """Before anything is built: every row of ``config``'s dataset files read and tokenised (a
-    bad one refused, :func:`read_document_data`; with ``--refuse-lost-text``, characters the
-    tokenizer cannot represent too), and each split holding a target that counts
+    bad one refused, :func:`read_document_data`; characters the tokenizer cannot represent a
+    warning, refused with ``--refuse-lost-text``), and each split holding a target that counts
     in the rows the model sees (padded rows keep a document's first ``seq_len`` tokens; packed
     rows every token); else a ConfigError saying why there is nothing to learn."""
+    from jphantom.data.documents import LostText
+
     first, held, source, _ = read_document_data(config)
-    lost = source["lost_characters"]
-    if config.train.refuse_lost_text and lost["characters"]:
-        raise ConfigError(f"--refuse-lost-text: tokenizer {source['tokenizer']!r} cannot represent "
-                          f"{lost['characters']:,} character(s) of {lost['rows']:,} row(s); the "
-                          f"first: {lost['first']}: use a tokenizer that covers them, or clean "
-                          "the data")
+    lost = LostText(**source["lost_characters"]).message(source["tokenizer"])
+    if lost is not None and config.train.refuse_lost_text:
+        raise ConfigError(f"--refuse-lost-text: {lost}")
+    if lost is not None:
+        warnings.warn(lost, JPhantomWarning, stacklevel=2)
     model = config.model
     seq_len = min(getattr(config.family_config(), "seq_len", model.seq_len), model.seq_len)
     limit = None if config.train.pack else seq_len

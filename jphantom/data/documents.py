@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from collections import Counter
 from typing import Iterable, Sequence
 
@@ -39,7 +38,7 @@ import numpy as np
 from jphantom.data.chat_template import token_mask
 from jphantom.data.dataset_files import (VALIDATION_FILE, content_text, data_files, read_rows,
                                          row_kind)
-from jphantom.errors import ConfigError, JPhantomWarning
+from jphantom.errors import ConfigError
 
 IGNORE = -100
 LOSS_ON = ("assistant", "completion", "all")  # --loss-on
@@ -295,12 +294,11 @@ class LostText:
             self.characters, self.rows = self.characters + len(lost), self.rows + 1
             self.first = self.first or f"data file {str(path)!r} row {number} ({lost[0]!r})"
 
-    def warning(self, tokenizer) -> str | None:
-        """One line naming the count and the first row, or None when nothing was lost."""
+    def message(self, tokenizer) -> str | None:
+        """One line naming the count, the first row and the fix; None when nothing was lost."""
         if not self.characters:
             return None
-        name = getattr(tokenizer, "name", tokenizer)
-        return (f"tokenizer {name!r} cannot represent {self.characters:,} character(s) of "
+        return (f"tokenizer {tokenizer!r} cannot represent {self.characters:,} character(s) of "
                 f"{self.rows:,} row(s), which it drops; the first: {self.first}: use a tokenizer "
                 "that covers the data's characters (a byte-level one), or clean the data")
 
@@ -335,7 +333,7 @@ def read_documents(data, row_tokenizer: RowTokenizer, validation_data=None,
     a folder: ``--val-data``), else of the folder's validation files, else the last
     :data:`HELD_OUT` of the rows (at least one); ``progress``: a bar of the rows tokenised. The
     description names every file by split, and every file skipped with why, and counts the
-    characters the tokenizer cannot represent (a warning names the count and the first row)."""
+    characters the tokenizer cannot represent (:class:`LostText`)."""
     from pathlib import Path
 
     files, lost = data_files(data, validation_data), LostText()
@@ -344,8 +342,6 @@ def read_documents(data, row_tokenizer: RowTokenizer, validation_data=None,
         validation = tokenize_files(files["validation"], row_tokenizer, progress, lost)
     else:
         train, validation = train.hold_out()
-    if (warning := lost.warning(row_tokenizer.tokenizer)) is not None:
-        warnings.warn(warning, JPhantomWarning, stacklevel=2)
     return train, validation, {
         "source": str(Path(data).resolve()),
         "files": {split: ({str(p): why for p, why in found.items()} if split == "skipped"
