@@ -307,22 +307,46 @@ def of_hf_type(model_type: str | None) -> Family:
                       f"{', '.join(hf_types())}")
 
 
-def read_hf_config(directory, family: Family) -> dict:
-    """``directory/config.json`` of a checkpoint that ``family`` reads (a ``--from-hf`` of
-    another family is refused with the ``--model`` that reads it)."""
+def _hf_json(directory) -> dict:
+    """``directory/config.json`` as a dictionary (a ConfigError naming the file otherwise)."""
     from pathlib import Path
 
     path = Path(directory) / "config.json"
     try:
         hf = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    except OSError as error:
+        raise ConfigError(f"--from-hf {directory}: cannot read {path} ({error.strerror}): give "
+                          "a Hugging Face checkpoint folder (config.json + model.safetensors)"
+                          ) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ConfigError(f"cannot read {path}: {error}") from None
     if not isinstance(hf, dict):
         raise ConfigError(f"{path} holds {type(hf).__name__}, expected a JSON object")
+    return hf
+
+
+def of_hf_checkpoint(directory) -> Family:
+    """The family that reads the checkpoint in ``directory``, chosen by its ``config.json``'s
+    ``model_type`` (``gpt2`` where it has none), as transformers' ``AutoModel`` does: what a
+    ``--from-hf`` run without ``--model`` trains."""
+    kind = _hf_json(directory).get("model_type", "gpt2")
+    owner = next((f for f in families().values() if kind in f.hf_types), None)
+    if owner is None:
+        raise ConfigError(f"--from-hf {directory} holds a {kind!r} checkpoint (its config.json's "
+                          f"model_type), which no model family reads: the zoo reads "
+                          f"{', '.join(hf_types())}")
+    return owner
+
+
+def read_hf_config(directory, family: Family) -> dict:
+    """``directory/config.json`` of a checkpoint that ``family`` reads (a ``--from-hf`` of
+    another family is refused naming both, and the ``--model`` that reads it)."""
+    hf = _hf_json(directory)
     kind = hf.get("model_type", "gpt2")
     if kind not in family.hf_types:
         owner = next((f.name for f in families().values() if kind in f.hf_types), None)
-        fix = f"pass --model {owner}" if owner else f"the zoo reads {', '.join(hf_types())}"
+        fix = (f"leave --model out (the checkpoint's model_type chooses it) or pass --model "
+               f"{owner}" if owner else f"the zoo reads {', '.join(hf_types())}")
         raise ConfigError(f"--from-hf {directory} holds a {kind!r} checkpoint, which --model "
                           f"{family.name} does not read: {fix}")
     return hf

@@ -88,8 +88,12 @@ def handle(args: argparse.Namespace) -> int:
         return 0
     config = configs[0]
     m = config.model
+    loaded = config.build().program.config if m.from_hf else m  # a checkpoint's shape, not flags'
+    layers, hidden, heads = (getattr(loaded, k, getattr(m, k))
+                             for k in ("layers", "hidden", "heads"))
+    vocab = getattr(loaded, "vocab_size", m.vocab)
     shape = (f"width={m.width}, depth={m.depth}" if m.name == "ffn" else
-             f"{m.name} L={m.layers}, h={m.hidden}, heads={m.heads}, S={m.seq_len}, V={m.vocab}"
+             f"{m.name} L={layers}, h={hidden}, heads={heads}, S={m.seq_len}, V={vocab}"
              + (", sequence-parallel" if config.parallel.sequence_parallel else ""))
     staged = next((r["pipeline"] for r in reports if "pipeline" in r), None)
     pipe = "" if staged is None else (

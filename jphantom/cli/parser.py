@@ -79,17 +79,23 @@ def add_run_flags(parser: argparse.ArgumentParser, defaults: dict | None = None,
 
 
 def run_settings(args: argparse.Namespace, defaults: dict | None = None) -> dict:
-    """The flat settings of a run: ``defaults``, then ``--config``'s file, then the flags."""
+    """The flat settings of a run: ``defaults``, then ``--config``'s file, then the flags; a
+    ``--from-hf`` checkpoint that neither names a model chooses the family by its config.json's
+    ``model_type`` (:func:`jphantom.families.of_hf_checkpoint`)."""
     from jphantom.config import FLAT, load_toml
 
-    settings = dict(defaults or {})
+    given = {}
     if getattr(args, "config", None):
-        settings.update(load_toml(args.config))
+        given.update(load_toml(args.config))
     for flat in FLAT:
         value = getattr(args, flat, None)
         if value is not None:
-            settings[flat] = value
-    return settings
+            given[flat] = value
+    if isinstance(given.get("from_hf"), str) and "model" not in given:
+        from jphantom import families
+
+        given["model"] = families.of_hf_checkpoint(given["from_hf"]).name
+    return {**(defaults or {}), **given}
 
 
 def add_gpu_defaults_flag(parser: argparse.ArgumentParser, what: str) -> None:

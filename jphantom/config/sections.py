@@ -103,7 +103,8 @@ class ModelConfig:
         "gpt2", "the model family: ffn (Seal et al.'s teacher task), gpt2 (alias transformer), "
         "llama (Mixtral with --moe-every 1), mistral, qwen2, qwen3, qwen3_moe, gemma3, or a "
         "family registered with jphantom.families.register; the language models on byte-level "
-        "text unless --data and --tokenizer say otherwise", flag="model")
+        "text unless --data and --tokenizer say otherwise; with --from-hf and no --model, the "
+        "checkpoint's model_type chooses it", flag="model")
     layers: int = setting(4, "transformer blocks")
     hidden: int = setting(256, "transformer width h")
     heads: int = setting(4, "attention heads")
@@ -111,9 +112,10 @@ class ModelConfig:
     vocab: int = setting(256, "vocabulary size (256 for bytes)")
     dtype: str = setting("float32", "float32, bfloat16, float16 or float64")
     from_hf: str | None = setting(
-        None, "start from a Hugging Face directory of the --model family (config.json + "
-        "model.safetensors; GPT-2, Llama, Mixtral, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3; "
-        "alias --from-gpt2)", aliases=("from_gpt2",))
+        None, "start from a Hugging Face directory (config.json + model.safetensors; GPT-2, "
+        "Llama, Mixtral, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3); its config.json's "
+        "model_type chooses the family unless --model is given, which must read it (alias "
+        "--from-gpt2)", aliases=("from_gpt2",))
 
     def __post_init__(self):
         from jphantom import families

@@ -6,6 +6,7 @@ configuration, the metrics and ``models.hf`` read the registry."""
 
 import dataclasses
 import json
+from pathlib import Path
 
 import jax
 import optax
@@ -200,6 +201,61 @@ def test_a_checkpoint_of_another_family_names_the_model_that_reads_it():
         RunConfig.from_flags(model="llama", from_hf=str(qwen3)).family_config()
     with pytest.raises(ConfigError, match="pass --model qwen3"):
         RunConfig.from_flags(model="gpt2", from_hf=str(qwen3)).family_config()
+
+
+QWEN2 = Path(__file__).parents[1] / "fixtures" / "hf" / "qwen2"
+
+
+@pytest.mark.parametrize("command", ["train", "inspect", "compile", "verify"])
+def test_from_hf_without_model_takes_the_family_its_config_names(command):
+    """As transformers' AutoModel: the checkpoint's model_type chooses the family of every
+    command's run (issue 55); --model, or a --config file naming one, still decides."""
+    from jphantom.cli import build_parser
+    from jphantom.cli.parser import run_settings
+    from jphantom.cli.step_defaults import COMPILE_MODEL, INSPECT_MODEL, step_settings
+    from jphantom.cli.train import TRAIN_DEFAULTS
+    from jphantom.config import RunConfig
+
+    def settings(*flags):
+        args = build_parser().parse_args([command, "--from-hf", str(QWEN2), *flags])
+        if command in ("inspect", "compile"):
+            return step_settings(args, INSPECT_MODEL if command == "inspect" else COMPILE_MODEL)
+        return run_settings(args, TRAIN_DEFAULTS if command == "train" else None)
+
+    found = settings()
+    assert found["model"] == "qwen2"
+    run = {k: v for k, v in found.items() if k != "strategy"}  # inspect's and compile's: a list
+    assert RunConfig.from_flags(**run).family_config().hidden == 32  # the checkpoint's
+    assert settings("--model", "gpt2")["model"] == "gpt2"  # refused when the run is built
+
+
+def test_from_hf_trains_the_checkpoints_family_and_a_disagreeing_model_is_one_line(tmp_path,
+                                                                                   capsys):
+    out = tmp_path / "out"
+    assert main(["train", "--from-hf", str(QWEN2), "--seq-len", "16", "--batch", "2", "--steps",
+                 "1", "--eval-every", "1", "--eval-batches", "1", "--no-progress", "--out",
+                 str(out)]) == 0
+    model = json.loads((out / "results.json").read_text())["model"]
+    assert (model["name"], model["hidden"], model["layers"]) == ("qwen2", 32, 2)
+    capsys.readouterr()
+    assert main(["train", "--model", "gpt2", "--from-hf", str(QWEN2), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"jphantom: error: --from-hf {QWEN2} holds a 'qwen2' checkpoint, which "
+                   "--model gpt2 does not read: leave --model out (the checkpoint's model_type "
+                   "chooses it) or pass --model qwen2\n")
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text('{"model_type": "bert"}')
+    assert main(["inspect", "--from-hf", str(bert)]) == 2
+    assert "holds a 'bert' checkpoint (its config.json's model_type), which no model family " \
+           "reads" in capsys.readouterr().err
+
+
+def test_inspect_from_hf_prints_the_checkpoints_shape(capsys):
+    """The header is the loaded model's (2 layers of width 32, 8 heads), not the flags' defaults."""
+    assert main(["inspect", "--from-hf", str(QWEN2), "--seq-len", "16", "--batch", "2",
+                 "--strategy", "tensor", "--mesh", "model=2"]) == 0
+    assert "qwen2 L=2, h=32, heads=8, S=16, V=256" in capsys.readouterr().out
 
 
 # one cell per family in `make test`; the matrix of the strategies each declares in test-all
