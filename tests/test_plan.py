@@ -548,6 +548,24 @@ def test_plan_cluster_frontier_ranks_on_its_nodes(capsys):
     assert "Network (perlmutter)" in default and "16 GPUs = 4 node(s) x 4." in default
 
 
+def test_a_named_device_s_memory_is_the_plan_s_memory_limit(capsys):
+    """plan --objective time --device h100-sxm said "no memory limit" and chose data=32 at
+    327 GiB per GPU on an 80 GB card; now the device's HBM is the limit unless --memory-gib
+    says otherwise, also over a cluster whose own GPU is another."""
+    h100 = "fit in 74.5058 GiB (h100-sxm's 80 GB of HBM, from its description)"
+    for extra in ([], ["--cluster", "perlmutter"]):
+        assert cli.main(["plan", "--objective", "time", "--device", "h100-sxm", *extra]) == 0
+        out = capsys.readouterr().out
+        assert h100 in out and "no memory limit" not in out
+        top = next(line for line in out.splitlines() if line.startswith("Top choice"))
+        assert float(top.split(" GiB per GPU")[0].rsplit(", ", 1)[1]) <= 74.5058, top
+    assert cli.main(["plan", "--objective", "time", "--device", "h100-sxm",
+                     "--memory-gib", "40"]) == 0
+    assert "fit in 40 GiB." in capsys.readouterr().out
+    assert cli.main(["plan", "--cluster", "perlmutter"]) == 0
+    assert "fit in 40 GiB (perlmutter: the node's figure)" in capsys.readouterr().out
+
+
 def test_plan_refuses_an_unknown_cluster_naming_the_choices(capsys):
     assert exit_code(["plan", "--cluster", "nonsense"]) == 2
     _one_line_error(capsys, "--cluster 'nonsense'", "perlmutter, frontier, mi300x")

@@ -72,9 +72,9 @@ def _run(args) -> int:
         device = described.load(args.device or (cluster.device if cluster else DEFAULT_DEVICE))
     topology = (_cluster_topology(args, cluster) if cluster is not None
                 else _topology(args, device))
-    memory_gib = args.memory_gib
-    if memory_gib is None and cluster is not None:  # the cluster's GPU's HBM
-        memory_gib = str(cluster.memory_gib(device))
+    memory_gib, memory_source = args.memory_gib, "given"
+    if memory_gib is None:  # the named GPU's memory: --device's, else the cluster's node's
+        memory_gib, memory_source = _memory_of(args, cluster, device)
     result = plan(
         shape, _parse_int("--devices", args.devices), topology,
         batch=_parse_int("--batch", args.batch),
@@ -87,7 +87,7 @@ def _run(args) -> int:
                        else _parse_float("--device-tflops", args.device_tflops)),
         flash_attention=not args.attention_scores,
         as_compiled=args.as_compiled or args.compile_top is not None,
-        objective=args.objective, device=device)
+        objective=args.objective, device=device, memory_source=memory_source)
     top = _parse_int("--top", args.top)
     if args.compile_top is not None:
         return _compile_top(args, result, _parse_int("--compile-top", args.compile_top),
@@ -98,6 +98,20 @@ def _run(args) -> int:
     else:
         print(format_plan(result, top))
     return 0
+
+
+def _memory_of(args, cluster, device) -> tuple[str | None, str]:
+    """The memory limit (GiB, as text) when ``--memory-gib`` is not given, and where it comes
+    from: ``--device``'s HBM when a device is named (and it is not the cluster's own), else the
+    cluster's GPU's (Perlmutter's 40 GB part), else none."""
+    if args.device is not None and (cluster is None or device.name != cluster.device):
+        return (str(device.memory_bytes / 2**30),
+                f"{device.name}'s {device.memory_bytes / 1e9:g} GB of HBM, from its description")
+    if cluster is not None:
+        source = ("the node's figure" if "memory_gib" in cluster.numbers
+                  else f"{device.name}'s {device.memory_bytes / 1e9:g} GB of HBM")
+        return str(cluster.memory_gib(device)), f"{cluster.name}: {source}"
+    return None, "given"
 
 
 def _topology(args, device) -> Topology:
@@ -247,7 +261,8 @@ def add_parser(subparsers) -> None:
     _add_network_flags(parser)
     parser.add_argument("--memory-gib", default=None, metavar="GIB",
                         help="GPU memory: layouts whose modelled memory exceeds it rank last, "
-                             "marked fits=no (Perlmutter: 40)")
+                             "marked fits=no (default: --device's HBM when one is named, else "
+                             "--cluster's GPU's, else no limit; Perlmutter: 40)")
     parser.add_argument("--precision", default="bf16",
                         help="bf16 (2-byte messages, 16 bytes of state per parameter; default) or "
                              "float32")

@@ -30,7 +30,9 @@ def format_plan(result: Ranking, top: int = 10) -> str:
     intra = (", ".join(f"({key}) {v:g}" for key, v in table.items())
              + f", else {t['intra_node_gbps']:g}") if table else f"{t['intra_node_gbps']:g}"
     fitting = sum(r.fits is not False for r in result.rows)
+    source = a.get("memory_source")
     limit = (f"{fitting} of {len(result.rows)} fit in {a['memory_gib']:g} GiB"
+             + (f" ({source})" if source and source != "given" else "")
              if a["memory_gib"] is not None else f"{len(result.rows)} priced, no memory limit")
     lines = [
         (f"{ {'llama': 'Llama'}.get(m.get('model'), m.get('model'))} L={m['layers']}, h={m['hidden']}, heads={m['heads']} ({m['kv_heads']} key/"

@@ -46,13 +46,15 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
          latency: bool = True, device_tflops: float | None = None,
          flash_attention: bool = True, recompute: bool = True,
          layouts: Sequence[str] = LAYOUTS, as_compiled: bool = False,
-         objective: str = "comm", device: Any = None) -> Ranking:
+         objective: str = "comm", device: Any = None,
+         memory_source: str = "given") -> Ranking:
     """Price every layout of ``model`` (a :class:`GPTShape` or a transformer ``TransformerConfig``)
     on ``devices`` GPUs of ``topology`` (default :meth:`Topology.perlmutter`) for one training step
     of ``batch`` sequences, and rank them (module docstring).
 
     ``memory_gib``: the GPU's memory; layouts whose modelled memory exceeds it are marked
-    ``fits=False`` and ranked last. ``precision``: ``bf16`` (2-byte messages and activations, 16
+    ``fits=False`` and ranked last (``memory_source``: where that figure comes from, printed
+    beside it). ``precision``: ``bf16`` (2-byte messages and activations, 16
     bytes of state per parameter) or ``float32``. ``ghost_width``: phantom's k (default hidden / 32,
     our choice; phantom rows above Seal et al.'s Eq. 8 bound are noted). ``accumulate``: gradient
     accumulation micro-batches A for every layout but the pipelines, whose micro-batches are one
@@ -323,6 +325,7 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
         shape, total_params, batch, devices, topology, p, memory_gib, k, ghost_width,
         accumulate, latency, device_tflops, flash_attention, recompute, as_compiled, objective,
         device, power)
+    assumptions["memory_source"] = memory_source if memory_gib is not None else None
     return Ranking(tuple(rows), types.MappingProxyType(assumptions))
 
 
