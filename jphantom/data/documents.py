@@ -186,9 +186,10 @@ def lost_characters(tokenizer, text: str, ids: Sequence[int]) -> str:
     Hugging Face tokenizer drops a character it has no token for (a byte-level BPE without a
     byte's token, a model without an unknown token) or maps it to its unknown token. Counted as
     the text, through the tokenizer's normaliser (lower-casing, NFKC), less the characters of
-    the decoded ids; bytes and tiktoken (byte-level, every byte a token) lose none."""
+    the decoded ids; bytes and tiktoken (byte-level, every byte a token) lose none, and a
+    tokenizer without a decoder (whose ids cannot be read back as text) is not checked."""
     inner = getattr(tokenizer, "tokenizer", None)
-    if inner is None or not hasattr(inner, "decode") or getattr(inner, "decoder", 1) is None:
+    if inner is None or getattr(inner, "decoder", None) is None:
         return ""
     normal = inner.normalizer.normalize_str(text) if inner.normalizer is not None else text
     missing = Counter("".join(normal.split())) - Counter(
