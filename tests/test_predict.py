@@ -372,6 +372,23 @@ def test_plan_and_compile_predict_refuse_a_description_by_the_same_rule(tmp_path
                           "description TOML file in it (zero.toml)") and "\n" not in err
 
 
+def test_fp8_is_not_priced_on_a_device_without_fp8_gemms(capsys):
+    """compile --precision fp8 --predict --device a100-sxm priced 30 FP8 GEMMs on a device with
+    no FP8 units and said nothing; now one line before anything is compiled."""
+    from helpers import exit_code
+
+    a100 = described.load("a100-sxm")
+    assert not a100.has_fp8 and described.load("h100-sxm").has_fp8
+    a100.check_precision("bf16")
+    argv = ["compile", "--target", "gpu:h100", "--precision", "fp8", "--predict"]
+    assert exit_code([*argv, "--device", "a100-sxm"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "jphantom: error: --precision fp8 on a100-sxm (a100-sxm.toml): it has no FP8 GEMMs "
+        "([peak_tflops] fp8 = 0), so the program's FP8 GEMMs have no rate there: predict on a "
+        "device with them (b200, h100-sxm, h200, mi300x) or use --precision bf16"]
+    described.load("h200").check_precision("fp8")  # a device with FP8 GEMMs prices them
+
+
 # --------------------------------------------------------------------------------------------------
 # the planner's objectives (jphantom plan --objective time|energy|memory)
 # --------------------------------------------------------------------------------------------------

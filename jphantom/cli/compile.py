@@ -120,8 +120,10 @@ def handle(args: argparse.Namespace) -> int:
                               "gpu:a100, rocm:mi250x or rocm:mi300x")
         predict_on = (described.load(args.device) if args.device is not None
                       else described.for_target(f"{target.platform}:{target.chip}"))
-    aot.require_plugin(target.platform)  # before anything is built
     settings = step_settings(args, COMPILE_MODEL)
+    if predict_on is not None:  # FP8 priced only where the device has FP8 GEMMs
+        predict_on.check_precision(settings.get("precision", "float32"))
+    aot.require_plugin(target.platform)  # before anything is built
     settings["mesh"] = settings.get("mesh") or aot.default_mesh(target)
     gpu_defaults = target.is_gpu and not args.no_gpu_defaults
     if gpu_defaults:  # XLA reads XLA_FLAGS when the plugin starts: before target.devices()

@@ -129,6 +129,22 @@ class DeviceModel:
         rate = self.peak_flops("bf16") * eff
         return max(flops / rate, self.memory_seconds(nbytes)) + self.launch_seconds
 
+    @property
+    def has_fp8(self) -> bool:
+        """Whether the device has FP8 GEMM units (``peak_tflops.fp8`` > 0)."""
+        return self["peak_tflops.fp8"] > 0
+
+    def check_precision(self, precision: str) -> None:
+        """Refuse to price a ``precision`` the device cannot run as compiled: FP8 GEMMs on a device
+        without FP8 units (an A100, an MI250X), which the simulator would price at the bf16 rate
+        of a program it does not have. One ConfigError naming the device, its file and the fix."""
+        if str(precision).lower() == "fp8" and not self.has_fp8:
+            fp8 = sorted(n for n in names() if load(n).has_fp8)
+            raise ConfigError(
+                f"--precision fp8 on {self.name} ({self.path or 'its description'}): it has no FP8 "
+                f"GEMMs ([peak_tflops] fp8 = 0), so the program's FP8 GEMMs have no rate there: "
+                f"predict on a device with them ({', '.join(fp8)}) or use --precision bf16")
+
     # -- memory ----------------------------------------------------------------------------------
     @property
     def stream_bytes_per_second(self) -> float:
