@@ -426,8 +426,9 @@ def to_toml(data: dict) -> str:
     """A description dict (the parse() layout) as TOML: top keys, then one table per section
     of ``{ value, source, cite }`` inline tables."""
     lines = []
-    for key in ("name", "description", "vendor", "device_kinds", "compile_target"):
-        lines.append(f"{key} = {_toml_value(data[key])}")
+    for key in ("name", "description", "vendor", "device_kinds", "compile_target", "gemm_rates"):
+        if key in data:
+            lines.append(f"{key} = {_toml_value(data[key])}")
     for section, table in data.items():
         if not isinstance(table, dict):
             continue
@@ -448,7 +449,10 @@ def describe(base, measured: dict, device_kind: str, cite: str, on_gpu: bool) ->
                             "the measured numbers are the CPU's, only the plumbing is tested"),
             "vendor": base.vendor if on_gpu else "cpu",
             "device_kinds": list(base.device_kinds) if on_gpu else ["cpu"],
-            "compile_target": base.compile_target}
+            "compile_target": base.compile_target,
+            "gemm_rates": ("jax/XLA: gemm_efficiency measured by benchmarks/calibrate.py with "
+                           "jax.lax.dot_general on this card" if ("gemm_efficiency", "bf16")
+                           in measured else base.gemm_rates)}
     for section, table in base.numbers.items():
         data[section] = {k: q.as_dict() for k, q in table.items()}
     for (section, key), (value, how) in measured.items():

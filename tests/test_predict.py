@@ -5,6 +5,7 @@ device descriptions (every number sourced)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -46,6 +47,8 @@ def device(**changes):
 
 
 DEVICE = device()
+PLAIN_SOURCED = {k: ({n: {"value": x, "source": "assumed", "cite": "t"} for n, x in v.items()}
+                     if isinstance(v, dict) else v) for k, v in PLAIN.items()}
 FUSION = f"""
 %add_body (p0: f32[{N}], p1: f32[{N}]) -> f32[{N}] {{
   %p0 = f32[{N}]{{0}} parameter(0)
@@ -325,6 +328,37 @@ def test_shipped_device_descriptions_cite_every_number():
     assert described.for_kind("NVIDIA H100 80GB HBM3").name == "h100-sxm"
     h200 = described.load("h200")
     assert h200.numbers["gemm_efficiency"]["bf16"].source == "measured"
+
+
+def test_every_shipped_description_says_whose_gemm_rates_it_prices_at():
+    """The A100 took cuBLAS's rate (0.81) where the H100 and H200 take jax's (0.64); now its rate
+    is jax's too, derived (cuBLAS's A100 fraction x jax's / cuBLAS's on GH100) and said so, and
+    every description names whose GEMMs its efficiencies measure."""
+    for name in described.names():
+        assert described.load(name).gemm_rates not in ("", "not stated"), name
+    for name in ("a100-sxm", "h100-sxm", "h200"):
+        assert described.load(name).gemm_rates.startswith("jax/XLA"), name
+    a100 = described.load("a100-sxm").numbers["gemm_efficiency"]["bf16"]
+    assert a100.value == round(253.7 / 312 * (636.6 / 797.51), 3) == 0.649
+    assert a100.source == "assumed" and "(253.7 / 312) x (636.6 / 797.51)" in a100.cite
+    assert described.parse({**PLAIN_SOURCED}, "mine.toml").gemm_rates == "not stated"
+
+
+def test_a_prediction_prints_its_gemm_rates_and_its_device_s_measured_error(tmp_path):
+    from jphantom.predict.report import format_prediction
+    from jphantom.predict.validation import RECORD, error_band
+
+    assert RECORD.is_file()  # the source checkout's record
+    assert error_band("h200", "bf16") == ("measured error on h200 (predict_validation.json): "
+                                          "step time +7.0% (bf16) against NVIDIA H200's "
+                                          "measured step")
+    assert "over 3 published fp8 runs" in error_band("h100-sxm", "fp8")
+    assert "none on record for a100-sxm" in error_band("a100-sxm", "bf16")
+    assert "no validation record here" in error_band("h200", "bf16", tmp_path / "none.json")
+    p = predict(_async(2), described.load("h200"), devices=8, tokens_per_step=8000)
+    text = format_prediction(dataclasses.replace(p, measured_error=error_band("h200", "bf16")))
+    assert f"GEMM rates: {described.load('h200').gemm_rates}" in text
+    assert "step time +7.0% (bf16)" in text
 
 
 @pytest.mark.parametrize("bad, message", [

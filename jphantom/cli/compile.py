@@ -147,6 +147,13 @@ def handle(args: argparse.Namespace) -> int:
     reports = [aot.compile_report(run, target, devices=devices, gpu_defaults=gpu_defaults,
                                   hlo_out=hlo[run["strategy"]], predict_on=predict_on)
                for run in runs]
+    if predict_on is not None:  # each prediction with its device's error band on record
+        from jphantom.predict.validation import error_band
+
+        band = error_band(predict_on.name, settings.get("precision"))
+        for report in reports:
+            if "prediction" in report:
+                report["prediction"]["measured_error"] = band
     if args.out:
         aot.write_reports(reports, args.out)
     if args.json:

@@ -203,6 +203,9 @@ def _compile_top(args, result: Ranking, k: int, gpus_per_node: int) -> int:
               f"{'step time' if result.assumptions['objective'] == 'time' else 'J/token'} "
               "(compiled peak fits first); modelled and simulated side by side:\n")
         print(format_simulated_plan(entries))
+        from jphantom.predict.validation import error_band
+
+        print(f"GEMM rates: {predict_on.gemm_rates}\n{error_band(predict_on.name, args.precision)}")
         return 0
     print(f"\nThe top {k} layouts that train this model, compiled for {target.name} and "
           "re-ranked (compiled peak fits first, then fewer collective bytes across nodes, then "

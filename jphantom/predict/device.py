@@ -19,6 +19,13 @@ How the simulator prices kernels with it (the roofline method of the scaling boo
   (forward and backward apart), linear between the listed head sizes;
 * anything else by its bytes at the HBM bandwidth times ``stream_efficiency``, plus a launch.
 
+**Whose GEMM rates.** The simulator prices the GEMMs XLA emits, so a GEMM efficiency is best
+jax's own rate on the device (``h200.toml``'s, measured; ``h100-sxm.toml`` takes it, same die);
+where none is on record it is derived from a library's (cuBLAS, hipBLASLt) with the derivation in
+its cite, or the library's rate is kept and says so. The top-level ``gemm_rates`` string of each
+description says which (optional in a file of one's own: "not stated"), and every prediction
+prints it.
+
 ``[network]`` may also give ``gpus_per_package`` and ``in_package_gbps``: GPUs that share a
 package (an MI250X's 2 GCDs) and the bandwidth between them, for groups that stay inside one.
 """
@@ -75,6 +82,7 @@ class DeviceModel:
     compile_target: str
     numbers: dict[str, dict[str, Quantity]]
     path: str = ""
+    gemm_rates: str = "not stated"  # whose GEMMs gemm_efficiency measures (module docstring)
 
     def __getitem__(self, key: str) -> float:
         """``device["memory.hbm_gbps"]``: a number's value."""
@@ -174,6 +182,7 @@ class DeviceModel:
     def as_dict(self) -> dict:
         return {"name": self.name, "description": self.description, "vendor": self.vendor,
                 "device_kinds": list(self.device_kinds), "compile_target": self.compile_target,
+                "gemm_rates": self.gemm_rates,
                 "path": self.path, "sources": self.sources(),
                 **{s: {k: q.as_dict() for k, q in v.items()} for s, v in self.numbers.items()}}
 
@@ -255,9 +264,13 @@ def parse(data: dict, where: str = "device description") -> DeviceModel:
     if (package is None) != ("in_package_gbps" not in numbers["network"]):
         raise ConfigError(f"{where} [network]: give gpus_per_package and in_package_gbps "
                           "together (or neither)")
+    rates = data.get("gemm_rates", "not stated")
+    if not isinstance(rates, str) or not rates.strip():
+        raise ConfigError(f"{where}: gemm_rates must say whose GEMMs gemm_efficiency measures "
+                          "(e.g. \"jax/XLA, measured with benchmarks/calibrate.py\")")
     return DeviceModel(str(data["name"]), str(data["description"]), str(data["vendor"]),
                        tuple(str(k).lower() for k in data["device_kinds"]),
-                       str(data["compile_target"]), numbers)
+                       str(data["compile_target"]), numbers, gemm_rates=rates)
 
 
 def _shipped() -> Any:

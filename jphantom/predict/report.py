@@ -39,6 +39,8 @@ class Prediction:
     peak_bf16_flops: float = 0.0
     busy_watts: float = 0.0
     idle_watts: float = 0.0
+    gemm_rates: str = ""  # whose GEMM rates priced it (the description's gemm_rates)
+    measured_error: str = ""  # the device's error band on record (jphantom.predict.validation)
 
     @property
     def joules_per_step(self) -> float:
@@ -100,7 +102,7 @@ def predict(hlo_text: str, device: DeviceModel, *, devices: int = 1,
         tokens_per_step=tokens_per_step, model_flops_per_step=model_flops_per_step,
         peak_memory_bytes=peak_memory_bytes, device_memory_bytes=device.memory_bytes,
         peak_bf16_flops=device.peak_flops("bf16"), busy_watts=device["power.busy_watts"],
-        idle_watts=device["power.idle_watts"])
+        idle_watts=device["power.idle_watts"], gemm_rates=device.gemm_rates)
 
 
 def joules_text(joules: float) -> str:
@@ -139,6 +141,10 @@ def format_prediction(p: Prediction, title: str = "") -> str:
     if p.joules_per_token is not None:
         energy += f", {joules_text(p.joules_per_token)} per token"
     lines.append(energy)
+    if p.gemm_rates:
+        lines.append(f"GEMM rates: {p.gemm_rates}")
+    if p.measured_error:
+        lines.append(p.measured_error)
     kinds = ", ".join(f"{k} {v * ms:.1f} ms" for k, v in sorted(p.by_kind_s.items(),
                                                                 key=lambda kv: -kv[1]))
     lines.append(f"time by kind (summed, overlap not removed): {kinds}")
