@@ -299,3 +299,12 @@ def test_dot_flops_counts_cublas_lt_fp8_calls():
     flops, count = hlo.dot_flops(_BODY + _ENTRY)
     assert count == 2 * 4 + 1 + 1 + 1 + 2
     assert flops == (2 * 4 + 1 + 1) * 512 + 3 * 256
+
+
+def test_operand_after_an_index_comment_is_named():
+    """XLA marks every fifth operand of a long list ``/*index=5*/%name``: the name is the rest."""
+    from jphantom.analysis.hlo.text import parse_instruction
+
+    line = ("  %t = (s32[], s32[], s32[], s32[], s32[], /*index=5*/s32[]) tuple(%a, %b, %c, %d, "
+            "%e, /*index=5*/%f)")
+    assert parse_instruction(line).operands == ("a", "b", "c", "d", "e", "f")

@@ -260,3 +260,21 @@ def test_synthetic_known_trip_count_wins_and_unknown_raises():
     unbounded = SYNTHETIC.replace("compare(%ci, %limit)", "compare(%ci, %ci)")
     with pytest.raises(ValueError, match="%loop"):
         hlo.collectives(unbounded)
+
+
+def test_a_bound_hidden_from_xla_is_read_back():
+    """The step's accumulation loop hides its bound from XLA behind an optimization barrier
+    (:func:`jphantom.step.grads.accumulate`, so that XLA's GPU passes leave it a loop): the loop
+    survives, its trip count is the constant it carries, and its collective counts 3 times, also
+    with XLA's backend_config removed."""
+    from jphantom.step.grads import accumulate
+
+    def body(x):
+        micro = [jnp.stack([x, 2 * x, 3 * x])]
+        return accumulate(lambda mb: lax.psum(mb[0], "model"), micro, mean=False)
+
+    text = _compiled_text(body)
+    assert text.count("while(") == 1
+    bare = re.sub(r", backend_config=\{.*\}", "", text)
+    assert [c.count for c in hlo.collectives(text)] == [3]
+    assert [c.count for c in hlo.collectives(bare)] == [3]

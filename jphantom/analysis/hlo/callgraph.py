@@ -14,11 +14,14 @@ _TRIP = re.compile(r'\\?"known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"?(-
 _DIRECTION = re.compile(r"direction=(\w+)")
 
 
-def _int_value(comp: Computation, name: str, params: Mapping[int, int | None]) -> int | None:
+def _int_value(comp: Computation, name: str, params: Mapping[int, int | None],
+               carried: Mapping[int, int] = {}) -> int | None:
     """The integer ``name`` holds in ``comp`` if it is a compile-time constant, else None.
 
-    Follows ``copy``/``convert``/``bitcast``/``reshape`` and, inside a fusion, maps
-    ``parameter(i)`` to the value of the fusion's i-th operand (``params``)."""
+    Follows ``copy``/``convert``/``bitcast``/``reshape``, a tuple element of a ``tuple`` or an
+    ``opt-barrier``; inside a fusion maps ``parameter(i)`` to the value of the fusion's i-th
+    operand (``params``); in a loop's condition maps element i of its parameter to the constant
+    the loop carries there unchanged (``carried``, :func:`_carried_constants`)."""
     instr = comp.find(name)
     if instr is None:
         return None
@@ -29,12 +32,49 @@ def _int_value(comp: Computation, name: str, params: Mapping[int, int | None]) -
         index = instr.operands[0]
         return params.get(int(index)) if index.isdigit() else None
     if instr.opcode in ("copy", "convert", "bitcast", "reshape") and instr.operands:
-        return _int_value(comp, instr.operands[0], params)
+        return _int_value(comp, instr.operands[0], params, carried)
+    if instr.opcode == "get-tuple-element" and instr.operands:
+        index = re.search(r"index=(\d+)", instr.attrs)
+        source = comp.find(instr.operands[0])
+        if index is None or source is None:
+            return None
+        index = int(index[1])
+        if source.opcode == "parameter":
+            return carried.get(index)
+        while source is not None and source.opcode == "opt-barrier" and source.operands:
+            source = comp.find(source.operands[0])
+        if source is not None and source.opcode == "tuple" and index < len(source.operands):
+            return _int_value(comp, source.operands[index], params, carried)
     return None
 
 
+def _carried_constants(loop: Instruction, comps: Mapping[str, Computation]) -> dict[int, int]:
+    """Tuple index -> value of each element of the loop's state that starts as a constant and
+    that the body passes on unchanged. A bound the program hid from XLA behind an
+    ``optimization_barrier`` (so that XLA's loop passes leave the loop alone, as the step's
+    accumulation loop does: :func:`jphantom.step.grads.accumulate`) ends up there."""
+    caller = next((c for c in comps.values() if any(i is loop for i in c.instructions)), None)
+    body = [name for key, name in called_computations(loop) if key == "body"]
+    if caller is None or not loop.operands or not body or body[0] not in comps:
+        return {}
+    init, root = caller.find(loop.operands[0]), comps[body[0]].root
+    if init is None or init.opcode != "tuple" or root is None or root.opcode != "tuple":
+        return {}
+    found = {}
+    for index, out in enumerate(root.operands):
+        passed = comps[body[0]].find(out)
+        if (passed is not None and passed.opcode == "get-tuple-element"
+                and re.search(rf"index={index}\b", passed.attrs)
+                and index < len(init.operands)):
+            value = _int_value(caller, init.operands[index], {})
+            if value is not None:
+                found[index] = value
+    return found
+
+
 def _trip_count_from_condition(cond: Computation, comps: Mapping[str, Computation],
-                               init: int, step: int) -> int | None:
+                               init: int, step: int, carried: Mapping[int, int] = {}
+                               ) -> int | None:
     """Trip count of a loop whose condition compares the loop variable with a constant."""
     root = cond.root
     if root is None:
@@ -44,13 +84,14 @@ def _trip_count_from_condition(cond: Computation, comps: Mapping[str, Computatio
         callee = [name for key, name in called_computations(root) if key == "calls"]
         if len(callee) != 1 or callee[0] not in comps:
             return None
-        params = {i: _int_value(cond, op, {}) for i, op in enumerate(root.operands)}
+        params = {i: _int_value(cond, op, {}, carried) for i, op in enumerate(root.operands)}
         scope = comps[callee[0]]
         root = scope.root
     if root is None or root.opcode != "compare" or len(root.operands) != 2:
         return None
     direction = _DIRECTION.search(root.attrs)
-    lhs, rhs = (_int_value(scope, op, params) for op in root.operands)
+    lhs, rhs = (_int_value(scope, op, params, carried if scope is cond else {})
+                for op in root.operands)
     if direction is None or (lhs is None) == (rhs is None):
         return None  # need exactly one constant side: the bound
     direction = direction[1]
@@ -71,7 +112,8 @@ def trip_count(loop: Instruction, comps: Mapping[str, Computation]) -> int:
 
     XLA's ``"known_trip_count"`` (backend_config) when present; otherwise derived from the condition
     computation, ``i < N`` (``compare(..., direction=LT)`` of the loop variable against
-    ``constant(N)``, also ``LE``/``GT``/``GE`` and inside a fusion), with the loop variable starting
+    ``constant(N)``, also ``LE``/``GT``/``GE`` and inside a fusion; N may also be a constant the
+    loop carries unchanged in its state), with the loop variable starting
     at ``"known_init_step"`` of backend_config if given, else at 0 with step 1 (how ``lax.scan``
     and ``lax.fori_loop`` lower). Raises ``ValueError`` when neither works.
     """
@@ -86,7 +128,8 @@ def trip_count(loop: Instruction, comps: Mapping[str, Computation]) -> int:
     init, step = int(init_step.get("init", 0)), int(init_step.get("step", 1))
     condition = [name for key, name in called_computations(loop) if key == "condition"]
     if condition and condition[0] in comps and step != 0:
-        count = _trip_count_from_condition(comps[condition[0]], comps, init, step)
+        count = _trip_count_from_condition(comps[condition[0]], comps, init, step,
+                                           _carried_constants(loop, comps))
         if count is not None:
             return count
     raise ValueError(

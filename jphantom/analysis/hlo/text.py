@@ -77,6 +77,7 @@ _HEADER = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\)\s*->\s
 _INSTR_HEAD = re.compile(r"^\s*(?P<root>ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*")
 _OPCODE = re.compile(r"\s*(?P<opcode>[a-z][\w\-]*)\(")
 _OPEN, _CLOSE = "([{", ")]}"
+_COMMENT = re.compile(r"^/\*.*?\*/")
 
 
 def _balanced_end(text: str, start: int) -> int:
@@ -136,7 +137,9 @@ def parse_instruction(line: str) -> Instruction | None:
         operands = (operands_text.strip(),)
     else:
         # Operands print as "%name" or, in older dumps, "f32[4]{0} %name": keep the last token.
-        operands = tuple(p.split()[-1].lstrip("%") for p in _split_top_level(operands_text) if p)
+        # a long operand list marks every fifth operand "/*index=5*/%name": the name is the rest
+        operands = tuple(_COMMENT.sub("", p.split()[-1]).lstrip("%")
+                         for p in _split_top_level(operands_text) if p)
     return Instruction(head["name"], type_text, opcode["opcode"], operands, line[close:],
                        bool(head["root"]))
 
