@@ -2,6 +2,7 @@
 exact report <= 1e-5 for the loss and every gradient; a layer broken on purpose is named; the
 model given (to verify or to make_train_step) is left as it was."""
 
+import dataclasses
 import json
 
 import jax
@@ -221,6 +222,55 @@ def test_the_one_device_step_at_a_precision_is_verify_s_reference_bit_for_bit():
     report = jphantom.verify(model, _mesh("model=1"), None, lm_loss, _tokens(), _tokens(),
                              precision="bf16")
     assert report.worst[1] == 0 and report.loss_error == 0 and report.tolerance == 2.0 ** -3
+
+
+def test_only_a_float32_pass_is_called_exact():
+    """fp8 printed "exact within 0.25" for a largest difference of 0.123: a mixed precision's
+    pass is now "within the documented bound" (its derivation beside it), "exact" is kept for
+    float32 against float64 at 1e-5."""
+    from jphantom.exactness import Report
+
+    def report(error, derived, tolerance):
+        return Report(1.0, 1.0, 0.0, {"w": error}, tolerance, "ref", derived)
+
+    assert str(report(1e-7, "float32", 1e-5)).startswith("exact within 1e-05 (float32; ")
+    fp8 = report(0.123, "one E5M2 rounding step, 2 u = 2^-2", 0.25)
+    assert fp8.verdict == "within the documented bound" and "exact" not in str(fp8)
+    assert str(fp8).startswith("within the documented bound 0.25 (one E5M2 rounding step")
+    assert report(1e-3, "as given", 1e-2).verdict == "within the given tolerance"
+    assert str(report(0.5, "float32", 1e-5)).startswith("DIFFERS from the reference beyond 1e-05")
+
+
+def test_fp8_scale_groups_are_the_step_s_data_ranks_and_micro_batches():
+    """Each data (and z) rank quantises its own rows, each micro-batch its own: the groups of rows
+    the fp8 reference runs by itself; expert ranks share their scales."""
+    from types import SimpleNamespace
+
+    from jphantom.exactness import scale_groups
+
+    def step(mesh, accumulate=1, spmd="shard_map"):
+        return SimpleNamespace(mesh=SimpleNamespace(shape=mesh), pipeline=None,
+                               accumulate=accumulate, spmd=spmd, setup=None)
+
+    batch = [np.zeros((8, 4))]
+    rows = lambda groups: [g.tolist() for g in groups]
+    assert rows(scale_groups(step({"data": 2, "model": 2}), batch)) == [[0, 1, 2, 3],
+                                                                         [4, 5, 6, 7]]
+    assert rows(scale_groups(step({"data": 2}, accumulate=2), batch)) == [
+        [0, 1], [2, 3], [4, 5], [6, 7]]
+    assert rows(scale_groups(step({"expert": 2}), batch)) == [list(range(8))]
+    assert rows(scale_groups(step({"data": 2}, accumulate=2, spmd="gspmd"), batch)) == [
+        [0, 1, 2, 3], [4, 5, 6, 7]]  # the whole global micro-batch, consecutive rows
+
+
+def test_a_data_parallel_fp8_step_is_compared_with_per_rank_scaled_references():
+    """The reference quantises each data rank's rows by themselves, as the step does: the loss
+    agrees exactly (a whole-batch reference differed by the recipe's per-rank scaling)."""
+    model = Llama(dataclasses.replace(LLAMA, layers=1), rngs=nnx.Rngs(0))
+    report = jphantom.verify(model, _mesh("data=2"), None, lm_loss, _tokens(), _tokens(),
+                             precision="fp8")
+    assert report.loss_error < 1e-6 and "2 groups of rows" in report.reference
+    assert report.ok and report.verdict == "within the documented bound"
 
 
 @pytest.mark.parametrize("flag", ["--steps", "--out", "--checkpoint-dir", "--on-nonfinite",

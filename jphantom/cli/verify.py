@@ -35,7 +35,8 @@ def add_parser(sub) -> None:
         description="Build the run as train would (same flags), take one step's loss and every "
                     "gradient with all its collectives, and compare them with the same "
                     "parameters through the plain model on one device (float64 there; under "
-                    "--precision bf16, float16 or fp8, the one-device step at that precision): "
+                    "--precision bf16, float16 or fp8, the one-device step at that precision, "
+                    "under fp8 quantised per data rank and micro-batch as the step is): "
                     "the largest relative difference of the loss and of each gradient, the worst "
                     "parameter named. Exit 0 when all are within --tolerance, 1 when not. "
                     "Train's optimizer, data, output and checkpoint flags do not apply.",
@@ -46,9 +47,9 @@ def add_parser(sub) -> None:
     add_run_flags(verify, only=used_flags())
     add_device_flag(verify)
     verify.add_argument("--tolerance", type=float, default=None,
-                        help="largest relative difference called exact (default 1e-5 in "
-                             "float32; under a mixed precision, derived from its rounding and "
-                             "stated in the report)")
+                        help="largest relative difference allowed (default 1e-5 in float32, "
+                             "reported as exact; under a mixed precision a bound derived from "
+                             "its rounding, reported as within the documented bound)")
     verify.add_argument("--json", action="store_true", help="print JSON instead of a summary")
     verify.set_defaults(handler=handle)
 
