@@ -102,6 +102,19 @@ def child_command(command: Sequence[str]) -> list[str]:
     return command
 
 
+def check_processes(num_processes) -> int:
+    """``num_processes`` an integer in 1 .. :func:`max_processes`, else a ConfigError naming the
+    limit and how it is derived (before anything starts)."""
+    check_int("--num-processes", num_processes, 1)
+    limit = max_processes()
+    if num_processes > limit:
+        raise ConfigError(f"--num-processes {num_processes} is more than this machine runs: at "
+                          f"most {limit} ({PROCESSES_PER_CPU} per CPU core of "
+                          f"{os.cpu_count() or 1}, {BYTES_PER_PROCESS // 2**20} MiB of memory "
+                          f"each); give -n {limit} or fewer, or use several machines")
+    return num_processes
+
+
 def launch(command: Sequence[str], num_processes: int, *, port: int | None = None,
            devices_per_process: int | None = None, timeout: int | None = None,
            deadline: int | None = None, grace: float = GRACE_S, max_restarts: int = 0,
@@ -123,13 +136,7 @@ def launch(command: Sequence[str], num_processes: int, *, port: int | None = Non
     anything starts) and RuntimeError, one line naming the process that failed first and how
     (and any process left suspended), when a child fails and no restart is left.
     """
-    check_int("--num-processes", num_processes, 1)
-    limit = max_processes()
-    if num_processes > limit:
-        raise ConfigError(f"--num-processes {num_processes} is more than this machine runs: at "
-                          f"most {limit} ({PROCESSES_PER_CPU} per CPU core of "
-                          f"{os.cpu_count() or 1}, {BYTES_PER_PROCESS // 2**20} MiB of memory "
-                          f"each); give -n {limit} or fewer, or use several machines")
+    check_processes(num_processes)
     for name, value in (("--devices-per-process", devices_per_process), ("--timeout", timeout),
                         ("--deadline", deadline)):
         if value is not None:
