@@ -89,8 +89,8 @@ class TokenSource(_ReaderSource):
             if not held:
                 arrays, held = tokens.hold_out(arrays, TextConfig.validation_fraction)
             source = {"source": str(Path(train.data).resolve()), "files": {
-                "train": [Path(f.path).name for f in train_files],
-                "validation": [Path(f.path).name for f in validation_files]},
+                "train": [_below(f.path, train.data) for f in train_files],
+                "validation": [_below(f.path, train.data) for f in validation_files]},
                 "format": sorted({f.format for f in train_files + validation_files}),
                 "validation_split": "files" if validation_files else "last tokens held out"}
         else:
@@ -207,3 +207,9 @@ def process_rows(sharding, shape: tuple[int, ...]) -> slice | None:
         held.update(range(*index[0].indices(shape[0])))
     low, high = min(held), max(held) + 1
     return slice(low, high) if len(held) == high - low and high - low < shape[0] else None
+
+
+def _below(path: str, data: str) -> str:
+    """A token file's path below the ``--data`` folder (its name for a lone file)."""
+    folder = Path(data)
+    return Path(path).relative_to(folder).as_posix() if folder.is_dir() else Path(path).name

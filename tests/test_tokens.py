@@ -4,6 +4,7 @@ that a resumed run reads exactly the batches of an uninterrupted one, each proce
 
 import base64
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -118,6 +119,23 @@ def test_a_folder_splits_by_name_and_a_lone_file_holds_out_its_tail(tmp_path):
     kept, held = tokens.hold_out([np.arange(100), np.arange(100, 110)], 0.1)
     assert np.array_equal(np.concatenate(held), np.arange(99, 110))  # 11 of 110 tokens
     assert np.array_equal(np.concatenate(kept), np.arange(99))
+
+
+def test_a_folder_splits_by_whole_words_as_dataset_files_do(tmp_path):
+    """One rule for token and dataset folders (dataset_files.split_of): ``values.bin`` and
+    ``intervals/more.bin`` train, ``val.bin`` validates, ``test.bin`` is left unread."""
+    for name in ("train.bin", "values.bin", "intervals/more.bin", "val.bin", "test.bin"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        tokens.write_token_file(tmp_path / name, np.arange(10), 16)
+    assert tokens.is_token_data(tmp_path / "intervals") and tokens.is_token_data(tmp_path)
+    train, validation = tokens.token_files(tmp_path)
+    below = lambda files: [Path(f.path).relative_to(tmp_path).as_posix() for f in files]
+    assert below(train) == ["intervals/more.bin", "train.bin", "values.bin"]
+    assert below(validation) == ["val.bin"]
+    for name in ("train.bin", "values.bin", "intervals/more.bin"):
+        (tmp_path / name).unlink()
+    with pytest.raises(ConfigError, match="every token file is a validation or test file"):
+        tokens.token_files(tmp_path)
 
 
 # ---------------------------------------------------------------------------- jphantom tokenize

@@ -22,7 +22,8 @@ def add_parser(sub) -> None:
         epilog="Examples: jphantom tokenize notes.txt --out data/train.bin  (the bundled BPE) | "
                "jphantom tokenize corpus/ --pattern '*.md' --tokenizer gpt2/tokenizer.json "
                "--out data/train.bin | jphantom tokenize held_out/ --out data/val.bin  (a file "
-               "whose name contains 'val' is the validation split of `train --data data/`; "
+               "whose name holds the word val, valid, validation, dev or eval is the validation "
+               "split of `train --data data/`; "
                "without one, train holds out the last 5% of the tokens)")
     tokenize.add_argument("inputs", nargs="+", metavar="INPUT",
                           help="text files, or folders searched recursively for --pattern")

@@ -56,10 +56,10 @@ ARROW_BATCH_ROWS = 1024
 
 def is_dataset_data(path: str | os.PathLike) -> bool:
     """Whether ``--data`` names dataset files: a file with one of :data:`SUFFIXES`, or a folder
-    holding some (and no ``.bin`` token file)."""
+    holding some (and no ``.bin`` token file, at any depth: that is token data)."""
     path = Path(path)
     if path.is_dir():
-        return not any(path.glob("*.bin")) and any(_found(path))
+        return not any(p.is_file() for p in path.rglob("*.bin")) and any(_found(path))
     return path.suffix.lower() in SUFFIXES
 
 

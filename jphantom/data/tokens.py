@@ -14,10 +14,13 @@ header's token count against the file's size. Memory-mapped flat files need no e
 format library (unlike Grain's ArrayRecord): a file is opened in microseconds and only the windows
 a batch takes are read.
 
-A data set is one token file or a folder of them (``*.bin``, sorted by name). In a folder, files
-whose name contains ``val`` are the validation split (nanoGPT's ``val.bin``, llm.c's
-``*_val_*.bin``); otherwise, and for a single file, the last ``validation_fraction`` of the tokens
-are held out.
+A data set is one token file or a folder of them (``*.bin``, searched recursively, sorted by
+path). In a folder, a file's split is named by a whole word of its path below the folder, the same
+rule as dataset files' (:func:`jphantom.data.dataset_files.split_of`): ``val``, ``valid``,
+``validation``, ``dev``, ``eval`` or ``evaluation`` the validation split (nanoGPT's ``val.bin``,
+llm.c's ``*_val_*.bin``), ``test`` or ``testing`` a test split nothing reads, anything else
+training (``values.bin`` and ``intervals/more.bin`` train). Without validation files, and for a
+single file, the last ``validation_fraction`` of the tokens are held out.
 
 :class:`TokenBatches` cuts the training tokens into windows of ``seq_len + 1`` tokens (a window
 starts every ``seq_len`` tokens and never crosses a file's end), visits them in an order shuffled
@@ -38,6 +41,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from jphantom.data.dataset_files import TEST_NAMES, VALIDATION_NAMES, split_of
 from jphantom.errors import ConfigError, check_int
 
 HEADER_INTS = 256
@@ -105,8 +109,13 @@ def is_token_data(path: str | os.PathLike) -> bool:
     """Whether ``--data`` names token data: a ``.bin`` file, or a folder holding some."""
     path = Path(path)
     if path.is_dir():
-        return any(path.glob(f"*{SUFFIX}"))
+        return any(_token_paths(path))
     return path.suffix == SUFFIX
+
+
+def _token_paths(folder: Path) -> Iterator[Path]:
+    """The token files of a ``--data`` folder, searched recursively (unsorted)."""
+    return (p for p in folder.rglob(f"*{SUFFIX}") if p.is_file())
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -172,20 +181,23 @@ def write_token_file(path, tokens, vocab_size: int, format: str = "llm.c") -> To
 
 
 def token_files(data: str | os.PathLike) -> tuple[list[TokenFile], list[TokenFile]]:
-    """(train, validation) token files of ``--data`` (a file or a folder; module docstring); the
-    validation list is empty when nothing is named for it."""
+    """(train, validation) token files of ``--data`` (a file or a folder; module docstring), a
+    folder's sorted by path and split by a whole word of it (:func:`split_of`, test files left
+    unread); the validation list is empty when nothing is named for it."""
     path = Path(data)
     if path.is_dir():
-        files = sorted(path.glob(f"*{SUFFIX}"))
+        relative = {p: p.relative_to(path).as_posix().lower() for p in _token_paths(path)}
+        files = sorted(relative, key=relative.get)
         if not files:
             raise ConfigError(f"data={str(data)!r} is a folder without {SUFFIX} token files: "
                               "write some with `jphantom tokenize`, or give a text file")
-        found = [read_token_file(f) for f in files]
-        validation = [f for f in found if "val" in Path(f.path).name]
-        train = [f for f in found if f not in validation]
+        named = {f: split_of(relative[f]) for f in files}
+        train = [read_token_file(f) for f in files if named[f] == "train"]
+        validation = [read_token_file(f) for f in files if named[f] == "validation"]
         if not train:
-            raise ConfigError(f"data={str(data)!r}: every token file is a validation file (its "
-                              "name contains 'val'): add training files")
+            raise ConfigError(f"data={str(data)!r}: every token file is a validation or test "
+                              f"file (a word of its path is one of "
+                              f"{sorted(VALIDATION_NAMES | TEST_NAMES)}): add training files")
         return train, validation
     return [read_token_file(path)], []
 
