@@ -26,6 +26,30 @@ the ``jax.checkpoint`` policies ``POLICIES``, imported with jax on first use):
     output too, which ``dots_saveable`` recomputes, repeating its all-reduce): what a layer
     scan on a CPU or GPU runs fastest with when memory allows (it stores far fewer bytes than
     ``none``, whose scan stacks every intermediate: ``benchmarks/peer_maxtext.py``).
+``dots_attention_saveable``
+    the matmul outputs and the attention core's output (named ``"attention"``,
+    :func:`name_attention`): MaxText's ``minimal_flash`` (``dots_with_no_batch_dims`` and the
+    name ``"context"``). The attention core's own batched matmuls (Q K^T, P V) have batch
+    dimensions and are not kept: on XLA's path the backward recomputes the S x S scores from the
+    kept q, k, v; a fused kernel's output, which ``dots_saveable`` recomputes by running the
+    kernel again, is kept.
+``qkv_saveable``
+    only the attention core's inputs q, k and v (named ``"query"``, ``"key"``, ``"value"``,
+    :func:`name_qkv`, after the projections and the rotary embedding): MaxText's
+    ``save_qkv_proj`` (``save_only_these_names("query_proj", "value_proj", "key_proj",
+    "qkv_proj")``); everything else, the MLP included, is recomputed.
+``all_but_attention_core_saveable``
+    Megatron-LM's selective recompute (Korthikanti et al. 2022, ``--recompute-granularity
+    selective``): every residual of the layer is kept (as ``none``) but the attention core's,
+    softmax(Q K^T) V, which the backward recomputes from its inputs q, k and v. A ``jax.checkpoint``
+    policy cannot see inside ``jax.nn.dot_product_attention``, so this one is structural: the
+    layer is not checkpointed, and each attention core (:class:`jphantom.nn.CausalAttention`,
+    ``GatheredAttention``) runs its core under ``jax.checkpoint`` with nothing saved
+    (:func:`recomputed`; :func:`jphantom.nn.set_remat` sets the cores' ``recompute``) where the
+    core keeps an S x S array for its backward (XLA's path). A fused kernel (cuDNN's or Pallas'
+    flash attention) and ring attention keep O(S) residuals already and run as under ``none``.
+    Under ZeRO-3's per-layer fetch, where ``none`` keeps the matmul outputs (``dots_saveable``,
+    :func:`checkpointed`), so does this policy.
 """
 
 from __future__ import annotations
@@ -36,10 +60,18 @@ from collections.abc import Callable
 from jphantom.errors import ConfigError
 
 COLLECTIVE = "collective"
+QKV = ("query", "key", "value")
+ATTENTION = "attention"
+SELECTIVE = "all_but_attention_core_saveable"
 
 NAMES = ("none", "nothing_saveable", "dots_saveable", "collectives_saveable",
-         "dots_collectives_saveable")
+         "dots_collectives_saveable", "dots_attention_saveable", "qkv_saveable", SELECTIVE)
 """The policies by name (module docstring)."""
+
+PEERS = {"dots_attention_saveable": "MaxText's minimal_flash",
+         "qkv_saveable": "MaxText's save_qkv_proj",
+         SELECTIVE: "Megatron-LM's selective recompute"}
+"""The peers' name of each policy that equals one of theirs."""
 
 
 @functools.cache
@@ -57,6 +89,11 @@ def policies() -> dict[str, Callable | None]:
         "dots_collectives_saveable": saveable.save_from_both_policies(
             saveable.dots_with_no_batch_dims_saveable,
             saveable.save_only_these_names(COLLECTIVE)),
+        "dots_attention_saveable": saveable.save_from_both_policies(
+            saveable.dots_with_no_batch_dims_saveable,
+            saveable.save_only_these_names(ATTENTION)),
+        "qkv_saveable": saveable.save_only_these_names(*QKV),
+        SELECTIVE: None,  # the layer keeps everything; its attention cores recompute themselves
     }
 
 
@@ -95,9 +132,23 @@ def checkpointed(fn: Callable, name: str, *, fetched: bool = False) -> Callable:
     import jax
 
     check(name)
-    if fetched and name == "none":
+    if fetched and name in ("none", SELECTIVE):
         name = "dots_saveable"
-    return fn if name == "none" else jax.checkpoint(fn, policy=policies()[name])
+    return fn if policies()[name] is None else jax.checkpoint(fn, policy=policies()[name])
+
+
+def recomputes_attention_core(name: str) -> bool:
+    """Whether policy ``name`` has the attention cores recompute themselves in the backward
+    (``all_but_attention_core_saveable``): what :func:`jphantom.nn.set_remat` sets on them."""
+    return check(name) == SELECTIVE
+
+
+def recomputed(core: Callable) -> Callable:
+    """``core`` (an attention core's function of arrays) under ``jax.checkpoint`` saving nothing
+    but its inputs: the backward runs its forward again (Megatron's selective recompute)."""
+    import jax
+
+    return jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
 
 
 def name_collective(x):
@@ -107,18 +158,40 @@ def name_collective(x):
     return checkpoint_name(x, COLLECTIVE)
 
 
-def residual_bytes(fn: Callable, params, x, policy: str) -> int:
-    """Bytes autodiff keeps between the forward and the backward of one call ``fn(params, x)``
-    under ``policy``: the leaves of ``jax.vjp``'s residuals other than the parameters and the
-    input themselves (which live anyway). The prediction of what a policy saves per layer.
-    Abstract: nothing is computed. Inside a ``shard_map`` (collectives) call it per rank."""
+def name_qkv(q, k, v):
+    """Mark the attention core's inputs, so that ``qkv_saveable`` keeps them."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    return tuple(checkpoint_name(a, n) for a, n in zip((q, k, v), QKV))
+
+
+def name_attention(out):
+    """Mark the attention core's output, so that ``dots_attention_saveable`` keeps it."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    return checkpoint_name(out, ATTENTION)
+
+
+def residuals(fn: Callable, params, x, policy: str) -> list:
+    """What autodiff keeps between the forward and the backward of one call ``fn(params, x)``
+    under ``policy``, as ``jax.ShapeDtypeStruct`` s: the leaves of ``jax.vjp``'s residuals other
+    than the parameters and the input themselves (which live anyway). Abstract: nothing is
+    computed. Inside a ``shard_map`` (collectives) call it per rank. Under
+    ``all_but_attention_core_saveable`` the attention cores of ``fn`` recompute themselves only
+    when their ``recompute`` is set (:func:`jphantom.nn.set_remat`)."""
     import jax
 
-    wrapped = fn if check(policy) == "none" else jax.checkpoint(fn, policy=policies()[policy])
+    check(policy)
+    wrapped = fn if policies()[policy] is None else jax.checkpoint(fn, policy=policies()[policy])
 
     def probe(p, x):
         _, vjp_fn = jax.vjp(wrapped, p, x)
         inputs = jax.tree.leaves((p, x))
         return [leaf for leaf in jax.tree.leaves(vjp_fn) if not any(leaf is q for q in inputs)]
 
-    return sum(a.size * a.dtype.itemsize for a in jax.eval_shape(probe, params, x))
+    return jax.eval_shape(probe, params, x)
+
+
+def residual_bytes(fn: Callable, params, x, policy: str) -> int:
+    """Bytes of :func:`residuals`: the prediction of what a policy saves per layer."""
+    return sum(a.size * a.dtype.itemsize for a in residuals(fn, params, x, policy))

@@ -19,6 +19,7 @@ from jphantom.analysis.hlo import collectives
 from jphantom.errors import ConfigError
 from jphantom.models import gpt2
 from jphantom.models.gpt2 import TransformerConfig
+from jphantom.models.llama import LlamaConfig
 
 from conftest import require_devices
 from helpers import assert_tree_close, random_params
@@ -53,8 +54,7 @@ def _run(mesh_text, policy):
     return float(loss), jax.device_get(grads), temp, compiled.as_text()
 
 
-@pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable", "collectives_saveable",
-                                    "dots_collectives_saveable"])
+@pytest.mark.parametrize("policy", [p for p in remat.NAMES if p != "none"])
 def test_every_policy_gives_the_same_gradients(policy):
     loss, grads, _, _ = _run("model=2", policy)
     want_loss, want_grads, _, _ = _run("model=2", "none")
@@ -126,3 +126,97 @@ def test_the_step_option_is_the_blocks_policy_even_none():
                               if isinstance(m, Stacked)}
     assert policies(step.model_template) == {"none"}
     assert policies(program.model) == {"nothing_saveable"}
+
+
+def _block_residuals(policy, config=CONFIG):
+    """What one plain GPT-2 block keeps for its backward under ``policy`` (its cores' recompute
+    set as the step sets it): ``(shape, dtype)`` of each residual."""
+    from jphantom.nn import set_remat
+
+    block = nnx.eval_shape(lambda: gpt2.Block(config, rngs=nnx.Rngs(0)))
+    set_remat(block, policy)
+    graphdef, state = nnx.split(block)
+    h = jax.ShapeDtypeStruct((BATCH, config.seq_len, config.hidden), jnp.float32)
+    return Counter((a.shape, str(a.dtype)) for a in remat.residuals(
+        lambda s, x: nnx.merge(graphdef, s)(x), state, h, policy))
+
+
+HEAD = (BATCH, CONFIG.seq_len, CONFIG.heads, CONFIG.hidden // CONFIG.heads)  # [B, S, H, d]
+
+
+def _is_scores(shape):
+    """An S x S array (the attention core's scores or probabilities)."""
+    return list(shape[-2:]) == [CONFIG.seq_len] * 2
+
+
+def test_qkv_saveable_keeps_exactly_q_k_and_v():
+    """MaxText's save_qkv_proj: the three [B, S, H, d] inputs of the attention core, nothing
+    else (the MLP, the norms and the core are recomputed)."""
+    assert _block_residuals("qkv_saveable") == Counter({(HEAD, "float32"): 3})
+
+
+def test_dots_attention_saveable_keeps_the_matmuls_and_the_attention_output():
+    """MaxText's minimal_flash: dots_saveable's matmul outputs and the core's output [B, S, H, d];
+    no S x S array (the core's batched matmuls are not among the dots kept)."""
+    dots = _block_residuals("dots_saveable")
+    assert _block_residuals("dots_attention_saveable") - dots == Counter({(HEAD, "float32"): 1})
+    assert not any(_is_scores(shape) for shape, _ in dots)
+
+
+def test_selective_recompute_keeps_everything_but_the_attention_core():
+    """Megatron's selective recompute on XLA's path: ``none`` keeps the S x S scores and
+    probabilities (and the causal mask); ``all_but_attention_core_saveable`` keeps none of them,
+    and everything ``none`` keeps outside the core (every [B, S, *] array), plus q, k and v, the
+    core's inputs, from which its backward recomputes it."""
+    kept, everything = _block_residuals(remat.SELECTIVE), _block_residuals("none")
+    assert any(_is_scores(shape) for shape, _ in everything)
+    assert not any(_is_scores(shape) for shape, _ in kept)
+    outside = lambda c: Counter({k: n for k, n in c.items()
+                                 if k[0][:2] == (BATCH, CONFIG.seq_len) and len(k[0]) == 3})
+    assert outside(kept) == outside(everything)
+    assert kept[(HEAD, "float32")] >= 3
+    bytes_of = lambda c: sum(np.prod(s) * np.dtype(d).itemsize * n for (s, d), n in c.items())
+    assert bytes_of(kept) < bytes_of(everything)
+
+
+def test_selective_recompute_is_set_on_the_cores_by_the_step_only():
+    """The step's ``remat`` sets its copy's attention cores' ``recompute``; ``none`` clears it."""
+    from jphantom.nn import CausalAttention, set_remat
+
+    program = program_module.build(CONFIG, "tensor", "model=1")
+    require_devices(1)
+    mesh = program.mesh.build(jax.devices()[:1])
+    cores = lambda model: {m.recompute for _, m in nnx.iter_modules(model)
+                           if isinstance(m, CausalAttention)}
+    step = program.train_step(mesh, optax.sgd(0.1), remat=remat.SELECTIVE)
+    assert cores(step.model_template) == {True}
+    assert cores(program.model) == {False}
+    set_remat(program.model, remat.SELECTIVE)
+    assert cores(program.train_step(mesh, optax.sgd(0.1), remat="none").model_template) == {False}
+
+
+LLAMA = LlamaConfig(vocab_size=32, hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2,
+                    max_positions=16, dtype="float32")
+
+
+@functools.lru_cache(maxsize=None)
+def _llama_run(policy):
+    """Llama (GQA) under TP + SP on data=2,model=2 with ZeRO-3 (each layer's parameters fetched,
+    :func:`jphantom.remat.checkpointed` with ``fetched``): loss and gradients under ``policy``."""
+    program = program_module.build(LLAMA, "tensor", "data=2,model=2", sequence_parallel=True)
+    require_devices(4)
+    mesh = program.mesh.build(jax.devices()[:4])
+    step = program.train_step(mesh, optax.sgd(0.1), remat=policy, zero=3, donate=False)
+    params = random_params(program)
+    rng = np.random.default_rng(1)
+    batch = [rng.integers(0, LLAMA.vocab_size, (8, 16)).astype(np.int32) for _ in range(2)]
+    loss, grads = jax.jit(step.value_and_grad())(params, *batch)
+    return float(loss), jax.device_get(grads)
+
+
+@pytest.mark.parametrize("policy", ["dots_attention_saveable", "qkv_saveable", remat.SELECTIVE])
+def test_peer_policies_are_exact_on_llama_under_sp_and_zero3(policy):
+    loss, grads = _llama_run(policy)
+    want_loss, want_grads = _llama_run("none")
+    assert loss == pytest.approx(want_loss, rel=1e-6)
+    assert_tree_close(grads, want_grads, 1e-5)

@@ -255,8 +255,11 @@ class StepConfig:
         "float32", "mixed precision: float32, bf16 or float16 compute with float32 master "
         "weights and optimizer state (float16 with loss scaling)")
     remat: str = setting(
-        "none", "activation checkpointing per layer: none, nothing_saveable, dots_saveable or "
-        "collectives_saveable (keeps collective outputs: a recompute repeats no collective)")
+        "none", "activation checkpointing per layer, named for what it keeps: none, "
+        "nothing_saveable, dots_saveable, collectives_saveable (keeps collective outputs: a "
+        "recompute repeats no collective), dots_collectives_saveable, dots_attention_saveable "
+        "(MaxText's minimal_flash), qkv_saveable (MaxText's save_qkv_proj) or "
+        "all_but_attention_core_saveable (Megatron's selective recompute)")
     cac: bool = setting(
         False, "communication-aware checkpointing (Singh's thesis): --remat collectives_saveable")
     attention: str = setting(

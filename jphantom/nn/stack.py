@@ -180,9 +180,15 @@ def set_fp8(model: nnx.Module) -> nnx.Module:
 
 
 def set_remat(model: nnx.Module, policy: str) -> None:
-    """Checkpoint every :class:`Stacked` block of ``model`` with ``policy`` (``none``,
-    ``nothing_saveable``, ``dots_saveable``, ``collectives_saveable``)."""
-    remat_module.check(policy)
+    """Checkpoint every :class:`Stacked` block of ``model`` with ``policy``
+    (:data:`jphantom.remat.NAMES`), and set every attention core's ``recompute``: whether it
+    recomputes itself in the backward (``all_but_attention_core_saveable``, Megatron's selective
+    recompute, :func:`jphantom.remat.recomputes_attention_core`)."""
+    from jphantom.nn.attention import CausalAttention, RingAttention
+
+    recompute = remat_module.recomputes_attention_core(policy)
     for _, module in nnx.iter_modules(model):
         if isinstance(module, Stacked):
             module.remat = policy
+        elif isinstance(module, (CausalAttention, RingAttention)):
+            module.recompute = recompute

@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax import lax
 
 from jphantom import token_mean
 from jphantom.errors import ConfigError
@@ -123,11 +122,8 @@ class Attention(nnx.Module):
                               rope(a, self.local_theta, positions, length)) for a in (q, k))
         if self.q_scale is not None:
             q = q * jnp.asarray(self.q_scale, q.dtype)
-        if self.mixed and packing is None:  # this layer's core, each with its own window
-            out = lax.cond(full, self.attend, self.attend_local, q, k, v)
-        elif self.mixed:
-            out = lax.cond(full, lambda *a: packed.attend(self.attend, *a, packing),
-                           lambda *a: packed.attend(self.attend_local, *a, packing), q, k, v)
+        if self.mixed:  # this layer's core, each with its own window
+            out = packed.attend(self.attend, q, k, v, packing, local=self.attend_local, full=full)
         else:
             out = packed.attend(self.attend, q, k, v, packing)
         return self.o_proj(out.reshape(batch, seq, -1))

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jphantom import comm
+from jphantom import comm, remat
 from jphantom.attention_choices import ALGORITHMS
 from jphantom.errors import ConfigError
 from jphantom.nn.attention.core import CausalAttention, Positions, causal_attention
@@ -21,11 +21,14 @@ from jphantom.nn.attention.ring import ring_attention
 
 
 def gathered_attention(q, k, v, *, size: int, balanced: bool = True,
-                       window: int | None = None, segment_ids=None) -> jax.Array:
+                       window: int | None = None, segment_ids=None,
+                       recompute: bool = False) -> jax.Array:
     """Causal attention of this rank's chunk with K and V all-gathered over ``context`` (XLA's
     path: the mask of the layout's positions is not one cuDNN takes); ``segment_ids`` [B, S/C]
     (a packed batch, this rank's chunk): gathered with K and V, a query attending only keys of
-    its own segment."""
+    its own segment. ``recompute``: the core after the gathers runs under ``jax.checkpoint``
+    saving its inputs (the [S/C, S] probabilities recomputed in the backward, the gathers not
+    repeated)."""
     local = q.shape[1]
     k_all = comm.all_gather(k, AXIS, axis=1, tiled=True)
     v_all = comm.all_gather(v, AXIS, axis=1, tiled=True)
@@ -37,7 +40,8 @@ def gathered_attention(q, k, v, *, size: int, balanced: bool = True,
     if segment_ids is not None:
         k_segments = comm.all_gather(segment_ids, AXIS, axis=1, tiled=True)
         mask = mask[None] & segment_mask(segment_ids, k_segments)
-    return causal_attention(q, k_all, v_all, mask)
+    core = remat.recomputed(causal_attention) if recompute else causal_attention
+    return core(q, k_all, v_all, mask)
 
 
 # -- the context layers ------------------------------------------------------------------------
@@ -63,9 +67,12 @@ class ContextPositions(nnx.Module):
 class RingAttention(nnx.Module):
     """Ring attention over ``context`` (module docstring): :func:`ring_attention`, its blocks on
     the kernel :meth:`kernel` picks; ``window`` (a sliding window) is refused by name: use
-    :class:`GatheredAttention`."""
+    :class:`GatheredAttention`. ``recompute`` (Megatron's selective recompute,
+    :func:`jphantom.nn.set_remat`) changes nothing here: the ring's backward keeps q, k, v, the
+    output and the log-sum-exp and recomputes its blocks already."""
 
     algorithm = "ring"
+    recompute = False
     takes_segments = True  # packed batches: segment ids (jphantom.nn.attention.packing)
 
     def __init__(self, *, size: int, balanced: bool = True, window: int | None = None,
@@ -98,14 +105,16 @@ class RingAttention(nnx.Module):
 
 
 class GatheredAttention(RingAttention):
-    """Attention over ``context`` with K/V all-gathered: :func:`gathered_attention`."""
+    """Attention over ``context`` with K/V all-gathered: :func:`gathered_attention`
+    (``recompute``: its core recomputed in the backward)."""
 
     algorithm = "all-gather"
 
     def __call__(self, q, k, v, segment_ids=None) -> jax.Array:
         self.kernel(q.dtype, q.shape[-1], packed=segment_ids is not None)
         return gathered_attention(q, k, v, size=self.size, balanced=self.balanced,
-                                  window=self.window, segment_ids=segment_ids)
+                                  window=self.window, segment_ids=segment_ids,
+                                  recompute=self.recompute)
 
 
 def context_kernel(algorithm: str, implementation: str, platform: str, dtype,

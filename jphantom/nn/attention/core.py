@@ -5,10 +5,13 @@ windows), the parameterless :class:`CausalAttention` a model hands q, k and v to
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jphantom import remat
 from jphantom.errors import ConfigError
 from jphantom.nn.attention.kernel_choice import check_implementation, choose, platform_of
 from jphantom.nn.attention.packing import segment_mask
@@ -98,7 +101,13 @@ class CausalAttention(nnx.Module):
     :func:`choose` picks for ``implementation`` (``auto``: cuDNN's flash attention on NVIDIA GPUs
     in bf16/fp16, XLA's path elsewhere) on ``platform`` (set by the training step from its mesh's
     devices, :func:`configure`; ``None``: the process's default backend). ``window``: a causal
-    sliding window of that many tokens."""
+    sliding window of that many tokens. ``recompute`` (set by :func:`jphantom.nn.set_remat` under
+    ``remat="all_but_attention_core_saveable"``, Megatron's selective recompute): on XLA's path,
+    whose backward keeps the S x S probabilities, the core runs under ``jax.checkpoint`` saving
+    only q, k and v (:func:`jphantom.remat.recomputed`); a fused kernel keeps O(S) residuals and
+    runs as it is."""
+
+    recompute = False
 
     def __init__(self, *, window: int | None = None, implementation: str = "auto"):
         if window is not None and (isinstance(window, bool) or not isinstance(window, int)
@@ -117,9 +126,17 @@ class CausalAttention(nnx.Module):
                       window=self.window)
 
     def __call__(self, q, k, v, segment_ids=None) -> jax.Array:
+        kernel, _ = self.kernel(q.dtype, q.shape[-1], packed=segment_ids is not None)
+        core = functools.partial(causal_attention, window=self.window, implementation=kernel)
+        if self.recompute and keeps_scores(kernel):
+            core = remat.recomputed(core)
         if segment_ids is None:
-            kernel, _ = self.kernel(q.dtype, q.shape[-1])
-            return causal_attention(q, k, v, window=self.window, implementation=kernel)
-        kernel, _ = self.kernel(q.dtype, q.shape[-1], packed=True)
-        return causal_attention(q, k, v, window=self.window, implementation=kernel,
-                                segment_ids=segment_ids)
+            return core(q, k, v)
+        return core(q, k, v, segment_ids=segment_ids)
+
+
+def keeps_scores(kernel: str) -> bool:
+    """Whether the core on ``kernel`` keeps an S x S array for its backward: XLA's path does
+    (its probabilities), a fused flash kernel (cuDNN's, Pallas') keeps its output and log-sum-exp
+    only."""
+    return kernel not in ("cudnn", "pallas", "pallas-interpret")

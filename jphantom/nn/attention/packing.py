@@ -26,7 +26,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from jphantom import remat
 from jphantom.errors import ConfigError
 
 
@@ -67,9 +69,25 @@ def segment_mask(q_segments, k_segments) -> jax.Array:
     return q_segments[:, :, None] == k_segments[:, None, :]
 
 
-def attend(core, q, k, v, packing: Packing | None):
+def attend(core, q, k, v, packing: Packing | None, *, local=None, full=None):
     """``core(q, k, v)``, with the packing's segment ids where there is one: a core that cannot
-    take them is refused by name (never silently attending across documents)."""
+    take them is refused by name (never silently attending across documents). ``local`` and
+    ``full``: a second core and a traced flag, ``core`` where it is true, ``local`` where not
+    (Gemma 3's local and global layers in one stack, under ``lax.cond``).
+
+    Every model's attention goes through here, so the names the remat policies read are given
+    here: q, k and v as the core gets them (:func:`jphantom.remat.name_qkv`) and the core's
+    output (:func:`jphantom.remat.name_attention`)."""
+    q, k, v = remat.name_qkv(q, k, v)
+    if local is None:
+        out = _attend(core, q, k, v, packing)
+    else:
+        out = lax.cond(full, lambda *a: _attend(core, *a, packing),
+                       lambda *a: _attend(local, *a, packing), q, k, v)
+    return remat.name_attention(out)
+
+
+def _attend(core, q, k, v, packing: Packing | None):
     if packing is None:
         return core(q, k, v)
     if not getattr(core, "takes_segments", False):
