@@ -569,3 +569,13 @@ def test_a_named_device_s_memory_is_the_plan_s_memory_limit(capsys):
 def test_plan_refuses_an_unknown_cluster_naming_the_choices(capsys):
     assert exit_code(["plan", "--cluster", "nonsense"]) == 2
     _one_line_error(capsys, "--cluster 'nonsense'", "perlmutter, frontier, mi300x")
+
+
+def test_accumulation_names_the_layouts_it_leaves_out():
+    """Issue 55's probe: plan --accumulate 3 on a batch of 512 priced 14 of 86 layouts without a
+    word; the header names the rule that left the others out."""
+    from jphantom.planner.report import format_plan
+
+    text = format_plan(plan(ax.GPT_20B, 32, batch=512, accumulate=3), top=1)
+    assert ("3 accumulation micro-batches (a layout whose batch per data rank is no multiple of 3 "
+            "is left out)") in text.splitlines()[0]

@@ -40,7 +40,8 @@ def format_plan(result: Ranking, top: int = 10) -> str:
          f"GPT L={m['layers']}, h={m['hidden']}, heads={m['heads']}, ")
         + f"S={m['seq_len']}, V={m['vocab_size']} ({m['parameters'] / 1e9:.2f}B parameters); batch "
         f"{a['batch_sequences']} sequences ({a['tokens_per_step']:,} tokens) per step"
-        + (f", {a['accumulate']} accumulation micro-batches" if a["accumulate"] > 1 else "")
+        + (f", {a['accumulate']} accumulation micro-batches (a layout whose batch per data rank is "
+           f"no multiple of {a['accumulate']} is left out)" if a["accumulate"] > 1 else "")
         + f"; {_nodes(a['devices'], a['nodes'], t['gpus_per_node'])}.",
         f"Network ({t['name']}): beta_inter {t['inter_node_gbps']:g} GB/s between nodes; intra-node"
         f" GB/s by (G0,G1): {intra}; alpha {t['latency_us']:g} us per ring step"
