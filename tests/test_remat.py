@@ -199,14 +199,23 @@ LLAMA = LlamaConfig(vocab_size=32, hidden=32, intermediate=64, layers=2, heads=4
                     max_positions=16, dtype="float32")
 
 
+LAYOUTS = {  # (mesh, build options, step options)
+    "sp-zero3": ("data=2,model=2", {"sequence_parallel": True}, {"zero": 3}),
+    "all-gather-context": ("context=2,model=2", {"context_attention": "all-gather"}, {}),
+}
+
+
 @functools.lru_cache(maxsize=None)
-def _llama_run(policy):
-    """Llama (GQA) under TP + SP on data=2,model=2 with ZeRO-3 (each layer's parameters fetched,
-    :func:`jphantom.remat.checkpointed` with ``fetched``): loss and gradients under ``policy``."""
-    program = program_module.build(LLAMA, "tensor", "data=2,model=2", sequence_parallel=True)
+def _llama_run(policy, layout):
+    """Llama (GQA) under ``layout``: TP + SP on data=2,model=2 with ZeRO-3 (each layer's
+    parameters fetched, :func:`jphantom.remat.checkpointed` with ``fetched``), or context
+    parallelism with K and V all-gathered (``GatheredAttention``, whose core recomputes itself
+    under selective recompute): loss and gradients under ``policy``."""
+    mesh_text, options, step_options = LAYOUTS[layout]
+    program = program_module.build(LLAMA, "tensor", mesh_text, **options)
     require_devices(4)
     mesh = program.mesh.build(jax.devices()[:4])
-    step = program.train_step(mesh, optax.sgd(0.1), remat=policy, zero=3, donate=False)
+    step = program.train_step(mesh, optax.sgd(0.1), remat=policy, donate=False, **step_options)
     params = random_params(program)
     rng = np.random.default_rng(1)
     batch = [rng.integers(0, LLAMA.vocab_size, (8, 16)).astype(np.int32) for _ in range(2)]
@@ -214,9 +223,11 @@ def _llama_run(policy):
     return float(loss), jax.device_get(grads)
 
 
-@pytest.mark.parametrize("policy", ["dots_attention_saveable", "qkv_saveable", remat.SELECTIVE])
-def test_peer_policies_are_exact_on_llama_under_sp_and_zero3(policy):
-    loss, grads = _llama_run(policy)
-    want_loss, want_grads = _llama_run("none")
+@pytest.mark.parametrize("policy, layout", [
+    ("dots_attention_saveable", "sp-zero3"), ("qkv_saveable", "sp-zero3"),
+    (remat.SELECTIVE, "sp-zero3"), (remat.SELECTIVE, "all-gather-context")])
+def test_peer_policies_are_exact_on_llama(policy, layout):
+    loss, grads = _llama_run(policy, layout)
+    want_loss, want_grads = _llama_run("none", layout)
     assert loss == pytest.approx(want_loss, rel=1e-6)
     assert_tree_close(grads, want_grads, 1e-5)
