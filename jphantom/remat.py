@@ -111,13 +111,17 @@ def check(name: str) -> str:
     return name
 
 
-def with_cac(name: str, cac: bool) -> str:
+def with_cac(name: str | None, cac: bool) -> str:
     """The policy of ``--remat name --cac``: Singh's communication-aware checkpointing is
-    checkpointing every layer while keeping the collectives' outputs, ``collectives_saveable``."""
+    checkpointing every layer while keeping the collectives' outputs, ``collectives_saveable``.
+    ``name`` None: not given (``none`` without ``cac``); any other policy given with ``cac``,
+    ``none`` too, contradicts it."""
+    if name is None:
+        return "collectives_saveable" if cac else "none"
     check(name)
     if not cac:
         return name
-    if name not in ("none", "collectives_saveable"):
+    if name != "collectives_saveable":
         raise ConfigError(f"cac keeps collective outputs (remat='collectives_saveable'); it "
                           f"contradicts remat={name!r}: give one of them")
     return "collectives_saveable"

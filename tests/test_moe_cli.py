@@ -60,6 +60,8 @@ def test_inspect_lists_the_all_to_alls_over_expert(capsys):
     (["--moe-every", "2", "--dtd", "--strategy", "phantom", "--ghost-width", "2"], "dtd"),
     (["--moe-every", "2", "--cac", "--remat", "dots_saveable", "--mesh", "model=2"],
      "contradicts remat"),
+    (["--moe-every", "2", "--cac", "--remat", "none", "--mesh", "model=2"],
+     "contradicts remat='none'"),
 ])
 def test_bad_moe_settings_are_one_line_and_run_nothing(argv, message, tmp_path, capsys):
     out = tmp_path / "never"

@@ -254,8 +254,8 @@ class StepConfig:
     precision: str = setting(
         "float32", "mixed precision: float32, bf16 or float16 compute with float32 master "
         "weights and optimizer state (float16 with loss scaling)")
-    remat: str = setting(
-        "none", "activation checkpointing per layer, named for what it keeps: none, "
+    remat: str | None = setting(
+        None, "activation checkpointing per layer, named for what it keeps (default none): none, "
         "nothing_saveable, dots_saveable, collectives_saveable (keeps collective outputs: a "
         "recompute repeats no collective), dots_collectives_saveable, dots_attention_saveable "
         "(MaxText's minimal_flash), qkv_saveable (MaxText's save_qkv_proj) or "
@@ -278,7 +278,8 @@ class StepConfig:
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ConfigError(f"clip_norm={self.clip_norm} must be > 0 (or left out)")
         _choice("precision", self.precision, tuple(PRECISIONS))
-        _choice("remat", self.remat, REMATS)
+        if self.remat is not None:
+            _choice("remat", self.remat, REMATS)
         _choice("attention", self.attention, IMPLEMENTATIONS)
         with_cac(self.remat, self.cac)
 
@@ -319,8 +320,9 @@ class TrainConfig:
         "nanoGPT's uint16 tokens; `jphantom tokenize` writes them), a dataset file (.jsonl, "
         ".json, .parquet, .arrow: rows of text, prompt/completion or messages, tokenised with "
         "--tokenizer or the --from-hf checkpoint's tokenizer.json) or a folder of token or "
-        "dataset files (the validation split: token files named *val*; dataset files with a "
-        "file or folder named val, valid, validation, dev or eval) (default: the Python "
+        "dataset files (the validation split: a file or folder of the data folder named by the "
+        "word val, valid, validation, dev or eval, test ones left out, one rule for both) "
+        "(default: the Python "
         "standard library's sources as bytes)")
     tokenizer: str | None = setting(
         None, "the tokenizer text goes through: bpe (the bundled byte-level BPE, 1024 ids), a "
