@@ -579,3 +579,17 @@ def test_accumulation_names_the_layouts_it_leaves_out():
     text = format_plan(plan(ax.GPT_20B, 32, batch=512, accumulate=3), top=1)
     assert ("3 accumulation micro-batches (a layout whose batch per data rank is no multiple of 3 "
             "is left out)") in text.splitlines()[0]
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """``jphantom plan ... | head -0``: the reader closes the pipe before the plan is printed;
+    the command ends quietly with a shell's SIGPIPE code (141), no BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "jphantom", "plan", "--device", "h100-sxm"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+        process.stdout.close()  # long before the plan's first line (imports alone take longer)
+        error = process.stderr.read().decode()
+        assert process.wait(timeout=120) == 141
+    assert "Traceback" not in error and "BrokenPipe" not in error, error

@@ -97,6 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before or after the training loop, which handles its own
         print("jphantom: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `jphantom plan ... | head`: the reader left; nothing to report
+        _quiet_stdout()
+        return 141  # a shell's code for a process ended by SIGPIPE
+
+
+def _quiet_stdout() -> None:
+    """Point standard output at /dev/null, so that the interpreter's own flush at exit does not
+    raise the broken pipe again (Python's documented way: the ``signal`` module's notes on
+    SIGPIPE)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 def _one_line_warnings() -> None:
