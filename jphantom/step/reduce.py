@@ -13,7 +13,8 @@ ZeRO over ``data`` (:mod:`jphantom.zero` holds the per-rank operations): ZeRO-2 
 each gradient over ``data`` instead of all-reducing it; ZeRO-3 stores the parameters as shards and
 all-gathers them before use (the stacked blocks layer by layer through their
 :class:`~jphantom.nn.stack.Stacked`'s ``fetch``), the gather's transpose being the gradient's
-reduce-scatter.
+reduce-scatter. ``master_weights="sharded"`` stores the float32 parameters in those shards too and
+gathers them whole, cast to bf16, once per step (the reduce-scatter its transpose, in bf16).
 
 A step's reducer is a part it is built with: :class:`Reducer` (the data-parallel mean, ZeRO-1/2/3
 by the setup's ``zero``), or :class:`NoReduction` (each rank's own share, never summed: the
@@ -44,7 +45,7 @@ def vary_axes(setup: StepSetup) -> list[tuple[str, ...]]:
         split = zero_module.spec_axes(spec)
         axes = tuple(a for a in setup.batch_axes + extra if a not in split)
         axes = axes + tuple(a for a in reduce if a not in axes and a not in split)
-        if setup.zero == 3 and dim >= 0:  # the gather's transpose is that reduction
+        if setup.sharded_master and dim >= 0:  # the gather's transpose is that reduction
             axes = tuple(a for a in axes if a not in layout.zero_axes[len(out)])
         out.append(axes)
     return out
@@ -70,12 +71,15 @@ class Reducer:
         """The model of this rank's ``leaves`` (cast to the compute dtype). ZeRO-3: the leaves of
         the stacked blocks stay shards, gathered layer by layer by their :class:`Stacked`'s
         ``fetch``; every other leaf is all-gathered here, once (``train``: varying, so that the
-        gather's transpose reduce-scatters the gradient)."""
+        gather's transpose reduce-scatters the gradient). ``master_weights="sharded"``: every
+        leaf gathered here, once, in the compute dtype (the bf16 parameters of Megatron's
+        distributed optimizer; its transpose the bf16 gradient's reduce-scatter)."""
         setup, layout = self.setup, self.setup.layout
-        leaves = setup.precision.cast(list(leaves))
-        if setup.zero != 3:
+        leaves = setup.precision.cast(list(leaves))  # a sharded master: gathered in bf16
+        if not setup.sharded_master:
             return setup.ready(layout.model_of(leaves))
-        stacked = layout.stacked if train and setup.pipeline is None else frozenset()
+        stacked = (layout.stacked if train and setup.pipeline is None and setup.zero == 3
+                   else frozenset())
         dims, zaxes = layout.zero_dims, layout.zero_axes
         leaves = zero_module.gather_together(
             leaves, [-1 if i in stacked else d for i, d in enumerate(dims)], zaxes,

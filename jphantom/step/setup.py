@@ -36,6 +36,7 @@ from jphantom.step.layout import (CONTEXT, ParamLayout, batch_axes_of, batch_spe
 from jphantom.step.stages import PipelineLayout, cut_into_stages
 
 SPMD = ("shard_map", "gspmd")
+MASTER_WEIGHTS = ("replicated", "sharded")
 
 
 @dataclasses.dataclass(eq=False)
@@ -61,18 +62,26 @@ class StepSetup:
     dropout_seed: int
     pipeline: Any = None  # a PipelineConfig with a 'stage' axis
     stages: Any = None  # its jphantom.step.stages.PipelineLayout
+    master_weights: str = "replicated"  # "sharded": float32 master in shards, bf16 gathered
+
+    @property
+    def sharded_master(self) -> bool:
+        """The state stores the float32 parameters in their ZeRO shards over ``data``: ZeRO-3,
+        or ``master_weights="sharded"`` (gathered whole in the compute dtype once per step)."""
+        return self.zero == 3 or self.master_weights == "sharded"
 
     # -- shardings ---------------------------------------------------------------------------
 
     @property
     def param_specs(self) -> tuple[P, ...]:
-        """The parameters' specs as the state stores them (ZeRO-3: shards)."""
-        return self.layout.zero_specs() if self.zero == 3 else self.layout.specs
+        """The parameters' specs as the state stores them (ZeRO-3, sharded master: shards)."""
+        return self.layout.zero_specs() if self.sharded_master else self.layout.specs
 
     @property
     def grad_specs(self) -> tuple[P, ...]:
-        """The reduced gradients' specs (ZeRO-2 and 3: shards)."""
-        return self.layout.zero_specs() if self.zero >= 2 else self.layout.specs
+        """The reduced gradients' specs (ZeRO-2 and 3, sharded master: shards)."""
+        return (self.layout.zero_specs() if self.zero >= 2 or self.sharded_master
+                else self.layout.specs)
 
     @property
     def opt_param_specs(self) -> tuple[P, ...]:
@@ -135,7 +144,8 @@ def refuse_dropout(dropout: list[str], what: str) -> None:
 def setup_of(model: nnx.Module, mesh: Mesh, loss_fn: Callable, *, zero: int = 0,
              accumulate: int = 1, precision: str | Precision = "float32", remat: str = "none",
              pipeline=None, spmd: str = "shard_map", batch_specs=None,
-             attention: str | None = None, dropout_seed: int = 0) -> StepSetup:
+             attention: str | None = None, dropout_seed: int = 0,
+             master_weights: str = "replicated") -> StepSetup:
     """The checked :class:`StepSetup` of :func:`jphantom.make_train_step`'s options (its
     docstring names them) on a private copy of ``model``."""
     if not isinstance(model, nnx.Module):
@@ -152,6 +162,7 @@ def setup_of(model: nnx.Module, mesh: Mesh, loss_fn: Callable, *, zero: int = 0,
     if zero and "data" not in mesh.axis_names:
         raise ConfigError(f"zero={zero} shards over the 'data' axis: add it to the mesh")
     _check_spmd(spmd, model, pipeline)
+    _check_master_weights(master_weights, precision, zero, mesh, accumulate, spmd, pipeline)
     if dropout and (pipeline is not None or "stage" in mesh.axis_names or spmd != "shard_map"):
         what = ("a pipeline" if pipeline is not None or "stage" in mesh.axis_names
                 else "spmd='gspmd'")
@@ -169,7 +180,8 @@ def setup_of(model: nnx.Module, mesh: Mesh, loss_fn: Callable, *, zero: int = 0,
         batch_ranks=math.prod(dict(mesh.shape)[a] for a in batch_axes),
         batch_spec=batch_spec_of(mesh), batch_specs=check_batch_specs(batch_specs, mesh),
         context=attention_module.context_of(model), dropout=dropout,
-        dropout_seed=check_int("dropout_seed", dropout_seed, minimum=0), pipeline=pipeline)
+        dropout_seed=check_int("dropout_seed", dropout_seed, minimum=0), pipeline=pipeline,
+        master_weights=master_weights)
     if pipeline is not None:
         setup.stages = PipelineLayout.of(model, mesh, pipeline, stack, setup.ready,
                                          layout.pure_treedef)
@@ -182,6 +194,37 @@ def _check_precision(precision: Precision, model: nnx.Module) -> Precision:
     precision.check_master(leaf.dtype for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))
                            if jnp.issubdtype(leaf.dtype, jnp.floating))
     return precision
+
+
+def _check_master_weights(master_weights, precision, zero, mesh, accumulate, spmd,
+                          pipeline) -> None:
+    """``master_weights="sharded"`` (Megatron's distributed optimizer: float32 master shards and
+    Adam moments over ``data``, bf16 parameters gathered whole once per step, bf16 gradients
+    reduce-scattered) runs where it is built: bf16, ZeRO-1, a data axis, the shard_map step
+    without a pipeline or accumulation."""
+    if master_weights not in MASTER_WEIGHTS:
+        raise ConfigError(f"master_weights={master_weights!r}: 'replicated' (the float32 "
+                          "parameters on every data rank) or 'sharded' (float32 master shards "
+                          "over data, bf16 parameters gathered once per step)")
+    if master_weights == "replicated":
+        return
+    why = "master_weights='sharded' "
+    if precision.name != "bf16":
+        raise ConfigError(f"{why}keeps float32 master shards under bf16 parameters: use "
+                          f"precision='bf16' (--precision bf16), not {precision.name!r}")
+    if zero != 1:
+        raise ConfigError(f"{why}is ZeRO-1's state (the optimizer state and float32 master in "
+                          f"shards over data; ZeRO-3 already stores them so, gathering per "
+                          f"layer): use zero=1, not zero={zero}")
+    if dict(mesh.shape).get("data", 1) < 2:
+        raise ConfigError(f"{why}shards the master over the 'data' axis: give the mesh data>=2")
+    if spmd != "shard_map" or pipeline is not None or "stage" in mesh.axis_names:
+        raise ConfigError(f"{why}runs in the shard_map step without a pipeline: leave out "
+                          "spmd='gspmd', the pipeline and the 'stage' axis")
+    if accumulate != 1:
+        raise ConfigError(f"{why}gathers the bf16 parameters once per micro-batch with "
+                          f"accumulate={accumulate}, not yet once per step: use accumulate=1 "
+                          "(a larger batch), or master_weights='replicated'")
 
 
 def _set_remat(model: nnx.Module, remat: str) -> None:

@@ -1,0 +1,159 @@
+"""``master_weights="sharded"``: Megatron's distributed optimizer (bf16 parameters and gradients,
+float32 master weights and Adam moments in ZeRO-1's shards over ``data``) trains as the float32
+master bf16 step on one device does, within bf16's rounding; moves one bf16 all-gather of the
+parameters and one bf16 reduce-scatter of the gradients over ``data``; and its checkpoints are
+the plain step's."""
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+
+from jphantom import program as program_module
+from jphantom.analysis import hlo
+from jphantom.checkpoint import Checkpointer
+from jphantom.errors import ConfigError
+from jphantom.models.ffn import FFNConfig
+
+from conftest import require_devices
+from helpers import abstract_state, assert_tree_close, compiled_hlo, random_params
+
+WIDTH, DEPTH, BATCH = 16, 4, 16
+BF16 = 2.0 ** -8  # bf16's unit roundoff
+CONFIG = FFNConfig(WIDTH, DEPTH, None, "float32")
+
+
+def _step(mesh_text, optimizer=None, **options):
+    program = program_module.build(CONFIG, "tensor", mesh_text)
+    require_devices(program.mesh.device_count)
+    mesh = program.mesh.build(jax.devices()[:program.mesh.device_count])
+    return program, program.train_step(mesh, optimizer or optax.adam(1e-3), donate=False,
+                                       **options)
+
+
+def _data(seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal((BATCH, WIDTH)).astype(np.float32) for _ in range(2))
+
+
+def _sharded(mesh_text, optimizer=None):
+    return _step(mesh_text, optimizer, precision="bf16", zero=1, master_weights="sharded")
+
+
+@functools.lru_cache(maxsize=None)
+def _one_device(steps=3):
+    """The float32-master bf16 step on one device: per step its loss, gradients and parameters."""
+    program, step = _step("data=1,model=1", precision="bf16")
+    state = step.init(random_params(program))
+    grad = jax.jit(step.value_and_grad())
+    out = []
+    for i in range(steps):
+        _, grads = grad(state.params, *_data(i))
+        state, loss = step(state, *_data(i))
+        out.append((float(loss), jax.device_get(grads), jax.device_get(state.params)))
+    return out
+
+
+@pytest.mark.parametrize("mesh", ["data=2,model=2", "data=4,model=1"])
+def test_sharded_master_trains_like_the_float32_master_bf16_step_on_one_device(mesh):
+    program, step = _sharded(mesh)
+    state = step.init(random_params(program))
+    # the state: float32 master weights and Adam moments in shards over data
+    for leaf, spec in zip(jax.tree.leaves(state.params), step.layout.zero_specs()):
+        assert leaf.dtype == np.float32 and leaf.sharding.spec == spec
+    grad = jax.jit(step.value_and_grad())
+    for i, (want_loss, want_grads, want_params) in enumerate(_one_device()):
+        loss, grads = grad(state.params, *_data(i))
+        assert all(g.dtype == np.float32 for g in jax.tree.leaves(grads))
+        assert_tree_close(jax.device_get(grads), want_grads, 4 * BF16)
+        state, loss = step(state, *_data(i))
+        assert float(loss) == pytest.approx(want_loss, rel=2 * BF16)
+        assert_tree_close(jax.device_get(state.params), want_params, 4 * BF16)
+
+
+def _over_data(text, mesh):
+    """Per kind, the collectives over ``data`` alone in the HLO ``text``."""
+    kinds = {}
+    for c in hlo.collectives(text):
+        c = dataclasses.replace(c, replica_groups=hlo.normalise_replica_groups(c.replica_groups))
+        if c.mesh_axes(dict(mesh.shape)) == ("data",):
+            kinds.setdefault(c.kind, []).append(c)
+    return kinds
+
+
+def test_sharded_master_gathers_bf16_parameters_and_reduce_scatters_bf16_gradients_once():
+    """Per step over ``data`` (D=2): the split parameters all-gathered once in bf16 (P elements,
+    2P bytes per rank; one flat buffer per group of like parameters, here the stacked layers'
+    and the first pair's), its transpose one reduce-scatter of their gradients in bf16 (P/D),
+    an all-reduce of the parameters left replicated; the update on the float32 shards moves
+    nothing. The compiled CPU program has these collectives; their dtype is read from the
+    program as lowered, since XLA:CPU widens bf16 collectives to float32 (an H100 compile keeps
+    them bf16: docs/training.md)."""
+    program, step = _sharded("data=2,model=2")
+    shape = ((BATCH, WIDTH), np.float32)
+    layout, mesh = step.layout, step.mesh
+    full = [int(np.prod(NamedSharding(mesh, s).shard_shape(a.shape)))
+            for a, s in zip(layout.shapes, layout.specs)]
+    split = sum(n for n, d in zip(full, layout.zero_dims) if d >= 0)
+    replicated = sum(full) - split
+    groups = 2  # the stacked layers' flat buffer and the first (column, row) pair's
+    compiled = _over_data(compiled_hlo(step, shape, shape), mesh)
+    assert set(compiled) == {"all-gather", "reduce-scatter", "all-reduce"}
+    elements = lambda cs: sum(c.elements * c.count for c in cs)
+    assert sum(c.count for c in compiled["all-gather"]) == groups
+    assert sum(c.count for c in compiled["reduce-scatter"]) == groups
+    assert elements(compiled["all-gather"]) == split
+    assert elements(compiled["reduce-scatter"]) == split // 2
+    assert elements(compiled["all-reduce"]) == replicated
+    batch = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, spec))
+             for (s, d), spec in zip((shape, shape), step.specs_of_batch(2))]
+    lowered = _over_data(step.lower(abstract_state(step), *batch).as_text(dialect="hlo"), mesh)
+    for kind, expected in (("all-gather", 2 * split), ("reduce-scatter", 2 * split // 2)):
+        assert {dtype for c in lowered[kind] for dtype, _ in c.shapes} == {"bf16"}
+        assert sum(c.bytes * c.count for c in lowered[kind]) == expected
+
+
+def test_a_sharded_master_checkpoint_is_the_plain_steps_both_ways(tmp_path):
+    program, sharded = _sharded("data=2,model=2")
+    _, plain = _step("data=2,model=2", precision="float32")
+    state = sharded.init(random_params(program))
+    state, _ = sharded(state, *_data())
+    saver = Checkpointer(tmp_path / "a", asynchronous=False)
+    saver.save(1, state.params, state.opt_state)
+    target = plain.abstract_state()
+    params, opt_state, _ = saver.restore(target.params, target.opt_state)
+    assert_tree_close(jax.device_get(params), jax.device_get(state.params), 0)
+    assert_tree_close(jax.device_get(opt_state), jax.device_get(state.opt_state), 0)
+    assert all(p.sharding.spec == s for p, s in zip(jax.tree.leaves(params), plain.param_specs))
+    # and back: the plain step's checkpoint resumes the sharded one, which trains on from it
+    plain_state = plain.init(random_params(program, seed=3))
+    saver = Checkpointer(tmp_path / "b", asynchronous=False)
+    saver.save(1, plain_state.params, plain_state.opt_state)
+    target = sharded.abstract_state()
+    params, opt_state, _ = saver.restore(target.params, target.opt_state)
+    assert_tree_close(jax.device_get(params), jax.device_get(plain_state.params), 0)
+    assert all(p.sharding.spec == s
+               for p, s in zip(jax.tree.leaves(params), sharded.layout.zero_specs()))
+    _, loss = sharded(type(state)(params, opt_state), *_data())
+    assert np.isfinite(float(loss))
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(master_weights="sharded", zero=1), "precision='bf16'"),
+    (dict(master_weights="sharded", precision="bf16"), "use zero=1, not zero=0"),
+    (dict(master_weights="sharded", precision="bf16", zero=3), "not zero=3"),
+    (dict(master_weights="sharded", precision="bf16", zero=1, accumulate=2), "accumulate=1"),
+    (dict(master_weights="halves"), "'replicated'"),
+])
+def test_unsupported_sharded_master_settings_are_config_errors(options, message):
+    with pytest.raises(ConfigError, match=message):
+        _step("data=2,model=2", **options)
+
+
+def test_sharded_master_needs_a_data_axis():
+    with pytest.raises(ConfigError, match="data>=2"):
+        _step("data=1,model=2", precision="bf16", zero=1, master_weights="sharded")
