@@ -40,19 +40,30 @@ def add_parser(sub) -> None:
     train.set_defaults(handler=handle)
 
 
-def train_gpu_defaults() -> None:
+def train_gpu_defaults(args: argparse.Namespace | None = None) -> None:
     """``train`` on NVIDIA GPUs: :mod:`jphantom.gpu_defaults` into the environment where it does
-    not set them, and one line saying what was set (by the first process of a multi-process
-    run)."""
+    not set them (with its FP8 flags when ``args``' settings say ``--precision fp8``), and one
+    line saying what was set (by the first process of a multi-process run)."""
     from jphantom import gpu_defaults
     from jphantom.distributed import ENV_PROCESS_ID
 
     if not gpu_defaults.nvidia_gpu_visible():
         return
-    applied = gpu_defaults.apply()
+    precision = run_settings(args, TRAIN_DEFAULTS).get("precision") if args is not None else None
+    applied = gpu_defaults.apply(precision=precision)
     if os.environ.get(ENV_PROCESS_ID, "0").strip() in ("", "0"):
         print("gpu defaults: " + (" ".join(applied) if applied else
                                   "none set (XLA_FLAGS and the environment set them all)"))
+
+
+def _family_from_checkpoint(args: argparse.Namespace, settings: dict) -> bool:
+    """Whether the run's family came from its ``--from-hf`` checkpoint: neither ``--model`` nor
+    ``--config``'s file names one (:func:`jphantom.cli.parser.run_settings`)."""
+    from jphantom.config import load_toml
+
+    if not settings.get("from_hf") or getattr(args, "model", None) is not None:
+        return False
+    return not (getattr(args, "config", None) and "model" in load_toml(args.config))
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -84,6 +95,9 @@ def handle(args: argparse.Namespace) -> int:
     if used < available and jax.process_index() == 0:
         print(f"note: mesh {config.parallel.mesh_config()} uses {used} of the {available} "
               f"devices; {available - used} stay idle (give the mesh more ranks to use them)")
+    if jax.process_index() == 0 and _family_from_checkpoint(args, settings):
+        print(f"model: {config.model.name}, the family --from-hf {settings['from_hf']}'s "
+              "config.json names (model_type)")
     if jax.process_index() == 0 and (line := _files_line(config.train)) is not None:
         print(line)
     results = run(config)

@@ -237,7 +237,8 @@ def test_from_hf_trains_the_checkpoints_family_and_a_disagreeing_model_is_one_li
                  str(out)]) == 0
     model = json.loads((out / "results.json").read_text())["model"]
     assert (model["name"], model["hidden"], model["layers"]) == ("qwen2", 32, 2)
-    capsys.readouterr()
+    assert (f"model: qwen2, the family --from-hf {QWEN2}'s config.json names (model_type)"
+            in capsys.readouterr().out.splitlines())
     assert main(["train", "--model", "gpt2", "--from-hf", str(QWEN2), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err == (f"jphantom: error: --from-hf {QWEN2} holds a 'qwen2' checkpoint, which "
