@@ -463,7 +463,7 @@ class Trainer:
             loss_units="nats per token" if _text_model(config) else "MSE",
             step={"zero": config.step.zero, "accumulate": config.step.accumulate,
                   "clip_norm": config.step.clip_norm, "precision": config.step.precision,
-                  "remat": config.step.step_remat},
+                  "master_weights": config.step.master_weights, "remat": config.step.step_remat},
             attention=run.kernels, model={"name": config.model.name, **_asdict(program.config)},
             checkpoints=run.checkpoints.describe(self.first_step))
         if energy is not None:

@@ -6,6 +6,7 @@ the plain step's."""
 
 import dataclasses
 import functools
+import json
 
 import jax
 import numpy as np
@@ -157,3 +158,34 @@ def test_unsupported_sharded_master_settings_are_config_errors(options, message)
 def test_sharded_master_needs_a_data_axis():
     with pytest.raises(ConfigError, match="data>=2"):
         _step("data=1,model=2", precision="bf16", zero=1, master_weights="sharded")
+
+
+FFN = ["train", "--model", "ffn", "--strategy", "tensor", "--width", "8", "--depth", "2",
+       "--batch", "16", "--steps", "2", "--eval-every", "1", "--eval-batches", "1",
+       "--no-progress", "--mesh", "data=2,model=2", "--precision", "bf16", "--zero", "1",
+       "--optimizer", "adam"]
+
+
+def test_train_master_weights_sharded_end_to_end_matches_replicated(tmp_path, capsys):
+    from jphantom import cli
+
+    assert cli.main([*FFN, "--master-weights", "sharded", "--out", str(tmp_path / "s")]) == 0
+    assert "bf16 compute, sharded master weights" in capsys.readouterr().out
+    results = json.loads((tmp_path / "s" / "results.json").read_text())
+    assert results["step"]["master_weights"] == "sharded"
+    assert cli.main([*FFN, "--out", str(tmp_path / "r")]) == 0
+    plain = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert plain["step"]["master_weights"] == "replicated"
+    for key in ("train_loss", "validation_loss"):
+        assert results["history"][key] == pytest.approx(plain["history"][key], rel=4 * BF16)
+
+
+def test_bad_master_weights_flags_are_one_line(tmp_path, capsys):
+    from helpers import exit_code
+
+    out = tmp_path / "never"
+    assert exit_code([*FFN, "--master-weights", "sharded", "--zero", "2", "--out",
+                      str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jphantom: error:") and err.count("\n") == 1, err
+    assert "use zero=1, not zero=2" in err and not out.exists()

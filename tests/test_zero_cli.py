@@ -27,7 +27,8 @@ def test_train_zero3_with_accumulation_and_clipping_matches_zero0(tmp_path, caps
     config = results["config"]
     assert (config["zero"], config["accumulate"], config["clip_norm"]) == (3, 2, 1.0)
     assert results["step"] == {"zero": 3, "accumulate": 2, "clip_norm": 1.0,
-                               "precision": "float32", "remat": "none"}
+                               "precision": "float32", "master_weights": "replicated",
+                               "remat": "none"}
     assert results["history"]["validation_step"] == [1, 2]
     # ZeRO changes where the state lives, not the arithmetic: the same run without it
     assert cli.main([*FFN, *step, "--out", str(tmp_path / "z0")]) == 0

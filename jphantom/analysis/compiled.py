@@ -118,7 +118,8 @@ def state_bytes(step) -> dict[str, int]:
     grads = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(step.mesh, spec))
              for a, spec in zip(step.layout.shapes, step.grad_specs)]
     out = {"params_bytes": per_device_bytes(state.params), "gradient_bytes": per_device_bytes(grads),
-           "optimizer_bytes": per_device_bytes(state.opt_state), "zero": step.zero}
+           "optimizer_bytes": per_device_bytes(state.opt_state), "zero": step.zero,
+           "master_weights": getattr(step, "master_weights", "replicated")}
     out["model_state_bytes"] = sum(out[k] for k in ("params_bytes", "gradient_bytes",
                                                     "optimizer_bytes"))
     out.update(zero_formula_bytes(step, state.params))
@@ -132,12 +133,17 @@ def zero_formula_bytes(step, params) -> dict[str, float]:
     master weights and moments): 16P, 4P + 12P/N, 2P + 14P/N, 16P/N; and jphantom's, whose float32
     parameters are the master weights (no separate copy: the compute dtype is a cast inside the
     step): 4P parameters + 4P gradients + 8P moments = 16P, 8P + 8P/N, 4P + 12P/N, 16P/N. Only
-    meaningful for Adam-like optimizers (two moments)."""
+    meaningful for Adam-like optimizers (two moments). ``master_weights="sharded"`` (ZeRO-1) is
+    Cheng et al.'s own: 2P bf16 parameters and 2P bf16 gradients (both gathered whole inside the
+    step, temporaries) + 12P/N."""
     n = dict(step.mesh.shape).get("data", 1)
     per_rank = sum(math.prod(a.sharding.shard_shape(a.shape)) for a in jax.tree.leaves(params))
-    p = per_rank * (n if step.zero == 3 else 1)  # the parameters a rank holds without ZeRO-3
+    sharded = step.zero == 3 or getattr(step, "master_weights", "") == "sharded"  # stored shards
+    p = per_rank * (n if sharded else 1)  # the parameters a rank holds without ZeRO
     seed001 = {0: 16 * p, 1: 4 * p + 12 * p / n, 2: 2 * p + 14 * p / n, 3: 16 * p / n}
     ours = {0: 16 * p, 1: 8 * p + 8 * p / n, 2: 4 * p + 12 * p / n, 3: 16 * p / n}
+    if sharded and step.zero == 1:
+        ours[1] = seed001[1]
     return {"model_state_formula_bytes": ours[step.zero],
             "seed001_formula_bytes": seed001[step.zero], "data_parallel": n,
             "params_per_model_rank": p}

@@ -43,6 +43,7 @@ def run_flag_choices() -> dict:
     from jphantom.resilience import NONFINITE
 
     return {"schedule": ALL_SCHEDULES, "zero": (0, 1, 2, 3), "precision": PRECISIONS,
+            "master_weights": ("replicated", "sharded"),
             "remat": REMATS, "optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES,
             "dtype": DTYPES, "context_attention": ALGORITHMS,
             "on_nonfinite": NONFINITE, "attention": IMPLEMENTATIONS, "loss_on": LOSS_ON}

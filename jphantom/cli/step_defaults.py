@@ -27,7 +27,8 @@ INSPECT_FLAGS = (*MODEL_FLAGS, "mesh", "sequence_parallel",
                  "collective_matmul", "dtd",
                  "context_attention", "load_balance",
                  "schedule", "microbatches", "virtual_stages", "zero", "accumulate", "clip_norm",
-                 "precision", "remat", "cac", "attention", "batch", "optimizer")
+                 "precision", "master_weights", "remat", "cac", "attention", "batch",
+                 "optimizer")
 
 
 def step_settings(args: argparse.Namespace, model: str) -> dict:

@@ -107,11 +107,12 @@ def handle(args: argparse.Namespace) -> int:
               f"micro-batches, {pipe['virtual_stages']} virtual stage(s) per device")
     step = results["step"]
     if step != {"zero": 0, "accumulate": 1, "clip_norm": None, "precision": "float32",
-                "remat": "none"}:
+                "master_weights": "replicated", "remat": "none"}:
         print(f"step: ZeRO-{step['zero']}, {step['accumulate']} accumulation micro-batch(es), "
               + ("no clipping" if step["clip_norm"] is None
                  else f"gradients clipped to global norm {step['clip_norm']:g}")
-              + f", {step['precision']} compute, remat {step['remat']}")
+              + f", {step['precision']} compute, {step['master_weights']} master weights, "
+              f"remat {step['remat']}")
     if (moe_line := _moe_line(results)) is not None:
         print(moe_line)
     if (data_line := _data_line(results.get("data") or {})) is not None:

@@ -70,6 +70,7 @@ def train_step_of(config, program, mesh, optimizer):
     return program.train_step(mesh, optimizer, zero=config.step.zero,
                               accumulate=config.step.accumulate,
                               precision=config.step.precision, remat=config.step.step_remat,
+                              master_weights=config.step.master_weights,
                               pipeline=pipeline_of(config.parallel, config.train, program),
                               attention=config.step.attention,
                               on_nonfinite="ignore")  # the Trainer applies --on-nonfinite

@@ -254,6 +254,11 @@ class StepConfig:
     precision: str = setting(
         "float32", "mixed precision: float32, bf16 or float16 compute with float32 master "
         "weights and optimizer state (float16 with loss scaling)")
+    master_weights: str = setting(
+        "replicated", "where the float32 master weights live: replicated (the parameters, on "
+        "every data rank) or sharded (Megatron's distributed optimizer: float32 master and Adam "
+        "moments in ZeRO-1's shards over data, bf16 parameters all-gathered once per step, bf16 "
+        "gradients reduce-scattered; needs --precision bf16 --zero 1)")
     remat: str | None = setting(
         None, "activation checkpointing per layer, named for what it keeps (default none): none, "
         "nothing_saveable, dots_saveable, collectives_saveable (keeps collective outputs: a "
@@ -278,6 +283,7 @@ class StepConfig:
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ConfigError(f"clip_norm={self.clip_norm} must be > 0 (or left out)")
         _choice("precision", self.precision, tuple(PRECISIONS))
+        _choice("master_weights", self.master_weights, ("replicated", "sharded"))
         if self.remat is not None:
             _choice("remat", self.remat, REMATS)
         _choice("attention", self.attention, IMPLEMENTATIONS)
