@@ -101,6 +101,7 @@ def handle(args: argparse.Namespace) -> int:
         f"{staged['microbatches']} micro-batches, {staged['virtual_stages']} virtual "
         "stage(s) per device)")
     step = "".join((f", ZeRO-{config.step.zero}" if config.step.zero else "",
+                    ", float32 master sharded" if config.step.master_weights == "sharded" else "",
                     f", {config.step.accumulate} accumulation micro-batches"
                     if config.step.accumulate > 1 else ""))
     names = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
