@@ -281,8 +281,9 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
     ``target``'s devices (``devices``: already fetched ones, to share them between runs), compile
     its training step and report it (module docstring). For a GPU target the compile gets
     :mod:`jphantom.gpu_defaults`' XLA flags where ``XLA_FLAGS`` does not name them
-    (``gpu_defaults=False``: only ``XLA_FLAGS``), passed to this compilation so that they hold
-    even if jax started before they were set; the report's ``xla_flags`` lists the flags it ran
+    (``gpu_defaults=False``: only ``XLA_FLAGS``; an FP8 run on NVIDIA GPUs also gets
+    ``FP8_XLA_FLAGS``), passed to this compilation so that they hold even if jax started before
+    they were set; the report's ``xla_flags`` lists the flags it ran
     with. ``hlo_out``: also write the optimised HLO text there. ``predict_on``: a
     :class:`jphantom.predict.DeviceModel` to play the compiled program on
     (:func:`jphantom.predict.predict`; the report's ``prediction``: step seconds, MFU, tokens/s
@@ -300,15 +301,18 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
     mesh_text = _mesh_of(flags, target)
     xla_flags = os.environ.get("XLA_FLAGS", "")
     use_defaults = gpu_defaults and target.is_gpu
+    # NVIDIA only: an FP8 step's GEMMs to cuBLAS-LT's FP8 calls (gpu_defaults.FP8_XLA_FLAGS)
+    wanted = defaults.current(precision=flags.get("precision") if target.platform == "gpu"
+                              else None)
     if use_defaults:
-        xla_flags, _ = defaults.merge_flags(xla_flags)
+        xla_flags, _ = defaults.merge_flags(xla_flags, wanted)
     devices = target.devices() if devices is None else devices
     with device_pool(devices):
         config = RunConfig.from_flags(**{**flags, "mesh": mesh_text})
         built = config.build()
         program, mesh, step = built.program, built.mesh, built.step
-        compiled, compile_seconds = compile_built(
-            config, program, step, defaults.compiler_options(xla_flags) if use_defaults else None)
+        options = defaults.compiler_options(xla_flags, wanted) if use_defaults else None
+        compiled, compile_seconds = compile_built(config, program, step, options)
     text = compiled.as_text()
     if hlo_out is not None:
         Path(hlo_out).parent.mkdir(parents=True, exist_ok=True)

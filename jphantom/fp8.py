@@ -19,9 +19,11 @@ saves the amax reduction but lags the data): x_q = round_format(x / s), dequanti
 The GEMMs are written on the 8-bit operands themselves (:func:`matmul`, :func:`batched_matmul`,
 and :func:`dot_general` for ``nnx.Linear``; a ``jax.custom_vjp`` whose backward quantises dy and
 runs the dgrad and wgrad GEMMs on E5M2 x E4M3): ``lax.dot_general(x_q, W_q,
-preferred_element_type=float32) * (s_x s_W)``, which XLA:GPU compiles to one GEMM on FP8
-operands with the scales in its epilogue (a Triton or cuBLASLt FP8 GEMM on Hopper), and XLA:CPU
-runs exactly by widening the operands: the tests' emulation. The residuals kept for the
+preferred_element_type=float32) * (s_x s_W)``, which XLA:GPU's GEMM rewriter turns into one
+cuBLAS-LT FP8 call (``__cublas$lt$matmul$f8``) taking the scales as operands, its output
+float32, on NVIDIA GPUs when Triton's GEMMs are off (an FP8 run's
+``gpu_defaults.FP8_XLA_FLAGS``; else XLA's Triton GEMM rewriter takes the FP8 dots first), and
+XLA:CPU runs exactly by widening the operands: the tests' emulation. The residuals kept for the
 backward are x_q and W_q, one byte an element. Where a layer's GEMMs are its own (phantom's
 hand-written backward, the dropless experts' ``lax.ragged_dot``) the operands are quantised and
 dequantised around them instead (:func:`quantized`, :func:`quantized_gradient`): the same

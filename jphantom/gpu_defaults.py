@@ -35,6 +35,17 @@ compiler too (checked by compiling for MI250X and MI300X with each alone):
   collective the next layer waits for (MaxText's GPU flags; NVIDIA's JAX-Toolbox GPU performance
   page).
 
+Under ``--precision fp8`` (:data:`FP8_XLA_FLAGS`), on NVIDIA GPUs only:
+
+- ``--xla_gpu_enable_triton_gemm=false``: XLA's Triton GEMM rewriter runs before its cuBLAS FP8
+  rewriter (jaxlib 0.10's pipeline: ``triton-gemm-rewriter`` in ``hlo_normalization``, the GEMM
+  rewriter later) and takes every dot it can, FP8 ones included, so an FP8 GEMM reaches
+  cuBLAS-LT's FP8 kernel only where the autotuner swaps a Triton fusion back, and in an
+  ahead-of-time compile (no autotuning) never. Without Triton GEMMs each FP8 dot becomes
+  ``__cublas$lt$matmul$f8`` with its operands' scales fused (docs/gpu.md, "FP8"). MaxText's H100
+  runs set it at every precision (its A3 configs' ``XLA_FLAGS``); jphantom sets it for FP8 alone,
+  leaving bf16's GEMMs to the autotuner as before.
+
 Left out on purpose: the combine thresholds (``--xla_gpu_all_reduce_combine_threshold_bytes`` and
 the like), which MaxText sizes by the number of GPUs and the model, so no one value suits every
 run; ``--xla_gpu_threshold_for_windowed_einsum_mib`` (collective matmul for GSPMD-partitioned
@@ -68,6 +79,10 @@ XLA_FLAGS: dict[str, str] = {
 """XLA flag (without ``--``) -> value: what a GPU run gets unless the user set the flag (those of
 :data:`RETIRED` only on the jaxlib versions that still have them: :func:`current`)."""
 
+FP8_XLA_FLAGS: dict[str, str] = {"xla_gpu_enable_triton_gemm": "false"}
+"""XLA flag -> value: what an NVIDIA run under ``--precision fp8`` gets besides :data:`XLA_FLAGS`
+(module docstring): its FP8 GEMMs become cuBLAS-LT FP8 calls, not Triton fusions."""
+
 RETIRED: dict[str, tuple[int, int]] = {
     "xla_gpu_enable_pipelined_all_gather": (0, 12),
     "xla_gpu_enable_pipelined_reduce_scatter": (0, 12),
@@ -76,15 +91,17 @@ RETIRED: dict[str, tuple[int, int]] = {
 """XLA flag -> the first jaxlib (major, minor) whose XLA has no such compile option."""
 
 
-def current(jaxlib_version: str | None = None) -> dict[str, str]:
+def current(jaxlib_version: str | None = None, precision: str | None = None) -> dict[str, str]:
     """:data:`XLA_FLAGS` less the flags :data:`RETIRED` from ``jaxlib_version`` (default: the
-    installed jaxlib's, read without importing jax)."""
+    installed jaxlib's, read without importing jax), with :data:`FP8_XLA_FLAGS` for
+    ``precision`` ``fp8``."""
     if jaxlib_version is None:
         import importlib.metadata
 
         jaxlib_version = importlib.metadata.version("jaxlib")
     release = tuple(int(part) for part in re.findall(r"\d+", jaxlib_version)[:2])
-    return {name: value for name, value in XLA_FLAGS.items()
+    flags = {**XLA_FLAGS, **(FP8_XLA_FLAGS if str(precision).lower() == "fp8" else {})}
+    return {name: value for name, value in flags.items()
             if release < RETIRED.get(name, (10**6, 0))}
 
 ENVIRONMENT: dict[str, str] = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}
@@ -110,14 +127,16 @@ def merge_flags(xla_flags: str, defaults: dict[str, str] | None = None) -> tuple
     return merged, added
 
 
-def apply(environ: MutableMapping[str, str] | None = None, *, allocator: bool = True) -> list[str]:
+def apply(environ: MutableMapping[str, str] | None = None, *, allocator: bool = True,
+          precision: str | None = None) -> list[str]:
     """Put the GPU defaults into ``environ`` (default ``os.environ``) without overriding the
     user's: the flags of :func:`current` that ``XLA_FLAGS`` does not name, and (``allocator``)
-    the variables of :data:`ENVIRONMENT` that are unset. Returns what it set, as ``--name=value``
-    for flags and ``NAME=value`` for variables (empty when the user had set everything). Call it
-    before jax starts a backend: XLA reads ``XLA_FLAGS`` once."""
+    the variables of :data:`ENVIRONMENT` that are unset; ``precision``: the run's (``fp8`` adds
+    :data:`FP8_XLA_FLAGS`). Returns what it set, as ``--name=value`` for flags and ``NAME=value``
+    for variables (empty when the user had set everything). Call it before jax starts a backend:
+    XLA reads ``XLA_FLAGS`` once."""
     environ = os.environ if environ is None else environ
-    merged, added = merge_flags(environ.get("XLA_FLAGS", ""))
+    merged, added = merge_flags(environ.get("XLA_FLAGS", ""), current(precision=precision))
     if added:
         environ["XLA_FLAGS"] = merged
     set_ = list(added)
@@ -170,5 +189,5 @@ def nvidia_gpu_visible(env=None) -> bool:
                                                      for m in GPU_PLUGINS["nvidia-smi"])
 
 
-__all__ = ["ENVIRONMENT", "XLA_FLAGS", "apply", "compiler_options", "flag_names", "merge_flags",
+__all__ = ["ENVIRONMENT", "FP8_XLA_FLAGS", "XLA_FLAGS", "apply", "compiler_options", "flag_names", "merge_flags",
            "nvidia_gpu_visible"]

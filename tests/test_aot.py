@@ -320,12 +320,43 @@ def test_cudnn_attention_and_an_fp8_gemm_compile_for_h100_and_are_counted():
 def test_the_fp8_step_has_fp8_gemms_and_the_bf16_step_none(h100):
     """--precision fp8 (8-bit operands into the layers' GEMMs) shows in the report's kernels;
     bf16 has none, and both run cuDNN's attention forward and backward once per layer."""
-    flags = dict(strategy="tensor", mesh="model=8", dtype="bfloat16", hidden=256, seq_len=128)
+    flags = dict(strategy="tensor", mesh="model=8", dtype="float32", hidden=256, seq_len=128)
     fp8 = _compile(h100, 1, **flags, precision="fp8")["kernels"]
     bf16 = _compile(h100, 1, **flags, precision="bf16")["kernels"]
     assert 0 < fp8["gemms"]["fp8"] <= fp8["gemms"]["total"] and bf16["gemms"]["fp8"] == 0
     for found in (fp8, bf16):
         assert (found["attention"]["forward"], found["attention"]["backward"]) == (2, 2)
+
+
+@needs_gpu_compiler
+def test_the_fp8_steps_gemms_are_cublaslt_fp8_calls_with_their_scales_fused(h100, tmp_path):
+    """Every FP8 GEMM of the FP8 step, forward, dgrad and wgrad, compiles to cuBLAS-LT's FP8
+    call (``__cublas$lt$matmul$f8``, gpu_defaults.FP8_XLA_FLAGS), never a Triton fusion on FP8
+    operands, and takes the float32 scales as operands of its own (a_scale, b_scale: the scaling
+    fused, no dequantising pass); hlo.kernels counts each as an FP8 GEMM. The bf16 step keeps
+    Triton's."""
+    from jphantom.analysis import hlo
+    from jphantom.analysis.hlo.gemms import custom_call_target
+    from jphantom.analysis.hlo.text import parse_module
+
+    flags = dict(strategy="tensor", mesh="model=8", dtype="float32", hidden=256, seq_len=128)
+    report = _compile(h100, 1, hlo_out=tmp_path / "fp8.hlo", **flags, precision="fp8")
+    assert "--xla_gpu_enable_triton_gemm=false" in report["xla_flags"]
+    gemms = report["kernels"]["gemms"]
+    assert gemms["fp8"] == gemms["by_kind"]["cublas_lt_f8"] > 0 and "triton" not in gemms["by_kind"]
+    comps = parse_module((tmp_path / "fp8.hlo").read_text())
+    types = {i.name: i.type_text for c in comps.values() for i in c.instructions}
+    calls = [i for c in comps.values() for i in c.instructions
+             if custom_call_target(i) == "__cublas$lt$matmul$f8"]
+    operand_types = {(types[i.operands[0]][:8], types[i.operands[1]][:8]) for i in calls}
+    # forward E4M3 x E4M3; backward the E5M2 output gradient with an E4M3 operand, either side
+    assert ("f8e4m3fn", "f8e4m3fn") in operand_types
+    assert any("f8e5m2[" in a + b for a, b in operand_types)
+    for call in calls:
+        assert all(types[op].startswith("f32[]") for op in call.operands[2:4])  # a and b scales
+    bf16 = _compile(h100, 1, **flags, precision="bf16")
+    assert "--xla_gpu_enable_triton_gemm=false" not in bf16["xla_flags"]
+    assert bf16["kernels"]["gemms"]["fp8"] == 0
 
 
 def test_compile_hlo_file_is_checked_before_anything_compiles(tmp_path, capsys):

@@ -92,3 +92,29 @@ def test_the_pipeliner_flags_are_left_out_from_jaxlib_0_12():
     compiled = jax.jit(lambda a: a + 1).lower(jax.numpy.ones(2))
     for name in gpu_defaults.current():  # each accepted by this jaxlib's compiler
         compiled.compile(compiler_options={name: True})
+
+
+def test_fp8_runs_get_cublaslt_fp8_gemms_and_no_other_run_does(monkeypatch, capsys):
+    """--precision fp8 adds --xla_gpu_enable_triton_gemm=false (XLA's Triton GEMM rewriter runs
+    before its cuBLAS FP8 rewriter and would take the FP8 dots: gpu_defaults' docstring); bf16 and
+    float32 leave Triton's GEMMs to the autotuner; a user's own value is kept. (What XLA compiles
+    then: tests/test_aot.py.)"""
+    assert gpu_defaults.current(precision="fp8")["xla_gpu_enable_triton_gemm"] == "false"
+    for precision in (None, "bf16", "float32"):
+        assert "xla_gpu_enable_triton_gemm" not in gpu_defaults.current(precision=precision)
+    env = {}
+    assert "--xla_gpu_enable_triton_gemm=false" in gpu_defaults.apply(env, precision="fp8")
+    mine = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true"}
+    assert not any("triton" in a for a in gpu_defaults.apply(mine, precision="fp8"))
+    options = gpu_defaults.compiler_options(mine["XLA_FLAGS"], gpu_defaults.current(
+        precision="fp8"))
+    assert options["xla_gpu_enable_triton_gemm"] is True  # the user's
+    # train reads the run's precision from its flags before jax starts
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    for name in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "JPHANTOM_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test
+    cli.train_gpu_defaults(cli.build_parser().parse_args(["train", "--precision", "fp8"]))
+    assert "--xla_gpu_enable_triton_gemm=false" in capsys.readouterr().out
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    cli.train_gpu_defaults(cli.build_parser().parse_args(["train", "--precision", "bf16"]))
+    assert "triton" not in capsys.readouterr().out + os.environ["XLA_FLAGS"]

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     _one_line_warnings()
 
     if args.command == "train" and not args.no_gpu_defaults and args.devices is None:
-        train_gpu_defaults()  # before jax.distributed or anything else starts jax
+        train_gpu_defaults(args)  # before jax.distributed or anything else starts jax
     try:
         if args.command != "launch":  # a process started by `jphantom launch`, srun or mpirun
             from jphantom import distributed
