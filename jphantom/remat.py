@@ -127,17 +127,36 @@ def with_cac(name: str | None, cac: bool) -> str:
     return "collectives_saveable"
 
 
-def checkpointed(fn: Callable, name: str, *, fetched: bool = False) -> Callable:
+def regathering(axis: str) -> Callable:
+    """The ``jax.checkpoint`` policy of ``none`` for a layer under sequence parallelism over
+    ``axis``: keep every residual but the sequence all-gathers' outputs, [B, S, h] whole on every
+    rank, which the backward gathers again from the kept [B, S/p, h] (Korthikanti et al. 2022,
+    Sec. 4.2.2: Megatron's column layers keep their sequence-parallel input and all-gather it
+    again in the backward, under the input gradient's GEMM)."""
+    def policy(prim, *_, **params):
+        if prim.name == "all_gather":
+            names = params["axis_name"]
+            return axis not in (names if isinstance(names, tuple) else (names,))
+        return not (prim.name == "name" and params.get("name") == COLLECTIVE)
+    return policy
+
+
+def checkpointed(fn: Callable, name: str, *, fetched: bool = False,
+                 regather: str | None = None) -> Callable:
     """``fn`` (one layer) under ``jax.checkpoint`` with policy ``name``; ``fetched``: the layer's
     parameters are ZeRO-3's gathered ones (:meth:`jphantom.zero.LayerFetch.around`
     keeps every residual but them), so under ``none`` it keeps its matmul outputs
     (``dots_saveable``): keeping everything would keep values derived from the parameters, such
-    as a transposed weight, whole."""
+    as a transposed weight, whole. ``regather``: the layer all-gathers its sequence over this
+    mesh axis (sequence parallelism), so under ``none`` it keeps the gathers' inputs, not their
+    outputs (:func:`regathering`)."""
     import jax
 
     check(name)
     if fetched and name in ("none", SELECTIVE):
         name = "dots_saveable"
+    if regather is not None and name in ("none", SELECTIVE):
+        return jax.checkpoint(fn, policy=regathering(regather))
     return fn if policies()[name] is None else jax.checkpoint(fn, policy=policies()[name])
 
 
@@ -153,6 +172,20 @@ def recomputed(core: Callable) -> Callable:
     import jax
 
     return jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
+
+
+def inputs_kept(fn: Callable) -> Callable:
+    """``fn`` (a function of arrays) whose backward keeps only its inputs and runs its forward
+    again (a ``jax.custom_vjp``: unlike a nested ``jax.checkpoint``, an enclosing layer's
+    checkpoint policy cannot make it keep its intermediates). For cheap element-wise work whose
+    intermediates are wider or more numerous than its inputs: a norm's float32 arithmetic on a
+    16-bit input, SwiGLU's silu."""
+    import jax
+
+    kept = jax.custom_vjp(fn)
+    kept.defvjp(lambda *args: (fn(*args), args),
+                lambda args, cotangent: jax.vjp(fn, *args)[1](cotangent))
+    return kept
 
 
 def name_collective(x):

@@ -9,12 +9,14 @@ are split across it.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jphantom import comm
+from jphantom import comm, remat
 
 KINDS = ("layer", "rms", "rms1")
 
@@ -32,6 +34,15 @@ class OffsetRMSNorm(nnx.RMSNorm):
         return normalize(x, "rms1", self.epsilon, self.scale[...], dtype=self.dtype)
 
 
+class RMSNorm(nnx.RMSNorm):
+    """``nnx.RMSNorm`` (its parameters, names and arithmetic) through :func:`normalize`, whose
+    backward under bf16 compute keeps the 16-bit input, not float32 copies (kind ``"rms"``)."""
+
+    def __call__(self, x, mask=None):
+        return normalize(x, "rms", self.epsilon, self.scale[...] if self.use_scale else None,
+                         dtype=self.dtype)
+
+
 def kind_of(norm) -> str:
     """``"rms1"`` for an :class:`OffsetRMSNorm`, ``"rms"`` for an ``nnx.RMSNorm``,
     ``"layer"`` for an ``nnx.LayerNorm``."""
@@ -43,7 +54,21 @@ def kind_of(norm) -> str:
 def normalize(x: jax.Array, kind: str, epsilon: float, scale=None, bias=None, *,
               axis: str | None = None, features: int | None = None, dtype=None) -> jax.Array:
     """The norm of ``x`` over its last dimension. ``axis``: the features are split over this mesh
-    axis (``features`` in all): each per-token sum is all-reduced over it (B S scalars)."""
+    axis (``features`` in all): each per-token sum is all-reduced over it (B S scalars).
+
+    For ``x`` narrower than float32 (bf16 compute) the backward keeps ``x`` itself and runs the
+    float32 arithmetic again (:func:`jphantom.remat.inputs_kept`): autodiff would keep the
+    float32 copy of ``x`` and the float32 normalised ``y``, 8 bytes per element where ``x`` is 2
+    (Korthikanti et al.'s count keeps the norm's 16-bit input); with ``axis`` the backward repeats
+    the per-token all-reduce (B S scalars)."""
+    arithmetic = functools.partial(_normalize, kind=kind, epsilon=epsilon, axis=axis,
+                                   features=features, dtype=dtype)
+    if jnp.dtype(x.dtype).itemsize < 4 and jnp.issubdtype(x.dtype, jnp.floating):
+        return remat.inputs_kept(arithmetic)(x, scale, bias)
+    return arithmetic(x, scale, bias)
+
+
+def _normalize(x, scale, bias, *, kind, epsilon, axis, features, dtype):
     wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     count = features or x.shape[-1]
 

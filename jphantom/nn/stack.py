@@ -81,7 +81,8 @@ def apply_blocks(graphdef, state, carry, *args, remat: str = "none", fetch=None,
         with dropout.layer(index):  # each layer its own dropout masks
             return block(carry, index, *args) if with_index else block(carry, *args)
 
-    one = remat_module.checkpointed(one, remat, fetched=fetch is not None)
+    one = remat_module.checkpointed(one, remat, fetched=fetch is not None,
+                                    regather=_sequence_axis(graphdef, state))
     if fetch is not None:
         one = fetch.around(one)
     layers = jax.tree.leaves(state)[0].shape[0]
@@ -98,6 +99,14 @@ def apply_blocks(graphdef, state, carry, *args, remat: str = "none", fetch=None,
         lambda st, c: one(jax.tree.map(lambda a: a[0], st), c, indices[0]), state, carry))
     carry, _ = lax.scan(lambda c, xs: (one(xs[0], c, xs[1]), None), carry, (state, indices))
     return carry
+
+
+def _sequence_axis(graphdef, state) -> str | None:
+    """The mesh axis a block's sequence-parallel modules all-gather the sequence over (their
+    ``gathers_sequence``), or None."""
+    block = nnx.merge(graphdef, state)
+    axes = {getattr(m, "gathers_sequence", None) for _, m in nnx.iter_modules(block)} - {None}
+    return next(iter(axes)) if len(axes) == 1 else None
 
 
 def _varying_like(carry, out):

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jphantom import token_mean
+from jphantom import remat, token_mean
 from jphantom.errors import ConfigError
 from jphantom.models.llama.config import LlamaConfig
 from jphantom.nn.attention import CausalAttention, Positions
@@ -34,7 +34,7 @@ from jphantom.nn.attention import packing as packed
 from jphantom.nn.attention.packing import Packing
 from jphantom.nn.moe import Experts, top_k_gates
 from jphantom.nn.loss import cross_entropy_terms
-from jphantom.nn.norm import OffsetRMSNorm
+from jphantom.nn.norm import OffsetRMSNorm, RMSNorm
 from jphantom.nn import vocab
 from jphantom.nn.stack import Stacked
 
@@ -70,7 +70,7 @@ def _linear(n_in, n_out, config, rngs, bias=False):
 
 
 def _norm_class(config):
-    return OffsetRMSNorm if config.norm_offset else nnx.RMSNorm
+    return OffsetRMSNorm if config.norm_offset else RMSNorm
 
 
 class Attention(nnx.Module):
@@ -139,9 +139,18 @@ class MLP(nnx.Module):
         self.gelu = config.activation == "gelu_tanh"  # Gemma's GeGLU
 
     def __call__(self, x):
-        gate = self.gate_proj(x)
-        gate = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
-        return self.down_proj(gate * self.up_proj(x))
+        # the backward keeps the gate's and up's outputs and down's input (Megatron's fused
+        # SwiGLU); the activation and its derivative are recomputed from the gate's output
+        glu = remat.inputs_kept(_geglu if self.gelu else _swiglu)
+        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _swiglu(gate, up):
+    return jax.nn.silu(gate) * up
+
+
+def _geglu(gate, up):
+    return jax.nn.gelu(gate, approximate=True) * up
 
 
 class MoE(nnx.Module):

@@ -64,6 +64,12 @@ class InputNorm(nnx.Module):
                    sequence_parallel=sequence_parallel, dtype=norm.dtype,
                    collective_matmul=collective_matmul)
 
+    @property
+    def gathers_sequence(self) -> str | None:
+        """The axis this norm all-gathers the sequence over (:func:`jphantom.remat.regathering`
+        has the backward gather it again rather than keep the whole sequence)."""
+        return self.axis if self.sequence_parallel and not self.collective_matmul else None
+
     def dense_equivalent(self):
         return norm_ops.plain(self.kind, self.epsilon, self.dtype, param_value(self.scale),
                               param_value(self.bias))
@@ -98,6 +104,10 @@ class PerTokenSequence(nnx.Module):
     @classmethod
     def from_module(cls, module: nnx.Module, *, axis: str = "model") -> "PerTokenSequence":
         return cls(module, axis=axis)
+
+    @property
+    def gathers_sequence(self) -> str:
+        return self.axis
 
     def dense_equivalent(self) -> nnx.Module:
         graphdef, state = nnx.split(self.inner)

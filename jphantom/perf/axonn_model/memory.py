@@ -63,6 +63,46 @@ def checkpointed_activations(shape: GPTShape, tokens: float, *, stream_split: in
     return {"checkpoints": checkpoints, "working": working}
 
 
+def llama_layer_activations(*, seq: int, batch: int, hidden: int, heads: int, kv_heads: int,
+                            intermediate: int, head_dim: int | None = None, tensor: int = 1,
+                            sequence_parallel: bool = False, context: int = 1,
+                            element_bytes: int = 2, flash_attention: bool = True
+                            ) -> dict[str, float]:
+    """Activation bytes one Llama layer keeps for its backward, per device, counted the way
+    Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer Models",
+    Sec. 4.1 and Table 2) count s b h (34 + 5 a s / h) for GPT's layer: each tensor the backward
+    reads, at ``element_bytes`` (16-bit activations), no recompute. Llama's layer (pre-RMSNorm,
+    grouped-query attention with RoPE, SwiGLU, no dropout, no biases) with s = ``seq`` /
+    ``context`` tokens of ``batch`` sequences on this rank, h hidden, a heads of d = ``head_dim``,
+    K key/value heads, f = ``intermediate``, t = ``tensor`` ranks:
+
+    - ``stream``: the two RMSNorms' inputs (the residual stream) and outputs (the q/k/v and the
+      gate/up GEMMs' input), 4 x 2 s b h, / t under sequence parallelism (Megatron keeps the
+      sequence-parallel GEMM input and all-gathers it again in the backward), else whole;
+    - ``attention``: q (2 s b a d), k and v (2 x 2 s b K d; RoPE needs nothing, it is linear) and
+      the core's output, also o_proj's input (2 s b a d), / t; a fused kernel's softmax
+      statistics, float32 [b, a, s] (4 s b a / t); without one the probabilities, 2 a s^2 b / t
+      (no dropout, so neither the mask nor the dropped copy: Korthikanti's 5 a s^2 b is 2 + 2 + 1);
+    - ``mlp``: the gate's and up's outputs and down's input, 3 x 2 s b f / t (Megatron's fused
+      SwiGLU keeps its input and recomputes silu; a fourth array, silu(gate), if kept);
+    - ``norm_statistics``: the two norms' per-token 1 / rms, float32, 2 x 4 s b / t_sp.
+
+    Llama-3-8B (h 4096, a 32, K 8, f 14336 = 3.5 h): 8 + 2 + 1 + 2 + 21 = 34 s b h / t under
+    TP + SP, GPT's 34 to the byte (its 4 h GELU MLP and dropout cost what SwiGLU's 3.5 h does)."""
+    d = head_dim or hidden // heads
+    s, b, e = seq / context, batch, element_bytes
+    split = tensor if sequence_parallel else 1
+    terms = {
+        "stream": 4 * e * s * b * hidden / split,
+        "attention": e * s * b * (2 * heads * d + 2 * kv_heads * d) / tensor
+        + (4 * s * b * heads if flash_attention else e * heads * s * seq * b) / tensor,
+        "mlp": 3 * e * s * b * intermediate / tensor,
+        "norm_statistics": 2 * 4 * s * b / split,
+    }
+    terms["total"] = sum(terms.values())
+    return terms
+
+
 def logits_bytes(tokens: float, vocab_split: int, shape: GPTShape) -> float:
     """The LM head's float32 logits of ``tokens`` tokens, vocabulary split ``vocab_split`` ways."""
     return tokens * shape.vocab_size / vocab_split * 4
