@@ -81,11 +81,13 @@ class MegatronCollectives(Collectives):
             # cross-entropy: max, sum of exponentials, target logit
             return {"all-reduce": [tokens * h] * (4 * L + 2) + [tokens] * 3}
         # each all-reduce of B*S*h becomes a reduce-scatter to B*S*h/p and an all-gather back;
+        # the backward gathers each block's two column-layer inputs again from their kept
+        # [B, S/p, h] shards (Korthikanti et al. Sec. 4.2.2, as Megatron does: remat.regathering);
         # plus the gradients of the sequence-parallel parameters (LayerNorms, row biases, wpe)
         # (Llama: the two RMSNorms of every block and the final one)
         sp_grads = [L * h] * 2 + [h] if llama else [L * h] * 6 + [h] * 2 + [s * h]
         return {"reduce-scatter": [tokens * h // p] * (4 * L + 2),
-                "all-gather": [tokens * h] * (4 * L + 2),
+                "all-gather": [tokens * h] * (6 * L + 2),
                 "all-reduce": [tokens] * 3 + sp_grads}
 
 

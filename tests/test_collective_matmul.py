@@ -4,6 +4,7 @@ GEMMs. Exact against one device; from the compiled HLO, the same bytes as the co
 replace and nothing else over ``model`` inside the blocks."""
 
 import functools
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -74,10 +75,14 @@ def test_collective_matmul_replaces_the_blocks_collectives_byte_for_byte():
     assert sum(c.count for c in permutes) == LAYERS * 8 * (p - 1)
     assert {c.bytes for c in permutes} == {rows * SEQ // p * h * 4}
     ring_bytes = sum(c.bytes * c.count for c in permutes)
-    # what the blocks' all-gathers (of a [B, S, h] result) and reduce-scatters (of a
-    # [B, S/p, h] result) move per rank: (p-1)/p of the whole sequence each
-    moved = sum(c.count * (c.bytes * (p - 1) // p if c.kind == "all-gather" else c.bytes * (p - 1))
-                for c in whole if c.count == LAYERS)
+    # the plain blocks: 4 all-gathers (of a [B, S, h] result) and 4 reduce-scatters (of a
+    # [B, S/p, h] result) a block, and the backward's 2 gathers again of the column layers'
+    # inputs from their kept shards (remat.regathering; collective matmul keeps its gathered
+    # input instead); the rings move what the 4 + 4 move per rank, (p-1)/p of the sequence each
+    blocks = Counter(c.kind for c in whole if c.count == LAYERS for _ in range(c.count))
+    assert (blocks["all-gather"], blocks["reduce-scatter"]) == (6 * LAYERS, 4 * LAYERS)
+    sequence = rows * SEQ * h * 4
+    moved = 4 * LAYERS * (sequence * (p - 1) // p + sequence // p * (p - 1))
     assert ring_bytes == moved
     rest = lambda found: sorted((c.kind, c.bytes, c.count) for c in found
                                 if c.kind != "collective-permute" and c.count != LAYERS)

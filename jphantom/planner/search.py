@@ -164,9 +164,9 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
             collectives = inventory("tensor", shape, d, t, per_rank, None, sp, accumulate)
             if as_compiled and recompute and t > 1:  # the recomputed forward, last layer aside
                 tokens_h = per_rank * S * h
-                collectives += ([Collective("all-gather", "model", t, tokens_h, 2 * L * accumulate,
-                                            "SP recompute: both inputs gathered again"),
-                                 Collective("reduce-scatter", "model", t, tokens_h / t,
+                # SP: the inventory's backward already gathers both inputs again (from their
+                # kept shards); the recomputed forward's gathers take their place
+                collectives += ([Collective("reduce-scatter", "model", t, tokens_h / t,
                                             L * accumulate, "SP recompute: attention output")]
                                 if sp else
                                 [Collective("all-reduce", "model", t, tokens_h, L * accumulate,

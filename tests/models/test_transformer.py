@@ -206,10 +206,13 @@ def test_sequence_parallel_turns_each_all_reduce_into_reduce_scatter_and_all_gat
     plain_prog, _, plain_step = _program("tensor", "model=4")
     plain = _compiled_buffers(plain_prog, plain_step, "model")
     tokens, p = BATCH * SEQ, 4
-    # the same network volume: an all-reduce of n moves what a reduce-scatter + all-gather move
+    # the same network volume, an all-reduce of n moving what a reduce-scatter + all-gather
+    # move, and the backward gathering each block's two column inputs again from their kept
+    # shards (Korthikanti et al. Sec. 4.2.2): 2 more all-gathers a block
     assert buffers["reduce-scatter"] == [tokens * HIDDEN // p] * Counter(plain["all-reduce"])[
         tokens * HIDDEN]
-    assert buffers["all-gather"] == [tokens * HIDDEN] * len(buffers["reduce-scatter"])
+    assert buffers["all-gather"] == [tokens * HIDDEN] * (len(buffers["reduce-scatter"])
+                                                         + 2 * prog.config.layers)
 
 
 def test_phantom_block_moves_what_its_docstring_says():
