@@ -1,0 +1,151 @@
+"""Activation memory per layer against Korthikanti et al.'s count: a Llama-3-8B-width step
+compiled for one node of 8 H100 from a CPU-only machine (``jphantom compile --target gpu:h100``)
+with 2 and with 4 layers, per layout (TP + SP, FSDP, context parallelism, a pipeline stage).
+
+Per layout: XLA's temporaries per device (``memory_analysis()``) at 2 and 4 layers and their
+per-layer slope (the difference / the layers one device gained: 2, or 1 on a stage of a 2-stage
+pipeline), against :func:`jphantom.perf.axonn_model.memory.llama_layer_activations`
+(Korthikanti et al. 2022's way, 34 s b h / t at Llama-3-8B widths under TP + SP) for the
+sequences a device holds at once (a pipeline's first stage: min(micro-batches, stages)
+micro-batches in flight), plus the layer's bf16 copy of its weights (``--precision bf16`` casts
+the float32 master weights before the layer scan, [L, ...] as they are split: 2 bytes a
+parameter over the ranks that split them; the parameters per layer from the compiled step's own
+parameter count, (P(4) - P(2)) / 2). ``ratio``: (slope - copy) / formula.
+
+Model: Llama-3-8B's layer shapes (hidden 4096, 32 heads, 8 key/value heads, SwiGLU 14336,
+vocabulary 128256), S = 4096, float32 master weights, bf16 compute, AdamW, ``--remat none``,
+cuDNN's fused attention (``--attention auto``).
+
+    python benchmarks/activation_memory.py           # 8 compiles, about 6 minutes on 2 cores
+    python benchmarks/activation_memory.py --quick   # hidden 512, S 512, for a check
+    git worktree add /tmp/act_before ef8e043^        # the same compiles of an earlier jphantom
+    python benchmarks/activation_memory.py --source /tmp/act_before \\
+        --out benchmarks/results/activation_memory/before
+
+Needs XLA's GPU compiler: ``pip install 'jphantom[aot]'`` (``make test-aot`` builds .venv-aot).
+Writes ``benchmarks/results/activation_memory/activation_memory.json`` and a table
+``activation_memory.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+OUT = Path(__file__).resolve().parent / "results" / "activation_memory"
+LAYERS = (2, 4)
+LLAMA = dict(model="llama", hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256,
+             seq_len=4096, dtype="float32", precision="bf16", optimizer="adamw", remat="none")
+QUICK = dict(LLAMA, hidden=512, heads=8, kv_heads=4, intermediate=1024, vocab=4096, seq_len=512)
+# (name, flags, the formula's shape: sequences b a device holds at once, tensor t, context c,
+#  sequence parallelism; the ranks splitting the layer's weights; layers a device gains 2 -> 4)
+LAYOUTS = [
+    ("tp+sp", dict(strategy="tensor", mesh="data=2,model=4", sequence_parallel=True, batch=4),
+     dict(batch=2, tensor=4, sequence_parallel=True), 4, 2),
+    ("fsdp", dict(strategy="tensor", mesh="data=8", zero=3, batch=32),
+     dict(batch=4), 8, 2),
+    ("cp", dict(strategy="tensor", mesh="data=2,context=4", batch=4),
+     dict(batch=2, context=4), 1, 2),
+    ("pipeline stage", dict(strategy="tensor", mesh="data=4,stage=2", schedule="1f1b",
+                            microbatches=2, batch=8),
+     dict(batch=2), 1, 1),
+]
+
+
+def formula(model: dict, shape: dict) -> float:
+    """Korthikanti's count for Llama's layer in bytes (this checkout's, even under --source)."""
+    if FORMULA is None:
+        from jphantom.perf.axonn_model.memory import llama_layer_activations as count
+    else:
+        count = FORMULA
+    return count(seq=model["seq_len"], hidden=model["hidden"], heads=model["heads"],
+                 kv_heads=model["kv_heads"], intermediate=model["intermediate"],
+                 **shape)["total"]
+
+
+def measure(model: dict, layout: tuple, target, devices) -> dict:
+    from jphantom import aot
+
+    name, flags, shape, weight_split, gained = layout
+    temp, params = {}, {}
+    for layers in LAYERS:
+        report = aot.compile_report({**model, **flags, "layers": layers}, target,
+                                    devices=devices)
+        temp[layers], params[layers] = report["memory"]["temp_bytes"], report["params"]
+    deep, shallow = LAYERS[-1], LAYERS[0]
+    layer_params = (params[deep] - params[shallow]) / (deep - shallow)
+    slope = (temp[deep] - temp[shallow]) / gained
+    copy = 2 * layer_params / weight_split
+    count = formula(model, shape)
+    return {"layout": name, "flags": flags, "shape": shape,
+            "temp_gib": {str(k): v / 2**30 for k, v in temp.items()},
+            "slope_gib": slope / 2**30, "weight_copy_gib": copy / 2**30,
+            "formula_gib": count / 2**30, "ratio": (slope - copy) / count}
+
+
+def line(r: dict) -> str:
+    t = r["temp_gib"]
+    rest = r["slope_gib"] - r["formula_gib"] - r["weight_copy_gib"]
+    return (f"{r['layout']:<16} temporaries {t[str(LAYERS[0])]:6.2f} -> "
+            f"{t[str(LAYERS[-1])]:6.2f} GiB  per layer {r['slope_gib']:6.3f} GiB = formula "
+            f"{r['formula_gib']:.3f} + bf16 weights {r['weight_copy_gib']:.3f} {rest:+.3f}  "
+            f"(slope - weights) / formula {r['ratio']:.2f}x")
+
+
+FORMULA = None  # this checkout's llama_layer_activations, kept when --source swaps jphantom
+
+
+def main(argv=None) -> int:
+    global FORMULA
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a hidden-512 model")
+    parser.add_argument("--only", nargs="*", default=None, help="layout names (default all)")
+    parser.add_argument("--source", default=None,
+                        help="compile with the jphantom of this checkout (an earlier revision, "
+                             "for a before column); the formula stays this checkout's")
+    parser.add_argument("--out", default=None,
+                        help=f"results folder (default {OUT}; --quick: a scratch folder)")
+    args = parser.parse_args(argv)
+    from jphantom.analysis.machine import output_folder, source_revision
+    from jphantom.perf.axonn_model.memory import llama_layer_activations
+
+    FORMULA = llama_layer_activations
+    if args.source is not None:  # the formula kept, every other jphantom module from --source
+        for module in [m for m in sys.modules if m == "jphantom" or m.startswith("jphantom.")]:
+            del sys.modules[module]
+        sys.path.insert(0, str(Path(args.source).resolve()))
+    from jphantom import aot
+
+    if (problem := aot.plugin_problem("gpu")) is not None:
+        print(f"activation_memory: {problem}", file=sys.stderr)
+        return 2
+    model = QUICK if args.quick else LLAMA
+    out = output_folder(args.out, OUT, quick=args.quick, name="activation_memory")
+    out.mkdir(parents=True, exist_ok=True)
+    target = aot.Target.parse("gpu:h100", nodes=1)
+    devices = target.devices()
+    rows = []
+    for layout in LAYOUTS:
+        if args.only and layout[0] not in args.only:
+            continue
+        rows.append(measure(model, layout, target, devices))
+        print(line(rows[-1]), flush=True)
+    root = Path(args.source or Path(__file__).resolve().parents[1])
+    result = {"model": model, "layers": LAYERS, "rows": rows,
+              "jphantom": {"path": str(Path(aot.__file__).parents[1]),
+                           "revision": source_revision(root)},
+              "device": "gpu:h100 (compiled without a GPU)", "versions": aot.versions()}
+    (out / "activation_memory.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "activation_memory.txt").write_text("\n".join(line(r) for r in rows) + "\n")
+    print(f"wrote {out}/activation_memory.json and activation_memory.txt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
