@@ -16,7 +16,7 @@ Model: Llama-3-8B's layer shapes (hidden 4096, 32 heads, 8 key/value heads, SwiG
 vocabulary 128256), S = 4096, float32 master weights, bf16 compute, AdamW, ``--remat none``,
 cuDNN's fused attention (``--attention auto``).
 
-    python benchmarks/activation_memory.py           # 8 compiles, about 6 minutes on 2 cores
+    python benchmarks/activation_memory.py           # 8 compiles, about 3 minutes on 2 cores
     python benchmarks/activation_memory.py --quick   # hidden 512, S 512, for a check
     git worktree add /tmp/act_before ef8e043^        # the same compiles of an earlier jphantom
     python benchmarks/activation_memory.py --source /tmp/act_before \\
