@@ -289,9 +289,6 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
     (:func:`jphantom.predict.predict`; the report's ``prediction``: step seconds, MFU, tokens/s
     per GPU, joules, all modelled). Raises :class:`ConfigError` for a run that cannot be built
     (before compiling) or a mesh whose size is not the target's."""
-    import os
-
-    from jphantom import gpu_defaults as defaults
     from jphantom.analysis.hlo import collectives, kernels
     from jphantom.analysis.compiled import (compile_built, compiled_memory, gemm_flops,
                                            normalise_collectives, state_bytes)
@@ -299,19 +296,13 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
     from jphantom.mesh import axes_across_nodes, device_pool, node_split
 
     mesh_text = _mesh_of(flags, target)
-    xla_flags = os.environ.get("XLA_FLAGS", "")
     use_defaults = gpu_defaults and target.is_gpu
-    # NVIDIA only: an FP8 step's GEMMs to cuBLAS-LT's FP8 calls (gpu_defaults.FP8_XLA_FLAGS)
-    wanted = defaults.current(precision=flags.get("precision") if target.platform == "gpu"
-                              else None)
-    if use_defaults:
-        xla_flags, _ = defaults.merge_flags(xla_flags, wanted)
+    xla_flags, options = _compile_flags(flags, target, use_defaults)
     devices = target.devices() if devices is None else devices
     with device_pool(devices):
         config = RunConfig.from_flags(**{**flags, "mesh": mesh_text})
         built = config.build()
         program, mesh, step = built.program, built.mesh, built.step
-        options = defaults.compiler_options(xla_flags, wanted) if use_defaults else None
         compiled, compile_seconds = compile_built(config, program, step, options)
     text = compiled.as_text()
     if hlo_out is not None:
@@ -356,6 +347,23 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
                                            target, peak).as_dict()
     report["notes"] = _notes(report, target)
     return report
+
+
+def _compile_flags(flags: dict, target: Target, use_defaults: bool) -> tuple[str, dict | None]:
+    """``XLA_FLAGS`` with :mod:`jphantom.gpu_defaults`' flags where it does not name them
+    (``use_defaults``; on NVIDIA an FP8 run's GEMMs also to cuBLAS-LT's FP8 calls,
+    ``gpu_defaults.FP8_XLA_FLAGS``), and the compile options that carry them (None without)."""
+    import os
+
+    from jphantom import gpu_defaults as defaults
+
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    if not use_defaults:
+        return xla_flags, None
+    wanted = defaults.current(precision=flags.get("precision") if target.platform == "gpu"
+                              else None)
+    xla_flags, _ = defaults.merge_flags(xla_flags, wanted)
+    return xla_flags, defaults.compiler_options(xla_flags, wanted)
 
 
 def _mesh_of(flags: dict, target: Target) -> str:
