@@ -167,11 +167,18 @@ def recomputes_attention_core(name: str) -> bool:
 
 
 def recomputed(core: Callable) -> Callable:
-    """``core`` (an attention core's function of arrays) under ``jax.checkpoint`` saving nothing
-    but its inputs: the backward runs its forward again (Megatron's selective recompute)."""
-    import jax
+    """``core`` (an attention core's function of arrays, keyword arrays too) keeping nothing but
+    its inputs: the backward runs its forward again (Megatron's selective recompute). A
+    :func:`inputs_kept` ``custom_vjp``, not a nested ``jax.checkpoint``, whose policy the layer's
+    own checkpoint (:func:`regathering` under sequence parallelism) would override, keeping the
+    S x S probabilities after all."""
 
-    return jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
+    def call(*args, **named):
+        keys = tuple(named)
+        positional = lambda *a: core(*a[:len(args)], **dict(zip(keys, a[len(args):])))
+        return inputs_kept(positional)(*args, *named.values())
+
+    return call
 
 
 def inputs_kept(fn: Callable) -> Callable:

@@ -179,6 +179,23 @@ def test_selective_recompute_keeps_everything_but_the_attention_core():
     assert bytes_of(kept) < bytes_of(everything)
 
 
+def test_selective_recompute_holds_inside_a_layer_that_keeps_everything_else():
+    """Under sequence parallelism the layer's own checkpoint keeps every residual but the
+    sequence's gathers (``remat.regathering``): the cores still keep no S x S array (a nested
+    ``jax.checkpoint`` in them was overridden by it, keeping the probabilities)."""
+    from jphantom.nn import set_remat
+
+    block = nnx.eval_shape(lambda: gpt2.Block(CONFIG, rngs=nnx.Rngs(0)))
+    set_remat(block, remat.SELECTIVE)
+    graphdef, state = nnx.split(block)
+    layer = remat.checkpointed(lambda s, x: nnx.merge(graphdef, s)(x), remat.SELECTIVE,
+                               regather="model")
+    h = jax.ShapeDtypeStruct((BATCH, CONFIG.seq_len, CONFIG.hidden), jnp.float32)
+    kept = remat.residuals(layer, state, h, "none")
+    assert not any(_is_scores(a.shape) for a in kept)
+    assert any(_is_scores(shape) for shape, _ in _block_residuals("none"))
+
+
 def test_selective_recompute_is_set_on_the_cores_by_the_step_only():
     """The step's ``remat`` sets its copy's attention cores' ``recompute``; ``none`` clears it."""
     from jphantom.nn import CausalAttention, set_remat

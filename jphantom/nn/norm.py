@@ -35,10 +35,13 @@ class OffsetRMSNorm(nnx.RMSNorm):
 
 
 class RMSNorm(nnx.RMSNorm):
-    """``nnx.RMSNorm`` (its parameters, names and arithmetic) through :func:`normalize`, whose
-    backward under bf16 compute keeps the 16-bit input, not float32 copies (kind ``"rms"``)."""
+    """``nnx.RMSNorm`` (its parameters and names); under 16-bit compute through
+    :func:`normalize`, whose backward keeps the 16-bit input, not float32 copies (kind
+    ``"rms"``); in float32 ``nnx.RMSNorm``'s own call."""
 
     def __call__(self, x, mask=None):
+        if jnp.dtype(x.dtype).itemsize >= 4 or mask is not None:
+            return super().__call__(x, mask=mask)
         return normalize(x, "rms", self.epsilon, self.scale[...] if self.use_scale else None,
                          dtype=self.dtype)
 

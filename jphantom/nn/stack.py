@@ -103,9 +103,14 @@ def apply_blocks(graphdef, state, carry, *args, remat: str = "none", fetch=None,
 
 def _sequence_axis(graphdef, state) -> str | None:
     """The mesh axis a block's sequence-parallel modules all-gather the sequence over (their
-    ``gathers_sequence``), or None."""
+    ``gathers_sequence``), or None. None too for a block on FP8 GEMMs (:func:`set_fp8`): an FP8
+    GEMM keeps its own residuals, its quantised operands, which no checkpoint policy reaches, and
+    regathering under it gave NaN gradients (an open defect: the bf16 steps regather)."""
     block = nnx.merge(graphdef, state)
-    axes = {getattr(m, "gathers_sequence", None) for _, m in nnx.iter_modules(block)} - {None}
+    modules = [m for _, m in nnx.iter_modules(block)]
+    if any(getattr(m, "fp8", False) is True for m in modules):
+        return None
+    axes = {getattr(m, "gathers_sequence", None) for m in modules} - {None}
     return next(iter(axes)) if len(axes) == 1 else None
 
 

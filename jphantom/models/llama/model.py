@@ -139,10 +139,14 @@ class MLP(nnx.Module):
         self.gelu = config.activation == "gelu_tanh"  # Gemma's GeGLU
 
     def __call__(self, x):
-        # the backward keeps the gate's and up's outputs and down's input (Megatron's fused
-        # SwiGLU); the activation and its derivative are recomputed from the gate's output
-        glu = remat.inputs_kept(_geglu if self.gelu else _swiglu)
-        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x)))
+        # under 16-bit compute the backward keeps the gate's and up's outputs and down's input
+        # (Megatron's fused SwiGLU); the activation and its derivative are recomputed from the
+        # gate's output. In float32 autodiff's own residuals are kept (no narrower to keep).
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        glu = _geglu if self.gelu else _swiglu
+        if jnp.dtype(gate.dtype).itemsize < 4:
+            glu = remat.inputs_kept(glu)
+        return self.down_proj(glu(gate, up))
 
 
 def _swiglu(gate, up):
