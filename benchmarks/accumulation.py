@@ -25,7 +25,6 @@ Writes ``benchmarks/results/accumulation/accumulation.json`` and a table ``accum
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -93,18 +92,19 @@ def main(argv=None) -> int:
                         help=f"results folder (default {OUT}; --quick: a scratch folder)")
     args = parser.parse_args(argv)
     from jphantom import aot
-    from jphantom.analysis.machine import output_folder
+    from jphantom.analysis.machine import output_folder, write_results
     from jphantom.errors import ConfigError
     from jphantom.predict import device as described
 
-    if (problem := aot.plugin_problem("gpu")) is not None:
-        print(f"accumulation: {problem}", file=sys.stderr)
+    try:
+        target, devices = aot.deviceless_node("gpu:h100")
+    except ConfigError as error:
+        print(f"accumulation: {error}", file=sys.stderr)
         return 2
     base = QUICK if args.quick else LLAMA
     out = output_folder(args.out, OUT, quick=args.quick, name="accumulation")
     out.mkdir(parents=True, exist_ok=True)
-    target = aot.Target.parse("gpu:h100", nodes=1)
-    devices, h100 = target.devices(), described.for_target("gpu:h100")
+    h100 = described.for_target("gpu:h100")
     rows = []
     for name, flags, batch in LAYOUTS:
         if args.only and name not in args.only:
@@ -127,9 +127,7 @@ def main(argv=None) -> int:
     result = {"model": base, "layouts": {n: f for n, f, _ in LAYOUTS}, "rows": rows,
               "device": "gpu:h100 (compiled without a GPU; times modelled)",
               "versions": aot.versions()}
-    (out / "accumulation.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "accumulation.txt").write_text("\n".join(line(r) for r in rows) + "\n")
-    print(f"wrote {out}/accumulation.json and accumulation.txt")
+    write_results(out, "accumulation", result, [line(r) for r in rows])
     return 0
 
 

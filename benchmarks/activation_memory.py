@@ -58,37 +58,6 @@ LAYOUTS = [
 ]
 
 
-def formula(model: dict, shape: dict) -> float:
-    """Korthikanti's count for Llama's layer in bytes (this checkout's, even under --source)."""
-    if FORMULA is None:
-        from jphantom.perf.axonn_model.memory import llama_layer_activations as count
-    else:
-        count = FORMULA
-    return count(seq=model["seq_len"], hidden=model["hidden"], heads=model["heads"],
-                 kv_heads=model["kv_heads"], intermediate=model["intermediate"],
-                 **shape)["total"]
-
-
-def measure(model: dict, layout: tuple, target, devices) -> dict:
-    from jphantom import aot
-
-    name, flags, shape, weight_split, gained = layout
-    temp, params = {}, {}
-    for layers in LAYERS:
-        report = aot.compile_report({**model, **flags, "layers": layers}, target,
-                                    devices=devices)
-        temp[layers], params[layers] = report["memory"]["temp_bytes"], report["params"]
-    deep, shallow = LAYERS[-1], LAYERS[0]
-    layer_params = (params[deep] - params[shallow]) / (deep - shallow)
-    slope = (temp[deep] - temp[shallow]) / gained
-    copy = 2 * layer_params / weight_split
-    count = formula(model, shape)
-    return {"layout": name, "flags": flags, "shape": shape,
-            "temp_gib": {str(k): v / 2**30 for k, v in temp.items()},
-            "slope_gib": slope / 2**30, "weight_copy_gib": copy / 2**30,
-            "formula_gib": count / 2**30, "ratio": (slope - copy) / count}
-
-
 def line(r: dict) -> str:
     t = r["temp_gib"]
     rest = r["slope_gib"] - r["formula_gib"] - r["weight_copy_gib"]
@@ -98,52 +67,101 @@ def line(r: dict) -> str:
             f"(slope - weights) / formula {r['ratio']:.2f}x")
 
 
-FORMULA = None  # this checkout's llama_layer_activations, kept when --source swaps jphantom
+def formula(model: dict, shape: dict) -> float:
+    """Korthikanti's count for Llama's layer in bytes (this checkout's, also with --source)."""
+    from jphantom.perf.axonn_model.memory import llama_layer_activations
+
+    return llama_layer_activations(seq=model["seq_len"], hidden=model["hidden"],
+                                   heads=model["heads"], kv_heads=model["kv_heads"],
+                                   intermediate=model["intermediate"], **shape)["total"]
+
+
+def compiled_sizes(model: dict, layout: tuple, target, devices) -> dict:
+    """Temporary bytes and parameters of the layout's step at each of :data:`LAYERS`, as the
+    jphantom that imports compiles it."""
+    from jphantom import aot
+
+    sizes = {"temp": {}, "params": {}}
+    for layers in LAYERS:
+        report = aot.compile_report({**model, **layout[1], "layers": layers}, target,
+                                    devices=devices)
+        sizes["temp"][str(layers)] = report["memory"]["temp_bytes"]
+        sizes["params"][str(layers)] = report["params"]
+    return sizes
+
+
+def measure(model: dict, layout: tuple, sizes: dict) -> dict:
+    """The layout's per-layer slope of the temporaries against the count (module docstring)."""
+    name, flags, shape, weight_split, gained = layout
+    temp, params = sizes["temp"], sizes["params"]
+    deep, shallow = str(LAYERS[-1]), str(LAYERS[0])
+    layer_params = (params[deep] - params[shallow]) / (LAYERS[-1] - LAYERS[0])
+    slope = (temp[deep] - temp[shallow]) / gained
+    copy = 2 * layer_params / weight_split
+    count = formula(model, shape)
+    return {"layout": name, "flags": flags, "shape": shape,
+            "temp_gib": {k: v / 2**30 for k, v in temp.items()},
+            "slope_gib": slope / 2**30, "weight_copy_gib": copy / 2**30,
+            "formula_gib": count / 2**30, "ratio": (slope - copy) / count}
+
+
+def sizes_from(source: str, model: dict, names: list[str]) -> dict:
+    """:func:`compiled_sizes` of each layout in ``names`` by the jphantom of the checkout
+    ``source``: this script run again in a process whose ``PYTHONPATH`` starts there (two
+    versions of one package cannot share an interpreter)."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(Path(source).resolve()), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    done = subprocess.run([sys.executable, __file__, "--sizes", json.dumps(model), *names],
+                          env=env, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 def main(argv=None) -> int:
-    global FORMULA
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a hidden-512 model")
     parser.add_argument("--only", nargs="*", default=None, help="layout names (default all)")
     parser.add_argument("--source", default=None,
                         help="compile with the jphantom of this checkout (an earlier revision, "
                              "for a before column); the formula stays this checkout's")
+    parser.add_argument("--sizes", default=None, metavar="MODEL_JSON",
+                        help=argparse.SUPPRESS)  # sizes_from's child: print the sizes as JSON
     parser.add_argument("--out", default=None,
                         help=f"results folder (default {OUT}; --quick: a scratch folder)")
+    parser.add_argument("names", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    from jphantom.analysis.machine import output_folder, source_revision
-    from jphantom.perf.axonn_model.memory import llama_layer_activations
-
-    FORMULA = llama_layer_activations
-    if args.source is not None:  # the formula kept, every other jphantom module from --source
-        for module in [m for m in sys.modules if m == "jphantom" or m.startswith("jphantom.")]:
-            del sys.modules[module]
-        sys.path.insert(0, str(Path(args.source).resolve()))
     from jphantom import aot
 
-    if (problem := aot.plugin_problem("gpu")) is not None:
-        print(f"activation_memory: {problem}", file=sys.stderr)
+    layouts = [layout for layout in LAYOUTS
+               if not (args.only or args.names) or layout[0] in (args.only or args.names)]
+    if args.sizes is not None:  # an earlier jphantom's child: only what every version has
+        target = aot.Target.parse("gpu:h100", nodes=1)
+        model, devices = json.loads(args.sizes), target.devices()
+        print(json.dumps({l[0]: compiled_sizes(model, l, target, devices) for l in layouts}))
+        return 0
+    from jphantom.analysis.machine import output_folder, source_revision, write_results
+    from jphantom.errors import ConfigError
+
+    try:
+        target, devices = aot.deviceless_node("gpu:h100")
+    except ConfigError as error:
+        print(f"activation_memory: {error}", file=sys.stderr)
         return 2
     model = QUICK if args.quick else LLAMA
     out = output_folder(args.out, OUT, quick=args.quick, name="activation_memory")
     out.mkdir(parents=True, exist_ok=True)
-    target = aot.Target.parse("gpu:h100", nodes=1)
-    devices = target.devices()
+    before = sizes_from(args.source, model, [l[0] for l in layouts]) if args.source else {}
     rows = []
-    for layout in LAYOUTS:
-        if args.only and layout[0] not in args.only:
-            continue
-        rows.append(measure(model, layout, target, devices))
+    for layout in layouts:
+        sizes = before.get(layout[0]) or compiled_sizes(model, layout, target, devices)
+        rows.append(measure(model, layout, sizes))
         print(line(rows[-1]), flush=True)
     root = Path(args.source or Path(__file__).resolve().parents[1])
     result = {"model": model, "layers": LAYERS, "rows": rows,
-              "jphantom": {"path": str(Path(aot.__file__).parents[1]),
-                           "revision": source_revision(root)},
+              "jphantom": {"path": str(root), "revision": source_revision(root)},
               "device": "gpu:h100 (compiled without a GPU)", "versions": aot.versions()}
-    (out / "activation_memory.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "activation_memory.txt").write_text("\n".join(line(r) for r in rows) + "\n")
-    print(f"wrote {out}/activation_memory.json and activation_memory.txt")
+    write_results(out, "activation_memory", result, [line(r) for r in rows])
     return 0
 
 

@@ -32,7 +32,6 @@ Writes ``benchmarks/results/recompute_policies/recompute_policies.json`` and a t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -94,18 +93,19 @@ def main(argv=None) -> int:
                         help=f"results folder (default {OUT}; --quick: a scratch folder)")
     args = parser.parse_args(argv)
     from jphantom import aot
-    from jphantom.analysis.machine import output_folder
+    from jphantom.analysis.machine import output_folder, write_results
     from jphantom.errors import ConfigError
     from jphantom.predict import device as described
 
-    if (problem := aot.plugin_problem("gpu")) is not None:
-        print(f"recompute_policies: {problem}", file=sys.stderr)
+    try:
+        target, devices = aot.deviceless_node("gpu:h100")
+    except ConfigError as error:
+        print(f"recompute_policies: {error}", file=sys.stderr)
         return 2
     base = QUICK if args.quick else LLAMA
     out = output_folder(args.out, OUT, quick=args.quick, name="recompute_policies")
     out.mkdir(parents=True, exist_ok=True)
-    target = aot.Target.parse("gpu:h100", nodes=1)
-    devices, h100 = target.devices(), described.for_target("gpu:h100")
+    h100 = described.for_target("gpu:h100")
     rows = []
     for name, flags, batch, data, tensor in LAYOUTS:
         if args.only and name not in args.only:
@@ -130,9 +130,7 @@ def main(argv=None) -> int:
               "layouts": {n: dict(f, batch=b) for n, f, b, _, _ in LAYOUTS}, "rows": rows,
               "device": "gpu:h100 (compiled without a GPU; times modelled)",
               "versions": aot.versions()}
-    (out / "recompute_policies.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "recompute_policies.txt").write_text("\n".join(line(r) for r in rows) + "\n")
-    print(f"wrote {out}/recompute_policies.json and recompute_policies.txt")
+    write_results(out, "recompute_policies", result, [line(r) for r in rows])
     return 0
 
 

@@ -269,6 +269,15 @@ def require_plugin(platform: str) -> None:
         raise ConfigError(problem)
 
 
+def deviceless_node(name: str = "gpu:h100", nodes: int = 1) -> tuple["Target", list]:
+    """``name``'s target of ``nodes`` nodes and its devices, for a script that compiles several
+    runs for it (:func:`compile_report`'s ``devices``); :class:`ConfigError` when this
+    environment has no compiler for it (:func:`plugin_problem`)."""
+    target = Target.parse(name, nodes=nodes)
+    require_plugin(target.platform)
+    return target, target.devices()
+
+
 # -------------------------------------------------------------------------------------------------
 # Compile a run for a target and report it
 # -------------------------------------------------------------------------------------------------

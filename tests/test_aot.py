@@ -47,6 +47,17 @@ def test_targets_validate_and_name_their_memory():
         aot.Target.parse("gpu:mine", target_config="/nonexistent.txtpb")
 
 
+def test_a_deviceless_node_is_its_devices_or_the_missing_compiler_named():
+    """What the compile benchmarks start from: one node of 8 H100 and its devices, or, without
+    XLA's GPU compiler, a ConfigError naming what to install (they print it and exit 2)."""
+    if GPU_PROBLEM is not None:
+        with pytest.raises(ConfigError, match="jphantom\\[aot\\]"):
+            aot.deviceless_node("gpu:h100")
+        return
+    target, devices = aot.deviceless_node("gpu:h100")
+    assert (target.device_count, len(devices)) == (8, 8)
+
+
 def test_node_split_puts_the_innermost_axes_inside_a_node():
     split = node_split(MeshConfig.parse("data=4,model=8"), _devices(4))
     assert split == ({"model": 8, "data": 1}, {"model": 1, "data": 4})
@@ -542,6 +553,8 @@ def test_activation_memory_per_layer_against_korthikantis_count_for_llama(h100, 
 
     target, devices = h100[1]
     [spec] = [row for row in activation_memory.LAYOUTS if row[0] == layout]
-    row = activation_memory.measure(activation_memory.LLAMA, spec, target, devices)
+    model = activation_memory.LLAMA
+    row = activation_memory.measure(
+        model, spec, activation_memory.compiled_sizes(model, spec, target, devices))
     low, high = ACTIVATION_BOUNDS[layout]
     assert low <= row["ratio"] <= high, activation_memory.line(row)

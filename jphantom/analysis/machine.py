@@ -39,6 +39,16 @@ def output_folder(out, default, *, quick: bool, name: str) -> Path:
     return Path(default)
 
 
+def write_results(out: Path, name: str, result: dict, table: list[str]) -> None:
+    """A script's results: ``<out>/<name>.json`` (``result``) and ``<out>/<name>.txt`` (``table``,
+    a line a row), and a line on standard output saying where."""
+    import json
+
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{name}.txt").write_text("\n".join(table) + "\n")
+    print(f"wrote {out}/{name}.json and {name}.txt")
+
+
 def source_revision(root) -> str:
     """The short git revision of the checkout at ``root`` ("" outside a git checkout)."""
     return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
