@@ -103,6 +103,7 @@ def test_the_kernel_choice_says_why_and_refuses_what_cannot_run(monkeypatch):
 
 
 @pytest.mark.parametrize("causal, keys", [(True, 16), (False, 8), (False, 32)])
+@pytest.mark.slow_cells("False-32")
 def test_flash_blocks_equal_the_einsum_blocks(causal, keys):
     """One block, forward (output, log-sum-exp) and backward given the final statistics, with
     GQA (2 query heads per key head) and unequal query and key lengths."""
@@ -126,6 +127,7 @@ def test_flash_blocks_equal_the_einsum_blocks(causal, keys):
 
 @pytest.mark.parametrize("size, balanced", [pytest.param(2, True, marks=pytest.mark.slow),
                                            (4, True), (2, False)])
+@pytest.mark.slow_cells("2-False")
 def test_ring_on_flash_blocks_equals_the_unsplit_attention(size, balanced):
     """The whole ring (forward, custom backward, every branch of the schedule) with its blocks on
     the Pallas kernels equals causal attention of the whole sequence, value and gradients.

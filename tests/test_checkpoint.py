@@ -28,6 +28,7 @@ def _config(**settings) -> RunConfig:
 
 
 @pytest.mark.parametrize("strategy", [pytest.param("tensor", marks=pytest.mark.slow), "gspmd"])
+@pytest.mark.slow_cells("gspmd")
 def test_a_resumed_run_continues_the_loss_curve_exactly(tmp_path, strategy):
     """Also the GSPMD baseline, whose restored optimizer state must land on the step's devices."""
     require_devices(4)
@@ -47,6 +48,7 @@ def test_a_resumed_run_continues_the_loss_curve_exactly(tmp_path, strategy):
 
 
 @pytest.mark.slow  # docs/multi-host-and-checkpoints.md resumes onto a pipeline mesh in make test
+@pytest.mark.slow  # make test-all: a faster test of this file covers its path
 def test_a_tensor_checkpoint_restores_on_other_meshes(tmp_path):
     """Saved on data=2,model=4 after 2 steps; resumed on model=4 and on model=2, the next steps'
     losses equal the uninterrupted run's (dense-shaped weights: only their shards move)."""

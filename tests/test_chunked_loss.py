@@ -42,6 +42,7 @@ def test_token_chunks_divide_the_tokens_and_fit_the_limit():
 
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("limit", [300, 50])
+@pytest.mark.slow_cells("300-True", "50-False", "300-False")
 def test_chunked_loss_equals_the_whole_loss_on_one_device(chunk_limit, tied, limit):
     head = (nnx.Embed(50, 16, rngs=nnx.Rngs(3)) if tied
             else nnx.Linear(16, 50, rngs=nnx.Rngs(0)))
@@ -65,6 +66,7 @@ def test_chunked_loss_equals_the_whole_loss_on_one_device(chunk_limit, tied, lim
     (GPT2, "tensor", "data=2,model=2", True),  # tied VocabParallelEmbed, sequence parallel
     (LLAMA, "tensor", "data=2,context=2", False),  # the plain head on context chunks
 ], ids=["llama-vocab-parallel", "gpt2-tied-sp", "llama-data-context"])
+@pytest.mark.slow_cells("llama-data-context")
 def test_chunked_loss_under_strategies_equals_one_device(chunk_limit, config, strategy, mesh, sp):
     program = program_module.build(config, strategy, mesh,
                                    **({"sequence_parallel": True} if sp else {}))

@@ -46,6 +46,7 @@ def _batch():
     (LLAMA, "data=2,model=4"), (GPT2, "model=2"),
     (TransformerConfig(vocab_size=VOCAB, seq_len=SEQ, hidden=32, heads=8, layers=1), "model=8"),
 ], ids=["llama-4", "gpt2-2", "gpt2-8"])
+@pytest.mark.slow_cells("gpt2-8", "llama-4")
 def test_collective_matmul_equals_one_device(config, mesh):
     program, step = _step(config, mesh)
     params = random_params(program)

@@ -162,6 +162,7 @@ def test_cli_reports_a_diverged_run_in_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.slow  # make test-all: a faster test of this file covers its path
 def test_compare_uses_a_power_meter_when_given(tmp_path):
     """With a meter (here a fake 100 W per device sampler) every row's energy is measured over the
     training window; the model's figure stays next to it."""

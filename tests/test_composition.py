@@ -207,6 +207,7 @@ DEFAULT = {("pipeline", "experts")}  # SP + MoE: test_moe_transformer; accumulat
 @pytest.mark.parametrize("cell", [
     pytest.param(c, id=cell_name(c), marks=() if c in DEFAULT else pytest.mark.slow)
     for c in cells() if meaningless(c) is None])
+@pytest.mark.slow_cells("pipeline+experts")
 def test_cell(cell):
     check(cell)
 

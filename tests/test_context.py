@@ -63,6 +63,12 @@ CASES = [  # (model, strategy, mesh, program options, step options)
 
 
 @pytest.mark.parametrize("model, strategy, mesh, options, step_options", CASES)
+@pytest.mark.slow_cells(
+    "llama-tensor-context=2-options0-step_options0",
+    "llama-tensor-context=4,model=2-options7-step_options7",
+    "llama-tensor-context=4-options1-step_options1",
+    "llama-tensor-context=8-options2-step_options2",
+    "mixtral-tensor-expert=2,context=2,model=2-options5-step_options5")
 def test_context_parallel_step_equals_one_device(model, strategy, mesh, options, step_options):
     """Loss and every gradient of the step with the sequence split over ``context`` equal the
     plain model's on one device (float32 against float64, 1e-5)."""
@@ -83,6 +89,7 @@ def test_context_parallel_step_equals_one_device(model, strategy, mesh, options,
 
 @pytest.mark.parametrize("mesh, balanced", [("context=4", True), ("data=2,context=2,model=2",
                                                                      False)])
+@pytest.mark.slow_cells("context=4-True")
 def test_ring_moves_c_minus_1_kv_chunks_each_way(mesh, balanced):
     """The compiled step's collective-permutes, all over ``context``, each one K or V chunk
     [B, S/C, Hk, d]: per layer C-1 K and C-1 V forward; backward C-1 of each again (passed

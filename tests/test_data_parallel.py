@@ -52,6 +52,9 @@ def _step(name, mesh, depth, dtype=jnp.float64):
                  else pytest.mark.slow)  # make test: every strategy on the first case
     for name in STRATEGIES for case in CASES],
     ids=[f"{name}-{m}-L{d}-{DTYPE_NAME[t]}" for name in STRATEGIES for m, d, t in CASES])
+@pytest.mark.slow_cells(
+    "phantom-unfused-data=2,model=4-L2-float64", "phantom-data=4,model=2-L3-float64",
+    "tensor-data=2,model=4-L3-float32", "phantom-data=2,model=4-L2-float64")
 def test_loss_and_gradients_equal_the_dense_model(name, mesh, depth, dtype):
     """Loss and every gradient of the training step on a data x model mesh equal jax.grad of the
     dense model on one device, over the whole (global) batch."""

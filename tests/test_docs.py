@@ -176,6 +176,7 @@ def _runs(block: Block) -> bool:
 
 @pytest.mark.parametrize("page", [p for p in PAGES if any(_runs(b) for b in blocks(p))],
                          ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.slow_cells("docs/multi-host-and-checkpoints.md", "docs/bring-your-own-model.md")
 def test_page_runs(page, scratch):
     """The page's Python and ``jphantom`` blocks, in the order a reader meets them (one namespace
     and one working directory per page)."""

@@ -131,6 +131,7 @@ def _run(mesh_text, moe_kw=(), layer_kw=()):
 
 @pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2, 4,
                                    pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.slow_cells("2")
 def test_expert_parallel_moe_equals_the_dense_moe(ranks):
     """Capacity large enough to drop nothing: loss and every gradient (parameters and input
     tokens) equal the dense single-device MoE (every expert on every token, combined by the
@@ -249,6 +250,7 @@ def test_cac_keeps_the_all_to_all_outputs_so_the_recompute_repeats_none(policy, 
 
 
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow), 4])
+@pytest.mark.slow_cells("1")
 def test_dropless_path_equals_the_fixed_capacity_path_that_drops_nothing(ranks):
     """Sort, ragged exchange (``lax.ragged_all_to_all`` where the backend has it, its padded
     all_to_all emulation elsewhere), grouped matmuls (``lax.ragged_dot``): the same loss and

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from jphantom.precision import LossScaleState, dynamic_loss_scale
 
@@ -31,6 +32,7 @@ def test_an_overflowing_step_is_skipped_and_halves_the_scale():
     assert float(floor.scale) == 1.0  # never below the minimum
 
 
+@pytest.mark.slow  # make test-all: a faster test of this file covers its path
 def test_float16_gpt2_trains_as_float32(tmp_path):
     """The same 6 steps in float16 compute (float32 master weights, dynamic scale) and in
     float32: the loss curves agree to float16's precision."""

@@ -166,6 +166,7 @@ FFN = ["train", "--model", "ffn", "--strategy", "tensor", "--width", "8", "--dep
        "--optimizer", "adam"]
 
 
+@pytest.mark.slow  # make test-all: a faster test of this file covers its path
 def test_train_master_weights_sharded_end_to_end_matches_replicated(tmp_path, capsys):
     from jphantom import cli
 

@@ -23,6 +23,7 @@ TRAIN = ["train", *GPT, "--steps", "2", "--eval-every", "1", "--eval-batches", "
 
 
 @pytest.mark.slow  # DTD and CAC: tests/models/test_moe_transformer.py in make test
+@pytest.mark.slow  # make test-all: a faster test of this file covers its path
 def test_train_ted_with_dtd_and_cac_reports_dropped_tokens(tmp_path, capsys):
     out = tmp_path / "moe"
     assert cli.main([*TRAIN, "--mesh", "data=2,expert=2,model=2", "--moe-every", "2",
@@ -39,6 +40,7 @@ def test_train_ted_with_dtd_and_cac_reports_dropped_tokens(tmp_path, capsys):
     assert moe["active_params"] < results["params"]
 
 
+@pytest.mark.slow  # make test-all: a faster test of this file covers its path
 def test_inspect_lists_the_all_to_alls_over_expert(capsys):
     assert cli.main(["inspect", *GPT, "--mesh", "expert=4,model=2", "--moe-every", "1",
                      "--experts", "4", "--json", "--devices", "8"]) == 0

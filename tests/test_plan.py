@@ -419,6 +419,7 @@ def test_pipeline_messages_use_one_pair_link_inside_a_node_and_eq_5_7_across():
     assert rows["zb-v"].comm_by_axis["stage"] == pytest.approx(2 * messages * 2 / 100e9)
 
 
+@pytest.mark.slow  # make test-all: a faster test of this file covers its path
 def test_plan_work_is_bounded_in_the_depth():
     """A million layers price like one block counted a million times: the pmm3d rows' modelled
     communication scales exactly with L, and the search finishes (it once built every layer)."""

@@ -62,6 +62,8 @@ FFN_FAST = {(8, 1, 1, 1), (1, 8, 1, 1), (1, 1, 8, 1), (1, 1, 1, 8), (2, 2, 2, 1)
 
 @pytest.mark.parametrize("grid", [g if g in FFN_FAST else pytest.param(g, marks=pytest.mark.slow)
                                   for g in grids(8)], ids=mesh_text)
+@pytest.mark.slow_cells(
+    "data=1,z=1,y=2,x=4", "data=1,z=1,y=8,x=1", "data=2,z=2,y=2,x=1", "data=8,z=1,y=1,x=1")
 def test_pmm3d_ffn_equals_the_dense_ffn_on_every_grid(grid):
     """Loss and every gradient of the training step (all reductions included) equal the dense
     FFN's on one device (float64 oracle, float32 1e-5), depth 3: a (normal, transposed) pair and
@@ -114,6 +116,9 @@ def expected_ffn_collectives(grid, n, rows, depth) -> Counter:
 
 
 @pytest.mark.parametrize("grid", grids(8), ids=mesh_text)
+@pytest.mark.slow_cells(
+    "data=4,z=1,y=1,x=2", "data=1,z=4,y=1,x=2", "data=1,z=2,y=1,x=4", "data=2,z=4,y=1,x=1",
+    "data=2,z=1,y=4,x=1", "data=4,z=2,y=1,x=1")
 def test_pmm3d_ffn_step_moves_exactly_eqs_5_1_to_5_5(grid):
     """The compiled training step's collectives (trip counts applied), by kind and mesh axes,
     equal Algorithm 3's per layer, element for element, on every grid of 8 devices."""
@@ -290,6 +295,7 @@ def _moe_inputs():
     "expert=2,x=2,y=2",
     pytest.param("z=2,y=2,x=2", marks=pytest.mark.slow),
     pytest.param("data=2,expert=2,y=2", marks=pytest.mark.slow)])
+@pytest.mark.slow_cells("expert=2,x=2,y=2")
 def test_pmm3d_moe_equals_one_device_and_gathers_its_tokens_over_y(mesh):
     """GPT-2's routed MoE blocks under pmm3d (:class:`jphantom.nn.pmm3d.Pmm3dMoE`): loss and every
     gradient equal one device; the only all-gathers over ``y`` are the MoE inputs' features (one

@@ -55,6 +55,7 @@ def _run(mesh_text, policy):
 
 
 @pytest.mark.parametrize("policy", [p for p in remat.NAMES if p != "none"])
+@pytest.mark.slow_cells("nothing_saveable", "dots_saveable", "dots_collectives_saveable")
 def test_every_policy_gives_the_same_gradients(policy):
     loss, grads, _, _ = _run("model=2", policy)
     want_loss, want_grads, _, _ = _run("model=2", "none")
@@ -243,6 +244,9 @@ def _llama_run(policy, layout):
 @pytest.mark.parametrize("policy, layout", [
     ("dots_attention_saveable", "sp-zero3"), ("qkv_saveable", "sp-zero3"),
     (remat.SELECTIVE, "sp-zero3"), (remat.SELECTIVE, "all-gather-context")])
+@pytest.mark.slow_cells(
+    "dots_attention_saveable-sp-zero3", "qkv_saveable-sp-zero3",
+    "all_but_attention_core_saveable-all-gather-context")
 def test_peer_policies_are_exact_on_llama(policy, layout):
     loss, grads = _llama_run(policy, layout)
     want_loss, want_grads = _llama_run("none", layout)

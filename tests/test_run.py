@@ -124,6 +124,7 @@ def test_inspect_validates_what_train_validates(capsys):
     assert len(inspect_error.splitlines()) == 1 and "runs on one device" in inspect_error
 
 
+@pytest.mark.slow  # make test-all: a faster test of this file covers its path
 def test_inspect_labels_cpu_bytes_of_16_bit_collectives_and_an_empty_breakdown(capsys):
     """Honest labels: a bfloat16 step compiled for CPU says its collectives' bytes are the CPU
     program's (XLA:CPU upcasts 16-bit collectives); --breakdown without a data axis says there

@@ -64,6 +64,7 @@ def _shape_of(name: str, num_shards: int, depth: int, optimizer_states: int = 0)
 
 @pytest.mark.parametrize("num_shards, depth", [(4, 1), (8, 3)])
 @pytest.mark.parametrize("name", ["phantom", "phantom-unfused", "tensor-t1"])
+@pytest.mark.slow_cells("phantom-unfused-8-3", "tensor-t1-8-3")
 def test_flops_collectives_and_arguments_match_compiled_step(name, num_shards, depth):
     require_devices(num_shards)
     compiled, _ = compile_step(_run(name, num_shards, depth))  # SGD

@@ -67,6 +67,7 @@ def _verify(mesh_text, plan, loss_fn, *batch, **options):
     pytest.param("data=4", None, "mask", {"accumulate": 2, "spmd": "gspmd"},
                  marks=pytest.mark.slow),  # test budget: gspmd accumulation has its own tests
 ], ids=["data4-accumulate2", "tensor-sp", "context2", "1f1b", "gspmd-accumulate2"])
+@pytest.mark.slow_cells("context2", "1f1b", "tensor-sp")
 def test_ragged_masks_equal_the_one_device_token_mean(mesh, plan, batch, options):
     arrays = (TOKENS, TARGETS, MASK) if batch == "mask" else (TOKENS, IGNORED)
     loss_fn = llama.lm_loss if batch == "mask" else token_mean.lm_loss
@@ -83,6 +84,7 @@ def _one_device_mean():
     return model.loss(TOKENS, TARGETS, MASK)
 
 
+@pytest.mark.slow  # make test-all: a faster test of this file covers its path
 def test_a_mean_of_rank_means_is_not_the_token_mean():
     """The bug the weighted loss fixes: a scalar loss_fn is averaged over ranks."""
     report = _verify("data=4", None, lambda m, x, t, k: m.loss(x, t, k), TOKENS, TARGETS, MASK)

@@ -240,6 +240,7 @@ def token_folder(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow  # make test-all: a faster test of this file covers its path
 def test_a_resumed_token_run_trains_on_the_batches_of_an_uninterrupted_one(tmp_path,
                                                                               token_folder):
     from jphantom.run import run

@@ -30,6 +30,7 @@ def _teacher():
                                              pytest.param("tensor-t1", {"mesh": "model=4"},
                                                           marks=pytest.mark.slow),
                                              ("dense", {})])
+@pytest.mark.slow_cells("tensor-t1-extra1", "phantom-extra0", "dense-extra2")
 def test_training_reaches_the_target_and_stops(strategy, extra, tmp_path):
     teacher = _teacher()
     # the first evaluation (step 5) is the same whatever the number of steps
@@ -47,6 +48,7 @@ def test_training_reaches_the_target_and_stops(strategy, extra, tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["iterations_to_target"] == reached
 
 
+@pytest.mark.slow  # make test-all: a faster test of this file covers its path
 def test_same_seed_gives_the_same_loss_curve():
     config = _config(strategy="phantom", mesh="model=4", ghost_width=2, steps=20, eval_every=20)
     a, b = run(config, teacher=_teacher()), run(config, teacher=_teacher())

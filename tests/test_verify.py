@@ -45,6 +45,7 @@ def _snapshot(model):
     ("stage=2,model=2", "megatron", {"pipeline": PipelineConfig(microbatches=2),
                                      "remat": "nothing_saveable"}),
 ], ids=["tensor-sp", "zero3", "pipeline-remat"])
+@pytest.mark.slow_cells("zero3", "pipeline-remat")
 def test_exact_layouts_report_within_1e_5_and_leave_the_model_as_it_was(mesh, plan, options):
     model = Llama(LLAMA, rngs=nnx.Rngs(0))
     before = _snapshot(model)
@@ -202,6 +203,7 @@ GPT2_FLAGS = ["verify", "--model", "gpt2", "--layers", "1", "--hidden", "32", "-
     ("bf16", 32 * 2.0 ** -8),
     pytest.param("fp8", 2 * 2.0 ** -3, marks=pytest.mark.slow),
 ])
+@pytest.mark.slow_cells("bf16-0.125")
 def test_verify_compares_mixed_precision_with_the_one_device_step_at_that_precision(
         precision, tolerance, capsys):
     """Against float64 a bf16 or fp8 step could never pass 1e-5; against the one-device step at

@@ -83,6 +83,7 @@ def _check_three_adam_steps(strategy, mesh_text, zero):
     pytest.param("phantom", "stage=2,data=2,model=2", 2, marks=pytest.mark.slow),
     pytest.param("tensor", "stage=2,data=2,model=2", 1, marks=pytest.mark.slow),
 ])
+@pytest.mark.slow_cells("tensor-data=4,model=2-3", "phantom-data=2,model=4-3")
 def test_zero_trains_like_one_device(strategy, mesh, zero):
     """Parameters and loss after 3 Adam steps equal the single-device run (float32, 1e-5), with
     tensor or phantom layers, and with a pipeline on stage=2,data=2,model=2."""
@@ -184,6 +185,7 @@ def test_gradient_accumulation_equals_one_large_batch_with_one_reduction():
 
 @pytest.mark.parametrize("strategy, mesh, zero", [("phantom", "data=2,model=4", 0),
                                                   ("tensor", "data=4,model=2", 2)])
+@pytest.mark.slow_cells("phantom-data=2,model=4-0")
 def test_clipped_gradients_equal_single_device_clipped_gradients(strategy, mesh, zero):
     """optax.clip_by_global_norm runs on the global gradient arrays after the shard_map (ZeRO
     slices included), so clipping equals clipping the whole model's gradient on one device."""

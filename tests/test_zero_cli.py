@@ -19,6 +19,7 @@ FFN = ["train", "--model", "ffn", "--strategy", "tensor", "--width", "8", "--dep
        "--no-progress"]
 
 
+@pytest.mark.slow  # make test-all: a faster test of this file covers its path
 def test_train_zero3_with_accumulation_and_clipping_matches_zero0(tmp_path, capsys):
     step = ["--mesh", "data=4,model=2", "--accumulate", "2", "--clip-norm", "1.0"]
     assert cli.main([*FFN, *step, "--zero", "3", "--out", str(tmp_path / "z3")]) == 0

@@ -122,6 +122,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow_cells("tensor", "tensor-zero3")
 def test_user_model_equals_one_device(case):
     plan_of, options = CASES[case]
     step, _ = _parallel(plan_of, **options)
@@ -154,6 +155,7 @@ def test_forward_fn_gives_the_models_logits():
 
 
 @pytest.mark.parametrize("zero", [pytest.param(0, marks=pytest.mark.slow), 1])
+@pytest.mark.slow_cells("1")
 def test_non_elementwise_optax_updates_equal_one_device(zero):
     """Global-norm clipping and LAMB (per-parameter trust ratios: norms over whole tensors) run on
     the global gradient arrays, so one step equals one device's."""
@@ -261,6 +263,7 @@ PIPELINES = {"1f1b-tensor": ("stage=2,data=2,model=2", "1f1b", False),
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=[] if c == "1f1b-tensor"
                                                else [pytest.mark.slow]) for c in PIPELINES])
+@pytest.mark.slow_cells("1f1b-tensor")
 def test_stacked_user_model_pipelined_equals_one_device(case):
     """A ``stage`` axis cuts the model at its Stacked blocks: the part of the user's loss before
     them runs on the first stage, the blocks' layers split over ``stage``, the rest on the last."""

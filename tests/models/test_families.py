@@ -290,6 +290,9 @@ MATRIX = [pytest.param(name, *cell, id=f"{name}-{cell[0]}-{cell[1]}",
 
 
 @pytest.mark.parametrize("name, strategy, mesh, extra", MATRIX)
+@pytest.mark.slow_cells(
+    "qwen3_moe-tensor-expert=2,model=2", "gemma3-gspmd-data=2,model=2",
+    "mistral-tensor-data=2,model=2")
 def test_every_family_under_its_strategies_equals_its_one_device_run(name, strategy, mesh, extra,
                                                                      capsys):
     from jphantom.mesh import MeshConfig

@@ -57,6 +57,7 @@ def test_dense_dictionary_round_trips_bit_for_bit():
 
 
 @pytest.mark.slow  # make test: test_transformer.py's SP cases of the same GPT-2 module
+@pytest.mark.slow  # make test-all: a faster test of this file covers its path
 def test_gpt2_module_under_megatron_sp_equals_one_device():
     config = gpt2.TransformerConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2)
     rng = np.random.default_rng(0)
@@ -76,6 +77,7 @@ def test_gpt2_module_under_megatron_sp_equals_one_device():
     assert rel_error(jax.device_get(grads), jax.device_get(ref_grads)) < 1e-5
 
 
+@pytest.mark.slow  # make test-all: a faster test of this file covers its path
 def test_train_gpt2_module_from_and_to_a_hf_directory(tmp_path):
     """``jphantom train --model gpt2``: the NNX GPT-2 through the module step, started from a
     Hugging Face directory (--from-gpt2) and saved back (--save-gpt2)."""

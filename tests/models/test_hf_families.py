@@ -44,6 +44,7 @@ def _close(ours, theirs, tolerance=1e-4):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow_cells("qwen2")
 def test_logits_loss_and_gradients_equal_transformers(family):
     ref = _reference(family)
     model = hf.load(FIXTURES / family)
@@ -134,6 +135,7 @@ def test_the_sliding_window_changes_the_result():
                  marks=pytest.mark.slow),
 ], ids=["qwen3-sp", "qwen3-phantom", "qwen2-zero3", "mistral-1f1b", "mistral-context",
         "qwen3moe-expert-sp", "gemma3-sp", "gemma3-phantom", "gemma3-zb-h1"])
+@pytest.mark.slow_cells("gemma3-sp")
 def test_families_under_the_strategies_equal_one_device(family, mesh, plan, options):
     """The new families' layers under sequence parallelism (Qwen3's q/k norms on the gathered
     sequence's heads), phantom, ZeRO-3, a pipeline and all-gather context attention (Mistral's
@@ -176,6 +178,7 @@ def test_train_from_hf_runs_two_steps_on_data_and_model(tmp_path, family, model)
 
 
 @pytest.mark.parametrize("mesh, sp", [("data=1", False), ("model=2", False), ("model=2", True)])
+@pytest.mark.slow_cells("data=1-False", "model=2-False")
 def test_the_pad_rows_lookups_give_it_no_gradient(mesh, sp):
     """transformers' nn.Embedding(padding_idx=pad_token_id) (Gemma 3 and the Llama-like
     families): with the pad id in the inputs, the pad row's gradient is the tied head's alone.

@@ -55,6 +55,7 @@ def one_device(experts):
     (0, False), pytest.param(4, False, marks=pytest.mark.slow), (0, True),
     pytest.param(4, True, marks=pytest.mark.slow)],  # Mixtral: the expert-parallel test
     ids=["llama-tensor", "mixtral-tensor", "llama-tensor-sp", "mixtral-tensor-sp"])
+@pytest.mark.slow_cells("llama-tensor")
 def test_llama_under_megatron_equals_one_device(experts, sequence_parallel):
     model = llama.Llama(config(experts), rngs=nnx.Rngs(0))
     mesh = _mesh(4, 2)
@@ -69,6 +70,7 @@ def test_llama_under_megatron_equals_one_device(experts, sequence_parallel):
 
 @pytest.mark.parametrize("remat", ["dots_saveable",
                                    pytest.param("nothing_saveable", marks=pytest.mark.slow)])
+@pytest.mark.slow_cells("dots_saveable")
 def test_llama_pipeline_with_remat_equals_one_device(remat):
     """A pipelined Llama under activation checkpointing: the stage body's residuals (a rotary
     table among them, computed from constants) live in stage-varying slots (NaN in the bubbles)."""
@@ -125,6 +127,7 @@ def test_heads_that_do_not_divide_are_refused_before_anything_runs():
 
 @pytest.mark.parametrize("kv_heads, mesh, sequence_parallel", [
     (2, "data=2,model=4", True), (1, "model=8", False), (2, "model=8", False)])
+@pytest.mark.slow_cells("2-model=8-False", "2-data=2,model=4-True")
 def test_fewer_key_value_heads_than_tensor_ranks_equals_one_device(kv_heads, mesh,
                                                                    sequence_parallel):
     """Qwen2.5-7B's case (4 KV heads on TP=8): each rank computes the key/value head its query
@@ -291,6 +294,7 @@ def test_train_llama_resumes_from_a_checkpoint_on_another_mesh(tmp_path):
     ((("data", 2), ("expert", 2), ("model", 2)), False),
     pytest.param((("expert", 4), ("model", 2)), True, marks=pytest.mark.slow),
 ], ids=["data2-expert2-model2", "expert4-model2-sp"])
+@pytest.mark.slow_cells("data2-expert2-model2")
 def test_mixtral_expert_parallel_equals_one_device(axes, sequence_parallel):
     """Experts split over ``expert`` (all-to-all dispatch, no token dropped) and their width over
     ``model`` (TED), with and without sequence parallelism."""

@@ -46,6 +46,7 @@ def test_the_plain_ffn_is_seed_000s_ffn(depth, pairs):
 
 @pytest.mark.parametrize("strategy", [
     "dense", "tensor-t1", "phantom", "phantom-unfused", "tensor", "gspmd", "pmm3d"])
+@pytest.mark.slow_cells("tensor-t1", "phantom-unfused")
 def test_ffn_model_matches_its_dense_equivalent(strategy):
     """Each strategy's parallelised FFN, created in its shards (program.init) and trained one SGD
     step, moves its parameters by exactly the gradient of the plain model it is (one device,

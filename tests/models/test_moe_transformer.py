@@ -156,6 +156,7 @@ SLOW = pytest.mark.slow  # the longer half of the grid: make test-all
     pytest.param("tensor", "expert=2,model=4", False,
                  {"sequence_parallel": True, "capacity_factor": None}, marks=SLOW),
 ])
+@pytest.mark.slow_cells("tensor-data=2,expert=2,model=2-True-kw5")
 def test_moe_transformer_equals_the_single_device_model(strategy, mesh, dtd, kw):
     """Loss and every gradient equal the single-device MoE GPT-2 (float64, every expert on every
     token; phantom: its dense equivalent), float32 1e-5: expert parallelism on 1, 2, 4 and 8
@@ -193,6 +194,7 @@ def _local_elements(step, mesh, expert):
 
 
 @pytest.mark.parametrize("dtd", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.slow_cells("True")
 def test_moe_step_moves_two_all_to_alls_each_way_per_moe_layer(dtd):
     """The compiled training step on data=2,expert=2,model=2 with two MoE blocks (loop trip counts
     applied): 4 all-to-alls per MoE layer over ``expert``, each of one capacity buffer E C h (with

@@ -117,6 +117,7 @@ _DEFAULT_TENSOR_CASES = {("model=2", False), ("data=2,model=4", True)}  # float6
     pytest.param(mesh, sp, marks=() if (mesh, sp) in _DEFAULT_TENSOR_CASES else pytest.mark.slow)
     for mesh in ("model=1", "model=2", "model=4", "model=8", "data=2,model=4", "data=4,model=2")
     for sp in (False, True)])
+@pytest.mark.slow_cells("model=2-False", "data=2,model=4-True")
 def test_tensor_transformer_equals_dense(mesh, sequence_parallel):
     """Megatron tensor parallelism, with and without sequence parallelism, alone and beside data
     parallelism: the loss and every gradient of the dense model (float32, 1e-5)."""
@@ -129,6 +130,7 @@ def test_tensor_transformer_equals_dense(mesh, sequence_parallel):
     pytest.param("gspmd", "data=2,model=4", False,  # make test: test_data_parallel.py, Llama
                  marks=pytest.mark.slow),
 ])
+@pytest.mark.slow_cells("tensor-model=4-True")
 def test_transformer_equals_dense_in_float64(strategy, mesh, sequence_parallel):
     _check_against_dense(strategy, mesh, sequence_parallel, dtype="float64")
 
@@ -140,6 +142,7 @@ def test_transformer_equals_dense_in_float64(strategy, mesh, sequence_parallel):
     ("phantom", "data=4,model=2"),
     pytest.param("phantom-unfused", "model=4", marks=pytest.mark.slow),
 ])
+@pytest.mark.slow_cells("phantom-data=4,model=2")
 def test_phantom_transformer_equals_its_dense_equivalent(strategy, mesh):
     _check_against_dense(strategy, mesh)
 

@@ -93,6 +93,7 @@ def test_a_norm_of_the_users_is_refused_by_name_until_named(sequence_parallel):
     pytest.param("data=4,model=2", True, {"zero": 3}, marks=pytest.mark.slow),  # test budget
     ("stage=2,model=4", True, {"pipeline": PipelineConfig(microbatches=2)}),
 ], ids=["tensor", "tensor-sp", "sp-zero3", "sp-pipeline"])
+@pytest.mark.slow_cells("sp-pipeline", "tensor-sp")
 def test_named_user_norms_and_meta_names_are_exact(mesh, sequence_parallel, options):
     """The user's norms named (per-token: Style('sequence') under SP, 'replicate' without), the
     Meta-style projections found by name, the token table found by the untied head (the position
@@ -162,6 +163,7 @@ class FlaxAttentionLM(nnx.Module):
 @pytest.mark.parametrize("mesh, sequence_parallel, options", [
     ("data=2,model=4", False, {}), ("data=2,model=2", True, {}),
     ("data=4,model=2", False, {"zero": 3})], ids=["tensor", "tensor-sp", "zero3"])
+@pytest.mark.slow_cells("tensor-sp", "zero3")
 def test_flax_multi_head_attention_is_tensor_parallel_and_exact(mesh, sequence_parallel,
                                                                 options):
     """nnx.MultiHeadAttention's LinearGeneral projections: query, key and value split over their
@@ -209,6 +211,7 @@ class EinsumLM(nnx.Module):
     ("data=4,model=2", False, {"zero": 3}),
     pytest.param("stage=2,model=2", False, {"pipeline": PipelineConfig(microbatches=2)},
                  marks=pytest.mark.slow)], ids=["tensor", "tensor-sp", "zero3", "pipeline"])
+@pytest.mark.slow_cells("tensor-sp", "zero3")
 def test_einsum_layers_are_tensor_parallel_and_exact(mesh, sequence_parallel, options):
     """nnx.Einsum: q, k, v and up split along the first kernel axis only their output has (the
     heads, the features), o and down along the first they contract."""

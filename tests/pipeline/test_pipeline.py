@@ -73,6 +73,7 @@ def _check_ffn(strategy, mesh_text, schedule, microbatches, virtual_stages=1, de
                                                       ("interleaved-1f1b", 2)])
 @pytest.mark.parametrize("factor", [pytest.param(0, marks=pytest.mark.slow), 1,
                                     pytest.param(4, marks=pytest.mark.slow)])  # M = 1, P, 4P
+@pytest.mark.slow_cells("1-interleaved-1f1b-2-4", "1-gpipe-1-2", "1-1f1b-1-4", "1-gpipe-1-4")
 def test_ffn_pipeline_equals_unpipelined(stages, schedule, virtual_stages, factor):
     """Every schedule on 2, 4 and 8 stages, M in {1, P, 4P}: the loss and every gradient of the
     unpipelined FFN (float32, 1e-5), with NaN sent by every idle slot."""
@@ -86,6 +87,7 @@ def test_ffn_pipeline_equals_unpipelined(stages, schedule, virtual_stages, facto
     ("tensor", "gpipe", 1), ("tensor", "1f1b", 1), ("tensor", "interleaved-1f1b", 2),
     ("phantom", "1f1b", 1), pytest.param("phantom", "gpipe", 1, marks=pytest.mark.slow),
     pytest.param("phantom", "interleaved-1f1b", 2, marks=pytest.mark.slow)])
+@pytest.mark.slow_cells("tensor-1f1b-1", "phantom-1f1b-1", "tensor-gpipe-1")
 def test_ffn_pipeline_with_data_and_model_parallelism(strategy, schedule, virtual_stages):
     """stage=2,data=2,model=2: tensor (Megatron pairs) or phantom inside each stage; the step's
     pipelined evaluation (forward slots only) gives the same loss."""
@@ -185,6 +187,7 @@ def test_transformer_pipeline_equals_dense(strategy, mesh, schedule, microbatche
 
 @pytest.mark.parametrize("schedule, microbatches, virtual_stages", [
     ("1f1b", 8, 1), ("gpipe", 4, 1), ("interleaved-1f1b", 4, 2)])
+@pytest.mark.slow_cells("interleaved-1f1b-4-2")
 def test_stage_body_runs_as_often_as_the_schedule_says(schedule, microbatches, virtual_stages):
     """Praxis's check: count, per device, the forward and backward executions of the stage body
     (a host callback in the FFN's stacked unit; one unit per model chunk). Each device runs each
@@ -196,6 +199,7 @@ def test_stage_body_runs_as_often_as_the_schedule_says(schedule, microbatches, v
 
 @pytest.mark.parametrize("strategy, schedule, microbatches, virtual_stages", [
     ("phantom", "1f1b", 4, 1), ("phantom", "gpipe", 4, 1), ("tensor", "interleaved-1f1b", 4, 2)])
+@pytest.mark.slow_cells("phantom-gpipe-4-1")
 def test_pipelined_step_moves_what_the_schedule_needs(strategy, schedule, microbatches,
                                                       virtual_stages):
     """The compiled step holds one collective-permute per tick that moves an activation and one

@@ -39,6 +39,7 @@ def _depth(schedule, stages):
     pytest.param("zb-h1", 8, 1, marks=pytest.mark.slow),
     pytest.param("zb-v", 8, 2, marks=pytest.mark.slow),
     pytest.param("zb-h1", 8, 4, marks=pytest.mark.slow)])
+@pytest.mark.slow_cells("zb-h1-4-2")
 def test_zero_bubble_equals_unpipelined(schedule, stages, factor):
     """ZB-H1 and ZB-V on 2, 4 and 8 stages, M in {P, 2P, 4P}: the loss and every gradient of the
     unpipelined FFN (float32, 1e-5), with NaN sent by every idle slot."""
