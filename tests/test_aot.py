@@ -191,11 +191,18 @@ def test_accumulation_stays_one_loop_over_one_micro_batch(h100, layout, tmp_path
     loops = [(tmp_path / f"{n}.hlo").read_text().count(" while(") for n in ("one", "four")]
     assert loops[1] == loops[0] + 1
     assert four["kernels"]["gemms"]["total"] == 4 * one["kernels"]["gemms"]["total"]
+    # per micro-batch, in count and bytes: the activations' gathers and scatters over model, and
+    # ZeRO-3's per-layer parameter gathers and their transposes, the gradients' reduce-scatters
+    # (as DeepSpeed's and FSDP's ZeRO-3 reduce each micro-batch's; keeping whole gradients for
+    # one reduction would undo the sharding); once a step: the loss's all-reduce over data
+    per_micro = {("all-gather", ("model",)), ("reduce-scatter", ("model",)),
+                 ("all-gather", ("data",)), ("reduce-scatter", ("data",))}
     for key, row in _by_axes(one).items():
-        # the activations' collectives run per micro-batch; the gradients' reductions (over data,
-        # and the replicated norms' all-reduce over model) once a step
-        if key[0] in ("all-gather", "reduce-scatter") and key[1] == ("model",):
-            assert _by_axes(four)[key]["count"] == 4 * row["count"], key
+        got = _by_axes(four)[key]
+        if key in per_micro:
+            assert (got["count"], got["bytes"]) == (4 * row["count"], 4 * row["bytes"]), key
+        elif key == ("all-reduce", ("data",)):
+            assert (got["count"], got["bytes"]) == (row["count"], row["bytes"]), key
     accumulator = one["memory"]["argument_bytes"] / 3  # parameters, Adam's two moments
     assert four["memory"]["temp_bytes"] <= 1.1 * one["memory"]["temp_bytes"] + accumulator
 
