@@ -176,3 +176,9 @@ def test_code_counts_see_what_the_function_rule_sees():
     assert result["functions_over_80_lines"] == len(LONG_FUNCTIONS)
     assert "program.py" not in result["files_comparing_strategy_names"]
     assert result["rule_messages"]["sequence parallelism needs tensor"] == 1
+    # the family names the families' own modules compare are theirs to compare
+    assert not [f for f in result["files_comparing_family_names"]
+                if f.startswith("models/") or f == "families.py"]
+    assert result["root_modules"] == len(result["root_module_names"])
+    assert all(len(where) > 1 for where in result["shared_class_names"].values())
+    assert result["config_build_call_sites"] >= 1
