@@ -1,0 +1,271 @@
+"""Forward-only (inference) pricing: the decode roofline, the prefill bound, and the forward pass
+of Seal et al.'s FFN under phantom and tensor parallelism, per device, from a device description
+(:mod:`jphantom.predict.device`: its HBM bandwidth, peaks, network and power). Every number here
+is modelled, and says so in its ``label``.
+
+**Decode** (one new token per sequence) reads every weight a device holds and its share of the
+key/value cache once per step, and does little arithmetic with them, so it is bound by HBM
+bandwidth (the roofline of Williams et al.; the scaling book's "memory-bound" regime):
+
+    bytes_per_step  = weights per device + KV cache per device        (bytes read per step)
+    memory_s        = bytes_per_step / hbm_gbps                       (the datasheet peak)
+    compute_s       = FLOPs per device / peak_tflops                  (2 per weight and token, plus
+                                                                       attention's 4 x context x
+                                                                       query features)
+    seconds         = max(memory_s, compute_s)                        (the roofline)
+
+**Prefill** (the prompt, B x S tokens at once) does 2 x weights x tokens FLOPs, plus causal
+attention's 2 x S^2 x query features per sequence, so it is compute-bound: ``seconds`` is the same
+max with the compute term dominant.
+
+**Communication** of the forward is the strategy's collectives per device (the formulas below,
+checked against the compiled forward in ``tests/test_inference.py``), priced by
+:class:`jphantom.predict.Network` (NCCL's ring or tree on the group's placement): it is added to
+the roofline, none hidden (an upper bound). **Energy** is Seal et al.'s Eq. 1 per token,
+
+    (1)   e = A alpha + B beta      joules per step, every device; per token: e / tokens
+
+with alpha the roofline seconds (the GPU busy, at ``busy_watts`` A) and beta the collectives'
+seconds (the GPU waiting, at ``idle_watts`` B), as ``plan --objective energy`` prices a
+training step (:attr:`jphantom.planner.PlanRow.joules_per_token`).
+
+Collectives of one forward pass per device, as result elements (the compiled HLO's convention),
+for tokens T (a decode step: T = B; prefill: B x S):
+
+====================  ======================================================================
+Llama under tensor    all-reduce T h x (2 L + 1)  (Megatron's g of every attention and MLP, and
+                      the vocabulary-parallel embedding's); all-gather T V x 1 (the logits)
+Llama under phantom   all-gather p k T x (7 L + 1) (Seal et al.'s Eq. 11 ghost exchange: every
+                      projection q, k, v, o, gate, up, down, and the head); all-reduce T x
+                      (2 L + 1) (each RMSNorm's sum of squares over the split features);
+                      all-gather T V x 1 (the logits)
+FFN under phantom     all-gather p k B x L (Table II's forward row)
+FFN under tensor      all-gather B n x 1 (the feature-split input), all-reduce B n x floor(L/2)
+FFN under tensor-t1   all-gather B n x L (Table II's TP all-gather, (n/p) B from each rank)
+====================  ======================================================================
+
+Weights per device: tensor splits every linear's weight over ``model`` (i o / p); phantom keeps
+Seal et al.'s local block, compressor and p decompressors (the own slot stored, masked:
+:func:`jphantom.planner.pricing.phantom_linear`), i.e. (o/p)(i/p) + k i/p + p (o/p) k, which is
+smaller than i o / p while k < (n/p)(1 - 1/p) (Eq. 8). The KV cache is split by key/value heads
+over ``model`` (a head is never split; with fewer heads than ranks each rank keeps one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from jphantom.errors import ConfigError
+from jphantom.mesh import MeshConfig
+from jphantom.perf.axonn_model import GPTShape
+from jphantom.planner.pricing import phantom_linear
+from jphantom.predict.device import DeviceModel
+from jphantom.predict.network import Network, Placement
+
+DTYPE_BYTES = {"bf16": 2, "f32": 4}
+"""The dtypes priced: bf16 (weights, cache and messages in 2 bytes) and f32 (4)."""
+STRATEGIES = ("tensor", "phantom", "tensor-t1")
+"""Forward pricing: Megatron tensor, phantom (Seal et al.) and Seal et al.'s TP (FFN only)."""
+PROJECTIONS_PER_BLOCK = 7  # Llama: q, k, v, o, gate, up, down
+
+
+@dataclasses.dataclass(frozen=True)
+class Forward:
+    """One forward pass per device: ``weight_bytes`` and ``cache_bytes`` read, ``flops``,
+    ``collectives`` as (kind, result elements, count), ``tokens`` over all devices."""
+
+    weight_bytes: float
+    cache_bytes: float
+    flops: float
+    collectives: tuple[tuple[str, int, int], ...]
+    tokens: int
+
+
+def _model_ranks(mesh) -> tuple[int, int]:
+    """(model ranks, data ranks) of ``mesh``: a MeshConfig, its text ("data=2,model=4"), a
+    mapping, or a whole number of model ranks."""
+    if isinstance(mesh, int) and not isinstance(mesh, bool):
+        mesh = {"model": mesh}
+    mesh = MeshConfig.parse(mesh) if isinstance(mesh, str) else MeshConfig.of(mesh)
+    other = set(mesh.shape) - {"model", "data"}
+    if other:
+        raise ConfigError(f"mesh {mesh}: inference pricing splits over model and data only, "
+                          f"not {sorted(other)}")
+    return mesh.size("model"), mesh.size("data")
+
+
+def _check(strategy: str, ghost_width, p: int, dtype: str) -> None:
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"strategy={strategy!r}: inference pricing knows {STRATEGIES}")
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"dtype={dtype!r}: use one of {sorted(DTYPE_BYTES)}")
+    if strategy == "phantom" and (ghost_width is None or ghost_width < 1):
+        raise ConfigError("strategy='phantom' needs ghost_width k >= 1 (Seal et al.'s ghost "
+                          "neurons per rank)")
+    if p < 1:
+        raise ConfigError(f"model ranks {p} must be >= 1")
+
+
+def _linear_elements(i: int, o: int, p: int, strategy: str, k: int | None) -> float:
+    """Weights of one bias-free linear i -> o per device."""
+    if strategy == "phantom" and p > 1:
+        return phantom_linear(i, o, p, k) - o // p  # phantom_linear counts a bias of o/p
+    return i * o / p
+
+
+def llama_forward(shape: GPTShape, batch: int, seq: int, context: int, p: int, strategy: str,
+                  ghost_width: int | None, dtype: str) -> Forward:
+    """A Llama forward of ``seq`` new tokens per sequence over ``batch`` sequences on one of
+    ``p`` model ranks, attending to ``context`` positions (decode: seq 1; prefill: seq =
+    context), with the KV cache of ``context`` positions read (module docstring)."""
+    if shape.family != "llama":
+        raise ConfigError(f"family={shape.family!r}: the decode formulas are Llama's (RMSNorm, "
+                          "SwiGLU, grouped-query attention, untied head)")
+    if strategy == "tensor-t1":
+        raise ConfigError("tensor-t1 is Seal et al.'s FFN baseline: price a Llama under "
+                          "'tensor' or 'phantom'")
+    nbytes, h, L, k = DTYPE_BYTES[dtype], shape.hidden, shape.layers, ghost_width
+    head_dim = h // shape.heads
+    linears = [(i, o) for _, i, o, _ in shape.linears()]
+    block = sum(_linear_elements(i, o, p, strategy, k) for i, o in linears)
+    # shape.linears() fuses q|k|v and gate|up; phantom runs 7 separate layers (module doc)
+    if strategy == "phantom" and p > 1:
+        kv = shape.kv_heads * head_dim
+        block = sum(_linear_elements(i, o, p, strategy, k) for i, o in (
+            (h, h), (h, kv), (h, kv), (h, h), (h, shape.intermediate), (h, shape.intermediate),
+            (shape.intermediate, h)))
+    head = _linear_elements(h, shape.vocab_size, p, strategy, k)
+    tokens = batch * seq
+    split = p if strategy == "phantom" else 1  # phantom splits norms and embeddings by feature
+    weights = L * (block + 2 * h / split) + head + (h + tokens * h) / split  # + the rows read
+    kv_heads = max(1.0, shape.kv_heads / p)
+    cache = 2 * L * batch * context * kv_heads * head_dim
+    flops = 2 * tokens * (L * block + head)
+    query = shape.heads * head_dim / p
+    pairs = batch * (seq * context - seq * (seq - 1) / 2)  # causal: new tokens x positions seen
+    flops += L * 4 * pairs * query
+    if strategy == "tensor" or p == 1:
+        collectives = (("all-reduce", tokens * h, 2 * L + 1),
+                       ("all-gather", tokens * shape.vocab_size, 1))
+    else:
+        collectives = (("all-gather", p * k * tokens, PROJECTIONS_PER_BLOCK * L + 1),
+                       ("all-reduce", tokens, 2 * L + 1),
+                       ("all-gather", tokens * shape.vocab_size, 1))
+    if p == 1:
+        collectives = ()
+    return Forward(weights * nbytes, cache * nbytes, flops, collectives, tokens)
+
+
+def ffn_forward(width: int, depth: int, p: int, batch: int, strategy: str,
+                ghost_width: int | None = None, dtype: str = "f32") -> Forward:
+    """Seal et al.'s FFN (L layers n x n with biases, features split over ``p`` ranks), one
+    forward over ``batch`` samples on one rank (module docstring's collectives; FLOPs 2 B x
+    weights, phantom's decompressor GEMM over all p slots)."""
+    _check(strategy, ghost_width, p, dtype)
+    n, L, k = width, depth, ghost_width
+    if n % p:
+        raise ConfigError(f"width {n} must divide over {p} ranks")
+    m = n // p
+    if strategy == "phantom":
+        weights = L * phantom_linear(n, n, p, k)
+        collectives = (("all-gather", p * k * batch, L),)
+    else:
+        weights = L * (n * m + m)
+        collectives = ((("all-gather", batch * n, 1), ("all-reduce", batch * n, L // 2))
+                       if strategy == "tensor" else (("all-gather", batch * n, L),))
+    if p == 1:
+        collectives = ()
+    flops = 2 * batch * weights
+    return Forward(weights * DTYPE_BYTES[dtype], 0.0, flops,
+                   tuple(c for c in collectives if c[2]), batch)
+
+
+def wire_bytes(kind: str, result_bytes: float, p: int) -> float:
+    """Bytes one device sends for a ring collective whose result buffer is ``result_bytes``
+    (:mod:`jphantom.predict.network`'s table): all-gather (p-1)/p R, all-reduce 2 (p-1)/p R."""
+    if p <= 1:
+        return 0.0
+    return {"all-gather": (p - 1) / p, "all-reduce": 2 * (p - 1) / p}[kind] * result_bytes
+
+
+def placement(device: DeviceModel, p: int) -> Placement:
+    """A group of ``p`` GPUs packed onto as few nodes (and packages) as the device allows."""
+    per_node = int(device["network.gpus_per_node"])
+    per_package = int(device.get("network.gpus_per_package", 1))
+    return Placement(p, max(1, math.ceil(p / per_node)),
+                     math.ceil(p / per_package) if per_package > 1 else 0)
+
+
+def price(forward: Forward, device: DeviceModel, p: int, data: int, dtype: str,
+          what: str) -> dict:
+    """A forward on ``p`` x ``data`` devices priced on ``device`` (module docstring): the
+    roofline, the collectives, tokens/s and Eq. 1's joules per token, with its label."""
+    nbytes = DTYPE_BYTES[dtype]
+    hbm = device["memory.hbm_gbps"] * 1e9
+    peak = device.peak_flops(dtype)
+    read = forward.weight_bytes + forward.cache_bytes
+    memory_s, compute_s = read / hbm, forward.flops / peak
+    seconds = max(memory_s, compute_s)
+    network, where = Network.of(device), placement(device, p)
+    comm_s = sum(count * network.seconds(kind, elements * nbytes, where)
+                 for kind, elements, count in forward.collectives)
+    result = sum(count * elements * nbytes for _, elements, count in forward.collectives)
+    wire = sum(count * wire_bytes(kind, elements * nbytes, p)
+               for kind, elements, count in forward.collectives)
+    devices, tokens = p * data, forward.tokens * data
+    step_s = seconds + comm_s
+    busy, idle = device["power.busy_watts"], device["power.idle_watts"]
+    joules = devices * (busy * seconds + idle * comm_s)
+    return {
+        "bytes_per_step": read, "weight_bytes": forward.weight_bytes,
+        "cache_bytes": forward.cache_bytes, "flops": forward.flops,
+        "memory_seconds": memory_s, "compute_seconds": compute_s, "seconds": seconds,
+        "bound": "memory" if memory_s >= compute_s else "compute",
+        "comm_seconds": comm_s, "collective_result_bytes": result, "wire_bytes": wire,
+        "collectives": [list(c) for c in forward.collectives],
+        "step_seconds": step_s, "tokens": tokens, "tokens_per_s": tokens / step_s,
+        "joules_per_token": joules / tokens, "device": device.name,
+        "label": (f"modelled: {what} on {device.name} ({devices} devices, {p} per model "
+                  f"replica): roofline max(bytes / {device['memory.hbm_gbps']:g} GB/s HBM, "
+                  f"FLOPs / {peak / 1e12:g} TFLOP/s {dtype}) + collectives "
+                  f"(jphantom.predict.Network, none hidden); J/token by Seal et al.'s Eq. 1, "
+                  f"A = {busy:g} W x roofline + B = {idle:g} W x collectives"),
+    }
+
+
+def _llama(shape, batch, seq, context, device, mesh, strategy, ghost_width, dtype, what):
+    if isinstance(device, str):
+        from jphantom.predict.device import load
+
+        device = load(device)
+    p, data = _model_ranks(mesh)
+    _check(strategy, ghost_width, p, dtype)
+    if batch % data:
+        raise ConfigError(f"batch {batch} must divide over data={data}")
+    shape = GPTShape.of(shape)
+    forward = llama_forward(shape, batch // data, seq, context, p, strategy, ghost_width, dtype)
+    return price(forward, device, p, data, dtype, what)
+
+
+def decode_roofline(shape, batch: int, context_len: int, device: DeviceModel | str,
+                    mesh="model=1", *, strategy: str = "tensor", ghost_width: int | None = None,
+                    dtype: str = "bf16") -> dict:
+    """One decode step (one new token for each of ``batch`` sequences that hold
+    ``context_len`` positions in their KV cache) of the Llama ``shape`` (a
+    :class:`~jphantom.perf.axonn_model.GPTShape` or a LlamaConfig) on ``mesh`` (model and data
+    axes) of ``device`` (a :class:`~jphantom.predict.DeviceModel` or a shipped name,
+    ``h100-sxm``): ``bytes_per_step`` (weights + cache read per device), ``seconds`` (the HBM
+    roofline), ``comm_seconds``, ``step_seconds``, ``tokens_per_s``, ``joules_per_token`` and
+    ``label`` (module docstring; all modelled)."""
+    return _llama(shape, batch, 1, context_len, device, mesh, strategy, ghost_width, dtype,
+                  f"decode step, batch {batch}, context {context_len}")
+
+
+def prefill_bound(shape, batch: int, prompt_len: int, device: DeviceModel | str,
+                  mesh="model=1", *, strategy: str = "tensor", ghost_width: int | None = None,
+                  dtype: str = "bf16") -> dict:
+    """The prompt's forward (``batch`` x ``prompt_len`` tokens, causal attention over the
+    prompt), as :func:`decode_roofline` prices a step: compute-bound for any real prompt;
+    ``step_seconds`` is the modelled time to the first token."""
+    return _llama(shape, batch, prompt_len, prompt_len, device, mesh, strategy, ghost_width,
+                  dtype, f"prefill, batch {batch} x {prompt_len} tokens")
