@@ -137,7 +137,7 @@ def ffn_table(rows: list[dict]) -> list[str]:
     """One line per device and (n, L, p, k): phantom, tensor and tensor-t1 side by side."""
     by = {(r["device"], r["n"], r["L"], r["p"], r["strategy"]): r for r in rows}
     head = (f"{'device':<11}{'n':>7}{'L':>3}{'p':>5}{'k':>4}  {'collective MB/GPU (result)':^29}"
-            f"  {'forward ms':^29}  {'J/sample':^29}  {'J ph/TP':>7}  bytes")
+            f"  {'predicted forward ms':^29}  {'J/sample':^29}  {'J ph/TP':>7}  bytes")
     sub = (" " * 30 + "  ".join(f"{'phantom':>9}{'tensor':>10}{'t1':>10}" for _ in range(3)))
     lines = [head, sub]
     seen = []
@@ -158,17 +158,18 @@ def ffn_table(rows: list[dict]) -> list[str]:
 
 
 def decode_table(rows: list[dict]) -> list[str]:
-    """One line per decode case, device and layout."""
+    """One line per decode case, device and layout: the HBM roofline, then the prediction."""
     lines = [f"{'device':<11}{'B':>3}{'context':>8}  {'layout':<14}{'weights GB':>11}"
-             f"{'KV GB':>7}{'roofline ms':>12}{'comm ms':>8}{'collectives':>12}{'comm KB':>9}"
-             f"{'tok/s':>8}{'J/token':>9}"]
+             f"{'KV GB':>7}{'roofline ms':>12}{'tok/s':>8}  {'comm ms':>8}{'colls':>6}"
+             f"{'comm KB':>9}{'pred. ms':>9}{'tok/s':>8}{'J/token':>9}"]
     for r in rows:
         count = sum(c[2] for c in r["collectives"])
         lines.append(f"{r['device']:<11}{r['batch']:>3}{r['context']:>8}  {r['layout']:<14}"
                      f"{r['weight_bytes'] / 1e9:>11.3f}{r['cache_bytes'] / 1e9:>7.3f}"
-                     f"{r['seconds'] * 1e3:>12.3f}{r['comm_seconds'] * 1e3:>8.3f}{count:>12}"
-                     f"{r['collective_result_bytes'] / 1e3:>9.1f}{r['tokens_per_s']:>8.0f}"
-                     f"{r['joules_per_token']:>9.3f}")
+                     f"{r['seconds'] * 1e3:>12.3f}{r['roofline_tokens_per_s']:>8.0f}  "
+                     f"{r['comm_seconds'] * 1e3:>8.3f}{count:>6}"
+                     f"{r['collective_result_bytes'] / 1e3:>9.1f}{r['step_seconds'] * 1e3:>9.3f}"
+                     f"{r['tokens_per_s']:>8.0f}{r['joules_per_token']:>9.3f}")
     return lines
 
 

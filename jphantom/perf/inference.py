@@ -25,9 +25,12 @@ the roofline, none hidden (an upper bound). **Energy** is Seal et al.'s Eq. 1 pe
 
     (1)   e = A alpha + B beta      joules per step, every device; per token: e / tokens
 
-with alpha the roofline seconds (the GPU busy, at ``busy_watts`` A) and beta the collectives'
-seconds (the GPU waiting, at ``idle_watts`` B), as ``plan --objective energy`` prices a
-training step (:attr:`jphantom.planner.PlanRow.joules_per_token`).
+with alpha the sustained seconds (the roofline's terms at the description's
+``stream_efficiency`` and ``gemm_efficiency``: the GPU busy, at ``busy_watts`` A) and beta the
+collectives' seconds (the GPU waiting, at ``idle_watts`` B), as ``plan --objective energy``
+prices a training step (:attr:`jphantom.planner.PlanRow.joules_per_token`). The predicted step
+is alpha + beta; the roofline (``seconds``, ``roofline_tokens_per_s``) is the bound a measured
+decode is held against.
 
 Collectives of one forward pass per device, as result elements (the compiled HLO's convention),
 for tokens T (a decode step: T = B; prefill: B x S):
@@ -55,18 +58,27 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from jphantom import strategies
 from jphantom.errors import ConfigError
 from jphantom.mesh import MeshConfig
 from jphantom.perf.axonn_model import GPTShape
 from jphantom.planner.pricing import phantom_linear
 from jphantom.predict.device import DeviceModel
-from jphantom.predict.network import Network, Placement
+from jphantom.predict import network as networks
 
 DTYPE_BYTES = {"bf16": 2, "f32": 4}
 """The dtypes priced: bf16 (weights, cache and messages in 2 bytes) and f32 (4)."""
-STRATEGIES = ("tensor", "phantom", "tensor-t1")
-"""Forward pricing: Megatron tensor, phantom (Seal et al.) and Seal et al.'s TP (FFN only)."""
 PROJECTIONS_PER_BLOCK = 7  # Llama: q, k, v, o, gate, up, down
+FFN_COLLECTIVES = {  # a registry row's plan -> (n, L, p, k, B) -> (kind, elements, count)
+    "phantom": lambda n, L, p, k, b: (("all-gather", p * k * b, L),),
+    "tensor": lambda n, L, p, k, b: (("all-gather", b * n, 1), ("all-reduce", b * n, L // 2)),
+    "t1": lambda n, L, p, k, b: (("all-gather", b * n, L),),
+}
+"""The FFN's forward collectives per device by the strategy's plan (module docstring)."""
+STRATEGIES = tuple(name for name, row in strategies.STRATEGIES.items()
+                   if row.plan in FFN_COLLECTIVES and row.fused)
+"""The strategies priced: Megatron's ``tensor``, ``phantom`` (Seal et al.) and Seal et al.'s
+``tensor-t1`` (the FFN only)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,21 +106,24 @@ def _model_ranks(mesh) -> tuple[int, int]:
     return mesh.size("model"), mesh.size("data")
 
 
-def _check(strategy: str, ghost_width, p: int, dtype: str) -> None:
+def _row(strategy: str, ghost_width, p: int, dtype: str) -> strategies.Strategy:
+    """The registry row of ``strategy``, checked with the other inputs."""
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy={strategy!r}: inference pricing knows {STRATEGIES}")
+    row = strategies.get(strategy)
     if dtype not in DTYPE_BYTES:
         raise ConfigError(f"dtype={dtype!r}: use one of {sorted(DTYPE_BYTES)}")
-    if strategy == "phantom" and (ghost_width is None or ghost_width < 1):
-        raise ConfigError("strategy='phantom' needs ghost_width k >= 1 (Seal et al.'s ghost "
-                          "neurons per rank)")
+    if row.needs_ghost_width and (ghost_width is None or ghost_width < 1):
+        raise ConfigError(f"strategy={strategy!r} needs ghost_width k >= 1 (Seal et al.'s "
+                          "ghost neurons per rank)")
     if p < 1:
         raise ConfigError(f"model ranks {p} must be >= 1")
+    return row
 
 
-def _linear_elements(i: int, o: int, p: int, strategy: str, k: int | None) -> float:
+def _linear_elements(i: int, o: int, p: int, phantom: bool, k: int | None) -> float:
     """Weights of one bias-free linear i -> o per device."""
-    if strategy == "phantom" and p > 1:
+    if phantom and p > 1:
         return phantom_linear(i, o, p, k) - o // p  # phantom_linear counts a bias of o/p
     return i * o / p
 
@@ -118,41 +133,34 @@ def llama_forward(shape: GPTShape, batch: int, seq: int, context: int, p: int, s
     """A Llama forward of ``seq`` new tokens per sequence over ``batch`` sequences on one of
     ``p`` model ranks, attending to ``context`` positions (decode: seq 1; prefill: seq =
     context), with the KV cache of ``context`` positions read (module docstring)."""
-    if shape.family != "llama":
-        raise ConfigError(f"family={shape.family!r}: the decode formulas are Llama's (RMSNorm, "
-                          "SwiGLU, grouped-query attention, untied head)")
-    if strategy == "tensor-t1":
-        raise ConfigError("tensor-t1 is Seal et al.'s FFN baseline: price a Llama under "
+    row = _row(strategy, ghost_width, p, dtype)
+    if shape.kv_heads is None:
+        raise ConfigError("a GPT-2 shape: the decode formulas are Llama's (RMSNorm, SwiGLU, "
+                          "grouped-query attention, untied head)")
+    if not row.pairs and not row.needs_ghost_width:
+        raise ConfigError(f"{strategy} is Seal et al.'s FFN baseline: price a Llama under "
                           "'tensor' or 'phantom'")
     nbytes, h, L, k = DTYPE_BYTES[dtype], shape.hidden, shape.layers, ghost_width
-    head_dim = h // shape.heads
-    linears = [(i, o) for _, i, o, _ in shape.linears()]
-    block = sum(_linear_elements(i, o, p, strategy, k) for i, o in linears)
-    # shape.linears() fuses q|k|v and gate|up; phantom runs 7 separate layers (module doc)
-    if strategy == "phantom" and p > 1:
-        kv = shape.kv_heads * head_dim
-        block = sum(_linear_elements(i, o, p, strategy, k) for i, o in (
-            (h, h), (h, kv), (h, kv), (h, h), (h, shape.intermediate), (h, shape.intermediate),
-            (shape.intermediate, h)))
-    head = _linear_elements(h, shape.vocab_size, p, strategy, k)
-    tokens = batch * seq
-    split = p if strategy == "phantom" else 1  # phantom splits norms and embeddings by feature
-    weights = L * (block + 2 * h / split) + head + (h + tokens * h) / split  # + the rows read
-    kv_heads = max(1.0, shape.kv_heads / p)
-    cache = 2 * L * batch * context * kv_heads * head_dim
-    flops = 2 * tokens * (L * block + head)
-    query = shape.heads * head_dim / p
+    phantom, head_dim = row.needs_ghost_width and p > 1, h // shape.heads
+    kv = shape.kv_heads * head_dim
+    linears = ((h, h), (h, kv), (h, kv), (h, h), (h, shape.intermediate),
+               (h, shape.intermediate), (shape.intermediate, h))  # q k v o gate up down
+    block = sum(_linear_elements(i, o, p, phantom, k) for i, o in linears)
+    head = _linear_elements(h, shape.vocab_size, p, phantom, k)
+    tokens, split = batch * seq, p if phantom else 1  # phantom splits norms, embeddings too
+    weights = L * (block + 2 * h / split) + head + (h + tokens * h) / split  # + rows looked up
+    cache = 2 * L * batch * context * max(1.0, shape.kv_heads / p) * head_dim
     pairs = batch * (seq * context - seq * (seq - 1) / 2)  # causal: new tokens x positions seen
-    flops += L * 4 * pairs * query
-    if strategy == "tensor" or p == 1:
-        collectives = (("all-reduce", tokens * h, 2 * L + 1),
-                       ("all-gather", tokens * shape.vocab_size, 1))
-    else:
+    flops = 2 * tokens * (L * block + head) + L * 4 * pairs * shape.heads * head_dim / p
+    if p == 1:
+        collectives = ()
+    elif phantom:
         collectives = (("all-gather", p * k * tokens, PROJECTIONS_PER_BLOCK * L + 1),
                        ("all-reduce", tokens, 2 * L + 1),
                        ("all-gather", tokens * shape.vocab_size, 1))
-    if p == 1:
-        collectives = ()
+    else:
+        collectives = (("all-reduce", tokens * h, 2 * L + 1),
+                       ("all-gather", tokens * shape.vocab_size, 1))
     return Forward(weights * nbytes, cache * nbytes, flops, collectives, tokens)
 
 
@@ -161,22 +169,14 @@ def ffn_forward(width: int, depth: int, p: int, batch: int, strategy: str,
     """Seal et al.'s FFN (L layers n x n with biases, features split over ``p`` ranks), one
     forward over ``batch`` samples on one rank (module docstring's collectives; FLOPs 2 B x
     weights, phantom's decompressor GEMM over all p slots)."""
-    _check(strategy, ghost_width, p, dtype)
+    row = _row(strategy, ghost_width, p, dtype)
     n, L, k = width, depth, ghost_width
     if n % p:
         raise ConfigError(f"width {n} must divide over {p} ranks")
     m = n // p
-    if strategy == "phantom":
-        weights = L * phantom_linear(n, n, p, k)
-        collectives = (("all-gather", p * k * batch, L),)
-    else:
-        weights = L * (n * m + m)
-        collectives = ((("all-gather", batch * n, 1), ("all-reduce", batch * n, L // 2))
-                       if strategy == "tensor" else (("all-gather", batch * n, L),))
-    if p == 1:
-        collectives = ()
-    flops = 2 * batch * weights
-    return Forward(weights * DTYPE_BYTES[dtype], 0.0, flops,
+    weights = L * (phantom_linear(n, n, p, k) if row.needs_ghost_width else n * m + m)
+    collectives = FFN_COLLECTIVES[row.plan](n, L, p, k, batch) if p > 1 else ()
+    return Forward(weights * DTYPE_BYTES[dtype], 0.0, 2 * batch * weights,
                    tuple(c for c in collectives if c[2]), batch)
 
 
@@ -188,48 +188,52 @@ def wire_bytes(kind: str, result_bytes: float, p: int) -> float:
     return {"all-gather": (p - 1) / p, "all-reduce": 2 * (p - 1) / p}[kind] * result_bytes
 
 
-def placement(device: DeviceModel, p: int) -> Placement:
-    """A group of ``p`` GPUs packed onto as few nodes (and packages) as the device allows."""
+def _group(device: DeviceModel, p: int):
+    """Where a group of ``p`` GPUs sits, packed onto as few nodes (and packages) as the device
+    allows (:func:`jphantom.predict.network.placement`)."""
     per_node = int(device["network.gpus_per_node"])
     per_package = int(device.get("network.gpus_per_package", 1))
-    return Placement(p, max(1, math.ceil(p / per_node)),
-                     math.ceil(p / per_package) if per_package > 1 else 0)
+    return networks.placement([list(range(p))], lambda i: i // per_node,
+                              (lambda i: i // per_package) if per_package > 1 else None)
 
 
 def price(forward: Forward, device: DeviceModel, p: int, data: int, dtype: str,
           what: str) -> dict:
     """A forward on ``p`` x ``data`` devices priced on ``device`` (module docstring): the
-    roofline, the collectives, tokens/s and Eq. 1's joules per token, with its label."""
+    roofline (``seconds``: datasheet peaks) and the sustained time (``sustained_seconds``: the
+    description's stream and GEMM efficiencies), the collectives, and from their sum
+    (``step_seconds``) tokens/s and Eq. 1's joules per token, with its label."""
     nbytes = DTYPE_BYTES[dtype]
-    hbm = device["memory.hbm_gbps"] * 1e9
-    peak = device.peak_flops(dtype)
+    hbm, peak = device["memory.hbm_gbps"] * 1e9, device.peak_flops(dtype)
     read = forward.weight_bytes + forward.cache_bytes
     memory_s, compute_s = read / hbm, forward.flops / peak
     seconds = max(memory_s, compute_s)
-    network, where = Network.of(device), placement(device, p)
+    sustained = max(device.memory_seconds(read),
+                    compute_s / device[f"gemm_efficiency.{dtype}"])
+    network, where = networks.Network.of(device), _group(device, p)
     comm_s = sum(count * network.seconds(kind, elements * nbytes, where)
                  for kind, elements, count in forward.collectives)
-    result = sum(count * elements * nbytes for _, elements, count in forward.collectives)
-    wire = sum(count * wire_bytes(kind, elements * nbytes, p)
-               for kind, elements, count in forward.collectives)
-    devices, tokens = p * data, forward.tokens * data
-    step_s = seconds + comm_s
+    devices, tokens, step_s = p * data, forward.tokens * data, sustained + comm_s
     busy, idle = device["power.busy_watts"], device["power.idle_watts"]
-    joules = devices * (busy * seconds + idle * comm_s)
     return {
         "bytes_per_step": read, "weight_bytes": forward.weight_bytes,
         "cache_bytes": forward.cache_bytes, "flops": forward.flops,
         "memory_seconds": memory_s, "compute_seconds": compute_s, "seconds": seconds,
         "bound": "memory" if memory_s >= compute_s else "compute",
-        "comm_seconds": comm_s, "collective_result_bytes": result, "wire_bytes": wire,
-        "collectives": [list(c) for c in forward.collectives],
+        "roofline_tokens_per_s": tokens / seconds, "sustained_seconds": sustained,
+        "comm_seconds": comm_s, "collectives": [list(c) for c in forward.collectives],
+        "collective_result_bytes": sum(c * e * nbytes for _, e, c in forward.collectives),
+        "wire_bytes": sum(c * wire_bytes(kind, e * nbytes, p)
+                          for kind, e, c in forward.collectives),
         "step_seconds": step_s, "tokens": tokens, "tokens_per_s": tokens / step_s,
-        "joules_per_token": joules / tokens, "device": device.name,
+        "joules_per_token": devices * (busy * sustained + idle * comm_s) / tokens,
+        "device": device.name,
         "label": (f"modelled: {what} on {device.name} ({devices} devices, {p} per model "
                   f"replica): roofline max(bytes / {device['memory.hbm_gbps']:g} GB/s HBM, "
-                  f"FLOPs / {peak / 1e12:g} TFLOP/s {dtype}) + collectives "
+                  f"FLOPs / {peak / 1e12:g} TFLOP/s {dtype}); predicted = the same at the "
+                  f"description's stream and GEMM efficiencies + collectives "
                   f"(jphantom.predict.Network, none hidden); J/token by Seal et al.'s Eq. 1, "
-                  f"A = {busy:g} W x roofline + B = {idle:g} W x collectives"),
+                  f"A = {busy:g} W x compute + B = {idle:g} W x collectives"),
     }
 
 
@@ -239,7 +243,6 @@ def _llama(shape, batch, seq, context, device, mesh, strategy, ghost_width, dtyp
 
         device = load(device)
     p, data = _model_ranks(mesh)
-    _check(strategy, ghost_width, p, dtype)
     if batch % data:
         raise ConfigError(f"batch {batch} must divide over data={data}")
     shape = GPTShape.of(shape)
@@ -255,8 +258,8 @@ def decode_roofline(shape, batch: int, context_len: int, device: DeviceModel | s
     :class:`~jphantom.perf.axonn_model.GPTShape` or a LlamaConfig) on ``mesh`` (model and data
     axes) of ``device`` (a :class:`~jphantom.predict.DeviceModel` or a shipped name,
     ``h100-sxm``): ``bytes_per_step`` (weights + cache read per device), ``seconds`` (the HBM
-    roofline), ``comm_seconds``, ``step_seconds``, ``tokens_per_s``, ``joules_per_token`` and
-    ``label`` (module docstring; all modelled)."""
+    roofline) and ``roofline_tokens_per_s``, ``comm_seconds``, ``step_seconds`` (predicted),
+    ``tokens_per_s``, ``joules_per_token`` and ``label`` (module docstring; all modelled)."""
     return _llama(shape, batch, 1, context_len, device, mesh, strategy, ghost_width, dtype,
                   f"decode step, batch {batch}, context {context_len}")
 
@@ -269,3 +272,46 @@ def prefill_bound(shape, batch: int, prompt_len: int, device: DeviceModel | str,
     ``step_seconds`` is the modelled time to the first token."""
     return _llama(shape, batch, prompt_len, prompt_len, device, mesh, strategy, ghost_width,
                   dtype, f"prefill, batch {batch} x {prompt_len} tokens")
+
+
+def compiled_forward(config, strategy: str, mesh: str, batch_shape: tuple[int, ...], *,
+                     ghost_width: int | None = None) -> list[tuple[str, int, int, int]]:
+    """The collectives of ``config``'s forward pass (an FFN, or a Llama given token ids of
+    ``batch_shape``: (B, 1) is a decode step's) under ``strategy`` on ``mesh``, compiled for
+    abstract parameters on this process's devices (nothing allocated): sorted (kind, result
+    elements, count, bytes per execution), to check the formulas above against."""
+    import jax
+    import numpy as np
+    import optax
+    from jax.sharding import NamedSharding
+
+    from jphantom import program as programs
+    from jphantom.analysis import hlo
+    from jphantom.mesh import first_devices
+    from jphantom.models.ffn import FFNConfig
+    from jphantom.train_step import shard_map
+
+    options = {} if ghost_width is None else {"ghost_width": ghost_width}
+    program = programs.build(config, strategy, mesh, **options)
+    devices = program.mesh.build(first_devices(program.mesh.device_count))
+    step = program.train_step(devices, optax.sgd(0.1), donate=False)
+    ffn = isinstance(config, FFNConfig)
+    spec = program.batch_specs[0] if ffn else step.specs_of_batch(1)[0]
+    inputs = jax.ShapeDtypeStruct(batch_shape, np.float32 if ffn else np.int32,
+                                  sharding=NamedSharding(devices, spec))
+
+    def per_rank(leaves, x):
+        return step.layout.model_of(leaves)(x)
+
+    @jax.jit
+    def forward(params, x):
+        fn = shard_map(per_rank, devices, (tuple(step.param_specs), spec), spec)
+        return fn(tuple(jax.tree.leaves(params)), x)
+
+    text = forward.lower(step.abstract_state().params, inputs).compile().as_text()
+    found = {}
+    for op in hlo.collectives(text):
+        key = (op.kind, op.elements, op.bytes)
+        found[key] = found.get(key, 0) + op.count
+    return sorted((kind, elements, count, nbytes)
+                  for (kind, elements, nbytes), count in found.items())
