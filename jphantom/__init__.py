@@ -8,6 +8,7 @@ Bring your own Flax NNX model::
     state = step.init()
     state, loss = step(state, tokens, targets)
     print(jphantom.verify(model, mesh, plan, loss_fn, tokens, targets))  # exact vs one device?
+    out = jphantom.generate(model, [[1, 2, 3]], jphantom.GenerationConfig(max_new_tokens=8))
 
 Importing jphantom has no side effects on jax (no device simulation, no config changes); the
 modules behind these names load on first use.
@@ -18,7 +19,8 @@ from jphantom.errors import ConfigError, JPhantomWarning, TrainingDiverged
 __version__ = "0.1.0"
 __all__ = ["ConfigError", "JPhantomWarning", "TrainingDiverged", "__version__", "parallelize",
            "dense_equivalent", "Style", "plans", "make_train_step", "make_forward_fn",
-           "register_style", "TrainState", "TrainStep", "nn", "verify"]
+           "register_style", "TrainState", "TrainStep", "nn", "verify", "generate",
+           "GenerationConfig"]
 
 _LAZY = {"parallelize": ("jphantom.plans", "parallelize"),
          "dense_equivalent": ("jphantom.plans", "dense_equivalent"),
@@ -28,7 +30,9 @@ _LAZY = {"parallelize": ("jphantom.plans", "parallelize"),
          "make_forward_fn": ("jphantom.train_step", "make_forward_fn"),
          "TrainState": ("jphantom.train_step", "TrainState"),
          "TrainStep": ("jphantom.train_step", "TrainStep"),
-         "verify": ("jphantom.exactness", "verify")}
+         "verify": ("jphantom.exactness", "verify"),
+         "generate": ("jphantom.generation", "generate"),
+         "GenerationConfig": ("jphantom.generation", "GenerationConfig")}
 
 
 def __getattr__(name):

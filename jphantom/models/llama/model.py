@@ -114,7 +114,8 @@ class Attention(nnx.Module):
         if not self.mixed:
             q, k = (rope(a, self.theta, positions, length) for a in (q, k))
         else:
-            if type(self.attend) is not CausalAttention:
+            if not (type(self.attend) is CausalAttention  # or generation's cached core
+                    or getattr(self.attend, "selects_window", False)):
                 raise ConfigError("local and global layers in one stack (Gemma 3) under context "
                                   "parallelism are not implemented: drop the context axis")
             full = jnp.asarray(self.full)[index]
@@ -286,11 +287,3 @@ class Llama(nnx.Module):
             return token_mean.WeightedLoss(
                 *cross_entropy_terms(self.embed_tokens, h, targets, tied=True, mask=mask))
         return token_mean.WeightedLoss(*cross_entropy_terms(self.lm_head, h, targets, mask=mask))
-
-
-def lm_loss(model, tokens, targets, mask=None):
-    """``loss_fn`` for :func:`jphantom.make_train_step` of the zoo's language models: the mean
-    next-token loss, or with ``mask`` (a third batch array) the global token mean's terms."""
-    if mask is None:
-        return model.loss(tokens, targets)
-    return model.loss_terms(tokens, targets, mask)

@@ -73,7 +73,9 @@ def attend(core, q, k, v, packing: Packing | None, *, local=None, full=None):
     """``core(q, k, v)``, with the packing's segment ids where there is one: a core that cannot
     take them is refused by name (never silently attending across documents). ``local`` and
     ``full``: a second core and a traced flag, ``core`` where it is true, ``local`` where not
-    (Gemma 3's local and global layers in one stack, under ``lax.cond``).
+    (Gemma 3's local and global layers in one stack, under ``lax.cond``; a core with
+    ``selects_window``, generation's :class:`jphantom.generation.cache.CachedAttention`, is handed
+    ``full`` and the local window and picks itself).
 
     Every model's attention goes through here, so the names the remat policies read are given
     here: q, k and v as the core gets them (:func:`jphantom.remat.name_qkv`) and the core's
@@ -81,6 +83,8 @@ def attend(core, q, k, v, packing: Packing | None, *, local=None, full=None):
     q, k, v = remat.name_qkv(q, k, v)
     if local is None:
         out = _attend(core, q, k, v, packing)
+    elif getattr(core, "selects_window", False):  # generation's cached core (one cache a layer)
+        out = core(q, k, v, full=full, local_window=local.window)
     else:
         out = lax.cond(full, lambda *a: _attend(core, *a, packing),
                        lambda *a: _attend(local, *a, packing), q, k, v)

@@ -1,0 +1,120 @@
+"""``jphantom.generate(model, prompts, GenerationConfig(...))``: continue token-id prompts of
+different lengths with any NNX language model (``model(tokens [B, S]) -> logits [B, S, V]``),
+with a key/value cache where the model's attention is jphantom's
+(:mod:`jphantom.generation.cache`), else by running the whole sequence each step (exact, slower,
+and said so in :attr:`Generation.cached`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jphantom.errors import ConfigError
+from jphantom.generation import cache as kv
+from jphantom.generation.config import GenerationConfig
+from jphantom.generation.loop import PAD, compiled
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What :func:`generate` returns. ``tokens`` [B, N] (int32; ``PAD`` = -1 after a row's stop
+    token, N = ``max_new_tokens``), ``completions``: each row's generated ids (through its stop
+    token), ``logits`` [B, N, V] float32 (with ``return_logits``), ``steps``: decode steps run
+    (the first token included), ``bucket``: the padded prompt length compiled for, ``cached``:
+    whether a key/value cache ran, ``seconds``: wall time of the call after compilation."""
+    tokens: np.ndarray
+    completions: list
+    logits: np.ndarray | None
+    steps: int
+    bucket: int
+    cached: bool
+    seconds: float
+
+
+def bucket_of(longest: int, unit: int) -> int:
+    """The padded prompt length of a batch whose longest prompt has ``longest`` tokens:
+    ``unit`` times the next power of two (16, 32, 64, ...), so a handful of programs serve every
+    prompt length."""
+    size = unit
+    while size < longest:
+        size *= 2
+    return size
+
+
+def _positions_limit(model) -> int | None:
+    config = getattr(model, "config", None)
+    for name in ("max_positions", "seq_len"):
+        if isinstance(getattr(config, name, None), int):
+            return getattr(config, name)
+    return None
+
+
+def check_prompts(prompts, vocab: int | None = None) -> list[list[int]]:
+    """``prompts`` as lists of token ids: at least one, none empty, ids in ``[0, vocab)``."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise ConfigError("prompts must be a non-empty list of token-id lists, e.g. "
+                          "[[1, 2, 3], [4, 5]]")
+    rows = []
+    for index, prompt in enumerate(prompts):
+        ids = [int(t) for t in np.asarray(prompt).reshape(-1)]
+        if not ids:
+            raise ConfigError(f"prompt {index} is empty: give it at least one token")
+        bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise ConfigError(f"prompt {index} holds token id {bad[0]} outside [0, {vocab}): "
+                              "tokenize with the model's tokenizer")
+        rows.append(ids)
+    return rows
+
+
+def _layout(rows, config: GenerationConfig, limit):
+    """Right-padded prompts [B, S] and their lengths [B] for the bucket S."""
+    longest = max(len(r) for r in rows)
+    bucket = bucket_of(longest, config.bucket)
+    if limit is not None and bucket + config.max_new_tokens > limit:
+        bucket = longest
+        if bucket + config.max_new_tokens > limit:
+            raise ConfigError(f"a prompt of {longest} tokens and max_new_tokens="
+                              f"{config.max_new_tokens} exceed the model's {limit} positions: "
+                              "ask for fewer new tokens or shorten the prompt")
+    tokens = np.zeros((len(rows), bucket), np.int32)
+    for i, row in enumerate(rows):
+        tokens[i, :len(row)] = row
+    return tokens, np.asarray([len(r) for r in rows], np.int32), bucket
+
+
+def generate(model: nnx.Module, prompts, config: GenerationConfig | None = None, *,
+             cache: bool | None = None) -> Generation:
+    """Continue each of ``prompts`` (token-id lists of any lengths) with ``model``.
+    ``cache``: ``None`` uses the key/value cache where the model's attention cores are jphantom's
+    causal ones (and runs the whole sequence each step otherwise), ``True`` insists on it,
+    ``False`` never uses it (the reference the cache is tested against)."""
+    config = GenerationConfig() if config is None else config
+    if not isinstance(config, GenerationConfig):
+        raise ConfigError(f"config must be a GenerationConfig, not {type(config).__name__}")
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    rows = check_prompts(prompts, vocab)
+    cacheable = bool(kv.cores_of(model))
+    if cache and not cacheable:
+        raise ConfigError(f"{type(model).__name__} has no jphantom attention core to cache: "
+                          "build it from jphantom.nn.attention.CausalAttention, or pass "
+                          "cache=None (the whole sequence runs each step)")
+    use_cache = cacheable if cache is None else bool(cache)
+    runner = kv.with_cache(model) if use_cache else model
+    tokens, lengths, bucket = _layout(rows, config, _positions_limit(model))
+    graphdef, params = nnx.split(runner)
+    fn = compiled(graphdef, config, use_cache)
+    start = time.perf_counter()
+    out, steps, logits = jax.block_until_ready(fn(params, jnp.asarray(tokens),
+                                                  jnp.asarray(lengths)))
+    seconds = time.perf_counter() - start
+    out = np.asarray(out)
+    completions = [[int(t) for t in row if t != PAD] for row in out]
+    return Generation(out, completions, None if logits is None else np.asarray(logits),
+                      int(steps), bucket, use_cache, seconds)
