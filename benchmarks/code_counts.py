@@ -1,5 +1,5 @@
-"""The code counts a maintainability change is judged by, at any git revision (issue 56's
-acceptance counts among them), all over the library (``jphantom/``):
+r"""The code counts a maintainability change is judged by, at any git revision, all over
+the library (``jphantom/``):
 
 - **functions**: the longest, and how many run over 80 lines (the AST measure
   ``tests/test_layering.py`` exempts by name);

@@ -88,7 +88,7 @@ def ffn_check(grid: am.Grid, width: int, depth: int, rows: int) -> dict:
     output_axis = config.program().batch_specs[1][1]  # x after a normal last layer, else y
     model = Counter()
     for index in range(depth):
-        layer = am.Layer(rows // grid.data, width, width, transposed=bool(index % 2))
+        layer = am.LayerShape(rows // grid.data, width, width, transposed=bool(index % 2))
         for c in am.layer_collectives(layer, grid):
             if c.group > 1 and not (index == 0 and c.equation.startswith("Eq. 5.4")):
                 model[c.kind, (c.axis,)] += c.buffer

@@ -48,7 +48,7 @@ from jphantom.metrics import peak_of_kind
 
 GPU_TARGETS = {
     # chip: (description file, HBM bytes as the description gives them, GPUs per node,
-    #        dense bf16 TFLOP/s: jphantom.metrics.PEAK_TFLOPS, the one table of peaks)
+    #        dense bf16 TFLOP/s: jphantom.metrics.peak_of_kind, the device descriptions')
     "h100": ("h100_sxm.txtpb", 84942979072, 8, peak_of_kind("h100 sxm")),
     "h200": ("h200_sxm.txtpb", 150754820096, 8, peak_of_kind("h200")),
     "a100": ("a100_sxm_80.txtpb", 85100068864, 8, peak_of_kind("a100")),

@@ -15,8 +15,9 @@ the main figures on its progress bar and, with ``--tensorboard``, logs the same 
 - ``model_tflops_per_device`` and ``mfu``: the model's FLOPs per step (:func:`flops_per_token` x
   tokens: 6 x the weights of its matmuls plus causal attention, 6 L S h, per token -- PaLM's
   model FLOPs, recomputation not counted) over the step time and the mesh's devices; MFU against
-  the device's dense bf16 peak (:data:`PEAK_TFLOPS`, NVIDIA's and Google's datasheets). ``None``
-  on CPU (no peak to compare with) and on devices the table does not list;
+  the device's dense bf16 peak (its description in ``jphantom/predict/devices/``, else
+  :data:`PEAK_TFLOPS`, the vendors' datasheets). ``None`` on CPU (no peak to compare with) and on
+  devices neither lists;
 - ``peak_memory_bytes``: the largest ``peak_bytes_in_use`` of the mesh's devices on this process
   (``device.memory_stats()``; ``None`` where the backend reports none, as on CPU);
 - ``energy_joules`` and ``joules_per_token``, with ``energy_source``: ``"nvml"`` on NVIDIA GPUs
@@ -31,6 +32,7 @@ the main figures on its progress bar and, with ``--tensorboard``, logs the same 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -39,27 +41,42 @@ import optax
 
 from jphantom.errors import ConfigError
 
-# Dense (no sparsity) bf16 tensor-core TFLOP/s per device, from the vendors' datasheets, matched
-# against the lower-cased ``device.device_kind`` in order (the first substring found wins).
-PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("h100 pcie", 756.0), ("h100 nvl", 835.0), ("gh200", 989.0), ("h200", 989.0),
-    ("h100", 989.0), ("h800", 989.0), ("b200", 2250.0), ("a100", 312.0), ("a800", 312.0),
-    ("l40s", 362.0), ("l40", 181.0), ("l4", 121.0), ("a10", 125.0),
+# The devices' dense (no sparsity) bf16 tensor-core TFLOP/s. A device with a description in
+# jphantom/predict/devices/ (its ``device_kinds``, jphantom.predict.device.for_kind) takes the
+# description's ``peak_tflops.bf16``, the one place each of those peaks is written; the rows below
+# cover the kinds none describes, matched against the lower-cased ``device.device_kind`` in order
+# (the first substring found wins), each a TFLOP/s from the vendor's datasheet or the name of a
+# description whose peak it shares (the same die and clocks).
+PEAK_TFLOPS: tuple[tuple[str, float | str], ...] = (
+    ("h100 pcie", 756.0), ("h100 nvl", 835.0), ("gh200", "h200"), ("h200", "h200"),
+    ("h100", "h100-sxm"), ("h800", "h100-sxm"), ("b200", "b200"), ("a100", "a100-sxm"),
+    ("a800", "a100-sxm"), ("l40s", 362.0), ("l40", 181.0), ("l4", 121.0), ("a10", 125.0),
     ("tpu v4", 275.0), ("tpu v5 lite", 197.0), ("tpu v5e", 197.0), ("tpu v5p", 459.0),
     ("tpu v6", 918.0),
-    # AMD's Instinct pages: MI250X 383.0 per package = 191.5 per GCD (one jax device); MI250
-    # 362.1 = 181.05 per GCD; MI300X/MI325X 1307.4; MI350X 4.6 PFLOPS with sparsity = 2300 dense
-    ("mi250x", 191.5), ("mi250", 181.05), ("mi300x", 1307.4), ("mi325x", 1307.4),
+    # AMD's Instinct pages: MI250 362.1 per package = 181.05 per GCD (one jax device); MI325X is
+    # MI300X's compute; MI350X 4.6 PFLOPS with sparsity = 2300 dense
+    ("mi250x", "mi250x-gcd"), ("mi250", 181.05), ("mi300x", "mi300x"), ("mi325x", "mi300x"),
     ("mi350x", 2300.0),
 )
 TENSORBOARD_INSTALL = "pip install tensorboardX"
 
 
+@functools.lru_cache(maxsize=None)
 def peak_of_kind(kind: str) -> float | None:
     """The dense bf16 peak TFLOP/s of a device kind (``"NVIDIA H100 80GB HBM3"``, ``"tpu v5p"``):
-    the first :data:`PEAK_TFLOPS` name it contains; ``None`` when none."""
-    kind = kind.lower()
-    return next((peak for name, peak in PEAK_TFLOPS if name in kind), None)
+    its device description's (:func:`jphantom.predict.device.for_kind`), else the first
+    :data:`PEAK_TFLOPS` name it contains (a description's peak where the row names one);
+    ``None`` when none."""
+    from jphantom.predict import device
+
+    described = device.for_kind(kind)
+    if described is None:
+        kind = kind.lower()
+        peak = next((peak for name, peak in PEAK_TFLOPS if name in kind), None)
+        described = device.load(peak) if isinstance(peak, str) else None
+        if described is None:
+            return peak
+    return float(described["peak_tflops.bf16"])
 
 
 def peak_tflops(device) -> float | None:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from jphantom import strategies
 from jphantom.errors import ConfigError, JPhantomWarning
 from jphantom.mesh import DATA, EXPERT, MODEL, STAGE, MeshConfig
+from jphantom.models import lm_loss  # noqa: F401  (the programs' loss_fn, jphantom.program.lm_loss)
 
 if TYPE_CHECKING:
     import jax
@@ -349,28 +350,6 @@ def check_experts(config, strategy: str, mesh: MeshConfig, *, sequence_parallel:
     if "expert" in mesh.shape and not experts:
         raise ConfigError("an 'expert' mesh axis splits the experts of MoE blocks: give the "
                           "model MoE blocks (--moe-every 2 --experts 8) or drop the axis")
-
-
-def lm_loss(model, tokens, targets, *more):
-    """``loss_fn`` of the zoo's language models: the model's own ``loss`` (vocabulary-parallel
-    cross-entropy when the head is; plus the MoE auxiliary losses, with the whole batch's routing
-    fractions when the step splits it, :mod:`jphantom.nn.balance`); with a ``mask`` (a third batch
-    array) the terms of the global token mean (:mod:`jphantom.token_mean`); with ``segment_ids``
-    and ``positions`` (packed or padded documents: :mod:`jphantom.data.packing`)
-    :func:`jphantom.models.packed_lm_loss`'s."""
-    import jax.numpy as jnp
-
-    for name, ids in (("tokens", tokens), ("targets", targets)):
-        if not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise ConfigError(f"{name} are {ids.dtype} values: a language model takes integer "
-                              f"token ids (e.g. np.int32), not {ids.dtype}")
-    if not more:
-        return model.loss(tokens, targets)
-    if len(more) == 1:
-        return model.loss_terms(tokens, targets, more[0])
-    from jphantom.models import packed_lm_loss
-
-    return packed_lm_loss(model, tokens, targets, *more)
 
 
 # -------------------------------------------------------------------------------------------------

@@ -557,7 +557,7 @@ def attention_kernels(config: RunConfig, program, step) -> dict[str, str] | None
     head_dim = getattr(family, "dim", None) or family.hidden // heads
     policy = Precision.named(config.step.precision)
     dtype = config.model.dtype if policy.compute == "float32" else policy.compute
-    from jphantom.config.paths import is_dataset_data
+    from jphantom.data.dataset_files import is_dataset_data
 
     return attention.kernels_of(step.model_template, step.attention, step.platform, dtype,
                                 head_dim, packed=is_dataset_data(config.train.data)) or None

@@ -153,7 +153,7 @@ def text_source(config: RunConfig, seq_len: int, rows: slice | None = None):
     """The data of a language model: :class:`DocumentSource` for dataset files,
     :class:`TokenSource` for token files or a tokenizer, else byte-level :class:`TextSource`
     (the default)."""
-    from jphantom.config.paths import is_dataset_data
+    from jphantom.data.dataset_files import is_dataset_data
     from jphantom.data.tokens import is_token_data
 
     data = config.train.data

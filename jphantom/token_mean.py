@@ -121,12 +121,25 @@ def value(out) -> jax.Array:
     return weighted.total / lax.stop_gradient(weighted.weight) + weighted.mean
 
 
-def lm_loss(model, tokens, targets, mask=None, **balance) -> WeightedLoss:
+def lm_loss_terms(model, tokens, targets, mask=None, **balance) -> WeightedLoss:
     """``loss_fn`` of the zoo's language models (and any model with ``loss_terms``) as a global
-    token mean: tokens whose target is negative (Hugging Face's ``-100``) or whose ``mask`` is
-    false are not counted. A pipelined step's loss takes (tokens, targets): mark the ignored
-    tokens with negative targets there."""
+    token mean, with or without a mask (:func:`jphantom.models.lm_loss` is the mean loss without
+    one): tokens whose target is negative (Hugging Face's ``-100``) or whose ``mask`` is false
+    are not counted. A pipelined step's loss takes (tokens, targets): mark the ignored tokens with
+    negative targets there. (Its old name here, ``lm_loss``, goes in the next release.)"""
     return model.loss_terms(tokens, targets, mask, **balance)
+
+
+def __getattr__(name):
+    """``lm_loss``: :func:`lm_loss_terms`'s old name, with a DeprecationWarning (the zoo's one
+    ``lm_loss`` is :func:`jphantom.models.lm_loss`)."""
+    if name == "lm_loss":
+        import warnings
+
+        warnings.warn("jphantom.token_mean.lm_loss is now jphantom.token_mean.lm_loss_terms; the "
+                      "old name goes in the next release", DeprecationWarning, stacklevel=2)
+        return lm_loss_terms
+    raise AttributeError(f"module 'jphantom.token_mean' has no attribute {name!r}")
 
 
 def global_weight(weight, total_axes, exclude=()) -> jax.Array:
@@ -238,5 +251,5 @@ class WeightReport:
             raise ConfigError(error)
 
 
-__all__ = ["WeightedLoss", "terms", "value", "lm_loss", "global_weight", "shares", "WeightReport",
-           "guard", "note", "noted", "noting", "name_of"]
+__all__ = ["WeightedLoss", "terms", "value", "lm_loss_terms", "global_weight", "shares",
+           "WeightReport", "guard", "note", "noted", "noting", "name_of"]

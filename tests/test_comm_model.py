@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from jphantom.analysis.hlo import Collective
+from jphantom.analysis.hlo import HloCollective
 from jphantom.errors import ConfigError
 from jphantom.perf.comm_model import (
     FRONTIER,
@@ -22,7 +22,7 @@ F32 = 4
 
 def _f32(name, kind, *dims):
     count = math.prod(dims)
-    return Collective(name, kind, (("f32", tuple(dims)),), count * F32, "{}")
+    return HloCollective(name, kind, (("f32", tuple(dims)),), count * F32, "{}")
 
 
 def _tp_ag_rs(n, batch, p):
@@ -111,7 +111,7 @@ def test_step_time_accepts_summarize_rows_with_counts():
 
 
 def test_step_time_counts_each_collective_once_per_execution():
-    """A Collective inside a loop runs ``count`` times per step (hlo applies trip counts): it costs
+    """An HloCollective inside a loop runs ``count`` times per step (hlo applies trip counts): it costs
     ``count`` latencies and the bandwidth of its ``total_bytes``, as ``count`` separate ops do."""
     import dataclasses
 

@@ -103,13 +103,29 @@ def test_model_flops_per_token_follow_the_models_formulas():
 
 
 @pytest.mark.parametrize("platform, kind, peak", [
-    ("gpu", "NVIDIA H100 80GB HBM3", 989.0), ("gpu", "NVIDIA H100 PCIe", 756.0),
-    ("gpu", "NVIDIA H200", 989.0), ("gpu", "NVIDIA A100-SXM4-80GB", 312.0),
+    ("gpu", "NVIDIA H100 80GB HBM3", 989.4), ("gpu", "NVIDIA H100 PCIe", 756.0),
+    ("gpu", "NVIDIA H200", 989.4), ("gpu", "NVIDIA GH200 480GB", 989.4),
+    ("gpu", "NVIDIA A100-SXM4-80GB", 312.0), ("gpu", "NVIDIA A100 80GB PCIe", 312.0),
     ("gpu", "NVIDIA L40S", 362.0), ("gpu", "Some Future GPU", None), ("cpu", "cpu", None),
 ])
 def test_peak_flops_come_from_the_table_and_never_for_cpu(platform, kind, peak):
     device = types.SimpleNamespace(platform=platform, device_kind=kind)
     assert metrics.peak_tflops(device) == peak
+
+
+def test_a_described_device_has_its_peak_written_once():
+    """A device with a description in jphantom/predict/devices/ takes its peak from there: the
+    table names the description instead of repeating the number (H100: 989.4, not 989.0)."""
+    from jphantom.predict import device
+
+    for name in device.names():
+        described = device.load(name)
+        for kind in described.device_kinds:
+            assert metrics.peak_of_kind(kind) == described["peak_tflops.bf16"], (name, kind)
+    numbers = [peak for _, peak in metrics.PEAK_TFLOPS if not isinstance(peak, str)]
+    described = {device.load(n)["peak_tflops.bf16"] for n in device.names()}
+    assert not described & set(numbers), "a described peak written again in PEAK_TFLOPS"
+    assert all(peak in device.names() for _, peak in metrics.PEAK_TFLOPS if isinstance(peak, str))
 
 
 class _Counters:

@@ -11,7 +11,7 @@ import pytest
 from jphantom import cli
 from jphantom.errors import ConfigError
 from jphantom.perf import axonn_model as ax
-from jphantom.perf.axonn_model import GB, Grid, Layer, Topology
+from jphantom.perf.axonn_model import GB, Grid, LayerShape, Topology
 from jphantom.pipeline.schedule import lockstep_split
 from jphantom.planner import LAYOUTS, plan
 
@@ -110,23 +110,24 @@ def test_hand_computed_8_gpus_2x2x2x2_one_layer():
     t_ar_d = 2 / beta_data * (2 - 1) / 2 * k * n / (2 * 2 * 2) * bf16  # (5.5): 16384
     assert (t_ag_z, t_rs_z, t_ar_y, t_ar_x, t_ar_d) == pytest.approx(
         (1.31072e-6, 1.31072e-6, 1.31072e-6, 6.5536e-7, 1.31072e-6))
-    paper = ax.layer_seconds(Layer(m, k, n), grid, topology, bytes_per_element=2, latency=False)
+    paper = ax.layer_seconds(LayerShape(m, k, n), grid, topology, bytes_per_element=2,
+                             latency=False)
     assert paper["5.1"] == pytest.approx(t_ag_z) and paper["5.2"] == pytest.approx(t_rs_z)
     assert paper["5.3"] == pytest.approx(t_ar_y) and paper["5.4"] == pytest.approx(t_ar_x)
     assert paper["5.5"] == pytest.approx(t_ar_d)
     assert paper["total"] == pytest.approx(5.89824e-6)  # (5.6)
     # with α = 5 μs per ring step: AG 1 + RS 1 + three all-reduces of 2 (2 - 1) = 8 steps
-    with_latency = ax.layer_seconds(Layer(m, k, n), grid, topology, bytes_per_element=2)
+    with_latency = ax.layer_seconds(LayerShape(m, k, n), grid, topology, bytes_per_element=2)
     assert with_latency["total"] == pytest.approx(5.89824e-6 + 8 * 5e-6)
     # two identical layers cost twice one (Σ over layers)
-    two = ax.predict([Layer(m, k, n)] * 2, grid, topology, bytes_per_element=2, latency=False)
+    two = ax.predict([LayerShape(m, k, n)] * 2, grid, topology, bytes_per_element=2, latency=False)
     assert two["total"] == pytest.approx(2 * 5.89824e-6)
     assert two["by_axis"]["z"] == pytest.approx(2 * (t_ag_z + t_rs_z))
 
 
 def test_volumes_are_eqs_5_1_to_5_5_and_buffers_are_the_hlo_result_buffers():
     grid, (m, k, n) = Grid(4, 2, 8, 2), (4096, 1024, 3072)
-    ag, rs, ar_fwd, ar_bwd, ar_data = ax.layer_collectives(Layer(m, k, n), grid)
+    ag, rs, ar_fwd, ar_bwd, ar_data = ax.layer_collectives(LayerShape(m, k, n), grid)
     assert ag.wire == pytest.approx(ax.all_gather_z(k, n, grid)) == 7 * k * n / 64
     assert rs.wire == pytest.approx(ax.reduce_scatter_z(k, n, grid))
     assert ar_fwd.wire == pytest.approx(ax.all_reduce_y(m, n, grid))
@@ -145,11 +146,11 @@ def test_transposed_layer_swaps_g_x_g_y_and_beta_x_beta_y():
     node = Topology(gpus_per_node=8, inter_node_gbps=100, intra_node_gbps=200,
                     intra_node_table={(1, 4): 400, (4, 2): 100})
     grid, (m, k, n) = Grid(4, 2, 1, 1), (64, 32, 48)  # β_x = 400, β_y = 100 GB/s
-    normal = ax.layer_seconds(Layer(m, k, n), grid, node, bytes_per_element=1, latency=False)
+    normal = ax.layer_seconds(LayerShape(m, k, n), grid, node, bytes_per_element=1, latency=False)
     assert normal["5.3"] == pytest.approx(2 * (1 / 2) * m * n / (1 * 4) / 100e9)  # over Y
     assert normal["5.4"] == pytest.approx(2 * (3 / 4) * m * k / (1 * 2) / 400e9)  # over X
-    swapped = ax.layer_seconds(Layer(m, k, n, transposed=True), grid, node, bytes_per_element=1,
-                               latency=False)
+    swapped = ax.layer_seconds(LayerShape(m, k, n, transposed=True), grid, node,
+                               bytes_per_element=1, latency=False)
     # G_x <-> G_y: the forward all-reduce runs over the X groups (4 ranks, β_x), O split (Z, Y)
     assert swapped["5.3"] == pytest.approx(2 * (3 / 4) * m * n / (1 * 2) / 400e9)
     assert swapped["5.4"] == pytest.approx(2 * (1 / 2) * m * k / (1 * 4) / 100e9)
@@ -158,13 +159,13 @@ def test_transposed_layer_swaps_g_x_g_y_and_beta_x_beta_y():
 
 def test_zero_cost_when_a_g_is_one_even_with_latency():
     topology = Topology.perlmutter()
-    only_y = ax.layer_seconds(Layer(512, 256, 256), Grid(1, 8, 1, 1), topology)
+    only_y = ax.layer_seconds(LayerShape(512, 256, 256), Grid(1, 8, 1, 1), topology)
     assert only_y["5.1"] == only_y["5.2"] == only_y["5.4"] == only_y["5.5"] == 0.0
     assert only_y["5.3"] > 0
     one_gpu = ax.predict(ax.gpt_layers(ax.GPT_20B, 2048), Grid(1, 1, 1, 1), topology)
     assert one_gpu["total"] == 0.0
     assert all(c.wire == 0 and c.steps == 0 for c in ax.layer_collectives(
-        Layer(512, 256, 256), Grid(1, 1, 1, 1)))
+        LayerShape(512, 256, 256), Grid(1, 1, 1, 1)))
 
 
 def test_gpt_layer_list_follows_section_1_4_and_sums_over_blocks():
@@ -174,7 +175,7 @@ def test_gpt_layer_list_follows_section_1_4_and_sums_over_blocks():
     assert [(l.k, l.n, l.transposed) for l in layers[:4]] == [
         (h, 3 * h, False), (h, h, True), (h, 4 * h, False), (4 * h, h, True)]
     assert {l.m for l in layers} == {4096}
-    assert ax.gpt_layers(ax.GPT_20B, 4096, lm_head=True)[-1] == Layer(4096, h, 51200, False,
+    assert ax.gpt_layers(ax.GPT_20B, 4096, lm_head=True)[-1] == LayerShape(4096, h, 51200, False,
                                                                       "lm_head")
     topology, grid = Topology.perlmutter(), Grid(4, 2, 2, 2)
     one_block = ax.predict(layers[:4], grid, topology)["total"]

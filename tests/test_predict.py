@@ -267,20 +267,20 @@ ENTRY %main () -> f32[{layers},{N // layers}] {{
 
 def test_groups_across_nodes_are_priced_on_the_nics():
     nodes = device()
-    inside = net.Placement(8, 1)
-    across = net.Placement(8, 8)  # one GPU on each of 8 nodes: one NIC of 10 GB/s each
+    inside = net.GroupPlacement(8, 1)
+    across = net.GroupPlacement(8, 8)  # one GPU on each of 8 nodes: one NIC of 10 GB/s each
     network = net.Network.of(nodes)
     b = 1e9
     assert network.seconds("all-gather", b, inside) == pytest.approx(7 / 8 * b / 100e9)
     assert network.seconds("all-gather", b, across) == pytest.approx(7 / 8 * b / (10e9 / 8))
     assert network.seconds("reduce-scatter", b, inside) == pytest.approx(7 * b / 100e9)
     assert network.seconds("collective-permute", b, across) == pytest.approx(b / (10e9 / 8))
-    assert network.seconds("all-reduce", b, net.Placement(1, 1)) == 0
+    assert network.seconds("all-reduce", b, net.GroupPlacement(1, 1)) == 0
     groups = [[0, 8], [1, 9]]
-    assert net.placement(groups, lambda i: i // 8) == net.Placement(2, 2)
+    assert net.placement(groups, lambda i: i // 8) == net.GroupPlacement(2, 2)
     # with latency, a small all-reduce across many nodes takes NCCL's tree when it is faster
     slow = device(network__inter_latency_us=10.0)
-    wide = net.Placement(64, 64)
+    wide = net.GroupPlacement(64, 64)
     ring = 2 * 63 / 64 * 1e3 / (10e9 / 8) + 2 * 63 * 10e-6
     tree = 2 * math.log2(64) * 10e-6 + 2 * 1e3 / (10e9 / 8)
     assert net.Network.of(slow).seconds("all-reduce", 1e3, wide) == pytest.approx(min(ring, tree))

@@ -70,7 +70,7 @@ def _verify(mesh_text, plan, loss_fn, *batch, **options):
 @pytest.mark.slow_cells("context2", "1f1b", "tensor-sp")
 def test_ragged_masks_equal_the_one_device_token_mean(mesh, plan, batch, options):
     arrays = (TOKENS, TARGETS, MASK) if batch == "mask" else (TOKENS, IGNORED)
-    loss_fn = llama.lm_loss if batch == "mask" else token_mean.lm_loss
+    loss_fn = llama.lm_loss if batch == "mask" else token_mean.lm_loss_terms
     report = _verify(mesh, plan, loss_fn, *arrays, **options)
     assert report.ok, str(report)
     counted = int(MASK.sum())
@@ -123,7 +123,7 @@ def test_gpt2_moe_token_mean_with_auxiliary_losses(mesh, options):
     mean term; with accumulation their fractions are the whole batch's."""
     tokens, targets = TOKENS % 32, TARGETS % 32
     if "pipeline" in options:
-        step, params = _gpt2_moe(mesh, token_mean.lm_loss, **options)
+        step, params = _gpt2_moe(mesh, token_mean.lm_loss_terms, **options)
         batch = (tokens, jnp.where(MASK, targets, -100))
     else:
         step, params = _gpt2_moe(mesh, programs.lm_loss, **options)

@@ -172,7 +172,7 @@ def _files_line(train, shown: int = 8) -> str | None:
     """Dataset files in one line, before anything is read: each file's split and every file
     skipped with why (:func:`jphantom.data.dataset_files.data_files`), at most ``shown`` names
     per list (results.json lists them all); None for other data."""
-    from jphantom.config.paths import is_dataset_data
+    from jphantom.data.dataset_files import is_dataset_data
     from jphantom.data.dataset_files import data_files
     from jphantom.data.documents import HELD_OUT
 

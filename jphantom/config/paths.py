@@ -25,13 +25,6 @@ def check_paths(out, checkpoint_dir, save_hf, data, tokenizer) -> None:
         load_tokenizer(tokenizer)  # on this machine, readable, its library installed
 
 
-def is_dataset_data(value: str | None) -> bool:
-    """Whether ``--data`` names dataset files (:func:`jphantom.data.dataset_files.is_dataset_data`)."""
-    from jphantom.data.dataset_files import is_dataset_data as dataset
-
-    return value is not None and dataset(value)
-
-
 def check_document_options(data, pack: bool, loss_on, chat_template, val_data=None,
                            refuse_lost_text: bool = False) -> None:
     """``--pack``, ``--loss-on``, ``--chat-template``, ``--val-data`` and ``--refuse-lost-text``
@@ -41,6 +34,10 @@ def check_document_options(data, pack: bool, loss_on, chat_template, val_data=No
                                       ("--chat-template", chat_template),
                                       ("--val-data", val_data),
                                       ("--refuse-lost-text", refuse_lost_text)) if value]
+    if not given and val_data is None:
+        return
+    from jphantom.data.dataset_files import is_dataset_data  # (jax: only when asked)
+
     if given and not is_dataset_data(data):
         what = "the standard library's text" if data is None else f"data={data!r}"
         raise ConfigError(f"{given[0]} applies to dataset files (.jsonl, .json, .parquet, "
@@ -59,19 +56,25 @@ def _readable_data(value: str) -> None:
     dataset files."""
     data = Path(value)
     if data.is_dir():
-        if not any(data.glob("*.bin")) and not is_dataset_data(value):
-            raise ConfigError(f"data={value!r} is a folder without .bin token files or dataset "
-                              "files (.jsonl, .json, .parquet, .arrow): write token files with "
-                              "`jphantom tokenize`, or give a text file")
+        if not any(data.glob("*.bin")):
+            from jphantom.data.dataset_files import is_dataset_data  # (jax: only when asked)
+
+            if not is_dataset_data(value):
+                raise ConfigError(f"data={value!r} is a folder without .bin token files or "
+                                  "dataset files (.jsonl, .json, .parquet, .arrow): write token "
+                                  "files with `jphantom tokenize`, or give a text file")
         return
     if not data.is_file() or not os.access(data, os.R_OK):
         raise ConfigError(f"data={value!r} is not a readable file or folder: give a text file, a "
                           "token file (.bin) or a folder of them (or leave --data out for the "
                           "Python standard library's sources)")
-    if data.suffix != ".bin" and not is_dataset_data(value):
-        from jphantom.data.tokens import check_text_file
+    if data.suffix != ".bin":
+        from jphantom.data.dataset_files import is_dataset_data
 
-        check_text_file("data", data)
+        if not is_dataset_data(value):
+            from jphantom.data.tokens import check_text_file
+
+            check_text_file("data", data)
 
 
 def check_vocabulary(config) -> None:
@@ -86,6 +89,7 @@ def check_vocabulary(config) -> None:
                               "llama); the FFN trains on Seal et al.'s teacher: leave them out")
         return
     from jphantom.data import tokens
+    from jphantom.data.dataset_files import is_dataset_data
 
     if train.tokenizer is not None or is_dataset_data(train.data):
         from jphantom.config.dataset import dataset_tokenizer

@@ -54,9 +54,12 @@ BLOCK_BYTES = 1 << 20
 ARROW_BATCH_ROWS = 1024
 
 
-def is_dataset_data(path: str | os.PathLike) -> bool:
+def is_dataset_data(path: str | os.PathLike | None) -> bool:
     """Whether ``--data`` names dataset files: a file with one of :data:`SUFFIXES`, or a folder
-    holding some (and no ``.bin`` token file, at any depth: that is token data)."""
+    holding some (and no ``.bin`` token file, at any depth: that is token data); ``None`` (no
+    ``--data``: the standard library's text) does not."""
+    if path is None:
+        return False
     path = Path(path)
     if path.is_dir():
         return not any(p.is_file() for p in path.rglob("*.bin")) and any(_found(path))

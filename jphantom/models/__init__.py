@@ -12,4 +12,28 @@ def packed_lm_loss(model, tokens, targets, segment_ids, positions):
     return model.loss_terms(tokens, targets, segment_ids=segment_ids, positions=positions)
 
 
-__all__ = ["packed_lm_loss"]
+def lm_loss(model, tokens, targets, *more):
+    """``loss_fn`` of the zoo's language models (for :func:`jphantom.make_train_step` and the
+    programs of ``jphantom train``): the model's own ``loss`` (vocabulary-parallel cross-entropy
+    when the head is; plus the MoE auxiliary losses, with the whole batch's routing fractions when
+    the step splits it, :mod:`jphantom.nn.balance`); with a ``mask`` (a third batch array) the
+    terms of the global token mean (:mod:`jphantom.token_mean`); with ``segment_ids`` and
+    ``positions`` (packed or padded documents: :mod:`jphantom.data.packing`)
+    :func:`packed_lm_loss`'s. The one ``lm_loss``: :func:`jphantom.models.llama.lm_loss` and
+    :func:`jphantom.program.lm_loss` are this function."""
+    import jax.numpy as jnp
+
+    from jphantom.errors import ConfigError
+
+    for name, ids in (("tokens", tokens), ("targets", targets)):
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ConfigError(f"{name} are {ids.dtype} values: a language model takes integer "
+                              f"token ids (e.g. np.int32), not {ids.dtype}")
+    if not more:
+        return model.loss(tokens, targets)
+    if len(more) == 1:
+        return model.loss_terms(tokens, targets, more[0])
+    return packed_lm_loss(model, tokens, targets, *more)
+
+
+__all__ = ["lm_loss", "packed_lm_loss"]

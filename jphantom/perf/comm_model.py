@@ -163,13 +163,14 @@ class CommModel:
     def step_time_us(self, collectives: Iterable[Any], p: int) -> float:
         """Modelled μs of a step's collectives, all among the same p ranks, summed one after another.
 
-        Each item is a ``jphantom.analysis.hlo.Collective`` or a mapping with "kind" and "bytes"
-        (per-device result bytes) and optionally "count": the rows of ``hlo.summarize`` carry the
-        bytes of ``count`` collectives, which cost ``count`` latencies and one bandwidth term on
-        the summed bytes (Eq. 26 is linear in m). A ``Collective`` runs ``count`` times per step
-        (loop trip counts; ``bytes`` is one execution's), so it costs ``count`` latencies and the
-        bandwidth term of its ``total_bytes``. Bytes become m through ``message_floats``. For
-        collectives over groups of different sizes, call once per group size and add.
+        Each item is a ``jphantom.analysis.hlo.HloCollective`` or a mapping with "kind" and
+        "bytes" (per-device result bytes) and optionally "count": the rows of ``hlo.summarize``
+        carry the bytes of ``count`` collectives, which cost ``count`` latencies and one bandwidth
+        term on the summed bytes (Eq. 26 is linear in m). An ``HloCollective`` runs ``count``
+        times per step (loop trip counts; ``bytes`` is one execution's), so it costs ``count``
+        latencies and the bandwidth term of its ``total_bytes``. Bytes become m through
+        ``message_floats``. For collectives over groups of different sizes, call once per group
+        size and add.
         """
         total = 0.0
         for item in collectives:

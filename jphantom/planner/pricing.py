@@ -1,8 +1,8 @@
 """What the planner prices a layout with: its collectives turned into seconds on a topology,
-per mesh axis, by the ring alpha-beta model with Singh's Eq. 5.7 bandwidths (:class:`Pricer`); a
-registry strategy's collectives (:func:`inventory`); the data all-reduce; pmm3d's per-layer
-collectives (Singh's Alg. 3, Eqs. 5.1-5.6); phantom's parameters and FLOPs per rank and Seal et
-al.'s Eq. 8 bound; a pipeline schedule's lock-step idle time."""
+per mesh axis, by the ring alpha-beta model with Singh's Eq. 5.7 bandwidths
+(:class:`CollectivePricer`); a registry strategy's collectives (:func:`inventory`); the data
+all-reduce; pmm3d's per-layer collectives (Singh's Alg. 3, Eqs. 5.1-5.6); phantom's parameters
+and FLOPs per rank and Seal et al.'s Eq. 8 bound; a pipeline schedule's lock-step idle time."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from jphantom.perf import axonn_model as ax
 from jphantom.perf.axonn_model import Collective, GPTShape, Topology
 
 
-class Pricer:
+class CollectivePricer:
     """Collectives -> seconds on a topology, per mesh axis, with one precision and α switch."""
 
     def __init__(self, topology: Topology, element_bytes: int, latency: bool):

@@ -13,9 +13,9 @@ from typing import Any
 from jphantom.errors import ConfigError
 from jphantom.perf import axonn_model as ax
 from jphantom.perf.axonn_model import GIB, Collective, GPTShape, Topology
-from jphantom.planner.pricing import (Pricer, data_all_reduce, inventory, lockstep_idle,
-                                   phantom_eq8_bound, phantom_linear, phantom_linear_flops,
-                                   pmm3d_collectives)
+from jphantom.planner.pricing import (CollectivePricer, data_all_reduce, inventory,
+                                      lockstep_idle, phantom_eq8_bound, phantom_linear,
+                                      phantom_linear_flops, pmm3d_collectives)
 from jphantom.planner.result import PlanRow, Ranking
 from jphantom.strategies import get as get_strategy
 
@@ -101,7 +101,7 @@ def plan(model: Any, devices: int, topology: Topology | None = None, *, batch: i
         if not isinstance(value, bool):
             raise ConfigError(f"{name}={value!r} must be True or False")
 
-    pricer = Pricer(topology, p.element_bytes, latency)
+    pricer = CollectivePricer(topology, p.element_bytes, latency)
     grad_bytes = 4 if as_compiled else None  # float32 master gradients reduce in float32
     h, L, S, V = shape.hidden, shape.layers, shape.seq_len, shape.vocab_size
     total_params = shape.param_count()

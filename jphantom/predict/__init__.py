@@ -27,7 +27,7 @@ Every number it prints is modelled; ``benchmarks/predict_validation.py`` gives i
 """
 
 _LAZY = {"DeviceModel": "device", "Quantity": "device", "for_kind": "device", "load": "device",
-         "names": "device", "Network": "network", "Placement": "network",
+         "names": "device", "Network": "network", "GroupPlacement": "network",
          "Prediction": "report", "format_prediction": "report", "predict": "report",
          "Simulator": "timeline", "Timeline": "timeline", "simulate": "timeline"}
 __all__ = sorted(_LAZY)
@@ -38,6 +38,12 @@ def __getattr__(name):
     help lists them) imports neither jax nor numpy."""
     import importlib
 
+    if name == "Placement":  # GroupPlacement's old name, not jphantom.plans.Placement
+        import warnings
+
+        warnings.warn("jphantom.predict.Placement is now jphantom.predict.GroupPlacement; the old "
+                      "name goes in the next release", DeprecationWarning, stacklevel=2)
+        name = "GroupPlacement"
     if name not in _LAZY:
         raise AttributeError(f"module 'jphantom.predict' has no attribute {name!r}")
     return getattr(importlib.import_module(f"jphantom.predict.{_LAZY[name]}"), name)

@@ -64,7 +64,7 @@ def op_name(instr: Instruction) -> str:
     return found[1] if found else ""
 
 
-class Pricer:
+class KernelPricer:
     """Prices the kernels of one parsed module on one device."""
 
     def __init__(self, comps: Mapping[str, Computation], device: DeviceModel):

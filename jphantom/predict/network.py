@@ -44,7 +44,7 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all
 
 
 @dataclasses.dataclass(frozen=True)
-class Placement:
+class GroupPlacement:
     """Where a collective's groups sit: ``size`` GPUs per group, ``per_node`` of them on each of
     ``nodes`` nodes (``size = per_node x nodes``), spanning ``packages`` packages (0: not
     known, as if each GPU were its own)."""
@@ -58,14 +58,19 @@ class Placement:
         return max(1, self.size // max(1, self.nodes))
 
 
-def placement(groups: list[list[int]], node_of, package_of=None) -> Placement:
+Placement = GroupPlacement
+"""Deprecated: :class:`GroupPlacement`'s old name (which :class:`jphantom.plans.Placement`, a
+layer's place in a plan, also was); it goes in the next release."""
+
+
+def placement(groups: list[list[int]], node_of, package_of=None) -> GroupPlacement:
     """The placement of the largest group (``node_of(id)``: the node of a device id;
     ``package_of(id)``: its package, when the device has packages)."""
     if not groups:
-        return Placement(1, 1)
+        return GroupPlacement(1, 1)
     group = max(groups, key=len)
     packages = len({package_of(i) for i in group}) if package_of is not None else 0
-    return Placement(len(group), len({node_of(i) for i in group}), packages)
+    return GroupPlacement(len(group), len({node_of(i) for i in group}), packages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +88,7 @@ class Network:
     def gpus_per_package(self) -> int:
         return int(self.device.get("network.gpus_per_package", 1))
 
-    def bandwidth(self, where: Placement) -> float:
+    def bandwidth(self, where: GroupPlacement) -> float:
         """Bytes per second of the group's busiest link."""
         d = self.device
         intra = d["network.intra_node_gbps"] * d["network.intra_node_efficiency"] * 1e9
@@ -95,11 +100,11 @@ class Network:
                 * d["network.inter_node_efficiency"] * 1e9)
         return min(intra, nics * where.per_node / self.gpus_per_node)
 
-    def latency(self, where: Placement) -> float:
+    def latency(self, where: GroupPlacement) -> float:
         key = "inter_latency_us" if where.nodes > 1 else "intra_latency_us"
         return self.device[f"network.{key}"] * 1e-6
 
-    def seconds(self, kind: str, nbytes: float, where: Placement) -> float:
+    def seconds(self, kind: str, nbytes: float, where: GroupPlacement) -> float:
         """One collective's seconds (module docstring); 0 for a group of one GPU."""
         n = where.size
         if n <= 1 or nbytes <= 0:
@@ -121,7 +126,7 @@ class Network:
             return launch + min(ring, self.tree_seconds(nbytes, where))
         return launch + ring
 
-    def tree_seconds(self, nbytes: float, where: Placement) -> float:
+    def tree_seconds(self, nbytes: float, where: GroupPlacement) -> float:
         """NCCL's tree all-reduce across nodes (module docstring)."""
         d = self.device
         intra_bw = d["network.intra_node_gbps"] * d["network.intra_node_efficiency"] * 1e9

@@ -4,7 +4,7 @@ stream, following the schedule XLA chose.
 The text order of a scheduled HLO computation is its schedule. The simulator walks ENTRY in that
 order with two clocks:
 
-* **compute**: every kernel (:class:`jphantom.predict.costs.Pricer`) runs on one stream, one
+* **compute**: every kernel (:class:`jphantom.predict.costs.KernelPricer`) runs on one stream, one
   after another;
 * **collectives**: a synchronous collective waits for both streams and blocks compute while it
   runs. An asynchronous one (``*-start`` ... ``*-done``, or an ``async-start`` wrapping a
@@ -34,10 +34,10 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping
 
 from jphantom.analysis.hlo.accounting import KINDS as COLLECTIVE_KINDS
-from jphantom.analysis.hlo.accounting import Collective
+from jphantom.analysis.hlo.accounting import HloCollective
 from jphantom.analysis.hlo.callgraph import trip_count
 from jphantom.analysis.hlo.text import Computation, Instruction, parse_module, type_bytes
-from jphantom.predict.costs import Pricer, callees, op_name
+from jphantom.predict.costs import KernelPricer, callees, op_name
 from jphantom.predict.device import DeviceModel
 from jphantom.predict.network import Network, placement
 
@@ -173,7 +173,7 @@ class Simulator:
         self.comps = comps
         self.device = device
         self.network = network or Network.of(device)
-        self.pricer = Pricer(comps, device)
+        self.pricer = KernelPricer(comps, device)
         self.devices = devices
         per_node = self.network.gpus_per_node
         self.node_of = node_of or (lambda i: i // per_node)
@@ -187,8 +187,8 @@ class Simulator:
         """(seconds, bytes per device) of one collective: ``result`` gives its bytes (the
         ``-done``'s type), ``source`` its groups (the ``-start``)."""
         nbytes = type_bytes(result.type_text)
-        c = Collective(source.name, kind, (), nbytes, source.attr("replica_groups"),
-                       source_target_pairs=source.attr("source_target_pairs"))
+        c = HloCollective(source.name, kind, (), nbytes, source.attr("replica_groups"),
+                          source_target_pairs=source.attr("source_target_pairs"))
         if kind == "collective-permute" and not c.source_target_pairs:
             groups = [[0, 1]]  # send/recv: one peer
         else:

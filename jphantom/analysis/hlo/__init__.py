@@ -43,7 +43,7 @@ One idea a module:
 - :mod:`~jphantom.analysis.hlo.kernel_census`: the kernels that decide a step's speed.
 """
 
-from jphantom.analysis.hlo.accounting import KINDS, Collective, collectives, summarize
+from jphantom.analysis.hlo.accounting import KINDS, HloCollective, collectives, summarize
 from jphantom.analysis.hlo.callgraph import multipliers, trip_count
 from jphantom.analysis.hlo.gemms import custom_call_target, dot_flops, gemm_kind
 from jphantom.analysis.hlo.groups import (group_axes, normalise_replica_groups, pair_axes,
@@ -53,8 +53,22 @@ from jphantom.analysis.hlo.text import (DTYPE_BYTES, Computation, Instruction, a
                                         parse_instruction, parse_module, type_bytes)
 
 
-__all__ = ["collectives", "summarize", "Collective", "KINDS", "DTYPE_BYTES", "multipliers",
+__all__ = ["collectives", "summarize", "HloCollective", "KINDS", "DTYPE_BYTES", "multipliers",
            "trip_count", "dot_flops", "gemm_kind", "custom_call_target", "kernels",
            "format_kernels", "group_axes", "pair_axes", "replica_group_lists",
            "normalise_replica_groups", "Instruction", "Computation", "parse_instruction",
            "parse_module", "type_bytes", "attr_value"]
+
+
+def __getattr__(name):
+    """``Collective``: :class:`HloCollective`'s old name (which
+    :class:`jphantom.perf.axonn_model.Collective`, a modelled collective, also is), with a
+    DeprecationWarning; it goes in the next release."""
+    if name == "Collective":
+        import warnings
+
+        warnings.warn("jphantom.analysis.hlo.Collective is now "
+                      "jphantom.analysis.hlo.HloCollective; the old name goes in the next "
+                      "release", DeprecationWarning, stacklevel=2)
+        return HloCollective
+    raise AttributeError(f"module 'jphantom.analysis.hlo' has no attribute {name!r}")

@@ -21,7 +21,7 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "al
 
 
 @dataclasses.dataclass(frozen=True)
-class Collective:
+class HloCollective:
     name: str
     kind: str
     shapes: tuple[tuple[str, tuple[int, ...]], ...]  # (dtype, dims) of each result buffer
@@ -93,7 +93,7 @@ def _kind_of(opcode: str) -> tuple[str, str] | None:
     return None
 
 
-def collectives(hlo_text: str) -> list[Collective]:
+def collectives(hlo_text: str) -> list[HloCollective]:
     """Every collective in an HLO module's text, in text order, with ``count`` = how many times it
     runs per step (the multiplier of its computation: loop trip counts multiplied in). Collectives
     in computations that never run (unreachable from ENTRY, or in a loop of trip count 0) are left
@@ -109,7 +109,7 @@ def collectives(hlo_text: str) -> list[Collective]:
 
 
 def collectives_in(comps: Mapping[str, Computation], mult: Mapping[str, int],
-                 index: GemmIndex) -> list[Collective]:
+                 index: GemmIndex) -> list[HloCollective]:
     found = []
     for comp in comps.values():
         starts: dict[str, tuple[int, Instruction]] = {}
@@ -135,7 +135,7 @@ def collectives_in(comps: Mapping[str, Computation], mult: Mapping[str, int],
             if count == 0:
                 continue
             shapes = parse_shapes(instr.type_text)
-            found.append(Collective(
+            found.append(HloCollective(
                 instr.name, kind, shapes, nbytes(shapes), attr_value(attrs, "replica_groups"),
                 count=count, computation=comp.name,
                 source_target_pairs=attr_value(attrs, "source_target_pairs"),
@@ -147,14 +147,15 @@ def collectives_in(comps: Mapping[str, Computation], mult: Mapping[str, int],
 _COMPUTE_OPCODES = frozenset({"fusion", "custom-call", "dot", "convolution"})
 
 
-def summarize(found: list[Collective], axes: Mapping[str, int] | None = None) -> list[dict]:
+def summarize(found: list[HloCollective], axes: Mapping[str, int] | None = None) -> list[dict]:
     """Totals over the step, one row per collective kind present (in order of appearance):
-    ``{"kind", "count", "bytes"}`` with ``count`` the executions (``Collective.count`` summed) and
-    ``bytes`` the per-device result bytes of all of them (``Collective.total_bytes`` summed).
+    ``{"kind", "count", "bytes"}`` with ``count`` the executions (``HloCollective.count``
+    summed) and ``bytes`` the per-device result bytes of all of them
+    (``HloCollective.total_bytes`` summed).
 
     With ``axes`` (mesh axis name -> size, in mesh order, e.g. ``{"data": 2, "model": 4}``), one row
     per (kind, mesh axes) instead, with an ``"axes"`` key: the tuple of axis names the collective
-    spans (``Collective.mesh_axes``), e.g. ``("model",)``."""
+    spans (``HloCollective.mesh_axes``), e.g. ``("model",)``."""
     table: OrderedDict[tuple, dict] = OrderedDict()
     for c in found:
         if axes is None:

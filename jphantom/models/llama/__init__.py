@@ -3,8 +3,8 @@ its presets: Mistral, Qwen2, Qwen3, Qwen3-MoE and Gemma 3's text model, one Flax
 six registered families. Importing the package registers them (:mod:`jphantom.families`).
 
 - :mod:`~jphantom.models.llama.config`: the shape, :class:`LlamaConfig`;
-- :mod:`~jphantom.models.llama.model`: the NNX module, :class:`Llama` (no collective), and
-  :func:`lm_loss`;
+- :mod:`~jphantom.models.llama.model`: the NNX module, :class:`Llama` (no collective);
+  :func:`lm_loss` is the zoo's one loss, :func:`jphantom.models.lm_loss`;
 - :mod:`~jphantom.models.llama.hf`: Hugging Face checkpoints in and out (:func:`load_hf` reads
   ``config.json`` and ``model.safetensors`` (one file) into the module, :func:`save_hf` writes them
   back in the same layout, tensor for tensor: bit-exact);
@@ -23,7 +23,8 @@ from jphantom.models.llama.family import (NO_PMM3D, default_intermediate, family
 from jphantom.models.llama import variants  # noqa: F401  (registers the six families)
 
 _LAZY = {**{name: "jphantom.models.llama.model" for name in ("MLP", "Attention", "Block",
-                                                             "Llama", "MoE", "lm_loss", "rope")},
+                                                             "Llama", "MoE", "rope")},
+         "lm_loss": "jphantom.models",
          **{name: "jphantom.models.llama.hf" for name in ("HF_FIELDS", "config_from_hf",
                                                           "config_to_hf", "from_hf_tensors",
                                                           "load_hf", "save_hf", "to_hf_tensors")},

@@ -287,11 +287,3 @@ class Llama(nnx.Module):
             return token_mean.WeightedLoss(
                 *cross_entropy_terms(self.embed_tokens, h, targets, tied=True, mask=mask))
         return token_mean.WeightedLoss(*cross_entropy_terms(self.lm_head, h, targets, mask=mask))
-
-
-def lm_loss(model, tokens, targets, mask=None):
-    """``loss_fn`` for :func:`jphantom.make_train_step` of the zoo's language models: the mean
-    next-token loss, or with ``mask`` (a third batch array) the global token mean's terms."""
-    if mask is None:
-        return model.loss(tokens, targets)
-    return model.loss_terms(tokens, targets, mask)

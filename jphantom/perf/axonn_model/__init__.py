@@ -50,12 +50,13 @@ One idea a module:
 - :mod:`~jphantom.perf.axonn_model.units`: units and argument checks.
 """
 
-from jphantom.perf.axonn_model.equations import (AXES, Collective, Grid, Layer, all_gather_z,
+from jphantom.perf.axonn_model.equations import (AXES, Collective, Grid, LayerShape, all_gather_z,
                                                  all_reduce_data, all_reduce_x, all_reduce_y,
                                                  axis_bandwidths, layer_collectives,
                                                  layer_seconds, predict, reduce_scatter_z)
-from jphantom.perf.axonn_model.memory import (PRECISIONS, Precision, checkpointed_activations,
-                                              logits_bytes, pmm3d_memory, precision_of)
+from jphantom.perf.axonn_model.memory import (PRECISIONS, PrecisionBytes,
+                                              checkpointed_activations, logits_bytes,
+                                              pmm3d_memory, precision_of)
 from jphantom.perf.axonn_model.network import (Topology, hierarchy_bandwidths,
                                                placement_bandwidth, point_to_point_bandwidth)
 from jphantom.perf.axonn_model.search import configurations, grid_problems, rank
@@ -64,8 +65,26 @@ from jphantom.perf.axonn_model.units import GB, GIB, check_count, check_positive
 
 __all__ = ["GB", "GIB", "AXES", "check_count", "check_positive", "Topology",
            "placement_bandwidth", "point_to_point_bandwidth", "hierarchy_bandwidths", "Grid",
-           "Layer", "Collective", "all_gather_z", "reduce_scatter_z", "all_reduce_y",
+           "LayerShape", "Collective", "all_gather_z", "reduce_scatter_z", "all_reduce_y",
            "all_reduce_x", "all_reduce_data", "layer_collectives", "axis_bandwidths",
            "layer_seconds", "predict", "GPTShape", "FAMILIES", "GPT_20B", "GPT_40B",
-           "gpt_layers", "Precision", "PRECISIONS", "precision_of", "checkpointed_activations",
-           "logits_bytes", "grid_problems", "pmm3d_memory", "configurations", "rank"]
+           "gpt_layers", "PrecisionBytes", "PRECISIONS", "precision_of",
+           "checkpointed_activations", "logits_bytes", "grid_problems", "pmm3d_memory",
+           "configurations", "rank"]
+
+
+_RENAMED = {"Precision": "PrecisionBytes", "Layer": "LayerShape"}
+
+
+def __getattr__(name):
+    """The old names of :class:`PrecisionBytes` (``Precision``, which
+    :class:`jphantom.precision.Precision` also is) and :class:`LayerShape` (``Layer``, which
+    :class:`jphantom.models.ffn.Layer` also is), with a DeprecationWarning; they go in the next
+    release."""
+    if name in _RENAMED:
+        import warnings
+
+        warnings.warn(f"jphantom.perf.axonn_model.{name} is now {_RENAMED[name]}; the old name "
+                      "goes in the next release", DeprecationWarning, stacklevel=2)
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module 'jphantom.perf.axonn_model' has no attribute {name!r}")

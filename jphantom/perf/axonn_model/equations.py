@@ -66,7 +66,7 @@ class Grid:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layer:
+class LayerShape:
     """One fully connected layer O [m, n] = I [m, k] x W [k, n] (Alg. 3's shapes; m tokens of one
     data group, k in-features, n out-features); ``transposed`` swaps the X and Y roles."""
 
@@ -78,9 +78,9 @@ class Layer:
 
     def __post_init__(self):
         for field in ("m", "k", "n"):
-            check_count(f"Layer.{field}", getattr(self, field), 1)
+            check_count(f"LayerShape.{field}", getattr(self, field), 1)
         if not isinstance(self.transposed, bool):
-            raise ConfigError(f"Layer.transposed={self.transposed!r} must be True or False")
+            raise ConfigError(f"LayerShape.transposed={self.transposed!r} must be True or False")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +160,8 @@ def all_reduce_data(k: int, n: int, grid: Grid) -> float:
     return 2 * (grid.data - 1) / grid.data * k * n / (grid.x * grid.y * grid.z)
 
 
-def layer_collectives(layer: Layer, grid: Grid, *, microbatches: int = 1) -> list[Collective]:
+def layer_collectives(layer: LayerShape, grid: Grid, *,
+                      microbatches: int = 1) -> list[Collective]:
     """The five collectives of Alg. 3 for one layer, per GPU and step (Singh's thesis §1.3's table).
 
     Normal layer: AG_z of Ŵ (result k n/(G_x G_y)), AR over Y of Ô (m n/(G_z G_x)), AR over X of
@@ -191,8 +192,9 @@ def axis_bandwidths(grid: Grid, topology: Topology) -> dict[str, float]:
     return hierarchy_bandwidths(grid.levels, topology)
 
 
-def layer_seconds(layer: Layer, grid: Grid, topology: Topology, *, bytes_per_element: float = 2,
-                  latency: bool = True, microbatches: int = 1) -> dict[str, float]:
+def layer_seconds(layer: LayerShape, grid: Grid, topology: Topology, *,
+                  bytes_per_element: float = 2, latency: bool = True,
+                  microbatches: int = 1) -> dict[str, float]:
     """Eq. 5.6 for one layer: seconds of each of Eqs. 5.1-5.5 and their ``total``."""
     bandwidth = axis_bandwidths(grid, topology)
     alpha = topology.latency_us * 1e-6 if latency else 0.0
@@ -203,7 +205,7 @@ def layer_seconds(layer: Layer, grid: Grid, topology: Topology, *, bytes_per_ele
     return out
 
 
-def predict(layers: Sequence[Layer], grid: Grid, topology: Topology, *,
+def predict(layers: Sequence[LayerShape], grid: Grid, topology: Topology, *,
             bytes_per_element: float = 2, latency: bool = True, microbatches: int = 1) -> dict:
     """Σ over ``layers`` of Eq. 5.6: {"total": s, "by_equation": {"5.1": s, ...}, "by_axis":
     {"x": s, ...}, "bandwidths": {axis: bytes/s}} for ``grid`` on ``topology``."""

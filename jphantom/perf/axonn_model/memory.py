@@ -1,5 +1,5 @@
 """The per-device memory model of the planner (modelled; Singh's thesis has none for Ch. 5):
-bytes of state per parameter by :class:`Precision`, checkpointed activations by Korthikanti et
+bytes of state per parameter by :class:`PrecisionBytes`, checkpointed activations by Korthikanti et
 al.'s per-layer count, the LM head's logits, and the 4D layout's total (:func:`pmm3d_memory`)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from jphantom.perf.axonn_model.shapes import GPTShape, gpt_layers
 
 
 @dataclasses.dataclass(frozen=True)
-class Precision:
+class PrecisionBytes:
     """``element_bytes`` of messages and activations; ``state_bytes`` per parameter for
     parameters + gradients + Adam's two moments."""
 
@@ -23,15 +23,17 @@ class Precision:
 
 
 PRECISIONS = {
-    "bf16": Precision("bf16", 2, 16, "bf16 weights and gradients + fp32 master weights and Adam "
-                      "moments: 2 + 2 + 12 = 16 bytes per parameter (Cheng et al. §1.1; jphantom's "
-                      "bf16 policy keeps fp32 weights and gradients: 4 + 4 + 8, also 16)"),
-    "float32": Precision("float32", 4, 16, "fp32 weights, gradients, Adam moments: 4 + 4 + 8"),
+    "bf16": PrecisionBytes("bf16", 2, 16, "bf16 weights and gradients + fp32 master weights and "
+                           "Adam moments: 2 + 2 + 12 = 16 bytes per parameter (Cheng et al. §1.1; "
+                           "jphantom's bf16 policy keeps fp32 weights and gradients: 4 + 4 + 8, "
+                           "also 16)"),
+    "float32": PrecisionBytes("float32", 4, 16,
+                              "fp32 weights, gradients, Adam moments: 4 + 4 + 8"),
 }
 
 
-def precision_of(name: str | Precision) -> Precision:
-    if isinstance(name, Precision):
+def precision_of(name: str | PrecisionBytes) -> PrecisionBytes:
+    if isinstance(name, PrecisionBytes):
         return name
     try:
         return PRECISIONS[name]
@@ -108,8 +110,9 @@ def logits_bytes(tokens: float, vocab_split: int, shape: GPTShape) -> float:
     return tokens * shape.vocab_size / vocab_split * 4
 
 
-def pmm3d_memory(grid: Grid, shape: GPTShape, batch: int, *, precision: str | Precision = "bf16",
-                 accumulate: int = 1, flash_attention: bool = True, lm_head: bool = True) -> dict:
+def pmm3d_memory(grid: Grid, shape: GPTShape, batch: int, *,
+                 precision: str | PrecisionBytes = "bf16", accumulate: int = 1,
+                 flash_attention: bool = True, lm_head: bool = True) -> dict:
     """Bytes per device of the 4D layout (modelled; the paper has no memory model for Ch. 5):
 
     - ``state``: state_bytes (16 for bf16 + Adam) x (the matmul weights, Σ k n over the layers,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from jphantom.errors import ConfigError
 from jphantom.perf.axonn_model.equations import Grid, predict
-from jphantom.perf.axonn_model.memory import Precision, pmm3d_memory, precision_of
+from jphantom.perf.axonn_model.memory import PrecisionBytes, pmm3d_memory, precision_of
 from jphantom.perf.axonn_model.network import Topology
 from jphantom.perf.axonn_model.shapes import GPTShape, gpt_layers
 from jphantom.perf.axonn_model.units import GIB, check_count, check_positive
@@ -55,7 +55,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def configurations(devices: int, shape: GPTShape | None = None, *, batch: int | None = None,
-                   memory_gib: float | None = None, precision: str | Precision = "bf16",
+                   memory_gib: float | None = None, precision: str | PrecisionBytes = "bf16",
                    accumulate: int = 1, flash_attention: bool = True,
                    lm_head: bool = True) -> list[Grid]:
     """Every ordered factorisation devices = G_x G_y G_z G_data (20 for 8 GPUs, 35 for 16, 56 for
@@ -87,7 +87,7 @@ def configurations(devices: int, shape: GPTShape | None = None, *, batch: int | 
 
 
 def rank(shape: GPTShape, devices: int, topology: Topology, *, batch: int,
-         memory_gib: float | None = None, precision: str | Precision = "bf16",
+         memory_gib: float | None = None, precision: str | PrecisionBytes = "bf16",
          latency: bool = True, accumulate: int = 1, lm_head: bool = False,
          flash_attention: bool = True) -> list[tuple[Grid, float]]:
     """Sec. 5.1.2's use of the model: every admissible grid with its Σ Eq. 5.6 seconds, fastest

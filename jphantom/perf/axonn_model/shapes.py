@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any
 
 from jphantom.errors import ConfigError
-from jphantom.perf.axonn_model.equations import Layer
+from jphantom.perf.axonn_model.equations import LayerShape
 from jphantom.perf.axonn_model.units import check_count
 
 
@@ -155,7 +155,7 @@ GPT_40B = GPTShape(layers=38, hidden=9216, heads=72)
 """Singh's thesis Table 5.1's GPT-40B (S = 2048 and V = 51,200 assumed)."""
 
 
-def gpt_layers(shape: GPTShape, tokens: int, *, lm_head: bool = False) -> tuple[Layer, ...]:
+def gpt_layers(shape: GPTShape, tokens: int, *, lm_head: bool = False) -> tuple[LayerShape, ...]:
     """The fully connected layers of a GPT under Alg. 3 (Singh's thesis §1.4), m = ``tokens`` of one
     data group (batch x S / G_data): per block QKV (k = h, n = 3h, normal: heads over X), attention
     output (h, h, transposed), MLP up (h, 4h, normal), MLP down (4h, h, transposed); L blocks
@@ -164,7 +164,7 @@ def gpt_layers(shape: GPTShape, tokens: int, *, lm_head: bool = False) -> tuple[
     shape = GPTShape.of(shape)
     check_count("tokens", tokens, 1)
     h = shape.hidden
-    block = tuple(Layer(tokens, k, n, transposed, name)
+    block = tuple(LayerShape(tokens, k, n, transposed, name)
                   for name, k, n, transposed in shape.linears())
-    head = (Layer(tokens, h, shape.vocab_size, False, "lm_head"),) if lm_head else ()
+    head = (LayerShape(tokens, h, shape.vocab_size, False, "lm_head"),) if lm_head else ()
     return block * shape.layers + head
