@@ -1,4 +1,5 @@
-"""One GPU: a run's failure paths on the device a user trains on (issue 35's device check).
+"""One GPU: a run's failure paths on the device a user trains on (the device check of
+the resilience paths).
 
 Three checks, each a ``python -m jphantom train`` process of its own:
 

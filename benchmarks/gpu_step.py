@@ -1,5 +1,5 @@
 """One NVIDIA GPU: jphantom's training step against a plain-JAX step of the same model, in bf16 and
-in FP8, and ``jphantom train``'s per-step metrics (issue 31's device check).
+in FP8, and ``jphantom train``'s per-step metrics (the step's device check).
 
 The model is a Llama of about 1.2B parameters (Llama-3.2-1B's shape: 16 layers, hidden 2048, 32
 query and 8 key/value heads of 64, SwiGLU 8192, vocabulary 128256, tied embeddings) at S = 4096,

@@ -1,4 +1,4 @@
-"""The model of byo_flax_model.py made phantom-parallel (seed 000): every linear a phantom layer
+"""The model of byo_flax_model.py made phantom-parallel (Seal et al.): every linear a phantom layer
 of k ghost neurons per rank, embeddings and norms split over features. A phantom model is a
 different (smaller) model than the dense one it starts from, so the check is against its own
 dense equivalent on one device.

@@ -1,5 +1,6 @@
 """Is the step H100-grade? jphantom's training step compiled for 8 H100s (XLA's GPU compiler, no
-GPU; `jphantom.aot.compile_report`), per-device compute as issue 31 asks for it.
+GPU; `jphantom.aot.compile_report`), per-device compute: cuDNN attention, the chunked loss, FP8
+and the collective matmul.
 
 Llama-3-8B's shapes (hidden 4096, 32 heads, 8 key/value heads, SwiGLU 14336, vocabulary 128256),
 2 layers unless said, float32 master weights, bf16 compute (``--precision bf16``), per-layer

@@ -537,7 +537,8 @@ def test_activation_memory_per_layer_against_korthikantis_count_for_llama(h100, 
     (:func:`jphantom.perf.axonn_model.memory.llama_layer_activations`); the layouts, shapes and
     the arithmetic are ``benchmarks/activation_memory.py``'s (its table in docs/training.md).
 
-    - TP + SP (data=2,model=4, 2 sequences a rank): 1.06x, within 1.25x (before issue 53, 2.5x:
+    - TP + SP (data=2,model=4, 2 sequences a rank): 1.06x, within 1.25x (2.5x before the norms and SwiGLU kept
+      their 16-bit inputs and SP its gathered inputs:
       float32 copies of each norm's input and output, silu's intermediates, and the gathered
       [B, S, h] of both column GEMMs' input).
     - FSDP (data=8, ZeRO-3, 4 sequences a rank): 0.45x, a regression guard on this shape, not
@@ -546,11 +547,11 @@ def test_activation_memory_per_layer_against_korthikantis_count_for_llama(h100, 
       count, not yet pinned down). A ZeRO-3 layer's ``none`` is ``dots_saveable``
       (:func:`jphantom.remat.checkpointed`): it keeps the matmul outputs and recomputes the
       norms, RoPE and SwiGLU's product, under the count by design.
-    - CP (data=2,context=4, ring attention): 2.45x before issue 53 and since, misses 1.25x by
+    - CP (data=2,context=4, ring attention): 2.45x before that change and since, misses 1.25x by
       0.39 GiB a layer over the count and the weights, about the size of a second bf16 copy of
       the layer's replicated weights (0.41 GiB); not yet pinned down.
     - Pipeline stage (data=4,stage=2, 1F1B, 2 micro-batches of 1 sequence, both in flight on
-      the first stage; slope per layer of a stage): 4.64x (6.20x before issue 53), misses 1.25x
+      the first stage; slope per layer of a stage): 4.64x (6.20x before it), misses 1.25x
       by 3.9 GiB a layer over two micro-batches' count and the weights; not yet pinned down.
     """
     import sys

@@ -160,7 +160,7 @@ def test_answer_only_loss_is_the_mean_over_assistant_tokens(chat):
 
 
 def test_content_as_a_list_of_text_parts_reads_as_its_text(chat):
-    """OpenAI's and TRL's list form of content: its text parts concatenated (issue 55)."""
+    """OpenAI's and TRL's list form of content: its text parts concatenated."""
     tokenizer, template = chat
     turns = lambda first, second: {"messages": [{"role": "user", "content": first},
                                                 {"role": "assistant", "content": second}]}

@@ -1,4 +1,4 @@
-"""Orbax checkpoints (issue 12): a resumed run continues its loss curve exactly, a tensor-parallel
+"""Orbax checkpoints: a resumed run continues its loss curve exactly, a tensor-parallel
 checkpoint restores on another mesh, a phantom one is refused where its shapes differ, old
 checkpoints are pruned, and a run killed during a save resumes from the last complete one."""
 

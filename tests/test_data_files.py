@@ -64,7 +64,7 @@ def test_json_array_streams_across_blocks(tmp_path, monkeypatch):
 def test_folder_splits_on_whole_words_of_the_path(tmp_path):
     """Hugging Face layouts: the hub's data/<split>-*.parquet, save_to_disk's <split>/ folders
     (their metadata .json files skipped, and named); one rule, a whole word, for every split:
-    values.jsonl, intervals/ and contest.jsonl train (issue 55)."""
+    values.jsonl, intervals/ and contest.jsonl train."""
     for name in ("b-train.jsonl", "a-train.parquet", "val.jsonl", "notes.txt", "contest.jsonl",
                  "sub/c.arrow", "validation/data-0.arrow", "validation/state.json",
                  "test/data-0.arrow", "data/test-00000-of-00001.parquet", "dev2.jsonl",
@@ -143,7 +143,7 @@ def test_malformed_files_are_refused(tmp_path):
 
 
 def test_a_byte_order_mark_is_read_past(tmp_path):
-    """Issue 55: a UTF-8 BOM (a common export) before JSON Lines or a JSON array."""
+    """A UTF-8 BOM (a common export) before JSON Lines or a JSON array."""
     lines, array = tmp_path / "a.jsonl", tmp_path / "b.json"
     lines.write_text("\ufeff" + "".join(json.dumps(r) + "\n" for r in ROWS), encoding="utf-8")
     array.write_text("\ufeff" + json.dumps(ROWS), encoding="utf-8")
@@ -151,7 +151,7 @@ def test_a_byte_order_mark_is_read_past(tmp_path):
 
 
 def test_json_lines_of_lists_are_refused_as_lists(tmp_path):
-    """Issue 55: lines of [1, 2, 3] are rows that are lists (not one array of numbers); a
+    """Lines of [1, 2, 3] are rows that are lists (not one array of numbers); a
     one-line array of objects is still one array of rows."""
     path = tmp_path / "lists.jsonl"
     path.write_text("[1, 2, 3]\n" * 3)

@@ -75,7 +75,7 @@ def _turn(user: str, answer: str | None) -> dict:
     ([{"text": ""}] * 4, {}, "every row is at most one token (a text of '' is its EOS alone)"),
 ])
 def test_nothing_to_learn_is_refused_before_anything_is_built(tmp_path, rows, flags, words):
-    """Issue 55: loss tokens are counted in the rows the model sees (after padding's
+    """Loss tokens are counted in the rows the model sees (after padding's
     truncation), and a split with none is one line naming why, before the build."""
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -87,7 +87,7 @@ def test_nothing_to_learn_is_refused_before_anything_is_built(tmp_path, rows, fl
 
 
 def test_text_the_tokenizer_cannot_represent_is_counted_or_refused(tmp_path):
-    """Issue 55: the chat fixture's 120-id byte-level BPE has no token for 'Ü' or '日' and drops
+    """The chat fixture's 120-id byte-level BPE has no token for 'Ü' or '日' and drops
     them; the count and the first row are a warning, or with --refuse-lost-text a refusal."""
     from jphantom.errors import JPhantomWarning
 
@@ -104,7 +104,7 @@ def test_text_the_tokenizer_cannot_represent_is_counted_or_refused(tmp_path):
 
 
 def test_a_chat_template_refusal_blames_the_template(tmp_path):
-    """Issue 55: an empty --chat-template file, and a folder without a template, are named as
+    """An empty --chat-template file, and a folder without a template, are named as
     such (not "the data holds 0 row(s)", not "give --chat-template FILE")."""
     data = _chat_file(tmp_path, copies=1)
     empty = tmp_path / "empty.jinja"

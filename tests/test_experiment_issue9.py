@@ -1,5 +1,5 @@
-"""The issue-9 experiment scripts run end to end (reduced settings) and write what the README
-quotes."""
+"""The SAMO, precision and data-parallel experiment scripts run end to end (reduced settings)
+and write what the README quotes."""
 
 import json
 import subprocess

@@ -1,6 +1,6 @@
 """Bad input never costs work: each of these is one line on stderr and exit status 2 before
-anything is built, compiled or written (the inputs of issue 35's probe that used to be
-tracebacks, silent or a near-hang)."""
+anything is built, compiled or written (inputs that used to be tracebacks, silent or a
+near-hang)."""
 
 import pytest
 

@@ -193,7 +193,7 @@ def test_the_library_opens_one_shard_map():
 
 
 def test_no_module_holds_several_ideas_by_size():
-    """A module over about 650 lines holds several ideas: split it by idea (issue 34)."""
+    """A module over about 650 lines holds several ideas: split it by idea."""
     long = {f"jphantom/{path.relative_to(ROOT)}": n for _, path in _modules()
             if (n := len(path.read_text().splitlines())) > 650}
     assert not long, long
@@ -204,11 +204,11 @@ FUNCTION_LINES = 80
 # and why it is long. Take one off the list by splitting it; never add one.
 LONG_FUNCTIONS = {
     "planner/search.py::plan": (288, "the planner's enumeration of every layout, one block per "
-                                  "layout kind (issue 44: one priced strategy object each)"),
+                                  "layout kind (to become one priced strategy object each)"),
     "pipeline/runner.py::run": (287, "the pipeline executor's slot loop and its 21 closures "
-                                     "over the slot buffers (issue 44)"),
-    "plans/convert.py::convert": (166, "one branch per style and layer type (issue 44: the "
-                                       "styles own their conversions)"),
+                                     "over the slot buffers"),
+    "plans/convert.py::convert": (166, "one branch per style and layer type (to become "
+                                       "the styles' own conversions)"),
     "pipeline/table.py::plan": (124, "the host-side slot assignment of every task's buffers"),
     "compare.py::run_compare": (94, "the comparison's runs, seeds and targets"),
     "launch.py::launch": (92, "the launcher's processes, their environment and their exit"),
@@ -217,7 +217,7 @@ LONG_FUNCTIONS = {
 
 
 def test_no_function_runs_over_a_screen_or_two():
-    """A function over 80 lines holds several steps: split it (issue 44). The exemptions above
+    """A function over 80 lines holds several steps: split it. The exemptions above
     name their reason and may only shrink."""
     found = {}
     for _, path in _modules():

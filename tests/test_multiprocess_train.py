@@ -1,4 +1,4 @@
-"""``jphantom launch`` + ``jphantom train`` across processes (issue 12): 2 processes x 4 devices
+"""``jphantom launch`` + ``jphantom train`` across processes: 2 processes x 4 devices
 train phantom and the tensor-parallel GPT exactly as 1 process x 8 devices, step for step, loss
 and parameters; process 0 alone writes the outputs."""
 

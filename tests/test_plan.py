@@ -574,7 +574,7 @@ def test_plan_refuses_an_unknown_cluster_naming_the_choices(capsys):
 
 
 def test_accumulation_names_the_layouts_it_leaves_out():
-    """Issue 55's probe: plan --accumulate 3 on a batch of 512 priced 14 of 86 layouts without a
+    """A probe's finding: plan --accumulate 3 on a batch of 512 priced 14 of 86 layouts without a
     word; the header names the rule that left the others out."""
     from jphantom.planner.report import format_plan
 

@@ -192,7 +192,7 @@ DIVERGING = [*FFN, "--learning-rate", "1e6"]  # sgd: the loss 1e19 at step 3, in
 
 def test_a_run_that_diverges_at_its_end_records_what_it_printed(tmp_path, capsys):
     """skip keeps the parameters finite (1e19-sized), the final validation loss is inf: the run
-    exits 1 with one line, and results.json's nonfinite.diverged is that line (issue 55)."""
+    exits 1 with one line, and results.json's nonfinite.diverged is that line."""
     out = tmp_path / "out"
     assert cli.main(["train", *DIVERGING, "--on-nonfinite", "skip", "--out", str(out)]) == 1
     err = capsys.readouterr().err

@@ -224,7 +224,7 @@ print(sorted(name for name in ("jax", "flax", "numpy") if name in sys.modules))
 
 
 def test_constructing_a_configuration_imports_neither_jax_nor_flax(tmp_path):
-    """Configuration is data (issue 44): a fresh process that constructs the model section of
+    """Configuration is data: a fresh process that constructs the model section of
     every registered family and the run configurations around them (every section, a TOML
     file's settings) imports neither jax, flax nor numpy; they come with ``build()``."""
     import subprocess

@@ -1,4 +1,4 @@
-"""The training step's parts, each built and tested alone from one StepSetup (issue 44): the
+"""The training step's parts, each built and tested alone from one StepSetup: the
 gradient provider against jax.grad on one device, the reducer's sum over data, the reducer that
 does not reduce, the optimizer update; and the step is their composition."""
 

@@ -1,4 +1,4 @@
-"""Global token means (issue 32 item 4): a loss_fn returning (total, weight[, mean]) trains on
+"""Global token means: a loss_fn returning (total, weight[, mean]) trains on
 sum(total) / sum(weight) over every rank and micro-batch, exactly the one-device loss with ragged
 masks, under data + accumulation, tensor, context, pipelines (1F1B, zero-bubble) and GSPMD; the
 weight costs no GEMM and one scalar all-reduce; a mean of per-rank means differs (the bug)."""
@@ -194,7 +194,7 @@ def test_a_weight_of_the_wrong_type_or_value_is_refused_at_the_first_call():
     for weight, match in [(0.0, "weight=0.0: .* positive and finite"), (0, "weight=0:"),
                           (float("nan"), "weight=nan"), (-5.0, "weight=-5.0"),
                           ("3", "weight='3' \\(str\\)"),
-                          # constant arrays are known at trace as Python numbers are (issue 55)
+                          # constant arrays are known at trace as Python numbers are
                           (jnp.float32(0.0), "weight=0.0:"), (jnp.float32(-5.0), "weight=-5.0"),
                           (np.float32(0.0), "weight=0.0:"), (np.array(0), "weight=0:"),
                           (jnp.asarray(float("nan")), "weight=nan")]:

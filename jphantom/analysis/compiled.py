@@ -140,10 +140,10 @@ def zero_formula_bytes(step, params) -> dict[str, float]:
     per_rank = sum(math.prod(a.sharding.shard_shape(a.shape)) for a in jax.tree.leaves(params))
     sharded = step.zero == 3 or getattr(step, "master_weights", "") == "sharded"  # stored shards
     p = per_rank * (n if sharded else 1)  # the parameters a rank holds without ZeRO
-    seed001 = {0: 16 * p, 1: 4 * p + 12 * p / n, 2: 2 * p + 14 * p / n, 3: 16 * p / n}
+    cheng = {0: 16 * p, 1: 4 * p + 12 * p / n, 2: 2 * p + 14 * p / n, 3: 16 * p / n}
     ours = {0: 16 * p, 1: 8 * p + 8 * p / n, 2: 4 * p + 12 * p / n, 3: 16 * p / n}
     if sharded and step.zero == 1:
-        ours[1] = seed001[1]
+        ours[1] = cheng[1]
     return {"model_state_formula_bytes": ours[step.zero],
-            "seed001_formula_bytes": seed001[step.zero], "data_parallel": n,
+            "cheng_formula_bytes": cheng[step.zero], "data_parallel": n,
             "params_per_model_rank": p}

@@ -1,6 +1,6 @@
 """Analytic per-rank model of one training step: FLOPs, collectives, memory and modelled time.
 
-For the seed-000 FFN (L layers of n x n, batch B, features sharded over p ranks) under
+For Seal et al.'s FFN (L layers of n x n, batch B, features sharded over p ranks) under
 
 - ``"tensor-t1"``: Seal et al.'s TP, :class:`jphantom.nn.tensor.T1Linear` (row-sharded
   W^(j) [n/p, n]; all-gather the [B, n/p] activations forward, reduce-scatter [B, n] -> [B, n/p]

@@ -209,7 +209,7 @@ QWEN2 = Path(__file__).parents[1] / "fixtures" / "hf" / "qwen2"
 @pytest.mark.parametrize("command", ["train", "inspect", "compile", "verify"])
 def test_from_hf_without_model_takes_the_family_its_config_names(command):
     """As transformers' AutoModel: the checkpoint's model_type chooses the family of every
-    command's run (issue 55); --model, or a --config file naming one, still decides."""
+    command's run; --model, or a --config file naming one, still decides."""
     from jphantom.cli import build_parser
     from jphantom.cli.parser import run_settings
     from jphantom.cli.step_defaults import COMPILE_MODEL, INSPECT_MODEL, step_settings

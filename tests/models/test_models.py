@@ -19,7 +19,7 @@ from helpers import assert_tree_close, batch, gradient_step, oracle_loss_and_gra
 
 @pytest.mark.parametrize("depth, pairs", [(1, False), (3, False), (1, True), (2, True),
                                          (3, True)])
-def test_the_plain_ffn_is_seed_000s_ffn(depth, pairs):
+def test_the_plain_ffn_is_seal_et_al_s_ffn(depth, pairs):
     """y = W_L relu(... relu(W_1 x + b_1)) + b_L, written out layer by layer, equals the module
     (stacked units under lax.scan, the first peeled, ReLU from the unit's index) and its loss is
     the mean squared error."""

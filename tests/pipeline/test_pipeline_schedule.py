@@ -1,4 +1,4 @@
-"""Pipeline schedules as data (issue 8): tables, dependencies, bubbles (Narayanan et al. 2021), memory, errors."""
+"""Pipeline schedules as data: tables, dependencies, bubbles (Narayanan et al. 2021), memory, errors."""
 
 from collections import Counter
 
@@ -8,7 +8,7 @@ from jphantom.errors import ConfigError
 from jphantom.pipeline import Task, build, simulate
 
 # Narayanan et al. 2021: bubble (P - 1) / (M + P - 1) for GPipe and 1F1B.
-SEED_003_BUBBLES = [
+PUBLISHED_BUBBLES = [
     (4, 4, 42.9),
     (4, 16, 15.8),
     (4, 64, 4.5),
@@ -33,8 +33,8 @@ CONFIGS = [
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("backward_cost", [1.0, 2.0])
-@pytest.mark.parametrize("stages,microbatches,percent", SEED_003_BUBBLES)
-def test_bubble_reproduces_seed_003_table(schedule, backward_cost, stages, microbatches, percent):
+@pytest.mark.parametrize("stages,microbatches,percent", PUBLISHED_BUBBLES)
+def test_bubble_reproduces_the_published_bubble_table(schedule, backward_cost, stages, microbatches, percent):
     sim = simulate(schedule, stages, microbatches, backward_cost=backward_cost)
     assert sim.bubble_fraction * 100 == pytest.approx(percent, abs=0.1)
     assert sim.bubble_fraction == pytest.approx((stages - 1) / (microbatches + stages - 1))
