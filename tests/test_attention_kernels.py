@@ -97,7 +97,11 @@ def test_the_kernel_choice_says_why_and_refuses_what_cannot_run(monkeypatch):
     assert ring.kernel(jnp.bfloat16, 64)[0] == "pallas"
     gathered = attention.GatheredAttention(size=2)
     gathered.platform = "nvidia"
-    assert gathered.kernel(jnp.bfloat16, 64)[0] == "xla"
+    assert gathered.kernel(jnp.bfloat16, 64)[0] == "pallas"
+    assert gathered.kernel(jnp.bfloat16, 64, packed=True)[0] == "xla-masked"
+    windowed = attention.GatheredAttention(size=2, window=8)
+    windowed.platform = "nvidia"
+    assert windowed.kernel(jnp.bfloat16, 64)[0] == "xla-masked"
     with pytest.raises(ConfigError, match="all-gather"):
         attention.RingAttention(size=2, window=8)
 

@@ -104,4 +104,8 @@ class Stages:
     first: Callable[[Any, jax.Array], jax.Array]
     body: Callable[[Any, jax.Array, jax.Array], jax.Array]
     last: Callable[[Any, jax.Array, jax.Array, int], jax.Array]
+    # A chunk's parameters as ``body`` computes with them (the compute precision's cast): done
+    # before ``jax.vjp``, so that the pullback's residuals hold the cast weights as the chunk's
+    # own parameters (recast at the backward, not stashed per micro-batch); None: as stored.
+    prepare: Callable[[Any], Any] | None = None
 

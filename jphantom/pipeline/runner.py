@@ -102,8 +102,9 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
     x0 = stages.first(rest, take_index(inputs, 0))
     x0 = jax.tree.map(lambda a: a + comm.pcast(jnp.zeros((), a.dtype), STAGE_AXIS, to="varying"),
                       x0)
+    prepare = stages.prepare or (lambda chunk: chunk)
     local = [jax.tree.map(lambda a, v=v: a[v], chunks) for v in range(V)]  # static slices
-    chunk0 = local[0]
+    chunk0 = prepare(local[0])  # in the compute precision (Stages.prepare)
     probed = {}
 
     def probe_forward(chunk, x, c):
@@ -129,7 +130,7 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
 
     rebuild = rebuilder(treedef, is_param)
     carry = {"inbox": slot_buffers(out0, plan_.inbox_slots), "loss": zero}
-    zero_leaves = jax.tree.leaves(jax.tree.map(jnp.zeros_like, chunk0))
+    zero_leaves = jax.tree.leaves(jax.tree.map(jnp.zeros_like, local[0]))  # as stored
     if train:
         split = (weight_only_residuals(rebuild(chunk0), stash0, chunk0, out0) if plan_.splits
                  else Split((False,) * len(stash0), (False,) * len(zero_leaves)))
@@ -191,12 +192,13 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
         return result
 
     def chunk_of(v, row):
-        """The local chunk's parameters: static with one chunk per device; with more a dynamic
-        slice (a branch per chunk would multiply every branch's buffers)."""
+        """The local chunk's parameters in the compute precision (cast in the task, outside
+        its ``jax.vjp``): static with one chunk per device; with more a dynamic slice (a branch
+        per chunk would multiply every branch's buffers)."""
         if v is not None:
-            return local[v], global_chunk(v)
+            return prepare(local[v]), global_chunk(v)
         v = field(row, "chunk")
-        return take_index(chunks, v), global_chunk(v)
+        return prepare(take_index(chunks, v)), global_chunk(v)
 
     def forward(kinds, v, row, buffers):
         message = take_index(buffers["inbox"], field(row, "inbox"))

@@ -145,7 +145,7 @@ class PipelineGradients:
             return setup.mean_share(loss, exclude=("stage",))[0] / microbatches * scale
 
         stages = runner.Stages(units=stacked_module.layers, unit_name="layers", first=first,
-                               body=self.body(), last=last)
+                               body=self.body(), last=last, prepare=cast)
         plan = runner.plan(setup.pipeline, stages_count, train=train)
         stacked, rest = stages_layout.split(leaves)
         if not train:
@@ -157,8 +157,9 @@ class PipelineGradients:
         return loss, [g.astype(x.dtype) for g, x in zip(grads, leaves)]
 
     def body(self):
-        """``body(chunk, x, c)``: model chunk ``c``'s layers (its parameters ``chunk``, stacked)
-        applied to ``x``, in the compute precision, under the blocks' remat policy."""
+        """``body(chunk, x, c)``: model chunk ``c``'s layers (its parameters ``chunk``, stacked,
+        already in the compute precision: the executor casts them, ``Stages.prepare``) applied
+        to ``x``, under the blocks' remat policy."""
         from jphantom.nn.stack import apply_blocks
 
         setup, layout = self.setup, self.stages
@@ -167,7 +168,7 @@ class PipelineGradients:
 
         def body(chunk, x, c):
             state = jax.tree.unflatten(layout.block_treedef,
-                                       [setup.precision.cast(chunk[k]) for k in layout.block_order])
+                                       [chunk[k] for k in layout.block_order])
             return apply_blocks(layout.block_graph, state, x, remat=stacked.remat,
                                 with_index=stacked.with_index, offset=c * per_chunk)
 

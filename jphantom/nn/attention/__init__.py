@@ -13,9 +13,11 @@ swaps them (plan style ``context``, :func:`jphantom.plans.context`) for
                            masked chunks skipped; the backward (``jax.custom_vjp``) passes K/V
                            around the ring again and carries dK/dV accumulators home, storing no
                            K/V of the forward's steps. The default.
-:class:`GatheredAttention` K and V all-gathered over ``context`` (MaxText's default): simple, the
-                           whole sequence's K/V and a [S/C, S] score block per rank; backward a
-                           reduce-scatter of dK/dV (the gather's transpose).
+:class:`GatheredAttention` K and V all-gathered over ``context`` (MaxText's default), then the
+                           ring's blocks on the gathered chunks (flash attention's statistics
+                           kept, no [S/C, S] probabilities; a sliding window or a packed batch:
+                           one masked [S/C, S] block); backward a reduce-scatter of dK/dV (the
+                           gather's transpose). Works inside a pipeline's slots.
 :class:`ContextPositions`  the global positions of this rank's tokens.
 =========================  =====================================================================
 

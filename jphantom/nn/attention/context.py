@@ -14,6 +14,7 @@ from jphantom import comm, remat
 from jphantom.attention_choices import ALGORITHMS
 from jphantom.errors import ConfigError
 from jphantom.nn.attention.core import CausalAttention, Positions, causal_attention
+from jphantom.nn.attention.gathered import blockwise_gathered_attention
 from jphantom.nn.attention.kernel_choice import check_implementation, choose, platform_of
 from jphantom.nn.attention.layout import AXIS, layout_positions
 from jphantom.nn.attention.packing import segment_mask
@@ -22,16 +23,21 @@ from jphantom.nn.attention.ring import ring_attention
 
 def gathered_attention(q, k, v, *, size: int, balanced: bool = True,
                        window: int | None = None, segment_ids=None,
-                       recompute: bool = False) -> jax.Array:
-    """Causal attention of this rank's chunk with K and V all-gathered over ``context`` (XLA's
-    path: the mask of the layout's positions is not one cuDNN takes); ``segment_ids`` [B, S/C]
-    (a packed batch, this rank's chunk): gathered with K and V, a query attending only keys of
-    its own segment. ``recompute``: the core after the gathers runs under ``jax.checkpoint``
-    saving its inputs (the [S/C, S] probabilities recomputed in the backward, the gathers not
-    repeated)."""
+                       recompute: bool = False, kernel: str | None = "xla") -> jax.Array:
+    """Causal attention of this rank's chunk with K and V all-gathered over ``context``. With a
+    ``kernel`` (no window, no segments) on flash attention's blocks
+    (:func:`~jphantom.nn.attention.gathered.blockwise_gathered_attention`: the backward keeps
+    q, K, V, the output and the log-sum-exp); with ``kernel=None``, a sliding ``window`` or
+    ``segment_ids`` [B, S/C] (a packed batch, this rank's chunk: gathered with K and V, a query
+    attending only keys of its own segment) on XLA's path under the layout's position mask,
+    whose [S/C, S] probabilities the backward keeps unless ``recompute`` (the core after the
+    gathers under ``jax.checkpoint`` saving its inputs, the gathers not repeated)."""
     local = q.shape[1]
     k_all = comm.all_gather(k, AXIS, axis=1, tiled=True)
     v_all = comm.all_gather(v, AXIS, axis=1, tiled=True)
+    if kernel is not None and window is None and segment_ids is None:
+        return blockwise_gathered_attention(q, k_all, v_all, size=size, balanced=balanced,
+                                            kernel=kernel)
     q_pos = layout_positions(comm.axis_index(AXIS), size, local, balanced)
     k_pos = jnp.concatenate([layout_positions(r, size, local, balanced) for r in range(size)])
     mask = q_pos[:, None] >= k_pos[None, :]
@@ -89,7 +95,7 @@ class RingAttention(nnx.Module):
         """The kernel of the blocks and why (:func:`context_kernel`)."""
         platform = self.platform or platform_of(jax.devices()[0])
         return context_kernel(self.algorithm, self.implementation, platform, dtype, head_dim,
-                              packed=packed)
+                              packed=packed, window=self.window)
 
     def __call__(self, q, k, v, segment_ids=None) -> jax.Array:
         if segment_ids is None:
@@ -111,25 +117,33 @@ class GatheredAttention(RingAttention):
     algorithm = "all-gather"
 
     def __call__(self, q, k, v, segment_ids=None) -> jax.Array:
-        self.kernel(q.dtype, q.shape[-1], packed=segment_ids is not None)
+        kernel, _ = self.kernel(q.dtype, q.shape[-1], packed=segment_ids is not None)
         return gathered_attention(q, k, v, size=self.size, balanced=self.balanced,
                                   window=self.window, segment_ids=segment_ids,
-                                  recompute=self.recompute)
+                                  recompute=self.recompute,
+                                  kernel=None if kernel == "xla-masked" else kernel)
 
 
 def context_kernel(algorithm: str, implementation: str, platform: str, dtype,
-                   head_dim: int, *, packed: bool = False) -> tuple[str, str]:
+                   head_dim: int, *, packed: bool = False,
+                   window: int | None = None) -> tuple[str, str]:
     """The kernel of context attention's blocks and why: where :func:`choose` picks cuDNN for
     the unsplit core, the ring's blocks run jax's Pallas Triton flash kernels
     (:mod:`jphantom.nn.flash`: cuDNN's statistics come back only in the compute dtype), else
-    XLA's einsum blocks; the all-gather variant attends under its layout's position mask, on
-    XLA's path."""
+    XLA's einsum blocks; the all-gather variant's blocks the same (``xla-masked``: with a sliding
+    ``window`` or ``packed``, the layout's position mask on XLA's path instead of blocks)."""
     kernel, why = choose(implementation, platform, dtype, head_dim)
+    if algorithm != "ring" and (packed or window is not None):
+        return "xla-masked", ((f"a sliding window of {window} tokens" if window is not None
+                               else "a packed batch")
+                              + f" with {algorithm} context attention: XLA's path under the "
+                              "layout's position mask (the backward keeps the [S/C, S] "
+                              "probabilities unless the core is recomputed)")
     if kernel == "xla":
         return "xla", why
     if algorithm != "ring":
-        return "xla", (f"{algorithm} context attention: the layout's position mask is not one "
-                       "cuDNN takes")
+        return "pallas", (f"{why}; {algorithm} context attention on flash blocks: jax's Pallas "
+                          "Triton flash attention (float32 log-sum-exp to merge them)")
     if packed:
         return "xla", (f"{why}; packed batch on the ring: jax's Pallas flash kernel takes one "
                        "segment-id array for queries and keys, a ring block's are two chunks: "

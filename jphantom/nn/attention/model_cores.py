@@ -41,7 +41,7 @@ def kernels_of(model: nnx.Module, implementation: str | None, platform: str, dty
         chosen = implementation or module.implementation
         if isinstance(module, RingAttention):
             kernel, why = context_kernel(module.algorithm, chosen, platform, dtype, head_dim,
-                                         packed=packed)
+                                         packed=packed, window=module.window)
         else:
             kernel, why = choose(chosen, platform, dtype, head_dim, packed=packed,
                                  window=module.window)
