@@ -19,9 +19,13 @@ Two tables, every figure per GPU:
   planner's default, and k = 32). The decode collectives are checked against the compiled forward
   of one token per sequence of a 2-layer model of the same widths (float32: jphantom's forward
   computes in its parameters' dtype); a KV cache adds no collective (heads stay on their rank).
+  ``--gpu-check`` compiles the same forwards for one node of 8 H100s (XLA:GPU, no GPU needed),
+  whose combiner joins phantom's q|k|v and gate|up ghost all-gathers: the decode prices that
+  schedule (the same bytes in fewer collectives; assumed the same on MI250X).
 
-    python benchmarks/inference_forward.py            # ~1 min on 2 cores (the compiles)
-    python benchmarks/inference_forward.py --quick    # small sizes, 8 devices, for a check
+    python benchmarks/inference_forward.py              # ~20 s of compiles on 2 cores
+    python benchmarks/inference_forward.py --quick      # small sizes, 8 devices, for a check
+    .venv-aot/bin/python benchmarks/inference_forward.py --gpu-check   # + compiled for gpu:h100
 
 Writes ``benchmarks/results/inference_forward/inference_forward.json``, the tables
 ``inference_forward.txt`` and ``inference_forward.png`` (``--no-plot`` skips it).
@@ -120,7 +124,8 @@ def decode_check(llama: dict, model: int, ghosts, batch: int) -> list[dict]:
     shape = GPTShape(**{**llama, "layers": 2})
     out = []
     for strategy, k in [("tensor", None)] + [("phantom", k) for k in ghosts]:
-        formula = inference.llama_forward(shape, batch, 1, 1, model, strategy, k, "f32")
+        formula = inference.llama_forward(shape, batch, 1, 1, model, strategy, k, "f32",
+                                          combined=False)  # XLA:CPU: one per projection
         compiled = inference.compiled_forward(config, strategy, f"model={model}", (batch, 1),
                                               ghost_width=k)
         out.append({"strategy": strategy, "k": k, "batch": batch, "layers": 2,
@@ -131,6 +136,52 @@ def decode_check(llama: dict, model: int, ghosts, batch: int) -> list[dict]:
             raise SystemExit(f"decode {strategy} k={k}: compiled {compiled} != formula "
                              f"{formula.collectives}")
     return out
+
+
+def gpu_check(configs, llama: dict, model: int, ghosts, batch: int, ffn_batch: int) -> dict:
+    """The same formulas against the forward compiled for one node of 8 H100s (XLA:GPU, no GPU
+    needed: ``jphantom[aot]``): the FFN rows of p <= 8 and the 2-layer decode forward, whose
+    phantom all-gathers XLA:GPU combines (``combined=True``). Skipped, saying why, without the
+    GPU compiler."""
+    from jphantom import aot, strategies
+    from jphantom.errors import ConfigError
+    from jphantom.mesh import device_pool
+    from jphantom.models.ffn import FFNConfig
+    from jphantom.models.llama import LlamaConfig
+    from jphantom.perf import inference
+    from jphantom.perf.axonn_model import GPTShape
+
+    try:
+        _, devices = aot.deviceless_node("gpu:h100")
+    except ConfigError as error:
+        return {"skipped": str(error)}
+    rows = []
+    config = LlamaConfig(vocab_size=llama["vocab_size"], hidden=llama["hidden"],
+                         intermediate=llama["intermediate"], layers=2, heads=llama["heads"],
+                         kv_heads=llama["kv_heads"], max_positions=64)
+    cases = [("ffn", n, L, p, s, k if strategies.get(s).needs_ghost_width else None)
+             for n, L, p, k in configs if p <= len(devices) for s in STRATEGIES] + [
+        ("decode", None, 2, model, s, k) for s, k in [("tensor", None)] + [
+            ("phantom", g) for g in ghosts]]
+    with device_pool(devices):
+        for what, n, L, p, strategy, k in cases:
+            if what == "ffn":
+                formula = inference.ffn_forward(n, L, p, ffn_batch, strategy, k).collectives
+                compiled = inference.compiled_forward(FFNConfig(width=n, depth=L, ghost_width=k),
+                                                      strategy, f"model={p}", (ffn_batch, n),
+                                                      ghost_width=k)
+            else:
+                shape = GPTShape(**{**llama, "layers": 2})
+                formula = inference.llama_forward(shape, batch, 1, 1, p, strategy, k,
+                                                  "f32").collectives
+                compiled = inference.compiled_forward(config, strategy, f"model={p}",
+                                                      (batch, 1), ghost_width=k)
+            rows.append({"what": what, "n": n, "L": L, "p": p, "strategy": strategy, "k": k,
+                         "formula": [list(c) for c in formula],
+                         "compiled": [list(c) for c in compiled],
+                         "agree": check(formula, compiled, 4)})
+    return {"target": "gpu:h100 (one node of 8, compiled without a GPU)", "rows": rows,
+            "all_agree": all(r["agree"] for r in rows)}
 
 
 def ffn_table(rows: list[dict]) -> list[str]:
@@ -218,6 +269,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--model", type=int, default=8, help="decode: GPUs per model (8)")
     parser.add_argument("--out", default=None, help=f"results folder (default {OUT})")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    parser.add_argument("--gpu-check", action="store_true",
+                        help="also compile for gpu:h100 (needs jphantom[aot]: .venv-aot)")
     args = parser.parse_args(argv)
     import jax
 
@@ -236,6 +289,9 @@ def main(argv=None) -> dict:
         "ffn": ffn_rows(QUICK_FFN if args.quick else FFN, batch, devices),
         "decode": decode_rows(llama, QUICK_DECODE if args.quick else DECODE, args.model, ghosts),
         "decode_check": decode_check(llama, args.model, ghosts, 4 if args.quick else 32),
+        "gpu_check": (gpu_check(QUICK_FFN if args.quick else FFN, llama, args.model, ghosts,
+                                4 if args.quick else 32, batch) if args.gpu_check
+                      else {"skipped": "not asked (--gpu-check)"}),
         "machine": machine_info(), "revision": source_revision(ROOT),
         "label": "modelled: times and joules from jphantom.perf.inference on the shipped device "
                  "descriptions; FFN collective bytes also from the compiled forward (XLA:CPU)",
@@ -244,6 +300,10 @@ def main(argv=None) -> dict:
              + ffn_table(result["ffn"]) + ["", "Decode step, bf16, one node of %d GPUs, "
                                                "Llama-3-8B widths" % args.model]
              + decode_table(result["decode"]))
+    check = result["gpu_check"]
+    table += ["", "Compiled for gpu:h100: " + (check["skipped"] if "skipped" in check else (
+        f"{sum(r['agree'] for r in check['rows'])} of {len(check['rows'])} forwards have the "
+        "formulas' collectives (FFN rows of p <= 8; the decode step's 2-layer forward)"))]
     write_results(out, "inference_forward", result, table)
     print("\n".join(table))
     if not args.no_plot and plot(result, out / "inference_forward.png"):

@@ -62,8 +62,11 @@ def test_decode_split_over_model_and_data():
         (64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (64, 128), (128, 64)))
     head = 128 * 32 + 4 * 32 + 2 * 128 * 4
     assert phantom["weight_bytes"] == 2 * (2 * (block + 64) + head + 32 + 64)
-    assert phantom["collectives"] == [["all-gather", 2 * 4 * 2, 15], ["all-reduce", 2, 5],
+    ghosts = 2 * 4 * 2  # p k B, combined as XLA:GPU compiles them: q|k|v, gate|up
+    assert phantom["collectives"] == [["all-gather", ghosts, 5], ["all-gather", 2 * ghosts, 2],
+                                      ["all-gather", 3 * ghosts, 2], ["all-reduce", 2, 5],
                                       ["all-gather", 2 * 256, 1]]
+    assert phantom["collective_result_bytes"] == 2 * (15 * ghosts + 5 * 2 + 512)
 
 
 def test_prefill_is_compute_bound_and_the_inputs_are_checked():
@@ -106,7 +109,8 @@ def test_decode_collectives_are_the_compiled_forward_of_one_token(strategy, ghos
     config = LlamaConfig(vocab_size=256, hidden=64, intermediate=128, layers=2, heads=8,
                          kv_heads=8, max_positions=16)
     shape = GPTShape(2, 64, 8, 16, 256, "llama", 128, 8)
-    formula = inference.llama_forward(shape, 4, 1, 1, 8, strategy, ghost, "f32").collectives
+    formula = inference.llama_forward(shape, 4, 1, 1, 8, strategy, ghost, "f32",
+                                      combined=False).collectives  # XLA:CPU: one per projection
     compiled = inference.compiled_forward(config, strategy, "model=8", (4, 1), ghost_width=ghost)
     assert _agree(formula, compiled), (formula, compiled)
 

@@ -19,7 +19,9 @@ attention's 2 x S^2 x query features per sequence, so it is compute-bound: ``sec
 max with the compute term dominant.
 
 **Communication** of the forward is the strategy's collectives per device (the formulas below,
-checked against the compiled forward in ``tests/test_inference.py``), priced by
+checked against the compiled forward in ``tests/test_inference.py`` on XLA:CPU and by
+``benchmarks/inference_forward.py`` on XLA:GPU for an H100 node; MI250X is priced with the
+same schedule, assumed), priced by
 :class:`jphantom.predict.Network` (NCCL's ring or tree on the group's placement): it is added to
 the roofline, none hidden (an upper bound). **Energy** is Seal et al.'s Eq. 1 per token,
 
@@ -39,7 +41,9 @@ for tokens T (a decode step: T = B; prefill: B x S):
 Llama under tensor    all-reduce T h x (2 L + 1)  (Megatron's g of every attention and MLP, and
                       the vocabulary-parallel embedding's); all-gather T V x 1 (the logits)
 Llama under phantom   all-gather p k T x (7 L + 1) (Seal et al.'s Eq. 11 ghost exchange: every
-                      projection q, k, v, o, gate, up, down, and the head); all-reduce T x
+                      projection q, k, v, o, gate, up, down, and the head; XLA:GPU combines
+                      the q|k|v and the gate|up ones, which read the same input: p k T x
+                      (2 L + 1), 2 p k T x L, 3 p k T x L, the same bytes); all-reduce T x
                       (2 L + 1) (each RMSNorm's sum of squares over the split features);
                       all-gather T V x 1 (the logits)
 FFN under phantom     all-gather p k B x L (Table II's forward row)
@@ -129,10 +133,12 @@ def _linear_elements(i: int, o: int, p: int, phantom: bool, k: int | None) -> fl
 
 
 def llama_forward(shape: GPTShape, batch: int, seq: int, context: int, p: int, strategy: str,
-                  ghost_width: int | None, dtype: str) -> Forward:
+                  ghost_width: int | None, dtype: str, *, combined: bool = True) -> Forward:
     """A Llama forward of ``seq`` new tokens per sequence over ``batch`` sequences on one of
     ``p`` model ranks, attending to ``context`` positions (decode: seq 1; prefill: seq =
-    context), with the KV cache of ``context`` positions read (module docstring)."""
+    context), with the KV cache of ``context`` positions read (module docstring). ``combined``:
+    phantom's ghost all-gathers as XLA:GPU compiles them (q|k|v and gate|up combined, the same
+    bytes in 4 L + 1 collectives), else one per projection as XLA:CPU does (7 L + 1)."""
     row = _row(strategy, ghost_width, p, dtype)
     if shape.kv_heads is None:
         raise ConfigError("a GPT-2 shape: the decode formulas are Llama's (RMSNorm, SwiGLU, "
@@ -154,6 +160,11 @@ def llama_forward(shape: GPTShape, batch: int, seq: int, context: int, p: int, s
     flops = 2 * tokens * (L * block + head) + L * 4 * pairs * shape.heads * head_dim / p
     if p == 1:
         collectives = ()
+    elif phantom and combined:  # XLA:GPU's combiner: q|k|v and gate|up share one all-gather
+        ghosts = p * k * tokens
+        collectives = (("all-gather", ghosts, 2 * L + 1), ("all-gather", 2 * ghosts, L),
+                       ("all-gather", 3 * ghosts, L), ("all-reduce", tokens, 2 * L + 1),
+                       ("all-gather", tokens * shape.vocab_size, 1))
     elif phantom:
         collectives = (("all-gather", p * k * tokens, PROJECTIONS_PER_BLOCK * L + 1),
                        ("all-reduce", tokens, 2 * L + 1),
