@@ -136,8 +136,8 @@ def __getattr__(name):
     if name == "lm_loss":
         import warnings
 
-        warnings.warn("jphantom.token_mean.lm_loss is now jphantom.token_mean.lm_loss_terms; the "
-                      "old name goes in the next release", DeprecationWarning, stacklevel=2)
+        warnings.warn("jphantom.token_mean: lm_loss is now lm_loss_terms; the old name goes in "
+                      "the next release", DeprecationWarning, stacklevel=2)
         return lm_loss_terms
     raise AttributeError(f"module 'jphantom.token_mean' has no attribute {name!r}")
 

@@ -41,8 +41,8 @@ def __getattr__(name):
     if name == "Placement":  # GroupPlacement's old name, not jphantom.plans.Placement
         import warnings
 
-        warnings.warn("jphantom.predict.Placement is now jphantom.predict.GroupPlacement; the old "
-                      "name goes in the next release", DeprecationWarning, stacklevel=2)
+        warnings.warn("jphantom.predict: Placement is now GroupPlacement; the old name goes in "
+                      "the next release", DeprecationWarning, stacklevel=2)
         name = "GroupPlacement"
     if name not in _LAZY:
         raise AttributeError(f"module 'jphantom.predict' has no attribute {name!r}")

@@ -67,8 +67,7 @@ def __getattr__(name):
     if name == "Collective":
         import warnings
 
-        warnings.warn("jphantom.analysis.hlo.Collective is now "
-                      "jphantom.analysis.hlo.HloCollective; the old name goes in the next "
-                      "release", DeprecationWarning, stacklevel=2)
+        warnings.warn("jphantom.analysis.hlo: Collective is now HloCollective; the old name "
+                      "goes in the next release", DeprecationWarning, stacklevel=2)
         return HloCollective
     raise AttributeError(f"module 'jphantom.analysis.hlo' has no attribute {name!r}")

@@ -84,7 +84,7 @@ def __getattr__(name):
     if name in _RENAMED:
         import warnings
 
-        warnings.warn(f"jphantom.perf.axonn_model.{name} is now {_RENAMED[name]}; the old name "
-                      "goes in the next release", DeprecationWarning, stacklevel=2)
+        warnings.warn(f"jphantom.perf.axonn_model: {name} is now {_RENAMED[name]}; the old "
+                      "name goes in the next release", DeprecationWarning, stacklevel=2)
         return globals()[_RENAMED[name]]
     raise AttributeError(f"module 'jphantom.perf.axonn_model' has no attribute {name!r}")
