@@ -22,7 +22,7 @@ test: $(STAMP)
 test-all: $(STAMP) test-aot
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
-# Ahead-of-time GPU compiles (tests/test_aot.py) need XLA's GPU compiler and cuDNN, ~2.8 GB: their own
+# Ahead-of-time GPU compiles (tests/compile/test_aot.py) need XLA's GPU compiler and cuDNN, ~2.8 GB: their own
 # environment, so that `make test` stays light (there they skip, saying so).
 AOT_VENV ?= .venv-aot
 $(AOT_VENV)/.jphantom-installed: pyproject.toml
@@ -32,9 +32,9 @@ $(AOT_VENV)/.jphantom-installed: pyproject.toml
 	touch $@
 
 test-aot: $(AOT_VENV)/.jphantom-installed
-	$(AOT_VENV)/bin/python -m pytest -q -n 2 --dist load tests/test_aot.py
+	$(AOT_VENV)/bin/python -m pytest -q -n 2 --dist load tests/compile/test_aot.py
 
-# Ahead-of-time AMD GPU compiles (tests/test_rocm.py): XLA's ROCm compiler exists only as jax
+# Ahead-of-time AMD GPU compiles (tests/compile/test_rocm.py): XLA's ROCm compiler exists only as jax
 # 0.12.0's ROCm plugin, for Python >= 3.12 (~0.45 GB); gcc and readelf build stand-ins for the ROCm
 # runtime it links (jphantom.rocm.stubs). In `make test` those tests skip, saying so.
 ROCM_VENV ?= .venv-rocm
@@ -46,7 +46,7 @@ $(ROCM_VENV)/.jphantom-installed: pyproject.toml
 	touch $@
 
 test-rocm: $(ROCM_VENV)/.jphantom-installed
-	$(ROCM_VENV)/bin/python -m pytest -q -p no:xdist tests/test_rocm.py
+	$(ROCM_VENV)/bin/python -m pytest -q -p no:xdist tests/compile/test_rocm.py
 
 demo: $(STAMP)
 	$(VENV)/bin/jphantom demo

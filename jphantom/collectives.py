@@ -37,7 +37,7 @@ of a ``ppermute`` is the inverse ``ppermute``, of a concatenation the slices, of
 reduce-scatter (intra-node reduce-scatter, then log2 N halving rounds of the same sizes) and the
 backward of the reduce-scatter is a hierarchical all-gather; no residuals are kept but the rank's
 index. The reduce-scatter adds in another order than XLA's, so float results agree to rounding
-(bitwise for exact sums). ``tests/test_hierarchical_collectives.py`` checks values and gradients
+(bitwise for exact sums). ``tests/strategies/test_hierarchical_collectives.py`` checks values and gradients
 against the flat collectives and counts the permutes of forward + backward in HLO. Both work under
 ``check_vma=True`` (the outputs vary over both axes, as the flat collectives' do); the result is
 named for communication-aware checkpointing (:func:`jphantom.remat.name_collective`).

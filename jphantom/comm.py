@@ -13,7 +13,7 @@ is left, returns what the collective would give on one device, without emitting 
   constant 0.
 
 An axis the value does vary over is kept even at size 1 (only a collective makes it invariant);
-``tests/test_singleton_axes.py`` asserts that no compiled step has one. Call these inside a
+``tests/strategies/test_singleton_axes.py`` asserts that no compiled step has one. Call these inside a
 ``shard_map`` (they read ``lax.axis_size``), with the same arguments as ``jax.lax``'s.
 """
 

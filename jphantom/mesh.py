@@ -266,7 +266,7 @@ RAGGED_ALL_TO_ALL_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")  # XLA:CPU has none
 def has_ragged_all_to_all(platform: str | None = None) -> bool:
     """Whether XLA implements ``lax.ragged_all_to_all`` on ``platform`` (default: that of the
     first of :func:`available_devices`): its GPU and TPU backends do, its CPU backend does not
-    (``tests/test_expert.py`` compiles one on this machine's backend to check the table)."""
+    (``tests/strategies/test_expert.py`` compiles one on this machine's backend to check the table)."""
     return (platform or available_devices()[0].platform) in RAGGED_ALL_TO_ALL_PLATFORMS
 
 

@@ -9,7 +9,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
                                    "--xla_backend_optimization_level=0")
 
 # The suite runs on CPU devices; naming the platform also lets an installed CUDA plugin register
-# without a GPU, for the ahead-of-time compiles of tests/test_aot.py.
+# without a GPU, for the ahead-of-time compiles of tests/compile/test_aot.py.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

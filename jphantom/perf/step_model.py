@@ -20,7 +20,7 @@ GEMM FLOPs, GEMM count       exact        the code's matrix products, counted be
                                           multiply-add); equal to the ``dot`` ops of the compiled HLO
 collectives (kind/count/     exact        the strategy's own inventory,
 bytes)                                    ``inventory.collective_inventory`` (verified
-                                          against HLO in tests/test_hlo.py) + the scalar loss
+                                          against HLO in tests/compile/test_hlo.py) + the scalar loss
                                           all-reduce
 parameter, gradient,         exact        sizes of the arrays the code allocates per rank
 optimizer-state, batch bytes
@@ -194,7 +194,7 @@ class StepShape:
     B, ``ghost_width`` k (phantom only), ``fused`` (phantom's decompressor: one GEMM or the paper's
     p-1), ``dtype`` of parameters, activations and messages, ``optimizer_states`` per-parameter
     moments (see ``OPTIMIZER_STATES``), ``loss_allreduce``: count the scalar all-reduce of the MSE
-    loss (the only other collective of jphantom's compiled step; ``tests/test_hlo.py``).
+    loss (the only other collective of jphantom's compiled step; ``tests/compile/test_hlo.py``).
     """
 
     strategy: str

@@ -15,7 +15,7 @@ from jphantom import cli
 
 from helpers import exit_code
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GPT = ["--model", "transformer", "--strategy", "tensor", "--layers", "2", "--hidden", "16",
        "--heads", "2", "--seq-len", "8", "--batch", "8"]
 TRAIN = ["train", *GPT, "--steps", "2", "--eval-every", "1", "--eval-batches", "1",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "amd_check.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "amd_check.py"
 
 
 def load_script():

@@ -8,6 +8,7 @@ needs no compiler (targets, placement, the CLI's one-line refusal) run everywher
 import json
 import os
 import pathlib
+import sys
 import types
 
 import jax
@@ -429,8 +430,19 @@ def test_tpu_slice_compiles_and_records_libtpu():
     assert any("convolutions" in note for note in report["notes"])
 
 
+def _composition():
+    """tests/strategies/test_composition.py, the matrix whose cells these compile."""
+    import importlib
+
+    folder = str(pathlib.Path(__file__).parents[1] / "strategies")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module("test_composition")
+
+
 def _composition_cells():
-    from test_composition import cell_name, cells, expected
+    composition = _composition()
+    cell_name, cells, expected = composition.cell_name, composition.cells, composition.expected
 
     return [pytest.param(cell, id=cell_name(cell)) for cell in cells() if expected(cell) == "ok"]
 
@@ -441,7 +453,7 @@ def test_every_composition_cell_compiles_for_h100(cell):
     """Every cell the composition matrix trains on CPU (docs/strategies.md's table) compiles for H100s in one
     node, its GPU count the cell's mesh size. (Whether XLA issues a step's only all-reduce
     asynchronously depends on its version: jax 0.12's does not when nothing can overlap it.)"""
-    from test_composition import flags_of
+    flags_of = _composition().flags_of
 
     # 4x the CPU cells' widths: XLA 0.10's GPU compiler fails on 16-wide 16-bit GEMMs
     # ("Couldn't find output tile sizes", its Triton tiling), which no real model has
@@ -460,7 +472,7 @@ def test_planner_state_and_collective_bytes_match_the_h100_compile(tmp_path):
     are the compiled HLO's within 5% (the rest: norms' and cross-entropy's B S scalars)."""
     import sys
 
-    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "experiments"))
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "experiments"))
     import compile_at_scale
 
     results = compile_at_scale.run(compile_at_scale.QUICK, [16], 2, 32, tmp_path)
@@ -483,7 +495,7 @@ def test_gpu_grade_quick_meets_the_targets_on_its_small_model(tmp_path):
     the model axis' collectives (far more than SP alone)."""
     import sys
 
-    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "experiments"))
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "experiments"))
     import gpu_grade
 
     results = gpu_grade.run(True, tmp_path)
@@ -556,7 +568,7 @@ def test_activation_memory_per_layer_against_korthikantis_count_for_llama(h100, 
     """
     import sys
 
-    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "benchmarks"))
     import activation_memory
 
     target, devices = h100[1]

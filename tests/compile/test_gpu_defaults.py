@@ -1,6 +1,6 @@
 """The GPU defaults (jphantom.gpu_defaults): merged into the environment flag by flag, never over
 what the user set; `jphantom train` applies them only where an NVIDIA GPU is visible, and says
-what it set. (That `jphantom compile` records them: tests/test_aot.py, with the GPU compiler.)"""
+what it set. (That `jphantom compile` records them: tests/compile/test_aot.py, with the GPU compiler.)"""
 
 import os
 
@@ -98,7 +98,7 @@ def test_fp8_runs_get_cublaslt_fp8_gemms_and_no_other_run_does(monkeypatch, caps
     """--precision fp8 adds --xla_gpu_enable_triton_gemm=false (XLA's Triton GEMM rewriter runs
     before its cuBLAS FP8 rewriter and would take the FP8 dots: gpu_defaults' docstring); bf16 and
     float32 leave Triton's GEMMs to the autotuner; a user's own value is kept. (What XLA compiles
-    then: tests/test_aot.py.)"""
+    then: tests/compile/test_aot.py.)"""
     assert gpu_defaults.current(precision="fp8")["xla_gpu_enable_triton_gemm"] == "false"
     for precision in (None, "bf16", "float32"):
         assert "xla_gpu_enable_triton_gemm" not in gpu_defaults.current(precision=precision)

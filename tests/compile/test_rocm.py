@@ -203,7 +203,7 @@ def test_fp8_compiles_to_fnuz_gemms_on_mi300x_ocp_on_mi350x_refused_on_mi250x(mi
 def test_the_rocm_benchmark_says_what_to_install_in_one_line(tmp_path):
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "rocm_compile.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "rocm_compile.py"
     out = subprocess.run([sys.executable, str(script), "--quick", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1

@@ -15,7 +15,7 @@ from jphantom.data.documents import RowTokenizer, encode_with_offsets, targets
 from jphantom.data.tokenizers import load_tokenizer
 from jphantom.errors import ConfigError
 
-FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "chat"
+FIXTURE = pathlib.Path(__file__).parents[1] / "fixtures" / "chat"
 REFERENCE = json.loads((FIXTURE / "reference.json").read_text())["conversations"]
 
 
@@ -148,7 +148,7 @@ def test_answer_only_loss_is_the_mean_over_assistant_tokens(chat):
     assistant = np.flatnonzero(record["assistant_masks"])
     assert list(np.flatnonzero(found >= 0)) == list(assistant - 1)
     assert list(found[assistant - 1]) == [ids[i] for i in assistant]
-    model = hf.load(pathlib.Path(__file__).parent / "fixtures" / "hf" / "qwen3")
+    model = hf.load(pathlib.Path(__file__).parents[1] / "fixtures" / "hf" / "qwen3")
     batch = pad(Documents.of([(ids, mask)]), np.array([0]), len(ids) + 3)  # 3 pads
     both = nnx.jit(lambda m, b, t: (packed_lm_loss(m, *b)[:2], m(t)))  # one compilation
     (total, weight), logits = both(model, tuple(map(jnp.asarray, batch)), jnp.asarray([ids]))

@@ -13,7 +13,7 @@ import pytest
 from jphantom.config import RunConfig, check_vocabulary
 from jphantom.errors import ConfigError
 
-FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures"
 CHAT = FIXTURES / "chat"
 CONVERSATIONS = json.loads((CHAT / "reference.json").read_text())["conversations"]
 

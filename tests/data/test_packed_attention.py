@@ -16,7 +16,7 @@ from jphantom.models import gpt2, hf, llama, packed_lm_loss
 from jphantom.nn.attention import choose, kernels_of
 from jphantom.nn.attention.core import causal_attention
 
-FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf"
 LENGTHS = (6, 9, 5)  # three documents, then 4 pads: S = 24
 S = 24
 
@@ -154,7 +154,7 @@ def test_packed_vs_padded_benchmark_runs_at_tiny_shapes(tmp_path):
     import importlib.util
     import json
 
-    script = Path(__file__).parents[1] / "benchmarks" / "packed_vs_padded.py"
+    script = Path(__file__).parents[2] / "benchmarks" / "packed_vs_padded.py"
     spec = importlib.util.spec_from_file_location("packed_vs_padded", script)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

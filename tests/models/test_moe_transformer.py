@@ -308,7 +308,7 @@ def test_zero_beside_an_expert_axis_shards_each_parameter_over_its_replicas(zero
 
 @pytest.mark.parametrize("mesh_text, schedule, microbatches, virtual, layers", [
     pytest.param("stage=2,expert=2,model=2", "1f1b", 2, 1, 4,
-                 marks=pytest.mark.slow),  # make test: tests/test_composition.py, balance loss on
+                 marks=pytest.mark.slow),  # make test: tests/strategies/test_composition.py, balance loss on
     pytest.param("stage=2,data=2,model=2", "gpipe", 4, 1, 4, marks=pytest.mark.slow),
     pytest.param("stage=2,data=2,expert=2", "interleaved-1f1b", 2, 2, 8,
                  marks=pytest.mark.slow),

@@ -1,7 +1,7 @@
-"""One process of the 2-process test in tests/test_distributed.py (not collected by pytest).
+"""One process of the 2-process test in tests/run/test_distributed.py (not collected by pytest).
 
 Usage:
-    python tests/_distributed_worker.py COORDINATOR PROCESS_ID NUM_PROCESSES LOCAL_DEVICES OUT.npz
+    python tests/run/_distributed_worker.py COORDINATOR PROCESS_ID NUM_PROCESSES LOCAL_DEVICES OUT.npz
 
 Joins the run, builds the global mesh over every process's CPU devices, computes the phantom FFN's
 loss and gradients with the training step's ``value_and_grad`` (one jit of one shard_map, every

@@ -8,7 +8,7 @@ segfault or an abort: each must end with a Python error (exit status 1) naming t
 
 Real multi-process jax: ``jphantom launch`` end to end (about 4 s); slow: two processes x 4 CPU
 devices joined over gloo compute the phantom FFN's loss and gradients exactly like one process on 8
-devices (tests/_distributed_worker.py), and a process killed mid-run makes its peer exit within the
+devices (tests/run/_distributed_worker.py), and a process killed mid-run makes its peer exit within the
 heartbeat timeout instead of hanging.
 """
 
@@ -34,7 +34,7 @@ from jphantom import cli, distributed, launch
 from jphantom.coordinator import check_port_free, probe_coordinator, split_address
 from jphantom.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_distributed_worker.py")
 WORKER_TIMEOUT_S = 120
 SETTINGS_FRAME = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # an empty HTTP/2 SETTINGS frame

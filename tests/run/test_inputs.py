@@ -279,7 +279,7 @@ def test_a_negative_or_nan_learning_rate_jphantom_can_read_is_refused_at_init(ra
 
 def test_the_cli_drops_only_the_cuda_plugins_start_up_lines(capfd):
     """Without a GPU the CUDA plugin of jphantom[aot] logs 'Could not find cuda drivers' at
-    jax's start (tests/test_aot.py runs the command); every other line written then is kept."""
+    jax's start (tests/compile/test_aot.py runs the command); every other line written then is kept."""
     import os
 
     from jphantom.cli.quiet import filtered_stderr, missing_gpu

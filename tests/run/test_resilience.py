@@ -20,7 +20,7 @@ import pytest
 
 from jphantom import cli
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = ["--model", "gpt2", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq-len", "16",
         "--vocab", "256", "--batch", "4", "--eval-batches", "1", "--no-progress"]
 

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import require_devices
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "phantom_vs_tp.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "phantom_vs_tp.py"
 
 
 def _load_script():
@@ -59,7 +59,7 @@ def test_quick_transformer_benchmark_reports_every_strategy(tmp_path):
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "transformer_strategies.py"
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "transformer_strategies.py"
     spec = importlib.util.spec_from_file_location("transformer_strategies", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -79,7 +79,7 @@ def test_quick_zero_benchmark_reports_every_stage(tmp_path):
     import json
     import pathlib
 
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "zero_stages.py"
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "zero_stages.py"
     spec = importlib.util.spec_from_file_location("zero_stages", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -99,7 +99,7 @@ def test_quick_nnx_step_benchmark_moves_the_same_bytes_with_sgd_and_adamw(tmp_pa
     times of both depths are recorded (their target is printed, never asserted)."""
     require_devices(8)
     spec = importlib.util.spec_from_file_location(
-        "nnx_step", Path(__file__).resolve().parents[1] / "benchmarks" / "nnx_step.py")
+        "nnx_step", Path(__file__).resolve().parents[2] / "benchmarks" / "nnx_step.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.main(["--quick", "--out", str(tmp_path)]) == 0
@@ -119,7 +119,7 @@ def test_gpu_step_small_runs_every_variant_side_by_side(tmp_path):
     import subprocess
     import sys
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_step.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_step.py"
     done = subprocess.run([sys.executable, str(script), "--small", "--out", str(tmp_path),
                            "--steps", "2", "--warmup", "1", "--skip", "train"],
                           capture_output=True, text=True, timeout=600)
@@ -147,7 +147,7 @@ def test_gpu_resilience_small_refuses_the_huge_step_and_resumes_exactly(tmp_path
     import subprocess
     import sys
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_resilience.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_resilience.py"
     done = subprocess.run([sys.executable, str(script), "--small", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -166,7 +166,7 @@ def test_code_counts_see_what_the_function_rule_sees():
 
     from test_layering import LONG_FUNCTIONS
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "code_counts.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "code_counts.py"
     if not (path.parents[1] / ".git").exists():
         pytest.skip("counts a git revision: needs the repository's history")
     spec = importlib.util.spec_from_file_location("code_counts", path)

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import require_devices
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "collectives.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "collectives.py"
 KINDS = {"all-gather", "reduce-scatter", "all-reduce", "broadcast"}
 TRANSPORTS = {"simulated", "gloo"}
 

@@ -9,7 +9,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "large_width.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "large_width.py"
 
 
 def load_script():

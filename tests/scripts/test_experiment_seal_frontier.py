@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "seal_frontier.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "seal_frontier.py"
 
 
 def load_script():

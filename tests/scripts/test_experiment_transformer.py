@@ -16,7 +16,7 @@ import pytest
 
 from conftest import require_devices
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "transformer_tp_vs_phantom.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "transformer_tp_vs_phantom.py"
 
 
 def load():

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import require_devices
 
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 
 
 def load(name):
@@ -128,7 +128,7 @@ def test_quick_runs_never_write_into_committed_results(tmp_path):
             assert "output_folder(" in text, f"{script.name}: --quick must not default to results/"
 
 
-@pytest.mark.slow  # ~80 s: five compiles of a ring step; tests/test_context.py covers the rest
+@pytest.mark.slow  # ~80 s: five compiles of a ring step; tests/strategies/test_context.py covers the rest
 def test_long_context_quick(tmp_path):
     """The script runs; ring attention's temporary memory is below the unsplit step's already at
     64 tokens."""

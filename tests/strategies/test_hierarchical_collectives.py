@@ -327,7 +327,7 @@ def test_experiment_quick_run(tmp_path):
     (the script raises on a wrong result); the no-network caveat is in the JSON. No timing is
     asserted: simulated devices have no network."""
     require_devices(4)
-    script = Path(__file__).resolve().parents[1] / "experiments" / "hierarchical_collectives.py"
+    script = Path(__file__).resolve().parents[2] / "experiments" / "hierarchical_collectives.py"
     spec = importlib.util.spec_from_file_location("experiment_hierarchical_collectives", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -74,7 +74,7 @@ FAST = {"ring"}
 def test_packed_training_equals_one_device(case):
     mesh, plan, options = CASES[case]
     if case == "gemma3-sp":
-        model = hf.load(Path(__file__).parent / "fixtures" / "hf" / "gemma3_text")
+        model = hf.load(Path(__file__).parents[1] / "fixtures" / "hf" / "gemma3_text")
     elif case == "gpt2-sp":
         model = gpt2.GPT2(gpt2.TransformerConfig(vocab_size=VOCAB, seq_len=S, hidden=32, heads=4,
                                                  layers=2), rngs=nnx.Rngs(0))
