@@ -136,7 +136,7 @@ def test_ring_on_flash_blocks_equals_the_unsplit_attention(size, balanced):
     """The whole ring (forward, custom backward, every branch of the schedule) with its blocks on
     the Pallas kernels equals causal attention of the whole sequence, value and gradients.
     (``check_vma=False``: Pallas' interpreter, not the kernels, trips over varying types; the
-    compiled kernels run in the step's ``check_vma=True`` shard_map, tests/test_aot.py.)"""
+    compiled kernels run in the step's ``check_vma=True`` shard_map, tests/compile/test_aot.py.)"""
     mesh = MeshConfig.parse(f"context={size}").build(first_devices(size))
     q, k, v = _qkv(seq=8 * 2 * size, batch=1)
     spec = P(None, "context")
