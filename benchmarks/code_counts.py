@@ -23,7 +23,8 @@ the library (``jphantom/``):
 - **string-keyed reads** of a strategy or family: :data:`KEYED_READ`,
   ``\[["'](strategy|family)["']\]|\.get\(["'](strategy|family)["']`` (``r["strategy"]``), all
   of them and those compared on the same line (``r["strategy"] == "phantom"``);
-- **modules at the package root** (``jphantom/*.py`` but ``__init__`` and ``__main__``);
+- **modules at the package root** (``jphantom/*.py`` but ``__init__`` and ``__main__``), and the
+  test files (``tests/**/test_*.py``) that sit flat in ``tests/`` rather than in a topic folder;
 - **step data in module state**: ``contextvars.ContextVar`` objects made at module level, module
   names rebound through ``global``, and module-level lists, dicts and sets that a function
   mutates (``.append``, ``.pop``, ``[k] =``, ...); all of them listed, and those in the step's
@@ -96,8 +97,9 @@ RULES = {
 
 
 def sources(revision: str) -> Path:
-    """The library's files at ``revision``, extracted to a temporary folder."""
-    data = subprocess.run(["git", "archive", revision, "jphantom"], cwd=ROOT, check=True,
+    """The library's files at ``revision``, extracted to a temporary folder (its tests beside
+    it)."""
+    data = subprocess.run(["git", "archive", revision, "jphantom", "tests"], cwd=ROOT, check=True,
                           capture_output=True).stdout
     folder = Path(tempfile.mkdtemp())
     tarfile.open(fileobj=io.BytesIO(data)).extractall(folder)
@@ -200,6 +202,8 @@ def counts(revision: str) -> dict:
                       if re.search(r"^bf16 = \{ value = 989\.", p.read_text(), re.M)])
     root_modules = sorted(p.name for p in root.glob("*.py")
                           if p.name not in ("__init__.py", "__main__.py"))
+    test_files = sorted(root.parent.joinpath("tests").rglob("test_*.py"))
+    flat_tests = [p for p in test_files if p.parent == root.parent / "tests"]
 
     return {"revision": revision,
             "longest_functions": [[n, name] for n, name in sizes[:10]],
@@ -213,6 +217,8 @@ def counts(revision: str) -> dict:
             "files_reading_strategy_or_family_keys": dict(sorted(keyed.items())),
             "root_modules": len(root_modules),
             "root_module_names": root_modules,
+            "test_files": len(test_files),
+            "test_files_flat_in_tests": len(flat_tests),
             "module_state": len(state),
             "module_state_carrying_step_data": len(step_state),
             "module_state_names": state,
@@ -241,6 +247,8 @@ def table(result: dict) -> list[str]:
            f"({result['strategy_or_family_keyed_reads_compared']} compared) "
            f"{result['files_reading_strategy_or_family_keys']}",
            f"modules at the package root: {result['root_modules']}",
+           f"test files flat in tests/: {result['test_files_flat_in_tests']} of "
+           f"{result['test_files']}",
            f"module state: {result['module_state']}, carrying step data "
            f"{result['module_state_carrying_step_data']} {result['module_state_names']}",
            f"config.build() call sites: {result['config_build_call_sites']} "
