@@ -90,11 +90,13 @@ def _layout(rows, config: GenerationConfig, limit):
 
 
 def generate(model: nnx.Module, prompts, config: GenerationConfig | None = None, *,
-             cache: bool | None = None) -> Generation:
+             cache: bool | None = None, mesh=None) -> Generation:
     """Continue each of ``prompts`` (token-id lists of any lengths) with ``model``.
     ``cache``: ``None`` uses the key/value cache where the model's attention cores are jphantom's
     causal ones (and runs the whole sequence each step otherwise), ``True`` insists on it,
-    ``False`` never uses it (the reference the cache is tested against)."""
+    ``False`` never uses it (the reference the cache is tested against). ``mesh``: run on it,
+    ``model`` parallelised for it (:func:`jphantom.parallelize`; Megatron tensor parallelism over
+    ``model``, rows over ``data``: :mod:`jphantom.generation.sharded`)."""
     config = GenerationConfig() if config is None else config
     if not isinstance(config, GenerationConfig):
         raise ConfigError(f"config must be a GenerationConfig, not {type(config).__name__}")
@@ -108,13 +110,26 @@ def generate(model: nnx.Module, prompts, config: GenerationConfig | None = None,
     use_cache = cacheable if cache is None else bool(cache)
     runner = kv.with_cache(model) if use_cache else model
     tokens, lengths, bucket = _layout(rows, config, _positions_limit(model))
-    graphdef, params = nnx.split(runner)
-    fn = compiled(graphdef, config, use_cache)
     start = time.perf_counter()
-    out, steps, logits = jax.block_until_ready(fn(params, jnp.asarray(tokens),
-                                                  jnp.asarray(lengths)))
+    out, steps, logits = _launch(model, runner, mesh, tokens, lengths, config, use_cache)
     seconds = time.perf_counter() - start
-    out = np.asarray(out)
+    out = np.asarray(out)[:len(rows)]
+    logits = None if logits is None else np.asarray(logits)[:len(rows)]
     completions = [[int(t) for t in row if t != PAD] for row in out]
-    return Generation(out, completions, None if logits is None else np.asarray(logits),
-                      int(steps), bucket, use_cache, seconds)
+    return Generation(out, completions, logits, int(steps), bucket, use_cache, seconds)
+
+
+def _launch(model, runner, mesh, tokens, lengths, config, use_cache):
+    """The program's outputs, run on one device or on ``mesh`` (the batch padded with copies of
+    its first row to a multiple of the batch axes' ranks)."""
+    if mesh is None:
+        graphdef, params = nnx.split(runner)
+        fn = compiled(graphdef, config, use_cache)
+        return jax.block_until_ready(fn(params, jnp.asarray(tokens), jnp.asarray(lengths)))
+    from jphantom.generation import sharded
+
+    extra = -len(tokens) % sharded.batch_ranks(mesh)
+    tokens = np.concatenate([tokens, np.repeat(tokens[:1], extra, 0)])
+    lengths = np.concatenate([lengths, np.repeat(lengths[:1], extra, 0)])
+    return jax.block_until_ready(sharded.generate_on_mesh(
+        model, mesh, jnp.asarray(tokens), jnp.asarray(lengths), config, use_cache))

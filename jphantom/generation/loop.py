@@ -50,16 +50,19 @@ def _decode(model, cache, token, positions, length: int, use_cache: bool):
     return logits[:, 0].astype(jnp.float32), kv.result(state)
 
 
-def run(graphdef, params, tokens, lengths, config: GenerationConfig, use_cache: bool):
+def run(graphdef, params, tokens, lengths, rows, config: GenerationConfig, use_cache: bool,
+        unfinished=jnp.sum):
     """``(tokens [B, N], steps, logits [B, N, V] or None)``: the generated tokens (``PAD`` after
-    a row's stop token) of right-padded ``tokens`` [B, S] of ``lengths`` [B]."""
+    a row's stop token) of right-padded ``tokens`` [B, S] of ``lengths`` [B], rows ``rows`` [B]
+    of the whole batch. ``unfinished(not_done [B]) -> int``: how many rows of the whole batch
+    are still going (under a mesh summed over its axes, so every rank loops alike)."""
     model = nnx.merge(graphdef, params)
     batch, new = tokens.shape[0], config.max_new_tokens
     length = tokens.shape[1] + new
     key = jax.random.key(config.seed)
     stops = jnp.asarray(config.stop_tokens or (-2,), jnp.int32)
     logits, cache = _prefill(model, tokens, lengths, length, use_cache)
-    first = next_token(logits, _step_key(key, 0), config)
+    first = next_token(logits, _step_key(key, 0), config, rows)
     out = jnp.full((batch, new), PAD, jnp.int32).at[:, 0].set(first)
     kept = (jnp.zeros((batch, new, logits.shape[-1]), jnp.float32).at[:, 0].set(logits)
             if config.return_logits else None)
@@ -67,12 +70,12 @@ def run(graphdef, params, tokens, lengths, config: GenerationConfig, use_cache: 
 
     def cond(carry):
         step, _, _, _, _, done, _ = carry
-        return (step < new) & ~jnp.all(done)
+        return (step < new) & (unfinished(~done) > 0)
 
     def body(carry):
         step, cache, token, positions, out, done, kept = carry
         logits, cache = _decode(model, cache, token, positions, length, use_cache)
-        token = next_token(logits, _step_key(key, step), config)
+        token = next_token(logits, _step_key(key, step), config, rows)
         out = out.at[:, step].set(jnp.where(done, PAD, token))
         if kept is not None:
             kept = kept.at[:, step].set(logits)
@@ -88,4 +91,7 @@ def run(graphdef, params, tokens, lengths, config: GenerationConfig, use_cache: 
 @functools.lru_cache(maxsize=None)
 def compiled(graphdef, config: GenerationConfig, use_cache: bool):
     """The jitted :func:`run` for one model graph and configuration (shapes: jax's cache)."""
-    return jax.jit(functools.partial(run, graphdef, config=config, use_cache=use_cache))
+    def one_device(params, tokens, lengths):
+        rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        return run(graphdef, params, tokens, lengths, rows, config, use_cache)
+    return jax.jit(one_device)

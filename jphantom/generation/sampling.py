@@ -30,9 +30,13 @@ def filtered_logits(logits: jax.Array, config: GenerationConfig) -> jax.Array:
     return logits
 
 
-def next_token(logits: jax.Array, key: jax.Array, config: GenerationConfig) -> jax.Array:
+def next_token(logits: jax.Array, key: jax.Array, config: GenerationConfig,
+               rows: jax.Array) -> jax.Array:
     """[B] int32: the argmax of ``logits`` [B, V] when greedy, else a draw from
-    :func:`filtered_logits` with ``key``."""
+    :func:`filtered_logits` with ``key`` folded with each row's global index ``rows`` [B] (so a
+    row draws the same token whichever device holds it)."""
     if config.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, filtered_logits(logits, config), axis=-1).astype(jnp.int32)
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(key, rows)
+    draw = jax.vmap(lambda k, x: jax.random.categorical(k, x))
+    return draw(keys, filtered_logits(logits, config)).astype(jnp.int32)
