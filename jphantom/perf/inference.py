@@ -62,16 +62,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
 from jphantom import strategies
 from jphantom.errors import ConfigError
-from jphantom.mesh import MeshConfig
+from jphantom.mesh import DATA, MODEL, MeshConfig
 from jphantom.perf.axonn_model import GPTShape
 from jphantom.planner.pricing import phantom_linear
-from jphantom.predict.device import DeviceModel
 from jphantom.predict import network as networks
+from jphantom.predict.device import DeviceModel, load
 
-DTYPE_BYTES = {"bf16": 2, "f32": 4}
-"""The dtypes priced: bf16 (weights, cache and messages in 2 bytes) and f32 (4)."""
+ELEMENT_BYTES = {"bf16": 2, "f32": 4}
+"""Bytes per element of the dtypes priced, named as the device descriptions' peaks are
+(:data:`jphantom.predict.device.DTYPES`): weights, cache and messages in bf16 or f32."""
 PROJECTIONS_PER_BLOCK = 7  # Llama: q, k, v, o, gate, up, down
 FFN_COLLECTIVES = {  # a registry row's plan -> (n, L, p, k, B) -> (kind, elements, count)
     "phantom": lambda n, L, p, k, b: (("all-gather", p * k * b, L),),
@@ -101,13 +103,13 @@ def _model_ranks(mesh) -> tuple[int, int]:
     """(model ranks, data ranks) of ``mesh``: a MeshConfig, its text ("data=2,model=4"), a
     mapping, or a whole number of model ranks."""
     if isinstance(mesh, int) and not isinstance(mesh, bool):
-        mesh = {"model": mesh}
+        mesh = {MODEL: mesh}
     mesh = MeshConfig.parse(mesh) if isinstance(mesh, str) else MeshConfig.of(mesh)
-    other = set(mesh.shape) - {"model", "data"}
+    other = set(mesh.shape) - {MODEL, DATA}
     if other:
         raise ConfigError(f"mesh {mesh}: inference pricing splits over model and data only, "
                           f"not {sorted(other)}")
-    return mesh.size("model"), mesh.size("data")
+    return mesh.size(MODEL), mesh.size(DATA)
 
 
 def _row(strategy: str, ghost_width, p: int, dtype: str) -> strategies.Strategy:
@@ -115,8 +117,8 @@ def _row(strategy: str, ghost_width, p: int, dtype: str) -> strategies.Strategy:
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy={strategy!r}: inference pricing knows {STRATEGIES}")
     row = strategies.get(strategy)
-    if dtype not in DTYPE_BYTES:
-        raise ConfigError(f"dtype={dtype!r}: use one of {sorted(DTYPE_BYTES)}")
+    if dtype not in ELEMENT_BYTES:
+        raise ConfigError(f"dtype={dtype!r}: use one of {sorted(ELEMENT_BYTES)}")
     if row.needs_ghost_width and (ghost_width is None or ghost_width < 1):
         raise ConfigError(f"strategy={strategy!r} needs ghost_width k >= 1 (Seal et al.'s "
                           "ghost neurons per rank)")
@@ -146,7 +148,7 @@ def llama_forward(shape: GPTShape, batch: int, seq: int, context: int, p: int, s
     if not row.pairs and not row.needs_ghost_width:
         raise ConfigError(f"{strategy} is Seal et al.'s FFN baseline: price a Llama under "
                           "'tensor' or 'phantom'")
-    nbytes, h, L, k = DTYPE_BYTES[dtype], shape.hidden, shape.layers, ghost_width
+    nbytes, h, L, k = ELEMENT_BYTES[dtype], shape.hidden, shape.layers, ghost_width
     phantom, head_dim = row.needs_ghost_width and p > 1, h // shape.heads
     kv = shape.kv_heads * head_dim
     linears = ((h, h), (h, kv), (h, kv), (h, h), (h, shape.intermediate),
@@ -187,7 +189,7 @@ def ffn_forward(width: int, depth: int, p: int, batch: int, strategy: str,
     m = n // p
     weights = L * (phantom_linear(n, n, p, k) if row.needs_ghost_width else n * m + m)
     collectives = FFN_COLLECTIVES[row.plan](n, L, p, k, batch) if p > 1 else ()
-    return Forward(weights * DTYPE_BYTES[dtype], 0.0, 2 * batch * weights,
+    return Forward(weights * ELEMENT_BYTES[dtype], 0.0, 2 * batch * weights,
                    tuple(c for c in collectives if c[2]), batch)
 
 
@@ -214,7 +216,7 @@ def price(forward: Forward, device: DeviceModel, p: int, data: int, dtype: str,
     roofline (``seconds``: datasheet peaks) and the sustained time (``sustained_seconds``: the
     description's stream and GEMM efficiencies), the collectives, and from their sum
     (``step_seconds``) tokens/s and Eq. 1's joules per token, with its label."""
-    nbytes = DTYPE_BYTES[dtype]
+    nbytes = ELEMENT_BYTES[dtype]
     hbm, peak = device["memory.hbm_gbps"] * 1e9, device.peak_flops(dtype)
     read = forward.weight_bytes + forward.cache_bytes
     memory_s, compute_s = read / hbm, forward.flops / peak
@@ -249,10 +251,7 @@ def price(forward: Forward, device: DeviceModel, p: int, data: int, dtype: str,
 
 
 def _llama(shape, batch, seq, context, device, mesh, strategy, ghost_width, dtype, what):
-    if isinstance(device, str):
-        from jphantom.predict.device import load
-
-        device = load(device)
+    device = load(device) if isinstance(device, str) else device
     p, data = _model_ranks(mesh)
     if batch % data:
         raise ConfigError(f"batch {batch} must divide over data={data}")
@@ -289,8 +288,10 @@ def compiled_forward(config, strategy: str, mesh: str, batch_shape: tuple[int, .
                      ghost_width: int | None = None) -> list[tuple[str, int, int, int]]:
     """The collectives of ``config``'s forward pass (an FFN, or a Llama given token ids of
     ``batch_shape``: (B, 1) is a decode step's) under ``strategy`` on ``mesh``, compiled for
-    abstract parameters on this process's devices (nothing allocated): sorted (kind, result
-    elements, count, bytes per execution), to check the formulas above against."""
+    abstract parameters on this process's devices, or inside :func:`jphantom.mesh.device_pool`
+    on a target's (``jphantom.aot.deviceless_node("gpu:h100")``: XLA:GPU without a GPU; nothing
+    allocated): sorted (kind, result elements, count, bytes per execution), to check the
+    formulas above against."""
     import jax
     import numpy as np
     import optax
