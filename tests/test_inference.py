@@ -78,6 +78,10 @@ def test_prefill_is_compute_bound_and_the_inputs_are_checked():
                           (dict(dtype="fp8"), "dtype")]:
         with pytest.raises(ConfigError, match=match):
             inference.decode_roofline(TINY, 2, 16, "h100-sxm", "model=2", **kwargs)
+    config = LlamaConfig(vocab_size=256, hidden=64, intermediate=128, layers=2, heads=4,
+                         kv_heads=2, max_positions=16)  # a model's own config prices the same
+    assert (inference.decode_roofline(config, 2, 16, "h100-sxm")
+            == inference.decode_roofline(TINY, 2, 16, "h100-sxm"))
     with pytest.raises(ConfigError, match="GPT-2"):
         inference.decode_roofline(GPTShape(2, 64, 4), 1, 16, "h100-sxm")
     with pytest.raises(ConfigError, match="model and data only"):
