@@ -11,12 +11,12 @@ Errors. A bad value (:class:`jphantom.errors.ConfigError`) or a diverged trainin
 (:class:`jphantom.errors.TrainingDiverged`) prints one line, ``jphantom: error: ...``, and exits with
 status 2 (bad value) or 1 (diverged), without a traceback.
 
-One module per command (``train``, ``inspect``, ``compile``, ``compare``, ``schedule``,
-``tokenize``, ``verify``, ``demo``; ``plan`` and ``launch`` live in :mod:`jphantom.planner` and
-:mod:`jphantom.launch`), each with its ``add_parser(sub)`` and ``handle(args)``; the flags they
-share in :mod:`jphantom.cli.parser` (the run's, built from the configuration's fields),
-:mod:`jphantom.cli.devices` and :mod:`jphantom.cli.step_defaults`. This module is the entry
-point: :func:`build_parser` and :func:`main`.
+One module per command (``train``, ``generate``, ``inspect``, ``compile``, ``compare``,
+``schedule``, ``tokenize``, ``verify``, ``demo``; ``plan`` and ``launch`` live in
+:mod:`jphantom.planner` and :mod:`jphantom.launch`), each with its ``add_parser(sub)`` and
+``handle(args)``; the flags they share in :mod:`jphantom.cli.parser` (the run's, built from the
+configuration's fields), :mod:`jphantom.cli.devices` and :mod:`jphantom.cli.step_defaults`. This
+module is the entry point: :func:`build_parser` and :func:`main`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import argparse
 import os
 import sys
 
-from jphantom.cli import (compare, compile, demo, inspect, schedule, tokenize, train,
+from jphantom.cli import (compare, compile, demo, generate, inspect, schedule, tokenize, train,
                           verify)
 from jphantom.cli.devices import DEFAULT_SIMULATED_DEVICES, accelerator_visible
 from jphantom.cli.parser import Parser
@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_parser(sub)
     compile.add_parser(sub)
     train.add_parser(sub)
+    generate.add_parser(sub)
     tokenize.add_parser(sub)
     schedule.add_parser(sub)
     from jphantom.planner import add_parser as add_plan_parser

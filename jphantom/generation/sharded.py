@@ -86,9 +86,11 @@ def _build(layout, mesh, vary, config: GenerationConfig, use_cache: bool):
     return jax.jit(fn)
 
 
-def generate_on_mesh(model, mesh, tokens, lengths, config: GenerationConfig, use_cache: bool):
-    """:func:`jphantom.generation.loop.run` of ``model`` (parallelised for ``mesh``) on the
-    right-padded ``tokens`` [B, S] (B a multiple of :func:`batch_ranks`) and ``lengths`` [B]."""
+def program_and_args(model, mesh, tokens, lengths, config: GenerationConfig, use_cache: bool):
+    """``(program, args)``: the jitted :func:`jphantom.generation.loop.run` of ``model``
+    (parallelised for ``mesh``) and its arguments for the right-padded ``tokens`` [B, S] (B a
+    multiple of :func:`batch_ranks`) and ``lengths`` [B]: the parameters placed in their
+    shards."""
     mesh = check_mesh(mesh)
     check_mesh_axes(mesh)
     layout = ParamLayout.of(model, mesh, 0)
@@ -101,4 +103,4 @@ def generate_on_mesh(model, mesh, tokens, lengths, config: GenerationConfig, use
                  for spec, reduce in zip(layout.specs, layout.reduce_axes))
     fn = _program(layout, mesh, vary, config, use_cache)
     rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)
-    return fn(leaves, tokens, lengths, rows)
+    return fn, (leaves, tokens, lengths, rows)
