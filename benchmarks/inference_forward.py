@@ -76,8 +76,8 @@ def ffn_rows(configs, batch: int, devices: int) -> list[dict]:
             forward = inference.ffn_forward(n, L, p, batch, strategy, ghost, "f32")
             source = "modelled"
             if p <= devices:
-                compiled = inference.compiled_forward(FFNConfig(width=n, depth=L, ghost_width=ghost),
-                                                      strategy, f"model={p}", (batch, n),
+                config = FFNConfig(width=n, depth=L, ghost_width=ghost)
+                compiled = inference.compiled_forward(config, strategy, f"model={p}", (batch, n),
                                                       ghost_width=ghost)
                 if not check(forward.collectives, compiled, 4):
                     raise SystemExit(f"FFN n={n} L={L} p={p} {strategy}: compiled {compiled} "
@@ -274,7 +274,8 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     import jax
 
-    from jphantom.analysis.machine import machine_info, output_folder, source_revision, write_results
+    from jphantom.analysis.machine import (machine_info, output_folder, source_revision,
+                                           write_results)
 
     out = output_folder(args.out, OUT, quick=args.quick, name="inference_forward")
     out.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ attention's 2 x S^2 x query features per sequence, so it is compute-bound: ``sec
 max with the compute term dominant.
 
 **Communication** of the forward is the strategy's collectives per device (the formulas below,
-checked against the compiled forward in ``tests/test_inference.py`` on XLA:CPU and by
+checked against the compiled forward in ``tests/predict/test_inference.py`` on XLA:CPU and by
 ``benchmarks/inference_forward.py`` on XLA:GPU for an H100 node; MI250X is priced with the
 same schedule, assumed), priced by
 :class:`jphantom.predict.Network` (NCCL's ring or tree on the group's placement): it is added to

@@ -19,7 +19,7 @@ from conftest import require_devices
 
 TINY = GPTShape(layers=2, hidden=64, heads=4, seq_len=16, vocab_size=256, family="llama",
                 intermediate=128, kv_heads=2)
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "inference_forward.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "inference_forward.py"
 
 
 def test_decode_roofline_is_weights_and_cache_over_the_hbm_bandwidth():
