@@ -17,7 +17,7 @@ from jphantom.cli.parser import add_run_flags, positive_int, run_settings
 
 MODEL_FLAGS = ("model", "from_hf", "strategy", "mesh", "layers", "hidden", "heads", "kv_heads",
                "seq_len", "ghost_width", "dtype", "seed", "tokenizer", "chat_template",
-               "checkpoint_dir", "resume", "experts")
+               "checkpoint_dir", "resume", "experts", "optimizer")
 """The run flags that describe the model (``train``'s, with their help and defaults)."""
 
 
@@ -72,7 +72,7 @@ def _model(settings: dict):
     """``(model, mesh or None)``: a Hugging Face checkpoint on one device, else the run the
     flags describe built as ``train`` builds it (its parameters restored with ``--resume``)."""
     if settings.get("from_hf") and not settings.get("mesh") and settings.get(
-            "strategy", "dense") == "dense":
+            "strategy", "dense") == "dense" and not settings.get("resume"):
         from jphantom.models import hf
         return hf.load(settings["from_hf"]), None
     from jphantom.config import RunConfig
@@ -91,7 +91,10 @@ def _model(settings: dict):
 def handle(args: argparse.Namespace) -> int:
     from jphantom.generation import prompts as reading
 
-    settings = {k: v for k, v in run_settings(args).items() if k in MODEL_FLAGS}
+    from jphantom.cli.train import TRAIN_DEFAULTS  # a checkpoint's optimizer state: train's
+
+    settings = {k: v for k, v in run_settings(args, TRAIN_DEFAULTS).items()
+                if k in MODEL_FLAGS or k in TRAIN_DEFAULTS}
     rows = reading.read_rows(args.prompt, args.prompts, args.chat)
     tokenizer, template, special = reading.tokenizer_and_template(
         settings.get("tokenizer"), settings.get("from_hf"), settings.get("chat_template"))
