@@ -278,19 +278,6 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
 
     branch_of_kind = {0: idle, F_: forward, B_: backward_b, W_: backward_w, BW_: backward_whole}
 
-    def add_to_chunk(d_chunks, v, leaves, mask):
-        """``d_chunks[v] +=`` the gradient ``leaves`` at the leaves where ``mask`` holds."""
-        new, out = iter(leaves), []
-        for acc, on in zip(jax.tree.leaves(d_chunks), mask):
-            if not on:
-                out.append(acc)
-            elif V == 1:
-                out.append(acc + next(new)[None])
-            else:
-                out.append(lax.dynamic_update_index_in_dim(
-                    acc, lax.dynamic_index_in_dim(acc, v, 0, keepdims=False) + next(new), v, 0))
-        return jax.tree.unflatten(jax.tree.structure(d_chunks), out)
-
     def slot(tasks, send_next, send_prev):
         """One slot of a segment's ticks, whose devices run the kinds ``tasks``: one branch per
         kind (with one chunk per device its parameters static), and the idle one; then the
@@ -356,3 +343,18 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
     d_stacked = jax.tree.map(lambda d: d.reshape(d.shape[0] * d.shape[1], *d.shape[2:]),
                              carry["d_chunks"])
     return carry["loss"], d_stacked, carry["d_rest"]
+
+
+def add_to_chunk(d_chunks, v, leaves, mask):
+    """``d_chunks[v] +=`` the gradient ``leaves`` at the leaves where ``mask`` holds
+    (``d_chunks``: [V, ...] per leaf; one chunk: a static index)."""
+    new, out = iter(leaves), []
+    for acc, on in zip(jax.tree.leaves(d_chunks), mask):
+        if not on:
+            out.append(acc)
+        elif acc.shape[0] == 1:
+            out.append(acc + next(new)[None])
+        else:
+            out.append(lax.dynamic_update_index_in_dim(
+                acc, lax.dynamic_index_in_dim(acc, v, 0, keepdims=False) + next(new), v, 0))
+    return jax.tree.unflatten(jax.tree.structure(d_chunks), out)
