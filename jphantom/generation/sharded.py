@@ -24,6 +24,7 @@ from jphantom.generation import cache as kv
 from jphantom.generation.config import GenerationConfig
 from jphantom.generation.loop import run
 from jphantom.step.layout import ParamLayout, batch_axes_of, check_mesh, group_by
+from jphantom.train_step import shard_map
 from jphantom import zero as zero_module
 
 UNSPLIT = {"context": "decode holds one token per row: nothing to split over context",
@@ -80,9 +81,8 @@ def _build(layout, mesh, vary, config: GenerationConfig, use_cache: bool):
                    unfinished=_summed)
 
     logits_spec = rows_spec if config.return_logits else None
-    fn = jax.shard_map(per_rank, mesh=mesh,
-                       in_specs=(tuple(specs), rows_spec, rows_spec, rows_spec),
-                       out_specs=(rows_spec, P(), logits_spec))
+    fn = shard_map(per_rank, mesh, (tuple(specs), rows_spec, rows_spec, rows_spec),
+                   (rows_spec, P(), logits_spec))
     return jax.jit(fn)
 
 
