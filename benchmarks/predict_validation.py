@@ -243,7 +243,10 @@ def part_published(only: list[str] | None = None) -> dict:
                 "exposed_comm_s": p["exposed_comm_s"], "hidden_comm_s": p["hidden_comm_s"],
                 "compiled_peak_gib": report["memory"]["peak_bytes"] / 2**30,
                 "fits": report["memory"]["fits"], "joules_per_token": p["joules_per_token"],
-                "kernels": report["kernels"]["gemms"] if "gemms" in report["kernels"] else None}
+                "kernels": report["kernels"]["gemms"] if "gemms" in report["kernels"] else None,
+                "by_kind_s": p["by_kind_s"], "top_ops": [
+                    {k: op[k] for k in ("op", "kind", "seconds", "count", "source")}
+                    for op in p["top_ops"][:10]]}
         row["ratio"] = (row["predicted_tokens_per_second_per_gpu"]
                         / row["published_tokens_per_second_per_gpu"])
         if not row["fits"]:  # what a jphantom user would run instead: the first that fits
