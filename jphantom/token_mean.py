@@ -33,7 +33,6 @@ Python int) counts every rank's tokens.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 from typing import Any, NamedTuple
@@ -174,34 +173,12 @@ def shares(weighted: WeightedLoss, weight_total, *, micro: int = 1, exclude=(),
 
 # -- the global weight, checked where the step runs --------------------------------------------
 
-_NOTED: list[list] = []  # the global weights the step's gradient provider found, while tracing
-
-
-@contextlib.contextmanager
-def noting():
-    """The global weights :func:`note` records while the step traces its gradients (a list: a
-    scalar ``loss_fn`` notes none)."""
-    found: list = []
-    _NOTED.append(found)
-    try:
-        yield found
-    finally:
-        _NOTED.pop()
-
-
-def note(weight) -> None:
-    """Record the step's global weight ``weight`` (at the trace level of the step's ``shard_map``
-    body, or of its jit under GSPMD) for :func:`guard`; nothing outside :func:`noting`."""
-    if _NOTED and weight is not None:
-        _NOTED[-1].append(weight)
-
-
-def noted(weights):
-    """The one global weight of the noted ``weights`` (``None`` if none), the same on every rank:
-    the smallest where several were noted or where ranks could differ."""
-    if not weights:
+def agreed(weight):
+    """The global weight ``weight`` a gradient provider returned (``None``, a scalar
+    ``loss_fn``, stays ``None``) the same on every rank: where ranks could differ (an axis the
+    provider left out of the sum, a pipeline's ``stage``) the smallest, for :func:`guard`."""
+    if weight is None:
         return None
-    weight = weights[0] if len(weights) == 1 else jnp.min(jnp.stack(weights))
     axes = tuple(sorted(varying_axes(weight)))
     if axes:  # the weight is already global: the ranks of an excluded axis hold the same
         from jphantom import comm
@@ -252,4 +229,4 @@ class WeightReport:
 
 
 __all__ = ["WeightedLoss", "terms", "value", "lm_loss_terms", "global_weight", "shares",
-           "WeightReport", "guard", "note", "noted", "noting", "name_of"]
+           "WeightReport", "guard", "agreed", "name_of"]

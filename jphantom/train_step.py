@@ -37,7 +37,10 @@ and :meth:`TrainStep.build` reads layout → gradients → reduce → update. Th
 :class:`~jphantom.step.grads.LocalGradients` (accumulation, the weighted loss, the MoE balance),
 :class:`~jphantom.step.pipeline.PipelineGradients` with a ``stage`` axis, or
 :class:`~jphantom.step.gspmd.GspmdGradients` for ``spmd="gspmd"`` (global arrays, jit's
-collectives). Steps built for other purposes plug in a part: the compute-only measurement a
+collectives); each returns a :class:`~jphantom.step.grads.Gradients` ``(share, grads, weight)``,
+the weight (a weighted ``loss_fn``'s global token count, else ``None``) flowing out of the
+``shard_map`` to the update's check (:func:`jphantom.token_mean.guard`). Steps built for other
+purposes plug in a part: the compute-only measurement a
 :class:`~jphantom.step.reduce.NoReduction` reducer, SAMO its own compressed reduction and update
 (:mod:`jphantom.experimental`).
 
@@ -67,7 +70,7 @@ from jphantom import zero as zero_module
 from jphantom.errors import ConfigError
 from jphantom.nn import attention as attention_module
 from jphantom.precision import Precision
-from jphantom.step.grads import LocalGradients
+from jphantom.step.grads import Gradients, LocalGradients
 from jphantom.step.finite import NonFiniteWatch, skipped_updates
 from jphantom.step.gspmd import GspmdGradients
 from jphantom.step.layout import (CONTEXT, ParamLayout, TrainState, batch_axes_of,
@@ -207,11 +210,12 @@ class TrainStep:
 
     # -- the step ----------------------------------------------------------------------------
 
-    def value_and_grad(self) -> Callable:
-        """``(params, *batch) -> (loss, grads)``: the gradients reduced, before the update (grads
-        as a dict like ``params``, with ZeRO-2/3 their shards; the batch in
-        :meth:`context_order`). Per rank: the gradient provider, then the reducer, in the
-        step's one ``shard_map``; GSPMD: the provider on global arrays."""
+    def reduced_gradients(self) -> Callable:
+        """``(params, *batch) -> Gradients(loss, grads, weight)``: the global loss, the gradients
+        reduced, before the update (grads as a dict like ``params``, with ZeRO-2/3 their shards;
+        the batch in :meth:`context_order`), and a weighted ``loss_fn``'s global weight (None for
+        a scalar one). Per rank: the gradient provider, then the reducer, in the step's one
+        ``shard_map``; GSPMD: the provider on global arrays."""
         if self.spmd == "gspmd":
             return self.gradients
 
@@ -219,42 +223,43 @@ class TrainStep:
             # after the batch, replicated: the dynamic loss scale, the dropout key's data
             extra = {name: value for name, value in (("scale", scale), ("key", key))
                      if value is not None}
-            weighted = []  # whether the provider found a global weight (a weighted loss_fn)
 
             def per_rank(leaves, *args):
                 split = len(args) - len(extra)
-                with token_mean.noting() as weights:
-                    share, grads = self.gradients(leaves, *args[:split],
-                                                  **dict(zip(extra, args[split:])))
-                weighted.append(bool(weights))
-                weight = token_mean.noted(weights)
-                return (*self.reducer(share, grads),
-                        jnp.float32(1) if weight is None else weight)
+                share, grads, weight = self.gradients(leaves, *args[:split],
+                                                      **dict(zip(extra, args[split:])))
+                return (*self.reducer(share, grads), token_mean.agreed(weight))
 
-            fn = self.over_mesh(per_rank, len(batch),
+            fn = self.over_mesh(per_rank, len(batch),  # a scalar loss_fn's weight: None
                                 out_specs=(P(), list(self.grad_specs), P()),
                                 after=(P(),) * len(extra), check_vma=self.reducer.check_vma)
             loss, grads, weight = fn(tuple(jax.tree.leaves(params)), *batch, *extra.values())
-            if weighted[-1]:
-                token_mean.note(weight)  # the global weight, for the step's check
-            return loss, self.setup.pure(grads)
+            return Gradients(loss, self.setup.pure(grads), weight)
 
         return run
+
+    def value_and_grad(self) -> Callable:
+        """``(params, *batch) -> (loss, grads)``: :meth:`reduced_gradients` without the weight."""
+        reduced = self.reduced_gradients()
+
+        def value_and_grad(params, *batch, **inputs):
+            loss, grads, _ = reduced(params, *batch, **inputs)
+            return loss, grads
+
+        return value_and_grad
 
     def build(self) -> Callable:
         """The jitted ``step(state, *batch) -> (state, loss)``: gradients, reduced, then the
         optimizer update, the state donated. A step with other parts (SAMO) builds its own."""
-        value_and_grad = self.value_and_grad()
+        reduced = self.reduced_gradients()
 
         def step(state: TrainState, *batch):
-            with token_mean.noting() as weights:
-                loss, grads = value_and_grad(state.params, *batch, **self.update.inputs(state))
+            loss, grads, weight = reduced(state.params, *batch, **self.update.inputs(state))
             new = self.update(grads, state)
-            if not weights:  # a scalar loss_fn
+            if weight is None:  # a scalar loss_fn
                 return new, loss
             # a weighted loss_fn: its global weight positive and finite, or no update
-            return token_mean.guard(token_mean.noted(weights), new, state, loss,
-                                    self.weight_report)
+            return token_mean.guard(weight, new, state, loss, self.weight_report)
 
         return jax.jit(step, donate_argnums=(0,) if self.donate else ())
 

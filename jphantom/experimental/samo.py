@@ -182,7 +182,7 @@ class SamoStep(TrainStep):
         vary = self.reducer.vary  # per leaf: the axes its gradient is summed over (data)
 
         def per_rank(theta, index, *batch):
-            loss, grads = self.gradients(theta, *batch)  # dense, compute dtype
+            loss, grads, _ = self.gradients(theta, *batch)  # dense, compute dtype
             compressed = [g.ravel().at[i].get(indices_are_sorted=True, unique_indices=True)
                           for g, i in zip(grads, index)]  # [f phi] per tensor
             # all-reduce of (1 - s) of the dense gradient

@@ -24,6 +24,8 @@ price the loss for every provider); the reductions after the backward are
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -36,6 +38,18 @@ from jphantom.nn import metadata
 from jphantom.pipeline.buffers import split_microbatches, zeros_of
 from jphantom.step.reduce import Reducer
 from jphantom.step.setup import StepSetup
+
+
+class Gradients(NamedTuple):
+    """What every gradient provider returns: ``share``, this rank's share of the global loss
+    (GSPMD's provider: the global loss itself); ``grads``, its gradients before the reductions
+    (GSPMD: the global gradients); ``weight``, a weighted ``loss_fn``'s global weight
+    (:mod:`jphantom.token_mean`; ``None`` for a scalar ``loss_fn``), which the step checks
+    before it applies the update (:func:`jphantom.token_mean.guard`)."""
+
+    share: Any
+    grads: Any
+    weight: Any = None
 
 
 def accumulate(fn, micro, *, mean: bool, indexed: bool = False):
@@ -135,8 +149,9 @@ def unscaled(loss, grads, like, scale):
 
 
 class LocalGradients:
-    """The gradient provider of a step without a pipeline: ``share, grads = provider(leaves,
-    *batch)``, this rank's loss share and gradients before the reductions (module docstring)."""
+    """The gradient provider of a step without a pipeline: ``share, grads, weight =
+    provider(leaves, *batch)`` (a :class:`Gradients`), this rank's loss share and gradients
+    before the reductions and the global weight (module docstring)."""
 
     def __init__(self, setup: StepSetup, reducer: Reducer):
         self.setup, self.reducer = setup, reducer
@@ -163,19 +178,18 @@ class LocalGradients:
 
         if setup.accumulate == 1:
             (loss, grads), found = one(leaves, *batch)
-            token_mean.note(found)  # the global weight, for the step's check
-            return loss, grads
+            return Gradients(loss, grads, found)
         n = setup.accumulate
         micro = [split_microbatches(b, n) for b in batch]
         balance = balance_fraction(setup, reducer.model(leaves, train=True), micro)
         # a weighted loss_fn: the global weight of all micro-batches first, each micro-batch's
         # share is then its part of the whole loss (summed, not averaged)
         weight = micro_weight(setup, reducer.model(leaves, train=False), micro, balance)
-        token_mean.note(weight)
         options = dict(balance=balance, weight=weight, micro=n)
         # micro-batch i draws its dropout masks from key i
-        return accumulate(lambda mb, i: one(leaves, *mb, **options, index=i)[0], micro,
-                          mean=weight is None, indexed=True)
+        loss, grads = accumulate(lambda mb, i: one(leaves, *mb, **options, index=i)[0], micro,
+                                 mean=weight is None, indexed=True)
+        return Gradients(loss, grads, weight)
 
     def evaluate(self, fn):
         """``fn(model, *batch)`` per rank -> a scalar mean or a dict of them as global means

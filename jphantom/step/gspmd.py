@@ -20,12 +20,14 @@ from jphantom import token_mean
 from jphantom.errors import ConfigError
 from jphantom.nn import balance as balance_module
 from jphantom.pipeline.buffers import interleave_microbatches
-from jphantom.step.grads import accumulate, balance_fraction, loss_of, micro_weight, takes_balance
+from jphantom.step.grads import (Gradients, accumulate, balance_fraction, loss_of, micro_weight,
+                                 takes_balance)
 from jphantom.step.setup import StepSetup
 
 
 class GspmdGradients:
-    """``loss, grads = provider(params, *batch)`` on global arrays (module docstring)."""
+    """``loss, grads, weight = provider(params, *batch)`` (a
+    :class:`~jphantom.step.grads.Gradients`) on global arrays (module docstring)."""
 
     def __init__(self, setup: StepSetup):
         self.setup = setup
@@ -80,20 +82,18 @@ class GspmdGradients:
 
         n = setup.accumulate
         if n == 1:
-            (loss, grads), found = one(params, batch, scale)
-            token_mean.note(found)  # the global weight, for the step's check
+            (loss, grads), weight = one(params, batch, scale)
         else:  # micro-batch i: every batch rank's i-th slice, as the shard_map step
             micro = [interleave_microbatches(b, n, setup.batch_ranks) for b in batch]
             model = self.model(params)
             balance = balance_fraction(setup, model, micro)
             weight = micro_weight(setup, model, micro, balance)
-            token_mean.note(weight)
             options = (scale, balance, weight, n)
             loss, grads = accumulate(lambda mb: one(params, mb, *options)[0], micro,
                                      mean=weight is None)
         grads = jax.tree.map(lambda g, p: (g / scale).astype(p.dtype), grads, params)
-        return loss / scale, jax.lax.with_sharding_constraint(grads,
-                                                              setup.shardings(setup.grad_specs))
+        return Gradients(loss / scale, jax.lax.with_sharding_constraint(
+            grads, setup.shardings(setup.grad_specs)), weight)
 
     def evaluate(self, fn):
         """``fn`` on the global arrays, jitted: a scalar mean, a dict of them or a global token

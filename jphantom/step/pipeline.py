@@ -24,15 +24,16 @@ from jphantom.errors import ConfigError
 from jphantom.nn import balance as balance_module
 from jphantom.nn import metadata
 from jphantom.pipeline.buffers import split_microbatches, zeros_of
-from jphantom.step.grads import takes_balance, unscaled
+from jphantom.step.grads import Gradients, takes_balance, unscaled
 from jphantom.step.reduce import Reducer
 from jphantom.step.setup import StepSetup
 
 
 class PipelineGradients:
-    """The pipelined gradient provider: ``share, grads = provider(leaves, inputs, targets)``,
-    this rank's loss share (non-zero on the last stage) and gradients before the reductions
-    (module docstring)."""
+    """The pipelined gradient provider: ``share, grads, weight = provider(leaves, inputs,
+    targets)`` (a :class:`~jphantom.step.grads.Gradients`), this rank's loss share (non-zero on
+    the last stage) and gradients before the reductions, and the global weight (module
+    docstring)."""
 
     def __init__(self, setup: StepSetup, reducer: Reducer):
         self.setup, self.reducer, self.stages = setup, reducer, setup.stages
@@ -53,10 +54,10 @@ class PipelineGradients:
                 lambda xs: zero_module.gather_together(xs, dims, zaxes, invariant=False),
                 varied)
         balance = self.balance(varied, *batch)
-        loss, grads = self.value_and_grad(varied, *batch, scale=scale, balance=balance)
+        loss, grads, weight = self.value_and_grad(varied, *batch, scale=scale, balance=balance)
         if scatter is not None:
             (grads,) = scatter(grads)
-        return unscaled(loss, grads, leaves, scale)
+        return Gradients(*unscaled(loss, grads, leaves, scale), weight)
 
     def balance(self, leaves, *batch):
         """The whole batch's routing fractions (:func:`jphantom.step.grads.balance_fraction`)
@@ -82,9 +83,11 @@ class PipelineGradients:
         (:func:`jphantom.pipeline.runner.run`, every schedule, its own backward): the part of
         ``loss_fn`` before the blocks on the first stage, the blocks' layers split over ``stage``
         (model chunks of L / (P V) layers: :func:`jphantom.pipeline.table.unit_order`),
-        the part after them (head, loss) on the last.
-        ``train=False``: the forward slots only, the loss share alone (``statistics``: the MoE
-        layers' router statistics summed over the micro-batches instead, :meth:`balance`).
+        the part after them (head, loss) on the last. ``train``: a
+        :class:`~jphantom.step.grads.Gradients` (the global weight found before the schedule
+        runs, :meth:`weight`); ``train=False``: the forward slots only, the loss share alone
+        (``statistics``: the MoE layers' router statistics summed over the micro-batches
+        instead, :meth:`balance`).
         ``balance``: the whole batch's routing fractions, given to each micro-batch's loss.
         ``batch``: ``(inputs, targets, *extras)`` (module docstring)."""
         from jphantom.nn.stack import Capture, Feed, StackInput
@@ -125,8 +128,6 @@ class PipelineGradients:
             first, lambda out, t: run_model(model_with(rest_now, Feed(lambda: out)),
                                             dummy_inputs, t[0], t[1:]),
             rest_now, tuple(a[:rows] for a in inputs), targets, micro)
-        if train:
-            token_mean.note(weight)  # the global weight, for the step's check
 
         def last(rest, out, targets_mb, microbatches):
             model = model_with(rest, Feed(lambda: out))
@@ -154,7 +155,7 @@ class PipelineGradients:
         loss, d_stacked, d_rest = runner.run(stages, setup.pipeline, plan, stacked, rest, inputs,
                                              targets)
         grads = stages_layout.join(d_stacked, d_rest)
-        return loss, [g.astype(x.dtype) for g, x in zip(grads, leaves)]
+        return Gradients(loss, [g.astype(x.dtype) for g, x in zip(grads, leaves)], weight)
 
     def body(self):
         """``body(chunk, x, c)``: model chunk ``c``'s layers (its parameters ``chunk``, stacked,

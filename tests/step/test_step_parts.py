@@ -39,7 +39,8 @@ def _per_rank(setup, reducer, batch):
     gradients = LocalGradients(setup, reducer)
 
     def per_rank(leaves, *b):
-        loss, grads = reducer(*gradients(leaves, *b))
+        share, grads, _ = gradients(leaves, *b)
+        loss, grads = reducer(share, grads)
         if reducer.check_vma:
             return loss, grads
         return loss[None], [g[None] for g in grads]  # each rank's own, stacked over data
