@@ -60,15 +60,13 @@ def test_buckets_are_powers_of_two_times_the_unit():
     assert [bucket_of(n, 16) for n in (1, 16, 17, 33, 100)] == [16, 16, 32, 64, 128]
 
 
-def test_sampling_is_seeded_top_k_1_is_greedy_and_one_bucket_compiles_once():
+def test_sampling_is_seeded_and_one_bucket_compiles_once():
     model = _tiny()
-    greedy = jphantom.generate(model, PROMPTS, GenerationConfig(max_new_tokens=6, bucket=8))
-    top1 = jphantom.generate(model, PROMPTS, GenerationConfig(max_new_tokens=6, bucket=8,
-                                                              temperature=0.8, top_k=1))
-    assert top1.completions == greedy.completions
-    hot = GenerationConfig(max_new_tokens=6, bucket=8, temperature=5.0, seed=3)
+    hot = GenerationConfig(max_new_tokens=6, bucket=8, temperature=5.0, top_k=40, top_p=0.95,
+                           seed=3)
     first, again = jphantom.generate(model, PROMPTS, hot), jphantom.generate(model, PROMPTS, hot)
-    assert first.completions == again.completions != greedy.completions
+    assert first.completions == again.completions
+    assert len(set(map(tuple, first.completions))) == 3  # hot: the rows differ
     programs, executables = loop.compiled.cache_info().currsize, len(api._EXECUTABLES)
     jphantom.generate(model, [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [7], [3, 4]], hot)
     assert loop.compiled.cache_info().currsize == programs  # the same bucket: no new program
