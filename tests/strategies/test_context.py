@@ -194,3 +194,23 @@ def test_planner_prices_the_context_axis_from_the_ring_formula():
     chunk = per_rank * (4096 // c) * 2 * (256 // 8)
     want = 4 * (c - 1) * (2 * 3 * chunk * 2 + 2 * chunk * 4)  # bf16 K/V, float32 dK/dV
     assert row.bytes_by_axis["context"] == want
+
+
+@pytest.mark.parametrize("window, keeps_scores", [(None, False), (4, True)])
+def test_all_gather_attention_keeps_no_probabilities_for_the_backward(window, keeps_scores):
+    """All-gather context attention on the ring's blocks (``jphantom.nn.attention.gathered``)
+    saves q, the gathered K and V, the output and the log-sum-exp for the backward, never a
+    [S/C, S] score or probability block; a sliding window takes XLA's masked path, which does."""
+    from jax.sharding import PartitionSpec as P
+
+    c, b, s, h, d = 2, 1, 16, 4, 8
+    mesh = jax.sharding.Mesh(np.array(first_devices(c)), ("context",))
+    spec = P(None, "context")
+    layer = attention.GatheredAttention(size=c, window=window)
+    core = jax.shard_map(lambda q, k, v: layer(q, k, v), mesh=mesh, in_specs=(spec,) * 3,
+                         out_specs=spec)
+    q, k, v = (np.ones((b, s, h, d), np.float32) for _ in range(3))
+    _, pullback = jax.vjp(core, q, k, v)
+    shapes = [np.shape(x) for x in jax.tree.leaves(pullback)]  # what the backward keeps
+    scores = [x for x in shapes if x[-2:] == (s // c, s) or x[-1:] == (s,) and len(x) >= 4]
+    assert bool(scores) == keeps_scores, shapes
