@@ -164,3 +164,25 @@ def test_a_context_axis_is_refused_by_name(mesh_of):
     model = _tiny()
     with pytest.raises(ConfigError, match="mesh axis context=2"):
         jphantom.generate(model, [[1, 2]], mesh=mesh_of("context=2"))
+
+
+def _switch_gpt2(capacity_factor):
+    from jphantom.models.gpt2 import GPT2, TransformerConfig
+    config = TransformerConfig(vocab_size=64, hidden=32, layers=2, heads=4, seq_len=32,
+                               moe_every=1, experts=4, capacity_factor=capacity_factor)
+    return GPT2(config, rngs=nnx.Rngs(0))
+
+
+def test_a_capacity_limited_mixture_of_experts_is_refused_by_name():
+    with pytest.raises(ConfigError, match=r"blocks.block.moe_block.moe, capacity_factor=1.25"):
+        jphantom.generate(_switch_gpt2(1.25), [[1, 2]])
+
+
+@pytest.mark.slow
+def test_gpt2s_dropless_switch_blocks_decode_as_the_whole_sequence():
+    model = _switch_gpt2(None)
+    config = GenerationConfig(max_new_tokens=4, bucket=4, return_logits=True)
+    cached = jphantom.generate(model, PROMPTS, config)
+    whole = jphantom.generate(model, PROMPTS, config, cache=False)
+    assert cached.cached and cached.completions == whole.completions
+    assert np.abs(cached.logits - whole.logits).max() <= 1e-5 * np.abs(whole.logits).max()

@@ -55,6 +55,24 @@ def _positions_limit(model) -> int | None:
     return None
 
 
+def check_routing(model) -> None:
+    """Refuse a mixture of experts with a capacity (GPT-2's Switch blocks): which tokens it drops
+    depends on the tokens of the call, so a decode step (one token a row) would route otherwise
+    than the whole sequence does; dropless routing (``capacity_factor=None``; the Llama family's
+    experts) decodes exactly."""
+    from jphantom.nn.routing import MoEConfig
+
+    for path, module in nnx.iter_modules(model):
+        config = getattr(module, "config", None)
+        factor = config.capacity_factor if isinstance(config, MoEConfig) else None
+        if factor is not None:
+            where = ".".join(str(p) for p in path)
+            raise ConfigError(f"generation with a capacity-limited mixture of experts ({where}, "
+                              f"capacity_factor={factor}) is not exact: a decode step routes one "
+                              "token a row and drops otherwise than the whole sequence; build "
+                              "the model with capacity_factor=None (dropless)")
+
+
 def check_prompts(prompts, vocab: int | None = None) -> list[list[int]]:
     """``prompts`` as lists of token ids: at least one, none empty, ids in ``[0, vocab)``."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
@@ -102,6 +120,7 @@ def generate(model: nnx.Module, prompts, config: GenerationConfig | None = None,
         raise ConfigError(f"config must be a GenerationConfig, not {type(config).__name__}")
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     rows = check_prompts(prompts, vocab)
+    check_routing(model)
     cacheable = bool(kv.cores_of(model))
     if cache and not cacheable:
         raise ConfigError(f"{type(model).__name__} has no jphantom attention core to cache: "
