@@ -149,6 +149,16 @@ def part_gpu_step() -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
+def peer_policy(run: dict) -> str:
+    """jphantom's recompute policy for the run: the one equal to the peer's own (``remat_policy``,
+    :data:`jphantom.remat.PEERS`), else the nearest by the run's ``activation_checkpointing``."""
+    from jphantom.remat import PEERS
+
+    named = run.get("remat_policy")
+    same = [ours for ours, theirs in PEERS.items() if named and theirs.endswith(" " + named)]
+    return same[0] if same else REMAT[run["activation_checkpointing"]]
+
+
 def published_flags(run: dict) -> dict:
     """jphantom's equivalent run of a published one (module docstring)."""
     axes = dict(item.split("=") for item in run["mesh"].split(","))
@@ -158,7 +168,7 @@ def published_flags(run: dict) -> dict:
              "intermediate": run["intermediate"], "vocab": run["vocab"],
              "seq_len": run["seq_len"], "batch": run["global_batch"], "optimizer": "adamw",
              "dtype": "float32", "precision": run["precision"], "mesh": run["mesh"],
-             "remat": REMAT[run["activation_checkpointing"]], "strategy": "tensor"}
+             "remat": peer_policy(run), "strategy": "tensor"}
     if run.get("zero"):
         flags["zero"] = int(run["zero"])
     micro = run["global_batch"] // (data * run["micro_batch"])
