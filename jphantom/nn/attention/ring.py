@@ -2,7 +2,16 @@
 K/V chunks passed around the ring of ``context`` ranks with ``lax.ppermute``, each step's block
 merged by its log-sum-exp, fully masked chunks skipped; the backward (``jax.custom_vjp``) passes
 K/V around the ring again and carries dK/dV accumulators home, storing no K/V of the forward's
-steps (:func:`ring_attention`)."""
+steps (:func:`ring_attention`).
+
+The ring is double-buffered, as Megatron-LM's context parallelism and MaxText's ring do: each
+step sends the chunk the next step needs before it computes its own block, and an optimization
+barrier ties the received chunk to that block's result (:func:`_behind`), so that XLA's
+latency-hiding scheduler keeps every transfer in flight under a block of attention; without it
+the scheduler chained the transfers back to back ahead of the blocks (it prices neither a
+``conditional`` nor a Pallas call). The backward's diagonal block runs as two halves of its
+key/value heads: the first hides the first K/V transfer, the second (after the last ring block)
+the dK/dV accumulators' last step home."""
 
 from __future__ import annotations
 
@@ -27,22 +36,39 @@ def _segments(q_seg, k_seg):
     return None if q_seg is None else (q_seg, k_seg)
 
 
+def _send(x, size):
+    """``x`` one step along the ring (rank r's to rank r + 1)."""
+    return lax.ppermute(x, AXIS, _ring_perm(size))
+
+
+def _behind(in_flight, computed):
+    """``(in_flight, computed)`` through an optimization barrier: the transfers ``in_flight``
+    (issued before a block) are awaited only where the block's results ``computed`` are, so
+    XLA's scheduler keeps each transfer under the block it was sent ahead of (double buffering,
+    as in Megatron-LM's context parallelism) rather than chaining the ring's transfers ahead of
+    the blocks, whose cost it does not see (a ``conditional``, a Pallas custom call)."""
+    return lax.optimization_barrier((in_flight, computed))
+
+
 def _ring_forward(q, k, v, seg, size, balanced, kernel):
     """q [B, S/C, Hk, G, d], k and v [B, S/C, Hk, d] (``seg``: their segment ids [B, S/C] or
     None; a packed batch's travel around the ring with K/V) -> output and log-sum-exp
-    (float32)."""
+    (float32). Step s sends its chunk on (step s + 1's) before computing its block."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     rank = comm.axis_index(AXIS)
     forward, _ = block_kernels(kernel, scale)
-    o, lse = forward(q, k, v, True, _segments(seg, seg))  # the diagonal step: causal
     table = jnp.asarray(schedule(size))
     branches = forward_branches(balanced, forward)
-    kv = (k, v, seg)
-    for s in range(1, size):
-        kv = lax.ppermute(kv, AXIS, _ring_perm(size))
-        o_s, lse_s = lax.switch(table[s, rank], branches, q, kv[0], kv[1],
-                                _segments(seg, kv[2]))
-        o, lse = merge(o, lse, o_s, lse_s)
+    kv, o, lse = (k, v, seg), None, None
+    for s in range(size):
+        ahead = _send(kv, size) if s < size - 1 else None  # step s + 1's chunk, in flight
+        if s == 0:  # the diagonal step: causal
+            block = forward(q, k, v, True, _segments(seg, seg))
+        else:
+            block = lax.switch(table[s, rank], branches, q, kv[0], kv[1], _segments(seg, kv[2]))
+        if ahead is not None:
+            kv, block = _behind(ahead, block)
+        o, lse = block if s == 0 else merge(o, lse, *block)
     return o, lse
 
 
@@ -57,31 +83,63 @@ def _ring_fwd(q, k, v, seg, size, balanced, kernel):
     return out, (q, k, v, seg, out, lse)
 
 
+def _head_halves(hk: int, size: int) -> list[slice]:
+    """The key/value heads of the backward's diagonal block in the two parts it runs as (one
+    part when it has one head or the ring one rank)."""
+    if hk < 2 or size < 2:
+        return [slice(None)]
+    return [slice(None, hk // 2), slice(hk // 2, None)]
+
+
+def _diagonal_grads(backward, heads, q, k, v, o32, lse, delta, do32, seg):
+    """dq, dk, dv of the diagonal (causal) block over the key/value heads ``heads`` (axis 2):
+    heads are independent, so each part's gradients are the whole block's on those heads."""
+    on = lambda a: a[:, :, heads]
+    return backward(on(q), on(k), on(v), on(o32), on(lse), on(delta), on(do32), True,
+                    _segments(seg, seg))
+
+
 def _ring_bwd(size, balanced, kernel, residuals, do):
+    """The ring again, double-buffered as the forward: step s sends its K/V chunk on and the
+    dK/dV accumulator of block s - 1 one rank further before computing block s; the
+    accumulator that holds rank r + 1's chunk after step C - 1 goes home under the diagonal
+    block's second half."""
     q, k, v, seg, o, lse = residuals
     scale = 1.0 / math.sqrt(q.shape[-1])
     rank = comm.axis_index(AXIS)
     _, backward = block_kernels(kernel, scale)
     do32, o32 = do.astype(jnp.float32), o.astype(jnp.float32)
     delta = jnp.sum(do32 * o32, axis=-1)
-    dq, dk, dv = backward(q, k, v, o32, lse, delta, do32, True, _segments(seg, seg))
     table = jnp.asarray(schedule(size))
     branches = backward_branches(balanced, backward)
-    perm = _ring_perm(size)
-    kv, carried = (k, v, seg), None
-    for s in range(1, size):
-        kv = lax.ppermute(kv, AXIS, perm)
-        dq_s, dk_s, dv_s = lax.switch(table[s, rank], branches, q, kv[0], kv[1], o32, do32, lse,
-                                      delta, _segments(seg, kv[2]))
-        dq = dq + dq_s
-        if carried is None:  # the accumulator of rank r-1's chunk starts here
-            carried = (dk_s, dv_s)
-        else:  # rank r-1 carried it one step: add this rank's part
-            carried = lax.ppermute(carried, AXIS, perm)
-            carried = (carried[0] + dk_s, carried[1] + dv_s)
-    if carried is not None:  # after step C-1 it holds rank r+1's chunk: one step home
-        carried = lax.ppermute(carried, AXIS, perm)
-        dk, dv = dk + carried[0], dv + carried[1]
+    halves = _head_halves(k.shape[2], size)
+    parts = [None] * len(halves)
+    kv, carried, dq = (k, v, seg), None, None
+    for s in range(size):
+        ahead = _send(kv, size) if s < size - 1 else None  # step s + 1's chunk
+        arriving = _send(carried, size) if carried is not None else None  # rank r-1's, on
+        if s == 0:  # the diagonal block's first half
+            grads = _diagonal_grads(backward, halves[0], q, k, v, o32, lse, delta, do32, seg)
+        else:
+            grads = lax.switch(table[s, rank], branches, q, kv[0], kv[1], o32, do32, lse,
+                               delta, _segments(seg, kv[2]))
+        (ahead, arriving), grads = _behind((ahead, arriving), grads)
+        if s == 0:
+            parts[0] = grads
+        else:
+            dq = grads[0] if dq is None else dq + grads[0]
+            carried = grads[1:] if arriving is None else (arriving[0] + grads[1],
+                                                          arriving[1] + grads[2])
+        kv = ahead if ahead is not None else kv
+    home = _send(carried, size) if carried is not None else None  # one step home
+    if len(halves) > 1:  # the second half after the last ring block, the way home under it
+        inputs, _ = _behind((q, k, v, o32, lse, delta, do32), carried)
+        parts[1] = _diagonal_grads(backward, halves[1], *inputs, seg)
+        home, parts[1] = _behind(home, parts[1])
+    dq_d, dk, dv = (jnp.concatenate(g, axis=2) for g in zip(*parts))
+    dq = dq_d if dq is None else dq + dq_d
+    if home is not None:
+        dk, dv = dk + home[0], dv + home[1]
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
