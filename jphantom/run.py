@@ -230,10 +230,8 @@ class Trainer:
         if run.policy.skips_batch(index):  # the batch that gave a rolled-back non-finite loss
             self._emit(run, SkippedBatch(index + 1))
             return index + 1, True
-        counted = getattr(self.step, "weight_report", None)
-        before = None if counted is None else counted.skipped
-        loss, elapsed, joules = self._update(run, index, pair)
-        if before is not None and counted.skipped > before:  # nothing to count: no update
+        loss, elapsed, joules, skipped = self._update(run, index, pair)
+        if skipped:  # nothing to count (a global weight of 0): no update
             run.policy.nothing_counted(index)
             self._emit(run, SkippedBatch(index + 1, reason="nothing to count"))
             return self._end_of_step(run, index)
@@ -248,14 +246,16 @@ class Trainer:
         self._emit(run, record)
         return self._end_of_step(run, index)
 
-    def _update(self, run: _Run, index: int, pair) -> tuple[float, float, float | None]:
-        """Train on ``pair``: (loss, seconds, joules). The step's window opens on idle devices
-        and closes once its work is done; the first step compiles and is not timed."""
+    def _update(self, run: _Run, index: int, pair) -> tuple[float, float, float | None, bool]:
+        """Train on ``pair``: (loss, seconds, joules, whether the batch was skipped for want of
+        tokens). The step's window opens on idle devices and closes once its work is done; the
+        first step compiles and is not timed."""
         batch = run.place_train(pair)
         jax.block_until_ready(batch)
         run.step_energy.begin()
         tick = time.perf_counter()
-        self.state, loss = self.step(self.state, *batch)
+        self.state, out = self.step.run(self.state, *batch)
+        loss = out.loss
         run.state_step = index + 1  # the state is this step's (still computing)
         jax.block_until_ready((self.state, loss))
         elapsed = time.perf_counter() - tick
@@ -273,7 +273,7 @@ class Trainer:
                     run.step_seconds) >= 2 and run.watchdog.timeout is None:
                 # several processes: an automatic limit once compiled
                 run.watchdog.set_timeout(max(AUTO_TIMEOUT_S, 50 * max(run.step_seconds)))
-        return float(loss), elapsed, joules
+        return float(loss), elapsed, joules, out.skipped
 
     def _roll_back(self, run: _Run, index: int, loss: float, finite: bool) -> int:
         """The rollback policy: the state, history and data position of the newest checkpoint

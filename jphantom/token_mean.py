@@ -187,33 +187,66 @@ def agreed(weight):
     return weight
 
 
-def guard(weight, new, old, loss, report: "WeightReport"):
+def guard(weight, new, old, loss):
     """``(state, loss)`` of a step whose global weight is ``weight``: ``new`` and ``loss`` when
     it is positive and finite; otherwise the update is not applied (``old``, the state before
-    the step, is kept), the loss is NaN (nothing was measured) and ``report`` is called on the
-    host with the weight (a conditional callback: nothing moves to the host on a good step)."""
+    the step, is kept) and the loss is NaN (nothing was measured). The step returns the weight
+    beside the loss (:class:`jphantom.step.finite.StepOutput`), which :class:`WeightReport`
+    reads on the host."""
     ok = (weight > 0) & jnp.isfinite(weight)
     state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-    lax.cond(ok, lambda w: None, lambda w: jax.debug.callback(report, w), weight)
     return state, jnp.where(ok, loss, jnp.nan)
 
 
 class WeightReport:
-    """What the step found about its global weights, on the host: ``skipped``, the batches it
+    """What the step found about the global weights it returned, read on the host once each is
+    ready (:meth:`see`; never waited for but by :attr:`skipped`): ``skipped``, the batches it
     did not train on because nothing was counted (a global weight of 0: every target ignored
-    or masked), each reported on stderr as it happens; ``error``, the message of a negative or
+    or masked), each reported on stderr when read; ``error``, the message of a negative or
     non-finite weight, which the step raises (a ``ConfigError``) at its next call."""
 
     def __init__(self, fn=None):
-        self.name, self.skipped, self.error = name_of(fn), 0, None
+        self.name, self._skipped, self.error = name_of(fn), 0, None
+        self._pending: list = []  # the weights the step returned, not read yet
+
+    def see(self, weight) -> None:
+        """A step's returned global weight (``None``, a scalar ``loss_fn``'s, is not kept)."""
+        if weight is not None:
+            self._pending.append(weight)
+        self.read()
+
+    def read(self, wait: bool = False) -> None:
+        """Read the returned weights that are ready (``wait``: all of them), in order."""
+        while self._pending:
+            weight = self._pending[0]
+            if getattr(weight, "is_deleted", lambda: False)():
+                self._pending.pop(0)
+                continue
+            if not (wait or getattr(weight, "is_ready", lambda: True)()):
+                return
+            self(self._pending.pop(0))
+
+    @property
+    def skipped(self) -> int:
+        """The batches skipped so far (waits for the weights not read yet)."""
+        self.read(wait=True)
+        return self._skipped
+
+    def skipped_ready(self) -> int:
+        """The batches skipped among the weights ready now (nothing waited for): what a loss
+        that is ready can be told apart by, its weight computed with it."""
+        self.read()
+        return self._skipped
 
     def __call__(self, weight) -> None:
         weight = float(weight)
+        if weight > 0 and math.isfinite(weight):
+            return
         if weight == 0:
-            self.skipped += 1
+            self._skipped += 1
             sys.stderr.write(f"jphantom: {self.name} counted nothing in this batch (global weight "
                              "0: every target ignored or masked): the batch is skipped, the "
-                             f"update not applied ({self.skipped} skipped so far)\n")
+                             f"update not applied ({self._skipped} skipped so far)\n")
             return
         self.error = (f"{self.name} returned a global weight of {weight}: the weight (the number "
                       "of tokens the total sums, over every rank) must be positive and finite; "
@@ -221,8 +254,9 @@ class WeightReport:
         sys.stderr.write(f"jphantom: error: {self.error}\n")
 
     def check(self) -> None:
-        """Raise the error a previous step found (once), the state it returned being the last
-        good one."""
+        """Raise the error a previous step found (once; its weight read if ready), the state it
+        returned being the last good one."""
+        self.read()
         if self.error is not None:
             error, self.error = self.error, None
             raise ConfigError(error)

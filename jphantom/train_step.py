@@ -71,7 +71,7 @@ from jphantom.errors import ConfigError
 from jphantom.nn import attention as attention_module
 from jphantom.precision import Precision
 from jphantom.step.grads import Gradients, LocalGradients
-from jphantom.step.finite import NonFiniteWatch, skipped_updates
+from jphantom.step.finite import NonFiniteWatch, StepOutput, skipped_updates
 from jphantom.step.gspmd import GspmdGradients
 from jphantom.step.layout import (CONTEXT, ParamLayout, TrainState, batch_axes_of,
                                    batch_spec_of, check_mesh, group_by, integer_ids_error)
@@ -107,9 +107,9 @@ class TrainStep:
         self.gradients = gradients_of(setup, self.reducer)
         self.donate = donate
         self._step = None
-        # the global weights of a weighted loss_fn, checked as the step runs (token_mean.guard)
+        # the global weights of a weighted loss_fn the step returns, read on the host
         self.weight_report = token_mean.WeightReport(setup.loss_fn)
-        self.watch = NonFiniteWatch(on_nonfinite, lambda: self.weight_report.skipped)
+        self.watch = NonFiniteWatch(on_nonfinite, self.weight_report.skipped_ready)
         # the facts users and tools read, by their names
         self.mesh, self.layout, self.loss_fn = setup.mesh, setup.layout, setup.loss_fn
         self.model_template, self.precision = setup.model_template, setup.precision
@@ -249,8 +249,9 @@ class TrainStep:
         return value_and_grad
 
     def build(self) -> Callable:
-        """The jitted ``step(state, *batch) -> (state, loss)``: gradients, reduced, then the
-        optimizer update, the state donated. A step with other parts (SAMO) builds its own."""
+        """The jitted ``step(state, *batch) -> (state, loss)``, ``(state, loss, weight)`` for a
+        weighted ``loss_fn``: gradients, reduced, then the optimizer update, the state donated.
+        A step with other parts (SAMO) builds its own."""
         reduced = self.reduced_gradients()
 
         def step(state: TrainState, *batch):
@@ -258,12 +259,28 @@ class TrainStep:
             new = self.update(grads, state)
             if weight is None:  # a scalar loss_fn
                 return new, loss
-            # a weighted loss_fn: its global weight positive and finite, or no update
-            return token_mean.guard(weight, new, state, loss, self.weight_report)
+            # a weighted loss_fn: its global weight positive and finite, or no update; the
+            # weight returned, read on the host (token_mean.WeightReport)
+            return (*token_mean.guard(weight, new, state, loss), weight)
 
         return jax.jit(step, donate_argnums=(0,) if self.donate else ())
 
     def __call__(self, state: TrainState, *batch):
+        state, out = self._dispatch(state, batch)
+        self.watch(state, out.loss)  # on_nonfinite (jphantom.step.finite)
+        return state, out.loss
+
+    def run(self, state: TrainState, *batch) -> tuple[TrainState, StepOutput]:
+        """``state, out = step.run(state, *batch)``: the step, its outputs as a
+        :class:`~jphantom.step.finite.StepOutput` (the loss, a weighted ``loss_fn``'s global
+        weight, whether the batch was skipped for want of tokens)."""
+        state, out = self._dispatch(state, batch)
+        self.watch(state, out.loss)  # on_nonfinite (jphantom.step.finite)
+        return state, out
+
+    def _dispatch(self, state: TrainState, batch) -> tuple[TrainState, StepOutput]:
+        """The jitted step called on ``batch`` (checked), the weight it returns kept for the
+        host's report."""
         if not batch:
             raise ConfigError("step(state, *batch) needs the batch arrays loss_fn takes")
         self.check_batch(*batch)
@@ -271,13 +288,14 @@ class TrainStep:
         if self._step is None:
             self._step = self.build()
         try:
-            state, loss = self._step(state, *self.context_order(batch))
+            state, loss, *weight = self._step(state, *self.context_order(batch))
         except (TypeError, ValueError) as error:  # float token ids, named (layout.py)
             if (named := integer_ids_error(error, batch)) is None:
                 raise
             raise named from None
-        self.watch(state, loss)  # on_nonfinite (jphantom.step.finite)
-        return state, loss
+        out = StepOutput(loss, *weight)
+        self.weight_report.see(out.weight)
+        return state, out
 
     def skipped_updates(self, state: TrainState) -> int | None:
         """How many updates ``on_nonfinite="skip"`` or ``"stop"`` dropped so far (a host read of

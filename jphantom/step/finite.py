@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,21 @@ from jphantom.errors import ConfigError, JPhantomWarning, TrainingDiverged
 
 POLICIES = ("warn", "skip", "stop", "ignore")
 _PENDING = 4  # losses kept until ready (a loop that never reads them holds no more)
+
+
+class StepOutput(NamedTuple):
+    """What one call of the step returns beside the state (``state, out =
+    step.run(state, *batch)``): ``loss``, NaN where nothing was counted; ``weight``, a weighted
+    ``loss_fn``'s global weight (:mod:`jphantom.token_mean`; ``None`` for a scalar one)."""
+
+    loss: jax.Array
+    weight: jax.Array | None = None
+
+    @property
+    def skipped(self) -> bool:
+        """Whether the update was not applied because nothing was counted (a global weight of
+        0: every target ignored or masked): a host read of the weight."""
+        return self.weight is not None and float(self.weight) == 0
 
 
 def check_policy(on_nonfinite) -> str:

@@ -229,3 +229,19 @@ def test_a_batch_with_nothing_to_count_is_skipped_and_a_negative_weight_is_an_er
         step(state, TOKENS, TARGETS, ones)
     state, loss = step(state, TOKENS, TARGETS, ones)
     assert np.isfinite(float(loss)) and not unchanged(state)
+
+
+def test_the_step_returns_its_global_weight_beside_the_loss():
+    """step.run gives a StepOutput: a weighted loss_fn's global weight (the tokens counted over
+    every rank) beside the loss, skipped when it is 0; a scalar loss_fn's weight is None. The
+    weight is an output of the compiled step, read on the host: no host callback in it."""
+    step = jphantom.make_train_step(_llama(), _mesh("data=2"), optax.sgd(0.1), llama.lm_loss,
+                                    donate=False)
+    state = step.init()
+    _, out = step.run(state, TOKENS, TARGETS, MASK)
+    assert float(out.weight) == int(MASK.sum()) and not out.skipped
+    _, out = step.run(state, TOKENS, TARGETS, jnp.zeros_like(MASK))
+    assert out.skipped and np.isnan(float(out.loss)) and step.weight_report.skipped == 1
+    assert "callback" not in step.lower(state, TOKENS, TARGETS, MASK).compile().as_text()
+    _, out = step.run(state, TOKENS, TARGETS)  # llama.lm_loss without a mask: the mean
+    assert out.weight is None and not out.skipped and np.isfinite(float(out.loss))
