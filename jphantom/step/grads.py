@@ -181,6 +181,8 @@ class LocalGradients:
             return Gradients(loss, grads, found)
         n = setup.accumulate
         micro = [split_microbatches(b, n) for b in batch]
+        if setup.master_weights == "sharded":
+            return self.gathered_once(leaves, micro, scale, key)
         balance = balance_fraction(setup, reducer.model(leaves, train=True), micro)
         # a weighted loss_fn: the global weight of all micro-batches first, each micro-batch's
         # share is then its part of the whole loss (summed, not averaged)
@@ -190,6 +192,30 @@ class LocalGradients:
         loss, grads = accumulate(lambda mb, i: one(leaves, *mb, **options, index=i)[0], micro,
                                  mean=weight is None, indexed=True)
         return Gradients(loss, grads, weight)
+
+    def gathered_once(self, leaves, micro, scale, key) -> Gradients:
+        """Accumulation under a sharded master (Megatron's distributed optimizer with gradient
+        accumulation): the bf16 parameters gathered over ``data`` once before the micro-batch
+        loop, their gradients summed over it in float32, and reduce-scattered (the gather's
+        transpose, in bf16) once after it, not once per micro-batch."""
+        setup, reducer = self.setup, self.reducer
+        gathered, scatter = jax.vjp(lambda xs: reducer.gather(xs, train=True),
+                                    reducer.vary_params(leaves))
+        model = reducer.built(gathered, train=True)
+        balance = balance_fraction(setup, model, micro)
+        weight = micro_weight(setup, model, micro, balance)
+        options = dict(balance=balance, weight=weight, micro=len(micro[0]))
+
+        def one(mb, i):
+            scaled = lambda p: loss_share(setup, reducer.built(p, train=True), mb,  # noqa: E731
+                                          **options)[0] * scale
+            with dropout_module.keys(None if key is None else jax.random.fold_in(key, i)):
+                loss, grads = jax.value_and_grad(scaled)(gathered)
+            return loss, [g.astype(jnp.promote_types(g.dtype, jnp.float32)) for g in grads]
+
+        loss, grads = accumulate(one, micro, mean=weight is None, indexed=True)
+        (grads,) = scatter([g.astype(x.dtype) for g, x in zip(grads, gathered)])
+        return Gradients(*unscaled(loss, grads, leaves, scale), weight)
 
     def evaluate(self, fn):
         """``fn(model, *batch)`` per rank -> a scalar mean or a dict of them as global means

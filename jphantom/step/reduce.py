@@ -73,18 +73,34 @@ class Reducer:
         ``fetch``; every other leaf is all-gathered here, once (``train``: varying, so that the
         gather's transpose reduce-scatters the gradient). ``master_weights="sharded"``: every
         leaf gathered here, once, in the compute dtype (the bf16 parameters of Megatron's
-        distributed optimizer; its transpose the bf16 gradient's reduce-scatter)."""
+        distributed optimizer; its transpose the bf16 gradient's reduce-scatter):
+        :meth:`built` of :meth:`gather`."""
+        return self.built(self.gather(leaves, train=train), train=train)
+
+    def _fetched(self, train: bool) -> frozenset:
+        """The leaves ZeRO-3 keeps in shards for the stacked blocks to fetch layer by layer."""
+        setup = self.setup
+        return (setup.layout.stacked if train and setup.pipeline is None and setup.zero == 3
+                and setup.sharded_master else frozenset())
+
+    def gather(self, leaves, *, train: bool) -> list:
+        """The rank's ``leaves`` as its model holds them: cast to the compute dtype, and with a
+        sharded master gathered whole over ``data`` (but the stacked blocks' under ZeRO-3)."""
         setup, layout = self.setup, self.setup.layout
         leaves = setup.precision.cast(list(leaves))  # a sharded master: gathered in bf16
         if not setup.sharded_master:
-            return setup.ready(layout.model_of(leaves))
-        stacked = (layout.stacked if train and setup.pipeline is None and setup.zero == 3
-                   else frozenset())
-        dims, zaxes = layout.zero_dims, layout.zero_axes
-        leaves = zero_module.gather_together(
-            leaves, [-1 if i in stacked else d for i, d in enumerate(dims)], zaxes,
-            invariant=not train)
+            return leaves
+        stacked = self._fetched(train)
+        return zero_module.gather_together(
+            leaves, [-1 if i in stacked else d for i, d in enumerate(layout.zero_dims)],
+            layout.zero_axes, invariant=not train)
+
+    def built(self, leaves, *, train: bool) -> nnx.Module:
+        """The model of leaves :meth:`gather` gave (ZeRO-3's stacked blocks fetching theirs)."""
+        setup, layout = self.setup, self.setup.layout
         model = setup.ready(layout.model_of(leaves))
+        stacked = self._fetched(train)
+        dims, zaxes = layout.zero_dims, layout.zero_axes
         for path, indices in (layout.stacks if stacked else ()):
             module = model
             for part in path:

@@ -162,7 +162,7 @@ def setup_of(model: nnx.Module, mesh: Mesh, loss_fn: Callable, *, zero: int = 0,
     if zero and "data" not in mesh.axis_names:
         raise ConfigError(f"zero={zero} shards over the 'data' axis: add it to the mesh")
     _check_spmd(spmd, model, pipeline)
-    _check_master_weights(master_weights, precision, zero, mesh, accumulate, spmd, pipeline)
+    _check_master_weights(master_weights, precision, zero, mesh, spmd, pipeline)
     if dropout and (pipeline is not None or "stage" in mesh.axis_names or spmd != "shard_map"):
         what = ("a pipeline" if pipeline is not None or "stage" in mesh.axis_names
                 else "spmd='gspmd'")
@@ -196,12 +196,11 @@ def _check_precision(precision: Precision, model: nnx.Module) -> Precision:
     return precision
 
 
-def _check_master_weights(master_weights, precision, zero, mesh, accumulate, spmd,
-                          pipeline) -> None:
+def _check_master_weights(master_weights, precision, zero, mesh, spmd, pipeline) -> None:
     """``master_weights="sharded"`` (Megatron's distributed optimizer: float32 master shards and
     Adam moments over ``data``, bf16 parameters gathered whole once per step, bf16 gradients
-    reduce-scattered) runs where it is built: bf16, ZeRO-1, a data axis, the shard_map step
-    without a pipeline or accumulation."""
+    reduce-scattered, once per step however many micro-batches it accumulates) runs where it
+    is built: bf16, ZeRO-1, a data axis, the shard_map step without a pipeline."""
     if master_weights not in MASTER_WEIGHTS:
         raise ConfigError(f"master_weights={master_weights!r}: 'replicated' (the float32 "
                           "parameters on every data rank) or 'sharded' (float32 master shards "
@@ -221,10 +220,6 @@ def _check_master_weights(master_weights, precision, zero, mesh, accumulate, spm
     if spmd != "shard_map" or pipeline is not None or "stage" in mesh.axis_names:
         raise ConfigError(f"{why}runs in the shard_map step without a pipeline: leave out "
                           "spmd='gspmd', the pipeline and the 'stage' axis")
-    if accumulate != 1:
-        raise ConfigError(f"{why}gathers the bf16 parameters once per micro-batch with "
-                          f"accumulate={accumulate}, not yet once per step: use accumulate=1 "
-                          "(a larger batch), or master_weights='replicated'")
 
 
 def _set_remat(model: nnx.Module, remat: str) -> None:
