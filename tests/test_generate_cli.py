@@ -14,6 +14,7 @@ from jphantom.cli import main
 from jphantom.data.chat_template import load_chat_template
 from jphantom.data.documents import encode_with_offsets
 from jphantom.data.tokenizers import load_tokenizer
+from jphantom.models import hf
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -43,6 +44,8 @@ def test_the_walkthroughs_command_answers_a_chat_message(tuned, tmp_path, capsys
     figures = json.loads(results.read_text())["generate"]
     assert figures["energy_source"] == "modelled" and figures["cached"]
     assert figures["time_to_first_token_s"] > 0 and figures["joules_per_token"] > 0
+    assert figures["weights_bytes"] == 4 * hf.load(tuned).config.param_count()  # float32
+    assert figures["cache_bytes"] == 4 * 2 * 2 * 1 * 36 * 2 * 8  # K and V, 2 layers, T = 32 + 4
     text, _ = load_chat_template(tuned).render(
         [{"role": "user", "content": "What colour is the sky?"}], add_generation_prompt=True)
     assert text.endswith("<|im_start|>assistant\n")  # what the prompt's ids encode

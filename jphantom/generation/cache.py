@@ -251,3 +251,22 @@ def with_cache(model: nnx.Module) -> nnx.Module:
         else:
             setattr(parent, path[-1], new)
     return copy
+
+
+def decode_bytes(model: nnx.Module, batch: int, length: int) -> dict:
+    """The bytes one decode step reads at least, the HBM roofline's numerator: every parameter
+    (``weights_bytes``) and the whole key/value cache of ``batch`` rows of ``length`` slots
+    (``cache_bytes``, from the cache's shapes: nothing is run or allocated)."""
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    weights = sum(a.size * a.dtype.itemsize for a in params)
+    cached = with_cache(model)
+    graphdef, state = nnx.split(cached)
+
+    def prefill(state):
+        with decoding("prefill", length) as current_state:
+            nnx.merge(graphdef, state)(jnp.zeros((batch, 1), jnp.int32))
+        return result(current_state)
+
+    shapes = jax.tree.leaves(jax.eval_shape(prefill, state))
+    return {"weights_bytes": int(weights),
+            "cache_bytes": int(sum(s.size * jnp.dtype(s.dtype).itemsize for s in shapes))}

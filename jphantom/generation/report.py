@@ -3,7 +3,8 @@ run as their own program of ``max_new_tokens=1`` on the same bucket), decode tok
 tokens after each row's first over the rest of the time), and joules per generated token from
 the devices' energy counters (:class:`jphantom.metrics.StepEnergy`: NVML on NVIDIA GPUs, amdsmi
 on AMD) or, elsewhere, Seal et al.'s Eq. 1 at the busy power for the wall time, labelled
-``modelled``."""
+``modelled``; beside them the bytes a decode step reads at least (every weight and the whole
+key/value cache, summed over the devices: the HBM roofline's numerator, :func:`jphantom.generation.cache.decode_bytes`)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,12 @@ def measured(model, prompts, config: GenerationConfig, mesh=None) -> tuple[Gener
         "joules": joules, "joules_per_token": joules / generated if joules is not None else None,
         "energy_source": source, "devices": len(devices),
     }
+    if out.cached:  # what a decode step reads at least (the HBM roofline's bytes), all devices
+        from jphantom.generation.cache import decode_bytes
+        from jphantom.plans import dense_equivalent
+        whole = model if mesh is None else dense_equivalent(model)
+        figures.update(decode_bytes(whole, len(out.completions),
+                                    out.bucket + config.max_new_tokens))
     return out, figures
 
 
@@ -55,4 +62,9 @@ def summary(figures: dict) -> str:
             f"{figures['generated_tokens']} tokens in {figures['steps']} step(s); time to first "
             f"token {figures['time_to_first_token_s'] * 1e3:.1f} ms, decode "
             + (f"{decode:.1f} tokens/s" if decode is not None else "n/a")
-            + f", {energy}" + ("" if figures["cached"] else "; no key/value cache"))
+            + f", {energy}" + (f"; a decode step reads {_mib(figures)} (weights and cache)"
+                               if "cache_bytes" in figures else "; no key/value cache"))
+
+
+def _mib(figures: dict) -> str:
+    return f"{(figures['weights_bytes'] + figures['cache_bytes']) / 2**20:.3g} MiB"
