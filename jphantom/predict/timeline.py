@@ -47,7 +47,8 @@ class Timeline:
     """Seconds of one run of a computation: ``step`` (wall), ``compute`` (the compute stream
     busy), ``exposed`` (compute stream waiting on collectives) and ``hidden`` (collective time
     under compute); ``comm`` = exposed + hidden; FLOPs and HBM bytes; per-op totals ``ops``
-    (name -> [kind, seconds, count, flops, source])."""
+    (name -> [kind, seconds, count, flops, source]); ``waits``: the exposed seconds of each
+    collective (its ``-start``'s or its own name; loop counts multiplied in)."""
 
     step: float = 0.0
     compute: float = 0.0
@@ -58,6 +59,7 @@ class Timeline:
     collective_bytes: float = 0.0
     kernels: float = 0.0
     ops: dict = dataclasses.field(default_factory=dict)
+    waits: dict = dataclasses.field(default_factory=dict)  # a collective's name -> its exposed s
 
     @property
     def hidden(self) -> float:
@@ -76,6 +78,8 @@ class Timeline:
         for field in ("step", "compute", "exposed", "comm", "flops", "nbytes",
                       "collective_bytes", "kernels")[0 if step else 1:]:
             setattr(self, field, getattr(self, field) + times * getattr(other, field))
+        for name, seconds in other.waits.items():
+            self.waits[name] = self.waits.get(name, 0.0) + times * seconds
         for name, (kind, seconds, count, flops, source) in other.ops.items():
             row = self.ops.setdefault(name, [kind, 0.0, 0.0, 0.0, source])
             row[1] += times * seconds
@@ -137,14 +141,19 @@ class _Streams:
         if asynchronous:
             self.pending[name] = self.comm_free
         else:
-            self.out.exposed += self.comm_free - self.clock
+            self._expose(name, self.comm_free - self.clock)
             self.clock = self.comm_free
+
+    def _expose(self, name: str, seconds: float) -> None:
+        """The compute stream waits ``seconds`` on collective ``name``."""
+        self.out.exposed += seconds
+        self.out.waits[name] = self.out.waits.get(name, 0.0) + seconds
 
     def wait_for(self, start_name: str) -> None:
         """A ``-done``: the compute stream waits for what is left of its collective."""
         end = self.pending.pop(start_name, None)
         if end is not None and end > self.clock:
-            self.out.exposed += end - self.clock
+            self._expose(start_name, end - self.clock)
             self.clock = end
 
     def sequence(self, inner: Timeline) -> None:

@@ -309,3 +309,73 @@ def test_operand_after_an_index_comment_is_named():
     line = ("  %t = (s32[], s32[], s32[], s32[], s32[], /*index=5*/s32[]) tuple(%a, %b, %c, %d, "
             "%e, /*index=5*/%f)")
     assert parse_instruction(line).operands == ("a", "b", "c", "d", "e", "f")
+
+
+_RING = '''
+%add_body (a: bf16[4,8], b: bf16[4,8]) -> bf16[4,8] {
+  %a.r = bf16[4,8]{1,0} parameter(0)
+  %b.r = bf16[4,8]{1,0} parameter(1)
+  ROOT %sum.r = bf16[4,8]{1,0} add(%a.r, %b.r)
+}
+
+%early (p: (bf16[4,8])) -> bf16[4,8] {
+  %p.e = (bf16[4,8]{1,0}) parameter(0)
+  %x.e = bf16[4,8]{1,0} get-tuple-element(%p.e), index=0
+  ROOT %flash.e = bf16[4,8]{1,0} custom-call(%x.e), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/ring_block_forward/pallas_call"}
+}
+
+%late (p: (bf16[4,8])) -> bf16[4,8] {
+  %p.l = (bf16[4,8]{1,0}) parameter(0)
+  %x.l = bf16[4,8]{1,0} get-tuple-element(%p.l), index=0
+  ROOT %flash.l = bf16[4,8]{1,0} custom-call(%x.l), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/ring_block_forward/pallas_call"}
+}
+
+ENTRY %main (x: bf16[4,8], i: s32[]) -> bf16[4,8] {
+  %x = bf16[4,8]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %kv-start = (bf16[4,8]{1,0}, bf16[4,8]{1,0}) collective-permute-start(%x), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}, metadata={op_name="jit(step)/shard_map/ppermute"}
+  %t = (bf16[4,8]{1,0}) tuple(%x)
+  %block = bf16[4,8]{1,0} conditional(%i, %t, %t), branch_computations={%early, %late}
+  %kv-done = bf16[4,8]{1,0} collective-permute-done(%kv-start)
+  %dkv-start = (bf16[4,8]{1,0}, bf16[4,8]{1,0}) collective-permute-start(%kv-done), channel_id=2, source_target_pairs={{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}, metadata={op_name="jit(step)/shard_map/transpose(jvp())/ppermute"}
+  %add = bf16[4,8]{1,0} fusion(%block, %block), kind=kLoop, calls=%add_body
+  %dkv-done = bf16[4,8]{1,0} collective-permute-done(%dkv-start)
+  %other-start = (bf16[4,8]{1,0}, bf16[4,8]{1,0}) collective-permute-start(%add), channel_id=3, source_target_pairs={{0,4},{4,0}}
+  %other-done = bf16[4,8]{1,0} collective-permute-done(%other-start)
+  ROOT %out = bf16[4,8]{1,0} fusion(%dkv-done, %other-done), kind=kLoop, calls=%add_body
+}
+'''
+
+
+def test_ring_overlap_names_the_attention_kernels_under_each_context_permute():
+    """Ring attention's transfers (collective-permutes whose pairs cross ``context`` only): the
+    first has a conditional of Pallas flash blocks (``ring_block_forward``) between its start
+    and its done, each branch's kernel counted; the backward's (its op_name in a transpose) a
+    loop fusion only; the permute over ``data`` is not the ring's. The predictor's ``waits``
+    give each collective's exposed seconds, and add up to the exposed total."""
+    from jphantom.analysis.context_ring import ring_report
+    from jphantom.analysis.hlo.overlap import async_windows, attention_kernel
+    from jphantom.predict.device import for_target
+
+    axes = {"data": 2, "context": 4}
+    windows = {w.name: w for w in async_windows(_RING, axes=axes)}
+    assert windows["kv-start"].axes == ("context",) and windows["other-start"].axes == ("data",)
+    assert (windows["kv-start"].attention, windows["kv-start"].kernels) == (2, 2)
+    assert windows["kv-start"].under == ("block",) and not windows["kv-start"].backward
+    assert windows["dkv-start"].backward and not windows["dkv-start"].overlaps_attention
+    assert windows["dkv-start"].kernels == 1
+    ring = ring_report(_RING, axes, for_target("gpu:h100"), gpus_per_node=8)
+    assert (ring["permutes"], ring["overlapped_with_attention"], ring["synchronous"]) == (2, 1, 0)
+    assert ring["forward"] == {"permutes": 1, "overlapped_with_attention": 1}
+    assert ring["backward"] == {"permutes": 1, "overlapped_with_attention": 0}
+    from jphantom.predict.timeline import simulate
+
+    timeline = simulate(_RING, for_target("gpu:h100"), devices=8)
+    assert set(timeline.waits) <= {"kv-start", "dkv-start", "other-start"}
+    assert sum(timeline.waits.values()) == pytest.approx(timeline.exposed)
+    assert ring["predicted"]["ring_exposed_s"] == pytest.approx(
+        timeline.waits.get("kv-start", 0.0) + timeline.waits.get("dkv-start", 0.0))
+    assert ring["predicted"]["ring_comm_s"] > 0
+    flash = hlo.parse_instruction('%f = bf16[4,8]{1,0} custom-call(%x), custom_call_target='
+                                  '"__gpu$xla.gpu.triton", metadata={op_name="a/matmul"}')
+    assert not attention_kernel(flash)  # a Pallas kernel that is not attention

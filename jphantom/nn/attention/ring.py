@@ -9,9 +9,9 @@ step sends the chunk the next step needs before it computes its own block, and a
 barrier ties the received chunk to that block's result (:func:`_behind`), so that XLA's
 latency-hiding scheduler keeps every transfer in flight under a block of attention; without it
 the scheduler chained the transfers back to back ahead of the blocks (it prices neither a
-``conditional`` nor a Pallas call). The backward's diagonal block runs as two halves of its
-key/value heads: the first hides the first K/V transfer, the second (after the last ring block)
-the dK/dV accumulators' last step home."""
+``conditional`` nor a Pallas call). Only the dK/dV accumulators' last step home, after the
+backward's last block, has no block left to hide under: the projections' gradients that follow
+hide it."""
 
 from __future__ import annotations
 
@@ -83,27 +83,11 @@ def _ring_fwd(q, k, v, seg, size, balanced, kernel):
     return out, (q, k, v, seg, out, lse)
 
 
-def _head_halves(hk: int, size: int) -> list[slice]:
-    """The key/value heads of the backward's diagonal block in the two parts it runs as (one
-    part when it has one head or the ring one rank)."""
-    if hk < 2 or size < 2:
-        return [slice(None)]
-    return [slice(None, hk // 2), slice(hk // 2, None)]
-
-
-def _diagonal_grads(backward, heads, q, k, v, o32, lse, delta, do32, seg):
-    """dq, dk, dv of the diagonal (causal) block over the key/value heads ``heads`` (axis 2):
-    heads are independent, so each part's gradients are the whole block's on those heads."""
-    on = lambda a: a[:, :, heads]
-    return backward(on(q), on(k), on(v), on(o32), on(lse), on(delta), on(do32), True,
-                    _segments(seg, seg))
-
-
 def _ring_bwd(size, balanced, kernel, residuals, do):
     """The ring again, double-buffered as the forward: step s sends its K/V chunk on and the
-    dK/dV accumulator of block s - 1 one rank further before computing block s; the
-    accumulator that holds rank r + 1's chunk after step C - 1 goes home under the diagonal
-    block's second half."""
+    dK/dV accumulator of block s - 1 one rank further before computing block s (the diagonal
+    block is step 0's); the accumulator that holds rank r + 1's chunk after step C - 1 goes
+    home after the last block, under what follows it (the projections' gradients)."""
     q, k, v, seg, o, lse = residuals
     scale = 1.0 / math.sqrt(q.shape[-1])
     rank = comm.axis_index(AXIS)
@@ -112,34 +96,26 @@ def _ring_bwd(size, balanced, kernel, residuals, do):
     delta = jnp.sum(do32 * o32, axis=-1)
     table = jnp.asarray(schedule(size))
     branches = backward_branches(balanced, backward)
-    halves = _head_halves(k.shape[2], size)
-    parts = [None] * len(halves)
-    kv, carried, dq = (k, v, seg), None, None
+    kv, carried, dq, dk, dv = (k, v, seg), None, None, None, None
     for s in range(size):
         ahead = _send(kv, size) if s < size - 1 else None  # step s + 1's chunk
         arriving = _send(carried, size) if carried is not None else None  # rank r-1's, on
-        if s == 0:  # the diagonal block's first half
-            grads = _diagonal_grads(backward, halves[0], q, k, v, o32, lse, delta, do32, seg)
+        if s == 0:  # the diagonal step: causal
+            grads = backward(q, k, v, o32, lse, delta, do32, True, _segments(seg, seg))
         else:
             grads = lax.switch(table[s, rank], branches, q, kv[0], kv[1], o32, do32, lse,
                                delta, _segments(seg, kv[2]))
         (ahead, arriving), grads = _behind((ahead, arriving), grads)
         if s == 0:
-            parts[0] = grads
+            dq, dk, dv = grads
         else:
-            dq = grads[0] if dq is None else dq + grads[0]
+            dq = dq + grads[0]
             carried = grads[1:] if arriving is None else (arriving[0] + grads[1],
                                                           arriving[1] + grads[2])
         kv = ahead if ahead is not None else kv
-    home = _send(carried, size) if carried is not None else None  # one step home
-    if len(halves) > 1:  # the second half after the last ring block, the way home under it
-        inputs, _ = _behind((q, k, v, o32, lse, delta, do32), carried)
-        parts[1] = _diagonal_grads(backward, halves[1], *inputs, seg)
-        home, parts[1] = _behind(home, parts[1])
-    dq_d, dk, dv = (jnp.concatenate(g, axis=2) for g in zip(*parts))
-    dq = dq_d if dq is None else dq + dq_d
-    if home is not None:
-        dk, dv = dk + home[0], dv + home[1]
+    if carried is not None:  # after step C-1 it holds rank r+1's chunk: one step home
+        carried = _send(carried, size)
+        dk, dv = dk + carried[0], dv + carried[1]
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
