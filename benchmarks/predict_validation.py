@@ -209,7 +209,8 @@ def fitting_variant(flags: dict, target, device, row: dict) -> dict:
         try:
             report = aot.compile_report({**flags, **update}, target, predict_on=device)
         except (ConfigError, ValueError) as error:
-            out = {"change": change, "refused": str(error).split("\n")[0]}
+            if "ratio" not in out:  # a compiled try that did not fit says more than a refusal
+                out = {"change": change, "refused": str(error).split("\n")[0]}
             continue
         q = report["prediction"]
         out = {"change": change, "flags": update, "fits": report["memory"]["fits"],
