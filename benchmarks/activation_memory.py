@@ -10,7 +10,10 @@ sequences a device holds at once (a pipeline's first stage: min(micro-batches, s
 micro-batches in flight), plus the layer's bf16 copy of its weights (``--precision bf16`` casts
 the float32 master weights before the layer scan, [L, ...] as they are split: 2 bytes a
 parameter over the ranks that split them; the parameters per layer from the compiled step's own
-parameter count, (P(4) - P(2)) / 2). ``ratio``: (slope - copy) / formula.
+parameter count, (P(4) - P(2)) / 2), plus, on a pipeline stage, the layer's float32 gradient
+accumulator (4 bytes a parameter: the stage sums its micro-batches' gradients across the
+schedule's ticks, as Megatron's ``main_grad`` does). ``ratio``: (slope - copy - accumulator) /
+formula.
 
 Model: Llama-3-8B's layer shapes (hidden 4096, 32 heads, 8 key/value heads, SwiGLU 14336,
 vocabulary 128256), S = 4096, float32 master weights, bf16 compute, AdamW, ``--remat none``,
@@ -60,11 +63,14 @@ LAYOUTS = [
 
 def line(r: dict) -> str:
     t = r["temp_gib"]
-    rest = r["slope_gib"] - r["formula_gib"] - r["weight_copy_gib"]
+    accumulator = r.get("accumulator_gib", 0.0)
+    rest = r["slope_gib"] - r["formula_gib"] - r["weight_copy_gib"] - accumulator
+    grads = f" + f32 gradients {accumulator:.3f}" if accumulator else ""
     return (f"{r['layout']:<16} temporaries {t[str(LAYERS[0])]:6.2f} -> "
             f"{t[str(LAYERS[-1])]:6.2f} GiB  per layer {r['slope_gib']:6.3f} GiB = formula "
-            f"{r['formula_gib']:.3f} + bf16 weights {r['weight_copy_gib']:.3f} {rest:+.3f}  "
-            f"(slope - weights) / formula {r['ratio']:.2f}x")
+            f"{r['formula_gib']:.3f} + bf16 weights {r['weight_copy_gib']:.3f}{grads} "
+            f"{rest:+.3f}  (slope - weights{' - gradients' if grads else ''}) / formula "
+            f"{r['ratio']:.2f}x")
 
 
 def formula(model: dict, shape: dict) -> float:
@@ -98,11 +104,13 @@ def measure(model: dict, layout: tuple, sizes: dict) -> dict:
     layer_params = (params[deep] - params[shallow]) / (LAYERS[-1] - LAYERS[0])
     slope = (temp[deep] - temp[shallow]) / gained
     copy = 2 * layer_params / weight_split
+    accumulator = 4 * layer_params / weight_split if "stage" in flags["mesh"] else 0.0
     count = formula(model, shape)
     return {"layout": name, "flags": flags, "shape": shape,
             "temp_gib": {k: v / 2**30 for k, v in temp.items()},
             "slope_gib": slope / 2**30, "weight_copy_gib": copy / 2**30,
-            "formula_gib": count / 2**30, "ratio": (slope - copy) / count}
+            "accumulator_gib": accumulator / 2**30, "formula_gib": count / 2**30,
+            "ratio": (slope - copy - accumulator) / count}
 
 
 def sizes_from(source: str, model: dict, names: list[str]) -> dict:
