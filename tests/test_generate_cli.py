@@ -34,10 +34,18 @@ def tuned(tmp_path):
 def test_the_walkthroughs_command_answers_a_chat_message(tuned, tmp_path, capsys):
     out, results = tmp_path / "answers.jsonl", tmp_path / "results.json"
     code = main(["generate", "--from-hf", str(tuned), "--chat", "What colour is the sky?",
-                 "--max-new-tokens", "4", "--out", str(out), "--results", str(results)])
+                 "--max-new-tokens", "4", "--out", str(out), "--results", str(results),
+                 "--device", "h100-sxm"])
     assert code == 0
     printed = capsys.readouterr().out
     assert "time to first token" in printed and "J/token (modelled)" in printed
+    assert "roofline on h100-sxm (modelled): a decode step reads" in printed
+    roofline = json.loads(results.read_text())["generate"]["roofline"]
+    assert roofline["device"] == "h100-sxm" and not roofline["same_device"]  # priced, not run
+    decode = roofline["decode"]
+    assert decode["bytes_per_step"] == decode["weight_bytes"] + decode["cache_bytes"]
+    assert decode["roofline_tokens_per_s"] == pytest.approx(
+        decode["tokens"] / (decode["bytes_per_step"] / 3.35e12), rel=0.05)
     line = json.loads(out.read_text())
     assert line["prompt"] == [{"role": "user", "content": "What colour is the sky?"}]
     assert 1 <= len(line["tokens"]) <= 4
@@ -60,6 +68,7 @@ def test_the_walkthroughs_command_answers_a_chat_message(tuned, tmp_path, capsys
     (["--prompts", "{bad}"], "line 1 is not JSON"),
     (["--prompts", "{row}"], "line 1: a row is"),
     (["--chat", "hi", "--from-hf", "HF"], "is a conversation but there is no chat template"),
+    (["--prompt", "hi", "--device", "nowhere"], "nowhere"),
 ])
 def test_bad_input_is_one_line_and_status_2(tmp_path, capsys, flags, named):
     (tmp_path / "bad.jsonl").write_text("not json\n")

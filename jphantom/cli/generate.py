@@ -55,6 +55,10 @@ def add_parser(sub) -> None:
                      "{\"prompt\", \"completion\", \"tokens\"} a line) instead of printing them")
     gen.add_argument("--results", metavar="FILE.json", default="out/generate/results.json",
                      help="the figures as JSON (default out/generate/results.json)")
+    gen.add_argument("--device", metavar="NAME|FILE", default=None,
+                     help="price the decode step's HBM roofline and the prefill on this device "
+                          "description (h100-sxm, mi250x-gcd, ... or a TOML file; default: the "
+                          "GPU this runs on, where a description names it); modelled")
     add_run_flags(gen, only=MODEL_FLAGS)
     add_device_flag(gen)
     gen.set_defaults(handler=handle)
@@ -95,6 +99,9 @@ def handle(args: argparse.Namespace) -> int:
 
     settings = {k: v for k, v in run_settings(args, TRAIN_DEFAULTS).items()
                 if k in MODEL_FLAGS or k in TRAIN_DEFAULTS}
+    if args.device is not None:  # a bad description: one line before anything is read or built
+        from jphantom.predict.device import load
+        load(args.device)
     rows = reading.read_rows(args.prompt, args.prompts, args.chat)
     tokenizer, template, special = reading.tokenizer_and_template(
         settings.get("tokenizer"), settings.get("from_hf"), settings.get("chat_template"))
@@ -108,14 +115,82 @@ def handle(args: argparse.Namespace) -> int:
     from jphantom.generation import check_prompts
     from jphantom.generation.report import measured, summary
 
+    device = _device(args.device)
     model, mesh = _model(settings)
     check_prompts(ids, getattr(getattr(model, "config", None), "vocab_size", None))
     out, figures = measured(model, ids, config, mesh)
+    figures["roofline"] = roofline(model, settings, figures, config.max_new_tokens, device)
+    figures["roofline"]["same_device"] = args.device is None and device is not None
     texts = [tokenizer.decode([t for t in c if t not in config.stop_tokens])
              for c in out.completions]
     _write(args, rows, texts, out.completions, figures)
     print(summary(figures))
+    print(roofline_line(figures))
     return 0
+
+
+def _device(name: str | None):
+    """The description ``--device`` names (a bad one: one line, exit 2, before anything runs),
+    else the one naming this machine's first GPU, else None."""
+    from jphantom.predict.device import for_kind, load
+
+    if name is not None:
+        return load(name)
+    import jax
+
+    first = jax.devices()[0]
+    return for_kind(first.device_kind) if first.platform == "gpu" else None
+
+
+def roofline(model, settings: dict, figures: dict, new_tokens: int, device) -> dict:
+    """The decode step's HBM roofline (the bytes of weights and cache one step reads per device
+    over the bandwidth) and the prefill's bound on ``device``, for the run's batch, bucket, mesh
+    and strategy (:func:`jphantom.perf.inference.decode_roofline`, all modelled); what cannot be
+    priced says why."""
+    from jphantom.errors import ConfigError
+    from jphantom.perf.inference import decode_roofline, prefill_bound
+
+    if device is None:
+        return {"unpriced": "no device description names this machine's devices: give --device"}
+    config = getattr(model, "config", None)
+    strategy = settings.get("strategy", "dense")
+    options = dict(mesh=settings.get("mesh") or "model=1",
+                   strategy="tensor" if strategy == "dense" else strategy,
+                   ghost_width=settings.get("ghost_width"),
+                   dtype=_element(model))
+    batch, bucket = figures["prompts"], figures["bucket"]
+    try:
+        decode = decode_roofline(config, batch, bucket + new_tokens, device, **options)
+        prefill = prefill_bound(config, batch, bucket, device, **options)
+    except (ConfigError, AttributeError, TypeError, ValueError) as error:
+        return {"unpriced": str(error).split("\n")[0], "device": device.name}
+    return {"device": device.name, "label": "modelled", "decode": decode, "prefill": prefill}
+
+
+def _element(model) -> str:
+    """The dtype a decode step reads the model's weights and cache in, as the pricing names it:
+    ``bf16`` for 16-bit parameters, else ``f32``."""
+    import jax
+    from flax import nnx
+
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    return "bf16" if leaves and leaves[0].dtype.itemsize == 2 else "f32"
+
+
+def roofline_line(figures: dict) -> str:
+    """One line: the roofline beside the measured figures (module docstring)."""
+    r = figures["roofline"]
+    if "unpriced" in r:
+        return f"roofline: not priced ({r['unpriced']})"
+    d, f = r["decode"], r["prefill"]
+    measured = figures.get("decode_tokens_per_s")
+    share = (f"; measured decode at {measured / d['roofline_tokens_per_s']:.0%} of it"
+             if measured and r.get("same_device") else "")
+    return (f"roofline on {r['device']} (modelled): a decode step reads "
+            f"{d['bytes_per_step'] / 2**20:.3g} MiB a device, {d['roofline_tokens_per_s']:,.0f} "
+            f"tokens/s at the HBM bound; predicted {d['tokens_per_s']:,.0f} tokens/s, "
+            f"{d['joules_per_token']:.3g} J/token; prefill {f['step_seconds'] * 1e3:.3g} ms"
+            + share)
 
 
 def _write(args, rows, texts, completions, figures) -> None:
