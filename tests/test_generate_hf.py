@@ -23,7 +23,7 @@ def _checkpoint(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.slow_cells("qwen2", "qwen3", "llama")  # as Mistral, Qwen3-MoE, Mixtral (make test-all)
+@pytest.mark.slow_cells("qwen2", "qwen3", "llama", "mistral", "mixtral")  # make test-all
 def test_greedy_tokens_and_logits_equal_transformers(family):
     ref = dict(np.load(FIXTURES / "generate" / f"{family}.npz"))
     model = hf.load(_checkpoint(family))

@@ -354,6 +354,7 @@ def _scan_carries(jaxpr):
                     yield from _scan_carries(inner)
 
 
+@pytest.mark.slow  # make test-all: the fast suite's budget
 def test_bf16_pipeline_stashes_activations_not_weight_copies():
     """Under bf16 compute the executor casts a chunk's float32 weights before its ``jax.vjp``
     (``Stages.prepare``), so the residual buffers the schedule carries hold activations only,

@@ -119,6 +119,7 @@ def test_decode_collectives_are_the_compiled_forward_of_one_token(strategy, ghos
     assert _agree(formula, compiled), (formula, compiled)
 
 
+@pytest.mark.slow  # make test-all: the fast suite's budget
 def test_quick_benchmark_checks_every_row_against_its_compile(tmp_path):
     require_devices(8)
     spec = importlib.util.spec_from_file_location("inference_forward", SCRIPT)

@@ -104,7 +104,7 @@ def _fp8_step(config, strategy, mesh, precision=Precision("float32", fp8=True), 
     (GPT2, "pmm3d", "x=2,y=2", {}),
     (LLAMA, "tensor", "model=2", {"family": "fnuz"}),
 ], ids=["tensor", "expert", "sequence-parallel", "pmm3d", "tensor-fnuz"])
-@pytest.mark.slow_cells("tensor", "tensor-fnuz")
+@pytest.mark.slow_cells("tensor", "tensor-fnuz", "expert")
 def test_an_fp8_step_under_a_layout_equals_the_one_device_fp8_step(config, strategy, mesh,
                                                                    options):
     """Every tensor split over ``model``, ``context``, ``x``, ``y`` or ``expert`` is quantised

@@ -197,6 +197,7 @@ def test_planner_prices_the_context_axis_from_the_ring_formula():
 
 
 @pytest.mark.parametrize("window, keeps_scores", [(None, False), (4, True)])
+@pytest.mark.slow_cells("4-True")
 def test_all_gather_attention_keeps_no_probabilities_for_the_backward(window, keeps_scores):
     """All-gather context attention on the ring's blocks (``jphantom.nn.attention.gathered``)
     saves q, the gathered K and V, the output and the log-sum-exp for the backward, never a
