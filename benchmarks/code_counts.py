@@ -262,7 +262,6 @@ def table(result: dict) -> list[str]:
 
 
 def main(revisions: list[str]) -> None:
-    sys.path.insert(0, str(ROOT))
     from jphantom.analysis.machine import write_results
 
     OUT.mkdir(parents=True, exist_ok=True)

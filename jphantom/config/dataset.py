@@ -88,19 +88,11 @@ def _why_none(documents, train, seq_len: int) -> str:
 
 @functools.lru_cache(maxsize=4)
 def _document_data(data, val_data, value, chat_template, loss_on, from_hf, stamp, progress):
-    from jphantom.data.chat_template import (load_chat_template, read_tokenizer_config,
-                                             special_tokens)
+    from jphantom.data.chat_template import tokenizer_and_template
     from jphantom.data.documents import RowTokenizer, read_documents
-    from jphantom.data.tokenizers import load_tokenizer
 
     del stamp  # part of the cache's key only: a file that changed is read again
-    tokenizer = load_tokenizer(value)
-    folders = [f for f in (from_hf, value) if f and Path(f).is_dir()]
-    if Path(value).is_file():
-        folders.append(str(Path(value).parent))
-    special = next((special_tokens(c) for c in map(read_tokenizer_config, folders) if c), {})
-    template = (load_chat_template(chat_template) if chat_template else
-                next(filter(None, map(load_chat_template, folders)), None))
+    tokenizer, template, special = tokenizer_and_template(value, from_hf, chat_template)
     if chat_template and template is None:  # a folder without one
         raise ConfigError(f"chat_template={chat_template!r} is a folder without a "
                           "chat_template.jinja or a tokenizer_config.json with a 'chat_template': "

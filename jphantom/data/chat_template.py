@@ -279,3 +279,20 @@ def load_chat_template(source: str | os.PathLike, special: dict | None = None
             raise ConfigError(f"chat_template={str(source)!r} has no 'chat_template' entry")
         return ChatTemplate(text, {**tokens, **special_tokens(own)}, str(path))
     return ChatTemplate(path.read_text(encoding="utf-8-sig"), tokens, str(path))
+
+
+def tokenizer_and_template(value: str, from_hf: str | None = None,
+                           chat_template: str | None = None):
+    """``(tokenizer, template or None, special tokens)`` as ``train`` picks them: the tokenizer
+    ``value`` names; the special tokens and chat template of the first of ``from_hf``, ``value``
+    (a folder) or ``value``'s folder (a file) that has them, unless ``chat_template`` names one."""
+    from jphantom.data.tokenizers import load_tokenizer
+
+    loaded = load_tokenizer(value)
+    folders = [f for f in (from_hf, value) if f and Path(f).is_dir()]
+    if Path(value).is_file():
+        folders.append(str(Path(value).parent))
+    special = next((special_tokens(c) for c in map(read_tokenizer_config, folders) if c), {})
+    template = (load_chat_template(chat_template) if chat_template else
+                next(filter(None, map(load_chat_template, folders)), None))
+    return loaded, template, special

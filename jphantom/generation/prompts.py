@@ -58,20 +58,11 @@ def _json_row(line: str, path, number: int) -> dict:
 
 def tokenizer_and_template(tokenizer: str | None, from_hf: str | None, chat_template=None):
     """``(tokenizer, template or None, special tokens)`` as ``train`` picks them."""
-    from jphantom.data.chat_template import (load_chat_template, read_tokenizer_config,
-                                             special_tokens)
-    from jphantom.data.tokenizers import load_tokenizer
+    from jphantom.data.chat_template import tokenizer_and_template as chosen
 
     value = tokenizer or (from_hf if from_hf and (Path(from_hf) / "tokenizer.json").is_file()
                           else "bytes")
-    loaded = load_tokenizer(value)
-    folders = [f for f in (from_hf, value) if f and Path(f).is_dir()]
-    if Path(value).is_file():
-        folders.append(str(Path(value).parent))
-    special = next((special_tokens(c) for c in map(read_tokenizer_config, folders) if c), {})
-    template = (load_chat_template(chat_template) if chat_template else
-                next(filter(None, map(load_chat_template, folders)), None))
-    return loaded, template, special
+    return chosen(value, from_hf, chat_template)
 
 
 def encode(rows, tokenizer, template) -> list[list[int]]:

@@ -9,8 +9,8 @@ so :func:`allow_without_gpu` makes that count one *for plugin registration only*
 discovers its plugins, and only where the count is zero; nothing else in jax reads it.
 
 Tested against jax 0.12.0 (the only version with a ROCm plugin on the registry) by
-``tests/compile/test_rocm.py``, which checks that the function still exists with this signature, so a jax
-that renames it fails there, in one place, rather than in a user's compile.
+``tests/compile/test_rocm.py``, which checks that the function still exists with this signature,
+so a jax that renames it fails there, in one place, rather than in a user's compile.
 
 Without an AMD GPU, jax's plugin discovery also logs the ROCm plugin declining ("Jax plugin
 configuration error: Exception when calling jax_plugins.xla_rocm7.initialize()" and a traceback)
