@@ -301,7 +301,6 @@ def compiled_forward(config, strategy: str, mesh: str, batch_shape: tuple[int, .
     from jphantom.analysis import hlo
     from jphantom.mesh import first_devices
     from jphantom.models.ffn import FFNConfig
-    from jphantom.train_step import shard_map
 
     options = {} if ghost_width is None else {"ghost_width": ghost_width}
     program = programs.build(config, strategy, mesh, **options)
@@ -316,8 +315,8 @@ def compiled_forward(config, strategy: str, mesh: str, batch_shape: tuple[int, .
         return step.layout.model_of(leaves)(x)
 
     @jax.jit
-    def forward(params, x):
-        fn = shard_map(per_rank, devices, (tuple(step.param_specs), spec), spec)
+    def forward(params, x):  # the step's own shard_map: its parameters' specs, then the input's
+        fn = step.over_mesh(per_rank, 0, out_specs=spec, after=(spec,))
         return fn(tuple(jax.tree.leaves(params)), x)
 
     text = forward.lower(step.abstract_state().params, inputs).compile().as_text()

@@ -98,7 +98,9 @@ class StepSetup:
 
     def specs_of_batch(self, count: int) -> tuple[P, ...]:
         """The specs of ``count`` batch arrays (``batch_specs``, or each split on its first
-        dimension over the batch axes)."""
+        dimension over the batch axes; none for none)."""
+        if count == 0:
+            return ()
         if self.batch_specs is None:
             return (self.batch_spec,) * count
         if len(self.batch_specs) == 1:
