@@ -200,8 +200,7 @@ def guard(weight, new, old, loss):
 
 class WeightReport:
     """What the step found about the global weights it returned, read on the host once each is
-    ready (:meth:`see`; waited for by :attr:`skipped` and by the next call's :meth:`check`
-    only): ``skipped``, the batches it
+    ready (:meth:`see`; never waited for but by :attr:`skipped`): ``skipped``, the batches it
     did not train on because nothing was counted (a global weight of 0: every target ignored
     or masked), each reported on stderr when read; ``error``, the message of a negative or
     non-finite weight, which the step raises (a ``ConfigError``) at its next call."""
@@ -256,9 +255,10 @@ class WeightReport:
 
     def check(self) -> None:
         """Raise the error a previous step found (once), the state it returned being the last
-        good one: the earlier steps' weights are read first, waited for if not ready, so that
-        the call after a bad weight always raises it (never a later one, by timing)."""
-        self.read(wait=True)
+        good one. Only the weights ready now are read: a step is never held back waiting for
+        the previous one, so a bad weight raises at the first call after it is read (at once
+        after :attr:`skipped`, which waits)."""
+        self.read()
         if self.error is not None:
             error, self.error = self.error, None
             raise ConfigError(error)

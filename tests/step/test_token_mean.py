@@ -208,8 +208,9 @@ def test_a_weight_of_the_wrong_type_or_value_is_refused_at_the_first_call():
 
 def test_a_batch_with_nothing_to_count_is_skipped_and_a_negative_weight_is_an_error():
     """The global weight (over data=2) checked as the step runs: 0 (every target -100) skips
-    the update, reported and counted, the loss NaN; a negative one is not applied either and the
-    next call raises it by name; a good batch then trains."""
+    the update, reported and counted, the loss NaN; a negative one is not applied either and,
+    once read (here by ``skipped``, which waits; otherwise when ready, never holding a step
+    back), the next call raises it by name; a good batch then trains."""
     mesh = _mesh("data=2")
 
     def signed(model, tokens, targets, sign):  # per-token weights: -1 makes the sum negative
@@ -225,6 +226,7 @@ def test_a_batch_with_nothing_to_count_is_skipped_and_a_negative_weight_is_an_er
     assert np.isnan(float(loss)) and unchanged(state) and step.weight_report.skipped == 1
     state, loss = step(state, TOKENS, TARGETS, -ones)
     assert np.isnan(float(loss)) and unchanged(state)
+    assert step.weight_report.skipped == 1  # waits for the weight: the next call raises it
     with pytest.raises(ConfigError, match="signed returned a global weight of -64.0"):
         step(state, TOKENS, TARGETS, ones)
     state, loss = step(state, TOKENS, TARGETS, ones)
