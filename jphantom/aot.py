@@ -419,7 +419,7 @@ def _prediction(text: str, device, config, program, node_of: list[int], target: 
     from jphantom.metrics import flops_per_token
     from jphantom.predict import predict
 
-    seq_len = 1 if config.model.name == "ffn" else config.model.seq_len
+    seq_len = config.model.seq_len if config.model.family.is_language_model else 1
     tokens = config.train.batch * seq_len
     per_token = flops_per_token(program.config, config.parallel.strategy, seq_len)
     flops = None if per_token is None else per_token * tokens / len(node_of)

@@ -44,8 +44,9 @@ What a family declares:
   :mod:`jphantom.models.llama.plan`; a user's family may take the walkers);
 - ``strategies``: the strategy names it runs (:data:`jphantom.strategies.STRATEGIES`);
   ``program``: ``"lm"`` (a language model under :func:`jphantom.program.lm_build`'s plans) or
-  ``"ffn"`` (the FFN's own builder); ``defaults``: the column of ``inspect``'s and ``compile``'s
-  defaults (``"lm"`` or ``"ffn"``).
+  ``"ffn"`` (the FFN's own builder), which :attr:`Family.is_language_model` reads for the
+  callers that treat token sequences and the FFN's rows differently; ``defaults``: the column
+  of ``inspect``'s and ``compile``'s defaults (``"lm"`` or ``"ffn"``).
 
 The zoo's families are the packages of :data:`BUILTIN`, imported on the first lookup; a user's
 family registers from anywhere (``tests/models/test_families.py`` declares one in the test file and
@@ -173,6 +174,12 @@ class Family:
         if not isinstance(config, self.config_type):
             return False
         return self.matches(config) if self.matches is not None else True
+
+    @property
+    def is_language_model(self) -> bool:
+        """Whether it reads token sequences (``program`` ``"lm"``: ``seq_len``, ``vocab``, the
+        data and a tokenizer apply); the FFN (``"ffn"``) reads rows of ``width`` features."""
+        return self.program == "lm"
 
     @property
     def accepted(self) -> tuple[str, ...]:

@@ -34,11 +34,11 @@ def build(config: RunConfig, optimizer=None):
 def abstract_batch(config: RunConfig, program, step) -> tuple:
     """``ShapeDtypeStruct``s of the batch with their shardings: FFN rows of ``width`` features,
     language models ``[batch, seq_len]`` token ids (inputs and targets)."""
-    if config.model.name == "ffn":
-        shape, dtype = (config.train.batch, config.model.width), config.model.dtype
-    else:
+    if config.model.family.is_language_model:
         seq = min(config.model.seq_len, getattr(program.config, "seq_len", config.model.seq_len))
         shape, dtype = (config.train.batch, seq), "int32"
+    else:
+        shape, dtype = (config.train.batch, config.model.width), config.model.dtype
     return tuple(jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=s)
                  for s in step.batch_shardings(2))
 

@@ -63,7 +63,7 @@ def activation_bytes(config, program) -> int:
     mesh = program.mesh
     rows = config.train.batch // max(1, math.prod(mesh.size(a) for a in ("data", "expert", "z")))
     itemsize = np.dtype(config.model.dtype).itemsize
-    if config.model.name == "ffn":
+    if not config.model.family.is_language_model:
         return config.model.depth * rows * config.model.width * itemsize
     family = program.config
     hidden = getattr(family, "hidden", config.model.hidden)

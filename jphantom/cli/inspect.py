@@ -92,9 +92,9 @@ def handle(args: argparse.Namespace) -> int:
     layers, hidden, heads = (getattr(loaded, k, getattr(m, k))
                              for k in ("layers", "hidden", "heads"))
     vocab = getattr(loaded, "vocab_size", m.vocab)
-    shape = (f"width={m.width}, depth={m.depth}" if m.name == "ffn" else
-             f"{m.name} L={layers}, h={hidden}, heads={heads}, S={m.seq_len}, V={vocab}"
-             + (", sequence-parallel" if config.parallel.sequence_parallel else ""))
+    shape = (f"{m.name} L={layers}, h={hidden}, heads={heads}, S={m.seq_len}, V={vocab}"
+             + (", sequence-parallel" if config.parallel.sequence_parallel else "")
+             if m.family.is_language_model else f"width={m.width}, depth={m.depth}")
     staged = next((r["pipeline"] for r in reports if "pipeline" in r), None)
     pipe = "" if staged is None else (
         f" (pipeline: {staged['schedule']}, {staged['stages']} stages, "

@@ -83,7 +83,7 @@ def check_vocabulary(config) -> None:
     (the tokenizer's ids; a token file's largest id among its first 16M tokens per file; 256 for
     bytes); a ConfigError naming the fix."""
     train = config.train
-    if config.model.name == "ffn":
+    if not config.model.family.is_language_model:
         if train.data is not None or train.tokenizer is not None:
             raise ConfigError("--data and --tokenizer feed language models (--model gpt2 or "
                               "llama); the FFN trains on Seal et al.'s teacher: leave them out")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from jphantom.aot import Target, compile_report
 from jphantom.errors import ConfigError
+from jphantom.perf.axonn_model import BLOCKS, GPT2_BLOCKS
 from jphantom.planner.report import per_token
 
 
@@ -20,15 +21,15 @@ def plan_row_flags(row, shape: dict, batch: int, precision: str = "bf16") -> dic
     model)."""
     if not row.same_model:
         return None
-    llama = shape.get("family") == "llama"
-    flags = {"model": shape.get("model") or ("llama" if llama else "gpt2"),
+    kind = BLOCKS.get(shape.get("family"), GPT2_BLOCKS)
+    flags = {"model": shape.get("model") or kind.name,
              "layers": shape["layers"],
              "hidden": shape["hidden"],
              "heads": shape["heads"], "seq_len": shape["seq_len"], "vocab": shape["vocab_size"],
              "batch": batch, "optimizer": "adamw", "dtype": "float32", "precision": precision,
              "remat": "nothing_saveable", "strategy": row.strategy,
              "mesh": ",".join(item for item in row.mesh.split(",") if not item.endswith("=1"))}
-    if llama:
+    if kind.sized:
         flags |= {"intermediate": shape["intermediate"], "kv_heads": shape["kv_heads"]}
     options = dict(row.options)
     for key in ("sequence_parallel", "zero", "schedule", "microbatches"):

@@ -60,7 +60,7 @@ def inventory(name: str, shape: GPTShape, data: int, model: int, batch_per_rank:
     from jphantom.models.llama import LlamaConfig
     from jphantom.models.gpt2 import TransformerConfig
 
-    if shape.family == "llama":
+    if shape.kind.sized:  # grouped-query attention and a gated MLP: a Llama
         config = LlamaConfig(vocab_size=shape.vocab_size, hidden=shape.hidden,
                              intermediate=shape.intermediate, layers=shape.layers,
                              heads=shape.heads, kv_heads=shape.kv_heads,

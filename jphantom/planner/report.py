@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from jphantom.perf.axonn_model import BLOCKS, GPT2_BLOCKS
 from jphantom.planner.result import Ranking
 
 
@@ -26,6 +27,7 @@ def format_plan(result: Ranking, top: int = 10) -> str:
     """The ranking as a text table, the top choice and the assumptions."""
     a = result.assumptions
     m, t = a["model"], a["topology"]
+    kind = BLOCKS.get(m.get("family"), GPT2_BLOCKS)
     table = t["intra_node_table"]
     intra = (", ".join(f"({key}) {v:g}" for key, v in table.items())
              + f", else {t['intra_node_gbps']:g}") if table else f"{t['intra_node_gbps']:g}"
@@ -36,7 +38,7 @@ def format_plan(result: Ranking, top: int = 10) -> str:
              if a["memory_gib"] is not None else f"{len(result.rows)} priced, no memory limit")
     lines = [
         (f"{ {'llama': 'Llama'}.get(m.get('model'), m.get('model'))} L={m['layers']}, h={m['hidden']}, heads={m['heads']} ({m['kv_heads']} key/"
-         f"value), SwiGLU {m['intermediate']}, " if m.get("family") == "llama" else
+         f"value), SwiGLU {m['intermediate']}, " if kind.sized else
          f"GPT L={m['layers']}, h={m['hidden']}, heads={m['heads']}, ")
         + f"S={m['seq_len']}, V={m['vocab_size']} ({m['parameters'] / 1e9:.2f}B parameters); batch "
         f"{a['batch_sequences']} sequences ({a['tokens_per_step']:,} tokens) per step"
@@ -48,8 +50,8 @@ def format_plan(result: Ranking, top: int = 10) -> str:
         + ("" if a["latency"] else " (off: Singh's model exactly)") + ".",
         f"{a['precision']['name']}: {a['precision']['message_bytes']}-byte messages, "
         f"{a['precision']['state_bytes_per_parameter']} bytes of state per parameter; "
-        + ("no phantom layouts (GPT-2 blocks only)" if m.get("family") == "llama" else
-           f"phantom k={a['ghost_width']}")
+        + (f"phantom k={a['ghost_width']}" if kind.phantom else
+           "no phantom layouts (GPT-2 blocks only)")
         + f"; pipeline bubble priced at {a['device_tflops']:g} TFLOP/s. "
         f"Layouts: {limit}.",
         f"Ranked by {a['ranking']} (communication: Singh's thesis Eqs. 5.1-5.7, ring "

@@ -44,7 +44,7 @@ One idea a module:
 
 - :mod:`~jphantom.perf.axonn_model.equations`: the grid, layers, collectives, Eqs. 5.1-5.6.
 - :mod:`~jphantom.perf.axonn_model.network`: the topology and Eq. 5.7's bandwidths.
-- :mod:`~jphantom.perf.axonn_model.shapes`: the GPT's sizes and its layers under Alg. 3.
+- :mod:`~jphantom.perf.axonn_model.shapes`: the GPT's sizes, its block kinds and its layers under Alg. 3.
 - :mod:`~jphantom.perf.axonn_model.memory`: precisions and the per-device memory model.
 - :mod:`~jphantom.perf.axonn_model.search`: the grids enumerated, filtered and ranked.
 - :mod:`~jphantom.perf.axonn_model.units`: units and argument checks.
@@ -60,15 +60,17 @@ from jphantom.perf.axonn_model.memory import (PRECISIONS, PrecisionBytes,
 from jphantom.perf.axonn_model.network import (Topology, hierarchy_bandwidths,
                                                placement_bandwidth, point_to_point_bandwidth)
 from jphantom.perf.axonn_model.search import configurations, grid_problems, rank
-from jphantom.perf.axonn_model.shapes import FAMILIES, GPT_20B, GPT_40B, GPTShape, gpt_layers
+from jphantom.perf.axonn_model.shapes import (BLOCKS, FAMILIES, GPT2_BLOCKS, GPT_20B, GPT_40B,
+                                           LLAMA_BLOCKS, BlockKind, GPTShape, gpt_layers)
 from jphantom.perf.axonn_model.units import GB, GIB, check_count, check_positive
 
 __all__ = ["GB", "GIB", "AXES", "check_count", "check_positive", "Topology",
            "placement_bandwidth", "point_to_point_bandwidth", "hierarchy_bandwidths", "Grid",
            "LayerShape", "Collective", "all_gather_z", "reduce_scatter_z", "all_reduce_y",
            "all_reduce_x", "all_reduce_data", "layer_collectives", "axis_bandwidths",
-           "layer_seconds", "predict", "GPTShape", "FAMILIES", "GPT_20B", "GPT_40B",
-           "gpt_layers", "PrecisionBytes", "PRECISIONS", "precision_of",
+           "layer_seconds", "predict", "GPTShape", "BlockKind", "BLOCKS", "GPT2_BLOCKS",
+           "LLAMA_BLOCKS", "FAMILIES", "GPT_20B", "GPT_40B", "gpt_layers", "PrecisionBytes",
+           "PRECISIONS", "precision_of",
            "checkpointed_activations", "logits_bytes", "grid_problems", "pmm3d_memory",
            "configurations", "rank"]
 

@@ -34,7 +34,7 @@ def grid_problems(grid: Grid, shape: GPTShape, batch: int, *, accumulate: int = 
         problems.append(f"hidden={h} not divisible by G_y={grid.y}")
     if shape.mlp_width % grid.x:
         problems.append(f"MLP width {shape.mlp_width} not divisible by G_x={grid.x}")
-    if shape.family == "llama" and shape.kv_heads % grid.x:
+    if shape.kind.sized and shape.kv_heads % grid.x:
         problems.append(f"kv_heads={shape.kv_heads} not divisible by G_x={grid.x}")
     if lm_head and shape.vocab_size % grid.x:
         problems.append(f"vocab={shape.vocab_size} not divisible by G_x={grid.x}")

@@ -14,9 +14,51 @@ from jphantom.perf.axonn_model.units import check_count
 
 
 @dataclasses.dataclass(frozen=True)
+class BlockKind:
+    """A decoder block's design as the planner counts it (:attr:`GPTShape.kind`, named by the
+    shape's ``family`` in :data:`BLOCKS`): what differs between GPT-2's and Llama's blocks, read as
+    attributes rather than by name.
+
+    ``sized``: the MLP width ``intermediate`` and the key/value heads ``kv_heads`` are the shape's
+    own (grouped-query attention; defaults jphantom's 8h/3 rounded up to 32, and ``heads``), else
+    the MLP is 4h wide, every head has its own key/value and neither may be given; ``gates``: the
+    MLP's input matrices (GELU's one, SwiGLU's gate and up); ``small``: one block's biases and norm
+    weights, in h; ``final_norm``: the final norm's weights, in h; ``positions``: a learned position
+    table (S h parameters); ``tied``: a tied head by default; ``phantom``: the planner prices Seal
+    et al.'s phantom layouts for it (GPT-2 blocks only)."""
+
+    name: str
+    sized: bool
+    gates: int
+    small: int
+    final_norm: int
+    positions: bool
+    tied: bool
+    phantom: bool
+
+    def intermediate(self, hidden: int) -> int:
+        """The MLP width of ``hidden`` features (a sized block's default)."""
+        return -(-8 * hidden // 3 // 32) * 32 if self.sized else 4 * hidden
+
+
+GPT2_BLOCKS = BlockKind("gpt2", sized=False, gates=1, small=13, final_norm=2, positions=True,
+                        tied=True, phantom=True)
+"""GPT-2's block (:mod:`jphantom.models.gpt2`): fused QKV h -> 3h, MLP h -> 4h -> h with GELU,
+biases and LayerNorms (13 h per block, 2 h final), learned positions, tied embedding and head."""
+LLAMA_BLOCKS = BlockKind("llama", sized=True, gates=2, small=2, final_norm=1, positions=False,
+                         tied=False, phantom=False)
+"""Llama's block (:mod:`jphantom.models.llama`): grouped-query attention, SwiGLU, no biases,
+RMSNorms (2 h per block, h final), rotary positions (no table), an untied head."""
+BLOCKS = {kind.name: kind for kind in (GPT2_BLOCKS, LLAMA_BLOCKS)}
+"""The block kinds the planner prices, by :attr:`GPTShape.family`."""
+FAMILIES = tuple(BLOCKS)
+
+
+@dataclasses.dataclass(frozen=True)
 class GPTShape:
     """A decoder-only transformer's sizes for the planner (no arrays): ``layers`` L, ``hidden`` h,
-    ``heads`` a, ``seq_len`` S, ``vocab_size`` V, and its ``family``:
+    ``heads`` a, ``seq_len`` S, ``vocab_size`` V, and its ``family``, which names the
+    :class:`BlockKind` of its blocks (:attr:`kind`, :data:`BLOCKS`):
 
     - ``gpt2`` (default): GPT-2 blocks (:mod:`jphantom.models.gpt2`): fused QKV h -> 3h,
       attention output h -> h, MLP h -> 4h -> h with GELU, biases and LayerNorms (13 h small
@@ -45,23 +87,23 @@ class GPTShape:
     def __post_init__(self):
         for field in ("layers", "hidden", "heads", "seq_len", "vocab_size"):
             check_count(field, getattr(self, field), 1)
-        if self.family not in FAMILIES:
+        if self.family not in BLOCKS:
             raise ConfigError(f"family={self.family!r}: the planner prices {FAMILIES}")
         if self.hidden % self.heads:
             raise ConfigError(f"hidden={self.hidden} is not divisible by heads={self.heads}: each "
                               f"head has hidden/heads features; pick heads dividing {self.hidden}")
         if self.tied is None:
-            object.__setattr__(self, "tied", self.family == "gpt2")
+            object.__setattr__(self, "tied", self.kind.tied)
         if self.model is None:
             object.__setattr__(self, "model", self.family)
-        if self.family == "gpt2":
+        if not self.kind.sized:
             for field in ("intermediate", "kv_heads"):
                 if getattr(self, field) is not None:
                     raise ConfigError(f"{field} applies to family='llama' (GPT-2's MLP is 4h "
                                       "wide and its attention has one key/value per head)")
             return
         if self.intermediate is None:
-            object.__setattr__(self, "intermediate", -(-8 * self.hidden // 3 // 32) * 32)
+            object.__setattr__(self, "intermediate", self.kind.intermediate(self.hidden))
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
         check_count("intermediate", self.intermediate, 1)
@@ -69,6 +111,16 @@ class GPTShape:
         if self.heads % self.kv_heads:
             raise ConfigError(f"heads={self.heads} is not divisible by kv_heads={self.kv_heads}: "
                               "each key/value head serves heads/kv_heads query heads")
+
+    @property
+    def kind(self) -> BlockKind:
+        """The design of its blocks (:data:`BLOCKS` by ``family``)."""
+        return BLOCKS[self.family]
+
+    @property
+    def key_value_heads(self) -> int:
+        """Its key/value heads (GPT-2: one per head)."""
+        return self.kv_heads if self.kind.sized else self.heads
 
     @classmethod
     def of(cls, model: Any, seq_len: int | None = None) -> GPTShape:
@@ -95,18 +147,14 @@ class GPTShape:
     def linears(self) -> tuple[tuple[str, int, int, bool], ...]:
         """One block's fully connected layers as (name, k, n, transposed): k inputs, n outputs,
         ``transposed`` for the second of each pair (Singh's thesis Alg. 3's layout)."""
-        h = self.hidden
-        if self.family == "gpt2":
-            return (("qkv", h, 3 * h, False), ("attn_out", h, h, True),
-                    ("mlp_up", h, 4 * h, False), ("mlp_down", 4 * h, h, True))
-        kv = 2 * h * self.kv_heads // self.heads
+        h, width = self.hidden, self.mlp_width
+        kv = 2 * h * self.key_value_heads // self.heads
         return (("qkv", h, h + kv, False), ("attn_out", h, h, True),
-                ("mlp_up", h, 2 * self.intermediate, False),
-                ("mlp_down", self.intermediate, h, True))
+                ("mlp_up", h, self.kind.gates * width, False), ("mlp_down", width, h, True))
 
     @property
     def mlp_width(self) -> int:
-        return 4 * self.hidden if self.family == "gpt2" else self.intermediate
+        return self.intermediate if self.kind.sized else self.kind.intermediate(self.hidden)
 
     @property
     def block_matmul_params(self) -> int:
@@ -117,7 +165,7 @@ class GPTShape:
     def block_small_params(self) -> int:
         """One block's biases and norm weights: GPT-2 13 h (4 biases over 9 h, 2 LayerNorms
         4 h), Llama 2 h (2 RMSNorms)."""
-        return 13 * self.hidden if self.family == "gpt2" else 2 * self.hidden
+        return self.kind.small * self.hidden
 
     @property
     def block_params(self) -> int:
@@ -128,12 +176,14 @@ class GPTShape:
         return self.tied
 
     def param_count(self) -> int:
-        """Weights and biases: GPT-2 (tied head, :meth:`TransformerConfig.param_count`)
-        V h + S h + L (12 h^2 + 13 h) + 2 h; Llama (untied head) 2 V h + L (Σ k n + 2 h) + h."""
-        h, L = self.hidden, self.layers
-        if self.family == "gpt2":
-            return self.vocab_size * h + self.seq_len * h + L * (12 * h * h + 13 * h) + 2 * h
-        return (1 + (not self.tied)) * self.vocab_size * h + L * self.block_params + h
+        """Weights and biases: the embedding (and an untied head), a learned position table, L
+        blocks and the final norm: GPT-2 (tied head, :meth:`TransformerConfig.param_count`)
+        V h + S h + L (12 h^2 + 13 h) + 2 h; Llama (untied head) 2 V h + L (Σ k n + 2 h) + h.
+        Only a sized block's untied head is counted (GPT-2's count is the tied model's)."""
+        h, kind = self.hidden, self.kind
+        head = kind.sized and not self.tied
+        return ((1 + head) * self.vocab_size * h + kind.positions * self.seq_len * h
+                + self.layers * self.block_params + kind.final_norm * h)
 
     def flops_per_step(self, batch: int, *, recompute: bool = True) -> int:
         """FLOPs of one step over ``batch`` sequences: Narayanan et al.'s count (Singh's thesis §4.3,
@@ -145,8 +195,6 @@ class GPTShape:
         r = 4 if recompute else 3
         return batch * S * (r * L * (2 * self.block_matmul_params + 4 * S * h) + 6 * h * V)
 
-
-FAMILIES = ("gpt2", "llama")
 
 
 GPT_20B = GPTShape(layers=32, hidden=7168, heads=56)
