@@ -44,7 +44,8 @@ One idea a module:
 
 - :mod:`~jphantom.perf.axonn_model.equations`: the grid, layers, collectives, Eqs. 5.1-5.6.
 - :mod:`~jphantom.perf.axonn_model.network`: the topology and Eq. 5.7's bandwidths.
-- :mod:`~jphantom.perf.axonn_model.shapes`: the GPT's sizes, its block kinds and its layers under Alg. 3.
+- :mod:`~jphantom.perf.axonn_model.shapes`: the GPT's sizes, its block kinds and its layers
+  under Alg. 3.
 - :mod:`~jphantom.perf.axonn_model.memory`: precisions and the per-device memory model.
 - :mod:`~jphantom.perf.axonn_model.search`: the grids enumerated, filtered and ranked.
 - :mod:`~jphantom.perf.axonn_model.units`: units and argument checks.

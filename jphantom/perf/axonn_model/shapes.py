@@ -37,7 +37,8 @@ class BlockKind:
     phantom: bool
 
     def intermediate(self, hidden: int) -> int:
-        """The MLP width of ``hidden`` features (a sized block's default)."""
+        """The MLP width of ``hidden`` features: GPT-2's 4 h, a sized block's default 8h/3
+        rounded up to 32."""
         return -(-8 * hidden // 3 // 32) * 32 if self.sized else 4 * hidden
 
 
@@ -52,6 +53,7 @@ RMSNorms (2 h per block, h final), rotary positions (no table), an untied head."
 BLOCKS = {kind.name: kind for kind in (GPT2_BLOCKS, LLAMA_BLOCKS)}
 """The block kinds the planner prices, by :attr:`GPTShape.family`."""
 FAMILIES = tuple(BLOCKS)
+"""The names :attr:`GPTShape.family` takes."""
 
 
 @dataclasses.dataclass(frozen=True)
