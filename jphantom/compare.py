@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
+from jphantom import strategies
 from jphantom.analysis.inspect import inspect_step
 from jphantom.config import RunConfig
 from jphantom.data import Teacher, TeacherConfig
@@ -166,7 +167,7 @@ def table_one_params(strategy: str, width: int, depth: int, num_shards: int,
     """Weights of the FFN as Seal et al.'s Table I counts them (biases excluded): n^2 L for TP,
     L (n^2/p + k n p) for phantom (:func:`jphantom.nn.phantom.ops.param_count`). The module's
     own count (``module_params``) adds the biases and, fused, the decompressor's unused own slot."""
-    if strategy == TP_STRATEGY:
+    if not strategies.get(strategy).needs_ghost_width:
         return width * width * depth
     return phantom_param_count(width, ghost_width, num_shards, depth)
 
@@ -256,7 +257,7 @@ def run_compare(config: CompareConfig, *, power: PowerModel = PowerModel(), prog
             bar.update()
     bar.close()
 
-    curve = lambda r: (r["history"]["validation_step"], r["history"]["validation_loss"])
+    curve = lambda r: (r.history["validation_step"], r.history["validation_loss"])
     if base.train.target_loss is None:
         floor = max(min(curve(r)[1]) for results in runs.values() for r in results)
         target = floor * (1 + config.target_margin)
@@ -272,13 +273,13 @@ def run_compare(config: CompareConfig, *, power: PowerModel = PowerModel(), prog
         alpha = report["flops"] / matmul_rate
         beta = FRONTIER.step_time_us(report["collectives"], p) * 1e-6
         modelled_per_iteration = energy_per_iteration(alpha, beta, power, devices=p)
-        metered = [r.get("energy") for r in results]
+        metered = [r.energy for r in results]
         if all(m is not None for m in metered):
             per_iteration = statistics.fmean(m["joules_per_step"] for m in metered)
             source = "measured"
         else:
             per_iteration, source = modelled_per_iteration, "modelled"
-        step_seconds = [s for r in results for s in r["step_seconds"]]
+        step_seconds = [s for r in results for s in r.step_seconds]
         rows.append({
             "strategy": name,
             "shards": p,
@@ -325,11 +326,9 @@ def run_compare(config: CompareConfig, *, power: PowerModel = PowerModel(), prog
 
 
 def _ratios(rows, width):
-    tp = {r["shards"]: r for r in rows if r["strategy"] == TP_STRATEGY}
+    tp = {r["shards"]: r for r in rows if not _phantom(r)}
     ratios = []
-    for r in rows:
-        if r["strategy"] != "phantom":
-            continue
+    for r in filter(_phantom, rows):
         base = tp[r["shards"]]
         div = lambda a, b: None if a is None or b in (None, 0) else a / b
         per_op = lambda row, kind: next((c["bytes"] / c["count"] for c in row["collectives"]
@@ -351,10 +350,16 @@ def _ratios(rows, width):
     return ratios
 
 
+def _phantom(row: dict) -> bool:
+    """Whether a row trained a phantom model (its strategy's ghost width is part of the model),
+    not the TP baseline."""
+    return strategies.get(row["strategy"]).needs_ghost_width
+
+
 def _e9(rows):
     """Seal et al.'s E9: the smallest-p phantom run (best of its k) against the largest-p TP run."""
-    phantoms = [r for r in rows if r["strategy"] == "phantom" and r["energy_total_j"] is not None]
-    tps = [r for r in rows if r["strategy"] == TP_STRATEGY]
+    phantoms = [r for r in rows if _phantom(r) and r["energy_total_j"] is not None]
+    tps = [r for r in rows if not _phantom(r)]
     if not phantoms or not tps:
         return None
     small_p = min(r["shards"] for r in phantoms)
@@ -436,8 +441,8 @@ def plot(result: dict, path: Path) -> None:
     plotted = {0: [], 1: [], 2: [], 3: []}  # the values on each panel, to choose its y scale
     series = {}
     for r in rows:
-        label = "TP (T1)" if r["strategy"] == TP_STRATEGY else f"phantom k={r['ghost_width']}"
-        if result["config"]["ghost_widths"] == "auto" and r["strategy"] == "phantom":
+        label = f"phantom k={r['ghost_width']}" if _phantom(r) else "TP (T1)"
+        if result["config"]["ghost_widths"] == "auto" and _phantom(r):
             label = "phantom (auto k)"
         series.setdefault(label, []).append(r)
     for label, group in series.items():
@@ -459,7 +464,7 @@ def plot(result: dict, path: Path) -> None:
     for r in rows:
         if r["shards"] == biggest:
             curve = r["eval_curves"][0]
-            label = "TP" if r["strategy"] == TP_STRATEGY else f"phantom k={r['ghost_width']}"
+            label = f"phantom k={r['ghost_width']}" if _phantom(r) else "TP"
             axes[3].plot(curve["steps"], curve["losses"], label=label)
             plotted[3] += curve["losses"]
     axes[3].axhline(result["target_loss"], color="grey", ls="--", label="target")

@@ -160,7 +160,7 @@ def test_a_user_callback_sees_every_step_stops_the_run_and_adds_to_the_results(t
                 trainer.request_stop("StopAt(2)")
 
         def on_train_end(self, trainer, results):
-            results["seen"] = list(self.seen)
+            results.extra["seen"] = list(self.seen)
 
         def close(self):
             self.closed = True
@@ -172,8 +172,8 @@ def test_a_user_callback_sees_every_step_stops_the_run_and_adds_to_the_results(t
     stop = StopAt()
     results = Trainer(config, callbacks=[stop]).fit()
     assert stop.seen == [1, 2] and stop.closed
-    assert results["stopped_by"] == "StopAt(2)" and results["steps_done"] == 2
-    assert not results["interrupted"] and results["checkpoints"]["steps"] == [2]
+    assert results.stopped_by == "StopAt(2)" and results.steps_done == 2
+    assert not results.interrupted and results.checkpoints["steps"] == [2]
     assert json.loads((tmp_path / "out" / "results.json").read_text())["seen"] == [1, 2]
     with pytest.raises(ConfigError, match="subclass Callback"):
         Trainer(config, callbacks=[lambda trainer, record: None])
