@@ -48,7 +48,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jphantom.callbacks import Callback, default_callbacks
-from jphantom.config import RunConfig, check_vocabulary, pipeline_summary
+from jphantom.config import Built, RunConfig, check_vocabulary, pipeline_summary
 from jphantom.errors import ConfigError, TrainingDiverged
 from jphantom.loop import (Evaluator, NonFinitePolicy, RolledBack, RunCheckpoints, RunResults,
                            SkippedBatch, StepRecord, fresh_history)
@@ -99,8 +99,10 @@ class _Run:
 
 
 class Trainer:
-    """Train ``config`` (:meth:`fit`): the loop of the module docstring. ``teacher``: the FFN's
-    data (default: the seed's); ``meter``: an energy meter (:class:`jphantom.energy.NvmlEnergyMeter`)
+    """Train ``config`` (:meth:`fit`): the loop of the module docstring. ``built``:
+    ``config.build()``'s program, mesh and step where the caller has built them (``jphantom
+    train`` has: the run builds once), else :meth:`fit` builds them; ``teacher``: the FFN's data
+    (default: the seed's); ``meter``: an energy meter (:class:`jphantom.energy.NvmlEnergyMeter`)
     whose window spans every step after the first; ``callbacks``: the user's, called after the
     built-in ones.
 
@@ -109,13 +111,13 @@ class Trainer:
     state), ``history`` (steps, training and validation losses so far), ``first_step`` (0, or
     the checkpoint's step on resume) and ``out`` (the run's folder, or None)."""
 
-    def __init__(self, config: RunConfig, *, teacher=None, meter=None,
-                 callbacks: Sequence[Callback] = ()):
+    def __init__(self, config: RunConfig, *, built: Built | None = None, teacher=None,
+                 meter=None, callbacks: Sequence[Callback] = ()):
         bad = [c for c in callbacks if not isinstance(c, Callback)]
         if bad:
             raise ConfigError(f"callbacks must be jphantom.callbacks.Callback instances, got "
                               f"{type(bad[0]).__name__}: subclass Callback and override its hooks")
-        self.config, self.teacher, self.meter = config, teacher, meter
+        self.config, self.built, self.teacher, self.meter = config, built, teacher, meter
         self.user_callbacks = list(callbacks)
         self.out = Path(config.train.out) if config.train.out is not None else None
         self.program = self.mesh = self.step = self.state = None
@@ -161,14 +163,14 @@ class Trainer:
         config, train = self.config, self.config.train
         start = time.perf_counter()
         check_vocabulary(config)  # the data against the model, before anything is built
-        b = config.build()
+        b = self.built = self.built if self.built is not None else config.build()
         program, mesh, step = b.program, b.mesh, b.step
         identity = {"model": {"name": config.model.name, **_asdict(program.config)},
                     "corpus": {"data": train.data, "tokenizer": train.tokenizer}}
         checkpoints = RunCheckpoints(train, identity)
         if train.resume:  # the checkpoint's JSON against the run, before the step compiles
             checkpoints.check_same_run(step.abstract_state(), train.steps)
-        memory = check_memory(config, compiled=True)  # compiles the step, allocates nothing
+        memory = check_memory(config, b, compiled=True)  # compiles the step, allocates nothing
         self.program, self.mesh, self.step = program, mesh, step
         source, seq_len, place, place_train = self._data(b)
         if jax.process_index() == 0 and self.out is not None:  # process 0 alone writes
@@ -524,21 +526,24 @@ def _ended_nonfinite(final: float | None, steps: int, nonfinite: dict,
                             "check the data; results.json records the run")
 
 
-def run(config: RunConfig, *, teacher=None, meter=None,
+def run(config: RunConfig, *, built: Built | None = None, teacher=None, meter=None,
         callbacks: Sequence[Callback] = ()) -> RunResults:
     """Train as configured (:class:`Trainer`); returns (and writes, with ``train.out``) the
     run's :class:`RunResults`."""
-    return Trainer(config, teacher=teacher, meter=meter, callbacks=callbacks).fit()
+    return Trainer(config, built=built, teacher=teacher, meter=meter,
+                   callbacks=callbacks).fit()
 
 
-def check_memory(config: RunConfig, *, compiled: bool = False) -> dict:
+def check_memory(config: RunConfig, built: Built | None = None, *,
+                 compiled: bool = False) -> dict:
     """The run's per-device memory estimate (:func:`jphantom.analysis.memory.check_run`); raises
     :class:`ConfigError` naming the largest term when it cannot fit, before anything is
-    allocated or compiled. ``compiled``: then the compiled step's own figures
+    allocated or compiled. ``built``: ``config.build()``'s, where the caller has it.
+    ``compiled``: then the compiled step's own figures
     (:func:`jphantom.analysis.memory.check_compiled`), still before anything is allocated."""
     from jphantom.analysis.memory import check_compiled, check_run
 
-    b = config.build()
+    b = built if built is not None else config.build()
     estimate = check_run(config, b.program, b.step)
     if compiled:
         return {"estimate": estimate, "compiled": check_compiled(config, b.program, b.step)}

@@ -90,7 +90,7 @@ def handle(args: argparse.Namespace) -> int:
     if settings.get("dtype") == "float64":
         jax.config.update("jax_enable_x64", True)
     config = RunConfig.from_flags(**settings)
-    config.build()  # every shape against the mesh, before any data is read
+    built = config.build()  # every shape against the mesh, before any data is read
     used, available = config.parallel.mesh_config().device_count, jax.device_count()
     if used < available and jax.process_index() == 0:
         print(f"note: mesh {config.parallel.mesh_config()} uses {used} of the {available} "
@@ -100,7 +100,7 @@ def handle(args: argparse.Namespace) -> int:
               "config.json names (model_type)")
     if jax.process_index() == 0 and (line := _files_line(config.train)) is not None:
         print(line)
-    results = run(config)
+    results = run(config, built=built)
     if results.pipeline is not None:
         pipe = results.pipeline
         print(f"pipeline: {pipe['schedule']}, {pipe['stages']} stages, {pipe['microbatches']} "

@@ -237,3 +237,19 @@ def test_constructing_a_configuration_imports_neither_jax_nor_flax(tmp_path):
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"constructing a configuration imported {done.stdout}"
+
+
+def test_a_train_command_builds_its_configuration_once(tmp_path, monkeypatch):
+    """``jphantom train`` builds the program and step once (``RunConfig.build``: the command
+    checks the shapes with it and the Trainer trains with the same ``Built``), where the command,
+    the Trainer and its memory check used to build three times."""
+    from jphantom import cli
+
+    calls = []
+    build = RunConfig.build
+    monkeypatch.setattr(RunConfig, "build", lambda self: calls.append(self) or build(self))
+    assert cli.main(["train", "--model", "ffn", "--strategy", "tensor", "--width", "8",
+                     "--mesh", "model=2", "--batch", "8", "--steps", "2", "--eval-every", "2",
+                     "--no-progress", "--out", str(tmp_path / "out")]) == 0
+    assert len(calls) == 1
+
