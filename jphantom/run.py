@@ -69,10 +69,7 @@ from jphantom.step.finite import state_is_finite
 class _Run:
     """What :meth:`Trainer.fit` builds once, before the loop, and what the loop keeps."""
 
-    built: Any
     source: Any
-    seq_len: int | None
-    place: Callable
     place_train: Callable
     kernels: dict | None
     memory: dict
@@ -187,8 +184,8 @@ class Trainer:
         watchdog = Watchdog(train.step_timeout, rank=jax.process_index(),
                             processes=jax.process_count())
         return _Run(
-            built=b, source=source, seq_len=seq_len, place=place, place_train=place_train,
-            kernels=kernels, memory=memory, checkpoints=checkpoints,
+            source=source, place_train=place_train, kernels=kernels, memory=memory,
+            checkpoints=checkpoints,
             policy=NonFinitePolicy(config, self.state.opt_state),
             evaluator=Evaluator(b, source, place, train, watchdog),
             callbacks=default_callbacks(config) + self.user_callbacks, devices=devices,
