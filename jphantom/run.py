@@ -97,7 +97,7 @@ class _Run:
 
 class Trainer:
     """Train ``config`` (:meth:`fit`): the loop of the module docstring. ``built``:
-    ``config.build()``'s program, mesh and step where the caller has built them (``jphantom
+    :meth:`RunConfig.build`'s program, mesh and step where the caller has built them (``jphantom
     train`` has: the run builds once), else :meth:`fit` builds them; ``teacher``: the FFN's data
     (default: the seed's); ``meter``: an energy meter (:class:`jphantom.energy.NvmlEnergyMeter`)
     whose window spans every step after the first; ``callbacks``: the user's, called after the
@@ -531,19 +531,18 @@ def run(config: RunConfig, *, built: Built | None = None, teacher=None, meter=No
                    callbacks=callbacks).fit()
 
 
-def check_memory(config: RunConfig, built: Built | None = None, *,
-                 compiled: bool = False) -> dict:
+def check_memory(config: RunConfig, built: Built, *, compiled: bool = False) -> dict:
     """The run's per-device memory estimate (:func:`jphantom.analysis.memory.check_run`); raises
     :class:`ConfigError` naming the largest term when it cannot fit, before anything is
-    allocated or compiled. ``built``: ``config.build()``'s, where the caller has it.
+    allocated or compiled. ``built``: what :meth:`RunConfig.build` built of ``config``.
     ``compiled``: then the compiled step's own figures
     (:func:`jphantom.analysis.memory.check_compiled`), still before anything is allocated."""
     from jphantom.analysis.memory import check_compiled, check_run
 
-    b = built if built is not None else config.build()
-    estimate = check_run(config, b.program, b.step)
+    estimate = check_run(config, built.program, built.step)
     if compiled:
-        return {"estimate": estimate, "compiled": check_compiled(config, b.program, b.step)}
+        return {"estimate": estimate,
+                "compiled": check_compiled(config, built.program, built.step)}
     return estimate
 
 

@@ -24,7 +24,7 @@ _MEMORY_FIELDS = ("argument", "output", "temp", "alias", "generated_code")
 
 def build(config: RunConfig, optimizer=None, built=None):
     """The run's program, jax mesh and :class:`jphantom.TrainStep` (nothing compiled): what
-    ``train`` builds (``config.build()``, or ``built`` where the caller has it), or with
+    ``train`` builds (:meth:`RunConfig.build`'s, or ``built`` where the caller has it), or with
     ``optimizer`` the same step of that optax optimizer."""
     b = built if built is not None else config.build()
     if optimizer is None:

@@ -29,7 +29,7 @@ def inspect_step(config: RunConfig, optimizer=None, *, built=None) -> dict:
     once), ``params`` (weights), ``memory`` (:func:`compiled_memory`: ``temp_bytes``,
     ``argument_bytes``, ``output_bytes``, ``alias_bytes``..., and from the shardings
     :func:`state_bytes`), compile time, and on a mesh with a ``stage`` axis ``pipeline``
-    (schedule, micro-batches, virtual stages, stages). ``built``: ``config.build()``'s, where
+    (schedule, micro-batches, virtual stages, stages). ``built``: :meth:`RunConfig.build`'s, where
     the caller has it."""
     from jphantom.analysis.memory import check_run
 
