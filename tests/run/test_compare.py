@@ -187,7 +187,7 @@ def test_compare_uses_a_power_meter_when_given(tmp_path):
 def test_a_compare_builds_each_job_once_for_all_its_seeds(tmp_path, monkeypatch):
     """``jphantom compare`` builds each (strategy, p, k) once (``RunConfig.build``), and its
     seeds, its memory check and its step report use that ``Built``: 2 jobs of 2 seeds build
-    twice (they used to build 16 times)."""
+    twice (they used to build 20 times)."""
     from jphantom.config import RunConfig
 
     calls = []
