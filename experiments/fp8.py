@@ -43,7 +43,7 @@ def curves(shape: dict, steps: int, every: int) -> dict:
                                           steps=steps, eval_every=every, eval_batches=4,
                                           precision=precision, progress=False, out=folder,
                                           seed=0, warmup_steps=10, learning_rate=3e-3)
-            final = run(config)["final_validation_loss"]
+            final = run(config).final_validation_loss
             lines = (Path(folder) / "metrics.jsonl").read_text().splitlines()
         rows = [json.loads(line) for line in lines]
         validation = [(r["step"], r["validation_loss"]) for r in rows

@@ -63,19 +63,19 @@ def train(shape, steps, every) -> dict:
                                           steps=steps, eval_every=every, progress=False,
                                           out=folder, seed=0)
             res = run(config)
-        hist = res["history"]
+        hist = res.history
         # the TransformerConfig's count: the router and the k experts a token visits
         active = config.family_config().param_count(active=True)
-        out[name] = {"mesh": mesh, **moe, "params": res["params"], "active_params": active,
+        out[name] = {"mesh": mesh, **moe, "params": res.params, "active_params": active,
                      "validation_step": hist["validation_step"],
                      "validation_loss": hist["validation_loss"],
                      "dropped_fraction": hist["dropped_fraction"],
-                     "final_validation_loss": res["final_validation_loss"],
-                     "median_step_seconds": res["median_step_seconds"]}
+                     "final_validation_loss": res.final_validation_loss,
+                     "median_step_seconds": res.median_step_seconds}
         dropped = hist["dropped_fraction"]
-        print(f"{name:11s} on {mesh}: {res['params']:,} params "
+        print(f"{name:11s} on {mesh}: {res.params:,} params "
               f"({out[name]['active_params']:,} active), final validation "
-              f"{res['final_validation_loss']:.4f} nats/token"
+              f"{res.final_validation_loss:.4f} nats/token"
               + (f", dropped {100 * dropped[0]:.1f}% -> {100 * dropped[-1]:.1f}%" if dropped
                  else ""), flush=True)
     return out

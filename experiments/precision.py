@@ -66,7 +66,7 @@ def main(argv=None) -> int:
                 lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
             curve = [(m["step"], m["validation_loss"]) for m in map(json.loads, lines)
                      if m.get("validation_loss") is not None]
-            curves[precision] = {"curve": curve, "final": res["final_validation_loss"]}
+            curves[precision] = {"curve": curve, "final": res.final_validation_loss}
         target = curves["float32"]["final"] * 1.005
         reach = {p: first_at_or_below(c["curve"], target) for p, c in curves.items()}
         ratio = (reach["bf16"] / reach["float32"]) if reach["bf16"] and reach["float32"] else None

@@ -449,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         report = inspect(config)
         trained = run(config)
         energy = modelled_energy(report, job.devices, matmul_rate, power)
-        history = trained["history"]
+        history = trained.history
         history["cumulative_energy_j_modelled"] = [s * energy["energy_per_step_j"]
                                                    for s in history["validation_step"]]
         inventory = None
@@ -463,13 +463,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "strategy": job.strategy,
             "sequence_parallel": job.sequence_parallel,
             "ghost_width": job.ghost_width,
-            "mesh": trained["mesh"],
+            "mesh": trained.mesh,
             "devices": job.devices,
-            "params": trained["params"],
-            "final_validation_loss": trained["final_validation_loss"],
-            "best_validation_loss": trained["best_validation_loss"],
-            "median_step_seconds_measured": trained["median_step_seconds"],
-            "wall_seconds_measured": trained["wall_seconds"],
+            "params": trained.params,
+            "final_validation_loss": trained.final_validation_loss,
+            "best_validation_loss": trained.best_validation_loss,
+            "median_step_seconds_measured": trained.median_step_seconds,
+            "wall_seconds_measured": trained.wall_seconds,
             "collective_bytes_per_step": report["collective_bytes"],
             "collective_count_per_step": sum(c["count"] for c in report["collectives"]),
             "collectives": report["collectives"],
@@ -481,7 +481,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "energy_source": "modelled",
             "history": history,
         })
-    unigram = trained["unigram_cross_entropy"]
+    unigram = trained.unigram_cross_entropy
 
     by_name = {r["name"]: r for r in runs}
     targets = {"tp_loss": by_name["tensor"]["final_validation_loss"],

@@ -24,8 +24,9 @@ class Callback:
     """Hooks of the training loop, each optional, called in the order of the trainer's callbacks
     (the built-in ones first, then the user's). ``on_step_end`` gets every record the loop writes
     to ``metrics.jsonl`` (a step's, a skipped batch's, a rollback's), evaluation included, after
-    the history is updated and before the step's checkpoint; ``on_train_end`` gets the results
-    before ``results.json`` is written (a callback may add to them); ``close`` is called however
+    the history is updated and before the step's checkpoint; ``on_train_end`` gets the
+    :class:`jphantom.loop.RunResults` before ``results.json`` is written (a callback may add to
+    their ``extra``, a dictionary ``results.json`` gets too); ``close`` is called however
     the run ends."""
 
     def on_train_start(self, trainer) -> None:
@@ -34,7 +35,7 @@ class Callback:
     def on_step_end(self, trainer, record: dict) -> None:
         pass
 
-    def on_train_end(self, trainer, results: dict) -> None:
+    def on_train_end(self, trainer, results) -> None:
         pass
 
     def close(self) -> None:

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
+from jphantom import strategies
 from jphantom.analysis.inspect import inspect_step
 from jphantom.config import RunConfig
 from jphantom.data import Teacher, TeacherConfig
@@ -101,18 +102,18 @@ class CompareConfig:
                 math.isfinite(margin) and margin >= 0):
             raise ConfigError(f"target_margin={margin!r} must be a finite number >= 0")
 
-    def build(self) -> None:
-        """Every run of the sweep built (:meth:`jphantom.config.RunConfig.build`, nothing
-        compiled), in :meth:`run_configs`' order: the devices hold the largest shard count and
-        every run's shapes are valid (width divisible by every p, ...), before the first run
-        trains. The explicit step after the configuration (data, touching neither jax's devices
-        nor the file system); :func:`run_compare` takes it first."""
+    def build(self) -> dict:
+        """Every job of the sweep built (:meth:`jphantom.config.RunConfig.build`, nothing
+        compiled), in :meth:`jobs`' order, once for all its seeds (they share one step): the
+        devices hold the largest shard count and every run's shapes are valid (width divisible
+        by every p, ...), before the first run trains. The explicit step after the
+        configuration (data, touching neither jax's devices nor the file system); returns
+        ``{(strategy, p, k): Built}``, which :func:`run_compare` trains with."""
         if jax.device_count() < max(self.shards):
             raise ConfigError(
                 f"shards={self.shards} needs {max(self.shards)} devices, have {jax.device_count()}: "
                 f"pass --devices {max(self.shards)} or fewer shards")
-        for config in self.run_configs():
-            config.build()
+        return {job: self.run_config(*job, self.seeds[0]).build() for job in self.jobs()}
 
     @classmethod
     def from_flags(cls, *, shards=(2, 4, 8), ghost_widths=(2, 4, 16), seeds=(0, 1, 2),
@@ -166,7 +167,7 @@ def table_one_params(strategy: str, width: int, depth: int, num_shards: int,
     """Weights of the FFN as Seal et al.'s Table I counts them (biases excluded): n^2 L for TP,
     L (n^2/p + k n p) for phantom (:func:`jphantom.nn.phantom.ops.param_count`). The module's
     own count (``module_params``) adds the biases and, fused, the decompressor's unused own slot."""
-    if strategy == TP_STRATEGY:
+    if not strategies.get(strategy).needs_ghost_width:
         return width * width * depth
     return phantom_param_count(width, ghost_width, num_shards, depth)
 
@@ -196,6 +197,11 @@ def measure_matmul_rate(size: int = 1024, dtype=jnp.float32, repeats: int = 5) -
         product(a).block_until_ready()
         times.append(time.perf_counter() - start)
     return 2 * size**3 / statistics.median(times)
+
+
+def _curve(results) -> tuple[list, list]:
+    """A run's held-out curve: the validation steps and losses of its :class:`RunResults`."""
+    return results.history["validation_step"], results.history["validation_loss"]
 
 
 def _first_reaching(steps, losses, target):
@@ -228,86 +234,47 @@ def gpu_meter_factory(log=print):
     return lambda num_shards: NvmlEnergyMeter(devices=process_devices(num_shards))
 
 
-def run_compare(config: CompareConfig, *, power: PowerModel = PowerModel(), progress: bool = True,
-                log=print, meter_factory=None) -> dict:
+def run_compare(config: CompareConfig, *, built: dict | None = None,
+                power: PowerModel = PowerModel(), progress: bool = True, log=print,
+                meter_factory=None) -> dict:
     """Train every (strategy, p, k) for every seed (:func:`jphantom.run.run`, the one training
     loop) and return ``{"config", "rows", ...}``.
 
     ``meter_factory``: ``p -> meter`` (see :func:`gpu_meter_factory`); each run is metered over its
     training window and the row's energy is then ``"measured"`` (the model's figures stay in the
-    row under ``*_modelled``). Without it the energy is modelled."""
+    row under ``*_modelled``). Without it the energy is modelled. ``built``: what
+    :meth:`CompareConfig.build` returned, where the caller has it (else built here, once per
+    job)."""
     from jphantom.run import check_memory, run
 
-    config.build()  # the devices and every run's shapes, before anything is trained
+    if built is None:  # the devices and every run's shapes, before anything is trained
+        built = config.build()
     base = config.base
     teacher = Teacher(TeacherConfig(width=config.width, train_size=config.train_size,
                                     eval_size=config.eval_size), jnp.dtype(base.model.dtype))
     jobs = config.jobs()
     for name, p, k in jobs:  # refuse what cannot fit before anything is trained
-        check_memory(config.run_config(name, p, k, config.seeds[0]))
+        check_memory(config.run_config(name, p, k, config.seeds[0]), built[name, p, k])
     matmul_rate = measure_matmul_rate()
     runs = {}
     bar = tqdm(total=len(jobs) * len(config.seeds), desc="training", disable=not progress)
     for name, p, k in jobs:
         for seed in config.seeds:
-            result = run(config.run_config(name, p, k, seed), teacher=teacher,
-                         meter=meter_factory(p) if meter_factory else None)
+            result = run(config.run_config(name, p, k, seed), built=built[name, p, k],
+                         teacher=teacher, meter=meter_factory(p) if meter_factory else None)
             runs.setdefault((name, p, k), []).append(result)
             bar.update()
     bar.close()
 
-    curve = lambda r: (r["history"]["validation_step"], r["history"]["validation_loss"])
     if base.train.target_loss is None:
-        floor = max(min(curve(r)[1]) for results in runs.values() for r in results)
+        floor = max(min(_curve(r)[1]) for results in runs.values() for r in results)
         target = floor * (1 + config.target_margin)
     else:
         target = base.train.target_loss
 
-    rows = []
-    for (name, p, k), results in runs.items():
-        report = inspect_step(config.run_config(name, p, k, config.seeds[0]))
-        iterations = [_first_reaching(*curve(r), target) for r in results]
-        reached = [i for i in iterations if i is not None]
-        mean_iterations = _mean_or_none(iterations)
-        alpha = report["flops"] / matmul_rate
-        beta = FRONTIER.step_time_us(report["collectives"], p) * 1e-6
-        modelled_per_iteration = energy_per_iteration(alpha, beta, power, devices=p)
-        metered = [r.get("energy") for r in results]
-        if all(m is not None for m in metered):
-            per_iteration = statistics.fmean(m["joules_per_step"] for m in metered)
-            source = "measured"
-        else:
-            per_iteration, source = modelled_per_iteration, "modelled"
-        step_seconds = [s for r in results for s in r["step_seconds"]]
-        rows.append({
-            "strategy": name,
-            "shards": p,
-            "ghost_width": k,
-            "params": table_one_params(name, config.width, base.model.depth, p, k),
-            "module_params": report["params"],
-            "iterations_to_target": mean_iterations,
-            "iterations_to_target_std": statistics.pstdev(reached) if len(reached) > 1 else 0.0,
-            "iterations_per_seed": iterations,
-            "seconds_per_iteration_measured": statistics.median(step_seconds) if step_seconds
-            else math.nan,
-            "compute_seconds_per_iteration_modelled": alpha,
-            "comm_seconds_per_iteration_modelled": beta,
-            "collective_bytes_per_iteration": report["collective_bytes"],
-            "collectives": report["collectives"],
-            "flops_per_device": report["flops"],
-            "energy_per_iteration_j": per_iteration,
-            "energy_total_j": None if mean_iterations is None else per_iteration * mean_iterations,
-            "energy_source": source,
-            "energy_per_iteration_j_modelled": modelled_per_iteration,
-            "energy_meter": None if source == "modelled" else {
-                "device_names": metered[0]["device_names"],
-                "mean_watts": statistics.fmean(m["mean_watts"] for m in metered),
-                "method": metered[0]["method"],  # "counter", "sampling" or "mixed"
-                "metered_steps": [m["metered_steps"] for m in metered]},
-            "proxy_params_x_iterations": None if mean_iterations is None
-            else table_one_params(name, config.width, base.model.depth, p, k) * mean_iterations,
-            "eval_curves": [{"steps": curve(r)[0], "losses": curve(r)[1]} for r in results],
-        })
+    rows = [_row(config, job, results, target, matmul_rate, power,
+                 inspect_step(config.run_config(*job, config.seeds[0]), built=built[job]))
+            for job, results in runs.items()]
     out = {
         "config": config.to_json() | {"tp_strategy": TP_STRATEGY},
         "target_loss": target,
@@ -324,12 +291,61 @@ def run_compare(config: CompareConfig, *, power: PowerModel = PowerModel(), prog
     return out
 
 
+def _row(config: CompareConfig, job: tuple, results: list, target: float, matmul_rate: float,
+         power: PowerModel, report: dict) -> dict:
+    """A row of the table: one (strategy, p, k)'s runs (``results``, one per seed) and its
+    step's ``report`` (:func:`jphantom.analysis.inspect.inspect_step`): iterations to
+    ``target``, measured and modelled time, collective bytes, energy."""
+    name, p, k = job
+    params = table_one_params(name, config.width, config.base.model.depth, p, k)
+    iterations = [_first_reaching(*_curve(r), target) for r in results]
+    reached = [i for i in iterations if i is not None]
+    mean_iterations = _mean_or_none(iterations)
+    alpha = report["flops"] / matmul_rate
+    beta = FRONTIER.step_time_us(report["collectives"], p) * 1e-6
+    modelled_per_iteration = energy_per_iteration(alpha, beta, power, devices=p)
+    metered = [r.energy for r in results]
+    if all(m is not None for m in metered):
+        per_iteration = statistics.fmean(m["joules_per_step"] for m in metered)
+        source = "measured"
+    else:
+        per_iteration, source = modelled_per_iteration, "modelled"
+    step_seconds = [s for r in results for s in r.step_seconds]
+    return {
+        "strategy": name,
+        "shards": p,
+        "ghost_width": k,
+        "params": params,
+        "module_params": report["params"],
+        "iterations_to_target": mean_iterations,
+        "iterations_to_target_std": statistics.pstdev(reached) if len(reached) > 1 else 0.0,
+        "iterations_per_seed": iterations,
+        "seconds_per_iteration_measured": statistics.median(step_seconds) if step_seconds
+        else math.nan,
+        "compute_seconds_per_iteration_modelled": alpha,
+        "comm_seconds_per_iteration_modelled": beta,
+        "collective_bytes_per_iteration": report["collective_bytes"],
+        "collectives": report["collectives"],
+        "flops_per_device": report["flops"],
+        "energy_per_iteration_j": per_iteration,
+        "energy_total_j": None if mean_iterations is None else per_iteration * mean_iterations,
+        "energy_source": source,
+        "energy_per_iteration_j_modelled": modelled_per_iteration,
+        "energy_meter": None if source == "modelled" else {
+            "device_names": metered[0]["device_names"],
+            "mean_watts": statistics.fmean(m["mean_watts"] for m in metered),
+            "method": metered[0]["method"],  # "counter", "sampling" or "mixed"
+            "metered_steps": [m["metered_steps"] for m in metered]},
+        "proxy_params_x_iterations": None if mean_iterations is None
+        else params * mean_iterations,
+        "eval_curves": [{"steps": _curve(r)[0], "losses": _curve(r)[1]} for r in results],
+    }
+
+
 def _ratios(rows, width):
-    tp = {r["shards"]: r for r in rows if r["strategy"] == TP_STRATEGY}
+    tp = {r["shards"]: r for r in rows if not _phantom(r)}
     ratios = []
-    for r in rows:
-        if r["strategy"] != "phantom":
-            continue
+    for r in filter(_phantom, rows):
         base = tp[r["shards"]]
         div = lambda a, b: None if a is None or b in (None, 0) else a / b
         per_op = lambda row, kind: next((c["bytes"] / c["count"] for c in row["collectives"]
@@ -351,10 +367,16 @@ def _ratios(rows, width):
     return ratios
 
 
+def _phantom(row: dict) -> bool:
+    """Whether a row trained a phantom model (its strategy's ghost width is part of the model),
+    not the TP baseline."""
+    return strategies.get(row["strategy"]).needs_ghost_width
+
+
 def _e9(rows):
     """Seal et al.'s E9: the smallest-p phantom run (best of its k) against the largest-p TP run."""
-    phantoms = [r for r in rows if r["strategy"] == "phantom" and r["energy_total_j"] is not None]
-    tps = [r for r in rows if r["strategy"] == TP_STRATEGY]
+    phantoms = [r for r in rows if _phantom(r) and r["energy_total_j"] is not None]
+    tps = [r for r in rows if not _phantom(r)]
     if not phantoms or not tps:
         return None
     small_p = min(r["shards"] for r in phantoms)
@@ -436,8 +458,8 @@ def plot(result: dict, path: Path) -> None:
     plotted = {0: [], 1: [], 2: [], 3: []}  # the values on each panel, to choose its y scale
     series = {}
     for r in rows:
-        label = "TP (T1)" if r["strategy"] == TP_STRATEGY else f"phantom k={r['ghost_width']}"
-        if result["config"]["ghost_widths"] == "auto" and r["strategy"] == "phantom":
+        label = f"phantom k={r['ghost_width']}" if _phantom(r) else "TP (T1)"
+        if result["config"]["ghost_widths"] == "auto" and _phantom(r):
             label = "phantom (auto k)"
         series.setdefault(label, []).append(r)
     for label, group in series.items():
@@ -459,7 +481,7 @@ def plot(result: dict, path: Path) -> None:
     for r in rows:
         if r["shards"] == biggest:
             curve = r["eval_curves"][0]
-            label = "TP" if r["strategy"] == TP_STRATEGY else f"phantom k={r['ghost_width']}"
+            label = f"phantom k={r['ghost_width']}" if _phantom(r) else "TP"
             axes[3].plot(curve["steps"], curve["losses"], label=label)
             plotted[3] += curve["losses"]
     axes[3].axhline(result["target_loss"], color="grey", ls="--", label="target")

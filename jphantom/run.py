@@ -23,10 +23,11 @@ step's record (the line ``metrics.jsonl`` gets):
 A user adds their own (``Trainer(config, callbacks=[MyCallback()])``, docs/training.md): any of
 ``on_train_start(trainer)``, ``on_step_end(trainer, record)``, ``on_train_end(trainer, results)``
 and ``close()``; ``trainer.request_stop(reason)`` ends the run after the current step, with a
-checkpoint. At the end ``train.out`` (unless ``None``) gets ``curves.png`` (training and
-validation loss against steps) and ``results.json`` (the configuration, final and best validation
-loss, the step time, the parameters, for text the unigram cross-entropy and the ratio, the
-pipeline and the step options).
+checkpoint. :meth:`Trainer.fit` returns the run's :class:`jphantom.loop.RunResults`, read by
+attribute (the configuration, final and best validation loss, the step time, the parameters,
+for text the unigram cross-entropy and the ratio, the pipeline and the step options); at the
+end ``train.out`` (unless ``None``) gets ``curves.png`` (training and validation loss against
+steps) and ``results.json`` (:meth:`RunResults.as_dict`).
 
 Runs that differ only in their seed share one compiled step (:meth:`RunConfig.build`), as the
 seeds of a comparison do.
@@ -47,7 +48,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jphantom.callbacks import Callback, default_callbacks
-from jphantom.config import RunConfig, check_vocabulary, pipeline_summary
+from jphantom.config import Built, RunConfig, check_vocabulary, pipeline_summary
 from jphantom.errors import ConfigError, TrainingDiverged
 from jphantom.loop import (Evaluator, NonFinitePolicy, RolledBack, RunCheckpoints, RunResults,
                            SkippedBatch, StepRecord, fresh_history)
@@ -68,10 +69,7 @@ from jphantom.step.finite import state_is_finite
 class _Run:
     """What :meth:`Trainer.fit` builds once, before the loop, and what the loop keeps."""
 
-    built: Any
     source: Any
-    seq_len: int | None
-    place: Callable
     place_train: Callable
     kernels: dict | None
     memory: dict
@@ -98,8 +96,10 @@ class _Run:
 
 
 class Trainer:
-    """Train ``config`` (:meth:`fit`): the loop of the module docstring. ``teacher``: the FFN's
-    data (default: the seed's); ``meter``: an energy meter (:class:`jphantom.energy.NvmlEnergyMeter`)
+    """Train ``config`` (:meth:`fit`): the loop of the module docstring. ``built``:
+    :meth:`RunConfig.build`'s program, mesh and step where the caller has built them (``jphantom
+    train`` has: the run builds once), else :meth:`fit` builds them; ``teacher``: the FFN's data
+    (default: the seed's); ``meter``: an energy meter (:class:`jphantom.energy.NvmlEnergyMeter`)
     whose window spans every step after the first; ``callbacks``: the user's, called after the
     built-in ones.
 
@@ -108,13 +108,13 @@ class Trainer:
     state), ``history`` (steps, training and validation losses so far), ``first_step`` (0, or
     the checkpoint's step on resume) and ``out`` (the run's folder, or None)."""
 
-    def __init__(self, config: RunConfig, *, teacher=None, meter=None,
-                 callbacks: Sequence[Callback] = ()):
+    def __init__(self, config: RunConfig, *, built: Built | None = None, teacher=None,
+                 meter=None, callbacks: Sequence[Callback] = ()):
         bad = [c for c in callbacks if not isinstance(c, Callback)]
         if bad:
             raise ConfigError(f"callbacks must be jphantom.callbacks.Callback instances, got "
                               f"{type(bad[0]).__name__}: subclass Callback and override its hooks")
-        self.config, self.teacher, self.meter = config, teacher, meter
+        self.config, self.built, self.teacher, self.meter = config, built, teacher, meter
         self.user_callbacks = list(callbacks)
         self.out = Path(config.train.out) if config.train.out is not None else None
         self.program = self.mesh = self.step = self.state = None
@@ -126,8 +126,8 @@ class Trainer:
         step); ``reason`` is recorded in ``results.json`` as ``stopped_by``."""
         self._stop_reason = self._stop_reason or reason
 
-    def fit(self) -> dict:
-        """Train; returns (and writes, with ``train.out``) the results dictionary."""
+    def fit(self) -> RunResults:
+        """Train; returns (and writes, with ``train.out``) the run's :class:`RunResults`."""
         run = self._setup()
         energy = diverged = None
         try:
@@ -160,14 +160,14 @@ class Trainer:
         config, train = self.config, self.config.train
         start = time.perf_counter()
         check_vocabulary(config)  # the data against the model, before anything is built
-        b = config.build()
+        b = self.built = self.built if self.built is not None else config.build()
         program, mesh, step = b.program, b.mesh, b.step
         identity = {"model": {"name": config.model.name, **_asdict(program.config)},
                     "corpus": {"data": train.data, "tokenizer": train.tokenizer}}
         checkpoints = RunCheckpoints(train, identity)
         if train.resume:  # the checkpoint's JSON against the run, before the step compiles
             checkpoints.check_same_run(step.abstract_state(), train.steps)
-        memory = check_memory(config, compiled=True)  # compiles the step, allocates nothing
+        memory = check_memory(config, b, compiled=True)  # compiles the step, allocates nothing
         self.program, self.mesh, self.step = program, mesh, step
         source, seq_len, place, place_train = self._data(b)
         if jax.process_index() == 0 and self.out is not None:  # process 0 alone writes
@@ -184,8 +184,8 @@ class Trainer:
         watchdog = Watchdog(train.step_timeout, rank=jax.process_index(),
                             processes=jax.process_count())
         return _Run(
-            built=b, source=source, seq_len=seq_len, place=place, place_train=place_train,
-            kernels=kernels, memory=memory, checkpoints=checkpoints,
+            source=source, place_train=place_train, kernels=kernels, memory=memory,
+            checkpoints=checkpoints,
             policy=NonFinitePolicy(config, self.state.opt_state),
             evaluator=Evaluator(b, source, place, train, watchdog),
             callbacks=default_callbacks(config) + self.user_callbacks, devices=devices,
@@ -404,27 +404,29 @@ class Trainer:
         return None
 
     def _finish(self, run: _Run, energy,
-                diverged=None) -> tuple[dict, TrainingDiverged | None]:
+                diverged=None) -> tuple[RunResults, TrainingDiverged | None]:
         """:class:`RunResults` to the callbacks and ``results.json``; the Hugging Face copy
         (not of a diverged run). Returns the results and how the run diverged: ``diverged``,
         or the end's non-finite state or final loss (:func:`_ended_nonfinite`), which
         ``results.json`` records as the run prints it."""
-        results = self._results(run, energy).as_dict()
         alive = self.state is not None and not any(
             getattr(a, "is_deleted", lambda: False)() for a in jax.tree.leaves(self.state))
-        results["nonfinite"]["final_state_finite"] = (bool(state_is_finite(self.state))
-                                                      if alive else None)
+        nonfinite = run.policy.record()
+        nonfinite["final_state_finite"] = bool(state_is_finite(self.state)) if alive else None
+        final = self.history["validation_loss"][-1] if self.history["validation_loss"] else None
         if diverged is None:  # the run ends well but for its final state or loss: it fails too
-            diverged = _ended_nonfinite(results, self.config.train.on_nonfinite)
-        results["nonfinite"]["diverged"] = None if diverged is None else str(diverged)
+            diverged = _ended_nonfinite(final, run.state_step, nonfinite,
+                                        self.config.train.on_nonfinite)
+        nonfinite["diverged"] = None if diverged is None else str(diverged)
+        results = self._results(run, energy, nonfinite)
         for callback in run.callbacks:
             callback.on_train_end(self, results)
         if jax.process_index() == 0 and self.out is not None:
-            (self.out / "results.json").write_text(json.dumps(results, indent=2))
+            (self.out / "results.json").write_text(json.dumps(results.as_dict(), indent=2))
             plot(self.history, self.out / "curves.png", results)
         train = self.config.train
         if (train.save_hf and jax.process_index() == 0 and not run.interrupted
-                and diverged is None and results["nonfinite"]["final_state_finite"]):
+                and diverged is None and nonfinite["final_state_finite"]):
             from jphantom import plans
             from jphantom.models import hf
             hf.save(train.save_hf, plans.dense_equivalent(self.step.model(self.state)))
@@ -432,7 +434,7 @@ class Trainer:
                 run.source.save_tokenizer(train.save_hf)
         return results, diverged
 
-    def _results(self, run: _Run, energy) -> RunResults:
+    def _results(self, run: _Run, energy, nonfinite: dict) -> RunResults:
         config, program, history = self.config, self.program, self.history
         flat = config.flat()
         if config.model.from_hf:  # the loaded model's shape, not the flags' defaults
@@ -442,18 +444,15 @@ class Trainer:
                 if name in flat and getattr(program.config, attribute, None) is not None:
                     flat[name] = getattr(program.config, attribute)
         median = float(np.median(run.step_seconds)) if run.step_seconds else None
-        tokens = run.source.tokens_per_batch
-        results = RunResults(
+        final = history["validation_loss"][-1] if history["validation_loss"] else None
+        return RunResults(
             config=flat, mesh=str(program.mesh), devices=[str(d) for d in run.devices],
-            params=program.param_count,
-            final_validation_loss=(history["validation_loss"][-1]
-                                   if history["validation_loss"] else None),
+            params=program.param_count, final_validation_loss=final,
             best_validation_loss=min(history["validation_loss"], default=None),
             interrupted=run.interrupted,
             stopped_by=run.stop.name if run.interrupted else self._stop_reason,
-            steps_done=run.state_step, nonfinite=run.policy.record(),
-            median_step_seconds=median,
-            throughput=self._throughput(run, median, tokens),
+            steps_done=run.state_step, nonfinite=nonfinite, median_step_seconds=median,
+            throughput=self._throughput(run, median, run.source.tokens_per_batch),
             step_seconds=run.step_seconds, compile_seconds=run.compile_seconds,
             compiled_memory_bytes=run.memory["compiled"] or None,
             wall_seconds=time.perf_counter() - run.start,
@@ -465,28 +464,33 @@ class Trainer:
                   "clip_norm": config.step.clip_norm, "precision": config.step.precision,
                   "master_weights": config.step.master_weights, "remat": config.step.step_remat},
             attention=run.kernels, model={"name": config.model.name, **_asdict(program.config)},
-            checkpoints=run.checkpoints.describe(self.first_step))
+            checkpoints=run.checkpoints.describe(self.first_step),
+            **self._where_they_apply(run, energy, final))
+
+    def _where_they_apply(self, run: _Run, energy, final: float | None) -> dict:
+        """The results that only some runs have: the metered energy, routed MoE blocks' shape
+        and drops, the pipeline, a text run's unigram baseline."""
+        config, program, history, found = self.config, self.program, self.history, {}
         if energy is not None:
-            results.energy = {"joules": energy.joules, "metered_steps": run.metered_steps,
-                              "joules_per_step": energy.joules / run.metered_steps,
-                              "device_names": list(energy.device_names),
-                              "mean_watts": energy.mean_watts, "method": energy.method}
+            found["energy"] = {"joules": energy.joules, "metered_steps": run.metered_steps,
+                               "joules_per_step": energy.joules / run.metered_steps,
+                               "device_names": list(energy.device_names),
+                               "mean_watts": energy.mean_watts, "method": energy.method}
         if history["dropped_fraction"]:  # routed MoE blocks (GPT-2's): their shape and drops
             model_config = program.config
             count = getattr(model_config, "param_count", None)
-            results.moe = {"moe_every": model_config.moe_every, "experts": model_config.experts,
-                           "top_k": model_config.top_k,
-                           "capacity_factor": model_config.capacity_factor,
-                           "dtd": config.parallel.dtd,
-                           "active_params": count(active=True) if count else None,
-                           "final_dropped_fraction": history["dropped_fraction"][-1]}
+            found["moe"] = {"moe_every": model_config.moe_every, "experts": model_config.experts,
+                            "top_k": model_config.top_k,
+                            "capacity_factor": model_config.capacity_factor,
+                            "dtd": config.parallel.dtd,
+                            "active_params": count(active=True) if count else None,
+                            "final_dropped_fraction": history["dropped_fraction"][-1]}
         if self.step.pipeline is not None:
-            results.pipeline = pipeline_summary(self.step.pipeline, program.mesh)
+            found["pipeline"] = pipeline_summary(self.step.pipeline, program.mesh)
         if _text_model(config):
-            results.unigram_cross_entropy = unigram = run.source.unigram_cross_entropy()
-            final = results.final_validation_loss
-            results.validation_over_unigram = None if final is None else final / unigram
-        return results
+            found["unigram_cross_entropy"] = unigram = run.source.unigram_cross_entropy()
+            found["validation_over_unigram"] = None if final is None else final / unigram
+        return found
 
     def _throughput(self, run: _Run, median: float | None, tokens: int) -> dict:
         per_token, peak, devices = run.per_token, run.peak, run.devices
@@ -501,42 +505,44 @@ class Trainer:
                 run.step_energy.power)}
 
 
-def _ended_nonfinite(results: dict, policy: str) -> TrainingDiverged | None:
-    """A run that ended with a non-finite state or final validation loss fails, saying so (with
-    what ``--on-nonfinite`` did on the way)."""
+def _ended_nonfinite(final: float | None, steps: int, nonfinite: dict,
+                     policy: str) -> TrainingDiverged | None:
+    """A run that ended with a non-finite state or final validation loss (``final``) fails,
+    saying so (with what ``--on-nonfinite`` did on the way, ``nonfinite``)."""
     from jphantom.loop.nonfinite import summary
 
-    final, steps = results["final_validation_loss"], results["steps_done"]
-    if results["nonfinite"]["final_state_finite"] is False:
+    if nonfinite["final_state_finite"] is False:
         what = f"the parameters or optimizer state are not finite after step {steps}"
     elif final is not None and not math.isfinite(final):
         what = f"the final validation loss is {final} after step {steps}"
     else:
         return None
-    done = summary(results["nonfinite"], results["steps_done"])
+    done = summary(nonfinite, steps)
     return TrainingDiverged(f"{what} (--on-nonfinite {policy}"
                             + (f"; {done}" if done else "") + "): lower the learning rate or "
                             "check the data; results.json records the run")
 
 
-def run(config: RunConfig, *, teacher=None, meter=None,
-        callbacks: Sequence[Callback] = ()) -> dict:
+def run(config: RunConfig, *, built: Built | None = None, teacher=None, meter=None,
+        callbacks: Sequence[Callback] = ()) -> RunResults:
     """Train as configured (:class:`Trainer`); returns (and writes, with ``train.out``) the
-    results dictionary."""
-    return Trainer(config, teacher=teacher, meter=meter, callbacks=callbacks).fit()
+    run's :class:`RunResults`."""
+    return Trainer(config, built=built, teacher=teacher, meter=meter,
+                   callbacks=callbacks).fit()
 
 
-def check_memory(config: RunConfig, *, compiled: bool = False) -> dict:
+def check_memory(config: RunConfig, built: Built, *, compiled: bool = False) -> dict:
     """The run's per-device memory estimate (:func:`jphantom.analysis.memory.check_run`); raises
     :class:`ConfigError` naming the largest term when it cannot fit, before anything is
-    allocated or compiled. ``compiled``: then the compiled step's own figures
+    allocated or compiled. ``built``: what :meth:`RunConfig.build` built of ``config``.
+    ``compiled``: then the compiled step's own figures
     (:func:`jphantom.analysis.memory.check_compiled`), still before anything is allocated."""
     from jphantom.analysis.memory import check_compiled, check_run
 
-    b = config.build()
-    estimate = check_run(config, b.program, b.step)
+    estimate = check_run(config, built.program, built.step)
     if compiled:
-        return {"estimate": estimate, "compiled": check_compiled(config, b.program, b.step)}
+        return {"estimate": estimate,
+                "compiled": check_compiled(config, built.program, built.step)}
     return estimate
 
 
@@ -576,7 +582,7 @@ def _asdict(config) -> dict:
             if isinstance(v, (int, float, str, bool, type(None)))}
 
 
-def plot(history, path: Path, results) -> None:
+def plot(history, path: Path, results: RunResults) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -584,14 +590,14 @@ def plot(history, path: Path, results) -> None:
     figure, axes = plt.subplots(figsize=(6, 4))
     axes.plot(history["step"], history["train_loss"], label="train", alpha=0.6)
     axes.plot(history["validation_step"], history["validation_loss"], "o-", label="validation")
-    if "unigram_cross_entropy" in results:
-        axes.axhline(results["unigram_cross_entropy"], color="grey", ls="--", label="unigram")
-        axes.axhline(0.8 * results["unigram_cross_entropy"], color="grey", ls=":",
-                     label="0.80 x unigram")
+    unigram = results.unigram_cross_entropy
+    if unigram is not None:
+        axes.axhline(unigram, color="grey", ls="--", label="unigram")
+        axes.axhline(0.8 * unigram, color="grey", ls=":", label="0.80 x unigram")
     axes.set_xlabel("step")
-    axes.set_ylabel(results["loss_units"])
-    config = results["config"]
-    axes.set_title(f"{config['model']} / {config['strategy']} on {results['mesh']}")
+    axes.set_ylabel(results.loss_units)
+    config = results.config
+    axes.set_title(f"{config['model']} / {config['strategy']} on {results.mesh}")
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)

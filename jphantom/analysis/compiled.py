@@ -18,17 +18,18 @@ import numpy as np
 
 from jphantom.analysis.hlo import dot_flops, normalise_replica_groups
 from jphantom.config import RunConfig
-from jphantom.mesh import first_devices
 
 _MEMORY_FIELDS = ("argument", "output", "temp", "alias", "generated_code")
 
 
-def build(config: RunConfig, optimizer=None):
+def build(config: RunConfig, optimizer=None, built=None):
     """The run's program, jax mesh and :class:`jphantom.TrainStep` (nothing compiled): what
-    ``train`` builds, validated the same way."""
-    program = config.program()
-    mesh = program.mesh.build(first_devices(program.mesh.device_count))
-    return program, mesh, config.train_step(program, mesh, optimizer)
+    ``train`` builds (:meth:`RunConfig.build`'s, or ``built`` where the caller has it), or with
+    ``optimizer`` the same step of that optax optimizer."""
+    b = built if built is not None else config.build()
+    if optimizer is None:
+        return b.program, b.mesh, b.step
+    return b.program, b.mesh, config.train_step(b.program, b.mesh, optimizer)
 
 
 def abstract_batch(config: RunConfig, program, step) -> tuple:

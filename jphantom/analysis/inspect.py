@@ -20,7 +20,7 @@ from jphantom.analysis.hlo import collectives, summarize
 from jphantom.config import RunConfig, pipeline_summary
 
 
-def inspect_step(config: RunConfig, optimizer=None) -> dict:
+def inspect_step(config: RunConfig, optimizer=None, *, built=None) -> dict:
     """Report for one run's step: ``collectives`` (rows ``{kind, axes, count, bytes}`` per
     collective kind and mesh axes, loop trip counts applied), ``collective_bytes`` (per device,
     whole step), ``collective_ops`` (every op with its shapes, groups, axes and executions per
@@ -29,10 +29,11 @@ def inspect_step(config: RunConfig, optimizer=None) -> dict:
     once), ``params`` (weights), ``memory`` (:func:`compiled_memory`: ``temp_bytes``,
     ``argument_bytes``, ``output_bytes``, ``alias_bytes``..., and from the shardings
     :func:`state_bytes`), compile time, and on a mesh with a ``stage`` axis ``pipeline``
-    (schedule, micro-batches, virtual stages, stages)."""
+    (schedule, micro-batches, virtual stages, stages). ``built``: :meth:`RunConfig.build`'s, where
+    the caller has it."""
     from jphantom.analysis.memory import check_run
 
-    program, mesh, step = build(config, optimizer)
+    program, mesh, step = build(config, optimizer, built)
     check_run(config, program, step)  # refuse what cannot fit before compiling it
     compiled, compile_seconds = compile_built(config, program, step)
     found = normalise_collectives(collectives(compiled.as_text()))

@@ -68,10 +68,11 @@ def handle(args: argparse.Namespace) -> int:
         target_loss=args.target_loss, seeds=args.seeds, batch=args.batch,
         learning_rate=args.learning_rate, steps=args.max_steps, eval_every=args.eval_every,
     )
-    config.build()  # every run against the devices, before the output folder or any training
+    built = config.build()  # every run against the devices, before the folder or any training
     prepare_output_dir(args.out)  # a bad --out fails before any training
     meter_factory = gpu_meter_factory() if args.energy == "auto" else None
-    result = run_compare(config, progress=not args.no_progress, meter_factory=meter_factory)
+    result = run_compare(config, built=built, progress=not args.no_progress,
+                         meter_factory=meter_factory)
     print(format_table(result))
     json_path, png_path = write_outputs(result, args.out)
     print(f"\nwrote {json_path} and {png_path}")

@@ -90,7 +90,7 @@ def handle(args: argparse.Namespace) -> int:
     if settings.get("dtype") == "float64":
         jax.config.update("jax_enable_x64", True)
     config = RunConfig.from_flags(**settings)
-    config.build()  # every shape against the mesh, before any data is read
+    built = config.build()  # every shape against the mesh, before any data is read
     used, available = config.parallel.mesh_config().device_count, jax.device_count()
     if used < available and jax.process_index() == 0:
         print(f"note: mesh {config.parallel.mesh_config()} uses {used} of the {available} "
@@ -100,12 +100,12 @@ def handle(args: argparse.Namespace) -> int:
               "config.json names (model_type)")
     if jax.process_index() == 0 and (line := _files_line(config.train)) is not None:
         print(line)
-    results = run(config)
-    if "pipeline" in results:
-        pipe = results["pipeline"]
+    results = run(config, built=built)
+    if results.pipeline is not None:
+        pipe = results.pipeline
         print(f"pipeline: {pipe['schedule']}, {pipe['stages']} stages, {pipe['microbatches']} "
               f"micro-batches, {pipe['virtual_stages']} virtual stage(s) per device")
-    step = results["step"]
+    step = results.step
     if step != {"zero": 0, "accumulate": 1, "clip_norm": None, "precision": "float32",
                 "master_weights": "replicated", "remat": "none"}:
         print(f"step: ZeRO-{step['zero']}, {step['accumulate']} accumulation micro-batch(es), "
@@ -115,55 +115,55 @@ def handle(args: argparse.Namespace) -> int:
               f"remat {step['remat']}")
     if (moe_line := _moe_line(results)) is not None:
         print(moe_line)
-    if (data_line := _data_line(results.get("data") or {})) is not None:
+    if (data_line := _data_line(results.data or {})) is not None:
         print(data_line)
-    if results["interrupted"]:
+    if results.interrupted:
         from jphantom.resilience import EXIT_STATUS
 
         where = f" into {config.train.out}" if config.train.out is not None else ""
-        saved = results.get("checkpoints", {}).get("steps") or []
+        saved = (results.checkpoints or {}).get("steps") or []
         kept = (f"; checkpoint of step {max(saved)} in {config.train.checkpoint_dir} (continue "
                 "with --resume)" if saved else "; no checkpoint (give --checkpoint-dir to keep "
                 "the state)")
         if jax.process_index() == 0:
-            print(f"{results['stopped_by'] or 'interrupted'}: stopped after step "
-                  f"{results['steps_done']}, wrote what the run had{where}{kept}",
+            print(f"{results.stopped_by or 'interrupted'}: stopped after step "
+                  f"{results.steps_done}, wrote what the run had{where}{kept}",
                   file=sys.stderr)
-        return EXIT_STATUS.get(results["stopped_by"], 130)
+        return EXIT_STATUS.get(results.stopped_by, 130)
     from jphantom.loop.nonfinite import summary as nonfinite_summary
 
-    summary = nonfinite_summary(results["nonfinite"], results["steps_done"])
+    summary = nonfinite_summary(results.nonfinite, results.steps_done)
     if summary:
         print(summary)
-    final = results["final_validation_loss"]
+    final = results.final_validation_loss
     if final is None:
         print("final validation loss: none (no evaluation ran)")
     else:
         print(f"final validation loss {final:.4f}"
-              + (f" nats/token; unigram cross-entropy {results['unigram_cross_entropy']:.4f}; "
-                 f"ratio {results['validation_over_unigram']:.3f}"
-                 if "unigram_cross_entropy" in results else " (MSE)"))
+              + (f" nats/token; unigram cross-entropy {results.unigram_cross_entropy:.4f}; "
+                 f"ratio {results.validation_over_unigram:.3f}"
+                 if results.unigram_cross_entropy is not None else " (MSE)"))
     if jax.process_index() == 0 and config.train.out is not None:  # process 0 alone writes
         print(f"wrote {config.train.out}/results.json, metrics.jsonl and curves.png")
     return 0
 
 
-def _moe_line(results: dict) -> str | None:
+def _moe_line(results) -> str | None:
     """The run's mixture of experts in one line: GPT-2's routed blocks (capacity, drops) or a
     Mixtral / Qwen3-MoE MLP in every block (no capacity: nothing dropped)."""
-    if "moe" in results:
-        moe = results["moe"]
+    if results.moe is not None:
+        moe = results.moe
         active = ("" if moe["active_params"] is None
                   else f", {moe['active_params']:,} active parameters")
         return (f"MoE: every {moe['moe_every']} block(s), {moe['experts']} experts, "
                 f"top-{moe['top_k']}{active}; dropped {100 * moe['final_dropped_fraction']:.2f}% "
                 "of token-expert assignments")
-    model = results.get("model") or {}
+    model = results.model or {}
     if not model.get("experts") or "moe_every" in model:
         return None
     E, k = model["experts"], model["top_k"]
     idle = (E - k) * 3 * model["hidden"] * model["intermediate"] * model["layers"]
-    active = f", {results['params'] - idle:,} active parameters" if "params" in results else ""
+    active = f", {results.params - idle:,} active parameters"
     return (f"MoE: every block, {E} experts, top-{k}{active}; dropless (no token-expert "
             "assignment dropped)")
 

@@ -48,11 +48,12 @@ def pipeline_summary(pipeline, mesh) -> dict:
 
 
 def optimizer_of(train: TrainConfig, step: StepConfig):
-    """The run's optax optimizer: the schedule's, clipped, the gradient norm recorded, a
-    non-finite update skipped, as the sections say (:meth:`RunConfig.optimizer`)."""
+    """The run's optax optimizer, assembled here alone: the schedule's rule
+    (:meth:`TrainConfig.optimizer_transform`), clipped, the gradient norm recorded, a non-finite
+    update skipped, as the sections say (:meth:`RunConfig.optimizer`)."""
     import optax
 
-    optimizer = dataclasses.replace(train, grad_norm=False).optimizer_transform()
+    optimizer = train.optimizer_transform()
     if step.clip_norm is not None:  # exact: the update sees the global gradients
         optimizer = optax.chain(optax.clip_by_global_norm(step.clip_norm), optimizer)
     if train.grad_norm:  # the norm before clipping, as Megatron and torchtitan log it

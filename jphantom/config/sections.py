@@ -455,23 +455,18 @@ class TrainConfig:
         return float(schedule(step)) if callable(schedule) else float(schedule)
 
     def optimizer_transform(self, total_steps: int | None = None):
-        """The optax optimizer on :meth:`schedule`; with ``grad_norm``, first
-        :func:`jphantom.metrics.record_grad_norm` (the gradients' global norm kept in the
-        optimizer state, read by :func:`jphantom.metrics.grad_norm_of`)."""
+        """The optax rule on :meth:`schedule` (``adamw``, ``adam`` or ``sgd``); the run's
+        optimizer is assembled around it in one place
+        (:func:`jphantom.config.built.optimizer_of`: clipping, the gradient norm, the
+        non-finite skip)."""
         import optax
 
         schedule = self.schedule(total_steps)
         if self.optimizer == "adamw":
-            optimizer = optax.adamw(schedule, b2=self.adam_b2, weight_decay=self.weight_decay)
-        elif self.optimizer == "adam":
-            optimizer = optax.adam(schedule, b2=self.adam_b2)
-        else:
-            optimizer = optax.sgd(schedule)
-        if self.grad_norm:
-            from jphantom.metrics import record_grad_norm
-
-            optimizer = optax.chain(record_grad_norm(), optimizer)
-        return optimizer
+            return optax.adamw(schedule, b2=self.adam_b2, weight_decay=self.weight_decay)
+        if self.optimizer == "adam":
+            return optax.adam(schedule, b2=self.adam_b2)
+        return optax.sgd(schedule)
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "step": StepConfig,

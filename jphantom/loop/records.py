@@ -76,14 +76,16 @@ class RolledBack:
                 "rolled_back_to": self.to_step}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class RunResults:
-    """``results.json``: the configuration, mesh, devices and parameters; final and best
+    """What :meth:`jphantom.run.Trainer.fit` returns, read by attribute, and ``results.json``
+    (:meth:`as_dict`): the configuration, mesh, devices and parameters; final and best
     validation loss; how the run ended (``interrupted``, ``stopped_by``, ``steps_done``, the
     non-finite policy's record); step, compile and wall seconds with throughput and energy; the
     compiled memory; the data, history, loss units, step options, attention kernels and model;
     and, where they apply, the metered energy, the MoE blocks' drops, the pipeline, the text's
-    unigram baseline and the checkpoints."""
+    unigram baseline and the checkpoints. ``extra``: what callbacks add at the end
+    (``on_train_end``), written into ``results.json`` beside the rest."""
 
     config: dict
     mesh: str
@@ -114,14 +116,16 @@ class RunResults:
     unigram_cross_entropy: float | None = None
     validation_over_unigram: float | None = None
     checkpoints: dict | None = None
+    extra: dict = dataclasses.field(default_factory=dict)
 
     _OPTIONAL = ("energy", "moe", "pipeline", "checkpoints")
 
     def as_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name != "extra"}
         for key in self._OPTIONAL:
             if out[key] is None:
                 del out[key]
         if self.unigram_cross_entropy is None:  # text runs only
             del out["unigram_cross_entropy"], out["validation_over_unigram"]
-        return out
+        return out | self.extra

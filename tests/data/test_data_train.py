@@ -126,16 +126,16 @@ def test_fine_tune_packed_on_the_answers_and_resume(tmp_path):
     data = _chat_file(tmp_path)
     flags = dict(pack=True, loss_on="assistant", steps=6, eval_every=6)
     whole = run(_config(data, **flags))
-    counts = whole["data"]
+    counts = whole.data
     assert counts["packed"] and counts["loss_on"] == "assistant"
     assert counts["train"]["rows"] == 11 and counts["validation"]["rows"] == 1
     assert 0 < counts["train"]["loss_tokens"] < counts["train"]["tokens"]
-    losses = whole["history"]["train_loss"]
+    losses = whole.history["train_loss"]
     assert losses[-1] < losses[0]
     checkpoints = str(tmp_path / "ckpt")
     run(_config(data, checkpoint_dir=checkpoints, save_every=3, **{**flags, "steps": 3}))
     resumed = run(_config(data, checkpoint_dir=checkpoints, resume=True, **flags))
-    assert resumed["history"]["train_loss"][3:] == pytest.approx(losses[3:], rel=1e-5)
+    assert resumed.history["train_loss"][3:] == pytest.approx(losses[3:], rel=1e-5)
 
 
 @pytest.mark.slow
@@ -149,8 +149,8 @@ def test_fine_tune_padded_and_save_a_chat_model(tmp_path):
 
     out = tmp_path / "tuned"
     results = run(_config(_chat_file(tmp_path), loss_on="assistant", save_hf=str(out)))
-    assert not results["data"]["packed"] and results["data"]["truncated_documents"] > 0
-    assert results["final_validation_loss"] > 0
+    assert not results.data["packed"] and results.data["truncated_documents"] > 0
+    assert results.final_validation_loss > 0
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
         p.name for p in out.iterdir()}
     hf.load(out)

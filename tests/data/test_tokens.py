@@ -251,9 +251,9 @@ def test_a_resumed_token_run_trains_on_the_batches_of_an_uninterrupted_one(tmp_p
     run(RunConfig.from_flags(**settings, steps=2, out=None, checkpoint_dir=ckpt))
     resumed = run(RunConfig.from_flags(**settings, steps=4, out=None, checkpoint_dir=ckpt,
                                        resume=True))
-    assert resumed["history"]["train_loss"] == whole["history"]["train_loss"]
-    assert resumed["data"]["files"] == {"train": ["train.bin"], "validation": ["val.bin"]}
-    assert resumed["data"]["format"] == ["llm.c", "nanogpt"]
+    assert resumed.history["train_loss"] == whole.history["train_loss"]
+    assert resumed.data["files"] == {"train": ["train.bin"], "validation": ["val.bin"]}
+    assert resumed.data["format"] == ["llm.c", "nanogpt"]
 
 
 @pytest.mark.parametrize("argv, message", [

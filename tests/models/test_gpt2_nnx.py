@@ -91,7 +91,7 @@ def test_train_gpt2_module_from_and_to_a_hf_directory(tmp_path):
                             save_gpt2=str(tmp_path / "out"), seq_len=16, batch=4, steps=2,
                             eval_every=2, eval_batches=1, out=str(tmp_path / "run"),
                             progress=False))
-    assert results["model"]["name"] == "gpt2" and np.isfinite(results["final_validation_loss"])
+    assert results.model["name"] == "gpt2" and np.isfinite(results.final_validation_loss)
     assert isinstance(hf.load(tmp_path / "out"), gpt2.GPT2)
 
 

@@ -252,8 +252,8 @@ def test_train_llama_writes_results_and_a_hf_checkpoint(tmp_path):
     from jphantom.run import run
 
     results = run(_run_config(tmp_path, save_hf=str(tmp_path / "hf"), clip_norm=1.0))
-    assert np.isfinite(results["final_validation_loss"])
-    assert results["model"]["kv_heads"] == 2 and results["params"] > 0
+    assert np.isfinite(results.final_validation_loss)
+    assert results.model["kv_heads"] == 2 and results.params > 0
     again = hf.load(tmp_path / "hf")
     assert again.config.layers == 2 and again.config.hidden == 32
 
@@ -285,9 +285,9 @@ def test_train_llama_resumes_from_a_checkpoint_on_another_mesh(tmp_path):
     resumed = run(_run_config(tmp_path, steps=3, eval_every=3, checkpoint_dir=directory,
                               optimizer="adam", resume=True, mesh="data=4,model=1",
                               out=str(tmp_path / "again")))
-    assert resumed["checkpoints"]["resumed_from"] == 2
-    assert resumed["history"]["train_loss"][:2] == first["history"]["train_loss"]
-    assert np.isfinite(resumed["final_validation_loss"])
+    assert resumed.checkpoints["resumed_from"] == 2
+    assert resumed.history["train_loss"][:2] == first.history["train_loss"]
+    assert np.isfinite(resumed.final_validation_loss)
 
 
 @pytest.mark.parametrize("axes, sequence_parallel", [
@@ -327,7 +327,7 @@ def test_train_llama_with_an_expert_axis(tmp_path):
 
     results = run(_run_config(tmp_path, mesh="expert=2,model=2", moe_every=1, experts=4,
                               steps=2, eval_every=2))
-    assert results["model"]["experts"] == 4 and np.isfinite(results["final_validation_loss"])
+    assert results.model["experts"] == 4 and np.isfinite(results.final_validation_loss)
 
 
 def test_llama_gspmd_baseline_equals_one_device():

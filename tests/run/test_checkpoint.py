@@ -40,9 +40,9 @@ def test_a_resumed_run_continues_the_loss_curve_exactly(tmp_path, strategy):
     resumed = run(_config(**settings, steps=6, out=str(tmp_path / "part"),
                             checkpoint_dir=str(ckpt), save_every=2, keep_checkpoints=2,
                             resume=True))
-    assert resumed["history"]["train_loss"] == whole["history"]["train_loss"]
-    assert resumed["checkpoints"]["resumed_from"] == 4
-    assert resumed["checkpoints"]["steps"] == [4, 6]  # keep the newest two
+    assert resumed.history["train_loss"] == whole.history["train_loss"]
+    assert resumed.checkpoints["resumed_from"] == 4
+    assert resumed.checkpoints["steps"] == [4, 6]  # keep the newest two
     lines = (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(1, 7))
 
@@ -63,8 +63,8 @@ def test_a_tensor_checkpoint_restores_on_other_meshes(tmp_path):
         shutil.copytree(saved, ckpt)
         resumed = run(_config(**settings, mesh=mesh, steps=4, out=str(tmp_path / mesh),
                                 checkpoint_dir=str(ckpt), resume=True))
-        assert resumed["history"]["train_loss"] == pytest.approx(
-            whole["history"]["train_loss"], rel=1e-5)
+        assert resumed.history["train_loss"] == pytest.approx(
+            whole.history["train_loss"], rel=1e-5)
 
 
 def test_a_phantom_checkpoint_is_refused_where_its_shapes_differ(tmp_path):
@@ -173,7 +173,7 @@ def test_resume_skips_a_damaged_newest_checkpoint_and_says_so(tmp_path):
 
     with pytest.warns(JPhantomWarning, match=r"step 4: .*resumed from step 2"):
         resumed = run(_config(**settings, steps=6, resume=True, out=str(tmp_path / "a")))
-    assert resumed["checkpoints"]["resumed_from"] == 2
+    assert resumed.checkpoints["resumed_from"] == 2
 
 
 def test_resume_with_another_optimizer_is_one_line_naming_it(tmp_path):

@@ -182,3 +182,20 @@ def test_compare_uses_a_power_meter_when_given(tmp_path):
         assert row["energy_per_iteration_j"] > 0 and row["energy_per_iteration_j_modelled"] > 0
         assert row["energy_total_j"] == pytest.approx(row["energy_per_iteration_j"]
                                                       * row["iterations_to_target"])
+
+
+def test_a_compare_builds_each_job_once_for_all_its_seeds(tmp_path, monkeypatch):
+    """``jphantom compare`` builds each (strategy, p, k) once (``RunConfig.build``), and its
+    seeds, its memory check and its step report use that ``Built``: 2 jobs of 2 seeds build
+    twice (they used to build 20 times)."""
+    from jphantom.config import RunConfig
+
+    calls = []
+    build = RunConfig.build
+    monkeypatch.setattr(RunConfig, "build", lambda self: calls.append(self) or build(self))
+    assert cli.main(["compare", "--width", "16", "--shards", "2", "--ghost-width", "1",
+                     "--seeds", "0,1", "--batch", "8", "--max-steps", "2", "--eval-every", "2",
+                     "--energy", "model", "--no-progress", "--out", str(tmp_path)]) == 0
+    assert [(c.parallel.strategy, c.train.seed) for c in calls] == [("tensor-t1", 0),
+                                                                  ("phantom", 0)]
+

@@ -177,13 +177,17 @@ def test_a_mesh_that_leaves_a_process_without_devices_is_one_line(capsys):
 def test_every_mixture_of_experts_gets_its_moe_line():
     """Qwen3-MoE and Mixtral (experts in every block, no capacity) printed no ``MoE:`` line where
     GPT-2's routed blocks did."""
+    from types import SimpleNamespace
+
     from jphantom.cli.train import _moe_line
 
-    qwen3_moe = {"params": 21632, "model": {"name": "qwen3_moe", "experts": 4, "top_k": 2,
-                                            "hidden": 16, "intermediate": 64, "layers": 1}}
+    qwen3_moe = SimpleNamespace(params=21632, moe=None, model={
+        "name": "qwen3_moe", "experts": 4, "top_k": 2, "hidden": 16, "intermediate": 64,
+        "layers": 1})
     assert _moe_line(qwen3_moe) == ("MoE: every block, 4 experts, top-2, 15,488 active "
                                     "parameters; dropless (no token-expert assignment dropped)")
-    assert _moe_line({"params": 10, "model": {"name": "llama", "experts": 0}}) is None
+    assert _moe_line(SimpleNamespace(params=10, moe=None,
+                                     model={"name": "llama", "experts": 0})) is None
 
 
 def test_forward_fn_and_a_user_loss_name_float_ids_and_a_wrong_params_tree():

@@ -110,11 +110,16 @@ def test_records_keep_the_keys_metrics_jsonl_always_had():
 
 
 def test_results_leave_out_what_does_not_apply():
-    fields = {f: None for f in RunResults.__dataclass_fields__}
+    """results.json (as_dict) leaves out what a run does not have, and holds what callbacks
+    added to ``extra`` beside the rest (not under an ``extra`` key)."""
+    fields = {f: None for f in RunResults.__dataclass_fields__ if f != "extra"}
     fields |= {"config": {}, "history": fresh_history(), "nonfinite": {}, "throughput": {}}
     out = RunResults(**fields).as_dict()
-    assert not {"energy", "moe", "pipeline", "checkpoints", "unigram_cross_entropy"} & set(out)
+    assert not {"energy", "moe", "pipeline", "checkpoints", "unigram_cross_entropy",
+                "extra"} & set(out)
     assert {"final_validation_loss", "stopped_by", "history"} <= set(out)
+    added = RunResults(**fields, extra={"seen": [1, 2]}).as_dict()
+    assert added == out | {"seen": [1, 2]} and list(added)[-1] == "seen"
 
 
 def test_a_run_without_a_checkpoint_folder_saves_nothing_and_says_so():

@@ -160,7 +160,7 @@ def test_a_user_callback_sees_every_step_stops_the_run_and_adds_to_the_results(t
                 trainer.request_stop("StopAt(2)")
 
         def on_train_end(self, trainer, results):
-            results["seen"] = list(self.seen)
+            results.extra["seen"] = list(self.seen)
 
         def close(self):
             self.closed = True
@@ -172,8 +172,8 @@ def test_a_user_callback_sees_every_step_stops_the_run_and_adds_to_the_results(t
     stop = StopAt()
     results = Trainer(config, callbacks=[stop]).fit()
     assert stop.seen == [1, 2] and stop.closed
-    assert results["stopped_by"] == "StopAt(2)" and results["steps_done"] == 2
-    assert not results["interrupted"] and results["checkpoints"]["steps"] == [2]
+    assert results.stopped_by == "StopAt(2)" and results.steps_done == 2
+    assert not results.interrupted and results.checkpoints["steps"] == [2]
     assert json.loads((tmp_path / "out" / "results.json").read_text())["seen"] == [1, 2]
     with pytest.raises(ConfigError, match="subclass Callback"):
         Trainer(config, callbacks=[lambda trainer, record: None])
@@ -237,3 +237,19 @@ def test_constructing_a_configuration_imports_neither_jax_nor_flax(tmp_path):
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"constructing a configuration imported {done.stdout}"
+
+
+def test_a_train_command_builds_its_configuration_once(tmp_path, monkeypatch):
+    """``jphantom train`` builds the program and step once (``RunConfig.build``: the command
+    checks the shapes with it and the Trainer trains with the same ``Built``), where the command,
+    the Trainer and its memory check used to build three times."""
+    from jphantom import cli
+
+    calls = []
+    build = RunConfig.build
+    monkeypatch.setattr(RunConfig, "build", lambda self: calls.append(self) or build(self))
+    assert cli.main(["train", "--model", "ffn", "--strategy", "tensor", "--width", "8",
+                     "--mesh", "model=2", "--batch", "8", "--steps", "2", "--eval-every", "2",
+                     "--no-progress", "--out", str(tmp_path / "out")]) == 0
+    assert len(calls) == 1
+

@@ -35,10 +35,10 @@ def test_training_reaches_the_target_and_stops(strategy, extra, tmp_path):
     teacher = _teacher()
     # the first evaluation (step 5) is the same whatever the number of steps
     first = run(_config(strategy=strategy, steps=5, **extra), teacher=teacher)
-    target = 0.7 * first["history"]["validation_loss"][0]  # a clear improvement: reachable
+    target = 0.7 * first.history["validation_loss"][0]  # a clear improvement: reachable
     result = run(_config(strategy=strategy, target_loss=target, out=str(tmp_path), **extra),
                  teacher=teacher)
-    reached, history = result["iterations_to_target"], result["history"]
+    reached, history = result.iterations_to_target, result.history
     assert reached is not None
     assert history["validation_loss"][-1] <= target < max(history["validation_loss"])
     assert len(history["train_loss"]) == reached < SMALL["steps"]
@@ -52,10 +52,10 @@ def test_training_reaches_the_target_and_stops(strategy, extra, tmp_path):
 def test_same_seed_gives_the_same_loss_curve():
     config = _config(strategy="phantom", mesh="model=4", ghost_width=2, steps=20, eval_every=20)
     a, b = run(config, teacher=_teacher()), run(config, teacher=_teacher())
-    np.testing.assert_array_equal(a["history"]["train_loss"], b["history"]["train_loss"])
+    np.testing.assert_array_equal(a.history["train_loss"], b.history["train_loss"])
     c = run(_config(strategy="phantom", mesh="model=4", ghost_width=2, steps=20, eval_every=20,
                     seed=1), teacher=_teacher())
-    assert a["history"]["train_loss"] != c["history"]["train_loss"]
+    assert a.history["train_loss"] != c.history["train_loss"]
 
 
 DIVERGING = dict(strategy="dense", optimizer="sgd", learning_rate=1e12, steps=50, eval_every=50)
@@ -73,7 +73,7 @@ def test_meter_spans_the_training_window_and_is_stopped_on_divergence():
     meter = NvmlPowerMeter(interval_s=0.005, sampler=lambda: 50.0)
     result = run(_config(strategy="dense", batch=16, steps=12, eval_every=12), teacher=_teacher(),
                  meter=meter)
-    energy = result["energy"]
+    energy = result.energy
     assert energy["metered_steps"] == 11  # every step but the first (compilation, start-up)
     assert energy["mean_watts"] == pytest.approx(50.0)
     assert energy["joules_per_step"] == pytest.approx(energy["joules"] / 11)
@@ -144,8 +144,8 @@ def test_float16_refuses_adam_and_trains_with_sgd():
     result = run(_config(strategy="dense", batch=16, steps=3, dtype="float16", optimizer="sgd",
                          learning_rate=0.01),
                  teacher=Teacher(TeacherConfig(width=32, train_size=64, eval_size=32), jnp.float16))
-    assert all(np.isfinite(result["history"]["train_loss"]))
-    assert np.isfinite(result["final_validation_loss"])
+    assert all(np.isfinite(result.history["train_loss"]))
+    assert np.isfinite(result.final_validation_loss)
 
 
 def test_data_parallel_training_follows_the_single_device_run():
@@ -155,7 +155,7 @@ def test_data_parallel_training_follows_the_single_device_run():
     model_only = run(_config(**small, mesh="model=2"), teacher=_teacher())
     data_parallel = run(_config(**small, mesh="data=2,model=2"), teacher=_teacher())
     for key in ("train_loss", "validation_loss"):
-        np.testing.assert_allclose(data_parallel["history"][key], model_only["history"][key],
+        np.testing.assert_allclose(data_parallel.history[key], model_only.history[key],
                                    rtol=1e-4)
 
 

@@ -45,6 +45,6 @@ def test_float16_gpt2_trains_as_float32(tmp_path):
             model="gpt2", strategy="tensor", mesh="data=2,model=2", precision=precision,
             layers=1, hidden=32, heads=4, seq_len=16, batch=8, steps=6, eval_every=6,
             eval_batches=1, out=None, progress=False)
-        curves[precision] = np.asarray(run(config)["history"]["train_loss"])
+        curves[precision] = np.asarray(run(config).history["train_loss"])
     assert np.all(np.isfinite(curves["float16"]))
     np.testing.assert_allclose(curves["float16"], curves["float32"], rtol=5e-3)
