@@ -130,7 +130,9 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
 
     rebuild = rebuilder(treedef, is_param)
     carry = {"inbox": slot_buffers(out0, plan_.inbox_slots), "loss": zero}
-    zero_leaves = jax.tree.leaves(jax.tree.map(jnp.zeros_like, local[0]))  # as stored
+    # the gradient accumulators: as stored, at least float32 (bf16 parameters, a sharded
+    # master, sum their micro-batches' gradients in float32, as Megatron's main_grad)
+    zero_leaves = jax.tree.leaves(jax.tree.map(wide_zeros, local[0]))
     if train:
         split = (weight_only_residuals(rebuild(chunk0), stash0, chunk0, out0) if plan_.splits
                  else Split((False,) * len(stash0), (False,) * len(zero_leaves)))
@@ -140,8 +142,8 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
         b_zeros, w_zeros = pick(zero_leaves, b_mask, True), pick(zero_leaves, b_mask, False)
         carry.update(stash_b=slot_buffers(known0, plan_.stash_b_slots),
                      stash_w=slot_buffers(weight0, plan_.stash_w_slots),
-                     d_chunks=jax.tree.map(jnp.zeros_like, chunks),
-                     d_rest=jax.tree.map(jnp.zeros_like, rest))
+                     d_chunks=jax.tree.map(wide_zeros, chunks),
+                     d_rest=jax.tree.map(wide_zeros, rest))
         traced = {}
         if plan_.splits:
             def probe_backward(chunk, known, d_out):
@@ -343,6 +345,11 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
     d_stacked = jax.tree.map(lambda d: d.reshape(d.shape[0] * d.shape[1], *d.shape[2:]),
                              carry["d_chunks"])
     return carry["loss"], d_stacked, carry["d_rest"]
+
+
+def wide_zeros(a):
+    """Zeros like ``a`` in at least float32 (a gradient accumulator)."""
+    return jnp.zeros_like(a, dtype=jnp.promote_types(a.dtype, jnp.float32))
 
 
 def add_to_chunk(d_chunks, v, leaves, mask):

@@ -8,7 +8,10 @@ weights are computed over the whole batch first, so the pipelined loss and gradi
 unpipelined step's. Batch arrays past ``(inputs, targets)`` (a mask; a packed batch's
 segment ids and positions, which ride with the activation through the stages,
 :mod:`jphantom.nn.attention.packing`) reach the first stage's part with the inputs and the last
-stage's with the targets. GSPMD's tick loop (the baseline) is :mod:`jphantom.step.gspmd`'s.
+stage's with the targets. ZeRO-3 gathers the parameters once before the schedule;
+``master_weights="sharded"`` (Megatron's distributed optimizer) gathers them once in bf16, so no
+task casts its chunk, and the executor sums each chunk's gradients in float32 across its tasks.
+GSPMD's tick loop (the baseline) is :mod:`jphantom.step.gspmd`'s.
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ class PipelineGradients:
         leaves = list(leaves)
         varied = self.reducer.vary_params(leaves)
         scatter = None
-        if setup.zero == 3:  # gathered once for the whole pipeline; its transpose scatters
+        if setup.master_weights == "sharded":  # bf16, gathered once; its transpose scatters
+            varied, scatter = jax.vjp(lambda xs: self.reducer.gather(xs, train=True), varied)
+        elif setup.zero == 3:  # gathered once for the whole pipeline; its transpose scatters
             dims, zaxes = setup.layout.zero_dims, setup.layout.zero_axes
             varied, scatter = jax.vjp(
                 lambda xs: zero_module.gather_together(xs, dims, zaxes, invariant=False),

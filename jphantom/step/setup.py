@@ -201,8 +201,8 @@ def _check_precision(precision: Precision, model: nnx.Module) -> Precision:
 def _check_master_weights(master_weights, precision, zero, mesh, spmd, pipeline) -> None:
     """``master_weights="sharded"`` (Megatron's distributed optimizer: float32 master shards and
     Adam moments over ``data``, bf16 parameters gathered whole once per step, bf16 gradients
-    reduce-scattered, once per step however many micro-batches it accumulates) runs where it
-    is built: bf16, ZeRO-1, a data axis, the shard_map step without a pipeline."""
+    reduce-scattered, once per step however many micro-batches it accumulates or pipelines)
+    runs where it is built: bf16, ZeRO-1, a data axis, the shard_map step."""
     if master_weights not in MASTER_WEIGHTS:
         raise ConfigError(f"master_weights={master_weights!r}: 'replicated' (the float32 "
                           "parameters on every data rank) or 'sharded' (float32 master shards "
@@ -219,9 +219,8 @@ def _check_master_weights(master_weights, precision, zero, mesh, spmd, pipeline)
                           f"layer): use zero=1, not zero={zero}")
     if dict(mesh.shape).get("data", 1) < 2:
         raise ConfigError(f"{why}shards the master over the 'data' axis: give the mesh data>=2")
-    if spmd != "shard_map" or pipeline is not None or "stage" in mesh.axis_names:
-        raise ConfigError(f"{why}runs in the shard_map step without a pipeline: leave out "
-                          "spmd='gspmd', the pipeline and the 'stage' axis")
+    if spmd != "shard_map":
+        raise ConfigError(f"{why}runs in the shard_map step: leave out spmd='gspmd'")
 
 
 def _set_remat(model: nnx.Module, remat: str) -> None:

@@ -19,9 +19,11 @@ from jphantom.analysis import hlo
 from jphantom.checkpoint import Checkpointer
 from jphantom.errors import ConfigError
 from jphantom.models.ffn import FFNConfig
+from jphantom.pipeline.config import PipelineConfig
 
 from conftest import require_devices
-from helpers import abstract_state, assert_tree_close, compiled_hlo, random_params
+from helpers import (abstract_state, assert_tree_close, compiled_hlo, gradient_step,
+                     random_params)
 
 WIDTH, DEPTH, BATCH = 16, 4, 16
 BF16 = 2.0 ** -8  # bf16's unit roundoff
@@ -78,6 +80,30 @@ def test_sharded_master_trains_like_the_float32_master_bf16_step_on_one_device(m
         state, loss = step(state, *_data(i))
         assert float(loss) == pytest.approx(want_loss, rel=2 * BF16)
         assert_tree_close(jax.device_get(state.params), want_params, 4 * BF16)
+
+
+def test_a_pipelined_sharded_master_step_is_the_float32_master_pipelined_step_within_bf16():
+    """Through a pipeline (1F1B, 2 micro-batches, stage=2, data=2): the bf16 parameters gathered
+    over ``data`` once before the schedule (no per-task cast), each stage's gradients summed in
+    float32 across its tasks and reduce-scattered once after it in bf16; the master in float32
+    shards. Loss and gradients are the float32-master bf16 pipelined step's (itself exact in
+    float32 against one device: tests/pipeline) within bf16's rounding of the reduced
+    gradients."""
+    pipeline = PipelineConfig("1f1b", 2)
+    program, _, step, sharded = gradient_step("tensor", CONFIG, "data=2,stage=2", zero=1,
+                                              precision="bf16", master_weights="sharded",
+                                              pipeline=pipeline)
+    _, _, plain_step, plain = gradient_step("tensor", CONFIG, "data=2,stage=2", zero=1,
+                                            precision="bf16", pipeline=pipeline)
+    params = random_params(program)
+    stored = step.init(params).params
+    for leaf, spec in zip(jax.tree.leaves(stored), step.layout.zero_specs()):
+        assert leaf.dtype == np.float32 and leaf.sharding.spec == spec
+    loss, grads = sharded(stored, *_data())
+    want_loss, want_grads = plain(plain_step.init(params).params, *_data())
+    assert all(g.dtype == np.float32 for g in jax.tree.leaves(grads))
+    assert float(loss) == pytest.approx(float(want_loss), rel=BF16)
+    assert_tree_close(jax.device_get(grads), jax.device_get(want_grads), 2 * BF16)
 
 
 def _over_data(text, mesh):
