@@ -185,7 +185,7 @@ def published_flags(run: dict) -> dict:
     if "model" in axes:
         flags["sequence_parallel"] = True
     if ("distributed optimizer" in run["layout"] and run["precision"] == "bf16"
-            and run.get("zero") == 1 and "stage" not in axes):
+            and run.get("zero") == 1):
         flags["master_weights"] = "sharded"  # bf16 parameters, float32 master in the shards
     return flags
 
