@@ -2,6 +2,8 @@
 
 import os
 import pathlib
+import shutil
+import tempfile
 
 # The suite is compile-bound: LLVM's -O0 for the CPU backend compiles about a quarter faster and
 # changes no floating-point semantics (XLA's HLO passes, fusion included, still run).
@@ -14,6 +16,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# Tests compile many identical programs (the same tiny step in several tests and pages): jax's
+# persistent compilation cache, in a directory of this session only (shared by its xdist
+# workers, removed at its end; never inherited by the processes a test starts), compiles each
+# once. Off with JPHANTOM_TEST_CACHE=0.
+CACHE = pathlib.Path(tempfile.gettempdir()) / "jphantom-test-compiles-{}".format(
+    os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid())
+if os.environ.get("JPHANTOM_TEST_CACHE", "1") != "0":
+    jax.config.update("jax_compilation_cache_dir", str(CACHE))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", True)  # library code always passes explicit dtypes
@@ -90,3 +103,9 @@ def check_slow_cells(declared: dict[str, set[str]], seen: set[tuple[str, str]],
     if missing:
         raise pytest.UsageError("slow_cells names cells its test does not have: "
                                 + ", ".join(missing))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The session's compilation cache goes with it (the controller's, after its workers)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(CACHE, ignore_errors=True)
