@@ -44,7 +44,9 @@ class Strategy:
     - ``spmd``: ``shard_map`` (the layers' own collectives) or ``gspmd`` (annotations, jit's).
     - What applies to it: ``zero`` (ZeRO over ``data``; pmm3d shards its weights over ``z``
       already), ``sequence_parallel`` and ``dtd`` (Megatron-SP, TED's duplicate token dropping),
-      ``context`` (a context axis), ``pairs`` (an FFN's layers alternate column and row)."""
+      ``context`` (a context axis), ``pairs`` (an FFN's layers alternate column and row).
+    - ``layouts``: the layouts the planner prices it as (:mod:`jphantom.planner.layouts`; none:
+      the planner does not price it, e.g. a variant priced as its base strategy)."""
 
     name: str
     description: str
@@ -62,6 +64,7 @@ class Strategy:
     pairs: bool = False
     collectives: Lazy | None = None
     step_model: Lazy | None = None
+    layouts: Lazy | None = None
 
     def __getattribute__(self, name):
         return resolved(self, name)  # a Lazy field imported once, then kept as its value
@@ -81,6 +84,14 @@ class Strategy:
         """Whether it trains the dense model (dense-shaped weights, the one-device oracle's
         function); phantom's ghosts make another model (Seal et al.)."""
         return self.family == "dense"
+
+    def price(self, pricing, names=None):
+        """The priced candidates of its planner layouts (:attr:`layouts`) named in ``names``
+        (default all) for ``pricing`` (a :class:`jphantom.planner.layouts.Pricing`: the model's
+        shape on the devices, the batch, the network and the device's rate)."""
+        for layout in self.layouts or ():
+            if names is None or layout.name in names:
+                yield from layout.price(pricing)
 
     def check_mesh(self, mesh):
         """The mesh (a :class:`jphantom.mesh.MeshConfig`) a language model runs on under this
@@ -112,6 +123,7 @@ class Strategy:
 
 
 _INVENTORY, _STEP_MODEL = "jphantom.inventory", "jphantom.perf.step_model"
+_LAYOUTS = "jphantom.planner.layouts"
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("dense", "the unsharded model on one device (the single-device oracle)", axes=(),
              one_device=True),
@@ -121,20 +133,20 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("tensor", "Megatron tensor parallelism: column/row pairs with f and g (Brakel et al.); "
              "sequence parallelism as an option (Korthikanti et al. 2022)", plan="tensor",
              sequence_parallel=True, dtd=True, pairs=True,
-             collectives=Lazy(_INVENTORY, "MEGATRON")),
+             collectives=Lazy(_INVENTORY, "MEGATRON"), layouts=Lazy(_LAYOUTS, "TENSOR")),
     Strategy("tensor-t1", "Seal et al.'s TP: row-sharded weights, all-gather forward / "
              "reduce-scatter backward", plan="t1", collectives=Lazy(_INVENTORY, "T1"),
              step_model=Lazy(_STEP_MODEL, "T1")),
     Strategy("phantom", "phantom parallelism (Seal et al.), one fused decompressor GEMM",
              family="phantom", plan="phantom", collectives=Lazy(_INVENTORY, "PHANTOM"),
-             step_model=Lazy(_STEP_MODEL, "PHANTOM")),
+             step_model=Lazy(_STEP_MODEL, "PHANTOM"), layouts=Lazy(_LAYOUTS, "PHANTOM")),
     Strategy("phantom-unfused", "phantom parallelism with the paper's p-1 decompressor GEMMs",
              family="phantom", plan="phantom", fused=False,
              collectives=Lazy(_INVENTORY, "PHANTOM"), step_model=Lazy(_STEP_MODEL, "PHANTOM")),
     Strategy("pmm3d", "AxoNN's 3D parallel matrix multiply on x, y, z (and data), Singh's thesis "
              "ch. 5: weights all-gathered over z, all-reduces over y forward and x backward, "
              "reduce-scatters over z", plan="pmm3d", weights="kept", axes=GRID_AXES, zero=False,
-             context=False, pairs=True),
+             context=False, pairs=True, layouts=Lazy(_LAYOUTS, "PMM3D")),
     Strategy("pmm3d-regather", "pmm3d whose backward all-gathers the weights again instead of "
              "keeping them (AxoNN's default)", plan="pmm3d", weights="regather", axes=GRID_AXES,
              zero=False, context=False, pairs=True),
