@@ -21,7 +21,7 @@ LAYERS = [
     ("models", ["models", "families"]),
     ("plans", ["plans", "models.gpt2.plan", "models.llama.plan"]),  # a family's declared plan is written in styles
     ("step", ["pipeline.runner", "pipeline.split", "step", "train_step", "experimental", "checkpoint", "exactness"]),
-    ("program", ["program", "inventory"]),
+    ("program", ["program", "layer_plans", "inventory"]),
     ("run", ["config", "sources", "callbacks", "loop", "run", "resilience", "metrics", "analysis", "compare", "planner", "plan", "perf", "launch", "aot",
              "generation"]),
     ("cli", ["cli", "__main__"]),
