@@ -68,6 +68,12 @@ class Pricing:
                                            flash_attention=self.flash_attention, **split)
 
 
+def _gpt2_blocks(shape: GPTShape) -> bool:
+    """Whether the blocks are GPT-2's (a bias on every projection, a learned position table; the
+    phantom layout is priced for them alone), not Llama's."""
+    return shape.family == "gpt2"
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One layout on one mesh, priced: ``priced`` is the pricer's (seconds, bytes) by axis."""
@@ -136,7 +142,7 @@ def _pmm3d_tables(shape: GPTShape, grid: Any, grad_bytes: int | None) -> list[Co
         tables.append(Collective("all-reduce", "data", grid.data,
                                  V * h / (grid.x * grid.y * grid.z), 1,
                                  "Eq. 5.5: the untied embedding's gradient", grad_bytes))
-    if shape.family == "gpt2":
+    if _gpt2_blocks(shape):
         tables.append(Collective("all-reduce", "data+z", grid.z * grid.data,
                                  shape.seq_len * h / grid.y, 1,
                                  "the position table's gradient", grad_bytes))
@@ -154,9 +160,8 @@ def _megatron(sequence_parallel: bool, tensor: bool):
         for t in q.divisors[1:] if tensor else q.divisors[:1]:
             d = q.devices // t
             shape, S = q.shape, q.shape.seq_len
-            if shape.heads % t or shape.vocab_size % t or q.batch % (d * q.accumulate) or (
-                    sequence_parallel and S % t) or (shape.family == "llama"
-                                                     and shape.kv_heads % t):
+            if shape.heads % t or (shape.kv_heads or shape.heads) % t or shape.vocab_size % t or (
+                    q.batch % (d * q.accumulate)) or (sequence_parallel and S % t):
                 continue
             per_rank = q.batch // (d * q.accumulate)
             collectives = inventory("tensor", shape, d, t, per_rank, None, sequence_parallel,
@@ -195,7 +200,7 @@ def _tensor_params(shape: GPTShape, t: int, total_params: int) -> float:
     """A rank's parameters under Megatron's split over ``t``: the column-parallel weights and
     biases (GPT-2's 7 h) and the vocabulary tables split, the rest whole."""
     L, h, V = shape.layers, shape.hidden, shape.vocab_size
-    sharded = (L * (shape.block_matmul_params + (0 if shape.family == "llama" else 7 * h))
+    sharded = (L * (shape.block_matmul_params + (7 * h if _gpt2_blocks(shape) else 0))
                + V * h * (1 if shape.tied_head else 2))
     return sharded / t + (total_params - sharded)
 
@@ -205,7 +210,7 @@ def _tensor_params(shape: GPTShape, t: int, total_params: int) -> float:
 
 def _phantom(q: Pricing, layout: Layout) -> Iterator[Candidate]:
     shape, k = q.shape, q.k
-    if shape.family == "llama":
+    if not _gpt2_blocks(shape):
         return
     h, L, S, V = shape.hidden, shape.layers, shape.seq_len, shape.vocab_size
     linears = [(h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)]
