@@ -1,29 +1,23 @@
 """How a strategy splits a model's layers: one object per plan (a strategy's
 :attr:`jphantom.strategies.Strategy.layers`, applied by
-:meth:`jphantom.strategies.Strategy.plan`),
-each with the builder of each model program it splits (``lm``: GPT-2 and the Llama family through
-:mod:`jphantom.plans`; ``ffn``: Seal et al.'s FFN).
+:meth:`jphantom.strategies.Strategy.plan`), with a builder for each model program it splits
+(``lm``: GPT-2 and the Llama family, through :mod:`jphantom.plans`; ``ffn``: Seal et al.'s FFN).
 
-==============  =====================================  =========================================
-plan            a language model                       the FFN
-==============  =====================================  =========================================
-:data:`MEGATRON`  the family's Megatron plan (or the   ``entry`` gather, pairs (``first`` column,
-                walker's): column/row pairs with f      ``second`` row), a lone ``last`` column,
-                and g (Shoeybi et al. 2019), the        ``exit`` scatter after a row layer
-                vocabulary split when ``model``
-                divides it
-:data:`ANNOTATE`  the same plan as GSPMD annotations   every kernel annotated split on its
-                (jit's collectives)                     outputs over ``model``
-:data:`T1`      (none)                                 every layer :class:`~jphantom.nn.tensor.
-                                                        T1Linear` (Seal et al.'s TP)
-:data:`PHANTOM`   every layer phantom (Seal et al.;    every layer :class:`~jphantom.nn.phantom.
-                fused or not)                           PhantomLinear`
-:data:`PMM3D`   every layer AxoNN's 3D matmul (the     ``first`` normal, ``second`` transposed,
-                strategy's ``weights``)                 ``last`` normal
-==============  =====================================  =========================================
+- :data:`MEGATRON` (``tensor``): a language model takes its family's declared Megatron plan (or
+  the walker's), column/row pairs with f and g (Shoeybi et al. 2019), the vocabulary split where
+  ``model`` divides it; the FFN an ``entry`` gather, pairs (``first`` column, ``second`` row), a
+  lone ``last`` column and an ``exit`` scatter after a row layer.
+- :data:`ANNOTATE` (``gspmd``): the same plan as GSPMD annotations (jit's collectives); the FFN's
+  kernels annotated split on their outputs over ``model``.
+- :data:`T1` (``tensor-t1``): every FFN layer :class:`~jphantom.nn.tensor.T1Linear` (Seal et al.'s
+  TP); no language-model builder.
+- :data:`PHANTOM` (``phantom``, ``phantom-unfused``): every layer phantom (Seal et al.), the
+  strategy's ``fused`` decompressor.
+- :data:`PMM3D` (``pmm3d`` and its variants): every layer AxoNN's 3D matmul with the strategy's
+  ``weights``; the FFN's ``first`` normal, ``second`` transposed, ``last`` normal.
 
 What a plan splits is what a family runs (:meth:`LayerPlan.builds`): a builder for its program,
-and pmm3d none with per-head q/k norms. Imports no jax until a model is split: a configuration asks
+and for pmm3d no per-head q/k norms. Imports no jax until a model is split: a configuration asks
 which strategies a family runs as it validates.
 """
 
