@@ -74,7 +74,8 @@ One idea a module:
 from jphantom.planner.command import add_parser
 from jphantom.planner.report import format_plan
 from jphantom.planner.result import PlanRow, Ranking
-from jphantom.planner.search import DEFAULT_DEVICE_TFLOPS, LAYOUTS, PIPELINES, plan
+from jphantom.planner.layouts import PIPELINES
+from jphantom.planner.search import DEFAULT_DEVICE_TFLOPS, LAYOUTS, plan
 
 __all__ = ["plan", "Ranking", "PlanRow", "format_plan", "add_parser", "LAYOUTS", "PIPELINES",
            "DEFAULT_DEVICE_TFLOPS"]

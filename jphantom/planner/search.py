@@ -15,7 +15,7 @@ from typing import Any
 from jphantom.errors import ConfigError
 from jphantom.perf import axonn_model as ax
 from jphantom.perf.axonn_model import GIB, GPTShape, Topology
-from jphantom.planner.layouts import PIPELINES, Candidate, Pricing
+from jphantom.planner.layouts import Candidate, Pricing
 from jphantom.planner.pricing import CollectivePricer
 from jphantom.planner.result import PlanRow, Ranking
 from jphantom.strategies import STRATEGIES
