@@ -35,14 +35,19 @@ What a family declares:
 - ``flops_per_token(config, seq_len)`` (forward + backward model FLOPs, for MFU) and
   ``plan_shape(config)`` (the dense-block shape :mod:`jphantom.planner` prices, a
   :class:`jphantom.perf.axonn_model.GPTShape`; ``None``: the planner refuses it by name);
-- ``plan(model, kind, **options)``: its model's parallel plan (path -> style) under a strategy's
-  plan kind (:attr:`jphantom.strategies.Strategy.plan`: ``tensor``, ``annotate``, ``phantom``,
-  ``pmm3d``), declared by path as torchtitan's ``parallelize_llama`` declares Llama's; ``None``
-  (for the family, or returned for a kind) leaves it to :mod:`jphantom.plans`' walkers, which
-  recognise the layers by type and name (GPT-2 declares its Megatron plan,
-  :mod:`jphantom.models.gpt2.plan`, and the Llama family for every variant,
-  :mod:`jphantom.models.llama.plan`; a user's family may take the walkers);
-- ``strategies``: the strategy names it runs (:data:`jphantom.strategies.STRATEGIES`);
+- ``plan(model, **options)``: its model's Megatron plan (path -> style; ``options``:
+  ``sequence_parallel``, ``dtd``, ``collective_matmul``), which ``tensor`` applies and ``gspmd``
+  annotates (:mod:`jphantom.layer_plans`), declared by path as torchtitan's ``parallelize_llama``
+  declares Llama's; ``None`` (for the family, or returned for a model) leaves it to
+  :mod:`jphantom.plans`' walkers, which recognise the layers by type and name, as phantom and
+  pmm3d always do (GPT-2 declares its Megatron plan, :mod:`jphantom.models.gpt2.plan`, and the
+  Llama family for every variant, :mod:`jphantom.models.llama.plan`; a user's family may take the
+  walkers);
+- what it runs: every strategy whose layers' plan splits its model
+  (:meth:`jphantom.strategies.Strategy.runs`: a builder for its ``program``; pmm3d not with
+  ``per_head_norms``, per-head q/k norms such as Qwen3's, which need a whole head where pmm3d
+  splits a head's features over ``y``); ``strategies``: the names it runs instead, when it says
+  so;
   ``program``: ``"lm"`` (a language model under :func:`jphantom.program.lm_build`'s plans) or
   ``"ffn"`` (the FFN's own builder), which :attr:`Family.is_language_model` reads for the
   callers that treat token sequences and the FFN's rows differently; ``defaults``: the column
@@ -118,11 +123,6 @@ EXPERTS = Field("experts", int, 8, "MoE: experts E per MoE block", minimum=1)
 TOP_K = Field("top_k", int, 2, "MoE: experts each token visits", minimum=1)
 """The routed experts' settings that GPT-2 and the Llama family's MoE presets read."""
 
-LM_STRATEGIES = ("dense", "gspmd", "tensor", "phantom", "phantom-unfused", "pmm3d",
-                 "pmm3d-regather", "pmm3d-deferred")
-"""What the zoo's language models run (every strategy but Seal et al.'s ``tensor-t1``)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One model family (module docstring). A field given as a :class:`Lazy` reference reads as
@@ -135,7 +135,8 @@ class Family:
     from_flags: Callable[[Any, bool], Any]
     flags: tuple[str, ...] = ()
     fields: tuple[Field, ...] = ()
-    strategies: tuple[str, ...] = LM_STRATEGIES
+    strategies: tuple[str, ...] | None = None
+    per_head_norms: bool = False
     hf_types: tuple[str, ...] = ()
     config_from_hf: Callable[[dict], Any] | Lazy | None = None
     load_hf: Callable[[Any], Any] | Lazy | None = None
@@ -373,14 +374,16 @@ def check_checkpoint_shape(section, config, names: dict[str, str]) -> None:
 
 
 def strategies_for(model: str) -> list[str]:
-    """The strategies the family ``model`` runs, in :data:`jphantom.strategies.STRATEGIES`
-    order."""
-    from jphantom.strategies import NAMES
+    """The strategies the family ``model`` runs (those whose layers' plan splits its model,
+    :meth:`jphantom.strategies.Strategy.runs`, or the names it gives), in
+    :data:`jphantom.strategies.STRATEGIES` order."""
+    from jphantom.strategies import STRATEGIES
 
-    runs = get(model).strategies
-    return [name for name in NAMES if name in runs]
+    family = get(model)
+    return [name for name, row in STRATEGIES.items()
+            if (row.runs(family) if family.strategies is None else name in family.strategies)]
 
 
 def running(strategy: str) -> tuple[str, ...]:
     """The registered families that run ``strategy``."""
-    return tuple(name for name, f in families().items() if strategy in f.strategies)
+    return tuple(name for name in families() if strategy in strategies_for(name))

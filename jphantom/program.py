@@ -149,119 +149,23 @@ def check_lm_mesh(strategy: str, mesh: MeshConfig) -> MeshConfig:
 
 def lm_plan(model: nnx.Module, strategy: str, mesh: MeshConfig, *, sequence_parallel=False,
             ghost_width=None, dtd=False, context_attention="ring", load_balance=True,
-            collective_matmul=False, family: str | None = None):
-    """Parallelise the language model ``model`` in place under ``strategy``, by the plan its
-    registry row names (:data:`LM_PLANS`; the model ``family``'s declared plan where it declares
-    one, :attr:`jphantom.families.Family.plan`, else the walkers'; ``dtd``: duplicate token
-    dropping in the routed MoE layers, ``tensor`` only); with a ``context`` axis its attention runs over it
-    (``context_attention``: ring or all-gather; ``load_balance``: the balanced causal
-    layout)."""
-    from jphantom import plans
+            collective_matmul=False, family: str):
+    """Parallelise the language model ``model`` of the family ``family`` in place under
+    ``strategy`` (:meth:`jphantom.strategies.Strategy.plan`: its layers' plan, with the family's
+    declared Megatron plan where it declares one, :attr:`jphantom.families.Family.plan`, else the
+    walkers'; ``dtd``: duplicate token dropping in the routed MoE layers, ``tensor`` only); with a
+    ``context`` axis its attention runs over it (``context_attention``: ring or all-gather;
+    ``load_balance``: the balanced causal layout)."""
+    from jphantom import families, plans
 
     if mesh.size("context") > 1:
         plans.parallelize(model, mesh.shape, plans.context(model, algorithm=context_attention,
                                                            balanced=load_balance))
-    row = get(strategy)
     strategies.check_sequence_parallel(strategy, sequence_parallel)
     strategies.check_collective_matmul(collective_matmul, sequence_parallel)
-    if row.plan is None:  # the plain model
-        return model
-    if row.plan not in LM_PLANS:
-        raise ConfigError(f"strategy {strategy!r} ({row.plan} layers) has no plan for a "
-                          "language model: pick one of the strategies its family lists")
-    LM_PLANS[row.plan](model, row, mesh, sequence_parallel=sequence_parallel,
-                       ghost_width=ghost_width, dtd=dtd, collective_matmul=collective_matmul,
-                       family=family)
-    return model
-
-
-def declared_plan(family: str | None, model, kind: str, walker: Callable, **options) -> dict:
-    """The plan of ``kind`` that the model's ``family`` declares
-    (:attr:`jphantom.families.Family.plan`), or the walker's (``walker(model, **options)``)."""
-    if family is not None:
-        from jphantom import families
-
-        hook = families.get(family).plan
-        declared = None if hook is None else hook(model, kind, **options)
-        if declared is not None:
-            return declared
-    return walker(model, **options)
-
-
-def _tensor_lm(model, row, mesh, *, sequence_parallel, dtd, collective_matmul, family, **_):
-    from jphantom import plans
-
-    plan = declared_plan(family, model, "tensor", plans.megatron,
-                         sequence_parallel=sequence_parallel, dtd=dtd,
-                         collective_matmul=collective_matmul)
-    plans.parallelize(model, mesh.shape, _replicate_odd_vocabulary(model, plan, mesh,
-                                                                   sequence_parallel))
-
-
-def _phantom_lm(model, row, mesh, *, ghost_width, family, **_):
-    from jphantom import plans
-
-    strategies.check_ghost_width(row.name, ghost_width)
-    plan = declared_plan(family, model, "phantom", plans.phantom, ghost_width=ghost_width)
-    plans.parallelize(model, mesh.shape, plan, fused=row.fused)
-
-
-def _annotate_lm(model, row, mesh, *, family, **_):  # Megatron's plan as annotations; jit's
-    from jphantom import plans                           # collectives
-
-    plans.annotate(model, mesh.shape, declared_plan(family, model, "annotate", plans.megatron))
-
-
-def _pmm3d_lm(model, row, mesh, *, family, **_):
-    from jphantom import plans
-
-    plan = declared_plan(family, model, "pmm3d", plans.pmm3d, weights=row.weights)
-    plans.parallelize(model, mesh.shape, plan)
-
-
-LM_PLANS = {"tensor": _tensor_lm, "phantom": _phantom_lm, "annotate": _annotate_lm,
-            "pmm3d": _pmm3d_lm}
-"""A language model's plan of each kind a strategy names (:attr:`Strategy.plan`)."""
-
-
-def _replicate_odd_vocabulary(model, plan: dict, mesh: MeshConfig, sequence_parallel: bool
-                              ) -> dict:
-    """Megatron's plan with the vocabulary layers (token table, untied head) and the final norm
-    replicated when the ``model`` axis does not divide the vocabulary (GPT-2's 50257 = 29 x 1733
-    on 2, 4 or 8 ranks): every rank then computes the whole logits, exactly, at p times the head's
-    work (a warning says so). Sequence parallelism needs the split head (its stream holds S/p
-    tokens per rank): refused by name."""
-    import warnings
-
-    from jphantom import plans
-    from jphantom.errors import JPhantomWarning
-
-    p = mesh.size("model")
-    odd = [path for path, style in plan.items() if style == "vocab"
-           and _vocabulary_of(plans.modules_by_path(model)[path][1]) % p]
-    if not odd:
-        return plan
-    vocab = _vocabulary_of(plans.modules_by_path(model)[odd[0]][1])
-    if sequence_parallel:
-        raise ConfigError(f"vocab_size={vocab} is not divisible by the model axis size {p}: "
-                          "sequence parallelism splits the LM head over it; pick a model axis "
-                          f"dividing {vocab}, or leave --sequence-parallel out")
-    warnings.warn(f"vocab_size={vocab} is not divisible by the model axis size {p}: the "
-                  f"embedding and the LM head ({', '.join(odd)}) stay replicated and every rank "
-                  "computes the whole logits (exact; the vocabulary-parallel head needs a "
-                  "divisible vocabulary)", JPhantomWarning, stacklevel=3)
-    plan = dict(plan)
-    for path, style in list(plan.items()):
-        if path in odd or (style in ("input", "sequence") and path.split(".")[-1] in
-                           ("ln_f", "norm", "final_norm", "final_layernorm")):
-            plan[path] = "replicate"
-    return plan
-
-
-def _vocabulary_of(module) -> int:
-    from flax import nnx
-
-    return module.num_embeddings if isinstance(module, nnx.Embed) else module.out_features
+    return get(strategy).plan(model, mesh, families.get(family),
+                              sequence_parallel=sequence_parallel, ghost_width=ghost_width,
+                              dtd=dtd, collective_matmul=collective_matmul)
 
 
 def lm_build(family_class: type, family_name: str):
@@ -413,74 +317,11 @@ def check_ffn_mesh(config, strategy: str, mesh: MeshConfig) -> MeshConfig:
 
 def ffn_plan(model: nnx.Module, strategy: str, mesh: MeshConfig, *, ghost_width=None):
     """Parallelise the FFN ``model`` (:class:`jphantom.models.ffn.FFN`, ``pairs`` as its
-    strategy declares) in place under ``strategy``, by the plan its registry row names
-    (:data:`FFN_PLANS`):
+    strategy declares) in place under ``strategy`` (:meth:`jphantom.strategies.Strategy.plan`:
+    the FFN builder of its layers' plan, :mod:`jphantom.layer_plans`)."""
+    from jphantom import families
 
-    ==================  ===================================================================
-    ``annotate``        every layer's kernel annotated split on its outputs over ``model``
-    ``tensor``          ``entry`` gather, pairs (``first`` column, ``second`` row), a lone
-                        ``last`` column layer, ``exit`` scatter after a row layer (even depth)
-    ``t1``              every layer :class:`~jphantom.nn.tensor.T1Linear`
-    ``phantom``         every layer :class:`~jphantom.nn.phantom.PhantomLinear` (fused or not)
-    ``pmm3d``           ``first`` normal, ``second`` transposed, ``last`` normal
-                        (:class:`~jphantom.nn.pmm3d.Pmm3dLinear`, the variant's ``weights``)
-    ==================  ===================================================================
-    """
-    row = get(strategy)
-    if row.plan is None:  # the plain model
-        return model
-    if row.plan not in FFN_PLANS:
-        raise ConfigError(f"strategy {strategy!r} ({row.plan} layers) has no plan for the FFN")
-    FFN_PLANS[row.plan](model, row, mesh.shape, ghost_width)
-    return model
-
-
-def _present(model, plan: dict) -> dict:
-    """The entries of ``plan`` for the FFN's layers that exist (``last`` only at odd depth)."""
-    return {path: style for path, style in plan.items()
-            if path.split(".")[0] in ("entry", "exit")
-            or getattr(model, path.split(".")[0]) is not None}
-
-
-def _annotate_ffn(model, row, shape, ghost_width):
-    from jphantom import plans
-
-    plans.annotate(model, shape, {"layers.block.linear": "column"})
-
-
-def _tensor_ffn(model, row, shape, ghost_width):
-    from jphantom import plans
-
-    plans.parallelize(model, shape, _present(model, {
-        "entry": "gather", "layers.block.first": "column", "layers.block.second": "row",
-        "last": "column", "exit": "scatter" if model.last is None else "replicate"}))
-
-
-def _t1_ffn(model, row, shape, ghost_width):
-    from jphantom import plans
-
-    plans.parallelize(model, shape, {"layers.block.linear": "t1"})
-
-
-def _phantom_ffn(model, row, shape, ghost_width):
-    from jphantom import plans
-
-    plans.parallelize(model, shape, {"layers.block.linear": plans.Style(
-        "phantom", ghost_width=ghost_width)}, fused=row.fused)
-
-
-def _pmm3d_ffn(model, row, shape, ghost_width):
-    from jphantom import plans
-
-    normal = plans.Style("pmm3d", role="normal", weights=row.weights)
-    plans.parallelize(model, shape, _present(model, {
-        "layers.block.first": normal, "last": normal,
-        "layers.block.second": plans.Style("pmm3d", role="transposed", weights=row.weights)}))
-
-
-FFN_PLANS = {"annotate": _annotate_ffn, "tensor": _tensor_ffn, "t1": _t1_ffn,
-             "phantom": _phantom_ffn, "pmm3d": _pmm3d_ffn}
-"""The FFN's plan of each kind a strategy names (:attr:`Strategy.plan`)."""
+    return get(strategy).plan(model, mesh, families.get("ffn"), ghost_width=ghost_width)
 
 
 def ffn_batch_specs(strategy: str, config, mesh: MeshConfig) -> tuple[P, P]:

@@ -1,13 +1,15 @@
 """The parallel strategies: one registry of objects, each declaring what it is, and the rules that
 join a strategy to the other options, each stated once with one message.
 
-A strategy (:class:`Strategy`) declares its mesh axes, whether it is the one-device oracle, which
-plan its layers take (:mod:`jphantom.program` applies it: Megatron's column/row pairs, Seal et
-al.'s T1 or phantom layers, AxoNN's 3D matmul, or GSPMD's annotations of Megatron's plan), the
-program it runs as (``shard_map`` or ``gspmd``), and which options apply to it: sequence
-parallelism, duplicate token dropping, a ghost width, ZeRO, a context axis. The names are the one
-vocabulary of the CLI, the API, ``results.json``, the cost models and the docs; which model
-families run a strategy is theirs to say (:attr:`jphantom.families.Family.strategies`).
+A strategy (:class:`Strategy`) declares its mesh axes, whether it is the one-device oracle, the
+plan its layers take and applies it (:meth:`Strategy.plan`; the plans are
+:mod:`jphantom.layer_plans`' objects: Megatron's column/row pairs, Seal et al.'s T1 or phantom
+layers, AxoNN's 3D matmul, or GSPMD's annotations of Megatron's plan), which model families it runs
+(:meth:`Strategy.runs`: those its plan splits), the program it runs as (``shard_map`` or
+``gspmd``), which options apply to it (sequence parallelism, duplicate token dropping, a ghost
+width, ZeRO, a context axis), and the layouts the planner prices it as (:meth:`Strategy.price`).
+The names are the one vocabulary of the CLI, the API, ``results.json``, the cost models and the
+docs.
 
 The cross-option rules (:func:`check_sequence_parallel`, :func:`check_collective_matmul`,
 :func:`check_dtd`, :func:`check_ghost_width`, :func:`check_stage`) are called by the run
@@ -36,20 +38,23 @@ class Strategy:
 
     - ``family``: ``dense`` (dense-shaped weights, any degree) or ``phantom`` (the ghost width k
       and the degree p are part of the model).
-    - ``plan``: the plan its layers take (``None``: the plain model), :mod:`jphantom.program`'s
-      ``tensor``, ``t1``, ``phantom``, ``pmm3d`` or ``annotate``; ``fused`` (phantom: one
-      decompressor GEMM) and ``weights`` (pmm3d: when the weights are gathered) select within it.
+    - ``layers``: the plan its layers take (``None``: the plain model), one of
+      :mod:`jphantom.layer_plans`' ``MEGATRON``, ``T1``, ``PHANTOM``, ``PMM3D`` or ``ANNOTATE``;
+      ``fused`` (phantom: one decompressor GEMM) and ``weights`` (pmm3d: when the weights are
+      gathered) select within it.
     - ``axes``: the mesh axes its layers split (``model``; pmm3d's ``z``, ``y``, ``x``); none
       for the one-device oracle (``one_device``).
     - ``spmd``: ``shard_map`` (the layers' own collectives) or ``gspmd`` (annotations, jit's).
     - What applies to it: ``zero`` (ZeRO over ``data``; pmm3d shards its weights over ``z``
       already), ``sequence_parallel`` and ``dtd`` (Megatron-SP, TED's duplicate token dropping),
-      ``context`` (a context axis), ``pairs`` (an FFN's layers alternate column and row)."""
+      ``context`` (a context axis), ``pairs`` (an FFN's layers alternate column and row).
+    - ``layouts``: the layouts the planner prices it as (:mod:`jphantom.planner.layouts`; none:
+      the planner does not price it, e.g. a variant priced as its base strategy)."""
 
     name: str
     description: str
     family: str = "dense"
-    plan: str | None = None
+    layers: Lazy | None = None
     axes: tuple[str, ...] = (MODEL,)
     spmd: str = "shard_map"
     one_device: bool = False
@@ -62,6 +67,7 @@ class Strategy:
     pairs: bool = False
     collectives: Lazy | None = None
     step_model: Lazy | None = None
+    layouts: Lazy | None = None
 
     def __getattribute__(self, name):
         return resolved(self, name)  # a Lazy field imported once, then kept as its value
@@ -81,6 +87,32 @@ class Strategy:
         """Whether it trains the dense model (dense-shaped weights, the one-device oracle's
         function); phantom's ghosts make another model (Seal et al.)."""
         return self.family == "dense"
+
+    def plan(self, model, mesh, family, **options):
+        """Split ``model`` (the plain model of ``family``, a :class:`jphantom.families.Family`) in
+        place over ``mesh`` (a :class:`jphantom.mesh.MeshConfig`) by its layers' plan (the
+        family's program's builder; ``options``: ``sequence_parallel``, ``ghost_width``, ``dtd``,
+        ``collective_matmul`` where they apply); the one-device oracle leaves it plain."""
+        if self.layers is None:
+            return model
+        if not self.layers.builds(family):
+            raise ConfigError(f"strategy {self.name!r} does not run the model family "
+                              f"{family.name!r}: its layers' plan does not split that model")
+        getattr(self.layers, family.program)(model, self, mesh, family=family, **options)
+        return model
+
+    def runs(self, family) -> bool:
+        """Whether the model family ``family`` (a :class:`jphantom.families.Family`) runs it: its
+        layers' plan splits the family's model (:meth:`jphantom.layer_plans.LayerPlan.builds`)."""
+        return self.layers is None or self.layers.builds(family)
+
+    def price(self, pricing, names=None):
+        """The priced candidates of its planner layouts (:attr:`layouts`) named in ``names``
+        (default all) for ``pricing`` (a :class:`jphantom.planner.layouts.Pricing`: the model's
+        shape on the devices, the batch, the network and the device's rate)."""
+        for layout in self.layouts or ():
+            if names is None or layout.name in names:
+                yield from layout.price(pricing)
 
     def check_mesh(self, mesh):
         """The mesh (a :class:`jphantom.mesh.MeshConfig`) a language model runs on under this
@@ -112,35 +144,38 @@ class Strategy:
 
 
 _INVENTORY, _STEP_MODEL = "jphantom.inventory", "jphantom.perf.step_model"
+_LAYOUTS, _PLANS = "jphantom.planner.layouts", "jphantom.layer_plans"
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("dense", "the unsharded model on one device (the single-device oracle)", axes=(),
              one_device=True),
     Strategy("gspmd", "the plain model with NamedSharding annotations of Megatron's plan; jax.jit "
              "chooses the collectives (what a JAX user writes without jphantom)",
-             plan="annotate", spmd="gspmd", context=False),
+             layers=Lazy(_PLANS, "ANNOTATE"), spmd="gspmd", context=False),
     Strategy("tensor", "Megatron tensor parallelism: column/row pairs with f and g (Brakel et al.); "
-             "sequence parallelism as an option (Korthikanti et al. 2022)", plan="tensor",
-             sequence_parallel=True, dtd=True, pairs=True,
-             collectives=Lazy(_INVENTORY, "MEGATRON")),
+             "sequence parallelism as an option (Korthikanti et al. 2022)",
+             layers=Lazy(_PLANS, "MEGATRON"), sequence_parallel=True, dtd=True, pairs=True,
+             collectives=Lazy(_INVENTORY, "MEGATRON"), layouts=Lazy(_LAYOUTS, "TENSOR")),
     Strategy("tensor-t1", "Seal et al.'s TP: row-sharded weights, all-gather forward / "
-             "reduce-scatter backward", plan="t1", collectives=Lazy(_INVENTORY, "T1"),
-             step_model=Lazy(_STEP_MODEL, "T1")),
+             "reduce-scatter backward", layers=Lazy(_PLANS, "T1"),
+             collectives=Lazy(_INVENTORY, "T1"), step_model=Lazy(_STEP_MODEL, "T1")),
     Strategy("phantom", "phantom parallelism (Seal et al.), one fused decompressor GEMM",
-             family="phantom", plan="phantom", collectives=Lazy(_INVENTORY, "PHANTOM"),
-             step_model=Lazy(_STEP_MODEL, "PHANTOM")),
+             family="phantom", layers=Lazy(_PLANS, "PHANTOM"),
+             collectives=Lazy(_INVENTORY, "PHANTOM"), step_model=Lazy(_STEP_MODEL, "PHANTOM"),
+             layouts=Lazy(_LAYOUTS, "PHANTOM")),
     Strategy("phantom-unfused", "phantom parallelism with the paper's p-1 decompressor GEMMs",
-             family="phantom", plan="phantom", fused=False,
+             family="phantom", layers=Lazy(_PLANS, "PHANTOM"), fused=False,
              collectives=Lazy(_INVENTORY, "PHANTOM"), step_model=Lazy(_STEP_MODEL, "PHANTOM")),
     Strategy("pmm3d", "AxoNN's 3D parallel matrix multiply on x, y, z (and data), Singh's thesis "
              "ch. 5: weights all-gathered over z, all-reduces over y forward and x backward, "
-             "reduce-scatters over z", plan="pmm3d", weights="kept", axes=GRID_AXES, zero=False,
-             context=False, pairs=True),
+             "reduce-scatters over z", layers=Lazy(_PLANS, "PMM3D"), weights="kept",
+             axes=GRID_AXES, zero=False, context=False, pairs=True,
+             layouts=Lazy(_LAYOUTS, "PMM3D")),
     Strategy("pmm3d-regather", "pmm3d whose backward all-gathers the weights again instead of "
-             "keeping them (AxoNN's default)", plan="pmm3d", weights="regather", axes=GRID_AXES,
-             zero=False, context=False, pairs=True),
-    Strategy("pmm3d-deferred", "pmm3d with every weight gathered before the layers and one "
-             "reduce-scatter after the backward", plan="pmm3d", weights="deferred",
+             "keeping them (AxoNN's default)", layers=Lazy(_PLANS, "PMM3D"), weights="regather",
              axes=GRID_AXES, zero=False, context=False, pairs=True),
+    Strategy("pmm3d-deferred", "pmm3d with every weight gathered before the layers and one "
+             "reduce-scatter after the backward", layers=Lazy(_PLANS, "PMM3D"),
+             weights="deferred", axes=GRID_AXES, zero=False, context=False, pairs=True),
 )}
 NAMES = tuple(STRATEGIES)
 

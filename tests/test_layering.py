@@ -21,7 +21,7 @@ LAYERS = [
     ("models", ["models", "families"]),
     ("plans", ["plans", "models.gpt2.plan", "models.llama.plan"]),  # a family's declared plan is written in styles
     ("step", ["pipeline.runner", "pipeline.split", "step", "train_step", "experimental", "checkpoint", "exactness"]),
-    ("program", ["program", "inventory"]),
+    ("program", ["program", "layer_plans", "inventory"]),
     ("run", ["config", "sources", "callbacks", "loop", "run", "resilience", "metrics", "analysis", "compare", "planner", "plan", "perf", "launch", "aot",
              "generation"]),
     ("cli", ["cli", "__main__"]),
@@ -204,8 +204,6 @@ FUNCTION_LINES = 80
 # Functions still over the limit, each with its length today as a ceiling (it may only shrink)
 # and why it is long. Take one off the list by splitting it; never add one.
 LONG_FUNCTIONS = {
-    "planner/search.py::plan": (288, "the planner's enumeration of every layout, one block per "
-                                  "layout kind (to become one priced strategy object each)"),
     "pipeline/runner.py::run": (276, "the pipeline executor's slot loop and its 20 closures "
                                      "over the slot buffers"),
     "plans/convert.py::convert": (166, "one branch per style and layer type (to become "

@@ -13,6 +13,7 @@ import dataclasses
 import math
 import typing
 
+from jphantom import strategies
 from jphantom.config import paths
 from jphantom.errors import ConfigError
 from jphantom.dtypes import DTYPES
@@ -164,8 +165,7 @@ class ParallelConfig:
     axis the ``context_attention`` (``ring`` or ``all-gather``) and ``load_balance``."""
 
     strategy: str = setting(
-        "dense", "parallel strategy: dense, gspmd, tensor, tensor-t1, phantom, phantom-unfused, "
-        "pmm3d, pmm3d-regather, pmm3d-deferred")
+        "dense", "parallel strategy: " + ", ".join(strategies.NAMES))
     mesh: str | None = setting(
         None, "mesh axes, e.g. data=2,model=4; add stage=P to pipeline the step over P stages "
         "(tensor, phantom, pmm3d; gspmd with --schedule gpipe), e.g. stage=2,data=2,model=2; "

@@ -63,7 +63,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jphantom import strategies
+from jphantom import layer_plans, strategies
 from jphantom.errors import ConfigError
 from jphantom.mesh import DATA, MODEL, MeshConfig
 from jphantom.perf.axonn_model import GPTShape
@@ -75,14 +75,15 @@ ELEMENT_BYTES = {"bf16": 2, "f32": 4}
 """Bytes per element of the dtypes priced, named as the device descriptions' peaks are
 (:data:`jphantom.predict.device.DTYPES`): weights, cache and messages in bf16 or f32."""
 PROJECTIONS_PER_BLOCK = 7  # Llama: q, k, v, o, gate, up, down
-FFN_COLLECTIVES = {  # a registry row's plan -> (n, L, p, k, B) -> (kind, elements, count)
-    "phantom": lambda n, L, p, k, b: (("all-gather", p * k * b, L),),
-    "tensor": lambda n, L, p, k, b: (("all-gather", b * n, 1), ("all-reduce", b * n, L // 2)),
-    "t1": lambda n, L, p, k, b: (("all-gather", b * n, L),),
+FFN_COLLECTIVES = {  # a registry row's layers' plan -> (n, L, p, k, B) -> (kind, elements, count)
+    layer_plans.PHANTOM: lambda n, L, p, k, b: (("all-gather", p * k * b, L),),
+    layer_plans.MEGATRON: lambda n, L, p, k, b: (("all-gather", b * n, 1),
+                                                 ("all-reduce", b * n, L // 2)),
+    layer_plans.T1: lambda n, L, p, k, b: (("all-gather", b * n, L),),
 }
 """The FFN's forward collectives per device by the strategy's plan (module docstring)."""
 STRATEGIES = tuple(name for name, row in strategies.STRATEGIES.items()
-                   if row.plan in FFN_COLLECTIVES and row.fused)
+                   if row.layers in FFN_COLLECTIVES and row.fused)
 """The strategies priced: Megatron's ``tensor``, ``phantom`` (Seal et al.) and Seal et al.'s
 ``tensor-t1`` (the FFN only)."""
 
@@ -188,7 +189,7 @@ def ffn_forward(width: int, depth: int, p: int, batch: int, strategy: str,
         raise ConfigError(f"width {n} must divide over {p} ranks")
     m = n // p
     weights = L * (phantom_linear(n, n, p, k) if row.needs_ghost_width else n * m + m)
-    collectives = FFN_COLLECTIVES[row.plan](n, L, p, k, batch) if p > 1 else ()
+    collectives = FFN_COLLECTIVES[row.layers](n, L, p, k, batch) if p > 1 else ()
     return Forward(weights * ELEMENT_BYTES[dtype], 0.0, 2 * batch * weights,
                    tuple(c for c in collectives if c[2]), batch)
 

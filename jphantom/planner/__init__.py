@@ -59,7 +59,10 @@ exchange between the first and last pipeline stage, optimizer and kernel time, M
 
 One idea a module:
 
-- :mod:`~jphantom.planner.search`: the planner, :func:`plan` (every layout enumerated and priced).
+- :mod:`~jphantom.planner.search`: the planner, :func:`plan` (a loop over the registry's
+  strategies, each pricing its layouts: :meth:`jphantom.strategies.Strategy.price`).
+- :mod:`~jphantom.planner.layouts`: the layouts of the table above, each enumerating its meshes
+  and pricing them.
 - :mod:`~jphantom.planner.pricing`: collectives to seconds; the layouts' collectives and counts.
 - :mod:`~jphantom.planner.result`: :class:`PlanRow` and :class:`Ranking`.
 - :mod:`~jphantom.planner.report`: :func:`format_plan`, the ranking as text.
@@ -71,7 +74,8 @@ One idea a module:
 from jphantom.planner.command import add_parser
 from jphantom.planner.report import format_plan
 from jphantom.planner.result import PlanRow, Ranking
-from jphantom.planner.search import DEFAULT_DEVICE_TFLOPS, LAYOUTS, PIPELINES, plan
+from jphantom.planner.layouts import PIPELINES
+from jphantom.planner.search import DEFAULT_DEVICE_TFLOPS, LAYOUTS, plan
 
 __all__ = ["plan", "Ranking", "PlanRow", "format_plan", "add_parser", "LAYOUTS", "PIPELINES",
            "DEFAULT_DEVICE_TFLOPS"]

@@ -339,8 +339,7 @@ def test_a_shape_flag_that_disagrees_with_the_checkpoint_is_refused():
 ])
 def test_gpt2_declares_the_plan_the_walker_finds(shape, options):
     """GPT-2's plan hook (jphantom.models.gpt2.plan, declared by path) and the walker that
-    recognises layers by type (plans.megatron) agree on every variant; the kinds GPT-2 leaves to
-    the walkers (phantom, pmm3d) it declines."""
+    recognises layers by type (plans.megatron) agree on every variant."""
     from flax import nnx
 
     from jphantom import families, plans
@@ -350,8 +349,7 @@ def test_gpt2_declares_the_plan_the_walker_finds(shape, options):
                                **{"layers": 2, **shape})
     model = nnx.eval_shape(lambda: GPT2(config, rngs=nnx.Rngs(0)))
     declared = families.get("gpt2").plan
-    assert declared(model, "tensor", **options) == plans.megatron(model, **options)
-    assert declared(model, "phantom", ghost_width=2) is None
+    assert declared(model, **options) == plans.megatron(model, **options)
 
 
 @pytest.mark.parametrize("shape, options", [
@@ -376,5 +374,4 @@ def test_llama_declares_the_plan_the_walker_finds(shape, options):
                             "heads": 4, "kv_heads": 2, "max_positions": 16, **shape})
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     declared = families.get("llama").plan
-    assert declared(model, "tensor", **options) == plans.megatron(model, **options)
-    assert declared(model, "pmm3d", weights="kept") is None
+    assert declared(model, **options) == plans.megatron(model, **options)

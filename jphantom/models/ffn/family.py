@@ -27,7 +27,6 @@ def _register():
         config_type=FFNConfig, module=families.Lazy("jphantom.models.ffn.model", "FFN"),
         from_flags=family_config,
         fields=(WIDTH, DEPTH, GHOST_WIDTH), common_flags=("dtype",),
-        strategies=(*families.LM_STRATEGIES[:3], "tensor-t1", *families.LM_STRATEGIES[3:]),
         flops_per_token=lambda config, seq_len: 6 * config.depth * config.width ** 2,
         program="ffn", defaults="ffn"))
 

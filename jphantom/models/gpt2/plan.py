@@ -23,8 +23,8 @@ path            without sequence parallelism     with it
 and ``wte`` (and an untied ``head``) ``vocab``, ``wpe`` ``replicate`` (``sequence``), ``ln_f``
 ``input`` (``sequence``). ``collective_matmul`` rings the row layers' and the norms' collectives
 (Wang et al. 2023). Phantom and pmm3d give every layer their one style: the walkers'
-(:mod:`jphantom.plans`). ``tests/models/test_families.py`` checks this declaration against the walker
-of :func:`jphantom.plans.megatron` on every variant.
+(:mod:`jphantom.plans`), not this plan. ``tests/models/test_families.py`` checks this declaration
+against the walker of :func:`jphantom.plans.megatron` on every variant.
 """
 
 from __future__ import annotations
@@ -32,12 +32,10 @@ from __future__ import annotations
 from jphantom.plans import Style
 
 
-def plan(model, kind: str, *, sequence_parallel: bool = False, dtd: bool = False,
+def plan(model, *, sequence_parallel: bool = False, dtd: bool = False,
          collective_matmul: bool = False, **_):
-    """GPT-2's plan of ``kind`` (a strategy's :attr:`jphantom.strategies.Strategy.plan`);
-    ``None`` for the kinds the walkers give (phantom, pmm3d)."""
-    if kind not in ("tensor", "annotate"):
-        return None
+    """GPT-2's Megatron plan (``tensor`` applies it, ``gspmd`` annotates it:
+    :mod:`jphantom.layer_plans`)."""
     config = model.config
     norm = "sequence" if sequence_parallel else "input"
     ringed = lambda name: Style(name, collective_matmul=True) if collective_matmul else name

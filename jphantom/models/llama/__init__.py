@@ -18,7 +18,7 @@ load on first use.
 """
 
 from jphantom.models.llama.config import ARCHITECTURES, DTYPES, LAYER_TYPES, LlamaConfig
-from jphantom.models.llama.family import (NO_PMM3D, default_intermediate, family_config,
+from jphantom.models.llama.family import (default_intermediate, family_config,
                                           flops_per_token, plan_shape, register_variant)
 from jphantom.models.llama import variants  # noqa: F401  (registers the six families)
 

@@ -90,13 +90,14 @@ def family_config(section, name: str, **preset) -> LlamaConfig:
 def register_variant(name: str, description: str, hf_types: tuple[str, ...], *,
                      fields: tuple[Field, ...] = (), flags: tuple[str, ...] = (), check=None,
                      aliases: tuple[str, ...] = (),
-                     strategies: tuple[str, ...] | None = None, **preset):
+                     **preset):
     """Register a Llama-family variant (one :class:`LlamaConfig` preset, the
     :class:`~jphantom.models.llama.Llama` module, its Hugging Face reader and writer); the
     variant owns the configurations whose :attr:`LlamaConfig.model_type` is in ``hf_types``;
     ``fields``: the model-section settings it reads beyond every variant's (declarations,
     :class:`jphantom.families.Field`; ``flags``: names of fields declared elsewhere);
-    ``strategies``: what it runs (default every language-model strategy)."""
+    what it runs follows from the preset (its per-head q/k norms, ``qk_norm``, leave pmm3d out:
+    :meth:`jphantom.strategies.Strategy.runs`)."""
     import functools
 
     from jphantom import families
@@ -111,9 +112,4 @@ def register_variant(name: str, description: str, hf_types: tuple[str, ...], *,
         flops_per_token=flops_per_token, plan_shape=functools.partial(plan_shape, model=name),
         plan=families.Lazy("jphantom.models.llama.plan", "plan"),
         matches=lambda config: config.model_type in hf_types, check=check, aliases=aliases,
-        strategies=families.LM_STRATEGIES if strategies is None else strategies))
-
-
-NO_PMM3D = ("dense", "gspmd", "tensor", "phantom", "phantom-unfused")
-"""What a family with per-head q/k norms runs: pmm3d splits a head's features over ``y``, and
-the norm needs the whole head (:func:`jphantom.plans.pmm3d` refuses it by name)."""
+        per_head_norms=bool(preset.get("qk_norm"))))

@@ -34,12 +34,13 @@ from __future__ import annotations
 from jphantom.plans import Style
 
 
-def plan(model, kind: str, *, sequence_parallel: bool = False, dtd: bool = False,
+def plan(model, *, sequence_parallel: bool = False, dtd: bool = False,
          collective_matmul: bool = False, **_):
-    """The Llama family's plan of ``kind``; ``None`` for the kinds the walkers give (phantom,
-    pmm3d) and for Gemma's post-norms with experts, which no registered variant has."""
+    """The Llama family's Megatron plan (``tensor`` applies it, ``gspmd`` annotates it:
+    :mod:`jphantom.layer_plans`); ``None`` (the walker's) for Gemma's post-norms with experts,
+    which no registered variant has."""
     config = model.config
-    if kind not in ("tensor", "annotate") or (config.post_norms and config.experts):
+    if config.post_norms and config.experts:
         return None
     norm = "sequence" if sequence_parallel else "input"
     ringed = lambda name: Style(name, collective_matmul=True) if collective_matmul else name

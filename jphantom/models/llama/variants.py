@@ -41,7 +41,7 @@ Checkpoints with RoPE scaling on the global layers (Gemma 3 4B and larger) are r
 
 from jphantom.errors import ConfigError
 from jphantom.families import EXPERTS, MOE_EVERY, TOP_K
-from jphantom.models.llama.family import NO_PMM3D, SLIDING_WINDOW, register_variant
+from jphantom.models.llama.family import SLIDING_WINDOW, register_variant
 
 # ----------------------------------------------------------------------------------- Llama
 
@@ -73,7 +73,7 @@ register_variant(
 
 register_variant(
     "qwen3", "Qwen3: per-head q/k RMSNorm, tied embeddings", ("qwen3",),
-    strategies=NO_PMM3D, qk_norm=True, tie_word_embeddings=True, rope_theta=1e6,
+    qk_norm=True, tie_word_embeddings=True, rope_theta=1e6,
     rms_norm_eps=1e-6, hf_type="qwen3")
 
 
@@ -85,7 +85,7 @@ def _check_moe(section) -> None:
 register_variant(
     "qwen3_moe", "Qwen3-MoE: Qwen3 attention, every MLP fine-grained experts (--experts, "
     "--top-k, --intermediate per expert)", ("qwen3_moe",), fields=(EXPERTS, TOP_K),
-    check=_check_moe, strategies=NO_PMM3D, qk_norm=True, rope_theta=1e6, rms_norm_eps=1e-6,
+    check=_check_moe, qk_norm=True, rope_theta=1e6, rms_norm_eps=1e-6,
     experts=lambda s: s.experts, top_k=lambda s: s.top_k, norm_topk_prob=True,
     hf_type="qwen3_moe")
 
@@ -100,7 +100,7 @@ def _layer_types(section) -> tuple[str, ...]:
 register_variant(
     "gemma3", "Gemma 3 text: (1 + w) and sandwich norms, GeGLU, scaled embeddings, 5 local "
     "(--sliding-window) : 1 global layers, tied embeddings", ("gemma3_text",),
-    fields=(SLIDING_WINDOW,), aliases=("gemma3_text",), strategies=NO_PMM3D,
+    fields=(SLIDING_WINDOW,), aliases=("gemma3_text",),
     norm_offset=True, post_norms=True, activation="gelu_tanh",
     embed_scale=True, qk_norm=True, tie_word_embeddings=True, rms_norm_eps=1e-6,
     rope_theta=1e6, rope_local_theta=1e4, layer_types=_layer_types,
