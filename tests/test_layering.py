@@ -206,8 +206,6 @@ FUNCTION_LINES = 80
 LONG_FUNCTIONS = {
     "planner/search.py::plan": (288, "the planner's enumeration of every layout, one block per "
                                   "layout kind (to become one priced strategy object each)"),
-    "pipeline/runner.py::run": (276, "the pipeline executor's slot loop and its 20 closures "
-                                     "over the slot buffers"),
     "plans/convert.py::convert": (166, "one branch per style and layer type (to become "
                                        "the styles' own conversions)"),
     "pipeline/table.py::plan": (124, "the host-side slot assignment of every task's buffers"),
