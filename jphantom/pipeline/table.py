@@ -10,8 +10,8 @@ One **slot** holds at most one task per device, then the slot's exchange:
          Pipeline Parallelism", Sec. 2; :mod:`jphantom.pipeline.split`)
 
 A **tick** is one iteration of the executor's loop: one slot for the split schedules
-(:func:`jphantom.pipeline.schedule.lockstep_split`), two for the others, whose lock-step tick
-(:func:`jphantom.pipeline.schedule.lockstep`) is a forward slot and then a backward slot.
+(:func:`jphantom.pipeline.schedule.lockstep`), two for the others, whose lock-step tick is a
+forward slot and then a backward slot.
 ``table[slot, device, field]`` (``FIELDS``) says what each device runs and which buffer slots
 it reads and writes; every buffer slot is assigned here, from the intervals between a value's
 write and its last read (:func:`allocate_slots`), so a 1F1B step holds at most
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from jphantom.pipeline.config import PipelineConfig
-from jphantom.pipeline.schedule import chunks_of, lockstep, lockstep_split, model_chunk
+from jphantom.pipeline.schedule import chunks_of, lockstep, model_chunk
 
 KINDS = ("idle", "F", "B", "W", "BW")
 FIELDS = ("kind", "chunk", "mb", "first", "last", "inbox", "stash_b", "stash_w", "wstash", "seed",
@@ -114,21 +114,17 @@ def allocate_slots(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any, int
 
 
 def _slots(config: PipelineConfig, stages: int, train: bool):
-    """The schedule's slots (per device ``(kind, microbatch, local chunk)`` or ``None``) and
-    slots per tick."""
-    P = stages
-    if config.split:
-        steps = lockstep_split(config.schedule, P, config.microbatches, forward_only=not train)
-        return list(steps.slots), 1
-    steps = lockstep(config.schedule, P, config.microbatches, config.virtual_stages)
-    as_ops = lambda ops, kind: tuple(None if o is None else (kind, *o) for o in ops)  # noqa: E731
-    if not train:  # evaluation: the forward slots that run something
-        return [as_ops(t.forward, "F") for t in steps.ticks
-                if any(f is not None for f in t.forward)], 1
-    slots = []
-    for tick in steps.ticks:
-        slots += [as_ops(tick.forward, "F"), as_ops(tick.backward, "BW")]
-    return slots, 2
+    """The schedule's slots (per device ``(kind, microbatch, local chunk)`` or ``None``; a
+    whole backward is ``BW``) and slots per tick. Evaluation: the forward slots that run
+    something (a split schedule's F tasks alone in lock-step), one a tick."""
+    steps = lockstep(config.schedule, stages, config.microbatches, config.virtual_stages,
+                     forward_only=config.split and not train)
+    whole = {"F": "F", "B": "B" if config.split else "BW", "W": "W"}
+    slots = [tuple(None if op is None else (whole[op[0]], *op[1:]) for op in slot)
+             for slot in steps.slots]
+    if train:
+        return slots, steps.phases
+    return [slot for slot in slots if any(op is not None and op[0] == "F" for op in slot)], 1
 
 
 def plan(config: PipelineConfig, stages: int, *, train: bool = True) -> Plan:
