@@ -208,7 +208,6 @@ LONG_FUNCTIONS = {
                                   "layout kind (to become one priced strategy object each)"),
     "plans/convert.py::convert": (166, "one branch per style and layer type (to become "
                                        "the styles' own conversions)"),
-    "pipeline/table.py::plan": (124, "the host-side slot assignment of every task's buffers"),
     "compare.py::run_compare": (94, "the comparison's runs, seeds and targets"),
     "launch.py::launch": (92, "the launcher's processes, their environment and their exit"),
     "step/gspmd.py::pipeline_loss": (82, "the GSPMD baseline's pipelined loss"),
