@@ -154,16 +154,13 @@ def lockstep_ms(schedule: str, stages: int, microbatches: int, costs: dict) -> f
     devices, no per-slot overhead): a tick of 1F1B / GPipe / interleaved costs its forward slot
     plus its backward slot; a split schedule's slot its slowest task. A chunk of a device with
     two (interleaved, zb-v) costs half the stage's task."""
-    if schedule in schedules.SPLIT_SCHEDULES:
-        per = 1.0 / schedules.chunks_of(schedule, stages)
-        table = schedules.lockstep_split(schedule, stages, microbatches)
-        cost = {"F": costs["F"] * per, "B": costs["B"] * per, "W": costs["W"] * per}
-        return sum(max((cost[op[0]] for op in slot if op), default=0.0) for slot in table.slots)
     virtual = 2 if schedule == "interleaved-1f1b" else 1
+    per = 1.0 / (virtual * schedules.chunks_of(schedule, stages))
+    split = schedule in schedules.SPLIT_SCHEDULES
     table = schedules.lockstep(schedule, stages, microbatches, virtual)
-    return sum(costs["F"] / virtual * any(f is not None for f in tick.forward)
-               + costs["backward"] / virtual * any(b is not None for b in tick.backward)
-               for tick in table.ticks)
+    cost = {"F": costs["F"] * per, "B": costs["B" if split else "backward"] * per,
+            "W": costs["W"] * per}
+    return sum(max((cost[op[0]] for op in slot if op), default=0.0) for slot in table.slots)
 
 
 def stretch(schedule: str | None, stages: int, microbatches: int | None) -> float:
@@ -171,8 +168,6 @@ def stretch(schedule: str | None, stages: int, microbatches: int | None) -> floa
     if schedule is None:
         return 1.0
     ideal = microbatches * 3.0
-    if schedule in schedules.SPLIT_SCHEDULES:
-        return schedules.lockstep_split(schedule, stages, microbatches).cost() / ideal
     virtual = 2 if schedule == "interleaved-1f1b" else 1
     return schedules.lockstep(schedule, stages, microbatches, virtual).cost(2.0) / ideal
 
@@ -231,8 +226,7 @@ def main(argv=None) -> int:
                 "temp_memory": row["temp_bytes_per_device"] / base["temp_bytes_per_device"],
                 "extra_work": row["step_seconds"] / base["step_seconds"],
                 "task_work": (c["F"] + c["B"] + c["W"]) / (c["F"] + c["backward"]),
-                "slots": len(schedules.lockstep_split(schedule, stages,
-                                                      row["microbatches"]).slots),
+                "slots": len(schedules.lockstep(schedule, stages, row["microbatches"]).slots),
                 "ticks_1f1b": len(schedules.lockstep("1f1b", stages,
                                                      row["microbatches"]).ticks)}
     for row in rows:

@@ -67,8 +67,8 @@ def handle(args: argparse.Namespace) -> int:
     """``jphantom schedule``: the simulator's timeline and bubble of a pipeline schedule, beside
     Narayanan et al.'s formula and the lock-step executor's figures. Pure Python: no device is touched."""
     from jphantom.errors import ConfigError
-    from jphantom.pipeline.schedule import (SPLIT_SCHEDULES, lockstep, lockstep_split, simulate,
-                                            simulate_split, zero_bubble_formula)
+    from jphantom.pipeline.schedule import (SPLIT_SCHEDULES, lockstep, simulate,
+                                            zero_bubble_formula)
 
     P, M, V = args.stages, args.microbatches, args.virtual_stages
     for flag, value in (("--stages", P), ("--microbatches", M), ("--virtual-stages", V)):
@@ -85,20 +85,17 @@ def handle(args: argparse.Namespace) -> int:
             raise ConfigError(f"--virtual-stages applies to interleaved-1f1b; {args.schedule} "
                               "places its own chunks (zb-v: two per device)")
         R = args.backward_cost
-        simulation = simulate_split(args.schedule, P, M, backward_cost=R)
-        steps = lockstep_split(args.schedule, P, M)
         formula = zero_bubble_formula(args.schedule, P, M, (1.0, R / 2, R / 2))
     else:
-        simulation = simulate(args.schedule, P, M, V, backward_cost=args.backward_cost)
-        steps = lockstep(args.schedule, P, M, V)
         interleaved = args.schedule == "interleaved-1f1b"
         formula = (P - 1) / (P - 1 + V * M) if interleaved else (P - 1) / (M + P - 1)
+    simulation = simulate(args.schedule, P, M, V, backward_cost=args.backward_cost)
+    steps = lockstep(args.schedule, P, M, V)
     try:
         timeline = simulation.timeline(args.width)
     except ConfigError as error:  # the API's message, in the flag's name
         raise ConfigError(str(error).replace("timeline width=", "--width ").replace(
             "pass width >=", "give --width >=")) from None
-    slots = len(steps.slots) if split else len(steps.ticks)
     result = {
         "schedule": args.schedule, "stages": P, "microbatches": M, "virtual_stages": V,
         "backward_cost": args.backward_cost,
@@ -106,7 +103,7 @@ def handle(args: argparse.Namespace) -> int:
                       "makespan": simulation.makespan,
                       "peak_in_flight": list(simulation.peak_in_flight)},
         "formula": {"expression": FORMULAS[args.schedule], "bubble_fraction": formula},
-        "lockstep": {"ticks": slots, "peak_in_flight": list(steps.peak_in_flight),
+        "lockstep": {"ticks": len(steps.ticks), "peak_in_flight": list(steps.peak_in_flight),
                      "cost": steps.cost(args.backward_cost),
                      "bubble_fraction": steps.bubble_fraction(args.backward_cost)},
         "timeline": timeline,
@@ -137,7 +134,7 @@ def handle(args: argparse.Namespace) -> int:
           "device, ending in the exchange; `jphantom train --schedule` runs them):"
           if split else
           "Lock-step executor (the compiled step: each tick a forward and a backward slot):")
-    row("slots (F, B or W each)" if split else "ticks", slots)
+    row("slots (F, B or W each)" if split else "ticks", len(steps.ticks))
     row("bubble fraction", f"{steps.bubble_fraction(args.backward_cost):.2%}")
     row("peak micro-batches in flight per stage" + (" (chunks)" if V > 1 else ""),
         peaks(steps.peak_in_flight))

@@ -4,8 +4,8 @@ W tasks (:mod:`.table`), the one SPMD executor that runs every schedule's table 
 its buffers in :mod:`.buffers`) and a stage's backward split into B and W (:mod:`.split`)."""
 
 from jphantom.pipeline.schedule import (ALL_SCHEDULES, SCHEDULES, SPLIT_SCHEDULES, Lockstep,
-                                        Simulation, Task, Tick, TimedTask, build, lockstep,
+                                        Simulation, Task, TimedTask, build, lockstep,
                                         simulate)
 
 __all__ = ["ALL_SCHEDULES", "SCHEDULES", "SPLIT_SCHEDULES", "Lockstep", "Simulation", "Task",
-           "Tick", "TimedTask", "build", "lockstep", "simulate"]
+           "TimedTask", "build", "lockstep", "simulate"]

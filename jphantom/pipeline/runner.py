@@ -22,7 +22,7 @@ all-reduced over ``stage`` once per step, like Megatron's embedding-group all-re
 
 The step walks the schedule's table (:func:`jphantom.pipeline.table.plan`) with ``lax.scan``
 over ticks; every device reads its own row (``comm.axis_index("stage")``) and, in each slot of
-the tick, runs one task under ``lax.switch``:
+the tick, dispatches its task to the handler of its kind under ``lax.switch``:
 
     F    x = first(rest, inputs[m]) on chunk 0, else the activation received for (c, m);
          out, pullback = jax.vjp(body, chunk_params, x); stash the pullback's residuals;
@@ -73,214 +73,278 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
     ``rest``: the replicated parameters (varying over ``stage``); ``inputs``, ``targets``: the data
     rank's batch (arrays or tuples of them). Returns (loss share, d_stacked, d_rest), or the loss
     share alone when not ``train``. The loss is non-zero on the last stage only."""
-    schedule, M = config.schedule, config.microbatches
-    P_ = plan_.table.shape[1]
-    V = config.local_chunks
-    stage = comm.axis_index(STAGE_AXIS)
-    chunks = jax.tree.map(lambda a: a.reshape(V, a.shape[0] // V, *a.shape[1:]), stacked)
-    inputs, targets = jax.tree.map(lambda a: split_microbatches(a, M), (inputs, targets))
-    fill = config.bubble_fill
-    to_next = [(s, (s + 1) % P_) for s in range(P_) if plan_.ring or s + 1 < P_]
-    to_prev = [(d, s) for s, d in to_next]
-    table = jnp.asarray(plan_.table.reshape(-1, plan_.phases, *plan_.table.shape[1:]))
-    chunk_index = jnp.asarray(np.array([[model_chunk(schedule, P_, s, v) for v in range(V)]
-                                        for s in range(P_)], np.int32))
+    step = _Step(stages, config, plan_, stacked, rest, inputs, targets, train)
+    carry = step.buffers()
+    for start, stop, phases in plan_.segments:
+        carry, _ = lax.scan(step.segment(phases), carry, step.table[start:stop])
+    if not train:
+        return carry["loss"]
+    d_stacked = jax.tree.map(lambda d: d.reshape(d.shape[0] * d.shape[1], *d.shape[2:]),
+                             carry["d_chunks"])
+    return carry["loss"], d_stacked, carry["d_rest"]
 
-    def field(row, name):
-        return row[_F[name]]
 
-    def global_chunk(v):
-        return chunk_index[stage, v]
+def field(row, name):
+    """``row[name]``: one field (``FIELDS``) of a device's row of the table."""
+    return row[_F[name]]
 
-    def entry(rest, inputs_mb):
-        """The part before the blocks, typed as what flows between stages (a carry's statistics
-        start as plain zeros and flow varying over the batch axes)."""
-        return cast_like(stages.first(rest, inputs_mb), out0)
 
-    # Abstract values of what flows (nothing emitted): the body's output, its pullback's
-    # residuals (and, split, how they split and B's linear function's residuals), the loss.
-    x0 = stages.first(rest, take_index(inputs, 0))
-    x0 = jax.tree.map(lambda a: a + comm.pcast(jnp.zeros((), a.dtype), STAGE_AXIS, to="varying"),
-                      x0)
-    prepare = stages.prepare or (lambda chunk: chunk)
-    local = [jax.tree.map(lambda a, v=v: a[v], chunks) for v in range(V)]  # static slices
-    chunk0 = prepare(local[0])  # in the compute precision (Stages.prepare)
-    probed = {}
+class _Step:
+    """The interpreter of one step's table while it is traced: the step's constants (this
+    rank's chunks, micro-batches and what flows, probed once), one handler per task kind
+    (:data:`KINDS`: ``idle``, ``forward``, ``backward_whole``, ``backward_b``, ``backward_w``), and
+    the slot that dispatches a row to its handler, writes back what it produced and exchanges
+    its message."""
 
-    def probe_forward(chunk, x, c):
-        out, pullback = jax.vjp(lambda ch, x: stages.body(ch, x, c), chunk, x)
-        probed["treedef"], stash, probed["is_param"] = vjp_residuals(pullback, jax.tree.leaves(chunk))
+    def __init__(self, stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest,
+                 inputs, targets, train: bool):
+        self.stages, self.plan, self.rest, self.train = stages, plan_, rest, train
+        self.M, self.V, P_ = config.microbatches, config.local_chunks, plan_.table.shape[1]
+        V = self.V
+        self.stage = comm.axis_index(STAGE_AXIS)
+        self.chunks = jax.tree.map(lambda a: a.reshape(V, a.shape[0] // V, *a.shape[1:]), stacked)
+        self.inputs, self.targets = jax.tree.map(lambda a: split_microbatches(a, self.M),
+                                                 (inputs, targets))
+        self.fill = config.bubble_fill
+        self.to_next = [(s, (s + 1) % P_) for s in range(P_) if plan_.ring or s + 1 < P_]
+        self.to_prev = [(d, s) for s, d in self.to_next]
+        self.table = jnp.asarray(plan_.table.reshape(-1, plan_.phases, *plan_.table.shape[1:]))
+        self.chunk_index = jnp.asarray(np.array(
+            [[model_chunk(config.schedule, P_, s, v) for v in range(V)] for s in range(P_)],
+            np.int32))
+        self.handlers = {0: self.idle, F_: self.forward, B_: self.backward_b,
+                         W_: self.backward_w, BW_: self.backward_whole}
+
+    # ---- what flows, probed once (abstract values: nothing emitted) ----
+
+    def buffers(self):
+        """The loop's carry: the inbox and the loss, and (training) the stashes and the gradient
+        sums. Probes the body's output, its pullback's residuals (and, split, how they split and
+        B's linear function's residuals) and the loss."""
+        stages, rest = self.stages, self.rest
+        x0 = stages.first(rest, take_index(self.inputs, 0))
+        x0 = jax.tree.map(lambda a: a + comm.pcast(jnp.zeros((), a.dtype), STAGE_AXIS,
+                                                   to="varying"), x0)
+        self.prepare = stages.prepare or (lambda chunk: chunk)
+        self.local = [jax.tree.map(lambda a, v=v: a[v], self.chunks)
+                      for v in range(self.V)]  # static slices
+        chunk0 = self.prepare(self.local[0])  # in the compute precision (Stages.prepare)
+        out0, stash0 = jax.eval_shape(self._probe_forward, chunk0, x0, self.global_chunk(0))
+        # Probe again on an input typed as what flows between stages (the body's output: an MoE
+        # carry's statistics start invariant and leave varying over the batch axes). The
+        # pullbacks are rebuilt from this probe's structure, and a pullback traced for an
+        # invariant input holds the transpose of its implicit cast, an all-reduce over those
+        # axes, that a stage whose input arrives varying must not apply to the cotangent it
+        # sends back.
+        x0 = cast_like(x0, out0)
+        out0, stash0 = jax.eval_shape(self._probe_forward, chunk0, x0, self.global_chunk(0))
+        self.out0 = jax.tree.map(zeros_of, out0)
+        self.zero = zeros_of(jax.eval_shape(
+            lambda r, o: stages.last(r, o, take_index(self.targets, 0), self.M), rest, self.out0))
+        # The stash lives in slots written at a stage-dependent index, so its buffers vary over
+        # ``stage`` even where a residual does not (a rotary table computed from constants).
+        self.stash0 = [varying_over(zeros_of(a), STAGE_AXIS) for a in stash0]
+        self.rebuild = rebuilder(self.treedef, self.is_param)
+        carry = {"inbox": slot_buffers(self.out0, self.plan.inbox_slots), "loss": self.zero}
+        # the gradient accumulators: as stored, at least float32 (bf16 parameters, a sharded
+        # master, sum their micro-batches' gradients in float32, as Megatron's main_grad)
+        self.zero_leaves = jax.tree.leaves(jax.tree.map(wide_zeros, self.local[0]))
+        if self.train:
+            carry.update(self._training_buffers(chunk0))
+        return carry
+
+    def _probe_forward(self, chunk, x, c):
+        out, pullback = jax.vjp(lambda ch, x: self.stages.body(ch, x, c), chunk, x)
+        self.treedef, stash, self.is_param = vjp_residuals(pullback, jax.tree.leaves(chunk))
         return out, stash
 
-    out0, stash0 = jax.eval_shape(probe_forward, chunk0, x0, global_chunk(0))
-    # Probe again on an input typed as what flows between stages (the body's output: an MoE
-    # carry's statistics start invariant and leave varying over the batch axes). The pullbacks
-    # are rebuilt from this probe's structure, and a pullback traced for an invariant input holds
-    # the transpose of its implicit cast, an all-reduce over those axes, that a stage whose input
-    # arrives varying must not apply to the cotangent it sends back.
-    x0 = cast_like(x0, out0)
-    out0, stash0 = jax.eval_shape(probe_forward, chunk0, x0, global_chunk(0))
-    treedef, is_param = probed["treedef"], probed["is_param"]
-    out0 = jax.tree.map(zeros_of, out0)
-    zero = zeros_of(jax.eval_shape(lambda r, o: stages.last(r, o, take_index(targets, 0), M), rest,
-                                 out0))
-    # The stash lives in slots written at a stage-dependent index, so its buffers vary over
-    # ``stage`` even where a residual does not (a rotary table computed from constants).
-    stash0 = [varying_over(zeros_of(a), STAGE_AXIS) for a in stash0]
-
-    rebuild = rebuilder(treedef, is_param)
-    carry = {"inbox": slot_buffers(out0, plan_.inbox_slots), "loss": zero}
-    # the gradient accumulators: as stored, at least float32 (bf16 parameters, a sharded
-    # master, sum their micro-batches' gradients in float32, as Megatron's main_grad)
-    zero_leaves = jax.tree.leaves(jax.tree.map(wide_zeros, local[0]))
-    if train:
-        split = (weight_only_residuals(rebuild(chunk0), stash0, chunk0, out0) if plan_.splits
-                 else Split((False,) * len(stash0), (False,) * len(zero_leaves)))
-        known0, weight0 = pick(stash0, split.weight_only, False), pick(stash0, split.weight_only,
-                                                                      True)
-        b_mask = [not w for w in split.weight_leaves]  # BW: every leaf
-        b_zeros, w_zeros = pick(zero_leaves, b_mask, True), pick(zero_leaves, b_mask, False)
-        carry.update(stash_b=slot_buffers(known0, plan_.stash_b_slots),
-                     stash_w=slot_buffers(weight0, plan_.stash_w_slots),
-                     d_chunks=jax.tree.map(wide_zeros, chunks),
-                     d_rest=jax.tree.map(wide_zeros, rest))
-        traced = {}
+    def _training_buffers(self, chunk0):
+        """The stashes (F to B or BW, F to W, B to W) and the gradient sums; how the residuals
+        and the gradient leaves split between B and W (all B's without a split)."""
+        plan_, stash0 = self.plan, self.stash0
+        self.split = (weight_only_residuals(self.rebuild(chunk0), stash0, chunk0, self.out0)
+                      if plan_.splits else
+                      Split((False,) * len(stash0), (False,) * len(self.zero_leaves)))
+        self.known0 = pick(stash0, self.split.weight_only, False)
+        self.weight0 = pick(stash0, self.split.weight_only, True)
+        self.b_mask = [not w for w in self.split.weight_leaves]  # BW: every leaf
+        self.b_zeros = pick(self.zero_leaves, self.b_mask, True)
+        self.w_zeros = pick(self.zero_leaves, self.b_mask, False)
+        carry = dict(stash_b=slot_buffers(self.known0, plan_.stash_b_slots),
+                     stash_w=slot_buffers(self.weight0, plan_.stash_w_slots),
+                     d_chunks=jax.tree.map(wide_zeros, self.chunks),
+                     d_rest=jax.tree.map(wide_zeros, self.rest))
         if plan_.splits:
-            def probe_backward(chunk, known, d_out):
-                dx, b_leaves, linear = backward_input(rebuild(chunk), split, known, d_out, weight0)
-                probed["linear_treedef"], wres, probed["linear_is_param"] = vjp_residuals(
-                    linear, jax.tree.leaves(chunk))
-                return wres
+            wstash0 = jax.eval_shape(self._probe_backward, chunk0, self.known0, self.out0)
+            self.wstash0 = [varying_over(zeros_of(a), STAGE_AXIS) for a in wstash0]
+            self.wstash_shapes = [(a.shape, a.dtype) for a in self.wstash0]
+            carry["wstash"] = slot_buffers(self.wstash0, plan_.wstash_slots)
+        return carry
 
-            wstash0 = jax.eval_shape(probe_backward, chunk0, known0, out0)
-            wstash0 = [varying_over(zeros_of(a), STAGE_AXIS) for a in wstash0]
-            wstash_shapes = [(a.shape, a.dtype) for a in wstash0]
-            carry["wstash"] = slot_buffers(wstash0, plan_.wstash_slots)
+    def _probe_backward(self, chunk, known, d_out):
+        dx, b_leaves, linear = backward_input(self.rebuild(chunk), self.split, known, d_out,
+                                              self.weight0)
+        self.linear_treedef, wres, self.linear_is_param = vjp_residuals(
+            linear, jax.tree.leaves(chunk))
+        return wres
 
-    def head(out, m):
+    # ---- the pieces the handlers share ----
+
+    def global_chunk(self, v):
+        return self.chunk_index[self.stage, v]
+
+    def entry(self, rest, inputs_mb):
+        """The part before the blocks, typed as what flows between stages (a carry's statistics
+        start as plain zeros and flow varying over the batch axes)."""
+        return cast_like(self.stages.first(rest, inputs_mb), self.out0)
+
+    def head(self, out, m):
         """Loss share of micro-batch m and (training) d loss / d out, d loss / d rest."""
-        if not train:
-            return stages.last(rest, out, take_index(targets, m), M), None, None
-        loss, (d_rest, d_out) = jax.value_and_grad(lambda r, o: stages.last(  # ints: float0
-            r, o, take_index(targets, m), M), (0, 1), allow_int=True)(rest, out)
+        last = lambda r, o: self.stages.last(r, o, take_index(self.targets, m), self.M)  # noqa: E731
+        if not self.train:
+            return last(self.rest, out), None, None
+        loss, (d_rest, d_out) = jax.value_and_grad(  # ints: float0
+            last, (0, 1), allow_int=True)(self.rest, out)
         return loss, d_out, d_rest
 
-    def embedding_grad(dx, m):
+    def embedding_grad(self, dx, m):
         """On chunk 0: d loss / d rest through the part before the blocks."""
-        _, embed_vjp = jax.vjp(lambda r: entry(r, take_index(inputs, m)), rest)
-        return embed_vjp(cast_like(dx, out0))[0]
+        _, embed_vjp = jax.vjp(lambda r: self.entry(r, take_index(self.inputs, m)), self.rest)
+        return embed_vjp(cast_like(dx, self.out0))[0]
 
-    def idle_result(kinds):
+    def rest_grad_on_first(self, row, dx, m):
+        """The embedding's gradient on chunk 0, zeros elsewhere."""
+        return lax.cond(field(row, "first") > 0, lambda: self.embedding_grad(dx, m),
+                        lambda: jax.tree.map(jnp.zeros_like, self.rest))
+
+    def chunk_of(self, v, row):
+        """The local chunk's parameters in the compute precision (cast in the task, outside
+        its ``jax.vjp``): static with one chunk per device; with more a dynamic slice (a branch
+        per chunk would multiply every branch's buffers)."""
+        if v is not None:
+            return self.prepare(self.local[v]), self.global_chunk(v)
+        v = field(row, "chunk")
+        return self.prepare(take_index(self.chunks, v)), self.global_chunk(v)
+
+    # ---- one handler per task kind: (kinds of the slot, static chunk, row, buffers) ----
+
+    def idle(self, kinds, v=None, row=None, buffers=None):
         """What a slot's branches return, as an idle slot fills it: the message and the loss;
         where F runs, its residuals and the loss's seed; where B or BW runs, their gradient
         leaves (and B's, W's residuals); where W runs, W's; where F, B or BW runs, the head's or
         embedding's gradient (``rest``). Each branch writes only what its slot's tasks can
         produce."""
-        result = {"msg": fill_like(out0, fill), "loss": jnp.zeros_like(zero)}
-        if not train:
+        fill = self.fill
+        result = {"msg": fill_like(self.out0, fill), "loss": jnp.zeros_like(self.zero)}
+        if not self.train:
             return result
         if F_ in kinds:
-            result.update(stash_b=[jnp.full_like(a, fill) for a in known0],
-                          stash_w=[jnp.full_like(a, fill) for a in weight0],
-                          seed=fill_like(out0, fill))
+            result.update(stash_b=[jnp.full_like(a, fill) for a in self.known0],
+                          stash_w=[jnp.full_like(a, fill) for a in self.weight0],
+                          seed=fill_like(self.out0, fill))
         if B_ in kinds:
-            result["wstash"] = [jnp.full_like(a, fill) for a in wstash0]
+            result["wstash"] = [jnp.full_like(a, fill) for a in self.wstash0]
         if B_ in kinds or BW_ in kinds:
-            result["b_grads"] = b_zeros
+            result["b_grads"] = self.b_zeros
         if W_ in kinds:
-            result["w_grads"] = w_zeros
+            result["w_grads"] = self.w_zeros
         if {F_, B_, BW_} & set(kinds):
-            result["d_rest"] = jax.tree.map(jnp.zeros_like, rest)
+            result["d_rest"] = jax.tree.map(jnp.zeros_like, self.rest)
         return result
 
-    def chunk_of(v, row):
-        """The local chunk's parameters in the compute precision (cast in the task, outside
-        its ``jax.vjp``): static with one chunk per device; with more a dynamic slice (a branch
-        per chunk would multiply every branch's buffers)."""
-        if v is not None:
-            return prepare(local[v]), global_chunk(v)
-        v = field(row, "chunk")
-        return prepare(take_index(chunks, v)), global_chunk(v)
-
-    def forward(kinds, v, row, buffers):
+    def forward(self, kinds, v, row, buffers):
+        """F: the body's forward on the micro-batch's input (the embedding's on chunk 0);
+        training, its pullback's residuals stashed and, on the last chunk, the loss and its
+        seed for the backward."""
         message = take_index(buffers["inbox"], field(row, "inbox"))
         m = field(row, "mb")
-        chunk, c = chunk_of(v, row)
-        result = idle_result(kinds)
-        x = lax.cond(field(row, "first") > 0, lambda: entry(rest, take_index(inputs, m)),
-                     lambda: message)
-        body = lambda ch, x: stages.body(ch, x, c)  # noqa: E731
-        if not train:
+        chunk, c = self.chunk_of(v, row)
+        result = self.idle(kinds)
+        x = lax.cond(field(row, "first") > 0,
+                     lambda: self.entry(self.rest, take_index(self.inputs, m)), lambda: message)
+        body = lambda ch, x: self.stages.body(ch, x, c)  # noqa: E731
+        if not self.train:
             out = body(chunk, x)
-            result["msg"] = cast_like(out, out0)
-            result["loss"] = lax.cond(field(row, "last") > 0, lambda: head(out, m)[0],
-                                      lambda: jnp.zeros_like(zero))
+            result["msg"] = cast_like(out, self.out0)
+            result["loss"] = lax.cond(field(row, "last") > 0, lambda: self.head(out, m)[0],
+                                      lambda: jnp.zeros_like(self.zero))
             return result
         out, pullback = jax.vjp(body, chunk, x)
         _, stash, params = vjp_residuals(pullback, jax.tree.leaves(chunk))
-        if params != is_param or [(a.shape, a.dtype) for a in stash] != \
-                [(a.shape, a.dtype) for a in stash0]:
+        if params != self.is_param or _shapes(stash) != _shapes(self.stash0):
             raise RuntimeError("the stage body's vjp residuals changed between traces")
-        stash = cast_like(stash, stash0)
+        stash = cast_like(stash, self.stash0)
 
         def with_head():
-            loss, d_out, d_rest = head(out, m)
-            return loss, cast_like(d_out, out0), d_rest
+            loss, d_out, d_rest = self.head(out, m)
+            return loss, cast_like(d_out, self.out0), d_rest
 
         def without_head():
-            return (jnp.zeros_like(zero), fill_like(out0, fill),
-                    jax.tree.map(jnp.zeros_like, rest))
+            return (jnp.zeros_like(self.zero), fill_like(self.out0, self.fill),
+                    jax.tree.map(jnp.zeros_like, self.rest))
 
         loss, d_out, d_rest = lax.cond(field(row, "last") > 0, with_head, without_head)
-        result.update(msg=cast_like(out, out0), loss=loss, seed=d_out, d_rest=d_rest,
-                      stash_b=pick(stash, split.weight_only, False),
-                      stash_w=pick(stash, split.weight_only, True))
+        weight_only = self.split.weight_only
+        result.update(msg=cast_like(out, self.out0), loss=loss, seed=d_out, d_rest=d_rest,
+                      stash_b=pick(stash, weight_only, False),
+                      stash_w=pick(stash, weight_only, True))
         return result
 
-    def backward_whole(kinds, v, row, buffers):
+    def backward_whole(self, kinds, v, row, buffers):
+        """BW: the whole backward from the stashed residuals: the input's gradient (sent on)
+        and every gradient leaf of the chunk."""
         d_out = take_index(buffers["inbox"], field(row, "inbox"))
         residuals = take_index(buffers["stash_b"], field(row, "stash_b"))
-        m, (chunk, _) = field(row, "mb"), chunk_of(v, row)
-        d_chunk, dx = rebuild(chunk)(residuals)(d_out)
-        d_rest = lax.cond(field(row, "first") > 0, lambda: embedding_grad(dx, m),
-                          lambda: jax.tree.map(jnp.zeros_like, rest))
-        result = idle_result(kinds)
-        result.update(msg=cast_like(dx, out0), d_rest=d_rest,
-                      b_grads=cast_like(jax.tree.leaves(d_chunk), b_zeros))
+        m, (chunk, _) = field(row, "mb"), self.chunk_of(v, row)
+        d_chunk, dx = self.rebuild(chunk)(residuals)(d_out)
+        d_rest = self.rest_grad_on_first(row, dx, m)
+        result = self.idle(kinds)
+        result.update(msg=cast_like(dx, self.out0), d_rest=d_rest,
+                      b_grads=cast_like(jax.tree.leaves(d_chunk), self.b_zeros))
         return result
 
-    def backward_b(kinds, v, row, buffers):
+    def backward_b(self, kinds, v, row, buffers):
+        """B: the input's gradient and B's gradient leaves; W's linear function's residuals
+        stashed for W."""
         d_out = take_index(buffers["inbox"], field(row, "inbox"))
         known = take_index(buffers["stash_b"], field(row, "stash_b"))
-        m, (chunk, _) = field(row, "mb"), chunk_of(v, row)
-        dx, b_leaves, linear = backward_input(rebuild(chunk), split, known, d_out, weight0)
+        m, (chunk, _) = field(row, "mb"), self.chunk_of(v, row)
+        dx, b_leaves, linear = backward_input(self.rebuild(chunk), self.split, known, d_out,
+                                              self.weight0)
         td, wres, params = vjp_residuals(linear, jax.tree.leaves(chunk))
-        if params != probed["linear_is_param"] or [(a.shape, a.dtype) for a in wres] \
-                != wstash_shapes:
+        if params != self.linear_is_param or _shapes(wres) != self.wstash_shapes:
             raise RuntimeError("the stage body's input-gradient residuals changed between traces")
-        traced["linear_treedef"] = td
-        d_rest = lax.cond(field(row, "first") > 0, lambda: embedding_grad(dx, m),
-                          lambda: jax.tree.map(jnp.zeros_like, rest))
-        result = idle_result(kinds)
-        result.update(msg=cast_like(dx, out0), wstash=cast_like(wres, wstash0),
-                      b_grads=cast_like(b_leaves, b_zeros), d_rest=d_rest)
+        self.linear_treedef = td
+        d_rest = self.rest_grad_on_first(row, dx, m)
+        result = self.idle(kinds)
+        result.update(msg=cast_like(dx, self.out0), wstash=cast_like(wres, self.wstash0),
+                      b_grads=cast_like(b_leaves, self.b_zeros), d_rest=d_rest)
         return result
 
-    def backward_w(kinds, v, row, buffers):
-        linear = rebuilder(traced.get("linear_treedef", probed["linear_treedef"]),
-                           probed["linear_is_param"])(chunk_of(v, row)[0])(
+    def backward_w(self, kinds, v, row, buffers):
+        """W: the weights' gradient leaves, B's linear function applied to the weight-only
+        residuals."""
+        linear = rebuilder(self.linear_treedef, self.linear_is_param)(self.chunk_of(v, row)[0])(
             take_index(buffers["wstash"], field(row, "wstash")))
-        result = idle_result(kinds)
+        result = self.idle(kinds)
         weight_only = take_index(buffers["stash_w"], field(row, "stash_w"))
-        result["w_grads"] = cast_like(backward_weight(linear, weight_only), w_zeros)
+        result["w_grads"] = cast_like(backward_weight(linear, weight_only), self.w_zeros)
         return result
 
-    def idle(kinds, v, row, buffers):
-        return idle_result(kinds)
+    # ---- the interpreter: a tick's slots, each a dispatch, a write-back and an exchange ----
 
-    branch_of_kind = {0: idle, F_: forward, B_: backward_b, W_: backward_w, BW_: backward_whole}
+    def segment(self, phases):
+        """The scanned body of a segment's ticks: its slots in turn, each on this device's row."""
+        slots = [self.slot(*phase) for phase in phases]
 
-    def slot(tasks, send_next, send_prev):
+        def tick(carry, rows):
+            for run_slot, rows_p in zip(slots, rows):
+                if run_slot is not None:
+                    carry = run_slot(carry, rows_p[self.stage])
+            return carry, None
+        return tick
+
+    def slot(self, tasks, send_next, send_prev):
         """One slot of a segment's ticks, whose devices run the kinds ``tasks``: one branch per
         kind (with one chunk per device its parameters static), and the idle one; then the
         slot's exchange. ``None`` where no device runs anything."""
@@ -289,62 +353,58 @@ def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inpu
         kinds = sorted(set(tasks) | {0})
         index_of = np.zeros(len(KINDS), np.int32)
         index_of[kinds] = np.arange(len(kinds))
-        static = 0 if V == 1 else None
+        static = 0 if self.V == 1 else None
 
         def run_slot(carry, row):
             # The buffers a task of this slot reads, whole: the taken branch slices its slots
             # (operands only; every write is outside the switch).
             buffers = {"inbox": carry["inbox"]}
-            if train and {B_, BW_} & set(kinds):
+            if self.train and {B_, BW_} & set(kinds):
                 buffers["stash_b"] = carry["stash_b"]
-            if train and W_ in kinds:
+            if self.train and W_ in kinds:
                 buffers.update(stash_w=carry["stash_w"], wstash=carry["wstash"])
-            branches = [lambda r, b, k=k: branch_of_kind[k](kinds, static, r, b) for k in kinds]
+            branches = [lambda r, b, k=k: self.handlers[k](kinds, static, r, b) for k in kinds]
             index = jnp.asarray(index_of)[field(row, "kind")]
             result = lax.switch(index, branches, row, buffers)
-            carry = dict(carry)
-            carry["loss"] = carry["loss"] + result["loss"]
-            v = field(row, "chunk")
-            for buffer, key in (("stash_b", "stash_b"), ("stash_w", "stash_w"),
-                                ("wstash", "wstash"), ("inbox", "seed")):
-                if key in result:
-                    carry[buffer] = put_slot(carry[buffer], field(row, key), result[key])
-            if "b_grads" in result:
-                carry["d_chunks"] = add_to_chunk(carry["d_chunks"], v, result["b_grads"], b_mask)
-            if "w_grads" in result:
-                carry["d_chunks"] = add_to_chunk(carry["d_chunks"], v, result["w_grads"],
-                                                 split.weight_leaves)
-            if "d_rest" in result:
-                carry["d_rest"] = jax.tree.map(jnp.add, carry["d_rest"], result["d_rest"])
-            msg = result["msg"]
-            if plan_.keeps:  # zb-v's turn: the message stays on its device
-                carry["inbox"] = put_slot(carry["inbox"], field(row, "keep"), msg)
-            if send_next:  # one collective-permute of [b, ...] to the next device
-                carry["inbox"] = put_slot(carry["inbox"], field(row, "from_prev"),
-                                          comm.ppermute(msg, STAGE_AXIS, to_next))
-            if send_prev:  # and one to the previous
-                carry["inbox"] = put_slot(carry["inbox"], field(row, "from_next"),
-                                          comm.ppermute(msg, STAGE_AXIS, to_prev))
-            return carry
+            carry = self.write_back(carry, row, result)
+            return self.exchange(carry, row, result["msg"], send_next, send_prev)
         return run_slot
 
-    def segment(phases):
-        slots = [slot(*phase) for phase in phases]
+    def write_back(self, carry, row, result):
+        """The carry with a task's ``result`` in it: the loss and the gradient sums added, the
+        stashes and the seed written to their slots."""
+        carry = dict(carry)
+        carry["loss"] = carry["loss"] + result["loss"]
+        v = field(row, "chunk")
+        for buffer, key in (("stash_b", "stash_b"), ("stash_w", "stash_w"),
+                            ("wstash", "wstash"), ("inbox", "seed")):
+            if key in result:
+                carry[buffer] = put_slot(carry[buffer], field(row, key), result[key])
+        if "b_grads" in result:
+            carry["d_chunks"] = add_to_chunk(carry["d_chunks"], v, result["b_grads"], self.b_mask)
+        if "w_grads" in result:
+            carry["d_chunks"] = add_to_chunk(carry["d_chunks"], v, result["w_grads"],
+                                             self.split.weight_leaves)
+        if "d_rest" in result:
+            carry["d_rest"] = jax.tree.map(jnp.add, carry["d_rest"], result["d_rest"])
+        return carry
 
-        def tick(carry, rows):
-            for run_slot, rows_p in zip(slots, rows):
-                if run_slot is not None:
-                    carry = run_slot(carry, rows_p[stage])
-            return carry, None
-        return tick
+    def exchange(self, carry, row, msg, send_next, send_prev):
+        """The slot's message kept (zb-v's turn) or sent to the next and the previous device,
+        into the inbox slots the table names."""
+        if self.plan.keeps:  # zb-v's turn: the message stays on its device
+            carry["inbox"] = put_slot(carry["inbox"], field(row, "keep"), msg)
+        if send_next:  # one collective-permute of [b, ...] to the next device
+            carry["inbox"] = put_slot(carry["inbox"], field(row, "from_prev"),
+                                      comm.ppermute(msg, STAGE_AXIS, self.to_next))
+        if send_prev:  # and one to the previous
+            carry["inbox"] = put_slot(carry["inbox"], field(row, "from_next"),
+                                      comm.ppermute(msg, STAGE_AXIS, self.to_prev))
+        return carry
 
-    for start, stop, phases in plan_.segments:
-        carry, _ = lax.scan(segment(phases), carry, table[start:stop])
-    if not train:
-        return carry["loss"]
-    d_stacked = jax.tree.map(lambda d: d.reshape(d.shape[0] * d.shape[1], *d.shape[2:]),
-                             carry["d_chunks"])
-    return carry["loss"], d_stacked, carry["d_rest"]
+
+def _shapes(arrays):
+    return [(a.shape, a.dtype) for a in arrays]
 
 
 def wide_zeros(a):

@@ -17,15 +17,17 @@ operation per tick per device, every operation one tick long):
     micro-batch passes through all ``V * P`` chunks, visiting every device ``V`` times. Like
     Megatron, it requires ``microbatches % stages == 0``.
 
-:func:`simulate` executes a table's per-device order with real costs -- a forward costs ``1 / V``
+:func:`simulate` executes a schedule's per-device order with real costs -- a forward costs ``1 / V``
 per chunk (so one device's forwards of a micro-batch cost 1) and a backward ``backward_cost / V`` --
-starting every task as soon as its device is free and its dependencies have finished.
+starting every task as soon as its device is free and its dependencies have finished;
+:func:`lockstep` runs the same order in the lock-step slots of one SPMD program.
 
 ``zb-h1`` and ``zb-v`` (zero-bubble schedules; Qi, Wan, Huang & Lin, "Zero Bubble Pipeline
 Parallelism", ICLR 2024) split each backward into **B**, the gradient of the stage's input (on
 the critical path), and **W**, the gradient of its weights (deferrable), so that W fills what
-would be bubbles. Their tables hold F, B and W tasks (:data:`SPLIT_SCHEDULES`; simulated,
-drawn, and run in lock-step by :mod:`jphantom.pipeline.split`):
+would be bubbles. Their orders hold F, B and W tasks (:data:`SPLIT_SCHEDULES`); each is written
+once and :func:`simulate` and :func:`lockstep` take it like any other, W costing a
+``weight_share`` of the backward (the executor's B and W: :mod:`jphantom.pipeline.split`):
 
 ``zb-h1``
     1F1B's order with every W deferred as long as the stage holds no more micro-batches than
@@ -151,9 +153,10 @@ class Simulation:
         return "\n".join(f"stage {s:>{pad}} |{''.join(r)}|" for s, r in enumerate(rows))
 
 
-def _validate(schedule: str, stages: int, microbatches: int, virtual_stages: int) -> None:
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+def _validate(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> None:
+    if schedule not in ALL_SCHEDULES:
+        raise ConfigError(f"unknown pipeline schedule {schedule!r}; use one of "
+                          f"{', '.join(ALL_SCHEDULES)}")
     for name, value in (("stages", stages), ("microbatches", microbatches), ("virtual_stages", virtual_stages)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{name}={value!r} must be a positive integer; pass {name} >= 1")
@@ -169,25 +172,52 @@ def _validate(schedule: str, stages: int, microbatches: int, virtual_stages: int
         )
 
 
+def _costs(schedule: str, chunks: int, backward_cost: float, weight_share: float | None
+           ) -> tuple[float, float, float]:
+    """(F, B, W) costs of one task on one of a device's ``chunks`` chunks, a forward of the
+    device's whole share costing 1: B is the whole backward, or with a split backward its
+    input's share (W the ``weight_share`` of the weights', default 0.5)."""
+    if not backward_cost > 0 or not math.isfinite(backward_cost):
+        raise ConfigError(f"backward_cost={backward_cost!r} must be a positive finite number; pass e.g. 2.0")
+    if schedule not in SPLIT_SCHEDULES:
+        if weight_share is not None:
+            raise ConfigError(f"weight_share={weight_share!r} applies to the split-backward "
+                              f"schedules ({', '.join(SPLIT_SCHEDULES)}), not {schedule!r}")
+        return 1.0 / chunks, backward_cost / chunks, 0.0
+    weight_share = 0.5 if weight_share is None else weight_share
+    if not 0 < weight_share < 1:
+        raise ConfigError(f"weight_share={weight_share!r}: the weight gradient's share of the "
+                          "backward, strictly between 0 and 1 (e.g. 0.5)")
+    return (1.0 / chunks, backward_cost * (1 - weight_share) / chunks,
+            backward_cost * weight_share / chunks)
+
+
 # An operation in a device's order: (kind, microbatch, chunk).
 _Op = tuple[str, int, int]
 
 
-def _orders(schedule: str, stages: int, microbatches: int, virtual_stages: int,
-            lockstep: bool = False) -> list[list[_Op]]:
-    """Each device's operations, in the order it runs them. ``lockstep``: 1F1B's warm-up is
-    ``2 (P - s - 1)`` forwards instead of ``P - s - 1`` (see :func:`lockstep`)."""
+def _orders(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1, *,
+            lockstep: bool = False, costs: tuple[float, float, float] = (1.0, 1.0, 1.0)
+            ) -> list[list[_Op]]:
+    """Each device's operations, in the order it runs them: F, and B (the whole backward) or,
+    with a split backward, B and W. ``lockstep``: 1F1B's warm-up is ``2 (P - s - 1)`` forwards
+    instead of ``P - s - 1`` (see :func:`lockstep`). ``costs`` (F, B, W): what ``zb-v``'s list
+    scheduling weighs."""
     P, M, V = stages, microbatches, virtual_stages
+    if schedule == "zb-v":
+        return _zb_v_orders(P, M, costs)
     orders: list[list[_Op]] = []
     for s in range(P):
         if schedule == "gpipe":
             order = [("F", m, 0) for m in range(M)] + [("B", m, 0) for m in reversed(range(M))]
-        elif schedule == "1f1b":
-            warmup = min((P - s - 1) * (2 if lockstep else 1), M)
+        elif schedule in ("1f1b", "zb-h1"):
+            warmup = min((P - s - 1) * (2 if lockstep and schedule == "1f1b" else 1), M)
             order = [("F", m, 0) for m in range(warmup)]
             for i in range(M - warmup):
                 order += [("F", warmup + i, 0), ("B", i, 0)]
             order += [("B", m, 0) for m in range(M - warmup, M)]
+            if schedule == "zb-h1":
+                order = _defer_weights(order, cap=min(P, M))
         else:  # interleaved-1f1b, following Megatron-LM's forward_backward_pipelining_with_interleaving
             total = M * V
 
@@ -206,6 +236,31 @@ def _orders(schedule: str, stages: int, microbatches: int, virtual_stages: int,
     return orders
 
 
+def _defer_weights(order: list[_Op], cap: int) -> list[_Op]:
+    """ZB-H1 from 1F1B's ``order``: each backward split into B and a W deferred while the
+    stage holds fewer than ``cap`` micro-batches (activations live until W; 1F1B's peak), W's
+    filling the cool-down between B's."""
+    M = sum(kind == "F" for kind, _, _ in order)
+    out: list[_Op] = []
+    pending: list[_Op] = []
+    forwards = backwards = weights = 0
+    for kind, m, chunk in order:
+        if kind == "F":
+            while forwards - weights >= cap and pending:  # make room for the next forward
+                out.append(pending.pop(0))
+                weights += 1
+            forwards += 1
+            out.append((kind, m, chunk))
+            continue
+        out.append((kind, m, chunk))
+        pending.append(("W", m, chunk))
+        backwards += 1
+        if forwards == M and backwards < M:  # cool-down: W between B's
+            out.append(pending.pop(0))
+            weights += 1
+    return out + pending
+
+
 def _peak_in_flight(orders: list[list[_Op]], release: str = "B") -> list[int]:
     """Per device, the most operations whose forward ran and whose ``release`` (the backward;
     split schedules: W, which still needs the activations) has not."""
@@ -217,14 +272,6 @@ def _peak_in_flight(orders: list[list[_Op]], release: str = "B") -> list[int]:
             peak = max(peak, live)
         peaks.append(peak)
     return peaks
-
-
-def _execute(
-    orders: list[list[_Op]], stages: int, virtual_stages: int, forward_cost: float, backward_cost: float
-) -> dict[tuple[int, _Op], tuple[float, float]]:
-    """Run each device's order as early as dependencies allow; returns (start, end) per op."""
-    return _execute_split("round-robin", orders, stages, (forward_cost, backward_cost, 0.0),
-                          chunks=virtual_stages)
 
 
 def build(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> list[Task]:
@@ -239,92 +286,96 @@ def build(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1
     multiple of ``stages``.
     """
     _validate(schedule, stages, microbatches, virtual_stages)
+    if schedule in SPLIT_SCHEDULES:
+        raise ConfigError(f"build tables the schedules with a whole backward "
+                          f"({', '.join(SCHEDULES)}); for {schedule!r} use simulate or lockstep")
     orders = _orders(schedule, stages, microbatches, virtual_stages)
-    times = _execute(orders, stages, virtual_stages, 1.0, 1.0)
+    times = _execute(schedule, orders, stages, (1.0, 1.0, 0.0), virtual_stages)
     tasks = [Task(int(start), s, op[1], op[0], op[2]) for (s, op), (start, _) in times.items()]
     return sorted(tasks, key=lambda t: (t.tick, t.stage))
 
 
-def simulate(
-    schedule: str, stages: int, microbatches: int, virtual_stages: int = 1, backward_cost: float = 1.0
-) -> Simulation:
-    """Discrete-event simulation of :func:`build`'s per-device order with real costs.
+def simulate(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1,
+             backward_cost: float = 1.0, weight_share: float | None = None) -> Simulation:
+    """Discrete-event simulation of the schedule's per-device order with real costs: a forward
+    of one device's whole share of the model costs 1 and its backward ``backward_cost`` (each of
+    V chunks a ``1 / V`` share: ``virtual_stages``, or ``zb-v``'s two), of which a split
+    backward's W is ``weight_share`` (default 0.5); each task starts when its device is free and
+    its dependencies have ended. ``peak_in_flight`` counts (chunk) activations held from F to
+    the backward (split: to W).
 
-    A forward costs ``1 / virtual_stages`` per chunk and a backward ``backward_cost /
-    virtual_stages``; each task starts when its device is free and its dependencies have ended.
     GPipe and 1F1B give Narayanan et al.'s bubble ``(P - 1) / (M + P - 1)`` for any ``backward_cost``;
     interleaved 1F1B gives ``(P - 1) / (P - 1 + V * M)`` (see the module docstring).
     """
     _validate(schedule, stages, microbatches, virtual_stages)
-    if not backward_cost > 0 or not math.isfinite(backward_cost):
-        raise ConfigError(f"backward_cost={backward_cost!r} must be a positive finite number; pass e.g. 2.0")
-    P, V = stages, virtual_stages
-    orders = _orders(schedule, stages, microbatches, virtual_stages)
-    times = _execute(orders, P, V, 1.0 / V, backward_cost / V)
+    P = stages
+    V = virtual_stages * chunks_of(schedule, P)
+    costs = _costs(schedule, V, backward_cost, weight_share)
+    orders = _orders(schedule, stages, microbatches, virtual_stages, costs=costs)
+    times = _execute(schedule, orders, P, costs, V)
     makespan = max(end for _, end in times.values())
     busy = sum(end - start for start, end in times.values())
-    peaks = _peak_in_flight(orders)
-    timed = sorted(
-        (TimedTask(Task(int(round(start * V)), s, op[1], op[0], op[2]), start, end) for (s, op), (start, end) in times.items()),
-        key=lambda t: (t.start, t.stage),
-    )
-    return Simulation(
-        schedule=schedule,
-        stages=P,
-        microbatches=microbatches,
-        virtual_stages=V,
-        backward_cost=float(backward_cost),
-        makespan=makespan,
-        bubble_fraction=(P * makespan - busy) / (P * makespan),
-        peak_in_flight=peaks,
-        tasks=timed,
-    )
-
-
-@dataclass(frozen=True)
-class Tick:
-    """One lock-step tick: per stage, the forward it runs and then the backward it runs, each a
-    ``(microbatch, chunk)`` or ``None``."""
-
-    forward: tuple[tuple[int, int] | None, ...]
-    backward: tuple[tuple[int, int] | None, ...]
+    release = "W" if schedule in SPLIT_SCHEDULES else "B"
+    timed = sorted((TimedTask(Task(int(round(start * V)), s, op[1], op[0], op[2]), start, end)
+                    for (s, op), (start, end) in times.items()), key=lambda t: (t.start, t.stage))
+    return Simulation(schedule=schedule, stages=P, microbatches=microbatches, virtual_stages=V,
+                      backward_cost=float(backward_cost), makespan=makespan,
+                      bubble_fraction=(P * makespan - busy) / (P * makespan),
+                      peak_in_flight=_peak_in_flight(orders, release), tasks=timed)
 
 
 @dataclass(frozen=True)
 class Lockstep:
-    """A schedule as the SPMD executor runs it (:func:`lockstep`): ``ticks``, each a forward slot
-    then a backward slot on every stage, and ``peak_in_flight`` per stage (micro-batch chunks whose
-    forward ran and backward has not: the residuals the stage holds)."""
+    """A schedule as the SPMD executor runs it (:func:`lockstep`): ``slots``, each at most one
+    task ``(kind, microbatch, chunk)`` per device (``None``: idle), ``phases`` slots a tick (a
+    forward slot and then a backward slot; one slot of any task with a split backward), and
+    ``peak_in_flight`` per stage (micro-batch chunks whose forward ran and whose backward, or W,
+    has not: the residuals the stage holds)."""
 
     schedule: str
     stages: int
     microbatches: int
     virtual_stages: int
-    ticks: tuple[Tick, ...]
+    phases: int
+    slots: tuple[tuple[_Op | None, ...], ...]
     peak_in_flight: tuple[int, ...]
 
-    def cost(self, backward_cost: float = 2.0) -> float:
-        """Step time in units of one device's forward of one micro-batch, when every tick lasts as
-        long as its slowest stage: ``1/V`` if any stage runs a forward, plus ``backward_cost/V`` if
-        any runs a backward."""
-        V = self.virtual_stages
-        return sum((1.0 / V if any(t.forward) else 0.0)
-                   + (backward_cost / V if any(t.backward) else 0.0) for t in self.ticks)
+    @property
+    def ticks(self) -> tuple[tuple[tuple[_Op | None, ...], ...], ...]:
+        """The slots by tick, ``phases`` a tick."""
+        return tuple(self.slots[t:t + self.phases] for t in range(0, len(self.slots), self.phases))
 
-    def bubble_fraction(self, backward_cost: float = 2.0) -> float:
+    def cost(self, backward_cost: float = 2.0, weight_share: float | None = None) -> float:
+        """Step time in forwards of one device's whole share of the model, when every slot lasts
+        as long as its longest task (:func:`simulate`'s costs)."""
+        V = self.virtual_stages * chunks_of(self.schedule, self.stages)
+        each = dict(zip("FBW", _costs(self.schedule, V, backward_cost, weight_share)))
+        return sum(max((each[op[0]] for op in slot if op), default=0.0) for slot in self.slots)
+
+    def bubble_fraction(self, backward_cost: float = 2.0, weight_share: float | None = None
+                        ) -> float:
         """Idle device time / total device time of the lock-step execution."""
         busy = self.microbatches * (1.0 + backward_cost)
-        return 1.0 - busy / self.cost(backward_cost)
+        return 1.0 - busy / self.cost(backward_cost, weight_share)
+
+    def exchanges(self) -> int:
+        """Slots after which an activation or a cotangent moves (a collective-permute each)."""
+        return sum(any(op and op[0] == kind for op in slot)
+                   for slot in self.slots for kind in ("F", "B"))
 
 
-def lockstep(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> Lockstep:
-    """The schedule in lock-step ticks, as one SPMD program runs it.
+def lockstep(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1, *,
+             forward_only: bool = False) -> Lockstep:
+    """The schedule in lock-step slots, as one SPMD program runs it.
 
-    In a single program every tick ends in the same point-to-point exchange on all devices, so a
-    tick lasts as long as its slowest device. Each tick has a forward slot, then the activation
-    exchange, then a backward slot, then the cotangent exchange; every device walks its own order
-    (:func:`build`'s) and takes, per tick, at most its next forward and then at most its next
-    backward whose inputs have arrived. A micro-batch thus moves one stage per tick each way.
+    In a single program every slot ends in the same point-to-point exchange on all devices, so a
+    slot lasts as long as its slowest device. Every device walks its own order and takes, per
+    slot, at most its next task whose inputs were produced in an earlier slot. With a whole
+    backward a tick is a forward slot and then a backward slot (a micro-batch moves one stage
+    per tick each way); with a split backward every slot takes a task of any kind: with equal
+    F, B and W costs every slot costs one task, so ZB-H1's bubble survives lock-step where
+    1F1B's tick of a forward and a whole backward does not shrink. ``forward_only``: the F tasks
+    alone, in the same orders.
 
     For GPipe and interleaved 1F1B (Megatron's warm-up of ``2 (P - s - 1) + (V - 1) P``) this costs
     exactly their ideal time: ``(M + P - 1)(t_f + t_b)`` and ``(M + (P - 1)/V)(t_f + t_b)``. Plain
@@ -336,45 +387,36 @@ def lockstep(schedule: str, stages: int, microbatches: int, virtual_stages: int 
     flight -- bounded in M, unlike GPipe's M, but up to twice PipeDream-Flush's ``P - s``.
     """
     _validate(schedule, stages, microbatches, virtual_stages)
-    P, V = stages, virtual_stages
-    orders = _orders(schedule, stages, microbatches, virtual_stages, lockstep=True)
-    last = V * P - 1
-    done: dict[tuple[int, str, int], int] = {}
+    P, split = stages, schedule in SPLIT_SCHEDULES
+    orders = _orders(schedule, P, microbatches, virtual_stages, lockstep=True)
+    if forward_only:
+        orders = [[op for op in order if op[0] == "F"] for order in orders]
+    kinds = (None,) if split else ("F", "B")  # what each slot of a tick may run
+    last = virtual_stages * chunks_of(schedule, P) * P - 1
+    done: dict[tuple[int, str, int], int] = {}  # -> the slot it ran in
     position = [0] * P
     total = sum(len(o) for o in orders)
-    ticks: list[Tick] = []
-    t = 0
-    while sum(position) < total:
-        forward: list[tuple[int, int] | None] = [None] * P
-        backward: list[tuple[int, int] | None] = [None] * P
+    slots = []
+    while sum(position) < total or len(slots) % len(kinds):
+        index = len(slots)
+        ran: list[_Op | None] = [None] * P
         for s in range(P):
-            if position[s] < len(orders[s]):
-                kind, m, chunk = orders[s][position[s]]
-                c = chunk * P + s
-                if kind == "F" and (c == 0 or done.get((c - 1, "F", m), t) < t):
-                    forward[s] = (m, chunk)
-                    done[(c, "F", m)] = t
-                    position[s] += 1
-        for s in range(P):
-            if position[s] < len(orders[s]):
-                kind, m, chunk = orders[s][position[s]]
-                c = chunk * P + s
-                if (kind == "B" and done.get((c, "F", m), t + 1) <= t
-                        and (c == last or done.get((c + 1, "B", m), t) < t)):
-                    backward[s] = (m, chunk)
-                    done[(c, "B", m)] = t
-                    position[s] += 1
-        ticks.append(Tick(tuple(forward), tuple(backward)))
-        t += 1
-        if t > 4 * total + 4:  # pragma: no cover - the orders never deadlock
+            if position[s] >= len(orders[s]):
+                continue
+            op = orders[s][position[s]]
+            kind, m, chunk = op
+            c = model_chunk(schedule, P, s, chunk)
+            if kinds[index % len(kinds)] in (None, kind) and all(
+                    done.get(d, index) < index for d in _dependencies(c, kind, m, last)):
+                ran[s] = op
+                done[(c, kind, m)] = index
+                position[s] += 1
+        slots.append(tuple(ran))
+        if len(slots) > 4 * total + 4:  # pragma: no cover - the orders never deadlock
             raise RuntimeError("lock-step schedule deadlocked")
-    peaks = _peak_in_flight(orders)
-    return Lockstep(schedule, P, microbatches, V, tuple(ticks), tuple(peaks))
-
-
-# -------------------------------------------------------------------------------------------------
-# Split backward: zero-bubble schedules (F, B = input gradient, W = weight gradient)
-# -------------------------------------------------------------------------------------------------
+    peaks = _peak_in_flight(orders, release="W" if split else "B")
+    return Lockstep(schedule, P, microbatches, virtual_stages, len(kinds), tuple(slots),
+                    tuple(peaks))
 
 
 def chunks_of(schedule: str, stages: int) -> int:
@@ -390,39 +432,14 @@ def model_chunk(schedule: str, stages: int, device: int, chunk: int) -> int:
     return chunk * stages + device
 
 
-def _split_dependencies(c: int, kind: str, m: int, last: int) -> list[tuple[int, str, int]]:
+def _dependencies(c: int, kind: str, m: int, last: int) -> list[tuple[int, str, int]]:
+    """What task ``(c, kind, m)`` waits for: F on the previous chunk's F; B (whole or the
+    input's gradient) on the chunk's F and the next chunk's B; W on its B."""
     if kind == "F":
         return [(c - 1, "F", m)] if c > 0 else []
     if kind == "B":
         return [(c, "F", m)] + ([(c + 1, "B", m)] if c < last else [])
     return [(c, "B", m)]  # W
-
-
-def _zb_h1_orders(stages: int, microbatches: int) -> list[list[_Op]]:
-    """1F1B with B and W split, each W deferred while the stage holds at most 1F1B's ``P - s``
-    micro-batches (activations live until W), W's filling the cool-down between B's."""
-    P, M = stages, microbatches
-    orders = []
-    for s in range(P):
-        cap = min(P, M)  # 1F1B's peak (its first stage's), on every stage
-        warmup = min(P - s - 1, M)
-        order: list[_Op] = [("F", m, 0) for m in range(warmup)]
-        pending: list[int] = []
-        forwards, backwards = warmup, 0
-        while backwards < M:
-            if forwards < M:
-                while forwards - (backwards - len(pending)) >= cap and pending:
-                    order.append(("W", pending.pop(0), 0))  # make room for the next forward
-                order.append(("F", forwards, 0))
-                forwards += 1
-            order.append(("B", backwards, 0))
-            pending.append(backwards)
-            backwards += 1
-            if forwards == M and pending and backwards < M:  # cool-down: W between B's
-                order.append(("W", pending.pop(0), 0))
-        order += [("W", m, 0) for m in pending]
-        orders.append(order)
-    return orders
 
 
 def _zb_v_orders(stages: int, microbatches: int, costs: tuple[float, float, float]
@@ -449,7 +466,7 @@ def _zb_v_orders(stages: int, microbatches: int, costs: tuple[float, float, floa
         ready_b = sorted((m, -c) for c in mine for m in range(M)
                          if (c, "B", m) not in finished
                          and all(d in finished and finished[d] <= now
-                                 for d in _split_dependencies(c, "B", m, last)))
+                                 for d in _dependencies(c, "B", m, last)))
         choice = None
         if ready_b:
             m, c = ready_b[0][0], -ready_b[0][1]
@@ -457,7 +474,7 @@ def _zb_v_orders(stages: int, microbatches: int, costs: tuple[float, float, floa
         elif live[s] < 2 * P:
             ready_f = sorted((-c, done_f[c]) for c in mine if done_f[c] < M
                              and all(d in finished and finished[d] <= now for d in
-                                     _split_dependencies(c, "F", done_f[c], last)))
+                                     _dependencies(c, "F", done_f[c], last)))
             if ready_f:
                 choice = ("F", ready_f[0][1], -ready_f[0][0])
         if choice is None and pending[s]:
@@ -483,25 +500,15 @@ def _zb_v_orders(stages: int, microbatches: int, costs: tuple[float, float, floa
     return orders
 
 
-def split_orders(schedule: str, stages: int, microbatches: int,
-                 costs: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> list[list[_Op]]:
-    """Each device's F / B / W operations in order, ``(kind, microbatch, chunk)``."""
-    if schedule == "zb-h1":
-        return _zb_h1_orders(stages, microbatches)
-    if schedule == "zb-v":
-        return _zb_v_orders(stages, microbatches, costs)
-    raise ConfigError(f"{schedule!r} is not a split-backward schedule: use one of "
-                      f"{', '.join(SPLIT_SCHEDULES)}")
 
 
-def _execute_split(schedule: str, orders: list[list[_Op]], stages: int,
-                   costs: tuple[float, float, float], chunks: int | None = None
-                   ) -> dict[tuple[int, _Op], tuple[float, float]]:
+def _execute(schedule: str, orders: list[list[_Op]], stages: int,
+             costs: tuple[float, float, float], chunks: int
+             ) -> dict[tuple[int, _Op], tuple[float, float]]:
     """Each device's order (F, B and W tasks; placed by :func:`model_chunk`, ``chunks`` per
-    device, default the schedule's) as early as its dependencies allow: (start, end) per
-    operation."""
+    device) as early as its dependencies allow: (start, end) per operation."""
     P = stages
-    last = (chunks or chunks_of(schedule, P)) * P - 1
+    last = chunks * P - 1
     cost = dict(zip("FBW", costs))
     done: dict[tuple[int, _Op], tuple[float, float]] = {}
     finished: dict[tuple[int, str, int], float] = {}
@@ -514,7 +521,7 @@ def _execute_split(schedule: str, orders: list[list[_Op]], stages: int,
                 op = orders[s][position[s]]
                 kind, m, chunk = op
                 c = model_chunk(schedule, P, s, chunk)
-                deps = _split_dependencies(c, kind, m, last)
+                deps = _dependencies(c, kind, m, last)
                 if any(d not in finished for d in deps):
                     break
                 start = max([free[s]] + [finished[d] for d in deps])
@@ -541,100 +548,3 @@ def zero_bubble_formula(schedule: str, stages: int, microbatches: int,
     return idle / (microbatches * (f + b + w) + idle)
 
 
-def simulate_split(schedule: str, stages: int, microbatches: int,
-                   backward_cost: float = 2.0, weight_share: float = 0.5) -> Simulation:
-    """:func:`simulate` for :data:`SPLIT_SCHEDULES`: a forward of one whole stage costs 1, its
-    backward ``backward_cost``, of which ``weight_share`` is W (ZB-V: each of its two chunks
-    costs half). ``peak_in_flight`` counts chunk activations (held from F to W)."""
-    _validate_split(schedule, stages, microbatches, backward_cost, weight_share)
-    P, V = stages, chunks_of(schedule, stages)
-    costs = (1.0 / V, backward_cost * (1 - weight_share) / V, backward_cost * weight_share / V)
-    orders = split_orders(schedule, P, microbatches, costs)
-    times = _execute_split(schedule, orders, P, costs)
-    makespan = max(end for _, end in times.values())
-    busy = sum(end - start for start, end in times.values())
-    timed = sorted((TimedTask(Task(int(round(start * V)), s, op[1], op[0], op[2]), start, end)
-                    for (s, op), (start, end) in times.items()), key=lambda t: (t.start, t.stage))
-    return Simulation(schedule=schedule, stages=P, microbatches=microbatches, virtual_stages=V,
-                      backward_cost=float(backward_cost), makespan=makespan,
-                      bubble_fraction=(P * makespan - busy) / (P * makespan),
-                      peak_in_flight=_peak_in_flight(orders, release="W"), tasks=timed)
-
-
-def _validate_split(schedule, stages, microbatches, backward_cost, weight_share) -> None:
-    if schedule not in SPLIT_SCHEDULES:
-        raise ConfigError(f"unknown split-backward schedule {schedule!r}; use one of "
-                          f"{', '.join(SPLIT_SCHEDULES)}")
-    for name, value in (("stages", stages), ("microbatches", microbatches)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{name}={value!r} must be a positive integer; pass {name} >= 1")
-    if not backward_cost > 0 or not math.isfinite(backward_cost):
-        raise ConfigError(f"backward_cost={backward_cost!r} must be a positive finite number")
-    if not 0 < weight_share < 1:
-        raise ConfigError(f"weight_share={weight_share!r}: the weight gradient's share of the "
-                          "backward, strictly between 0 and 1 (e.g. 0.5)")
-
-
-@dataclass(frozen=True)
-class SplitLockstep:
-    """A split-backward schedule in lock-step slots: in each slot every device runs at most its
-    next task (F, B or W) whose inputs were produced in an earlier slot, then the slot's
-    activations move one device down and its cotangents one device up; a slot lasts as long as
-    its longest task. ``cost`` in forwards of one whole stage."""
-
-    schedule: str
-    stages: int
-    microbatches: int
-    slots: tuple[tuple[_Op | None, ...], ...]
-    peak_in_flight: tuple[int, ...]
-
-    def cost(self, backward_cost: float = 2.0, weight_share: float = 0.5) -> float:
-        V = chunks_of(self.schedule, self.stages)
-        each = {"F": 1.0 / V, "B": backward_cost * (1 - weight_share) / V,
-                "W": backward_cost * weight_share / V}
-        return sum(max((each[op[0]] for op in slot if op), default=0.0) for slot in self.slots)
-
-    def bubble_fraction(self, backward_cost: float = 2.0, weight_share: float = 0.5) -> float:
-        busy = self.microbatches * (1.0 + backward_cost)
-        return 1.0 - busy / self.cost(backward_cost, weight_share)
-
-    def exchanges(self) -> int:
-        """Slots after which an activation or a cotangent moves (a collective-permute each)."""
-        return sum(any(op and op[0] == kind for op in slot)
-                   for slot in self.slots for kind in ("F", "B"))
-
-
-def lockstep_split(schedule: str, stages: int, microbatches: int, *,
-                   forward_only: bool = False) -> SplitLockstep:
-    """The split schedule as one SPMD program would run it: slot by slot, each device its next
-    task of any kind whose inputs arrived in an earlier slot (every slot ends in the exchange).
-    With equal F, B and W costs every slot costs one task, so the lock-step time is the unit-time
-    schedule's makespan: ZB-H1's bubble survives lock-step, where 1F1B's tick of a forward and a
-    whole backward does not shrink (:func:`lockstep`). ``forward_only``: the F tasks alone, in
-    the same orders (an evaluation's slots)."""
-    P = stages
-    orders = split_orders(schedule, P, microbatches)
-    if forward_only:
-        orders = [[op for op in order if op[0] == "F"] for order in orders]
-    last = chunks_of(schedule, P) * P - 1
-    done: dict[tuple[int, str, int], int] = {}  # -> the slot it ran in
-    position = [0] * P
-    total = sum(len(o) for o in orders)
-    slots = []
-    while sum(position) < total:
-        index = len(slots)
-        ran: list[_Op | None] = [None] * P
-        for s in range(P):
-            if position[s] >= len(orders[s]):
-                continue
-            op = orders[s][position[s]]
-            kind, m, chunk = op
-            c = model_chunk(schedule, P, s, chunk)
-            if all(done.get(d, index) < index for d in _split_dependencies(c, kind, m, last)):
-                ran[s] = op
-                done[(c, kind, m)] = index
-                position[s] += 1
-        slots.append(tuple(ran))
-        if len(slots) > 4 * total + 4:  # pragma: no cover - the orders never deadlock
-            raise RuntimeError("lock-step schedule deadlocked")
-    return SplitLockstep(schedule, P, microbatches, tuple(slots), tuple(_peak_in_flight(orders, release="W")))

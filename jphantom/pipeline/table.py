@@ -10,8 +10,8 @@ One **slot** holds at most one task per device, then the slot's exchange:
          Pipeline Parallelism", Sec. 2; :mod:`jphantom.pipeline.split`)
 
 A **tick** is one iteration of the executor's loop: one slot for the split schedules
-(:func:`jphantom.pipeline.schedule.lockstep_split`), two for the others, whose lock-step tick
-(:func:`jphantom.pipeline.schedule.lockstep`) is a forward slot and then a backward slot.
+(:func:`jphantom.pipeline.schedule.lockstep`), two for the others, whose lock-step tick is a
+forward slot and then a backward slot.
 ``table[slot, device, field]`` (``FIELDS``) says what each device runs and which buffer slots
 it reads and writes; every buffer slot is assigned here, from the intervals between a value's
 write and its last read (:func:`allocate_slots`), so a 1F1B step holds at most
@@ -34,11 +34,12 @@ from typing import Any
 import numpy as np
 
 from jphantom.pipeline.config import PipelineConfig
-from jphantom.pipeline.schedule import chunks_of, lockstep, lockstep_split, model_chunk
+from jphantom.pipeline.schedule import chunks_of, lockstep, model_chunk
 
 KINDS = ("idle", "F", "B", "W", "BW")
 FIELDS = ("kind", "chunk", "mb", "first", "last", "inbox", "stash_b", "stash_w", "wstash", "seed",
           "keep", "from_prev", "from_next")
+_F = {name: i for i, name in enumerate(FIELDS)}
 MAX_SEGMENTS = 12  # more loops than this and short runs join their neighbour (``plan``)
 MIN_RUN = 3  # ticks: the runs that then join
 
@@ -114,31 +115,39 @@ def allocate_slots(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any, int
 
 
 def _slots(config: PipelineConfig, stages: int, train: bool):
-    """The schedule's slots (per device ``(kind, microbatch, local chunk)`` or ``None``) and
-    slots per tick."""
-    P = stages
-    if config.split:
-        steps = lockstep_split(config.schedule, P, config.microbatches, forward_only=not train)
-        return list(steps.slots), 1
-    steps = lockstep(config.schedule, P, config.microbatches, config.virtual_stages)
-    as_ops = lambda ops, kind: tuple(None if o is None else (kind, *o) for o in ops)  # noqa: E731
-    if not train:  # evaluation: the forward slots that run something
-        return [as_ops(t.forward, "F") for t in steps.ticks
-                if any(f is not None for f in t.forward)], 1
-    slots = []
-    for tick in steps.ticks:
-        slots += [as_ops(tick.forward, "F"), as_ops(tick.backward, "BW")]
-    return slots, 2
+    """The schedule's slots (per device ``(kind, microbatch, local chunk)`` or ``None``; a
+    whole backward is ``BW``) and slots per tick. Evaluation: the forward slots that run
+    something (a split schedule's F tasks alone in lock-step), one a tick."""
+    steps = lockstep(config.schedule, stages, config.microbatches, config.virtual_stages,
+                     forward_only=config.split and not train)
+    whole = {"F": "F", "B": "B" if config.split else "BW", "W": "W"}
+    slots = [tuple(None if op is None else (whole[op[0]], *op[1:]) for op in slot)
+             for slot in steps.slots]
+    if train:
+        return slots, steps.phases
+    return [slot for slot in slots if any(op is not None and op[0] == "F" for op in slot)], 1
 
 
 def plan(config: PipelineConfig, stages: int, *, train: bool = True) -> Plan:
     """Compile ``config``'s schedule on ``stages`` devices to the executor's table
     (``train=False``: its forward tasks only, for evaluation)."""
-    P, schedule = stages, config.schedule
+    P = stages
     slots, phases = _slots(config, P, train)
     V = config.local_chunks
-    last = V * P - 1
-    device = {model_chunk(schedule, P, s, v): s for s in range(P) for v in range(V)}
+    device = {model_chunk(config.schedule, P, s, v): s for s in range(P) for v in range(V)}
+    slot_of, counts = _buffer_slots(config, P, slots, device, train)
+    I, SB, SW, WS = (max(1, n) for n in counts)  # index n of each buffer: the garbage slot
+    table, sends, kinds = _fill(config, P, slots, device, slot_of, (I, SB, SW, WS), train)
+    ring = config.virtual_stages > 1  # as _fill sends
+    keeps = bool((table[:, :, _F["keep"]] != I).any())
+    return Plan(table, phases, ring, keeps, I, SB, SW, WS, _segments(kinds, sends, phases))
+
+
+def _buffer_slots(config: PipelineConfig, P: int, slots, device, train: bool):
+    """Every value's slot in its buffer, per device (inbox, stash_b, stash_w, wstash: ``{(device,
+    key): slot}``), and each buffer's slot count, from the intervals between a value's write and
+    its last read."""
+    schedule, last = config.schedule, config.local_chunks * P - 1
     when: dict[tuple[str, int, int], int] = {}
     for t, slot in enumerate(slots):
         for s, op in enumerate(slot):
@@ -169,12 +178,19 @@ def plan(config: PipelineConfig, stages: int, *, train: bool = True) -> Plan:
             assigned, n = allocate_slots(intervals)
             slot_of[i].update({(s, key): slot for key, slot in assigned.items()})
             counts[i] = max(counts[i], n)
-    I, SB, SW, WS = (max(1, n) for n in counts)  # index n of each buffer: the garbage slot
-    F = {name: i for i, name in enumerate(FIELDS)}
+    return slot_of, counts
+
+
+def _fill(config: PipelineConfig, P: int, slots, device, slot_of, garbage, train: bool):
+    """The table (every field of an idle device or unused buffer at its garbage slot), whether
+    each slot sends to the next and to the previous device, and each slot's task kinds."""
+    schedule, last = config.schedule, config.local_chunks * P - 1
+    I, SB, SW, WS = garbage
+    F = _F
     table = np.zeros((len(slots), P, len(FIELDS)), np.int32)
-    for name, garbage in (("inbox", I), ("seed", I), ("keep", I), ("from_prev", I),
-                          ("from_next", I), ("stash_b", SB), ("stash_w", SW), ("wstash", WS)):
-        table[:, :, F[name]] = garbage
+    for name, index in (("inbox", I), ("seed", I), ("keep", I), ("from_prev", I),
+                        ("from_next", I), ("stash_b", SB), ("stash_w", SW), ("wstash", WS)):
+        table[:, :, F[name]] = index
     # Interleaved chunks wrap round (device P - 1 to 0 and back): a ring, forward messages one
     # way and backward ones the other.
     ring = config.virtual_stages > 1
@@ -229,12 +245,16 @@ def plan(config: PipelineConfig, stages: int, *, train: bool = True) -> Plan:
             else:  # W reads the weight-only residuals and B's
                 row[F["stash_w"]] = slot_of[2][(s, (c, m))]
                 row[F["wstash"]] = slot_of[3][(s, (c, m))]
+    return table, sends, kinds
 
+
+def _segments(kinds, sends, phases: int):
+    """The ticks cut into segments ``(start, stop, phases)`` of equal :data:`Phase` s."""
     def signature(tick):
         return tuple((tuple(sorted(kinds[t])), bool(sends[t, 0]), bool(sends[t, 1]))
                      for t in range(tick * phases, (tick + 1) * phases))
 
-    ticks = len(slots) // phases
+    ticks = len(kinds) // phases
     segments, start = [], 0
     for t in range(1, ticks + 1):
         if t == ticks or signature(t) != signature(start):
@@ -253,8 +273,7 @@ def plan(config: PipelineConfig, stages: int, *, train: bool = True) -> Plan:
                 (tuple(sorted(set(a[0]) | set(b[0]))), a[1] or b[1], a[2] or b[2])
                 for a, b in zip(prev[2], seg[2])))
         joined.append(seg)
-    keeps = bool((table[:, :, F["keep"]] != I).any())
-    return Plan(table, phases, ring, keeps, I, SB, SW, WS, tuple(joined))
+    return tuple(joined)
 
 
 def unit_order(units: int, stages: int, virtual_stages: int = 1, *,

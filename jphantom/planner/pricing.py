@@ -133,4 +133,4 @@ def lockstep_idle(schedule: str, stages: int, microbatches: int) -> float:
     if schedule == "1f1b":
         return 3.0 * (stages - 1)
     m = min(microbatches, 2 * stages)
-    return schedules.lockstep_split(schedule, stages, m).cost() - 3.0 * m
+    return schedules.lockstep(schedule, stages, m).cost() - 3.0 * m

@@ -192,15 +192,15 @@ def test_lockstep_runs_every_task_once_in_dependency_order(schedule, virtual_sta
     P, V = stages, virtual_stages
     last = P * V - 1
     forward, backward = {}, {}
-    for t, tick in enumerate(table.ticks):
+    for t, (forward_slot, backward_slot) in enumerate(table.ticks):
         for s in range(P):
-            if tick.forward[s] is not None:
-                m, v = tick.forward[s]
-                assert (v * P + s, m) not in forward
+            if forward_slot[s] is not None:
+                kind, m, v = forward_slot[s]
+                assert kind == "F" and (v * P + s, m) not in forward
                 forward[(v * P + s, m)] = t
-            if tick.backward[s] is not None:
-                m, v = tick.backward[s]
-                assert (v * P + s, m) not in backward
+            if backward_slot[s] is not None:
+                kind, m, v = backward_slot[s]
+                assert kind == "B" and (v * P + s, m) not in backward
                 backward[(v * P + s, m)] = t
     everything = {(c, m) for c in range(P * V) for m in range(microbatches)}
     assert set(forward) == set(backward) == everything

@@ -14,7 +14,7 @@ from jphantom.pipeline import schedule as S
 @pytest.mark.parametrize("schedule", S.SPLIT_SCHEDULES)
 def test_every_task_runs_once_after_its_inputs(schedule, stages, factor):
     M = factor * stages
-    sim = S.simulate_split(schedule, stages, M)
+    sim = S.simulate(schedule, stages, M, backward_cost=2.0)
     chunks = S.chunks_of(schedule, stages)
     seen = {}
     for t in sim.tasks:
@@ -25,7 +25,7 @@ def test_every_task_runs_once_after_its_inputs(schedule, stages, factor):
     assert len(seen) == 3 * chunks * stages * M
     last = chunks * stages - 1
     for (c, kind, m), t in seen.items():
-        for dep in S._split_dependencies(c, kind, m, last):
+        for dep in S._dependencies(c, kind, m, last):
             assert seen[dep].end <= t.start + 1e-9
 
 
@@ -34,7 +34,7 @@ def test_zb_h1_has_the_papers_bubble_and_1f1bs_peak_memory(stages, factor):
     """(P - 1)(T_F + T_B - T_W) of idle time per device (a third of 1F1B's with equal costs),
     holding at most P micro-batches on any stage, as 1F1B's first stage does."""
     M = factor * stages
-    zb = S.simulate_split("zb-h1", stages, M)
+    zb = S.simulate("zb-h1", stages, M, backward_cost=2.0)
     assert zb.bubble_fraction == pytest.approx(
         S.zero_bubble_formula("zb-h1", stages, M, (1.0, 1.0, 1.0)))
     one = S.simulate("1f1b", stages, M, backward_cost=2.0)
@@ -46,7 +46,7 @@ def test_zb_h1_has_the_papers_bubble_and_1f1bs_peak_memory(stages, factor):
 @pytest.mark.parametrize("stages", [2, 4, 8])
 def test_zb_v_is_nearly_bubble_free_within_1f1bs_memory(stages):
     M = 4 * stages
-    zb = S.simulate_split("zb-v", stages, M)
+    zb = S.simulate("zb-v", stages, M, backward_cost=2.0)
     assert zb.bubble_fraction < 0.05
     # 2P chunk activations, each half a stage's: 1F1B's P micro-batches of whole stages
     assert max(zb.peak_in_flight) <= 2 * stages
@@ -62,7 +62,7 @@ def test_lockstep_zb_h1_takes_at_most_0_9_of_lockstep_1f1b_at_m_4p(stages):
     schedule yet)."""
     M = 4 * stages
     one = S.lockstep("1f1b", stages, M)
-    zb = S.lockstep_split("zb-h1", stages, M)
+    zb = S.lockstep("zb-h1", stages, M)
     assert zb.cost() <= 0.9 * one.cost(2.0)
     assert zb.exchanges() > 2 * len(one.ticks)
 
@@ -82,6 +82,6 @@ def test_schedule_command_separates_every_label_from_its_value(capsys):
 
 def test_split_schedules_refuse_bad_values():
     with pytest.raises(ConfigError, match="weight_share"):
-        S.simulate_split("zb-h1", 4, 8, weight_share=1.0)
+        S.simulate("zb-h1", 4, 8, backward_cost=2.0, weight_share=1.0)
     with pytest.raises(ConfigError, match="split-backward"):
-        S.simulate_split("1f1b", 4, 8)
+        S.simulate("1f1b", 4, 8, weight_share=0.5)

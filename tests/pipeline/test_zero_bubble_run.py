@@ -18,7 +18,7 @@ from jphantom.pipeline import runner, split
 from jphantom.pipeline import table as table_module
 from jphantom.pipeline.buffers import rebuilder, vjp_residuals
 from jphantom.pipeline.runner import PipelineConfig
-from jphantom.pipeline.schedule import lockstep_split
+from jphantom.pipeline.schedule import lockstep
 
 from conftest import require_devices
 from helpers import abstract_state, assert_every_task_once
@@ -172,7 +172,7 @@ def test_b_and_w_split_the_backward_without_recomputing():
 def test_the_table_runs_every_task_once_within_1f1bs_memory(schedule, stages, microbatches):
     config = PipelineConfig(schedule, microbatches)
     table = runner.plan(config, stages)
-    steps = lockstep_split(schedule, stages, microbatches)
+    steps = lockstep(schedule, stages, microbatches)
     assert table.table.shape[:2] == (len(steps.slots), stages)
     assert_every_task_once(table, ("F", "B", "W"), config.local_chunks, microbatches)
     # a micro-batch's weight-only residuals live from F to W: at most 1F1B's P in flight

@@ -12,7 +12,7 @@ from jphantom import cli
 from jphantom.errors import ConfigError
 from jphantom.perf import axonn_model as ax
 from jphantom.perf.axonn_model import GB, Grid, LayerShape, Topology
-from jphantom.pipeline.schedule import lockstep_split
+from jphantom.pipeline.schedule import lockstep
 from jphantom.planner import LAYOUTS, plan
 
 from helpers import exit_code
@@ -292,7 +292,7 @@ def test_plan_covers_every_layout_and_ranks_fitting_rows_by_comm_plus_bubble():
     assert pipelines["1f1b"].bubble_s == pytest.approx(compute * (16 - 1) / M)
     # the zero-bubble rows: the idle time of their lock-step tables (t_b = 2 t_f, B = W)
     for name in ("zb-h1", "zb-v"):
-        idle = lockstep_split(name, 16, M).cost() - 3 * M
+        idle = lockstep(name, 16, M).cost() - 3 * M
         assert pipelines[name].bubble_s == pytest.approx(compute * idle / (3 * M))
     assert pipelines["zb-v"].bubble_s < pipelines["zb-h1"].bubble_s < pipelines["1f1b"].bubble_s
     no_limit = plan(ax.GPT_20B, 32, batch=64)
