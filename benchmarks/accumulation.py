@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None,
                         help=f"results folder (default {OUT}; --quick: a scratch folder)")
     args = parser.parse_args(argv)
-    from jphantom import aot
+    from jphantom.costs import aot
     from jphantom.analysis.machine import output_folder, write_results
     from jphantom.errors import ConfigError
     from jphantom.predict import device as described

@@ -85,7 +85,7 @@ def formula(model: dict, shape: dict) -> float:
 def compiled_sizes(model: dict, layout: tuple, target, devices) -> dict:
     """Temporary bytes and parameters of the layout's step at each of :data:`LAYERS`, as the
     jphantom that imports compiles it."""
-    from jphantom import aot
+    from jphantom.costs import aot
 
     sizes = {"temp": {}, "params": {}}
     for layers in LAYERS:
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
                         help=f"results folder (default {OUT}; --quick: a scratch folder)")
     parser.add_argument("names", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    from jphantom import aot
+    from jphantom.costs import aot
 
     layouts = [layout for layout in LAYOUTS
                if not (args.only or args.names) or layout[0] in (args.only or args.names)]

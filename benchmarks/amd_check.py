@@ -16,7 +16,7 @@ gfx architecture from the kernel driver's topology, jax and plugin versions):
                take FP8 operands and which FP8 types the HLO holds (gfx942, MI300X: FNUZ,
                ``f8e4m3fnuz`` / ``f8e5m2fnuz``), and three steps' losses; where it refuses (gfx90a,
                MI250X: no FP8 units), its message.
-``energy``     :class:`jphantom.metrics.StepEnergy` on this GPU (its source: ``amdsmi`` where the
+``energy``     :class:`jphantom.costs.metrics.StepEnergy` on this GPU (its source: ``amdsmi`` where the
                counter works), joules of a few bf16 matmul steps; and
                :class:`jphantom.energy.AmdsmiEnergyMeter` directly: ``available()``, the
                counter read during the window (it must never stick or step backwards:
@@ -175,7 +175,7 @@ def check_energy(small: bool, seconds: float) -> dict:
 
     from jphantom.energy import AmdsmiEnergyMeter
     from jphantom.errors import ConfigError
-    from jphantom.metrics import StepEnergy
+    from jphantom.costs.metrics import StepEnergy
 
     n = 256 if small else 8192
     a = jnp.ones((n, n), jnp.bfloat16)

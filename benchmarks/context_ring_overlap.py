@@ -49,7 +49,7 @@ QUICK_SEQS = (4096,)
 def compile_hlo(flags: dict, hlo_path: str) -> dict:
     """Compile ``flags`` for one H100 node with the jphantom that imports, write its optimised HLO
     to ``hlo_path``; the compile seconds and the kernel census."""
-    from jphantom import aot
+    from jphantom.costs import aot
 
     target, devices = aot.deviceless_node("gpu:h100")
     report = aot.compile_report(flags, target, devices=devices, hlo_out=hlo_path)
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     if args.child is not None:  # compiled_by's child, in an earlier jphantom
         print(json.dumps(compile_hlo(json.loads(args.child[0]), args.child[1])))
         return 0
-    from jphantom import aot
+    from jphantom.costs import aot
     from jphantom.analysis.machine import output_folder, source_revision, write_results
     from jphantom.errors import ConfigError
 

@@ -26,7 +26,7 @@ its own peak memory and compile), inside ``--budget`` seconds:
                 sizes, tied embeddings, ``attn_implementation="sdpa"``), float32 weights under
                 bf16 autocast, ``torch.optim.AdamW(fused=True)``, ``torch.compile``; median step
                 against jphantom's bf16 step of the first case (ratio jphantom / peer; both MFUs
-                from :func:`jphantom.metrics.flops_per_token`). No torch: skipped, saying why.
+                from :func:`jphantom.costs.metrics.flops_per_token`). No torch: skipped, saying why.
 
 Per case: predicted and measured step seconds, error (predicted - measured) / measured, predicted
 and NVML joules per token, predicted and measured MFU (the description's datasheet dense bf16
@@ -170,8 +170,8 @@ def run_case(case: dict, steps: int, warmup: int, out: Path) -> dict:
     from flax import nnx
 
     import jphantom
-    from jphantom.mesh import MeshConfig
-    from jphantom.metrics import flops_per_token
+    from jphantom.runtime.mesh import MeshConfig
+    from jphantom.costs.metrics import flops_per_token
     from jphantom.models.llama import Llama, lm_loss
 
     device = jax.devices()[0]
@@ -689,7 +689,7 @@ def main(argv=None) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     try:
-        from jphantom import gpu_defaults
+        from jphantom.runtime import gpu_defaults
 
         applied = gpu_defaults.apply(env)  # every jax child gets the same XLA flags
     except Exception as error:  # noqa: BLE001
@@ -825,7 +825,7 @@ def main(argv=None) -> int:
 
 def _finish(results: dict, out: Path, peer_shape: dict) -> None:
     """Errors, MFUs, the summary, the trace comparison and the peer's ratio."""
-    from jphantom.metrics import flops_per_token
+    from jphantom.costs.metrics import flops_per_token
     from jphantom.predict import load
 
     descriptions = {k: load(v) for k, v in results["descriptions"].items()}

@@ -10,7 +10,7 @@ each in its own process (so that each has its own peak memory and compile):
 ``jphantom-bf16``   ``jphantom.make_train_step`` of :class:`jphantom.models.llama.Llama` on a
                     one-device mesh, ``precision="bf16"``, ``attention="auto"`` (cuDNN flash
                     attention), the chunked fused cross-entropy
-``jphantom-fp8``    the same, ``precision="fp8"`` (:mod:`jphantom.fp8`)
+``jphantom-fp8``    the same, ``precision="fp8"`` (:mod:`jphantom.step.fp8`)
 ``reference-bf16``  the same model written here in plain JAX as a user would (``lax.scan`` over
                     the layers, ``jax.nn.dot_product_attention(implementation="cudnn")``, logits
                     [B, S, V] in bf16 and optax's cross-entropy in float32, ``optax.adamw``, one
@@ -25,7 +25,7 @@ each in its own process (so that each has its own peak memory and compile):
                     memory
 
 Per variant: median step seconds over ``--steps`` timed steps after ``--warmup``, tokens/s, model
-TFLOP/s and MFU (:func:`jphantom.metrics.flops_per_token`: 6 x matmul weights per token plus
+TFLOP/s and MFU (:func:`jphantom.costs.metrics.flops_per_token`: 6 x matmul weights per token plus
 causal attention 6 L S H d, i.e. the attention's FLOPs halved for the causal mask) against the
 datasheet's dense bf16 peak and against the measured bf16 GEMM rate, the device's peak memory
 (``memory_stats()``), and NVML's energy counter over the timed steps (joules per token). The
@@ -226,7 +226,7 @@ def run_variant(name: str, shape: dict, steps: int, warmup: int) -> dict:
     import numpy as np
     import optax
 
-    from jphantom.metrics import flops_per_token, peak_tflops
+    from jphantom.costs.metrics import flops_per_token, peak_tflops
     from jphantom.models.llama import LlamaConfig
 
     device = jax.devices()[0]
@@ -252,7 +252,7 @@ def run_variant(name: str, shape: dict, steps: int, warmup: int) -> dict:
             vocab.LOGITS_CHUNK_ELEMENTS = limit
 
         import jphantom
-        from jphantom.mesh import MeshConfig
+        from jphantom.runtime.mesh import MeshConfig
         from jphantom.models.llama import Llama, lm_loss
 
         model = Llama(config, rngs=nnx.Rngs(0))
@@ -428,7 +428,7 @@ def main(argv=None) -> int:
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     applied = []
     try:
-        from jphantom import gpu_defaults
+        from jphantom.runtime import gpu_defaults
 
         applied = gpu_defaults.apply(env)  # every variant gets the same XLA flags
     except Exception as error:  # noqa: BLE001 (an older tree: run as the environment is)

@@ -64,7 +64,7 @@ def check(formula, compiled, nbytes: int) -> bool:
 
 def ffn_rows(configs, batch: int, devices: int) -> list[dict]:
     """Every (n, L, p, k) x strategy x device, priced and checked against its compile."""
-    from jphantom import strategies
+    from jphantom.registry import strategies
     from jphantom.models.ffn import FFNConfig
     from jphantom.perf import inference
     from jphantom.predict.device import load
@@ -143,9 +143,10 @@ def gpu_check(configs, llama: dict, model: int, ghosts, batch: int, ffn_batch: i
     needed: ``jphantom[aot]``): the FFN rows of p <= 8 and the 2-layer decode forward, whose
     phantom all-gathers XLA:GPU combines (``combined=True``). Skipped, saying why, without the
     GPU compiler."""
-    from jphantom import aot, strategies
+    from jphantom.costs import aot
+    from jphantom.registry import strategies
     from jphantom.errors import ConfigError
-    from jphantom.mesh import device_pool
+    from jphantom.runtime.mesh import device_pool
     from jphantom.models.ffn import FFNConfig
     from jphantom.models.llama import LlamaConfig
     from jphantom.perf import inference
@@ -313,7 +314,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    from jphantom.mesh import simulate_cpu_devices
+    from jphantom.runtime.mesh import simulate_cpu_devices
 
     simulate_cpu_devices(8 if "--quick" in sys.argv else 256)
     main()

@@ -3,7 +3,7 @@ running the optax update on the global arrays.
 
 One process, 8 simulated CPU devices (``--devices``), mesh ``data=2,model=4`` (``--mesh``), the
 GPT-2 model (:mod:`jphantom.models.gpt2`) under Megatron tensor parallelism
-(``--strategy tensor``, :func:`jphantom.program.build`):
+(``--strategy tensor``, :func:`jphantom.registry.program.build`):
 
 - *compile time* of the step at 2 and ``--compile-layers`` (default 12) layers
   (:func:`jphantom.analysis.compiled.compile_step`: lower and compile on abstract parameters, SGD).
@@ -68,7 +68,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from jphantom.mesh import ensure_devices
+    from jphantom.runtime.mesh import ensure_devices
 
     ensure_devices(args.devices)
     import jax

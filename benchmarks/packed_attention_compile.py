@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args()
 
-    from jphantom.aot import Target, versions
+    from jphantom.costs.aot import Target, versions
 
     target = Target.parse("gpu:h100")
     devices = target.devices()

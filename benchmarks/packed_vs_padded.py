@@ -139,7 +139,7 @@ def parse(argv=None):
 def main(argv=None) -> dict:
     args = parse(argv)
     if args.devices:  # without a GPU: that many CPU devices (a GPU machine keeps its GPUs)
-        from jphantom.mesh import simulate_cpu_devices
+        from jphantom.runtime.mesh import simulate_cpu_devices
 
         try:
             simulate_cpu_devices(args.devices)

@@ -284,7 +284,7 @@ def plot(result, path: Path) -> bool:
 
 def main(argv=None) -> dict:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from jphantom.mesh import make_mesh, simulate_cpu_devices
+    from jphantom.runtime.mesh import make_mesh, simulate_cpu_devices
 
     simulate_cpu_devices(args.devices)  # before jax initialises its backends
     import jax

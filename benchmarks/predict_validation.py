@@ -75,8 +75,8 @@ def compile_gpu_step(precision: str, target) -> tuple[str, dict]:
     from flax import nnx
 
     import jphantom
-    from jphantom import gpu_defaults
-    from jphantom.mesh import MeshConfig, device_pool
+    from jphantom.runtime import gpu_defaults
+    from jphantom.runtime.mesh import MeshConfig, device_pool
     from jphantom.models.llama import Llama, LlamaConfig, lm_loss
 
     s = GPU_STEP
@@ -104,8 +104,8 @@ def compile_gpu_step(precision: str, target) -> tuple[str, dict]:
 
 
 def part_gpu_step() -> dict:
-    from jphantom import aot
-    from jphantom.metrics import flops_per_token
+    from jphantom.costs import aot
+    from jphantom.costs.metrics import flops_per_token
     from jphantom.predict import format_prediction, load, predict
 
     measured = json.loads((ROOT / "benchmarks/results/gpu_step/gpu_step.json").read_text())
@@ -151,8 +151,8 @@ def part_gpu_step() -> dict:
 
 def peer_policy(run: dict) -> str:
     """jphantom's recompute policy for the run: the one equal to the peer's own (``remat_policy``,
-    :data:`jphantom.remat.PEERS`), else the nearest by the run's ``activation_checkpointing``."""
-    from jphantom.remat import PEERS
+    :data:`jphantom.step.remat.PEERS`), else the nearest by the run's ``activation_checkpointing``."""
+    from jphantom.step.remat import PEERS
 
     named = run.get("remat_policy")
     same = [ours for ours, theirs in PEERS.items() if named and theirs.endswith(" " + named)]
@@ -193,7 +193,7 @@ def published_flags(run: dict) -> dict:
 def fitting_variant(flags: dict, target, device, row: dict) -> dict:
     """The first of ZeRO-3, then full recomputation (``nothing_saveable``), then both, that
     fits the device, with its prediction; the last tried when none fits."""
-    from jphantom import aot
+    from jphantom.costs import aot
     from jphantom.errors import ConfigError
 
     tries = []
@@ -225,7 +225,7 @@ def fitting_variant(flags: dict, target, device, row: dict) -> dict:
 
 
 def part_published(only: list[str] | None = None) -> dict:
-    from jphantom import aot
+    from jphantom.costs import aot
     from jphantom.errors import ConfigError
     from jphantom.predict import load
 
@@ -287,7 +287,7 @@ def part_published(only: list[str] | None = None) -> dict:
 
 
 def part_seal() -> dict:
-    from jphantom import aot
+    from jphantom.costs import aot
     from jphantom.predict import load, predict
 
     h100, frontier = load("h100-sxm"), load("mi250x-gcd")

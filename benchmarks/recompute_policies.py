@@ -1,4 +1,4 @@
-"""Recompute policies side by side: every ``--remat`` policy (:mod:`jphantom.remat`, the peers'
+"""Recompute policies side by side: every ``--remat`` policy (:mod:`jphantom.step.remat`, the peers'
 among them: MaxText's ``minimal_flash`` and ``save_qkv_proj``, Megatron-LM's selective recompute)
 compiled for one node of 8 H100 from a CPU-only machine (``jphantom compile --target gpu:h100
 --predict``), under TP + SP and under FSDP (ZeRO-3).
@@ -63,7 +63,7 @@ def korthikanti(model: dict, batch: int, data: int, tensor: int) -> dict:
 
 
 def run(flags: dict, target, devices, h100) -> dict:
-    from jphantom import aot
+    from jphantom.costs import aot
 
     report = aot.compile_report(flags, target, devices=devices, predict_on=h100)
     memory, prediction = report["memory"], report["prediction"]
@@ -82,7 +82,7 @@ def line(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from jphantom.remat import NAMES, PEERS
+    from jphantom.step.remat import NAMES, PEERS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a hidden-512 model")
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None,
                         help=f"results folder (default {OUT}; --quick: a scratch folder)")
     args = parser.parse_args(argv)
-    from jphantom import aot
+    from jphantom.costs import aot
     from jphantom.analysis.machine import output_folder, write_results
     from jphantom.errors import ConfigError
     from jphantom.predict import device as described

@@ -100,7 +100,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None,
                         help=f"results folder (default {OUT}; --quick: a scratch folder)")
     args = parser.parse_args(argv)
-    from jphantom import aot, rocm
+    from jphantom import rocm
+    from jphantom.costs import aot
     from jphantom.analysis.machine import output_folder
     from jphantom.errors import ConfigError
 

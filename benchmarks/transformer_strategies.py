@@ -1,7 +1,7 @@
 """The GPT-2 transformer's training step under gspmd, tensor, tensor + SP and phantom, side by side.
 
 One process, one run, 8 simulated CPU devices (``--devices``), mesh ``model=<devices>``: for each
-strategy (:func:`jphantom.program.build` of ``jphantom.models.gpt2.GPT2`` under the strategy's
+strategy (:func:`jphantom.registry.program.build` of ``jphantom.models.gpt2.GPT2`` under the strategy's
 plan, trained by :class:`jphantom.TrainStep`) the median wall time of one jitted AdamW step
 (forward, backward, update) over ``--steps`` round-robin rounds after ``--warmup``
 (``jphantom.analysis.timing``), the GEMM FLOPs per device counted from the compiled HLO (loops by
@@ -81,7 +81,7 @@ def parse_args(argv):
 
 def main(argv=None) -> dict:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from jphantom.mesh import ensure_devices
+    from jphantom.runtime.mesh import ensure_devices
 
     ensure_devices(args.devices)
     import jax

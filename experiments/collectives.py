@@ -32,7 +32,7 @@ Transports:
   The "network" is a memcpy through shared memory between threads of one process, and all p devices
   share this machine's cores: it shows XLA's CPU collective code path and the cost of p devices
   contending for a few cores, not any interconnect.
-- ``gloo``: p local processes with one CPU device each, joined by ``jphantom.distributed.initialize``
+- ``gloo``: p local processes with one CPU device each, joined by ``jphantom.runtime.distributed.initialize``
   over 127.0.0.1; collectives go through gloo over TCP loopback, a real transport (kernel sockets,
   copies, serialisation), though with no wire: bandwidth is memory and CPU bound.
 
@@ -85,11 +85,11 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jphantom import distributed
+from jphantom.runtime import distributed
 from jphantom.analysis import hlo
 from jphantom.analysis.machine import output_folder
 from jphantom.errors import ConfigError
-from jphantom.mesh import first_devices, make_mesh, simulate_cpu_devices
+from jphantom.runtime.mesh import first_devices, make_mesh, simulate_cpu_devices
 from jphantom.perf.comm_model import FRONTIER, CollectiveCost, fit, message_floats, rmse_log2_us
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,7 +97,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "collectives"
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "broadcast")
 TRANSPORTS = ("simulated", "gloo")
 FLOOR = "no-collective"  # reference rows: the same jitted shard_map call with no collective in it
-AXIS = "model"  # one mesh axis over the p ranks (a name from jphantom.mesh.AXES)
+AXIS = "model"  # one mesh axis over the p ranks (a name from jphantom.runtime.mesh.AXES)
 ROOT = 0  # broadcast source rank
 WORKER_TIMEOUT_S = 900
 
@@ -695,6 +695,6 @@ if __name__ == "__main__":
     cli = sys.argv[1:]
     if "--worker" not in cli:
         # Entry point: simulate max(--shards) CPU devices before jax starts (workers get theirs from
-        # jphantom.distributed.initialize instead).
+        # jphantom.runtime.distributed.initialize instead).
         simulate_cpu_devices(max(parse_args(cli).shards))
     main(cli)

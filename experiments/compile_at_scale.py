@@ -54,7 +54,7 @@ GIB = 2**30
 def run(models: dict, device_counts: list[int], top: int, batch: int, out: Path) -> dict:
     from tqdm import tqdm
 
-    from jphantom import aot
+    from jphantom.costs import aot
     from jphantom.planner.compiled import compile_plan, format_compiled_plan
     from jphantom.analysis.machine import source_revision
     from jphantom.perf.axonn_model import GPTShape, Topology
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
                         help="output folder (default experiments/results/compile_at_scale; "
                              "--quick: a scratch folder)")
     args = parser.parse_args(argv)
-    from jphantom import aot
+    from jphantom.costs import aot
 
     problem = aot.plugin_problem("gpu")
     if problem:

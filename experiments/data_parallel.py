@@ -47,7 +47,7 @@ from jphantom.analysis.timing import breakdown  # noqa: E402
 from jphantom.analysis.machine import output_folder  # noqa: E402
 from jphantom.analysis.timing import Runner, time_round_robin  # noqa: E402
 from jphantom.config import RunConfig  # noqa: E402
-from jphantom.mesh import MeshConfig, first_devices  # noqa: E402
+from jphantom.runtime.mesh import MeshConfig, first_devices  # noqa: E402
 from jphantom.perf.comm_model import FRONTIER  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "data_parallel"

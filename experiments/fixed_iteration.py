@@ -103,7 +103,7 @@ def measured_part(args) -> list[dict]:
     from tqdm.auto import tqdm
 
     from jphantom.analysis.timing import build_step, time_round_robin
-    from jphantom.mesh import first_devices, make_mesh
+    from jphantom.runtime.mesh import first_devices, make_mesh
     from jphantom.perf.comm_model import FRONTIER
     from jphantom.nn.phantom import ops as phantom
 
@@ -315,7 +315,7 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     if not args.skip_measured:
-        from jphantom.mesh import ensure_devices
+        from jphantom.runtime.mesh import ensure_devices
 
         ensure_devices(max(args.shard_list))
     from jphantom.analysis.machine import machine_info

@@ -6,7 +6,7 @@ The paper trains an n = 16384, L = 2 FFN with TP and phantom models with one k p
 loss (Fig. 7c). Phantom needs 0.35-1.08x TP's epochs and 0.14-0.88x its energy; phantom on 8 GPUs
 needs 266x less energy than TP on 256 (E9).
 
-Here: ``jphantom.compare.run_compare`` at a width that trains in minutes on 2 cores (n = 512, L = 2,
+Here: ``jphantom.loop.compare.run_compare`` at a width that trains in minutes on 2 cores (n = 512, L = 2,
 p = 2, 4, 8, k = 2, 8, 32, three seeds, Adam, same learning rate and batch for every run). Iterations
 and wall time are measured; bytes are exact (HLO); energy is modelled (Eq. 1: alpha = FLOPs / this
 machine's measured matmul rate, beta = Eq. 26 with Table III's constants on the step's collectives,
@@ -37,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 DEFAULT_OUT = REPO / "experiments" / "results" / "fixed_loss"
-TP_STRATEGY = "tensor-t1"  # Seal et al.'s TP, as jphantom.compare.TP_STRATEGY names it in its rows
+TP_STRATEGY = "tensor-t1"  # Seal et al.'s TP, as jphantom.loop.compare.TP_STRATEGY names it in its rows
 
 # Seal et al. Table I (n = 16384, L = 2): p, k, TP J/epoch, TP epochs, phantom J/epoch, phantom epochs.
 TABLE_ONE = [
@@ -182,11 +182,11 @@ def plot_fig7(result: dict, path: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
-    from jphantom.mesh import ensure_devices
+    from jphantom.runtime.mesh import ensure_devices
 
     ensure_devices(max(args.shard_list))  # simulated CPU devices unless jax already has enough
     from jphantom.analysis.machine import machine_info, output_folder
-    from jphantom.compare import CompareConfig, format_table, run_compare, write_outputs
+    from jphantom.loop.compare import CompareConfig, format_table, run_compare, write_outputs
     from jphantom.config import RunConfig
 
     args.out = output_folder(args.out, DEFAULT_OUT, quick=args.quick, name="fixed_loss")

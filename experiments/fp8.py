@@ -1,6 +1,6 @@
 """FP8 against bf16 training: how closely the FP8 run's loss curve follows bf16's.
 
-``--precision fp8`` (:mod:`jphantom.fp8`: the GEMMs of the blocks' linear layers on E4M3 operands
+``--precision fp8`` (:mod:`jphantom.step.fp8`: the GEMMs of the blocks' linear layers on E4M3 operands
 forward and E5M2 output gradients backward, per-tensor current scaling; bf16 elsewhere, float32
 master weights and AdamW state) against ``--precision bf16``, the same Llama (2 layers, hidden
 128, 4 heads, S = 64, byte-level standard-library text) from the same initialisation and
@@ -28,7 +28,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from jphantom.analysis.machine import output_folder  # noqa: E402
 from jphantom.config import RunConfig  # noqa: E402
-from jphantom.run import run  # noqa: E402
+from jphantom.loop.trainer import run  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "fp8"
 MODEL = dict(model="llama", layers=2, hidden=128, heads=4, seq_len=64, batch=16)

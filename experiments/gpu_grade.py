@@ -1,5 +1,5 @@
 """Is the step H100-grade? jphantom's training step compiled for 8 H100s (XLA's GPU compiler, no
-GPU; `jphantom.aot.compile_report`), per-device compute: cuDNN attention, the chunked loss, FP8
+GPU; `jphantom.costs.aot.compile_report`), per-device compute: cuDNN attention, the chunked loss, FP8
 and the collective matmul.
 
 Llama-3-8B's shapes (hidden 4096, 32 heads, 8 key/value heads, SwiGLU 14336, vocabulary 128256),
@@ -87,7 +87,7 @@ def _model_axis_overlap(report: dict) -> dict:
 def run(quick: bool, out: Path) -> dict:
     from tqdm import tqdm
 
-    from jphantom import aot
+    from jphantom.costs import aot
     from jphantom.analysis.machine import source_revision
 
     target = aot.Target.parse("gpu:h100")
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None,
                         help=f"output folder (default {OUT}; --quick: a scratch folder)")
     args = parser.parse_args(argv)
-    from jphantom import aot
+    from jphantom.costs import aot
 
     problem = aot.plugin_problem("gpu")
     if problem:

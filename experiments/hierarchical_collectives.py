@@ -2,25 +2,25 @@
 
 Singh's thesis ch. 6 (PCCL) replaces the ring all-gather / reduce-scatter of RCCL and Cray-MPICH, (p-1)
 sequential steps, by recursive doubling / halving across nodes, log2(p) steps, inside a two-level
-hierarchy (:mod:`jphantom.collectives`). Digest 7.5 asks for two small-scale reproductions,
+hierarchy (:mod:`jphantom.runtime.collectives`). Digest 7.5 asks for two small-scale reproductions,
 which this script runs:
 
 1. **Round counts in HLO.** For nodes N in --shards, the hierarchical all-gather and reduce-scatter
    on a (node=N, local=max(--shards)/N) mesh compile to log2(N) collective-permutes over the node axis
    plus one in-node collective over local; a ring written with ``lax.ppermute`` over p = N ranks
    compiles to p-1 permutes. Counted with :func:`jphantom.analysis.hlo.collectives` and compared
-   with :func:`jphantom.collectives.rounds`.
+   with :func:`jphantom.runtime.collectives.rounds`.
 2. **Timing map.** Per kind (all-gather, reduce-scatter), group size p in --shards and full buffer n
    in --sizes (bytes per rank: the all-gather's output, the reduce-scatter's input, PCCL's
    convention; float32): the ring (p-1 ppermute rounds, below) against recursive doubling/halving
-   (:func:`~jphantom.collectives.hierarchical_all_gather` /
-   :func:`~jphantom.collectives.hierarchical_reduce_scatter` on a (node=p, local=1) mesh:
+   (:func:`~jphantom.runtime.collectives.hierarchical_all_gather` /
+   :func:`~jphantom.runtime.collectives.hierarchical_reduce_scatter` on a (node=p, local=1) mesh:
    log2 p ppermute rounds, no in-node phase), and XLA's own collective (``lax.all_gather`` /
    ``lax.psum_scatter``, one HLO op) for reference. All three of a cell are compiled first, then
    timed side by side: --repeats rounds, each calling every method once in a rotating order, each
    call ended by ``block_until_ready``; the median is reported. Every result is checked against
    numpy before timing. Each cell also gets the alpha-beta model's choice
-   (:func:`~jphantom.collectives.choose` with nodes = p, local = 1, its Frontier-like
+   (:func:`~jphantom.runtime.collectives.choose` with nodes = p, local = 1, its Frontier-like
    defaults) and the model's ring/recursive speedup with alpha and beta fitted to this run's ring
    medians (least squares on T = (p-1) alpha + (p-1)/p n / beta, relative errors).
 
@@ -69,8 +69,8 @@ from jax.sharding import PartitionSpec as P
 
 from jphantom.analysis import hlo
 from jphantom.analysis.machine import output_folder
-from jphantom.mesh import simulate_cpu_devices
-from jphantom import collectives as hc
+from jphantom.runtime.mesh import simulate_cpu_devices
+from jphantom.runtime import collectives as hc
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "hierarchical_collectives"
 NODE, LOCAL = "node", "local"

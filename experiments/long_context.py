@@ -34,9 +34,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from jphantom import program as programs  # noqa: E402
+from jphantom.registry import program as programs  # noqa: E402
 from jphantom.analysis.machine import output_folder  # noqa: E402
-from jphantom.mesh import first_devices  # noqa: E402
+from jphantom.runtime.mesh import first_devices  # noqa: E402
 from jphantom.models.llama import LlamaConfig  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "long_context"

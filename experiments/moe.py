@@ -2,7 +2,7 @@
 tokens over training, the all-to-all bytes with and without duplicate token dropping, and seed
 004's memory bound (Eq. 7.4) against the measured model-state bytes.
 
-1. **Training** (``jphantom train`` through :mod:`jphantom.run`, the byte-level stdlib corpus): a
+1. **Training** (``jphantom train`` through :mod:`jphantom.loop.trainer`, the byte-level stdlib corpus): a
    GPT-2 (``jphantom.models.gpt2``) with every other block a top-1 MoE of 8 experts (Switch
    Transformer: each token visits one expert of the dense MLP's width, so the active parameters
    equal the dense model's plus the router) against the dense GPT of the same shape; validation
@@ -41,8 +41,8 @@ from jphantom.analysis.compiled import build, state_bytes  # noqa: E402
 from jphantom.analysis.inspect import inspect_step  # noqa: E402
 from jphantom.analysis.machine import output_folder  # noqa: E402
 from jphantom.config import RunConfig  # noqa: E402
-from jphantom.run import run  # noqa: E402
-from jphantom.zero import spec_axes  # noqa: E402
+from jphantom.loop.trainer import run  # noqa: E402
+from jphantom.step.zero import spec_axes  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "moe"
 SHAPE = dict(model="gpt2", layers=4, hidden=64, heads=4, seq_len=64, batch=16)

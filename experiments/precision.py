@@ -2,7 +2,7 @@
 
 Cheng et al. (Sec. 1.2) trains in mixed precision: half-precision compute, float32 master weights and
 optimizer state. This script trains the same model from the same initialisation and data twice
-with ``jphantom train`` (:mod:`jphantom.run`), ``--precision float32`` and ``--precision bf16``,
+with ``jphantom train`` (:mod:`jphantom.loop.trainer`), ``--precision float32`` and ``--precision bf16``,
 for the teacher FFN (Seal et al.'s task, ``jphantom.models.ffn``) and the GPT-2 transformer
 (``jphantom.models.gpt2``, byte-level stdlib corpus), on
 ``data=2,model=2`` with the ``tensor`` strategy, and reports the validation step at which each run
@@ -26,7 +26,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from jphantom.analysis.machine import output_folder  # noqa: E402
 from jphantom.config import RunConfig  # noqa: E402
-from jphantom.run import run  # noqa: E402
+from jphantom.loop.trainer import run  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "precision"
 MODELS = {

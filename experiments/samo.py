@@ -34,7 +34,7 @@ from flax import nnx  # noqa: E402
 
 from jphantom.experimental import samo  # noqa: E402
 from jphantom.analysis.hlo import collectives  # noqa: E402
-from jphantom.mesh import first_devices, make_mesh  # noqa: E402
+from jphantom.runtime.mesh import first_devices, make_mesh  # noqa: E402
 
 
 class MLP(nnx.Module):

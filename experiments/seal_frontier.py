@@ -15,7 +15,7 @@ The paper (Seal et al., Frontier, PyTorch + RCCL, one rank per GCD) measured:
 For each (n, p) this script builds the FFN step exactly as ``jphantom train`` would (one
 ``shard_map`` over ``model=p``; float32 as the paper's PyTorch; SGD, so no optimizer state; a
 global batch of 1024 rows by default, ``--batch``: the paper gives none), compiles it for p
-MI250X GCDs (``jphantom.aot.Target.parse("rocm:mi250x", nodes=p // 8)``: jax's ROCm compiler,
+MI250X GCDs (``jphantom.costs.aot.Target.parse("rocm:mi250x", nodes=p // 8)``: jax's ROCm compiler,
 no GPU) and predicts one iteration on ``mi250x-gcd.toml`` (peaks and efficiencies per GCD,
 Infinity Fabric inside a node, 4 Slingshot NICs per node, busy A = 560 W and idle B = 90 W: Seal
 et al.'s Eq. 1 constants): seconds split into compute, exposed and hidden communication, and joules over all p
@@ -101,11 +101,11 @@ def flags_of(strategy: str, width: int, depth: int, p: int, k: int, batch: int) 
 
 def compile_for_target(flags: dict, p: int, target_name: str, device, pool: dict) -> dict:
     """``flags`` compiled for ``p // 8`` nodes of ``target_name`` and predicted on ``device``
-    (``jphantom.aot.compile_report(predict_on=device)``); the target's devices are fetched once
+    (``jphantom.costs.aot.compile_report(predict_on=device)``); the target's devices are fetched once
     per p (``pool``)."""
     import tempfile
 
-    from jphantom import aot
+    from jphantom.costs import aot
 
     nodes = max(1, p // 8)
     if p not in pool:
@@ -131,9 +131,9 @@ def compile_for_cpu(flags: dict, p: int, device, gpus_per_node: int) -> dict:
 
     from jphantom.analysis.compiled import compile_built, compiled_memory
     from jphantom.analysis.hlo import kernels
-    from jphantom.aot import memory_peak
+    from jphantom.costs.aot import memory_peak
     from jphantom.config import RunConfig
-    from jphantom.mesh import device_pool
+    from jphantom.runtime.mesh import device_pool
     from jphantom.predict import predict
 
     started = time.perf_counter()
@@ -383,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     try:
         device = load(args.device)
         if args.quick:
-            from jphantom.mesh import simulate_cpu_devices
+            from jphantom.runtime.mesh import simulate_cpu_devices
 
             simulate_cpu_devices(max(QUICK["gpus"]))
             widths, gpus, batch = QUICK["widths"], QUICK["gpus"], QUICK["batch"]

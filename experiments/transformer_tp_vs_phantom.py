@@ -24,9 +24,9 @@ same: the update runs element-wise on the global arrays after the ``shard_map``,
 collective nor a GEMM): the collective bytes per device (exact, loop trip counts applied), the
 collectives by kind and the GEMM FLOPs per device.
 
-Energy is **modelled**, exactly as ``jphantom.compare`` models it (Eq. 1 of Seal et al., per step, summed
+Energy is **modelled**, exactly as ``jphantom.loop.compare`` models it (Eq. 1 of Seal et al., per step, summed
 over the devices of the run): e = devices x (A x alpha + B x beta), alpha = GEMM FLOPs per device /
-this machine's measured single-device matmul rate (``jphantom.compare.measure_matmul_rate``),
+this machine's measured single-device matmul rate (``jphantom.loop.compare.measure_matmul_rate``),
 beta = Eq. 26 with Table III's Frontier constants on the step's HLO collectives, A = 560 W and
 B = 90 W (``jphantom.energy.PowerModel``). The measured step time is recorded but not used as alpha:
 here the p "devices" are threads sharing 2 CPU cores, so one step's wall time is all p devices' work
@@ -142,7 +142,7 @@ class Job(NamedTuple):  # not a dataclass: the tests load this file without a sy
 
     @property
     def devices(self) -> int:
-        from jphantom.mesh import MeshConfig
+        from jphantom.runtime.mesh import MeshConfig
         return MeshConfig.parse(self.mesh).device_count
 
 
@@ -195,7 +195,7 @@ def first_reaching(steps, losses, target):
 
 
 def modelled_energy(report: dict, devices: int, matmul_rate: float, power) -> dict:
-    """Eq. 1 per step as ``jphantom.compare`` models it (see the module docstring)."""
+    """Eq. 1 per step as ``jphantom.loop.compare`` models it (see the module docstring)."""
     from jphantom.energy import energy_per_iteration
     from jphantom.perf.comm_model import FRONTIER
     alpha = report["flops"] / matmul_rate
@@ -421,15 +421,15 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
-    from jphantom.mesh import ensure_devices
+    from jphantom.runtime.mesh import ensure_devices
 
     ensure_devices(args.shards)  # simulated CPU devices unless jax already has enough
-    from jphantom.inventory import collective_inventory
+    from jphantom.costs.inventory import collective_inventory
     from jphantom.analysis.machine import machine_info
-    from jphantom.compare import measure_matmul_rate
+    from jphantom.loop.compare import measure_matmul_rate
     from jphantom.energy import PowerModel
     from jphantom.perf.comm_model import FRONTIER
-    from jphantom.run import run
+    from jphantom.loop.trainer import run
     from jphantom.nn.phantom.ops import max_ghost_width
 
     started = time.perf_counter()
@@ -512,7 +512,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "energy_model": "Eq. 1 per step, summed over the run's devices: devices x (A alpha + B "
                         "beta); alpha = GEMM FLOPs per device (HLO) / measured matmul rate; beta = "
                         "Eq. 26 with Table III (Frontier) on the step's HLO collectives; cumulative "
-                        "= steps x per step (Eq. 2). As jphantom.compare.",
+                        "= steps x per step (Eq. 2). As jphantom.loop.compare.",
         "power_model": dataclasses.asdict(power),
         "comm_model": FRONTIER.name,
         "matmul_flops_per_second_measured": matmul_rate,

@@ -43,7 +43,7 @@ def require_devices(count: int) -> None:
 def mesh_of():
     """``mesh_of(4)`` -> a ``model=4`` mesh on the first 4 devices; ``mesh_of("data=2,model=4")``
     -> that mesh on the first 8. Skips when the machine has too few devices."""
-    from jphantom.mesh import MeshConfig, first_devices
+    from jphantom.runtime.mesh import MeshConfig, first_devices
 
     def build(shape, axis: str = "model"):
         config = MeshConfig.parse(shape) if isinstance(shape, str) else MeshConfig.of({axis: shape})

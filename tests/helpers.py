@@ -27,7 +27,7 @@ def perturb(params, scale: float = 0.1, seed: int = 7):
 
 
 def param_shapes(program):
-    """The parameters of a :class:`jphantom.program.Program` as a dict of ShapeDtypeStructs (keys:
+    """The parameters of a :class:`jphantom.registry.program.Program` as a dict of ShapeDtypeStructs (keys:
     the model's attribute paths, as ``TrainState.params``)."""
     from flax import nnx
 
@@ -36,7 +36,7 @@ def param_shapes(program):
 
 
 def random_params(program, seed: int = 7):
-    """Parameters of ``program``'s shapes and dtype (a :class:`jphantom.program.Program`) filled
+    """Parameters of ``program``'s shapes and dtype (a :class:`jphantom.registry.program.Program`) filled
     with numpy random numbers (no jax compilation): weights N(0, 1/fan_in) (fan_in: a kernel's
     dimension -2, else the last), biases N(0, 0.01) (0.1 standard deviation). Any values do for
     the oracle tests; phantom's own decompressor slot gets a random value too, which must have
@@ -60,12 +60,12 @@ def mse(y, t):
 @functools.lru_cache(maxsize=64)
 def gradient_step(strategy: str, model_config, mesh: str, **options):
     """``(program, jax mesh, step, value_and_grad)`` of ``model_config`` under ``strategy`` on
-    ``mesh`` (:func:`jphantom.program.build`; step options such as ``zero``, ``remat``,
+    ``mesh`` (:func:`jphantom.registry.program.build`; step options such as ``zero``, ``remat``,
     ``pipeline`` in ``options``), ``value_and_grad(params, *batch) -> (loss, grads)`` jitted: the
     real step's ``shard_map`` with every reduction. Cached, so tests asking for the same
     configuration share one compilation."""
-    from jphantom import program as program_module
-    from jphantom.mesh import first_devices
+    from jphantom.registry import program as program_module
+    from jphantom.runtime.mesh import first_devices
 
     program = program_module.build(model_config, strategy, mesh)
     mesh_obj = program.mesh.build(first_devices(program.mesh.device_count))
@@ -136,7 +136,7 @@ def gradient_catcher() -> optax.GradientTransformation:
 def abstract_state(step, optimizer=None):
     """A ``TrainState`` of ShapeDtypeStructs with the step's shardings (for lowering without
     creating anything)."""
-    from jphantom.train_step import TrainState
+    from jphantom.step.train_step import TrainState
 
     shapes = step.setup.pure(list(step.layout.shapes))
     shardings = step.param_shardings()

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jphantom.errors import ConfigError
-from jphantom.mesh import MeshConfig, first_devices
+from jphantom.runtime.mesh import MeshConfig, first_devices
 from jphantom.nn import attention, flash
 
 

@@ -210,10 +210,10 @@ def _run_page(page: pathlib.Path) -> None:
 
 
 def test_strategy_table_is_the_vocabulary():
-    """docs/strategies.md's table lists exactly ``jphantom.strategies.STRATEGIES``, each with the
+    """docs/strategies.md's table lists exactly ``jphantom.registry.strategies.STRATEGIES``, each with the
     models it runs."""
-    from jphantom.families import running
-    from jphantom.strategies import STRATEGIES
+    from jphantom.registry.families import running
+    from jphantom.registry.strategies import STRATEGIES
 
     rows = {}
     for line in (ROOT / "docs" / "strategies.md").read_text().splitlines():

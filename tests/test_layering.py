@@ -5,6 +5,7 @@ top-level package's lazy names (``jphantom.parallelize`` and friends). No import
 inside a layer either, and no ``_private`` name imported across modules."""
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -12,17 +13,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "jphantom"
 
 LAYERS = [
-    ("base", ["errors", "lazy", "dtypes", "strategies", "mesh", "comm", "targets"]),
-    ("operations", ["remat", "precision", "fp8", "zero", "collectives", "pipeline", "pipeline.schedule", "data",
+    ("base", ["errors", "targets", "registry", "runtime"]),
+    ("operations", ["step.remat", "step.precision", "step.fp8", "step.zero",
+                    "runtime.collectives", "pipeline", "pipeline.schedule", "data",
                     "analysis.hlo", "perf.comm_model", "perf.axonn_model", "energy",
-                    "attention_choices",
-                    "coordinator", "distributed", "gpu_defaults", "token_mean", "predict", "rocm"]),
+                    "registry.attention_choices",
+                    "runtime.coordinator", "runtime.distributed", "runtime.gpu_defaults",
+                    "step.token_mean", "predict", "rocm"]),
     ("layers", ["nn"]),
-    ("models", ["models", "families"]),
+    ("models", ["models", "registry.families"]),
     ("plans", ["plans", "models.gpt2.plan", "models.llama.plan"]),  # a family's declared plan is written in styles
-    ("step", ["pipeline.runner", "pipeline.split", "step", "train_step", "experimental", "checkpoint", "exactness"]),
-    ("program", ["program", "layer_plans", "inventory"]),
-    ("run", ["config", "sources", "callbacks", "loop", "run", "resilience", "metrics", "analysis", "compare", "planner", "plan", "perf", "launch", "aot",
+    ("step", ["pipeline.runner", "pipeline.split", "step", "experimental"]),
+    ("program", ["registry.program", "registry.layer_plans", "costs"]),
+    ("run", ["config", "loop", "runtime.resilience", "costs.metrics", "analysis", "planner", "plan",
+             "perf", "runtime.launch", "costs.aot",
              "generation"]),
     ("cli", ["cli", "__main__"]),
 ]
@@ -49,6 +53,11 @@ def _modules():
         yield name, path
 
 
+@functools.cache
+def _module_names() -> frozenset[str]:
+    return frozenset(name for name, _ in _modules())
+
+
 def _imports(path: Path):
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -56,7 +65,10 @@ def _imports(path: Path):
                 for alias in node.names:
                     yield alias.name, node.lineno
             elif node.module.startswith("jphantom."):
-                yield node.module[len("jphantom."):], node.lineno
+                base = node.module[len("jphantom."):]
+                for alias in node.names:  # a module from its package (from jphantom.step import remat)
+                    full = f"{base}.{alias.name}"
+                    yield (full if full in _module_names() else base), node.lineno
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("jphantom."):
@@ -82,9 +94,22 @@ def test_every_import_goes_downwards():
                                      "sharding/__init__"])
 def test_the_old_program_path_is_gone(removed):
     """One of each thing: the functional programs and their step builder were replaced by the NNX
-    modules, jphantom.program and the one TrainStep (``jphantom.strategies`` is now the registry
+    modules, jphantom.registry.program and the one TrainStep (``jphantom.registry.strategies`` is now the registry
     of strategy objects, no functional program)."""
     assert not (ROOT / (removed.replace(".", "/") + ".py")).exists()
+
+
+def test_a_package_whose_modules_span_layers_imports_nothing_above_them():
+    """Importing ``jphantom.a.b`` runs ``a/__init__.py`` first, so a package whose ``__init__``
+    imports library modules sits no higher than any module under it (``from jphantom.step
+    import remat``, in the operations layer, runs ``step/__init__.py``, which imports nothing)."""
+    found = []
+    for name, path in _modules():
+        if path.name == "__init__.py" and any(t != "errors" for t, _ in _imports(path)):
+            found += [f"{sub} ({LAYERS[_layer_of(sub)][0]}) runs {name}/__init__.py "
+                      f"({LAYERS[_layer_of(name)][0]}), which imports" for sub, _ in _modules()
+                      if sub.startswith(name + ".") and _layer_of(sub) < _layer_of(name)]
+    assert not found, "\n".join(found)
 
 
 def _graph() -> dict[str, set[str]]:
@@ -174,7 +199,7 @@ def test_no_private_name_crosses_a_module_boundary():
 
 
 def test_the_library_opens_one_shard_map():
-    """One SPMD program: jax.shard_map is named in one place, jphantom.train_step.shard_map,
+    """One SPMD program: jax.shard_map is named in one place, jphantom.step.train_step.shard_map,
     which every program the library compiles goes through (the step, its evaluation, the
     experimental steps, make_forward_fn)."""
     spellings = {"jax.shard_map", "nnx.shard_map", "flax.nnx.shard_map",
@@ -190,7 +215,7 @@ def test_the_library_opens_one_shard_map():
                 calls.append(f"{name}:{node.lineno} imports shard_map from {node.module}")
             elif isinstance(node, ast.Import) and any("shard_map" in a.name for a in node.names):
                 calls.append(f"{name}:{node.lineno} imports a shard_map module")
-    assert len(calls) == 1 and calls[0].startswith("train_step:"), calls
+    assert len(calls) == 1 and calls[0].startswith("step.train_step:"), calls
 
 
 def test_no_module_holds_several_ideas_by_size():
@@ -206,7 +231,7 @@ FUNCTION_LINES = 80
 LONG_FUNCTIONS = {
     "plans/convert.py::convert": (166, "one branch per style and layer type (to become "
                                        "the styles' own conversions)"),
-    "launch.py::launch": (92, "the launcher's processes, their environment and their exit"),
+    "runtime/launch.py::launch": (92, "the launcher's processes, their environment and their exit"),
     "step/gspmd.py::pipeline_loss": (82, "the GSPMD baseline's pipelined loss"),
 }
 
@@ -226,3 +251,20 @@ def test_no_function_runs_over_a_screen_or_two():
     assert not grown, f"functions over {FUNCTION_LINES} lines (or over their ceiling): {grown}"
     gone = set(LONG_FUNCTIONS) - set(found)
     assert not gone, f"no longer long: take them off LONG_FUNCTIONS: {sorted(gone)}"
+
+
+def test_the_design_page_draws_these_layers():
+    """docs/design.md's drawing of the layers (the text block under ``## The layers``) is LAYERS,
+    top layer first: each line a layer's name and its packages and modules, a line that starts
+    with spaces continuing the one before."""
+    page = (ROOT.parent / "docs" / "design.md").read_text()
+    section = page.split("\n## The layers\n", 1)[1]
+    drawing = section.split("```text\n", 1)[1].split("```", 1)[0]
+    drawn = []
+    for line in drawing.splitlines():
+        if line.startswith(" "):
+            drawn[-1][1].extend(line.replace(",", " ").split())
+        elif line.strip():
+            name, *entries = line.replace(",", " ").split()
+            drawn.append((name, entries))
+    assert drawn == [(name, list(entries)) for name, entries in reversed(LAYERS)]

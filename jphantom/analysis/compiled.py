@@ -61,7 +61,7 @@ def compile_step(config: RunConfig, optimizer=None):
 def compile_built(config, program, step, compiler_options: dict | None = None):
     """Lower and compile ``step`` (of ``program``, built for ``config``) on abstract parameters
     and batch, with XLA's ``compiler_options`` (flag name -> value, for this compilation alone:
-    :func:`jphantom.gpu_defaults.compiler_options`); returns ``(compiled,
+    :func:`jphantom.runtime.gpu_defaults.compiler_options`); returns ``(compiled,
     seconds_to_lower_and_compile)``."""
     start = time.perf_counter()
     lowered = step.lower(step.abstract_state(), *abstract_batch(config, program, step))

@@ -31,7 +31,7 @@ import math
 import numpy as np
 
 from jphantom.errors import ConfigError
-from jphantom.mesh import device_memory
+from jphantom.runtime.mesh import device_memory
 from jphantom.step.memory import device_bytes
 
 GIB = 2**30
@@ -75,7 +75,7 @@ def activation_bytes(config, program) -> int:
 
 def available_memory(mesh) -> tuple[int | None, str]:
     """(bytes one device of ``mesh`` can hold, where the number comes from); None if unknown
-    (:func:`jphantom.mesh.device_memory`, which the step's own check before ``init`` reads too)."""
+    (:func:`jphantom.runtime.mesh.device_memory`, which the step's own check before ``init`` reads too)."""
     return device_memory(mesh)
 
 

@@ -17,13 +17,13 @@ from jax.sharding import Mesh
 
 import numpy as np
 
-from jphantom import strategies
+from jphantom.registry import strategies
 from jphantom.analysis.compiled import (abstract_batch, build, compiled_memory, gemm_flops,
                                         normalise_collectives, xla_flops)
 from jphantom.analysis.hlo import collectives, summarize
 from jphantom.config import RunConfig
 from jphantom.errors import ConfigError
-from jphantom.mesh import mesh_config_of
+from jphantom.runtime.mesh import mesh_config_of
 
 
 class Runner:

@@ -13,7 +13,7 @@ status 2 (bad value) or 1 (diverged), without a traceback.
 
 One module per command (``train``, ``generate``, ``inspect``, ``compile``, ``compare``,
 ``schedule``, ``tokenize``, ``verify``, ``demo``; ``plan`` and ``launch`` live in
-:mod:`jphantom.planner` and :mod:`jphantom.launch`), each with its ``add_parser(sub)`` and
+:mod:`jphantom.planner` and :mod:`jphantom.runtime.launch`), each with its ``add_parser(sub)`` and
 ``handle(args)``; the flags they share in :mod:`jphantom.cli.parser` (the run's, built from the
 configuration's fields), :mod:`jphantom.cli.devices` and :mod:`jphantom.cli.step_defaults`. This
 module is the entry point: :func:`build_parser` and :func:`main`.
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     from jphantom.planner import add_parser as add_plan_parser
 
     add_plan_parser(sub)
-    from jphantom.launch import add_parser as add_launch_parser
+    from jphantom.runtime.launch import add_parser as add_launch_parser
 
     add_launch_parser(sub)
     verify.add_parser(sub)
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         train_gpu_defaults(args)  # before jax.distributed or anything else starts jax
     try:
         if args.command != "launch":  # a process started by `jphantom launch`, srun or mpirun
-            from jphantom import distributed
+            from jphantom.runtime import distributed
 
             distributed.initialize_from_env()
         return args.handler(args)

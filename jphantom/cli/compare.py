@@ -1,5 +1,5 @@
 """``jphantom compare``: tensor and phantom parallelism trained to the same target loss, Seal et
-al.'s Table I at small scale (:mod:`jphantom.compare`), with its comma-separated list flags."""
+al.'s Table I at small scale (:mod:`jphantom.loop.compare`), with its comma-separated list flags."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def add_parser(sub) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     setup_devices(args.devices)
-    from jphantom.compare import (CompareConfig, format_table, gpu_meter_factory,
+    from jphantom.loop.compare import (CompareConfig, format_table, gpu_meter_factory,
                                   prepare_output_dir, run_compare, write_outputs)
 
     config = CompareConfig.from_flags(

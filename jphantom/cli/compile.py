@@ -1,5 +1,5 @@
 """``jphantom compile``: the run's training step compiled ahead of time for GPUs or a TPU slice
-this machine does not have (:mod:`jphantom.aot`); nothing runs."""
+this machine does not have (:mod:`jphantom.costs.aot`); nothing runs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from jphantom.cli.parser import (add_gpu_defaults_flag, add_run_flags, positive_
                                  strategy_names)
 from jphantom.cli.step_defaults import COMPILE_MODEL, INSPECT_FLAGS, shown_defaults, step_settings
 from jphantom.predict.device import names as device_names
-from jphantom.strategies import get as get_strategy
+from jphantom.registry.strategies import get as get_strategy
 
 
 def add_parser(sub) -> None:
@@ -56,7 +56,7 @@ def add_parser(sub) -> None:
                              "(the kernels, fusions and schedule XLA chose); with several "
                              "--strategy values one file each, the strategy's name inserted "
                              "before FILE's suffix (step.hlo -> step.tensor.hlo)")
-    add_gpu_defaults_flag(target, "compile with jphantom's GPU XLA flags (jphantom."
+    add_gpu_defaults_flag(target, "compile with jphantom's GPU XLA flags (jphantom.runtime."
                                   "gpu_defaults: latency-hiding scheduler, pipelined "
                                   "collectives) where XLA_FLAGS does not set them")
     target.add_argument("--predict", action="store_true",
@@ -102,8 +102,8 @@ def hlo_paths(text: str | None, strategies: list[str]) -> dict[str, str | None]:
 
 def handle(args: argparse.Namespace) -> int:
     """``jphantom compile``: the run's step compiled for a GPU cluster or TPU slice it does not
-    have (:mod:`jphantom.aot`)."""
-    from jphantom import aot
+    have (:mod:`jphantom.costs.aot`)."""
+    from jphantom.costs import aot
     from jphantom.config import RunConfig
     from jphantom.errors import ConfigError
 
@@ -127,14 +127,14 @@ def handle(args: argparse.Namespace) -> int:
     settings["mesh"] = settings.get("mesh") or aot.default_mesh(target)
     gpu_defaults = target.is_gpu and not args.no_gpu_defaults
     if gpu_defaults:  # XLA reads XLA_FLAGS when the plugin starts: before target.devices()
-        from jphantom import gpu_defaults as defaults
+        from jphantom.runtime import gpu_defaults as defaults
 
         defaults.apply(allocator=False)  # the flags only: nothing is allocated
     from jphantom.cli.quiet import filtered_stderr
 
     with filtered_stderr():  # the GPU plugin starts: without a GPU, its start-up lines dropped
         devices = target.devices()
-    from jphantom.mesh import device_pool
+    from jphantom.runtime.mesh import device_pool
 
     with device_pool(devices):  # every run validated before anything compiles
         runs = []

@@ -34,9 +34,9 @@ def handle(args: argparse.Namespace) -> int:
     import jax
 
     from jphantom.analysis.inspect import format_report, inspect_step
-    from jphantom.compare import prepare_output_dir
+    from jphantom.loop.compare import prepare_output_dir
     from jphantom.config import RunConfig
-    from jphantom.strategies import get
+    from jphantom.registry.strategies import get
 
     prepare_output_dir(args.out)
     count = jax.device_count()

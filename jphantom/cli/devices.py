@@ -15,15 +15,15 @@ DEFAULT_SIMULATED_DEVICES = 8
 
 
 def accelerator_visible(env=None) -> bool:
-    """:func:`jphantom.distributed.accelerator_visible` (kept here for the CLI's callers)."""
-    from jphantom.distributed import accelerator_visible as visible
+    """:func:`jphantom.runtime.distributed.accelerator_visible` (kept here for the CLI's callers)."""
+    from jphantom.runtime.distributed import accelerator_visible as visible
 
     return visible(env)
 
 
 def device_count(text: str) -> int:
-    """``--devices N``: an integer from 1 to :data:`jphantom.mesh.MAX_SIMULATED_DEVICES`."""
-    from jphantom.mesh import MAX_SIMULATED_DEVICES
+    """``--devices N``: an integer from 1 to :data:`jphantom.runtime.mesh.MAX_SIMULATED_DEVICES`."""
+    from jphantom.runtime.mesh import MAX_SIMULATED_DEVICES
 
     try:
         value = int(text)
@@ -51,7 +51,7 @@ def setup_devices(count: int | None, *, at_least: bool = False) -> None:
     import jax
 
     from jphantom.errors import ConfigError
-    from jphantom.mesh import simulate_cpu_devices
+    from jphantom.runtime.mesh import simulate_cpu_devices
 
     explicit = count is not None and not at_least
     count = count if count is not None else DEFAULT_SIMULATED_DEVICES

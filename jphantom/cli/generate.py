@@ -109,7 +109,7 @@ def handle(args: argparse.Namespace) -> int:
     ids = reading.encode(rows, tokenizer, template)
     devices = args.devices
     if devices is None and settings.get("mesh"):
-        from jphantom.mesh import MeshConfig
+        from jphantom.runtime.mesh import MeshConfig
         devices = MeshConfig.parse(settings["mesh"]).device_count
     setup_devices(devices, at_least=args.devices is None)
     from jphantom.generation import check_prompts

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from jphantom import strategies
+from jphantom.registry import strategies
 from jphantom.cli.devices import add_device_flag, setup_devices
 from jphantom.cli.parser import add_run_flags, positive_int, strategy_names
 from jphantom.cli.step_defaults import INSPECT_FLAGS, INSPECT_MODEL, shown_defaults, step_settings
@@ -52,7 +52,7 @@ def handle(args: argparse.Namespace) -> int:
     from jphantom.analysis.inspect import format_report, inspect_step
     from jphantom.config import RunConfig
     from jphantom.errors import ConfigError
-    from jphantom.mesh import MeshConfig
+    from jphantom.runtime.mesh import MeshConfig
 
     settings = step_settings(args, INSPECT_MODEL)
     if settings.get("dtype") == "float64":

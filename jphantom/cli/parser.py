@@ -27,20 +27,20 @@ def positive_int(text: str) -> int:
 
 def strategy_names(model: str | None = "ffn") -> list[str]:
     """The strategies ``model`` runs under (every strategy for ``None``)."""
-    from jphantom import families, strategies
+    from jphantom.registry import families, strategies
 
     return list(strategies.NAMES) if model is None else families.strategies_for(model)
 
 
 def run_flag_choices() -> dict:
     """The choices of the run flags that have a fixed set (argparse refuses anything else)."""
-    from jphantom.attention_choices import ALGORITHMS, IMPLEMENTATIONS
+    from jphantom.registry.attention_choices import ALGORITHMS, IMPLEMENTATIONS
     from jphantom.config import DTYPES, LR_SCHEDULES, OPTIMIZERS
     from jphantom.data.documents import LOSS_ON
     from jphantom.pipeline.schedule import ALL_SCHEDULES
-    from jphantom.precision import NAMES as PRECISIONS
-    from jphantom.remat import NAMES as REMATS
-    from jphantom.resilience import NONFINITE
+    from jphantom.step.precision import NAMES as PRECISIONS
+    from jphantom.step.remat import NAMES as REMATS
+    from jphantom.runtime.resilience import NONFINITE
 
     return {"schedule": ALL_SCHEDULES, "zero": (0, 1, 2, 3), "precision": PRECISIONS,
             "master_weights": ("replicated", "sharded"),
@@ -82,7 +82,7 @@ def add_run_flags(parser: argparse.ArgumentParser, defaults: dict | None = None,
 def run_settings(args: argparse.Namespace, defaults: dict | None = None) -> dict:
     """The flat settings of a run: ``defaults``, then ``--config``'s file, then the flags; a
     ``--from-hf`` checkpoint that neither names a model chooses the family by its config.json's
-    ``model_type`` (:func:`jphantom.families.of_hf_checkpoint`)."""
+    ``model_type`` (:func:`jphantom.registry.families.of_hf_checkpoint`)."""
     from jphantom.config import FLAT, load_toml
 
     given = {}
@@ -93,14 +93,14 @@ def run_settings(args: argparse.Namespace, defaults: dict | None = None) -> dict
         if value is not None:
             given[flat] = value
     if isinstance(given.get("from_hf"), str) and "model" not in given:
-        from jphantom import families
+        from jphantom.registry import families
 
         given["model"] = families.of_hf_checkpoint(given["from_hf"]).name
     return {**(defaults or {}), **given}
 
 
 def add_gpu_defaults_flag(parser: argparse.ArgumentParser, what: str) -> None:
-    """``--no-gpu-defaults``: leave :mod:`jphantom.gpu_defaults` out (``what`` they do here)."""
+    """``--no-gpu-defaults``: leave :mod:`jphantom.runtime.gpu_defaults` out (``what`` they do here)."""
     parser.add_argument("--no-gpu-defaults", action="store_true",
                         help=f"do not {what}; without this flag they are used, and what is set "
                              "is reported")

@@ -41,7 +41,7 @@ _quieted = False
 def missing_gpu(env=None) -> bool:
     """Whether the rule applies (module docstring): ``JAX_PLATFORMS`` unset, a CUDA or ROCm
     plugin installed, no accelerator device node."""
-    from jphantom.distributed import has_module
+    from jphantom.runtime.distributed import has_module
 
     env = os.environ if env is None else env
     return ("JAX_PLATFORMS" not in env

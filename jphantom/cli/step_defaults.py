@@ -37,7 +37,7 @@ def step_settings(args: argparse.Namespace, model: str) -> dict:
     ``--config``'s file, then the flags."""
     import dataclasses
 
-    from jphantom import families
+    from jphantom.registry import families
     from jphantom.config import ModelConfig
     from jphantom.errors import ConfigError
 

@@ -1,5 +1,5 @@
 """``jphantom train``: the run the flags (and ``--config FILE.toml``) describe, trained by
-:func:`jphantom.run.run`, with jphantom's GPU defaults set first on NVIDIA GPUs."""
+:func:`jphantom.loop.trainer.run`, with jphantom's GPU defaults set first on NVIDIA GPUs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from jphantom import strategies
+from jphantom.registry import strategies
 from jphantom.cli.devices import accelerator_visible, add_device_flag, setup_devices
 from jphantom.cli.parser import add_gpu_defaults_flag, add_run_flags, run_settings
 
@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
     train.add_argument("--config", metavar="FILE.toml", help="settings from a TOML file")
     add_run_flags(train)
     add_device_flag(train)
-    add_gpu_defaults_flag(train, "set jphantom's GPU defaults on NVIDIA GPUs (jphantom."
+    add_gpu_defaults_flag(train, "set jphantom's GPU defaults on NVIDIA GPUs (jphantom.runtime."
                                  "gpu_defaults: XLA flags for the latency-hiding scheduler and "
                                  "pipelined collectives, XLA_PYTHON_CLIENT_MEM_FRACTION=0.9) "
                                  "where the environment does not set them")
@@ -41,11 +41,11 @@ def add_parser(sub) -> None:
 
 
 def train_gpu_defaults(args: argparse.Namespace | None = None) -> None:
-    """``train`` on NVIDIA GPUs: :mod:`jphantom.gpu_defaults` into the environment where it does
+    """``train`` on NVIDIA GPUs: :mod:`jphantom.runtime.gpu_defaults` into the environment where it does
     not set them (with its FP8 flags when ``args``' settings say ``--precision fp8``), and one
     line saying what was set (by the first process of a multi-process run)."""
-    from jphantom import gpu_defaults
-    from jphantom.distributed import ENV_PROCESS_ID
+    from jphantom.runtime import gpu_defaults
+    from jphantom.runtime.distributed import ENV_PROCESS_ID
 
     if not gpu_defaults.nvidia_gpu_visible():
         return
@@ -68,13 +68,13 @@ def _family_from_checkpoint(args: argparse.Namespace, settings: dict) -> bool:
 
 def handle(args: argparse.Namespace) -> int:
     settings = run_settings(args, TRAIN_DEFAULTS)
-    from jphantom import distributed
+    from jphantom.runtime import distributed
 
     devices, at_least = args.devices, False
     if devices is None and not accelerator_visible():
         # On CPU simulate as many devices as the mesh needs (one for dense): fewer simulated devices
         # leave each one more of the host's threads.
-        from jphantom.mesh import MeshConfig
+        from jphantom.runtime.mesh import MeshConfig
         mesh = settings.get("mesh")
         if mesh is not None:
             devices = MeshConfig.parse(mesh).device_count
@@ -86,7 +86,7 @@ def handle(args: argparse.Namespace) -> int:
     import jax
 
     from jphantom.config import RunConfig
-    from jphantom.run import run
+    from jphantom.loop.trainer import run
     if settings.get("dtype") == "float64":
         jax.config.update("jax_enable_x64", True)
     config = RunConfig.from_flags(**settings)
@@ -118,7 +118,7 @@ def handle(args: argparse.Namespace) -> int:
     if (data_line := _data_line(results.data or {})) is not None:
         print(data_line)
     if results.interrupted:
-        from jphantom.resilience import EXIT_STATUS
+        from jphantom.runtime.resilience import EXIT_STATUS
 
         where = f" into {config.train.out}" if config.train.out is not None else ""
         saved = (results.checkpoints or {}).get("steps") or []

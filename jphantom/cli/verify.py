@@ -55,10 +55,10 @@ def add_parser(sub) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    """``jphantom verify``: :func:`jphantom.exactness.verify_step` of the run the flags describe."""
+    """``jphantom verify``: :func:`jphantom.step.exactness.verify_step` of the run the flags describe."""
     settings = run_settings(args)
     from jphantom.errors import ConfigError
-    from jphantom.mesh import MeshConfig
+    from jphantom.runtime.mesh import MeshConfig
 
     unused = sorted(flat for flat in settings if flat in UNUSED)
     if unused:  # only a --config file gives them: the flags are not listed
@@ -76,7 +76,7 @@ def handle(args: argparse.Namespace) -> int:
     jax.config.update("jax_enable_x64", True)  # the one-device reference in float64
     from jphantom.analysis.compiled import abstract_batch
     from jphantom.config import RunConfig
-    from jphantom.exactness import verify_step
+    from jphantom.step.exactness import verify_step
 
     config = RunConfig.from_flags(**{**settings, "out": None, "progress": False})
     built = config.build()

@@ -4,7 +4,7 @@ A :class:`RunConfig` nests four frozen sections, each validated on construction 
 annotation, never coerced by truthiness; ranges and choices by name; the sections against each
 other), without jax: configuration is data. :func:`build` (``config.build()``) is the explicit
 next step every command takes before it reads data: it builds the run's
-:class:`jphantom.program.Program`, its jax mesh and its step (nothing is compiled), which checks
+:class:`jphantom.registry.program.Program`, its jax mesh and its step (nothing is compiled), which checks
 every shape against the mesh::
 
     RunConfig(model=ModelConfig(name="llama", layers=2), parallel=ParallelConfig(

@@ -8,7 +8,7 @@ import math
 
 from jphantom.config.sections import ModelConfig, ParallelConfig, StepConfig, TrainConfig
 from jphantom.errors import ConfigError
-from jphantom.strategies import get as get_strategy
+from jphantom.registry.strategies import get as get_strategy
 
 
 def build(config) -> "Built":
@@ -57,7 +57,7 @@ def optimizer_of(train: TrainConfig, step: StepConfig):
     if step.clip_norm is not None:  # exact: the update sees the global gradients
         optimizer = optax.chain(optax.clip_by_global_norm(step.clip_norm), optimizer)
     if train.grad_norm:  # the norm before clipping, as Megatron and torchtitan log it
-        from jphantom.metrics import record_grad_norm
+        from jphantom.costs.metrics import record_grad_norm
         optimizer = optax.chain(record_grad_norm(), optimizer)
     if train.on_nonfinite == "skip":  # an update that would make the state non-finite is
         from jphantom.step.finite import keep_if_finite  # dropped, counted in the state
@@ -82,7 +82,7 @@ def build_cached(model: ModelConfig, parallel: ParallelConfig, step: StepConfig,
                  train: TrainConfig, devices: tuple) -> Built:
     """:meth:`RunConfig.build` of the sections on ``devices``, once per process for the same
     sections and devices."""
-    from jphantom import program as programs
+    from jphantom.registry import program as programs
 
     mesh_config = parallel.mesh_config()
     if mesh_config.device_count > len(devices):

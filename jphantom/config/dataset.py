@@ -1,6 +1,6 @@
 """A run's dataset files (``--data`` with JSON Lines, JSON, Parquet or Arrow files), read and
 tokenised once per process: the configuration's checks read them before anything compiles (a bad
-row is refused first) and the training source (:class:`jphantom.sources.DocumentSource`) packs or
+row is refused first) and the training source (:class:`jphantom.loop.sources.DocumentSource`) packs or
 pads the same documents."""
 
 from __future__ import annotations

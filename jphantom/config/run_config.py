@@ -4,7 +4,7 @@ and the door to what it builds (:meth:`RunConfig.build`, :mod:`jphantom.config.b
 
 import dataclasses
 
-from jphantom import strategies
+from jphantom.registry import strategies
 from jphantom.config.built import (Built, build_cached, optimizer_of, pipeline_of,
                                    train_step_of)
 from jphantom.config.sections import (ALIASES, FLAT, SECTIONS, ModelConfig, ParallelConfig,
@@ -45,7 +45,7 @@ class RunConfig:
             raise ConfigError("dtype='float16' with an adaptive optimizer underflows Adam's "
                               "epsilon (1e-8 is 0 in float16): use --precision float16 (float32 "
                               "master weights), bfloat16, or --optimizer sgd")
-        from jphantom.precision import Precision
+        from jphantom.step.precision import Precision
 
         Precision.named(self.step.precision).check_master([self.model.dtype])
         if declared is not None and "stage" in declared.shape:
@@ -58,7 +58,7 @@ class RunConfig:
         self._check_model_on_mesh(declared)
         # what needs neither jax's devices nor a file: the family runs the strategy, its own
         # shape rules, a language model's mesh axes (the shapes against the mesh: build())
-        from jphantom import program as programs
+        from jphantom.registry import program as programs
 
         family = self.model.family
         programs.check_runs(family.name, self.parallel.strategy)
@@ -126,7 +126,7 @@ class RunConfig:
         return self.model.family_config(self.parallel.strategy)
 
     def program(self):
-        """The model under the strategy on the mesh (:func:`jphantom.program.build`): validates
+        """The model under the strategy on the mesh (:func:`jphantom.registry.program.build`): validates
         every shape against the mesh; builds nothing concrete."""
         return self.build().program
 
@@ -155,6 +155,6 @@ class RunConfig:
                                     tensorboard=False, step_timeout=None,
                                     on_nonfinite="skip" if self.train.on_nonfinite == "skip"
                                     else "stop")
-        from jphantom.mesh import available_devices
+        from jphantom.runtime.mesh import available_devices
 
         return build_cached(self.model, self.parallel, self.step, train, available_devices())

@@ -3,7 +3,7 @@
 :class:`ModelConfig`, :class:`ParallelConfig`, :class:`StepConfig` and :class:`TrainConfig` are
 frozen dataclasses validated on construction without jax, flax or numpy (types by annotation,
 ranges and choices by name, against vocabularies that import none of them: the model families'
-registry, :mod:`jphantom.program`'s strategies, :mod:`jphantom.attention_choices`, ...). Every
+registry, :mod:`jphantom.registry.program`'s strategies, :mod:`jphantom.registry.attention_choices`, ...). Every
 field carries its command-line help in its metadata (:func:`setting`): ``jphantom train``'s flags
 are built from them (:mod:`jphantom.cli.parser`), so the words live here once. :data:`FLAT` maps
 each flat name (a flag, a flat TOML key) to its section and field.
@@ -13,10 +13,10 @@ import dataclasses
 import math
 import typing
 
-from jphantom import strategies
+from jphantom.registry import strategies
 from jphantom.config import paths
 from jphantom.errors import ConfigError
-from jphantom.dtypes import DTYPES
+from jphantom.registry.dtypes import DTYPES
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULES = ("constant", "cosine")
@@ -75,9 +75,9 @@ def _choice(name: str, value, choices) -> None:
 
 def _family_fields(cls):
     """``cls`` (the model section's common fields) with the fields the model families declare
-    (:class:`jphantom.families.Field`, :func:`jphantom.families.section_fields`), each's help
+    (:class:`jphantom.registry.families.Field`, :func:`jphantom.registry.families.section_fields`), each's help
     prefixed with the families that read it where not all do, made a frozen dataclass."""
-    from jphantom import families
+    from jphantom.registry import families
 
     declared = families.section_fields()
     everyone = set(families.names())
@@ -91,19 +91,19 @@ def _family_fields(cls):
 
 @_family_fields
 class ModelConfig:
-    """The model: ``name`` (a family of :mod:`jphantom.families`'s registry: ``ffn``, seed
+    """The model: ``name`` (a family of :mod:`jphantom.registry.families`'s registry: ``ffn``, seed
     000's FFN of ``width`` x ``depth``; ``gpt2``; ``llama`` (Mixtral with ``moe_every=1``);
     ``mistral``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``gemma3``; or a user's registered family)
     and its shape. The fields every language model reads are written here; the others (``width``,
     ``depth``, ``ghost_width``, ``kv_heads``, ``intermediate``, ``sliding_window``, the MoE
-    settings) are the families' declarations (:attr:`jphantom.families.Family.fields`), added with
+    settings) are the families' declarations (:attr:`jphantom.registry.families.Family.fields`), added with
     their defaults, help and least values when this class is made (``FAMILY_FIELDS``). A field the
     family does not read, set away from its default, is refused by name."""
 
     name: str = setting(
         "gpt2", "the model family: ffn (Seal et al.'s teacher task), gpt2 (alias transformer), "
         "llama (Mixtral with --moe-every 1), mistral, qwen2, qwen3, qwen3_moe, gemma3, or a "
-        "family registered with jphantom.families.register; the language models on byte-level "
+        "family registered with jphantom.registry.families.register; the language models on byte-level "
         "text unless --data and --tokenizer say otherwise; with --from-hf and no --model, the "
         "checkpoint's model_type chooses it", flag="model")
     layers: int = setting(4, "transformer blocks")
@@ -119,7 +119,7 @@ class ModelConfig:
         "--from-gpt2)", aliases=("from_gpt2",))
 
     def __post_init__(self):
-        from jphantom import families
+        from jphantom.registry import families
 
         _check_types(self)
         family = families.get(self.name)
@@ -140,8 +140,8 @@ class ModelConfig:
 
     @property
     def family(self):
-        """The registered :class:`jphantom.families.Family` of ``name``."""
-        from jphantom import families
+        """The registered :class:`jphantom.registry.families.Family` of ``name``."""
+        from jphantom.registry import families
 
         return families.get(self.name)
 
@@ -151,14 +151,14 @@ class ModelConfig:
         :class:`~jphantom.models.llama.LlamaConfig`, ...) for ``strategy``: the family's
         ``from_flags`` (a phantom GPT-2 has an untied head: its feature-split activations would
         all-reduce a tied head's logits)."""
-        from jphantom.strategies import get
+        from jphantom.registry.strategies import get
 
         return self.family.from_flags(self, get(strategy).needs_ghost_width)
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """How the model is split: ``strategy`` (:data:`jphantom.strategies.NAMES`), ``mesh`` (default
+    """How the model is split: ``strategy`` (:data:`jphantom.registry.strategies.NAMES`), ``mesh`` (default
     ``model=1`` for dense, else ``model=<all devices>``), Megatron sequence parallelism, DTD,
     with a ``stage`` axis the pipeline ``schedule``, ``microbatches`` per step and data rank
     (default: the stages) and ``virtual_stages`` (interleaved 1F1B), and with a ``context``
@@ -195,9 +195,9 @@ class ParallelConfig:
         "bytes)")
 
     def __post_init__(self):
-        from jphantom.attention_choices import ALGORITHMS
+        from jphantom.registry.attention_choices import ALGORITHMS
         from jphantom.pipeline.schedule import ALL_SCHEDULES
-        from jphantom.strategies import check_collective_matmul, get
+        from jphantom.registry.strategies import check_collective_matmul, get
 
         _check_types(self)
         get(self.strategy)
@@ -211,8 +211,8 @@ class ParallelConfig:
         """The mesh as given (``mesh``, or ``model=1`` for ``dense``), parsed and validated; None
         when it is left to the devices (``model=<all of them>``: :meth:`mesh_config`). Reads
         nothing but the configuration."""
-        from jphantom.mesh import MeshConfig
-        from jphantom.strategies import get
+        from jphantom.runtime.mesh import MeshConfig
+        from jphantom.registry.strategies import get
 
         if self.mesh is not None:
             return MeshConfig.parse(self.mesh)
@@ -221,8 +221,8 @@ class ParallelConfig:
         return None
 
     def mesh_config(self):
-        from jphantom.mesh import MeshConfig
-        from jphantom.strategies import get
+        from jphantom.runtime.mesh import MeshConfig
+        from jphantom.registry.strategies import get
 
         if self.mesh is not None:
             return MeshConfig.parse(self.mesh)
@@ -273,9 +273,9 @@ class StepConfig:
         "cannot run)")
 
     def __post_init__(self):
-        from jphantom.attention_choices import IMPLEMENTATIONS
-        from jphantom.precision import NAMES as PRECISIONS
-        from jphantom.remat import NAMES as REMATS, with_cac
+        from jphantom.registry.attention_choices import IMPLEMENTATIONS
+        from jphantom.step.precision import NAMES as PRECISIONS
+        from jphantom.step.remat import NAMES as REMATS, with_cac
 
         _check_types(self)
         _choice("zero", self.zero, (0, 1, 2, 3))
@@ -291,7 +291,7 @@ class StepConfig:
 
     @property
     def step_remat(self) -> str:
-        from jphantom.remat import with_cac
+        from jphantom.step.remat import with_cac
 
         return with_cac(self.remat, self.cac)
 
@@ -304,7 +304,7 @@ class TrainConfig:
     ``data`` (a text file, a token file or a folder of them: :mod:`jphantom.data.tokens`) and the
     ``tokenizer`` text goes through (:func:`jphantom.data.tokenizers.load_tokenizer`; ``None``:
     bytes), the ``out`` folder (``None``: write nothing), a Hugging Face directory to save into,
-    Orbax checkpoints, and what is reported per step (:mod:`jphantom.metrics`): the gradient norm
+    Orbax checkpoints, and what is reported per step (:mod:`jphantom.costs.metrics`): the gradient norm
     (``grad_norm``, recorded by the optimizer; ``jphantom train`` turns it on) and TensorBoard
     events (``tensorboard``, into ``out/tensorboard``)."""
 
@@ -404,7 +404,7 @@ class TrainConfig:
             raise ConfigError("weight_decay must be >= 0 and adam_b2 in [0, 1)")
         if self.target_loss is not None and not self.target_loss > 0:
             raise ConfigError(f"target_loss={self.target_loss} must be > 0 (or left out)")
-        from jphantom.resilience import NONFINITE
+        from jphantom.runtime.resilience import NONFINITE
 
         _choice("on_nonfinite", self.on_nonfinite, NONFINITE)
         if self.on_nonfinite == "rollback" and not (self.checkpoint_dir and self.save_every):
@@ -418,7 +418,7 @@ class TrainConfig:
         if self.save_every and not self.checkpoint_dir:
             raise ConfigError("--save-every needs --checkpoint-dir")
         if self.tensorboard:
-            from jphantom.metrics import require_tensorboard
+            from jphantom.costs.metrics import require_tensorboard
 
             require_tensorboard()
             if self.out is None:

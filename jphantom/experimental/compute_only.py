@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from jphantom.errors import ConfigError
 from jphantom.step.reduce import NoReduction
-from jphantom.train_step import TrainStep
+from jphantom.step.train_step import TrainStep
 
 
 def make_compute_only_step(model, mesh, optimizer, loss_fn, **options) -> TrainStep:

@@ -57,10 +57,10 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jphantom import comm
+from jphantom.runtime import comm
 from jphantom.errors import ConfigError
 from jphantom.step.layout import TrainState, group_by
-from jphantom.train_step import TrainStep
+from jphantom.step.train_step import TrainStep
 
 DATA_AXIS = "data"
 

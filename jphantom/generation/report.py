@@ -1,7 +1,7 @@
 """What ``jphantom generate`` measures: time to first token (the prefill and the first token,
 run as their own program of ``max_new_tokens=1`` on the same bucket), decode tokens/s (the
 tokens after each row's first over the rest of the time), and joules per generated token from
-the devices' energy counters (:class:`jphantom.metrics.StepEnergy`: NVML on NVIDIA GPUs, amdsmi
+the devices' energy counters (:class:`jphantom.costs.metrics.StepEnergy`: NVML on NVIDIA GPUs, amdsmi
 on AMD) or, elsewhere, Seal et al.'s Eq. 1 at the busy power for the wall time, labelled
 ``modelled``; beside them the bytes a decode step reads at least (every weight and the whole
 key/value cache, summed over the devices: the HBM roofline's numerator, :func:`jphantom.generation.cache.decode_bytes`)."""
@@ -18,7 +18,7 @@ from jphantom.generation.config import GenerationConfig
 
 def measured(model, prompts, config: GenerationConfig, mesh=None) -> tuple[Generation, dict]:
     """``(generation, figures)``: the completions and what they cost (module docstring)."""
-    from jphantom.metrics import StepEnergy
+    from jphantom.costs.metrics import StepEnergy
 
     one = dataclasses.replace(config, max_new_tokens=1, return_logits=False)
     generate(model, prompts, one, mesh=mesh)  # compiled and run once: the next call is warm

@@ -1,6 +1,6 @@
 """Generation on a mesh, under the plan the model was parallelised with: the prefill and the
 decode loop of :func:`jphantom.generation.loop.run` inside one ``jax.jit`` of one
-``jax.shard_map`` (:func:`jphantom.train_step.shard_map`), each rank running its shard of the
+``jax.shard_map`` (:func:`jphantom.step.train_step.shard_map`), each rank running its shard of the
 model (:class:`jphantom.step.layout.ParamLayout`, as :func:`jphantom.make_forward_fn` does) on
 its rows of the batch. Under Megatron tensor parallelism each rank holds its heads' keys and
 values, so the cache is split over ``model`` as the heads are; the rows are split over the batch
@@ -18,14 +18,14 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jphantom import comm
+from jphantom.runtime import comm
 from jphantom.errors import ConfigError
 from jphantom.generation import cache as kv
 from jphantom.generation.config import GenerationConfig
 from jphantom.generation.loop import run
 from jphantom.step.layout import ParamLayout, batch_axes_of, check_mesh, group_by
-from jphantom.train_step import shard_map
-from jphantom import zero as zero_module
+from jphantom.step.train_step import shard_map
+from jphantom.step import zero as zero_module
 
 UNSPLIT = {"context": "decode holds one token per row: nothing to split over context",
            "stage": "a pipeline's stages are not run by the decode loop yet"}

@@ -1,4 +1,4 @@
-"""The training loop's parts, each built once by :class:`jphantom.run.Trainer` and used by its
+"""The training loop's parts, each built once by :class:`jphantom.loop.trainer.Trainer` and used by its
 ``fit`` (torchtitan's ``Trainer`` with its checkpoint manager and metrics processor is the
 anchor):
 

@@ -1,5 +1,5 @@
 """A run's checkpoints (:class:`RunCheckpoints`): Orbax checkpoints of the state
-(:class:`jphantom.checkpoint.Checkpointer`) with what a run needs beside it: the loss history,
+(:class:`jphantom.loop.checkpointer.Checkpointer`) with what a run needs beside it: the loss history,
 the model and corpus that trained it (``--resume`` continues only the same run), the data
 stream's position, and where the last good state is when a run stops on a non-finite loss. A run
 without ``--checkpoint-dir`` has one too, that saves nothing."""
@@ -20,7 +20,7 @@ class RunCheckpoints:
         self.identity = identity
         self.checkpointer = None
         if train.checkpoint_dir:
-            from jphantom.checkpoint import Checkpointer
+            from jphantom.loop.checkpointer import Checkpointer
 
             self.checkpointer = Checkpointer(train.checkpoint_dir, save_every=train.save_every,
                                              keep=train.keep_checkpoints)
@@ -48,7 +48,7 @@ class RunCheckpoints:
     def restore(self, state, source, step: int | None = None):
         """``(state, step, history)`` of checkpoint ``step`` (default: the newest complete
         one), the data reader put back where that checkpoint left it."""
-        from jphantom.train_step import TrainState
+        from jphantom.step.train_step import TrainState
 
         params, opt_state, meta = self.checkpointer.restore(state.params, state.opt_state, step)
         if hasattr(source, "restore"):  # a reader with a position: where the checkpoint left it

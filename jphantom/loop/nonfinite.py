@@ -5,11 +5,11 @@ state, does (``--on-nonfinite``), as one object, :class:`NonFinitePolicy`:
   the step and where the last good state is;
 - ``skip``: the update is not applied (the optimizer is wrapped in
   :func:`jphantom.step.finite.keep_if_finite`, whose count of dropped updates
-  :func:`jphantom.resilience.nonfinite_total` reads); after
-  :data:`jphantom.resilience.MAX_CONSECUTIVE_SKIPS` in a row the run stops;
+  :func:`jphantom.runtime.resilience.nonfinite_total` reads); after
+  :data:`jphantom.runtime.resilience.MAX_CONSECUTIVE_SKIPS` in a row the run stops;
 - ``rollback``: the state, the history and the data stream go back to the newest checkpoint
   whose recorded loss and parameters are finite (or the start), and the batch that gave the bad step is read but not trained on when the run gets
-  there again; after :data:`jphantom.resilience.MAX_ROLLBACKS` rollbacks with no checkpoint
+  there again; after :data:`jphantom.runtime.resilience.MAX_ROLLBACKS` rollbacks with no checkpoint
   written between them the run stops.
 
 Under ``stop`` and ``rollback`` the state is checked after every step (one jitted reduction,
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import math
 
-from jphantom import resilience
+from jphantom.runtime import resilience
 from jphantom.errors import TrainingDiverged
-from jphantom.resilience import MAX_CONSECUTIVE_SKIPS, MAX_ROLLBACKS
+from jphantom.runtime.resilience import MAX_CONSECUTIVE_SKIPS, MAX_ROLLBACKS
 
 POLICIES = ("stop", "skip", "rollback")
 

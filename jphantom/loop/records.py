@@ -20,7 +20,7 @@ def fresh_history() -> dict:
 @dataclasses.dataclass
 class StepRecord:
     """One step: its loss, learning rate, gradient norm, seconds, tokens/s, model TFLOP/s per
-    device and MFU, peak memory and energy (:mod:`jphantom.metrics`); ``update_skipped`` under a
+    device and MFU, peak memory and energy (:mod:`jphantom.costs.metrics`); ``update_skipped`` under a
     skip or rollback policy; ``compiled`` on the step that compiled; the evaluation's
     ``validation_loss`` (and MoE ``dropped_fraction``) on the steps that evaluate."""
 
@@ -78,7 +78,7 @@ class RolledBack:
 
 @dataclasses.dataclass(frozen=True)
 class RunResults:
-    """What :meth:`jphantom.run.Trainer.fit` returns, read by attribute, and ``results.json``
+    """What :meth:`jphantom.loop.trainer.Trainer.fit` returns, read by attribute, and ``results.json``
     (:meth:`as_dict`): the configuration, mesh, devices and parameters; final and best
     validation loss; how the run ended (``interrupted``, ``stopped_by``, ``steps_done``, the
     non-finite policy's record); step, compile and wall seconds with throughput and energy; the

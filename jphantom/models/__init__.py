@@ -8,7 +8,7 @@ def packed_lm_loss(model, tokens, targets, segment_ids, positions):
     numbered 1, 2, ... in each row (0: padding), positions restarting at 0 per document, targets
     -100 where no loss is taken. Attention stops at each document's boundary and positions
     restart (:mod:`jphantom.nn.attention.packing`); returns the global token mean's
-    ``(total, weight)`` terms (:mod:`jphantom.token_mean`)."""
+    ``(total, weight)`` terms (:mod:`jphantom.step.token_mean`)."""
     return model.loss_terms(tokens, targets, segment_ids=segment_ids, positions=positions)
 
 
@@ -17,10 +17,10 @@ def lm_loss(model, tokens, targets, *more):
     programs of ``jphantom train``): the model's own ``loss`` (vocabulary-parallel cross-entropy
     when the head is; plus the MoE auxiliary losses, with the whole batch's routing fractions when
     the step splits it, :mod:`jphantom.nn.balance`); with a ``mask`` (a third batch array) the
-    terms of the global token mean (:mod:`jphantom.token_mean`); with ``segment_ids`` and
+    terms of the global token mean (:mod:`jphantom.step.token_mean`); with ``segment_ids`` and
     ``positions`` (packed or padded documents: :mod:`jphantom.data.packing`)
     :func:`packed_lm_loss`'s. The one ``lm_loss``: :func:`jphantom.models.llama.lm_loss` and
-    :func:`jphantom.program.lm_loss` are this function."""
+    :func:`jphantom.registry.program.lm_loss` are this function."""
     import jax.numpy as jnp
 
     from jphantom.errors import ConfigError

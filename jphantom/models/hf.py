@@ -4,7 +4,7 @@
     logits = model(tokens)                                   # [batch, seq] ids -> [batch, seq, V]
     jphantom.models.hf.save("out", model)                    # config.json + model.safetensors
 
-The family is the registered one (:mod:`jphantom.families`) that reads ``config.json``'s
+The family is the registered one (:mod:`jphantom.registry.families`) that reads ``config.json``'s
 ``model_type``: ``gpt2`` (:mod:`jphantom.models.gpt2`); ``llama``, ``mixtral``, ``mistral``,
 ``qwen2``, ``qwen3``, ``qwen3_moe`` and ``gemma3_text`` (:mod:`jphantom.models.llama`, its presets
 in :mod:`jphantom.models.llama.variants`). A load then a save writes the file's tensors back
@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from jphantom.errors import ConfigError
-from jphantom import families
+from jphantom.registry import families
 
 
 def model_type(path) -> str:

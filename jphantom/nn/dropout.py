@@ -33,7 +33,7 @@ import optax
 from flax import nnx
 from jax import lax
 
-from jphantom import comm
+from jphantom.runtime import comm
 from jphantom.errors import ConfigError
 
 _KEY: contextvars.ContextVar = contextvars.ContextVar("jphantom_dropout_key", default=None)

@@ -32,7 +32,7 @@ Two layers:
   all-reducing them: the all-to-all bytes fall by p. **Dropless** (``capacity_factor=None``):
   assignments sorted by expert, grouped matmuls (``lax.ragged_dot``) on exactly the rows each
   expert got, ``lax.ragged_all_to_all`` over ``expert`` where the backend implements it
-  (:func:`jphantom.mesh.has_ragged_all_to_all`: its GPU and TPU backends); XLA:CPU does not, and there
+  (:func:`jphantom.runtime.mesh.has_ragged_all_to_all`: its GPU and TPU backends); XLA:CPU does not, and there
   the same exchange runs as a padded ``all_to_all`` of worst-case chunks (:func:`ragged_exchange`,
   exact, G-fold larger).
 - :class:`PhantomMoE`: phantom-parallel experts (Seal et al. in every expert) on the feature-split
@@ -41,7 +41,7 @@ Two layers:
   does), every expert a phantom FFN whose ranks exchange k ghosts per token.
 
 **CAC** (Singh's communication-aware checkpointing): every all-to-all and tensor all-reduce
-output is named (:func:`jphantom.remat.name_collective`), so ``remat="collectives_saveable"``
+output is named (:func:`jphantom.step.remat.name_collective`), so ``remat="collectives_saveable"``
 keeps them and a recompute repeats no collective (per MoE layer 6 all-to-alls become 4, the
 experts' 3 all-reduces of E C h become 2).
 """
@@ -55,10 +55,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jphantom import comm
-from jphantom import remat
+from jphantom.runtime import comm
+from jphantom.step import remat
 from jphantom.errors import ConfigError
-from jphantom.mesh import has_ragged_all_to_all
+from jphantom.runtime.mesh import has_ragged_all_to_all
 from jphantom.nn import metadata
 from jphantom.nn.moe import (Experts, SwitchMoE, combine_sorted, expert_ffn, grouped_ffn,
                                  route, router_losses, router_statistics, sort_by_expert)

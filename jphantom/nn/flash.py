@@ -17,7 +17,7 @@ offers for that on NVIDIA GPUs:
   ``pallas_call``s: the module's ``mha`` wrapper declares its statistics' output without the
   mesh axes it varies over, which the step's check of varying axes (``check_vma``) refuses, and
   its backward is a private function. Nothing here opens a ``shard_map``: the blocks run inside
-  the training step's one (:func:`jphantom.train_step.shard_map`). Tested on every jax version
+  the training step's one (:func:`jphantom.step.train_step.shard_map`). Tested on every jax version
   the project supports (on CPU through Pallas' interpreter, ``interpret=True``); jax 0.12 marks
   the module deprecated in favour of tokamax, its kernels unchanged there.
 
@@ -35,7 +35,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from jphantom import comm
+from jphantom.runtime import comm
 
 LN2 = math.log(2.0)
 

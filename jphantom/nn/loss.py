@@ -15,7 +15,7 @@ chunk's, in the compute dtype.
 **Masked tokens**: a token whose target is negative (Hugging Face's ``-100``) or whose ``mask``
 entry is false adds nothing; :func:`cross_entropy` is the mean over the counted tokens and
 :func:`cross_entropy_terms` their sum and count, the ``(total, weight)`` a training step turns
-into the global token mean over every rank and micro-batch (:mod:`jphantom.token_mean`).
+into the global token mean over every rank and micro-batch (:mod:`jphantom.step.token_mean`).
 """
 
 from __future__ import annotations

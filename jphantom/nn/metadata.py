@@ -21,7 +21,7 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jphantom.comm import varying_axes  # noqa: F401 (re-exported: the layers' name for it)
+from jphantom.runtime.comm import varying_axes  # noqa: F401 (re-exported: the layers' name for it)
 
 
 def param(value: jax.Array, axes: Sequence[str | None], *, reduce_axes: Sequence[str] = ()

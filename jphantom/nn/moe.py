@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jphantom import fp8 as fp8_ops
+from jphantom.step import fp8 as fp8_ops
 from jphantom.errors import ConfigError
 from jphantom.nn import routing as expert_ops
 
@@ -75,7 +75,7 @@ def _hidden(project, activation: str):
 
 
 def _fp8_operands(rows, weights: dict, fp8: bool):
-    """``rows`` and the weight matrices rounded to FP8 (:func:`jphantom.fp8.quantized`) when
+    """``rows`` and the weight matrices rounded to FP8 (:func:`jphantom.step.fp8.quantized`) when
     ``fp8``, else as they are: the grouped GEMMs' operands (``lax.ragged_dot`` takes no FP8)."""
     if not fp8:
         return rows, weights

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jphantom import comm, remat
+from jphantom.runtime import comm
+from jphantom.step import remat
 
 KINDS = ("layer", "rms", "rms1")
 
@@ -60,7 +61,7 @@ def normalize(x: jax.Array, kind: str, epsilon: float, scale=None, bias=None, *,
     axis (``features`` in all): each per-token sum is all-reduced over it (B S scalars).
 
     For ``x`` narrower than float32 (bf16 compute) the backward keeps ``x`` itself and runs the
-    float32 arithmetic again (:func:`jphantom.remat.inputs_kept`): autodiff would keep the
+    float32 arithmetic again (:func:`jphantom.step.remat.inputs_kept`): autodiff would keep the
     float32 copy of ``x`` and the float32 normalised ``y``, 8 bytes per element where ``x`` is 2
     (Korthikanti et al.'s count keeps the norm's 16-bit input); with ``axis`` the backward repeats
     the per-token all-reduce (B S scalars)."""

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jphantom.errors import ConfigError, check_int
-from jphantom.mesh import EXPERT
+from jphantom.runtime.mesh import EXPERT
 
 EXPERT_AXIS = EXPERT
 

@@ -23,8 +23,8 @@ layers' parameters, before the scan (:func:`gather_stacked`; pmm3d's deferred we
 whole stack in one collective).
 
 Two explicit attributes, set by the training step and never by a context: ``remat``, the
-blocks' activation-checkpointing policy (:mod:`jphantom.remat`; :func:`set_remat`), and
-``fetch``, ZeRO-3's per-layer all-gather over ``data`` (:class:`jphantom.zero.LayerFetch`),
+blocks' activation-checkpointing policy (:mod:`jphantom.step.remat`; :func:`set_remat`), and
+``fetch``, ZeRO-3's per-layer all-gather over ``data`` (:class:`jphantom.step.zero.LayerFetch`),
 whose ``around(layer)`` runs each layer on its gathered parameters and gathers them again
 for the backward. Holds no collective itself.
 """
@@ -38,8 +38,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jphantom import comm
-from jphantom import remat as remat_module
+from jphantom.runtime import comm
+from jphantom.step import remat as remat_module
 from jphantom.errors import check_int
 from jphantom.nn import dropout
 
@@ -174,12 +174,12 @@ class Feed(Stacked):
 
 def set_fp8(model: nnx.Module) -> nnx.Module:
     """The linear layers of ``model``'s :class:`Stacked` blocks (every linear layer of a model
-    without them) on FP8 operands (:mod:`jphantom.fp8`): ``nnx.Linear``'s ``dot_general`` becomes
-    :func:`jphantom.fp8.dot_general`, and the layers with an ``fp8`` flag (jphantom's column, row,
+    without them) on FP8 operands (:mod:`jphantom.step.fp8`): ``nnx.Linear``'s ``dot_general`` becomes
+    :func:`jphantom.step.fp8.dot_general`, and the layers with an ``fp8`` flag (jphantom's column, row,
     T1, phantom, experts and pmm3d layers) get it set. The step calls it on each rank's model
     under ``precision='fp8'``. A mixture of experts' router stays in the compute dtype (its
     top-k choice is sensitive to rounding; TransformerEngine and torchao leave it too)."""
-    from jphantom import fp8
+    from jphantom.step import fp8
 
     stacks = [m for _, m in nnx.iter_modules(model) if isinstance(m, Stacked)]
     for root in [s.block for s in stacks] or [model]:
@@ -195,9 +195,9 @@ def set_fp8(model: nnx.Module) -> nnx.Module:
 
 def set_remat(model: nnx.Module, policy: str) -> None:
     """Checkpoint every :class:`Stacked` block of ``model`` with ``policy``
-    (:data:`jphantom.remat.NAMES`), and set every attention core's ``recompute``: whether it
+    (:data:`jphantom.step.remat.NAMES`), and set every attention core's ``recompute``: whether it
     recomputes itself in the backward (``all_but_attention_core_saveable``, Megatron's selective
-    recompute, :func:`jphantom.remat.recomputes_attention_core`)."""
+    recompute, :func:`jphantom.step.remat.recomputes_attention_core`)."""
     from jphantom.nn.attention import CausalAttention, RingAttention
 
     recompute = remat_module.recomputes_attention_core(policy)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jphantom import comm
+from jphantom.runtime import comm
 
 LOGITS_CHUNK_ELEMENTS = 2**28  # float32 logits of one chunk: 1 GiB
 

@@ -63,9 +63,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jphantom import layer_plans, strategies
+from jphantom.registry import layer_plans, strategies
 from jphantom.errors import ConfigError
-from jphantom.mesh import DATA, MODEL, MeshConfig
+from jphantom.runtime.mesh import DATA, MODEL, MeshConfig
 from jphantom.perf.axonn_model import GPTShape
 from jphantom.planner.pricing import phantom_linear
 from jphantom.predict import network as networks
@@ -289,8 +289,8 @@ def compiled_forward(config, strategy: str, mesh: str, batch_shape: tuple[int, .
                      ghost_width: int | None = None) -> list[tuple[str, int, int, int]]:
     """The collectives of ``config``'s forward pass (an FFN, or a Llama given token ids of
     ``batch_shape``: (B, 1) is a decode step's) under ``strategy`` on ``mesh``, compiled for
-    abstract parameters on this process's devices, or inside :func:`jphantom.mesh.device_pool`
-    on a target's (``jphantom.aot.deviceless_node("gpu:h100")``: XLA:GPU without a GPU; nothing
+    abstract parameters on this process's devices, or inside :func:`jphantom.runtime.mesh.device_pool`
+    on a target's (``jphantom.costs.aot.deviceless_node("gpu:h100")``: XLA:GPU without a GPU; nothing
     allocated): sorted (kind, result elements, count, bytes per execution), to check the
     formulas above against."""
     import jax
@@ -298,9 +298,9 @@ def compiled_forward(config, strategy: str, mesh: str, batch_shape: tuple[int, .
     import optax
     from jax.sharding import NamedSharding
 
-    from jphantom import program as programs
+    from jphantom.registry import program as programs
     from jphantom.analysis import hlo
-    from jphantom.mesh import first_devices
+    from jphantom.runtime.mesh import first_devices
     from jphantom.models.ffn import FFNConfig
 
     options = {} if ghost_width is None else {"ghost_width": ghost_width}

@@ -100,7 +100,7 @@ import dataclasses
 import math
 import warnings
 
-from jphantom import strategies
+from jphantom.registry import strategies
 from jphantom.errors import ConfigError, check_int, check_real, JPhantomWarning
 from jphantom.perf.comm_model import FRONTIER, CommModel
 from jphantom.nn.phantom import ops as phantom
@@ -109,7 +109,7 @@ from jphantom.nn.shapes import check_depth, check_width
 STRATEGIES = tuple(name for name, row in strategies.STRATEGIES.items()
                    if row.declares("step_model") and row.fused)
 """Strategies with a step model (their registry rows name one,
-:attr:`jphantom.strategies.Strategy.step_model`): Seal et al.'s TP (``tensor-t1``, :data:`T1`) and
+:attr:`jphantom.registry.strategies.Strategy.step_model`): Seal et al.'s TP (``tensor-t1``, :data:`T1`) and
 phantom (:data:`PHANTOM`; ``fused`` picks ``phantom`` or ``phantom-unfused``). Megatron's
 ``tensor`` and ``gspmd`` have none (their FLOPs are not modelled)."""
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
@@ -233,7 +233,7 @@ class StepShape:
     @property
     def model(self) -> "StrategyStepModel":
         """The step model of the strategy (its registry row's
-        :attr:`~jphantom.strategies.Strategy.step_model`: :data:`T1` or :data:`PHANTOM`)."""
+        :attr:`~jphantom.registry.strategies.Strategy.step_model`: :data:`T1` or :data:`PHANTOM`)."""
         return strategies.get(self.strategy).step_model
 
     @property
@@ -247,7 +247,7 @@ class StepShape:
 
     @property
     def strategy_name(self) -> str:
-        """The registry name of the modelled step (:data:`jphantom.strategies.STRATEGIES`): ``tensor-t1``,
+        """The registry name of the modelled step (:data:`jphantom.registry.strategies.STRATEGIES`): ``tensor-t1``,
         ``phantom`` or ``phantom-unfused``."""
         return next(name for name, row in strategies.STRATEGIES.items()
                     if row.declares("step_model") and row.step_model is self.model
@@ -261,7 +261,7 @@ class StepShape:
 class StrategyStepModel:
     """One strategy's step (module docstring): what it checks of a :class:`StepShape` and its
     formulas, per rank. A strategy's registry row names its instance
-    (:attr:`jphantom.strategies.Strategy.step_model`)."""
+    (:attr:`jphantom.registry.strategies.Strategy.step_model`)."""
 
     def check(self, shape: StepShape) -> None:
         """The shape's strategy-specific fields, refused by name (ConfigError)."""
@@ -383,13 +383,13 @@ def step_collectives(shape: StepShape) -> list[dict]:
     """Exact collective inventory per rank of one step, ``[{"kind", "count", "bytes"}]`` merged per
     kind (``hlo.summarize``'s form, what ``CommModel.step_time_us`` takes); bytes are per-device
     result bytes. The strategy lists its own collectives
-    (:func:`jphantom.inventory.collective_inventory` on a ``model=p`` mesh), plus
+    (:func:`jphantom.costs.inventory.collective_inventory` on a ``model=p`` mesh), plus
     (``loss_allreduce``) the scalar all-reduce of the loss. A one-rank mesh has none (XLA removes
     collectives over a single device)."""
     if shape.num_shards == 1:
         return []
-    from jphantom.inventory import collective_inventory
-    from jphantom.mesh import MeshConfig
+    from jphantom.costs.inventory import collective_inventory
+    from jphantom.runtime.mesh import MeshConfig
     from jphantom.models.ffn import FFNConfig
 
     # float32 here only names the model; the inventory is in elements, bytes use shape.dtype.

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jphantom import comm
+from jphantom.runtime import comm
 
 
 def zeros_of(struct) -> jax.Array:

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jphantom import comm
+from jphantom.runtime import comm
 from jphantom.pipeline.buffers import (cast_like, fill_like, put_slot, rebuilder, slot_buffers,
                                        split_microbatches, take_index, varying_over,
                                        vjp_residuals, zeros_of)

@@ -4,7 +4,7 @@ Singh's Sec. 5.1.2 enumerates the 4D grids (G_x, G_y, G_z, G_data), prices each 
 5.1-5.7 and runs the top few. This module does that (:mod:`jphantom.perf.axonn_model`) and prices
 the other layouts jphantom trains with the same alpha-beta, placement-aware network model, so that
 one table compares them. Every row is a layout you could run: its registry strategy, its mesh (the
-:mod:`jphantom.mesh` text; axes outermost first) and its options.
+:mod:`jphantom.runtime.mesh` text; axes outermost first) and its options.
 
 ==============  ==========  ===============================================================
 layout          strategy    communication per step (per GPU)
@@ -37,7 +37,7 @@ context         tensor      data=D,context=C (model=1), ring attention: per laye
 
 Each collective costs count x (wire elements x bytes / β + ring steps x α) (``Collective``), β
 from Eq. 5.7 for the group's level in the mesh's hierarchy, innermost first (``model``/``x``,
-``y``, ``z``, ``stage``, ``data``: the device order :meth:`jphantom.mesh.MeshConfig.build` uses);
+``y``, ``z``, ``stage``, ``data``: the device order :meth:`jphantom.runtime.mesh.MeshConfig.build` uses);
 a pipeline's point-to-point messages use one GPU pair's link
 (:func:`jphantom.perf.axonn_model.point_to_point_bandwidth`).
 
@@ -60,7 +60,7 @@ exchange between the first and last pipeline stage, optimizer and kernel time, M
 One idea a module:
 
 - :mod:`~jphantom.planner.search`: the planner, :func:`plan` (a loop over the registry's
-  strategies, each pricing its layouts: :meth:`jphantom.strategies.Strategy.price`).
+  strategies, each pricing its layouts: :meth:`jphantom.registry.strategies.Strategy.price`).
 - :mod:`~jphantom.planner.layouts`: the layouts of the table above, each enumerating its meshes
   and pricing them.
 - :mod:`~jphantom.planner.pricing`: collectives to seconds; the layouts' collectives and counts.

@@ -10,7 +10,7 @@ into the planner's :class:`~jphantom.perf.axonn_model.Topology` (Singh's Eq. 5.7
 intra-node database): a group inside one package gets the package's links, a group spanning
 packages the slowest hop of its ring, and a fully connected node (``fully_connected``: MI300X, a
 direct link to every peer) ``(size - 1)`` links per GPU. :attr:`Cluster.domains` says the same
-to :func:`jphantom.mesh.axis_domains`, which names where each mesh axis's groups sit.
+to :func:`jphantom.runtime.mesh.axis_domains`, which names where each mesh axis's groups sit.
 
 ``perlmutter`` is the planner's default machine exactly (:meth:`Topology.perlmutter`); ``plan``
 without ``--cluster`` is unchanged."""
@@ -132,7 +132,7 @@ CLUSTERS = {
             "nic_gbps": _q(25, "datasheet", "Slingshot-11 200 Gb/s = 25 GB/s per direction "
                            f"({OLCF})"),
             "latency_us": _q(10, "assumed", "mi250x-gcd.toml's inter_latency_us (assumed: the "
-                             "Frontier-like alpha of jphantom.collectives)")}),
+                             "Frontier-like alpha of jphantom.runtime.collectives)")}),
     "mi300x": Cluster(
         "mi300x", "MI300X node: 8 MI300X fully connected by Infinity Fabric, 8 NICs of 400 Gb/s",
         "mi300x", {

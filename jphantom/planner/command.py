@@ -41,7 +41,7 @@ def _shape_of_flags(args) -> GPTShape:
     """The planner's shape of ``--model`` (a registered family that declares a ``plan_shape``)
     at the flags' sizes."""
     from jphantom.config import ModelConfig
-    from jphantom import families
+    from jphantom.registry import families
 
     found = families.get(args.model)
     if found.plan_shape is None:
@@ -174,7 +174,7 @@ def _compile_top(args, result: Ranking, k: int, gpus_per_node: int) -> int:
     import sys
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from jphantom import aot
+    from jphantom.costs import aot
     from jphantom.planner.compiled import compile_plan, format_compiled_plan, format_simulated_plan
 
     devices = result.assumptions["devices"]

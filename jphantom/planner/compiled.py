@@ -1,11 +1,11 @@
 """The planner's best layouts compiled for the target and re-ranked by what the compiler says
 (``jphantom plan --compile-top K``): each plan row's run (:func:`plan_row_flags`), compiled
-ahead of time (:func:`jphantom.aot.compile_report`) and, with a time or energy objective,
+ahead of time (:func:`jphantom.costs.aot.compile_report`) and, with a time or energy objective,
 simulated on the device (:mod:`jphantom.predict`) beside the plan's modelled figures."""
 
 from __future__ import annotations
 
-from jphantom.aot import Target, compile_report
+from jphantom.costs.aot import Target, compile_report
 from jphantom.errors import ConfigError
 from jphantom.perf.axonn_model import BLOCKS, GPT2_BLOCKS
 from jphantom.planner.report import per_token

@@ -2,9 +2,9 @@
 step of each (the table of :mod:`jphantom.planner`; Singh's Sec. 5.1.2 for pmm3d's 4D grids,
 Eqs. 5.1-5.7; the others with the same alpha-beta, placement-aware network model).
 
-A registry strategy names its layouts (:attr:`jphantom.strategies.Strategy.layouts`: ``pmm3d``'s
+A registry strategy names its layouts (:attr:`jphantom.registry.strategies.Strategy.layouts`: ``pmm3d``'s
 grids, ``phantom``, and under ``tensor`` Megatron's, plain data parallelism, the pipelines, ZeRO-3
-and ring attention), and :meth:`jphantom.strategies.Strategy.price` yields their
+and ring attention), and :meth:`jphantom.registry.strategies.Strategy.price` yields their
 :class:`Candidate`\\ s; :func:`jphantom.planner.search.plan` turns them into ranked rows. What every
 layout reads is one :class:`Pricing`: the model's shape, the devices, the batch and how the step is
 counted."""
@@ -386,4 +386,4 @@ TENSOR = (Layout("tensor", _megatron(False, True)), Layout("tensor + SP", _megat
           *(Layout(name, _pipeline(schedule)) for name, schedule in PIPELINES.items()),
           Layout("zero-3", _zero3), Layout("context", _context))
 """The layouts of the registry's ``pmm3d``, ``phantom`` and ``tensor``
-(:attr:`jphantom.strategies.Strategy.layouts`)."""
+(:attr:`jphantom.registry.strategies.Strategy.layouts`)."""

@@ -55,8 +55,8 @@ def inventory(name: str, shape: GPTShape, data: int, model: int, batch_per_rank:
                ghost_width: int | None, sequence_parallel: bool, repeats: int) -> list[Collective]:
     """A registry strategy's per-step collectives over ``model`` (each list entry one execution of
     one per-device result buffer of that many elements), ``repeats`` times (micro-batches)."""
-    from jphantom.inventory import collective_inventory
-    from jphantom.mesh import MeshConfig
+    from jphantom.costs.inventory import collective_inventory
+    from jphantom.runtime.mesh import MeshConfig
     from jphantom.models.llama import LlamaConfig
     from jphantom.models.gpt2 import TransformerConfig
 
@@ -76,7 +76,7 @@ def inventory(name: str, shape: GPTShape, data: int, model: int, batch_per_rank:
     for kind, sizes in inventory.items():
         for size in sorted(set(sizes)):
             out.append(Collective(kind, "model", model, size, repeats * sizes.count(size),
-                                  f"jphantom.inventory.collective_inventory({name!r})"))
+                                  f"jphantom.costs.inventory.collective_inventory({name!r})"))
     return out
 
 

@@ -1,5 +1,5 @@
 """The planner: every registry strategy prices its layouts of a GPT on G GPUs
-(:meth:`jphantom.strategies.Strategy.price`, :mod:`jphantom.planner.layouts`; Singh's Sec. 5.1.2:
+(:meth:`jphantom.registry.strategies.Strategy.price`, :mod:`jphantom.planner.layouts`; Singh's Sec. 5.1.2:
 the 4D grids priced with Eqs. 5.1-5.7; the other layouts jphantom trains with the same alpha-beta,
 placement-aware network model; how each is priced: :mod:`jphantom.planner`), then they are
 ranked."""
@@ -18,11 +18,11 @@ from jphantom.perf.axonn_model import GIB, GPTShape, Topology
 from jphantom.planner.layouts import Candidate, Pricing
 from jphantom.planner.pricing import CollectivePricer
 from jphantom.planner.result import PlanRow, Ranking
-from jphantom.strategies import STRATEGIES
+from jphantom.registry.strategies import STRATEGIES
 
 LAYOUTS = tuple(layout.name for strategy in STRATEGIES.values() if strategy.declares("layouts")
                 for layout in strategy.layouts)
-"""Every layout the planner prices: the registry strategies' (:attr:`jphantom.strategies.Strategy.
+"""Every layout the planner prices: the registry strategies' (:attr:`jphantom.registry.strategies.Strategy.
 layouts`, :mod:`jphantom.planner.layouts`)."""
 MAX_DEVICES = 1 << 20
 """The most GPUs :func:`plan` prices (1,048,576): its enumeration of every divisor and 4D grid

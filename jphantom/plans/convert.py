@@ -10,7 +10,7 @@ from __future__ import annotations
 from flax import nnx
 
 from jphantom.errors import ConfigError
-from jphantom.mesh import BATCH_AXES, EXPERT
+from jphantom.runtime.mesh import BATCH_AXES, EXPERT
 from jphantom.nn import attention
 from jphantom.nn import expert_parallel as expert_layers
 from jphantom.nn import moe as experts_module

@@ -13,7 +13,7 @@ from jphantom.errors import ConfigError
 from jphantom.nn.moe import Experts, SwitchMoE
 from jphantom.plans.paths import holds_params, inside, unplaced
 from jphantom.plans.styles import NORMS, Style
-from jphantom.strategies import check_collective_matmul, check_dtd
+from jphantom.registry.strategies import check_collective_matmul, check_dtd
 from jphantom.plans.walk import (COLUMN, check_fused_qkv, HEAD_NORMS, KV_COLUMNS,
                                  MLP_NORMS, ROUTERS, ROW, leaf_name, named_entries, walk_model)
 

@@ -1,4 +1,4 @@
-"""The training step's parts, which :class:`jphantom.train_step.TrainStep` composes, one idea each:
+"""The training step's parts, which :class:`jphantom.step.train_step.TrainStep` composes, one idea each:
 
 - :mod:`jphantom.step.layout`: the parameter layout and shardings, the batch's axes, the checks
   before tracing;

@@ -12,7 +12,7 @@
   step, what stopping at the step needs): a non-finite one raises
   :class:`jphantom.errors.TrainingDiverged` naming the call, whose ``state`` attribute is the
   state the step returned (finite: the bad update was not applied).
-- ``"ignore"``: nothing is checked (a loop with its own policy, as :class:`jphantom.run.Trainer`).
+- ``"ignore"``: nothing is checked (a loop with its own policy, as :class:`jphantom.loop.trainer.Trainer`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ _PENDING = 4  # losses kept until ready (a loop that never reads them holds no m
 class StepOutput(NamedTuple):
     """What one call of the step returns beside the state (``state, out =
     step.run(state, *batch)``): ``loss``, NaN where nothing was counted; ``weight``, a weighted
-    ``loss_fn``'s global weight (:mod:`jphantom.token_mean`; ``None`` for a scalar one)."""
+    ``loss_fn``'s global weight (:mod:`jphantom.step.token_mean`; ``None`` for a scalar one)."""
 
     loss: jax.Array
     weight: jax.Array | None = None

@@ -6,7 +6,7 @@ whole-batch balance.
   step differentiates the rank's share of the global mean (the mean over the batch axes it varies
   over, divided by their size), so that one ``psum`` of the gradients after the backward is the
   global gradient.
-- **The weighted loss** (:mod:`jphantom.token_mean`): a ``loss_fn`` returning ``(total, weight[,
+- **The weighted loss** (:mod:`jphantom.step.token_mean`): a ``loss_fn`` returning ``(total, weight[,
   mean])`` trains on ``sum(total) / sum(weight)`` over every rank and micro-batch; the global
   weight is found first (one scalar all-reduce inside the forward), each share is then its part
   of the whole loss.
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jphantom import token_mean
+from jphantom.step import token_mean
 from jphantom.errors import ConfigError
 from jphantom.nn import balance as balance_module
 from jphantom.nn import dropout as dropout_module
@@ -44,8 +44,8 @@ class Gradients(NamedTuple):
     """What every gradient provider returns: ``share``, this rank's share of the global loss
     (GSPMD's provider: the global loss itself); ``grads``, its gradients before the reductions
     (GSPMD: the global gradients); ``weight``, a weighted ``loss_fn``'s global weight
-    (:mod:`jphantom.token_mean`; ``None`` for a scalar ``loss_fn``), which the step checks
-    before it applies the update (:func:`jphantom.token_mean.guard`)."""
+    (:mod:`jphantom.step.token_mean`; ``None`` for a scalar ``loss_fn``), which the step checks
+    before it applies the update (:func:`jphantom.step.token_mean.guard`)."""
 
     share: Any
     grads: Any
@@ -111,7 +111,7 @@ def balance_fraction(setup: StepSetup, model, micro):
 def loss_share(setup: StepSetup, model, batch, balance=None, weight=None, micro=1):
     """``(share, weight)``: this rank's share of the global loss, of the global mean of a scalar
     ``loss_fn`` (``weight`` None), or of the global token mean of a weighted one
-    (:mod:`jphantom.token_mean`) with its global weight (given: the global weight when
+    (:mod:`jphantom.step.token_mean`) with its global weight (given: the global weight when
     micro-batches share it, ``micro`` of them)."""
     out = loss_of(setup, model, batch, balance)
     weighted = token_mean.terms(out, setup.loss_fn)
@@ -131,7 +131,7 @@ def loss_share(setup: StepSetup, model, batch, balance=None, weight=None, micro=
 def micro_weight(setup: StepSetup, model, micro, balance=None, *, exclude=()):
     """The global weight of a weighted ``loss_fn`` over the micro-batches ``micro`` (each array
     [n, b, ...]): ``loss_fn`` mapped over them keeping only the weight, which XLA reduces to the
-    weight's own arithmetic (:mod:`jphantom.token_mean`); ``None`` for a scalar ``loss_fn``."""
+    weight's own arithmetic (:mod:`jphantom.step.token_mean`); ``None`` for a scalar ``loss_fn``."""
     struct = jax.eval_shape(lambda *mb: loss_of(setup, model, mb, balance), *(m[0] for m in micro))
     if not isinstance(struct, tuple):
         return None

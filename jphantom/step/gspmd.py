@@ -16,7 +16,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jphantom import token_mean
+from jphantom.step import token_mean
 from jphantom.errors import ConfigError
 from jphantom.nn import balance as balance_module
 from jphantom.pipeline.buffers import interleave_microbatches

@@ -1,5 +1,5 @@
 """The parameter layout of a training step and what follows from it (the first part of
-:class:`jphantom.train_step.TrainStep`): the state the step carries (:class:`TrainState`); the model's
+:class:`jphantom.step.train_step.TrainStep`): the state the step carries (:class:`TrainState`); the model's
 parameters as the step sees them, each with its mesh axes, the axes its gradient is summed over and
 its ZeRO dimension (:class:`ParamLayout`); the batch's axes and specs; the checks of a mesh, a batch
 and a model before anything is traced (blocks that are not stacked, dropout layers, the private
@@ -19,9 +19,9 @@ from jax import lax
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from jphantom import zero as zero_module
+from jphantom.step import zero as zero_module
 from jphantom.errors import ConfigError, JPhantomWarning
-from jphantom.mesh import BATCH_AXES
+from jphantom.runtime.mesh import BATCH_AXES
 from jphantom.nn import attention as attention_module
 from jphantom.nn import dropout as dropout_module
 from jphantom.nn import metadata
@@ -260,7 +260,7 @@ def check_mesh(mesh) -> Mesh:
     the step's own specs say where everything lives."""
     if not isinstance(mesh, Mesh):
         raise ConfigError(f"mesh must be a jax.sharding.Mesh (jax.make_mesh or "
-                          f"jphantom.mesh.make_mesh), not {type(mesh).__name__}")
+                          f"jphantom.runtime.mesh.make_mesh), not {type(mesh).__name__}")
     auto = (AxisType.Auto,) * len(mesh.axis_names)
     if tuple(mesh.axis_types) == auto:
         return mesh

@@ -3,7 +3,7 @@
 The state's bytes per device are exact and free to count: the abstract state
 (:meth:`~jphantom.TrainStep.abstract_state`, ``jax.eval_shape`` of the optimizer's ``init``) gives
 every leaf's shape, dtype and sharding, so a leaf's device shard is
-``sharding.shard_shape(shape)``. What a device holds is :func:`jphantom.mesh.device_memory`
+``sharding.shard_shape(shape)``. What a device holds is :func:`jphantom.runtime.mesh.device_memory`
 (``memory_stats()['bytes_limit']`` on a GPU, the host's memory shared by the mesh's devices on
 CPU). Gradients and activations come later and are not counted here: the run's fuller estimate is
 :mod:`jphantom.analysis.memory`.
@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jphantom.errors import ConfigError
-from jphantom.mesh import device_memory
+from jphantom.runtime.mesh import device_memory
 
 GIB = 2**30
 

@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jphantom import comm
-from jphantom import token_mean
-from jphantom import zero as zero_module
+from jphantom.runtime import comm
+from jphantom.step import token_mean
+from jphantom.step import zero as zero_module
 from jphantom.errors import ConfigError
 from jphantom.nn import balance as balance_module
 from jphantom.nn import metadata

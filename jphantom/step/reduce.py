@@ -9,7 +9,7 @@ over those axes (``pcast``), so that its gradient is the rank's part, summed onc
 backward by one ``psum`` per group of parameters sharing the axes (:attr:`Reducer.vary`,
 :meth:`Reducer.__call__`).
 
-ZeRO over ``data`` (:mod:`jphantom.zero` holds the per-rank operations): ZeRO-2 reduce-scatters
+ZeRO over ``data`` (:mod:`jphantom.step.zero` holds the per-rank operations): ZeRO-2 reduce-scatters
 each gradient over ``data`` instead of all-reducing it; ZeRO-3 stores the parameters as shards and
 all-gathers them before use (the stacked blocks layer by layer through their
 :class:`~jphantom.nn.stack.Stacked`'s ``fetch``), the gather's transpose being the gradient's
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from flax import nnx
 
-from jphantom import comm
-from jphantom import zero as zero_module
+from jphantom.runtime import comm
+from jphantom.step import zero as zero_module
 from jphantom.step.layout import CONTEXT, group_by
 from jphantom.step.setup import StepSetup
 

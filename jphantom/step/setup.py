@@ -22,14 +22,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jphantom import comm
-from jphantom import remat as remat_module
-from jphantom import zero as zero_module
+from jphantom.runtime import comm
+from jphantom.step import remat as remat_module
+from jphantom.step import zero as zero_module
 from jphantom.errors import ConfigError, check_int
 from jphantom.nn import attention as attention_module
 from jphantom.nn import metadata
 from jphantom.nn.stack import Stacked, set_fp8, set_remat
-from jphantom.precision import Precision
+from jphantom.step.precision import Precision
 from jphantom.step.layout import (CONTEXT, ParamLayout, batch_axes_of, batch_spec_of,
                                    check_batch_specs, check_mesh, mean_share, private_copy,
                                    replace_dropout, warn_unstacked_blocks)

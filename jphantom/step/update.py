@@ -9,7 +9,7 @@ With ``keep_finite`` (``on_nonfinite`` ``"skip"`` or ``"stop"``) the user's opti
 in :func:`jphantom.step.finite.keep_if_finite`.
 
 The optimizer also carries what the step reads before its gradients: the dynamic loss scale
-(float16, :func:`jphantom.precision.dynamic_loss_scale`) and the step count that seeds the
+(float16, :func:`jphantom.step.precision.dynamic_loss_scale`) and the step count that seeds the
 dropout masks (:func:`jphantom.nn.dropout.counting`), both checkpointed with its state.
 """
 
@@ -68,7 +68,7 @@ class OptimizerUpdate:
         if setup.dropout:  # the step count, the dropout keys' (checkpointed with the state)
             optimizer = dropout_module.counting(optimizer)
         if setup.precision.dynamic:  # the scale lives in the optimizer state (checkpointed)
-            from jphantom.precision import dynamic_loss_scale
+            from jphantom.step.precision import dynamic_loss_scale
             optimizer = dynamic_loss_scale(optimizer, initial=setup.precision.loss_scale,
                                            period=setup.precision.period)
         self.optimizer, self.setup = optimizer, setup

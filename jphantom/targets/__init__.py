@@ -1,2 +1,2 @@
-"""Descriptions of the accelerators :mod:`jphantom.aot` compiles for: ``*.txtpb`` files, each a
+"""Descriptions of the accelerators :mod:`jphantom.costs.aot` compiles for: ``*.txtpb`` files, each a
 ``stream_executor.GpuTargetConfigProto`` in text form with its source in a comment (data only)."""

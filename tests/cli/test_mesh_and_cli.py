@@ -6,9 +6,9 @@ import jax
 import pytest
 
 from jphantom import cli
-from jphantom import program as programs
+from jphantom.registry import program as programs
 from jphantom.errors import ConfigError
-from jphantom.mesh import MAX_SIMULATED_DEVICES, MeshConfig, first_devices, make_mesh, simulate_cpu_devices
+from jphantom.runtime.mesh import MAX_SIMULATED_DEVICES, MeshConfig, first_devices, make_mesh, simulate_cpu_devices
 
 
 def test_make_mesh_names_axes_and_uses_auto_axis_types():
@@ -132,10 +132,10 @@ def test_explicit_device_count_that_cannot_be_had_is_one_line(capsys):
 
 
 def test_accelerator_detection_reads_jax_platforms_first(monkeypatch):
-    """The CLI asks :func:`jphantom.distributed.accelerator_visible` (which the launcher shares)."""
+    """The CLI asks :func:`jphantom.runtime.distributed.accelerator_visible` (which the launcher shares)."""
     import shutil
 
-    from jphantom import distributed
+    from jphantom.runtime import distributed
 
     assert cli.accelerator_visible({"JAX_PLATFORMS": "cpu"}) is False
     assert cli.accelerator_visible({"JAX_PLATFORMS": "cuda,cpu"}) is True
@@ -164,7 +164,7 @@ def test_demo_inspects_then_compares_on_the_devices_it_has(tmp_path, monkeypatch
 
 def test_param_count_is_never_negative_or_fractional_where_jphantom_computes_it():
     """The entry points that report parameter counts validate their inputs first."""
-    from jphantom.compare import CompareConfig
+    from jphantom.loop.compare import CompareConfig
     from jphantom.config import RunConfig
     from jphantom.models.ffn import FFNConfig
     from jphantom.nn.phantom import ops as phantom
@@ -198,7 +198,7 @@ def test_phantom_param_count_rejects_bad_inputs(args):
 @pytest.mark.parametrize("text", ["data=2,,model=2", "data=2,", ",model=4"])
 def test_a_mesh_with_an_empty_entry_is_refused(text):
     from jphantom.errors import ConfigError
-    from jphantom.mesh import MeshConfig
+    from jphantom.runtime.mesh import MeshConfig
 
     with pytest.raises(ConfigError, match="empty entry"):
         MeshConfig.parse(text)

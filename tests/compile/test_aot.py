@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation for H100 nodes (jphantom.aot, `jphantom compile`).
+"""Ahead-of-time compilation for H100 nodes (jphantom.costs.aot, `jphantom compile`).
 
 The compile tests need the GPU compiler (``pip install 'jphantom[aot]'``, which ``make test-aot``
 installs into its own environment); without it they skip with that message, and the tests of what
@@ -14,10 +14,10 @@ import types
 import jax
 import pytest
 
-from jphantom import aot
+from jphantom.costs import aot
 from jphantom.cli import main
 from jphantom.errors import ConfigError
-from jphantom.mesh import MeshConfig, node_split
+from jphantom.runtime.mesh import MeshConfig, node_split
 
 GPU_PROBLEM = aot.plugin_problem("gpu")
 needs_gpu_compiler = pytest.mark.skipif(
@@ -272,7 +272,7 @@ def test_cli_compile_writes_the_hlo_and_reports_kernels_and_gpu_defaults(tmp_pat
     """--hlo FILE (one per strategy), the report's kernels line, and the GPU defaults: added to
     the compile where XLA_FLAGS does not set them (the user's value kept), recorded in
     ``xla_flags``; --no-gpu-defaults compiles with XLA_FLAGS alone."""
-    from jphantom import gpu_defaults
+    from jphantom.runtime import gpu_defaults
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_pipelined_all_gather=false")
     argv = ["compile", "--target", "gpu:h100", "--model", "llama", "--layers", "2", "--hidden",
@@ -557,7 +557,7 @@ def test_activation_memory_per_layer_against_korthikantis_count_for_llama(h100, 
       evidence for the count: the slope is not the activations alone (0.14x at 2 sequences a
       rank, 0.16x at 8: it falls as the batch grows, so the peak sits where the layers do not
       count, not yet pinned down). A ZeRO-3 layer's ``none`` is ``dots_saveable``
-      (:func:`jphantom.remat.checkpointed`): it keeps the matmul outputs and recomputes the
+      (:func:`jphantom.step.remat.checkpointed`): it keeps the matmul outputs and recomputes the
       norms, RoPE and SwiGLU's product, under the count by design.
     - CP (data=2,context=4, ring attention): 2.45x before that change and since, misses 1.25x by
       0.39 GiB a layer over the count and the weights, about the size of a second bf16 copy of

@@ -1,4 +1,4 @@
-"""The GPU defaults (jphantom.gpu_defaults): merged into the environment flag by flag, never over
+"""The GPU defaults (jphantom.runtime.gpu_defaults): merged into the environment flag by flag, never over
 what the user set; `jphantom train` applies them only where an NVIDIA GPU is visible, and says
 what it set. (That `jphantom compile` records them: tests/compile/test_aot.py, with the GPU compiler.)"""
 
@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from jphantom import cli, gpu_defaults
+from jphantom import cli
+from jphantom.runtime import gpu_defaults
 
 
 def test_merge_keeps_the_users_flags_and_adds_the_rest():

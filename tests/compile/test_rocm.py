@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from jphantom import aot, rocm
+from jphantom import rocm
+from jphantom.costs import aot
 from jphantom.errors import ConfigError
 from jphantom.rocm import shim, stubs
 

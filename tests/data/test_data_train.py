@@ -121,7 +121,7 @@ def test_fine_tune_packed_on_the_answers_and_resume(tmp_path):
     """Packed conversations, the loss on the assistant turns: the run trains (the loss falls over
     6 steps), reports the data's counts, and a run resumed at step 3 from its checkpoint gives
     the uninterrupted run's losses (the reader's position is in the checkpoint)."""
-    from jphantom.run import run
+    from jphantom.loop.trainer import run
 
     data = _chat_file(tmp_path)
     flags = dict(pack=True, loss_on="assistant", steps=6, eval_every=6)
@@ -145,7 +145,7 @@ def test_fine_tune_padded_and_save_a_chat_model(tmp_path):
     same files) and renders the conversations as the fixture's template does."""
     from jphantom.data.chat_template import load_chat_template
     from jphantom.models import hf
-    from jphantom.run import run
+    from jphantom.loop.trainer import run
 
     out = tmp_path / "tuned"
     results = run(_config(_chat_file(tmp_path), loss_on="assistant", save_hf=str(out)))

@@ -243,7 +243,7 @@ def token_folder(tmp_path_factory):
 @pytest.mark.slow  # make test-all: a faster test of this file covers its path
 def test_a_resumed_token_run_trains_on_the_batches_of_an_uninterrupted_one(tmp_path,
                                                                               token_folder):
-    from jphantom.run import run
+    from jphantom.loop.trainer import run
 
     settings = dict(TINY, data=str(token_folder))
     whole = run(RunConfig.from_flags(**settings, steps=4, out=None))
@@ -300,7 +300,7 @@ def test_a_process_reads_the_rows_its_devices_hold_and_whole_batches_otherwise(m
     8 (data split over processes) -> rows 0:4; replicated, or a sequence split -> every row."""
     import jax
 
-    from jphantom.sources import process_rows
+    from jphantom.loop.sources import process_rows
 
     class Held:
         def __init__(self, *indices):

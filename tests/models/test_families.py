@@ -1,4 +1,4 @@
-"""The model-family registry (jphantom.families): a family declared in this file, touching
+"""The model-family registry (jphantom.registry.families): a family declared in this file, touching
 no library file, runs through ``train``, ``inspect``, ``verify``, ``plan`` and ``compile``; every
 zoo family is exact against its own one-device run under the strategies it declares (one cell
 per family in ``make test``, the rest of the matrix in ``make test-all``); the CLI, the
@@ -13,10 +13,10 @@ import optax
 import pytest
 from flax import nnx
 
-from jphantom import aot
+from jphantom.costs import aot
 from jphantom.cli import main
 from jphantom.errors import ConfigError
-from jphantom import families
+from jphantom.registry import families
 
 from conftest import require_devices
 
@@ -125,7 +125,7 @@ def test_a_family_owns_its_model_fields_and_the_flags_derive_from_them():
     twice = dataclasses.replace(TOY, fields=(dataclasses.replace(SLIDING_WINDOW, default=8),))
     with pytest.raises(ConfigError, match="'sliding_window' differently from family 'mistral'"):
         families.register(twice, replace=True)
-    with pytest.raises(ConfigError, match="fields are jphantom.families.Field declarations"):
+    with pytest.raises(ConfigError, match="fields are jphantom.registry.families.Field declarations"):
         dataclasses.replace(TOY, fields=(families.Field("hidden", int, 4, "h"),))
     assert "toy" not in families.names()
 
@@ -179,7 +179,7 @@ def test_the_registry_names_the_zoo_and_its_checkpoints():
     ("qwen3_moe", "experts")])
 def test_the_presets_from_flags(name, expect):
     from jphantom.config import RunConfig
-    from jphantom.metrics import flops_per_token
+    from jphantom.costs.metrics import flops_per_token
 
     moe = {"experts": 4} if name == "qwen3_moe" else {}
     config = RunConfig.from_flags(model=name, layers=6, hidden=64, heads=4, kv_heads=2,
@@ -295,7 +295,7 @@ MATRIX = [pytest.param(name, *cell, id=f"{name}-{cell[0]}-{cell[1]}",
     "mistral-tensor-data=2,model=2")
 def test_every_family_under_its_strategies_equals_its_one_device_run(name, strategy, mesh, extra,
                                                                      capsys):
-    from jphantom.mesh import MeshConfig
+    from jphantom.runtime.mesh import MeshConfig
 
     require_devices(MeshConfig.parse(mesh).device_count)
     flags = list(SMALL) + extra
@@ -342,7 +342,8 @@ def test_gpt2_declares_the_plan_the_walker_finds(shape, options):
     recognises layers by type (plans.megatron) agree on every variant."""
     from flax import nnx
 
-    from jphantom import families, plans
+    from jphantom import plans
+    from jphantom.registry import families
     from jphantom.models.gpt2 import GPT2, TransformerConfig
 
     config = TransformerConfig(vocab_size=32, seq_len=8, hidden=16, heads=2,
@@ -367,7 +368,8 @@ def test_llama_declares_the_plan_the_walker_finds(shape, options):
     walker's plan on every variant."""
     from flax import nnx
 
-    from jphantom import families, plans
+    from jphantom import plans
+    from jphantom.registry import families
     from jphantom.models.llama import Llama, LlamaConfig
 
     config = LlamaConfig(**{"vocab_size": 32, "hidden": 16, "intermediate": 24, "layers": 2,

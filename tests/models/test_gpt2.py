@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 
 import jphantom
 from jphantom.errors import ConfigError
-from jphantom.mesh import first_devices, make_mesh
+from jphantom.runtime.mesh import first_devices, make_mesh
 from jphantom.models import gpt2
 
 V, S, H, A, L = 64, 32, 32, 4, 2  # vocab, n_positions, n_embd, n_head, n_layer
@@ -209,7 +209,7 @@ def test_gpt2_vocabulary_over_four_shards(tmp_path):
     """50257 = GPT-2's vocabulary = 29 x 1733 splits over no power of two: a vocabulary-parallel
     embedding on 4 shards is refused naming the module and the sizes; with the (tied) embedding
     replicated, the blocks run tensor-parallel and the logits equal one device's and numpy's.
-    (``jphantom.program``'s tensor strategy replicates them by itself, with a warning.)"""
+    (``jphantom.registry.program``'s tensor strategy replicates them by itself, with a warning.)"""
     t = random_tensors(seed=4, vocab=50257, positions=16)
     config, params = gpt2.load(write_hf(tmp_path / "m", t, config=hf_config(vocab_size=50257,
                                                                             n_positions=16)))

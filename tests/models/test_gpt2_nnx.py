@@ -82,7 +82,7 @@ def test_train_gpt2_module_from_and_to_a_hf_directory(tmp_path):
     """``jphantom train --model gpt2``: the NNX GPT-2 through the module step, started from a
     Hugging Face directory (--from-gpt2) and saved back (--save-gpt2)."""
     from jphantom.config import RunConfig
-    from jphantom.run import run
+    from jphantom.loop.trainer import run
 
     directory = write_hf(tmp_path / "m", random_tensors(seed=5, vocab=256),
                          config=hf_config(vocab_size=256))  # the byte corpus's vocabulary

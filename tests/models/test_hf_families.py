@@ -18,7 +18,7 @@ from flax import nnx
 
 import jphantom
 from jphantom.cli import main
-from jphantom.mesh import MeshConfig, first_devices
+from jphantom.runtime.mesh import MeshConfig, first_devices
 from jphantom.models import hf, llama
 
 from conftest import require_devices

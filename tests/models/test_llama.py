@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 import jphantom
 from jphantom.errors import ConfigError
-from jphantom.mesh import MeshConfig, first_devices
+from jphantom.runtime.mesh import MeshConfig, first_devices
 from jphantom.models import hf, llama
 from test_byo_model import rel_error
 
@@ -249,7 +249,7 @@ def _run_config(tmp_path, **overrides):
 
 
 def test_train_llama_writes_results_and_a_hf_checkpoint(tmp_path):
-    from jphantom.run import run
+    from jphantom.loop.trainer import run
 
     results = run(_run_config(tmp_path, save_hf=str(tmp_path / "hf"), clip_norm=1.0))
     assert np.isfinite(results.final_validation_loss)
@@ -277,7 +277,7 @@ def test_train_llama_refuses_bad_settings_before_building(tmp_path, overrides, m
 def test_train_llama_resumes_from_a_checkpoint_on_another_mesh(tmp_path):
     """Orbax checkpoints of the module step's state (parameters in the dense layout, Adam's
     moments): written on data=2,model=2, restored onto data=4,model=1 and continued."""
-    from jphantom.run import run
+    from jphantom.loop.trainer import run
 
     directory = str(tmp_path / "ckpt")
     first = run(_run_config(tmp_path, steps=2, eval_every=2, checkpoint_dir=directory,
@@ -323,7 +323,7 @@ def test_mixtral_expert_parallel_equals_one_device(axes, sequence_parallel):
 
 @pytest.mark.slow
 def test_train_llama_with_an_expert_axis(tmp_path):
-    from jphantom.run import run
+    from jphantom.loop.trainer import run
 
     results = run(_run_config(tmp_path, mesh="expert=2,model=2", moe_every=1, experts=4,
                               steps=2, eval_every=2))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jphantom import program as program_module
+from jphantom.registry import program as program_module
 from jphantom.errors import ConfigError
 from jphantom.models.ffn import FFN, FFNConfig
 

@@ -15,13 +15,13 @@ import optax
 import pytest
 
 import jphantom
-from jphantom import program as programs
+from jphantom.registry import program as programs
 from jphantom.analysis.hlo import collectives
 from jphantom.errors import ConfigError
-from jphantom.mesh import first_devices
+from jphantom.runtime.mesh import first_devices
 from jphantom.models.gpt2 import GPT2
 from jphantom.models.gpt2 import TransformerConfig
-from jphantom.zero import spec_axes
+from jphantom.step.zero import spec_axes
 
 from conftest import require_devices
 from helpers import assert_tree_close

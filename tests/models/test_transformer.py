@@ -18,11 +18,12 @@ import optax
 import pytest
 from flax import nnx
 
-from jphantom import plans, program as programs
-from jphantom.inventory import collective_inventory
+from jphantom import plans
+from jphantom.registry import program as programs
+from jphantom.costs.inventory import collective_inventory
 from jphantom.analysis.hlo import collectives
 from jphantom.errors import ConfigError
-from jphantom.mesh import MeshConfig, first_devices
+from jphantom.runtime.mesh import MeshConfig, first_devices
 from jphantom.models.gpt2 import TransformerConfig
 
 from conftest import require_devices

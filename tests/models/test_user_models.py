@@ -12,7 +12,7 @@ from flax import nnx
 import jphantom
 from jphantom import plans
 from jphantom.errors import ConfigError
-from jphantom.mesh import MeshConfig, first_devices
+from jphantom.runtime.mesh import MeshConfig, first_devices
 from jphantom.pipeline.runner import PipelineConfig
 
 V, S, H, HEADS = 32, 64, 32, 4  # a byte-level vocabulary smaller than the sequence

@@ -1,5 +1,5 @@
 """Pipelines executed in the one SPMD step (:mod:`jphantom.pipeline.runner`, driven by the module
-step :mod:`jphantom.train_step`) equal the unpipelined model, never let a bubble leak, run the
+step :mod:`jphantom.step.train_step`) equal the unpipelined model, never let a bubble leak, run the
 stage body exactly as often as the schedule says and move exactly the activations and cotangents
 the schedule needs.
 
@@ -13,7 +13,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jphantom import program as program_module
+from jphantom.registry import program as program_module
 from jphantom.analysis.hlo import collectives
 from jphantom.errors import ConfigError
 from jphantom.models.ffn import FFN, FFNConfig, Pair

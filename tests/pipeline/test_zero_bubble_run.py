@@ -9,7 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jphantom import program as program_module
+from jphantom.registry import program as program_module
 from jphantom.analysis.hlo import collectives
 from jphantom.errors import ConfigError
 from jphantom.models.ffn import FFNConfig
@@ -218,7 +218,7 @@ def test_every_schedule_with_gpt2_mixtures_of_experts_on_an_expert_axis_equals_o
     probe whose input carry was typed invariant over ``expert``, so the rebuilt pullback summed
     the z-loss' cotangent over the expert ranks before sending it to the stage before."""
     from helpers import random_params
-    from jphantom.exactness import verify_step
+    from jphantom.step.exactness import verify_step
     from jphantom.models.gpt2 import TransformerConfig, moe_fields
 
     require_devices(4)

@@ -305,7 +305,7 @@ def test_zero_3_regathers_so_it_moves_about_one_and_a_half_times_fsdp_pmm3d():
     zero3 = next(r for r in result if r.layout == "zero-3")
     assert fsdp.variant == "FSDP" and zero3.options == {"zero": 3}
     # pmm3d (Eqs. 5.1, 5.2): AG + RS of the matmul weights W, same ring volume (31/32) and β;
-    # ZeRO-3 (jphantom/zero.py): each block gathered twice (forward, remat backward), the rest
+    # ZeRO-3 (jphantom/step/zero.py): each block gathered twice (forward, remat backward), the rest
     # (embeddings, final norm) once, every gradient reduce-scattered once; pmm3d's position
     # table [S, h] is replicated, its gradient all-reduced over z (an RS + AG's volume)
     h = 7168
@@ -441,8 +441,8 @@ def test_plan_work_is_bounded_in_the_depth():
 def test_llama_shape_counts_jphantoms_llama_and_prices_its_layouts():
     """The planner's Llama (GQA, SwiGLU, untied head) has the parameters of jphantom's Llama, its
     QKV width is h + 2 h kv/a, and its plan has no phantom rows (GPT-2 blocks only)."""
-    from jphantom import program
-    from jphantom.mesh import MeshConfig
+    from jphantom.registry import program
+    from jphantom.runtime.mesh import MeshConfig
     from jphantom.models.llama import LlamaConfig
 
     config = LlamaConfig(vocab_size=256, hidden=64, intermediate=160, layers=3, heads=8,
@@ -520,7 +520,7 @@ def test_frontier_and_mi300x_presets_load_with_every_number_cited():
 def test_a_2_wide_inner_axis_sits_inside_a_package_on_frontier():
     from types import SimpleNamespace
 
-    from jphantom.mesh import MeshConfig, axis_domains, node_split
+    from jphantom.runtime.mesh import MeshConfig, axis_domains, node_split
     from jphantom.planner import clusters
 
     domains = clusters.get("frontier").domains

@@ -17,7 +17,7 @@ import jax
 import optax
 import pytest
 
-from jphantom import program as programs
+from jphantom.registry import program as programs
 from jphantom.analysis.hlo import collectives, dot_flops, summarize
 from jphantom.analysis.compiled import compile_step, gemm_flops, xla_flops
 from jphantom.config import RunConfig

@@ -26,13 +26,13 @@ def problem():
 
 
 def build(mesh):
-    """The phantom FFN's program (:func:`jphantom.program.build`), its training step on ``mesh``
+    """The phantom FFN's program (:func:`jphantom.registry.program.build`), its training step on ``mesh``
     and the parameters as host arrays (numpy random numbers from a fixed seed: every process
     computes the same ones without running jax)."""
     import optax
 
     from helpers import random_params
-    from jphantom import program as programs
+    from jphantom.registry import program as programs
     from jphantom.models.ffn import FFNConfig
 
     config, _, _ = problem()
@@ -52,7 +52,7 @@ def flat_names(tree) -> dict:
 
 def main(argv: list[str]) -> None:
     coordinator, process_id, num_processes, local_devices, out = argv
-    from jphantom import distributed
+    from jphantom.runtime import distributed
 
     distributed.initialize(
         coordinator,
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> None:
     import numpy as np
     from jax.experimental import multihost_utils
 
-    from jphantom.mesh import make_mesh
+    from jphantom.runtime.mesh import make_mesh
 
     config, x, target = problem()
     assert jax.process_count() == int(num_processes), jax.process_count()

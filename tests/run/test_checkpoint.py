@@ -15,7 +15,7 @@ import pytest
 from jphantom import cli
 from jphantom.errors import ConfigError
 from jphantom.config import RunConfig
-from jphantom.run import run
+from jphantom.loop.trainer import run
 
 from conftest import require_devices
 
@@ -189,7 +189,7 @@ def test_resume_refusals_come_before_the_step_compiles(tmp_path, monkeypatch):
     """Another model, optimizer or a checkpoint at the last step: refused from the checkpoint's
     JSON and the abstract state, before the compiled memory check (they came after the step was
     compiled and the state created, 11-17 s)."""
-    import jphantom.run as run_module
+    import jphantom.loop.trainer as run_module
 
     require_devices(2)
     settings = dict(FFN, mesh="data=2,model=1", checkpoint_dir=str(tmp_path / "ckpt"))
@@ -210,7 +210,7 @@ def test_resume_refusals_come_before_the_step_compiles(tmp_path, monkeypatch):
 
 def test_a_damaged_checkpoint_reason_quotes_no_bound_method():
     """Some bindings' errors read ``<bound method ...>``: the warning's reason drops the repr."""
-    from jphantom.checkpoint import reason_of
+    from jphantom.loop.checkpointer import reason_of
 
     class Store:
         def read(self):

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from jphantom import cli
-from jphantom.compare import (CompareConfig, auto_ghost_width, format_table, run_compare,
+from jphantom.loop.compare import (CompareConfig, auto_ghost_width, format_table, run_compare,
                               write_outputs)
 from jphantom.errors import ConfigError
 

@@ -1,4 +1,4 @@
-"""jphantom.distributed, jphantom.coordinator and jphantom.launch.
+"""jphantom.runtime.distributed, jphantom.runtime.coordinator and jphantom.runtime.launch.
 
 Fast tests: the validation of every coordinator setting (pure), that jphantom hands jax nothing
 that would override jax's own cluster detection (``jax.distributed.initialize`` monkeypatched to
@@ -30,8 +30,9 @@ import jax
 import numpy as np
 import pytest
 
-from jphantom import cli, distributed, launch
-from jphantom.coordinator import check_port_free, probe_coordinator, split_address
+from jphantom import cli
+from jphantom.runtime import distributed, launch
+from jphantom.runtime.coordinator import check_port_free, probe_coordinator, split_address
 from jphantom.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -363,7 +364,7 @@ def test_bad_setting_is_a_python_error_in_a_real_process(case):
     arguments, kind, fragment = BAD[case]
     with server(b"garbage garbage\n") as garbage, server(None) as silent:
         ports = dict(free=free_port(), garbage=garbage, silent=silent)
-        code = ("from jphantom import distributed\n"
+        code = ("from jphantom.runtime import distributed\n"
                 f"distributed.initialize({arguments.format(**ports)}, platform='cpu')")
         start = time.monotonic()
         result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(),
@@ -378,7 +379,7 @@ def test_bad_setting_is_a_python_error_in_a_real_process(case):
 def test_bad_environment_is_a_python_error_in_a_real_process():
     env = clean_env({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:abc", "JPHANTOM_NUM_PROCESSES": "2",
                      "JPHANTOM_PROCESS_ID": "0"})
-    code = "from jphantom import distributed; distributed.initialize_from_env()"
+    code = "from jphantom.runtime import distributed; distributed.initialize_from_env()"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 1, result.stderr
@@ -520,7 +521,7 @@ def test_launch_refuses_more_processes_than_the_machine_runs_before_starting_any
         capsys, monkeypatch):
     """-n 100000 started threads for 96 s, then failed; now one line and exit 2 at once, the
     limit derived from the cores (8 each) and the memory (256 MiB each)."""
-    import jphantom.launch as launch_module
+    import jphantom.runtime.launch as launch_module
 
     started = []
     monkeypatch.setattr(launch_module, "_run_once", lambda *a, **k: started.append(a))
@@ -548,7 +549,7 @@ def load_worker_module():
 def single_process_reference(worker):
     """Loss and grads on this process's 8 simulated devices: the same code path, one process."""
     from helpers import oracle_loss_and_grads
-    from jphantom.mesh import first_devices, make_mesh
+    from jphantom.runtime.mesh import first_devices, make_mesh
 
     config, x, target = worker.problem()
     mesh = make_mesh({"model": config["num_shards"]}, first_devices(config["num_shards"]))
@@ -630,7 +631,7 @@ def test_two_processes_match_single_process(tmp_path):
 def test_launch_joins_the_processes_into_one_jax_run():  # about 4 s
     code = textwrap.dedent("""
         import numpy as np
-        from jphantom import distributed
+        from jphantom.runtime import distributed
         assert distributed.initialize_from_env()
         import jax
         from jax.experimental import multihost_utils
@@ -653,7 +654,7 @@ def test_launch_joins_the_processes_into_one_jax_run():  # about 4 s
 KILLED = textwrap.dedent("""
     import sys, time
     import numpy as np
-    from jphantom import distributed
+    from jphantom.runtime import distributed
     distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), local_device_count=1,
                            initialization_timeout=60, heartbeat_timeout_seconds={heartbeat},
                            platform="cpu")
@@ -710,7 +711,7 @@ def test_process_0_skips_a_peer_probing_before_its_own_check_connects():
     'another listener answered' of `jphantom launch`); with no token at all it still refuses."""
     import socket
 
-    from jphantom import coordinator
+    from jphantom.runtime import coordinator
 
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
@@ -734,7 +735,7 @@ def test_process_0_finds_its_token_behind_peers_slow_to_write():
     exit 2, which `launch --max-restarts` does not retry)."""
     import socket
 
-    from jphantom import coordinator
+    from jphantom.runtime import coordinator
 
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
@@ -760,7 +761,7 @@ def test_a_probe_connected_to_itself_retries_instead_of_blaming_the_address(monk
     (exit 2), and held the port process 0 then failed to bind. Now it closes and retries."""
     import socket
 
-    from jphantom import coordinator
+    from jphantom.runtime import coordinator
 
     port = free_port()
 

@@ -536,7 +536,7 @@ def test_cuda_pci_bus_id_asks_the_driver_for_the_devices_cuda_ordinal():
 def test_compare_meters_this_processes_share_of_a_run_with_the_energy_meter(monkeypatch):
     import jax
 
-    from jphantom.compare import gpu_meter_factory
+    from jphantom.loop.compare import gpu_meter_factory
     from jphantom.energy import NvmlEnergyMeter, process_devices
 
     logged = []

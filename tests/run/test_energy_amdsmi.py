@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from jphantom import metrics
+from jphantom.costs import metrics
 from jphantom.energy import AmdsmiEnergyMeter, amdsmi_microjoules
 from jphantom.errors import ConfigError
 

@@ -122,7 +122,7 @@ def test_float16_loss_scaling_on_bfloat16_parameters_is_refused():
 
     model = Llama(LlamaConfig(vocab_size=32, hidden=16, intermediate=32, layers=1, heads=2,
                               kv_heads=2, dtype="bfloat16"), rngs=nnx.Rngs(0))
-    from jphantom.mesh import MeshConfig, first_devices
+    from jphantom.runtime.mesh import MeshConfig, first_devices
 
     mesh = MeshConfig.parse("model=1").build(first_devices(1))
     with pytest.raises(ConfigError, match="parameters are bfloat16"):
@@ -138,7 +138,7 @@ def test_step_init_names_what_a_params_tree_lacks():
 
     import jphantom
     from jphantom.errors import ConfigError
-    from jphantom.mesh import MeshConfig, first_devices
+    from jphantom.runtime.mesh import MeshConfig, first_devices
     from jphantom.models.llama import Llama, LlamaConfig, lm_loss
 
     model = Llama(LlamaConfig(vocab_size=32, hidden=16, intermediate=32, layers=1, heads=2,
@@ -199,7 +199,7 @@ def test_forward_fn_and_a_user_loss_name_float_ids_and_a_wrong_params_tree():
 
     import jphantom
     from jphantom.errors import ConfigError
-    from jphantom.mesh import MeshConfig, first_devices
+    from jphantom.runtime.mesh import MeshConfig, first_devices
     from jphantom.models.llama import Llama, LlamaConfig
 
     model = Llama(LlamaConfig(vocab_size=32, hidden=16, intermediate=32, layers=1, heads=2,
@@ -240,9 +240,9 @@ def test_step_init_beyond_a_devices_memory_is_refused_with_the_estimate(monkeypa
     allocated) and refused by name above what a device holds (here a limit the test sets)."""
     import optax
 
-    from jphantom import program
+    from jphantom.registry import program
     from jphantom.errors import ConfigError
-    from jphantom.mesh import first_devices
+    from jphantom.runtime.mesh import first_devices
     from jphantom.models.ffn import FFNConfig
     from jphantom.step import memory
 
@@ -265,9 +265,9 @@ def test_a_negative_or_nan_learning_rate_jphantom_can_read_is_refused_at_init(ra
     inject_hyperparams state is read at init; a plain transformation's is in a closure."""
     import optax
 
-    from jphantom import program
+    from jphantom.registry import program
     from jphantom.errors import ConfigError
-    from jphantom.mesh import first_devices
+    from jphantom.runtime.mesh import first_devices
     from jphantom.models.ffn import FFNConfig
 
     built = program.build(FFNConfig(width=8, depth=1), "dense", "model=1")
@@ -316,7 +316,7 @@ def test_the_cli_drops_only_the_rocm_plugins_declining_record():
 
 def test_the_plan_states_the_configurations_dtd_rule():
     """plans.megatron(dtd=True) on a model without routed MoE layers: the one dtd rule
-    (jphantom.strategies.check_dtd), with its one message."""
+    (jphantom.registry.strategies.check_dtd), with its one message."""
     from flax import nnx
 
     import jphantom

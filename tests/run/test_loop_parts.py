@@ -13,7 +13,7 @@ import pytest
 from jphantom.errors import TrainingDiverged
 from jphantom.loop import (NonFinitePolicy, RolledBack, RunCheckpoints, RunResults, SkippedBatch,
                            StepRecord, fresh_history)
-from jphantom.resilience import MAX_CONSECUTIVE_SKIPS, MAX_ROLLBACKS
+from jphantom.runtime.resilience import MAX_CONSECUTIVE_SKIPS, MAX_ROLLBACKS
 from jphantom.loop.nonfinite import summary
 
 

@@ -10,7 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from jphantom import cli, metrics
+from jphantom import cli
+from jphantom.costs import metrics
 from jphantom.config import RunConfig, TrainConfig
 from jphantom.energy import PowerModel
 from jphantom.errors import ConfigError
@@ -68,7 +69,7 @@ def test_the_recorded_gradient_norm_is_the_first_steps_gradients_norm(tiny_run):
     """SGD moves the parameters by -lr x gradient: the first update's norm over the learning
     rate is the norm of the gradients, over every parameter (the run's compiled step, reused)."""
     out, text, lines = tiny_run
-    from jphantom.sources import TextSource
+    from jphantom.loop.sources import TextSource
 
     config = RunConfig.from_flags(**SETTINGS, data=str(text), out=str(out), progress=False,
                                   grad_norm=True)

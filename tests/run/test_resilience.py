@@ -1,4 +1,4 @@
-"""A run that survives the cluster and its user (jphantom.resilience, jphantom.launch): SIGTERM
+"""A run that survives the cluster and its user (jphantom.runtime.resilience, jphantom.runtime.launch): SIGTERM
 ends a run with a checkpoint of the step reached and ``--resume`` finishes it with the
 uninterrupted run's loss; a stopped rank under ``--step-timeout`` ends every process, naming the
 timeout; ``launch --max-restarts`` starts a killed run again from its newest checkpoint; the
@@ -89,7 +89,7 @@ def test_sigterm_writes_a_checkpoint_of_the_step_reached_and_resume_finishes_the
 
 @pytest.fixture
 def nan_at_step_4(monkeypatch):
-    from jphantom import run as run_module
+    from jphantom.loop import trainer as run_module
 
     train = run_module.TeacherSource.train
 
@@ -141,7 +141,7 @@ def inf_params_after_step_2(monkeypatch):
     too large), once."""
     import jax
 
-    from jphantom import run as run_module
+    from jphantom.loop import trainer as run_module
     from jphantom.step.layout import TrainState
 
     update, done = run_module.Trainer._update, []

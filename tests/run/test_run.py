@@ -1,4 +1,4 @@
-"""``jphantom train`` (jphantom.run) and ``jphantom inspect --model transformer``, end to end at
+"""``jphantom train`` (jphantom.loop.trainer) and ``jphantom inspect --model transformer``, end to end at
 tiny sizes: outputs, TOML settings, and bad input refused before anything compiles."""
 
 import json
@@ -143,8 +143,8 @@ def test_a_user_callback_sees_every_step_stops_the_run_and_adds_to_the_results(t
     """Trainer(config, callbacks=[...]): the user's callback gets each step's record after the
     built-in ones (metrics.jsonl has the line already), its request_stop ends the run after that
     step with a checkpoint of it, and on_train_end may add to results.json."""
-    from jphantom.callbacks import Callback
-    from jphantom.run import Trainer
+    from jphantom.loop.callbacks import Callback
+    from jphantom.loop.trainer import Trainer
 
     class StopAt(Callback):
         def __init__(self):
@@ -206,7 +206,7 @@ def test_a_run_configuration_is_pure_data(monkeypatch):
 NO_JAX = """
 import sys
 
-from jphantom import families
+from jphantom.registry import families
 from jphantom.config import ModelConfig, RunConfig, load_toml
 
 for name in families.names(aliases=True):

@@ -1,4 +1,4 @@
-"""Training to a target loss on the teacher task: the one training loop (:func:`jphantom.run.run`)
+"""Training to a target loss on the teacher task: the one training loop (:func:`jphantom.loop.trainer.run`)
 stops at the target, repeats itself for a seed, reports a diverged run with its step, meters
 energy over the training window, refuses bad settings and what cannot fit before anything runs."""
 
@@ -10,7 +10,7 @@ import pytest
 from jphantom.config import RunConfig
 from jphantom.data import Teacher, TeacherConfig
 from jphantom.errors import ConfigError, TrainingDiverged
-from jphantom.run import run
+from jphantom.loop.trainer import run
 
 # Seal et al.'s set-up at a small width: Adam (optax's betas), no warm-up, every held-out batch
 SMALL = dict(model="ffn", width=32, depth=2, batch=32, optimizer="adam", adam_b2=0.999,

@@ -161,7 +161,7 @@ def test_gpu_resilience_small_refuses_the_huge_step_and_resumes_exactly(tmp_path
 
 def test_code_counts_see_what_the_function_rule_sees():
     """benchmarks/code_counts.py counts the functions over 80 lines the layering test lists as
-    exemptions (the same AST measure), and finds no strategy-name comparison in program.py."""
+    exemptions (the same AST measure), and finds no strategy-name comparison in registry/program.py."""
     import importlib.util
 
     from test_layering import LONG_FUNCTIONS
@@ -174,11 +174,11 @@ def test_code_counts_see_what_the_function_rule_sees():
     spec.loader.exec_module(module)
     result = module.counts("HEAD")
     assert result["functions_over_80_lines"] == len(LONG_FUNCTIONS)
-    assert "program.py" not in result["files_comparing_strategy_names"]
+    assert "registry/program.py" not in result["files_comparing_strategy_names"]
     assert result["rule_messages"]["sequence parallelism needs tensor"] == 1
     # the family names the families' own modules compare are theirs to compare
     assert not [f for f in result["files_comparing_family_names"]
-                if f.startswith("models/") or f == "families.py"]
+                if f.startswith("models/") or f == "registry/families.py"]
     assert result["root_modules"] == len(result["root_module_names"])
     assert all(len(where) > 1 for where in result["shared_class_names"].values())
     assert result["config_build_call_sites"] >= 1

@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 
 from helpers import assert_tree_close, compiled_hlo, oracle_loss_and_grads, random_params
-from jphantom import program as program_module
-from jphantom.mesh import first_devices
+from jphantom.registry import program as program_module
+from jphantom.runtime.mesh import first_devices
 from jphantom.models.gpt2 import TransformerConfig
 from jphantom.models.llama import LlamaConfig
 from jphantom.nn import loss

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from jphantom import program as program_module
+from jphantom.registry import program as program_module
 from jphantom.analysis.hlo import collectives, summarize
 from jphantom.errors import JPhantomWarning
 from jphantom.models.ffn import FFNConfig

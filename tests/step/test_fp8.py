@@ -1,4 +1,4 @@
-"""FP8 GEMMs (jphantom.fp8, --precision fp8): the GEMMs are TransformerEngine's recipe exactly
+"""FP8 GEMMs (jphantom.step.fp8, --precision fp8): the GEMMs are TransformerEngine's recipe exactly
 (E4M3 operands forward, the output gradient in E5M2 for dgrad and wgrad, per-tensor current
 scales), one scale per tensor however it is split (an FP8 step under tensor parallelism equals
 the one-device FP8 step), only the blocks' linear layers are FP8, and training follows bf16's
@@ -17,14 +17,14 @@ import pytest
 from flax import nnx
 
 from helpers import assert_tree_close, random_params
-from jphantom import fp8
+from jphantom.step import fp8
 from jphantom.errors import ConfigError
-from jphantom import program as program_module
-from jphantom.mesh import first_devices
+from jphantom.registry import program as program_module
+from jphantom.runtime.mesh import first_devices
 from jphantom.models.gpt2.config import TransformerConfig
 from jphantom.models.llama import Llama, LlamaConfig
 from jphantom.nn.stack import set_fp8
-from jphantom.precision import Precision
+from jphantom.step.precision import Precision
 
 LLAMA = LlamaConfig(vocab_size=64, hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2,
                     max_positions=16)

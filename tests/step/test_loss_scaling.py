@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from jphantom.precision import LossScaleState, dynamic_loss_scale
+from jphantom.step.precision import LossScaleState, dynamic_loss_scale
 
 
 def test_an_overflowing_step_is_skipped_and_halves_the_scale():
@@ -37,7 +37,7 @@ def test_float16_gpt2_trains_as_float32(tmp_path):
     """The same 6 steps in float16 compute (float32 master weights, dynamic scale) and in
     float32: the loss curves agree to float16's precision."""
     from jphantom.config import RunConfig
-    from jphantom.run import run
+    from jphantom.loop.trainer import run
 
     curves = {}
     for precision in ("float32", "float16"):

@@ -14,9 +14,9 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 
-from jphantom import program as program_module
+from jphantom.registry import program as program_module
 from jphantom.analysis import hlo
-from jphantom.checkpoint import Checkpointer
+from jphantom.loop.checkpointer import Checkpointer
 from jphantom.errors import ConfigError
 from jphantom.models.ffn import FFNConfig
 from jphantom.pipeline.config import PipelineConfig

@@ -1,4 +1,4 @@
-"""Mixed precision as a policy of the step (:mod:`jphantom.precision`): float32 master weights
+"""Mixed precision as a policy of the step (:mod:`jphantom.step.precision`): float32 master weights
 and optimizer state, bf16 / float16 compute, gradients back in float32."""
 
 import functools
@@ -9,11 +9,11 @@ import numpy as np
 import optax
 import pytest
 
-from jphantom import program as program_module
+from jphantom.registry import program as program_module
 from jphantom.config import RunConfig
 from jphantom.errors import ConfigError
 from jphantom.models.ffn import FFNConfig
-from jphantom.precision import Precision
+from jphantom.step.precision import Precision
 
 from conftest import require_devices
 from helpers import assert_tree_close, random_params

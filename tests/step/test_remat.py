@@ -1,4 +1,4 @@
-"""Activation checkpointing per layer (the step's ``remat`` option, :mod:`jphantom.remat`, applied
+"""Activation checkpointing per layer (the step's ``remat`` option, :mod:`jphantom.step.remat`, applied
 to the model's :class:`jphantom.nn.Stacked` blocks): the same gradients under every policy, less
 compiled temp memory by what the policy predicts, and ``collectives_saveable`` recomputes no
 collective."""
@@ -13,8 +13,8 @@ import optax
 import pytest
 from flax import nnx
 
-from jphantom import program as program_module
-from jphantom import remat
+from jphantom.registry import program as program_module
+from jphantom.step import remat
 from jphantom.analysis.hlo import collectives
 from jphantom.errors import ConfigError
 from jphantom.models import gpt2
@@ -113,8 +113,8 @@ def test_the_step_option_is_the_blocks_policy_even_none():
     import optax
     from flax import nnx
 
-    from jphantom import program as programs
-    from jphantom.mesh import first_devices
+    from jphantom.registry import program as programs
+    from jphantom.runtime.mesh import first_devices
     from jphantom.models.gpt2 import TransformerConfig
     from jphantom.nn import Stacked, set_remat
 
@@ -226,7 +226,7 @@ LAYOUTS = {  # (mesh, build options, step options)
 @functools.lru_cache(maxsize=None)
 def _llama_run(policy, layout):
     """Llama (GQA) under ``layout``: TP + SP on data=2,model=2 with ZeRO-3 (each layer's
-    parameters fetched, :func:`jphantom.remat.checkpointed` with ``fetched``), or context
+    parameters fetched, :func:`jphantom.step.remat.checkpointed` with ``fetched``), or context
     parallelism with K and V all-gathered (``GatheredAttention``, whose core recomputes itself
     under selective recompute): loss and gradients under ``policy``."""
     mesh_text, options, step_options = LAYOUTS[layout]

@@ -21,7 +21,7 @@ def _loss(model, x, t):
 
 
 def _step(lr, **options):
-    from jphantom.mesh import MeshConfig, first_devices
+    from jphantom.runtime.mesh import MeshConfig, first_devices
 
     mesh = MeshConfig.of({"data": 2}).build(first_devices(2))
     model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
@@ -87,7 +87,7 @@ def test_an_unknown_policy_is_one_line():
 
 def test_a_batch_with_nothing_to_count_is_not_a_nonfinite_loss():
     """A weighted loss_fn's batch with nothing to count comes back NaN with no update applied
-    (jphantom.token_mean reports it): the watch passes over it, and warns at the next NaN."""
+    (jphantom.step.token_mean reports it): the watch passes over it, and warns at the next NaN."""
     from jphantom.step.finite import NonFiniteWatch
 
     empty = [1]

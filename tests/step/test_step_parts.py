@@ -24,7 +24,7 @@ def _loss(model, x, t):
 
 @pytest.fixture(scope="module")
 def parts():
-    from jphantom.mesh import MeshConfig, first_devices
+    from jphantom.runtime.mesh import MeshConfig, first_devices
 
     mesh = MeshConfig.of({"data": 2}).build(first_devices(2))
     model = nnx.Linear(4, 3, rngs=nnx.Rngs(0), param_dtype=jnp.float64)

@@ -13,12 +13,12 @@ import pytest
 from flax import nnx
 
 import jphantom
-from jphantom import program as programs
-from jphantom import token_mean
+from jphantom.registry import program as programs
+from jphantom.step import token_mean
 from jphantom.analysis.hlo import collectives, dot_flops
 from jphantom.errors import ConfigError
-from jphantom.exactness import verify_step
-from jphantom.mesh import MeshConfig, first_devices
+from jphantom.step.exactness import verify_step
+from jphantom.runtime.mesh import MeshConfig, first_devices
 from jphantom.models import llama
 from jphantom.models.gpt2 import TransformerConfig
 from jphantom.pipeline.runner import PipelineConfig

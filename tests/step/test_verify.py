@@ -14,7 +14,7 @@ from flax import nnx
 import jphantom
 from jphantom import plans
 from jphantom.cli import main
-from jphantom.mesh import MeshConfig, first_devices
+from jphantom.runtime.mesh import MeshConfig, first_devices
 from jphantom.models.llama import Llama, LlamaConfig, lm_loss
 from jphantom.nn import tensor
 from jphantom.pipeline.runner import PipelineConfig
@@ -208,7 +208,7 @@ def test_verify_compares_mixed_precision_with_the_one_device_step_at_that_precis
         precision, tolerance, capsys):
     """Against float64 a bf16 or fp8 step could never pass 1e-5; against the one-device step at
     its own precision it passes the tolerance derived from that precision, which the report
-    states (jphantom.exactness.tolerance_of: 32 unit roundoffs of bf16, one E5M2 step)."""
+    states (jphantom.step.exactness.tolerance_of: 32 unit roundoffs of bf16, one E5M2 step)."""
     assert main([*GPT2_FLAGS, "--precision", precision]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["tolerance"] == tolerance and precision in report["reference"]
@@ -230,7 +230,7 @@ def test_only_a_float32_pass_is_called_exact():
     """fp8 printed "exact within 0.25" for a largest difference of 0.123: a mixed precision's
     pass is now "within the documented bound" (its derivation beside it), "exact" is kept for
     float32 against float64 at 1e-5."""
-    from jphantom.exactness import Report
+    from jphantom.step.exactness import Report
 
     def report(error, derived, tolerance):
         return Report(1.0, 1.0, 0.0, {"w": error}, tolerance, "ref", derived)
@@ -248,7 +248,7 @@ def test_fp8_scale_groups_are_the_step_s_data_ranks_and_micro_batches():
     the fp8 reference runs by itself; expert ranks share their scales."""
     from types import SimpleNamespace
 
-    from jphantom.exactness import scale_groups
+    from jphantom.step.exactness import scale_groups
 
     def step(mesh, accumulate=1, spmd="shard_map"):
         return SimpleNamespace(mesh=SimpleNamespace(shape=mesh), pipeline=None,

@@ -11,11 +11,11 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 
-from jphantom import program as program_module
+from jphantom.registry import program as program_module
 from jphantom.analysis import hlo
 from jphantom.errors import ConfigError
 from jphantom.models.ffn import FFNConfig
-from jphantom.train_step import make_train_step
+from jphantom.step.train_step import make_train_step
 
 from conftest import require_devices
 from helpers import (assert_tree_close, compiled_hlo, gradient_catcher, gradient_step,

@@ -300,7 +300,7 @@ def _survey(only: str | None = None) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT / "tests"))
     if "--write-table" in sys.argv or "--survey" in sys.argv:
-        from jphantom.mesh import simulate_cpu_devices
+        from jphantom.runtime.mesh import simulate_cpu_devices
 
         simulate_cpu_devices(8)
         import jax

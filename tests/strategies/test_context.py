@@ -10,10 +10,10 @@ import pytest
 
 from helpers import assert_tree_close, compiled_hlo, oracle_loss_and_grads, random_params
 from jphantom import plans
-from jphantom import program as program_module
+from jphantom.registry import program as program_module
 from jphantom.analysis.hlo import collectives
 from jphantom.errors import ConfigError
-from jphantom.mesh import first_devices
+from jphantom.runtime.mesh import first_devices
 from jphantom.models.gpt2 import TransformerConfig
 from jphantom.models.llama import LlamaConfig
 from jphantom.nn import attention

@@ -14,10 +14,10 @@ from flax import nnx
 from jax import lax
 
 import jphantom
-from jphantom import remat
+from jphantom.step import remat
 from jphantom.analysis.hlo import collectives
 from jphantom.errors import ConfigError
-from jphantom.mesh import MeshConfig, first_devices
+from jphantom.runtime.mesh import MeshConfig, first_devices
 from jphantom.nn import expert_parallel as expert
 from jphantom.nn import metadata
 from jphantom.nn.moe import SwitchMoE
@@ -268,9 +268,9 @@ def test_dropless_path_equals_the_fixed_capacity_path_that_drops_nothing(ranks):
 
 def test_the_ragged_all_to_all_table_says_what_this_backend_compiles():
     """XLA:CPU has no ragged-all-to-all (jax-ml/jax#34755): compiling one here agrees with
-    :func:`jphantom.mesh.has_ragged_all_to_all`; on a backend that has it, the dropless test
+    :func:`jphantom.runtime.mesh.has_ragged_all_to_all`; on a backend that has it, the dropless test
     above runs the real primitive."""
-    from jphantom.mesh import has_ragged_all_to_all
+    from jphantom.runtime.mesh import has_ragged_all_to_all
 
     device = jax.devices()[0]
     mesh = jax.sharding.Mesh([device], ("probe",))

@@ -1,4 +1,4 @@
-"""PCCL's hierarchical collectives (:mod:`jphantom.collectives`, Singh's thesis ch. 6): bitwise
+"""PCCL's hierarchical collectives (:mod:`jphantom.runtime.collectives`, Singh's thesis ch. 6): bitwise
 equal to the flat collectives over (node, local) in value and in gradient, log2(nodes) permutes
 across nodes in HLO (forward and backward), the alpha-beta selector on hand-computed cases, named
 errors.
@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jphantom.analysis.hlo import collectives
 from jphantom.errors import ConfigError
-from jphantom import collectives as hc
+from jphantom.runtime import collectives as hc
 
 from conftest import require_devices
 

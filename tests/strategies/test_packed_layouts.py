@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import jphantom
-from jphantom.mesh import MeshConfig, first_devices
+from jphantom.runtime.mesh import MeshConfig, first_devices
 from jphantom.models import gpt2, hf, llama, packed_lm_loss
 from jphantom.pipeline.runner import PipelineConfig
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jphantom import program as program_module
+from jphantom.registry import program as program_module
 from jphantom.errors import ConfigError, JPhantomWarning
 from jphantom.models.ffn import FFNConfig
 from jphantom.nn.phantom import ops as phantom
@@ -198,8 +198,8 @@ def test_mesh_without_axis_and_mismatched_shards_are_errors():
     program is built, and a model built for p=4 stepped on model=2 when the step is traced."""
     import optax
 
-    from jphantom.mesh import first_devices
-    from jphantom.train_step import make_train_step
+    from jphantom.runtime.mesh import first_devices
+    from jphantom.step.train_step import make_train_step
 
     require_devices(4)
     config = _config(2, 1, jnp.float32)

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from jphantom import program as program_module
+from jphantom.registry import program as program_module
 from jphantom.analysis.hlo import collectives
 from jphantom.errors import ConfigError
 from jphantom.models.ffn import FFNConfig

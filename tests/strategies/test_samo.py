@@ -18,7 +18,7 @@ import jphantom
 from jphantom.experimental import samo
 from jphantom.analysis.hlo import collectives
 from jphantom.errors import ConfigError
-from jphantom.mesh import make_mesh, first_devices
+from jphantom.runtime.mesh import make_mesh, first_devices
 
 from conftest import require_devices
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jphantom import program as program_module
+from jphantom.registry import program as program_module
 from jphantom.errors import ConfigError
 from jphantom.models.ffn import FFN, FFNConfig
 from jphantom.nn.tensor import ColumnParallelLinear, GatherFeatures, RowParallelLinear, T1Linear

@@ -3,10 +3,10 @@
     y = W_L relu(... relu(W_2 relu(W_1 x + b_1) + b_2) ...) + b_L        x, y [B, n]
 
 :class:`FFN` is a Flax NNX module of plain ``nnx.Linear`` layers holding no collective; a
-strategy is a plan applied to it (:func:`jphantom.program.build`, which also validates the
+strategy is a plan applied to it (:func:`jphantom.registry.program.build`, which also validates the
 configuration against the mesh):
 
-    program = jphantom.program.build(FFNConfig(width=4096, depth=2, ghost_width=16), "phantom",
+    program = jphantom.registry.program.build(FFNConfig(width=4096, depth=2, ghost_width=16), "phantom",
                                      "data=2,model=4")
     step = program.train_step(mesh, optax.sgd(0.1))
     state = program.init(step)               # parameters created in their shards
@@ -35,7 +35,7 @@ One idea a module:
 - :mod:`~jphantom.models.ffn.config`: the shape, :class:`FFNConfig` (no jax: a run's
   configuration builds it as it validates);
 - :mod:`~jphantom.models.ffn.model`: the NNX module, :class:`FFN`, and its loss;
-- :mod:`~jphantom.models.ffn.family`: its registration (``ffn``, :mod:`jphantom.families`).
+- :mod:`~jphantom.models.ffn.family`: its registration (``ffn``, :mod:`jphantom.registry.families`).
 
 Importing the package registers the family and imports no jax; the module's names load on first
 use.

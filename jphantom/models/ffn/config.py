@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from jphantom.errors import ConfigError, check_int
-from jphantom.dtypes import DTYPES, check_dtype, check_float64  # noqa: F401
+from jphantom.registry.dtypes import DTYPES, check_dtype, check_float64  # noqa: F401
 
 
 

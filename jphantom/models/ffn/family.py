@@ -1,15 +1,15 @@
-"""Seal et al.'s FFN as a model family (:mod:`jphantom.families`): its registration
+"""Seal et al.'s FFN as a model family (:mod:`jphantom.registry.families`): its registration
 (``ffn``), its configuration from a run's model section and its FLOPs, without jax (the NNX
-module is a :class:`~jphantom.families.Lazy` reference, imported when a model is built)."""
+module is a :class:`~jphantom.registry.families.Lazy` reference, imported when a model is built)."""
 
 from __future__ import annotations
 
-from jphantom.families import GHOST_WIDTH, Field
+from jphantom.registry.families import GHOST_WIDTH, Field
 from jphantom.models.ffn.config import FFNConfig
 
 WIDTH = Field("width", int, 256, "width n of its n x n layers", minimum=1)
 DEPTH = Field("depth", int, 2, "its layers L", minimum=1)
-"""The model-section settings the FFN owns (:class:`jphantom.families.Field`)."""
+"""The model-section settings the FFN owns (:class:`jphantom.registry.families.Field`)."""
 
 
 def family_config(section, phantom: bool) -> FFNConfig:
@@ -20,7 +20,7 @@ def family_config(section, phantom: bool) -> FFNConfig:
 
 
 def _register():
-    from jphantom import families
+    from jphantom.registry import families
 
     return families.register(families.Family(
         name="ffn", description="Seal et al.'s FFN of --width x --depth (its teacher task)",

@@ -19,7 +19,7 @@ import math
 from typing import TYPE_CHECKING
 
 from jphantom.errors import ConfigError, check_int
-from jphantom.dtypes import DTYPES, check_dtype, check_float64  # noqa: F401
+from jphantom.registry.dtypes import DTYPES, check_dtype, check_float64  # noqa: F401
 
 if TYPE_CHECKING:
     from jphantom.nn.routing import MoEConfig

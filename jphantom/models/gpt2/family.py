@@ -1,7 +1,7 @@
-"""GPT-2 (Radford et al. 2019) as a model family (:mod:`jphantom.families`): its configuration
+"""GPT-2 (Radford et al. 2019) as a model family (:mod:`jphantom.registry.families`): its configuration
 from a run's model section, the block shape the planner prices, and its registration (``gpt2``,
 alias ``transformer``), without jax (the NNX module and the Hugging Face reader and writer are
-:class:`~jphantom.families.Lazy` references, imported when a model is built or a checkpoint
+:class:`~jphantom.registry.families.Lazy` references, imported when a model is built or a checkpoint
 read)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from jphantom.errors import ConfigError
-from jphantom.families import EXPERTS, GHOST_WIDTH, MOE_EVERY, TOP_K, Field
+from jphantom.registry.families import EXPERTS, GHOST_WIDTH, MOE_EVERY, TOP_K, Field
 from jphantom.models.gpt2.config import TransformerConfig, moe_fields
 
 CAPACITY_FACTOR = Field(
@@ -17,7 +17,7 @@ CAPACITY_FACTOR = Field(
     "rank; the rest are dropped and counted", minimum=0, above=True)
 DROPLESS = Field("dropless", bool, False, "MoE with no capacity, no dropped tokens (grouped "
                  "matmuls, ragged all-to-all)")
-"""The model-section settings GPT-2 owns (:class:`jphantom.families.Field`; it reads the shared
+"""The model-section settings GPT-2 owns (:class:`jphantom.registry.families.Field`; it reads the shared
 ghost width and routed-expert ones too)."""
 
 HF = "jphantom.models.gpt2.hf"
@@ -29,7 +29,7 @@ def family_config(section, phantom: bool) -> TransformerConfig:
     (:class:`jphantom.config.ModelConfig`): its checkpoint's (``from_hf``) or the section's shape.
     A phantom GPT-2 has an untied head (its feature-split activations would all-reduce a tied
     head's logits)."""
-    from jphantom import families
+    from jphantom.registry import families
 
     ghost = section.ghost_width if phantom else None
     if section.from_hf:
@@ -70,7 +70,7 @@ def plan_shape(config: TransformerConfig):
 
 
 def _register():
-    from jphantom import families
+    from jphantom.registry import families
 
     return families.register(families.Family(
         name="gpt2", description="GPT-2 (LayerNorm, GELU MLP, learned positions, tied head); "

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jphantom import token_mean
+from jphantom.step import token_mean
 from jphantom.errors import ConfigError
 from jphantom.models.gpt2.config import TransformerConfig
 from jphantom.nn import balance
@@ -257,7 +257,7 @@ class GPT2(nnx.Module):
                    positions: jax.Array | None = None) -> token_mean.WeightedLoss:
         """``(total, weight, mean)``: the counted tokens' summed cross-entropy, their number and
         the MoE auxiliary losses (a mean already), for a global token mean
-        (:mod:`jphantom.token_mean`); ``segment_ids`` and ``positions``: a packed batch
+        (:mod:`jphantom.step.token_mean`); ``segment_ids`` and ``positions``: a packed batch
         (:meth:`trunk`)."""
         h, aux = self.trunk(tokens, segment_ids=segment_ids, positions=positions)
         total, weight = self._cross_entropy(h, targets, mask)

@@ -1,4 +1,4 @@
-"""GPT-2's parallel plan, declared by path (the family's plan hook, :attr:`jphantom.families.Family.
+"""GPT-2's parallel plan, declared by path (the family's plan hook, :attr:`jphantom.registry.families.Family.
 plan`), as torchtitan's ``parallelize_llama`` declares Llama's: which layer of a block is a column
 or a row of Megatron's pairs (Shoeybi et al. 2019), which norm opens a tensor-parallel region
 (or, under sequence parallelism, gathers the sequence; Korthikanti et al. 2022), where the
@@ -35,7 +35,7 @@ from jphantom.plans import Style
 def plan(model, *, sequence_parallel: bool = False, dtd: bool = False,
          collective_matmul: bool = False, **_):
     """GPT-2's Megatron plan (``tensor`` applies it, ``gspmd`` annotates it:
-    :mod:`jphantom.layer_plans`)."""
+    :mod:`jphantom.registry.layer_plans`)."""
     config = model.config
     norm = "sequence" if sequence_parallel else "input"
     ringed = lambda name: Style(name, collective_matmul=True) if collective_matmul else name

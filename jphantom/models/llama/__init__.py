@@ -1,6 +1,6 @@
 """The Llama family (Touvron et al. 2023; Mixtral, Jiang et al. 2024, with ``experts > 0``) and
 its presets: Mistral, Qwen2, Qwen3, Qwen3-MoE and Gemma 3's text model, one Flax NNX module under
-six registered families. Importing the package registers them (:mod:`jphantom.families`).
+six registered families. Importing the package registers them (:mod:`jphantom.registry.families`).
 
 - :mod:`~jphantom.models.llama.config`: the shape, :class:`LlamaConfig`;
 - :mod:`~jphantom.models.llama.model`: the NNX module, :class:`Llama` (no collective);

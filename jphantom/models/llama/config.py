@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from jphantom.errors import ConfigError, check_int
-from jphantom.dtypes import DTYPES, check_dtype  # noqa: F401
+from jphantom.registry.dtypes import DTYPES, check_dtype  # noqa: F401
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",

@@ -1,8 +1,8 @@
-"""What the family registry (:mod:`jphantom.families`) reads of a Llama-family model: its
+"""What the family registry (:mod:`jphantom.registry.families`) reads of a Llama-family model: its
 FLOPs per token, the block shape the planner prices, its configuration from a run's model
 section, and :func:`register_variant`, which declares one preset of the Llama block as a family
 (:mod:`jphantom.models.llama.variants` declares the zoo's); without jax (the NNX module and the
-Hugging Face reader and writer are :class:`~jphantom.families.Lazy` references, imported when a
+Hugging Face reader and writer are :class:`~jphantom.registry.families.Lazy` references, imported when a
 model is built or a checkpoint read)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from jphantom.errors import ConfigError
-from jphantom.families import GHOST_WIDTH, Field
+from jphantom.registry.families import GHOST_WIDTH, Field
 from jphantom.models.llama.config import LlamaConfig
 
 KV_HEADS = Field("kv_heads", int | None, None,
@@ -20,7 +20,7 @@ INTERMEDIATE = Field("intermediate", int | None, None, "MLP width (qwen3_moe: ea
 SLIDING_WINDOW = Field("sliding_window", int | None, None, "the attention window W (each token "
                        "attends itself and the W-1 before it; gemma3's local layers, default "
                        "512)", minimum=1)
-"""The model-section settings the Llama family owns (:class:`jphantom.families.Field`; every
+"""The model-section settings the Llama family owns (:class:`jphantom.registry.families.Field`; every
 variant reads ``kv_heads``, ``intermediate`` and the shared ghost width, a variant's
 ``register_variant(fields=...)`` adds its own)."""
 
@@ -67,7 +67,7 @@ def family_config(section, name: str, **preset) -> LlamaConfig:
     """The :class:`LlamaConfig` of the run's model section (:class:`jphantom.config.ModelConfig`)
     for the Llama-family ``name``: its checkpoint's (``from_hf``) or the section's shape with the
     family's ``preset`` fields (a callable preset is called with the section)."""
-    from jphantom import families
+    from jphantom.registry import families
 
     if section.from_hf:
         from jphantom.models.llama.hf import config_from_hf
@@ -95,12 +95,12 @@ def register_variant(name: str, description: str, hf_types: tuple[str, ...], *,
     :class:`~jphantom.models.llama.Llama` module, its Hugging Face reader and writer); the
     variant owns the configurations whose :attr:`LlamaConfig.model_type` is in ``hf_types``;
     ``fields``: the model-section settings it reads beyond every variant's (declarations,
-    :class:`jphantom.families.Field`; ``flags``: names of fields declared elsewhere);
+    :class:`jphantom.registry.families.Field`; ``flags``: names of fields declared elsewhere);
     what it runs follows from the preset (its per-head q/k norms, ``qk_norm``, leave pmm3d out:
-    :meth:`jphantom.strategies.Strategy.runs`)."""
+    :meth:`jphantom.registry.strategies.Strategy.runs`)."""
     import functools
 
-    from jphantom import families
+    from jphantom.registry import families
 
     return families.register(families.Family(
         name=name, description=description, config_type=LlamaConfig,

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jphantom import remat, token_mean
+from jphantom.step import remat, token_mean
 from jphantom.errors import ConfigError
 from jphantom.models.llama.config import LlamaConfig
 from jphantom.nn.attention import CausalAttention, Positions

@@ -1,5 +1,5 @@
 """The Llama family's parallel plan, declared by path (the family's plan hook,
-:attr:`jphantom.families.Family.plan`), as torchtitan's ``parallelize_llama`` declares it, for
+:attr:`jphantom.registry.families.Family.plan`), as torchtitan's ``parallelize_llama`` declares it, for
 every variant the family registers (Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral, Gemma 3):
 
 =====================================  =================================  ======================
@@ -37,7 +37,7 @@ from jphantom.plans import Style
 def plan(model, *, sequence_parallel: bool = False, dtd: bool = False,
          collective_matmul: bool = False, **_):
     """The Llama family's Megatron plan (``tensor`` applies it, ``gspmd`` annotates it:
-    :mod:`jphantom.layer_plans`); ``None`` (the walker's) for Gemma's post-norms with experts,
+    :mod:`jphantom.registry.layer_plans`); ``None`` (the walker's) for Gemma's post-norms with experts,
     which no registered variant has."""
     config = model.config
     if config.post_norms and config.experts:

@@ -1,4 +1,4 @@
-"""The Llama family's presets, each registered as a model family (:mod:`jphantom.families`)
+"""The Llama family's presets, each registered as a model family (:mod:`jphantom.registry.families`)
 of the one Llama block (:mod:`jphantom.models.llama.model`), in the registry's order:
 
 - ``llama``: Llama 2/3 (Touvron et al. 2023); Mixtral's experts (Jiang et al. 2024) with
@@ -40,7 +40,7 @@ Checkpoints with RoPE scaling on the global layers (Gemma 3 4B and larger) are r
 """
 
 from jphantom.errors import ConfigError
-from jphantom.families import EXPERTS, MOE_EVERY, TOP_K
+from jphantom.registry.families import EXPERTS, MOE_EVERY, TOP_K
 from jphantom.models.llama.family import SLIDING_WINDOW, register_variant
 
 # ----------------------------------------------------------------------------------- Llama

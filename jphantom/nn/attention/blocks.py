@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jphantom import comm
+from jphantom.runtime import comm
 from jphantom.errors import ConfigError
 from jphantom.nn.attention.packing import segment_mask
 

@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jphantom import comm, remat
-from jphantom.attention_choices import ALGORITHMS
+from jphantom.runtime import comm
+from jphantom.step import remat
+from jphantom.registry.attention_choices import ALGORITHMS
 from jphantom.errors import ConfigError
 from jphantom.nn.attention.core import CausalAttention, Positions, causal_attention
 from jphantom.nn.attention.gathered import blockwise_gathered_attention

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jphantom import remat
+from jphantom.step import remat
 from jphantom.errors import ConfigError
 from jphantom.nn.attention.kernel_choice import check_implementation, choose, platform_of
 from jphantom.nn.attention.packing import segment_mask
@@ -104,7 +104,7 @@ class CausalAttention(nnx.Module):
     sliding window of that many tokens. ``recompute`` (set by :func:`jphantom.nn.set_remat` under
     ``remat="all_but_attention_core_saveable"``, Megatron's selective recompute): on XLA's path,
     whose backward keeps the S x S probabilities, the core runs under ``jax.checkpoint`` saving
-    only q, k and v (:func:`jphantom.remat.recomputed`); a fused kernel keeps O(S) residuals and
+    only q, k and v (:func:`jphantom.step.remat.recomputed`); a fused kernel keeps O(S) residuals and
     runs as it is."""
 
     recompute = False

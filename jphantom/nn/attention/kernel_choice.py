@@ -8,7 +8,7 @@ import os
 
 import jax.numpy as jnp
 
-from jphantom.attention_choices import IMPLEMENTATIONS
+from jphantom.registry.attention_choices import IMPLEMENTATIONS
 from jphantom.errors import ConfigError
 
 FUSED_DTYPES = ("bfloat16", "float16")

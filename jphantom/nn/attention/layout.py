@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jphantom.errors import ConfigError
-from jphantom.mesh import CONTEXT
+from jphantom.runtime.mesh import CONTEXT
 
 
 AXIS = CONTEXT

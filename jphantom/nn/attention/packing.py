@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jphantom import remat
+from jphantom.step import remat
 from jphantom.errors import ConfigError
 
 
@@ -78,8 +78,8 @@ def attend(core, q, k, v, packing: Packing | None, *, local=None, full=None):
     ``full`` and the local window and picks itself).
 
     Every model's attention goes through here, so the names the remat policies read are given
-    here: q, k and v as the core gets them (:func:`jphantom.remat.name_qkv`) and the core's
-    output (:func:`jphantom.remat.name_attention`)."""
+    here: q, k and v as the core gets them (:func:`jphantom.step.remat.name_qkv`) and the core's
+    output (:func:`jphantom.step.remat.name_attention`)."""
     q, k, v = remat.name_qkv(q, k, v)
     if local is None:
         out = _attend(core, q, k, v, packing)

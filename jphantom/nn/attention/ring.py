@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jphantom import comm
+from jphantom.runtime import comm
 from jphantom.errors import ConfigError
 from jphantom.nn.attention.blocks import backward_branches, block_kernels, forward_branches, merge
 from jphantom.nn.attention.layout import AXIS

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jphantom import comm
-from jphantom import fp8 as fp8_ops
+from jphantom.runtime import comm
+from jphantom.step import fp8 as fp8_ops
 from jphantom.errors import ConfigError
 from jphantom.nn import metadata
 from jphantom.nn import norm as norm_ops
@@ -74,7 +74,7 @@ class PhantomLinear(nnx.Module):
     ``vocab_output=True`` makes it an LM head: its outputs are this rank's vocabulary slice;
     ``__call__`` gathers the full logits (all-gather of B S V) and :meth:`cross_entropy_sum` computes
     the loss without gathering them. ``fp8`` (``precision='fp8'``): its GEMMs' operands
-    quantised to FP8 (:mod:`jphantom.fp8`: E4M3 forward, the output gradient Delta in E5M2), the
+    quantised to FP8 (:mod:`jphantom.step.fp8`: E4M3 forward, the output gradient Delta in E5M2), the
     hand-written backward (Eqs. 15-21) unchanged."""
 
     fp8 = False
@@ -152,7 +152,7 @@ class PhantomLinear(nnx.Module):
                               to="varying")
         x, local, compress, decompress, bias = promote_dtypes(
             x, self.local[...], self.compress[...], self.decompress[...], bias)
-        if self.fp8:  # every GEMM operand of Eqs. 11-21 FP8-representable (jphantom.fp8)
+        if self.fp8:  # every GEMM operand of Eqs. 11-21 FP8-representable (jphantom.step.fp8)
             x, local, compress, decompress = (fp8_ops.quantized(a)
                                               for a in (x, local, compress, decompress))
         lead = x.shape[:-1]

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jphantom import comm
+from jphantom.runtime import comm
 from jphantom.errors import ConfigError, JPhantomWarning, check_int
 from jphantom.nn.shapes import check_depth, check_width, offdiagonal_mask
 

@@ -40,8 +40,8 @@ import jax
 from flax import nnx
 from jax import lax
 
-from jphantom import comm
-from jphantom import remat
+from jphantom.runtime import comm
+from jphantom.step import remat
 from jphantom.errors import ConfigError
 from jphantom.nn import metadata
 from jphantom.nn.expert_parallel import ExpertParallelMoE
@@ -50,7 +50,7 @@ from jphantom.nn.tensor import (gather_vocab, matmul, param_value, plain_embed, 
                                  promote_dtypes)
 from jphantom.nn.pmm3d import ops as pmm3d_ops
 from jphantom.nn import vocab
-from jphantom import zero as zero_ops
+from jphantom.step import zero as zero_ops
 
 X, Y, Z = pmm3d_ops.X, pmm3d_ops.Y, pmm3d_ops.Z
 ROLES = pmm3d_ops.ROLES  # role -> (contraction axis, output axis)

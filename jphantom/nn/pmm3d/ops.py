@@ -47,9 +47,9 @@ from __future__ import annotations
 import jax
 from jax.ad_checkpoint import checkpoint_name as name_residual
 
-from jphantom import comm
-from jphantom import remat
-from jphantom.mesh import X, Y, Z
+from jphantom.runtime import comm
+from jphantom.step import remat
+from jphantom.runtime.mesh import X, Y, Z
 
 GATHERED = "pmm3d_gathered_weight"
 ROLES = {"normal": (Y, X), "transposed": (X, Y)}  # (contraction axis, output axis)

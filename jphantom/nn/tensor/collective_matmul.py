@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jphantom import comm
-from jphantom import remat
+from jphantom.runtime import comm
+from jphantom.step import remat
 from jphantom.nn.tensor.dense import matmul
 
 
@@ -103,8 +103,8 @@ def matmul_reduce_scatter(layer, x: jax.Array, kernel: jax.Array, axis: str) -> 
 
 
 def check_collective_matmul(collective_matmul: bool, sequence_parallel: bool) -> bool:
-    """The rule of :func:`jphantom.strategies.check_collective_matmul`; the flag as a bool."""
-    from jphantom.strategies import check_collective_matmul as rule
+    """The rule of :func:`jphantom.registry.strategies.check_collective_matmul`; the flag as a bool."""
+    from jphantom.registry.strategies import check_collective_matmul as rule
 
     rule(collective_matmul, sequence_parallel)
     return bool(collective_matmul)

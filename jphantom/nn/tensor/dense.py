@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jphantom import fp8 as fp8_ops
+from jphantom.step import fp8 as fp8_ops
 
 
 def param_value(p):

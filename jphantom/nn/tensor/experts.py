@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from jphantom import comm
+from jphantom.runtime import comm
 from jphantom.nn import metadata
 from jphantom.nn.moe import Experts
 from jphantom.nn.tensor.regions import reduce_from_model, to_full_sequence

@@ -12,7 +12,7 @@ import jax
 from flax import nnx
 from jax import lax
 
-from jphantom import comm
+from jphantom.runtime import comm
 from jphantom.nn.boundary import Boundary
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import jax
 from jax import lax
 
-from jphantom import comm
-from jphantom import remat
+from jphantom.runtime import comm
+from jphantom.step import remat
 from jphantom.nn import metadata
 
 

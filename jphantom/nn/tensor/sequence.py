@@ -66,7 +66,7 @@ class InputNorm(nnx.Module):
 
     @property
     def gathers_sequence(self) -> str | None:
-        """The axis this norm all-gathers the sequence over (:func:`jphantom.remat.regathering`
+        """The axis this norm all-gathers the sequence over (:func:`jphantom.step.remat.regathering`
         has the backward gather it again rather than keep the whole sequence)."""
         return self.axis if self.sequence_parallel and not self.collective_matmul else None
 

@@ -8,7 +8,7 @@ import jax
 from flax import nnx
 from jax import lax
 
-from jphantom import comm
+from jphantom.runtime import comm
 from jphantom.nn import metadata
 from jphantom.nn.tensor.collective_matmul import SequenceChunks
 from jphantom.nn.tensor.dense import matmul, param_value, plain_linear, promote_dtypes

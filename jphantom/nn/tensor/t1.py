@@ -7,8 +7,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from jphantom import comm
-from jphantom import remat
+from jphantom.runtime import comm
+from jphantom.step import remat
 from jphantom.nn import metadata
 from jphantom.nn.tensor.dense import matmul, param_value, plain_linear, promote_dtypes
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from jphantom import comm
+from jphantom.runtime import comm
 from jphantom.nn import metadata
 from jphantom.nn import vocab
 from jphantom.nn.tensor.dense import param_value, plain_embed, plain_linear, promote_dtypes

@@ -1,7 +1,7 @@
 """AxoNN's placement-aware communication model of the 4D algorithm (Singh's thesis ch. 5, Eqs. 5.1-5.7).
 
 The G GPUs form a grid G_x x G_y x G_z x G_data, ranked innermost to outermost X, Y, Z, data (the
-``x``, ``y``, ``z``, ``data`` axes of :mod:`jphantom.mesh`; ``str(grid)`` is the mesh text
+``x``, ``y``, ``z``, ``data`` axes of :mod:`jphantom.runtime.mesh`; ``str(grid)`` is the mesh text
 ``"data=2,z=2,y=2,x=2"``). A fully connected layer O = I W with I [m, k], W [k, n] runs Algorithm 3:
 W is split rows over Y and columns over X and flat-sharded over Z (Ŵ, k n / (G_x G_y G_z) per GPU);
 I is split rows (tokens) over Z and columns over Y. Per layer and per step its five collectives
@@ -81,7 +81,7 @@ _RENAMED = {"Precision": "PrecisionBytes", "Layer": "LayerShape"}
 
 def __getattr__(name):
     """The old names of :class:`PrecisionBytes` (``Precision``, which
-    :class:`jphantom.precision.Precision` also is) and :class:`LayerShape` (``Layer``, which
+    :class:`jphantom.step.precision.Precision` also is) and :class:`LayerShape` (``Layer``, which
     :class:`jphantom.models.ffn.Layer` also is), with a DeprecationWarning; they go in the next
     release."""
     if name in _RENAMED:

@@ -146,7 +146,7 @@ def point_to_point_bandwidth(topology: Topology, inner: int, size: int) -> float
 def hierarchy_bandwidths(levels: Sequence[tuple[str, int]], topology: Topology) -> dict[str, float]:
     """Eq. 5.7 for every level of a hierarchy given innermost first as (axis name, size) pairs:
     {axis: bytes/s}. For the 4D grid the levels are x, y, z, data; for other layouts the mesh's
-    axes innermost first (``model``, then ``stage``, then ``data``: :mod:`jphantom.mesh` order)."""
+    axes innermost first (``model``, then ``stage``, then ``data``: :mod:`jphantom.runtime.mesh` order)."""
     bandwidths, inner = {}, 1
     for name, size in levels:
         bandwidths[name] = placement_bandwidth(topology, inner, size)

@@ -176,10 +176,10 @@ def _typed(value: str) -> bool | int | float | str:
 def nvidia_gpu_visible(env=None) -> bool:
     """Whether jax will start on NVIDIA GPUs, decided without starting it: ``JAX_PLATFORMS`` names
     ``cuda`` (or ``gpu``), or it is unset and ``nvidia-smi`` is on the PATH with jax's CUDA plugin
-    installed (as :func:`jphantom.distributed.accelerator_visible` decides for any accelerator)."""
+    installed (as :func:`jphantom.runtime.distributed.accelerator_visible` decides for any accelerator)."""
     import shutil
 
-    from jphantom.distributed import GPU_PLUGINS, has_module
+    from jphantom.runtime.distributed import GPU_PLUGINS, has_module
 
     env = os.environ if env is None else env
     platforms = [p.strip().lower() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]

@@ -221,7 +221,7 @@ _POOL: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("jphantom_d
 @contextlib.contextmanager
 def device_pool(devices: Sequence[jax.Device]) -> Iterator[None]:
     """Within the block, runs are built on ``devices`` instead of ``jax.devices()``: the devices of
-    a target compiled ahead of time (:mod:`jphantom.aot`: GPUs or TPUs this machine does not have,
+    a target compiled ahead of time (:mod:`jphantom.costs.aot`: GPUs or TPUs this machine does not have,
     from ``jax.experimental.topologies``), whose meshes compile but never run."""
     token = _POOL.set(tuple(devices))
     try:

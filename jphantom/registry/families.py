@@ -37,18 +37,18 @@ What a family declares:
   :class:`jphantom.perf.axonn_model.GPTShape`; ``None``: the planner refuses it by name);
 - ``plan(model, **options)``: its model's Megatron plan (path -> style; ``options``:
   ``sequence_parallel``, ``dtd``, ``collective_matmul``), which ``tensor`` applies and ``gspmd``
-  annotates (:mod:`jphantom.layer_plans`), declared by path as torchtitan's ``parallelize_llama``
+  annotates (:mod:`jphantom.registry.layer_plans`), declared by path as torchtitan's ``parallelize_llama``
   declares Llama's; ``None`` (for the family, or returned for a model) leaves it to
   :mod:`jphantom.plans`' walkers, which recognise the layers by type and name, as phantom and
   pmm3d always do (GPT-2 declares its Megatron plan, :mod:`jphantom.models.gpt2.plan`, and the
   Llama family for every variant, :mod:`jphantom.models.llama.plan`; a user's family may take the
   walkers);
 - what it runs: every strategy whose layers' plan splits its model
-  (:meth:`jphantom.strategies.Strategy.runs`: a builder for its ``program``; pmm3d not with
+  (:meth:`jphantom.registry.strategies.Strategy.runs`: a builder for its ``program``; pmm3d not with
   ``per_head_norms``, per-head q/k norms such as Qwen3's, which need a whole head where pmm3d
   splits a head's features over ``y``); ``strategies``: the names it runs instead, when it says
   so;
-  ``program``: ``"lm"`` (a language model under :func:`jphantom.program.lm_build`'s plans) or
+  ``program``: ``"lm"`` (a language model under :func:`jphantom.registry.program.lm_build`'s plans) or
   ``"ffn"`` (the FFN's own builder), which :attr:`Family.is_language_model` reads for the
   callers that treat token sequences and the FFN's rows differently; ``defaults``: the column
   of ``inspect``'s and ``compile``'s defaults (``"lm"`` or ``"ffn"``).
@@ -78,7 +78,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jphantom.errors import ConfigError
-from jphantom.lazy import Lazy, resolved
+from jphantom.registry.lazy import Lazy, resolved
 
 BUILTIN = ("ffn", "gpt2", "llama")
 """The zoo's family packages under ``jphantom.models`` (``llama`` registers its presets too:
@@ -158,7 +158,7 @@ class Family:
             raise ConfigError(f"family {self.name!r}: program and defaults are 'lm' or 'ffn'")
         for field in self.fields:
             if not isinstance(field, Field) or field.name in ("name", *COMMON_FLAGS):
-                raise ConfigError(f"family {self.name!r}: fields are jphantom.families.Field "
+                raise ConfigError(f"family {self.name!r}: fields are jphantom.registry.families.Field "
                                   "declarations of settings the common ones do not name "
                                   f"({', '.join(COMMON_FLAGS)}), not {field!r}")
 
@@ -375,9 +375,9 @@ def check_checkpoint_shape(section, config, names: dict[str, str]) -> None:
 
 def strategies_for(model: str) -> list[str]:
     """The strategies the family ``model`` runs (those whose layers' plan splits its model,
-    :meth:`jphantom.strategies.Strategy.runs`, or the names it gives), in
-    :data:`jphantom.strategies.STRATEGIES` order."""
-    from jphantom.strategies import STRATEGIES
+    :meth:`jphantom.registry.strategies.Strategy.runs`, or the names it gives), in
+    :data:`jphantom.registry.strategies.STRATEGIES` order."""
+    from jphantom.registry.strategies import STRATEGIES
 
     family = get(model)
     return [name for name, row in STRATEGIES.items()

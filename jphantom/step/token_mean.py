@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jphantom.comm import varying_axes
+from jphantom.runtime.comm import varying_axes
 from jphantom.errors import ConfigError
 
 
@@ -64,7 +64,7 @@ def terms(out, fn=None) -> WeightedLoss | None:
         if len(out) not in (2, 3):
             raise ConfigError(f"{who} returned a tuple of {len(out)}: return the scalar mean "
                               "loss, or (total, weight) / (total, weight, mean) for a global "
-                              "token mean (jphantom.token_mean.WeightedLoss)")
+                              "token mean (jphantom.step.token_mean.WeightedLoss)")
         for name, part in zip(WeightedLoss._fields, out):
             _check_part(who, name, part)
         parts = [x if isinstance(x, (int, float)) else jnp.asarray(x) for x in out]
@@ -135,10 +135,10 @@ def __getattr__(name):
     if name == "lm_loss":
         import warnings
 
-        warnings.warn("jphantom.token_mean: lm_loss is now lm_loss_terms; the old name goes in "
+        warnings.warn("jphantom.step.token_mean: lm_loss is now lm_loss_terms; the old name goes in "
                       "the next release", DeprecationWarning, stacklevel=2)
         return lm_loss_terms
-    raise AttributeError(f"module 'jphantom.token_mean' has no attribute {name!r}")
+    raise AttributeError(f"module 'jphantom.step.token_mean' has no attribute {name!r}")
 
 
 def global_weight(weight, total_axes, exclude=()) -> jax.Array:
@@ -150,7 +150,7 @@ def global_weight(weight, total_axes, exclude=()) -> jax.Array:
     axes = [a for a in sorted(set(total_axes) | set(varying_axes(weight))) if a not in exclude]
     if not axes:
         return weight
-    from jphantom import comm
+    from jphantom.runtime import comm
 
     return comm.psum(weight, tuple(axes))
 
@@ -181,7 +181,7 @@ def agreed(weight):
         return None
     axes = tuple(sorted(varying_axes(weight)))
     if axes:  # the weight is already global: the ranks of an excluded axis hold the same
-        from jphantom import comm
+        from jphantom.runtime import comm
 
         weight = -comm.pmax(-weight, axes)
     return weight

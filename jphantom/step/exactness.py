@@ -33,7 +33,7 @@ context, pmm3d, pipeline) measured at most 11 u. fp8 allows one E5M2 rounding st
 away under another layout (measured at most 0.147). A broken layout (a missing reduction, a
 wrong shard) differs by order 1. Under fp8 the reference also makes the step's scaling choices
 (:func:`scale_groups`): each data rank (``data``, ``z``) and each micro-batch (``accumulate``, a
-pipeline's) quantises with its own tensors' scales, as :mod:`jphantom.fp8` documents, so the
+pipeline's) quantises with its own tensors' scales, as :mod:`jphantom.step.fp8` documents, so the
 reference runs the one-device FP8 model on each of those groups of rows and combines their losses
 as the step does (the global token mean); comparing with one whole-batch FP8 step would measure
 the recipe's per-rank scaling, not the layout.
@@ -56,7 +56,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jphantom import token_mean
+from jphantom.step import token_mean
 
 TOLERANCE = 1e-5
 
@@ -119,7 +119,7 @@ GROWTH = 32  # unit roundoffs a mixed-precision layout may differ by (module doc
 
 def tolerance_of(precision) -> tuple[float, str]:
     """The tolerance :func:`verify_step` uses for a step at ``precision`` (a
-    :class:`jphantom.precision.Precision`), and how it is derived (module docstring): float32
+    :class:`jphantom.step.precision.Precision`), and how it is derived (module docstring): float32
     1e-5 (against float64); bf16 and float16 :data:`GROWTH` unit roundoffs of the compute dtype;
     fp8 one E5M2 rounding step (2 u)."""
     if precision.fp8:
@@ -186,12 +186,12 @@ def verify_step(step, params, *batch, tolerance: float | None = None) -> Report:
 def scale_groups(step, batch) -> list[np.ndarray] | None:
     """The rows of ``batch`` (natural order) that quantise together in ``step`` under fp8: one
     group per data rank (coordinates on ``data`` and ``z``; ranks of ``expert`` share their
-    scales, :data:`jphantom.fp8.NO_SCALE_AXES`) and micro-batch (``accumulate``, a pipeline's
+    scales, :data:`jphantom.step.fp8.NO_SCALE_AXES`) and micro-batch (``accumulate``, a pipeline's
     micro-batches: consecutive rows of a rank's, :func:`jphantom.pipeline.buffers.
     split_microbatches`), each an array of row indices. A GSPMD step scales the whole global
     micro-batch. ``None`` (one whole-batch reference) where the batch is not split on its rows
     alone by the default specs."""
-    from jphantom.fp8 import NO_SCALE_AXES
+    from jphantom.step.fp8 import NO_SCALE_AXES
     from jphantom.step.layout import batch_axes_of
 
     setup = getattr(step, "setup", None)
@@ -286,7 +286,7 @@ def verify(model: nnx.Module, mesh, plan: Mapping | None, loss_fn: Callable, *ba
     import optax
 
     from jphantom import plans
-    from jphantom.train_step import make_train_step
+    from jphantom.step.train_step import make_train_step
 
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))

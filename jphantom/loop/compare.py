@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from jphantom import strategies
+from jphantom.registry import strategies
 from jphantom.analysis.inspect import inspect_step
 from jphantom.config import RunConfig
 from jphantom.data import Teacher, TeacherConfig
@@ -237,7 +237,7 @@ def gpu_meter_factory(log=print):
 def run_compare(config: CompareConfig, *, built: dict | None = None,
                 power: PowerModel = PowerModel(), progress: bool = True, log=print,
                 meter_factory=None) -> dict:
-    """Train every (strategy, p, k) for every seed (:func:`jphantom.run.run`, the one training
+    """Train every (strategy, p, k) for every seed (:func:`jphantom.loop.trainer.run`, the one training
     loop) and return ``{"config", "rows", ...}``.
 
     ``meter_factory``: ``p -> meter`` (see :func:`gpu_meter_factory`); each run is metered over its
@@ -245,7 +245,7 @@ def run_compare(config: CompareConfig, *, built: dict | None = None,
     row under ``*_modelled``). Without it the energy is modelled. ``built``: what
     :meth:`CompareConfig.build` returned, where the caller has it (else built here, once per
     job)."""
-    from jphantom.run import check_memory, run
+    from jphantom.loop.trainer import check_memory, run
 
     if built is None:  # the devices and every run's shapes, before anything is trained
         built = config.build()

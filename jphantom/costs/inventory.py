@@ -3,7 +3,7 @@ predict, per device, kind by kind. The HLO tests (``tests/models/test_transforme
 compiled step moves exactly these, the planner (:mod:`jphantom.planner`) and the analytic step model
 (:mod:`jphantom.perf.step_model`) price them.
 
-A strategy names its formulas in its registry row (:attr:`jphantom.strategies.Strategy.collectives`,
+A strategy names its formulas in its registry row (:attr:`jphantom.registry.strategies.Strategy.collectives`,
 one :class:`Collectives` object of this module): Megatron tensor parallelism (Shoeybi et al.) and
 its sequence parallelism (Korthikanti et al.) for the GPT-2 transformer and Llama; phantom
 parallelism for GPT-2 (Seal et al. Sec. 5); the FFN under ``tensor``, ``tensor-t1`` and
@@ -13,15 +13,15 @@ parallelism for GPT-2 (Seal et al. Sec. 5); the FFN under ``tensor``, ``tensor-t
 from __future__ import annotations
 
 from jphantom.errors import ConfigError
-from jphantom.mesh import MeshConfig
-from jphantom.strategies import get
+from jphantom.runtime.mesh import MeshConfig
+from jphantom.registry.strategies import get
 
 
 def collective_inventory(config, strategy: str, mesh, batch: int, *,
                          sequence_parallel: bool = False) -> dict[str, list[int]]:
     """Per-device result elements of each collective kind over ``model`` in one training step
     (``batch``: the per-data-rank batch; the data-parallel gradient reduction not included), from
-    the formulas the strategy declares (:attr:`jphantom.strategies.Strategy.collectives`): the
+    the formulas the strategy declares (:attr:`jphantom.registry.strategies.Strategy.collectives`): the
     GPT-2 transformer and Llama (``max_positions`` tokens per sequence) under ``tensor``
     (:data:`MEGATRON`), GPT-2 under ``phantom`` (:data:`PHANTOM`), the FFN under ``tensor``,
     ``tensor-t1`` (:data:`T1`) and ``phantom``. Strategies whose collectives are left to
@@ -124,7 +124,7 @@ class PhantomCollectives(Collectives):
 
 MEGATRON = MegatronCollectives()
 """``tensor``'s collectives (its registry row's
-:attr:`~jphantom.strategies.Strategy.collectives`)."""
+:attr:`~jphantom.registry.strategies.Strategy.collectives`)."""
 T1 = T1Collectives()
 """``tensor-t1``'s collectives."""
 PHANTOM = PhantomCollectives()

@@ -1,6 +1,6 @@
 """What a training run reports every step: throughput, model FLOP/s and MFU, memory, energy.
 
-Per step :func:`jphantom.run.run` writes one line of ``metrics.jsonl`` (flushed at once), shows
+Per step :func:`jphantom.loop.trainer.run` writes one line of ``metrics.jsonl`` (flushed at once), shows
 the main figures on its progress bar and, with ``--tensorboard``, logs the same scalars
 (:class:`TensorBoard`). The figures and where they come from:
 
@@ -89,12 +89,12 @@ def peak_tflops(device) -> float | None:
 
 def flops_per_token(model_config, strategy: str, seq_len: int) -> int | None:
     """Forward + backward model FLOPs per token (per row for the FFN) of the dense model at
-    ``seq_len``: the model family's count (:attr:`jphantom.families.Family.flops_per_token`:
+    ``seq_len``: the model family's count (:attr:`jphantom.registry.families.Family.flops_per_token`:
     GPT-2's :meth:`~jphantom.models.gpt2.TransformerConfig.flops_per_token`, the Llama family's
     :func:`~jphantom.models.llama.flops_per_token`, 6 L n^2 for the FFN). ``None`` under phantom
     strategies, whose model is not the dense one (Seal et al.), or for a family that declares none."""
-    from jphantom import families
-    from jphantom.strategies import get
+    from jphantom.registry import families
+    from jphantom.registry.strategies import get
 
     if not get(strategy).same_model:
         return None

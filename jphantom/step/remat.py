@@ -102,7 +102,7 @@ def __getattr__(name):
     checking a name, import none."""
     if name == "POLICIES":
         return policies()
-    raise AttributeError(f"module 'jphantom.remat' has no attribute {name!r}")
+    raise AttributeError(f"module 'jphantom.step.remat' has no attribute {name!r}")
 
 
 def check(name: str) -> str:
@@ -144,7 +144,7 @@ def regathering(axis: str) -> Callable:
 def checkpointed(fn: Callable, name: str, *, fetched: bool = False,
                  regather: str | None = None) -> Callable:
     """``fn`` (one layer) under ``jax.checkpoint`` with policy ``name``; ``fetched``: the layer's
-    parameters are ZeRO-3's gathered ones (:meth:`jphantom.zero.LayerFetch.around`
+    parameters are ZeRO-3's gathered ones (:meth:`jphantom.step.zero.LayerFetch.around`
     keeps every residual but them), so under ``none`` it keeps its matmul outputs
     (``dots_saveable``): keeping everything would keep values derived from the parameters, such
     as a transposed weight, whole. ``regather``: the layer all-gathers its sequence over this

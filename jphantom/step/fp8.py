@@ -56,7 +56,7 @@ The MI250X (gfx90a, CDNA2) has no FP8 GEMMs at all: ``fp8`` is refused there by 
 :func:`select` picks the family from the devices a run is built for (the mesh's; the target's in
 an ahead-of-time compile), before anything is traced; the CPU emulates either exactly.
 
-:class:`jphantom.precision.Precision` ``fp8`` (``--precision fp8``) sets this on the linear layers
+:class:`jphantom.step.precision.Precision` ``fp8`` (``--precision fp8``) sets this on the linear layers
 of a model's :class:`~jphantom.nn.stack.Stacked` blocks (every linear layer of a model without
 them): bf16 elsewhere (embeddings, norms, attention, the LM head and loss), float32 master weights
 and optimizer state.
@@ -71,9 +71,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jphantom import comm
+from jphantom.runtime import comm
 from jphantom.errors import ConfigError
-from jphantom.mesh import DATA, STAGE, Z
+from jphantom.runtime.mesh import DATA, STAGE, Z
 
 E4M3 = jnp.float8_e4m3fn  # OCP, forward: activations and weights
 E5M2 = jnp.float8_e5m2  # OCP, backward: output gradients

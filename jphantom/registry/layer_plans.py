@@ -1,6 +1,6 @@
 """How a strategy splits a model's layers: one object per plan (a strategy's
-:attr:`jphantom.strategies.Strategy.layers`, applied by
-:meth:`jphantom.strategies.Strategy.plan`), with a builder for each model program it splits
+:attr:`jphantom.registry.strategies.Strategy.layers`, applied by
+:meth:`jphantom.registry.strategies.Strategy.plan`), with a builder for each model program it splits
 (``lm``: GPT-2 and the Llama family, through :mod:`jphantom.plans`; ``ffn``: Seal et al.'s FFN).
 
 - :data:`MEGATRON` (``tensor``): a language model takes its family's declared Megatron plan (or
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jphantom import strategies
+from jphantom.registry import strategies
 from jphantom.errors import ConfigError
 
 
@@ -35,12 +35,12 @@ class LayerPlan:
 
     def builds(self, family) -> bool:
         """Whether it splits the layers of ``family``'s model (a
-        :class:`jphantom.families.Family`): it has a builder for the family's program."""
+        :class:`jphantom.registry.families.Family`): it has a builder for the family's program."""
         return hasattr(self, family.program)
 
 
 def declared(family, model, walker, **options) -> dict:
-    """The Megatron plan ``family`` declares for ``model`` (:attr:`jphantom.families.Family.plan`),
+    """The Megatron plan ``family`` declares for ``model`` (:attr:`jphantom.registry.families.Family.plan`),
     or the walker's (``walker(model, **options)``)."""
     hook = None if family is None else family.plan
     found = None if hook is None else hook(model, **options)

@@ -1,7 +1,7 @@
 """A model under a strategy on a mesh: the one object ``train``, ``inspect``, ``compare`` and
 ``plan`` build, and what :func:`jphantom.make_train_step` trains.
 
-    program = jphantom.program.build(GPT2 config, "tensor", MeshConfig.parse("data=2,model=4"),
+    program = jphantom.registry.program.build(GPT2 config, "tensor", MeshConfig.parse("data=2,model=4"),
                                      sequence_parallel=True)
     step = program.train_step(mesh, optax.adamw(3e-4), zero=1)     # a jphantom.TrainStep
     state = program.init(step, seed=0)                               # parameters in their shards
@@ -32,10 +32,10 @@ import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from jphantom import strategies
+from jphantom.registry import strategies
 from jphantom.errors import ConfigError, JPhantomWarning
-from jphantom.mesh import DATA, EXPERT, MODEL, STAGE, MeshConfig
-from jphantom.models import lm_loss  # noqa: F401  (the programs' loss_fn, jphantom.program.lm_loss)
+from jphantom.runtime.mesh import DATA, EXPERT, MODEL, STAGE, MeshConfig
+from jphantom.models import lm_loss  # noqa: F401  (the programs' loss_fn, jphantom.registry.program.lm_loss)
 
 if TYPE_CHECKING:
     import jax
@@ -43,14 +43,14 @@ if TYPE_CHECKING:
     from jax.sharding import PartitionSpec as P
 
 
-# The registry lives in jphantom.strategies (no jax); its names are this module's too.
+# The registry lives in jphantom.registry.strategies (no jax); its names are this module's too.
 STRATEGIES, NAMES, Strategy, get = strategies.STRATEGIES, strategies.NAMES, strategies.Strategy, \
     strategies.get
 
 
 def strategies_for(model: str) -> list[str]:
-    """The strategies the model family ``model`` runs (:func:`jphantom.families.strategies_for`)."""
-    from jphantom import families
+    """The strategies the model family ``model`` runs (:func:`jphantom.registry.families.strategies_for`)."""
+    from jphantom.registry import families
 
     return families.strategies_for(model)
 
@@ -83,7 +83,7 @@ class Program:
         """The :class:`jphantom.TrainStep` of this program on ``mesh`` (a ``jax.sharding.Mesh``
         built from :attr:`mesh`); ``options`` are the step's (zero, accumulate, precision,
         remat, pipeline, donate)."""
-        from jphantom.train_step import make_train_step
+        from jphantom.step.train_step import make_train_step
 
         zero = options.get("zero", 0)
         if zero and not get(self.strategy).zero:
@@ -104,9 +104,9 @@ class Program:
 
 
 def family_of(config) -> tuple[str, Callable[..., Program]]:
-    """The model family of a configuration (:func:`jphantom.families.of_config`): its name
+    """The model family of a configuration (:func:`jphantom.registry.families.of_config`): its name
     and its ``build(config, strategy, mesh, **options) -> Program``."""
-    from jphantom import families
+    from jphantom.registry import families
 
     found = families.of_config(config)
     if found.program == "ffn":
@@ -142,7 +142,7 @@ def check_runs(family: str, strategy: str) -> None:
 
 def check_lm_mesh(strategy: str, mesh: MeshConfig) -> MeshConfig:
     """The mesh a language model runs on under ``strategy``
-    (:meth:`jphantom.strategies.Strategy.check_mesh`), or a ConfigError naming what does not
+    (:meth:`jphantom.registry.strategies.Strategy.check_mesh`), or a ConfigError naming what does not
     fit."""
     return get(strategy).check_mesh(mesh)
 
@@ -151,12 +151,13 @@ def lm_plan(model: nnx.Module, strategy: str, mesh: MeshConfig, *, sequence_para
             ghost_width=None, dtd=False, context_attention="ring", load_balance=True,
             collective_matmul=False, family: str):
     """Parallelise the language model ``model`` of the family ``family`` in place under
-    ``strategy`` (:meth:`jphantom.strategies.Strategy.plan`: its layers' plan, with the family's
-    declared Megatron plan where it declares one, :attr:`jphantom.families.Family.plan`, else the
+    ``strategy`` (:meth:`jphantom.registry.strategies.Strategy.plan`: its layers' plan, with the family's
+    declared Megatron plan where it declares one, :attr:`jphantom.registry.families.Family.plan`, else the
     walkers'; ``dtd``: duplicate token dropping in the routed MoE layers, ``tensor`` only); with a
     ``context`` axis its attention runs over it (``context_attention``: ring or all-gather;
     ``load_balance``: the balanced causal layout)."""
-    from jphantom import families, plans
+    from jphantom import plans
+    from jphantom.registry import families
 
     if mesh.size("context") > 1:
         plans.parallelize(model, mesh.shape, plans.context(model, algorithm=context_attention,
@@ -317,9 +318,9 @@ def check_ffn_mesh(config, strategy: str, mesh: MeshConfig) -> MeshConfig:
 
 def ffn_plan(model: nnx.Module, strategy: str, mesh: MeshConfig, *, ghost_width=None):
     """Parallelise the FFN ``model`` (:class:`jphantom.models.ffn.FFN`, ``pairs`` as its
-    strategy declares) in place under ``strategy`` (:meth:`jphantom.strategies.Strategy.plan`:
-    the FFN builder of its layers' plan, :mod:`jphantom.layer_plans`)."""
-    from jphantom import families
+    strategy declares) in place under ``strategy`` (:meth:`jphantom.registry.strategies.Strategy.plan`:
+    the FFN builder of its layers' plan, :mod:`jphantom.registry.layer_plans`)."""
+    from jphantom.registry import families
 
     return get(strategy).plan(model, mesh, families.get("ffn"), ghost_width=ghost_width)
 

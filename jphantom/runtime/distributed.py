@@ -5,7 +5,7 @@ jax detects the cluster itself (SLURM, Open MPI, Kubernetes, Cloud TPU, mpi4py, 
 :func:`initialize` passes on only what it is given. jphantom adds: validation of every coordinator
 setting it can see before jax sees it (:func:`check_settings`; jax 0.10 segfaults on port ``abc``
 and aborts on port 99999); process 0 checks that its port can be bound, the others that a jax
-coordinator answers within the timeout, where jax would abort (:mod:`jphantom.coordinator`); gloo
+coordinator answers within the timeout, where jax would abort (:mod:`jphantom.runtime.coordinator`); gloo
 CPU collectives and ``jax_num_cpu_devices``; ``initialization_timeout`` and
 ``heartbeat_timeout_seconds`` passed through (a process whose peer dies exits with jax's "another
 task died" error within the heartbeat timeout).
@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
-from jphantom.coordinator import (check_port_free, check_reaches_self, probe_coordinator,
+from jphantom.runtime.coordinator import (check_port_free, check_reaches_self, probe_coordinator,
                                   split_address)
 from jphantom.errors import ConfigError, check_int
 
@@ -96,7 +96,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if timeout_s is not None:
         initialization_timeout = timeout_s
     if "jax" in sys.modules and sys.modules["jax"].distributed.is_initialized():
-        raise RuntimeError("jphantom.distributed.initialize was called twice; call shutdown() "
+        raise RuntimeError("jphantom.runtime.distributed.initialize was called twice; call shutdown() "
                            "first to restart the distributed runtime")
     check_settings(coordinator_address, num_processes, process_id,
                    local_device_ids=local_device_ids, local_device_count=local_device_count,

@@ -24,11 +24,11 @@ fp8        bfloat16; the    float32     1
            in FP8
 =========  ===============  ==========  ======================
 
-``fp8`` (:mod:`jphantom.fp8`: E4M3 forward operands, E5M2 output gradients, per-tensor current
+``fp8`` (:mod:`jphantom.step.fp8`: E4M3 forward operands, E5M2 output gradients, per-tensor current
 scaling) is bf16 with the GEMMs of the linear layers inside the model's
 :class:`~jphantom.nn.stack.Stacked` blocks (every linear layer of a model without them) on FP8
 operands (:func:`jphantom.nn.stack.set_fp8`, which the training step applies to each rank's
-model): ``nnx.Linear`` gets :func:`jphantom.fp8.dot_general` as its ``dot_general``, and
+model): ``nnx.Linear`` gets :func:`jphantom.step.fp8.dot_general` as its ``dot_general``, and
 jphantom's parallel layers (column, row, T1, phantom, experts, pmm3d) their ``fp8`` flag.
 Embeddings, norms, attention and the LM head stay bf16. No loss scale: E5M2's range covers the
 gradients.
@@ -59,7 +59,7 @@ class Precision:
     loss_scale: float = 1.0  # the static scale, or the dynamic scale's start
     dynamic: bool = False
     period: int = 2000  # finite steps in a row before the dynamic scale doubles
-    fp8: bool = False  # the blocks' GEMMs on FP8 operands (jphantom.fp8)
+    fp8: bool = False  # the blocks' GEMMs on FP8 operands (jphantom.step.fp8)
 
     def __post_init__(self):
         if self.compute not in ("float32", "bfloat16", "float16", "float64"):

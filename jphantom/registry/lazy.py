@@ -1,5 +1,5 @@
 """A reference to a module's attribute, imported when it is first read: how a registry row that
-imports no jax (a :class:`jphantom.families.Family`, a :class:`jphantom.strategies.Strategy`)
+imports no jax (a :class:`jphantom.registry.families.Family`, a :class:`jphantom.registry.strategies.Strategy`)
 names what needs jax or sits in a higher layer (an NNX module, a checkpoint reader, a cost
 model's formulas)."""
 

@@ -39,7 +39,7 @@ and :meth:`TrainStep.build` reads layout → gradients → reduce → update. Th
 :class:`~jphantom.step.gspmd.GspmdGradients` for ``spmd="gspmd"`` (global arrays, jit's
 collectives); each returns a :class:`~jphantom.step.grads.Gradients` ``(share, grads, weight)``,
 the weight (a weighted ``loss_fn``'s global token count, else ``None``) flowing out of the
-``shard_map`` to the update's check (:func:`jphantom.token_mean.guard`). Steps built for other
+``shard_map`` to the update's check (:func:`jphantom.step.token_mean.guard`). Steps built for other
 purposes plug in a part: the compute-only measurement a
 :class:`~jphantom.step.reduce.NoReduction` reducer, SAMO its own compressed reduction and update
 (:mod:`jphantom.experimental`).
@@ -50,7 +50,7 @@ reduce-scatters the gradients inside the ``shard_map``, ``zero=3`` also stores t
 sharded and all-gathers them at the start of the step (the gradient's reduce-scatter is that
 all-gather's transpose). ``master_weights="sharded"`` (with ``zero=1`` and bf16) stores the
 float32 parameters in those shards as ZeRO-3 does but gathers them whole, in bf16, once per step. Each parameter splits along its largest dimension no other axis splits
-that ``data`` divides (:func:`jphantom.zero.choose_dim`); one with none stays replicated.
+that ``data`` divides (:func:`jphantom.step.zero.choose_dim`); one with none stays replicated.
 """
 
 from __future__ import annotations
@@ -65,11 +65,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jphantom import comm, token_mean
-from jphantom import zero as zero_module
+from jphantom.runtime import comm
+from jphantom.step import token_mean
+from jphantom.step import zero as zero_module
 from jphantom.errors import ConfigError
 from jphantom.nn import attention as attention_module
-from jphantom.precision import Precision
+from jphantom.step.precision import Precision
 from jphantom.step.grads import Gradients, LocalGradients
 from jphantom.step.finite import NonFiniteWatch, StepOutput, skipped_updates
 from jphantom.step.gspmd import GspmdGradients
@@ -395,7 +396,7 @@ def make_train_step(model: nnx.Module, mesh: Mesh, optimizer: optax.GradientTran
     """The training step of ``model`` on ``mesh``: ``step.init()`` then ``state, loss =
     step(state, *batch)`` (module docstring). Options: ``zero`` (0-3), ``accumulate``
     (micro-batches per step, one reduction), ``precision`` (float32, bf16, float16, fp8: in
-    the formats of ``mesh``'s devices, :func:`jphantom.fp8.select`), ``master_weights``
+    the formats of ``mesh``'s devices, :func:`jphantom.step.fp8.select`), ``master_weights``
     (``"replicated"``, the default: the float32 parameters on every data rank; ``"sharded"``,
     with bf16 and zero=1: Megatron's distributed optimizer, the float32 master weights stored in
     ZeRO-1's shards over ``data`` beside the Adam moments, all-gathered in bf16 once per step,
@@ -422,7 +423,7 @@ def make_train_step(model: nnx.Module, mesh: Mesh, optimizer: optax.GradientTran
             raise ConfigError(f"{name}= is an experimental step: "
                               f"jphantom.experimental.{where}(model, mesh, optimizer, loss_fn, ...)")
     if options.get("precision") is not None and Precision.named(options["precision"]).fp8:
-        from jphantom import fp8  # the devices' FP8 formats, or refused by name, before tracing
+        from jphantom.step import fp8  # the devices' FP8 formats, or refused by name, before tracing
 
         fp8.select(mesh.devices.flat)
     return TrainStep(model, mesh, optimizer, loss_fn, **options)

@@ -12,7 +12,7 @@ collective scheduling) and ``memory_analysis()`` per device, on a CPU-only machi
 :class:`Target` names the hardware (``gpu:h100``, ``gpu:a100``, ``tpu:v5p:2x2x2``...), and
 :func:`compile_report` builds the training step exactly as ``train`` would (the same
 :class:`jphantom.config.RunConfig`, the one ``shard_map``), on the target's devices placed by node
-(:func:`jphantom.mesh.node_split`: the innermost axes inside a node's NVLink domain), compiles it
+(:func:`jphantom.runtime.mesh.node_split`: the innermost axes inside a node's NVLink domain), compiles it
 and reports per device:
 
 - memory from XLA (arguments, outputs, temporaries, and the peak they imply) against the device's
@@ -26,7 +26,7 @@ and reports per device:
 - the kernels that decide its speed (:func:`jphantom.analysis.hlo.kernels`): cuDNN's fused
   attention calls, the GEMMs by emitter and how many read FP8, and how many asynchronous
   collectives have GEMMs scheduled under them (the overlap a collective matmul is after);
-- compile seconds, the XLA flags it was compiled with (on GPUs :mod:`jphantom.gpu_defaults`' where
+- compile seconds, the XLA flags it was compiled with (on GPUs :mod:`jphantom.runtime.gpu_defaults`' where
   ``XLA_FLAGS`` does not set them), jax/jaxlib/plugin versions.
 
 Modelled, not measured: nothing here has a time. GEMM autotuning does not run without a GPU, so the
@@ -44,11 +44,11 @@ import re
 from pathlib import Path
 
 from jphantom.errors import ConfigError
-from jphantom.metrics import peak_of_kind
+from jphantom.costs.metrics import peak_of_kind
 
 GPU_TARGETS = {
     # chip: (description file, HBM bytes as the description gives them, GPUs per node,
-    #        dense bf16 TFLOP/s: jphantom.metrics.peak_of_kind, the device descriptions')
+    #        dense bf16 TFLOP/s: jphantom.costs.metrics.peak_of_kind, the device descriptions')
     "h100": ("h100_sxm.txtpb", 84942979072, 8, peak_of_kind("h100 sxm")),
     "h200": ("h200_sxm.txtpb", 150754820096, 8, peak_of_kind("h200")),
     "a100": ("a100_sxm_80.txtpb", 85100068864, 8, peak_of_kind("a100")),
@@ -289,7 +289,7 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
     """Build the run of ``flags`` (:meth:`jphantom.config.RunConfig.from_flags` names) on
     ``target``'s devices (``devices``: already fetched ones, to share them between runs), compile
     its training step and report it (module docstring). For a GPU target the compile gets
-    :mod:`jphantom.gpu_defaults`' XLA flags where ``XLA_FLAGS`` does not name them
+    :mod:`jphantom.runtime.gpu_defaults`' XLA flags where ``XLA_FLAGS`` does not name them
     (``gpu_defaults=False``: only ``XLA_FLAGS``; an FP8 run on NVIDIA GPUs also gets
     ``FP8_XLA_FLAGS``), passed to this compilation so that they hold even if jax started before
     they were set; the report's ``xla_flags`` lists the flags it ran
@@ -302,7 +302,7 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
     from jphantom.analysis.compiled import (compile_built, compiled_memory, gemm_flops,
                                            normalise_collectives, state_bytes)
     from jphantom.config import RunConfig, pipeline_summary
-    from jphantom.mesh import axes_across_nodes, device_pool, node_split
+    from jphantom.runtime.mesh import axes_across_nodes, device_pool, node_split
 
     mesh_text = _mesh_of(flags, target)
     use_defaults = gpu_defaults and target.is_gpu
@@ -359,12 +359,12 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
 
 
 def _compile_flags(flags: dict, target: Target, use_defaults: bool) -> tuple[str, dict | None]:
-    """``XLA_FLAGS`` with :mod:`jphantom.gpu_defaults`' flags where it does not name them
+    """``XLA_FLAGS`` with :mod:`jphantom.runtime.gpu_defaults`' flags where it does not name them
     (``use_defaults``; on NVIDIA an FP8 run's GEMMs also to cuBLAS-LT's FP8 calls,
     ``gpu_defaults.FP8_XLA_FLAGS``), and the compile options that carry them (None without)."""
     import os
 
-    from jphantom import gpu_defaults as defaults
+    from jphantom.runtime import gpu_defaults as defaults
 
     xla_flags = os.environ.get("XLA_FLAGS", "")
     if not use_defaults:
@@ -377,7 +377,7 @@ def _compile_flags(flags: dict, target: Target, use_defaults: bool) -> tuple[str
 
 def _mesh_of(flags: dict, target: Target) -> str:
     """The run's mesh text (default: :func:`default_mesh`), checked against the target's size."""
-    from jphantom.mesh import MeshConfig
+    from jphantom.runtime.mesh import MeshConfig
 
     mesh_text = flags.get("mesh") or default_mesh(target)
     if MeshConfig.parse(mesh_text).device_count != target.device_count:
@@ -416,7 +416,7 @@ def _prediction(text: str, device, config, program, node_of: list[int], target: 
                 peak: int):
     """The compiled program played on ``device`` (:func:`jphantom.predict.predict`), with the
     run's tokens per step and the model's FLOPs per device for MFU."""
-    from jphantom.metrics import flops_per_token
+    from jphantom.costs.metrics import flops_per_token
     from jphantom.predict import predict
 
     seq_len = config.model.seq_len if config.model.family.is_language_model else 1

@@ -39,9 +39,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jphantom import comm
+from jphantom.runtime import comm
 from jphantom.errors import ConfigError
-from jphantom.mesh import DATA, EXPERT
+from jphantom.runtime.mesh import DATA, EXPERT
 
 DATA_AXIS = DATA
 SHARDING_AXES = (DATA, EXPERT)  # the batch axes whose replicas ZeRO shards a parameter over
@@ -187,7 +187,7 @@ class LayerFetch:
         return LayerFetch([d if m else -1 for d, m in zip(self.dims, mask)], self.axes)
 
     def around(self, layer):
-        """``layer(params, carry, index)`` (checkpointed, :func:`jphantom.remat.checkpointed`
+        """``layer(params, carry, index)`` (checkpointed, :func:`jphantom.step.remat.checkpointed`
         with ``fetched=True``) as ``f(shards, carry, index)`` that gathers the parameters for
         the forward and again for the backward (:func:`regathered`)."""
         return regathered(layer, self, [d >= 0 for d in self.dims])

@@ -3,7 +3,7 @@
 For testing multi-process runs on one machine. Child ``r`` gets ``JAX_COORDINATOR_ADDRESS`` =
 ``127.0.0.1:PORT`` (jax's own variable), ``JPHANTOM_NUM_PROCESSES=N``, ``JPHANTOM_PROCESS_ID=r``
 and, when asked, ``JPHANTOM_DEVICES_PER_PROCESS`` and ``JPHANTOM_INIT_TIMEOUT``, which
-:func:`jphantom.distributed.initialize_from_env` turns into ``jax.distributed.initialize`` (the
+:func:`jphantom.runtime.distributed.initialize_from_env` turns into ``jax.distributed.initialize`` (the
 ``jphantom`` command calls it first). With ``--devices-per-process D`` on a machine with
 accelerators, child ``r`` also gets ``JAX_LOCAL_DEVICE_IDS`` = its own D devices ``rD..rD+D-1``.
 Cluster variables (``SLURM_*``, ``OMPI_*``, ``PMI_*``, ``PMIX_*``) are removed from the children's
@@ -29,8 +29,8 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from jphantom import distributed
-from jphantom.coordinator import check_port_free
+from jphantom.runtime import distributed
+from jphantom.runtime.coordinator import check_port_free
 from jphantom.errors import ConfigError, check_int
 
 GRACE_S = 30.0
@@ -160,7 +160,7 @@ def launch(command: Sequence[str], num_processes: int, *, port: int | None = Non
         check_port_free(port)
     accelerator = False
     if devices_per_process is not None:
-        from jphantom.distributed import accelerator_visible
+        from jphantom.runtime.distributed import accelerator_visible
 
         accelerator = accelerator_visible()
     attempt = 0
@@ -302,7 +302,7 @@ def shrunk(argv: list[str], processes: int, fewer: int) -> list[str] | None:
     ``data`` axis shrunk in proportion (each process keeps its devices; the global batch stays,
     split over fewer data ranks, and resuming reshards the checkpoint), or None where it cannot:
     no ``--mesh`` on the command line, no ``data`` axis, or a size that does not divide."""
-    from jphantom.mesh import MeshConfig
+    from jphantom.runtime.mesh import MeshConfig
 
     where = _mesh_index(argv)
     if where is None:
@@ -395,7 +395,7 @@ def add_parser(subparsers) -> None:
         description="Start N copies of COMMAND on this machine, joined into one jax.distributed "
                     "run: a coordinator on 127.0.0.1, process ids 0..N-1 (JAX_COORDINATOR_ADDRESS, "
                     "JPHANTOM_NUM_PROCESSES, JPHANTOM_PROCESS_ID; a jphantom command joins by "
-                    "itself, a Python script calls jphantom.distributed.initialize_from_env()). "
+                    "itself, a Python script calls jphantom.runtime.distributed.initialize_from_env()). "
                     "Output lines are prefixed [rank]; if a process fails, the others are stopped "
                     "and launch exits with status 1.",
         epilog="Examples: jphantom launch -n 2 --devices-per-process 4 -- jphantom train "

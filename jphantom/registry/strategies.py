@@ -3,7 +3,7 @@ join a strategy to the other options, each stated once with one message.
 
 A strategy (:class:`Strategy`) declares its mesh axes, whether it is the one-device oracle, the
 plan its layers take and applies it (:meth:`Strategy.plan`; the plans are
-:mod:`jphantom.layer_plans`' objects: Megatron's column/row pairs, Seal et al.'s T1 or phantom
+:mod:`jphantom.registry.layer_plans`' objects: Megatron's column/row pairs, Seal et al.'s T1 or phantom
 layers, AxoNN's 3D matmul, or GSPMD's annotations of Megatron's plan), which model families it runs
 (:meth:`Strategy.runs`: those its plan splits), the program it runs as (``shard_map`` or
 ``gspmd``), which options apply to it (sequence parallelism, duplicate token dropping, a ghost
@@ -22,8 +22,8 @@ from __future__ import annotations
 import dataclasses
 
 from jphantom.errors import ConfigError
-from jphantom.lazy import Lazy, resolved
-from jphantom.mesh import CONTEXT, DATA, EXPERT, MODEL, STAGE, X, Y, Z
+from jphantom.registry.lazy import Lazy, resolved
+from jphantom.runtime.mesh import CONTEXT, DATA, EXPERT, MODEL, STAGE, X, Y, Z
 
 SHARED_AXES = (DATA, STAGE, EXPERT, CONTEXT)
 """The axes every strategy of a language model may add (batch, pipeline, experts, sequence)."""
@@ -39,7 +39,7 @@ class Strategy:
     - ``family``: ``dense`` (dense-shaped weights, any degree) or ``phantom`` (the ghost width k
       and the degree p are part of the model).
     - ``layers``: the plan its layers take (``None``: the plain model), one of
-      :mod:`jphantom.layer_plans`' ``MEGATRON``, ``T1``, ``PHANTOM``, ``PMM3D`` or ``ANNOTATE``;
+      :mod:`jphantom.registry.layer_plans`' ``MEGATRON``, ``T1``, ``PHANTOM``, ``PMM3D`` or ``ANNOTATE``;
       ``fused`` (phantom: one decompressor GEMM) and ``weights`` (pmm3d: when the weights are
       gathered) select within it.
     - ``axes``: the mesh axes its layers split (``model``; pmm3d's ``z``, ``y``, ``x``); none
@@ -74,7 +74,7 @@ class Strategy:
 
     def declares(self, field: str) -> bool:
         """Whether the row gives ``field`` (not ``None``), without importing a
-        :class:`~jphantom.lazy.Lazy` one."""
+        :class:`~jphantom.registry.lazy.Lazy` one."""
         return object.__getattribute__(self, field) is not None
 
     @property
@@ -89,8 +89,8 @@ class Strategy:
         return self.family == "dense"
 
     def plan(self, model, mesh, family, **options):
-        """Split ``model`` (the plain model of ``family``, a :class:`jphantom.families.Family`) in
-        place over ``mesh`` (a :class:`jphantom.mesh.MeshConfig`) by its layers' plan (the
+        """Split ``model`` (the plain model of ``family``, a :class:`jphantom.registry.families.Family`) in
+        place over ``mesh`` (a :class:`jphantom.runtime.mesh.MeshConfig`) by its layers' plan (the
         family's program's builder; ``options``: ``sequence_parallel``, ``ghost_width``, ``dtd``,
         ``collective_matmul`` where they apply); the one-device oracle leaves it plain."""
         if self.layers is None:
@@ -102,8 +102,8 @@ class Strategy:
         return model
 
     def runs(self, family) -> bool:
-        """Whether the model family ``family`` (a :class:`jphantom.families.Family`) runs it: its
-        layers' plan splits the family's model (:meth:`jphantom.layer_plans.LayerPlan.builds`)."""
+        """Whether the model family ``family`` (a :class:`jphantom.registry.families.Family`) runs it: its
+        layers' plan splits the family's model (:meth:`jphantom.registry.layer_plans.LayerPlan.builds`)."""
         return self.layers is None or self.layers.builds(family)
 
     def price(self, pricing, names=None):
@@ -115,11 +115,11 @@ class Strategy:
                 yield from layout.price(pricing)
 
     def check_mesh(self, mesh):
-        """The mesh (a :class:`jphantom.mesh.MeshConfig`) a language model runs on under this
+        """The mesh (a :class:`jphantom.runtime.mesh.MeshConfig`) a language model runs on under this
         strategy: one device for the oracle; pmm3d's ``x``, ``y``, ``z`` added with size 1 where
         absent; ``model=1`` added where absent otherwise. A ConfigError names an axis it cannot
         use."""
-        from jphantom.mesh import MeshConfig
+        from jphantom.runtime.mesh import MeshConfig
 
         if self.one_device:
             if mesh.device_count != 1:
@@ -143,8 +143,8 @@ class Strategy:
         return mesh
 
 
-_INVENTORY, _STEP_MODEL = "jphantom.inventory", "jphantom.perf.step_model"
-_LAYOUTS, _PLANS = "jphantom.planner.layouts", "jphantom.layer_plans"
+_INVENTORY, _STEP_MODEL = "jphantom.costs.inventory", "jphantom.perf.step_model"
+_LAYOUTS, _PLANS = "jphantom.planner.layouts", "jphantom.registry.layer_plans"
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("dense", "the unsharded model on one device (the single-device oracle)", axes=(),
              one_device=True),

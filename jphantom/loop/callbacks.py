@@ -1,4 +1,4 @@
-"""What observes the training loop (:class:`jphantom.run.Trainer`): :class:`Callback` and the
+"""What observes the training loop (:class:`jphantom.loop.trainer.Trainer`): :class:`Callback` and the
 built-in callbacks ``jphantom train`` runs with (:func:`default_callbacks`): ``metrics.jsonl``
 (:class:`MetricsFile`), TensorBoard events (:class:`TensorBoardEvents`), the progress bar
 (:class:`ProgressBar`) and the stop at a target loss (:class:`EarlyStop`). A callback gets the
@@ -14,7 +14,7 @@ import jax
 from tqdm.auto import tqdm
 
 from jphantom.config import RunConfig
-from jphantom.metrics import TensorBoard
+from jphantom.costs.metrics import TensorBoard
 
 
 # --------------------------------------------------------------------------------------------------
@@ -58,7 +58,7 @@ class MetricsFile(Callback):
 
 
 class TensorBoardEvents(Callback):
-    """The records as TensorBoard scalars in ``folder`` (:class:`jphantom.metrics.TensorBoard`)."""
+    """The records as TensorBoard scalars in ``folder`` (:class:`jphantom.costs.metrics.TensorBoard`)."""
 
     def __init__(self, folder: Path):
         self.board = TensorBoard(folder)

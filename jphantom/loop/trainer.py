@@ -1,24 +1,24 @@
 """The one training loop: a :class:`Trainer` whose loop calls callbacks
-(:class:`jphantom.callbacks.Callback`). ``jphantom train``, ``jphantom compare`` and the
+(:class:`jphantom.loop.callbacks.Callback`). ``jphantom train``, ``jphantom compare`` and the
 experiments run it (:func:`run`).
 
 The trainer takes a :class:`jphantom.config.RunConfig` (validated on construction; the program and
 its step are built, nothing compiled, before any data is read) and trains: FFN runs on Seal et al.'s
-teacher task, language models on byte-level text, or on tokens (:mod:`jphantom.sources`). The
+teacher task, language models on byte-level text, or on tokens (:mod:`jphantom.loop.sources`). The
 loop itself owns what the state's safety needs: the step, evaluation every ``eval_every`` steps
 and at the end (held-out loss; MoE models: the cross-entropy without the auxiliary losses and the
 fraction of dropped token-expert assignments), Orbax checkpoints, the energy window (opened after
 the first step and closed after the last, both after ``jax.block_until_ready``, as Seal et al.
 exclude initialisation), preemption, the watchdog and the non-finite policy
-(:mod:`jphantom.resilience`). Everything that only observes a step is a callback, called with the
+(:mod:`jphantom.runtime.resilience`). Everything that only observes a step is a callback, called with the
 step's record (the line ``metrics.jsonl`` gets):
 
-- :class:`jphantom.callbacks.MetricsFile`: ``metrics.jsonl``, one line per step (loss, learning rate, gradient norm,
+- :class:`jphantom.loop.callbacks.MetricsFile`: ``metrics.jsonl``, one line per step (loss, learning rate, gradient norm,
   step time, tokens/s, model TFLOP/s per device and MFU, peak memory, energy:
-  :mod:`jphantom.metrics`) and per evaluation (``validation_loss``), flushed as written;
-- :class:`~jphantom.callbacks.TensorBoardEvents` (``tensorboard``): the same records as TensorBoard events;
-- :class:`~jphantom.callbacks.ProgressBar` (``progress``): tqdm, with the loss, rate and last validation loss;
-- :class:`~jphantom.callbacks.EarlyStop` (``target_loss``): stops the run once a validation loss reaches the target.
+  :mod:`jphantom.costs.metrics`) and per evaluation (``validation_loss``), flushed as written;
+- :class:`~jphantom.loop.callbacks.TensorBoardEvents` (``tensorboard``): the same records as TensorBoard events;
+- :class:`~jphantom.loop.callbacks.ProgressBar` (``progress``): tqdm, with the loss, rate and last validation loss;
+- :class:`~jphantom.loop.callbacks.EarlyStop` (``target_loss``): stops the run once a validation loss reaches the target.
 
 A user adds their own (``Trainer(config, callbacks=[MyCallback()])``, docs/training.md): any of
 ``on_train_start(trainer)``, ``on_step_end(trainer, record)``, ``on_train_end(trainer, results)``
@@ -47,16 +47,16 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jphantom.callbacks import Callback, default_callbacks
+from jphantom.loop.callbacks import Callback, default_callbacks
 from jphantom.config import Built, RunConfig, check_vocabulary, pipeline_summary
 from jphantom.errors import ConfigError, TrainingDiverged
 from jphantom.loop import (Evaluator, NonFinitePolicy, RolledBack, RunCheckpoints, RunResults,
                            SkippedBatch, StepRecord, fresh_history)
 from jphantom.loop.checkpoints import nonfinite_loss
-from jphantom.metrics import (StepEnergy, flops_per_token, grad_norm_of, peak_memory_bytes,
+from jphantom.costs.metrics import (StepEnergy, flops_per_token, grad_norm_of, peak_memory_bytes,
                               peak_tflops)
-from jphantom.resilience import AUTO_TIMEOUT_S, StopOnSignal, Watchdog, agree
-from jphantom.sources import TeacherSource, process_rows, text_source
+from jphantom.runtime.resilience import AUTO_TIMEOUT_S, StopOnSignal, Watchdog, agree
+from jphantom.loop.sources import TeacherSource, process_rows, text_source
 from jphantom.step.finite import state_is_finite
 
 
@@ -104,7 +104,7 @@ class Trainer:
     built-in ones.
 
     What callbacks can read: ``config``, ``program``, ``mesh``, ``step`` (the
-    :class:`jphantom.train_step.TrainStep`), ``state`` (the current parameters and optimizer
+    :class:`jphantom.step.train_step.TrainStep`), ``state`` (the current parameters and optimizer
     state), ``history`` (steps, training and validation losses so far), ``first_step`` (0, or
     the checkpoint's step on resume) and ``out`` (the run's folder, or None)."""
 
@@ -112,7 +112,7 @@ class Trainer:
                  meter=None, callbacks: Sequence[Callback] = ()):
         bad = [c for c in callbacks if not isinstance(c, Callback)]
         if bad:
-            raise ConfigError(f"callbacks must be jphantom.callbacks.Callback instances, got "
+            raise ConfigError(f"callbacks must be jphantom.loop.callbacks.Callback instances, got "
                               f"{type(bad[0]).__name__}: subclass Callback and override its hooks")
         self.config, self.built, self.teacher, self.meter = config, built, teacher, meter
         self.user_callbacks = list(callbacks)
@@ -554,7 +554,7 @@ def attention_kernels(config: RunConfig, program, step) -> dict[str, str] | None
     """What runs the model's attention cores on the step's devices, and why
     (:func:`jphantom.nn.attention.kernels_of`); ``None`` for a model without attention."""
     from jphantom.nn import attention
-    from jphantom.precision import Precision
+    from jphantom.step.precision import Precision
 
     family = program.config
     heads = getattr(family, "heads", None)

@@ -40,7 +40,7 @@ index. The reduce-scatter adds in another order than XLA's, so float results agr
 (bitwise for exact sums). ``tests/strategies/test_hierarchical_collectives.py`` checks values and gradients
 against the flat collectives and counts the permutes of forward + backward in HLO. Both work under
 ``check_vma=True`` (the outputs vary over both axes, as the flat collectives' do); the result is
-named for communication-aware checkpointing (:func:`jphantom.remat.name_collective`).
+named for communication-aware checkpointing (:func:`jphantom.step.remat.name_collective`).
 
 Non-power-of-two node counts. Recursive doubling/halving needs N = 2^k (digest sec. 6 item 14: Bruck
 or pairwise exchange would be needed otherwise, and PCCL describes neither). The explicit
@@ -83,7 +83,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jphantom import remat
+from jphantom.step import remat
 from jphantom.errors import ConfigError, check_int, check_real
 
 KINDS = ("all-gather", "reduce-scatter")  # HLO names, as in jphantom.perf.comm_model
