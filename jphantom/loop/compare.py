@@ -85,7 +85,7 @@ class CompareConfig:
     eval_size: int = 512
 
     def __post_init__(self):
-        if not isinstance(self.base, RunConfig) or self.base.model.name != "ffn":
+        if not isinstance(self.base, RunConfig) or self.base.model.family.is_language_model:
             raise ConfigError("compare trains Seal et al.'s FFN: base must be a RunConfig with "
                               "model 'ffn'")
         for name in ("train_size", "eval_size"):

@@ -68,12 +68,6 @@ class Pricing:
                                            flash_attention=self.flash_attention, **split)
 
 
-def _gpt2_blocks(shape: GPTShape) -> bool:
-    """Whether the blocks are GPT-2's (a bias on every projection, a learned position table; the
-    phantom layout is priced for them alone), not Llama's."""
-    return shape.family == "gpt2"
-
-
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One layout on one mesh, priced: ``priced`` is the pricer's (seconds, bytes) by axis."""
@@ -142,7 +136,7 @@ def _pmm3d_tables(shape: GPTShape, grid: Any, grad_bytes: int | None) -> list[Co
         tables.append(Collective("all-reduce", "data", grid.data,
                                  V * h / (grid.x * grid.y * grid.z), 1,
                                  "Eq. 5.5: the untied embedding's gradient", grad_bytes))
-    if _gpt2_blocks(shape):
+    if shape.kind.positions:  # the learned position table's gradient
         tables.append(Collective("all-reduce", "data+z", grid.z * grid.data,
                                  shape.seq_len * h / grid.y, 1,
                                  "the position table's gradient", grad_bytes))
@@ -200,7 +194,7 @@ def _tensor_params(shape: GPTShape, t: int, total_params: int) -> float:
     """A rank's parameters under Megatron's split over ``t``: the column-parallel weights and
     biases (GPT-2's 7 h) and the vocabulary tables split, the rest whole."""
     L, h, V = shape.layers, shape.hidden, shape.vocab_size
-    sharded = (L * (shape.block_matmul_params + (7 * h if _gpt2_blocks(shape) else 0))
+    sharded = (L * (shape.block_matmul_params + shape.kind.split_biases * h)
                + V * h * (1 if shape.tied_head else 2))
     return sharded / t + (total_params - sharded)
 
@@ -210,7 +204,7 @@ def _tensor_params(shape: GPTShape, t: int, total_params: int) -> float:
 
 def _phantom(q: Pricing, layout: Layout) -> Iterator[Candidate]:
     shape, k = q.shape, q.k
-    if not _gpt2_blocks(shape):
+    if not shape.kind.phantom:
         return
     h, L, S, V = shape.hidden, shape.layers, shape.seq_len, shape.vocab_size
     linears = [(h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)]

@@ -25,7 +25,8 @@ class BlockKind:
     MLP's input matrices (GELU's one, SwiGLU's gate and up); ``small``: one block's biases and norm
     weights, in h; ``final_norm``: the final norm's weights, in h; ``positions``: a learned position
     table (S h parameters); ``tied``: a tied head by default; ``phantom``: the planner prices Seal
-    et al.'s phantom layouts for it (GPT-2 blocks only)."""
+    et al.'s phantom layouts for it (GPT-2 blocks only); ``split_biases``: the biases tensor
+    parallelism splits, in h (GPT-2's QKV 3h and MLP-in 4h; Llama's blocks have none)."""
 
     name: str
     sized: bool
@@ -35,6 +36,7 @@ class BlockKind:
     positions: bool
     tied: bool
     phantom: bool
+    split_biases: int = 0
 
     def intermediate(self, hidden: int) -> int:
         """The MLP width of ``hidden`` features: GPT-2's 4 h, a sized block's default 8h/3
@@ -43,7 +45,7 @@ class BlockKind:
 
 
 GPT2_BLOCKS = BlockKind("gpt2", sized=False, gates=1, small=13, final_norm=2, positions=True,
-                        tied=True, phantom=True)
+                        tied=True, phantom=True, split_biases=7)
 """GPT-2's block (:mod:`jphantom.models.gpt2`): fused QKV h -> 3h, MLP h -> 4h -> h with GELU,
 biases and LayerNorms (13 h per block, 2 h final), learned positions, tied embedding and head."""
 LLAMA_BLOCKS = BlockKind("llama", sized=True, gates=2, small=2, final_norm=1, positions=False,
