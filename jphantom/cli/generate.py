@@ -14,6 +14,7 @@ from pathlib import Path
 
 from jphantom.cli.devices import add_device_flag, setup_devices
 from jphantom.cli.parser import add_run_flags, positive_int, run_settings
+from jphantom.registry.strategies import get
 
 MODEL_FLAGS = ("model", "from_hf", "strategy", "mesh", "layers", "hidden", "heads", "kv_heads",
                "seq_len", "ghost_width", "dtype", "seed", "tokenizer", "chat_template",
@@ -75,8 +76,8 @@ def _generation_config(args, stops):
 def _model(settings: dict):
     """``(model, mesh or None)``: a Hugging Face checkpoint on one device, else the run the
     flags describe built as ``train`` builds it (its parameters restored with ``--resume``)."""
-    if settings.get("from_hf") and not settings.get("mesh") and settings.get(
-            "strategy", "dense") == "dense" and not settings.get("resume"):
+    if settings.get("from_hf") and not settings.get("mesh") and get(settings.get(
+            "strategy", "dense")).one_device and not settings.get("resume"):
         from jphantom.models import hf
         return hf.load(settings["from_hf"]), None
     from jphantom.config import RunConfig
@@ -154,8 +155,8 @@ def roofline(model, settings: dict, figures: dict, new_tokens: int, device) -> d
         return {"unpriced": "no device description names this machine's devices: give --device"}
     config = getattr(model, "config", None)
     strategy = settings.get("strategy", "dense")
-    options = dict(mesh=settings.get("mesh") or "model=1",
-                   strategy="tensor" if strategy == "dense" else strategy,
+    options = dict(mesh=settings.get("mesh") or "model=1",  # one device priced as tensor's
+                   strategy="tensor" if get(strategy).one_device else strategy,
                    ghost_width=settings.get("ghost_width"),
                    dtype=_element(model))
     batch, bucket = figures["prompts"], figures["bucket"]
