@@ -1,7 +1,7 @@
 """This code against a previous version of jphantom, side by side in one run: every layout of
 ``make bench`` timed in two worker processes, one importing this tree and one a previous commit
-(default: the last commit before the library was split into modules of one idea each, issue
-34), alternating step by step.
+(default: the last commit before the library was split into modules of one idea each),
+alternating step by step.
 
 Why two processes: two versions of one package cannot share an interpreter. The driver starts a
 worker per version (same interpreter, same 8 simulated CPU devices, ``PYTHONPATH`` pointing at the
