@@ -82,7 +82,10 @@ class MegatronCollectives(Collectives):
             return {"all-reduce": [tokens * h] * (4 * L + 2) + [tokens] * 3}
         # each all-reduce of B*S*h becomes a reduce-scatter to B*S*h/p and an all-gather back;
         # the backward gathers each block's two column-layer inputs again from their kept
-        # [B, S/p, h] shards (Korthikanti et al. Sec. 4.2.2, as Megatron does: remat.regathering);
+        # [B, S/p, h] shards (Korthikanti et al. Sec. 4.2.2, as Megatron does: remat.regathering;
+        # JAX emits them at every L, but with L = 1 XLA:CPU inlines the one-trip layer loops and
+        # drops the checkpoint's optimization barrier before its CSE, merging them into the
+        # forward's gathers: 4L+2 compiled there, so the HLO tests use L >= 2);
         # plus the gradients of the sequence-parallel parameters (LayerNorms, row biases, wpe)
         # (Llama: the two RMSNorms of every block and the final one)
         sp_grads = [L * h] * 2 + [h] if llama else [L * h] * 6 + [h] * 2 + [s * h]
