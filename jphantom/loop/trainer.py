@@ -50,10 +50,8 @@ from jphantom.loop.callbacks import Callback, default_callbacks
 from jphantom.config import Built, RunConfig, check_vocabulary, pipeline_summary
 from jphantom.errors import ConfigError, TrainingDiverged
 from jphantom.loop import (Evaluator, NonFinitePolicy, RolledBack, RunCheckpoints, RunResults,
-                           SkippedBatch, StepRecord, fresh_history)
+                           SkippedBatch, StepClock, StepRecord, Stopping, fresh_history)
 from jphantom.loop.checkpoints import nonfinite_loss
-from jphantom.loop.clock import StepClock
-from jphantom.loop.stopping import Stopping
 from jphantom.costs.metrics import flops_per_token, grad_norm_of
 from jphantom.runtime.resilience import AUTO_TIMEOUT_S, Watchdog
 from jphantom.loop.sources import TeacherSource, process_rows, text_source
