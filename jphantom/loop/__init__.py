@@ -10,13 +10,19 @@ anchor):
 - :mod:`~jphantom.loop.evaluation`: :class:`Evaluator`, the held-out loss every ``eval_every``
   steps and at the end;
 - :mod:`~jphantom.loop.checkpoints`: :class:`RunCheckpoints`, Orbax checkpoints of this run
-  (what a checkpoint holds beside the state, resuming the same run, the last good state).
+  (what a checkpoint holds beside the state, resuming the same run, the last good state);
+- :mod:`~jphantom.loop.clock`: :class:`StepClock`, the steps' times and energy, the meter's
+  window, a step's rates and the run's throughput;
+- :mod:`~jphantom.loop.stopping`: :class:`Stopping`, a callback's stop request and SIGTERM /
+  Ctrl-C, and what ``results.json`` records of them.
 """
 
 from jphantom.loop.checkpoints import RunCheckpoints
+from jphantom.loop.clock import StepClock
 from jphantom.loop.evaluation import Evaluator
 from jphantom.loop.nonfinite import NonFinitePolicy
 from jphantom.loop.records import RolledBack, RunResults, SkippedBatch, StepRecord, fresh_history
+from jphantom.loop.stopping import Stopping
 
 __all__ = ["Evaluator", "NonFinitePolicy", "RolledBack", "RunCheckpoints", "RunResults",
-           "SkippedBatch", "StepRecord", "fresh_history"]
+           "SkippedBatch", "StepClock", "StepRecord", "Stopping", "fresh_history"]

@@ -19,6 +19,7 @@ class RunCheckpoints:
     def __init__(self, train, identity: dict):
         self.identity = identity
         self.checkpointer = None
+        self.saved_step: int | None = None  # the newest step this run saved
         if train.checkpoint_dir:
             from jphantom.loop.checkpointer import Checkpointer
 
@@ -37,6 +38,7 @@ class RunCheckpoints:
         self.checkpointer.save(step, state.params, state.opt_state,
                                {"history": json.loads(json.dumps(history)), **self.identity},
                                data=data)
+        self.saved_step = step
 
     def steps(self) -> list[int]:
         """The steps saved (every save finished first)."""

@@ -41,7 +41,6 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
@@ -51,11 +50,10 @@ from jphantom.loop.callbacks import Callback, default_callbacks
 from jphantom.config import Built, RunConfig, check_vocabulary, pipeline_summary
 from jphantom.errors import ConfigError, TrainingDiverged
 from jphantom.loop import (Evaluator, NonFinitePolicy, RolledBack, RunCheckpoints, RunResults,
-                           SkippedBatch, StepRecord, fresh_history)
+                           SkippedBatch, StepClock, StepRecord, Stopping, fresh_history)
 from jphantom.loop.checkpoints import nonfinite_loss
-from jphantom.costs.metrics import (StepEnergy, flops_per_token, grad_norm_of, peak_memory_bytes,
-                              peak_tflops)
-from jphantom.runtime.resilience import AUTO_TIMEOUT_S, StopOnSignal, Watchdog, agree
+from jphantom.costs.metrics import flops_per_token, grad_norm_of
+from jphantom.runtime.resilience import AUTO_TIMEOUT_S, Watchdog
 from jphantom.loop.sources import TeacherSource, process_rows, text_source
 from jphantom.step.finite import state_is_finite
 
@@ -65,34 +63,44 @@ from jphantom.step.finite import state_is_finite
 # --------------------------------------------------------------------------------------------------
 
 
+class _Batches:
+    """The run's data: its ``source``, where the stream restarts on a rollback to step 0, and
+    how this process's rows of a training batch are placed on the mesh."""
+
+    def __init__(self, source, place: Callable):
+        self.source, self.place = source, place
+        self.initial = self.position()
+
+    def read(self, index: int):
+        """Training batch ``index`` (read even when skipped: the stream stays in step)."""
+        return self.source.train(index)
+
+    def position(self):
+        """Where the stream is (None for a source without a position)."""
+        return getattr(self.source, "state", lambda: None)()
+
+    def rewind(self) -> None:
+        """Back to where the run's stream began (a rollback to step 0)."""
+        if self.initial is not None:
+            self.source.restore(self.initial)
+
+
 @dataclasses.dataclass
 class _Run:
-    """What :meth:`Trainer.fit` builds once, before the loop, and what the loop keeps."""
+    """What :meth:`Trainer.fit` builds once, before the loop: the loop's parts, and the step
+    the state is at."""
 
-    source: Any
-    place_train: Callable
-    kernels: dict | None
-    memory: dict
+    data: _Batches
+    clock: StepClock
     checkpoints: RunCheckpoints
     policy: NonFinitePolicy
     evaluator: Evaluator
-    callbacks: list
-    devices: list
-    per_token: int | None
-    peak: float | None
-    learning_rates: np.ndarray
-    step_energy: StepEnergy
-    initial_data: Any  # where the data stream restarts on a rollback to step 0
-    start: float
-    stop: StopOnSignal
     watchdog: Watchdog
-    step_seconds: list = dataclasses.field(default_factory=list)
-    metered_steps: int = 0
-    compile_seconds: float | None = None
-    meter_running: bool = False
-    interrupted: bool = False
+    callbacks: list
+    learning_rates: np.ndarray
+    kernels: dict | None
+    memory: dict
     state_step: int = 0  # the step the state is at (a step still computing included)
-    saved_step: int | None = None
 
 
 class Trainer:
@@ -119,12 +127,12 @@ class Trainer:
         self.out = Path(config.train.out) if config.train.out is not None else None
         self.program = self.mesh = self.step = self.state = None
         self.history, self.first_step = fresh_history(), 0
-        self._stop_reason, self._stop_step = None, None
+        self.stopping = Stopping()
 
     def request_stop(self, reason: str) -> None:
         """End the run after the current step (a checkpoint of it is written, as at the last
         step); ``reason`` is recorded in ``results.json`` as ``stopped_by``."""
-        self._stop_reason = self._stop_reason or reason
+        self.stopping.request(reason)
 
     def fit(self) -> RunResults:
         """Train; returns (and writes, with ``train.out``) the run's :class:`RunResults`."""
@@ -139,7 +147,7 @@ class Trainer:
                     run.watchdog.arm(f"step {index + 1}")
                 index, going = self._iteration(run, index)
             run.watchdog.disarm()
-            if run.meter_running:
+            if run.clock.meter_running:
                 jax.block_until_ready(self.state)  # the energy window closes on idle devices
         except KeyboardInterrupt:  # a second signal: stop now, keep what the run has
             self._interrupted_now(run)
@@ -176,25 +184,23 @@ class Trainer:
         if kernels and jax.process_index() == 0:  # the kernel choice is never silent
             print("attention: " + "; ".join(f"{name} {what}" for name, what in kernels.items()))
         self.state = program.init(step, seed=train.seed)
-        initial_data = getattr(source, "state", lambda: None)()
+        data = _Batches(source, place_train)
         if train.resume:  # the state, the history and the data stream's position (the step)
             self.state, self.first_step, self.history = checkpoints.restore(self.state, source)
             checkpoints.check_before(self.first_step, train.steps)  # an older one restored
-        devices = list(mesh.devices.flat)
+        per_token = flops_per_token(program.config, config.parallel.strategy,
+                                    seq_len if seq_len is not None else 1)
         watchdog = Watchdog(train.step_timeout, rank=jax.process_index(),
                             processes=jax.process_count())
-        return _Run(
-            source=source, place_train=place_train, kernels=kernels, memory=memory,
-            checkpoints=checkpoints,
-            policy=NonFinitePolicy(config, self.state.opt_state),
-            evaluator=Evaluator(b, source, place, train, watchdog),
-            callbacks=default_callbacks(config) + self.user_callbacks, devices=devices,
-            per_token=flops_per_token(program.config, config.parallel.strategy,
-                                      seq_len if seq_len is not None else 1),
-            peak=peak_tflops(devices[0]), learning_rates=_learning_rates(train),
-            step_energy=StepEnergy.for_devices(devices), initial_data=initial_data, start=start,
-            stop=StopOnSignal(tqdm.write),  # SIGTERM / Ctrl-C: finish this step, save, stop
-            watchdog=watchdog, state_step=self.first_step)
+        run = _Run(
+            data=data, clock=StepClock(list(mesh.devices.flat), per_token, self.meter, start),
+            checkpoints=checkpoints, policy=NonFinitePolicy(config, self.state.opt_state),
+            evaluator=Evaluator(b, source, place, train, watchdog), watchdog=watchdog,
+            callbacks=default_callbacks(config) + self.user_callbacks,
+            learning_rates=_learning_rates(train), kernels=kernels, memory=memory,
+            state_step=self.first_step)
+        self.stopping.listen()  # SIGTERM / Ctrl-C: finish this step, save, stop
+        return run
 
     def _data(self, b):
         """The data source, the sequence length (None for the FFN), and how a batch is placed
@@ -226,7 +232,7 @@ class Trainer:
     def _iteration(self, run: _Run, index: int) -> tuple[int, bool]:
         """Step ``index`` (0-based): the batch, the update, the non-finite policy, the record,
         the evaluation, the checkpoint. Returns the next index and whether to go on."""
-        pair = run.source.train(index)  # read even when skipped: the stream stays in step
+        pair = run.data.read(index)
         if run.policy.skips_batch(index):  # the batch that gave a rolled-back non-finite loss
             self._emit(run, SkippedBatch(index + 1))
             return index + 1, True
@@ -250,30 +256,23 @@ class Trainer:
         """Train on ``pair``: (loss, seconds, joules, whether the batch was skipped for want of
         tokens). The step's window opens on idle devices and closes once its work is done; the
         first step compiles and is not timed."""
-        batch = run.place_train(pair)
+        batch = run.data.place(pair)
         jax.block_until_ready(batch)
-        run.step_energy.begin()
-        tick = time.perf_counter()
+        run.clock.begin()
         self.state, out = self.step.run(self.state, *batch)
-        loss = out.loss
         run.state_step = index + 1  # the state is this step's (still computing)
-        jax.block_until_ready((self.state, loss))
-        elapsed = time.perf_counter() - tick
-        joules = run.step_energy.end(elapsed)
+        jax.block_until_ready((self.state, out.loss))
+        elapsed, joules = run.clock.end()
         if index == self.first_step:
-            run.compile_seconds = time.perf_counter() - run.start
-            if self.meter is not None and self.config.train.steps > self.first_step + 1:
-                jax.block_until_ready(self.state)  # the window opens on an idle device
-                self.meter.start()
-                run.meter_running = True
+            run.clock.compiled(self.state, more=self.config.train.steps > self.first_step + 1)
         else:
-            run.step_seconds.append(elapsed)
-            run.metered_steps += self.meter is not None
+            run.clock.timed(elapsed)
+            seconds = run.clock.step_seconds
             if self.config.train.step_timeout is None and jax.process_count() > 1 and len(
-                    run.step_seconds) >= 2 and run.watchdog.timeout is None:
+                    seconds) >= 2 and run.watchdog.timeout is None:
                 # several processes: an automatic limit once compiled
-                run.watchdog.set_timeout(max(AUTO_TIMEOUT_S, 50 * max(run.step_seconds)))
-        return float(loss), elapsed, joules, out.skipped
+                run.watchdog.set_timeout(max(AUTO_TIMEOUT_S, 50 * max(seconds)))
+        return float(out.loss), elapsed, joules, out.skipped
 
     def _roll_back(self, run: _Run, index: int, loss: float, finite: bool) -> int:
         """The rollback policy: the state, history and data position of the newest checkpoint
@@ -282,7 +281,7 @@ class Trainer:
         run.policy.rolling_back(index, loss, finite, run.checkpoints.last_good)
         found = None
         for step in run.checkpoints.good_steps():  # newest first, their recorded losses finite
-            found = run.checkpoints.restore(self.state, run.source, step)
+            found = run.checkpoints.restore(self.state, run.data.source, step)
             if bool(state_is_finite(found[0])):
                 break
             found = None  # a non-finite checkpoint (an older run's): an older one
@@ -293,8 +292,7 @@ class Trainer:
         else:  # nothing finite saved yet: from the start
             self.state, back, restored = self.program.init(
                 self.step, seed=self.config.train.seed), 0, fresh_history()
-            if run.initial_data is not None:
-                run.source.restore(run.initial_data)
+            run.data.rewind()
             where = "the start, step 0 (no checkpoint's recorded loss and parameters are finite)"
         dropped = run.checkpoints.drop_after(back) if run.checkpoints else []
         if dropped:  # the run writes these steps again
@@ -311,20 +309,13 @@ class Trainer:
     def _record(self, run: _Run, index: int, loss: float, elapsed: float,
                 joules: float | None, skipped: bool) -> StepRecord:
         """The step's record; the history gets the steps that updated the model."""
-        tokens = run.source.tokens_per_batch
         grad_norm = grad_norm_of(self.state.opt_state)
-        tflops = (None if run.per_token is None else
-                  run.per_token * tokens / elapsed / len(run.devices) / 1e12)
         rates = run.learning_rates
         record = StepRecord(
             step=index + 1, train_loss=loss if math.isfinite(loss) else None,
             learning_rate=float(rates[min(index, len(rates) - 1)]),
-            grad_norm=None if grad_norm is None else float(grad_norm), step_seconds=elapsed,
-            tokens_per_second=tokens / elapsed, model_tflops_per_device=tflops,
-            mfu=None if tflops is None or run.peak is None else tflops / run.peak,
-            peak_memory_bytes=peak_memory_bytes(run.devices), energy_joules=joules,
-            joules_per_token=run.step_energy.joules_per_token(joules, tokens),
-            energy_source=run.step_energy.source)
+            grad_norm=None if grad_norm is None else float(grad_norm),
+            **run.clock.measures(elapsed, joules, run.data.source.tokens_per_batch))
         if self.config.train.on_nonfinite != "stop":
             record.update_skipped = skipped
             if skipped:  # the optimizer's state (and its recorded norm) did not move
@@ -352,16 +343,11 @@ class Trainer:
 
     def _end_of_step(self, run: _Run, index: int) -> tuple[int, bool]:
         """Stop requests (a callback's, a signal's: every process agrees) and the checkpoint."""
-        if self._stop_reason is not None and self._stop_step is None:
-            self._stop_step = index + 1
-        stopping = agree(run.stop.requested)
-        last = index + 1 == self.config.train.steps or self._stop_reason is not None or stopping
+        stops, _ = self.stopping.after(index + 1)
+        last = stops or index + 1 == self.config.train.steps
         if run.checkpoints and (run.checkpoints.due(index + 1) or last):
             self._save(run, index + 1)
-        if stopping:
-            run.interrupted = True
-            return index + 1, False
-        return index + 1, self._stop_reason is None
+        return index + 1, not stops
 
     def _save(self, run: _Run, at: int) -> None:
         """The checkpoint of step ``at``, written only from a finite state whose recorded
@@ -374,34 +360,28 @@ class Trainer:
         if loss is not None:
             tqdm.write(f"not writing the checkpoint of step {at}: its {loss}")
             return
-        run.checkpoints.save(at, self.state, self.history,
-                             getattr(run.source, "state", lambda: None)())
-        run.saved_step = at
+        run.checkpoints.save(at, self.state, self.history, run.data.position())
         run.policy.saved()
 
     # -- after the loop --------------------------------------------------------------------------
     def _interrupted_now(self, run: _Run) -> None:
         """A second signal: the state reached is saved if it is whole and not saved yet."""
-        run.interrupted = True
+        self.stopping.interrupted = True
         tqdm.write(f"interrupted after step {run.state_step}: writing what the run has")
         alive = not any(getattr(a, "is_deleted", lambda: False)()
                         for a in jax.tree.leaves(self.state))
         if (run.checkpoints and alive and run.state_step > self.first_step
-                and run.state_step != run.saved_step):
+                and run.state_step != run.checkpoints.saved_step):
             self._save(run, run.state_step)
 
     def _close(self, run: _Run):
         """Close what the loop opened; the metered energy (None without a meter)."""
         run.watchdog.close()
-        run.stop.restore()
+        self.stopping.close()
         for callback in run.callbacks:
             callback.close()
-        run.step_energy.close()
         run.checkpoints.close()
-        if run.meter_running:
-            measurement = self.meter.stop()
-            return measurement if run.metered_steps else None
-        return None
+        return run.clock.close()
 
     def _finish(self, run: _Run, energy,
                 diverged=None) -> tuple[RunResults, TrainingDiverged | None]:
@@ -424,18 +404,18 @@ class Trainer:
         if jax.process_index() == 0 and self.out is not None:
             (self.out / "results.json").write_text(json.dumps(results.as_dict(), indent=2))
             plot(self.history, self.out / "curves.png", results)
-        train = self.config.train
-        if (train.save_hf and jax.process_index() == 0 and not run.interrupted
+        train, source = self.config.train, run.data.source
+        if (train.save_hf and jax.process_index() == 0 and not self.stopping.interrupted
                 and diverged is None and nonfinite["final_state_finite"]):
             from jphantom import plans
             from jphantom.models import hf
             hf.save(train.save_hf, plans.dense_equivalent(self.step.model(self.state)))
-            if hasattr(run.source, "save_tokenizer"):  # the tokenizer and chat template too
-                run.source.save_tokenizer(train.save_hf)
+            if hasattr(source, "save_tokenizer"):  # the tokenizer and chat template too
+                source.save_tokenizer(train.save_hf)
         return results, diverged
 
     def _results(self, run: _Run, energy, nonfinite: dict) -> RunResults:
-        config, program, history = self.config, self.program, self.history
+        config, program, history, source = self.config, self.program, self.history, run.data.source
         flat = config.flat()
         if config.model.from_hf:  # the loaded model's shape, not the flags' defaults
             for name, attribute in (("layers", "layers"), ("hidden", "hidden"),
@@ -443,39 +423,29 @@ class Trainer:
                                     ("kv_heads", "kv_heads"), ("intermediate", "intermediate")):
                 if name in flat and getattr(program.config, attribute, None) is not None:
                     flat[name] = getattr(program.config, attribute)
-        median = float(np.median(run.step_seconds)) if run.step_seconds else None
         final = history["validation_loss"][-1] if history["validation_loss"] else None
         return RunResults(
-            config=flat, mesh=str(program.mesh), devices=[str(d) for d in run.devices],
+            config=flat, mesh=str(program.mesh), devices=[str(d) for d in run.clock.devices],
             params=program.param_count, final_validation_loss=final,
             best_validation_loss=min(history["validation_loss"], default=None),
-            interrupted=run.interrupted,
-            stopped_by=run.stop.name if run.interrupted else self._stop_reason,
-            steps_done=run.state_step, nonfinite=nonfinite, median_step_seconds=median,
-            throughput=self._throughput(run, median, run.source.tokens_per_batch),
-            step_seconds=run.step_seconds, compile_seconds=run.compile_seconds,
+            interrupted=self.stopping.interrupted, stopped_by=self.stopping.stopped_by(),
+            steps_done=run.state_step, nonfinite=nonfinite,
             compiled_memory_bytes=run.memory["compiled"] or None,
-            wall_seconds=time.perf_counter() - run.start,
-            iterations_to_target=(self._stop_step if self._stop_reason == "target_loss"
-                                  else None),
-            data=run.source.describe(), history=history,
+            iterations_to_target=self.stopping.iterations_to_target(),
+            data=source.describe(), history=history,
             loss_units="nats per token" if _text_model(config) else "MSE",
             step={"zero": config.step.zero, "accumulate": config.step.accumulate,
                   "clip_norm": config.step.clip_norm, "precision": config.step.precision,
                   "master_weights": config.step.master_weights, "remat": config.step.step_remat},
             attention=run.kernels, model={"name": config.model.name, **_asdict(program.config)},
             checkpoints=run.checkpoints.describe(self.first_step),
-            **self._where_they_apply(run, energy, final))
+            **run.clock.results(energy, source.tokens_per_batch),
+            **self._where_they_apply(source, final))
 
-    def _where_they_apply(self, run: _Run, energy, final: float | None) -> dict:
-        """The results that only some runs have: the metered energy, routed MoE blocks' shape
-        and drops, the pipeline, a text run's unigram baseline."""
+    def _where_they_apply(self, source, final: float | None) -> dict:
+        """The results that only some runs have, beside the metered energy: routed MoE blocks'
+        shape and drops, the pipeline, a text run's unigram baseline."""
         config, program, history, found = self.config, self.program, self.history, {}
-        if energy is not None:
-            found["energy"] = {"joules": energy.joules, "metered_steps": run.metered_steps,
-                               "joules_per_step": energy.joules / run.metered_steps,
-                               "device_names": list(energy.device_names),
-                               "mean_watts": energy.mean_watts, "method": energy.method}
         if history["dropped_fraction"]:  # routed MoE blocks (GPT-2's): their shape and drops
             model_config = program.config
             count = getattr(model_config, "param_count", None)
@@ -488,21 +458,9 @@ class Trainer:
         if self.step.pipeline is not None:
             found["pipeline"] = pipeline_summary(self.step.pipeline, program.mesh)
         if _text_model(config):
-            found["unigram_cross_entropy"] = unigram = run.source.unigram_cross_entropy()
+            found["unigram_cross_entropy"] = unigram = source.unigram_cross_entropy()
             found["validation_over_unigram"] = None if final is None else final / unigram
         return found
-
-    def _throughput(self, run: _Run, median: float | None, tokens: int) -> dict:
-        per_token, peak, devices = run.per_token, run.peak, run.devices
-        return {
-            "model_flops_per_token": per_token, "devices": len(devices),
-            "device_kind": str(getattr(devices[0], "device_kind", devices[0].platform)),
-            "peak_tflops_per_device": peak,
-            "median_mfu": (None if per_token is None or peak is None or median is None
-                           else per_token * tokens / median / len(devices) / 1e12 / peak),
-            "energy_source": run.step_energy.source,
-            "power_model": None if run.step_energy.source in ("nvml", "amdsmi") else dataclasses.asdict(
-                run.step_energy.power)}
 
 
 def _ended_nonfinite(final: float | None, steps: int, nonfinite: dict,

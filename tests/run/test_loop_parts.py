@@ -1,5 +1,6 @@
 """The training loop's parts, each built and tested alone (jphantom.loop): the non-finite
-policy's verdicts, the records' keys, the run's checkpoints without a folder."""
+policy's verdicts, the records' keys, the run's checkpoints without a folder, the clock's rates
+and the stop requests."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from jphantom.errors import TrainingDiverged
 from jphantom.loop import (NonFinitePolicy, RolledBack, RunCheckpoints, RunResults, SkippedBatch,
-                           StepRecord, fresh_history)
+                           StepClock, StepRecord, Stopping, fresh_history)
 from jphantom.runtime.resilience import MAX_CONSECUTIVE_SKIPS, MAX_ROLLBACKS
 from jphantom.loop.nonfinite import summary
 
@@ -148,3 +149,39 @@ def test_the_last_good_state_is_the_newest_checkpoint_whose_recorded_loss_is_fin
     assert checkpoints.drop_after(2) == [3] and checkpoints.steps() == [1, 2]
     assert checkpoints.last_good().endswith("(--resume continues from it)")
     checkpoints.close()
+
+
+def test_the_clock_times_the_steps_after_the_first_and_gives_their_rates():
+    """The first step compiles (its time is the compile time, not a step time); a step's
+    TFLOP/s per device is its FLOPs over its seconds and devices; the median MFU over the peak."""
+    import jax
+
+    devices = jax.devices()[:2]
+    clock = StepClock(devices, per_token=6_000, meter=None, start=0.0)
+    clock.compiled(state=None, more=True)
+    assert clock.compile_seconds > 0 and not clock.meter_running and clock.step_seconds == []
+    clock.timed(0.5)
+    clock.timed(1.5)
+    assert clock.step_seconds == [0.5, 1.5] and clock.metered_steps == 0
+    found = clock.measures(0.5, None, tokens=1_000)
+    assert found["tokens_per_second"] == 2_000
+    assert found["model_tflops_per_device"] == pytest.approx(6_000 * 1_000 / 0.5 / 2 / 1e12)
+    results = clock.results(None, tokens=1_000)
+    assert results["median_step_seconds"] == 1.0 and "energy" not in results
+    assert results["throughput"]["devices"] == 2
+    assert clock.close() is None  # no meter: no metered energy
+
+
+def test_the_first_stop_request_wins_and_records_its_step():
+    stopping = Stopping()
+    stopping.listen()
+    try:
+        assert stopping.after(1) == (False, False)
+        stopping.request("target_loss")
+        stopping.request("another")
+        assert stopping.after(2) == (True, False)
+        assert stopping.after(3) == (True, False)
+        assert stopping.iterations_to_target() == 2 and stopping.stopped_by() == "target_loss"
+        assert not stopping.interrupted
+    finally:
+        stopping.close()
