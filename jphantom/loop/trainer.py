@@ -505,7 +505,7 @@ def check_memory(config: RunConfig, built: Built, *, compiled: bool = False) -> 
 
 
 def _text_model(config: RunConfig) -> bool:
-    return config.model.name != "ffn"
+    return config.model.family.is_language_model
 
 
 def attention_kernels(config: RunConfig, program, step) -> dict[str, str] | None:
