@@ -145,10 +145,6 @@ class CompareConfig:
             train=dataclasses.replace(base.train, seed=seed, out=None, progress=False,
                                       eval_batches=1 << 30))
 
-    def run_configs(self) -> list[RunConfig]:
-        return [self.run_config(name, p, k, seed) for name, p, k in self.jobs()
-                for seed in self.seeds]
-
     def ghost_widths_for(self, num_shards: int) -> tuple[int, ...]:
         if self.ghost_widths == "auto":
             return (auto_ghost_width(self.width, num_shards),)

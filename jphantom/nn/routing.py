@@ -71,11 +71,6 @@ class MoEConfig:
         c = min(c, tokens)  # an expert receives each token at most once: more drops nothing
         return -(-c // multiple) * multiple
 
-    def check_axis(self, expert_ranks: int) -> None:
-        if self.experts % expert_ranks:
-            raise ConfigError(f"experts={self.experts} is not divisible by the expert axis size "
-                              f"{expert_ranks}: every rank holds E / G whole experts")
-
 
 def dispatch_plan(experts: jax.Array, config: MoEConfig, capacity: int):
     """Where each token's choices go: ``position`` [T, k], the row of the flat capacity buffer
