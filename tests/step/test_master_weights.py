@@ -104,6 +104,22 @@ def test_a_pipelined_sharded_master_step_is_the_float32_master_pipelined_step_wi
     assert all(g.dtype == np.float32 for g in jax.tree.leaves(grads))
     assert float(loss) == pytest.approx(float(want_loss), rel=BF16)
     assert_tree_close(jax.device_get(grads), jax.device_get(want_grads), 2 * BF16)
+    # over data, once a step whatever the micro-batches: the split parameters all-gathered
+    # (P elements per rank) and their gradients reduce-scattered (P / D), in bf16 as lowered
+    shape = ((BATCH, WIDTH), np.float32)
+    layout, mesh = step.layout, step.mesh
+    full = [int(np.prod(NamedSharding(mesh, s).shard_shape(a.shape)))
+            for a, s in zip(layout.shapes, layout.specs)]
+    split = sum(n for n, d in zip(full, layout.zero_dims) if d >= 0)
+    compiled = _over_data(compiled_hlo(step, shape, shape), mesh)
+    elements = lambda cs: sum(c.elements * c.count for c in cs)
+    assert elements(compiled["all-gather"]) == split
+    assert elements(compiled["reduce-scatter"]) == split // 2
+    batch = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, spec))
+             for (s, d), spec in zip((shape, shape), step.specs_of_batch(2))]
+    lowered = _over_data(step.lower(abstract_state(step), *batch).as_text(dialect="hlo"), mesh)
+    for kind in ("all-gather", "reduce-scatter"):
+        assert {dtype for c in lowered[kind] for dtype, _ in c.shapes} == {"bf16"}
 
 
 def _over_data(text, mesh):
