@@ -129,7 +129,8 @@ def state_bytes(step) -> dict[str, int]:
 
 def zero_formula_bytes(step, params) -> dict[str, float]:
     """ZeRO's model-state bytes per device for Adam (Cheng et al. Sec. 1.4, Table 1), with P the
-    parameters per model-parallel rank (the ``data`` axis aside) and N the data-parallel degree:
+    parameters per model-parallel rank (the ``data`` axis aside) and N the data-parallel degree
+    (``data`` x ``context``: the ranks holding the same weights, which ZeRO shards over):
     Cheng et al.'s mixed-precision figures (2-byte parameters and gradients, 12 bytes of float32
     master weights and moments): 16P, 4P + 12P/N, 2P + 14P/N, 16P/N; and jphantom's, whose float32
     parameters are the master weights (no separate copy: the compute dtype is a cast inside the
@@ -137,7 +138,8 @@ def zero_formula_bytes(step, params) -> dict[str, float]:
     meaningful for Adam-like optimizers (two moments). ``master_weights="sharded"`` (ZeRO-1) is
     Cheng et al.'s own: 2P bf16 parameters and 2P bf16 gradients (both gathered whole inside the
     step, temporaries) + 12P/N."""
-    n = dict(step.mesh.shape).get("data", 1)
+    sizes = dict(step.mesh.shape)
+    n = sizes.get("data", 1) * sizes.get("context", 1)  # ZeRO's ranks (jphantom.step.zero)
     per_rank = sum(math.prod(a.sharding.shard_shape(a.shape)) for a in jax.tree.leaves(params))
     sharded = step.zero == 3 or getattr(step, "master_weights", "") == "sharded"  # stored shards
     p = per_rank * (n if sharded else 1)  # the parameters a rank holds without ZeRO

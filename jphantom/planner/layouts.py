@@ -293,15 +293,16 @@ def _pipeline_collectives(q: Pricing, schedule: str, stages: int, d: int, M: int
 
 
 def _zero3_collectives(group: int, accumulate: int, layers: int, block_params: int, rest: int,
-                       rest_notes: tuple[str, str]) -> list[Collective]:
-    """ZeRO-3 over ``data`` of ``group`` ranks, per micro-batch: each block gathered forward and
-    again backward and its gradient reduce-scattered; the rest (``rest_notes``) likewise once."""
-    return [Collective("all-gather", "data", group, block_params, 2 * accumulate * layers,
+                       rest_notes: tuple[str, str], axis: str = "data") -> list[Collective]:
+    """ZeRO-3 over ``axis`` (``data``; ``data+context`` beside ring attention) of ``group``
+    ranks, per micro-batch: each block gathered forward and again backward and its gradient
+    reduce-scattered; the rest (``rest_notes``) likewise once."""
+    return [Collective("all-gather", axis, group, block_params, 2 * accumulate * layers,
                        "ZeRO-3: each block gathered forward and again backward"),
-            Collective("reduce-scatter", "data", group, block_params / group, accumulate * layers,
+            Collective("reduce-scatter", axis, group, block_params / group, accumulate * layers,
                        "ZeRO-3: each block's gradient reduce-scattered"),
-            Collective("all-gather", "data", group, rest, accumulate, rest_notes[0]),
-            Collective("reduce-scatter", "data", group, rest / group, accumulate, rest_notes[1])]
+            Collective("all-gather", axis, group, rest, accumulate, rest_notes[0]),
+            Collective("reduce-scatter", axis, group, rest / group, accumulate, rest_notes[1])]
 
 
 def _zero3(q: Pricing, layout: Layout) -> Iterator[Candidate]:
@@ -350,20 +351,21 @@ def _context(q: Pricing, layout: Layout) -> Iterator[Candidate]:
         yield Candidate(layout.name, layout.strategy, mesh, {"context_attention": "ring"},
                         q.pricer.price(collectives, (("context", c), ("data", d))), memory,
                         q.dense_flops)
-        if d > 1:  # with ZeRO-3 over data (the state sharded; context keeps it whole)
+        if d > 1:  # with ZeRO-3 over data x context (the state sharded over both)
             yield _context_zero3(q, layout, mesh, collectives[:2], memory, c, d)
 
 
 def _context_zero3(q: Pricing, layout: Layout, mesh: str, ring: list[Collective],
                    memory: dict, c: int, d: int) -> Candidate:
-    """Ring attention with ZeRO-3 over ``data``: the state sharded, the blocks gathered."""
+    """Ring attention with ZeRO-3 over the ranks holding the same weights, ``data`` x
+    ``context`` (:data:`jphantom.step.zero.SHARDING_AXES`): the state sharded over both, the
+    blocks gathered over both."""
     A, L, total = q.accumulate, q.shape.layers, q.total_params
     block_params, rest = q.shape.block_params, _unblocked(q)
-    sharded = ring + _zero3_collectives(d, A, L, block_params, rest,
-                                        ("ZeRO-3: the rest", "ZeRO-3: its gradient")) + [
-        Collective("all-reduce", "context", c, total / d / (L + 1), L + 1,
-                   "gradient shards all-reduced over context", q.grad_bytes)]
-    memory = {**memory, "state": q.p.state_bytes * total / d,
+    sharded = ring + _zero3_collectives(d * c, A, L, block_params, rest,
+                                        ("ZeRO-3: the rest", "ZeRO-3: its gradient"),
+                                        axis="data+context")
+    memory = {**memory, "state": q.p.state_bytes * total / (d * c),
               "transient": 2 * (block_params + rest) * q.p.element_bytes}
     return Candidate(layout.name, layout.strategy, mesh, {"context_attention": "ring", "zero": 3},
                      q.pricer.price(sharded, (("context", c), ("data", d))), memory,

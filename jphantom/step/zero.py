@@ -41,18 +41,22 @@ from jax.sharding import PartitionSpec as P
 
 from jphantom.runtime import comm
 from jphantom.errors import ConfigError
-from jphantom.runtime.mesh import DATA, EXPERT
+from jphantom.runtime.mesh import CONTEXT, DATA, EXPERT
 
 DATA_AXIS = DATA
-SHARDING_AXES = (DATA, EXPERT)  # the batch axes whose replicas ZeRO shards a parameter over
+SHARDING_AXES = (DATA, CONTEXT, EXPERT)  # the batch axes whose replicas ZeRO shards a parameter
+# over (Megatron-LM shards its distributed optimizer over data x context, torchtitan its FSDP too)
 STAGES = (0, 1, 2, 3)
 
 
 def zero_axes(spec: P, mesh_axes) -> tuple[str, ...]:
     """The axes ZeRO shards a parameter of ``spec`` over: the batch axes of the mesh that hold
-    replicas of it (``data``; and ``expert`` for a parameter not split over the experts: a dense
-    parameter beside an expert axis is sharded over data x expert, an expert's over data alone,
-    DeepSpeed-MoE's expert-data parallelism)."""
+    replicas of it (``data``; ``context``, whose ranks hold the same weights for other tokens of
+    the sequence, as Megatron-LM's distributed optimizer shards over its data-parallel group
+    with context parallelism and torchtitan's FSDP over ``dp_shard_cp``; and ``expert`` for a
+    parameter not split over the experts: a dense parameter beside an expert axis is sharded
+    over data x expert, an expert's over data alone, DeepSpeed-MoE's expert-data
+    parallelism)."""
     split = spec_axes(spec)
     return tuple(a for a in SHARDING_AXES if a in mesh_axes and a not in split)
 

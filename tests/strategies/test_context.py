@@ -4,6 +4,7 @@ data, model (tensor, sequence parallelism), stage and ZeRO; its collective-permu
 the compiled HLO."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -215,3 +216,47 @@ def test_all_gather_attention_keeps_no_probabilities_for_the_backward(window, ke
     shapes = [np.shape(x) for x in jax.tree.leaves(pullback)]  # what the backward keeps
     scores = [x for x in shapes if x[-2:] == (s // c, s) or x[-1:] == (s,) and len(x) >= 4]
     assert bool(scores) == keeps_scores, shapes
+
+
+def test_zero_shards_the_optimizer_over_data_and_context():
+    """ZeRO over the ranks that hold the same weights: ``data`` and ``context`` (Megatron-LM's
+    distributed optimizer shards over its data-parallel group with context parallelism). With
+    ZeRO-2 on ``data=2,context=2``: each Adam moment is split over both axes (1/4 a rank), the
+    compiled step reduce-scatters each split gradient over data x context once (P/4 out) and
+    all-gathers the updated slices (P), with no gradient all-reduce left over ``context``; two
+    Adam steps equal float64 Adam on one device (1e-5)."""
+    from jax.sharding import NamedSharding
+
+    program = program_module.build(LLAMA, "tensor", "data=2,context=2")
+    mesh = program.mesh.build(first_devices(program.mesh.device_count))
+    adam = optax.adam(1e-2, eps=1e-4)  # an eps above float32's rounding of tiny gradients
+    step = program.train_step(mesh, adam, zero=2, donate=False)
+    params = random_params(program)
+    tokens, targets = _batch(BATCH)
+    state = step.init(params)
+    reference = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
+    moments = adam.init(reference)
+    for _ in range(2):
+        state, loss = step(state, tokens, targets)
+        want_loss, grads = oracle_loss_and_grads(step, reference, tokens, targets)
+        updates, moments = adam.update(grads, moments, reference)
+        reference = optax.apply_updates(reference, updates)
+    assert abs(float(loss) - float(want_loss)) <= 1e-5 * abs(float(want_loss))
+    assert_tree_close(jax.device_get(state.params), jax.device_get(reference), 1e-5, floor=1e-2)
+    mu = jax.tree.leaves(state.opt_state[0].mu)
+    split = [(leaf, spec) for leaf, spec in zip(mu, step.opt_param_specs)
+             if "data" in str(spec)]
+    assert split and all("context" in str(spec) for _, spec in split)
+    for leaf, spec in split:
+        assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim)
+    axes = dict(mesh.shape)
+    found = collectives(compiled_hlo(step, ((BATCH, SEQ), np.int32), ((BATCH, SEQ), np.int32)))
+    sizes = {i: int(np.prod(a.shape)) for i, a in enumerate(step.layout.shapes)}
+    whole = sum(n for i, n in sizes.items() if step.layout.zero_dims[i] >= 0)
+    moved = {}
+    for x in found:
+        key = (x.kind, x.mesh_axes(axes))
+        moved[key] = moved.get(key, 0) + x.elements * x.count
+    assert moved[("reduce-scatter", ("data", "context"))] == whole // 4
+    assert moved[("all-gather", ("data", "context"))] == whole
+    assert moved.get(("all-reduce", ("context",)), 0) == 0
