@@ -257,7 +257,8 @@ class StepConfig:
     master_weights: str = setting(
         "replicated", "where the float32 master weights live: replicated (the parameters, on "
         "every data rank) or sharded (Megatron's distributed optimizer: float32 master and Adam "
-        "moments in ZeRO-1's shards over data, bf16 parameters all-gathered once per step, bf16 "
+        "moments in ZeRO-1's shards over data (x context), bf16 parameters all-gathered once per "
+        "step, bf16 "
         "gradients reduce-scattered; needs --precision bf16 --zero 1)")
     remat: str | None = setting(
         None, "activation checkpointing per layer, named for what it keeps (default none): none, "
