@@ -66,11 +66,17 @@ def line(r: dict) -> str:
     accumulator = r.get("accumulator_gib", 0.0)
     rest = r["slope_gib"] - r["formula_gib"] - r["weight_copy_gib"] - accumulator
     grads = f" + f32 gradients {accumulator:.3f}" if accumulator else ""
+    stored = ""
+    if "stored_ratio" in r:
+        stored = (f"; stored for the backward {r['stored_gib']:.3f} GiB a layer, "
+                  f"{r['stored_ratio']:.2f}x the count")
+        if r["stored_sets"] > 1:
+            stored += (f", held in {r['stored_sets']} slots: {r['allocated_ratio']:.2f}x")
     return (f"{r['layout']:<16} temporaries {t[str(LAYERS[0])]:6.2f} -> "
             f"{t[str(LAYERS[-1])]:6.2f} GiB  per layer {r['slope_gib']:6.3f} GiB = formula "
             f"{r['formula_gib']:.3f} + bf16 weights {r['weight_copy_gib']:.3f}{grads} "
             f"{rest:+.3f}  (slope - weights{' - gradients' if grads else ''}) / formula "
-            f"{r['ratio']:.2f}x")
+            f"{r['ratio']:.2f}x{stored}")
 
 
 def formula(model: dict, shape: dict) -> float:
@@ -87,13 +93,39 @@ def compiled_sizes(model: dict, layout: tuple, target, devices) -> dict:
     jphantom that imports compiles it."""
     from jphantom.costs import aot
 
+    import tempfile
+
     sizes = {"temp": {}, "params": {}}
     for layers in LAYERS:
-        report = aot.compile_report({**model, **layout[1], "layers": layers}, target,
-                                    devices=devices)
+        with tempfile.TemporaryDirectory() as folder:
+            hlo = Path(folder) / "step.hlo"
+            report = aot.compile_report({**model, **layout[1], "layers": layers}, target,
+                                        devices=devices, hlo_out=hlo)
+            if layers == LAYERS[-1]:
+                sizes["residuals"] = residuals(hlo.read_text(), model, layout, layers)
         sizes["temp"][str(layers)] = report["memory"]["temp_bytes"]
         sizes["params"][str(layers)] = report["params"]
     return sizes
+
+
+def residuals(hlo_text: str, model: dict, layout: tuple, layers: int) -> dict | None:
+    """What the step's layer loop stores for the backward
+    (:func:`jphantom.analysis.hlo.residuals.saved_residuals`): the layers one device runs, the
+    rows of one pass (a pipeline's micro-batch), a sequence's tokens whole or split by the
+    layout's ``model`` or ``context``. None from a jphantom without that analysis (--source)."""
+    try:
+        from jphantom.analysis.hlo.residuals import saved_residuals
+    except ImportError:
+        return None
+    flags = layout[1]
+    axes = dict(part.split("=") for part in flags["mesh"].split(","))
+    stages, data = int(axes.get("stage", 1)), int(axes.get("data", 1))
+    rows = flags["batch"] // data // flags.get("microbatches", 1)
+    seq = model["seq_len"]
+    found = saved_residuals(hlo_text, layers=layers // stages, rows=rows,
+                            tokens={seq, seq // int(axes.get("model", 1)),
+                                    seq // int(axes.get("context", 1))})
+    return {**found, "layers": layers // stages, "rows": rows}
 
 
 def measure(model: dict, layout: tuple, sizes: dict) -> dict:
@@ -106,11 +138,19 @@ def measure(model: dict, layout: tuple, sizes: dict) -> dict:
     copy = 2 * layer_params / weight_split
     accumulator = 4 * layer_params / weight_split if "stage" in flags["mesh"] else 0.0
     count = formula(model, shape)
-    return {"layout": name, "flags": flags, "shape": shape,
-            "temp_gib": {k: v / 2**30 for k, v in temp.items()},
-            "slope_gib": slope / 2**30, "weight_copy_gib": copy / 2**30,
-            "accumulator_gib": accumulator / 2**30, "formula_gib": count / 2**30,
-            "ratio": (slope - copy - accumulator) / count}
+    row = {"layout": name, "flags": flags, "shape": shape,
+           "temp_gib": {k: v / 2**30 for k, v in temp.items()},
+           "slope_gib": slope / 2**30, "weight_copy_gib": copy / 2**30,
+           "accumulator_gib": accumulator / 2**30, "formula_gib": count / 2**30,
+           "ratio": (slope - copy - accumulator) / count}
+    stored = sizes.get("residuals")
+    if stored:  # per layer and per sequence the layer loop stores, against the count's
+        per_row = stored["bytes"] / stored["layers"] / stored["rows"]
+        row.update(stored_gib=per_row * shape["batch"] / 2**30, stored_sets=stored["copies"],
+                   stored_ratio=per_row * shape["batch"] / count,
+                   allocated_ratio=per_row * stored["rows"] * stored["copies"] / count,
+                   stored_shapes=stored["shapes"])
+    return row
 
 
 def sizes_from(source: str, model: dict, names: list[str]) -> dict:

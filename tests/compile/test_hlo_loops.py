@@ -279,3 +279,33 @@ def test_a_bound_hidden_from_xla_is_read_back():
     for compiled in (text, bare):
         assert hlo.summarize(hlo.collectives(compiled), axes=AXES) == [
             {"kind": "all-reduce", "axes": ("model",), "count": 3, "bytes": 3 * BLOCK_BYTES}]
+
+
+def test_saved_residuals_are_the_forward_loops_stacks_per_layer_row_and_token():
+    """``saved_residuals`` reads what a scanned layer stack keeps for its backward from the
+    compiled program: the forward loop's results [L, rows, tokens, ...] (here each layer's
+    input and its tanh, float32), not the weights [L, h, h]; and an array holding whole sets of
+    them ([slots, L, rows, tokens, ...], a pipeline stash) counts its sets."""
+    from jphantom.analysis.hlo.residuals import saved_residuals
+
+    layers, rows, tokens, h = 5, 2, 8, 4
+
+    def loss(w, x):
+        def layer(c, wl):
+            return jnp.tanh(c @ wl) * c, None
+
+        return jnp.sum(lax.scan(layer, x, w)[0])
+
+    def step(w, x):
+        grads = jax.grad(loss)(w, x)
+        return grads, jnp.zeros((3, layers, rows, tokens, h), jnp.float32) + x[None, None]
+
+    w = jnp.full((layers, h, h), 0.1, jnp.float32)
+    x = jnp.ones((rows, tokens, h), jnp.float32)
+    text = jax.jit(step).lower(w, x).compile().as_text()
+    found = saved_residuals(text, layers=layers, rows=rows, tokens={tokens})
+    assert found["shapes"] and all(s.startswith(f"f32[{layers},{rows},{tokens},")
+                                   for s in found["shapes"])
+    assert found["bytes"] % (layers * rows * tokens * h * 4) == 0
+    assert found["copies"] == 3
+    assert saved_residuals(text, layers=layers, rows=rows + 1, tokens={tokens})["bytes"] == 0

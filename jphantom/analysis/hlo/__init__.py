@@ -41,6 +41,7 @@ One idea a module:
 - :mod:`~jphantom.analysis.hlo.groups`: replica groups to mesh axes.
 - :mod:`~jphantom.analysis.hlo.gemms`: GEMM FLOPs and which kernels are GEMMs.
 - :mod:`~jphantom.analysis.hlo.kernel_census`: the kernels that decide a step's speed.
+- :mod:`~jphantom.analysis.hlo.residuals`: what the layer loop stores for the backward.
 """
 
 from jphantom.analysis.hlo.accounting import KINDS, HloCollective, collectives, summarize
