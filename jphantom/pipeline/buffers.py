@@ -67,10 +67,21 @@ def fill_like(tree, fill):
                         else jnp.zeros_like(a), tree)
 
 
-def slot_buffers(value, n):
-    """A buffer of ``n + 1`` slots shaped like ``value`` (same varying axes), zero-filled."""
-    return jax.tree.map(lambda a: jnp.broadcast_to(jnp.zeros_like(a)[None], (n + 1, *a.shape)),
+def slot_buffers(value, n, *, garbage: bool = True):
+    """A buffer of ``n`` slots shaped like ``value`` (same varying axes), zero-filled, and the
+    garbage slot ``n`` an idle device writes to (``garbage=False``: none, its writes skipped by
+    :func:`put_live_slot`; at least one slot)."""
+    slots = n + 1 if garbage else max(n, 1)
+    return jax.tree.map(lambda a: jnp.broadcast_to(jnp.zeros_like(a)[None], (slots, *a.shape)),
                         value)
+
+
+def put_live_slot(buffers, i, values, n):
+    """:func:`put_slot`, skipped where ``i`` is the garbage slot ``n`` (an idle device's): the
+    stashes, whose sets are the pipeline's activation memory, hold no garbage slot
+    (:func:`slot_buffers` ``garbage=False``), so that a stage keeps only the sets its schedule
+    has in flight (Narayanan et al.'s bound), not one more."""
+    return lax.cond(i < n, lambda b: put_slot(b, i, values), lambda b: b, buffers)
 
 
 def vjp_residuals(vjp_fn, chunk_leaves):

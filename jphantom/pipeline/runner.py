@@ -51,9 +51,9 @@ import numpy as np
 from jax import lax
 
 from jphantom.runtime import comm
-from jphantom.pipeline.buffers import (cast_like, fill_like, put_slot, rebuilder, slot_buffers,
-                                       split_microbatches, take_index, varying_over,
-                                       vjp_residuals, zeros_of)
+from jphantom.pipeline.buffers import (cast_like, fill_like, put_live_slot, put_slot, rebuilder,
+                                       slot_buffers, split_microbatches, take_index,
+                                       varying_over, vjp_residuals, zeros_of)
 from jphantom.pipeline.config import STAGE_AXIS, PipelineConfig, Stages, pipeline_for
 from jphantom.pipeline.schedule import model_chunk
 from jphantom.pipeline.split import (Split, backward_input, backward_weight, pick,
@@ -170,15 +170,15 @@ class _Step:
         self.b_mask = [not w for w in self.split.weight_leaves]  # BW: every leaf
         self.b_zeros = pick(self.zero_leaves, self.b_mask, True)
         self.w_zeros = pick(self.zero_leaves, self.b_mask, False)
-        carry = dict(stash_b=slot_buffers(self.known0, plan_.stash_b_slots),
-                     stash_w=slot_buffers(self.weight0, plan_.stash_w_slots),
+        carry = dict(stash_b=slot_buffers(self.known0, plan_.stash_b_slots, garbage=False),
+                     stash_w=slot_buffers(self.weight0, plan_.stash_w_slots, garbage=False),
                      d_chunks=jax.tree.map(wide_zeros, self.chunks),
                      d_rest=jax.tree.map(wide_zeros, self.rest))
         if plan_.splits:
             wstash0 = jax.eval_shape(self._probe_backward, chunk0, self.known0, self.out0)
             self.wstash0 = [varying_over(zeros_of(a), STAGE_AXIS) for a in wstash0]
             self.wstash_shapes = [(a.shape, a.dtype) for a in self.wstash0]
-            carry["wstash"] = slot_buffers(self.wstash0, plan_.wstash_slots)
+            carry["wstash"] = slot_buffers(self.wstash0, plan_.wstash_slots, garbage=False)
         return carry
 
     def _probe_backward(self, chunk, known, d_out):
@@ -376,10 +376,13 @@ class _Step:
         carry = dict(carry)
         carry["loss"] = carry["loss"] + result["loss"]
         v = field(row, "chunk")
-        for buffer, key in (("stash_b", "stash_b"), ("stash_w", "stash_w"),
-                            ("wstash", "wstash"), ("inbox", "seed")):
-            if key in result:
-                carry[buffer] = put_slot(carry[buffer], field(row, key), result[key])
+        for key, slots in (("stash_b", self.plan.stash_b_slots),
+                           ("stash_w", self.plan.stash_w_slots),
+                           ("wstash", self.plan.wstash_slots)):
+            if key in result:  # no garbage slot: an idle device's write is skipped
+                carry[key] = put_live_slot(carry[key], field(row, key), result[key], slots)
+        if "seed" in result:
+            carry["inbox"] = put_slot(carry["inbox"], field(row, "seed"), result["seed"])
         if "b_grads" in result:
             carry["d_chunks"] = add_to_chunk(carry["d_chunks"], v, result["b_grads"], self.b_mask)
         if "w_grads" in result:
