@@ -173,12 +173,15 @@ def document_data(config: RunConfig) -> DocumentData | None:
 def text_source(config: RunConfig, seq_len: int, rows: slice | None = None,
                 documents: DocumentData | None = None):
     """The data of a language model: :class:`DocumentSource` for dataset files (``documents``,
-    read by :func:`document_data`), :class:`TokenSource` for token files or a tokenizer, else
-    byte-level :class:`TextSource` (the default)."""
+    as whoever prepares the run read them with :func:`document_data`; read here when not
+    given), :class:`TokenSource` for token files or a tokenizer, else byte-level
+    :class:`TextSource` (the default)."""
+    from jphantom.data.dataset_files import is_dataset_data
     from jphantom.data.tokens import is_token_data
 
     data = config.train.data
-    if documents is not None:
+    if is_dataset_data(data):
+        documents = documents if documents is not None else document_data(config)
         return DocumentSource(config, seq_len, documents, rows)
     if config.train.tokenizer is not None or (data is not None and is_token_data(data)):
         return TokenSource(config, seq_len, rows)

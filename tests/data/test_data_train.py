@@ -12,7 +12,7 @@ import pytest
 
 from jphantom.config import RunConfig, check_vocabulary
 from jphantom.errors import ConfigError
-from jphantom.loop.sources import document_data
+from jphantom.loop.sources import document_data, text_source
 
 FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures"
 CHAT = FIXTURES / "chat"
@@ -91,7 +91,8 @@ def _counted_rows(monkeypatch) -> list:
 def test_a_run_tokenises_its_dataset_once(tmp_path, monkeypatch):
     """The configuration's checks tokenise no row; preparing a run (all it does before its first
     step, the step's compilation left out here) reads the dataset once and hands the documents
-    to its source as a value: each row tokenised once."""
+    to its source as a value: each row tokenised once (``text_source`` given no documents, as
+    a loop of one's own may call it, reads them itself)."""
     from jphantom.loop import trainer
 
     seen = _counted_rows(monkeypatch)
@@ -105,7 +106,9 @@ def test_a_run_tokenises_its_dataset_once(tmp_path, monkeypatch):
     prepared = prepare._setup()
     prepare._close(prepared)  # the signal handlers, the watchdog and the checkpointer
     assert seen == [{"messages": c["messages"]} for c in CONVERSATIONS * 4]
-    assert prepared.data.source.describe()["train"]["rows"] == 4 * len(CONVERSATIONS) - 1
+    described = prepared.data.source.describe()
+    assert described["train"]["rows"] == 4 * len(CONVERSATIONS) - 1
+    assert text_source(config, 32).describe() == described  # a caller that read none: read there
 
 
 def _turn(user: str, answer: str | None) -> dict:
