@@ -98,10 +98,6 @@ def check_vocabulary(config) -> None:
         value = dataset_tokenizer(config)
         need = load_tokenizer(value).vocab_size
         what = f"tokenizer={value!r} ({need} ids)"
-        if is_dataset_data(train.data):  # every row read and tokenised: a bad one refused now
-            from jphantom.config.dataset import check_document_data
-
-            check_document_data(config)  # and something to learn in the rows the model sees
     elif train.data is not None and tokens.is_token_data(train.data):
         train_files, validation_files = tokens.token_files(train.data)
         need = tokens.max_token([f.tokens() for f in train_files + validation_files]) + 1

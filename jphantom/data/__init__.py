@@ -9,18 +9,21 @@ Fine-tuning data, for a loop of one's own as for ``jphantom train``:
 (:func:`read_rows`, :func:`split_files`); :mod:`jphantom.data.chat_template` renders a
 checkpoint's chat template as transformers does (:class:`ChatTemplate`,
 :func:`load_chat_template`); :mod:`jphantom.data.documents` tokenises rows into documents with
-the loss on the answers (:class:`RowTokenizer`, :class:`Documents`, :func:`read_documents`); and
+the loss on the answers (:class:`RowTokenizer`, :class:`Documents`, :func:`read_documents`);
+:mod:`jphantom.data.document_data` reads a run's dataset files into one value
+(:func:`read_document_data`, :class:`DocumentData`: the documents of both splits, checked); and
 :mod:`jphantom.data.packing` packs or pads them into ``(tokens, targets, segment_ids,
 positions)`` batches with a resumable position (:class:`DocumentBatches`, :func:`pack`,
 :func:`pad`)."""
 
 from jphantom.data.chat_template import ChatTemplate, load_chat_template
 from jphantom.data.dataset_files import read_rows, split_files
+from jphantom.data.document_data import DocumentData, read_document_data
 from jphantom.data.documents import Documents, RowTokenizer, read_documents
 from jphantom.data.packing import DocumentBatches, pack, pad
 from jphantom.data.teacher import Teacher, TeacherConfig
 from jphantom.data.text import TextConfig, TextCorpus
 
-__all__ = ["ChatTemplate", "DocumentBatches", "Documents", "RowTokenizer", "Teacher",
-           "TeacherConfig", "TextConfig", "TextCorpus", "load_chat_template",
-           "pack", "pad", "read_documents", "read_rows", "split_files"]
+__all__ = ["ChatTemplate", "DocumentBatches", "DocumentData", "Documents", "RowTokenizer",
+           "Teacher", "TeacherConfig", "TextConfig", "TextCorpus", "load_chat_template",
+           "pack", "pad", "read_document_data", "read_documents", "read_rows", "split_files"]

@@ -1,7 +1,8 @@
 """The data a training run reads, as host arrays its loop places on the mesh: byte-level text
 (:class:`TextSource`), tokens from files or through a tokenizer (:class:`TokenSource`, whose
-reader's position is saved in checkpoints and restored on resume) and Seal et al.'s teacher task
-for the FFN (:class:`TeacherSource`). Each has ``train(step)``, ``validation()``, ``describe()``
+reader's position is saved in checkpoints and restored on resume), dataset files' documents
+(:class:`DocumentSource`, read once per run by :func:`document_data`) and Seal et al.'s teacher
+task for the FFN (:class:`TeacherSource`). Each has ``train(step)``, ``validation()``, ``describe()``
 and ``tokens_per_batch``; a source with a position also ``state()`` and ``restore(state)``.
 """
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import jax
 
 from jphantom.config import RunConfig
+from jphantom.data.document_data import DocumentData
 from jphantom.errors import ConfigError
 
 
@@ -108,22 +110,21 @@ class TokenSource(_ReaderSource):
 
 
 class DocumentSource(_ReaderSource):
-    """Dataset files (:mod:`jphantom.data.dataset_files`): rows tokenised as documents with the
-    loss on ``--loss-on``'s tokens (:func:`jphantom.config.dataset.read_document_data`), packed
-    or padded into ``(tokens, targets, segment_ids, positions)`` batches by a reader whose
+    """Dataset files (:mod:`jphantom.data.dataset_files`): ``documents``, the rows read and
+    tokenised with the loss on ``--loss-on``'s tokens (:func:`document_data`, once per run),
+    packed or padded into ``(tokens, targets, segment_ids, positions)`` batches by a reader whose
     position is saved in checkpoints (:mod:`jphantom.data.packing`)."""
 
     arrays = 4  # the batch arrays: jphantom.models.packed_lm_loss's
 
-    def __init__(self, config: RunConfig, seq_len: int, rows: slice | None = None):
-        from jphantom.config.dataset import read_document_data
+    def __init__(self, config: RunConfig, seq_len: int, documents: DocumentData,
+                 rows: slice | None = None):
         from jphantom.data.packing import DocumentBatches
 
         train = config.train
-        first, held, source, pad_id = read_document_data(config)
-        self.batches = DocumentBatches(first, held, seq_len=seq_len, batch=train.batch,
-                                       packed=train.pack, seed=train.seed, pad_id=pad_id,
-                                       source=source)
+        self.batches = DocumentBatches(documents.train, documents.validation, seq_len=seq_len,
+                                       batch=train.batch, packed=train.pack, seed=train.seed,
+                                       pad_id=documents.pad_id, source=documents.source)
         self.rows, self.eval_batches = rows, train.eval_batches
         self.tokens_per_batch = train.batch * seq_len
 
@@ -149,16 +150,39 @@ class DocumentSource(_ReaderSource):
             (Path(folder) / TEMPLATE_FILE).write_text(load_chat_template(template).source)
 
 
-def text_source(config: RunConfig, seq_len: int, rows: slice | None = None):
-    """The data of a language model: :class:`DocumentSource` for dataset files,
-    :class:`TokenSource` for token files or a tokenizer, else byte-level :class:`TextSource`
-    (the default)."""
+def document_data(config: RunConfig) -> DocumentData | None:
+    """The run's dataset files read and tokenised, once, by whoever prepares the run, before
+    anything compiles (:func:`jphantom.data.document_data.read_document_data`: a bad row is
+    refused first), and checked for the rows the model sees (:meth:`DocumentData.check`: lost
+    characters, something to learn); None when ``--data`` is not dataset files."""
+    from jphantom.config.dataset import dataset_tokenizer
+    from jphantom.data.dataset_files import is_dataset_data
+    from jphantom.data.document_data import read_document_data
+
+    train, model = config.train, config.model
+    if not model.family.is_language_model or not is_dataset_data(train.data):
+        return None
+    documents = read_document_data(train.data, dataset_tokenizer(config), train.val_data,
+                                   train.chat_template, train.loss_on, model.from_hf,
+                                   train.progress)
+    seq_len = min(getattr(config.family_config(), "seq_len", model.seq_len), model.seq_len)
+    documents.check(seq_len, train.pack, train.loss_on, train.refuse_lost_text)
+    return documents
+
+
+def text_source(config: RunConfig, seq_len: int, rows: slice | None = None,
+                documents: DocumentData | None = None):
+    """The data of a language model: :class:`DocumentSource` for dataset files (``documents``,
+    as whoever prepares the run read them with :func:`document_data`; read here when not
+    given), :class:`TokenSource` for token files or a tokenizer, else byte-level
+    :class:`TextSource` (the default)."""
     from jphantom.data.dataset_files import is_dataset_data
     from jphantom.data.tokens import is_token_data
 
     data = config.train.data
     if is_dataset_data(data):
-        return DocumentSource(config, seq_len, rows)
+        documents = documents if documents is not None else document_data(config)
+        return DocumentSource(config, seq_len, documents, rows)
     if config.train.tokenizer is not None or (data is not None and is_token_data(data)):
         return TokenSource(config, seq_len, rows)
     return TextSource(config, seq_len)

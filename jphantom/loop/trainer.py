@@ -54,7 +54,7 @@ from jphantom.loop import (Evaluator, NonFinitePolicy, RolledBack, RunCheckpoint
 from jphantom.loop.checkpoints import nonfinite_loss
 from jphantom.costs.metrics import flops_per_token, grad_norm_of
 from jphantom.runtime.resilience import AUTO_TIMEOUT_S, Watchdog
-from jphantom.loop.sources import TeacherSource, process_rows, text_source
+from jphantom.loop.sources import TeacherSource, document_data, process_rows, text_source
 from jphantom.step.finite import state_is_finite
 
 
@@ -168,6 +168,7 @@ class Trainer:
         config, train = self.config, self.config.train
         start = time.perf_counter()
         check_vocabulary(config)  # the data against the model, before anything is built
+        documents = document_data(config)  # dataset files: read once, a bad row refused now
         b = self.built = self.built if self.built is not None else config.build()
         program, mesh, step = b.program, b.mesh, b.step
         identity = {"model": {"name": config.model.name, **_asdict(program.config)},
@@ -177,7 +178,7 @@ class Trainer:
             checkpoints.check_same_run(step.abstract_state(), train.steps)
         memory = check_memory(config, b, compiled=True)  # compiles the step, allocates nothing
         self.program, self.mesh, self.step = program, mesh, step
-        source, seq_len, place, place_train = self._data(b)
+        source, seq_len, place, place_train = self._data(b, documents)
         if jax.process_index() == 0 and self.out is not None:  # process 0 alone writes
             self.out.mkdir(parents=True, exist_ok=True)
         kernels = attention_kernels(config, program, step)
@@ -202,8 +203,9 @@ class Trainer:
         self.stopping.listen()  # SIGTERM / Ctrl-C: finish this step, save, stop
         return run
 
-    def _data(self, b):
-        """The data source, the sequence length (None for the FFN), and how a batch is placed
+    def _data(self, b, documents):
+        """The data source (of ``documents``, the run's dataset files read by :meth:`_setup`,
+        where it has them), the sequence length (None for the FFN), and how a batch is placed
         on the mesh: whole (validation) and this process's rows of the global batch (training)."""
         config, train = self.config, self.config.train
         rows = None  # the rows of each training batch this process reads (None: all of them)
@@ -211,7 +213,7 @@ class Trainer:
             seq_len = min(getattr(b.program.config, "seq_len", config.model.seq_len),
                           config.model.seq_len)
             source = text_source(config, seq_len,
-                                 process_rows(b.shardings[0], (train.batch, seq_len)))
+                                 process_rows(b.shardings[0], (train.batch, seq_len)), documents)
             rows = getattr(source, "rows", None)
         else:
             seq_len = None

@@ -12,6 +12,7 @@ import pytest
 
 from jphantom.config import RunConfig, check_vocabulary
 from jphantom.errors import ConfigError
+from jphantom.loop.sources import document_data, text_source
 
 FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures"
 CHAT = FIXTURES / "chat"
@@ -55,10 +56,59 @@ def test_a_bad_row_is_refused_before_anything_is_built(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"input": "x"}) + "\n")
     with pytest.raises(ConfigError, match="rows.jsonl' row 2 has keys \\['input'\\]"):
-        check_vocabulary(_config(path))
+        document_data(_config(path))
     no_tokenizer = RunConfig.from_flags(model="llama", data=str(path))
     with pytest.raises(ConfigError, match="give --tokenizer"):
         check_vocabulary(no_tokenizer)
+
+
+def test_a_run_refuses_a_bad_row_before_it_builds_or_compiles(tmp_path, monkeypatch):
+    """``run`` reads the dataset first (the data layer, :func:`document_data`): a bad row is
+    refused before the program is built or the step compiled."""
+    from jphantom.loop import trainer
+
+    def boom(*args, **kwargs):
+        raise AssertionError("built or compiled before the data was read")
+
+    monkeypatch.setattr(RunConfig, "build", boom)
+    monkeypatch.setattr(trainer, "check_memory", boom)
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"input": "x"}) + "\n")
+    with pytest.raises(ConfigError, match="rows.jsonl' row 2 has keys \\['input'\\]"):
+        trainer.run(_config(path))
+
+
+def _counted_rows(monkeypatch) -> list:
+    """The rows tokenised from now on, in order (each call of ``RowTokenizer.encode``)."""
+    from jphantom.data.documents import RowTokenizer
+
+    seen, encode = [], RowTokenizer.encode
+    monkeypatch.setattr(RowTokenizer, "encode",
+                        lambda self, row, *rest: seen.append(row) or encode(self, row, *rest))
+    return seen
+
+
+def test_a_run_tokenises_its_dataset_once(tmp_path, monkeypatch):
+    """The configuration's checks tokenise no row; preparing a run (all it does before its first
+    step, the step's compilation left out here) reads the dataset once and hands the documents
+    to its source as a value: each row tokenised once (``text_source`` given no documents, as
+    a loop of one's own may call it, reads them itself)."""
+    from jphantom.loop import trainer
+
+    seen = _counted_rows(monkeypatch)
+    config = _config(_chat_file(tmp_path), steps=1, eval_every=1, pack=True)
+    config.train.check_paths()
+    check_vocabulary(config)
+    config.build()
+    assert seen == []
+    monkeypatch.setattr(trainer, "check_memory", lambda *args, **kwargs: {})  # no compilation
+    prepare = trainer.Trainer(config)
+    prepared = prepare._setup()
+    prepare._close(prepared)  # the signal handlers, the watchdog and the checkpointer
+    assert seen == [{"messages": c["messages"]} for c in CONVERSATIONS * 4]
+    described = prepared.data.source.describe()
+    assert described["train"]["rows"] == 4 * len(CONVERSATIONS) - 1
+    assert text_source(config, 32).describe() == described  # a caller that read none: read there
 
 
 def _turn(user: str, answer: str | None) -> dict:
@@ -80,7 +130,7 @@ def test_nothing_to_learn_is_refused_before_anything_is_built(tmp_path, rows, fl
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ConfigError) as error:
-        check_vocabulary(_config(path, **flags))
+        document_data(_config(path, **flags))
     message = str(error.value)
     assert message.startswith("the training split has nothing to learn (0 loss tokens in 3 row")
     assert words in message and "\n" not in message
@@ -96,10 +146,10 @@ def test_text_the_tokenizer_cannot_represent_is_counted_or_refused(tmp_path):
                     + json.dumps({"text": "Ünïcödé 日本語 😀"}) + "\n" * 3)
     first = f"the first: data file {str(path)!r} row 2 ('Ü')"
     with pytest.warns(JPhantomWarning, match="cannot represent 8 character\\(s\\) of 1 row") as caught:
-        check_vocabulary(_config(path))
+        document_data(_config(path))
     assert first in str(caught[0].message)
     with pytest.raises(ConfigError, match="--refuse-lost-text: .* 8 character") as error:
-        check_vocabulary(_config(path, refuse_lost_text=True))
+        document_data(_config(path, refuse_lost_text=True))
     assert first in str(error.value)
 
 
@@ -110,14 +160,14 @@ def test_a_chat_template_refusal_blames_the_template(tmp_path):
     empty = tmp_path / "empty.jinja"
     empty.write_text("")
     with pytest.raises(ConfigError, match=f"chat template {str(empty)!r} is empty: give its"):
-        check_vocabulary(_config(data, chat_template=str(empty)))
+        document_data(_config(data, chat_template=str(empty)))
     (tmp_path / "folder").mkdir()
     with pytest.raises(ConfigError, match="folder' is a folder without a chat_template.jinja"):
-        check_vocabulary(_config(data, chat_template=str(tmp_path / "folder")))
+        document_data(_config(data, chat_template=str(tmp_path / "folder")))
 
 
 @pytest.mark.slow
-def test_fine_tune_packed_on_the_answers_and_resume(tmp_path):
+def test_fine_tune_packed_on_the_answers_and_resume(tmp_path, monkeypatch):
     """Packed conversations, the loss on the assistant turns: the run trains (the loss falls over
     6 steps), reports the data's counts, and a run resumed at step 3 from its checkpoint gives
     the uninterrupted run's losses (the reader's position is in the checkpoint)."""
@@ -125,7 +175,9 @@ def test_fine_tune_packed_on_the_answers_and_resume(tmp_path):
 
     data = _chat_file(tmp_path)
     flags = dict(pack=True, loss_on="assistant", steps=6, eval_every=6)
+    seen = _counted_rows(monkeypatch)
     whole = run(_config(data, **flags))
+    assert len(seen) == 4 * len(CONVERSATIONS)  # a whole run tokenises each row once
     counts = whole.data
     assert counts["packed"] and counts["loss_on"] == "assistant"
     assert counts["train"]["rows"] == 11 and counts["validation"]["rows"] == 1
