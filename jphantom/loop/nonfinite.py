@@ -4,7 +4,7 @@ state, does in a run (``--on-nonfinite``, a name of
 run's step is built with the same name and ``watch=False`` (it reads no loss; this object judges
 each one):
 
-- ``warn``: the run goes on; the first non-finite loss or state prints one line;
+- ``warn``: the run goes on; the first non-finite loss prints one line;
 - ``skip``: the update is not applied (the step wraps its optimizer in
   :func:`jphantom.step.finite.keep_if_finite`, whose count of dropped updates
   :func:`jphantom.step.finite.skipped_updates` reads); after
@@ -130,9 +130,9 @@ class NonFinitePolicy:
         """A checkpoint was written: the run made progress since its last rollback."""
         self._rollbacks_in_a_row = 0
 
-    def warning(self, index: int, loss: float, state_finite: bool = True) -> str:
+    def warning(self, index: int, loss: float) -> str:
         """The line ``warn`` prints once, at its first non-finite step ``index``."""
-        return (f"{self.describe(index, loss, state_finite)}: going on (--on-nonfinite warn, "
+        return (f"{self.describe(index, loss)}: going on (--on-nonfinite warn, "
                 "said once); lower the learning rate or check the data (skip, stop or rollback "
                 "keep the last good state)")
 

@@ -247,7 +247,7 @@ class Trainer:
         if verdict == "rollback":
             return self._roll_back(run, index, loss, finite), True
         if verdict == "warned":
-            tqdm.write(run.policy.warning(index, loss, finite))
+            tqdm.write(run.policy.warning(index, loss))
         record = self._record(run, index, loss, elapsed, joules, verdict == "skipped")
         if run.evaluator.due(index):
             self._evaluate(run, index, record)

@@ -21,6 +21,7 @@ the step reads no loss, and drops a bad update under ``"skip"`` only (:func:`dro
 ``on_nonfinite="ignore"``, the old spelling of that, is accepted with a DeprecationWarning for
 one release.
 """
+
 from __future__ import annotations
 
 import functools
