@@ -160,7 +160,8 @@ def breakdown(config: RunConfig, *, steps: int = 5, warmup: int = 2) -> dict:
         program.model, mesh, config.optimizer(), program.loss_fn,
         batch_specs=program.batch_specs, accumulate=config.step.accumulate,
         precision=config.step.precision, remat=config.step.step_remat,
-        pipeline=config.pipeline(program), attention=config.step.attention)
+        pipeline=config.pipeline(program), attention=config.step.attention,
+        on_nonfinite=config.train.on_nonfinite, watch=False)
     runners = []
     for label, measured in (("step", step), ("compute", compute)):
         state = program.init(measured)

@@ -40,7 +40,7 @@ def run_flag_choices() -> dict:
     from jphantom.pipeline.schedule import ALL_SCHEDULES
     from jphantom.step.precision import NAMES as PRECISIONS
     from jphantom.step.remat import NAMES as REMATS
-    from jphantom.runtime.resilience import NONFINITE
+    from jphantom.registry.nonfinite import NONFINITE
 
     return {"schedule": ALL_SCHEDULES, "zero": (0, 1, 2, 3), "precision": PRECISIONS,
             "master_weights": ("replicated", "sharded"),

@@ -49,8 +49,9 @@ def pipeline_summary(pipeline, mesh) -> dict:
 
 def optimizer_of(train: TrainConfig, step: StepConfig):
     """The run's optax optimizer, assembled here alone: the schedule's rule
-    (:meth:`TrainConfig.optimizer_transform`), clipped, the gradient norm recorded, a non-finite
-    update skipped, as the sections say (:meth:`RunConfig.optimizer`)."""
+    (:meth:`TrainConfig.optimizer_transform`), clipped, the gradient norm recorded, as the
+    sections say (:meth:`RunConfig.optimizer`); the step drops a non-finite update under
+    ``--on-nonfinite skip`` (:func:`train_step_of`)."""
     import optax
 
     optimizer = train.optimizer_transform()
@@ -59,22 +60,21 @@ def optimizer_of(train: TrainConfig, step: StepConfig):
     if train.grad_norm:  # the norm before clipping, as Megatron and torchtitan log it
         from jphantom.costs.metrics import record_grad_norm
         optimizer = optax.chain(record_grad_norm(), optimizer)
-    if train.on_nonfinite == "skip":  # an update that would make the state non-finite is
-        from jphantom.step.finite import keep_if_finite  # dropped, counted in the state
-
-        optimizer = keep_if_finite(optimizer)
     return optimizer
 
 
 def train_step_of(config, program, mesh, optimizer):
-    """The :class:`jphantom.TrainStep` of ``program`` with ``config``'s step options."""
+    """The :class:`jphantom.TrainStep` of ``program`` with ``config``'s step options and its
+    ``--on-nonfinite``, which the Trainer applies (``watch=False``:
+    :mod:`jphantom.loop.nonfinite` judges each loss; the step drops a bad update under
+    ``skip``)."""
     return program.train_step(mesh, optimizer, zero=config.step.zero,
                               accumulate=config.step.accumulate,
                               precision=config.step.precision, remat=config.step.step_remat,
                               master_weights=config.step.master_weights,
                               pipeline=pipeline_of(config.parallel, config.train, program),
                               attention=config.step.attention,
-                              on_nonfinite="ignore")  # the Trainer applies --on-nonfinite
+                              on_nonfinite=config.train.on_nonfinite, watch=False)
 
 
 @functools.lru_cache(maxsize=16)

@@ -17,6 +17,7 @@ from jphantom.registry import strategies
 from jphantom.config import paths
 from jphantom.errors import ConfigError
 from jphantom.registry.dtypes import DTYPES
+from jphantom.registry.nonfinite import NONFINITE
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULES = ("constant", "cosine")
@@ -378,8 +379,9 @@ class TrainConfig:
         False, "also write the per-step metrics as TensorBoard events into OUT/tensorboard "
         "(needs pip install tensorboardX) (default: off)")
     on_nonfinite: str = setting(
-        "stop", "a non-finite loss or state: stop (one line naming the newest checkpoint, the "
-        "last good state), skip (the update is dropped and counted; 10 in a row stop the run) or "
+        "stop", "a non-finite loss or state (the names of make_train_step's on_nonfinite): warn "
+        "(go on, one line the first time), skip (the update is dropped and counted; 10 in a row "
+        "stop the run), stop (one line naming the newest checkpoint, the last good state) or "
         "rollback (reload the newest checkpoint whose recorded loss and parameters are finite "
         "and skip the batch; 5 rollbacks without a new checkpoint stop the run; needs "
         "--checkpoint-dir and --save-every); checkpoints are written only from a finite state "
@@ -405,8 +407,6 @@ class TrainConfig:
             raise ConfigError("weight_decay must be >= 0 and adam_b2 in [0, 1)")
         if self.target_loss is not None and not self.target_loss > 0:
             raise ConfigError(f"target_loss={self.target_loss} must be > 0 (or left out)")
-        from jphantom.runtime.resilience import NONFINITE
-
         _choice("on_nonfinite", self.on_nonfinite, NONFINITE)
         if self.on_nonfinite == "rollback" and not (self.checkpoint_dir and self.save_every):
             raise ConfigError("--on-nonfinite rollback reloads the newest checkpoint: give "
@@ -458,8 +458,7 @@ class TrainConfig:
     def optimizer_transform(self, total_steps: int | None = None):
         """The optax rule on :meth:`schedule` (``adamw``, ``adam`` or ``sgd``); the run's
         optimizer is assembled around it in one place
-        (:func:`jphantom.config.built.optimizer_of`: clipping, the gradient norm, the
-        non-finite skip)."""
+        (:func:`jphantom.config.built.optimizer_of`: clipping, the gradient norm)."""
         import optax
 
         schedule = self.schedule(total_steps)

@@ -1,32 +1,37 @@
 """What a non-finite training loss, or an update that leaves non-finite parameters or optimizer
-state, does (``--on-nonfinite``), as one object, :class:`NonFinitePolicy`:
+state, does in a run (``--on-nonfinite``, a name of
+:data:`jphantom.registry.nonfinite.NONFINITE`), as one object, :class:`NonFinitePolicy`. The
+run's step is built with the same name and ``watch=False`` (it reads no loss; this object judges
+each one):
 
-- ``stop`` (the default): the run ends with :class:`jphantom.errors.TrainingDiverged`, naming
-  the step and where the last good state is;
-- ``skip``: the update is not applied (the optimizer is wrapped in
+- ``warn``: the run goes on; the first non-finite loss prints one line;
+- ``skip``: the update is not applied (the step wraps its optimizer in
   :func:`jphantom.step.finite.keep_if_finite`, whose count of dropped updates
-  :func:`jphantom.runtime.resilience.nonfinite_total` reads); after
+  :func:`jphantom.step.finite.skipped_updates` reads); after
   :data:`jphantom.runtime.resilience.MAX_CONSECUTIVE_SKIPS` in a row the run stops;
+- ``stop`` (the default): the run ends with :class:`jphantom.errors.TrainingDiverged`, naming
+  the step and where the last good state is (its newest checkpoint: the step adds no check);
 - ``rollback``: the state, the history and the data stream go back to the newest checkpoint
-  whose recorded loss and parameters are finite (or the start), and the batch that gave the bad step is read but not trained on when the run gets
-  there again; after :data:`jphantom.runtime.resilience.MAX_ROLLBACKS` rollbacks with no checkpoint
-  written between them the run stops.
+  whose recorded loss and parameters are finite (or the start), and the batch that gave the bad
+  step is read but not trained on when the run gets there again; after
+  :data:`jphantom.runtime.resilience.MAX_ROLLBACKS` rollbacks with no checkpoint written between
+  them the run stops.
 
-Under ``stop`` and ``rollback`` the state is checked after every step (one jitted reduction,
+Under ``rollback`` the state is checked after every step (one jitted reduction,
 :func:`jphantom.step.finite.state_is_finite`), so the step whose update made the parameters
-non-finite is the one named or skipped, even when its own loss was finite. The policy keeps the
-record ``results.json`` gets (``skipped_steps``, ``skipped_updates``, ``rollbacks``,
+non-finite is the one rolled back, even when its own loss was finite. Under every policy a
+checkpoint is written only of a finite state whose recorded losses are finite, and a run that
+ends with non-finite parameters or final loss says so and fails. The policy keeps the record
+``results.json`` gets (``skipped_steps``, ``skipped_updates``, ``rollbacks``,
 ``skipped_batches``)."""
 
 from __future__ import annotations
 
 import math
 
-from jphantom.runtime import resilience
 from jphantom.errors import TrainingDiverged
 from jphantom.runtime.resilience import MAX_CONSECUTIVE_SKIPS, MAX_ROLLBACKS
-
-POLICIES = ("stop", "skip", "rollback")
+from jphantom.step.finite import skipped_updates
 
 
 class NonFinitePolicy:
@@ -43,6 +48,7 @@ class NonFinitePolicy:
         self._bad_batches: set[int] = set()
         self._in_a_row = 0
         self._rollbacks_in_a_row = 0
+        self._warned = False
         self.reset(opt_state)
 
     @property
@@ -55,7 +61,7 @@ class NonFinitePolicy:
 
     def reset(self, opt_state) -> None:
         """The optimizer's count of dropped updates starts again from ``opt_state``'s."""
-        self._dropped = resilience.nonfinite_total(opt_state) or 0
+        self._dropped = skipped_updates(opt_state) or 0
 
     def skips_batch(self, index: int) -> bool:
         """Whether batch ``index`` gave a rolled-back non-finite loss: then it is not trained
@@ -69,18 +75,22 @@ class NonFinitePolicy:
     def judge(self, index: int, loss: float, opt_state, last_good,
               state_finite: bool = True) -> str:
         """After step ``index`` with training ``loss`` (``state_finite``: whether the state it
-        left is): ``"ok"``, ``"skipped"`` (the update was dropped and the run goes on) or
-        ``"rollback"``; raises :class:`~jphantom.errors.TrainingDiverged` when the run must
+        left is): ``"ok"``, ``"warned"`` (``warn``'s first non-finite step: the run says
+        :meth:`warning` and goes on), ``"skipped"`` (the update was dropped and the run goes on)
+        or ``"rollback"``; raises :class:`~jphantom.errors.TrainingDiverged` when the run must
         stop (``last_good()``: where the last good state is, appended to the message)."""
         skipped = False  # skip: keep_if_finite counted a dropped update
         if self.name == "skip":
-            dropped = resilience.nonfinite_total(opt_state)
+            dropped = skipped_updates(opt_state)
             skipped, self._dropped = dropped > self._dropped, dropped
         if math.isfinite(loss) and not skipped and state_finite:
             self._in_a_row = 0
             return "ok"
         if self.name == "rollback":
             return "rollback"
+        if self.name == "warn":
+            warned, self._warned = self._warned, True
+            return "ok" if warned else "warned"
         what = self.describe(index, loss, state_finite)
         if self.name == "skip" and skipped:
             self._in_a_row += 1
@@ -119,6 +129,12 @@ class NonFinitePolicy:
     def saved(self) -> None:
         """A checkpoint was written: the run made progress since its last rollback."""
         self._rollbacks_in_a_row = 0
+
+    def warning(self, index: int, loss: float) -> str:
+        """The line ``warn`` prints once, at its first non-finite step ``index``."""
+        return (f"{self.describe(index, loss)}: going on (--on-nonfinite warn, "
+                "said once); lower the learning rate or check the data (skip, stop or rollback "
+                "keep the last good state)")
 
     def describe(self, index: int, loss: float, state_finite: bool = True) -> str:
         c = self.config

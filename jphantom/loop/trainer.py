@@ -248,6 +248,8 @@ class Trainer:
                                    run.checkpoints.last_good, finite)
         if verdict == "rollback":
             return self._roll_back(run, index, loss, finite), True
+        if verdict == "warned":
+            tqdm.write(run.policy.warning(index, loss))
         record = self._record(run, index, loss, elapsed, joules, verdict == "skipped")
         if run.evaluator.due(index):
             self._evaluate(run, index, record)
@@ -318,7 +320,7 @@ class Trainer:
             learning_rate=float(rates[min(index, len(rates) - 1)]),
             grad_norm=None if grad_norm is None else float(grad_norm),
             **run.clock.measures(elapsed, joules, run.data.source.tokens_per_batch))
-        if self.config.train.on_nonfinite != "stop":
+        if self.config.train.on_nonfinite in ("skip", "rollback"):
             record.update_skipped = skipped
             if skipped:  # the optimizer's state (and its recorded norm) did not move
                 record.grad_norm = None

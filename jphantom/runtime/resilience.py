@@ -14,14 +14,9 @@ rank, non-finite losses.
   finish (jax#38503: no flag of XLA's fires for a rank that does not arrive). Every process that
   waits on the stopped one times out the same way; ``jphantom launch`` names the process that
   stopped first and which ones are suspended.
-- :data:`NONFINITE`: what a non-finite loss does (``--on-nonfinite``): ``stop`` (the default: one
-  line naming the newest checkpoint, the last good state on disk), ``skip`` (the update is
-  dropped inside the step with ``optax.apply_if_finite``, counted, and reported per step),
-  ``rollback`` (the newest checkpoint whose recorded loss and parameters are finite is reloaded
-  and the batch that gave the non-finite loss is skipped; :data:`MAX_ROLLBACKS` without progress
-  stop the run). A checkpoint is written only of a finite state whose recorded losses are
-  finite, and a run that ends with non-finite parameters or final loss says so and fails,
-  ``results.json`` recording that line (:mod:`jphantom.loop.nonfinite`).
+- ``--on-nonfinite``, what a non-finite loss does, in the names of
+  :data:`jphantom.registry.nonfinite.NONFINITE` (:mod:`jphantom.loop.nonfinite` applies them):
+  :data:`MAX_CONSECUTIVE_SKIPS` and :data:`MAX_ROLLBACKS` bound ``skip`` and ``rollback``.
 """
 
 from __future__ import annotations
@@ -32,7 +27,6 @@ import sys
 import threading
 import time
 
-NONFINITE = ("stop", "skip", "rollback")
 MAX_CONSECUTIVE_SKIPS = 10
 """``--on-nonfinite skip``: this many non-finite steps in a row stop the run (diverged, not a
 spike)."""
@@ -137,13 +131,3 @@ class Watchdog:
             sys.stdout.flush()
             os._exit(TIMEOUT_EXIT)
 
-
-def nonfinite_total(opt_state) -> int | None:
-    """Steps whose update :func:`jphantom.step.finite.keep_if_finite` (or
-    ``optax.apply_if_finite``) dropped so far (None without it)."""
-    import jax
-    import optax
-
-    found = [leaf for leaf in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
-        x, optax.ApplyIfFiniteState)) if isinstance(leaf, optax.ApplyIfFiniteState)]
-    return int(jax.device_get(found[0].total_notfinite)) if found else None

@@ -1,5 +1,6 @@
 """What the step does when a loss, a gradient or a parameter goes non-finite
-(``make_train_step(..., on_nonfinite=...)``, :data:`POLICIES`):
+(``make_train_step(..., on_nonfinite=...)``), in the names of
+:data:`jphantom.registry.nonfinite.NONFINITE`:
 
 - ``"warn"`` (the default): the compiled step is unchanged; each loss the step returns is read
   once it is ready (``jax.Array.is_ready``: never waited for, so no host sync is added) and the
@@ -12,7 +13,13 @@
   step, what stopping at the step needs): a non-finite one raises
   :class:`jphantom.errors.TrainingDiverged` naming the call, whose ``state`` attribute is the
   state the step returned (finite: the bad update was not applied).
-- ``"ignore"``: nothing is checked (a loop with its own policy, as :class:`jphantom.loop.trainer.Trainer`).
+- ``"rollback"``: a ConfigError: only a training loop with checkpoints can reload one.
+
+``watch=False``: a loop judges each loss itself and owns the policy
+(:class:`jphantom.loop.trainer.Trainer`, :mod:`jphantom.loop.nonfinite`, which may roll back):
+the step reads no loss, and drops a bad update under ``"skip"`` only (:func:`drops_updates`).
+``on_nonfinite="ignore"``, the old spelling of that, is accepted with a DeprecationWarning for
+one release.
 """
 
 from __future__ import annotations
@@ -26,9 +33,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jphantom.errors import ConfigError, JPhantomWarning, TrainingDiverged
+from jphantom.errors import JPhantomWarning, TrainingDiverged
+from jphantom.registry.nonfinite import check_nonfinite
 
-POLICIES = ("warn", "skip", "stop", "ignore")
 _PENDING = 4  # losses kept until ready (a loop that never reads them holds no more)
 
 
@@ -47,11 +54,23 @@ class StepOutput(NamedTuple):
         return self.weight is not None and float(self.weight) == 0
 
 
-def check_policy(on_nonfinite) -> str:
-    if on_nonfinite not in POLICIES:
-        raise ConfigError(f"on_nonfinite={on_nonfinite!r} must be one of "
-                          f"{', '.join(map(repr, POLICIES))}")
-    return on_nonfinite
+def check_policy(on_nonfinite, watch: bool = True) -> tuple[str, bool]:
+    """``(on_nonfinite, watch)`` checked (module docstring): ``"rollback"`` only with
+    ``watch=False``; ``"ignore"`` is ``("warn", False)``, with a DeprecationWarning."""
+    if on_nonfinite == "ignore":
+        warnings.warn("on_nonfinite='ignore' is deprecated and goes in the next release: pass "
+                      "watch=False (the step reads no loss; a loop judges each one)",
+                      DeprecationWarning, stacklevel=4)
+        return "warn", False
+    return check_nonfinite(on_nonfinite, loop=not watch), bool(watch)
+
+
+def drops_updates(on_nonfinite: str, watch: bool = True) -> bool:
+    """Whether the step wraps its optimizer in :func:`keep_if_finite`: under ``"skip"``; under
+    ``"stop"`` when the step watches (its TrainingDiverged's ``.state`` is then the finite state
+    before the bad update; a loop that stops names its newest checkpoint instead, and its step
+    pays no check)."""
+    return on_nonfinite == "skip" or (on_nonfinite == "stop" and watch)
 
 
 def all_finite(tree) -> jax.Array:
@@ -106,10 +125,11 @@ def skipped_updates(opt_state) -> int | None:
 
 
 class NonFiniteWatch:
-    """The step's side of the policy (module docstring), called with each step's outputs."""
+    """The step's side of the policy (module docstring), called with each step's outputs; off
+    (``watch=False``) when a loop judges the losses."""
 
-    def __init__(self, policy: str, empty=lambda: 0):
-        self.policy = check_policy(policy)
+    def __init__(self, policy: str, empty=lambda: 0, watch: bool = True):
+        self.policy, self.on = check_policy(policy, watch)
         self.empty, self._empty_seen = empty, 0  # batches with nothing to count, so far
         self.calls = 0
         self.warned = False
@@ -118,7 +138,7 @@ class NonFiniteWatch:
 
     def __call__(self, state, loss) -> None:
         self.calls += 1
-        if self.policy == "ignore":
+        if not self.on:
             return
         if self.policy == "stop":
             self._stop(state, loss)

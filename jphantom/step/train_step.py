@@ -72,7 +72,8 @@ from jphantom.errors import ConfigError
 from jphantom.nn import attention as attention_module
 from jphantom.step.precision import Precision
 from jphantom.step.grads import Gradients, LocalGradients
-from jphantom.step.finite import NonFiniteWatch, StepOutput, skipped_updates
+from jphantom.step.finite import (NonFiniteWatch, StepOutput, check_policy, drops_updates,
+                                  skipped_updates)
 from jphantom.step.gspmd import GspmdGradients
 from jphantom.step.layout import (CONTEXT, ParamLayout, TrainState, batch_axes_of,
                                    batch_spec_of, check_mesh, group_by, integer_ids_error)
@@ -99,18 +100,19 @@ class TrainStep:
 
     def __init__(self, model: nnx.Module, mesh: Mesh, optimizer, loss_fn: Callable, *,
                  reducer: type[Reducer] = Reducer, donate: bool = True,
-                 on_nonfinite: str = "warn", **options):
+                 on_nonfinite: str = "warn", watch: bool = True, **options):
         check_optimizer(optimizer)
+        on_nonfinite, watch = check_policy(on_nonfinite, watch)
         self.setup = setup = setup_of(model, mesh, loss_fn, **options)
         self.update = OptimizerUpdate(optimizer, setup,
-                                      keep_finite=on_nonfinite in ("skip", "stop"))
+                                      keep_finite=drops_updates(on_nonfinite, watch))
         self.reducer = reducer(setup)
         self.gradients = gradients_of(setup, self.reducer)
         self.donate = donate
         self._step = None
         # the global weights of a weighted loss_fn the step returns, read on the host
         self.weight_report = token_mean.WeightReport(setup.loss_fn)
-        self.watch = NonFiniteWatch(on_nonfinite, self.weight_report.skipped_ready)
+        self.watch = NonFiniteWatch(on_nonfinite, self.weight_report.skipped_ready, watch)
         # the facts users and tools read, by their names
         self.mesh, self.layout, self.loss_fn = setup.mesh, setup.layout, setup.loss_fn
         self.model_template, self.precision = setup.model_template, setup.precision
@@ -411,8 +413,10 @@ def make_train_step(model: nnx.Module, mesh: Mesh, optimizer: optax.GradientTran
     ``on_nonfinite`` (``"warn"``, the default: one warning the first time a loss is non-finite,
     no host sync added; ``"skip"``: an update that would make the state non-finite is dropped and
     counted, :meth:`TrainStep.skipped_updates`; ``"stop"``: that, and a
-    :class:`~jphantom.errors.TrainingDiverged` at once; ``"ignore"``:
-    :mod:`jphantom.step.finite`).
+    :class:`~jphantom.errors.TrainingDiverged` at once; ``"rollback"`` is a run's, refused here:
+    :mod:`jphantom.step.finite`), ``watch`` (``True``; ``False`` when a loop judges each loss
+    itself under its ``on_nonfinite``: the step reads no loss and drops a bad update under
+    ``"skip"`` only).
 
     Experimental steps built from this one's parts live in :mod:`jphantom.experimental`: SAMO
     (:func:`jphantom.experimental.samo.make_samo_step`) and the step without its reductions

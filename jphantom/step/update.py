@@ -5,8 +5,9 @@ update's cross-shard reductions, a global norm, are the only collectives jit add
 and up the optimizer state is stored in shards over ``data`` (Rajbhandari et al. 2020), and the
 new parameters are put back in theirs.
 
-With ``keep_finite`` (``on_nonfinite`` ``"skip"`` or ``"stop"``) the user's optimizer is wrapped
-in :func:`jphantom.step.finite.keep_if_finite`.
+With ``keep_finite`` (:func:`jphantom.step.finite.drops_updates`: ``on_nonfinite="skip"``, or
+``"stop"`` when the step watches) the user's optimizer is wrapped in
+:func:`jphantom.step.finite.keep_if_finite`, here alone.
 
 The optimizer also carries what the step reads before its gradients: the dynamic loss scale
 (float16, :func:`jphantom.step.precision.dynamic_loss_scale`) and the step count that seeds the
@@ -62,7 +63,7 @@ class OptimizerUpdate:
     def __init__(self, optimizer: optax.GradientTransformation, setup: StepSetup, *,
                  keep_finite: bool = False):
         check_optimizer(optimizer)
-        if keep_finite:  # on_nonfinite skip/stop: a non-finite update is dropped, counted
+        if keep_finite:  # on_nonfinite skip (or stop): a non-finite update is dropped, counted
             from jphantom.step.finite import keep_if_finite
             optimizer = keep_if_finite(optimizer)
         if setup.dropout:  # the step count, the dropout keys' (checkpointed with the state)

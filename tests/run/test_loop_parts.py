@@ -45,6 +45,16 @@ def test_stop_ends_the_run_naming_the_step_and_the_last_good_state():
         policy.judge(3, math.nan, None, _no_checkpoint)
 
 
+def test_warn_goes_on_and_says_so_once():
+    policy = NonFinitePolicy(_config("warn"), None)
+    assert policy.judge(0, 1.5, None, _no_checkpoint) == "ok"
+    assert policy.judge(3, math.nan, None, _no_checkpoint) == "warned"
+    assert policy.warning(3, math.nan).startswith("training loss is nan at step 4 (gpt2")
+    assert "going on (--on-nonfinite warn, said once)" in policy.warning(3, math.nan)
+    assert [policy.judge(i, math.inf, None, _no_checkpoint) for i in (4, 5)] == ["ok", "ok"]
+    assert policy.record()["skipped_steps"] == [] and policy.record()["policy"] == "warn"
+
+
 def test_skip_counts_the_updates_the_optimizer_dropped_and_stops_after_too_many():
     policy = NonFinitePolicy(_config("skip"), _opt_state(0))
     assert policy.judge(0, 2.0, _opt_state(0), _no_checkpoint) == "ok"

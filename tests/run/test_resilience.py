@@ -2,7 +2,7 @@
 ends a run with a checkpoint of the step reached and ``--resume`` finishes it with the
 uninterrupted run's loss; a stopped rank under ``--step-timeout`` ends every process, naming the
 timeout; ``launch --max-restarts`` starts a killed run again from its newest checkpoint; the
-non-finite policies stop, skip or roll back.
+non-finite policies warn, skip, stop or roll back.
 
 Real processes: one single-process SIGTERM in ``make test``; under ``launch`` (two processes)
 the slow suite."""
@@ -122,6 +122,39 @@ def test_skip_drops_the_update_and_counts_it(nan_at_step_4, tmp_path, capsys):
     assert records[3]["train_loss"] is None and np.isfinite(records[-1]["validation_loss"])
     results = json.loads((out / "results.json").read_text())
     assert results["nonfinite"]["skipped_steps"] == [4]
+
+
+def test_warn_goes_on_says_so_once_and_the_run_fails_at_its_end(nan_at_step_4, tmp_path,
+                                                                 capsys):
+    """warn keeps training on the NaN parameters (no update dropped, no checkpoint of them): one
+    line at step 4, and the run ends saying its state is not finite."""
+    out = tmp_path / "out"
+    assert cli.main(["train", *FFN, "--on-nonfinite", "warn", "--out", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.count("going on (--on-nonfinite warn, said once)") == 1
+    assert "training loss is nan at step 4" in captured.out
+    assert captured.err.count("\n") == 1
+    assert "not finite after step 8 (--on-nonfinite warn)" in captured.err
+    assert len(_metrics(out)) == 8 and "update_skipped" not in _metrics(out)[3]
+
+
+def test_one_vocabulary_names_what_a_nonfinite_loss_does(capsys):
+    """The step's on_nonfinite, the configuration, the command line's choices and its help take
+    the names of jphantom.registry.nonfinite.NONFINITE (issue 56)."""
+    from jphantom.cli.parser import run_flag_choices
+    from jphantom.config import TrainConfig
+    from jphantom.registry.nonfinite import NONFINITE
+    from jphantom.step.finite import check_policy
+
+    assert NONFINITE == ("warn", "skip", "stop", "rollback")
+    assert tuple(run_flag_choices()["on_nonfinite"]) == NONFINITE
+    for name in NONFINITE:  # every name a run's and its step's (rollback: the loop's alone)
+        assert TrainConfig(on_nonfinite=name, checkpoint_dir="ck", save_every=1).on_nonfinite \
+            == name == check_policy(name, watch=False)[0]
+        assert name == "rollback" or check_policy(name)[0] == name
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    assert "--on-nonfinite {warn,skip,stop,rollback}" in capsys.readouterr().out
 
 
 def test_rollback_reloads_the_checkpoint_and_skips_the_batch(nan_at_step_4, tmp_path):

@@ -81,8 +81,52 @@ def test_skip_and_stop_keep_the_last_finite_state():
 
 
 def test_an_unknown_policy_is_one_line():
-    with pytest.raises(ConfigError, match="on_nonfinite='retry' must be one of 'warn'"):
+    with pytest.raises(ConfigError, match="on_nonfinite='retry' must be one of 'warn', 'skip', "
+                                          "'stop', 'rollback'"):
         _step(0.1, on_nonfinite="retry")
+
+
+def test_rollback_is_a_loops_and_a_step_alone_refuses_it_naming_the_fix():
+    with pytest.raises(ConfigError, match="on_nonfinite='rollback' reloads the newest good "
+                                          "checkpoint.*--checkpoint-dir.*'stop'"):
+        _step(0.1, on_nonfinite="rollback")
+
+
+def _run_nan(step, state, calls=3):
+    """``calls`` calls of ``step`` on NaN inputs; the JPhantomWarnings they gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(calls):
+            state, loss = step(state, *_batch(np.nan))
+            jax.block_until_ready(loss)
+    return state, [w for w in caught if issubclass(w.category, JPhantomWarning)]
+
+
+@pytest.mark.parametrize("policy", ["warn", "skip", "stop", "rollback"])
+def test_a_loop_that_judges_the_losses_gets_a_step_that_reads_none(policy):
+    """watch=False (the Trainer's step): no warning, no TrainingDiverged, every policy accepted;
+    the bad update is dropped under skip only (a loop's stop names its checkpoint, its step pays
+    no check)."""
+    step, state = _step(0.1, on_nonfinite=policy, watch=False)
+    before = np.asarray(state.params["kernel"])
+    state, said = _run_nan(step, state)
+    assert not said and step.watch.policy == policy
+    if policy == "skip":
+        assert step.skipped_updates(state) == 3
+        np.testing.assert_array_equal(np.asarray(state.params["kernel"]), before)
+    else:
+        assert step.skipped_updates(state) is None
+        assert not bool(state_is_finite(state))
+
+
+def test_ignore_is_deprecated_for_watch_false():
+    """The old fifth name still means what it did (nothing checked, nothing dropped) for one
+    release, saying what replaces it."""
+    with pytest.warns(DeprecationWarning, match="on_nonfinite='ignore' is deprecated.*"
+                                                "watch=False"):
+        step, state = _step(0.1, on_nonfinite="ignore")
+    state, said = _run_nan(step, state)
+    assert not said and step.skipped_updates(state) is None and not step.watch.on
 
 
 def test_a_batch_with_nothing_to_count_is_not_a_nonfinite_loss():
