@@ -24,7 +24,7 @@ LAYERS = [
     ("models", ["models", "registry.families"]),
     ("plans", ["plans", "models.gpt2.plan", "models.llama.plan"]),  # a family's declared plan is written in styles
     ("step", ["pipeline.runner", "pipeline.split", "step", "experimental"]),
-    ("program", ["registry.program", "registry.layer_plans", "costs"]),
+    ("program", ["registry.program", "registry.layer_plans", "costs", "models.ffn.program"]),
     ("run", ["config", "loop", "runtime.resilience", "costs.metrics", "analysis", "planner", "plan",
              "perf", "runtime.launch", "costs.aot",
              "generation"]),
