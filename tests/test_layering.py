@@ -24,7 +24,7 @@ LAYERS = [
     ("models", ["models", "registry.families"]),
     ("plans", ["plans", "models.gpt2.plan", "models.llama.plan"]),  # a family's declared plan is written in styles
     ("step", ["pipeline.runner", "pipeline.split", "step", "experimental"]),
-    ("program", ["registry.program", "registry.layer_plans", "costs"]),
+    ("program", ["registry.program", "registry.layer_plans", "costs", "models.ffn.program"]),
     ("run", ["config", "loop", "runtime.resilience", "costs.metrics", "analysis", "planner", "plan",
              "perf", "runtime.launch", "costs.aot",
              "generation"]),
@@ -229,8 +229,6 @@ FUNCTION_LINES = 80
 # Functions still over the limit, each with its length today as a ceiling (it may only shrink)
 # and why it is long. Take one off the list by splitting it; never add one.
 LONG_FUNCTIONS = {
-    "plans/convert.py::convert": (166, "one branch per style and layer type (to become "
-                                       "the styles' own conversions)"),
     "runtime/launch.py::launch": (92, "the launcher's processes, their environment and their exit"),
     "step/gspmd.py::pipeline_loss": (82, "the GSPMD baseline's pipelined loss"),
 }

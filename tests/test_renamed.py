@@ -50,6 +50,12 @@ def test_the_old_ranking_name_and_a_clean_library():
     ("jphantom.perf.axonn_model", "Precision", "PrecisionBytes"),
     ("jphantom.perf.axonn_model", "Layer", "LayerShape"),
     ("jphantom.predict", "Placement", "GroupPlacement"),
+    ("jphantom.models.gpt2", "Attention", "GPT2Attention"),
+    ("jphantom.models.gpt2", "Block", "GPT2Block"),
+    ("jphantom.models.gpt2", "MLP", "GPT2MLP"),
+    ("jphantom.models.llama", "Attention", "LlamaAttention"),
+    ("jphantom.models.llama", "Block", "LlamaBlock"),
+    ("jphantom.models.llama", "MLP", "LlamaMLP"),
 ])
 def test_an_old_name_is_the_renamed_object_and_warns(module, old, new):
     import importlib

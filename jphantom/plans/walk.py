@@ -116,7 +116,7 @@ def split_features(path: str, module, walk: str) -> ConfigError:
 def check_fused_qkv(modules: Mapping, path: str, plan_name: str) -> None:
     """A fused q/k/v projection keeps whole heads, each with its q, k and v, under a split of its
     outputs over ranks only when its outputs are ordered head by head (``[heads, 3, head_dim]``,
-    as :class:`jphantom.models.gpt2.model.Attention` orders GPT-2's ``c_attn``). In Hugging
+    as :class:`jphantom.models.gpt2.model.GPT2Attention` orders GPT-2's ``c_attn``). In Hugging
     Face's layout (``q | k | v``) a contiguous split would hand a rank a slice of each instead,
     silently wrong; so the module holding it must declare ``FUSED_QKV_LAYOUT = "heads"``, and
     anything else is refused by name. Any other linear passes."""

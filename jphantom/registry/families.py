@@ -48,10 +48,14 @@ What a family declares:
   ``per_head_norms``, per-head q/k norms such as Qwen3's, which need a whole head where pmm3d
   splits a head's features over ``y``); ``strategies``: the names it runs instead, when it says
   so;
-  ``program``: ``"lm"`` (a language model under :func:`jphantom.registry.program.lm_build`'s plans) or
-  ``"ffn"`` (the FFN's own builder), which :attr:`Family.is_language_model` reads for the
-  callers that treat token sequences and the FFN's rows differently; ``defaults``: the column
-  of ``inspect``'s and ``compile``'s defaults (``"lm"`` or ``"ffn"``).
+  ``program``: ``"lm"`` (a language model: the layers' plans' ``lm`` builders) or ``"ffn"``
+  (their ``ffn`` builders), which :attr:`Family.is_language_model` reads for the callers that
+  treat token sequences and the FFN's rows differently; ``defaults``: the column of
+  ``inspect``'s and ``compile``'s defaults (``"lm"`` or ``"ffn"``);
+- ``build(config, strategy, mesh, **options)``: its
+  :class:`~jphantom.registry.program.Program`, declared by the family that builds its own (the
+  FFN's, :func:`jphantom.models.ffn.program.build`, a :class:`Lazy` reference: it sits in the
+  program layer); ``None``: a language model's, :func:`jphantom.registry.program.lm_build`.
 
 The zoo's families are the packages of :data:`BUILTIN`, imported on the first lookup; a user's
 family registers from anywhere (``tests/models/test_families.py`` declares one in the test file and
@@ -144,6 +148,7 @@ class Family:
     flops_per_token: Callable[[Any, int], int] | None = None
     plan_shape: Callable[[Any], Any] | None = None
     plan: Callable[..., Any] | Lazy | None = None
+    build: Callable[..., Any] | Lazy | None = None
     matches: Callable[[Any], bool] | None = None
     check: Callable[[Any], None] | None = None
     aliases: tuple[str, ...] = ()

@@ -67,7 +67,7 @@ def test_every_policy_gives_the_same_gradients(policy):
 
 def _block_residual_bytes(policy):
     """Per block, what the policy keeps for the backward: abstract vjp of one plain block."""
-    block = nnx.eval_shape(lambda: gpt2.Block(CONFIG, rngs=nnx.Rngs(0)))
+    block = nnx.eval_shape(lambda: gpt2.GPT2Block(CONFIG, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(block)
     h = jax.ShapeDtypeStruct((BATCH, CONFIG.seq_len, CONFIG.hidden), jnp.float32)
     return remat.residual_bytes(lambda s, x: nnx.merge(graphdef, s)(x), state, h, policy)
@@ -134,7 +134,7 @@ def _block_residuals(policy, config=CONFIG):
     set as the step sets it): ``(shape, dtype)`` of each residual."""
     from jphantom.nn import set_remat
 
-    block = nnx.eval_shape(lambda: gpt2.Block(config, rngs=nnx.Rngs(0)))
+    block = nnx.eval_shape(lambda: gpt2.GPT2Block(config, rngs=nnx.Rngs(0)))
     set_remat(block, policy)
     graphdef, state = nnx.split(block)
     h = jax.ShapeDtypeStruct((BATCH, config.seq_len, config.hidden), jnp.float32)
@@ -186,7 +186,7 @@ def test_selective_recompute_holds_inside_a_layer_that_keeps_everything_else():
     ``jax.checkpoint`` in them was overridden by it, keeping the probabilities)."""
     from jphantom.nn import set_remat
 
-    block = nnx.eval_shape(lambda: gpt2.Block(CONFIG, rngs=nnx.Rngs(0)))
+    block = nnx.eval_shape(lambda: gpt2.GPT2Block(CONFIG, rngs=nnx.Rngs(0)))
     set_remat(block, remat.SELECTIVE)
     graphdef, state = nnx.split(block)
     layer = remat.checkpointed(lambda s, x: nnx.merge(graphdef, s)(x), remat.SELECTIVE,

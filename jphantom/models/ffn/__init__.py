@@ -3,8 +3,9 @@
     y = W_L relu(... relu(W_2 relu(W_1 x + b_1) + b_2) ...) + b_L        x, y [B, n]
 
 :class:`FFN` is a Flax NNX module of plain ``nnx.Linear`` layers holding no collective; a
-strategy is a plan applied to it (:func:`jphantom.registry.program.build`, which also validates the
-configuration against the mesh):
+strategy is a plan applied to it (:func:`jphantom.registry.program.build`, through the family's
+builder :func:`jphantom.models.ffn.program.build`, which also validates the configuration against
+the mesh):
 
     program = jphantom.registry.program.build(FFNConfig(width=4096, depth=2, ghost_width=16), "phantom",
                                      "data=2,model=4")
@@ -35,7 +36,10 @@ One idea a module:
 - :mod:`~jphantom.models.ffn.config`: the shape, :class:`FFNConfig` (no jax: a run's
   configuration builds it as it validates);
 - :mod:`~jphantom.models.ffn.model`: the NNX module, :class:`FFN`, and its loss;
-- :mod:`~jphantom.models.ffn.family`: its registration (``ffn``, :mod:`jphantom.registry.families`).
+- :mod:`~jphantom.models.ffn.family`: its registration (``ffn``, :mod:`jphantom.registry.families`);
+- :mod:`~jphantom.models.ffn.program`: its builder, the model under a strategy on a mesh
+  (:class:`jphantom.registry.program.Program`; in the program layer, imported when a model is
+  built).
 
 Importing the package registers the family and imports no jax; the module's names load on first
 use.

@@ -1,6 +1,7 @@
 """Seal et al.'s FFN as a model family (:mod:`jphantom.registry.families`): its registration
 (``ffn``), its configuration from a run's model section and its FLOPs, without jax (the NNX
-module is a :class:`~jphantom.registry.families.Lazy` reference, imported when a model is built)."""
+module and the builder, :mod:`jphantom.models.ffn.program`, are
+:class:`~jphantom.registry.families.Lazy` references, imported when a model is built)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def _register():
         from_flags=family_config,
         fields=(WIDTH, DEPTH, GHOST_WIDTH), common_flags=("dtype",),
         flops_per_token=lambda config, seq_len: 6 * config.depth * config.width ** 2,
-        program="ffn", defaults="ffn"))
+        build=families.Lazy("jphantom.models.ffn.program", "build"), program="ffn",
+        defaults="ffn"))
 
 
 FAMILY = _register()

@@ -15,8 +15,8 @@ dictionary and the checkpoints load on first use.
 from jphantom.models.gpt2.config import DTYPES, LAYER_NORM_EPS, TransformerConfig, moe_fields
 from jphantom.models.gpt2.family import FAMILY, family_config, plan_shape
 
-_LAZY = {**{name: "model" for name in ("AUX", "GPT2", "MLP", "Attention", "Block", "MoEBlock",
-                                       "MoEGroup")},
+_LAZY = {**{name: "model" for name in ("AUX", "GPT2", "GPT2MLP", "GPT2Attention", "GPT2Block",
+                                       "MoEBlock", "MoEGroup")},
          **{name: "dense" for name in ("from_dense", "to_dense")},
          **{name: "hf" for name in ("CONFIG_FILE", "HF_DEFAULTS", "INDEX_FILE", "PREFIX",
                                     "TANH_GELUS", "WEIGHTS_FILE", "config_from_hf",
@@ -24,10 +24,22 @@ _LAZY = {**{name: "model" for name in ("AUX", "GPT2", "MLP", "Attention", "Block
                                     "to_hf_tensors")}}
 
 
+_RENAMED = {"Attention": "GPT2Attention", "Block": "GPT2Block", "MLP": "GPT2MLP"}
+"""The blocks' old names, which Llama's shared (:mod:`jphantom.models.llama`: ``LlamaAttention``,
+...): read with a DeprecationWarning; they go in the next release."""
+
+
 def __getattr__(name):
-    """The names above load on first use (module docstring)."""
+    """The names above load on first use (module docstring); an old name of :data:`_RENAMED`
+    with a DeprecationWarning."""
     import importlib
 
+    if name in _RENAMED:
+        import warnings
+
+        warnings.warn(f"jphantom.models.gpt2: {name} is now {_RENAMED[name]}; the old name goes "
+                      "in the next release", DeprecationWarning, stacklevel=2)
+        name = _RENAMED[name]
     if name not in _LAZY:
         raise AttributeError(f"module 'jphantom.models.gpt2' has no attribute {name!r}")
     return getattr(importlib.import_module(f"jphantom.models.gpt2.{_LAZY[name]}"), name)

@@ -2,8 +2,8 @@
 :func:`~jphantom.models.gpt2.hf.save` read and write) to and from the :class:`GPT2` module, by
 slicing only. ``qkv`` is GPT-2's fused ``c_attn``: the dictionary keeps Hugging Face's
 [3, heads, d] order of its output features, the module [heads, 3, d]
-(:class:`~jphantom.models.gpt2.model.Attention`); the reordering is a permutation, bit for bit both
-ways. MoE blocks have no dense dictionary (refused by name).
+(:class:`~jphantom.models.gpt2.model.GPT2Attention`); the reordering is a permutation, bit for
+bit both ways. MoE blocks have no dense dictionary (refused by name).
 """
 
 from __future__ import annotations

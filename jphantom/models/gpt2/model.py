@@ -9,7 +9,7 @@ built from plain Flax layers with no collective, with optional mixture-of-expert
 
 ``qkv`` is GPT-2's fused ``c_attn`` with its output features reordered from Hugging Face's
 [3, heads, d] to [heads, 3, d], so that any split of them over ranks keeps whole heads
-(:class:`Attention`); the reordering is a permutation, bit for bit both ways
+(:class:`GPT2Attention`); the reordering is a permutation, bit for bit both ways
 (:func:`from_dense` / :func:`to_dense` convert from and to the dense dictionary that
 :func:`load` and :func:`save` read and write).
 
@@ -57,7 +57,7 @@ def _linear(n_in, n_out, dtype, rngs):
                       rngs=rngs)
 
 
-class Attention(nnx.Module):
+class GPT2Attention(nnx.Module):
     """Causal multi-head attention with GPT-2's fused projection ``qkv`` [h, 3h], its output
     features ordered [heads, 3, d] (head by head, its q, k and v): a contiguous split of the
     outputs over p ranks (Megatron's column layer, phantom's feature split) gives each rank whole
@@ -83,7 +83,7 @@ class Attention(nnx.Module):
         return self.out(packed.attend(self.attend, q, k, v, packing).reshape(batch, seq, -1))
 
 
-class MLP(nnx.Module):
+class GPT2MLP(nnx.Module):
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         h, dtype = config.hidden, jnp.dtype(config.dtype)
         self.up, self.down = _linear(h, 4 * h, dtype, rngs), _linear(4 * h, h, dtype, rngs)
@@ -98,10 +98,10 @@ def _norm(config: TransformerConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
                          rngs=rngs)  # HF's centred variance
 
 
-class Block(nnx.Module):
+class GPT2Block(nnx.Module):
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
-        self.ln_1, self.attn = _norm(config, rngs), Attention(config, rngs=rngs)
-        self.ln_2, self.mlp = _norm(config, rngs), MLP(config, rngs=rngs)
+        self.ln_1, self.attn = _norm(config, rngs), GPT2Attention(config, rngs=rngs)
+        self.ln_2, self.mlp = _norm(config, rngs), GPT2MLP(config, rngs=rngs)
 
     def __call__(self, carry):
         """``carry``: h, or ``(h, packing)`` of a packed batch, returned alike."""
@@ -115,7 +115,7 @@ class MoEBlock(nnx.Module):
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         h, moe = config.hidden, config.moe
-        self.ln_1, self.attn = _norm(config, rngs), Attention(config, rngs=rngs)
+        self.ln_1, self.attn = _norm(config, rngs), GPT2Attention(config, rngs=rngs)
         self.ln_2 = _norm(config, rngs)
         self.moe = SwitchMoE(h, moe.width, moe.experts, top_k=moe.top_k,
                              capacity_factor=moe.capacity_factor,
@@ -138,7 +138,7 @@ class MoEGroup(nnx.Module):
     block's router statistics (:meth:`GPT2.balance_statistics`)."""
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
-        self.dense = nnx.List([Block(config, rngs=rngs) for _ in range(config.moe_every - 1)])
+        self.dense = nnx.List([GPT2Block(config, rngs=rngs) for _ in range(config.moe_every - 1)])
         self.moe_block = MoEBlock(config, rngs=rngs)
 
     def __call__(self, carry):
@@ -173,7 +173,7 @@ class GPT2(nnx.Module):
             self.blocks = Stacked(lambda r: MoEGroup(config, rngs=r), config.moe_layers,
                                   rngs=rngs, peel_first=True)
         else:
-            self.blocks = Stacked(lambda r: Block(config, rngs=r), config.layers, rngs=rngs)
+            self.blocks = Stacked(lambda r: GPT2Block(config, rngs=r), config.layers, rngs=rngs)
         self.ln_f = nnx.LayerNorm(config.hidden, epsilon=config.layer_norm_eps,
                                   param_dtype=dtype, use_fast_variance=False, rngs=rngs)
         if not config.tied_head:

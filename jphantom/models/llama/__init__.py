@@ -22,8 +22,9 @@ from jphantom.models.llama.family import (default_intermediate, family_config,
                                           flops_per_token, plan_shape, register_variant)
 from jphantom.models.llama import variants  # noqa: F401  (registers the six families)
 
-_LAZY = {**{name: "jphantom.models.llama.model" for name in ("MLP", "Attention", "Block",
-                                                             "Llama", "MoE", "rope")},
+_LAZY = {**{name: "jphantom.models.llama.model" for name in ("LlamaMLP", "LlamaAttention",
+                                                             "LlamaBlock", "Llama", "MoE",
+                                                             "rope")},
          "lm_loss": "jphantom.models",
          **{name: "jphantom.models.llama.hf" for name in ("HF_FIELDS", "config_from_hf",
                                                           "config_to_hf", "from_hf_tensors",
@@ -32,10 +33,22 @@ _LAZY = {**{name: "jphantom.models.llama.model" for name in ("MLP", "Attention",
 __all__ = ["LlamaConfig", "Llama", "lm_loss", "load_hf", "save_hf", "rope", "causal_attention"]
 
 
+_RENAMED = {"Attention": "LlamaAttention", "Block": "LlamaBlock", "MLP": "LlamaMLP"}
+"""The blocks' old names, which GPT-2's shared (:mod:`jphantom.models.gpt2`: ``GPT2Attention``,
+...): read with a DeprecationWarning; they go in the next release."""
+
+
 def __getattr__(name):
-    """The names above load on first use (module docstring)."""
+    """The names above load on first use (module docstring); an old name of :data:`_RENAMED`
+    with a DeprecationWarning."""
     import importlib
 
+    if name in _RENAMED:
+        import warnings
+
+        warnings.warn(f"jphantom.models.llama: {name} is now {_RENAMED[name]}; the old name goes "
+                      "in the next release", DeprecationWarning, stacklevel=2)
+        name = _RENAMED[name]
     if name not in _LAZY:
         raise AttributeError(f"module 'jphantom.models.llama' has no attribute {name!r}")
     return getattr(importlib.import_module(_LAZY[name]), name)

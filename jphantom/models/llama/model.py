@@ -8,9 +8,10 @@ untied LM head (tied with ``tie_word_embeddings``). No biases. Mixtral (Jiang et
 softmax router whose top-k weights are renormalised (:mod:`jphantom.nn.moe`), no capacity.
 
 The model holds no collective; :func:`jphantom.plans.megatron` / :func:`jphantom.plans.phantom` and
-:func:`jphantom.parallelize` make it parallel. Attention reshapes heads with ``-1`` and reads the
-sequence length from its projections, so it runs unchanged on a rank's heads (tensor, phantom) and
-under sequence parallelism. Module paths (blocks stacked [L, ...] under ``lax.scan``):
+:func:`jphantom.parallelize` make it parallel. :class:`LlamaAttention` reshapes heads with
+``-1`` and reads the sequence length from its projections, so it runs unchanged on a rank's heads
+(tensor, phantom) and under sequence parallelism. Module paths (blocks stacked [L, ...] under
+``lax.scan``):
 
     embed_tokens [V, h]            layers.block.input_layernorm, post_attention_layernorm [h]
     layers.block.self_attn.{q_proj [h, H d], k_proj, v_proj [h, K d], o_proj [H d, h]}
@@ -73,7 +74,7 @@ def _norm_class(config):
     return OffsetRMSNorm if config.norm_offset else RMSNorm
 
 
-class Attention(nnx.Module):
+class LlamaAttention(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         h, d = config.hidden, config.dim
         self.q_proj = _linear(h, config.heads * d, config, rngs, config.qkv_bias)
@@ -130,7 +131,7 @@ class Attention(nnx.Module):
         return self.o_proj(out.reshape(batch, seq, -1))
 
 
-class MLP(nnx.Module):
+class LlamaMLP(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         h, f = config.hidden, config.intermediate
         self.gate_proj = _linear(h, f, config, rngs)
@@ -172,7 +173,7 @@ class MoE(nnx.Module):
                                            renormalise=self.renormalise))
 
 
-class Block(nnx.Module):
+class LlamaBlock(nnx.Module):
     """Llama's pre-norm block; with ``post_norms`` (Gemma) the sandwich: ``input_layernorm``
     before attention, ``post_attention_layernorm`` on its output, ``pre_feedforward_layernorm``
     before the MLP, ``post_feedforward_layernorm`` on its output (those two on the residual
@@ -183,7 +184,7 @@ class Block(nnx.Module):
         norm = lambda: _norm_class(config)(config.hidden, epsilon=config.rms_norm_eps,
                                            param_dtype=dtype, rngs=rngs)
         self.input_layernorm = norm()
-        self.self_attn = Attention(config, rngs=rngs)
+        self.self_attn = LlamaAttention(config, rngs=rngs)
         self.post_attention_layernorm = norm()
         self.sandwich = config.post_norms
         if config.post_norms:
@@ -194,7 +195,7 @@ class Block(nnx.Module):
         if config.experts:
             self.moe = MoE(config, rngs=rngs)
         else:
-            self.mlp = MLP(config, rngs=rngs)
+            self.mlp = LlamaMLP(config, rngs=rngs)
 
     def __call__(self, carry, index=None):
         """``carry``: the stream h, or ``(h, packing)`` of a packed batch
@@ -221,7 +222,7 @@ class Llama(nnx.Module):
         dtype = jnp.dtype(config.dtype)
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden, param_dtype=dtype,
                                       embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
-        self.layers = Stacked(lambda r: Block(config, rngs=r), config.layers, rngs=rngs,
+        self.layers = Stacked(lambda r: LlamaBlock(config, rngs=r), config.layers, rngs=rngs,
                               with_index=config.mixed_layers)
         self.norm = _norm_class(config)(config.hidden, epsilon=config.rms_norm_eps,
                                         param_dtype=dtype, rngs=rngs)
