@@ -308,12 +308,11 @@ def test_dropout_masks_split_over_the_axes_the_activation_varies_over():
     from jphantom.nn import dropout
 
     mesh = _mesh("data=2,model=2")
-    layer = dropout.Dropout(0.5, stream=7)
 
     def per_rank(x):
-        with dropout.keys(jax.random.key(0)):
-            y = layer(x)
-        return jax.lax.pcast(y, ("model",), to="varying")
+        layer = dropout.Dropout(0.5, stream=7)
+        dropout.give_keys(layer, jax.random.key(0))
+        return jax.lax.pcast(layer(x), ("model",), to="varying")
 
     y = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=jax.P("data"),
                               out_specs=jax.P("data", "model")))(jnp.ones((4, 8)))
