@@ -136,11 +136,14 @@ def loss_share(setup: StepSetup, model, batch, balance=None, weight=None, micro=
 def micro_weight(setup: StepSetup, model, micro, balance=None, *, exclude=()):
     """The global weight of a weighted ``loss_fn`` over the micro-batches ``micro`` (each array
     [n, b, ...]): ``loss_fn`` mapped over them keeping only the weight, which XLA reduces to the
-    weight's own arithmetic (:mod:`jphantom.step.token_mean`); ``None`` for a scalar ``loss_fn``."""
-    struct = jax.eval_shape(lambda *mb: loss_of(setup, model, mb, balance), *(m[0] for m in micro))
+    weight's own arithmetic (:mod:`jphantom.step.token_mean`); ``None`` for a scalar ``loss_fn``.
+    ``model`` is given ``balance`` here, where it was merged: a module takes no new value from
+    inside the map's trace."""
+    balance_module.give(model, balance)
+    struct = jax.eval_shape(lambda *mb: loss_of(setup, model, mb), *(m[0] for m in micro))
     if not isinstance(struct, tuple):
         return None
-    weights = lax.map(lambda mb: token_mean.terms(loss_of(setup, model, mb, balance),
+    weights = lax.map(lambda mb: token_mean.terms(loss_of(setup, model, mb),
                                                   setup.loss_fn).weight, micro)
     return token_mean.global_weight(jnp.sum(weights, axis=0),
                                     metadata.varying_axes(struct[0]), exclude)
