@@ -9,28 +9,32 @@ sides, both explicit:
 
 - **the model** takes part by defining ``balance_statistics(*batch)`` -> ``[L_moe, 2E]`` (per MoE
   layer: how many tokens chose each expert first, then each expert's summed probability; ``None``
-  without MoE layers) and by reading :func:`current` where its MoE layers build their loss
-  (``None``: the micro-batch's own fractions). :class:`jphantom.models.gpt2.GPT2` does both;
+  without MoE layers) and by reading :func:`current` of itself where its MoE layers build their
+  loss (``None``: the micro-batch's own fractions). :class:`jphantom.models.gpt2.GPT2` does both;
 - **the step** (:class:`jphantom.TrainStep`) asks :func:`takes_part` of the model, sums the
   statistics over every micro-batch in a forward pass without gradient, turns them into
-  fractions (:func:`fractions`) and runs each micro-batch's ``loss_fn`` inside :func:`given`.
+  fractions (:func:`fractions`) and gives them (:func:`give`) to the model it merges for each
+  micro-batch before it runs ``loss_fn`` on it.
 
-``loss_fn`` needs no parameter for it: the fractions reach the model through this context, as the
-dropout keys do (:mod:`jphantom.nn.dropout`). ``f`` counts arg-max choices and carries no
-gradient, so the accumulated loss and gradient equal the step's without micro-batches.
+``loss_fn`` needs no parameter for it: the fractions are a value of the model's own state, a
+:class:`Fraction` variable on the model the step merged (step data, not a parameter: no
+gradient, no optimizer state, never checkpointed), as the dropout keys are
+(:mod:`jphantom.nn.dropout`). ``f`` counts arg-max choices and carries no gradient, so the
+accumulated loss and gradient equal the step's without micro-batches.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax import lax
 
-_FRACTION: contextvars.ContextVar = contextvars.ContextVar("jphantom_balance_fraction",
-                                                          default=None)
+ATTRIBUTE = "balance_fraction"  # where the step puts the fractions on the model
+
+
+class Fraction(nnx.Variable):
+    """The whole batch's routing fractions [L_moe, E] the step gives a micro-batch's model."""
 
 
 def takes_part(model) -> bool:
@@ -45,17 +49,14 @@ def fractions(statistics: jax.Array) -> jax.Array:
     return counts / jnp.sum(counts, axis=-1, keepdims=True)
 
 
-@contextlib.contextmanager
-def given(fraction):
-    """Inside: the MoE model's losses use the whole batch's ``fraction`` [L_moe, E] (``None``:
-    each micro-batch its own)."""
-    token = _FRACTION.set(fraction)
-    try:
-        yield
-    finally:
-        _FRACTION.reset(token)
+def give(model: nnx.Module, fraction) -> None:
+    """``model`` (one the step merged for a micro-batch) holds the whole batch's ``fraction``
+    [L_moe, E] as a :class:`Fraction` (``None``: nothing given, each micro-batch its own)."""
+    if fraction is not None:
+        setattr(model, ATTRIBUTE, nnx.data(Fraction(fraction)))
 
 
-def current():
-    """The whole batch's fractions the step gave (:func:`given`), or ``None``."""
-    return _FRACTION.get()
+def current(model: nnx.Module):
+    """The whole batch's fractions the step gave ``model`` (:func:`give`), or ``None``."""
+    given = getattr(model, ATTRIBUTE, None)
+    return None if given is None else given.get_value()

@@ -3,27 +3,29 @@
 A user's ``nnx.Dropout`` keeps its random state in the model (an ``nnx.Rngs`` stream that each
 call advances), which a step that merges the model from its parameters cannot carry. The step
 replaces each one in its private copy of the model by a :class:`Dropout` of the same rate and
-broadcast dimensions that draws its mask from a key the step supplies while it traces
-(:func:`keys`):
+broadcast dimensions, and gives each, in the model it merges for a micro-batch, its key as a
+value of the model's own state (:func:`give_keys`): a :class:`StepKey` variable, which is step
+data, not a parameter (no gradient, no optimizer state, never checkpointed):
 
     key = fold_in(key(seed), step)                       the step count, in the optimizer state
         -> fold_in(., micro-batch)                       accumulation: each micro-batch its own
         -> fold_in(., the module's path)                 each dropout layer its own stream
-        -> fold_in(., layer index)                       inside jphantom.nn.Stacked's scan
-        -> fold_in(., axis_index(a)) for every mesh axis a the input varies over
+        -> fold_in(., layer index)                       inside jphantom.nn.Stacked: the key
+                                                         stacked [L] like the layer's parameters,
+                                                         which the blocks' scan slices
+        -> fold_in(., axis_index(a)) for every mesh axis a the input varies over (at the call)
 
 The last rule is what makes it correct under every layout: ranks that hold the same activation
 (tensor parallelism's replicated stream, invariant over ``model``) draw the same mask, and ranks
 holding different tokens or features (``data``, ``expert``, ``context``, sequence parallelism's
 S/p tokens, a column layer's heads) draw independent ones. Masks are deterministic for a seed and
 a layout (another mesh draws other, equally valid, masks), and the training step's evaluation
-(``step.loss()``) runs without dropout, as ``model.eval()`` does.
+(``step.loss()``) runs without dropout, as ``model.eval()`` does: a :class:`Dropout` given no
+key passes its input through.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import zlib
 from typing import Any, NamedTuple
 
@@ -35,40 +37,50 @@ from jax import lax
 
 from jphantom.runtime import comm
 from jphantom.errors import ConfigError
-
-_KEY: contextvars.ContextVar = contextvars.ContextVar("jphantom_dropout_key", default=None)
-_LAYER: contextvars.ContextVar = contextvars.ContextVar("jphantom_dropout_layer", default=None)
+from jphantom.nn.stack import Stacked
 
 
-@contextlib.contextmanager
-def keys(key):
-    """Dropout layers called inside draw their masks from ``key`` (``None``: they do nothing,
-    as in evaluation)."""
-    token = _KEY.set(key)
-    try:
-        yield
-    finally:
-        _KEY.reset(token)
+class StepKey(nnx.Variable):
+    """A :class:`Dropout`'s key for one micro-batch (a typed key; inside ``L`` stacked layers
+    ``[L]`` of them, one per layer): set by the step in the model it merges, never a
+    parameter."""
 
 
-@contextlib.contextmanager
-def layer(index):
-    """Inside a stacked layer's call: ``index`` (traced) the layer's global index."""
-    token = _LAYER.set(index)
-    try:
-        yield
-    finally:
-        _LAYER.reset(token)
+def give_keys(model: nnx.Module, key) -> None:
+    """Each :class:`Dropout` of ``model`` (a model the step merged for one micro-batch) its
+    :class:`StepKey` of ``key`` (module docstring): ``fold_in(key, stream)``, and inside each
+    :class:`~jphantom.nn.stack.Stacked` on its path one key per layer ``i``, ``fold_in(., i)``,
+    stacked on a leading axis as the layers' parameters are."""
+    for path, module in nnx.iter_modules(model):
+        if not isinstance(module, Dropout):
+            continue
+        layers, node = [], model
+        for part in path[:-1]:
+            node = node[part] if isinstance(part, int) else getattr(node, part)
+            if isinstance(node, Stacked):
+                layers.append(node.layers)
+        module.key = StepKey(_per_layer(jax.random.fold_in(key, module.stream), layers))
+
+
+def _per_layer(key, layers: list[int]):
+    """``key`` folded with each layer index of the stacks ``layers`` (outermost first):
+    ``[*layers]`` keys."""
+    if not layers:
+        return key
+    return jax.vmap(lambda i: _per_layer(jax.random.fold_in(key, i), layers[1:]))(
+        jnp.arange(layers[0]))
 
 
 class Dropout(nnx.Module):
     """``nnx.Dropout``'s arithmetic with the step's keys (module docstring): ``x / (1 - rate)``
-    where the mask keeps, 0 elsewhere; ``broadcast_dims`` share one mask."""
+    where the mask keeps, 0 elsewhere; ``broadcast_dims`` share one mask. ``key``: its
+    :class:`StepKey` (:func:`give_keys`), ``None`` outside a training step's micro-batch."""
 
     def __init__(self, rate: float, *, broadcast_dims=(), deterministic: bool = False,
                  stream: int = 0):
         self.rate, self.broadcast_dims = float(rate), tuple(broadcast_dims)
         self.deterministic, self.stream = bool(deterministic), int(stream)
+        self.key: StepKey | None = nnx.data(None)
 
     @classmethod
     def from_module(cls, module: nnx.Dropout, path: str) -> "Dropout":
@@ -86,13 +98,9 @@ class Dropout(nnx.Module):
 
     def __call__(self, x, *, deterministic: bool | None = None, rngs=None):
         deterministic = self.deterministic if deterministic is None else deterministic
-        key = _KEY.get()
-        if deterministic or self.rate == 0.0 or key is None:
+        if deterministic or self.rate == 0.0 or self.key is None:
             return x
-        key = jax.random.fold_in(key, self.stream)
-        index = _LAYER.get()
-        if index is not None:
-            key = jax.random.fold_in(key, index)
+        key = self.key.get_value()
         for axis in sorted(comm.varying_axes(x)):
             key = jax.random.fold_in(key, comm.axis_index(axis))
         shape = tuple(1 if d in {b % x.ndim for b in self.broadcast_dims} else n
@@ -127,4 +135,4 @@ def step_key(seed: int, count) -> jax.Array:
     return jax.random.key_data(jax.random.fold_in(jax.random.key(seed), count))
 
 
-__all__ = ["Dropout", "StepCount", "counting", "keys", "layer", "step_key"]
+__all__ = ["Dropout", "StepCount", "StepKey", "counting", "give_keys", "step_key"]

@@ -26,7 +26,10 @@ Two explicit attributes, set by the training step and never by a context: ``rema
 blocks' activation-checkpointing policy (:mod:`jphantom.step.remat`; :func:`set_remat`), and
 ``fetch``, ZeRO-3's per-layer all-gather over ``data`` (:class:`jphantom.step.zero.LayerFetch`),
 whose ``around(layer)`` runs each layer on its gathered parameters and gathers them again
-for the backward. Holds no collective itself.
+for the backward. The block's state that is not parameters, the values the step puts on the
+model it merges for a micro-batch (each dropout layer's keys, one per layer:
+:class:`jphantom.nn.dropout.StepKey`), is stacked [L] as the parameters are and sliced with them
+by the scan, never fetched. Holds no collective itself.
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ from jax import lax
 from jphantom.runtime import comm
 from jphantom.step import remat as remat_module
 from jphantom.errors import check_int
-from jphantom.nn import dropout
 
 
 class Stacked(nnx.Module):
@@ -63,50 +65,55 @@ class Stacked(nnx.Module):
 
     def __call__(self, carry, *args):
         """``carry`` through every block; ``args`` are passed to each block unchanged."""
-        graphdef, state = nnx.split(self.block)
-        return apply_blocks(graphdef, state, carry, *args, remat=self.remat, fetch=self.fetch,
-                            with_index=self.with_index, peel_first=self.peel_first)
+        graphdef, state, data = nnx.split(self.block, nnx.Param, ...)
+        return apply_blocks(graphdef, state, carry, *args, data=data, remat=self.remat,
+                            fetch=self.fetch, with_index=self.with_index,
+                            peel_first=self.peel_first)
 
 
-def apply_blocks(graphdef, state, carry, *args, remat: str = "none", fetch=None,
+def apply_blocks(graphdef, state, carry, *args, data=None, remat: str = "none", fetch=None,
                  with_index: bool = False, peel_first: bool = False, offset=0):
-    """The blocks of a split :class:`Stacked` (``state`` stacked [L', ...]) applied in order under
-    ``lax.scan``, each checkpointed with ``remat`` and its parameters passed through ``fetch``: a
-    pipeline stage's body runs its L' blocks so (``offset``: the global index of its first)."""
+    """The blocks of a split :class:`Stacked` (``state`` its parameters, stacked [L', ...])
+    applied in order under ``lax.scan``, each checkpointed with ``remat`` and its parameters
+    passed through ``fetch``: a pipeline stage's body runs its L' blocks so (``offset``: the
+    global index of its first). ``data``: the rest of the block's state, stacked as its
+    parameters and sliced with them but never fetched: the step's values for one micro-batch
+    (each dropout layer's keys, :class:`jphantom.nn.dropout.StepKey`)."""
 
-    graphdef, state = gather_stacked(graphdef, state)
+    data = nnx.State({}) if data is None else data
+    graphdef, state = gather_stacked(graphdef, state, data)
 
-    def one(layer_state, carry, index):
-        block = nnx.merge(graphdef, layer_state)
-        with dropout.layer(index):  # each layer its own dropout masks
-            return block(carry, index, *args) if with_index else block(carry, *args)
+    def one(layer_state, carry, index_data):
+        index, layer_data = index_data
+        block = nnx.merge(graphdef, layer_state, layer_data)
+        return block(carry, index, *args) if with_index else block(carry, *args)
 
     one = remat_module.checkpointed(one, remat, fetched=fetch is not None,
-                                    regather=_sequence_axis(graphdef, state))
+                                    regather=_sequence_axis(graphdef, state, data))
     if fetch is not None:
         one = fetch.around(one)
     layers = jax.tree.leaves(state)[0].shape[0]
-    indices = offset + jnp.arange(layers)
+    xs = (offset + jnp.arange(layers), data)  # per layer: its index and its step data
+    first = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
     if peel_first:
-        carry = one(jax.tree.map(lambda a: a[0], state), carry, indices[0])
+        carry = one(first(state), carry, first(xs))
         if layers == 1:
             return carry
-        state = jax.tree.map(lambda a: a[1:], state)
-        indices = indices[1:]
+        state, xs = jax.tree.map(lambda a: a[1:], (state, xs))
     if not jax.tree.leaves(state) or jax.tree.leaves(state)[0].shape[0] == 0:
         return carry
     carry = _varying_like(carry, jax.eval_shape(  # the carry's type as the blocks leave it
-        lambda st, c: one(jax.tree.map(lambda a: a[0], st), c, indices[0]), state, carry))
-    carry, _ = lax.scan(lambda c, xs: (one(xs[0], c, xs[1]), None), carry, (state, indices))
+        lambda st, c, x: one(first(st), c, first(x)), state, carry, xs))
+    carry, _ = lax.scan(lambda c, x: (one(x[0], c, x[1]), None), carry, (state, xs))
     return carry
 
 
-def _sequence_axis(graphdef, state) -> str | None:
+def _sequence_axis(graphdef, state, data) -> str | None:
     """The mesh axis a block's sequence-parallel modules all-gather the sequence over (their
     ``gathers_sequence``), or None. None too for a block on FP8 GEMMs (:func:`set_fp8`): an FP8
     GEMM keeps its own residuals, its quantised operands, which no checkpoint policy reaches, and
     regathering under it gave NaN gradients (an open defect: the bf16 steps regather)."""
-    block = nnx.merge(graphdef, state)
+    block = nnx.merge(graphdef, state, data)
     modules = [m for _, m in nnx.iter_modules(block)]
     if any(getattr(m, "fp8", False) is True for m in modules):
         return None
@@ -127,19 +134,21 @@ def _varying_like(carry, out):
     return jax.tree.map(one, carry, out)
 
 
-def gather_stacked(graphdef, state):
+def gather_stacked(graphdef, state, data=None):
     """The block's graph and state after every module of it that defines ``gather_stacked()``
     (pmm3d's deferred linears) has run it on the whole stack of its parameters [L, ...], before
     the layers: one collective per stack instead of one per layer (its transpose, after the
-    backward, also one). Unchanged when no module defines it."""
-    block = nnx.merge(graphdef, state)  # fresh variables: the caller's state is never changed
+    backward, also one). Unchanged when no module defines it. ``data``: the block's state that
+    is not parameters, split off (:func:`apply_blocks`): then only the parameters come back."""
+    extra = () if data is None else (data,)
+    block = nnx.merge(graphdef, state, *extra)  # fresh variables: the caller's never changed
     hooks = [m.gather_stacked for _, m in nnx.iter_modules(block)
              if callable(getattr(m, "gather_stacked", None))]
     if not hooks:
         return graphdef, state
     for hook in hooks:
         hook()
-    return nnx.split(block)
+    return nnx.split(block, nnx.Param, ...)[:2] if extra else nnx.split(block)
 
 
 class StackInput(Exception):

@@ -79,11 +79,16 @@ def accumulate(fn, micro, *, mean: bool, indexed: bool = False):
     return jax.tree.map(lambda a: a / n, total) if mean else total
 
 
-def loss_of(setup: StepSetup, model, batch, balance=None):
-    """``loss_fn(model, *batch)`` in the compute precision (``balance``: the whole batch's routing
-    fractions, given to a micro-batch's loss, :func:`balance_fraction`)."""
-    with balance_module.given(balance):
-        return setup.loss_fn(model, *setup.precision.cast(batch))
+def loss_of(setup: StepSetup, model, batch, balance=None, key=None):
+    """``loss_fn(model, *batch)`` in the compute precision, ``model`` (one merged for this
+    micro-batch) first given the micro-batch's step data as values of its own state:
+    ``balance``, the whole batch's routing fractions (:func:`balance_fraction`,
+    :func:`jphantom.nn.balance.give`), and ``key``, its dropout key
+    (:func:`jphantom.nn.dropout.give_keys`; none: dropout layers pass their input through)."""
+    balance_module.give(model, balance)
+    if key is not None:
+        dropout_module.give_keys(model, key)
+    return setup.loss_fn(model, *setup.precision.cast(batch))
 
 
 def takes_balance(setup: StepSetup) -> bool:
@@ -108,12 +113,12 @@ def balance_fraction(setup: StepSetup, model, micro):
     return balance_module.fractions(accumulate(statistics, micro, mean=False))
 
 
-def loss_share(setup: StepSetup, model, batch, balance=None, weight=None, micro=1):
+def loss_share(setup: StepSetup, model, batch, balance=None, weight=None, micro=1, key=None):
     """``(share, weight)``: this rank's share of the global loss, of the global mean of a scalar
     ``loss_fn`` (``weight`` None), or of the global token mean of a weighted one
     (:mod:`jphantom.step.token_mean`) with its global weight (given: the global weight when
-    micro-batches share it, ``micro`` of them)."""
-    out = loss_of(setup, model, batch, balance)
+    micro-batches share it, ``micro`` of them); ``key``: the micro-batch's dropout key."""
+    out = loss_of(setup, model, batch, balance, key)
     weighted = token_mean.terms(out, setup.loss_fn)
     if weighted is not None:
         if weight is None:  # one all-reduce of a scalar, inside the forward
@@ -131,14 +136,22 @@ def loss_share(setup: StepSetup, model, batch, balance=None, weight=None, micro=
 def micro_weight(setup: StepSetup, model, micro, balance=None, *, exclude=()):
     """The global weight of a weighted ``loss_fn`` over the micro-batches ``micro`` (each array
     [n, b, ...]): ``loss_fn`` mapped over them keeping only the weight, which XLA reduces to the
-    weight's own arithmetic (:mod:`jphantom.step.token_mean`); ``None`` for a scalar ``loss_fn``."""
-    struct = jax.eval_shape(lambda *mb: loss_of(setup, model, mb, balance), *(m[0] for m in micro))
+    weight's own arithmetic (:mod:`jphantom.step.token_mean`); ``None`` for a scalar ``loss_fn``.
+    ``model`` is given ``balance`` here, where it was merged: a module takes no new value from
+    inside the map's trace."""
+    balance_module.give(model, balance)
+    struct = jax.eval_shape(lambda *mb: loss_of(setup, model, mb), *(m[0] for m in micro))
     if not isinstance(struct, tuple):
         return None
-    weights = lax.map(lambda mb: token_mean.terms(loss_of(setup, model, mb, balance),
+    weights = lax.map(lambda mb: token_mean.terms(loss_of(setup, model, mb),
                                                   setup.loss_fn).weight, micro)
     return token_mean.global_weight(jnp.sum(weights, axis=0),
                                     metadata.varying_axes(struct[0]), exclude)
+
+
+def micro_key(key, index):
+    """Micro-batch ``index``'s dropout key of the step's ``key`` (``None``: none)."""
+    return None if key is None else jax.random.fold_in(key, index)
 
 
 def unscaled(loss, grads, like, scale):
@@ -167,9 +180,9 @@ class LocalGradients:
 
         def one(leaves, *batch, balance=None, weight=None, micro=1, index=0):
             varied = reducer.vary_params(leaves)
-            with dropout_module.keys(None if key is None else jax.random.fold_in(key, index)):
-                (loss, found), grads = jax.value_and_grad(scaled, has_aux=True)(
-                    varied, *batch, balance=balance, weight=weight, micro=micro)
+            (loss, found), grads = jax.value_and_grad(scaled, has_aux=True)(
+                varied, *batch, balance=balance, weight=weight, micro=micro,
+                key=micro_key(key, index))
             return unscaled(loss, grads, leaves, scale), found
 
         def scaled(p, *b, **options):
@@ -208,9 +221,8 @@ class LocalGradients:
 
         def one(mb, i):
             scaled = lambda p: loss_share(setup, reducer.built(p, train=True), mb,  # noqa: E731
-                                          **options)[0] * scale
-            with dropout_module.keys(None if key is None else jax.random.fold_in(key, i)):
-                loss, grads = jax.value_and_grad(scaled)(gathered)
+                                          **options, key=micro_key(key, i))[0] * scale
+            loss, grads = jax.value_and_grad(scaled)(gathered)
             return loss, [g.astype(jnp.promote_types(g.dtype, jnp.float32)) for g in grads]
 
         loss, grads = accumulate(one, micro, mean=weight is None, indexed=True)

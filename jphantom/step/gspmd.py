@@ -129,15 +129,15 @@ class GspmdGradients:
             balance = balance_fraction(
                 setup, setup.ready(setup.layout.model_of(leaves)), [inputs_mb, targets_mb])
 
-        def model_with(stand_in):
+        def model_with(stand_in):  # given the whole batch's routing fractions
             model = setup.ready(setup.layout.model_of(layout.join(stacked, rest)))
             set_submodule(model, stack_path, stand_in)
+            balance_module.give(model, balance)
             return model
 
         def first(inputs_one, targets_one):
             try:
-                with balance_module.given(balance):
-                    setup.loss_fn(model_with(Capture()), inputs_one, targets_one)
+                setup.loss_fn(model_with(Capture()), inputs_one, targets_one)
             except StackInput as entered:
                 return entered.h
             raise ConfigError("loss_fn never called the model's Stacked blocks: a pipeline cuts "
@@ -172,8 +172,7 @@ class GspmdGradients:
         (_, outputs), _ = lax.scan(tick, (buffer, outputs), jnp.arange(micro + stages - 1))
 
         def last(out, inputs_one, targets_one):
-            with balance_module.given(balance):
-                loss = setup.loss_fn(model_with(Feed(lambda: out)), inputs_one, targets_one)
+            loss = setup.loss_fn(model_with(Feed(lambda: out)), inputs_one, targets_one)
             weighted = token_mean.terms(loss, setup.loss_fn)
             if weighted is not None:
                 return tuple(weighted)

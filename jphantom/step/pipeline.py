@@ -116,8 +116,8 @@ class PipelineGradients:
         def run_model(model, inputs_mb, targets_mb, extras_mb):
             if statistics:
                 return model.balance_statistics(inputs_mb, targets_mb)
-            with balance_module.given(balance):
-                return loss_fn(model, inputs_mb, targets_mb, *extras_mb)
+            balance_module.give(model, balance)  # the whole batch's routing fractions
+            return loss_fn(model, inputs_mb, targets_mb, *extras_mb)
 
         def first(rest, inputs_mb):
             try:

@@ -308,12 +308,11 @@ def test_dropout_masks_split_over_the_axes_the_activation_varies_over():
     from jphantom.nn import dropout
 
     mesh = _mesh("data=2,model=2")
-    layer = dropout.Dropout(0.5, stream=7)
 
     def per_rank(x):
-        with dropout.keys(jax.random.key(0)):
-            y = layer(x)
-        return jax.lax.pcast(y, ("model",), to="varying")
+        layer = dropout.Dropout(0.5, stream=7)
+        dropout.give_keys(layer, jax.random.key(0))
+        return jax.lax.pcast(layer(x), ("model",), to="varying")
 
     y = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=jax.P("data"),
                               out_specs=jax.P("data", "model")))(jnp.ones((4, 8)))
@@ -322,6 +321,25 @@ def test_dropout_masks_split_over_the_axes_the_activation_varies_over():
     assert (kept[:, :, 0] == kept[:, :, 1]).all()  # the same mask on both model ranks
     assert (kept[0] != kept[1]).any()  # another on the other data rank
     assert set(np.unique(np.asarray(y))) <= {0.0, 2.0}
+
+
+def test_dropout_keys_are_values_of_the_model_one_per_stacked_layer_and_no_parameter():
+    """The step's keys are step data on the model it merges (jphantom.nn.dropout.StepKey): a
+    stacked block's dropout holds one key per layer (the blocks' scan slices them as it slices
+    the parameters), each layer's its own; the parameters are the model's alone."""
+    from jphantom.nn import dropout
+    from jphantom.step.layout import replace_dropout
+
+    model = DropoutLM()
+    assert replace_dropout(model) == ["blocks.block.drop", "drop"]
+    params = nnx.state(model, nnx.Param)
+    dropout.give_keys(model, jax.random.key(0))
+    stacked, top = model.blocks.block.drop.key.get_value(), model.drop.key.get_value()
+    assert stacked.shape == (2,) and top.shape == ()
+    data = jax.random.key_data
+    assert not np.array_equal(data(stacked[0]), data(stacked[1]))
+    assert jax.tree.structure(nnx.state(model, nnx.Param)) == jax.tree.structure(params)
+    assert len(jax.tree.leaves(nnx.state(model, dropout.StepKey))) == 2
 
 
 def test_dropout_in_a_pipeline_is_refused_naming_where_it_is():

@@ -208,7 +208,7 @@ class GPT2(nnx.Module):
         zero = {"load_balance": jnp.zeros((), wide), "z_loss": jnp.zeros((), wide),
                 "dropped": jnp.zeros((), wide)}  # floats: a pipeline exchanges the carry
         experts = self.config.moe.experts
-        fraction = balance.current()  # a step's micro-batch: the whole batch's
+        fraction = balance.current(self)  # a step's micro-batch: the whole batch's
         if fraction is not None:
             zero["fraction"] = jnp.asarray(fraction, wide)
         if statistics:
