@@ -534,7 +534,7 @@ ACTIVATION_BOUNDS = {  # layout of benchmarks/activation_memory.py: (slope - wei
     "tp+sp": (1 / 1.25, 1.25),  # 1.06x
     "fsdp": (0.35, 0.6),        # 0.45x, and 0.14x at 2 sequences a rank: see below
     "cp": (1 / 1.25, 2.6),      # 2.45x
-    "pipeline stage": (1 / 1.25, 2.0),  # 1.80x less its float32 gradient accumulator
+    "pipeline stage": (1 / 1.25, 2.4),  # 2.26x less its float32 gradient accumulator
 }
 
 
@@ -564,8 +564,19 @@ def test_activation_memory_per_layer_against_korthikantis_count_for_llama(h100, 
       the layer's replicated weights (0.41 GiB); not yet pinned down.
     - Pipeline stage (data=4,stage=2, 1F1B, 2 micro-batches of 1 sequence, both in flight on
       the first stage; slope per layer of a stage, less the stage's float32 gradient
-      accumulator too): 1.80x (5.35 GiB a layer before the chunk's weights were cast outside
-      its vjp, 3.14 now), misses 1.25x by 0.86 GiB a layer; not yet pinned down.
+      accumulator too): 2.26x (5.35 GiB a layer before the chunk's weights were cast outside
+      its vjp, 3.14 until the stash lost its garbage slot, 3.63 now: the 2-layer program lost a
+      slot's 0.56 GiB, the 4-layer one, whose peak is not where the stash is, 0.09 GiB).
+
+    Where the slope exceeds the count, it is not the activations: what the layer loop stores for
+    the backward (:func:`jphantom.analysis.hlo.residuals.saved_residuals`, the arrays the
+    forward loop returns stacked per layer and sequence) is 1.06x the count in TP + SP, CP and
+    the pipeline stage, 0.62x under FSDP's ``dots_saveable``. CP's peak (2 sequences a rank) is
+    where the backward's gradients are written and reduced: the buffers live there, in XLA's
+    buffer assignment, are the layers' gradient stacks (bf16 [L, ...], then float32 for the
+    all-reduce), which Korthikanti's count of activations leaves out, as Megatron's ``main_grad``
+    is model state. A pipeline stage held its stash in one slot more than its sets in flight
+    (the garbage slot idle devices wrote to: 1.59x); it holds the 2 in flight now (1.06x).
     """
     import sys
 
@@ -579,6 +590,10 @@ def test_activation_memory_per_layer_against_korthikantis_count_for_llama(h100, 
         model, spec, activation_memory.compiled_sizes(model, spec, target, devices))
     low, high = ACTIVATION_BOUNDS[layout]
     assert low <= row["ratio"] <= high, activation_memory.line(row)
+    # what the layer loop stores for the backward: Korthikanti's count, in every layout
+    # (FSDP's dots_saveable less), and a pipeline stage holds the sets in flight, no spare one
+    assert row["stored_ratio"] <= 1.25 and row["allocated_ratio"] <= 1.25, \
+        activation_memory.line(row)
 
 
 RING = dict(model="llama", layers=2, hidden=512, heads=8, kv_heads=4, intermediate=1024,
