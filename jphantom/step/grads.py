@@ -36,7 +36,7 @@ from jphantom.nn import balance as balance_module
 from jphantom.nn import dropout as dropout_module
 from jphantom.nn import metadata
 from jphantom.pipeline.buffers import split_microbatches, zeros_of
-from jphantom.step.reduce import Reducer
+from jphantom.step.rank_params import RankParameters
 from jphantom.step.setup import StepSetup
 
 
@@ -166,27 +166,27 @@ class LocalGradients:
     provider(leaves, *batch)`` (a :class:`Gradients`), this rank's loss share and gradients
     before the reductions and the global weight (module docstring)."""
 
-    def __init__(self, setup: StepSetup, reducer: Reducer):
-        self.setup, self.reducer = setup, reducer
+    def __init__(self, setup: StepSetup, params: RankParameters):
+        self.setup, self.params = setup, params
 
     def __call__(self, leaves, *batch, scale=None, key=None):
         """``scale``: the loss scale (a traced scalar under dynamic loss scaling; default the
         precision's); ``key``: the step's dropout key data (none: dropout layers pass their input
         through)."""
-        setup, reducer = self.setup, self.reducer
+        setup, params = self.setup, self.params
         leaves = list(leaves)
         key = None if key is None else jax.random.wrap_key_data(key)
         scale = setup.precision.loss_scale if scale is None else scale
 
         def one(leaves, *batch, balance=None, weight=None, micro=1, index=0):
-            varied = reducer.vary_params(leaves)
+            varied = params.vary_params(leaves)
             (loss, found), grads = jax.value_and_grad(scaled, has_aux=True)(
                 varied, *batch, balance=balance, weight=weight, micro=micro,
                 key=micro_key(key, index))
             return unscaled(loss, grads, leaves, scale), found
 
         def scaled(p, *b, **options):
-            share, found = loss_share(setup, reducer.model(p, train=True), b, **options)
+            share, found = loss_share(setup, params.model(p, train=True), b, **options)
             return share * scale, found
 
         if setup.accumulate == 1:
@@ -196,10 +196,10 @@ class LocalGradients:
         micro = [split_microbatches(b, n) for b in batch]
         if setup.master_weights == "sharded":
             return self.gathered_once(leaves, micro, scale, key)
-        balance = balance_fraction(setup, reducer.model(leaves, train=True), micro)
+        balance = balance_fraction(setup, params.model(leaves, train=True), micro)
         # a weighted loss_fn: the global weight of all micro-batches first, each micro-batch's
         # share is then its part of the whole loss (summed, not averaged)
-        weight = micro_weight(setup, reducer.model(leaves, train=False), micro, balance)
+        weight = micro_weight(setup, params.model(leaves, train=False), micro, balance)
         options = dict(balance=balance, weight=weight, micro=n)
         # micro-batch i draws its dropout masks from key i
         loss, grads = accumulate(lambda mb, i: one(leaves, *mb, **options, index=i)[0], micro,
@@ -211,16 +211,16 @@ class LocalGradients:
         accumulation): the bf16 parameters gathered over ``data`` once before the micro-batch
         loop, their gradients summed over it in float32, and reduce-scattered (the gather's
         transpose, in bf16) once after it, not once per micro-batch."""
-        setup, reducer = self.setup, self.reducer
-        gathered, scatter = jax.vjp(lambda xs: reducer.gather(xs, train=True),
-                                    reducer.vary_params(leaves))
-        model = reducer.built(gathered, train=True)
+        setup, params = self.setup, self.params
+        gathered, scatter = jax.vjp(lambda xs: params.gather(xs, train=True),
+                                    params.vary_params(leaves))
+        model = params.built(gathered, train=True)
         balance = balance_fraction(setup, model, micro)
         weight = micro_weight(setup, model, micro, balance)
         options = dict(balance=balance, weight=weight, micro=len(micro[0]))
 
         def one(mb, i):
-            scaled = lambda p: loss_share(setup, reducer.built(p, train=True), mb,  # noqa: E731
+            scaled = lambda p: loss_share(setup, params.built(p, train=True), mb,  # noqa: E731
                                           **options, key=micro_key(key, i))[0] * scale
             loss, grads = jax.value_and_grad(scaled)(gathered)
             return loss, [g.astype(jnp.promote_types(g.dtype, jnp.float32)) for g in grads]
@@ -235,7 +235,7 @@ class LocalGradients:
         setup = self.setup
 
         def per_rank(leaves, *batch):
-            model = self.reducer.model(leaves, train=False)
+            model = self.params.model(leaves, train=False)
             out = fn(model, *setup.precision.cast(batch))
             weighted = token_mean.terms(out, fn)
             if weighted is not None:  # a global token mean

@@ -28,7 +28,7 @@ from jphantom.nn import balance as balance_module
 from jphantom.nn import metadata
 from jphantom.pipeline.buffers import split_microbatches, zeros_of
 from jphantom.step.grads import Gradients, takes_balance, unscaled
-from jphantom.step.reduce import Reducer
+from jphantom.step.rank_params import RankParameters
 from jphantom.step.setup import StepSetup
 
 
@@ -38,8 +38,8 @@ class PipelineGradients:
     the last stage) and gradients before the reductions, and the global weight (module
     docstring)."""
 
-    def __init__(self, setup: StepSetup, reducer: Reducer):
-        self.setup, self.reducer, self.stages = setup, reducer, setup.stages
+    def __init__(self, setup: StepSetup, params: RankParameters):
+        self.setup, self.params, self.stages = setup, params, setup.stages
 
     def __call__(self, leaves, *batch, scale=None, key=None):
         """``scale``: the loss scale (default the precision's); no dropout in a pipeline."""
@@ -49,10 +49,10 @@ class PipelineGradients:
             raise ConfigError(f"a pipelined step takes (inputs, targets, ...), got {len(batch)} "
                               "batch arrays")
         leaves = list(leaves)
-        varied = self.reducer.vary_params(leaves)
+        varied = self.params.vary_params(leaves)
         scatter = None
         if setup.master_weights == "sharded":  # bf16, gathered once; its transpose scatters
-            varied, scatter = jax.vjp(lambda xs: self.reducer.gather(xs, train=True), varied)
+            varied, scatter = jax.vjp(lambda xs: self.params.gather(xs, train=True), varied)
         elif setup.zero == 3:  # gathered once for the whole pipeline; its transpose scatters
             dims, zaxes = setup.layout.zero_dims, setup.layout.zero_axes
             varied, scatter = jax.vjp(
@@ -74,7 +74,7 @@ class PipelineGradients:
             return None
         rows = batch[0].shape[0] // self.setup.pipeline.microbatches
         shape = jax.eval_shape(
-            lambda l, i, t: self.reducer.model(l, train=False).balance_statistics(i, t),
+            lambda l, i, t: self.params.model(l, train=False).balance_statistics(i, t),
             leaves, batch[0][:rows], batch[1][:rows])
         if shape is None:
             return None
@@ -215,7 +215,7 @@ class PipelineGradients:
             if setup.zero == 3:
                 leaves = zero_module.gather_together(leaves, setup.layout.zero_dims,
                                                      setup.layout.zero_axes, invariant=False)
-            leaves = self.reducer.vary_params(leaves)
+            leaves = self.params.vary_params(leaves)
             return setup.global_value(self.value_and_grad(leaves, *batch, train=False))
 
         return per_rank

@@ -29,8 +29,9 @@ The step is a composition of parts, each built from one checked
 :class:`~jphantom.step.setup.StepSetup` and each constructible and testable alone::
 
     setup = setup_of(model, mesh, loss_fn, **options)   # jphantom.step.setup: checked once
+    params = RankParameters(setup)                      # jphantom.step.rank_params: the rank's model
+    gradients = LocalGradients(setup, params)           # jphantom.step.grads (or pipeline, gspmd)
     reducer = Reducer(setup)                            # jphantom.step.reduce: DP mean, ZeRO-1/2/3
-    gradients = LocalGradients(setup, reducer)          # jphantom.step.grads (or pipeline, gspmd)
     update = OptimizerUpdate(optimizer, setup)          # jphantom.step.update: optax after the map
 
 and :meth:`TrainStep.build` reads layout → gradients → reduce → update. The gradient provider is
@@ -79,24 +80,26 @@ from jphantom.step.layout import (CONTEXT, ParamLayout, TrainState, batch_axes_o
                                    batch_spec_of, check_mesh, group_by, integer_ids_error)
 from jphantom.step.memory import check_state_fits
 from jphantom.step.pipeline import PipelineGradients
+from jphantom.step.rank_params import RankParameters
 from jphantom.step.reduce import Reducer
 from jphantom.step.setup import StepSetup, setup_of
 from jphantom.step.update import OptimizerUpdate, check_learning_rate, check_optimizer
 
 
-def gradients_of(setup: StepSetup, reducer: Reducer):
+def gradients_of(setup: StepSetup, params: RankParameters):
     """The step's gradient provider: GSPMD's on global arrays, the pipelined one with a
-    ``stage`` axis, else each rank's own (accumulating over micro-batches)."""
+    ``stage`` axis, else each rank's own (accumulating over micro-batches); the per-rank ones
+    hold the rank's model through ``params``."""
     if setup.spmd == "gspmd":
         return GspmdGradients(setup)
     if setup.pipeline is not None:
-        return PipelineGradients(setup, reducer)
-    return LocalGradients(setup, reducer)
+        return PipelineGradients(setup, params)
+    return LocalGradients(setup, params)
 
 
 class TrainStep:
     """``state, loss = step(state, *batch)``; built by :func:`make_train_step` from its parts
-    (module docstring): ``setup``, ``reducer``, ``gradients`` and ``update``."""
+    (module docstring): ``setup``, ``params``, ``gradients``, ``reducer`` and ``update``."""
 
     def __init__(self, model: nnx.Module, mesh: Mesh, optimizer, loss_fn: Callable, *,
                  reducer: type[Reducer] = Reducer, donate: bool = True,
@@ -107,7 +110,8 @@ class TrainStep:
         self.update = OptimizerUpdate(optimizer, setup,
                                       keep_finite=drops_updates(on_nonfinite, watch))
         self.reducer = reducer(setup)
-        self.gradients = gradients_of(setup, self.reducer)
+        self.params = RankParameters(setup)
+        self.gradients = gradients_of(setup, self.params)
         self.donate = donate
         self._step = None
         # the global weights of a weighted loss_fn the step returns, read on the host

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from jphantom.errors import ConfigError
 from jphantom.step.grads import LocalGradients
 from jphantom.step.layout import TrainState
+from jphantom.step.rank_params import RankParameters
 from jphantom.step.reduce import NoReduction, Reducer
 from jphantom.step.setup import setup_of
 from jphantom.step.update import OptimizerUpdate
@@ -35,8 +36,9 @@ def parts():
 
 
 def _per_rank(setup, reducer, batch):
-    """The provider then the reducer in a shard_map over the setup's mesh, as the step runs them."""
-    gradients = LocalGradients(setup, reducer)
+    """The provider (with the rank's parameters) then the reducer in a shard_map over the setup's
+    mesh, as the step runs them."""
+    gradients = LocalGradients(setup, RankParameters(setup))
 
     def per_rank(leaves, *b):
         share, grads, _ = gradients(leaves, *b)
@@ -94,7 +96,9 @@ def test_the_step_is_its_parts(parts):
 
     model, mesh, _, _ = parts
     step = jphantom.make_train_step(model, mesh, optax.sgd(0.1), _loss)
-    assert (type(step.reducer), type(step.gradients), type(step.update)) == (
-        Reducer, LocalGradients, OptimizerUpdate)
+    assert (type(step.params), type(step.gradients), type(step.reducer), type(step.update)) == (
+        RankParameters, LocalGradients, Reducer, OptimizerUpdate)
+    assert step.gradients.params is step.params  # the provider builds the rank's model alone:
+    assert not hasattr(Reducer, "model") and not hasattr(Reducer, "gather")  # no layout here
     measured = make_compute_only_step(model, mesh, optax.sgd(0.1), _loss)
     assert type(measured.reducer) is NoReduction
