@@ -140,7 +140,7 @@ def test_warn_goes_on_says_so_once_and_the_run_fails_at_its_end(nan_at_step_4, t
 
 def test_one_vocabulary_names_what_a_nonfinite_loss_does(capsys):
     """The step's on_nonfinite, the configuration, the command line's choices and its help take
-    the names of jphantom.registry.nonfinite.NONFINITE (issue 56)."""
+    the names of jphantom.registry.nonfinite.NONFINITE."""
     from jphantom.cli.parser import run_flag_choices
     from jphantom.config import TrainConfig
     from jphantom.registry.nonfinite import NONFINITE
