@@ -379,7 +379,7 @@ class _Step:
         for key, slots in (("stash_b", self.plan.stash_b_slots),
                            ("stash_w", self.plan.stash_w_slots),
                            ("wstash", self.plan.wstash_slots)):
-            if key in result:  # no garbage slot: an idle device's write is skipped
+            if key in result:  # no garbage slot: an idle device rewrites a slot as it is
                 carry[key] = put_live_slot(carry[key], field(row, key), result[key], slots)
         if "seed" in result:
             carry["inbox"] = put_slot(carry["inbox"], field(row, "seed"), result["seed"])

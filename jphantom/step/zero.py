@@ -2,7 +2,8 @@
 
 A setting of the training step's ``data`` axis (``make_train_step(..., zero=Z)``, any strategy
 with its own collectives: tensor, phantom, pipelines); :class:`jphantom.TrainStep` runs the
-collectives, all explicit:
+collectives, all explicit. Beside context parallelism "``data``" below reads ``data`` x
+``context`` (D their ranks), the ranks holding the same weights (:func:`zero_axes`):
 
 =====  ==========================  ===================================================  ===========
 stage  sharded over ``data``       one step, per parameter of P elements (D data ranks)  Cheng et al.
