@@ -195,7 +195,7 @@ def exit_code(argv):
 
 
 def assert_every_task_once(plan, kinds, local_chunks: int, microbatches: int) -> None:
-    """Every device of a pipeline table (:func:`jphantom.pipeline.table.plan`) runs each task of
+    """Every device of a pipeline table (:func:`jphantom.pipeline.table.schedule_table`) runs each task of
     ``kinds`` once for every (local chunk, micro-batch): none twice, none missing."""
     from jphantom.pipeline.table import FIELDS, KINDS
 

@@ -20,7 +20,7 @@ s`` with V virtual stages (Megatron's round-robin), ``s`` and ``2P - 1 - s`` wit
 rest is replicated over ``stage``; its gradient (non-zero on the first and last stage only) is
 all-reduced over ``stage`` once per step, like Megatron's embedding-group all-reduce.
 
-The step walks the schedule's table (:func:`jphantom.pipeline.table.plan`) with ``lax.scan``
+The step walks the schedule's table (:func:`jphantom.pipeline.table.schedule_table`) with ``lax.scan``
 over ticks; every device reads its own row (``comm.axis_index("stage")``) and, in each slot of
 the tick, dispatches its task to the handler of its kind under ``lax.switch``:
 
@@ -58,24 +58,24 @@ from jphantom.pipeline.config import STAGE_AXIS, PipelineConfig, Stages, pipelin
 from jphantom.pipeline.schedule import model_chunk
 from jphantom.pipeline.split import (Split, backward_input, backward_weight, pick,
                                      weight_only_residuals)
-from jphantom.pipeline.table import FIELDS, KINDS, Plan, plan, unit_order
+from jphantom.pipeline.table import FIELDS, KINDS, ScheduleTable, schedule_table, unit_order
 
-__all__ = ["STAGE_AXIS", "PipelineConfig", "Plan", "Stages", "pipeline_for", "plan", "run",
+__all__ = ["STAGE_AXIS", "PipelineConfig", "ScheduleTable", "Stages", "pipeline_for", "schedule_table", "run",
            "unit_order"]
 
 _F = {name: i for i, name in enumerate(FIELDS)}
 F_, B_, W_, BW_ = (KINDS.index(k) for k in ("F", "B", "W", "BW"))
 
 
-def run(stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest, inputs, targets, *,
+def run(stages: Stages, config: PipelineConfig, table_: ScheduleTable, stacked, rest, inputs, targets, *,
         train: bool = True):
     """One step of the pipeline on this rank. ``stacked``: this device's units [V Lc, ...];
     ``rest``: the replicated parameters (varying over ``stage``); ``inputs``, ``targets``: the data
     rank's batch (arrays or tuples of them). Returns (loss share, d_stacked, d_rest), or the loss
     share alone when not ``train``. The loss is non-zero on the last stage only."""
-    step = _Step(stages, config, plan_, stacked, rest, inputs, targets, train)
+    step = _Step(stages, config, table_, stacked, rest, inputs, targets, train)
     carry = step.buffers()
-    for start, stop, phases in plan_.segments:
+    for start, stop, phases in table_.segments:
         carry, _ = lax.scan(step.segment(phases), carry, step.table[start:stop])
     if not train:
         return carry["loss"]
@@ -96,19 +96,19 @@ class _Step:
     the slot that dispatches a row to its handler, writes back what it produced and exchanges
     its message."""
 
-    def __init__(self, stages: Stages, config: PipelineConfig, plan_: Plan, stacked, rest,
+    def __init__(self, stages: Stages, config: PipelineConfig, table_: ScheduleTable, stacked, rest,
                  inputs, targets, train: bool):
-        self.stages, self.plan, self.rest, self.train = stages, plan_, rest, train
-        self.M, self.V, P_ = config.microbatches, config.local_chunks, plan_.table.shape[1]
+        self.stages, self.schedule, self.rest, self.train = stages, table_, rest, train
+        self.M, self.V, P_ = config.microbatches, config.local_chunks, table_.table.shape[1]
         V = self.V
         self.stage = comm.axis_index(STAGE_AXIS)
         self.chunks = jax.tree.map(lambda a: a.reshape(V, a.shape[0] // V, *a.shape[1:]), stacked)
         self.inputs, self.targets = jax.tree.map(lambda a: split_microbatches(a, self.M),
                                                  (inputs, targets))
         self.fill = config.bubble_fill
-        self.to_next = [(s, (s + 1) % P_) for s in range(P_) if plan_.ring or s + 1 < P_]
+        self.to_next = [(s, (s + 1) % P_) for s in range(P_) if table_.ring or s + 1 < P_]
         self.to_prev = [(d, s) for s, d in self.to_next]
-        self.table = jnp.asarray(plan_.table.reshape(-1, plan_.phases, *plan_.table.shape[1:]))
+        self.table = jnp.asarray(table_.table.reshape(-1, table_.phases, *table_.table.shape[1:]))
         self.chunk_index = jnp.asarray(np.array(
             [[model_chunk(config.schedule, P_, s, v) for v in range(V)] for s in range(P_)],
             np.int32))
@@ -145,7 +145,7 @@ class _Step:
         # ``stage`` even where a residual does not (a rotary table computed from constants).
         self.stash0 = [varying_over(zeros_of(a), STAGE_AXIS) for a in stash0]
         self.rebuild = rebuilder(self.treedef, self.is_param)
-        carry = {"inbox": slot_buffers(self.out0, self.plan.inbox_slots), "loss": self.zero}
+        carry = {"inbox": slot_buffers(self.out0, self.schedule.inbox_slots), "loss": self.zero}
         # the gradient accumulators: as stored, at least float32 (bf16 parameters, a sharded
         # master, sum their micro-batches' gradients in float32, as Megatron's main_grad)
         self.zero_leaves = jax.tree.leaves(jax.tree.map(wide_zeros, self.local[0]))
@@ -161,24 +161,24 @@ class _Step:
     def _training_buffers(self, chunk0):
         """The stashes (F to B or BW, F to W, B to W) and the gradient sums; how the residuals
         and the gradient leaves split between B and W (all B's without a split)."""
-        plan_, stash0 = self.plan, self.stash0
+        table_, stash0 = self.schedule, self.stash0
         self.split = (weight_only_residuals(self.rebuild(chunk0), stash0, chunk0, self.out0)
-                      if plan_.splits else
+                      if table_.splits else
                       Split((False,) * len(stash0), (False,) * len(self.zero_leaves)))
         self.known0 = pick(stash0, self.split.weight_only, False)
         self.weight0 = pick(stash0, self.split.weight_only, True)
         self.b_mask = [not w for w in self.split.weight_leaves]  # BW: every leaf
         self.b_zeros = pick(self.zero_leaves, self.b_mask, True)
         self.w_zeros = pick(self.zero_leaves, self.b_mask, False)
-        carry = dict(stash_b=slot_buffers(self.known0, plan_.stash_b_slots, garbage=False),
-                     stash_w=slot_buffers(self.weight0, plan_.stash_w_slots, garbage=False),
+        carry = dict(stash_b=slot_buffers(self.known0, table_.stash_b_slots, garbage=False),
+                     stash_w=slot_buffers(self.weight0, table_.stash_w_slots, garbage=False),
                      d_chunks=jax.tree.map(wide_zeros, self.chunks),
                      d_rest=jax.tree.map(wide_zeros, self.rest))
-        if plan_.splits:
+        if table_.splits:
             wstash0 = jax.eval_shape(self._probe_backward, chunk0, self.known0, self.out0)
             self.wstash0 = [varying_over(zeros_of(a), STAGE_AXIS) for a in wstash0]
             self.wstash_shapes = [(a.shape, a.dtype) for a in self.wstash0]
-            carry["wstash"] = slot_buffers(self.wstash0, plan_.wstash_slots, garbage=False)
+            carry["wstash"] = slot_buffers(self.wstash0, table_.wstash_slots, garbage=False)
         return carry
 
     def _probe_backward(self, chunk, known, d_out):
@@ -376,9 +376,9 @@ class _Step:
         carry = dict(carry)
         carry["loss"] = carry["loss"] + result["loss"]
         v = field(row, "chunk")
-        for key, slots in (("stash_b", self.plan.stash_b_slots),
-                           ("stash_w", self.plan.stash_w_slots),
-                           ("wstash", self.plan.wstash_slots)):
+        for key, slots in (("stash_b", self.schedule.stash_b_slots),
+                           ("stash_w", self.schedule.stash_w_slots),
+                           ("wstash", self.schedule.wstash_slots)):
             if key in result:  # no garbage slot: an idle device rewrites a slot as it is
                 carry[key] = put_live_slot(carry[key], field(row, key), result[key], slots)
         if "seed" in result:
@@ -395,7 +395,7 @@ class _Step:
     def exchange(self, carry, row, msg, send_next, send_prev):
         """The slot's message kept (zb-v's turn) or sent to the next and the previous device,
         into the inbox slots the table names."""
-        if self.plan.keeps:  # zb-v's turn: the message stays on its device
+        if self.schedule.keeps:  # zb-v's turn: the message stays on its device
             carry["inbox"] = put_slot(carry["inbox"], field(row, "keep"), msg)
         if send_next:  # one collective-permute of [b, ...] to the next device
             carry["inbox"] = put_slot(carry["inbox"], field(row, "from_prev"),

@@ -23,7 +23,7 @@ collective-permute towards the next device and one towards the previous, each on
 device sends that way (a ring with ``interleaved-1f1b``'s round-robin chunks; ``zb-v``'s turn,
 chunk P - 1 to P on device P - 1, stays on its device: ``keep``). The ticks are cut into
 **segments** of ticks whose slots run the same kinds of task and exchange the same ways, so the
-compiled step holds exactly :attr:`Plan.permutes` collective-permutes.
+compiled step holds exactly :attr:`ScheduleTable.permutes` collective-permutes.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ KINDS = ("idle", "F", "B", "W", "BW")
 FIELDS = ("kind", "chunk", "mb", "first", "last", "inbox", "stash_b", "stash_w", "wstash", "seed",
           "keep", "from_prev", "from_next")
 _F = {name: i for i, name in enumerate(FIELDS)}
-MAX_SEGMENTS = 12  # more loops than this and short runs join their neighbour (``plan``)
+MAX_SEGMENTS = 12  # more loops than this and short runs join their neighbour (``schedule_table``)
 MIN_RUN = 3  # ticks: the runs that then join
 
 # A slot's kinds (indices into KINDS) and whether it sends to the next and the previous device.
@@ -48,7 +48,7 @@ Phase = tuple[tuple[int, ...], bool, bool]
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class ScheduleTable:
     """A schedule as the executor runs it: ``table[slot, device, field]`` (``FIELDS``; slot
     ``t * phases + p`` is phase p of tick t), the buffers' slot counts, and the segments
     ``(start, stop, phases)`` of ticks ``[start, stop)``, one :data:`Phase` per slot of a tick.
@@ -128,7 +128,7 @@ def _slots(config: PipelineConfig, stages: int, train: bool):
     return [slot for slot in slots if any(op is not None and op[0] == "F" for op in slot)], 1
 
 
-def plan(config: PipelineConfig, stages: int, *, train: bool = True) -> Plan:
+def schedule_table(config: PipelineConfig, stages: int, *, train: bool = True) -> ScheduleTable:
     """Compile ``config``'s schedule on ``stages`` devices to the executor's table
     (``train=False``: its forward tasks only, for evaluation)."""
     P = stages
@@ -140,7 +140,7 @@ def plan(config: PipelineConfig, stages: int, *, train: bool = True) -> Plan:
     table, sends, kinds = _fill(config, P, slots, device, slot_of, (I, SB, SW, WS), train)
     ring = config.virtual_stages > 1  # as _fill sends
     keeps = bool((table[:, :, _F["keep"]] != I).any())
-    return Plan(table, phases, ring, keeps, I, SB, SW, WS, _segments(kinds, sends, phases))
+    return ScheduleTable(table, phases, ring, keeps, I, SB, SW, WS, _segments(kinds, sends, phases))
 
 
 def _buffer_slots(config: PipelineConfig, P: int, slots, device, train: bool):

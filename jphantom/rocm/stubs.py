@@ -152,7 +152,7 @@ def _loads(soname: str) -> ctypes.CDLL | None:
         return None
 
 
-def plan(files: list[Path] | None = None) -> list[Library]:
+def needed_libraries(files: list[Path] | None = None) -> list[Library]:
     """The stand-ins the plugin's ``files`` need here: one per needed library that does not load
     (none where ROCm is installed)."""
     files = plugin_files() if files is None else files
@@ -228,7 +228,7 @@ def ensure() -> list[Path]:
     """Build (once, cached) and load the stand-ins this machine needs; returns their paths
     (empty where every ROCm library loads)."""
     _require_tools()
-    libraries = plan()
+    libraries = needed_libraries()
     if not libraries:
         return []
     folder = cache_root() / key_of(libraries)
@@ -245,5 +245,5 @@ def ensure() -> list[Path]:
     return paths
 
 
-__all__ = ["Library", "build", "cache_root", "ensure", "key_of", "kind_of", "plan",
+__all__ = ["Library", "build", "cache_root", "ensure", "key_of", "kind_of", "needed_libraries",
            "plugin_files"]

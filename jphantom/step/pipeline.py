@@ -152,12 +152,12 @@ class PipelineGradients:
 
         stages = runner.Stages(units=stacked_module.layers, unit_name="layers", first=first,
                                body=self.body(), last=last, prepare=cast)
-        plan = runner.plan(setup.pipeline, stages_count, train=train)
+        table = runner.schedule_table(setup.pipeline, stages_count, train=train)
         stacked, rest = stages_layout.split(leaves)
         if not train:
-            return runner.run(stages, setup.pipeline, plan, stacked, rest, inputs, targets,
+            return runner.run(stages, setup.pipeline, table, stacked, rest, inputs, targets,
                               train=False)
-        loss, d_stacked, d_rest = runner.run(stages, setup.pipeline, plan, stacked, rest, inputs,
+        loss, d_stacked, d_rest = runner.run(stages, setup.pipeline, table, stacked, rest, inputs,
                                              targets)
         grads = stages_layout.join(d_stacked, d_rest)
         return Gradients(loss, [g.astype(x.dtype) for g, x in zip(grads, leaves)], weight)

@@ -98,7 +98,7 @@ def test_stand_ins_let_a_plugin_whose_libraries_are_missing_load(tmp_path):
     shutil.rmtree(runtime)
     with pytest.raises(OSError, match="libfakehip.so.7"):
         ctypes.CDLL(str(plugin))
-    planned = {lib.soname: lib for lib in stubs.plan([plugin])}
+    planned = {lib.soname: lib for lib in stubs.needed_libraries([plugin])}
     assert set(planned) == {"libfakehip.so.7", "libfakeprof.so.1"}
     assert planned["libfakehip.so.7"].symbols == {"fake_4.2": ("fakeMalloc",),
                                                   "fake_6.5": ("fakeFree",)}

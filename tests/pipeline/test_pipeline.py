@@ -18,7 +18,7 @@ from jphantom.analysis.hlo import collectives
 from jphantom.errors import ConfigError
 from jphantom.models.ffn import FFN, FFNConfig, Pair
 from jphantom.nn.stack import Stacked
-from jphantom.pipeline.runner import PipelineConfig, plan, unit_order
+from jphantom.pipeline.runner import PipelineConfig, schedule_table, unit_order
 from jphantom.pipeline.schedule import lockstep
 from jphantom.pipeline.table import FIELDS, KINDS
 
@@ -217,7 +217,7 @@ def test_pipelined_step_moves_what_the_schedule_needs(strategy, schedule, microb
     hlo = value_and_grad.lower(state.params, *batch).compile().as_text()
     axes = dict(mesh.shape)
     found = collectives(hlo)
-    schedule_plan = plan(step.pipeline, 2)
+    schedule_plan = schedule_table(step.pipeline, 2)
     permutes = [c for c in found if c.kind == "collective-permute"]
     assert {c.mesh_axes(axes) for c in permutes} == {("stage",)}
     assert sum(c.count for c in permutes) == (schedule_plan.permutes_next
@@ -247,14 +247,14 @@ def test_pipelined_step_moves_what_the_schedule_needs(strategy, schedule, microb
 def test_residual_slots_stay_bounded_for_1f1b_and_grow_for_gpipe(stages):
     for factor in (1, 2, 4, 8):
         m = factor * stages
-        assert plan(PipelineConfig("gpipe", m), stages).stash_slots == m
-        assert plan(PipelineConfig("1f1b", m), stages).stash_slots == min(m, 2 * stages - 1)
+        assert schedule_table(PipelineConfig("gpipe", m), stages).stash_slots == m
+        assert schedule_table(PipelineConfig("1f1b", m), stages).stash_slots == min(m, 2 * stages - 1)
 
 
 def test_permutes_skip_ticks_that_move_nothing():
-    gpipe = plan(PipelineConfig("gpipe", 8), 4)  # M + P - 1 ticks each way; the last sends nothing
+    gpipe = schedule_table(PipelineConfig("gpipe", 8), 4)  # M + P - 1 ticks each way; the last sends nothing
     assert (gpipe.permutes_next, gpipe.permutes_prev) == (8 + 4 - 2, 8 + 4 - 2)
-    onefoneb = plan(PipelineConfig("1f1b", 8), 4)
+    onefoneb = schedule_table(PipelineConfig("1f1b", 8), 4)
     assert (onefoneb.permutes_next, onefoneb.permutes_prev) == (8 + 4 - 2, 8 + 4 - 2)
 
 
@@ -265,7 +265,7 @@ def test_one_table_runs_the_lockstep_schedules_as_forward_then_whole_backward_sl
     """The executor that runs ZB-H1's F, B and W runs these too: each lock-step tick is a slot
     of forwards and then a slot of whole backwards (BW), every task once."""
     config = PipelineConfig(schedule, microbatches, virtual_stages)
-    table = plan(config, stages)
+    table = schedule_table(config, stages)
     assert (table.phases, table.splits, table.ring) == (2, False, virtual_stages > 1)
     assert table.table.shape[:2] == (2 * len(lockstep(schedule, stages, microbatches,
                                                       virtual_stages).ticks), stages)

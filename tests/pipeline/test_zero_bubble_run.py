@@ -110,7 +110,7 @@ def test_zero_bubble_step_holds_exactly_the_schedules_permutes(strategy, schedul
     found = collectives(hlo)
     permutes = [c for c in found if c.kind == "collective-permute"]
     assert {c.mesh_axes(axes) for c in permutes} == {("stage",)}
-    schedule_plan = runner.plan(step.pipeline, 2)
+    schedule_plan = runner.schedule_table(step.pipeline, 2)
     assert sum(c.count for c in permutes) == schedule_plan.permutes
     features = WIDTH if strategy == "tensor" else WIDTH // mesh.shape["model"]
     assert {c.bytes for c in permutes} == {(x.shape[0] // 2 // microbatches) * features * 4}
@@ -171,7 +171,7 @@ def test_b_and_w_split_the_backward_without_recomputing():
 @pytest.mark.parametrize("schedule, stages, microbatches", [("zb-h1", 4, 16), ("zb-v", 4, 8)])
 def test_the_table_runs_every_task_once_within_1f1bs_memory(schedule, stages, microbatches):
     config = PipelineConfig(schedule, microbatches)
-    table = runner.plan(config, stages)
+    table = runner.schedule_table(config, stages)
     steps = lockstep(schedule, stages, microbatches)
     assert table.table.shape[:2] == (len(steps.slots), stages)
     assert_every_task_once(table, ("F", "B", "W"), config.local_chunks, microbatches)
@@ -180,7 +180,7 @@ def test_the_table_runs_every_task_once_within_1f1bs_memory(schedule, stages, mi
     assert table.stash_w_slots <= stages * config.local_chunks
     # the weight-only buffers are freed at W, the others at B: B's stash is never larger
     assert table.stash_b_slots <= table.stash_w_slots
-    eval_table = runner.plan(config, stages, train=False)
+    eval_table = runner.schedule_table(config, stages, train=False)
     assert_every_task_once(eval_table, ("F",), config.local_chunks, microbatches)
     kinds = eval_table.table[:, :, table_module.FIELDS.index("kind")]
     assert set(np.unique(kinds)) <= {table_module.KINDS.index(k) for k in ("idle", "F")}
