@@ -628,7 +628,8 @@ def test_two_processes_match_single_process(tmp_path):
             )
 
 
-def test_launch_joins_the_processes_into_one_jax_run():  # about 4 s
+@pytest.mark.slow  # about 4 s alone, but 150 s under make test's two loaded workers (Gloo)
+def test_launch_joins_the_processes_into_one_jax_run():
     code = textwrap.dedent("""
         import numpy as np
         from jphantom.runtime import distributed
