@@ -36,7 +36,7 @@ def saved_residuals(hlo_text: str, *, layers: int, rows: int, tokens: Iterable[i
     "shapes", "copies"}``: ``copies``, the most sets of a stored array any array of the program
     holds ([slots, *stored shape]: a pipeline stash's slots; 1 elsewhere)."""
     tokens = set(tokens)
-    best, arrays = {"bytes": 0, "shapes": [], "copies": 1}, set()
+    best, arrays, stored = {"bytes": 0, "shapes": [], "copies": 1}, set(), set()
     for computation in parse_module(hlo_text).values():
         for instr in computation.instructions:
             shapes = parse_shapes(instr.type_text)
@@ -48,7 +48,7 @@ def saved_residuals(hlo_text: str, *, layers: int, rows: int, tokens: Iterable[i
             if nbytes(kept) > best["bytes"]:
                 best.update(bytes=nbytes(kept),
                             shapes=[f"{d}[{','.join(map(str, s))}]" for d, s in kept])
-    stored = {tuple(int(n) for n in s[s.index("[") + 1:-1].split(",")) for s in best["shapes"]}
+                stored = {tuple(dims) for _, dims in kept}
     for dims in arrays:  # an array of whole sets of stored ones: [slots, *stored shape]
         for at in range(1, len(dims)):
             if dims[at:] in stored:
