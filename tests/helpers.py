@@ -5,11 +5,26 @@ abstract steps, and tree comparisons."""
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+
+# jax 0.10's legacy CPU emitters (tests/conftest.py) are less exact in float64 and give NaN on
+# FP8's FNUZ formats: a check at float64's 1e-10 or in FNUZ compiles with the fusion emitters, as
+# jax >= 0.11 always does.
+FUSION_EMITTERS = ({"xla_cpu_use_fusion_emitters": True}
+                 if "--xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", "")
+                 else {})
+
+
+def jit_exact(fn, **kwargs):
+    """``jax.jit`` for a float64 check at 1e-10 or an FP8 step in FNUZ formats: compiled with
+    jax's fusion emitters."""
+    return jax.jit(fn, compiler_options=FUSION_EMITTERS or None, **kwargs)
 
 
 def batch(width: int, size: int = 16, dtype=jnp.float64, seed: int = 1):

@@ -10,7 +10,10 @@ reduction included) on global arrays and writes them, gathered to host, to OUT.n
 
 from __future__ import annotations
 
+import pathlib
 import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/, for helpers
 
 
 def problem():
