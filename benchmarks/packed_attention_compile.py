@@ -3,8 +3,8 @@ step (hidden 4096, 32 heads, 8 key/value heads, FFN 14336) in bf16 at S = 8192, 
 packed batch ``(tokens, targets, segment_ids, positions)`` against the same step unpacked
 ``(tokens, targets)``. Reports, from the optimised HLO and XLA's memory analysis, which fused
 attention kernel each step runs (cuDNN's ``__cudnn$fmha*`` custom calls unpacked; jax's Pallas
-Triton kernels ``packed_attention_forward`` / ``packed_attention_backward``, with segment ids,
-packed) and each step's temporary bytes (of its gradient program, forward and backward: the
+Triton kernels ``packed_attention_forward_causal`` / ``packed_attention_backward_causal``, with
+segment ids, packed) and each step's temporary bytes (of its gradient program, forward and backward: the
 packed step must stay within 1.2x of the unpacked's), and, for scale, the packed step on XLA's path under the segment mask
 (``attention="xla"``), which holds [B, H, S, S] float32 scores.
 

@@ -72,6 +72,14 @@ def _vary(x, *arrays):
     return comm.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
 
 
+def kernel_name(segment_ids, way: str, causal: bool) -> str:
+    """A block kernel's name, which the compiled program keeps in its op_name: what
+    :mod:`jphantom.predict.costs` prices it by (``ring_block_forward_causal``,
+    ``packed_attention_backward``, ...)."""
+    base = "ring_block" if segment_ids is None else "packed_attention"
+    return f"{base}_{way}" + ("_causal" if causal else "")
+
+
 def _forward(q, k, v, *, causal, scale, interpret, segment_ids=None):
     """``mha_forward_kernel`` on [B, S, H, d] q, k, v (``segment_ids`` [B, S]: a query attends
     only to keys of its segment; q and k the same tokens): output and base-2 log-sum-exp
@@ -96,8 +104,7 @@ def _forward(q, k, v, *, causal, scale, interpret, segment_ids=None):
         out_specs=[rows(block_q), pl.BlockSpec((None, None, block_q), lambda i, j, k: (j, k, i))],
         out_shape=[_like(q.shape, q.dtype, q, k, v), _like((b, h, sq), jnp.float32, q, k, v)],
         compiler_params=plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2),
-        interpret=interpret, name="ring_block_forward" if segment_ids is None
-        else "packed_attention_forward")(q, k, v, segment_ids)
+        interpret=interpret, name=kernel_name(segment_ids, "forward", causal))(q, k, v, segment_ids)
     return [_vary(a, q, k, v) for a in out]
 
 
@@ -132,8 +139,8 @@ def _backward(q, k, v, out, do, lse2, delta, *, causal, scale, interpret, segmen
                    _like(v.shape, v.dtype, *varying)],
         compiler_params=plgpu.CompilerParams(
             num_warps=4 if block_q * block_kv < 128 * 128 else 8, num_stages=2),
-        interpret=interpret, name="ring_block_backward" if segment_ids is None
-        else "packed_attention_backward")(q, k, v, segment_ids, out, do, lse2, delta)
+        interpret=interpret, name=kernel_name(segment_ids, "backward", causal))(
+            q, k, v, segment_ids, out, do, lse2, delta)
     return [_vary(g, *varying) for g in grads]
 
 

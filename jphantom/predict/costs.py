@@ -17,7 +17,11 @@ GEMM FLOPs are 2 x (result elements) x (contracted elements) of each ``dot`` in 
 a cuBLAS call's from its backend config. A fused attention call (``__cudnn$fmha*``) does
 4 B H Sq Sk D FLOPs forward (the two GEMMs of Q K^T and P V), half that under a causal mask, and
 2.5 times that backward (the recomputed scores and the four gradients' GEMMs, Dao's FlashAttention-2
-count).
+count). A Pallas flash block of :mod:`jphantom.nn.flash` (a Triton custom call whose op_name names
+the kernel: ``ring_block_forward``, ``ring_block_backward_causal``, ``packed_attention_*``; q
+and k its first two operands, [B, S, H, D]) is counted the same way and priced at the device's
+attention efficiency, which is cuDNN's: jax's Pallas Triton kernel is assumed as fast (no
+measurement of it on a GPU yet), so a ring's attention is, if anything, priced optimistically.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ FREE = frozenset({
 })
 _SLICERS = frozenset({"dynamic-slice", "slice", "gather"})
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+# jphantom.nn.flash's block kernels, by the name they keep in the compiled program's op_name
+_FLASH = re.compile(r"(ring_block|packed_attention)_(forward|backward)(_causal)?/pallas_call")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +207,24 @@ class KernelPricer:
         seconds = self.device.attention_seconds(flops, nbytes, int(head), backward)
         return Cost("attention", flops, nbytes, seconds, op_name(instr), "bf16")
 
+    def _flash(self, instr: Instruction, found: re.Match) -> Cost | None:
+        """A Pallas flash block (:mod:`jphantom.nn.flash`): q [B, Sq, H, D] over k [B, Sk, H, D],
+        counted as a cuDNN call of those shapes (the module docstring); None when its first two
+        operands are not such arrays."""
+        shapes = [_dims(self.types.get(name, ""))[1] for name in instr.operands[:2]]
+        if len(shapes) < 2 or any(len(shape) != 4 for shape in shapes):
+            return None
+        (batch, sq, heads, head), sk = shapes[0], shapes[1][1]
+        flops = 4.0 * batch * heads * sq * sk * head
+        if found[3]:  # causal
+            flops /= 2
+        backward = found[2] == "backward"
+        if backward:
+            flops *= 2.5
+        nbytes = self.kernel_bytes(instr)
+        seconds = self.device.attention_seconds(flops, nbytes, int(head), backward)
+        return Cost("attention", flops, nbytes, seconds, op_name(instr), "bf16")
+
     # -- any kernel ------------------------------------------------------------------------------
     def price(self, instr: Instruction) -> Cost | None:
         """The kernel ``instr`` launches, priced; None for a free instruction."""
@@ -209,6 +233,10 @@ class KernelPricer:
         target = custom_call_target(instr)
         if target.startswith("__cudnn$fmha"):
             return self._attention(instr, target)
+        flash = _FLASH.search(op_name(instr)) if target == "__gpu$xla.gpu.triton" else None
+        priced = self._flash(instr, flash) if flash else None
+        if priced is not None:
+            return priced
         if self.gemms.kind(instr) is not None:
             flops, out, contracted, operand = self._gemm_shape(instr)
             dtype = self._gemm_dtype(instr, operand)

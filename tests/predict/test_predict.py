@@ -231,6 +231,33 @@ ENTRY %main () -> bf16[{m},{n}] {{
     assert t.flops == gemm_flops + 3.5 * attention
 
 
+def test_a_pallas_flash_block_is_priced_as_attention_by_its_shapes():
+    """jphantom.nn.flash's ring blocks (Triton custom calls named in their op_name) cost their
+    attention FLOPs at the attention efficiency, as a cuDNN call of the same shapes does: half
+    under a causal mask, 2.5x backward; any other Triton kernel by its bytes."""
+    call = ('custom-call(%q, %k, %k), custom_call_target="__gpu$xla.gpu.triton", '
+            'metadata={{op_name="jit(step)/shard_map/{}/pallas_call"}}')
+    text = f"""HloModule f, is_scheduled=true
+
+ENTRY %main () -> bf16[2,1024,8,128] {{
+  %q = bf16[2,1024,8,128]{{3,2,1,0}} parameter(0)
+  %k = bf16[2,512,8,128]{{3,2,1,0}} parameter(1)
+  %full = (bf16[2,1024,8,128]{{3,2,1,0}}, f32[2,8,1024]{{2,1,0}}) {call.format("ring_block_forward")}
+  %diag = (bf16[2,1024,8,128]{{3,2,1,0}}, f32[2,8,1024]{{2,1,0}}) {call.format("cond/branch_0_fun/ring_block_forward_causal")}
+  %bwd = (bf16[2,1024,8,128]{{3,2,1,0}}, bf16[2,512,8,128]{{3,2,1,0}}) {call.format("transpose(jvp())/ring_block_backward_causal")}
+  ROOT %other = bf16[2,1024,8,128]{{3,2,1,0}} {call.format("some_kernel")}
+}}
+"""
+    t = simulate(text, DEVICE)
+    full = 4 * 2 * 8 * 1024 * 512 * 128
+    assert t.ops["full"][0] == "attention" and t.ops["full"][3] == full
+    assert t.ops["full"][1] == pytest.approx(full / (0.5 * 100e12), rel=1e-3)
+    assert t.ops["diag"][3] == full / 2
+    assert t.ops["bwd"][3] == 2.5 * full / 2
+    assert t.ops["bwd"][1] == pytest.approx(2.5 * full / 2 / (0.25 * 100e12), rel=1e-3)
+    assert t.ops["other"][0] == "memory" and t.ops["other"][3] == 0
+
+
 def test_sliced_operands_cost_their_slice_and_in_place_updates_their_update():
     layers = 16
     extra = f"""

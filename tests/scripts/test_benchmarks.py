@@ -159,6 +159,7 @@ def test_gpu_resilience_small_refuses_the_huge_step_and_resumes_exactly(tmp_path
     assert preempt["abs_difference"] == 0.0 and preempt["run_to_run_abs_difference"] == 0.0
 
 
+@pytest.mark.slow  # counts two git revisions (7.5 s); test_layering checks the rule itself
 def test_code_counts_see_what_the_function_rule_sees():
     """benchmarks/code_counts.py counts the functions over 80 lines the layering test lists as
     exemptions (the same AST measure), and finds no strategy-name comparison in registry/program.py."""

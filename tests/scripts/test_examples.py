@@ -18,6 +18,7 @@ def _load(name):
     return module
 
 
+@pytest.mark.slow  # make test: the README's own TinyLM block on 8 devices, tests/models/test_byo_model.py
 def test_byo_flax_model_trains_the_same_on_one_and_eight_devices(capsys):
     assert _load("byo_flax_model").main(3) == 0
     assert "largest difference over 3 steps" in capsys.readouterr().out
