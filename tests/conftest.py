@@ -14,7 +14,7 @@ from importlib.metadata import version
 # tensor parallelism: 5.7e-10 from one device, against 1e-13 with the fusion emitters) and they
 # give NaN on FP8's FNUZ formats, so the float64 checks at 1e-10 and the FNUZ steps compile with
 # the fusion emitters (``helpers.jit_exact``).
-LEGACY_EMITTERS = version("jaxlib") < "0.11"
+LEGACY_EMITTERS = tuple(int(part) for part in version("jaxlib").split(".")[:2]) < (0, 11)
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
                                    "--xla_backend_optimization_level=0"
                                    + (" --xla_cpu_use_fusion_emitters=false" if LEGACY_EMITTERS

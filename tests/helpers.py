@@ -17,8 +17,8 @@ import optax
 # FP8's FNUZ formats: a check at float64's 1e-10 or in FNUZ compiles with the fusion emitters, as
 # jax >= 0.11 always does.
 FUSION_EMITTERS = ({"xla_cpu_use_fusion_emitters": True}
-                 if "--xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", "")
-                 else {})
+                   if "--xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", "")
+                   else {})
 
 
 def jit_exact(fn, **kwargs):
