@@ -27,7 +27,6 @@ installed: ``.venv-aot``) and the largest difference of the two accumulators (CP
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import jax
@@ -109,7 +108,6 @@ def main() -> int:
     try:
         from jax.sharding import SingleDeviceSharding
 
-        sys.path.insert(0, str(ROOT))
         from jphantom.costs import aot
 
         device = aot.Target.parse("gpu:h100", nodes=1).devices()[0]

@@ -20,9 +20,9 @@ s`` with V virtual stages (Megatron's round-robin), ``s`` and ``2P - 1 - s`` wit
 rest is replicated over ``stage``; its gradient (non-zero on the first and last stage only) is
 all-reduced over ``stage`` once per step, like Megatron's embedding-group all-reduce.
 
-The step walks the schedule's table (:func:`jphantom.pipeline.table.schedule_table`) with ``lax.scan``
-over ticks; every device reads its own row (``comm.axis_index("stage")``) and, in each slot of
-the tick, dispatches its task to the handler of its kind under ``lax.switch``:
+The step walks the schedule's table (:func:`jphantom.pipeline.table.schedule_table`) with
+``lax.scan`` over ticks; every device reads its own row (``comm.axis_index("stage")``) and, in
+each slot of the tick, dispatches its task to the handler of its kind under ``lax.switch``:
 
     F    x = first(rest, inputs[m]) on chunk 0, else the activation received for (c, m);
          out, pullback = jax.vjp(body, chunk_params, x); stash the pullback's residuals;
@@ -60,15 +60,15 @@ from jphantom.pipeline.split import (Split, backward_input, backward_weight, pic
                                      weight_only_residuals)
 from jphantom.pipeline.table import FIELDS, KINDS, ScheduleTable, schedule_table, unit_order
 
-__all__ = ["STAGE_AXIS", "PipelineConfig", "ScheduleTable", "Stages", "pipeline_for", "schedule_table", "run",
-           "unit_order"]
+__all__ = ["STAGE_AXIS", "PipelineConfig", "ScheduleTable", "Stages", "pipeline_for", "run",
+           "schedule_table", "unit_order"]
 
 _F = {name: i for i, name in enumerate(FIELDS)}
 F_, B_, W_, BW_ = (KINDS.index(k) for k in ("F", "B", "W", "BW"))
 
 
-def run(stages: Stages, config: PipelineConfig, table_: ScheduleTable, stacked, rest, inputs, targets, *,
-        train: bool = True):
+def run(stages: Stages, config: PipelineConfig, table_: ScheduleTable, stacked, rest, inputs,
+        targets, *, train: bool = True):
     """One step of the pipeline on this rank. ``stacked``: this device's units [V Lc, ...];
     ``rest``: the replicated parameters (varying over ``stage``); ``inputs``, ``targets``: the data
     rank's batch (arrays or tuples of them). Returns (loss share, d_stacked, d_rest), or the loss
@@ -96,8 +96,8 @@ class _Step:
     the slot that dispatches a row to its handler, writes back what it produced and exchanges
     its message."""
 
-    def __init__(self, stages: Stages, config: PipelineConfig, table_: ScheduleTable, stacked, rest,
-                 inputs, targets, train: bool):
+    def __init__(self, stages: Stages, config: PipelineConfig, table_: ScheduleTable, stacked,
+                 rest, inputs, targets, train: bool):
         self.stages, self.schedule, self.rest, self.train = stages, table_, rest, train
         self.M, self.V, P_ = config.microbatches, config.local_chunks, table_.table.shape[1]
         V = self.V

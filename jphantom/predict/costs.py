@@ -197,15 +197,8 @@ class KernelPricer:
         else:  # no dimension numbers: [B, S, H, D] for both
             bh, head = (q[0] * q[2], q[3]) if len(q) == 4 else (1, 1)
             sq, sk = (q[1], k[1]) if len(q) == 4 and len(k) == 4 else (1, 1)
-        flops = 4.0 * bh * sq * sk * head
-        if config.get("mask_type", "") in ("CAUSAL", "PADDING_CAUSAL"):
-            flops /= 2
-        backward = "Backward" in target
-        if backward:
-            flops *= 2.5
-        nbytes = self.kernel_bytes(instr)
-        seconds = self.device.attention_seconds(flops, nbytes, int(head), backward)
-        return Cost("attention", flops, nbytes, seconds, op_name(instr), "bf16")
+        causal = config.get("mask_type", "") in ("CAUSAL", "PADDING_CAUSAL")
+        return self._attention_cost(instr, bh, sq, sk, head, causal, "Backward" in target)
 
     def _flash(self, instr: Instruction, found: re.Match) -> Cost | None:
         """A Pallas flash block (:mod:`jphantom.nn.flash`): q [B, Sq, H, D] over k [B, Sk, H, D],
@@ -215,12 +208,14 @@ class KernelPricer:
         if len(shapes) < 2 or any(len(shape) != 4 for shape in shapes):
             return None
         (batch, sq, heads, head), sk = shapes[0], shapes[1][1]
-        flops = 4.0 * batch * heads * sq * sk * head
-        if found[3]:  # causal
-            flops /= 2
-        backward = found[2] == "backward"
-        if backward:
-            flops *= 2.5
+        return self._attention_cost(instr, batch * heads, sq, sk, head, bool(found[3]),
+                                    found[2] == "backward")
+
+    def _attention_cost(self, instr: Instruction, bh, sq, sk, head, causal: bool,
+                        backward: bool) -> Cost:
+        """4 B H Sq Sk D FLOPs, half under a causal mask, 2.5x backward, at the device's
+        attention efficiency for ``head``."""
+        flops = 4.0 * bh * sq * sk * head * (0.5 if causal else 1.0) * (2.5 if backward else 1.0)
         nbytes = self.kernel_bytes(instr)
         seconds = self.device.attention_seconds(flops, nbytes, int(head), backward)
         return Cost("attention", flops, nbytes, seconds, op_name(instr), "bf16")
