@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jphantom.nn import sink as sink_module
 from jphantom.runtime import comm
 from jphantom.step import remat as remat_module
 from jphantom.errors import check_int
@@ -62,28 +63,36 @@ class Stacked(nnx.Module):
         self.with_index, self.peel_first = bool(with_index), bool(peel_first)
         self.remat = "none"
         self.fetch = None
+        self.sink = None
 
     def __call__(self, carry, *args):
         """``carry`` through every block; ``args`` are passed to each block unchanged."""
         graphdef, state, data = nnx.split(self.block, nnx.Param, ...)
         return apply_blocks(graphdef, state, carry, *args, data=data, remat=self.remat,
                             fetch=self.fetch, with_index=self.with_index,
-                            peel_first=self.peel_first)
+                            peel_first=self.peel_first,
+                            sink=None if self.sink is None else self.sink.leaves)
 
 
 def apply_blocks(graphdef, state, carry, *args, data=None, remat: str = "none", fetch=None,
-                 with_index: bool = False, peel_first: bool = False, offset=0):
+                 with_index: bool = False, peel_first: bool = False, offset=0, sink=None):
     """The blocks of a split :class:`Stacked` (``state`` its parameters, stacked [L', ...])
     applied in order under ``lax.scan``, each checkpointed with ``remat`` and its parameters
     passed through ``fetch``: a pipeline stage's body runs its L' blocks so (``offset``: the
     global index of its first). ``data``: the rest of the block's state, stacked as its
     parameters and sliced with them but never fetched: the step's values for one micro-batch
-    (each dropout layer's keys, :class:`jphantom.nn.dropout.StepKey`)."""
+    (each dropout layer's keys, :class:`jphantom.nn.dropout.StepKey`). ``sink``: float32
+    accumulators, one per leaf of ``state`` (in ``jax.tree.leaves`` order), that the blocks'
+    parameter gradients are added into instead (:mod:`jphantom.nn.sink`; not with
+    ``gather_stacked`` hooks, whose gradient is the whole stack's)."""
 
     data = nnx.State({}) if data is None else data
+    if sink is not None and gathers_stacked(graphdef, state, data):
+        raise ValueError("a gradient sink under gather_stacked: the step accumulates such "
+                         "blocks' gradients itself")
     graphdef, state = gather_stacked(graphdef, state, data)
 
-    def one(layer_state, carry, index_data):
+    def one(layer_state, carry, index_data, args):
         index, layer_data = index_data
         block = nnx.merge(graphdef, layer_state, layer_data)
         return block(carry, index, *args) if with_index else block(carry, *args)
@@ -95,16 +104,20 @@ def apply_blocks(graphdef, state, carry, *args, data=None, remat: str = "none", 
     layers = jax.tree.leaves(state)[0].shape[0]
     xs = (offset + jnp.arange(layers), data)  # per layer: its index and its step data
     first = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
+    if sink is not None and layers:
+        carry = _varying_like(carry, jax.eval_shape(
+            lambda st, c, x: one(first(st), c, first(x), args), state, carry, xs))
+        return sink_module.scan_into(one, state, sink, carry, xs, args, peel_first=peel_first)
     if peel_first:
-        carry = one(first(state), carry, first(xs))
+        carry = one(first(state), carry, first(xs), args)
         if layers == 1:
             return carry
         state, xs = jax.tree.map(lambda a: a[1:], (state, xs))
     if not jax.tree.leaves(state) or jax.tree.leaves(state)[0].shape[0] == 0:
         return carry
     carry = _varying_like(carry, jax.eval_shape(  # the carry's type as the blocks leave it
-        lambda st, c, x: one(first(st), c, first(x)), state, carry, xs))
-    carry, _ = lax.scan(lambda c, x: (one(x[0], c, x[1]), None), carry, (state, xs))
+        lambda st, c, x: one(first(st), c, first(x), args), state, carry, xs))
+    carry, _ = lax.scan(lambda c, x: (one(x[0], c, x[1], args), None), carry, (state, xs))
     return carry
 
 
@@ -151,6 +164,15 @@ def gather_stacked(graphdef, state, data=None):
     return nnx.split(block, nnx.Param, ...)[:2] if extra else nnx.split(block)
 
 
+def gathers_stacked(graphdef, state, data=None) -> bool:
+    """Whether a module of the block gathers its whole stack in ``gather_stacked()``
+    (:func:`gather_stacked`; a module that defines it says with ``stack_gathered``)."""
+    extra = () if data is None else (data,)
+    block = nnx.merge(graphdef, state, *extra)
+    return any(callable(getattr(m, "gather_stacked", None)) and getattr(m, "stack_gathered", True)
+               for _, m in nnx.iter_modules(block))
+
+
 class StackInput(Exception):
     """Raised by :class:`Capture` to hand a pipeline the activation entering the blocks."""
 
@@ -164,7 +186,7 @@ class Capture(Stacked):
     (its first stage's embedding): raises :class:`StackInput` with the blocks' input."""
 
     def __init__(self):  # holds no blocks
-        self.remat, self.fetch = "none", None
+        self.remat, self.fetch, self.sink = "none", None, None
 
     def __call__(self, h, *args):
         raise StackInput(h)
@@ -175,7 +197,7 @@ class Feed(Stacked):
     (its last stage's head and loss): returns the pipeline's output instead of its input."""
 
     def __init__(self, output_fn):  # holds no blocks
-        self.output_fn, self.remat, self.fetch = output_fn, "none", None
+        self.output_fn, self.remat, self.fetch, self.sink = output_fn, "none", None, None
 
     def __call__(self, h, *args):
         return self.output_fn()

@@ -44,7 +44,7 @@ FREE = frozenset({
 _SLICERS = frozenset({"dynamic-slice", "slice", "gather"})
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 # jphantom.nn.flash's block kernels, by the name they keep in the compiled program's op_name
-_FLASH = re.compile(r"(ring_block|packed_attention)_(forward|backward)(_causal)?/pallas_call")
+_FLASH = re.compile(r"(ring_block|packed_attention)_(forward|backward)(_causal)?\)*/pallas_call")
 
 
 @dataclasses.dataclass(frozen=True)

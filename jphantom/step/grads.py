@@ -28,15 +28,20 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax import lax
 
+from jphantom.runtime import comm
 from jphantom.step import token_mean
 from jphantom.errors import ConfigError
 from jphantom.nn import balance as balance_module
 from jphantom.nn import dropout as dropout_module
 from jphantom.nn import metadata
+from jphantom.nn import sink as sink_module
+from jphantom.nn import stack as stack_module
 from jphantom.pipeline.buffers import split_microbatches, zeros_of
 from jphantom.step.rank_params import RankParameters
+from jphantom.step.layout import module_at
 from jphantom.step.setup import StepSetup
 
 
@@ -52,11 +57,14 @@ class Gradients(NamedTuple):
     weight: Any = None
 
 
-def accumulate(fn, micro, *, mean: bool, indexed: bool = False):
+def accumulate(fn, micro, *, mean: bool, indexed: bool = False, carried=None):
     """``fn(micro_batch[, i])`` summed over the micro-batches ``micro`` (each array [n, ...]) by one
     loop, one micro-batch at a time (``indexed``: each call also gets its index i); ``mean``:
     divided by n (a scalar ``loss_fn``'s mean; a weighted one's shares already sum to the whole
-    loss).
+    loss). ``carried``: a tree each call also takes, last, and returns updated beside its
+    summand, ``fn(micro_batch, i, carried) -> (summand, carried)`` (the gradient sinks of
+    :mod:`jphantom.nn.sink`, which accumulate themselves); then ``(sum, carried)``, both divided
+    by n under ``mean``.
 
     The loop's bound passes through an ``optimization_barrier``, so XLA does not know its trip
     count: with a known one, XLA's GPU pipeline treats the micro-batch loop as the step's
@@ -67,16 +75,24 @@ def accumulate(fn, micro, *, mean: bool, indexed: bool = False):
     survives as one loop over one micro-batch's program. The analysis reads the bound back
     (:func:`jphantom.analysis.hlo.callgraph.trip_count`)."""
     n = micro[0].shape[0]
-    call = fn if indexed else (lambda mb, _: fn(mb))
-    first = jax.eval_shape(lambda mb: call(mb, 0), [m[0] for m in micro])
+    threaded = carried is not None
+    call = fn if indexed or threaded else (lambda mb, _: fn(mb))
+    if threaded and not indexed:
+        call = lambda mb, _, c: fn(mb, c)  # noqa: E731
+    summand = (lambda mb, i, c: call(mb, i, c)[0]) if threaded else (  # noqa: E731
+        lambda mb, i, c: call(mb, i))
+    first = jax.eval_shape(lambda mb: summand(mb, 0, carried), [m[0] for m in micro])
 
-    def one(i, total):
+    def one(i, state):
+        total, c = state
         batch = [lax.dynamic_index_in_dim(m, i, keepdims=False) for m in micro]
-        return jax.tree.map(jnp.add, total, call(batch, i))
+        part, c = call(batch, i, c) if threaded else (call(batch, i), c)
+        return jax.tree.map(jnp.add, total, part), c
 
-    total = lax.fori_loop(0, lax.optimization_barrier(jnp.int32(n)), one,
-                          jax.tree.map(zeros_of, first))
-    return jax.tree.map(lambda a: a / n, total) if mean else total
+    out = lax.fori_loop(0, lax.optimization_barrier(jnp.int32(n)), one,
+                        (jax.tree.map(zeros_of, first), carried))
+    out = jax.tree.map(lambda a: a / n, out) if mean else out
+    return out if threaded else out[0]
 
 
 def loss_of(setup: StepSetup, model, batch, balance=None, key=None):
@@ -154,6 +170,13 @@ def micro_key(key, index):
     return None if key is None else jax.random.fold_in(key, index)
 
 
+def _wide_zeros(x):
+    """Zeros of ``x``'s shape in float32 (or wider), varying over the mesh axes ``x`` does."""
+    axes = tuple(sorted(metadata.varying_axes(x)))
+    zeros = jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32))
+    return comm.pcast(zeros, axes, to="varying") if axes else zeros
+
+
 def unscaled(loss, grads, like, scale):
     """The loss and gradients divided by the loss ``scale``, in float32 (or wider) before the
     master weights' dtype (``like``)."""
@@ -194,6 +217,8 @@ class LocalGradients:
             return Gradients(loss, grads, found)
         n = setup.accumulate
         micro = [split_microbatches(b, n) for b in batch]
+        if self.sunk:
+            return self.into_sinks(leaves, micro, scale, key)
         if setup.master_weights == "sharded":
             return self.gathered_once(leaves, micro, scale, key)
         balance = balance_fraction(setup, params.model(leaves, train=True), micro)
@@ -205,6 +230,72 @@ class LocalGradients:
         loss, grads = accumulate(lambda mb, i: one(leaves, *mb, **options, index=i)[0], micro,
                                  mean=weight is None, indexed=True)
         return Gradients(loss, grads, weight)
+
+    @property
+    def sunk(self) -> tuple:
+        """The model's stacks (``(path, leaf indices)``, :attr:`ParamLayout.stacks`) whose
+        gradients accumulate into float32 sinks (:mod:`jphantom.nn.sink`): all of them when the
+        step accumulates micro-batches, none when a block gathers its whole stack itself
+        (pmm3d's ``gather_stacked``: its gradient is the whole stack's transpose)."""
+        setup = self.setup
+        if setup.accumulate == 1:
+            return ()
+        stacks = setup.layout.stacks
+        model = setup.model_template
+        if any(stack_module.gathers_stacked(*nnx.split(module_at(model, path).block))
+               for path, _ in stacks):
+            return ()
+        return stacks
+
+    def into_sinks(self, leaves, micro, scale, key) -> Gradients:
+        """Accumulation with the stacked blocks' gradients added into float32 sinks inside the
+        backward (:mod:`jphantom.nn.sink`, Megatron-LM's gradient accumulation fusion): each
+        micro-batch's loss is differentiated with respect to the other leaves and the sinks,
+        never to the stacked leaves, so no micro-batch's [L, ...] gradient stack exists. Under a
+        sharded master the sinks are the gathered parameters' (:meth:`gathered_once`)."""
+        setup, params = self.setup, self.params
+        varied = params.vary_params(leaves)
+        if setup.master_weights == "sharded":
+            base, scatter = jax.vjp(lambda xs: params.gather(xs, train=True), varied)
+            build = lambda p: params.built(p, train=True)  # noqa: E731
+            weighing = build(base)
+        else:
+            base, scatter = varied, None
+            build = lambda p: params.model(p, train=True)  # noqa: E731
+            weighing = params.model(leaves, train=False)
+        balance = balance_fraction(setup, build(base), micro)
+        weight = micro_weight(setup, weighing, micro, balance)
+        options = dict(balance=balance, weight=weight, micro=len(micro[0]))
+        stacked = sorted(i for _, indices in self.sunk for i in indices)
+        free = [i for i in range(len(base)) if i not in set(stacked)]
+        sinks0 = [[_wide_zeros(base[i]) for i in indices] for _, indices in self.sunk]
+
+        def one(mb, i, sinks):
+            def scaled(own, sinks):
+                p = list(base)
+                for j, x in zip(free, own):
+                    p[j] = x
+                model = build(p)
+                for (path, _), leaves in zip(self.sunk, sinks):
+                    module_at(model, path).sink = sink_module.Sink(leaves)
+                return loss_share(setup, model, mb, **options, key=micro_key(key, i))[0] * scale
+
+            loss, (grads, sinks) = jax.value_and_grad(scaled, argnums=(0, 1))(
+                [base[j] for j in free], sinks)
+            return (loss, [g.astype(jnp.promote_types(g.dtype, jnp.float32)) for g in grads]
+                    ), sinks
+
+        (loss, own), sinks = accumulate(one, micro, mean=weight is None, indexed=True,
+                                        carried=sinks0)
+        grads = [None] * len(base)
+        for j, g in zip(free, own):
+            grads[j] = g
+        for (_, indices), accs in zip(self.sunk, sinks):
+            for j, g in zip(indices, accs):
+                grads[j] = g
+        if scatter is not None:
+            (grads,) = scatter([g.astype(x.dtype) for g, x in zip(grads, base)])
+        return Gradients(*unscaled(loss, grads, leaves, scale), weight)
 
     def gathered_once(self, leaves, micro, scale, key) -> Gradients:
         """Accumulation under a sharded master (Megatron's distributed optimizer with gradient

@@ -153,6 +153,13 @@ class ParamLayout:
                                            self.zero_axes))
 
 
+def module_at(model: nnx.Module, path: tuple) -> nnx.Module:
+    """The submodule of ``model`` at ``path`` (attribute names and list indices)."""
+    for part in path:
+        model = model[part] if isinstance(part, int) else getattr(model, part)
+    return model
+
+
 def top_stacks(model: nnx.Module, pure_keys: list[tuple]) -> tuple:
     """Each :class:`Stacked` of ``model`` not inside another one: its path and the pure indices of
     its block's parameters in the order of the block's own ``nnx.split`` state."""
@@ -161,10 +168,7 @@ def top_stacks(model: nnx.Module, pure_keys: list[tuple]) -> tuple:
     index = {key: i for i, key in enumerate(pure_keys)}
     out = []
     for path in top:
-        stacked = model
-        for part in path:
-            stacked = stacked[part] if isinstance(part, int) else getattr(stacked, part)
-        _, block_state, _ = nnx.split(stacked.block, nnx.Param, ...)
+        _, block_state, _ = nnx.split(module_at(model, path).block, nnx.Param, ...)
         block_vars = jax.tree_util.tree_flatten_with_path(block_state, is_leaf=is_variable)[0]
         prefix = (*path, "block")
         out.append((path, tuple(index[prefix + path_key(p)] for p, _ in block_vars)))

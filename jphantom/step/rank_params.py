@@ -19,7 +19,7 @@ from flax import nnx
 
 from jphantom.runtime import comm
 from jphantom.step import zero as zero_module
-from jphantom.step.layout import CONTEXT, group_by
+from jphantom.step.layout import CONTEXT, group_by, module_at
 from jphantom.step.setup import StepSetup
 
 
@@ -92,10 +92,7 @@ class RankParameters:
         stacked = self._fetched(train)
         dims, zaxes = layout.zero_dims, layout.zero_axes
         for path, indices in (layout.stacks if stacked else ()):
-            module = model
-            for part in path:
-                module = module[part] if isinstance(part, int) else getattr(module, part)
-            module.fetch = zero_module.LayerFetch([dims[i] for i in indices],
+            module_at(model, path).fetch = zero_module.LayerFetch([dims[i] for i in indices],
                                                   [zaxes[i] for i in indices])
         return model
 

@@ -103,6 +103,12 @@ class Pmm3dLinear(nnx.Module):
     def dense_equivalent(self) -> nnx.Linear:
         return plain_linear(self.kernel[...], param_value(self.bias), self.dtype)
 
+    @property
+    def stack_gathered(self) -> bool:
+        """Whether :meth:`gather_stacked` gathers the stack (``deferred``): then its gradient is
+        the whole stack's, which a gradient sink does not take (:mod:`jphantom.nn.sink`)."""
+        return self.weights == "deferred"
+
     def gather_stacked(self) -> None:
         """Called by :class:`~jphantom.nn.stack.Stacked` on the module holding every layer's
         kernel [L, in/G_c, out/(G_o G_z)], before the layers run: ``deferred`` gathers them all
