@@ -245,6 +245,7 @@ ENTRY %main () -> bf16[2,1024,8,128] {{
   %full = (bf16[2,1024,8,128]{{3,2,1,0}}, f32[2,8,1024]{{2,1,0}}) {call.format("ring_block_forward")}
   %diag = (bf16[2,1024,8,128]{{3,2,1,0}}, f32[2,8,1024]{{2,1,0}}) {call.format("cond/branch_0_fun/ring_block_forward_causal")}
   %bwd = (bf16[2,1024,8,128]{{3,2,1,0}}, bf16[2,512,8,128]{{3,2,1,0}}) {call.format("transpose(jvp())/ring_block_backward_causal")}
+  %wrapped = (bf16[2,1024,8,128]{{3,2,1,0}}, bf16[2,512,8,128]{{3,2,1,0}}) {call.format("transpose(jvp(ring_block_backward_causal))")}
   ROOT %other = bf16[2,1024,8,128]{{3,2,1,0}} {call.format("some_kernel")}
 }}
 """
@@ -255,6 +256,8 @@ ENTRY %main () -> bf16[2,1024,8,128] {{
     assert t.ops["diag"][3] == full / 2
     assert t.ops["bwd"][3] == 2.5 * full / 2
     assert t.ops["bwd"][1] == pytest.approx(2.5 * full / 2 / (0.25 * 100e12), rel=1e-3)
+    # the name inside a transformation's parentheses (jphantom.nn.sink's per-layer jax.vjp)
+    assert t.ops["wrapped"][:4] == t.ops["bwd"][:4]
     assert t.ops["other"][0] == "memory" and t.ops["other"][3] == 0
 
 
