@@ -61,12 +61,13 @@ LLAMA = LlamaConfig(vocab_size=32, hidden=64, intermediate=128, layers=4, heads=
 
 
 @functools.lru_cache(maxsize=None)
-def _run(sink: bool, precision: str):
-    """One device's Llama accumulating 2 micro-batches, with or without the sinks: loss,
-    gradients, compiled temporaries and the stacked parameters' bytes in bf16."""
-    program = program_module.build(LLAMA, "tensor", "model=1")
-    mesh = program.mesh.build(jax.devices()[:1])
-    step = program.train_step(mesh, optax.sgd(0.1), precision=precision, accumulate=2,
+def _run(sink: bool, precision: str, mesh_text: str = "model=1", zero: int = 0):
+    """Llama accumulating 2 micro-batches on ``mesh_text``, with or without the sinks: loss,
+    gradients, compiled temporaries, the stacked parameters' bytes in bf16 and the sunk stacks."""
+    program = program_module.build(LLAMA, "tensor", mesh_text)
+    require_devices(program.mesh.device_count)
+    mesh = program.mesh.build(jax.devices()[:program.mesh.device_count])
+    step = program.train_step(mesh, optax.sgd(0.1), precision=precision, accumulate=2, zero=zero,
                               donate=False)
     if not sink:
         step.gradients.__class__ = type("Unsunk", (LocalGradients,), {"sunk": ()})
@@ -80,9 +81,13 @@ def _run(sink: bool, precision: str):
             stack, step.gradients.sunk)
 
 
-def test_the_step_accumulates_into_sinks_as_without_them():
-    loss, grads, _, _, sunk = _run(True, "float32")
-    want_loss, want_grads, _, _, unsunk = _run(False, "float32")
+@pytest.mark.parametrize("mesh_text, zero, precision", [
+    ("model=1", 0, "float32"), ("data=2,context=2", 1, "float32"), ("model=1", 0, "fp8")])
+def test_the_step_accumulates_into_sinks_as_without_them(mesh_text, zero, precision):
+    """One device; NeMo's layout in small (ring attention over context, ZeRO-1 over data x
+    context); FP8 GEMMs (their own custom VJPs inside each layer's pullback)."""
+    loss, grads, _, _, sunk = _run(True, precision, mesh_text, zero)
+    want_loss, want_grads, _, _, unsunk = _run(False, precision, mesh_text, zero)
     assert [path for path, _ in sunk] == [("layers",)] and unsunk == ()
     assert loss == pytest.approx(want_loss, rel=1e-6)
     assert_tree_close(grads, want_grads, 1e-5)
