@@ -1,7 +1,8 @@
-"""The gradient sink, measured on a toy before it is built: does a layer scan whose backward adds
-each layer's weight gradient into a carried float32 accumulator (Megatron-LM's ``main_grad``,
-which its weight-gradient GEMM accumulates into) keep XLA from holding a micro-batch's whole
-[L, ...] gradient stack in the compute dtype?
+"""The gradient sink on a toy, the measurement that preceded :mod:`jphantom.nn.sink` (which the
+step now uses): does a layer scan whose backward adds each layer's weight gradient into a
+carried float32 accumulator (Megatron-LM's ``main_grad``, which its weight-gradient GEMM
+accumulates into) keep XLA from holding a micro-batch's whole [L, ...] gradient stack in the
+compute dtype?
 
 Why: with ``--accumulate k`` jphantom's step differentiates each micro-batch's loss, so the
 backward layer scan writes every layer's gradient into a bf16 [L, ...] stack, which is then added

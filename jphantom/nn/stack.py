@@ -27,10 +27,11 @@ blocks' activation-checkpointing policy (:mod:`jphantom.step.remat`; :func:`set_
 ``fetch``, ZeRO-3's per-layer all-gather over ``data`` (:class:`jphantom.step.zero.LayerFetch`),
 whose ``around(layer)`` runs each layer on its gathered parameters and gathers them again
 for the backward; and ``sink``, the float32 accumulators a step accumulating micro-batches
-has the blocks' backward add their gradients into (:class:`jphantom.nn.sink.Sink`). The block's state that is not parameters, the values the step puts on the
-model it merges for a micro-batch (each dropout layer's keys, one per layer:
-:class:`jphantom.nn.dropout.StepKey`), is stacked [L] as the parameters are and sliced with them
-by the scan, never fetched. Holds no collective itself.
+has the blocks' backward add their gradients into (:class:`jphantom.nn.sink.Sink`). The
+block's state that is not parameters, the values the step puts on the model it merges for a
+micro-batch (each dropout layer's keys, one per layer: :class:`jphantom.nn.dropout.StepKey`), is
+stacked [L] as the parameters are and sliced with them by the scan, never fetched. Holds no
+collective itself.
 """
 
 from __future__ import annotations

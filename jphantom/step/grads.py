@@ -12,7 +12,8 @@ whole-batch balance.
   of the whole loss.
 - **Accumulation**: ``accumulate = n`` micro-batches summed by one loop before the one reduction
   per step (micro-batch i draws its dropout masks from key i), a loop XLA keeps as a loop
-  (:func:`accumulate`).
+  (:func:`accumulate`); the stacked blocks' gradients are added into float32 sinks inside
+  each micro-batch's backward (:meth:`LocalGradients.into_sinks`, :mod:`jphantom.nn.sink`).
 - **MoE balance** (:mod:`jphantom.nn.balance`): the whole batch's routing fractions, found by a
   forward pass over the micro-batches without gradient and given to each micro-batch's loss.
 
@@ -24,6 +25,7 @@ price the loss for every provider); the reductions after the backward are
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -76,17 +78,16 @@ def accumulate(fn, micro, *, mean: bool, indexed: bool = False, carried=None):
     (:func:`jphantom.analysis.hlo.callgraph.trip_count`)."""
     n = micro[0].shape[0]
     threaded = carried is not None
-    call = fn if indexed or threaded else (lambda mb, _: fn(mb))
-    if threaded and not indexed:
-        call = lambda mb, _, c: fn(mb, c)  # noqa: E731
-    summand = (lambda mb, i, c: call(mb, i, c)[0]) if threaded else (  # noqa: E731
-        lambda mb, i, c: call(mb, i))
-    first = jax.eval_shape(lambda mb: summand(mb, 0, carried), [m[0] for m in micro])
+
+    def step(mb, i, c):  # -> (summand, carried)
+        given = (mb, i) if indexed else (mb,)
+        return fn(*given, c) if threaded else (fn(*given), c)
+
+    first = jax.eval_shape(lambda mb: step(mb, 0, carried)[0], [m[0] for m in micro])
 
     def one(i, state):
         total, c = state
-        batch = [lax.dynamic_index_in_dim(m, i, keepdims=False) for m in micro]
-        part, c = call(batch, i, c) if threaded else (call(batch, i), c)
+        part, c = step([lax.dynamic_index_in_dim(m, i, keepdims=False) for m in micro], i, c)
         return jax.tree.map(jnp.add, total, part), c
 
     out = lax.fori_loop(0, lax.optimization_barrier(jnp.int32(n)), one,
@@ -231,7 +232,7 @@ class LocalGradients:
                                  mean=weight is None, indexed=True)
         return Gradients(loss, grads, weight)
 
-    @property
+    @functools.cached_property
     def sunk(self) -> tuple:
         """The model's stacks (``(path, leaf indices)``, :attr:`ParamLayout.stacks`) whose
         gradients accumulate into float32 sinks (:mod:`jphantom.nn.sink`): all of them when the
@@ -266,8 +267,8 @@ class LocalGradients:
         balance = balance_fraction(setup, build(base), micro)
         weight = micro_weight(setup, weighing, micro, balance)
         options = dict(balance=balance, weight=weight, micro=len(micro[0]))
-        stacked = sorted(i for _, indices in self.sunk for i in indices)
-        free = [i for i in range(len(base)) if i not in set(stacked)]
+        stacked = {i for _, indices in self.sunk for i in indices}
+        free = [i for i in range(len(base)) if i not in stacked]
         sinks0 = [[_wide_zeros(base[i]) for i in indices] for _, indices in self.sunk]
 
         def one(mb, i, sinks):
@@ -276,8 +277,8 @@ class LocalGradients:
                 for j, x in zip(free, own):
                     p[j] = x
                 model = build(p)
-                for (path, _), leaves in zip(self.sunk, sinks):
-                    module_at(model, path).sink = sink_module.Sink(leaves)
+                for (path, _), accs in zip(self.sunk, sinks):
+                    module_at(model, path).sink = sink_module.Sink(accs)
                 return loss_share(setup, model, mb, **options, key=micro_key(key, i))[0] * scale
 
             loss, (grads, sinks) = jax.value_and_grad(scaled, argnums=(0, 1))(
