@@ -341,6 +341,7 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
         "model_flops": gemm_flops(compiled) or None,
         "xla_cost_analysis": cost,
         "kernels": kernels(text),
+        "rematerialised": rematerialised(text),
         "params": program.param_count,
         "compile_seconds": compile_seconds,
         "xla_flags": xla_flags.split(),
@@ -387,6 +388,15 @@ def _mesh_of(flags: dict, target: Target) -> str:
     return mesh_text
 
 
+_REMATERIALISED = re.compile(r"^\s*(?:ROOT\s+)?%[^\s=]*\.remat\d*(?:\.[^\s=]*)?\s+=", re.M)
+
+
+def rematerialised(hlo_text: str) -> int:
+    """How many instructions of an optimised HLO module are XLA's rematerialisation clones (the
+    ``.remat`` names its ``HloRematerialization`` pass gives the copies it runs again)."""
+    return len(_REMATERIALISED.findall(hlo_text))
+
+
 def _notes(report: dict, target: Target) -> list[str]:
     """What a compile report's figures leave out, said in its notes."""
     notes = []
@@ -405,6 +415,12 @@ def _notes(report: dict, target: Target) -> list[str]:
         notes.append(f"compiled against {len(report['target']['runtime_stand_ins'])} stand-ins "
                      "for ROCm's runtime libraries (jphantom.rocm.stubs): nothing can run in "
                      "this process")
+    if report["rematerialised"] and target.is_gpu:
+        notes.append(f"XLA rematerialised {report['rematerialised']} instructions (run again in "
+                     "the step) to its scheduler's budget, 80% of the device less the program's "
+                     "inputs and outputs times --xla_gpu_memory_limit_slop_factor percent; "
+                     "raising that factor in XLA_FLAGS removes them where the program fits "
+                     "the device without them (docs/predict.md)")
     if not report["memory"]["fits"]:
         notes.append(f"peak {report['memory']['peak_bytes'] / 2**30:.1f} GiB exceeds the "
                      f"device's {target.memory_bytes / 2**30:.1f} GiB: XLA compiled it anyway; "

@@ -623,3 +623,18 @@ def test_each_ring_transfer_runs_under_an_attention_kernel_on_h100(h100, tmp_pat
     assert backward["overlapped_with_attention"] == backward["permutes"] - layers
     assert all(w["overlaps_attention"] or w["gemms"] for w in ring["windows"])
     assert ring["predicted"]["ring_exposed_s"] == 0.0 < ring["predicted"]["ring_comm_s"]
+
+
+def test_rematerialised_counts_xlas_remat_clones_once_each():
+    """The ``.remat`` clones XLA's rematerialisation pass names, counted where defined (not where
+    an operand refers to them); the compile report notes them on GPUs."""
+    text = """
+  %loop_add_fusion.5 = f32[4]{0} fusion(%a), kind=kLoop, calls=%f
+  %loop_add_fusion.5.remat = f32[4]{0} fusion(%a), kind=kLoop, calls=%f
+  %gte.remat.34 = f32[4]{0} get-tuple-element(%t), index=0
+  %loop_dynamic_slice_fusion.double_buffer_clone.remat2 = f32[4]{0} fusion(%loop_add_fusion.5.remat)
+  ROOT %r.remat3 = f32[4]{0} add(%gte.remat.34, %loop_add_fusion.5.remat)
+  %not_remat = f32[4]{0} add(%gte.remat.34, %gte.remat.34)
+"""
+    assert aot.rematerialised(text) == 4
+    assert aot.rematerialised("%x = f32[] constant(0)") == 0
