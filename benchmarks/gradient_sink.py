@@ -4,8 +4,8 @@ carried float32 accumulator (Megatron-LM's ``main_grad``, which its weight-gradi
 accumulates into) keep XLA from holding a micro-batch's whole [L, ...] gradient stack in the
 compute dtype?
 
-Why: with ``--accumulate k`` jphantom's step differentiates each micro-batch's loss, so the
-backward layer scan writes every layer's gradient into a bf16 [L, ...] stack, which is then added
+Why: with ``--accumulate k`` jphantom's step differentiated each micro-batch's loss, so the
+backward layer scan wrote every layer's gradient into a bf16 [L, ...] stack, which was then added
 to the float32 accumulator: 15 GiB on top of the accumulator's 30 GiB for NeMo's Llama3.1-8B
 with CP 2 on 8 H100 (docs/predict.md), the difference between fitting 80 GB and not.
 
@@ -13,11 +13,11 @@ The toy: L tanh(h @ W_l) layers in bf16 under ``lax.scan``, accumulated over N m
 one loop, two ways:
 
 - ``plain``: ``grad`` of each micro-batch's loss w.r.t. W, then ``acc + g.astype(f32)`` (the
-  step's way today);
-- ``sink``: a ``custom_vjp`` over the stack whose forward saves each layer's ``jax.vjp``
-  residuals and whose backward is its own reverse scan carrying the accumulator, adding each
-  layer's gradient into its slice; the step asks for the gradient w.r.t. the accumulator, which
-  is the accumulator plus the gradient.
+  step's way before the sinks);
+- ``sink``: the library's :func:`jphantom.nn.sink.scan_into` (a ``custom_vjp`` over the stack
+  whose forward saves each layer's ``jax.vjp`` residuals and whose backward is its own reverse
+  scan carrying the accumulator, adding each layer's gradient into its row); the step asks for
+  the gradient w.r.t. the accumulator, which is the accumulator plus the gradient.
 
 Reports XLA's temporaries of each (CPU, and H100 compiled ahead of time when the GPU compiler is
 installed: ``.venv-aot``) and the largest difference of the two accumulators (CPU, run).
@@ -28,12 +28,15 @@ installed: ``.venv-aot``) and the largest difference of the two accumulators (CP
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax import lax
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the H100 program is compiled without a GPU
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 L, D, B, N = 8, 1024, 64, 4  # layers, width, rows per micro-batch, micro-batches
@@ -51,32 +54,13 @@ def stack(weights, x):
     return lax.scan(lambda h, w: (layer(w, h), None), x, weights)[0]
 
 
-@jax.custom_vjp
 def stack_into(weights, acc, x):
-    """``stack(weights, x)``, whose gradient w.r.t. ``acc`` is ``acc`` plus the weights'."""
-    return stack(weights, x)
+    """``stack(weights, x)`` through :func:`jphantom.nn.sink.scan_into`: its gradient w.r.t.
+    ``acc`` is ``acc`` plus the weights'."""
+    from jphantom.nn.sink import scan_into
 
-
-def _forward(weights, acc, x):
-    h, pullbacks = lax.scan(lambda h, w: jax.vjp(layer, w, h), x, weights)
-    return h, (pullbacks, acc)
-
-
-def _backward(saved, ct):
-    pullbacks, acc = saved
-
-    def one(carry, item):
-        ct_h, acc = carry
-        index, pullback = item
-        dw, dh = pullback(ct_h)
-        row = lax.dynamic_index_in_dim(acc, index, keepdims=False) + dw.astype(acc.dtype)
-        return (dh, lax.dynamic_update_index_in_dim(acc, row, index, 0)), None
-
-    (dx, acc), _ = lax.scan(one, (ct, acc), (jnp.arange(acc.shape[0]), pullbacks), reverse=True)
-    return None, acc, dx
-
-
-stack_into.defvjp(_forward, _backward)
+    return scan_into(lambda w, h, _, __: layer(w, h), weights, [acc], x,
+                     jnp.arange(weights.shape[0]))
 
 
 def accumulated(step):
