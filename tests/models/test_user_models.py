@@ -302,6 +302,28 @@ def test_dropout_trains_deterministically_with_one_mask_per_activation():
     assert float(step.loss()(state.params, tokens, targets)) != base[-1]
 
 
+def test_dropout_under_accumulation_draws_the_same_masks_through_the_gradient_sinks():
+    """accumulate=2: each stacked layer's dropout key reaches it through the sinks' scan
+    (jphantom.nn.sink, a key among the layer's own slices) as through lax.scan: the same loss
+    and parameters after a step as the step without sinks."""
+    from jphantom.step.grads import LocalGradients
+
+    def run(sink):
+        mesh = _mesh("data=2")
+        step = jphantom.make_train_step(DropoutLM(), mesh, optax.sgd(0.5), loss_fn,
+                                        donate=False, accumulate=2)
+        assert [path for path, _ in step.gradients.sunk] == [("blocks",)]
+        if not sink:
+            step.gradients.__class__ = type("Unsunk", (LocalGradients,), {"sunk": ()})
+        state, loss = step(step.init(), TOKENS, np.roll(TOKENS, -1, 1))
+        return float(loss), jax.device_get(state.params)
+
+    (loss, params), (want_loss, want_params) = run(True), run(False)
+    assert loss == pytest.approx(want_loss, rel=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 params, want_params)
+
+
 def test_dropout_masks_split_over_the_axes_the_activation_varies_over():
     """Ranks holding different rows (data) draw different masks; ranks holding the same
     activation (model, over which the input is replicated) draw the same one."""
