@@ -106,10 +106,12 @@ def apply_blocks(graphdef, state, carry, *args, data=None, remat: str = "none", 
     layers = jax.tree.leaves(state)[0].shape[0]
     xs = (offset + jnp.arange(layers), data)  # per layer: its index and its step data
     first = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
+    # the carry's type as the blocks leave it
+    typed = lambda st, c, x: _varying_like(c, jax.eval_shape(  # noqa: E731
+        lambda st, c, x: one(first(st), c, first(x), args), st, c, x))
     if sink is not None and layers:
-        carry = _varying_like(carry, jax.eval_shape(
-            lambda st, c, x: one(first(st), c, first(x), args), state, carry, xs))
-        return sink_module.scan_into(one, state, sink, carry, xs, args, peel_first=peel_first)
+        return sink_module.scan_into(one, state, sink, typed(state, carry, xs), xs, args,
+                                     peel_first=peel_first)
     if peel_first:
         carry = one(first(state), carry, first(xs), args)
         if layers == 1:
@@ -117,9 +119,8 @@ def apply_blocks(graphdef, state, carry, *args, data=None, remat: str = "none", 
         state, xs = jax.tree.map(lambda a: a[1:], (state, xs))
     if not jax.tree.leaves(state) or jax.tree.leaves(state)[0].shape[0] == 0:
         return carry
-    carry = _varying_like(carry, jax.eval_shape(  # the carry's type as the blocks leave it
-        lambda st, c, x: one(first(st), c, first(x), args), state, carry, xs))
-    carry, _ = lax.scan(lambda c, x: (one(x[0], c, x[1], args), None), carry, (state, xs))
+    carry, _ = lax.scan(lambda c, x: (one(x[0], c, x[1], args), None), typed(state, carry, xs),
+                        (state, xs))
     return carry
 
 

@@ -218,10 +218,8 @@ class LocalGradients:
             return Gradients(loss, grads, found)
         n = setup.accumulate
         micro = [split_microbatches(b, n) for b in batch]
-        if self.sunk:
+        if self.sunk or setup.master_weights == "sharded":
             return self.into_sinks(leaves, micro, scale, key)
-        if setup.master_weights == "sharded":
-            return self.gathered_once(leaves, micro, scale, key)
         balance = balance_fraction(setup, params.model(leaves, train=True), micro)
         # a weighted loss_fn: the global weight of all micro-batches first, each micro-batch's
         # share is then its part of the whole loss (summed, not averaged)
@@ -252,8 +250,12 @@ class LocalGradients:
         """Accumulation with the stacked blocks' gradients added into float32 sinks inside the
         backward (:mod:`jphantom.nn.sink`, Megatron-LM's gradient accumulation fusion): each
         micro-batch's loss is differentiated with respect to the other leaves and the sinks,
-        never to the stacked leaves, so no micro-batch's [L, ...] gradient stack exists. Under a
-        sharded master the sinks are the gathered parameters' (:meth:`gathered_once`)."""
+        never to the stacked leaves, so no micro-batch's [L, ...] gradient stack exists; the
+        other leaves' gradients are summed in float32. Under a sharded master (Megatron's
+        distributed optimizer with gradient accumulation) the bf16 parameters are gathered over
+        ``data`` once before the micro-batch loop, the sinks and sums are the gathered
+        parameters', and the sum is reduce-scattered (the gather's transpose, in bf16) once after
+        the loop, not once per micro-batch; with no sinks (:attr:`sunk` empty) that is all."""
         setup, params = self.setup, self.params
         varied = params.vary_params(leaves)
         if setup.master_weights == "sharded":
@@ -296,29 +298,6 @@ class LocalGradients:
                 grads[j] = g
         if scatter is not None:
             (grads,) = scatter([g.astype(x.dtype) for g, x in zip(grads, base)])
-        return Gradients(*unscaled(loss, grads, leaves, scale), weight)
-
-    def gathered_once(self, leaves, micro, scale, key) -> Gradients:
-        """Accumulation under a sharded master (Megatron's distributed optimizer with gradient
-        accumulation): the bf16 parameters gathered over ``data`` once before the micro-batch
-        loop, their gradients summed over it in float32, and reduce-scattered (the gather's
-        transpose, in bf16) once after it, not once per micro-batch."""
-        setup, params = self.setup, self.params
-        gathered, scatter = jax.vjp(lambda xs: params.gather(xs, train=True),
-                                    params.vary_params(leaves))
-        model = params.built(gathered, train=True)
-        balance = balance_fraction(setup, model, micro)
-        weight = micro_weight(setup, model, micro, balance)
-        options = dict(balance=balance, weight=weight, micro=len(micro[0]))
-
-        def one(mb, i):
-            scaled = lambda p: loss_share(setup, params.built(p, train=True), mb,  # noqa: E731
-                                          **options, key=micro_key(key, i))[0] * scale
-            loss, grads = jax.value_and_grad(scaled)(gathered)
-            return loss, [g.astype(jnp.promote_types(g.dtype, jnp.float32)) for g in grads]
-
-        loss, grads = accumulate(one, micro, mean=weight is None, indexed=True)
-        (grads,) = scatter([g.astype(x.dtype) for g, x in zip(grads, gathered)])
         return Gradients(*unscaled(loss, grads, leaves, scale), weight)
 
     def evaluate(self, fn):
