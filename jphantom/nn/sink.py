@@ -1,7 +1,8 @@
 """Gradient accumulation into a carried float32 sink: a layer scan whose backward adds each
 layer's weight gradient into its slice of an accumulator, in place, as Megatron-LM's weight-
-gradient GEMM accumulates into ``main_grad`` ("gradient accumulation fusion", Narayanan et al.
-2021, Sec. 4; the seeds' Megatron layouts with ``--accumulate``).
+gradient GEMM accumulates into ``main_grad`` (its ``--gradient-accumulation-fusion`` option, a
+fused CUDA kernel of Megatron-LM's code rather than an equation of the seeds' papers; here for the
+seeds' Megatron layouts with ``--accumulate``).
 
     carry = scan_into(layer, state, sink, carry, xs, args)
     # forward: carry = layer(state[l], carry, xs[l], args) for l = 0 .. L-1
