@@ -190,6 +190,16 @@ def published_flags(run: dict) -> dict:
     return flags
 
 
+def memory_limit(report: dict) -> dict:
+    """What a row's ``fits`` is judged against: the allocator's limit on the device
+    (``XLA_PYTHON_CLIENT_MEM_FRACTION``, jphantom's 0.9 unless set; jphantom.costs.budget), and
+    the fraction the compiled peak needs."""
+    memory = report["memory"]
+    return {"allocator_fraction": memory.get("allocator_fraction"),
+            "limit_gib": memory["limit_bytes"] / 2**30,
+            "fraction_needed": memory.get("fraction_needed")}
+
+
 def fitting_variant(flags: dict, target, device, row: dict) -> dict:
     """The first of ZeRO-3, then full recomputation (``nothing_saveable``), then both, that
     fits the device, with its prediction; the last tried when none fits."""
@@ -214,6 +224,7 @@ def fitting_variant(flags: dict, target, device, row: dict) -> dict:
             continue
         q = report["prediction"]
         out = {"change": change, "flags": update, "fits": report["memory"]["fits"],
+               **memory_limit(report),
                "compiled_peak_gib": report["memory"]["peak_bytes"] / 2**30,
                "predicted_tokens_per_second_per_gpu": q["tokens_per_second_per_gpu"],
                "predicted_step_s": q["step_s"], "predicted_mfu": q["mfu"],
@@ -256,7 +267,8 @@ def part_published(only: list[str] | None = None) -> dict:
                 "predicted_step_s": p["step_s"], "predicted_mfu": p["mfu"],
                 "exposed_comm_s": p["exposed_comm_s"], "hidden_comm_s": p["hidden_comm_s"],
                 "compiled_peak_gib": report["memory"]["peak_bytes"] / 2**30,
-                "fits": report["memory"]["fits"], "joules_per_token": p["joules_per_token"],
+                "fits": report["memory"]["fits"], **memory_limit(report),
+                "joules_per_token": p["joules_per_token"],
                 "kernels": report["kernels"]["gemms"] if "gemms" in report["kernels"] else None,
                 "by_kind_s": p["by_kind_s"], "top_ops": [
                     {k: op[k] for k in ("op", "kind", "seconds", "count", "source")}
@@ -268,7 +280,9 @@ def part_published(only: list[str] | None = None) -> dict:
         log(f"{run['id']}: predicted {row['predicted_tokens_per_second_per_gpu']:,.0f} tok/s/GPU "
             f"(step {p['step_s']:.3f} s, MFU {p['mfu'] or 0:.1%}, exposed comm "
             f"{p['exposed_comm_s']:.3f} s, peak {row['compiled_peak_gib']:.1f} GiB"
-            f"{'' if row['fits'] else ' DOES NOT FIT'}) vs published "
+            f"{'' if row['fits'] else ' DOES NOT FIT'} the {row['limit_gib']:.1f} GiB of "
+            f"fraction {row['allocator_fraction']}, needs {row['fraction_needed']:.3f}) "
+            "vs published "
             f"{run['tokens_per_second_per_gpu']:,.0f}: ratio {row['ratio']:.2f}")
         if "fitting" in row:
             f = row["fitting"]

@@ -58,13 +58,18 @@ def compile_step(config: RunConfig, optimizer=None):
     return compile_built(config, program, step)
 
 
-def compile_built(config, program, step, compiler_options: dict | None = None):
+def compile_built(config, program, step, compiler_options: dict | None = None, *,
+                  options_for=None):
     """Lower and compile ``step`` (of ``program``, built for ``config``) on abstract parameters
     and batch, with XLA's ``compiler_options`` (flag name -> value, for this compilation alone:
-    :func:`jphantom.runtime.gpu_defaults.compiler_options`); returns ``(compiled,
-    seconds_to_lower_and_compile)``."""
+    :func:`jphantom.runtime.gpu_defaults.compiler_options`). ``options_for(lowered, arguments)``
+    adds options decided from the lowered program (:meth:`jphantom.costs.budget.GpuMemory.
+    compiler_options`). Returns ``(compiled, seconds_to_lower_and_compile)``."""
     start = time.perf_counter()
-    lowered = step.lower(step.abstract_state(), *abstract_batch(config, program, step))
+    arguments = (step.abstract_state(), *abstract_batch(config, program, step))
+    lowered = step.lower(*arguments)
+    if options_for is not None:
+        compiler_options = {**(compiler_options or {}), **options_for(lowered, arguments)}
     compiled = lowered.compile(compiler_options=compiler_options) if compiler_options else \
         lowered.compile()
     return compiled, time.perf_counter() - start

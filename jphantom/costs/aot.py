@@ -43,8 +43,9 @@ import math
 import re
 from pathlib import Path
 
-from jphantom.errors import ConfigError
+from jphantom.costs.budget import SLOP_FLAG, GpuMemory
 from jphantom.costs.metrics import peak_of_kind
+from jphantom.errors import ConfigError
 
 GPU_TARGETS = {
     # chip: (description file, HBM bytes as the description gives them, GPUs per node,
@@ -307,12 +308,21 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
     mesh_text = _mesh_of(flags, target)
     use_defaults = gpu_defaults and target.is_gpu
     xla_flags, options = _compile_flags(flags, target, use_defaults)
+    budget = GpuMemory.of(target.memory_bytes, use_defaults, xla_flags) if target.is_gpu \
+        else None
+    passed: dict = {}
+
+    def options_for(lowered, arguments) -> dict:  # the run's budget, from its inputs and outputs
+        passed.update(budget.compiler_options(lowered, arguments))
+        return passed
+
     devices = target.devices() if devices is None else devices
     with device_pool(devices):
         config = RunConfig.from_flags(**{**flags, "mesh": mesh_text})
         built = config.build()
         program, mesh, step = built.program, built.mesh, built.step
-        compiled, compile_seconds = compile_built(config, program, step, options)
+        compiled, compile_seconds = compile_built(config, program, step, options, options_for=(
+            options_for if budget is not None else None))
     text = compiled.as_text()
     if hlo_out is not None:
         Path(hlo_out).parent.mkdir(parents=True, exist_ok=True)
@@ -334,7 +344,9 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
                      {"inside_node": dict(axes), "across_nodes": {}},
         "axes_across_nodes": list(axes_across_nodes(mesh)),
         "memory": memory | {"peak_bytes": peak, "device_bytes": target.memory_bytes,
-                            "fits": peak <= target.memory_bytes},
+                            "limit_bytes": target.memory_bytes,
+                            "fits": peak <= target.memory_bytes}
+        | (budget.report(peak, memory) if budget is not None else {}),
         "collectives": _summary(found, axes, node_of),
         "collective_ops": ops,
         "collective_bytes": sum(r["bytes"] * r["count"] for r in ops if not r["trivial"]),
@@ -344,7 +356,8 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
         "rematerialised": rematerialised(text),
         "params": program.param_count,
         "compile_seconds": compile_seconds,
-        "xla_flags": xla_flags.split(),
+        "xla_flags": [w for w in xla_flags.split() if not (passed and w.startswith(SLOP_FLAG))]
+        + [f"--{name}={value}" for name, value in passed.items()],
         "gpu_defaults": use_defaults,
         "versions": versions(),
     }
@@ -354,7 +367,8 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
         report["pipeline"] = pipeline_summary(step.pipeline, program.mesh)
     if predict_on is not None:
         report["prediction"] = _prediction(text, predict_on, config, program, node_of,
-                                           target, peak).as_dict()
+                                           target, peak, report["memory"]["limit_bytes"]
+                                           ).as_dict()
     report["notes"] = _notes(report, target)
     return report
 
@@ -415,23 +429,40 @@ def _notes(report: dict, target: Target) -> list[str]:
         notes.append(f"compiled against {len(report['target']['runtime_stand_ins'])} stand-ins "
                      "for ROCm's runtime libraries (jphantom.rocm.stubs): nothing can run in "
                      "this process")
+    memory = report["memory"]
+    if target.is_gpu:
+        fraction = memory["allocator_fraction"]
+        allocator = ("the platform allocator (no limit)" if fraction is None else
+                     f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction:g}")
+        notes.append(f"compiled to the run's memory: {allocator} gives jax's allocator "
+                     f"{memory['limit_bytes'] / 2**30:.1f} of the device's "
+                     f"{memory['device_bytes'] / 2**30:.1f} GiB, and jax passes that limit to "
+                     "XLA, whose scheduler and rematerialisation aim at it less the inputs and "
+                     "outputs, times --xla_gpu_memory_limit_slop_factor percent (jphantom.costs."
+                     "budget; the compile here sets the slop factor that gives XLA that budget)")
     if report["rematerialised"] and target.is_gpu:
         notes.append(f"XLA rematerialised {report['rematerialised']} instructions (run again in "
-                     "the step) to its scheduler's budget, 80% of the device less the program's "
-                     "inputs and outputs times --xla_gpu_memory_limit_slop_factor percent; "
-                     "raising that factor in XLA_FLAGS removes them where the program fits "
-                     "the device without them (docs/predict.md)")
-    if not report["memory"]["fits"]:
-        notes.append(f"peak {report['memory']['peak_bytes'] / 2**30:.1f} GiB exceeds the "
-                     f"device's {target.memory_bytes / 2**30:.1f} GiB: XLA compiled it anyway; "
-                     "it would fail to allocate")
+                     "the step) to fit that budget: a larger XLA_PYTHON_CLIENT_MEM_FRACTION or "
+                     "slop factor gives it more room (docs/predict.md)")
+    if not memory["fits"]:
+        limit = memory["limit_bytes"]
+        where = (f"the {limit / 2**30:.1f} GiB jax's allocator takes" if limit < memory[
+            "device_bytes"] else f"the device's {limit / 2**30:.1f} GiB")
+        needed = memory.get("fraction_needed")
+        advice = ("; XLA_PYTHON_CLIENT_MEM_FRACTION at least "
+                  f"{math.ceil(needed * 100) / 100:g} would hold it (compile again with it set: "
+                  "XLA's budget grows with it)" if needed is not None and needed <= 1 else
+                  "; it would fail to allocate")
+        notes.append(f"peak {memory['peak_bytes'] / 2**30:.1f} GiB exceeds {where}: XLA "
+                     f"compiled it anyway{advice}")
     return notes
 
 
 def _prediction(text: str, device, config, program, node_of: list[int], target: Target,
-                peak: int):
+                peak: int, limit: int):
     """The compiled program played on ``device`` (:func:`jphantom.predict.predict`), with the
-    run's tokens per step and the model's FLOPs per device for MFU."""
+    run's tokens per step and the model's FLOPs per device for MFU, its ``peak`` against the
+    run's memory ``limit``."""
     from jphantom.costs.metrics import flops_per_token
     from jphantom.predict import predict
 
@@ -441,7 +472,8 @@ def _prediction(text: str, device, config, program, node_of: list[int], target: 
     flops = None if per_token is None else per_token * tokens / len(node_of)
     return predict(text, device, devices=len(node_of), gpus_per_node=target.devices_per_node,
                    node_of=lambda i: node_of[i] if i < len(node_of) else 0,
-                   tokens_per_step=tokens, model_flops_per_step=flops, peak_memory_bytes=peak)
+                   tokens_per_step=tokens, model_flops_per_step=flops, peak_memory_bytes=peak,
+                   memory_limit_bytes=limit)
 
 
 def default_mesh(target: Target) -> str:

@@ -85,12 +85,14 @@ class Prediction:
 def predict(hlo_text: str, device: DeviceModel, *, devices: int = 1,
             gpus_per_node: int | None = None, node_of: Callable[[int], int] | None = None,
             tokens_per_step: int | None = None, model_flops_per_step: float | None = None,
-            peak_memory_bytes: float | None = None, top: int = 10) -> Prediction:
+            peak_memory_bytes: float | None = None, memory_limit_bytes: float | None = None,
+            top: int = 10) -> Prediction:
     """Simulate the compiled program ``hlo_text`` (per device, as XLA compiled it for
     ``devices`` devices, ``gpus_per_node`` to a node) on ``device``
     (:func:`jphantom.predict.timeline.simulate`) and report it. ``tokens_per_step`` (global)
     and ``model_flops_per_step`` (per device, the model's count) give tokens/s and MFU;
-    ``peak_memory_bytes`` (XLA's memory analysis) whether it fits."""
+    ``peak_memory_bytes`` (XLA's memory analysis) whether it fits: within ``memory_limit_bytes``
+    (the run's allocator limit, :mod:`jphantom.costs.budget`), else the device's memory."""
     network = Network.of(device, gpus_per_node)
     timeline: Timeline = simulate(hlo_text, device, network, devices=devices, node_of=node_of)
     return Prediction(
@@ -100,7 +102,9 @@ def predict(hlo_text: str, device: DeviceModel, *, devices: int = 1,
         hbm_bytes=timeline.nbytes, collective_bytes=timeline.collective_bytes,
         kernels=timeline.kernels, by_kind_s=timeline.by_kind(), top_ops=timeline.top(top),
         tokens_per_step=tokens_per_step, model_flops_per_step=model_flops_per_step,
-        peak_memory_bytes=peak_memory_bytes, device_memory_bytes=device.memory_bytes,
+        peak_memory_bytes=peak_memory_bytes,
+        device_memory_bytes=device.memory_bytes if memory_limit_bytes is None else
+        memory_limit_bytes,
         peak_bf16_flops=device.peak_flops("bf16"), busy_watts=device["power.busy_watts"],
         idle_watts=device["power.idle_watts"], gemm_rates=device.gemm_rates)
 

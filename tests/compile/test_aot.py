@@ -8,13 +8,14 @@ needs no compiler (targets, placement, the CLI's one-line refusal) run everywher
 import json
 import os
 import pathlib
+import re
 import sys
 import types
 
 import jax
 import pytest
 
-from jphantom.costs import aot
+from jphantom.costs import aot, budget
 from jphantom.cli import main
 from jphantom.errors import ConfigError
 from jphantom.runtime.mesh import MeshConfig, node_split
@@ -96,6 +97,21 @@ def _compile(h100, nodes, hlo_out=None, **flags):
     return aot.compile_report({**TINY, **flags}, target, devices=devices, hlo_out=hlo_out)
 
 
+def _compiled_to_the_runs_budget(report):
+    """The compile passed the slop factor that gives XLA the run's budget: the one the compiled
+    inputs and outputs give (estimated before compiling, so within a percent), and the peak is
+    judged against the allocator's limit (jphantom's 0.9 unless the environment says)."""
+    memory = report["memory"]
+    fraction = budget.memory_fraction(True)
+    assert memory["allocator_fraction"] == fraction
+    assert memory["limit_bytes"] == budget.allocator_bytes(memory["device_bytes"], fraction)
+    assert memory["fits"] == (memory["peak_bytes"] <= memory["limit_bytes"])
+    passed = [int(f.split("=")[1]) for f in report["xla_flags"] if f.startswith(budget.SLOP_FLAG)]
+    exact = budget.runtime_slop_factor(memory["device_bytes"], fraction,
+                                       budget.compiled_io_bytes(memory))
+    assert len(passed) == 1 and abs(passed[0] - exact) <= 1, (passed, exact)
+
+
 def _by_axes(report):
     return {(row["kind"], tuple(row["axes"])): row for row in report["collectives"]}
 
@@ -124,6 +140,7 @@ def test_every_layout_compiles_for_h100_nodes(h100, layout, nodes):
     report = _compile(h100, nodes, **flags, mesh=mesh)
     assert report["target"]["devices"] == n and report["memory"]["fits"]
     assert report["memory"]["peak_bytes"] == aot.memory_peak(report["memory"]) > 0
+    _compiled_to_the_runs_budget(report)
     assert report["model_flops"] > 0 and report["compile_seconds"] > 0
     rows = _by_axes(report)
     # XLA:GPU issues collectives as *-start/*-done pairs; jax 0.12's XLA turns the pairs with
@@ -217,7 +234,7 @@ def test_memory_beyond_the_device_compiles_and_is_reported_as_not_fitting(h100):
     report = _compile(h100, 1, strategy="tensor", mesh="model=8", **big)
     memory = report["memory"]
     assert memory["peak_bytes"] > memory["device_bytes"] and not memory["fits"]
-    assert any("exceeds the device" in note for note in report["notes"])
+    assert any("exceeds" in note and "fail to allocate" in note for note in report["notes"])
 
 
 @needs_gpu_compiler
@@ -294,11 +311,16 @@ def test_cli_compile_writes_the_hlo_and_reports_kernels_and_gpu_defaults(tmp_pat
         assert "--xla_gpu_enable_pipelined_all_gather=true" not in flags
         assert "--xla_gpu_enable_latency_hiding_scheduler=true" in flags
     assert set(gpu_defaults.flag_names(" ".join(reports[0]["xla_flags"]))) == set(
-        gpu_defaults.XLA_FLAGS)
+        gpu_defaults.XLA_FLAGS) | {budget.SLOP_FLAG.lstrip("-")}  # the run's memory budget
     monkeypatch.setenv("XLA_FLAGS", "")
     assert main([*argv, "--strategy", "tensor", "--no-gpu-defaults"]) == 0
     printed = capsys.readouterr().out
-    assert "\nkernels: cuDNN attention " in printed and "\nXLA flags: none\n" in printed
+    # none of jphantom's flags; the slop factor that gives XLA the run's budget, as jax's own
+    # allocator would on the GPU (jax's default fraction, 0.75, without jphantom's defaults)
+    slop = budget.runtime_slop_factor(aot.GPU_TARGETS["h100"][1], 0.75, 0)
+    assert "\nkernels: cuDNN attention " in printed
+    assert re.search(r"\nXLA flags: --xla_gpu_memory_limit_slop_factor=(\d+)\n", printed)[1] in (
+        str(slop), str(slop - 1))
 
 
 @needs_gpu_compiler
