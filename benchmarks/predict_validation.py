@@ -201,14 +201,20 @@ def memory_limit(report: dict) -> dict:
 
 
 def fitting_variant(flags: dict, target, device, row: dict) -> dict:
-    """The first of ZeRO-3, then full recomputation (``nothing_saveable``), then both, that
-    fits the device, with its prediction; the last tried when none fits."""
+    """The first of ZeRO-3, then selective recomputation (``dots_attention_saveable``,
+    MaxText's ``minimal_flash``: the GEMMs' and attention's outputs kept, the element-wise work
+    recomputed) where the run recomputes less, then full recomputation (``nothing_saveable``),
+    then ZeRO-3 with it, that fits the run's memory, with its prediction; the last tried when
+    none fits."""
     from jphantom.costs import aot
     from jphantom.errors import ConfigError
 
     tries = []
     if flags.get("zero", 0) < 3:
         tries.append(("ZeRO-3 instead", {"zero": 3}))
+    if flags["remat"] in ("none", "all_but_attention_core_saveable"):  # keep more than it
+        tries.append(("selective recomputation (dots_attention_saveable) instead",
+                      {"remat": "dots_attention_saveable"}))
     if flags["remat"] != "nothing_saveable":
         tries.append(("full recomputation instead", {"remat": "nothing_saveable"}))
         if flags.get("zero", 0) < 3:

@@ -308,21 +308,14 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
     mesh_text = _mesh_of(flags, target)
     use_defaults = gpu_defaults and target.is_gpu
     xla_flags, options = _compile_flags(flags, target, use_defaults)
-    budget = GpuMemory.of(target.memory_bytes, use_defaults, xla_flags) if target.is_gpu \
-        else None
-    passed: dict = {}
-
-    def options_for(lowered, arguments) -> dict:  # the run's budget, from its inputs and outputs
-        passed.update(budget.compiler_options(lowered, arguments))
-        return passed
-
+    budget, options_for, passed = _run_budget(target, use_defaults, xla_flags)
     devices = target.devices() if devices is None else devices
     with device_pool(devices):
         config = RunConfig.from_flags(**{**flags, "mesh": mesh_text})
         built = config.build()
         program, mesh, step = built.program, built.mesh, built.step
-        compiled, compile_seconds = compile_built(config, program, step, options, options_for=(
-            options_for if budget is not None else None))
+        compiled, compile_seconds = compile_built(config, program, step, options,
+                                                  options_for=options_for)
     text = compiled.as_text()
     if hlo_out is not None:
         Path(hlo_out).parent.mkdir(parents=True, exist_ok=True)
@@ -343,10 +336,7 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
         "placement": {"inside_node": split[0], "across_nodes": split[1]} if split else
                      {"inside_node": dict(axes), "across_nodes": {}},
         "axes_across_nodes": list(axes_across_nodes(mesh)),
-        "memory": memory | {"peak_bytes": peak, "device_bytes": target.memory_bytes,
-                            "limit_bytes": target.memory_bytes,
-                            "fits": peak <= target.memory_bytes}
-        | (budget.report(peak, memory) if budget is not None else {}),
+        "memory": memory | _fit(peak, memory, target, budget),
         "collectives": _summary(found, axes, node_of),
         "collective_ops": ops,
         "collective_bytes": sum(r["bytes"] * r["count"] for r in ops if not r["trivial"]),
@@ -371,6 +361,29 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
                                            ).as_dict()
     report["notes"] = _notes(report, target)
     return report
+
+
+def _run_budget(target: Target, use_defaults: bool, xla_flags: str):
+    """A GPU target's run memory (:class:`GpuMemory`; None elsewhere), the ``options_for`` hook
+    of :func:`jphantom.analysis.compiled.compile_built` that gives XLA the run's budget, and the
+    dict in which the hook records the options it passed."""
+    if not target.is_gpu:
+        return None, None, {}
+    budget, passed = GpuMemory.of(target.memory_bytes, use_defaults, xla_flags), {}
+
+    def options_for(lowered, arguments) -> dict:
+        passed.update(budget.compiler_options(lowered, arguments))
+        return passed
+
+    return budget, options_for, passed
+
+
+def _fit(peak: int, memory: dict, target: Target, budget: GpuMemory | None) -> dict:
+    """The peak against the run's memory: the allocator's limit on a GPU (:meth:`GpuMemory.
+    report`), the device's memory on a TPU."""
+    device = {"peak_bytes": peak, "device_bytes": target.memory_bytes,
+              "limit_bytes": target.memory_bytes, "fits": peak <= target.memory_bytes}
+    return device | (budget.report(peak, memory) if budget is not None else {})
 
 
 def _compile_flags(flags: dict, target: Target, use_defaults: bool) -> tuple[str, dict | None]:
