@@ -265,7 +265,8 @@ class StepConfig:
         None, "activation checkpointing per layer, named for what it keeps (default none): none, "
         "nothing_saveable, dots_saveable, collectives_saveable (keeps collective outputs: a "
         "recompute repeats no collective), dots_collectives_saveable, dots_attention_saveable "
-        "(MaxText's minimal_flash), qkv_saveable (MaxText's save_qkv_proj) or "
+        "(MaxText's minimal_flash), qkv_saveable (MaxText's save_qkv_proj), "
+        "dots_but_mlp_in_saveable (MaxText's save_dot_except_mlpwi) or "
         "all_but_attention_core_saveable (Megatron's selective recompute)")
     cac: bool = setting(
         False, "communication-aware checkpointing (Singh's thesis): --remat collectives_saveable")

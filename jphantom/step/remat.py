@@ -38,6 +38,14 @@ the ``jax.checkpoint`` policies ``POLICIES``, imported with jax on first use):
     :func:`name_qkv`, after the projections and the rotary embedding): MaxText's
     ``save_qkv_proj`` (``save_only_these_names("query_proj", "value_proj", "key_proj",
     "qkv_proj")``); everything else, the MLP included, is recomputed.
+``dots_but_mlp_in_saveable``
+    every matmul of a block but the MLP's input projections: q, k and v (as ``qkv_saveable``),
+    the attention's output projection (named ``"out_proj"``, :func:`name_out_proj`) and the
+    MLP's output projection (named ``"mlpwo"``, :func:`name_mlp_out`). MaxText's
+    ``save_dot_except_mlpwi`` (``save_only_these_names("query_proj", "value_proj", "key_proj",
+    "qkv_proj", "out_proj", "mlpwo")``). The MLP's gate and up projections (MaxText's ``wi``),
+    the attention core and the element-wise work are recomputed. A mixture of experts' layer
+    names none of its GEMMs, so its experts are recomputed too.
 ``all_but_attention_core_saveable``
     Megatron-LM's selective recompute (Korthikanti et al. 2022, ``--recompute-granularity
     selective``): every residual of the layer is kept (as ``none``) but the attention core's,
@@ -62,14 +70,18 @@ from jphantom.errors import ConfigError
 COLLECTIVE = "collective"
 QKV = ("query", "key", "value")
 ATTENTION = "attention"
+OUT_PROJ, MLP_OUT = "out_proj", "mlpwo"  # MaxText's names for the two output projections
 SELECTIVE = "all_but_attention_core_saveable"
+BUT_MLP_IN = "dots_but_mlp_in_saveable"
 
 NAMES = ("none", "nothing_saveable", "dots_saveable", "collectives_saveable",
-         "dots_collectives_saveable", "dots_attention_saveable", "qkv_saveable", SELECTIVE)
+         "dots_collectives_saveable", "dots_attention_saveable", "qkv_saveable", BUT_MLP_IN,
+         SELECTIVE)
 """The policies by name (module docstring)."""
 
 PEERS = {"dots_attention_saveable": "MaxText's minimal_flash",
          "qkv_saveable": "MaxText's save_qkv_proj",
+         BUT_MLP_IN: "MaxText's save_dot_except_mlpwi",
          SELECTIVE: "Megatron-LM's selective recompute"}
 """The peers' name of each policy that equals one of theirs."""
 
@@ -93,6 +105,7 @@ def policies() -> dict[str, Callable | None]:
             saveable.dots_with_no_batch_dims_saveable,
             saveable.save_only_these_names(ATTENTION)),
         "qkv_saveable": saveable.save_only_these_names(*QKV),
+        BUT_MLP_IN: saveable.save_only_these_names(*QKV, OUT_PROJ, MLP_OUT),
         SELECTIVE: None,  # the layer keeps everything; its attention cores recompute themselves
     }
 
@@ -207,6 +220,20 @@ def name_qkv(q, k, v):
     from jax.ad_checkpoint import checkpoint_name
 
     return tuple(checkpoint_name(a, n) for a, n in zip((q, k, v), QKV))
+
+
+def name_out_proj(out):
+    """Mark the attention's output projection, so that ``dots_but_mlp_in_saveable`` keeps it."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    return checkpoint_name(out, OUT_PROJ)
+
+
+def name_mlp_out(out):
+    """Mark the MLP's output projection, so that ``dots_but_mlp_in_saveable`` keeps it."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    return checkpoint_name(out, MLP_OUT)
 
 
 def name_attention(out):

@@ -156,6 +156,15 @@ def test_qkv_saveable_keeps_exactly_q_k_and_v():
     assert _block_residuals("qkv_saveable") == Counter({(HEAD, "float32"): 3})
 
 
+def test_dots_but_mlp_in_saveable_keeps_q_k_v_and_the_attention_projection():
+    """MaxText's save_dot_except_mlpwi: q, k and v and the attention's output projection
+    [B, S, h], which the recomputed norm before the MLP reads. The MLP's output, named too, ends
+    the block, so its backward needs nothing of it; its input projections are recomputed."""
+    hidden = (BATCH, CONFIG.seq_len, CONFIG.hidden)
+    assert _block_residuals(remat.BUT_MLP_IN) == Counter({(HEAD, "float32"): 3,
+                                                          (hidden, "float32"): 1})
+
+
 def test_dots_attention_saveable_keeps_the_matmuls_and_the_attention_output():
     """MaxText's minimal_flash: dots_saveable's matmul outputs and the core's output [B, S, H, d];
     no S x S array (the core's batched matmuls are not among the dots kept)."""
@@ -243,6 +252,7 @@ def _llama_run(policy, layout):
 
 @pytest.mark.parametrize("policy, layout", [
     ("dots_attention_saveable", "sp-zero3"), ("qkv_saveable", "sp-zero3"),
+    (remat.BUT_MLP_IN, "sp-zero3"),
     (remat.SELECTIVE, "sp-zero3"), (remat.SELECTIVE, "all-gather-context")])
 @pytest.mark.slow_cells(
     "dots_attention_saveable-sp-zero3", "qkv_saveable-sp-zero3",

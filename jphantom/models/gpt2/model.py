@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jphantom.step import token_mean
+from jphantom.step import remat, token_mean
 from jphantom.errors import ConfigError
 from jphantom.models.gpt2.config import TransformerConfig
 from jphantom.nn import balance
@@ -80,7 +80,8 @@ class GPT2Attention(nnx.Module):
         batch, seq = qkv.shape[:2]  # whole sequence, this rank's heads
         qkv = qkv.reshape(batch, seq, -1, 3, self.head_dim)
         q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
-        return self.out(packed.attend(self.attend, q, k, v, packing).reshape(batch, seq, -1))
+        out = packed.attend(self.attend, q, k, v, packing).reshape(batch, seq, -1)
+        return remat.name_out_proj(self.out(out))
 
 
 class GPT2MLP(nnx.Module):
@@ -89,7 +90,7 @@ class GPT2MLP(nnx.Module):
         self.up, self.down = _linear(h, 4 * h, dtype, rngs), _linear(4 * h, h, dtype, rngs)
 
     def __call__(self, x):
-        return self.down(jax.nn.gelu(self.up(x), approximate=True))
+        return remat.name_mlp_out(self.down(jax.nn.gelu(self.up(x), approximate=True)))
 
 
 def _norm(config: TransformerConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:

@@ -128,7 +128,7 @@ class LlamaAttention(nnx.Module):
             out = packed.attend(self.attend, q, k, v, packing, local=self.attend_local, full=full)
         else:
             out = packed.attend(self.attend, q, k, v, packing)
-        return self.o_proj(out.reshape(batch, seq, -1))
+        return remat.name_out_proj(self.o_proj(out.reshape(batch, seq, -1)))
 
 
 class LlamaMLP(nnx.Module):
@@ -148,7 +148,7 @@ class LlamaMLP(nnx.Module):
         glu = _geglu if self.gelu else _swiglu
         if jnp.dtype(gate.dtype).itemsize < 4:
             glu = remat.inputs_kept(glu)
-        return self.down_proj(glu(gate, up))
+        return remat.name_mlp_out(self.down_proj(glu(gate, up)))
 
 
 def _swiglu(gate, up):
