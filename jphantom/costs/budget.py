@@ -1,11 +1,12 @@
 """The memory a GPU run gets, and the budget XLA compiles its step to.
 
 **The allocator's limit.** On a GPU, jax's allocator may take
-``XLA_PYTHON_CLIENT_MEM_FRACTION`` of each device's memory: of ``cudaMemGetInfo``'s total, which
-XLA's target descriptions hold as ``device_memory_size``. jphantom's GPU runs set the fraction to 0.9
-where the environment does not (:data:`jphantom.runtime.gpu_defaults.ENVIRONMENT`); jax's own
-default is 0.75. A step's compiled peak fits the run when it is at most this limit
-(:func:`allocator_bytes`), not the device's whole memory.
+``XLA_PYTHON_CLIENT_MEM_FRACTION`` of each device's memory: of ``cudaMemGetInfo``'s total,
+which XLA's target descriptions hold as ``device_memory_size``. jphantom's GPU runs set the
+fraction to 0.9 where the environment does not
+(:data:`jphantom.runtime.gpu_defaults.ENVIRONMENT`); jax's own default is 0.75. A step's
+compiled peak fits the run when it is at most this limit (:func:`allocator_bytes`), not the
+device's whole memory.
 
 **XLA's budget.** jax passes the allocator's limit to XLA with every compilation
 (``ExecutableBuildOptions.device_memory_size``, set from the device's ``bytes_limit`` by jaxlib's
@@ -96,9 +97,9 @@ def runtime_slop_factor(device_bytes: int, fraction: float | None, io: int,
 
 
 def io_bytes(arguments, args_info, outputs) -> int:
-    """Per-device bytes of a step's inputs and outputs, aliased ones once (XLA's ``total_io_size``),
-    estimated before compiling. ``arguments`` are the abstract arguments, with shardings.
-    ``args_info`` is ``lowered.args_info`` (which are donated). ``outputs`` is
+    """Per-device bytes of a step's inputs and outputs, aliased ones once (XLA's
+    ``total_io_size``), estimated before compiling. ``arguments`` are the abstract arguments,
+    with shardings. ``args_info`` is ``lowered.args_info`` (which are donated). ``outputs`` is
     ``lowered.out_info``. An output of a donated argument's shape and dtype is that argument's
     buffer. Any other output takes its sharding's shard, or the whole array where the lowering
     has not decided its sharding yet. XLA also counts the tuples' pointer tables, a few bytes per
