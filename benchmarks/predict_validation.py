@@ -184,7 +184,7 @@ def published_flags(run: dict) -> dict:
         flags["accumulate"] = micro
     if "model" in axes:
         flags["sequence_parallel"] = True
-    if ("distributed optimizer" in run["layout"] and run["precision"] == "bf16"
+    if ("distributed optimizer" in run["layout"] and run["precision"] in ("bf16", "fp8")
             and run.get("zero") == 1):
         flags["master_weights"] = "sharded"  # bf16 parameters, float32 master in the shards
     return flags

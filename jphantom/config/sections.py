@@ -260,7 +260,7 @@ class StepConfig:
         "every data rank) or sharded (Megatron's distributed optimizer: float32 master and Adam "
         "moments in ZeRO-1's shards over data (x context), bf16 parameters all-gathered once per "
         "step, bf16 "
-        "gradients reduce-scattered; needs --precision bf16 --zero 1)")
+        "gradients reduce-scattered; needs --precision bf16 or fp8, --zero 1)")
     remat: str | None = setting(
         None, "activation checkpointing per layer, named for what it keeps (default none): none, "
         "nothing_saveable, dots_saveable, collectives_saveable (keeps collective outputs: a "

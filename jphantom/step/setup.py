@@ -202,7 +202,8 @@ def _check_master_weights(master_weights, precision, zero, mesh, spmd, pipeline)
     """``master_weights="sharded"`` (Megatron's distributed optimizer: float32 master shards and
     Adam moments over ``data``, bf16 parameters gathered whole once per step, bf16 gradients
     reduce-scattered, once per step however many micro-batches it accumulates or pipelines)
-    runs where it is built: bf16, ZeRO-1, a data axis, the shard_map step."""
+    runs where it is built: bf16 (or FP8 GEMMs on the bf16 parameters), ZeRO-1, a data axis,
+    the shard_map step."""
     if master_weights not in MASTER_WEIGHTS:
         raise ConfigError(f"master_weights={master_weights!r}: 'replicated' (the float32 "
                           "parameters on every data rank) or 'sharded' (float32 master shards "
@@ -210,9 +211,10 @@ def _check_master_weights(master_weights, precision, zero, mesh, spmd, pipeline)
     if master_weights == "replicated":
         return
     why = "master_weights='sharded' "
-    if precision.name != "bf16":
+    if precision.name not in ("bf16", "fp8"):  # fp8: bf16 parameters, FP8 GEMM operands
         raise ConfigError(f"{why}keeps float32 master shards under bf16 parameters: use "
-                          f"precision='bf16' (--precision bf16), not {precision.name!r}")
+                          f"precision='bf16' or 'fp8' (--precision bf16), not "
+                          f"{precision.name!r}")
     if zero != 1:
         raise ConfigError(f"{why}is ZeRO-1's state (the optimizer state and float32 master in "
                           f"shards over data; ZeRO-3 already stores them so, gathering per "

@@ -192,6 +192,25 @@ def test_a_sharded_master_checkpoint_is_the_plain_steps_both_ways(tmp_path):
     assert np.isfinite(float(loss))
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_an_fp8_sharded_master_step_is_the_float32_master_fp8_step_within_bf16(accumulate):
+    """NeMo's FP8 runs keep Megatron's distributed optimizer: the bf16 parameters gathered once,
+    each GEMM's FP8 operands quantised from them, as the float32-master FP8 step quantises its
+    parameters' bf16 cast. Same mesh, ZeRO-1 both: only where the master lives differs."""
+    program, sharded = _step("data=2,model=2", precision="fp8", zero=1,
+                             master_weights="sharded", accumulate=accumulate)
+    _, plain = _step("data=2,model=2", precision="fp8", zero=1, accumulate=accumulate)
+    assert "f8e4m3fn" in compiled_hlo(sharded, ((BATCH, WIDTH), np.float32),
+                                      ((BATCH, WIDTH), np.float32))
+    params = random_params(program)
+    ours, theirs = sharded.init(params), plain.init(params)
+    for i in range(3):
+        ours, loss = sharded(ours, *_data(i))
+        theirs, want = plain(theirs, *_data(i))
+        assert float(loss) == pytest.approx(float(want), rel=2 * BF16)
+    assert_tree_close(jax.device_get(ours.params), jax.device_get(theirs.params), 4 * BF16)
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(master_weights="sharded", zero=1), "precision='bf16'"),
     (dict(master_weights="sharded", precision="bf16"), "use zero=1, not zero=0"),
