@@ -55,7 +55,10 @@ jax 0.10.2. Put any of them in ``XLA_FLAGS`` yourself: yours are kept.
 
 The allocator (:data:`ENVIRONMENT`): ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.9`` lets jax's allocator
 take 90% of each GPU's memory instead of its default 75%, leaving the rest to CUDA's and NCCL's own
-buffers (NVIDIA's JAX-Toolbox recommends 0.8-0.9; jax's "GPU memory allocation" page).
+buffers (NVIDIA's JAX-Toolbox recommends 0.8-0.9; jax's "GPU memory allocation" page). It is
+also the memory a step must fit, and jax passes it to XLA as the budget its scheduler and
+rematerialisation aim at; ``jphantom compile`` judges and compiles a layout to the same
+(:mod:`jphantom.costs.budget`).
 
 References: https://docs.jax.dev/en/latest/gpu_performance_tips.html,
 MaxText's GPU documentation and scripts (``XLA_FLAGS`` for its GPU runs),
