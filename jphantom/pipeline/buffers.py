@@ -78,19 +78,16 @@ def slot_buffers(value, n, *, garbage: bool = True):
 
 def put_live_slot(buffers, i, values, n):
     """:func:`put_slot` into buffers of ``n`` slots and no garbage slot (:func:`slot_buffers`
-    ``garbage=False``): where ``i`` is ``n`` (an idle device's) slot n - 1 is written with what
-    it holds, so nothing changes. The stashes are the pipeline's activation memory: without a
-    garbage slot a stage keeps only the residual sets its schedule has in flight (Narayanan et
-    al.'s bound), not one more. One select in the update's fusion, in place: a ``lax.cond``
-    around the update made XLA copy every stash buffer through both branches."""
+    ``garbage=False``): where ``i`` is ``n`` (an idle device's) nothing is written. The stashes
+    are the pipeline's activation memory: without a garbage slot a stage keeps only the residual
+    sets its schedule has in flight (Narayanan et al.'s bound), not one more. A one-slot scatter
+    whose index ``n``, out of range, is dropped: in place, and the slot is not read first (a
+    select between the value and the slot's old contents read it; a ``lax.cond`` around the
+    update made XLA copy every stash buffer through both branches)."""
     if n == 0:  # a buffer no task of the schedule writes
         return buffers
-    live, j = i < n, jnp.minimum(i, n - 1)
-
-    def one(b, v):
-        kept = lax.dynamic_index_in_dim(b, j, 0, keepdims=False)
-        return lax.dynamic_update_index_in_dim(b, jnp.where(live, v.astype(b.dtype), kept), j, 0)
-    return jax.tree.map(one, buffers, values)
+    return jax.tree.map(lambda b, v: b.at[i].set(v.astype(b.dtype), mode="drop",
+                                                   unique_indices=True), buffers, values)
 
 
 def vjp_residuals(vjp_fn, chunk_leaves):

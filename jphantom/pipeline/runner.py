@@ -417,7 +417,10 @@ def wide_zeros(a):
 
 def add_to_chunk(d_chunks, v, leaves, mask):
     """``d_chunks[v] +=`` the gradient ``leaves`` at the leaves where ``mask`` holds
-    (``d_chunks``: [V, ...] per leaf; one chunk: a static index)."""
+    (``d_chunks``: [V, ...] per leaf; one chunk: a static index). A one-row scatter-add, in
+    place, as the gradient sinks' (:mod:`jphantom.nn.sink`): written as a slice, an add and an
+    update, XLA's GPU fusion copied the row out first and its rematerialisation cloned the
+    copies."""
     new, out = iter(leaves), []
     for acc, on in zip(jax.tree.leaves(d_chunks), mask):
         if not on:
@@ -425,6 +428,5 @@ def add_to_chunk(d_chunks, v, leaves, mask):
         elif acc.shape[0] == 1:
             out.append(acc + next(new)[None])
         else:
-            out.append(lax.dynamic_update_index_in_dim(
-                acc, lax.dynamic_index_in_dim(acc, v, 0, keepdims=False) + next(new), v, 0))
+            out.append(acc.at[v].add(next(new).astype(acc.dtype), unique_indices=True))
     return jax.tree.unflatten(jax.tree.structure(d_chunks), out)
