@@ -43,7 +43,7 @@ import math
 import re
 from pathlib import Path
 
-from jphantom.costs.budget import SLOP_FLAG, GpuMemory
+from jphantom.costs.budget import SLOP_FLAG, GpuMemory, compiled_io_bytes
 from jphantom.costs.metrics import peak_of_kind
 from jphantom.errors import ConfigError
 
@@ -503,8 +503,7 @@ def memory_peak(memory: dict) -> int:
     """Bytes a device holds at the step's peak from ``memory_analysis()``: arguments + outputs -
     aliased (outputs donated into arguments' buffers) + temporaries (MaxText's
     ``train_compile.py`` sums them the same way)."""
-    return (memory.get("argument_bytes", 0) + memory.get("output_bytes", 0)
-            - memory.get("alias_bytes", 0) + memory.get("temp_bytes", 0))
+    return compiled_io_bytes(memory) + memory.get("temp_bytes", 0)
 
 
 def _cost_analysis(compiled) -> dict | None:

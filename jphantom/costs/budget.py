@@ -127,8 +127,9 @@ def io_bytes(arguments, args_info, outputs) -> int:
 
 def compiled_io_bytes(memory: Mapping[str, int]) -> int:
     """XLA's ``total_io_size`` from a compiled program's memory analysis
-    (:func:`jphantom.analysis.compiled.compiled_memory`)."""
-    return memory["argument_bytes"] + memory["output_bytes"] - memory["alias_bytes"]
+    (:func:`jphantom.analysis.compiled.compiled_memory`; 0 for a figure it lacks)."""
+    return (memory.get("argument_bytes", 0) + memory.get("output_bytes", 0)
+            - memory.get("alias_bytes", 0))
 
 
 def slop_from_flags(xla_flags: str) -> int:
