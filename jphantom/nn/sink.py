@@ -38,14 +38,22 @@ from jphantom.runtime import comm
 class Sink:
     """The accumulators a training step gives a :class:`jphantom.nn.Stacked` (its ``sink``): one
     float32 array per leaf of its blocks' parameters (``jax.tree.leaves`` order), each of that
-    leaf's shape. A holder, not a pytree: set on a model built for one micro-batch, never
-    split."""
+    leaf's shape, or of ``reduce``'s output for one layer's gradient stacked [L, ...].
+    ``reduce``: per leaf, ``None`` or a function applied to each layer's gradient before it is
+    added (ZeRO-2's reduce-scatter over ``data``, :mod:`jphantom.step.grads`: the accumulator
+    is then the leaf's shard). A holder, not a pytree: set on a model built for one
+    micro-batch, never split."""
 
-    def __init__(self, leaves):
+    def __init__(self, leaves, reduce=None):
         self.leaves = list(leaves)
+        self.reduce = tuple(reduce) if reduce is not None else (None,) * len(self.leaves)
+        if len(self.reduce) != len(self.leaves):
+            raise ValueError(f"Sink of {len(self.leaves)} accumulators given "
+                             f"{len(self.reduce)} reductions")
 
 
-def scan_into(layer: Callable, state, sink, carry, xs, args=(), *, peel_first: bool = False):
+def scan_into(layer: Callable, state, sink, carry, xs, args=(), *, peel_first: bool = False,
+              reduce=None):
     """``carry`` through ``layer(layer_state, carry, layer_xs, args)`` for each layer of
     ``state`` and ``xs`` (pytrees stacked [L, ...]), whose gradient with respect to ``sink`` (a
     list of float arrays, one per leaf of ``state``, each of its shape) is ``sink`` plus the
@@ -53,11 +61,14 @@ def scan_into(layer: Callable, state, sink, carry, xs, args=(), *, peel_first: b
     The leaves of the carry and of ``args`` that are not floats (a packed batch's segment ids)
     get no gradient. ``peel_first``: layer 0 runs outside the scans, forward and backward, so
     that the compiler drops what only its input gradient needs when nothing uses it
-    (:class:`jphantom.nn.stack.Stacked`'s ``peel_first``)."""
-    return _scan_into(layer, bool(peel_first))(state, list(sink), carry, xs, args)
+    (:class:`jphantom.nn.stack.Stacked`'s ``peel_first``). ``reduce``: per leaf of ``sink``,
+    ``None`` or a function of one layer's gradient whose output is added instead (the
+    accumulator then of its shape, stacked: :class:`Sink`'s)."""
+    reduce = tuple(reduce) if reduce is not None else (None,) * len(sink)
+    return _scan_into(layer, bool(peel_first), reduce)(state, list(sink), carry, xs, args)
 
 
-def _scan_into(layer, peel_first):
+def _scan_into(layer, peel_first, reduce):
     """The custom VJP for one call (what its forward learns of the residuals is its own)."""
     static = {}
 
@@ -92,31 +103,91 @@ def _scan_into(layer, peel_first):
         ct_floats, ct_rebuild = _split_floats(ct)
         arg_floats, arg_rebuild = _split_floats(args)
         ct_args = [jnp.zeros_like(a) for a in arg_floats]
-        start = 1 if peel_first else 0
-
-        def one(carry, item):
-            ct_floats, ct_args, sink = carry
-            index, layer_kept, layer_state, layer_xs = item
-            d_state, d_floats, d_args = _pullback(static, "scan", layer_kept, layer_state,
-                                                  layer_xs)(ct_floats)
-            sink = [_add_row(acc, index, g) for acc, g in zip(sink, jax.tree.leaves(d_state))]
-            return (d_floats, [a + d for a, d in zip(ct_args, d_args)], sink), None
-
-        layers = jax.tree.leaves(state)[0].shape[0]
-        if layers > start:
-            rest = jax.tree.map(lambda a: a[start:], (state, xs)) if start else (state, xs)
-            (ct_floats, ct_args, sink), _ = lax.scan(
-                one, (ct_floats, ct_args, sink), (jnp.arange(start, layers), kept, *rest),
-                reverse=True)
-        if peel_first:
-            d_state, ct_floats, d_args = _pullback(static, "first", first,
-                                                   *_row((state, xs), 0))(ct_floats)
-            sink = [_add_row(acc, 0, g) for acc, g in zip(sink, jax.tree.leaves(d_state))]
-            ct_args = [a + d for a, d in zip(ct_args, d_args)]
+        backward = _delayed if any(r is not None for r in reduce) else _direct
+        ct_floats, ct_args, sink = backward(static, reduce, peel_first, state, xs, first, kept,
+                                            (ct_floats, ct_args, sink))
         return (None, sink, _nones(ct_rebuild(ct_floats)), None, _nones(arg_rebuild(ct_args)))
 
     call.defvjp(fwd, bwd)
     return call
+
+
+def _direct(static, reduce, peel_first, state, xs, first, kept, carry):
+    """The reverse scan over the layers, each layer's gradient added into the sink as its
+    backward ends: ``(carry's cotangent, args' cotangents, sink)``."""
+    start = 1 if peel_first else 0
+
+    def one(carry, item):
+        ct_floats, ct_args, sink = carry
+        index, layer_kept, layer_state, layer_xs = item
+        d_state, d_floats, d_args = _pullback(static, "scan", layer_kept, layer_state,
+                                              layer_xs)(ct_floats)
+        sink = _add_rows(sink, index, jax.tree.leaves(d_state), reduce)
+        return (d_floats, [a + d for a, d in zip(ct_args, d_args)], sink), None
+
+    layers = jax.tree.leaves(state)[0].shape[0]
+    if layers > start:
+        rest = jax.tree.map(lambda a: a[start:], (state, xs)) if start else (state, xs)
+        carry, _ = lax.scan(one, carry, (jnp.arange(start, layers), kept, *rest), reverse=True)
+    ct_floats, ct_args, sink = carry
+    if peel_first:
+        d_state, ct_floats, d_args = _pullback(static, "first", first,
+                                               *_row((state, xs), 0))(ct_floats)
+        sink = _add_rows(sink, 0, jax.tree.leaves(d_state), reduce)
+        ct_args = [a + d for a, d in zip(ct_args, d_args)]
+    return ct_floats, ct_args, sink
+
+
+def _delayed(static, reduce, peel_first, state, xs, first, kept, carry):
+    """:func:`_direct` with each layer's gradient reduced (ZeRO-2's reduce-scatter, ``reduce``'s
+    entries with a ``prepare`` half: :class:`jphantom.step.zero.GradientScatter`) and added one
+    layer later, in the backward of the layer below: the collective's input is the scan's
+    carry, prepared as the layer's backward ends, ready as the next iteration starts, so XLA
+    runs it under that layer's GEMMs instead of waiting on it at the iteration's end. The scan's first iteration reduces zeros (one extra
+    collective per call: slicing the stacked residuals to peel the last layer instead would
+    copy them); the first layer's reduction runs after the scan."""
+    ct_floats, ct_args, sink = carry
+    start = 1 if peel_first else 0
+    layers = jax.tree.leaves(state)[0].shape[0]
+    pending = None  # (layer index, its gradient) not yet added
+
+    def handed(grads):  # a layer's gradient as the layer below takes it
+        return [g if r is None else r.prepare(g) for g, r in zip(grads, reduce)]
+
+    def one(carry, item):
+        ct_floats, ct_args, sink, (above, grads) = carry
+        index, layer_kept, layer_state, layer_xs = item
+        sink = _add_rows(sink, above, grads, reduce)
+        d_state, d_floats, d_args = _pullback(static, "scan", layer_kept, layer_state,
+                                              layer_xs)(ct_floats)
+        return (d_floats, [a + d for a, d in zip(ct_args, d_args)], sink,
+                (index, handed(jax.tree.leaves(d_state)))), None
+
+    if layers > start:
+        indices = jnp.arange(start, layers)
+        zeros = handed([_zeros_as(a) for a in jax.tree.leaves(_row(state, layers - 1))])
+        rest = jax.tree.map(lambda a: a[start:], (state, xs)) if start else (state, xs)
+        (ct_floats, ct_args, sink, pending), _ = lax.scan(
+            one, (ct_floats, ct_args, sink, (indices[-1], zeros)), (indices, kept, *rest),
+            reverse=True)
+    if peel_first:
+        d_state, ct_floats, d_args = _pullback(static, "first", first,
+                                               *_row((state, xs), 0))(ct_floats)
+        ct_args = [a + d for a, d in zip(ct_args, d_args)]
+        if pending is not None:
+            sink = _add_rows(sink, *pending, reduce)
+        pending = (0, handed(jax.tree.leaves(d_state)))
+    if pending is not None:
+        sink = _add_rows(sink, *pending, reduce)
+    return ct_floats, ct_args, sink
+
+
+def _zeros_as(x):
+    """Zeros of ``x``'s shape and dtype, varying over the mesh axes ``x`` does (a gradient's
+    type, for a scan's carry)."""
+    axes = tuple(sorted(comm.varying_axes(x)))
+    zeros = jnp.zeros(x.shape, x.dtype)
+    return comm.pcast(zeros, axes, to="varying") if axes else zeros
 
 
 def _layer_vjp(layer, static, name, layer_state, carry, layer_xs, arg_floats, arg_rebuild):
@@ -174,10 +245,16 @@ def _is_float(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
-def _add_row(acc, index, g):
-    """``acc`` with ``g`` (one layer's gradient) added into its row ``index``, in ``acc``'s
-    dtype and type (a gradient varying over fewer axes than its accumulator is marked so)."""
-    g = g.astype(acc.dtype)
+def _add_rows(sink, index, grads, reduce):
+    """``sink`` with one layer's ``grads`` (its leaves') added into row ``index``."""
+    return [_add_row(acc, index, g, r) for acc, g, r in zip(sink, grads, reduce)]
+
+
+def _add_row(acc, index, g, reduce=None):
+    """``acc`` with ``g`` (one layer's gradient, through ``reduce`` in its own dtype when given)
+    added into its row ``index``, in ``acc``'s dtype and type (a gradient varying over fewer
+    axes than its accumulator is marked so)."""
+    g = (g if reduce is None else reduce(g)).astype(acc.dtype)
     extra = tuple(sorted(comm.varying_axes(acc) - comm.varying_axes(g)))
     g = comm.pcast(g, extra, to="varying") if extra else g
     return acc.at[index].add(g, indices_are_sorted=True, unique_indices=True)

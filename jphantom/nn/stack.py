@@ -73,11 +73,13 @@ class Stacked(nnx.Module):
         return apply_blocks(graphdef, state, carry, *args, data=data, remat=self.remat,
                             fetch=self.fetch, with_index=self.with_index,
                             peel_first=self.peel_first,
-                            sink=None if self.sink is None else self.sink.leaves)
+                            sink=None if self.sink is None else self.sink.leaves,
+                            sink_reduce=None if self.sink is None else self.sink.reduce)
 
 
 def apply_blocks(graphdef, state, carry, *args, data=None, remat: str = "none", fetch=None,
-                 with_index: bool = False, peel_first: bool = False, offset=0, sink=None):
+                 with_index: bool = False, peel_first: bool = False, offset=0, sink=None,
+                 sink_reduce=None):
     """The blocks of a split :class:`Stacked` (``state`` its parameters, stacked [L', ...])
     applied in order under ``lax.scan``, each checkpointed with ``remat`` and its parameters
     passed through ``fetch``: a pipeline stage's body runs its L' blocks so (``offset``: the
@@ -86,7 +88,9 @@ def apply_blocks(graphdef, state, carry, *args, data=None, remat: str = "none", 
     (each dropout layer's keys, :class:`jphantom.nn.dropout.StepKey`). ``sink``: float32
     accumulators, one per leaf of ``state`` (in ``jax.tree.leaves`` order), that the blocks'
     parameter gradients are added into instead (:mod:`jphantom.nn.sink`; not with
-    ``gather_stacked`` hooks, whose gradient is the whole stack's)."""
+    ``gather_stacked`` hooks, whose gradient is the whole stack's); ``sink_reduce``: per
+    accumulator, ``None`` or what each layer's gradient passes through first
+    (:class:`jphantom.nn.sink.Sink`'s ``reduce``)."""
 
     data = nnx.State({}) if data is None else data
     if sink is not None and gathers_stacked(graphdef, state, data):
@@ -111,7 +115,7 @@ def apply_blocks(graphdef, state, carry, *args, data=None, remat: str = "none", 
         lambda st, c, x: one(first(st), c, first(x), args), st, c, x))
     if sink is not None and layers:
         return sink_module.scan_into(one, state, sink, typed(state, carry, xs), xs, args,
-                                     peel_first=peel_first)
+                                     peel_first=peel_first, reduce=sink_reduce)
     if peel_first:
         carry = one(first(state), carry, first(xs), args)
         if layers == 1:

@@ -32,7 +32,8 @@ from jphantom.step.setup import StepSetup
 
 class Reducer:
     """The data-parallel reduction of each rank's loss share and gradients after the backward
-    (ZeRO-2's reduce-scatters; module docstring): ``loss, grads = reducer(share, grads)``. What a
+    (ZeRO-2's reduce-scatters; module docstring): ``loss, grads = reducer(share, grads[,
+    scattered])``. What a
     rank's model holds before (the parameters varied, cast, gathered, built) is
     :class:`jphantom.step.rank_params.RankParameters`'."""
 
@@ -42,14 +43,18 @@ class Reducer:
         self.setup = setup
         self.vary = vary_axes(setup)  # per leaf: the axes its gradient is summed over
 
-    def __call__(self, share, grads):
+    def __call__(self, share, grads, scattered: bool = False):
         """The global loss of this rank's ``share`` and the gradients summed over the ranks
-        (ZeRO-2: reduce-scattered over ``data``, all-reduced over the rest)."""
-        layout, vary = self.setup.layout, self.vary
-        if self.setup.zero == 2:
-            dims, zaxes = layout.zero_dims, layout.zero_axes
-            grads = [zero_module.reduce_scatter(g, d, z) if d >= 0 else g
-                     for g, d, z in zip(grads, dims, zaxes)]
+        (ZeRO-2: reduce-scattered over ``data``, all-reduced over the rest; ``scattered``: the
+        provider reduce-scattered them already, per micro-batch,
+        :attr:`jphantom.step.grads.LocalGradients.scattered`). A sharded master's gradients
+        arrive reduce-scattered by its gather's transpose."""
+        setup, vary = self.setup, self.vary
+        if setup.zero == 2 and not setup.sharded_master:
+            dims, zaxes = setup.layout.zero_dims, setup.layout.zero_axes
+            if not scattered:
+                grads = [zero_module.reduce_scatter(g, d, z) if d >= 0 else g
+                         for g, d, z in zip(grads, dims, zaxes)]
             vary = [tuple(a for a in axes if not (a in z and d >= 0))
                     for axes, d, z in zip(vary, dims, zaxes)]
         grads = group_by(grads, vary, lambda xs, axes: comm.psum(xs, axes))
@@ -64,5 +69,5 @@ class NoReduction(Reducer):
 
     check_vma = False
 
-    def __call__(self, share, grads):
+    def __call__(self, share, grads, scattered: bool = False):
         return share, grads

@@ -202,8 +202,9 @@ def _check_master_weights(master_weights, precision, zero, mesh, spmd, pipeline)
     """``master_weights="sharded"`` (Megatron's distributed optimizer: float32 master shards and
     Adam moments over ``data``, bf16 parameters gathered whole once per step, bf16 gradients
     reduce-scattered, once per step however many micro-batches it accumulates or pipelines)
-    runs where it is built: bf16 (or FP8 GEMMs on the bf16 parameters), ZeRO-1, a data axis,
-    the shard_map step."""
+    runs where it is built: bf16 (or FP8 GEMMs on the bf16 parameters), ZeRO-1 (or ZeRO-2, whose
+    accumulated gradients are shards too: :meth:`jphantom.step.grads.LocalGradients.
+    into_sinks`), a data axis, the shard_map step."""
     if master_weights not in MASTER_WEIGHTS:
         raise ConfigError(f"master_weights={master_weights!r}: 'replicated' (the float32 "
                           "parameters on every data rank) or 'sharded' (float32 master shards "
@@ -215,10 +216,11 @@ def _check_master_weights(master_weights, precision, zero, mesh, spmd, pipeline)
         raise ConfigError(f"{why}keeps float32 master shards under bf16 parameters: use "
                           f"precision='bf16' or 'fp8' (--precision bf16), not "
                           f"{precision.name!r}")
-    if zero != 1:
+    if zero not in (1, 2):
         raise ConfigError(f"{why}is ZeRO-1's state (the optimizer state and float32 master in "
-                          f"shards over data; ZeRO-3 already stores them so, gathering per "
-                          f"layer): use zero=1, not zero={zero}")
+                          f"shards over data; ZeRO-2 also the accumulated gradients; ZeRO-3 "
+                          f"already stores them so, gathering per layer): use zero=1 or 2, "
+                          f"not zero={zero}")
     if dict(mesh.shape).get("data", 1) < 2:
         raise ConfigError(f"{why}shards the master over the 'data' axis: give the mesh data>=2")
     if spmd != "shard_map":

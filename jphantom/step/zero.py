@@ -165,6 +165,23 @@ def reduce_scatter(g: jax.Array, dim: int, axes: tuple[str, ...] = (DATA_AXIS,))
     return comm.psum_scatter(g, _group(axes), scatter_dimension=dim, tiled=True)
 
 
+class GradientScatter:
+    """ZeRO-2's reduction of a gradient under accumulation (:mod:`jphantom.nn.sink`'s
+    ``reduce``): :func:`reduce_scatter` over ``axes`` along ``dim``, in two halves so that a
+    gradient handed from one layer's backward to the next is already in the collective's order:
+    :meth:`prepare` moves ``dim`` first (the GEMM that makes the gradient writes it so),
+    calling the object reduce-scatters a prepared gradient along it and moves it back."""
+
+    def __init__(self, dim: int, axes: tuple[str, ...] = (DATA_AXIS,)):
+        self.dim, self.axes = dim, tuple(axes)
+
+    def prepare(self, g: jax.Array) -> jax.Array:
+        return jnp.moveaxis(g, self.dim, 0)
+
+    def __call__(self, prepared: jax.Array) -> jax.Array:
+        return jnp.moveaxis(reduce_scatter(prepared, 0, self.axes), 0, self.dim)
+
+
 class LayerFetch:
     """ZeRO-3 inside a :class:`jphantom.nn.Stacked`: ``fetch(layer_state)`` all-gathers one
     layer's parameters over ``data``, each along its split dimension, in one collective per group

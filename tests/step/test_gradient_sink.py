@@ -82,14 +82,19 @@ def _run(sink: bool, precision: str, mesh_text: str = "model=1", zero: int = 0):
 
 
 @pytest.mark.parametrize("mesh_text, zero, precision", [
-    ("model=1", 0, "float32"), ("data=2,context=2", 1, "float32"), ("model=1", 0, "fp8")])
+    ("model=1", 0, "float32"), ("data=2,context=2", 1, "float32"), ("model=1", 0, "fp8"),
+    ("data=2,context=2", 2, "float32"), ("data=2,model=2", 2, "float32")])
 def test_the_step_accumulates_into_sinks_as_without_them(mesh_text, zero, precision):
     """One device; NeMo's layout in small (ring attention over context, ZeRO-1 over data x
-    context); FP8 GEMMs (their own custom VJPs inside each layer's pullback)."""
+    context); FP8 GEMMs (their own custom VJPs inside each layer's pullback); ZeRO-2, whose
+    sinks are the rank's shards, each layer's gradient reduce-scattered into them per
+    micro-batch (without the sinks: summed whole, reduce-scattered once), beside context and
+    tensor parallelism."""
     loss, grads, _, _, sunk = _run(True, precision, mesh_text, zero)
     want_loss, want_grads, _, _, unsunk = _run(False, precision, mesh_text, zero)
     assert [path for path, _ in sunk] == [("layers",)] and unsunk == ()
     assert loss == pytest.approx(want_loss, rel=1e-6)
+    assert jax.tree.map(np.shape, grads) == jax.tree.map(np.shape, want_grads)
     assert_tree_close(grads, want_grads, 1e-5)
 
 

@@ -150,6 +150,20 @@ def test_zero2_reduce_scatters_gradients_and_all_gathers_updated_parameters():
     assert found == expected
 
 
+def test_zero2_accumulating_reduce_scatters_each_micro_batch_into_shards():
+    """ZeRO-2 over 2 micro-batches (DeepSpeed's gradient partitioning): each micro-batch's
+    gradients reduce-scattered (the stacked layers' inside the backward, layer by layer, into
+    float32 shards), so twice ZeRO-2's reduce-scatter and its one all-gather; a replicated
+    parameter's gradient accumulated whole and all-reduced once."""
+    found, full, _, dims, _ = _data_collectives(2, accumulate=2)
+    split = sum(n for n, d in zip(full, dims) if d >= 0)
+    replicated = sum(full) - split
+    expected = {"reduce-scatter": 2 * split // 4, "all-gather": split}
+    if replicated:
+        expected["all-reduce"] = replicated
+    assert found == expected
+
+
 def test_zero3_gathers_each_layer_for_forward_and_again_for_backward():
     """ZeRO-3: each layer's split parameters all-gathered in the forward scan and again in the
     backward scan (the gathered copy is never kept: only one layer is ever whole), and the
