@@ -200,6 +200,33 @@ def memory_limit(report: dict) -> dict:
             "fraction_needed": memory.get("fraction_needed")}
 
 
+def partitions(flags: dict) -> bool:
+    """Whether ZeRO-2 changes the run: ZeRO-1 (Megatron's distributed optimizer) accumulating
+    micro-batches without a pipeline, whose float32 gradient accumulator ZeRO-2 keeps in shards
+    (:meth:`jphantom.step.grads.LocalGradients.into_sinks`)."""
+    return (flags.get("zero", 0) == 1 and flags.get("accumulate", 1) > 1
+            and "schedule" not in flags)
+
+
+def variant(flags: dict, update: dict, target, device, row: dict) -> dict:
+    """The run compiled and predicted with ``update`` to its flags: fits, memory, prediction and
+    ratio, or why jphantom refuses it."""
+    from jphantom.costs import aot
+    from jphantom.errors import ConfigError
+
+    try:
+        report = aot.compile_report({**flags, **update}, target, predict_on=device)
+    except (ConfigError, ValueError) as error:
+        return {"flags": update, "refused": str(error).split("\n")[0]}
+    q = report["prediction"]
+    return {"flags": update, "fits": report["memory"]["fits"], **memory_limit(report),
+            "compiled_peak_gib": report["memory"]["peak_bytes"] / 2**30,
+            "predicted_tokens_per_second_per_gpu": q["tokens_per_second_per_gpu"],
+            "predicted_step_s": q["step_s"], "predicted_mfu": q["mfu"],
+            "exposed_comm_s": q["exposed_comm_s"], "by_kind_s": q["by_kind_s"],
+            "ratio": q["tokens_per_second_per_gpu"] / row["published_tokens_per_second_per_gpu"]}
+
+
 def fitting_variant(flags: dict, target, device, row: dict) -> dict:
     """The first of ZeRO-3, then selective recomputation (``dots_attention_saveable``,
     MaxText's ``minimal_flash``: the GEMMs' and attention's outputs kept, the element-wise work
@@ -283,6 +310,8 @@ def part_published(only: list[str] | None = None) -> dict:
                         / row["published_tokens_per_second_per_gpu"])
         if not row["fits"]:  # what a jphantom user would run instead: the first that fits
             row["fitting"] = fitting_variant(flags, target, device, row)
+        if partitions(flags):
+            row["zero2"] = variant(flags, {"zero": 2}, target, device, row)
         log(f"{run['id']}: predicted {row['predicted_tokens_per_second_per_gpu']:,.0f} tok/s/GPU "
             f"(step {p['step_s']:.3f} s, MFU {p['mfu'] or 0:.1%}, exposed comm "
             f"{p['exposed_comm_s']:.3f} s, peak {row['compiled_peak_gib']:.1f} GiB"
@@ -290,6 +319,14 @@ def part_published(only: list[str] | None = None) -> dict:
             f"fraction {row['allocator_fraction']}, needs {row['fraction_needed']:.3f}) "
             "vs published "
             f"{run['tokens_per_second_per_gpu']:,.0f}: ratio {row['ratio']:.2f}")
+        if "zero2" in row:
+            z = row["zero2"]
+            log("  ZeRO-2 (the same layout, each micro-batch's gradients reduce-scattered into "
+                "float32 shards): " + (f"refused ({z['refused']})" if "ratio" not in z else
+                                       f"peak {z['compiled_peak_gib']:.1f} GiB"
+                                       f"{'' if z['fits'] else ' DOES NOT FIT'}, "
+                                       f"{z['predicted_tokens_per_second_per_gpu']:,.0f} "
+                                       f"tok/s/GPU, ratio {z['ratio']:.3f}"))
         if "fitting" in row:
             f = row["fitting"]
             log(f"  {f['change']}: " + (f"refused ({f['refused']})" if "ratio" not in f else
