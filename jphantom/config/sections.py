@@ -244,8 +244,8 @@ class StepConfig:
 
     zero: int = setting(
         0, "ZeRO stage of the data axis (tensor or phantom, a mesh with data=D): 0 plain data "
-        "parallelism, 1 optimizer state, 2 + gradients, 3 + parameters sharded over data "
-        "(default 0)")
+        "parallelism, 1 optimizer state, 2 + gradients (with --accumulate, each micro-batch's "
+        "reduce-scattered into float32 shards), 3 + parameters sharded over data (default 0)")
     accumulate: int = setting(
         1, "gradient accumulation: micro-batches per step, one gradient reduction per step; "
         "batch / data must be a multiple (pipelines: use --microbatches; default 1)")
@@ -260,7 +260,7 @@ class StepConfig:
         "every data rank) or sharded (Megatron's distributed optimizer: float32 master and Adam "
         "moments in ZeRO-1's shards over data (x context), bf16 parameters all-gathered once per "
         "step, bf16 "
-        "gradients reduce-scattered; needs --precision bf16 or fp8, --zero 1)")
+        "gradients reduce-scattered; needs --precision bf16 or fp8, --zero 1 or 2)")
     remat: str | None = setting(
         None, "activation checkpointing per layer, named for what it keeps (default none): none, "
         "nothing_saveable, dots_saveable, collectives_saveable (keeps collective outputs: a "

@@ -143,9 +143,10 @@ def _delayed(static, reduce, peel_first, state, xs, first, kept, carry):
     entries with a ``prepare`` half: :class:`jphantom.step.zero.GradientScatter`) and added one
     layer later, in the backward of the layer below: the collective's input is the scan's
     carry, prepared as the layer's backward ends, ready as the next iteration starts, so XLA
-    runs it under that layer's GEMMs instead of waiting on it at the iteration's end. The scan's first iteration reduces zeros (one extra
-    collective per call: slicing the stacked residuals to peel the last layer instead would
-    copy them); the first layer's reduction runs after the scan."""
+    runs it under that layer's GEMMs instead of waiting on it at the iteration's end. The
+    scan's first iteration reduces zeros (one extra collective per call: slicing the stacked
+    residuals to peel the last layer instead would copy them); the first layer's reduction
+    runs after the scan."""
     ct_floats, ct_args, sink = carry
     start = 1 if peel_first else 0
     layers = jax.tree.leaves(state)[0].shape[0]

@@ -195,16 +195,10 @@ class _Shards:
         dim, axes = self.dims[i], self.axes[i]
         return None if dim < 0 else zero_module.GradientScatter(dim - 1 if row else dim, axes)
 
-    def prepare(self, i, g):
-        """Leaf ``i``'s gradient ``g`` in its reduction's order (as a micro-batch hands it on)."""
+    def apply(self, i, g):
+        """Leaf ``i``'s gradient ``g`` as it accumulates (before it is widened)."""
         reduce = self.reduce(i)
-        return g if reduce is None else reduce.prepare(g)
-
-    def finish(self, i, g):
-        """Leaf ``i``'s prepared gradient ``g`` reduced, as it accumulates (before it is
-        widened)."""
-        reduce = self.reduce(i)
-        return g if reduce is None else reduce(g)
+        return g if reduce is None else reduce(reduce.prepare(g))
 
     def zeros(self, i):
         """Leaf ``i``'s float32 accumulator, zero: of the leaf's shape, or of its shard's varying
@@ -365,8 +359,7 @@ class LocalGradients:
 
         def one(mb, i, sinks):
             loss, (grads, sinks) = jax.value_and_grad(share, argnums=(2, 3))(mb, i, own, sinks)
-            return (loss, [widen(shards.finish(j, shards.prepare(j, g)))
-                           for j, g in zip(free, grads)]), sinks
+            return (loss, [widen(shards.apply(j, g)) for j, g in zip(free, grads)]), sinks
 
         sinks0 = [[shards.zeros(i) for i in indices] for _, indices in self.sunk]
         (loss, summed), sinks = accumulate(one, micro, mean=mean, indexed=True, carried=sinks0)
