@@ -47,9 +47,10 @@ purposes plug in a part: the compute-only measurement a
 
 ZeRO over ``data`` (Cheng et al.; Rajbhandari et al. 2020): ``zero=1`` shards the optimizer state
 (the update runs on each rank's slice and the new parameters are all-gathered), ``zero=2`` also
-reduce-scatters the gradients inside the ``shard_map``, ``zero=3`` also stores the parameters
+reduce-scatters the gradients inside the ``shard_map`` (accumulating micro-batches: each one's, into
+float32 shards, :meth:`jphantom.step.grads.LocalGradients.into_sinks`), ``zero=3`` also stores the parameters
 sharded and all-gathers them at the start of the step (the gradient's reduce-scatter is that
-all-gather's transpose). ``master_weights="sharded"`` (with ``zero=1`` and bf16) stores the
+all-gather's transpose). ``master_weights="sharded"`` (with ``zero=1`` or ``2`` and bf16) stores the
 float32 parameters in those shards as ZeRO-3 does but gathers them whole, in bf16, once per step. Each parameter splits along its largest dimension no other axis splits
 that ``data`` divides (:func:`jphantom.step.zero.choose_dim`); one with none stays replicated.
 """
@@ -405,9 +406,9 @@ def make_train_step(model: nnx.Module, mesh: Mesh, optimizer: optax.GradientTran
     (micro-batches per step, one reduction), ``precision`` (float32, bf16, float16, fp8: in
     the formats of ``mesh``'s devices, :func:`jphantom.step.fp8.select`), ``master_weights``
     (``"replicated"``, the default: the float32 parameters on every data rank; ``"sharded"``,
-    with bf16 and zero=1: Megatron's distributed optimizer, the float32 master weights stored in
-    ZeRO-1's shards over ``data`` beside the Adam moments, all-gathered in bf16 once per step,
-    the bf16 gradients reduce-scattered; :mod:`jphantom.step.setup`),
+    with bf16 and zero=1 or 2: Megatron's distributed optimizer, the float32 master weights
+    stored in ZeRO-1's shards over ``data`` beside the Adam moments, all-gathered in bf16 once
+    per step, the bf16 gradients reduce-scattered; :mod:`jphantom.step.setup`),
     ``remat`` (checkpoint policy of the model's Stacked blocks), ``pipeline`` (a
     :class:`~jphantom.pipeline.runner.PipelineConfig`, with a ``stage`` axis), ``spmd``
     (``"shard_map"``, or ``"gspmd"``: the plain model with :func:`jphantom.plans.annotate`'s

@@ -85,15 +85,16 @@ def test_sharded_master_trains_like_the_float32_master_bf16_step_on_one_device(m
         assert_tree_close(jax.device_get(state.params), want_params, 4 * BF16)
 
 
-def test_a_pipelined_sharded_master_step_is_the_float32_master_pipelined_step_within_bf16():
+@pytest.mark.parametrize("zero", [1, 2])
+def test_a_pipelined_sharded_master_step_is_the_float32_master_pipelined_step_within_bf16(zero):
     """Through a pipeline (1F1B, 2 micro-batches, stage=2, data=2): the bf16 parameters gathered
     over ``data`` once before the schedule (no per-task cast), each stage's gradients summed in
     float32 across its tasks and reduce-scattered once after it in bf16; the master in float32
     shards. Loss and gradients are the float32-master bf16 pipelined step's (itself exact in
     float32 against one device: tests/pipeline) within bf16's rounding of the reduced
-    gradients."""
+    gradients. ZeRO-2's is the same program: a pipeline's micro-batches reduce once."""
     pipeline = PipelineConfig("1f1b", 2)
-    program, _, step, sharded = gradient_step("tensor", CONFIG, "data=2,stage=2", zero=1,
+    program, _, step, sharded = gradient_step("tensor", CONFIG, "data=2,stage=2", zero=zero,
                                               precision="bf16", master_weights="sharded",
                                               pipeline=pipeline)
     _, _, plain_step, plain = gradient_step("tensor", CONFIG, "data=2,stage=2", zero=1,
