@@ -114,7 +114,7 @@ def _scan_into(layer, peel_first, reduce):
 
 def _direct(static, reduce, peel_first, state, xs, first, kept, carry):
     """The reverse scan over the layers, each layer's gradient added into the sink as its
-    backward ends: ``(carry's cotangent, args' cotangents, sink)``."""
+    backward ends (``reduce`` all ``None``): ``(carry's cotangent, args' cotangents, sink)``."""
     start = 1 if peel_first else 0
 
     def one(carry, item):
