@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jphantom.pipeline.buffers import zeros_of
 from jphantom.runtime import comm
 
 
@@ -166,7 +167,7 @@ def _delayed(static, reduce, peel_first, state, xs, first, kept, carry):
 
     if layers > start:
         indices = jnp.arange(start, layers)
-        zeros = handed([_zeros_as(a) for a in jax.tree.leaves(_row(state, layers - 1))])
+        zeros = handed([zeros_of(a) for a in jax.tree.leaves(_row(state, layers - 1))])
         rest = jax.tree.map(lambda a: a[start:], (state, xs)) if start else (state, xs)
         (ct_floats, ct_args, sink, pending), _ = lax.scan(
             one, (ct_floats, ct_args, sink, (indices[-1], zeros)), (indices, kept, *rest),
@@ -181,14 +182,6 @@ def _delayed(static, reduce, peel_first, state, xs, first, kept, carry):
     if pending is not None:
         sink = _add_rows(sink, *pending, reduce)
     return ct_floats, ct_args, sink
-
-
-def _zeros_as(x):
-    """Zeros of ``x``'s shape and dtype, varying over the mesh axes ``x`` does (a gradient's
-    type, for a scan's carry)."""
-    axes = tuple(sorted(comm.varying_axes(x)))
-    zeros = jnp.zeros(x.shape, x.dtype)
-    return comm.pcast(zeros, axes, to="varying") if axes else zeros
 
 
 def _layer_vjp(layer, static, name, layer_state, carry, layer_xs, arg_floats, arg_rebuild):

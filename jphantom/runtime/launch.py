@@ -136,21 +136,8 @@ def launch(command: Sequence[str], num_processes: int, *, port: int | None = Non
     anything starts) and RuntimeError, one line naming the process that failed first and how
     (and any process left suspended), when a child fails and no restart is left.
     """
-    check_processes(num_processes)
-    for name, value in (("--devices-per-process", devices_per_process), ("--timeout", timeout),
-                        ("--deadline", deadline)):
-        if value is not None:
-            check_int(name, value, 1)
-    check_int("--max-restarts", max_restarts, 0)
-    if min_processes is not None:
-        check_int("--min-processes", min_processes, 1)
-        if min_processes > num_processes:
-            raise ConfigError(f"--min-processes {min_processes} is more than --num-processes "
-                              f"{num_processes}: give at most {num_processes}")
-        if max_restarts == 0:
-            raise ConfigError("--min-processes applies to restarts: give --max-restarts N too")
-    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
-        raise ConfigError(f"--grace {grace!r} must be a number of seconds >= 0")
+    _check_settings(num_processes, devices_per_process, timeout, deadline, grace, max_restarts,
+                    min_processes)
     argv = child_command(command)
     if port is not None and (isinstance(port, bool) or not isinstance(port, int)
                              or not 1 <= port <= 65535):
@@ -189,24 +176,51 @@ def launch(command: Sequence[str], num_processes: int, *, port: int | None = Non
         if attempt < max_restarts:
             attempt += 1
             argv, resumed = _resumed(argv)
-            failed_of, fewer = num_processes, ""
-            for smaller in range(num_processes - 1, (min_processes or num_processes) - 1, -1):
-                shrunk_argv = shrunk(argv, num_processes, smaller)
-                if shrunk_argv is not None:
-                    argv, num_processes = shrunk_argv, smaller
-                    fewer = f" with {smaller} processes (--mesh {_mesh_of(argv)})"
-                    break
-            else:
-                if (min_processes or num_processes) < num_processes:
-                    fewer = (f" with all {num_processes} processes (the command's --mesh "
-                             f"{_mesh_of(argv) or '(none)'} has no data axis that shrinks to "
-                             f"{min_processes}..{num_processes - 1} processes)")
+            failed_of = num_processes
+            argv, num_processes, fewer = _shrink(argv, num_processes, min_processes)
             sys.stderr.write(f"launch: process {rank} of {failed_of} {how}{also}; stopped the "
                              f"others; restart {attempt} of {max_restarts}{fewer}"
                              f"{' from the newest checkpoint (--resume)' if resumed else ''}\n")
             continue
         raise RuntimeError(f"launch: process {rank} of {num_processes} {how}{also}; stopped the "
                            f"others; its output is above, prefixed [{rank}]")
+
+
+def _check_settings(num_processes, devices_per_process, timeout, deadline, grace,
+                    max_restarts, min_processes) -> None:
+    """:func:`launch`'s settings, each checked before anything starts (ConfigError)."""
+    check_processes(num_processes)
+    for name, value in (("--devices-per-process", devices_per_process), ("--timeout", timeout),
+                        ("--deadline", deadline)):
+        if value is not None:
+            check_int(name, value, 1)
+    check_int("--max-restarts", max_restarts, 0)
+    if min_processes is not None:
+        check_int("--min-processes", min_processes, 1)
+        if min_processes > num_processes:
+            raise ConfigError(f"--min-processes {min_processes} is more than --num-processes "
+                              f"{num_processes}: give at most {num_processes}")
+        if max_restarts == 0:
+            raise ConfigError("--min-processes applies to restarts: give --max-restarts N too")
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
+        raise ConfigError(f"--grace {grace!r} must be a number of seconds >= 0")
+
+
+def _shrink(argv, num_processes: int, min_processes: int | None):
+    """A restart's command and process count: the most processes below ``num_processes``, down
+    to ``min_processes``, for which the command's ``--mesh`` shrinks in proportion
+    (:func:`shrunk`), else as before; and the words for the restart's line."""
+    for smaller in range(num_processes - 1, (min_processes or num_processes) - 1, -1):
+        shrunk_argv = shrunk(argv, num_processes, smaller)
+        if shrunk_argv is not None:
+            mesh = _mesh_of(shrunk_argv)
+            return shrunk_argv, smaller, f" with {smaller} processes (--mesh {mesh})"
+    if (min_processes or num_processes) < num_processes:
+        return argv, num_processes, (
+            f" with all {num_processes} processes (the command's --mesh "
+            f"{_mesh_of(argv) or '(none)'} has no data axis that shrinks to "
+            f"{min_processes}..{num_processes - 1} processes)")
+    return argv, num_processes, ""
 
 
 def _run_once(argv, num_processes, port, devices_per_process, timeout, accelerator, deadline,

@@ -284,7 +284,9 @@ class LocalGradients:
     @property
     def scattered(self) -> bool:
         """Whether the gradients come out already reduce-scattered over ``data`` (ZeRO-2 with
-        accumulation, :meth:`into_sinks`): the reducer then only sums over the other axes."""
+        accumulation, :meth:`into_sinks`): the reducer then only sums over the other axes.
+        Every gradient provider says so (:class:`jphantom.step.pipeline.PipelineGradients`'
+        and GSPMD's: never)."""
         setup = self.setup
         return setup.zero == 2 and setup.accumulate > 1 and bool(
             self.sunk or setup.master_weights == "sharded")

@@ -29,6 +29,8 @@ class GspmdGradients:
     """``loss, grads, weight = provider(params, *batch)`` (a
     :class:`~jphantom.step.grads.Gradients`) on global arrays (module docstring)."""
 
+    scattered = False  # jit's own reductions: no reducer runs after it
+
     def __init__(self, setup: StepSetup):
         self.setup = setup
 
@@ -143,11 +145,33 @@ class GspmdGradients:
             raise ConfigError("loss_fn never called the model's Stacked blocks: a pipeline cuts "
                               "the model there")
 
+        xs = jax.vmap(first)(inputs_mb, targets_mb)  # [M, b, ...]: every micro-batch embedded
+        outputs = self._ticks(stacked, xs, stages, micro)
+
+        def last(out, inputs_one, targets_one):
+            loss = setup.loss_fn(model_with(Feed(lambda: out)), inputs_one, targets_one)
+            weighted = token_mean.terms(loss, setup.loss_fn)
+            if weighted is not None:
+                return tuple(weighted)
+            loss = jnp.asarray(loss)
+            return loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
+
+        losses = jax.vmap(last)(outputs, inputs_mb, targets_mb)
+        if isinstance(losses, tuple):  # a global token mean: the micro-batches' sums
+            total, weight, mean = losses
+            return jnp.sum(total) / (w := lax.stop_gradient(jnp.sum(weight))) + jnp.mean(mean), w
+        return jnp.mean(losses), None
+
+    def _ticks(self, stacked, xs, stages: int, micro: int):
+        """:meth:`pipeline_loss`' M + P - 1 ticks: the micro-batches ``xs`` [M, b, ...] through the
+        stacked layers ``stacked`` cut into ``stages`` chunks; what leaves the last stage, per
+        micro-batch [M, b, ...]."""
+        mesh = self.setup.mesh
+
         def on_stage(tree):  # dimension 0 over ``stage``, the others where the partitioner likes
             return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(
-                setup.mesh, P("stage", *[P.UNCONSTRAINED] * (a.ndim - 1)))), tree)
+                mesh, P("stage", *[P.UNCONSTRAINED] * (a.ndim - 1)))), tree)
 
-        xs = jax.vmap(first)(inputs_mb, targets_mb)  # [M, b, ...]: every micro-batch embedded
         chunks = on_stage([a.reshape(stages, -1, *a.shape[1:]) for a in stacked])
         buffer = on_stage(jax.tree.map(lambda a: jnp.zeros((stages, *a.shape[1:]), a.dtype), xs))
         outputs = jax.tree.map(jnp.zeros_like, xs)
@@ -170,20 +194,7 @@ class GspmdGradients:
             return (buffer, outputs), None
 
         (_, outputs), _ = lax.scan(tick, (buffer, outputs), jnp.arange(micro + stages - 1))
-
-        def last(out, inputs_one, targets_one):
-            loss = setup.loss_fn(model_with(Feed(lambda: out)), inputs_one, targets_one)
-            weighted = token_mean.terms(loss, setup.loss_fn)
-            if weighted is not None:
-                return tuple(weighted)
-            loss = jnp.asarray(loss)
-            return loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
-
-        losses = jax.vmap(last)(outputs, inputs_mb, targets_mb)
-        if isinstance(losses, tuple):  # a global token mean: the micro-batches' sums
-            total, weight, mean = losses
-            return jnp.sum(total) / (w := lax.stop_gradient(jnp.sum(weight))) + jnp.mean(mean), w
-        return jnp.mean(losses), None
+        return outputs
 
     def stage(self):
         """``stage(chunk, x, s)``: stage ``s``'s layers (its parameters ``chunk``) applied to ``x``

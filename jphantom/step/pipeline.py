@@ -38,6 +38,8 @@ class PipelineGradients:
     the last stage) and gradients before the reductions, and the global weight (module
     docstring)."""
 
+    scattered = False  # its gradients reach the reducer whole (a pipeline reduces once)
+
     def __init__(self, setup: StepSetup, params: RankParameters):
         self.setup, self.params, self.stages = setup, params, setup.stages
 

@@ -208,39 +208,37 @@ def inputs_kept(fn: Callable) -> Callable:
     return kept
 
 
-def name_collective(x):
-    """Mark a collective's output, so that ``collectives_saveable`` keeps it."""
+def _named(x, name: str):
+    """``x`` marked ``name`` for the name-based policies (``jax.ad_checkpoint.checkpoint_name``,
+    imported with jax on first use)."""
     from jax.ad_checkpoint import checkpoint_name
 
-    return checkpoint_name(x, COLLECTIVE)
+    return checkpoint_name(x, name)
+
+
+def name_collective(x):
+    """Mark a collective's output, so that ``collectives_saveable`` keeps it."""
+    return _named(x, COLLECTIVE)
 
 
 def name_qkv(q, k, v):
     """Mark the attention core's inputs, so that ``qkv_saveable`` keeps them."""
-    from jax.ad_checkpoint import checkpoint_name
-
-    return tuple(checkpoint_name(a, n) for a, n in zip((q, k, v), QKV))
+    return tuple(_named(a, n) for a, n in zip((q, k, v), QKV))
 
 
 def name_out_proj(out):
     """Mark the attention's output projection, so that ``dots_but_mlp_in_saveable`` keeps it."""
-    from jax.ad_checkpoint import checkpoint_name
-
-    return checkpoint_name(out, OUT_PROJ)
+    return _named(out, OUT_PROJ)
 
 
 def name_mlp_out(out):
     """Mark the MLP's output projection, so that ``dots_but_mlp_in_saveable`` keeps it."""
-    from jax.ad_checkpoint import checkpoint_name
-
-    return checkpoint_name(out, MLP_OUT)
+    return _named(out, MLP_OUT)
 
 
 def name_attention(out):
     """Mark the attention core's output, so that ``dots_attention_saveable`` keeps it."""
-    from jax.ad_checkpoint import checkpoint_name
-
-    return checkpoint_name(out, ATTENTION)
+    return _named(out, ATTENTION)
 
 
 def residuals(fn: Callable, params, x, policy: str) -> list:

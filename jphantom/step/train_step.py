@@ -236,8 +236,8 @@ class TrainStep:
                 split = len(args) - len(extra)
                 share, grads, weight = self.gradients(leaves, *args[:split],
                                                       **dict(zip(extra, args[split:])))
-                scattered = getattr(self.gradients, "scattered", False)
-                return (*self.reducer(share, grads, scattered), token_mean.agreed(weight))
+                return (*self.reducer(share, grads, self.gradients.scattered),
+                        token_mean.agreed(weight))
 
             fn = self.over_mesh(per_rank, len(batch),  # a scalar loss_fn's weight: None
                                 out_specs=(P(), list(self.grad_specs), P()),
