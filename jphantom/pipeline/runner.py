@@ -146,9 +146,9 @@ class _Step:
         self.stash0 = [varying_over(zeros_of(a), STAGE_AXIS) for a in stash0]
         self.rebuild = rebuilder(self.treedef, self.is_param)
         carry = {"inbox": slot_buffers(self.out0, self.schedule.inbox_slots), "loss": self.zero}
-        # the gradient accumulators: as stored, at least float32 (bf16 parameters, a sharded
-        # master, sum their micro-batches' gradients in float32, as Megatron's main_grad)
-        self.zero_leaves = jax.tree.leaves(jax.tree.map(wide_zeros, self.local[0]))
+        # A task's gradient leaves, as its backward computes them (in the compute precision);
+        # they are widened only as they are added into the accumulators (``add_to_chunk``)
+        self.zero_leaves = jax.tree.leaves(jax.tree.map(zeros_of, chunk0))
         if self.train:
             carry.update(self._training_buffers(chunk0))
         return carry
@@ -388,9 +388,18 @@ class _Step:
         if "w_grads" in result:
             carry["d_chunks"] = add_to_chunk(carry["d_chunks"], v, result["w_grads"],
                                              self.split.weight_leaves)
-        if "d_rest" in result:
-            carry["d_rest"] = jax.tree.map(jnp.add, carry["d_rest"], result["d_rest"])
+        if "d_rest" in result:  # added only by a task that has one: a pass over the vocabulary
+            carry["d_rest"] = lax.cond(self.touches_rest(row), lambda d, r: jax.tree.map(
+                jnp.add, d, r), lambda d, r: d, carry["d_rest"], result["d_rest"])
         return carry
+
+    @staticmethod
+    def touches_rest(row):
+        """Whether the row's task gives ``rest`` a gradient: F on the last chunk (the head's),
+        B or BW on the first (the embedding's)."""
+        kind = field(row, "kind")
+        return (((field(row, "last") > 0) & (kind == F_))
+                | ((field(row, "first") > 0) & ((kind == B_) | (kind == BW_))))
 
     def exchange(self, carry, row, msg, send_next, send_prev):
         """The slot's message kept (zb-v's turn) or sent to the next and the previous device,
