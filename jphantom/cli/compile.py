@@ -129,7 +129,8 @@ def handle(args: argparse.Namespace) -> int:
     if gpu_defaults:  # XLA reads XLA_FLAGS when the plugin starts: before target.devices()
         from jphantom.runtime import gpu_defaults as defaults
 
-        defaults.apply(allocator=False)  # the flags only: nothing is allocated
+        # the flags only (nothing is allocated), a pipeline's among them
+        defaults.apply(allocator=False, pipelined=defaults.is_pipelined(settings["mesh"]))
     from jphantom.cli.quiet import filtered_stderr
 
     with filtered_stderr():  # the GPU plugin starts: without a GPU, its start-up lines dropped

@@ -42,15 +42,17 @@ def add_parser(sub) -> None:
 
 def train_gpu_defaults(args: argparse.Namespace | None = None) -> None:
     """``train`` on NVIDIA GPUs: :mod:`jphantom.runtime.gpu_defaults` into the environment where it does
-    not set them (with its FP8 flags when ``args``' settings say ``--precision fp8``), and one
+    not set them (with its FP8 flags when ``args``' settings say ``--precision fp8``, its pipeline
+    flags when their mesh has a ``stage`` axis), and one
     line saying what was set (by the first process of a multi-process run)."""
     from jphantom.runtime import gpu_defaults
     from jphantom.runtime.distributed import ENV_PROCESS_ID
 
     if not gpu_defaults.nvidia_gpu_visible():
         return
-    precision = run_settings(args, TRAIN_DEFAULTS).get("precision") if args is not None else None
-    applied = gpu_defaults.apply(precision=precision)
+    settings = run_settings(args, TRAIN_DEFAULTS) if args is not None else {}
+    applied = gpu_defaults.apply(precision=settings.get("precision"),
+                                 pipelined=gpu_defaults.is_pipelined(settings.get("mesh")))
     if os.environ.get(ENV_PROCESS_ID, "0").strip() in ("", "0"):
         print("gpu defaults: " + (" ".join(applied) if applied else
                                   "none set (XLA_FLAGS and the environment set them all)"))

@@ -389,7 +389,8 @@ def _fit(peak: int, memory: dict, target: Target, budget: GpuMemory | None) -> d
 def _compile_flags(flags: dict, target: Target, use_defaults: bool) -> tuple[str, dict | None]:
     """``XLA_FLAGS`` with :mod:`jphantom.runtime.gpu_defaults`' flags where it does not name them
     (``use_defaults``; on NVIDIA an FP8 run's GEMMs also to cuBLAS-LT's FP8 calls,
-    ``gpu_defaults.FP8_XLA_FLAGS``), and the compile options that carry them (None without)."""
+    ``gpu_defaults.FP8_XLA_FLAGS``; a pipelined run's ``PIPELINE_XLA_FLAGS``), and the compile
+    options that carry them (None without)."""
     import os
 
     from jphantom.runtime import gpu_defaults as defaults
@@ -398,7 +399,7 @@ def _compile_flags(flags: dict, target: Target, use_defaults: bool) -> tuple[str
     if not use_defaults:
         return xla_flags, None
     wanted = defaults.current(precision=flags.get("precision") if target.platform == "gpu"
-                              else None)
+                              else None, pipelined=defaults.is_pipelined(flags.get("mesh")))
     xla_flags, _ = defaults.merge_flags(xla_flags, wanted)
     return xla_flags, defaults.compiler_options(xla_flags, wanted)
 

@@ -45,6 +45,8 @@ bubbles must never reach the loss or gradients) and write it everywhere a task w
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,7 +78,8 @@ def run(stages: Stages, config: PipelineConfig, table_: ScheduleTable, stacked, 
     step = _Step(stages, config, table_, stacked, rest, inputs, targets, train)
     carry = step.buffers()
     for start, stop, phases in table_.segments:
-        carry, _ = lax.scan(step.segment(phases), carry, step.table[start:stop])
+        carry, _ = lax.scan(step.segment(phases, step.rows[start:stop]), carry,
+                            step.table[start:stop])
     if not train:
         return carry["loss"]
     d_stacked = jax.tree.map(lambda d: d.reshape(d.shape[0] * d.shape[1], *d.shape[2:]),
@@ -108,7 +111,8 @@ class _Step:
         self.fill = config.bubble_fill
         self.to_next = [(s, (s + 1) % P_) for s in range(P_) if table_.ring or s + 1 < P_]
         self.to_prev = [(d, s) for s, d in self.to_next]
-        self.table = jnp.asarray(table_.table.reshape(-1, table_.phases, *table_.table.shape[1:]))
+        self.rows = table_.table.reshape(-1, table_.phases, *table_.table.shape[1:])
+        self.table = jnp.asarray(self.rows)
         self.chunk_index = jnp.asarray(np.array(
             [[model_chunk(config.schedule, P_, s, v) for v in range(V)] for s in range(P_)],
             np.int32))
@@ -151,6 +155,12 @@ class _Step:
         self.zero_leaves = jax.tree.leaves(jax.tree.map(zeros_of, chunk0))
         if self.train:
             carry.update(self._training_buffers(chunk0))
+            # the leaves of ``rest`` the head and the embedding read: the only ones F's and B's
+            # gradients of ``rest`` can touch (the vocabulary-wide others stay out of the slots)
+            self.rest_used = {F_: used_leaves(lambda r: stages.last(
+                r, self.out0, take_index(self.targets, 0), self.M), rest)}
+            self.rest_used[B_] = self.rest_used[BW_] = used_leaves(
+                lambda r: self.entry(r, take_index(self.inputs, 0)), rest)
         return carry
 
     def _probe_forward(self, chunk, x, c):
@@ -212,10 +222,26 @@ class _Step:
         _, embed_vjp = jax.vjp(lambda r: self.entry(r, take_index(self.inputs, m)), self.rest)
         return embed_vjp(cast_like(dx, self.out0))[0]
 
-    def rest_grad_on_first(self, row, dx, m):
-        """The embedding's gradient on chunk 0, zeros elsewhere."""
-        return lax.cond(field(row, "first") > 0, lambda: self.embedding_grad(dx, m),
-                        lambda: jax.tree.map(jnp.zeros_like, self.rest))
+    def rest_grad_on_first(self, kinds, row, dx, m):
+        """The embedding's gradient on chunk 0, zeros elsewhere (:meth:`rest_part`)."""
+        with self.taken(_on_embedding):
+            return lax.cond(field(row, "first") > 0,
+                            lambda: self.rest_part(kinds, self.embedding_grad(dx, m), B_),
+                            lambda: self.rest_part(kinds))
+
+    def rest_index(self, kinds):
+        """The leaves of ``rest`` (indices into its leaves) a slot running ``kinds`` can give
+        a gradient: the head's for F, the embedding's for B and BW."""
+        return sorted(set().union(*(self.rest_used.get(k, ()) for k in kinds)))
+
+    def rest_part(self, kinds, d_rest=None, kind=None):
+        """A slot's gradient of ``rest``, at its leaves :meth:`rest_index`: ``d_rest``'s (a
+        gradient of the whole of ``rest``) at the leaves task ``kind`` reads, zeros elsewhere."""
+        zeros = jax.tree.leaves(self.rest)
+        grads = None if d_rest is None else jax.tree.leaves(d_rest)
+        used = self.rest_used.get(kind, ())
+        return [grads[i] if grads is not None and i in used else jnp.zeros_like(zeros[i])
+                for i in self.rest_index(kinds)]
 
     def chunk_of(self, v, row):
         """The local chunk's parameters in the compute precision (cast in the task, outside
@@ -249,7 +275,7 @@ class _Step:
         if W_ in kinds:
             result["w_grads"] = self.w_zeros
         if {F_, B_, BW_} & set(kinds):
-            result["d_rest"] = jax.tree.map(jnp.zeros_like, self.rest)
+            result["d_rest"] = self.rest_part(kinds)
         return result
 
     def forward(self, kinds, v, row, buffers):
@@ -260,14 +286,17 @@ class _Step:
         m = field(row, "mb")
         chunk, c = self.chunk_of(v, row)
         result = self.idle(kinds)
-        x = lax.cond(field(row, "first") > 0,
-                     lambda: self.entry(self.rest, take_index(self.inputs, m)), lambda: message)
+        with self.taken(_on_entry):
+            x = lax.cond(field(row, "first") > 0,
+                         lambda: self.entry(self.rest, take_index(self.inputs, m)),
+                         lambda: message)
         body = lambda ch, x: self.stages.body(ch, x, c)  # noqa: E731
         if not self.train:
             out = body(chunk, x)
             result["msg"] = cast_like(out, self.out0)
-            result["loss"] = lax.cond(field(row, "last") > 0, lambda: self.head(out, m)[0],
-                                      lambda: jnp.zeros_like(self.zero))
+            with self.taken(_on_head):
+                result["loss"] = lax.cond(field(row, "last") > 0, lambda: self.head(out, m)[0],
+                                          lambda: jnp.zeros_like(self.zero))
             return result
         out, pullback = jax.vjp(body, chunk, x)
         _, stash, params = vjp_residuals(pullback, jax.tree.leaves(chunk))
@@ -277,13 +306,14 @@ class _Step:
 
         def with_head():
             loss, d_out, d_rest = self.head(out, m)
-            return loss, cast_like(d_out, self.out0), d_rest
+            return loss, cast_like(d_out, self.out0), self.rest_part(kinds, d_rest, F_)
 
         def without_head():
             return (jnp.zeros_like(self.zero), fill_like(self.out0, self.fill),
-                    jax.tree.map(jnp.zeros_like, self.rest))
+                    self.rest_part(kinds))
 
-        loss, d_out, d_rest = lax.cond(field(row, "last") > 0, with_head, without_head)
+        with self.taken(_on_head):
+            loss, d_out, d_rest = lax.cond(field(row, "last") > 0, with_head, without_head)
         weight_only = self.split.weight_only
         result.update(msg=cast_like(out, self.out0), loss=loss, seed=d_out, d_rest=d_rest,
                       stash_b=pick(stash, weight_only, False),
@@ -297,7 +327,7 @@ class _Step:
         residuals = take_index(buffers["stash_b"], field(row, "stash_b"))
         m, (chunk, _) = field(row, "mb"), self.chunk_of(v, row)
         d_chunk, dx = self.rebuild(chunk)(residuals)(d_out)
-        d_rest = self.rest_grad_on_first(row, dx, m)
+        d_rest = self.rest_grad_on_first(kinds, row, dx, m)
         result = self.idle(kinds)
         result.update(msg=cast_like(dx, self.out0), d_rest=d_rest,
                       b_grads=cast_like(jax.tree.leaves(d_chunk), self.b_zeros))
@@ -315,7 +345,7 @@ class _Step:
         if params != self.linear_is_param or _shapes(wres) != self.wstash_shapes:
             raise RuntimeError("the stage body's input-gradient residuals changed between traces")
         self.linear_treedef = td
-        d_rest = self.rest_grad_on_first(row, dx, m)
+        d_rest = self.rest_grad_on_first(kinds, row, dx, m)
         result = self.idle(kinds)
         result.update(msg=cast_like(dx, self.out0), wstash=cast_like(wres, self.wstash0),
                       b_grads=cast_like(b_leaves, self.b_zeros), d_rest=d_rest)
@@ -333,21 +363,28 @@ class _Step:
 
     # ---- the interpreter: a tick's slots, each a dispatch, a write-back and an exchange ----
 
-    def segment(self, phases):
-        """The scanned body of a segment's ticks: its slots in turn, each on this device's row."""
-        slots = [self.slot(*phase) for phase in phases]
+    def segment(self, phases, rows):
+        """The scanned body of a segment's ticks: its slots in turn, each on this device's row
+        (``rows``: the segment's table, [ticks, phases, P, fields])."""
+        slots = [self.slot(*phase, rows[:, p]) for p, phase in enumerate(phases)]
+        tick_rows = rows.reshape(rows.shape[0], -1, rows.shape[-1])  # [ticks, phases P, fields]
 
-        def tick(carry, rows):
-            for run_slot, rows_p in zip(slots, rows):
+        def tick(carry, rows_now):
+            rest_grads = []
+            for run_slot, rows_p in zip(slots, rows_now):
                 if run_slot is not None:
-                    carry = run_slot(carry, rows_p[self.stage])
+                    carry, rest_grad = run_slot(carry, rows_p[self.stage])
+                    rest_grads += [rest_grad] if rest_grad is not None else []
+            if rest_grads:
+                carry = {**carry, "d_rest": self.add_rest(carry["d_rest"], rest_grads, tick_rows)}
             return carry, None
         return tick
 
-    def slot(self, tasks, send_next, send_prev):
+    def slot(self, tasks, send_next, send_prev, rows):
         """One slot of a segment's ticks, whose devices run the kinds ``tasks``: one branch per
         kind (with one chunk per device its parameters static), and the idle one; then the
-        slot's exchange. ``None`` where no device runs anything."""
+        slot's exchange. ``None`` where no device runs anything. ``rows``: the slot's rows of
+        the segment's ticks, [ticks, P, fields] (:meth:`taken`)."""
         if not tasks:
             return None
         kinds = sorted(set(tasks) | {0})
@@ -356,6 +393,7 @@ class _Step:
         static = 0 if self.V == 1 else None
 
         def run_slot(carry, row):
+            self.tracing = rows  # the rows :meth:`taken` counts while this slot is traced
             # The buffers a task of this slot reads, whole: the taken branch slices its slots
             # (operands only; every write is outside the switch).
             buffers = {"inbox": carry["inbox"]}
@@ -367,7 +405,9 @@ class _Step:
             index = jnp.asarray(index_of)[field(row, "kind")]
             result = lax.switch(index, branches, row, buffers)
             carry = self.write_back(carry, row, result)
-            return self.exchange(carry, row, result["msg"], send_next, send_prev)
+            rest_grad = ((_touches_rest(*_flags(row)), self.rest_index(kinds), result["d_rest"])
+                         if "d_rest" in result else None)
+            return self.exchange(carry, row, result["msg"], send_next, send_prev), rest_grad
         return run_slot
 
     def write_back(self, carry, row, result):
@@ -388,18 +428,45 @@ class _Step:
         if "w_grads" in result:
             carry["d_chunks"] = add_to_chunk(carry["d_chunks"], v, result["w_grads"],
                                              self.split.weight_leaves)
-        if "d_rest" in result:  # added only by a task that has one: a pass over the vocabulary
-            carry["d_rest"] = lax.cond(self.touches_rest(row), lambda d, r: jax.tree.map(
-                jnp.add, d, r), lambda d, r: d, carry["d_rest"], result["d_rest"])
         return carry
 
-    @staticmethod
-    def touches_rest(row):
-        """Whether the row's task gives ``rest`` a gradient: F on the last chunk (the head's),
-        B or BW on the first (the embedding's)."""
-        kind = field(row, "kind")
-        return (((field(row, "last") > 0) & (kind == F_))
-                | ((field(row, "first") > 0) & ((kind == B_) | (kind == BW_))))
+    def add_rest(self, d_rest, rest_grads, rows):
+        """``d_rest`` plus the tick's slots' gradients of ``rest`` (``(touches, leaf indices,
+        gradients)`` per slot, :meth:`rest_part`; zero where the slot's task does not touch
+        ``rest``), added only in a tick where some slot's task has one (F on the last chunk, B
+        or BW on the first): an add over a vocabulary-wide leaf is a pass over 1 GB at
+        Llama-3-70B's width. One cond per tick: two in a row on the same buffer make XLA's GPU
+        compiler copy it."""
+        leaves = jax.tree.leaves(d_rest)
+        touched = sorted(set().union(*(index for _, index, _ in rest_grads)))
+
+        def add(acc, grads):
+            acc = dict(zip(touched, acc))
+            for (_, index, _), slot in zip(rest_grads, grads):
+                for i, g in zip(index, slot):
+                    acc[i] = acc[i] + g
+            return [acc[i] for i in touched]
+
+        def keep(acc, grads):
+            return [unchanged(a) for a in acc]
+
+        with self.taken(_touches_rest, rows):
+            new = lax.cond(functools.reduce(jnp.logical_or, [t for t, _, _ in rest_grads]), add,
+                           keep, [leaves[i] for i in touched], [g for _, _, g in rest_grads])
+        for i, a in zip(touched, new):
+            leaves[i] = a
+        return jax.tree.unflatten(jax.tree.structure(d_rest), leaves)
+
+    def taken(self, when, rows=None):
+        """A name scope for a ``lax.cond`` whose true branch runs in the ticks where some
+        device's row (of ``rows``, [ticks, ..., fields]; default the slot being traced)
+        satisfies ``when(kind, first, last)``: ``<when>_taken_in_<n>_of_<ticks>_ticks``
+        (:func:`ticks_taken`). The predictor prices the cond's branches by that share of its
+        loop's trips, not every trip at the slower branch (:mod:`jphantom.predict.timeline`):
+        the head runs in M ticks of a schedule of about V M, the embedding's backward
+        likewise."""
+        taken, ticks = ticks_taken(self.tracing if rows is None else rows, when)
+        return jax.named_scope(f"{when.__name__.lstrip('_')}_taken_in_{taken}_of_{ticks}_ticks")
 
     def exchange(self, carry, row, msg, send_next, send_prev):
         """The slot's message kept (zb-v's turn) or sent to the next and the previous device,
@@ -413,6 +480,56 @@ class _Step:
             carry["inbox"] = put_slot(carry["inbox"], field(row, "from_next"),
                                       comm.ppermute(msg, STAGE_AXIS, self.to_prev))
         return carry
+
+
+def _on_entry(kind, first, last):
+    """F on the first chunk: the part before the blocks (the embedding)."""
+    return (kind == F_) & first
+
+
+def _on_head(kind, first, last):
+    """F on the last chunk: the head, its loss and its gradient (:meth:`_Step.taken`)."""
+    return (kind == F_) & last
+
+
+def _on_embedding(kind, first, last):
+    """B or BW on the first chunk: the embedding's gradient (:meth:`_Step.taken`)."""
+    return ((kind == B_) | (kind == BW_)) & first
+
+
+def ticks_taken(rows, when) -> tuple[int, int]:
+    """Of the ticks of ``rows`` (a segment's table, [ticks, ..., fields]), how many have a row
+    (of any device, any slot) where ``when(kind, first, last)`` holds, and how many there are."""
+    rows = np.asarray(rows)
+    hits = when(rows[..., _F["kind"]], rows[..., _F["first"]] > 0, rows[..., _F["last"]] > 0)
+    return int(np.any(hits.reshape(len(rows), -1), axis=1).sum()), len(rows)
+
+
+def used_leaves(fn, tree) -> tuple[int, ...]:
+    """The indices of ``tree``'s leaves that ``fn(tree)`` reads (from its jaxpr: a leaf no
+    equation and no output takes is not read)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    jaxpr = jax.make_jaxpr(lambda *xs: fn(jax.tree.unflatten(treedef, xs)))(*leaves).jaxpr
+    read = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
+    return tuple(i for i, v in enumerate(jaxpr.invars) if id(v) in read)
+
+
+def _touches_rest(kind, first, last):
+    """Whether a task gives ``rest`` a gradient: the head's or the embedding's."""
+    return _on_head(kind, first, last) | _on_embedding(kind, first, last)
+
+
+def _flags(row):
+    """A traced row's (kind, first, last), as :func:`_on_head` and the like take them."""
+    return field(row, "kind"), field(row, "first") > 0, field(row, "last") > 0
+
+
+def unchanged(a):
+    """``a`` as a branch of ``lax.cond`` returns it unchanged without copying it: its first
+    element written over itself, in place. A branch whose result is its operand as it came in
+    makes XLA's GPU compiler copy the whole buffer into the conditional's result each time."""
+    corner = a[tuple(slice(0, 1) for _ in a.shape)]
+    return lax.dynamic_update_slice(a, corner, (0,) * a.ndim)
 
 
 def _shapes(arrays):

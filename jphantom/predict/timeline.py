@@ -16,8 +16,11 @@ order with two clocks:
 Control flow: a ``while`` runs its body (and its condition) as a program of its own, times its
 trip count (XLA's ``known_trip_count``, else its condition's constant:
 :func:`jphantom.analysis.hlo.trip_count`), nested loops multiplying; a ``conditional`` takes its
-slowest branch (in the pipeline executor's SPMD switch every device waits for the slowest); a
-``call`` runs its callee in place. Each collective's group is placed on nodes by ``node_of``
+slowest branch (in the pipeline executor's SPMD switch every device waits for the slowest), or,
+where its op_name ends in ``taken_in_<n>_of_<t>_ticks/cond``, its true branch in n of its loop's
+t trips and its false branch in the rest (the pipeline executor's head and embedding branches,
+which some device takes in only M ticks of a schedule of about V M:
+:meth:`jphantom.pipeline.runner._Step.taken`); a ``call`` runs its callee in place. Each collective's group is placed on nodes by ``node_of``
 (the device id's node), so a group that spans nodes is priced on the NICs, and on a device with
 packages (``gpus_per_package``: consecutive ids) a group inside one package on its link.
 
@@ -30,6 +33,7 @@ Modelled, not measured: no contention between overlapped streams, no host overhe
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 
@@ -270,9 +274,16 @@ class Simulator:
             inner.absorb(self.run(callees(instr, "condition")[0]), trips + 1)
             return inner
         if instr.opcode == "conditional":
-            branches = [self.run(c) for c in (callees(instr, "branch_computations")
-                                              + callees(instr, "true_computation")
-                                              + callees(instr, "false_computation"))]
+            indexed = callees(instr, "branch_computations")  # lax.cond's: [false, true]
+            true = callees(instr, "true_computation") or indexed[1:2]
+            false = callees(instr, "false_computation") or indexed[:1]
+            share = taken_share(instr)
+            if share is not None and len(indexed) <= 2 and true and false:
+                inner = Timeline()
+                inner.absorb(self.run(true[0]), share)
+                inner.absorb(self.run(false[0]), 1.0 - share)
+                return inner
+            branches = [self.run(c) for c in indexed + true + false]
             return max(branches, key=lambda t: t.step) if branches else Timeline()
         return self.run(self._called_program(instr))
 
@@ -298,6 +309,16 @@ class Simulator:
                         other.opcode.endswith("-done")):
                     return other
         return instr
+
+
+_TAKEN = re.compile(r"taken_in_(\d+)_of_(\d+)_ticks/cond$")
+
+
+def taken_share(instr: Instruction) -> float | None:
+    """The share of its loop's trips in which a ``conditional`` takes its true branch, from the
+    name scope ``taken_in_<n>_of_<t>_ticks`` that directly holds it (None without one)."""
+    found = _TAKEN.search(op_name(instr))
+    return None if found is None else int(found[1]) / max(1, int(found[2]))
 
 
 def simulate(hlo_text: str, device: DeviceModel, network: Network | None = None, *,

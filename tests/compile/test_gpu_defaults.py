@@ -119,3 +119,23 @@ def test_fp8_runs_get_cublaslt_fp8_gemms_and_no_other_run_does(monkeypatch, caps
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     cli.train_gpu_defaults(cli.build_parser().parse_args(["train", "--precision", "bf16"]))
     assert "triton" not in capsys.readouterr().out + os.environ["XLA_FLAGS"]
+
+
+def test_pipelined_runs_do_not_double_buffer_their_loops(monkeypatch, capsys):
+    """A run with a ``stage`` axis over 1 gets --xla_gpu_enable_while_loop_double_buffering=false
+    (PIPELINE_XLA_FLAGS: the schedule's tick loop unrolled by two held two ticks' buffers and
+    made XLA rematerialise); every other run keeps it on; a user's own value is kept."""
+    flag = "xla_gpu_enable_while_loop_double_buffering"
+    assert gpu_defaults.current(pipelined=True)[flag] == "false"
+    assert gpu_defaults.current()[flag] == "true"
+    assert [gpu_defaults.is_pipelined(m) for m in ("data=2,stage=4", "stage=1,model=8",
+                                                    "data=8", None, "stage=x")] == [
+        True, False, False, False, False]  # a mesh that does not parse is for the run to refuse
+    mine = {"XLA_FLAGS": f"--{flag}=true"}
+    assert not any(flag in a for a in gpu_defaults.apply(mine, pipelined=True))
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    for name in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "JPHANTOM_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    cli.train_gpu_defaults(cli.build_parser().parse_args(
+        ["train", "--model", "llama", "--mesh", "stage=2,data=2", "--microbatches", "2"]))
+    assert f"--{flag}=false" in capsys.readouterr().out

@@ -391,3 +391,51 @@ def test_bf16_pipeline_stashes_activations_not_weight_copies():
     want_loss, want_grads = oracle_loss_and_grads(step, params, tokens, targets)
     assert abs(float(loss) - float(want_loss)) <= 2e-2 * abs(float(want_loss))
     assert_tree_close(jax.device_get(step.to_model_order(grads)), want_grads, 5e-2, floor=1e-2)
+
+
+@pytest.mark.parametrize("schedule, stages, microbatches, virtual_stages",
+                         [("1f1b", 4, 8, 1), ("interleaved-1f1b", 2, 4, 2), ("zb-h1", 2, 4, 1),
+                          ("zb-v", 2, 4, 1)])
+def test_the_head_and_embedding_branches_say_in_how_many_ticks_they_run(schedule, stages,
+                                                                         microbatches,
+                                                                         virtual_stages):
+    """The executor's head, embedding-gradient and rest-gradient conds name, per segment, in how
+    many of its ticks some device takes them (runner.ticks_taken: the predictor weights their
+    branches by it). Over the whole table the head runs in M ticks and the embedding's gradient
+    in M (one device holds each chunk, one task a slot), and the rest's gradient is added in at
+    most 2 M ticks."""
+    from jphantom.pipeline import runner
+
+    table = schedule_table(PipelineConfig(schedule, microbatches, virtual_stages), stages)
+    rows = table.table.reshape(-1, table.phases, stages, len(FIELDS))
+
+    def total(when):
+        counts = [runner.ticks_taken(rows[start:stop], when) for start, stop, _ in table.segments]
+        assert sum(t for _, t in counts) == len(rows)
+        return sum(n for n, _ in counts)
+
+    m = microbatches
+    assert total(runner._on_head) == m
+    assert total(runner._on_embedding) == m
+    assert total(runner._on_entry) == m
+    assert m <= total(runner._touches_rest) <= 2 * m
+
+
+def test_the_compiled_pipeline_names_its_conds_shares():
+    """The names reach the compiled program (the predictor reads the conditional's op_name)."""
+    import re
+
+    from jphantom.models.llama import LlamaConfig
+
+    llama = LlamaConfig(vocab_size=VOCAB, hidden=HIDDEN, intermediate=32, layers=4, heads=HEADS,
+                        kv_heads=2, max_positions=SEQ)
+    program = program_module.build(llama, "tensor", "stage=2")
+    require_devices(2)
+    mesh = program.mesh.build(jax.devices()[:2])
+    step = program.train_step(mesh, optax.sgd(0.1),
+                              pipeline=PipelineConfig("interleaved-1f1b", 4, 2), donate=False)
+    tokens = np.zeros((4, SEQ), np.int32)
+    state = step.init(random_params(program)).params
+    text = jax.jit(step.value_and_grad()).lower(state, tokens, tokens).compile().as_text()
+    named = set(re.findall(r"on_(\w+?)_taken_in_\d+_of_\d+_ticks", text))
+    assert {"head", "embedding", "entry"} <= named, named

@@ -575,3 +575,28 @@ def test_the_calibration_gemm_runs_at_the_measured_efficiency_and_small_ones_slo
     # 133 tiles on 132 SMs: a second wave for one tile, half the device idle in it
     assert d.gemm_shape_factor(133 * 128 * 128, 8192) == pytest.approx(
         (133 / 264) / (4096 / (32 * 132)))
+
+
+def _branch(name: str, adds: int) -> str:
+    chain = "\n".join(f"  %y{i} = f32[{N}]{{0}} fusion(%{'x' if i == 0 else f'y{i - 1}'}, %x), "
+                      "kind=kLoop, calls=%add_body" for i in range(adds))
+    return (f"\n%{name} (x: f32[{N}]) -> f32[{N}] {{\n  %x = f32[{N}]{{0}} parameter(0)\n"
+            f"{chain}\n  ROOT %r = f32[{N}]{{0}} copy(%y{adds - 1})\n}}\n")
+
+
+@pytest.mark.parametrize("scope, true_share", [("", None), ("taken_in_1_of_4_ticks/", 0.25),
+                                               ("taken_in_0_of_19_ticks/", 0.0)])
+def test_a_conditional_takes_its_slowest_branch_unless_its_scope_names_how_often(scope,
+                                                                                  true_share):
+    """A ``conditional`` is priced at its slowest branch; under the pipeline executor's scope
+    ``taken_in_<n>_of_<t>_ticks`` (jphantom.pipeline.runner._Step.taken) at its true branch n/t
+    of the time and its false branch the rest (lax.cond's branch_computations: false, true)."""
+    text = module(f"""{ARGS}
+  %p = s32[] parameter(2)
+  ROOT %c = f32[{N}]{{0}} conditional(%p, %a, %a), branch_computations={{%no, %yes}}, \
+metadata={{op_name="jit(step)/while/body/{scope}cond"}}""", _branch("no", 1) + _branch("yes", 4))
+    t = simulate(text, DEVICE)
+    copy_s = 2 * 4 * N / 1000e9
+    slow, fast = 4 * ADD_S + copy_s, ADD_S + copy_s
+    expected = slow if true_share is None else true_share * slow + (1 - true_share) * fast
+    assert t.compute == pytest.approx(expected, rel=1e-6)
