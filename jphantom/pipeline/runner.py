@@ -41,6 +41,13 @@ The residuals of ``jax.vjp`` (its ``Partial``'s leaves, less the chunk's own par
 not copied) live in buffers with one slot per micro-batch in flight; received messages wait in
 slots too (:mod:`jphantom.pipeline.buffers`). Idle slots send ``bubble_fill`` (tests send NaN:
 bubbles must never reach the loss or gradients) and write it everywhere a task writes.
+
+The gradient sums are float32 (Megatron's ``main_grad``); a task's gradients leave its slot in
+the compute precision and are widened as they are added, in place. The rest's gradient leaves a
+slot only at the leaves the head (F) or the embedding (B, BW) reads (:func:`used_leaves`), and
+is added once per tick under a ``lax.cond`` that only ticks with such a task take
+(:meth:`_Step.add_rest`). That cond and the head's and embedding's are named with how many of
+their segment's ticks take them (:meth:`_Step.taken`), which the predictor reads.
 """
 
 from __future__ import annotations
