@@ -44,15 +44,12 @@ bubbles must never reach the loss or gradients) and write it everywhere a task w
 
 The gradient sums are float32 (Megatron's ``main_grad``); a task's gradients leave its slot in
 the compute precision and are widened as they are added, in place. The rest's gradient leaves a
-slot only at the leaves the head (F) or the embedding (B, BW) reads (:func:`used_leaves`), and
-is added once per tick under a ``lax.cond`` that only ticks with such a task take
-(:meth:`_Step.add_rest`). That cond and the head's and embedding's are named with how many of
-their segment's ticks take them (:meth:`_Step.taken`), which the predictor reads.
+slot only at the leaves the head (F) or the embedding (B, BW) reads (:func:`used_leaves`). The
+head's and the embedding's conds are named with how many of their segment's ticks take them
+(:meth:`_Step.taken`), which the predictor reads.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -374,16 +371,11 @@ class _Step:
         """The scanned body of a segment's ticks: its slots in turn, each on this device's row
         (``rows``: the segment's table, [ticks, phases, P, fields])."""
         slots = [self.slot(*phase, rows[:, p]) for p, phase in enumerate(phases)]
-        tick_rows = rows.reshape(rows.shape[0], -1, rows.shape[-1])  # [ticks, phases P, fields]
 
         def tick(carry, rows_now):
-            rest_grads = []
             for run_slot, rows_p in zip(slots, rows_now):
                 if run_slot is not None:
-                    carry, rest_grad = run_slot(carry, rows_p[self.stage])
-                    rest_grads += [rest_grad] if rest_grad is not None else []
-            if rest_grads:
-                carry = {**carry, "d_rest": self.add_rest(carry["d_rest"], rest_grads, tick_rows)}
+                    carry = run_slot(carry, rows_p[self.stage])
             return carry, None
         return tick
 
@@ -412,9 +404,10 @@ class _Step:
             index = jnp.asarray(index_of)[field(row, "kind")]
             result = lax.switch(index, branches, row, buffers)
             carry = self.write_back(carry, row, result)
-            rest_grad = ((_touches_rest(*_flags(row)), self.rest_index(kinds), result["d_rest"])
-                         if "d_rest" in result else None)
-            return self.exchange(carry, row, result["msg"], send_next, send_prev), rest_grad
+            if "d_rest" in result:
+                carry["d_rest"] = add_at(carry["d_rest"], self.rest_index(kinds),
+                                         result["d_rest"])
+            return self.exchange(carry, row, result["msg"], send_next, send_prev)
         return run_slot
 
     def write_back(self, carry, row, result):
@@ -437,42 +430,14 @@ class _Step:
                                              self.split.weight_leaves)
         return carry
 
-    def add_rest(self, d_rest, rest_grads, rows):
-        """``d_rest`` plus the tick's slots' gradients of ``rest`` (``(touches, leaf indices,
-        gradients)`` per slot, :meth:`rest_part`; zero where the slot's task does not touch
-        ``rest``), added only in a tick where some slot's task has one (F on the last chunk, B
-        or BW on the first): an add over a vocabulary-wide leaf is a pass over 1 GB at
-        Llama-3-70B's width. One cond per tick: two in a row on the same buffer make XLA's GPU
-        compiler copy it."""
-        leaves = jax.tree.leaves(d_rest)
-        touched = sorted(set().union(*(index for _, index, _ in rest_grads)))
-
-        def add(acc, grads):
-            acc = dict(zip(touched, acc))
-            for (_, index, _), slot in zip(rest_grads, grads):
-                for i, g in zip(index, slot):
-                    acc[i] = acc[i] + g
-            return [acc[i] for i in touched]
-
-        def keep(acc, grads):
-            return [unchanged(a) for a in acc]
-
-        with self.taken(_touches_rest, rows):
-            new = lax.cond(functools.reduce(jnp.logical_or, [t for t, _, _ in rest_grads]), add,
-                           keep, [leaves[i] for i in touched], [g for _, _, g in rest_grads])
-        for i, a in zip(touched, new):
-            leaves[i] = a
-        return jax.tree.unflatten(jax.tree.structure(d_rest), leaves)
-
-    def taken(self, when, rows=None):
-        """A name scope for a ``lax.cond`` whose true branch runs in the ticks where some
-        device's row (of ``rows``, [ticks, ..., fields]; default the slot being traced)
-        satisfies ``when(kind, first, last)``: ``<when>_taken_in_<n>_of_<ticks>_ticks``
-        (:func:`ticks_taken`). The predictor prices the cond's branches by that share of its
-        loop's trips, not every trip at the slower branch (:mod:`jphantom.predict.timeline`):
-        the head runs in M ticks of a schedule of about V M, the embedding's backward
-        likewise."""
-        taken, ticks = ticks_taken(self.tracing if rows is None else rows, when)
+    def taken(self, when):
+        """A name scope for a ``lax.cond`` of the slot being traced whose true branch runs in
+        the ticks where some device's row satisfies ``when(kind, first, last)``:
+        ``<when>_taken_in_<n>_of_<ticks>_ticks`` (:func:`ticks_taken`). The predictor prices
+        the cond's branches by that share of its loop's trips, not every trip at the slower
+        branch (:mod:`jphantom.predict.timeline`): the head runs in M ticks of a schedule of
+        about V M, the embedding's backward likewise."""
+        taken, ticks = ticks_taken(self.tracing, when)
         return jax.named_scope(f"{when.__name__.lstrip('_')}_taken_in_{taken}_of_{ticks}_ticks")
 
     def exchange(self, carry, row, msg, send_next, send_prev):
@@ -521,22 +486,12 @@ def used_leaves(fn, tree) -> tuple[int, ...]:
     return tuple(i for i, v in enumerate(jaxpr.invars) if id(v) in read)
 
 
-def _touches_rest(kind, first, last):
-    """Whether a task gives ``rest`` a gradient: the head's or the embedding's."""
-    return _on_head(kind, first, last) | _on_embedding(kind, first, last)
-
-
-def _flags(row):
-    """A traced row's (kind, first, last), as :func:`_on_head` and the like take them."""
-    return field(row, "kind"), field(row, "first") > 0, field(row, "last") > 0
-
-
-def unchanged(a):
-    """``a`` as a branch of ``lax.cond`` returns it unchanged without copying it: its first
-    element written over itself, in place. A branch whose result is its operand as it came in
-    makes XLA's GPU compiler copy the whole buffer into the conditional's result each time."""
-    corner = a[tuple(slice(0, 1) for _ in a.shape)]
-    return lax.dynamic_update_slice(a, corner, (0,) * a.ndim)
+def add_at(tree, index, grads):
+    """``tree`` with ``grads`` added to its leaves ``index`` (the others as they are)."""
+    leaves = jax.tree.leaves(tree)
+    for i, g in zip(index, grads):
+        leaves[i] = leaves[i] + g
+    return jax.tree.unflatten(jax.tree.structure(tree), leaves)
 
 
 def _shapes(arrays):

@@ -666,28 +666,17 @@ def test_rematerialised_counts_xlas_remat_clones_once_each():
 @needs_gpu_compiler
 def test_the_pipelines_vocabulary_gradients_are_added_in_place_on_h100(h100, tmp_path):
     """The interleaved pipeline's compiled H100 step adds its embedding's and head's float32
-    gradients only in the ticks that have one, in place: no copy of a [vocab, hidden]
-    accumulator outside the branches of a cond that every tick takes (a branch that returned its
-    operand as it came in copied it every tick: runner.unchanged), and the tick loop is not
-    double-buffered (PIPELINE_XLA_FLAGS)."""
+    gradients in place: no copy of a [vocab, hidden] accumulator anywhere (a ``lax.cond`` around
+    the add, with a branch returning the accumulator as it came in, copied it every tick), and
+    the tick loop is not double-buffered (PIPELINE_XLA_FLAGS)."""
     report = _compile(h100, 1, hlo_out=tmp_path / "step.hlo", strategy="tensor", layers=4,
                       mesh="data=2,stage=2,model=2", schedule="interleaved-1f1b", microbatches=4,
                       virtual_stages=2, precision="bf16")
     hlo = (tmp_path / "step.hlo").read_text()
     vocab, hidden = TINY["vocab"] // 2, TINY["hidden"]  # the vocabulary split over model
     shapes = (f"= f32[{vocab},{hidden}]", f"= f32[{hidden},{vocab}]")
-    copying, computation = set(), None
-    for line in hlo.splitlines():
-        if re.match(r"^(ENTRY )?%\S+ \(", line):
-            computation = line.split()[1 if line.startswith("ENTRY") else 0]
-        elif " copy(" in line and any(s in line for s in shapes):
-            copying.add(computation)
-    conds = re.findall(r"conditional\(.*false_computation=(%[\w.-]+).*"
-                       r"taken_in_(\d+)_of_(\d+)_ticks/cond", hlo)
-    assert conds
-    # a branch never taken (a segment whose every tick adds) may copy: it never runs
-    ever_skipped = {false for false, n, t in conds if int(n) < int(t)}
-    assert ever_skipped and not ever_skipped & copying, (ever_skipped, copying)
-    assert not copying - {false for false, _, _ in conds}, copying
+    copies = [line for line in hlo.splitlines()
+              if " copy(" in line and any(s in line for s in shapes)]
+    assert not copies, copies[:3]
     assert "--xla_gpu_enable_while_loop_double_buffering=false" in report["xla_flags"]
     assert "double_buffer_clone" not in hlo
