@@ -20,9 +20,10 @@ slowest branch (in the pipeline executor's SPMD switch every device waits for th
 where its op_name ends in ``taken_in_<n>_of_<t>_ticks/cond``, its true branch in n of its loop's
 t trips and its false branch in the rest (the pipeline executor's head and embedding branches,
 which some device takes in only M ticks of a schedule of about V M:
-:meth:`jphantom.pipeline.runner._Step.taken`); a ``call`` runs its callee in place. Each collective's group is placed on nodes by ``node_of``
-(the device id's node), so a group that spans nodes is priced on the NICs, and on a device with
-packages (``gpus_per_package``: consecutive ids) a group inside one package on its link.
+:meth:`jphantom.pipeline.runner._Step.taken`); a ``call`` runs its callee in place. Each
+collective's group is placed on nodes by ``node_of`` (the device id's node), so a group that
+spans nodes is priced on the NICs, and on a device with packages (``gpus_per_package``:
+consecutive ids) a group inside one package on its link.
 
 The result (:class:`Timeline`) splits the step into compute seconds, communication hidden under
 compute, and communication exposed (the compute stream waiting on a collective): ``step = compute
