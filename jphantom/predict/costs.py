@@ -11,7 +11,10 @@ Bytes of a kernel are what it reads and writes, as XLA's GPU performance model c
   buffer; bitcasts seen through) updates in place: it writes the update's bytes, and the buffer it
   updates is not read;
 * free instructions (``parameter``, ``get-tuple-element``, ``tuple``, ``bitcast``, constants,
-  ``partition-id`` ...) launch nothing and cost nothing.
+  ``partition-id`` ...) launch nothing and cost nothing, nor does an ``AllocateBuffer`` custom
+  call (:data:`FREE_TARGETS`: a buffer left uninitialised, ``lax.empty``'s lowering and what
+  XLA's ``--xla_gpu_enable_dus_accumulator_zero_init_elimination`` puts where a scan's stacked
+  outputs started from zeros; XLA's GPU thunk sequence holds no thunk for it).
 
 GEMM FLOPs are 2 x (result elements) x (contracted elements) of each ``dot`` in the kernel;
 a cuBLAS call's from its backend config. A fused attention call (``__cudnn$fmha*``) does
@@ -41,6 +44,8 @@ FREE = frozenset({
     "replica-id", "after-all", "add-dependency", "opt-barrier", "optimization-barrier",
     "domain", "get-dimension-size", "copy-done", "async-done", "recv", "recv-done",
 })
+FREE_TARGETS = frozenset({"AllocateBuffer"})
+"""Custom-call targets that launch nothing (module docstring)."""
 _SLICERS = frozenset({"dynamic-slice", "slice", "gather"})
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 # jphantom.nn.flash's block kernels, by the name they keep in the compiled program's op_name
@@ -226,6 +231,8 @@ class KernelPricer:
         if instr.opcode in FREE:
             return None
         target = custom_call_target(instr)
+        if target in FREE_TARGETS:
+            return None
         if target.startswith("__cudnn$fmha"):
             return self._attention(instr, target)
         flash = _FLASH.search(op_name(instr)) if target == "__gpu$xla.gpu.triton" else None

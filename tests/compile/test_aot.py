@@ -208,6 +208,11 @@ def test_accumulation_stays_one_loop_over_one_micro_batch(h100, layout, tmp_path
     four = _compile(h100, 1, **flags, batch=32, accumulate=4, hlo_out=tmp_path / "four.hlo")
     loops = [(tmp_path / f"{n}.hlo").read_text().count(" while(") for n in ("one", "four")]
     assert loops[1] == loops[0] + 1
+    # each micro-batch's residual stacks start uninitialised, not from zeros written (and, where
+    # two share a shape, copied) once per micro-batch: gpu_defaults' zero-init elimination; not
+    # where the collective pipeliner peeled the layer loop (ZeRO-3's parameter gathers)
+    allocated = 'custom_call_target="AllocateBuffer"' in (tmp_path / "four.hlo").read_text()
+    assert allocated == (layout != "zero-3")
     assert four["kernels"]["gemms"]["total"] == 4 * one["kernels"]["gemms"]["total"]
     # per micro-batch, in count and bytes: the activations' gathers and scatters over model, and
     # ZeRO-3's per-layer parameter gathers and their transposes, the gradients' reduce-scatters

@@ -295,6 +295,19 @@ ENTRY %main () -> f32[{layers},{N // layers}] {{
     assert t.nbytes == pytest.approx(2 * (2 * layer + 4))
 
 
+def test_an_uninitialised_buffer_costs_nothing_and_a_zero_broadcast_its_write():
+    """``AllocateBuffer`` (what XLA's dus_accumulator_zero_init_elimination puts where a scan's
+    stacked outputs started from zeros, jphantom.runtime.gpu_defaults) launches no kernel; the
+    zero broadcast it replaces writes its bytes."""
+    text = module(f"""  %zero = f32[] constant(0)
+  %z = f32[{N}]{{0}} broadcast(%zero), dimensions={{}}
+  ROOT %e = f32[{N}]{{0}} custom-call(), custom_call_target="AllocateBuffer"
+""")
+    t = simulate(text, DEVICE)
+    assert "e" not in t.ops
+    assert t.ops["z"][1] == pytest.approx(4 * N / 1000e9)
+
+
 def test_groups_across_nodes_are_priced_on_the_nics():
     nodes = device()
     inside = net.GroupPlacement(8, 1)
