@@ -79,7 +79,7 @@ class Stacked(nnx.Module):
 
 def apply_blocks(graphdef, state, carry, *args, data=None, remat: str = "none", fetch=None,
                  with_index: bool = False, peel_first: bool = False, offset=0, sink=None,
-                 sink_reduce=None):
+                 sink_reduce=None, unroll: bool = False):
     """The blocks of a split :class:`Stacked` (``state`` its parameters, stacked [L', ...])
     applied in order under ``lax.scan``, each checkpointed with ``remat`` and its parameters
     passed through ``fetch``: a pipeline stage's body runs its L' blocks so (``offset``: the
@@ -90,7 +90,9 @@ def apply_blocks(graphdef, state, carry, *args, data=None, remat: str = "none", 
     parameter gradients are added into instead (:mod:`jphantom.nn.sink`; not with
     ``gather_stacked`` hooks, whose gradient is the whole stack's); ``sink_reduce``: per
     accumulator, ``None`` or what each layer's gradient passes through first
-    (:class:`jphantom.nn.sink.Sink`'s ``reduce``)."""
+    (:class:`jphantom.nn.sink.Sink`'s ``reduce``). ``unroll``: the scan unrolled (a pipeline's
+    model chunk of few layers, :attr:`jphantom.pipeline.PipelineConfig.unroll_layers`): each
+    layer reads its weights where they lie instead of from a copy of its chunk."""
 
     data = nnx.State({}) if data is None else data
     if sink is not None and gathers_stacked(graphdef, state, data):
@@ -124,7 +126,7 @@ def apply_blocks(graphdef, state, carry, *args, data=None, remat: str = "none", 
     if not jax.tree.leaves(state) or jax.tree.leaves(state)[0].shape[0] == 0:
         return carry
     carry, _ = lax.scan(lambda c, x: (one(x[0], c, x[1], args), None), typed(state, carry, xs),
-                        (state, xs))
+                        (state, xs), unroll=bool(unroll))
     return carry
 
 

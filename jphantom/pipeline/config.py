@@ -20,12 +20,20 @@ STAGE_AXIS = "stage"
 class PipelineConfig:
     """How a step is pipelined: the schedule, micro-batches per step (per data rank) and virtual
     stages per device (``interleaved-1f1b`` only). The split-backward schedules (``zb-h1``,
-    ``zb-v``) split each backward into B and W (:mod:`jphantom.pipeline.split`)."""
+    ``zb-v``) split each backward into B and W (:mod:`jphantom.pipeline.split`).
+
+    ``unroll_layers``: a model chunk of at most this many layers runs them unrolled, as
+    Megatron-LM's Python loop over a chunk's layers does, instead of under ``lax.scan`` (0:
+    always scanned). Scanned, a task took its chunk out of the stage's [V, ...] stack as a
+    copy (a loop's operand is a buffer) and each layer sliced it again; unrolled, each layer's
+    slice is taken from the stack at once. NeMo's Llama3.1-70B layout (4 layers a chunk,
+    compiled for 64 H100, predicted): 21.2 -> 19.8 s a step, 72.8 -> 71.1 GiB."""
 
     schedule: str = "1f1b"
     microbatches: int = 1
     virtual_stages: int = 1
     bubble_fill: float = 0.0  # what idle slots send; tests use NaN
+    unroll_layers: int = 8
 
     def __post_init__(self):
         if self.schedule not in ALL_SCHEDULES:
@@ -33,6 +41,7 @@ class PipelineConfig:
                               f"{', '.join(ALL_SCHEDULES)}")
         check_int("microbatches", self.microbatches)
         check_int("virtual_stages", self.virtual_stages)
+        check_int("unroll_layers", self.unroll_layers, minimum=0)
         if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
             raise ConfigError(f"virtual_stages={self.virtual_stages} applies to 'interleaved-1f1b' "
                               f"only, not {self.schedule!r}: pass --schedule interleaved-1f1b or "

@@ -167,18 +167,21 @@ class PipelineGradients:
     def body(self):
         """``body(chunk, x, c)``: model chunk ``c``'s layers (its parameters ``chunk``, stacked,
         already in the compute precision: the executor casts them, ``Stages.prepare``) applied
-        to ``x``, under the blocks' remat policy."""
+        to ``x``, under the blocks' remat policy; unrolled where the chunk holds at most
+        ``PipelineConfig.unroll_layers`` layers."""
         from jphantom.nn.stack import apply_blocks
 
         setup, layout = self.setup, self.stages
         stacked = layout.stacked
         per_chunk = stacked.layers // (layout.stages * setup.pipeline.local_chunks)
+        unroll = per_chunk <= setup.pipeline.unroll_layers
 
         def body(chunk, x, c):
             state = jax.tree.unflatten(layout.block_treedef,
                                        [chunk[k] for k in layout.block_order])
             return apply_blocks(layout.block_graph, state, x, remat=stacked.remat,
-                                with_index=stacked.with_index, offset=c * per_chunk)
+                                with_index=stacked.with_index, offset=c * per_chunk,
+                                unroll=unroll)
 
         return body
 

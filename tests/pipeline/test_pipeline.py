@@ -285,6 +285,7 @@ def test_unit_order_gives_each_device_its_round_robin_chunks():
     (dict(schedule="zero"), "unknown pipeline schedule"),
     (dict(microbatches=0), "microbatches"),
     (dict(schedule="1f1b", virtual_stages=2), "interleaved-1f1b"),
+    (dict(unroll_layers=-1), "unroll_layers"),
 ])
 def test_pipeline_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -437,3 +438,30 @@ def test_the_compiled_pipeline_names_its_conds_shares():
     text = jax.jit(step.value_and_grad()).lower(state, tokens, tokens).compile().as_text()
     named = set(re.findall(r"on_(\w+?)_taken_in_\d+_of_\d+_ticks", text))
     assert {"head", "embedding", "entry"} <= named, named
+
+
+def test_a_chunk_of_few_layers_runs_them_unrolled():
+    """A model chunk of at most ``PipelineConfig.unroll_layers`` layers runs them unrolled: no
+    layer loop inside the schedule's (each layer's weights sliced from the stage's stack where
+    they lie, not from a copy of the chunk); ``unroll_layers=0`` keeps the scan. The same loss
+    and gradients either way."""
+    from jphantom.models.llama import LlamaConfig
+
+    llama = LlamaConfig(vocab_size=VOCAB, hidden=HIDDEN, intermediate=32, layers=4, heads=HEADS,
+                        kv_heads=2, max_positions=SEQ)
+    program = program_module.build(llama, "tensor", "stage=2")
+    require_devices(2)
+    mesh = program.mesh.build(jax.devices()[:2])
+    rng = np.random.default_rng(2)
+    tokens, targets = (rng.integers(0, VOCAB, (4, SEQ)) for _ in range(2))
+    params = random_params(program)
+    loops, results = {}, {}
+    for unroll in (8, 0):  # 2 layers a chunk
+        step = program.train_step(mesh, optax.sgd(0.1), donate=False,
+                                  pipeline=PipelineConfig("1f1b", 2, unroll_layers=unroll))
+        state = step.init(params).params
+        compiled = jax.jit(step.value_and_grad()).lower(state, tokens, targets).compile()
+        loops[unroll] = compiled.as_text().count(" while(")
+        results[unroll] = jax.device_get(compiled(state, tokens, targets))
+    assert loops[8] < loops[0], loops
+    assert_tree_close(results[8], results[0], 1e-6)
