@@ -72,6 +72,8 @@ def line(r: dict) -> str:
                   f"{r['stored_ratio']:.2f}x the count")
         if r["stored_sets"] > 1:
             stored += (f", held in {r['stored_sets']} slots: {r['allocated_ratio']:.2f}x")
+        if r.get("stored_scanned"):
+            stored += " (read from the program with the chunk's layers scanned)"
     return (f"{r['layout']:<16} temporaries {t[str(LAYERS[0])]:6.2f} -> "
             f"{t[str(LAYERS[-1])]:6.2f} GiB  per layer {r['slope_gib']:6.3f} GiB = formula "
             f"{r['formula_gib']:.3f} + bf16 weights {r['weight_copy_gib']:.3f}{grads} "
@@ -103,9 +105,29 @@ def compiled_sizes(model: dict, layout: tuple, target, devices) -> dict:
                                         devices=devices, hlo_out=hlo)
             if layers == LAYERS[-1]:
                 sizes["residuals"] = residuals(hlo.read_text(), model, layout, layers)
+                if (sizes["residuals"] is not None and not sizes["residuals"]["bytes"]
+                        and "stage" in layout[1]["mesh"]):
+                    sizes["residuals"] = scanned_residuals(model, layout, layers, target,
+                                                           devices)
         sizes["temp"][str(layers)] = report["memory"]["temp_bytes"]
         sizes["params"][str(layers)] = report["params"]
     return sizes
+
+
+def scanned_residuals(model: dict, layout: tuple, layers: int, target, devices) -> dict:
+    """A pipeline stage's stored residuals read from its program with the chunk's layers
+    scanned (``unroll_layers=0``): where they run unrolled and XLA unrolled the schedule's
+    short tick loop too (this layout's 2 micro-batches), the program has no loop whose results
+    show them. The same residuals either way (the same ``jax.vjp``); marked ``scanned``."""
+    from jphantom.costs import aot
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        hlo = Path(folder) / "step.hlo"
+        aot.compile_report({**model, **layout[1], "layers": layers, "unroll_layers": 0}, target,
+                           devices=devices, hlo_out=hlo)
+        return {**residuals(hlo.read_text(), model, layout, layers), "scanned": True}
 
 
 def residuals(hlo_text: str, model: dict, layout: tuple, layers: int) -> dict | None:
@@ -149,7 +171,7 @@ def measure(model: dict, layout: tuple, sizes: dict) -> dict:
         row.update(stored_gib=per_row * shape["batch"] / 2**30, stored_sets=stored["copies"],
                    stored_ratio=per_row * shape["batch"] / count,
                    allocated_ratio=per_row * stored["rows"] * stored["copies"] / count,
-                   stored_shapes=stored["shapes"])
+                   stored_shapes=stored["shapes"], stored_scanned=stored.get("scanned", False))
     return row
 
 

@@ -37,14 +37,17 @@ def pipeline_of(parallel: ParallelConfig, train: TrainConfig, program=None):
     mesh = program.mesh if program is not None else parallel.mesh_config()
     return pipeline_for(mesh, train.batch, schedule=parallel.schedule,
                         microbatches=parallel.microbatches,
-                        virtual_stages=parallel.virtual_stages)
+                        virtual_stages=parallel.virtual_stages,
+                        unroll_layers=parallel.unroll_layers)
 
 
 def pipeline_summary(pipeline, mesh) -> dict:
     """What ``results.json`` and ``inspect`` report of a step's pipeline: the schedule, the
-    micro-batches (per data rank), the virtual stages per device and the stages of ``mesh``."""
+    micro-batches (per data rank), the virtual stages per device, the stages of ``mesh`` and
+    the most layers a chunk runs unrolled."""
     return {"schedule": pipeline.schedule, "microbatches": pipeline.microbatches,
-            "virtual_stages": pipeline.virtual_stages, "stages": mesh.size("stage")}
+            "virtual_stages": pipeline.virtual_stages, "stages": mesh.size("stage"),
+            "unroll_layers": pipeline.unroll_layers}
 
 
 def optimizer_of(train: TrainConfig, step: StepConfig):

@@ -162,7 +162,8 @@ class ParallelConfig:
     """How the model is split: ``strategy`` (:data:`jphantom.registry.strategies.NAMES`), ``mesh`` (default
     ``model=1`` for dense, else ``model=<all devices>``), Megatron sequence parallelism, DTD,
     with a ``stage`` axis the pipeline ``schedule``, ``microbatches`` per step and data rank
-    (default: the stages) and ``virtual_stages`` (interleaved 1F1B), and with a ``context``
+    (default: the stages), ``virtual_stages`` (interleaved 1F1B) and ``unroll_layers``
+    (:class:`jphantom.pipeline.PipelineConfig`'s), and with a ``context``
     axis the ``context_attention`` (``ring`` or ``all-gather``) and ``load_balance``."""
 
     strategy: str = setting(
@@ -184,6 +185,9 @@ class ParallelConfig:
         "a multiple (default: the number of stages)")
     virtual_stages: int = setting(
         1, "with a stage axis and interleaved-1f1b: model chunks per device")
+    unroll_layers: int = setting(
+        8, "with a stage axis: a model chunk of at most this many layers runs them unrolled, "
+        "not under lax.scan (0: always scanned)")
     context_attention: str = setting(
         "ring", "with a context=C mesh axis (the sequence split over C devices): ring (K/V "
         "passed around the ring, the default) or all-gather attention")
@@ -205,6 +209,7 @@ class ParallelConfig:
         _choice("schedule", self.schedule, ALL_SCHEDULES)
         _choice("context_attention", self.context_attention, ALGORITHMS)
         _at_least(self, 1, "microbatches", "virtual_stages")
+        _at_least(self, 0, "unroll_layers")
         check_collective_matmul(self.collective_matmul, self.sequence_parallel)
         self.declared_mesh()
 

@@ -78,7 +78,7 @@ class PipelineConfig:
 
 
 def pipeline_for(mesh, batch: int, *, schedule: str = "1f1b", microbatches: int | None = None,
-                 virtual_stages: int = 1) -> PipelineConfig | None:
+                 virtual_stages: int = 1, unroll_layers: int = 8) -> PipelineConfig | None:
     """The pipeline a step on ``mesh`` (a MeshConfig) runs: ``None`` without a ``stage`` axis (then
     the settings must keep their defaults), else the validated :class:`PipelineConfig`
     (``microbatches`` defaults to the number of stages), the per-data-rank ``batch`` checked
@@ -86,7 +86,8 @@ def pipeline_for(mesh, batch: int, *, schedule: str = "1f1b", microbatches: int 
     if STAGE_AXIS not in mesh.shape:
         given = [f"--{flag} {value}" for flag, value, default in (
             ("schedule", schedule, "1f1b"), ("microbatches", microbatches, None),
-            ("virtual-stages", virtual_stages, 1)) if value != default]
+            ("virtual-stages", virtual_stages, 1), ("unroll-layers", unroll_layers, 8))
+            if value != default]
         if given:
             raise ConfigError(f"{' '.join(given)} only apply to a pipelined step, but mesh {mesh} "
                               f"has no stage axis: add stage=N to the mesh (e.g. --mesh "
@@ -94,7 +95,8 @@ def pipeline_for(mesh, batch: int, *, schedule: str = "1f1b", microbatches: int 
         return None
     if microbatches is not None:
         check_int("microbatches", microbatches)
-    config = PipelineConfig(schedule, microbatches or mesh.size(STAGE_AXIS), virtual_stages)
+    config = PipelineConfig(schedule, microbatches or mesh.size(STAGE_AXIS), virtual_stages,
+                            unroll_layers=unroll_layers)
     data = mesh.size("data")
     try:
         config.check_batch(batch // data)

@@ -309,3 +309,24 @@ def test_saved_residuals_are_the_forward_loops_stacks_per_layer_row_and_token():
     assert found["bytes"] % (layers * rows * tokens * h * 4) == 0
     assert found["copies"] == 3
     assert saved_residuals(text, layers=layers, rows=rows + 1, tokens={tokens})["bytes"] == 0
+
+
+def test_saved_residuals_are_a_stash_s_slots_where_no_layer_loop_returns_them():
+    """A pipeline whose chunks run their layers unrolled has no layer loop: what it keeps for
+    the backward is the tick loop's stash, [slots, L, rows, tokens, ...], one set a slot."""
+    from jphantom.analysis.hlo.residuals import saved_residuals
+
+    layers, rows, tokens, h = 2, 2, 8, 4
+
+    def ticks(x):
+        def tick(i, stash):
+            slot = i % 3
+            return lax.dynamic_update_index_in_dim(stash, jnp.tanh(stash[slot] + i), slot, 0)
+
+        stash = jnp.zeros((3, layers, rows, tokens, h), jnp.float32) + x[None, None]
+        return lax.fori_loop(0, lax.optimization_barrier(4), tick, stash)
+
+    text = jax.jit(ticks).lower(jnp.ones((rows, tokens, h), jnp.float32)).compile().as_text()
+    found = saved_residuals(text, layers=layers, rows=rows, tokens={tokens})
+    assert found["shapes"] == [f"f32[{layers},{rows},{tokens},{h}]"], found
+    assert found["bytes"] == layers * rows * tokens * h * 4 and found["copies"] == 3

@@ -143,7 +143,7 @@ def test_train_pipelined_ffn_writes_the_pipeline_into_results(tmp_path, capsys):
                      "--learning-rate", "0.1", "--no-progress", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["pipeline"] == {"schedule": "gpipe", "microbatches": 2, "virtual_stages": 1,
-                                   "stages": 2}
+                                   "stages": 2, "unroll_layers": 8}
     assert results["mesh"] == "data=2,stage=2,model=2"
     assert results["config"]["microbatches"] == 2
     assert results["config"]["schedule"] == "gpipe"
@@ -176,6 +176,8 @@ def test_default_microbatches_are_the_stages():
                                                   r"step.*add stage=N to the mesh"),
     (dict(mesh="model=4", schedule="gpipe"), r"--schedule gpipe.*stage=N"),
     (dict(mesh="model=4", virtual_stages=2), r"--virtual-stages 2.*stage=N"),
+    (dict(mesh="model=4", unroll_layers=0), r"--unroll-layers 0.*stage=N"),
+    (dict(mesh="stage=2,model=4", unroll_layers=-1), r"unroll_layers=-1 must be at least 0"),
     (dict(mesh="stage=2,data=2,model=2", batch=6, microbatches=2),
      r"batch=6 over data=2: the per-data-rank batch 3 is not divisible by microbatches=2"),
     (dict(mesh="stage=2,model=4", virtual_stages=2), r"--schedule interleaved-1f1b"),
@@ -224,7 +226,7 @@ def test_inspect_pipelined_ffn_reports_memory_and_collective_permutes(capsys):
                      "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["pipeline"] == {"schedule": "1f1b", "microbatches": 2, "virtual_stages": 1,
-                                  "stages": 2}
+                                  "stages": 2, "unroll_layers": 8}
     memory = report["memory"]
     assert memory["temp_bytes"] > 0 and memory["argument_bytes"] > 0 and memory["output_bytes"] > 0
     assert "alias_bytes" in memory

@@ -8,9 +8,11 @@ is a different quantity: it may sit where the backward's gradients are being wri
 reduced, and then grows with the layers by what those buffers hold, not by the activations. The
 stored activations themselves are visible in the optimised HLO: jphantom's layers run under
 ``lax.scan``, so the forward loop's result tuple holds each saved tensor stacked over the layers
-([L, b, s, ...]); a pipeline's executor carries its stash slots ([slots, layers, b, s, ...]).
+([L, b, s, ...]); a pipeline's executor carries its stash slots ([slots, layers, b, s, ...]),
+which are all there is to see where a chunk's layers run unrolled (no layer loop).
 :func:`saved_residuals` finds, among the arrays the program's ``while`` loops return, those whose
-dimensions begin with (layers, rows, tokens), and sums them for the loop that returns the most
+dimensions begin with (layers, rows, tokens), or hold them after one leading dimension (a stash's
+slots), and sums one set of them for the loop that returns the most
 (loops nested in it pass the same buffers through); and how many sets of them the program holds
 at most (a pipeline's stash slots)."""
 
@@ -43,8 +45,11 @@ def saved_residuals(hlo_text: str, *, layers: int, rows: int, tokens: Iterable[i
             arrays.update(tuple(dims) for _, dims in shapes)
             if instr.opcode != "while":
                 continue
-            kept = [(dtype, dims) for dtype, dims in shapes
-                    if _position(tuple(dims), layers, rows, tokens) == 0]
+            kept = []
+            for dtype, dims in shapes:  # stacked over the layers, or [slots, layers, ...]
+                at = _position(tuple(dims), layers, rows, tokens)
+                if at in (0, 1):
+                    kept.append((dtype, tuple(dims[at:])))
             if nbytes(kept) > best["bytes"]:
                 best.update(bytes=nbytes(kept),
                             shapes=[f"{d}[{','.join(map(str, s))}]" for d, s in kept])
