@@ -163,7 +163,7 @@ class ParallelConfig:
     ``model=1`` for dense, else ``model=<all devices>``), Megatron sequence parallelism, DTD,
     with a ``stage`` axis the pipeline ``schedule``, ``microbatches`` per step and data rank
     (default: the stages), ``virtual_stages`` (interleaved 1F1B) and ``unroll_layers``
-    (:class:`jphantom.pipeline.PipelineConfig`'s), and with a ``context``
+    (:class:`jphantom.pipeline.config.PipelineConfig`'s), and with a ``context``
     axis the ``context_attention`` (``ring`` or ``all-gather``) and ``load_balance``."""
 
     strategy: str = setting(

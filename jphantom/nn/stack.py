@@ -91,7 +91,7 @@ def apply_blocks(graphdef, state, carry, *args, data=None, remat: str = "none", 
     ``gather_stacked`` hooks, whose gradient is the whole stack's); ``sink_reduce``: per
     accumulator, ``None`` or what each layer's gradient passes through first
     (:class:`jphantom.nn.sink.Sink`'s ``reduce``). ``unroll``: the scan unrolled (a pipeline's
-    model chunk of few layers, :attr:`jphantom.pipeline.PipelineConfig.unroll_layers`): each
+    model chunk of few layers, :attr:`jphantom.pipeline.config.PipelineConfig.unroll_layers`): each
     layer reads its weights where they lie instead of from a copy of its chunk."""
 
     data = nnx.State({}) if data is None else data
