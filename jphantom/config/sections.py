@@ -16,7 +16,6 @@ import typing
 from jphantom.registry import strategies
 from jphantom.config import paths
 from jphantom.errors import ConfigError
-from jphantom.pipeline.config import UNROLL_LAYERS
 from jphantom.registry.dtypes import DTYPES
 from jphantom.registry.nonfinite import NONFINITE
 
@@ -187,8 +186,8 @@ class ParallelConfig:
     virtual_stages: int = setting(
         1, "with a stage axis and interleaved-1f1b: model chunks per device")
     unroll_layers: int = setting(
-        UNROLL_LAYERS, "with a stage axis: a model chunk of at most this many layers runs them "
-        "unrolled, not under lax.scan (0: always scanned)")
+        8, "with a stage axis: a model chunk of at most this many layers runs them unrolled, "
+        "not under lax.scan (0: always scanned)")
     context_attention: str = setting(
         "ring", "with a context=C mesh axis (the sequence split over C devices): ring (K/V "
         "passed around the ring, the default) or all-gather attention")

@@ -14,8 +14,6 @@ from jphantom.errors import ConfigError, check_int
 from jphantom.pipeline.schedule import ALL_SCHEDULES, SPLIT_SCHEDULES, chunks_of
 
 STAGE_AXIS = "stage"
-UNROLL_LAYERS = 8
-"""The default :attr:`PipelineConfig.unroll_layers` (``--unroll-layers``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +33,7 @@ class PipelineConfig:
     microbatches: int = 1
     virtual_stages: int = 1
     bubble_fill: float = 0.0  # what idle slots send; tests use NaN
-    unroll_layers: int = UNROLL_LAYERS
+    unroll_layers: int = 8
 
     def __post_init__(self):
         if self.schedule not in ALL_SCHEDULES:
@@ -80,8 +78,7 @@ class PipelineConfig:
 
 
 def pipeline_for(mesh, batch: int, *, schedule: str = "1f1b", microbatches: int | None = None,
-                 virtual_stages: int = 1,
-                 unroll_layers: int = UNROLL_LAYERS) -> PipelineConfig | None:
+                 virtual_stages: int = 1, unroll_layers: int = 8) -> PipelineConfig | None:
     """The pipeline a step on ``mesh`` (a MeshConfig) runs: ``None`` without a ``stage`` axis (then
     the settings must keep their defaults), else the validated :class:`PipelineConfig`
     (``microbatches`` defaults to the number of stages), the per-data-rank ``batch`` checked
@@ -89,7 +86,7 @@ def pipeline_for(mesh, batch: int, *, schedule: str = "1f1b", microbatches: int 
     if STAGE_AXIS not in mesh.shape:
         given = [f"--{flag} {value}" for flag, value, default in (
             ("schedule", schedule, "1f1b"), ("microbatches", microbatches, None),
-            ("virtual-stages", virtual_stages, 1), ("unroll-layers", unroll_layers, UNROLL_LAYERS))
+            ("virtual-stages", virtual_stages, 1), ("unroll-layers", unroll_layers, 8))
             if value != default]
         if given:
             raise ConfigError(f"{' '.join(given)} only apply to a pipelined step, but mesh {mesh} "
