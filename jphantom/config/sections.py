@@ -185,9 +185,9 @@ class ParallelConfig:
         "a multiple (default: the number of stages)")
     virtual_stages: int = setting(
         1, "with a stage axis and interleaved-1f1b: model chunks per device")
-    unroll_layers: int = setting(
-        8, "with a stage axis: a model chunk of at most this many layers runs them unrolled, "
-        "not under lax.scan (0: always scanned)")
+    unroll_layers: int | None = setting(
+        None, "with a stage axis: a model chunk of at most this many layers runs them unrolled, "
+        "not under lax.scan (0: always scanned; default: the pipeline's, 8)")
     context_attention: str = setting(
         "ring", "with a context=C mesh axis (the sequence split over C devices): ring (K/V "
         "passed around the ring, the default) or all-gather attention")

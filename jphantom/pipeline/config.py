@@ -78,15 +78,17 @@ class PipelineConfig:
 
 
 def pipeline_for(mesh, batch: int, *, schedule: str = "1f1b", microbatches: int | None = None,
-                 virtual_stages: int = 1, unroll_layers: int = 8) -> PipelineConfig | None:
+                 virtual_stages: int = 1,
+                 unroll_layers: int | None = None) -> PipelineConfig | None:
     """The pipeline a step on ``mesh`` (a MeshConfig) runs: ``None`` without a ``stage`` axis (then
     the settings must keep their defaults), else the validated :class:`PipelineConfig`
-    (``microbatches`` defaults to the number of stages), the per-data-rank ``batch`` checked
-    against the micro-batches -- before anything compiles."""
+    (``microbatches`` defaults to the number of stages, ``unroll_layers`` to
+    :class:`PipelineConfig`'s), the per-data-rank ``batch`` checked against the micro-batches --
+    before anything compiles."""
     if STAGE_AXIS not in mesh.shape:
         given = [f"--{flag} {value}" for flag, value, default in (
             ("schedule", schedule, "1f1b"), ("microbatches", microbatches, None),
-            ("virtual-stages", virtual_stages, 1), ("unroll-layers", unroll_layers, 8))
+            ("virtual-stages", virtual_stages, 1), ("unroll-layers", unroll_layers, None))
             if value != default]
         if given:
             raise ConfigError(f"{' '.join(given)} only apply to a pipelined step, but mesh {mesh} "
@@ -95,8 +97,9 @@ def pipeline_for(mesh, batch: int, *, schedule: str = "1f1b", microbatches: int 
         return None
     if microbatches is not None:
         check_int("microbatches", microbatches)
+    unroll = {} if unroll_layers is None else {"unroll_layers": unroll_layers}
     config = PipelineConfig(schedule, microbatches or mesh.size(STAGE_AXIS), virtual_stages,
-                            unroll_layers=unroll_layers)
+                            **unroll)
     data = mesh.size("data")
     try:
         config.check_batch(batch // data)

@@ -162,9 +162,16 @@ def test_unpipelined_results_have_no_pipeline_entry():
 
 
 def test_default_microbatches_are_the_stages():
+    from jphantom.config.sections import ParallelConfig
+    from jphantom.pipeline.config import PipelineConfig
+
     config = RunConfig.from_flags(**FFN, depth=4, batch=8, mesh="stage=4,model=2")
     pipeline = config.pipeline()
     assert (pipeline.schedule, pipeline.microbatches, pipeline.virtual_stages) == ("1f1b", 4, 1)
+    # unroll_layers is written once, in PipelineConfig; the flag's help says that value
+    assert pipeline.unroll_layers == PipelineConfig().unroll_layers
+    help_text = ParallelConfig.__dataclass_fields__["unroll_layers"].metadata["help"]
+    assert f"the pipeline's, {PipelineConfig().unroll_layers})" in help_text, help_text
     assert config.build().step.pipeline == pipeline
     assert config.program().mesh.device_count == 8
     # batch 4 over data=2: 2 rows per data rank, the default 2 micro-batches of one row each
