@@ -18,6 +18,9 @@ each in its own process (so that each has its own peak memory and compile):
 ``jphantom-bf16-unchunked``, ``jphantom-bf16-c26``: bf16 with the loss in one chunk (every
                     logit held, as the reference) or in chunks of 2^26 logits (32 here): what the
                     chunking costs
+``jphantom-bf16-acc4``: bf16 accumulating 4 micro-batches of the shape's batch in one step
+                    (``accumulate=4``, 4x the tokens): its step against 4 single steps and its
+                    peak memory against one (issue 53's accumulation check)
 ``flash-blocks``    ring attention's blocks on jax's Pallas Triton kernels (jphantom.nn.flash),
                     compiled, against the float32 einsum blocks (forward and backward)
 ``train``           ``python -m jphantom train`` on a small Llama for a few steps: its
@@ -31,10 +34,17 @@ datasheet's dense bf16 peak and against the measured bf16 GEMM rate, the device'
 (``memory_stats()``), and NVML's energy counter over the timed steps (joules per token). The
 ratio jphantom / reference of step times is the number that matters (goal <= 1.05).
 
+``--shape slice8b``: a 4-layer slice of Llama-3-8B's width (hidden 4096, 32 / 8 heads, SwiGLU
+14336, vocabulary 128256, untied) at S = 8192, batch 1, instead of the 1.2B model: issue 53's
+FP8 and accumulation device check, with the ratios fp8 / bf16 and acc4 / (4 x bf16) of step
+times and acc4 / bf16 of peak memory in the summary.
+
 Usage (the device machine has jax, flax and optax; nothing to install)::
 
     PYTHONPATH=. python benchmarks/gpu_step.py --out DIR      # on one GPU, about 5 minutes
     python benchmarks/gpu_step.py --small --out /tmp/g        # tiny shapes, runs on CPU too
+    PYTHONPATH=. python benchmarks/gpu_step.py --shape slice8b --out DIR \
+        --skip reference-bf16 jphantom-bf16-unchunked jphantom-bf16-c26 flash-blocks train
 
 Writes ``DIR/gpu_step.json``, ``DIR/gpu_step.png`` and the train check's ``metrics.jsonl``.
 """
@@ -54,8 +64,12 @@ FULL = dict(layers=16, hidden=2048, heads=32, kv_heads=8, intermediate=8192, voc
             seq_len=4096, batch=4)
 SMALL = dict(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=512,
              seq_len=128, batch=2)
+SLICE_8B = dict(layers=4, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256,
+                seq_len=8192, batch=1, tied=False)
+SHAPES = {"gpu_step": FULL, "slice8b": SLICE_8B}
+ACCUMULATE = 4  # the acc4 variant's micro-batches
 VARIANTS = ("jphantom-bf16", "reference-bf16", "jphantom-fp8", "jphantom-bf16-unchunked",
-            "jphantom-bf16-c26")
+            "jphantom-bf16-c26", "jphantom-bf16-acc4")
 # the loss's chunk limit of the variants that change it (jphantom.nn.vocab)
 CHUNK_LIMITS = {"unchunked": 2**62, "c26": 2**26}
 
@@ -234,10 +248,11 @@ def run_variant(name: str, shape: dict, steps: int, warmup: int) -> dict:
     config = LlamaConfig(vocab_size=shape["vocab"], hidden=shape["hidden"],
                          intermediate=shape["intermediate"], layers=shape["layers"],
                          heads=shape["heads"], kv_heads=shape["kv_heads"],
-                         max_positions=shape["seq_len"], tie_word_embeddings=True,
-                         rope_theta=500000.0)
+                         max_positions=shape["seq_len"],
+                         tie_word_embeddings=shape.get("tied", True), rope_theta=500000.0)
     rng = np.random.default_rng(0)
-    rows = (shape["batch"], shape["seq_len"])
+    accumulate = ACCUMULATE if name.endswith("-acc4") else 1
+    rows = (shape["batch"] * accumulate, shape["seq_len"])
     tokens = jnp.asarray(rng.integers(0, shape["vocab"], rows), jnp.int32)
     targets = jnp.asarray(rng.integers(0, shape["vocab"], rows), jnp.int32)
     optimizer = optax.adamw(3e-4, b2=0.95, weight_decay=0.1)
@@ -258,7 +273,8 @@ def run_variant(name: str, shape: dict, steps: int, warmup: int) -> dict:
         model = Llama(config, rngs=nnx.Rngs(0))
         mesh = MeshConfig.parse("model=1").build(jax.devices()[:1])
         step = jphantom.make_train_step(model, mesh, optimizer, lm_loss,
-                                        precision=name.split("-")[1], attention="auto")
+                                        precision=name.split("-")[1], attention="auto",
+                                        accumulate=accumulate)
         state = step.init()
         del model
         batch = jax.device_put((tokens, targets), step.batch_shardings(2))
@@ -295,13 +311,14 @@ def run_variant(name: str, shape: dict, steps: int, warmup: int) -> dict:
         losses.append(loss)
     joules = energy() - start_j if energy else None
     step_s = sorted(times)[len(times) // 2]
-    tokens_per_step = shape["batch"] * shape["seq_len"]
+    tokens_per_step = rows[0] * shape["seq_len"]
     flops = flops_per_token(config, "dense", shape["seq_len"]) * tokens_per_step
     peak = peak_tflops(device)
     stats = device.memory_stats() if on_gpu else None
     from jphantom.nn import vocab
 
-    return {"variant": name, "device": getattr(device, "device_kind", device.platform),
+    return {"variant": name, "accumulate": accumulate,
+            "device": getattr(device, "device_kind", device.platform),
             "platform": device.platform, "jax": jax.__version__,
             "loss_chunks": vocab.token_chunks(tokens_per_step, shape["vocab"])
             if name.startswith("jphantom") else 1, "compile_seconds": compile_seconds,
@@ -358,7 +375,8 @@ def train_check(out: Path, small: bool, env: dict) -> dict:
 
 def _child(variant: str, args, env: dict, timeout: float) -> dict:
     command = [sys.executable, __file__, "--variant", variant, "--steps", str(args.steps),
-               "--warmup", str(args.warmup)] + (["--small"] if args.small else [])
+               "--warmup", str(args.warmup), "--shape", args.shape] + (
+                   ["--small"] if args.small else [])
     t0 = time.perf_counter()
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT,
@@ -403,6 +421,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_step"))
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU-debuggable)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="gpu_step",
+                        help="the model: gpu_step's 1.2B Llama or a 4-layer Llama-3-8B slice")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--budget", type=float, default=420.0,
@@ -410,7 +430,7 @@ def main(argv=None) -> int:
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--skip", nargs="*", default=[], help="variants to leave out")
     args = parser.parse_args(argv)
-    shape = SMALL if args.small else FULL
+    shape = SMALL if args.small else SHAPES[args.shape]
     if args.variant:  # a child (PYTHONPATH: this tree): one variant, one JSON line
         if args.variant == "gemm":
             result = gemm_rates(args.small)
@@ -441,7 +461,8 @@ def main(argv=None) -> int:
                                      intermediate=shape["intermediate"],
                                      layers=shape["layers"], heads=shape["heads"],
                                      kv_heads=shape["kv_heads"],
-                                     tie_word_embeddings=True).param_count(),
+                                     tie_word_embeddings=shape.get("tied", True)
+                                     ).param_count(), "shape_name": args.shape,
                "steps": args.steps, "warmup": args.warmup, "gpu_defaults": applied,
                "variants": [], "skipped": []}
     save = lambda: (out / "gpu_step.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -474,6 +495,18 @@ def main(argv=None) -> int:
         if ours and ref:
             results[f"ratio_jphantom_{precision}_over_reference_bf16"] = (
                 ours["step_seconds"] / ref["step_seconds"])
+    bf16, fp8, acc = (by_name.get(f"jphantom-{v}") for v in ("bf16", "fp8", "bf16-acc4"))
+    if bf16 and fp8:
+        results["ratio_jphantom_fp8_over_jphantom_bf16"] = (fp8["step_seconds"]
+                                                            / bf16["step_seconds"])
+    if bf16 and acc:
+        results[f"ratio_jphantom_bf16_acc4_over_{ACCUMULATE}x_jphantom_bf16"] = (
+            acc["step_seconds"] / (ACCUMULATE * bf16["step_seconds"]))
+        if bf16["peak_memory_bytes"] and acc["peak_memory_bytes"]:
+            results["ratio_peak_memory_acc4_over_bf16"] = (acc["peak_memory_bytes"]
+                                                          / bf16["peak_memory_bytes"])
+        results["ratio_compiled_temp_acc4_over_bf16"] = (acc["compiled_temp_bytes"]
+                                                         / bf16["compiled_temp_bytes"])
     save()
     _plot(results, out / "gpu_step.png")
     print(f"\n{results['device']} (jax {results['jax']}), Llama {results['params'] / 1e9:.2f}B, "

@@ -112,8 +112,8 @@ def test_quick_nnx_step_benchmark_moves_the_same_bytes_with_sgd_and_adamw(tmp_pa
 
 @pytest.mark.slow  # four child processes, each compiling a tiny Llama step: ~50 s
 def test_gpu_step_small_runs_every_variant_side_by_side(tmp_path):
-    """benchmarks/gpu_step.py --small (the device check, at CPU sizes): jphantom's bf16, fp8 and
-    chunk variants and the plain-JAX reference each run in their own process, start from the
+    """benchmarks/gpu_step.py --small (the device check, at CPU sizes): jphantom's bf16, fp8,
+    chunk and accumulating variants and the plain-JAX reference each run in their own process, start from the
     same loss (ln V: both models' initial logits are near zero) and learn; the ratio of step
     times is reported; the Pallas blocks match the einsum blocks (interpreted here)."""
     import subprocess
@@ -127,13 +127,18 @@ def test_gpu_step_small_runs_every_variant_side_by_side(tmp_path):
     results = json.loads((tmp_path / "gpu_step.json").read_text())
     rows = {r["variant"]: r for r in results["variants"]}
     assert set(rows) == {"jphantom-bf16", "reference-bf16", "jphantom-fp8",
-                         "jphantom-bf16-unchunked", "jphantom-bf16-c26"}
+                         "jphantom-bf16-unchunked", "jphantom-bf16-c26", "jphantom-bf16-acc4"}
     for row in rows.values():
         assert "error" not in row, row
         assert abs(row["losses"][0] - 6.238) < 0.1  # ln 512
         assert row["losses"][-1] < row["losses"][0]
     assert rows["jphantom-bf16-c26"]["loss_chunks"] == 1  # 256 tokens x 512: one chunk anyway
     assert "ratio_jphantom_bf16_over_reference_bf16" in results
+    assert rows["jphantom-bf16-acc4"]["accumulate"] == 4
+    assert rows["jphantom-bf16-acc4"]["tokens_per_second"] > 0
+    assert {"ratio_jphantom_fp8_over_jphantom_bf16",
+            "ratio_jphantom_bf16_acc4_over_4x_jphantom_bf16",
+            "ratio_compiled_temp_acc4_over_bf16"} <= set(results)
     blocks = results["flash-blocks"]
     assert blocks["interpreted"] and all(v["out"] < 0.01 for k, v in blocks.items()
                                          if isinstance(v, dict))
