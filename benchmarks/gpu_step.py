@@ -20,7 +20,7 @@ each in its own process (so that each has its own peak memory and compile):
                     chunking costs
 ``jphantom-bf16-acc4``: bf16 accumulating 4 micro-batches of the shape's batch in one step
                     (``accumulate=4``, 4x the tokens): its step against 4 single steps and its
-                    peak memory against one (issue 53's accumulation check)
+                    peak memory against one (the accumulation device check)
 ``flash-blocks``    ring attention's blocks on jax's Pallas Triton kernels (jphantom.nn.flash),
                     compiled, against the float32 einsum blocks (forward and backward)
 ``train``           ``python -m jphantom train`` on a small Llama for a few steps: its
@@ -35,7 +35,7 @@ datasheet's dense bf16 peak and against the measured bf16 GEMM rate, the device'
 ratio jphantom / reference of step times is the number that matters (goal <= 1.05).
 
 ``--shape slice8b``: a 4-layer slice of Llama-3-8B's width (hidden 4096, 32 / 8 heads, SwiGLU
-14336, vocabulary 128256, untied) at S = 8192, batch 1, instead of the 1.2B model: issue 53's
+14336, vocabulary 128256, untied) at S = 8192, batch 1, instead of the 1.2B model: the
 FP8 and accumulation device check, with the ratios fp8 / bf16 and acc4 / (4 x bf16) of step
 times and acc4 / bf16 of peak memory in the summary.
 
