@@ -67,9 +67,10 @@ SMALL = dict(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=
 SLICE_8B = dict(layers=4, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256,
                 seq_len=8192, batch=1, tied=False)
 SHAPES = {"gpu_step": FULL, "slice8b": SLICE_8B}
-ACCUMULATE = 4  # the acc4 variant's micro-batches
+ACCUMULATE = 4  # the accumulating variant's micro-batches, named in it
+ACCUMULATING = f"jphantom-bf16-acc{ACCUMULATE}"
 VARIANTS = ("jphantom-bf16", "reference-bf16", "jphantom-fp8", "jphantom-bf16-unchunked",
-            "jphantom-bf16-c26", "jphantom-bf16-acc4")
+            "jphantom-bf16-c26", ACCUMULATING)
 # the loss's chunk limit of the variants that change it (jphantom.nn.vocab)
 CHUNK_LIMITS = {"unchunked": 2**62, "c26": 2**26}
 
@@ -251,7 +252,7 @@ def run_variant(name: str, shape: dict, steps: int, warmup: int) -> dict:
                          max_positions=shape["seq_len"],
                          tie_word_embeddings=shape.get("tied", True), rope_theta=500000.0)
     rng = np.random.default_rng(0)
-    accumulate = ACCUMULATE if name.endswith("-acc4") else 1
+    accumulate = ACCUMULATE if name == ACCUMULATING else 1
     rows = (shape["batch"] * accumulate, shape["seq_len"])
     tokens = jnp.asarray(rng.integers(0, shape["vocab"], rows), jnp.int32)
     targets = jnp.asarray(rng.integers(0, shape["vocab"], rows), jnp.int32)
@@ -495,7 +496,7 @@ def main(argv=None) -> int:
         if ours and ref:
             results[f"ratio_jphantom_{precision}_over_reference_bf16"] = (
                 ours["step_seconds"] / ref["step_seconds"])
-    bf16, fp8, acc = (by_name.get(f"jphantom-{v}") for v in ("bf16", "fp8", "bf16-acc4"))
+    bf16, fp8, acc = (by_name.get(v) for v in ("jphantom-bf16", "jphantom-fp8", ACCUMULATING))
     if bf16 and fp8:
         results["ratio_jphantom_fp8_over_jphantom_bf16"] = (fp8["step_seconds"]
                                                             / bf16["step_seconds"])
