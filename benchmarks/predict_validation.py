@@ -180,6 +180,8 @@ def published_flags(run: dict) -> dict:
             flags["virtual_stages"] = virtual
         if "context" in axes:  # jphantom runs ring attention outside pipelines only
             flags["context_attention"] = "all-gather"
+        if run.get("grad_sync_dtype") == "bf16":  # the peer's bf16 gradient buffer
+            flags["accumulate_grads_in"] = "compute"
     elif micro > 1:
         flags["accumulate"] = micro
     if "model" in axes:

@@ -37,13 +37,14 @@ def run_flag_choices() -> dict:
     from jphantom.registry.attention_choices import ALGORITHMS, IMPLEMENTATIONS
     from jphantom.config import DTYPES, LR_SCHEDULES, OPTIMIZERS
     from jphantom.data.documents import LOSS_ON
+    from jphantom.pipeline.config import GRAD_SUMS
     from jphantom.pipeline.schedule import ALL_SCHEDULES
     from jphantom.step.precision import NAMES as PRECISIONS
     from jphantom.step.remat import NAMES as REMATS
     from jphantom.registry.nonfinite import NONFINITE
 
     return {"schedule": ALL_SCHEDULES, "zero": (0, 1, 2, 3), "precision": PRECISIONS,
-            "master_weights": ("replicated", "sharded"),
+            "master_weights": ("replicated", "sharded"), "accumulate_grads_in": GRAD_SUMS,
             "remat": REMATS, "optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES,
             "dtype": DTYPES, "context_attention": ALGORITHMS,
             "on_nonfinite": NONFINITE, "attention": IMPLEMENTATIONS, "loss_on": LOSS_ON}

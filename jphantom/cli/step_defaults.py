@@ -26,8 +26,8 @@ MODEL_FLAGS = tuple(flat for flat, (section, _) in FLAT.items() if section == "m
 INSPECT_FLAGS = (*MODEL_FLAGS, "mesh", "sequence_parallel",
                  "collective_matmul", "dtd",
                  "context_attention", "load_balance",
-                 "schedule", "microbatches", "virtual_stages", "unroll_layers", "zero",
-                 "accumulate", "clip_norm",
+                 "schedule", "microbatches", "virtual_stages", "unroll_layers",
+                 "accumulate_grads_in", "zero", "accumulate", "clip_norm",
                  "precision", "master_weights", "remat", "cac", "attention", "batch",
                  "optimizer")
 

@@ -38,16 +38,18 @@ def pipeline_of(parallel: ParallelConfig, train: TrainConfig, program=None):
     return pipeline_for(mesh, train.batch, schedule=parallel.schedule,
                         microbatches=parallel.microbatches,
                         virtual_stages=parallel.virtual_stages,
-                        unroll_layers=parallel.unroll_layers)
+                        unroll_layers=parallel.unroll_layers,
+                        accumulate_grads_in=parallel.accumulate_grads_in)
 
 
 def pipeline_summary(pipeline, mesh) -> dict:
     """What ``results.json`` and ``inspect`` report of a step's pipeline: the schedule, the
-    micro-batches (per data rank), the virtual stages per device, the stages of ``mesh`` and
-    the most layers a chunk runs unrolled."""
+    micro-batches (per data rank), the virtual stages per device, the stages of ``mesh``, the
+    most layers a chunk runs unrolled and the dtype the gradients are summed in."""
     return {"schedule": pipeline.schedule, "microbatches": pipeline.microbatches,
             "virtual_stages": pipeline.virtual_stages, "stages": mesh.size("stage"),
-            "unroll_layers": pipeline.unroll_layers}
+            "unroll_layers": pipeline.unroll_layers,
+            "accumulate_grads_in": pipeline.accumulate_grads_in}
 
 
 def optimizer_of(train: TrainConfig, step: StepConfig):

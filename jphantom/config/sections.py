@@ -162,8 +162,9 @@ class ParallelConfig:
     """How the model is split: ``strategy`` (:data:`jphantom.registry.strategies.NAMES`), ``mesh`` (default
     ``model=1`` for dense, else ``model=<all devices>``), Megatron sequence parallelism, DTD,
     with a ``stage`` axis the pipeline ``schedule``, ``microbatches`` per step and data rank
-    (default: the stages), ``virtual_stages`` (interleaved 1F1B) and ``unroll_layers``
-    (:class:`jphantom.pipeline.config.PipelineConfig`'s), and with a ``context``
+    (default: the stages), ``virtual_stages`` (interleaved 1F1B), ``unroll_layers`` and
+    ``accumulate_grads_in`` (:class:`jphantom.pipeline.config.PipelineConfig`'s), and with a
+    ``context``
     axis the ``context_attention`` (``ring`` or ``all-gather``) and ``load_balance``."""
 
     strategy: str = setting(
@@ -188,6 +189,11 @@ class ParallelConfig:
     unroll_layers: int | None = setting(
         None, "with a stage axis: a model chunk of at most this many layers runs them unrolled, "
         "not under lax.scan (0: always scanned; default: the pipeline's, 8)")
+    accumulate_grads_in: str | None = setting(
+        None, "with a stage axis: the dtype the pipeline sums each gradient in across its "
+        "micro-batches, float32 (Megatron's main_grad) or compute (the dtype it is computed in: "
+        "bf16 under --precision bf16 --master-weights sharded, as NeMo's distributed Adam with "
+        "grad_sync_dtype bf16; half the gradient buffers; default: the pipeline's, float32)")
     context_attention: str = setting(
         "ring", "with a context=C mesh axis (the sequence split over C devices): ring (K/V "
         "passed around the ring, the default) or all-gather attention")
@@ -210,6 +216,10 @@ class ParallelConfig:
         _choice("context_attention", self.context_attention, ALGORITHMS)
         _at_least(self, 1, "microbatches", "virtual_stages")
         _at_least(self, 0, "unroll_layers")
+        if self.accumulate_grads_in is not None:
+            from jphantom.pipeline.config import GRAD_SUMS
+
+            _choice("accumulate_grads_in", self.accumulate_grads_in, GRAD_SUMS)
         check_collective_matmul(self.collective_matmul, self.sequence_parallel)
         self.declared_mesh()
 

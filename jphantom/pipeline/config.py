@@ -14,6 +14,7 @@ from jphantom.errors import ConfigError, check_int
 from jphantom.pipeline.schedule import ALL_SCHEDULES, SPLIT_SCHEDULES, chunks_of
 
 STAGE_AXIS = "stage"
+GRAD_SUMS = ("float32", "compute")  # PipelineConfig.accumulate_grads_in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,13 +28,21 @@ class PipelineConfig:
     always scanned). Scanned, a task took its chunk out of the stage's [V, ...] stack as a
     copy (a loop's operand is a buffer) and each layer sliced it again; unrolled, each layer's
     slice is taken from the stack at once. NeMo's Llama3.1-70B layout (4 layers a chunk,
-    compiled for 64 H100, predicted): 21.2 -> 19.8 s a step, 72.8 -> 71.1 GiB."""
+    compiled for 64 H100, predicted): 21.2 -> 19.8 s a step, 72.8 -> 71.1 GiB.
+
+    ``accumulate_grads_in``: the dtype the executor sums each gradient in across the step's
+    micro-batches. ``float32`` (Megatron-LM's ``main_grad``, which it forces under bf16) or
+    ``compute``: the dtype the task computes it in, bf16 under a bf16 precision with the
+    master weights sharded (NeMo's distributed Adam with ``grad_sync_dtype: bf16`` and a
+    contiguous gradient buffer, as its Llama3.1-70B recipe runs): half the gradient buffers and
+    their adds, each micro-batch's gradient rounded to bf16 as it is added."""
 
     schedule: str = "1f1b"
     microbatches: int = 1
     virtual_stages: int = 1
     bubble_fill: float = 0.0  # what idle slots send; tests use NaN
     unroll_layers: int = 8
+    accumulate_grads_in: str = "float32"
 
     def __post_init__(self):
         if self.schedule not in ALL_SCHEDULES:
@@ -42,6 +51,9 @@ class PipelineConfig:
         check_int("microbatches", self.microbatches)
         check_int("virtual_stages", self.virtual_stages)
         check_int("unroll_layers", self.unroll_layers, minimum=0)
+        if self.accumulate_grads_in not in GRAD_SUMS:
+            raise ConfigError(f"accumulate_grads_in={self.accumulate_grads_in!r}: use one of "
+                              f"{', '.join(GRAD_SUMS)}")
         if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
             raise ConfigError(f"virtual_stages={self.virtual_stages} applies to 'interleaved-1f1b' "
                               f"only, not {self.schedule!r}: pass --schedule interleaved-1f1b or "
@@ -78,17 +90,18 @@ class PipelineConfig:
 
 
 def pipeline_for(mesh, batch: int, *, schedule: str = "1f1b", microbatches: int | None = None,
-                 virtual_stages: int = 1,
-                 unroll_layers: int | None = None) -> PipelineConfig | None:
+                 virtual_stages: int = 1, unroll_layers: int | None = None,
+                 accumulate_grads_in: str | None = None) -> PipelineConfig | None:
     """The pipeline a step on ``mesh`` (a MeshConfig) runs: ``None`` without a ``stage`` axis (then
     the settings must keep their defaults), else the validated :class:`PipelineConfig`
-    (``microbatches`` defaults to the number of stages, ``unroll_layers`` to
-    :class:`PipelineConfig`'s), the per-data-rank ``batch`` checked against the micro-batches --
-    before anything compiles."""
+    (``microbatches`` defaults to the number of stages, ``unroll_layers`` and
+    ``accumulate_grads_in`` to :class:`PipelineConfig`'s), the per-data-rank ``batch`` checked
+    against the micro-batches -- before anything compiles."""
     if STAGE_AXIS not in mesh.shape:
         given = [f"--{flag} {value}" for flag, value, default in (
             ("schedule", schedule, "1f1b"), ("microbatches", microbatches, None),
-            ("virtual-stages", virtual_stages, 1), ("unroll-layers", unroll_layers, None))
+            ("virtual-stages", virtual_stages, 1), ("unroll-layers", unroll_layers, None),
+            ("accumulate-grads-in", accumulate_grads_in, None))
             if value != default]
         if given:
             raise ConfigError(f"{' '.join(given)} only apply to a pipelined step, but mesh {mesh} "
@@ -97,9 +110,11 @@ def pipeline_for(mesh, batch: int, *, schedule: str = "1f1b", microbatches: int 
         return None
     if microbatches is not None:
         check_int("microbatches", microbatches)
-    unroll = {} if unroll_layers is None else {"unroll_layers": unroll_layers}
+    given = {name: value for name, value in (("unroll_layers", unroll_layers),
+                                             ("accumulate_grads_in", accumulate_grads_in))
+             if value is not None}
     config = PipelineConfig(schedule, microbatches or mesh.size(STAGE_AXIS), virtual_stages,
-                            **unroll)
+                            **given)
     data = mesh.size("data")
     try:
         config.check_batch(batch // data)

@@ -43,7 +43,8 @@ slots too (:mod:`jphantom.pipeline.buffers`). Idle slots send ``bubble_fill`` (t
 bubbles must never reach the loss or gradients) and write it everywhere a task writes.
 
 The gradient sums are float32 (Megatron's ``main_grad``); a task's gradients leave its slot in
-the compute precision and are widened as they are added, in place. The rest's gradient leaves a
+the compute precision and are widened as they are added, in place (``accumulate_grads_in=
+"compute"``: summed in the dtype they are computed in, NeMo's bf16 gradient buffer). The rest's gradient leaves a
 slot only at the leaves the head (F) or the embedding (B, BW) reads (:func:`used_leaves`). The
 head's and the embedding's conds are named with how many of their segment's ticks take them
 (:meth:`_Step.taken`), which the predictor reads.
@@ -112,7 +113,7 @@ class _Step:
         self.chunks = jax.tree.map(lambda a: a.reshape(V, a.shape[0] // V, *a.shape[1:]), stacked)
         self.inputs, self.targets = jax.tree.map(lambda a: split_microbatches(a, self.M),
                                                  (inputs, targets))
-        self.fill = config.bubble_fill
+        self.fill, self.accumulate_in = config.bubble_fill, config.accumulate_grads_in
         self.to_next = [(s, (s + 1) % P_) for s in range(P_) if table_.ring or s + 1 < P_]
         self.to_prev = [(d, s) for s, d in self.to_next]
         self.rows = table_.table.reshape(-1, table_.phases, *table_.table.shape[1:])
@@ -186,14 +187,24 @@ class _Step:
         self.w_zeros = pick(self.zero_leaves, self.b_mask, False)
         carry = dict(stash_b=slot_buffers(self.known0, table_.stash_b_slots, garbage=False),
                      stash_w=slot_buffers(self.weight0, table_.stash_w_slots, garbage=False),
-                     d_chunks=jax.tree.map(wide_zeros, self.chunks),
-                     d_rest=jax.tree.map(wide_zeros, self.rest))
+                     **self._gradient_sums(chunk0))
         if table_.splits:
             wstash0 = jax.eval_shape(self._probe_backward, chunk0, self.known0, self.out0)
             self.wstash0 = [varying_over(zeros_of(a), STAGE_AXIS) for a in wstash0]
             self.wstash_shapes = [(a.shape, a.dtype) for a in self.wstash0]
             carry["wstash"] = slot_buffers(self.wstash0, table_.wstash_slots, garbage=False)
         return carry
+
+    def _gradient_sums(self, chunk0):
+        """The step's gradient sums, zero: float32 (Megatron's ``main_grad``), or with
+        ``accumulate_grads_in="compute"`` in the dtype each is computed in (a chunk's in its
+        compute precision, ``chunk0``'s; the rest's in its own)."""
+        if self.accumulate_in == "float32":
+            return {"d_chunks": jax.tree.map(wide_zeros, self.chunks),
+                    "d_rest": jax.tree.map(wide_zeros, self.rest)}
+        return {"d_chunks": jax.tree.map(lambda a, c: jnp.zeros_like(a, dtype=c.dtype),
+                                         self.chunks, chunk0),
+                "d_rest": jax.tree.map(jnp.zeros_like, self.rest)}
 
     def _probe_backward(self, chunk, known, d_out):
         dx, b_leaves, linear = backward_input(self.rebuild(chunk), self.split, known, d_out,
@@ -490,7 +501,7 @@ def add_at(tree, index, grads):
     """``tree`` with ``grads`` added to its leaves ``index`` (the others as they are)."""
     leaves = jax.tree.leaves(tree)
     for i, g in zip(index, grads):
-        leaves[i] = leaves[i] + g
+        leaves[i] = leaves[i] + g.astype(leaves[i].dtype)
     return jax.tree.unflatten(jax.tree.structure(tree), leaves)
 
 

@@ -126,6 +126,43 @@ def test_a_pipelined_sharded_master_step_is_the_float32_master_pipelined_step_wi
         assert {dtype for c in lowered[kind] for dtype, _ in c.shapes} == {"bf16"}
 
 
+def test_a_pipeline_sums_its_gradients_in_bf16_when_told_within_bf16():
+    """``accumulate_grads_in="compute"`` (NeMo's bf16 gradient buffer): the pipeline's gradient
+    sums are bf16 where the float32 ones were (the schedule loop's carry, from the compiled
+    program) and the step is the float32-summed one within bf16's rounding of 4 micro-batches'
+    sums."""
+    options = dict(zero=1, precision="bf16", master_weights="sharded")
+    steps = {}
+    for where in ("float32", "compute"):
+        pipeline = PipelineConfig("1f1b", 4, accumulate_grads_in=where)
+        steps[where] = gradient_step("tensor", CONFIG, "data=2,stage=2", pipeline=pipeline,
+                                     **options)
+    program, _, step, bf16_sums = steps["compute"]
+    stored = step.init(random_params(program)).params
+    loss, grads = bf16_sums(stored, *_data())
+    want_loss, want_grads = steps["float32"][3](stored, *_data())
+    assert float(loss) == pytest.approx(float(want_loss), rel=BF16)
+    assert_tree_close(jax.device_get(grads), jax.device_get(want_grads), 4 * BF16)
+    shape = ((BATCH, WIDTH), np.float32)
+    carried = {where: _loop_carry(compiled_hlo(s[2], shape, shape))
+               for where, s in steps.items()}
+    widened = carried["float32"] - carried["compute"]  # the float32 sums, now in bf16
+    assert widened and all(dtype == "f32" for dtype, _ in widened)
+    assert {("bf16", dims) for _, dims in widened} <= carried["compute"]
+
+
+def _loop_carry(text):
+    """The (dtype, dims) of the arrays the compiled program's while loops carry."""
+    import re
+
+    shapes = set()
+    for line in text.splitlines():
+        if " while(" in line:
+            result = line.split("=", 1)[1].split(" while(")[0]
+            shapes |= set(re.findall(r"(\w+)\[([\d,]*)\]", result))
+    return shapes
+
+
 def _over_data(text, mesh):
     """Per kind, the collectives over ``data`` alone in the HLO ``text``."""
     kinds = {}
