@@ -130,6 +130,27 @@ def apply_blocks(graphdef, state, carry, *args, data=None, remat: str = "none", 
     return carry
 
 
+def apply_layers(graphdef, states, carry, *, remat: str = "none", with_index: bool = False,
+                 offset=0):
+    """The blocks applied in order, each with its own parameters ``states[l]`` (not a stack):
+    a pipeline's model chunk of few layers as Megatron-LM's Python loop over them runs it, each
+    checkpointed with ``remat`` (:func:`apply_blocks`' ``one``; ``offset``: the global index of
+    the first). Unlike a scan, even unrolled, nothing is stacked: the residuals a ``jax.vjp`` of
+    it keeps and the gradients its pullback gives are per layer, with no concatenation of
+    either (:class:`jphantom.pipeline.config.Stages`' ``layers``)."""
+    data = nnx.State({})
+
+    def one(layer_state, carry, index):
+        block = nnx.merge(graphdef, layer_state, data)
+        return block(carry, index) if with_index else block(carry)
+
+    one = remat_module.checkpointed(one, remat, fetched=False,
+                                    regather=_sequence_axis(graphdef, states[0], data))
+    for layer, state in enumerate(states):
+        carry = one(state, carry, offset + layer)
+    return carry
+
+
 def _sequence_axis(graphdef, state, data) -> str | None:
     """The mesh axis a block's sequence-parallel modules all-gather the sequence over (their
     ``gathers_sequence``), or None. None too for a block on FP8 GEMMs (:func:`set_fp8`): an FP8

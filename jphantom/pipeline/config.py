@@ -137,4 +137,7 @@ class Stages:
     # before ``jax.vjp``, so that the pullback's residuals hold the cast weights as the chunk's
     # own parameters (recast at the backward, not stashed per micro-batch); None: as stored.
     prepare: Callable[[Any], Any] | None = None
+    # > 0: ``body`` takes its chunk as this many per-layer parameter trees (a list, each a slice
+    # of the stack), not the stack [Lc, ...] (:meth:`jphantom.pipeline.runner._Step.layered`)
+    layers: int = 0
 

@@ -137,7 +137,7 @@ class _Step:
         self.prepare = stages.prepare or (lambda chunk: chunk)
         self.local = [jax.tree.map(lambda a, v=v: a[v], self.chunks)
                       for v in range(self.V)]  # static slices
-        chunk0 = self.prepare(self.local[0])  # in the compute precision (Stages.prepare)
+        chunk0 = self.layered(self.prepare(self.local[0]))  # compute precision (Stages.prepare)
         out0, stash0 = jax.eval_shape(self._probe_forward, chunk0, x0, self.global_chunk(0))
         # Probe again on an input typed as what flows between stages (the body's output: an MoE
         # carry's statistics start invariant and leave varying over the batch axes). The
@@ -202,8 +202,9 @@ class _Step:
         if self.accumulate_in == "float32":
             return {"d_chunks": jax.tree.map(wide_zeros, self.chunks),
                     "d_rest": jax.tree.map(wide_zeros, self.rest)}
+        typed = chunk0[0] if self.stages.layers else chunk0  # a layer's, or the stack's, dtypes
         return {"d_chunks": jax.tree.map(lambda a, c: jnp.zeros_like(a, dtype=c.dtype),
-                                         self.chunks, chunk0),
+                                         self.chunks, typed),
                 "d_rest": jax.tree.map(jnp.zeros_like, self.rest)}
 
     def _probe_backward(self, chunk, known, d_out):
@@ -263,9 +264,18 @@ class _Step:
         its ``jax.vjp``): static with one chunk per device; with more a dynamic slice (a branch
         per chunk would multiply every branch's buffers)."""
         if v is not None:
-            return self.prepare(self.local[v]), self.global_chunk(v)
+            return self.layered(self.prepare(self.local[v])), self.global_chunk(v)
         v = field(row, "chunk")
-        return self.prepare(take_index(self.chunks, v)), self.global_chunk(v)
+        return self.layered(self.prepare(take_index(self.chunks, v))), self.global_chunk(v)
+
+    def layered(self, chunk):
+        """A chunk's parameters as the body takes them: stacked [Lc, ...], or with
+        ``Stages.layers`` one list per layer (static slices), so that the residuals the forward
+        stashes and the gradients its backward gives are per layer, never stacked (a scan's,
+        even unrolled, concatenates both)."""
+        if not self.stages.layers:
+            return chunk
+        return [jax.tree.map(lambda a, l=l: a[l], chunk) for l in range(self.stages.layers)]
 
     # ---- one handler per task kind: (kinds of the slot, static chunk, row, buffers) ----
 
@@ -435,10 +445,11 @@ class _Step:
         if "seed" in result:
             carry["inbox"] = put_slot(carry["inbox"], field(row, "seed"), result["seed"])
         if "b_grads" in result:
-            carry["d_chunks"] = add_to_chunk(carry["d_chunks"], v, result["b_grads"], self.b_mask)
+            carry["d_chunks"] = add_to_chunk(carry["d_chunks"], v, result["b_grads"], self.b_mask,
+                                             self.stages.layers)
         if "w_grads" in result:
             carry["d_chunks"] = add_to_chunk(carry["d_chunks"], v, result["w_grads"],
-                                             self.split.weight_leaves)
+                                             self.split.weight_leaves, self.stages.layers)
         return carry
 
     def taken(self, when):
@@ -514,18 +525,22 @@ def wide_zeros(a):
     return jnp.zeros_like(a, dtype=jnp.promote_types(a.dtype, jnp.float32))
 
 
-def add_to_chunk(d_chunks, v, leaves, mask):
+def add_to_chunk(d_chunks, v, leaves, mask, layers=0):
     """``d_chunks[v] +=`` the gradient ``leaves`` at the leaves where ``mask`` holds
-    (``d_chunks``: [V, ...] per leaf; one chunk: a static index). A one-row scatter-add, in
-    place, as the gradient sinks' (:mod:`jphantom.nn.sink`): written as a slice, an add and an
-    update, XLA's GPU fusion copied the row out first and its rematerialisation cloned the
-    copies."""
-    new, out = iter(leaves), []
-    for acc, on in zip(jax.tree.leaves(d_chunks), mask):
+    (``d_chunks``: [V, Lc, ...] per leaf; one chunk: a static index; ``layers``: the leaves and
+    ``mask`` run layer by layer, Lc lists of the chunk's leaves, each added at its layer's row).
+    A one-row scatter-add, in place, as the gradient sinks' (:mod:`jphantom.nn.sink`): written
+    as a slice, an add and an update, XLA's GPU fusion copied the row out first and its
+    rematerialisation cloned the copies."""
+    out = jax.tree.leaves(d_chunks)
+    new = iter(leaves)
+    for i, on in enumerate(mask):
         if not on:
-            out.append(acc)
-        elif acc.shape[0] == 1:
-            out.append(acc + next(new)[None])
+            continue
+        j, g = i % len(out), next(new)
+        row = (v,) if not layers else (v, i // len(out))
+        if out[j].shape[0] == 1 and not layers:
+            out[j] = out[j] + g[None].astype(out[j].dtype)
         else:
-            out.append(acc.at[v].add(next(new).astype(acc.dtype), unique_indices=True))
+            out[j] = out[j].at[row].add(g.astype(out[j].dtype), unique_indices=True)
     return jax.tree.unflatten(jax.tree.structure(d_chunks), out)

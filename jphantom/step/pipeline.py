@@ -26,6 +26,7 @@ from jphantom.step import zero as zero_module
 from jphantom.errors import ConfigError
 from jphantom.nn import balance as balance_module
 from jphantom.nn import metadata
+from jphantom.nn.stack import gathers_stacked
 from jphantom.pipeline.buffers import split_microbatches, zeros_of
 from jphantom.step.grads import Gradients, takes_balance, unscaled
 from jphantom.step.rank_params import RankParameters
@@ -152,10 +153,13 @@ class PipelineGradients:
             loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
             return setup.mean_share(loss, exclude=("stage",))[0] / microbatches * scale
 
-        stages = runner.Stages(units=stacked_module.layers, unit_name="layers", first=first,
-                               body=self.body(), last=last, prepare=cast)
-        table = runner.schedule_table(setup.pipeline, stages_count, train=train)
         stacked, rest = stages_layout.split(leaves)
+        self.gathers = gathers_stacked(stages_layout.block_graph, jax.tree.unflatten(
+            stages_layout.block_treedef, [stacked[k] for k in stages_layout.block_order]))
+        body, layers = self.body()
+        stages = runner.Stages(units=stacked_module.layers, unit_name="layers", first=first,
+                               body=body, last=last, prepare=cast, layers=layers)
+        table = runner.schedule_table(setup.pipeline, stages_count, train=train)
         if not train:
             return runner.run(stages, setup.pipeline, table, stacked, rest, inputs, targets,
                               train=False)
@@ -169,21 +173,25 @@ class PipelineGradients:
         already in the compute precision: the executor casts them, ``Stages.prepare``) applied
         to ``x``, under the blocks' remat policy; unrolled where the chunk holds at most
         ``PipelineConfig.unroll_layers`` layers."""
-        from jphantom.nn.stack import apply_blocks
+        from jphantom.nn.stack import apply_blocks, apply_layers
 
         setup, layout = self.setup, self.stages
         stacked = layout.stacked
         per_chunk = stacked.layers // (layout.stages * setup.pipeline.local_chunks)
         unroll = per_chunk <= setup.pipeline.unroll_layers
+        state_of = lambda chunk: jax.tree.unflatten(  # noqa: E731
+            layout.block_treedef, [chunk[k] for k in layout.block_order])
 
         def body(chunk, x, c):
-            state = jax.tree.unflatten(layout.block_treedef,
-                                       [chunk[k] for k in layout.block_order])
-            return apply_blocks(layout.block_graph, state, x, remat=stacked.remat,
+            if unroll and not self.gathers:  # per layer (Stages.layers): a list of them
+                return apply_layers(layout.block_graph, [state_of(layer) for layer in chunk], x,
+                                    remat=stacked.remat, with_index=stacked.with_index,
+                                    offset=c * per_chunk)
+            return apply_blocks(layout.block_graph, state_of(chunk), x, remat=stacked.remat,
                                 with_index=stacked.with_index, offset=c * per_chunk,
                                 unroll=unroll)
 
-        return body
+        return body, (per_chunk if unroll and not self.gathers else 0)
 
     @staticmethod
     def weight(first, loss_after, rest, inputs_mb, targets, micro):

@@ -143,7 +143,8 @@ def test_train_pipelined_ffn_writes_the_pipeline_into_results(tmp_path, capsys):
                      "--learning-rate", "0.1", "--no-progress", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["pipeline"] == {"schedule": "gpipe", "microbatches": 2, "virtual_stages": 1,
-                                   "stages": 2, "unroll_layers": 8}
+                                   "stages": 2, "unroll_layers": 8,
+                                  "accumulate_grads_in": "float32"}
     assert results["mesh"] == "data=2,stage=2,model=2"
     assert results["config"]["microbatches"] == 2
     assert results["config"]["schedule"] == "gpipe"
@@ -233,7 +234,8 @@ def test_inspect_pipelined_ffn_reports_memory_and_collective_permutes(capsys):
                      "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["pipeline"] == {"schedule": "1f1b", "microbatches": 2, "virtual_stages": 1,
-                                  "stages": 2, "unroll_layers": 8}
+                                  "stages": 2, "unroll_layers": 8,
+                                  "accumulate_grads_in": "float32"}
     memory = report["memory"]
     assert memory["temp_bytes"] > 0 and memory["argument_bytes"] > 0 and memory["output_bytes"] > 0
     assert "alias_bytes" in memory
