@@ -154,9 +154,7 @@ class PipelineGradients:
             return setup.mean_share(loss, exclude=("stage",))[0] / microbatches * scale
 
         stacked, rest = stages_layout.split(leaves)
-        self.gathers = gathers_stacked(stages_layout.block_graph, jax.tree.unflatten(
-            stages_layout.block_treedef, [stacked[k] for k in stages_layout.block_order]))
-        body, layers = self.body()
+        body, layers = self.body(stacked)
         stages = runner.Stages(units=stacked_module.layers, unit_name="layers", first=first,
                                body=body, last=last, prepare=cast, layers=layers)
         table = runner.schedule_table(setup.pipeline, stages_count, train=train)
@@ -168,11 +166,14 @@ class PipelineGradients:
         grads = stages_layout.join(d_stacked, d_rest)
         return Gradients(loss, [g.astype(x.dtype) for g, x in zip(grads, leaves)], weight)
 
-    def body(self):
+    def body(self, stacked_leaves):
         """``body(chunk, x, c)``: model chunk ``c``'s layers (its parameters ``chunk``, stacked,
         already in the compute precision: the executor casts them, ``Stages.prepare``) applied
-        to ``x``, under the blocks' remat policy; unrolled where the chunk holds at most
-        ``PipelineConfig.unroll_layers`` layers."""
+        to ``x``, under the blocks' remat policy; where the chunk holds at most
+        ``PipelineConfig.unroll_layers`` layers, one by one, ``chunk`` a list of per-layer
+        parameters (unless a module gathers its whole stack, ``gathers_stacked``: then the scan
+        unrolled). Returns it and how many layers it takes one by one (0: a stack).
+        ``stacked_leaves``: the stage's stacked parameters, for the gathering modules."""
         from jphantom.nn.stack import apply_blocks, apply_layers
 
         setup, layout = self.setup, self.stages
@@ -181,9 +182,10 @@ class PipelineGradients:
         unroll = per_chunk <= setup.pipeline.unroll_layers
         state_of = lambda chunk: jax.tree.unflatten(  # noqa: E731
             layout.block_treedef, [chunk[k] for k in layout.block_order])
+        per_layer = unroll and not gathers_stacked(layout.block_graph, state_of(stacked_leaves))
 
         def body(chunk, x, c):
-            if unroll and not self.gathers:  # per layer (Stages.layers): a list of them
+            if per_layer:  # Stages.layers: a list of per-layer parameters
                 return apply_layers(layout.block_graph, [state_of(layer) for layer in chunk], x,
                                     remat=stacked.remat, with_index=stacked.with_index,
                                     offset=c * per_chunk)
@@ -191,7 +193,7 @@ class PipelineGradients:
                                 with_index=stacked.with_index, offset=c * per_chunk,
                                 unroll=unroll)
 
-        return body, (per_chunk if unroll and not self.gathers else 0)
+        return body, (per_chunk if per_layer else 0)
 
     @staticmethod
     def weight(first, loss_after, rest, inputs_mb, targets, micro):
