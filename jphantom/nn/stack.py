@@ -99,13 +99,8 @@ def apply_blocks(graphdef, state, carry, *args, data=None, remat: str = "none", 
         raise ValueError("a gradient sink under gather_stacked: the step accumulates such "
                          "blocks' gradients itself")
     graphdef, state = gather_stacked(graphdef, state, data)
-
-    def one(layer_state, carry, index_data, args):
-        index, layer_data = index_data
-        block = nnx.merge(graphdef, layer_state, layer_data)
-        return block(carry, index, *args) if with_index else block(carry, *args)
-
-    one = remat_module.checkpointed(one, remat, fetched=fetch is not None,
+    one = remat_module.checkpointed(_one_block(graphdef, with_index), remat,
+                                    fetched=fetch is not None,
                                     regather=_sequence_axis(graphdef, state, data))
     if fetch is not None:
         one = fetch.around(one)
@@ -139,16 +134,22 @@ def apply_layers(graphdef, states, carry, *, remat: str = "none", with_index: bo
     it keeps and the gradients its pullback gives are per layer, with no concatenation of
     either (:class:`jphantom.pipeline.config.Stages`' ``layers``)."""
     data = nnx.State({})
-
-    def one(layer_state, carry, index):
-        block = nnx.merge(graphdef, layer_state, data)
-        return block(carry, index) if with_index else block(carry)
-
-    one = remat_module.checkpointed(one, remat, fetched=False,
+    one = remat_module.checkpointed(_one_block(graphdef, with_index), remat, fetched=False,
                                     regather=_sequence_axis(graphdef, states[0], data))
     for layer, state in enumerate(states):
-        carry = one(state, carry, offset + layer)
+        carry = one(state, carry, (offset + layer, data), ())
     return carry
+
+
+def _one_block(graphdef, with_index: bool):
+    """One block's call on its parameters ``layer_state``: ``(index, layer_data)`` its global
+    index and its step data, ``args`` the blocks' other inputs (:func:`apply_blocks`,
+    :func:`apply_layers`)."""
+    def one(layer_state, carry, index_data, args):
+        index, layer_data = index_data
+        block = nnx.merge(graphdef, layer_state, layer_data)
+        return block(carry, index, *args) if with_index else block(carry, *args)
+    return one
 
 
 def _sequence_axis(graphdef, state, data) -> str | None:

@@ -44,8 +44,8 @@ bubbles must never reach the loss or gradients) and write it everywhere a task w
 
 The gradient sums are float32 (Megatron's ``main_grad``); a task's gradients leave its slot in
 the compute precision and are widened as they are added, in place (``accumulate_grads_in=
-"compute"``: summed in the dtype they are computed in, NeMo's bf16 gradient buffer). The rest's gradient leaves a
-slot only at the leaves the head (F) or the embedding (B, BW) reads (:func:`used_leaves`). The
+"compute"``: summed in the dtype they are computed in, NeMo's bf16 gradient buffer). The
+rest's gradient leaves a slot only at the leaves the head (F) or the embedding (B, BW) reads (:func:`used_leaves`). The
 head's and the embedding's conds are named with how many of their segment's ticks take them
 (:meth:`_Step.taken`), which the predictor reads.
 """
