@@ -26,9 +26,9 @@ each slot of the tick, dispatches its task to the handler of its kind under ``la
 
     F    x = first(rest, inputs[m]) on chunk 0, else the activation received for (c, m);
          out, pullback = jax.vjp(body, chunk_params, x); stash the pullback's residuals;
-         on the last chunk: loss, d_out = value_and_grad(last)(out), d_out into the inbox
+         then, on the last chunk: loss, d_out = value_and_grad(last)(out), d_out into the inbox
     BW   d_chunk, dx = pullback(d_out) from the stash; grads += d_chunk (a running sum);
-         on chunk 0: the embedding's vjp of dx
+         then, on chunk 0: the embedding's vjp of dx
     B    dx and the gradient leaves that need no weight-only residual; W's linear function
     W    the weight gradients from it (:mod:`jphantom.pipeline.split`)
 
@@ -44,10 +44,13 @@ bubbles must never reach the loss or gradients) and write it everywhere a task w
 
 The gradient sums are float32 (Megatron's ``main_grad``); a task's gradients leave its slot in
 the compute precision and are widened as they are added, in place (``accumulate_grads_in=
-"compute"``: summed in the dtype they are computed in, NeMo's bf16 gradient buffer). The
-rest's gradient leaves a slot only at the leaves the head (F) or the embedding (B, BW) reads (:func:`used_leaves`). The
-head's and the embedding's conds are named with how many of their segment's ticks take them
-(:meth:`_Step.taken`), which the predictor reads.
+"compute"``: summed in the dtype they are computed in, NeMo's bf16 gradient buffer). The head
+(after an F slot, on the last chunk) and the embedding's backward (after a B or BW slot, on
+chunk 0) run outside the slot's switch, in loops of zero or one trips (:func:`at_most_once`) that
+add the loss, write the seed and add the rest's gradient (at the leaves the head or the embedding
+reads: :func:`used_leaves`) in place, in the ticks that have them only. Those loops and the
+entry's cond are named with how many of their segment's ticks take them (:meth:`_Step.taken`),
+which the predictor reads.
 """
 
 from __future__ import annotations
@@ -238,26 +241,45 @@ class _Step:
         _, embed_vjp = jax.vjp(lambda r: self.entry(r, take_index(self.inputs, m)), self.rest)
         return embed_vjp(cast_like(dx, self.out0))[0]
 
-    def rest_grad_on_first(self, kinds, row, dx, m):
-        """The embedding's gradient on chunk 0, zeros elsewhere (:meth:`rest_part`)."""
-        with self.taken(_on_embedding):
-            return lax.cond(field(row, "first") > 0,
-                            lambda: self.rest_part(kinds, self.embedding_grad(dx, m), B_),
-                            lambda: self.rest_part(kinds))
+    def head_on_last(self, carry, row, out):
+        """After an F slot, where its task was on the last chunk: the head on its output
+        ``out``, its loss share added and (training) its seed for the backward written to the
+        inbox slot the table names, and its gradient of ``rest`` added to the sums, in place
+        (:func:`at_most_once`)."""
+        m, keys = field(row, "mb"), ("loss", "inbox", "d_rest") if self.train else ("loss",)
 
-    def rest_index(self, kinds):
-        """The leaves of ``rest`` (indices into its leaves) a slot running ``kinds`` can give
-        a gradient: the head's for F, the embedding's for B and BW."""
-        return sorted(set().union(*(self.rest_used.get(k, ()) for k in kinds)))
+        def head(part):
+            loss, d_out, d_rest = self.head(out, m)
+            part = dict(part, loss=part["loss"] + loss)
+            if self.train:
+                part["inbox"] = put_slot(part["inbox"], field(row, "seed"),
+                                         cast_like(d_out, self.out0))
+                part["d_rest"] = self.add_rest(part["d_rest"], d_rest, F_)
+            return part
+        return self.run_where(_on_head, row, head, carry, keys)
 
-    def rest_part(self, kinds, d_rest=None, kind=None):
-        """A slot's gradient of ``rest``, at its leaves :meth:`rest_index`: ``d_rest``'s (a
-        gradient of the whole of ``rest``) at the leaves task ``kind`` reads, zeros elsewhere."""
-        zeros = jax.tree.leaves(self.rest)
-        grads = None if d_rest is None else jax.tree.leaves(d_rest)
-        used = self.rest_used.get(kind, ())
-        return [grads[i] if grads is not None and i in used else jnp.zeros_like(zeros[i])
-                for i in self.rest_index(kinds)]
+    def embedding_on_first(self, carry, row, dx):
+        """After a B or BW slot, where its task was on chunk 0: the embedding's gradient of
+        ``rest`` through the input's gradient ``dx``, added to the sums in place."""
+        def embedding(part):
+            d_rest = self.embedding_grad(dx, field(row, "mb"))
+            return {"d_rest": self.add_rest(part["d_rest"], d_rest, B_)}
+        return self.run_where(_on_embedding, row, embedding, carry, ("d_rest",))
+
+    def run_where(self, when, row, fn, carry, keys):
+        """``carry`` with its entries ``keys`` replaced by ``fn`` of them where this device's
+        ``row`` satisfies ``when`` (:func:`at_most_once`, named :meth:`taken`)."""
+        taken = when(field(row, "kind"), field(row, "first") > 0, field(row, "last") > 0)
+        with self.taken(when):
+            part = at_most_once(taken, fn, {k: carry[k] for k in keys})
+        return {**carry, **part}
+
+    def add_rest(self, sums, d_rest, kind):
+        """``sums`` + the gradient ``d_rest`` of ``rest`` at the leaves task ``kind``'s part
+        of the model reads (the head's for F, the embedding's for B and BW)."""
+        grads = jax.tree.leaves(d_rest)
+        used = self.rest_used[kind]
+        return add_at(sums, used, [grads[i] for i in used])
 
     def chunk_of(self, v, row):
         """The local chunk's parameters in the compute precision (cast in the task, outside
@@ -280,33 +302,28 @@ class _Step:
     # ---- one handler per task kind: (kinds of the slot, static chunk, row, buffers) ----
 
     def idle(self, kinds, v=None, row=None, buffers=None):
-        """What a slot's branches return, as an idle slot fills it: the message and the loss;
-        where F runs, its residuals and the loss's seed; where B or BW runs, their gradient
-        leaves (and B's, W's residuals); where W runs, W's; where F, B or BW runs, the head's or
-        embedding's gradient (``rest``). Each branch writes only what its slot's tasks can
-        produce."""
+        """What a slot's branches return, as an idle slot fills it: the message; where F runs,
+        its residuals; where B or BW runs, their gradient leaves (and B's, W's residuals); where
+        W runs, W's. Each branch writes only what its slot's tasks can produce."""
         fill = self.fill
-        result = {"msg": fill_like(self.out0, fill), "loss": jnp.zeros_like(self.zero)}
+        result = {"msg": fill_like(self.out0, fill)}
         if not self.train:
             return result
         if F_ in kinds:
             result.update(stash_b=[jnp.full_like(a, fill) for a in self.known0],
-                          stash_w=[jnp.full_like(a, fill) for a in self.weight0],
-                          seed=fill_like(self.out0, fill))
+                          stash_w=[jnp.full_like(a, fill) for a in self.weight0])
         if B_ in kinds:
             result["wstash"] = [jnp.full_like(a, fill) for a in self.wstash0]
         if B_ in kinds or BW_ in kinds:
             result["b_grads"] = self.b_zeros
         if W_ in kinds:
             result["w_grads"] = self.w_zeros
-        if {F_, B_, BW_} & set(kinds):
-            result["d_rest"] = self.rest_part(kinds)
         return result
 
     def forward(self, kinds, v, row, buffers):
         """F: the body's forward on the micro-batch's input (the embedding's on chunk 0);
-        training, its pullback's residuals stashed and, on the last chunk, the loss and its
-        seed for the backward."""
+        training, its pullback's residuals stashed. On the last chunk the slot then runs the
+        head on its output (:meth:`head_on_last`)."""
         message = take_index(buffers["inbox"], field(row, "inbox"))
         m = field(row, "mb")
         chunk, c = self.chunk_of(v, row)
@@ -317,44 +334,27 @@ class _Step:
                          lambda: message)
         body = lambda ch, x: self.stages.body(ch, x, c)  # noqa: E731
         if not self.train:
-            out = body(chunk, x)
-            result["msg"] = cast_like(out, self.out0)
-            with self.taken(_on_head):
-                result["loss"] = lax.cond(field(row, "last") > 0, lambda: self.head(out, m)[0],
-                                          lambda: jnp.zeros_like(self.zero))
+            result["msg"] = cast_like(body(chunk, x), self.out0)
             return result
         out, pullback = jax.vjp(body, chunk, x)
         _, stash, params = vjp_residuals(pullback, jax.tree.leaves(chunk))
         if params != self.is_param or _shapes(stash) != _shapes(self.stash0):
             raise RuntimeError("the stage body's vjp residuals changed between traces")
         stash = cast_like(stash, self.stash0)
-
-        def with_head():
-            loss, d_out, d_rest = self.head(out, m)
-            return loss, cast_like(d_out, self.out0), self.rest_part(kinds, d_rest, F_)
-
-        def without_head():
-            return (jnp.zeros_like(self.zero), fill_like(self.out0, self.fill),
-                    self.rest_part(kinds))
-
-        with self.taken(_on_head):
-            loss, d_out, d_rest = lax.cond(field(row, "last") > 0, with_head, without_head)
         weight_only = self.split.weight_only
-        result.update(msg=cast_like(out, self.out0), loss=loss, seed=d_out, d_rest=d_rest,
-                      stash_b=pick(stash, weight_only, False),
+        result.update(msg=cast_like(out, self.out0), stash_b=pick(stash, weight_only, False),
                       stash_w=pick(stash, weight_only, True))
         return result
 
     def backward_whole(self, kinds, v, row, buffers):
-        """BW: the whole backward from the stashed residuals: the input's gradient (sent on)
-        and every gradient leaf of the chunk."""
+        """BW: the whole backward from the stashed residuals: the input's gradient (sent on;
+        on chunk 0 the slot then takes the embedding's: :meth:`embedding_on_first`) and every
+        gradient leaf of the chunk."""
         d_out = take_index(buffers["inbox"], field(row, "inbox"))
         residuals = take_index(buffers["stash_b"], field(row, "stash_b"))
-        m, (chunk, _) = field(row, "mb"), self.chunk_of(v, row)
-        d_chunk, dx = self.rebuild(chunk)(residuals)(d_out)
-        d_rest = self.rest_grad_on_first(kinds, row, dx, m)
+        d_chunk, dx = self.rebuild(self.chunk_of(v, row)[0])(residuals)(d_out)
         result = self.idle(kinds)
-        result.update(msg=cast_like(dx, self.out0), d_rest=d_rest,
+        result.update(msg=cast_like(dx, self.out0),
                       b_grads=cast_like(jax.tree.leaves(d_chunk), self.b_zeros))
         return result
 
@@ -363,17 +363,16 @@ class _Step:
         stashed for W."""
         d_out = take_index(buffers["inbox"], field(row, "inbox"))
         known = take_index(buffers["stash_b"], field(row, "stash_b"))
-        m, (chunk, _) = field(row, "mb"), self.chunk_of(v, row)
+        chunk = self.chunk_of(v, row)[0]
         dx, b_leaves, linear = backward_input(self.rebuild(chunk), self.split, known, d_out,
                                               self.weight0)
         td, wres, params = vjp_residuals(linear, jax.tree.leaves(chunk))
         if params != self.linear_is_param or _shapes(wres) != self.wstash_shapes:
             raise RuntimeError("the stage body's input-gradient residuals changed between traces")
         self.linear_treedef = td
-        d_rest = self.rest_grad_on_first(kinds, row, dx, m)
         result = self.idle(kinds)
         result.update(msg=cast_like(dx, self.out0), wstash=cast_like(wres, self.wstash0),
-                      b_grads=cast_like(b_leaves, self.b_zeros), d_rest=d_rest)
+                      b_grads=cast_like(b_leaves, self.b_zeros))
         return result
 
     def backward_w(self, kinds, v, row, buffers):
@@ -425,25 +424,23 @@ class _Step:
             index = jnp.asarray(index_of)[field(row, "kind")]
             result = lax.switch(index, branches, row, buffers)
             carry = self.write_back(carry, row, result)
-            if "d_rest" in result:
-                carry["d_rest"] = add_at(carry["d_rest"], self.rest_index(kinds),
-                                         result["d_rest"])
+            if F_ in kinds:
+                carry = self.head_on_last(carry, row, result["msg"])
+            if self.train and {B_, BW_} & set(kinds):
+                carry = self.embedding_on_first(carry, row, result["msg"])
             return self.exchange(carry, row, result["msg"], send_next, send_prev)
         return run_slot
 
     def write_back(self, carry, row, result):
-        """The carry with a task's ``result`` in it: the loss and the gradient sums added, the
-        stashes and the seed written to their slots."""
+        """The carry with a task's ``result`` in it: the gradient sums added, the stashes
+        written to their slots."""
         carry = dict(carry)
-        carry["loss"] = carry["loss"] + result["loss"]
         v = field(row, "chunk")
         for key, slots in (("stash_b", self.schedule.stash_b_slots),
                            ("stash_w", self.schedule.stash_w_slots),
                            ("wstash", self.schedule.wstash_slots)):
             if key in result:  # no garbage slot: an idle device rewrites a slot as it is
                 carry[key] = put_live_slot(carry[key], field(row, key), result[key], slots)
-        if "seed" in result:
-            carry["inbox"] = put_slot(carry["inbox"], field(row, "seed"), result["seed"])
         if "b_grads" in result:
             carry["d_chunks"] = add_to_chunk(carry["d_chunks"], v, result["b_grads"], self.b_mask,
                                              self.stages.layers)
@@ -506,6 +503,20 @@ def used_leaves(fn, tree) -> tuple[int, ...]:
     jaxpr = jax.make_jaxpr(lambda *xs: fn(jax.tree.unflatten(treedef, xs)))(*leaves).jaxpr
     read = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
     return tuple(i for i, v in enumerate(jaxpr.invars) if id(v) in read)
+
+
+def at_most_once(taken, fn, carry):
+    """``fn(carry)`` where ``taken`` (a traced boolean) holds, else ``carry`` as it is: a
+    ``lax.while_loop`` of zero or one trips. XLA updates a loop's carry in place, so the head's
+    and embedding's gradients are added to their sums only in the ticks that have them; a
+    ``lax.cond`` whose other branch passed the sums through made XLA copy them in every tick,
+    and one returning zeros to add wrote and added the zeros in every tick. The predictor
+    prices the body at its share of the ticks (:meth:`_Step.taken`)."""
+    def body(state):
+        _, inner = state
+        return jnp.ones((), jnp.int32), fn(inner)
+    stop = taken.astype(jnp.int32)
+    return lax.while_loop(lambda state: state[0] < stop, body, (jnp.zeros((), jnp.int32), carry))[1]
 
 
 def add_at(tree, index, grads):

@@ -18,9 +18,11 @@ trip count (XLA's ``known_trip_count``, else its condition's constant:
 :func:`jphantom.analysis.hlo.trip_count`), nested loops multiplying; a ``conditional`` takes its
 slowest branch (in the pipeline executor's SPMD switch every device waits for the slowest), or,
 where its op_name ends in ``taken_in_<n>_of_<t>_ticks/cond``, its true branch in n of its loop's
-t trips and its false branch in the rest (the pipeline executor's head and embedding branches,
-which some device takes in only M ticks of a schedule of about V M:
-:meth:`jphantom.pipeline.runner._Step.taken`); a ``call`` runs its callee in place. Each
+t trips and its false branch in the rest (the pipeline executor's entry branch, which some
+device takes in only M ticks of a schedule of about V M: :meth:`jphantom.pipeline.runner._Step.taken`),
+and a ``while`` of zero or one trips under such a scope (its head and embedding gradients:
+:func:`jphantom.pipeline.runner.at_most_once`) runs its body n / t times; a ``call`` runs its
+callee in place. Each
 collective's group is placed on nodes by ``node_of`` (the device id's node), so a group that
 spans nodes is priced on the NICs, and on a device with packages (``gpus_per_package``:
 consecutive ids) a group inside one package on its link.
@@ -34,13 +36,12 @@ Modelled, not measured: no contention between overlapped streams, no host overhe
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 
 from jphantom.analysis.hlo.accounting import KINDS as COLLECTIVE_KINDS
 from jphantom.analysis.hlo.accounting import HloCollective
-from jphantom.analysis.hlo.callgraph import trip_count
+from jphantom.analysis.hlo.callgraph import taken_share, trip_count
 from jphantom.analysis.hlo.text import Computation, Instruction, parse_module, type_bytes
 from jphantom.predict.costs import KernelPricer, callees, op_name
 from jphantom.predict.device import DeviceModel
@@ -269,7 +270,8 @@ class Simulator:
         """The timeline of a ``while`` (body x trips, condition x (trips + 1)), a
         ``conditional`` (its slowest branch) or a called program."""
         if instr.opcode == "while":
-            trips = trip_count(instr, self.comps)
+            share = taken_share(instr)  # a loop of zero or one trips: its share of them
+            trips = trip_count(instr, self.comps) if share is None else share
             inner = Timeline()
             inner.absorb(self.run(callees(instr, "body")[0]), trips)
             inner.absorb(self.run(callees(instr, "condition")[0]), trips + 1)
@@ -311,15 +313,6 @@ class Simulator:
                     return other
         return instr
 
-
-_TAKEN = re.compile(r"taken_in_(\d+)_of_(\d+)_ticks/cond$")
-
-
-def taken_share(instr: Instruction) -> float | None:
-    """The share of its loop's trips in which a ``conditional`` takes its true branch, from the
-    name scope ``taken_in_<n>_of_<t>_ticks`` that directly holds it (None without one)."""
-    found = _TAKEN.search(op_name(instr))
-    return None if found is None else int(found[1]) / max(1, int(found[2]))
 
 
 def simulate(hlo_text: str, device: DeviceModel, network: Network | None = None, *,

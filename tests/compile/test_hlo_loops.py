@@ -262,6 +262,18 @@ def test_synthetic_known_trip_count_wins_and_unknown_raises():
         hlo.collectives(unbounded)
 
 
+def test_a_loop_of_at_most_one_trip_under_a_taken_scope_counts_once():
+    """The pipeline executor's head and embedding run in loops of zero or one trips whose bound
+    XLA cannot know (:func:`jphantom.pipeline.runner.at_most_once`), named
+    ``taken_in_<n>_of_<t>_ticks``: their collectives count once per trip of the loop around
+    them, as a conditional's branches do; the same loop without the name still raises."""
+    scoped = SYNTHETIC.replace("compare(%ci, %limit)", "compare(%ci, %ci)").replace(
+        "body=%body\n", 'body=%body, metadata={op_name="jit(step)/on_head_taken_in_3_of_10_'
+        'ticks/while"}\n')
+    assert hlo.multipliers(hlo.parse_module(scoped))["body"] == 1
+    assert [c.count for c in hlo.collectives(scoped)] == [1, 1]
+
+
 def test_a_bound_hidden_from_xla_is_read_back():
     """The step's accumulation loop hides its bound from XLA behind an optimization barrier
     (:func:`jphantom.step.grads.accumulate`, so that XLA's GPU passes leave it a loop): the loop

@@ -421,7 +421,11 @@ def test_the_head_and_embedding_branches_say_in_how_many_ticks_they_run(schedule
 
 
 def test_the_compiled_pipeline_names_its_conds_shares():
-    """The names reach the compiled program (the predictor reads the conditional's op_name)."""
+    """The names reach the compiled program (the predictor reads the op_name of the entry's
+    conditional and of the head's and embedding's loops). The head and the embedding's backward
+    are loops of at most one trip whose state holds the rest's gradient sums, vocabulary-wide:
+    updated in place in the ticks that have them (runner.at_most_once), not a conditional's
+    zeros added in every tick."""
     import re
 
     from jphantom.models.llama import LlamaConfig
@@ -438,6 +442,12 @@ def test_the_compiled_pipeline_names_its_conds_shares():
     text = jax.jit(step.value_and_grad()).lower(state, tokens, tokens).compile().as_text()
     named = set(re.findall(r"on_(\w+?)_taken_in_\d+_of_\d+_ticks", text))
     assert {"head", "embedding", "entry"} <= named, named
+    vocabulary_sums = {f"f32[{VOCAB},{HIDDEN}]", f"f32[{HIDDEN},{VOCAB}]"}
+    for part in ("head", "embedding"):
+        loops = [line for line in text.splitlines() if re.search(
+            rf" while\(.*op_name=\"[^\"]*on_{part}_taken_in_\d+_of_\d+_ticks/while\"", line)]
+        assert loops and all(any(s in line.split(" while(")[0] for s in vocabulary_sums)
+                             for line in loops), (part, loops)
 
 
 def test_a_chunk_of_few_layers_runs_them_unrolled():

@@ -613,3 +613,31 @@ metadata={{op_name="jit(step)/while/body/{scope}cond"}}""", _branch("no", 1) + _
     slow, fast = 4 * ADD_S + copy_s, ADD_S + copy_s
     expected = slow if true_share is None else true_share * slow + (1 - true_share) * fast
     assert t.compute == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_loop_of_at_most_one_trip_runs_its_body_at_its_scope_s_share():
+    """A ``while`` of zero or one trips named ``taken_in_<n>_of_<t>_ticks/while`` (the pipeline
+    executor's head and embedding: jphantom.pipeline.runner.at_most_once) runs its body in n of
+    its loop's t trips: priced at n / t of the body, not once per trip."""
+    loop = f"""
+%body (s: (s32[], f32[{N}])) -> (s32[], f32[{N}]) {{
+  %s = (s32[], f32[{N}]{{0}}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %x = f32[{N}]{{0}} get-tuple-element(%s), index=1
+  %y = f32[{N}]{{0}} fusion(%x, %x), kind=kLoop, calls=%add_body
+  ROOT %r = (s32[], f32[{N}]{{0}}) tuple(%i, %y)
+}}
+
+%stop (c: (s32[], f32[{N}])) -> pred[] {{
+  %c = (s32[], f32[{N}]{{0}}) parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  ROOT %lt = pred[] compare(%ci, %ci), direction=LT
+}}
+"""
+    text = module(f"""{ARGS}
+  %p = s32[] parameter(2)
+  %init = (s32[], f32[{N}]{{0}}) tuple(%p, %a)
+  %w = (s32[], f32[{N}]{{0}}) while(%init), condition=%stop, body=%body, \
+metadata={{op_name="jit(step)/while/body/on_head_taken_in_1_of_4_ticks/while"}}
+  ROOT %out = f32[{N}]{{0}} get-tuple-element(%w), index=1""", loop)
+    assert simulate(text, DEVICE).compute == pytest.approx(0.25 * ADD_S, rel=1e-6)

@@ -1,6 +1,9 @@
 """How many times each computation of an HLO module runs per step (its *multiplier*): the call
 graph from ENTRY, a ``while`` body run its trip count times (from XLA's ``known_trip_count`` or its
-condition's compare against a constant), its condition once more."""
+condition's compare against a constant), its condition once more. A ``conditional``'s branches
+count once each, and so does the body of a loop of zero or one trips under the pipeline
+executor's scope ``taken_in_<n>_of_<t>_ticks`` (:func:`taken_share`;
+:func:`jphantom.pipeline.runner.at_most_once`): at most once per trip of the loop around it."""
 
 from __future__ import annotations
 
@@ -12,6 +15,18 @@ from jphantom.analysis.hlo.text import Computation, Instruction, backend_config,
 
 _TRIP = re.compile(r'\\?"known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"?(-?\d+)')
 _DIRECTION = re.compile(r"direction=(\w+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_TAKEN = re.compile(r"taken_in_(\d+)_of_(\d+)_ticks/(cond|while)$")
+
+
+def taken_share(instr: Instruction) -> float | None:
+    """The share of its loop's trips in which a ``conditional`` takes its true branch, or a
+    ``while`` of zero or one trips runs its body, from the name scope
+    ``taken_in_<n>_of_<t>_ticks`` that directly holds it (None without one:
+    :meth:`jphantom.pipeline.runner._Step.taken`)."""
+    name = _OP_NAME.search(instr.attrs)
+    found = _TAKEN.search(name[1]) if name else None
+    return None if found is None else int(found[1]) / max(1, int(found[2]))
 
 
 def _int_value(comp: Computation, name: str, params: Mapping[int, int | None],
@@ -186,8 +201,9 @@ def multipliers(comps: Mapping[str, Computation]) -> dict[str, int]:
         for callee, instr, key in edges[name]:
             factor = 1
             if instr.opcode == "while" and key in ("body", "condition"):
-                if id(instr) not in trips:
-                    trips[id(instr)] = trip_count(instr, comps)
+                if id(instr) not in trips:  # a loop of at most one trip counts once
+                    trips[id(instr)] = (1 if taken_share(instr) is not None
+                                        else trip_count(instr, comps))
                 # The condition is evaluated once more than the body: the last test exits.
                 factor = trips[id(instr)] + (key == "condition")
             mult[callee] += mult[name] * factor
