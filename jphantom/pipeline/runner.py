@@ -37,6 +37,12 @@ model chunk, one ``[b, ...]`` collective-permute per direction that some device 
 (:mod:`jphantom.pipeline.table`). GPipe, 1F1B and interleaved 1F1B tick as an F slot and a BW
 slot (one activation and one cotangent permute a tick); ZB-H1 and ZB-V as one slot of F, B or W.
 
+With V at least twice the slots of a tick, a chunk's parameters are read from two copies per
+slot, one array per layer and leaf (a GEMM reads them in place; XLA copies a slice of the
+stack first), filled ahead of their runs of tasks in ticks the host gathers so that every device
+fills at once (:func:`jphantom.pipeline.copies.chunk_copies`); the slot's switch then holds one branch per task kind and
+copy, named with how many ticks each runs (:func:`jphantom.pipeline.copies.branch_ticks`).
+
 The residuals of ``jax.vjp`` (its ``Partial``'s leaves, less the chunk's own parameters, which are
 not copied) live in buffers with one slot per micro-batch in flight; received messages wait in
 slots too (:mod:`jphantom.pipeline.buffers`). Idle slots send ``bubble_fill`` (tests send NaN:
@@ -65,6 +71,7 @@ from jphantom.pipeline.buffers import (cast_like, fill_like, put_live_slot, put_
                                        slot_buffers, split_microbatches, take_index,
                                        varying_over, vjp_residuals, zeros_of)
 from jphantom.pipeline.config import STAGE_AXIS, PipelineConfig, Stages, pipeline_for
+from jphantom.pipeline.copies import COPY_FIELDS, branch_ticks, with_copies, with_copy
 from jphantom.pipeline.schedule import model_chunk
 from jphantom.pipeline.split import (Split, backward_input, backward_weight, pick,
                                      weight_only_residuals)
@@ -73,7 +80,8 @@ from jphantom.pipeline.table import FIELDS, KINDS, ScheduleTable, schedule_table
 __all__ = ["STAGE_AXIS", "PipelineConfig", "ScheduleTable", "Stages", "pipeline_for", "run",
            "schedule_table", "unit_order"]
 
-_F = {name: i for i, name in enumerate(FIELDS)}
+_F = {name: i for i, name in enumerate(FIELDS + COPY_FIELDS)}  # the table's and the copies'
+
 F_, B_, W_, BW_ = (KINDS.index(k) for k in ("F", "B", "W", "BW"))
 
 
@@ -86,8 +94,7 @@ def run(stages: Stages, config: PipelineConfig, table_: ScheduleTable, stacked, 
     step = _Step(stages, config, table_, stacked, rest, inputs, targets, train)
     carry = step.buffers()
     for start, stop, phases in table_.segments:
-        carry, _ = lax.scan(step.segment(phases, step.rows[start:stop]), carry,
-                            step.table[start:stop])
+        carry, _ = lax.scan(step.segment(phases, start, stop), carry, step.table[start:stop])
     if not train:
         return carry["loss"]
     d_stacked = jax.tree.map(lambda d: d.reshape(d.shape[0] * d.shape[1], *d.shape[2:]),
@@ -119,7 +126,11 @@ class _Step:
         self.fill, self.accumulate_in = config.bubble_fill, config.accumulate_grads_in
         self.to_next = [(s, (s + 1) % P_) for s in range(P_) if table_.ring or s + 1 < P_]
         self.to_prev = [(d, s) for s, d in self.to_next]
-        self.rows = table_.table.reshape(-1, table_.phases, *table_.table.shape[1:])
+        rows = table_.table.reshape(-1, table_.phases, *table_.table.shape[1:])
+        # A chunk's layers read from two copies per slot (fill_copies) where those hold no more
+        # than the stage's own V chunks; otherwise each task slices its chunk out of the stack
+        self.copies = bool(stages.layers) and V >= 2 * table_.phases
+        self.rows = with_copies(rows)
         self.table = jnp.asarray(self.rows)
         self.chunk_index = jnp.asarray(np.array(
             [[model_chunk(config.schedule, P_, s, v) for v in range(V)] for s in range(P_)],
@@ -158,6 +169,9 @@ class _Step:
         self.stash0 = [varying_over(zeros_of(a), STAGE_AXIS) for a in stash0]
         self.rebuild = rebuilder(self.treedef, self.is_param)
         carry = {"inbox": slot_buffers(self.out0, self.schedule.inbox_slots), "loss": self.zero}
+        if self.copies:  # two copies of a chunk per slot (fill_copies)
+            params = jax.tree.map(zeros_of, jax.eval_shape(lambda c: c, chunk0))
+            carry["copies"] = [[params, params] for _ in range(self.schedule.phases)]
         # A task's gradient leaves, as its backward computes them (in the compute precision);
         # they are widened only as they are added into the accumulators (``add_to_chunk``)
         self.zero_leaves = jax.tree.leaves(jax.tree.map(zeros_of, chunk0))
@@ -281,14 +295,38 @@ class _Step:
         used = self.rest_used[kind]
         return add_at(sums, used, [grads[i] for i in used])
 
-    def chunk_of(self, v, row):
+    def chunk_of(self, v, row, buffers):
         """The local chunk's parameters in the compute precision (cast in the task, outside
-        its ``jax.vjp``): static with one chunk per device; with more a dynamic slice (a branch
-        per chunk would multiply every branch's buffers)."""
+        its ``jax.vjp``): static with one chunk per device; with more, the slot's copy of it
+        the branch reads (:meth:`fill_copies`), or a dynamic slice of the stack."""
         if v is not None:
             return self.layered(self.prepare(self.local[v])), self.global_chunk(v)
         v = field(row, "chunk")
-        return self.layered(self.prepare(take_index(self.chunks, v))), self.global_chunk(v)
+        if "chunk" in buffers:
+            return buffers["chunk"], self.global_chunk(v)
+        return self.fetched(v), self.global_chunk(v)
+
+    def fetched(self, v):
+        """Local chunk ``v``'s parameters as its tasks take them (:meth:`layered`), sliced out
+        of the stage's stack: a copy, since XLA copies a slice before a GEMM reads it."""
+        return self.layered(self.prepare(take_index(self.chunks, v)))
+
+    def fill_copies(self, carry, row, p, rows):
+        """The carry with slot ``p``'s copy ``fill`` of the row made local chunk
+        ``fill_chunk``'s parameters, where the row names one (:func:`jphantom.pipeline.copies.chunk_copies`), in place:
+        a loop of zero or one trips per copy (:func:`at_most_once`), named with the ticks of
+        ``rows`` in which some device fills it. Copying a chunk out of the stage's stack each
+        task was 0.7 s of NeMo's 70B step; its devices fill a copy together, once in P ticks."""
+        held = list(carry["copies"][p])
+        for c in (0, 1):
+            def fill(params):
+                return cast_like(self.fetched(field(row, "fill_chunk")), params)
+            taken = int((np.asarray(rows)[..., _F["fill"]] == c).any(axis=1).sum())
+            with jax.named_scope(f"fill_copy_{c}_taken_in_{taken}_of_{len(rows)}_ticks"):
+                held[c] = at_most_once(field(row, "fill") == c, fill, held[c])
+        copies = list(carry["copies"])
+        copies[p] = held
+        return {**carry, "copies": copies}
 
     def layered(self, chunk):
         """A chunk's parameters as the body takes them: stacked [Lc, ...], or with
@@ -326,7 +364,7 @@ class _Step:
         head on its output (:meth:`head_on_last`)."""
         message = take_index(buffers["inbox"], field(row, "inbox"))
         m = field(row, "mb")
-        chunk, c = self.chunk_of(v, row)
+        chunk, c = self.chunk_of(v, row, buffers)
         result = self.idle(kinds)
         with self.taken(_on_entry):
             x = lax.cond(field(row, "first") > 0,
@@ -352,7 +390,7 @@ class _Step:
         gradient leaf of the chunk."""
         d_out = take_index(buffers["inbox"], field(row, "inbox"))
         residuals = take_index(buffers["stash_b"], field(row, "stash_b"))
-        d_chunk, dx = self.rebuild(self.chunk_of(v, row)[0])(residuals)(d_out)
+        d_chunk, dx = self.rebuild(self.chunk_of(v, row, buffers)[0])(residuals)(d_out)
         result = self.idle(kinds)
         result.update(msg=cast_like(dx, self.out0),
                       b_grads=cast_like(jax.tree.leaves(d_chunk), self.b_zeros))
@@ -363,7 +401,7 @@ class _Step:
         stashed for W."""
         d_out = take_index(buffers["inbox"], field(row, "inbox"))
         known = take_index(buffers["stash_b"], field(row, "stash_b"))
-        chunk = self.chunk_of(v, row)[0]
+        chunk = self.chunk_of(v, row, buffers)[0]
         dx, b_leaves, linear = backward_input(self.rebuild(chunk), self.split, known, d_out,
                                               self.weight0)
         td, wres, params = vjp_residuals(linear, jax.tree.leaves(chunk))
@@ -378,7 +416,8 @@ class _Step:
     def backward_w(self, kinds, v, row, buffers):
         """W: the weights' gradient leaves, B's linear function applied to the weight-only
         residuals."""
-        linear = rebuilder(self.linear_treedef, self.linear_is_param)(self.chunk_of(v, row)[0])(
+        chunk = self.chunk_of(v, row, buffers)[0]
+        linear = rebuilder(self.linear_treedef, self.linear_is_param)(chunk)(
             take_index(buffers["wstash"], field(row, "wstash")))
         result = self.idle(kinds)
         weight_only = take_index(buffers["stash_w"], field(row, "stash_w"))
@@ -387,10 +426,11 @@ class _Step:
 
     # ---- the interpreter: a tick's slots, each a dispatch, a write-back and an exchange ----
 
-    def segment(self, phases, rows):
-        """The scanned body of a segment's ticks: its slots in turn, each on this device's row
-        (``rows``: the segment's table, [ticks, phases, P, fields])."""
-        slots = [self.slot(*phase, rows[:, p]) for p, phase in enumerate(phases)]
+    def segment(self, phases, start, stop):
+        """The scanned body of the ticks ``start:stop`` of a segment: its slots in turn, each on
+        this device's row."""
+        rows = self.rows[start:stop]  # [ticks, phases, P, fields]
+        slots = [self.slot(*phase, rows[:, p], p) for p, phase in enumerate(phases)]
 
         def tick(carry, rows_now):
             for run_slot, rows_p in zip(slots, rows_now):
@@ -399,17 +439,21 @@ class _Step:
             return carry, None
         return tick
 
-    def slot(self, tasks, send_next, send_prev, rows):
-        """One slot of a segment's ticks, whose devices run the kinds ``tasks``: one branch per
-        kind (with one chunk per device its parameters static), and the idle one; then the
-        slot's exchange. ``None`` where no device runs anything. ``rows``: the slot's rows of
-        the segment's ticks, [ticks, P, fields] (:meth:`taken`)."""
+    def slot(self, tasks, send_next, send_prev, rows, p):
+        """One slot (phase ``p``) of a segment's ticks, whose devices run the kinds ``tasks``:
+        one branch per kind (with one chunk per device its parameters static; with more, one
+        per kind and copy of the chunk the task reads: :meth:`fill_copies`), and the idle one;
+        then the slot's exchange. ``None`` where no device runs anything. ``rows``: the slot's
+        rows of the segment's ticks, [ticks, P, fields] (:meth:`taken`)."""
         if not tasks:
             return None
         kinds = sorted(set(tasks) | {0})
-        index_of = np.zeros(len(KINDS), np.int32)
-        index_of[kinds] = np.arange(len(kinds))
         static = 0 if self.V == 1 else None
+        copies = (0, 1) if self.copies else (None,)
+        branches = [(0, None)] + [(k, c) for k in kinds if k for c in copies]
+        index_of = np.zeros((len(KINDS), 2), np.int32)  # (kind, copy) -> branch
+        for i, (k, c) in enumerate(branches):
+            index_of[k, c or 0] = index_of[k, 1 if c is None else c] = i
 
         def run_slot(carry, row):
             self.tracing = rows  # the rows :meth:`taken` counts while this slot is traced
@@ -420,9 +464,14 @@ class _Step:
                 buffers["stash_b"] = carry["stash_b"]
             if self.train and W_ in kinds:
                 buffers.update(stash_w=carry["stash_w"], wstash=carry["wstash"])
-            branches = [lambda r, b, k=k: self.handlers[k](kinds, static, r, b) for k in kinds]
-            index = jnp.asarray(index_of)[field(row, "kind")]
-            result = lax.switch(index, branches, row, buffers)
+            if self.copies:
+                carry = self.fill_copies(carry, row, p, rows)
+                buffers["copies"] = carry["copies"][p]
+            calls = [lambda r, b, k=k, c=c: self.handlers[k](kinds, static, r, with_copy(b, c))
+                     for k, c in branches]
+            index = jnp.asarray(index_of)[field(row, "kind"), jnp.maximum(field(row, "copy"), 0)]
+            with jax.named_scope(branch_ticks(index_of, rows)):
+                result = lax.switch(index, calls, row, buffers)
             carry = self.write_back(carry, row, result)
             if F_ in kinds:
                 carry = self.head_on_last(carry, row, result["msg"])

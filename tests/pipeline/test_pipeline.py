@@ -450,6 +450,49 @@ def test_the_compiled_pipeline_names_its_conds_shares():
                              for line in loops), (part, loops)
 
 
+@pytest.mark.parametrize("schedule, microbatches, virtual_stages, stages, fill_ticks", [
+    ("interleaved-1f1b", 64, 5, 4, 80), ("interleaved-1f1b", 8, 4, 2, 16), ("zb-v", 8, 1, 4, 2)])
+def test_a_slot_s_two_copies_hold_each_task_s_chunk_and_are_filled_together(
+        schedule, microbatches, virtual_stages, stages, fill_ticks):
+    """runner.chunk_copies: replaying its fills, every task reads a copy that holds its chunk;
+    the devices fill together, in as many ticks as a device changes chunk (NeMo's 70B table: 80
+    of 342 a slot, where a device's own refill would land in 320), never two copies at once;
+    zb-v's two chunks are copied once."""
+    from jphantom.pipeline import copies
+
+    table = schedule_table(PipelineConfig(schedule, microbatches, virtual_stages), stages)
+    rows = copies.with_copies(table.table.reshape(-1, table.phases, stages, len(FIELDS)))
+    at = {name: i for i, name in enumerate(FIELDS + copies.COPY_FIELDS)}
+    for p in range(table.phases):
+        kind, chunk, copy, fill, fill_chunk = (rows[:, p, :, at[f]] for f in (
+            "kind", "chunk", "copy", "fill", "fill_chunk"))
+        held = np.full((2, stages), -1)
+        for t in range(len(rows)):
+            filling = fill[t] >= 0
+            held[fill[t][filling], np.flatnonzero(filling)] = fill_chunk[t][filling]
+            busy = kind[t] > 0
+            assert (held[copy[t][busy], np.flatnonzero(busy)] == chunk[t][busy]).all(), (p, t)
+        assert (fill >= 0).any(axis=1).sum() == fill_ticks
+        assert not ((fill == 0).any(axis=1) & (fill == 1).any(axis=1)).any()
+
+
+def test_an_interleaved_pipeline_of_four_chunks_reads_them_from_copies():
+    """With V >= 2 x the slots of a tick (here 4 chunks, F and BW slots) a chunk's layers are
+    read from the slot's two copies, filled in loops of at most one trip: the loss and every
+    gradient of the unpipelined FFN (1e-5), and the compiled program fills both copies of
+    both slots (runner._Step.fill_copies) and names each switch's branch counts."""
+    import re
+
+    _check_ffn("tensor", "stage=2", "interleaved-1f1b", 4, 4)
+    _, mesh, step, value_and_grad = _ffn_case("tensor", "stage=2", "interleaved-1f1b", 4, 4)
+    x, t = _ffn_batch(mesh)
+    text = value_and_grad.lower(abstract_state(step).params, x, t).compile().as_text()
+    fills = set(re.findall(r'op_name="[^"]*fill_copy_(\d)_taken_in_\d+_of_\d+_ticks/while"',
+                           text))
+    assert fills == {"0", "1"}, fills
+    assert re.search(r"branch_ticks_\d+_\d+_\d+_of_\d+_ticks/cond", text)
+
+
 def test_a_chunk_of_few_layers_runs_them_unrolled():
     """A model chunk of at most ``PipelineConfig.unroll_layers`` layers runs them unrolled: no
     layer loop inside the schedule's (each layer's weights sliced from the stage's stack where

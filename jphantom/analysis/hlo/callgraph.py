@@ -3,7 +3,9 @@ graph from ENTRY, a ``while`` body run its trip count times (from XLA's ``known_
 condition's compare against a constant), its condition once more. A ``conditional``'s branches
 count once each, and so does the body of a loop of zero or one trips under the pipeline
 executor's scope ``taken_in_<n>_of_<t>_ticks`` (:func:`taken_share`;
-:func:`jphantom.pipeline.runner.at_most_once`): at most once per trip of the loop around it."""
+:func:`jphantom.pipeline.runner.at_most_once`): at most once per trip of the loop around it.
+The executor's switch says how often each branch runs (:func:`branch_ticks`): its branches
+count that many times per t trips of its loop."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ _TRIP = re.compile(r'\\?"known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"?(-
 _DIRECTION = re.compile(r"direction=(\w+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TAKEN = re.compile(r"taken_in_(\d+)_of_(\d+)_ticks/(cond|while)$")
+_BRANCH_TICKS = re.compile(r"branch_ticks_((?:\d+_)+)of_(\d+)_ticks/cond$")
 
 
 def taken_share(instr: Instruction) -> float | None:
@@ -27,6 +30,18 @@ def taken_share(instr: Instruction) -> float | None:
     name = _OP_NAME.search(instr.attrs)
     found = _TAKEN.search(name[1]) if name else None
     return None if found is None else int(found[1]) / max(1, int(found[2]))
+
+
+def branch_ticks(instr: Instruction) -> tuple[tuple[int, ...], int] | None:
+    """How many of its loop's ``t`` trips each branch of a ``conditional`` runs on the device
+    that runs it most, and ``t``, from the name scope ``branch_ticks_<n0>_<n1>_..._of_<t>_ticks``
+    that directly holds it (None without one: the pipeline executor's switch,
+    :meth:`jphantom.pipeline.runner._Step.slot`)."""
+    name = _OP_NAME.search(instr.attrs)
+    found = _BRANCH_TICKS.search(name[1]) if name else None
+    if found is None:
+        return None
+    return tuple(int(n) for n in found[1].rstrip("_").split("_")), int(found[2])
 
 
 def _int_value(comp: Computation, name: str, params: Mapping[int, int | None],
@@ -198,8 +213,15 @@ def multipliers(comps: Mapping[str, Computation]) -> dict[str, int]:
         mult[root] = 1
     trips: dict[int, int] = {}  # id(while instruction) -> trip count
     for name in order:
+        branch = {}  # id(conditional) -> its next branch's index
         for callee, instr, key in edges[name]:
             factor = 1
+            if instr.opcode == "conditional" and key == "branch_computations":
+                index = branch[id(instr)] = branch.get(id(instr), -1) + 1
+                ticks = branch_ticks(instr)
+                if ticks is not None and index < len(ticks[0]):
+                    mult[callee] += round(mult[name] * ticks[0][index] / max(1, ticks[1]))
+                    continue
             if instr.opcode == "while" and key in ("body", "condition"):
                 if id(instr) not in trips:  # a loop of at most one trip counts once
                     trips[id(instr)] = (1 if taken_share(instr) is not None
