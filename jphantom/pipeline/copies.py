@@ -3,7 +3,7 @@ device fills them (on the host, from the schedule's table), and the name of a sl
 that says how often each of its branches runs.
 
 A GEMM does not read its weights through a slice of the stage's [V, Lc, ...] stack: XLA copies
-the slice first, in every task. So with V at least twice the slots of a tick the executor
+the slice first, in every task. So with V more than twice the slots of a tick the executor
 (:mod:`jphantom.pipeline.runner`) keeps two copies of a chunk per slot, one array per layer
 and leaf, and compiles each task kind's branch once per copy. A device's runs of tasks on one
 chunk (an interleaved schedule, Narayanan et al. 2021 Sec. 2.2, runs a chunk's P micro-batches
@@ -32,8 +32,9 @@ def branch_ticks(index_of, rows) -> str:
     runs it most (``index_of``: (kind, copy) -> branch). What the compiled program's accounting
     counts (:func:`jphantom.analysis.hlo.multipliers`): each branch that often, not once a
     tick, so the two copies' branches of a kind are not both counted in every tick."""
-    rows = np.asarray(rows)
-    taken = index_of[rows[..., _F["kind"]], np.maximum(rows[..., _F["copy"]], 0)]  # [ticks, P]
+    rows = np.asarray(rows)  # without the copies' fields where the slot keeps none
+    copy = np.maximum(rows[..., _F["copy"]], 0) if rows.shape[-1] > _F["copy"] else 0
+    taken = index_of[rows[..., _F["kind"]], copy]  # [ticks, P]
     counts = [int((taken == i).sum(axis=0).max()) for i in range(int(index_of.max()) + 1)]
     return f"branch_ticks_{'_'.join(map(str, counts))}_of_{len(rows)}_ticks"
 

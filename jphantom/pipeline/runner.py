@@ -37,7 +37,7 @@ model chunk, one ``[b, ...]`` collective-permute per direction that some device 
 (:mod:`jphantom.pipeline.table`). GPipe, 1F1B and interleaved 1F1B tick as an F slot and a BW
 slot (one activation and one cotangent permute a tick); ZB-H1 and ZB-V as one slot of F, B or W.
 
-With V at least twice the slots of a tick, a chunk's parameters are read from two copies per
+With V more than twice the slots of a tick, a chunk's parameters are read from two copies per
 slot, one array per layer and leaf (a GEMM reads them in place; XLA copies a slice of the
 stack first), filled ahead of their runs of tasks in ticks the host gathers so that every device
 fills at once (:func:`jphantom.pipeline.copies.chunk_copies`); the slot's switch then holds one branch per task kind and
@@ -127,10 +127,10 @@ class _Step:
         self.to_next = [(s, (s + 1) % P_) for s in range(P_) if table_.ring or s + 1 < P_]
         self.to_prev = [(d, s) for s, d in self.to_next]
         rows = table_.table.reshape(-1, table_.phases, *table_.table.shape[1:])
-        # A chunk's layers read from two copies per slot (fill_copies) where those hold no more
+        # A chunk's layers read from two copies per slot (fill_copies) where those hold fewer
         # than the stage's own V chunks; otherwise each task slices its chunk out of the stack
-        self.copies = bool(stages.layers) and V >= 2 * table_.phases
-        self.rows = with_copies(rows)
+        self.copies = bool(stages.layers) and V > 2 * table_.phases
+        self.rows = with_copies(rows) if self.copies else rows
         self.table = jnp.asarray(self.rows)
         self.chunk_index = jnp.asarray(np.array(
             [[model_chunk(config.schedule, P_, s, v) for v in range(V)] for s in range(P_)],
@@ -469,7 +469,8 @@ class _Step:
                 buffers["copies"] = carry["copies"][p]
             calls = [lambda r, b, k=k, c=c: self.handlers[k](kinds, static, r, with_copy(b, c))
                      for k, c in branches]
-            index = jnp.asarray(index_of)[field(row, "kind"), jnp.maximum(field(row, "copy"), 0)]
+            index = (jnp.asarray(index_of)[field(row, "kind"), jnp.maximum(field(row, "copy"), 0)]
+                     if self.copies else jnp.asarray(index_of[:, 0])[field(row, "kind")])
             with jax.named_scope(branch_ticks(index_of, rows)):
                 result = lax.switch(index, calls, row, buffers)
             carry = self.write_back(carry, row, result)

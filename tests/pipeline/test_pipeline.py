@@ -476,15 +476,15 @@ def test_a_slot_s_two_copies_hold_each_task_s_chunk_and_are_filled_together(
         assert not ((fill == 0).any(axis=1) & (fill == 1).any(axis=1)).any()
 
 
-def test_an_interleaved_pipeline_of_four_chunks_reads_them_from_copies():
-    """With V >= 2 x the slots of a tick (here 4 chunks, F and BW slots) a chunk's layers are
+def test_an_interleaved_pipeline_of_five_chunks_reads_them_from_copies():
+    """With V > 2 x the slots of a tick (here 5 chunks, F and BW slots) a chunk's layers are
     read from the slot's two copies, filled in loops of at most one trip: the loss and every
     gradient of the unpipelined FFN (1e-5), and the compiled program fills both copies of
     both slots (runner._Step.fill_copies) and names each switch's branch counts."""
     import re
 
-    _check_ffn("tensor", "stage=2", "interleaved-1f1b", 4, 4)
-    _, mesh, step, value_and_grad = _ffn_case("tensor", "stage=2", "interleaved-1f1b", 4, 4)
+    _check_ffn("tensor", "stage=2", "interleaved-1f1b", 4, 5)
+    _, mesh, step, value_and_grad = _ffn_case("tensor", "stage=2", "interleaved-1f1b", 4, 5)
     x, t = _ffn_batch(mesh)
     text = value_and_grad.lower(abstract_state(step).params, x, t).compile().as_text()
     fills = set(re.findall(r'op_name="[^"]*fill_copy_(\d)_taken_in_\d+_of_\d+_ticks/while"',
