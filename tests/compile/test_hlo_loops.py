@@ -342,3 +342,18 @@ def test_saved_residuals_are_a_stash_s_slots_where_no_layer_loop_returns_them():
     found = saved_residuals(text, layers=layers, rows=rows, tokens={tokens})
     assert found["shapes"] == [f"f32[{layers},{rows},{tokens},{h}]"], found
     assert found["bytes"] == layers * rows * tokens * h * 4 and found["copies"] == 3
+
+
+def test_saved_residuals_leave_out_the_token_ids_a_loop_carries():
+    """A loop carrying integer arrays shaped like a stack of residuals (a pipeline's targets,
+    [micro-batches, rows, tokens], when the micro-batches equal the layers) stores no residual:
+    only floating-point arrays are activations."""
+    from jphantom.analysis.hlo.residuals import saved_residuals
+
+    layers, rows, tokens = 2, 1, 8
+
+    def loop(ids):
+        return lax.fori_loop(0, lax.optimization_barrier(3), lambda i, c: c + 1, ids)
+
+    text = jax.jit(loop).lower(jnp.zeros((layers, rows, tokens), jnp.int32)).compile().as_text()
+    assert saved_residuals(text, layers=layers, rows=rows, tokens={tokens})["bytes"] == 0

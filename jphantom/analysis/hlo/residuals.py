@@ -19,6 +19,7 @@ at most (a pipeline's stash slots)."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 
 from jphantom.analysis.hlo.text import nbytes, parse_module, parse_shapes
@@ -28,6 +29,9 @@ def _position(dims: tuple[int, ...], layers: int, rows: int, tokens: set[int]) -
     """Where ``dims`` holds ``layers``, ``rows`` and one of ``tokens`` consecutively (-1: not)."""
     return next((i for i in range(len(dims) - 2)
                  if dims[i:i + 2] == (layers, rows) and dims[i + 2] in tokens), -1)
+
+
+_FLOATING = re.compile(r"(bf|f)\d+")
 
 
 def saved_residuals(hlo_text: str, *, layers: int, rows: int, tokens: Iterable[int]) -> dict:
@@ -47,6 +51,8 @@ def saved_residuals(hlo_text: str, *, layers: int, rows: int, tokens: Iterable[i
                 continue
             kept = []
             for dtype, dims in shapes:  # stacked over the layers, or [slots, layers, ...]
+                if not _FLOATING.match(dtype):  # token ids a loop carries are no residual
+                    continue
                 at = _position(tuple(dims), layers, rows, tokens)
                 if at in (0, 1):
                     kept.append((dtype, tuple(dims[at:])))
