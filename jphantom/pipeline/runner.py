@@ -40,8 +40,9 @@ slot (one activation and one cotangent permute a tick); ZB-H1 and ZB-V as one sl
 With V more than twice the slots of a tick, a chunk's parameters are read from two copies per
 slot, one array per layer and leaf (a GEMM reads them in place; XLA copies a slice of the
 stack first), filled ahead of their runs of tasks in ticks the host gathers so that every device
-fills at once (:func:`jphantom.pipeline.copies.chunk_copies`); the slot's switch then holds one branch per task kind and
-copy, named with how many ticks each runs (:func:`jphantom.pipeline.copies.branch_ticks`).
+fills at once (:func:`jphantom.pipeline.copies.chunk_copies`); the slot's switch then holds one
+branch per task kind and copy, named with how many ticks each runs
+(:func:`jphantom.pipeline.copies.branch_ticks`).
 
 The residuals of ``jax.vjp`` (its ``Partial``'s leaves, less the chunk's own parameters, which are
 not copied) live in buffers with one slot per micro-batch in flight; received messages wait in
@@ -313,16 +314,17 @@ class _Step:
 
     def fill_copies(self, carry, row, p, rows):
         """The carry with slot ``p``'s copy ``fill`` of the row made local chunk
-        ``fill_chunk``'s parameters, where the row names one (:func:`jphantom.pipeline.copies.chunk_copies`), in place:
-        a loop of zero or one trips per copy (:func:`at_most_once`), named with the ticks of
-        ``rows`` in which some device fills it. Copying a chunk out of the stage's stack each
+        ``fill_chunk``'s parameters, where the row names one
+        (:func:`jphantom.pipeline.copies.chunk_copies`), in place: a loop of zero or one trips
+        per copy (:func:`at_most_once`), named with the ticks of ``rows`` in which some device
+        fills it (:func:`taken_scope`). Copying a chunk out of the stage's stack each
         task was 0.7 s of NeMo's 70B step; its devices fill a copy together, once in P ticks."""
         held = list(carry["copies"][p])
         for c in (0, 1):
             def fill(params):
                 return cast_like(self.fetched(field(row, "fill_chunk")), params)
             taken = int((np.asarray(rows)[..., _F["fill"]] == c).any(axis=1).sum())
-            with jax.named_scope(f"fill_copy_{c}_taken_in_{taken}_of_{len(rows)}_ticks"):
+            with taken_scope(f"fill_copy_{c}", taken, len(rows)):
                 held[c] = at_most_once(field(row, "fill") == c, fill, held[c])
         copies = list(carry["copies"])
         copies[p] = held
@@ -453,7 +455,7 @@ class _Step:
         branches = [(0, None)] + [(k, c) for k in kinds if k for c in copies]
         index_of = np.zeros((len(KINDS), 2), np.int32)  # (kind, copy) -> branch
         for i, (k, c) in enumerate(branches):
-            index_of[k, c or 0] = index_of[k, 1 if c is None else c] = i
+            index_of[k, [0, 1] if c is None else c] = i  # a kind without copies: both
 
         def run_slot(carry, row):
             self.tracing = rows  # the rows :meth:`taken` counts while this slot is traced
@@ -506,8 +508,7 @@ class _Step:
         the cond's branches by that share of its loop's trips, not every trip at the slower
         branch (:mod:`jphantom.predict.timeline`): the head runs in M ticks of a schedule of
         about V M, the embedding's backward likewise."""
-        taken, ticks = ticks_taken(self.tracing, when)
-        return jax.named_scope(f"{when.__name__.lstrip('_')}_taken_in_{taken}_of_{ticks}_ticks")
+        return taken_scope(when.__name__.lstrip("_"), *ticks_taken(self.tracing, when))
 
     def exchange(self, carry, row, msg, send_next, send_prev):
         """The slot's message kept (zb-v's turn) or sent to the next and the previous device,
@@ -536,6 +537,13 @@ def _on_head(kind, first, last):
 def _on_embedding(kind, first, last):
     """B or BW on the first chunk: the embedding's gradient (:meth:`_Step.taken`)."""
     return ((kind == B_) | (kind == BW_)) & first
+
+
+def taken_scope(name: str, taken: int, ticks: int):
+    """The name scope ``<name>_taken_in_<taken>_of_<ticks>_ticks`` of a cond or a loop of at
+    most one trip that runs in ``taken`` of its loop's ``ticks`` trips, which the HLO accounting
+    and the predictor read (:func:`jphantom.analysis.hlo.callgraph.taken_share`)."""
+    return jax.named_scope(f"{name}_taken_in_{taken}_of_{ticks}_ticks")
 
 
 def ticks_taken(rows, when) -> tuple[int, int]:

@@ -36,7 +36,7 @@ from collections.abc import Mapping
 
 from jphantom.analysis.hlo.gemms import GemmIndex, custom_call_target
 from jphantom.analysis.hlo.text import (Computation, Instruction, backend_config,
-                                        called_computations, parse_shapes, type_bytes)
+                                        called_computations, op_name, parse_shapes, type_bytes)
 from jphantom.predict.device import DeviceModel
 
 FREE = frozenset({
@@ -47,7 +47,6 @@ FREE = frozenset({
 FREE_TARGETS = frozenset({"AllocateBuffer"})
 """Custom-call targets that launch nothing (module docstring)."""
 _SLICERS = frozenset({"dynamic-slice", "slice", "gather"})
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
 # jphantom.nn.flash's block kernels, by the name they keep in the compiled program's op_name
 _FLASH = re.compile(r"(ring_block|packed_attention)_(forward|backward)(_causal)?\)*/pallas_call")
 
@@ -68,11 +67,6 @@ class Cost:
 def _dims(type_text: str) -> tuple[str, tuple[int, ...]]:
     shapes = parse_shapes(type_text)
     return shapes[0] if shapes else ("", ())
-
-
-def op_name(instr: Instruction) -> str:
-    found = _OP_NAME.search(instr.attrs)
-    return found[1] if found else ""
 
 
 class KernelPricer:

@@ -19,11 +19,10 @@ trip count (XLA's ``known_trip_count``, else its condition's constant:
 slowest branch (in the pipeline executor's SPMD switch every device waits for the slowest), or,
 where its op_name ends in ``taken_in_<n>_of_<t>_ticks/cond``, its true branch in n of its loop's
 t trips and its false branch in the rest (the pipeline executor's entry branch, which some
-device takes in only M ticks of a schedule of about V M: :meth:`jphantom.pipeline.runner._Step.taken`),
-and a ``while`` of zero or one trips under such a scope (its head and embedding gradients:
-:func:`jphantom.pipeline.runner.at_most_once`) runs its body n / t times; a ``call`` runs its
-callee in place. Each
-collective's group is placed on nodes by ``node_of`` (the device id's node), so a group that
+device takes in only M ticks of a schedule of about V M:
+:meth:`jphantom.pipeline.runner._Step.taken`), and a ``while`` of zero or one trips under such
+a scope (its head and embedding gradients: :func:`jphantom.pipeline.runner.at_most_once`) runs
+its body n / t times; a ``call`` runs its callee in place. Each collective's group is placed on nodes by ``node_of`` (the device id's node), so a group that
 spans nodes is priced on the NICs, and on a device with packages (``gpus_per_package``:
 consecutive ids) a group inside one package on its link.
 

@@ -274,6 +274,20 @@ def test_a_loop_of_at_most_one_trip_under_a_taken_scope_counts_once():
     assert [c.count for c in hlo.collectives(scoped)] == [1, 1]
 
 
+def test_a_switch_naming_its_branch_ticks_counts_each_branch_that_often():
+    """The pipeline executor's switch names how many of its loop's t trips each branch runs
+    (``branch_ticks_<n0>_<n1>_of_<t>_ticks``, jphantom.pipeline.copies.branch_ticks): each
+    branch's collectives count that many times, and their bytes with them, not once a trip."""
+    scoped = SYNTHETIC.replace(
+        "branch_computations={%branch0, %branch1}",
+        'branch_computations={%branch0, %branch1}, '
+        'metadata={op_name="jit(step)/branch_ticks_3_7_of_10_ticks/cond"}')
+    assert {k: v for k, v in hlo.multipliers(hlo.parse_module(scoped)).items()
+            if k.startswith("branch")} == {"branch0": 3, "branch1": 7}
+    assert [(c.name, c.count, c.bytes) for c in hlo.collectives(scoped)] == [
+        ("ar", 3, 32), ("ag-done", 7, 32)]
+
+
 def test_a_bound_hidden_from_xla_is_read_back():
     """The step's accumulation loop hides its bound from XLA behind an optimization barrier
     (:func:`jphantom.step.grads.accumulate`, so that XLA's GPU passes leave it a loop): the loop

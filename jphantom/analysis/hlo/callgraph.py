@@ -12,12 +12,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from jphantom.analysis.hlo.text import Computation, Instruction, backend_config, called_computations
+from jphantom.analysis.hlo.text import (Computation, Instruction, backend_config,
+                                       called_computations, op_name)
 
 
 _TRIP = re.compile(r'\\?"known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"?(-?\d+)')
 _DIRECTION = re.compile(r"direction=(\w+)")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TAKEN = re.compile(r"taken_in_(\d+)_of_(\d+)_ticks/(cond|while)$")
 _BRANCH_TICKS = re.compile(r"branch_ticks_((?:\d+_)+)of_(\d+)_ticks/cond$")
 
@@ -27,8 +27,7 @@ def taken_share(instr: Instruction) -> float | None:
     ``while`` of zero or one trips runs its body, from the name scope
     ``taken_in_<n>_of_<t>_ticks`` that directly holds it (None without one:
     :meth:`jphantom.pipeline.runner._Step.taken`)."""
-    name = _OP_NAME.search(instr.attrs)
-    found = _TAKEN.search(name[1]) if name else None
+    found = _TAKEN.search(op_name(instr))
     return None if found is None else int(found[1]) / max(1, int(found[2]))
 
 
@@ -37,8 +36,7 @@ def branch_ticks(instr: Instruction) -> tuple[tuple[int, ...], int] | None:
     that runs it most, and ``t``, from the name scope ``branch_ticks_<n0>_<n1>_..._of_<t>_ticks``
     that directly holds it (None without one: the pipeline executor's switch,
     :meth:`jphantom.pipeline.runner._Step.slot`)."""
-    name = _OP_NAME.search(instr.attrs)
-    found = _BRANCH_TICKS.search(name[1]) if name else None
+    found = _BRANCH_TICKS.search(op_name(instr))
     if found is None:
         return None
     return tuple(int(n) for n in found[1].rstrip("_").split("_")), int(found[2])

@@ -22,6 +22,7 @@ ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 # Groups come as {{0,1},{2,3}}, as iota [2,4]<=[8] (optionally with T(...)), or as
 # mesh['x'=2,'y'=4] {'y'}; this fallback pattern cuts the value at the next attribute.
 _GROUPS = re.compile(r"replica_groups=(.*?)(?:, [a-z_]+=|$)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 IOTA = re.compile(r"\[([0-9,]*)\]<=\[([0-9,]*)\](?:T\(([0-9,]*)\))?")
 
 
@@ -193,6 +194,12 @@ def called_computations(instr: Instruction) -> list[tuple[str, str]]:
         for name in re.findall(r"%?([\w.\-]+)", match["value"]):
             found.append((match["key"], name))
     return found
+
+
+def op_name(instr: Instruction) -> str:
+    """The op_name of ``instr``'s metadata (its jax name scope), or ""."""
+    found = _OP_NAME.search(instr.attrs)
+    return found[1] if found else ""
 
 
 def backend_config(instr: Instruction) -> dict:
