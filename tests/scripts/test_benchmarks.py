@@ -188,3 +188,25 @@ def test_code_counts_see_what_the_function_rule_sees():
     assert result["root_modules"] == len(result["root_module_names"])
     assert all(len(where) > 1 for where in result["shared_class_names"].values())
     assert result["config_build_call_sites"] >= 1
+
+
+def test_suite_time_sums_its_workers_files(tmp_path):
+    """benchmarks/suite_time.py: the per-worker sums add up over the workers, by phase."""
+    path = SCRIPT.parent / "suite_time.py"
+    spec = importlib.util.spec_from_file_location("suite_time", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    summary = module.summary
+    for worker, (compile_s, hits) in {"gw0": (2.0, 1), "gw1": (3.5, 2)}.items():
+        (tmp_path / f"{worker}.json").write_text(json.dumps({
+            "sums": {"/jax/core/compile/backend_compile_duration": compile_s,
+                     "/jax/core/compile/jaxpr_trace_duration": 1.0},
+            "counts": {"/jax/compilation_cache/cache_hits": hits,
+                       "/jax/compilation_cache/compile_requests_use_cache": 4,
+                       "gc generation 2": 1},
+            "gc_seconds": 0.25}))
+    got = summary(tmp_path)
+    assert got["backend compile"] == 5.5 and got["tracing"] == 2.0
+    assert got["lowering to MLIR"] == 0.0
+    assert got["compile requests"] == 8 and got["cache hits"] == 3
+    assert got["garbage collector s"] == 0.5 and got["collections"] == {"gc generation 2": 2}

@@ -1,0 +1,110 @@
+"""Where `make test`'s time goes: the fast suite under a pytest plugin that sums jax's
+compile-phase events (tracing, lowering to MLIR, XLA's backend compile, the compilation cache's
+hits) and the time Python's cyclic garbage collector runs, per xdist worker, then prints the
+sums over the workers. The README's Testing section quotes its numbers.
+
+    python benchmarks/suite_time.py            # the interpreter that runs it runs the suite
+    python benchmarks/suite_time.py --out DIR  # per-worker JSON and the sums in DIR
+
+It runs the whole fast suite (10-17 minutes on 2 cores): never beside another suite or benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EVENTS = {"/jax/core/compile/backend_compile_duration": "backend compile",
+          "/jax/core/compile/jaxpr_trace_duration": "tracing",
+          "/jax/core/compile/jaxpr_to_mlir_module_duration": "lowering to MLIR"}
+
+
+class Plugin:
+    """Sums jax's duration events and the collector's pauses in this worker; writes them at the
+    session's end to ``$SUITE_TIME_OUT/<worker>.json``."""
+
+    def __init__(self):
+        import jax
+
+        self.sums, self.counts = collections.defaultdict(float), collections.Counter()
+        self.gc_seconds, self._gc_start = 0.0, None
+        jax.monitoring.register_event_duration_secs_listener(self._duration)
+        jax.monitoring.register_event_listener(self._event)
+        gc.callbacks.append(self._gc)
+
+    def _duration(self, event, duration, **_):
+        self.sums[event] += duration
+        self.counts[event] += 1
+
+    def _event(self, event, **_):
+        self.counts[event] += 1
+
+    def _gc(self, phase, info):
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            self.gc_seconds += time.perf_counter() - self._gc_start
+            self.counts[f"gc generation {info['generation']}"] += 1
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "controller")
+        out = pathlib.Path(os.environ["SUITE_TIME_OUT"]) / f"{worker}.json"
+        out.write_text(json.dumps({"sums": self.sums, "counts": self.counts,
+                                   "gc_seconds": self.gc_seconds}, indent=1))
+
+
+def pytest_configure(config):
+    """Loaded with ``-p suite_time``: register the plugin in each process that runs tests."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        config.pluginmanager.register(Plugin(), "suite_time_sums")
+
+
+def summary(folder: pathlib.Path) -> dict:
+    """The per-worker files of ``folder`` summed: seconds per phase, compile requests, the
+    compilation cache's hits and the collector's seconds and collections."""
+    sums, counts, gc_seconds = collections.Counter(), collections.Counter(), 0.0
+    for path in sorted(folder.glob("gw*.json")):
+        data = json.loads(path.read_text())
+        sums.update(data["sums"])
+        counts.update(data["counts"])
+        gc_seconds += data["gc_seconds"]
+    return {**{name: round(sums[event], 1) for event, name in EVENTS.items()},
+            "compile requests": counts["/jax/compilation_cache/compile_requests_use_cache"],
+            "cache hits": counts["/jax/compilation_cache/cache_hits"],
+            "garbage collector s": round(gc_seconds, 1),
+            "collections": {k: v for k, v in counts.items() if k.startswith("gc generation")}}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=pathlib.Path, default=None,
+                        help="folder for the per-worker JSON and summary.json (default: a "
+                             "scratch folder)")
+    args = parser.parse_args(argv)
+    out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="suite_time-"))
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "SUITE_TIME_OUT": str(out),
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-n", "2",
+                           "--dist", "loadfile", "-p", "suite_time", "-p", "no:cacheprovider"],
+                          cwd=ROOT, env=env)
+    result = {"wall s": round(time.perf_counter() - start, 1), "exit": done.returncode,
+              "python": sys.version.split()[0], **summary(out)}
+    (out / "summary.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+    return done.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
