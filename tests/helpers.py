@@ -21,6 +21,20 @@ FUSION_EMITTERS = ({"xla_cpu_use_fusion_emitters": True}
                    else {})
 
 
+def child_env(devices: int | None = None, **extra: str) -> dict[str, str]:
+    """The environment for a process a test starts: this one's, with the suite's compile-speed
+    XLA flags (tests/conftest.py: LLVM at -O0, jax 0.10's legacy emitters) but not its 8-device
+    count, which the child sets itself (``--devices``) or takes from ``devices``. Without them a
+    child compiled at XLA's default optimisation and, on jax 0.10, with the slower emitters."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    return {**env, **extra}
+
+
 def jit_exact(fn, **kwargs):
     """``jax.jit`` for a float64 check at 1e-10 or an FP8 step in FNUZ formats: compiled with
     jax's fusion emitters."""

@@ -13,6 +13,7 @@ import pytest
 from jphantom.config import RunConfig, check_vocabulary
 from jphantom.errors import ConfigError
 from jphantom.loop.sources import document_data, text_source
+from helpers import child_env
 
 FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures"
 CHAT = FIXTURES / "chat"
@@ -214,7 +215,6 @@ def test_fine_tune_padded_and_save_a_chat_model(tmp_path):
 def test_two_processes_read_their_rows_and_train_as_one(tmp_path):
     """``jphantom launch -n 2``: each process builds only its rows of each packed batch, and the
     run's losses equal one process's on the same 8 devices."""
-    import os
     import subprocess
     import sys
 
@@ -224,7 +224,7 @@ def test_two_processes_read_their_rows_and_train_as_one(tmp_path):
              "--strategy", "tensor", "--mesh", "data=4,model=2", "--seq-len", "32",
              "--batch", "8", "--steps", "3", "--eval-every", "3", "--eval-batches", "1",
              "--no-progress"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     found = []
     for name, command in (("one", ["--devices", "8"]),
                           ("two", ["launch", "-n", "2", "--devices-per-process", "4", "--",

@@ -18,6 +18,7 @@ from jphantom.config import RunConfig
 from jphantom.loop.trainer import run
 
 from conftest import require_devices
+from helpers import child_env
 
 FFN = dict(model="ffn", strategy="tensor", width=16, depth=2, batch=16, eval_every=2,
            eval_batches=1, progress=False)
@@ -104,7 +105,7 @@ def test_a_run_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tm
     common = ["train", "--model", "ffn", "--strategy", "tensor", "--width", "64", "--depth", "4",
               "--mesh", "data=2,model=2", "--batch", "32", "--steps", "40", "--eval-every", "40",
               "--eval-batches", "1", "--no-progress", "--devices", "4"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = child_env(devices=4)
     command = [sys.executable, "-m", "jphantom.cli", *common, "--checkpoint-dir", str(ckpt),
                "--save-every", "1", "--keep-checkpoints", "100", "--out", str(out)]
     child = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
@@ -138,7 +139,7 @@ def test_ctrl_c_stops_at_a_step_writes_what_the_run_has_and_exits_130(tmp_path):
                "--batch", "16", "--steps", "100000", "--eval-every", "100000",
                "--eval-batches", "1", "--no-progress", "--devices", "2",
                "--checkpoint-dir", str(ckpt), "--out", str(out)]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = child_env(devices=2)
     child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True)
     metrics = out / "metrics.jsonl"

@@ -5,6 +5,7 @@ near-hang)."""
 import pytest
 
 from jphantom import cli
+from helpers import child_env
 
 LM = ["--layers", "1", "--hidden", "16", "--heads", "2", "--steps", "1", "--no-progress"]
 
@@ -168,8 +169,7 @@ def test_a_mesh_that_leaves_a_process_without_devices_is_one_line(capsys):
                "4", "--", "jphantom", "train", "--strategy", "tensor", "--mesh", "data=8", *LM,
                "--out", "/tmp/unused-jphantom-out"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120,
-                          env={k: v for k, v in __import__("os").environ.items()
-                               if k != "XLA_FLAGS"})
+                          env=child_env())
     assert done.returncode == 1
     assert "process(es) 2 hold none of them" in done.stderr and "Traceback" not in done.stderr
 

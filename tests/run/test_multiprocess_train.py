@@ -3,13 +3,13 @@ train phantom and the tensor-parallel GPT exactly as 1 process x 8 devices, step
 and parameters; process 0 alone writes the outputs."""
 
 import json
-import os
 import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
+from helpers import child_env
 
 # SGD: Adam would turn the rounding noise of gradients that are exactly zero in exact arithmetic
 # (the GPT's key bias: softmax ignores it) into lr-sized steps of either sign
@@ -25,7 +25,7 @@ RUNS = {
 
 
 def _run(command, cwd):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=cwd)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return done

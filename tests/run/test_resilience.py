@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from jphantom import cli
+from helpers import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--model", "gpt2", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq-len", "16",
@@ -26,7 +27,7 @@ TINY = ["--model", "gpt2", "--layers", "1", "--hidden", "32", "--heads", "2", "-
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JPHANTOM_", "XLA_FLAGS"))}
+    env = {k: v for k, v in child_env().items() if not k.startswith("JPHANTOM_")}
     return {**env, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
 
 
