@@ -93,8 +93,8 @@ def main(argv=None) -> int:
     out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="suite_time-"))
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "SUITE_TIME_OUT": str(out),
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"),
-                                          os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "benchmarks"),
+                                                       os.environ.get("PYTHONPATH")]))}
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-n", "2",
                            "--dist", "loadfile", "-p", "suite_time", "-p", "no:cacheprovider"],

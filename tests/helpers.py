@@ -21,7 +21,7 @@ FUSION_EMITTERS = ({"xla_cpu_use_fusion_emitters": True}
                    else {})
 
 
-def child_env(devices: int | None = None, **extra: str) -> dict[str, str]:
+def child_env(devices: int | None = None) -> dict[str, str]:
     """The environment for a process a test starts: this one's, with the suite's compile-speed
     XLA flags (tests/conftest.py: LLVM at -O0, jax 0.10's legacy emitters) but not its 8-device
     count, which the child sets itself (``--devices``) or takes from ``devices``. Without them a
@@ -32,7 +32,7 @@ def child_env(devices: int | None = None, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     if flags:
         env["XLA_FLAGS"] = " ".join(flags)
-    return {**env, **extra}
+    return env
 
 
 def jit_exact(fn, **kwargs):

@@ -22,9 +22,10 @@ t trips and its false branch in the rest (the pipeline executor's entry branch, 
 device takes in only M ticks of a schedule of about V M:
 :meth:`jphantom.pipeline.runner._Step.taken`), and a ``while`` of zero or one trips under such
 a scope (its head and embedding gradients: :func:`jphantom.pipeline.runner.at_most_once`) runs
-its body n / t times; a ``call`` runs its callee in place. Each collective's group is placed on nodes by ``node_of`` (the device id's node), so a group that
-spans nodes is priced on the NICs, and on a device with packages (``gpus_per_package``:
-consecutive ids) a group inside one package on its link.
+its body n / t times; a ``call`` runs its callee in place. Each collective's group is placed on
+nodes by ``node_of`` (the device id's node), so a group that spans nodes is priced on the NICs, and
+on a device with packages (``gpus_per_package``: consecutive ids) a group inside one package on its
+link.
 
 The result (:class:`Timeline`) splits the step into compute seconds, communication hidden under
 compute, and communication exposed (the compute stream waiting on a collective): ``step = compute

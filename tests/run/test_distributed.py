@@ -34,6 +34,7 @@ from jphantom import cli
 from jphantom.runtime import distributed, launch
 from jphantom.runtime.coordinator import check_port_free, probe_coordinator, split_address
 from jphantom.errors import ConfigError
+from helpers import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_distributed_worker.py")
@@ -80,10 +81,8 @@ def server(reply: bytes | None):
 
 def clean_env(extra: dict[str, str] | None = None, local_devices: int = 2) -> dict[str, str]:
     """The parent's environment without device count, cluster variables or jax settings."""
-    env = {k: v for k, v in os.environ.items()
+    env = {k: v for k, v in child_env(local_devices).items()
            if not k.startswith(("JPHANTOM_", "SLURM_", "OMPI_", "PMI_", "JAX_"))}
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={local_devices}"])
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env["PYTHONUNBUFFERED"] = "1"
