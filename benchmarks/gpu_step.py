@@ -169,19 +169,32 @@ def _kernels(hlo_text: str) -> dict:
 
 
 def gemm_rates(small: bool) -> dict:
-    """bf16 and FP8 (E4M3 x E4M3 -> bf16) matrix products of n^3 on the device: TFLOP/s."""
+    """bf16 and FP8 (E4M3 x E4M3 -> bf16) matrix products of n^3 on the device: TFLOP/s, and the
+    kernels XLA chose. ``fp8`` is compiled as an FP8 run's GEMMs are (on NVIDIA GPUs
+    ``gpu_defaults.fp8_gemm_options``: cuBLAS-LT's FP8 call, B stored [N, K] as that call takes
+    it); ``fp8_bf16_flags`` is the same product under this process's bf16 flags (Triton GEMMs
+    on: what this variant measured before it compiled FP8 as the runs do)."""
     import jax
     import jax.numpy as jnp
+
+    from jphantom.runtime import gpu_defaults
 
     n = 1024 if small else 8192
     device = jax.devices()[0]
     out = {"n": n, "device": getattr(device, "device_kind", device.platform),
            "platform": device.platform, "jax": jax.__version__}
-    for name, dtype in (("bf16", jnp.bfloat16), ("fp8", jnp.float8_e4m3fn)):
+    nn = lambda a, b: jax.lax.dot(a, b, preferred_element_type=jnp.bfloat16)
+    tn = lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                          preferred_element_type=jnp.bfloat16)
+    fp8 = gpu_defaults.fp8_gemm_options(device)
+    for name, dtype, product, options in (("bf16", jnp.bfloat16, nn, {}),
+                                          ("fp8", jnp.float8_e4m3fn, tn, fp8),
+                                          ("fp8_bf16_flags", jnp.float8_e4m3fn, nn, {})):
         a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32).astype(dtype)
         b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32).astype(dtype)
-        f = jax.jit(lambda a, b: jax.lax.dot(a, b, preferred_element_type=jnp.bfloat16))
         try:
+            f = jax.jit(product).lower(a, b).compile(compiler_options=options or None)
+            out[f"{name}_gemms"] = _kernels(f.as_text()).get("gemms", {}).get("by_kind")
             f(a, b).block_until_ready()
             times = []
             for _ in range(10):
@@ -192,6 +205,7 @@ def gemm_rates(small: bool) -> dict:
             out[f"{name}_tflops"] = 2 * n ** 3 / times[len(times) // 2] / 1e12
         except Exception as error:  # noqa: BLE001 (no FP8 GEMM on this platform)
             out[f"{name}_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+    out["fp8_compiler_options"] = fp8
     return out
 
 

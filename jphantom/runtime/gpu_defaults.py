@@ -235,5 +235,22 @@ def nvidia_gpu_visible(env=None) -> bool:
                                                      for m in GPU_PLUGINS["nvidia-smi"])
 
 
+def fp8_gemm_options(device, environ: MutableMapping[str, str] | None = None
+                     ) -> dict[str, bool | int | float | str]:
+    """``compile(compiler_options=...)`` for an FP8 GEMM measured by itself on ``device`` (a jax
+    device) with the kernel an FP8 run's GEMMs get: on an NVIDIA GPU :data:`FP8_XLA_FLAGS`, as
+    ``environ``'s ``XLA_FLAGS`` (default ``os.environ``) leaves them (a value the user set wins);
+    elsewhere none. A benchmark's process started with the bf16 flags (Triton GEMMs on), so an
+    FP8 GEMM compiled without these would time Triton's fusion, not the cuBLAS-LT call that
+    ``--precision fp8`` runs."""
+    if getattr(device, "platform", "") not in ("gpu", "cuda") or "nvidia" not in str(
+            getattr(device, "device_kind", "")).lower():
+        return {}
+    environ = os.environ if environ is None else environ
+    merged, _ = merge_flags(environ.get("XLA_FLAGS", ""), FP8_XLA_FLAGS)
+    return compiler_options(merged, FP8_XLA_FLAGS)
+
+
 __all__ = ["ENVIRONMENT", "FP8_XLA_FLAGS", "PIPELINE_XLA_FLAGS", "XLA_FLAGS", "apply",
-           "compiler_options", "flag_names", "is_pipelined", "merge_flags", "nvidia_gpu_visible"]
+           "compiler_options", "flag_names", "fp8_gemm_options", "is_pipelined", "merge_flags",
+           "nvidia_gpu_visible"]

@@ -18,6 +18,7 @@ import pytest
 from jphantom.costs import aot, budget
 from jphantom.cli import main
 from jphantom.errors import ConfigError
+from jphantom.runtime import gpu_defaults
 from jphantom.runtime.mesh import MeshConfig, node_split
 
 GPU_PROBLEM = aot.plugin_problem("gpu")
@@ -359,8 +360,14 @@ def test_cudnn_attention_and_an_fp8_gemm_compile_for_h100_and_are_counted():
         return jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())),
                                    preferred_element_type=jnp.bfloat16)
 
-    gemms = hlo.kernels(jax.jit(fp8_matmul).lower(f8, w8).compile().as_text())["gemms"]
-    assert gemms["total"] == gemms["fp8"] == 1
+    lowered = jax.jit(fp8_matmul).lower(f8, w8)
+    gemms = hlo.kernels(lowered.compile().as_text())["gemms"]
+    assert gemms["total"] == gemms["fp8"] == 1 and gemms["by_kind"] == {"triton": 1}
+    # what a GEMM benchmark compiles its FP8 product with (benchmarks/gpu_step.py, calibrate.py):
+    # the FP8 run's kernel, cuBLAS-LT's FP8 call, in a process with the bf16 flags
+    options = gpu_defaults.fp8_gemm_options(device.device_set.pop(), {})
+    gemms = hlo.kernels(lowered.compile(compiler_options=options).as_text())["gemms"]
+    assert gemms["by_kind"] == {"cublas_lt_f8": 1}
 
 
 @needs_gpu_compiler

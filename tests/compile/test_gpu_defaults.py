@@ -122,6 +122,20 @@ def test_fp8_runs_get_cublaslt_fp8_gemms_and_no_other_run_does(monkeypatch, caps
     assert "triton" not in capsys.readouterr().out + os.environ["XLA_FLAGS"]
 
 
+def test_an_fp8_gemm_benchmark_compiles_with_the_fp8_runs_kernel_choice():
+    """A GEMM benchmark's process has the bf16 flags (Triton GEMMs on): its FP8 GEMM gets the FP8
+    run's options per compile on an NVIDIA GPU (the user's value kept), none elsewhere."""
+    from types import SimpleNamespace
+
+    h200 = SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")
+    assert gpu_defaults.fp8_gemm_options(h200, {}) == {"xla_gpu_enable_triton_gemm": False}
+    mine = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true"}
+    assert gpu_defaults.fp8_gemm_options(h200, mine) == {"xla_gpu_enable_triton_gemm": True}
+    for other in (SimpleNamespace(platform="gpu", device_kind="AMD Instinct MI300X"),
+                  SimpleNamespace(platform="cpu", device_kind="cpu")):
+        assert gpu_defaults.fp8_gemm_options(other, {}) == {}
+
+
 def test_pipelined_runs_do_not_double_buffer_their_loops(monkeypatch, capsys):
     """A run with a ``stage`` axis over 1 gets --xla_gpu_enable_while_loop_double_buffering=false
     (PIPELINE_XLA_FLAGS: the schedule's tick loop unrolled by two held two ticks' buffers and
