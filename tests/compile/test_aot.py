@@ -371,6 +371,27 @@ def test_cudnn_attention_and_an_fp8_gemm_compile_for_h100_and_are_counted():
 
 
 @needs_gpu_compiler
+def test_an_fp8_gemm_with_a_bf16_result_saves_a_pass_on_h100_and_is_not_exact_on_cpu():
+    """benchmarks/fp8_gemm_forms.py: jphantom's FP8 GEMM (a float32 result times the scales, then
+    bf16) is one cuBLAS-LT FP8 call plus a float32 -> bf16 pass on an H100, and on CPU exactly
+    the once-rounded result; asking the dot for bf16 (after it, or on bf16-dequantised operands)
+    makes the call write bf16 with no such pass, and on CPU rounds twice (1-2 bf16 ulps off)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "benchmarks"))
+    import fp8_gemm_forms as forms
+
+    rows = {name: {**forms.h100_kernels(form, 512), "cpu": forms.cpu_error(form, 64)}
+            for name, form in forms.FORMS.items()}
+    for row in rows.values():
+        assert row["gemms"] == {"cublas_lt_f8": 1}
+    assert rows["f32-result"]["fp8_call_output"] == "f32" and rows["f32-result"]["cpu"] == 0
+    assert "bf16[512,512]" in rows["f32-result"]["other_kernels"]
+    for name in ("bf16-result", "dequantised"):
+        assert rows[name]["fp8_call_output"] == "bf16", rows[name]
+        assert "bf16[512,512]" not in rows[name]["other_kernels"]
+        assert 0 < rows[name]["cpu"] <= 2
+
+
+@needs_gpu_compiler
 def test_the_fp8_step_has_fp8_gemms_and_the_bf16_step_none(h100):
     """--precision fp8 (8-bit operands into the layers' GEMMs) shows in the report's kernels;
     bf16 has none, and both run cuDNN's attention forward and backward once per layer."""
