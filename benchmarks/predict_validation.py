@@ -13,7 +13,8 @@ Parts (``--parts``, all by default):
 ``published``  each run of ``benchmarks/published_runs.toml`` (MaxText, NeMo, Megatron-Bridge,
                torchtitan on 8-128 H100s): jphantom's equivalent layout (the same model, mesh,
                ZeRO stage, global batch, micro-batch as accumulation, precision, checkpointing)
-               compiled for that many H100s and simulated on ``h100-sxm.toml``; predicted
+               compiled for that many H100s and simulated on ``h100-sxm.toml`` (``--device``:
+               another description, e.g. ``benchmarks/calibrate.py``'s of a card); predicted
                tokens/s per GPU over the published figure. A ratio is jphantom's predicted
                program against the peer's measured one: where the programs differ (kernels,
                FP8 recipe, overlap) is said per run.
@@ -38,6 +39,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 import tomllib
 from pathlib import Path
@@ -270,13 +272,31 @@ def fitting_variant(flags: dict, target, device, row: dict) -> dict:
     return out
 
 
-def part_published(only: list[str] | None = None) -> dict:
+def memory_by_source(hlo_text: str, device, run: dict, top: int = 8) -> list[dict]:
+    """The step's memory-bound kernels summed by the jax operation they come from (the last two
+    parts of their source path, e.g. ``jvp()/reduce_max``: FP8's amax reductions), the ``top``
+    largest: seconds and executions per step."""
+    from jphantom.predict import predict
+
+    p = predict(hlo_text, device, devices=run["gpus"], gpus_per_node=run["gpus_per_node"],
+                top=10**6)
+    sums: dict[str, list[float]] = {}
+    for op in p.top_ops:
+        if op["kind"] == "memory":
+            row = sums.setdefault("/".join(op["source"].split("/")[-2:]) or op["op"], [0.0, 0])
+            row[0] += op["seconds"]
+            row[1] += op["count"]
+    ranked = sorted(sums.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"source": k, "seconds": v[0], "executions": v[1]} for k, v in ranked]
+
+
+def part_published(only: list[str] | None = None, device_name: str = "h100-sxm") -> dict:
     from jphantom.costs import aot
     from jphantom.errors import ConfigError
     from jphantom.predict import load
 
     runs = tomllib.loads((ROOT / "benchmarks/published_runs.toml").read_text())["run"]
-    device = load("h100-sxm")
+    device = load(device_name)
     rows = []
     for run in runs:
         if only and run["id"] not in only:
@@ -289,8 +309,9 @@ def part_published(only: list[str] | None = None) -> dict:
         target = aot.Target.parse("gpu:h100", nodes=run["gpus"] // run["gpus_per_node"],
                                   gpus_per_node=run["gpus_per_node"])
         t0 = time.perf_counter()
+        hlo = Path(tempfile.gettempdir()) / f"predict_validation.{os.getpid()}.hlo"
         try:
-            report = aot.compile_report(flags, target, predict_on=device)
+            report = aot.compile_report(flags, target, predict_on=device, hlo_out=hlo)
         except (ConfigError, ValueError) as error:
             row["refused"] = str(error).split("\n")[0]
             log(f"{run['id']}: jphantom refuses the equivalent layout: {row['refused']}")
@@ -307,7 +328,9 @@ def part_published(only: list[str] | None = None) -> dict:
                 "kernels": report["kernels"]["gemms"] if "gemms" in report["kernels"] else None,
                 "by_kind_s": p["by_kind_s"], "top_ops": [
                     {k: op[k] for k in ("op", "kind", "seconds", "count", "source")}
-                    for op in p["top_ops"][:10]]}
+                    for op in p["top_ops"][:10]],
+                "memory_by_source": memory_by_source(hlo.read_text(), device, run)}
+        hlo.unlink()
         row["ratio"] = (row["predicted_tokens_per_second_per_gpu"]
                         / row["published_tokens_per_second_per_gpu"])
         if not row["fits"]:  # what a jphantom user would run instead: the first that fits
@@ -321,6 +344,8 @@ def part_published(only: list[str] | None = None) -> dict:
             f"fraction {row['allocator_fraction']}, needs {row['fraction_needed']:.3f}) "
             "vs published "
             f"{run['tokens_per_second_per_gpu']:,.0f}: ratio {row['ratio']:.2f}")
+        log("  memory-bound by source: " + ", ".join(
+            f"{m['source']} {m['seconds']:.3f} s" for m in row["memory_by_source"][:6]))
         if "zero2" in row:
             z = row["zero2"]
             log("  ZeRO-2 (the same layout, each micro-batch's gradients reduce-scattered into "
@@ -337,7 +362,8 @@ def part_published(only: list[str] | None = None) -> dict:
                                        f"{f['predicted_tokens_per_second_per_gpu']:,.0f} "
                                        f"tok/s/GPU, ratio {f['ratio']:.2f}"))
         rows.append(row)
-    return {"device": "h100-sxm", "rows": rows}
+    return {"device": device.name, "device_file": str(device.path or device_name),
+            "rows": rows}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -447,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
                         choices=["gpu_step", "published", "seal"])
     parser.add_argument("--runs", nargs="*", default=None, help="published run ids (default all)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/predict"))
+    parser.add_argument("--device", default="h100-sxm",
+                        help="the description the published runs are priced on (a shipped name "
+                             "or a file, e.g. benchmarks/calibrate.py's): default h100-sxm")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -460,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     path = out / "predict_validation.json"
     previous = json.loads(path.read_text()) if path.exists() else {}
     if "published" in args.parts:
-        results["published"] = part_published(args.runs)
+        results["published"] = part_published(args.runs, args.device)
         if args.runs and "published" in previous:  # some runs again: the others as they were
             fresh = {r["id"]: r for r in results["published"]["rows"]}
             results["published"]["rows"] = [fresh.pop(r["id"], r) for r in
