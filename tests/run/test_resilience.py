@@ -58,7 +58,7 @@ def test_sigterm_writes_a_checkpoint_of_the_step_reached_and_resume_finishes_the
     --resume ends with the uninterrupted run's validation loss."""
     import threading
 
-    steps = ["--steps", "400", "--eval-every", "400"]
+    steps = ["--steps", "80", "--eval-every", "80"]  # ~4 ms a step: SIGTERM lands at 3-10
     ck, out = tmp_path / "ck", tmp_path / "out"
 
     def preempt():
@@ -73,7 +73,7 @@ def test_sigterm_writes_a_checkpoint_of_the_step_reached_and_resume_finishes_the
     reached = json.loads((out / "results.json").read_text())
     assert reached["interrupted"] and reached["stopped_by"] == "SIGTERM"
     assert reached["checkpoints"]["steps"] == [reached["steps_done"]]
-    assert 3 <= reached["steps_done"] < 400
+    assert 3 <= reached["steps_done"] < 80
     assert err.strip().splitlines()[-1] == (
         f"SIGTERM: stopped after step {reached['steps_done']}, wrote what the run had into "
         f"{out}; checkpoint of step {reached['steps_done']} in {ck} (continue with --resume)")
