@@ -8,7 +8,8 @@ Measured here, with jax, each number labelled ``source = "measured"`` and cited
                 8192^3 among them) in bf16, FP8 (E4M3 x E4M3 -> bf16, compiled as an FP8 run's
                 GEMMs are: ``gpu_defaults.fp8_gemm_options``, cuBLAS-LT's FP8 call on NVIDIA)
                 and float32 (default precision: TF32 tensor cores on Hopper).
-                ``gemm_efficiency.<dtype>`` = the 8192^3 rate / the datasheet peak. ``gemm_shape.k_half``: one parameter fitted by
+                ``gemm_efficiency.<dtype>`` = the 8192^3 rate / the datasheet peak.
+                ``gemm_shape.k_half``: one parameter fitted by
                 least squares on log rates over the bf16 and FP8 grids, the efficiency held at
                 the 8192^3 value and wave quantisation taken from ``sm_count`` and ``tile``
                 (device.py's model); shapes faster than 30 us a call are left out of the fit
