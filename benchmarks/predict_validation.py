@@ -39,7 +39,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import tomllib
 from pathlib import Path
@@ -272,16 +271,13 @@ def fitting_variant(flags: dict, target, device, row: dict) -> dict:
     return out
 
 
-def memory_by_source(hlo_text: str, device, run: dict, top: int = 8) -> list[dict]:
-    """The step's memory-bound kernels summed by the jax operation they come from (the last two
-    parts of their source path, e.g. ``jvp()/reduce_max``: FP8's amax reductions), the ``top``
-    largest: seconds and executions per step."""
-    from jphantom.predict import predict
-
-    p = predict(hlo_text, device, devices=run["gpus"], gpus_per_node=run["gpus_per_node"],
-                top=10**6)
+def memory_by_source(top_ops: list[dict], top: int = 8) -> list[dict]:
+    """The step's memory-bound kernels (a prediction's ``top_ops``, every op) summed by the jax
+    operation they come from (the last two parts of their source path, e.g.
+    ``jvp()/reduce_max``: FP8's amax reductions), the ``top`` largest: seconds and executions
+    per step."""
     sums: dict[str, list[float]] = {}
-    for op in p.top_ops:
+    for op in top_ops:
         if op["kind"] == "memory":
             row = sums.setdefault("/".join(op["source"].split("/")[-2:]) or op["op"], [0.0, 0])
             row[0] += op["seconds"]
@@ -309,9 +305,8 @@ def part_published(only: list[str] | None = None, device_name: str = "h100-sxm")
         target = aot.Target.parse("gpu:h100", nodes=run["gpus"] // run["gpus_per_node"],
                                   gpus_per_node=run["gpus_per_node"])
         t0 = time.perf_counter()
-        hlo = Path(tempfile.gettempdir()) / f"predict_validation.{os.getpid()}.hlo"
-        try:
-            report = aot.compile_report(flags, target, predict_on=device, hlo_out=hlo)
+        try:  # every op predicted, for the memory-bound ones by source
+            report = aot.compile_report(flags, target, predict_on=device, top=10**6)
         except (ConfigError, ValueError) as error:
             row["refused"] = str(error).split("\n")[0]
             log(f"{run['id']}: jphantom refuses the equivalent layout: {row['refused']}")
@@ -329,8 +324,7 @@ def part_published(only: list[str] | None = None, device_name: str = "h100-sxm")
                 "by_kind_s": p["by_kind_s"], "top_ops": [
                     {k: op[k] for k in ("op", "kind", "seconds", "count", "source")}
                     for op in p["top_ops"][:10]],
-                "memory_by_source": memory_by_source(hlo.read_text(), device, run)}
-        hlo.unlink()
+                "memory_by_source": memory_by_source(p["top_ops"])}
         row["ratio"] = (row["predicted_tokens_per_second_per_gpu"]
                         / row["published_tokens_per_second_per_gpu"])
         if not row["fits"]:  # what a jphantom user would run instead: the first that fits

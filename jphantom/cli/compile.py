@@ -146,7 +146,8 @@ def handle(args: argparse.Namespace) -> int:
             RunConfig.from_flags(**run).build()
             runs.append(run)
     reports = [aot.compile_report(run, target, devices=devices, gpu_defaults=gpu_defaults,
-                                  hlo_out=hlo[run["strategy"]], predict_on=predict_on)
+                                  hlo_out=hlo[run["strategy"]], predict_on=predict_on,
+                                  top=args.top)
                for run in runs]
     if predict_on is not None:  # each prediction with its device's error band on record
         from jphantom.predict.validation import error_band
@@ -169,8 +170,8 @@ def handle(args: argparse.Namespace) -> int:
             from jphantom.predict import Prediction, format_prediction
 
             fields = {f: report["prediction"][f] for f in Prediction.__dataclass_fields__}
-            print(format_prediction(Prediction(**{**fields, "top_ops": fields["top_ops"][
-                :args.top]}), f"prediction on {predict_on.description} ({predict_on.path}):"))
+            print(format_prediction(Prediction(**fields),
+                                    f"prediction on {predict_on.description} ({predict_on.path}):"))
         print()
     if args.out:
         print(f"wrote {args.out}/compile.json and {args.out}/compile.png")

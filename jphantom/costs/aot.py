@@ -286,7 +286,7 @@ def deviceless_node(name: str = "gpu:h100", nodes: int = 1) -> tuple["Target", l
 
 def compile_report(flags: dict, target: Target, *, devices: list | None = None,
                    gpu_defaults: bool = True, hlo_out: str | Path | None = None,
-                   predict_on=None) -> dict:
+                   predict_on=None, top: int = 10) -> dict:
     """Build the run of ``flags`` (:meth:`jphantom.config.RunConfig.from_flags` names) on
     ``target``'s devices (``devices``: already fetched ones, to share them between runs), compile
     its training step and report it (module docstring). For a GPU target the compile gets
@@ -297,7 +297,7 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
     with. ``hlo_out``: also write the optimised HLO text there. ``predict_on``: a
     :class:`jphantom.predict.DeviceModel` to play the compiled program on
     (:func:`jphantom.predict.predict`; the report's ``prediction``: step seconds, MFU, tokens/s
-    per GPU, joules, all modelled). Raises :class:`ConfigError` for a run that cannot be built
+    per GPU, joules, all modelled; its ``top_ops`` the ``top`` longest). Raises :class:`ConfigError` for a run that cannot be built
     (before compiling) or a mesh whose size is not the target's."""
     from jphantom.analysis.hlo import collectives, kernels
     from jphantom.analysis.compiled import (compile_built, compiled_memory, gemm_flops,
@@ -357,8 +357,8 @@ def compile_report(flags: dict, target: Target, *, devices: list | None = None,
         report["pipeline"] = pipeline_summary(step.pipeline, program.mesh)
     if predict_on is not None:
         report["prediction"] = _prediction(text, predict_on, config, program, node_of,
-                                           target, peak, report["memory"]["limit_bytes"]
-                                           ).as_dict()
+                                           target, peak, report["memory"]["limit_bytes"],
+                                           top).as_dict()
     report["notes"] = _notes(report, target)
     return report
 
@@ -473,7 +473,7 @@ def _notes(report: dict, target: Target) -> list[str]:
 
 
 def _prediction(text: str, device, config, program, node_of: list[int], target: Target,
-                peak: int, limit: int):
+                peak: int, limit: int, top: int = 10):
     """The compiled program played on ``device`` (:func:`jphantom.predict.predict`), with the
     run's tokens per step and the model's FLOPs per device for MFU, its ``peak`` against the
     run's memory ``limit``."""
@@ -487,7 +487,7 @@ def _prediction(text: str, device, config, program, node_of: list[int], target: 
     return predict(text, device, devices=len(node_of), gpus_per_node=target.devices_per_node,
                    node_of=lambda i: node_of[i] if i < len(node_of) else 0,
                    tokens_per_step=tokens, model_flops_per_step=flops, peak_memory_bytes=peak,
-                   memory_limit_bytes=limit)
+                   memory_limit_bytes=limit, top=top)
 
 
 def default_mesh(target: Target) -> str:

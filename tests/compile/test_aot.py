@@ -264,9 +264,12 @@ def test_compile_predict_plays_the_h100_program_on_the_h100_description(capsys, 
     assert main(["compile", "--target", "gpu:h100", "--nodes", "2", "--model", "llama",
                  "--layers", "2", "--hidden", "128", "--heads", "8", "--seq-len", "32",
                  "--vocab", "512", "--batch", "16", "--strategy", "tensor", "--mesh",
-                 "data=2,model=8", "--precision", "bf16", "--predict", "--json"]) == 0
+                 "data=2,model=8", "--precision", "bf16", "--predict", "--json",
+                 "--top", "25"]) == 0
     p = json.loads(capsys.readouterr().out)["prediction"]
     assert p["device"] == "h100-sxm" and p["devices"] == 16 and p["label"] == "modelled"
+    seconds = [op["seconds"] for op in p["top_ops"]]  # --top's ops, longest first (not 10)
+    assert len(seconds) == 25 and seconds == sorted(seconds, reverse=True)
     assert p["step_s"] == pytest.approx(p["compute_s"] + p["exposed_comm_s"])
     assert p["hidden_comm_s"] > 0  # XLA overlapped some collectives with compute
     assert 0 < p["mfu"] < 1 and p["tokens_per_second_per_gpu"] > 0
