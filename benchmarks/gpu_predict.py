@@ -248,19 +248,36 @@ def run_case(case: dict, steps: int, warmup: int, out: Path) -> dict:
     else:
         result["energy_skipped"] = energy_error
     if case.get("trace"):
-        trace_dir = out / "trace"
-        try:
-            jax.block_until_ready(state)
-            t = time.perf_counter()
-            with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
-                for _ in range(2):
-                    state, loss = compiled(state, *batch)
-                    float(loss)
-            result["trace"] = {"dir": str(trace_dir), "steps": 2,
-                               "seconds": time.perf_counter() - t}
-        except Exception as error:  # noqa: BLE001 (no profiler: the rest stands)
-            result["trace"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+        result["trace"] = _trace(step, compiled, state, batch, out / "trace", on_gpu)
     return result
+
+
+def _trace(step, compiled, state, batch, trace_dir: Path, on_gpu: bool) -> dict:
+    """2 steps under jax's profiler. On a GPU the traced program is the step compiled again with
+    XLA's command buffers off: inside a CUDA graph the trace names a command buffer, not the HLO
+    instructions the prediction names (the first validation run on an H200 traced only
+    ``command_buffer_*``); the timed steps above kept them on."""
+    import jax
+
+    traced, note = compiled, "the timed program"
+    if on_gpu:
+        try:
+            traced = step.lower(state, *batch).compile(
+                compiler_options={"xla_gpu_enable_command_buffer": ""})
+            note = "recompiled with xla_gpu_enable_command_buffer='' (no CUDA graphs)"
+        except Exception as error:  # noqa: BLE001 (the option refused: trace the timed program)
+            note = f"command buffers kept ({type(error).__name__}: {str(error)[:200]})"
+    try:
+        jax.block_until_ready(state)
+        t = time.perf_counter()
+        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+            for _ in range(2):
+                state, loss = traced(state, *batch)
+                float(loss)
+        return {"dir": str(trace_dir), "steps": 2, "seconds": time.perf_counter() - t,
+                "program": note}
+    except Exception as error:  # noqa: BLE001 (no profiler: the rest stands)
+        return {"error": f"{type(error).__name__}: {str(error)[:300]}", "program": note}
 
 
 def run_peer(shape: dict, steps: int, warmup: int) -> dict:
@@ -666,12 +683,21 @@ def main(argv=None) -> int:
     parser.add_argument("--skip", nargs="*", default=[], choices=["calibrate", "peer", "trace"])
     parser.add_argument("--device", help="a description (name or path) to predict with instead "
                                          "of calibrating")
+    parser.add_argument("--repredict", metavar="DIR",
+                        help="price a finished run's saved HLO again with this tree's simulator "
+                             "(no GPU); rewrites DIR/gpu_predict.json and .png")
+    parser.add_argument("--merge", nargs="*", default=[], metavar="DIR",
+                        help="with --repredict: runs on the same card whose cases fill this "
+                             "run's skipped ones, and whose trace replaces its trace")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--payload", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps is None:
         args.steps = 1 if args.small else 5
     out = Path(args.out)
+    if args.repredict:
+        repredict(Path(args.repredict), [Path(m) for m in args.merge])
+        return 0
     if args.child:  # a child (PYTHONPATH: this tree): one JSON line
         payload = json.loads(args.payload)
         if args.child == "case":
@@ -821,6 +847,91 @@ def main(argv=None) -> int:
     _print(results)
     log(f"total {time.perf_counter() - start:.0f} s; wrote {out}/gpu_predict.json")
     return 0
+
+
+def repredict(folder: Path, merge: list[Path]) -> dict:
+    """A finished run in ``folder`` priced again from its saved HLO with this tree's simulator
+    (the measurements are kept as they are). Each run in ``merge`` (the same card) fills this
+    run's skipped or failed cases with the ones it measured (HLO copied in) and, where it traced
+    a case measured here, gives that case its trace (the same case compiled again). Paths in the
+    JSON become relative to ``folder``; ``repredicted`` records when and from what."""
+    folder = folder.resolve()
+    results = json.loads((folder / "gpu_predict.json").read_text())
+    where = {str(Path(r["measured"]["hlo_path"]).parent.parent) for r in results["cases"]
+             if "hlo_path" in r.get("measured", {})}  # the folder it was written to
+    merged = []
+    for other_dir in (m.resolve() for m in merge):
+        other = json.loads((other_dir / "gpu_predict.json").read_text())
+        if other["device"] != results["device"]:
+            raise SystemExit(f"--merge {other_dir}: {other['device']}, not {results['device']}")
+        merged.append(_merge(results, folder, other, other_dir))
+    calibrated = sorted((folder / "calibration").glob("*-measured.toml"))
+    results["descriptions"] = {"shipped": results["descriptions"]["shipped"],
+                               **({"calibrated": str(calibrated[0])} if calibrated else {})}
+    for row in results["cases"]:
+        m = row.get("measured", {})
+        if "step_seconds" not in m:
+            continue
+        m["hlo_path"] = str(folder / "hlo" / f"{row['name']}.hlo.txt.gz")
+        log(f"pricing {row['name']}")
+        row["predicted"] = predict_case(m["hlo_path"], results["descriptions"],
+                                        m["tokens_per_step"], m["model_flops_per_step"],
+                                        m.get("compiled_peak_bytes"),
+                                        500 if "trace" in m else 10)
+    results["summary"], results["trace"] = {}, None
+    results["repredicted"] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "command": "benchmarks/gpu_predict.py --repredict " + " --merge ".join(
+            _shown(p) for p in [folder, *merge]), "merged": merged}
+    _finish(results, folder, SMALL_PEER_SHAPE if results["small"] else PEER_SHAPE)
+    text = json.dumps(results, indent=2)
+    for prefix in sorted(where | {str(folder)}, key=len, reverse=True):
+        text = text.replace(prefix + "/", "")
+    (folder / "gpu_predict.json").write_text(text + "\n")
+    _plot(results, folder / "gpu_predict.png")
+    _print(results)
+    return results
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the checkout where it lies in it."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def _merge(results: dict, folder: Path, other: dict, other_dir: Path) -> dict:
+    """``other``'s measured cases into ``results`` (:func:`repredict`); what it took."""
+    took = {"from": other_dir.name, "date": other["date"], "cases": [], "trace": None}
+    rows = {r["name"]: r for r in results["cases"]}
+    for row in other["cases"]:
+        m = row.get("measured", {})
+        if "step_seconds" not in m:
+            continue
+        mine = rows.get(row["name"])
+        if mine is None or "step_seconds" not in mine.get("measured", {}):
+            (folder / "hlo").mkdir(exist_ok=True)
+            shutil.copy(other_dir / "hlo" / f"{row['name']}.hlo.txt.gz", folder / "hlo")
+            m["run"] = other_dir.name
+            if mine is None:
+                results["cases"].append(row)
+            else:
+                mine.clear()
+                mine.update(row)
+            results["skipped"] = [s for s in results["skipped"] if s != row["name"]]
+        if rows.get(row["name"], row).get("measured", {}).get("run") == other_dir.name:
+            took["cases"].append(row["name"])  # taken now or by an earlier --repredict
+        if "dir" in m.get("trace", {}):
+            shutil.rmtree(folder / "trace", ignore_errors=True)
+            shutil.copytree(other_dir / "trace", folder / "trace")
+            for r in results["cases"]:
+                r.get("measured", {}).pop("trace", None)
+                r["case"]["trace"] = False
+            target = rows.get(row["name"], row)
+            target["case"]["trace"] = True
+            target["measured"]["trace"] = dict(m["trace"], dir=str(folder / "trace"),
+                                               run=other_dir.name)
+            took["trace"] = row["name"]
+    return took
 
 
 def _finish(results: dict, out: Path, peer_shape: dict) -> None:

@@ -6,10 +6,12 @@ ahead of time (``pip install 'jphantom[aot]'``, as ``make test-aot``), nothing r
 Parts (``--parts``, all by default):
 
 ``gpu_step``   the 1.24B Llama of ``benchmarks/gpu_step.py`` (S = 4096, batch 4, bf16 and FP8)
-               compiled for one H200 exactly as that script builds it, simulated on
-               ``h200.toml``, against the step times three lent H200s measured
-               (``benchmarks/results/gpu_step/``, the issue's 0.299-0.306 s bf16 and 0.278-0.282 s
-               FP8) and the NVML joules of the same runs.
+               compiled here (jax's XLA, ahead of time) for one H200 as that script builds it,
+               with the flags its run sets (an FP8 run's: cuBLAS-LT's FP8 call), simulated on
+               ``h200.toml``, against the newest steps of that shape measured on a lent H200
+               (``benchmarks/results/gpu_predict/gpu_predict.json``, its cases
+               ``1.2b-s4096-b4-bf16`` and ``-fp8``, jax 0.11.2) and their NVML joules; the
+               earlier ``benchmarks/gpu_step.py`` measurements (older code) are listed.
 ``published``  each run of ``benchmarks/published_runs.toml`` (MaxText, NeMo, Megatron-Bridge,
                torchtitan on 8-128 H100s): jphantom's equivalent layout (the same model, mesh,
                ZeRO stage, global batch, micro-batch as accumulation, precision, checkpointing)
@@ -49,6 +51,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 ROOT = Path(__file__).resolve().parents[1]
 GPU_STEP = dict(layers=16, hidden=2048, heads=32, kv_heads=8, intermediate=8192, vocab=128256,
                 seq_len=4096, batch=4)
+GPU_PREDICT = "benchmarks/results/gpu_predict/gpu_predict.json"  # the device check's steps
 REMAT = {"none": "none", "not stated": "none", "selective": "dots_saveable",
          "full": "nothing_saveable"}
 # Seal et al. (Table I): p -> k of the phantom run, n = 16384, L = 2
@@ -86,7 +89,8 @@ def compile_gpu_step(precision: str, target) -> tuple[str, dict]:
                          kv_heads=s["kv_heads"], max_positions=s["seq_len"],
                          tie_word_embeddings=True, rope_theta=500000.0)
     devices = target.devices()
-    flags, _ = gpu_defaults.merge_flags(os.environ.get("XLA_FLAGS", ""))
+    run_flags = gpu_defaults.current(precision=precision)  # as that run's process sets them
+    flags, _ = gpu_defaults.merge_flags(os.environ.get("XLA_FLAGS", ""), run_flags)
     with device_pool(devices):
         model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
         mesh = MeshConfig.parse("model=1").build(devices[:1])
@@ -96,7 +100,7 @@ def compile_gpu_step(precision: str, target) -> tuple[str, dict]:
         batch = [jax.ShapeDtypeStruct((s["batch"], s["seq_len"]), jnp.int32, sharding=sh)
                  for sh in step.batch_shardings(2)]
         compiled = step.lower(step.abstract_state(), *batch).compile(
-            compiler_options=gpu_defaults.compiler_options(flags))
+            compiler_options=gpu_defaults.compiler_options(flags, run_flags))
     m = compiled.memory_analysis()
     memory = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
               "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes}
@@ -109,9 +113,10 @@ def part_gpu_step() -> dict:
     from jphantom.costs.metrics import flops_per_token
     from jphantom.predict import format_prediction, load, predict
 
-    measured = json.loads((ROOT / "benchmarks/results/gpu_step/gpu_step.json").read_text())
-    runs = {v["variant"]: v for v in measured["variants"]}
-    earlier = sorted((ROOT / "benchmarks/results/gpu_step").glob("versus_*/*.json"))
+    measured = json.loads((ROOT / GPU_PREDICT).read_text())  # the newest steps of this shape
+    runs = {p: next(r["measured"] for r in measured["cases"] if r["name"] == f"1.2b-s4096-b4-{p}")
+            for p in ("bf16", "fp8")}
+    earlier = sorted((ROOT / "benchmarks/results/gpu_step").glob("**/gpu_step.json"))
     device = load("h200")
     target = aot.Target.parse("gpu:h200", nodes=1, gpus_per_node=1)
     rows = []
@@ -125,7 +130,7 @@ def part_gpu_step() -> dict:
                     peak_memory_bytes=memory["peak"])
         log(format_prediction(p, f"\ngpu_step, {precision}, compiled for one H200 in "
                                  f"{compile_s:.1f} s:"))
-        run = runs[f"jphantom-{precision}"]
+        run = runs[precision]
         step_s = run["step_seconds"]
         rows.append({
             "precision": precision, "predicted": p.as_dict(), "compile_seconds": compile_s,
@@ -142,6 +147,8 @@ def part_gpu_step() -> dict:
             f"{rows[-1]['error_step']:+.1%}; J/token predicted {p.joules_per_token:.4f}, NVML "
             f"{run.get('joules_per_token') or float('nan'):.4f}")
     return {"device": "h200", "measured_on": measured["device"], "measured_jax": measured["jax"],
+            "measured_by": f"{GPU_PREDICT} (cases 1.2b-s4096-b4-bf16 and -fp8, "
+                           f"{measured['date']})",
             "other_measurements": [str(p.relative_to(ROOT)) for p in earlier], "rows": rows}
 
 

@@ -43,7 +43,12 @@ FREE = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
     "replica-id", "after-all", "add-dependency", "opt-barrier", "optimization-barrier",
     "domain", "get-dimension-size", "copy-done", "async-done", "recv", "recv-done",
+    "fusion-done",
 })
+FUSIONS = frozenset({"fusion", "fusion-start"})
+"""A kernel with a fused body: a ``fusion``, or a ``fusion-start`` (XLA:GPU runs a
+dynamic-slice or dynamic-update-slice fusion asynchronously as ``fusion-start`` ...
+``fusion-done``: the start is the kernel, priced as its body, and the done is free)."""
 FREE_TARGETS = frozenset({"AllocateBuffer"})
 """Custom-call targets that launch nothing (module docstring)."""
 _SLICERS = frozenset({"dynamic-slice", "slice", "gather"})
@@ -133,7 +138,7 @@ class KernelPricer:
 
     def kernel_bytes(self, instr: Instruction) -> float:
         """Bytes a kernel reads and writes (module docstring)."""
-        body = self.gemms.body(instr) if instr.opcode == "fusion" else None
+        body = self.gemms.body(instr) if instr.opcode in FUSIONS else None
         if body is None or body not in self.comps:
             read = sum(type_bytes(self.types.get(op, "")) for op in instr.operands)
             return float(read + type_bytes(instr.type_text))

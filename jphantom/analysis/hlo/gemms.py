@@ -128,7 +128,7 @@ class GemmIndex:
             return _CUBLAS_KINDS.get(custom_call_target(instr))
         if instr.opcode == "dot":
             return "dot"
-        if instr.opcode != "fusion":
+        if instr.opcode not in ("fusion", "fusion-start"):  # an asynchronous fusion too
             return None
         body = self.body(instr)
         if body is None or not self.dots(body):
