@@ -2,9 +2,10 @@
 same program computes on CPU. Three ways to write ``bf16(x_q W_q s_x s_W)`` (x_q, W_q in E4M3, s_x,
 s_W their float32 per-tensor scales, float32 accumulation):
 
-``f32-result``     ``(dot(x_q, W_q) -> float32 * (s_x s_W)).astype(bf16)``: jphantom's
-                   (:func:`jphantom.step.fp8._gemm`)
-``bf16-result``    ``dot(x_q, W_q) -> bf16 * bf16(s_x s_W)``
+``f32-result``     ``(dot(x_q, W_q) -> float32 * (s_x s_W)).astype(bf16)``: jphantom's until
+                   its scales became powers of two
+``bf16-result``    ``dot(x_q, W_q) -> bf16 * bf16(s_x s_W)``: jphantom's
+                   (:func:`jphantom.step.fp8._gemm`, with power-of-two scales)
 ``dequantised``    ``dot(bf16(x_q) bf16(s_x), bf16(W_q) bf16(s_W)) -> bf16`` (Flax's
                    dequantise-then-dot in bf16)
 
@@ -14,7 +15,7 @@ other kernels of the program by output (``f32[]``: the scales' product; ``f8e4m3
 transposed to the K-major layout the call takes; ``bf16[n,n]``: a float32 -> bf16 pass); and, on
 CPU, its largest error relative to the result rounded once (float64 product of the 8-bit values
 and the scales, then bf16: what cuBLAS-LT's float32 epilogue computes), in units of bf16's
-rounding, 2^-8.
+rounding, 2^-8, with arbitrary scales and with powers of two (:mod:`jphantom.step.fp8`'s).
 
     .venv-aot/bin/python benchmarks/fp8_gemm_forms.py    # about 20 s; needs the aot extra
 
@@ -66,12 +67,15 @@ def h100_kernels(form, n: int = 4096) -> dict:
             "other_kernels": re.findall(r"= (\w+\[[\d,]*\])\S* fusion\(", entry)}
 
 
-def cpu_error(form, n: int = 256, seed: int = 0) -> float:
+SCALES = {"arbitrary": (0.0123, 0.00771), "power_of_two": (2.0**-6, 2.0**-7)}
+
+
+def cpu_error(form, n: int = 256, seed: int = 0, scales: str = "arbitrary") -> float:
     """max |form - once-rounded| / max |once-rounded| on CPU, in units of 2^-8."""
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.normal(size=(n, n)) * 3, jnp.float8_e4m3fn)
     w = jnp.asarray(rng.normal(size=(n, n)) * 3, jnp.float8_e4m3fn)
-    sx, sw = jnp.float32(0.0123), jnp.float32(0.00771)
+    sx, sw = (jnp.float32(v) for v in SCALES[scales])
     exact = (np.asarray(x, np.float64) @ np.asarray(w, np.float64)) * (float(sx) * float(sw))
     once = np.asarray(jnp.asarray(exact, BF16), np.float64)
     got = np.asarray(jax.jit(form)(*jax.device_put((x, w, sx, sw), jax.devices("cpu")[0])),
@@ -82,11 +86,14 @@ def cpu_error(form, n: int = 256, seed: int = 0) -> float:
 def main() -> int:
     rows = {}
     for name, form in FORMS.items():
-        rows[name] = {**h100_kernels(form), "cpu_error_bf16_ulps": cpu_error(form)}
+        rows[name] = {**h100_kernels(form), "cpu_error_bf16_ulps": cpu_error(form),
+                      "cpu_error_bf16_ulps_power_of_two_scales": cpu_error(
+                          form, scales="power_of_two")}
         row = rows[name]
         print(f"{name:<12} GEMMs {row['gemms']}, FP8 call output {row['fp8_call_output']}, "
               f"other kernels {row['other_kernels'] or 'none'}, CPU error "
-              f"{row['cpu_error_bf16_ulps']:.3f} x 2^-8", flush=True)
+              f"{row['cpu_error_bf16_ulps']:.3f} x 2^-8 (power-of-two scales: "
+              f"{row['cpu_error_bf16_ulps_power_of_two_scales']:.3f})", flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "results.json").write_text(json.dumps(
         {"jax": jax.__version__, "target": "gpu:h100 (ahead of time)", "forms": rows},

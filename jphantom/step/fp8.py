@@ -12,18 +12,25 @@ need) in the backward, so that
               dW = x_q^T dy_q                (E4M3 x E5M2, "wgrad")
 
 each accumulated in float32 with its output in the compute dtype (bf16). A tensor x is quantised
-with the scale s = amax(|x|) / max_format computed from the tensor itself at every step
-(*current* scaling; TransformerEngine's default is *delayed* scaling from an amax history, which
-saves the amax reduction but lags the data): x_q = round_format(x / s), dequantised as x_q s.
+with a scale computed from the tensor itself at every step (*current* scaling; TransformerEngine's
+default is *delayed* scaling from an amax history, which saves the amax reduction but lags the
+data): s = 2^ceil(log2(amax(|x|) / max_format)), the power of two at or above amax / max_format
+(torchao's ``round_scales_to_power_of_2``; DeepSeek-V3's and the MX formats' scales are powers of
+two too), x_q = round_format(x / s), dequantised as x_q s. Dividing by a power of two is exact,
+and at most one binade of the format's range is left unused.
 
 The GEMMs are written on the 8-bit operands themselves (:func:`matmul`, :func:`batched_matmul`,
 and :func:`dot_general` for ``nnx.Linear``; a ``jax.custom_vjp`` whose backward quantises dy and
 runs the dgrad and wgrad GEMMs on E5M2 x E4M3): ``lax.dot_general(x_q, W_q,
-preferred_element_type=float32) * (s_x s_W)``, which XLA:GPU's GEMM rewriter turns into one
-cuBLAS-LT FP8 call (``__cublas$lt$matmul$f8``) taking the scales as operands, its output
-float32, on NVIDIA GPUs when Triton's GEMMs are off (an FP8 run's
-``gpu_defaults.FP8_XLA_FLAGS``; else XLA's Triton GEMM rewriter takes the FP8 dots first), and
-XLA:CPU runs exactly by widening the operands: the tests' emulation. The residuals kept for the
+preferred_element_type=dtype) * (s_x s_W)``, the result in the compute dtype, which XLA:GPU's
+GEMM rewriter turns into one cuBLAS-LT FP8 call (``__cublas$lt$matmul$f8``) taking the scales as
+operands and writing bf16 from its float32 epilogue, on NVIDIA GPUs when Triton's GEMMs are off
+(an FP8 run's ``gpu_defaults.FP8_XLA_FLAGS``; else XLA's Triton GEMM rewriter takes the FP8 dots
+first). XLA:CPU widens the operands, accumulates in float32 and rounds the product to bf16 once;
+times a power of two that is exact, so the CPU computes the once-rounded result the GPU's
+epilogue does: the tests' emulation (``benchmarks/fp8_gemm_forms.py``: with arbitrary scales this
+form rounds twice on CPU, and a float32 result costs the GPU a float32 write and a pass to bf16
+per GEMM). The residuals kept for the
 backward are x_q and W_q, one byte an element. Where a layer's GEMMs are its own (phantom's
 hand-written backward, the dropless experts' ``lax.ragged_dot``) the operands are quantised and
 dequantised around them instead (:func:`quantized`, :func:`quantized_gradient`): the same
@@ -135,14 +142,22 @@ def formats() -> tuple:
 
 
 def scale_of(x: jax.Array, fmt) -> jax.Array:
-    """The per-tensor scale of ``x`` for ``fmt``: amax(|x|) over the tensor (its ranks' shards
-    along the axes that split a layer, module docstring) / the format's largest value, float32,
-    never zero."""
+    """The per-tensor scale of ``x`` for ``fmt``: the power of two at or above amax(|x|) over the
+    tensor (its ranks' shards along the axes that split a layer, module docstring) / the format's
+    largest value, float32, never zero (:func:`power_of_two_at_least`)."""
     amax = jnp.max(jnp.abs(lax.stop_gradient(x))).astype(jnp.float32)
     axes = tuple(sorted(a for a in comm.varying_axes(x) if a not in NO_SCALE_AXES))
     if axes:
         amax = lax.pmax(amax, axes)  # all-reduce (max) of one scalar: the whole tensor's amax
-    return jnp.maximum(amax, jnp.finfo(jnp.float32).tiny) / float(jnp.finfo(fmt).max)
+    ratio = jnp.maximum(amax / float(jnp.finfo(fmt).max), jnp.finfo(jnp.float32).tiny)
+    return power_of_two_at_least(ratio)
+
+
+def power_of_two_at_least(v: jax.Array) -> jax.Array:
+    """The least power of two >= ``v`` (float32, normal and finite), exactly: ``frexp``'s
+    exponent (v = m 2^e, m in [0.5, 1)), one lower where v is a power of two itself."""
+    mantissa, exponent = jnp.frexp(v)
+    return jnp.ldexp(jnp.float32(1), exponent - (mantissa == 0.5))
 
 
 def quantize(x: jax.Array, fmt) -> tuple[jax.Array, jax.Array]:
@@ -178,9 +193,9 @@ quantized_gradient.defvjp(lambda y: (y, None), lambda _, g: (round_trip(g, forma
 
 
 def _gemm(a8, b8, dims, scale, dtype):
-    """An FP8 GEMM: float32 accumulation, the two scales applied once, the result in ``dtype``."""
-    return (lax.dot_general(a8, b8, dims, preferred_element_type=jnp.float32)
-            * scale).astype(dtype)
+    """An FP8 GEMM: float32 accumulation rounded once to ``dtype``, times the two scales' product
+    (a power of two: exact; module docstring)."""
+    return lax.dot_general(a8, b8, dims, preferred_element_type=dtype) * scale.astype(dtype)
 
 
 # x [N, in] @ w [in, out]; batched: x [E, N, in] @ w [E, in, out] (the experts' GEMMs)
@@ -253,5 +268,5 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
 
 
 __all__ = ["E4M3", "E5M2", "FAMILIES", "batched_matmul", "dot_general", "family_of", "formats",
-           "matmul", "quantized", "quantized_gradient", "quantize", "round_trip", "scale_of",
-           "select", "using"]
+           "matmul", "power_of_two_at_least", "quantized", "quantized_gradient", "quantize",
+           "round_trip", "scale_of", "select", "using"]

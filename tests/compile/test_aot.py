@@ -374,18 +374,20 @@ def test_cudnn_attention_and_an_fp8_gemm_compile_for_h100_and_are_counted():
 
 
 @needs_gpu_compiler
-def test_an_fp8_gemm_with_a_bf16_result_saves_a_pass_on_h100_and_is_not_exact_on_cpu():
-    """benchmarks/fp8_gemm_forms.py: jphantom's FP8 GEMM (a float32 result times the scales, then
-    bf16) is one cuBLAS-LT FP8 call plus a float32 -> bf16 pass on an H100, and on CPU exactly
-    the once-rounded result; asking the dot for bf16 (after it, or on bf16-dequantised operands)
-    makes the call write bf16 with no such pass, and on CPU rounds twice (1-2 bf16 ulps off)."""
+def test_an_fp8_gemm_with_a_bf16_result_saves_a_pass_on_h100_and_with_power_of_two_scales_is_exact():
+    """benchmarks/fp8_gemm_forms.py: a float32 result times the scales, then bf16, is one
+    cuBLAS-LT FP8 call plus a float32 -> bf16 pass on an H100; asking the dot for bf16 (after it,
+    jphantom's, or on bf16-dequantised operands) makes the call write bf16 with no such pass. On
+    CPU that rounds twice with arbitrary scales (1-2 bf16 ulps off the once-rounded result) and
+    not at all with the powers of two jphantom's scales are: exact."""
     sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "benchmarks"))
     import fp8_gemm_forms as forms
 
-    rows = {name: {**forms.h100_kernels(form, 512), "cpu": forms.cpu_error(form, 64)}
+    rows = {name: {**forms.h100_kernels(form, 512), "cpu": forms.cpu_error(form, 64),
+                   "cpu_p2": forms.cpu_error(form, 64, scales="power_of_two")}
             for name, form in forms.FORMS.items()}
     for row in rows.values():
-        assert row["gemms"] == {"cublas_lt_f8": 1}
+        assert row["gemms"] == {"cublas_lt_f8": 1} and row["cpu_p2"] == 0
     assert rows["f32-result"]["fp8_call_output"] == "f32" and rows["f32-result"]["cpu"] == 0
     assert "bf16[512,512]" in rows["f32-result"]["other_kernels"]
     for name in ("bf16-result", "dequantised"):

@@ -70,3 +70,42 @@ def test_gpu_predict_small_predicts_and_measures(tmp_path):
     assert "predicted_top10" in data["trace"] or "error" in data["trace"]
     assert data["peer"].get("skipped") or "step_seconds" in data["peer"]
     assert (tmp_path / "gpu_predict.png").is_file()
+
+
+def test_the_committed_h200_validation_is_what_the_simulator_says_now(tmp_path, monkeypatch):
+    """benchmarks/results/gpu_predict/ (the first run on a lent H200) regenerates: two of its
+    cases priced again by ``gpu_predict.py --repredict`` from their saved HLO on the run's
+    calibrated description give the committed predictions, one of them merged from the trace
+    run where the first run's budget skipped it. A change to the simulator that moves them
+    fails here: run ``--repredict`` on the folder and commit what it says."""
+    import shutil
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_predict
+
+    committed = ROOT / "benchmarks" / "results" / "gpu_predict"
+    first = json.loads((committed / "gpu_predict.json").read_text())
+    rows = {r["name"]: r for r in first["cases"]}
+    mine, merged = "0.1b-s1024-b8-bf16", "1.2b-s1024-b1-bf16"
+    run, other = tmp_path / "run", tmp_path / "other"
+    for folder in (run / "hlo", run / "calibration", other / "hlo"):
+        folder.mkdir(parents=True)
+    shutil.copy(committed / "calibration" / "h200-measured.toml", run / "calibration")
+    shutil.copy(committed / "hlo" / f"{mine}.hlo.txt.gz", run / "hlo")
+    shutil.copy(committed / "trace_run" / "hlo" / f"{merged}.hlo.txt.gz", other / "hlo")
+    skipped = {"name": merged, "case": rows[merged]["case"], "skipped": "budget"}
+    (run / "gpu_predict.json").write_text(json.dumps(
+        dict(first, cases=[rows[mine], skipped], skipped=[merged], trace=None)))
+    second = json.loads((committed / "trace_run" / "gpu_predict.json").read_text())
+    (other / "gpu_predict.json").write_text(json.dumps(
+        dict(second, cases=[r for r in second["cases"] if r["name"] == merged])))
+
+    gpu_predict.repredict(run, [other])
+    again = json.loads((run / "gpu_predict.json").read_text())
+    assert again["repredicted"]["merged"][0]["cases"] == [merged] and not again["skipped"]
+    for row in again["cases"]:
+        was = rows[row["name"]]["predicted"]["calibrated"]
+        now = row["predicted"]["calibrated"]
+        assert now["step_s"] == pytest.approx(was["step_s"], rel=1e-6), row["name"]
+        assert now["error"] == pytest.approx(was["error"], rel=1e-6)
+        assert row["measured"]["hlo_path"] == f"hlo/{row['name']}.hlo.txt.gz"  # relative

@@ -31,10 +31,36 @@ LLAMA = LlamaConfig(vocab_size=64, hidden=32, intermediate=64, layers=2, heads=4
 
 
 def reference_qdq(x, fmt):
-    """x rounded to ``fmt`` with the per-tensor scale amax / max_format, in float32."""
+    """x rounded to ``fmt`` with the per-tensor scale, the power of two at or above
+    amax / max_format, in float32."""
     x = np.asarray(x, np.float32)
-    scale = np.max(np.abs(x)) / float(jnp.finfo(fmt).max)
+    scale = 2.0 ** np.ceil(np.log2(np.max(np.abs(x)) / float(jnp.finfo(fmt).max)))
     return np.asarray(jnp.asarray(x / scale).astype(fmt).astype(jnp.float32)) * scale
+
+
+def test_the_scale_is_the_power_of_two_at_or_above_amax_over_the_format_s_largest():
+    for v, expected in ((1.0, 1.0), (0.75, 1.0), (3.0, 4.0), (448.0, 512.0), (2.0**-126, 2.0**-126),
+                        (1.0000001, 2.0), (0.99999994, 1.0)):
+        assert float(fp8.power_of_two_at_least(jnp.float32(v))) == expected, v
+    x = jnp.asarray([0.5, -300.0, 2.0], jnp.float32)  # amax 300 / 448 -> 1
+    assert float(fp8.scale_of(x, fp8.E4M3)) == 1.0
+    assert float(fp8.scale_of(jnp.zeros(3), fp8.E4M3)) == float(jnp.finfo(jnp.float32).tiny)
+    x8, scale = fp8.quantize(x * 3, fp8.E4M3)  # amax 900 / 448 -> 4: x / 4 exactly
+    assert float(scale) == 4.0 and np.array_equal(np.asarray(x8, np.float32), [0.375, -224, 1.5])
+
+
+def test_in_bf16_an_fp8_gemm_is_the_once_rounded_product():
+    """With power-of-two scales the GEMM's bf16 result is its float32 product rounded once, what
+    cuBLAS-LT's epilogue computes (``benchmarks/fp8_gemm_forms.py``): bit for bit on CPU."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(64, 48)) * 5, jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(48, 32)) * 0.02, jnp.bfloat16)
+    y = fp8.matmul(x, w)
+    assert y.dtype == jnp.bfloat16
+    x8, sx = fp8.quantize(x, fp8.E4M3)
+    w8, sw = fp8.quantize(w, fp8.E4M3)
+    exact = (np.asarray(x8, np.float64) @ np.asarray(w8, np.float64)) * float(sx) * float(sw)
+    assert np.array_equal(np.asarray(y), np.asarray(jnp.asarray(exact, jnp.bfloat16)))
 
 
 @pytest.mark.parametrize("family", ["ocp", "fnuz"])
