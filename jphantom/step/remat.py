@@ -56,8 +56,8 @@ the ``jax.checkpoint`` policies ``POLICIES``, imported with jax on first use):
     (:func:`recomputed`; :func:`jphantom.nn.set_remat` sets the cores' ``recompute``) where the
     core keeps an S x S array for its backward (XLA's path). A fused kernel (cuDNN's or Pallas'
     flash attention) and ring attention keep O(S) residuals already and run as under ``none``.
-    Under ZeRO-3's per-layer fetch, where ``none`` keeps the matmul outputs (``dots_saveable``,
-    :func:`checkpointed`), so does this policy.
+    Under ZeRO-3's per-layer fetch, where ``none`` keeps the matmul outputs and a fused attention
+    kernel's (:func:`fetched_none`, :func:`checkpointed`), so does this policy.
 """
 
 from __future__ import annotations
@@ -140,6 +140,30 @@ def with_cac(name: str | None, cac: bool) -> str:
     return "collectives_saveable"
 
 
+FUSED_ATTENTION_FORWARD = "dot_product_attention_fwd"
+"""The name of the primitive ``jax.nn.dot_product_attention(implementation="cudnn")``'s forward
+binds (its FP8 and wrapper variants' names start with it): its outputs, the core's output and
+the softmax statistics, are what its backward kernel reads."""
+
+
+@functools.cache
+def fetched_none() -> Callable:
+    """The ``jax.checkpoint`` policy of ``none`` for a layer whose parameters ZeRO-3 gathered
+    (:func:`checkpointed`): keep the matmul outputs (``dots_with_no_batch_dims_saveable``) and
+    a fused attention kernel's outputs (:data:`FUSED_ATTENTION_FORWARD`), recompute the
+    element-wise work and what derives from the parameters (a transposed weight, its FP8 copy).
+    Under ``dots_saveable`` alone the backward ran cuDNN's forward kernel again for its softmax
+    statistics: 0.46 s of Megatron-Bridge's 11.6 s FP8 step on 8 H100s (docs/predict.md). On
+    XLA's attention (CPU) it is ``dots_saveable``."""
+    import jax
+
+    dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+    def policy(prim, *args, **params):
+        return prim.name.startswith(FUSED_ATTENTION_FORWARD) or dots(prim, *args, **params)
+    return policy
+
+
 def regathering(axis: str) -> Callable:
     """The ``jax.checkpoint`` policy of ``none`` for a layer under sequence parallelism over
     ``axis``: keep every residual but the sequence all-gathers' outputs, [B, S, h] whole on every
@@ -158,16 +182,16 @@ def checkpointed(fn: Callable, name: str, *, fetched: bool = False,
                  regather: str | None = None) -> Callable:
     """``fn`` (one layer) under ``jax.checkpoint`` with policy ``name``; ``fetched``: the layer's
     parameters are ZeRO-3's gathered ones (:meth:`jphantom.step.zero.LayerFetch.around`
-    keeps every residual but them), so under ``none`` it keeps its matmul outputs
-    (``dots_saveable``): keeping everything would keep values derived from the parameters, such
-    as a transposed weight, whole. ``regather``: the layer all-gathers its sequence over this
+    keeps every residual but them), so under ``none`` it keeps its matmul outputs and a fused
+    attention kernel's (:func:`fetched_none`): keeping everything would keep values derived from
+    the parameters, such as a transposed weight, whole. ``regather``: the layer all-gathers its sequence over this
     mesh axis (sequence parallelism), so under ``none`` it keeps the gathers' inputs, not their
     outputs (:func:`regathering`)."""
     import jax
 
     check(name)
     if fetched and name in ("none", SELECTIVE):
-        name = "dots_saveable"
+        return jax.checkpoint(fn, policy=fetched_none())
     if regather is not None and name in ("none", SELECTIVE):
         return jax.checkpoint(fn, policy=regathering(regather))
     return fn if policies()[name] is None else jax.checkpoint(fn, policy=policies()[name])

@@ -728,3 +728,15 @@ def test_the_pipelines_vocabulary_gradients_are_added_in_place_on_h100(h100, tmp
     assert not copies, copies[:3]
     assert "--xla_gpu_enable_while_loop_double_buffering=false" in report["xla_flags"]
     assert "double_buffer_clone" not in hlo
+
+
+@needs_gpu_compiler
+def test_a_zero3_layer_keeps_cudnn_attention_s_outputs_for_its_backward(h100):
+    """Under ZeRO-3 (each layer's parameters gathered under a checkpoint that keeps what is not
+    derived from them, remat.fetched_none) the backward reads cuDNN's forward outputs, the core's
+    output and its softmax statistics, instead of running the forward kernel again for them: as
+    many forward attention kernels as without ZeRO-3."""
+    flags = dict(strategy="tensor", dtype="float32", hidden=256, seq_len=128, precision="bf16")
+    zero3 = _compile(h100, 1, **flags, zero=3, mesh="data=8")["kernels"]["attention"]
+    plain = _compile(h100, 1, **flags, mesh="model=8")["kernels"]["attention"]
+    assert zero3["forward"] == plain["forward"] and zero3["backward"] == plain["backward"] > 0
