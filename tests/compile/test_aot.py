@@ -413,7 +413,8 @@ def test_the_fp8_steps_gemms_are_cublaslt_fp8_calls_with_their_scales_fused(h100
     """Every FP8 GEMM of the FP8 step, forward, dgrad and wgrad, compiles to cuBLAS-LT's FP8
     call (``__cublas$lt$matmul$f8``, gpu_defaults.FP8_XLA_FLAGS), never a Triton fusion on FP8
     operands, and takes the float32 scales as operands of its own (a_scale, b_scale: the scaling
-    fused, no dequantising pass); hlo.kernels counts each as an FP8 GEMM. The bf16 step keeps
+    fused, no dequantising pass); its bf16 result lets XLA fuse a residual add into some calls
+    as well (cuBLAS-LT's C matrix); hlo.kernels counts each as an FP8 GEMM. The bf16 step keeps
     Triton's."""
     from jphantom.analysis import hlo
     from jphantom.analysis.hlo.gemms import custom_call_target
@@ -432,8 +433,10 @@ def test_the_fp8_steps_gemms_are_cublaslt_fp8_calls_with_their_scales_fused(h100
     # forward E4M3 x E4M3; backward the E5M2 output gradient with an E4M3 operand, either side
     assert ("f8e4m3fn", "f8e4m3fn") in operand_types
     assert any("f8e5m2[" in a + b for a, b in operand_types)
-    for call in calls:
-        assert all(types[op].startswith("f32[]") for op in call.operands[2:4])  # a and b scales
+    for call in calls:  # the a and b scales last; a bf16 result may take an addend before them
+        assert all(types[op].startswith("f32[]") for op in call.operands[-2:])  # (the residual
+        assert len(call.operands) in (4, 5)  # add, cuBLAS-LT's C matrix: fused into the call)
+    assert any(len(call.operands) == 5 for call in calls)
     bf16 = _compile(h100, 1, **flags, precision="bf16")
     assert "--xla_gpu_enable_triton_gemm=false" not in bf16["xla_flags"]
     assert bf16["kernels"]["gemms"]["fp8"] == 0
