@@ -623,9 +623,10 @@ def test_activation_memory_per_layer_against_korthikantis_count_for_llama(h100, 
       falls as the batch grows, so the peak sits where the layers do not count, not yet pinned
       down). The elimination took the 4-layer peak 14.73 -> 13.76 GiB: 0.23x in
       ``benchmarks/activation_memory.py``'s process, 0.09x here, where the 2-layer compile
-      keeps 13.27 GiB against the script's 12.69 (not pinned down either). A ZeRO-3 layer's ``none`` is ``dots_saveable``
-      (:func:`jphantom.step.remat.checkpointed`): it keeps the matmul outputs and recomputes the
-      norms, RoPE and SwiGLU's product, under the count by design.
+      keeps 13.27 GiB against the script's 12.69 (not pinned down either). A ZeRO-3 layer's
+      ``none`` keeps the matmul outputs and cuDNN attention's outputs
+      (:func:`jphantom.step.remat.fetched_none`) and recomputes the norms, RoPE and SwiGLU's
+      product, under the count by design.
     - CP (data=2,context=4, ring attention): 2.45x before that change and since, misses 1.25x by
       0.39 GiB a layer over the count and the weights, about the size of a second bf16 copy of
       the layer's replicated weights (0.41 GiB); not yet pinned down.
@@ -645,7 +646,8 @@ def test_activation_memory_per_layer_against_korthikantis_count_for_llama(h100, 
     Where the slope exceeds the count, it is not the activations: what the layer loop stores for
     the backward (:func:`jphantom.analysis.hlo.residuals.saved_residuals`, the arrays the
     forward loop returns stacked per layer and sequence) is 1.06x the count in TP + SP, CP and
-    the pipeline stage, 0.62x under FSDP's ``dots_saveable``. CP's peak (2 sequences a rank) is
+    the pipeline stage, and under FSDP's ``fetched_none`` less (0.62x when it kept the matmul
+    outputs alone). CP's peak (2 sequences a rank) is
     where the backward's gradients are written and reduced: the buffers live there, in XLA's
     buffer assignment, are the layers' gradient stacks (bf16 [L, ...], then float32 for the
     all-reduce), which Korthikanti's count of activations leaves out, as Megatron's ``main_grad``
