@@ -34,7 +34,7 @@ import math
 import re
 from collections.abc import Mapping
 
-from jphantom.analysis.hlo.gemms import GemmIndex, custom_call_target
+from jphantom.analysis.hlo.gemms import FUSIONS, GemmIndex, custom_call_target
 from jphantom.analysis.hlo.text import (Computation, Instruction, backend_config,
                                         called_computations, op_name, parse_shapes, type_bytes)
 from jphantom.predict.device import DeviceModel
@@ -43,12 +43,8 @@ FREE = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
     "replica-id", "after-all", "add-dependency", "opt-barrier", "optimization-barrier",
     "domain", "get-dimension-size", "copy-done", "async-done", "recv", "recv-done",
-    "fusion-done",
+    "fusion-done",  # an asynchronous fusion's end: its start (gemms.FUSIONS) is the kernel
 })
-FUSIONS = frozenset({"fusion", "fusion-start"})
-"""A kernel with a fused body: a ``fusion``, or a ``fusion-start`` (XLA:GPU runs a
-dynamic-slice or dynamic-update-slice fusion asynchronously as ``fusion-start`` ...
-``fusion-done``: the start is the kernel, priced as its body, and the done is free)."""
 FREE_TARGETS = frozenset({"AllocateBuffer"})
 """Custom-call targets that launch nothing (module docstring)."""
 _SLICERS = frozenset({"dynamic-slice", "slice", "gather"})

@@ -64,6 +64,10 @@ def dot_flops(hlo_text: str) -> tuple[int, int]:
 
 
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
+FUSIONS = frozenset({"fusion", "fusion-start"})
+"""The opcodes of a kernel with a fused body: a ``fusion``, or a ``fusion-start`` (XLA:GPU runs
+a dynamic-slice or dynamic-update-slice fusion asynchronously as ``fusion-start`` ...
+``fusion-done``: the start is the kernel, its body the fusion's)."""
 _FUSION_KIND = re.compile(r'"kind"\s*:\s*"([^"]*)"')
 _CUBLAS_KINDS = {"__cublas$gemm": "cublas", "__cublas$lt$matmul": "cublas_lt",
                  "__cublas$lt$matmul$f8": "cublas_lt_f8",
@@ -128,7 +132,7 @@ class GemmIndex:
             return _CUBLAS_KINDS.get(custom_call_target(instr))
         if instr.opcode == "dot":
             return "dot"
-        if instr.opcode not in ("fusion", "fusion-start"):  # an asynchronous fusion too
+        if instr.opcode not in FUSIONS:
             return None
         body = self.body(instr)
         if body is None or not self.dots(body):
