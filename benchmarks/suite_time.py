@@ -37,13 +37,30 @@ class Plugin:
 
         self.sums, self.counts = collections.defaultdict(float), collections.Counter()
         self.gc_seconds, self._gc_start = 0.0, None
+        # per test (setup, call and teardown): wall seconds, backend seconds, compile requests
+        self.tests = collections.defaultdict(lambda: [0.0, 0.0, 0])
+        self.programs = collections.defaultdict(lambda: [0.0, 0])  # backend s, compiles by name
+        self._test, self._test_start = None, 0.0
         jax.monitoring.register_event_duration_secs_listener(self._duration)
         jax.monitoring.register_event_listener(self._event)
         gc.callbacks.append(self._gc)
 
-    def _duration(self, event, duration, **_):
+    def _duration(self, event, duration, fun_name="", **_):
         self.sums[event] += duration
         self.counts[event] += 1
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.programs[fun_name][0] += duration
+            self.programs[fun_name][1] += 1
+            if self._test is not None:
+                self.tests[self._test][1] += duration
+                self.tests[self._test][2] += 1
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        self._test, self._test_start = nodeid, time.perf_counter()
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        self.tests[nodeid][0] += time.perf_counter() - self._test_start
+        self._test = None
 
     def _event(self, event, **_):
         self.counts[event] += 1
@@ -59,7 +76,9 @@ class Plugin:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "controller")
         out = pathlib.Path(os.environ["SUITE_TIME_OUT"]) / f"{worker}.json"
         out.write_text(json.dumps({"sums": self.sums, "counts": self.counts,
-                                   "gc_seconds": self.gc_seconds}, indent=1))
+                                   "gc_seconds": self.gc_seconds, "tests": self.tests,
+                                   "programs": self.programs},
+                                  indent=1))
 
 
 def pytest_configure(config):
@@ -68,20 +87,37 @@ def pytest_configure(config):
         config.pluginmanager.register(Plugin(), "suite_time_sums")
 
 
-def summary(folder: pathlib.Path) -> dict:
+def summary(folder: pathlib.Path, top: int = 25) -> dict:
     """The per-worker files of ``folder`` summed: seconds per phase, compile requests, the
-    compilation cache's hits and the collector's seconds and collections."""
+    compilation cache's hits and the collector's seconds and collections; then the ``top``
+    files by wall seconds, each with its backend seconds and compiles (from the per-test
+    records, where the workers wrote them), and the ``top`` programs by backend seconds (jax's
+    ``fun_name``: the jitted function's name)."""
     sums, counts, gc_seconds = collections.Counter(), collections.Counter(), 0.0
+    files = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    programs = collections.defaultdict(lambda: [0.0, 0])
     for path in sorted(folder.glob("gw*.json")):
         data = json.loads(path.read_text())
         sums.update(data["sums"])
         counts.update(data["counts"])
         gc_seconds += data["gc_seconds"]
+        for nodeid, record in data.get("tests", {}).items():
+            files[nodeid.split("::")[0]] = [a + b for a, b in
+                                            zip(files[nodeid.split("::")[0]], record)]
+        for name, record in data.get("programs", {}).items():
+            programs[name] = [a + b for a, b in zip(programs[name], record)]
+    longest = sorted(files.items(), key=lambda item: -item[1][0])[:top]
+    costliest = sorted(programs.items(), key=lambda item: -item[1][0])[:top]
     return {**{name: round(sums[event], 1) for event, name in EVENTS.items()},
             "compile requests": counts["/jax/compilation_cache/compile_requests_use_cache"],
             "cache hits": counts["/jax/compilation_cache/cache_hits"],
             "garbage collector s": round(gc_seconds, 1),
-            "collections": {k: v for k, v in counts.items() if k.startswith("gc generation")}}
+            "collections": {k: v for k, v in counts.items() if k.startswith("gc generation")},
+            "longest files (wall s, backend s, compiles)": {
+                name: [round(wall, 1), round(backend, 1), compiles]
+                for name, (wall, backend, compiles) in longest},
+            "costliest programs (backend s, compiles)": {
+                name: [round(backend, 1), compiles] for name, (backend, compiles) in costliest}}
 
 
 def main(argv=None) -> int:

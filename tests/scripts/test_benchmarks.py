@@ -204,9 +204,13 @@ def test_suite_time_sums_its_workers_files(tmp_path):
             "counts": {"/jax/compilation_cache/cache_hits": hits,
                        "/jax/compilation_cache/compile_requests_use_cache": 4,
                        "gc generation 2": 1},
-            "gc_seconds": 0.25}))
+            "gc_seconds": 0.25,
+            "tests": {"t/a.py::x": [1.0, compile_s, 2], f"t/{worker}.py::y": [hits, 0.5, 1]}}))
     got = summary(tmp_path)
     assert got["backend compile"] == 5.5 and got["tracing"] == 2.0
     assert got["lowering to MLIR"] == 0.0
     assert got["compile requests"] == 8 and got["cache hits"] == 3
     assert got["garbage collector s"] == 0.5 and got["collections"] == {"gc generation 2": 2}
+    # per file, longest first: a file's tests summed over the workers that ran them
+    assert got["longest files (wall s, backend s, compiles)"] == {
+        "t/a.py": [2.0, 5.5, 4], "t/gw1.py": [2.0, 0.5, 1], "t/gw0.py": [1.0, 0.5, 1]}
