@@ -536,7 +536,7 @@ def _learning_rates(train) -> np.ndarray:
     schedule = train.schedule()
     if not callable(schedule):
         return np.full(1, schedule)
-    return np.asarray(jax.vmap(schedule)(np.arange(train.steps)))
+    return np.asarray(jax.jit(jax.vmap(schedule))(np.arange(train.steps)))  # one program
 
 
 def _asdict(config) -> dict:

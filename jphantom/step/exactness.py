@@ -164,13 +164,14 @@ def verify_step(step, params, *batch, tolerance: float | None = None) -> Report:
     groups = scale_groups(step, batch) if precision.fp8 else None
     share, weight_of = _reference(step.layout, step.loss_fn, precision, wide)
     device = step.mesh.devices.flat[0]
-    cast = (lambda a: jnp.asarray(a, wide) if wide is not None and jnp.issubdtype(
-        jnp.asarray(a).dtype, jnp.floating) else jnp.asarray(a))
-    one_params, one_batch = jax.device_put(jax.tree.map(cast, (jax.device_get(params), batch)),
-                                           device)
+    cast = (lambda a: a.astype(wide) if wide is not None and jnp.issubdtype(
+        a.dtype, jnp.floating) else a)  # on the host: no program compiled per leaf
+    one_params, one_batch = jax.device_put(
+        jax.tree.map(lambda a: cast(np.asarray(a)), jax.device_get((params, batch))), device)
     ref_loss, ref_grads = _reference_gradients(share, weight_of, one_params, one_batch, groups)
     ref_loss = float(ref_loss) / precision.loss_scale
-    ref_grads = jax.tree.map(lambda g: g / precision.loss_scale, ref_grads)
+    if precision.loss_scale != 1:
+        ref_grads = jax.tree.map(lambda g: g / precision.loss_scale, ref_grads)
     loss = float(loss)
     tolerance, derived = (tolerance_of(precision) if tolerance is None
                           else (tolerance, "as given"))
