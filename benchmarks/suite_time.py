@@ -101,11 +101,10 @@ def summary(folder: pathlib.Path, top: int = 25) -> dict:
         sums.update(data["sums"])
         counts.update(data["counts"])
         gc_seconds += data["gc_seconds"]
-        for nodeid, record in data.get("tests", {}).items():
-            files[nodeid.split("::")[0]] = [a + b for a, b in
-                                            zip(files[nodeid.split("::")[0]], record)]
-        for name, record in data.get("programs", {}).items():
-            programs[name] = [a + b for a, b in zip(programs[name], record)]
+        for totals, key, records in ((files, lambda nodeid: nodeid.split("::")[0], "tests"),
+                                     (programs, lambda name: name, "programs")):
+            for name, record in data.get(records, {}).items():
+                totals[key(name)] = [a + b for a, b in zip(totals[key(name)], record)]
     longest = sorted(files.items(), key=lambda item: -item[1][0])[:top]
     costliest = sorted(programs.items(), key=lambda item: -item[1][0])[:top]
     return {**{name: round(sums[event], 1) for event, name in EVENTS.items()},

@@ -146,10 +146,9 @@ def oracle_loss_and_grads(step, params, *batch):
     differentiating ``step``'s loss of the plain model the parallel layers are
     (:func:`jphantom.plans.dense_equivalent`), in float64 so that float32 runs are compared with
     the exact answer."""
-    cpu0 = jax.devices()[0]
-    wide = lambda a: a.astype(np.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a
-    host = jax.tree.map(np.asarray, jax.device_get((params, batch)))  # no program per leaf
-    params64, batch64 = jax.device_put(jax.tree.map(wide, host), cpu0)
+    from jphantom.step.exactness import on_one_device
+
+    params64, batch64 = on_one_device((params, batch), jax.devices()[0], np.float64)
     return _oracle(step)(params64, *batch64)
 
 

@@ -164,10 +164,7 @@ def verify_step(step, params, *batch, tolerance: float | None = None) -> Report:
     groups = scale_groups(step, batch) if precision.fp8 else None
     share, weight_of = _reference(step.layout, step.loss_fn, precision, wide)
     device = step.mesh.devices.flat[0]
-    cast = (lambda a: a.astype(wide) if wide is not None and jnp.issubdtype(
-        a.dtype, jnp.floating) else a)  # on the host: no program compiled per leaf
-    one_params, one_batch = jax.device_put(
-        jax.tree.map(lambda a: cast(np.asarray(a)), jax.device_get((params, batch))), device)
+    one_params, one_batch = on_one_device((params, batch), device, wide)
     ref_loss, ref_grads = _reference_gradients(share, weight_of, one_params, one_batch, groups)
     ref_loss = float(ref_loss) / precision.loss_scale
     if precision.loss_scale != 1:
@@ -182,6 +179,17 @@ def verify_step(step, params, *batch, tolerance: float | None = None) -> Report:
     return Report(loss, ref_loss, abs(loss - ref_loss) / max(abs(ref_loss), 1e-30),
                   relative_errors(jax.device_get(grads), jax.device_get(ref_grads)),
                   tolerance, where, derived)
+
+
+def on_one_device(tree, device, wide=None):
+    """``tree``'s arrays copied to ``device``, floating ones widened to ``wide`` (``None``: as
+    they are) on the host on the way: no program is compiled per leaf, as converting each array
+    with ``jnp.asarray`` outside a trace would."""
+    def cast(a):
+        a = np.asarray(a)
+        return a.astype(wide) if wide is not None and jnp.issubdtype(a.dtype, jnp.floating) else a
+
+    return jax.device_put(jax.tree.map(cast, jax.device_get(tree)), device)
 
 
 def scale_groups(step, batch) -> list[np.ndarray] | None:
@@ -297,5 +305,5 @@ def verify(model: nnx.Module, mesh, plan: Mapping | None, loss_fn: Callable, *ba
     return verify_step(step, step.init().params, *batch, tolerance=tolerance)
 
 
-__all__ = ["Report", "TOLERANCE", "relative_errors", "scale_groups", "tolerance_of", "verify",
-           "verify_step"]
+__all__ = ["Report", "TOLERANCE", "on_one_device", "relative_errors", "scale_groups",
+           "tolerance_of", "verify", "verify_step"]

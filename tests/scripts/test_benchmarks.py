@@ -205,7 +205,8 @@ def test_suite_time_sums_its_workers_files(tmp_path):
                        "/jax/compilation_cache/compile_requests_use_cache": 4,
                        "gc generation 2": 1},
             "gc_seconds": 0.25,
-            "tests": {"t/a.py::x": [1.0, compile_s, 2], f"t/{worker}.py::y": [hits, 0.5, 1]}}))
+            "tests": {"t/a.py::x": [1.0, compile_s, 2], f"t/{worker}.py::y": [hits, 0.5, 1]},
+            "programs": {"jit(step)": [compile_s, 3], f"jit({worker})": [0.5, hits]}}))
     got = summary(tmp_path)
     assert got["backend compile"] == 5.5 and got["tracing"] == 2.0
     assert got["lowering to MLIR"] == 0.0
@@ -214,3 +215,6 @@ def test_suite_time_sums_its_workers_files(tmp_path):
     # per file, longest first: a file's tests summed over the workers that ran them
     assert got["longest files (wall s, backend s, compiles)"] == {
         "t/a.py": [2.0, 5.5, 4], "t/gw1.py": [2.0, 0.5, 1], "t/gw0.py": [1.0, 0.5, 1]}
+    # per program (jax's fun_name), costliest first, summed over the workers
+    assert list(got["costliest programs (backend s, compiles)"].items()) == [
+        ("jit(step)", [5.5, 6]), ("jit(gw0)", [0.5, 1]), ("jit(gw1)", [0.5, 2])]
