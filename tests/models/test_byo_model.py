@@ -288,7 +288,7 @@ def test_a_pipeline_needs_one_stacked_module():
         jphantom.make_train_step(TinyLM(), _mesh("stage=2,data=4"), optax.sgd(0.1), loss_fn)
 
 
-@pytest.mark.slow  # make test: test_llama.py's GSPMD baseline of a user-built Megatron plan
+@pytest.mark.slow  # make test: test_user_models.py's GSPMD annotation of a user's einsum layers
 def test_gspmd_baseline_of_the_same_plan_equals_one_device():
     """GSPMD, what a JAX user writes: the plain model with the plan's sharding annotations,
     ``jax.jit`` choosing the collectives; with ZeRO-3's data split as annotations too (FSDP)."""

@@ -248,6 +248,7 @@ def _run_config(tmp_path, **overrides):
     return RunConfig.from_flags(**settings)
 
 
+@pytest.mark.slow  # make test: the README trains Llama, test_hf_families.py saves and loads --save-hf
 def test_train_llama_writes_results_and_a_hf_checkpoint(tmp_path):
     from jphantom.loop.trainer import run
 
@@ -330,6 +331,7 @@ def test_train_llama_with_an_expert_axis(tmp_path):
     assert results.model["experts"] == 4 and np.isfinite(results.final_validation_loss)
 
 
+@pytest.mark.slow  # make test: test_user_models.py's GSPMD annotation of a user's einsum layers
 def test_llama_gspmd_baseline_equals_one_device():
     model = llama.Llama(config(4), rngs=nnx.Rngs(0))
     mesh = _mesh(4, 2)

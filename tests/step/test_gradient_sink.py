@@ -84,6 +84,9 @@ def _run(sink: bool, precision: str, mesh_text: str = "model=1", zero: int = 0):
 @pytest.mark.parametrize("mesh_text, zero, precision", [
     ("model=1", 0, "float32"), ("data=2,context=2", 1, "float32"), ("model=1", 0, "fp8"),
     ("data=2,context=2", 2, "float32"), ("data=2,model=2", 2, "float32")])
+# make test: one device, FP8, and ZeRO-2 beside context (its sinks are the rank's shards); ZeRO-1
+# beside context and ZeRO-2 beside tensor parallelism: make test-all
+@pytest.mark.slow_cells("data=2,context=2-1-float32", "data=2,model=2-2-float32")
 def test_the_step_accumulates_into_sinks_as_without_them(mesh_text, zero, precision):
     """One device; NeMo's layout in small (ring attention over context, ZeRO-1 over data x
     context); FP8 GEMMs (their own custom VJPs inside each layer's pullback); ZeRO-2, whose

@@ -65,6 +65,9 @@ def _one_device(steps=3):
 @pytest.mark.parametrize("mesh, accumulate, zero", [
     ("data=2,model=2", 1, 1), ("data=4,model=1", 1, 1), ("data=2,model=2", 2, 1),
     ("data=2,model=2", 2, 2)])
+# make test: no tensor parallelism, and accumulation under ZeRO-2 beside it (the other two cells,
+# each a part of that one: make test-all)
+@pytest.mark.slow_cells("data=2,model=2-1-1", "data=2,model=2-2-1")
 def test_sharded_master_trains_like_the_float32_master_bf16_step_on_one_device(mesh, accumulate,
                                                                                zero):
     """Also accumulating 2 micro-batches (ZeRO-1: their bf16 gradients summed in float32 between
@@ -234,6 +237,7 @@ def test_a_sharded_master_checkpoint_is_the_plain_steps_both_ways(tmp_path):
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.slow_cells("2")  # accumulation under the sharded master: the bf16 test above
 def test_an_fp8_sharded_master_step_is_the_float32_master_fp8_step_within_bf16(accumulate):
     """NeMo's FP8 runs keep Megatron's distributed optimizer: the bf16 parameters gathered once,
     each GEMM's FP8 operands quantised from them, as the float32-master FP8 step quantises its
