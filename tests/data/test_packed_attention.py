@@ -96,12 +96,12 @@ def test_flash_kernel_with_segment_ids_equals_the_masked_xla_path():
     q = jnp.asarray(rng.normal(size=(2, 16, 2, 8)), jnp.float32)  # two query heads a group
     k, v = (jnp.asarray(rng.normal(size=(2, 16, 1, 8)), jnp.float32) for _ in range(2))
     segments = jnp.asarray([[1] * 5 + [2] * 7 + [3] * 2 + [0] * 2, [1] * 16], jnp.int32)
-    fused = lambda q, k, v: flash.packed_attention(q, k, v, segments, interpret=True)
-    masked = lambda q, k, v: causal_attention(q, k, v, segment_ids=segments)
+    fused = jax.jit(lambda q, k, v: flash.packed_attention(q, k, v, segments, interpret=True))
+    masked = jax.jit(lambda q, k, v: causal_attention(q, k, v, segment_ids=segments))
     np.testing.assert_allclose(fused(q, k, v), masked(q, k, v), atol=1e-5)
     square = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
-    for a, b in zip(jax.grad(square(fused), (0, 1, 2))(q, k, v),
-                    jax.grad(square(masked), (0, 1, 2))(q, k, v)):
+    for a, b in zip(jax.jit(jax.grad(square(fused), (0, 1, 2)))(q, k, v),
+                    jax.jit(jax.grad(square(masked), (0, 1, 2)))(q, k, v)):
         np.testing.assert_allclose(a, b, atol=1e-5)
     # ignoring the segments would differ
     assert not np.allclose(masked(q, k, v), causal_attention(q, k, v), atol=1e-3)

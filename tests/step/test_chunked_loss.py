@@ -53,7 +53,7 @@ def test_chunked_loss_equals_the_whole_loss_on_one_device(chunk_limit, tied, lim
         logits = m.attend(h) if tied else m(h)
         return optax.softmax_cross_entropy_with_integer_labels(logits, t).mean()
 
-    want, want_grads = nnx.value_and_grad(whole, argnums=(0, 1))(head, h)
+    want, want_grads = nnx.jit(nnx.value_and_grad(whole, argnums=(0, 1)))(head, h)
     chunk_limit(limit)
     got, grads = jax.jit(nnx.value_and_grad(
         lambda m, h: loss.cross_entropy(m, h, t, tied=tied), argnums=(0, 1)))(head, h)
