@@ -7,12 +7,16 @@ sums over the workers. The README's Testing section quotes its numbers.
     python benchmarks/suite_time.py --out DIR  # per-worker JSON and the sums in DIR
 
 It runs the whole fast suite (10-17 minutes on 2 cores): never beside another suite or benchmark.
+Before and after the suite it times a fixed compile (:func:`reference_compile`) in a fresh
+process, so that two runs' walls can be read against the machine's speed at the time: on this
+2-core VM the same suite's CPU seconds varied by 1.68x within an hour.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gc
 import json
 import os
@@ -119,6 +123,49 @@ def summary(folder: pathlib.Path, top: int = 25) -> dict:
                 name: [round(backend, 1), compiles] for name, (backend, compiles) in costliest}}
 
 
+def reference_compile(repeats: int = 5) -> float:
+    """The median seconds of ``repeats`` compiles of one fixed program (a training step of four
+    transformer blocks, width 32, float32, each compile a new function so that no cache serves
+    it), in this process: the machine's compile speed, which the suite's time follows."""
+    import jax
+    import jax.numpy as jnp
+
+    def block(w, x):
+        h = x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+        a = jax.nn.softmax((h @ w["q"]) @ (h @ w["k"]).swapaxes(-1, -2), -1) @ (h @ w["v"])
+        x = x + a @ w["o"]
+        return x + jax.nn.silu(x @ w["up"]) @ w["down"]
+
+    def step(lr):
+        def update(ws, x):
+            loss = lambda ws: jnp.mean(functools.reduce(lambda x, w: block(w, x), ws, x) ** 2)
+            value, grads = jax.value_and_grad(loss)(ws)
+            return value, jax.tree.map(lambda w, g: w - lr * g, ws, grads)
+        return update
+
+    w = {n: jax.ShapeDtypeStruct((32, 32), jnp.float32) for n in ("q", "k", "v", "o", "up", "down")}
+    x = jax.ShapeDtypeStruct((2, 16, 32), jnp.float32)
+    seconds = []
+    for i in range(repeats):
+        lowered = jax.jit(step(1e-3 * (i + 1))).lower([w] * 4, x)
+        start = time.perf_counter()
+        lowered.compile()
+        seconds.append(time.perf_counter() - start)
+    return sorted(seconds)[len(seconds) // 2]
+
+
+def reference_seconds() -> float:
+    """:func:`reference_compile` in a fresh process, with the suite's LLVM ``-O0``."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_backend_optimization_level=0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "benchmarks"),
+                                                       os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", "import suite_time; "
+                           "print(suite_time.reference_compile())"],
+                          env=env, capture_output=True, text=True, check=True)
+    return float(done.stdout.split()[-1])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=pathlib.Path, default=None,
@@ -130,12 +177,17 @@ def main(argv=None) -> int:
     env = {**os.environ, "SUITE_TIME_OUT": str(out),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "benchmarks"),
                                                        os.environ.get("PYTHONPATH")]))}
+    before = reference_seconds()
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-n", "2",
                            "--dist", "loadfile", "-p", "suite_time", "-p", "no:cacheprovider"],
                           cwd=ROOT, env=env)
-    result = {"wall s": round(time.perf_counter() - start, 1), "exit": done.returncode,
-              "python": sys.version.split()[0], **summary(out)}
+    wall = time.perf_counter() - start
+    speed = (before, reference_seconds())  # the reference compile's seconds, before and after
+    result = {"wall s": round(wall, 1), "exit": done.returncode,
+              "python": sys.version.split()[0],
+              "reference compile s (before, after)": [round(t, 3) for t in speed],
+              "wall / reference compile": round(wall / (sum(speed) / 2)), **summary(out)}
     (out / "summary.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return done.returncode

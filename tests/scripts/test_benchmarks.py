@@ -218,3 +218,5 @@ def test_suite_time_sums_its_workers_files(tmp_path):
     # per program (jax's fun_name), costliest first, summed over the workers
     assert list(got["costliest programs (backend s, compiles)"].items()) == [
         ("jit(step)", [5.5, 6]), ("jit(gw0)", [0.5, 1]), ("jit(gw1)", [0.5, 2])]
+    # the machine's speed, read beside the wall: one compile of the fixed reference program
+    assert 0 < module.reference_compile(repeats=1) < 60
