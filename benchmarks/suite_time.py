@@ -123,6 +123,13 @@ def summary(folder: pathlib.Path, top: int = 25) -> dict:
                 name: [round(backend, 1), compiles] for name, (backend, compiles) in costliest}}
 
 
+def _environment(**extra: str) -> dict[str, str]:
+    """This process's environment with ``extra`` and ``benchmarks/`` on the path (this module
+    is the plugin ``-p suite_time`` and the reference compile's import)."""
+    path = os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, **extra, "PYTHONPATH": path}
+
+
 def reference_compile(repeats: int = 5) -> float:
     """The median seconds of ``repeats`` compiles of one fixed program (a training step of four
     transformer blocks, width 32, float32, each compile a new function so that no cache serves
@@ -158,10 +165,7 @@ def reference_seconds(processes: int = 2) -> float:
     """:func:`reference_compile` in ``processes`` fresh processes at once (the suite's two
     workers), with the suite's LLVM ``-O0``: the mean of their medians. Both cores busy is what
     the suite sees: on this VM one compile took 0.56-0.63 s alone and 0.77-0.81 s beside another."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_backend_optimization_level=0",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "benchmarks"),
-                                                       os.environ.get("PYTHONPATH")]))}
+    env = _environment(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
     command = [sys.executable, "-c", "import suite_time; print(suite_time.reference_compile())"]
     runs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
             for _ in range(processes)]
@@ -179,9 +183,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="suite_time-"))
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "SUITE_TIME_OUT": str(out),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "benchmarks"),
-                                                       os.environ.get("PYTHONPATH")]))}
+    env = _environment(SUITE_TIME_OUT=str(out))
     before = reference_seconds()
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-n", "2",

@@ -248,7 +248,7 @@ def _run_config(tmp_path, **overrides):
     return RunConfig.from_flags(**settings)
 
 
-@pytest.mark.slow  # make test: the README trains Llama, test_hf_families.py saves and loads --save-hf
+@pytest.mark.slow  # make test: the README trains Llama; test_hf_families.py covers --save-hf
 def test_train_llama_writes_results_and_a_hf_checkpoint(tmp_path):
     from jphantom.loop.trainer import run
 

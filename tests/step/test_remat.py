@@ -255,7 +255,8 @@ def _llama_run(policy, layout):
     (remat.BUT_MLP_IN, "sp-zero3"),
     (remat.SELECTIVE, "sp-zero3"), (remat.SELECTIVE, "all-gather-context")])
 @pytest.mark.slow_cells(  # make test: Megatron's selective recompute under SP + ZeRO-3
-    "dots_attention_saveable-sp-zero3", "qkv_saveable-sp-zero3", "dots_but_mlp_in_saveable-sp-zero3",
+    "dots_attention_saveable-sp-zero3", "qkv_saveable-sp-zero3",
+    "dots_but_mlp_in_saveable-sp-zero3",
     "all_but_attention_core_saveable-all-gather-context")
 def test_peer_policies_are_exact_on_llama(policy, layout):
     loss, grads = _llama_run(policy, layout)

@@ -48,7 +48,7 @@ DEFAULT_CASES = {(1, 8, 3, jnp.float64), (2, 1, 3, jnp.float64), (4, 3, 3, jnp.f
 @pytest.mark.parametrize("num_shards, ghost_width, depth, dtype", [
     pytest.param(*case, marks=() if case in DEFAULT_CASES else pytest.mark.slow) for case in CASES],
     ids=[f"p{p}-k{k}-L{d}-{DTYPE_NAME[t]}" for p, k, d, t in CASES])
-# ... of which make test-all alone runs p=1, p=2 at k=1 and p=4 in float64 (p=4, k=3 runs in float32)
+# of those, only make test-all runs p=1, p=2 at k=1 and p=4 in float64 (p=4 runs in float32)
 @pytest.mark.slow_cells("p1-k8-L3-float64", "p2-k1-L3-float64", "p4-k3-L3-float64")
 def test_phantom_matches_dense_equivalent(num_shards, ghost_width, depth, dtype):
     """Loss and every gradient of the training step (custom_vjp backward, Eqs. 15-21, under
