@@ -107,7 +107,7 @@ def test_the_kernel_choice_says_why_and_refuses_what_cannot_run(monkeypatch):
 
 
 @pytest.mark.parametrize("causal, keys", [(True, 16), (False, 8), (False, 32)])
-@pytest.mark.slow_cells("False-32")
+@pytest.mark.slow_cells("False-32", "False-8")  # make test: the causal blocks
 def test_flash_blocks_equal_the_einsum_blocks(causal, keys):
     """One block, forward (output, log-sum-exp) and backward given the final statistics, with
     GQA (2 query heads per key head) and unequal query and key lengths."""

@@ -12,7 +12,8 @@
 - docs/cli.md's reference section is what ``jphantom <command> --help`` prints now
   (``python tests/test_docs.py --write-cli`` regenerates it).
 
-The whole file runs in about a minute on 2 cores: keep documented commands tiny, or mark them.
+In `make test` the README runs and every page is parsed (test_every_page_parses); the other
+pages run in `make test-all`. Keep documented commands tiny, or mark them.
 """
 
 from __future__ import annotations
@@ -176,7 +177,12 @@ def _runs(block: Block) -> bool:
 
 @pytest.mark.parametrize("page", [p for p in PAGES if any(_runs(b) for b in blocks(p))],
                          ids=lambda p: str(p.relative_to(ROOT)))
-@pytest.mark.slow_cells("docs/multi-host-and-checkpoints.md", "docs/bring-your-own-model.md")
+# Pages whose runs compile steps of their own run in `make test-all`; in `make test` the README
+# runs, and every page is checked by test_every_page_parses (commands parsed, Python compiled).
+@pytest.mark.slow_cells("docs/multi-host-and-checkpoints.md", "docs/bring-your-own-model.md",
+                        "docs/training.md", "docs/pipelines.md", "docs/fine-tuning.md",
+                        "docs/generate.md", "docs/context-parallelism.md",
+                        "docs/pmm3d-and-planner.md", "docs/experts.md", "docs/strategies.md")
 def test_page_runs(page, scratch):
     """The page's Python and ``jphantom`` blocks, in the order a reader meets them (one namespace
     and one working directory per page)."""
@@ -187,6 +193,19 @@ def test_page_runs(page, scratch):
         _run_page(page)
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+def test_every_page_parses():
+    """Every page, run or not in this suite: each Python block compiles and each ``jphantom``
+    command is accepted by the real argument parser (flags, choices), in well under a second."""
+    for page in PAGES:
+        for block in blocks(page):
+            if block.lang == "python":
+                compile(block.text, block.where(), "exec")
+            elif _is_jphantom(block):
+                for argv in commands(block.text):
+                    assert argv[0] == "jphantom", f"{block.where()}: not a jphantom command"
+                    _parse_only(argv[1:], block.where())
 
 
 def _run_page(page: pathlib.Path) -> None:

@@ -89,7 +89,10 @@ def megatron_formula(depth, batch=BATCH):
 @pytest.mark.parametrize("strategy", ["phantom", "phantom-unfused"])
 @pytest.mark.parametrize("depth", [1, 2, 3])
 @pytest.mark.parametrize("num_shards", [2, 8])
-@pytest.mark.slow_cells("8-3-phantom", "2-3-phantom-unfused", "8-3-phantom-unfused")
+# make test: p = 2 at depths 1 and 3, p = 8 at depth 2, fused and unfused
+@pytest.mark.slow_cells("8-3-phantom", "2-3-phantom-unfused", "8-3-phantom-unfused",
+                        "2-1-phantom-unfused", "2-2-phantom", "2-2-phantom-unfused",
+                        "8-1-phantom", "8-1-phantom-unfused")
 def test_phantom_step_moves_only_k_wide_messages(strategy, num_shards, depth):
     """Per layer: one all-gather of B x p x k and one reduce-scatter back to B x k (Table II), and no
     all-reduce except the scalar loss: parameters are never replicated, so no gradient all-reduce."""

@@ -49,7 +49,7 @@ def test_the_users_slop_factor_is_read_from_xla_flags():
 
 @pytest.mark.parametrize("flags", [
     dict(mesh="data=2,model=4", zero=1, master_weights="sharded", accumulate=2),
-    dict(mesh="data=8", zero=3),
+    pytest.param(dict(mesh="data=8", zero=3), marks=pytest.mark.slow),  # make test: the first
 ])
 def test_inputs_and_outputs_estimated_before_compiling_are_xlas(flags):
     """The estimate from the abstract arguments and the lowering equals the compiled program's

@@ -51,7 +51,8 @@ def _logits(model, *batch):
     return model(*batch)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "gpt2"])
+@pytest.mark.parametrize("name", [pytest.param("llama", marks=pytest.mark.slow), "qwen3", "gemma3",
+                                  "gpt2"])  # make test: Qwen3's rotary positions, as Llama's
 def test_a_packed_rows_logits_equal_each_document_alone(name):
     """Each document alone is a row of its own tokens followed by pads: a causal model's logits
     of its tokens are those of the document alone (nothing attends a later token). The packed

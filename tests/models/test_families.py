@@ -229,8 +229,10 @@ def test_from_hf_without_model_takes_the_family_its_config_names(command):
     assert settings("--model", "gpt2")["model"] == "gpt2"  # refused when the run is built
 
 
-def test_from_hf_trains_the_checkpoints_family_and_a_disagreeing_model_is_one_line(tmp_path,
-                                                                                   capsys):
+# make test: the family and shape the checkpoint's config.json gives (the settings test above),
+# a --from-hf run's training in test_hf_families.py
+@pytest.mark.slow
+def test_from_hf_trains_the_checkpoints_family(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["train", "--from-hf", str(QWEN2), "--seq-len", "16", "--batch", "2", "--steps",
                  "1", "--eval-every", "1", "--eval-batches", "1", "--no-progress", "--out",
@@ -239,6 +241,9 @@ def test_from_hf_trains_the_checkpoints_family_and_a_disagreeing_model_is_one_li
     assert (model["name"], model["hidden"], model["layers"]) == ("qwen2", 32, 2)
     assert (f"model: qwen2, the family --from-hf {QWEN2}'s config.json names (model_type)"
             in capsys.readouterr().out.splitlines())
+
+
+def test_a_model_that_disagrees_with_the_checkpoint_is_one_line(tmp_path, capsys):
     assert main(["train", "--model", "gpt2", "--from-hf", str(QWEN2), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err == (f"jphantom: error: --from-hf {QWEN2} holds a 'qwen2' checkpoint, which "
@@ -252,6 +257,7 @@ def test_from_hf_trains_the_checkpoints_family_and_a_disagreeing_model_is_one_li
            "reads" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # make test: the checkpoint's shape in the settings (the test above it)
 def test_inspect_from_hf_prints_the_checkpoints_shape(capsys):
     """The header is the loaded model's (2 layers of width 32, 8 heads), not the flags' defaults."""
     assert main(["inspect", "--from-hf", str(QWEN2), "--seq-len", "16", "--batch", "2",

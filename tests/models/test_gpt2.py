@@ -196,7 +196,7 @@ def _megatron_logits(model, shards, sequence_parallel=False, **plan):
 
 
 @pytest.mark.parametrize("shards, sequence_parallel", [(2, False), (2, True), (4, False), (4, True)])
-@pytest.mark.slow_cells("4-False")  # four shards: with sequence parallelism in make test
+@pytest.mark.slow_cells("4-False", "4-True")  # make test: two shards, with and without SP
 def test_tensor_parallel_logits_equal_dense(tmp_path, shards, sequence_parallel):
     config, params = gpt2.load(write_hf(tmp_path / "m", random_tensors(seed=3)))
     tokens = tokens_for(shape=(2, 16))

@@ -350,7 +350,7 @@ def test_parameters_are_created_in_their_shards_from_an_abstract_model():
     mesh = _mesh(4, 2)
 
     def create():
-        model = llama.Llama(config(4), rngs=nnx.Rngs(0))
+        model = llama.Llama(config(), rngs=nnx.Rngs(0))
         return jphantom.parallelize(model, mesh, jphantom.plans.megatron(model))
 
     abstract = nnx.eval_shape(create)

@@ -46,7 +46,9 @@ def test_the_plain_ffn_is_seal_et_al_s_ffn(depth, pairs):
 
 @pytest.mark.parametrize("strategy", [
     "dense", "tensor-t1", "phantom", "phantom-unfused", "tensor", "gspmd", "pmm3d"])
-@pytest.mark.slow_cells("tensor-t1", "phantom-unfused")
+# make test: phantom and tensor (the FFN's own layers); the others' layers are each strategy's
+# own tests' (test_tensor.py, test_pmm3d.py, test_data_parallel.py's GSPMD)
+@pytest.mark.slow_cells("tensor-t1", "phantom-unfused", "dense", "gspmd", "pmm3d")
 def test_ffn_model_matches_its_dense_equivalent(strategy):
     """Each strategy's parallelised FFN, created in its shards (program.init) and trained one SGD
     step, moves its parameters by exactly the gradient of the plain model it is (one device,

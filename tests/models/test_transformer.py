@@ -191,7 +191,7 @@ def _inventory(prog, **kw):
     return {kind: sorted(sizes) for kind, sizes in found.items() if sizes}
 
 
-@pytest.mark.parametrize("layers", [1, 3])
+@pytest.mark.parametrize("layers", [pytest.param(1, marks=pytest.mark.slow), 3])  # make test: 3
 def test_megatron_block_has_two_all_reduces_forward_and_two_backward(layers):
     """Per block, g after the attention output and after MLP-down (forward) and f before QKV and
     before MLP-up (backward): four all-reduces of B*S*h, inside the scan over blocks."""

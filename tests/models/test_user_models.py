@@ -226,6 +226,9 @@ def test_einsum_layers_are_tensor_parallel_and_exact(mesh, sequence_parallel, op
     assert jphantom.nn.metadata.axes_of(layer.kernel)[-3:] == (None, "model", None)
 
 
+# make test: the GSPMD baseline in test_data_parallel.py; a user's einsum layers under the
+# explicit step above
+@pytest.mark.slow
 def test_einsum_gspmd_annotation_is_exact():
     model, mesh = EinsumLM(), _mesh("data=2,model=2")
     plans.annotate(model, mesh, plans.megatron(EinsumLM()))
@@ -385,8 +388,17 @@ class ListLM(nnx.Module):
         return self.output(self.norm(h))
 
 
+ZERO3_LIST_WARNING = r"the 2 blocks of blocks .*layer by layer"
+
+
 def test_zero3_on_blocks_in_a_list_says_at_construction_that_it_gathers_them_whole():
-    with pytest.warns(jphantom.JPhantomWarning, match=r"the 2 blocks of blocks .*layer by layer"):
+    with pytest.warns(jphantom.JPhantomWarning, match=ZERO3_LIST_WARNING):
+        jphantom.make_train_step(ListLM(), _mesh("data=4"), optax.sgd(0.1), loss_fn, zero=3)
+
+
+@pytest.mark.slow  # make test: the warning above; ZeRO-3's exactness on stacked layers: test_zero.py
+def test_zero3_on_blocks_in_a_list_is_exact():
+    with pytest.warns(jphantom.JPhantomWarning, match=ZERO3_LIST_WARNING):
         report = jphantom.verify(ListLM(), _mesh("data=4"), None, loss_fn, TOKENS,
                                  np.roll(TOKENS, -1, 1), zero=3)
     assert report.ok, str(report)

@@ -73,7 +73,9 @@ def _check_ffn(strategy, mesh_text, schedule, microbatches, virtual_stages=1, de
                                                       ("interleaved-1f1b", 2)])
 @pytest.mark.parametrize("factor", [pytest.param(0, marks=pytest.mark.slow), 1,
                                     pytest.param(4, marks=pytest.mark.slow)])  # M = 1, P, 4P
-@pytest.mark.slow_cells("1-interleaved-1f1b-2-4", "1-gpipe-1-2", "1-1f1b-1-4", "1-gpipe-1-4")
+# make test: 1F1B on 2 stages here; interleaved 1F1B in the data x model test below
+@pytest.mark.slow_cells("1-interleaved-1f1b-2-4", "1-gpipe-1-2", "1-1f1b-1-4", "1-gpipe-1-4",
+                        "1-interleaved-1f1b-2-2")
 def test_ffn_pipeline_equals_unpipelined(stages, schedule, virtual_stages, factor):
     """Every schedule on 2, 4 and 8 stages, M in {1, P, 4P}: the loss and every gradient of the
     unpipelined FFN (float32, 1e-5), with NaN sent by every idle slot."""
@@ -187,7 +189,7 @@ def test_transformer_pipeline_equals_dense(strategy, mesh, schedule, microbatche
 
 @pytest.mark.parametrize("schedule, microbatches, virtual_stages", [
     ("1f1b", 8, 1), ("gpipe", 4, 1), ("interleaved-1f1b", 4, 2)])
-@pytest.mark.slow_cells("interleaved-1f1b-4-2")
+@pytest.mark.slow_cells("interleaved-1f1b-4-2", "1f1b-8-1")  # make test: GPipe's count
 def test_stage_body_runs_as_often_as_the_schedule_says(schedule, microbatches, virtual_stages):
     """Praxis's check: count, per device, the forward and backward executions of the stage body
     (a host callback in the FFN's stacked unit; one unit per model chunk). Each device runs each
@@ -199,7 +201,8 @@ def test_stage_body_runs_as_often_as_the_schedule_says(schedule, microbatches, v
 
 @pytest.mark.parametrize("strategy, schedule, microbatches, virtual_stages", [
     ("phantom", "1f1b", 4, 1), ("phantom", "gpipe", 4, 1), ("tensor", "interleaved-1f1b", 4, 2)])
-@pytest.mark.slow_cells("phantom-gpipe-4-1")
+# make test: interleaved 1F1B's permutes; phantom's within stages in test_hlo.py
+@pytest.mark.slow_cells("phantom-gpipe-4-1", "phantom-1f1b-4-1")
 def test_pipelined_step_moves_what_the_schedule_needs(strategy, schedule, microbatches,
                                                       virtual_stages):
     """The compiled step holds one collective-permute per tick that moves an activation and one
@@ -420,6 +423,8 @@ def test_the_head_and_embedding_branches_say_in_how_many_ticks_they_run(schedule
     assert total(runner._on_entry) == m
 
 
+# make test: the five-chunk test below reads the loops' names from the compiled program
+@pytest.mark.slow
 def test_the_compiled_pipeline_names_its_conds_shares():
     """The names reach the compiled program (the predictor reads the op_name of the entry's
     conditional and of the head's and embedding's loops). The head and the embedding's backward

@@ -129,6 +129,8 @@ def test_a_run_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tm
     assert got["history"]["train_loss"] == want["history"]["train_loss"]
 
 
+# make test: SIGTERM's stop, checkpoint, one line and resume (test_resilience.py), in this process
+@pytest.mark.slow
 def test_ctrl_c_stops_at_a_step_writes_what_the_run_has_and_exits_130(tmp_path):
     """SIGINT (Ctrl-C) during training: the run stops, writes metrics.jsonl (every logged step),
     results.json (``interrupted``: true) and a final checkpoint of the state it reached, and the

@@ -11,8 +11,11 @@ from jphantom.config import RunConfig, load_toml
 
 from helpers import exit_code
 
-TINY = ["--layers", "1", "--hidden", "16", "--heads", "4", "--seq-len", "16", "--batch", "4",
-        "--steps", "3", "--eval-every", "2", "--eval-batches", "1", "--no-progress"]
+# The README's first run (its model, shapes and mesh) for 3 steps: the suite's compilation cache
+# serves the steps tests/test_docs.py compiled for the README (the step count is not in them)
+TINY = ["--model", "gpt2", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32",
+        "--batch", "8", "--steps", "3", "--eval-every", "2", "--eval-batches", "1",
+        "--no-progress"]
 
 
 def test_train_transformer_writes_results_metrics_and_curves(tmp_path, capsys):
@@ -33,15 +36,19 @@ def test_train_transformer_writes_results_metrics_and_curves(tmp_path, capsys):
 
 
 def test_train_settings_come_from_toml_and_flags_override(tmp_path):
+    """The settings ``jphantom train`` builds its run from (a TOML file training end to end:
+    tests/test_docs.py::test_example_toml_trains)."""
+    from jphantom.cli.parser import run_settings
+    from jphantom.cli.train import TRAIN_DEFAULTS
+
     toml = tmp_path / "run.toml"
     toml.write_text('model = "ffn"\nstrategy = "phantom"\nghost-width = 2\nwidth = 32\n'
                     'mesh = "model=4"\nsteps = 2\nbatch = 8\neval_every = 1\n'
                     'eval_batches = 1\nprogress = false\nlearning_rate = 0.5\n')
-    out = tmp_path / "ffn"
-    assert cli.main(["train", "--config", str(toml), "--learning-rate", "0.01",
-                     "--out", str(out)]) == 0
-    config = json.loads((out / "results.json").read_text())["config"]
-    assert config["model"] == "ffn" and config["ghost_width"] == 2
+    args = cli.build_parser().parse_args(["train", "--config", str(toml), "--learning-rate",
+                                          "0.01"])
+    config = RunConfig.from_flags(**run_settings(args, TRAIN_DEFAULTS)).flat()
+    assert (config["model"], config["ghost_width"], config["width"]) == ("ffn", 2, 32)
     assert config["learning_rate"] == 0.01  # the flag wins over the file
     with pytest.raises(ConfigError, match="unknown settings \\['colour'\\]"):
         toml.write_text('colour = "blue"\n')

@@ -84,9 +84,10 @@ def _run(sink: bool, precision: str, mesh_text: str = "model=1", zero: int = 0):
 @pytest.mark.parametrize("mesh_text, zero, precision", [
     ("model=1", 0, "float32"), ("data=2,context=2", 1, "float32"), ("model=1", 0, "fp8"),
     ("data=2,context=2", 2, "float32"), ("data=2,model=2", 2, "float32")])
-# make test: one device, FP8, and ZeRO-2 beside context (its sinks are the rank's shards); ZeRO-1
-# beside context and ZeRO-2 beside tensor parallelism: make test-all
-@pytest.mark.slow_cells("data=2,context=2-1-float32", "data=2,model=2-2-float32")
+# make test: one device (ZeRO-2's sinks: the jaxpr test below and test_zero.py's ZeRO-2
+# accumulation); FP8, and ZeRO-1 and ZeRO-2 beside context and tensor parallelism: make test-all
+@pytest.mark.slow_cells("data=2,context=2-1-float32", "data=2,model=2-2-float32", "model=1-0-fp8",
+                        "data=2,context=2-2-float32")
 def test_the_step_accumulates_into_sinks_as_without_them(mesh_text, zero, precision):
     """One device; NeMo's layout in small (ring attention over context, ZeRO-1 over data x
     context); FP8 GEMMs (their own custom VJPs inside each layer's pullback); ZeRO-2, whose
@@ -110,6 +111,7 @@ def test_the_sinks_drop_the_micro_batch_gradient_stack():
     assert temp_plain - temp >= 0.9 * stack, (temp, temp_plain, stack)
 
 
+@pytest.mark.slow  # make test-all, with the ZeRO cells above whose runs it reads
 def test_zero2_sinks_are_the_ranks_shards():
     """ZeRO-2's float32 sinks are 1/D of ZeRO-1's (D = 4, data x context), less the one layer's
     gradient the delayed reduction carries into the next layer's backward and out (2 of the 4

@@ -88,7 +88,7 @@ def test_sharded_master_trains_like_the_float32_master_bf16_step_on_one_device(m
         assert_tree_close(jax.device_get(state.params), want_params, 4 * BF16)
 
 
-@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("zero", [1, pytest.param(2, marks=pytest.mark.slow)])  # the same program
 def test_a_pipelined_sharded_master_step_is_the_float32_master_pipelined_step_within_bf16(zero):
     """Through a pipeline (1F1B, 2 micro-batches, stage=2, data=2): the bf16 parameters gathered
     over ``data`` once before the schedule (no per-task cast), each stage's gradients summed in
@@ -129,6 +129,7 @@ def test_a_pipelined_sharded_master_step_is_the_float32_master_pipelined_step_wi
         assert {dtype for c in lowered[kind] for dtype, _ in c.shapes} == {"bf16"}
 
 
+@pytest.mark.slow  # make test: the pipelined sharded-master step's float32 sums (the default) above
 def test_a_pipeline_sums_its_gradients_in_bf16_when_told_within_bf16():
     """``accumulate_grads_in="compute"`` (NeMo's bf16 gradient buffer): the pipeline's gradient
     sums are bf16 where the float32 ones were (the schedule loop's carry, from the compiled

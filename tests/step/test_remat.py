@@ -55,7 +55,11 @@ def _run(mesh_text, policy):
 
 
 @pytest.mark.parametrize("policy", [p for p in remat.NAMES if p != "none"])
-@pytest.mark.slow_cells("nothing_saveable", "dots_saveable", "dots_collectives_saveable")
+# make test: Megatron's selective recompute (all_but_attention_core_saveable); the others name
+# other residuals of the same blocks: make test-all
+@pytest.mark.slow_cells("nothing_saveable", "dots_saveable", "dots_collectives_saveable",
+                        "collectives_saveable", "qkv_saveable", "dots_but_mlp_in_saveable",
+                        "dots_attention_saveable")
 def test_every_policy_gives_the_same_gradients(policy):
     loss, grads, _, _ = _run("model=2", policy)
     want_loss, want_grads, _, _ = _run("model=2", "none")
@@ -84,6 +88,8 @@ def test_nothing_saveable_lowers_temp_memory_by_what_it_predicts():
     assert temp_none - temp_remat == pytest.approx(predicted, rel=0.25)
 
 
+# make test: the same policy keeps the all-to-alls out of the recompute (test_expert.py's CAC)
+@pytest.mark.slow
 def test_collectives_saveable_recomputes_no_collective():
     """Megatron on model=2: nothing_saveable repeats, in each block's backward, the attention
     output's all-reduce (the MLP half needs its result again; the MLP-down all-reduce gives the

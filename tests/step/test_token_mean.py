@@ -145,6 +145,7 @@ def test_moe_balance_reaches_a_users_loss_through_the_models_hook():
     assert report.ok, str(report)
 
 
+@pytest.mark.slow  # make test: the weighted step's exactness and its returned weight (this file)
 def test_the_weight_costs_no_gemm_and_one_scalar_all_reduce():
     """Accumulating a weighted loss: the pass over the micro-batches that sums the weight is
     reduced by XLA to the mask's sum: the compiled step runs the unweighted step's GEMMs and

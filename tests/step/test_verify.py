@@ -88,13 +88,13 @@ def test_a_layer_broken_on_purpose_is_named():
 
 def test_make_train_step_leaves_the_model_as_it_was():
     """The step sets the blocks' remat policy and, with a stage axis, the layer axis' sharding
-    on a copy of its own."""
+    on a copy of its own (what it sets, it sets as it is made and traced: lowered, not run)."""
     model = Llama(LLAMA, rngs=nnx.Rngs(0))
     before = _snapshot(model)
     step = jphantom.make_train_step(model, _mesh("stage=2,data=2"), optax.sgd(0.1), lm_loss,
                                     remat="nothing_saveable",
                                     pipeline=PipelineConfig(microbatches=2))
-    state, _ = step(step.init(), _tokens(), _tokens())
+    step.lower(step.init(), _tokens(), _tokens())
     after = _snapshot(model)
     assert before[0] == after[0] and before[2] == after[2] and model.layers.remat == "none"
     assert all(np.array_equal(a, b) for a, b in zip(before[1], after[1]))
@@ -218,6 +218,7 @@ def test_verify_compares_mixed_precision_with_the_one_device_step_at_that_precis
     assert 1e-5 < report["worst"]["error"] <= tolerance
 
 
+@pytest.mark.slow  # make test: verify's reports against float64 (the layouts above, the command)
 def test_the_one_device_step_at_a_precision_is_verify_s_reference_bit_for_bit():
     """On one device the step and the reference are the same computation: no difference."""
     model = Llama(LLAMA, rngs=nnx.Rngs(0))
@@ -265,6 +266,8 @@ def test_fp8_scale_groups_are_the_step_s_data_ranks_and_micro_batches():
         [0, 1, 2, 3], [4, 5, 6, 7]]  # the whole global micro-batch, consecutive rows
 
 
+# make test: an FP8 step under a layout against the one-device FP8 step (test_fp8.py)
+@pytest.mark.slow
 def test_a_data_parallel_fp8_step_is_compared_with_per_rank_scaled_references():
     """The reference quantises each data rank's rows by themselves, as the step does: the loss
     agrees exactly (a whole-batch reference differed by the recipe's per-rank scaling)."""

@@ -218,6 +218,8 @@ def test_all_gather_attention_keeps_no_probabilities_for_the_backward(window, ke
     assert bool(scores) == keeps_scores, shapes
 
 
+# make test: ZeRO-2 over data x context in test_gradient_sink.py, ZeRO's collectives in test_zero.py
+@pytest.mark.slow
 def test_zero_shards_the_optimizer_over_data_and_context():
     """ZeRO over the ranks that hold the same weights: ``data`` and ``context`` (Megatron-LM's
     distributed optimizer shards over its data-parallel group with context parallelism). With

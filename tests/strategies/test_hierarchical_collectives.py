@@ -79,7 +79,9 @@ def _axes(nodes, local):
 @pytest.mark.parametrize("kind", [GATHER, SCATTER])
 @pytest.mark.parametrize("axis", [0, 1])
 @pytest.mark.parametrize("nodes,local", [(2, 4), (4, 2)])
-@pytest.mark.slow_cells("2-4-1-all-gather", "2-4-1-reduce-scatter", "2-4-0-all-gather")
+# make test: axis 0, both kinds, on 4 nodes of 2 and (reduce-scatter) 2 nodes of 4
+@pytest.mark.slow_cells("2-4-1-all-gather", "2-4-1-reduce-scatter", "2-4-0-all-gather",
+                        "4-2-1-all-gather", "4-2-1-reduce-scatter")
 def test_hierarchical_equals_flat_in_value_and_gradient(kind, axis, nodes, local):
     """Rank (node, local)'s result is the flat collective's, element for element, with node outer;
     and so is the vjp (the all-gather's is a reduce-scatter and vice versa)."""

@@ -48,8 +48,9 @@ DEFAULT_CASES = {(1, 8, 3, jnp.float64), (2, 1, 3, jnp.float64), (4, 3, 3, jnp.f
 @pytest.mark.parametrize("num_shards, ghost_width, depth, dtype", [
     pytest.param(*case, marks=() if case in DEFAULT_CASES else pytest.mark.slow) for case in CASES],
     ids=[f"p{p}-k{k}-L{d}-{DTYPE_NAME[t]}" for p, k, d, t in CASES])
-# of those, only make test-all runs p=1, p=2 at k=1 and p=4 in float64 (p=4 runs in float32)
-@pytest.mark.slow_cells("p1-k8-L3-float64", "p2-k1-L3-float64", "p4-k3-L3-float64")
+# of those, make test runs p=2 at depth 1 in float64 and p=4 in float32; the rest: make test-all
+@pytest.mark.slow_cells("p1-k8-L3-float64", "p2-k1-L3-float64", "p4-k3-L3-float64",
+                        "p8-k8-L3-float64")
 def test_phantom_matches_dense_equivalent(num_shards, ghost_width, depth, dtype):
     """Loss and every gradient of the training step (custom_vjp backward, Eqs. 15-21, under
     lax.scan inside one shard_map) equal jax.grad of the dense equivalent on one device."""
@@ -61,7 +62,7 @@ def test_phantom_matches_dense_equivalent(num_shards, ghost_width, depth, dtype)
     assert_tree_close(grads, want_grads, TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("num_shards", [2, 8])
+@pytest.mark.parametrize("num_shards", [2, pytest.param(8, marks=pytest.mark.slow)])  # test: 2
 def test_unfused_decompressor_equals_fused(num_shards):
     """The paper's p-1 separate decompressor GEMMs give the same loss and gradients as one GEMM."""
     config, _, params = _case(num_shards, 3, 3, jnp.float64)

@@ -62,8 +62,9 @@ FFN_FAST = {(8, 1, 1, 1), (1, 8, 1, 1), (1, 1, 8, 1), (1, 1, 1, 8), (2, 2, 2, 1)
 
 @pytest.mark.parametrize("grid", [g if g in FFN_FAST else pytest.param(g, marks=pytest.mark.slow)
                                   for g in grids(8)], ids=mesh_text)
-@pytest.mark.slow_cells(
-    "data=1,z=1,y=2,x=4", "data=1,z=1,y=8,x=1", "data=2,z=2,y=2,x=1", "data=8,z=1,y=1,x=1")
+@pytest.mark.slow_cells(  # make test: x alone, z x y x x, and data x z x x
+    "data=1,z=1,y=2,x=4", "data=1,z=1,y=8,x=1", "data=2,z=2,y=2,x=1", "data=8,z=1,y=1,x=1",
+    "data=1,z=8,y=1,x=1")
 def test_pmm3d_ffn_equals_the_dense_ffn_on_every_grid(grid):
     """Loss and every gradient of the training step (all reductions included) equal the dense
     FFN's on one device (float64 oracle, float32 1e-5), depth 3: a (normal, transposed) pair and
@@ -116,9 +117,12 @@ def expected_ffn_collectives(grid, n, rows, depth) -> Counter:
 
 
 @pytest.mark.parametrize("grid", grids(8), ids=mesh_text)
+# make test: each axis alone (data, z, y, x at 8), all three at 2, and data beside y and x
 @pytest.mark.slow_cells(
     "data=4,z=1,y=1,x=2", "data=1,z=4,y=1,x=2", "data=1,z=2,y=1,x=4", "data=2,z=4,y=1,x=1",
-    "data=2,z=1,y=4,x=1", "data=4,z=2,y=1,x=1")
+    "data=2,z=1,y=4,x=1", "data=4,z=2,y=1,x=1", "data=4,z=1,y=2,x=1", "data=2,z=2,y=2,x=1",
+    "data=1,z=4,y=2,x=1", "data=1,z=2,y=4,x=1", "data=2,z=2,y=1,x=2", "data=1,z=1,y=4,x=2",
+    "data=2,z=1,y=1,x=4", "data=1,z=1,y=2,x=4")
 def test_pmm3d_ffn_step_moves_exactly_eqs_5_1_to_5_5(grid):
     """The compiled training step's collectives (trip counts applied), by kind and mesh axes,
     equal Algorithm 3's per layer, element for element, on every grid of 8 devices."""
@@ -240,6 +244,7 @@ def test_pmm3d_programs_that_cannot_run_are_config_errors(strategy, mesh, kw, me
 
 @pytest.mark.parametrize("strategy", [
     "pmm3d-regather", "pmm3d-deferred"])
+@pytest.mark.slow_cells("pmm3d-regather")  # make test: the deferred variant (the same layer's option)
 def test_pmm3d_variants_equal_the_dense_ffn_and_move_what_they_say(strategy):
     """``pmm3d-regather`` all-gathers each weight again in the backward (AxoNN's default: one more
     all-gather per layer); ``pmm3d-deferred`` gathers every weight before the layers and

@@ -27,10 +27,14 @@ CASES = [case if len(case) == 3 else (*case, jnp.float64) for case in CASES]
 @pytest.mark.parametrize("num_shards, depth, dtype", CASES,
                          ids=[f"p{p}-L{d}-{DTYPE_NAME[t]}" for p, d, t in CASES])
 @pytest.mark.parametrize("name", ["tensor-t1", "tensor"])
+# make test: p = 1, 2 and 8; depths 1, 2 and 3 (a lone layer, a pair, a pair and a lone layer);
+# float64 and float32
 @pytest.mark.slow_cells(
     "tensor-t1-p8-L2-float32", "tensor-t1-p2-L3-float32", "tensor-t1-p2-L2-float64",
     "tensor-p2-L2-float64", "tensor-p2-L1-float64", "tensor-t1-p2-L3-float64",
-    "tensor-p4-L4-float64", "tensor-t1-p4-L4-float64", "tensor-t1-p1-L3-float64")
+    "tensor-p4-L4-float64", "tensor-t1-p4-L4-float64", "tensor-t1-p1-L3-float64",
+    "tensor-t1-p8-L1-float64", "tensor-t1-p8-L3-float64", "tensor-p2-L3-float64",
+    "tensor-p8-L1-float64", "tensor-p8-L2-float64", "tensor-p8-L2-float32")
 def test_tensor_parallel_matches_dense(name, num_shards, depth, dtype):
     """Loss and every gradient of the training step equal jax.grad of the dense model."""
     require_devices(num_shards)
