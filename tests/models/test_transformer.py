@@ -132,7 +132,9 @@ def test_tensor_transformer_equals_dense(mesh, sequence_parallel):
     pytest.param("gspmd", "data=2,model=4", False,  # make test: test_data_parallel.py, Llama
                  marks=pytest.mark.slow),
 ])
-@pytest.mark.slow_cells("tensor-model=4-True")
+# make test: float64 on the tensor-parallel FFN (test_tensor.py); transformers under tensor
+# parallelism in float32 (test_llama.py, test_user_models.py, test_hf_families.py)
+@pytest.mark.slow_cells("tensor-model=4-True", "tensor-data=2,model=2-False")
 def test_transformer_equals_dense_in_float64(strategy, mesh, sequence_parallel):
     _check_against_dense(strategy, mesh, sequence_parallel, dtype="float64")
 

@@ -498,6 +498,7 @@ def test_an_interleaved_pipeline_of_five_chunks_reads_them_from_copies():
     assert re.search(r"branch_ticks_\d+_\d+_\d+_of_\d+_ticks/cond", text)
 
 
+@pytest.mark.slow  # make test: every pipeline test above runs its chunks unrolled (the default)
 def test_a_chunk_of_few_layers_runs_them_unrolled():
     """A model chunk of at most ``PipelineConfig.unroll_layers`` layers runs them unrolled: no
     layer loop inside the schedule's (each layer's weights sliced from the stage's stack where

@@ -238,7 +238,8 @@ def test_a_sharded_master_checkpoint_is_the_plain_steps_both_ways(tmp_path):
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
-@pytest.mark.slow_cells("2")  # accumulation under the sharded master: the bf16 test above
+# make test-all: a composition of the sharded master (bf16, above) and the FP8 step (test_fp8.py)
+@pytest.mark.slow_cells("2", "1")
 def test_an_fp8_sharded_master_step_is_the_float32_master_fp8_step_within_bf16(accumulate):
     """NeMo's FP8 runs keep Megatron's distributed optimizer: the bf16 parameters gathered once,
     each GEMM's FP8 operands quantised from them, as the float32-master FP8 step quantises its

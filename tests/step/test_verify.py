@@ -100,6 +100,8 @@ def test_make_train_step_leaves_the_model_as_it_was():
     assert all(np.array_equal(a, b) for a, b in zip(before[1], after[1]))
 
 
+# make test: `jphantom verify --json` on a family (test_families.py), the API's reports here
+@pytest.mark.slow
 def test_the_verify_command_reports_and_exits_by_the_tolerance(capsys):
     flags = ["verify", "--model", "llama", "--layers", "1", "--hidden", "32", "--heads", "4",
              "--kv-heads", "2", "--seq-len", "16", "--batch", "8", "--strategy", "tensor",
