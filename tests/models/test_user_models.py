@@ -396,7 +396,8 @@ def test_zero3_on_blocks_in_a_list_says_at_construction_that_it_gathers_them_who
         jphantom.make_train_step(ListLM(), _mesh("data=4"), optax.sgd(0.1), loss_fn, zero=3)
 
 
-@pytest.mark.slow  # make test: the warning above; ZeRO-3's exactness on stacked layers: test_zero.py
+# make test: the warning above; ZeRO-3's exactness on stacked layers: test_zero.py
+@pytest.mark.slow
 def test_zero3_on_blocks_in_a_list_is_exact():
     with pytest.warns(jphantom.JPhantomWarning, match=ZERO3_LIST_WARNING):
         report = jphantom.verify(ListLM(), _mesh("data=4"), None, loss_fn, TOKENS,

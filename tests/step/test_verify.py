@@ -220,7 +220,8 @@ def test_verify_compares_mixed_precision_with_the_one_device_step_at_that_precis
     assert 1e-5 < report["worst"]["error"] <= tolerance
 
 
-@pytest.mark.slow  # make test: verify's reports against float64 (the layouts above, the command)
+# make test: verify's reports against float64 (the layouts above; the command in test_families.py)
+@pytest.mark.slow
 def test_the_one_device_step_at_a_precision_is_verify_s_reference_bit_for_bit():
     """On one device the step and the reference are the same computation: no difference."""
     model = Llama(LLAMA, rngs=nnx.Rngs(0))

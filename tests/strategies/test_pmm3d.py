@@ -244,7 +244,7 @@ def test_pmm3d_programs_that_cannot_run_are_config_errors(strategy, mesh, kw, me
 
 @pytest.mark.parametrize("strategy", [
     "pmm3d-regather", "pmm3d-deferred"])
-@pytest.mark.slow_cells("pmm3d-regather")  # make test: the deferred variant (the same layer's option)
+@pytest.mark.slow_cells("pmm3d-regather")  # make test: deferred (the same layer's other option)
 def test_pmm3d_variants_equal_the_dense_ffn_and_move_what_they_say(strategy):
     """``pmm3d-regather`` all-gathers each weight again in the backward (AxoNN's default: one more
     all-gather per layer); ``pmm3d-deferred`` gathers every weight before the layers and
