@@ -195,17 +195,25 @@ def test_page_runs(page, scratch):
         faulthandler.cancel_dump_traceback_later()
 
 
+def _jphantom_commands(block: Block) -> list[list[str]]:
+    """The arguments of each command of a ``jphantom`` block (each must be a jphantom command)."""
+    argvs = commands(block.text)
+    for argv in argvs:
+        assert argv[0] == "jphantom", (f"{block.where()}: a jphantom block holds only jphantom "
+                                       f"commands, not {argv[0]!r}")
+    return [argv[1:] for argv in argvs]
+
+
 def test_every_page_parses():
     """Every page, run or not in this suite: each Python block compiles and each ``jphantom``
-    command is accepted by the real argument parser (flags, choices), in well under a second."""
+    command is accepted by the real argument parser (flags, choices)."""
     for page in PAGES:
         for block in blocks(page):
             if block.lang == "python":
                 compile(block.text, block.where(), "exec")
             elif _is_jphantom(block):
-                for argv in commands(block.text):
-                    assert argv[0] == "jphantom", f"{block.where()}: not a jphantom command"
-                    _parse_only(argv[1:], block.where())
+                for argv in _jphantom_commands(block):
+                    _parse_only(argv, block.where())
 
 
 def _run_page(page: pathlib.Path) -> None:
@@ -219,13 +227,11 @@ def _run_page(page: pathlib.Path) -> None:
                     exec(code, namespace)  # noqa: S102 - the documentation's own examples
                 print(f"{block.where()}: python {time.perf_counter() - start:.1f} s")
         elif _is_jphantom(block):
-            for argv in commands(block.text):
-                assert argv[0] == "jphantom", (f"{block.where()}: a jphantom block holds only "
-                                               f"jphantom commands, not {argv[0]!r}")
+            for argv in _jphantom_commands(block):
                 if block.not_run is None:
-                    _run_cli(argv[1:], block.where())
+                    _run_cli(argv, block.where())
                 else:
-                    _parse_only(argv[1:], block.where())
+                    _parse_only(argv, block.where())
 
 
 def test_strategy_table_is_the_vocabulary():

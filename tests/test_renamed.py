@@ -30,7 +30,8 @@ for name in sys.argv[2:]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         importlib.import_module(name)
-    print(json.dumps([str(w.message) for w in caught if w.category is DeprecationWarning]))
+    print(json.dumps([str(w.message) for w in caught
+                      if issubclass(w.category, DeprecationWarning)]))
 """
 
 
